@@ -1,0 +1,112 @@
+#pragma once
+// A small GPT for examples and tests: token and position embeddings, blocks of
+// causal self-attention and MLP with pre-layer-norms, a final layer norm and an
+// LM head tied to the token embedding. Every block is a shardtorch unit, the
+// LM head is a unit that shares its weight with the embedding, and the root is
+// a unit (it owns the embeddings and the final norm).
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <cmath>
+
+#include "shardtorch/sharded.h"
+
+namespace gpt {
+
+struct Config {
+  int64_t vocab = 64;
+  int64_t seq_len = 16;
+  int64_t d_model = 32;
+  int64_t n_head = 4;
+  int64_t n_layer = 2;
+};
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(const Config& c)
+      : n_head(c.n_head),
+        ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})))),
+        // No bias on qkv: the key part of such a bias has an exactly zero
+        // gradient (softmax ignores a per-query constant), and Adam turns the
+        // rounding noise of a zero gradient into full-size steps, which no
+        // data-parallel run can reproduce bit for bit.
+        qkv(register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, 3 * c.d_model).bias(false)))),
+        proj(register_module("proj", torch::nn::Linear(c.d_model, c.d_model))),
+        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})))),
+        fc1(register_module("fc1", torch::nn::Linear(c.d_model, 4 * c.d_model))),
+        fc2(register_module("fc2", torch::nn::Linear(4 * c.d_model, c.d_model))) {}
+
+  torch::Tensor forward(torch::Tensor x) {
+    const auto B = x.size(0), T = x.size(1), C = x.size(2), H = n_head, D = C / H;
+    auto parts = qkv(ln1(x)).chunk(3, -1);
+    auto q = parts[0].view({B, T, H, D}).transpose(1, 2);
+    auto k = parts[1].view({B, T, H, D}).transpose(1, 2);
+    auto v = parts[2].view({B, T, H, D}).transpose(1, 2);
+    auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
+    auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+    att = torch::softmax(att.masked_fill(mask, -1e9), -1);
+    auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, C});
+    x = x + proj(y);
+    return x + fc2(torch::gelu(fc1(ln2(x))));
+  }
+
+  int64_t n_head;
+  torch::nn::LayerNorm ln1;
+  torch::nn::Linear qkv, proj;
+  torch::nn::LayerNorm ln2;
+  torch::nn::Linear fc1, fc2;
+};
+SHARDTORCH_MODULE(Block);
+
+/// The LM head: holds the token embedding's weight (shared, not copied).
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(torch::Tensor shared_weight) : weight(register_parameter("weight", shared_weight)) {}
+  torch::Tensor forward(torch::Tensor x) { return torch::linear(x, weight); }
+  torch::Tensor weight;
+};
+SHARDTORCH_MODULE(TiedHead);
+
+struct GPTImpl : torch::nn::Module {
+  explicit GPTImpl(const Config& c)
+      : cfg(c),
+        tok_emb(register_module("tok_emb", torch::nn::Embedding(c.vocab, c.d_model))),
+        pos_emb(register_module("pos_emb", torch::nn::Embedding(c.seq_len, c.d_model))),
+        blocks(register_module("blocks", torch::nn::ModuleList())),
+        ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})))),
+        head(register_module("head", TiedHead(tok_emb->weight))) {
+    for (int64_t i = 0; i < c.n_layer; ++i) {
+      block_list.emplace_back(c);
+      blocks->push_back(block_list.back());
+    }
+  }
+
+  /// tokens [B, T] (int64) -> logits [B, T, vocab]
+  torch::Tensor forward(torch::Tensor tokens) {
+    auto T = tokens.size(1);
+    auto pos = torch::arange(T, tokens.options());
+    auto x = tok_emb(tokens) + pos_emb(pos).unsqueeze(0);
+    for (auto& b : block_list) x = b(x);
+    return head(ln_f(x));
+  }
+
+  Config cfg;
+  torch::nn::Embedding tok_emb, pos_emb;
+  torch::nn::ModuleList blocks;
+  std::vector<Block> block_list;
+  torch::nn::LayerNorm ln_f;
+  TiedHead head;
+};
+SHARDTORCH_MODULE(GPT);
+
+/// Mean next-token cross entropy of logits [B, T, V] against tokens [B, T].
+inline torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& tokens) {
+  auto V = logits.size(-1);
+  auto pred = logits.narrow(1, 0, logits.size(1) - 1).reshape({-1, V});
+  auto target = tokens.narrow(1, 1, tokens.size(1) - 1).reshape({-1});
+  return torch::nn::functional::cross_entropy(pred, target);
+}
+
+}  // namespace gpt

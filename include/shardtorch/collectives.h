@@ -1,0 +1,69 @@
+#pragma once
+// Typed collectives over one c10d Backend, each with a timeout, error messages
+// that name the rank, the operation, what it was for and the shapes, and
+// accounting of calls, bytes sent and time spent.
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <chrono>
+#include <functional>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardtorch {
+
+/// Counters of one kind of collective.
+struct CollectiveCounter {
+  int64_t calls = 0;
+  int64_t bytes_sent = 0;  // per rank, ring algorithm estimate
+  double seconds = 0.0;
+};
+
+struct CommStats {
+  CollectiveCounter all_gather, reduce_scatter, all_reduce, broadcast;
+  int64_t total_bytes_sent() const {
+    return all_gather.bytes_sent + reduce_scatter.bytes_sent + all_reduce.bytes_sent + broadcast.bytes_sent;
+  }
+};
+
+class Comm {
+ public:
+  Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::chrono::milliseconds timeout,
+       c10::Device device = c10::Device(c10::kCPU));
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  /// Where this group's tensors must live (CUDA for NCCL).
+  const c10::Device& device() const { return device_; }
+  const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
+
+  /// `out` (numel = size × in.numel()) receives every rank's `in`, in rank order.
+  void all_gather_into(at::Tensor& out, at::Tensor& in, const std::string& what);
+  /// Sums `in` (numel = size × out.numel()) across ranks; rank r receives chunk r.
+  void reduce_scatter_into(at::Tensor& out, at::Tensor& in, const std::string& what);
+  void all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
+  void broadcast(at::Tensor& t, int root, const std::string& what);
+  /// Every rank's string, in rank order (two all-gathers: lengths, then bytes).
+  std::vector<std::string> all_gather_strings(const std::string& mine, const std::string& what);
+
+  const CommStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = CommStats{}; }
+
+ private:
+  void run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
+           int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch);
+  void check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const;
+
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  int rank_, size_;
+  std::chrono::milliseconds timeout_;
+  c10::Device device_;
+  CommStats stats_;
+};
+
+/// "float32[12, 4]"
+std::string describe(const at::Tensor& t);
+
+}  // namespace shardtorch

@@ -1,0 +1,109 @@
+#pragma once
+// Flat parameters: a unit's parameters of one dtype laid end to end, padded to
+// a multiple of the world size, rank r owning elements [r*S, (r+1)*S).
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shardtorch/memory.h"
+
+namespace shardtorch {
+
+/// Pure arithmetic of a flat parameter's layout; no tensors.
+class FlatParamLayout {
+ public:
+  FlatParamLayout() = default;
+  FlatParamLayout(std::vector<std::vector<int64_t>> shapes, int world_size);
+
+  size_t size() const { return shapes_.size(); }
+  int world_size() const { return world_size_; }
+  const std::vector<int64_t>& shape(size_t i) const { return shapes_.at(i); }
+  int64_t offset(size_t i) const { return offsets_.at(i); }
+  int64_t numel(size_t i) const { return numels_.at(i); }
+  /// Sum of the parameters' sizes.
+  int64_t total_numel() const { return total_; }
+  /// total_numel rounded up to a multiple of the world size.
+  int64_t padded_numel() const { return shard_numel_ * world_size_; }
+  int64_t padding() const { return padded_numel() - total_; }
+  /// Elements each rank owns: ceil(total / world size).
+  int64_t shard_numel() const { return shard_numel_; }
+  /// [begin, end) of rank's shard in flat coordinates.
+  std::pair<int64_t, int64_t> shard_range(int rank) const;
+
+  /// The part of parameter i that rank owns: `length` elements starting at
+  /// `param_offset` in the flattened parameter and at `shard_offset` in the shard.
+  struct Piece {
+    int64_t param_offset;
+    int64_t shard_offset;
+    int64_t length;
+  };
+  std::optional<Piece> piece(size_t i, int rank) const;
+
+ private:
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<int64_t> offsets_, numels_;
+  int64_t total_ = 0, shard_numel_ = 0;
+  int world_size_ = 1;
+};
+
+/// One flat parameter of a unit: the module's own parameter tensors point into
+/// `full` (Tensor::set_ onto its storage); the storage's bytes are freed when
+/// sharded and reallocated in place when gathered, so the parameter tensors,
+/// their autograd metadata and saved tensors keep their identity.
+class FlatParam {
+ public:
+  FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, int world_size, int rank,
+            MemoryTracker* mem);
+  ~FlatParam();
+  FlatParam(const FlatParam&) = delete;
+  FlatParam& operator=(const FlatParam&) = delete;
+
+  const FlatParamLayout& layout() const { return layout_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<std::string>& names() const { return names_; }
+  at::ScalarType dtype() const { return dtype_; }
+  bool requires_grad() const { return requires_grad_; }
+
+  /// The parameters laid out flat (full, padded), as they are now.
+  at::Tensor& full() { return full_; }
+  /// This rank's shard (persistent).
+  at::Tensor& shard() { return shard_; }
+  /// This rank's gradient shard; undefined until a backward delivers one.
+  at::Tensor& shard_grad() { return shard_grad_; }
+
+  bool gathered() const { return gathered_; }
+  /// Gives `full` its bytes back (contents undefined until filled).
+  void alloc_full();
+  /// Frees `full`'s bytes; the parameters become views of an empty storage.
+  void free_full();
+  /// Copies this rank's part of `full` into the shard (after a user edit).
+  void write_back_shard();
+
+  /// The padded full-size gradient buffer a backward fills, zeroed on first use.
+  at::Tensor& staging_grad();
+  /// Copies parameter i's gradient into the staging buffer and drops it.
+  void stage_grad(size_t i);
+  /// Releases the staging buffer (after the bucketer has taken its contents).
+  at::Tensor take_staging_grad();
+  /// Adds a reduced gradient shard (scaled by `scale`) into shard_grad.
+  void accumulate_shard_grad(const at::Tensor& reduced, double scale);
+  void zero_grad();
+
+  std::string describe() const;
+
+ private:
+  FlatParamLayout layout_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  at::ScalarType dtype_;
+  bool requires_grad_;
+  int rank_;
+  MemoryTracker* mem_;
+  at::Tensor full_, shard_, shard_grad_, staging_;
+  bool gathered_ = false;
+};
+
+}  // namespace shardtorch

@@ -1,0 +1,50 @@
+#pragma once
+// summon_full_params: the full parameters (and optionally gradients) of a
+// sharded model, for evaluation, export and tests. RAII: on exit, edits made
+// to the parameters are written back into the shards (writeback) and the full
+// buffers are freed.
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <vector>
+
+namespace shardtorch {
+
+namespace detail {
+class ShardState;
+class Unit;
+}  // namespace detail
+
+struct SummonOptions {
+  /// Only rank 0 keeps the full parameters; the other ranks free each unit as
+  /// soon as it is gathered, so their memory stays at one unit.
+  TORCH_ARG(bool, rank0_only) = false;
+  /// Copy edits of the full parameters back into the shards on exit.
+  TORCH_ARG(bool, writeback) = true;
+  /// Also set param.grad() to the full (reduced, averaged) gradients.
+  TORCH_ARG(bool, with_grads) = false;
+};
+
+class FullParams {
+ public:
+  /// Collective: every rank must enter it.
+  FullParams(torch::nn::Module& root, SummonOptions options = {});
+  ~FullParams();
+  FullParams(const FullParams&) = delete;
+  FullParams& operator=(const FullParams&) = delete;
+
+ private:
+  std::shared_ptr<detail::ShardState> state_;
+  SummonOptions options_;
+  std::vector<std::shared_ptr<detail::Unit>> units_;     // every unit, gathered while we live
+  std::vector<std::shared_ptr<detail::Unit>> summoned_;  // the ones we gathered
+  std::vector<at::Tensor> grads_set_;  // parameters whose grad we set
+};
+
+/// `auto full = shardtorch::summon_full_params(*model);`
+inline std::unique_ptr<FullParams> summon_full_params(torch::nn::Module& root, SummonOptions options = {}) {
+  return std::make_unique<FullParams>(root, options);
+}
+
+}  // namespace shardtorch

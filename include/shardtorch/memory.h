@@ -1,0 +1,50 @@
+#pragma once
+// Every byte the library holds, by category, with peaks.
+#include <array>
+#include <cstdint>
+#include <string>
+
+namespace shardtorch {
+
+enum class Mem : int {
+  ShardedParams = 0,  // this rank's shards of the flat parameters
+  Gradients,          // this rank's gradient shards
+  OptimizerState,     // optimizer state over the shards
+  GatheredParams,     // full (unsharded) flat parameters alive now
+  GradStaging,        // a unit's full flat gradient while backward fills it
+  Buckets,            // reduce-scatter bucket buffers
+  kCount
+};
+
+const char* mem_name(Mem m);
+
+struct MemorySnapshot {
+  std::array<int64_t, static_cast<size_t>(Mem::kCount)> current{};
+  std::array<int64_t, static_cast<size_t>(Mem::kCount)> peak{};
+  int gathered_units = 0;       // units whose full parameters are alive now
+  int peak_gathered_units = 0;  // the most alive at once since the last reset
+  int64_t cur(Mem m) const { return current[static_cast<size_t>(m)]; }
+  int64_t max(Mem m) const { return peak[static_cast<size_t>(m)]; }
+  /// One line per category: "sharded_params 1.2 MiB (peak 1.2 MiB)".
+  std::string report() const;
+};
+
+class MemoryTracker {
+ public:
+  void add(Mem m, int64_t bytes);
+  void sub(Mem m, int64_t bytes) { add(m, -bytes); }
+  void set(Mem m, int64_t bytes) { add(m, bytes - snap_.cur(m)); }
+  void unit_gathered();
+  void unit_released();
+  /// Peaks restart from the current values (e.g. at each step).
+  void reset_peaks();
+  const MemorySnapshot& snapshot() const { return snap_; }
+
+ private:
+  MemorySnapshot snap_;
+};
+
+/// "1.50 MiB"
+std::string format_bytes(int64_t bytes);
+
+}  // namespace shardtorch

@@ -1,0 +1,105 @@
+#pragma once
+// Optimizers over this rank's shards. Each of the model's parameters owns a
+// contiguous piece (possibly empty) of its flat parameter's shard on every
+// rank; the optimizer is LibTorch's own (torch::optim::Adam, AdamW, SGD) run
+// over those pieces, so numerics, options and parameter groups are exactly
+// torch::optim's, and state exists only for the elements this rank owns.
+#include <torch/nn/module.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
+
+#include <memory>
+#include <vector>
+
+namespace shardtorch {
+
+namespace detail {
+class ShardState;
+/// Maps the model's parameters to their pieces of this rank's shards.
+class ShardViews {
+ public:
+  explicit ShardViews(torch::nn::Module& root);
+  /// Pieces of `params` (the model's own parameter tensors); frozen ones and
+  /// ones with no piece on this rank are left out. Each parameter may be asked
+  /// for once.
+  std::vector<at::Tensor> take(const std::vector<at::Tensor>& params);
+  /// Pieces of every trainable parameter not taken yet.
+  std::vector<at::Tensor> take_rest();
+  /// Points each piece's grad at its part of the flat gradient shard.
+  void bind_grads();
+  void zero_grad();
+  void after_step(const torch::optim::Optimizer& opt);
+
+ private:
+  struct Piece {
+    at::Tensor view;
+    void* flat;  // FlatParam*
+    int64_t shard_offset, length;
+    bool taken = false;
+  };
+  std::shared_ptr<ShardState> state_;
+  std::vector<Piece> pieces_;
+  std::vector<std::pair<const void*, std::vector<size_t>>> by_param_;  // TensorImpl* -> pieces
+  std::vector<const void*> trainable_;                                 // the model's trainable parameters
+  std::vector<const void*> asked_;
+};
+}  // namespace detail
+
+/// A parameter group: some of the model's parameters and their options.
+template <class Options>
+struct ParamGroup {
+  std::vector<at::Tensor> params;
+  Options options;
+};
+
+class ShardedOptimizer {
+ public:
+  /// Builds TorchOptim over the shards of `root` (which must be sharded).
+  /// Groups come first, in order; the parameters in no group form a last
+  /// group with `defaults`.
+  template <class TorchOptim, class Options>
+  static std::unique_ptr<ShardedOptimizer> make(torch::nn::Module& root, Options defaults,
+                                                std::vector<ParamGroup<Options>> groups = {}) {
+    auto views = std::make_unique<detail::ShardViews>(root);
+    std::vector<torch::optim::OptimizerParamGroup> pgs;
+    for (auto& g : groups) pgs.emplace_back(views->take(g.params), std::make_unique<Options>(g.options));
+    auto rest = views->take_rest();
+    if (groups.empty() || !rest.empty()) pgs.emplace_back(std::move(rest), std::make_unique<Options>(defaults));
+    auto inner = std::make_unique<TorchOptim>(std::move(pgs), defaults);
+    return std::unique_ptr<ShardedOptimizer>(new ShardedOptimizer(std::move(views), std::move(inner)));
+  }
+
+  /// One update of this rank's shards from their reduced gradients.
+  void step();
+  /// Drops the gradient shards (set to none).
+  void zero_grad();
+  size_t num_groups() const { return inner_->param_groups().size(); }
+  double lr(size_t group = 0) const;
+  /// Sets the learning rate of every group (schedules), or of one.
+  void set_lr(double lr);
+  void set_lr(size_t group, double lr);
+  torch::optim::Optimizer& inner() { return *inner_; }
+
+ private:
+  ShardedOptimizer(std::unique_ptr<detail::ShardViews> views, std::unique_ptr<torch::optim::Optimizer> inner)
+      : views_(std::move(views)), inner_(std::move(inner)) {}
+  std::unique_ptr<detail::ShardViews> views_;
+  std::unique_ptr<torch::optim::Optimizer> inner_;
+};
+
+inline std::unique_ptr<ShardedOptimizer> Adam(torch::nn::Module& root, torch::optim::AdamOptions defaults,
+                                              std::vector<ParamGroup<torch::optim::AdamOptions>> groups = {}) {
+  return ShardedOptimizer::make<torch::optim::Adam>(root, defaults, std::move(groups));
+}
+inline std::unique_ptr<ShardedOptimizer> AdamW(torch::nn::Module& root, torch::optim::AdamWOptions defaults,
+                                               std::vector<ParamGroup<torch::optim::AdamWOptions>> groups = {}) {
+  return ShardedOptimizer::make<torch::optim::AdamW>(root, defaults, std::move(groups));
+}
+inline std::unique_ptr<ShardedOptimizer> SGD(torch::nn::Module& root, torch::optim::SGDOptions defaults,
+                                             std::vector<ParamGroup<torch::optim::SGDOptions>> groups = {}) {
+  return ShardedOptimizer::make<torch::optim::SGD>(root, defaults, std::move(groups));
+}
+
+}  // namespace shardtorch

@@ -1,0 +1,61 @@
+#pragma once
+// Multi-rank tests in one test binary: run_ranks forks one process per rank,
+// each rendezvouses with the others through a FileStore in a fresh temporary
+// directory and talks over Gloo on loopback (or NCCL/Gloo with CUDA tensors,
+// one GPU per rank, when asked for). A rank's exception, non-zero exit, crash
+// or time-out fails the run with that rank's message; the parent asserts.
+//
+//   TEST(MyModel, TrainsSharded) {
+//     auto r = shardtorch::testing::run_ranks(2, [](shardtorch::World& world) {
+//       ...                           // throw (or TORCH_CHECK) to fail
+//     });
+//     ASSERT_TRUE(r.ok) << r.summary();
+//   }
+//
+// Fork safety: the parent must not have started threads that children need
+// (ATen's OpenMP pool, CUDA). Call shardtorch::testing::init() first thing in
+// main(): it sets ATen to one intra-op thread in the parent. Children inherit
+// the parent's memory, so a reference computed before run_ranks is visible to
+// every rank.
+#include <torch/arg.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtorch/world.h"
+
+namespace shardtorch::testing {
+
+struct RunOptions {
+  /// Wall-clock limit for the whole run; ranks still alive are killed.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(120);
+  /// Timeout of every collective inside the ranks.
+  TORCH_ARG(std::chrono::milliseconds, collective_timeout) = std::chrono::seconds(30);
+  /// kCPU: Gloo on CPU tensors. kCUDA: device cuda:rank, backend "auto".
+  TORCH_ARG(c10::DeviceType, device_type) = c10::kCPU;
+  /// Intra-op threads in each rank.
+  TORCH_ARG(int, threads) = 1;
+};
+
+struct RankOutcome {
+  int exit_code = -1;  // -1: killed by a signal or the time limit
+  int signal = 0;
+  bool timed_out = false;
+  std::string message;  // what the rank threw, if anything
+};
+
+struct RunResult {
+  bool ok = false;
+  std::vector<RankOutcome> ranks;
+  std::string summary() const;
+};
+
+using RankBody = std::function<void(World& world)>;
+
+void init();
+RunResult run_ranks(int world_size, const RankBody& body, RunOptions options = {});
+
+}  // namespace shardtorch::testing

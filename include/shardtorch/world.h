@@ -1,0 +1,98 @@
+#pragma once
+// World: who this process is (rank, world size, local rank, device), how it
+// found the others (a c10d Store) and how it talks to them (a c10d Backend:
+// Gloo for CPU tensors, NCCL for CUDA when LibTorch has it).
+#include <ATen/ATen.h>
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "shardtorch/collectives.h"
+
+namespace shardtorch {
+
+/// What the launcher told this process: torchrun, OpenMPI or Slurm.
+struct LaunchEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr;  // empty when not given
+  int master_port = 0;      // 0 when not given
+  std::string launcher;     // "torchrun", "openmpi", "slurm" or "none"
+  bool use_agent_store = false;  // torchrun's agent already hosts the TCPStore
+};
+
+using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
+
+/// Reads the launcher's variables through `lookup` (the process environment
+/// by default). Throws, naming the variable and its value, on anything that is
+/// not a number, a rank not below the world size or a port outside 1..65535.
+LaunchEnv parse_launch_env(const EnvLookup& lookup = {});
+
+struct WorldOptions {
+  /// Every collective and every store wait gives up after this long.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  /// "auto" (NCCL for CUDA devices when built with it, else Gloo), "gloo", "nccl".
+  TORCH_ARG(std::string, backend) = "auto";
+  /// The device this rank computes on; default cuda:LOCAL_RANK when CUDA is
+  /// available, else cpu.
+  TORCH_ARG(std::optional<c10::Device>, device) = std::nullopt;
+  /// Interface address Gloo binds to; default: loopback when MASTER_ADDR is
+  /// local, else the host name.
+  TORCH_ARG(std::string, gloo_hostname) = "";
+};
+
+class World : public std::enable_shared_from_this<World> {
+ public:
+  /// From the launcher's environment (torchrun, mpirun or srun): rendezvous on
+  /// a TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it unless torchrun's
+  /// agent does).
+  static std::shared_ptr<World> from_env(WorldOptions options = {});
+  /// From an existing store (tests, custom launchers).
+  static std::shared_ptr<World> create(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                                       WorldOptions options = {}, int local_rank = 0);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int local_rank() const { return local_rank_; }
+  const c10::Device& device() const { return device_; }
+  std::chrono::milliseconds timeout() const { return options_.timeout(); }
+  const std::string& backend_name() const { return backend_name_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  /// Collectives over all ranks.
+  Comm& comm() { return *comm_; }
+
+  /// A collective barrier (an all-reduce of one element) with the timeout.
+  void barrier();
+
+  World(const World&) = delete;
+  World& operator=(const World&) = delete;
+
+ private:
+  World() = default;
+  int rank_ = 0, size_ = 1, local_rank_ = 0;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  WorldOptions options_;
+  std::string backend_name_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::unique_ptr<Comm> comm_;
+};
+
+namespace detail {
+// Constructors of the c10d backends, each in its own translation unit so that
+// only those files see Gloo's or NCCL's headers.
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                    int size, std::chrono::milliseconds timeout,
+                                                    const std::string& hostname);
+bool nccl_available();
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                    int size, std::chrono::milliseconds timeout);
+}  // namespace detail
+
+}  // namespace shardtorch

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian machine with python3:
+#  - Debian packages: build tools, GoogleTest, Google Benchmark, Boost 1.81 JSON and
+#    program_options, ccache.
+#  - A virtual environment owned by the Makefile (.venv) holding torch==2.13.0.
+# Each step is skipped when what it installs is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(cmake g++ make ccache libgtest-dev libgmock-dev libbenchmark-dev
+      libboost-json1.81-dev libboost-program-options1.81-dev python3-venv)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+VENV=${SHARDTORCH_VENV:-.venv}
+if [ -n "${Torch_DIR:-}" ]; then
+  echo "setup: Torch_DIR=$Torch_DIR given, not installing the torch wheel"
+  exit 0
+fi
+if [ ! -x "$VENV/bin/python3" ]; then
+  python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python3" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
+  echo "setup: installing torch==2.13.0 into $VENV"
+  "$VENV/bin/python3" -m pip install -q torch==2.13.0 numpy safetensors
+fi

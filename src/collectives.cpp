@@ -1,0 +1,106 @@
+#include "shardtorch/collectives.h"
+
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+namespace shardtorch {
+
+std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::ostringstream os;
+  os << c10::toString(t.scalar_type()) << t.sizes();
+  if (!t.device().is_cpu()) os << " on " << t.device();
+  return os.str();
+}
+
+Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::chrono::milliseconds timeout,
+           c10::Device device)
+    : backend_(std::move(backend)), rank_(rank), size_(size), timeout_(timeout), device_(device) {}
+
+void Comm::run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
+               int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch) {
+  auto start = std::chrono::steady_clock::now();
+  try {
+    auto work = launch();
+    work->wait(timeout_);
+  } catch (const std::exception& e) {
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::ostringstream os;
+    os << "shardtorch: rank " << rank_ << "/" << size_ << ": " << op << " for " << what << " (" << shapes
+       << ") did not complete after " << waited << " s (timeout " << timeout_.count() / 1000.0
+       << " s): " << e.what();
+    throw std::runtime_error(os.str());
+  }
+  counter.calls += 1;
+  counter.bytes_sent += bytes;
+  counter.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void Comm::check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const {
+  TORCH_CHECK(out.is_contiguous() && in.is_contiguous() && out.scalar_type() == in.scalar_type(), "shardtorch: rank ",
+              rank_, ": ", op, " for ", what, " needs contiguous tensors of one dtype, got in ", describe(in),
+              ", out ", describe(out));
+}
+
+void Comm::all_gather_into(at::Tensor& out, at::Tensor& in, const std::string& what) {
+  TORCH_CHECK(out.numel() == in.numel() * size_, "shardtorch: rank ", rank_, ": all_gather for ", what,
+              ": output ", describe(out), " is not ", size_, " x input ", describe(in));
+  std::string shapes = "in " + describe(in) + ", out " + describe(out);
+  check_flat(out, in, "all_gather", what);
+  at::Tensor o = out.view({-1}), i = in.view({-1});
+  run("all_gather", what, shapes, stats_.all_gather, in.nbytes() * (size_ - 1),
+      [&] { return backend_->_allgather_base(o, i); });
+}
+
+void Comm::reduce_scatter_into(at::Tensor& out, at::Tensor& in, const std::string& what) {
+  TORCH_CHECK(in.numel() == out.numel() * size_, "shardtorch: rank ", rank_, ": reduce_scatter for ", what,
+              ": input ", describe(in), " is not ", size_, " x output ", describe(out));
+  std::string shapes = "in " + describe(in) + ", out " + describe(out);
+  check_flat(out, in, "reduce_scatter", what);
+  at::Tensor o = out.view({-1}), i = in.view({-1});
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.timeout = timeout_;
+  run("reduce_scatter", what, shapes, stats_.reduce_scatter, out.nbytes() * (size_ - 1),
+      [&] { return backend_->_reduce_scatter_base(o, i, opts); });
+}
+
+void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  opts.timeout = timeout_;
+  run("all_reduce", what, describe(t), stats_.all_reduce, 2 * t.nbytes() * (size_ - 1) / std::max(size_, 1),
+      [&] { return backend_->allreduce(ts, opts); });
+}
+
+void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
+  std::vector<at::Tensor> ts{t};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  opts.timeout = timeout_;
+  run("broadcast", what, describe(t), stats_.broadcast, rank_ == root ? t.nbytes() : 0,
+      [&] { return backend_->broadcast(ts, opts); });
+}
+
+std::vector<std::string> Comm::all_gather_strings(const std::string& mine, const std::string& what) {
+  auto len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device_);
+  auto lens = at::empty({size_}, len.options());
+  all_gather_into(lens, len, what + " (lengths)");
+  lens = lens.cpu();
+  int64_t max_len = std::max<int64_t>(1, lens.max().item<int64_t>());
+  auto bytes = at::zeros({max_len}, at::kByte);
+  if (!mine.empty()) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  bytes = bytes.to(device_);
+  auto all = at::empty({max_len * size_}, bytes.options());
+  all_gather_into(all, bytes, what);
+  all = all.cpu();
+  std::vector<std::string> out;
+  const char* base = static_cast<const char*>(all.data_ptr());
+  for (int r = 0; r < size_; ++r) out.emplace_back(base + r * max_len, lens[r].item<int64_t>());
+  return out;
+}
+
+}  // namespace shardtorch

@@ -1,0 +1,168 @@
+#include "shardtorch/flat_param.h"
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <sstream>
+
+namespace shardtorch {
+
+FlatParamLayout::FlatParamLayout(std::vector<std::vector<int64_t>> shapes, int world_size)
+    : shapes_(std::move(shapes)), world_size_(world_size) {
+  TORCH_CHECK(world_size >= 1, "FlatParamLayout: world size ", world_size, " must be at least 1");
+  for (const auto& s : shapes_) {
+    int64_t n = 1;
+    for (int64_t d : s) {
+      TORCH_CHECK(d >= 0, "FlatParamLayout: negative dimension in shape ", c10::IntArrayRef(s));
+      n *= d;
+    }
+    offsets_.push_back(total_);
+    numels_.push_back(n);
+    total_ += n;
+  }
+  shard_numel_ = (total_ + world_size - 1) / world_size;
+}
+
+std::pair<int64_t, int64_t> FlatParamLayout::shard_range(int rank) const {
+  TORCH_CHECK(rank >= 0 && rank < world_size_, "FlatParamLayout: rank ", rank, " not in [0, ", world_size_, ")");
+  return {rank * shard_numel_, (rank + 1) * shard_numel_};
+}
+
+std::optional<FlatParamLayout::Piece> FlatParamLayout::piece(size_t i, int rank) const {
+  auto [lo, hi] = shard_range(rank);
+  int64_t begin = std::max(lo, offsets_.at(i));
+  int64_t end = std::min(hi, offsets_[i] + numels_[i]);
+  if (begin >= end) return std::nullopt;
+  return Piece{begin - offsets_[i], begin - lo, end - begin};
+}
+
+namespace {
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> st(shape.size());
+  int64_t s = 1;
+  for (size_t d = shape.size(); d-- > 0;) {
+    st[d] = s;
+    s *= std::max<int64_t>(shape[d], 1);
+  }
+  return st;
+}
+}  // namespace
+
+FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, int world_size, int rank,
+                     MemoryTracker* mem)
+    : params_(std::move(params)), names_(std::move(names)), rank_(rank), mem_(mem) {
+  TORCH_CHECK(!params_.empty(), "FlatParam: no parameters");
+  dtype_ = params_[0].scalar_type();
+  requires_grad_ = params_[0].requires_grad();
+  std::vector<std::vector<int64_t>> shapes;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    TORCH_CHECK(p.scalar_type() == dtype_ && p.device() == params_[0].device() &&
+                    p.requires_grad() == requires_grad_,
+                "FlatParam: parameter '", names_[i], "' (", p.scalar_type(), ", ", p.device(),
+                ") does not match '", names_[0], "'");
+    shapes.push_back(p.sizes().vec());
+  }
+  layout_ = FlatParamLayout(std::move(shapes), world_size);
+  c10::NoGradGuard no_grad;
+  full_ = at::zeros({layout_.padded_numel()}, params_[0].options().requires_grad(false));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    full_.narrow(0, layout_.offset(i), layout_.numel(i)).copy_(p.detach().reshape({-1}));
+    p.set_(full_.storage(), layout_.offset(i), layout_.shape(i), contiguous_strides(layout_.shape(i)));
+  }
+  gathered_ = true;
+  auto [lo, hi] = layout_.shard_range(rank_);
+  shard_ = full_.narrow(0, lo, hi - lo).clone();
+  if (mem_) {
+    mem_->add(Mem::ShardedParams, shard_.nbytes());
+    mem_->add(Mem::GatheredParams, full_.nbytes());
+  }
+}
+
+FlatParam::~FlatParam() {
+  if (!mem_) return;
+  mem_->sub(Mem::ShardedParams, shard_.nbytes());
+  if (gathered_) mem_->sub(Mem::GatheredParams, full_.nbytes());
+  if (shard_grad_.defined()) mem_->sub(Mem::Gradients, shard_grad_.nbytes());
+  if (staging_.defined()) mem_->sub(Mem::GradStaging, staging_.nbytes());
+}
+
+void FlatParam::alloc_full() {
+  if (gathered_) return;
+  auto* impl = full_.storage().unsafeGetStorageImpl();
+  size_t nbytes = static_cast<size_t>(layout_.padded_numel()) * c10::elementSize(dtype_);
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+  gathered_ = true;
+  if (mem_) mem_->add(Mem::GatheredParams, nbytes);
+}
+
+void FlatParam::free_full() {
+  if (!gathered_) return;
+  auto* impl = full_.storage().unsafeGetStorageImpl();
+  size_t nbytes = impl->nbytes();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));
+  impl->set_nbytes(0);
+  gathered_ = false;
+  if (mem_) mem_->sub(Mem::GatheredParams, nbytes);
+}
+
+void FlatParam::write_back_shard() {
+  TORCH_CHECK(gathered_, "FlatParam: write_back_shard of ", describe(), " while it is sharded");
+  auto [lo, hi] = layout_.shard_range(rank_);
+  c10::NoGradGuard no_grad;
+  shard_.copy_(full_.narrow(0, lo, hi - lo));
+}
+
+at::Tensor& FlatParam::staging_grad() {
+  if (!staging_.defined()) {
+    staging_ = at::zeros({layout_.padded_numel()}, full_.options());
+    if (mem_) mem_->add(Mem::GradStaging, staging_.nbytes());
+  }
+  return staging_;
+}
+
+void FlatParam::stage_grad(size_t i) {
+  auto& p = params_.at(i);
+  const auto& g = p.grad();
+  if (!g.defined()) return;
+  TORCH_CHECK(g.sizes() == p.sizes(), "shardtorch: gradient of '", names_[i], "' has shape ", g.sizes(),
+              " but the parameter has ", p.sizes());
+  c10::NoGradGuard no_grad;
+  staging_grad().narrow(0, layout_.offset(i), layout_.numel(i)).copy_(g.reshape({-1}));
+  p.mutable_grad().reset();
+}
+
+at::Tensor FlatParam::take_staging_grad() {
+  at::Tensor t = staging_grad();
+  staging_ = at::Tensor();
+  if (mem_) mem_->sub(Mem::GradStaging, t.nbytes());
+  return t;
+}
+
+void FlatParam::accumulate_shard_grad(const at::Tensor& reduced, double divisor) {
+  c10::NoGradGuard no_grad;
+  if (!shard_grad_.defined()) {
+    shard_grad_ = at::div(reduced, divisor);
+    if (mem_) mem_->add(Mem::Gradients, shard_grad_.nbytes());
+  } else {
+    shard_grad_.add_(at::div(reduced, divisor));
+  }
+}
+
+void FlatParam::zero_grad() {
+  if (!shard_grad_.defined()) return;
+  if (mem_) mem_->sub(Mem::Gradients, shard_grad_.nbytes());
+  shard_grad_ = at::Tensor();
+}
+
+std::string FlatParam::describe() const {
+  std::ostringstream os;
+  os << "flat " << c10::toString(dtype_) << (requires_grad_ ? "" : " frozen") << " of " << params_.size()
+     << " params, " << layout_.total_numel() << " elements padded to " << layout_.padded_numel() << ", shard "
+     << layout_.shard_numel();
+  return os.str();
+}
+
+}  // namespace shardtorch

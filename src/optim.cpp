@@ -1,0 +1,123 @@
+#include "shardtorch/optim.h"
+
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+
+#include "shard_state.h"
+
+namespace shardtorch {
+namespace detail {
+
+ShardViews::ShardViews(torch::nn::Module& root) : state_(state_of(root)) {
+  TORCH_CHECK(state_, "shardtorch: cannot build a sharded optimizer: this model was never sharded; call "
+                      "shardtorch::shard(model, world) first");
+  const int rank = state_->world().rank();
+  for (auto& u : state_->units()) {
+    for (auto& f : u->flats()) {
+      for (size_t i = 0; i < f->params().size(); ++i) {
+        const void* key = f->params()[i].unsafeGetTensorImpl();
+        std::vector<size_t> idx;
+        if (f->requires_grad()) {
+          trainable_.push_back(key);
+          if (auto piece = f->layout().piece(i, rank)) {
+            idx.push_back(pieces_.size());
+            pieces_.push_back({f->shard().narrow(0, piece->shard_offset, piece->length), f.get(),
+                               piece->shard_offset, piece->length});
+          }
+        }
+        by_param_.emplace_back(key, std::move(idx));
+      }
+    }
+  }
+}
+
+std::vector<at::Tensor> ShardViews::take(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) {
+    const void* key = p.unsafeGetTensorImpl();
+    auto it = std::find_if(by_param_.begin(), by_param_.end(), [&](const auto& e) { return e.first == key; });
+    TORCH_CHECK(it != by_param_.end(), "shardtorch optimizer: a parameter of shape ", p.sizes(),
+                " given in a parameter group is not a parameter of the sharded model");
+    TORCH_CHECK(std::find(asked_.begin(), asked_.end(), key) == asked_.end(), "shardtorch optimizer: a parameter of shape ",
+                p.sizes(), " appears in more than one parameter group");
+    asked_.push_back(key);
+    for (size_t i : it->second) {
+      pieces_[i].taken = true;
+      out.push_back(pieces_[i].view);
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> ShardViews::take_rest() {
+  std::vector<at::Tensor> out;
+  for (auto& piece : pieces_) {
+    if (piece.taken) continue;
+    piece.taken = true;
+    out.push_back(piece.view);
+  }
+  return out;
+}
+
+void ShardViews::bind_grads() {
+  for (auto& piece : pieces_) {
+    auto* f = static_cast<FlatParam*>(piece.flat);
+    if (f->shard_grad().defined()) {
+      piece.view.mutable_grad() = f->shard_grad().narrow(0, piece.shard_offset, piece.length);
+    } else {
+      piece.view.mutable_grad().reset();
+    }
+  }
+}
+
+void ShardViews::zero_grad() {
+  for (auto& u : state_->units())
+    for (auto& f : u->flats()) f->zero_grad();
+  for (auto& piece : pieces_) piece.view.mutable_grad().reset();
+}
+
+void ShardViews::after_step(const torch::optim::Optimizer& opt) {
+  // The shards changed: any full copy still alive is stale.
+  state_->reshard_all();
+  int64_t bytes = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined()) bytes += t.nbytes();
+  };
+  for (const auto& [key, st] : opt.state()) {
+    if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(st.get())) {
+      add(a->exp_avg()), add(a->exp_avg_sq()), add(a->max_exp_avg_sq());
+    } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(st.get())) {
+      add(w->exp_avg()), add(w->exp_avg_sq()), add(w->max_exp_avg_sq());
+    } else if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(st.get())) {
+      add(s->momentum_buffer());
+    }
+  }
+  state_->mem().set(Mem::OptimizerState, bytes);
+}
+
+}  // namespace detail
+
+void ShardedOptimizer::step() {
+  views_->bind_grads();
+  inner_->step();
+  views_->after_step(*inner_);
+}
+
+void ShardedOptimizer::zero_grad() { views_->zero_grad(); }
+
+double ShardedOptimizer::lr(size_t group) const {
+  TORCH_CHECK(group < inner_->param_groups().size(), "shardtorch optimizer: no parameter group ", group);
+  return inner_->param_groups()[group].options().get_lr();
+}
+
+void ShardedOptimizer::set_lr(double lr) {
+  for (auto& g : inner_->param_groups()) g.options().set_lr(lr);
+}
+
+void ShardedOptimizer::set_lr(size_t group, double lr) {
+  TORCH_CHECK(group < inner_->param_groups().size(), "shardtorch optimizer: no parameter group ", group);
+  inner_->param_groups()[group].options().set_lr(lr);
+}
+
+}  // namespace shardtorch

@@ -1,0 +1,88 @@
+#pragma once
+// Test models and helpers shared by the test files.
+#include <torch/torch.h>
+
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "../examples/gpt.h"
+#include "shardtorch/shardtorch.h"
+#include "shardtorch/testing.h"
+
+namespace testmodels {
+
+// An MLP with odd sizes: every layer a unit, the middle one with a frozen
+// bias (a unit mixing frozen and trainable parameters), a buffer on the root.
+struct LayerImpl : torch::nn::Module {
+  LayerImpl(int64_t in, int64_t out, bool act) : lin(register_module("lin", torch::nn::Linear(in, out))), act(act) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = lin(x);
+    return act ? torch::tanh(y) : y;
+  }
+  torch::nn::Linear lin;
+  bool act;
+};
+SHARDTORCH_MODULE(Layer);
+
+struct MLPImpl : torch::nn::Module {
+  explicit MLPImpl(int64_t hidden = 13, bool extra = false)
+      : l1(register_module("l1", Layer(7, hidden, true))),
+        l2(register_module("l2", Layer(hidden, 5, true))),
+        l3(register_module("l3", Layer(5, 3, false))) {
+    l2->lin->bias.set_requires_grad(false);
+    scale = register_buffer("scale", torch::full({7}, 1.0));
+    if (extra) register_module("extra", torch::nn::Linear(3, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return l3(l2(l1(x * scale))); }
+  Layer l1, l2, l3;
+  torch::Tensor scale;
+};
+SHARDTORCH_MODULE(MLP);
+
+/// name -> tensor, each distinct tensor once (tied parameters appear under their first name).
+inline std::vector<std::pair<std::string, torch::Tensor>> unique_params(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  std::set<const void*> seen;
+  for (auto& item : m.named_parameters())
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+inline std::vector<torch::Tensor> unique_tensors(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& [n, t] : unique_params(m)) out.push_back(t);
+  return out;
+}
+
+/// max|a - b| / max|b|: the error relative to the tensor's scale.
+inline double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
+  double scale = b.abs().max().item<double>();
+  double err = (a - b).abs().max().item<double>();
+  return scale == 0 ? err : err / scale;
+}
+
+/// Throws naming the first tensor whose relative error exceeds tol.
+inline void expect_close_map(const std::map<std::string, torch::Tensor>& got,
+                             const std::map<std::string, torch::Tensor>& want, double tol, const std::string& what) {
+  if (got.size() != want.size())
+    throw std::runtime_error(what + ": " + std::to_string(got.size()) + " tensors, expected " + std::to_string(want.size()));
+  for (const auto& [name, w] : want) {
+    auto it = got.find(name);
+    if (it == got.end()) throw std::runtime_error(what + ": missing " + name);
+    if (!it->second.defined() || it->second.sizes() != w.sizes())
+      throw std::runtime_error(what + ": " + name + " undefined or wrong shape");
+    double e = rel_err(it->second, w);
+    if (!(e <= tol)) {
+      std::ostringstream os;
+      os << what << ": " << name << " relative error " << e << " > " << tol;
+      throw std::runtime_error(os.str());
+    }
+  }
+}
+
+inline void require(bool ok, const std::string& msg) {
+  if (!ok) throw std::runtime_error(msg);
+}
+
+}  // namespace testmodels

@@ -1,0 +1,128 @@
+// ReduceScatterBucketer on its own, over real Gloo groups of 1 and 2 ranks.
+#include <gtest/gtest.h>
+
+#include "shardtorch/reduce_scatter_bucketer.h"
+#include "shardtorch/testing.h"
+
+using shardtorch::ReduceScatterBucketer;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+
+namespace {
+// Rank r contributes (r + 1) * (base + arange(n)); the sum over ranks of chunk
+// c is that times sum(r + 1) = W(W+1)/2.
+at::Tensor input_for(int rank, int64_t n, double base, at::ScalarType dtype = at::kFloat) {
+  return (at::arange(n, at::TensorOptions().dtype(dtype)) + base) * (rank + 1);
+}
+at::Tensor expected_shard(World& w, int64_t n, double base, at::ScalarType dtype = at::kFloat) {
+  int64_t s = n / w.size();
+  double factor = w.size() * (w.size() + 1) / 2.0;
+  return ((at::arange(n, at::TensorOptions().dtype(dtype)) + base) * factor).narrow(0, w.rank() * s, s);
+}
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+}  // namespace
+
+class BucketerTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(BucketerTest, CoalescesSmallInputsIntoOneCollectiveInOrder) {
+  auto r = run_ranks(GetParam(), [](World& w) {
+    ReduceScatterBucketer b(1.0);  // 1 MiB: room for all three
+    std::vector<int> order;
+    std::vector<at::Tensor> got(3);
+    const int64_t sizes[3] = {2L * w.size(), 5L * w.size(), 3L * w.size()};
+    for (int i = 0; i < 3; ++i) {
+      b.reduce_scatter(input_for(w.rank(), sizes[i], 10.0 * i), w.comm(), [&, i](const at::Tensor& s) {
+        order.push_back(i);
+        got[i] = s.clone();
+      }, "t" + std::to_string(i));
+    }
+    check(b.launched() == 0, "nothing should be launched before flush");
+    check(order.empty(), "no callback before flush");
+    b.flush();
+    check(b.launched() == 1, "three inputs should go out as one collective, got " + std::to_string(b.launched()));
+    check(order == std::vector<int>({0, 1, 2}), "callbacks out of submission order");
+    for (int i = 0; i < 3; ++i)
+      check(at::equal(got[i], expected_shard(w, sizes[i], 10.0 * i)), "wrong reduction of input " + std::to_string(i));
+    check(w.comm().stats().reduce_scatter.calls == 1, "comm stats disagree");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST_P(BucketerTest, FlushesWhenFullAndBypassesLargeInputs) {
+  auto r = run_ranks(GetParam(), [](World& w) {
+    const int W = w.size();
+    // cap = 64 bytes / (4 bytes * W) elements per rank column range.
+    ReduceScatterBucketer b(64.0 / (1024 * 1024));
+    const int64_t cap = 64 / (4 * W);
+    std::vector<int> order;
+    at::Tensor big_result;
+    b.reduce_scatter(input_for(w.rank(), (cap - 1) * W, 1.0), w.comm(), [&](const at::Tensor&) { order.push_back(0); }, "a");
+    check(b.launched() == 0, "first input fits");
+    b.reduce_scatter(input_for(w.rank(), 2 * W, 2.0), w.comm(), [&](const at::Tensor&) { order.push_back(1); }, "b");
+    check(b.launched() == 1 && order == std::vector<int>({0}), "second input should flush the first");
+    b.reduce_scatter(input_for(w.rank(), (cap + 3) * W, 3.0), w.comm(), [&](const at::Tensor& s) {
+      order.push_back(2);
+      big_result = s.clone();
+    }, "big");
+    check(b.launched() == 3, "an oversized input flushes the queue and goes alone, got " + std::to_string(b.launched()));
+    check(order == std::vector<int>({0, 1, 2}), "order broken by the bypass");
+    check(at::equal(big_result, expected_shard(w, (cap + 3) * W, 3.0)), "wrong bypass reduction");
+    b.flush();
+    check(b.launched() == 3, "nothing left to flush");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST_P(BucketerTest, SeparateBucketsPerDtypeAndFreedAfterFlush) {
+  auto r = run_ranks(GetParam(), [](World& w) {
+    shardtorch::MemoryTracker mem;
+    ReduceScatterBucketer b(1.0, &mem);
+    at::Tensor f, d;
+    b.reduce_scatter(input_for(w.rank(), 4 * w.size(), 0.0), w.comm(), [&](const at::Tensor& s) { f = s.clone(); }, "f");
+    b.reduce_scatter(input_for(w.rank(), 4 * w.size(), 0.0, at::kDouble), w.comm(), [&](const at::Tensor& s) { d = s.clone(); }, "d");
+    check(b.allocated_bytes() > 0, "buffers should exist during backward");
+    check(mem.snapshot().cur(shardtorch::Mem::Buckets) == b.allocated_bytes(), "tracker disagrees with buffers");
+    b.flush();
+    check(b.launched() == 2, "float and double need two collectives");
+    check(f.scalar_type() == at::kFloat && d.scalar_type() == at::kDouble, "dtypes mixed up");
+    check(at::equal(d, expected_shard(w, 4 * w.size(), 0.0, at::kDouble)), "double reduction wrong");
+    b.free();
+    check(b.allocated_bytes() == 0, "buffers should be freed after free()");
+    check(mem.snapshot().cur(shardtorch::Mem::Buckets) == 0, "tracker should show 0 bucket bytes");
+    // Reusable after free: buffers come back lazily.
+    b.reduce_scatter(input_for(w.rank(), 2 * w.size(), 5.0), w.comm(), [&](const at::Tensor& s) { f = s.clone(); }, "again");
+    b.flush();
+    check(at::equal(f, expected_shard(w, 2 * w.size(), 5.0)), "reduction after free wrong");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST_P(BucketerTest, ZeroBucketSizeDisablesCoalescing) {
+  auto r = run_ranks(GetParam(), [](World& w) {
+    ReduceScatterBucketer b(0.0);
+    int calls = 0;
+    for (int i = 0; i < 3; ++i)
+      b.reduce_scatter(input_for(w.rank(), w.size(), i), w.comm(), [&](const at::Tensor&) { ++calls; }, "x");
+    check(b.launched() == 3 && calls == 3, "every input should go out at once");
+    check(b.allocated_bytes() == 0, "no buffers without coalescing");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(Bucketer, RejectsInputsNotDivisibleByWorld) {
+  auto r = run_ranks(2, [](World& w) {
+    ReduceScatterBucketer b(1.0);
+    try {
+      b.reduce_scatter(at::ones({5}), w.comm(), [](const at::Tensor&) {}, "odd");
+    } catch (const c10::Error& e) {
+      check(std::string(e.what()).find("multiple of 2") != std::string::npos, e.what());
+      return;
+    }
+    throw std::runtime_error("no error for 5 elements over 2 ranks");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, BucketerTest, ::testing::Values(1, 2));
