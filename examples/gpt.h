@@ -10,6 +10,7 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include <cmath>
 
@@ -77,6 +78,9 @@ struct GPTImpl : torch::nn::Module {
         blocks(register_module("blocks", torch::nn::ModuleList())),
         ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})))),
         head(register_module("head", TiedHead(tok_emb->weight))) {
+    torch::NoGradGuard no_grad;  // GPT-2's init: small embeddings (the head is tied to them)
+    tok_emb->weight.normal_(0.0, 0.02);
+    pos_emb->weight.normal_(0.0, 0.02);
     for (int64_t i = 0; i < c.n_layer; ++i) {
       block_list.emplace_back(c);
       blocks->push_back(block_list.back());

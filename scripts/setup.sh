@@ -7,8 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# libgloo-dev: the torch wheel ships Gloo compiled in but not its headers,
+# which c10d's ProcessGroupGloo.hpp includes (only src/gloo_backend.cpp).
 PKGS=(cmake g++ make ccache libgtest-dev libgmock-dev libbenchmark-dev
-      libboost-json1.81-dev libboost-program-options1.81-dev python3-venv)
+      libboost-json1.81-dev libboost-program-options1.81-dev libgloo-dev python3-venv)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -20,15 +22,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# The venv is needed even with Torch_DIR (a LibTorch zip): torchrun comes from it.
 VENV=${SHARDTORCH_VENV:-.venv}
-if [ -n "${Torch_DIR:-}" ]; then
-  echo "setup: Torch_DIR=$Torch_DIR given, not installing the torch wheel"
-  exit 0
-fi
 if [ ! -x "$VENV/bin/python3" ]; then
   python3 -m venv "$VENV"
 fi
 if ! "$VENV/bin/python3" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
   echo "setup: installing torch==2.13.0 into $VENV"
-  "$VENV/bin/python3" -m pip install -q torch==2.13.0 numpy safetensors
+  "$VENV/bin/python3" -m pip install -q torch==2.13.0
 fi

@@ -10,29 +10,27 @@ ReduceScatterBucketer::ReduceScatterBucketer(double bucket_mb, MemoryTracker* me
 }
 
 ReduceScatterBucketer::~ReduceScatterBucketer() {
-  for (auto& [k, b] : buckets_) {
-    free_storage(b.buffer, mem_);
-    free_storage(b.output, mem_);
-  }
+  for (auto& [k, b] : buckets_) release(b);
 }
 
-void ReduceScatterBucketer::alloc_storage(at::Tensor& t, MemoryTracker* mem) {
-  auto* impl = t.storage().unsafeGetStorageImpl();
-  if (impl->nbytes() > 0) return;
-  size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
-  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
-  impl->set_nbytes(nbytes);
-  if (mem) mem->add(Mem::Buckets, nbytes);
+void ReduceScatterBucketer::release(Bucket& b) {
+  if (!b.buffer.defined()) return;
+  if (mem_) mem_->sub(Mem::Buckets, b.buffer.nbytes() + b.output.nbytes());
+  b.buffer = at::Tensor();
+  b.output = at::Tensor();
 }
 
-void ReduceScatterBucketer::free_storage(at::Tensor& t, MemoryTracker* mem) {
-  if (!t.defined()) return;
-  auto* impl = t.storage().unsafeGetStorageImpl();
-  size_t nbytes = impl->nbytes();
-  if (nbytes == 0) return;
-  impl->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  impl->set_nbytes(0);
-  if (mem) mem->sub(Mem::Buckets, nbytes);
+void ReduceScatterBucketer::reserve(Bucket& b, int64_t cols, const at::TensorOptions& opts) {
+  int64_t have = b.buffer.defined() ? b.buffer.size(1) : 0;
+  if (cols <= have) return;
+  int64_t want = std::min(b.cap, std::max({cols, 2 * have, b.high_water}));
+  at::Tensor buffer = at::empty({b.group->size(), want}, opts);
+  at::Tensor output = at::empty({want}, opts);
+  if (b.offset > 0) buffer.narrow(1, 0, b.offset).copy_(b.buffer.narrow(1, 0, b.offset));
+  release(b);
+  b.buffer = std::move(buffer);
+  b.output = std::move(output);
+  if (mem_) mem_->add(Mem::Buckets, b.buffer.nbytes() + b.output.nbytes());
 }
 
 ReduceScatterBucketer::Bucket& ReduceScatterBucketer::bucket_for(const at::Tensor& input, Comm& group) {
@@ -42,11 +40,6 @@ ReduceScatterBucketer::Bucket& ReduceScatterBucketer::bucket_for(const at::Tenso
   Bucket b;
   b.group = &group;
   b.cap = bucket_bytes_ / (input.element_size() * group.size());
-  if (b.cap > 0) {
-    b.buffer = at::empty({group.size(), b.cap}, input.options());
-    b.output = at::empty({b.cap}, input.options());
-    if (mem_) mem_->add(Mem::Buckets, b.buffer.nbytes() + b.output.nbytes());
-  }
   return buckets_.emplace(key, std::move(b)).first->second;
 }
 
@@ -69,8 +62,7 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
     return;
   }
   if (b.offset + shard > b.cap) flush_bucket(b);
-  alloc_storage(b.buffer, mem_);
-  alloc_storage(b.output, mem_);
+  reserve(b, b.offset + shard, input.options());
   b.buffer.narrow(1, b.offset, shard).copy_(input.view({world, shard}));
   b.callbacks.push_back({{b.offset, shard}, std::move(callback)});
   b.whats.push_back(what);
@@ -80,7 +72,8 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
 void ReduceScatterBucketer::flush_bucket(Bucket& b) {
   if (b.offset == 0) return;
   c10::NoGradGuard no_grad;
-  at::Tensor in = b.offset == b.cap ? b.buffer.view({-1}) : b.buffer.narrow(1, 0, b.offset).contiguous();
+  b.high_water = std::max(b.high_water, b.offset);
+  at::Tensor in = b.offset == b.buffer.size(1) ? b.buffer.view({-1}) : b.buffer.narrow(1, 0, b.offset).contiguous();
   at::Tensor out = b.output.narrow(0, 0, b.offset);
   std::string what = b.whats.size() == 1 ? b.whats[0] : "bucket of " + std::to_string(b.whats.size()) + " (" +
                                                             b.whats.front() + " .. " + b.whats.back() + ")";
@@ -101,15 +94,14 @@ void ReduceScatterBucketer::free() {
   for (auto& [k, b] : buckets_) {
     TORCH_CHECK(b.offset == 0, "ReduceScatterBucketer::free() with ", b.callbacks.size(),
                 " reductions still queued; call flush() first");
-    free_storage(b.buffer, mem_);
-    free_storage(b.output, mem_);
+    release(b);
   }
 }
 
 int64_t ReduceScatterBucketer::allocated_bytes() const {
   int64_t n = 0;
   for (const auto& [k, b] : buckets_) {
-    if (b.buffer.defined()) n += b.buffer.storage().nbytes() + b.output.storage().nbytes();
+    if (b.buffer.defined()) n += b.buffer.nbytes() + b.output.nbytes();
   }
   return n;
 }

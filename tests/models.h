@@ -62,9 +62,11 @@ inline double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
   return scale == 0 ? err : err / scale;
 }
 
-/// Throws naming the first tensor whose relative error exceeds tol.
-inline void expect_close_map(const std::map<std::string, torch::Tensor>& got,
-                             const std::map<std::string, torch::Tensor>& want, double tol, const std::string& what) {
+/// Throws naming the first tensor whose relative error exceeds tol; returns
+/// the largest relative error.
+inline double expect_close_map(const std::map<std::string, torch::Tensor>& got,
+                               const std::map<std::string, torch::Tensor>& want, double tol, const std::string& what) {
+  double worst = 0;
   if (got.size() != want.size())
     throw std::runtime_error(what + ": " + std::to_string(got.size()) + " tensors, expected " + std::to_string(want.size()));
   for (const auto& [name, w] : want) {
@@ -78,7 +80,9 @@ inline void expect_close_map(const std::map<std::string, torch::Tensor>& got,
       os << what << ": " << name << " relative error " << e << " > " << tol;
       throw std::runtime_error(os.str());
     }
+    worst = std::max(worst, e);
   }
+  return worst;
 }
 
 inline void require(bool ok, const std::string& msg) {

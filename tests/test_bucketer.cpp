@@ -46,6 +46,17 @@ TEST_P(BucketerTest, CoalescesSmallInputsIntoOneCollectiveInOrder) {
     for (int i = 0; i < 3; ++i)
       check(at::equal(got[i], expected_shard(w, sizes[i], 10.0 * i)), "wrong reduction of input " + std::to_string(i));
     check(w.comm().stats().reduce_scatter.calls == 1, "comm stats disagree");
+    // Buffers grow only as far as needed (here 10 columns of a 1 MiB bucket),
+    // and the next backward starts at that high-water mark.
+    const int64_t W = w.size();
+    check(b.allocated_bytes() <= 2 * (W * 10 + 10) * 4, "bucket grew past twice what was needed: " +
+          std::to_string(b.allocated_bytes()));
+    b.free();
+    for (int i = 0; i < 3; ++i)
+      b.reduce_scatter(input_for(w.rank(), sizes[i], 0.0), w.comm(), [](const at::Tensor&) {}, "again");
+    check(b.allocated_bytes() == (W * 10 + 10) * 4, "second backward should allocate exactly the high-water mark, got " +
+          std::to_string(b.allocated_bytes()));
+    b.flush();
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

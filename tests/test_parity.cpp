@@ -83,14 +83,16 @@ void train_sharded(World& w, MakeModel make, LossFn loss_fn, MakeOpt make_opt, c
       std::map<std::string, torch::Tensor> grads;
       for (auto& [n, p] : unique_params(*model))
         if (p.requires_grad()) grads[n] = p.grad().clone();
-      expect_close_map(grads, ref.first_grads, kTol, "gradients before the first step");
+      double e = expect_close_map(grads, ref.first_grads, kTol, "gradients before the first step");
+      if (w.rank() == 0) std::cout << "  world " << w.size() << ": max relative error of first gradients " << e << "\n";
     }
     opt->step();
   }
   shardtorch::FullParams full(*model);
   std::map<std::string, torch::Tensor> params;
   for (auto& [n, p] : unique_params(*model)) params[n] = p.detach().clone();
-  expect_close_map(params, ref.final_params, kTol, "parameters after " + std::to_string(steps) + " steps");
+  double e = expect_close_map(params, ref.final_params, kTol, "parameters after " + std::to_string(steps) + " steps");
+  if (w.rank() == 0) std::cout << "  world " << w.size() << ": max relative error of parameters after " << steps << " steps " << e << std::endl;
 }
 
 auto make_gpt = [] { return gpt::GPT(gpt::Config{}); };
@@ -100,9 +102,9 @@ auto mlp_loss = [](testmodels::MLP& m, const torch::Tensor& x, const torch::Tens
   return torch::mse_loss(m(x), y);
 };
 auto torch_adam = [](torch::nn::Module& m) {
-  return std::make_unique<torch::optim::Adam>(unique_tensors(m), torch::optim::AdamOptions(1e-2));
+  return std::make_unique<torch::optim::Adam>(unique_tensors(m), torch::optim::AdamOptions(1e-3));
 };
-auto sharded_adam = [](torch::nn::Module& m) { return shardtorch::Adam(m, torch::optim::AdamOptions(1e-2)); };
+auto sharded_adam = [](torch::nn::Module& m) { return shardtorch::Adam(m, torch::optim::AdamOptions(1e-3)); };
 
 torch::Tensor gpt_tokens() {
   torch::manual_seed(123);

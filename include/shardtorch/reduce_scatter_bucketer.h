@@ -2,14 +2,17 @@
 // ReduceScatterBucketer: coalesces small gradient reduce-scatters.
 //
 // Inputs are flat tensors of world × shard elements (chunk r goes to rank r).
-// Per key (dtype, device, process group) one bucket holds a [world, cap]
+// Per key (dtype, device, process group) one bucket holds a [world, cols]
 // buffer; an input is copied into the next free column range, and when it does
-// not fit the bucket is flushed first (one reduce-scatter for everything in
-// it). An input whose shard exceeds the bucket goes out on its own. Buffers are
-// allocated on first use and freed (storage of 0 bytes) by free(), which the
-// sharded module calls at the end of each backward, so buckets exist only
-// during backward. Callbacks receive views of the reduced shard, in
-// submission order per key, when their bucket is flushed.
+// not fit within the bucket's capacity (bucket_mb) the bucket is flushed first
+// (one reduce-scatter for everything in it). An input whose shard exceeds the
+// capacity goes out on its own. Buffers are allocated on first use, grow (by
+// doubling, up to the capacity) only as far as the inputs need, start at the
+// previous backward's high-water mark, and are freed by free(), which the
+// sharded module calls at the end of each backward: buckets exist only during
+// backward and never hold more than the gradients need. Callbacks receive
+// views of the reduced shard, in submission order per key, when their bucket
+// is flushed.
 #include <ATen/ATen.h>
 
 #include <functional>
@@ -48,19 +51,21 @@ class ReduceScatterBucketer {
  private:
   struct Bucket {
     Comm* group = nullptr;
-    at::Tensor buffer;  // [world, cap]; storage freed between backwards
-    at::Tensor output;  // [cap]
-    int64_t cap = 0;
-    int64_t offset = 0;  // columns used
+    at::Tensor buffer;  // [world, cols]; undefined between backwards
+    at::Tensor output;  // [cols]
+    int64_t cap = 0;         // most columns allowed (bucket_mb)
+    int64_t high_water = 0;  // most columns used at a flush so far
+    int64_t offset = 0;      // columns used
     std::vector<std::pair<std::pair<int64_t, int64_t>, Callback>> callbacks;  // (start, len)
     std::vector<std::string> whats;
   };
   using Key = std::tuple<int /*dtype*/, std::string /*device*/, const void* /*group*/>;
 
   Bucket& bucket_for(const at::Tensor& input, Comm& group);
+  /// Makes room for `cols` columns (<= cap), keeping the columns in use.
+  void reserve(Bucket& b, int64_t cols, const at::TensorOptions& opts);
+  void release(Bucket& b);
   void flush_bucket(Bucket& b);
-  static void alloc_storage(at::Tensor& t, MemoryTracker* mem);
-  static void free_storage(at::Tensor& t, MemoryTracker* mem);
 
   int64_t bucket_bytes_;
   MemoryTracker* mem_;

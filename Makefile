@@ -1,0 +1,37 @@
+# shardtorch: `make test` builds and runs the whole suite, `make demo` runs the
+# main job. Both install what is missing first (scripts/setup.sh, idempotent).
+# Use your own LibTorch with `make test Torch_DIR=/path/to/libtorch/share/cmake/Torch`.
+SHELL := /bin/bash
+VENV ?= .venv
+BUILD ?= build
+JOBS ?= 2
+PY := $(VENV)/bin/python3
+Torch_DIR ?=
+
+.PHONY: all setup configure build test demo install clean
+
+all: build
+
+setup:
+	@bash scripts/setup.sh
+
+configure: setup
+	@if [ -n "$(Torch_DIR)" ]; then torch_arg="-DTorch_DIR=$(Torch_DIR)"; \
+	 else torch_arg="-DCMAKE_PREFIX_PATH=$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')"; fi; \
+	 cmake -S . -B $(BUILD) $$torch_arg -DSHARDTORCH_PYTHON=$(abspath $(PY)) > $(BUILD).configure.log 2>&1 \
+	   || { cat $(BUILD).configure.log; exit 1; }
+
+build: configure
+	cmake --build $(BUILD) -j$(JOBS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
+
+demo: build
+	$(VENV)/bin/torchrun --no-python --standalone --nproc-per-node 2 $(BUILD)/examples/train_gpt --steps 40
+
+install: build
+	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)
+
+clean:
+	rm -rf $(BUILD) $(BUILD).configure.log
