@@ -76,7 +76,8 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   // reaches it, so it may be freed only when nothing will differentiate it:
   // no grad mode, or tensor outputs of which none requires grad.
   bool safe = !grad_mode || !outputs.empty();
-  if (reshard_after_forward_ && safe) reshard();
+  // Without grad mode no backward follows, so even the root gives its memory back.
+  if ((reshard_after_forward_ || !grad_mode) && safe) reshard();
 }
 
 void Unit::pre_backward() {

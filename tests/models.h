@@ -2,6 +2,7 @@
 // Test models and helpers shared by the test files.
 #include <torch/torch.h>
 
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>

@@ -1,0 +1,174 @@
+// Unit placement, summon_full_params, and the edges of the hook state machine.
+#include <gtest/gtest.h>
+
+#include "models.h"
+
+using namespace testmodels;
+using shardtorch::Mem;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+
+TEST(Units, TiedWeightGoesToTheCommonAncestorUnit) {
+  auto r = run_ranks(2, [](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    auto sm = shardtorch::shard(model, w);
+    auto units = sm.units();
+    require(units.size() == 4, "expected root, 2 blocks and head, got " + std::to_string(units.size()));
+    require(units[0].name.empty() && units[1].name == "blocks.0" && units[2].name == "blocks.1" && units[3].name == "head",
+            "unexpected unit names");
+    require(units[3].layouts.empty(), "the head's tied weight should not be in the head unit");
+    int seen = 0;
+    for (auto& names : units[0].param_names)
+      for (auto& n : names) seen += n == "tok_emb.weight" || n == "head.weight";
+    require(seen == 1, "the tied weight should be in the root unit exactly once, seen " + std::to_string(seen));
+    // Names do not change: the module still lists both names for the one tensor.
+    auto params = model->named_parameters();
+    require(params.contains("head.weight") && params.contains("tok_emb.weight"), "parameter names changed");
+    require(params["head.weight"].is_same(params["tok_emb.weight"]), "tie broken");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(Units, SummonRank0OnlyKeepsOtherRanksSharded) {
+  torch::manual_seed(0);
+  auto ref = MLP();
+  auto want = ref->l1->lin->weight.detach().clone();
+  auto r = run_ranks(3, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = MLP();
+    auto sm = shardtorch::shard(m, w);
+    sm.reset_peak_memory();
+    {
+      shardtorch::FullParams full(*m, shardtorch::SummonOptions().rank0_only(true));
+      auto mem = sm.memory();
+      if (w.rank() == 0) {
+        require(at::equal(m->l1->lin->weight, want), "rank 0 should see the full weight");
+        require(mem.gathered_units == 3, "rank 0 should hold all 3 units");
+      } else {
+        require(mem.gathered_units == 0 && mem.cur(Mem::GatheredParams) == 0, "other ranks should hold nothing");
+        require(mem.peak_gathered_units == 1, "other ranks should hold one unit at a time");
+      }
+    }
+    require(sm.memory().cur(Mem::GatheredParams) == 0, "full parameters left after summon");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(Units, SummonWritesEditsBackIntoTheShards) {
+  auto r = run_ranks(2, [](World& w) {
+    auto m = MLP();
+    shardtorch::shard(m, w);
+    {
+      shardtorch::FullParams full(*m);
+      torch::NoGradGuard g;
+      m->l1->lin->weight.fill_(0.5);
+      m->l3->lin->bias.fill_(-2.0);
+    }
+    {
+      shardtorch::FullParams full(*m);
+      require(m->l1->lin->weight.eq(0.5).all().item<bool>(), "edit of l1.weight lost");
+      require(m->l3->lin->bias.eq(-2.0).all().item<bool>(), "edit of l3.bias lost");
+    }
+    {
+      shardtorch::FullParams full(*m, shardtorch::SummonOptions().writeback(false));
+      torch::NoGradGuard g;
+      m->l1->lin->weight.fill_(9.0);
+    }
+    shardtorch::FullParams full(*m);
+    require(m->l1->lin->weight.eq(0.5).all().item<bool>(), "writeback(false) still wrote back");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// A unit whose parameter gets no gradient this step (an unused branch) must
+// not hang the step: it is reduced as zero at the end of backward.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl() : used(register_module("used", torch::nn::Linear(4, 4))), unused(register_module("unused", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(torch::Tensor x) { return used(x); }
+  torch::nn::Linear used, unused;
+};
+SHARDTORCH_MODULE(Branchy);
+struct TwoBranchImpl : torch::nn::Module {
+  TwoBranchImpl() : a(register_module("a", Branchy())), b(register_module("b", Branchy())) {}
+  torch::Tensor forward(torch::Tensor x) { return b(a(x)); }
+  Branchy a, b;
+};
+SHARDTORCH_MODULE(TwoBranch);
+
+TEST(Units, UnusedParametersDoNotHangAndGetZeroGradients) {
+  auto r = run_ranks(2, [](World& w) {
+    torch::manual_seed(0);
+    auto m = TwoBranch();
+    auto sm = shardtorch::shard(m, w);
+    auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 2; ++step) {
+      opt->zero_grad();
+      m(torch::ones({2, 4})).sum().backward();
+      require(sm.memory().cur(Mem::GatheredParams) == 0, "units left gathered after backward");
+      opt->step();
+    }
+    shardtorch::FullParams full(*m, shardtorch::SummonOptions().with_grads(true));
+    require(m->a->unused->weight.grad().defined() && m->a->unused->weight.grad().eq(0).all().item<bool>(),
+            "unused parameter should have a zero gradient");
+    require(m->a->used->weight.grad().abs().sum().item<double>() > 0, "used parameter should have a gradient");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(Units, TwoBackwardsBeforeAStepAccumulateLikeTorch) {
+  torch::manual_seed(3);
+  auto x1 = torch::randn({4, 7}), x2 = torch::randn({4, 7});
+  torch::manual_seed(0);
+  auto ref = MLP();
+  torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
+  ref(x1).sum().backward();
+  ref(x2).sum().backward();
+  ref_opt.step();
+  std::map<std::string, torch::Tensor> want;
+  for (auto& [n, p] : unique_params(*ref)) want[n] = p.detach().clone();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = MLP();
+    shardtorch::shard(m, w);
+    auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+    // Each rank sees half the rows; the sum loss is scaled by N to match the
+    // reference (gradients are averaged over ranks).
+    auto part = [&](const torch::Tensor& x) { return x.narrow(0, 2 * w.rank(), 2); };
+    (m(part(x1)).sum() * w.size()).backward();
+    (m(part(x2)).sum() * w.size()).backward();
+    opt->step();
+    shardtorch::FullParams full(*m);
+    std::map<std::string, torch::Tensor> got;
+    for (auto& [n, p] : unique_params(*m)) got[n] = p.detach().clone();
+    expect_close_map(got, want, 1e-5, "two backwards then a step");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(Units, EvalForwardUnderNoGradFreesEveryUnit) {
+  auto r = run_ranks(2, [](World& w) {
+    auto m = gpt::GPT(gpt::Config{});
+    auto sm = shardtorch::shard(m, w);
+    sm.reset_peak_memory();
+    torch::NoGradGuard g;
+    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+    auto a = m(x);
+    require(sm.memory().gathered_units == 0, "no unit should stay gathered after an eval forward");
+    require(sm.memory().peak_gathered_units <= 2, "more than two units gathered in eval");
+    auto b = m(x);
+    require(at::equal(a, b), "two eval forwards differ");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(Headers, PublicHeadersDoNotIncludeTorchTorchH) {
+  // Compile time matters: the public headers include ATen and torch/nn pieces only.
+  const char* headers[] = {"collectives.h", "flat_param.h", "gather.h", "memory.h", "optim.h",
+                           "reduce_scatter_bucketer.h", "sharded.h", "shardtorch.h", "testing.h", "world.h"};
+  for (const char* h : headers) {
+    std::ifstream in(std::string(SHARDTORCH_SOURCE_DIR) + "/include/shardtorch/" + h);
+    ASSERT_TRUE(in.good()) << h;
+    std::string line;
+    while (std::getline(in, line)) EXPECT_EQ(line.find("torch/torch.h"), std::string::npos) << h << ": " << line;
+  }
+}
