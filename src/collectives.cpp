@@ -20,8 +20,9 @@ Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::c
     : backend_(std::move(backend)), rank_(rank), size_(size), timeout_(timeout), device_(device) {}
 
 void Comm::run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
-               int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch) {
-  auto start = std::chrono::steady_clock::now();
+               int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
+               std::optional<std::chrono::steady_clock::time_point> started) {
+  auto start = started.value_or(std::chrono::steady_clock::now());
   try {
     auto work = launch();
     work->wait(timeout_);
@@ -74,6 +75,33 @@ void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what)
   opts.timeout = timeout_;
   run("all_reduce", what, describe(t), stats_.all_reduce, 2 * t.nbytes() * (size_ - 1) / std::max(size_, 1),
       [&] { return backend_->allreduce(ts, opts); });
+}
+
+PendingWork Comm::all_reduce_async(at::Tensor& t, const std::string& what) {
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.timeout = timeout_;
+  PendingWork p;
+  p.op = "all_reduce";
+  p.what = what;
+  p.shapes = describe(t);
+  p.counter = &stats_.all_reduce;
+  p.bytes = 2 * t.nbytes() * (size_ - 1) / std::max(size_, 1);
+  p.start = std::chrono::steady_clock::now();
+  try {
+    p.work = backend_->allreduce(ts, opts);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("shardtorch: rank " + std::to_string(rank_) + "/" + std::to_string(size_) +
+                             ": all_reduce for " + what + " (" + p.shapes + ") could not be launched: " + e.what());
+  }
+  return p;
+}
+
+void Comm::wait(PendingWork& p) {
+  TORCH_CHECK(p.work, "shardtorch: Comm::wait on a collective that was not launched");
+  run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return p.work; }, p.start);
+  p.work.reset();
 }
 
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {

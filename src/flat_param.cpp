@@ -49,8 +49,8 @@ std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
 }  // namespace
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, int world_size, int rank,
-                     MemoryTracker* mem)
-    : params_(std::move(params)), names_(std::move(names)), rank_(rank), mem_(mem) {
+                     MemoryTracker* mem, bool persistent)
+    : params_(std::move(params)), names_(std::move(names)), rank_(rank), mem_(mem), persistent_(persistent) {
   TORCH_CHECK(!params_.empty(), "FlatParam: no parameters");
   dtype_ = params_[0].scalar_type();
   requires_grad_ = params_[0].requires_grad();
@@ -73,23 +73,36 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   }
   gathered_ = true;
   auto [lo, hi] = layout_.shard_range(rank_);
-  shard_ = full_.narrow(0, lo, hi - lo).clone();
-  if (mem_) {
-    mem_->add(Mem::ShardedParams, shard_.nbytes());
-    mem_->add(Mem::GatheredParams, full_.nbytes());
+  if (persistent_) {
+    shard_ = full_.narrow(0, lo, hi - lo);
+    if (mem_) mem_->add(Mem::ReplicatedParams, full_.nbytes());
+  } else {
+    shard_ = full_.narrow(0, lo, hi - lo).clone();
+    if (mem_) {
+      mem_->add(Mem::ShardedParams, shard_.nbytes());
+      mem_->add(Mem::GatheredParams, full_.nbytes());
+    }
   }
 }
 
 FlatParam::~FlatParam() {
   if (!mem_) return;
-  mem_->sub(Mem::ShardedParams, shard_.nbytes());
-  if (gathered_) mem_->sub(Mem::GatheredParams, full_.nbytes());
-  if (shard_grad_.defined()) mem_->sub(Mem::Gradients, shard_grad_.nbytes());
+  if (persistent_) {
+    mem_->sub(Mem::ReplicatedParams, full_.nbytes());
+  } else {
+    mem_->sub(Mem::ShardedParams, shard_.nbytes());
+    if (gathered_) mem_->sub(Mem::GatheredParams, full_.nbytes());
+  }
+  if (full_grad_.defined()) {
+    mem_->sub(Mem::Gradients, full_grad_.nbytes());
+  } else if (shard_grad_.defined()) {
+    mem_->sub(Mem::Gradients, shard_grad_.nbytes());
+  }
   if (staging_.defined()) mem_->sub(Mem::GradStaging, staging_.nbytes());
 }
 
 void FlatParam::alloc_full() {
-  if (gathered_) return;
+  if (gathered_ || persistent_) return;
   auto* impl = full_.storage().unsafeGetStorageImpl();
   size_t nbytes = static_cast<size_t>(layout_.padded_numel()) * c10::elementSize(dtype_);
   impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
@@ -99,7 +112,7 @@ void FlatParam::alloc_full() {
 }
 
 void FlatParam::free_full() {
-  if (!gathered_) return;
+  if (!gathered_ || persistent_) return;
   auto* impl = full_.storage().unsafeGetStorageImpl();
   size_t nbytes = impl->nbytes();
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));
@@ -110,6 +123,7 @@ void FlatParam::free_full() {
 
 void FlatParam::write_back_shard() {
   TORCH_CHECK(gathered_, "FlatParam: write_back_shard of ", describe(), " while it is sharded");
+  if (persistent_) return;  // the shard is a view of the full buffer
   auto [lo, hi] = layout_.shard_range(rank_);
   c10::NoGradGuard no_grad;
   shard_.copy_(full_.narrow(0, lo, hi - lo));
@@ -130,7 +144,7 @@ void FlatParam::stage_grad(size_t i) {
   TORCH_CHECK(g.sizes() == p.sizes(), "shardtorch: gradient of '", names_[i], "' has shape ", g.sizes(),
               " but the parameter has ", p.sizes());
   c10::NoGradGuard no_grad;
-  staging_grad().narrow(0, layout_.offset(i), layout_.numel(i)).copy_(g.reshape({-1}));
+  staging_grad().narrow(0, layout_.offset(i), layout_.numel(i)).add_(g.reshape({-1}));
   p.mutable_grad().reset();
 }
 
@@ -151,9 +165,25 @@ void FlatParam::accumulate_shard_grad(const at::Tensor& reduced, double divisor)
   }
 }
 
+void FlatParam::accumulate_full_grad(const at::Tensor& reduced, double divisor) {
+  c10::NoGradGuard no_grad;
+  if (!full_grad_.defined()) {
+    full_grad_ = at::div(reduced, divisor);
+    auto [lo, hi] = layout_.shard_range(rank_);
+    shard_grad_ = full_grad_.narrow(0, lo, hi - lo);
+    if (mem_) mem_->add(Mem::Gradients, full_grad_.nbytes());
+  } else {
+    full_grad_.add_(at::div(reduced, divisor));
+  }
+}
+
 void FlatParam::zero_grad() {
-  if (!shard_grad_.defined()) return;
-  if (mem_) mem_->sub(Mem::Gradients, shard_grad_.nbytes());
+  if (full_grad_.defined()) {
+    if (mem_) mem_->sub(Mem::Gradients, full_grad_.nbytes());
+  } else if (shard_grad_.defined()) {
+    if (mem_) mem_->sub(Mem::Gradients, shard_grad_.nbytes());
+  }
+  full_grad_ = at::Tensor();
   shard_grad_ = at::Tensor();
 }
 

@@ -9,6 +9,7 @@ namespace shardtorch {
 const char* mem_name(Mem m) {
   switch (m) {
     case Mem::ShardedParams: return "sharded_params";
+    case Mem::ReplicatedParams: return "replicated_params";
     case Mem::Gradients: return "gradients";
     case Mem::OptimizerState: return "optimizer_state";
     case Mem::GatheredParams: return "gathered_params";

@@ -12,14 +12,20 @@ namespace detail {
 ShardViews::ShardViews(torch::nn::Module& root) : state_(state_of(root)) {
   TORCH_CHECK(state_, "shardtorch: cannot build a sharded optimizer: this model was never sharded; call "
                       "shardtorch::shard(model, world) first");
-  const int rank = state_->world().rank();
+  if (state_->ddp()) {  // NoShard: the optimizer runs over the parameters themselves
+    for (const auto& p : state_->ddp_params()) {
+      by_param_.emplace_back(p.unsafeGetTensorImpl(), std::vector<size_t>{pieces_.size()});
+      pieces_.push_back({p, nullptr, 0, p.numel()});
+    }
+    return;
+  }
+  const int rank = state_->shard_comm().rank();
   for (auto& u : state_->units()) {
     for (auto& f : u->flats()) {
       for (size_t i = 0; i < f->params().size(); ++i) {
         const void* key = f->params()[i].unsafeGetTensorImpl();
         std::vector<size_t> idx;
         if (f->requires_grad()) {
-          trainable_.push_back(key);
           if (auto piece = f->layout().piece(i, rank)) {
             idx.push_back(pieces_.size());
             pieces_.push_back({f->shard().narrow(0, piece->shard_offset, piece->length), f.get(),
@@ -37,6 +43,7 @@ std::vector<at::Tensor> ShardViews::take(const std::vector<at::Tensor>& params) 
   for (const auto& p : params) {
     const void* key = p.unsafeGetTensorImpl();
     auto it = std::find_if(by_param_.begin(), by_param_.end(), [&](const auto& e) { return e.first == key; });
+    if (it == by_param_.end() && !p.requires_grad()) continue;  // frozen: nothing to optimize
     TORCH_CHECK(it != by_param_.end(), "shardtorch optimizer: a parameter of shape ", p.sizes(),
                 " given in a parameter group is not a parameter of the sharded model");
     TORCH_CHECK(std::find(asked_.begin(), asked_.end(), key) == asked_.end(), "shardtorch optimizer: a parameter of shape ",
@@ -61,6 +68,10 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 }
 
 void ShardViews::bind_grads() {
+  if (state_->ddp()) {
+    state_->ddp()->bind_grads();
+    return;
+  }
   for (auto& piece : pieces_) {
     auto* f = static_cast<FlatParam*>(piece.flat);
     if (f->shard_grad().defined()) {
@@ -72,14 +83,17 @@ void ShardViews::bind_grads() {
 }
 
 void ShardViews::zero_grad() {
+  if (state_->ddp()) {  // gradients stay views of the buckets
+    state_->ddp()->zero_grads();
+    return;
+  }
   for (auto& u : state_->units())
     for (auto& f : u->flats()) f->zero_grad();
   for (auto& piece : pieces_) piece.view.mutable_grad().reset();
 }
 
 void ShardViews::after_step(const torch::optim::Optimizer& opt) {
-  // The shards changed: any full copy still alive is stale.
-  state_->reshard_all();
+  state_->after_optimizer_step();
   int64_t bytes = 0;
   auto add = [&](const at::Tensor& t) {
     if (t.defined()) bytes += t.nbytes();

@@ -1,6 +1,7 @@
 #pragma once
-// Internal: the state behind shard(). One ShardState per sharded model, shared
-// by its units; units are owned by their modules (UnitBase::unit_).
+// Internal: the state behind shard(). One ShardState per sharded model, kept
+// alive by the model (its units, and the registry entry that lives as long as
+// the root module), by ShardedModel handles and by optimizers.
 #include <torch/csrc/autograd/function.h>
 
 #include <map>
@@ -8,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "shardtorch/all_reduce_bucketer.h"
 #include "shardtorch/reduce_scatter_bucketer.h"
 #include "shardtorch/sharded.h"
 
@@ -18,7 +20,8 @@ const char* state_name(UnitState s);
 
 class Unit : public std::enable_shared_from_this<Unit> {
  public:
-  Unit(std::shared_ptr<ShardState> owner, std::string name, int index, bool is_root, bool reshard_after_forward);
+  Unit(std::shared_ptr<ShardState> owner, std::string name, int index, bool is_root, bool reshard_after_forward,
+       bool persistent);
 
   const std::string& name() const { return name_; }
   std::string label() const { return name_.empty() ? "<root>" : name_; }
@@ -27,17 +30,18 @@ class Unit : public std::enable_shared_from_this<Unit> {
   UnitState state() const { return state_; }
   std::vector<std::unique_ptr<FlatParam>>& flats() { return flats_; }
   ShardState& owner() { return *owner_; }
-  const std::shared_ptr<ShardState>& owner_shared() const { return owner_; }
 
+  /// Persistent units (ZeRO-1/2) are gathered once at shard() and stay so.
+  void mark_persistent_gathered() { state_ = UnitState::Unsharded; }
   void unshard();
   void reshard();
   void pre_forward();
   void post_forward(const std::vector<at::Tensor>& outputs);
   void pre_backward();
   void on_grad_ready(size_t flat, size_t param);
-  /// Hands every trainable flat gradient to the bucketer and reshards.
+  /// Hands every trainable flat gradient on for reduction (or, with sync
+  /// off, keeps accumulating it) and reshards.
   void reduce_grads();
-  /// End of backward bookkeeping reset.
   bool needs_final_reduce() const { return touched_ && !reduced_ && expected_grads_ > 0; }
   void reset_backward() {
     touched_ = reduced_ = false;
@@ -51,6 +55,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   int index_;
   bool is_root_;
   bool reshard_after_forward_;
+  bool persistent_;
   UnitState state_ = UnitState::Sharded;
   std::vector<std::unique_ptr<FlatParam>> flats_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
@@ -58,34 +63,61 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool touched_ = false, reduced_ = false;
 };
 
-class ShardState {
+class ShardState : public std::enable_shared_from_this<ShardState> {
  public:
   ShardState(std::shared_ptr<World> world, ShardOptions options);
 
   World& world() { return *world_; }
-  const std::shared_ptr<World>& world_ptr() const { return world_; }
   const ShardOptions& options() const { return options_; }
+  Strategy strategy() const { return options_.strategy(); }
   MemoryTracker& mem() { return mem_; }
   ReduceScatterBucketer& bucketer() { return bucketer_; }
+
+  /// The group parameters are sharded over (the world, or the hybrid shard group).
+  Comm& shard_comm() { return shard_group_ ? *shard_group_ : world_->comm(); }
+  /// HybridShard: the ranks holding the same shard; else null.
+  Comm* replica_comm() { return replica_group_.get(); }
+  void set_groups(std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replica) {
+    shard_group_ = std::move(shard);
+    replica_group_ = std::move(replica);
+  }
+
+  bool sync() const { return sync_; }
+  void set_sync(bool s) { sync_ = s; }
 
   /// Units in pre-order of the module tree; throws if the model is gone.
   std::vector<std::shared_ptr<Unit>> units() const;
   void add_unit(const std::shared_ptr<Unit>& u) { units_.push_back(u); }
   static void attach(UnitBase& base, std::shared_ptr<Unit> unit) { base.unit_ = std::move(unit); }
 
+  /// NoShard: the bucketed all-reduce over the model's own parameters.
+  void enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names);
+  AllReduceBucketer* ddp() { return ddp_.get(); }
+  const std::vector<at::Tensor>& ddp_params() const { return ddp_params_; }
+
   /// Queues finish_backward() on the autograd engine once per backward.
   void ensure_end_of_backward_callback();
   void finish_backward();
-  /// After the shards changed (optimizer step): full copies are stale.
-  void reshard_all();
+  /// After the optimizer changed the shards: rebuild persistent full buffers
+  /// (ZeRO-1/2), free the stale full copies of the others.
+  void after_optimizer_step();
 
  private:
   std::shared_ptr<World> world_;
   ShardOptions options_;
   MemoryTracker mem_;
   ReduceScatterBucketer bucketer_;
+  std::shared_ptr<Comm> shard_group_, replica_group_;
   std::vector<std::weak_ptr<Unit>> units_;
+  std::unique_ptr<AllReduceBucketer> ddp_;
+  std::vector<at::Tensor> ddp_params_;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;
   bool callback_queued_ = false;
+  bool sync_ = true;
 };
+
+/// The registry of sharded models, by root module (entries die with it).
+void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state);
+std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root);
 
 }  // namespace shardtorch::detail

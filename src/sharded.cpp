@@ -1,11 +1,11 @@
 #include "shardtorch/sharded.h"
 
+// shard(): finding units and parameters, checking the model across ranks,
+// building flat parameters (or, for NoShard, the all-reduce buckets).
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cctype>
 #include <map>
 #include <set>
 #include <sstream>
@@ -14,193 +14,6 @@
 #include "shard_state.h"
 
 namespace shardtorch {
-namespace detail {
-
-const char* state_name(UnitState s) {
-  switch (s) {
-    case UnitState::Sharded: return "sharded";
-    case UnitState::Gathering: return "gathering";
-    case UnitState::Unsharded: return "unsharded";
-    case UnitState::Reducing: return "reducing";
-  }
-  return "?";
-}
-
-// ---------------------------------------------------------------- Unit
-
-Unit::Unit(std::shared_ptr<ShardState> owner, std::string name, int index, bool is_root,
-           bool reshard_after_forward)
-    : owner_(std::move(owner)),
-      name_(std::move(name)),
-      index_(index),
-      is_root_(is_root),
-      reshard_after_forward_(reshard_after_forward && !is_root) {}
-
-void Unit::unshard() {
-  if (state_ == UnitState::Unsharded) return;
-  TORCH_CHECK(state_ == UnitState::Sharded, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
-              "' asked to gather while ", state_name(state_));
-  state_ = UnitState::Gathering;
-  for (auto& f : flats_) {
-    f->alloc_full();
-    owner_->world().comm().all_gather_into(f->full(), f->shard(),
-                                           "parameters of unit '" + label() + "' (" + f->describe() + ")");
-  }
-  state_ = UnitState::Unsharded;
-  if (!flats_.empty()) owner_->mem().unit_gathered();
-}
-
-void Unit::reshard() {
-  if (state_ == UnitState::Sharded) return;
-  for (auto& f : flats_) f->free_full();
-  state_ = UnitState::Sharded;
-  if (!flats_.empty()) owner_->mem().unit_released();
-}
-
-void Unit::pre_forward() { unshard(); }
-
-void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
-  bool grad_mode = c10::GradMode::is_enabled();
-  int hooked = 0;
-  if (grad_mode) {
-    std::weak_ptr<Unit> weak = weak_from_this();
-    for (const auto& t : outputs) {
-      if (!t.defined() || !t.requires_grad()) continue;
-      t.register_hook([weak](const at::TensorBase&) {
-        if (auto u = weak.lock()) u->pre_backward();
-      });
-      ++hooked;
-    }
-  }
-  // Without a hooked output the unit cannot be gathered again before autograd
-  // reaches it, so it may be freed only when nothing will differentiate it:
-  // no grad mode, or tensor outputs of which none requires grad.
-  bool safe = !grad_mode || !outputs.empty();
-  // Without grad mode no backward follows, so even the root gives its memory back.
-  if ((reshard_after_forward_ || !grad_mode) && safe) reshard();
-}
-
-void Unit::pre_backward() {
-  owner_->ensure_end_of_backward_callback();
-  touched_ = true;
-  unshard();
-}
-
-void Unit::on_grad_ready(size_t flat, size_t param) {
-  owner_->ensure_end_of_backward_callback();
-  touched_ = true;
-  TORCH_CHECK(state_ == UnitState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": gradient of '",
-              flats_[flat]->names()[param], "' arrived while unit '", label(), "' is ", state_name(state_));
-  flats_[flat]->stage_grad(param);
-  if (++received_grads_ == expected_grads_) reduce_grads();
-}
-
-void Unit::reduce_grads() {
-  if (reduced_) return;
-  TORCH_CHECK(state_ == UnitState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
-              "' reduces its gradients while ", state_name(state_));
-  state_ = UnitState::Reducing;
-  auto& comm = owner_->world().comm();
-  const double world = comm.size();
-  for (auto& f : flats_) {
-    if (!f->requires_grad()) continue;
-    FlatParam* fp = f.get();
-    owner_->bucketer().reduce_scatter(
-        fp->take_staging_grad(), comm,
-        [fp, world](const at::Tensor& reduced) { fp->accumulate_shard_grad(reduced, world); },
-        "gradients of unit '" + label() + "' (" + fp->describe() + ")");
-  }
-  reduced_ = true;
-  state_ = UnitState::Unsharded;
-  reshard();
-}
-
-namespace {
-// Runs after a parameter's gradient has been accumulated into param.grad.
-class GradReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  GradReadyHook(std::weak_ptr<Unit> unit, size_t flat, size_t param) : unit_(std::move(unit)), flat_(flat), param_(param) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto u = unit_.lock()) u->on_grad_ready(flat_, param_);
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<Unit> unit_;
-  size_t flat_, param_;
-};
-}  // namespace
-
-void Unit::register_grad_hooks() {
-  for (size_t f = 0; f < flats_.size(); ++f) {
-    if (!flats_[f]->requires_grad()) continue;
-    const auto& params = flats_[f]->params();
-    for (size_t i = 0; i < params.size(); ++i) {
-      auto acc = torch::autograd::impl::grad_accumulator(params[i]);
-      TORCH_CHECK(acc, "shardtorch: no gradient accumulator for '", flats_[f]->names()[i], "'");
-      acc->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), f, i));
-      accumulators_.push_back(std::move(acc));  // the parameter holds it only weakly
-      ++expected_grads_;
-    }
-  }
-}
-
-// ---------------------------------------------------------------- ShardState
-
-ShardState::ShardState(std::shared_ptr<World> world, ShardOptions options)
-    : world_(std::move(world)), options_(options), bucketer_(options.bucket_mb(), &mem_) {}
-
-std::vector<std::shared_ptr<Unit>> ShardState::units() const {
-  std::vector<std::shared_ptr<Unit>> out;
-  for (const auto& w : units_) {
-    auto u = w.lock();
-    TORCH_CHECK(u, "shardtorch: a unit of this sharded model no longer exists (was the model destroyed?)");
-    out.push_back(std::move(u));
-  }
-  return out;
-}
-
-void ShardState::ensure_end_of_backward_callback() {
-  if (callback_queued_) return;
-  callback_queued_ = true;
-  auto units_now = units();
-  if (!units_now.empty()) {
-    auto keep = units_now.front();  // owns a shared_ptr to this state
-    torch::autograd::Engine::get_default_engine().queue_callback([keep] { keep->owner().finish_backward(); });
-  }
-}
-
-void ShardState::finish_backward() {
-  callback_queued_ = false;
-  auto all = units();
-  for (auto it = all.rbegin(); it != all.rend(); ++it) {
-    if ((*it)->needs_final_reduce()) (*it)->reduce_grads();
-  }
-  bucketer_.flush();
-  bucketer_.free();
-  for (auto& u : all) {
-    u->reshard();
-    u->reset_backward();
-  }
-}
-
-void ShardState::reshard_all() {
-  for (auto& u : units()) u->reshard();
-}
-
-std::shared_ptr<ShardState> state_of(torch::nn::Module& root) {
-  std::vector<torch::nn::Module*> stack{&root};
-  while (!stack.empty()) {
-    auto* m = stack.back();
-    stack.pop_back();
-    if (auto* b = dynamic_cast<UnitBase*>(m); b && b->unit_handle()) return b->unit_handle()->owner_shared();
-    for (auto& c : m->children()) stack.push_back(c.get());
-  }
-  return nullptr;
-}
-
-}  // namespace detail
 
 // ---------------------------------------------------------------- UnitBase
 
@@ -311,8 +124,41 @@ void check_same_model_everywhere(World& world, const std::string& mine) {
 
 }  // namespace
 
+namespace {
+
+void broadcast_buffers(World& world, std::vector<std::pair<std::string, at::Tensor>>& buffers) {
+  const c10::Device comm_device = world.comm().device();
+  c10::NoGradGuard no_grad;
+  for (auto& [name, b] : buffers) {
+    TORCH_CHECK(b.device() == comm_device, "shardtorch::shard: buffer '", name, "' is on ", b.device(),
+                ", expected ", comm_device);
+    at::Tensor t = b.is_contiguous() ? b : b.contiguous();
+    world.comm().broadcast(t, 0, "buffer '" + name + "' at shard()");
+    if (!t.is_same(b)) b.copy_(t);
+  }
+}
+
+// NoShard: the parameters stay as they are; gradients go through buckets.
+void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundParam>& params) {
+  std::vector<at::Tensor> trainable;
+  std::vector<std::string> names;
+  c10::NoGradGuard no_grad;
+  for (auto& p : params) {
+    if (state.options().sync_module_states() && world.size() > 1)
+      world.comm().broadcast(p.tensor, 0, "parameter '" + p.name + "' at shard()");
+    if (!p.tensor.requires_grad()) continue;
+    trainable.push_back(p.tensor);
+    names.push_back(p.name);
+  }
+  state.enable_ddp(std::move(trainable), std::move(names));
+}
+
+}  // namespace
+
 ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options) {
   TORCH_CHECK(world, "shardtorch::shard: no world");
+  TORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: this model is already sharded; shard() was called twice");
+  const Strategy strategy = options.strategy();
   std::vector<FoundUnit> units;
   std::vector<FoundParam> params;
   std::unordered_map<const void*, size_t> seen;
@@ -320,18 +166,24 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   std::set<const void*> seen_buffers;
   walk(root, "", -1, units, params, seen, buffers, seen_buffers);
 
+  // Configuration errors, before any communication.
+  int shard_size = world->size();
+  if (strategy == Strategy::HybridShard) {
+    const int s = options.hybrid_shard_size();
+    TORCH_CHECK(s >= 1 && world->size() % s == 0, "shardtorch::shard: HybridShard needs hybrid_shard_size (now ", s,
+                ") to divide the world size ", world->size());
+    shard_size = s;
+  }
+  for (const auto& [unit, flag] : options.per_unit_reshard()) {
+    bool known = std::any_of(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == unit; });
+    TORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
+  }
+
   std::ostringstream desc;
+  desc << "strategy " << strategy_name(strategy) << "\n";
   for (const auto& p : params) desc << param_line(p, units) << "\n";
   for (const auto& [name, b] : buffers) desc << "buffer '" << name << "' " << c10::toString(b.scalar_type()) << b.sizes() << "\n";
   if (world->size() > 1) check_same_model_everywhere(*world, desc.str());
-
-  std::vector<std::string> orphans;
-  for (const auto& p : params)
-    if (p.unit < 0) orphans.push_back(p.name);
-  TORCH_CHECK(orphans.empty(), "shardtorch::shard: ", orphans.size(), " parameter(s) belong to no unit (first: '",
-              orphans.front(), "') and the root module is not a unit; declare the root as shardtorch::Sharded<Impl> "
-              "(see docs/api.md)");
-  TORCH_CHECK(!units.empty(), "shardtorch::shard: the model has no unit; mark modules with shardtorch::Sharded<Impl>");
 
   const c10::Device comm_device = world->comm().device();
   for (const auto& p : params) {
@@ -341,12 +193,39 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   }
 
   auto state = std::make_shared<detail::ShardState>(world, options);
+  if (strategy == Strategy::NoShard) {
+    setup_no_shard(*state, *world, params);
+    if (options.sync_module_states() && world->size() > 1) broadcast_buffers(*world, buffers);
+    detail::register_model(root, state);
+    return ShardedModel(state);
+  }
+
+  std::vector<std::string> orphans;
+  for (const auto& p : params)
+    if (p.unit < 0) orphans.push_back(p.name);
+  TORCH_CHECK(orphans.empty(), "shardtorch::shard: ", orphans.size(), " parameter(s) belong to no unit (first: '",
+              orphans.front(), "') and the root module is not a unit; declare the root as shardtorch::Sharded<Impl> "
+              "(see docs/api.md)");
+  TORCH_CHECK(!units.empty(), "shardtorch::shard: the model has no unit; mark modules with shardtorch::Sharded<Impl>");
+
+  if (strategy == Strategy::HybridShard) {
+    const int r = world->rank(), s = shard_size, n = world->size();
+    std::vector<int> shard_ranks, replica_ranks;
+    for (int k = 0; k < s; ++k) shard_ranks.push_back((r / s) * s + k);
+    for (int k = r % s; k < n; k += s) replica_ranks.push_back(k);
+    auto shard_group = world->new_group(shard_ranks, "hybrid-shard-" + std::to_string(r / s));
+    auto replica_group = world->new_group(replica_ranks, "hybrid-replica-" + std::to_string(r % s));
+    state->set_groups(std::move(shard_group), std::move(replica_group));
+  }
+  const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
+  Comm& shard_comm = state->shard_comm();
+
   const bool root_is_unit = dynamic_cast<UnitBase*>(&root) != nullptr;
   std::vector<std::shared_ptr<detail::Unit>> made;
   for (size_t u = 0; u < units.size(); ++u) {
     bool is_root = root_is_unit && u == 0;
     auto unit = std::make_shared<detail::Unit>(state, units[u].name, static_cast<int>(u), is_root,
-                                               options.reshard_after_forward());
+                                               options.reshard_after_forward_of(units[u].name), persistent);
     // Group the unit's parameters by (dtype, requires_grad), in registration order.
     std::vector<std::pair<std::pair<at::ScalarType, bool>, std::vector<const FoundParam*>>> groups;
     for (const auto& p : params) {
@@ -366,8 +245,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
         ts.push_back(p->tensor);
         names.push_back(p->name);
       }
-      auto flat = std::make_unique<FlatParam>(std::move(ts), std::move(names), world->size(), world->rank(),
-                                              &state->mem());
+      auto flat = std::make_unique<FlatParam>(std::move(ts), std::move(names), shard_size, shard_comm.rank(),
+                                              &state->mem(), persistent);
       if (options.sync_module_states() && world->size() > 1) {
         world->comm().broadcast(flat->full(), 0, "parameters of unit '" + unit->label() + "' at shard()");
         flat->write_back_shard();
@@ -375,21 +254,14 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
       flat->free_full();
       unit->flats().push_back(std::move(flat));
     }
+    if (persistent) unit->mark_persistent_gathered();
     unit->register_grad_hooks();
     state->add_unit(unit);
     made.push_back(unit);
   }
-  if (options.sync_module_states() && world->size() > 1) {
-    c10::NoGradGuard no_grad;
-    for (auto& [name, b] : buffers) {
-      TORCH_CHECK(b.device() == comm_device, "shardtorch::shard: buffer '", name, "' is on ", b.device(),
-                  ", expected ", comm_device);
-      at::Tensor t = b.is_contiguous() ? b : b.contiguous();
-      world->comm().broadcast(t, 0, "buffer '" + name + "' at shard()");
-      if (!t.is_same(b)) b.copy_(t);
-    }
-  }
+  if (options.sync_module_states() && world->size() > 1) broadcast_buffers(*world, buffers);
   for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
+  detail::register_model(root, state);
   return ShardedModel(state);
 }
 
@@ -401,13 +273,51 @@ ShardedModel sharded_model(torch::nn::Module& root) {
 
 // ---------------------------------------------------------------- ShardedModel
 
+Strategy parse_strategy(const std::string& name) {
+  std::string n;
+  for (char c : name) n += (c == '-') ? '_' : static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (n == "full_shard" || n == "fullshard" || n == "zero3") return Strategy::FullShard;
+  if (n == "shard_grad_op" || n == "shardgradop" || n == "zero2") return Strategy::ShardGradOp;
+  if (n == "optimizer_only" || n == "optimizeronly" || n == "zero1") return Strategy::OptimizerOnly;
+  if (n == "no_shard" || n == "noshard" || n == "ddp") return Strategy::NoShard;
+  if (n == "hybrid_shard" || n == "hybridshard" || n == "hybrid") return Strategy::HybridShard;
+  TORCH_CHECK(false, "shardtorch: unknown strategy '", name,
+              "'; expected one of full_shard (zero3), shard_grad_op (zero2), optimizer_only (zero1), "
+              "no_shard (ddp), hybrid_shard");
+}
+
+const char* strategy_name(Strategy s) {
+  switch (s) {
+    case Strategy::FullShard: return "full_shard";
+    case Strategy::ShardGradOp: return "shard_grad_op";
+    case Strategy::OptimizerOnly: return "optimizer_only";
+    case Strategy::NoShard: return "no_shard";
+    case Strategy::HybridShard: return "hybrid_shard";
+  }
+  return "?";
+}
+
 const World& ShardedModel::world() const { return state_->world(); }
+Strategy ShardedModel::strategy() const { return state_->strategy(); }
+void ShardedModel::set_requires_gradient_sync(bool sync) { state_->set_sync(sync); }
+bool ShardedModel::requires_gradient_sync() const { return state_->sync(); }
+ShardedModel::NoSync::NoSync(std::shared_ptr<detail::ShardState> s) : state_(std::move(s)), previous_(state_->sync()) {
+  state_->set_sync(false);
+}
+ShardedModel::NoSync::~NoSync() {
+  if (state_) state_->set_sync(previous_);
+}
+ShardedModel::NoSync ShardedModel::no_sync() { return NoSync(state_); }
+int64_t ShardedModel::buckets_launched_during_backward() const {
+  return state_->ddp() ? state_->ddp()->launched_during_backward() : 0;
+}
 MemorySnapshot ShardedModel::memory() const { return state_->mem().snapshot(); }
 void ShardedModel::reset_peak_memory() { state_->mem().reset_peaks(); }
 const CommStats& ShardedModel::comm_stats() const { return state_->world().comm().stats(); }
 
 std::vector<UnitInfo> ShardedModel::units() const {
   std::vector<UnitInfo> out;
+  if (state_->ddp()) return out;  // NoShard has no units
   for (auto& u : state_->units()) {
     UnitInfo info;
     info.name = u->name();

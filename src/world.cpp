@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 #include <stdexcept>
@@ -146,6 +147,24 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   c10::Device comm_device = backend == "nccl" ? w->device_ : c10::Device(c10::kCPU);
   w->comm_ = std::make_unique<Comm>(b, rank, world_size, options.timeout(), comm_device);
   return w;
+}
+
+std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std::string& tag) {
+  auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  TORCH_CHECK(it != ranks.end(), "shardtorch: rank ", rank_, " is not in the group '", tag, "' it asked to join");
+  for (int r : ranks) TORCH_CHECK(r >= 0 && r < size_, "shardtorch: group '", tag, "' names rank ", r, " of ", size_);
+  int index = static_cast<int>(it - ranks.begin());
+  int n = static_cast<int>(ranks.size());
+  // Every rank makes its groups in the same order, so the count keeps the
+  // keys of a second model's groups apart from the first's.
+  auto store = c10::make_intrusive<c10d::PrefixStore>("group/" + std::to_string(groups_made_++) + "/" + tag, store_);
+  c10::intrusive_ptr<c10d::Backend> b;
+  if (backend_name_ == "nccl") {
+    b = detail::make_nccl_backend(store, index, n, options_.timeout());
+  } else {
+    b = detail::make_gloo_backend(store, index, n, options_.timeout(), options_.gloo_hostname());
+  }
+  return std::make_shared<Comm>(b, index, n, options_.timeout(), comm_->device());
 }
 
 void World::barrier() {

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -27,6 +28,16 @@ struct CommStats {
   }
 };
 
+/// A collective launched and not yet waited for.
+struct PendingWork {
+  c10::intrusive_ptr<c10d::Work> work;
+  const char* op = "";
+  std::string what, shapes;
+  CollectiveCounter* counter = nullptr;
+  int64_t bytes = 0;
+  std::chrono::steady_clock::time_point start;
+};
+
 class Comm {
  public:
   Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::chrono::milliseconds timeout,
@@ -44,6 +55,10 @@ class Comm {
   /// Sums `in` (numel = size × out.numel()) across ranks; rank r receives chunk r.
   void reduce_scatter_into(at::Tensor& out, at::Tensor& in, const std::string& what);
   void all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
+  /// Launches a summing all-reduce and returns at once; wait() finishes it.
+  PendingWork all_reduce_async(at::Tensor& t, const std::string& what);
+  /// Waits (with the timeout) for a launched collective.
+  void wait(PendingWork& pending);
   void broadcast(at::Tensor& t, int root, const std::string& what);
   /// Every rank's string, in rank order (two all-gathers: lengths, then bytes).
   std::vector<std::string> all_gather_strings(const std::string& mine, const std::string& what);
@@ -53,7 +68,8 @@ class Comm {
 
  private:
   void run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
-           int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch);
+           int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
+           std::optional<std::chrono::steady_clock::time_point> started = std::nullopt);
   void check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;

@@ -55,8 +55,10 @@ class FlatParamLayout {
 /// their autograd metadata and saved tensors keep their identity.
 class FlatParam {
  public:
+  /// `persistent`: the full buffer is never freed (ZeRO-1/2) and the shard is
+  /// a view of this rank's slice of it.
   FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, int world_size, int rank,
-            MemoryTracker* mem);
+            MemoryTracker* mem, bool persistent = false);
   ~FlatParam();
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
@@ -75,6 +77,7 @@ class FlatParam {
   at::Tensor& shard_grad() { return shard_grad_; }
 
   bool gathered() const { return gathered_; }
+  bool persistent() const { return persistent_; }
   /// Gives `full` its bytes back (contents undefined until filled).
   void alloc_full();
   /// Frees `full`'s bytes; the parameters become views of an empty storage.
@@ -84,12 +87,18 @@ class FlatParam {
 
   /// The padded full-size gradient buffer a backward fills, zeroed on first use.
   at::Tensor& staging_grad();
-  /// Copies parameter i's gradient into the staging buffer and drops it.
+  /// Adds parameter i's gradient into the staging buffer and drops it.
   void stage_grad(size_t i);
+  bool has_staging_grad() const { return staging_.defined(); }
   /// Releases the staging buffer (after the bucketer has taken its contents).
   at::Tensor take_staging_grad();
-  /// Adds a reduced gradient shard (scaled by `scale`) into shard_grad.
-  void accumulate_shard_grad(const at::Tensor& reduced, double scale);
+  /// Adds a reduced gradient shard, divided by `divisor`, into shard_grad.
+  void accumulate_shard_grad(const at::Tensor& reduced, double divisor);
+  /// Adds an all-reduced full gradient, divided by `divisor`, into the full
+  /// gradient kept whole (ZeRO-1); shard_grad is a view of its slice.
+  void accumulate_full_grad(const at::Tensor& reduced, double divisor);
+  /// The whole gradient (ZeRO-1), else undefined.
+  at::Tensor& full_grad() { return full_grad_; }
   void zero_grad();
 
   std::string describe() const;
@@ -102,8 +111,9 @@ class FlatParam {
   bool requires_grad_;
   int rank_;
   MemoryTracker* mem_;
-  at::Tensor full_, shard_, shard_grad_, staging_;
+  at::Tensor full_, shard_, shard_grad_, staging_, full_grad_;
   bool gathered_ = false;
+  bool persistent_ = false;
 };
 
 }  // namespace shardtorch

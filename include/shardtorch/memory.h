@@ -8,6 +8,7 @@ namespace shardtorch {
 
 enum class Mem : int {
   ShardedParams = 0,  // this rank's shards of the flat parameters
+  ReplicatedParams,   // parameters kept whole between steps (ZeRO-1/2 flat buffers, DDP's parameters)
   Gradients,          // this rank's gradient shards
   OptimizerState,     // optimizer state over the shards
   GatheredParams,     // full (unsharded) flat parameters alive now

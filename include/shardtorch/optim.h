@@ -42,7 +42,6 @@ class ShardViews {
   std::shared_ptr<ShardState> state_;
   std::vector<Piece> pieces_;
   std::vector<std::pair<const void*, std::vector<size_t>>> by_param_;  // TensorImpl* -> pieces
-  std::vector<const void*> trainable_;                                 // the model's trainable parameters
   std::vector<const void*> asked_;
 };
 }  // namespace detail

@@ -30,6 +30,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -41,14 +42,53 @@
 
 namespace shardtorch {
 
+/// Where parameters, gradients and optimizer state live (docs/design.md).
+enum class Strategy {
+  FullShard,      // ZeRO-3: all three sharded
+  ShardGradOp,    // ZeRO-2: gradients and optimizer state sharded
+  OptimizerOnly,  // ZeRO-1: optimizer state sharded
+  NoShard,        // DDP: bucketed, overlapped all-reduce
+  HybridShard,    // FullShard within groups of hybrid_shard_size ranks, replicated across groups
+};
+/// "full_shard"/"zero3", "shard_grad_op"/"zero2", "optimizer_only"/"zero1",
+/// "no_shard"/"ddp", "hybrid_shard"/"hybrid" (any case); throws on others.
+Strategy parse_strategy(const std::string& name);
+const char* strategy_name(Strategy s);
+
 struct ShardOptions {
-  /// Free a unit's full parameters after its forward (ZeRO-3); when false they
-  /// stay until the end of backward. The root unit always stays.
+  TORCH_ARG(Strategy, strategy) = Strategy::FullShard;
+  /// Free a unit's full parameters after its forward (FullShard and
+  /// HybridShard); when false they stay until the end of backward. The root
+  /// unit stays gathered after a forward in grad mode either way.
   TORCH_ARG(bool, reshard_after_forward) = true;
-  /// Size of one reduce-scatter bucket in MiB; 0 disables coalescing.
+  /// Size of one reduce-scatter (or, for NoShard, all-reduce) bucket in MiB;
+  /// 0 disables coalescing of reduce-scatters.
   TORCH_ARG(double, bucket_mb) = 25.0;
   /// Broadcast parameters and buffers from rank 0 at shard().
   TORCH_ARG(bool, sync_module_states) = true;
+  /// HybridShard: ranks per shard group (must divide the world size).
+  TORCH_ARG(int, hybrid_shard_size) = 0;
+  /// NoShard: launch each bucket's all-reduce as soon as its gradients are in
+  /// (overlapping backward); false waits for the end of backward.
+  TORCH_ARG(bool, ddp_async) = true;
+  /// NoShard: a trainable parameter that gets no gradient in a backward is an
+  /// error naming it (default: reduced as zero).
+  TORCH_ARG(bool, error_on_unused_parameters) = false;
+
+ public:  // (TORCH_ARG leaves the access private)
+  /// reshard_after_forward for one unit, by name ("" is the root).
+  ShardOptions& reshard_after_forward_for(const std::string& unit, bool value) {
+    per_unit_reshard_[unit] = value;
+    return *this;
+  }
+  bool reshard_after_forward_of(const std::string& unit) const {
+    auto it = per_unit_reshard_.find(unit);
+    return it == per_unit_reshard_.end() ? reshard_after_forward_ : it->second;
+  }
+  const std::map<std::string, bool>& per_unit_reshard() const { return per_unit_reshard_; }
+
+ private:
+  std::map<std::string, bool> per_unit_reshard_;
 };
 
 namespace detail {
@@ -128,6 +168,28 @@ class ShardedModel {
   /// Collectives this rank ran.
   const CommStats& comm_stats() const;
   std::vector<UnitInfo> units() const;
+  Strategy strategy() const;
+
+  /// With false, backwards accumulate gradients locally and reduce nothing;
+  /// the first backward with true reduces the sum (gradient accumulation).
+  void set_requires_gradient_sync(bool sync);
+  bool requires_gradient_sync() const;
+  /// RAII: no synchronisation while it lives.
+  class NoSync {
+   public:
+    explicit NoSync(std::shared_ptr<detail::ShardState> s);
+    ~NoSync();
+    NoSync(NoSync&&) = default;
+
+   private:
+    std::shared_ptr<detail::ShardState> state_;
+    bool previous_;
+  };
+  NoSync no_sync();
+
+  /// NoShard: buckets whose all-reduce was launched from a gradient hook,
+  /// i.e. while backward was still running (overlap), since shard().
+  int64_t buckets_launched_during_backward() const;
   const std::shared_ptr<detail::ShardState>& state() const { return state_; }
 
  private:

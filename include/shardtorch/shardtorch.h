@@ -8,3 +8,5 @@
 #include "shardtorch/reduce_scatter_bucketer.h"
 #include "shardtorch/sharded.h"
 #include "shardtorch/world.h"
+#include "shardtorch/all_reduce_bucketer.h"
+#include "shardtorch/clip.h"

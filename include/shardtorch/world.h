@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "shardtorch/collectives.h"
 
@@ -71,6 +72,11 @@ class World : public std::enable_shared_from_this<World> {
   /// A collective barrier (an all-reduce of one element) with the timeout.
   void barrier();
 
+  /// A process group of some ranks (this one among them), e.g. for hybrid
+  /// sharding. Only its members call this, with the same ranks and tag; the
+  /// tag keeps its rendezvous keys apart in the store.
+  std::shared_ptr<Comm> new_group(const std::vector<int>& ranks, const std::string& tag);
+
   World(const World&) = delete;
   World& operator=(const World&) = delete;
 
@@ -82,6 +88,7 @@ class World : public std::enable_shared_from_this<World> {
   std::string backend_name_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<Comm> comm_;
+  int groups_made_ = 0;
 };
 
 namespace detail {

@@ -1,0 +1,70 @@
+#pragma once
+// AllReduceBucketer: DDP's gradient reduction (the NoShard strategy).
+//
+// The trainable parameters are laid in buckets in reverse registration order
+// (the order backward produces their gradients), one dtype per bucket, each
+// at most bucket_mb (a parameter larger than that gets a bucket of its own).
+// Every param.grad is a view of its slice of a bucket, so autograd
+// accumulates straight into the bucket. When the last gradient of a bucket is
+// in (mark_ready), the bucket's all-reduce is launched asynchronously while
+// backward goes on; finish() launches the rest, waits for everything and
+// divides by the world size.
+//
+//   state per bucket:  filling --last gradient in--> launched --finish()--> reduced
+//   (with sync off nothing is launched: gradients accumulate in the buckets)
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "shardtorch/collectives.h"
+#include "shardtorch/memory.h"
+
+namespace shardtorch {
+
+class AllReduceBucketer {
+ public:
+  /// `params` in registration order (each once), all trainable.
+  AllReduceBucketer(std::vector<at::Tensor> params, std::vector<std::string> names, double bucket_mb, Comm& comm,
+                    MemoryTracker* mem, bool async = true);
+
+  size_t num_buckets() const { return buckets_.size(); }
+  /// The bucket of each parameter (registration order), for tests and docs.
+  std::vector<size_t> bucket_of_params() const;
+
+  /// Points every param.grad at its slice of a bucket (again, if something
+  /// replaced it). Keeps values already there.
+  void bind_grads();
+  /// Called when autograd has accumulated param i's gradient.
+  void mark_ready(size_t i, bool sync);
+  /// End of backward: launch what is left (unused parameters count as zero,
+  /// or throw naming them), wait, average. With sync off: only resets counts.
+  void finish(bool sync, bool error_on_unused);
+  /// Zeroes every bucket (gradients stay bound as views).
+  void zero_grads();
+
+  /// Buckets launched from a gradient hook, i.e. before backward ended.
+  int64_t launched_during_backward() const { return launched_during_backward_; }
+  int64_t launched() const { return launched_; }
+
+ private:
+  struct Bucket {
+    at::Tensor buffer;
+    std::vector<size_t> params;  // indices into params_
+    size_t ready = 0;
+    bool launched = false;
+    PendingWork pending;
+  };
+  void launch(Bucket& b, size_t index);
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<std::pair<size_t, int64_t>> where_;  // param -> (bucket, offset)
+  std::vector<bool> ready_;
+  std::vector<Bucket> buckets_;
+  Comm& comm_;
+  bool async_;
+  int64_t launched_during_backward_ = 0, launched_ = 0;
+};
+
+}  // namespace shardtorch

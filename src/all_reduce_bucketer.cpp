@@ -1,0 +1,119 @@
+#include "shardtorch/all_reduce_bucketer.h"
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <sstream>
+
+namespace shardtorch {
+
+AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                                     double bucket_mb, Comm& comm, MemoryTracker* mem, bool async)
+    : params_(std::move(params)), names_(std::move(names)), comm_(comm), async_(async) {
+  const int64_t cap_bytes = static_cast<int64_t>(bucket_mb * 1024 * 1024);
+  where_.resize(params_.size());
+  ready_.assign(params_.size(), false);
+  // Reverse registration order; a new bucket when the dtype changes or the
+  // current one would pass the cap.
+  std::vector<std::pair<at::ScalarType, std::vector<size_t>>> groups;
+  int64_t bytes = 0;
+  for (size_t k = params_.size(); k-- > 0;) {
+    const auto& p = params_[k];
+    int64_t nb = p.numel() * p.element_size();
+    if (groups.empty() || groups.back().first != p.scalar_type() || (bytes > 0 && bytes + nb > cap_bytes)) {
+      groups.push_back({p.scalar_type(), {}});
+      bytes = 0;
+    }
+    groups.back().second.push_back(k);
+    bytes += nb;
+  }
+  for (auto& [dtype, members] : groups) {
+    int64_t numel = 0;
+    for (size_t k : members) numel += params_[k].numel();
+    Bucket b;
+    b.buffer = at::zeros({numel}, params_[members[0]].options().requires_grad(false));
+    b.params = members;
+    int64_t off = 0;
+    for (size_t k : members) {
+      where_[k] = {buckets_.size(), off};
+      off += params_[k].numel();
+    }
+    if (mem) mem->add(Mem::Gradients, b.buffer.nbytes());
+    buckets_.push_back(std::move(b));
+  }
+  bind_grads();
+}
+
+std::vector<size_t> AllReduceBucketer::bucket_of_params() const {
+  std::vector<size_t> out;
+  for (const auto& w : where_) out.push_back(w.first);
+  return out;
+}
+
+void AllReduceBucketer::bind_grads() {
+  c10::NoGradGuard no_grad;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    auto [b, off] = where_[k];
+    at::Tensor view = buckets_[b].buffer.narrow(0, off, params_[k].numel()).view(params_[k].sizes());
+    at::Tensor& g = params_[k].mutable_grad();
+    if (g.defined() && g.data_ptr() == view.data_ptr()) continue;
+    if (g.defined()) view.copy_(g);  // autograd or the user replaced it: keep the values
+    g = view;
+  }
+}
+
+void AllReduceBucketer::launch(Bucket& b, size_t index) {
+  std::ostringstream what;
+  what << "gradient bucket " << index << " (" << b.params.size() << " params, first '" << names_[b.params.front()]
+       << "')";
+  b.launched = true;
+  ++launched_;
+  b.pending = comm_.all_reduce_async(b.buffer, what.str());
+}
+
+void AllReduceBucketer::mark_ready(size_t i, bool sync) {
+  // Autograd may have stolen the incoming gradient instead of accumulating
+  // into our view (e.g. after the user set grads to none): move it in.
+  auto [b, off] = where_[i];
+  const at::Tensor& g = params_[i].grad();
+  const char* expect = static_cast<const char*>(buckets_[b].buffer.data_ptr()) + off * buckets_[b].buffer.element_size();
+  if (!g.defined() || g.data_ptr() != expect) bind_grads();
+  if (ready_[i]) return;
+  ready_[i] = true;
+  Bucket& bucket = buckets_[b];
+  if (++bucket.ready == bucket.params.size() && sync && async_) {
+    launch(bucket, b);
+    ++launched_during_backward_;
+  }
+}
+
+void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
+  if (sync) {
+    if (error_on_unused) {
+      for (size_t k = 0; k < params_.size(); ++k) {
+        TORCH_CHECK(ready_[k], "shardtorch (NoShard): rank ", comm_.rank(), ": parameter '", names_[k],
+                    "' received no gradient in this backward; it is reduced as zero unless "
+                    "ShardOptions::error_on_unused_parameters is set (as it is now)");
+      }
+    }
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      if (!buckets_[b].launched) launch(buckets_[b], b);
+    const double n = comm_.size();
+    for (auto& bucket : buckets_) {
+      comm_.wait(bucket.pending);
+      if (n > 1) bucket.buffer.div_(n);
+    }
+  }
+  for (auto& bucket : buckets_) {
+    bucket.ready = 0;
+    bucket.launched = false;
+  }
+  std::fill(ready_.begin(), ready_.end(), false);
+}
+
+void AllReduceBucketer::zero_grads() {
+  for (auto& bucket : buckets_) bucket.buffer.zero_();
+  bind_grads();
+}
+
+}  // namespace shardtorch

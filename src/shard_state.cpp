@@ -1,0 +1,136 @@
+// Per-model state: end of backward, optimizer-step follow-up, NoShard hooks,
+// and the registry that finds a model's state from its root module.
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <mutex>
+
+#include "shard_state.h"
+
+namespace shardtorch::detail {
+
+ShardState::ShardState(std::shared_ptr<World> world, ShardOptions options)
+    : world_(std::move(world)), options_(std::move(options)), bucketer_(options_.bucket_mb(), &mem_) {}
+
+std::vector<std::shared_ptr<Unit>> ShardState::units() const {
+  std::vector<std::shared_ptr<Unit>> out;
+  for (const auto& w : units_) {
+    auto u = w.lock();
+    TORCH_CHECK(u, "shardtorch: a unit of this sharded model no longer exists (was the model destroyed?)");
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
+void ShardState::ensure_end_of_backward_callback() {
+  if (callback_queued_) return;
+  callback_queued_ = true;
+  auto keep = shared_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([keep] { keep->finish_backward(); });
+}
+
+void ShardState::finish_backward() {
+  callback_queued_ = false;
+  if (ddp_) {
+    ddp_->finish(sync_, options_.error_on_unused_parameters());
+    return;
+  }
+  auto all = units();
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if ((*it)->needs_final_reduce()) (*it)->reduce_grads();
+  }
+  bucketer_.flush();
+  bucketer_.free();
+  for (auto& u : all) {
+    u->reshard();
+    u->reset_backward();
+  }
+}
+
+void ShardState::after_optimizer_step() {
+  if (ddp_) return;  // the optimizer updated the parameters themselves
+  for (auto& u : units()) {
+    for (auto& f : u->flats()) {
+      if (!f->persistent()) continue;
+      at::Tensor mine = f->shard().clone();  // the all-gather's input must not alias its output
+      shard_comm().all_gather_into(f->full(), mine, "updated parameters of unit '" + u->label() + "'");
+    }
+    u->reshard();  // non-persistent full copies are stale now
+  }
+}
+
+namespace {
+class DdpGradHook : public torch::autograd::FunctionPostHook {
+ public:
+  DdpGradHook(std::weak_ptr<ShardState> state, size_t index) : state_(std::move(state)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto s = state_.lock()) {
+      s->ensure_end_of_backward_callback();
+      s->ddp()->mark_ready(index_, s->sync());
+    }
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<ShardState> state_;
+  size_t index_;
+};
+}  // namespace
+
+void ShardState::enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names) {
+  ddp_params_ = params;
+  for (const auto& p : params) mem_.add(Mem::ReplicatedParams, p.nbytes());
+  ddp_ = std::make_unique<AllReduceBucketer>(std::move(params), std::move(names), options_.bucket_mb(),
+                                             world_->comm(), &mem_, options_.ddp_async());
+  for (size_t i = 0; i < ddp_params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(ddp_params_[i]);
+    acc->add_post_hook(std::make_unique<DdpGradHook>(weak_from_this(), i));
+    ddp_accumulators_.push_back(std::move(acc));
+  }
+}
+
+// ---------------------------------------------------------------- registry
+
+namespace {
+struct Registry {
+  std::mutex mu;
+  std::vector<std::pair<std::weak_ptr<torch::nn::Module>, std::shared_ptr<ShardState>>> entries;
+  void prune() {
+    entries.erase(std::remove_if(entries.begin(), entries.end(), [](const auto& e) { return e.first.expired(); }),
+                  entries.end());
+  }
+};
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+}  // namespace
+
+void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state) {
+  std::weak_ptr<torch::nn::Module> weak = root.weak_from_this();
+  TORCH_CHECK(!weak.expired(), "shardtorch::shard: the root module must be owned by a std::shared_ptr (declare "
+                               "it through its holder, e.g. `Net net;` after SHARDTORCH_MODULE(Net) or "
+                               "TORCH_MODULE(Net), or create it with std::make_shared)");
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.prune();
+  r.entries.emplace_back(weak, state);
+}
+
+std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.prune();
+  for (const auto& [weak, state] : r.entries) {
+    auto m = weak.lock();
+    if (m.get() == &root) return state;
+  }
+  return nullptr;
+}
+
+std::shared_ptr<ShardState> state_of(torch::nn::Module& root) { return lookup_model(root); }
+
+}  // namespace shardtorch::detail

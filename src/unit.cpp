@@ -1,0 +1,157 @@
+// The life of a unit: gather, free, hooks and gradient hand-off (docs/design.md).
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "shard_state.h"
+
+namespace shardtorch::detail {
+
+const char* state_name(UnitState s) {
+  switch (s) {
+    case UnitState::Sharded: return "sharded";
+    case UnitState::Gathering: return "gathering";
+    case UnitState::Unsharded: return "unsharded";
+    case UnitState::Reducing: return "reducing";
+  }
+  return "?";
+}
+
+Unit::Unit(std::shared_ptr<ShardState> owner, std::string name, int index, bool is_root, bool reshard_after_forward,
+           bool persistent)
+    : owner_(std::move(owner)),
+      name_(std::move(name)),
+      index_(index),
+      is_root_(is_root),
+      reshard_after_forward_(reshard_after_forward && !is_root),
+      persistent_(persistent) {}
+
+void Unit::unshard() {
+  if (state_ == UnitState::Unsharded) return;
+  TORCH_CHECK(state_ == UnitState::Sharded, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
+              "' asked to gather while ", state_name(state_));
+  state_ = UnitState::Gathering;
+  for (auto& f : flats_) {
+    f->alloc_full();
+    owner_->shard_comm().all_gather_into(f->full(), f->shard(),
+                                         "parameters of unit '" + label() + "' (" + f->describe() + ")");
+  }
+  state_ = UnitState::Unsharded;
+  if (!flats_.empty()) owner_->mem().unit_gathered();
+}
+
+void Unit::reshard() {
+  if (state_ == UnitState::Sharded || persistent_) return;
+  for (auto& f : flats_) f->free_full();
+  state_ = UnitState::Sharded;
+  if (!flats_.empty()) owner_->mem().unit_released();
+}
+
+void Unit::pre_forward() { unshard(); }
+
+void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
+  bool grad_mode = c10::GradMode::is_enabled();
+  if (grad_mode) {
+    std::weak_ptr<Unit> weak = weak_from_this();
+    for (const auto& t : outputs) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      t.register_hook([weak](const at::TensorBase&) {
+        if (auto u = weak.lock()) u->pre_backward();
+      });
+    }
+  }
+  // Without a hooked output the unit cannot be gathered again before autograd
+  // reaches it, so it may be freed only when nothing will differentiate it:
+  // no grad mode, or tensor outputs of which none requires grad.
+  bool safe = !grad_mode || !outputs.empty();
+  // Without grad mode no backward follows, so even the root gives its memory back.
+  if ((reshard_after_forward_ || !grad_mode) && safe) reshard();
+}
+
+void Unit::pre_backward() {
+  owner_->ensure_end_of_backward_callback();
+  touched_ = true;
+  unshard();
+}
+
+void Unit::on_grad_ready(size_t flat, size_t param) {
+  owner_->ensure_end_of_backward_callback();
+  touched_ = true;
+  TORCH_CHECK(state_ == UnitState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": gradient of '",
+              flats_[flat]->names()[param], "' arrived while unit '", label(), "' is ", state_name(state_));
+  flats_[flat]->stage_grad(param);
+  if (++received_grads_ == expected_grads_) reduce_grads();
+}
+
+void Unit::reduce_grads() {
+  if (reduced_) return;
+  TORCH_CHECK(state_ == UnitState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
+              "' reduces its gradients while ", state_name(state_));
+  reduced_ = true;
+  if (!owner_->sync()) {  // accumulation: the staged gradients wait for a synchronising backward
+    reshard();
+    return;
+  }
+  state_ = UnitState::Reducing;
+  const double world = owner_->world().size();
+  for (auto& f : flats_) {
+    if (!f->requires_grad()) continue;
+    FlatParam* fp = f.get();
+    const std::string what = "gradients of unit '" + label() + "' (" + fp->describe() + ")";
+    if (owner_->strategy() == Strategy::OptimizerOnly) {
+      at::Tensor g = fp->take_staging_grad();
+      owner_->world().comm().all_reduce(g, c10d::ReduceOp::SUM, what);
+      fp->accumulate_full_grad(g, world);
+      continue;
+    }
+    Comm* replicas = owner_->replica_comm();
+    owner_->bucketer().reduce_scatter(
+        fp->take_staging_grad(), owner_->shard_comm(),
+        [fp, world, replicas, what](const at::Tensor& reduced) {
+          if (replicas == nullptr || replicas->size() == 1) {
+            fp->accumulate_shard_grad(reduced, world);
+            return;
+          }
+          at::Tensor t = reduced.clone();  // summed in the shard group; now across the replicas
+          replicas->all_reduce(t, c10d::ReduceOp::SUM, what + " across replicas");
+          fp->accumulate_shard_grad(t, world);
+        },
+        what);
+  }
+  state_ = UnitState::Unsharded;
+  reshard();
+}
+
+namespace {
+// Runs after a parameter's gradient has been accumulated into param.grad.
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(std::weak_ptr<Unit> unit, size_t flat, size_t param)
+      : unit_(std::move(unit)), flat_(flat), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto u = unit_.lock()) u->on_grad_ready(flat_, param_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<Unit> unit_;
+  size_t flat_, param_;
+};
+}  // namespace
+
+void Unit::register_grad_hooks() {
+  for (size_t f = 0; f < flats_.size(); ++f) {
+    if (!flats_[f]->requires_grad()) continue;
+    const auto& params = flats_[f]->params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+      TORCH_CHECK(acc, "shardtorch: no gradient accumulator for '", flats_[f]->names()[i], "'");
+      acc->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), f, i));
+      accumulators_.push_back(std::move(acc));  // the parameter holds it only weakly
+      ++expected_grads_;
+    }
+  }
+}
+
+}  // namespace shardtorch::detail
