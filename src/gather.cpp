@@ -21,7 +21,7 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
         if (!f->requires_grad()) continue;
         at::Tensor shard = f->shard_grad().defined() ? f->shard_grad() : at::zeros_like(f->shard());
         at::Tensor full = at::empty({f->layout().padded_numel()}, shard.options());
-        world.comm().all_gather_into(full, shard, "gradients of unit '" + u->label() + "' for summon_full_params");
+        state_->shard_comm().all_gather_into(full, shard, "gradients of unit '" + u->label() + "' for summon_full_params");
         if (!keep) continue;
         for (size_t i = 0; i < f->params().size(); ++i) {
           at::Tensor p = f->params()[i];

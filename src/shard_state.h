@@ -82,6 +82,10 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
     replica_group_ = std::move(replica);
   }
 
+  /// Flat gradients handed on for reduction, plus NoShard buckets launched.
+  int64_t gradient_reductions() const { return gradient_reductions_ + (ddp_ ? ddp_->launched() : 0); }
+  void count_gradient_reduction() { ++gradient_reductions_; }
+
   bool sync() const { return sync_; }
   void set_sync(bool s) { sync_ = s; }
 
@@ -114,6 +118,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;
   bool callback_queued_ = false;
   bool sync_ = true;
+  int64_t gradient_reductions_ = 0;
 };
 
 /// The registry of sharded models, by root module (entries die with it).

@@ -308,6 +308,7 @@ ShardedModel::NoSync::~NoSync() {
   if (state_) state_->set_sync(previous_);
 }
 ShardedModel::NoSync ShardedModel::no_sync() { return NoSync(state_); }
+int64_t ShardedModel::gradient_reductions() const { return state_->gradient_reductions(); }
 int64_t ShardedModel::buckets_launched_during_backward() const {
   return state_->ddp() ? state_->ddp()->launched_during_backward() : 0;
 }

@@ -98,6 +98,7 @@ void Unit::reduce_grads() {
     if (!f->requires_grad()) continue;
     FlatParam* fp = f.get();
     const std::string what = "gradients of unit '" + label() + "' (" + fp->describe() + ")";
+    owner_->count_gradient_reduction();
     if (owner_->strategy() == Strategy::OptimizerOnly) {
       at::Tensor g = fp->take_staging_grad();
       owner_->world().comm().all_reduce(g, c10d::ReduceOp::SUM, what);

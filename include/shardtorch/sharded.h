@@ -190,6 +190,9 @@ class ShardedModel {
   /// NoShard: buckets whose all-reduce was launched from a gradient hook,
   /// i.e. while backward was still running (overlap), since shard().
   int64_t buckets_launched_during_backward() const;
+  /// Gradient reductions started since shard(): flat gradients handed to a
+  /// reduce-scatter or all-reduce, and NoShard buckets launched.
+  int64_t gradient_reductions() const;
   const std::shared_ptr<detail::ShardState>& state() const { return state_; }
 
  private:

@@ -1,0 +1,244 @@
+// Strategy details: no_sync, memory against the ZeRO formulas, DDP overlap and
+// bucket views, unused parameters, per-unit resharding, bad configuration.
+#include <gtest/gtest.h>
+
+#include "models.h"
+
+using namespace testmodels;
+using shardtorch::Mem;
+using shardtorch::ShardOptions;
+using shardtorch::Strategy;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+
+namespace {
+const Strategy kAll[] = {Strategy::FullShard, Strategy::ShardGradOp, Strategy::OptimizerOnly, Strategy::NoShard,
+                         Strategy::HybridShard};
+ShardOptions options_for(Strategy s, int world) {
+  auto o = ShardOptions().strategy(s);
+  if (s == Strategy::HybridShard) o.hybrid_shard_size(world % 2 == 0 ? 2 : 1);
+  return o;
+}
+std::string name_of(const ::testing::TestParamInfo<Strategy>& info) { return shardtorch::strategy_name(info.param); }
+}  // namespace
+
+class EveryStrategy : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(EveryStrategy, NoSyncReducesNothingUntilTheSynchronisingBackward) {
+  const Strategy strategy = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    auto sm = shardtorch::shard(model, w, options_for(strategy, 2));
+    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+    {
+      auto guard = sm.no_sync();
+      require(!sm.requires_gradient_sync(), "no_sync() did not switch sync off");
+      gpt::lm_loss(model(x), x).backward();
+      gpt::lm_loss(model(x), x).backward();
+    }
+    require(sm.requires_gradient_sync(), "no_sync() did not restore sync");
+    require(sm.gradient_reductions() == 0, "reduced during no_sync: " + std::to_string(sm.gradient_reductions()));
+    const int64_t staged = sm.memory().cur(Mem::GradStaging);
+    if (strategy == Strategy::NoShard) {
+      require(staged == 0, "NoShard accumulates in its buckets, nothing staged");
+    } else {
+      require(staged > 0, "sharded strategies keep unsharded gradients while accumulating");
+    }
+    gpt::lm_loss(model(x), x).backward();
+    require(sm.gradient_reductions() > 0, "the synchronising backward reduced nothing");
+    require(sm.memory().cur(Mem::GradStaging) == 0, "staged gradients left after the synchronising backward");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST_P(EveryStrategy, ModelStateMemoryMatchesTheZeroFormula) {
+  const Strategy strategy = GetParam();
+  for (int world : {2, 3, 4}) {
+    auto r = run_ranks(world, [&](World& w) {
+      auto model = gpt::GPT(gpt::Config{});
+      int64_t psi = 0;
+      for (auto& [n, p] : unique_params(*model)) psi += p.numel();
+      auto sm = shardtorch::shard(model, w, options_for(strategy, world));
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+      auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+      gpt::lm_loss(model(x), x).backward();
+      opt->step();
+      auto m = sm.memory();
+      const int64_t state = m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) +
+                            m.cur(Mem::OptimizerState);
+      const double n = world, s = strategy == Strategy::HybridShard ? 2 : world, P = static_cast<double>(psi);
+      double formula = 0;
+      switch (strategy) {
+        case Strategy::FullShard: formula = 16 * P / n; break;
+        case Strategy::ShardGradOp: formula = 4 * P + 12 * P / n; break;
+        case Strategy::OptimizerOnly: formula = 8 * P + 8 * P / n; break;
+        case Strategy::NoShard: formula = 16 * P; break;
+        case Strategy::HybridShard: formula = 16 * P / s; break;
+      }
+      int64_t padding = 0, flats = 0;
+      for (const auto& u : sm.units())
+        for (const auto& l : u.layouts) padding += l.padding(), ++flats;
+      const double slack = 16.0 * (padding + flats);  // padding, and ceil() per flat parameter
+      if (w.rank() == 0) {
+        std::printf("  memory %-14s N=%d psi=%lld formula=%.0f measured=%lld (params %lld + %lld, grads %lld, optim %lld)\n",
+                    shardtorch::strategy_name(strategy), world, static_cast<long long>(psi), formula,
+                    static_cast<long long>(state), static_cast<long long>(m.cur(Mem::ShardedParams)),
+                    static_cast<long long>(m.cur(Mem::ReplicatedParams)), static_cast<long long>(m.cur(Mem::Gradients)),
+                    static_cast<long long>(m.cur(Mem::OptimizerState)));
+        std::fflush(stdout);
+      }
+      require(std::abs(state - formula) <= slack, std::string(shardtorch::strategy_name(strategy)) + " at N=" +
+              std::to_string(world) + ": model state " + std::to_string(state) + " bytes, formula " +
+              std::to_string(formula) + " +- " + std::to_string(slack));
+    });
+    ASSERT_TRUE(r.ok) << r.summary();
+  }
+}
+
+TEST_P(EveryStrategy, FrozenParametersHoldNoGradientOrOptimizerMemoryAndMatch) {
+  const Strategy strategy = GetParam();
+  torch::manual_seed(7);
+  auto x = torch::randn({12, 7}), y = torch::randn({12, 3});
+  torch::manual_seed(0);
+  auto ref = MLP();
+  torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-3));
+  for (int s = 0; s < 3; ++s) {
+    ref_opt.zero_grad();
+    torch::mse_loss(ref(x), y).backward();
+    ref_opt.step();
+  }
+  std::map<std::string, torch::Tensor> want;
+  for (auto& [n, p] : unique_params(*ref)) want[n] = p.detach().clone();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = MLP();
+    int64_t trainable = 0;
+    for (auto& [n, p] : unique_params(*m)) trainable += p.requires_grad() ? p.numel() : 0;
+    auto sm = shardtorch::shard(m, w, options_for(strategy, 2));
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    for (int s = 0; s < 3; ++s) {
+      opt->zero_grad();
+      torch::mse_loss(m(x.narrow(0, 6 * w.rank(), 6)), y.narrow(0, 6 * w.rank(), 6)).backward();
+      opt->step();
+    }
+    auto mem = sm.memory();
+    // Frozen elements have no gradient or optimizer state anywhere.
+    require(mem.cur(Mem::OptimizerState) <= 8 * trainable, "optimizer state covers frozen parameters");
+    int64_t grad_bound = 4 * trainable;
+    for (const auto& u : sm.units())
+      for (size_t f = 0; f < u.layouts.size(); ++f)
+        if (!u.frozen[f]) grad_bound += 4 * u.layouts[f].padding();
+    require(mem.cur(Mem::Gradients) <= grad_bound, "gradient memory covers frozen parameters");
+    shardtorch::FullParams full(*m);
+    std::map<std::string, torch::Tensor> got;
+    for (auto& [n, p] : unique_params(*m)) got[n] = p.detach().clone();
+    expect_close_map(got, want, 1e-5, shardtorch::strategy_name(strategy));
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(All, EveryStrategy, ::testing::ValuesIn(kAll), name_of);
+
+TEST(NoShard, BucketAllReducesStartDuringBackwardAndGradientsAreBucketViews) {
+  auto r = run_ranks(2, [](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    // ~16 KiB buckets: the GPT's ~100 KiB of gradients make several.
+    auto sm = shardtorch::shard(model, w, ShardOptions().strategy(Strategy::NoShard).bucket_mb(1.0 / 64));
+    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+    gpt::lm_loss(model(x), x).backward();
+    require(sm.buckets_launched_during_backward() >= 1, "no bucket was launched before backward ended");
+    // Gradients are views of bucket storage: consecutive parameters of one
+    // block share a storage.
+    auto& ln = model->block_list[1]->ln2;
+    require(ln->weight.grad().storage().is_alias_of(ln->bias.grad().storage()), "gradients are not bucket views");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto sync = run_ranks(2, [](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    auto sm = shardtorch::shard(model, w, ShardOptions().strategy(Strategy::NoShard).bucket_mb(1.0 / 64).ddp_async(false));
+    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+    gpt::lm_loss(model(x), x).backward();
+    require(sm.buckets_launched_during_backward() == 0, "synchronous mode launched during backward");
+    require(sm.gradient_reductions() > 1, "synchronous mode reduced nothing");
+  });
+  ASSERT_TRUE(sync.ok) << sync.summary();
+}
+
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl() : a(register_module("a", torch::nn::Linear(4, 4))), b(register_module("b", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(torch::Tensor x) { return a(x); }  // b never used
+  torch::nn::Linear a, b;
+};
+TORCH_MODULE(TwoHeads);
+
+TEST(NoShard, UnusedParameterIsReducedAsZeroOrNamedInAnError) {
+  auto r = run_ranks(2, [](World& w) {
+    TwoHeads m;
+    auto sm = shardtorch::shard(*m, w, ShardOptions().strategy(Strategy::NoShard));
+    auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+    for (int s = 0; s < 2; ++s) {  // no hang, and a second step works
+      opt->zero_grad();
+      m(torch::ones({2, 4}) * (w.rank() + 1)).sum().backward();
+      opt->step();
+    }
+    require(m->b->weight.grad().eq(0).all().item<bool>(), "unused parameter should have a zero gradient");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto e = run_ranks(2, [](World& w) {
+    TwoHeads m;
+    shardtorch::shard(*m, w, ShardOptions().strategy(Strategy::NoShard).error_on_unused_parameters(true));
+    m(torch::ones({2, 4})).sum().backward();
+  });
+  ASSERT_FALSE(e.ok);
+  for (auto& o : e.ranks) EXPECT_NE(o.message.find("parameter 'b.weight' received no gradient"), std::string::npos) << e.summary();
+}
+
+TEST(FullShard, ReshardAfterForwardPerUnit) {
+  auto r = run_ranks(2, [](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    auto sm = shardtorch::shard(model, w, ShardOptions().reshard_after_forward_for("blocks.0", false));
+    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+    auto loss = gpt::lm_loss(model(x), x);
+    // After forward: the root and blocks.0 stay gathered, blocks.1 was freed.
+    require(sm.memory().gathered_units == 2, "expected root and blocks.0 gathered, got " +
+            std::to_string(sm.memory().gathered_units));
+    loss.backward();
+    require(sm.memory().gathered_units == 0, "units left gathered after backward");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(Configuration, BadStrategyNamesAndGroupSizesAreClearErrors) {
+  EXPECT_EQ(shardtorch::parse_strategy("FULL_SHARD"), Strategy::FullShard);
+  EXPECT_EQ(shardtorch::parse_strategy("zero2"), Strategy::ShardGradOp);
+  EXPECT_EQ(shardtorch::parse_strategy("ddp"), Strategy::NoShard);
+  EXPECT_EQ(shardtorch::parse_strategy("optimizer-only"), Strategy::OptimizerOnly);
+  try {
+    shardtorch::parse_strategy("zero4");
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown strategy 'zero4'; expected one of full_shard"), std::string::npos);
+  }
+  auto r = run_ranks(3, [](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    try {
+      shardtorch::shard(model, w, ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2));
+    } catch (const c10::Error& e) {
+      require(std::string(e.what()).find("hybrid_shard_size (now 2) to divide the world size 3") != std::string::npos, e.what());
+      return;
+    }
+    throw std::runtime_error("no error");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto u = run_ranks(1, [](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    try {
+      shardtorch::shard(model, w, ShardOptions().reshard_after_forward_for("blocks.7", false));
+    } catch (const c10::Error& e) {
+      require(std::string(e.what()).find("reshard_after_forward_for('blocks.7') names no unit") != std::string::npos, e.what());
+      return;
+    }
+    throw std::runtime_error("no error");
+  });
+  ASSERT_TRUE(u.ok) << u.summary();
+}
