@@ -66,7 +66,8 @@ TEST_P(EveryStrategy, ModelStateMemoryMatchesTheZeroFormula) {
       auto m = sm.memory();
       const int64_t state = m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) +
                             m.cur(Mem::OptimizerState);
-      const double n = world, s = strategy == Strategy::HybridShard ? 2 : world, P = static_cast<double>(psi);
+      const double n = world, P = static_cast<double>(psi);
+      const double s = options_for(strategy, world).hybrid_shard_size();  // HybridShard only
       double formula = 0;
       switch (strategy) {
         case Strategy::FullShard: formula = 16 * P / n; break;
