@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cmath>
+#include <limits>
 
 #include "shardtorch/sharded.h"
 
@@ -48,7 +49,7 @@ struct BlockImpl : torch::nn::Module {
     auto v = parts[2].view({B, T, H, D}).transpose(1, 2);
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
     auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
-    att = torch::softmax(att.masked_fill(mask, -1e9), -1);
+    att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
     auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, C});
     x = x + proj(y);
     return x + fc2(torch::gelu(fc1(ln2(x))));

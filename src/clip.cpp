@@ -16,24 +16,8 @@ double clip_grad_norm(torch::nn::Module& root, double max_norm, double norm_type
   c10::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
 
-  // The gradients this rank holds, and whether other ranks hold other parts.
-  std::vector<at::Tensor> grads;
-  bool sharded = false;
-  if (state->ddp()) {
-    for (const auto& p : state->ddp_params())
-      if (p.grad().defined()) grads.push_back(p.grad());
-  } else {
-    for (auto& u : state->units()) {
-      for (auto& f : u->flats()) {
-        if (f->full_grad().defined()) {
-          grads.push_back(f->full_grad());  // OptimizerOnly: whole and identical on every rank
-        } else if (f->shard_grad().defined()) {
-          grads.push_back(f->shard_grad());
-          sharded = true;
-        }
-      }
-    }
-  }
+  bool partial = false;
+  std::vector<at::Tensor> grads = state->local_gradients(partial);
   // Accumulate in double: one partial value per rank.
   double local = 0.0;
   for (const auto& g : grads) {
@@ -43,8 +27,7 @@ double clip_grad_norm(torch::nn::Module& root, double max_norm, double norm_type
       local += g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
     }
   }
-  // The strategy is the same on every rank, so either every rank communicates or none does.
-  if (sharded || (state->strategy() != Strategy::NoShard && state->strategy() != Strategy::OptimizerOnly)) {
+  if (partial) {
     Comm& comm = state->shard_comm();  // hybrid replicas hold equal shards: the shard group covers everything once
     auto t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble)).to(comm.device());
     comm.all_reduce(t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, "clip_grad_norm");

@@ -53,6 +53,7 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
     : params_(std::move(params)), names_(std::move(names)), rank_(rank), mem_(mem), persistent_(persistent) {
   TORCH_CHECK(!params_.empty(), "FlatParam: no parameters");
   dtype_ = params_[0].scalar_type();
+  reduce_dtype_ = dtype_;
   requires_grad_ = params_[0].requires_grad();
   std::vector<std::vector<int64_t>> shapes;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -75,6 +76,7 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   auto [lo, hi] = layout_.shard_range(rank_);
   if (persistent_) {
     shard_ = full_.narrow(0, lo, hi - lo);
+    shard_is_view_ = true;
     if (mem_) mem_->add(Mem::ReplicatedParams, full_.nbytes());
   } else {
     shard_ = full_.narrow(0, lo, hi - lo).clone();
@@ -89,6 +91,7 @@ FlatParam::~FlatParam() {
   if (!mem_) return;
   if (persistent_) {
     mem_->sub(Mem::ReplicatedParams, full_.nbytes());
+    if (!shard_is_view_) mem_->sub(Mem::ShardedParams, shard_.nbytes());
   } else {
     mem_->sub(Mem::ShardedParams, shard_.nbytes());
     if (gathered_) mem_->sub(Mem::GatheredParams, full_.nbytes());
@@ -99,6 +102,33 @@ FlatParam::~FlatParam() {
     mem_->sub(Mem::Gradients, shard_grad_.nbytes());
   }
   if (staging_.defined()) mem_->sub(Mem::GradStaging, staging_.nbytes());
+}
+
+void FlatParam::set_mixed_precision(at::ScalarType compute, at::ScalarType reduce) {
+  reduce_dtype_ = reduce;
+  if (compute == compute_dtype()) return;
+  TORCH_CHECK(gathered_, "FlatParam: set_mixed_precision of ", describe(), " while it is sharded");
+  c10::NoGradGuard no_grad;
+  if (persistent_) {  // the shard was a view of the full buffer: the master needs its own memory
+    shard_ = shard_.clone();
+    shard_is_view_ = false;
+    if (mem_) {
+      mem_->add(Mem::ShardedParams, shard_.nbytes());
+      mem_->sub(Mem::ReplicatedParams, full_.nbytes());
+    }
+  } else if (mem_) {
+    mem_->sub(Mem::GatheredParams, full_.nbytes());
+  }
+  at::Tensor low = full_.to(compute);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].set_data(low.narrow(0, layout_.offset(i), layout_.numel(i)).view(layout_.shape(i)));
+  }
+  full_ = low;
+  if (mem_) mem_->add(persistent_ ? Mem::ReplicatedParams : Mem::GatheredParams, full_.nbytes());
+}
+
+at::Tensor FlatParam::gather_source() const {
+  return shard_.scalar_type() == full_.scalar_type() ? shard_ : shard_.to(full_.scalar_type());
 }
 
 void FlatParam::alloc_full() {
@@ -123,7 +153,7 @@ void FlatParam::free_full() {
 
 void FlatParam::write_back_shard() {
   TORCH_CHECK(gathered_, "FlatParam: write_back_shard of ", describe(), " while it is sharded");
-  if (persistent_) return;  // the shard is a view of the full buffer
+  if (shard_is_view_) return;  // the shard is a view of the full buffer
   auto [lo, hi] = layout_.shard_range(rank_);
   c10::NoGradGuard no_grad;
   shard_.copy_(full_.narrow(0, lo, hi - lo));
@@ -131,7 +161,7 @@ void FlatParam::write_back_shard() {
 
 at::Tensor& FlatParam::staging_grad() {
   if (!staging_.defined()) {
-    staging_ = at::zeros({layout_.padded_numel()}, full_.options());
+    staging_ = at::zeros({layout_.padded_numel()}, full_.options().dtype(reduce_dtype_));
     if (mem_) mem_->add(Mem::GradStaging, staging_.nbytes());
   }
   return staging_;
@@ -157,23 +187,24 @@ at::Tensor FlatParam::take_staging_grad() {
 
 void FlatParam::accumulate_shard_grad(const at::Tensor& reduced, double divisor) {
   c10::NoGradGuard no_grad;
+  at::Tensor g = at::div(reduced.to(dtype_), divisor);  // gradient shards are in the master dtype
   if (!shard_grad_.defined()) {
-    shard_grad_ = at::div(reduced, divisor);
+    shard_grad_ = g;
     if (mem_) mem_->add(Mem::Gradients, shard_grad_.nbytes());
   } else {
-    shard_grad_.add_(at::div(reduced, divisor));
+    shard_grad_.add_(g);
   }
 }
 
 void FlatParam::accumulate_full_grad(const at::Tensor& reduced, double divisor) {
   c10::NoGradGuard no_grad;
   if (!full_grad_.defined()) {
-    full_grad_ = at::div(reduced, divisor);
+    full_grad_ = at::div(reduced.to(dtype_), divisor);
     auto [lo, hi] = layout_.shard_range(rank_);
     shard_grad_ = full_grad_.narrow(0, lo, hi - lo);
     if (mem_) mem_->add(Mem::Gradients, full_grad_.nbytes());
   } else {
-    full_grad_.add_(at::div(reduced, divisor));
+    full_grad_.add_(at::div(reduced.to(dtype_), divisor));
   }
 }
 

@@ -9,6 +9,10 @@ namespace shardtorch {
 FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
     : state_(detail::state_of(root)), options_(options) {
   TORCH_CHECK(state_, "shardtorch::summon_full_params: this model was never sharded");
+  const bool mixed = state_->options().mixed_precision().param_dtype().has_value();
+  TORCH_CHECK(!(mixed && options_.writeback().value_or(false)), "shardtorch::summon_full_params: writeback under "
+              "mixed precision would round the fp32 master parameters to the compute dtype; leave writeback unset");
+  writeback_ = options_.writeback().value_or(!mixed) && !options_.rank0_only();
   World& world = state_->world();
   const bool keep = !options_.rank0_only() || world.rank() == 0;
   c10::NoGradGuard no_grad;
@@ -42,12 +46,45 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
 
 FullParams::~FullParams() {
   for (auto& p : grads_set_) p.mutable_grad().reset();
-  const bool write = options_.writeback() && !options_.rank0_only();
-  if (write) {
+  if (writeback_) {
     for (auto& u : units_)
       for (auto& f : u->flats()) f->write_back_shard();
   }
   for (auto& u : summoned_) u->reshard();
+}
+
+}  // namespace shardtorch
+
+namespace shardtorch {
+
+std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool rank0_only) {
+  auto state = detail::state_of(root);
+  TORCH_CHECK(state, "shardtorch::full_parameters: this model was never sharded");
+  const bool keep = !rank0_only || state->world().rank() == 0;
+  std::map<std::string, at::Tensor> out;
+  c10::NoGradGuard no_grad;
+  // Tied parameters appear under every name the module gives them.
+  std::map<const void*, std::vector<std::string>> names;
+  for (const auto& item : root.named_parameters()) names[item.value().unsafeGetTensorImpl()].push_back(item.key());
+  auto put = [&](const at::Tensor& param, const at::Tensor& value) {
+    for (const auto& n : names[param.unsafeGetTensorImpl()]) out[n] = value;
+  };
+  if (state->ddp()) {
+    if (keep)
+      for (const auto& item : root.named_parameters()) out[item.key()] = item.value().detach().clone();
+    return out;
+  }
+  for (auto& u : state->units()) {
+    for (auto& f : u->flats()) {
+      at::Tensor full = at::empty({f->layout().padded_numel()}, f->shard().options());
+      at::Tensor mine = f->shard().clone();
+      state->shard_comm().all_gather_into(full, mine, "master parameters of unit '" + u->label() + "'");
+      if (!keep) continue;
+      for (size_t i = 0; i < f->params().size(); ++i)
+        put(f->params()[i], full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i)).clone());
+    }
+  }
+  return out;
 }
 
 }  // namespace shardtorch

@@ -12,6 +12,9 @@ namespace detail {
 ShardViews::ShardViews(torch::nn::Module& root) : state_(state_of(root)) {
   TORCH_CHECK(state_, "shardtorch: cannot build a sharded optimizer: this model was never sharded; call "
                       "shardtorch::shard(model, world) first");
+  TORCH_CHECK(state_->options().mixed_precision().param_dtype() != at::kHalf || state_->has_scaler(),
+              "shardtorch: fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
+              "model before its optimizer, and step through scaler.step(*opt)");
   if (state_->ddp()) {  // NoShard: the optimizer runs over the parameters themselves
     for (const auto& p : state_->ddp_params()) {
       by_param_.emplace_back(p.unsafeGetTensorImpl(), std::vector<size_t>{pieces_.size()});

@@ -54,11 +54,36 @@ void ShardState::after_optimizer_step() {
   for (auto& u : units()) {
     for (auto& f : u->flats()) {
       if (!f->persistent()) continue;
-      at::Tensor mine = f->shard().clone();  // the all-gather's input must not alias its output
+      // The all-gather's input must not alias its output (and is in the compute dtype).
+      at::Tensor mine = f->gather_source().clone();
       shard_comm().all_gather_into(f->full(), mine, "updated parameters of unit '" + u->label() + "'");
     }
     u->reshard();  // non-persistent full copies are stale now
   }
+}
+
+std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
+  std::vector<at::Tensor> grads;
+  partial = false;
+  if (ddp_) {
+    for (const auto& p : ddp_params_)
+      if (p.grad().defined()) grads.push_back(p.grad());
+    return grads;
+  }
+  for (auto& u : units()) {
+    for (auto& f : u->flats()) {
+      if (f->full_grad().defined()) {
+        grads.push_back(f->full_grad());  // OptimizerOnly: whole and identical on every rank
+      } else if (f->shard_grad().defined()) {
+        grads.push_back(f->shard_grad());
+        partial = true;
+      }
+    }
+  }
+  // The strategy is the same everywhere: decide on it, not on what this rank
+  // happens to hold, so that every rank communicates or none does.
+  partial = strategy() != Strategy::NoShard && strategy() != Strategy::OptimizerOnly;
+  return grads;
 }
 
 namespace {

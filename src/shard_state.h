@@ -36,6 +36,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void unshard();
   void reshard();
   void pre_forward();
+  std::optional<at::ScalarType> input_dtype() const;
+  std::optional<at::ScalarType> output_dtype() const;
   void post_forward(const std::vector<at::Tensor>& outputs);
   void pre_backward();
   void on_grad_ready(size_t flat, size_t param);
@@ -99,6 +101,14 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   AllReduceBucketer* ddp() { return ddp_.get(); }
   const std::vector<at::Tensor>& ddp_params() const { return ddp_params_; }
 
+  /// The gradient tensors this rank holds (shards, whole ZeRO-1 gradients or
+  /// NoShard bucket views); `partial` is set when other ranks hold other parts.
+  std::vector<at::Tensor> local_gradients(bool& partial);
+
+  /// fp16 mixed precision needs a GradScaler; one registers itself here.
+  bool has_scaler() const { return has_scaler_; }
+  void set_has_scaler() { has_scaler_ = true; }
+
   /// Queues finish_backward() on the autograd engine once per backward.
   void ensure_end_of_backward_callback();
   void finish_backward();
@@ -119,6 +129,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool callback_queued_ = false;
   bool sync_ = true;
   int64_t gradient_reductions_ = 0;
+  bool has_scaler_ = false;
 };
 
 /// The registry of sharded models, by root module (entries die with it).

@@ -21,6 +21,8 @@ UnitBase::~UnitBase() = default;
 
 void UnitBase::before_forward() { unit_->pre_forward(); }
 void UnitBase::after_forward(const std::vector<at::Tensor>& outputs) { unit_->post_forward(outputs); }
+std::optional<at::ScalarType> UnitBase::input_dtype() const { return unit_->input_dtype(); }
+std::optional<at::ScalarType> UnitBase::output_dtype() const { return unit_->output_dtype(); }
 
 // ---------------------------------------------------------------- shard()
 
@@ -174,6 +176,16 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
                 ") to divide the world size ", world->size());
     shard_size = s;
   }
+  const auto& mp = options.mixed_precision();
+  auto low_precision = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; };
+  TORCH_CHECK(!mp.param_dtype() || low_precision(*mp.param_dtype()), "shardtorch::shard: MixedPrecision param_dtype ",
+              *mp.param_dtype(), " must be BFloat16, Half or Float");
+  TORCH_CHECK(!mp.reduce_dtype() || low_precision(*mp.reduce_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype ",
+              *mp.reduce_dtype(), " must be BFloat16, Half or Float");
+  TORCH_CHECK(!(mp.reduce_dtype() && !mp.param_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype needs param_dtype");
+  TORCH_CHECK(!(strategy == Strategy::NoShard && (mp.param_dtype() || mp.buffer_dtype())), "shardtorch::shard: "
+              "mixed precision is not supported with NoShard (it needs fp32 master copies of replicated parameters); "
+              "use OptimizerOnly, which keeps them sharded");
   for (const auto& [unit, flag] : options.per_unit_reshard()) {
     bool known = std::any_of(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == unit; });
     TORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
@@ -251,6 +263,9 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
         world->comm().broadcast(flat->full(), 0, "parameters of unit '" + unit->label() + "' at shard()");
         flat->write_back_shard();
       }
+      if (mp.param_dtype() && at::isFloatingType(key.first)) {
+        flat->set_mixed_precision(*mp.param_dtype(), mp.reduce_dtype().value_or(*mp.param_dtype()));
+      }
       flat->free_full();
       unit->flats().push_back(std::move(flat));
     }
@@ -260,6 +275,11 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     made.push_back(unit);
   }
   if (options.sync_module_states() && world->size() > 1) broadcast_buffers(*world, buffers);
+  if (mp.buffer_dtype()) {
+    c10::NoGradGuard no_grad;
+    for (auto& [name, b] : buffers)
+      if (b.is_floating_point()) b.set_data(b.to(*mp.buffer_dtype()));
+  }
   for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
   detail::register_model(root, state);
   return ShardedModel(state);

@@ -33,8 +33,8 @@ void Unit::unshard() {
   state_ = UnitState::Gathering;
   for (auto& f : flats_) {
     f->alloc_full();
-    owner_->shard_comm().all_gather_into(f->full(), f->shard(),
-                                         "parameters of unit '" + label() + "' (" + f->describe() + ")");
+    at::Tensor src = f->gather_source();
+    owner_->shard_comm().all_gather_into(f->full(), src, "parameters of unit '" + label() + "' (" + f->describe() + ")");
   }
   state_ = UnitState::Unsharded;
   if (!flats_.empty()) owner_->mem().unit_gathered();
@@ -48,6 +48,16 @@ void Unit::reshard() {
 }
 
 void Unit::pre_forward() { unshard(); }
+
+std::optional<at::ScalarType> Unit::input_dtype() const {
+  const auto& mp = owner_->options().mixed_precision();
+  if (!is_root_ || !mp.cast_root_inputs()) return std::nullopt;
+  return mp.param_dtype();
+}
+
+std::optional<at::ScalarType> Unit::output_dtype() const {
+  return is_root_ ? owner_->options().mixed_precision().output_dtype() : std::nullopt;
+}
 
 void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   bool grad_mode = c10::GradMode::is_enabled();
@@ -99,23 +109,29 @@ void Unit::reduce_grads() {
     FlatParam* fp = f.get();
     const std::string what = "gradients of unit '" + label() + "' (" + fp->describe() + ")";
     owner_->count_gradient_reduction();
+    at::Tensor g = fp->take_staging_grad();
+    // fp16 sums of N gradients can overflow: divide before reducing instead of after.
+    double post = world;
+    if (g.scalar_type() == at::kHalf) {
+      g.div_(world);
+      post = 1.0;
+    }
     if (owner_->strategy() == Strategy::OptimizerOnly) {
-      at::Tensor g = fp->take_staging_grad();
       owner_->world().comm().all_reduce(g, c10d::ReduceOp::SUM, what);
-      fp->accumulate_full_grad(g, world);
+      fp->accumulate_full_grad(g, post);
       continue;
     }
     Comm* replicas = owner_->replica_comm();
     owner_->bucketer().reduce_scatter(
-        fp->take_staging_grad(), owner_->shard_comm(),
-        [fp, world, replicas, what](const at::Tensor& reduced) {
+        g, owner_->shard_comm(),
+        [fp, post, replicas, what](const at::Tensor& reduced) {
           if (replicas == nullptr || replicas->size() == 1) {
-            fp->accumulate_shard_grad(reduced, world);
+            fp->accumulate_shard_grad(reduced, post);
             return;
           }
           at::Tensor t = reduced.clone();  // summed in the shard group; now across the replicas
           replicas->all_reduce(t, c10d::ReduceOp::SUM, what + " across replicas");
-          fp->accumulate_shard_grad(t, world);
+          fp->accumulate_shard_grad(t, post);
         },
         what);
   }

@@ -66,7 +66,19 @@ class FlatParam {
   const FlatParamLayout& layout() const { return layout_; }
   const std::vector<at::Tensor>& params() const { return params_; }
   const std::vector<std::string>& names() const { return names_; }
+  /// The master dtype: the shard's and the gradient shard's.
   at::ScalarType dtype() const { return dtype_; }
+  /// The full buffer's (and the module parameters') dtype.
+  at::ScalarType compute_dtype() const { return full_.scalar_type(); }
+  /// The staging buffer's dtype: gradients are reduced in it.
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  /// Mixed precision: the full buffer and the module's parameters become
+  /// `compute` (the parameters are re-pointed with set_data, so call this
+  /// before any gradient accumulator exists); the shard stays the fp32
+  /// master (a copy of its own if it was a view); gradients stage in `reduce`.
+  void set_mixed_precision(at::ScalarType compute, at::ScalarType reduce);
+  /// The shard as the all-gather sends it: cast to the compute dtype.
+  at::Tensor gather_source() const;
   bool requires_grad() const { return requires_grad_; }
 
   /// The parameters laid out flat (full, padded), as they are now.
@@ -111,9 +123,11 @@ class FlatParam {
   bool requires_grad_;
   int rank_;
   MemoryTracker* mem_;
+  at::ScalarType reduce_dtype_;
   at::Tensor full_, shard_, shard_grad_, staging_, full_grad_;
   bool gathered_ = false;
   bool persistent_ = false;
+  bool shard_is_view_ = false;
 };
 
 }  // namespace shardtorch

@@ -6,7 +6,10 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
+#include <map>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace shardtorch {
@@ -20,8 +23,11 @@ struct SummonOptions {
   /// Only rank 0 keeps the full parameters; the other ranks free each unit as
   /// soon as it is gathered, so their memory stays at one unit.
   TORCH_ARG(bool, rank0_only) = false;
-  /// Copy edits of the full parameters back into the shards on exit.
-  TORCH_ARG(bool, writeback) = true;
+  /// Copy edits of the full parameters back into the shards on exit. Unset:
+  /// yes, except under mixed precision, where the parameters are in the
+  /// compute dtype and writing them back would round the fp32 masters
+  /// (asking for it explicitly then is an error).
+  TORCH_ARG(std::optional<bool>, writeback) = std::nullopt;
   /// Also set param.grad() to the full (reduced, averaged) gradients.
   TORCH_ARG(bool, with_grads) = false;
 };
@@ -37,6 +43,7 @@ class FullParams {
  private:
   std::shared_ptr<detail::ShardState> state_;
   SummonOptions options_;
+  bool writeback_ = true;
   std::vector<std::shared_ptr<detail::Unit>> units_;     // every unit, gathered while we live
   std::vector<std::shared_ptr<detail::Unit>> summoned_;  // the ones we gathered
   std::vector<at::Tensor> grads_set_;  // parameters whose grad we set
@@ -46,5 +53,10 @@ class FullParams {
 inline std::unique_ptr<FullParams> summon_full_params(torch::nn::Module& root, SummonOptions options = {}) {
   return std::make_unique<FullParams>(root, options);
 }
+
+/// Collective: every parameter's full value in the master dtype (fp32 under
+/// mixed precision), by name (tied parameters under each name), gathered one
+/// flat parameter at a time. With rank0_only the other ranks get an empty map.
+std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool rank0_only = false);
 
 }  // namespace shardtorch

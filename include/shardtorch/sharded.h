@@ -32,6 +32,8 @@
 
 #include <map>
 #include <memory>
+#include <optional>
+#include <type_traits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -55,8 +57,25 @@ enum class Strategy {
 Strategy parse_strategy(const std::string& name);
 const char* strategy_name(Strategy s);
 
+/// Mixed precision: fp32 master shards (owned by the optimizer), parameters
+/// gathered and computed in param_dtype, gradients reduced in reduce_dtype.
+struct MixedPrecision {
+  /// Gathering and compute dtype (kBFloat16 or kHalf); unset: no mixed precision.
+  TORCH_ARG(std::optional<at::ScalarType>, param_dtype) = std::nullopt;
+  /// Gradient reduction dtype; unset: param_dtype. kFloat reduces in fp32.
+  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype) = std::nullopt;
+  /// The root unit's tensor output is cast to this (e.g. kFloat for the loss).
+  TORCH_ARG(std::optional<at::ScalarType>, output_dtype) = std::nullopt;
+  /// Floating-point buffers are cast to this at shard().
+  TORCH_ARG(std::optional<at::ScalarType>, buffer_dtype) = std::nullopt;
+  /// Floating-point tensor arguments of the root's forward are cast to param_dtype.
+  TORCH_ARG(bool, cast_root_inputs) = true;
+};
+
 struct ShardOptions {
   TORCH_ARG(Strategy, strategy) = Strategy::FullShard;
+  /// Mixed precision (all strategies but NoShard).
+  TORCH_ARG(MixedPrecision, mixed_precision) = {};
   /// Free a unit's full parameters after its forward (FullShard and
   /// HybridShard); when false they stay until the end of backward. The root
   /// unit stays gathered after a forward in grad mode either way.
@@ -108,6 +127,10 @@ class UnitBase {
  protected:
   void before_forward();
   void after_forward(const std::vector<at::Tensor>& outputs);
+  /// Mixed precision at the root: the dtype floating inputs are cast to, and
+  /// the dtype a tensor output is cast to.
+  std::optional<at::ScalarType> input_dtype() const;
+  std::optional<at::ScalarType> output_dtype() const;
 
  private:
   friend class detail::ShardState;
@@ -125,6 +148,18 @@ void collect_tensors(std::vector<at::Tensor>& out, const std::tuple<T...>& t) {
 }
 template <class T>
 void collect_tensors(std::vector<at::Tensor>&, const T&) {}  // carries no tensor we can hook
+
+// Casts a floating-point tensor argument; passes anything else through.
+template <class T>
+decltype(auto) cast_input(T&& arg, const std::optional<at::ScalarType>& dtype) {
+  using D = std::decay_t<T>;
+  if constexpr (std::is_same_v<D, at::Tensor> && !(std::is_lvalue_reference_v<T> && !std::is_const_v<std::remove_reference_t<T>>)) {
+    if (dtype && arg.defined() && arg.is_floating_point() && arg.scalar_type() != *dtype) return at::Tensor(arg.to(*dtype));
+    return at::Tensor(std::forward<T>(arg));
+  } else {
+    return std::forward<T>(arg);
+  }
+}
 }  // namespace detail
 
 /// Marks a module as a unit: `TORCH_MODULE_IMPL(Block, shardtorch::Sharded<BlockImpl>)`.
@@ -139,7 +174,11 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
   R forward(A... args) {
     if (!is_sharded_unit()) return Impl::forward(std::forward<A>(args)...);
     before_forward();
-    R out = Impl::forward(std::forward<A>(args)...);
+    const auto in_dtype = input_dtype();
+    R out = Impl::forward(detail::cast_input(std::forward<A>(args), in_dtype)...);
+    if constexpr (std::is_same_v<R, at::Tensor>) {
+      if (auto od = output_dtype(); od && out.is_floating_point() && out.scalar_type() != *od) out = out.to(*od);
+    }
     std::vector<at::Tensor> outputs;
     detail::collect_tensors(outputs, out);
     after_forward(outputs);

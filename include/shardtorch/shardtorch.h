@@ -10,3 +10,4 @@
 #include "shardtorch/world.h"
 #include "shardtorch/all_reduce_bucketer.h"
 #include "shardtorch/clip.h"
+#include "shardtorch/grad_scaler.h"

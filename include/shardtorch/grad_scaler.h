@@ -1,0 +1,59 @@
+#pragma once
+// Dynamic loss scaling for fp16 mixed precision. The decision to skip a step
+// is agreed across ranks: if any rank finds an inf or nan in the gradients it
+// holds, every rank skips the step and lowers the scale.
+//
+//   shardtorch::GradScaler scaler(*model);             // before building the optimizer
+//   auto opt = shardtorch::AdamW(*model, ...);
+//   scaler.scale(loss).backward();
+//   scaler.unscale(*opt);                               // optional, e.g. before clipping
+//   shardtorch::clip_grad_norm(*model, 1.0);
+//   scaler.step(*opt);                                  // steps unless a rank overflowed
+#include <ATen/ATen.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+
+#include "shardtorch/optim.h"
+
+namespace shardtorch {
+
+namespace detail {
+class ShardState;
+}
+
+struct GradScalerOptions {
+  TORCH_ARG(double, init_scale) = 65536.0;
+  TORCH_ARG(double, growth_factor) = 2.0;
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  /// Consecutive good steps before the scale grows.
+  TORCH_ARG(int, growth_interval) = 2000;
+};
+
+class GradScaler {
+ public:
+  explicit GradScaler(torch::nn::Module& root, GradScalerOptions options = {});
+
+  /// loss × scale.
+  at::Tensor scale(const at::Tensor& loss) const;
+  /// Divides this rank's gradients by the scale (once per step).
+  void unscale(ShardedOptimizer& opt);
+  /// Collective. Unscales if not done yet, agrees across ranks whether any
+  /// gradient is inf or nan, steps the optimizer if none is, updates the
+  /// scale. Returns whether the step was taken.
+  bool step(ShardedOptimizer& opt);
+
+  double scale_value() const { return scale_; }
+  int64_t skipped_steps() const { return skipped_; }
+
+ private:
+  std::shared_ptr<detail::ShardState> state_;
+  GradScalerOptions options_;
+  double scale_;
+  bool unscaled_ = false;
+  int good_steps_ = 0;
+  int64_t skipped_ = 0;
+};
+
+}  // namespace shardtorch

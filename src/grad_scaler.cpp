@@ -1,0 +1,56 @@
+#include "shardtorch/grad_scaler.h"
+
+#include <c10/core/GradMode.h>
+
+#include "shard_state.h"
+
+namespace shardtorch {
+
+GradScaler::GradScaler(torch::nn::Module& root, GradScalerOptions options)
+    : state_(detail::state_of(root)), options_(options), scale_(options.init_scale()) {
+  TORCH_CHECK(state_, "shardtorch::GradScaler: this model was never sharded");
+  TORCH_CHECK(scale_ > 0 && options.growth_factor() > 1 && options.backoff_factor() > 0 && options.backoff_factor() < 1,
+              "shardtorch::GradScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1");
+  state_->set_has_scaler();
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& loss) const { return loss * scale_; }
+
+void GradScaler::unscale(ShardedOptimizer&) {
+  if (unscaled_) return;
+  c10::NoGradGuard no_grad;
+  bool partial = false;
+  for (auto& g : state_->local_gradients(partial)) g.mul_(1.0 / scale_);
+  unscaled_ = true;
+}
+
+bool GradScaler::step(ShardedOptimizer& opt) {
+  unscale(opt);
+  unscaled_ = false;
+  bool partial = false;
+  bool found = false;
+  for (auto& g : state_->local_gradients(partial)) {
+    if (!at::isfinite(g).all().item<bool>()) {
+      found = true;
+      break;
+    }
+  }
+  // Every rank must make the same decision, whatever part of the gradients it holds.
+  auto& comm = state_->world().comm();
+  auto flag = at::full({1}, found ? 1.0f : 0.0f).to(comm.device());
+  comm.all_reduce(flag, c10d::ReduceOp::MAX, "GradScaler inf/nan check");
+  if (flag.cpu().item<float>() > 0) {
+    scale_ *= options_.backoff_factor();
+    good_steps_ = 0;
+    ++skipped_;
+    return false;
+  }
+  opt.step();
+  if (++good_steps_ >= options_.growth_interval()) {
+    scale_ *= options_.growth_factor();
+    good_steps_ = 0;
+  }
+  return true;
+}
+
+}  // namespace shardtorch
