@@ -40,8 +40,13 @@ class CountingDataset : public torch::data::datasets::Dataset<CountingDataset> {
 
 struct Args {
   int steps = 40;
-  int64_t batch = 8;  // per rank
+  int64_t batch = 8;  // per rank, per optimizer step
   double lr = 3e-3;
+  std::string strategy = "full_shard";
+  int hybrid_shard_size = 1;
+  bool bf16 = false;
+  int accumulate = 1;  // micro-batches per step
+  double clip = 0;     // 0: no clipping
   gpt::Config cfg;
 };
 
@@ -58,8 +63,15 @@ Args parse(int argc, char** argv) {
     else if (k == "--lr") a.lr = std::stod(next());
     else if (k == "--layers") a.cfg.n_layer = std::stoll(next());
     else if (k == "--d-model") a.cfg.d_model = std::stoll(next());
+    else if (k == "--strategy") a.strategy = next();
+    else if (k == "--hybrid-shard-size") a.hybrid_shard_size = std::stoi(next());
+    else if (k == "--bf16") a.bf16 = true;
+    else if (k == "--accumulate") a.accumulate = std::stoi(next());
+    else if (k == "--clip") a.clip = std::stod(next());
     else if (k == "--help") {
-      std::cout << "train_gpt [--steps N] [--batch B per rank] [--lr LR] [--layers L] [--d-model D]\n";
+      std::cout << "train_gpt [--steps N] [--batch B per rank] [--lr LR] [--layers L] [--d-model D]\n"
+                   "          [--strategy full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard]\n"
+                   "          [--hybrid-shard-size S] [--bf16] [--accumulate K micro-batches] [--clip MAX_NORM]\n";
       std::exit(0);
     } else throw std::invalid_argument("train_gpt: unknown argument " + k);
   }
@@ -75,13 +87,24 @@ int main(int argc, char** argv) {
     const bool lead = world->rank() == 0;
     torch::manual_seed(0);
     gpt::GPT model(args.cfg);
-    auto sharded = shardtorch::shard(model, world);
+    TORCH_CHECK(args.accumulate >= 1 && args.batch % args.accumulate == 0, "train_gpt: --batch ", args.batch,
+                " must be a multiple of --accumulate ", args.accumulate);
+    auto options = shardtorch::ShardOptions()
+                       .strategy(shardtorch::parse_strategy(args.strategy))
+                       .hybrid_shard_size(args.hybrid_shard_size);
+    if (args.bf16) {
+      options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)
+                                  .output_dtype(at::kFloat));
+    }
+    auto sharded = shardtorch::shard(model, world, options);
     auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(args.lr).weight_decay(0.01));
 
     if (lead) {
       std::cout << "shardtorch demo: GPT with " << args.cfg.n_layer << " blocks, d_model " << args.cfg.d_model
-                << ", " << world->size() << " ranks (" << world->backend_name() << "), batch " << args.batch
-                << " per rank" << std::endl;
+                << ", " << world->size() << " ranks (" << world->backend_name() << "), strategy "
+                << shardtorch::strategy_name(sharded.strategy()) << (args.bf16 ? ", bf16" : "") << ", batch "
+                << args.batch << " per rank in " << args.accumulate << " micro-batch(es)"
+                << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << std::endl;
     }
     const int64_t dataset_size = 4096;
     std::vector<double> losses;
@@ -99,8 +122,16 @@ int main(int argc, char** argv) {
         sharded.reset_peak_memory();
         auto t0 = std::chrono::steady_clock::now();
         opt->zero_grad();
-        auto loss = gpt::lm_loss(model(batch.data), batch.data);
-        loss.backward();
+        at::Tensor loss = at::zeros({});
+        const int64_t mb = args.batch / args.accumulate;
+        for (int k = 0; k < args.accumulate; ++k) {
+          sharded.set_requires_gradient_sync(k == args.accumulate - 1);  // reduce once, on the last micro-batch
+          auto xs = batch.data.narrow(0, k * mb, mb);
+          auto l = gpt::lm_loss(model(xs), xs) / args.accumulate;
+          l.backward();
+          loss = loss + l.detach();
+        }
+        double norm = args.clip > 0 ? shardtorch::clip_grad_norm(*model, args.clip) : 0.0;
         opt->step();
         double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
@@ -111,6 +142,7 @@ int main(int argc, char** argv) {
         auto m = sharded.memory();
         std::ostringstream mine;
         mine << "rank " << world->rank() << ": sharded_params " << shardtorch::format_bytes(m.cur(shardtorch::Mem::ShardedParams))
+             << " | replicated_params " << shardtorch::format_bytes(m.cur(shardtorch::Mem::ReplicatedParams))
              << " | gradients " << shardtorch::format_bytes(m.cur(shardtorch::Mem::Gradients))
              << " | optimizer_state " << shardtorch::format_bytes(m.cur(shardtorch::Mem::OptimizerState))
              << " | peak gathered_params " << shardtorch::format_bytes(m.max(shardtorch::Mem::GatheredParams))
@@ -120,7 +152,9 @@ int main(int argc, char** argv) {
         auto lines = world->comm().all_gather_strings(mine.str(), "demo memory report");
         if (lead) {
           double tokens = static_cast<double>(args.batch * args.cfg.seq_len * world->size());
-          std::printf("step %3d  loss %.4f  step_time %.1f ms  tokens/s %.0f\n", step, l, dt * 1e3, tokens / dt);
+          std::printf("step %3d  loss %.4f  step_time %.1f ms  tokens/s %.0f", step, l, dt * 1e3, tokens / dt);
+          if (args.clip > 0) std::printf("  grad_norm %.3f", norm);
+          std::printf("\n");
           for (auto& line : lines) std::printf("    %s\n", line.c_str());
           std::fflush(stdout);
         }

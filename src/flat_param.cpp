@@ -134,7 +134,7 @@ at::Tensor FlatParam::gather_source() const {
 void FlatParam::alloc_full() {
   if (gathered_ || persistent_) return;
   auto* impl = full_.storage().unsafeGetStorageImpl();
-  size_t nbytes = static_cast<size_t>(layout_.padded_numel()) * c10::elementSize(dtype_);
+  size_t nbytes = static_cast<size_t>(layout_.padded_numel()) * c10::elementSize(compute_dtype());
   impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
   impl->set_nbytes(nbytes);
   gathered_ = true;

@@ -105,7 +105,14 @@ TEST(MixedPrecision, ReductionsHappenInTheReduceDtypeAskedFor) {
                                                 MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(reduce)));
       auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
       w.comm().reset_stats();
+      sm.reset_peak_memory();
       gpt::lm_loss(model(x), x).backward();
+      // Gathered buffers are bf16: the peak (root and one block) at 2 bytes per element.
+      auto units = sm.units();
+      int64_t root = units[0].layouts[0].padded_numel(), block = units[1].layouts[0].padded_numel();
+      require(sm.memory().max(shardtorch::Mem::GatheredParams) == 2 * (root + block),
+              "peak gathered bytes " + std::to_string(sm.memory().max(shardtorch::Mem::GatheredParams)) +
+              ", expected bf16 root + block " + std::to_string(2 * (root + block)));
       auto rs = w.comm().stats().reduce_scatter;
       auto ag = w.comm().stats().all_gather;
       // all-gathers move bf16 parameters either way: the root once, the
