@@ -8,11 +8,13 @@
 namespace shardtorch {
 
 AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector<std::string> names,
-                                     double bucket_mb, Comm& comm, MemoryTracker* mem, bool async)
+                                     double bucket_mb, Comm& comm, MemoryTracker* mem, bool async,
+                                     std::optional<at::ScalarType> reduce_dtype)
     : params_(std::move(params)), names_(std::move(names)), comm_(comm), async_(async) {
   const int64_t cap_bytes = static_cast<int64_t>(bucket_mb * 1024 * 1024);
   where_.resize(params_.size());
   ready_.assign(params_.size(), false);
+  is_view_.assign(params_.size(), false);
   // Reverse registration order; a new bucket when the dtype changes or the
   // current one would pass the cap.
   std::vector<std::pair<at::ScalarType, std::vector<size_t>>> groups;
@@ -31,17 +33,23 @@ AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector
     int64_t numel = 0;
     for (size_t k : members) numel += params_[k].numel();
     Bucket b;
-    b.buffer = at::zeros({numel}, params_[members[0]].options().requires_grad(false));
+    b.buffer = at::zeros({numel}, params_[members[0]].options().requires_grad(false).dtype(reduce_dtype.value_or(dtype)));
     b.params = members;
     int64_t off = 0;
     for (size_t k : members) {
       where_[k] = {buckets_.size(), off};
+      is_view_[k] = b.buffer.scalar_type() == params_[k].scalar_type();
       off += params_[k].numel();
     }
     if (mem) mem->add(Mem::Gradients, b.buffer.nbytes());
     buckets_.push_back(std::move(b));
   }
   bind_grads();
+}
+
+at::Tensor AllReduceBucketer::grad_view(size_t i) const {
+  auto [b, off] = where_.at(i);
+  return buckets_[b].buffer.narrow(0, off, params_[i].numel()).view(params_[i].sizes());
 }
 
 std::vector<size_t> AllReduceBucketer::bucket_of_params() const {
@@ -53,8 +61,8 @@ std::vector<size_t> AllReduceBucketer::bucket_of_params() const {
 void AllReduceBucketer::bind_grads() {
   c10::NoGradGuard no_grad;
   for (size_t k = 0; k < params_.size(); ++k) {
-    auto [b, off] = where_[k];
-    at::Tensor view = buckets_[b].buffer.narrow(0, off, params_[k].numel()).view(params_[k].sizes());
+    if (!is_view_[k]) continue;
+    at::Tensor view = grad_view(k);
     at::Tensor& g = params_[k].mutable_grad();
     if (g.defined() && g.data_ptr() == view.data_ptr()) continue;
     if (g.defined()) view.copy_(g);  // autograd or the user replaced it: keep the values
@@ -75,9 +83,15 @@ void AllReduceBucketer::mark_ready(size_t i, bool sync) {
   // Autograd may have stolen the incoming gradient instead of accumulating
   // into our view (e.g. after the user set grads to none): move it in.
   auto [b, off] = where_[i];
-  const at::Tensor& g = params_[i].grad();
-  const char* expect = static_cast<const char*>(buckets_[b].buffer.data_ptr()) + off * buckets_[b].buffer.element_size();
-  if (!g.defined() || g.data_ptr() != expect) bind_grads();
+  if (is_view_[i]) {
+    const at::Tensor& g = params_[i].grad();
+    const char* expect = static_cast<const char*>(buckets_[b].buffer.data_ptr()) + off * buckets_[b].buffer.element_size();
+    if (!g.defined() || g.data_ptr() != expect) bind_grads();
+  } else if (params_[i].grad().defined()) {  // another dtype: add it in (cast) and drop it
+    c10::NoGradGuard no_grad;
+    grad_view(i).add_(params_[i].grad());
+    params_[i].mutable_grad().reset();
+  }
   if (ready_[i]) return;
   ready_[i] = true;
   Bucket& bucket = buckets_[b];

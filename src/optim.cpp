@@ -16,9 +16,11 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(state_of(root)) {
               "shardtorch: fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
               "model before its optimizer, and step through scaler.step(*opt)");
   if (state_->ddp()) {  // NoShard: the optimizer runs over the parameters themselves
-    for (const auto& p : state_->ddp_params()) {
-      by_param_.emplace_back(p.unsafeGetTensorImpl(), std::vector<size_t>{pieces_.size()});
-      pieces_.push_back({p, nullptr, 0, p.numel()});
+    const auto& params = state_->ddp_params();
+    const auto& optimized = state_->ddp_optimized();
+    for (size_t i = 0; i < params.size(); ++i) {
+      by_param_.emplace_back(params[i].unsafeGetTensorImpl(), std::vector<size_t>{pieces_.size()});
+      pieces_.push_back({optimized[i], nullptr, 0, optimized[i].numel()});
     }
     return;
   }
@@ -72,7 +74,7 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 
 void ShardViews::bind_grads() {
   if (state_->ddp()) {
-    state_->ddp()->bind_grads();
+    state_->ddp()->bind_grads();  // master grads were bound at the end of backward
     return;
   }
   for (auto& piece : pieces_) {
@@ -88,6 +90,7 @@ void ShardViews::bind_grads() {
 void ShardViews::zero_grad() {
   if (state_->ddp()) {  // gradients stay views of the buckets
     state_->ddp()->zero_grads();
+    for (at::Tensor m : state_->ddp_masters()) m.mutable_grad().reset();  // a handle: same tensor
     return;
   }
   for (auto& u : state_->units())

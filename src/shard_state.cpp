@@ -35,6 +35,7 @@ void ShardState::finish_backward() {
   callback_queued_ = false;
   if (ddp_) {
     ddp_->finish(sync_, options_.error_on_unused_parameters());
+    if (sync_) bind_master_grads();
     return;
   }
   auto all = units();
@@ -49,8 +50,20 @@ void ShardState::finish_backward() {
   }
 }
 
+void ShardState::bind_master_grads() {
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < ddp_masters_.size(); ++i) {
+    at::Tensor g = ddp_->grad_view(i);
+    ddp_masters_[i].mutable_grad() = g.scalar_type() == ddp_masters_[i].scalar_type() ? g : g.to(ddp_masters_[i].scalar_type());
+  }
+}
+
 void ShardState::after_optimizer_step() {
-  if (ddp_) return;  // the optimizer updated the parameters themselves
+  if (ddp_) {  // the optimizer updated the parameters themselves, or their masters
+    c10::NoGradGuard no_grad;
+    for (size_t i = 0; i < ddp_masters_.size(); ++i) ddp_params_[i].copy_(ddp_masters_[i]);
+    return;
+  }
   for (auto& u : units()) {
     for (auto& f : u->flats()) {
       if (!f->persistent()) continue;
@@ -66,7 +79,7 @@ std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
   std::vector<at::Tensor> grads;
   partial = false;
   if (ddp_) {
-    for (const auto& p : ddp_params_)
+    for (const auto& p : ddp_optimized())
       if (p.grad().defined()) grads.push_back(p.grad());
     return grads;
   }
@@ -107,9 +120,20 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
 
 void ShardState::enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names) {
   ddp_params_ = params;
-  for (const auto& p : params) mem_.add(Mem::ReplicatedParams, p.nbytes());
-  ddp_ = std::make_unique<AllReduceBucketer>(std::move(params), std::move(names), options_.bucket_mb(),
-                                             world_->comm(), &mem_, options_.ddp_async());
+  const auto& mp = options_.mixed_precision();
+  if (mp.param_dtype()) {  // fp32 masters for the optimizer; the parameters compute in param_dtype
+    c10::NoGradGuard no_grad;
+    for (auto& p : ddp_params_) {
+      ddp_masters_.push_back(p.detach().clone());
+      p.set_data(p.detach().to(*mp.param_dtype()));  // before the accumulators exist (below)
+      mem_.add(Mem::ReplicatedParams, ddp_masters_.back().nbytes());
+    }
+  }
+  for (const auto& p : ddp_params_) mem_.add(Mem::ReplicatedParams, p.nbytes());
+  std::optional<at::ScalarType> reduce;
+  if (mp.param_dtype()) reduce = mp.reduce_dtype().value_or(*mp.param_dtype());
+  ddp_ = std::make_unique<AllReduceBucketer>(ddp_params_, std::move(names), options_.bucket_mb(), world_->comm(),
+                                             &mem_, options_.ddp_async(), reduce);
   for (size_t i = 0; i < ddp_params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(ddp_params_[i]);
     acc->add_post_hook(std::make_unique<DdpGradHook>(weak_from_this(), i));

@@ -100,6 +100,12 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   void enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names);
   AllReduceBucketer* ddp() { return ddp_.get(); }
   const std::vector<at::Tensor>& ddp_params() const { return ddp_params_; }
+  /// NoShard under mixed precision: fp32 masters of ddp_params (else empty).
+  const std::vector<at::Tensor>& ddp_masters() const { return ddp_masters_; }
+  /// The tensors the optimizer updates under NoShard: masters, or the parameters.
+  const std::vector<at::Tensor>& ddp_optimized() const { return ddp_masters_.empty() ? ddp_params_ : ddp_masters_; }
+  /// Points the masters' grads at the reduced gradients (cast if needed).
+  void bind_master_grads();
 
   /// The gradient tensors this rank holds (shards, whole ZeRO-1 gradients or
   /// NoShard bucket views); `partial` is set when other ranks hold other parts.
@@ -124,7 +130,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::shared_ptr<Comm> shard_group_, replica_group_;
   std::vector<std::weak_ptr<Unit>> units_;
   std::unique_ptr<AllReduceBucketer> ddp_;
-  std::vector<at::Tensor> ddp_params_;
+  std::vector<at::Tensor> ddp_params_, ddp_masters_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;
   bool callback_queued_ = false;
   bool sync_ = true;

@@ -140,15 +140,28 @@ void broadcast_buffers(World& world, std::vector<std::pair<std::string, at::Tens
   }
 }
 
-// NoShard: the parameters stay as they are; gradients go through buckets.
+void cast_buffers(const MixedPrecision& mp, std::vector<std::pair<std::string, at::Tensor>>& buffers) {
+  if (!mp.buffer_dtype()) return;
+  c10::NoGradGuard no_grad;
+  for (auto& [name, b] : buffers)
+    if (b.is_floating_point()) b.set_data(b.to(*mp.buffer_dtype()));
+}
+
+// NoShard: the parameters stay whole; gradients go through buckets. Under
+// mixed precision the parameters become param_dtype and the optimizer gets
+// fp32 masters (ShardState::enable_ddp); frozen ones are just cast.
 void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundParam>& params) {
   std::vector<at::Tensor> trainable;
   std::vector<std::string> names;
   c10::NoGradGuard no_grad;
+  const auto& mp = state.options().mixed_precision();
   for (auto& p : params) {
     if (state.options().sync_module_states() && world.size() > 1)
       world.comm().broadcast(p.tensor, 0, "parameter '" + p.name + "' at shard()");
-    if (!p.tensor.requires_grad()) continue;
+    if (!p.tensor.requires_grad()) {
+      if (mp.param_dtype() && p.tensor.is_floating_point()) p.tensor.set_data(p.tensor.detach().to(*mp.param_dtype()));
+      continue;
+    }
     trainable.push_back(p.tensor);
     names.push_back(p.name);
   }
@@ -183,9 +196,6 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   TORCH_CHECK(!mp.reduce_dtype() || low_precision(*mp.reduce_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype ",
               *mp.reduce_dtype(), " must be BFloat16, Half or Float");
   TORCH_CHECK(!(mp.reduce_dtype() && !mp.param_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype needs param_dtype");
-  TORCH_CHECK(!(strategy == Strategy::NoShard && (mp.param_dtype() || mp.buffer_dtype())), "shardtorch::shard: "
-              "mixed precision is not supported with NoShard (it needs fp32 master copies of replicated parameters); "
-              "use OptimizerOnly, which keeps them sharded");
   for (const auto& [unit, flag] : options.per_unit_reshard()) {
     bool known = std::any_of(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == unit; });
     TORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
@@ -208,6 +218,15 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   if (strategy == Strategy::NoShard) {
     setup_no_shard(*state, *world, params);
     if (options.sync_module_states() && world->size() > 1) broadcast_buffers(*world, buffers);
+    cast_buffers(mp, buffers);
+    if (auto* base = dynamic_cast<UnitBase*>(&root)) {
+      // No gathering in NoShard; a root unit without flat parameters only
+      // applies the mixed-precision casts of the root's inputs and output.
+      auto unit = std::make_shared<detail::Unit>(state, "", 0, /*is_root=*/true, false, /*persistent=*/true);
+      unit->mark_persistent_gathered();
+      state->add_unit(unit);
+      detail::ShardState::attach(*base, unit);
+    }
     detail::register_model(root, state);
     return ShardedModel(state);
   }
@@ -275,11 +294,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     made.push_back(unit);
   }
   if (options.sync_module_states() && world->size() > 1) broadcast_buffers(*world, buffers);
-  if (mp.buffer_dtype()) {
-    c10::NoGradGuard no_grad;
-    for (auto& [name, b] : buffers)
-      if (b.is_floating_point()) b.set_data(b.to(*mp.buffer_dtype()));
-  }
+  cast_buffers(mp, buffers);
   for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
   detail::register_model(root, state);
   return ShardedModel(state);

@@ -14,6 +14,7 @@
 //   (with sync off nothing is launched: gradients accumulate in the buckets)
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,9 +25,15 @@ namespace shardtorch {
 
 class AllReduceBucketer {
  public:
-  /// `params` in registration order (each once), all trainable.
+  /// `params` in registration order (each once), all trainable. Buckets hold
+  /// `reduce_dtype` (default: each parameter's dtype); when that differs from
+  /// a parameter's dtype its gradient is added into the bucket (cast) and
+  /// dropped instead of being a view.
   AllReduceBucketer(std::vector<at::Tensor> params, std::vector<std::string> names, double bucket_mb, Comm& comm,
-                    MemoryTracker* mem, bool async = true);
+                    MemoryTracker* mem, bool async = true, std::optional<at::ScalarType> reduce_dtype = std::nullopt);
+
+  /// Parameter i's reduced gradient: its slice of a bucket, in the bucket's dtype.
+  at::Tensor grad_view(size_t i) const;
 
   size_t num_buckets() const { return buckets_.size(); }
   /// The bucket of each parameter (registration order), for tests and docs.
@@ -62,6 +69,7 @@ class AllReduceBucketer {
   std::vector<std::pair<size_t, int64_t>> where_;  // param -> (bucket, offset)
   std::vector<bool> ready_;
   std::vector<Bucket> buckets_;
+  std::vector<bool> is_view_;  // param.grad is a view of its bucket slice
   Comm& comm_;
   bool async_;
   int64_t launched_during_backward_ = 0, launched_ = 0;
