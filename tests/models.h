@@ -90,4 +90,31 @@ inline void require(bool ok, const std::string& msg) {
   if (!ok) throw std::runtime_error(msg);
 }
 
+/// Rows of the full batch in parity tests: divisible by 1, 2, 3 and 4.
+constexpr int64_t kBatch = 12;
+
+/// The GPT's full batch of token sequences (fixed seed).
+inline torch::Tensor gpt_tokens() {
+  torch::manual_seed(123);
+  return torch::randint(0, gpt::Config{}.vocab, {kBatch, gpt::Config{}.seq_len}, torch::kLong);
+}
+
+/// name -> copy of every distinct parameter.
+inline std::map<std::string, torch::Tensor> snapshot(torch::nn::Module& m) {
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [n, p] : unique_params(m)) out[n] = p.detach().clone();
+  return out;
+}
+
+const shardtorch::Strategy kAllStrategies[] = {shardtorch::Strategy::FullShard, shardtorch::Strategy::ShardGradOp,
+                                               shardtorch::Strategy::OptimizerOnly, shardtorch::Strategy::NoShard,
+                                               shardtorch::Strategy::HybridShard};
+
+/// Options for a strategy at a world size (HybridShard: groups of 2 where 2 divides it, else 1).
+inline shardtorch::ShardOptions strategy_options(shardtorch::Strategy s, int world) {
+  auto o = shardtorch::ShardOptions().strategy(s);
+  if (s == shardtorch::Strategy::HybridShard) o.hybrid_shard_size(world % 2 == 0 ? 2 : 1);
+  return o;
+}
+
 }  // namespace testmodels

@@ -12,13 +12,7 @@ using shardtorch::World;
 using shardtorch::testing::run_ranks;
 
 namespace {
-constexpr int64_t kBatch = 12;
 constexpr int kSteps = 20;
-
-torch::Tensor tokens() {
-  torch::manual_seed(123);
-  return torch::randint(0, gpt::Config{}.vocab, {kBatch, gpt::Config{}.seq_len}, torch::kLong);
-}
 
 // ||a - b|| / ||b - start|| over all parameters: how far the mixed-precision
 // run strays, relative to how far fp32 training moved.
@@ -56,7 +50,7 @@ class Bf16 : public ::testing::TestWithParam<Strategy> {};
 
 TEST_P(Bf16, TrainsWithinBf16ToleranceOfFp32Over20Steps) {
   const Strategy strategy = GetParam();
-  auto x = tokens();
+  auto x = gpt_tokens();
   auto ref = fp32_reference(x);
   for (auto reduce : {at::kBFloat16, at::kFloat}) {
     auto r = run_ranks(2, [&](World& w) {

@@ -9,7 +9,6 @@ using shardtorch::testing::run_ranks;
 
 namespace {
 
-constexpr int64_t kBatch = 12;  // divisible by 1, 2, 3 and 4
 constexpr double kTol = 1e-5;
 
 template <class Model>
@@ -36,7 +35,7 @@ Reference<Model> train_reference(MakeModel make, LossFn loss_fn, MakeOpt make_op
         if (p.grad().defined()) ref.first_grads[n] = p.grad().clone();
     opt->step();
   }
-  for (auto& [n, p] : unique_params(*model)) ref.final_params[n] = p.detach().clone();
+  ref.final_params = snapshot(*model);
   return ref;
 }
 
@@ -89,9 +88,7 @@ void train_sharded(World& w, MakeModel make, LossFn loss_fn, MakeOpt make_opt, c
     opt->step();
   }
   shardtorch::FullParams full(*model);
-  std::map<std::string, torch::Tensor> params;
-  for (auto& [n, p] : unique_params(*model)) params[n] = p.detach().clone();
-  double e = expect_close_map(params, ref.final_params, kTol, "parameters after " + std::to_string(steps) + " steps");
+  double e = expect_close_map(snapshot(*model), ref.final_params, kTol, "parameters after " + std::to_string(steps) + " steps");
   if (w.rank() == 0) std::cout << "  world " << w.size() << ": max relative error of parameters after " << steps << " steps " << e << std::endl;
 }
 
@@ -105,11 +102,6 @@ auto torch_adam = [](torch::nn::Module& m) {
   return std::make_unique<torch::optim::Adam>(unique_tensors(m), torch::optim::AdamOptions(1e-3));
 };
 auto sharded_adam = [](torch::nn::Module& m) { return shardtorch::Adam(m, torch::optim::AdamOptions(1e-3)); };
-
-torch::Tensor gpt_tokens() {
-  torch::manual_seed(123);
-  return torch::randint(0, gpt::Config{}.vocab, {kBatch, gpt::Config{}.seq_len}, torch::kLong);
-}
 
 }  // namespace
 
@@ -172,8 +164,7 @@ TEST(Parity, ParamGroupsAdamWNoDecayOnNormsAndBiasesWithLrSchedule) {
     ref_opt.step();
     for (auto& g : ref_opt.param_groups()) g.options().set_lr(3e-3 - 1e-3 * (s + 1) * 0.5);
   }
-  std::map<std::string, torch::Tensor> want;
-  for (auto& [n, p] : unique_params(*ref_model)) want[n] = p.detach().clone();
+  auto want = snapshot(*ref_model);
 
   auto r = run_ranks(3, [&](World& w) {
     torch::manual_seed(0);
@@ -192,9 +183,7 @@ TEST(Parity, ParamGroupsAdamWNoDecayOnNormsAndBiasesWithLrSchedule) {
     }
     require(std::abs(opt->lr(1) - (3e-3 - 1e-3 * steps * 0.5)) < 1e-12, "set_lr did not stick");
     shardtorch::FullParams full(*model);
-    std::map<std::string, torch::Tensor> got;
-    for (auto& [n, p] : unique_params(*model)) got[n] = p.detach().clone();
-    expect_close_map(got, want, kTol, "AdamW with groups");
+    expect_close_map(snapshot(*model), want, kTol, "AdamW with groups");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

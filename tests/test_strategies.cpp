@@ -15,25 +15,7 @@ using shardtorch::testing::run_ranks;
 
 namespace {
 
-constexpr int64_t kBatch = 12;
 constexpr double kTol = 1e-5;
-
-ShardOptions options_for(Strategy s, int world) {
-  auto o = ShardOptions().strategy(s);
-  if (s == Strategy::HybridShard) o.hybrid_shard_size(world >= 2 && world % 2 == 0 ? 2 : 1);
-  return o;
-}
-
-torch::Tensor tokens() {
-  torch::manual_seed(123);
-  return torch::randint(0, gpt::Config{}.vocab, {kBatch, gpt::Config{}.seq_len}, torch::kLong);
-}
-
-std::map<std::string, torch::Tensor> snapshot(torch::nn::Module& m) {
-  std::map<std::string, torch::Tensor> out;
-  for (auto& [n, p] : unique_params(m)) out[n] = p.detach().clone();
-  return out;
-}
 
 // One training recipe, run whole in this process or sharded on a rank:
 // `micro` micro-batches per step (no sync on all but the last), optional
@@ -97,33 +79,30 @@ void compare(const Result& got, const Result& want, const std::string& what) {
   }
 }
 
-const Strategy kAll[] = {Strategy::FullShard, Strategy::ShardGradOp, Strategy::OptimizerOnly, Strategy::NoShard,
-                         Strategy::HybridShard};
-
 }  // namespace
 
 class StrategyParity : public ::testing::TestWithParam<std::tuple<Strategy, int>> {};
 
 TEST_P(StrategyParity, MatchesSingleProcess) {
   auto [strategy, world] = GetParam();
-  auto x = tokens();
+  auto x = gpt_tokens();
   Recipe recipe;
   auto want = train_reference(recipe, x);
   auto r = run_ranks(world, [&](World& w) {
-    compare(train_sharded(w, recipe, x, options_for(strategy, world)), want, shardtorch::strategy_name(strategy));
+    compare(train_sharded(w, recipe, x, strategy_options(strategy, world)), want, shardtorch::strategy_name(strategy));
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
 TEST_P(StrategyParity, AccumulatingMicroBatchesEqualsOneBigBatch) {
   auto [strategy, world] = GetParam();
-  auto x = tokens();
+  auto x = gpt_tokens();
   Recipe big;
   Recipe acc;
   acc.micro = world == 3 ? 2 : 3;  // rows per rank: 12, 6, 4, 3
   auto want = train_reference(big, x);
   auto r = run_ranks(world, [&](World& w) {
-    compare(train_sharded(w, acc, x, options_for(strategy, world)), want,
+    compare(train_sharded(w, acc, x, strategy_options(strategy, world)), want,
             std::string(shardtorch::strategy_name(strategy)) + " with " + std::to_string(acc.micro) + " micro-batches");
   });
   ASSERT_TRUE(r.ok) << r.summary();
@@ -131,7 +110,7 @@ TEST_P(StrategyParity, AccumulatingMicroBatchesEqualsOneBigBatch) {
 
 TEST_P(StrategyParity, ClippingEqualsTorchClipGradNorm) {
   auto [strategy, world] = GetParam();
-  auto x = tokens();
+  auto x = gpt_tokens();
   for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
     Recipe recipe;
     recipe.clip = norm_type == 2.0 ? 0.5 : 0.01;  // small enough to clip every step
@@ -139,7 +118,7 @@ TEST_P(StrategyParity, ClippingEqualsTorchClipGradNorm) {
     auto want = train_reference(recipe, x);
     for (double n : want.norms) ASSERT_GT(n, recipe.clip) << "the reference must actually clip";
     auto r = run_ranks(world, [&](World& w) {
-      compare(train_sharded(w, recipe, x, options_for(strategy, world)), want,
+      compare(train_sharded(w, recipe, x, strategy_options(strategy, world)), want,
               std::string(shardtorch::strategy_name(strategy)) + " clipping, norm " + std::to_string(norm_type));
     });
     ASSERT_TRUE(r.ok) << r.summary();
@@ -148,7 +127,7 @@ TEST_P(StrategyParity, ClippingEqualsTorchClipGradNorm) {
 
 INSTANTIATE_TEST_SUITE_P(
     All, StrategyParity,
-    ::testing::Combine(::testing::ValuesIn(kAll), ::testing::Values(1, 2, 3, 4)),
+    ::testing::Combine(::testing::ValuesIn(kAllStrategies), ::testing::Values(1, 2, 3, 4)),
     [](const ::testing::TestParamInfo<StrategyParity::ParamType>& info) {
       return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
              std::to_string(std::get<1>(info.param));

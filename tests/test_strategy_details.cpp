@@ -12,13 +12,6 @@ using shardtorch::World;
 using shardtorch::testing::run_ranks;
 
 namespace {
-const Strategy kAll[] = {Strategy::FullShard, Strategy::ShardGradOp, Strategy::OptimizerOnly, Strategy::NoShard,
-                         Strategy::HybridShard};
-ShardOptions options_for(Strategy s, int world) {
-  auto o = ShardOptions().strategy(s);
-  if (s == Strategy::HybridShard) o.hybrid_shard_size(world % 2 == 0 ? 2 : 1);
-  return o;
-}
 std::string name_of(const ::testing::TestParamInfo<Strategy>& info) { return shardtorch::strategy_name(info.param); }
 }  // namespace
 
@@ -28,7 +21,7 @@ TEST_P(EveryStrategy, NoSyncReducesNothingUntilTheSynchronisingBackward) {
   const Strategy strategy = GetParam();
   auto r = run_ranks(2, [&](World& w) {
     auto model = gpt::GPT(gpt::Config{});
-    auto sm = shardtorch::shard(model, w, options_for(strategy, 2));
+    auto sm = shardtorch::shard(model, w, strategy_options(strategy, 2));
     auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
     {
       auto guard = sm.no_sync();
@@ -58,7 +51,7 @@ TEST_P(EveryStrategy, ModelStateMemoryMatchesTheZeroFormula) {
       auto model = gpt::GPT(gpt::Config{});
       int64_t psi = 0;
       for (auto& [n, p] : unique_params(*model)) psi += p.numel();
-      auto sm = shardtorch::shard(model, w, options_for(strategy, world));
+      auto sm = shardtorch::shard(model, w, strategy_options(strategy, world));
       auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
       auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
       gpt::lm_loss(model(x), x).backward();
@@ -67,7 +60,7 @@ TEST_P(EveryStrategy, ModelStateMemoryMatchesTheZeroFormula) {
       const int64_t state = m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) +
                             m.cur(Mem::OptimizerState);
       const double n = world, P = static_cast<double>(psi);
-      const double s = options_for(strategy, world).hybrid_shard_size();  // HybridShard only
+      const double s = strategy_options(strategy, world).hybrid_shard_size();  // HybridShard only
       double formula = 0;
       switch (strategy) {
         case Strategy::FullShard: formula = 16 * P / n; break;
@@ -108,14 +101,13 @@ TEST_P(EveryStrategy, FrozenParametersHoldNoGradientOrOptimizerMemoryAndMatch) {
     torch::mse_loss(ref(x), y).backward();
     ref_opt.step();
   }
-  std::map<std::string, torch::Tensor> want;
-  for (auto& [n, p] : unique_params(*ref)) want[n] = p.detach().clone();
+  auto want = snapshot(*ref);
   auto r = run_ranks(2, [&](World& w) {
     torch::manual_seed(0);
     auto m = MLP();
     int64_t trainable = 0;
     for (auto& [n, p] : unique_params(*m)) trainable += p.requires_grad() ? p.numel() : 0;
-    auto sm = shardtorch::shard(m, w, options_for(strategy, 2));
+    auto sm = shardtorch::shard(m, w, strategy_options(strategy, 2));
     auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
     for (int s = 0; s < 3; ++s) {
       opt->zero_grad();
@@ -131,14 +123,12 @@ TEST_P(EveryStrategy, FrozenParametersHoldNoGradientOrOptimizerMemoryAndMatch) {
         if (!u.frozen[f]) grad_bound += 4 * u.layouts[f].padding();
     require(mem.cur(Mem::Gradients) <= grad_bound, "gradient memory covers frozen parameters");
     shardtorch::FullParams full(*m);
-    std::map<std::string, torch::Tensor> got;
-    for (auto& [n, p] : unique_params(*m)) got[n] = p.detach().clone();
-    expect_close_map(got, want, 1e-5, shardtorch::strategy_name(strategy));
+    expect_close_map(snapshot(*m), want, 1e-5, shardtorch::strategy_name(strategy));
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(All, EveryStrategy, ::testing::ValuesIn(kAll), name_of);
+INSTANTIATE_TEST_SUITE_P(All, EveryStrategy, ::testing::ValuesIn(kAllStrategies), name_of);
 
 TEST(NoShard, BucketAllReducesStartDuringBackwardAndGradientsAreBucketViews) {
   auto r = run_ranks(2, [](World& w) {

@@ -124,8 +124,7 @@ TEST(Units, TwoBackwardsBeforeAStepAccumulateLikeTorch) {
   ref(x1).sum().backward();
   ref(x2).sum().backward();
   ref_opt.step();
-  std::map<std::string, torch::Tensor> want;
-  for (auto& [n, p] : unique_params(*ref)) want[n] = p.detach().clone();
+  auto want = snapshot(*ref);
   auto r = run_ranks(2, [&](World& w) {
     torch::manual_seed(0);
     auto m = MLP();
@@ -138,9 +137,7 @@ TEST(Units, TwoBackwardsBeforeAStepAccumulateLikeTorch) {
     (m(part(x2)).sum() * w.size()).backward();
     opt->step();
     shardtorch::FullParams full(*m);
-    std::map<std::string, torch::Tensor> got;
-    for (auto& [n, p] : unique_params(*m)) got[n] = p.detach().clone();
-    expect_close_map(got, want, 1e-5, "two backwards then a step");
+    expect_close_map(snapshot(*m), want, 1e-5, "two backwards then a step");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
