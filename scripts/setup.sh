@@ -9,8 +9,10 @@ cd "$(dirname "$0")/.."
 
 # libgloo-dev: the torch wheel ships Gloo compiled in but not its headers,
 # which c10d's ProcessGroupGloo.hpp includes (only src/gloo_backend.cpp).
+# clang-14 and libclang-rt-14-dev: libFuzzer with ASan/UBSan for the safetensors parser.
 PKGS=(cmake g++ make ccache libgtest-dev libgmock-dev libbenchmark-dev
-      libboost-json1.81-dev libboost-program-options1.81-dev libgloo-dev python3-venv)
+      libboost-json1.81-dev libboost-program-options1.81-dev libgloo-dev python3-venv
+      clang-14 libclang-rt-14-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -30,4 +32,9 @@ fi
 if ! "$VENV/bin/python3" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
   echo "setup: installing torch==2.13.0 into $VENV"
   "$VENV/bin/python3" -m pip install -q torch==2.13.0
+fi
+# safetensors: the test that loads our checkpoints from Python.
+if ! "$VENV/bin/python3" -c 'import safetensors' 2>/dev/null; then
+  echo "setup: installing safetensors into $VENV"
+  "$VENV/bin/python3" -m pip install -q safetensors
 fi

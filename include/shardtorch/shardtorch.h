@@ -11,3 +11,4 @@
 #include "shardtorch/all_reduce_bucketer.h"
 #include "shardtorch/clip.h"
 #include "shardtorch/grad_scaler.h"
+#include "shardtorch/checkpoint.h"

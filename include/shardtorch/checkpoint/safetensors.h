@@ -1,0 +1,64 @@
+#pragma once
+// safetensors files of ATen tensors: a validating reader with random access
+// (whole tensors or element ranges, so a rank reads only its shard) and an
+// atomic writer. Never pickle.
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardtorch/checkpoint/safetensors_format.h"
+
+namespace shardtorch::checkpoint {
+
+/// "F32" <-> at::kFloat, ... (throws for dtypes safetensors cannot hold).
+std::string dtype_name(at::ScalarType t);
+at::ScalarType scalar_type(const std::string& dtype);
+
+class Reader {
+ public:
+  /// Opens and validates the file; throws SafetensorsError naming it.
+  explicit Reader(const std::string& path);
+  ~Reader();
+  Reader(const Reader&) = delete;
+  Reader& operator=(const Reader&) = delete;
+
+  const std::string& path() const { return path_; }
+  const SafetensorsHeader& header() const { return header_; }
+  bool contains(const std::string& name) const { return header_.find(name) != nullptr; }
+  /// The whole tensor, on the CPU.
+  at::Tensor read(const std::string& name) const;
+  /// `count` elements of the flattened tensor from element `offset`.
+  at::Tensor read_range(const std::string& name, int64_t offset, int64_t count) const;
+
+ private:
+  const TensorRecord& record(const std::string& name) const;
+  void read_bytes(uint64_t file_offset, void* dst, size_t n) const;
+  std::string path_;
+  int fd_ = -1;
+  SafetensorsHeader header_;
+};
+
+/// A tensor to write: its name, dtype and shape, and a function that yields
+/// its contiguous CPU bytes when the writer reaches it (so tensors can be
+/// produced one at a time, e.g. gathered unit by unit).
+struct PendingTensor {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  std::function<at::Tensor()> produce;
+};
+
+/// Writes atomically: to a temporary file beside `path`, fsync, rename over
+/// `path`, fsync the directory. If the process dies at any point, `path` is
+/// either the previous file or the complete new one.
+void write_file(const std::string& path, const std::vector<PendingTensor>& tensors,
+                const std::map<std::string, std::string>& metadata = {});
+void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+               const std::map<std::string, std::string>& metadata = {});
+std::map<std::string, at::Tensor> load_file(const std::string& path);
+
+}  // namespace shardtorch::checkpoint

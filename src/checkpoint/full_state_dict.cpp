@@ -1,0 +1,184 @@
+// Full state dicts: gathered one flat parameter at a time, written by rank 0;
+// loaded by every rank reading only its own shard's elements.
+#include <c10/core/GradMode.h>
+
+#include <set>
+
+#include "../shard_state.h"
+#include "shardtorch/checkpoint.h"
+
+namespace shardtorch {
+namespace {
+
+using NameMap = std::map<const void*, std::vector<std::string>>;
+
+NameMap names_of(torch::nn::Module& root) {
+  NameMap names;
+  for (const auto& item : root.named_parameters()) names[item.value().unsafeGetTensorImpl()].push_back(item.key());
+  return names;
+}
+
+std::shared_ptr<detail::ShardState> require_state(torch::nn::Module& root, const char* what) {
+  auto s = detail::state_of(root);
+  TORCH_CHECK(s, "shardtorch::", what, ": this model was never sharded");
+  return s;
+}
+
+}  // namespace
+
+void save_full_state_dict(torch::nn::Module& root, const std::string& path,
+                          const std::map<std::string, std::string>& user_metadata) {
+  auto state = require_state(root, "save_full_state_dict");
+  World& world = state->world();
+  const bool writer = world.rank() == 0;
+  c10::NoGradGuard no_grad;
+  NameMap names = names_of(root);
+
+  // Every flat parameter, in a fixed order: gathering is collective.
+  std::vector<FlatParam*> flats;
+  std::vector<std::string> labels;
+  if (!state->ddp())
+    for (auto& u : state->units())
+      for (auto& f : u->flats()) flats.push_back(f.get()), labels.push_back(u->label());
+  size_t gathered = 0;
+  at::Tensor current;  // the last gathered flat parameter, full
+  auto gather = [&](size_t k) {
+    FlatParam* f = flats[k];
+    current = at::empty({f->layout().padded_numel()}, f->shard().options());
+    at::Tensor mine = f->shard().clone();
+    state->shard_comm().all_gather_into(current, mine, "master parameters of unit '" + labels[k] + "' for save_full_state_dict");
+    gathered = k + 1;
+  };
+
+  std::string error;
+  if (writer) {
+    std::vector<checkpoint::PendingTensor> pending;
+    if (state->ddp()) {
+      const auto& params = state->ddp_params();
+      const auto& optimized = state->ddp_optimized();
+      std::set<const void*> done;
+      for (size_t i = 0; i < params.size(); ++i) {
+        done.insert(params[i].unsafeGetTensorImpl());
+        at::Tensor v = optimized[i].detach();
+        for (const auto& n : names[params[i].unsafeGetTensorImpl()])
+          pending.push_back({n, v.scalar_type(), v.sizes().vec(), [v] { return v; }});
+      }
+      for (const auto& item : root.named_parameters()) {  // frozen ones
+        if (done.count(item.value().unsafeGetTensorImpl())) continue;
+        at::Tensor v = item.value().detach();
+        pending.push_back({item.key(), v.scalar_type(), v.sizes().vec(), [v] { return v; }});
+      }
+    } else {
+      for (size_t k = 0; k < flats.size(); ++k) {
+        FlatParam* f = flats[k];
+        for (size_t i = 0; i < f->params().size(); ++i) {
+          for (const auto& n : names[f->params()[i].unsafeGetTensorImpl()]) {
+            auto produce = [&, k, f, i] {
+              if (gathered != k + 1) gather(k);
+              return current.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i));
+            };
+            pending.push_back({n, f->dtype(), f->layout().shape(i), produce});
+          }
+        }
+      }
+    }
+    for (const auto& item : root.named_buffers()) {
+      at::Tensor b = item.value();
+      if (b.defined()) pending.push_back({item.key(), b.scalar_type(), b.sizes().vec(), [b] { return b; }});
+    }
+    auto metadata = user_metadata;
+    metadata["format"] = "shardtorch full state dict v1";
+    metadata["strategy"] = strategy_name(state->strategy());
+    metadata["world_size"] = std::to_string(world.size());
+    try {
+      checkpoint::write_file(path, pending, metadata);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  // The other ranks (and rank 0, after a failed write) finish the gathers.
+  for (size_t k = gathered; k < flats.size(); ++k) gather(k);
+  current = at::Tensor();
+  auto status = at::full({1}, error.empty() ? 0 : 1, at::kInt).to(world.comm().device());
+  world.comm().broadcast(status, 0, "save_full_state_dict status");
+  TORCH_CHECK(error.empty(), "shardtorch::save_full_state_dict: ", error);
+  TORCH_CHECK(status.cpu().item<int>() == 0, "shardtorch::save_full_state_dict: rank 0 could not write '", path, "'");
+}
+
+void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
+  auto state = require_state(root, "load_full_state_dict");
+  checkpoint::Reader reader(path);
+  c10::NoGradGuard no_grad;
+  NameMap names = names_of(root);
+  std::set<std::string> used;
+  auto name_in_file = [&](const at::Tensor& p) -> std::string {
+    const auto& ns = names[p.unsafeGetTensorImpl()];
+    for (const auto& n : ns)
+      if (reader.contains(n)) return n;
+    throw checkpoint::SafetensorsError("safetensors file '" + path + "': no entry for parameter '" +
+                                       (ns.empty() ? std::string("?") : ns.front()) + "'");
+  };
+  auto check_shape = [&](const std::string& n, c10::IntArrayRef want) {
+    const auto* r = reader.header().find(n);
+    if (c10::IntArrayRef(r->shape) != want) {
+      std::ostringstream os;
+      os << "safetensors file '" << path << "': '" << n << "' has shape " << c10::IntArrayRef(r->shape)
+         << " but the model's parameter has " << want;
+      throw checkpoint::SafetensorsError(os.str());
+    }
+  };
+  auto mark_all = [&](const at::Tensor& p) {
+    for (const auto& n : names[p.unsafeGetTensorImpl()]) used.insert(n);
+  };
+
+  if (state->ddp()) {
+    const auto& params = state->ddp_params();
+    const auto& optimized = state->ddp_optimized();
+    std::set<const void*> done;
+    for (size_t i = 0; i < params.size(); ++i) {
+      std::string n = name_in_file(params[i]);
+      check_shape(n, params[i].sizes());
+      at::Tensor(optimized[i]).copy_(reader.read(n));
+      if (!optimized[i].is_same(params[i])) at::Tensor(params[i]).copy_(optimized[i]);
+      done.insert(params[i].unsafeGetTensorImpl());
+      mark_all(params[i]);
+    }
+    for (const auto& item : root.named_parameters()) {
+      if (done.count(item.value().unsafeGetTensorImpl())) continue;
+      std::string n = name_in_file(item.value());
+      check_shape(n, item.value().sizes());
+      at::Tensor(item.value()).copy_(reader.read(n));
+      mark_all(item.value());
+    }
+  } else {
+    for (auto& u : state->units()) {
+      for (auto& f : u->flats()) {
+        const int rank = state->shard_comm().rank();
+        for (size_t i = 0; i < f->params().size(); ++i) {
+          std::string n = name_in_file(f->params()[i]);
+          check_shape(n, f->layout().shape(i));
+          mark_all(f->params()[i]);
+          auto piece = f->layout().piece(i, rank);
+          if (!piece) continue;
+          f->shard().narrow(0, piece->shard_offset, piece->length).copy_(reader.read_range(n, piece->param_offset, piece->length));
+        }
+      }
+    }
+  }
+  for (const auto& item : root.named_buffers()) {
+    if (!item.value().defined()) continue;
+    if (!reader.contains(item.key()))
+      throw checkpoint::SafetensorsError("safetensors file '" + path + "': no entry for buffer '" + item.key() + "'");
+    check_shape(item.key(), item.value().sizes());
+    at::Tensor(item.value()).copy_(reader.read(item.key()));
+    used.insert(item.key());
+  }
+  for (const auto& t : reader.header().tensors) {
+    if (!used.count(t.name))
+      throw checkpoint::SafetensorsError("safetensors file '" + path + "': unexpected tensor '" + t.name +
+                                         "' (no parameter or buffer of the model has that name)");
+  }
+  state->after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
+}
+
+}  // namespace shardtorch

@@ -1,0 +1,206 @@
+#include "shardtorch/checkpoint/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+namespace shardtorch::checkpoint {
+namespace {
+
+[[noreturn]] void sys_fail(const std::string& file, const std::string& what) {
+  throw SafetensorsError("safetensors file '" + file + "': " + what + ": " + std::strerror(errno));
+}
+
+void write_all(int fd, const void* data, size_t n, const std::string& file) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      sys_fail(file, "write failed");
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+}  // namespace
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return "F64";
+    case at::kFloat: return "F32";
+    case at::kHalf: return "F16";
+    case at::kBFloat16: return "BF16";
+    case at::kLong: return "I64";
+    case at::kInt: return "I32";
+    case at::kShort: return "I16";
+    case at::kChar: return "I8";
+    case at::kByte: return "U8";
+    case at::kBool: return "BOOL";
+    default: throw SafetensorsError(std::string("safetensors cannot hold dtype ") + c10::toString(t));
+  }
+}
+
+at::ScalarType scalar_type(const std::string& d) {
+  if (d == "F64") return at::kDouble;
+  if (d == "F32") return at::kFloat;
+  if (d == "F16") return at::kHalf;
+  if (d == "BF16") return at::kBFloat16;
+  if (d == "I64") return at::kLong;
+  if (d == "I32") return at::kInt;
+  if (d == "I16") return at::kShort;
+  if (d == "I8") return at::kChar;
+  if (d == "U8") return at::kByte;
+  if (d == "BOOL") return at::kBool;
+  throw SafetensorsError("safetensors dtype '" + d + "' has no ATen equivalent here");
+}
+
+Reader::Reader(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) sys_fail(path, "cannot open");
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    ::close(fd_);
+    sys_fail(path, "cannot stat");
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  try {
+    uint8_t len[8] = {0};
+    size_t have = size < 8 ? static_cast<size_t>(size) : 8;
+    read_bytes(0, len, have);
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
+    std::vector<uint8_t> prefix(8);
+    std::memcpy(prefix.data(), len, 8);
+    if (size >= 8 && n <= kMaxHeaderBytes && n <= size - 8) {
+      prefix.resize(8 + n);
+      read_bytes(8, prefix.data() + 8, n);
+    }
+    header_ = parse_header(prefix.data(), prefix.size(), size, path);
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+Reader::~Reader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void Reader::read_bytes(uint64_t off, void* dst, size_t n) const {
+  char* p = static_cast<char*>(dst);
+  while (n > 0) {
+    ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(off));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      sys_fail(path_, "read failed");
+    }
+    if (r == 0) throw SafetensorsError("safetensors file '" + path_ + "': unexpected end of file (was it truncated?)");
+    p += r;
+    off += static_cast<uint64_t>(r);
+    n -= static_cast<size_t>(r);
+  }
+}
+
+const TensorRecord& Reader::record(const std::string& name) const {
+  const auto* r = header_.find(name);
+  if (r == nullptr) throw SafetensorsError("safetensors file '" + path_ + "': no tensor named '" + name + "'");
+  return *r;
+}
+
+at::Tensor Reader::read(const std::string& name) const {
+  const auto& r = record(name);
+  at::Tensor t = at::empty(r.shape, at::TensorOptions().dtype(scalar_type(r.dtype)));
+  read_bytes(header_.data_start + r.begin, t.data_ptr(), static_cast<size_t>(r.end - r.begin));
+  return t;
+}
+
+at::Tensor Reader::read_range(const std::string& name, int64_t offset, int64_t count) const {
+  const auto& r = record(name);
+  const uint64_t es = dtype_size(r.dtype);
+  const uint64_t numel = (r.end - r.begin) / es;
+  if (offset < 0 || count < 0 || static_cast<uint64_t>(offset) + static_cast<uint64_t>(count) > numel)
+    throw SafetensorsError("safetensors file '" + path_ + "': elements [" + std::to_string(offset) + ", " +
+                           std::to_string(offset + count) + ") of '" + name + "' are outside its " +
+                           std::to_string(numel) + " elements");
+  at::Tensor t = at::empty({count}, at::TensorOptions().dtype(scalar_type(r.dtype)));
+  read_bytes(header_.data_start + r.begin + static_cast<uint64_t>(offset) * es, t.data_ptr(),
+             static_cast<size_t>(count) * es);
+  return t;
+}
+
+void write_file(const std::string& path, const std::vector<PendingTensor>& tensors,
+                const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorRecord> records;
+  uint64_t at = 0;
+  for (const auto& t : tensors) {
+    TensorRecord r;
+    r.name = t.name;
+    r.dtype = dtype_name(t.dtype);
+    r.shape = t.shape;
+    uint64_t bytes = dtype_size(r.dtype);
+    for (int64_t d : t.shape) bytes *= static_cast<uint64_t>(d);
+    r.begin = at;
+    r.end = at + bytes;
+    at = r.end;
+    records.push_back(std::move(r));
+  }
+  const std::string header = serialize_header(records, metadata);
+  namespace fs = std::filesystem;
+  fs::path target(path);
+  fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  const std::string tmp = (dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()))).string();
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) sys_fail(tmp, "cannot create");
+  try {
+    write_all(fd, header.data(), header.size(), tmp);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      at::Tensor t = tensors[i].produce().contiguous().cpu();
+      const uint64_t want = records[i].end - records[i].begin;
+      if (t.scalar_type() != tensors[i].dtype || static_cast<uint64_t>(t.nbytes()) != want)
+        throw SafetensorsError("safetensors file '" + path + "': tensor '" + tensors[i].name + "' produced " +
+                               std::string(c10::toString(t.scalar_type())) + " of " + std::to_string(t.nbytes()) +
+                               " bytes, announced " + records[i].dtype + " of " + std::to_string(want));
+      write_all(fd, t.data_ptr(), static_cast<size_t>(want), tmp);
+    }
+    if (::fsync(fd) != 0) sys_fail(tmp, "fsync failed");
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::close(fd) != 0) sys_fail(tmp, "close failed");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    sys_fail(path, "rename of the temporary file failed");
+  }
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+               const std::map<std::string, std::string>& metadata) {
+  std::vector<PendingTensor> pending;
+  for (const auto& [name, t] : tensors) {
+    at::Tensor keep = t;
+    pending.push_back({name, t.scalar_type(), t.sizes().vec(), [keep] { return keep; }});
+  }
+  write_file(path, pending, metadata);
+}
+
+std::map<std::string, at::Tensor> load_file(const std::string& path) {
+  Reader r(path);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& t : r.header().tensors) out[t.name] = r.read(t.name);
+  return out;
+}
+
+}  // namespace shardtorch::checkpoint

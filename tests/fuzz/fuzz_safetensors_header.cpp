@@ -1,0 +1,22 @@
+// libFuzzer target for the safetensors header parser (built with ASan and
+// UBSan). Any input must either parse or throw SafetensorsError: never crash,
+// never read out of bounds, never throw anything else.
+#include <cstddef>
+#include <cstdint>
+
+#include "shardtorch/checkpoint/safetensors_format.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  try {
+    auto h = shardtorch::checkpoint::parse_header(data, size, size, "fuzz-input");
+    // What parses must describe data inside the input.
+    for (const auto& t : h.tensors) {
+      if (h.data_start + t.end > size) __builtin_trap();
+    }
+    // And serialize again into something that parses.
+    std::string again = shardtorch::checkpoint::serialize_header(h.tensors, h.metadata);
+    (void)again;
+  } catch (const shardtorch::checkpoint::SafetensorsError&) {
+  }
+  return 0;
+}

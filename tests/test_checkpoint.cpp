@@ -1,0 +1,220 @@
+// safetensors files and full state dicts: the reader refuses every malformed
+// file with a message naming it, writes are atomic, and a state dict saved at
+// one world size and strategy loads bitwise at another.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "models.h"
+#include "shardtorch/checkpoint.h"
+
+using namespace testmodels;
+using shardtorch::ShardOptions;
+using shardtorch::Strategy;
+using shardtorch::World;
+using shardtorch::checkpoint::SafetensorsError;
+using shardtorch::testing::run_ranks;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path temp_dir() {
+  std::string t = (fs::temp_directory_path() / "shardtorch-ckpt-XXXXXX").string();
+  std::vector<char> buf(t.begin(), t.end());
+  buf.push_back('\0');
+  if (::mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  return fs::path(buf.data());
+}
+
+void write_raw(const fs::path& p, const std::string& json, const std::string& data) {
+  std::string bytes(8, '\0');
+  uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
+  std::ofstream(p, std::ios::binary) << bytes << json << data;
+}
+
+std::string error_of(const fs::path& p) {
+  try {
+    shardtorch::checkpoint::Reader r(p.string());
+  } catch (const SafetensorsError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
+  auto dir = temp_dir();
+  auto path = (dir / "t.safetensors").string();
+  std::vector<std::pair<std::string, at::Tensor>> ts = {
+      {"f32", at::randn({3, 4})},
+      {"bf16", at::randn({5}).to(at::kBFloat16)},
+      {"i64", at::arange(7, at::kLong)},
+      {"scalar", at::full({}, 2.5)},
+      {"empty", at::empty({0, 3})},
+      {"name with \"quotes\" and \\", at::ones({2}, at::kDouble)},
+  };
+  shardtorch::checkpoint::save_file(path, ts, {{"step", "42"}});
+  shardtorch::checkpoint::Reader r(path);
+  EXPECT_EQ(r.header().metadata.at("step"), "42");
+  for (auto& [n, t] : ts) {
+    auto got = r.read(n);
+    EXPECT_EQ(got.scalar_type(), t.scalar_type()) << n;
+    EXPECT_TRUE(at::equal(got, t)) << n;
+  }
+  EXPECT_TRUE(at::equal(r.read_range("i64", 2, 3), at::arange(2, 5, at::kLong)));
+  EXPECT_THROW(r.read_range("i64", 5, 3), SafetensorsError);
+  EXPECT_THROW(r.read("missing"), SafetensorsError);
+  fs::remove_all(dir);
+}
+
+TEST(Safetensors, RefusesMalformedFilesNamingFileAndProblem) {
+  auto dir = temp_dir();
+  auto p = dir / "bad.safetensors";
+  const std::string ok = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  struct Case {
+    std::string json, data, expect;
+  };
+  std::vector<Case> cases = {
+      {ok, std::string(4, 'x'), "truncated file"},
+      {ok, std::string(12, 'x'), "trailing bytes"},
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+       std::string(12, 'x'), "overlap"},
+      {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+       std::string(12, 'x'), "gap"},
+      {R"({"a":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,8]}})", std::string(8, 'x'), "overflows"},
+      {R"({"a":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", std::string(8, 'x'), "unknown dtype 'Q7'"},
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+       std::string(16, 'x'), "duplicate key 'a'"},
+      {R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", std::string(8, 'x'), "need 12 bytes"},
+      {R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", std::string(8, 'x'), "unsupported value"},
+      {R"({"a":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})", std::string(8, 'x'), "only integers"},
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", std::string(8, 'x'), "run backwards"},
+      {R"({"a":{"dtype":"F32","shape":[2]}})", std::string(8, 'x'), "missing dtype, shape or data_offsets"},
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})", std::string(8, 'x'), "unexpected end"},
+      {R"({"__metadata__":{"k":1}})", "", "is not a string"},
+  };
+  for (const auto& c : cases) {
+    write_raw(p, c.json, c.data);
+    std::string e = error_of(p);
+    EXPECT_NE(e.find(p.string()), std::string::npos) << c.expect << ": " << e;
+    EXPECT_NE(e.find(c.expect), std::string::npos) << "expected '" << c.expect << "', got: " << e;
+  }
+  // A header larger than the file, and larger than the 100 MB limit.
+  for (uint64_t n : {uint64_t{1000}, uint64_t{200} * 1000 * 1000}) {
+    std::string bytes(8, '\0');
+    for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
+    std::ofstream(p, std::ios::binary) << bytes << "{}";
+    std::string e = error_of(p);
+    EXPECT_NE(e.find(n == 1000 ? "larger than the file" : "exceeds the 100 MB limit"), std::string::npos) << e;
+  }
+  std::ofstream(p, std::ios::binary) << "abc";
+  EXPECT_NE(error_of(p).find("shorter than the 8-byte header length"), std::string::npos);
+  EXPECT_NE(error_of(dir / "nope").find("cannot open"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST(Safetensors, AFailedWriteLeavesThePreviousFileIntact) {
+  auto dir = temp_dir();
+  auto path = (dir / "m.safetensors").string();
+  shardtorch::checkpoint::save_file(path, {{"w", at::ones({4})}});
+  std::vector<shardtorch::checkpoint::PendingTensor> pending = {
+      {"w", at::kFloat, {4}, [] { return at::zeros({4}); }},
+      {"v", at::kFloat, {4}, []() -> at::Tensor { throw std::runtime_error("killed while writing"); }},
+  };
+  EXPECT_THROW(shardtorch::checkpoint::write_file(path, pending), std::runtime_error);
+  auto back = shardtorch::checkpoint::load_file(path);
+  ASSERT_EQ(back.size(), 1u);
+  EXPECT_TRUE(at::equal(back.at("w"), at::ones({4})));
+  size_t files = 0;
+  for (auto& e : fs::directory_iterator(dir)) files += e.is_regular_file();
+  EXPECT_EQ(files, 1u) << "a temporary file was left behind";
+  fs::remove_all(dir);
+}
+
+class FullStateDict : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(FullStateDict, SavedAtFourLoadsBitwiseAtOneTwoAndThree) {
+  const Strategy load_strategy = GetParam();
+  auto dir = temp_dir();
+  const std::string path = (dir / "gpt.safetensors").string();
+  auto x = gpt_tokens();
+  auto save = run_ranks(4, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+    auto xs = x.narrow(0, w.rank() * 3, 3);
+    for (int s = 0; s < 2; ++s) {  // move away from the initial values
+      opt->zero_grad();
+      gpt::lm_loss(model(xs), xs).backward();
+      opt->step();
+    }
+    auto full = shardtorch::full_parameters(*model);
+    shardtorch::save_full_state_dict(*model, path, {{"step", "2"}});
+    if (w.rank() == 0) shardtorch::checkpoint::save_file((dir / "expected.safetensors").string(),
+                                                          std::vector<std::pair<std::string, at::Tensor>>(full.begin(), full.end()));
+  });
+  ASSERT_TRUE(save.ok) << save.summary();
+  auto expected = shardtorch::checkpoint::load_file((dir / "expected.safetensors").string());
+  shardtorch::checkpoint::Reader header(path);
+  EXPECT_EQ(header.header().metadata.at("step"), "2");
+  EXPECT_EQ(header.header().metadata.at("world_size"), "4");
+  for (int world : {1, 2, 3}) {
+    auto r = run_ranks(world, [&](World& w) {
+      torch::manual_seed(99);  // different initial values: the load must replace them
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w, strategy_options(load_strategy, world));
+      shardtorch::load_full_state_dict(*model, path);
+      auto got = shardtorch::full_parameters(*model);
+      require(got.size() == expected.size(), "parameter count differs");
+      for (auto& [n, t] : expected) require(at::equal(got.at(n), t), "'" + n + "' differs after loading");
+      // and the model computes with them: one more step works
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+      auto xs = x.narrow(0, 0, 2);
+      gpt::lm_loss(model(xs), xs).backward();
+      opt->step();
+    });
+    ASSERT_TRUE(r.ok) << "load at world " << world << "\n" << r.summary();
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(LoadedAs, FullStateDict, ::testing::ValuesIn(kAllStrategies),
+                         [](const auto& info) { return std::string(shardtorch::strategy_name(info.param)); });
+
+TEST(FullStateDictErrors, MissingMisShapedAndUnexpectedEntriesNameTheFileAndParameter) {
+  auto dir = temp_dir();
+  auto r = run_ranks(1, [&](World& w) {
+    auto model = MLP();
+    shardtorch::shard(model, w);
+    const std::string good = (dir / "good.safetensors").string();
+    shardtorch::save_full_state_dict(*model, good);
+    auto sd = shardtorch::checkpoint::load_file(good);
+    auto expect_error = [&](std::map<std::string, at::Tensor> edited, const std::string& needle) {
+      const std::string p = (dir / "edited.safetensors").string();
+      shardtorch::checkpoint::save_file(p, std::vector<std::pair<std::string, at::Tensor>>(edited.begin(), edited.end()));
+      try {
+        shardtorch::load_full_state_dict(*model, p);
+      } catch (const std::exception& e) {
+        require(std::string(e.what()).find(needle) != std::string::npos && std::string(e.what()).find(p) != std::string::npos,
+                "wrong message: " + std::string(e.what()));
+        return;
+      }
+      throw std::runtime_error("no error for " + needle);
+    };
+    auto missing = sd;
+    missing.erase("l2.lin.weight");
+    expect_error(missing, "no entry for parameter 'l2.lin.weight'");
+    auto shaped = sd;
+    shaped["l1.lin.bias"] = at::zeros({14});
+    expect_error(shaped, "'l1.lin.bias' has shape [14] but the model's parameter has [13]");
+    auto extra = sd;
+    extra["l9.weight"] = at::zeros({1});
+    expect_error(extra, "unexpected tensor 'l9.weight'");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  fs::remove_all(dir);
+}
