@@ -20,7 +20,7 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(state_of(root)) {
     const auto& optimized = state_->ddp_optimized();
     for (size_t i = 0; i < params.size(); ++i) {
       by_param_.emplace_back(params[i].unsafeGetTensorImpl(), std::vector<size_t>{pieces_.size()});
-      pieces_.push_back({optimized[i], nullptr, 0, optimized[i].numel()});
+      pieces_.push_back({optimized[i], nullptr, 0, optimized[i].numel(), state_->ddp_names()[i], 0});
     }
     return;
   }
@@ -34,7 +34,7 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(state_of(root)) {
           if (auto piece = f->layout().piece(i, rank)) {
             idx.push_back(pieces_.size());
             pieces_.push_back({f->shard().narrow(0, piece->shard_offset, piece->length), f.get(),
-                               piece->shard_offset, piece->length});
+                               piece->shard_offset, piece->length, f->names()[i], piece->param_offset});
           }
         }
         by_param_.emplace_back(key, std::move(idx));

@@ -120,6 +120,7 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
 
 void ShardState::enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names) {
   ddp_params_ = params;
+  ddp_names_ = names;
   const auto& mp = options_.mixed_precision();
   if (mp.param_dtype()) {  // fp32 masters for the optimizer; the parameters compute in param_dtype
     c10::NoGradGuard no_grad;

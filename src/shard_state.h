@@ -100,6 +100,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   void enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names);
   AllReduceBucketer* ddp() { return ddp_.get(); }
   const std::vector<at::Tensor>& ddp_params() const { return ddp_params_; }
+  const std::vector<std::string>& ddp_names() const { return ddp_names_; }
   /// NoShard under mixed precision: fp32 masters of ddp_params (else empty).
   const std::vector<at::Tensor>& ddp_masters() const { return ddp_masters_; }
   /// The tensors the optimizer updates under NoShard: masters, or the parameters.
@@ -131,6 +132,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<std::weak_ptr<Unit>> units_;
   std::unique_ptr<AllReduceBucketer> ddp_;
   std::vector<at::Tensor> ddp_params_, ddp_masters_;
+  std::vector<std::string> ddp_names_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;
   bool callback_queued_ = false;
   bool sync_ = true;

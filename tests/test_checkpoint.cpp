@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "models.h"
 #include "shardtorch/checkpoint.h"
@@ -216,5 +217,145 @@ TEST(FullStateDictErrors, MissingMisShapedAndUnexpectedEntriesNameTheFileAndPara
     expect_error(extra, "unexpected tensor 'l9.weight'");
   });
   ASSERT_TRUE(r.ok) << r.summary();
+  fs::remove_all(dir);
+}
+
+// ---------------------------------------------------------------- sharded checkpoints
+
+namespace {
+// Trains the GPT `steps` Adam steps on `world` ranks (FullShard) from the
+// fixed seed; every rank sees its slice of the batch.
+void train_steps(World& w, gpt::GPT& model, shardtorch::ShardedOptimizer& opt, const torch::Tensor& x, int steps) {
+  const int64_t per = kBatch / w.size();
+  auto xs = x.narrow(0, w.rank() * per, per);
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    gpt::lm_loss(model(xs), xs).backward();
+    opt.step();
+  }
+}
+}  // namespace
+
+TEST(ShardedCheckpoint, SavedAtFourLoadsBitwiseAtOneTwoThreeAndEight) {
+  auto dir = temp_dir();
+  const std::string ckpt = (dir / "step-3").string();
+  auto x = gpt_tokens();
+  auto save = run_ranks(4, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+    train_steps(w, model, *opt, x, 3);
+    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 3);
+  });
+  ASSERT_TRUE(save.ok) << save.summary();
+  auto saved = shardtorch::read_sharded_checkpoint(ckpt);
+  ASSERT_TRUE(saved.count("tok_emb.weight|param") && saved.count("tok_emb.weight|exp_avg_sq")) << "kinds missing";
+  for (int world : {1, 2, 3, 8}) {
+    const std::string again = (dir / ("again-" + std::to_string(world))).string();
+    auto r = run_ranks(world, [&](World& w) {
+      torch::manual_seed(99);
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w);
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+      require(shardtorch::load_sharded_checkpoint(*model, opt.get(), ckpt) == 3, "wrong step");
+      shardtorch::save_sharded_checkpoint(*model, opt.get(), again, 3);  // what this world size holds now
+    });
+    ASSERT_TRUE(r.ok) << "world " << world << "\n" << r.summary();
+    auto reloaded = shardtorch::read_sharded_checkpoint(again);
+    ASSERT_EQ(reloaded.size(), saved.size()) << "world " << world;
+    for (auto& [k, t] : saved) EXPECT_TRUE(at::equal(reloaded.at(k), t)) << k << " differs at world " << world;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(ShardedCheckpoint, ResumingAtAnotherWorldSizeContinuesTheReferenceTraining) {
+  auto dir = temp_dir();
+  const std::string ckpt = (dir / "ckpt").string();
+  auto x = gpt_tokens();
+  // The reference: 5 steps in one process on the full batch.
+  torch::manual_seed(0);
+  auto ref = gpt::GPT(gpt::Config{});
+  torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-3));
+  for (int s = 0; s < 5; ++s) {
+    ref_opt.zero_grad();
+    gpt::lm_loss(ref(x), x).backward();
+    ref_opt.step();
+  }
+  auto want = snapshot(*ref);
+  auto first = run_ranks(4, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+    train_steps(w, model, *opt, x, 3);
+    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 3);
+  });
+  ASSERT_TRUE(first.ok) << first.summary();
+  auto second = run_ranks(2, [&](World& w) {
+    torch::manual_seed(7);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w, ShardOptions().strategy(Strategy::ShardGradOp));
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+    shardtorch::load_sharded_checkpoint(*model, opt.get(), ckpt);
+    train_steps(w, model, *opt, x, 2);
+    auto got = shardtorch::full_parameters(*model);
+    std::map<std::string, torch::Tensor> mine;
+    for (auto& [n, t] : want) mine[n] = got.at(n);
+    expect_close_map(mine, want, 1e-5, "resumed at 2 ranks after saving at 4");
+  });
+  ASSERT_TRUE(second.ok) << second.summary();
+  fs::remove_all(dir);
+}
+
+TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
+  auto dir = temp_dir();
+  const std::string ckpt = (dir / "ckpt").string();
+  auto save = run_ranks(2, [&](World& w) {
+    auto model = MLP();
+    shardtorch::shard(model, w);
+    auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1).momentum(0.9));
+    model(torch::ones({2, 7})).sum().backward();
+    opt->step();
+    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 1);
+    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt + "-other", 2);
+  });
+  ASSERT_TRUE(save.ok) << save.summary();
+  auto load_error = [&](const std::string& path) {
+    std::string msg;
+    auto r = run_ranks(1, [&](World& w) {
+      auto model = MLP();
+      shardtorch::shard(model, w);
+      auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1).momentum(0.9));
+      shardtorch::load_sharded_checkpoint(*model, opt.get(), path);
+    });
+    return r.ok ? std::string() : r.ranks[0].message;
+  };
+  EXPECT_EQ(load_error(ckpt), "");  // intact: loads at 1 rank
+  auto copy = [&](const std::string& name) {
+    fs::copy(ckpt, dir / name, fs::copy_options::recursive);
+    return (dir / name).string();
+  };
+  auto missing = copy("missing");
+  fs::remove(fs::path(missing) / "rank-1.safetensors");
+  EXPECT_NE(load_error(missing).find("shard file 'rank-1.safetensors' is missing"), std::string::npos) << load_error(missing);
+  auto mixed = copy("mixed");
+  fs::copy_file(fs::path(ckpt + "-other") / "rank-1.safetensors", fs::path(mixed) / "rank-1.safetensors",
+                fs::copy_options::overwrite_existing);
+  std::string e = load_error(mixed);
+  EXPECT_TRUE(e.find("does not match its checksum") != std::string::npos || e.find("is from step 2") != std::string::npos) << e;
+  auto newer = copy("newer");
+  {
+    std::ifstream in(fs::path(newer) / "index.json");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string text = ss.str();
+    text.replace(text.find("\"format_version\":1"), 18, "\"format_version\":7");
+    std::ofstream(fs::path(newer) / "index.json") << text;
+  }
+  EXPECT_NE(load_error(newer).find("format version 7 is newer"), std::string::npos) << load_error(newer);
+  auto truncated = copy("truncated");
+  fs::resize_file(fs::path(truncated) / "rank-0.safetensors", 100);
+  EXPECT_NE(load_error(truncated).find("'rank-0.safetensors' has 100 bytes"), std::string::npos) << load_error(truncated);
   fs::remove_all(dir);
 }

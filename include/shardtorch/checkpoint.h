@@ -11,6 +11,7 @@
 #include <string>
 
 #include "shardtorch/checkpoint/safetensors.h"
+#include "shardtorch/optim.h"
 
 namespace shardtorch {
 
@@ -21,5 +22,22 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
 /// node) and takes its shards; missing or mis-shaped entries are errors naming
 /// the file and the parameter.
 void load_full_state_dict(torch::nn::Module& root, const std::string& path);
+
+/// Sharded checkpoints: DIR/rank-R.safetensors holds the element ranges of the
+/// parameters (master dtype) and of the optimizer state that rank R owns;
+/// DIR/index.json (format version, world size, strategy, step, and for every
+/// tensor the parameter, kind and element range it holds, and every file's
+/// size and checksum) says where everything is. Written into DIR.tmp, then
+/// renamed to DIR. Loading works at any world size and strategy: each rank
+/// reads the ranges that overlap what it owns now.
+/// Collective. `optimizer` may be null (parameters and buffers only).
+void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
+                             int64_t step);
+/// Collective; returns the saved step. With an optimizer, its state is
+/// restored too (the checkpoint must hold state of the same kinds).
+int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir);
+/// Offline: every (parameter or buffer, kind) of a sharded checkpoint
+/// assembled whole, keyed "name|kind" (kinds: param, buffer, exp_avg, ...).
+std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir);
 
 }  // namespace shardtorch

@@ -11,6 +11,7 @@
 #include <torch/optim/sgd.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace shardtorch {
@@ -32,13 +33,18 @@ class ShardViews {
   void zero_grad();
   void after_step(const torch::optim::Optimizer& opt);
 
- private:
   struct Piece {
-    at::Tensor view;
-    void* flat;  // FlatParam*
-    int64_t shard_offset, length;
+    at::Tensor view;       // what the optimizer updates
+    void* flat;            // FlatParam*, or null under NoShard
+    int64_t shard_offset;  // in the flat shard
+    int64_t length;
+    std::string name;      // the parameter's name
+    int64_t param_offset;  // first element of the piece in the flattened parameter
     bool taken = false;
   };
+  const std::vector<Piece>& pieces() const { return pieces_; }
+
+ private:
   std::shared_ptr<ShardState> state_;
   std::vector<Piece> pieces_;
   std::vector<std::pair<const void*, std::vector<size_t>>> by_param_;  // TensorImpl* -> pieces
@@ -80,6 +86,7 @@ class ShardedOptimizer {
   void set_lr(double lr);
   void set_lr(size_t group, double lr);
   torch::optim::Optimizer& inner() { return *inner_; }
+  const detail::ShardViews& views() const { return *views_; }
 
  private:
   ShardedOptimizer(std::unique_ptr<detail::ShardViews> views, std::unique_ptr<torch::optim::Optimizer> inner)
