@@ -359,3 +359,81 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   EXPECT_NE(load_error(truncated).find("'rank-0.safetensors' has 100 bytes"), std::string::npos) << load_error(truncated);
   fs::remove_all(dir);
 }
+
+TEST(ShardedCheckpoint, ResumeAtTheSameWorldSizeIsBitwiseEqualToAnUninterruptedRun) {
+  auto dir = temp_dir();
+  const std::string ckpt = (dir / "ckpt").string();
+  auto x = gpt_tokens();
+  const std::string straight = (dir / "straight.safetensors").string();
+  auto a = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    train_steps(w, model, *opt, x, 3);
+    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 3);
+    train_steps(w, model, *opt, x, 3);
+    shardtorch::save_full_state_dict(*model, straight);
+  });
+  ASSERT_TRUE(a.ok) << a.summary();
+  const std::string resumed = (dir / "resumed.safetensors").string();
+  auto b = run_ranks(2, [&](World& w) {
+    torch::manual_seed(42);  // different initial values: everything must come from the checkpoint
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    require(shardtorch::load_sharded_checkpoint(*model, opt.get(), ckpt) == 3, "wrong step");
+    train_steps(w, model, *opt, x, 3);
+    shardtorch::save_full_state_dict(*model, resumed);
+  });
+  ASSERT_TRUE(b.ok) << b.summary();
+  auto s = shardtorch::checkpoint::load_file(straight), r = shardtorch::checkpoint::load_file(resumed);
+  ASSERT_EQ(s.size(), r.size());
+  for (auto& [n, t] : s) EXPECT_TRUE(at::equal(t, r.at(n))) << n << " differs after resuming";
+  fs::remove_all(dir);
+}
+
+TEST(ShardedCheckpoint, AWriterKilledAtRandomPointsLeavesALoadableCheckpoint) {
+  auto dir = temp_dir();
+  const std::string ckpt = (dir / "latest").string();
+  const std::string full = (dir / "latest.safetensors").string();
+  // A first complete checkpoint of each kind.
+  auto first = run_ranks(1, [&](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 0);
+    shardtorch::save_full_state_dict(*model, full, {{"step", "0"}});
+  });
+  ASSERT_TRUE(first.ok) << first.summary();
+  std::srand(12345);
+  int interrupted = 0;
+  for (int round = 0; round < 8; ++round) {
+    // A writer that saves new steps over the same paths in a loop, killed
+    // after a random delay (the parent's time limit kills it: SIGKILL).
+    const auto delay = std::chrono::milliseconds(20 + std::rand() % 200);
+    auto r = run_ranks(1, [&](World& w) {
+      torch::manual_seed(round);
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w);
+      for (int step = 1;; ++step) {
+        shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 100 * (round + 1) + step);
+        shardtorch::save_full_state_dict(*model, full, {{"step", std::to_string(step)}});
+      }
+    }, shardtorch::testing::RunOptions().timeout(delay));
+    interrupted += r.ranks[0].timed_out;
+    // Whatever is on disk now loads completely.
+    auto sharded = shardtorch::read_sharded_checkpoint(ckpt);
+    EXPECT_TRUE(sharded.count("tok_emb.weight|param")) << "round " << round;
+    auto whole = shardtorch::checkpoint::load_file(full);
+    EXPECT_TRUE(whole.count("tok_emb.weight")) << "round " << round;
+    auto check = run_ranks(1, [&](World& w) {
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w);
+      shardtorch::load_sharded_checkpoint(*model, nullptr, ckpt);
+      shardtorch::load_full_state_dict(*model, full);
+    });
+    EXPECT_TRUE(check.ok) << "round " << round << "\n" << check.summary();
+  }
+  EXPECT_EQ(interrupted, 8) << "every writer should have been killed mid-loop";
+  fs::remove_all(dir);
+}

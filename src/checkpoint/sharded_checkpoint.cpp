@@ -3,8 +3,11 @@
 #include <boost/json.hpp>
 #include <c10/core/GradMode.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -317,12 +320,16 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
     }
     fsync_path(tmp + "/index.json", false);
     fsync_path(tmp, true);
-    // Publish: the previous checkpoint at `dir` is replaced only by a complete new one.
-    const std::string old = dir + ".old";
-    fs::remove_all(old);
-    if (fs::exists(dir)) fs::rename(dir, old);
-    fs::rename(tmp, dir);
-    fs::remove_all(old);
+    // Publish atomically: a previous checkpoint at `dir` is swapped with the
+    // complete new one in one step (renameat2 RENAME_EXCHANGE), so `dir` is
+    // always one whole checkpoint or the other, whenever the process dies.
+    if (fs::exists(dir)) {
+      if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0)
+        throw SafetensorsError("checkpoint '" + dir + "': could not swap in the new checkpoint: " + std::strerror(errno));
+      fs::remove_all(tmp);  // now the previous checkpoint
+    } else {
+      fs::rename(tmp, dir);
+    }
     fs::path parent = fs::path(dir).has_parent_path() ? fs::path(dir).parent_path() : fs::path(".");
     fsync_path(parent.string(), true);
   }
