@@ -12,3 +12,4 @@
 #include "shardtorch/clip.h"
 #include "shardtorch/grad_scaler.h"
 #include "shardtorch/checkpoint.h"
+#include "shardtorch/optim/cpu_adam.h"

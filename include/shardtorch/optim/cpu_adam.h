@@ -1,0 +1,48 @@
+#pragma once
+// A fused CPU Adam/AdamW: one pass over parameter, gradient and both moments
+// per element, vectorised for AVX-512, AVX2 or plain x86-64 (chosen at run
+// time: the shipped build uses no -march=native), split across threads with
+// ATen's parallel_for. FusedAdam / FusedAdamW are torch::optim optimizers
+// (same options and state classes as torch::optim::Adam / AdamW), so they work
+// with shardtorch::ShardedOptimizer, parameter groups and checkpoints:
+//
+//   auto opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-3));
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <string>
+
+namespace shardtorch {
+
+struct AdamStep {
+  float lr, beta1, beta2, eps, weight_decay;
+  int64_t step;     // after increment: 1 on the first step
+  bool decoupled;   // AdamW (decay the parameter) or Adam (decay added to the gradient)
+};
+
+/// One Adam/AdamW update of n fp32 elements in place. If `low` is not null,
+/// the updated parameters are also written there as bf16 (the compute copy).
+void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s,
+                    at::BFloat16* low = nullptr);
+
+/// "avx512f", "avx2" or "default": the variant fused_adam_cpu runs here.
+std::string fused_adam_isa();
+
+namespace detail {
+template <class Options, class State, bool Decoupled>
+class FusedAdamBase : public torch::optim::Optimizer {
+ public:
+  FusedAdamBase(std::vector<torch::optim::OptimizerParamGroup> groups, Options defaults)
+      : torch::optim::Optimizer(std::move(groups), std::make_unique<Options>(defaults)) {}
+  FusedAdamBase(std::vector<at::Tensor> params, Options defaults)
+      : FusedAdamBase({torch::optim::OptimizerParamGroup(std::move(params))}, defaults) {}
+  at::Tensor step(LossClosure closure = nullptr) override;
+};
+}  // namespace detail
+
+using FusedAdam = detail::FusedAdamBase<torch::optim::AdamOptions, torch::optim::AdamParamState, false>;
+using FusedAdamW = detail::FusedAdamBase<torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>;
+
+}  // namespace shardtorch

@@ -1,0 +1,110 @@
+// Built with -O3 (CMakeLists.txt) so that each target clone is vectorised.
+#include "shardtorch/optim/cpu_adam.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+
+namespace shardtorch {
+namespace {
+
+struct Coeffs {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, decay, wd;
+  bool decoupled;
+};
+
+// One pass: the same arithmetic, in the same order, as torch::optim::Adam(W).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void adam_kernel(
+    float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t n, Coeffs c,
+    at::BFloat16* __restrict low) {
+  if (c.decoupled) {
+    for (int64_t i = 0; i < n; ++i) {
+      float param = p[i] * c.decay;
+      float grad = g[i];
+      float mi = m[i] * c.beta1 + grad * c.one_minus_beta1;
+      float vi = v[i] * c.beta2 + c.one_minus_beta2 * grad * grad;
+      m[i] = mi;
+      v[i] = vi;
+      p[i] = param - c.step_size * (mi / (std::sqrt(vi) / c.sqrt_bc2 + c.eps));
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      float param = p[i];
+      float grad = g[i] + c.wd * param;
+      float mi = m[i] * c.beta1 + grad * c.one_minus_beta1;
+      float vi = v[i] * c.beta2 + c.one_minus_beta2 * grad * grad;
+      m[i] = mi;
+      v[i] = vi;
+      p[i] = param - c.step_size * (mi / (std::sqrt(vi) / c.sqrt_bc2 + c.eps));
+    }
+  }
+  if (low != nullptr)
+    for (int64_t i = 0; i < n; ++i) low[i] = at::BFloat16(p[i]);
+}
+
+}  // namespace
+
+void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s,
+                    at::BFloat16* low) {
+  const double bc1 = 1.0 - std::pow(static_cast<double>(s.beta1), static_cast<double>(s.step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(s.beta2), static_cast<double>(s.step));
+  Coeffs c{s.beta1, 1.0f - s.beta1, s.beta2, 1.0f - s.beta2, s.eps, static_cast<float>(s.lr / bc1),
+           static_cast<float>(std::sqrt(bc2)), 1.0f - s.lr * s.weight_decay, s.weight_decay, s.decoupled};
+  constexpr int64_t kGrain = 1 << 15;
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    adam_kernel(param + b, grad + b, exp_avg + b, exp_avg_sq + b, e - b, c, low ? low + b : nullptr);
+  });
+}
+
+std::string fused_adam_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return "avx512f";
+  if (__builtin_cpu_supports("avx2")) return "avx2";
+  return "default";
+}
+
+namespace detail {
+
+template <class Options, class State, bool Decoupled>
+at::Tensor FusedAdamBase<Options, State, Decoupled>::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    c10::AutoGradMode enable(true);
+    loss = closure();
+  }
+  c10::NoGradGuard no_grad;
+  for (auto& group : param_groups_) {
+    auto& o = static_cast<Options&>(group.options());
+    TORCH_CHECK(!o.amsgrad(), "shardtorch FusedAdam: amsgrad is not supported; use torch::optim::Adam");
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      TORCH_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu() && p.is_contiguous() &&
+                      p.grad().is_contiguous() && p.grad().scalar_type() == at::kFloat,
+                  "shardtorch FusedAdam: needs contiguous fp32 CPU parameters and gradients, got ",
+                  p.scalar_type(), " on ", p.device());
+      auto& slot = state_[p.unsafeGetTensorImpl()];
+      if (!slot) {
+        auto s = std::make_unique<State>();
+        s->step(0);
+        s->exp_avg(at::zeros_like(p, at::MemoryFormat::Contiguous));
+        s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Contiguous));
+        slot = std::move(s);
+      }
+      auto& s = static_cast<State&>(*slot);
+      s.step(s.step() + 1);
+      AdamStep a{static_cast<float>(o.lr()), static_cast<float>(std::get<0>(o.betas())),
+                 static_cast<float>(std::get<1>(o.betas())), static_cast<float>(o.eps()),
+                 static_cast<float>(o.weight_decay()), s.step(), Decoupled};
+      fused_adam_cpu(p.data_ptr<float>(), p.grad().data_ptr<float>(), s.exp_avg().template data_ptr<float>(),
+                     s.exp_avg_sq().template data_ptr<float>(), p.numel(), a);
+    }
+  }
+  return loss;
+}
+
+template class FusedAdamBase<torch::optim::AdamOptions, torch::optim::AdamParamState, false>;
+template class FusedAdamBase<torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>;
+
+}  // namespace detail
+}  // namespace shardtorch

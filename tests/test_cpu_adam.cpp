@@ -1,0 +1,101 @@
+// The fused CPU Adam/AdamW equals torch::optim's within 1e-6 relative.
+#include <gtest/gtest.h>
+
+#include "models.h"
+#include "shardtorch/optim/cpu_adam.h"
+
+using namespace testmodels;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+
+
+TEST(FusedCpuAdam, AdamWMatchesTorchWithinOneMillionth) {
+  for (int threads : {1, 2}) {
+    torch::manual_seed(0);
+    const int64_t n = 100003;  // not a multiple of any vector width
+    auto p0 = torch::randn({n});
+    auto a = p0.clone().requires_grad_(true), b = p0.clone().requires_grad_(true);
+    auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95}).eps(1e-6);
+    torch::optim::AdamW ref({a}, opts);
+    shardtorch::FusedAdamW fused({b}, opts);
+    at::set_num_threads(threads);
+    for (int s = 0; s < 10; ++s) {
+      auto g = torch::randn({n}) * (s + 1);
+      a.mutable_grad() = g.clone();
+      b.mutable_grad() = g.clone();
+      ref.step();
+      fused.step();
+    }
+    at::set_num_threads(1);
+    EXPECT_LE(rel_err(b.detach(), a.detach()), 1e-6) << "parameters, threads " << threads;
+    auto& rs = static_cast<torch::optim::AdamWParamState&>(*ref.state().at(a.unsafeGetTensorImpl()));
+    auto& fs = static_cast<torch::optim::AdamWParamState&>(*fused.state().at(b.unsafeGetTensorImpl()));
+    EXPECT_EQ(rs.step(), fs.step());
+    EXPECT_LE(rel_err(fs.exp_avg(), rs.exp_avg()), 1e-6);
+    EXPECT_LE(rel_err(fs.exp_avg_sq(), rs.exp_avg_sq()), 1e-6);
+  }
+  std::cout << "  fused Adam runs the " << shardtorch::fused_adam_isa() << " variant here\n";
+}
+
+TEST(FusedCpuAdam, AdamWithCoupledWeightDecayMatchesTorch) {
+  torch::manual_seed(1);
+  const int64_t n = 4097;
+  auto p0 = torch::randn({n});
+  auto a = p0.clone().requires_grad_(true), b = p0.clone().requires_grad_(true);
+  auto opts = torch::optim::AdamOptions(3e-3).weight_decay(0.01);
+  torch::optim::Adam ref({a}, opts);
+  shardtorch::FusedAdam fused({b}, opts);
+  for (int s = 0; s < 7; ++s) {
+    auto g = torch::randn({n});
+    a.mutable_grad() = g.clone();
+    b.mutable_grad() = g.clone();
+    ref.step();
+    fused.step();
+  }
+  EXPECT_LE(rel_err(b.detach(), a.detach()), 1e-6);
+}
+
+TEST(FusedCpuAdam, WritesTheBf16CopyInTheSamePass) {
+  const int64_t n = 1000;
+  auto p = torch::randn({n}), g = torch::randn({n}), m = torch::zeros({n}), v = torch::zeros({n});
+  auto low = torch::empty({n}, torch::kBFloat16);
+  shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n,
+                             {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1, true}, low.data_ptr<at::BFloat16>());
+  EXPECT_TRUE(at::equal(low, p.to(torch::kBFloat16)));
+}
+
+TEST(FusedCpuAdam, RefusesAmsgrad) {
+  auto a = torch::randn({4}).requires_grad_(true);
+  shardtorch::FusedAdam opt({a}, torch::optim::AdamOptions(1e-3).amsgrad(true));
+  a.mutable_grad() = torch::ones({4});
+  EXPECT_THROW(opt.step(), c10::Error);
+}
+
+TEST(FusedCpuAdam, ShardedTrainingWithFusedAdamWMatchesSingleProcess) {
+  auto x = gpt_tokens();
+  auto opts = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
+  torch::manual_seed(0);
+  auto ref = gpt::GPT(gpt::Config{});
+  torch::optim::AdamW ref_opt(unique_tensors(*ref), opts);
+  for (int s = 0; s < 4; ++s) {
+    ref_opt.zero_grad();
+    gpt::lm_loss(ref(x), x).backward();
+    ref_opt.step();
+  }
+  auto want = snapshot(*ref);
+  auto r = run_ranks(3, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    auto opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, opts);
+    auto xs = x.narrow(0, 4 * w.rank(), 4);
+    for (int s = 0; s < 4; ++s) {
+      opt->zero_grad();
+      gpt::lm_loss(model(xs), xs).backward();
+      opt->step();
+    }
+    shardtorch::FullParams full(*model);
+    expect_close_map(snapshot(*model), want, 1e-5, "FusedAdamW over shards");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
