@@ -8,7 +8,7 @@ JOBS ?= 2
 PY := $(VENV)/bin/python3
 Torch_DIR ?=
 
-.PHONY: all setup configure build test demo install clean
+.PHONY: all setup configure build test demo bench install clean
 
 all: build
 
@@ -29,6 +29,12 @@ test: build
 
 demo: build
 	$(VENV)/bin/torchrun --no-python --standalone --nproc-per-node 2 $(BUILD)/examples/train_gpt --steps 40
+
+# Google Benchmark results as JSON in $(BUILD)/bench-results/ (not a test: figures vary by machine).
+bench: build
+	mkdir -p $(BUILD)/bench-results
+	$(BUILD)/bench/bench_cpu_adam --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+	  --benchmark_out=$(BUILD)/bench-results/cpu_adam.json --benchmark_out_format=json
 
 install: build
 	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)

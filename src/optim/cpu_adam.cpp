@@ -10,7 +10,7 @@ namespace shardtorch {
 namespace {
 
 struct Coeffs {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, decay, wd;
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2, decay, wd;
   bool decoupled;
 };
 
@@ -26,7 +26,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void adam_kernel(
       float vi = v[i] * c.beta2 + c.one_minus_beta2 * grad * grad;
       m[i] = mi;
       v[i] = vi;
-      p[i] = param - c.step_size * (mi / (std::sqrt(vi) / c.sqrt_bc2 + c.eps));
+      p[i] = param - c.step_size * (mi / (std::sqrt(vi) * c.inv_sqrt_bc2 + c.eps));
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {
@@ -36,7 +36,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void adam_kernel(
       float vi = v[i] * c.beta2 + c.one_minus_beta2 * grad * grad;
       m[i] = mi;
       v[i] = vi;
-      p[i] = param - c.step_size * (mi / (std::sqrt(vi) / c.sqrt_bc2 + c.eps));
+      p[i] = param - c.step_size * (mi / (std::sqrt(vi) * c.inv_sqrt_bc2 + c.eps));
     }
   }
   if (low != nullptr)
@@ -50,7 +50,7 @@ void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_
   const double bc1 = 1.0 - std::pow(static_cast<double>(s.beta1), static_cast<double>(s.step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(s.beta2), static_cast<double>(s.step));
   Coeffs c{s.beta1, 1.0f - s.beta1, s.beta2, 1.0f - s.beta2, s.eps, static_cast<float>(s.lr / bc1),
-           static_cast<float>(std::sqrt(bc2)), 1.0f - s.lr * s.weight_decay, s.weight_decay, s.decoupled};
+           static_cast<float>(1.0 / std::sqrt(bc2)), 1.0f - s.lr * s.weight_decay, s.weight_decay, s.decoupled};
   constexpr int64_t kGrain = 1 << 15;
   at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
     adam_kernel(param + b, grad + b, exp_avg + b, exp_avg_sq + b, e - b, c, low ? low + b : nullptr);
