@@ -76,8 +76,10 @@ void ShardState::after_optimizer_step() {
 }
 
 std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
+  // The strategy is the same everywhere: decide on it, not on what this rank
+  // happens to hold, so that every rank communicates or none does.
+  partial = strategy() != Strategy::NoShard && strategy() != Strategy::OptimizerOnly;
   std::vector<at::Tensor> grads;
-  partial = false;
   if (ddp_) {
     for (const auto& p : ddp_optimized())
       if (p.grad().defined()) grads.push_back(p.grad());
@@ -89,13 +91,9 @@ std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
         grads.push_back(f->full_grad());  // OptimizerOnly: whole and identical on every rank
       } else if (f->shard_grad().defined()) {
         grads.push_back(f->shard_grad());
-        partial = true;
       }
     }
   }
-  // The strategy is the same everywhere: decide on it, not on what this rank
-  // happens to hold, so that every rank communicates or none does.
-  partial = strategy() != Strategy::NoShard && strategy() != Strategy::OptimizerOnly;
   return grads;
 }
 
