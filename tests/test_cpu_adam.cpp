@@ -99,3 +99,35 @@ TEST(FusedCpuAdam, ShardedTrainingWithFusedAdamWMatchesSingleProcess) {
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
+
+TEST(FusedCpuAdam, EveryInstructionSetVariantMatchesTorch) {
+  __builtin_cpu_init();
+  std::vector<std::string> isas = {"default"};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas.push_back("avx2");
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    isas.push_back("avx512");
+  for (const std::string& isa : isas) {
+    auto r = run_ranks(1, [&](World&) {
+      ::setenv("SHARDTORCH_ADAM_ISA", isa.c_str(), 1);
+      const int64_t n = 50001;
+      torch::manual_seed(3);
+      auto p0 = torch::randn({n});
+      auto a = p0.clone().requires_grad_(true), b = p0.clone().requires_grad_(true);
+      auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+      torch::optim::AdamW ref({a}, opts);
+      shardtorch::FusedAdamW fused({b}, opts);
+      for (int s = 0; s < 5; ++s) {
+        auto g = torch::randn({n});
+        a.mutable_grad() = g.clone();
+        b.mutable_grad() = g.clone();
+        ref.step();
+        fused.step();
+      }
+      std::string ran = shardtorch::fused_adam_isa();
+      require(ran == isa, "asked for " + isa + " but ran " + ran);
+      require(rel_err(b.detach(), a.detach()) <= 1e-6, ran + " variant differs from torch::optim::AdamW");
+      std::cout << "  asked for " << isa << ", ran " << ran << std::endl;
+    });
+    ASSERT_TRUE(r.ok) << isa << "\n" << r.summary();
+  }
+}

@@ -5,6 +5,8 @@
 #include <c10/core/GradMode.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 namespace shardtorch {
 namespace {
@@ -14,10 +16,12 @@ struct Coeffs {
   bool decoupled;
 };
 
-// One pass: the same arithmetic, in the same order, as torch::optim::Adam(W).
-__attribute__((target_clones("avx512f", "avx2", "default"))) void adam_kernel(
-    float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t n, Coeffs c,
-    at::BFloat16* __restrict low) {
+// One pass: the same arithmetic, in the same order, as torch::optim::Adam(W),
+// except that 1/sqrt(bias correction 2) multiplies instead of dividing.
+// Inlined into one wrapper per instruction set, where it is vectorised.
+__attribute__((always_inline)) inline void adam_body(float* __restrict p, const float* __restrict g,
+                                                     float* __restrict m, float* __restrict v, int64_t n,
+                                                     Coeffs c, at::BFloat16* __restrict low) {
   if (c.decoupled) {
     for (int64_t i = 0; i < n; ++i) {
       float param = p[i] * c.decay;
@@ -43,6 +47,46 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void adam_kernel(
     for (int64_t i = 0; i < n; ++i) low[i] = at::BFloat16(p[i]);
 }
 
+using Kernel = void (*)(float*, const float*, float*, float*, int64_t, Coeffs, at::BFloat16*);
+
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512(
+    float* p, const float* g, float* m, float* v, int64_t n, Coeffs c, at::BFloat16* low) {
+  adam_body(p, g, m, v, n, c, low);
+}
+__attribute__((target("avx2,fma"))) void adam_avx2(float* p, const float* g, float* m, float* v, int64_t n,
+                                                   Coeffs c, at::BFloat16* low) {
+  adam_body(p, g, m, v, n, c, low);
+}
+void adam_default(float* p, const float* g, float* m, float* v, int64_t n, Coeffs c, at::BFloat16* low) {
+  adam_body(p, g, m, v, n, c, low);
+}
+
+// The variant for this CPU: the widest it has (measured in the library on the
+// AMD EPYC development VM, AVX-512 beat AVX2+FMA: docs/benchmarks.md);
+// SHARDTORCH_ADAM_ISA=avx512|avx2|default overrides, for benchmarking.
+struct Choice {
+  Kernel kernel;
+  std::string name;
+};
+Choice choose() {
+  __builtin_cpu_init();
+  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (const char* want = std::getenv("SHARDTORCH_ADAM_ISA")) {
+    std::string w = want;
+    if (w == "avx512" && has512) return {adam_avx512, "avx512"};
+    if (w == "avx2" && has2) return {adam_avx2, "avx2"};
+    if (w == "default") return {adam_default, "default"};
+  }
+  if (has512) return {adam_avx512, "avx512"};
+  if (has2) return {adam_avx2, "avx2"};
+  return {adam_default, "default"};
+}
+// Per call (a few cached CPU-feature checks and a getenv), so the override
+// applies whenever it is set.
+Choice chosen() { return choose(); }
+
 }  // namespace
 
 void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s,
@@ -52,17 +96,13 @@ void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_
   Coeffs c{s.beta1, 1.0f - s.beta1, s.beta2, 1.0f - s.beta2, s.eps, static_cast<float>(s.lr / bc1),
            static_cast<float>(1.0 / std::sqrt(bc2)), 1.0f - s.lr * s.weight_decay, s.weight_decay, s.decoupled};
   constexpr int64_t kGrain = 1 << 15;
+  const Kernel kernel = chosen().kernel;
   at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
-    adam_kernel(param + b, grad + b, exp_avg + b, exp_avg_sq + b, e - b, c, low ? low + b : nullptr);
+    kernel(param + b, grad + b, exp_avg + b, exp_avg_sq + b, e - b, c, low ? low + b : nullptr);
   });
 }
 
-std::string fused_adam_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return "avx512f";
-  if (__builtin_cpu_supports("avx2")) return "avx2";
-  return "default";
-}
+std::string fused_adam_isa() { return chosen().name; }
 
 namespace detail {
 

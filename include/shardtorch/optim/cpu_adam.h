@@ -1,6 +1,6 @@
 #pragma once
 // A fused CPU Adam/AdamW: one pass over parameter, gradient and both moments
-// per element, vectorised for AVX-512, AVX2 or plain x86-64 (chosen at run
+// per element, vectorised for AVX-512, AVX2+FMA or plain x86-64 (chosen at run
 // time: the shipped build uses no -march=native), split across threads with
 // ATen's parallel_for. FusedAdam / FusedAdamW are torch::optim optimizers
 // (same options and state classes as torch::optim::Adam / AdamW), so they work
@@ -27,7 +27,8 @@ struct AdamStep {
 void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s,
                     at::BFloat16* low = nullptr);
 
-/// "avx512f", "avx2" or "default": the variant fused_adam_cpu runs here.
+/// "avx512", "avx2" or "default": the variant fused_adam_cpu runs here (the
+/// widest the CPU has; the environment variable SHARDTORCH_ADAM_ISA overrides).
 std::string fused_adam_isa();
 
 namespace detail {
