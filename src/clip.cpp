@@ -10,8 +10,7 @@
 namespace shardtorch {
 
 double clip_grad_norm(torch::nn::Module& root, double max_norm, double norm_type) {
-  auto state = detail::state_of(root);
-  TORCH_CHECK(state, "shardtorch::clip_grad_norm: this model was never sharded");
+  auto state = detail::require_state(root, "clip_grad_norm");
   TORCH_CHECK(norm_type > 0, "shardtorch::clip_grad_norm: norm_type ", norm_type, " must be positive");
   c10::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);

@@ -7,8 +7,7 @@
 namespace shardtorch {
 
 FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
-    : state_(detail::state_of(root)), options_(options) {
-  TORCH_CHECK(state_, "shardtorch::summon_full_params: this model was never sharded");
+    : state_(detail::require_state(root, "summon_full_params")), options_(options) {
   const bool mixed = state_->options().mixed_precision().param_dtype().has_value();
   TORCH_CHECK(!(mixed && options_.writeback().value_or(false)), "shardtorch::summon_full_params: writeback under "
               "mixed precision would round the fp32 master parameters to the compute dtype; leave writeback unset");
@@ -53,19 +52,13 @@ FullParams::~FullParams() {
   for (auto& u : summoned_) u->reshard();
 }
 
-}  // namespace shardtorch
-
-namespace shardtorch {
-
 std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool rank0_only) {
-  auto state = detail::state_of(root);
-  TORCH_CHECK(state, "shardtorch::full_parameters: this model was never sharded");
+  auto state = detail::require_state(root, "full_parameters");
   const bool keep = !rank0_only || state->world().rank() == 0;
   std::map<std::string, at::Tensor> out;
   c10::NoGradGuard no_grad;
   // Tied parameters appear under every name the module gives them.
-  std::map<const void*, std::vector<std::string>> names;
-  for (const auto& item : root.named_parameters()) names[item.value().unsafeGetTensorImpl()].push_back(item.key());
+  auto names = detail::parameter_names(root);
   auto put = [&](const at::Tensor& param, const at::Tensor& value) {
     for (const auto& n : names[param.unsafeGetTensorImpl()]) out[n] = value;
   };

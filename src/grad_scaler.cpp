@@ -7,8 +7,7 @@
 namespace shardtorch {
 
 GradScaler::GradScaler(torch::nn::Module& root, GradScalerOptions options)
-    : state_(detail::state_of(root)), options_(options), scale_(options.init_scale()) {
-  TORCH_CHECK(state_, "shardtorch::GradScaler: this model was never sharded");
+    : state_(detail::require_state(root, "GradScaler")), options_(options), scale_(options.init_scale()) {
   TORCH_CHECK(scale_ > 0 && options.growth_factor() > 1 && options.backoff_factor() > 0 && options.backoff_factor() < 1,
               "shardtorch::GradScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1");
   state_->set_has_scaler();

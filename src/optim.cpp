@@ -9,9 +9,7 @@
 namespace shardtorch {
 namespace detail {
 
-ShardViews::ShardViews(torch::nn::Module& root) : state_(state_of(root)) {
-  TORCH_CHECK(state_, "shardtorch: cannot build a sharded optimizer: this model was never sharded; call "
-                      "shardtorch::shard(model, world) first");
+ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "cannot build a sharded optimizer")) {
   TORCH_CHECK(state_->options().mixed_precision().param_dtype() != at::kHalf || state_->has_scaler(),
               "shardtorch: fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
               "model before its optimizer, and step through scaler.step(*opt)");

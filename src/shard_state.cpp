@@ -181,4 +181,16 @@ std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root) {
 
 std::shared_ptr<ShardState> state_of(torch::nn::Module& root) { return lookup_model(root); }
 
+std::shared_ptr<ShardState> require_state(torch::nn::Module& root, const std::string& what) {
+  auto s = lookup_model(root);
+  TORCH_CHECK(s, "shardtorch: ", what, ": this model was never sharded; call shardtorch::shard(model, world) first");
+  return s;
+}
+
+std::map<const void*, std::vector<std::string>> parameter_names(torch::nn::Module& root) {
+  std::map<const void*, std::vector<std::string>> names;
+  for (const auto& item : root.named_parameters()) names[item.value().unsafeGetTensorImpl()].push_back(item.key());
+  return names;
+}
+
 }  // namespace shardtorch::detail

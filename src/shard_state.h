@@ -143,5 +143,10 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
 /// The registry of sharded models, by root module (entries die with it).
 void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state);
 std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root);
+/// The state of a sharded model; throws, naming `what` (the call), if it never was.
+std::shared_ptr<ShardState> require_state(torch::nn::Module& root, const std::string& what);
+
+/// Every name the module gives each parameter tensor (a tied one has several).
+std::map<const void*, std::vector<std::string>> parameter_names(torch::nn::Module& root);
 
 }  // namespace shardtorch::detail

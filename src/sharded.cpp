@@ -301,9 +301,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
 }
 
 ShardedModel sharded_model(torch::nn::Module& root) {
-  auto s = detail::state_of(root);
-  TORCH_CHECK(s, "shardtorch: this model was never sharded; call shardtorch::shard(model, world) first");
-  return ShardedModel(s);
+  return ShardedModel(detail::require_state(root, "sharded_model"));
 }
 
 // ---------------------------------------------------------------- ShardedModel

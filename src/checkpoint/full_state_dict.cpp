@@ -12,27 +12,15 @@ namespace {
 
 using NameMap = std::map<const void*, std::vector<std::string>>;
 
-NameMap names_of(torch::nn::Module& root) {
-  NameMap names;
-  for (const auto& item : root.named_parameters()) names[item.value().unsafeGetTensorImpl()].push_back(item.key());
-  return names;
-}
-
-std::shared_ptr<detail::ShardState> require_state(torch::nn::Module& root, const char* what) {
-  auto s = detail::state_of(root);
-  TORCH_CHECK(s, "shardtorch::", what, ": this model was never sharded");
-  return s;
-}
-
 }  // namespace
 
 void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                           const std::map<std::string, std::string>& user_metadata) {
-  auto state = require_state(root, "save_full_state_dict");
+  auto state = detail::require_state(root, "save_full_state_dict");
   World& world = state->world();
   const bool writer = world.rank() == 0;
   c10::NoGradGuard no_grad;
-  NameMap names = names_of(root);
+  NameMap names = detail::parameter_names(root);
 
   // Every flat parameter, in a fixed order: gathering is collective.
   std::vector<FlatParam*> flats;
@@ -106,10 +94,10 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
 }
 
 void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
-  auto state = require_state(root, "load_full_state_dict");
+  auto state = detail::require_state(root, "load_full_state_dict");
   checkpoint::Reader reader(path);
   c10::NoGradGuard no_grad;
-  NameMap names = names_of(root);
+  NameMap names = detail::parameter_names(root);
   std::set<std::string> used;
   auto name_in_file = [&](const at::Tensor& p) -> std::string {
     const auto& ns = names[p.unsafeGetTensorImpl()];

@@ -132,7 +132,7 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
         done.insert(params[i].unsafeGetTensorImpl());
       }
       for (const auto& item : root.named_parameters())
-        if (!done.count(item.value().unsafeGetTensorImpl()) && done.insert(item.value().unsafeGetTensorImpl()).second)
+        if (done.insert(item.value().unsafeGetTensorImpl()).second)
           add(item.key(), "param", 0, item.value(), 0);
     } else {
       const int shard_rank = state.shard_comm().rank();
@@ -256,8 +256,7 @@ int64_t fill(at::Tensor dst, const std::string& name, const std::string& kind, i
 }  // namespace
 
 void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, int64_t step) {
-  auto state = detail::state_of(root);
-  TORCH_CHECK(state, "shardtorch::save_sharded_checkpoint: this model was never sharded");
+  auto state = detail::require_state(root, "save_sharded_checkpoint");
   World& world = state->world();
   c10::NoGradGuard no_grad;
   const std::string tmp = dir + ".tmp";
@@ -337,8 +336,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
 }
 
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir) {
-  auto state = detail::state_of(root);
-  TORCH_CHECK(state, "shardtorch::load_sharded_checkpoint: this model was never sharded");
+  auto state = detail::require_state(root, "load_sharded_checkpoint");
   c10::NoGradGuard no_grad;
   Index idx = read_index(dir);
   Files files(dir, idx);
