@@ -106,6 +106,32 @@ inline std::map<std::string, torch::Tensor> snapshot(torch::nn::Module& m) {
   return out;
 }
 
+/// Trains `model` in this process for `steps` steps of `opt` on `loss()` (the
+/// single-process reference) and returns its parameters.
+template <class Loss>
+std::map<std::string, torch::Tensor> train_in_one_process(torch::nn::Module& model, torch::optim::Optimizer& opt,
+                                                          int steps, Loss loss) {
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    loss().backward();
+    opt.step();
+  }
+  return snapshot(model);
+}
+
+/// Gives `a` and `b` the same random gradients `steps` times and steps each of
+/// their optimizers: for comparing an optimizer with torch::optim's.
+inline void step_both(torch::optim::Optimizer& ref, torch::Tensor& a, torch::optim::Optimizer& other, torch::Tensor& b,
+                      int steps, double grad_growth = 0.0) {
+  for (int s = 0; s < steps; ++s) {
+    auto g = torch::randn(a.sizes()) * (1.0 + grad_growth * s);
+    a.mutable_grad() = g.clone();
+    b.mutable_grad() = g.clone();
+    ref.step();
+    other.step();
+  }
+}
+
 const shardtorch::Strategy kAllStrategies[] = {shardtorch::Strategy::FullShard, shardtorch::Strategy::ShardGradOp,
                                                shardtorch::Strategy::OptimizerOnly, shardtorch::Strategy::NoShard,
                                                shardtorch::Strategy::HybridShard};

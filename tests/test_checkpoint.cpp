@@ -277,12 +277,7 @@ TEST(ShardedCheckpoint, ResumingAtAnotherWorldSizeContinuesTheReferenceTraining)
   torch::manual_seed(0);
   auto ref = gpt::GPT(gpt::Config{});
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-3));
-  for (int s = 0; s < 5; ++s) {
-    ref_opt.zero_grad();
-    gpt::lm_loss(ref(x), x).backward();
-    ref_opt.step();
-  }
-  auto want = snapshot(*ref);
+  auto want = train_in_one_process(*ref, ref_opt, 5, [&] { return gpt::lm_loss(ref(x), x); });
   auto first = run_ranks(4, [&](World& w) {
     torch::manual_seed(0);
     auto model = gpt::GPT(gpt::Config{});

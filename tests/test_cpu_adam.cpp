@@ -19,13 +19,7 @@ TEST(FusedCpuAdam, AdamWMatchesTorchWithinOneMillionth) {
     torch::optim::AdamW ref({a}, opts);
     shardtorch::FusedAdamW fused({b}, opts);
     at::set_num_threads(threads);
-    for (int s = 0; s < 10; ++s) {
-      auto g = torch::randn({n}) * (s + 1);
-      a.mutable_grad() = g.clone();
-      b.mutable_grad() = g.clone();
-      ref.step();
-      fused.step();
-    }
+    step_both(ref, a, fused, b, 10, /*grad_growth=*/1.0);
     at::set_num_threads(1);
     EXPECT_LE(rel_err(b.detach(), a.detach()), 1e-6) << "parameters, threads " << threads;
     auto& rs = static_cast<torch::optim::AdamWParamState&>(*ref.state().at(a.unsafeGetTensorImpl()));
@@ -45,13 +39,7 @@ TEST(FusedCpuAdam, AdamWithCoupledWeightDecayMatchesTorch) {
   auto opts = torch::optim::AdamOptions(3e-3).weight_decay(0.01);
   torch::optim::Adam ref({a}, opts);
   shardtorch::FusedAdam fused({b}, opts);
-  for (int s = 0; s < 7; ++s) {
-    auto g = torch::randn({n});
-    a.mutable_grad() = g.clone();
-    b.mutable_grad() = g.clone();
-    ref.step();
-    fused.step();
-  }
+  step_both(ref, a, fused, b, 7);
   EXPECT_LE(rel_err(b.detach(), a.detach()), 1e-6);
 }
 
@@ -77,12 +65,7 @@ TEST(FusedCpuAdam, ShardedTrainingWithFusedAdamWMatchesSingleProcess) {
   torch::manual_seed(0);
   auto ref = gpt::GPT(gpt::Config{});
   torch::optim::AdamW ref_opt(unique_tensors(*ref), opts);
-  for (int s = 0; s < 4; ++s) {
-    ref_opt.zero_grad();
-    gpt::lm_loss(ref(x), x).backward();
-    ref_opt.step();
-  }
-  auto want = snapshot(*ref);
+  auto want = train_in_one_process(*ref, ref_opt, 4, [&] { return gpt::lm_loss(ref(x), x); });
   auto r = run_ranks(3, [&](World& w) {
     torch::manual_seed(0);
     auto model = gpt::GPT(gpt::Config{});
@@ -116,13 +99,7 @@ TEST(FusedCpuAdam, EveryInstructionSetVariantMatchesTorch) {
       auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
       torch::optim::AdamW ref({a}, opts);
       shardtorch::FusedAdamW fused({b}, opts);
-      for (int s = 0; s < 5; ++s) {
-        auto g = torch::randn({n});
-        a.mutable_grad() = g.clone();
-        b.mutable_grad() = g.clone();
-        ref.step();
-        fused.step();
-      }
+      step_both(ref, a, fused, b, 5);
       std::string ran = shardtorch::fused_adam_isa();
       require(ran == isa, "asked for " + isa + " but ran " + ran);
       require(rel_err(b.detach(), a.detach()) <= 1e-6, ran + " variant differs from torch::optim::AdamW");
