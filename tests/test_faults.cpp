@@ -108,6 +108,7 @@ TEST(Faults, KilledRankMakesTheOthersFailNamingTheOperation) {
   }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
   ASSERT_FALSE(r.ok);
   EXPECT_EQ(r.ranks[1].signal, SIGKILL);
+  // No survivor may die of SIGPIPE writing to the dead rank's socket.
   for (int k : {0, 2}) {
     EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
     // The survivors are in backward: gathering a block again or reducing gradients.
