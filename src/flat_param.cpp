@@ -91,15 +91,15 @@ FlatParam::~FlatParam() {
   if (!mem_) return;
   if (persistent_) {
     mem_->sub(Mem::ReplicatedParams, full_.nbytes());
-    if (!shard_is_view_) mem_->sub(Mem::ShardedParams, shard_.nbytes());
+    if (!shard_is_view_) mem_->sub(shard_category(), shard_.nbytes());
   } else {
-    mem_->sub(Mem::ShardedParams, shard_.nbytes());
+    mem_->sub(shard_category(), shard_.nbytes());
     if (gathered_) mem_->sub(Mem::GatheredParams, full_.nbytes());
   }
   if (full_grad_.defined()) {
-    mem_->sub(Mem::Gradients, full_grad_.nbytes());
+    mem_->sub(grad_category(), full_grad_.nbytes());
   } else if (shard_grad_.defined()) {
-    mem_->sub(Mem::Gradients, shard_grad_.nbytes());
+    mem_->sub(grad_category(), shard_grad_.nbytes());
   }
   if (staging_.defined()) mem_->sub(Mem::GradStaging, staging_.nbytes());
 }
@@ -125,6 +125,22 @@ void FlatParam::set_mixed_precision(at::ScalarType compute, at::ScalarType reduc
   }
   full_ = low;
   if (mem_) mem_->add(persistent_ ? Mem::ReplicatedParams : Mem::GatheredParams, full_.nbytes());
+}
+
+void FlatParam::offload_shard(bool pin) {
+  if (offloaded_) return;
+  TORCH_CHECK(!shard_grad_.defined() && !staging_.defined(), "FlatParam: offload_shard of ", describe(),
+              " after gradients exist");
+  c10::NoGradGuard no_grad;
+  at::Tensor host = at::empty({shard_.numel()}, shard_.options().device(at::kCPU).pinned_memory(pin));
+  host.copy_(shard_);
+  if (mem_) {
+    if (!shard_is_view_) mem_->sub(Mem::ShardedParams, shard_.nbytes());
+    mem_->add(Mem::HostParams, host.nbytes());
+  }
+  shard_ = host;
+  shard_is_view_ = false;
+  offloaded_ = true;
 }
 
 at::Tensor FlatParam::gather_source() const {
@@ -190,7 +206,7 @@ void FlatParam::accumulate_shard_grad(const at::Tensor& reduced, double divisor)
   at::Tensor g = at::div(reduced.to(dtype_), divisor);  // gradient shards are in the master dtype
   if (!shard_grad_.defined()) {
     shard_grad_ = g;
-    if (mem_) mem_->add(Mem::Gradients, shard_grad_.nbytes());
+    if (mem_) mem_->add(grad_category(), shard_grad_.nbytes());
   } else {
     shard_grad_.add_(g);
   }
@@ -202,7 +218,7 @@ void FlatParam::accumulate_full_grad(const at::Tensor& reduced, double divisor) 
     full_grad_ = at::div(reduced.to(dtype_), divisor);
     auto [lo, hi] = layout_.shard_range(rank_);
     shard_grad_ = full_grad_.narrow(0, lo, hi - lo);
-    if (mem_) mem_->add(Mem::Gradients, full_grad_.nbytes());
+    if (mem_) mem_->add(grad_category(), full_grad_.nbytes());
   } else {
     full_grad_.add_(at::div(reduced.to(dtype_), divisor));
   }
@@ -210,9 +226,9 @@ void FlatParam::accumulate_full_grad(const at::Tensor& reduced, double divisor) 
 
 void FlatParam::zero_grad() {
   if (full_grad_.defined()) {
-    if (mem_) mem_->sub(Mem::Gradients, full_grad_.nbytes());
+    if (mem_) mem_->sub(grad_category(), full_grad_.nbytes());
   } else if (shard_grad_.defined()) {
-    if (mem_) mem_->sub(Mem::Gradients, shard_grad_.nbytes());
+    if (mem_) mem_->sub(grad_category(), shard_grad_.nbytes());
   }
   full_grad_ = at::Tensor();
   shard_grad_ = at::Tensor();

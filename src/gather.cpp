@@ -22,7 +22,7 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
     if (options_.with_grads()) {
       for (auto& f : u->flats()) {
         if (!f->requires_grad()) continue;
-        at::Tensor shard = f->shard_grad().defined() ? f->shard_grad() : at::zeros_like(f->shard());
+        at::Tensor shard = state_->on_comm_device(f->shard_grad().defined() ? f->shard_grad() : at::zeros_like(f->shard()));
         at::Tensor full = at::empty({f->layout().padded_numel()}, shard.options());
         state_->shard_comm().all_gather_into(full, shard, "gradients of unit '" + u->label() + "' for summon_full_params");
         if (!keep) continue;
@@ -72,8 +72,8 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
   }
   for (auto& u : state->units()) {
     for (auto& f : u->flats()) {
-      at::Tensor full = at::empty({f->layout().padded_numel()}, f->shard().options());
-      at::Tensor mine = f->shard().clone();
+      at::Tensor mine = state->on_comm_device(f->shard());
+      at::Tensor full = at::empty({f->layout().padded_numel()}, mine.options());
       state->shard_comm().all_gather_into(full, mine, "master parameters of unit '" + u->label() + "'");
       if (!keep) continue;
       for (size_t i = 0; i < f->params().size(); ++i)

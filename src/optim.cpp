@@ -111,7 +111,7 @@ void ShardViews::after_step(const torch::optim::Optimizer& opt) {
       add(s->momentum_buffer());
     }
   }
-  state_->mem().set(Mem::OptimizerState, bytes);
+  state_->mem().set(state_->offloader() ? Mem::HostOptimizerState : Mem::OptimizerState, bytes);
 }
 
 }  // namespace detail

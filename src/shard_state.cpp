@@ -44,6 +44,7 @@ void ShardState::finish_backward() {
   }
   bucketer_.flush();
   bucketer_.free();
+  if (offloader_) offloader_->drain();  // the gradient shards reach host memory
   for (auto& u : all) {
     u->reshard();
     u->reset_backward();
@@ -67,11 +68,33 @@ void ShardState::after_optimizer_step() {
   for (auto& u : units()) {
     for (auto& f : u->flats()) {
       if (!f->persistent()) continue;
-      // The all-gather's input must not alias its output (and is in the compute dtype).
-      at::Tensor mine = f->gather_source().clone();
+      at::Tensor mine = gather_input(*f);
       shard_comm().all_gather_into(f->full(), mine, "updated parameters of unit '" + u->label() + "'");
     }
     u->reshard();  // non-persistent full copies are stale now
+  }
+}
+
+void ShardState::enable_offload(c10::Device device) {
+  offloader_ = std::make_unique<Offloader>(device, /*pin=*/!device.is_cpu());
+}
+
+at::Tensor ShardState::gather_input(FlatParam& f) {
+  if (offloader_) return offloader_->to_device(f.shard(), f.compute_dtype());  // always a new tensor
+  at::Tensor src = f.gather_source();
+  // With the shard a view of a persistent full buffer, the input would alias the output.
+  return src.is_alias_of(f.full()) ? src.clone() : src;
+}
+
+at::Tensor ShardState::on_comm_device(const at::Tensor& t) {
+  return t.to(world_->comm().device(), t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+}
+
+void ShardState::deliver_gradient(const at::Tensor& reduced, std::function<void(const at::Tensor&)> accumulate) {
+  if (offloader_) {
+    offloader_->to_host(reduced, std::move(accumulate));
+  } else {
+    accumulate(reduced);
   }
 }
 

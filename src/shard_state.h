@@ -12,6 +12,7 @@
 #include "shardtorch/all_reduce_bucketer.h"
 #include "shardtorch/reduce_scatter_bucketer.h"
 #include "shardtorch/sharded.h"
+#include "offload.h"
 
 namespace shardtorch::detail {
 
@@ -116,6 +117,19 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool has_scaler() const { return has_scaler_; }
   void set_has_scaler() { has_scaler_ = true; }
 
+  /// CPU offload: the host/device copies; null without offload.
+  Offloader* offloader() { return offloader_.get(); }
+  void enable_offload(c10::Device device);
+  /// What a flat parameter's all-gather sends: its shard on the compute device
+  /// in the compute dtype, never aliasing the full buffer.
+  at::Tensor gather_input(FlatParam& f);
+  /// A copy of `t` on the communication device (master shards and gradient
+  /// shards may be in host memory under offload).
+  at::Tensor on_comm_device(const at::Tensor& t);
+  /// Hands a reduced gradient to `accumulate`: at once, or under offload after
+  /// its copy to host memory (at the end of backward).
+  void deliver_gradient(const at::Tensor& reduced, std::function<void(const at::Tensor&)> accumulate);
+
   /// Queues finish_backward() on the autograd engine once per backward.
   void ensure_end_of_backward_callback();
   void finish_backward();
@@ -131,6 +145,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::shared_ptr<Comm> shard_group_, replica_group_;
   std::vector<std::weak_ptr<Unit>> units_;
   std::unique_ptr<AllReduceBucketer> ddp_;
+  std::unique_ptr<Offloader> offloader_;
   std::vector<at::Tensor> ddp_params_, ddp_masters_;
   std::vector<std::string> ddp_names_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;

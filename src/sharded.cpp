@@ -196,6 +196,9 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   TORCH_CHECK(!mp.reduce_dtype() || low_precision(*mp.reduce_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype ",
               *mp.reduce_dtype(), " must be BFloat16, Half or Float");
   TORCH_CHECK(!(mp.reduce_dtype() && !mp.param_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype needs param_dtype");
+  TORCH_CHECK(!(options.cpu_offload() && strategy == Strategy::NoShard), "shardtorch::shard: cpu_offload needs a "
+              "sharding strategy; NoShard keeps whole parameters on the device (use OptimizerOnly for replicated "
+              "parameters with the optimizer in host memory)");
   for (const auto& [unit, flag] : options.per_unit_reshard()) {
     bool known = std::any_of(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == unit; });
     TORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
@@ -250,6 +253,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   }
   const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
   Comm& shard_comm = state->shard_comm();
+  if (options.cpu_offload()) state->enable_offload(comm_device);
 
   const bool root_is_unit = dynamic_cast<UnitBase*>(&root) != nullptr;
   std::vector<std::shared_ptr<detail::Unit>> made;
@@ -285,6 +289,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
       if (mp.param_dtype() && at::isFloatingType(key.first)) {
         flat->set_mixed_precision(*mp.param_dtype(), mp.reduce_dtype().value_or(*mp.param_dtype()));
       }
+      if (auto* off = state->offloader()) flat->offload_shard(off->pin());
       flat->free_full();
       unit->flats().push_back(std::move(flat));
     }

@@ -31,10 +31,13 @@ void Unit::unshard() {
   TORCH_CHECK(state_ == UnitState::Sharded, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
               "' asked to gather while ", state_name(state_));
   state_ = UnitState::Gathering;
-  for (auto& f : flats_) {
+  std::vector<at::Tensor> inputs;  // under offload, all host-to-device copies first
+  for (auto& f : flats_) inputs.push_back(owner_->gather_input(*f));
+  for (size_t i = 0; i < flats_.size(); ++i) {
+    auto& f = flats_[i];
     f->alloc_full();
-    at::Tensor src = f->gather_source();
-    owner_->shard_comm().all_gather_into(f->full(), src, "parameters of unit '" + label() + "' (" + f->describe() + ")");
+    owner_->shard_comm().all_gather_into(f->full(), inputs[i], "parameters of unit '" + label() + "' (" + f->describe() + ")");
+    inputs[i] = at::Tensor();
   }
   state_ = UnitState::Unsharded;
   if (!flats_.empty()) owner_->mem().unit_gathered();
@@ -118,20 +121,22 @@ void Unit::reduce_grads() {
     }
     if (owner_->strategy() == Strategy::OptimizerOnly) {
       owner_->world().comm().all_reduce(g, c10d::ReduceOp::SUM, what);
-      fp->accumulate_full_grad(g, post);
+      owner_->deliver_gradient(g, [fp, post](const at::Tensor& r) { fp->accumulate_full_grad(r, post); });
       continue;
     }
     Comm* replicas = owner_->replica_comm();
+    ShardState* owner = owner_.get();
     owner_->bucketer().reduce_scatter(
         g, owner_->shard_comm(),
-        [fp, post, replicas, what](const at::Tensor& reduced) {
+        [fp, post, replicas, what, owner](const at::Tensor& reduced) {
+          auto accumulate = [fp, post](const at::Tensor& r) { fp->accumulate_shard_grad(r, post); };
           if (replicas == nullptr || replicas->size() == 1) {
-            fp->accumulate_shard_grad(reduced, post);
+            owner->deliver_gradient(reduced, accumulate);
             return;
           }
           at::Tensor t = reduced.clone();  // summed in the shard group; now across the replicas
           replicas->all_reduce(t, c10d::ReduceOp::SUM, what + " across replicas");
-          fp->accumulate_shard_grad(t, post);
+          owner->deliver_gradient(t, accumulate);
         },
         what);
   }

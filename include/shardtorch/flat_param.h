@@ -79,6 +79,11 @@ class FlatParam {
   void set_mixed_precision(at::ScalarType compute, at::ScalarType reduce);
   /// The shard as the all-gather sends it: cast to the compute dtype.
   at::Tensor gather_source() const;
+  /// CPU offload: the shard (the master) moves to host memory, pinned when
+  /// `pin`; it is then never a view of the full buffer, and gradient shards
+  /// accumulated from here on are host tensors too (counted as Host*).
+  void offload_shard(bool pin);
+  bool offloaded() const { return offloaded_; }
   bool requires_grad() const { return requires_grad_; }
 
   /// The parameters laid out flat (full, padded), as they are now.
@@ -128,6 +133,9 @@ class FlatParam {
   bool gathered_ = false;
   bool persistent_ = false;
   bool shard_is_view_ = false;
+  bool offloaded_ = false;
+  Mem grad_category() const { return offloaded_ ? Mem::HostGradients : Mem::Gradients; }
+  Mem shard_category() const { return offloaded_ ? Mem::HostParams : Mem::ShardedParams; }
 };
 
 }  // namespace shardtorch

@@ -93,6 +93,12 @@ struct ShardOptions {
   /// NoShard: a trainable parameter that gets no gradient in a backward is an
   /// error naming it (default: reduced as zero).
   TORCH_ARG(bool, error_on_unused_parameters) = false;
+  /// CPU offload (every strategy but NoShard; docs/offload.md): the fp32
+  /// master shards, the gradient shards and the optimizer state live in host
+  /// memory (pinned when units compute on an accelerator); a unit's shard is
+  /// copied to the device before its all-gather, reduced gradient shards are
+  /// copied back, and the optimizer steps on the CPU.
+  TORCH_ARG(bool, cpu_offload) = false;
 
  public:  // (TORCH_ARG leaves the access private)
   /// reshard_after_forward for one unit, by name ("" is the root).

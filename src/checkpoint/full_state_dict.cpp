@@ -32,8 +32,8 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   at::Tensor current;  // the last gathered flat parameter, full
   auto gather = [&](size_t k) {
     FlatParam* f = flats[k];
-    current = at::empty({f->layout().padded_numel()}, f->shard().options());
-    at::Tensor mine = f->shard().clone();
+    at::Tensor mine = state->on_comm_device(f->shard());
+    current = at::empty({f->layout().padded_numel()}, mine.options());
     state->shard_comm().all_gather_into(current, mine, "master parameters of unit '" + labels[k] + "' for save_full_state_dict");
     gathered = k + 1;
   };

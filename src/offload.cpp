@@ -1,0 +1,79 @@
+#include "offload.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+namespace shardtorch::detail {
+
+Offloader::Offloader(c10::Device device, bool pin) : device_(device), pin_(pin) {
+  if (accelerator()) {
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    side_ = impl.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+  }
+}
+
+at::Tensor Offloader::to_device(const at::Tensor& host, at::ScalarType dtype) {
+  c10::NoGradGuard no_grad;
+  bytes_to_device_ += host.nbytes();
+  // Allocated on the current stream, which is the one that goes on to use it.
+  at::Tensor out = at::empty(host.sizes(), host.options().device(device_).dtype(dtype).pinned_memory(false));
+  if (!accelerator()) {
+    out.copy_(host);
+    return out;
+  }
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  const c10::Stream current = impl.getStream(device_);
+  {
+    c10::StreamGuard on_side(*side_);
+    // Copy in the host dtype (pinned, asynchronous), then cast on the device.
+    at::Tensor staged = host.scalar_type() == dtype ? out : at::empty(host.sizes(), host.options().device(device_));
+    staged.copy_(host, /*non_blocking=*/pin_);
+    if (!staged.is_same(out)) out.copy_(staged);
+    c10::Event copied(device_.type());
+    copied.record(*side_);
+    copied.block(current);
+  }
+  return out;
+}
+
+void Offloader::to_host(const at::Tensor& device_tensor, std::function<void(const at::Tensor&)> done) {
+  c10::NoGradGuard no_grad;
+  bytes_to_host_ += device_tensor.nbytes();
+  Pending p;
+  p.host = at::empty(device_tensor.sizes(), device_tensor.options().device(at::kCPU).pinned_memory(pin_));
+  p.done = std::move(done);
+  if (!accelerator()) {
+    p.host.copy_(device_tensor);
+  } else {
+    release_finished();
+    p.device_copy = device_tensor.clone();  // on the current stream: the source may be reused after this
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    c10::Event cloned(device_.type());
+    cloned.record(impl.getStream(device_));
+    cloned.block(*side_);
+    c10::StreamGuard on_side(*side_);
+    p.host.copy_(p.device_copy, /*non_blocking=*/pin_);
+    p.copied.emplace(device_.type());
+    p.copied->record(*side_);
+  }
+  pending_.push_back(std::move(p));
+}
+
+void Offloader::release_finished() {
+  for (auto& p : pending_) {
+    if (p.device_copy.defined() && p.copied && p.copied->query()) p.device_copy = at::Tensor();
+  }
+}
+
+void Offloader::drain() {
+  auto pending = std::move(pending_);
+  pending_.clear();
+  for (auto& p : pending) {
+    if (p.copied) p.copied->synchronize();
+    p.device_copy = at::Tensor();
+    p.done(p.host);
+  }
+}
+
+}  // namespace shardtorch::detail

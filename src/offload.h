@@ -1,0 +1,68 @@
+#pragma once
+// Internal: the copies of CPU offload (docs/offload.md).
+//
+// The fp32 master shards, the gradient shards and the optimizer state live in
+// host memory (pinned when the compute device is an accelerator). Two kinds of
+// copy cross between host and device:
+//
+//   to_device: before a unit's all-gather, its host shard is copied to the
+//     compute device and cast to the compute dtype. On an accelerator the copy
+//     runs on a side stream; the current stream waits on an event recorded
+//     after it, so the all-gather (ordered after the current stream by the
+//     backend) sees the data.
+//   to_host: after a reduce-scatter, the reduced gradient shard is copied to
+//     host memory. On an accelerator the source is first copied on the
+//     current stream (device to device, cheap) into a buffer the offloader
+//     owns, so the bucket it came from may be reused at once; the side stream
+//     waits for that and copies to pinned host memory while backward goes on.
+//     The gradient is handed on (the callback adds it into the host gradient
+//     shard) at drain(), at the end of backward, after every copy finished.
+//     A device buffer is released as soon as its copy is seen to be done.
+//
+// With host and device both the CPU the same calls run, without streams:
+// to_device is a cast copy, to_host a copy, and the callbacks still wait for
+// drain(). That is the path the CPU tests exercise.
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <functional>
+#include <optional>
+#include <vector>
+
+namespace shardtorch::detail {
+
+class Offloader {
+ public:
+  /// `device`: where units compute; `pin`: pin host buffers (accelerators).
+  Offloader(c10::Device device, bool pin);
+
+  bool pin() const { return pin_; }
+  /// A copy of `host` on the compute device in `dtype`, ready on the current stream.
+  at::Tensor to_device(const at::Tensor& host, at::ScalarType dtype);
+  /// Copies `device_tensor` to host memory; `done(host_copy)` runs at drain().
+  void to_host(const at::Tensor& device_tensor, std::function<void(const at::Tensor&)> done);
+  /// Waits for every copy to host and runs their callbacks in issue order.
+  void drain();
+
+  int64_t bytes_to_device() const { return bytes_to_device_; }
+  int64_t bytes_to_host() const { return bytes_to_host_; }
+
+ private:
+  struct Pending {
+    at::Tensor device_copy;  // kept alive until the side stream is done with it
+    at::Tensor host;
+    std::optional<c10::Event> copied;
+    std::function<void(const at::Tensor&)> done;
+  };
+  bool accelerator() const { return !device_.is_cpu(); }
+  void release_finished();
+
+  c10::Device device_;
+  bool pin_;
+  std::optional<c10::Stream> side_;
+  std::vector<Pending> pending_;
+  int64_t bytes_to_device_ = 0, bytes_to_host_ = 0;
+};
+
+}  // namespace shardtorch::detail

@@ -1,0 +1,212 @@
+// CPU offload: offloaded training equals training without offload, bit for
+// bit, for every sharding strategy at world sizes 1-3 (with accumulation,
+// clipping and mixed precision); the state lives where docs/offload.md says;
+// checkpoints move freely between offloaded and device-resident models.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "models.h"
+#include "shardtorch/optim/cpu_adam.h"
+
+using namespace testmodels;
+using shardtorch::Mem;
+using shardtorch::ShardOptions;
+using shardtorch::Strategy;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Recipe {
+  int steps = 3;
+  int micro = 2;      // micro-batches per step, gradient sync on the last only
+  double clip = 0.5;  // small enough that every step clips
+  bool bf16 = false;
+  bool fused = false;  // shardtorch::FusedAdamW instead of torch::optim::AdamW
+  double lr = 1e-2;
+};
+
+ShardOptions options_for(Strategy s, int world, const Recipe& r, bool offload) {
+  auto o = strategy_options(s, world).cpu_offload(offload);
+  if (r.bf16) o.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
+  return o;
+}
+
+std::map<std::string, torch::Tensor> train(World& w, Strategy s, const Recipe& r, bool offload) {
+  auto x = gpt_tokens();
+  torch::manual_seed(0);
+  auto model = gpt::GPT(gpt::Config{});
+  auto sm = shardtorch::shard(model, w, options_for(s, w.size(), r, offload));
+  auto adamw = torch::optim::AdamWOptions(r.lr).weight_decay(0.01);
+  auto opt = r.fused ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
+                     : shardtorch::AdamW(*model, adamw);
+  const int64_t per = kBatch / w.size(), mb = per / r.micro;
+  for (int step = 0; step < r.steps; ++step) {
+    opt->zero_grad();
+    for (int k = 0; k < r.micro; ++k) {
+      sm.set_requires_gradient_sync(k == r.micro - 1);
+      auto xs = x.narrow(0, w.rank() * per + k * mb, mb);
+      (gpt::lm_loss(model(xs), xs) / r.micro).backward();
+    }
+    if (r.clip > 0) shardtorch::clip_grad_norm(*model, r.clip);
+    opt->step();
+  }
+  return shardtorch::full_parameters(*model);
+}
+
+const Strategy kSharded[] = {Strategy::FullShard, Strategy::ShardGradOp, Strategy::OptimizerOnly,
+                             Strategy::HybridShard};
+
+}  // namespace
+
+class OffloadParity : public ::testing::TestWithParam<std::tuple<Strategy, int>> {};
+
+TEST_P(OffloadParity, EqualsTrainingWithoutOffloadBitwise) {
+  auto [strategy, world] = GetParam();
+  for (bool bf16 : {false, true}) {
+    Recipe recipe;
+    recipe.bf16 = bf16;
+    auto r = run_ranks(world, [&](World& w) {
+      auto want = train(w, strategy, recipe, false);
+      auto got = train(w, strategy, recipe, true);
+      double err = expect_close_map(got, want, 0.0, std::string("offloaded ") + shardtorch::strategy_name(strategy) +
+                                                        (bf16 ? " bf16" : " fp32"));
+      require(err == 0.0, "not bitwise");
+    });
+    ASSERT_TRUE(r.ok) << (bf16 ? "bf16\n" : "fp32\n") << r.summary();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sharded, OffloadParity, ::testing::Combine(::testing::ValuesIn(kSharded), ::testing::Values(1, 2, 3)),
+    [](const ::testing::TestParamInfo<OffloadParity::ParamType>& info) {
+      return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
+             std::to_string(std::get<1>(info.param));
+    });
+
+TEST(Offload, FusedCpuAdamWOnOffloadedShardsMatchesSingleProcessTraining) {
+  // The reference: torch::optim::AdamW over the whole model in one process.
+  auto x = gpt_tokens();
+  torch::manual_seed(0);
+  auto ref = gpt::GPT(gpt::Config{});
+  torch::optim::AdamW ref_opt(unique_tensors(*ref), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  auto want = train_in_one_process(*ref, ref_opt, 3, [&] { return gpt::lm_loss(ref(x), x); });
+  Recipe recipe;
+  recipe.micro = 1;
+  recipe.clip = 0;
+  recipe.fused = true;
+  recipe.lr = 1e-3;
+  auto r = run_ranks(3, [&](World& w) {
+    auto got = train(w, Strategy::FullShard, recipe, true);
+    std::map<std::string, torch::Tensor> mine;
+    for (auto& [n, t] : want) mine[n] = got.at(n);
+    double err = expect_close_map(mine, want, 1e-5, "offloaded FullShard with FusedAdamW at 3 ranks");
+    std::printf("rank %d: largest relative error vs single process %.3g\n", w.rank(), err);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(Offload, MastersGradientsAndOptimizerStateAreCountedInHostMemory) {
+  auto r = run_ranks(2, [](World& w) {
+    auto x = gpt_tokens();
+    for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp}) {
+      torch::manual_seed(0);
+      auto model = gpt::GPT(gpt::Config{});
+      auto sm = shardtorch::shard(model, w, ShardOptions().strategy(s).cpu_offload(true));
+      auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+      const std::string name = shardtorch::strategy_name(s);
+      int64_t shard_bytes = 0;
+      for (const auto& u : sm.units())
+        for (const auto& l : u.layouts) shard_bytes += l.shard_numel() * 4;
+      auto m = sm.memory();
+      require(m.cur(Mem::HostParams) == shard_bytes, name + ": host_params " + std::to_string(m.cur(Mem::HostParams)) +
+                                                         " != shards " + std::to_string(shard_bytes));
+      require(m.cur(Mem::ShardedParams) == 0, name + ": sharded_params left on the device");
+      auto xs = x.narrow(0, w.rank() * 6, 6);
+      gpt::lm_loss(model(xs), xs).backward();
+      m = sm.memory();
+      require(m.cur(Mem::Gradients) == 0, name + ": gradients on the device after backward");
+      require(m.cur(Mem::HostGradients) == shard_bytes, name + ": host_gradients " +
+                                                            std::to_string(m.cur(Mem::HostGradients)));
+      opt->step();
+      m = sm.memory();
+      require(m.cur(Mem::OptimizerState) == 0, name + ": optimizer state on the device");
+      int64_t owned = 0;  // elements of parameters this rank optimizes (its shards less padding)
+      for (const auto& piece : opt->views().pieces()) owned += piece.length;
+      require(m.cur(Mem::HostOptimizerState) == 2 * 4 * owned,
+              name + ": host_optimizer_state " + std::to_string(m.cur(Mem::HostOptimizerState)) + " != exp_avg + exp_avg_sq of " +
+                  std::to_string(owned) + " elements");
+      // Every optimized tensor and its state are CPU tensors.
+      for (const auto& g : opt->inner().param_groups())
+        for (const auto& p : g.params()) require(p.device().is_cpu(), name + ": a master is not in host memory");
+      if (s == Strategy::FullShard) {
+        require(m.cur(Mem::GatheredParams) == 0, "full_shard: gathered parameters left after the step");
+      } else {
+        require(m.cur(Mem::ReplicatedParams) > 0, "shard_grad_op: the replicated compute copy is missing");
+      }
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(Offload, NoShardRefusesOffloadNamingTheAlternative) {
+  auto r = run_ranks(1, [](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    try {
+      shardtorch::shard(model, w, ShardOptions().strategy(Strategy::NoShard).cpu_offload(true));
+    } catch (const std::exception& e) {
+      std::string msg = e.what();
+      require(msg.find("cpu_offload") != std::string::npos && msg.find("OptimizerOnly") != std::string::npos,
+              "unhelpful error: " + msg);
+      return;
+    }
+    require(false, "NoShard with cpu_offload was accepted");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(Offload, CheckpointsMoveBetweenOffloadedAndResidentModelsBitwise) {
+  std::string t = (fs::temp_directory_path() / "shardtorch-offload-XXXXXX").string();
+  std::vector<char> buf(t.begin(), t.end());
+  buf.push_back('\0');
+  ASSERT_NE(::mkdtemp(buf.data()), nullptr);
+  const fs::path dir(buf.data());
+  auto x = gpt_tokens();
+  auto save = [&](int world, bool offload, const std::string& where, bool load_first, const std::string& from) {
+    return run_ranks(world, [&](World& w) {
+      torch::manual_seed(load_first ? 5 : 0);
+      auto model = gpt::GPT(gpt::Config{});
+      auto sm = shardtorch::shard(model, w, ShardOptions().cpu_offload(offload));
+      auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+      if (load_first) {
+        shardtorch::load_sharded_checkpoint(*model, opt.get(), from);
+      } else {
+        const int64_t per = kBatch / w.size();
+        for (int s = 0; s < 2; ++s) {
+          opt->zero_grad();
+          auto xs = x.narrow(0, w.rank() * per, per);
+          gpt::lm_loss(model(xs), xs).backward();
+          opt->step();
+        }
+      }
+      shardtorch::save_sharded_checkpoint(*model, opt.get(), where, 2);
+    });
+  };
+  const std::string a = (dir / "offloaded").string(), b = (dir / "resident").string(), c = (dir / "back").string();
+  auto r1 = save(2, true, a, false, "");
+  ASSERT_TRUE(r1.ok) << r1.summary();
+  auto r2 = save(3, false, b, true, a);  // offloaded at 2 -> resident at 3
+  ASSERT_TRUE(r2.ok) << r2.summary();
+  auto r3 = save(1, true, c, true, b);  // resident at 3 -> offloaded at 1
+  ASSERT_TRUE(r3.ok) << r3.summary();
+  auto first = shardtorch::read_sharded_checkpoint(a);
+  ASSERT_TRUE(first.count("tok_emb.weight|exp_avg")) << "optimizer state missing";
+  for (const auto& p : {b, c}) {
+    auto again = shardtorch::read_sharded_checkpoint(p);
+    ASSERT_EQ(again.size(), first.size()) << p;
+    for (auto& [k, v] : first) EXPECT_TRUE(at::equal(again.at(k), v)) << k << " differs in " << p;
+  }
+  fs::remove_all(dir);
+}
