@@ -1,0 +1,243 @@
+// gpt_bench: trains the example GPT for a fixed number of steps on
+// deterministic data and writes, per rank, a JSON report of step times,
+// losses, memory by category and communication volume. The sweep tool
+// (shardtorch-sweep) and the side-by-side comparison with PyTorch
+// (bench/peers/run_peers.py) both launch it:
+//
+//   torchrun --no-python --standalone --nproc-per-node 2 build/bench/gpt_bench \
+//       --strategy full_shard --layers 4 --d-model 256 --seq 64 --steps 30 --report /tmp/r
+//
+// writes /tmp/r.rank0.json and /tmp/r.rank1.json. `gpt_bench --save-init F`
+// (one process) writes the initial weights as a full state dict and exits, so
+// that another implementation can start from the same weights (--init F).
+//
+// Data: at step s (warm-up included), rank r, row b: idx = (s*world + r)*batch
+// + b; the row counts from start = idx*2654435761 mod vocab with stride
+// 1 + (idx / vocab) mod 3. bench/peers/peer_train.py computes the same rows.
+#include <ATen/Parallel.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <set>
+#include <sstream>
+
+#include <boost/json.hpp>
+#include <boost/program_options.hpp>
+
+#include "../examples/gpt.h"
+#include "shardtorch/shardtorch.h"
+
+namespace po = boost::program_options;
+namespace json = boost::json;
+
+namespace {
+
+struct Args {
+  std::string strategy = "full_shard";
+  gpt::Config cfg;
+  int64_t batch = 8;
+  int steps = 30, warmup = 5, threads = 1, hybrid_shard_size = 0;
+  double lr = 3e-3, bucket_mb = 25.0;
+  bool bf16 = false, offload = false, quiet = false;
+  std::string init, save_init, report;
+};
+
+at::Tensor batch_tokens(const Args& a, int step, int world, int rank) {
+  auto out = at::empty({a.batch, a.cfg.seq_len}, at::kLong);
+  auto acc = out.accessor<int64_t, 2>();
+  const uint64_t V = static_cast<uint64_t>(a.cfg.vocab);
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const uint64_t idx = (static_cast<uint64_t>(step) * world + rank) * a.batch + b;
+    const uint64_t start = (idx * 2654435761ull) % V, stride = 1 + (idx / V) % 3;
+    for (int64_t t = 0; t < a.cfg.seq_len; ++t) acc[b][t] = static_cast<int64_t>((start + stride * t) % V);
+  }
+  return out;
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  double pos = q * (v.size() - 1);
+  size_t lo = static_cast<size_t>(pos);
+  size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - lo);
+}
+
+int64_t peak_rss_bytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
+}
+
+// Resident memory now, from /proc/self/statm.
+int64_t current_rss_bytes() {
+  std::ifstream f("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+int64_t count_params(torch::nn::Module& m) {
+  int64_t n = 0;
+  std::set<const void*> seen;  // parameters() lists a tied tensor under each name
+  for (const auto& p : m.parameters())
+    if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
+  return n;
+}
+
+int run(const Args& a) {
+  at::set_num_threads(a.threads);
+  torch::manual_seed(0);
+  if (!a.save_init.empty()) {  // one process: the initial weights, unsharded
+    gpt::GPT model(a.cfg);
+    auto world = shardtorch::World::from_env();
+    TORCH_CHECK(world->size() == 1, "gpt_bench --save-init runs as one process, not ", world->size());
+    shardtorch::shard(*model, world, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
+    shardtorch::save_full_state_dict(*model, a.save_init);
+    std::cout << "gpt_bench: initial weights (" << count_params(*model) << " parameters) written to " << a.save_init
+              << "\n";
+    return 0;
+  }
+  auto world = shardtorch::World::from_env();
+  const bool lead = world->rank() == 0;
+  const int64_t baseline_rss = current_rss_bytes();  // the process before the model exists
+  gpt::GPT model(a.cfg);
+  const int64_t params = count_params(*model);
+  auto options = shardtorch::ShardOptions()
+                     .strategy(shardtorch::parse_strategy(a.strategy))
+                     .bucket_mb(a.bucket_mb)
+                     .cpu_offload(a.offload);
+  if (options.strategy() == shardtorch::Strategy::HybridShard) options.hybrid_shard_size(a.hybrid_shard_size);
+  if (a.bf16) {
+    options.mixed_precision(
+        shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kBFloat16).output_dtype(at::kFloat));
+  }
+  auto sharded = shardtorch::shard(*model, world, options);
+  if (!a.init.empty()) shardtorch::load_full_state_dict(*model, a.init);
+  auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01));
+
+  std::vector<double> losses, step_ms;
+  int64_t sent = 0;  // by the library during the measured steps
+  const int total = a.warmup + a.steps;
+  for (int s = 0; s < total; ++s) {
+    if (s == a.warmup) sharded.reset_peak_memory();
+    at::Tensor tokens = batch_tokens(a, s, world->size(), world->rank());
+    world->barrier();  // ranks start the step together
+    const int64_t bytes0 = sharded.comm_stats().total_bytes_sent();
+    auto t0 = std::chrono::steady_clock::now();
+    opt->zero_grad();
+    at::Tensor loss = gpt::lm_loss(model(tokens), tokens);
+    loss.backward();
+    opt->step();
+    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (s >= a.warmup) {
+      step_ms.push_back(ms);
+      sent += sharded.comm_stats().total_bytes_sent() - bytes0;
+    }
+    at::Tensor mean = loss.detach().to(at::kDouble).reshape({1}).clone();
+    world->comm().all_reduce(mean, c10d::ReduceOp::SUM, "gpt_bench loss");
+    losses.push_back(mean.item<double>() / world->size());
+    if (lead && !a.quiet && (s + 1 == total || (s + 1) % 10 == 0)) {
+      std::fprintf(stderr, "gpt_bench: step %d/%d loss %.4f %.1f ms\n", s + 1, total, losses.back(), ms);
+    }
+  }
+
+  auto m = sharded.memory();
+  json::object mem;
+  for (int i = 0; i < static_cast<int>(shardtorch::Mem::kCount); ++i) {
+    auto c = static_cast<shardtorch::Mem>(i);
+    mem[shardtorch::mem_name(c)] = json::object{{"current", m.cur(c)}, {"peak", m.max(c)}};
+  }
+  using shardtorch::Mem;
+  const int64_t model_state = m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) +
+                              m.cur(Mem::OptimizerState) + m.cur(Mem::HostParams) + m.cur(Mem::HostGradients) +
+                              m.cur(Mem::HostOptimizerState);
+  double mean_ms = 0;
+  for (double v : step_ms) mean_ms += v / std::max<size_t>(step_ms.size(), 1);
+  json::object r{
+      {"impl", "shardtorch"},
+      {"strategy", shardtorch::strategy_name(sharded.strategy())},
+      {"world", world->size()},
+      {"rank", world->rank()},
+      {"config",
+       {{"vocab", a.cfg.vocab}, {"seq_len", a.cfg.seq_len}, {"d_model", a.cfg.d_model}, {"n_head", a.cfg.n_head},
+        {"n_layer", a.cfg.n_layer}, {"batch", a.batch}, {"dtype", a.bf16 ? "bfloat16" : "float32"},
+        {"offload", a.offload}, {"bucket_mb", a.bucket_mb}}},
+      {"params", params},
+      {"warmup", a.warmup},
+      {"steps", a.steps},
+      {"losses", json::value_from(losses)},
+      {"step_ms", json::value_from(step_ms)},
+      {"p50_ms", percentile(step_ms, 0.5)},
+      {"p95_ms", percentile(step_ms, 0.95)},
+      {"tokens_per_s", mean_ms > 0 ? world->size() * a.batch * a.cfg.seq_len / (mean_ms / 1e3) : 0.0},
+      {"peak_rss_bytes", peak_rss_bytes()},
+      {"baseline_rss_bytes", baseline_rss},
+      {"model_state_bytes", model_state},
+      {"memory", mem},
+      {"peak_gathered_units", m.peak_gathered_units},
+      {"bytes_sent_per_step", a.steps > 0 ? sent / a.steps : 0},
+  };
+  if (!a.report.empty()) {
+    std::string path = a.report + ".rank" + std::to_string(world->rank()) + ".json";
+    std::ofstream f(path);
+    f << json::serialize(r) << "\n";
+    TORCH_CHECK(f.good(), "gpt_bench: rank ", world->rank(), " could not write ", path);
+  }
+  if (lead && !a.quiet) {
+    std::printf("gpt_bench: %s, %d ranks, %lld params: p50 %.1f ms, p95 %.1f ms, %.0f tokens/s, model state %s/rank, "
+                "peak RSS %s\n",
+                shardtorch::strategy_name(sharded.strategy()), world->size(), static_cast<long long>(params),
+                percentile(step_ms, 0.5), percentile(step_ms, 0.95), r["tokens_per_s"].as_double(),
+                shardtorch::format_bytes(model_state).c_str(), shardtorch::format_bytes(peak_rss_bytes()).c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  po::options_description desc("gpt_bench: train the example GPT and report time, memory and traffic per rank");
+  desc.add_options()("help", "this text")
+      ("strategy", po::value(&a.strategy)->default_value(a.strategy), "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")
+      ("hybrid-shard-size", po::value(&a.hybrid_shard_size)->default_value(0), "ranks per shard group (hybrid_shard)")
+      ("layers", po::value(&a.cfg.n_layer)->default_value(2), "transformer blocks")
+      ("d-model", po::value(&a.cfg.d_model)->default_value(32), "model width")
+      ("heads", po::value(&a.cfg.n_head)->default_value(4), "attention heads")
+      ("vocab", po::value(&a.cfg.vocab)->default_value(64), "vocabulary size")
+      ("seq", po::value(&a.cfg.seq_len)->default_value(16), "sequence length")
+      ("batch", po::value(&a.batch)->default_value(a.batch), "sequences per rank per step")
+      ("steps", po::value(&a.steps)->default_value(a.steps), "measured steps")
+      ("warmup", po::value(&a.warmup)->default_value(a.warmup), "steps before measuring")
+      ("lr", po::value(&a.lr)->default_value(a.lr), "AdamW learning rate")
+      ("bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size in MiB")
+      ("bf16", po::bool_switch(&a.bf16), "bf16 parameters and reductions, fp32 masters")
+      ("offload", po::bool_switch(&a.offload), "CPU offload of masters, gradients and optimizer state")
+      ("threads", po::value(&a.threads)->default_value(a.threads), "ATen threads per rank")
+      ("init", po::value(&a.init), "load initial weights from this full state dict")
+      ("save-init", po::value(&a.save_init), "write the initial weights here and exit (one process)")
+      ("report", po::value(&a.report), "write PREFIX.rankR.json per rank")
+      ("quiet", po::bool_switch(&a.quiet), "no progress lines");
+  try {
+    po::variables_map vm;
+    po::store(po::parse_command_line(argc, argv, desc), vm);
+    if (vm.count("help")) {
+      std::cout << desc << "\n";
+      return 0;
+    }
+    po::notify(vm);
+    TORCH_CHECK(a.steps >= 1 && a.warmup >= 0 && a.batch >= 1, "gpt_bench: need --steps >= 1, --warmup >= 0, --batch >= 1");
+    TORCH_CHECK(a.cfg.d_model % a.cfg.n_head == 0, "gpt_bench: --d-model ", a.cfg.d_model, " is not a multiple of --heads ",
+                a.cfg.n_head);
+    return run(a);
+  } catch (const std::exception& e) {
+    std::cerr << "gpt_bench: " << e.what() << "\n";
+    return 1;
+  }
+}

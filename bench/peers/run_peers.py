@@ -1,0 +1,337 @@
+"""Side-by-side run of shardtorch (NoShard, FullShard) against PyTorch DDP and
+FSDP2 (fully_shard) on the same GPT, the same data and the same initial
+weights, on CPU with Gloo.
+
+Rounds are interleaved (shardtorch no_shard, ddp, shardtorch full_shard,
+fsdp2) so that drift in machine load hits every implementation alike. Each run
+writes one report JSON per rank; this script prints a table of medians over
+rounds, the shardtorch/PyTorch ratios, the ZeRO model-state formula beside the
+measured bytes, and checks that all implementations produce the same losses.
+
+  python bench/peers/run_peers.py [--nproc 2] [--rounds 3] [model options]
+  python bench/peers/run_peers.py --python-only ...   (DDP and FSDP2 only; no C++ binary needed)
+
+Exit status: 0 when every check passes, 1 when losses (or parameter counts)
+disagree, 2 when a run fails."""
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+ORDER = ["no_shard", "ddp", "full_shard", "fsdp2"]  # one round
+PAIRS = [("full_shard", "fsdp2"), ("no_shard", "ddp"), ("fsdp2", "ddp"), ("full_shard", "no_shard")]
+SHARDED = {"full_shard", "fsdp2"}
+
+
+def die(msg):
+    print(msg, file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="ranks per run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=32)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8, help="rows per rank per step")
+    p.add_argument("--steps", type=int, default=30, help="measured steps")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--bf16", action="store_true", help="bf16 compute/reduce (DDP is skipped: it has no such mode)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (OMP_NUM_THREADS for both sides)")
+    p.add_argument("--python-only", action="store_true",
+                   help="skip the shardtorch runs; python writes the initial weights")
+    p.add_argument("--python-init", action="store_true",
+                   help="python writes the initial weights even when the shardtorch runs are on")
+    p.add_argument("--compare-steps", type=int, default=5, help="first steps whose losses are checked")
+    p.add_argument("--tol", type=float, default=None,
+                   help="max |loss difference| / |loss| across impls (default 1e-4; 2e-2 with --bf16)")
+    p.add_argument("--gpt-bench", default=os.path.join(ROOT, "build", "bench", "gpt_bench"))
+    p.add_argument("--torchrun", default=os.path.join(os.path.dirname(sys.executable), "torchrun"))
+    p.add_argument("--workdir", default=os.path.join(ROOT, "build", "peers"), help="reports, logs, init file")
+    p.add_argument("--out", default=os.path.join(ROOT, "build", "peers", "summary.json"))
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    a = p.parse_args()
+    if a.tol is None:
+        a.tol = 2e-2 if a.bf16 else 1e-4
+    return a
+
+
+def model_flags(a):
+    return ["--layers", str(a.layers), "--d-model", str(a.d_model), "--heads", str(a.heads),
+            "--vocab", str(a.vocab), "--seq", str(a.seq)]
+
+
+def train_flags(a):
+    f = model_flags(a) + ["--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                          "--lr", repr(a.lr)]
+    return f + (["--bf16"] if a.bf16 else [])
+
+
+def run(cmd, log_path, a, env):
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=a.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0:
+        with open(log_path) as f:
+            tail = f.read()[-4000:]
+        print(tail, file=sys.stderr)
+        die(f"run_peers: command failed ({rc}); full log in {log_path}")
+    print(f"  ok in {time.time() - t0:.1f} s (log {os.path.relpath(log_path, ROOT)})", flush=True)
+
+
+def command_for(impl, a, init, prefix):
+    if impl in ("no_shard", "full_shard"):
+        return [a.torchrun, "--no-python", "--standalone", "--nproc-per-node", str(a.nproc), a.gpt_bench,
+                "--strategy", impl] + train_flags(a) + ["--threads", str(a.threads), "--init", init,
+                                                        "--report", prefix]
+    return [a.torchrun, "--standalone", "--nproc-per-node", str(a.nproc), os.path.join(HERE, "peer_train.py"),
+            "--mode", impl] + train_flags(a) + ["--threads", str(a.threads), "--init", init, "--report", prefix]
+
+
+def load_reports(prefix, a, impl):
+    reps = []
+    for r in range(a.nproc):
+        path = f"{prefix}.rank{r}.json"
+        if not os.path.exists(path):
+            die(f"run_peers: {impl} wrote no report {path}")
+        with open(path) as f:
+            rep = json.load(f)
+        if rep.get("world") != a.nproc or rep.get("rank") != r:
+            die(f"run_peers: {path}: world/rank {rep.get('world')}/{rep.get('rank')}, expected {a.nproc}/{r}")
+        want_impl = "shardtorch" if impl in ("no_shard", "full_shard") else impl
+        if rep.get("impl") != want_impl or (want_impl == "shardtorch" and rep.get("strategy") != impl):
+            print(f"run_peers: warning: {path} says impl={rep.get('impl')!r} strategy={rep.get('strategy')!r}, "
+                  f"expected {want_impl!r}" + (f" / {impl!r}" if want_impl == "shardtorch" else ""), file=sys.stderr)
+        want = {"vocab": a.vocab, "seq_len": a.seq, "d_model": a.d_model, "n_head": a.heads,
+                "n_layer": a.layers, "batch": a.batch, "dtype": "bfloat16" if a.bf16 else "float32"}
+        got = rep.get("config", {})
+        bad = {k: (got[k], v) for k, v in want.items() if k in got and got[k] != v}
+        if bad or len(rep.get("losses", [])) != a.warmup + a.steps or len(rep.get("step_ms", [])) != a.steps:
+            die(f"run_peers: {path} does not match the requested run: config (got, wanted) {bad}, "
+                     f"{len(rep.get('losses', []))} losses, {len(rep.get('step_ms', []))} step times")
+        reps.append(rep)
+    return reps
+
+
+def round_figures(reps):
+    """One run's figures: the slowest rank's step time, every rank's peak memory."""
+    def mx(key):
+        vals = [r.get(key) for r in reps if r.get(key) is not None]
+        return max(vals) if vals else None
+    return {
+        "p50_ms": max(r["p50_ms"] for r in reps),
+        "p95_ms": max(r["p95_ms"] for r in reps),
+        "tokens_per_s": min(r["tokens_per_s"] for r in reps),
+        "peak_rss_bytes": mx("peak_rss_bytes"),
+        "rss_above_baseline_bytes": (max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in reps)
+                                     if all("baseline_rss_bytes" in r for r in reps) else None),
+        "model_state_bytes": mx("model_state_bytes"),
+        "comm_buffer_bytes": mx("comm_buffer_bytes"),
+        "params": reps[0]["params"],
+        "losses": reps[0]["losses"],
+        "loss_rank_spread": max(abs(x - y) for r in reps for x, y in zip(r["losses"], reps[0]["losses"])),
+    }
+
+
+def median_of(rounds, key):
+    vals = [r[key] for r in rounds if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def zero_formulas(a):
+    """Bytes per rank of fp32 params + grads + Adam moments (4+4+8 per element):
+    replicated (DDP / NoShard), ZeRO-3 exact 16*psi/N, and ZeRO-3 with the
+    padding each sharded implementation adds (FSDP2: every parameter's dim 0
+    padded to a multiple of N; shardtorch: every unit's flat parameter padded
+    to a multiple of N, units = blocks and the root)."""
+    import torch
+    from gpt_model import GPT
+
+    with torch.device("meta"):
+        m = GPT(vocab=a.vocab, seq_len=a.seq, d_model=a.d_model, n_head=a.heads, n_layer=a.layers)
+    N = a.nproc
+    psi = sum(p.numel() for p in m.parameters())
+    fsdp2_local = 0
+    for p in m.parameters():
+        rows = p.shape[0]
+        fsdp2_local += math.ceil(rows / N) * (p.numel() // rows)
+    units = [list(b.parameters()) for b in m.blocks]
+    in_blocks = {id(p) for u in units for p in u}
+    units.append([p for p in m.parameters() if id(p) not in in_blocks])
+    flat_local = sum(math.ceil(sum(p.numel() for p in u) / N) for u in units)
+    return {
+        "psi": psi,
+        "replicated": 16 * psi,
+        "zero3": 16 * psi / N,
+        "zero3_padded": {"fsdp2": 16 * fsdp2_local, "full_shard": 16 * flat_local},
+        "adam_step_tensors": len(list(m.parameters())),
+    }
+
+
+def fmt_mib(x):
+    return "-" if x is None else f"{x / 2**20:.1f}"
+
+
+def fmt(x, spec):
+    if x is None:
+        width = spec.split(".")[0]
+        return "-".rjust(int(width) if width.isdigit() else 1)
+    return format(x, spec)
+
+
+def main():
+    a = parse_args()
+    impls = [i for i in ORDER if not (a.python_only and i in ("no_shard", "full_shard"))]
+    if a.bf16 and "ddp" in impls:
+        impls.remove("ddp")
+        print("run_peers: --bf16: DDP skipped (it has no mixed-precision mode)")
+    cpp = any(i in ("no_shard", "full_shard") for i in impls)
+    if cpp and not os.path.exists(a.gpt_bench):
+        die(f"run_peers: {a.gpt_bench} not found: build it (target gpt_bench) or pass --python-only")
+    if not os.path.exists(a.torchrun):
+        die(f"run_peers: torchrun not found at {a.torchrun}; pass --torchrun")
+    os.makedirs(a.workdir, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+
+    init = os.path.join(a.workdir, "init.safetensors")
+    if os.path.exists(init):
+        os.remove(init)
+    if cpp and not a.python_init:
+        run([a.gpt_bench, "--save-init", init] + model_flags(a), os.path.join(a.workdir, "save_init.log"), a, env)
+    else:
+        run([sys.executable, os.path.join(HERE, "peer_train.py"), "--save-init", init] + model_flags(a),
+            os.path.join(a.workdir, "save_init.log"), a, env)
+
+    per_impl = {i: [] for i in impls}
+    for k in range(a.rounds):
+        for impl in impls:
+            d = os.path.join(a.workdir, f"round{k}")
+            os.makedirs(d, exist_ok=True)
+            prefix = os.path.join(d, impl)
+            for r in range(a.nproc):
+                if os.path.exists(f"{prefix}.rank{r}.json"):
+                    os.remove(f"{prefix}.rank{r}.json")
+            print(f"[round {k + 1}/{a.rounds}] {impl}", flush=True)
+            run(command_for(impl, a, init, prefix), prefix + ".log", a, env)
+            per_impl[impl].append(round_figures(load_reports(prefix, a, impl)))
+
+    formulas = zero_formulas(a)
+    summary = {"config": {"nproc": a.nproc, "rounds": a.rounds, "layers": a.layers, "d_model": a.d_model,
+                          "heads": a.heads, "vocab": a.vocab, "seq": a.seq, "batch": a.batch, "steps": a.steps,
+                          "warmup": a.warmup, "lr": a.lr, "dtype": "bfloat16" if a.bf16 else "float32",
+                          "threads": a.threads, "python_only": a.python_only},
+               "zero_formula": formulas, "impls": {}, "ratios": {}, "checks": []}
+    med = {}
+    for impl in impls:
+        rounds = per_impl[impl]
+        med[impl] = {key: median_of(rounds, key) for key in
+                     ("p50_ms", "p95_ms", "tokens_per_s", "peak_rss_bytes", "rss_above_baseline_bytes",
+                      "model_state_bytes", "comm_buffer_bytes")}
+        summary["impls"][impl] = {"median": med[impl], "rounds": rounds}
+
+    N = a.nproc
+    print()
+    print(f"GPT layers={a.layers} d_model={a.d_model} heads={a.heads} vocab={a.vocab} seq={a.seq} "
+          f"batch/rank={a.batch} | {N} ranks, {a.threads} thread(s) each, Gloo, "
+          f"{'bf16' if a.bf16 else 'fp32'} | {a.steps} measured steps after {a.warmup} warm-up | "
+          f"median of {a.rounds} rounds | psi = {formulas['psi']} parameters")
+    print("step time: slowest rank's p50/p95 per run; memory: largest rank per run")
+    hdr = (f"{'impl':<11} {'p50 ms':>9} {'p95 ms':>9} {'tokens/s':>10} {'peak RSS MiB':>13} "
+           f"{'RSS-base MiB':>13} {'state B':>11} {'formula B':>11} {'+padding B':>11} {'state/form':>10}")
+    print(hdr)
+    print("-" * len(hdr))
+    for impl in impls:
+        m = med[impl]
+        form = formulas["zero3"] if impl in SHARDED else formulas["replicated"]
+        padded = formulas["zero3_padded"][impl] if impl in SHARDED else formulas["replicated"]
+        m["formula_bytes"] = form
+        m["formula_padded_bytes"] = padded
+        ratio = m["model_state_bytes"] / form if m["model_state_bytes"] is not None else None
+        print(f"{impl:<11} {fmt(m['p50_ms'], '9.2f')} {fmt(m['p95_ms'], '9.2f')} {fmt(m['tokens_per_s'], '10.0f')} "
+              f"{fmt_mib(m['peak_rss_bytes']):>13} {fmt_mib(m['rss_above_baseline_bytes']):>13} "
+              f"{fmt(m['model_state_bytes'], '11.0f')} {form:>11.0f} {padded:>11.0f} {fmt(ratio, '10.4f')}")
+    print(f"formula: DDP/no_shard (4+4+8)*psi = {formulas['replicated']} B; ZeRO-3 (4+4+8)*psi/N = "
+          f"{formulas['zero3']:.0f} B; PyTorch AdamW adds a 4 B step tensor per parameter "
+          f"({formulas['adam_step_tensors']} tensors)")
+    if "ddp" in med and med["ddp"].get("comm_buffer_bytes"):
+        print(f"DDP also keeps {med['ddp']['comm_buffer_bytes']:.0f} B of gradient buckets per rank "
+              "(gradient_as_bucket_view=False), not counted in its state")
+
+    if any(x in med and y in med for x, y in PAIRS):
+        print()
+        print("ratios (A / B)      step p50   tokens/s   peak RSS   RSS-base   model state")
+    for x, y in PAIRS:
+        if x not in med or y not in med:
+            continue
+        def r(key):
+            u, v = med[x].get(key), med[y].get(key)
+            return u / v if u is not None and v else None
+        rat = {k: r(k) for k in ("p50_ms", "tokens_per_s", "peak_rss_bytes", "rss_above_baseline_bytes",
+                                 "model_state_bytes")}
+        summary["ratios"][f"{x}/{y}"] = rat
+        print(f"{x + ' / ' + y:<20}{fmt(rat['p50_ms'], '9.3f')} {fmt(rat['tokens_per_s'], '10.3f')} "
+              f"{fmt(rat['peak_rss_bytes'], '10.3f')} {fmt(rat['rss_above_baseline_bytes'], '10.3f')} "
+              f"{fmt(rat['model_state_bytes'], '13.3f')}")
+
+    # losses: every impl, every round, rank-mean losses of the first steps
+    failed = False
+    print()
+    K = min(a.compare_steps, a.warmup + a.steps)
+    print("losses (rank mean, round 1)")
+    print(f"{'step':>4} " + " ".join(f"{i:>12}" for i in impls) + f" {'max rel diff':>13}")
+    for s in range(K):
+        vals = [rd["losses"][s] for i in impls for rd in per_impl[i]]
+        ref = abs(per_impl[impls[0]][0]["losses"][s]) or 1.0
+        rel = (max(vals) - min(vals)) / ref
+        print(f"{s:>4} " + " ".join(f"{per_impl[i][0]['losses'][s]:12.6f}" for i in impls) + f" {rel:13.3g}")
+        ok = rel <= a.tol and all(math.isfinite(v) for v in vals)
+        summary["checks"].append({"check": f"loss step {s}", "rel_diff": rel, "tol": a.tol, "pass": ok})
+        failed |= not ok
+    for s in range(K):
+        c = summary["checks"][s]
+        print(f"{'PASS' if c['pass'] else 'FAIL'} loss step {s}: max |diff| / |loss| = {c['rel_diff']:.3g} "
+              f"across {len(impls)} impls x {a.rounds} rounds (tol {a.tol:g})")
+    # informative: the whole run and the ranks' agreement
+    all_rel = max((max(rd["losses"][s] for i in impls for rd in per_impl[i]) -
+                   min(rd["losses"][s] for i in impls for rd in per_impl[i])) /
+                  (abs(per_impl[impls[0]][0]["losses"][s]) or 1.0)
+                  for s in range(a.warmup + a.steps))
+    summary["all_steps_max_rel_loss_diff"] = all_rel
+    print(f"info: over all {a.warmup + a.steps} steps max |diff| / |loss| = {all_rel:.3g}; "
+          f"final losses " + ", ".join(f"{i} {per_impl[i][0]['losses'][-1]:.6f}" for i in impls))
+    params = {i: per_impl[i][0]["params"] for i in impls}
+    ok = len(set(params.values())) == 1 and formulas["psi"] in params.values()
+    summary["checks"].append({"check": "params", "values": params, "pass": ok})
+    print(f"{'PASS' if ok else 'FAIL'} parameter count: " + ", ".join(f"{i} {n}" for i, n in params.items())
+          + f" (python model {formulas['psi']})")
+    failed |= not ok
+
+    summary["pass"] = not failed
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"summary: {a.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
