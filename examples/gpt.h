@@ -15,6 +15,7 @@
 #include <cmath>
 #include <limits>
 
+#include "shardtorch/plan.h"
 #include "shardtorch/sharded.h"
 
 namespace gpt {
@@ -105,6 +106,21 @@ struct GPTImpl : torch::nn::Module {
   TiedHead head;
 };
 SHARDTORCH_MODULE(GPT);
+
+/// The units shard() builds from a GPT of this shape, computed from the shape
+/// alone (for planning models too large to construct); tests check it equals
+/// shardtorch::unit_specs of a constructed model.
+inline std::vector<shardtorch::UnitSpec> unit_specs(const Config& c) {
+  const int64_t d = c.d_model;
+  std::vector<shardtorch::UnitSpec> units;
+  // The root: both embeddings (the head's tied weight is the token
+  // embedding's, so it lands in the root) and the final layer norm.
+  units.push_back({"", {{c.vocab * d + c.seq_len * d + 2 * d}}});
+  // A block: ln1 2d, qkv 3d^2, proj d^2 + d, ln2 2d, fc1 4d^2 + 4d, fc2 4d^2 + d.
+  for (int64_t i = 0; i < c.n_layer; ++i) units.push_back({"blocks." + std::to_string(i), {{12 * d * d + 10 * d}}});
+  units.push_back({"head", {}});
+  return units;
+}
 
 /// Mean next-token cross entropy of logits [B, T, V] against tokens [B, T].
 inline torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& tokens) {

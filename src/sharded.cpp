@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "shard_state.h"
+#include "shardtorch/plan.h"
 
 namespace shardtorch {
 
@@ -76,6 +77,25 @@ void walk(torch::nn::Module& m, const std::string& prefix, int current, std::vec
   for (const auto& child : m.named_children()) {
     walk(*child.value(), join(child.key()), current, units, params, seen, buffers, seen_buffers);
   }
+}
+
+// A unit's parameters grouped by (dtype, requires_grad), in registration
+// order: its flat parameters.
+std::vector<std::vector<const FoundParam*>> flat_groups(const std::vector<FoundParam>& params, int unit) {
+  std::vector<std::pair<std::pair<at::ScalarType, bool>, std::vector<const FoundParam*>>> groups;
+  for (const auto& p : params) {
+    if (p.unit != unit) continue;
+    auto key = std::make_pair(p.tensor.scalar_type(), p.tensor.requires_grad());
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
+    if (it == groups.end()) {
+      groups.push_back({key, {}});
+      it = groups.end() - 1;
+    }
+    it->second.push_back(&p);
+  }
+  std::vector<std::vector<const FoundParam*>> out;
+  for (auto& g : groups) out.push_back(std::move(g.second));
+  return out;
 }
 
 std::string param_line(const FoundParam& p, const std::vector<FoundUnit>& units) {
@@ -261,19 +281,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     bool is_root = root_is_unit && u == 0;
     auto unit = std::make_shared<detail::Unit>(state, units[u].name, static_cast<int>(u), is_root,
                                                options.reshard_after_forward_of(units[u].name), persistent);
-    // Group the unit's parameters by (dtype, requires_grad), in registration order.
-    std::vector<std::pair<std::pair<at::ScalarType, bool>, std::vector<const FoundParam*>>> groups;
-    for (const auto& p : params) {
-      if (p.unit != static_cast<int>(u)) continue;
-      auto key = std::make_pair(p.tensor.scalar_type(), p.tensor.requires_grad());
-      auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
-      if (it == groups.end()) {
-        groups.push_back({key, {}});
-        it = groups.end() - 1;
-      }
-      it->second.push_back(&p);
-    }
-    for (auto& [key, members] : groups) {
+    for (auto& members : flat_groups(params, static_cast<int>(u))) {
+      const at::ScalarType dtype = members.front()->tensor.scalar_type();
       std::vector<at::Tensor> ts;
       std::vector<std::string> names;
       for (const auto* p : members) {
@@ -286,7 +295,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
         world->comm().broadcast(flat->full(), 0, "parameters of unit '" + unit->label() + "' at shard()");
         flat->write_back_shard();
       }
-      if (mp.param_dtype() && at::isFloatingType(key.first)) {
+      if (mp.param_dtype() && at::isFloatingType(dtype)) {
         flat->set_mixed_precision(*mp.param_dtype(), mp.reduce_dtype().value_or(*mp.param_dtype()));
       }
       if (auto* off = state->offloader()) flat->offload_shard(off->pin());
@@ -303,6 +312,29 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
   detail::register_model(root, state);
   return ShardedModel(state);
+}
+
+std::vector<UnitSpec> unit_specs(torch::nn::Module& root) {
+  std::vector<FoundUnit> units;
+  std::vector<FoundParam> params;
+  std::unordered_map<const void*, size_t> seen;
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+  std::set<const void*> seen_buffers;
+  walk(root, "", -1, units, params, seen, buffers, seen_buffers);
+  std::vector<UnitSpec> out;
+  auto spec = [&](const std::string& name, int unit) {
+    UnitSpec s{name, {}};
+    for (const auto& members : flat_groups(params, unit)) {
+      FlatSpec f{0, members.front()->tensor.scalar_type(), members.front()->tensor.requires_grad()};
+      for (const auto* p : members) f.numel += p->tensor.numel();
+      s.flats.push_back(f);
+    }
+    return s;
+  };
+  for (size_t u = 0; u < units.size(); ++u) out.push_back(spec(units[u].name, static_cast<int>(u)));
+  UnitSpec orphans = spec("<none>", -1);  // no unit encloses them: only NoShard can take them
+  if (!orphans.flats.empty()) out.push_back(std::move(orphans));
+  return out;
 }
 
 ShardedModel sharded_model(torch::nn::Module& root) {

@@ -13,3 +13,4 @@
 #include "shardtorch/grad_scaler.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"
+#include "shardtorch/plan.h"

@@ -1,0 +1,72 @@
+#pragma once
+// The memory planner: the per-rank bytes a model will need under a strategy,
+// world size, precision and offload policy, by category, computed from the
+// flat-parameter layouts alone, before anything is launched or allocated.
+//
+//   auto units = shardtorch::unit_specs(*model);        // from a model ...
+//   auto units = gpt::unit_specs(cfg);                  // ... or from a shape
+//   auto plan = shardtorch::plan_memory(units, {options, world_size});
+//   std::cout << plan.report();
+//
+// Model state (the master shards or replicated parameters, gradients and
+// optimizer state) is exact: it is the arithmetic shard() and the optimizers
+// do, for the rank that owns the most (rank 0), and tests check it against
+// ShardedModel::memory() byte for byte. The transient categories
+// (gathered_params, grad_staging, buckets) are upper estimates of their peaks
+// during a step (docs/benchmarks.md compares them with measurements).
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "shardtorch/memory.h"
+#include "shardtorch/sharded.h"
+
+namespace shardtorch {
+
+/// One flat parameter: a unit's parameters of one dtype and trainability.
+struct FlatSpec {
+  int64_t numel = 0;
+  at::ScalarType dtype = at::kFloat;
+  bool trainable = true;
+};
+
+/// One unit as shard() would build it.
+struct UnitSpec {
+  std::string name;  // "" for the root
+  std::vector<FlatSpec> flats;
+};
+
+/// The units and flat parameters shard() would build from `root` (the same
+/// walk: innermost unit, shared parameters to the lowest common unit); no
+/// communication, nothing allocated.
+std::vector<UnitSpec> unit_specs(torch::nn::Module& root);
+
+struct PlanOptions {
+  ShardOptions options;  // strategy, mixed precision, cpu_offload, hybrid_shard_size, bucket_mb
+  int world_size = 1;
+  /// fp32 state tensors per optimized element: 2 for Adam/AdamW, 1 for SGD
+  /// with momentum, 0 for plain SGD.
+  int optimizer_states = 2;
+};
+
+struct MemoryPlan {
+  std::array<int64_t, static_cast<size_t>(Mem::kCount)> bytes{};
+  int64_t of(Mem m) const { return bytes[static_cast<size_t>(m)]; }
+  /// Parameters (sharded, replicated or host), gradients and optimizer state.
+  int64_t model_state() const;
+  /// Bytes on the compute device at the peak of a step (model state not in
+  /// host memory, plus the transient estimates).
+  int64_t device_peak() const;
+  /// Bytes in host memory (offload).
+  int64_t host() const;
+  int64_t params = 0;  // elements, frozen included, padding excluded
+  /// One line per non-empty category, then the totals.
+  std::string report() const;
+};
+
+MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& plan);
+
+}  // namespace shardtorch

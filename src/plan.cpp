@@ -1,0 +1,120 @@
+#include "shardtorch/plan.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+namespace shardtorch {
+
+int64_t MemoryPlan::model_state() const {
+  return of(Mem::ShardedParams) + of(Mem::ReplicatedParams) + of(Mem::Gradients) + of(Mem::OptimizerState) +
+         of(Mem::HostParams) + of(Mem::HostGradients) + of(Mem::HostOptimizerState);
+}
+
+int64_t MemoryPlan::host() const {
+  return of(Mem::HostParams) + of(Mem::HostGradients) + of(Mem::HostOptimizerState);
+}
+
+int64_t MemoryPlan::device_peak() const {
+  return of(Mem::ShardedParams) + of(Mem::ReplicatedParams) + of(Mem::Gradients) + of(Mem::OptimizerState) +
+         of(Mem::GatheredParams) + of(Mem::GradStaging) + of(Mem::Buckets);
+}
+
+std::string MemoryPlan::report() const {
+  std::ostringstream os;
+  for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) {
+    if (bytes[i] == 0) continue;
+    auto m = static_cast<Mem>(i);
+    bool transient = m == Mem::GatheredParams || m == Mem::GradStaging || m == Mem::Buckets;
+    os << "  " << mem_name(m) << " " << format_bytes(bytes[i]) << (transient ? " (peak, estimate)" : "") << "\n";
+  }
+  os << "  model state " << format_bytes(model_state()) << " | device peak " << format_bytes(device_peak())
+     << " | host " << format_bytes(host()) << "\n";
+  return os.str();
+}
+
+namespace {
+int64_t esize(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
+}  // namespace
+
+MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& plan) {
+  const ShardOptions& o = plan.options;
+  const Strategy strategy = o.strategy();
+  const auto& mp = o.mixed_precision();
+  TORCH_CHECK(plan.world_size >= 1, "plan_memory: world size ", plan.world_size, " must be at least 1");
+  TORCH_CHECK(plan.optimizer_states >= 0, "plan_memory: optimizer_states must not be negative");
+  TORCH_CHECK(!(o.cpu_offload() && strategy == Strategy::NoShard), "plan_memory: cpu_offload needs a sharding strategy");
+  int shard_size = plan.world_size;
+  if (strategy == Strategy::HybridShard) {
+    TORCH_CHECK(o.hybrid_shard_size() >= 1 && plan.world_size % o.hybrid_shard_size() == 0, "plan_memory: "
+                "hybrid_shard_size ", o.hybrid_shard_size(), " must divide the world size ", plan.world_size);
+    shard_size = o.hybrid_shard_size();
+  }
+  MemoryPlan out;
+  auto add = [&](Mem m, int64_t b) { out.bytes[static_cast<size_t>(m)] += b; };
+  const bool off = o.cpu_offload();
+  const Mem shard_cat = off ? Mem::HostParams : Mem::ShardedParams;
+  const Mem grad_cat = off ? Mem::HostGradients : Mem::Gradients;
+  const Mem opt_cat = off ? Mem::HostOptimizerState : Mem::OptimizerState;
+  auto compute_of = [&](at::ScalarType t) { return mp.param_dtype() && at::isFloatingType(t) ? *mp.param_dtype() : t; };
+  auto reduce_of = [&](at::ScalarType t) {
+    return mp.param_dtype() && at::isFloatingType(t) ? mp.reduce_dtype().value_or(*mp.param_dtype()) : t;
+  };
+
+  if (strategy == Strategy::NoShard) {  // whole parameters, gradients in the all-reduce buckets
+    for (const auto& u : units) {
+      for (const auto& f : u.flats) {
+        out.params += f.numel;
+        if (!f.trainable) continue;
+        add(Mem::ReplicatedParams, f.numel * esize(compute_of(f.dtype)));
+        if (mp.param_dtype()) add(Mem::ReplicatedParams, f.numel * esize(f.dtype));  // fp32 masters
+        add(Mem::Gradients, f.numel * esize(mp.param_dtype() ? reduce_of(f.dtype) : f.dtype));
+        add(Mem::OptimizerState, plan.optimizer_states * f.numel * esize(f.dtype));
+      }
+    }
+    return out;
+  }
+
+  const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
+  int64_t root_gathered = 0, other_gathered = 0, root_staging = 0, other_staging = 0;
+  std::map<at::ScalarType, int64_t> bucketed;  // reduce dtype -> shard elements that go through buckets
+  const int64_t bucket_bytes = static_cast<int64_t>(o.bucket_mb() * 1024.0 * 1024.0);
+  for (const auto& u : units) {
+    TORCH_CHECK(u.name != "<none>", "plan_memory: some parameters belong to no unit and the root is not a unit");
+    int64_t gathered = 0, staging = 0;
+    for (const auto& f : u.flats) {
+      out.params += f.numel;
+      const int64_t S = (f.numel + shard_size - 1) / shard_size, padded = S * shard_size;
+      const int64_t owned = std::min(f.numel, S);  // rank 0 owns the most (padding sits at the end)
+      const at::ScalarType cd = compute_of(f.dtype), rd = reduce_of(f.dtype);
+      if (persistent) {
+        add(Mem::ReplicatedParams, padded * esize(cd));
+        if (cd != f.dtype || off) add(shard_cat, S * esize(f.dtype));  // else the shard is a view of it
+      } else {
+        add(shard_cat, S * esize(f.dtype));
+        gathered += padded * esize(cd);
+      }
+      if (!f.trainable) continue;
+      add(grad_cat, (strategy == Strategy::OptimizerOnly ? padded : S) * esize(f.dtype));
+      add(opt_cat, plan.optimizer_states * owned * esize(f.dtype));
+      staging += padded * esize(rd);
+      if (strategy != Strategy::OptimizerOnly && S * esize(rd) * shard_size <= bucket_bytes) bucketed[rd] += S;
+    }
+    if (u.name.empty()) {
+      root_gathered = gathered, root_staging = staging;
+    } else {
+      other_gathered = std::max(other_gathered, gathered), other_staging = std::max(other_staging, staging);
+    }
+  }
+  // The root stays gathered through backward beside one other unit; two
+  // units' staging buffers at most are alive at once for the same reason.
+  add(Mem::GatheredParams, root_gathered + other_gathered);
+  add(Mem::GradStaging, root_staging + other_staging);
+  for (const auto& [dtype, elems] : bucketed) {
+    const int64_t cap = bucket_bytes / (esize(dtype) * shard_size);
+    add(Mem::Buckets, (shard_size + 1) * std::min(cap, elems) * esize(dtype));  // buffer [N, cols] and output [cols]
+  }
+  return out;
+}
+
+}  // namespace shardtorch
