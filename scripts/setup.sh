@@ -38,3 +38,8 @@ if ! "$VENV/bin/python3" -c 'import safetensors' 2>/dev/null; then
   echo "setup: installing safetensors into $VENV"
   "$VENV/bin/python3" -m pip install -q safetensors
 fi
+# matplotlib: the sweep tool's PNG plot (bench/plot_sweep.py).
+if ! "$VENV/bin/python3" -c 'import matplotlib' 2>/dev/null; then
+  echo "setup: installing matplotlib into $VENV"
+  "$VENV/bin/python3" -m pip install -q matplotlib
+fi

@@ -1,0 +1,60 @@
+"""Plots a shardtorch-sweep result: per-rank memory against throughput, one
+series per strategy (and offload policy). usage: plot_sweep.py SWEEP.json OUT.png
+
+Each point is one configuration: x = tokens/s of the slowest rank, y = the
+largest rank's memory the library accounts for: model state after a step
+(device and host together) plus the peaks of gathered parameters, gradient
+staging and buckets. Points of one model size are labelled with it."""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+TRANSIENT = ("gathered_params", "grad_staging", "buckets")
+
+
+def per_rank_bytes(r):
+    """Model state after a step plus the peaks of the transient buffers."""
+    return r["model_state_bytes"] + sum(r["peak_memory"][k] for k in TRANSIENT)
+
+
+def main(src, out):
+    with open(src) as f:
+        sweep = json.load(f)
+    rows = sweep["rows"]
+    if not rows:
+        print("plot_sweep: no rows in " + src, file=sys.stderr)
+        return 1
+    series = {}
+    for r in rows:
+        key = r["strategy"] + (" + offload" if r["offload"] else "")
+        series.setdefault(key, []).append(r)
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for key, pts in sorted(series.items()):
+        pts.sort(key=lambda r: r["tokens_per_s"])
+        xs = [r["tokens_per_s"] for r in pts]
+        ys = [per_rank_bytes(r) / 2**20 for r in pts]
+        ax.plot(xs, ys, marker="o", label=key)
+        for r, x, y in zip(pts, xs, ys):
+            ax.annotate(f'{r["layers"]}x{r["d_model"]} N={r["world"]}', (x, y), fontsize=7,
+                        textcoords="offset points", xytext=(4, 3))
+    ax.set_xlabel("tokens/s (slowest rank)")
+    ax.set_ylabel("peak memory per rank, MiB (library accounting)")
+    ax.set_title(f'shardtorch sweep: GPT, batch {sweep["batch"]} x seq {sweep["seq"]} per rank, '
+                 f'{sweep["steps"]} steps')
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1], sys.argv[2]))

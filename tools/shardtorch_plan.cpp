@@ -1,0 +1,152 @@
+// shardtorch-plan: per-rank memory of the example GPT under a strategy, world
+// size, precision and offload policy, before anything is launched; and the
+// largest GPT of a given shape that fits a memory budget per rank.
+//
+//   shardtorch-plan --layers 24 --d-model 1024 --heads 16 --vocab 50257 --seq 1024 --world 8
+//   shardtorch-plan --d-model 4096 --vocab 50257 --seq 2048 --world 64 --bf16 --fit 80GiB
+//
+// Without --strategy every strategy is shown side by side. docs/benchmarks.md
+// compares the plans with measurements (shardtorch-sweep does it per run).
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+#include <boost/program_options.hpp>
+
+#include "../examples/gpt.h"
+#include "shardtorch/plan.h"
+
+namespace po = boost::program_options;
+using shardtorch::Mem;
+using shardtorch::Strategy;
+
+namespace {
+
+int64_t parse_bytes(const std::string& s) {
+  size_t used = 0;
+  double v = std::stod(s, &used);
+  std::string unit = s.substr(used);
+  double mult = 1;
+  if (unit == "KiB" || unit == "K") mult = 1024.0;
+  else if (unit == "MiB" || unit == "M") mult = 1024.0 * 1024;
+  else if (unit == "GiB" || unit == "G") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "TiB" || unit == "T") mult = 1024.0 * 1024 * 1024 * 1024;
+  else if (!unit.empty() && unit != "B") throw std::invalid_argument("unknown unit in '" + s + "' (B, KiB, MiB, GiB, TiB)");
+  return static_cast<int64_t>(v * mult);
+}
+
+struct Args {
+  gpt::Config cfg;
+  int world = 8, hybrid = 0, states = 2;
+  std::string strategy, fit, optimizer = "adamw";
+  bool bf16 = false, offload = false;
+  double bucket_mb = 25;
+};
+
+shardtorch::PlanOptions options_for(const Args& a, Strategy s) {
+  auto o = shardtorch::ShardOptions().strategy(s).cpu_offload(a.offload && s != Strategy::NoShard).bucket_mb(a.bucket_mb);
+  if (s == Strategy::HybridShard) o.hybrid_shard_size(a.hybrid > 0 ? a.hybrid : std::max(1, a.world / 2));
+  if (a.bf16) o.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
+  return {o, a.world, a.states};
+}
+
+std::string gib(int64_t b) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.3f", b / (1024.0 * 1024 * 1024));
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  po::options_description desc("shardtorch-plan: per-rank memory of the example GPT before launch");
+  desc.add_options()("help", "this text")
+      ("layers", po::value(&a.cfg.n_layer)->default_value(12), "transformer blocks")
+      ("d-model", po::value(&a.cfg.d_model)->default_value(768), "model width")
+      ("heads", po::value(&a.cfg.n_head)->default_value(12), "attention heads (no effect on memory)")
+      ("vocab", po::value(&a.cfg.vocab)->default_value(50257), "vocabulary")
+      ("seq", po::value(&a.cfg.seq_len)->default_value(1024), "sequence length (position embedding)")
+      ("world", po::value(&a.world)->default_value(a.world), "ranks")
+      ("strategy", po::value(&a.strategy), "one strategy (default: all side by side)")
+      ("hybrid-shard-size", po::value(&a.hybrid)->default_value(0), "hybrid_shard group size (default world/2)")
+      ("bf16", po::bool_switch(&a.bf16), "bf16 compute and reduction, fp32 masters")
+      ("offload", po::bool_switch(&a.offload), "CPU offload (not for no_shard)")
+      ("bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size")
+      ("optimizer", po::value(&a.optimizer)->default_value(a.optimizer), "adamw|adam (2 states), sgd-momentum (1), sgd (0)")
+      ("fit", po::value(&a.fit), "also find the most layers whose device peak fits this per rank (e.g. 80GiB)");
+  try {
+    po::variables_map vm;
+    po::store(po::parse_command_line(argc, argv, desc), vm);
+    if (vm.count("help")) {
+      std::cout << desc << "\n";
+      return 0;
+    }
+    po::notify(vm);
+    if (a.optimizer == "adamw" || a.optimizer == "adam") a.states = 2;
+    else if (a.optimizer == "sgd-momentum") a.states = 1;
+    else if (a.optimizer == "sgd") a.states = 0;
+    else throw std::invalid_argument("unknown --optimizer " + a.optimizer);
+    std::vector<Strategy> strategies;
+    if (!a.strategy.empty()) strategies.push_back(shardtorch::parse_strategy(a.strategy));
+    else strategies = {Strategy::NoShard, Strategy::OptimizerOnly, Strategy::ShardGradOp, Strategy::FullShard,
+                       Strategy::HybridShard};
+    if (a.world < 2) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::HybridShard), strategies.end());
+
+    auto units = gpt::unit_specs(a.cfg);
+    std::printf("GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s; optimizer %s\n",
+                static_cast<long long>(a.cfg.n_layer), static_cast<long long>(a.cfg.d_model),
+                static_cast<long long>(a.cfg.vocab), static_cast<long long>(a.cfg.seq_len), a.world,
+                a.bf16 ? ", bf16" : ", fp32", a.offload ? ", CPU offload" : "", a.optimizer.c_str());
+    std::printf("per rank, GiB (rank 0, which owns the most); transient = peak estimates of gathered params, "
+                "gradient staging and buckets; activations are not included\n");
+    std::printf("%-15s %14s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "params", "params_B", "grads_B",
+                "optim_B", "state_B", "transient", "device", "host");
+    for (Strategy s : strategies) {
+      if (a.offload && s == Strategy::NoShard) continue;
+      auto p = shardtorch::plan_memory(units, options_for(a, s));
+      const int64_t params_b = p.of(Mem::ShardedParams) + p.of(Mem::ReplicatedParams) + p.of(Mem::HostParams);
+      const int64_t grads_b = p.of(Mem::Gradients) + p.of(Mem::HostGradients);
+      const int64_t optim_b = p.of(Mem::OptimizerState) + p.of(Mem::HostOptimizerState);
+      const int64_t transient = p.of(Mem::GatheredParams) + p.of(Mem::GradStaging) + p.of(Mem::Buckets);
+      std::printf("%-15s %14lld %10s %10s %10s %10s %10s %10s %10s\n", shardtorch::strategy_name(s),
+                  static_cast<long long>(p.params), gib(params_b).c_str(), gib(grads_b).c_str(), gib(optim_b).c_str(),
+                  gib(p.model_state()).c_str(), gib(transient).c_str(), gib(p.device_peak()).c_str(),
+                  gib(p.host()).c_str());
+    }
+    if (!a.fit.empty()) {
+      const int64_t budget = parse_bytes(a.fit);
+      std::printf("\nlargest GPT of this shape (d_model %lld, vocab %lld, seq %lld) whose device peak fits %s per rank:\n",
+                  static_cast<long long>(a.cfg.d_model), static_cast<long long>(a.cfg.vocab),
+                  static_cast<long long>(a.cfg.seq_len), shardtorch::format_bytes(budget).c_str());
+      for (Strategy s : strategies) {
+        if (a.offload && s == Strategy::NoShard) continue;
+        auto peak = [&](int64_t layers) {
+          gpt::Config c = a.cfg;
+          c.n_layer = layers;
+          auto p = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
+          return std::make_pair(p.device_peak(), p.params);
+        };
+        if (peak(0).first > budget) {
+          std::printf("  %-15s nothing fits: the embeddings alone need %s\n", shardtorch::strategy_name(s),
+                      shardtorch::format_bytes(peak(0).first).c_str());
+          continue;
+        }
+        int64_t lo = 0, hi = 1;  // peak(lo) fits; grow hi until it does not
+        while (peak(hi).first <= budget && hi < (int64_t{1} << 40)) lo = hi, hi *= 2;
+        while (hi - lo > 1) {
+          int64_t mid = lo + (hi - lo) / 2;
+          (peak(mid).first <= budget ? lo : hi) = mid;
+        }
+        auto [bytes, params] = peak(lo);
+        std::printf("  %-15s %lld layers, %.3f B parameters, device peak %s\n", shardtorch::strategy_name(s),
+                    static_cast<long long>(lo), params / 1e9, shardtorch::format_bytes(bytes).c_str());
+      }
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "shardtorch-plan: " << e.what() << "\n";
+    return 1;
+  }
+}
