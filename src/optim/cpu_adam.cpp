@@ -89,13 +89,18 @@ Choice chosen() { return choose(); }
 
 }  // namespace
 
+// Elements per parallel_for task. This file is compiled with -fopenmp: ATen's
+// parallel_for is inline and OpenMP-based, and without the flag its pragma is
+// ignored and every call runs on one thread (measured: 11.7 ms instead of 8.5
+// for 16M parameters on the 2-vCPU VM). The runtime is the one LibTorch loads.
+constexpr int64_t kGrain = 1 << 15;
+
 void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s,
                     at::BFloat16* low) {
   const double bc1 = 1.0 - std::pow(static_cast<double>(s.beta1), static_cast<double>(s.step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(s.beta2), static_cast<double>(s.step));
   Coeffs c{s.beta1, 1.0f - s.beta1, s.beta2, 1.0f - s.beta2, s.eps, static_cast<float>(s.lr / bc1),
            static_cast<float>(1.0 / std::sqrt(bc2)), 1.0f - s.lr * s.weight_decay, s.weight_decay, s.decoupled};
-  constexpr int64_t kGrain = 1 << 15;
   const Kernel kernel = chosen().kernel;
   at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
     kernel(param + b, grad + b, exp_avg + b, exp_avg_sq + b, e - b, c, low ? low + b : nullptr);
@@ -103,6 +108,34 @@ void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_
 }
 
 std::string fused_adam_isa() { return chosen().name; }
+
+namespace {
+__attribute__((always_inline)) inline void roofline_body(float* __restrict a, const float* __restrict b,
+                                                         float* __restrict c, float* __restrict d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = b[i];
+    a[i] += x;
+    c[i] += x;
+    d[i] += x;
+  }
+}
+}  // namespace
+
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void roofline_avx512(float* a, const float* b, float* c,
+                                                                                float* d, int64_t n) {
+  roofline_body(a, b, c, d, n);
+}
+__attribute__((target("avx2,fma"))) void roofline_avx2(float* a, const float* b, float* c, float* d, int64_t n) {
+  roofline_body(a, b, c, d, n);
+}
+void roofline_default(float* a, const float* b, float* c, float* d, int64_t n) { roofline_body(a, b, c, d, n); }
+
+void adam_traffic_roofline(float* a, const float* b, float* c, float* d, int64_t n) {
+  // The same instruction set as the Adam kernel chosen here.
+  const std::string isa = chosen().name;
+  auto body = isa == "avx512" ? roofline_avx512 : isa == "avx2" ? roofline_avx2 : roofline_default;
+  at::parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) { body(a + lo, b + lo, c + lo, d + lo, hi - lo); });
+}
 
 namespace detail {
 

@@ -31,6 +31,12 @@ void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_
 /// widest the CPU has; the environment variable SHARDTORCH_ADAM_ISA overrides).
 std::string fused_adam_isa();
 
+/// For benchmarks: the memory roofline of an Adam update's access pattern.
+/// Reads a, b, c, d and writes a, c, d (28 bytes per element, the least an
+/// update moves) with one add each, compiled and threaded exactly like
+/// fused_adam_cpu (same flags, same at::parallel_for grain).
+void adam_traffic_roofline(float* a, const float* b, float* c, float* d, int64_t n);
+
 namespace detail {
 template <class Options, class State, bool Decoupled>
 class FusedAdamBase : public torch::optim::Optimizer {
