@@ -1,0 +1,134 @@
+// Micro-benchmarks of the communication path, two ranks as two threads of one
+// process over Gloo on loopback (the CPU development machine):
+//
+//   BM_AllGather / BM_ReduceScatter: c10d through shardtorch::Comm, per-rank
+//     shard sizes from 4 KiB to 64 MiB; bytes_per_second counts the bytes a
+//     rank sends (ring estimate, (N-1)/N of the full buffer).
+//   BM_BucketerCoalescing: 256 gradient flats of 4K elements reduce-scattered
+//     through the ReduceScatterBucketer, coalesced (25 MiB buckets) or one
+//     collective each (bucket 0).
+//   BM_FlattenParams / BM_StageGrads (one thread): laying a unit's parameters
+//     out flat (FlatParam construction) and adding its gradients into the
+//     staging buffer, for a block-shaped unit.
+//
+//   build/bench/bench_comm --benchmark_format=json
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <iostream>
+#include <thread>
+
+#include "shardtorch/flat_param.h"
+#include "shardtorch/reduce_scatter_bucketer.h"
+#include "shardtorch/world.h"
+
+namespace {
+
+constexpr int kRanks = 2;
+std::shared_ptr<shardtorch::World> g_worlds[kRanks];
+
+void make_worlds() {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::thread other([&] { g_worlds[1] = shardtorch::World::create(store, 1, kRanks); });
+  g_worlds[0] = shardtorch::World::create(store, 0, kRanks);
+  other.join();
+}
+
+double ring(int64_t full_bytes) { return static_cast<double>(full_bytes) * (kRanks - 1) / kRanks; }
+
+void BM_AllGather(benchmark::State& state) {
+  auto& comm = g_worlds[state.thread_index()]->comm();
+  const int64_t shard = state.range(0) / 4;
+  at::Tensor in = at::randn({shard}), out = at::empty({shard * kRanks});
+  for (auto _ : state) comm.all_gather_into(out, in, "bench all-gather");
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(out.nbytes())));
+}
+
+void BM_ReduceScatter(benchmark::State& state) {
+  auto& comm = g_worlds[state.thread_index()]->comm();
+  const int64_t shard = state.range(0) / 4;
+  at::Tensor in = at::randn({shard * kRanks}), out = at::empty({shard});
+  for (auto _ : state) comm.reduce_scatter_into(out, in, "bench reduce-scatter");
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(in.nbytes())));
+}
+
+void BM_BucketerCoalescing(benchmark::State& state) {
+  auto& comm = g_worlds[state.thread_index()]->comm();
+  const double bucket_mb = static_cast<double>(state.range(0));
+  constexpr int kFlats = 256;
+  constexpr int64_t kNumel = 4096;
+  std::vector<at::Tensor> grads;
+  for (int i = 0; i < kFlats; ++i) grads.push_back(at::randn({kNumel}));
+  shardtorch::ReduceScatterBucketer bucketer(bucket_mb, nullptr);
+  double sink = 0;
+  for (auto _ : state) {
+    for (auto& g : grads) bucketer.reduce_scatter(g, comm, [&](const at::Tensor& r) { sink += r.numel(); }, "bench");
+    bucketer.flush();
+    bucketer.free();
+  }
+  benchmark::DoNotOptimize(sink);
+  state.counters["collectives_per_iter"] = benchmark::Counter(
+      static_cast<double>(bucketer.launched()) / std::max<int64_t>(state.iterations(), 1), benchmark::Counter::kAvgThreads);
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(kFlats * kNumel * 4)));
+}
+
+// A GPT block's parameter shapes at d_model = D.
+std::vector<at::Tensor> block_params(int64_t d) {
+  return {at::randn({d}),         at::randn({d}),     at::randn({3 * d, d}), at::randn({d, d}), at::randn({d}),
+          at::randn({d}),         at::randn({d}),     at::randn({4 * d, d}), at::randn({4 * d}),
+          at::randn({d, 4 * d}), at::randn({d})};
+}
+
+void BM_FlattenParams(benchmark::State& state) {
+  const int64_t d = state.range(0);
+  int64_t bytes = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    auto params = block_params(d);
+    std::vector<std::string> names(params.size(), "p");
+    state.ResumeTiming();
+    shardtorch::FlatParam flat(params, names, kRanks, 0, nullptr);
+    bytes = flat.full().nbytes();
+    benchmark::DoNotOptimize(flat.shard().data_ptr());
+  }
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
+void BM_StageGrads(benchmark::State& state) {
+  const int64_t d = state.range(0);
+  auto params = block_params(d);
+  for (auto& p : params) p.requires_grad_(true);
+  std::vector<std::string> names(params.size(), "p");
+  shardtorch::FlatParam flat(params, names, kRanks, 0, nullptr);
+  std::vector<at::Tensor> grads;
+  for (auto& p : params) grads.push_back(at::randn(p.sizes()));
+  for (auto _ : state) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      flat.params()[i].mutable_grad() = grads[i];
+      flat.stage_grad(i);
+    }
+    benchmark::DoNotOptimize(flat.take_staging_grad().data_ptr());
+  }
+  state.SetBytesProcessed(state.iterations() * flat.full().nbytes());
+}
+
+}  // namespace
+
+BENCHMARK(BM_AllGather)->RangeMultiplier(8)->Range(4 << 10, 64 << 20)->Threads(kRanks)->UseRealTime();
+BENCHMARK(BM_ReduceScatter)->RangeMultiplier(8)->Range(4 << 10, 64 << 20)->Threads(kRanks)->UseRealTime();
+BENCHMARK(BM_BucketerCoalescing)->Arg(0)->Arg(25)->Threads(kRanks)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FlattenParams)->Arg(256)->Arg(1024)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_StageGrads)->Arg(256)->Arg(1024)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+int main(int argc, char** argv) {
+  at::set_num_threads(1);  // the ranks are the parallelism
+  benchmark::Initialize(&argc, argv);
+  make_worlds();
+  std::cerr << "bench_comm: " << kRanks << " ranks as threads, Gloo on loopback\n";
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  for (auto& w : g_worlds) w.reset();
+  return 0;
+}
