@@ -35,16 +35,18 @@ bench: build
 	mkdir -p $(BUILD)/bench-results
 	$(BUILD)/bench/bench_cpu_adam --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
 	  --benchmark_out=$(BUILD)/bench-results/cpu_adam.json --benchmark_out_format=json
-	$(BUILD)/bench/bench_comm --benchmark_min_time=0.2s \
+	$(BUILD)/bench/bench_comm --benchmark_min_time=0.2 \
 	  --benchmark_out=$(BUILD)/bench-results/comm.json --benchmark_out_format=json
 
 # Memory against throughput of the example GPT (docs/benchmarks.md): CSV, JSON and PNG in $(BUILD)/sweep.
 sweep: build
-	$(BUILD)/tools/shardtorch-sweep --out $(BUILD)/sweep
+	$(BUILD)/tools/shardtorch-sweep --out $(BUILD)/sweep --gpt-bench $(BUILD)/bench/gpt_bench \
+	  --torchrun $(VENV)/bin/torchrun --python $(PY)
 
 # shardtorch against PyTorch's DDP and FSDP2 on the same GPT (docs/benchmarks.md).
 peers: build
-	$(PY) bench/peers/run_peers.py --gpt-bench $(BUILD)/bench/gpt_bench --workdir $(BUILD)/peers --out $(BUILD)/peers/summary.json
+	$(PY) bench/peers/run_peers.py --gpt-bench $(BUILD)/bench/gpt_bench --torchrun $(VENV)/bin/torchrun \
+	  --workdir $(BUILD)/peers --out $(BUILD)/peers/summary.json
 
 install: build
 	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)

@@ -31,6 +31,7 @@
 
 #include "../examples/gpt.h"
 #include "shardtorch/shardtorch.h"
+#include <torch/cuda.h>
 
 namespace po = boost::program_options;
 namespace json = boost::json;
@@ -107,6 +108,7 @@ int run(const Args& a) {
   const bool lead = world->rank() == 0;
   const int64_t baseline_rss = current_rss_bytes();  // the process before the model exists
   gpt::GPT model(a.cfg);
+  model->to(world->device());  // cuda:LOCAL_RANK under NCCL
   const int64_t params = count_params(*model);
   auto options = shardtorch::ShardOptions()
                      .strategy(shardtorch::parse_strategy(a.strategy))
@@ -119,14 +121,17 @@ int run(const Args& a) {
   }
   auto sharded = shardtorch::shard(*model, world, options);
   if (!a.init.empty()) shardtorch::load_full_state_dict(*model, a.init);
-  auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01));
+  auto adamw = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01);
+  // Offloaded masters step on the CPU: there the fused kernel is the one to use.
+  auto opt = a.offload ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
+                       : shardtorch::AdamW(*model, adamw);
 
   std::vector<double> losses, step_ms;
   int64_t sent = 0;  // by the library during the measured steps
   const int total = a.warmup + a.steps;
   for (int s = 0; s < total; ++s) {
     if (s == a.warmup) sharded.reset_peak_memory();
-    at::Tensor tokens = batch_tokens(a, s, world->size(), world->rank());
+    at::Tensor tokens = batch_tokens(a, s, world->size(), world->rank()).to(world->device());
     world->barrier();  // ranks start the step together
     const int64_t bytes0 = sharded.comm_stats().total_bytes_sent();
     auto t0 = std::chrono::steady_clock::now();
@@ -134,6 +139,7 @@ int run(const Args& a) {
     at::Tensor loss = gpt::lm_loss(model(tokens), tokens);
     loss.backward();
     opt->step();
+    if (!world->device().is_cpu()) torch::cuda::synchronize(world->device().index());  // the step, not its launch
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (s >= a.warmup) {
       step_ms.push_back(ms);

@@ -2,9 +2,9 @@
 series per strategy (and offload policy). usage: plot_sweep.py SWEEP.json OUT.png
 
 Each point is one configuration: x = tokens/s of the slowest rank, y = the
-largest rank's memory the library accounts for: model state after a step
-(device and host together) plus the peaks of gathered parameters, gradient
-staging and buckets. Points of one model size are labelled with it."""
+largest rank's peak device memory the library accounts for (the sum of the
+peaks of its device categories; offloaded host bytes are left out, which is
+what offload buys). Points of one model size are labelled with it."""
 import json
 import sys
 
@@ -14,12 +14,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-TRANSIENT = ("gathered_params", "grad_staging", "buckets")
+DEVICE = ("sharded_params", "replicated_params", "gradients", "optimizer_state", "gathered_params",
+          "grad_staging", "buckets")
 
 
 def per_rank_bytes(r):
-    """Model state after a step plus the peaks of the transient buffers."""
-    return r["model_state_bytes"] + sum(r["peak_memory"][k] for k in TRANSIENT)
+    """Peak bytes on the compute device, by the library's accounting: the
+    peaks of every device category (host_* left out: offload moves them there)."""
+    return sum(r["peak_memory"][k] for k in DEVICE)
 
 
 def main(src, out):
@@ -43,7 +45,7 @@ def main(src, out):
             ax.annotate(f'{r["layers"]}x{r["d_model"]} N={r["world"]}', (x, y), fontsize=7,
                         textcoords="offset points", xytext=(4, 3))
     ax.set_xlabel("tokens/s (slowest rank)")
-    ax.set_ylabel("peak memory per rank, MiB (library accounting)")
+    ax.set_ylabel("peak device memory per rank, MiB (library accounting)")
     ax.set_title(f'shardtorch sweep: GPT, batch {sweep["batch"]} x seq {sweep["seq"]} per rank, '
                  f'{sweep["steps"]} steps')
     ax.grid(True, alpha=0.3)

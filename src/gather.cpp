@@ -46,6 +46,7 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
 FullParams::~FullParams() {
   for (auto& p : grads_set_) p.mutable_grad().reset();
   if (writeback_) {
+    state_->wait_for_offload_copies();
     for (auto& u : units_)
       for (auto& f : u->flats()) f->write_back_shard();
   }

@@ -25,6 +25,12 @@ at::Tensor Offloader::to_device(const at::Tensor& host, at::ScalarType dtype) {
   c10::impl::VirtualGuardImpl impl(device_.type());
   const c10::Stream current = impl.getStream(device_);
   {
+    // `out` came from the caching allocator on the current stream, which may
+    // hand back a block that kernels queued there still use: the side stream
+    // must not write it before they are done.
+    c10::Event free_to_write(device_.type());
+    free_to_write.record(current);
+    free_to_write.block(*side_);
     c10::StreamGuard on_side(*side_);
     // Copy in the host dtype (pinned, asynchronous), then cast on the device.
     at::Tensor staged = host.scalar_type() == dtype ? out : at::empty(host.sizes(), host.options().device(device_));
@@ -37,7 +43,7 @@ at::Tensor Offloader::to_device(const at::Tensor& host, at::ScalarType dtype) {
   return out;
 }
 
-void Offloader::to_host(const at::Tensor& device_tensor, std::function<void(const at::Tensor&)> done) {
+void Offloader::to_host(const at::Tensor& device_tensor, bool owned, std::function<void(const at::Tensor&)> done) {
   c10::NoGradGuard no_grad;
   bytes_to_host_ += device_tensor.nbytes();
   Pending p;
@@ -47,7 +53,10 @@ void Offloader::to_host(const at::Tensor& device_tensor, std::function<void(cons
     p.host.copy_(device_tensor);
   } else {
     release_finished();
-    p.device_copy = device_tensor.clone();  // on the current stream: the source may be reused after this
+    // A tensor someone else may reuse (a bucket's output) is first copied on
+    // the current stream; one handed over (`owned`) is kept as it is.
+    p.device_copy = owned ? device_tensor : device_tensor.clone();
+    in_flight_bytes_ += p.device_copy.nbytes();
     c10::impl::VirtualGuardImpl impl(device_.type());
     c10::Event cloned(device_.type());
     cloned.record(impl.getStream(device_));
@@ -58,12 +67,33 @@ void Offloader::to_host(const at::Tensor& device_tensor, std::function<void(cons
     p.copied->record(*side_);
   }
   pending_.push_back(std::move(p));
+  // Bound the device memory held by copies in flight: wait for the oldest.
+  for (auto& q : pending_) {
+    if (in_flight_bytes_ <= kMaxInFlightBytes) break;
+    if (!q.device_copy.defined()) continue;
+    q.copied->synchronize();
+    in_flight_bytes_ -= q.device_copy.nbytes();
+    q.device_copy = at::Tensor();
+  }
 }
 
 void Offloader::release_finished() {
   for (auto& p : pending_) {
-    if (p.device_copy.defined() && p.copied && p.copied->query()) p.device_copy = at::Tensor();
+    if (p.device_copy.defined() && p.copied && p.copied->query()) {
+      in_flight_bytes_ -= p.device_copy.nbytes();
+      p.device_copy = at::Tensor();
+    }
   }
+}
+
+void Offloader::wait_idle() {
+  if (accelerator()) side_->synchronize();
+}
+
+void Offloader::discard() {
+  wait_idle();
+  pending_.clear();
+  in_flight_bytes_ = 0;
 }
 
 void Offloader::drain() {
@@ -72,8 +102,9 @@ void Offloader::drain() {
   for (auto& p : pending) {
     if (p.copied) p.copied->synchronize();
     p.device_copy = at::Tensor();
-    p.done(p.host);
   }
+  in_flight_bytes_ = 0;
+  for (auto& p : pending) p.done(p.host);
 }
 
 }  // namespace shardtorch::detail

@@ -9,15 +9,19 @@
 //     compute device and cast to the compute dtype. On an accelerator the copy
 //     runs on a side stream; the current stream waits on an event recorded
 //     after it, so the all-gather (ordered after the current stream by the
-//     backend) sees the data.
+//     backend) sees the data. The side stream first waits for the current
+//     one: the destination is a caching-allocator block of the current stream.
+//     The copy moves the master dtype (fp32) and casts on the device.
 //   to_host: after a reduce-scatter, the reduced gradient shard is copied to
 //     host memory. On an accelerator the source is first copied on the
 //     current stream (device to device, cheap) into a buffer the offloader
-//     owns, so the bucket it came from may be reused at once; the side stream
+//     owns, so the bucket it came from may be reused at once (a tensor the
+//     caller hands over is used as it is); the side stream
 //     waits for that and copies to pinned host memory while backward goes on.
 //     The gradient is handed on (the callback adds it into the host gradient
 //     shard) at drain(), at the end of backward, after every copy finished.
-//     A device buffer is released as soon as its copy is seen to be done.
+//     A device buffer is released as soon as its copy is seen to be done;
+//     above kMaxInFlightBytes of them, the oldest is waited for.
 //
 // With host and device both the CPU the same calls run, without streams:
 // to_device is a cast copy, to_host a copy, and the callbacks still wait for
@@ -41,9 +45,20 @@ class Offloader {
   /// A copy of `host` on the compute device in `dtype`, ready on the current stream.
   at::Tensor to_device(const at::Tensor& host, at::ScalarType dtype);
   /// Copies `device_tensor` to host memory; `done(host_copy)` runs at drain().
-  void to_host(const at::Tensor& device_tensor, std::function<void(const at::Tensor&)> done);
+  /// `owned`: nobody else writes `device_tensor` afterwards (no protective
+  /// device copy is made).
+  void to_host(const at::Tensor& device_tensor, bool owned, std::function<void(const at::Tensor&)> done);
   /// Waits for every copy to host and runs their callbacks in issue order.
   void drain();
+  /// Waits until no copy reads or writes host memory (before the CPU writes
+  /// master shards outside the optimizer step, e.g. loading a checkpoint).
+  void wait_idle();
+  /// Drops pending copies without running their callbacks (after an error).
+  void discard();
+  /// Device bytes held by copies to host not yet seen finished; capped at
+  /// kMaxInFlightBytes (then the oldest is waited for).
+  int64_t in_flight_bytes() const { return in_flight_bytes_; }
+  static constexpr int64_t kMaxInFlightBytes = int64_t{256} << 20;
 
   int64_t bytes_to_device() const { return bytes_to_device_; }
   int64_t bytes_to_host() const { return bytes_to_host_; }
@@ -62,7 +77,7 @@ class Offloader {
   bool pin_;
   std::optional<c10::Stream> side_;
   std::vector<Pending> pending_;
-  int64_t bytes_to_device_ = 0, bytes_to_host_ = 0;
+  int64_t bytes_to_device_ = 0, bytes_to_host_ = 0, in_flight_bytes_ = 0;
 };
 
 }  // namespace shardtorch::detail

@@ -88,7 +88,7 @@ void ShardViews::bind_grads() {
 void ShardViews::zero_grad() {
   if (state_->ddp()) {  // gradients stay views of the buckets
     state_->ddp()->zero_grads();
-    for (at::Tensor m : state_->ddp_masters()) m.mutable_grad().reset();  // a handle: same tensor
+    state_->release_master_grads();
     return;
   }
   for (auto& u : state_->units())

@@ -65,10 +65,12 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
     for (const auto& u : units) {
       for (const auto& f : u.flats) {
         out.params += f.numel;
+        add(Mem::ReplicatedParams, f.numel * esize(compute_of(f.dtype)));  // frozen ones too: whole everywhere
         if (!f.trainable) continue;
-        add(Mem::ReplicatedParams, f.numel * esize(compute_of(f.dtype)));
         if (mp.param_dtype()) add(Mem::ReplicatedParams, f.numel * esize(f.dtype));  // fp32 masters
-        add(Mem::Gradients, f.numel * esize(mp.param_dtype() ? reduce_of(f.dtype) : f.dtype));
+        const at::ScalarType rd = mp.param_dtype() ? reduce_of(f.dtype) : f.dtype;
+        add(Mem::Gradients, f.numel * esize(rd));                          // the all-reduce buckets
+        if (rd != f.dtype) add(Mem::Gradients, f.numel * esize(f.dtype));  // masters' fp32 gradients
         add(Mem::OptimizerState, plan.optimizer_states * f.numel * esize(f.dtype));
       }
     }
@@ -76,7 +78,7 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
   }
 
   const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
-  int64_t root_gathered = 0, other_gathered = 0, root_staging = 0, other_staging = 0;
+  int64_t root_gathered = 0, other_gathered = 0, kept_gathered = 0, root_staging = 0, other_staging = 0;
   std::map<at::ScalarType, int64_t> bucketed;  // reduce dtype -> shard elements that go through buckets
   const int64_t bucket_bytes = static_cast<int64_t>(o.bucket_mb() * 1024.0 * 1024.0);
   for (const auto& u : units) {
@@ -102,17 +104,24 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
     }
     if (u.name.empty()) {
       root_gathered = gathered, root_staging = staging;
+    } else if (!o.reshard_after_forward_of(u.name)) {
+      kept_gathered += gathered;  // stays gathered from its forward to the end of backward
+      other_staging = std::max(other_staging, staging);
     } else {
       other_gathered = std::max(other_gathered, gathered), other_staging = std::max(other_staging, staging);
     }
   }
-  // The root stays gathered through backward beside one other unit; two
-  // units' staging buffers at most are alive at once for the same reason.
-  add(Mem::GatheredParams, root_gathered + other_gathered);
+  // The root (and every unit not resharded after forward) stays gathered
+  // through backward beside one other unit; two units' staging buffers at
+  // most are alive at once (not so under no_sync accumulation, where every
+  // unit keeps one: docs/memory.md).
+  add(Mem::GatheredParams, root_gathered + kept_gathered + other_gathered);
   add(Mem::GradStaging, root_staging + other_staging);
   for (const auto& [dtype, elems] : bucketed) {
     const int64_t cap = bucket_bytes / (esize(dtype) * shard_size);
-    add(Mem::Buckets, (shard_size + 1) * std::min(cap, elems) * esize(dtype));  // buffer [N, cols] and output [cols]
+    // Buffer [N, cols] and output [cols]; a bucket grows by doubling, so up
+    // to twice what it holds (never beyond its cap).
+    add(Mem::Buckets, (shard_size + 1) * std::min(cap, 2 * elems) * esize(dtype));
   }
   return out;
 }

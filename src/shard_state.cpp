@@ -39,12 +39,17 @@ void ShardState::finish_backward() {
     return;
   }
   auto all = units();
-  for (auto it = all.rbegin(); it != all.rend(); ++it) {
-    if ((*it)->needs_final_reduce()) (*it)->reduce_grads();
+  try {
+    for (auto it = all.rbegin(); it != all.rend(); ++it) {
+      if ((*it)->needs_final_reduce()) (*it)->reduce_grads();
+    }
+    bucketer_.flush();
+    bucketer_.free();
+    if (offloader_) offloader_->drain();  // the gradient shards reach host memory
+  } catch (...) {
+    if (offloader_) offloader_->discard();  // no stale gradient may reach the next step
+    throw;
   }
-  bucketer_.flush();
-  bucketer_.free();
-  if (offloader_) offloader_->drain();  // the gradient shards reach host memory
   for (auto& u : all) {
     u->reshard();
     u->reset_backward();
@@ -53,10 +58,24 @@ void ShardState::finish_backward() {
 
 void ShardState::bind_master_grads() {
   c10::NoGradGuard no_grad;
+  int64_t converted = 0;  // fp32 copies of gradients reduced in a lower dtype
   for (size_t i = 0; i < ddp_masters_.size(); ++i) {
     at::Tensor g = ddp_->grad_view(i);
-    ddp_masters_[i].mutable_grad() = g.scalar_type() == ddp_masters_[i].scalar_type() ? g : g.to(ddp_masters_[i].scalar_type());
+    if (g.scalar_type() == ddp_masters_[i].scalar_type()) {
+      ddp_masters_[i].mutable_grad() = g;
+    } else {
+      ddp_masters_[i].mutable_grad() = g.to(ddp_masters_[i].scalar_type());
+      converted += ddp_masters_[i].grad().nbytes();
+    }
   }
+  mem_.add(Mem::Gradients, converted - master_grad_bytes_);
+  master_grad_bytes_ = converted;
+}
+
+void ShardState::release_master_grads() {
+  for (at::Tensor m : ddp_masters_) m.mutable_grad().reset();  // a handle: same tensor
+  mem_.sub(Mem::Gradients, master_grad_bytes_);
+  master_grad_bytes_ = 0;
 }
 
 void ShardState::after_optimizer_step() {
@@ -90,9 +109,10 @@ at::Tensor ShardState::on_comm_device(const at::Tensor& t) {
   return t.to(world_->comm().device(), t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 
-void ShardState::deliver_gradient(const at::Tensor& reduced, std::function<void(const at::Tensor&)> accumulate) {
+void ShardState::deliver_gradient(const at::Tensor& reduced, bool owned,
+                                  std::function<void(const at::Tensor&)> accumulate) {
   if (offloader_) {
-    offloader_->to_host(reduced, std::move(accumulate));
+    offloader_->to_host(reduced, owned, std::move(accumulate));
   } else {
     accumulate(reduced);
   }

@@ -106,8 +106,10 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   const std::vector<at::Tensor>& ddp_masters() const { return ddp_masters_; }
   /// The tensors the optimizer updates under NoShard: masters, or the parameters.
   const std::vector<at::Tensor>& ddp_optimized() const { return ddp_masters_.empty() ? ddp_params_ : ddp_masters_; }
-  /// Points the masters' grads at the reduced gradients (cast if needed).
+  /// Points the masters' grads at the reduced gradients (cast if needed: the
+  /// fp32 copies are counted as gradients until release_master_grads()).
   void bind_master_grads();
+  void release_master_grads();
 
   /// The gradient tensors this rank holds (shards, whole ZeRO-1 gradients or
   /// NoShard bucket views); `partial` is set when other ranks hold other parts.
@@ -128,7 +130,13 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   at::Tensor on_comm_device(const at::Tensor& t);
   /// Hands a reduced gradient to `accumulate`: at once, or under offload after
   /// its copy to host memory (at the end of backward).
-  void deliver_gradient(const at::Tensor& reduced, std::function<void(const at::Tensor&)> accumulate);
+  /// `owned`: the caller hands `reduced` over (nobody reuses its memory).
+  void deliver_gradient(const at::Tensor& reduced, bool owned, std::function<void(const at::Tensor&)> accumulate);
+  /// Before the CPU writes master shards outside an optimizer step (loading
+  /// checkpoints, writeback): no offload copy may still read them.
+  void wait_for_offload_copies() {
+    if (offloader_) offloader_->wait_idle();
+  }
 
   /// Queues finish_backward() on the autograd engine once per backward.
   void ensure_end_of_backward_callback();
@@ -153,6 +161,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool sync_ = true;
   int64_t gradient_reductions_ = 0;
   bool has_scaler_ = false;
+  int64_t master_grad_bytes_ = 0;
 };
 
 /// The registry of sharded models, by root module (entries die with it).

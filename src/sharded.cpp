@@ -180,6 +180,7 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
       world.comm().broadcast(p.tensor, 0, "parameter '" + p.name + "' at shard()");
     if (!p.tensor.requires_grad()) {
       if (mp.param_dtype() && p.tensor.is_floating_point()) p.tensor.set_data(p.tensor.detach().to(*mp.param_dtype()));
+      state.mem().add(Mem::ReplicatedParams, p.tensor.nbytes());  // frozen: whole on every rank
       continue;
     }
     trainable.push_back(p.tensor);
@@ -384,7 +385,22 @@ int64_t ShardedModel::buckets_launched_during_backward() const {
 }
 MemorySnapshot ShardedModel::memory() const { return state_->mem().snapshot(); }
 void ShardedModel::reset_peak_memory() { state_->mem().reset_peaks(); }
-const CommStats& ShardedModel::comm_stats() const { return state_->world().comm().stats(); }
+CommStats ShardedModel::comm_stats() const {
+  CommStats total = state_->world().comm().stats();
+  auto add = [&](const Comm* c) {
+    if (c == nullptr || c == &state_->world().comm()) return;
+    const CommStats& s = c->stats();
+    for (auto [to, from] : {std::pair{&total.all_gather, &s.all_gather}, std::pair{&total.reduce_scatter, &s.reduce_scatter},
+                            std::pair{&total.all_reduce, &s.all_reduce}, std::pair{&total.broadcast, &s.broadcast}}) {
+      to->calls += from->calls;
+      to->bytes_sent += from->bytes_sent;
+      to->seconds += from->seconds;
+    }
+  };
+  add(&state_->shard_comm());
+  add(state_->replica_comm());
+  return total;
+}
 
 std::vector<UnitInfo> ShardedModel::units() const {
   std::vector<UnitInfo> out;

@@ -121,7 +121,7 @@ void Unit::reduce_grads() {
     }
     if (owner_->strategy() == Strategy::OptimizerOnly) {
       owner_->world().comm().all_reduce(g, c10d::ReduceOp::SUM, what);
-      owner_->deliver_gradient(g, [fp, post](const at::Tensor& r) { fp->accumulate_full_grad(r, post); });
+      owner_->deliver_gradient(g, /*owned=*/true, [fp, post](const at::Tensor& r) { fp->accumulate_full_grad(r, post); });
       continue;
     }
     Comm* replicas = owner_->replica_comm();
@@ -131,12 +131,12 @@ void Unit::reduce_grads() {
         [fp, post, replicas, what, owner](const at::Tensor& reduced) {
           auto accumulate = [fp, post](const at::Tensor& r) { fp->accumulate_shard_grad(r, post); };
           if (replicas == nullptr || replicas->size() == 1) {
-            owner->deliver_gradient(reduced, accumulate);
+            owner->deliver_gradient(reduced, /*owned=*/false, accumulate);  // a bucket's output
             return;
           }
           at::Tensor t = reduced.clone();  // summed in the shard group; now across the replicas
           replicas->all_reduce(t, c10d::ReduceOp::SUM, what + " across replicas");
-          owner->deliver_gradient(t, accumulate);
+          owner->deliver_gradient(t, /*owned=*/true, accumulate);
         },
         what);
   }

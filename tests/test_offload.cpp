@@ -210,3 +210,51 @@ TEST(Offload, CheckpointsMoveBetweenOffloadedAndResidentModelsBitwise) {
   }
   fs::remove_all(dir);
 }
+
+TEST(Offload, GradScalerAndSummonWithGradsMatchResidentTrainingAndWritebackReachesTheHostMasters) {
+  auto r = run_ranks(2, [](World& w) {
+    auto x = gpt_tokens();
+    auto xs = x.narrow(0, w.rank() * 6, 6);
+    auto run = [&](bool offload) {
+      torch::manual_seed(0);
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w,
+                        ShardOptions().cpu_offload(offload).mixed_precision(
+                            shardtorch::MixedPrecision().param_dtype(at::kHalf).reduce_dtype(at::kFloat).output_dtype(at::kFloat)));
+      shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+      for (int s = 0; s < 3; ++s) {
+        opt->zero_grad();
+        scaler.scale(gpt::lm_loss(model(xs), xs)).backward();
+        require(scaler.step(*opt), "a clean fp16 step was skipped");
+      }
+      opt->zero_grad();
+      gpt::lm_loss(model(xs), xs).backward();
+      std::map<std::string, torch::Tensor> grads;
+      {
+        shardtorch::FullParams full(*model, shardtorch::SummonOptions().with_grads(true));
+        for (const auto& [n, p] : unique_params(*model)) grads[n] = p.grad().clone();
+      }
+      return std::make_pair(shardtorch::full_parameters(*model), grads);
+    };
+    auto want = run(false), got = run(true);
+    require(expect_close_map(got.first, want.first, 0.0, "fp16 + GradScaler, offloaded") == 0.0, "params not bitwise");
+    require(expect_close_map(got.second, want.second, 0.0, "summoned gradients, offloaded") == 0.0, "grads not bitwise");
+
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w, ShardOptions().cpu_offload(true));
+    {
+      shardtorch::FullParams full(*model, shardtorch::SummonOptions().writeback(true));
+      torch::NoGradGuard no_grad;
+      model->ln_f->weight.fill_(0.25);
+    }
+    auto after = shardtorch::full_parameters(*model);
+    require(at::equal(after.at("ln_f.weight"), torch::full({32}, 0.25)), "the edit did not reach the host master");
+    {
+      shardtorch::FullParams full(*model);  // the next gather copies the edited master to the device
+      require(at::equal(model->ln_f->weight, torch::full({32}, 0.25)), "the gathered parameter misses the edit");
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}

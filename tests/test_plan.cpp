@@ -111,3 +111,34 @@ TEST(Plan, ShardingDividesModelStateByTheWorldSizeUpToPadding) {
   EXPECT_THROW(shardtorch::plan_memory(units, {ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(3), 8, 2}),
                c10::Error);
 }
+
+TEST(Plan, FrozenParametersAndUnitsKeptGatheredArePlanned) {
+  // The MLP has a frozen bias; under NoShard it is held whole on every rank.
+  for (Strategy s : kAllStrategies) {
+    for (bool bf16 : {false, true}) {
+      auto opts = strategy_options(s, 2).reshard_after_forward(false);
+      if (bf16) opts.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).buffer_dtype(at::kBFloat16));
+      const std::string what = std::string(shardtorch::strategy_name(s)) + (bf16 ? " bf16" : " fp32");
+      auto probe = MLP();
+      auto plan = shardtorch::plan_memory(shardtorch::unit_specs(*probe), {opts, 2, 2});
+      auto r = run_ranks(2, [&](World& w) {
+        torch::manual_seed(0);
+        auto model = MLP();
+        auto sm = shardtorch::shard(model, w, opts);
+        auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+        sm.reset_peak_memory();
+        model(torch::randn({4, 7})).square().mean().backward();
+        opt->step();
+        if (w.rank() != 0) return;
+        auto m = sm.memory();
+        for (Mem c : kModelState)
+          require(m.cur(c) == plan.of(c), what + ": " + shardtorch::mem_name(c) + " measured " +
+                                              std::to_string(m.cur(c)) + ", planned " + std::to_string(plan.of(c)));
+        for (Mem c : kTransient)
+          require(m.max(c) <= plan.of(c), what + ": peak " + shardtorch::mem_name(c) + " " + std::to_string(m.max(c)) +
+                                              " above the plan's " + std::to_string(plan.of(c)));
+      });
+      ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
+    }
+  }
+}

@@ -44,9 +44,17 @@ struct Args {
   double bucket_mb = 25;
 };
 
+// The largest divisor of the world size not above half of it (groups of at
+// least two replicas), 1 for prime world sizes.
+int default_hybrid(int world) {
+  for (int s = world / 2; s > 1; --s)
+    if (world % s == 0) return s;
+  return 1;
+}
+
 shardtorch::PlanOptions options_for(const Args& a, Strategy s) {
   auto o = shardtorch::ShardOptions().strategy(s).cpu_offload(a.offload && s != Strategy::NoShard).bucket_mb(a.bucket_mb);
-  if (s == Strategy::HybridShard) o.hybrid_shard_size(a.hybrid > 0 ? a.hybrid : std::max(1, a.world / 2));
+  if (s == Strategy::HybridShard) o.hybrid_shard_size(a.hybrid > 0 ? a.hybrid : default_hybrid(a.world));
   if (a.bf16) o.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
   return {o, a.world, a.states};
 }
@@ -133,8 +141,22 @@ int main(int argc, char** argv) {
                       shardtorch::format_bytes(peak(0).first).c_str());
           continue;
         }
+        // Under offload the sharded strategies' device peak stops growing with
+        // depth (only one unit is on the device at a time): say so instead of
+        // searching forever.
+        if (peak(2048).first == peak(1024).first) {
+          gpt::Config c = a.cfg;
+          c.n_layer = 1;
+          auto one = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
+          c.n_layer = 2;
+          auto two = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
+          std::printf("  %-15s any depth: the device peak stays %s; host memory grows by %s per layer\n",
+                      shardtorch::strategy_name(s), shardtorch::format_bytes(peak(1024).first).c_str(),
+                      shardtorch::format_bytes(two.host() - one.host()).c_str());
+          continue;
+        }
         int64_t lo = 0, hi = 1;  // peak(lo) fits; grow hi until it does not
-        while (peak(hi).first <= budget && hi < (int64_t{1} << 40)) lo = hi, hi *= 2;
+        while (peak(hi).first <= budget) lo = hi, hi *= 2;
         while (hi - lo > 1) {
           int64_t mid = lo + (hi - lo) / 2;
           (peak(mid).first <= budget ? lo : hi) = mid;

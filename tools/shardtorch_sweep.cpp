@@ -180,21 +180,29 @@ int main(int argc, char** argv) {
       double p50 = 0, p95 = 0, tps = 1e300;
       int64_t rss = 0, state = 0, sent = 0, params = 0;
       std::vector<int64_t> peaks(static_cast<size_t>(Mem::kCount), 0);
-      for (int r = 0; r < cfg.world; ++r) {
-        std::ifstream f(prefix + ".rank" + std::to_string(r) + ".json");
-        std::stringstream ss;
-        ss << f.rdbuf();
-        auto v = json::parse(ss.str()).as_object();
-        p50 = std::max(p50, v.at("p50_ms").to_number<double>());
-        p95 = std::max(p95, v.at("p95_ms").to_number<double>());
-        tps = std::min(tps, v.at("tokens_per_s").to_number<double>());
-        rss = std::max(rss, v.at("peak_rss_bytes").to_number<int64_t>());
-        state = std::max(state, v.at("model_state_bytes").to_number<int64_t>());
-        sent = std::max(sent, v.at("bytes_sent_per_step").to_number<int64_t>());
-        params = v.at("params").to_number<int64_t>();
-        const auto& mem = v.at("memory").as_object();
-        for (int i = 0; i < static_cast<int>(Mem::kCount); ++i)
-          peaks[i] = std::max(peaks[i], mem.at(shardtorch::mem_name(static_cast<Mem>(i))).at("peak").to_number<int64_t>());
+      try {
+        for (int r = 0; r < cfg.world; ++r) {
+          const std::string path = prefix + ".rank" + std::to_string(r) + ".json";
+          std::ifstream f(path);
+          if (!f) throw std::runtime_error("no report " + path);
+          std::stringstream ss;
+          ss << f.rdbuf();
+          const auto v = json::parse(ss.str()).as_object();
+          p50 = std::max(p50, v.at("p50_ms").to_number<double>());
+          p95 = std::max(p95, v.at("p95_ms").to_number<double>());
+          tps = std::min(tps, v.at("tokens_per_s").to_number<double>());
+          rss = std::max(rss, v.at("peak_rss_bytes").to_number<int64_t>());
+          state = std::max(state, v.at("model_state_bytes").to_number<int64_t>());
+          sent = std::max(sent, v.at("bytes_sent_per_step").to_number<int64_t>());
+          params = v.at("params").to_number<int64_t>();
+          const auto& mem = v.at("memory").as_object();
+          for (int i = 0; i < static_cast<int>(Mem::kCount); ++i)
+            peaks[i] = std::max(peaks[i], mem.at(shardtorch::mem_name(static_cast<Mem>(i))).at("peak").to_number<int64_t>());
+        }
+      } catch (const std::exception& e) {  // a missing, truncated or foreign report
+        std::fprintf(stderr, "    FAILED reading the reports: %s; log: %s.log\n", e.what(), prefix.c_str());
+        ++failed;
+        continue;
       }
       gpt::Config g{c.vocab, c.seq, cfg.d_model, c.heads, cfg.layers};
       auto opts = shardtorch::ShardOptions().strategy(cfg.strategy).cpu_offload(cfg.offload).bucket_mb(cfg.bucket_mb);

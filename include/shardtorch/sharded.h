@@ -210,8 +210,9 @@ class ShardedModel {
   /// This rank's bytes by category.
   MemorySnapshot memory() const;
   void reset_peak_memory();
-  /// Collectives this rank ran.
-  const CommStats& comm_stats() const;
+  /// This rank's collectives so far, summed over the world and (HybridShard)
+  /// the shard and replica groups.
+  CommStats comm_stats() const;
   std::vector<UnitInfo> units() const;
   Strategy strategy() const;
 

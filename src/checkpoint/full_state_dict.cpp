@@ -95,6 +95,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
 
 void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
   auto state = detail::require_state(root, "load_full_state_dict");
+  state->wait_for_offload_copies();
   checkpoint::Reader reader(path);
   c10::NoGradGuard no_grad;
   NameMap names = detail::parameter_names(root);

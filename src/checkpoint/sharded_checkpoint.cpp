@@ -337,6 +337,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
 
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir) {
   auto state = detail::require_state(root, "load_sharded_checkpoint");
+  state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   Index idx = read_index(dir);
   Files files(dir, idx);
