@@ -44,7 +44,7 @@ struct Args {
   int64_t batch = 8;
   int steps = 30, warmup = 5, threads = 1, hybrid_shard_size = 0;
   double lr = 3e-3, bucket_mb = 25.0;
-  bool bf16 = false, offload = false, quiet = false;
+  bool bf16 = false, offload = false, quiet = false, fused_adam = false;
   std::string init, save_init, report;
 };
 
@@ -123,8 +123,11 @@ int run(const Args& a) {
   if (!a.init.empty()) shardtorch::load_full_state_dict(*model, a.init);
   auto adamw = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01);
   // Offloaded masters step on the CPU: there the fused kernel is the one to use.
-  auto opt = a.offload ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
-                       : shardtorch::AdamW(*model, adamw);
+  const bool fused = a.fused_adam || a.offload;
+  TORCH_CHECK(!fused || world->device().is_cpu() || a.offload, "gpt_bench: --fused-adam is the CPU kernel; the "
+              "parameters are on ", world->device());
+  auto opt = fused ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
+                   : shardtorch::AdamW(*model, adamw);
 
   std::vector<double> losses, step_ms;
   int64_t sent = 0;  // by the library during the measured steps
@@ -173,7 +176,7 @@ int run(const Args& a) {
       {"config",
        {{"vocab", a.cfg.vocab}, {"seq_len", a.cfg.seq_len}, {"d_model", a.cfg.d_model}, {"n_head", a.cfg.n_head},
         {"n_layer", a.cfg.n_layer}, {"batch", a.batch}, {"dtype", a.bf16 ? "bfloat16" : "float32"},
-        {"offload", a.offload}, {"bucket_mb", a.bucket_mb}}},
+        {"offload", a.offload}, {"bucket_mb", a.bucket_mb}, {"fused_adam", fused}}},
       {"params", params},
       {"warmup", a.warmup},
       {"steps", a.steps},
@@ -224,7 +227,8 @@ int main(int argc, char** argv) {
       ("lr", po::value(&a.lr)->default_value(a.lr), "AdamW learning rate")
       ("bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size in MiB")
       ("bf16", po::bool_switch(&a.bf16), "bf16 parameters and reductions, fp32 masters")
-      ("offload", po::bool_switch(&a.offload), "CPU offload of masters, gradients and optimizer state")
+      ("offload", po::bool_switch(&a.offload), "CPU offload of masters, gradients and optimizer state (implies --fused-adam)")
+      ("fused-adam", po::bool_switch(&a.fused_adam), "shardtorch::FusedAdamW (CPU) instead of torch::optim::AdamW")
       ("threads", po::value(&a.threads)->default_value(a.threads), "ATen threads per rank")
       ("init", po::value(&a.init), "load initial weights from this full state dict")
       ("save-init", po::value(&a.save_init), "write the initial weights here and exit (one process)")
