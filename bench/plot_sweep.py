@@ -31,27 +31,32 @@ def main(src, out):
     if not rows:
         print("plot_sweep: no rows in " + src, file=sys.stderr)
         return 1
-    series = {}
-    for r in rows:
-        key = r["strategy"] + (" + offload" if r["offload"] else "")
-        series.setdefault(key, []).append(r)
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for key, pts in sorted(series.items()):
-        pts.sort(key=lambda r: r["tokens_per_s"])
-        xs = [r["tokens_per_s"] for r in pts]
-        ys = [per_rank_bytes(r) / 2**20 for r in pts]
-        ax.plot(xs, ys, marker="o", label=key)
-        for r, x, y in zip(pts, xs, ys):
-            ax.annotate(f'{r["layers"]}x{r["d_model"]} N={r["world"]}', (x, y), fontsize=7,
-                        textcoords="offset points", xytext=(4, 3))
-    ax.set_xlabel("tokens/s (slowest rank)")
-    ax.set_ylabel("peak device memory per rank, MiB (library accounting)")
-    ax.set_title(f'shardtorch sweep: GPT, batch {sweep["batch"]} x seq {sweep["seq"]} per rank, '
-                 f'{sweep["steps"]} steps')
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    models = sorted({(r["layers"], r["d_model"]) for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 5), squeeze=False)
+    strategies = sorted({r["strategy"] for r in rows})
+    colors = {s: plt.cm.tab10(i) for i, s in enumerate(strategies)}
+    for ax, (layers, d) in zip(axes[0], models):
+        series = {}
+        for r in rows:
+            if (r["layers"], r["d_model"]) == (layers, d):
+                series.setdefault((r["strategy"], bool(r["offload"])), []).append(r)
+        for (strategy, offload), pts in sorted(series.items()):
+            pts.sort(key=lambda r: r["world"])  # one line per strategy: world sizes in order
+            xs = [r["tokens_per_s"] for r in pts]
+            ys = [per_rank_bytes(r) / 2**20 for r in pts]
+            ax.plot(xs, ys, marker="s" if offload else "o", linestyle="--" if offload else "-",
+                    color=colors[strategy], label=strategy + (" + offload" if offload else ""))
+            for r, x, y in zip(pts, xs, ys):
+                ax.annotate(f'N={r["world"]}', (x, y), fontsize=7, textcoords="offset points", xytext=(4, 3))
+        ax.set_title(f"{layers} layers x d_model {d} ({pts[0]['params'] / 1e6:.1f}M params)")
+        ax.set_xlabel("tokens/s (slowest rank)")
+        ax.set_ylabel("peak device memory per rank, MiB")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f'shardtorch sweep: GPT, batch {sweep["batch"]} x seq {sweep["seq"]} per rank, '
+                 f'{sweep["steps"]} steps (library accounting; host bytes of offload left out)')
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     return 0
 
 
