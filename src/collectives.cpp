@@ -77,6 +77,27 @@ void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what)
       [&] { return backend_->allreduce(ts, opts); });
 }
 
+PendingWork Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
+  TORCH_CHECK(out.numel() == in.numel() * size_, "shardtorch: rank ", rank_, ": all_gather for ", what,
+              ": output ", describe(out), " is not ", size_, " x input ", describe(in));
+  check_flat(out, in, "all_gather", what);
+  at::Tensor o = out.view({-1}), i = in.view({-1});
+  PendingWork p;
+  p.op = "all_gather";
+  p.what = what;
+  p.shapes = "in " + describe(in) + ", out " + describe(out);
+  p.counter = &stats_.all_gather;
+  p.bytes = in.nbytes() * (size_ - 1);
+  p.start = std::chrono::steady_clock::now();
+  try {
+    p.work = backend_->_allgather_base(o, i);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("shardtorch: rank " + std::to_string(rank_) + "/" + std::to_string(size_) +
+                             ": all_gather for " + what + " (" + p.shapes + ") could not be launched: " + e.what());
+  }
+  return p;
+}
+
 PendingWork Comm::all_reduce_async(at::Tensor& t, const std::string& what) {
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;

@@ -115,7 +115,9 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
   // through backward beside one other unit; two units' staging buffers at
   // most are alive at once (not so under no_sync accumulation, where every
   // unit keeps one: docs/memory.md).
-  add(Mem::GatheredParams, root_gathered + kept_gathered + other_gathered);
+  // With prefetch, the next unit is gathered while one computes.
+  const bool prefetching = o.prefetch() && (strategy == Strategy::FullShard || strategy == Strategy::HybridShard);
+  add(Mem::GatheredParams, root_gathered + kept_gathered + other_gathered * (prefetching ? 2 : 1));
   add(Mem::GradStaging, root_staging + other_staging);
   for (const auto& [dtype, elems] : bucketed) {
     const int64_t cap = bucket_bytes / (esize(dtype) * shard_size);

@@ -38,6 +38,8 @@ void ShardState::finish_backward() {
     if (sync_) bind_master_grads();
     return;
   }
+  if (!recording_.empty()) forward_order_ = std::move(recording_);
+  recording_.clear();
   auto all = units();
   try {
     for (auto it = all.rbegin(); it != all.rend(); ++it) {
@@ -92,6 +94,30 @@ void ShardState::after_optimizer_step() {
     }
     u->reshard();  // non-persistent full copies are stale now
   }
+}
+
+std::shared_ptr<Unit> ShardState::note_forward_and_next(Unit& u) {
+  const bool on = options_.prefetch() && c10::GradMode::is_enabled() &&
+                  (strategy() == Strategy::FullShard || strategy() == Strategy::HybridShard);
+  if (!on) return nullptr;
+  if (u.is_root()) recording_.clear();  // a new forward starts at the root
+  recording_.push_back(u.weak_from_this());
+  const size_t pos = recording_.size() - 1;
+  // Prefetch only along the order the last complete step ran, while this
+  // forward follows it.
+  if (pos + 1 >= forward_order_.size() || forward_order_[pos].lock().get() != &u) return nullptr;
+  auto next = forward_order_[pos + 1].lock();
+  return next && next->state() == UnitState::Sharded ? next : nullptr;
+}
+
+std::shared_ptr<Unit> ShardState::next_in_backward(Unit& u) {
+  if (!options_.prefetch() || (strategy() != Strategy::FullShard && strategy() != Strategy::HybridShard)) return nullptr;
+  for (size_t i = forward_order_.size(); i-- > 1;) {
+    if (forward_order_[i].lock().get() != &u) continue;
+    auto prev = forward_order_[i - 1].lock();
+    return prev && prev->state() == UnitState::Sharded ? prev : nullptr;
+  }
+  return nullptr;
 }
 
 void ShardState::enable_offload(c10::Device device) {

@@ -35,6 +35,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Persistent units (ZeRO-1/2) are gathered once at shard() and stay so.
   void mark_persistent_gathered() { state_ = UnitState::Unsharded; }
   void unshard();
+  /// Launches the all-gather and returns (Sharded -> Gathering); unshard()
+  /// finishes it.
+  void unshard_async();
   void reshard();
   void pre_forward();
   std::optional<at::ScalarType> input_dtype() const;
@@ -62,6 +65,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   UnitState state_ = UnitState::Sharded;
   std::vector<std::unique_ptr<FlatParam>> flats_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<PendingWork> gathers_;      // in flight while Gathering
+  std::vector<at::Tensor> gather_inputs_;  // kept alive for them
   int expected_grads_ = 0, received_grads_ = 0;
   bool touched_ = false, reduced_ = false;
 };
@@ -138,6 +143,12 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
     if (offloader_) offloader_->wait_idle();
   }
 
+  /// Prefetch (docs/design.md): records the forward order of units in grad
+  /// mode and returns the unit to gather next after `u`, forward or backward
+  /// (null: none known, or prefetch off).
+  std::shared_ptr<Unit> note_forward_and_next(Unit& u);
+  std::shared_ptr<Unit> next_in_backward(Unit& u);
+
   /// Queues finish_backward() on the autograd engine once per backward.
   void ensure_end_of_backward_callback();
   void finish_backward();
@@ -154,6 +165,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<std::weak_ptr<Unit>> units_;
   std::unique_ptr<AllReduceBucketer> ddp_;
   std::unique_ptr<Offloader> offloader_;
+  std::vector<std::weak_ptr<Unit>> recording_, forward_order_;  // this step's forward; the last complete one
   std::vector<at::Tensor> ddp_params_, ddp_masters_;
   std::vector<std::string> ddp_names_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;

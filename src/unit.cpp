@@ -26,8 +26,28 @@ Unit::Unit(std::shared_ptr<ShardState> owner, std::string name, int index, bool 
       reshard_after_forward_(reshard_after_forward && !is_root),
       persistent_(persistent) {}
 
+void Unit::unshard_async() {
+  if (state_ != UnitState::Sharded || persistent_ || flats_.empty()) return;
+  state_ = UnitState::Gathering;
+  for (auto& f : flats_) gather_inputs_.push_back(owner_->gather_input(*f));
+  for (size_t i = 0; i < flats_.size(); ++i) {
+    auto& f = flats_[i];
+    f->alloc_full();
+    gathers_.push_back(owner_->shard_comm().all_gather_async(
+        f->full(), gather_inputs_[i], "parameters of unit '" + label() + "' (" + f->describe() + "), prefetched"));
+  }
+  owner_->mem().unit_gathered();
+}
+
 void Unit::unshard() {
   if (state_ == UnitState::Unsharded) return;
+  if (state_ == UnitState::Gathering && !gathers_.empty()) {  // prefetched: finish it
+    for (auto& g : gathers_) owner_->shard_comm().wait(g);
+    gathers_.clear();
+    gather_inputs_.clear();
+    state_ = UnitState::Unsharded;
+    return;
+  }
   TORCH_CHECK(state_ == UnitState::Sharded, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
               "' asked to gather while ", state_name(state_));
   state_ = UnitState::Gathering;
@@ -45,12 +65,16 @@ void Unit::unshard() {
 
 void Unit::reshard() {
   if (state_ == UnitState::Sharded || persistent_) return;
+  if (!gathers_.empty()) unshard();  // never free memory a collective still writes
   for (auto& f : flats_) f->free_full();
   state_ = UnitState::Sharded;
   if (!flats_.empty()) owner_->mem().unit_released();
 }
 
-void Unit::pre_forward() { unshard(); }
+void Unit::pre_forward() {
+  unshard();
+  if (auto next = owner_->note_forward_and_next(*this)) next->unshard_async();
+}
 
 std::optional<at::ScalarType> Unit::input_dtype() const {
   const auto& mp = owner_->options().mixed_precision();
@@ -85,6 +109,7 @@ void Unit::pre_backward() {
   owner_->ensure_end_of_backward_callback();
   touched_ = true;
   unshard();
+  if (auto next = owner_->next_in_backward(*this)) next->unshard_async();
 }
 
 void Unit::on_grad_ready(size_t flat, size_t param) {

@@ -228,3 +228,63 @@ TEST(Configuration, BadStrategyNamesAndGroupSizesAreClearErrors) {
   });
   ASSERT_TRUE(u.ok) << u.summary();
 }
+
+// Prefetch (docs/design.md): the next unit's all-gather runs ahead, in
+// forward and in backward, along the order the previous step ran. Training is
+// bitwise what it is without prefetch, with the same all-gathers, and one more
+// unit is alive at a time.
+class Prefetch : public ::testing::TestWithParam<std::tuple<Strategy, int>> {};
+
+TEST_P(Prefetch, TrainsBitwiseLikeWithoutItWithTheSameGathersAndOneMoreUnitAlive) {
+  auto [strategy, world] = GetParam();
+  auto r = run_ranks(world, [&](World& w) {
+    auto x = gpt_tokens();
+    const int64_t per = kBatch / w.size();
+    auto xs = x.narrow(0, w.rank() * per, per);
+    struct Out {
+      std::map<std::string, torch::Tensor> params;
+      int64_t gathers;
+      int peak_units;
+    };
+    auto run = [&](bool prefetch) {
+      torch::manual_seed(0);
+      gpt::Config cfg;
+      cfg.n_layer = 4;
+      auto model = gpt::GPT(cfg);
+      auto sm = shardtorch::shard(model, w, strategy_options(strategy, w.size()).prefetch(prefetch));
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+      Out out{{}, -sm.comm_stats().all_gather.calls, 0};  // the world's counters run on across models
+      for (int s = 0; s < 4; ++s) {
+        sm.reset_peak_memory();
+        opt->zero_grad();
+        gpt::lm_loss(model(xs), xs).backward();
+        opt->step();
+        out.peak_units = std::max(out.peak_units, sm.memory().peak_gathered_units);
+      }
+      {
+        torch::NoGradGuard no_grad;  // evaluation gathers synchronously and frees everything
+        model(xs);
+      }
+      require(sm.memory().gathered_units == 0, "units left gathered after an evaluation forward");
+      out.gathers += sm.comm_stats().all_gather.calls;
+      out.params = shardtorch::full_parameters(*model);
+      return out;
+    };
+    Out off = run(false), on = run(true);
+    require(expect_close_map(on.params, off.params, 0.0, "prefetch") == 0.0, "not bitwise");
+    require(on.gathers == off.gathers, "prefetch changed the number of all-gathers: " + std::to_string(on.gathers) +
+                                           " vs " + std::to_string(off.gathers));
+    require(off.peak_units <= 2, "without prefetch at most 2 units are gathered, saw " + std::to_string(off.peak_units));
+    require(on.peak_units == 3, "with prefetch the root, the computing unit and the next one: saw " +
+                                    std::to_string(on.peak_units));
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sharding, Prefetch,
+    ::testing::Combine(::testing::Values(Strategy::FullShard, Strategy::HybridShard), ::testing::Values(1, 2, 3)),
+    [](const ::testing::TestParamInfo<Prefetch::ParamType>& info) {
+      return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
+             std::to_string(std::get<1>(info.param));
+    });

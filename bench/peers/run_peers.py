@@ -54,6 +54,8 @@ def parse_args():
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (OMP_NUM_THREADS for both sides)")
     p.add_argument("--python-only", action="store_true",
                    help="skip the shardtorch runs; python writes the initial weights")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="shardtorch full_shard without prefetch (FSDP2 prefetches one unit ahead by default)")
     p.add_argument("--python-init", action="store_true",
                    help="python writes the initial weights even when the shardtorch runs are on")
     p.add_argument("--compare-steps", type=int, default=5, help="first steps whose losses are checked")
@@ -102,7 +104,8 @@ def command_for(impl, a, init, prefix):
     if impl in ("no_shard", "full_shard"):
         return [a.torchrun, "--no-python", "--standalone", "--nproc-per-node", str(a.nproc), a.gpt_bench,
                 "--strategy", impl] + train_flags(a) + ["--threads", str(a.threads), "--init", init,
-                                                        "--report", prefix]
+                                                        "--report", prefix] + \
+            (["--prefetch"] if impl == "full_shard" and not a.no_prefetch else [])
     return [a.torchrun, "--standalone", "--nproc-per-node", str(a.nproc), os.path.join(HERE, "peer_train.py"),
             "--mode", impl] + train_flags(a) + ["--threads", str(a.threads), "--init", init, "--report", prefix]
 

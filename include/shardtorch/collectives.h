@@ -55,6 +55,9 @@ class Comm {
   /// Sums `in` (numel = size × out.numel()) across ranks; rank r receives chunk r.
   void reduce_scatter_into(at::Tensor& out, at::Tensor& in, const std::string& what);
   void all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
+  /// all_gather_into, launched and returned at once; wait() finishes it. `out`
+  /// and `in` must stay alive (and unwritten) until then.
+  PendingWork all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what);
   /// Launches a summing all-reduce and returns at once; wait() finishes it.
   PendingWork all_reduce_async(at::Tensor& t, const std::string& what);
   /// Waits (with the timeout) for a launched collective.

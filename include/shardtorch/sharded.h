@@ -93,6 +93,11 @@ struct ShardOptions {
   /// NoShard: a trainable parameter that gets no gradient in a backward is an
   /// error naming it (default: reduced as zero).
   TORCH_ARG(bool, error_on_unused_parameters) = false;
+  /// FullShard and HybridShard: launch the next unit's all-gather (in the
+  /// order the previous step ran them) while the current unit computes, in
+  /// forward and in backward; one more unit's full parameters alive at a time
+  /// (docs/design.md, "Prefetch").
+  TORCH_ARG(bool, prefetch) = false;
   /// CPU offload (every strategy but NoShard; docs/offload.md): the fp32
   /// master shards, the gradient shards and the optimizer state live in host
   /// memory (pinned when units compute on an accelerator); a unit's shard is
