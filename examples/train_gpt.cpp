@@ -47,6 +47,8 @@ struct Args {
   bool bf16 = false;
   int accumulate = 1;  // micro-batches per step
   double clip = 0;     // 0: no clipping
+  bool offload = false;   // CPU offload of masters, gradients, optimizer state (fused CPU AdamW)
+  bool prefetch = false;  // all-gather the next unit while one computes
   gpt::Config cfg;
 };
 
@@ -68,10 +70,13 @@ Args parse(int argc, char** argv) {
     else if (k == "--bf16") a.bf16 = true;
     else if (k == "--accumulate") a.accumulate = std::stoi(next());
     else if (k == "--clip") a.clip = std::stod(next());
+    else if (k == "--offload") a.offload = true;
+    else if (k == "--prefetch") a.prefetch = true;
     else if (k == "--help") {
       std::cout << "train_gpt [--steps N] [--batch B per rank] [--lr LR] [--layers L] [--d-model D]\n"
                    "          [--strategy full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard]\n"
-                   "          [--hybrid-shard-size S] [--bf16] [--accumulate K micro-batches] [--clip MAX_NORM]\n";
+                   "          [--hybrid-shard-size S] [--bf16] [--accumulate K micro-batches] [--clip MAX_NORM]\n"
+                   "          [--offload (CPU offload, fused CPU AdamW)] [--prefetch]\n";
       std::exit(0);
     } else throw std::invalid_argument("train_gpt: unknown argument " + k);
   }
@@ -91,20 +96,26 @@ int main(int argc, char** argv) {
                 " must be a multiple of --accumulate ", args.accumulate);
     auto options = shardtorch::ShardOptions()
                        .strategy(shardtorch::parse_strategy(args.strategy))
-                       .hybrid_shard_size(args.hybrid_shard_size);
+                       .hybrid_shard_size(args.hybrid_shard_size)
+                       .cpu_offload(args.offload)
+                       .prefetch(args.prefetch);
     if (args.bf16) {
       options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)
                                   .output_dtype(at::kFloat));
     }
     auto sharded = shardtorch::shard(model, world, options);
-    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(args.lr).weight_decay(0.01));
+    auto adamw = torch::optim::AdamWOptions(args.lr).weight_decay(0.01);
+    // Offloaded masters live in host memory: the fused CPU kernel steps them.
+    auto opt = args.offload ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
+                            : shardtorch::AdamW(*model, adamw);
 
     if (lead) {
       std::cout << "shardtorch demo: GPT with " << args.cfg.n_layer << " blocks, d_model " << args.cfg.d_model
                 << ", " << world->size() << " ranks (" << world->backend_name() << "), strategy "
                 << shardtorch::strategy_name(sharded.strategy()) << (args.bf16 ? ", bf16" : "") << ", batch "
                 << args.batch << " per rank in " << args.accumulate << " micro-batch(es)"
-                << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << std::endl;
+                << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << (args.offload ? ", CPU offload" : "")
+                << (args.prefetch ? ", prefetch" : "") << std::endl;
     }
     const int64_t dataset_size = 4096;
     std::vector<double> losses;
@@ -145,6 +156,11 @@ int main(int argc, char** argv) {
              << " | replicated_params " << shardtorch::format_bytes(m.cur(shardtorch::Mem::ReplicatedParams))
              << " | gradients " << shardtorch::format_bytes(m.cur(shardtorch::Mem::Gradients))
              << " | optimizer_state " << shardtorch::format_bytes(m.cur(shardtorch::Mem::OptimizerState))
+             << (args.offload ? " | host (params, grads, optimizer) " +
+                                    shardtorch::format_bytes(m.cur(shardtorch::Mem::HostParams) +
+                                                             m.cur(shardtorch::Mem::HostGradients) +
+                                                             m.cur(shardtorch::Mem::HostOptimizerState))
+                              : std::string())
              << " | peak gathered_params " << shardtorch::format_bytes(m.max(shardtorch::Mem::GatheredParams))
              << " (" << m.peak_gathered_units << " units)"
              << " | peak buckets " << shardtorch::format_bytes(m.max(shardtorch::Mem::Buckets))
