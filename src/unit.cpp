@@ -27,45 +27,32 @@ Unit::Unit(std::shared_ptr<ShardState> owner, std::string name, int index, bool 
       persistent_(persistent) {}
 
 void Unit::unshard_async() {
-  if (state_ != UnitState::Sharded || persistent_ || flats_.empty()) return;
+  if (state_ != UnitState::Sharded || persistent_) return;
   state_ = UnitState::Gathering;
-  for (auto& f : flats_) gather_inputs_.push_back(owner_->gather_input(*f));
+  for (auto& f : flats_) gather_inputs_.push_back(owner_->gather_input(*f));  // under offload, all copies first
   for (size_t i = 0; i < flats_.size(); ++i) {
     auto& f = flats_[i];
     f->alloc_full();
     gathers_.push_back(owner_->shard_comm().all_gather_async(
-        f->full(), gather_inputs_[i], "parameters of unit '" + label() + "' (" + f->describe() + "), prefetched"));
+        f->full(), gather_inputs_[i], "parameters of unit '" + label() + "' (" + f->describe() + ")"));
   }
-  owner_->mem().unit_gathered();
+  if (!flats_.empty()) owner_->mem().unit_gathered();
 }
 
 void Unit::unshard() {
   if (state_ == UnitState::Unsharded) return;
-  if (state_ == UnitState::Gathering && !gathers_.empty()) {  // prefetched: finish it
-    for (auto& g : gathers_) owner_->shard_comm().wait(g);
-    gathers_.clear();
-    gather_inputs_.clear();
-    state_ = UnitState::Unsharded;
-    return;
-  }
-  TORCH_CHECK(state_ == UnitState::Sharded, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
+  unshard_async();  // nothing if a prefetch launched it already
+  TORCH_CHECK(state_ == UnitState::Gathering, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
               "' asked to gather while ", state_name(state_));
-  state_ = UnitState::Gathering;
-  std::vector<at::Tensor> inputs;  // under offload, all host-to-device copies first
-  for (auto& f : flats_) inputs.push_back(owner_->gather_input(*f));
-  for (size_t i = 0; i < flats_.size(); ++i) {
-    auto& f = flats_[i];
-    f->alloc_full();
-    owner_->shard_comm().all_gather_into(f->full(), inputs[i], "parameters of unit '" + label() + "' (" + f->describe() + ")");
-    inputs[i] = at::Tensor();
-  }
+  for (auto& g : gathers_) owner_->shard_comm().wait(g);
+  gathers_.clear();
+  gather_inputs_.clear();
   state_ = UnitState::Unsharded;
-  if (!flats_.empty()) owner_->mem().unit_gathered();
 }
 
 void Unit::reshard() {
   if (state_ == UnitState::Sharded || persistent_) return;
-  if (!gathers_.empty()) unshard();  // never free memory a collective still writes
+  if (state_ == UnitState::Gathering) unshard();  // never free memory a collective still writes
   for (auto& f : flats_) f->free_full();
   state_ = UnitState::Sharded;
   if (!flats_.empty()) owner_->mem().unit_released();
