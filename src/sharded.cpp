@@ -51,9 +51,10 @@ int common_ancestor(const std::vector<FoundUnit>& units, int a, int b) {
 
 void walk(torch::nn::Module& m, const std::string& prefix, int current, std::vector<FoundUnit>& units,
           std::vector<FoundParam>& params, std::unordered_map<const void*, size_t>& seen,
-          std::vector<std::pair<std::string, at::Tensor>>& buffers, std::set<const void*>& seen_buffers) {
+          std::vector<std::pair<std::string, at::Tensor>>& buffers, std::set<const void*>& seen_buffers,
+          bool allow_sharded) {
   if (auto* b = dynamic_cast<UnitBase*>(&m)) {
-    TORCH_CHECK(!b->is_sharded_unit(), "shardtorch::shard: module '", prefix.empty() ? "<root>" : prefix,
+    TORCH_CHECK(allow_sharded || !b->is_sharded_unit(), "shardtorch::shard: module '", prefix.empty() ? "<root>" : prefix,
                 "' is already a unit of a sharded model; shard() was called twice on this model");
     units.push_back({prefix, b, current});
     current = static_cast<int>(units.size()) - 1;
@@ -75,8 +76,24 @@ void walk(torch::nn::Module& m, const std::string& prefix, int current, std::vec
     if (seen_buffers.insert(item.value().unsafeGetTensorImpl()).second) buffers.emplace_back(join(item.key()), item.value());
   }
   for (const auto& child : m.named_children()) {
-    walk(*child.value(), join(child.key()), current, units, params, seen, buffers, seen_buffers);
+    walk(*child.value(), join(child.key()), current, units, params, seen, buffers, seen_buffers, allow_sharded);
   }
+}
+
+// Units (pre-order), parameters (each distinct tensor once, given to its
+// innermost unit or the lowest common one) and buffers of a module tree.
+struct ModelWalk {
+  std::vector<FoundUnit> units;
+  std::vector<FoundParam> params;
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+};
+
+ModelWalk walk_model(torch::nn::Module& root, bool allow_sharded) {
+  ModelWalk w;
+  std::unordered_map<const void*, size_t> seen;
+  std::set<const void*> seen_buffers;
+  walk(root, "", -1, w.units, w.params, seen, w.buffers, seen_buffers, allow_sharded);
+  return w;
 }
 
 // A unit's parameters grouped by (dtype, requires_grad), in registration
@@ -195,12 +212,10 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   TORCH_CHECK(world, "shardtorch::shard: no world");
   TORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: this model is already sharded; shard() was called twice");
   const Strategy strategy = options.strategy();
-  std::vector<FoundUnit> units;
-  std::vector<FoundParam> params;
-  std::unordered_map<const void*, size_t> seen;
-  std::vector<std::pair<std::string, at::Tensor>> buffers;
-  std::set<const void*> seen_buffers;
-  walk(root, "", -1, units, params, seen, buffers, seen_buffers);
+  ModelWalk found = walk_model(root, /*allow_sharded=*/false);
+  auto& units = found.units;
+  auto& params = found.params;
+  auto& buffers = found.buffers;
 
   // Configuration errors, before any communication.
   int shard_size = world->size();
@@ -316,12 +331,10 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
 }
 
 std::vector<UnitSpec> unit_specs(torch::nn::Module& root) {
-  std::vector<FoundUnit> units;
-  std::vector<FoundParam> params;
-  std::unordered_map<const void*, size_t> seen;
-  std::vector<std::pair<std::string, at::Tensor>> buffers;
-  std::set<const void*> seen_buffers;
-  walk(root, "", -1, units, params, seen, buffers, seen_buffers);
+  // A sharded model plans too: its parameters keep their shapes.
+  ModelWalk found = walk_model(root, /*allow_sharded=*/true);
+  const auto& units = found.units;
+  const auto& params = found.params;
   std::vector<UnitSpec> out;
   auto spec = [&](const std::string& name, int unit) {
     UnitSpec s{name, {}};

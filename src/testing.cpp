@@ -55,6 +55,10 @@ namespace {
       wo.device(c10::Device(c10::kCPU)).backend("gloo");
     }
     auto world = World::create(store, rank, world_size, wo, rank);
+    // Every rank finishes connecting before any runs the body: a rank whose
+    // body ends at once (an expected error) would otherwise exit and close its
+    // sockets while a peer is still completing Gloo's connection mesh.
+    if (world_size > 1) world->barrier();
     body(*world);
   } catch (const std::exception& e) {
     code = 1;

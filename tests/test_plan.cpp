@@ -40,6 +40,15 @@ TEST(Plan, GptShapeArithmeticEqualsTheWalkOfAConstructedModel) {
     auto model = gpt::GPT(c);
     expect_same_specs(gpt::unit_specs(c), shardtorch::unit_specs(*model));
   }
+  auto r = run_ranks(2, [](World& w) {  // a sharded model plans the same as before
+    auto model = gpt::GPT(gpt::Config{});
+    auto before = shardtorch::unit_specs(*model);
+    shardtorch::shard(model, w);
+    auto after = shardtorch::unit_specs(*model);
+    require(after.size() == before.size() && after[1].flats[0].numel == before[1].flats[0].numel,
+            "unit_specs changed when the model was sharded");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
   auto mlp = MLP();
   auto specs = shardtorch::unit_specs(*mlp);
   ASSERT_EQ(specs.size(), 4u);  // the root (a unit without parameters), l1, l2, l3
