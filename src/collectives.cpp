@@ -45,11 +45,15 @@ void Comm::check_flat(const at::Tensor& out, const at::Tensor& in, const char* o
               ", out ", describe(out));
 }
 
-void Comm::all_gather_into(at::Tensor& out, at::Tensor& in, const std::string& what) {
+void Comm::check_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) const {
   TORCH_CHECK(out.numel() == in.numel() * size_, "shardtorch: rank ", rank_, ": all_gather for ", what,
               ": output ", describe(out), " is not ", size_, " x input ", describe(in));
-  std::string shapes = "in " + describe(in) + ", out " + describe(out);
   check_flat(out, in, "all_gather", what);
+}
+
+void Comm::all_gather_into(at::Tensor& out, at::Tensor& in, const std::string& what) {
+  check_gather(out, in, what);
+  std::string shapes = "in " + describe(in) + ", out " + describe(out);
   at::Tensor o = out.view({-1}), i = in.view({-1});
   run("all_gather", what, shapes, stats_.all_gather, in.nbytes() * (size_ - 1),
       [&] { return backend_->_allgather_base(o, i); });
@@ -77,25 +81,29 @@ void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what)
       [&] { return backend_->allreduce(ts, opts); });
 }
 
-PendingWork Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
-  TORCH_CHECK(out.numel() == in.numel() * size_, "shardtorch: rank ", rank_, ": all_gather for ", what,
-              ": output ", describe(out), " is not ", size_, " x input ", describe(in));
-  check_flat(out, in, "all_gather", what);
-  at::Tensor o = out.view({-1}), i = in.view({-1});
+PendingWork Comm::launch(const char* op, const std::string& what, std::string shapes, CollectiveCounter& counter,
+                         int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
   PendingWork p;
-  p.op = "all_gather";
+  p.op = op;
   p.what = what;
-  p.shapes = "in " + describe(in) + ", out " + describe(out);
-  p.counter = &stats_.all_gather;
-  p.bytes = in.nbytes() * (size_ - 1);
+  p.shapes = std::move(shapes);
+  p.counter = &counter;
+  p.bytes = bytes;
   p.start = std::chrono::steady_clock::now();
   try {
-    p.work = backend_->_allgather_base(o, i);
+    p.work = start();
   } catch (const std::exception& e) {
-    throw std::runtime_error("shardtorch: rank " + std::to_string(rank_) + "/" + std::to_string(size_) +
-                             ": all_gather for " + what + " (" + p.shapes + ") could not be launched: " + e.what());
+    throw std::runtime_error("shardtorch: rank " + std::to_string(rank_) + "/" + std::to_string(size_) + ": " + op +
+                             " for " + what + " (" + p.shapes + ") could not be launched: " + e.what());
   }
   return p;
+}
+
+PendingWork Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
+  check_gather(out, in, what);
+  at::Tensor o = out.view({-1}), i = in.view({-1});
+  return launch("all_gather", what, "in " + describe(in) + ", out " + describe(out), stats_.all_gather,
+                in.nbytes() * (size_ - 1), [&] { return backend_->_allgather_base(o, i); });
 }
 
 PendingWork Comm::all_reduce_async(at::Tensor& t, const std::string& what) {
@@ -103,20 +111,8 @@ PendingWork Comm::all_reduce_async(at::Tensor& t, const std::string& what) {
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
-  PendingWork p;
-  p.op = "all_reduce";
-  p.what = what;
-  p.shapes = describe(t);
-  p.counter = &stats_.all_reduce;
-  p.bytes = 2 * t.nbytes() * (size_ - 1) / std::max(size_, 1);
-  p.start = std::chrono::steady_clock::now();
-  try {
-    p.work = backend_->allreduce(ts, opts);
-  } catch (const std::exception& e) {
-    throw std::runtime_error("shardtorch: rank " + std::to_string(rank_) + "/" + std::to_string(size_) +
-                             ": all_reduce for " + what + " (" + p.shapes + ") could not be launched: " + e.what());
-  }
-  return p;
+  return launch("all_reduce", what, describe(t), stats_.all_reduce, 2 * t.nbytes() * (size_ - 1) / std::max(size_, 1),
+                [&] { return backend_->allreduce(ts, opts); });
 }
 
 void Comm::wait(PendingWork& p) {

@@ -15,7 +15,6 @@ Offloader::Offloader(c10::Device device, bool pin) : device_(device), pin_(pin) 
 
 at::Tensor Offloader::to_device(const at::Tensor& host, at::ScalarType dtype) {
   c10::NoGradGuard no_grad;
-  bytes_to_device_ += host.nbytes();
   // Allocated on the current stream, which is the one that goes on to use it.
   at::Tensor out = at::empty(host.sizes(), host.options().device(device_).dtype(dtype).pinned_memory(false));
   if (!accelerator()) {
@@ -45,7 +44,6 @@ at::Tensor Offloader::to_device(const at::Tensor& host, at::ScalarType dtype) {
 
 void Offloader::to_host(const at::Tensor& device_tensor, bool owned, std::function<void(const at::Tensor&)> done) {
   c10::NoGradGuard no_grad;
-  bytes_to_host_ += device_tensor.nbytes();
   Pending p;
   p.host = at::empty(device_tensor.sizes(), device_tensor.options().device(at::kCPU).pinned_memory(pin_));
   p.done = std::move(done);

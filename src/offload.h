@@ -60,8 +60,6 @@ class Offloader {
   int64_t in_flight_bytes() const { return in_flight_bytes_; }
   static constexpr int64_t kMaxInFlightBytes = int64_t{256} << 20;
 
-  int64_t bytes_to_device() const { return bytes_to_device_; }
-  int64_t bytes_to_host() const { return bytes_to_host_; }
 
  private:
   struct Pending {
@@ -77,7 +75,7 @@ class Offloader {
   bool pin_;
   std::optional<c10::Stream> side_;
   std::vector<Pending> pending_;
-  int64_t bytes_to_device_ = 0, bytes_to_host_ = 0, in_flight_bytes_ = 0;
+  int64_t in_flight_bytes_ = 0;
 };
 
 }  // namespace shardtorch::detail

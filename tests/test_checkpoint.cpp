@@ -234,20 +234,28 @@ void train_steps(World& w, gpt::GPT& model, shardtorch::ShardedOptimizer& opt, c
     opt.step();
   }
 }
+
+// FullShard at 4 ranks, Adam at `lr`, 3 steps from seed 0, then a sharded
+// checkpoint of step 3 in `ckpt`.
+shardtorch::testing::RunResult save_after_three_steps_at_four(const std::string& ckpt, double lr,
+                                                              const torch::Tensor& x) {
+  return run_ranks(4, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(lr));
+    train_steps(w, model, *opt, x, 3);
+    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 3);
+  });
+}
+
 }  // namespace
 
 TEST(ShardedCheckpoint, SavedAtFourLoadsBitwiseAtOneTwoThreeAndEight) {
   auto dir = temp_dir();
   const std::string ckpt = (dir / "step-3").string();
   auto x = gpt_tokens();
-  auto save = run_ranks(4, [&](World& w) {
-    torch::manual_seed(0);
-    auto model = gpt::GPT(gpt::Config{});
-    shardtorch::shard(model, w);
-    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-    train_steps(w, model, *opt, x, 3);
-    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 3);
-  });
+  auto save = save_after_three_steps_at_four(ckpt, 1e-2, x);
   ASSERT_TRUE(save.ok) << save.summary();
   auto saved = shardtorch::read_sharded_checkpoint(ckpt);
   ASSERT_TRUE(saved.count("tok_emb.weight|param") && saved.count("tok_emb.weight|exp_avg_sq")) << "kinds missing";
@@ -278,14 +286,7 @@ TEST(ShardedCheckpoint, ResumingAtAnotherWorldSizeContinuesTheReferenceTraining)
   auto ref = gpt::GPT(gpt::Config{});
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-3));
   auto want = train_in_one_process(*ref, ref_opt, 5, [&] { return gpt::lm_loss(ref(x), x); });
-  auto first = run_ranks(4, [&](World& w) {
-    torch::manual_seed(0);
-    auto model = gpt::GPT(gpt::Config{});
-    shardtorch::shard(model, w);
-    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
-    train_steps(w, model, *opt, x, 3);
-    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 3);
-  });
+  auto first = save_after_three_steps_at_four(ckpt, 1e-3, x);
   ASSERT_TRUE(first.ok) << first.summary();
   auto second = run_ranks(2, [&](World& w) {
     torch::manual_seed(7);

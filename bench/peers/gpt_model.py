@@ -93,3 +93,17 @@ def batch_tokens(step, rank, world, batch, seq, vocab):
 def count_params(model):
     """Parameters counted once each (model.parameters() skips the tied head)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def add_run_args(p):
+    """The options of one training run, the same names and defaults as
+    gpt_bench's: the model's shape, the batch, the steps and the learning rate."""
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=32)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8, help="rows per rank per step")
+    p.add_argument("--steps", type=int, default=30, help="measured steps")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--lr", type=float, default=3e-3)

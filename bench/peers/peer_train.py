@@ -21,21 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from gpt_model import GPT, batch_tokens, count_params, lm_loss  # noqa: E402
+from gpt_model import GPT, add_run_args, batch_tokens, count_params, lm_loss  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["ddp", "fsdp2"])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--batch", type=int, default=8, help="rows per rank per step")
-    p.add_argument("--steps", type=int, default=30, help="measured steps")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--lr", type=float, default=3e-3)
+    add_run_args(p)
     p.add_argument("--bf16", action="store_true",
                    help="FSDP2: MixedPrecisionPolicy(param and reduce bf16, output fp32); refused for DDP")
     p.add_argument("--init", metavar="FILE", help="initial weights (safetensors full state dict), loaded strictly")

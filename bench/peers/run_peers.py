@@ -27,6 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from gpt_model import add_run_args  # noqa: E402
+
 ORDER = ["no_shard", "ddp", "full_shard", "fsdp2"]  # one round
 PAIRS = [("full_shard", "fsdp2"), ("no_shard", "ddp"), ("fsdp2", "ddp"), ("full_shard", "no_shard")]
 SHARDED = {"full_shard", "fsdp2"}
@@ -41,15 +43,7 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="ranks per run")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--batch", type=int, default=8, help="rows per rank per step")
-    p.add_argument("--steps", type=int, default=30, help="measured steps")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--lr", type=float, default=3e-3)
+    add_run_args(p)
     p.add_argument("--bf16", action="store_true", help="bf16 compute/reduce (DDP is skipped: it has no such mode)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (OMP_NUM_THREADS for both sides)")
     p.add_argument("--python-only", action="store_true",

@@ -73,7 +73,11 @@ class Comm {
   void run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
            int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
            std::optional<std::chrono::steady_clock::time_point> started = std::nullopt);
+  /// Starts a collective for wait(); a failure to start names the operation.
+  PendingWork launch(const char* op, const std::string& what, std::string shapes, CollectiveCounter& counter,
+                     int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
   void check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const;
+  void check_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   int rank_, size_;
