@@ -130,7 +130,9 @@ int run(const Args& a) {
   auto opt = fused ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
                    : shardtorch::AdamW(*model, adamw);
 
-  std::vector<double> losses, step_ms;
+  // Phases are host times: exact on CPU; on an accelerator the forward and
+  // backward figures are mostly launch time (only the whole step is synced).
+  std::vector<double> losses, step_ms, forward_ms, backward_ms, optimizer_ms;
   int64_t sent = 0;  // by the library during the measured steps
   const int total = a.warmup + a.steps;
   for (int s = 0; s < total; ++s) {
@@ -138,15 +140,22 @@ int run(const Args& a) {
     at::Tensor tokens = batch_tokens(a, s, world->size(), world->rank()).to(world->device());
     world->barrier();  // ranks start the step together
     const int64_t bytes0 = sharded.comm_stats().total_bytes_sent();
-    auto t0 = std::chrono::steady_clock::now();
+    using clock = std::chrono::steady_clock;
+    auto since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
+    auto t0 = clock::now();
     opt->zero_grad();
     at::Tensor loss = gpt::lm_loss(model(tokens), tokens);
+    const double fwd = since(t0);
     loss.backward();
+    const double bwd = since(t0) - fwd;
     opt->step();
     if (!world->device().is_cpu()) torch::cuda::synchronize(world->device().index());  // the step, not its launch
-    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    double ms = since(t0);
     if (s >= a.warmup) {
       step_ms.push_back(ms);
+      forward_ms.push_back(fwd);
+      backward_ms.push_back(bwd);
+      optimizer_ms.push_back(ms - fwd - bwd);
       sent += sharded.comm_stats().total_bytes_sent() - bytes0;
     }
     at::Tensor mean = loss.detach().to(at::kDouble).reshape({1}).clone();
@@ -185,6 +194,10 @@ int run(const Args& a) {
       {"step_ms", json::value_from(step_ms)},
       {"p50_ms", percentile(step_ms, 0.5)},
       {"p95_ms", percentile(step_ms, 0.95)},
+      {"phase_p50_ms",
+       {{"forward", percentile(forward_ms, 0.5)},
+        {"backward", percentile(backward_ms, 0.5)},
+        {"optimizer", percentile(optimizer_ms, 0.5)}}},
       {"tokens_per_s", mean_ms > 0 ? world->size() * a.batch * a.cfg.seq_len / (mean_ms / 1e3) : 0.0},
       {"peak_rss_bytes", peak_rss_bytes()},
       {"baseline_rss_bytes", baseline_rss},
@@ -200,10 +213,11 @@ int run(const Args& a) {
     TORCH_CHECK(f.good(), "gpt_bench: rank ", world->rank(), " could not write ", path);
   }
   if (lead && !a.quiet) {
-    std::printf("gpt_bench: %s, %d ranks, %lld params: p50 %.1f ms, p95 %.1f ms, %.0f tokens/s, model state %s/rank, "
-                "peak RSS %s\n",
+    std::printf("gpt_bench: %s, %d ranks, %lld params: p50 %.1f ms (forward %.1f, backward %.1f, optimizer %.1f), "
+                "p95 %.1f ms, %.0f tokens/s, model state %s/rank, peak RSS %s\n",
                 shardtorch::strategy_name(sharded.strategy()), world->size(), static_cast<long long>(params),
-                percentile(step_ms, 0.5), percentile(step_ms, 0.95), r["tokens_per_s"].as_double(),
+                percentile(step_ms, 0.5), percentile(forward_ms, 0.5), percentile(backward_ms, 0.5),
+                percentile(optimizer_ms, 0.5), percentile(step_ms, 0.95), r["tokens_per_s"].as_double(),
                 shardtorch::format_bytes(model_state).c_str(), shardtorch::format_bytes(peak_rss_bytes()).c_str());
   }
   return 0;

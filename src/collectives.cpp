@@ -52,24 +52,13 @@ void Comm::check_gather(const at::Tensor& out, const at::Tensor& in, const std::
 }
 
 void Comm::all_gather_into(at::Tensor& out, at::Tensor& in, const std::string& what) {
-  check_gather(out, in, what);
-  std::string shapes = "in " + describe(in) + ", out " + describe(out);
-  at::Tensor o = out.view({-1}), i = in.view({-1});
-  run("all_gather", what, shapes, stats_.all_gather, in.nbytes() * (size_ - 1),
-      [&] { return backend_->_allgather_base(o, i); });
+  PendingWork p = all_gather_async(out, in, what);
+  wait(p);
 }
 
 void Comm::reduce_scatter_into(at::Tensor& out, at::Tensor& in, const std::string& what) {
-  TORCH_CHECK(in.numel() == out.numel() * size_, "shardtorch: rank ", rank_, ": reduce_scatter for ", what,
-              ": input ", describe(in), " is not ", size_, " x output ", describe(out));
-  std::string shapes = "in " + describe(in) + ", out " + describe(out);
-  check_flat(out, in, "reduce_scatter", what);
-  at::Tensor o = out.view({-1}), i = in.view({-1});
-  c10d::ReduceScatterOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  opts.timeout = timeout_;
-  run("reduce_scatter", what, shapes, stats_.reduce_scatter, out.nbytes() * (size_ - 1),
-      [&] { return backend_->_reduce_scatter_base(o, i, opts); });
+  PendingWork p = reduce_scatter_async(out, in, what);
+  wait(p);
 }
 
 void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
@@ -104,6 +93,18 @@ PendingWork Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::s
   at::Tensor o = out.view({-1}), i = in.view({-1});
   return launch("all_gather", what, "in " + describe(in) + ", out " + describe(out), stats_.all_gather,
                 in.nbytes() * (size_ - 1), [&] { return backend_->_allgather_base(o, i); });
+}
+
+PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
+  TORCH_CHECK(in.numel() == out.numel() * size_, "shardtorch: rank ", rank_, ": reduce_scatter for ", what,
+              ": input ", describe(in), " is not ", size_, " x output ", describe(out));
+  check_flat(out, in, "reduce_scatter", what);
+  at::Tensor o = out.view({-1}), i = in.view({-1});
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.timeout = timeout_;
+  return launch("reduce_scatter", what, "in " + describe(in) + ", out " + describe(out), stats_.reduce_scatter,
+                out.nbytes() * (size_ - 1), [&] { return backend_->_reduce_scatter_base(o, i, opts); });
 }
 
 PendingWork Comm::all_reduce_async(at::Tensor& t, const std::string& what) {

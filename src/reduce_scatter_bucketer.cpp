@@ -4,20 +4,22 @@
 
 namespace shardtorch {
 
-ReduceScatterBucketer::ReduceScatterBucketer(double bucket_mb, MemoryTracker* mem)
-    : bucket_bytes_(static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0)), mem_(mem) {
+ReduceScatterBucketer::ReduceScatterBucketer(double bucket_mb, MemoryTracker* mem, int max_in_flight)
+    : bucket_bytes_(static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0)), mem_(mem), max_in_flight_(max_in_flight) {
   TORCH_CHECK(bucket_mb >= 0, "ReduceScatterBucketer: bucket_mb ", bucket_mb, " must not be negative");
+  TORCH_CHECK(max_in_flight >= 1, "ReduceScatterBucketer: max_in_flight ", max_in_flight, " must be at least 1");
 }
 
 ReduceScatterBucketer::~ReduceScatterBucketer() {
-  for (auto& [k, b] : buckets_) release(b);
+  try {
+    discard();
+  } catch (...) {  // a destructor must not throw; discard() already ignores collective errors
+  }
 }
 
-void ReduceScatterBucketer::release(Bucket& b) {
-  if (!b.buffer.defined()) return;
-  if (mem_) mem_->sub(Mem::Buckets, b.buffer.nbytes() + b.output.nbytes());
-  b.buffer = at::Tensor();
-  b.output = at::Tensor();
+void ReduceScatterBucketer::track(int64_t bytes) {
+  if (mem_ && bytes > 0) mem_->add(Mem::Buckets, bytes);
+  if (mem_ && bytes < 0) mem_->sub(Mem::Buckets, -bytes);
 }
 
 void ReduceScatterBucketer::reserve(Bucket& b, int64_t cols, const at::TensorOptions& opts) {
@@ -27,10 +29,10 @@ void ReduceScatterBucketer::reserve(Bucket& b, int64_t cols, const at::TensorOpt
   at::Tensor buffer = at::empty({b.group->size(), want}, opts);
   at::Tensor output = at::empty({want}, opts);
   if (b.offset > 0) buffer.narrow(1, 0, b.offset).copy_(b.buffer.narrow(1, 0, b.offset));
-  release(b);
+  if (b.buffer.defined()) track(-(b.buffer.nbytes() + b.output.nbytes()));
   b.buffer = std::move(buffer);
   b.output = std::move(output);
-  if (mem_) mem_->add(Mem::Buckets, b.buffer.nbytes() + b.output.nbytes());
+  track(b.buffer.nbytes() + b.output.nbytes());
 }
 
 ReduceScatterBucketer::Bucket& ReduceScatterBucketer::bucket_for(const at::Tensor& input, Comm& group) {
@@ -52,50 +54,124 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
   c10::NoGradGuard no_grad;
   const int64_t shard = input.numel() / world;
   Bucket& b = bucket_for(input, group);
-  if (shard > b.cap) {  // too big to coalesce: flush what is queued (order), then go alone
-    flush_bucket(b);
+  if (shard > b.cap) {  // too big to coalesce: launch what is queued (order), then this one alone
+    launch_bucket(b);
+    make_room();
     at::Tensor in = input.contiguous();
     at::Tensor out = at::empty({shard}, input.options());
-    group.reduce_scatter_into(out, in, what);
-    ++launched_;
-    callback(out);
+    Pieces pieces;
+    pieces.push_back({{0, shard}, std::move(callback)});
+    track(in.nbytes() + out.nbytes());
+    launch(group, in, out, in.nbytes() + out.nbytes(), std::move(pieces), what);
     return;
   }
-  if (b.offset + shard > b.cap) flush_bucket(b);
+  if (b.offset + shard > b.cap) launch_bucket(b);
   reserve(b, b.offset + shard, input.options());
   b.buffer.narrow(1, b.offset, shard).copy_(input.view({world, shard}));
-  b.callbacks.push_back({{b.offset, shard}, std::move(callback)});
+  b.pieces.push_back({{b.offset, shard}, std::move(callback)});
   b.whats.push_back(what);
   b.offset += shard;
+  if (b.cap - b.offset < shard) launch_bucket(b);  // another input like this one would not fit  // another input like this one would not fit
 }
 
-void ReduceScatterBucketer::flush_bucket(Bucket& b) {
+void ReduceScatterBucketer::make_room() {
+  while (static_cast<int>(in_flight_.size()) >= max_in_flight_) complete_oldest();
+}
+
+void ReduceScatterBucketer::launch_bucket(Bucket& b) {
   if (b.offset == 0) return;
-  c10::NoGradGuard no_grad;
+  make_room();  // before the compact copy below is allocated
   b.high_water = std::max(b.high_water, b.offset);
-  at::Tensor in = b.offset == b.buffer.size(1) ? b.buffer.view({-1}) : b.buffer.narrow(1, 0, b.offset).contiguous();
-  at::Tensor out = b.output.narrow(0, 0, b.offset);
   std::string what = b.whats.size() == 1 ? b.whats[0] : "bucket of " + std::to_string(b.whats.size()) + " (" +
                                                             b.whats.front() + " .. " + b.whats.back() + ")";
-  b.group->reduce_scatter_into(out, in, what);
-  ++launched_;
-  auto callbacks = std::move(b.callbacks);
-  b.callbacks.clear();
+  at::Tensor in, out;
+  int64_t bytes = 0;
+  if (b.offset == b.buffer.size(1)) {  // full: the buffers go with the collective (already tracked)
+    in = b.buffer.view({-1});
+    out = b.output;
+    bytes = b.buffer.nbytes() + b.output.nbytes();
+    b.buffer = at::Tensor();
+    b.output = at::Tensor();
+  } else {  // partly filled: launch a compact copy, keep the buffers for the next fill
+    in = b.buffer.narrow(1, 0, b.offset).contiguous();
+    out = at::empty({b.offset}, b.output.options());
+    bytes = in.nbytes() + out.nbytes();
+    track(bytes);
+  }
+  Pieces pieces = std::move(b.pieces);
+  b.pieces.clear();
   b.whats.clear();
   b.offset = 0;
-  for (auto& [range, cb] : callbacks) cb(out.narrow(0, range.first, range.second));
+  launch(*b.group, std::move(in), std::move(out), bytes, std::move(pieces), what);
+}
+
+void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
+                                   const std::string& what) {
+  // `bytes` (input and output) are tracked already; from here they belong to
+  // the launch. The caller made room under max_in_flight.
+  Launched l;
+  l.group = &group;
+  l.input = std::move(input);
+  l.output = std::move(output);
+  l.bytes = bytes;
+  l.pieces = std::move(pieces);
+  try {
+    l.work = group.reduce_scatter_async(l.output, l.input, what);
+  } catch (...) {
+    track(-bytes);
+    throw;
+  }
+  ++launched_;
+  in_flight_.push_back(std::move(l));
+}
+
+void ReduceScatterBucketer::complete_oldest() {
+  Launched l = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  try {
+    l.group->wait(l.work);
+    for (auto& [range, cb] : l.pieces) cb(l.output.narrow(0, range.first, range.second));
+  } catch (...) {
+    track(-l.bytes);
+    throw;
+  }
+  track(-l.bytes);
 }
 
 void ReduceScatterBucketer::flush() {
-  for (auto& [k, b] : buckets_) flush_bucket(b);
+  c10::NoGradGuard no_grad;
+  for (auto& [k, b] : buckets_) launch_bucket(b);
+  while (!in_flight_.empty()) complete_oldest();
 }
 
 void ReduceScatterBucketer::free() {
+  TORCH_CHECK(in_flight_.empty(), "ReduceScatterBucketer::free() with ", in_flight_.size(),
+              " reduce-scatters in flight; call flush() first");
   for (auto& [k, b] : buckets_) {
-    TORCH_CHECK(b.offset == 0, "ReduceScatterBucketer::free() with ", b.callbacks.size(),
+    TORCH_CHECK(b.offset == 0, "ReduceScatterBucketer::free() with ", b.pieces.size(),
                 " reductions still queued; call flush() first");
-    release(b);
+    if (b.buffer.defined()) track(-(b.buffer.nbytes() + b.output.nbytes()));
+    b.buffer = at::Tensor();
+    b.output = at::Tensor();
   }
+}
+
+void ReduceScatterBucketer::discard() {
+  while (!in_flight_.empty()) {
+    Launched l = std::move(in_flight_.front());
+    in_flight_.pop_front();
+    try {
+      l.group->wait(l.work);  // its buffers must outlive the collective
+    } catch (...) {
+    }
+    track(-l.bytes);
+  }
+  for (auto& [k, b] : buckets_) {
+    b.pieces.clear();
+    b.whats.clear();
+    b.offset = 0;
+  }
+  free();
 }
 
 int64_t ReduceScatterBucketer::allocated_bytes() const {
@@ -103,6 +179,7 @@ int64_t ReduceScatterBucketer::allocated_bytes() const {
   for (const auto& [k, b] : buckets_) {
     if (b.buffer.defined()) n += b.buffer.nbytes() + b.output.nbytes();
   }
+  for (const auto& l : in_flight_) n += l.bytes;
   return n;
 }
 

@@ -49,6 +49,7 @@ void ShardState::finish_backward() {
     bucketer_.free();
     if (offloader_) offloader_->drain();  // the gradient shards reach host memory
   } catch (...) {
+    bucketer_.discard();  // nothing in flight or queued survives into the next backward
     if (offloader_) offloader_->discard();  // no stale gradient may reach the next step
     throw;
   }

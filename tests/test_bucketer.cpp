@@ -61,27 +61,68 @@ TEST_P(BucketerTest, CoalescesSmallInputsIntoOneCollectiveInOrder) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
-TEST_P(BucketerTest, FlushesWhenFullAndBypassesLargeInputs) {
+TEST_P(BucketerTest, LaunchesFullBucketsAsynchronouslyAndBypassesLargeInputs) {
   auto r = run_ranks(GetParam(), [](World& w) {
     const int W = w.size();
+    shardtorch::MemoryTracker mem;
     // cap = 64 bytes / (4 bytes * W) elements per rank column range.
-    ReduceScatterBucketer b(64.0 / (1024 * 1024));
+    ReduceScatterBucketer b(64.0 / (1024 * 1024), &mem, /*max_in_flight=*/2);
     const int64_t cap = 64 / (4 * W);
+    auto tracked = [&] { return mem.snapshot().cur(shardtorch::Mem::Buckets); };
     std::vector<int> order;
-    at::Tensor big_result;
-    b.reduce_scatter(input_for(w.rank(), (cap - 1) * W, 1.0), w.comm(), [&](const at::Tensor&) { order.push_back(0); }, "a");
-    check(b.launched() == 0, "first input fits");
-    b.reduce_scatter(input_for(w.rank(), 2 * W, 2.0), w.comm(), [&](const at::Tensor&) { order.push_back(1); }, "b");
-    check(b.launched() == 1 && order == std::vector<int>({0}), "second input should flush the first");
-    b.reduce_scatter(input_for(w.rank(), (cap + 3) * W, 3.0), w.comm(), [&](const at::Tensor& s) {
-      order.push_back(2);
-      big_result = s.clone();
-    }, "big");
-    check(b.launched() == 3, "an oversized input flushes the queue and goes alone, got " + std::to_string(b.launched()));
-    check(order == std::vector<int>({0, 1, 2}), "order broken by the bypass");
-    check(at::equal(big_result, expected_shard(w, (cap + 3) * W, 3.0)), "wrong bypass reduction");
+    std::vector<at::Tensor> got(3);
+    auto keep = [&](int i) {
+      return [&, i](const at::Tensor& s) {
+        order.push_back(i);
+        got[i] = s.clone();
+      };
+    };
+    const int64_t sizes[3] = {(cap - 1) * W, 2L * W, (cap + 3) * W};
+    // a fills the bucket so far that another input like it would not fit: it
+    // is launched at once, and its callback waits for the collective.
+    b.reduce_scatter(input_for(w.rank(), sizes[0], 1.0), w.comm(), keep(0), "a");
+    check(b.launched() == 1 && b.in_flight() == 1, "a nearly full bucket should be launched at once");
+    check(order.empty(), "a callback ran before anything waited for its collective");
+    check(tracked() == b.allocated_bytes() && tracked() > 0, "tracker disagrees with the buffer in flight");
+    // b is small: it waits in the bucket.
+    b.reduce_scatter(input_for(w.rank(), sizes[1], 2.0), w.comm(), keep(1), "b");
+    check(b.launched() == 1, "a small input should wait in its bucket");
+    // big exceeds the capacity: b's bucket goes first, then big alone; with
+    // two in flight already, launching big first completes a.
+    b.reduce_scatter(input_for(w.rank(), sizes[2], 3.0), w.comm(), keep(2), "big");
+    check(b.launched() == 3, "an oversized input launches the queue and goes alone, got " +
+                                 std::to_string(b.launched()));
+    check(b.in_flight() == 2 && order == std::vector<int>({0}), "max_in_flight should have completed a, and only a");
+    check(tracked() == b.allocated_bytes(), "tracker disagrees with the buffers in flight");
     b.flush();
-    check(b.launched() == 3, "nothing left to flush");
+    check(b.launched() == 3 && b.in_flight() == 0, "flush should wait for everything and launch nothing new");
+    check(order == std::vector<int>({0, 1, 2}), "callbacks out of submission order");
+    for (int i = 0; i < 3; ++i)
+      check(at::equal(got[i], expected_shard(w, sizes[i], 1.0 + i)), "wrong reduction of input " + std::to_string(i));
+    b.free();
+    check(tracked() == 0 && b.allocated_bytes() == 0, "buffers left after flush and free");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST_P(BucketerTest, DiscardWaitsDropsCallbacksAndFreesEverything) {
+  auto r = run_ranks(GetParam(), [](World& w) {
+    shardtorch::MemoryTracker mem;
+    ReduceScatterBucketer b(0.0, &mem, /*max_in_flight=*/4);  // every input goes alone
+    int calls = 0;
+    for (int i = 0; i < 3; ++i)
+      b.reduce_scatter(input_for(w.rank(), 4 * w.size(), i), w.comm(), [&](const at::Tensor&) { ++calls; }, "x");
+    check(b.in_flight() == 3 && calls == 0, "three collectives should be in flight, none completed");
+    b.discard();
+    check(calls == 0, "discard ran a callback");
+    check(b.in_flight() == 0 && b.allocated_bytes() == 0, "discard left work or buffers");
+    check(mem.snapshot().cur(shardtorch::Mem::Buckets) == 0, "tracker should show 0 bucket bytes after discard");
+    // Usable again, with correct results.
+    at::Tensor got;
+    b.reduce_scatter(input_for(w.rank(), 4 * w.size(), 7.0), w.comm(), [&](const at::Tensor& s) { got = s.clone(); },
+                     "after");
+    b.flush();
+    check(at::equal(got, expected_shard(w, 4 * w.size(), 7.0)), "reduction after discard wrong");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -116,8 +157,10 @@ TEST_P(BucketerTest, ZeroBucketSizeDisablesCoalescing) {
     int calls = 0;
     for (int i = 0; i < 3; ++i)
       b.reduce_scatter(input_for(w.rank(), w.size(), i), w.comm(), [&](const at::Tensor&) { ++calls; }, "x");
-    check(b.launched() == 3 && calls == 3, "every input should go out at once");
-    check(b.allocated_bytes() == 0, "no buffers without coalescing");
+    check(b.launched() == 3, "every input should go out at once");
+    check(calls == 1, "with two in flight, the third launch should complete the first");
+    b.flush();
+    check(calls == 3 && b.allocated_bytes() == 0, "flush should complete all, and nothing stays allocated");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

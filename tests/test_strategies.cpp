@@ -132,3 +132,42 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
              std::to_string(std::get<1>(info.param));
     });
+
+// Buckets small enough that every block's gradients launch their own
+// reduce-scatter during backward, several in flight while backward goes on
+// (and accumulation and clipping on top): training still matches.
+class SmallBucketParity : public ::testing::TestWithParam<std::tuple<Strategy, int>> {};
+
+TEST_P(SmallBucketParity, ReduceScattersInFlightDuringBackwardMatchSingleProcess) {
+  auto [strategy, world] = GetParam();
+  auto x = gpt_tokens();
+  Recipe recipe;
+  recipe.micro = world == 4 ? 3 : 2;
+  recipe.clip = 0.5;
+  auto want = train_reference(recipe, x);
+  auto r = run_ranks(world, [&](World& w) {
+    auto opts = strategy_options(strategy, world).bucket_mb(0.06);  // about one block's gradient shard
+    {
+      torch::manual_seed(0);
+      auto probe = gpt::GPT(gpt::Config{});
+      auto sm = shardtorch::shard(probe, w, opts);
+      gpt::lm_loss(probe(x.narrow(0, 0, 2)), x.narrow(0, 0, 2)).backward();
+      const int64_t calls = sm.comm_stats().reduce_scatter.calls;
+      require(calls >= 3, "expected a reduce-scatter per unit (two blocks and the root) with 0.06 MiB buckets, got " +
+                              std::to_string(calls));
+    }
+    compare(train_sharded(w, recipe, x, opts), want,
+            std::string(shardtorch::strategy_name(strategy)) + " with small buckets");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, SmallBucketParity,
+                         ::testing::Values(std::make_tuple(Strategy::FullShard, 2),
+                                           std::make_tuple(Strategy::FullShard, 3),
+                                           std::make_tuple(Strategy::ShardGradOp, 2),
+                                           std::make_tuple(Strategy::HybridShard, 4)),
+                         [](const ::testing::TestParamInfo<SmallBucketParity::ParamType>& info) {
+                           return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
+                                  std::to_string(std::get<1>(info.param));
+                         });

@@ -191,18 +191,23 @@ def train(a):
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=0.01, foreach=False)
 
-    losses, step_ms = [], []
+    losses, step_ms, phases = [], [], {"forward": [], "backward": [], "optimizer": []}
     for s in range(a.warmup + a.steps):
         tokens = batch_tokens(s, rank, world, a.batch, a.seq, a.vocab)
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = lm_loss(model(tokens), tokens)
+        t_fwd = time.perf_counter()
         loss.backward()
+        t_bwd = time.perf_counter()
         opt.step()
         t1 = time.perf_counter()
         if s >= a.warmup:
             step_ms.append((t1 - t0) * 1e3)
+            phases["forward"].append((t_fwd - t0) * 1e3)
+            phases["backward"].append((t_bwd - t_fwd) * 1e3)
+            phases["optimizer"].append((t1 - t_bwd) * 1e3)
         mean = loss.detach().float().reshape(1).clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
@@ -224,6 +229,7 @@ def train(a):
         "step_ms": step_ms,
         "p50_ms": percentile(step_ms, 50),
         "p95_ms": percentile(step_ms, 95),
+        "phase_p50_ms": {k: percentile(v, 50) for k, v in phases.items()},
         "tokens_per_s": world * a.batch * a.seq / mean_s,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "model_state_bytes": state_bytes,

@@ -58,6 +58,9 @@ class Comm {
   /// all_gather_into, launched and returned at once; wait() finishes it. `out`
   /// and `in` must stay alive (and unwritten) until then.
   PendingWork all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what);
+  /// reduce_scatter_into, launched and returned at once; wait() finishes it.
+  /// `out` and `in` must stay alive (and `in` unwritten) until then.
+  PendingWork reduce_scatter_async(at::Tensor& out, at::Tensor& in, const std::string& what);
   /// Launches a summing all-reduce and returns at once; wait() finishes it.
   PendingWork all_reduce_async(at::Tensor& t, const std::string& what);
   /// Waits (with the timeout) for a launched collective.

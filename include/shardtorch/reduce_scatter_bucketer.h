@@ -1,20 +1,39 @@
 #pragma once
-// ReduceScatterBucketer: coalesces small gradient reduce-scatters.
+// ReduceScatterBucketer: coalesces small gradient reduce-scatters and runs
+// them asynchronously, so that they overlap the rest of backward.
 //
 // Inputs are flat tensors of world × shard elements (chunk r goes to rank r).
 // Per key (dtype, device, process group) one bucket holds a [world, cols]
-// buffer; an input is copied into the next free column range, and when it does
-// not fit within the bucket's capacity (bucket_mb) the bucket is flushed first
-// (one reduce-scatter for everything in it). An input whose shard exceeds the
-// capacity goes out on its own. Buffers are allocated on first use, grow (by
-// doubling, up to the capacity) only as far as the inputs need, start at the
-// previous backward's high-water mark, and are freed by free(), which the
-// sharded module calls at the end of each backward: buckets exist only during
-// backward and never hold more than the gradients need. Callbacks receive
-// views of the reduced shard, in submission order per key, when their bucket
-// is flushed.
+// buffer being filled; an input is copied into the next free column range.
+//
+//   Filling ──launch──▶ InFlight ──wait──▶ Done (callbacks run, buffers freed)
+//
+// - A bucket is launched (one asynchronous reduce-scatter for everything in
+//   it) when the next input would not fit within its capacity (bucket_mb), or
+//   at once when the input just added would not fit a second time: blocks of
+//   a model are mostly the same size, so waiting for the next one would only
+//   delay the launch by a unit's backward.
+// - An input whose shard exceeds the capacity is launched on its own (after
+//   the queued bucket, to keep the order).
+// - Launched buckets are waited for in launch order; their callbacks run
+//   then, in submission order. At most `max_in_flight` collectives are in
+//   flight: launching one more first waits for the oldest. flush() launches
+//   every partly filled bucket and waits for everything.
+// - Buffers are allocated when filling starts, sized from the previous
+//   backward's high-water mark and grown (by doubling, up to the capacity)
+//   only as far as the inputs need. A full bucket's buffers go with its
+//   collective and are freed when it completes; a partly filled bucket is
+//   launched from a compact copy and keeps its buffers for the next fill.
+//   free(), called at the end of each backward, releases the rest: buckets
+//   exist only during backward. Alive at once: one filling buffer per key
+//   and at most max_in_flight launched ones.
+// - discard() (a failed backward) waits for what is in flight, ignoring
+//   errors, drops the callbacks and frees everything.
+//
+// Callbacks receive views of the reduced shard valid only during the call.
 #include <ATen/ATen.h>
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <string>
@@ -26,50 +45,81 @@
 
 namespace shardtorch {
 
+/// Reduce-scatters a sharded model's bucketer keeps in flight during backward.
+constexpr int kMaxReduceScattersInFlight = 2;
+
 class ReduceScatterBucketer {
  public:
   using Callback = std::function<void(const at::Tensor& reduced_shard)>;
 
   /// bucket_mb: size of one bucket's [world, cap] input buffer in MiB; 0
   /// disables coalescing (every input is reduced on its own).
-  explicit ReduceScatterBucketer(double bucket_mb = 25.0, MemoryTracker* mem = nullptr);
+  /// max_in_flight: collectives launched and not yet waited for (>= 1).
+  explicit ReduceScatterBucketer(double bucket_mb = 25.0, MemoryTracker* mem = nullptr,
+                                 int max_in_flight = kMaxReduceScattersInFlight);
   ~ReduceScatterBucketer();
 
   /// Queues `input` (1-D, numel divisible by the group size) for a summing
   /// reduce-scatter over `group`; `callback` gets this rank's reduced shard.
+  /// `input` is copied into a bucket, or, when too big for one, kept and
+  /// reduced as it is: the caller must not write it afterwards.
   void reduce_scatter(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
-  /// Reduces everything queued, then runs the callbacks.
+  /// Launches everything queued, waits for every collective in flight and
+  /// runs the callbacks.
   void flush();
   /// Frees every bucket's buffers (call after flush()).
   void free();
+  /// After an error: waits for the collectives in flight (errors ignored),
+  /// drops everything queued without running callbacks, frees the buffers.
+  void discard();
 
-  /// Bytes held by bucket buffers now.
+  /// Bytes held by bucket buffers now (filling and in flight).
   int64_t allocated_bytes() const;
   /// Collectives launched so far (coalesced buckets and bypasses).
   int64_t launched() const { return launched_; }
+  /// Collectives launched and not yet waited for.
+  int64_t in_flight() const { return static_cast<int64_t>(in_flight_.size()); }
 
  private:
+  using Pieces = std::vector<std::pair<std::pair<int64_t, int64_t>, Callback>>;  // (start, len) in the output
   struct Bucket {
     Comm* group = nullptr;
-    at::Tensor buffer;  // [world, cols]; undefined between backwards
+    at::Tensor buffer;  // [world, cols]; undefined when not filling
     at::Tensor output;  // [cols]
     int64_t cap = 0;         // most columns allowed (bucket_mb)
-    int64_t high_water = 0;  // most columns used at a flush so far
+    int64_t high_water = 0;  // most columns used at a launch so far
     int64_t offset = 0;      // columns used
-    std::vector<std::pair<std::pair<int64_t, int64_t>, Callback>> callbacks;  // (start, len)
+    Pieces pieces;
     std::vector<std::string> whats;
+  };
+  struct Launched {
+    Comm* group = nullptr;
+    PendingWork work;
+    at::Tensor input, output;  // alive until the collective is done
+    int64_t bytes = 0;         // tracked under Mem::Buckets
+    Pieces pieces;
   };
   using Key = std::tuple<int /*dtype*/, std::string /*device*/, const void* /*group*/>;
 
   Bucket& bucket_for(const at::Tensor& input, Comm& group);
   /// Makes room for `cols` columns (<= cap), keeping the columns in use.
   void reserve(Bucket& b, int64_t cols, const at::TensorOptions& opts);
-  void release(Bucket& b);
-  void flush_bucket(Bucket& b);
+  void track(int64_t bytes);
+  /// Launches the bucket's queued columns.
+  void launch_bucket(Bucket& b);
+  /// Waits for the oldest launches until fewer than max_in_flight remain.
+  void make_room();
+  /// Launches one reduce-scatter of `input` into `output` (call make_room() first).
+  void launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
+              const std::string& what);
+  /// Waits for the oldest launch and runs its callbacks.
+  void complete_oldest();
 
   int64_t bucket_bytes_;
   MemoryTracker* mem_;
+  int max_in_flight_;
   std::map<Key, Bucket> buckets_;
+  std::deque<Launched> in_flight_;
   int64_t launched_ = 0;
 };
 
