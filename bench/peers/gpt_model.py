@@ -107,3 +107,6 @@ def add_run_args(p):
     p.add_argument("--steps", type=int, default=30, help="measured steps")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--fused-adam", action="store_true",
+                   help="fused AdamW on both sides: shardtorch::FusedAdamW / torch.optim.AdamW(fused=True); "
+                        "default: shardtorch::AdamW (torch::optim) / torch.optim.AdamW() (a per-tensor loop on CPU)")

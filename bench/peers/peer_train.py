@@ -188,8 +188,10 @@ def train(a):
         load_init(model, a.init)
     n_params = count_params(model)
     model = wrap(model, a, world)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=0.01, foreach=False)
+    # Without --fused-adam: PyTorch's default on CPU (foreach and fused are
+    # off there), spelled out so a future default cannot change the run.
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                            foreach=False, fused=a.fused_adam)
 
     losses, step_ms, phases = [], [], {"forward": [], "backward": [], "optimizer": []}
     for s in range(a.warmup + a.steps):
@@ -240,6 +242,7 @@ def train(a):
         "baseline_rss_bytes": baseline_rss,
         "comm_buffer_bytes": comm_buffer_bytes(model, a.mode),
         "threads": a.threads,
+        "fused_adam": a.fused_adam,
         "torch": torch.__version__,
     }
     if a.report:

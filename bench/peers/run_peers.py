@@ -32,6 +32,7 @@ from gpt_model import add_run_args  # noqa: E402
 ORDER = ["no_shard", "ddp", "full_shard", "fsdp2"]  # one round
 PAIRS = [("full_shard", "fsdp2"), ("no_shard", "ddp"), ("fsdp2", "ddp"), ("full_shard", "no_shard")]
 SHARDED = {"full_shard", "fsdp2"}
+PHASES = ("forward", "backward", "optimizer")
 
 
 def die(msg):
@@ -74,7 +75,7 @@ def model_flags(a):
 def train_flags(a):
     f = model_flags(a) + ["--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
                           "--lr", repr(a.lr)]
-    return f + (["--bf16"] if a.bf16 else [])
+    return f + (["--bf16"] if a.bf16 else []) + (["--fused-adam"] if a.fused_adam else [])
 
 
 def run(cmd, log_path, a, env):
@@ -122,6 +123,9 @@ def load_reports(prefix, a, impl):
                 "n_layer": a.layers, "batch": a.batch, "dtype": "bfloat16" if a.bf16 else "float32"}
         got = rep.get("config", {})
         bad = {k: (got[k], v) for k, v in want.items() if k in got and got[k] != v}
+        fused = got.get("fused_adam", rep.get("fused_adam"))
+        if fused is not None and fused != a.fused_adam:
+            bad["fused_adam"] = (fused, a.fused_adam)
         if bad or len(rep.get("losses", [])) != a.warmup + a.steps or len(rep.get("step_ms", [])) != a.steps:
             die(f"run_peers: {path} does not match the requested run: config (got, wanted) {bad}, "
                      f"{len(rep.get('losses', []))} losses, {len(rep.get('step_ms', []))} step times")
@@ -143,6 +147,10 @@ def round_figures(reps):
                                      if all("baseline_rss_bytes" in r for r in reps) else None),
         "model_state_bytes": mx("model_state_bytes"),
         "comm_buffer_bytes": mx("comm_buffer_bytes"),
+        # the slowest rank's p50 of each phase (forward, backward with its
+        # communication, optimizer step)
+        **{f"{k}_ms": max(r["phase_p50_ms"][k] for r in reps) if all("phase_p50_ms" in r for r in reps) else None
+           for k in PHASES},
         "params": reps[0]["params"],
         "losses": reps[0]["losses"],
         "loss_rank_spread": max(abs(x - y) for r in reps for x, y in zip(r["losses"], reps[0]["losses"])),
@@ -235,21 +243,21 @@ def main():
     summary = {"config": {"nproc": a.nproc, "rounds": a.rounds, "layers": a.layers, "d_model": a.d_model,
                           "heads": a.heads, "vocab": a.vocab, "seq": a.seq, "batch": a.batch, "steps": a.steps,
                           "warmup": a.warmup, "lr": a.lr, "dtype": "bfloat16" if a.bf16 else "float32",
-                          "threads": a.threads, "python_only": a.python_only},
+                          "threads": a.threads, "python_only": a.python_only, "fused_adam": a.fused_adam},
                "zero_formula": formulas, "impls": {}, "ratios": {}, "checks": []}
     med = {}
     for impl in impls:
         rounds = per_impl[impl]
         med[impl] = {key: median_of(rounds, key) for key in
                      ("p50_ms", "p95_ms", "tokens_per_s", "peak_rss_bytes", "rss_above_baseline_bytes",
-                      "model_state_bytes", "comm_buffer_bytes")}
+                      "model_state_bytes", "comm_buffer_bytes") + tuple(f"{k}_ms" for k in PHASES)}
         summary["impls"][impl] = {"median": med[impl], "rounds": rounds}
 
     N = a.nproc
     print()
     print(f"GPT layers={a.layers} d_model={a.d_model} heads={a.heads} vocab={a.vocab} seq={a.seq} "
           f"batch/rank={a.batch} | {N} ranks, {a.threads} thread(s) each, Gloo, "
-          f"{'bf16' if a.bf16 else 'fp32'} | {a.steps} measured steps after {a.warmup} warm-up | "
+          f"{'bf16' if a.bf16 else 'fp32'} | {'fused AdamW' if a.fused_adam else 'AdamW'} | {a.steps} measured steps after {a.warmup} warm-up | "
           f"median of {a.rounds} rounds | psi = {formulas['psi']} parameters")
     print("step time: slowest rank's p50/p95 per run; memory: largest rank per run")
     hdr = (f"{'impl':<11} {'p50 ms':>9} {'p95 ms':>9} {'tokens/s':>10} {'peak RSS MiB':>13} "
@@ -266,6 +274,9 @@ def main():
         print(f"{impl:<11} {fmt(m['p50_ms'], '9.2f')} {fmt(m['p95_ms'], '9.2f')} {fmt(m['tokens_per_s'], '10.0f')} "
               f"{fmt_mib(m['peak_rss_bytes']):>13} {fmt_mib(m['rss_above_baseline_bytes']):>13} "
               f"{fmt(m['model_state_bytes'], '11.0f')} {form:>11.0f} {padded:>11.0f} {fmt(ratio, '10.4f')}")
+    print(f"phases (p50 ms): " + "; ".join(
+        f"{impl} " + " / ".join(fmt(med[impl][f"{k}_ms"], ".1f") for k in PHASES) for impl in impls) +
+        "  (" + " / ".join(PHASES) + ")")
     print(f"formula: DDP/no_shard (4+4+8)*psi = {formulas['replicated']} B; ZeRO-3 (4+4+8)*psi/N = "
           f"{formulas['zero3']:.0f} B; PyTorch AdamW adds a 4 B step tensor per parameter "
           f"({formulas['adam_step_tensors']} tensors)")
