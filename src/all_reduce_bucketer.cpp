@@ -125,6 +125,21 @@ void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
   std::fill(ready_.begin(), ready_.end(), false);
 }
 
+void AllReduceBucketer::discard() {
+  for (auto& bucket : buckets_) {
+    if (bucket.launched && bucket.pending.work) {
+      try {
+        comm_.wait(bucket.pending);  // the buffer must outlive the collective
+      } catch (...) {
+      }
+    }
+    bucket.pending = PendingWork{};
+    bucket.ready = 0;
+    bucket.launched = false;
+  }
+  std::fill(ready_.begin(), ready_.end(), false);
+}
+
 void AllReduceBucketer::zero_grads() {
   for (auto& bucket : buckets_) bucket.buffer.zero_();
   bind_grads();

@@ -201,6 +201,12 @@ at::Tensor FlatParam::take_staging_grad() {
   return t;
 }
 
+void FlatParam::drop_staging_grad() {
+  if (!staging_.defined()) return;
+  if (mem_) mem_->sub(Mem::GradStaging, staging_.nbytes());
+  staging_ = at::Tensor();
+}
+
 void FlatParam::accumulate_shard_grad(const at::Tensor& reduced, double divisor) {
   c10::NoGradGuard no_grad;
   at::Tensor g = at::div(reduced.to(dtype_), divisor);  // gradient shards are in the master dtype

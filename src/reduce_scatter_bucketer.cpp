@@ -71,7 +71,7 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
   b.pieces.push_back({{b.offset, shard}, std::move(callback)});
   b.whats.push_back(what);
   b.offset += shard;
-  if (b.cap - b.offset < shard) launch_bucket(b);  // another input like this one would not fit  // another input like this one would not fit
+  if (b.cap - b.offset < shard) launch_bucket(b);  // another input like this one would not fit
 }
 
 void ReduceScatterBucketer::make_room() {
@@ -93,7 +93,10 @@ void ReduceScatterBucketer::launch_bucket(Bucket& b) {
     b.buffer = at::Tensor();
     b.output = at::Tensor();
   } else {  // partly filled: launch a compact copy, keep the buffers for the next fill
-    in = b.buffer.narrow(1, 0, b.offset).contiguous();
+    // A copy always: with one rank the narrowed columns are contiguous, and
+    // contiguous() would hand the collective the buffer the next fill writes.
+    in = at::empty({b.buffer.size(0), b.offset}, b.buffer.options());
+    in.copy_(b.buffer.narrow(1, 0, b.offset));
     out = at::empty({b.offset}, b.output.options());
     bytes = in.nbytes() + out.nbytes();
     track(bytes);

@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <mutex>
@@ -25,37 +26,64 @@ std::vector<std::shared_ptr<Unit>> ShardState::units() const {
 }
 
 void ShardState::ensure_end_of_backward_callback() {
-  if (callback_queued_) return;
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (callback_queued_ && task == callback_task_) return;
+  // Queued for another backward that never reached its end: an exception escaped it.
+  if (callback_queued_) abandon_backward(/*warn=*/true);
   callback_queued_ = true;
+  callback_task_ = task;
   auto keep = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([keep] { keep->finish_backward(); });
 }
 
+void ShardState::recover_if_backward_failed() {
+  if (callback_queued_ && torch::autograd::get_current_graph_task_id() == -1) abandon_backward(/*warn=*/true);
+}
+
+void ShardState::abandon_backward(bool warn) {
+  if (warn) {
+    TORCH_WARN("shardtorch: rank ", world_->rank(), ": the previous backward did not finish (an exception escaped it); ",
+               "its reductions in flight, its staged gradients and any gradients accumulated under no_sync were ",
+               "dropped. Gradients reduced before the failure may be partial: call zero_grad() before the next step.");
+  }
+  callback_queued_ = false;
+  recording_.clear();
+  if (ddp_) ddp_->discard();
+  bucketer_.discard();
+  if (offloader_) offloader_->discard();
+  for (auto& w : units_) {
+    auto u = w.lock();
+    if (!u) continue;
+    u->reshard();
+    u->reset_backward();
+    for (auto& f : u->flats()) f->drop_staging_grad();
+  }
+}
+
 void ShardState::finish_backward() {
   callback_queued_ = false;
-  if (ddp_) {
-    ddp_->finish(sync_, options_.error_on_unused_parameters());
-    if (sync_) bind_master_grads();
-    return;
-  }
-  if (!recording_.empty()) forward_order_ = std::move(recording_);
-  recording_.clear();
-  auto all = units();
   try {
+    if (ddp_) {
+      ddp_->finish(sync_, options_.error_on_unused_parameters());
+      if (sync_) bind_master_grads();
+      return;
+    }
+    if (!recording_.empty()) forward_order_ = std::move(recording_);
+    recording_.clear();
+    auto all = units();
     for (auto it = all.rbegin(); it != all.rend(); ++it) {
       if ((*it)->needs_final_reduce()) (*it)->reduce_grads();
     }
     bucketer_.flush();
     bucketer_.free();
     if (offloader_) offloader_->drain();  // the gradient shards reach host memory
+    for (auto& u : all) {
+      u->reshard();
+      u->reset_backward();
+    }
   } catch (...) {
-    bucketer_.discard();  // nothing in flight or queued survives into the next backward
-    if (offloader_) offloader_->discard();  // no stale gradient may reach the next step
+    abandon_backward(/*warn=*/false);  // nothing of this backward survives into the next; the caller sees why
     throw;
-  }
-  for (auto& u : all) {
-    u->reshard();
-    u->reset_backward();
   }
 }
 
@@ -109,6 +137,24 @@ std::shared_ptr<Unit> ShardState::note_forward_and_next(Unit& u) {
   if (pos + 1 >= forward_order_.size() || forward_order_[pos].lock().get() != &u) return nullptr;
   auto next = forward_order_[pos + 1].lock();
   return next && next->state() == UnitState::Sharded ? next : nullptr;
+}
+
+bool ShardState::last_of_learned_forward(const Unit& u) const {
+  if (!options_.prefetch() || !c10::GradMode::is_enabled() ||
+      (strategy() != Strategy::FullShard && strategy() != Strategy::HybridShard))
+    return false;
+  size_t last = forward_order_.size();
+  while (last > 0) {
+    auto unit = forward_order_[last - 1].lock();
+    if (unit && unit->has_params()) break;
+    --last;
+  }
+  if (last == 0 || forward_order_[last - 1].lock().get() != &u) return false;
+  // This forward has followed the learned order up to u.
+  if (recording_.size() != last) return false;
+  for (size_t i = 0; i < last; ++i)
+    if (recording_[i].lock() != forward_order_[i].lock()) return false;
+  return true;
 }
 
 std::shared_ptr<Unit> ShardState::next_in_backward(Unit& u) {

@@ -30,6 +30,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool is_root() const { return is_root_; }
   UnitState state() const { return state_; }
   std::vector<std::unique_ptr<FlatParam>>& flats() { return flats_; }
+  bool has_params() const { return !flats_.empty(); }
   ShardState& owner() { return *owner_; }
 
   /// Persistent units (ZeRO-1/2) are gathered once at shard() and stay so.
@@ -148,10 +149,22 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// (null: none known, or prefetch off).
   std::shared_ptr<Unit> note_forward_and_next(Unit& u);
   std::shared_ptr<Unit> next_in_backward(Unit& u);
+  /// With prefetch: u is the last unit with parameters in the learned forward
+  /// order, and this forward has followed that order up to u; backward needs
+  /// u first, so it stays gathered.
+  bool last_of_learned_forward(const Unit& u) const;
 
   /// Queues finish_backward() on the autograd engine once per backward.
   void ensure_end_of_backward_callback();
   void finish_backward();
+  /// At the start of a forward and in zero_grad(): outside any backward, a
+  /// queued end-of-backward that never ran means the last backward failed;
+  /// abandon_backward() then, before anything gathers, reduces or zeroes.
+  void recover_if_backward_failed();
+  /// After a backward failed (an exception in a hook, a collective, or at its
+  /// end): waits for and drops reductions in flight, drops staged gradients,
+  /// reshards and resets every unit, so that the next backward starts clean.
+  void abandon_backward(bool warn);
   /// After the optimizer changed the shards: rebuild persistent full buffers
   /// (ZeRO-1/2), free the stale full copies of the others.
   void after_optimizer_step();
@@ -160,8 +173,8 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::shared_ptr<World> world_;
   ShardOptions options_;
   MemoryTracker mem_;
-  ReduceScatterBucketer bucketer_;
   std::shared_ptr<Comm> shard_group_, replica_group_;
+  ReduceScatterBucketer bucketer_;  // after the groups: its destructor may wait on them
   std::vector<std::weak_ptr<Unit>> units_;
   std::unique_ptr<AllReduceBucketer> ddp_;
   std::unique_ptr<Offloader> offloader_;
@@ -170,6 +183,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<std::string> ddp_names_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;
   bool callback_queued_ = false;
+  int callback_task_ = -1;  // the autograd graph task the callback was queued for
   bool sync_ = true;
   int64_t gradient_reductions_ = 0;
   bool has_scaler_ = false;

@@ -59,6 +59,7 @@ void Unit::reshard() {
 }
 
 void Unit::pre_forward() {
+  owner_->recover_if_backward_failed();
   unshard();
   if (auto next = owner_->note_forward_and_next(*this)) next->unshard_async();
 }
@@ -89,7 +90,10 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   // no grad mode, or tensor outputs of which none requires grad.
   bool safe = !grad_mode || !outputs.empty();
   // Without grad mode no backward follows, so even the root gives its memory back.
-  if ((reshard_after_forward_ || !grad_mode) && safe) reshard();
+  // With prefetch, the last unit of the forward stays: backward starts with it,
+  // and freeing it now would only gather it again at once.
+  const bool backward_next = grad_mode && owner_->last_of_learned_forward(*this);
+  if ((reshard_after_forward_ || !grad_mode) && safe && !backward_next) reshard();
 }
 
 void Unit::pre_backward() {

@@ -105,6 +105,53 @@ TEST_P(BucketerTest, LaunchesFullBucketsAsynchronouslyAndBypassesLargeInputs) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+namespace {
+// One rank whose reduce-scatter reads its input only when waited for: the
+// slowest collective there can be, so whatever the caller writes into a
+// launched input before the wait shows up in the result.
+class DeferredWork : public c10d::Work {
+ public:
+  DeferredWork(at::Tensor out, at::Tensor in) : out_(std::move(out)), in_(std::move(in)) {}
+  bool wait(std::chrono::milliseconds) override {
+    out_.copy_(in_);  // one rank: the sum is its own input
+    return true;
+  }
+
+ private:
+  at::Tensor out_, in_;
+};
+class DeferredBackend : public c10d::Backend {
+ public:
+  DeferredBackend() : c10d::Backend(0, 1) {}
+  const std::string getBackendName() const override { return "deferred"; }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                      const c10d::ReduceScatterOptions&) override {
+    return c10::make_intrusive<DeferredWork>(out, in);
+  }
+};
+}  // namespace
+
+// A bucket launched partly filled (its buffer sized by the last backward's
+// high-water mark) goes out from a copy: the next input is written into the
+// same buffer while the first collective may still be reading it. With one
+// rank the narrowed columns are contiguous, so contiguous() alone would not copy.
+TEST(Bucketer, APartlyFilledLaunchIsNotOverwrittenByTheNextFill) {
+  shardtorch::Comm comm(c10::make_intrusive<DeferredBackend>(), 0, 1, std::chrono::seconds(10));
+  ReduceScatterBucketer b(1.0);
+  const int64_t cap = 1024 * 1024 / 4;
+  b.reduce_scatter(at::ones({cap * 9 / 10}), comm, [](const at::Tensor&) {}, "first pass");
+  b.flush();
+  b.free();  // the high-water mark is now 0.9 cap
+  const int64_t n = cap * 6 / 10;  // fills 0.6 cap: launched at once, from a buffer of 0.9 cap
+  at::Tensor a, c;
+  b.reduce_scatter(at::full({n}, 1.0), comm, [&](const at::Tensor& s) { a = s.clone(); }, "a");
+  ASSERT_EQ(b.in_flight(), 1) << "a should be in flight";
+  b.reduce_scatter(at::full({n}, 2.0), comm, [&](const at::Tensor& s) { c = s.clone(); }, "c");
+  b.flush();
+  EXPECT_TRUE(at::equal(a, at::full({n}, 1.0))) << "a's reduction was overwritten by the next fill";
+  EXPECT_TRUE(at::equal(c, at::full({n}, 2.0))) << "c's reduction is wrong";
+}
+
 TEST_P(BucketerTest, DiscardWaitsDropsCallbacksAndFreesEverything) {
   auto r = run_ranks(GetParam(), [](World& w) {
     shardtorch::MemoryTracker mem;

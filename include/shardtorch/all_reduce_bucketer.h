@@ -49,6 +49,10 @@ class AllReduceBucketer {
   void finish(bool sync, bool error_on_unused);
   /// Zeroes every bucket (gradients stay bound as views).
   void zero_grads();
+  /// After a failed backward: waits for the all-reduces in flight (errors
+  /// ignored) and resets the counts, so the next backward starts clean. The
+  /// buckets' contents are whatever the failure left: zero_grads() them.
+  void discard();
 
   /// Buckets launched from a gradient hook, i.e. before backward ended.
   int64_t launched_during_backward() const { return launched_during_backward_; }

@@ -109,6 +109,8 @@ class FlatParam {
   bool has_staging_grad() const { return staging_.defined(); }
   /// Releases the staging buffer (after the bucketer has taken its contents).
   at::Tensor take_staging_grad();
+  /// Drops the staging buffer and what it holds (a failed backward).
+  void drop_staging_grad();
   /// Adds a reduced gradient shard, divided by `divisor`, into shard_grad.
   void accumulate_shard_grad(const at::Tensor& reduced, double divisor);
   /// Adds an all-reduced full gradient, divided by `divisor`, into the full
