@@ -433,3 +433,69 @@ TEST(ShardedCheckpoint, AWriterKilledAtRandomPointsLeavesALoadableCheckpoint) {
   EXPECT_EQ(interrupted, 8) << "every writer should have been killed mid-loop";
   fs::remove_all(dir);
 }
+
+// The application's own resume state (data-loader position, epoch, ...)
+// travels in the index: saved at 2 ranks, read back at 3; ranks that disagree
+// fail alike, naming the key; checkpoints saved without it read back empty.
+TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossRanks) {
+  auto dir = temp_dir();
+  const std::string ckpt = (dir / "ckpt").string(), bare = (dir / "bare").string(), bad = (dir / "bad").string();
+  const std::map<std::string, std::string> state{{"epoch", "3"}, {"samples_seen", "12000"}, {"rng", "seed=7;offset=42"}};
+  auto save = run_ranks(2, [&](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 5, state);
+    shardtorch::save_sharded_checkpoint(*model, nullptr, bare, 5);
+    auto mine = state;
+    if (w.rank() == 1) mine["samples_seen"] = "6000";  // a per-rank position: refused
+    try {
+      shardtorch::save_sharded_checkpoint(*model, nullptr, bad, 5, mine);
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      require(msg.find("'samples_seen'") != std::string::npos && msg.find("user_state") != std::string::npos,
+              "the error should name the key: " + msg);
+      return;
+    }
+    throw std::runtime_error("differing user_state was accepted");
+  });
+  ASSERT_TRUE(save.ok) << save.summary();
+  EXPECT_FALSE(fs::exists(bad)) << "a refused checkpoint must not be published";
+  auto load = run_ranks(3, [&](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    std::map<std::string, std::string> got{{"stale", "x"}};
+    require(shardtorch::load_sharded_checkpoint(*model, nullptr, ckpt, &got) == 5, "wrong step");
+    require(got == state, "user_state did not round-trip");
+    shardtorch::load_sharded_checkpoint(*model, nullptr, bare, &got);
+    require(got.empty(), "a checkpoint saved without user_state should read back empty");
+  });
+  ASSERT_TRUE(load.ok) << load.summary();
+  // A non-string value in the index is a clear error, not a crash.
+  std::string index;
+  {
+    std::ifstream in(ckpt + "/index.json");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    index = ss.str();
+  }
+  const std::string from = "\"epoch\":\"3\"";
+  ASSERT_NE(index.find(from), std::string::npos) << index.substr(0, 200);
+  index.replace(index.find(from), from.size(), "\"epoch\":3");
+  {
+    std::ofstream out(ckpt + "/index.json");
+    out << index;
+  }
+  auto malformed = run_ranks(1, [&](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w);
+    try {
+      shardtorch::load_sharded_checkpoint(*model, nullptr, ckpt);
+    } catch (const std::exception& e) {
+      require(std::string(e.what()).find("user_state 'epoch' is not a string") != std::string::npos, e.what());
+      return;
+    }
+    throw std::runtime_error("a non-string user_state value was accepted");
+  });
+  ASSERT_TRUE(malformed.ok) << malformed.summary();
+  fs::remove_all(dir);
+}

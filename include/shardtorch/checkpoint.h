@@ -31,11 +31,18 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path);
 /// renamed to DIR. Loading works at any world size and strategy: each rank
 /// reads the ranges that overlap what it owns now.
 /// Collective. `optimizer` may be null (parameters and buffers only).
+/// `user_state`: the application's own state to resume with (data-loader
+/// position, epoch, RNG seed, learning-rate schedule, ...), strings by key,
+/// stored in the index and published atomically with the tensors. It must be
+/// the same on every rank (checked: otherwise every rank fails naming the key
+/// and the ranks); derive per-rank positions from global ones.
 void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
-                             int64_t step);
+                             int64_t step, const std::map<std::string, std::string>& user_state = {});
 /// Collective; returns the saved step. With an optimizer, its state is
-/// restored too (the checkpoint must hold state of the same kinds).
-int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir);
+/// restored too (the checkpoint must hold state of the same kinds). With
+/// `user_state`, it receives what was saved (empty for checkpoints without).
+int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
+                                std::map<std::string, std::string>* user_state = nullptr);
 /// Offline: every (parameter or buffer, kind) of a sharded checkpoint
 /// assembled whole, keyed "name|kind" (kinds: param, buffer, exp_avg, ...).
 std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir);

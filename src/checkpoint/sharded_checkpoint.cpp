@@ -163,6 +163,7 @@ struct Index {
   std::string strategy;
   std::vector<Entry> entries;
   std::map<std::string, std::pair<int64_t, std::string>> files;  // name -> (size, checksum)
+  std::map<std::string, std::string> user_state;
 };
 
 Index read_index(const std::string& dir) {
@@ -190,6 +191,13 @@ Index read_index(const std::string& dir) {
                                                                json::value_to<std::string>(fo.at("checksum"))};
     }
     for (const auto& e : o.at("entries").as_array()) idx.entries.push_back(entry_from(e, path));
+    if (const auto* u = o.if_contains("user_state")) {  // absent in checkpoints saved without it
+      for (const auto& [k, v] : u->as_object()) {
+        if (!v.is_string())
+          throw SafetensorsError("checkpoint index '" + path + "': user_state '" + std::string(k) + "' is not a string");
+        idx.user_state[std::string(k)] = json::value_to<std::string>(v);
+      }
+    }
   } catch (const SafetensorsError&) {
     throw;
   } catch (const std::exception& e) {
@@ -255,7 +263,8 @@ int64_t fill(at::Tensor dst, const std::string& name, const std::string& kind, i
 
 }  // namespace
 
-void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, int64_t step) {
+void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, int64_t step,
+                             const std::map<std::string, std::string>& user_state) {
   auto state = detail::require_state(root, "save_sharded_checkpoint");
   World& world = state->world();
   c10::NoGradGuard no_grad;
@@ -279,7 +288,9 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   } catch (const std::exception& e) {
     error = e.what();
   }
-  json::object report{{"error", error}, {"entries", mine}};
+  json::object user;
+  for (const auto& [k, v] : user_state) user[k] = v;
+  json::object report{{"error", error}, {"entries", mine}, {"user_state", user}};
   if (error.empty()) {
     report["file"] = json::object{{"name", file},
                                   {"size", static_cast<int64_t>(fs::file_size(tmp + "/" + file))},
@@ -294,12 +305,23 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
     if (!err.empty() && failed.empty()) failed = "rank " + std::to_string(r) + ": " + err;
     if (o.contains("file")) files.push_back(o.at("file"));
     for (auto& e : o.at("entries").as_array()) entries.push_back(e);
+    if (failed.empty() && o.at("user_state") != json::value(user)) {
+      // Every rank sees every report, so every rank fails alike.
+      std::string key = "(the set of keys)";
+      const auto& theirs = o.at("user_state").as_object();
+      for (const auto& [k, v] : user)
+        if (!theirs.contains(k) || theirs.at(k) != v) key = "'" + std::string(k) + "'";
+      for (const auto& [k, v] : theirs)
+        if (!user.contains(k)) key = "'" + std::string(k) + "'";
+      failed = "rank " + std::to_string(r) + ": its user_state differs from rank " + std::to_string(world.rank()) +
+               "'s at " + key + " (user_state must be the same on every rank)";
+    }
   }
   TORCH_CHECK(failed.empty(), "shardtorch::save_sharded_checkpoint: writing '", dir, "' failed on ", failed);
   if (world.rank() == 0) {
     json::object index{{"format_version", kFormatVersion}, {"format", "shardtorch sharded checkpoint"},
                        {"world_size", world.size()}, {"strategy", strategy_name(state->strategy())},
-                       {"step", step}, {"files", files}, {"entries", entries}};
+                       {"step", step}, {"files", files}, {"entries", entries}, {"user_state", user}};
     json::array units;
     if (!state->ddp())
       for (auto& u : state->units()) {
@@ -335,7 +357,8 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   world.barrier();
 }
 
-int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir) {
+int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
+                                std::map<std::string, std::string>* user_state) {
   auto state = detail::require_state(root, "load_sharded_checkpoint");
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
@@ -407,6 +430,7 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
     }
   }
   state->after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
+  if (user_state) *user_state = idx.user_state;
   return idx.step;
 }
 
