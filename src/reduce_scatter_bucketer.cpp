@@ -125,6 +125,7 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
     throw;
   }
   ++launched_;
+  if (!in_flight_.empty()) ++launched_while_in_flight_;
   in_flight_.push_back(std::move(l));
 }
 

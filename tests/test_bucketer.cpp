@@ -93,6 +93,7 @@ TEST_P(BucketerTest, LaunchesFullBucketsAsynchronouslyAndBypassesLargeInputs) {
     check(b.launched() == 3, "an oversized input launches the queue and goes alone, got " +
                                  std::to_string(b.launched()));
     check(b.in_flight() == 2 && order == std::vector<int>({0}), "max_in_flight should have completed a, and only a");
+    check(b.launched_while_in_flight() == 2, "b's bucket and big were launched with another in flight");
     check(tracked() == b.allocated_bytes(), "tracker disagrees with the buffers in flight");
     b.flush();
     check(b.launched() == 3 && b.in_flight() == 0, "flush should wait for everything and launch nothing new");

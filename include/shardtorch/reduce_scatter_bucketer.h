@@ -79,6 +79,8 @@ class ReduceScatterBucketer {
   int64_t launched() const { return launched_; }
   /// Collectives launched and not yet waited for.
   int64_t in_flight() const { return static_cast<int64_t>(in_flight_.size()); }
+  /// Collectives launched while an earlier one was still in flight (overlap).
+  int64_t launched_while_in_flight() const { return launched_while_in_flight_; }
 
  private:
   using Pieces = std::vector<std::pair<std::pair<int64_t, int64_t>, Callback>>;  // (start, len) in the output
@@ -120,7 +122,7 @@ class ReduceScatterBucketer {
   int max_in_flight_;
   std::map<Key, Bucket> buckets_;
   std::deque<Launched> in_flight_;
-  int64_t launched_ = 0;
+  int64_t launched_ = 0, launched_while_in_flight_ = 0;
 };
 
 }  // namespace shardtorch
