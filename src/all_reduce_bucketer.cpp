@@ -118,11 +118,7 @@ void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
       if (n > 1) bucket.buffer.div_(n);
     }
   }
-  for (auto& bucket : buckets_) {
-    bucket.ready = 0;
-    bucket.launched = false;
-  }
-  std::fill(ready_.begin(), ready_.end(), false);
+  reset_counts();
 }
 
 void AllReduceBucketer::discard() {
@@ -134,6 +130,12 @@ void AllReduceBucketer::discard() {
       }
     }
     bucket.pending = PendingWork{};
+  }
+  reset_counts();
+}
+
+void AllReduceBucketer::reset_counts() {
+  for (auto& bucket : buckets_) {
     bucket.ready = 0;
     bucket.launched = false;
   }

@@ -81,8 +81,9 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
 
   const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
   int64_t root_gathered = 0, other_gathered = 0, kept_gathered = 0, root_staging = 0, other_staging = 0;
-  std::map<at::ScalarType, int64_t> bucketed;  // reduce dtype -> shard elements that go through buckets
-  std::map<at::ScalarType, int64_t> bypassed;  // reduce dtype -> largest shard too big for a bucket
+  // Reduce dtype -> (shard elements that go through buckets, the largest
+  // shard too big for a bucket, reduced alone).
+  std::map<at::ScalarType, std::pair<int64_t, int64_t>> reduced;
   const int64_t bucket_bytes = static_cast<int64_t>(o.bucket_mb() * 1024.0 * 1024.0);
   for (const auto& u : units) {
     TORCH_CHECK(u.name != "<none>", "plan_memory: some parameters belong to no unit and the root is not a unit");
@@ -104,10 +105,11 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
       add(opt_cat, plan.optimizer_states * owned * esize(f.dtype));
       staging += padded * esize(rd);
       if (strategy != Strategy::OptimizerOnly) {
+        auto& [bucketed, biggest] = reduced[rd];
         if (S * esize(rd) * shard_size <= bucket_bytes) {
-          bucketed[rd] += S;
+          bucketed += S;
         } else {
-          bypassed[rd] = std::max(bypassed[rd], S);  // reduced alone, its staging buffer in flight
+          biggest = std::max(biggest, S);  // its staging buffer is in flight while it is reduced
         }
       }
     }
@@ -125,23 +127,18 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
   // most are alive at once (not so under no_sync accumulation, where every
   // unit keeps one: docs/memory.md).
   // With prefetch, the next unit is gathered while one computes.
-  const bool prefetching = o.prefetch() && (strategy == Strategy::FullShard || strategy == Strategy::HybridShard);
-  add(Mem::GatheredParams, root_gathered + kept_gathered + other_gathered * (prefetching ? 2 : 1));
+  add(Mem::GatheredParams, root_gathered + kept_gathered + other_gathered * (o.prefetches() ? 2 : 1));
   add(Mem::GradStaging, root_staging + other_staging);
   // Per reduce dtype, [N, cols] inputs and [cols] outputs: the bucket filling
   // (grown by doubling: up to twice what it holds, never beyond its cap) and
   // at most kMaxReduceScattersInFlight launched ones (a bucket, at most its
   // cap or all bucketed columns, or a shard too big for a bucket).
-  std::map<at::ScalarType, int64_t> columns;
-  for (const auto& dtypes : {bucketed, bypassed}) {
-    for (const auto& [dtype, n] : dtypes) {
-      const int64_t cap = bucket_bytes / (esize(dtype) * shard_size);
-      const int64_t elems = bucketed.count(dtype) ? bucketed.at(dtype) : 0;
-      const int64_t biggest = bypassed.count(dtype) ? bypassed.at(dtype) : 0;
-      columns[dtype] = std::min(cap, 2 * elems) + kMaxReduceScattersInFlight * std::max(std::min(cap, elems), biggest);
-    }
+  for (const auto& [dtype, sizes] : reduced) {
+    const auto [bucketed, biggest] = sizes;
+    const int64_t cap = bucket_bytes / (esize(dtype) * shard_size);
+    const int64_t cols = std::min(cap, 2 * bucketed) + kMaxReduceScattersInFlight * std::max(std::min(cap, bucketed), biggest);
+    add(Mem::Buckets, (shard_size + 1) * cols * esize(dtype));
   }
-  for (const auto& [dtype, cols] : columns) add(Mem::Buckets, (shard_size + 1) * cols * esize(dtype));
   return out;
 }
 

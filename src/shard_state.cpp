@@ -126,9 +126,7 @@ void ShardState::after_optimizer_step() {
 }
 
 std::shared_ptr<Unit> ShardState::note_forward_and_next(Unit& u) {
-  const bool on = options_.prefetch() && c10::GradMode::is_enabled() &&
-                  (strategy() == Strategy::FullShard || strategy() == Strategy::HybridShard);
-  if (!on) return nullptr;
+  if (!options_.prefetches() || !c10::GradMode::is_enabled()) return nullptr;
   if (u.is_root()) recording_.clear();  // a new forward starts at the root
   recording_.push_back(u.weak_from_this());
   const size_t pos = recording_.size() - 1;
@@ -140,9 +138,7 @@ std::shared_ptr<Unit> ShardState::note_forward_and_next(Unit& u) {
 }
 
 bool ShardState::last_of_learned_forward(const Unit& u) const {
-  if (!options_.prefetch() || !c10::GradMode::is_enabled() ||
-      (strategy() != Strategy::FullShard && strategy() != Strategy::HybridShard))
-    return false;
+  if (!options_.prefetches() || !c10::GradMode::is_enabled()) return false;
   size_t last = forward_order_.size();
   while (last > 0) {
     auto unit = forward_order_[last - 1].lock();
@@ -158,7 +154,7 @@ bool ShardState::last_of_learned_forward(const Unit& u) const {
 }
 
 std::shared_ptr<Unit> ShardState::next_in_backward(Unit& u) {
-  if (!options_.prefetch() || (strategy() != Strategy::FullShard && strategy() != Strategy::HybridShard)) return nullptr;
+  if (!options_.prefetches()) return nullptr;
   for (size_t i = forward_order_.size(); i-- > 1;) {
     if (forward_order_[i].lock().get() != &u) continue;
     auto prev = forward_order_[i - 1].lock();

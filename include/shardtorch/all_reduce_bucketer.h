@@ -67,6 +67,8 @@ class AllReduceBucketer {
     PendingWork pending;
   };
   void launch(Bucket& b, size_t index);
+  /// No parameter ready, no bucket launched: the state a backward starts from.
+  void reset_counts();
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;

@@ -116,6 +116,10 @@ struct ShardOptions {
     return it == per_unit_reshard_.end() ? reshard_after_forward_ : it->second;
   }
   const std::map<std::string, bool>& per_unit_reshard() const { return per_unit_reshard_; }
+  /// Whether prefetch takes effect: on, under a strategy that gathers units.
+  bool prefetches() const {
+    return prefetch() && (strategy() == Strategy::FullShard || strategy() == Strategy::HybridShard);
+  }
 
  private:
   std::map<std::string, bool> per_unit_reshard_;
