@@ -5,13 +5,25 @@
 //   torchrun --no-python --standalone --nproc-per-node 2 build/examples/train_gpt --steps 40
 //
 // Prints per step the loss (mean over ranks), step time and tokens/s, and per
-// rank the bytes the library holds by category. Exits non-zero if the loss did
-// not fall.
+// rank the bytes the library holds by category; at the end a fingerprint of
+// the parameters (a hash of their bytes). Exits non-zero if the loss did not
+// fall (runs of 10 steps or more).
+//
+// Checkpoints and resuming: --checkpoint DIR saves a sharded checkpoint
+// (parameters, optimizer state, and the data-loader position as user state)
+// every --save-every steps and at the end; --resume continues from DIR with
+// the same data order, so a run stopped at step k and resumed reaches the same
+// parameters, bitwise, as one that never stopped (same ranks and options).
+// --export FILE writes a full state dict Python's safetensors can load.
+//
+//   torchrun --no-python --standalone --nproc-per-node 2 build/examples/train_gpt --steps 20 --checkpoint ck
+//   torchrun --no-python --standalone --nproc-per-node 2 build/examples/train_gpt --steps 40 --checkpoint ck --resume
 #include <torch/data.h>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 
@@ -49,6 +61,11 @@ struct Args {
   double clip = 0;     // 0: no clipping
   bool offload = false;   // CPU offload of masters, gradients, optimizer state (fused CPU AdamW)
   bool prefetch = false;  // all-gather the next unit while one computes
+  int64_t dataset = 4096;    // sequences per epoch
+  std::string checkpoint;    // sharded checkpoint directory ("" for none)
+  int save_every = 0;        // steps between checkpoints (0: only at the end)
+  bool resume = false;       // continue from `checkpoint` if it exists
+  std::string export_path;   // full state dict written at the end ("" for none)
   gpt::Config cfg;
 };
 
@@ -72,15 +89,35 @@ Args parse(int argc, char** argv) {
     else if (k == "--clip") a.clip = std::stod(next());
     else if (k == "--offload") a.offload = true;
     else if (k == "--prefetch") a.prefetch = true;
+    else if (k == "--dataset") a.dataset = std::stoll(next());
+    else if (k == "--checkpoint") a.checkpoint = next();
+    else if (k == "--save-every") a.save_every = std::stoi(next());
+    else if (k == "--resume") a.resume = true;
+    else if (k == "--export") a.export_path = next();
     else if (k == "--help") {
       std::cout << "train_gpt [--steps N] [--batch B per rank] [--lr LR] [--layers L] [--d-model D]\n"
                    "          [--strategy full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard]\n"
                    "          [--hybrid-shard-size S] [--bf16] [--accumulate K micro-batches] [--clip MAX_NORM]\n"
-                   "          [--offload (CPU offload, fused CPU AdamW)] [--prefetch]\n";
+                   "          [--offload (CPU offload, fused CPU AdamW)] [--prefetch] [--dataset SEQUENCES]\n"
+                   "          [--checkpoint DIR [--save-every K] [--resume]] [--export FILE.safetensors]\n";
       std::exit(0);
     } else throw std::invalid_argument("train_gpt: unknown argument " + k);
   }
+  if (a.resume && a.checkpoint.empty()) throw std::invalid_argument("train_gpt: --resume needs --checkpoint DIR");
   return a;
+}
+
+// FNV-1a over the bytes of every parameter, in the module's order: equal
+// fingerprints mean bitwise-equal parameters. Collective (gathers the shards).
+uint64_t fingerprint(torch::nn::Module& model) {
+  shardtorch::FullParams full(model);
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& p : model.parameters()) {
+    auto c = p.detach().contiguous();
+    auto* b = static_cast<const unsigned char*>(c.data_ptr());
+    for (size_t i = 0; i < c.nbytes(); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  return h;
 }
 
 }  // namespace
@@ -117,19 +154,45 @@ int main(int argc, char** argv) {
                 << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << (args.offload ? ", CPU offload" : "")
                 << (args.prefetch ? ", prefetch" : "") << std::endl;
     }
-    const int64_t dataset_size = 4096;
-    std::vector<double> losses;
+    // Where the data stands: the epoch, and how many of its batches are done.
     int step = 0;
-    for (size_t epoch = 0; step < args.steps; ++epoch) {
+    size_t first_epoch = 0;
+    int64_t done_in_epoch = 0;
+    if (args.resume && std::filesystem::exists(args.checkpoint)) {
+      std::map<std::string, std::string> position;
+      step = static_cast<int>(shardtorch::load_sharded_checkpoint(*model, opt.get(), args.checkpoint, &position));
+      TORCH_CHECK(position.count("epoch") && position.count("batches_done_in_epoch"), "train_gpt: checkpoint ",
+                  args.checkpoint, " has no data-loader position (not written by train_gpt?)");
+      first_epoch = std::stoull(position.at("epoch"));
+      done_in_epoch = std::stoll(position.at("batches_done_in_epoch"));
+      if (lead) std::cout << "resumed from " << args.checkpoint << " at step " << step << " (epoch " << first_epoch
+                          << ", " << done_in_epoch << " batches into it)" << std::endl;
+    } else if (args.resume && lead) {
+      std::cout << "no checkpoint at " << args.checkpoint << ": starting from step 0" << std::endl;
+    }
+    auto save = [&](size_t epoch, int64_t batches_done) {
+      shardtorch::save_sharded_checkpoint(*model, opt.get(), args.checkpoint, step,
+                                          {{"epoch", std::to_string(epoch)},
+                                           {"batches_done_in_epoch", std::to_string(batches_done)}});
+      if (lead) std::cout << "saved " << args.checkpoint << " at step " << step << std::endl;
+    };
+    std::vector<double> losses;
+    for (size_t epoch = first_epoch; step < args.steps; ++epoch) {
       // LibTorch's distributed sampler: each rank draws its own slice of a
       // permutation shared by all ranks; a new permutation every epoch.
-      torch::data::samplers::DistributedRandomSampler sampler(dataset_size, world->size(), world->rank());
+      torch::data::samplers::DistributedRandomSampler sampler(args.dataset, world->size(), world->rank());
       sampler.set_epoch(epoch);
       auto loader = torch::data::make_data_loader(
-          CountingDataset(dataset_size, args.cfg.vocab, args.cfg.seq_len).map(torch::data::transforms::Stack<>()),
+          CountingDataset(args.dataset, args.cfg.vocab, args.cfg.seq_len).map(torch::data::transforms::Stack<>()),
           std::move(sampler), torch::data::DataLoaderOptions().batch_size(args.batch).drop_last(true));
+      int64_t in_epoch = 0;
       for (auto& batch : *loader) {
         if (step >= args.steps) break;
+        if (epoch == first_epoch && in_epoch < done_in_epoch) {  // consumed before the checkpoint
+          ++in_epoch;
+          continue;
+        }
+        ++in_epoch;
         sharded.reset_peak_memory();
         auto t0 = std::chrono::steady_clock::now();
         opt->zero_grad();
@@ -175,16 +238,27 @@ int main(int argc, char** argv) {
           std::fflush(stdout);
         }
         ++step;
+        if (!args.checkpoint.empty() && ((args.save_every > 0 && step % args.save_every == 0) || step == args.steps))
+          save(epoch, in_epoch);
       }
+      TORCH_CHECK(in_epoch > 0, "train_gpt: --dataset ", args.dataset, " has no full batch of ", args.batch,
+                  " per rank at ", world->size(), " ranks");
     }
+    if (!args.export_path.empty()) {
+      shardtorch::save_full_state_dict(*model, args.export_path, {{"step", std::to_string(step)}});
+      if (lead) std::cout << "exported the full state dict to " << args.export_path << std::endl;
+    }
+    const uint64_t print = fingerprint(*model);
+    if (lead) std::printf("parameters after step %d: fingerprint %016llx\n", step, static_cast<unsigned long long>(print));
     const size_t k = std::min<size_t>(5, losses.size() / 2);
     double first = 0, last = 0;
     for (size_t i = 0; i < k; ++i) {
       first += losses[i] / k;
       last += losses[losses.size() - 1 - i] / k;
     }
-    const bool fell = k > 0 && last < 0.9 * first;
-    if (lead) {
+    const bool judged = losses.size() >= 10;
+    const bool fell = !judged || last < 0.9 * first;
+    if (lead && judged) {
       std::printf("loss %s: mean of the first %zu steps %.4f, of the last %zu steps %.4f\n",
                   fell ? "fell" : "DID NOT FALL", k, first, k, last);
     }
