@@ -81,6 +81,7 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
 
   const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
   int64_t root_gathered = 0, other_gathered = 0, kept_gathered = 0, root_staging = 0, other_staging = 0;
+  int64_t all_staging = 0;
   // Reduce dtype -> (shard elements that go through buckets, the largest
   // shard too big for a bucket, reduced alone).
   std::map<at::ScalarType, std::pair<int64_t, int64_t>> reduced;
@@ -113,6 +114,7 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
         }
       }
     }
+    all_staging += staging;
     if (u.name.empty()) {
       root_gathered = gathered, root_staging = staging;
     } else if (!o.reshard_after_forward_of(u.name)) {
@@ -124,11 +126,11 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
   }
   // The root (and every unit not resharded after forward) stays gathered
   // through backward beside one other unit; two units' staging buffers at
-  // most are alive at once (not so under no_sync accumulation, where every
-  // unit keeps one: docs/memory.md).
+  // most are alive at once, except under accumulation without
+  // synchronisation, where every unit keeps one (docs/memory.md).
   // With prefetch, the next unit is gathered while one computes.
   add(Mem::GatheredParams, root_gathered + kept_gathered + other_gathered * (o.prefetches() ? 2 : 1));
-  add(Mem::GradStaging, root_staging + other_staging);
+  add(Mem::GradStaging, plan.accumulates ? all_staging : root_staging + other_staging);
   // Per reduce dtype, [N, cols] inputs and [cols] outputs: the bucket filling
   // (grown by doubling: up to twice what it holds, never beyond its cap) and
   // at most kMaxReduceScattersInFlight launched ones (a bucket, at most its

@@ -151,3 +151,48 @@ TEST(Plan, FrozenParametersAndUnitsKeptGatheredArePlanned) {
     }
   }
 }
+
+TEST(Plan, AccumulationWithoutSyncKeepsEveryUnitsStagingAndThePlanSaysSo) {
+  gpt::Config cfg{67, 16, 24, 4, 3};  // 4 blocks: more units than the two staged at once without accumulation
+  for (Strategy s : kAllStrategies) {
+    const std::string what = shardtorch::strategy_name(s);
+    auto opts = strategy_options(s, 2).bucket_mb(0.01);
+    auto units = gpt::unit_specs(cfg);
+    auto plain = shardtorch::plan_memory(units, {opts, 2, 2});
+    auto accum = shardtorch::plan_memory(units, {opts, 2, 2, /*accumulates=*/true});
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto model = gpt::GPT(cfg);
+      auto sm = shardtorch::shard(model, w, opts);
+      auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-3));
+      auto x = torch::randint(cfg.vocab, {4, cfg.seq_len}, torch::kLong);
+      sm.reset_peak_memory();
+      for (int k = 0; k < 2; ++k) {
+        sm.set_requires_gradient_sync(k == 1);
+        auto xs = x.narrow(0, 2 * k, 2);
+        gpt::lm_loss(model(xs), xs).backward();
+      }
+      opt->step();
+      if (w.rank() != 0) return;
+      auto m = sm.memory();
+      for (Mem c : kModelState)
+        require(m.cur(c) == accum.of(c), what + ": " + shardtorch::mem_name(c) + " measured " +
+                                             std::to_string(m.cur(c)) + ", planned " + std::to_string(accum.of(c)));
+      for (Mem c : kTransient)
+        require(m.max(c) <= accum.of(c), what + ": peak " + shardtorch::mem_name(c) + " measured " +
+                                             std::to_string(m.max(c)) + " above the plan's " + std::to_string(accum.of(c)));
+      if (s == Strategy::NoShard) {
+        require(m.max(Mem::GradStaging) == 0 && accum.of(Mem::GradStaging) == 0, what + " stages no gradients");
+      } else {
+        // Every unit's staging is alive at once: exactly what the plan says,
+        // and more than the plan without accumulation allows.
+        require(m.max(Mem::GradStaging) == accum.of(Mem::GradStaging),
+                what + ": peak grad_staging " + std::to_string(m.max(Mem::GradStaging)) + ", planned " +
+                    std::to_string(accum.of(Mem::GradStaging)));
+        require(m.max(Mem::GradStaging) > plain.of(Mem::GradStaging),
+                what + ": accumulation should stage more than " + std::to_string(plain.of(Mem::GradStaging)));
+      }
+    });
+    ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
+  }
+}

@@ -40,7 +40,7 @@ struct Args {
   gpt::Config cfg;
   int world = 8, hybrid = 0, states = 2;
   std::string strategy, fit, optimizer = "adamw";
-  bool bf16 = false, offload = false;
+  bool bf16 = false, offload = false, accumulate = false;
   double bucket_mb = 25;
 };
 
@@ -56,7 +56,7 @@ shardtorch::PlanOptions options_for(const Args& a, Strategy s) {
   auto o = shardtorch::ShardOptions().strategy(s).cpu_offload(a.offload && s != Strategy::NoShard).bucket_mb(a.bucket_mb);
   if (s == Strategy::HybridShard) o.hybrid_shard_size(a.hybrid > 0 ? a.hybrid : default_hybrid(a.world));
   if (a.bf16) o.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
-  return {o, a.world, a.states};
+  return {o, a.world, a.states, a.accumulate};
 }
 
 std::string gib(int64_t b) {
@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
       ("hybrid-shard-size", po::value(&a.hybrid)->default_value(0), "hybrid_shard group size (default world/2)")
       ("bf16", po::bool_switch(&a.bf16), "bf16 compute and reduction, fp32 masters")
       ("offload", po::bool_switch(&a.offload), "CPU offload (not for no_shard)")
+      ("accumulate", po::bool_switch(&a.accumulate), "gradient accumulation without synchronisation (no_sync)")
       ("bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size")
       ("optimizer", po::value(&a.optimizer)->default_value(a.optimizer), "adamw|adam (2 states), sgd-momentum (1), sgd (0)")
       ("fit", po::value(&a.fit), "also find the most layers whose device peak fits this per rank (e.g. 80GiB)");
@@ -103,10 +104,11 @@ int main(int argc, char** argv) {
     if (a.world < 2) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::HybridShard), strategies.end());
 
     auto units = gpt::unit_specs(a.cfg);
-    std::printf("GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s; optimizer %s\n",
+    std::printf("GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s%s; optimizer %s\n",
                 static_cast<long long>(a.cfg.n_layer), static_cast<long long>(a.cfg.d_model),
                 static_cast<long long>(a.cfg.vocab), static_cast<long long>(a.cfg.seq_len), a.world,
-                a.bf16 ? ", bf16" : ", fp32", a.offload ? ", CPU offload" : "", a.optimizer.c_str());
+                a.bf16 ? ", bf16" : ", fp32", a.offload ? ", CPU offload" : "",
+                a.accumulate ? ", accumulating without sync" : "", a.optimizer.c_str());
     std::printf("per rank, GiB (rank 0, which owns the most); transient = peak estimates of gathered params, "
                 "gradient staging and buckets; activations are not included\n");
     std::printf("%-15s %14s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "params", "params_B", "grads_B",

@@ -50,6 +50,12 @@ struct PlanOptions {
   /// fp32 state tensors per optimized element: 2 for Adam/AdamW, 1 for SGD
   /// with momentum, 0 for plain SGD.
   int optimizer_states = 2;
+  /// Gradient accumulation without synchronisation (set_requires_gradient_sync(false)
+  /// / no_sync on all but the last micro-batch): under the sharded strategies
+  /// every unit then keeps its unsharded gradient (grad_staging) from the
+  /// first micro-batch to the synchronising one; NoShard accumulates in its
+  /// buckets and needs nothing more.
+  bool accumulates = false;
 };
 
 struct MemoryPlan {
