@@ -4,12 +4,14 @@
 # checkpoint, end with the same parameter fingerprint. The data set is 4
 # batches per epoch, so the stop falls inside the second epoch and resuming
 # must restore both the epoch and the position in it.
-# usage: resume_example.sh TORCHRUN TRAIN_GPT
+# usage: resume_example.sh TORCHRUN TRAIN_GPT [train_gpt options for every run]
 set -euo pipefail
 torchrun=$1 train=$2
+shift 2
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-run() { "$torchrun" --no-python --standalone --nproc-per-node 2 "$train" --dataset 64 "$@"; }
+extra=("$@")
+run() { "$torchrun" --no-python --standalone --nproc-per-node 2 "$train" --dataset 64 "${extra[@]}" "$@"; }
 fingerprint() { sed -n 's/^parameters after step \([0-9]*\): fingerprint \([0-9a-f]*\)$/\1 \2/p' "$1"; }
 
 run --steps 8 > "$tmp/straight.log" 2>&1 || { cat "$tmp/straight.log"; exit 1; }

@@ -9,6 +9,7 @@
 
 #include "models.h"
 #include "shardtorch/checkpoint.h"
+#include "shardtorch/optim/cpu_adam.h"
 
 using namespace testmodels;
 using shardtorch::ShardOptions;
@@ -356,37 +357,53 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   fs::remove_all(dir);
 }
 
+// With torch::optim's AdamW, and with the fused CPU optimizers (whose state
+// the loader must recognise too), resident and offloaded.
 TEST(ShardedCheckpoint, ResumeAtTheSameWorldSizeIsBitwiseEqualToAnUninterruptedRun) {
-  auto dir = temp_dir();
-  const std::string ckpt = (dir / "ckpt").string();
-  auto x = gpt_tokens();
-  const std::string straight = (dir / "straight.safetensors").string();
-  auto a = run_ranks(2, [&](World& w) {
-    torch::manual_seed(0);
-    auto model = gpt::GPT(gpt::Config{});
-    shardtorch::shard(model, w);
-    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-    train_steps(w, model, *opt, x, 3);
-    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 3);
-    train_steps(w, model, *opt, x, 3);
-    shardtorch::save_full_state_dict(*model, straight);
-  });
-  ASSERT_TRUE(a.ok) << a.summary();
-  const std::string resumed = (dir / "resumed.safetensors").string();
-  auto b = run_ranks(2, [&](World& w) {
-    torch::manual_seed(42);  // different initial values: everything must come from the checkpoint
-    auto model = gpt::GPT(gpt::Config{});
-    shardtorch::shard(model, w);
-    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-    require(shardtorch::load_sharded_checkpoint(*model, opt.get(), ckpt) == 3, "wrong step");
-    train_steps(w, model, *opt, x, 3);
-    shardtorch::save_full_state_dict(*model, resumed);
-  });
-  ASSERT_TRUE(b.ok) << b.summary();
-  auto s = shardtorch::checkpoint::load_file(straight), r = shardtorch::checkpoint::load_file(resumed);
-  ASSERT_EQ(s.size(), r.size());
-  for (auto& [n, t] : s) EXPECT_TRUE(at::equal(t, r.at(n))) << n << " differs after resuming";
-  fs::remove_all(dir);
+  struct Variant {
+    std::string optimizer;
+    bool offload;
+  };
+  for (const Variant& v : {Variant{"AdamW", false}, Variant{"FusedAdamW", true}, Variant{"FusedAdam", false}}) {
+    const std::string what = v.optimizer + (v.offload ? ", offloaded" : "");
+    auto dir = temp_dir();
+    const std::string ckpt = (dir / "ckpt").string();
+    auto x = gpt_tokens();
+    auto setup = [&](World& w, uint64_t seed) {
+      torch::manual_seed(seed);
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w, ShardOptions().cpu_offload(v.offload));
+      auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+      std::unique_ptr<shardtorch::ShardedOptimizer> opt;
+      if (v.optimizer == "AdamW") opt = shardtorch::AdamW(*model, adamw);
+      if (v.optimizer == "FusedAdamW") opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw);
+      if (v.optimizer == "FusedAdam")
+        opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdam>(*model,
+                                                                        torch::optim::AdamOptions(1e-2).weight_decay(0.1));
+      return std::make_pair(model, std::move(opt));
+    };
+    const std::string straight = (dir / "straight.safetensors").string();
+    auto a = run_ranks(2, [&](World& w) {
+      auto [model, opt] = setup(w, 0);
+      train_steps(w, model, *opt, x, 3);
+      shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 3);
+      train_steps(w, model, *opt, x, 3);
+      shardtorch::save_full_state_dict(*model, straight);
+    });
+    ASSERT_TRUE(a.ok) << what << "\n" << a.summary();
+    const std::string resumed = (dir / "resumed.safetensors").string();
+    auto b = run_ranks(2, [&](World& w) {
+      auto [model, opt] = setup(w, 42);  // different initial values: everything must come from the checkpoint
+      require(shardtorch::load_sharded_checkpoint(*model, opt.get(), ckpt) == 3, "wrong step");
+      train_steps(w, model, *opt, x, 3);
+      shardtorch::save_full_state_dict(*model, resumed);
+    });
+    ASSERT_TRUE(b.ok) << what << "\n" << b.summary();
+    auto s = shardtorch::checkpoint::load_file(straight), r = shardtorch::checkpoint::load_file(resumed);
+    ASSERT_EQ(s.size(), r.size());
+    for (auto& [n, t] : s) EXPECT_TRUE(at::equal(t, r.at(n))) << what << ": " << n << " differs after resuming";
+    fs::remove_all(dir);
+  }
 }
 
 TEST(ShardedCheckpoint, AWriterKilledAtRandomPointsLeavesALoadableCheckpoint) {

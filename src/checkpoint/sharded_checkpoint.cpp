@@ -15,6 +15,7 @@
 
 #include "../shard_state.h"
 #include "shardtorch/checkpoint.h"
+#include "shardtorch/optim/cpu_adam.h"
 
 namespace shardtorch {
 namespace {
@@ -392,8 +393,11 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
     for (const auto& e : idx.entries)
       if (e.kind != "param" && e.kind != "buffer") saved_kinds.insert(e.kind);
     auto& st = opt->inner().state();
-    const bool adam = dynamic_cast<torch::optim::Adam*>(&opt->inner()) || dynamic_cast<torch::optim::AdamW*>(&opt->inner());
-    const bool sgd = dynamic_cast<torch::optim::SGD*>(&opt->inner()) != nullptr;
+    // The state classes each optimizer keeps (the fused CPU ones keep torch::optim's).
+    torch::optim::Optimizer* inner = &opt->inner();
+    const bool adamw = dynamic_cast<torch::optim::AdamW*>(inner) || dynamic_cast<FusedAdamW*>(inner);
+    const bool adam = adamw || dynamic_cast<torch::optim::Adam*>(inner) || dynamic_cast<FusedAdam*>(inner);
+    const bool sgd = dynamic_cast<torch::optim::SGD*>(inner) != nullptr;
     if (!saved_kinds.empty()) {
       bool fits = (adam && saved_kinds.count("exp_avg")) || (sgd && saved_kinds.count("momentum_buffer"));
       TORCH_CHECK(fits, "shardtorch::load_sharded_checkpoint: '", dir, "' holds optimizer state of another kind of optimizer");
@@ -411,7 +415,7 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
         int64_t step = 0;
         at::Tensor m = make("exp_avg", &step), v = make("exp_avg_sq", nullptr);
         at::Tensor vmax = saved_kinds.count("max_exp_avg_sq") ? make("max_exp_avg_sq", nullptr) : at::Tensor();
-        if (dynamic_cast<torch::optim::AdamW*>(&opt->inner())) {
+        if (adamw) {
           auto s = std::make_unique<torch::optim::AdamWParamState>();
           s->step(step).exp_avg(m).exp_avg_sq(v);
           if (vmax.defined()) s->max_exp_avg_sq(vmax);
