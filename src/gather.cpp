@@ -11,6 +11,9 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
   const bool mixed = state_->options().mixed_precision().param_dtype().has_value();
   TORCH_CHECK(!(mixed && options_.writeback().value_or(false)), "shardtorch::summon_full_params: writeback under "
               "mixed precision would round the fp32 master parameters to the compute dtype; leave writeback unset");
+  TORCH_CHECK(!(options_.rank0_only() && options_.writeback().value_or(false)), "shardtorch::summon_full_params: "
+              "writeback with rank0_only: only rank 0 keeps the full parameters, so edits could not reach the other "
+              "ranks' shards; leave writeback unset");
   writeback_ = options_.writeback().value_or(!mixed) && !options_.rank0_only();
   World& world = state_->world();
   const bool keep = !options_.rank0_only() || world.rank() == 0;

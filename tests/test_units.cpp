@@ -52,6 +52,16 @@ TEST(Units, SummonRank0OnlyKeepsOtherRanksSharded) {
       }
     }
     require(sm.memory().cur(Mem::GatheredParams) == 0, "full parameters left after summon");
+    // Edits on rank 0 could not reach the other ranks' shards: asking for
+    // writeback as well is refused, on every rank, before anything is gathered.
+    bool refused = false;
+    try {
+      shardtorch::FullParams full(*m, shardtorch::SummonOptions().rank0_only(true).writeback(true));
+    } catch (const c10::Error& e) {
+      refused = std::string(e.what()).find("writeback with rank0_only") != std::string::npos;
+    }
+    require(refused, "rank0_only with writeback was accepted");
+    require(sm.memory().cur(Mem::GatheredParams) == 0, "the refused summon gathered something");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

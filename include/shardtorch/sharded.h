@@ -74,7 +74,7 @@ struct MixedPrecision {
 
 struct ShardOptions {
   TORCH_ARG(Strategy, strategy) = Strategy::FullShard;
-  /// Mixed precision (all strategies but NoShard).
+  /// Mixed precision (every strategy; NoShard keeps fp32 master copies).
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
   /// Free a unit's full parameters after its forward (FullShard and
   /// HybridShard); when false they stay until the end of backward. The root
