@@ -33,6 +33,18 @@ void expect_same_specs(const std::vector<shardtorch::UnitSpec>& got, const std::
   }
 }
 
+// Model state measured equals the plan byte for byte; transient peaks stay within it.
+void require_plan_holds(const shardtorch::MemorySnapshot& m, const shardtorch::MemoryPlan& plan, const std::string& what) {
+  for (Mem c : kModelState) {
+    require(m.cur(c) == plan.of(c), what + ": " + shardtorch::mem_name(c) + " measured " + std::to_string(m.cur(c)) +
+                                        ", planned " + std::to_string(plan.of(c)));
+  }
+  for (Mem c : kTransient) {
+    require(m.max(c) <= plan.of(c), what + ": peak " + shardtorch::mem_name(c) + " measured " +
+                                        std::to_string(m.max(c)) + " above the plan's " + std::to_string(plan.of(c)));
+  }
+}
+
 }  // namespace
 
 TEST(Plan, GptShapeArithmeticEqualsTheWalkOfAConstructedModel) {
@@ -85,15 +97,7 @@ TEST_P(PlanVsMeasured, ModelStateIsExactAndTransientEstimatesBoundThePeaks) {
       gpt::lm_loss(model(x), x).backward();
       opt->step();
       if (w.rank() != 0) return;  // the plan is for rank 0, which owns the most
-      auto m = sm.memory();
-      for (Mem c : kModelState) {
-        require(m.cur(c) == plan.of(c), what + ": " + shardtorch::mem_name(c) + " measured " +
-                                            std::to_string(m.cur(c)) + ", planned " + std::to_string(plan.of(c)));
-      }
-      for (Mem c : kTransient) {
-        require(m.max(c) <= plan.of(c), what + ": peak " + shardtorch::mem_name(c) + " measured " +
-                                            std::to_string(m.max(c)) + " above the plan's " + std::to_string(plan.of(c)));
-      }
+      require_plan_holds(sm.memory(), plan, what);
     });
     ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
   }
@@ -139,13 +143,7 @@ TEST(Plan, FrozenParametersAndUnitsKeptGatheredArePlanned) {
         model(torch::randn({4, 7})).square().mean().backward();
         opt->step();
         if (w.rank() != 0) return;
-        auto m = sm.memory();
-        for (Mem c : kModelState)
-          require(m.cur(c) == plan.of(c), what + ": " + shardtorch::mem_name(c) + " measured " +
-                                              std::to_string(m.cur(c)) + ", planned " + std::to_string(plan.of(c)));
-        for (Mem c : kTransient)
-          require(m.max(c) <= plan.of(c), what + ": peak " + shardtorch::mem_name(c) + " " + std::to_string(m.max(c)) +
-                                              " above the plan's " + std::to_string(plan.of(c)));
+        require_plan_holds(sm.memory(), plan, what);
       });
       ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
     }
@@ -175,12 +173,7 @@ TEST(Plan, AccumulationWithoutSyncKeepsEveryUnitsStagingAndThePlanSaysSo) {
       opt->step();
       if (w.rank() != 0) return;
       auto m = sm.memory();
-      for (Mem c : kModelState)
-        require(m.cur(c) == accum.of(c), what + ": " + shardtorch::mem_name(c) + " measured " +
-                                             std::to_string(m.cur(c)) + ", planned " + std::to_string(accum.of(c)));
-      for (Mem c : kTransient)
-        require(m.max(c) <= accum.of(c), what + ": peak " + shardtorch::mem_name(c) + " measured " +
-                                             std::to_string(m.max(c)) + " above the plan's " + std::to_string(accum.of(c)));
+      require_plan_holds(m, accum, what);
       if (s == Strategy::NoShard) {
         require(m.max(Mem::GradStaging) == 0 && accum.of(Mem::GradStaging) == 0, what + " stages no gradients");
       } else {
