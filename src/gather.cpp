@@ -18,10 +18,25 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
   World& world = state_->world();
   const bool keep = !options_.rank0_only() || world.rank() == 0;
   c10::NoGradGuard no_grad;
+  try {
+    gather_all(keep);
+  } catch (...) {  // no destructor will run: undo the pins and free what we gathered
+    for (auto& p : grads_set_) p.mutable_grad().reset();
+    for (auto& u : units_) u->unpin();
+    for (auto& u : summoned_) u->reshard();
+    throw;
+  }
+  state_->enter_summon();
+}
+
+void FullParams::gather_all(bool keep) {
   for (auto& u : state_->units()) {
     bool was_sharded = u->state() == detail::UnitState::Sharded;
     u->unshard();
-    if (keep) units_.push_back(u);
+    if (keep) {
+      u->pin();  // a forward or backward in the scope must not free it
+      units_.push_back(u);
+    }
     if (options_.with_grads()) {
       for (auto& f : u->flats()) {
         if (!f->requires_grad()) continue;
@@ -47,13 +62,25 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
 }
 
 FullParams::~FullParams() {
-  for (auto& p : grads_set_) p.mutable_grad().reset();
-  if (writeback_) {
-    state_->wait_for_offload_copies();
-    for (auto& u : units_)
-      for (auto& f : u->flats()) f->write_back_shard();
+  // A destructor must not throw (that would terminate the program): a failure
+  // here is reported, and the scope is still left.
+  try {
+    for (auto& p : grads_set_) p.mutable_grad().reset();
+    if (writeback_) {
+      state_->wait_for_offload_copies();
+      for (auto& u : units_)
+        for (auto& f : u->flats()) f->write_back_shard();
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("shardtorch: rank ", state_->world().rank(), ": leaving summon_full_params failed: ", e.what());
   }
-  for (auto& u : summoned_) u->reshard();
+  for (auto& u : units_) u->unpin();
+  state_->leave_summon();
+  try {
+    for (auto& u : summoned_) u->reshard();
+  } catch (const std::exception& e) {
+    TORCH_WARN("shardtorch: rank ", state_->world().rank(), ": freeing summoned parameters failed: ", e.what());
+  }
 }
 
 std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool rank0_only) {

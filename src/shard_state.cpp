@@ -110,6 +110,10 @@ void ShardState::release_master_grads() {
 }
 
 void ShardState::after_optimizer_step() {
+  // Symmetric: every rank holds a FullParams for the scope, kept or not.
+  TORCH_CHECK(summons_ == 0, "shardtorch: rank ", world_->rank(), ": an optimizer step or a checkpoint load inside a "
+              "summon_full_params scope: the scope's full parameters would be stale (and written back over the new "
+              "values on exit); leave the scope first");
   if (ddp_) {  // the optimizer updated the parameters themselves, or their masters
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < ddp_masters_.size(); ++i) ddp_params_[i].copy_(ddp_masters_[i]);

@@ -39,6 +39,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Launches the all-gather and returns (Sharded -> Gathering); unshard()
   /// finishes it.
   void unshard_async();
+  /// reshard() does nothing while pinned: summon_full_params pins the units
+  /// it keeps, so a forward or backward inside its scope leaves them gathered.
+  void pin() { ++pins_; }
+  void unpin() { --pins_; }
   void reshard();
   void pre_forward();
   std::optional<at::ScalarType> input_dtype() const;
@@ -70,6 +74,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::vector<at::Tensor> gather_inputs_;  // kept alive for them
   int expected_grads_ = 0, received_grads_ = 0;
   bool touched_ = false, reduced_ = false;
+  int pins_ = 0;
 };
 
 class ShardState : public std::enable_shared_from_this<ShardState> {
@@ -96,6 +101,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   void count_gradient_reduction() { ++gradient_reductions_; }
 
   bool sync() const { return sync_; }
+  /// summon_full_params scopes alive (on every rank, rank0_only or not).
+  void enter_summon() { ++summons_; }
+  void leave_summon() { --summons_; }
   void set_sync(bool s) { sync_ = s; }
 
   /// Units in pre-order of the module tree; throws if the model is gone.
@@ -185,6 +193,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool callback_queued_ = false;
   int callback_task_ = -1;  // the autograd graph task the callback was queued for
   bool sync_ = true;
+  int summons_ = 0;
   int64_t gradient_reductions_ = 0;
   bool has_scaler_ = false;
   int64_t master_grad_bytes_ = 0;

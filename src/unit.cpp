@@ -51,7 +51,7 @@ void Unit::unshard() {
 }
 
 void Unit::reshard() {
-  if (state_ == UnitState::Sharded || persistent_) return;
+  if (state_ == UnitState::Sharded || persistent_ || pins_ > 0) return;
   if (state_ == UnitState::Gathering) unshard();  // never free memory a collective still writes
   for (auto& f : flats_) f->free_full();
   state_ = UnitState::Sharded;

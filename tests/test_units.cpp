@@ -66,6 +66,57 @@ TEST(Units, SummonRank0OnlyKeepsOtherRanksSharded) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// Evaluation inside a summon scope: forwards (with and without grad mode)
+// leave the summoned units gathered, so the scope's exit finds them as it left
+// them (before, the forward freed them and the exit's writeback threw from a
+// destructor: std::terminate). With rank0_only, rank 0 alone can run the model:
+// nothing needs a collective. An optimizer step inside a scope is an error on
+// every rank (its values would be overwritten on exit).
+TEST(Units, ForwardInsideSummonKeepsTheUnitsAndAStepThereIsRefused) {
+  torch::manual_seed(0);
+  auto ref = MLP();
+  auto x = torch::randn({3, 7});
+  auto want = ref(x).detach();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = MLP();
+    auto sm = shardtorch::shard(m, w);
+    auto opt = shardtorch::AdamW(*m, torch::optim::AdamWOptions(1e-2));
+    {
+      shardtorch::FullParams full(*m);
+      {
+        torch::NoGradGuard no_grad;
+        require(at::allclose(m(x), want), "forward under no_grad inside summon differs");
+      }
+      auto y = m(x);  // grad mode: backward would follow
+      require(at::allclose(y.detach(), want), "forward inside summon differs");
+      require(sm.memory().gathered_units == 3, "a forward inside summon freed units");
+      bool refused = false;
+      try {
+        opt->step();
+      } catch (const c10::Error& e) {
+        refused = std::string(e.what()).find("inside a summon_full_params scope") != std::string::npos;
+      }
+      require(refused, "an optimizer step inside summon was accepted");
+    }
+    require(sm.memory().cur(Mem::GatheredParams) == 0, "full parameters left after summon");
+    {
+      shardtorch::FullParams full(*m, shardtorch::SummonOptions().rank0_only(true));
+      if (w.rank() == 0) {
+        torch::NoGradGuard no_grad;
+        require(at::allclose(m(x), want), "rank 0's forward inside a rank0_only summon differs");
+        require(at::allclose(m(x), want), "a second forward inside a rank0_only summon differs");
+      }
+    }
+    require(sm.memory().cur(Mem::GatheredParams) == 0, "full parameters left after the rank0_only summon");
+    // Training goes on normally afterwards.
+    opt->zero_grad();
+    m(x).square().mean().backward();
+    opt->step();
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(Units, SummonWritesEditsBackIntoTheShards) {
   auto r = run_ranks(2, [](World& w) {
     auto m = MLP();

@@ -41,6 +41,8 @@ class FullParams {
   FullParams& operator=(const FullParams&) = delete;
 
  private:
+  void gather_all(bool keep);
+
   std::shared_ptr<detail::ShardState> state_;
   SummonOptions options_;
   bool writeback_ = true;
