@@ -516,3 +516,36 @@ TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossR
   ASSERT_TRUE(malformed.ok) << malformed.summary();
   fs::remove_all(dir);
 }
+
+// Frozen parameters (the MLP's l2 bias) are saved and loaded under every
+// strategy: under NoShard they used to be saved but not loaded (they kept
+// the loading model's own values, silently).
+TEST(ShardedCheckpoint, FrozenParametersRoundTripUnderEveryStrategy) {
+  for (Strategy s : kAllStrategies) {
+    const std::string what = shardtorch::strategy_name(s);
+    auto dir = temp_dir();
+    const std::string ckpt = (dir / "ckpt").string();
+    std::map<std::string, at::Tensor> saved;  // what the ranks save: a fresh seed-0 model's values
+    torch::manual_seed(0);
+    auto ref = MLP();
+    for (auto& item : ref->named_parameters()) saved[item.key()] = item.value().detach().clone();
+    auto a = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto m = MLP();
+      shardtorch::shard(m, w, strategy_options(s, 2));
+      shardtorch::save_sharded_checkpoint(*m, nullptr, ckpt, 0);
+    });
+    ASSERT_TRUE(a.ok) << what << "\n" << a.summary();
+    auto b = run_ranks(2, [&](World& w) {
+      torch::manual_seed(1);  // other values everywhere, the frozen bias included
+      auto m = MLP();
+      require(!at::equal(m->l2->lin->bias, saved.at("l2.lin.bias")), "the seeds give the same frozen bias");
+      shardtorch::shard(m, w, strategy_options(s, 2));
+      shardtorch::load_sharded_checkpoint(*m, nullptr, ckpt);
+      for (auto& [name, t] : shardtorch::full_parameters(*m))
+        require(at::equal(t, saved.at(name)), what + ": " + name + " was not loaded");
+    });
+    ASSERT_TRUE(b.ok) << what << "\n" << b.summary();
+    fs::remove_all(dir);
+  }
+}

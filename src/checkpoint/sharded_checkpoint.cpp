@@ -374,6 +374,15 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
       at::Tensor(optimized[i]).copy_(t.view(optimized[i].sizes()));
       if (!optimized[i].is_same(params[i])) at::Tensor(params[i]).copy_(optimized[i]);
     }
+    // The frozen parameters, saved whole beside the trained ones (as save does).
+    std::set<const void*> done;
+    for (const auto& p : params) done.insert(p.unsafeGetTensorImpl());
+    for (const auto& item : root.named_parameters()) {
+      if (!done.insert(item.value().unsafeGetTensorImpl()).second) continue;
+      at::Tensor t = at::empty({item.value().numel()}, item.value().options());
+      fill(t, item.key(), "param", 0, idx, files, dir);
+      at::Tensor(item.value()).copy_(t.view(item.value().sizes()));
+    }
   } else {
     const int shard_rank = state->shard_comm().rank();
     for (auto& u : state->units())
