@@ -18,6 +18,7 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
     const auto& optimized = state_->ddp_optimized();
     for (size_t i = 0; i < params.size(); ++i) {
       by_param_.emplace_back(params[i].unsafeGetTensorImpl(), std::vector<size_t>{pieces_.size()});
+      trainable_.push_back(params[i].unsafeGetTensorImpl());
       pieces_.push_back({optimized[i], nullptr, 0, optimized[i].numel(), state_->ddp_names()[i], 0});
     }
     return;
@@ -36,6 +37,7 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
           }
         }
         by_param_.emplace_back(key, std::move(idx));
+        if (f->requires_grad()) trainable_.push_back(key);
       }
     }
   }
@@ -58,6 +60,11 @@ std::vector<at::Tensor> ShardViews::take(const std::vector<at::Tensor>& params) 
     }
   }
   return out;
+}
+
+bool ShardViews::rest_exists() const {
+  return std::any_of(trainable_.begin(), trainable_.end(),
+                     [&](const void* k) { return std::find(asked_.begin(), asked_.end(), k) == asked_.end(); });
 }
 
 std::vector<at::Tensor> ShardViews::take_rest() {

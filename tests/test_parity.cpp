@@ -188,6 +188,42 @@ TEST(Parity, ParamGroupsAdamWNoDecayOnNormsAndBiasesWithLrSchedule) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// The default group (parameters named in no group) must exist on every rank,
+// also on one that owns none of their elements: here at 2 ranks the MLP's
+// trainable biases (l1's, l3's) lie wholly in rank 1's shards. Before, rank 0
+// had one group and rank 1 two, so set_lr(1, ...) threw on rank 0 only.
+TEST(Parity, TheDefaultParamGroupExistsOnEveryRank) {
+  torch::manual_seed(7);
+  auto x = torch::randn({kBatch, 7});
+  auto y = torch::randn({kBatch, 3});
+  auto weights_of = [](torch::nn::Module& m) {
+    std::vector<torch::Tensor> w, b;
+    for (auto& [n, p] : unique_params(m))
+      if (p.requires_grad()) (n.find("bias") != std::string::npos ? b : w).push_back(p);
+    return std::make_pair(w, b);
+  };
+  auto opts = [](double wd) { return torch::optim::AdamWOptions(1e-2).weight_decay(wd); };
+  auto torch_groups = [&](torch::nn::Module& m) {
+    auto [w, b] = weights_of(m);
+    return std::make_unique<torch::optim::AdamW>(
+        std::vector<torch::optim::OptimizerParamGroup>{
+            torch::optim::OptimizerParamGroup(w, std::make_unique<torch::optim::AdamWOptions>(opts(0.1))),
+            torch::optim::OptimizerParamGroup(b, std::make_unique<torch::optim::AdamWOptions>(opts(0.0)))},
+        opts(0.0));
+  };
+  auto ref = train_reference<testmodels::MLP>(make_mlp, mlp_loss, torch_groups, x, y, 4);
+  auto sharded_groups = [&](torch::nn::Module& m) {
+    auto opt = shardtorch::AdamW(m, opts(0.0), {{weights_of(m).first, opts(0.1)}});
+    require(opt->num_groups() == 2, "expected 2 groups on every rank, got " + std::to_string(opt->num_groups()));
+    opt->set_lr(1, 1e-2);  // the default group, on every rank
+    return opt;
+  };
+  auto r = run_ranks(2, [&](World& w) {
+    train_sharded<testmodels::MLP>(w, make_mlp, mlp_loss, sharded_groups, x, y, 4, ref);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(Parity, SgdMomentumNesterovWeightDecay) {
   torch::manual_seed(7);
   auto x = torch::randn({kBatch, 7});

@@ -28,6 +28,10 @@ class ShardViews {
   std::vector<at::Tensor> take(const std::vector<at::Tensor>& params);
   /// Pieces of every trainable parameter not taken yet.
   std::vector<at::Tensor> take_rest();
+  /// Whether some trainable parameter of the model is in no group yet: the
+  /// same answer on every rank (take_rest() may be empty on a rank that owns
+  /// none of those parameters' elements).
+  bool rest_exists() const;
   /// Points each piece's grad at its part of the flat gradient shard.
   void bind_grads();
   void zero_grad();
@@ -49,6 +53,7 @@ class ShardViews {
   std::vector<Piece> pieces_;
   std::vector<std::pair<const void*, std::vector<size_t>>> by_param_;  // TensorImpl* -> pieces
   std::vector<const void*> asked_;
+  std::vector<const void*> trainable_;
 };
 }  // namespace detail
 
@@ -71,7 +76,7 @@ class ShardedOptimizer {
     std::vector<torch::optim::OptimizerParamGroup> pgs;
     for (auto& g : groups) pgs.emplace_back(views->take(g.params), std::make_unique<Options>(g.options));
     auto rest = views->take_rest();
-    if (groups.empty() || !rest.empty()) pgs.emplace_back(std::move(rest), std::make_unique<Options>(defaults));
+    if (groups.empty() || views->rest_exists()) pgs.emplace_back(std::move(rest), std::make_unique<Options>(defaults));
     auto inner = std::make_unique<TorchOptim>(std::move(pgs), defaults);
     return std::unique_ptr<ShardedOptimizer>(new ShardedOptimizer(std::move(views), std::move(inner)));
   }
