@@ -238,6 +238,7 @@ void FlatParam::zero_grad() {
   }
   full_grad_ = at::Tensor();
   shard_grad_ = at::Tensor();
+  drop_staging_grad();  // gradients accumulated without sync are gradients too
 }
 
 std::string FlatParam::describe() const {

@@ -26,6 +26,9 @@ struct Recipe {
   double clip = 0;  // 0: none
   double norm_type = 2.0;
   double lr = 1e-3;
+  // Each step starts with a micro-batch whose gradients are accumulated
+  // without sync and then thrown away by zero_grad(): it must leave no trace.
+  bool discarded_micro_batch = false;
 };
 
 struct Result {
@@ -56,7 +59,14 @@ Result train_sharded(World& w, const Recipe& r, const torch::Tensor& x, ShardOpt
   const int64_t per = kBatch / w.size(), mb = per / r.micro;
   Result res;
   for (int s = 0; s < r.steps; ++s) {
+    if (r.discarded_micro_batch) {
+      sm.set_requires_gradient_sync(false);
+      auto junk = x.narrow(0, w.rank() * per, per).flip({1});
+      gpt::lm_loss(model(junk), junk).backward();
+    }
     opt->zero_grad();
+    if (r.discarded_micro_batch)
+      require(sm.memory().cur(Mem::GradStaging) == 0, "gradients staged without sync survived zero_grad()");
     for (int k = 0; k < r.micro; ++k) {
       sm.set_requires_gradient_sync(k == r.micro - 1);
       auto xs = x.narrow(0, w.rank() * per + k * mb, mb);
@@ -104,6 +114,20 @@ TEST_P(StrategyParity, AccumulatingMicroBatchesEqualsOneBigBatch) {
   auto r = run_ranks(world, [&](World& w) {
     compare(train_sharded(w, acc, x, strategy_options(strategy, world)), want,
             std::string(shardtorch::strategy_name(strategy)) + " with " + std::to_string(acc.micro) + " micro-batches");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST_P(StrategyParity, ZeroGradDiscardsGradientsAccumulatedWithoutSync) {
+  auto [strategy, world] = GetParam();
+  auto x = gpt_tokens();
+  Recipe plain;
+  Recipe discarding;
+  discarding.discarded_micro_batch = true;
+  auto want = train_reference(plain, x);
+  auto r = run_ranks(world, [&](World& w) {
+    compare(train_sharded(w, discarding, x, strategy_options(strategy, world)), want,
+            std::string(shardtorch::strategy_name(strategy)) + " after a discarded micro-batch");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
