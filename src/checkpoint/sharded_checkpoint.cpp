@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -420,6 +421,15 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
         return t;
       };
       void* key = piece.view.unsafeGetTensorImpl();
+      // A parameter that never had a gradient has no optimizer state (the
+      // optimizer skipped it) and none was saved: it gets none now either.
+      const std::string first_kind = adam ? "exp_avg" : "momentum_buffer";
+      const bool saved = std::any_of(idx.entries.begin(), idx.entries.end(),
+                                     [&](const auto& e) { return e.name == piece.name && e.kind == first_kind; });
+      if (!saved) {
+        st.erase(key);
+        continue;
+      }
       if (adam) {
         int64_t step = 0;
         at::Tensor m = make("exp_avg", &step), v = make("exp_avg_sq", nullptr);
