@@ -76,6 +76,9 @@ void AllReduceBucketer::launch(Bucket& b, size_t index) {
        << "')";
   b.launched = true;
   ++launched_;
+  // fp16 sums of N gradients can overflow where their mean does not: divide
+  // first (as the sharded strategies do); other dtypes divide after.
+  if (b.buffer.scalar_type() == at::kHalf && comm_.size() > 1) b.buffer.div_(static_cast<double>(comm_.size()));
   b.pending = comm_.all_reduce_async(b.buffer, what.str());
 }
 
@@ -115,7 +118,7 @@ void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
     const double n = comm_.size();
     for (auto& bucket : buckets_) {
       comm_.wait(bucket.pending);
-      if (n > 1) bucket.buffer.div_(n);
+      if (n > 1 && bucket.buffer.scalar_type() != at::kHalf) bucket.buffer.div_(n);
     }
   }
   reset_counts();

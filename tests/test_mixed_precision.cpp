@@ -163,6 +163,30 @@ TEST(MixedPrecision, Fp16OverflowOnOneRankSkipsTheStepOnEveryRankAndHalvesTheSca
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// fp16 reductions divide by the world size before summing, under every
+// strategy: two ranks' gradients of 40000 each sum to 80000, beyond fp16's
+// 65504, but their mean does not overflow. NoShard used to sum first (an inf,
+// so a skipped step and a halved scale for nothing).
+TEST(MixedPrecision, Fp16ReductionsDivideBeforeSummingUnderEveryStrategy) {
+  for (Strategy s : kAllStrategies) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(
+                                      MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
+      shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+      model->ln_f->bias.register_hook([](const torch::Tensor& g) { return at::full_like(g, 40000); });
+      auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+      opt->zero_grad();
+      scaler.scale(gpt::lm_loss(model(x), x)).backward();
+      require(scaler.step(*opt), std::string(shardtorch::strategy_name(s)) +
+                                     ": the step was skipped: the fp16 reduction overflowed");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << "\n" << r.summary();
+  }
+}
+
 TEST(MixedPrecision, ConfigurationErrors) {
   auto r = run_ranks(1, [](World& w) {
     {
