@@ -53,7 +53,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Hands every trainable flat gradient on for reduction (or, with sync
   /// off, keeps accumulating it) and reshards.
   void reduce_grads();
-  bool needs_final_reduce() const { return touched_ && !reduced_ && expected_grads_ > 0; }
+  /// At the end of a backward: touched and not reduced yet, or (a unit this
+  /// backward did not run) holding gradients accumulated without sync.
+  bool needs_final_reduce() const;
   void reset_backward() {
     touched_ = reduced_ = false;
     received_grads_ = 0;

@@ -3,6 +3,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
+
 #include "shard_state.h"
 
 namespace shardtorch::detail {
@@ -112,15 +114,25 @@ void Unit::on_grad_ready(size_t flat, size_t param) {
   if (++received_grads_ == expected_grads_) reduce_grads();
 }
 
+bool Unit::needs_final_reduce() const {
+  if (reduced_ || expected_grads_ == 0) return false;
+  if (touched_) return true;
+  return std::any_of(flats_.begin(), flats_.end(), [](const auto& f) { return f->has_staging_grad(); });
+}
+
 void Unit::reduce_grads() {
   if (reduced_) return;
-  TORCH_CHECK(state_ == UnitState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
-              "' reduces its gradients while ", state_name(state_));
+  // A unit the backward did not run reduces what earlier micro-batches staged
+  // without its parameters: it stays sharded.
+  const bool idle = !touched_ && state_ == UnitState::Sharded;
+  TORCH_CHECK(state_ == UnitState::Unsharded || idle, "shardtorch: rank ", owner_->world().rank(), ": unit '",
+              label(), "' reduces its gradients while ", state_name(state_));
   reduced_ = true;
   if (!owner_->sync()) {  // accumulation: the staged gradients wait for a synchronising backward
     reshard();
     return;
   }
+  const UnitState was = state_;
   state_ = UnitState::Reducing;
   const double world = owner_->world().size();
   for (auto& f : flats_) {
@@ -156,7 +168,7 @@ void Unit::reduce_grads() {
         },
         what);
   }
-  state_ = UnitState::Unsharded;
+  state_ = was;
   reshard();
 }
 
