@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -106,6 +105,17 @@ Entry entry_from(const json::value& v, const std::string& index) {
   }
 }
 
+// NoShard: the module's parameters it does not train (frozen), each tensor
+// once under its first name. They are saved and loaded whole.
+std::vector<std::pair<std::string, at::Tensor>> untrained_params(torch::nn::Module& root, detail::ShardState& state) {
+  std::set<const void*> trained;
+  for (const auto& p : state.ddp_params()) trained.insert(p.unsafeGetTensorImpl());
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : root.named_parameters())
+    if (trained.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
 // What this rank holds: element ranges of parameters (and buffers, rank 0)
 // and of the optimizer state.
 struct Holding {
@@ -126,16 +136,9 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
   };
   if (writes_params) {
     if (state.ddp()) {
-      const auto& params = state.ddp_params();
       const auto& optimized = state.ddp_optimized();
-      std::set<const void*> done;
-      for (size_t i = 0; i < params.size(); ++i) {
-        add(state.ddp_names()[i], "param", 0, optimized[i], 0);
-        done.insert(params[i].unsafeGetTensorImpl());
-      }
-      for (const auto& item : root.named_parameters())
-        if (done.insert(item.value().unsafeGetTensorImpl()).second)
-          add(item.key(), "param", 0, item.value(), 0);
+      for (size_t i = 0; i < optimized.size(); ++i) add(state.ddp_names()[i], "param", 0, optimized[i], 0);
+      for (const auto& [name, p] : untrained_params(root, state)) add(name, "param", 0, p, 0);
     } else {
       const int shard_rank = state.shard_comm().rank();
       for (auto& u : state.units())
@@ -375,14 +378,10 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
       at::Tensor(optimized[i]).copy_(t.view(optimized[i].sizes()));
       if (!optimized[i].is_same(params[i])) at::Tensor(params[i]).copy_(optimized[i]);
     }
-    // The frozen parameters, saved whole beside the trained ones (as save does).
-    std::set<const void*> done;
-    for (const auto& p : params) done.insert(p.unsafeGetTensorImpl());
-    for (const auto& item : root.named_parameters()) {
-      if (!done.insert(item.value().unsafeGetTensorImpl()).second) continue;
-      at::Tensor t = at::empty({item.value().numel()}, item.value().options());
-      fill(t, item.key(), "param", 0, idx, files, dir);
-      at::Tensor(item.value()).copy_(t.view(item.value().sizes()));
+    for (auto& [name, p] : untrained_params(root, *state)) {
+      at::Tensor t = at::empty({p.numel()}, p.options());
+      fill(t, name, "param", 0, idx, files, dir);
+      p.copy_(t.view(p.sizes()));
     }
   } else {
     const int shard_rank = state->shard_comm().rank();
@@ -412,6 +411,12 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
       bool fits = (adam && saved_kinds.count("exp_avg")) || (sgd && saved_kinds.count("momentum_buffer"));
       TORCH_CHECK(fits, "shardtorch::load_sharded_checkpoint: '", dir, "' holds optimizer state of another kind of optimizer");
     }
+    // A parameter that never had a gradient has no optimizer state (the
+    // optimizer skipped it) and none was saved: it gets none now either.
+    const std::string first_kind = adam ? "exp_avg" : "momentum_buffer";
+    std::set<std::string> with_state;
+    for (const auto& e : idx.entries)
+      if (e.kind == first_kind) with_state.insert(e.name);
     for (const auto& piece : opt->views().pieces()) {
       if (saved_kinds.empty()) break;
       auto make = [&](const std::string& kind, int64_t* step) {
@@ -421,12 +426,7 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
         return t;
       };
       void* key = piece.view.unsafeGetTensorImpl();
-      // A parameter that never had a gradient has no optimizer state (the
-      // optimizer skipped it) and none was saved: it gets none now either.
-      const std::string first_kind = adam ? "exp_avg" : "momentum_buffer";
-      const bool saved = std::any_of(idx.entries.begin(), idx.entries.end(),
-                                     [&](const auto& e) { return e.name == piece.name && e.kind == first_kind; });
-      if (!saved) {
+      if (!with_state.count(piece.name)) {
         st.erase(key);
         continue;
       }
