@@ -41,6 +41,16 @@ struct MLPImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(MLP);
 
+/// Two units; forward runs the second only while `use_b`: a unit that sits
+/// out some micro-batches, or every step.
+struct SometimesImpl : torch::nn::Module {
+  SometimesImpl() : a(register_module("a", Layer(6, 6, true))), b(register_module("b", Layer(6, 6, true))) {}
+  torch::Tensor forward(torch::Tensor x) { return use_b ? b(a(x)) : a(x); }
+  Layer a, b;
+  bool use_b = true;
+};
+SHARDTORCH_MODULE(Sometimes);
+
 /// name -> tensor, each distinct tensor once (tied parameters appear under their first name).
 inline std::vector<std::pair<std::string, torch::Tensor>> unique_params(torch::nn::Module& m) {
   std::vector<std::pair<std::string, torch::Tensor>> out;

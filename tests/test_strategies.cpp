@@ -197,17 +197,6 @@ INSTANTIATE_TEST_SUITE_P(Strategies, SmallBucketParity,
                                   std::to_string(std::get<1>(info.param));
                          });
 
-namespace {
-// A unit that runs in some micro-batches only.
-struct SometimesImpl : torch::nn::Module {
-  SometimesImpl() : a(register_module("a", Layer(6, 6, true))), b(register_module("b", Layer(6, 6, true))) {}
-  torch::Tensor forward(torch::Tensor x) { return use_b ? b(a(x)) : a(x); }
-  Layer a, b;
-  bool use_b = true;
-};
-SHARDTORCH_MODULE(Sometimes);
-}  // namespace
-
 // Accumulation where the synchronising micro-batch does not run a unit that an
 // earlier one did: that unit's gradients, staged without sync, are reduced in
 // this step (they used to wait for some later step's reduction).
