@@ -44,7 +44,7 @@ struct Args {
   int64_t batch = 8;
   int steps = 30, warmup = 5, threads = 1, hybrid_shard_size = 0;
   double lr = 3e-3, bucket_mb = 25.0;
-  bool bf16 = false, offload = false, quiet = false, fused_adam = false, prefetch = false;
+  bool bf16 = false, offload = false, quiet = false, fused_adam = false, prefetch = false, recompute = false;
   std::string init, save_init, report;
 };
 
@@ -114,7 +114,8 @@ int run(const Args& a) {
                      .strategy(shardtorch::parse_strategy(a.strategy))
                      .bucket_mb(a.bucket_mb)
                      .cpu_offload(a.offload)
-                     .prefetch(a.prefetch);
+                     .prefetch(a.prefetch)
+                     .activation_checkpointing(a.recompute);
   if (options.strategy() == shardtorch::Strategy::HybridShard) options.hybrid_shard_size(a.hybrid_shard_size);
   if (a.bf16) {
     options.mixed_precision(
@@ -186,7 +187,8 @@ int run(const Args& a) {
       {"config",
        {{"vocab", a.cfg.vocab}, {"seq_len", a.cfg.seq_len}, {"d_model", a.cfg.d_model}, {"n_head", a.cfg.n_head},
         {"n_layer", a.cfg.n_layer}, {"batch", a.batch}, {"dtype", a.bf16 ? "bfloat16" : "float32"},
-        {"offload", a.offload}, {"bucket_mb", a.bucket_mb}, {"fused_adam", fused}, {"prefetch", a.prefetch}}},
+        {"offload", a.offload}, {"bucket_mb", a.bucket_mb}, {"fused_adam", fused}, {"prefetch", a.prefetch},
+        {"activation_checkpointing", a.recompute}}},
       {"params", params},
       {"warmup", a.warmup},
       {"steps", a.steps},
@@ -245,6 +247,8 @@ int main(int argc, char** argv) {
       ("offload", po::bool_switch(&a.offload), "CPU offload of masters, gradients and optimizer state (implies --fused-adam)")
       ("fused-adam", po::bool_switch(&a.fused_adam), "shardtorch::FusedAdamW (CPU) instead of torch::optim::AdamW")
       ("prefetch", po::bool_switch(&a.prefetch), "full_shard/hybrid_shard: all-gather the next unit while one computes")
+      ("activation-checkpointing", po::bool_switch(&a.recompute),
+       "recompute the blocks' activations in backward instead of keeping them")
       ("threads", po::value(&a.threads)->default_value(a.threads), "ATen threads per rank")
       ("init", po::value(&a.init), "load initial weights from this full state dict")
       ("save-init", po::value(&a.save_init), "write the initial weights here and exit (one process)")

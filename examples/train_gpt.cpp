@@ -61,6 +61,7 @@ struct Args {
   double clip = 0;     // 0: no clipping
   bool offload = false;   // CPU offload of masters, gradients, optimizer state (fused CPU AdamW)
   bool prefetch = false;  // all-gather the next unit while one computes
+  bool recompute = false;  // activation checkpointing of the blocks
   int64_t dataset = 4096;    // sequences per epoch
   std::string checkpoint;    // sharded checkpoint directory ("" for none)
   int save_every = 0;        // steps between checkpoints (0: only at the end)
@@ -89,6 +90,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--clip") a.clip = std::stod(next());
     else if (k == "--offload") a.offload = true;
     else if (k == "--prefetch") a.prefetch = true;
+    else if (k == "--activation-checkpointing") a.recompute = true;
     else if (k == "--dataset") a.dataset = std::stoll(next());
     else if (k == "--checkpoint") a.checkpoint = next();
     else if (k == "--save-every") a.save_every = std::stoi(next());
@@ -98,7 +100,8 @@ Args parse(int argc, char** argv) {
       std::cout << "train_gpt [--steps N] [--batch B per rank] [--lr LR] [--layers L] [--d-model D]\n"
                    "          [--strategy full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard]\n"
                    "          [--hybrid-shard-size S] [--bf16] [--accumulate K micro-batches] [--clip MAX_NORM]\n"
-                   "          [--offload (CPU offload, fused CPU AdamW)] [--prefetch] [--dataset SEQUENCES]\n"
+                   "          [--offload (CPU offload, fused CPU AdamW)] [--prefetch] [--activation-checkpointing]\n"
+                   "          [--dataset SEQUENCES]\n"
                    "          [--checkpoint DIR [--save-every K] [--resume]] [--export FILE.safetensors]\n";
       std::exit(0);
     } else throw std::invalid_argument("train_gpt: unknown argument " + k);
@@ -135,7 +138,8 @@ int main(int argc, char** argv) {
                        .strategy(shardtorch::parse_strategy(args.strategy))
                        .hybrid_shard_size(args.hybrid_shard_size)
                        .cpu_offload(args.offload)
-                       .prefetch(args.prefetch);
+                       .prefetch(args.prefetch)
+                       .activation_checkpointing(args.recompute);
     if (args.bf16) {
       options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)
                                   .output_dtype(at::kFloat));
@@ -152,7 +156,8 @@ int main(int argc, char** argv) {
                 << shardtorch::strategy_name(sharded.strategy()) << (args.bf16 ? ", bf16" : "") << ", batch "
                 << args.batch << " per rank in " << args.accumulate << " micro-batch(es)"
                 << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << (args.offload ? ", CPU offload" : "")
-                << (args.prefetch ? ", prefetch" : "") << std::endl;
+                << (args.prefetch ? ", prefetch" : "") << (args.recompute ? ", activation checkpointing" : "")
+                << std::endl;
     }
     // Where the data stands: the epoch, and how many of its batches are done.
     int step = 0;

@@ -26,6 +26,7 @@ std::vector<std::shared_ptr<Unit>> ShardState::units() const {
 }
 
 void ShardState::ensure_end_of_backward_callback() {
+  if (nested_backward_ > 0 && callback_queued_) return;  // the recomputing node queued it on the outer task
   const int task = torch::autograd::get_current_graph_task_id();
   if (callback_queued_ && task == callback_task_) return;
   // Queued for another backward that never reached its end: an exception escaped it.

@@ -17,6 +17,12 @@
 namespace shardtorch::detail {
 
 enum class UnitState { Sharded, Gathering, Unsharded, Reducing };
+
+/// What a checkpointed unit needs in backward (docs/design.md).
+struct Checkpointing {
+  std::weak_ptr<ShardState> state;
+  std::string label;  // the unit's name, for errors
+};
 const char* state_name(UnitState s);
 
 class Unit : public std::enable_shared_from_this<Unit> {
@@ -164,8 +170,24 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// u first, so it stays gathered.
   bool last_of_learned_forward(const Unit& u) const;
 
-  /// Queues finish_backward() on the autograd engine once per backward.
+  /// Queues finish_backward() on the autograd engine once per backward. In a
+  /// nested backward (activation checkpointing) the outer one's callback
+  /// stands: nothing is queued.
   void ensure_end_of_backward_callback();
+  /// Activation checkpointing runs a nested backward (a second autograd graph
+  /// task) inside the outer one; hooks firing there belong to the outer one.
+  class NestedBackward {
+   public:
+    explicit NestedBackward(ShardState& s) : s_(s) { ++s_.nested_backward_; }
+    ~NestedBackward() { --s_.nested_backward_; }
+    NestedBackward(const NestedBackward&) = delete;
+    NestedBackward& operator=(const NestedBackward&) = delete;
+
+   private:
+    ShardState& s_;
+  };
+  /// shard(): makes `base` a checkpointed unit (docs/design.md).
+  static void enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState> state, std::string label);
   void finish_backward();
   /// At the start of a forward and in zero_grad(): outside any backward, a
   /// queued end-of-backward that never ran means the last backward failed;
@@ -192,6 +214,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<at::Tensor> ddp_params_, ddp_masters_;
   std::vector<std::string> ddp_names_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;
+  int nested_backward_ = 0;
   bool callback_queued_ = false;
   int callback_task_ = -1;  // the autograd graph task the callback was queued for
   bool sync_ = true;

@@ -206,6 +206,59 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
   state.enable_ddp(std::move(trainable), std::move(names));
 }
 
+// Activation checkpointing: which units recompute (docs/design.md). Every
+// unit without a unit inside, the root excepted, under the global option;
+// per-unit settings override it, and asking for the root or an enclosing
+// unit is an error.
+//
+// A parameter shared with another unit (a tied LM head's weight, kept by the
+// common ancestor) would get its gradient in two autograd graph tasks, the
+// outer backward and the nested one that recomputes: two accumulations where
+// the hooks count one. Such a unit is left out (an error when named).
+std::vector<bool> checkpointed_units(const std::vector<FoundUnit>& units, const std::vector<FoundParam>& params,
+                                     const ShardOptions& options, bool root_is_unit) {
+  std::vector<bool> leaf(units.size(), true), out(units.size(), false);
+  for (const auto& u : units)
+    if (u.parent >= 0) leaf[u.parent] = false;
+  std::unordered_map<const void*, int> owner;
+  for (const auto& p : params) owner[p.tensor.unsafeGetTensorImpl()] = p.unit;
+  auto shared_param = [&](size_t u) -> std::string {  // "" if none
+    auto* module = dynamic_cast<torch::nn::Module*>(units[u].base);
+    if (module == nullptr) return "";
+    for (const auto& item : module->named_parameters()) {
+      auto it = owner.find(item.value().unsafeGetTensorImpl());
+      if (it != owner.end() && it->second != static_cast<int>(u)) return item.key();
+    }
+    return "";
+  };
+  auto is_root = [&](size_t u) { return root_is_unit && u == 0; };
+  if (options.activation_checkpointing()) {
+    for (size_t u = 0; u < units.size(); ++u) out[u] = leaf[u] && !is_root(u) && shared_param(u).empty();
+  }
+  for (const auto& [name, value] : options.per_unit_checkpointing()) {
+    auto it = std::find_if(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == name; });
+    TORCH_CHECK(it != units.end(), "shardtorch::shard: activation_checkpointing_for('", name,
+                "') names no unit of this model");
+    const size_t u = static_cast<size_t>(it - units.begin());
+    if (value) {
+      TORCH_CHECK(!is_root(u), "shardtorch::shard: activation_checkpointing_for('", name, "'): the root unit cannot be "
+                  "checkpointed (its forward encloses every other unit); checkpoint the units inside it");
+      if (!leaf[u]) {
+        auto inner = std::find_if(units.begin(), units.end(), [&](const FoundUnit& v) { return v.parent == static_cast<int>(u); });
+        TORCH_CHECK(false, "shardtorch::shard: activation_checkpointing_for('", name, "'): unit '", name,
+                    "' has units inside it (first: '", inner->name, "'), whose forwards would run twice; "
+                    "checkpoint the inner units instead");
+      }
+      const std::string shared = shared_param(u);
+      TORCH_CHECK(shared.empty(), "shardtorch::shard: activation_checkpointing_for('", name, "'): its parameter '",
+                  shared, "' is shared with another unit (tied), and recomputing would give it two gradient "
+                  "accumulations in one backward; such a unit cannot be checkpointed");
+    }
+    out[u] = value;
+  }
+  return out;
+}
+
 }  // namespace
 
 ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options) {
@@ -239,6 +292,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     bool known = std::any_of(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == unit; });
     TORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
   }
+  const bool root_is_unit = dynamic_cast<UnitBase*>(&root) != nullptr;
+  const std::vector<bool> checkpointed = checkpointed_units(units, params, options, root_is_unit);
 
   std::ostringstream desc;
   desc << "strategy " << strategy_name(strategy) << "\n";
@@ -266,6 +321,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
       state->add_unit(unit);
       detail::ShardState::attach(*base, unit);
     }
+    for (size_t u = 0; u < units.size(); ++u)
+      if (checkpointed[u]) detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name);
     detail::register_model(root, state);
     return ShardedModel(state);
   }
@@ -291,7 +348,6 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   Comm& shard_comm = state->shard_comm();
   if (options.cpu_offload()) state->enable_offload(comm_device);
 
-  const bool root_is_unit = dynamic_cast<UnitBase*>(&root) != nullptr;
   std::vector<std::shared_ptr<detail::Unit>> made;
   for (size_t u = 0; u < units.size(); ++u) {
     bool is_root = root_is_unit && u == 0;
@@ -325,7 +381,10 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   }
   if (options.sync_module_states() && world->size() > 1) broadcast_buffers(*world, buffers);
   cast_buffers(mp, buffers);
-  for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
+  for (size_t u = 0; u < units.size(); ++u) {
+    detail::ShardState::attach(*units[u].base, made[u]);
+    if (checkpointed[u]) detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name);
+  }
   detail::register_model(root, state);
   return ShardedModel(state);
 }

@@ -30,6 +30,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -104,8 +105,20 @@ struct ShardOptions {
   /// copied to the device before its all-gather, reduced gradient shards are
   /// copied back, and the optimizer steps on the CPU.
   TORCH_ARG(bool, cpu_offload) = false;
+  /// Activation checkpointing (every strategy; docs/design.md): every unit
+  /// that has no unit inside it, the root excepted, keeps only its inputs
+  /// from the forward and recomputes its activations in backward, without a
+  /// second all-gather.
+  TORCH_ARG(bool, activation_checkpointing) = false;
 
  public:  // (TORCH_ARG leaves the access private)
+  /// activation_checkpointing for one unit, by name; true for the root or a
+  /// unit with units inside is an error at shard().
+  ShardOptions& activation_checkpointing_for(const std::string& unit, bool value) {
+    per_unit_checkpointing_[unit] = value;
+    return *this;
+  }
+  const std::map<std::string, bool>& per_unit_checkpointing() const { return per_unit_checkpointing_; }
   /// reshard_after_forward for one unit, by name ("" is the root).
   ShardOptions& reshard_after_forward_for(const std::string& unit, bool value) {
     per_unit_reshard_[unit] = value;
@@ -123,12 +136,18 @@ struct ShardOptions {
 
  private:
   std::map<std::string, bool> per_unit_reshard_;
+  std::map<std::string, bool> per_unit_checkpointing_;
 };
 
 namespace detail {
 class Unit;
 class ShardState;
+struct Checkpointing;
 std::shared_ptr<ShardState> state_of(torch::nn::Module& root);
+/// A checkpointed unit's forward, replayable: given its tensor inputs, runs
+/// the Impl's forward and returns its tensor outputs (`first`: the forward
+/// itself, not the recomputation in backward).
+using RecomputeFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>& inputs, bool first)>;
 }  // namespace detail
 
 /// The handle every Sharded<Impl> carries.
@@ -138,6 +157,8 @@ class UnitBase {
   /// True once shard() has taken this module as a unit.
   bool is_sharded_unit() const { return static_cast<bool>(unit_); }
   const std::shared_ptr<detail::Unit>& unit_handle() const { return unit_; }
+  /// The unit's name if shard() made it checkpointed (activation_checkpointing).
+  std::string checkpoint_label() const;
 
  protected:
   void before_forward();
@@ -146,10 +167,16 @@ class UnitBase {
   /// the dtype a tensor output is cast to.
   std::optional<at::ScalarType> input_dtype() const;
   std::optional<at::ScalarType> output_dtype() const;
+  /// Activation checkpointing is on for this unit and grad mode is enabled.
+  bool checkpointing_now() const;
+  /// Runs `run(inputs, true)` without keeping activations and returns its
+  /// outputs attached to one autograd node that recomputes them in backward.
+  std::vector<at::Tensor> checkpointed_forward(std::vector<at::Tensor> inputs, detail::RecomputeFn run);
 
  private:
   friend class detail::ShardState;
   std::shared_ptr<detail::Unit> unit_;
+  std::shared_ptr<detail::Checkpointing> checkpointing_;  // set by shard() for checkpointed units
 };
 
 namespace detail {
@@ -163,6 +190,29 @@ void collect_tensors(std::vector<at::Tensor>& out, const std::tuple<T...>& t) {
 }
 template <class T>
 void collect_tensors(std::vector<at::Tensor>&, const T&) {}  // carries no tensor we can hook
+
+// The inverse of collect_tensors: puts tensors back, in the same order.
+inline void replace_tensors(at::Tensor& t, const std::vector<at::Tensor>& v, size_t& i) { t = v.at(i++); }
+inline void replace_tensors(std::vector<at::Tensor>& x, const std::vector<at::Tensor>& v, size_t& i) {
+  for (auto& t : x) t = v.at(i++);
+}
+template <class... T>
+void replace_tensors(std::tuple<T...>& t, const std::vector<at::Tensor>& v, size_t& i) {
+  std::apply([&](auto&... x) { (replace_tensors(x, v, i), ...); }, t);
+}
+template <class T>
+void replace_tensors(T&, const std::vector<at::Tensor>&, size_t&) {}
+
+// What a checkpointed forward may return: tensors only.
+template <class T>
+struct all_tensors : std::false_type {};
+template <>
+struct all_tensors<at::Tensor> : std::true_type {};
+template <>
+struct all_tensors<std::vector<at::Tensor>> : std::true_type {};
+template <class... T>
+struct all_tensors<std::tuple<T...>> : std::bool_constant<(all_tensors<std::decay_t<T>>::value && ...)> {};
+[[noreturn]] void checkpointed_forward_returns_non_tensors(const UnitBase& unit);
 
 // Casts a floating-point tensor argument; passes anything else through.
 template <class T>
@@ -187,10 +237,13 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
  public:
   using Impl::Impl;
   R forward(A... args) {
-    if (!is_sharded_unit()) return Impl::forward(std::forward<A>(args)...);
-    before_forward();
-    const auto in_dtype = input_dtype();
-    R out = Impl::forward(detail::cast_input(std::forward<A>(args), in_dtype)...);
+    const bool checkpoint = checkpointing_now();
+    if (!is_sharded_unit() && !checkpoint) return Impl::forward(std::forward<A>(args)...);
+    if (is_sharded_unit()) before_forward();
+    const auto in_dtype = is_sharded_unit() ? input_dtype() : std::nullopt;
+    R out = checkpoint ? checkpointed(detail::cast_input(std::forward<A>(args), in_dtype)...)
+                       : Impl::forward(detail::cast_input(std::forward<A>(args), in_dtype)...);
+    if (!is_sharded_unit()) return out;  // NoShard: checkpointing without a unit
     if constexpr (std::is_same_v<R, at::Tensor>) {
       if (auto od = output_dtype(); od && out.is_floating_point() && out.scalar_type() != *od) out = out.to(*od);
     }
@@ -198,6 +251,40 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
     detail::collect_tensors(outputs, out);
     after_forward(outputs);
     return out;
+  }
+
+ private:
+  // Activation checkpointing (docs/design.md): the arguments are kept with
+  // their tensors taken out; the recomputation puts the (detached) inputs back.
+  template <class... B>
+  R checkpointed(B&&... args) {
+    if constexpr (!detail::all_tensors<std::decay_t<R>>::value) {
+      detail::checkpointed_forward_returns_non_tensors(*this);
+    } else {
+      using Args = std::tuple<std::decay_t<A>...>;
+      auto saved = std::make_shared<Args>(std::forward<B>(args)...);
+      std::vector<at::Tensor> inputs;
+      detail::collect_tensors(inputs, *saved);
+      size_t i = 0;
+      detail::replace_tensors(*saved, std::vector<at::Tensor>(inputs.size()), i);
+      auto first = std::make_shared<std::optional<R>>();
+      detail::RecomputeFn run = [this, saved, first](const std::vector<at::Tensor>& in, bool is_first) {
+        Args a = *saved;
+        size_t k = 0;
+        detail::replace_tensors(a, in, k);
+        R r = std::apply([this](auto&... x) -> R { return Impl::forward(x...); }, a);
+        std::vector<at::Tensor> outs;
+        detail::collect_tensors(outs, r);
+        if (is_first) *first = std::move(r);
+        return outs;
+      };
+      std::vector<at::Tensor> wrapped = checkpointed_forward(std::move(inputs), std::move(run));
+      R out = std::move(**first);
+      first->reset();  // the node keeps `run`, not the outputs
+      size_t k = 0;
+      detail::replace_tensors(out, wrapped, k);
+      return out;
+    }
   }
 };
 

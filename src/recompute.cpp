@@ -1,0 +1,188 @@
+// Activation checkpointing: a unit's forward without saved activations, and
+// the autograd node that recomputes them in backward (docs/design.md,
+// "Activation checkpointing").
+#include <ATen/Context.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "shard_state.h"
+
+namespace shardtorch {
+
+namespace detail {
+
+void checkpointed_forward_returns_non_tensors(const UnitBase& unit) {
+  TORCH_CHECK(false, "shardtorch: unit '", unit.checkpoint_label(), "' is checkpointed (activation_checkpointing), but "
+              "its forward returns something other than tensors (a tensor, a std::vector or a std::tuple of them): "
+              "its outputs cannot be recomputed; turn checkpointing off for it (activation_checkpointing_for)");
+}
+
+namespace {
+
+// The default generators' states, to replay random draws (dropout) when
+// recomputing: the CPU's and that of every accelerator the unit touches.
+class RngStates {
+ public:
+  RngStates() = default;
+  explicit RngStates(const std::vector<c10::Device>& devices) {
+    for (const auto& d : devices) {
+      at::Generator gen = at::globalContext().defaultGenerator(d);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      states_.emplace_back(gen, gen.get_state());
+    }
+  }
+  void apply() const {
+    for (const auto& [gen, state] : states_) {
+      at::Generator g = gen;
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_state(state);
+    }
+  }
+  RngStates current() const {
+    RngStates now;
+    for (const auto& [gen, state] : states_) {
+      at::Generator g = gen;
+      std::lock_guard<std::mutex> lock(g.mutex());
+      now.states_.emplace_back(g, g.get_state());
+    }
+    return now;
+  }
+
+ private:
+  std::vector<std::pair<at::Generator, at::Tensor>> states_;
+};
+
+std::vector<c10::Device> rng_devices(const std::vector<at::Tensor>& inputs, ShardState& state) {
+  std::vector<c10::Device> out{c10::Device(c10::kCPU)};
+  auto add = [&](c10::Device d) {
+    if (d.is_cpu() || d.is_meta()) return;
+    if (!d.has_index()) return;
+    if (std::find(out.begin(), out.end(), d) == out.end()) out.push_back(d);
+  };
+  add(state.world().comm().device());
+  for (const auto& t : inputs)
+    if (t.defined()) add(t.device());
+  return out;
+}
+
+struct Recompute : torch::CustomClassHolder {
+  std::shared_ptr<Checkpointing> ac;
+  RecomputeFn run;
+  RngStates rng;
+  size_t inputs = 0;  // the unit's tensor inputs; the node may take one more (below)
+};
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
+  // Runs under no-grad (Function::apply): nothing is saved but the inputs.
+  static variable_list forward(AutogradContext* ctx, at::TensorList all, c10::intrusive_ptr<Recompute> r) {
+    std::vector<at::Tensor> in(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(r->inputs));
+    variable_list outs = r->run(in, /*first=*/true);
+    variable_list constant;
+    for (auto& o : outs) {
+      if (!o.defined()) continue;
+      // An output that is a view (of an input or of anything else) becomes a
+      // tensor of its own, so that this node can own its history.
+      if (o.is_view() || std::any_of(in.begin(), in.end(), [&](const at::Tensor& t) { return t.defined() && o.is_alias_of(t); }))
+        o = o.clone();
+      if (!o.is_floating_point() && !o.is_complex()) constant.push_back(o);
+    }
+    if (!constant.empty()) ctx->mark_non_differentiable(constant);
+    ctx->save_for_backward(in);
+    ctx->saved_data["recompute"] = c10::IValue::make_capsule(r);
+    return outs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto r = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
+    std::shared_ptr<ShardState> state = r->ac->state.lock();
+    TORCH_CHECK(state, "shardtorch: backward through checkpointed unit '", r->ac->label,
+                "' after its sharded model was destroyed");
+    const int rank = state->world().rank();
+    // The outer backward's end callback, queued on the outer graph task (the
+    // nested backward below is another one).
+    state->ensure_end_of_backward_callback();
+    std::vector<at::Tensor> in;
+    for (const auto& t : ctx->get_saved_variables()) {
+      if (!t.defined()) {
+        in.push_back(t);
+        continue;
+      }
+      at::Tensor d = t.detach();
+      d.requires_grad_(t.requires_grad());
+      in.push_back(std::move(d));
+    }
+    variable_list outs;
+    {
+      const RngStates now = r->rng.current();
+      r->rng.apply();
+      try {
+        at::AutoGradMode grad_mode(true);
+        outs = r->run(in, /*first=*/false);
+      } catch (...) {
+        now.apply();
+        throw;
+      }
+      now.apply();
+    }
+    TORCH_CHECK(outs.size() == grads.size(), "shardtorch: rank ", rank, ": checkpointed unit '", r->ac->label,
+                "' returned ", grads.size(), " tensors in forward but ", outs.size(),
+                " when recomputed in backward (its forward must be deterministic in structure)");
+    variable_list roots, root_grads;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      if (!outs[i].defined() || !outs[i].requires_grad() || !grads[i].defined()) continue;
+      TORCH_CHECK(outs[i].sizes() == grads[i].sizes(), "shardtorch: rank ", rank, ": checkpointed unit '",
+                  r->ac->label, "' output ", i, " has shape ", outs[i].sizes(), " when recomputed but ",
+                  grads[i].sizes(), " in forward");
+      roots.push_back(outs[i]);
+      root_grads.push_back(grads[i]);
+    }
+    if (!roots.empty()) {
+      ShardState::NestedBackward nested(*state);
+      torch::autograd::backward(roots, root_grads);
+    }
+    variable_list result;
+    for (const auto& d : in) result.push_back(d.defined() && d.requires_grad() ? d.grad() : at::Tensor());
+    // The empty input (if the node took one) and the Recompute argument get
+    // none; extra undefined results are allowed.
+    result.resize(result.size() + 2);
+    return result;
+  }
+};
+
+}  // namespace
+
+void ShardState::enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState> state, std::string label) {
+  base.checkpointing_ = std::make_shared<Checkpointing>(Checkpointing{std::move(state), std::move(label)});
+}
+
+}  // namespace detail
+
+bool UnitBase::checkpointing_now() const { return checkpointing_ && c10::GradMode::is_enabled(); }
+
+std::string UnitBase::checkpoint_label() const { return checkpointing_ ? checkpointing_->label : "?"; }
+
+std::vector<at::Tensor> UnitBase::checkpointed_forward(std::vector<at::Tensor> inputs, detail::RecomputeFn run) {
+  auto state = checkpointing_->state.lock();
+  TORCH_CHECK(state, "shardtorch: forward through checkpointed unit '", checkpointing_->label,
+              "' after its sharded model was destroyed");
+  auto r = c10::make_intrusive<detail::Recompute>();
+  r->ac = checkpointing_;
+  r->run = std::move(run);
+  r->rng = detail::RngStates(detail::rng_devices(inputs, *state));
+  r->inputs = inputs.size();
+  // No input that needs a gradient: autograd would never run the node and
+  // the parameters would get none. An empty tensor that requires grad makes
+  // the node part of the graph.
+  const bool any = std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
+  if (!any) inputs.push_back(at::empty({0}, at::TensorOptions().dtype(at::kFloat)).requires_grad_());
+  return detail::RecomputeFunction::apply(at::TensorList(inputs), r);
+}
+
+}  // namespace shardtorch
