@@ -1,10 +1,12 @@
 """Plots a shardtorch-sweep result: per-rank memory against throughput, one
-series per strategy (and offload policy). usage: plot_sweep.py SWEEP.json OUT.png
+series per strategy (and offload policy, and activation checkpointing). usage: plot_sweep.py SWEEP.json OUT.png
 
 Each point is one configuration: x = tokens/s of the slowest rank, y = the
 largest rank's peak device memory the library accounts for (the sum of the
 peaks of its device categories; offloaded host bytes are left out, which is
-what offload buys). Points of one model size are labelled with it."""
+what offload buys; activations are not accounted, so activation checkpointing
+shows as the same memory at lower throughput: its saving is in the peak RSS
+column of the CSV). Points of one model size are labelled with it."""
 import json
 import sys
 
@@ -39,13 +41,15 @@ def main(src, out):
         series = {}
         for r in rows:
             if (r["layers"], r["d_model"]) == (layers, d):
-                series.setdefault((r["strategy"], bool(r["offload"])), []).append(r)
-        for (strategy, offload), pts in sorted(series.items()):
+                series.setdefault((r["strategy"], bool(r["offload"]), bool(r.get("activation_checkpointing"))),
+                                  []).append(r)
+        for (strategy, offload, recompute), pts in sorted(series.items()):
             pts.sort(key=lambda r: r["world"])  # one line per strategy: world sizes in order
             xs = [r["tokens_per_s"] for r in pts]
             ys = [per_rank_bytes(r) / 2**20 for r in pts]
-            ax.plot(xs, ys, marker="s" if offload else "o", linestyle="--" if offload else "-",
-                    color=colors[strategy], label=strategy + (" + offload" if offload else ""))
+            ax.plot(xs, ys, marker="s" if offload else ("^" if recompute else "o"),
+                    linestyle="--" if offload else (":" if recompute else "-"), color=colors[strategy],
+                    label=strategy + (" + offload" if offload else "") + (" + recompute" if recompute else ""))
             for r, x, y in zip(pts, xs, ys):
                 ax.annotate(f'N={r["world"]}', (x, y), fontsize=7, textcoords="offset points", xytext=(4, 3))
         ax.set_title(f"{layers} layers x d_model {d} ({pts[0]['params'] / 1e6:.1f}M params)")

@@ -48,10 +48,11 @@ struct Config {
   int64_t layers, d_model;
   bool offload;
   double bucket_mb;
+  bool recompute;  // activation checkpointing
   std::string label() const {
     std::ostringstream os;
     os << shardtorch::strategy_name(strategy) << " world " << world << " model " << layers << "x" << d_model
-       << (offload ? " offload" : "") << " bucket " << bucket_mb << " MiB";
+       << (offload ? " offload" : "") << (recompute ? " recompute" : "") << " bucket " << bucket_mb << " MiB";
     return os.str();
   }
 };
@@ -96,7 +97,7 @@ double theory_bytes(Strategy s, int world, int hybrid, double psi_bytes) {
 int main(int argc, char** argv) {
   Common c;
   std::string strategies = "no_shard,optimizer_only,shard_grad_op,full_shard", worlds = "1,2", models = "2x64,4x128",
-              offloads = "0", buckets = "25";
+              offloads = "0", buckets = "25", recomputes = "0";
   po::options_description desc("shardtorch-sweep: memory against throughput of the example GPT");
   desc.add_options()("help", "this text")
       ("strategies", po::value(&strategies)->default_value(strategies), "comma list (hybrid_shard uses groups of world/2)")
@@ -104,6 +105,8 @@ int main(int argc, char** argv) {
       ("models", po::value(&models)->default_value(models), "comma list of LAYERSxD_MODEL")
       ("offload", po::value(&offloads)->default_value(offloads), "comma list of 0/1")
       ("bucket-mb", po::value(&buckets)->default_value(buckets), "comma list of bucket sizes in MiB")
+      ("activation-checkpointing", po::value(&recomputes)->default_value(recomputes),
+       "comma list of 0/1 (1: the blocks recompute their activations in backward)")
       ("vocab", po::value(&c.vocab)->default_value(c.vocab), "vocabulary")
       ("seq", po::value(&c.seq)->default_value(c.seq), "sequence length")
       ("heads", po::value(&c.heads)->default_value(c.heads), "attention heads")
@@ -134,21 +137,22 @@ int main(int argc, char** argv) {
       for (const auto& w : split(worlds))
         for (const auto& m : split(models))
           for (const auto& o : split(offloads))
-            for (const auto& b : split(buckets)) {
-              auto x = m.find('x');
-              if (x == std::string::npos) throw std::invalid_argument("--models entry '" + m + "' is not LAYERSxD_MODEL");
-              Config k{shardtorch::parse_strategy(s), std::stoi(w), std::stoll(m.substr(0, x)), std::stoll(m.substr(x + 1)),
-                       o == "1", std::stod(b)};
-              if (k.offload && k.strategy == Strategy::NoShard) continue;  // refused by design
-              if (k.strategy == Strategy::HybridShard && (k.world < 2 || k.world % 2)) continue;
-              configs.push_back(k);
-            }
+            for (const auto& b : split(buckets))
+              for (const auto& ac : split(recomputes)) {
+                auto x = m.find('x');
+                if (x == std::string::npos) throw std::invalid_argument("--models entry '" + m + "' is not LAYERSxD_MODEL");
+                Config k{shardtorch::parse_strategy(s), std::stoi(w), std::stoll(m.substr(0, x)),
+                         std::stoll(m.substr(x + 1)), o == "1", std::stod(b), ac == "1"};
+                if (k.offload && k.strategy == Strategy::NoShard) continue;  // refused by design
+                if (k.strategy == Strategy::HybridShard && (k.world < 2 || k.world % 2)) continue;
+                configs.push_back(k);
+              }
     if (configs.empty()) throw std::invalid_argument("no configuration to run");
     fs::create_directories(fs::path(c.out) / "runs");
 
     json::array rows;
     std::ofstream csv(fs::path(c.out) / "sweep.csv");
-    csv << "strategy,world,layers,d_model,params,offload,bucket_mb,dtype,p50_ms,p95_ms,tokens_per_s,peak_rss_bytes,"
+    csv << "strategy,world,layers,d_model,params,offload,bucket_mb,activation_checkpointing,dtype,p50_ms,p95_ms,tokens_per_s,peak_rss_bytes,"
            "model_state_bytes,planned_model_state_bytes,plan_error,bytes_sent_per_step,theory_bytes_per_step";
     for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) csv << ",peak_" << shardtorch::mem_name(static_cast<Mem>(i));
     csv << "\n";
@@ -165,7 +169,8 @@ int main(int argc, char** argv) {
           << " --hybrid-shard-size " << hybrid << " --layers " << cfg.layers << " --d-model " << cfg.d_model
           << " --heads " << c.heads << " --vocab " << c.vocab << " --seq " << c.seq << " --batch " << c.batch
           << " --steps " << c.steps << " --warmup " << c.warmup << " --threads " << c.threads << " --bucket-mb "
-          << cfg.bucket_mb << (cfg.offload ? " --offload" : "") << (c.bf16 ? " --bf16" : "") << " --quiet --report "
+          << cfg.bucket_mb << (cfg.offload ? " --offload" : "") << (cfg.recompute ? " --activation-checkpointing" : "")
+          << (c.bf16 ? " --bf16" : "") << " --quiet --report "
           << quote(prefix) << " > " << quote(prefix + ".log") << " 2>&1";
       double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       std::fprintf(stderr, "[%zu/%zu] %s ... (elapsed %.0f s%s)\n", k + 1, configs.size(), cfg.label().c_str(), elapsed,
@@ -218,7 +223,7 @@ int main(int argc, char** argv) {
                    shardtorch::format_bytes(sent).c_str(), shardtorch::format_bytes(static_cast<int64_t>(theory)).c_str());
       const char* dtype = c.bf16 ? "bfloat16" : "float32";
       csv << shardtorch::strategy_name(cfg.strategy) << "," << cfg.world << "," << cfg.layers << "," << cfg.d_model << ","
-          << params << "," << cfg.offload << "," << cfg.bucket_mb << "," << dtype << "," << p50 << "," << p95 << "," << tps
+          << params << "," << cfg.offload << "," << cfg.bucket_mb << "," << cfg.recompute << "," << dtype << "," << p50 << "," << p95 << "," << tps
           << "," << rss << "," << state << "," << plan.model_state() << "," << err << "," << sent << ","
           << static_cast<int64_t>(theory);
       json::object peak_obj;
@@ -232,7 +237,8 @@ int main(int argc, char** argv) {
         if (plan.bytes[i]) plan_obj[shardtorch::mem_name(static_cast<Mem>(i))] = plan.bytes[i];
       rows.push_back(json::object{{"strategy", shardtorch::strategy_name(cfg.strategy)}, {"world", cfg.world},
                                   {"layers", cfg.layers}, {"d_model", cfg.d_model}, {"params", params},
-                                  {"offload", cfg.offload}, {"bucket_mb", cfg.bucket_mb}, {"dtype", dtype},
+                                  {"offload", cfg.offload}, {"bucket_mb", cfg.bucket_mb},
+                                  {"activation_checkpointing", cfg.recompute}, {"dtype", dtype},
                                   {"p50_ms", p50}, {"p95_ms", p95}, {"tokens_per_s", tps}, {"peak_rss_bytes", rss},
                                   {"model_state_bytes", state}, {"planned_model_state_bytes", plan.model_state()},
                                   {"plan_error", err}, {"planned", plan_obj}, {"peak_memory", peak_obj},
