@@ -5,6 +5,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
 #include <mutex>
@@ -14,6 +15,17 @@
 namespace shardtorch {
 
 namespace detail {
+
+void checkpointed_forward_takes_unkeepable_arguments(const UnitBase& unit) {
+  TORCH_CHECK(false, "shardtorch: unit '", unit.checkpoint_label(), "' is checkpointed (activation_checkpointing), but "
+              "its forward takes an argument that cannot be kept until backward (a view such as IntArrayRef, "
+              "TensorList or string_view would dangle; a non-const reference would be written to a copy); take it by "
+              "value, or turn checkpointing off for the unit (activation_checkpointing_for)");
+}
+
+void checkpointed_unit_destroyed() {
+  TORCH_CHECK(false, "shardtorch: backward through a checkpointed unit whose module was destroyed after its forward");
+}
 
 void checkpointed_forward_returns_non_tensors(const UnitBase& unit) {
   TORCH_CHECK(false, "shardtorch: unit '", unit.checkpoint_label(), "' is checkpointed (activation_checkpointing), but "
@@ -74,6 +86,8 @@ struct Recompute : torch::CustomClassHolder {
   RecomputeFn run;
   RngStates rng;
   size_t inputs = 0;  // the unit's tensor inputs; the node may take one more (below)
+  std::shared_ptr<std::atomic<bool>> pending = std::make_shared<std::atomic<bool>>(true);  // no backward yet
+  std::vector<at::Tensor> keep_apart;  // the module's parameters and buffers: outputs must not be them
 };
 
 using torch::autograd::AutogradContext;
@@ -82,17 +96,30 @@ using torch::autograd::variable_list;
 struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
   // Runs under no-grad (Function::apply): nothing is saved but the inputs.
   static variable_list forward(AutogradContext* ctx, at::TensorList all, c10::intrusive_ptr<Recompute> r) {
+    ctx->set_materialize_grads(false);  // an output nobody used gets no zeros to backpropagate
     std::vector<at::Tensor> in(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(r->inputs));
+    std::vector<int64_t> versions;
+    for (const auto& t : in) versions.push_back(t.defined() ? static_cast<int64_t>(t._version()) : 0);
     variable_list outs = r->run(in, /*first=*/true);
+    for (size_t i = 0; i < in.size(); ++i) {
+      TORCH_CHECK(!in[i].defined() || static_cast<int64_t>(in[i]._version()) == versions[i], "shardtorch: checkpointed "
+                  "unit '", r->ac->label, "' modified its input ", i, " (shape ", in[i].sizes(), ") in place; the "
+                  "recomputation in backward would see the modified value. Compute on a copy (x = x + f(x) instead "
+                  "of x += f(x)), or turn checkpointing off for the unit (activation_checkpointing_for)");
+    }
+    auto aliases = [](const at::Tensor& o, const std::vector<at::Tensor>& ts) {
+      return std::any_of(ts.begin(), ts.end(), [&](const at::Tensor& t) { return t.defined() && o.is_alias_of(t); });
+    };
     variable_list constant;
     for (auto& o : outs) {
       if (!o.defined()) continue;
-      // An output that is a view (of an input or of anything else) becomes a
-      // tensor of its own, so that this node can own its history.
-      if (o.is_view() || std::any_of(in.begin(), in.end(), [&](const at::Tensor& t) { return t.defined() && o.is_alias_of(t); }))
-        o = o.clone();
+      // An output that is not a fresh tensor (a view, an input, a parameter or
+      // buffer returned as it is) becomes one, so that this node can own its
+      // history without taking over another tensor's.
+      if (o.is_view() || o.requires_grad() || aliases(o, in) || aliases(o, r->keep_apart)) o = o.clone();
       if (!o.is_floating_point() && !o.is_complex()) constant.push_back(o);
     }
+    r->keep_apart.clear();
     if (!constant.empty()) ctx->mark_non_differentiable(constant);
     ctx->save_for_backward(in);
     ctx->saved_data["recompute"] = c10::IValue::make_capsule(r);
@@ -105,6 +132,15 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     TORCH_CHECK(state, "shardtorch: backward through checkpointed unit '", r->ac->label,
                 "' after its sharded model was destroyed");
     const int rank = state->world().rank();
+    // The gradients come from a nested backward that accumulates into .grad:
+    // no graph of them (double backward), and no autograd::grad (which must
+    // not touch .grad).
+    TORCH_CHECK(!c10::GradMode::is_enabled(), "shardtorch: rank ", rank, ": checkpointed unit '", r->ac->label,
+                "': backward with create_graph (double backward) is not supported through activation checkpointing");
+    TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(), "shardtorch: rank ", rank,
+                ": checkpointed unit '", r->ac->label, "': torch::autograd::grad (or backward with inputs) is not "
+                "supported through activation checkpointing; use loss.backward()");
+    *r->pending = false;
     // The outer backward's end callback, queued on the outer graph task (the
     // nested backward below is another one).
     state->ensure_end_of_backward_callback();
@@ -134,6 +170,15 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     TORCH_CHECK(outs.size() == grads.size(), "shardtorch: rank ", rank, ": checkpointed unit '", r->ac->label,
                 "' returned ", grads.size(), " tensors in forward but ", outs.size(),
                 " when recomputed in backward (its forward must be deterministic in structure)");
+    // The nested backward stops at the detached inputs and the unit's own
+    // parameters: a tensor the unit uses but did not take as an argument
+    // (a captured one) gets no gradient from it, rather than a second walk
+    // through the outer graph.
+    variable_list stop_at;
+    for (const auto& d : in)
+      if (d.defined() && d.requires_grad()) stop_at.push_back(d);
+    for (const auto& p : r->ac->params)
+      if (p.requires_grad()) stop_at.push_back(p);
     variable_list roots, root_grads;
     for (size_t i = 0; i < outs.size(); ++i) {
       if (!outs[i].defined() || !outs[i].requires_grad() || !grads[i].defined()) continue;
@@ -143,9 +188,9 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
       roots.push_back(outs[i]);
       root_grads.push_back(grads[i]);
     }
-    if (!roots.empty()) {
+    if (!roots.empty() && !stop_at.empty()) {
       ShardState::NestedBackward nested(*state);
-      torch::autograd::backward(roots, root_grads);
+      torch::autograd::backward(roots, root_grads, /*retain_graph=*/std::nullopt, /*create_graph=*/false, stop_at);
     }
     variable_list result;
     for (const auto& d : in) result.push_back(d.defined() && d.requires_grad() ? d.grad() : at::Tensor());
@@ -158,8 +203,13 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
 
 }  // namespace
 
-void ShardState::enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState> state, std::string label) {
-  base.checkpointing_ = std::make_shared<Checkpointing>(Checkpointing{std::move(state), std::move(label)});
+void ShardState::enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState> state, std::string label,
+                                      std::vector<at::Tensor> params) {
+  auto c = std::make_shared<Checkpointing>();
+  c->state = std::move(state);
+  c->label = std::move(label);
+  c->params = std::move(params);
+  base.checkpointing_ = std::move(c);
 }
 
 }  // namespace detail
@@ -172,16 +222,29 @@ std::vector<at::Tensor> UnitBase::checkpointed_forward(std::vector<at::Tensor> i
   auto state = checkpointing_->state.lock();
   TORCH_CHECK(state, "shardtorch: forward through checkpointed unit '", checkpointing_->label,
               "' after its sharded model was destroyed");
+  auto previous = checkpointing_->last_pending.lock();
+  TORCH_CHECK(!previous || !*previous, "shardtorch: rank ", state->world().rank(), ": checkpointed unit '",
+              checkpointing_->label, "' ran its forward again while the graph of its previous forward is alive and "
+              "not yet differentiated; its parameters would get two gradient accumulations in one backward. A "
+              "checkpointed unit runs once per backward: turn checkpointing off for a unit called twice "
+              "(activation_checkpointing_for), and run forwards that are not differentiated under "
+              "torch::NoGradGuard");
   auto r = c10::make_intrusive<detail::Recompute>();
   r->ac = checkpointing_;
   r->run = std::move(run);
   r->rng = detail::RngStates(detail::rng_devices(inputs, *state));
   r->inputs = inputs.size();
+  if (auto* module = dynamic_cast<torch::nn::Module*>(this)) {
+    for (const auto& p : module->parameters()) r->keep_apart.push_back(p);
+    for (const auto& b : module->buffers()) r->keep_apart.push_back(b);
+  }
+  checkpointing_->last_pending = r->pending;
   // No input that needs a gradient: autograd would never run the node and
   // the parameters would get none. An empty tensor that requires grad makes
-  // the node part of the graph.
+  // the node part of the graph (only needed if there are such parameters).
   const bool any = std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
-  if (!any) inputs.push_back(at::empty({0}, at::TensorOptions().dtype(at::kFloat)).requires_grad_());
+  if (!any && !checkpointing_->params.empty())
+    inputs.push_back(at::empty({0}, at::TensorOptions().dtype(at::kFloat)).requires_grad_());
   return detail::RecomputeFunction::apply(at::TensorList(inputs), r);
 }
 

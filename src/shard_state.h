@@ -4,6 +4,7 @@
 // the root module), by ShardedModel handles and by optimizers.
 #include <torch/csrc/autograd/function.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -21,7 +22,11 @@ enum class UnitState { Sharded, Gathering, Unsharded, Reducing };
 /// What a checkpointed unit needs in backward (docs/design.md).
 struct Checkpointing {
   std::weak_ptr<ShardState> state;
-  std::string label;  // the unit's name, for errors
+  std::string label;               // the unit's name, for errors
+  std::vector<at::Tensor> params;  // its trainable parameters: where the nested backward stops
+  // The last forward's node: alive and not yet differentiated means a second
+  // forward now would give its parameters two gradient accumulations.
+  std::weak_ptr<std::atomic<bool>> last_pending;
 };
 const char* state_name(UnitState s);
 
@@ -187,7 +192,8 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
     ShardState& s_;
   };
   /// shard(): makes `base` a checkpointed unit (docs/design.md).
-  static void enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState> state, std::string label);
+  static void enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState> state, std::string label,
+                                   std::vector<at::Tensor> params);
   void finish_backward();
   /// At the start of a forward and in zero_grad(): outside any backward, a
   /// queued end-of-backward that never ran means the last backward failed;

@@ -259,6 +259,15 @@ std::vector<bool> checkpointed_units(const std::vector<FoundUnit>& units, const 
   return out;
 }
 
+// A unit's own trainable parameters (a leaf unit: those of its module tree).
+std::vector<at::Tensor> trainable_params_of(const FoundUnit& unit) {
+  std::vector<at::Tensor> out;
+  if (auto* module = dynamic_cast<torch::nn::Module*>(unit.base))
+    for (const auto& p : module->parameters())
+      if (p.requires_grad()) out.push_back(p);
+  return out;
+}
+
 }  // namespace
 
 ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options) {
@@ -322,7 +331,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
       detail::ShardState::attach(*base, unit);
     }
     for (size_t u = 0; u < units.size(); ++u)
-      if (checkpointed[u]) detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name);
+      if (checkpointed[u]) detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name,
+                                                                    trainable_params_of(units[u]));
     detail::register_model(root, state);
     return ShardedModel(state);
   }
@@ -383,7 +393,9 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   cast_buffers(mp, buffers);
   for (size_t u = 0; u < units.size(); ++u) {
     detail::ShardState::attach(*units[u].base, made[u]);
-    if (checkpointed[u]) detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name);
+    if (checkpointed[u]) {
+      detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name, trainable_params_of(units[u]));
+    }
   }
   detail::register_model(root, state);
   return ShardedModel(state);

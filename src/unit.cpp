@@ -108,6 +108,9 @@ void Unit::pre_backward() {
 void Unit::on_grad_ready(size_t flat, size_t param) {
   owner_->ensure_end_of_backward_callback();
   touched_ = true;
+  TORCH_CHECK(!reduced_, "shardtorch: rank ", owner_->world().rank(), ": gradient of '", flats_[flat]->names()[param],
+              "' arrived after unit '", label(), "' had reduced its gradients in this backward (a parameter "
+              "accumulated twice in one backward?)");
   TORCH_CHECK(state_ == UnitState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": gradient of '",
               flats_[flat]->names()[param], "' arrived while unit '", label(), "' is ", state_name(state_));
   flats_[flat]->stage_grad(param);

@@ -124,6 +124,48 @@ struct OddNetImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(OddNet);
 
+// A unit with an optional tensor argument (that needs a gradient), one that
+// returns its own parameter beside its result, and a frozen unit fed by data.
+struct MixImpl : torch::nn::Module {
+  MixImpl() : lin(register_module("lin", torch::nn::Linear(6, 6))) {}
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, std::optional<torch::Tensor> context) {
+    auto y = torch::tanh(lin(x));
+    if (context) y = y * torch::sigmoid(*context);
+    return {y, lin->bias};
+  }
+  torch::nn::Linear lin;
+};
+SHARDTORCH_MODULE(Mix);
+
+struct MixNetImpl : torch::nn::Module {
+  MixNetImpl() : frozen(register_module("frozen", Layer(6, 6, true))), m(register_module("m", Mix())),
+                 ctx(register_module("ctx", torch::nn::Linear(6, 6))) {
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto [y, bias] = m(frozen(x), std::optional<torch::Tensor>(ctx(x)));
+    return (y.pow(2).mean() + bias.pow(2).sum());
+  }
+  Layer frozen;
+  Mix m;
+  torch::nn::Linear ctx;
+};
+SHARDTORCH_MODULE(MixNet);
+
+// Misuse: a unit called twice per forward, one that changes its input in place.
+struct TwiceImpl : torch::nn::Module {
+  TwiceImpl() : l(register_module("l", Layer(6, 6, true))), inplace(register_module("inplace", InPlace())) {}
+  torch::Tensor forward(torch::Tensor x) { return twice ? l(l(x)).sum() : inplace(l(x)).sum(); }
+  struct InPlaceImpl : torch::nn::Module {
+    torch::Tensor forward(torch::Tensor x) { return x.mul_(2); }
+  };
+  SHARDTORCH_MODULE(InPlace);
+  Layer l;
+  InPlace inplace;
+  bool twice = true;
+};
+SHARDTORCH_MODULE(Twice);
+
 // Counts the bytes of CPU tensors alive and their peak. The context is the
 // data pointer itself (some callers use raw_allocate), so sizes are kept in
 // a map.
@@ -315,6 +357,77 @@ INSTANTIATE_TEST_SUITE_P(EveryStrategy, Recompute,
                            return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_" +
                                   std::to_string(std::get<1>(info.param)) + "ranks";
                          });
+
+// An optional tensor argument is a differentiable input; a parameter
+// returned as it is stays a leaf that trains; a frozen unit fed by data costs
+// no extra all-gather. NoShard too: a parameter returned by a FullShard unit
+// would be freed after its forward (checkpointed or not).
+TEST(Recompute, OptionalArgumentsReturnedParametersAndFrozenUnits) {
+  for (Strategy strategy : {Strategy::NoShard, Strategy::ShardGradOp}) {
+    auto r = run_ranks(2, [&](World& w) {
+      auto train = [&](bool ckpt) {
+        torch::manual_seed(0);
+        MixNet net;
+        auto sm = shardtorch::shard(net, w, ShardOptions().strategy(strategy).activation_checkpointing(ckpt));
+        require(!ckpt || (net->m->checkpoint_label() == "m" && net->frozen->checkpoint_label() == "frozen"),
+                "the units are not checkpointed");
+        auto opt = shardtorch::Adam(*net, torch::optim::AdamOptions(1e-2));
+        const int64_t gathers0 = sm.comm_stats().all_gather.calls;
+        for (int s = 0; s < 3; ++s) {
+          opt->zero_grad();
+          net(torch::full({3, 6}, 0.2 * (s + 1) - w.rank())).backward();
+          opt->step();
+        }
+        const int64_t gathers = sm.comm_stats().all_gather.calls - gathers0;
+        shardtorch::FullParams full(*net);
+        auto p = snapshot(*net);
+        p["<all-gathers>"] = torch::tensor({gathers});
+        return p;
+      };
+      auto plain = train(false);
+      auto ckpt = train(true);
+      require(!torch::equal(plain.at("m.lin.bias"), ckpt.at("ctx.bias")), "sanity: distinct parameters");
+      require_bitwise(ckpt, plain, shardtorch::strategy_name(strategy));
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
+  }
+}
+
+TEST(Recompute, MisuseIsAClearError) {
+  auto r = run_ranks(1, [&](World& w) {
+    auto has = [](const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; };
+    auto error_of = [](auto f) -> std::string {
+      try {
+        f();
+      } catch (const std::exception& e) {
+        return e.what();
+      }
+      return "";
+    };
+    Twice net;
+    shardtorch::shard(net, w, ShardOptions().activation_checkpointing(true));
+    std::string e = error_of([&] { net(torch::randn({2, 6})).backward(); });
+    require(has(e, "checkpointed unit 'l' ran its forward again"), "unit called twice: " + e);
+    net->twice = false;
+    e = error_of([&] { net(torch::randn({2, 6})).backward(); });
+    require(has(e, "checkpointed unit 'inplace' modified its input 0"), "in-place input: " + e);
+
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w, ShardOptions().activation_checkpointing(true));
+    auto x = gpt_tokens().narrow(0, 0, 2);
+    e = error_of([&] { gpt::lm_loss(model(x), x).backward({}, /*retain_graph=*/true, /*create_graph=*/true); });
+    require(has(e, "create_graph (double backward) is not supported"), "create_graph: " + e);
+    e = error_of([&] {
+      auto loss = gpt::lm_loss(model(x), x);
+      torch::autograd::grad({loss}, {model->tok_emb->weight});
+    });
+    require(has(e, "torch::autograd::grad (or backward with inputs) is not supported"), "autograd::grad: " + e);
+    // A forward whose graph was dropped does not count as pending.
+    { auto unused = model(x); }
+    gpt::lm_loss(model(x), x).backward();
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
 
 // Memory: without checkpointing every block's activations stay alive from
 // forward to backward; with it only each block's input does, plus one

@@ -30,12 +30,15 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <c10/util/OptionalArrayRef.h>
+
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <type_traits>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -105,15 +108,16 @@ struct ShardOptions {
   /// copied to the device before its all-gather, reduced gradient shards are
   /// copied back, and the optimizer steps on the CPU.
   TORCH_ARG(bool, cpu_offload) = false;
-  /// Activation checkpointing (every strategy; docs/design.md): every unit
-  /// that has no unit inside it, the root excepted, keeps only its inputs
-  /// from the forward and recomputes its activations in backward, without a
-  /// second all-gather.
+  /// Activation checkpointing (every strategy; docs/api.md, docs/design.md):
+  /// every unit that has no unit inside it and shares no parameter with
+  /// another unit, the root excepted, keeps only its inputs from the forward
+  /// and recomputes its activations in backward, without a second all-gather.
   TORCH_ARG(bool, activation_checkpointing) = false;
 
  public:  // (TORCH_ARG leaves the access private)
-  /// activation_checkpointing for one unit, by name; true for the root or a
-  /// unit with units inside is an error at shard().
+  /// activation_checkpointing for one unit, by name; true for the root, a
+  /// unit with units inside or one with a parameter shared with another unit
+  /// (tied) is an error at shard().
   ShardOptions& activation_checkpointing_for(const std::string& unit, bool value) {
     per_unit_checkpointing_[unit] = value;
     return *this;
@@ -181,6 +185,9 @@ class UnitBase {
 
 namespace detail {
 inline void collect_tensors(std::vector<at::Tensor>& out, const at::Tensor& t) { out.push_back(t); }
+inline void collect_tensors(std::vector<at::Tensor>& out, const std::optional<at::Tensor>& t) {
+  if (t) out.push_back(*t);
+}
 inline void collect_tensors(std::vector<at::Tensor>& out, const std::vector<at::Tensor>& v) {
   out.insert(out.end(), v.begin(), v.end());
 }
@@ -193,6 +200,9 @@ void collect_tensors(std::vector<at::Tensor>&, const T&) {}  // carries no tenso
 
 // The inverse of collect_tensors: puts tensors back, in the same order.
 inline void replace_tensors(at::Tensor& t, const std::vector<at::Tensor>& v, size_t& i) { t = v.at(i++); }
+inline void replace_tensors(std::optional<at::Tensor>& t, const std::vector<at::Tensor>& v, size_t& i) {
+  if (t) *t = v.at(i++);
+}
 inline void replace_tensors(std::vector<at::Tensor>& x, const std::vector<at::Tensor>& v, size_t& i) {
   for (auto& t : x) t = v.at(i++);
 }
@@ -213,6 +223,23 @@ struct all_tensors<std::vector<at::Tensor>> : std::true_type {};
 template <class... T>
 struct all_tensors<std::tuple<T...>> : std::bool_constant<(all_tensors<std::decay_t<T>>::value && ...)> {};
 [[noreturn]] void checkpointed_forward_returns_non_tensors(const UnitBase& unit);
+
+// What a checkpointed forward may take: arguments that can be kept until
+// backward and passed again. Views (ArrayRef, string_view) would dangle, and a
+// non-const reference would be written to a copy.
+template <class T>
+struct is_view_type : std::false_type {};
+template <class T>
+struct is_view_type<c10::ArrayRef<T>> : std::true_type {};
+template <class T>
+struct is_view_type<c10::OptionalArrayRef<T>> : std::true_type {};
+template <>
+struct is_view_type<std::string_view> : std::true_type {};
+template <class A>
+constexpr bool keepable_arg = !(std::is_lvalue_reference_v<A> && !std::is_const_v<std::remove_reference_t<A>>) &&
+                              !is_view_type<std::decay_t<A>>::value;
+[[noreturn]] void checkpointed_forward_takes_unkeepable_arguments(const UnitBase& unit);
+[[noreturn]] void checkpointed_unit_destroyed();
 
 // Casts a floating-point tensor argument; passes anything else through.
 template <class T>
@@ -260,6 +287,8 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
   R checkpointed(B&&... args) {
     if constexpr (!detail::all_tensors<std::decay_t<R>>::value) {
       detail::checkpointed_forward_returns_non_tensors(*this);
+    } else if constexpr (!(detail::keepable_arg<A> && ...)) {
+      detail::checkpointed_forward_takes_unkeepable_arguments(*this);
     } else {
       using Args = std::tuple<std::decay_t<A>...>;
       auto saved = std::make_shared<Args>(std::forward<B>(args)...);
@@ -268,7 +297,11 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
       size_t i = 0;
       detail::replace_tensors(*saved, std::vector<at::Tensor>(inputs.size()), i);
       auto first = std::make_shared<std::optional<R>>();
-      detail::RecomputeFn run = [this, saved, first](const std::vector<at::Tensor>& in, bool is_first) {
+      // The node keeps `run` until its graph dies: it must not keep the module alive, nor call a dead one.
+      std::weak_ptr<torch::nn::Module> alive = this->weak_from_this();
+      const bool owned = !alive.expired();  // held by a shared_ptr (a holder), as modules usually are
+      detail::RecomputeFn run = [this, alive, owned, saved, first](const std::vector<at::Tensor>& in, bool is_first) {
+        if (!is_first && owned && alive.expired()) detail::checkpointed_unit_destroyed();
         Args a = *saved;
         size_t k = 0;
         detail::replace_tensors(a, in, k);
