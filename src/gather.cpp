@@ -95,10 +95,7 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
   };
   if (state->ddp()) {
     if (!keep) return out;
-    for (const auto& item : root.named_parameters()) out[item.key()] = item.value().detach().clone();
-    const auto& params = state->ddp_params();
-    const auto& optimized = state->ddp_optimized();  // fp32 masters under mixed precision
-    for (size_t i = 0; i < params.size(); ++i) put(params[i], optimized[i].detach().clone());
+    for (const auto& item : root.named_parameters()) out[item.key()] = state->record_of(item.value()).detach().clone();
     return out;
   }
   for (auto& u : state->units()) {

@@ -68,8 +68,8 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
       for (const auto& f : u.flats) {
         out.params += f.numel;
         add(Mem::ReplicatedParams, f.numel * esize(compute_of(f.dtype)));  // frozen ones too: whole everywhere
+        if (compute_of(f.dtype) != f.dtype) add(Mem::ReplicatedParams, f.numel * esize(f.dtype));  // fp32 masters, frozen too
         if (!f.trainable) continue;
-        if (mp.param_dtype()) add(Mem::ReplicatedParams, f.numel * esize(f.dtype));  // fp32 masters
         const at::ScalarType rd = mp.param_dtype() ? reduce_of(f.dtype) : f.dtype;
         add(Mem::Gradients, f.numel * esize(rd));                          // the all-reduce buckets
         if (rd != f.dtype) add(Mem::Gradients, f.numel * esize(f.dtype));  // masters' fp32 gradients

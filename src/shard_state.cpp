@@ -233,6 +233,11 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
 };
 }  // namespace
 
+void ShardState::add_frozen_master(const at::Tensor& param, at::Tensor master) {
+  mem_.add(Mem::ReplicatedParams, master.nbytes());
+  masters_[param.unsafeGetTensorImpl()] = std::move(master);
+}
+
 void ShardState::enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names) {
   ddp_params_ = params;
   ddp_names_ = names;
@@ -241,6 +246,7 @@ void ShardState::enable_ddp(std::vector<at::Tensor> params, std::vector<std::str
     c10::NoGradGuard no_grad;
     for (auto& p : ddp_params_) {
       ddp_masters_.push_back(p.detach().clone());
+      masters_[p.unsafeGetTensorImpl()] = ddp_masters_.back();
       p.set_data(p.detach().to(*mp.param_dtype()));  // before the accumulators exist (below)
       mem_.add(Mem::ReplicatedParams, ddp_masters_.back().nbytes());
     }

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "shardtorch/all_reduce_bucketer.h"
@@ -133,6 +134,15 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   const std::vector<at::Tensor>& ddp_masters() const { return ddp_masters_; }
   /// The tensors the optimizer updates under NoShard: masters, or the parameters.
   const std::vector<at::Tensor>& ddp_optimized() const { return ddp_masters_.empty() ? ddp_params_ : ddp_masters_; }
+  /// NoShard under mixed precision: a frozen floating parameter computes in
+  /// param_dtype and keeps its fp32 master here.
+  void add_frozen_master(const at::Tensor& param, at::Tensor master);
+  /// NoShard: the value of record of a parameter (what checkpoints save and
+  /// load): its fp32 master under mixed precision, else the parameter itself.
+  at::Tensor record_of(const at::Tensor& param) const {
+    auto it = masters_.find(param.unsafeGetTensorImpl());
+    return it == masters_.end() ? param : it->second;
+  }
   /// Points the masters' grads at the reduced gradients (cast if needed: the
   /// fp32 copies are counted as gradients until release_master_grads()).
   void bind_master_grads();
@@ -219,6 +229,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<std::weak_ptr<Unit>> recording_, forward_order_;  // this step's forward; the last complete one
   std::vector<at::Tensor> ddp_params_, ddp_masters_;
   std::vector<std::string> ddp_names_;
+  std::unordered_map<const void*, at::Tensor> masters_;  // NoShard + mixed precision: every parameter's fp32 master
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;
   int nested_backward_ = 0;
   bool callback_queued_ = false;

@@ -186,7 +186,8 @@ void cast_buffers(const MixedPrecision& mp, std::vector<std::pair<std::string, a
 
 // NoShard: the parameters stay whole; gradients go through buckets. Under
 // mixed precision the parameters become param_dtype and the optimizer gets
-// fp32 masters (ShardState::enable_ddp); frozen ones are just cast.
+// fp32 masters (ShardState::enable_ddp); frozen ones are cast and keep an
+// fp32 master for checkpoints (ShardState::add_frozen_master).
 void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundParam>& params) {
   std::vector<at::Tensor> trainable;
   std::vector<std::string> names;
@@ -195,9 +196,13 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
   for (auto& p : params) {
     if (state.options().sync_module_states() && world.size() > 1)
       world.comm().broadcast(p.tensor, 0, "parameter '" + p.name + "' at shard()");
-    if (!p.tensor.requires_grad()) {
-      if (mp.param_dtype() && p.tensor.is_floating_point()) p.tensor.set_data(p.tensor.detach().to(*mp.param_dtype()));
-      state.mem().add(Mem::ReplicatedParams, p.tensor.nbytes());  // frozen: whole on every rank
+    if (!p.tensor.requires_grad()) {  // frozen: whole on every rank
+      if (mp.param_dtype() && p.tensor.is_floating_point() && p.tensor.scalar_type() != *mp.param_dtype()) {
+        // It computes in param_dtype; the fp32 master is what checkpoints keep.
+        state.add_frozen_master(p.tensor, p.tensor.detach().clone());
+        p.tensor.set_data(p.tensor.detach().to(*mp.param_dtype()));
+      }
+      state.mem().add(Mem::ReplicatedParams, p.tensor.nbytes());
       continue;
     }
     trainable.push_back(p.tensor);

@@ -42,18 +42,8 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   if (writer) {
     std::vector<checkpoint::PendingTensor> pending;
     if (state->ddp()) {
-      const auto& params = state->ddp_params();
-      const auto& optimized = state->ddp_optimized();
-      std::set<const void*> done;
-      for (size_t i = 0; i < params.size(); ++i) {
-        done.insert(params[i].unsafeGetTensorImpl());
-        at::Tensor v = optimized[i].detach();
-        for (const auto& n : names[params[i].unsafeGetTensorImpl()])
-          pending.push_back({n, v.scalar_type(), v.sizes().vec(), [v] { return v; }});
-      }
-      for (const auto& item : root.named_parameters()) {  // frozen ones
-        if (done.count(item.value().unsafeGetTensorImpl())) continue;
-        at::Tensor v = item.value().detach();
+      for (const auto& item : root.named_parameters()) {  // a tied parameter under each of its names
+        at::Tensor v = state->record_of(item.value()).detach();
         pending.push_back({item.key(), v.scalar_type(), v.sizes().vec(), [v] { return v; }});
       }
     } else {
@@ -121,23 +111,16 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
   };
 
   if (state->ddp()) {
-    const auto& params = state->ddp_params();
-    const auto& optimized = state->ddp_optimized();
     std::set<const void*> done;
-    for (size_t i = 0; i < params.size(); ++i) {
-      std::string n = name_in_file(params[i]);
-      check_shape(n, params[i].sizes());
-      at::Tensor(optimized[i]).copy_(reader.read(n));
-      if (!optimized[i].is_same(params[i])) at::Tensor(params[i]).copy_(optimized[i]);
-      done.insert(params[i].unsafeGetTensorImpl());
-      mark_all(params[i]);
-    }
     for (const auto& item : root.named_parameters()) {
-      if (done.count(item.value().unsafeGetTensorImpl())) continue;
-      std::string n = name_in_file(item.value());
-      check_shape(n, item.value().sizes());
-      at::Tensor(item.value()).copy_(reader.read(n));
-      mark_all(item.value());
+      at::Tensor p = item.value();
+      if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded under its first name
+      std::string n = name_in_file(p);
+      check_shape(n, p.sizes());
+      at::Tensor record = state->record_of(p);  // the fp32 master under mixed precision
+      record.copy_(reader.read(n));
+      if (!record.is_same(p)) p.copy_(record);
+      mark_all(p);
     }
   } else {
     for (auto& u : state->units()) {

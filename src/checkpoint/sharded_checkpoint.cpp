@@ -138,7 +138,7 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
     if (state.ddp()) {
       const auto& optimized = state.ddp_optimized();
       for (size_t i = 0; i < optimized.size(); ++i) add(state.ddp_names()[i], "param", 0, optimized[i], 0);
-      for (const auto& [name, p] : untrained_params(root, state)) add(name, "param", 0, p, 0);
+      for (const auto& [name, p] : untrained_params(root, state)) add(name, "param", 0, state.record_of(p), 0);
     } else {
       const int shard_rank = state.shard_comm().rank();
       for (auto& u : state.units())
@@ -379,9 +379,11 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
       if (!optimized[i].is_same(params[i])) at::Tensor(params[i]).copy_(optimized[i]);
     }
     for (auto& [name, p] : untrained_params(root, *state)) {
-      at::Tensor t = at::empty({p.numel()}, p.options());
+      at::Tensor record = state->record_of(p);  // the fp32 master of a frozen one under mixed precision
+      at::Tensor t = at::empty({record.numel()}, record.options());
       fill(t, name, "param", 0, idx, files, dir);
-      p.copy_(t.view(p.sizes()));
+      record.copy_(t.view(record.sizes()));
+      if (!record.is_same(p)) p.copy_(record);
     }
   } else {
     const int shard_rank = state->shard_comm().rank();
