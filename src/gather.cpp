@@ -30,6 +30,19 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
 }
 
 void FullParams::gather_all(bool keep) {
+  if (options_.with_grads() && keep && state_->ddp()) {
+    // NoShard: the gradients are bucket views and already there, except
+    // under mixed precision with another reduce dtype, where the fp32
+    // masters hold them: the parameters get a copy in their dtype.
+    const auto& params = state_->ddp_params();
+    const auto& masters = state_->ddp_masters();
+    for (size_t i = 0; i < masters.size(); ++i) {
+      at::Tensor p = params[i];
+      if (p.grad().defined() || !masters[i].grad().defined()) continue;
+      p.mutable_grad() = masters[i].grad().to(p.scalar_type());
+      grads_set_.push_back(p);
+    }
+  }
   for (auto& u : state_->units()) {
     bool was_sharded = u->state() == detail::UnitState::Sharded;
     u->unshard();
