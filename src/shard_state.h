@@ -143,6 +143,13 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
     auto it = masters_.find(param.unsafeGetTensorImpl());
     return it == masters_.end() ? param : it->second;
   }
+  /// NoShard: loads `value` into a parameter's record and, when that is a
+  /// master, casts it into the parameter too.
+  void load_record(const at::Tensor& param, const at::Tensor& value) const {
+    at::Tensor record = record_of(param);
+    record.copy_(value.view(record.sizes()));
+    if (!record.is_same(param)) at::Tensor(param).copy_(record);
+  }
   /// Points the masters' grads at the reduced gradients (cast if needed: the
   /// fp32 copies are counted as gradients until release_master_grads()).
   void bind_master_grads();

@@ -264,13 +264,18 @@ std::vector<bool> checkpointed_units(const std::vector<FoundUnit>& units, const 
   return out;
 }
 
-// A unit's own trainable parameters (a leaf unit: those of its module tree).
-std::vector<at::Tensor> trainable_params_of(const FoundUnit& unit) {
-  std::vector<at::Tensor> out;
-  if (auto* module = dynamic_cast<torch::nn::Module*>(unit.base))
-    for (const auto& p : module->parameters())
-      if (p.requires_grad()) out.push_back(p);
-  return out;
+// Makes the chosen units checkpointed, each with its own trainable
+// parameters (a leaf unit: those of its module tree).
+void enable_checkpointing(const std::vector<FoundUnit>& units, const std::vector<bool>& checkpointed,
+                          const std::shared_ptr<detail::ShardState>& state) {
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (!checkpointed[u]) continue;
+    std::vector<at::Tensor> trainable;
+    if (auto* module = dynamic_cast<torch::nn::Module*>(units[u].base))
+      for (const auto& p : module->parameters())
+        if (p.requires_grad()) trainable.push_back(p);
+    detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name, std::move(trainable));
+  }
 }
 
 }  // namespace
@@ -335,9 +340,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
       state->add_unit(unit);
       detail::ShardState::attach(*base, unit);
     }
-    for (size_t u = 0; u < units.size(); ++u)
-      if (checkpointed[u]) detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name,
-                                                                    trainable_params_of(units[u]));
+    enable_checkpointing(units, checkpointed, state);
     detail::register_model(root, state);
     return ShardedModel(state);
   }
@@ -396,12 +399,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   }
   if (options.sync_module_states() && world->size() > 1) broadcast_buffers(*world, buffers);
   cast_buffers(mp, buffers);
-  for (size_t u = 0; u < units.size(); ++u) {
-    detail::ShardState::attach(*units[u].base, made[u]);
-    if (checkpointed[u]) {
-      detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name, trainable_params_of(units[u]));
-    }
-  }
+  for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
+  enable_checkpointing(units, checkpointed, state);
   detail::register_model(root, state);
   return ShardedModel(state);
 }

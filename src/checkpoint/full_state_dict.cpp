@@ -117,9 +117,7 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
       if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded under its first name
       std::string n = name_in_file(p);
       check_shape(n, p.sizes());
-      at::Tensor record = state->record_of(p);  // the fp32 master under mixed precision
-      record.copy_(reader.read(n));
-      if (!record.is_same(p)) p.copy_(record);
+      state->load_record(p, reader.read(n));  // the fp32 master under mixed precision
       mark_all(p);
     }
   } else {

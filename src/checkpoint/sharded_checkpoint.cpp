@@ -105,14 +105,18 @@ Entry entry_from(const json::value& v, const std::string& index) {
   }
 }
 
-// NoShard: the module's parameters it does not train (frozen), each tensor
-// once under its first name. They are saved and loaded whole.
-std::vector<std::pair<std::string, at::Tensor>> untrained_params(torch::nn::Module& root, detail::ShardState& state) {
-  std::set<const void*> trained;
-  for (const auto& p : state.ddp_params()) trained.insert(p.unsafeGetTensorImpl());
+// NoShard: every parameter of the module, each tensor once, saved and loaded
+// whole: the trained ones under the names the bucketer knows them by, then
+// the others (frozen) under their first name.
+std::vector<std::pair<std::string, at::Tensor>> no_shard_params(torch::nn::Module& root, detail::ShardState& state) {
   std::vector<std::pair<std::string, at::Tensor>> out;
+  std::set<const void*> seen;
+  for (size_t i = 0; i < state.ddp_params().size(); ++i) {
+    out.emplace_back(state.ddp_names()[i], state.ddp_params()[i]);
+    seen.insert(state.ddp_params()[i].unsafeGetTensorImpl());
+  }
   for (const auto& item : root.named_parameters())
-    if (trained.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
   return out;
 }
 
@@ -136,9 +140,7 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
   };
   if (writes_params) {
     if (state.ddp()) {
-      const auto& optimized = state.ddp_optimized();
-      for (size_t i = 0; i < optimized.size(); ++i) add(state.ddp_names()[i], "param", 0, optimized[i], 0);
-      for (const auto& [name, p] : untrained_params(root, state)) add(name, "param", 0, state.record_of(p), 0);
+      for (const auto& [name, p] : no_shard_params(root, state)) add(name, "param", 0, state.record_of(p), 0);
     } else {
       const int shard_rank = state.shard_comm().rank();
       for (auto& u : state.units())
@@ -370,20 +372,11 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
   Index idx = read_index(dir);
   Files files(dir, idx);
   if (state->ddp()) {
-    const auto& params = state->ddp_params();
-    const auto& optimized = state->ddp_optimized();
-    for (size_t i = 0; i < params.size(); ++i) {
-      at::Tensor t = at::empty({optimized[i].numel()}, optimized[i].options());
-      fill(t, state->ddp_names()[i], "param", 0, idx, files, dir);
-      at::Tensor(optimized[i]).copy_(t.view(optimized[i].sizes()));
-      if (!optimized[i].is_same(params[i])) at::Tensor(params[i]).copy_(optimized[i]);
-    }
-    for (auto& [name, p] : untrained_params(root, *state)) {
-      at::Tensor record = state->record_of(p);  // the fp32 master of a frozen one under mixed precision
+    for (const auto& [name, p] : no_shard_params(root, *state)) {
+      const at::Tensor record = state->record_of(p);  // the fp32 master under mixed precision
       at::Tensor t = at::empty({record.numel()}, record.options());
       fill(t, name, "param", 0, idx, files, dir);
-      record.copy_(t.view(record.sizes()));
-      if (!record.is_same(p)) p.copy_(record);
+      state->load_record(p, t);
     }
   } else {
     const int shard_rank = state->shard_comm().rank();
