@@ -10,7 +10,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 extra=("$@")
 run() { "$torchrun" --no-python --standalone --nproc-per-node 2 "$train" --steps 6 --dataset 64 "${extra[@]}" "$@"; }
-fingerprint() { sed -n 's/^parameters after step \([0-9]*\): fingerprint \([0-9a-f]*\)$/\1 \2/p' "$1"; }
+source "$(dirname "$0")/train_gpt_fingerprint.sh"
 
 run > "$tmp/plain.log" 2>&1 || { cat "$tmp/plain.log"; exit 1; }
 run --activation-checkpointing > "$tmp/ckpt.log" 2>&1 || { cat "$tmp/ckpt.log"; exit 1; }

@@ -12,7 +12,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 extra=("$@")
 run() { "$torchrun" --no-python --standalone --nproc-per-node 2 "$train" --dataset 64 "${extra[@]}" "$@"; }
-fingerprint() { sed -n 's/^parameters after step \([0-9]*\): fingerprint \([0-9a-f]*\)$/\1 \2/p' "$1"; }
+source "$(dirname "$0")/train_gpt_fingerprint.sh"
 
 run --steps 8 > "$tmp/straight.log" 2>&1 || { cat "$tmp/straight.log"; exit 1; }
 run --steps 5 --checkpoint "$tmp/ck" --save-every 2 > "$tmp/first.log" 2>&1 || { cat "$tmp/first.log"; exit 1; }
