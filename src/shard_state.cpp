@@ -176,7 +176,9 @@ at::Tensor ShardState::gather_input(FlatParam& f) {
   if (offloader_) return offloader_->to_device(f.shard(), f.compute_dtype());  // always a new tensor
   at::Tensor src = f.gather_source();
   // With the shard a view of a persistent full buffer, the input would alias the output.
-  return src.is_alias_of(f.full()) ? src.clone() : src;
+  // (Compared by storage: Tensor::is_alias_of would read the freed buffer's data pointer.)
+  const bool alias = src.storage().unsafeGetStorageImpl() == f.full().storage().unsafeGetStorageImpl();
+  return alias ? src.clone() : src;
 }
 
 at::Tensor ShardState::on_comm_device(const at::Tensor& t) {

@@ -56,6 +56,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void pin() { ++pins_; }
   void unpin() { --pins_; }
   void reshard();
+  /// The error a read of `flat`'s parameters throws while they are freed.
+  std::string sharded_access_error(const FlatParam& flat) const;
   void pre_forward();
   std::optional<at::ScalarType> input_dtype() const;
   std::optional<at::ScalarType> output_dtype() const;

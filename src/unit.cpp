@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <sstream>
 
 #include "shard_state.h"
 
@@ -55,9 +56,23 @@ void Unit::unshard() {
 void Unit::reshard() {
   if (state_ == UnitState::Sharded || persistent_ || pins_ > 0) return;
   if (state_ == UnitState::Gathering) unshard();  // never free memory a collective still writes
-  for (auto& f : flats_) f->free_full();
+  for (auto& f : flats_) f->free_full(sharded_access_error(*f));
   state_ = UnitState::Sharded;
   if (!flats_.empty()) owner_->mem().unit_released();
+}
+
+std::string Unit::sharded_access_error(const FlatParam& flat) const {
+  std::ostringstream os;
+  os << "shardtorch: rank " << owner_->world().rank() << ": unit '" << label()
+     << "' is sharded, so its parameters (";
+  const size_t shown = std::min<size_t>(flat.names().size(), 2);
+  for (size_t i = 0; i < shown; ++i) {
+    os << (i ? ", '" : "'") << flat.names()[i] << "' " << c10::IntArrayRef(flat.layout().shape(i));
+  }
+  if (flat.names().size() > shown) os << " and " << flat.names().size() - shown << " more";
+  os << ") have no memory outside the unit's forward and backward. Read or change them inside a "
+        "shardtorch::FullParams scope (summon_full_params), or get their values from full_parameters()";
+  return os.str();
 }
 
 void Unit::pre_forward() {

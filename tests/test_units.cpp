@@ -143,6 +143,70 @@ TEST(Units, SummonWritesEditsBackIntoTheShards) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// Outside its forward and backward a FullShard unit's parameters have no
+// memory. Touching their data is a c10::Error that names the rank, the unit
+// and the parameters, not a read through a null pointer; the failed access
+// changes nothing, and the next forward and a summon see the right values.
+TEST(Units, ReadingAFreedParameterIsAClearErrorAndChangesNothing) {
+  ASSERT_TRUE(shardtorch::FlatParam::freed_access_is_an_error())
+      << "this LibTorch cannot mark a freed storage: a freed parameter's read would crash";
+  torch::manual_seed(0);
+  auto ref = MLP();
+  auto want = ref->l1->lin->weight.detach().clone();
+  auto x = torch::randn({4, 7});
+  auto want_out = ref->forward(x).detach();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = MLP();
+    shardtorch::shard(m, w);
+    auto expect_error = [&](const char* what, const std::function<void()>& f) {
+      try {
+        f();
+      } catch (const c10::Error& e) {
+        std::string msg = e.what();
+        for (const std::string& part : {"rank " + std::to_string(w.rank()) + ": unit 'l1' is sharded",
+                                        std::string("'l1.lin.weight' [13, 7], 'l1.lin.bias' [13]"),
+                                        std::string("FullParams")}) {
+          require(msg.find(part) != std::string::npos, std::string(what) + ": message lacks '" + part + "': " + msg);
+        }
+        return;
+      }
+      require(false, std::string(what) + " of a freed parameter did not throw");
+    };
+    expect_error("sum", [&] { (void)m->l1->lin->weight.sum(); });
+    expect_error("matmul with a view", [&] { (void)torch::matmul(x, m->l1->lin->weight.t()); });
+    expect_error("item", [&] { (void)m->l1->lin->bias[0].item<float>(); });
+    expect_error("copy into", [&] {
+      torch::NoGradGuard g;
+      m->l1->lin->weight.copy_(torch::zeros({13, 7}));
+    });
+    auto out = m->forward(x);  // gathers: the error is gone while the unit computes
+    require(at::allclose(out, want_out, 1e-6, 1e-6), "forward after a refused read differs from the unsharded one");
+    out.sum().backward();
+    expect_error("sum after backward", [&] { (void)m->l1->lin->weight.sum(); });
+    shardtorch::FullParams full(*m);
+    require(at::equal(m->l1->lin->weight, want), "summon after a refused write sees a changed weight");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Under ZeRO-1/2 and NoShard the parameters stay whole: reading them outside
+// forward is allowed and exact.
+TEST(Units, PersistentStrategiesKeepParametersReadable) {
+  torch::manual_seed(0);
+  auto want = MLP()->l1->lin->weight.detach().clone();
+  for (auto strategy : {shardtorch::Strategy::ShardGradOp, shardtorch::Strategy::OptimizerOnly,
+                        shardtorch::Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto m = MLP();
+      shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(strategy));
+      require(at::equal(m->l1->lin->weight, want), "the parameter outside forward differs from the unsharded one");
+    });
+    ASSERT_TRUE(r.ok) << r.summary();
+  }
+}
+
 // A unit whose parameter gets no gradient this step (an unused branch) must
 // not hang the step: it is reduced as zero at the end of backward.
 struct BranchyImpl : torch::nn::Module {

@@ -97,8 +97,12 @@ class FlatParam {
   bool persistent() const { return persistent_; }
   /// Gives `full` its bytes back (contents undefined until filled).
   void alloc_full();
-  /// Frees `full`'s bytes; the parameters become views of an empty storage.
-  void free_full();
+  /// Frees `full`'s bytes; the parameters stay views of its storage, whose
+  /// data, if touched, throws `access_error` (see freed_access_is_an_error).
+  void free_full(std::string access_error = {});
+  /// Whether this LibTorch lets free_full make a freed parameter's data access
+  /// an error (c10::Error); without it such an access reads a null pointer.
+  static bool freed_access_is_an_error();
   /// Copies this rank's part of `full` into the shard (after a user edit).
   void write_back_shard();
 
