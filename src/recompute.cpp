@@ -2,6 +2,7 @@
 // the autograd node that recomputes them in backward (docs/design.md,
 // "Activation checkpointing").
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -68,7 +69,61 @@ class RngStates {
   std::vector<std::pair<at::Generator, at::Tensor>> states_;
 };
 
-std::vector<c10::Device> rng_devices(const std::vector<at::Tensor>& inputs, ShardState& state) {
+// The autocast state (enabled, dtype) of the CPU and of each accelerator
+// type the unit touches, as the forward saw it, so that the recomputation
+// computes in the same dtypes even though backward runs outside the user's
+// autocast region. Apply() returns an object that restores what it replaced.
+class AutocastStates {
+  struct State {
+    c10::DeviceType type;
+    bool enabled;
+    at::ScalarType dtype;
+  };
+
+ public:
+  AutocastStates() = default;
+  explicit AutocastStates(const std::vector<c10::Device>& devices) {
+    for (const auto& d : devices) {
+      if (std::none_of(states_.begin(), states_.end(), [&](const State& s) { return s.type == d.type(); }))
+        states_.push_back(now(d.type()));
+    }
+  }
+
+  class Applied {
+   public:
+    explicit Applied(const AutocastStates& want) : cache_(at::autocast::is_autocast_cache_enabled()) {
+      for (const auto& s : want.states_) {
+        before_.push_back(now(s.type));
+        set(s);
+      }
+      // No cached casts of the unit's parameters: they are freed after this
+      // backward, and the user's autocast region (which clears the cache) is over.
+      at::autocast::set_autocast_cache_enabled(false);
+    }
+    ~Applied() {
+      for (const auto& s : before_) set(s);
+      at::autocast::set_autocast_cache_enabled(cache_);
+    }
+    Applied(const Applied&) = delete;
+    Applied& operator=(const Applied&) = delete;
+
+   private:
+    std::vector<State> before_;
+    bool cache_;
+  };
+
+ private:
+  static State now(c10::DeviceType type) {
+    return {type, at::autocast::is_autocast_enabled(type), at::autocast::get_autocast_dtype(type)};
+  }
+  static void set(const State& s) {
+    at::autocast::set_autocast_enabled(s.type, s.enabled);
+    at::autocast::set_autocast_dtype(s.type, s.dtype);
+  }
+  std::vector<State> states_;
+};
+
+std::vector<c10::Device> unit_devices(const std::vector<at::Tensor>& inputs, ShardState& state) {
   std::vector<c10::Device> out{c10::Device(c10::kCPU)};
   auto add = [&](c10::Device d) {
     if (d.is_cpu() || d.is_meta()) return;
@@ -85,6 +140,7 @@ struct Recompute : torch::CustomClassHolder {
   std::shared_ptr<Checkpointing> ac;
   RecomputeFn run;
   RngStates rng;
+  AutocastStates autocast;
   size_t inputs = 0;  // the unit's tensor inputs; the node may take one more (below)
   std::shared_ptr<std::atomic<bool>> pending = std::make_shared<std::atomic<bool>>(true);  // no backward yet
   std::vector<at::Tensor> keep_apart;  // the module's parameters and buffers: outputs must not be them
@@ -160,6 +216,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
       r->rng.apply();
       try {
         at::AutoGradMode grad_mode(true);
+        AutocastStates::Applied autocast(r->autocast);
         outs = r->run(in, /*first=*/false);
       } catch (...) {
         now.apply();
@@ -232,7 +289,9 @@ std::vector<at::Tensor> UnitBase::checkpointed_forward(std::vector<at::Tensor> i
   auto r = c10::make_intrusive<detail::Recompute>();
   r->ac = checkpointing_;
   r->run = std::move(run);
-  r->rng = detail::RngStates(detail::rng_devices(inputs, *state));
+  const auto devices = detail::unit_devices(inputs, *state);
+  r->rng = detail::RngStates(devices);
+  r->autocast = detail::AutocastStates(devices);
   r->inputs = inputs.size();
   if (auto* module = dynamic_cast<torch::nn::Module*>(this)) {
     for (const auto& p : module->parameters()) r->keep_apart.push_back(p);

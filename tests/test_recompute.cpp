@@ -2,6 +2,7 @@
 // keeps only its inputs and recomputes its activations in backward. Training
 // must not change by a bit, under every strategy; the activations kept must
 // shrink; no all-gather may be added.
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 
 #include <c10/core/CPUAllocator.h>
@@ -357,6 +358,50 @@ INSTANTIATE_TEST_SUITE_P(EveryStrategy, Recompute,
                            return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_" +
                                   std::to_string(std::get<1>(info.param)) + "ranks";
                          });
+
+// A forward under autocast computes in bf16; backward runs after the user
+// has left the autocast region, so the recomputation must replay the region's
+// state or its matmuls run in fp32 and the gradients differ.
+TEST(Recompute, AutocastRegionIsReplayed) {
+  auto x = gpt_tokens();
+  for (auto strategy : {Strategy::FullShard, Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      auto train = [&](bool ckpt, bool autocast) {
+        torch::manual_seed(0);
+        auto model = gpt::GPT(gpt::Config{});
+        shardtorch::shard(model, w, strategy_options(strategy, 2).activation_checkpointing(ckpt));
+        auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+        const int64_t per = kBatch / w.size();
+        auto xs = x.narrow(0, w.rank() * per, per);
+        for (int s = 0; s < 3; ++s) {
+          opt->zero_grad();
+          at::Tensor loss;
+          {
+            at::autocast::set_autocast_enabled(at::kCPU, autocast);
+            at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+            loss = gpt::lm_loss(model(xs), xs);
+            at::autocast::set_autocast_enabled(at::kCPU, false);
+            at::autocast::clear_cache();
+          }
+          loss.backward();
+          require(!at::autocast::is_autocast_enabled(at::kCPU) && at::autocast::is_autocast_cache_enabled(),
+                  "the recomputation left the thread's autocast state changed");
+          opt->step();
+        }
+        shardtorch::FullParams full(*model);
+        return snapshot(*model);
+      };
+      const std::string what = std::string(shardtorch::strategy_name(strategy)) + " under autocast";
+      auto plain = train(false, true);
+      require_bitwise(train(true, true), plain, what);
+      // Not vacuous: autocast changes the result.
+      auto fp32 = train(false, false);
+      require(!torch::equal(fp32.at("blocks.0.fc1.weight"), plain.at("blocks.0.fc1.weight")),
+              what + ": autocast changed nothing");
+    });
+    ASSERT_TRUE(r.ok) << r.summary();
+  }
+}
 
 // An optional tensor argument is a differentiable input; a parameter
 // returned as it is stays a leaf that trains; a frozen unit fed by data costs
