@@ -49,7 +49,7 @@ struct HasAccessError : std::false_type {};
 template <typename S>
 struct HasAccessError<S, std::void_t<decltype(std::declval<S&>().clear_data_ptr_access_error_msg_()),
                                      decltype(std::declval<S&>().release_data_and_set_meta_custom_data_ptr_error_msg_(
-                                         std::optional<std::string>()))>> : std::true_type {};
+                                         std::declval<std::string>()))>> : std::true_type {};
 
 // Returns whether it could. The storage then keeps its size, so that views of
 // a freed parameter (w.t(), narrow) still succeed and the op that reads them
@@ -192,16 +192,16 @@ void FlatParam::alloc_full() {
 
 bool FlatParam::freed_access_is_an_error() { return HasAccessError<c10::StorageImpl>::value; }
 
-void FlatParam::free_full(std::string access_error) {
+void FlatParam::free_full() {
   if (!gathered_ || persistent_) return;
   auto* impl = full_.storage().unsafeGetStorageImpl();
   size_t nbytes = impl->nbytes();
+  // The error first: it may allocate (and throw) while the buffer is still whole.
+  const bool guarded = forbid_data_access(impl, access_error_.empty() ? "shardtorch: the parameters of " + describe() +
+                                                                          " are sharded: their memory is freed"
+                                                                    : access_error_);
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));
-  if (!forbid_data_access(impl, access_error.empty() ? "shardtorch: the parameters of " + describe() +
-                                                          " are sharded: their memory is freed"
-                                                    : std::move(access_error))) {
-    impl->set_nbytes(0);  // views of the parameters then fail their bounds check at least
-  }
+  if (!guarded) impl->set_nbytes(0);  // views of the parameters then fail their bounds check at least
   gathered_ = false;
   if (mem_) mem_->sub(Mem::GatheredParams, nbytes);
 }

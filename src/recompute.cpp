@@ -84,32 +84,48 @@ class AutocastStates {
   AutocastStates() = default;
   explicit AutocastStates(const std::vector<c10::Device>& devices) {
     for (const auto& d : devices) {
+      if (!at::autocast::is_autocast_available(d.type())) continue;
       if (std::none_of(states_.begin(), states_.end(), [&](const State& s) { return s.type == d.type(); }))
         states_.push_back(now(d.type()));
     }
   }
 
+  // Autocast's cache of parameter casts, off while the unit runs: in the
+  // first run the casts would be kept (made under no-grad, with no history)
+  // until the user's region ends, a low-precision copy of every checkpointed
+  // unit's parameters; in the recomputation they would be reused without
+  // history when backward runs inside the region.
+  class NoCache {
+   public:
+    NoCache() : was_(at::autocast::is_autocast_cache_enabled()) { at::autocast::set_autocast_cache_enabled(false); }
+    ~NoCache() { at::autocast::set_autocast_cache_enabled(was_); }
+    NoCache(const NoCache&) = delete;
+    NoCache& operator=(const NoCache&) = delete;
+
+   private:
+    bool was_;
+  };
+
   class Applied {
    public:
-    explicit Applied(const AutocastStates& want) : cache_(at::autocast::is_autocast_cache_enabled()) {
-      for (const auto& s : want.states_) {
-        before_.push_back(now(s.type));
-        set(s);
+    explicit Applied(const AutocastStates& want) {
+      for (const auto& s : want.states_) before_.push_back(now(s.type));
+      try {
+        for (const auto& s : want.states_) set(s);
+      } catch (...) {
+        for (const auto& s : before_) set(s);
+        throw;
       }
-      // No cached casts of the unit's parameters: they are freed after this
-      // backward, and the user's autocast region (which clears the cache) is over.
-      at::autocast::set_autocast_cache_enabled(false);
     }
     ~Applied() {
       for (const auto& s : before_) set(s);
-      at::autocast::set_autocast_cache_enabled(cache_);
     }
     Applied(const Applied&) = delete;
     Applied& operator=(const Applied&) = delete;
 
    private:
+    NoCache no_cache_;
     std::vector<State> before_;
-    bool cache_;
   };
 
  private:
@@ -156,7 +172,11 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     std::vector<at::Tensor> in(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(r->inputs));
     std::vector<int64_t> versions;
     for (const auto& t : in) versions.push_back(t.defined() ? static_cast<int64_t>(t._version()) : 0);
-    variable_list outs = r->run(in, /*first=*/true);
+    variable_list outs;
+    {
+      AutocastStates::NoCache no_cache;
+      outs = r->run(in, /*first=*/true);
+    }
     for (size_t i = 0; i < in.size(); ++i) {
       TORCH_CHECK(!in[i].defined() || static_cast<int64_t>(in[i]._version()) == versions[i], "shardtorch: checkpointed "
                   "unit '", r->ac->label, "' modified its input ", i, " (shape ", in[i].sizes(), ") in place; the "

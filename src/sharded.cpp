@@ -389,7 +389,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
         flat->set_mixed_precision(*mp.param_dtype(), mp.reduce_dtype().value_or(*mp.param_dtype()));
       }
       if (auto* off = state->offloader()) flat->offload_shard(off->pin());
-      flat->free_full(unit->sharded_access_error(*flat));
+      flat->set_access_error(unit->sharded_access_error(*flat));
+      flat->free_full();
       unit->flats().push_back(std::move(flat));
     }
     if (persistent) unit->mark_persistent_gathered();

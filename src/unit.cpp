@@ -56,7 +56,7 @@ void Unit::unshard() {
 void Unit::reshard() {
   if (state_ == UnitState::Sharded || persistent_ || pins_ > 0) return;
   if (state_ == UnitState::Gathering) unshard();  // never free memory a collective still writes
-  for (auto& f : flats_) f->free_full(sharded_access_error(*f));
+  for (auto& f : flats_) f->free_full();
   state_ = UnitState::Sharded;
   if (!flats_.empty()) owner_->mem().unit_released();
 }

@@ -366,7 +366,7 @@ TEST(Recompute, AutocastRegionIsReplayed) {
   auto x = gpt_tokens();
   for (auto strategy : {Strategy::FullShard, Strategy::NoShard}) {
     auto r = run_ranks(2, [&](World& w) {
-      auto train = [&](bool ckpt, bool autocast) {
+      auto train = [&](bool ckpt, bool autocast, bool backward_inside = false) {
         torch::manual_seed(0);
         auto model = gpt::GPT(gpt::Config{});
         shardtorch::shard(model, w, strategy_options(strategy, 2).activation_checkpointing(ckpt));
@@ -380,12 +380,21 @@ TEST(Recompute, AutocastRegionIsReplayed) {
             at::autocast::set_autocast_enabled(at::kCPU, autocast);
             at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
             loss = gpt::lm_loss(model(xs), xs);
+            if (backward_inside) {
+              loss.backward();
+              require(at::autocast::is_autocast_enabled(at::kCPU) &&
+                          at::autocast::get_autocast_dtype(at::kCPU) == at::kBFloat16 &&
+                          at::autocast::is_autocast_cache_enabled(),
+                      "the recomputation left the thread's autocast state changed");
+            }
             at::autocast::set_autocast_enabled(at::kCPU, false);
             at::autocast::clear_cache();
           }
-          loss.backward();
-          require(!at::autocast::is_autocast_enabled(at::kCPU) && at::autocast::is_autocast_cache_enabled(),
-                  "the recomputation left the thread's autocast state changed");
+          if (!backward_inside) {
+            loss.backward();
+            require(!at::autocast::is_autocast_enabled(at::kCPU) && at::autocast::is_autocast_cache_enabled(),
+                    "the recomputation left the thread's autocast state changed");
+          }
           opt->step();
         }
         shardtorch::FullParams full(*model);
@@ -394,6 +403,9 @@ TEST(Recompute, AutocastRegionIsReplayed) {
       const std::string what = std::string(shardtorch::strategy_name(strategy)) + " under autocast";
       auto plain = train(false, true);
       require_bitwise(train(true, true), plain, what);
+      // Backward inside the region: the recomputation must not reuse casts
+      // cached by another run.
+      require_bitwise(train(true, true, true), train(false, true, true), what + ", backward inside the region");
       // Not vacuous: autocast changes the result.
       auto fp32 = train(false, false);
       require(!torch::equal(fp32.at("blocks.0.fc1.weight"), plain.at("blocks.0.fc1.weight")),

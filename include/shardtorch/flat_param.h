@@ -98,8 +98,10 @@ class FlatParam {
   /// Gives `full` its bytes back (contents undefined until filled).
   void alloc_full();
   /// Frees `full`'s bytes; the parameters stay views of its storage, whose
-  /// data, if touched, throws `access_error` (see freed_access_is_an_error).
-  void free_full(std::string access_error = {});
+  /// data, if touched, throws the access error (see freed_access_is_an_error).
+  void free_full();
+  /// What touching the freed parameters' data throws (set once, at shard()).
+  void set_access_error(std::string message) { access_error_ = std::move(message); }
   /// Whether this LibTorch lets free_full make a freed parameter's data access
   /// an error (c10::Error); without it such an access reads a null pointer.
   static bool freed_access_is_an_error();
@@ -130,6 +132,7 @@ class FlatParam {
   FlatParamLayout layout_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
+  std::string access_error_;
   at::ScalarType dtype_;
   bool requires_grad_;
   int rank_;
