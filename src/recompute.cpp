@@ -72,7 +72,8 @@ class RngStates {
 // The autocast state (enabled, dtype) of the CPU and of each accelerator
 // type the unit touches, as the forward saw it, so that the recomputation
 // computes in the same dtypes even though backward runs outside the user's
-// autocast region. Apply() returns an object that restores what it replaced.
+// autocast region. An Applied sets them for its scope and then restores what
+// it replaced.
 class AutocastStates {
   struct State {
     c10::DeviceType type;
