@@ -4,13 +4,8 @@
 # fingerprint as without it.
 # usage: recompute_example.sh TORCHRUN TRAIN_GPT [train_gpt options for both runs]
 set -euo pipefail
-torchrun=$1 train=$2
-shift 2
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-extra=("$@")
+source "$(dirname "$0")/train_gpt_fingerprint.sh" "$@"
 run() { "$torchrun" --no-python --standalone --nproc-per-node 2 "$train" --steps 6 --dataset 64 "${extra[@]}" "$@"; }
-source "$(dirname "$0")/train_gpt_fingerprint.sh"
 
 run > "$tmp/plain.log" 2>&1 || { cat "$tmp/plain.log"; exit 1; }
 run --activation-checkpointing > "$tmp/ckpt.log" 2>&1 || { cat "$tmp/ckpt.log"; exit 1; }

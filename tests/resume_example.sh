@@ -6,13 +6,8 @@
 # must restore both the epoch and the position in it.
 # usage: resume_example.sh TORCHRUN TRAIN_GPT [train_gpt options for every run]
 set -euo pipefail
-torchrun=$1 train=$2
-shift 2
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-extra=("$@")
+source "$(dirname "$0")/train_gpt_fingerprint.sh" "$@"
 run() { "$torchrun" --no-python --standalone --nproc-per-node 2 "$train" --dataset 64 "${extra[@]}" "$@"; }
-source "$(dirname "$0")/train_gpt_fingerprint.sh"
 
 run --steps 8 > "$tmp/straight.log" 2>&1 || { cat "$tmp/straight.log"; exit 1; }
 run --steps 5 --checkpoint "$tmp/ck" --save-every 2 > "$tmp/first.log" 2>&1 || { cat "$tmp/first.log"; exit 1; }
