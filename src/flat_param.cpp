@@ -97,6 +97,7 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
     shapes.push_back(p.sizes().vec());
   }
   layout_ = FlatParamLayout(std::move(shapes), world_size);
+  access_error_ = "shardtorch: the parameters of " + describe() + " are sharded: their memory is freed";
   c10::NoGradGuard no_grad;
   full_ = at::zeros({layout_.padded_numel()}, params_[0].options().requires_grad(false));
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -197,9 +198,7 @@ void FlatParam::free_full() {
   auto* impl = full_.storage().unsafeGetStorageImpl();
   size_t nbytes = impl->nbytes();
   // The error first: it may allocate (and throw) while the buffer is still whole.
-  const bool guarded = forbid_data_access(impl, access_error_.empty() ? "shardtorch: the parameters of " + describe() +
-                                                                          " are sharded: their memory is freed"
-                                                                    : access_error_);
+  const bool guarded = forbid_data_access(impl, access_error_);
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));
   if (!guarded) impl->set_nbytes(0);  // views of the parameters then fail their bounds check at least
   gathered_ = false;

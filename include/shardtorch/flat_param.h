@@ -100,7 +100,8 @@ class FlatParam {
   /// Frees `full`'s bytes; the parameters stay views of its storage, whose
   /// data, if touched, throws the access error (see freed_access_is_an_error).
   void free_full();
-  /// What touching the freed parameters' data throws (set once, at shard()).
+  /// What touching the freed parameters' data throws (shard() sets one naming
+  /// the rank and the unit; by default it names this flat parameter).
   void set_access_error(std::string message) { access_error_ = std::move(message); }
   /// Whether this LibTorch lets free_full make a freed parameter's data access
   /// an error (c10::Error); without it such an access reads a null pointer.
