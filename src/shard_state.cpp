@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "shard_state.h"
@@ -49,6 +50,7 @@ void ShardState::abandon_backward(bool warn) {
   }
   callback_queued_ = false;
   recording_.clear();
+  backward_cursor_ = SIZE_MAX;
   if (ddp_) ddp_->discard();
   bucketer_.discard();
   if (offloader_) offloader_->discard();
@@ -63,6 +65,7 @@ void ShardState::abandon_backward(bool warn) {
 
 void ShardState::finish_backward() {
   callback_queued_ = false;
+  backward_cursor_ = SIZE_MAX;
   try {
     if (ddp_) {
       ddp_->finish(sync_, options_.error_on_unused_parameters());
@@ -133,39 +136,53 @@ void ShardState::after_optimizer_step() {
 std::shared_ptr<Unit> ShardState::note_forward_and_next(Unit& u) {
   if (!options_.prefetches() || !c10::GradMode::is_enabled()) return nullptr;
   if (u.is_root()) recording_.clear();  // a new forward starts at the root
+  if (recording_.empty()) following_ = true;
   recording_.push_back(u.weak_from_this());
   const size_t pos = recording_.size() - 1;
+  const bool in_order = pos < forward_order_.size() && forward_order_[pos].lock().get() == &u;
+  following_ = following_ && in_order;
   // Prefetch only along the order the last complete step ran, while this
   // forward follows it.
-  if (pos + 1 >= forward_order_.size() || forward_order_[pos].lock().get() != &u) return nullptr;
+  if (!in_order || pos + 1 >= forward_order_.size()) return nullptr;
   auto next = forward_order_[pos + 1].lock();
   return next && next->state() == UnitState::Sharded ? next : nullptr;
 }
 
-bool ShardState::last_of_learned_forward(const Unit& u) const {
-  if (!options_.prefetches() || !c10::GradMode::is_enabled()) return false;
-  size_t last = forward_order_.size();
+bool ShardState::needed_again_at_once(const Unit& u) const {
+  if (!options_.prefetches() || !c10::GradMode::is_enabled() || !following_) return false;
+  size_t last = forward_order_.size();  // one past the last unit with parameters
   while (last > 0) {
     auto unit = forward_order_[last - 1].lock();
     if (unit && unit->has_params()) break;
     --last;
   }
-  if (last == 0 || forward_order_[last - 1].lock().get() != &u) return false;
-  // This forward has followed the learned order up to u.
-  if (recording_.size() != last) return false;
-  for (size_t i = 0; i < last; ++i)
-    if (recording_[i].lock() != forward_order_[i].lock()) return false;
-  return true;
+  const size_t next = recording_.size();  // the position the next pre-forward takes
+  if (next < last) return forward_order_[next].lock().get() == &u;  // u runs again at once
+  return next == last && last > 0 && forward_order_[last - 1].lock().get() == &u;  // backward starts with u
 }
 
 std::shared_ptr<Unit> ShardState::next_in_backward(Unit& u) {
-  if (!options_.prefetches()) return nullptr;
-  for (size_t i = forward_order_.size(); i-- > 1;) {
-    if (forward_order_[i].lock().get() != &u) continue;
-    auto prev = forward_order_[i - 1].lock();
-    return prev && prev->state() == UnitState::Sharded ? prev : nullptr;
+  // The root stays gathered through backward, and its outputs' hooks can fire
+  // late in it: it neither moves the cursor nor is a prefetch target.
+  if (!options_.prefetches() || u.is_root()) return nullptr;
+  const size_t n = forward_order_.size();
+  auto at = [&](size_t i) { return forward_order_[i].lock().get(); };
+  // u's nearest position below the cursor; else (the backward left the order) its last one.
+  size_t i = std::min(backward_cursor_, n);
+  while (i > 0 && at(i - 1) != &u) --i;
+  if (i == 0) {
+    i = n;
+    while (i > 0 && at(i - 1) != &u) --i;
+    if (i == 0) return nullptr;
   }
-  return nullptr;
+  backward_cursor_ = i;  // u is at i - 1; positions below are still ahead of this backward
+  // A unit that ran several times in a row finds the last of those positions
+  // at each of its hooks: what backward needs after it is below the run.
+  size_t j = i - 1;
+  while (j > 0 && at(j - 1) == &u) --j;
+  if (j == 0) return nullptr;
+  auto prev = forward_order_[j - 1].lock();
+  return prev && prev->state() == UnitState::Sharded ? prev : nullptr;
 }
 
 void ShardState::enable_offload(c10::Device device) {

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <atomic>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -189,10 +190,11 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// (null: none known, or prefetch off).
   std::shared_ptr<Unit> note_forward_and_next(Unit& u);
   std::shared_ptr<Unit> next_in_backward(Unit& u);
-  /// With prefetch: u is the last unit with parameters in the learned forward
-  /// order, and this forward has followed that order up to u; backward needs
-  /// u first, so it stays gathered.
-  bool last_of_learned_forward(const Unit& u) const;
+  /// With prefetch, while this forward has followed the learned order up to
+  /// u (at its post-forward): u runs again next (a repeated unit), or it is
+  /// the last unit with parameters, which backward needs first. Either way
+  /// it stays gathered: freeing it would only gather it again at once.
+  bool needed_again_at_once(const Unit& u) const;
 
   /// Queues finish_backward() on the autograd engine once per backward. In a
   /// nested backward (activation checkpointing) the outer one's callback
@@ -236,6 +238,8 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::unique_ptr<AllReduceBucketer> ddp_;
   std::unique_ptr<Offloader> offloader_;
   std::vector<std::weak_ptr<Unit>> recording_, forward_order_;  // this step's forward; the last complete one
+  bool following_ = false;  // this forward has run the units of forward_order_ in its order so far
+  size_t backward_cursor_ = SIZE_MAX;  // this backward's place in forward_order_ (next_in_backward)
   std::vector<at::Tensor> ddp_params_, ddp_masters_;
   std::vector<std::string> ddp_names_;
   std::unordered_map<const void*, at::Tensor> masters_;  // NoShard + mixed precision: every parameter's fp32 master

@@ -107,10 +107,10 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   // no grad mode, or tensor outputs of which none requires grad.
   bool safe = !grad_mode || !outputs.empty();
   // Without grad mode no backward follows, so even the root gives its memory back.
-  // With prefetch, the last unit of the forward stays: backward starts with it,
-  // and freeing it now would only gather it again at once.
-  const bool backward_next = grad_mode && owner_->last_of_learned_forward(*this);
-  if ((reshard_after_forward_ || !grad_mode) && safe && !backward_next) reshard();
+  // With prefetch, a unit that runs again next, or the last unit of the forward
+  // (backward starts with it), stays: freeing it would only gather it again at once.
+  const bool needed_next = owner_->needed_again_at_once(*this);
+  if ((reshard_after_forward_ || !grad_mode) && safe && !needed_next) reshard();
 }
 
 void Unit::pre_backward() {
