@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <sstream>
 
 #include "shard_state.h"
 
@@ -70,6 +71,7 @@ void ShardState::finish_backward() {
     if (ddp_) {
       ddp_->finish(sync_, options_.error_on_unused_parameters());
       if (sync_) bind_master_grads();
+      if (sync_ && !synced_buffers_.empty()) broadcast_coalesced(world_->comm(), synced_buffers_, "buffers", "after backward");
       return;
     }
     if (!recording_.empty()) forward_order_ = std::move(recording_);
@@ -85,9 +87,38 @@ void ShardState::finish_backward() {
       u->reshard();
       u->reset_backward();
     }
+    if (sync_ && !synced_buffers_.empty()) broadcast_coalesced(world_->comm(), synced_buffers_, "buffers", "after backward");
   } catch (...) {
     abandon_backward(/*warn=*/false);  // nothing of this backward survives into the next; the caller sees why
     throw;
+  }
+}
+
+void broadcast_coalesced(Comm& comm, std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& what,
+                         const std::string& when) {
+  c10::NoGradGuard no_grad;
+  std::vector<at::ScalarType> dtypes;
+  for (const auto& [name, t] : tensors)
+    if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) dtypes.push_back(t.scalar_type());
+  for (at::ScalarType dtype : dtypes) {
+    std::vector<at::Tensor> parts;
+    std::vector<const std::string*> names;
+    for (const auto& [name, t] : tensors) {
+      if (t.scalar_type() != dtype) continue;
+      parts.push_back(t.reshape({-1}));
+      names.push_back(&name);
+    }
+    at::Tensor flat = at::cat(parts);
+    std::ostringstream label;
+    label << what << " of dtype " << dtype << " ('" << *names.front() << "'"
+          << (names.size() > 1 ? " and " + std::to_string(names.size() - 1) + " more" : std::string()) << ") " << when;
+    comm.broadcast(flat, 0, label.str());
+    int64_t offset = 0;
+    for (auto& [name, t] : tensors) {
+      if (t.scalar_type() != dtype) continue;
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
   }
 }
 

@@ -128,6 +128,12 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   void add_unit(const std::shared_ptr<Unit>& u) { units_.push_back(u); }
   static void attach(UnitBase& base, std::shared_ptr<Unit> unit) { base.unit_ = std::move(unit); }
 
+  /// The module's buffers, broadcast from rank 0 at the end of each
+  /// reducing backward (ShardOptions::broadcast_buffers).
+  void set_synced_buffers(std::vector<std::pair<std::string, at::Tensor>> buffers) {
+    synced_buffers_ = std::move(buffers);
+  }
+
   /// NoShard: the bucketed all-reduce over the model's own parameters.
   void enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names);
   AllReduceBucketer* ddp() { return ddp_.get(); }
@@ -237,6 +243,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<std::weak_ptr<Unit>> units_;
   std::unique_ptr<AllReduceBucketer> ddp_;
   std::unique_ptr<Offloader> offloader_;
+  std::vector<std::pair<std::string, at::Tensor>> synced_buffers_;
   std::vector<std::weak_ptr<Unit>> recording_, forward_order_;  // this step's forward; the last complete one
   bool following_ = false;  // this forward has run the units of forward_order_ in its order so far
   size_t backward_cursor_ = SIZE_MAX;  // this backward's place in forward_order_ (next_in_backward)
@@ -253,6 +260,12 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool has_scaler_ = false;
   int64_t master_grad_bytes_ = 0;
 };
+
+/// Broadcasts `tensors` from rank 0 of `comm` in place, one collective per
+/// dtype (the tensors of a dtype are copied into one flat buffer and back).
+/// `when` completes the error message ("at shard()").
+void broadcast_coalesced(Comm& comm, std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& what,
+                         const std::string& when);
 
 /// The registry of sharded models, by root module (entries die with it).
 void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state);

@@ -165,16 +165,16 @@ void check_same_model_everywhere(World& world, const std::string& mine) {
 
 namespace {
 
-void broadcast_buffers(World& world, std::vector<std::pair<std::string, at::Tensor>>& buffers) {
+// At shard(), and (broadcast_buffers) kept by the state for the end of each backward.
+void sync_buffers(detail::ShardState& state, World& world, std::vector<std::pair<std::string, at::Tensor>>& buffers) {
+  if (world.size() == 1 || buffers.empty()) return;
   const c10::Device comm_device = world.comm().device();
-  c10::NoGradGuard no_grad;
   for (auto& [name, b] : buffers) {
     TORCH_CHECK(b.device() == comm_device, "shardtorch::shard: buffer '", name, "' is on ", b.device(),
                 ", expected ", comm_device);
-    at::Tensor t = b.is_contiguous() ? b : b.contiguous();
-    world.comm().broadcast(t, 0, "buffer '" + name + "' at shard()");
-    if (!t.is_same(b)) b.copy_(t);
   }
+  if (state.options().sync_module_states()) detail::broadcast_coalesced(world.comm(), buffers, "buffers", "at shard()");
+  if (state.options().broadcast_buffers()) state.set_synced_buffers(buffers);
 }
 
 void cast_buffers(const MixedPrecision& mp, std::vector<std::pair<std::string, at::Tensor>>& buffers) {
@@ -330,8 +330,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   auto state = std::make_shared<detail::ShardState>(world, options);
   if (strategy == Strategy::NoShard) {
     setup_no_shard(*state, *world, params);
-    if (options.sync_module_states() && world->size() > 1) broadcast_buffers(*world, buffers);
     cast_buffers(mp, buffers);
+    sync_buffers(*state, *world, buffers);
     if (auto* base = dynamic_cast<UnitBase*>(&root)) {
       // No gathering in NoShard; a root unit without flat parameters only
       // applies the mixed-precision casts of the root's inputs and output.
@@ -398,8 +398,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     state->add_unit(unit);
     made.push_back(unit);
   }
-  if (options.sync_module_states() && world->size() > 1) broadcast_buffers(*world, buffers);
   cast_buffers(mp, buffers);
+  sync_buffers(*state, *world, buffers);
   for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
   enable_checkpointing(units, checkpointed, state);
   detail::register_model(root, state);

@@ -238,3 +238,93 @@ TEST(Accumulation, AUnitTheSynchronisingMicroBatchSkipsIsStillReduced) {
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << "\n" << r.summary();
   }
 }
+
+// Batch norm inside a unit: each rank normalises with its own batch, so the
+// running statistics differ across ranks unless rank 0's are broadcast after
+// each backward (broadcast_buffers, on by default, as in DDP). The reference
+// is DDP's arithmetic in one process: both ranks' forwards start from the
+// same buffers, rank 0's update survives, and the gradients are averaged.
+struct NormBlockImpl : torch::nn::Module {
+  NormBlockImpl() : lin(register_module("lin", torch::nn::Linear(6, 5))), bn(register_module("bn", torch::nn::BatchNorm1d(5))) {}
+  torch::Tensor forward(torch::Tensor x) { return torch::tanh(bn(lin(x))); }
+  torch::nn::Linear lin;
+  torch::nn::BatchNorm1d bn;
+};
+SHARDTORCH_MODULE(NormBlock);
+struct NormNetImpl : torch::nn::Module {
+  NormNetImpl() : block(register_module("block", NormBlock())), out(register_module("out", torch::nn::Linear(5, 2))) {}
+  torch::Tensor forward(torch::Tensor x) { return out(block(x)); }
+  NormBlock block;
+  torch::nn::Linear out;
+};
+SHARDTORCH_MODULE(NormNet);
+
+TEST(Buffers, BatchNormStatisticsFollowRankZeroLikeDDP) {
+  torch::manual_seed(9);
+  auto x = torch::randn({8, 6}) * 2 + 1;
+  auto rows = [&](int r) { return x.narrow(0, 4 * r, 4); };
+  auto buffers_of = [](torch::nn::Module& m) {
+    std::map<std::string, torch::Tensor> out;
+    for (auto& b : m.named_buffers()) out[b.key()] = b.value().detach().clone();
+    return out;
+  };
+  auto set_buffers = [](torch::nn::Module& m, const std::map<std::string, torch::Tensor>& v) {
+    torch::NoGradGuard g;
+    for (auto& b : m.named_buffers()) b.value().copy_(v.at(b.key()));
+  };
+  constexpr int kSteps = 3;
+  torch::manual_seed(0);
+  auto ref = NormNet();
+  torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < kSteps; ++s) {
+    ref_opt.zero_grad();
+    auto start = buffers_of(*ref);
+    (ref(rows(0)).square().mean() / 2).backward();
+    auto after0 = buffers_of(*ref);
+    set_buffers(*ref, start);
+    (ref(rows(1)).square().mean() / 2).backward();
+    set_buffers(*ref, after0);
+    ref_opt.step();
+  }
+  auto want = snapshot(*ref);
+  auto want_buffers = buffers_of(*ref);
+  for (Strategy strategy : kAllStrategies) {
+    for (bool broadcast : {true, false}) {
+      auto r = run_ranks(2, [&](World& w) {
+        torch::manual_seed(0);
+        auto m = NormNet();
+        auto sm = shardtorch::shard(m, w, strategy_options(strategy, 2).broadcast_buffers(broadcast));
+        auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+        const int64_t broadcasts = sm.comm_stats().broadcast.calls;
+        for (int s = 0; s < kSteps; ++s) {
+          opt->zero_grad();
+          m(rows(w.rank())).square().mean().backward();
+          opt->step();
+        }
+        // Float statistics and the Long batch counter: one broadcast each per step.
+        require(sm.comm_stats().broadcast.calls - broadcasts == (broadcast ? 2 * kSteps : 0),
+                "broadcasts: " + std::to_string(sm.comm_stats().broadcast.calls - broadcasts));
+        auto got = buffers_of(*m);
+        require(got.at("block.bn.num_batches_tracked").item<int64_t>() == kSteps, "batch counter");
+        const double err = rel_err(got.at("block.bn.running_mean"), want_buffers.at("block.bn.running_mean"));
+        if (broadcast || w.rank() == 0) {
+          expect_close_map(got, want_buffers, kTol, "buffers");
+        } else {
+          require(err > 1e-2, "without broadcast_buffers rank 1 keeps its own statistics; relative difference " +
+                                  std::to_string(err));
+        }
+        {
+          shardtorch::FullParams full(*m);
+          expect_close_map(snapshot(*m), want, kTol, "parameters");
+        }
+        // A backward that reduces nothing (no_sync) broadcasts nothing either, as in DDP.
+        const int64_t before = sm.comm_stats().broadcast.calls;
+        sm.set_requires_gradient_sync(false);
+        m(rows(w.rank())).square().mean().backward();
+        require(sm.comm_stats().broadcast.calls == before, "a backward under no_sync broadcast the buffers");
+      });
+      ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << " broadcast_buffers " << broadcast << "\n"
+                        << r.summary();
+    }
+  }
+}
