@@ -106,6 +106,7 @@ void ShardViews::zero_grad() {
 
 void ShardViews::after_step(const torch::optim::Optimizer& opt) {
   state_->after_optimizer_step();
+  state_->broadcast_buffers_after_step();
   int64_t bytes = 0;
   auto add = [&](const at::Tensor& t) {
     if (t.defined()) bytes += t.nbytes();

@@ -71,7 +71,6 @@ void ShardState::finish_backward() {
     if (ddp_) {
       ddp_->finish(sync_, options_.error_on_unused_parameters());
       if (sync_) bind_master_grads();
-      if (sync_ && !synced_buffers_.empty()) broadcast_coalesced(world_->comm(), synced_buffers_, "buffers", "after backward");
       return;
     }
     if (!recording_.empty()) forward_order_ = std::move(recording_);
@@ -87,7 +86,6 @@ void ShardState::finish_backward() {
       u->reshard();
       u->reset_backward();
     }
-    if (sync_ && !synced_buffers_.empty()) broadcast_coalesced(world_->comm(), synced_buffers_, "buffers", "after backward");
   } catch (...) {
     abandon_backward(/*warn=*/false);  // nothing of this backward survives into the next; the caller sees why
     throw;

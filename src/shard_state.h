@@ -94,6 +94,12 @@ class Unit : public std::enable_shared_from_this<Unit> {
   int pins_ = 0;
 };
 
+/// Broadcasts `tensors` from rank 0 of `comm` in place, one collective per
+/// dtype (the tensors of a dtype are copied into one flat buffer and back).
+/// `when` completes the error message ("at shard()").
+void broadcast_coalesced(Comm& comm, std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& what,
+                         const std::string& when);
+
 class ShardState : public std::enable_shared_from_this<ShardState> {
  public:
   ShardState(std::shared_ptr<World> world, ShardOptions options);
@@ -128,10 +134,17 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   void add_unit(const std::shared_ptr<Unit>& u) { units_.push_back(u); }
   static void attach(UnitBase& base, std::shared_ptr<Unit> unit) { base.unit_ = std::move(unit); }
 
-  /// The module's buffers, broadcast from rank 0 at the end of each
-  /// reducing backward (ShardOptions::broadcast_buffers).
+  /// The module's buffers, broadcast from rank 0 after each optimizer step
+  /// (ShardOptions::broadcast_buffers). After the step, not at the end of
+  /// backward: the copy raises the buffers' version counters, and batch norm
+  /// saves its running statistics for backward, so a graph kept alive with
+  /// retain_graph would fail its next backward. The step already changes the
+  /// parameters in place, which such a graph cannot outlive either.
   void set_synced_buffers(std::vector<std::pair<std::string, at::Tensor>> buffers) {
     synced_buffers_ = std::move(buffers);
+  }
+  void broadcast_buffers_after_step() {
+    if (!synced_buffers_.empty()) broadcast_coalesced(world_->comm(), synced_buffers_, "buffers", "after a step");
   }
 
   /// NoShard: the bucketed all-reduce over the model's own parameters.
@@ -260,12 +273,6 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool has_scaler_ = false;
   int64_t master_grad_bytes_ = 0;
 };
-
-/// Broadcasts `tensors` from rank 0 of `comm` in place, one collective per
-/// dtype (the tensors of a dtype are copied into one flat buffer and back).
-/// `when` completes the error message ("at shard()").
-void broadcast_coalesced(Comm& comm, std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& what,
-                         const std::string& when);
 
 /// The registry of sharded models, by root module (entries die with it).
 void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state);

@@ -165,9 +165,10 @@ void check_same_model_everywhere(World& world, const std::string& mine) {
 
 namespace {
 
-// At shard(), and (broadcast_buffers) kept by the state for the end of each backward.
+// At shard(), and (broadcast_buffers) kept by the state for after each optimizer step.
 void sync_buffers(detail::ShardState& state, World& world, std::vector<std::pair<std::string, at::Tensor>>& buffers) {
-  if (world.size() == 1 || buffers.empty()) return;
+  const auto& o = state.options();
+  if (world.size() == 1 || buffers.empty() || !(o.sync_module_states() || o.broadcast_buffers())) return;
   const c10::Device comm_device = world.comm().device();
   for (auto& [name, b] : buffers) {
     TORCH_CHECK(b.device() == comm_device, "shardtorch::shard: buffer '", name, "' is on ", b.device(),

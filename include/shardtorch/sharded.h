@@ -89,11 +89,11 @@ struct ShardOptions {
   TORCH_ARG(double, bucket_mb) = 25.0;
   /// Broadcast parameters and buffers from rank 0 at shard().
   TORCH_ARG(bool, sync_module_states) = true;
-  /// At the end of each backward that reduces gradients (not under no_sync),
-  /// broadcast the module's buffers (batch-norm running statistics, ...) from
-  /// rank 0, so every rank's next forward uses rank 0's, as DDP's
-  /// broadcast_buffers does. One broadcast per buffer dtype; nothing for a
-  /// model without buffers. false: each rank keeps its own (FSDP's behaviour).
+  /// After each optimizer step (of a shardtorch optimizer), broadcast the
+  /// module's buffers (batch-norm running statistics, ...) from rank 0, so
+  /// every rank's next forward uses rank 0's, as DDP's broadcast_buffers
+  /// does. One broadcast per buffer dtype; nothing for a model without
+  /// buffers. false: each rank keeps its own (FSDP's behaviour).
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// HybridShard: ranks per shard group (must divide the world size).
   TORCH_ARG(int, hybrid_shard_size) = 0;
