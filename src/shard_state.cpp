@@ -35,8 +35,36 @@ void ShardState::ensure_end_of_backward_callback() {
   if (callback_queued_) abandon_backward(/*warn=*/true);
   callback_queued_ = true;
   callback_task_ = task;
+  builds_graph_ = c10::GradMode::is_enabled();  // the engine runs a backward in grad mode iff create_graph
+  // torch::autograd::grad captures its results (backward(inputs=...) does not): the
+  // same on every rank, unlike whether some parameter's gradient happened to arrive.
+  grad_call_ = false;
+  if (const auto* exec_info = torch::autograd::get_current_graph_task_exec_info()) {
+    for (const auto& [node, info] : *exec_info) {
+      if (info.captures_) {
+        grad_call_ = true;
+        break;
+      }
+    }
+  }
   auto keep = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([keep] { keep->finish_backward(); });
+}
+
+void ShardState::release_held() {
+  for (auto& w : held_)
+    if (auto u = w.lock()) u->release();
+  held_.clear();
+}
+
+void ShardState::check_grad_arrival(const at::Tensor& param, const std::string& name) const {
+  if (!builds_graph_) return;
+  at::Tensor(param).mutable_grad().reset();  // a handle: the parameter itself
+  TORCH_CHECK(false, "shardtorch: rank ", world_->rank(), ": the gradient of parameter '", name,
+              "' arrived in a backward with create_graph. Parameter gradients are flattened, reduced and detached, so "
+              "their higher-order gradients are not supported. Differentiate with respect to inputs instead "
+              "(torch::autograd::grad(outputs, inputs, {}, true, /*create_graph=*/true), a gradient penalty) and "
+              "call backward() without create_graph");
 }
 
 void ShardState::recover_if_backward_failed() {
@@ -52,6 +80,7 @@ void ShardState::abandon_backward(bool warn) {
   callback_queued_ = false;
   recording_.clear();
   backward_cursor_ = SIZE_MAX;
+  release_held();
   if (ddp_) ddp_->discard();
   bucketer_.discard();
   if (offloader_) offloader_->discard();
@@ -67,8 +96,12 @@ void ShardState::abandon_backward(bool warn) {
 void ShardState::finish_backward() {
   callback_queued_ = false;
   backward_cursor_ = SIZE_MAX;
+  // Nothing to reduce in a backward that builds a graph (a parameter gradient
+  // there is an error) nor in torch::autograd::grad (no accumulator runs).
+  const bool no_gradients = builds_graph_ || grad_call_;
   try {
     if (ddp_) {
+      if (no_gradients) return;
       ddp_->finish(sync_, options_.error_on_unused_parameters());
       if (sync_) bind_master_grads();
       return;
@@ -76,12 +109,18 @@ void ShardState::finish_backward() {
     if (!recording_.empty()) forward_order_ = std::move(recording_);
     recording_.clear();
     auto all = units();
-    for (auto it = all.rbegin(); it != all.rend(); ++it) {
-      if ((*it)->needs_final_reduce()) (*it)->reduce_grads();
+    if (builds_graph_) {  // the graph it built saved these full parameters
+      for (auto& u : all)
+        if (u->state() == UnitState::Unsharded && u->hold()) held_.push_back(u);
     }
-    bucketer_.flush();
-    bucketer_.free();
-    if (offloader_) offloader_->drain();  // the gradient shards reach host memory
+    if (!no_gradients) {
+      for (auto it = all.rbegin(); it != all.rend(); ++it) {
+        if ((*it)->needs_final_reduce()) (*it)->reduce_grads();
+      }
+      bucketer_.flush();
+      bucketer_.free();
+      if (offloader_) offloader_->drain();  // the gradient shards reach host memory
+    }
     for (auto& u : all) {
       u->reshard();
       u->reset_backward();
@@ -147,6 +186,7 @@ void ShardState::after_optimizer_step() {
   TORCH_CHECK(summons_ == 0, "shardtorch: rank ", world_->rank(), ": an optimizer step or a checkpoint load inside a "
               "summon_full_params scope: the scope's full parameters would be stale (and written back over the new "
               "values on exit); leave the scope first");
+  release_held();  // the step makes the full copies a graph-building backward held stale
   if (ddp_) {  // the optimizer updated the parameters themselves, or their masters
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < ddp_masters_.size(); ++i) ddp_params_[i].copy_(ddp_masters_[i]);
@@ -270,6 +310,7 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
                                             const torch::autograd::variable_list&) override {
     if (auto s = state_.lock()) {
       s->ensure_end_of_backward_callback();
+      s->check_grad_arrival(s->ddp_params()[index_], s->ddp_names()[index_]);
       s->ddp()->mark_ready(index_, s->sync());
     }
     return outputs;

@@ -56,6 +56,20 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// it keeps, so a forward or backward inside its scope leaves them gathered.
   void pin() { ++pins_; }
   void unpin() { --pins_; }
+  /// Gradients of gradients (docs/design.md): held (pinned) for a graph a
+  /// backward built; false if already held. release() unpins and reshards.
+  bool hold() {
+    if (held_) return false;
+    held_ = true;
+    ++pins_;
+    return true;
+  }
+  void release() {
+    if (!held_) return;
+    held_ = false;
+    --pins_;
+    reshard();
+  }
   void reshard();
   /// The error a read of `flat`'s parameters throws while they are freed.
   std::string sharded_access_error(const FlatParam& flat) const;
@@ -92,6 +106,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   int expected_grads_ = 0, received_grads_ = 0;
   bool touched_ = false, reduced_ = false;
   int pins_ = 0;
+  bool held_ = false;
 };
 
 /// Broadcasts `tensors` from rank 0 of `comm` in place, one collective per
@@ -217,8 +232,17 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
 
   /// Queues finish_backward() on the autograd engine once per backward. In a
   /// nested backward (activation checkpointing) the outer one's callback
-  /// stands: nothing is queued.
+  /// stands: nothing is queued. Records what kind of backward runs (below).
   void ensure_end_of_backward_callback();
+  /// Gradients of gradients (docs/design.md): units still gathered at the end
+  /// of a backward that builds a graph (create_graph) are held for that
+  /// graph's backward until release_held(): at the optimizer step, a
+  /// checkpoint load or after a failed backward.
+  void release_held();
+  /// A parameter gradient reached its accumulator in this backward: refused
+  /// (naming `name`) in one that builds a graph, after dropping the gradient
+  /// (its graph would keep the forward's graph alive).
+  void check_grad_arrival(const at::Tensor& param, const std::string& name) const;
   /// Activation checkpointing runs a nested backward (a second autograd graph
   /// task) inside the outer one; hooks firing there belong to the outer one.
   class NestedBackward {
@@ -265,6 +289,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::unordered_map<const void*, at::Tensor> masters_;  // NoShard + mixed precision: every parameter's fp32 master
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;
   int nested_backward_ = 0;
+  bool builds_graph_ = false;  // this backward was started with create_graph
+  bool grad_call_ = false;     // ... by torch::autograd::grad: no accumulator runs
+  std::vector<std::weak_ptr<Unit>> held_;
   bool callback_queued_ = false;
   int callback_task_ = -1;  // the autograd graph task the callback was queued for
   bool sync_ = true;

@@ -122,6 +122,7 @@ void Unit::pre_backward() {
 
 void Unit::on_grad_ready(size_t flat, size_t param) {
   owner_->ensure_end_of_backward_callback();
+  owner_->check_grad_arrival(flats_[flat]->params()[param], flats_[flat]->names()[param]);
   touched_ = true;
   TORCH_CHECK(!reduced_, "shardtorch: rank ", owner_->world().rank(), ": gradient of '", flats_[flat]->names()[param],
               "' arrived after unit '", label(), "' had reduced its gradients in this backward (a parameter "

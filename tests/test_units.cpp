@@ -455,3 +455,180 @@ TEST(Units, PrefetchLooksPastARunOfTheSameUnitInBackward) {
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
+
+// Gradients of gradients (docs/design.md): a gradient penalty differentiates
+// the output with respect to the input with create_graph, then backward()
+// runs through the graph that built, which saved the units' full parameters.
+// The first call reduces nothing; the units it held are freed by the step.
+TEST(Units, AGradientPenaltyTrainsLikeTorchUnderEveryStrategy) {
+  torch::manual_seed(5);
+  auto x = torch::randn({4, 7});
+  auto penalised = [](MLP& m, const torch::Tensor& xs, const std::function<void()>& between) {
+    auto xi = xs.clone().requires_grad_(true);
+    auto out = m(xi);
+    auto g = torch::autograd::grad({out.sum()}, {xi}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    between();
+    return out.square().mean() + (g.norm() - 1).square();
+  };
+  torch::manual_seed(0);
+  auto ref = MLP();
+  torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < 3; ++s) {
+    ref_opt.zero_grad();
+    for (int r = 0; r < 2; ++r) (penalised(ref, x.narrow(0, 2 * r, 2), [] {}) / 2).backward();
+    ref_opt.step();
+  }
+  auto want = snapshot(*ref);
+  for (auto s : kAllStrategies) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto m = MLP();
+      auto sm = shardtorch::shard(m, w, strategy_options(s, 2));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      for (int step = 0; step < 3; ++step) {
+        opt->zero_grad();
+        const auto before = sm.comm_stats();
+        auto loss = penalised(m, x.narrow(0, 2 * w.rank(), 2), [&] {
+          const auto now = sm.comm_stats();
+          require(now.reduce_scatter.calls == before.reduce_scatter.calls &&
+                      now.all_reduce.calls == before.all_reduce.calls,
+                  "autograd::grad with respect to the input reduced gradients");
+        });
+        loss.backward();
+        opt->step();
+        require(sm.memory().gathered_units == 0, "units held for the penalty's graph are still gathered after the step");
+      }
+      shardtorch::FullParams full(*m);
+      expect_close_map(snapshot(*m), want, 1e-5, "gradient penalty");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
+// Higher-order gradients of parameters (backward with create_graph) are a
+// clear error, not gradients that silently lose their graph.
+TEST(Units, ABackwardWithCreateGraphReachingParametersIsAClearError) {
+  for (auto s : {shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto m = MLP();
+      shardtorch::shard(m, w, strategy_options(s, 2));
+      std::string error;
+      try {
+        m(torch::randn({2, 7})).square().sum().backward({}, /*retain_graph=*/true, /*create_graph=*/true);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      require(error.find("rank " + std::to_string(w.rank())) != std::string::npos &&
+                  error.find("arrived in a backward with create_graph") != std::string::npos &&
+                  error.find("l3.lin.") != std::string::npos,
+              "expected the create_graph error naming the rank and the parameter, got: " + error.substr(0, 300));
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
+// A backward with create_graph that no backward follows (an input-gradient
+// diagnostic after the training backward): the optimizer step releases the
+// units it held, whose full copies the update made stale, so the next
+// forward gathers the new parameters.
+TEST(Units, UnitsHeldForAGraphAreReleasedByTheStep) {
+  torch::manual_seed(5);
+  auto x = torch::randn({4, 7});
+  auto diagnose = [](MLP& m, const torch::Tensor& xs) {
+    auto xi = xs.clone().requires_grad_(true);
+    return torch::autograd::grad({m(xi).sum()}, {xi}, {}, true, /*create_graph=*/true)[0].norm();
+  };
+  torch::manual_seed(0);
+  auto ref = MLP();
+  torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < 3; ++s) {
+    ref_opt.zero_grad();
+    ref(x).square().mean().backward();
+    diagnose(ref, x);
+    ref_opt.step();
+  }
+  auto want = snapshot(*ref);
+  for (auto s : kAllStrategies) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto m = MLP();
+      auto sm = shardtorch::shard(m, w, strategy_options(s, 2));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      const auto xs = x.narrow(0, 2 * w.rank(), 2);
+      for (int step = 0; step < 3; ++step) {
+        opt->zero_grad();
+        m(xs).square().mean().backward();
+        diagnose(m, xs);
+        opt->step();
+        require(sm.memory().gathered_units == 0,
+                "units held for the diagnostic's graph are still gathered after the step");
+      }
+      shardtorch::FullParams full(*m);
+      expect_close_map(snapshot(*m), want, 1e-5, "a create_graph diagnostic before each step");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
+// Two micro-batches' penalties are built before either is differentiated, and
+// the root's own parameters lie on the penalty's path where no hook of the
+// root fires (the gradient starts from a tensor inside the model): every unit
+// still gathered when the graph-building backward ends is held until the step.
+struct PenaltyNetImpl : torch::nn::Module {
+  PenaltyNetImpl()
+      : pre(register_module("pre", torch::nn::Linear(7, 6))),
+        body(register_module("body", Layer(6, 5, true))),
+        post(register_module("post", torch::nn::Linear(5, 2))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    hidden = body(pre(x));
+    return post(hidden);
+  }
+  torch::nn::Linear pre;
+  Layer body;
+  torch::nn::Linear post;
+  torch::Tensor hidden;  // the body's output of the last forward
+};
+SHARDTORCH_MODULE(PenaltyNet);
+
+TEST(Units, PenaltyGraphsBuiltAheadAndThroughTheRootTrainLikeTorch) {
+  torch::manual_seed(5);
+  auto x = torch::randn({4, 7});
+  // The penalty only: its backward reaches the root's `pre` through the graph
+  // autograd::grad built, never through a hook on the root's output.
+  auto penalty = [](PenaltyNet& m, const torch::Tensor& row) {
+    auto xi = row.clone().requires_grad_(true);
+    m(xi);
+    auto g = torch::autograd::grad({m->hidden.sum()}, {xi}, {}, true, /*create_graph=*/true)[0];
+    return (g.norm() - 1).square() + m->hidden.square().mean();
+  };
+  torch::manual_seed(0);
+  auto ref = PenaltyNet();
+  torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < 3; ++s) {
+    ref_opt.zero_grad();
+    for (int r = 0; r < 4; ++r) (penalty(ref, x.narrow(0, r, 1)) / 4).backward();
+    ref_opt.step();
+  }
+  auto want = snapshot(*ref);
+  for (auto s : kAllStrategies) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto m = PenaltyNet();
+      auto sm = shardtorch::shard(m, w, strategy_options(s, 2));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      for (int step = 0; step < 3; ++step) {
+        opt->zero_grad();
+        auto first = penalty(m, x.narrow(0, 2 * w.rank(), 1));
+        auto second = penalty(m, x.narrow(0, 2 * w.rank() + 1, 1));
+        (first / 2).backward();
+        (second / 2).backward();
+        opt->step();
+        require(sm.memory().gathered_units == 0, "units still gathered after the step");
+      }
+      shardtorch::FullParams full(*m);
+      expect_close_map(snapshot(*m), want, 1e-5, "penalties built ahead, through the root");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
