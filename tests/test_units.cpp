@@ -456,10 +456,49 @@ TEST(Units, PrefetchLooksPastARunOfTheSameUnitInBackward) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
-// Gradients of gradients (docs/design.md): a gradient penalty differentiates
-// the output with respect to the input with create_graph, then backward()
-// runs through the graph that built, which saved the units' full parameters.
-// The first call reduces nothing; the units it held are freed by the step.
+// Gradients of gradients (docs/design.md). The tests below train a model
+// (seed 0, SGD lr 0.1, 3 steps) in one process and then on 2 ranks under every
+// strategy, and compare the parameters.
+template <class Model, class Step>
+std::map<std::string, torch::Tensor> train_reference(Step step) {
+  torch::manual_seed(0);
+  Model ref;
+  torch::optim::SGD opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < 3; ++s) {
+    opt.zero_grad();
+    step(ref);
+    opt.step();
+  }
+  return snapshot(*ref);
+}
+
+/// `step(model, sharded, world)` runs one step's forwards and backwards; the
+/// optimizer step follows, after which no unit may be gathered.
+template <class Model, class Step>
+void expect_every_strategy_trains_like(const std::map<std::string, torch::Tensor>& want, const std::string& what,
+                                       Step step) {
+  for (auto s : kAllStrategies) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      Model m;
+      auto sm = shardtorch::shard(m, w, strategy_options(s, 2));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      for (int i = 0; i < 3; ++i) {
+        opt->zero_grad();
+        step(m, sm, w);
+        opt->step();
+        require(sm.memory().gathered_units == 0, "units (held for a graph?) still gathered after the step");
+      }
+      shardtorch::FullParams full(*m);
+      expect_close_map(snapshot(*m), want, 1e-5, what);
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
+// A gradient penalty differentiates the output with respect to the input
+// with create_graph, then backward() runs through the graph that built,
+// which saved the units' full parameters. The grad call reduces nothing.
 TEST(Units, AGradientPenaltyTrainsLikeTorchUnderEveryStrategy) {
   torch::manual_seed(5);
   auto x = torch::randn({4, 7});
@@ -470,39 +509,18 @@ TEST(Units, AGradientPenaltyTrainsLikeTorchUnderEveryStrategy) {
     between();
     return out.square().mean() + (g.norm() - 1).square();
   };
-  torch::manual_seed(0);
-  auto ref = MLP();
-  torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
-  for (int s = 0; s < 3; ++s) {
-    ref_opt.zero_grad();
+  auto want = train_reference<MLP>([&](MLP& ref) {
     for (int r = 0; r < 2; ++r) (penalised(ref, x.narrow(0, 2 * r, 2), [] {}) / 2).backward();
-    ref_opt.step();
-  }
-  auto want = snapshot(*ref);
-  for (auto s : kAllStrategies) {
-    auto r = run_ranks(2, [&](World& w) {
-      torch::manual_seed(0);
-      auto m = MLP();
-      auto sm = shardtorch::shard(m, w, strategy_options(s, 2));
-      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
-      for (int step = 0; step < 3; ++step) {
-        opt->zero_grad();
-        const auto before = sm.comm_stats();
-        auto loss = penalised(m, x.narrow(0, 2 * w.rank(), 2), [&] {
-          const auto now = sm.comm_stats();
-          require(now.reduce_scatter.calls == before.reduce_scatter.calls &&
-                      now.all_reduce.calls == before.all_reduce.calls,
-                  "autograd::grad with respect to the input reduced gradients");
-        });
-        loss.backward();
-        opt->step();
-        require(sm.memory().gathered_units == 0, "units held for the penalty's graph are still gathered after the step");
-      }
-      shardtorch::FullParams full(*m);
-      expect_close_map(snapshot(*m), want, 1e-5, "gradient penalty");
+  });
+  expect_every_strategy_trains_like<MLP>(want, "gradient penalty", [&](MLP& m, shardtorch::ShardedModel& sm, World& w) {
+    const auto before = sm.comm_stats();
+    auto loss = penalised(m, x.narrow(0, 2 * w.rank(), 2), [&] {
+      const auto now = sm.comm_stats();
+      require(now.reduce_scatter.calls == before.reduce_scatter.calls && now.all_reduce.calls == before.all_reduce.calls,
+              "autograd::grad with respect to the input reduced gradients");
     });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+    loss.backward();
+  });
 }
 
 // Higher-order gradients of parameters (backward with create_graph) are a
@@ -539,36 +557,16 @@ TEST(Units, UnitsHeldForAGraphAreReleasedByTheStep) {
     auto xi = xs.clone().requires_grad_(true);
     return torch::autograd::grad({m(xi).sum()}, {xi}, {}, true, /*create_graph=*/true)[0].norm();
   };
-  torch::manual_seed(0);
-  auto ref = MLP();
-  torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
-  for (int s = 0; s < 3; ++s) {
-    ref_opt.zero_grad();
+  auto want = train_reference<MLP>([&](MLP& ref) {
     ref(x).square().mean().backward();
     diagnose(ref, x);
-    ref_opt.step();
-  }
-  auto want = snapshot(*ref);
-  for (auto s : kAllStrategies) {
-    auto r = run_ranks(2, [&](World& w) {
-      torch::manual_seed(0);
-      auto m = MLP();
-      auto sm = shardtorch::shard(m, w, strategy_options(s, 2));
-      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
-      const auto xs = x.narrow(0, 2 * w.rank(), 2);
-      for (int step = 0; step < 3; ++step) {
-        opt->zero_grad();
-        m(xs).square().mean().backward();
-        diagnose(m, xs);
-        opt->step();
-        require(sm.memory().gathered_units == 0,
-                "units held for the diagnostic's graph are still gathered after the step");
-      }
-      shardtorch::FullParams full(*m);
-      expect_close_map(snapshot(*m), want, 1e-5, "a create_graph diagnostic before each step");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+  });
+  expect_every_strategy_trains_like<MLP>(want, "a create_graph diagnostic before each step",
+                                         [&](MLP& m, shardtorch::ShardedModel&, World& w) {
+                                           const auto xs = x.narrow(0, 2 * w.rank(), 2);
+                                           m(xs).square().mean().backward();
+                                           diagnose(m, xs);
+                                         });
 }
 
 // Two micro-batches' penalties are built before either is differentiated, and
@@ -602,33 +600,14 @@ TEST(Units, PenaltyGraphsBuiltAheadAndThroughTheRootTrainLikeTorch) {
     auto g = torch::autograd::grad({m->hidden.sum()}, {xi}, {}, true, /*create_graph=*/true)[0];
     return (g.norm() - 1).square() + m->hidden.square().mean();
   };
-  torch::manual_seed(0);
-  auto ref = PenaltyNet();
-  torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
-  for (int s = 0; s < 3; ++s) {
-    ref_opt.zero_grad();
+  auto want = train_reference<PenaltyNet>([&](PenaltyNet& ref) {
     for (int r = 0; r < 4; ++r) (penalty(ref, x.narrow(0, r, 1)) / 4).backward();
-    ref_opt.step();
-  }
-  auto want = snapshot(*ref);
-  for (auto s : kAllStrategies) {
-    auto r = run_ranks(2, [&](World& w) {
-      torch::manual_seed(0);
-      auto m = PenaltyNet();
-      auto sm = shardtorch::shard(m, w, strategy_options(s, 2));
-      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
-      for (int step = 0; step < 3; ++step) {
-        opt->zero_grad();
+  });
+  expect_every_strategy_trains_like<PenaltyNet>(
+      want, "penalties built ahead, through the root", [&](PenaltyNet& m, shardtorch::ShardedModel&, World& w) {
         auto first = penalty(m, x.narrow(0, 2 * w.rank(), 1));
         auto second = penalty(m, x.narrow(0, 2 * w.rank() + 1, 1));
         (first / 2).backward();
         (second / 2).backward();
-        opt->step();
-        require(sm.memory().gathered_units == 0, "units still gathered after the step");
-      }
-      shardtorch::FullParams full(*m);
-      expect_close_map(snapshot(*m), want, 1e-5, "penalties built ahead, through the root");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+      });
 }
