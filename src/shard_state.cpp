@@ -52,9 +52,8 @@ void ShardState::ensure_end_of_backward_callback() {
 }
 
 void ShardState::release_held() {
-  for (auto& w : held_)
-    if (auto u = w.lock()) u->release();
-  held_.clear();
+  for (auto& w : units_)
+    if (auto u = w.lock()) u->release();  // nothing for a unit not held
 }
 
 void ShardState::check_grad_arrival(const at::Tensor& param, const std::string& name) const {
@@ -111,7 +110,7 @@ void ShardState::finish_backward() {
     auto all = units();
     if (builds_graph_) {  // the graph it built saved these full parameters
       for (auto& u : all)
-        if (u->state() == UnitState::Unsharded && u->hold()) held_.push_back(u);
+        if (u->state() == UnitState::Unsharded) u->hold();
     }
     if (!no_gradients) {
       for (auto it = all.rbegin(); it != all.rend(); ++it) {

@@ -57,12 +57,11 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void pin() { ++pins_; }
   void unpin() { --pins_; }
   /// Gradients of gradients (docs/design.md): held (pinned) for a graph a
-  /// backward built; false if already held. release() unpins and reshards.
-  bool hold() {
-    if (held_) return false;
+  /// backward built, once however often asked. release() unpins and reshards.
+  void hold() {
+    if (held_) return;
     held_ = true;
     ++pins_;
-    return true;
   }
   void release() {
     if (!held_) return;
@@ -291,7 +290,6 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   int nested_backward_ = 0;
   bool builds_graph_ = false;  // this backward was started with create_graph
   bool grad_call_ = false;     // ... by torch::autograd::grad: no accumulator runs
-  std::vector<std::weak_ptr<Unit>> held_;
   bool callback_queued_ = false;
   int callback_task_ = -1;  // the autograd graph task the callback was queued for
   bool sync_ = true;

@@ -174,8 +174,8 @@ void sync_buffers(detail::ShardState& state, World& world, std::vector<std::pair
     TORCH_CHECK(b.device() == comm_device, "shardtorch::shard: buffer '", name, "' is on ", b.device(),
                 ", expected ", comm_device);
   }
-  if (state.options().sync_module_states()) detail::broadcast_coalesced(world.comm(), buffers, "buffers", "at shard()");
-  if (state.options().broadcast_buffers()) state.set_synced_buffers(buffers);
+  if (o.sync_module_states()) detail::broadcast_coalesced(world.comm(), buffers, "buffers", "at shard()");
+  if (o.broadcast_buffers()) state.set_synced_buffers(buffers);
 }
 
 void cast_buffers(const MixedPrecision& mp, std::vector<std::pair<std::string, at::Tensor>>& buffers) {
