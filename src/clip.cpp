@@ -20,6 +20,7 @@ double clip_grad_norm(torch::nn::Module& root, double max_norm, double norm_type
   // Accumulate in double: one partial value per rank.
   double local = 0.0;
   for (const auto& g : grads) {
+    if (g.numel() == 0) continue;  // max() of nothing throws
     if (inf) {
       local = std::max(local, g.abs().max().item<double>());
     } else {

@@ -51,6 +51,26 @@ struct SometimesImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(Sometimes);
 
+// A unit holding a parameter with no elements (a zero-width projection, an
+// empty bias some configurations produce) next to ordinary ones.
+struct EmptyHoldingLayerImpl : torch::nn::Module {
+  EmptyHoldingLayerImpl() : lin(register_module("lin", torch::nn::Linear(5, 3))) {
+    none = register_parameter("none", torch::zeros({0, 3}));
+  }
+  torch::Tensor forward(torch::Tensor x) { return lin(x) + none.sum(0); }
+  torch::nn::Linear lin;
+  torch::Tensor none;
+};
+SHARDTORCH_MODULE(EmptyHoldingLayer);
+
+struct WithEmptyImpl : torch::nn::Module {
+  WithEmptyImpl() : a(register_module("a", Layer(7, 5, true))), b(register_module("b", EmptyHoldingLayer())) {}
+  torch::Tensor forward(torch::Tensor x) { return b(a(x)); }
+  Layer a;
+  EmptyHoldingLayer b;
+};
+SHARDTORCH_MODULE(WithEmpty);
+
 /// name -> tensor, each distinct tensor once (tied parameters appear under their first name).
 inline std::vector<std::pair<std::string, torch::Tensor>> unique_params(torch::nn::Module& m) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
@@ -68,6 +88,7 @@ inline std::vector<torch::Tensor> unique_tensors(torch::nn::Module& m) {
 
 /// max|a - b| / max|b|: the error relative to the tensor's scale.
 inline double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
+  if (b.numel() == 0) return a.numel() == 0 ? 0.0 : INFINITY;
   double scale = b.abs().max().item<double>();
   double err = (a - b).abs().max().item<double>();
   return scale == 0 ? err : err / scale;

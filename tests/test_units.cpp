@@ -611,3 +611,14 @@ TEST(Units, PenaltyGraphsBuiltAheadAndThroughTheRootTrainLikeTorch) {
         (second / 2).backward();
       });
 }
+
+// Training with a parameter of no elements; test_checkpoint.cpp takes it
+// through clipping, summoning and checkpoints.
+TEST(Units, AnEmptyParameterTrainsLikeTorchUnderEveryStrategy) {
+  torch::manual_seed(5);
+  auto x = torch::randn({4, 7});
+  auto want = train_reference<WithEmpty>([&](WithEmpty& ref) { ref(x).square().sum().backward(); });
+  expect_every_strategy_trains_like<WithEmpty>(want, "empty parameter", [&](WithEmpty& m, shardtorch::ShardedModel&, World& w) {
+    (m(x.narrow(0, 2 * w.rank(), 2)).square().sum() * 2).backward();
+  });
+}

@@ -148,6 +148,8 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
           for (size_t i = 0; i < f->params().size(); ++i)
             if (auto p = f->layout().piece(i, shard_rank))
               add(f->names()[i], "param", p->param_offset, f->shard().narrow(0, p->shard_offset, p->length), 0);
+            else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank owns a piece: listed once, empty
+              add(f->names()[i], "param", 0, f->shard().narrow(0, 0, 0), 0);
     }
     if (opt) {
       const auto& st = opt->inner().state();
