@@ -89,8 +89,9 @@ inline std::vector<torch::Tensor> unique_tensors(torch::nn::Module& m) {
 /// max|a - b| / max|b|: the error relative to the tensor's scale.
 inline double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
   if (b.numel() == 0) return a.numel() == 0 ? 0.0 : INFINITY;
-  double scale = b.abs().max().item<double>();
-  double err = (a - b).abs().max().item<double>();
+  const auto ad = a.to(at::kDouble), bd = b.to(at::kDouble);  // integer and bool tensors too
+  double scale = bd.abs().max().item<double>();
+  double err = (ad - bd).abs().max().item<double>();
   return scale == 0 ? err : err / scale;
 }
 

@@ -622,3 +622,53 @@ TEST(Units, AnEmptyParameterTrainsLikeTorchUnderEveryStrategy) {
     (m(x.narrow(0, 2 * w.rank(), 2)).square().sum() * 2).backward();
   });
 }
+
+// Frozen integer and bool parameters (an index table, a mask) share a unit
+// with trainable ones: they get flat parameters of their own dtypes, are
+// gathered and freed like the others, and mixed precision leaves them as
+// they are.
+struct IndexingLayerImpl : torch::nn::Module {
+  IndexingLayerImpl() : lin(register_module("lin", torch::nn::Linear(5, 3))) {
+    order = register_parameter("order", torch::tensor({2, 0, 1}, torch::kLong), /*requires_grad=*/false);
+    mask = register_parameter("mask", torch::tensor({true, false, true}), /*requires_grad=*/false);
+  }
+  torch::Tensor forward(torch::Tensor x) { return lin(x).index_select(1, order) * mask; }
+  torch::nn::Linear lin;
+  torch::Tensor order, mask;
+};
+SHARDTORCH_MODULE(IndexingLayer);
+
+struct WithIndexingImpl : torch::nn::Module {
+  WithIndexingImpl() : a(register_module("a", Layer(7, 5, true))), b(register_module("b", IndexingLayer())) {}
+  torch::Tensor forward(torch::Tensor x) { return b(a(x)); }
+  Layer a;
+  IndexingLayer b;
+};
+SHARDTORCH_MODULE(WithIndexing);
+
+TEST(Units, IntegerAndBoolParametersTrainLikeTorchUnderEveryStrategy) {
+  torch::manual_seed(5);
+  auto x = torch::randn({4, 7});
+  auto want = train_reference<WithIndexing>([&](WithIndexing& ref) { ref(x).square().sum().backward(); });
+  require(want.at("b.lin.weight").select(0, 1).abs().sum().item<double>() > 0, "the masked row should still train");
+  expect_every_strategy_trains_like<WithIndexing>(want, "integer parameters",
+                                                  [&](WithIndexing& m, shardtorch::ShardedModel&, World& w) {
+                                                    (m(x.narrow(0, 2 * w.rank(), 2)).square().sum() * 2).backward();
+                                                  });
+  for (auto s : kAllStrategies) {
+    auto r = run_ranks(2, [&](World& w) {
+      WithIndexing m;
+      shardtorch::shard(m, w, strategy_options(s, 2).mixed_precision(
+                                  shardtorch::MixedPrecision().param_dtype(at::kBFloat16)));
+      auto out = m(x);
+      require(out.scalar_type() == at::kBFloat16, "expected a bf16 output");
+      out.sum().backward();
+      shardtorch::FullParams full(*m);
+      require(m->b->order.scalar_type() == at::kLong && at::equal(m->b->order, torch::tensor({2, 0, 1}, torch::kLong)),
+              "the index parameter changed under mixed precision");
+      require(m->b->mask.scalar_type() == at::kBool && at::equal(m->b->mask, torch::tensor({true, false, true})),
+              "the mask parameter changed under mixed precision");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << " + bf16: " << r.summary();
+  }
+}
