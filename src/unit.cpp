@@ -142,7 +142,9 @@ bool Unit::needs_final_reduce() const {
 void Unit::reduce_grads() {
   if (reduced_) return;
   // A unit the backward did not run reduces what earlier micro-batches staged
-  // without its parameters: it stays sharded.
+  // without its parameters: it stays sharded (a prefetch that gathered it for
+  // nothing, the learned order having said it came next, is undone first).
+  if (!touched_ && state_ == UnitState::Gathering) reshard();
   const bool idle = !touched_ && state_ == UnitState::Sharded;
   TORCH_CHECK(state_ == UnitState::Unsharded || idle, "shardtorch: rank ", owner_->world().rank(), ": unit '",
               label(), "' reduces its gradients while ", state_name(state_));
@@ -158,8 +160,15 @@ void Unit::reduce_grads() {
     if (!f->requires_grad()) continue;
     FlatParam* fp = f.get();
     const std::string what = "gradients of unit '" + label() + "' (" + fp->describe() + ")";
-    owner_->count_gradient_reduction();
     at::Tensor g = fp->take_staging_grad();
+    if (g.numel() == 0) {  // a flat of empty parameters: an empty gradient, and nothing to send
+      const bool full = owner_->strategy() == Strategy::OptimizerOnly;
+      owner_->deliver_gradient(g, /*owned=*/true, [fp, full](const at::Tensor& r) {
+        full ? fp->accumulate_full_grad(r, 1.0) : fp->accumulate_shard_grad(r, 1.0);
+      });
+      continue;
+    }
+    owner_->count_gradient_reduction();
     // fp16 sums of N gradients can overflow: divide before reducing instead of after.
     double post = world;
     if (g.scalar_type() == at::kHalf) {

@@ -71,6 +71,14 @@ struct WithEmptyImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(WithEmpty);
 
+/// The same with b's Linear frozen: b's only trainable flat parameter is empty.
+struct OnlyEmptyTrainsImpl : WithEmptyImpl {
+  OnlyEmptyTrainsImpl() {
+    for (auto& p : b->lin->parameters()) p.set_requires_grad(false);
+  }
+};
+SHARDTORCH_MODULE(OnlyEmptyTrains);
+
 /// name -> tensor, each distinct tensor once (tied parameters appear under their first name).
 inline std::vector<std::pair<std::string, torch::Tensor>> unique_params(torch::nn::Module& m) {
   std::vector<std::pair<std::string, torch::Tensor>> out;

@@ -623,6 +623,42 @@ TEST(Units, AnEmptyParameterTrainsLikeTorchUnderEveryStrategy) {
   });
 }
 
+// A unit whose only trainable parameter is empty (next to frozen ones) has an
+// empty trainable flat parameter: nothing to reduce (it used to reach the
+// bucketer with a zero-width piece and fail on an unallocated bucket).
+TEST(Units, AUnitWhoseOnlyTrainableParameterIsEmptyTrainsLikeTorch) {
+  torch::manual_seed(5);
+  auto x = torch::randn({4, 7});
+  auto want = train_reference<OnlyEmptyTrains>([&](OnlyEmptyTrains& ref) { ref(x).square().sum().backward(); });
+  expect_every_strategy_trains_like<OnlyEmptyTrains>(
+      want, "empty trainable flat", [&](OnlyEmptyTrains& m, shardtorch::ShardedModel& sm, World& w) {
+        (m(x.narrow(0, 2 * w.rank(), 2)).square().sum() * 2).backward();
+        require(sm.memory().cur(Mem::GradStaging) == 0, "staged gradients left after backward");
+      });
+  // Offloaded, unbucketed, and with two replica groups.
+  const std::pair<shardtorch::ShardOptions, int> more[] = {
+      {strategy_options(shardtorch::Strategy::FullShard, 2).cpu_offload(true), 2},
+      {strategy_options(shardtorch::Strategy::ShardGradOp, 2).bucket_mb(0), 2},
+      {strategy_options(shardtorch::Strategy::HybridShard, 4), 4}};
+  for (const auto& [options, world] : more) {
+    auto r = run_ranks(world, [&](World& w) {
+      torch::manual_seed(0);
+      OnlyEmptyTrains m;
+      shardtorch::shard(m, w, options);
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      const int64_t rows = 4 / world;
+      for (int i = 0; i < 3; ++i) {
+        opt->zero_grad();
+        (m(x.narrow(0, rows * w.rank(), rows)).square().sum() * world).backward();
+        opt->step();
+      }
+      shardtorch::FullParams full(*m);
+      expect_close_map(snapshot(*m), want, 1e-5, "empty trainable flat");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(options.strategy()) << " at " << world << ": " << r.summary();
+  }
+}
+
 // Frozen integer and bool parameters (an index table, a mask) share a unit
 // with trainable ones: they get flat parameters of their own dtypes, are
 // gathered and freed like the others, and mixed precision leaves them as
