@@ -180,11 +180,15 @@ void ShardState::release_master_grads() {
   master_grad_bytes_ = 0;
 }
 
-void ShardState::after_optimizer_step() {
+void ShardState::check_outside_summon() const {
   // Symmetric: every rank holds a FullParams for the scope, kept or not.
   TORCH_CHECK(summons_ == 0, "shardtorch: rank ", world_->rank(), ": an optimizer step or a checkpoint load inside a "
               "summon_full_params scope: the scope's full parameters would be stale (and written back over the new "
               "values on exit); leave the scope first");
+}
+
+void ShardState::after_optimizer_step() {
+  check_outside_summon();
   release_held();  // the step makes the full copies a graph-building backward held stale
   if (ddp_) {  // the optimizer updated the parameters themselves, or their masters
     c10::NoGradGuard no_grad;

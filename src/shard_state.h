@@ -141,6 +141,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// summon_full_params scopes alive (on every rank, rank0_only or not).
   void enter_summon() { ++summons_; }
   void leave_summon() { --summons_; }
+  /// Throws (this rank) inside a summon_full_params scope: an optimizer step
+  /// or a checkpoint load there would leave the scope's full copies stale.
+  void check_outside_summon() const;
   void set_sync(bool s) { sync_ = s; }
 
   /// Units in pre-order of the module tree; throws if the model is gone.
@@ -307,5 +310,14 @@ std::shared_ptr<ShardState> require_state(torch::nn::Module& root, const std::st
 
 /// Every name the module gives each parameter tensor (a tied one has several).
 std::map<const void*, std::vector<std::string>> parameter_names(torch::nn::Module& root);
+
+/// Collective (checkpoints): every rank reports what went wrong on it ("" if
+/// nothing) and, when nothing did, a fingerprint of what it read. If any rank
+/// failed, every rank throws checkpoint::SafetensorsError "<what>: rank R:
+/// <R's error>" (R the first that failed); if the fingerprints differ, every
+/// rank throws naming the two. So no rank carries on alone after another
+/// failed, and no collective is left waiting for a rank that threw.
+void agree_on_errors(World& world, const std::string& error, const std::string& what,
+                     const std::string& fingerprint = "");
 
 }  // namespace shardtorch::detail

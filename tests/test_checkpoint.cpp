@@ -3,6 +3,10 @@
 // one world size and strategy loads bitwise at another.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
+#include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -676,5 +680,248 @@ TEST(Checkpoint, AnEmptyParameterGoesThroughClippingSummonAndBothCheckpoints) {
     EXPECT_EQ(saved.at("b.none|param").numel(), 0) << what;
     EXPECT_GT(saved.at("b.lin.weight|exp_avg").abs().sum().item<double>(), 0) << what;
   }
+  fs::remove_all(dir);
+}
+
+// ---------------------------------------------------------------- failures: every rank alike, nothing half-done
+
+namespace {
+
+// MLP (FullShard unless told) with SGD and momentum, one step taken, so there
+// are parameters, a buffer and optimizer state to compare before and after.
+struct Trained {
+  MLP model;
+  std::unique_ptr<shardtorch::ShardedOptimizer> opt;
+  Trained(World& w, int64_t hidden = 13, bool extra = false, Strategy s = Strategy::FullShard, unsigned seed = 0) {
+    torch::manual_seed(seed);
+    model = MLP(hidden, extra);
+    shardtorch::shard(model, w, strategy_options(s, w.size()));
+    opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1).momentum(0.9));
+    opt->zero_grad();
+    model(torch::ones({2, 7}) * (1 + w.rank())).sum().backward();
+    opt->step();
+  }
+  std::map<std::string, at::Tensor> values() {
+    auto out = shardtorch::full_parameters(*model);
+    for (const auto& item : model->named_buffers()) out[item.key()] = item.value().clone();
+    for (const auto& [key, s] : opt->inner().state()) {
+      auto* m = dynamic_cast<torch::optim::SGDParamState*>(s.get());
+      out["momentum@" + std::to_string(reinterpret_cast<uintptr_t>(key))] = m->momentum_buffer().clone();
+    }
+    return out;
+  }
+};
+
+void require_unchanged(const std::map<std::string, at::Tensor>& before, const std::map<std::string, at::Tensor>& after,
+                       const std::string& what) {
+  require(before.size() == after.size(), what + ": the set of tensors changed");
+  for (const auto& [k, v] : before) require(at::equal(after.at(k), v), what + ": '" + k + "' changed");
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+// A problem only one rank can see (its own shard file) fails every rank, and
+// no rank's model or optimizer changes: they used to load on the ranks that
+// did not read the bad file, and carry on alone.
+TEST(CheckpointFailures, AShardOnlyOneRankReadsFailsEveryRankAndChangesNothing) {
+  const auto dir = temp_dir();
+  const std::string ckpt = (dir / "ckpt").string();
+  auto saved = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 1);
+  });
+  ASSERT_TRUE(saved.ok) << saved.summary();
+  fs::resize_file(fs::path(ckpt) / "rank-1.safetensors", 100);
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, 13, false, Strategy::FullShard, /*seed=*/7);
+    const auto before = t.values();
+    std::string e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt); });
+    require(e.find("rank 1: ") != std::string::npos && e.find("'rank-1.safetensors' has 100 bytes") != std::string::npos,
+            "expected every rank to name rank 1 and its truncated file, got: " + e);
+    require_unchanged(before, t.values(), "after the failed load");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  fs::remove_all(dir);
+}
+
+// The same for full state dicts: rank 1's file has a tensor of another shape;
+// neither rank changes anything (under ShardGradOp the replicated full
+// parameters would otherwise disagree with the master shards).
+TEST(CheckpointFailures, AFullStateDictOneRankCannotLoadFailsEveryRankAndChangesNothing) {
+  const auto dir = temp_dir();
+  const std::string good = (dir / "good.safetensors").string(), bad = (dir / "bad.safetensors").string();
+  auto saved = run_ranks(1, [&](World& w) {
+    Trained t(w, 13, false, Strategy::FullShard, 3);
+    shardtorch::save_full_state_dict(*t.model, good);
+  });
+  ASSERT_TRUE(saved.ok) << saved.summary();
+  auto sd = shardtorch::checkpoint::load_file(good);
+  sd["l3.lin.bias"] = at::zeros({4});
+  shardtorch::checkpoint::save_file(bad, std::vector<std::pair<std::string, at::Tensor>>(sd.begin(), sd.end()));
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, 13, false, Strategy::ShardGradOp);
+    const auto before = t.values();
+    std::string e = message_of([&] { shardtorch::load_full_state_dict(*t.model, w.rank() == 1 ? bad : good); });
+    require(e.find("rank 1: ") != std::string::npos && e.find("'l3.lin.bias' has shape [4]") != std::string::npos,
+            "expected every rank to name rank 1 and the mis-shaped bias, got: " + e);
+    require_unchanged(before, t.values(), "after the failed load");
+    // Afterwards the good file loads on both ranks.
+    shardtorch::load_full_state_dict(*t.model, good);
+    auto loaded = shardtorch::full_parameters(*t.model);
+    for (const auto& [n, v] : shardtorch::checkpoint::load_file(good))
+      if (loaded.count(n)) require(at::equal(loaded.at(n), v), n + " did not load after the failure");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  fs::remove_all(dir);
+}
+
+// Ranks that read different checkpoints (a copy per node, one of them stale)
+// fail alike instead of training on shards from two steps.
+TEST(CheckpointFailures, RanksReadingDifferentCheckpointsFailAlike) {
+  const auto dir = temp_dir();
+  const std::string a = (dir / "a").string(), b = (dir / "b").string();
+  auto saved = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), a, 1);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), b, 2);
+  });
+  ASSERT_TRUE(saved.ok) << saved.summary();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, 13, false, Strategy::FullShard, 7);
+    const auto before = t.values();
+    std::string e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), w.rank() ? b : a); });
+    require(e.find("rank 1 read step 2") != std::string::npos && e.find("rank 0 read step 1") != std::string::npos,
+            "expected both ranks to name the two steps, got: " + e);
+    require_unchanged(before, t.values(), "after the failed load");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  fs::remove_all(dir);
+}
+
+// Shapes are recorded in the index and checked: a resized model, or a
+// checkpoint with parameters the model lacks, is refused by name (element
+// ranges alone used to let a smaller weight load, scrambled).
+TEST(CheckpointFailures, ShapesThatDifferAndUnexpectedTensorsAreRefusedByName) {
+  const auto dir = temp_dir();
+  const std::string wide = (dir / "wide").string(), extra = (dir / "extra").string();
+  auto saved = run_ranks(2, [&](World& w) {
+    Trained t(w, 13);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), wide, 1);
+    Trained u(w, 12, /*extra=*/true);
+    shardtorch::save_sharded_checkpoint(*u.model, u.opt.get(), extra, 1);
+  });
+  ASSERT_TRUE(saved.ok) << saved.summary();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, 12);
+    const auto before = t.values();
+    std::string e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), wide); });
+    require(e.find("'l1.lin.bias' has shape [13] in the checkpoint but the model's has [12]") != std::string::npos,
+            "expected the shape error, got: " + e);
+    e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), extra); });
+    require(e.find("unexpected tensor 'extra.") != std::string::npos, "expected the unexpected-tensor error, got: " + e);
+    require_unchanged(before, t.values(), "after the refused loads");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  fs::remove_all(dir);
+}
+
+// A checkpoint without optimizer state (saved without the optimizer, or
+// before the first step) leaves the optimizer with none: stale moments from
+// the run being rolled back used to survive the load.
+TEST(CheckpointFailures, ACheckpointWithoutOptimizerStateResetsTheOptimizer) {
+  const auto dir = temp_dir();
+  const std::string ckpt = (dir / "weights-only").string();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 0);
+    require(!t.opt->inner().state().empty(), "the step should have made optimizer state");
+    shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt);
+    require(t.opt->inner().state().empty(), "optimizer state from before the load survived it");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  fs::remove_all(dir);
+}
+
+// Saving: a failure on rank 0 alone (it prepares and publishes the
+// directory) fails every rank with rank 0's message instead of leaving the
+// others in a barrier; a directory that is not a checkpoint is never
+// replaced; a trailing slash names the same checkpoint.
+TEST(CheckpointFailures, SaveFailuresOnRankZeroFailEveryRankAndOtherDirectoriesAreKept) {
+  const auto dir = temp_dir();
+  std::ofstream(dir / "a-file") << "x";
+  fs::create_directories(dir / "logs");
+  std::ofstream(dir / "logs" / "train.log") << "step 1\n";
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    std::string e = message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, nullptr, (dir / "a-file" / "ck").string(), 1); });
+    require(e.find("save_sharded_checkpoint") != std::string::npos && e.find("rank 0: ") != std::string::npos,
+            "expected every rank to fail naming rank 0, got: " + e);
+    e = message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, nullptr, (dir / "logs").string(), 1); });
+    require(e.find("is not a shardtorch checkpoint") != std::string::npos, "expected a refusal, got: " + e);
+    require(fs::exists(dir / "logs" / "train.log"), "the directory's files were deleted");
+    const std::string slash = (dir / "ck").string() + "/";
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), slash, 1);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), slash, 2);
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), (dir / "ck").string()) == 2, "wrong step");
+    require(!fs::exists(dir / "ck" / ".tmp") && !fs::exists(dir / "ck.tmp"), "a temporary directory was left");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  fs::remove_all(dir);
+}
+
+// A failed write of the index (here: the file-size limit, as a full disk
+// would) is an error, and the previous checkpoint stays in place (a truncated
+// index used to be published over it).
+TEST(CheckpointFailures, AnIndexThatCannotBeWrittenKeepsThePreviousCheckpoint) {
+  const auto dir = temp_dir();
+  const std::string ckpt = (dir / "ckpt").string();
+  auto r = run_ranks(1, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 1);
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit limit{64 << 10, 64 << 10};  // the rank file is ~1 KB; the index with this user_state is over 1 MB
+    require(::setrlimit(RLIMIT_FSIZE, &limit) == 0, "setrlimit failed");
+    std::string e = message_of([&] {
+      shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 2, {{"blob", std::string(1 << 20, 'x')}});
+    });
+    require(e.find("index.json") != std::string::npos, "expected the failed index write, got: " + e);
+    require(shardtorch::load_sharded_checkpoint(*t.model, nullptr, ckpt) == 1, "the previous checkpoint was lost");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  fs::remove_all(dir);
+}
+
+// File systems without renameat2's RENAME_EXCHANGE (forced here): the
+// previous checkpoint moves aside to DIR.old while the new one moves in; if
+// the writer dies between the two renames, loading finds it there.
+TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAtDotOld) {
+  const auto dir = temp_dir();
+  const std::string ckpt = (dir / "ckpt").string();
+  auto r = run_ranks(2, [&](World& w) {
+    ::setenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "1", 1);
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 1);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 2);
+    require(!fs::exists(ckpt + ".old") && !fs::exists(ckpt + ".tmp"), "left-overs after a save");
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2, "wrong step");
+    w.barrier();
+    if (w.rank() == 0) fs::rename(ckpt, ckpt + ".old");  // as if killed between the two renames
+    w.barrier();
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2, "the previous checkpoint was not found");
+    require(shardtorch::read_sharded_checkpoint(ckpt).count("l1.lin.weight|param"), "offline reading missed it");
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 3);
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 3 && !fs::exists(ckpt + ".old"),
+            "saving after the interruption");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
   fs::remove_all(dir);
 }

@@ -20,7 +20,8 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                           const std::map<std::string, std::string>& metadata = {});
 /// Collective. Every rank reads `path` (a shared file system, or a copy per
 /// node) and takes its shards; missing or mis-shaped entries are errors naming
-/// the file and the parameter.
+/// the file and the parameter. Every rank checks first and the ranks agree: a
+/// problem on any rank throws on every rank, with no rank's model changed.
 void load_full_state_dict(torch::nn::Module& root, const std::string& path);
 
 /// Sharded checkpoints: DIR/rank-R.safetensors holds the element ranges of the
@@ -39,8 +40,12 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path);
 void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
                              int64_t step, const std::map<std::string, std::string>& user_state = {});
 /// Collective; returns the saved step. With an optimizer, its state is
-/// restored too (the checkpoint must hold state of the same kinds). With
-/// `user_state`, it receives what was saved (empty for checkpoints without).
+/// restored too (the checkpoint must hold state of the same kinds; one with
+/// none leaves the optimizer with none). With `user_state`, it receives what
+/// was saved (empty for checkpoints without). As for full state dicts, a
+/// problem any rank finds (a bad file, a shape that differs, ranks reading
+/// different checkpoints) throws on every rank before anything changes.
+/// `DIR` is replaced only if it is a checkpoint or an empty directory.
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
                                 std::map<std::string, std::string>* user_state = nullptr);
 /// Offline: every (parameter or buffer, kind) of a sharded checkpoint

@@ -2,7 +2,10 @@
 // loaded by every rank reading only its own shard's elements.
 #include <c10/core/GradMode.h>
 
+#include <functional>
+#include <optional>
 #include <set>
+#include <sstream>
 
 #include "../shard_state.h"
 #include "shardtorch/checkpoint.h"
@@ -85,69 +88,95 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
 
 void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
   auto state = detail::require_state(root, "load_full_state_dict");
+  World& world = state->world();
   state->wait_for_offload_copies();
-  checkpoint::Reader reader(path);
   c10::NoGradGuard no_grad;
-  NameMap names = detail::parameter_names(root);
-  std::set<std::string> used;
-  auto name_in_file = [&](const at::Tensor& p) -> std::string {
-    const auto& ns = names[p.unsafeGetTensorImpl()];
-    for (const auto& n : ns)
-      if (reader.contains(n)) return n;
-    throw checkpoint::SafetensorsError("safetensors file '" + path + "': no entry for parameter '" +
-                                       (ns.empty() ? std::string("?") : ns.front()) + "'");
-  };
-  auto check_shape = [&](const std::string& n, c10::IntArrayRef want) {
-    const auto* r = reader.header().find(n);
-    if (c10::IntArrayRef(r->shape) != want) {
-      std::ostringstream os;
-      os << "safetensors file '" << path << "': '" << n << "' has shape " << c10::IntArrayRef(r->shape)
-         << " but the model's parameter has " << want;
-      throw checkpoint::SafetensorsError(os.str());
-    }
-  };
-  auto mark_all = [&](const at::Tensor& p) {
-    for (const auto& n : names[p.unsafeGetTensorImpl()]) used.insert(n);
-  };
-
-  if (state->ddp()) {
-    std::set<const void*> done;
-    for (const auto& item : root.named_parameters()) {
-      at::Tensor p = item.value();
-      if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded under its first name
-      std::string n = name_in_file(p);
-      check_shape(n, p.sizes());
-      state->load_record(p, reader.read(n));  // the fp32 master under mixed precision
-      mark_all(p);
-    }
-  } else {
-    for (auto& u : state->units()) {
-      for (auto& f : u->flats()) {
-        const int rank = state->shard_comm().rank();
-        for (size_t i = 0; i < f->params().size(); ++i) {
-          std::string n = name_in_file(f->params()[i]);
-          check_shape(n, f->layout().shape(i));
-          mark_all(f->params()[i]);
-          auto piece = f->layout().piece(i, rank);
-          if (!piece) continue;
-          f->shard().narrow(0, piece->shard_offset, piece->length).copy_(reader.read_range(n, piece->param_offset, piece->length));
-        }
+  const std::string what = "shardtorch::load_full_state_dict '" + path + "'";
+  // Check, agree, change, agree (as load_sharded_checkpoint): every rank
+  // validates the file and matches every name and shape before any value
+  // changes; a problem on any rank fails every rank with the model unchanged.
+  std::optional<checkpoint::Reader> reader;
+  std::vector<std::function<void()>> changes;
+  std::string error, fingerprint;
+  try {
+    state->check_outside_summon();
+    reader.emplace(path);
+    // What ranks reading their own copies can compare cheaply: the layout
+    // and the metadata (where an application keeps its step).
+    fingerprint = "a file of " + std::to_string(reader->header().tensors.size()) + " tensors from byte " +
+                  std::to_string(reader->header().data_start);
+    for (const auto& [k, v] : reader->header().metadata) fingerprint += ", " + k + "=" + v;
+    NameMap names = detail::parameter_names(root);
+    std::set<std::string> used;
+    auto name_in_file = [&](const at::Tensor& p) -> std::string {
+      const auto& ns = names[p.unsafeGetTensorImpl()];
+      for (const auto& n : ns)
+        if (reader->contains(n)) return n;
+      throw checkpoint::SafetensorsError("safetensors file '" + path + "': no entry for parameter '" +
+                                         (ns.empty() ? std::string("?") : ns.front()) + "'");
+    };
+    auto check_shape = [&](const std::string& n, c10::IntArrayRef want) {
+      const auto* r = reader->header().find(n);
+      if (c10::IntArrayRef(r->shape) != want) {
+        std::ostringstream os;
+        os << "safetensors file '" << path << "': '" << n << "' has shape " << c10::IntArrayRef(r->shape)
+           << " but the model's parameter has " << want;
+        throw checkpoint::SafetensorsError(os.str());
       }
+    };
+    auto mark_all = [&](const at::Tensor& p) {
+      for (const auto& n : names[p.unsafeGetTensorImpl()]) used.insert(n);
+    };
+    checkpoint::Reader* file = &*reader;
+    if (state->ddp()) {
+      std::set<const void*> done;
+      for (const auto& item : root.named_parameters()) {
+        at::Tensor p = item.value();
+        if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded under its first name
+        std::string n = name_in_file(p);
+        check_shape(n, p.sizes());
+        mark_all(p);
+        changes.push_back([state, file, p, n] { state->load_record(p, file->read(n)); });  // the fp32 master under mixed precision
+      }
+    } else {
+      const int rank = state->shard_comm().rank();
+      for (auto& u : state->units())
+        for (auto& f : u->flats())
+          for (size_t i = 0; i < f->params().size(); ++i) {
+            std::string n = name_in_file(f->params()[i]);
+            check_shape(n, f->layout().shape(i));
+            mark_all(f->params()[i]);
+            auto piece = f->layout().piece(i, rank);
+            if (!piece) continue;
+            at::Tensor dst = f->shard().narrow(0, piece->shard_offset, piece->length);
+            changes.push_back([file, dst, n, piece]() mutable {
+              dst.copy_(file->read_range(n, piece->param_offset, piece->length));
+            });
+          }
     }
+    for (const auto& item : root.named_buffers()) {
+      if (!item.value().defined()) continue;
+      if (!reader->contains(item.key()))
+        throw checkpoint::SafetensorsError("safetensors file '" + path + "': no entry for buffer '" + item.key() + "'");
+      check_shape(item.key(), item.value().sizes());
+      used.insert(item.key());
+      changes.push_back([file, b = item.value(), n = item.key()]() mutable { b.copy_(file->read(n)); });
+    }
+    for (const auto& t : reader->header().tensors) {
+      if (!used.count(t.name))
+        throw checkpoint::SafetensorsError("safetensors file '" + path + "': unexpected tensor '" + t.name +
+                                           "' (no parameter or buffer of the model has that name)");
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
   }
-  for (const auto& item : root.named_buffers()) {
-    if (!item.value().defined()) continue;
-    if (!reader.contains(item.key()))
-      throw checkpoint::SafetensorsError("safetensors file '" + path + "': no entry for buffer '" + item.key() + "'");
-    check_shape(item.key(), item.value().sizes());
-    at::Tensor(item.value()).copy_(reader.read(item.key()));
-    used.insert(item.key());
+  detail::agree_on_errors(world, error, what, fingerprint);
+  try {
+    for (auto& change : changes) change();
+  } catch (const std::exception& e) {
+    error = std::string(e.what()) + " (the model is partly loaded: load again before training)";
   }
-  for (const auto& t : reader.header().tensors) {
-    if (!used.count(t.name))
-      throw checkpoint::SafetensorsError("safetensors file '" + path + "': unexpected tensor '" + t.name +
-                                         "' (no parameter or buffer of the model has that name)");
-  }
+  detail::agree_on_errors(world, error, what);
   state->after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -35,30 +36,118 @@ struct Entry {
 
 std::string tensor_key(const Entry& e) { return e.name + "|" + e.kind + "|" + std::to_string(e.begin); }
 
-// FNV-1a over the file's bytes.
-std::string checksum(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw SafetensorsError("checkpoint file '" + path + "' is missing");
-  uint64_t h = 1469598103934665603ull;
-  char buf[1 << 16];
-  while (in) {
-    in.read(buf, sizeof(buf));
-    for (std::streamsize i = 0; i < in.gcount(); ++i) {
-      h ^= static_cast<unsigned char>(buf[i]);
-      h *= 1099511628211ull;
-    }
+constexpr uint64_t kFnvBasis = 1469598103934665603ull;
+
+uint64_t fnv1a(const char* data, size_t n, uint64_t h = kFnvBasis) {
+  for (size_t i = 0; i < n; ++i) {
+    h ^= static_cast<unsigned char>(data[i]);
+    h *= 1099511628211ull;
   }
+  return h;
+}
+
+std::string fnv_text(uint64_t h) {
   std::ostringstream os;
   os << "fnv1a64:" << std::hex << h;
   return os.str();
 }
 
+// FNV-1a over the file's bytes.
+std::string checksum(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw SafetensorsError("checkpoint file '" + path + "' is missing");
+  uint64_t h = kFnvBasis;
+  char buf[1 << 16];
+  while (in) {
+    in.read(buf, sizeof(buf));
+    h = fnv1a(buf, static_cast<size_t>(in.gcount()), h);
+  }
+  return fnv_text(h);
+}
+
 void fsync_path(const std::string& p, bool dir) {
   int fd = ::open(p.c_str(), (dir ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
+  if (fd < 0) throw SafetensorsError("checkpoint: cannot open '" + p + "' to fsync it: " + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) throw SafetensorsError("checkpoint: fsync of '" + p + "' failed: " + std::strerror(err));
+}
+
+// Writes `text` to `path` and fsyncs it; any failure (a full disk, a quota)
+// throws, so a truncated index is never published.
+void write_text_durably(const std::string& path, const std::string& text) {
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) throw SafetensorsError("checkpoint: writing '" + path + "' failed: " + std::strerror(errno));
   }
+  if (static_cast<size_t>(fs::file_size(path)) != text.size())
+    throw SafetensorsError("checkpoint: '" + path + "' was not written completely");
+  fsync_path(path, false);
+}
+
+// "ck/" and "ck" are the same checkpoint (a trailing slash would make the
+// temporary directory "ck/.tmp", inside the directory it is to replace).
+std::string normalized(const std::string& dir) {
+  std::string d = fs::path(dir).lexically_normal().string();
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  TORCH_CHECK(!d.empty() && d != "." && d != "/", "shardtorch: '", dir, "' cannot be a checkpoint directory");
+  return d;
+}
+
+// Where a checkpoint saved to `dir` is: `dir` itself, or `dir`.old when a
+// save on a file system without an atomic exchange was interrupted between
+// moving the previous checkpoint aside and moving the new one in.
+std::string published_dir(const std::string& dir) {
+  if (!fs::exists(dir + "/index.json") && fs::exists(dir + ".old/index.json")) {
+    std::fprintf(stderr, "shardtorch: checkpoint '%s' is missing; loading the previous one, left at '%s.old' by an "
+                 "interrupted save\n", dir.c_str(), dir.c_str());
+    return dir + ".old";
+  }
+  return dir;
+}
+
+// Rank 0, before a save writes anything: `dir` may be replaced only if it is
+// a checkpoint (or an empty directory), never a directory of other files.
+void check_replaceable(const std::string& dir) {
+  if (!fs::exists(dir)) return;
+  if (!fs::is_directory(dir))
+    throw SafetensorsError("checkpoint '" + dir + "': exists and is not a directory");
+  if (!fs::exists(dir + "/index.json") && !fs::is_empty(dir))
+    throw SafetensorsError("checkpoint '" + dir + "': the directory exists and is not a shardtorch checkpoint (no "
+                           "index.json); refusing to replace it and the files in it");
+}
+
+// Swaps the finished checkpoint `tmp` in as `dir`. With renameat2's
+// RENAME_EXCHANGE in one step, so `dir` is always one whole checkpoint. File
+// systems without it (some network file systems answer EINVAL), or with
+// SHARDTORCH_CHECKPOINT_NO_EXCHANGE set: the previous checkpoint is renamed
+// to `dir`.old, the new one to `dir`, then `dir`.old is removed; a process
+// killed between the two renames leaves the previous checkpoint at `dir`.old,
+// where loading looks for it (published_dir).
+void publish(const std::string& tmp, const std::string& dir) {
+  const std::string old = dir + ".old";
+  if (!fs::exists(dir)) {
+    fs::rename(tmp, dir);
+    fs::remove_all(old);  // the checkpoint an interrupted save left aside, replaced now
+    return;
+  }
+  const bool exchange = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE") == nullptr;
+  if (exchange) {
+    if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+      fs::remove_all(tmp);  // now the previous checkpoint
+      return;
+    }
+    if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
+      throw SafetensorsError("checkpoint '" + dir + "': could not swap in the new checkpoint: " + std::strerror(errno));
+  }
+  fs::remove_all(old);
+  fs::rename(dir, old);
+  fsync_path(fs::path(dir).has_parent_path() ? fs::path(dir).parent_path().string() : ".", true);
+  fs::rename(tmp, dir);
+  fs::remove_all(old);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> optimizer_kinds(const torch::optim::OptimizerParamState* st) {
@@ -173,7 +262,64 @@ struct Index {
   std::vector<Entry> entries;
   std::map<std::string, std::pair<int64_t, std::string>> files;  // name -> (size, checksum)
   std::map<std::string, std::string> user_state;
+  // Every parameter (under each of its names) and buffer; absent in
+  // checkpoints written before shapes were recorded.
+  std::optional<std::map<std::string, std::vector<int64_t>>> shapes;
+  std::string fingerprint;  // the step and the index's checksum: ranks compare it
 };
+
+// Parameters (under every name: a tied one has several) and buffers of the
+// model, with their shapes. A sharded parameter keeps its sizes while freed.
+std::map<std::string, std::vector<int64_t>> model_shapes(torch::nn::Module& root) {
+  std::map<std::string, std::vector<int64_t>> out;
+  for (const auto& item : root.named_parameters()) out[item.key()] = item.value().sizes().vec();
+  for (const auto& item : root.named_buffers())
+    if (item.value().defined()) out[item.key()] = item.value().sizes().vec();
+  return out;
+}
+
+std::string quoted(std::string_view s) {
+  std::string out(1, '\'');
+  out.append(s.data(), s.size());
+  out.push_back('\'');
+  return out;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << c10::IntArrayRef(shape);
+  return os.str();
+}
+
+// Before anything is loaded: the checkpoint must hold this model. Shapes that
+// differ, parameters or buffers it lacks, and tensors the model has no name
+// for are errors naming them (element counts alone would let a transposed or
+// resized weight load, scrambled).
+void check_model_against(torch::nn::Module& root, const Index& idx, const std::string& dir) {
+  const auto mine = model_shapes(root);
+  for (const auto& e : idx.entries)
+    if (!mine.count(e.name))
+      throw SafetensorsError("checkpoint '" + dir + "': unexpected tensor '" + e.name + "' (" + e.kind +
+                             "): no parameter or buffer of the model has that name");
+  if (!idx.shapes) return;
+  for (const auto& [name, shape] : *idx.shapes) {
+    auto it = mine.find(name);
+    if (it == mine.end())
+      throw SafetensorsError("checkpoint '" + dir + "': unexpected tensor '" + name +
+                             "': no parameter or buffer of the model has that name");
+    if (it->second != shape)
+      throw SafetensorsError("checkpoint '" + dir + "': '" + name + "' has shape " + shape_text(shape) +
+                             " in the checkpoint but the model's has " + shape_text(it->second));
+  }
+  for (const auto& [names_of, names] : detail::parameter_names(root)) {
+    (void)names_of;
+    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return idx.shapes->count(n) > 0; }))
+      throw SafetensorsError("checkpoint '" + dir + "': no entry for parameter '" + names.front() + "'");
+  }
+  for (const auto& item : root.named_buffers())
+    if (item.value().defined() && !idx.shapes->count(item.key()))
+      throw SafetensorsError("checkpoint '" + dir + "': no entry for buffer '" + item.key() + "'");
+}
 
 Index read_index(const std::string& dir) {
   const std::string path = dir + "/index.json";
@@ -181,8 +327,9 @@ Index read_index(const std::string& dir) {
   if (!in) throw SafetensorsError("checkpoint '" + dir + "': no index.json (not a checkpoint, or an unfinished one)");
   std::stringstream ss;
   ss << in.rdbuf();
+  const std::string text = ss.str();
   boost::system::error_code ec;
-  json::value v = json::parse(ss.str(), ec);
+  json::value v = json::parse(text, ec);
   if (ec) throw SafetensorsError("checkpoint index '" + path + "': " + ec.message());
   Index idx;
   try {
@@ -207,6 +354,17 @@ Index read_index(const std::string& dir) {
         idx.user_state[std::string(k)] = json::value_to<std::string>(v);
       }
     }
+    if (const auto* sh = o.if_contains("shapes")) {
+      idx.shapes.emplace();
+      for (const auto& [k, dims] : sh->as_object()) {
+        std::vector<int64_t> shape;
+        for (const auto& d : dims.as_array()) {
+          shape.push_back(d.to_number<int64_t>());
+          if (shape.back() < 0) throw std::invalid_argument("negative dimension of '" + std::string(k) + "'");
+        }
+        (*idx.shapes)[std::string(k)] = std::move(shape);
+      }
+    }
   } catch (const SafetensorsError&) {
     throw;
   } catch (const std::exception& e) {
@@ -215,6 +373,7 @@ Index read_index(const std::string& dir) {
   for (const auto& e : idx.entries)
     if (!idx.files.count(e.file))
       throw SafetensorsError("checkpoint index '" + path + "': entry '" + e.tensor + "' names unlisted file '" + e.file + "'");
+  idx.fingerprint = "step " + std::to_string(idx.step) + ", index " + fnv_text(fnv1a(text.data(), text.size()));
   return idx;
 }
 
@@ -248,45 +407,87 @@ class Files {
   std::map<std::string, std::unique_ptr<checkpoint::Reader>> open_;
 };
 
-// Fills dst (the elements [begin, begin + dst.numel()) of name's `kind`) from
-// every saved range that overlaps it; returns the largest step seen.
-int64_t fill(at::Tensor dst, const std::string& name, const std::string& kind, int64_t begin, const Index& idx,
-             Files& files, const std::string& dir) {
-  const int64_t end = begin + dst.numel();
-  int64_t covered = 0, step = 0;
+// The saved ranges that make up one destination: elements [begin, begin +
+// numel) of name's `kind`.
+struct Fill {
+  struct Copy {
+    const Entry* entry;
+    int64_t from, to, length;  // entry-relative source offset, destination offset, elements
+  };
+  std::vector<Copy> copies;
+  int64_t step = 0;  // the largest optimizer step among them
+};
+
+// Checks that the saved ranges cover the destination exactly, and opens (and
+// so checks) every file they are in; reads no tensor data.
+Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, int64_t begin, const Index& idx,
+               Files& files, const std::string& dir) {
+  const int64_t end = begin + numel;
+  int64_t covered = 0;
+  Fill fill;
   for (const auto& e : idx.entries) {
     if (e.name != name || e.kind != kind) continue;
     int64_t lo = std::max(begin, e.begin), hi = std::min(end, e.end);
     if (lo >= hi) continue;
-    at::Tensor part = files.get(e.file).read_range(e.tensor, lo - e.begin, hi - lo);
-    dst.narrow(0, lo - begin, hi - lo).copy_(part);
+    files.get(e.file);
+    fill.copies.push_back({&e, lo - e.begin, lo - begin, hi - lo});
     covered += hi - lo;
-    step = std::max(step, e.step);
+    fill.step = std::max(fill.step, e.step);
   }
-  if (covered != dst.numel())
+  if (covered != numel)
     throw SafetensorsError("checkpoint '" + dir + "': elements [" + std::to_string(begin) + ", " + std::to_string(end) +
                            ") of '" + name + "' (" + kind + ") are " +
-                           (covered < dst.numel() ? "not all saved (a missing shard?)" : "saved more than once"));
-  return step;
+                           (covered < numel ? "not all saved (a missing shard?)" : "saved more than once"));
+  return fill;
+}
+
+void run_fill(at::Tensor dst, const Fill& fill, Files& files) {
+  for (const auto& c : fill.copies)
+    dst.narrow(0, c.to, c.length).copy_(files.get(c.entry->file).read_range(c.entry->tensor, c.from, c.length));
 }
 
 }  // namespace
 
-void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, int64_t step,
+namespace detail {
+
+void agree_on_errors(World& world, const std::string& error, const std::string& what, const std::string& fingerprint) {
+  const auto reports = world.comm().all_gather_strings(error.empty() ? "=" + fingerprint : "!" + error, what);
+  for (size_t r = 0; r < reports.size(); ++r)
+    if (!reports[r].empty() && reports[r][0] == '!')
+      throw SafetensorsError(what + ": rank " + std::to_string(r) + ": " + reports[r].substr(1));
+  for (size_t r = 1; r < reports.size(); ++r)
+    if (reports[r] != reports[0])
+      throw SafetensorsError(what + ": rank " + std::to_string(r) + " read " + reports[r].substr(1) + " but rank 0 read " +
+                             reports[0].substr(1) + " (every rank must see the same checkpoint)");
+}
+
+}  // namespace detail
+
+void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg, int64_t step,
                              const std::map<std::string, std::string>& user_state) {
   auto state = detail::require_state(root, "save_sharded_checkpoint");
   World& world = state->world();
   c10::NoGradGuard no_grad;
+  const std::string dir = normalized(dir_arg);
+  const std::string what = "shardtorch::save_sharded_checkpoint '" + dir + "'";
   const std::string tmp = dir + ".tmp";
+  // Every step one rank alone takes ends in an agreement: a failure there
+  // fails every rank with its message, and nothing is published.
+  std::string error;
   if (world.rank() == 0) {
-    fs::remove_all(tmp);
-    fs::create_directories(tmp);
+    try {
+      check_replaceable(dir);
+      fs::remove_all(tmp);
+      fs::create_directories(tmp);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
   }
-  world.barrier();
+  detail::agree_on_errors(world, error, what);
   Holding h = collect(root, *state, opt, world.rank());
   const std::string file = "rank-" + std::to_string(world.rank()) + ".safetensors";
-  std::string error;
   json::array mine;
+  json::object report;
   try {
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (auto& [e, t] : h.items) {
@@ -294,17 +495,17 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
       mine.push_back(entry_json(e));
     }
     checkpoint::save_file(tmp + "/" + file, tensors, {{"step", std::to_string(step)}, {"rank", std::to_string(world.rank())}});
+    report["file"] = json::object{{"name", file},
+                                  {"size", static_cast<int64_t>(fs::file_size(tmp + "/" + file))},
+                                  {"checksum", checksum(tmp + "/" + file)}};
   } catch (const std::exception& e) {
     error = e.what();
   }
   json::object user;
   for (const auto& [k, v] : user_state) user[k] = v;
-  json::object report{{"error", error}, {"entries", mine}, {"user_state", user}};
-  if (error.empty()) {
-    report["file"] = json::object{{"name", file},
-                                  {"size", static_cast<int64_t>(fs::file_size(tmp + "/" + file))},
-                                  {"checksum", checksum(tmp + "/" + file)}};
-  }
+  report["error"] = error;
+  report["entries"] = mine;
+  report["user_state"] = user;
   auto reports = world.comm().all_gather_strings(json::serialize(report), "save_sharded_checkpoint index");
   std::string failed;
   json::array files, entries;
@@ -319,142 +520,184 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
       std::string key = "(the set of keys)";
       const auto& theirs = o.at("user_state").as_object();
       for (const auto& [k, v] : user)
-        if (!theirs.contains(k) || theirs.at(k) != v) key = "'" + std::string(k) + "'";
+        if (!theirs.contains(k) || theirs.at(k) != v) key = quoted(k);
       for (const auto& [k, v] : theirs)
-        if (!user.contains(k)) key = "'" + std::string(k) + "'";
+        if (!user.contains(k)) key = quoted(k);
       failed = "rank " + std::to_string(r) + ": its user_state differs from rank " + std::to_string(world.rank()) +
                "'s at " + key + " (user_state must be the same on every rank)";
     }
   }
+  if (!failed.empty() && world.rank() == 0) fs::remove_all(tmp);
   TORCH_CHECK(failed.empty(), "shardtorch::save_sharded_checkpoint: writing '", dir, "' failed on ", failed);
   if (world.rank() == 0) {
-    json::object index{{"format_version", kFormatVersion}, {"format", "shardtorch sharded checkpoint"},
-                       {"world_size", world.size()}, {"strategy", strategy_name(state->strategy())},
-                       {"step", step}, {"files", files}, {"entries", entries}, {"user_state", user}};
-    json::array units;
-    if (!state->ddp())
-      for (auto& u : state->units()) {
-        json::array flats;
-        for (auto& f : u->flats()) {
-          json::array names;
-          for (auto& n : f->names()) names.push_back(json::value(n));
-          flats.push_back(json::object{{"params", names}, {"numel", f->layout().total_numel()},
-                                       {"padded_numel", f->layout().padded_numel()}});
-        }
-        units.push_back(json::object{{"name", u->label()}, {"flats", flats}});
+    try {
+      json::object index{{"format_version", kFormatVersion}, {"format", "shardtorch sharded checkpoint"},
+                         {"world_size", world.size()}, {"strategy", strategy_name(state->strategy())},
+                         {"step", step}, {"files", files}, {"entries", entries}, {"user_state", user}};
+      json::object shapes;
+      for (const auto& [name, shape] : model_shapes(root)) {
+        json::array dims;
+        for (int64_t d : shape) dims.push_back(d);
+        shapes[name] = dims;
       }
-    index["units"] = units;
-    {
-      std::ofstream out(tmp + "/index.json");
-      out << json::serialize(index);
+      index["shapes"] = shapes;
+      json::array units;
+      if (!state->ddp())
+        for (auto& u : state->units()) {
+          json::array flats;
+          for (auto& f : u->flats()) {
+            json::array names;
+            for (auto& n : f->names()) names.push_back(json::value(n));
+            flats.push_back(json::object{{"params", names}, {"numel", f->layout().total_numel()},
+                                         {"padded_numel", f->layout().padded_numel()}});
+          }
+          units.push_back(json::object{{"name", u->label()}, {"flats", flats}});
+        }
+      index["units"] = units;
+      write_text_durably(tmp + "/index.json", json::serialize(index));
+      fsync_path(tmp, true);
+      publish(tmp, dir);
+      fsync_path(fs::path(dir).has_parent_path() ? fs::path(dir).parent_path().string() : ".", true);
+    } catch (const std::exception& e) {
+      error = e.what();
+      std::error_code ignored;
+      if (fs::exists(dir + "/index.json", ignored)) fs::remove_all(tmp, ignored);  // the unpublished attempt
     }
-    fsync_path(tmp + "/index.json", false);
-    fsync_path(tmp, true);
-    // Publish atomically: a previous checkpoint at `dir` is swapped with the
-    // complete new one in one step (renameat2 RENAME_EXCHANGE), so `dir` is
-    // always one whole checkpoint or the other, whenever the process dies.
-    if (fs::exists(dir)) {
-      if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0)
-        throw SafetensorsError("checkpoint '" + dir + "': could not swap in the new checkpoint: " + std::strerror(errno));
-      fs::remove_all(tmp);  // now the previous checkpoint
-    } else {
-      fs::rename(tmp, dir);
-    }
-    fs::path parent = fs::path(dir).has_parent_path() ? fs::path(dir).parent_path() : fs::path(".");
-    fsync_path(parent.string(), true);
   }
-  world.barrier();
+  detail::agree_on_errors(world, error, what);
 }
 
-int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
+int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
                                 std::map<std::string, std::string>* user_state) {
   auto state = detail::require_state(root, "load_sharded_checkpoint");
+  World& world = state->world();
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
-  Index idx = read_index(dir);
-  Files files(dir, idx);
-  if (state->ddp()) {
-    for (const auto& [name, p] : no_shard_params(root, *state)) {
-      const at::Tensor record = state->record_of(p);  // the fp32 master under mixed precision
-      at::Tensor t = at::empty({record.numel()}, record.options());
-      fill(t, name, "param", 0, idx, files, dir);
-      state->load_record(p, t);
-    }
-  } else {
-    const int shard_rank = state->shard_comm().rank();
-    for (auto& u : state->units())
-      for (auto& f : u->flats())
-        for (size_t i = 0; i < f->params().size(); ++i)
-          if (auto p = f->layout().piece(i, shard_rank))
-            fill(f->shard().narrow(0, p->shard_offset, p->length), f->names()[i], "param", p->param_offset, idx, files, dir);
-  }
-  for (const auto& item : root.named_buffers()) {
-    if (!item.value().defined()) continue;
-    at::Tensor t = at::empty({item.value().numel()}, item.value().options());
-    fill(t, item.key(), "buffer", 0, idx, files, dir);
-    at::Tensor(item.value()).copy_(t.view(item.value().sizes()));
-  }
-  if (opt) {
-    std::set<std::string> saved_kinds;
-    for (const auto& e : idx.entries)
-      if (e.kind != "param" && e.kind != "buffer") saved_kinds.insert(e.kind);
-    auto& st = opt->inner().state();
-    // The state classes each optimizer keeps (the fused CPU ones keep torch::optim's).
-    torch::optim::Optimizer* inner = &opt->inner();
-    const bool adamw = dynamic_cast<torch::optim::AdamW*>(inner) || dynamic_cast<FusedAdamW*>(inner);
-    const bool adam = adamw || dynamic_cast<torch::optim::Adam*>(inner) || dynamic_cast<FusedAdam*>(inner);
-    const bool sgd = dynamic_cast<torch::optim::SGD*>(inner) != nullptr;
-    if (!saved_kinds.empty()) {
-      bool fits = (adam && saved_kinds.count("exp_avg")) || (sgd && saved_kinds.count("momentum_buffer"));
-      TORCH_CHECK(fits, "shardtorch::load_sharded_checkpoint: '", dir, "' holds optimizer state of another kind of optimizer");
-    }
-    // A parameter that never had a gradient has no optimizer state (the
-    // optimizer skipped it) and none was saved: it gets none now either.
-    const std::string first_kind = adam ? "exp_avg" : "momentum_buffer";
-    std::set<std::string> with_state;
-    for (const auto& e : idx.entries)
-      if (e.kind == first_kind) with_state.insert(e.name);
-    for (const auto& piece : opt->views().pieces()) {
-      if (saved_kinds.empty()) break;
-      auto make = [&](const std::string& kind, int64_t* step) {
-        at::Tensor t = at::empty({piece.length}, piece.view.options());
-        int64_t s = fill(t, piece.name, kind, piece.param_offset, idx, files, dir);
-        if (step) *step = s;
-        return t;
-      };
-      void* key = piece.view.unsafeGetTensorImpl();
-      if (!with_state.count(piece.name)) {
-        st.erase(key);
-        continue;
+  std::string dir = normalized(dir_arg);
+  const std::string what = "shardtorch::load_sharded_checkpoint '" + dir + "'";
+  // Check, agree, change, agree. First every rank checks everything it will
+  // read (the index, and every file it needs: size, checksum, step; that
+  // saved ranges cover each destination exactly; names and shapes) and plans
+  // the copies, changing nothing. If any rank found a problem, or the ranks
+  // read different checkpoints, every rank throws and every model is as it
+  // was. Then the copies run, and the ranks agree once more.
+  Index idx;
+  std::optional<Files> files;
+  std::vector<std::function<void()>> changes;
+  std::string error;
+  try {
+    state->check_outside_summon();
+    dir = published_dir(dir);
+    idx = read_index(dir);
+    files.emplace(dir, idx);
+    check_model_against(root, idx, dir);
+    auto plan = [&](int64_t numel, const std::string& name, const std::string& kind, int64_t begin) {
+      return plan_fill(numel, name, kind, begin, idx, *files, dir);
+    };
+    if (state->ddp()) {
+      for (const auto& [name, p] : no_shard_params(root, *state)) {
+        const at::Tensor record = state->record_of(p);  // the fp32 master under mixed precision
+        changes.push_back([&, p, record, fill = plan(record.numel(), name, "param", 0)] {
+          at::Tensor t = at::empty({record.numel()}, record.options());
+          run_fill(t, fill, *files);
+          state->load_record(p, t);
+        });
       }
-      if (adam) {
-        int64_t step = 0;
-        at::Tensor m = make("exp_avg", &step), v = make("exp_avg_sq", nullptr);
-        at::Tensor vmax = saved_kinds.count("max_exp_avg_sq") ? make("max_exp_avg_sq", nullptr) : at::Tensor();
-        if (adamw) {
-          auto s = std::make_unique<torch::optim::AdamWParamState>();
-          s->step(step).exp_avg(m).exp_avg_sq(v);
-          if (vmax.defined()) s->max_exp_avg_sq(vmax);
-          st[key] = std::move(s);
-        } else {
-          auto s = std::make_unique<torch::optim::AdamParamState>();
-          s->step(step).exp_avg(m).exp_avg_sq(v);
-          if (vmax.defined()) s->max_exp_avg_sq(vmax);
-          st[key] = std::move(s);
+    } else {
+      const int shard_rank = state->shard_comm().rank();
+      for (auto& u : state->units())
+        for (auto& f : u->flats())
+          for (size_t i = 0; i < f->params().size(); ++i)
+            if (auto p = f->layout().piece(i, shard_rank)) {
+              at::Tensor dst = f->shard().narrow(0, p->shard_offset, p->length);
+              changes.push_back([&, dst, fill = plan(p->length, f->names()[i], "param", p->param_offset)] {
+                run_fill(dst, fill, *files);
+              });
+            }
+    }
+    for (const auto& item : root.named_buffers()) {
+      if (!item.value().defined()) continue;
+      at::Tensor b = item.value();
+      changes.push_back([&, b, fill = plan(b.numel(), item.key(), "buffer", 0)]() mutable {
+        at::Tensor t = at::empty({b.numel()}, b.options());
+        run_fill(t, fill, *files);
+        b.copy_(t.view(b.sizes()));
+      });
+    }
+    if (opt) {
+      std::set<std::string> saved_kinds;
+      for (const auto& e : idx.entries)
+        if (e.kind != "param" && e.kind != "buffer") saved_kinds.insert(e.kind);
+      // The state classes each optimizer keeps (the fused CPU ones keep torch::optim's).
+      torch::optim::Optimizer* inner = &opt->inner();
+      const bool adamw = dynamic_cast<torch::optim::AdamW*>(inner) || dynamic_cast<FusedAdamW*>(inner);
+      const bool adam = adamw || dynamic_cast<torch::optim::Adam*>(inner) || dynamic_cast<FusedAdam*>(inner);
+      const bool sgd = dynamic_cast<torch::optim::SGD*>(inner) != nullptr;
+      if (!saved_kinds.empty() && !((adam && saved_kinds.count("exp_avg")) || (sgd && saved_kinds.count("momentum_buffer"))))
+        throw SafetensorsError("checkpoint '" + dir + "' holds optimizer state of another kind of optimizer");
+      // A parameter that never had a gradient has no optimizer state (the
+      // optimizer skipped it) and none was saved: it gets none now either. A
+      // checkpoint without any optimizer state (saved without the optimizer,
+      // or before its first step) leaves the optimizer with none: a fresh start.
+      const std::string first_kind = adam ? "exp_avg" : "momentum_buffer";
+      std::set<std::string> with_state;
+      for (const auto& e : idx.entries)
+        if (e.kind == first_kind) with_state.insert(e.name);
+      auto& st = opt->inner().state();
+      for (const auto& piece : opt->views().pieces()) {
+        void* key = piece.view.unsafeGetTensorImpl();
+        if (!with_state.count(piece.name)) {
+          changes.push_back([&st, key] { st.erase(key); });
+          continue;
         }
-      } else if (sgd) {
-        auto s = std::make_unique<torch::optim::SGDParamState>();
-        s->momentum_buffer(make("momentum_buffer", nullptr));
-        st[key] = std::move(s);
+        std::vector<std::string> kinds = adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"}
+                                              : std::vector<std::string>{"momentum_buffer"};
+        if (adam && saved_kinds.count("max_exp_avg_sq")) kinds.push_back("max_exp_avg_sq");
+        std::vector<Fill> fills;
+        for (const auto& kind : kinds) fills.push_back(plan(piece.length, piece.name, kind, piece.param_offset));
+        changes.push_back([&, key, fills, options = piece.view.options(), length = piece.length] {
+          std::vector<at::Tensor> t;
+          for (const auto& fill : fills) {
+            t.push_back(at::empty({length}, options));
+            run_fill(t.back(), fill, *files);
+          }
+          const int64_t step = fills.front().step;
+          const at::Tensor vmax = t.size() > 2 ? t[2] : at::Tensor();
+          if (adamw) {
+            auto s = std::make_unique<torch::optim::AdamWParamState>();
+            s->step(step).exp_avg(t[0]).exp_avg_sq(t[1]);
+            if (vmax.defined()) s->max_exp_avg_sq(vmax);
+            st[key] = std::move(s);
+          } else if (adam) {
+            auto s = std::make_unique<torch::optim::AdamParamState>();
+            s->step(step).exp_avg(t[0]).exp_avg_sq(t[1]);
+            if (vmax.defined()) s->max_exp_avg_sq(vmax);
+            st[key] = std::move(s);
+          } else {
+            auto s = std::make_unique<torch::optim::SGDParamState>();
+            s->momentum_buffer(t[0]);
+            st[key] = std::move(s);
+          }
+        });
       }
     }
+  } catch (const std::exception& e) {
+    error = e.what();
   }
+  detail::agree_on_errors(world, error, what, idx.fingerprint);
+  try {
+    for (auto& change : changes) change();
+  } catch (const std::exception& e) {
+    error = std::string(e.what()) + " (the model is partly loaded: load a checkpoint again before training)";
+  }
+  detail::agree_on_errors(world, error, what);
   state->after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
   if (user_state) *user_state = idx.user_state;
   return idx.step;
 }
 
-std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir) {
+std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir_arg) {
+  const std::string dir = published_dir(normalized(dir_arg));
   Index idx = read_index(dir);
   Files files(dir, idx);
   std::map<std::string, int64_t> sizes;
@@ -467,8 +710,9 @@ std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir
   std::map<std::string, at::Tensor> out;
   for (const auto& [key, n] : sizes) {
     auto bar = key.find('|');
+    Fill fill = plan_fill(n, key.substr(0, bar), key.substr(bar + 1), 0, idx, files, dir);
     at::Tensor t = at::empty({n}, at::TensorOptions().dtype(dtypes[key]));
-    fill(t, key.substr(0, bar), key.substr(bar + 1), 0, idx, files, dir);
+    run_fill(t, fill, files);
     out[key] = t;
   }
   return out;
