@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 
 #include "models.h"
@@ -38,6 +39,15 @@ void write_raw(const fs::path& p, const std::string& json, const std::string& da
   uint64_t n = json.size();
   for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
   std::ofstream(p, std::ios::binary) << bytes << json << data;
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
 }
 
 std::string error_of(const fs::path& p) {
@@ -358,6 +368,24 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   auto truncated = copy("truncated");
   fs::resize_file(fs::path(truncated) / "rank-0.safetensors", 100);
   EXPECT_NE(load_error(truncated).find("'rank-0.safetensors' has 100 bytes"), std::string::npos) << load_error(truncated);
+  // An index that claims more elements than its file holds, or a tensor the
+  // file does not have: errors before anything is allocated or read.
+  auto edit_index = [&](const std::string& name, const std::regex& from, const std::string& to) {
+    auto p = copy(name);
+    std::ifstream in(fs::path(p) / "index.json");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string text = std::regex_replace(ss.str(), from, to, std::regex_constants::format_first_only);
+    require(text != ss.str(), "the index edit matched nothing");
+    std::ofstream(fs::path(p) / "index.json", std::ios::trunc) << text;
+    return p;
+  };
+  auto claims_more = edit_index("claims-more", std::regex("\"end\":[0-9]+"), "\"end\":999999999999");
+  for (const auto& e : {load_error(claims_more), message_of([&] { shardtorch::read_sharded_checkpoint(claims_more); })})
+    EXPECT_NE(e.find("elements but the index says [0, 999999999999)"), std::string::npos) << e;
+  auto renamed = edit_index("renamed", std::regex("\"tensor\":\"[^\"]+\""), "\"tensor\":\"nothing|param|0\"");
+  for (const auto& e : {load_error(renamed), message_of([&] { shardtorch::read_sharded_checkpoint(renamed); })})
+    EXPECT_NE(e.find("has no tensor 'nothing|param|0', which the index lists"), std::string::npos) << e;
   fs::remove_all(dir);
 }
 
@@ -716,15 +744,6 @@ void require_unchanged(const std::map<std::string, at::Tensor>& before, const st
                        const std::string& what) {
   require(before.size() == after.size(), what + ": the set of tensors changed");
   for (const auto& [k, v] : before) require(at::equal(after.at(k), v), what + ": '" + k + "' changed");
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

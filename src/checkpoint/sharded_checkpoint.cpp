@@ -418,6 +418,22 @@ struct Fill {
   int64_t step = 0;  // the largest optimizer step among them
 };
 
+// The tensor an index entry names, after checking that its file holds it
+// with the entry's element count (an index that claims more would make a
+// reader allocate or read what is not there).
+const checkpoint::TensorRecord& saved_record(Files& files, const Entry& e, const std::string& dir) {
+  const auto* r = files.get(e.file).header().find(e.tensor);
+  if (r == nullptr)
+    throw SafetensorsError("checkpoint '" + dir + "': '" + e.file + "' has no tensor '" + e.tensor +
+                           "', which the index lists");
+  int64_t n = 1;
+  for (int64_t d : r->shape) n *= d;  // the reader checked that this does not overflow
+  if (n != e.end - e.begin)
+    throw SafetensorsError("checkpoint '" + dir + "': '" + e.tensor + "' in '" + e.file + "' has " + std::to_string(n) +
+                           " elements but the index says [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + ")");
+  return *r;
+}
+
 // Checks that the saved ranges cover the destination exactly, and opens (and
 // so checks) every file they are in; reads no tensor data.
 Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, int64_t begin, const Index& idx,
@@ -429,7 +445,7 @@ Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, 
     if (e.name != name || e.kind != kind) continue;
     int64_t lo = std::max(begin, e.begin), hi = std::min(end, e.end);
     if (lo >= hi) continue;
-    files.get(e.file);
+    saved_record(files, e, dir);
     fill.copies.push_back({&e, lo - e.begin, lo - begin, hi - lo});
     covered += hi - lo;
     fill.step = std::max(fill.step, e.step);
@@ -705,7 +721,7 @@ std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir
   for (const auto& e : idx.entries) {
     std::string key = e.name + "|" + e.kind;
     sizes[key] = std::max(sizes[key], e.end);
-    dtypes[key] = checkpoint::scalar_type(files.get(e.file).header().find(e.tensor)->dtype);
+    dtypes[key] = checkpoint::scalar_type(saved_record(files, e, dir).dtype);
   }
   std::map<std::string, at::Tensor> out;
   for (const auto& [key, n] : sizes) {
