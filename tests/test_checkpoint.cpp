@@ -292,6 +292,43 @@ TEST(ShardedCheckpoint, SavedAtFourLoadsBitwiseAtOneTwoThreeAndEight) {
   fs::remove_all(dir);
 }
 
+// HybridShard with two replica groups (4 ranks, shard groups of 2): only the
+// first group writes, each rank loads the ranges of its shard-group rank, and
+// the checkpoint moves to and from FullShard bitwise.
+TEST(ShardedCheckpoint, HybridShardWithTwoReplicaGroupsRoundTripsBitwise) {
+  auto dir = temp_dir();
+  const std::string ckpt = (dir / "step-3").string();
+  auto x = gpt_tokens();
+  auto save = save_after_three_steps_at_four(ckpt, 1e-2, x);
+  ASSERT_TRUE(save.ok) << save.summary();
+  auto saved = shardtorch::read_sharded_checkpoint(ckpt);
+  auto reload = [&](int world, shardtorch::ShardOptions options, const std::string& from, const std::string& to) {
+    auto r = run_ranks(world, [&](World& w) {
+      torch::manual_seed(99);
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w, options);
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+      require(shardtorch::load_sharded_checkpoint(*model, opt.get(), from) == 3, "wrong step");
+      shardtorch::save_sharded_checkpoint(*model, opt.get(), to, 3);
+    });
+    ASSERT_TRUE(r.ok) << to << "\n" << r.summary();
+    auto again = shardtorch::read_sharded_checkpoint(to);
+    ASSERT_EQ(again.size(), saved.size()) << to;
+    for (auto& [k, t] : saved) EXPECT_TRUE(at::equal(again.at(k), t)) << k << " differs in " << to;
+  };
+  const std::string hybrid = (dir / "hybrid").string(), full = (dir / "full").string();
+  reload(4, ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2), ckpt, hybrid);
+  auto index = std::ifstream(fs::path(hybrid) / "index.json");
+  std::stringstream text;
+  text << index.rdbuf();
+  const std::regex second_group("\"kind\":\"(param|exp_avg|exp_avg_sq)\"[^}]*\"file\":\"rank-[23]\\.safetensors\"");
+  const std::regex first_group("\"kind\":\"param\"[^}]*\"file\":\"rank-1\\.safetensors\"");
+  EXPECT_FALSE(std::regex_search(text.str(), second_group)) << "the second replica group wrote parameters or state";
+  EXPECT_TRUE(std::regex_search(text.str(), first_group)) << "the first replica group's second rank wrote nothing";
+  reload(2, ShardOptions().strategy(Strategy::FullShard), hybrid, full);
+  fs::remove_all(dir);
+}
+
 TEST(ShardedCheckpoint, ResumingAtAnotherWorldSizeContinuesTheReferenceTraining) {
   auto dir = temp_dir();
   const std::string ckpt = (dir / "ckpt").string();
