@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
     int step = 0;
     size_t first_epoch = 0;
     int64_t done_in_epoch = 0;
-    if (args.resume && std::filesystem::exists(args.checkpoint)) {
+    if (args.resume && shardtorch::sharded_checkpoint_exists(args.checkpoint)) {
       std::map<std::string, std::string> position;
       step = static_cast<int>(shardtorch::load_sharded_checkpoint(*model, opt.get(), args.checkpoint, &position));
       TORCH_CHECK(position.count("epoch") && position.count("batches_done_in_epoch"), "train_gpt: checkpoint ",

@@ -928,7 +928,8 @@ TEST(CheckpointFailures, SaveFailuresOnRankZeroFailEveryRankAndOtherDirectoriesA
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), slash, 1);
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), slash, 2);
     require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), (dir / "ck").string()) == 2, "wrong step");
-    require(!fs::exists(dir / "ck" / ".tmp") && !fs::exists(dir / "ck.tmp"), "a temporary directory was left");
+    require(!fs::exists(dir / "ck" / ".shardtorch-tmp") && !fs::exists(dir / "ck.shardtorch-tmp"),
+            "a temporary directory was left");
   });
   ASSERT_TRUE(r.ok) << r.summary();
   fs::remove_all(dir);
@@ -957,26 +958,69 @@ TEST(CheckpointFailures, AnIndexThatCannotBeWrittenKeepsThePreviousCheckpoint) {
 }
 
 // File systems without renameat2's RENAME_EXCHANGE (forced here): the
-// previous checkpoint moves aside to DIR.old while the new one moves in; if
-// the writer dies between the two renames, loading finds it there.
-TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAtDotOld) {
+// previous checkpoint moves aside (DIR.shardtorch-old) while the new one
+// moves in; if the writer dies between the two renames, loading finds it
+// there, sharded_checkpoint_exists says so, and the next save, even into an
+// empty DIR a launcher made meanwhile, removes it only once the new one is
+// in place. Directories of the user's named like ours (ck.old, ck.tmp) are
+// never touched.
+TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAside) {
   const auto dir = temp_dir();
-  const std::string ckpt = (dir / "ckpt").string();
+  const std::string ckpt = (dir / "ckpt").string(), aside = ckpt + ".shardtorch-old";
+  for (const char* mine : {".old", ".tmp"}) {
+    fs::create_directories(ckpt + mine);
+    std::ofstream(ckpt + mine + "/notes.txt") << "mine\n";
+  }
   auto r = run_ranks(2, [&](World& w) {
     ::setenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "1", 1);
     Trained t(w);
+    require(!shardtorch::sharded_checkpoint_exists(ckpt), "nothing saved yet");
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 1);
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 2);
-    require(!fs::exists(ckpt + ".old") && !fs::exists(ckpt + ".tmp"), "left-overs after a save");
+    require(!fs::exists(aside) && !fs::exists(ckpt + ".shardtorch-tmp"), "left-overs after a save");
     require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2, "wrong step");
     w.barrier();
-    if (w.rank() == 0) fs::rename(ckpt, ckpt + ".old");  // as if killed between the two renames
+    if (w.rank() == 0) fs::rename(ckpt, aside);  // as if killed between the two renames
     w.barrier();
+    require(shardtorch::sharded_checkpoint_exists(ckpt), "the checkpoint set aside is not reported");
     require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2, "the previous checkpoint was not found");
     require(shardtorch::read_sharded_checkpoint(ckpt).count("l1.lin.weight|param"), "offline reading missed it");
+    w.barrier();
+    if (w.rank() == 0) fs::create_directories(ckpt);  // an empty directory made by a launcher
+    w.barrier();
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 3);
-    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 3 && !fs::exists(ckpt + ".old"),
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 3 && !fs::exists(aside),
             "saving after the interruption");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  for (const char* mine : {".old", ".tmp"})
+    EXPECT_TRUE(fs::exists(ckpt + mine + "/notes.txt")) << "the user's " << ckpt + mine << " was touched";
+  fs::remove_all(dir);
+}
+
+// Checkpoints carry the state of Adam, AdamW and SGD; another optimizer's
+// state would be lost, so passing one is a clear error on save and on load
+// (loading used to reset its state, and Adagrad then failed in step()).
+TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
+  const auto dir = temp_dir();
+  const std::string ckpt = (dir / "ckpt").string();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 1);
+    auto adagrad = shardtorch::ShardedOptimizer::make<torch::optim::Adagrad>(*t.model, torch::optim::AdagradOptions(0.1));
+    for (auto* call : {"save", "load"}) {
+      std::string e = message_of([&] {
+        if (std::string(call) == "save")
+          shardtorch::save_sharded_checkpoint(*t.model, adagrad.get(), ckpt, 2);
+        else
+          shardtorch::load_sharded_checkpoint(*t.model, adagrad.get(), ckpt);
+      });
+      require(e.find("carry the state of Adam, AdamW and SGD") != std::string::npos,
+              std::string(call) + ": expected the refusal, got: " + e);
+    }
+    require(shardtorch::load_sharded_checkpoint(*t.model, nullptr, ckpt) == 1, "the refused save replaced the checkpoint");
+    t.model(torch::ones({2, 7})).sum().backward();
+    adagrad->step();  // its state intact
   });
   ASSERT_TRUE(r.ok) << r.summary();
   fs::remove_all(dir);

@@ -48,6 +48,11 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimize
 /// `DIR` is replaced only if it is a checkpoint or an empty directory.
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
                                 std::map<std::string, std::string>* user_state = nullptr);
+/// Whether a sharded checkpoint can be loaded from `dir`: it has an index, or
+/// a save interrupted on a file system without RENAME_EXCHANGE left the
+/// previous checkpoint aside (`dir`.shardtorch-old), which loading then takes.
+/// Use it, not a test of the directory, to decide whether to resume.
+bool sharded_checkpoint_exists(const std::string& dir);
 /// Offline: every (parameter or buffer, kind) of a sharded checkpoint
 /// assembled whole, keyed "name|kind" (kinds: param, buffer, exp_avg, ...).
 std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir);

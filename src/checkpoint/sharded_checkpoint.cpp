@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -65,13 +66,36 @@ std::string checksum(const std::string& path) {
   return fnv_text(h);
 }
 
+// Next to DIR while a save runs, and the previous checkpoint set aside where
+// RENAME_EXCHANGE is missing. Names no one else uses: a save deletes them.
+constexpr const char* kTmpSuffix = ".shardtorch-tmp";
+constexpr const char* kAsideSuffix = ".shardtorch-old";
+
 void fsync_path(const std::string& p, bool dir) {
   int fd = ::open(p.c_str(), (dir ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw SafetensorsError("checkpoint: cannot open '" + p + "' to fsync it: " + std::strerror(errno));
   const int rc = ::fsync(fd);
   const int err = errno;
   ::close(fd);
+  // Some file systems cannot sync a directory (CIFS, some FUSE and network
+  // ones answer EINVAL): nothing more can be done there.
+  if (rc != 0 && dir && (err == EINVAL || err == ENOTSUP || err == EOPNOTSUPP)) return;
   if (rc != 0) throw SafetensorsError("checkpoint: fsync of '" + p + "' failed: " + std::strerror(err));
+}
+
+std::string parent_of(const std::string& dir) {
+  return fs::path(dir).has_parent_path() ? fs::path(dir).parent_path().string() : ".";
+}
+
+// After publishing: a failure here does not undo a published checkpoint, so
+// it is reported, not thrown.
+void best_effort(const std::string& what, const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardtorch: %s after publishing a checkpoint failed (the checkpoint is saved): %s\n",
+                 what.c_str(), e.what());
+  }
 }
 
 // Writes `text` to `path` and fsyncs it; any failure (a full disk, a quota)
@@ -97,14 +121,16 @@ std::string normalized(const std::string& dir) {
   return d;
 }
 
-// Where a checkpoint saved to `dir` is: `dir` itself, or `dir`.old when a
-// save on a file system without an atomic exchange was interrupted between
-// moving the previous checkpoint aside and moving the new one in.
-std::string published_dir(const std::string& dir) {
-  if (!fs::exists(dir + "/index.json") && fs::exists(dir + ".old/index.json")) {
-    std::fprintf(stderr, "shardtorch: checkpoint '%s' is missing; loading the previous one, left at '%s.old' by an "
-                 "interrupted save\n", dir.c_str(), dir.c_str());
-    return dir + ".old";
+// Where a checkpoint saved to `dir` is: `dir` itself, or the previous one set
+// aside when a save without RENAME_EXCHANGE was interrupted between its two
+// renames (`dir` then has no index).
+std::string published_dir(const std::string& dir, bool announce = true) {
+  const std::string aside = dir + kAsideSuffix;
+  if (!fs::exists(dir + "/index.json") && fs::exists(aside + "/index.json")) {
+    if (announce)
+      std::fprintf(stderr, "shardtorch: checkpoint '%s' is missing; using the previous one, left at '%s' by an "
+                 "interrupted save\n", dir.c_str(), aside.c_str());
+    return aside;
   }
   return dir;
 }
@@ -120,35 +146,48 @@ void check_replaceable(const std::string& dir) {
                            "index.json); refusing to replace it and the files in it");
 }
 
-// Swaps the finished checkpoint `tmp` in as `dir`. With renameat2's
-// RENAME_EXCHANGE in one step, so `dir` is always one whole checkpoint. File
-// systems without it (some network file systems answer EINVAL), or with
-// SHARDTORCH_CHECKPOINT_NO_EXCHANGE set: the previous checkpoint is renamed
-// to `dir`.old, the new one to `dir`, then `dir`.old is removed; a process
-// killed between the two renames leaves the previous checkpoint at `dir`.old,
-// where loading looks for it (published_dir).
+// Swaps the finished checkpoint `tmp` in as `dir`, so that at every instant
+// a complete checkpoint is loadable (`dir`, or the one set aside):
+// - no checkpoint at `dir` (absent, or an empty directory): `tmp` is renamed
+//   to `dir`; only then is a previous one set aside by an interrupted save
+//   removed;
+// - else renameat2's RENAME_EXCHANGE swaps the two in one step;
+// - file systems without it (some network file systems answer EINVAL), or
+//   SHARDTORCH_CHECKPOINT_NO_EXCHANGE set: `dir` is renamed aside
+//   (DIR.shardtorch-old), `tmp` to `dir`, and the one aside is removed; a
+//   writer killed between the two renames leaves the previous checkpoint
+//   aside, where loading looks for it (published_dir).
 void publish(const std::string& tmp, const std::string& dir) {
-  const std::string old = dir + ".old";
-  if (!fs::exists(dir)) {
+  const std::string aside = dir + kAsideSuffix;
+  if (!fs::exists(dir + "/index.json")) {
+    if (fs::exists(dir)) fs::remove(dir);  // an empty directory (check_replaceable)
     fs::rename(tmp, dir);
-    fs::remove_all(old);  // the checkpoint an interrupted save left aside, replaced now
+    best_effort("removing '" + aside + "'", [&] { fs::remove_all(aside); });
     return;
   }
   const bool exchange = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE") == nullptr;
   if (exchange) {
     if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
-      fs::remove_all(tmp);  // now the previous checkpoint
+      best_effort("removing the previous checkpoint", [&] { fs::remove_all(tmp); });
       return;
     }
     if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
       throw SafetensorsError("checkpoint '" + dir + "': could not swap in the new checkpoint: " + std::strerror(errno));
   }
-  fs::remove_all(old);
-  fs::rename(dir, old);
-  fsync_path(fs::path(dir).has_parent_path() ? fs::path(dir).parent_path().string() : ".", true);
+  fs::remove_all(aside);  // older than `dir`, which is complete
+  fs::rename(dir, aside);
   fs::rename(tmp, dir);
-  fs::remove_all(old);
+  best_effort("removing '" + aside + "'", [&] { fs::remove_all(aside); });
 }
+
+}  // namespace
+
+bool sharded_checkpoint_exists(const std::string& dir) {
+  const std::string d = normalized(dir);
+  return fs::exists(published_dir(d, /*announce=*/false) + "/index.json");
+}
+
+namespace {
 
 std::vector<std::pair<std::string, at::Tensor>> optimizer_kinds(const torch::optim::OptimizerParamState* st) {
   std::vector<std::pair<std::string, at::Tensor>> out;
@@ -161,6 +200,19 @@ std::vector<std::pair<std::string, at::Tensor>> optimizer_kinds(const torch::opt
   }
   out.erase(std::remove_if(out.begin(), out.end(), [](const auto& kv) { return !kv.second.defined(); }), out.end());
   return out;
+}
+
+// The optimizers whose state checkpoints carry (the fused CPU ones keep torch::optim's state classes).
+enum class OptimizerKind { Adam, AdamW, SGD };
+
+OptimizerKind optimizer_kind(ShardedOptimizer& opt) {
+  torch::optim::Optimizer* inner = &opt.inner();
+  if (dynamic_cast<torch::optim::AdamW*>(inner) || dynamic_cast<FusedAdamW*>(inner)) return OptimizerKind::AdamW;
+  if (dynamic_cast<torch::optim::Adam*>(inner) || dynamic_cast<FusedAdam*>(inner)) return OptimizerKind::Adam;
+  if (dynamic_cast<torch::optim::SGD*>(inner)) return OptimizerKind::SGD;
+  throw SafetensorsError("sharded checkpoints carry the state of Adam, AdamW and SGD (and the fused CPU Adam and "
+                         "AdamW); this optimizer's state would be lost: pass a null optimizer to save and load the "
+                         "parameters alone");
 }
 
 int64_t step_of(const torch::optim::OptimizerParamState* st) {
@@ -486,7 +538,8 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   c10::NoGradGuard no_grad;
   const std::string dir = normalized(dir_arg);
   const std::string what = "shardtorch::save_sharded_checkpoint '" + dir + "'";
-  const std::string tmp = dir + ".tmp";
+  const std::string tmp = dir + kTmpSuffix;
+  if (opt) optimizer_kind(*opt);  // the same on every rank: each throws alike, before any collective
   // Every step one rank alone takes ends in an agreement: a failure there
   // fails every rank with its message, and nothing is published.
   std::string error;
@@ -573,12 +626,12 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
       write_text_durably(tmp + "/index.json", json::serialize(index));
       fsync_path(tmp, true);
       publish(tmp, dir);
-      fsync_path(fs::path(dir).has_parent_path() ? fs::path(dir).parent_path().string() : ".", true);
     } catch (const std::exception& e) {
       error = e.what();
       std::error_code ignored;
-      if (fs::exists(dir + "/index.json", ignored)) fs::remove_all(tmp, ignored);  // the unpublished attempt
+      fs::remove_all(tmp, ignored);  // the attempt, unless publish() had moved it in already
     }
+    if (error.empty()) best_effort("syncing the parent directory", [&] { fsync_path(parent_of(dir), true); });
   }
   detail::agree_on_errors(world, error, what);
 }
@@ -644,11 +697,10 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
       std::set<std::string> saved_kinds;
       for (const auto& e : idx.entries)
         if (e.kind != "param" && e.kind != "buffer") saved_kinds.insert(e.kind);
-      // The state classes each optimizer keeps (the fused CPU ones keep torch::optim's).
-      torch::optim::Optimizer* inner = &opt->inner();
-      const bool adamw = dynamic_cast<torch::optim::AdamW*>(inner) || dynamic_cast<FusedAdamW*>(inner);
-      const bool adam = adamw || dynamic_cast<torch::optim::Adam*>(inner) || dynamic_cast<FusedAdam*>(inner);
-      const bool sgd = dynamic_cast<torch::optim::SGD*>(inner) != nullptr;
+      const OptimizerKind kind = optimizer_kind(*opt);
+      const bool adamw = kind == OptimizerKind::AdamW;
+      const bool adam = adamw || kind == OptimizerKind::Adam;
+      const bool sgd = kind == OptimizerKind::SGD;
       if (!saved_kinds.empty() && !((adam && saved_kinds.count("exp_avg")) || (sgd && saved_kinds.count("momentum_buffer"))))
         throw SafetensorsError("checkpoint '" + dir + "' holds optimizer state of another kind of optimizer");
       // A parameter that never had a gradient has no optimizer state (the
@@ -671,7 +723,7 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
         if (adam && saved_kinds.count("max_exp_avg_sq")) kinds.push_back("max_exp_avg_sq");
         std::vector<Fill> fills;
         for (const auto& kind : kinds) fills.push_back(plan(piece.length, piece.name, kind, piece.param_offset));
-        changes.push_back([&, key, fills, options = piece.view.options(), length = piece.length] {
+        changes.push_back([&st, &files, key, fills, adam, adamw, options = piece.view.options(), length = piece.length] {
           std::vector<at::Tensor> t;
           for (const auto& fill : fills) {
             t.push_back(at::empty({length}, options));
