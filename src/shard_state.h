@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -319,5 +320,12 @@ std::map<const void*, std::vector<std::string>> parameter_names(torch::nn::Modul
 /// failed, and no collective is left waiting for a rank that threw.
 void agree_on_errors(World& world, const std::string& error, const std::string& what,
                      const std::string& fingerprint = "");
+
+/// Collective, the end of a checkpoint load: agrees on what the check phase
+/// found (`error`, `fingerprint`), runs the planned `changes`, agrees again
+/// (a failure while copying says the model is partly loaded), then rebuilds
+/// what the new values make stale (after_optimizer_step).
+void load_agreed(ShardState& state, const std::string& error, const std::string& fingerprint,
+                 const std::vector<std::function<void()>>& changes, const std::string& what);
 
 }  // namespace shardtorch::detail

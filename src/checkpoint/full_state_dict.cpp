@@ -88,7 +88,6 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
 
 void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
   auto state = detail::require_state(root, "load_full_state_dict");
-  World& world = state->world();
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::load_full_state_dict '" + path + "'";
@@ -170,14 +169,7 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::agree_on_errors(world, error, what, fingerprint);
-  try {
-    for (auto& change : changes) change();
-  } catch (const std::exception& e) {
-    error = std::string(e.what()) + " (the model is partly loaded: load again before training)";
-  }
-  detail::agree_on_errors(world, error, what);
-  state->after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
+  detail::load_agreed(*state, error, fingerprint, changes, what);
 }
 
 }  // namespace shardtorch

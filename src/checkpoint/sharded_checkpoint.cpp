@@ -112,8 +112,8 @@ void write_text_durably(const std::string& path, const std::string& text) {
   fsync_path(path, false);
 }
 
-// "ck/" and "ck" are the same checkpoint (a trailing slash would make the
-// temporary directory "ck/.tmp", inside the directory it is to replace).
+// "ck/" and "ck" are the same checkpoint (a trailing slash would put the
+// temporary directory "ck/.shardtorch-tmp" inside the one it is to replace).
 std::string normalized(const std::string& dir) {
   std::string d = fs::path(dir).lexically_normal().string();
   while (d.size() > 1 && d.back() == '/') d.pop_back();
@@ -529,6 +529,19 @@ void agree_on_errors(World& world, const std::string& error, const std::string& 
                              reports[0].substr(1) + " (every rank must see the same checkpoint)");
 }
 
+void load_agreed(ShardState& state, const std::string& error, const std::string& fingerprint,
+                 const std::vector<std::function<void()>>& changes, const std::string& what) {
+  agree_on_errors(state.world(), error, what, fingerprint);
+  std::string failed;
+  try {
+    for (const auto& change : changes) change();
+  } catch (const std::exception& e) {
+    failed = std::string(e.what()) + " (the model is partly loaded: load a checkpoint again before training)";
+  }
+  agree_on_errors(state.world(), failed, what);
+  state.after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
+}
+
 }  // namespace detail
 
 void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg, int64_t step,
@@ -639,7 +652,6 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
                                 std::map<std::string, std::string>* user_state) {
   auto state = detail::require_state(root, "load_sharded_checkpoint");
-  World& world = state->world();
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   std::string dir = normalized(dir_arg);
@@ -752,14 +764,7 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::agree_on_errors(world, error, what, idx.fingerprint);
-  try {
-    for (auto& change : changes) change();
-  } catch (const std::exception& e) {
-    error = std::string(e.what()) + " (the model is partly loaded: load a checkpoint again before training)";
-  }
-  detail::agree_on_errors(world, error, what);
-  state->after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
+  detail::load_agreed(*state, error, idx.fingerprint, changes, what);
   if (user_state) *user_state = idx.user_state;
   return idx.step;
 }
