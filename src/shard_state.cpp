@@ -239,14 +239,14 @@ std::shared_ptr<Unit> ShardState::next_in_backward(Unit& u) {
   if (!options_.prefetches() || u.is_root()) return nullptr;
   const size_t n = forward_order_.size();
   auto at = [&](size_t i) { return forward_order_[i].lock().get(); };
-  // u's nearest position below the cursor; else (the backward left the order) its last one.
-  size_t i = std::min(backward_cursor_, n);
-  while (i > 0 && at(i - 1) != &u) --i;
-  if (i == 0) {
-    i = n;
+  auto one_past_u_below = [&](size_t i) {  // one past u's last position below i; 0 if none
     while (i > 0 && at(i - 1) != &u) --i;
-    if (i == 0) return nullptr;
-  }
+    return i;
+  };
+  // u's nearest position below the cursor; else (the backward left the order) its last one.
+  size_t i = one_past_u_below(std::min(backward_cursor_, n));
+  if (i == 0) i = one_past_u_below(n);
+  if (i == 0) return nullptr;
   backward_cursor_ = i;  // u is at i - 1; positions below are still ahead of this backward
   // A unit that ran several times in a row finds the last of those positions
   // at each of its hooks: what backward needs after it is below the run.
