@@ -63,12 +63,17 @@ struct EmptyHoldingLayerImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(EmptyHoldingLayer);
 
-struct WithEmptyImpl : torch::nn::Module {
-  WithEmptyImpl() : a(register_module("a", Layer(7, 5, true))), b(register_module("b", EmptyHoldingLayer())) {}
+/// Two units: a Layer (7 -> 5, tanh) then a B (5 -> 3), for models built
+/// around one unusual layer.
+template <class B>
+struct LayerThenImpl : torch::nn::Module {
+  LayerThenImpl() : a(register_module("a", Layer(7, 5, true))), b(register_module("b", B())) {}
   torch::Tensor forward(torch::Tensor x) { return b(a(x)); }
   Layer a;
-  EmptyHoldingLayer b;
+  B b;
 };
+
+using WithEmptyImpl = LayerThenImpl<EmptyHoldingLayer>;
 SHARDTORCH_MODULE(WithEmpty);
 
 /// The same with b's Linear frozen: b's only trainable flat parameter is empty.

@@ -783,6 +783,16 @@ void require_unchanged(const std::map<std::string, at::Tensor>& before, const st
   for (const auto& [k, v] : before) require(at::equal(after.at(k), v), what + ": '" + k + "' changed");
 }
 
+// Runs a load that must fail; requires that it changed nothing of `t`
+// (parameters, buffers, optimizer state) and returns its message.
+std::string failing_load(Trained& t, const std::function<void()>& load) {
+  const auto before = t.values();
+  std::string e = message_of(load);
+  require(!e.empty(), "the load succeeded");
+  require_unchanged(before, t.values(), "after the failed load");
+  return e;
+}
+
 }  // namespace
 
 // A problem only one rank can see (its own shard file) fails every rank, and
@@ -799,11 +809,9 @@ TEST(CheckpointFailures, AShardOnlyOneRankReadsFailsEveryRankAndChangesNothing) 
   fs::resize_file(fs::path(ckpt) / "rank-1.safetensors", 100);
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w, 13, false, Strategy::FullShard, /*seed=*/7);
-    const auto before = t.values();
-    std::string e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt); });
+    std::string e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt); });
     require(e.find("rank 1: ") != std::string::npos && e.find("'rank-1.safetensors' has 100 bytes") != std::string::npos,
             "expected every rank to name rank 1 and its truncated file, got: " + e);
-    require_unchanged(before, t.values(), "after the failed load");
   });
   ASSERT_TRUE(r.ok) << r.summary();
   fs::remove_all(dir);
@@ -825,11 +833,9 @@ TEST(CheckpointFailures, AFullStateDictOneRankCannotLoadFailsEveryRankAndChanges
   shardtorch::checkpoint::save_file(bad, std::vector<std::pair<std::string, at::Tensor>>(sd.begin(), sd.end()));
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w, 13, false, Strategy::ShardGradOp);
-    const auto before = t.values();
-    std::string e = message_of([&] { shardtorch::load_full_state_dict(*t.model, w.rank() == 1 ? bad : good); });
+    std::string e = failing_load(t, [&] { shardtorch::load_full_state_dict(*t.model, w.rank() == 1 ? bad : good); });
     require(e.find("rank 1: ") != std::string::npos && e.find("'l3.lin.bias' has shape [4]") != std::string::npos,
             "expected every rank to name rank 1 and the mis-shaped bias, got: " + e);
-    require_unchanged(before, t.values(), "after the failed load");
     // Afterwards the good file loads on both ranks.
     shardtorch::load_full_state_dict(*t.model, good);
     auto loaded = shardtorch::full_parameters(*t.model);
@@ -853,11 +859,9 @@ TEST(CheckpointFailures, RanksReadingDifferentCheckpointsFailAlike) {
   ASSERT_TRUE(saved.ok) << saved.summary();
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w, 13, false, Strategy::FullShard, 7);
-    const auto before = t.values();
-    std::string e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), w.rank() ? b : a); });
+    std::string e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), w.rank() ? b : a); });
     require(e.find("rank 1 read step 2") != std::string::npos && e.find("rank 0 read step 1") != std::string::npos,
             "expected both ranks to name the two steps, got: " + e);
-    require_unchanged(before, t.values(), "after the failed load");
   });
   ASSERT_TRUE(r.ok) << r.summary();
   fs::remove_all(dir);
@@ -878,13 +882,11 @@ TEST(CheckpointFailures, ShapesThatDifferAndUnexpectedTensorsAreRefusedByName) {
   ASSERT_TRUE(saved.ok) << saved.summary();
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w, 12);
-    const auto before = t.values();
-    std::string e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), wide); });
+    std::string e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), wide); });
     require(e.find("'l1.lin.bias' has shape [13] in the checkpoint but the model's has [12]") != std::string::npos,
             "expected the shape error, got: " + e);
-    e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), extra); });
+    e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), extra); });
     require(e.find("unexpected tensor 'extra.") != std::string::npos, "expected the unexpected-tensor error, got: " + e);
-    require_unchanged(before, t.values(), "after the refused loads");
   });
   ASSERT_TRUE(r.ok) << r.summary();
   fs::remove_all(dir);

@@ -674,12 +674,7 @@ struct IndexingLayerImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(IndexingLayer);
 
-struct WithIndexingImpl : torch::nn::Module {
-  WithIndexingImpl() : a(register_module("a", Layer(7, 5, true))), b(register_module("b", IndexingLayer())) {}
-  torch::Tensor forward(torch::Tensor x) { return b(a(x)); }
-  Layer a;
-  IndexingLayer b;
-};
+using WithIndexingImpl = LayerThenImpl<IndexingLayer>;
 SHARDTORCH_MODULE(WithIndexing);
 
 TEST(Units, IntegerAndBoolParametersTrainLikeTorchUnderEveryStrategy) {
