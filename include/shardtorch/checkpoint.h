@@ -26,10 +26,10 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path);
 
 /// Sharded checkpoints: DIR/rank-R.safetensors holds the element ranges of the
 /// parameters (master dtype) and of the optimizer state that rank R owns;
-/// DIR/index.json (format version, world size, strategy, step, and for every
-/// tensor the parameter, kind and element range it holds, and every file's
-/// size and checksum) says where everything is. Written into DIR.tmp, then
-/// renamed to DIR. Loading works at any world size and strategy: each rank
+/// DIR/index.json (format version, world size, strategy, step, every
+/// parameter's and buffer's shape, and for every tensor the parameter, kind
+/// and element range it holds, and every file's size and checksum) says where
+/// everything is. Written into DIR.shardtorch-tmp, then swapped in as DIR. Loading works at any world size and strategy: each rank
 /// reads the ranges that overlap what it owns now.
 /// Collective. `optimizer` may be null (parameters and buffers only).
 /// `user_state`: the application's own state to resume with (data-loader
