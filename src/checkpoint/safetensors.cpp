@@ -41,6 +41,9 @@ std::string dtype_name(at::ScalarType t) {
     case at::kShort: return "I16";
     case at::kChar: return "I8";
     case at::kByte: return "U8";
+    case at::kUInt16: return "U16";
+    case at::kUInt32: return "U32";
+    case at::kUInt64: return "U64";
     case at::kBool: return "BOOL";
     default: throw SafetensorsError(std::string("safetensors cannot hold dtype ") + c10::toString(t));
   }
@@ -56,6 +59,9 @@ at::ScalarType scalar_type(const std::string& d) {
   if (d == "I16") return at::kShort;
   if (d == "I8") return at::kChar;
   if (d == "U8") return at::kByte;
+  if (d == "U16") return at::kUInt16;
+  if (d == "U32") return at::kUInt32;
+  if (d == "U64") return at::kUInt64;
   if (d == "BOOL") return at::kBool;
   throw SafetensorsError("safetensors dtype '" + d + "' has no ATen equivalent here");
 }

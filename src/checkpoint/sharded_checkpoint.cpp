@@ -442,14 +442,16 @@ class Files {
     if (static_cast<int64_t>(fs::file_size(path)) != size)
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' has " + std::to_string(fs::file_size(path)) +
                              " bytes, the index says " + std::to_string(size));
-    if (checksum(path) != sum)
-      throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' does not match its checksum in the index");
+    // The step before the checksum: a shard copied in from another save of
+    // the same model fails both, and "from step 2" says what went wrong.
     auto r = std::make_unique<checkpoint::Reader>(path);
     auto file_step = r->header().metadata.find("step");
     if (file_step == r->header().metadata.end() || file_step->second != std::to_string(idx_.step))
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' is from step " +
                              (file_step == r->header().metadata.end() ? std::string("?") : file_step->second) +
                              " but the index is for step " + std::to_string(idx_.step));
+    if (checksum(path) != sum)
+      throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' does not match its checksum in the index");
     return *open_.emplace(name, std::move(r)).first->second;
   }
 
