@@ -27,7 +27,7 @@ void BM_ShardtorchFusedAdamW(benchmark::State& state) {
   int64_t step = 0;
   for (auto _ : state) {
     shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n,
-                               {1e-4f, 0.9f, 0.999f, 1e-8f, 0.01f, ++step, true});
+                               {1e-4, 0.9, 0.999, 1e-8, 0.01, ++step, true});
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * n);
@@ -40,7 +40,7 @@ void BM_ShardtorchFusedAdam(benchmark::State& state) {
   int64_t step = 0;
   for (auto _ : state) {
     shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n,
-                               {1e-4f, 0.9f, 0.999f, 1e-8f, 0.01f, ++step, false});
+                               {1e-4, 0.9, 0.999, 1e-8, 0.01, ++step, false});
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * n);
@@ -150,7 +150,7 @@ void BM_Paired(benchmark::State& state) {
                                       v.data_ptr<float>(), n);
     auto t1 = clock::now();
     shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n,
-                               {1e-4f, 0.9f, 0.999f, 1e-8f, 0.01f, ++step, kDecoupled});
+                               {1e-4, 0.9, 0.999, 1e-8, 0.01, ++step, kDecoupled});
     auto t2 = clock::now();
     steps[0].fill_(static_cast<double>(step));
     auto t3 = clock::now();

@@ -17,7 +17,9 @@
 namespace shardtorch {
 
 struct AdamStep {
-  float lr, beta1, beta2, eps, weight_decay;
+  // Double, as the options hold them: the kernel's fp32 coefficients (1 - beta2
+  // among them) are rounded from the exact values, as torch::optim's are.
+  double lr, beta1, beta2, eps, weight_decay;
   int64_t step;     // after increment: 1 on the first step
   bool decoupled;   // AdamW (decay the parameter) or Adam (decay added to the gradient)
 };
