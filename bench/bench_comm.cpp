@@ -7,9 +7,15 @@
 //   BM_BucketerCoalescing: 256 gradient flats of 4K elements reduce-scattered
 //     through the ReduceScatterBucketer, coalesced (25 MiB buckets) or one
 //     collective each (bucket 0).
-//   BM_FlattenParams / BM_StageGrads (one thread): laying a unit's parameters
-//     out flat (FlatParam construction) and adding its gradients into the
-//     staging buffer, for a block-shaped unit.
+//   BM_AllReduceBucketer: the same 256 gradients as parameters of NoShard's
+//     AllReduceBucketer (views of its buckets), marked ready in backward's
+//     order and all-reduced, coalesced (25 MiB) or one bucket each (0).
+//   BM_FlattenParams / BM_UnflattenParams / BM_StageGrads (one thread):
+//     laying a unit's parameters out flat (FlatParam construction); giving
+//     them memory again and writing the rank's shard back from it (the
+//     parameters are views of the flat buffer, so unflattening copies
+//     nothing else); adding the gradients into the staging buffer. For a
+//     block-shaped unit.
 //
 //   build/bench/bench_comm --benchmark_format=json
 #include <ATen/ATen.h>
@@ -20,6 +26,7 @@
 #include <iostream>
 #include <thread>
 
+#include "shardtorch/all_reduce_bucketer.h"
 #include "shardtorch/flat_param.h"
 #include "shardtorch/reduce_scatter_bucketer.h"
 #include "shardtorch/world.h"
@@ -74,6 +81,25 @@ void BM_BucketerCoalescing(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(kFlats * kNumel * 4)));
 }
 
+void BM_AllReduceBucketer(benchmark::State& state) {
+  auto& comm = g_worlds[state.thread_index()]->comm();
+  constexpr int kParams = 256;
+  constexpr int64_t kNumel = 4096;
+  std::vector<at::Tensor> params;
+  for (int i = 0; i < kParams; ++i) params.push_back(at::randn({kNumel}).requires_grad_(true));
+  shardtorch::AllReduceBucketer bucketer(params, std::vector<std::string>(kParams, "p"),
+                                         static_cast<double>(state.range(0)), comm, nullptr);
+  bucketer.bind_grads();
+  for (auto _ : state) {
+    for (int i = kParams - 1; i >= 0; --i) bucketer.mark_ready(static_cast<size_t>(i), /*sync=*/true);
+    bucketer.finish(/*sync=*/true, /*error_on_unused=*/true);
+  }
+  benchmark::DoNotOptimize(params[0].grad().data_ptr());
+  state.counters["collectives_per_iter"] = benchmark::Counter(
+      static_cast<double>(bucketer.launched()) / std::max<int64_t>(state.iterations(), 1), benchmark::Counter::kAvgThreads);
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * 2 * ring(kParams * kNumel * 4)));
+}
+
 // A GPT block's parameter shapes at d_model = D.
 std::vector<at::Tensor> block_params(int64_t d) {
   return {at::randn({d}),         at::randn({d}),     at::randn({3 * d, d}), at::randn({d, d}), at::randn({d}),
@@ -94,6 +120,21 @@ void BM_FlattenParams(benchmark::State& state) {
     benchmark::DoNotOptimize(flat.shard().data_ptr());
   }
   state.SetBytesProcessed(state.iterations() * bytes);
+}
+
+void BM_UnflattenParams(benchmark::State& state) {
+  const int64_t d = state.range(0);
+  auto params = block_params(d);
+  std::vector<std::string> names(params.size(), "p");
+  shardtorch::FlatParam flat(params, names, kRanks, 0, nullptr);
+  flat.free_full();
+  for (auto _ : state) {
+    flat.alloc_full();
+    benchmark::DoNotOptimize(flat.params().back().data_ptr());
+    flat.write_back_shard();
+    flat.free_full();
+  }
+  state.SetBytesProcessed(state.iterations() * flat.shard().nbytes());
 }
 
 void BM_StageGrads(benchmark::State& state) {
@@ -119,7 +160,9 @@ void BM_StageGrads(benchmark::State& state) {
 BENCHMARK(BM_AllGather)->RangeMultiplier(8)->Range(4 << 10, 64 << 20)->Threads(kRanks)->UseRealTime();
 BENCHMARK(BM_ReduceScatter)->RangeMultiplier(8)->Range(4 << 10, 64 << 20)->Threads(kRanks)->UseRealTime();
 BENCHMARK(BM_BucketerCoalescing)->Arg(0)->Arg(25)->Threads(kRanks)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AllReduceBucketer)->Arg(0)->Arg(25)->Threads(kRanks)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_FlattenParams)->Arg(256)->Arg(1024)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_UnflattenParams)->Arg(256)->Arg(1024)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_StageGrads)->Arg(256)->Arg(1024)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 int main(int argc, char** argv) {
