@@ -1,5 +1,6 @@
 """Plots a shardtorch-sweep result: per-rank memory against throughput, one
-series per strategy (and offload policy, and activation checkpointing). usage: plot_sweep.py SWEEP.json OUT.png
+series per strategy (and offload policy, activation checkpointing and, when
+the sweep ran several, bucket size). usage: plot_sweep.py SWEEP.json OUT.png
 
 Each point is one configuration: x = tokens/s of the slowest rank, y = the
 largest rank's peak device memory the library accounts for (the sum of the
@@ -37,19 +38,23 @@ def main(src, out):
     fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 5), squeeze=False)
     strategies = sorted({r["strategy"] for r in rows})
     colors = {s: plt.cm.tab10(i) for i, s in enumerate(strategies)}
+    buckets = sorted({r.get("bucket_mb", 0) for r in rows})
+    widths = {b: 1.0 + 1.2 * i for i, b in enumerate(buckets)}  # a thicker line per larger bucket
     for ax, (layers, d) in zip(axes[0], models):
         series = {}
         for r in rows:
             if (r["layers"], r["d_model"]) == (layers, d):
-                series.setdefault((r["strategy"], bool(r["offload"]), bool(r.get("activation_checkpointing"))),
-                                  []).append(r)
-        for (strategy, offload, recompute), pts in sorted(series.items()):
+                series.setdefault((r["strategy"], bool(r["offload"]), bool(r.get("activation_checkpointing")),
+                                   r.get("bucket_mb", 0)), []).append(r)
+        for (strategy, offload, recompute, bucket), pts in sorted(series.items()):
             pts.sort(key=lambda r: r["world"])  # one line per strategy: world sizes in order
             xs = [r["tokens_per_s"] for r in pts]
             ys = [per_rank_bytes(r) / 2**20 for r in pts]
             ax.plot(xs, ys, marker="s" if offload else ("^" if recompute else "o"),
                     linestyle="--" if offload else (":" if recompute else "-"), color=colors[strategy],
-                    label=strategy + (" + offload" if offload else "") + (" + recompute" if recompute else ""))
+                    linewidth=widths[bucket],
+                    label=strategy + (" + offload" if offload else "") + (" + recompute" if recompute else "") +
+                    (f" bucket {bucket:g} MB" if len(buckets) > 1 else ""))
             for r, x, y in zip(pts, xs, ys):
                 ax.annotate(f'N={r["world"]}', (x, y), fontsize=7, textcoords="offset points", xytext=(4, 3))
         ax.set_title(f"{layers} layers x d_model {d} ({pts[0]['params'] / 1e6:.1f}M params)")

@@ -144,4 +144,16 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
   return out;
 }
 
+int64_t largest_that_fits(const std::function<int64_t(int64_t)>& bytes, int64_t budget, int64_t limit) {
+  if (limit < 0 || bytes(0) > budget) return -1;
+  int64_t lo = 0, hi = 1;  // bytes(lo) fits; grow hi until it does not (or passes the limit)
+  while (hi <= limit && bytes(hi) <= budget) lo = hi, hi *= 2;
+  hi = std::min(hi, limit + 1);  // bytes(hi) over the budget, or past the limit
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (bytes(mid) <= budget ? lo : hi) = mid;
+  }
+  return lo;
+}
+
 }  // namespace shardtorch

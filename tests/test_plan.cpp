@@ -189,3 +189,28 @@ TEST(Plan, AccumulationWithoutSyncKeepsEveryUnitsStagingAndThePlanSaysSo) {
     ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
   }
 }
+
+TEST(Plan, TheFitSearchFindsTheLargestThatFits) {
+  using shardtorch::largest_that_fits;
+  auto tens = [](int64_t n) { return 10 * n + 5; };
+  EXPECT_EQ(largest_that_fits(tens, 95, 1000), 9);   // 95 fits, 105 does not
+  EXPECT_EQ(largest_that_fits(tens, 94, 1000), 8);
+  EXPECT_EQ(largest_that_fits(tens, 5, 1000), 0);
+  EXPECT_EQ(largest_that_fits(tens, 4, 1000), -1);   // not even n = 0
+  EXPECT_EQ(largest_that_fits(tens, 1 << 30, 37), 37);  // the limit, never past it
+  EXPECT_EQ(largest_that_fits([](int64_t) { return int64_t{1}; }, 1, 1 << 20), 1 << 20);  // a peak that stops growing
+  // On the GPT, per strategy: n layers fit the budget and n + 1 do not.
+  for (auto s : kAllStrategies) {
+    auto opts = strategy_options(s, 8);
+    opts.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
+    auto peak = [&](int64_t layers) {
+      return shardtorch::plan_memory(gpt::unit_specs(gpt::Config{50257, 1024, 1024, 16, layers}), {opts, 8, 2})
+          .device_peak();
+    };
+    const int64_t budget = int64_t{16} << 30;
+    const int64_t n = largest_that_fits(peak, budget, 1 << 20);
+    ASSERT_GT(n, 0) << shardtorch::strategy_name(s);
+    EXPECT_LE(peak(n), budget) << shardtorch::strategy_name(s);
+    EXPECT_GT(peak(n + 1), budget) << shardtorch::strategy_name(s);
+  }
+}

@@ -39,8 +39,8 @@ int64_t parse_bytes(const std::string& s) {
 struct Args {
   gpt::Config cfg;
   int world = 8, hybrid = 0, states = 2;
-  std::string strategy, fit, optimizer = "adamw";
-  bool bf16 = false, offload = false, accumulate = false;
+  std::string strategy, fit, reserve = "0", optimizer = "adamw";
+  bool bf16 = false, offload = false, accumulate = false, by_category = false;
   double bucket_mb = 25;
 };
 
@@ -84,7 +84,10 @@ int main(int argc, char** argv) {
       ("accumulate", po::bool_switch(&a.accumulate), "gradient accumulation without synchronisation (no_sync)")
       ("bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size")
       ("optimizer", po::value(&a.optimizer)->default_value(a.optimizer), "adamw|adam (2 states), sgd-momentum (1), sgd (0)")
-      ("fit", po::value(&a.fit), "also find the most layers whose device peak fits this per rank (e.g. 80GiB)");
+      ("fit", po::value(&a.fit), "also find the most layers whose device peak fits this per rank (e.g. 80GiB)")
+      ("reserve", po::value(&a.reserve)->default_value(a.reserve),
+       "with --fit: memory kept back per rank for what the planner does not predict (activations, workspace), e.g. 6GiB")
+      ("by-category", po::bool_switch(&a.by_category), "also print every memory category of each strategy's plan");
   try {
     po::variables_map vm;
     po::store(po::parse_command_line(argc, argv, desc), vm);
@@ -97,6 +100,8 @@ int main(int argc, char** argv) {
     else if (a.optimizer == "sgd-momentum") a.states = 1;
     else if (a.optimizer == "sgd") a.states = 0;
     else throw std::invalid_argument("unknown --optimizer " + a.optimizer);
+    if (!a.fit.empty() && parse_bytes(a.fit) - parse_bytes(a.reserve) <= 0)
+      throw std::invalid_argument("--reserve " + a.reserve + " leaves nothing of --fit " + a.fit);
     std::vector<Strategy> strategies;
     if (!a.strategy.empty()) strategies.push_back(shardtorch::parse_strategy(a.strategy));
     else strategies = {Strategy::NoShard, Strategy::OptimizerOnly, Strategy::ShardGradOp, Strategy::FullShard,
@@ -125,11 +130,18 @@ int main(int argc, char** argv) {
                   gib(p.model_state()).c_str(), gib(transient).c_str(), gib(p.device_peak()).c_str(),
                   gib(p.host()).c_str());
     }
+    if (a.by_category)
+      for (Strategy s : strategies) {
+        if (a.offload && s == Strategy::NoShard) continue;
+        std::printf("\n%s:\n%s", shardtorch::strategy_name(s),
+                    shardtorch::plan_memory(units, options_for(a, s)).report().c_str());
+      }
     if (!a.fit.empty()) {
-      const int64_t budget = parse_bytes(a.fit);
-      std::printf("\nlargest GPT of this shape (d_model %lld, vocab %lld, seq %lld) whose device peak fits %s per rank:\n",
+      const int64_t reserve = parse_bytes(a.reserve), budget = parse_bytes(a.fit) - reserve;
+      std::printf("\nlargest GPT of this shape (d_model %lld, vocab %lld, seq %lld) whose device peak fits %s per rank%s:\n",
                   static_cast<long long>(a.cfg.d_model), static_cast<long long>(a.cfg.vocab),
-                  static_cast<long long>(a.cfg.seq_len), shardtorch::format_bytes(budget).c_str());
+                  static_cast<long long>(a.cfg.seq_len), shardtorch::format_bytes(budget).c_str(),
+                  reserve > 0 ? (" (" + a.fit + " less " + a.reserve + " kept back)").c_str() : "");
       for (Strategy s : strategies) {
         if (a.offload && s == Strategy::NoShard) continue;
         auto peak = [&](int64_t layers) {
@@ -157,12 +169,7 @@ int main(int argc, char** argv) {
                       shardtorch::format_bytes(two.host() - one.host()).c_str());
           continue;
         }
-        int64_t lo = 0, hi = 1;  // peak(lo) fits; grow hi until it does not
-        while (peak(hi).first <= budget) lo = hi, hi *= 2;
-        while (hi - lo > 1) {
-          int64_t mid = lo + (hi - lo) / 2;
-          (peak(mid).first <= budget ? lo : hi) = mid;
-        }
+        const int64_t lo = shardtorch::largest_that_fits([&](int64_t n) { return peak(n).first; }, budget, 1 << 20);
         auto [bytes, params] = peak(lo);
         std::printf("  %-15s %lld layers, %.3f B parameters, device peak %s\n", shardtorch::strategy_name(s),
                     static_cast<long long>(lo), params / 1e9, shardtorch::format_bytes(bytes).c_str());

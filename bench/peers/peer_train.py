@@ -160,13 +160,18 @@ def wrap(model, a, world):
 
     mesh = init_device_mesh("cpu", (world,))
     kw = dict(mesh=mesh, reshard_after_forward=True)
+    root_kw = dict(kw)
     if a.bf16:
-        # fp32 logits, as gpt_bench --bf16 (MixedPrecision output_dtype kFloat)
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                                               output_dtype=torch.float32)
+        # Blocks pass bf16 on; only the root returns fp32 logits, as gpt_bench
+        # --bf16 (MixedPrecision output_dtype kFloat applies to the root). An
+        # fp32 output of the last block would reach ln_f's bf16 weight, which
+        # CPU layer_norm refuses ("mixed dtype").
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        root_kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                                    output_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, **kw)
-    fully_shard(model, **kw)  # root group: embeddings, ln_f and the tied head
+    fully_shard(model, **root_kw)  # root group: embeddings, ln_f and the tied head
     return model
 
 

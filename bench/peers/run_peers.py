@@ -163,11 +163,13 @@ def median_of(rounds, key):
 
 
 def zero_formulas(a):
-    """Bytes per rank of fp32 params + grads + Adam moments (4+4+8 per element):
-    replicated (DDP / NoShard), ZeRO-3 exact 16*psi/N, and ZeRO-3 with the
-    padding each sharded implementation adds (FSDP2: every parameter's dim 0
-    padded to a multiple of N; shardtorch: every unit's flat parameter padded
-    to a multiple of N, units = blocks and the root)."""
+    """Bytes per rank of model state by the ZeRO paper's count, 16 bytes per
+    element either way: fp32 params + grads + Adam moments (4+4+8), or under
+    --bf16 its mixed-precision count, bf16 params + grads and fp32 masters +
+    moments (2+2+12). Replicated (DDP / NoShard), ZeRO-3 exact 16*psi/N, and
+    ZeRO-3 with the padding each sharded implementation adds (FSDP2: every
+    parameter's dim 0 padded to a multiple of N; shardtorch: every unit's flat
+    parameter padded to a multiple of N, units = blocks and the root)."""
     import torch
     from gpt_model import GPT
 
@@ -277,7 +279,8 @@ def main():
     print(f"phases (p50 ms): " + "; ".join(
         f"{impl} " + " / ".join(fmt(med[impl][f"{k}_ms"], ".1f") for k in PHASES) for impl in impls) +
         "  (" + " / ".join(PHASES) + ")")
-    print(f"formula: DDP/no_shard (4+4+8)*psi = {formulas['replicated']} B; ZeRO-3 (4+4+8)*psi/N = "
+    count = "(2+2+12)" if a.bf16 else "(4+4+8)"
+    print(f"formula: DDP/no_shard {count}*psi = {formulas['replicated']} B; ZeRO-3 {count}*psi/N = "
           f"{formulas['zero3']:.0f} B; PyTorch AdamW adds a 4 B step tensor per parameter "
           f"({formulas['adam_step_tensors']} tensors)")
     if "ddp" in med and med["ddp"].get("comm_buffer_bytes"):
@@ -300,7 +303,8 @@ def main():
               f"{fmt(rat['peak_rss_bytes'], '10.3f')} {fmt(rat['rss_above_baseline_bytes'], '10.3f')} "
               f"{fmt(rat['model_state_bytes'], '13.3f')}")
 
-    # The performance targets are reported, not enforced: timings depend on the
+    failed = False
+    # The step-time targets are reported, not enforced: timings depend on the
     # machine and its load (docs/benchmarks.md records measured runs).
     targets = [("full_shard", "fsdp2", "p50_ms", 0.8, "FullShard step time <= 0.8x FSDP2"),
                ("no_shard", "ddp", "p50_ms", 0.9, "NoShard step time <= 0.9x DDP")]
@@ -321,9 +325,11 @@ def main():
             text = f"{impl} model state <= ZeRO formula plus padding ({bound:.0f} B)"
             summary["targets"].append({"target": text, "measured": med[impl]["model_state_bytes"], "met": met})
             print(f"target {'MET' if met else 'NOT MET'}: {text} (measured {med[impl]['model_state_bytes']:.0f} B)")
+            # Unlike step time, memory does not depend on the machine's load:
+            # this target is enforced.
+            failed |= not met
 
     # losses: every impl, every round, rank-mean losses of the first steps
-    failed = False
     print()
     K = min(a.compare_steps, a.warmup + a.steps)
     print("losses (rank mean, round 1)")

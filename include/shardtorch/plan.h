@@ -18,6 +18,7 @@
 #include <torch/nn/module.h>
 
 #include <array>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -74,5 +75,10 @@ struct MemoryPlan {
 };
 
 MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& plan);
+
+/// The largest n in [0, limit] with bytes(n) <= budget, for bytes that do not
+/// fall as n grows (the device peak of a model n layers deep); -1 when even
+/// bytes(0) is over the budget. Evaluates bytes O(log n) times.
+int64_t largest_that_fits(const std::function<int64_t(int64_t)>& bytes, int64_t budget, int64_t limit);
 
 }  // namespace shardtorch
