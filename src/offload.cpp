@@ -35,11 +35,29 @@ at::Tensor Offloader::to_device(const at::Tensor& host, at::ScalarType dtype) {
     at::Tensor staged = host.scalar_type() == dtype ? out : at::empty(host.sizes(), host.options().device(device_));
     staged.copy_(host, /*non_blocking=*/pin_);
     if (!staged.is_same(out)) out.copy_(staged);
-    c10::Event copied(device_.type());
-    copied.record(*side_);
-    copied.block(current);
   }
   return out;
+}
+
+void Offloader::on_side_stream(const std::function<void()>& launch) {
+  if (!accelerator()) {
+    launch();
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  c10::Event queued(device_.type());
+  queued.record(impl.getStream(device_));
+  queued.block(*side_);
+  c10::StreamGuard on_side(*side_);
+  launch();
+}
+
+void Offloader::current_waits_for_copies() {
+  if (!accelerator()) return;
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  c10::Event copied(device_.type());
+  copied.record(*side_);
+  copied.block(impl.getStream(device_));
 }
 
 void Offloader::to_host(const at::Tensor& device_tensor, bool owned, std::function<void(const at::Tensor&)> done) {

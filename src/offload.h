@@ -7,10 +7,21 @@
 //
 //   to_device: before a unit's all-gather, its host shard is copied to the
 //     compute device and cast to the compute dtype. On an accelerator the copy
-//     runs on a side stream; the current stream waits on an event recorded
-//     after it, so the all-gather (ordered after the current stream by the
-//     backend) sees the data. The side stream first waits for the current
-//     one: the destination is a caching-allocator block of the current stream.
+//     runs on a side stream, and the compute stream does not wait for it:
+//
+//       compute:  ... unit k-1 ... | wait gather k | unit k forward ......
+//       side:                        wait (E) | copy k+1 |
+//       backend:                                          | gather k+1 |
+//
+//     The side stream first waits for an event E recorded on the compute
+//     stream (the destination, and the all-gather's output, are blocks of the
+//     compute stream's caching allocator that kernels queued before may still
+//     read). The all-gather is launched with the side stream current
+//     (on_side_stream), so the backend orders it after the copy only; the
+//     compute stream meets it when it waits for the gathered unit. Freed
+//     after that wait, the copy's block returns to the compute stream's pool
+//     with everything that read it ordered before. A reader on the compute
+//     stream calls current_waits_for_copies() first instead.
 //     The copy moves the master dtype (fp32) and casts on the device.
 //   to_host: after a reduce-scatter, the reduced gradient shard is copied to
 //     host memory. On an accelerator the source is first copied on the
@@ -42,8 +53,16 @@ class Offloader {
   Offloader(c10::Device device, bool pin);
 
   bool pin() const { return pin_; }
-  /// A copy of `host` on the compute device in `dtype`, ready on the current stream.
+  /// A copy of `host` on the compute device in `dtype`. On an accelerator the
+  /// current stream does not wait for it: launch what reads it inside
+  /// on_side_stream(), or call current_waits_for_copies() first.
   at::Tensor to_device(const at::Tensor& host, at::ScalarType dtype);
+  /// Runs `launch` with the side stream current, after the work the current
+  /// stream has queued so far (just runs it without an accelerator): a
+  /// collective launched there waits for the copies, not for compute.
+  void on_side_stream(const std::function<void()>& launch);
+  /// The current stream waits for the copies to the device made so far.
+  void current_waits_for_copies();
   /// Copies `device_tensor` to host memory; `done(host_copy)` runs at drain().
   /// `owned`: nobody else writes `device_tensor` afterwards (no protective
   /// device copy is made).

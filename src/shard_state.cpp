@@ -199,6 +199,7 @@ void ShardState::after_optimizer_step() {
     for (auto& f : u->flats()) {
       if (!f->persistent()) continue;
       at::Tensor mine = gather_input(*f);
+      if (offloader_) offloader_->current_waits_for_copies();  // gathered on the compute stream
       shard_comm().all_gather_into(f->full(), mine, "updated parameters of unit '" + u->label() + "'");
     }
     u->reshard();  // non-persistent full copies are stale now
@@ -268,6 +269,14 @@ at::Tensor ShardState::gather_input(FlatParam& f) {
   // (Compared by storage: Tensor::is_alias_of would read the freed buffer's data pointer.)
   const bool alias = src.storage().unsafeGetStorageImpl() == f.full().storage().unsafeGetStorageImpl();
   return alias ? src.clone() : src;
+}
+
+void ShardState::launch_gathers(const std::function<void()>& launch) {
+  if (offloader_) {
+    offloader_->on_side_stream(launch);
+  } else {
+    launch();
+  }
 }
 
 at::Tensor ShardState::on_comm_device(const at::Tensor& t) {

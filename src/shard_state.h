@@ -209,6 +209,10 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// What a flat parameter's all-gather sends: its shard on the compute device
   /// in the compute dtype, never aliasing the full buffer.
   at::Tensor gather_input(FlatParam& f);
+  /// Runs `launch` (all-gathers of gather_input()s) so that it waits for the
+  /// offload copies but the compute stream does not wait for them (offload on
+  /// an accelerator; otherwise it just runs).
+  void launch_gathers(const std::function<void()>& launch);
   /// A copy of `t` on the communication device (master shards and gradient
   /// shards may be in host memory under offload).
   at::Tensor on_comm_device(const at::Tensor& t);

@@ -33,12 +33,12 @@ void Unit::unshard_async() {
   if (state_ != UnitState::Sharded || persistent_) return;
   state_ = UnitState::Gathering;
   for (auto& f : flats_) gather_inputs_.push_back(owner_->gather_input(*f));  // under offload, all copies first
-  for (size_t i = 0; i < flats_.size(); ++i) {
-    auto& f = flats_[i];
-    f->alloc_full();
-    gathers_.push_back(owner_->shard_comm().all_gather_async(
-        f->full(), gather_inputs_[i], "parameters of unit '" + label() + "' (" + f->describe() + ")"));
-  }
+  for (auto& f : flats_) f->alloc_full();  // on the compute stream (offload.h)
+  owner_->launch_gathers([&] {
+    for (size_t i = 0; i < flats_.size(); ++i)
+      gathers_.push_back(owner_->shard_comm().all_gather_async(
+          flats_[i]->full(), gather_inputs_[i], "parameters of unit '" + label() + "' (" + flats_[i]->describe() + ")"));
+  });
   if (!flats_.empty()) owner_->mem().unit_gathered();
 }
 
