@@ -22,7 +22,9 @@
 //     after that wait, the copy's block returns to the compute stream's pool
 //     with everything that read it ordered before. A reader on the compute
 //     stream calls current_waits_for_copies() first instead.
-//     The copy moves the master dtype (fp32) and casts on the device.
+//     The copy moves the master dtype (fp32) and casts on the device. All of
+//     this assumes the stream current at unshard_async is the one current
+//     when the unit is waited for and computes (the caller's stream).
 //   to_host: after a reduce-scatter, the reduced gradient shard is copied to
 //     host memory. On an accelerator the source is first copied on the
 //     current stream (device to device, cheap) into a buffer the offloader

@@ -78,6 +78,9 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 }
 
 void ShardViews::bind_grads() {
+  // The step writes host master shards that a prefetch's copy to the device
+  // may still read (a unit backward never reached).
+  state_->wait_for_offload_copies();
   if (state_->ddp()) {
     state_->ddp()->bind_grads();  // master grads were bound at the end of backward
     return;

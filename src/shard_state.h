@@ -220,7 +220,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// its copy to host memory (at the end of backward).
   /// `owned`: the caller hands `reduced` over (nobody reuses its memory).
   void deliver_gradient(const at::Tensor& reduced, bool owned, std::function<void(const at::Tensor&)> accumulate);
-  /// Before the CPU writes master shards outside an optimizer step (loading
+  /// Before the CPU writes master shards (the optimizer step, loading
   /// checkpoints, writeback): no offload copy may still read them.
   void wait_for_offload_copies() {
     if (offloader_) offloader_->wait_idle();

@@ -32,13 +32,31 @@ Unit::Unit(std::shared_ptr<ShardState> owner, std::string name, int index, bool 
 void Unit::unshard_async() {
   if (state_ != UnitState::Sharded || persistent_) return;
   state_ = UnitState::Gathering;
-  for (auto& f : flats_) gather_inputs_.push_back(owner_->gather_input(*f));  // under offload, all copies first
-  for (auto& f : flats_) f->alloc_full();  // on the compute stream (offload.h)
-  owner_->launch_gathers([&] {
-    for (size_t i = 0; i < flats_.size(); ++i)
-      gathers_.push_back(owner_->shard_comm().all_gather_async(
-          flats_[i]->full(), gather_inputs_[i], "parameters of unit '" + label() + "' (" + flats_[i]->describe() + ")"));
-  });
+  try {
+    for (auto& f : flats_) gather_inputs_.push_back(owner_->gather_input(*f));  // under offload, all copies first
+    for (auto& f : flats_) f->alloc_full();  // on the compute stream (offload.h)
+    owner_->launch_gathers([&] {
+      for (size_t i = 0; i < flats_.size(); ++i)
+        gathers_.push_back(owner_->shard_comm().all_gather_async(
+            flats_[i]->full(), gather_inputs_[i], "parameters of unit '" + label() + "' (" + flats_[i]->describe() + ")"));
+    });
+  } catch (...) {
+    // Out of memory, say (prefetch raises the peak), and caught by the user:
+    // the unit must go back to sharded, not be taken later for gathered with
+    // buffers no collective filled. (If some all-gathers did launch, the
+    // ranks are out of step; those are waited for here.)
+    for (auto& g : gathers_) {
+      try {
+        owner_->shard_comm().wait(g);
+      } catch (...) {
+      }
+    }
+    gathers_.clear();
+    gather_inputs_.clear();
+    for (auto& f : flats_) f->free_full();
+    state_ = UnitState::Sharded;
+    throw;
+  }
   if (!flats_.empty()) owner_->mem().unit_gathered();
 }
 
