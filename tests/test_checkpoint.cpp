@@ -621,10 +621,8 @@ TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossR
 // the loading model's own values, silently). Under bf16 mixed precision they
 // keep their fp32 values (NoShard used to keep only the bf16 copy it computes
 // with, so a checkpoint rounded them), in sharded checkpoints and full state
-// dicts alike.
-// Frozen parameters and buffers: the saver's buffer `scale` holds values the
-// loader's fresh model does not (exact in bf16), so a load that skipped
-// buffers fails here.
+// dicts alike. So is the buffer: the saver's `scale` holds values the loader's
+// fresh model does not (exact in bf16), so a load that skipped buffers fails.
 TEST(ShardedCheckpoint, FrozenParametersAndBuffersRoundTripUnderEveryStrategy) {
   const at::Tensor scale = at::arange(7, at::kFloat).mul(0.25).add(0.5);
   for (bool bf16 : {false, true}) {
