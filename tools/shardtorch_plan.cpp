@@ -53,7 +53,7 @@ int default_hybrid(int world) {
 }
 
 shardtorch::PlanOptions options_for(const Args& a, Strategy s) {
-  auto o = shardtorch::ShardOptions().strategy(s).cpu_offload(a.offload && s != Strategy::NoShard).bucket_mb(a.bucket_mb);
+  auto o = shardtorch::ShardOptions().strategy(s).cpu_offload(a.offload).bucket_mb(a.bucket_mb);
   if (s == Strategy::HybridShard) o.hybrid_shard_size(a.hybrid > 0 ? a.hybrid : default_hybrid(a.world));
   if (a.bf16) o.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
   return {o, a.world, a.states, a.accumulate};
@@ -100,13 +100,15 @@ int main(int argc, char** argv) {
     else if (a.optimizer == "sgd-momentum") a.states = 1;
     else if (a.optimizer == "sgd") a.states = 0;
     else throw std::invalid_argument("unknown --optimizer " + a.optimizer);
-    if (!a.fit.empty() && parse_bytes(a.fit) - parse_bytes(a.reserve) <= 0)
+    const int64_t reserve = parse_bytes(a.reserve), budget = a.fit.empty() ? 0 : parse_bytes(a.fit) - reserve;
+    if (!a.fit.empty() && budget <= 0)
       throw std::invalid_argument("--reserve " + a.reserve + " leaves nothing of --fit " + a.fit);
     std::vector<Strategy> strategies;
     if (!a.strategy.empty()) strategies.push_back(shardtorch::parse_strategy(a.strategy));
     else strategies = {Strategy::NoShard, Strategy::OptimizerOnly, Strategy::ShardGradOp, Strategy::FullShard,
                        Strategy::HybridShard};
     if (a.world < 2) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::HybridShard), strategies.end());
+    if (a.offload) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::NoShard), strategies.end());
 
     auto units = gpt::unit_specs(a.cfg);
     std::printf("GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s%s; optimizer %s\n",
@@ -118,9 +120,10 @@ int main(int argc, char** argv) {
                 "gradient staging and buckets; activations are not included\n");
     std::printf("%-15s %14s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "params", "params_B", "grads_B",
                 "optim_B", "state_B", "transient", "device", "host");
+    std::string reports;  // --by-category
     for (Strategy s : strategies) {
-      if (a.offload && s == Strategy::NoShard) continue;
       auto p = shardtorch::plan_memory(units, options_for(a, s));
+      if (a.by_category) reports += std::string("\n") + shardtorch::strategy_name(s) + ":\n" + p.report();
       const int64_t params_b = p.of(Mem::ShardedParams) + p.of(Mem::ReplicatedParams) + p.of(Mem::HostParams);
       const int64_t grads_b = p.of(Mem::Gradients) + p.of(Mem::HostGradients);
       const int64_t optim_b = p.of(Mem::OptimizerState) + p.of(Mem::HostOptimizerState);
@@ -130,20 +133,13 @@ int main(int argc, char** argv) {
                   gib(p.model_state()).c_str(), gib(transient).c_str(), gib(p.device_peak()).c_str(),
                   gib(p.host()).c_str());
     }
-    if (a.by_category)
-      for (Strategy s : strategies) {
-        if (a.offload && s == Strategy::NoShard) continue;
-        std::printf("\n%s:\n%s", shardtorch::strategy_name(s),
-                    shardtorch::plan_memory(units, options_for(a, s)).report().c_str());
-      }
+    if (a.by_category) std::printf("%s", reports.c_str());
     if (!a.fit.empty()) {
-      const int64_t reserve = parse_bytes(a.reserve), budget = parse_bytes(a.fit) - reserve;
       std::printf("\nlargest GPT of this shape (d_model %lld, vocab %lld, seq %lld) whose device peak fits %s per rank%s:\n",
                   static_cast<long long>(a.cfg.d_model), static_cast<long long>(a.cfg.vocab),
                   static_cast<long long>(a.cfg.seq_len), shardtorch::format_bytes(budget).c_str(),
                   reserve > 0 ? (" (" + a.fit + " less " + a.reserve + " kept back)").c_str() : "");
       for (Strategy s : strategies) {
-        if (a.offload && s == Strategy::NoShard) continue;
         auto peak = [&](int64_t layers) {
           gpt::Config c = a.cfg;
           c.n_layer = layers;
