@@ -18,13 +18,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 DEVICE = ("sharded_params", "replicated_params", "gradients", "optimizer_state", "gathered_params",
-          "grad_staging", "buckets")
+          "grad_staging", "buckets", "master_grads")
 
 
 def per_rank_bytes(r):
     """Peak bytes on the compute device, by the library's accounting: the
     peaks of every device category (host_* left out: offload moves them there)."""
-    return sum(r["peak_memory"][k] for k in DEVICE)
+    return sum(r["peak_memory"].get(k, 0) for k in DEVICE)
 
 
 def main(src, out):

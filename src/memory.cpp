@@ -15,6 +15,7 @@ const char* mem_name(Mem m) {
     case Mem::GatheredParams: return "gathered_params";
     case Mem::GradStaging: return "grad_staging";
     case Mem::Buckets: return "buckets";
+    case Mem::MasterGrads: return "master_grads";
     case Mem::HostParams: return "host_params";
     case Mem::HostGradients: return "host_gradients";
     case Mem::HostOptimizerState: return "host_optimizer_state";

@@ -19,7 +19,11 @@ int64_t MemoryPlan::host() const {
 
 int64_t MemoryPlan::device_peak() const {
   return of(Mem::ShardedParams) + of(Mem::ReplicatedParams) + of(Mem::Gradients) + of(Mem::OptimizerState) +
-         of(Mem::GatheredParams) + of(Mem::GradStaging) + of(Mem::Buckets);
+         transient();
+}
+
+int64_t MemoryPlan::transient() const {
+  return of(Mem::GatheredParams) + of(Mem::GradStaging) + of(Mem::Buckets) + of(Mem::MasterGrads);
 }
 
 std::string MemoryPlan::report() const {
@@ -27,8 +31,9 @@ std::string MemoryPlan::report() const {
   for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) {
     if (bytes[i] == 0) continue;
     auto m = static_cast<Mem>(i);
-    bool transient = m == Mem::GatheredParams || m == Mem::GradStaging || m == Mem::Buckets;
-    os << "  " << mem_name(m) << " " << format_bytes(bytes[i]) << (transient ? " (peak, estimate)" : "") << "\n";
+    const bool estimate = m == Mem::GatheredParams || m == Mem::GradStaging || m == Mem::Buckets;
+    os << "  " << mem_name(m) << " " << format_bytes(bytes[i])
+       << (estimate ? " (peak, estimate)" : m == Mem::MasterGrads ? " (backward to step)" : "") << "\n";
   }
   os << "  model state " << format_bytes(model_state()) << " | device peak " << format_bytes(device_peak())
      << " | host " << format_bytes(host()) << "\n";
@@ -72,7 +77,7 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
         if (!f.trainable) continue;
         const at::ScalarType rd = mp.param_dtype() ? reduce_of(f.dtype) : f.dtype;
         add(Mem::Gradients, f.numel * esize(rd));                          // the all-reduce buckets
-        if (rd != f.dtype) add(Mem::Gradients, f.numel * esize(f.dtype));  // masters' fp32 gradients
+        if (rd != f.dtype) add(Mem::MasterGrads, f.numel * esize(f.dtype));  // transient: backward to step
         add(Mem::OptimizerState, plan.optimizer_states * f.numel * esize(f.dtype));
       }
     }

@@ -170,13 +170,13 @@ void ShardState::bind_master_grads() {
       converted += ddp_masters_[i].grad().nbytes();
     }
   }
-  mem_.add(Mem::Gradients, converted - master_grad_bytes_);
+  mem_.add(Mem::MasterGrads, converted - master_grad_bytes_);
   master_grad_bytes_ = converted;
 }
 
 void ShardState::release_master_grads() {
   for (at::Tensor m : ddp_masters_) m.mutable_grad().reset();  // a handle: same tensor
-  mem_.sub(Mem::Gradients, master_grad_bytes_);
+  mem_.sub(Mem::MasterGrads, master_grad_bytes_);
   master_grad_bytes_ = 0;
 }
 
@@ -193,6 +193,7 @@ void ShardState::after_optimizer_step() {
   if (ddp_) {  // the optimizer updated the parameters themselves, or their masters
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < ddp_masters_.size(); ++i) ddp_params_[i].copy_(ddp_masters_[i]);
+    release_master_grads();  // the step has read them; the model's own gradients stay until zero_grad
     return;
   }
   for (auto& u : units()) {

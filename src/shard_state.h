@@ -190,8 +190,10 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
     record.copy_(value.view(record.sizes()));
     if (!record.is_same(param)) at::Tensor(param).copy_(record);
   }
-  /// Points the masters' grads at the reduced gradients (cast if needed: the
-  /// fp32 copies are counted as gradients until release_master_grads()).
+  /// Points the masters' grads at the reduced gradients, cast if needed. The
+  /// fp32 copies are transient (master_grads): after_optimizer_step() and
+  /// zero_grad release them, so between steps NoShard holds 16 bytes per
+  /// parameter under mixed precision, as ZeRO counts it, not 20.
   void bind_master_grads();
   void release_master_grads();
 

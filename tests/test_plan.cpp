@@ -33,7 +33,9 @@ void expect_same_specs(const std::vector<shardtorch::UnitSpec>& got, const std::
   }
 }
 
-// Model state measured equals the plan byte for byte; transient peaks stay within it.
+// Model state measured equals the plan byte for byte; transient peaks stay
+// within it; NoShard's fp32 gradient copies peak exactly at the plan and are
+// gone after the step (m is taken after one).
 void require_plan_holds(const shardtorch::MemorySnapshot& m, const shardtorch::MemoryPlan& plan, const std::string& what) {
   for (Mem c : kModelState) {
     require(m.cur(c) == plan.of(c), what + ": " + shardtorch::mem_name(c) + " measured " + std::to_string(m.cur(c)) +
@@ -43,6 +45,10 @@ void require_plan_holds(const shardtorch::MemorySnapshot& m, const shardtorch::M
     require(m.max(c) <= plan.of(c), what + ": peak " + shardtorch::mem_name(c) + " measured " +
                                         std::to_string(m.max(c)) + " above the plan's " + std::to_string(plan.of(c)));
   }
+  require(m.max(Mem::MasterGrads) == plan.of(Mem::MasterGrads) && m.cur(Mem::MasterGrads) == 0,
+          what + ": master_grads peaked at " + std::to_string(m.max(Mem::MasterGrads)) + " (planned " +
+              std::to_string(plan.of(Mem::MasterGrads)) + ") and holds " + std::to_string(m.cur(Mem::MasterGrads)) +
+              " after the step");
 }
 
 }  // namespace
@@ -121,6 +127,14 @@ TEST(Plan, ShardingDividesModelStateByTheWorldSizeUpToPadding) {
   auto off = shardtorch::plan_memory(units, {ShardOptions().cpu_offload(true), 8, 2});
   EXPECT_EQ(off.host(), zero3.model_state());
   EXPECT_EQ(off.device_peak(), zero3.of(Mem::GatheredParams) + zero3.of(Mem::GradStaging) + zero3.of(Mem::Buckets));
+  // Under mixed precision NoShard keeps ZeRO's 16 bytes per parameter (bf16
+  // parameters and buckets, fp32 masters and moments); the masters' fp32
+  // gradients are transient.
+  auto bf16 = shardtorch::MixedPrecision().param_dtype(at::kBFloat16);
+  auto ddp_bf16 = shardtorch::plan_memory(units, {ShardOptions().strategy(Strategy::NoShard).mixed_precision(bf16), 8, 2});
+  EXPECT_EQ(ddp_bf16.model_state(), 16 * psi);
+  EXPECT_EQ(ddp_bf16.of(Mem::MasterGrads), 4 * psi);
+  EXPECT_EQ(ddp_bf16.device_peak(), 20 * psi);
   EXPECT_THROW(shardtorch::plan_memory(units, {ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(3), 8, 2}),
                c10::Error);
 }

@@ -89,6 +89,46 @@ TEST_P(EveryStrategy, ModelStateMemoryMatchesTheZeroFormula) {
   }
 }
 
+// Under bf16 mixed precision NoShard holds what ZeRO counts between steps,
+// 2 + 2 + 12 bytes per parameter (bf16 parameters and buckets, fp32 masters
+// and moments); the masters' fp32 gradients exist from the synchronising
+// backward to the end of the step only, and the model keeps its gradients.
+TEST(NoShard, MixedPrecisionKeepsTheZeroCountBetweenSteps) {
+  auto r = run_ranks(2, [&](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    int64_t psi = 0;
+    for (auto& [n, p] : unique_params(*model)) psi += p.numel();
+    auto opts = strategy_options(Strategy::NoShard, 2)
+                    .mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
+    auto sm = shardtorch::shard(model, w, opts);
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+    for (int step = 0; step < 2; ++step) {
+      opt->zero_grad();
+      gpt::lm_loss(model(x), x).backward();
+      const int64_t copies = sm.memory().cur(Mem::MasterGrads);
+      require(copies == 4 * psi, "after backward the masters' fp32 gradients hold " + std::to_string(copies) +
+                                     " bytes, not 4 psi = " + std::to_string(4 * psi));
+      opt->step();
+      auto m = sm.memory();
+      const int64_t state = m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) + m.cur(Mem::OptimizerState);
+      require(state == 16 * psi, "model state after step " + std::to_string(step) + ": " + std::to_string(state) +
+                                     " bytes, not 16 psi = " + std::to_string(16 * psi));
+      require(m.cur(Mem::MasterGrads) == 0, "the masters' fp32 gradients outlived the step");
+    }
+    int64_t with_grads = 0;
+    for (auto& [n, p] : unique_params(*model)) {
+      require(!p.grad().defined() || p.grad().scalar_type() == at::kBFloat16, n + "'s gradient is not bf16");
+      with_grads += p.grad().defined();
+    }
+    require(with_grads > 0, "the step took the model's own gradients away");
+    auto before = model->parameters()[0].clone();
+    opt->step();  // no backward since the last step: nothing to apply
+    require(torch::equal(before, model->parameters()[0]), "a step without a backward changed the parameters");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST_P(EveryStrategy, FrozenParametersHoldNoGradientOrOptimizerMemoryAndMatch) {
   const Strategy strategy = GetParam();
   torch::manual_seed(7);

@@ -117,7 +117,8 @@ int main(int argc, char** argv) {
                 a.bf16 ? ", bf16" : ", fp32", a.offload ? ", CPU offload" : "",
                 a.accumulate ? ", accumulating without sync" : "", a.optimizer.c_str());
     std::printf("per rank, GiB (rank 0, which owns the most); transient = peak estimates of gathered params, "
-                "gradient staging and buckets; activations are not included\n");
+                "gradient staging and buckets, and NoShard's fp32 gradient copies under mixed precision; activations "
+                "are not included\n");
     std::printf("%-15s %14s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "params", "params_B", "grads_B",
                 "optim_B", "state_B", "transient", "device", "host");
     std::string reports;  // --by-category
@@ -127,10 +128,9 @@ int main(int argc, char** argv) {
       const int64_t params_b = p.of(Mem::ShardedParams) + p.of(Mem::ReplicatedParams) + p.of(Mem::HostParams);
       const int64_t grads_b = p.of(Mem::Gradients) + p.of(Mem::HostGradients);
       const int64_t optim_b = p.of(Mem::OptimizerState) + p.of(Mem::HostOptimizerState);
-      const int64_t transient = p.of(Mem::GatheredParams) + p.of(Mem::GradStaging) + p.of(Mem::Buckets);
       std::printf("%-15s %14lld %10s %10s %10s %10s %10s %10s %10s\n", shardtorch::strategy_name(s),
                   static_cast<long long>(p.params), gib(params_b).c_str(), gib(grads_b).c_str(), gib(optim_b).c_str(),
-                  gib(p.model_state()).c_str(), gib(transient).c_str(), gib(p.device_peak()).c_str(),
+                  gib(p.model_state()).c_str(), gib(p.transient()).c_str(), gib(p.device_peak()).c_str(),
                   gib(p.host()).c_str());
     }
     if (a.by_category) std::printf("%s", reports.c_str());

@@ -14,6 +14,7 @@ enum class Mem : int {
   GatheredParams,     // full (unsharded) flat parameters alive now
   GradStaging,        // a unit's full flat gradient while backward fills it
   Buckets,            // reduce-scatter bucket buffers
+  MasterGrads,        // NoShard, mixed precision: the masters' fp32 gradients, from backward to the end of the step
   HostParams,         // CPU offload: master shards in host memory
   HostGradients,      // CPU offload: gradient shards in host memory
   HostOptimizerState, // CPU offload: optimizer state in host memory

@@ -13,7 +13,9 @@
 // do, for the rank that owns the most (rank 0), and tests check it against
 // ShardedModel::memory() byte for byte. The transient categories
 // (gathered_params, grad_staging, buckets) are upper estimates of their peaks
-// during a step (docs/benchmarks.md compares them with measurements).
+// during a step (docs/benchmarks.md compares them with measurements);
+// master_grads (NoShard's fp32 gradient copies under mixed precision, alive
+// from backward to the end of the step) is exact.
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
@@ -65,8 +67,10 @@ struct MemoryPlan {
   /// Parameters (sharded, replicated or host), gradients and optimizer state.
   int64_t model_state() const;
   /// Bytes on the compute device at the peak of a step (model state not in
-  /// host memory, plus the transient estimates).
+  /// host memory, plus the transient categories).
   int64_t device_peak() const;
+  /// gathered_params + grad_staging + buckets + master_grads.
+  int64_t transient() const;
   /// Bytes in host memory (offload).
   int64_t host() const;
   int64_t params = 0;  // elements, frozen included, padding excluded
