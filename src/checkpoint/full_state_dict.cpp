@@ -35,7 +35,8 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   at::Tensor current;  // the last gathered flat parameter, full
   auto gather = [&](size_t k) {
     FlatParam* f = flats[k];
-    at::Tensor mine = state->on_comm_device(f->shard());
+    at::Tensor mine = f->shard().to(world.comm().device());  // no copy on the device already: current is new
+    current = at::Tensor();  // the previous one is written: free it before the next is allocated
     current = at::empty({f->layout().padded_numel()}, mine.options());
     state->shard_comm().all_gather_into(current, mine, "master parameters of unit '" + labels[k] + "' for save_full_state_dict");
     gathered = k + 1;
