@@ -621,6 +621,136 @@ TEST(ShardedCheckpoint, AWriterKilledAtRandomPointsLeavesALoadableCheckpoint) {
   fs::remove_all(dir);
 }
 
+// A writer killed (SIGKILL) at each named point of a save, on each rank that
+// reaches it: what is on disk then loads as the previous checkpoint up to
+// the point where the new one is published, and as the new one from there,
+// bitwise, and the next save over it succeeds. Both publishing paths: the
+// atomic exchange, and the two renames with the previous checkpoint aside.
+TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheckpoint) {
+  struct Case {
+    const char* point;
+    int victim;
+    bool exchange;
+    bool published;  // the new checkpoint is in place at this point
+  };
+  std::vector<Case> cases;
+  for (const char* p : {"file partly written", "file written", "file synced", "file renamed"})
+    for (int victim : {0, 1}) cases.push_back({p, victim, true, false});
+  // Once the reports are gathered, rank 0 holds all it needs: it publishes
+  // the complete new checkpoint without rank 1, then fails.
+  cases.push_back({"reports gathered", 0, true, false});
+  cases.push_back({"reports gathered", 1, true, true});
+  cases.push_back({"staging directory created", 0, true, false});
+  cases.push_back({"index written", 0, true, false});
+  cases.push_back({"exchanged", 0, true, true});
+  cases.push_back({"published", 0, true, true});
+  cases.push_back({"previous moved aside", 0, false, false});
+  cases.push_back({"new moved in", 0, false, true});
+  cases.push_back({"published", 0, false, true});
+
+  auto dir = temp_dir();
+  const gpt::Config cfg{};
+  auto params_of = [&](int seed) {
+    torch::manual_seed(seed);
+    auto m = gpt::GPT(cfg);
+    std::map<std::string, at::Tensor> out;
+    for (auto& [n, t] : unique_params(*m)) out[n] = t.detach().clone();
+    return out;
+  };
+  const auto old_params = params_of(1), new_params = params_of(2);
+  const auto opts = shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5));
+  const std::string pristine = (dir / "pristine").string();
+  auto first = run_ranks(2, [&](World& w) {
+    torch::manual_seed(1);
+    auto model = gpt::GPT(cfg);
+    shardtorch::shard(model, w);
+    shardtorch::save_sharded_checkpoint(*model, nullptr, pristine, 1);
+  });
+  ASSERT_TRUE(first.ok) << first.summary();
+
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const Case k = cases[c];
+    const std::string what = std::string("killed rank ") + std::to_string(k.victim) + " at '" + k.point + "'" +
+                             (k.exchange ? "" : " (renames, no exchange)");
+    const std::string ckpt = (dir / ("case" + std::to_string(c))).string();
+    fs::copy(pristine, ckpt, fs::copy_options::recursive);
+    auto killed = run_ranks(2, [&](World& w) {
+      if (!k.exchange) ::setenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "1", 1);
+      torch::manual_seed(2);
+      auto model = gpt::GPT(cfg);
+      shardtorch::shard(model, w);
+      if (w.rank() == k.victim) {
+        shardtorch::checkpoint::set_crash_hook([&](const std::string& point) {
+          if (point == k.point) ::raise(SIGKILL);
+        });
+      }
+      shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 2);
+    }, opts);
+    ASSERT_EQ(killed.ranks[k.victim].signal, SIGKILL) << what << ": the save never reached the point\n" << killed.summary();
+    ASSERT_FALSE(killed.ranks[1 - k.victim].timed_out) << what << ": the other rank hung\n" << killed.summary();
+
+    auto check = run_ranks(2, [&](World& w) {
+      torch::manual_seed(99);
+      auto model = gpt::GPT(cfg);
+      shardtorch::shard(model, w);
+      const int64_t step = shardtorch::load_sharded_checkpoint(*model, nullptr, ckpt);
+      const auto& want = k.published ? new_params : old_params;
+      require(step == (k.published ? 2 : 1), what + ": loaded step " + std::to_string(step));
+      auto got = shardtorch::full_parameters(*model);
+      for (const auto& [n, t] : want) require(at::equal(got.at(n), t), what + ": '" + n + "' is neither as saved");
+      shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 3);  // the next save goes over whatever is left
+      require(shardtorch::load_sharded_checkpoint(*model, nullptr, ckpt) == 3, what + ": the next save did not land");
+    });
+    EXPECT_TRUE(check.ok) << what << "\n" << check.summary();
+  }
+  fs::remove_all(dir);
+}
+
+// The same for the full state dict's single file, killed at each point of
+// its write on rank 0, the writer; the temporary files the killed writes
+// leave are removed by the next write that completes.
+TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
+  auto dir = temp_dir();
+  const std::string path = (dir / "model.safetensors").string();
+  const gpt::Config cfg{};
+  auto leftovers = [&] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator(dir)) n += e.path().filename().string().rfind(".model.safetensors.tmp-", 0) == 0;
+    return n;
+  };
+  auto save = [&](int seed, const char* kill_at) {
+    return run_ranks(2, [&](World& w) {
+      torch::manual_seed(seed);
+      auto model = gpt::GPT(cfg);
+      shardtorch::shard(model, w);
+      if (kill_at && w.rank() == 0) {
+        shardtorch::checkpoint::set_crash_hook([&](const std::string& point) {
+          if (point == kill_at) ::raise(SIGKILL);
+        });
+      }
+      shardtorch::save_full_state_dict(*model, path, {{"seed", std::to_string(seed)}});
+    }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+  };
+  for (const char* point : {"file partly written", "file written", "file synced", "file renamed"}) {
+    auto first = save(1, nullptr);
+    ASSERT_TRUE(first.ok) << first.summary();
+    auto killed = save(2, point);
+    ASSERT_EQ(killed.ranks[0].signal, SIGKILL) << point << ": the write never reached it\n" << killed.summary();
+    ASSERT_FALSE(killed.ranks[1].timed_out) << point << ": rank 1 hung\n" << killed.summary();
+    const bool renamed = std::string(point) == "file renamed";
+    auto file = shardtorch::checkpoint::load_file(path);  // validates the whole file
+    EXPECT_EQ(shardtorch::checkpoint::Reader(path).header().metadata.at("seed"), renamed ? "2" : "1") << point;
+    torch::manual_seed(renamed ? 2 : 1);
+    auto want = gpt::GPT(cfg);
+    for (auto& [n, t] : unique_params(*want)) EXPECT_TRUE(at::equal(file.at(n), t)) << point << ": '" << n << "'";
+    EXPECT_EQ(leftovers(), renamed ? 0 : 1) << point;
+  }
+  auto last = save(3, nullptr);
+  ASSERT_TRUE(last.ok) << last.summary();
+  EXPECT_EQ(leftovers(), 0) << "temporary files of killed writes are left beside the file";
+  fs::remove_all(dir);
+}
+
 // The application's own resume state (data-loader position, epoch, ...)
 // travels in the index: saved at 2 ranks, read back at 3; ranks that disagree
 // fail alike, naming the key; checkpoints saved without it read back empty.

@@ -160,12 +160,14 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
   namespace fs = std::filesystem;
   fs::path target(path);
   fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  const std::string tmp = (dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()))).string();
+  const std::string tmp_prefix = "." + target.filename().string() + ".tmp-";
+  const std::string tmp = (dir / (tmp_prefix + std::to_string(::getpid()))).string();
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) sys_fail(tmp, "cannot create");
   try {
     write_all(fd, header.data(), header.size(), tmp);
     for (size_t i = 0; i < tensors.size(); ++i) {
+      if (i == 1) crash_point("file partly written");
       at::Tensor t = tensors[i].produce().contiguous().cpu();
       const uint64_t want = records[i].end - records[i].begin;
       if (t.scalar_type() != tensors[i].dtype || static_cast<uint64_t>(t.nbytes()) != want)
@@ -174,7 +176,9 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
                                " bytes, announced " + records[i].dtype + " of " + std::to_string(want));
       write_all(fd, t.data_ptr(), static_cast<size_t>(want), tmp);
     }
+    crash_point("file written");
     if (::fsync(fd) != 0) sys_fail(tmp, "fsync failed");
+    crash_point("file synced");
   } catch (...) {
     ::close(fd);
     ::unlink(tmp.c_str());
@@ -185,10 +189,19 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     ::unlink(tmp.c_str());
     sys_fail(path, "rename of the temporary file failed");
   }
+  crash_point("file renamed");
   int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);
     ::close(dfd);
+  }
+  // Temporary files of writes to this path that were killed before their
+  // rename: the new file replaces what they would have become.
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code ignored;
+    if (name.rfind(tmp_prefix, 0) == 0) fs::remove(it->path(), ignored);
   }
 }
 
@@ -200,6 +213,19 @@ void save_file(const std::string& path, const std::vector<std::pair<std::string,
     pending.push_back({name, t.scalar_type(), t.sizes().vec(), [keep] { return keep; }});
   }
   write_file(path, pending, metadata);
+}
+
+namespace {
+std::function<void(const std::string&)>& crash_hook() {
+  static std::function<void(const std::string&)> hook;
+  return hook;
+}
+}  // namespace
+
+void set_crash_hook(std::function<void(const std::string& point)> hook) { crash_hook() = std::move(hook); }
+
+void crash_point(const char* point) {
+  if (crash_hook()) crash_hook()(point);
 }
 
 std::map<std::string, at::Tensor> load_file(const std::string& path) {

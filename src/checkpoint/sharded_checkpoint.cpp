@@ -162,12 +162,14 @@ void publish(const std::string& tmp, const std::string& dir) {
   if (!fs::exists(dir + "/index.json")) {
     if (fs::exists(dir)) fs::remove(dir);  // an empty directory (check_replaceable)
     fs::rename(tmp, dir);
+    checkpoint::crash_point("new moved in");
     best_effort("removing '" + aside + "'", [&] { fs::remove_all(aside); });
     return;
   }
   const bool exchange = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE") == nullptr;
   if (exchange) {
     if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+      checkpoint::crash_point("exchanged");
       best_effort("removing the previous checkpoint", [&] { fs::remove_all(tmp); });
       return;
     }
@@ -176,7 +178,9 @@ void publish(const std::string& tmp, const std::string& dir) {
   }
   fs::remove_all(aside);  // older than `dir`, which is complete
   fs::rename(dir, aside);
+  checkpoint::crash_point("previous moved aside");
   fs::rename(tmp, dir);
+  checkpoint::crash_point("new moved in");
   best_effort("removing '" + aside + "'", [&] { fs::remove_all(aside); });
 }
 
@@ -563,6 +567,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
       check_replaceable(dir);
       fs::remove_all(tmp);
       fs::create_directories(tmp);
+      checkpoint::crash_point("staging directory created");
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -591,6 +596,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   report["entries"] = mine;
   report["user_state"] = user;
   auto reports = world.comm().all_gather_strings(json::serialize(report), "save_sharded_checkpoint index");
+  checkpoint::crash_point("reports gathered");
   std::string failed;
   json::array files, entries;
   for (size_t r = 0; r < reports.size(); ++r) {
@@ -640,7 +646,9 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
       index["units"] = units;
       write_text_durably(tmp + "/index.json", json::serialize(index));
       fsync_path(tmp, true);
+      checkpoint::crash_point("index written");
       publish(tmp, dir);
+      checkpoint::crash_point("published");
     } catch (const std::exception& e) {
       error = e.what();
       std::error_code ignored;

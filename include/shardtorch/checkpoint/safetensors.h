@@ -61,4 +61,11 @@ void save_file(const std::string& path, const std::vector<std::pair<std::string,
                const std::map<std::string, std::string>& metadata = {});
 std::map<std::string, at::Tensor> load_file(const std::string& path);
 
+/// Fault injection for crash tests. Checkpoint writes call crash_point() with
+/// the name of each point at which a crash must leave the previous checkpoint
+/// or the complete new one (docs/checkpoints.md lists them); a test's hook
+/// kills the process at one. An empty function (the default) removes it.
+void set_crash_hook(std::function<void(const std::string& point)> hook);
+void crash_point(const char* point);
+
 }  // namespace shardtorch::checkpoint
