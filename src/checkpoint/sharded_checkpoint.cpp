@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "../shard_state.h"
+#include "index_format.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"
 
@@ -25,33 +26,7 @@ namespace {
 namespace fs = std::filesystem;
 namespace json = boost::json;
 using checkpoint::SafetensorsError;
-
-constexpr int64_t kFormatVersion = 1;
-
-struct Entry {
-  std::string name, kind;  // parameter or buffer name; param, buffer, exp_avg, exp_avg_sq, ...
-  int64_t begin = 0, end = 0;
-  int64_t step = 0;  // optimizer state: the optimizer's step count for this range
-  std::string file, tensor;
-};
-
-std::string tensor_key(const Entry& e) { return e.name + "|" + e.kind + "|" + std::to_string(e.begin); }
-
-constexpr uint64_t kFnvBasis = 1469598103934665603ull;
-
-uint64_t fnv1a(const char* data, size_t n, uint64_t h = kFnvBasis) {
-  for (size_t i = 0; i < n; ++i) {
-    h ^= static_cast<unsigned char>(data[i]);
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-std::string fnv_text(uint64_t h) {
-  std::ostringstream os;
-  os << "fnv1a64:" << std::hex << h;
-  return os.str();
-}
+using namespace checkpoint::index_format;
 
 // FNV-1a over the file's bytes.
 std::string checksum(const std::string& path) {
@@ -225,31 +200,6 @@ int64_t step_of(const torch::optim::OptimizerParamState* st) {
   return 0;
 }
 
-json::object entry_json(const Entry& e) {
-  return {{"name", e.name}, {"kind", e.kind}, {"begin", e.begin}, {"end", e.end},
-          {"step", e.step}, {"file", e.file}, {"tensor", e.tensor}};
-}
-
-Entry entry_from(const json::value& v, const std::string& index) {
-  try {
-    const auto& o = v.as_object();
-    Entry e;
-    e.name = json::value_to<std::string>(o.at("name"));
-    e.kind = json::value_to<std::string>(o.at("kind"));
-    e.begin = o.at("begin").to_number<int64_t>();
-    e.end = o.at("end").to_number<int64_t>();
-    e.step = o.at("step").to_number<int64_t>();
-    e.file = json::value_to<std::string>(o.at("file"));
-    e.tensor = json::value_to<std::string>(o.at("tensor"));
-    if (e.begin < 0 || e.end < e.begin) throw std::invalid_argument("bad range");
-    if (e.file.find('/') != std::string::npos || e.file.find("..") != std::string::npos)
-      throw std::invalid_argument("file name outside the checkpoint directory");
-    return e;
-  } catch (const std::exception& ex) {
-    throw SafetensorsError("checkpoint index '" + index + "': malformed entry: " + ex.what());
-  }
-}
-
 // NoShard: every parameter of the module, each tensor once, saved and loaded
 // whole: the trained ones under the names the bucketer knows them by, then
 // the others (frozen) under their first name.
@@ -312,18 +262,6 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
   return h;
 }
 
-struct Index {
-  int64_t version = 0, world_size = 0, step = 0;
-  std::string strategy;
-  std::vector<Entry> entries;
-  std::map<std::string, std::pair<int64_t, std::string>> files;  // name -> (size, checksum)
-  std::map<std::string, std::string> user_state;
-  // Every parameter (under each of its names) and buffer; absent in
-  // checkpoints written before shapes were recorded.
-  std::optional<std::map<std::string, std::vector<int64_t>>> shapes;
-  std::string fingerprint;  // the step and the index's checksum: ranks compare it
-};
-
 // Parameters (under every name: a tied one has several) and buffers of the
 // model, with their shapes. A sharded parameter keeps its sizes while freed.
 std::map<std::string, std::vector<int64_t>> model_shapes(torch::nn::Module& root) {
@@ -383,54 +321,7 @@ Index read_index(const std::string& dir) {
   if (!in) throw SafetensorsError("checkpoint '" + dir + "': no index.json (not a checkpoint, or an unfinished one)");
   std::stringstream ss;
   ss << in.rdbuf();
-  const std::string text = ss.str();
-  boost::system::error_code ec;
-  json::value v = json::parse(text, ec);
-  if (ec) throw SafetensorsError("checkpoint index '" + path + "': " + ec.message());
-  Index idx;
-  try {
-    const auto& o = v.as_object();
-    idx.version = o.at("format_version").to_number<int64_t>();
-    if (idx.version > kFormatVersion)
-      throw SafetensorsError("checkpoint index '" + path + "': format version " + std::to_string(idx.version) +
-                             " is newer than this shardtorch reads (" + std::to_string(kFormatVersion) + ")");
-    idx.world_size = o.at("world_size").to_number<int64_t>();
-    idx.step = o.at("step").to_number<int64_t>();
-    idx.strategy = json::value_to<std::string>(o.at("strategy"));
-    for (const auto& f : o.at("files").as_array()) {
-      const auto& fo = f.as_object();
-      idx.files[json::value_to<std::string>(fo.at("name"))] = {fo.at("size").to_number<int64_t>(),
-                                                               json::value_to<std::string>(fo.at("checksum"))};
-    }
-    for (const auto& e : o.at("entries").as_array()) idx.entries.push_back(entry_from(e, path));
-    if (const auto* u = o.if_contains("user_state")) {  // absent in checkpoints saved without it
-      for (const auto& [k, v] : u->as_object()) {
-        if (!v.is_string())
-          throw SafetensorsError("checkpoint index '" + path + "': user_state '" + std::string(k) + "' is not a string");
-        idx.user_state[std::string(k)] = json::value_to<std::string>(v);
-      }
-    }
-    if (const auto* sh = o.if_contains("shapes")) {
-      idx.shapes.emplace();
-      for (const auto& [k, dims] : sh->as_object()) {
-        std::vector<int64_t> shape;
-        for (const auto& d : dims.as_array()) {
-          shape.push_back(d.to_number<int64_t>());
-          if (shape.back() < 0) throw std::invalid_argument("negative dimension of '" + std::string(k) + "'");
-        }
-        (*idx.shapes)[std::string(k)] = std::move(shape);
-      }
-    }
-  } catch (const SafetensorsError&) {
-    throw;
-  } catch (const std::exception& e) {
-    throw SafetensorsError("checkpoint index '" + path + "': malformed: " + e.what());
-  }
-  for (const auto& e : idx.entries)
-    if (!idx.files.count(e.file))
-      throw SafetensorsError("checkpoint index '" + path + "': entry '" + e.tensor + "' names unlisted file '" + e.file + "'");
-  idx.fingerprint = "step " + std::to_string(idx.step) + ", index " + fnv_text(fnv1a(text.data(), text.size()));
-  return idx;
+  return parse_index(ss.str(), path);
 }
 
 // Opens (and checks) the files of a checkpoint on demand.

@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# Builds the safetensors header fuzz target with clang (libFuzzer, ASan, UBSan)
-# and runs it for a short fixed time on the seed corpus (copied, so the repo's
-# corpus is not modified). usage: run_fuzz.sh SOURCE_DIR BUILD_DIR [SECONDS]
+# Builds a checkpoint parser fuzz target with clang (libFuzzer, ASan, UBSan)
+# and runs it for a short fixed time on its seed corpus (copied, so the
+# repo's corpus is not modified).
+# usage: run_fuzz.sh SOURCE_DIR BUILD_DIR [SECONDS] [TARGET]
+#   TARGET: safetensors_header (the default: tests/fuzz/corpus) or
+#           checkpoint_index (index.json: tests/fuzz/index_corpus)
 set -euo pipefail
-src=$1 build=$2 seconds=${3:-20}
+src=$1 build=$2 seconds=${3:-20} target=${4:-safetensors_header}
 cxx=$(command -v clang++ || command -v clang++-14 || true)
 if [ -z "$cxx" ]; then
   echo "run_fuzz: clang++ not found; scripts/setup.sh installs clang-14 and libclang-rt-14-dev" >&2
   exit 1
 fi
-out=$build/fuzz
+case $target in
+  safetensors_header) corpus=corpus; sources=("$src/src/checkpoint/safetensors_format.cpp"); libs=() ;;
+  checkpoint_index) corpus=index_corpus; sources=("$src/src/checkpoint/index_format.cpp"); libs=(-lboost_json) ;;
+  *) echo "run_fuzz: unknown target '$target' (safetensors_header or checkpoint_index)" >&2; exit 1 ;;
+esac
+out=$build/fuzz/$target
 mkdir -p "$out/corpus" "$out/artifacts"
-cp -n "$src"/tests/fuzz/corpus/* "$out/corpus/" 2>/dev/null || true
-bin=$out/fuzz_safetensors_header
-if [ ! -x "$bin" ] || [ "$src/src/checkpoint/safetensors_format.cpp" -nt "$bin" ] || \
-   [ "$src/tests/fuzz/fuzz_safetensors_header.cpp" -nt "$bin" ]; then
+cp -n "$src/tests/fuzz/$corpus"/* "$out/corpus/" 2>/dev/null || true
+bin=$out/fuzz_$target
+stale=0
+[ -x "$bin" ] || stale=1
+for f in "${sources[@]}" "$src/tests/fuzz/fuzz_$target.cpp" "$src"/src/checkpoint/*.h "$src"/include/shardtorch/checkpoint/*.h; do
+  if [ "$f" -nt "$bin" ]; then stale=1; fi
+done
+if [ $stale = 1 ]; then
   "$cxx" -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -I"$src/include" "$src/tests/fuzz/fuzz_safetensors_header.cpp" "$src/src/checkpoint/safetensors_format.cpp" -o "$bin"
+    -I"$src/include" "$src/tests/fuzz/fuzz_$target.cpp" "${sources[@]}" "${libs[@]}" -o "$bin"
 fi
 "$bin" -max_total_time="$seconds" -artifact_prefix="$out/artifacts/" -print_final_stats=1 "$out/corpus" 2>&1 | tail -15

@@ -1,0 +1,52 @@
+#pragma once
+// The sharded checkpoint's index.json: its entries, its parsing and the
+// FNV-1a checksum it records. No LibTorch here, so that the fuzz target
+// (tests/fuzz/fuzz_checkpoint_index.cpp) builds it alone with Boost.JSON.
+#include <boost/json.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardtorch::checkpoint::index_format {
+
+constexpr int64_t kFormatVersion = 1;
+
+/// One saved range: elements [begin, end) of a parameter's (or buffer's, or
+/// optimizer state's) flattened values, stored as `tensor` in `file`.
+struct Entry {
+  std::string name, kind;  // parameter or buffer name; param, buffer, exp_avg, exp_avg_sq, ...
+  int64_t begin = 0, end = 0;
+  int64_t step = 0;  // optimizer state: the optimizer's step count for this range
+  std::string file, tensor;
+};
+
+std::string tensor_key(const Entry& e);
+
+struct Index {
+  int64_t version = 0, world_size = 0, step = 0;
+  std::string strategy;
+  std::vector<Entry> entries;
+  std::map<std::string, std::pair<int64_t, std::string>> files;  // name -> (size, checksum)
+  std::map<std::string, std::string> user_state;
+  // Every parameter (under each of its names) and buffer; absent in
+  // checkpoints written before shapes were recorded.
+  std::optional<std::map<std::string, std::vector<int64_t>>> shapes;
+  std::string fingerprint;  // the step and the index's checksum: ranks compare it
+};
+
+constexpr uint64_t kFnvBasis = 1469598103934665603ull;
+uint64_t fnv1a(const char* data, size_t n, uint64_t h = kFnvBasis);
+std::string fnv_text(uint64_t h);
+
+boost::json::object entry_json(const Entry& e);
+/// Parses and checks index.json's text (`path` names it in errors): any
+/// malformed, mistyped or out-of-range content is a SafetensorsError naming
+/// the file, never a crash or an unchecked value.
+Index parse_index(const std::string& text, const std::string& path);
+
+}  // namespace shardtorch::checkpoint::index_format

@@ -1,0 +1,33 @@
+// libFuzzer target for the sharded checkpoint's index.json parser (built with
+// ASan and UBSan, Boost.JSON from the system). Any text must either parse or
+// throw SafetensorsError naming the file: never crash, never throw anything
+// else, and what parses must hold what loading relies on.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "../../src/checkpoint/index_format.h"
+#include "shardtorch/checkpoint/safetensors_format.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  namespace f = shardtorch::checkpoint::index_format;
+  const std::string text(reinterpret_cast<const char*>(data), size);
+  try {
+    f::Index idx = f::parse_index(text, "fuzz/index.json");
+    if (idx.version > f::kFormatVersion) __builtin_trap();
+    for (const auto& e : idx.entries) {
+      if (e.begin < 0 || e.end < e.begin) __builtin_trap();
+      if (e.file.find('/') != std::string::npos || e.file.find("..") != std::string::npos) __builtin_trap();
+      if (!idx.files.count(e.file)) __builtin_trap();
+    }
+    if (idx.shapes)
+      for (const auto& [name, shape] : *idx.shapes)
+        for (int64_t d : shape)
+          if (d < 0) __builtin_trap();
+    // An entry written back parses the same (the save path's serializer).
+    for (const auto& e : idx.entries) (void)boost::json::serialize(f::entry_json(e));
+  } catch (const shardtorch::checkpoint::SafetensorsError& e) {
+    if (std::string(e.what()).find("fuzz/index.json") == std::string::npos) __builtin_trap();
+  }
+  return 0;
+}
