@@ -161,6 +161,7 @@ void broadcast_coalesced(Comm& comm, std::vector<std::pair<std::string, at::Tens
 void ShardState::bind_master_grads() {
   c10::NoGradGuard no_grad;
   int64_t converted = 0;  // fp32 copies of gradients reduced in a lower dtype
+  converted_.assign(ddp_masters_.size(), false);
   for (size_t i = 0; i < ddp_masters_.size(); ++i) {
     at::Tensor g = ddp_->grad_view(i);
     if (g.scalar_type() == ddp_masters_[i].scalar_type()) {
@@ -168,14 +169,19 @@ void ShardState::bind_master_grads() {
     } else {
       ddp_masters_[i].mutable_grad() = g.to(ddp_masters_[i].scalar_type());
       converted += ddp_masters_[i].grad().nbytes();
+      converted_[i] = true;
     }
   }
   mem_.add(Mem::MasterGrads, converted - master_grad_bytes_);
   master_grad_bytes_ = converted;
 }
 
-void ShardState::release_master_grads() {
-  for (at::Tensor m : ddp_masters_) m.mutable_grad().reset();  // a handle: same tensor
+void ShardState::release_master_grads(bool converted_only) {
+  for (size_t i = 0; i < ddp_masters_.size(); ++i) {
+    const bool converted = i < converted_.size() && converted_[i];
+    if (converted || !converted_only) at::Tensor(ddp_masters_[i]).mutable_grad().reset();  // a handle: same tensor
+  }
+  converted_.clear();
   mem_.sub(Mem::MasterGrads, master_grad_bytes_);
   master_grad_bytes_ = 0;
 }
@@ -193,7 +199,9 @@ void ShardState::after_optimizer_step() {
   if (ddp_) {  // the optimizer updated the parameters themselves, or their masters
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < ddp_masters_.size(); ++i) ddp_params_[i].copy_(ddp_masters_[i]);
-    release_master_grads();  // the step has read them; the model's own gradients stay until zero_grad
+    // The step has read the fp32 copies; views of fp32 buckets stay until
+    // zero_grad, like the parameters' own gradients.
+    release_master_grads(/*converted_only=*/true);
     return;
   }
   for (auto& u : units()) {

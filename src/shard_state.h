@@ -190,12 +190,13 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
     record.copy_(value.view(record.sizes()));
     if (!record.is_same(param)) at::Tensor(param).copy_(record);
   }
-  /// Points the masters' grads at the reduced gradients, cast if needed. The
-  /// fp32 copies are transient (master_grads): after_optimizer_step() and
-  /// zero_grad release them, so between steps NoShard holds 16 bytes per
-  /// parameter under mixed precision, as ZeRO counts it, not 20.
+  /// Points the masters' grads at the reduced gradients: views of buckets in
+  /// the masters' dtype, or fp32 copies of buckets in a lower dtype. The
+  /// copies are transient (master_grads): after_optimizer_step() releases
+  /// them (converted_only), zero_grad every master grad, so between steps
+  /// NoShard holds 16 bytes per parameter under bf16, as ZeRO counts it, not 20.
   void bind_master_grads();
-  void release_master_grads();
+  void release_master_grads(bool converted_only = false);
 
   /// The gradient tensors this rank holds (shards, whole ZeRO-1 gradients or
   /// NoShard bucket views); `partial` is set when other ranks hold other parts.
@@ -307,6 +308,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   int64_t gradient_reductions_ = 0;
   bool has_scaler_ = false;
   int64_t master_grad_bytes_ = 0;
+  std::vector<bool> converted_;  // per master: its grad is an fp32 copy, not a bucket view
 };
 
 /// The registry of sharded models, by root module (entries die with it).

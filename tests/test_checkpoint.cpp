@@ -63,34 +63,49 @@ std::string error_of(const fs::path& p) {
 }
 
 // Counts the bytes the CPU allocator holds while installed, and their peak:
-// what the process really allocates, not what the library says it does.
+// what the process really allocates, not what the library says it does. The
+// counters outlive the object: a tensor allocated through it may be freed
+// after it is gone (by Gloo's thread, say).
 class CountingCPUAllocator final : public c10::Allocator {
  public:
-  CountingCPUAllocator() : base_(c10::GetCPUAllocator()) { c10::SetCPUAllocator(this); }
-  ~CountingCPUAllocator() override { c10::SetCPUAllocator(base_); }
+  CountingCPUAllocator() : base_(c10::GetCPUAllocator()) {
+    counters().peak = counters().current.load();
+    c10::SetCPUAllocator(this);
+  }
+  ~CountingCPUAllocator() override {
+    if (c10::GetCPUAllocator() == this) c10::SetCPUAllocator(base_);
+  }
   c10::DataPtr allocate(size_t n) override {
-    auto* held = new Held{base_->allocate(n), n, this};
-    const int64_t now = current_ += static_cast<int64_t>(n);
-    for (int64_t p = peak_.load(); now > p && !peak_.compare_exchange_weak(p, now);) {
+    auto* held = new Held{base_->allocate(n), n};
+    auto& c = counters();
+    const int64_t now = c.current += static_cast<int64_t>(n);
+    for (int64_t p = c.peak.load(); now > p && !c.peak.compare_exchange_weak(p, now);) {
     }
     return {held->inner.get(), held, &Held::release, c10::Device(c10::kCPU)};
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-  int64_t peak() const { return peak_; }
+  /// The most bytes held at once since this object was made, counting what
+  /// was held then through an earlier one.
+  int64_t peak() const { return counters().peak; }
 
  private:
+  struct Counters {
+    std::atomic<int64_t> current{0}, peak{0};
+  };
+  static Counters& counters() {
+    static Counters c;
+    return c;
+  }
   struct Held {
     c10::DataPtr inner;
     size_t bytes;
-    CountingCPUAllocator* owner;
     static void release(void* p) {
       auto* h = static_cast<Held*>(p);
-      h->owner->current_ -= static_cast<int64_t>(h->bytes);
+      counters().current -= static_cast<int64_t>(h->bytes);
       delete h;
     }
   };
   c10::Allocator* base_;
-  std::atomic<int64_t> current_{0}, peak_{0};
 };
 }  // namespace
 
@@ -700,6 +715,8 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
       for (const auto& [n, t] : want) require(at::equal(got.at(n), t), what + ": '" + n + "' is neither as saved");
       shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 3);  // the next save goes over whatever is left
       require(shardtorch::load_sharded_checkpoint(*model, nullptr, ckpt) == 3, what + ": the next save did not land");
+      require(!fs::exists(ckpt + ".shardtorch-old") && !fs::exists(ckpt + ".shardtorch-tmp"),
+              what + ": the next save left a previous or unfinished checkpoint beside it");
     });
     EXPECT_TRUE(check.ok) << what << "\n" << check.summary();
   }
@@ -708,7 +725,8 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
 
 // The same for the full state dict's single file, killed at each point of
 // its write on rank 0, the writer; the temporary files the killed writes
-// leave are removed by the next write that completes.
+// leave are removed by the next write that completes (on the same host,
+// whose process is gone: not a live writer's).
 TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
   auto dir = temp_dir();
   const std::string path = (dir / "model.safetensors").string();
@@ -745,9 +763,21 @@ TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
     for (auto& [n, t] : unique_params(*want)) EXPECT_TRUE(at::equal(file.at(n), t)) << point << ": '" << n << "'";
     EXPECT_EQ(leftovers(), renamed ? 0 : 1) << point;
   }
+  // Beside them: a live writer's file (this process), another host's, and
+  // one of a process that cannot exist (above any pid_max).
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const std::string prefix = ".model.safetensors.tmp-";
+  const fs::path live = dir / (prefix + host + "-" + std::to_string(::getpid()));
+  const fs::path elsewhere = dir / (prefix + "another-host-1");
+  std::ofstream(live) << "x";
+  std::ofstream(elsewhere) << "x";
+  std::ofstream(dir / (prefix + host + "-4194305")) << "x";
+  EXPECT_EQ(leftovers(), 3);
   auto last = save(3, nullptr);
   ASSERT_TRUE(last.ok) << last.summary();
-  EXPECT_EQ(leftovers(), 0) << "temporary files of killed writes are left beside the file";
+  EXPECT_EQ(leftovers(), 2) << "only the live writer's and the other host's temporary files should be left";
+  EXPECT_TRUE(fs::exists(live) && fs::exists(elsewhere));
   fs::remove_all(dir);
 }
 

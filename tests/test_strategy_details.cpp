@@ -93,6 +93,7 @@ TEST_P(EveryStrategy, ModelStateMemoryMatchesTheZeroFormula) {
 // 2 + 2 + 12 bytes per parameter (bf16 parameters and buckets, fp32 masters
 // and moments); the masters' fp32 gradients exist from the synchronising
 // backward to the end of the step only, and the model keeps its gradients.
+// (A second step without a backward then finds no master gradients.)
 TEST(NoShard, MixedPrecisionKeepsTheZeroCountBetweenSteps) {
   auto r = run_ranks(2, [&](World& w) {
     auto model = gpt::GPT(gpt::Config{});
@@ -127,6 +128,23 @@ TEST(NoShard, MixedPrecisionKeepsTheZeroCountBetweenSteps) {
     require(torch::equal(before, model->parameters()[0]), "a step without a backward changed the parameters");
   });
   ASSERT_TRUE(r.ok) << r.summary();
+  // With fp32 reductions the masters' gradients are views of the buckets,
+  // nothing is copied, and they stay after the step until zero_grad.
+  auto fp32_reduce = run_ranks(2, [&](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    auto mp = shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).output_dtype(at::kFloat);
+    auto sm = shardtorch::shard(model, w, strategy_options(Strategy::NoShard, 2).mixed_precision(mp));
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+    gpt::lm_loss(model(x), x).backward();
+    const double before = shardtorch::clip_grad_norm(*model, 1e30);
+    opt->step();
+    const double after = shardtorch::clip_grad_norm(*model, 1e30);
+    require(sm.memory().max(Mem::MasterGrads) == 0, "fp32 reductions copied gradients");
+    require(before > 0 && after == before, "the gradient norm was " + std::to_string(before) + " before the step and " +
+                                               std::to_string(after) + " after it");
+  });
+  ASSERT_TRUE(fp32_reduce.ok) << fp32_reduce.summary();
 }
 
 TEST_P(EveryStrategy, FrozenParametersHoldNoGradientOrOptimizerMemoryAndMatch) {

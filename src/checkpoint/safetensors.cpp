@@ -1,6 +1,7 @@
 #include "shardtorch/checkpoint/safetensors.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -141,7 +142,7 @@ at::Tensor Reader::read_range(const std::string& name, int64_t offset, int64_t c
 }
 
 void write_file(const std::string& path, const std::vector<PendingTensor>& tensors,
-                const std::map<std::string, std::string>& metadata) {
+                const std::map<std::string, std::string>& metadata, bool remove_stale_temporaries) {
   std::vector<TensorRecord> records;
   uint64_t at = 0;
   for (const auto& t : tensors) {
@@ -160,7 +161,10 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
   namespace fs = std::filesystem;
   fs::path target(path);
   fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  const std::string tmp_prefix = "." + target.filename().string() + ".tmp-";
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  // ".NAME.tmp-HOST-PID": a stale one is known by its host and dead process.
+  const std::string tmp_prefix = "." + target.filename().string() + ".tmp-" + host + "-";
   const std::string tmp = (dir / (tmp_prefix + std::to_string(::getpid()))).string();
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) sys_fail(tmp, "cannot create");
@@ -195,24 +199,30 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     ::fsync(dfd);
     ::close(dfd);
   }
-  // Temporary files of writes to this path that were killed before their
-  // rename: the new file replaces what they would have become.
+  if (!remove_stale_temporaries) return;
+  // Temporary files of writes to this path, on this host, whose process is
+  // gone (killed before its rename): the new file replaces what they would
+  // have become. A live writer's file, or another host's, is left alone.
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
+    if (name.rfind(tmp_prefix, 0) != 0) continue;
+    const std::string pid_text = name.substr(tmp_prefix.size());
+    if (pid_text.empty() || pid_text.size() > 9 || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
     std::error_code ignored;
-    if (name.rfind(tmp_prefix, 0) == 0) fs::remove(it->path(), ignored);
+    if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) fs::remove(it->path(), ignored);
   }
 }
 
 void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-               const std::map<std::string, std::string>& metadata) {
+               const std::map<std::string, std::string>& metadata, bool remove_stale_temporaries) {
   std::vector<PendingTensor> pending;
   for (const auto& [name, t] : tensors) {
     at::Tensor keep = t;
     pending.push_back({name, t.scalar_type(), t.sizes().vec(), [keep] { return keep; }});
   }
-  write_file(path, pending, metadata);
+  write_file(path, pending, metadata, remove_stale_temporaries);
 }
 
 namespace {

@@ -146,6 +146,8 @@ void publish(const std::string& tmp, const std::string& dir) {
     if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
       checkpoint::crash_point("exchanged");
       best_effort("removing the previous checkpoint", [&] { fs::remove_all(tmp); });
+      // One a save without the exchange set aside before it was killed.
+      best_effort("removing '" + aside + "'", [&] { fs::remove_all(aside); });
       return;
     }
     if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
@@ -474,7 +476,8 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
       tensors.emplace_back(e.tensor, t);
       mine.push_back(entry_json(e));
     }
-    checkpoint::save_file(tmp + "/" + file, tensors, {{"step", std::to_string(step)}, {"rank", std::to_string(world.rank())}});
+    checkpoint::save_file(tmp + "/" + file, tensors, {{"step", std::to_string(step)}, {"rank", std::to_string(world.rank())}},
+                          /*remove_stale_temporaries=*/false);  // the staging directory is new
     report["file"] = json::object{{"name", file},
                                   {"size", static_cast<int64_t>(fs::file_size(tmp + "/" + file))},
                                   {"checksum", checksum(tmp + "/" + file)}};

@@ -24,7 +24,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       for (const auto& [name, shape] : *idx.shapes)
         for (int64_t d : shape)
           if (d < 0) __builtin_trap();
-    // An entry written back parses the same (the save path's serializer).
+    // An accepted entry serializes (the save path's serializer).
     for (const auto& e : idx.entries) (void)boost::json::serialize(f::entry_json(e));
   } catch (const shardtorch::checkpoint::SafetensorsError& e) {
     if (std::string(e.what()).find("fuzz/index.json") == std::string::npos) __builtin_trap();

@@ -52,13 +52,16 @@ struct PendingTensor {
   std::function<at::Tensor()> produce;
 };
 
-/// Writes atomically: to a temporary file beside `path`, fsync, rename over
-/// `path`, fsync the directory. If the process dies at any point, `path` is
-/// either the previous file or the complete new one.
+/// Writes atomically: to a temporary file beside `path` (".NAME.tmp-HOST-PID"),
+/// fsync, rename over `path`, fsync the directory. If the process dies at any
+/// point, `path` is either the previous file or the complete new one.
+/// `remove_stale_temporaries`: then removes the temporary files of earlier
+/// writes of `path` on this host whose process is gone (it scans the
+/// directory; a fresh directory has none to remove).
 void write_file(const std::string& path, const std::vector<PendingTensor>& tensors,
-                const std::map<std::string, std::string>& metadata = {});
+                const std::map<std::string, std::string>& metadata = {}, bool remove_stale_temporaries = true);
 void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-               const std::map<std::string, std::string>& metadata = {});
+               const std::map<std::string, std::string>& metadata = {}, bool remove_stale_temporaries = true);
 std::map<std::string, at::Tensor> load_file(const std::string& path);
 
 /// Fault injection for crash tests. Checkpoint writes call crash_point() with
