@@ -161,15 +161,13 @@ void broadcast_coalesced(Comm& comm, std::vector<std::pair<std::string, at::Tens
 void ShardState::bind_master_grads() {
   c10::NoGradGuard no_grad;
   int64_t converted = 0;  // fp32 copies of gradients reduced in a lower dtype
-  converted_.assign(ddp_masters_.size(), false);
   for (size_t i = 0; i < ddp_masters_.size(); ++i) {
     at::Tensor g = ddp_->grad_view(i);
-    if (g.scalar_type() == ddp_masters_[i].scalar_type()) {
+    if (!grad_is_copied(i)) {
       ddp_masters_[i].mutable_grad() = g;
     } else {
       ddp_masters_[i].mutable_grad() = g.to(ddp_masters_[i].scalar_type());
       converted += ddp_masters_[i].grad().nbytes();
-      converted_[i] = true;
     }
   }
   mem_.add(Mem::MasterGrads, converted - master_grad_bytes_);
@@ -177,11 +175,8 @@ void ShardState::bind_master_grads() {
 }
 
 void ShardState::release_master_grads(bool converted_only) {
-  for (size_t i = 0; i < ddp_masters_.size(); ++i) {
-    const bool converted = i < converted_.size() && converted_[i];
-    if (converted || !converted_only) at::Tensor(ddp_masters_[i]).mutable_grad().reset();  // a handle: same tensor
-  }
-  converted_.clear();
+  for (size_t i = 0; i < ddp_masters_.size(); ++i)
+    if (!converted_only || grad_is_copied(i)) at::Tensor(ddp_masters_[i]).mutable_grad().reset();  // a handle
   mem_.sub(Mem::MasterGrads, master_grad_bytes_);
   master_grad_bytes_ = 0;
 }

@@ -308,7 +308,8 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   int64_t gradient_reductions_ = 0;
   bool has_scaler_ = false;
   int64_t master_grad_bytes_ = 0;
-  std::vector<bool> converted_;  // per master: its grad is an fp32 copy, not a bucket view
+  /// NoShard: master i's grad is a copy (its bucket is in another dtype), not a view of its bucket.
+  bool grad_is_copied(size_t i) const { return ddp_->grad_view(i).scalar_type() != ddp_masters_[i].scalar_type(); }
 };
 
 /// The registry of sharded models, by root module (entries die with it).

@@ -62,6 +62,17 @@ std::string error_of(const fs::path& p) {
   return "";
 }
 
+// Crash tests: this process dies (SIGKILL) when a checkpoint write reaches
+// `point`. The run's limits notice a rank left waiting for a dead one.
+void die_at(const std::string& point) {
+  shardtorch::checkpoint::set_crash_hook([point](const std::string& p) {
+    if (p == point) ::raise(SIGKILL);
+  });
+}
+shardtorch::testing::RunOptions crash_run() {
+  return shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5));
+}
+
 // Counts the bytes the CPU allocator holds while installed, and their peak:
 // what the process really allocates, not what the library says it does. The
 // counters outlive the object: a tensor allocated through it may be freed
@@ -673,7 +684,6 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
     return out;
   };
   const auto old_params = params_of(1), new_params = params_of(2);
-  const auto opts = shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5));
   const std::string pristine = (dir / "pristine").string();
   auto first = run_ranks(2, [&](World& w) {
     torch::manual_seed(1);
@@ -694,13 +704,9 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
       torch::manual_seed(2);
       auto model = gpt::GPT(cfg);
       shardtorch::shard(model, w);
-      if (w.rank() == k.victim) {
-        shardtorch::checkpoint::set_crash_hook([&](const std::string& point) {
-          if (point == k.point) ::raise(SIGKILL);
-        });
-      }
+      if (w.rank() == k.victim) die_at(k.point);
       shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 2);
-    }, opts);
+    }, crash_run());
     ASSERT_EQ(killed.ranks[k.victim].signal, SIGKILL) << what << ": the save never reached the point\n" << killed.summary();
     ASSERT_FALSE(killed.ranks[1 - k.victim].timed_out) << what << ": the other rank hung\n" << killed.summary();
 
@@ -741,13 +747,9 @@ TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
       torch::manual_seed(seed);
       auto model = gpt::GPT(cfg);
       shardtorch::shard(model, w);
-      if (kill_at && w.rank() == 0) {
-        shardtorch::checkpoint::set_crash_hook([&](const std::string& point) {
-          if (point == kill_at) ::raise(SIGKILL);
-        });
-      }
+      if (kill_at && w.rank() == 0) die_at(kill_at);
       shardtorch::save_full_state_dict(*model, path, {{"seed", std::to_string(seed)}});
-    }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+    }, crash_run());
   };
   for (const char* point : {"file partly written", "file written", "file synced", "file renamed"}) {
     auto first = save(1, nullptr);

@@ -134,30 +134,25 @@ void check_replaceable(const std::string& dir) {
 //   aside, where loading looks for it (published_dir).
 void publish(const std::string& tmp, const std::string& dir) {
   const std::string aside = dir + kAsideSuffix;
+  const bool exchange = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE") == nullptr;
   if (!fs::exists(dir + "/index.json")) {
     if (fs::exists(dir)) fs::remove(dir);  // an empty directory (check_replaceable)
     fs::rename(tmp, dir);
     checkpoint::crash_point("new moved in");
-    best_effort("removing '" + aside + "'", [&] { fs::remove_all(aside); });
-    return;
-  }
-  const bool exchange = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE") == nullptr;
-  if (exchange) {
-    if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
-      checkpoint::crash_point("exchanged");
-      best_effort("removing the previous checkpoint", [&] { fs::remove_all(tmp); });
-      // One a save without the exchange set aside before it was killed.
-      best_effort("removing '" + aside + "'", [&] { fs::remove_all(aside); });
-      return;
-    }
-    if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
+  } else if (exchange && ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+    checkpoint::crash_point("exchanged");
+    best_effort("removing the previous checkpoint", [&] { fs::remove_all(tmp); });
+  } else {
+    if (exchange && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
       throw SafetensorsError("checkpoint '" + dir + "': could not swap in the new checkpoint: " + std::strerror(errno));
+    fs::remove_all(aside);  // older than `dir`, which is complete
+    fs::rename(dir, aside);
+    checkpoint::crash_point("previous moved aside");
+    fs::rename(tmp, dir);
+    checkpoint::crash_point("new moved in");
   }
-  fs::remove_all(aside);  // older than `dir`, which is complete
-  fs::rename(dir, aside);
-  checkpoint::crash_point("previous moved aside");
-  fs::rename(tmp, dir);
-  checkpoint::crash_point("new moved in");
+  // `dir` is complete now: a checkpoint set aside, by this save or by an
+  // earlier one killed between its renames, is older.
   best_effort("removing '" + aside + "'", [&] { fs::remove_all(aside); });
 }
 
