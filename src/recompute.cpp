@@ -161,6 +161,32 @@ struct Recompute : torch::CustomClassHolder {
   size_t inputs = 0;  // the unit's tensor inputs; the node may take one more (below)
   std::shared_ptr<std::atomic<bool>> pending = std::make_shared<std::atomic<bool>>(true);  // no backward yet
   std::vector<at::Tensor> keep_apart;  // the module's parameters and buffers: outputs must not be them
+  std::vector<at::Tensor> buffers;     // the module's buffers
+};
+
+// The module's buffers as the first run left them, put back where the
+// recomputation changed them (batch norm's running statistics and batch
+// count) once it and its backward are done or have failed: a step's
+// statistics count once, as without checkpointing. Compared by value, since
+// batch norm updates its statistics without raising their version counters;
+// restored only after the nested backward, which batch norm saves them for.
+class BuffersKept {
+ public:
+  explicit BuffersKept(const std::vector<at::Tensor>& buffers) {
+    at::NoGradGuard no_grad;
+    for (const auto& b : buffers)
+      if (b.defined()) kept_.emplace_back(b, b.detach().clone());
+  }
+  ~BuffersKept() {
+    at::NoGradGuard no_grad;
+    for (auto& [b, value] : kept_)
+      if (!at::equal(b, value)) b.detach().copy_(value);
+  }
+  BuffersKept(const BuffersKept&) = delete;
+  BuffersKept& operator=(const BuffersKept&) = delete;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> kept_;
 };
 
 using torch::autograd::AutogradContext;
@@ -231,6 +257,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
       d.requires_grad_(t.requires_grad());
       in.push_back(std::move(d));
     }
+    const BuffersKept buffers_kept(r->buffers);  // until the nested backward below is done
     variable_list outs;
     {
       const RngStates now = r->rng.current();
@@ -316,7 +343,10 @@ std::vector<at::Tensor> UnitBase::checkpointed_forward(std::vector<at::Tensor> i
   r->inputs = inputs.size();
   if (auto* module = dynamic_cast<torch::nn::Module*>(this)) {
     for (const auto& p : module->parameters()) r->keep_apart.push_back(p);
-    for (const auto& b : module->buffers()) r->keep_apart.push_back(b);
+    for (const auto& b : module->buffers()) {
+      r->keep_apart.push_back(b);
+      r->buffers.push_back(b);
+    }
   }
   checkpointing_->last_pending = r->pending;
   // No input that needs a gradient: autograd would never run the node and

@@ -50,6 +50,29 @@ struct DropNetImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(DropNet);
 
+// A unit with batch norm: its forward updates the running statistics and
+// the batch count, which the recomputation must not update a second time.
+struct NormBlockImpl : torch::nn::Module {
+  NormBlockImpl()
+      : lin(register_module("lin", torch::nn::Linear(8, 8))),
+        norm(register_module("norm", torch::nn::BatchNorm1d(8))) {}
+  torch::Tensor forward(torch::Tensor x) { return x + torch::gelu(norm(lin(x))); }
+  torch::nn::Linear lin;
+  torch::nn::BatchNorm1d norm;
+};
+SHARDTORCH_MODULE(NormBlock);
+
+struct NormNetImpl : torch::nn::Module {
+  NormNetImpl()
+      : a(register_module("a", NormBlock())),
+        b(register_module("b", NormBlock())),
+        out(register_module("out", torch::nn::Linear(8, 3))) {}
+  torch::Tensor forward(torch::Tensor x) { return out(b(a(x))); }
+  NormBlock a, b;
+  torch::nn::Linear out;
+};
+SHARDTORCH_MODULE(NormNet);
+
 // Wide residual blocks: activations (batch x 512 per block) dwarf the
 // parameters, so what checkpointing saves shows.
 struct WideImpl : torch::nn::Module {
@@ -348,6 +371,40 @@ TEST_P(Recompute, DropoutAndInputsWithoutGradientsTrainAsWithoutCheckpointing) {
     auto plain = train(false);
     auto ckpt = train(true);
     require_bitwise(ckpt, plain, std::string(shardtorch::strategy_name(strategy)) + " with dropout");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Batch norm's running statistics and batch count are updated once per
+// step, as without checkpointing, not again by the recomputation; the
+// gradients are unchanged (in training, batch norm normalises with the
+// batch's own statistics).
+TEST_P(Recompute, BatchNormStatisticsAreUpdatedOncePerStep) {
+  auto [strategy, world] = GetParam();
+  auto r = run_ranks(world, [&](World& w) {
+    auto train = [&](bool ckpt) {
+      torch::manual_seed(0);
+      NormNet net;
+      auto sm = shardtorch::shard(net, w, strategy_options(strategy, world).activation_checkpointing(ckpt));
+      auto opt = shardtorch::Adam(*net, torch::optim::AdamOptions(1e-2));
+      torch::manual_seed(100 + w.rank());
+      for (int s = 0; s < 3; ++s) {
+        opt->zero_grad();
+        net(torch::randn({6, 8}) * (1 + s)).pow(2).mean().backward();
+        opt->step();
+      }
+      shardtorch::FullParams full(*net);
+      auto p = snapshot(*net);
+      for (const auto& item : net->named_buffers()) p["buffer " + item.key()] = item.value().clone();
+      return p;
+    };
+    auto plain = train(false);
+    auto ckpt = train(true);
+    const std::string what = std::string(shardtorch::strategy_name(strategy)) + " with batch norm";
+    require(plain.at("buffer a.norm.num_batches_tracked").item<int64_t>() == 3,
+            what + ": " + std::to_string(plain.at("buffer a.norm.num_batches_tracked").item<int64_t>()) +
+                " batches counted without checkpointing in 3 steps");
+    require_bitwise(ckpt, plain, what);
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
