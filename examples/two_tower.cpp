@@ -174,7 +174,12 @@ int main(int argc, char** argv) {
       if (losses.size() >= 10)
         std::printf("loss %s: mean of the first %zu steps %.4f, of the last %zu steps %.4f\n",
                     fell ? "fell" : "DID NOT FALL", k, first, k, last);
+      std::fflush(stdout);
     }
+    // No rank exits before rank 0 has printed: torchrun stops the others as
+    // soon as one exits with an error, and the verdict would be lost.
+    auto done = torch::zeros({1});
+    world->comm().all_reduce(done, c10d::ReduceOp::SUM, "two_tower exit");
     return fell && same ? 0 : 2;
   } catch (const std::exception& e) {
     std::cerr << "two_tower: " << e.what() << "\n";
