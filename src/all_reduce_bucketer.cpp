@@ -65,7 +65,10 @@ void AllReduceBucketer::bind_grads() {
     at::Tensor view = grad_view(k);
     at::Tensor& g = params_[k].mutable_grad();
     if (g.defined() && g.data_ptr() == view.data_ptr()) continue;
-    if (g.defined()) view.copy_(g);  // autograd or the user replaced it: keep the values
+    // Autograd or the user replaced it: keep the values. Set to none (by
+    // Module::zero_grad): the bucket's slice still holds the last step's.
+    if (g.defined()) view.copy_(g);
+    else view.zero_();
     g = view;
   }
 }

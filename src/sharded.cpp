@@ -21,6 +21,14 @@ namespace shardtorch {
 UnitBase::~UnitBase() = default;
 
 void UnitBase::before_forward() { unit_->pre_forward(); }
+
+void UnitBase::zero_shard_grads(torch::nn::Module& self) {
+  if (!unit_) return;  // not sharded yet, or NoShard (its gradients are the parameters' own, bucket views)
+  unit_->owner().recover_if_backward_failed();  // reductions of a failed backward land before the zeroing
+  for (const auto& m : self.modules(/*include_self=*/true))
+    if (auto* u = dynamic_cast<UnitBase*>(m.get()); u && u->unit_)
+      for (auto& f : u->unit_->flats()) f->zero_grad();
+}
 void UnitBase::after_forward(const std::vector<at::Tensor>& outputs) { unit_->post_forward(outputs); }
 std::optional<at::ScalarType> UnitBase::input_dtype() const { return unit_->input_dtype(); }
 std::optional<at::ScalarType> UnitBase::output_dtype() const { return unit_->output_dtype(); }

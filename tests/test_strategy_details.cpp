@@ -181,6 +181,33 @@ TEST_P(EveryStrategy, FrozenParametersHoldNoGradientOrOptimizerMemoryAndMatch) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// LibTorch's Module::zero_grad() sets the gradients to none (set_to_none
+// defaults to true): a loop that clears them through the module instead of
+// the optimizer must train the same.
+TEST_P(EveryStrategy, ClearingGradientsThroughTheModuleTrainsAsTheOptimizersZeroGrad) {
+  const Strategy strategy = GetParam();
+  torch::manual_seed(7);
+  auto x = torch::randn({12, 7}), y = torch::randn({12, 3});
+  torch::manual_seed(0);
+  auto ref = MLP();
+  torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
+  auto want = train_in_one_process(*ref, ref_opt, 3, [&] { return torch::mse_loss(ref(x), y); });
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = MLP();
+    auto sm = shardtorch::shard(m, w, strategy_options(strategy, 2));
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
+    for (int s = 0; s < 3; ++s) {
+      m->zero_grad();  // set_to_none
+      torch::mse_loss(m(x.narrow(0, 6 * w.rank(), 6)), y.narrow(0, 6 * w.rank(), 6)).backward();
+      opt->step();
+    }
+    shardtorch::FullParams full(*m);
+    expect_close_map(snapshot(*m), want, 1e-5, std::string(shardtorch::strategy_name(strategy)) + ", module zero_grad");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 INSTANTIATE_TEST_SUITE_P(All, EveryStrategy, ::testing::ValuesIn(kAllStrategies), name_of);
 
 TEST(NoShard, BucketAllReducesStartDuringBackwardAndGradientsAreBucketViews) {

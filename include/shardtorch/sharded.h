@@ -179,6 +179,9 @@ class UnitBase {
   std::optional<at::ScalarType> output_dtype() const;
   /// Activation checkpointing is on for this unit and grad mode is enabled.
   bool checkpointing_now() const;
+  /// After Module::zero_grad on `self` (this unit): drops the gradients that
+  /// `self`'s units hold in their shards, as the optimizer's zero_grad does.
+  void zero_shard_grads(torch::nn::Module& self);
   /// Runs `run(inputs, true)` without keeping activations and returns its
   /// outputs attached to one autograd node that recomputes them in backward.
   std::vector<at::Tensor> checkpointed_forward(std::vector<at::Tensor> inputs, detail::RecomputeFn run);
@@ -284,6 +287,13 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
     detail::collect_tensors(outputs, out);
     after_forward(outputs);
     return out;
+  }
+
+  /// LibTorch's Module::zero_grad (gradients set to none by default) reaches
+  /// the gradients the shards hold too: of this unit and the units inside it.
+  void zero_grad(bool set_to_none = true) override {
+    Impl::zero_grad(set_to_none);
+    zero_shard_grads(*this);
   }
 
  private:
