@@ -18,24 +18,37 @@ double clip_grad_norm(torch::nn::Module& root, double max_norm, double norm_type
   bool partial = false;
   std::vector<at::Tensor> grads = state->local_gradients(partial);
   // Accumulate in double: one partial value per rank.
+  // A NaN gradient makes the norm NaN, as in torch::nn::utils::clip_grad_norm_
+  // (std::max would drop it, and so may a MAX all-reduce: it travels as a flag).
   double local = 0.0;
+  bool nan = false;
   for (const auto& g : grads) {
     if (g.numel() == 0) continue;  // max() of nothing throws
     if (inf) {
-      local = std::max(local, g.abs().max().item<double>());
+      const double m = g.abs().max().item<double>();
+      nan = nan || std::isnan(m);
+      if (m > local) local = m;
     } else {
       local += g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
     }
   }
   if (partial) {
     Comm& comm = state->shard_comm();  // hybrid replicas hold equal shards: the shard group covers everything once
-    auto t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble)).to(comm.device());
-    comm.all_reduce(t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, "clip_grad_norm");
-    local = t.cpu().item<double>();
+    if (inf) {
+      auto t = at::tensor({local, nan ? 1.0 : 0.0}, at::TensorOptions().dtype(at::kDouble)).to(comm.device());
+      comm.all_reduce(t, c10d::ReduceOp::MAX, "clip_grad_norm");
+      t = t.cpu();
+      local = t[0].item<double>();
+      nan = t[1].item<double>() > 0;
+    } else {
+      auto t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble)).to(comm.device());
+      comm.all_reduce(t, c10d::ReduceOp::SUM, "clip_grad_norm");  // a NaN stays NaN in a sum
+      local = t.cpu().item<double>();
+    }
   }
-  const double total = inf ? local : std::pow(local, 1.0 / norm_type);
+  const double total = nan ? std::numeric_limits<double>::quiet_NaN() : inf ? local : std::pow(local, 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
-  if (coef < 1.0) {
+  if (!(coef >= 1.0)) {  // a NaN coefficient scales too, as torch's clamp(coef, max=1) does
     for (auto& g : grads) g.mul_(coef);
   }
   return total;

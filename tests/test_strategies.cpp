@@ -149,6 +149,41 @@ TEST_P(StrategyParity, ClippingEqualsTorchClipGradNorm) {
   }
 }
 
+// A unit whose last bias element gets a NaN gradient and nothing else does
+// (sqrt(0 * b) is 0 forward; backward multiplies sqrt's infinite slope by 0).
+// Flattened, that element is the last: at 2 ranks only rank 1's shard has it.
+struct NanLayerImpl : torch::nn::Module {
+  NanLayerImpl() : lin(register_module("lin", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(torch::Tensor x) { return lin(x) + torch::sqrt(lin->bias.narrow(0, 3, 1) * 0); }
+  torch::nn::Linear lin;
+};
+SHARDTORCH_MODULE(NanLayer);
+
+// The norm is NaN on every rank, as torch::nn::utils::clip_grad_norm_ gives,
+// so a loop that skips the step on a non-finite norm does skip it; with
+// either norm, and the NaN in one rank's shard only.
+TEST(Clipping, ANaNGradientInOneRanksShardGivesANaNNormEverywhere) {
+  for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+    torch::manual_seed(0);
+    NanLayer ref;
+    ref(torch::randn({3, 4})).pow(2).mean().backward();
+    const double want = torch::nn::utils::clip_grad_norm_(ref->parameters(), 1.0, norm_type);
+    ASSERT_TRUE(std::isnan(want)) << "torch's norm " << norm_type << ": " << want;
+    for (Strategy strategy : kAllStrategies) {
+      auto r = run_ranks(2, [&](World& w) {
+        torch::manual_seed(0);
+        NanLayer m;
+        shardtorch::shard(m, w, strategy_options(strategy, 2));
+        m(torch::randn({3, 4})).pow(2).mean().backward();
+        const double norm = shardtorch::clip_grad_norm(*m, 1.0, norm_type);
+        require(std::isnan(norm), std::string(shardtorch::strategy_name(strategy)) + " norm " +
+                                      std::to_string(norm_type) + ": " + std::to_string(norm) + ", want NaN");
+      });
+      ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << " norm " << norm_type << ": " << r.summary();
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     All, StrategyParity,
     ::testing::Combine(::testing::ValuesIn(kAllStrategies), ::testing::Values(1, 2, 3, 4)),
