@@ -16,16 +16,18 @@ GradScaler::GradScaler(torch::nn::Module& root, GradScalerOptions options)
 at::Tensor GradScaler::scale(const at::Tensor& loss) const { return loss * scale_; }
 
 void GradScaler::unscale(ShardedOptimizer&) {
-  if (unscaled_) return;
+  // Once per value of the gradients: after a backward or a zero_grad (a step
+  // the user chose not to take after unscale) they are scaled again.
+  if (unscaled_at_ == state_->gradient_generation()) return;
   c10::NoGradGuard no_grad;
   bool partial = false;
   for (auto& g : state_->local_gradients(partial)) g.mul_(1.0 / scale_);
-  unscaled_ = true;
+  unscaled_at_ = state_->gradient_generation();
 }
 
 bool GradScaler::step(ShardedOptimizer& opt) {
   unscale(opt);
-  unscaled_ = false;
+  unscaled_at_.reset();
   bool partial = false;
   bool found = false;
   for (auto& g : state_->local_gradients(partial)) {

@@ -97,6 +97,7 @@ void ShardViews::bind_grads() {
 
 void ShardViews::zero_grad() {
   state_->recover_if_backward_failed();  // reductions of a failed backward must land before the zeroing
+  state_->gradients_changed();
   if (state_->ddp()) {  // gradients stay views of the buckets
     state_->ddp()->zero_grads();
     state_->release_master_grads();

@@ -273,6 +273,10 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// queued end-of-backward that never ran means the last backward failed;
   /// abandon_backward() then, before anything gathers, reduces or zeroes.
   void recover_if_backward_failed();
+  /// Changes whenever the gradients may have: at the end of every backward
+  /// and at every zero_grad (the GradScaler's "already unscaled" is per value).
+  uint64_t gradient_generation() const { return gradient_generation_; }
+  void gradients_changed() { ++gradient_generation_; }
   /// After a backward failed (an exception in a hook, a collective, or at its
   /// end): waits for and drops reductions in flight, drops staged gradients,
   /// reshards and resets every unit, so that the next backward starts clean.
@@ -302,6 +306,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool builds_graph_ = false;  // this backward was started with create_graph
   bool grad_call_ = false;     // ... by torch::autograd::grad: no accumulator runs
   bool callback_queued_ = false;
+  uint64_t gradient_generation_ = 0;
   int callback_task_ = -1;  // the autograd graph task the callback was queued for
   bool sync_ = true;
   int summons_ = 0;

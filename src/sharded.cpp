@@ -25,6 +25,7 @@ void UnitBase::before_forward() { unit_->pre_forward(); }
 void UnitBase::zero_shard_grads(torch::nn::Module& self) {
   if (!unit_) return;  // not sharded yet, or NoShard (its gradients are the parameters' own, bucket views)
   unit_->owner().recover_if_backward_failed();  // reductions of a failed backward land before the zeroing
+  unit_->owner().gradients_changed();
   for (const auto& m : self.modules(/*include_self=*/true))
     if (auto* u = dynamic_cast<UnitBase*>(m.get()); u && u->unit_)
       for (auto& f : u->unit_->flats()) f->zero_grad();

@@ -163,6 +163,46 @@ TEST(MixedPrecision, Fp16OverflowOnOneRankSkipsTheStepOnEveryRankAndHalvesTheSca
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// A loop that unscales (to clip, or to look at the gradients), then decides
+// not to step, clears and runs the next backward: the next step unscales the
+// new gradients again. It used to step on gradients still multiplied by the
+// scale. Trained the same as the loop that never skipped, bitwise.
+TEST(MixedPrecision, AStepNotTakenAfterUnscaleLeavesTheNextGradientsToBeUnscaled) {
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      auto train = [&](bool skip_first) {
+        torch::manual_seed(0);
+        auto model = gpt::GPT(gpt::Config{});
+        shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(
+                                        MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
+        shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
+        auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
+        auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+        auto backward = [&] {
+          opt->zero_grad();
+          scaler.scale(gpt::lm_loss(model(x), x)).backward();
+        };
+        if (skip_first) {
+          backward();
+          scaler.unscale(*opt);
+          shardtorch::clip_grad_norm(*model, 1e9);  // looked at, not stepped
+        }
+        for (int k = 0; k < 2; ++k) {
+          backward();
+          require(scaler.step(*opt), "a step was skipped");
+        }
+        return shardtorch::full_parameters(*model);
+      };
+      auto want = train(false);
+      auto got = train(true);
+      for (auto& [n, t] : want)
+        require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n +
+                                              "' differs after a step not taken following unscale");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
 // fp16 reductions divide by the world size before summing, under every
 // strategy: two ranks' gradients of 40000 each sum to 80000, beyond fp16's
 // 65504, but their mean does not overflow. NoShard used to sum first (an inf,

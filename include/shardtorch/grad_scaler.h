@@ -13,7 +13,9 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "shardtorch/optim.h"
 
@@ -37,7 +39,8 @@ class GradScaler {
 
   /// loss × scale.
   at::Tensor scale(const at::Tensor& loss) const;
-  /// Divides this rank's gradients by the scale (once per step).
+  /// Divides this rank's gradients by the scale, once: again only after a
+  /// backward or zero_grad has changed them (a step not taken after unscale).
   void unscale(ShardedOptimizer& opt);
   /// Collective. Unscales if not done yet, agrees across ranks whether any
   /// gradient is inf or nan, steps the optimizer if none is, updates the
@@ -51,7 +54,7 @@ class GradScaler {
   std::shared_ptr<detail::ShardState> state_;
   GradScalerOptions options_;
   double scale_;
-  bool unscaled_ = false;
+  std::optional<uint64_t> unscaled_at_;  // the gradients' generation when unscaled
   int good_steps_ = 0;
   int64_t skipped_ = 0;
 };
