@@ -78,6 +78,7 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 }
 
 void ShardViews::bind_grads() {
+  state_->check_outside_summon();  // before the step changes anything: the scope would write it over
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).
   state_->wait_for_offload_copies();

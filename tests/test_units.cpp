@@ -82,6 +82,7 @@ TEST(Units, ForwardInsideSummonKeepsTheUnitsAndAStepThereIsRefused) {
     auto m = MLP();
     auto sm = shardtorch::shard(m, w);
     auto opt = shardtorch::AdamW(*m, torch::optim::AdamWOptions(1e-2));
+    m(x).square().mean().backward();  // gradients a step inside the scope would apply
     {
       shardtorch::FullParams full(*m);
       {
@@ -98,6 +99,7 @@ TEST(Units, ForwardInsideSummonKeepsTheUnitsAndAStepThereIsRefused) {
         refused = std::string(e.what()).find("inside a summon_full_params scope") != std::string::npos;
       }
       require(refused, "an optimizer step inside summon was accepted");
+      require(opt->inner().state().empty(), "the refused step was applied (the optimizer has state)");
     }
     require(sm.memory().cur(Mem::GatheredParams) == 0, "full parameters left after summon");
     {
