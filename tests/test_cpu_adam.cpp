@@ -104,6 +104,34 @@ TEST(FusedCpuAdam, RefusesAmsgrad) {
   EXPECT_THROW(opt.step(), c10::Error);
 }
 
+// A refused step changes nothing: a first group that could step is not
+// stepped before a later group is found wrong. Bad options are refused
+// (beta2 = 1 would divide by a zero bias correction and write NaN).
+TEST(FusedCpuAdam, ARefusedStepChangesNothing) {
+  auto a = torch::randn({4}).requires_grad_(true), b = torch::randn({4}).requires_grad_(true);
+  const auto a0 = a.detach().clone();
+  shardtorch::FusedAdamW opt({torch::optim::OptimizerParamGroup({a}),
+                              torch::optim::OptimizerParamGroup({b}, std::make_unique<torch::optim::AdamWOptions>(
+                                                                         torch::optim::AdamWOptions(1e-3).amsgrad(true)))},
+                             torch::optim::AdamWOptions(1e-3));
+  a.mutable_grad() = torch::ones({4});
+  b.mutable_grad() = torch::ones({4});
+  EXPECT_THROW(opt.step(), c10::Error);
+  EXPECT_TRUE(at::equal(a.detach(), a0)) << "the first group was stepped before the refusal";
+  EXPECT_TRUE(opt.state().empty()) << "state was created before the refusal";
+  auto c = torch::randn({4}).requires_grad_(true);
+  const auto c0 = c.detach().clone();
+  shardtorch::FusedAdamW bad({c}, torch::optim::AdamWOptions(1e-3).betas({0.9, 1.0}));
+  c.mutable_grad() = torch::ones({4});
+  try {
+    bad.step();
+    ADD_FAILURE() << "beta2 = 1 was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("0 <= betas < 1"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(at::equal(c.detach(), c0));
+}
+
 TEST(FusedCpuAdam, ShardedTrainingWithFusedAdamWMatchesSingleProcess) {
   auto x = gpt_tokens();
   auto opts = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);

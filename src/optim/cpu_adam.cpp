@@ -180,15 +180,38 @@ at::Tensor FusedAdamBase<Options, State, Decoupled>::step(LossClosure closure) {
     loss = closure();
   }
   c10::NoGradGuard no_grad;
-  for (auto& group : param_groups_) {
-    auto& o = static_cast<Options&>(group.options());
-    TORCH_CHECK(!o.amsgrad(), "shardtorch FusedAdam: amsgrad is not supported; use torch::optim::Adam");
-    for (auto& p : group.params()) {
+  // Everything is checked before anything is updated: a refusal leaves no
+  // group stepped and no step counted.
+  for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
+    const auto& o = static_cast<const Options&>(param_groups_[gi].options());
+    const auto [beta1, beta2] = o.betas();
+    TORCH_CHECK(!o.amsgrad(), "shardtorch FusedAdam: group ", gi, ": amsgrad is not supported; use torch::optim::Adam");
+    TORCH_CHECK(o.lr() >= 0 && o.eps() >= 0 && o.weight_decay() >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 &&
+                    beta2 < 1,
+                "shardtorch FusedAdam: group ", gi, ": need lr, eps, weight_decay >= 0 and 0 <= betas < 1, got lr ",
+                o.lr(), ", eps ", o.eps(), ", weight_decay ", o.weight_decay(), ", betas (", beta1, ", ", beta2, ")");
+    for (const auto& p : param_groups_[gi].params()) {
       if (!p.grad().defined()) continue;
       TORCH_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu() && p.is_contiguous() &&
-                      p.grad().is_contiguous() && p.grad().scalar_type() == at::kFloat,
-                  "shardtorch FusedAdam: needs contiguous fp32 CPU parameters and gradients, got ",
-                  p.scalar_type(), " on ", p.device());
+                      p.grad().is_contiguous() && p.grad().scalar_type() == at::kFloat &&
+                      p.grad().numel() == p.numel(),
+                  "shardtorch FusedAdam: group ", gi, ": needs contiguous fp32 CPU parameters and gradients of the "
+                  "same size, got a ", p.scalar_type(), " parameter of ", p.numel(), " on ", p.device(), " with a ",
+                  p.grad().scalar_type(), " gradient of ", p.grad().numel());
+      auto it = state_.find(p.unsafeGetTensorImpl());
+      if (it == state_.end()) continue;
+      const auto& s = static_cast<const State&>(*it->second);
+      for (const at::Tensor& m : {s.exp_avg(), s.exp_avg_sq()})
+        TORCH_CHECK(m.defined() && m.scalar_type() == at::kFloat && m.device().is_cpu() && m.is_contiguous() &&
+                        m.numel() == p.numel(),
+                    "shardtorch FusedAdam: group ", gi, ": a parameter of ", p.numel(),
+                    " elements has moments that are not contiguous fp32 CPU tensors of its size");
+    }
+  }
+  for (auto& group : param_groups_) {
+    auto& o = static_cast<Options&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
       auto& slot = state_[p.unsafeGetTensorImpl()];
       if (!slot) {
         auto s = std::make_unique<State>();
