@@ -116,6 +116,9 @@ void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
                     "ShardOptions::error_on_unused_parameters is set (as it is now)");
       }
     }
+    // A parameter with no gradient in this backward and none bound (set to
+    // none, unused here) is reduced as zero, not as what its slice held.
+    bind_grads();
     for (size_t b = 0; b < buckets_.size(); ++b)
       if (!buckets_[b].launched) launch(buckets_[b], b);
     const double n = comm_.size();

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 
@@ -15,6 +16,33 @@ std::string describe(const at::Tensor& t) {
   return os.str();
 }
 
+namespace {
+struct InjectedFailures {
+  std::mutex mu;
+  std::string what;
+  int count = 0;
+
+  // True (once per armed count) when the collective described by `what` is to fail.
+  bool take(const std::string& description) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (count == 0 || description.find(what) == std::string::npos) return false;
+    --count;
+    return true;
+  }
+};
+InjectedFailures& injected() {
+  static InjectedFailures f;
+  return f;
+}
+}  // namespace
+
+void testing::fail_collectives(const std::string& what, int count) {
+  auto& f = injected();
+  std::lock_guard<std::mutex> lock(f.mu);
+  f.what = what;
+  f.count = count;
+}
+
 Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::chrono::milliseconds timeout,
            c10::Device device)
     : backend_(std::move(backend)), rank_(rank), size_(size), timeout_(timeout), device_(device) {}
@@ -26,6 +54,7 @@ void Comm::run(const char* op, const std::string& what, const std::string& shape
   try {
     auto work = launch();
     work->wait(timeout_);
+    if (injected().take(what)) throw std::runtime_error("failure injected by shardtorch::testing::fail_collectives");
   } catch (const std::exception& e) {
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::ostringstream os;
@@ -118,8 +147,9 @@ PendingWork Comm::all_reduce_async(at::Tensor& t, const std::string& what) {
 
 void Comm::wait(PendingWork& p) {
   TORCH_CHECK(p.work, "shardtorch: Comm::wait on a collective that was not launched");
-  run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return p.work; }, p.start);
-  p.work.reset();
+  // Done with it either way: a collective that failed is not waited for again.
+  auto work = std::move(p.work);
+  run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
 }
 
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {

@@ -27,7 +27,6 @@ void GradScaler::unscale(ShardedOptimizer&) {
 
 bool GradScaler::step(ShardedOptimizer& opt) {
   unscale(opt);
-  unscaled_at_.reset();
   bool partial = false;
   bool found = false;
   for (auto& g : state_->local_gradients(partial)) {
@@ -42,11 +41,13 @@ bool GradScaler::step(ShardedOptimizer& opt) {
   comm.all_reduce(flag, c10d::ReduceOp::MAX, "GradScaler inf/nan check");
   if (flag.cpu().item<float>() > 0) {
     scale_ *= options_.backoff_factor();
+    unscaled_at_.reset();
     good_steps_ = 0;
     ++skipped_;
     return false;
   }
-  opt.step();
+  opt.step();  // if it throws (refused), the gradients stay marked unscaled: a retry does not divide again
+  unscaled_at_.reset();
   if (++good_steps_ >= options_.growth_interval()) {
     scale_ *= options_.growth_factor();
     good_steps_ = 0;

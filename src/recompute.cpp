@@ -179,8 +179,14 @@ class BuffersKept {
   }
   ~BuffersKept() {
     at::NoGradGuard no_grad;
-    for (auto& [b, value] : kept_)
-      if (!at::equal(b, value)) b.detach().copy_(value);
+    for (auto& [b, value] : kept_) {
+      try {
+        if (!at::equal(b, value)) b.detach().copy_(value);
+      } catch (const std::exception& e) {  // a destructor must not throw (it may run while one unwinds)
+        TORCH_WARN("shardtorch: a checkpointed unit's buffer of shape ", b.sizes(), " could not be put back after "
+                   "its recomputation: ", e.what());
+      }
+    }
   }
   BuffersKept(const BuffersKept&) = delete;
   BuffersKept& operator=(const BuffersKept&) = delete;

@@ -94,11 +94,11 @@ void ShardState::abandon_backward(bool warn) {
 
 void ShardState::finish_backward() {
   callback_queued_ = false;
-  gradients_changed();
   backward_cursor_ = SIZE_MAX;
   // Nothing to reduce in a backward that builds a graph (a parameter gradient
   // there is an error) nor in torch::autograd::grad (no accumulator runs).
   const bool no_gradients = builds_graph_ || grad_call_;
+  if (!no_gradients) gradients_changed();
   try {
     if (ddp_) {
       if (no_gradients) return;

@@ -92,6 +92,13 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void register_grad_hooks();
 
  private:
+  /// Frees the full parameters and goes back to Sharded (the caller counts
+  /// the memory). Gathers in flight from gathers_[wait_from] on are waited
+  /// for first, their errors ignored: nobody reads what they bring.
+  void free_full(size_t wait_from = 0);
+  /// reduce_grads' work: each trainable flat's gradient to its reduction.
+  void reduce_flats();
+
   std::shared_ptr<ShardState> owner_;
   std::string name_;
   int index_;

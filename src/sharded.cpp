@@ -23,12 +23,21 @@ UnitBase::~UnitBase() = default;
 void UnitBase::before_forward() { unit_->pre_forward(); }
 
 void UnitBase::zero_shard_grads(torch::nn::Module& self) {
-  if (!unit_) return;  // not sharded yet, or NoShard (its gradients are the parameters' own, bucket views)
-  unit_->owner().recover_if_backward_failed();  // reductions of a failed backward land before the zeroing
-  unit_->owner().gradients_changed();
-  for (const auto& m : self.modules(/*include_self=*/true))
-    if (auto* u = dynamic_cast<UnitBase*>(m.get()); u && u->unit_)
-      for (auto& f : u->unit_->flats()) f->zero_grad();
+  // A unit clears its own flats (Module::zero_grad calls the zero_grad of the
+  // modules inside, units included). Under NoShard the gradients are the
+  // parameters' own, bucket views, except where the buckets hold another
+  // dtype (mixed precision): the root clears the buckets as the optimizer's
+  // zero_grad does.
+  auto state = unit_ ? unit_->owner().shared_from_this() : detail::lookup_model(self);
+  if (!state || (!unit_ && !state->ddp())) return;  // not sharded yet, or a NoShard module inside the root
+  state->recover_if_backward_failed();  // reductions of a failed backward land before the zeroing
+  state->gradients_changed();
+  if (unit_)
+    for (auto& f : unit_->flats()) f->zero_grad();
+  if (state->ddp() && (!unit_ || unit_->is_root())) {
+    state->ddp()->zero_grads();
+    state->release_master_grads();
+  }
 }
 void UnitBase::after_forward(const std::vector<at::Tensor>& outputs) { unit_->post_forward(outputs); }
 std::optional<at::ScalarType> UnitBase::input_dtype() const { return unit_->input_dtype(); }

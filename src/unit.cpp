@@ -45,16 +45,7 @@ void Unit::unshard_async() {
     // the unit must go back to sharded, not be taken later for gathered with
     // buffers no collective filled. (If some all-gathers did launch, the
     // ranks are out of step; those are waited for here.)
-    for (auto& g : gathers_) {
-      try {
-        owner_->shard_comm().wait(g);
-      } catch (...) {
-      }
-    }
-    gathers_.clear();
-    gather_inputs_.clear();
-    for (auto& f : flats_) f->free_full();
-    state_ = UnitState::Sharded;
+    free_full();
     throw;
   }
   if (!flats_.empty()) owner_->mem().unit_gathered();
@@ -65,17 +56,37 @@ void Unit::unshard() {
   unshard_async();  // nothing if a prefetch launched it already
   TORCH_CHECK(state_ == UnitState::Gathering, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
               "' asked to gather while ", state_name(state_));
-  for (auto& g : gathers_) owner_->shard_comm().wait(g);
+  size_t i = 0;
+  try {
+    for (; i < gathers_.size(); ++i) owner_->shard_comm().wait(gathers_[i]);
+  } catch (...) {
+    // A failed (timed-out) all-gather: the unit goes back to sharded, so that
+    // the cleanup after the error and the next forward do not wait for it again.
+    free_full(i + 1);
+    if (!flats_.empty()) owner_->mem().unit_released();
+    throw;
+  }
   gathers_.clear();
   gather_inputs_.clear();
   state_ = UnitState::Unsharded;
 }
 
-void Unit::reshard() {
-  if (state_ == UnitState::Sharded || persistent_ || pins_ > 0) return;
-  if (state_ == UnitState::Gathering) unshard();  // never free memory a collective still writes
+void Unit::free_full(size_t wait_from) {
+  for (size_t i = wait_from; i < gathers_.size(); ++i) {
+    try {
+      owner_->shard_comm().wait(gathers_[i]);  // never free memory a collective still writes
+    } catch (...) {
+    }
+  }
+  gathers_.clear();
+  gather_inputs_.clear();
   for (auto& f : flats_) f->free_full();
   state_ = UnitState::Sharded;
+}
+
+void Unit::reshard() {
+  if (state_ == UnitState::Sharded || persistent_ || pins_ > 0) return;
+  free_full();  // a gather in flight is waited for; nobody reads what it brings
   if (!flats_.empty()) owner_->mem().unit_released();
 }
 
@@ -173,6 +184,17 @@ void Unit::reduce_grads() {
   }
   const UnitState was = state_;
   state_ = UnitState::Reducing;
+  try {
+    reduce_flats();
+  } catch (...) {
+    state_ = was;  // a reduction that threw (a timed-out collective): the failed backward's cleanup releases the unit
+    throw;
+  }
+  state_ = was;
+  reshard();
+}
+
+void Unit::reduce_flats() {
   const double world = owner_->world().size();
   for (auto& f : flats_) {
     if (!f->requires_grad()) continue;
@@ -214,8 +236,6 @@ void Unit::reduce_grads() {
         },
         what);
   }
-  state_ = was;
-  reshard();
 }
 
 namespace {

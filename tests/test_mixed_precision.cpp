@@ -170,7 +170,7 @@ TEST(MixedPrecision, Fp16OverflowOnOneRankSkipsTheStepOnEveryRankAndHalvesTheSca
 TEST(MixedPrecision, AStepNotTakenAfterUnscaleLeavesTheNextGradientsToBeUnscaled) {
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
     auto r = run_ranks(2, [&](World& w) {
-      auto train = [&](bool skip_first) {
+      auto train = [&](bool skip_first, bool refuse_first = false) {
         torch::manual_seed(0);
         auto model = gpt::GPT(gpt::Config{});
         shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(
@@ -188,16 +188,29 @@ TEST(MixedPrecision, AStepNotTakenAfterUnscaleLeavesTheNextGradientsToBeUnscaled
           shardtorch::clip_grad_norm(*model, 1e9);  // looked at, not stepped
         }
         for (int k = 0; k < 2; ++k) {
-          backward();
+          if (k > 0 || !refuse_first) backward();
+          if (k == 0 && refuse_first) {  // a step refused inside a summon scope, then taken outside it
+            backward();
+            bool refused = false;
+            try {
+              shardtorch::FullParams full(*model);
+              scaler.step(*opt);
+            } catch (const c10::Error&) {
+              refused = true;
+            }
+            require(refused, "a step inside summon_full_params was accepted");
+          }
           require(scaler.step(*opt), "a step was skipped");
         }
         return shardtorch::full_parameters(*model);
       };
       auto want = train(false);
-      auto got = train(true);
-      for (auto& [n, t] : want)
-        require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n +
-                                              "' differs after a step not taken following unscale");
+      for (auto [skip, refuse] : {std::pair{true, false}, std::pair{false, true}}) {
+        auto got = train(skip, refuse);
+        for (auto& [n, t] : want)
+          require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n + "' differs after " +
+                                                (skip ? "a step not taken following unscale" : "a refused step"));
+      }
     });
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
@@ -230,6 +243,46 @@ TEST(MixedPrecision, Fp16ReductionsDivideBeforeSummingUnderEveryStrategy) {
 // summon_full_params(with_grads) shows the reduced gradients under every
 // strategy with fp32 reductions of bf16 compute; NoShard used to show none
 // (its masters held them; the bf16 parameters had no .grad).
+// torch::autograd::grad between unscale() and step() (an input-gradient
+// penalty computed late, a saliency map logged) leaves the parameters'
+// gradients alone, so step() does not unscale them a second time.
+TEST(MixedPrecision, AnInputGradientBetweenUnscaleAndStepDoesNotUnscaleTwice) {
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      auto train = [&](bool input_grad) {
+        torch::manual_seed(0);
+        auto model = MLP();
+        shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(MixedPrecision()
+                                                                               .param_dtype(at::kHalf)
+                                                                               .buffer_dtype(at::kHalf)
+                                                                               .output_dtype(at::kFloat)));
+        shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
+        auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
+        torch::manual_seed(1 + w.rank());
+        auto x = torch::randn({4, 7});
+        for (int k = 0; k < 2; ++k) {
+          opt->zero_grad();
+          scaler.scale(model(x).square().mean()).backward();
+          scaler.unscale(*opt);
+          if (input_grad) {
+            auto xi = x.clone().requires_grad_();
+            auto g = torch::autograd::grad({model(xi).sum()}, {xi});
+            require(g[0].defined() && g[0].abs().sum().item<double>() > 0, "no input gradient");
+          }
+          require(scaler.step(*opt), "a step was skipped");
+        }
+        return shardtorch::full_parameters(*model);
+      };
+      auto want = train(false);
+      auto got = train(true);
+      for (auto& [n, t] : want)
+        require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n +
+                                              "' differs after an input gradient between unscale and step");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
 TEST(MixedPrecision, SummonWithGradsShowsTheReducedGradientsUnderEveryStrategy) {
   for (Strategy s : kAllStrategies) {
     auto r = run_ranks(2, [&](World& w) {

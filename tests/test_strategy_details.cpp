@@ -208,7 +208,77 @@ TEST_P(EveryStrategy, ClearingGradientsThroughTheModuleTrainsAsTheOptimizersZero
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// The same under mixed precision with fp32 reductions of bf16 gradients,
+// where NoShard's buckets are not the parameters' own gradients: bitwise as
+// the optimizer's zero_grad.
+TEST_P(EveryStrategy, ClearingGradientsThroughTheModuleUnderMixedPrecisionTrainsAsTheOptimizersZeroGrad) {
+  const Strategy strategy = GetParam();
+  torch::manual_seed(7);
+  auto x = torch::randn({12, 7}), y = torch::randn({12, 3});
+  auto r = run_ranks(2, [&](World& w) {
+    auto train = [&](bool through_module) {
+      torch::manual_seed(0);
+      auto m = MLP();
+      auto sm = shardtorch::shard(m, w, strategy_options(strategy, 2).mixed_precision(
+                                            shardtorch::MixedPrecision()
+                                                .param_dtype(at::kBFloat16)
+                                                .reduce_dtype(at::kFloat)
+                                                .buffer_dtype(at::kBFloat16)
+                                                .output_dtype(at::kFloat)));
+      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
+      for (int s = 0; s < 3; ++s) {
+        if (through_module) m->zero_grad();
+        else opt->zero_grad();
+        torch::mse_loss(m(x.narrow(0, 6 * w.rank(), 6)), y.narrow(0, 6 * w.rank(), 6)).backward();
+        opt->step();
+      }
+      return shardtorch::full_parameters(*m);
+    };
+    auto want = train(false);
+    auto got = train(true);
+    for (auto& [n, t] : want)
+      require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(strategy)) + ": '" + n +
+                                            "' differs with the module's zero_grad under bf16");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 INSTANTIATE_TEST_SUITE_P(All, EveryStrategy, ::testing::ValuesIn(kAllStrategies), name_of);
+
+// Gradients cleared per submodule, one of them set to none: a parameter
+// unused on one rank in the next step (here all of b, on rank 1) is reduced
+// as zero there, as after the optimizer's zero_grad, not as the gradient its
+// bucket slice held from the step before (which the step then zeroed on that
+// rank only, leaving the replicas apart).
+TEST(NoShard, GradientsSetToNoneInASubmoduleAreReducedAsZeroWhereNoGradientArrives) {
+  torch::manual_seed(3);
+  auto x = torch::randn({8, 6});
+  auto r = run_ranks(2, [&](World& w) {
+    auto train = [&](bool by_hand) {
+      torch::manual_seed(0);
+      Sometimes model;
+      shardtorch::shard(model, w, strategy_options(Strategy::NoShard, 2).bucket_mb(1e-4));
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+      for (int s = 0; s < 3; ++s) {
+        if (by_hand) {  // per submodule: a's zeroed in place, b's set to none
+          model->a->zero_grad(/*set_to_none=*/false);
+          model->b->zero_grad();
+        } else {
+          opt->zero_grad();
+        }
+        model->use_b = s != 1 || w.rank() == 0;
+        model(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
+        opt->step();
+      }
+      return shardtorch::full_parameters(*model);
+    };
+    auto want = train(false);
+    auto got = train(true);
+    for (auto& [n, t] : want)
+      require(at::equal(t, got.at(n)), "'" + n + "' differs when a submodule's gradients were set to none");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
 
 TEST(NoShard, BucketAllReducesStartDuringBackwardAndGradientsAreBucketViews) {
   auto r = run_ranks(2, [](World& w) {
@@ -400,19 +470,21 @@ struct CapturedWarnings : c10::WarningHandler {
   std::vector<std::string> messages;
   void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
 };
+
+// TwoLayer (seed 1) trained `steps` Adam steps in one process on (x, y).
+std::map<std::string, torch::Tensor> two_layer_reference(const torch::Tensor& x, const torch::Tensor& y, int steps) {
+  torch::manual_seed(1);
+  TwoLayer ref;
+  torch::optim::Adam opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
+  return train_in_one_process(*ref, opt, steps, [&] { return torch::mse_loss(ref(x), y); });
+}
 }  // namespace
 
 TEST_P(EveryStrategy, AFailedBackwardIsCleanedUpAndTrainingContinuesAsIfItHadNotHappened) {
   const Strategy strategy = GetParam();
   torch::manual_seed(0);
   auto x = torch::randn({kBatch, 7}), y = torch::randn({kBatch, 3});
-  std::map<std::string, torch::Tensor> want;
-  {
-    torch::manual_seed(1);
-    TwoLayer ref;
-    torch::optim::Adam opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
-    want = train_in_one_process(*ref, opt, 3, [&] { return torch::mse_loss(ref(x), y); });
-  }
+  const auto want = two_layer_reference(x, y, 3);
   auto r = run_ranks(2, [&](World& w) {
     torch::manual_seed(1);
     TwoLayer model;
@@ -449,6 +521,58 @@ TEST_P(EveryStrategy, AFailedBackwardIsCleanedUpAndTrainingContinuesAsIfItHadNot
     }
     shardtorch::FullParams full(*model);
     expect_close_map(snapshot(*model), want, 1e-5, "after a failed backward");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// A collective that fails (as a timed-out one would; injected here on every
+// rank) in a backward's gradient reduction, then in a forward's all-gather:
+// the backward or forward throws the collective's error, the units go back to
+// sharded (none is left reducing or gathering), and training goes on as if
+// the two failed steps had not happened.
+TEST_P(EveryStrategy, AFailedCollectiveIsCleanedUpAndTrainingContinuesAsIfItHadNotHappened) {
+  const Strategy strategy = GetParam();
+  const bool gathers_in_forward = strategy == Strategy::FullShard || strategy == Strategy::HybridShard;
+  torch::manual_seed(0);
+  auto x = torch::randn({kBatch, 7}), y = torch::randn({kBatch, 3});
+  const auto want = two_layer_reference(x, y, 3);
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(1);
+    TwoLayer model;
+    auto sm = shardtorch::shard(model, w, strategy_options(strategy, 2).bucket_mb(1e-4));
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+    auto xs = x.narrow(0, w.rank() * kBatch / 2, kBatch / 2), ys = y.narrow(0, w.rank() * kBatch / 2, kBatch / 2);
+    CapturedWarnings warnings;  // the failed backward's warning
+    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    int gathered_between_steps = -1;
+    for (int s = 0; s < 5; ++s) {
+      opt->zero_grad();
+      if (s == 1 || s == 2) {
+        shardtorch::testing::fail_collectives(s == 1 ? "gradient" : "parameters of unit 'b'");
+        std::string error;
+        try {
+          torch::mse_loss(model(xs), ys).backward();
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        shardtorch::testing::fail_collectives("", 0);  // disarmed where nothing gathered
+        const bool should_throw = s == 1 || gathers_in_forward;
+        require(should_throw == (error.find("failure injected") != std::string::npos),
+                "step " + std::to_string(s) + ": " + (error.empty() ? "no error" : "error: " + error));
+        continue;  // no optimizer step for the failed step
+      }
+      torch::mse_loss(model(xs), ys).backward();
+      opt->step();
+      auto m = sm.memory();
+      require(m.cur(Mem::Buckets) == 0 && m.cur(Mem::GradStaging) == 0,
+              "bucket or staging memory left after step " + std::to_string(s));
+      if (gathered_between_steps < 0) gathered_between_steps = m.gathered_units;
+      require(m.gathered_units == gathered_between_steps,
+              "after step " + std::to_string(s) + " " + std::to_string(m.gathered_units) + " units are gathered, not " +
+                  std::to_string(gathered_between_steps) + " as after the first");
+    }
+    shardtorch::FullParams full(*model);
+    expect_close_map(snapshot(*model), want, 1e-5, "after failed collectives");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -63,7 +63,8 @@ class Comm {
   PendingWork reduce_scatter_async(at::Tensor& out, at::Tensor& in, const std::string& what);
   /// Launches a summing all-reduce and returns at once; wait() finishes it.
   PendingWork all_reduce_async(at::Tensor& t, const std::string& what);
-  /// Waits (with the timeout) for a launched collective.
+  /// Waits (with the timeout) for a launched collective; `pending` is spent
+  /// afterwards, whether the collective succeeded or failed.
   void wait(PendingWork& pending);
   void broadcast(at::Tensor& t, int root, const std::string& what);
   /// Every rank's string, in rank order (two all-gathers: lengths, then bytes).
@@ -91,5 +92,14 @@ class Comm {
 
 /// "float32[12, 4]"
 std::string describe(const at::Tensor& t);
+
+namespace testing {
+/// Fault injection for recovery tests: the next `count` collectives on this
+/// process whose description contains `what` complete and then fail, as one
+/// that timed out would (the error names the collective and says it was
+/// injected). The collective itself runs, so ranks that all arm the same
+/// failure stay in step. Not for production use.
+void fail_collectives(const std::string& what, int count = 1);
+}  // namespace testing
 
 }  // namespace shardtorch

@@ -179,8 +179,9 @@ class UnitBase {
   std::optional<at::ScalarType> output_dtype() const;
   /// Activation checkpointing is on for this unit and grad mode is enabled.
   bool checkpointing_now() const;
-  /// After Module::zero_grad on `self` (this unit): drops the gradients that
-  /// `self`'s units hold in their shards, as the optimizer's zero_grad does.
+  /// After Module::zero_grad on `self` (this unit): drops the gradients its
+  /// shards hold (NoShard: the root clears the buckets), as the optimizer's
+  /// zero_grad does.
   void zero_shard_grads(torch::nn::Module& self);
   /// Runs `run(inputs, true)` without keeping activations and returns its
   /// outputs attached to one autograd node that recomputes them in backward.
@@ -290,7 +291,8 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
   }
 
   /// LibTorch's Module::zero_grad (gradients set to none by default) reaches
-  /// the gradients the shards hold too: of this unit and the units inside it.
+  /// the gradients the shards hold too (it calls the zero_grad of every
+  /// module inside, so a plain root reaches every unit).
   void zero_grad(bool set_to_none = true) override {
     Impl::zero_grad(set_to_none);
     zero_shard_grads(*this);
