@@ -15,6 +15,7 @@ AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector
   where_.resize(params_.size());
   ready_.assign(params_.size(), false);
   is_view_.assign(params_.size(), false);
+  for (size_t k = 0; k < params_.size(); ++k) index_[params_[k].unsafeGetTensorImpl()] = k;
   // Reverse registration order; a new bucket when the dtype changes or the
   // current one would pass the cap.
   std::vector<std::pair<at::ScalarType, std::vector<size_t>>> groups;
@@ -100,9 +101,11 @@ void AllReduceBucketer::mark_ready(size_t i, bool sync) {
   }
   if (ready_[i]) return;
   ready_[i] = true;
-  Bucket& bucket = buckets_[b];
-  if (++bucket.ready == bucket.params.size() && sync && async_) {
-    launch(bucket, b);
+  ++buckets_[b].ready;
+  if (!sync || !async_) return;
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready == buckets_[next_launch_].params.size()) {
+    launch(buckets_[next_launch_], next_launch_);
+    ++next_launch_;
     ++launched_during_backward_;
   }
 }
@@ -148,12 +151,23 @@ void AllReduceBucketer::reset_counts() {
     bucket.ready = 0;
     bucket.launched = false;
   }
+  next_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), false);
 }
 
 void AllReduceBucketer::zero_grads() {
   for (auto& bucket : buckets_) bucket.buffer.zero_();
   bind_grads();
+}
+
+void AllReduceBucketer::zero_grads_of(const std::vector<at::Tensor>& params) {
+  c10::NoGradGuard no_grad;
+  for (const auto& p : params) {
+    auto it = index_.find(p.unsafeGetTensorImpl());
+    if (it == index_.end()) continue;
+    grad_view(it->second).zero_();
+    if (!is_view_[it->second]) params_[it->second].mutable_grad().reset();
+  }
 }
 
 }  // namespace shardtorch

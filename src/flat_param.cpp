@@ -193,10 +193,14 @@ void FlatParam::alloc_full() {
 
 bool FlatParam::freed_access_is_an_error() { return HasAccessError<c10::StorageImpl>::value; }
 
-void FlatParam::free_full() {
+void FlatParam::free_full(bool abandon) {
   if (!gathered_ || persistent_) return;
   auto* impl = full_.storage().unsafeGetStorageImpl();
   size_t nbytes = impl->nbytes();
+  if (abandon) {  // never freed: the failed collective may still write here
+    at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, full_.device()));
+    (void)old.release_context();
+  }
   // The error first: it may allocate (and throw) while the buffer is still whole.
   const bool guarded = forbid_data_access(impl, access_error_);
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));

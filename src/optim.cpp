@@ -41,6 +41,11 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
       }
     }
   }
+  // Module::zero_grad reaches the flats, not these views: without this their
+  // gradients would keep the dropped shards' memory alive until the next step.
+  listener_ = state_->add_zero_grad_listener([this] {
+    for (auto& piece : pieces_) piece.view.mutable_grad().reset();
+  });
 }
 
 std::vector<at::Tensor> ShardViews::take(const std::vector<at::Tensor>& params) {
@@ -97,8 +102,7 @@ void ShardViews::bind_grads() {
 }
 
 void ShardViews::zero_grad() {
-  state_->recover_if_backward_failed();  // reductions of a failed backward must land before the zeroing
-  state_->gradients_changed();
+  state_->on_zero_grad();
   if (state_->ddp()) {  // gradients stay views of the buckets
     state_->ddp()->zero_grads();
     state_->release_master_grads();
@@ -106,12 +110,19 @@ void ShardViews::zero_grad() {
   }
   for (auto& u : state_->units())
     for (auto& f : u->flats()) f->zero_grad();
-  for (auto& piece : pieces_) piece.view.mutable_grad().reset();
+}
+
+ShardViews::~ShardViews() {
+  if (listener_ >= 0) state_->remove_zero_grad_listener(listener_);
 }
 
 void ShardViews::after_step(const torch::optim::Optimizer& opt) {
   state_->after_optimizer_step();
   state_->broadcast_buffers_after_step();
+  count_optimizer_state(opt);
+}
+
+void ShardViews::count_optimizer_state(const torch::optim::Optimizer& opt) const {
   int64_t bytes = 0;
   auto add = [&](const at::Tensor& t) {
     if (t.defined()) bytes += t.nbytes();

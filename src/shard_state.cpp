@@ -66,6 +66,13 @@ void ShardState::check_grad_arrival(const at::Tensor& param, const std::string& 
               "call backward() without create_graph");
 }
 
+void ShardState::on_zero_grad() {
+  recover_if_backward_failed();  // reductions of a failed backward land before the zeroing
+  gradients_changed();
+  if (!callback_queued_) recording_.clear();
+  for (auto& [id, f] : zero_grad_listeners_) f();
+}
+
 void ShardState::recover_if_backward_failed() {
   if (callback_queued_ && torch::autograd::get_current_graph_task_id() == -1) abandon_backward(/*warn=*/true);
 }
@@ -260,7 +267,9 @@ std::shared_ptr<Unit> ShardState::next_in_backward(Unit& u) {
   while (j > 0 && at(j - 1) == &u) --j;
   if (j == 0) return nullptr;
   auto prev = forward_order_[j - 1].lock();
-  return prev && prev->state() == UnitState::Sharded ? prev : nullptr;
+  // The order is the last step's: this step's forward may have run prev after
+  // u, so that prev has reduced already and is not needed again.
+  return prev && prev->state() == UnitState::Sharded && !prev->reduced() ? prev : nullptr;
 }
 
 void ShardState::enable_offload(c10::Device device) {

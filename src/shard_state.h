@@ -85,6 +85,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// At the end of a backward: touched and not reduced yet, or (a unit this
   /// backward did not run) holding gradients accumulated without sync.
   bool needs_final_reduce() const;
+  /// Has handed its gradients on in this backward.
+  bool reduced() const { return reduced_; }
   void reset_backward() {
     touched_ = reduced_ = false;
     received_grads_ = 0;
@@ -94,8 +96,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
  private:
   /// Frees the full parameters and goes back to Sharded (the caller counts
   /// the memory). Gathers in flight from gathers_[wait_from] on are waited
-  /// for first, their errors ignored: nobody reads what they bring.
-  void free_full(size_t wait_from = 0);
+  /// for first; their errors are warned about, nobody reading what they
+  /// bring. The buffers of gathers_[failed] and of any that fail here are
+  /// leaked, not freed: a failed collective may still write into them.
+  void free_full(size_t wait_from = 0, size_t failed = SIZE_MAX);
   /// reduce_grads' work: each trainable flat's gradient to its reduction.
   void reduce_flats();
 
@@ -158,6 +162,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<std::shared_ptr<Unit>> units() const;
   void add_unit(const std::shared_ptr<Unit>& u) { units_.push_back(u); }
   static void attach(UnitBase& base, std::shared_ptr<Unit> unit) { base.unit_ = std::move(unit); }
+  static void attach_no_shard(UnitBase& base, const std::shared_ptr<ShardState>& state) {
+    base.no_shard_state_ = state;
+  }
 
   /// The module's buffers, broadcast from rank 0 after each optimizer step
   /// (ShardOptions::broadcast_buffers). After the step, not at the end of
@@ -284,6 +291,18 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// and at every zero_grad (the GradScaler's "already unscaled" is per value).
   uint64_t gradient_generation() const { return gradient_generation_; }
   void gradients_changed() { ++gradient_generation_; }
+  /// zero_grad() of the optimizer or of a module: recovers from a failed
+  /// backward, counts a gradient generation, and ends the forward order being
+  /// recorded (a root that is not a unit marks no forward's start, so forwards
+  /// in grad mode without a backward, an evaluation, would run on into the next).
+  void on_zero_grad();
+  /// `f` runs at every on_zero_grad() until removed (an optimizer's views
+  /// drop their gradients, which would keep the old shards' memory alive).
+  int add_zero_grad_listener(std::function<void()> f) {
+    zero_grad_listeners_.emplace(next_listener_, std::move(f));
+    return next_listener_++;
+  }
+  void remove_zero_grad_listener(int id) { zero_grad_listeners_.erase(id); }
   /// After a backward failed (an exception in a hook, a collective, or at its
   /// end): waits for and drops reductions in flight, drops staged gradients,
   /// reshards and resets every unit, so that the next backward starts clean.
@@ -302,6 +321,8 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::unique_ptr<AllReduceBucketer> ddp_;
   std::unique_ptr<Offloader> offloader_;
   std::vector<std::pair<std::string, at::Tensor>> synced_buffers_;
+  std::map<int, std::function<void()>> zero_grad_listeners_;
+  int next_listener_ = 0;
   std::vector<std::weak_ptr<Unit>> recording_, forward_order_;  // this step's forward; the last complete one
   bool following_ = false;  // this forward has run the units of forward_order_ in its order so far
   size_t backward_cursor_ = SIZE_MAX;  // this backward's place in forward_order_ (next_in_backward)

@@ -23,20 +23,23 @@ UnitBase::~UnitBase() = default;
 void UnitBase::before_forward() { unit_->pre_forward(); }
 
 void UnitBase::zero_shard_grads(torch::nn::Module& self) {
-  // A unit clears its own flats (Module::zero_grad calls the zero_grad of the
-  // modules inside, units included). Under NoShard the gradients are the
-  // parameters' own, bucket views, except where the buckets hold another
-  // dtype (mixed precision): the root clears the buckets as the optimizer's
-  // zero_grad does.
-  auto state = unit_ ? unit_->owner().shared_from_this() : detail::lookup_model(self);
-  if (!state || (!unit_ && !state->ddp())) return;  // not sharded yet, or a NoShard module inside the root
-  state->recover_if_backward_failed();  // reductions of a failed backward land before the zeroing
-  state->gradients_changed();
+  // Module::zero_grad calls the zero_grad of every module inside, so each
+  // unit clears its own flats. Under NoShard the gradients are the
+  // parameters' own (bucket views) except where the buckets hold another
+  // dtype (mixed precision); either way the slices keep their values until
+  // cleared: each module clears those of its parameters, the root every
+  // bucket (and the masters' gradients), as the optimizer's zero_grad does.
+  auto state = unit_ ? unit_->owner().shared_from_this() : no_shard_state_.lock();
+  if (!state) return;  // not sharded yet
+  state->on_zero_grad();
   if (unit_)
     for (auto& f : unit_->flats()) f->zero_grad();
-  if (state->ddp() && (!unit_ || unit_->is_root())) {
+  if (!state->ddp()) return;
+  if (unit_ && unit_->is_root()) {
     state->ddp()->zero_grads();
     state->release_master_grads();
+  } else {
+    state->ddp()->zero_grads_of(self.parameters());  // plain modules inside have no hook of their own
   }
 }
 void UnitBase::after_forward(const std::vector<at::Tensor>& outputs) { unit_->post_forward(outputs); }
@@ -359,6 +362,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
       state->add_unit(unit);
       detail::ShardState::attach(*base, unit);
     }
+    for (const auto& u : units) detail::ShardState::attach_no_shard(*u.base, state);
     enable_checkpointing(units, checkpointed, state);
     detail::register_model(root, state);
     return ShardedModel(state);

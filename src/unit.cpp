@@ -62,7 +62,7 @@ void Unit::unshard() {
   } catch (...) {
     // A failed (timed-out) all-gather: the unit goes back to sharded, so that
     // the cleanup after the error and the next forward do not wait for it again.
-    free_full(i + 1);
+    free_full(i + 1, /*failed=*/i);
     if (!flats_.empty()) owner_->mem().unit_released();
     throw;
   }
@@ -71,16 +71,23 @@ void Unit::unshard() {
   state_ = UnitState::Unsharded;
 }
 
-void Unit::free_full(size_t wait_from) {
+void Unit::free_full(size_t wait_from, size_t failed) {
+  // gathers_[i] fills flats_[i]->full(). Memory a collective that failed may
+  // still write into is never freed (FlatParam::free_full's abandon).
+  std::vector<bool> abandon(flats_.size(), false);
+  if (failed < abandon.size()) abandon[failed] = true;
   for (size_t i = wait_from; i < gathers_.size(); ++i) {
     try {
       owner_->shard_comm().wait(gathers_[i]);  // never free memory a collective still writes
-    } catch (...) {
+    } catch (const std::exception& e) {
+      abandon[i] = true;
+      TORCH_WARN("shardtorch: rank ", owner_->world().rank(), ": an all-gather of unit '", label(),
+                 "' that nothing read failed; the ranks may be out of step: ", e.what());
     }
   }
   gathers_.clear();
   gather_inputs_.clear();
-  for (auto& f : flats_) f->free_full();
+  for (size_t i = 0; i < flats_.size(); ++i) flats_[i]->free_full(abandon[i]);
   state_ = UnitState::Sharded;
 }
 

@@ -1168,9 +1168,18 @@ TEST(CheckpointFailures, ACheckpointWithoutOptimizerStateResetsTheOptimizer) {
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w);
     shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 0);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt + "-full", 0);
     require(!t.opt->inner().state().empty(), "the step should have made optimizer state");
+    auto state_bytes = [&] { return shardtorch::sharded_model(*t.model).memory().cur(shardtorch::Mem::OptimizerState); };
+    const int64_t before = state_bytes();
+    require(before > 0, "no optimizer state counted after the step");
     shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt);
     require(t.opt->inner().state().empty(), "optimizer state from before the load survived it");
+    require(state_bytes() == 0, "the memory report still counts " + std::to_string(state_bytes()) +
+                                    " bytes of optimizer state after a load that left none");
+    shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt + "-full");
+    require(state_bytes() == before, "after loading the state back the memory report counts " +
+                                         std::to_string(state_bytes()) + " bytes, not " + std::to_string(before));
   });
   ASSERT_TRUE(r.ok) << r.summary();
   fs::remove_all(dir);

@@ -199,6 +199,12 @@ TEST_P(EveryStrategy, ClearingGradientsThroughTheModuleTrainsAsTheOptimizersZero
     auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
     for (int s = 0; s < 3; ++s) {
       m->zero_grad();  // set_to_none
+      if (strategy != Strategy::NoShard) {  // (NoShard's are views of the cleared buckets)
+        for (const auto& g : opt->inner().param_groups())
+          for (const auto& p : g.params())
+            require(!p.grad().defined(), "an optimizer parameter kept its gradient (and the old shard's memory) "
+                                         "after the module's zero_grad");
+      }
       torch::mse_loss(m(x.narrow(0, 6 * w.rank(), 6)), y.narrow(0, 6 * w.rank(), 6)).backward();
       opt->step();
     }
@@ -245,7 +251,8 @@ TEST_P(EveryStrategy, ClearingGradientsThroughTheModuleUnderMixedPrecisionTrains
 
 INSTANTIATE_TEST_SUITE_P(All, EveryStrategy, ::testing::ValuesIn(kAllStrategies), name_of);
 
-// Gradients cleared per submodule, one of them set to none: a parameter
+// Gradients cleared per submodule, one of them set to none, with and without
+// mixed precision (where the fp32 buckets are not the gradients): a parameter
 // unused on one rank in the next step (here all of b, on rank 1) is reduced
 // as zero there, as after the optimizer's zero_grad, not as the gradient its
 // bucket slice held from the step before (which the step then zeroed on that
@@ -254,10 +261,16 @@ TEST(NoShard, GradientsSetToNoneInASubmoduleAreReducedAsZeroWhereNoGradientArriv
   torch::manual_seed(3);
   auto x = torch::randn({8, 6});
   auto r = run_ranks(2, [&](World& w) {
-    auto train = [&](bool by_hand) {
+    auto train = [&](bool by_hand, bool mixed) {
       torch::manual_seed(0);
       Sometimes model;
-      shardtorch::shard(model, w, strategy_options(Strategy::NoShard, 2).bucket_mb(1e-4));
+      auto opts = strategy_options(Strategy::NoShard, 2).bucket_mb(1e-4);
+      if (mixed)  // fp32 buckets: the bf16 gradients are added in, not views
+        opts.mixed_precision(shardtorch::MixedPrecision()
+                                 .param_dtype(at::kBFloat16)
+                                 .reduce_dtype(at::kFloat)
+                                 .output_dtype(at::kFloat));
+      shardtorch::shard(model, w, opts);
       auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
       for (int s = 0; s < 3; ++s) {
         if (by_hand) {  // per submodule: a's zeroed in place, b's set to none
@@ -272,10 +285,55 @@ TEST(NoShard, GradientsSetToNoneInASubmoduleAreReducedAsZeroWhereNoGradientArriv
       }
       return shardtorch::full_parameters(*model);
     };
-    auto want = train(false);
-    auto got = train(true);
-    for (auto& [n, t] : want)
-      require(at::equal(t, got.at(n)), "'" + n + "' differs when a submodule's gradients were set to none");
+    for (bool mixed : {false, true}) {
+      auto want = train(false, mixed);
+      auto got = train(true, mixed);
+      for (auto& [n, t] : want)
+        require(at::equal(t, got.at(n)), "'" + n + "' differs when a submodule's gradients were set to none" +
+                                             (mixed ? " (bf16, fp32 reductions)" : ""));
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// A unit used on one rank only (b, on rank 0): its parameters get no
+// gradient on rank 1 and are reduced as zero there, so the step follows the
+// mean of the two ranks' losses, each rank's own forward. With one small
+// bucket per parameter, rank 1 has a's buckets full while b's are not: the
+// buckets must still be all-reduced in the same order on both ranks (they
+// were once launched as they filled, and a's bias was summed with b's).
+TEST(NoShard, AUnitUsedOnOneRankOnlyTrainsAsTheMeanOfTheRanksLosses) {
+  torch::manual_seed(3);
+  auto x = torch::randn({8, 6});
+  std::map<std::string, torch::Tensor> want;
+  {
+    torch::manual_seed(0);
+    Sometimes ref;
+    torch::optim::Adam opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
+    for (int s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      torch::Tensor loss = torch::zeros({});
+      for (int rank = 0; rank < 2; ++rank) {
+        ref->use_b = rank == 0;
+        loss = loss + ref(x.narrow(0, 4 * rank, 4)).square().mean() / 2;
+      }
+      loss.backward();
+      opt.step();
+    }
+    want = snapshot(*ref);
+  }
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    Sometimes model;
+    shardtorch::shard(model, w, strategy_options(Strategy::NoShard, 2).bucket_mb(1e-4));  // 24 or 144 bytes each
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+    for (int s = 0; s < 3; ++s) {
+      opt->zero_grad();
+      model->use_b = w.rank() == 0;
+      model(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
+      opt->step();
+    }
+    expect_close_map(snapshot(*model), want, 1e-5, "a unit used on rank 0 only");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -458,6 +458,90 @@ TEST(Units, PrefetchLooksPastARunOfTheSameUnitInBackward) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+/// Two units whose order in forward flips with `swap`.
+struct SwappingImpl : torch::nn::Module {
+  SwappingImpl() : a(register_module("a", Layer(6, 6, true))), b(register_module("b", Layer(6, 6, true))) {}
+  torch::Tensor forward(torch::Tensor x) { return swap ? a(b(x)) : b(a(x)); }
+  Layer a, b;
+  bool swap = false;
+};
+SHARDTORCH_MODULE(Swapping);
+
+// Backward prefetches along the order of the last complete step. When this
+// step's forward ran in another order, the unit that order puts next may have
+// reduced already in this backward: it is not gathered again (it was, for
+// nothing, and held until the end of backward).
+TEST(Units, BackwardPrefetchSkipsAUnitThatHasReducedInThisBackward) {
+  auto r = run_ranks(2, [&](World& w) {
+    auto run = [&](bool prefetch) {
+      torch::manual_seed(0);
+      auto m = Swapping();
+      auto sm = shardtorch::shard(m, w, shardtorch::ShardOptions().prefetch(prefetch));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      torch::manual_seed(1 + w.rank());
+      std::vector<int64_t> gathers;  // per step
+      for (int step = 0; step < 4; ++step) {
+        m->swap = step == 2;
+        opt->zero_grad();
+        const int64_t before = sm.comm_stats().all_gather.calls;
+        m(torch::randn({2, 6})).pow(2).sum().backward();
+        gathers.push_back(sm.comm_stats().all_gather.calls - before);
+        opt->step();
+      }
+      return std::make_pair(gathers, shardtorch::full_parameters(*m));
+    };
+    auto [off, off_params] = run(false);
+    auto [on, on_params] = run(true);
+    require(expect_close_map(on_params, off_params, 0.0, "prefetch") == 0.0, "prefetch changed the result");
+    // The swapped step gathers b, a in forward and a, b in backward with or
+    // without prefetch (the root holds no parameters).
+    require(off[2] == 4 && on[2] == off[2], "all-gathers in the swapped step: " + std::to_string(on[2]) +
+                                                " with prefetch, " + std::to_string(off[2]) + " without");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+/// A root that is not a unit: shard() makes units of its layers only.
+struct PlainRoot : torch::nn::Module {
+  PlainRoot()
+      : l1(register_module("l1", Layer(7, 5, true))),
+        l2(register_module("l2", Layer(5, 5, true))),
+        l3(register_module("l3", Layer(5, 3, false))) {}
+  torch::Tensor forward(torch::Tensor x) { return l3(l2(l1(x))); }
+  Layer l1, l2, l3;
+};
+
+// Under a root that is not a unit nothing marks where a forward starts, so
+// forwards in grad mode without a backward (an evaluation that forgot
+// NoGradGuard) ran into the next training forward's recorded order: the two
+// steps after them lost prefetch. zero_grad ends the recording: the steps
+// after the evaluation gather as many times as the steps before it.
+TEST(Units, ForwardsWithoutABackwardDoNotDisturbPrefetchUnderAPlainRoot) {
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = std::make_shared<PlainRoot>();
+    auto sm = shardtorch::shard(*m, w, shardtorch::ShardOptions().prefetch(true));
+    auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+    torch::manual_seed(1 + w.rank());
+    std::vector<int64_t> gathers;  // per training step
+    for (int step = 0; step < 6; ++step) {
+      if (step == 3)
+        for (int k = 0; k < 4; ++k) m->forward(torch::randn({2, 7}));  // evaluation, grad mode on
+      opt->zero_grad();
+      const int64_t before = sm.comm_stats().all_gather.calls;
+      m->forward(torch::randn({2, 7})).pow(2).sum().backward();
+      gathers.push_back(sm.comm_stats().all_gather.calls - before);
+      opt->step();
+    }
+    std::string seen;
+    for (auto g : gathers) seen += std::to_string(g) + " ";
+    require(gathers[2] < gathers[0], "prefetch saved no all-gather once it had learned the order: " + seen);
+    for (int step = 3; step < 6; ++step)
+      require(gathers[step] == gathers[2], "all-gathers per step, an evaluation before the fourth: " + seen);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // Gradients of gradients (docs/design.md). The tests below train a model
 // (seed 0, SGD lr 0.1, 3 steps) in one process and then on 2 ranks under every
 // strategy, and compare the parameters.

@@ -5,10 +5,15 @@
 // (the order backward produces their gradients), one dtype per bucket, each
 // at most bucket_mb (a parameter larger than that gets a bucket of its own).
 // Every param.grad is a view of its slice of a bucket, so autograd
-// accumulates straight into the bucket. When the last gradient of a bucket is
-// in (mark_ready), the bucket's all-reduce is launched asynchronously while
-// backward goes on; finish() launches the rest, waits for everything and
-// divides by the world size.
+// accumulates straight into the bucket. Buckets are launched in their index
+// order on every rank (collectives pair up by order): when the last gradient
+// of a bucket is in (mark_ready), that bucket and the full ones after it are
+// launched asynchronously while backward goes on, once every bucket before
+// them has been; finish() launches the rest, waits for everything and
+// divides by the world size. (A parameter unused on some ranks only keeps
+// its bucket, and those after it, back until finish() there; launched as
+// ready, the ranks' all-reduces would pair different buckets, summing one
+// bucket's gradients into another's where their sizes happen to agree.)
 //
 //   state per bucket:  filling --last gradient in--> launched --finish()--> reduced
 //   (with sync off nothing is launched: gradients accumulate in the buckets)
@@ -16,6 +21,7 @@
 
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "shardtorch/collectives.h"
@@ -49,6 +55,10 @@ class AllReduceBucketer {
   void finish(bool sync, bool error_on_unused);
   /// Zeroes every bucket (gradients stay bound as views).
   void zero_grads();
+  /// Zeroes the slices of those of `params` this bucketer holds (a
+  /// submodule's zero_grad) and drops their own gradients where those are
+  /// not views. The others are left as they are.
+  void zero_grads_of(const std::vector<at::Tensor>& params);
   /// After a failed backward: waits for the all-reduces in flight (errors
   /// ignored) and resets the counts, so the next backward starts clean. The
   /// buckets' contents are whatever the failure left: zero_grads() them.
@@ -73,12 +83,14 @@ class AllReduceBucketer {
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<std::pair<size_t, int64_t>> where_;  // param -> (bucket, offset)
+  std::unordered_map<const c10::TensorImpl*, size_t> index_;  // param -> its index
   std::vector<bool> ready_;
   std::vector<Bucket> buckets_;
   std::vector<bool> is_view_;  // param.grad is a view of its bucket slice
   Comm& comm_;
   bool async_;
   int64_t launched_during_backward_ = 0, launched_ = 0;
+  size_t next_launch_ = 0;  // buckets below it are launched
 };
 
 }  // namespace shardtorch

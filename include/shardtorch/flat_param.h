@@ -99,7 +99,9 @@ class FlatParam {
   void alloc_full();
   /// Frees `full`'s bytes; the parameters stay views of its storage, whose
   /// data, if touched, throws the access error (see freed_access_is_an_error).
-  void free_full();
+  /// `abandon`: a collective that failed (timed out) may still write into
+  /// them, so they are let go of without being freed (leaked for good).
+  void free_full(bool abandon = false);
   /// What touching the freed parameters' data throws (shard() sets one naming
   /// the rank and the unit; by default it names this flat parameter).
   void set_access_error(std::string message) { access_error_ = std::move(message); }

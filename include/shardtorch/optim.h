@@ -22,6 +22,9 @@ class ShardState;
 class ShardViews {
  public:
   explicit ShardViews(torch::nn::Module& root);
+  ~ShardViews();
+  ShardViews(const ShardViews&) = delete;
+  ShardViews& operator=(const ShardViews&) = delete;
   /// Pieces of `params` (the model's own parameter tensors); frozen ones and
   /// ones with no piece on this rank are left out. Each parameter may be asked
   /// for once.
@@ -36,6 +39,9 @@ class ShardViews {
   void bind_grads();
   void zero_grad();
   void after_step(const torch::optim::Optimizer& opt);
+  /// Sets the memory tracker's optimizer-state figure from `opt`'s state
+  /// (after a step, and after a checkpoint replaced the state).
+  void count_optimizer_state(const torch::optim::Optimizer& opt) const;
 
   struct Piece {
     at::Tensor view;       // what the optimizer updates
@@ -54,6 +60,7 @@ class ShardViews {
   std::vector<std::pair<const void*, std::vector<size_t>>> by_param_;  // TensorImpl* -> pieces
   std::vector<const void*> asked_;
   std::vector<const void*> trainable_;
+  int listener_ = -1;  // the state's zero_grad listener dropping the pieces' gradients
 };
 }  // namespace detail
 

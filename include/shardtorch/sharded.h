@@ -180,8 +180,8 @@ class UnitBase {
   /// Activation checkpointing is on for this unit and grad mode is enabled.
   bool checkpointing_now() const;
   /// After Module::zero_grad on `self` (this unit): drops the gradients its
-  /// shards hold (NoShard: the root clears the buckets), as the optimizer's
-  /// zero_grad does.
+  /// shards hold, as the optimizer's zero_grad does. NoShard: clears the
+  /// bucket slices of `self`'s parameters (the root: every bucket).
   void zero_shard_grads(torch::nn::Module& self);
   /// Runs `run(inputs, true)` without keeping activations and returns its
   /// outputs attached to one autograd node that recomputes them in backward.
@@ -191,6 +191,7 @@ class UnitBase {
   friend class detail::ShardState;
   std::shared_ptr<detail::Unit> unit_;
   std::shared_ptr<detail::Checkpointing> checkpointing_;  // set by shard() for checkpointed units
+  std::weak_ptr<detail::ShardState> no_shard_state_;       // NoShard: set by shard() for every module like this
 };
 
 namespace detail {

@@ -664,6 +664,7 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
     error = e.what();
   }
   detail::load_agreed(*state, error, idx.fingerprint, changes, what);
+  if (opt) opt->views().count_optimizer_state(opt->inner());
   if (user_state) *user_state = idx.user_state;
   return idx.step;
 }
