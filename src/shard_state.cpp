@@ -36,16 +36,24 @@ void ShardState::ensure_end_of_backward_callback() {
   callback_queued_ = true;
   callback_task_ = task;
   builds_graph_ = c10::GradMode::is_enabled();  // the engine runs a backward in grad mode iff create_graph
-  // torch::autograd::grad captures its results (backward(inputs=...) does not): the
-  // same on every rank, unlike whether some parameter's gradient happened to arrive.
-  grad_call_ = false;
-  if (const auto* exec_info = torch::autograd::get_current_graph_task_exec_info()) {
-    for (const auto& [node, info] : *exec_info) {
-      if (info.captures_) {
-        grad_call_ = true;
-        break;
-      }
+  // A backward restricted to some tensors (torch::autograd::grad, or
+  // backward(inputs=...)) runs only the accumulators of the parameters among
+  // them to accumulate; with none of ours it has no gradients to reduce.
+  // Decided from the graph, so the same on every rank (unlike whether some
+  // parameter's gradient happened to arrive here).
+  inputs_only_ = false;
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info && !exec_info->empty()) {
+    auto needed = [&](const c10::intrusive_ptr<torch::autograd::Node>& acc) {
+      auto it = exec_info->find(acc.get());
+      return it != exec_info->end() && it->second.needed_;
+    };
+    bool any = std::any_of(ddp_accumulators_.begin(), ddp_accumulators_.end(), needed);
+    for (const auto& w : units_) {
+      auto u = w.lock();
+      if (!any && u) any = std::any_of(u->accumulators().begin(), u->accumulators().end(), needed);
     }
+    inputs_only_ = !any;
   }
   auto keep = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([keep] { keep->finish_backward(); });
@@ -86,6 +94,7 @@ void ShardState::abandon_backward(bool warn) {
   callback_queued_ = false;
   recording_.clear();
   backward_cursor_ = SIZE_MAX;
+  gradients_changed();  // partly reduced, staged ones dropped
   release_held();
   if (ddp_) ddp_->discard();
   bucketer_.discard();
@@ -103,8 +112,9 @@ void ShardState::finish_backward() {
   callback_queued_ = false;
   backward_cursor_ = SIZE_MAX;
   // Nothing to reduce in a backward that builds a graph (a parameter gradient
-  // there is an error) nor in torch::autograd::grad (no accumulator runs).
-  const bool no_gradients = builds_graph_ || grad_call_;
+  // there is an error) nor in one for tensors none of which is a parameter of
+  // ours (torch::autograd::grad, backward(inputs=...): no accumulator runs).
+  const bool no_gradients = builds_graph_ || inputs_only_;
   if (!no_gradients) gradients_changed();
   try {
     if (ddp_) {

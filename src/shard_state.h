@@ -87,6 +87,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool needs_final_reduce() const;
   /// Has handed its gradients on in this backward.
   bool reduced() const { return reduced_; }
+  /// Its parameters' gradient accumulators (the nodes its hooks are on).
+  const std::vector<c10::intrusive_ptr<torch::autograd::Node>>& accumulators() const { return accumulators_; }
   void reset_backward() {
     touched_ = reduced_ = false;
     received_grads_ = 0;
@@ -332,7 +334,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;
   int nested_backward_ = 0;
   bool builds_graph_ = false;  // this backward was started with create_graph
-  bool grad_call_ = false;     // ... by torch::autograd::grad: no accumulator runs
+  bool inputs_only_ = false;   // ... for tensors none of which is a parameter of ours
   bool callback_queued_ = false;
   uint64_t gradient_generation_ = 0;
   int callback_task_ = -1;  // the autograd graph task the callback was queued for

@@ -243,13 +243,14 @@ TEST(MixedPrecision, Fp16ReductionsDivideBeforeSummingUnderEveryStrategy) {
 // summon_full_params(with_grads) shows the reduced gradients under every
 // strategy with fp32 reductions of bf16 compute; NoShard used to show none
 // (its masters held them; the bf16 parameters had no .grad).
-// torch::autograd::grad between unscale() and step() (an input-gradient
-// penalty computed late, a saliency map logged) leaves the parameters'
-// gradients alone, so step() does not unscale them a second time.
+// torch::autograd::grad, or backward(inputs=...) of an input, between
+// unscale() and step() (an input-gradient penalty computed late, a saliency
+// map logged) leaves the parameters' gradients alone, so step() does not
+// unscale them a second time.
 TEST(MixedPrecision, AnInputGradientBetweenUnscaleAndStepDoesNotUnscaleTwice) {
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
     auto r = run_ranks(2, [&](World& w) {
-      auto train = [&](bool input_grad) {
+      auto train = [&](int input_grad) {  // 0: none, 1: autograd::grad, 2: backward(inputs=...)
         torch::manual_seed(0);
         auto model = MLP();
         shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(MixedPrecision()
@@ -264,20 +265,29 @@ TEST(MixedPrecision, AnInputGradientBetweenUnscaleAndStepDoesNotUnscaleTwice) {
           opt->zero_grad();
           scaler.scale(model(x).square().mean()).backward();
           scaler.unscale(*opt);
-          if (input_grad) {
+          if (input_grad > 0) {
             auto xi = x.clone().requires_grad_();
-            auto g = torch::autograd::grad({model(xi).sum()}, {xi});
-            require(g[0].defined() && g[0].abs().sum().item<double>() > 0, "no input gradient");
+            at::Tensor g;
+            if (input_grad == 1) {
+              g = torch::autograd::grad({model(xi).sum()}, {xi})[0];
+            } else {
+              torch::autograd::backward({model(xi).sum()}, {}, std::nullopt, false, {xi});
+              g = xi.grad();
+            }
+            require(g.defined() && g.abs().sum().item<double>() > 0, "no input gradient");
           }
           require(scaler.step(*opt), "a step was skipped");
         }
         return shardtorch::full_parameters(*model);
       };
-      auto want = train(false);
-      auto got = train(true);
-      for (auto& [n, t] : want)
-        require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n +
-                                              "' differs after an input gradient between unscale and step");
+      auto want = train(0);
+      for (int how : {1, 2}) {
+        auto got = train(how);
+        for (auto& [n, t] : want)
+          require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n + "' differs after " +
+                                                (how == 1 ? "autograd::grad" : "backward(inputs=...)") +
+                                                " between unscale and step");
+      }
     });
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
