@@ -77,12 +77,7 @@ void ShardState::check_grad_arrival(const at::Tensor& param, const std::string& 
 void ShardState::on_zero_grad() {
   recover_if_backward_failed();  // reductions of a failed backward land before the zeroing
   gradients_changed();
-  if (!callback_queued_) {
-    recording_.clear();
-    // Nodes of forwards that had no backward (an evaluation in grad mode) will not run.
-    for (auto& w : units_)
-      if (auto u = w.lock()) u->reset_backward();
-  }
+  if (!callback_queued_) recording_.clear();
   for (auto& [id, f] : zero_grad_listeners_) f();
 }
 

@@ -92,21 +92,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void reset_backward() {
     touched_ = reduced_ = false;
     received_grads_ = 0;
-    post_nodes_ = unarmed_calls_ = 0;
   }
-  /// Whether this unit reduces from a post-backward node on its inputs
-  /// (UnitBase::attach_post_backward) when its forward has tensor inputs that
-  /// require grad: a unit with trainable parameters, not the root, in grad mode.
-  bool uses_post_backward() const;
-  /// A node was attached to this forward's inputs: the unit reduces when the
-  /// last such node runs, not when its last parameter gradient arrives.
-  void arm_post_backward() { ++post_nodes_; }
-  /// A forward of this unit without an input to attach the node to: this
-  /// step the unit reduces when its last gradient arrives (a node would run
-  /// before that forward's backward has added its part).
-  void note_unarmed_call() { ++unarmed_calls_; }
-  /// The node's backward: the unit's backward is done (on every rank alike).
-  void post_backward();
   void register_grad_hooks();
 
  private:
@@ -131,8 +117,6 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::vector<PendingWork> gathers_;      // in flight while Gathering
   std::vector<at::Tensor> gather_inputs_;  // kept alive for them
   int expected_grads_ = 0, received_grads_ = 0;
-  int post_nodes_ = 0;     // post-backward nodes of this step's forwards not run yet
-  int unarmed_calls_ = 0;  // this step's forwards without one
   bool touched_ = false, reduced_ = false;
   int pins_ = 0;
   bool held_ = false;
@@ -314,9 +298,6 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// recorded (a root that is not a unit marks no forward's start, so forwards
   /// in grad mode without a backward, an evaluation, would run on into the next).
   void on_zero_grad();
-  /// This backward produces parameter gradients to reduce (not one that
-  /// builds a graph, nor one for tensors none of which is a parameter).
-  bool reduces_gradients() const { return !builds_graph_ && !inputs_only_; }
   /// `f` runs at every on_zero_grad() until removed (an optimizer's views
   /// drop their gradients, which would keep the old shards' memory alive).
   int add_zero_grad_listener(std::function<void()> f) {

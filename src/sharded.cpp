@@ -3,7 +3,6 @@
 // shard(): finding units and parameters, checking the model across ranks,
 // building flat parameters (or, for NoShard, the all-reduce buckets).
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cctype>
@@ -44,52 +43,6 @@ void UnitBase::zero_shard_grads(torch::nn::Module& self) {
   }
 }
 void UnitBase::after_forward(const std::vector<at::Tensor>& outputs) { unit_->post_forward(outputs); }
-
-namespace {
-struct UnitRef : torch::CustomClassHolder {
-  explicit UnitRef(std::weak_ptr<detail::Unit> u) : unit(std::move(u)) {}
-  std::weak_ptr<detail::Unit> unit;
-};
-
-// Identity on a unit's inputs. Autograd runs its backward once every node
-// the unit's forward made has run (they come after it in forward, so before
-// it in backward; parameter accumulators run first of all), whatever
-// gradients this rank's data produced: the same point on every rank.
-struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
-                                                c10::intrusive_ptr<UnitRef> unit) {
-    ctx->set_materialize_grads(false);
-    ctx->saved_data["unit"] = c10::IValue::make_capsule(std::move(unit));
-    return torch::autograd::variable_list(inputs.begin(), inputs.end());
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto ref = c10::static_intrusive_pointer_cast<UnitRef>(ctx->saved_data["unit"].toCapsule());
-    if (auto u = ref->unit.lock()) u->post_backward();
-    grads.emplace_back();  // none for the UnitRef
-    return grads;
-  }
-};
-}  // namespace
-
-void UnitBase::attach_post_backward(std::vector<at::Tensor>& inputs) {
-  if (!unit_ || !unit_->uses_post_backward()) return;
-  std::vector<size_t> which;
-  std::vector<at::Tensor> differentiable;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].defined() && inputs[i].requires_grad()) {
-      which.push_back(i);
-      differentiable.push_back(inputs[i]);
-    }
-  }
-  if (differentiable.empty()) {
-    unit_->note_unarmed_call();
-    return;
-  }
-  auto outs = PostBackwardFunction::apply(at::TensorList(differentiable), c10::make_intrusive<UnitRef>(unit_));
-  for (size_t k = 0; k < which.size(); ++k) inputs[which[k]] = outs[k];
-  unit_->arm_post_backward();
-}
 std::optional<at::ScalarType> UnitBase::input_dtype() const { return unit_->input_dtype(); }
 std::optional<at::ScalarType> UnitBase::output_dtype() const { return unit_->output_dtype(); }
 

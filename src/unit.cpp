@@ -156,19 +156,6 @@ void Unit::pre_backward() {
   if (auto next = owner_->next_in_backward(*this)) next->unshard_async();
 }
 
-bool Unit::uses_post_backward() const {
-  return !is_root_ && expected_grads_ > 0 && c10::GradMode::is_enabled() &&
-         owner_->strategy() != Strategy::NoShard;
-}
-
-void Unit::post_backward() {
-  if (post_nodes_ == 0 || --post_nodes_ > 0) return;  // the unit ran more than once: its last node reduces
-  if (unarmed_calls_ > 0 || !owner_->reduces_gradients() || reduced_) return;
-  // Parameters without a gradient on this rank (a branch this rank's data
-  // did not take) reduce as zeros, at the same point as on every other rank.
-  reduce_grads();
-}
-
 void Unit::on_grad_ready(size_t flat, size_t param) {
   owner_->ensure_end_of_backward_callback();
   owner_->check_grad_arrival(flats_[flat]->params()[param], flats_[flat]->names()[param]);
@@ -179,10 +166,7 @@ void Unit::on_grad_ready(size_t flat, size_t param) {
   TORCH_CHECK(state_ == UnitState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": gradient of '",
               flats_[flat]->names()[param], "' arrived while unit '", label(), "' is ", state_name(state_));
   flats_[flat]->stage_grad(param);
-  // With a post-backward node the node reduces (the same point on every
-  // rank), else the last gradient to arrive.
-  const bool by_node = post_nodes_ > 0 && unarmed_calls_ == 0;
-  if (++received_grads_ == expected_grads_ && !by_node) reduce_grads();
+  if (++received_grads_ == expected_grads_) reduce_grads();
 }
 
 bool Unit::needs_final_reduce() const {

@@ -179,14 +179,6 @@ class UnitBase {
   std::optional<at::ScalarType> output_dtype() const;
   /// Activation checkpointing is on for this unit and grad mode is enabled.
   bool checkpointing_now() const;
-  /// Routes the unit's tensor inputs that require grad through one autograd
-  /// node whose backward runs once the unit's own backward is done, on every
-  /// rank alike; the unit reduces its gradients there, zeros for parameters
-  /// that got none on this rank (docs/design.md, "Ordering and consistency
-  /// across ranks"). Replaces `inputs` by the node's outputs; leaves them as
-  /// they are where the unit does not use it. Called for every forward (a
-  /// forward with no such input makes the step's reduction count-based).
-  void attach_post_backward(std::vector<at::Tensor>& inputs);
   /// After Module::zero_grad on `self` (this unit): drops the gradients its
   /// shards hold, as the optimizer's zero_grad does. NoShard: clears the
   /// bucket slices of `self`'s parameters (the root: every bucket).
@@ -260,17 +252,6 @@ constexpr bool keepable_arg = !(std::is_lvalue_reference_v<A> && !std::is_const_
 [[noreturn]] void checkpointed_forward_takes_unkeepable_arguments(const UnitBase& unit);
 [[noreturn]] void checkpointed_unit_destroyed();
 
-// The tensor arguments a unit's forward received by value (cast_input's
-// results; a non-const reference is the caller's and left alone).
-template <class B>
-void collect_owned(std::vector<at::Tensor>& out, const std::remove_reference_t<B>& x) {
-  if constexpr (std::is_same_v<std::decay_t<B>, at::Tensor> && !std::is_lvalue_reference_v<B>) out.push_back(x);
-}
-template <class B>
-void replace_owned(std::remove_reference_t<B>& x, const std::vector<at::Tensor>& v, size_t& i) {
-  if constexpr (std::is_same_v<std::decay_t<B>, at::Tensor> && !std::is_lvalue_reference_v<B>) x = v.at(i++);
-}
-
 // Casts a floating-point tensor argument; passes anything else through.
 template <class T>
 decltype(auto) cast_input(T&& arg, const std::optional<at::ScalarType>& dtype) {
@@ -299,8 +280,7 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
     if (is_sharded_unit()) before_forward();
     const auto in_dtype = is_sharded_unit() ? input_dtype() : std::nullopt;
     R out = checkpoint ? checkpointed(detail::cast_input(std::forward<A>(args), in_dtype)...)
-                       : forward_unit<decltype(detail::cast_input(std::forward<A>(args), in_dtype))...>(
-                             detail::cast_input(std::forward<A>(args), in_dtype)...);
+                       : Impl::forward(detail::cast_input(std::forward<A>(args), in_dtype)...);
     if (!is_sharded_unit()) return out;  // NoShard: checkpointing without a unit
     if constexpr (std::is_same_v<R, at::Tensor>) {
       if (auto od = output_dtype(); od && out.is_floating_point() && out.scalar_type() != *od) out = out.to(*od);
@@ -309,18 +289,6 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
     detail::collect_tensors(outputs, out);
     after_forward(outputs);
     return out;
-  }
-
-  /// Impl::forward on cast_input's results (B: their types), the tensors
-  /// among them routed through attach_post_backward first.
-  template <class... B>
-  R forward_unit(B&&... cast) {
-    std::vector<at::Tensor> ts;
-    (detail::collect_owned<B>(ts, cast), ...);
-    attach_post_backward(ts);
-    size_t i = 0;
-    (detail::replace_owned<B>(cast, ts, i), ...);
-    return Impl::forward(std::forward<B>(cast)...);
   }
 
   /// LibTorch's Module::zero_grad (gradients set to none by default) reaches
