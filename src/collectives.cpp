@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <atomic>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
@@ -20,10 +21,11 @@ namespace {
 struct InjectedFailures {
   std::mutex mu;
   std::string what;
-  int count = 0;
+  std::atomic<int> count{0};  // read without the lock on every collective: nothing armed, nothing more
 
   // True (once per armed count) when the collective described by `what` is to fail.
   bool take(const std::string& description) {
+    if (count.load(std::memory_order_relaxed) == 0) return false;
     std::lock_guard<std::mutex> lock(mu);
     if (count == 0 || description.find(what) == std::string::npos) return false;
     --count;

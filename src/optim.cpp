@@ -101,16 +101,7 @@ void ShardViews::bind_grads() {
   }
 }
 
-void ShardViews::zero_grad() {
-  state_->on_zero_grad();
-  if (state_->ddp()) {  // gradients stay views of the buckets
-    state_->ddp()->zero_grads();
-    state_->release_master_grads();
-    return;
-  }
-  for (auto& u : state_->units())
-    for (auto& f : u->flats()) f->zero_grad();
-}
+void ShardViews::zero_grad() { state_->zero_grads(); }
 
 ShardViews::~ShardViews() {
   if (listener_ >= 0) state_->remove_zero_grad_listener(listener_);

@@ -81,6 +81,17 @@ void ShardState::on_zero_grad() {
   for (auto& [id, f] : zero_grad_listeners_) f();
 }
 
+void ShardState::zero_grads() {
+  on_zero_grad();
+  if (ddp_) {  // gradients stay views of the buckets
+    ddp_->zero_grads();
+    release_master_grads();
+    return;
+  }
+  for (auto& u : units())
+    for (auto& f : u->flats()) f->zero_grad();
+}
+
 void ShardState::recover_if_backward_failed() {
   if (callback_queued_ && torch::autograd::get_current_graph_task_id() == -1) abandon_backward(/*warn=*/true);
 }

@@ -298,6 +298,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// recorded (a root that is not a unit marks no forward's start, so forwards
   /// in grad mode without a backward, an evaluation, would run on into the next).
   void on_zero_grad();
+  /// The optimizer's zero_grad (and NoShard's root module's): every gradient
+  /// of the model, after on_zero_grad().
+  void zero_grads();
   /// `f` runs at every on_zero_grad() until removed (an optimizer's views
   /// drop their gradients, which would keep the old shards' memory alive).
   int add_zero_grad_listener(std::function<void()> f) {

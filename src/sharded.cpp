@@ -31,16 +31,15 @@ void UnitBase::zero_shard_grads(torch::nn::Module& self) {
   // bucket (and the masters' gradients), as the optimizer's zero_grad does.
   auto state = unit_ ? unit_->owner().shared_from_this() : no_shard_state_.lock();
   if (!state) return;  // not sharded yet
+  if (state->ddp() && unit_) {  // NoShard's root unit (the only unit NoShard makes)
+    state->zero_grads();
+    return;
+  }
   state->on_zero_grad();
   if (unit_)
     for (auto& f : unit_->flats()) f->zero_grad();
-  if (!state->ddp()) return;
-  if (unit_ && unit_->is_root()) {
-    state->ddp()->zero_grads();
-    state->release_master_grads();
-  } else {
+  else if (state->ddp())
     state->ddp()->zero_grads_of(self.parameters());  // plain modules inside have no hook of their own
-  }
 }
 void UnitBase::after_forward(const std::vector<at::Tensor>& outputs) { unit_->post_forward(outputs); }
 std::optional<at::ScalarType> UnitBase::input_dtype() const { return unit_->input_dtype(); }
