@@ -43,11 +43,20 @@ void ShardState::ensure_end_of_backward_callback() {
   // parameter's gradient happened to arrive here).
   inputs_only_ = false;
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-  if (exec_info && !exec_info->empty()) {
-    auto needed = [&](const c10::intrusive_ptr<torch::autograd::Node>& acc) {
-      auto it = exec_info->find(acc.get());
+  const bool restricted = exec_info && !exec_info->empty();
+  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+  // Will the engine run this accumulator in this backward? (Rank-local: a
+  // branch the data took elsewhere may leave a parameter out of the graph.)
+  auto runs = [&](const torch::autograd::Node* acc) {
+    auto* n = const_cast<torch::autograd::Node*>(acc);
+    if (restricted) {
+      auto it = exec_info->find(n);
       return it != exec_info->end() && it->second.needed_;
-    };
+    }
+    return nodes == nullptr || nodes->count(n) > 0;
+  };
+  if (restricted) {
+    auto needed = [&](const c10::intrusive_ptr<torch::autograd::Node>& acc) { return runs(acc.get()); };
     bool any = std::any_of(ddp_accumulators_.begin(), ddp_accumulators_.end(), needed);
     for (const auto& w : units_) {
       auto u = w.lock();
@@ -55,6 +64,9 @@ void ShardState::ensure_end_of_backward_callback() {
     }
     inputs_only_ = !any;
   }
+  for (const auto& w : units_)
+    if (auto u = w.lock()) u->expect_from_graph(runs);
+  issue_cursor_ = reduction_order_.size();
   auto keep = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([keep] { keep->finish_backward(); });
 }
@@ -105,6 +117,8 @@ void ShardState::abandon_backward(bool warn) {
   callback_queued_ = false;
   recording_.clear();
   backward_cursor_ = SIZE_MAX;
+  reduction_order_closed_ = true;
+  finishing_ = false;
   gradients_changed();  // partly reduced, staged ones dropped
   release_held();
   if (ddp_) ddp_->discard();
@@ -122,6 +136,7 @@ void ShardState::abandon_backward(bool warn) {
 void ShardState::finish_backward() {
   callback_queued_ = false;
   backward_cursor_ = SIZE_MAX;
+  reduction_order_closed_ = true;  // the next forward records a new one
   // Nothing to reduce in a backward that builds a graph (a parameter gradient
   // there is an error) nor in one for tensors none of which is a parameter of
   // ours (torch::autograd::grad, backward(inputs=...): no accumulator runs).
@@ -142,9 +157,12 @@ void ShardState::finish_backward() {
         if (u->state() == UnitState::Unsharded) u->hold();
     }
     if (!no_gradients) {
+      finishing_ = true;
       for (auto it = all.rbegin(); it != all.rend(); ++it) {
         if ((*it)->needs_final_reduce()) (*it)->reduce_grads();
       }
+      if (sync_) issue_reductions(/*at_end=*/true);
+      finishing_ = false;
       bucketer_.flush();
       bucketer_.free();
       if (offloader_) offloader_->drain();  // the gradient shards reach host memory
@@ -237,6 +255,38 @@ void ShardState::after_optimizer_step() {
     }
     u->reshard();  // non-persistent full copies are stale now
   }
+}
+
+void ShardState::note_forward_for_reduction(Unit& u) {
+  // Not inside a backward: a checkpointed unit's recomputation runs forwards there.
+  if (!c10::GradMode::is_enabled() || callback_queued_ || !u.reduces()) return;
+  if (reduction_order_closed_) {
+    for (const auto& w : reduction_order_)
+      if (auto x = w.lock()) x->set_in_reduction_order(false);
+    reduction_order_.clear();
+    reduction_order_closed_ = false;
+  }
+  if (u.in_reduction_order()) return;
+  u.set_in_reduction_order(true);
+  reduction_order_.push_back(u.weak_from_this());
+}
+
+void ShardState::issue_reductions(bool at_end) {
+  while (issue_cursor_ > 0) {
+    auto u = reduction_order_[issue_cursor_ - 1].lock();
+    if (u && !u->issued()) {
+      if (u->reduced()) {
+        u->issue_reduction();
+      } else if (!at_end) {
+        return;  // not final yet: the units after it wait, on every rank alike
+      }  // at the end: not final means it took no part in this backward
+    }
+    --issue_cursor_;
+  }
+  if (!at_end) return;  // units outside the order wait for the end
+  auto all = units();
+  for (auto it = all.rbegin(); it != all.rend(); ++it)
+    if ((*it)->reduces() && (*it)->reduced() && !(*it)->issued()) (*it)->issue_reduction();
 }
 
 std::shared_ptr<Unit> ShardState::note_forward_and_next(Unit& u) {

@@ -22,11 +22,14 @@ namespace shardtorch::detail {
 
 enum class UnitState { Sharded, Gathering, Unsharded, Reducing };
 
+class Unit;
+
 /// What a checkpointed unit needs in backward (docs/design.md).
 struct Checkpointing {
   std::weak_ptr<ShardState> state;
   std::string label;               // the unit's name, for errors
   std::vector<at::Tensor> params;  // its trainable parameters: where the nested backward stops
+  std::vector<std::weak_ptr<Unit>> units;  // it and the units inside it (sharded strategies)
   // The last forward's node: alive and not yet differentiated means a second
   // forward now would give its parameters two gradient accumulations.
   std::weak_ptr<std::atomic<bool>> last_pending;
@@ -79,18 +82,42 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void post_forward(const std::vector<at::Tensor>& outputs);
   void pre_backward();
   void on_grad_ready(size_t flat, size_t param);
-  /// Hands every trainable flat gradient on for reduction (or, with sync
-  /// off, keeps accumulating it) and reshards.
-  void reduce_grads();
+  /// Its gradients are final in this backward ("FINAL" in docs/design.md,
+  /// "Ordering and consistency across ranks"): with sync they are handed on
+  /// for reduction in the reduction order (ShardState::issue_reductions),
+  /// without it they keep accumulating; then it reshards, unless told not to
+  /// (frozen parameters may still be needed).
+  void reduce_grads(bool reshard_now = true);
+  /// Hands every trainable flat gradient to its reduction (ShardState decides when).
+  void issue_reduction();
   /// At the end of a backward: touched and not reduced yet, or (a unit this
   /// backward did not run) holding gradients accumulated without sync.
   bool needs_final_reduce() const;
-  /// Has handed its gradients on in this backward.
+  /// Its gradients are final in this backward (handed on, or waiting for their turn).
   bool reduced() const { return reduced_; }
+  /// Its gradients were handed to their reduction in this backward.
+  bool issued() const { return issued_; }
+  /// Has trainable parameters, so it reduces gradients.
+  bool reduces() const { return expected_grads_ > 0; }
   /// Its parameters' gradient accumulators (the nodes its hooks are on).
   const std::vector<c10::intrusive_ptr<torch::autograd::Node>>& accumulators() const { return accumulators_; }
+  /// At a backward's first hook: how many of its gradients the engine will
+  /// deliver ("EXPECTED"), from the graph task's nodes (`needed`: a
+  /// backward(inputs=...) restricts them to its inputs). A checkpointed unit
+  /// expects all: its accumulators run in the nested backward's graph.
+  void expect_from_graph(const std::function<bool(const torch::autograd::Node*)>& runs);
+  /// Activation checkpointing: the unit (or one it is inside of) is
+  /// recomputed in backward; complete_nested_backward() makes it final once
+  /// that recomputation's backward is done, whatever has arrived.
+  void set_checkpointed() { checkpointed_ = true; }
+  void complete_nested_backward() {
+    if (touched_ && !reduced_) reduce_grads();
+  }
+  /// Its place in the reduction order being recorded (ShardState).
+  bool in_reduction_order() const { return in_reduction_order_; }
+  void set_in_reduction_order(bool in) { in_reduction_order_ = in; }
   void reset_backward() {
-    touched_ = reduced_ = false;
+    touched_ = reduced_ = issued_ = false;
     received_grads_ = 0;
   }
   void register_grad_hooks();
@@ -117,7 +144,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::vector<PendingWork> gathers_;      // in flight while Gathering
   std::vector<at::Tensor> gather_inputs_;  // kept alive for them
   int expected_grads_ = 0, received_grads_ = 0;
-  bool touched_ = false, reduced_ = false;
+  int expected_now_ = 0;  // of expected_grads_, those this backward's graph will deliver
+  bool touched_ = false, reduced_ = false, issued_ = false;
+  bool checkpointed_ = false, in_reduction_order_ = false;
   int pins_ = 0;
   bool held_ = false;
 };
@@ -256,6 +285,24 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// it stays gathered: freeing it would only gather it again at once.
   bool needed_again_at_once(const Unit& u) const;
 
+  /// The reduction order (docs/design.md, "Ordering and consistency across
+  /// ranks"): records u's first forward in grad mode since the last backward
+  /// ended (outside backward; units with trainable parameters).
+  void note_forward_for_reduction(Unit& u);
+  /// Hands on, in the reduction order, every final unit whose turn has come;
+  /// stops at the first that is not final yet. `at_end`: the backward is
+  /// ending, so the units not final take no part and are skipped, and the
+  /// final ones outside the order follow in reverse pre-order.
+  void issue_reductions(bool at_end = false);
+  /// This backward reduces gradients (not a grad call, not create_graph).
+  bool backward_reduces() const { return !builds_graph_ && !inputs_only_; }
+  /// Units whose gradients were final before their turn in the reduction
+  /// order, since shard() (they waited; 0 when units finish in that order).
+  int64_t reductions_deferred() const { return reductions_deferred_; }
+  void count_deferred_reduction() {
+    if (!finishing_) ++reductions_deferred_;
+  }
+
   /// Queues finish_backward() on the autograd engine once per backward. In a
   /// nested backward (activation checkpointing) the outer one's callback
   /// stands: nothing is queued. Records what kind of backward runs (below).
@@ -282,8 +329,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
     ShardState& s_;
   };
   /// shard(): makes `base` a checkpointed unit (docs/design.md).
+  /// `units`: it and the units inside it, innermost first (sharded strategies; empty under NoShard).
   static void enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState> state, std::string label,
-                                   std::vector<at::Tensor> params);
+                                   std::vector<at::Tensor> params, std::vector<std::shared_ptr<Unit>> units);
   void finish_backward();
   /// At the start of a forward and in zero_grad(): outside any backward, a
   /// queued end-of-backward that never ran means the last backward failed;
@@ -331,6 +379,13 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<std::weak_ptr<Unit>> recording_, forward_order_;  // this step's forward; the last complete one
   bool following_ = false;  // this forward has run the units of forward_order_ in its order so far
   size_t backward_cursor_ = SIZE_MAX;  // this backward's place in forward_order_ (next_in_backward)
+  // The reduction order, in first-forward order (issued from the back); a
+  // backward's end closes it, and the next forward starts a new one.
+  std::vector<std::weak_ptr<Unit>> reduction_order_;
+  bool reduction_order_closed_ = false;
+  size_t issue_cursor_ = 0;  // reduction_order_[0, issue_cursor_) are still to be issued
+  bool finishing_ = false;   // in finish_backward
+  int64_t reductions_deferred_ = 0;
   std::vector<at::Tensor> ddp_params_, ddp_masters_;
   std::vector<std::string> ddp_names_;
   std::unordered_map<const void*, at::Tensor> masters_;  // NoShard + mixed precision: every parameter's fp32 master

@@ -41,7 +41,25 @@ void UnitBase::zero_shard_grads(torch::nn::Module& self) {
   else if (state->ddp())
     state->ddp()->zero_grads_of(self.parameters());  // plain modules inside have no hook of their own
 }
-void UnitBase::after_forward(const std::vector<at::Tensor>& outputs) { unit_->post_forward(outputs); }
+bool UnitBase::after_forward(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) {
+  // An input returned as it is (a gate routing around the unit on this rank)
+  // would carry the hook of the unit that made it, and this unit's hook
+  // would fire after that one's on this rank only: the two units' backward
+  // all-gathers would swap places. An alias gives this unit a node of its own.
+  bool replaced = false;
+  if (c10::GradMode::is_enabled()) {
+    for (auto& t : outputs) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      auto same = [&](const at::Tensor& in) { return in.defined() && in.unsafeGetTensorImpl() == t.unsafeGetTensorImpl(); };
+      if (std::any_of(inputs.begin(), inputs.end(), same)) {
+        t = at::alias(t);
+        replaced = true;
+      }
+    }
+  }
+  unit_->post_forward(outputs);
+  return replaced;
+}
 std::optional<at::ScalarType> UnitBase::input_dtype() const { return unit_->input_dtype(); }
 std::optional<at::ScalarType> UnitBase::output_dtype() const { return unit_->output_dtype(); }
 
@@ -286,16 +304,28 @@ std::vector<bool> checkpointed_units(const std::vector<FoundUnit>& units, const 
 }
 
 // Makes the chosen units checkpointed, each with its own trainable
-// parameters (a leaf unit: those of its module tree).
+// parameters (a leaf unit: those of its module tree) and, under the sharded
+// strategies (`made`, one per unit), the units it recomputes: it and those
+// inside it, innermost (last in pre-order) first.
 void enable_checkpointing(const std::vector<FoundUnit>& units, const std::vector<bool>& checkpointed,
-                          const std::shared_ptr<detail::ShardState>& state) {
+                          const std::shared_ptr<detail::ShardState>& state,
+                          const std::vector<std::shared_ptr<detail::Unit>>& made = {}) {
+  auto inside = [&](size_t v, size_t u) {
+    for (int p = static_cast<int>(v); p >= 0; p = units[p].parent)
+      if (p == static_cast<int>(u)) return true;
+    return false;
+  };
   for (size_t u = 0; u < units.size(); ++u) {
     if (!checkpointed[u]) continue;
     std::vector<at::Tensor> trainable;
     if (auto* module = dynamic_cast<torch::nn::Module*>(units[u].base))
       for (const auto& p : module->parameters())
         if (p.requires_grad()) trainable.push_back(p);
-    detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name, std::move(trainable));
+    std::vector<std::shared_ptr<detail::Unit>> recomputed;
+    for (size_t v = made.size(); v-- > 0;)
+      if (inside(v, u)) recomputed.push_back(made[v]);
+    detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name, std::move(trainable),
+                                             std::move(recomputed));
   }
 }
 
@@ -423,7 +453,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   cast_buffers(mp, buffers);
   sync_buffers(*state, *world, buffers);
   for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
-  enable_checkpointing(units, checkpointed, state);
+  enable_checkpointing(units, checkpointed, state, made);
   detail::register_model(root, state);
   return ShardedModel(state);
 }
@@ -491,6 +521,7 @@ ShardedModel::NoSync::~NoSync() {
 }
 ShardedModel::NoSync ShardedModel::no_sync() { return NoSync(state_); }
 int64_t ShardedModel::gradient_reductions() const { return state_->gradient_reductions(); }
+int64_t ShardedModel::reductions_deferred() const { return state_->reductions_deferred(); }
 int64_t ShardedModel::reduce_scatters_overlapped() const { return state_->bucketer().launched_while_in_flight(); }
 int64_t ShardedModel::buckets_launched_during_backward() const {
   return state_->ddp() ? state_->ddp()->launched_during_backward() : 0;

@@ -113,6 +113,7 @@ std::string Unit::sharded_access_error(const FlatParam& flat) const {
 
 void Unit::pre_forward() {
   owner_->recover_if_backward_failed();
+  owner_->note_forward_for_reduction(*this);
   unshard();
   if (auto next = owner_->note_forward_and_next(*this)) next->unshard_async();
 }
@@ -153,6 +154,10 @@ void Unit::pre_backward() {
   owner_->ensure_end_of_backward_callback();
   touched_ = true;
   unshard();
+  // None of its gradients will arrive in this backward (a gate routed
+  // around its layers on this rank): they are final now. It stays gathered:
+  // its frozen parameters may still be read for its input's gradient.
+  if (expected_now_ == 0 && reduces() && !reduced_ && owner_->backward_reduces()) reduce_grads(/*reshard_now=*/false);
   if (auto next = owner_->next_in_backward(*this)) next->unshard_async();
 }
 
@@ -166,7 +171,16 @@ void Unit::on_grad_ready(size_t flat, size_t param) {
   TORCH_CHECK(state_ == UnitState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": gradient of '",
               flats_[flat]->names()[param], "' arrived while unit '", label(), "' is ", state_name(state_));
   flats_[flat]->stage_grad(param);
-  if (++received_grads_ == expected_grads_) reduce_grads();
+  if (++received_grads_ == expected_now_) reduce_grads();
+}
+
+void Unit::expect_from_graph(const std::function<bool(const torch::autograd::Node*)>& runs) {
+  if (checkpointed_) {
+    expected_now_ = expected_grads_;
+    return;
+  }
+  expected_now_ = static_cast<int>(
+      std::count_if(accumulators_.begin(), accumulators_.end(), [&](const auto& acc) { return runs(acc.get()); }));
 }
 
 bool Unit::needs_final_reduce() const {
@@ -175,7 +189,7 @@ bool Unit::needs_final_reduce() const {
   return std::any_of(flats_.begin(), flats_.end(), [](const auto& f) { return f->has_staging_grad(); });
 }
 
-void Unit::reduce_grads() {
+void Unit::reduce_grads(bool reshard_now) {
   if (reduced_) return;
   // A unit the backward did not run reduces what earlier micro-batches staged
   // without its parameters: it stays sharded (a prefetch that gathered it for
@@ -185,10 +199,16 @@ void Unit::reduce_grads() {
   TORCH_CHECK(state_ == UnitState::Unsharded || idle, "shardtorch: rank ", owner_->world().rank(), ": unit '",
               label(), "' reduces its gradients while ", state_name(state_));
   reduced_ = true;
-  if (!owner_->sync()) {  // accumulation: the staged gradients wait for a synchronising backward
-    reshard();
-    return;
+  // Without sync (accumulation) the staged gradients wait for a synchronising backward.
+  if (owner_->sync()) {
+    owner_->issue_reductions();  // this unit, if its turn has come, and those that waited for it
+    if (!issued_) owner_->count_deferred_reduction();
   }
+  if (reshard_now) reshard();  // a unit waiting for its turn holds only its staged gradients
+}
+
+void Unit::issue_reduction() {
+  issued_ = true;
   const UnitState was = state_;
   state_ = UnitState::Reducing;
   try {
@@ -198,7 +218,6 @@ void Unit::reduce_grads() {
     throw;
   }
   state_ = was;
-  reshard();
 }
 
 void Unit::reduce_flats() {

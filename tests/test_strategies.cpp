@@ -215,6 +215,7 @@ TEST_P(SmallBucketParity, ReduceScattersInFlightDuringBackwardMatchSingleProcess
       require(calls >= 3, "expected a reduce-scatter per unit (two blocks and the root) with 0.06 MiB buckets, got " +
                               std::to_string(calls));
       require(sm.reduce_scatters_overlapped() >= 1, "no reduce-scatter was launched while another was in flight");
+      require(sm.reductions_deferred() == 0, "a unit waited for its turn in the reduction order");
     }
     compare(train_sharded(w, recipe, x, opts), want,
             std::string(shardtorch::strategy_name(strategy)) + " with small buckets");

@@ -172,7 +172,10 @@ class UnitBase {
 
  protected:
   void before_forward();
-  void after_forward(const std::vector<at::Tensor>& outputs);
+  /// Returns true if it replaced an output: one that is an input passed
+  /// through becomes an alias of it, so that the unit's backward hook is its
+  /// own (docs/design.md, "Ordering and consistency across ranks").
+  bool after_forward(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs);
   /// Mixed precision at the root: the dtype floating inputs are cast to, and
   /// the dtype a tensor output is cast to.
   std::optional<at::ScalarType> input_dtype() const;
@@ -279,6 +282,8 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
     if (!is_sharded_unit() && !checkpoint) return Impl::forward(std::forward<A>(args)...);
     if (is_sharded_unit()) before_forward();
     const auto in_dtype = is_sharded_unit() ? input_dtype() : std::nullopt;
+    std::vector<at::Tensor> inputs;  // to tell an input passed through as an output
+    if (is_sharded_unit() && !checkpoint) (detail::collect_tensors(inputs, args), ...);
     R out = checkpoint ? checkpointed(detail::cast_input(std::forward<A>(args), in_dtype)...)
                        : Impl::forward(detail::cast_input(std::forward<A>(args), in_dtype)...);
     if (!is_sharded_unit()) return out;  // NoShard: checkpointing without a unit
@@ -287,7 +292,10 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
     }
     std::vector<at::Tensor> outputs;
     detail::collect_tensors(outputs, out);
-    after_forward(outputs);
+    if (after_forward(outputs, inputs)) {
+      size_t k = 0;
+      detail::replace_tensors(out, outputs, k);
+    }
     return out;
   }
 
@@ -391,6 +399,12 @@ class ShardedModel {
   /// Gradient reductions started since shard(): flat gradients handed to a
   /// reduce-scatter or all-reduce, and NoShard buckets launched.
   int64_t gradient_reductions() const;
+  /// Sharded strategies: units whose gradients were final before their turn
+  /// in the reduction order, since shard(). They wait (holding their staged
+  /// gradient) so that every rank issues its collectives in one order; 0 when
+  /// units finish in that order (docs/design.md, "Ordering and consistency
+  /// across ranks").
+  int64_t reductions_deferred() const;
   const std::shared_ptr<detail::ShardState>& state() const { return state_; }
 
  private:
