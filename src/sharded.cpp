@@ -45,13 +45,15 @@ bool UnitBase::after_forward(std::vector<at::Tensor>& outputs, const std::vector
   // An input returned as it is (a gate routing around the unit on this rank)
   // would carry the hook of the unit that made it, and this unit's hook
   // would fire after that one's on this rank only: the two units' backward
-  // all-gathers would swap places. An alias gives this unit a node of its own.
+  // all-gathers would swap places. A leaf returned as it is (a parameter)
+  // would collect one more hook at every forward. An alias gives this unit a
+  // node of its own.
   bool replaced = false;
   if (c10::GradMode::is_enabled()) {
     for (auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
       auto same = [&](const at::Tensor& in) { return in.defined() && in.unsafeGetTensorImpl() == t.unsafeGetTensorImpl(); };
-      if (std::any_of(inputs.begin(), inputs.end(), same)) {
+      if (t.is_leaf() || std::any_of(inputs.begin(), inputs.end(), same)) {
         t = at::alias(t);
         replaced = true;
       }

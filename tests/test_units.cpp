@@ -244,6 +244,55 @@ TEST(Units, UnusedParametersDoNotHangAndGetZeroGradients) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+/// A unit that returns its own parameter (a learned scale), kept gathered
+/// after forward so the caller can use it.
+struct ScaleImpl : torch::nn::Module {
+  ScaleImpl() { s = register_parameter("s", torch::full({5}, 1.5)); }
+  torch::Tensor forward(torch::Tensor) { return s; }
+  torch::Tensor s;
+};
+SHARDTORCH_MODULE(Scale);
+
+struct ScaledImpl : torch::nn::Module {
+  ScaledImpl() : a(register_module("a", Layer(7, 5, true))), scale(register_module("scale", Scale())) {}
+  torch::Tensor forward(torch::Tensor x) { return a(x) * scale(x); }
+  Layer a;
+  Scale scale;
+};
+SHARDTORCH_MODULE(Scaled);
+
+// Its output is an alias, not the parameter: the unit's backward hook sits
+// on the alias's node, so the parameter collects no hook per forward (it
+// used to get one more at every step).
+TEST(Units, AUnitReturningItsOwnParameterHooksNothingOnItAndTrainsLikeTorch) {
+  torch::manual_seed(5);
+  auto x = torch::randn({4, 7});
+  torch::manual_seed(0);
+  auto ref = Scaled();
+  torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
+  constexpr int kSteps = 3;
+  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).pow(2).sum(); });
+  for (auto s : kAllStrategies) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto m = Scaled();
+      shardtorch::shard(m, w, strategy_options(s, 2).reshard_after_forward_for("scale", false));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      const size_t hooks = torch::autograd::impl::hooks(m->scale->s).size();
+      for (int step = 0; step < kSteps; ++step) {
+        opt->zero_grad();
+        (m(x.narrow(0, 2 * w.rank(), 2)).pow(2).sum() * w.size()).backward();
+        opt->step();
+        require(torch::autograd::impl::hooks(m->scale->s).size() == hooks,
+                "the parameter has " + std::to_string(torch::autograd::impl::hooks(m->scale->s).size()) +
+                    " hooks after step " + std::to_string(step) + ", " + std::to_string(hooks) + " before");
+      }
+      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a unit returning its parameter");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
 TEST(Units, TwoBackwardsBeforeAStepAccumulateLikeTorch) {
   torch::manual_seed(3);
   auto x1 = torch::randn({4, 7}), x2 = torch::randn({4, 7});
