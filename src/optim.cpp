@@ -103,6 +103,22 @@ void ShardViews::bind_grads() {
 
 void ShardViews::zero_grad() { state_->zero_grads(); }
 
+void ShardViews::require_fp32_cpu(const std::string& who) const {
+  auto check = [&](const at::Tensor& t, const std::string& name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), who, ": rank ", state_->world().rank(),
+                ": parameter '", name, "' is optimized as a ", t.scalar_type(), " tensor on ", t.device(),
+                "; it updates fp32 tensors in host memory only (fp32 parameters or masters, on the CPU or under "
+                "offload). Use torch::optim::Adam(W) through shardtorch::Adam(W) otherwise");
+  };
+  if (state_->ddp()) {
+    for (size_t i = 0; i < state_->ddp_params().size(); ++i) check(state_->ddp_optimized()[i], state_->ddp_names()[i]);
+    return;
+  }
+  for (auto& u : state_->units())
+    for (auto& f : u->flats())
+      if (f->requires_grad() && !f->names().empty()) check(f->shard(), f->names().front());
+}
+
 ShardViews::~ShardViews() {
   if (listener_ >= 0) state_->remove_zero_grad_listener(listener_);
 }

@@ -156,6 +156,29 @@ TEST(FusedCpuAdam, ShardedTrainingWithFusedAdamWMatchesSingleProcess) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// Refused when built, on every rank alike: a rank that owns no piece of the
+// fp64 parameters would otherwise step, go on to the next collective and
+// wait there for ranks that threw in step().
+TEST(FusedCpuAdam, ParametersItCannotUpdateAreRefusedOnEveryRankWhenItIsBuilt) {
+  for (auto strategy : {shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto model = MLP();
+      model->l3->lin->to(torch::kDouble);
+      shardtorch::shard(model, w, strategy_options(strategy, 2));
+      try {
+        shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-3));
+      } catch (const c10::Error& e) {
+        const std::string msg = e.what_without_backtrace();
+        require(msg.find("'l3.lin.weight' is optimized as a Double tensor") != std::string::npos, msg);
+        return;
+      }
+      throw std::runtime_error("FusedAdamW accepted fp64 parameters");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
+  }
+}
+
 TEST(FusedCpuAdam, EveryInstructionSetVariantMatchesTorch) {
   __builtin_cpu_init();
   std::vector<std::string> isas = {"default"};

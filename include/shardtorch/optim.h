@@ -12,6 +12,7 @@
 
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace shardtorch {
@@ -42,6 +43,11 @@ class ShardViews {
   /// Sets the memory tracker's optimizer-state figure from `opt`'s state
   /// (after a step, and after a checkpoint replaced the state).
   void count_optimizer_state(const torch::optim::Optimizer& opt) const;
+  /// Throws, on every rank alike, naming the first trainable parameter whose
+  /// optimized tensor (master shard, or NoShard's parameter or master) is not
+  /// fp32 in host memory. Decided from the flat parameters every rank has,
+  /// not from this rank's pieces (a rank may own none of a parameter).
+  void require_fp32_cpu(const std::string& who) const;
 
   struct Piece {
     at::Tensor view;       // what the optimizer updates
@@ -62,6 +68,13 @@ class ShardViews {
   std::vector<const void*> trainable_;
   int listener_ = -1;  // the state's zero_grad listener dropping the pieces' gradients
 };
+
+/// Optimizers that update only contiguous fp32 host tensors (FusedAdam)
+/// declare `static constexpr bool kNeedsFp32Cpu = true`.
+template <class T, class = void>
+struct needs_fp32_cpu : std::false_type {};
+template <class T>
+struct needs_fp32_cpu<T, std::void_t<decltype(T::kNeedsFp32Cpu)>> : std::bool_constant<T::kNeedsFp32Cpu> {};
 }  // namespace detail
 
 /// A parameter group: some of the model's parameters and their options.
@@ -80,6 +93,7 @@ class ShardedOptimizer {
   static std::unique_ptr<ShardedOptimizer> make(torch::nn::Module& root, Options defaults,
                                                 std::vector<ParamGroup<Options>> groups = {}) {
     auto views = std::make_unique<detail::ShardViews>(root);
+    if constexpr (detail::needs_fp32_cpu<TorchOptim>::value) views->require_fp32_cpu("shardtorch FusedAdam");
     std::vector<torch::optim::OptimizerParamGroup> pgs;
     for (auto& g : groups) pgs.emplace_back(views->take(g.params), std::make_unique<Options>(g.options));
     auto rest = views->take_rest();

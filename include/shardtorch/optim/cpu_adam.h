@@ -43,6 +43,8 @@ namespace detail {
 template <class Options, class State, bool Decoupled>
 class FusedAdamBase : public torch::optim::Optimizer {
  public:
+  /// ShardedOptimizer::make checks every rank's optimized tensors up front.
+  static constexpr bool kNeedsFp32Cpu = true;
   FusedAdamBase(std::vector<torch::optim::OptimizerParamGroup> groups, Options defaults)
       : torch::optim::Optimizer(std::move(groups), std::make_unique<Options>(defaults)) {}
   FusedAdamBase(std::vector<at::Tensor> params, Options defaults)
