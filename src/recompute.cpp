@@ -303,11 +303,10 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
       ShardState::NestedBackward nested(*state);
       torch::autograd::backward(roots, root_grads, /*retain_graph=*/std::nullopt, /*create_graph=*/false, stop_at);
     }
-    // Every gradient the unit (and each unit inside it) will get in this
-    // backward has arrived: a parameter the recomputation did not use on this
-    // rank gets none (docs/design.md, "Ordering and consistency across ranks").
-    for (const auto& w : r->ac->units)
-      if (auto u = w.lock()) u->complete_nested_backward();
+    // Every gradient the unit will get in this backward has arrived: a
+    // parameter the recomputation did not use on this rank gets none
+    // (docs/design.md, "Ordering and consistency across ranks").
+    if (auto u = r->ac->unit.lock()) u->complete_nested_backward();
     variable_list result;
     for (const auto& d : in) result.push_back(d.defined() && d.requires_grad() ? d.grad() : at::Tensor());
     // The empty input (if the node took one) and the Recompute argument get
@@ -320,15 +319,13 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
 }  // namespace
 
 void ShardState::enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState> state, std::string label,
-                                      std::vector<at::Tensor> params, std::vector<std::shared_ptr<Unit>> units) {
+                                      std::vector<at::Tensor> params, const std::shared_ptr<Unit>& unit) {
   auto c = std::make_shared<Checkpointing>();
   c->state = std::move(state);
   c->label = std::move(label);
   c->params = std::move(params);
-  for (auto& u : units) {
-    u->set_checkpointed();
-    c->units.push_back(u);
-  }
+  if (unit) unit->set_checkpointed();
+  c->unit = unit;
   base.checkpointing_ = std::move(c);
 }
 

@@ -45,22 +45,24 @@ void ShardState::ensure_end_of_backward_callback() {
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   const bool restricted = exec_info && !exec_info->empty();
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+  // Among the inputs of a restricted backward (rank-independent: the inputs
+  // are the same everywhere, reachable or not)?
+  auto needed = [&](const torch::autograd::Node* acc) {
+    auto it = exec_info->find(const_cast<torch::autograd::Node*>(acc));
+    return it != exec_info->end() && it->second.needed_;
+  };
   // Will the engine run this accumulator in this backward? (Rank-local: a
   // branch the data took elsewhere may leave a parameter out of the graph.)
   auto runs = [&](const torch::autograd::Node* acc) {
-    auto* n = const_cast<torch::autograd::Node*>(acc);
-    if (restricted) {
-      auto it = exec_info->find(n);
-      return it != exec_info->end() && it->second.needed_;
-    }
-    return nodes == nullptr || nodes->count(n) > 0;
+    if (restricted && !needed(acc)) return false;
+    return nodes == nullptr || nodes->count(const_cast<torch::autograd::Node*>(acc)) > 0;
   };
   if (restricted) {
-    auto needed = [&](const c10::intrusive_ptr<torch::autograd::Node>& acc) { return runs(acc.get()); };
-    bool any = std::any_of(ddp_accumulators_.begin(), ddp_accumulators_.end(), needed);
+    auto input = [&](const c10::intrusive_ptr<torch::autograd::Node>& acc) { return needed(acc.get()); };
+    bool any = std::any_of(ddp_accumulators_.begin(), ddp_accumulators_.end(), input);
     for (const auto& w : units_) {
       auto u = w.lock();
-      if (!any && u) any = std::any_of(u->accumulators().begin(), u->accumulators().end(), needed);
+      if (!any && u) any = std::any_of(u->accumulators().begin(), u->accumulators().end(), input);
     }
     inputs_only_ = !any;
   }
@@ -90,6 +92,9 @@ void ShardState::on_zero_grad() {
   recover_if_backward_failed();  // reductions of a failed backward land before the zeroing
   gradients_changed();
   if (!callback_queued_) recording_.clear();
+  // Forwards never differentiated (an evaluation in grad mode, on some ranks
+  // only, say) do not define the next reduction order.
+  if (!callback_queued_) reduction_order_closed_ = true;
   for (auto& [id, f] : zero_grad_listeners_) f();
 }
 
@@ -259,7 +264,9 @@ void ShardState::after_optimizer_step() {
 
 void ShardState::note_forward_for_reduction(Unit& u) {
   // Not inside a backward: a checkpointed unit's recomputation runs forwards there.
-  if (!c10::GradMode::is_enabled() || callback_queued_ || !u.reduces()) return;
+  if (!c10::GradMode::is_enabled() || callback_queued_) return;
+  if (u.is_root()) reduction_order_closed_ = true;  // a new forward starts at the root
+  if (!u.reduces()) return;
   if (reduction_order_closed_) {
     for (const auto& w : reduction_order_)
       if (auto x = w.lock()) x->set_in_reduction_order(false);

@@ -29,7 +29,7 @@ struct Checkpointing {
   std::weak_ptr<ShardState> state;
   std::string label;               // the unit's name, for errors
   std::vector<at::Tensor> params;  // its trainable parameters: where the nested backward stops
-  std::vector<std::weak_ptr<Unit>> units;  // it and the units inside it (sharded strategies)
+  std::weak_ptr<Unit> unit;  // the unit (sharded strategies; a checkpointed unit has none inside it)
   // The last forward's node: alive and not yet differentiated means a second
   // forward now would give its parameters two gradient accumulations.
   std::weak_ptr<std::atomic<bool>> last_pending;
@@ -102,13 +102,13 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Its parameters' gradient accumulators (the nodes its hooks are on).
   const std::vector<c10::intrusive_ptr<torch::autograd::Node>>& accumulators() const { return accumulators_; }
   /// At a backward's first hook: how many of its gradients the engine will
-  /// deliver ("EXPECTED"), from the graph task's nodes (`needed`: a
-  /// backward(inputs=...) restricts them to its inputs). A checkpointed unit
-  /// expects all: its accumulators run in the nested backward's graph.
+  /// deliver ("EXPECTED"): `runs` says whether the engine will run an
+  /// accumulator in this backward. A checkpointed unit expects all: its
+  /// accumulators run in the nested backward's graph.
   void expect_from_graph(const std::function<bool(const torch::autograd::Node*)>& runs);
-  /// Activation checkpointing: the unit (or one it is inside of) is
-  /// recomputed in backward; complete_nested_backward() makes it final once
-  /// that recomputation's backward is done, whatever has arrived.
+  /// Activation checkpointing: the unit is recomputed in backward;
+  /// complete_nested_backward() makes it final once that recomputation's
+  /// backward is done, whatever has arrived.
   void set_checkpointed() { checkpointed_ = true; }
   void complete_nested_backward() {
     if (touched_ && !reduced_) reduce_grads();
@@ -171,6 +171,14 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   Comm& shard_comm() { return shard_group_ ? *shard_group_ : world_->comm(); }
   /// HybridShard: the ranks holding the same shard; else null.
   Comm* replica_comm() { return replica_group_.get(); }
+  /// The group gradient reduce-scatters run on: the shard group's ranks in a
+  /// communicator of their own where units gather in backward (FullShard,
+  /// HybridShard), so that the reductions, issued in the reduction order,
+  /// never have to fall between the same all-gathers on every rank (a unit
+  /// final at another point of the backward on some ranks would pair a
+  /// reduce-scatter with an all-gather). Else the shard group.
+  Comm& reduce_comm() { return reduce_group_ ? *reduce_group_ : shard_comm(); }
+  void set_reduce_group(std::shared_ptr<Comm> g) { reduce_group_ = std::move(g); }
   void set_groups(std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replica) {
     shard_group_ = std::move(shard);
     replica_group_ = std::move(replica);
@@ -329,9 +337,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
     ShardState& s_;
   };
   /// shard(): makes `base` a checkpointed unit (docs/design.md).
-  /// `units`: it and the units inside it, innermost first (sharded strategies; empty under NoShard).
+  /// `unit`: its Unit under the sharded strategies, null under NoShard.
   static void enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState> state, std::string label,
-                                   std::vector<at::Tensor> params, std::vector<std::shared_ptr<Unit>> units);
+                                   std::vector<at::Tensor> params, const std::shared_ptr<Unit>& unit);
   void finish_backward();
   /// At the start of a forward and in zero_grad(): outside any backward, a
   /// queued end-of-backward that never ran means the last backward failed;
@@ -368,7 +376,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::shared_ptr<World> world_;
   ShardOptions options_;
   MemoryTracker mem_;
-  std::shared_ptr<Comm> shard_group_, replica_group_;
+  std::shared_ptr<Comm> shard_group_, replica_group_, reduce_group_;
   ReduceScatterBucketer bucketer_;  // after the groups: its destructor may wait on them
   std::vector<std::weak_ptr<Unit>> units_;
   std::unique_ptr<AllReduceBucketer> ddp_;

@@ -46,15 +46,17 @@ bool UnitBase::after_forward(std::vector<at::Tensor>& outputs, const std::vector
   // would carry the hook of the unit that made it, and this unit's hook
   // would fire after that one's on this rank only: the two units' backward
   // all-gathers would swap places. A leaf returned as it is (a parameter)
-  // would collect one more hook at every forward. An alias gives this unit a
-  // node of its own.
+  // would collect one more hook at every forward (and, under FullShard, lose
+  // its memory when the unit reshards). A copy gives this unit a node of its
+  // own; not a view, whose node an in-place change of the output would drop
+  // from the graph, hook and all (checkpointed units copy such outputs too).
   bool replaced = false;
   if (c10::GradMode::is_enabled()) {
     for (auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
       auto same = [&](const at::Tensor& in) { return in.defined() && in.unsafeGetTensorImpl() == t.unsafeGetTensorImpl(); };
       if (t.is_leaf() || std::any_of(inputs.begin(), inputs.end(), same)) {
-        t = at::alias(t);
+        t = t.clone();
         replaced = true;
       }
     }
@@ -307,27 +309,18 @@ std::vector<bool> checkpointed_units(const std::vector<FoundUnit>& units, const 
 
 // Makes the chosen units checkpointed, each with its own trainable
 // parameters (a leaf unit: those of its module tree) and, under the sharded
-// strategies (`made`, one per unit), the units it recomputes: it and those
-// inside it, innermost (last in pre-order) first.
+// strategies (`made`, one per unit), its Unit.
 void enable_checkpointing(const std::vector<FoundUnit>& units, const std::vector<bool>& checkpointed,
                           const std::shared_ptr<detail::ShardState>& state,
                           const std::vector<std::shared_ptr<detail::Unit>>& made = {}) {
-  auto inside = [&](size_t v, size_t u) {
-    for (int p = static_cast<int>(v); p >= 0; p = units[p].parent)
-      if (p == static_cast<int>(u)) return true;
-    return false;
-  };
   for (size_t u = 0; u < units.size(); ++u) {
     if (!checkpointed[u]) continue;
     std::vector<at::Tensor> trainable;
     if (auto* module = dynamic_cast<torch::nn::Module*>(units[u].base))
       for (const auto& p : module->parameters())
         if (p.requires_grad()) trainable.push_back(p);
-    std::vector<std::shared_ptr<detail::Unit>> recomputed;
-    for (size_t v = made.size(); v-- > 0;)
-      if (inside(v, u)) recomputed.push_back(made[v]);
     detail::ShardState::enable_checkpointing(*units[u].base, state, units[u].name, std::move(trainable),
-                                             std::move(recomputed));
+                                             made.empty() ? nullptr : made[u]);
   }
 }
 
@@ -415,6 +408,12 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     auto shard_group = world->new_group(shard_ranks, "hybrid-shard-" + std::to_string(r / s));
     auto replica_group = world->new_group(replica_ranks, "hybrid-replica-" + std::to_string(r % s));
     state->set_groups(std::move(shard_group), std::move(replica_group));
+  }
+  if (strategy == Strategy::FullShard || strategy == Strategy::HybridShard) {
+    const int s = shard_size, first = (world->rank() / s) * s;
+    std::vector<int> ranks;
+    for (int k = 0; k < s; ++k) ranks.push_back(first + k);
+    state->set_reduce_group(world->new_group(ranks, "reduce-scatter-" + std::to_string(first / s)));
   }
   const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
   Comm& shard_comm = state->shard_comm();
@@ -544,6 +543,7 @@ CommStats ShardedModel::comm_stats() const {
   };
   add(&state_->shard_comm());
   add(state_->replica_comm());
+  if (&state_->reduce_comm() != &state_->shard_comm()) add(&state_->reduce_comm());
   return total;
 }
 

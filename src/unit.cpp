@@ -153,12 +153,18 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
 void Unit::pre_backward() {
   owner_->ensure_end_of_backward_callback();
   touched_ = true;
-  unshard();
-  // None of its gradients will arrive in this backward (a gate routed
-  // around its layers on this rank): they are final now. It stays gathered:
-  // its frozen parameters may still be read for its input's gradient.
-  if (expected_now_ == 0 && reduces() && !reduced_ && owner_->backward_reduces()) reduce_grads(/*reshard_now=*/false);
+  // A unit already final in this backward reads no more of its trainable
+  // parameters: an output hook firing after that (an output its parameters
+  // did not touch) gathers nothing, whatever other ranks' data did.
+  if (!reduced_) unshard();
   if (auto next = owner_->next_in_backward(*this)) next->unshard_async();
+  // None of its gradients will arrive in this backward (a gate routed around
+  // its layers on this rank): they are final now. With frozen parameters it
+  // stays gathered (they may still be read for its input's gradient).
+  if (expected_now_ == 0 && reduces() && !reduced_ && owner_->backward_reduces()) {
+    const bool frozen = std::any_of(flats_.begin(), flats_.end(), [](const auto& f) { return !f->requires_grad(); });
+    reduce_grads(/*reshard_now=*/!frozen);
+  }
 }
 
 void Unit::on_grad_ready(size_t flat, size_t param) {
@@ -199,7 +205,12 @@ void Unit::reduce_grads(bool reshard_now) {
   TORCH_CHECK(state_ == UnitState::Unsharded || idle, "shardtorch: rank ", owner_->world().rank(), ": unit '",
               label(), "' reduces its gradients while ", state_name(state_));
   reduced_ = true;
-  // Without sync (accumulation) the staged gradients wait for a synchronising backward.
+  // Without sync (accumulation) the staged gradients wait for a synchronising
+  // backward, which reduces the units holding some: every rank's unit that
+  // took part holds them, zeros where no gradient of it arrived.
+  if (!owner_->sync() && touched_)
+    for (auto& f : flats_)
+      if (f->requires_grad()) f->staging_grad();
   if (owner_->sync()) {
     owner_->issue_reductions();  // this unit, if its turn has come, and those that waited for it
     if (!issued_) owner_->count_deferred_reduction();
@@ -249,7 +260,7 @@ void Unit::reduce_flats() {
     Comm* replicas = owner_->replica_comm();
     ShardState* owner = owner_.get();
     owner_->bucketer().reduce_scatter(
-        g, owner_->shard_comm(),
+        g, owner_->reduce_comm(),
         [fp, post, replicas, what, owner](const at::Tensor& reduced) {
           auto accumulate = [fp, post](const at::Tensor& r) { fp->accumulate_shard_grad(r, post); };
           if (replicas == nullptr || replicas->size() == 1) {

@@ -20,7 +20,7 @@ namespace {
 struct BranchyImpl : torch::nn::Module {
   BranchyImpl() : a(register_module("a", torch::nn::Linear(6, 6))), b(register_module("b", torch::nn::Linear(6, 6))) {}
   torch::Tensor forward(torch::Tensor x) {
-    auto y = torch::tanh(a(x));
+    auto y = torch::tanh(a(x)) * 2;  // nothing saves y itself: it may be changed in place (below)
     return use_b ? y + b(y) : y;
   }
   torch::nn::Linear a, b;
@@ -32,15 +32,16 @@ SHARDTORCH_MODULE(Branchy);
 // parameters at all (a gate that routes around it).
 struct GateImpl : torch::nn::Module {
   GateImpl() : lin(register_module("lin", torch::nn::Linear(6, 6))) {}
-  torch::Tensor forward(torch::Tensor x) { return skip ? x : torch::tanh(lin(x)); }
+  torch::Tensor forward(torch::Tensor x) { return skip ? x : lin(x); }
   torch::nn::Linear lin;
   bool skip = false;
 };
 SHARDTORCH_MODULE(Gate);
 
-// [pre] -> first -> mid (branchy) -> gate -> last: every one a unit but
-// `pre`, the root's own layer, which runs only while `use_pre`. Units before
-// and after the branchy ones make the order of their reductions matter.
+// [pre] -> first -> mid (branchy) -> [gate] -> in-place scale -> last: every
+// one a unit but `pre`, the root's own layer, which runs only while
+// `use_pre`; the gate is called only while `call_gate`. Units before and
+// after the branchy ones make the order of their reductions matter.
 struct BranchNetImpl : torch::nn::Module {
   BranchNetImpl()
       : pre(register_module("pre", torch::nn::Linear(6, 6))),
@@ -50,14 +51,19 @@ struct BranchNetImpl : torch::nn::Module {
         last(register_module("last", Layer(6, 4, false))) {}
   torch::Tensor forward(torch::Tensor x) {
     if (use_pre) x = x + pre(x);
-    return last(gate(mid(first(x))));
+    auto h = mid(first(x));
+    if (call_gate) {
+      h = gate(h);
+      h.mul_(0.5);  // in place, on what the gate returned (its input, where it routed around)
+    }
+    return last(h);
   }
   torch::nn::Linear pre;
   Layer first;
   Branchy mid;
   Gate gate;
   Layer last;
-  bool use_pre = true;
+  bool use_pre = true, call_gate = true;
 };
 SHARDTORCH_MODULE(BranchNet);
 
@@ -66,9 +72,10 @@ constexpr int kRows = 4;  // per rank
 
 // Which branches rank r takes at step s.
 struct Choice {
-  bool branch;  // mid runs b
-  bool skip;    // the gate routes around its layer
-  bool pre;     // the root runs its own layer
+  bool branch;            // mid runs b
+  bool skip;              // the gate routes around its layer
+  bool pre;               // the root runs its own layer
+  bool call_gate = true;  // the gate runs at all (the same on every rank)
 };
 using Plan = Choice (*)(int step, int rank);
 
@@ -88,19 +95,29 @@ void choose(BranchNet& m, Choice c) {
   m->mid->use_b = c.branch;
   m->gate->skip = c.skip;
   m->use_pre = c.pre;
+  m->call_gate = c.call_gate;
 }
 
-std::map<std::string, torch::Tensor> reference(const torch::Tensor& x, int world, Plan plan) {
-  torch::manual_seed(0);
-  BranchNet ref;
+// Micro-batches per step (accumulation): step s, micro-batch k (the last
+// synchronises), rank r.
+using MicroPlan = Choice (*)(int step, int micro, int rank);
+
+// The single-process reference: `ref` (made with seed 0) trained with Adam
+// on the mean of every rank's and micro-batch's loss, each rank's rows of x
+// with that rank's choices (`choose(model, step, micro, rank)`).
+template <class Model, class Choose>
+std::map<std::string, torch::Tensor> mean_of_ranks(Model ref, const torch::Tensor& x, int world, int micro,
+                                                   Choose choose) {
   torch::optim::Adam opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
+  const int64_t rows = kRows / micro;
   for (int s = 0; s < kSteps; ++s) {
     opt.zero_grad();
     torch::Tensor loss = torch::zeros({});
-    for (int r = 0; r < world; ++r) {
-      choose(ref, plan(s, r));
-      loss = loss + ref(x.narrow(0, kRows * r, kRows)).square().mean() / world;
-    }
+    for (int r = 0; r < world; ++r)
+      for (int k = 0; k < micro; ++k) {
+        choose(ref, s, k, r);
+        loss = loss + ref->forward(x.narrow(0, kRows * r + rows * k, rows)).square().mean() / (world * micro);
+      }
     loss.backward();
     opt.step();
   }
@@ -112,36 +129,57 @@ struct Case {
   int world;
   double bucket_mb;  // tiny: one collective per unit, so a wrong order shows as a size mismatch
   bool checkpoint = false;
+  bool prefetch = false;
+  bool inputs = false;  // backward(inputs = every parameter)
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return std::string(shardtorch::strategy_name(info.param.strategy)) + "_" + std::to_string(info.param.world) +
-         (info.param.bucket_mb < 1 ? "_tiny_buckets" : "_buckets") + (info.param.checkpoint ? "_checkpointed" : "");
+  const Case& c = info.param;
+  return std::string(shardtorch::strategy_name(c.strategy)) + "_" + std::to_string(c.world) +
+         (c.bucket_mb < 1 ? "_tiny_buckets" : "_buckets") + (c.checkpoint ? "_checkpointed" : "") +
+         (c.prefetch ? "_prefetch" : "") + (c.inputs ? "_inputs" : "");
 }
 
-// Trains with `plan` on every rank, compares with the single-process
-// reference, and requires units_waited(step, rank) units to have waited for
-// their turn in the reduction order on each rank and step.
-void train_and_check(const Case& c, Plan plan, const std::function<int64_t(int step, int rank)>& units_waited) {
+void PrintTo(const Case& c, std::ostream* os) { *os << case_name(::testing::TestParamInfo<Case>(c, 0)); }
+
+// Trains with `plan` on every rank (`micro` micro-batches a step, the last
+// one synchronising), compares with the single-process reference, and
+// requires units_waited(step, rank) units to have waited for their turn in
+// the reduction order on each rank and step. `between(rank)` runs after
+// each step.
+void train_and_check(const Case& c, int micro, MicroPlan plan, const std::function<int64_t(int, int)>& units_waited,
+                     const std::function<void(BranchNet&, int)>& between = {}) {
   torch::manual_seed(3);
   auto x = torch::randn({kRows * c.world, 6});
-  const auto want = reference(x, c.world, plan);
+  torch::manual_seed(0);
+  const auto want = mean_of_ranks(BranchNet(), x, c.world, micro,
+                                  [&](BranchNet& m, int s, int k, int r) { choose(m, plan(s, k, r)); });
   auto r = run_ranks(
       c.world,
       [&](World& w) {
         torch::manual_seed(0);
         BranchNet model;
-        auto opts = strategy_options(c.strategy, c.world).bucket_mb(c.bucket_mb);
+        auto opts = strategy_options(c.strategy, c.world).bucket_mb(c.bucket_mb).prefetch(c.prefetch);
         if (c.checkpoint) opts.activation_checkpointing_for("mid", true).activation_checkpointing_for("gate", true);
         auto sm = shardtorch::shard(model, w, opts);
         auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+        const int64_t rows = kRows / micro;
         for (int s = 0; s < kSteps; ++s) {
           const int64_t before = sm.reductions_deferred();
           opt->zero_grad();
-          choose(model, plan(s, w.rank()));
-          model(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+          for (int k = 0; k < micro; ++k) {
+            sm.set_requires_gradient_sync(k == micro - 1);
+            choose(model, plan(s, k, w.rank()));
+            auto loss = model(x.narrow(0, kRows * w.rank() + rows * k, rows)).square().mean() / micro;
+            if (c.inputs) {
+              loss.backward({}, std::nullopt, false, model->parameters());
+            } else {
+              loss.backward();
+            }
+          }
           require(sm.memory().gathered_units == 0, "units left gathered after backward");
           opt->step();
+          if (between) between(model, w.rank());
           const int64_t waited = sm.reductions_deferred() - before, want_waited = units_waited(s, w.rank());
           require(waited == want_waited, "step " + std::to_string(s) + ": " + std::to_string(waited) +
                                              " units waited for their turn, expected " + std::to_string(want_waited));
@@ -152,6 +190,12 @@ void train_and_check(const Case& c, Plan plan, const std::function<int64_t(int s
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+template <Plan P>
+Choice one_micro_batch(int s, int, int r) {
+  return P(s, r);
+}
+int64_t none_waits(int, int) { return 0; }
+
 class RankDependentBranches : public ::testing::TestWithParam<Case> {};
 
 }  // namespace
@@ -160,7 +204,7 @@ class RankDependentBranches : public ::testing::TestWithParam<Case> {};
 // deliver, so every unit finishes at the same point of the backward on every
 // rank, and none waits for its turn.
 TEST_P(RankDependentBranches, InsideUnitsTrainAsTheMeanOfTheRanksLossesAndNoUnitWaits) {
-  train_and_check(GetParam(), inside_units, [](int, int) -> int64_t { return 0; });
+  train_and_check(GetParam(), 1, one_micro_batch<inside_units>, none_waits);
 }
 
 // The root's own layer on rank 0 only: elsewhere the root is final at the
@@ -168,14 +212,194 @@ TEST_P(RankDependentBranches, InsideUnitsTrainAsTheMeanOfTheRanksLossesAndNoUnit
 // nothing else does: the collectives keep one order on every rank.
 TEST_P(RankDependentBranches, AUnitFinalBeforeItsTurnOnSomeRanksWaitsForIt) {
   const bool units = GetParam().strategy != Strategy::NoShard;  // NoShard orders buckets, not units
-  train_and_check(GetParam(), root_too, [&](int s, int r) -> int64_t { return units && s == 2 && r != 0 ? 1 : 0; });
+  train_and_check(GetParam(), 1, one_micro_batch<root_too>,
+                  [&](int s, int r) -> int64_t { return units && s == 2 && r != 0 ? 1 : 0; });
+}
+
+// Accumulation: in the first micro-batch (no sync) rank 0 routes around the
+// gate, whose gradients it therefore never stages; the second (synchronising)
+// calls no gate at all. Every rank must still reduce what the gate staged.
+TEST_P(RankDependentBranches, AccumulationReducesAUnitEveryRankRanWhateverItsDataDid) {
+  auto plan = [](int s, int k, int r) {
+    Choice c = inside_units(s, r);
+    c.skip = k == 0 && r == 0;
+    c.call_gate = k == 0;
+    return c;
+  };
+  train_and_check(GetParam(), 2, plan, none_waits);
+}
+
+// A forward in grad mode never differentiated, on rank 0 only and between
+// steps (a look at one unit's output, say): it must not define the next
+// step's reduction order there. (Under FullShard and HybridShard such a
+// forward gathers, so every rank must run it.)
+TEST_P(RankDependentBranches, AForwardOnOneRankOnlyDoesNotReorderTheNextReductions) {
+  const Case c = GetParam();
+  const bool gathers = c.strategy == Strategy::FullShard || c.strategy == Strategy::HybridShard;
+  train_and_check(c, 1, one_micro_batch<inside_units>, none_waits, [gathers](BranchNet& m, int rank) {
+    if (rank == 0 || gathers) m->last(torch::ones({1, 6})).sum().item<double>();
+  });
+}
+
+namespace {
+
+// A frozen unit (a fixed projection) inside a parent unit whose own
+// trainable layer runs before it on some ranks only: on the ranks that skip
+// the layer the parent is final at its pre-backward hook, before the child's
+// backward all-gather; elsewhere after it. Reductions run on a communicator
+// of their own, so the two orders pair up anyway.
+struct FrozenImpl : torch::nn::Module {
+  FrozenImpl() : lin(register_module("lin", torch::nn::Linear(6, 6))) {
+    for (auto& p : parameters()) p.set_requires_grad(false);
+  }
+  torch::Tensor forward(torch::Tensor x) { return lin(x); }
+  torch::nn::Linear lin;
+};
+SHARDTORCH_MODULE(Frozen);
+
+struct ParentImpl : torch::nn::Module {
+  ParentImpl() : own(register_module("own", torch::nn::Linear(6, 6))), child(register_module("child", Frozen())) {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (use_own) x = own(x);
+    return child(x) * 2;
+  }
+  torch::nn::Linear own;
+  Frozen child;
+  bool use_own = true;
+};
+SHARDTORCH_MODULE(Parent);
+
+struct WithParentImpl : torch::nn::Module {
+  WithParentImpl()
+      : first(register_module("first", Layer(6, 6, true))),
+        parent(register_module("parent", Parent())),
+        last(register_module("last", Layer(6, 4, false))) {}
+  torch::Tensor forward(torch::Tensor x) { return last(parent(first(x))); }
+  Layer first;
+  Parent parent;
+  Layer last;
+};
+SHARDTORCH_MODULE(WithParent);
+
+}  // namespace
+
+TEST(RankDependentBranchesAroundGathers, AParentFinalBeforeItsFrozenChildGathersOnSomeRanksOnly) {
+  auto use_own = [](int s, int r) { return s != 1 || r == 0; };
+  for (auto [strategy, world] : {std::pair{Strategy::FullShard, 2}, std::pair{Strategy::HybridShard, 4}}) {
+    torch::manual_seed(3);
+    auto x = torch::randn({kRows * world, 6});
+    torch::manual_seed(0);
+    const auto want = mean_of_ranks(WithParent(), x, world, 1, [&](WithParent& m, int s, int, int r) {
+      m->parent->use_own = use_own(s, r);
+    });
+    auto r = run_ranks(
+        world,
+        [&](World& w) {
+          torch::manual_seed(0);
+          WithParent model;
+          auto sm = shardtorch::shard(model, w, strategy_options(strategy, world).bucket_mb(1e-4));
+          auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+          for (int s = 0; s < kSteps; ++s) {
+            opt->zero_grad();
+            model->parent->use_own = use_own(s, w.rank());
+            model(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+            opt->step();
+          }
+          require(sm.reductions_deferred() == 0, "a unit waited for its turn");
+          expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a parent final before its child gathers");
+        },
+        shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
+  }
+}
+
+// A unit called twice in one forward, routed around in the first call on
+// rank 0 only: there its gradients are final after the second call's
+// backward, and the first call's output hook comes later; it must not gather
+// the unit again (on the other ranks the unit is still gathered then).
+TEST(RankDependentBranchesAroundGathers, AUnitFinalBeforeItsLastOutputHookGathersNothingMore) {
+  struct TwiceImpl : torch::nn::Module {
+    TwiceImpl() : first(register_module("first", Layer(6, 6, true))), gate(register_module("gate", Gate())),
+                  last(register_module("last", Layer(6, 4, false))) {}
+    torch::Tensor forward(torch::Tensor x) {
+      gate->skip = skip_first;
+      auto h = gate(first(x));
+      gate->skip = false;
+      return last(gate(h));
+    }
+    Layer first;
+    Gate gate;
+    Layer last;
+    bool skip_first = false;
+  };
+  auto skip = [](int s, int r) { return s == 1 && r == 0; };
+  torch::manual_seed(3);
+  auto x = torch::randn({2 * kRows, 6});
+  torch::manual_seed(0);
+  const auto want = mean_of_ranks(std::make_shared<TwiceImpl>(), x, 2, 1,
+                                  [&](std::shared_ptr<TwiceImpl>& m, int s, int, int r) { m->skip_first = skip(s, r); });
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = std::make_shared<TwiceImpl>();
+    auto sm = shardtorch::shard(*model, w, shardtorch::ShardOptions().bucket_mb(1e-4));
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+    for (int s = 0; s < kSteps; ++s) {
+      opt->zero_grad();
+      model->skip_first = skip(s, w.rank());
+      model->forward(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+      opt->step();
+    }
+    expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a unit called twice, routed around once");
+  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// The same forward on rank 0 only between steps, with a root that is not a
+// unit (no root forward marks where a step's forward starts): zero_grad()
+// ends the order it would otherwise have begun.
+TEST(RankDependentBranchesAroundGathers, AForwardOnOneRankOnlyUnderAPlainRootDoesNotReorderTheNextReductions) {
+  struct PlainImpl : torch::nn::Module {
+    PlainImpl()
+        : first(register_module("first", Layer(6, 6, true))),
+          mid(register_module("mid", Branchy())),
+          last(register_module("last", Layer(6, 4, false))) {}
+    torch::Tensor forward(torch::Tensor x) { return last(mid(first(x))); }
+    Layer first;
+    Branchy mid;
+    Layer last;
+  };
+  for (auto strategy : {Strategy::ShardGradOp, Strategy::OptimizerOnly}) {
+    torch::manual_seed(3);
+    auto x = torch::randn({2 * kRows, 6});
+    torch::manual_seed(0);
+    auto ref = std::make_shared<PlainImpl>();
+    torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
+    auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref->forward(x).square().mean(); });
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto model = std::make_shared<PlainImpl>();
+      auto sm = shardtorch::shard(*model, w, strategy_options(strategy, 2).bucket_mb(1e-4));
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+      for (int s = 0; s < kSteps; ++s) {
+        opt->zero_grad();
+        model->forward(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+        opt->step();
+        if (w.rank() == 0) model->last(torch::ones({1, 6})).sum().item<double>();  // a look, in grad mode
+      }
+      require(sm.reductions_deferred() == 0, "a unit waited for its turn");
+      expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a forward on rank 0 only");
+    }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     All, RankDependentBranches,
     ::testing::Values(Case{Strategy::FullShard, 2, 1e-4}, Case{Strategy::FullShard, 3, 25},
-                      Case{Strategy::FullShard, 2, 1e-4, true}, Case{Strategy::ShardGradOp, 2, 1e-4},
+                      Case{Strategy::FullShard, 2, 1e-4, true}, Case{Strategy::FullShard, 2, 1e-4, false, true},
+                      Case{Strategy::FullShard, 3, 1e-4, false, false, true}, Case{Strategy::ShardGradOp, 2, 1e-4},
                       Case{Strategy::ShardGradOp, 3, 1e-4, true}, Case{Strategy::OptimizerOnly, 2, 1e-4},
-                      Case{Strategy::NoShard, 2, 1e-4}, Case{Strategy::HybridShard, 2, 1e-4},
-                      Case{Strategy::HybridShard, 4, 1e-4}, Case{Strategy::HybridShard, 4, 1e-4, true}),
+                      Case{Strategy::OptimizerOnly, 2, 1e-4, false, false, true}, Case{Strategy::NoShard, 2, 1e-4},
+                      Case{Strategy::HybridShard, 2, 1e-4}, Case{Strategy::HybridShard, 4, 1e-4},
+                      Case{Strategy::HybridShard, 4, 1e-4, true}, Case{Strategy::HybridShard, 4, 1e-4, false, true}),
     case_name);

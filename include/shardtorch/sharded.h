@@ -172,9 +172,9 @@ class UnitBase {
 
  protected:
   void before_forward();
-  /// Returns true if it replaced an output: one that is an input passed
-  /// through becomes an alias of it, so that the unit's backward hook is its
-  /// own (docs/design.md, "Ordering and consistency across ranks").
+  /// Returns true if it replaced an output: an input or a leaf returned as it
+  /// is becomes a copy, so that the unit's backward hook is its own
+  /// (docs/design.md, "Ordering and consistency across ranks").
   bool after_forward(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs);
   /// Mixed precision at the root: the dtype floating inputs are cast to, and
   /// the dtype a tensor output is cast to.
