@@ -198,7 +198,7 @@ void BM_Paired(benchmark::State& state) {
 
 // Sizes: 1M parameters (16 MiB of state: cache-resident on the development VM)
 // and 16M (256 MiB: main memory).
-#define SIZES ->Arg(1 << 20)->Arg(1 << 24)->UseRealTime()->Unit(benchmark::kMillisecond)
+#define SIZES ->Arg(1 << 16)->Arg(1 << 20)->Arg(1 << 24)->UseRealTime()->Unit(benchmark::kMillisecond)
 BENCHMARK(BM_ShardtorchFusedAdam) SIZES;
 BENCHMARK(BM_AtFusedAdam) SIZES;
 BENCHMARK(BM_TorchOptimAdam) SIZES;

@@ -179,12 +179,75 @@ TEST(FusedCpuAdam, ParametersItCannotUpdateAreRefusedOnEveryRankWhenItIsBuilt) {
   }
 }
 
+// The Newton variant against the exact one, element by element, where the
+// estimates are weakest: v = 0 (sqrt taken as 0, the denominator is eps),
+// subnormal and huge v, zero, NaN and infinite gradients.
+TEST(FusedCpuAdam, TheNewtonVariantIsWithinAFewUlpOfTheExactUpdateEverywhere) {
+  __builtin_cpu_init();
+  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  auto r = run_ranks(1, [&](World&) {
+    const int64_t n = 4099;  // a partial last vector
+    torch::manual_seed(6);
+    auto p0 = torch::randn({n}), g = torch::randn({n}) * torch::rand({n}).pow(8) * 10;
+    auto m0 = torch::randn({n}) * 0.1, v0 = torch::rand({n}).pow(6);
+    for (int64_t i = 0; i < 8; ++i) {  // v = 0 with g = 0, subnormal v, huge v
+      g[i] = 0.0;
+      v0[i] = 0.0;
+      v0[8 + i] = 1e-39;
+      g[16 + i] = 0.0;
+      v0[16 + i] = 1e-44;
+      v0[24 + i] = 1e30;
+    }
+    p0.narrow(0, 40, 2000).zero_();
+    g[32] = std::nanf("");
+    g[33] = INFINITY;
+    auto run = [&](const char* isa, const shardtorch::AdamStep& s) {
+      ::setenv("SHARDTORCH_ADAM_ISA", isa, 1);
+      auto p = p0.clone(), m = m0.clone(), v = v0.clone();
+      shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                                 n, s);
+      return std::make_tuple(p, m, v, shardtorch::fused_adam_isa());
+    };
+    for (const auto& s : {shardtorch::AdamStep{1e-3, 0.9, 0.999, 1e-8, 0.01, 7, true},
+                          shardtorch::AdamStep{1e-2, 0.8, 0.99, 1e-6, 0.1, 1, false}}) {
+      auto [pe, me, ve, exact] = run("avx512", s);
+      auto [pn, mn, vn, newton] = run("avx512-newton", s);
+      if (!has512) {
+        require(newton != "avx512-newton", "the Newton variant ran without AVX-512");
+        continue;
+      }
+      require(newton == "avx512-newton" && exact == "avx512", "ran " + exact + " and " + newton);
+      require(at::equal(pe.isnan(), pn.isnan()), "NaN in one variant's parameters only");
+      auto ok = pe.isfinite() & pn.isfinite();
+      require(at::equal(ok, pe.isfinite()), "a finite parameter in one variant only");
+      // Where p0 = 0 the parameter is the update itself: within 1e-6 of it
+      // (a few ulp). Elsewhere the two may round to neighbouring floats.
+      auto zero = ok & p0.eq(0);
+      auto rel = (pn - pe).masked_select(zero).abs() / pe.masked_select(zero).abs().clamp_min(1e-30);
+      require(rel.max().item<double>() <= 1e-6, "update off by " + std::to_string(rel.max().item<double>()));
+      // Elsewhere: apart by at most the rounding of p (one ulp, 1.2e-7 of it
+      // at most) plus 1e-6 of the update.
+      auto bound = pe.abs() * 1.2e-7 + (pe - p0).abs() * 1e-6 + 1e-38;
+      auto over = ((pn - pe).abs() / bound).masked_select(ok);
+      require(over.max().item<double>() <= 1.0, "parameters apart by " + std::to_string(over.max().item<double>()) +
+                                                    " times the bound");
+      require(rel_err(mn.masked_select(ok), me.masked_select(ok)) <= 1e-6 &&
+                  rel_err(vn.masked_select(ok), ve.masked_select(ok)) <= 1e-6,
+              "the moments differ between the variants");
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(FusedCpuAdam, EveryInstructionSetVariantMatchesTorch) {
   __builtin_cpu_init();
   std::vector<std::string> isas = {"default"};
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas.push_back("avx2");
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
     isas.push_back("avx512");
+    isas.push_back("avx512-newton");
+  }
   for (const std::string& isa : isas) {
     auto r = run_ranks(1, [&](World&) {
       ::setenv("SHARDTORCH_ADAM_ISA", isa.c_str(), 1);

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <string>
 
+#include <immintrin.h>
+
 namespace shardtorch {
 namespace {
 
@@ -79,6 +81,86 @@ __attribute__((always_inline)) inline void adam_body(float* __restrict p, const 
 
 using Kernel = void (*)(float*, const float*, float*, float*, int64_t, Coeffs, at::BFloat16*);
 
+// The Newton variant (on Intel cores with AVX-512): the moments as adam_loop
+// computes them; sqrt(v) and the division from the 14-bit estimates
+// (vrsqrt14ps, vrcp14ps) refined by one Newton step each, a few ulp from the
+// exact quotient. Where sqrt and div are slow (AVX-512 on Intel cores: about
+// 12 and 10 cycles a vector) this is several times fewer cycles; on AMD Zen 4
+// the estimates cost more than they save (docs/benchmarks.md).
+struct NewtonConsts {
+  __m512 beta1, omb1, beta2, omb2, eps, step, ibc, decay, wd, half, three_halves, two, tiny;
+};
+
+template <bool Tail>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline __m512 load16(const float* a,
+                                                                                               __mmask16 k) {
+  return Tail ? _mm512_maskz_loadu_ps(k, a) : _mm512_loadu_ps(a);
+}
+
+// One vector of 16 at i; `k` masks the tail (loads and stores in the main
+// loop are plain: masked ones cost where memory is the bound).
+template <bool Tail>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void newton_vector(
+    float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t i,
+    __mmask16 k, bool decoupled, const NewtonConsts& c) {
+  __m512 param = load16<Tail>(p + i, k), grad = load16<Tail>(g + i, k);
+  if (decoupled) {
+    param = _mm512_mul_ps(param, c.decay);
+  } else {
+    grad = _mm512_fmadd_ps(c.wd, param, grad);
+  }
+  const __m512 mi = _mm512_fmadd_ps(load16<Tail>(m + i, k), c.beta1, _mm512_mul_ps(grad, c.omb1));
+  const __m512 vi =
+      _mm512_fmadd_ps(load16<Tail>(v + i, k), c.beta2, _mm512_mul_ps(_mm512_mul_ps(c.omb2, grad), grad));
+  __m512 r = _mm512_rsqrt14_ps(vi);  // 1/sqrt(v), then one Newton step: r (3/2 - v r^2 / 2)
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_mul_ps(c.half, vi), r), r, c.three_halves));
+  const __m512 sq = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(vi, c.tiny, _CMP_GE_OQ), vi, r);  // sqrt(v) = v / sqrt(v)
+  const __m512 d = _mm512_fmadd_ps(sq, c.ibc, c.eps);
+  __m512 q = _mm512_rcp14_ps(d);  // 1/d, then one Newton step: q (2 - d q)
+  q = _mm512_mul_ps(q, _mm512_fnmadd_ps(d, q, c.two));
+  const __m512 out = _mm512_fnmadd_ps(c.step, _mm512_mul_ps(mi, q), param);
+  if (Tail) {
+    _mm512_mask_storeu_ps(m + i, k, mi);
+    _mm512_mask_storeu_ps(v + i, k, vi);
+    _mm512_mask_storeu_ps(p + i, k, out);
+  } else {
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+    _mm512_storeu_ps(p + i, out);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton_loop(
+    float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t n,
+    const Coeffs& c) {
+  const NewtonConsts k{_mm512_set1_ps(c.beta1),     _mm512_set1_ps(c.one_minus_beta1), _mm512_set1_ps(c.beta2),
+                       _mm512_set1_ps(c.one_minus_beta2), _mm512_set1_ps(c.eps),     _mm512_set1_ps(c.step_size),
+                       _mm512_set1_ps(c.inv_sqrt_bc2), _mm512_set1_ps(c.decay),       _mm512_set1_ps(c.wd),
+                       _mm512_set1_ps(0.5f),        _mm512_set1_ps(1.5f),             _mm512_set1_ps(2.0f),
+                       _mm512_set1_ps(1.17549435e-38f)};  // FLT_MIN: below it, sqrt(v) is taken as 0
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {  // two vectors an iteration: more loads in flight where memory bounds it
+    newton_vector<false>(p, g, m, v, i, 0xffff, c.decoupled, k);
+    newton_vector<false>(p, g, m, v, i + 16, 0xffff, c.decoupled, k);
+  }
+  for (; i + 16 <= n; i += 16) newton_vector<false>(p, g, m, v, i, 0xffff, c.decoupled, k);
+  if (i < n) newton_vector<true>(p, g, m, v, i, static_cast<__mmask16>((1u << (n - i)) - 1), c.decoupled, k);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton(
+    float* p, const float* g, float* m, float* v, int64_t n, Coeffs c, at::BFloat16* low) {
+  if (low == nullptr) {
+    adam_avx512_newton_loop(p, g, m, v, n, c);
+    return;
+  }
+  uint16_t* __restrict out = reinterpret_cast<uint16_t*>(low);
+  for (int64_t b = 0; b < n; b += kLowBlock) {
+    const int64_t len = std::min(kLowBlock, n - b);
+    adam_avx512_newton_loop(p + b, g + b, m + b, v + b, len, c);
+    for (int64_t i = b; i < b + len; ++i) out[i] = bf16_bits(p[i]);
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512(
     float* p, const float* g, float* m, float* v, int64_t n, Coeffs c, at::BFloat16* low) {
   adam_body(p, g, m, v, n, c, low);
@@ -92,8 +174,11 @@ void adam_default(float* p, const float* g, float* m, float* v, int64_t n, Coeff
 }
 
 // The variant for this CPU: the widest it has (measured in the library on the
-// AMD EPYC development VM, AVX-512 beat AVX2+FMA: docs/benchmarks.md);
-// SHARDTORCH_ADAM_ISA=avx512|avx2|default overrides, for benchmarking.
+// AMD EPYC development VM, AVX-512 beat AVX2+FMA: docs/benchmarks.md), and on
+// Intel cores with AVX-512 the Newton variant (1.3x faster where the data is
+// in cache, the same where memory bounds it; slower on AMD Zen 4). The choice
+// depends only on the CPU model, so ranks on like machines update alike.
+// SHARDTORCH_ADAM_ISA=avx512-newton|avx512|avx2|default overrides.
 struct Choice {
   Kernel kernel;
   std::string name;
@@ -106,9 +191,11 @@ Choice choose() {
   if (const char* want = std::getenv("SHARDTORCH_ADAM_ISA")) {
     std::string w = want;
     if (w == "avx512" && has512) return {adam_avx512, "avx512"};
+    if (w == "avx512-newton" && has512) return {adam_avx512_newton, "avx512-newton"};
     if (w == "avx2" && has2) return {adam_avx2, "avx2"};
     if (w == "default") return {adam_default, "default"};
   }
+  if (has512 && __builtin_cpu_is("intel")) return {adam_avx512_newton, "avx512-newton"};
   if (has512) return {adam_avx512, "avx512"};
   if (has2) return {adam_avx2, "avx2"};
   return {adam_default, "default"};
@@ -166,7 +253,7 @@ void roofline_default(float* a, const float* b, float* c, float* d, int64_t n) {
 void adam_traffic_roofline(float* a, const float* b, float* c, float* d, int64_t n) {
   // The same instruction set as the Adam kernel chosen here.
   const std::string isa = chosen().name;
-  auto body = isa == "avx512" ? roofline_avx512 : isa == "avx2" ? roofline_avx2 : roofline_default;
+  auto body = isa.rfind("avx512", 0) == 0 ? roofline_avx512 : isa == "avx2" ? roofline_avx2 : roofline_default;
   at::parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) { body(a + lo, b + lo, c + lo, d + lo, hi - lo); });
 }
 

@@ -29,8 +29,11 @@ struct AdamStep {
 void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s,
                     at::BFloat16* low = nullptr);
 
-/// "avx512", "avx2" or "default": the variant fused_adam_cpu runs here (the
-/// widest the CPU has; the environment variable SHARDTORCH_ADAM_ISA overrides).
+/// "avx512-newton", "avx512", "avx2" or "default": the variant fused_adam_cpu
+/// runs here (the widest the CPU has; on Intel cores with AVX-512, the one
+/// that takes sqrt and the division from hardware estimates refined by a
+/// Newton step, a few ulp from the exact update; the environment variable
+/// SHARDTORCH_ADAM_ISA overrides).
 std::string fused_adam_isa();
 
 /// For benchmarks: the memory roofline of an Adam update's access pattern.
