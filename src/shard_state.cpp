@@ -51,12 +51,12 @@ void ShardState::ensure_end_of_backward_callback() {
     auto it = exec_info->find(const_cast<torch::autograd::Node*>(acc));
     return it != exec_info->end() && it->second.needed_;
   };
-  // Will the engine run this accumulator in this backward? (Rank-local: a
-  // branch the data took elsewhere may leave a parameter out of the graph.)
-  auto runs = [&](const torch::autograd::Node* acc) {
-    if (restricted && !needed(acc)) return false;
+  // In this backward's graph at all? (Rank-local: a branch the data took
+  // elsewhere may leave a parameter out of it.) And will the engine run it?
+  auto in_graph = [&](const torch::autograd::Node* acc) {
     return nodes == nullptr || nodes->count(const_cast<torch::autograd::Node*>(acc)) > 0;
   };
+  auto runs = [&](const torch::autograd::Node* acc) { return (!restricted || needed(acc)) && in_graph(acc); };
   if (restricted) {
     auto input = [&](const c10::intrusive_ptr<torch::autograd::Node>& acc) { return needed(acc.get()); };
     bool any = std::any_of(ddp_accumulators_.begin(), ddp_accumulators_.end(), input);
@@ -67,7 +67,7 @@ void ShardState::ensure_end_of_backward_callback() {
     inputs_only_ = !any;
   }
   for (const auto& w : units_)
-    if (auto u = w.lock()) u->expect_from_graph(runs);
+    if (auto u = w.lock()) u->expect_from_graph(runs, in_graph);
   issue_cursor_ = reduction_order_.size();
   auto keep = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([keep] { keep->finish_backward(); });
@@ -93,8 +93,13 @@ void ShardState::on_zero_grad() {
   gradients_changed();
   if (!callback_queued_) recording_.clear();
   // Forwards never differentiated (an evaluation in grad mode, on some ranks
-  // only, say) do not define the next reduction order.
-  if (!callback_queued_) reduction_order_closed_ = true;
+  // only, say) do not define the next reduction order, nor count as a
+  // unit's forward (Unit::pre_forward).
+  if (!callback_queued_) {
+    reduction_order_closed_ = true;
+    for (auto& w : units_)
+      if (auto u = w.lock()) u->reset_forward_calls();
+  }
   for (auto& [id, f] : zero_grad_listeners_) f();
 }
 

@@ -76,7 +76,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void reshard();
   /// The error a read of `flat`'s parameters throws while they are freed.
   std::string sharded_access_error(const FlatParam& flat) const;
-  void pre_forward();
+  /// `inputs`: the forward's tensor arguments, hooked when the unit has
+  /// frozen parameters (input_gradient_done()).
+  void pre_forward(const std::vector<at::Tensor>& inputs);
   std::optional<at::ScalarType> input_dtype() const;
   std::optional<at::ScalarType> output_dtype() const;
   void post_forward(const std::vector<at::Tensor>& outputs);
@@ -105,20 +107,39 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// deliver ("EXPECTED"): `runs` says whether the engine will run an
   /// accumulator in this backward. A checkpointed unit expects all: its
   /// accumulators run in the nested backward's graph.
-  void expect_from_graph(const std::function<bool(const torch::autograd::Node*)>& runs);
+  /// `in_graph`: the accumulator is in the graph at all (backward(inputs=...)
+  /// may run only some of those in it).
+  void expect_from_graph(const std::function<bool(const torch::autograd::Node*)>& runs,
+                         const std::function<bool(const torch::autograd::Node*)>& in_graph);
   /// Activation checkpointing: the unit is recomputed in backward;
   /// complete_nested_backward() makes it final once that recomputation's
   /// backward is done, whatever has arrived.
   void set_checkpointed() { checkpointed_ = true; }
   void complete_nested_backward() {
-    if (touched_ && !reduced_) reduce_grads();
+    if (touched_ && !reduced_ && reduces()) reduce_grads();
+    input_gradient_done();
+  }
+  /// The gradient of the unit's input is complete (a hook on its inputs, or
+  /// its nested backward): none of its backward is left, so nothing reads
+  /// its frozen parameters any more. Acted on only where the unit ran
+  /// forward once since the last backward (else the end of backward frees it).
+  void input_gradient_done() {
+    backward_done_ = true;
+    if (reduced_) reshard();
   }
   /// Its place in the reduction order being recorded (ShardState).
   bool in_reduction_order() const { return in_reduction_order_; }
   void set_in_reduction_order(bool in) { in_reduction_order_ = in; }
   void reset_backward() {
-    touched_ = reduced_ = issued_ = false;
+    touched_ = reduced_ = issued_ = backward_done_ = false;
     received_grads_ = 0;
+    reset_forward_calls();
+  }
+  /// Forwards in grad mode since the last backward or zero_grad: input hooks
+  /// of older forwards (another epoch) are ignored.
+  void reset_forward_calls() {
+    forward_calls_ = 0;
+    ++epoch_;
   }
   void register_grad_hooks();
 
@@ -145,6 +166,11 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::vector<at::Tensor> gather_inputs_;  // kept alive for them
   int expected_grads_ = 0, received_grads_ = 0;
   int expected_now_ = 0;  // of expected_grads_, those this backward's graph will deliver
+  int in_graph_now_ = 0;  // of expected_grads_, those in this backward's graph at all
+  bool has_frozen_ = false;     // a frozen flat: its backward may read it after the last gradient
+  bool backward_done_ = false;  // input_gradient_done() in this backward
+  int forward_calls_ = 0;
+  uint64_t epoch_ = 0;
   bool touched_ = false, reduced_ = false, issued_ = false;
   bool checkpointed_ = false, in_reduction_order_ = false;
   int pins_ = 0;

@@ -111,9 +111,26 @@ std::string Unit::sharded_access_error(const FlatParam& flat) const {
   return os.str();
 }
 
-void Unit::pre_forward() {
+void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
   owner_->recover_if_backward_failed();
   owner_->note_forward_for_reduction(*this);
+  if (has_frozen_ && c10::GradMode::is_enabled()) {
+    // Its frozen parameters may be read after its last trainable gradient
+    // (LoRA: x W_frozen + x A B, where A's and B's accumulators run before
+    // the product with W_frozen yields x's gradient). They are freed once
+    // the gradient of its input is complete, which a hook on the input
+    // tells, when this is the only forward of it since the last backward.
+    const int call = ++forward_calls_;
+    const uint64_t epoch = epoch_;
+    std::weak_ptr<Unit> weak = weak_from_this();
+    for (const auto& t : inputs) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      at::Tensor(t).register_hook([weak, epoch, call](const at::TensorBase&) {
+        auto u = weak.lock();
+        if (u && u->epoch_ == epoch && call == 1 && u->forward_calls_ == 1) u->input_gradient_done();
+      });
+    }
+  }
   unshard();
   if (auto next = owner_->note_forward_and_next(*this)) next->unshard_async();
 }
@@ -159,12 +176,11 @@ void Unit::pre_backward() {
   if (!reduced_) unshard();
   if (auto next = owner_->next_in_backward(*this)) next->unshard_async();
   // None of its gradients will arrive in this backward (a gate routed around
-  // its layers on this rank): they are final now. With frozen parameters it
-  // stays gathered (they may still be read for its input's gradient).
-  if (expected_now_ == 0 && reduces() && !reduced_ && owner_->backward_reduces()) {
-    const bool frozen = std::any_of(flats_.begin(), flats_.end(), [](const auto& f) { return !f->requires_grad(); });
-    reduce_grads(/*reshard_now=*/!frozen);
-  }
+  // its layers on this rank): they are final now.
+  // It reshards unless its parameters are still read: trainable ones in the
+  // graph (backward(inputs=...) that leaves them out) or frozen ones.
+  if (expected_now_ == 0 && reduces() && !reduced_ && owner_->backward_reduces())
+    reduce_grads(/*reshard_now=*/in_graph_now_ == 0);
 }
 
 void Unit::on_grad_ready(size_t flat, size_t param) {
@@ -180,13 +196,18 @@ void Unit::on_grad_ready(size_t flat, size_t param) {
   if (++received_grads_ == expected_now_) reduce_grads();
 }
 
-void Unit::expect_from_graph(const std::function<bool(const torch::autograd::Node*)>& runs) {
+void Unit::expect_from_graph(const std::function<bool(const torch::autograd::Node*)>& runs,
+                             const std::function<bool(const torch::autograd::Node*)>& in_graph) {
   if (checkpointed_) {
-    expected_now_ = expected_grads_;
+    expected_now_ = in_graph_now_ = expected_grads_;
     return;
   }
-  expected_now_ = static_cast<int>(
-      std::count_if(accumulators_.begin(), accumulators_.end(), [&](const auto& acc) { return runs(acc.get()); }));
+  auto count = [&](const auto& pred) {
+    return static_cast<int>(
+        std::count_if(accumulators_.begin(), accumulators_.end(), [&](const auto& acc) { return pred(acc.get()); }));
+  };
+  expected_now_ = count(runs);
+  in_graph_now_ = count(in_graph);
 }
 
 bool Unit::needs_final_reduce() const {
@@ -215,7 +236,9 @@ void Unit::reduce_grads(bool reshard_now) {
     owner_->issue_reductions();  // this unit, if its turn has come, and those that waited for it
     if (!issued_) owner_->count_deferred_reduction();
   }
-  if (reshard_now) reshard();  // a unit waiting for its turn holds only its staged gradients
+  // A unit waiting for its turn holds only its staged gradients. Frozen
+  // parameters stay until its input's gradient is complete (pre_forward).
+  if (reshard_now && (!has_frozen_ || backward_done_)) reshard();
 }
 
 void Unit::issue_reduction() {
@@ -305,6 +328,7 @@ void Unit::register_grad_hooks() {
       ++expected_grads_;
     }
   }
+  has_frozen_ = std::any_of(flats_.begin(), flats_.end(), [](const auto& f) { return !f->requires_grad(); });
 }
 
 }  // namespace shardtorch::detail

@@ -155,9 +155,12 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   for (int r : ranks) TORCH_CHECK(r >= 0 && r < size_, "shardtorch: group '", tag, "' names rank ", r, " of ", size_);
   int index = static_cast<int>(it - ranks.begin());
   int n = static_cast<int>(ranks.size());
-  // Every rank makes its groups in the same order, so the count keeps the
-  // keys of a second model's groups apart from the first's.
-  auto store = c10::make_intrusive<c10d::PrefixStore>("group/" + std::to_string(groups_made_++) + "/" + tag, store_);
+  // The members of a group make its tag's groups in the same order, so the
+  // count per tag keeps the keys of a second model's groups apart from the
+  // first's; a count over all groups would differ between ranks once some
+  // of them made a group the others are not in.
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "group/" + tag + "/" + std::to_string(groups_made_[tag]++), store_);
   c10::intrusive_ptr<c10d::Backend> b;
   if (backend_name_ == "nccl") {
     b = detail::make_nccl_backend(store, index, n, options_.timeout());

@@ -407,6 +407,29 @@ TEST(FullShard, ReshardAfterForwardPerUnit) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// A group some ranks made (a subgroup of their own) does not shift the
+// rendezvous keys of the groups shard() makes for everyone (FullShard's
+// reduce-scatter group, HybridShard's groups): keys count per tag.
+TEST(Configuration, AGroupOfSomeRanksDoesNotUpsetTheGroupsShardMakes) {
+  auto r = run_ranks(4, [](World& w) {
+    if (w.rank() < 2) {
+      auto pair = w.new_group({0, 1}, "pair");
+      auto t = torch::ones({1});
+      pair->all_reduce(t, c10d::ReduceOp::SUM, "pair");
+      require(t.item<float>() == 2.0f, "the pair's all-reduce");
+    }
+    for (auto s : {Strategy::FullShard, Strategy::HybridShard}) {
+      torch::manual_seed(0);
+      MLP model;
+      auto sm = shardtorch::shard(model, w, strategy_options(s, 4));
+      torch::manual_seed(1);
+      torch::mse_loss(model(torch::randn({2, 7})), torch::zeros({2, 3})).backward();
+      require(sm.gradient_reductions() > 0, "nothing reduced");
+    }
+  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(Configuration, BadStrategyNamesAndGroupSizesAreClearErrors) {
   EXPECT_EQ(shardtorch::parse_strategy("FULL_SHARD"), Strategy::FullShard);
   EXPECT_EQ(shardtorch::parse_strategy("zero2"), Strategy::ShardGradOp);

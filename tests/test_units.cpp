@@ -261,9 +261,9 @@ struct ScaledImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(Scaled);
 
-// Its output is an alias, not the parameter: the unit's backward hook sits
-// on the alias's node, so the parameter collects no hook per forward (it
-// used to get one more at every step).
+// Its output is a copy, not the parameter: the unit's backward hook sits on
+// the copy's node, so the parameter collects no hook per forward (it used to
+// get one more at every step).
 TEST(Units, AUnitReturningItsOwnParameterHooksNothingOnItAndTrainsLikeTorch) {
   torch::manual_seed(5);
   auto x = torch::randn({4, 7});

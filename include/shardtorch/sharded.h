@@ -171,7 +171,8 @@ class UnitBase {
   std::string checkpoint_label() const;
 
  protected:
-  void before_forward();
+  /// `inputs`: the forward's tensor arguments (none for a checkpointed unit).
+  void before_forward(const std::vector<at::Tensor>& inputs);
   /// Returns true if it replaced an output: an input or a leaf returned as it
   /// is becomes a copy, so that the unit's backward hook is its own
   /// (docs/design.md, "Ordering and consistency across ranks").
@@ -280,10 +281,10 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
   R forward(A... args) {
     const bool checkpoint = checkpointing_now();
     if (!is_sharded_unit() && !checkpoint) return Impl::forward(std::forward<A>(args)...);
-    if (is_sharded_unit()) before_forward();
-    const auto in_dtype = is_sharded_unit() ? input_dtype() : std::nullopt;
-    std::vector<at::Tensor> inputs;  // to tell an input passed through as an output
+    std::vector<at::Tensor> inputs;  // hooked (units with frozen parameters), and to tell one passed through
     if (is_sharded_unit() && !checkpoint) (detail::collect_tensors(inputs, args), ...);
+    if (is_sharded_unit()) before_forward(inputs);
+    const auto in_dtype = is_sharded_unit() ? input_dtype() : std::nullopt;
     R out = checkpoint ? checkpointed(detail::cast_input(std::forward<A>(args), in_dtype)...)
                        : Impl::forward(detail::cast_input(std::forward<A>(args), in_dtype)...);
     if (!is_sharded_unit()) return out;  // NoShard: checkpointing without a unit

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -88,7 +89,7 @@ class World : public std::enable_shared_from_this<World> {
   std::string backend_name_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<Comm> comm_;
-  int groups_made_ = 0;
+  std::map<std::string, int> groups_made_;  // by tag
 };
 
 namespace detail {
