@@ -93,13 +93,8 @@ void ShardState::on_zero_grad() {
   gradients_changed();
   if (!callback_queued_) recording_.clear();
   // Forwards never differentiated (an evaluation in grad mode, on some ranks
-  // only, say) do not define the next reduction order, nor count as a
-  // unit's forward (Unit::pre_forward).
-  if (!callback_queued_) {
-    reduction_order_closed_ = true;
-    for (auto& w : units_)
-      if (auto u = w.lock()) u->reset_forward_calls();
-  }
+  // only, say) do not define the next reduction order.
+  if (!callback_queued_) reduction_order_closed_ = true;
   for (auto& [id, f] : zero_grad_listeners_) f();
 }
 

@@ -77,7 +77,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// The error a read of `flat`'s parameters throws while they are freed.
   std::string sharded_access_error(const FlatParam& flat) const;
   /// `inputs`: the forward's tensor arguments, hooked when the unit has
-  /// frozen parameters (input_gradient_done()).
+  /// frozen parameters (ForwardCall).
   void pre_forward(const std::vector<at::Tensor>& inputs);
   std::optional<at::ScalarType> input_dtype() const;
   std::optional<at::ScalarType> output_dtype() const;
@@ -117,29 +117,28 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void set_checkpointed() { checkpointed_ = true; }
   void complete_nested_backward() {
     if (touched_ && !reduced_ && reduces()) reduce_grads();
-    input_gradient_done();
+    reshard();  // its recomputation, and so all of its backward, is done
   }
-  /// The gradient of the unit's input is complete (a hook on its inputs, or
-  /// its nested backward): none of its backward is left, so nothing reads
-  /// its frozen parameters any more. Acted on only where the unit ran
-  /// forward once since the last backward (else the end of backward frees it).
-  void input_gradient_done() {
-    backward_done_ = true;
-    if (reduced_) reshard();
-  }
+  /// A unit with frozen parameters: one grad-mode forward of it, alive as
+  /// long as that forward's graph (the hooks on its outputs hold it).
+  struct ForwardCall {
+    int hooked = 0;  // inputs whose gradient hook counts; -1: one it cannot hook (a leaf)
+    int fired = 0;   // of them, fired in graph task `task`
+    int task = -1;
+  };
+  /// No backward node of a live forward of it may still read its frozen
+  /// parameters: every such forward either took no input that needs a
+  /// gradient or has had the gradients of all its inputs completed in this
+  /// backward (docs/design.md, RESHARD).
+  bool frozen_unread() const;
+  /// An input hook of `call` fired: frees the unit if it is done with.
+  void input_gradient_done(ForwardCall& call);
   /// Its place in the reduction order being recorded (ShardState).
   bool in_reduction_order() const { return in_reduction_order_; }
   void set_in_reduction_order(bool in) { in_reduction_order_ = in; }
   void reset_backward() {
-    touched_ = reduced_ = issued_ = backward_done_ = false;
+    touched_ = reduced_ = issued_ = false;
     received_grads_ = 0;
-    reset_forward_calls();
-  }
-  /// Forwards in grad mode since the last backward or zero_grad: input hooks
-  /// of older forwards (another epoch) are ignored.
-  void reset_forward_calls() {
-    forward_calls_ = 0;
-    ++epoch_;
   }
   void register_grad_hooks();
 
@@ -167,10 +166,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   int expected_grads_ = 0, received_grads_ = 0;
   int expected_now_ = 0;  // of expected_grads_, those this backward's graph will deliver
   int in_graph_now_ = 0;  // of expected_grads_, those in this backward's graph at all
-  bool has_frozen_ = false;     // a frozen flat: its backward may read it after the last gradient
-  bool backward_done_ = false;  // input_gradient_done() in this backward
-  int forward_calls_ = 0;
-  uint64_t epoch_ = 0;
+  bool has_frozen_ = false;  // a frozen flat: its backward may read it after the last gradient
+  std::vector<std::weak_ptr<ForwardCall>> calls_;  // its live forwards (units with frozen parameters)
+  std::shared_ptr<ForwardCall> call_;              // this forward's, from pre- to post-forward
   bool touched_ = false, reduced_ = false, issued_ = false;
   bool checkpointed_ = false, in_reduction_order_ = false;
   int pins_ = 0;

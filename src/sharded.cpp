@@ -413,13 +413,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     const int s = shard_size, first = (world->rank() / s) * s;
     std::vector<int> ranks;
     for (int k = 0; k < s; ++k) ranks.push_back(first + k);
-    auto group = world->new_group(ranks, "reduce-scatter-" + std::to_string(first / s));
-    // One collective now, at the same point on every rank: a backend that
-    // sets up its communicator at the first collective (NCCL) must not do so
-    // at some rank-dependent point of a backward.
-    auto probe = at::zeros({1}, at::TensorOptions().device(group->device()));
-    group->all_reduce(probe, c10d::ReduceOp::SUM, "setting up the reduce-scatter group");
-    state->set_reduce_group(std::move(group));
+    state->set_reduce_group(world->new_group(ranks, "reduce-scatter-" + std::to_string(first / s)));
   }
   const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
   Comm& shard_comm = state->shard_comm();

@@ -1,6 +1,7 @@
 // The life of a unit: gather, free, hooks and gradient hand-off (docs/design.md).
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -114,22 +115,33 @@ std::string Unit::sharded_access_error(const FlatParam& flat) const {
 void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
   owner_->recover_if_backward_failed();
   owner_->note_forward_for_reduction(*this);
+  call_.reset();
   if (has_frozen_ && c10::GradMode::is_enabled()) {
     // Its frozen parameters may be read after its last trainable gradient
     // (LoRA: x W_frozen + x A B, where A's and B's accumulators run before
-    // the product with W_frozen yields x's gradient). They are freed once
-    // the gradient of its input is complete, which a hook on the input
-    // tells, when this is the only forward of it since the last backward.
-    const int call = ++forward_calls_;
-    const uint64_t epoch = epoch_;
-    std::weak_ptr<Unit> weak = weak_from_this();
+    // the product with W_frozen yields x's gradient): they are freed once
+    // the gradients of the inputs of every live forward of it are complete
+    // (frozen_unread), which hooks on the inputs tell.
+    calls_.erase(std::remove_if(calls_.begin(), calls_.end(), [](const auto& c) { return c.expired(); }),
+                 calls_.end());
+    call_ = std::make_shared<ForwardCall>();
+    calls_.push_back(call_);
+    std::weak_ptr<Unit> weak_unit = weak_from_this();
+    std::weak_ptr<ForwardCall> weak_call = call_;
     for (const auto& t : inputs) {
-      if (!t.defined() || !t.requires_grad()) continue;
-      at::Tensor(t).register_hook([weak, epoch, call](const at::TensorBase&) {
-        auto u = weak.lock();
-        if (u && u->epoch_ == epoch && call == 1 && u->forward_calls_ == 1) u->input_gradient_done();
+      if (!t.defined() || !t.requires_grad() || call_->hooked < 0) continue;
+      if (t.is_leaf()) {  // its hooks would stay for good, one more per forward
+        call_->hooked = -1;
+        continue;
+      }
+      ++call_->hooked;
+      t.register_hook([weak_unit, weak_call](const at::TensorBase&) {
+        auto u = weak_unit.lock();
+        auto c = weak_call.lock();
+        if (u && c) u->input_gradient_done(*c);
       });
     }
+    if (checkpointed_) call_->hooked = -1;  // complete_nested_backward frees it
   }
   unshard();
   if (auto next = owner_->note_forward_and_next(*this)) next->unshard_async();
@@ -147,11 +159,12 @@ std::optional<at::ScalarType> Unit::output_dtype() const {
 
 void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   bool grad_mode = c10::GradMode::is_enabled();
+  std::shared_ptr<ForwardCall> call = std::move(call_);  // lives as long as the hooks on the outputs
   if (grad_mode) {
     std::weak_ptr<Unit> weak = weak_from_this();
     for (const auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
-      t.register_hook([weak](const at::TensorBase&) {
+      t.register_hook([weak, call](const at::TensorBase&) {
         if (auto u = weak.lock()) u->pre_backward();
       });
     }
@@ -181,6 +194,25 @@ void Unit::pre_backward() {
   // graph (backward(inputs=...) that leaves them out) or frozen ones.
   if (expected_now_ == 0 && reduces() && !reduced_ && owner_->backward_reduces())
     reduce_grads(/*reshard_now=*/in_graph_now_ == 0);
+}
+
+bool Unit::frozen_unread() const {
+  const int task = torch::autograd::get_current_graph_task_id();
+  return std::all_of(calls_.begin(), calls_.end(), [task](const auto& w) {
+    auto c = w.lock();
+    return !c || c->hooked == 0 || (c->hooked > 0 && c->task == task && c->fired == c->hooked);
+  });
+}
+
+void Unit::input_gradient_done(ForwardCall& call) {
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (call.task != task) {
+    call.task = task;
+    call.fired = 0;
+  }
+  ++call.fired;
+  // Gradients final (or none to have), and no live forward's backward left to read the frozen parameters.
+  if ((reduced_ || !reduces()) && touched_ && frozen_unread()) reshard();
 }
 
 void Unit::on_grad_ready(size_t flat, size_t param) {
@@ -237,8 +269,8 @@ void Unit::reduce_grads(bool reshard_now) {
     if (!issued_) owner_->count_deferred_reduction();
   }
   // A unit waiting for its turn holds only its staged gradients. Frozen
-  // parameters stay until its input's gradient is complete (pre_forward).
-  if (reshard_now && (!has_frozen_ || backward_done_)) reshard();
+  // parameters stay while a backward may read them (pre_forward).
+  if (reshard_now && (!has_frozen_ || frozen_unread())) reshard();
 }
 
 void Unit::issue_reduction() {

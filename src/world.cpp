@@ -155,19 +155,27 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   for (int r : ranks) TORCH_CHECK(r >= 0 && r < size_, "shardtorch: group '", tag, "' names rank ", r, " of ", size_);
   int index = static_cast<int>(it - ranks.begin());
   int n = static_cast<int>(ranks.size());
-  // The members of a group make its tag's groups in the same order, so the
-  // count per tag keeps the keys of a second model's groups apart from the
-  // first's; a count over all groups would differ between ranks once some
-  // of them made a group the others are not in.
-  auto store = c10::make_intrusive<c10d::PrefixStore>(
-      "group/" + tag + "/" + std::to_string(groups_made_[tag]++), store_);
+  // The members of a group are the only ranks that make it, so a count per
+  // (tag, ranks) keeps the keys of a second such group apart from the first's
+  // and is the same on all of them; a count over all groups would differ
+  // between ranks once some made a group the others are not in, and a count
+  // per tag once a tag named other ranks (shard()'s groups of two models).
+  std::string key = tag + "/ranks";
+  for (int r : ranks) key += "-" + std::to_string(r);
+  auto store = c10::make_intrusive<c10d::PrefixStore>("group/" + key + "/" + std::to_string(groups_made_[key]++), store_);
   c10::intrusive_ptr<c10d::Backend> b;
   if (backend_name_ == "nccl") {
     b = detail::make_nccl_backend(store, index, n, options_.timeout());
   } else {
     b = detail::make_gloo_backend(store, index, n, options_.timeout(), options_.gloo_hostname());
   }
-  return std::make_shared<Comm>(b, index, n, options_.timeout(), comm_->device());
+  auto comm = std::make_shared<Comm>(b, index, n, options_.timeout(), comm_->device());
+  // One collective now, while every member is here: a backend that sets up
+  // its communicator at the first collective (NCCL) must not do so at some
+  // rank-dependent point later (inside a backward, say).
+  auto probe = at::zeros({1}, at::TensorOptions().device(comm_->device()));
+  comm->all_reduce(probe, c10d::ReduceOp::SUM, "setting up group '" + tag + "'");
+  return comm;
 }
 
 void World::barrier() {

@@ -15,18 +15,18 @@ using shardtorch::testing::run_ranks;
 
 namespace {
 
-// A frozen linear layer with a trainable low-rank adapter beside it: the
-// adapter's accumulators run before the product with the frozen weight yields
-// the input's gradient.
+// A frozen weight with a trainable low-rank adapter beside it, as plain
+// products (no transposes between the weights and their accumulators): the
+// adapter's accumulators run before the product with the frozen weight
+// yields the input's gradient.
 struct LoraImpl : torch::nn::Module {
-  LoraImpl()
-      : base(register_module("base", torch::nn::Linear(6, 6))),
-        a(register_module("a", torch::nn::Linear(torch::nn::LinearOptions(6, 2).bias(false)))),
-        b(register_module("b", torch::nn::Linear(torch::nn::LinearOptions(2, 6).bias(false)))) {
-    for (auto& p : base->parameters()) p.set_requires_grad(false);
+  LoraImpl() {
+    w = register_parameter("w", torch::randn({6, 6}) * 0.4, /*requires_grad=*/false);
+    a = register_parameter("a", torch::randn({6, 2}) * 0.4);
+    b = register_parameter("b", torch::randn({2, 6}) * 0.4);
   }
-  torch::Tensor forward(torch::Tensor x) { return base(x) + b(a(x)); }
-  torch::nn::Linear base, a, b;
+  torch::Tensor forward(torch::Tensor x) { return x.matmul(w) + x.matmul(a).matmul(b); }
+  torch::Tensor w, a, b;
 };
 SHARDTORCH_MODULE(Lora);
 
@@ -86,6 +86,42 @@ struct SandwichImpl : torch::nn::Module {
   Layer last;
 };
 SHARDTORCH_MODULE(Sandwich);
+
+// An adapter unit taking a second input that is a leaf (a position table the
+// root owns, as DETR's decoder layers take their query positions): its
+// gradient is complete first of all, and it is hooked no more at every
+// forward.
+struct LoraWithPosImpl : torch::nn::Module {
+  LoraWithPosImpl()
+      : base(register_module("base", torch::nn::Linear(6, 6))),
+        a(register_module("a", torch::nn::Linear(torch::nn::LinearOptions(6, 2).bias(false)))),
+        b(register_module("b", torch::nn::Linear(torch::nn::LinearOptions(2, 6).bias(false)))) {
+    for (auto& p : base->parameters()) p.set_requires_grad(false);
+  }
+  torch::Tensor forward(torch::Tensor x, torch::Tensor pos) { return base(x) + b(a(x)) + pos; }
+  torch::nn::Linear base, a, b;
+};
+SHARDTORCH_MODULE(LoraWithPos);
+
+struct PosNetImpl : torch::nn::Module {
+  PosNetImpl() : first(register_module("first", Layer(6, 6, true))), l(register_module("l", LoraWithPos())) {
+    pos = register_parameter("pos", torch::randn({6}) * 0.1);
+  }
+  torch::Tensor forward(torch::Tensor x) { return l(first(x), pos); }
+  Layer first;
+  LoraWithPos l;
+  torch::Tensor pos;
+};
+SHARDTORCH_MODULE(PosNet);
+
+// first -> adapter, 6 features in and out: a step applies it twice.
+struct ChainImpl : torch::nn::Module {
+  ChainImpl() : first(register_module("first", Layer(6, 6, true))), l(register_module("l", Lora())) {}
+  torch::Tensor forward(torch::Tensor x) { return l(first(x)); }
+  Layer first;
+  Lora l;
+};
+SHARDTORCH_MODULE(Chain);
 
 constexpr int kSteps = 3;
 
@@ -194,5 +230,79 @@ TEST(FrozenParameters, ACheckpointedFrozenUnitBetweenTrainableOnesTrainsLikeTorc
       expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a checkpointed frozen unit");
     });
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
+TEST(FrozenParameters, AnAdapterUnitWithALeafInputTrainsLikeTorchAndCollectsNoHooks) {
+  torch::manual_seed(3);
+  auto x = torch::randn({8, 6});
+  torch::manual_seed(0);
+  PosNet ref;
+  torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
+  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).square().mean(); });
+  for (auto s : {Strategy::FullShard, Strategy::HybridShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      PosNet m;
+      shardtorch::shard(m, w, strategy_options(s, 2));
+      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
+      // C++ hooks of a tensor are kept in one list behind a single pre-hook.
+      auto cpp_hooks = [](const torch::Tensor& t) {
+        auto* meta = torch::autograd::impl::get_autograd_meta(t);
+        return meta && meta->cpp_hooks_list_ ? meta->cpp_hooks_list_->size() : size_t{0};
+      };
+      const size_t hooks = cpp_hooks(m->pos);
+      for (int step = 0; step < kSteps; ++step) {
+        opt->zero_grad();
+        m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
+        opt->step();
+      }
+      require(cpp_hooks(m->pos) == hooks, std::to_string(cpp_hooks(m->pos) - hooks) + " hooks piled up on the leaf input");
+      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a leaf input");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
+// Two forwards, one backward through both graphs: the second forward's input
+// gradient is complete before the first forward's backward reads the frozen
+// weights. With zero_grad() between the forwards, and as truncated
+// backpropagation through time (the first graph kept by retain_graph).
+TEST(FrozenParameters, TwoForwardsDifferentiatedInOneBackwardTrainLikeTorch) {
+  torch::manual_seed(3);
+  auto x = torch::randn({8, 6});
+  for (bool tbptt : {false, true}) {
+    // The loop both sides run: `zero_grad` clears, `part` is the rank's rows.
+    auto step = [&](auto& model, auto&& zero_grad, auto&& part) {
+      zero_grad();
+      auto h1 = model(part(x));
+      if (tbptt) {
+        h1.square().mean().backward({}, /*retain_graph=*/true);
+      } else {
+        zero_grad();  // between the forwards: the first forward's graph stays
+      }
+      auto h2 = model(torch::tanh(h1));
+      (tbptt ? h2.square().mean() : h1.square().mean() + h2.square().mean()).backward();
+    };
+    torch::manual_seed(0);
+    Chain ref;
+    torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.05));
+    for (int s = 0; s < kSteps; ++s) {
+      step(ref, [&] { ref_opt.zero_grad(); }, [](const torch::Tensor& t) { return t; });
+      ref_opt.step();
+    }
+    auto want = snapshot(*ref);
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      Chain m;
+      shardtorch::shard(m, w);
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.05));
+      for (int s = 0; s < kSteps; ++s) {
+        step(m, [&] { opt->zero_grad(); }, [&](const torch::Tensor& t) { return t.narrow(0, 4 * w.rank(), 4); });
+        opt->step();
+      }
+      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, tbptt ? "tbptt" : "two forwards");
+    });
+    ASSERT_TRUE(r.ok) << (tbptt ? "tbptt: " : "two forwards: ") << r.summary();
   }
 }

@@ -74,8 +74,10 @@ class World : public std::enable_shared_from_this<World> {
   void barrier();
 
   /// A process group of some ranks (this one among them), e.g. for hybrid
-  /// sharding. Only its members call this, with the same ranks and tag; the
-  /// tag keeps its rendezvous keys apart in the store.
+  /// sharding. Collective over its members: only they call this, with the
+  /// same ranks and tag, in the same order among their groups of that tag
+  /// and ranks (which, with a count, key its rendezvous in the store); it
+  /// runs one collective on the new group before returning.
   std::shared_ptr<Comm> new_group(const std::vector<int>& ranks, const std::string& tag);
 
   World(const World&) = delete;
@@ -89,7 +91,7 @@ class World : public std::enable_shared_from_this<World> {
   std::string backend_name_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<Comm> comm_;
-  std::map<std::string, int> groups_made_;  // by tag
+  std::map<std::string, int> groups_made_;  // by tag and ranks
 };
 
 namespace detail {
