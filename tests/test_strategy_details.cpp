@@ -409,7 +409,8 @@ TEST(FullShard, ReshardAfterForwardPerUnit) {
 
 // A group some ranks made (a subgroup of their own) does not shift the
 // rendezvous keys of the groups shard() makes for everyone (FullShard's
-// reduce-scatter group, HybridShard's groups): keys count per tag.
+// reduce-scatter group, HybridShard's groups), nor does one tag naming other
+// ranks in another model: keys count per tag and ranks.
 TEST(Configuration, AGroupOfSomeRanksDoesNotUpsetTheGroupsShardMakes) {
   auto r = run_ranks(4, [](World& w) {
     if (w.rank() < 2) {
@@ -418,7 +419,9 @@ TEST(Configuration, AGroupOfSomeRanksDoesNotUpsetTheGroupsShardMakes) {
       pair->all_reduce(t, c10d::ReduceOp::SUM, "pair");
       require(t.item<float>() == 2.0f, "the pair's all-reduce");
     }
-    for (auto s : {Strategy::FullShard, Strategy::HybridShard}) {
+    // Both orders: "reduce-scatter-0" names all four ranks under FullShard and
+    // two under HybridShard.
+    for (auto s : {Strategy::FullShard, Strategy::HybridShard, Strategy::FullShard}) {
       torch::manual_seed(0);
       MLP model;
       auto sm = shardtorch::shard(model, w, strategy_options(s, 4));
