@@ -25,7 +25,12 @@ struct LoraImpl : torch::nn::Module {
     a = register_parameter("a", torch::randn({6, 2}) * 0.4);
     b = register_parameter("b", torch::randn({2, 6}) * 0.4);
   }
-  torch::Tensor forward(torch::Tensor x) { return x.matmul(w) + x.matmul(a).matmul(b); }
+  torch::Tensor forward(torch::Tensor x) {
+    // In this order: the operands of + may be evaluated in either order, and
+    // autograd runs the later-recorded product first.
+    auto frozen = x.matmul(w);
+    return frozen + x.matmul(a).matmul(b);
+  }
   torch::Tensor w, a, b;
 };
 SHARDTORCH_MODULE(Lora);
@@ -98,7 +103,10 @@ struct LoraWithPosImpl : torch::nn::Module {
         b(register_module("b", torch::nn::Linear(torch::nn::LinearOptions(2, 6).bias(false)))) {
     for (auto& p : base->parameters()) p.set_requires_grad(false);
   }
-  torch::Tensor forward(torch::Tensor x, torch::Tensor pos) { return base(x) + b(a(x)) + pos; }
+  torch::Tensor forward(torch::Tensor x, torch::Tensor pos) {
+    auto frozen = base(x);  // recorded first (see Lora)
+    return frozen + b(a(x)) + pos;
+  }
   torch::nn::Linear base, a, b;
 };
 SHARDTORCH_MODULE(LoraWithPos);
