@@ -3,10 +3,17 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <atomic>
 #include <sstream>
 #include <type_traits>
 
 namespace shardtorch {
+
+namespace {
+std::atomic<int64_t> low_copy_refreshes_{0};
+}  // namespace
+
+int64_t testing::low_copy_refreshes() { return low_copy_refreshes_.load(); }
 
 FlatParamLayout::FlatParamLayout(std::vector<std::vector<int64_t>> shapes, int world_size)
     : shapes_(std::move(shapes)), world_size_(world_size) {
@@ -135,6 +142,7 @@ FlatParam::~FlatParam() {
     mem_->sub(grad_category(), shard_grad_.nbytes());
   }
   if (staging_.defined()) mem_->sub(Mem::GradStaging, staging_.nbytes());
+  if (low_.defined()) mem_->sub(Mem::HostParams, low_.nbytes());
 }
 
 void FlatParam::set_mixed_precision(at::ScalarType compute, at::ScalarType reduce) {
@@ -174,6 +182,21 @@ void FlatParam::offload_shard(bool pin) {
   shard_ = host;
   shard_is_view_ = false;
   offloaded_ = true;
+  if (dtype_ == at::kFloat && compute_dtype() == at::kBFloat16) {
+    low_ = at::empty({shard_.numel()}, shard_.options().dtype(at::kBFloat16).pinned_memory(pin));
+    if (mem_) mem_->add(Mem::HostParams, low_.nbytes());
+  }
+}
+
+const at::Tensor& FlatParam::upload_source() {
+  if (!low_.defined()) return shard_;
+  if (low_version_ != static_cast<int64_t>(shard_._version())) {
+    c10::NoGradGuard no_grad;
+    low_.copy_(shard_);
+    low_version_ = static_cast<int64_t>(shard_._version());
+    low_copy_refreshes_.fetch_add(1);
+  }
+  return low_;
 }
 
 at::Tensor FlatParam::gather_source() const {

@@ -22,7 +22,9 @@
 //     after that wait, the copy's block returns to the compute stream's pool
 //     with everything that read it ordered before. A reader on the compute
 //     stream calls current_waits_for_copies() first instead.
-//     The copy moves the master dtype (fp32) and casts on the device. All of
+//     The copy moves the master dtype (fp32) and casts on the device, or
+//     the master's bf16 copy under a bf16 compute dtype
+//     (FlatParam::upload_source). All of
 //     this assumes the stream current at unshard_async is the one current
 //     when the unit is waited for and computes (the caller's stream).
 //   to_host: after a reduce-scatter, the reduced gradient shard is copied to

@@ -86,7 +86,7 @@ void ShardViews::bind_grads() {
   state_->check_outside_summon();  // before the step changes anything: the scope would write it over
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).
-  state_->wait_for_offload_copies();
+  state_->wait_for_offload_copies(/*step=*/true);
   if (state_->ddp()) {
     state_->ddp()->bind_grads();  // master grads were bound at the end of backward
     return;
@@ -123,7 +123,21 @@ ShardViews::~ShardViews() {
   if (listener_ >= 0) state_->remove_zero_grad_listener(listener_);
 }
 
+void ShardViews::attach_low_copies(torch::optim::Optimizer& opt) {
+  auto* writer = dynamic_cast<LowCopyWriter*>(&opt);
+  low_copies_written_ = writer != nullptr;
+  if (!writer) return;
+  for (const auto& piece : pieces_) {
+    auto* f = static_cast<FlatParam*>(piece.flat);
+    if (piece.taken && f && f->low_copy().defined())
+      writer->write_low_copy(piece.view, f->low_copy().narrow(0, piece.shard_offset, piece.length));
+  }
+}
+
 void ShardViews::after_step(const torch::optim::Optimizer& opt) {
+  // An optimizer that left the bf16 copies alone may have written the masters
+  // through raw pointers too, which their version counters do not show.
+  if (!low_copies_written_) state_->low_copies_stale();
   state_->after_optimizer_step();
   state_->broadcast_buffers_after_step();
   count_optimizer_state(opt);

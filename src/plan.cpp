@@ -106,6 +106,7 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
         add(shard_cat, S * esize(f.dtype));
         gathered += padded * esize(cd);
       }
+      if (off && f.dtype == at::kFloat && cd == at::kBFloat16) add(Mem::HostParams, S * 2);  // the bf16 copy sent
       if (!f.trainable) continue;
       add(grad_cat, (strategy == Strategy::OptimizerOnly ? padded : S) * esize(f.dtype));
       add(opt_cat, plan.optimizer_states * owned * esize(f.dtype));

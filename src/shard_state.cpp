@@ -355,12 +355,17 @@ void ShardState::enable_offload(c10::Device device) {
 }
 
 at::Tensor ShardState::gather_input(FlatParam& f) {
-  if (offloader_) return offloader_->to_device(f.shard(), f.compute_dtype());  // always a new tensor
+  if (offloader_) return offloader_->to_device(f.upload_source(), f.compute_dtype());  // always a new tensor
   at::Tensor src = f.gather_source();
   // With the shard a view of a persistent full buffer, the input would alias the output.
   // (Compared by storage: Tensor::is_alias_of would read the freed buffer's data pointer.)
   const bool alias = src.storage().unsafeGetStorageImpl() == f.full().storage().unsafeGetStorageImpl();
   return alias ? src.clone() : src;
+}
+
+void ShardState::low_copies_stale() {
+  for (auto& u : units())
+    for (auto& f : u->flats()) f->mark_low_copy_stale();
 }
 
 void ShardState::launch_gathers(const std::function<void()>& launch) {

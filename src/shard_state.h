@@ -301,10 +301,16 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// `owned`: the caller hands `reduced` over (nobody reuses its memory).
   void deliver_gradient(const at::Tensor& reduced, bool owned, std::function<void(const at::Tensor&)> accumulate);
   /// Before the CPU writes master shards (the optimizer step, loading
-  /// checkpoints, writeback): no offload copy may still read them.
-  void wait_for_offload_copies() {
-    if (offloader_) offloader_->wait_idle();
+  /// checkpoints, writeback): no offload copy may still read them. Outside
+  /// the optimizer step (`step`) the masters' bf16 copies are marked stale.
+  void wait_for_offload_copies(bool step = false) {
+    if (!offloader_) return;
+    offloader_->wait_idle();
+    if (!step) low_copies_stale();  // the loads write through copy_, which the version shows: belt and braces
   }
+  /// Offload: every master's bf16 copy is made again before its next use
+  /// (the masters changed where their version counters may not show it).
+  void low_copies_stale();
 
   /// Prefetch (docs/design.md): records the forward order of units in grad
   /// mode and returns the unit to gather next after `u`, forward or backward

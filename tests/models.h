@@ -2,6 +2,9 @@
 // Test models and helpers shared by the test files.
 #include <torch/torch.h>
 
+#include <stdlib.h>
+
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -129,6 +132,15 @@ inline double expect_close_map(const std::map<std::string, torch::Tensor>& got,
     worst = std::max(worst, e);
   }
   return worst;
+}
+
+/// A fresh directory under the system's temporary directory.
+inline std::filesystem::path temp_dir(const std::string& prefix = "shardtorch-test") {
+  std::string t = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+  std::vector<char> buf(t.begin(), t.end());
+  buf.push_back('\0');
+  if (::mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + t);
+  return std::filesystem::path(buf.data());
 }
 
 inline void require(bool ok, const std::string& msg) {

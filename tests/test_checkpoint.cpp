@@ -29,14 +29,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-fs::path temp_dir() {
-  std::string t = (fs::temp_directory_path() / "shardtorch-ckpt-XXXXXX").string();
-  std::vector<char> buf(t.begin(), t.end());
-  buf.push_back('\0');
-  if (::mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-  return fs::path(buf.data());
-}
-
 void write_raw(const fs::path& p, const std::string& json, const std::string& data) {
   std::string bytes(8, '\0');
   uint64_t n = json.size();

@@ -174,11 +174,7 @@ TEST(Offload, NoShardRefusesOffloadNamingTheAlternative) {
 }
 
 TEST(Offload, CheckpointsMoveBetweenOffloadedAndResidentModelsBitwise) {
-  std::string t = (fs::temp_directory_path() / "shardtorch-offload-XXXXXX").string();
-  std::vector<char> buf(t.begin(), t.end());
-  buf.push_back('\0');
-  ASSERT_NE(::mkdtemp(buf.data()), nullptr);
-  const fs::path dir(buf.data());
+  const fs::path dir = temp_dir("shardtorch-offload");
   auto x = gpt_tokens();
   auto save = [&](int world, bool offload, const std::string& where, bool load_first, const std::string& from) {
     return run_ranks(world, [&](World& w) {
@@ -263,4 +259,110 @@ TEST(Offload, GradScalerAndSummonWithGradsMatchResidentTrainingAndWritebackReach
     }
   });
   ASSERT_TRUE(r.ok) << r.summary();
+}
+
+namespace {
+// An optimizer that writes the parameters through Tensor::data(), whose
+// version counter is not the parameter's: only ShardedOptimizer's own
+// bookkeeping can tell that the masters changed.
+class DataSgd : public torch::optim::Optimizer {
+ public:
+  DataSgd(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::SGDOptions o)
+      : torch::optim::Optimizer(std::move(groups), std::make_unique<torch::optim::SGDOptions>(o)) {}
+  at::Tensor step(LossClosure = nullptr) override {
+    torch::NoGradGuard no_grad;
+    for (auto& g : param_groups_)
+      for (auto& p : g.params())
+        if (p.grad().defined()) p.data().sub_(p.grad() * static_cast<torch::optim::SGDOptions&>(g.options()).lr());
+    return {};
+  }
+};
+}  // namespace
+
+// Under bf16 offload each master has a bf16 copy in host memory, which the
+// copy to the device sends. The fused CPU AdamW writes it in its pass, so it
+// is never made again; any other change of the masters (another optimizer,
+// even one writing through Tensor::data(), an edit by hand, a checkpoint
+// load) makes it again before the next gather, and training, edits and loads
+// give exactly what they give without offload. (Writeback summons are
+// refused under mixed precision.)
+TEST(Offload, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAgainAfterAnyOtherChange) {
+  const fs::path dir = temp_dir("shardtorch-lowcopy");
+  const std::string saved = (dir / "init.safetensors").string();
+  {
+    torch::manual_seed(7);
+    auto other = gpt::GPT(gpt::Config{});  // weights unlike seed 0's
+    auto r = run_ranks(1, [&](World& w) {
+      shardtorch::shard(other, w);
+      shardtorch::save_full_state_dict(*other, saved);
+    });
+    ASSERT_TRUE(r.ok) << r.summary();
+  }
+  enum class Opt { Fused, Torch, Data };
+  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    for (Opt kind : {Opt::Fused, Opt::Torch, Opt::Data}) {
+      const std::string what = std::string(shardtorch::strategy_name(s)) +
+                               (kind == Opt::Fused ? " FusedAdamW" : kind == Opt::Torch ? " torch AdamW" : " SGD through data()");
+      auto r = run_ranks(2, [&](World& w) {
+        auto x = gpt_tokens();
+        auto xs = x.narrow(0, w.rank() * 6, 6);
+        // Trains 3 steps, halves the masters, then loads `saved`: the losses
+        // of every forward, and the parameters.
+        auto run = [&](bool offload, int64_t* refreshes_per_step) {
+          torch::manual_seed(0);
+          auto model = gpt::GPT(gpt::Config{});
+          auto sm = shardtorch::shard(model, w, ShardOptions().strategy(s).cpu_offload(offload).mixed_precision(
+                                                    shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat)));
+          std::unique_ptr<shardtorch::ShardedOptimizer> opt;
+          if (kind == Opt::Fused) opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
+          if (kind == Opt::Torch) opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+          if (kind == Opt::Data) opt = shardtorch::ShardedOptimizer::make<DataSgd>(*model, torch::optim::SGDOptions(0.5));
+          if (offload) {
+            int64_t shard_elems = 0;
+            for (const auto& u : sm.units())
+              for (const auto& l : u.layouts) shard_elems += l.shard_numel();
+            const int64_t host = sm.memory().cur(Mem::HostParams);
+            require(host == shard_elems * (4 + 2), what + ": host_params " + std::to_string(host) + " != fp32 masters and their bf16 copies, " +
+                                                       std::to_string(shard_elems * 6));
+          }
+          std::vector<torch::Tensor> losses;
+          auto forward = [&] {
+            auto loss = gpt::lm_loss(model(xs), xs);
+            losses.push_back(loss.detach());
+            return loss;
+          };
+          int64_t after_first = 0;
+          for (int step = 0; step < 3; ++step) {
+            opt->zero_grad();
+            forward().backward();
+            opt->step();
+            if (step == 0) after_first = shardtorch::testing::low_copy_refreshes();
+          }
+          if (refreshes_per_step) *refreshes_per_step = (shardtorch::testing::low_copy_refreshes() - after_first) / 2;
+          torch::NoGradGuard no_grad;
+          // An edit of the masters the optimizer optimizes, by hand.
+          for (auto& p : opt->inner().param_groups()[0].params()) p.mul_(0.5);
+          forward();
+          shardtorch::load_full_state_dict(*model, saved);
+          forward();
+          return std::make_pair(losses, shardtorch::full_parameters(*model));
+        };
+        int64_t per_step = -1;
+        auto want = run(false, nullptr);
+        auto got = run(true, &per_step);
+        for (size_t i = 0; i < want.first.size(); ++i)
+          require(at::equal(got.first[i], want.first[i]), what + ": loss " + std::to_string(i) + " differs with offload: " +
+                                                              std::to_string(got.first[i].item<double>()) + " vs " +
+                                                              std::to_string(want.first[i].item<double>()));
+        require(expect_close_map(got.second, want.second, 0.0, what) == 0.0, what + ": parameters not bitwise");
+        if (kind == Opt::Fused) {
+          require(per_step == 0, what + ": the bf16 copies were made again " + std::to_string(per_step) + " times a step");
+        } else {
+          require(per_step > 0, what + ": the bf16 copies were never made again after a step");
+        }
+      });
+      ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
+    }
+  }
+  fs::remove_all(dir);
 }

@@ -82,8 +82,23 @@ class FlatParam {
   /// CPU offload: the shard (the master) moves to host memory, pinned when
   /// `pin`; it is then never a view of the full buffer, and gradient shards
   /// accumulated from here on are host tensors too (counted as Host*).
+  /// With an fp32 master and a bf16 compute dtype it also keeps a bf16 copy
+  /// of the master in host memory (`low_copy`, pinned alike), so that the
+  /// copy to the device moves 2 bytes per element instead of 4.
   void offload_shard(bool pin);
   bool offloaded() const { return offloaded_; }
+  /// CPU offload: what the copy to the compute device reads. The bf16 copy of
+  /// the master where there is one, first refreshed from the master if the
+  /// master changed since the copy was last made or written (its version
+  /// counter moved, or mark_low_copy_stale); else the master itself.
+  const at::Tensor& upload_source();
+  /// The bf16 copy of the master (undefined without one). The fused CPU Adam
+  /// writes it in the same pass as the master, which keeps it fresh.
+  const at::Tensor& low_copy() const { return low_; }
+  /// The master was written in a way its version counter may not show (raw
+  /// pointers: a checkpoint reader, an optimizer that does not write the bf16
+  /// copy): upload_source() makes the copy again before it is next used.
+  void mark_low_copy_stale() { low_version_ = -1; }
   bool requires_grad() const { return requires_grad_; }
 
   /// The parameters laid out flat (full, padded), as they are now.
@@ -142,6 +157,8 @@ class FlatParam {
   MemoryTracker* mem_;
   at::ScalarType reduce_dtype_;
   at::Tensor full_, shard_, shard_grad_, staging_, full_grad_;
+  at::Tensor low_;            // offload: bf16 copy of the shard (the master)
+  int64_t low_version_ = -1;  // the shard's version when low_ last matched it; -1: stale
   bool gathered_ = false;
   bool persistent_ = false;
   bool shard_is_view_ = false;
@@ -149,5 +166,12 @@ class FlatParam {
   Mem grad_category() const { return offloaded_ ? Mem::HostGradients : Mem::Gradients; }
   Mem shard_category() const { return offloaded_ ? Mem::HostParams : Mem::ShardedParams; }
 };
+
+namespace testing {
+/// How often this process has remade an offloaded master's bf16 copy from the
+/// master (FlatParam::upload_source): after shard(), and when the master
+/// changed other than through the fused CPU Adam. For tests.
+int64_t low_copy_refreshes();
+}  // namespace testing
 
 }  // namespace shardtorch

@@ -19,6 +19,19 @@ namespace shardtorch {
 
 namespace detail {
 class ShardState;
+
+/// An optimizer that writes a bf16 copy of a parameter in the same pass as
+/// the parameter (shardtorch::FusedAdam(W)). ShardedOptimizer hands it CPU
+/// offload's bf16 copies of the masters, which then stay fresh without being
+/// made again before each copy to the device (docs/offload.md).
+class LowCopyWriter {
+ public:
+  virtual ~LowCopyWriter() = default;
+  /// From now on step() also writes `param`'s updated values into `low`
+  /// (contiguous bf16 in host memory, as many elements as `param`).
+  virtual void write_low_copy(const at::Tensor& param, at::Tensor low) = 0;
+};
+
 /// Maps the model's parameters to their pieces of this rank's shards.
 class ShardViews {
  public:
@@ -39,6 +52,9 @@ class ShardViews {
   /// Points each piece's grad at its part of the flat gradient shard.
   void bind_grads();
   void zero_grad();
+  /// Offload: lets `opt`, if it is a LowCopyWriter, write the masters' bf16
+  /// copies during its step; if it is not, after_step marks them stale.
+  void attach_low_copies(torch::optim::Optimizer& opt);
   void after_step(const torch::optim::Optimizer& opt);
   /// Sets the memory tracker's optimizer-state figure from `opt`'s state
   /// (after a step, and after a checkpoint replaced the state).
@@ -67,6 +83,7 @@ class ShardViews {
   std::vector<const void*> asked_;
   std::vector<const void*> trainable_;
   int listener_ = -1;  // the state's zero_grad listener dropping the pieces' gradients
+  bool low_copies_written_ = false;  // the optimizer writes the masters' bf16 copies
 };
 
 /// Optimizers that update only contiguous fp32 host tensors (FusedAdam)
@@ -99,6 +116,7 @@ class ShardedOptimizer {
     auto rest = views->take_rest();
     if (groups.empty() || views->rest_exists()) pgs.emplace_back(std::move(rest), std::make_unique<Options>(defaults));
     auto inner = std::make_unique<TorchOptim>(std::move(pgs), defaults);
+    views->attach_low_copies(*inner);
     return std::unique_ptr<ShardedOptimizer>(new ShardedOptimizer(std::move(views), std::move(inner)));
   }
 

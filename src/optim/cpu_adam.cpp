@@ -311,11 +311,23 @@ at::Tensor FusedAdamBase<Options, State, Decoupled>::step(LossClosure closure) {
       s.step(s.step() + 1);
       AdamStep a{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), s.step(),
                  Decoupled};
+      auto low = low_.find(p.unsafeGetTensorImpl());
       fused_adam_cpu(p.data_ptr<float>(), p.grad().data_ptr<float>(), s.exp_avg().template data_ptr<float>(),
-                     s.exp_avg_sq().template data_ptr<float>(), p.numel(), a);
+                     s.exp_avg_sq().template data_ptr<float>(), p.numel(), a,
+                     low == low_.end() ? nullptr : low->second.template data_ptr<at::BFloat16>());
     }
   }
   return loss;
+}
+
+template <class Options, class State, bool Decoupled>
+void FusedAdamBase<Options, State, Decoupled>::write_low_copy(const at::Tensor& param, at::Tensor low) {
+  TORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.device().is_cpu() && low.is_contiguous() &&
+                  low.numel() == param.numel(),
+              "shardtorch FusedAdam: the low-precision copy of a parameter of ", param.numel(),
+              " elements must be a contiguous bf16 CPU tensor of its size, got ", low.scalar_type(), " of ",
+              low.numel(), " on ", low.device());
+  low_[param.unsafeGetTensorImpl()] = std::move(low);
 }
 
 template class FusedAdamBase<torch::optim::AdamOptions, torch::optim::AdamParamState, false>;

@@ -13,6 +13,9 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_map>
+
+#include "shardtorch/optim.h"
 
 namespace shardtorch {
 
@@ -44,7 +47,7 @@ void adam_traffic_roofline(float* a, const float* b, float* c, float* d, int64_t
 
 namespace detail {
 template <class Options, class State, bool Decoupled>
-class FusedAdamBase : public torch::optim::Optimizer {
+class FusedAdamBase : public torch::optim::Optimizer, public LowCopyWriter {
  public:
   /// ShardedOptimizer::make checks every rank's optimized tensors up front.
   static constexpr bool kNeedsFp32Cpu = true;
@@ -53,6 +56,10 @@ class FusedAdamBase : public torch::optim::Optimizer {
   FusedAdamBase(std::vector<at::Tensor> params, Options defaults)
       : FusedAdamBase({torch::optim::OptimizerParamGroup(std::move(params))}, defaults) {}
   at::Tensor step(LossClosure closure = nullptr) override;
+  void write_low_copy(const at::Tensor& param, at::Tensor low) override;
+
+ private:
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> low_;  // parameter -> its bf16 copy
 };
 }  // namespace detail
 
