@@ -189,14 +189,13 @@ void FlatParam::offload_shard(bool pin) {
 }
 
 const at::Tensor& FlatParam::upload_source() {
-  if (!low_.defined()) return shard_;
-  if (low_version_ != static_cast<int64_t>(shard_._version())) {
+  if (low_copy_stale()) {
     c10::NoGradGuard no_grad;
     low_.copy_(shard_);
     low_version_ = static_cast<int64_t>(shard_._version());
     low_copy_refreshes_.fetch_add(1);
   }
-  return low_;
+  return low_.defined() ? low_ : shard_;
 }
 
 at::Tensor FlatParam::gather_source() const {

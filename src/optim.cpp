@@ -87,6 +87,10 @@ void ShardViews::bind_grads() {
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).
   state_->wait_for_offload_copies(/*step=*/true);
+  // An optimizer that does not write the masters' bf16 copies may write the
+  // masters through raw pointers, which their version counters do not show:
+  // stale from here, even if its step throws half-way.
+  if (!low_copies_written_) state_->low_copies_stale();
   if (state_->ddp()) {
     state_->ddp()->bind_grads();  // master grads were bound at the end of backward
     return;
@@ -135,9 +139,10 @@ void ShardViews::attach_low_copies(torch::optim::Optimizer& opt) {
 }
 
 void ShardViews::after_step(const torch::optim::Optimizer& opt) {
-  // An optimizer that left the bf16 copies alone may have written the masters
-  // through raw pointers too, which their version counters do not show.
-  if (!low_copies_written_) state_->low_copies_stale();
+  // An optimizer that left the bf16 copies alone: they are made again now,
+  // while no copy to the device reads them (bind_grads waited), rather than
+  // at each unit's next gather, which would first wait for the copies then.
+  if (!low_copies_written_) state_->remake_low_copies();
   state_->after_optimizer_step();
   state_->broadcast_buffers_after_step();
   count_optimizer_state(opt);

@@ -355,7 +355,10 @@ void ShardState::enable_offload(c10::Device device) {
 }
 
 at::Tensor ShardState::gather_input(FlatParam& f) {
-  if (offloader_) return offloader_->to_device(f.upload_source(), f.compute_dtype());  // always a new tensor
+  if (offloader_) {
+    if (f.low_copy_stale()) offloader_->wait_idle();  // no copy may still read the bf16 copy it remakes
+    return offloader_->to_device(f.upload_source(), f.compute_dtype());  // always a new tensor
+  }
   at::Tensor src = f.gather_source();
   // With the shard a view of a persistent full buffer, the input would alias the output.
   // (Compared by storage: Tensor::is_alias_of would read the freed buffer's data pointer.)
@@ -366,6 +369,11 @@ at::Tensor ShardState::gather_input(FlatParam& f) {
 void ShardState::low_copies_stale() {
   for (auto& u : units())
     for (auto& f : u->flats()) f->mark_low_copy_stale();
+}
+
+void ShardState::remake_low_copies() {
+  for (auto& u : units())
+    for (auto& f : u->flats()) f->upload_source();
 }
 
 void ShardState::launch_gathers(const std::function<void()>& launch) {

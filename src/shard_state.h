@@ -311,6 +311,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// Offload: every master's bf16 copy is made again before its next use
   /// (the masters changed where their version counters may not show it).
   void low_copies_stale();
+  /// Offload: makes every stale bf16 copy of a master again, now (call only
+  /// while no copy to the device runs).
+  void remake_low_copies();
 
   /// Prefetch (docs/design.md): records the forward order of units in grad
   /// mode and returns the unit to gather next after `u`, forward or backward
