@@ -135,12 +135,14 @@ int run(const Args& a) {
   // backward figures are mostly launch time (only the whole step is synced).
   std::vector<double> losses, step_ms, forward_ms, backward_ms, optimizer_ms;
   int64_t sent = 0;  // by the library during the measured steps
+  int64_t to_device = 0, to_host = 0;  // offload copies during the measured steps
   const int total = a.warmup + a.steps;
   for (int s = 0; s < total; ++s) {
     if (s == a.warmup) sharded.reset_peak_memory();
     at::Tensor tokens = batch_tokens(a, s, world->size(), world->rank()).to(world->device());
     world->barrier();  // ranks start the step together
     const int64_t bytes0 = sharded.comm_stats().total_bytes_sent();
+    const auto traffic0 = sharded.offload_traffic();
     using clock = std::chrono::steady_clock;
     auto since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
     auto t0 = clock::now();
@@ -158,6 +160,8 @@ int run(const Args& a) {
       backward_ms.push_back(bwd);
       optimizer_ms.push_back(ms - fwd - bwd);
       sent += sharded.comm_stats().total_bytes_sent() - bytes0;
+      to_device += sharded.offload_traffic().to_device_bytes - traffic0.to_device_bytes;
+      to_host += sharded.offload_traffic().to_host_bytes - traffic0.to_host_bytes;
     }
     at::Tensor mean = loss.detach().to(at::kDouble).reshape({1}).clone();
     world->comm().all_reduce(mean, c10d::ReduceOp::SUM, "gpt_bench loss");
@@ -207,6 +211,8 @@ int run(const Args& a) {
       {"memory", mem},
       {"peak_gathered_units", m.peak_gathered_units},
       {"bytes_sent_per_step", a.steps > 0 ? sent / a.steps : 0},
+      {"offload_to_device_bytes_per_step", a.steps > 0 ? to_device / a.steps : 0},
+      {"offload_to_host_bytes_per_step", a.steps > 0 ? to_host / a.steps : 0},
   };
   if (!a.report.empty()) {
     std::string path = a.report + ".rank" + std::to_string(world->rank()) + ".json";

@@ -17,6 +17,7 @@ at::Tensor Offloader::to_device(const at::Tensor& host, at::ScalarType dtype) {
   c10::NoGradGuard no_grad;
   // Allocated on the current stream, which is the one that goes on to use it.
   at::Tensor out = at::empty(host.sizes(), host.options().device(device_).dtype(dtype).pinned_memory(false));
+  bytes_to_device_ += host.nbytes();
   if (!accelerator()) {
     out.copy_(host);
     return out;
@@ -64,6 +65,7 @@ void Offloader::to_host(const at::Tensor& device_tensor, bool owned, std::functi
   c10::NoGradGuard no_grad;
   Pending p;
   p.host = at::empty(device_tensor.sizes(), device_tensor.options().device(at::kCPU).pinned_memory(pin_));
+  bytes_to_host_ += device_tensor.nbytes();
   p.done = std::move(done);
   if (!accelerator()) {
     p.host.copy_(device_tensor);

@@ -82,6 +82,9 @@ class Offloader {
   /// kMaxInFlightBytes (then the oldest is waited for).
   int64_t in_flight_bytes() const { return in_flight_bytes_; }
   static constexpr int64_t kMaxInFlightBytes = int64_t{256} << 20;
+  /// Bytes of every to_device / to_host copy so far.
+  int64_t bytes_to_device() const { return bytes_to_device_; }
+  int64_t bytes_to_host() const { return bytes_to_host_; }
 
 
  private:
@@ -99,6 +102,7 @@ class Offloader {
   std::optional<c10::Stream> side_;
   std::vector<Pending> pending_;
   int64_t in_flight_bytes_ = 0;
+  int64_t bytes_to_device_ = 0, bytes_to_host_ = 0;
 };
 
 }  // namespace shardtorch::detail

@@ -285,6 +285,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
 
   /// CPU offload: the host/device copies; null without offload.
   Offloader* offloader() { return offloader_.get(); }
+  const Offloader* offloader() const { return offloader_.get(); }
   void enable_offload(c10::Device device);
   /// What a flat parameter's all-gather sends: its shard on the compute device
   /// in the compute dtype, never aliasing the full buffer.

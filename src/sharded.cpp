@@ -527,6 +527,10 @@ int64_t ShardedModel::reduce_scatters_overlapped() const { return state_->bucket
 int64_t ShardedModel::buckets_launched_during_backward() const {
   return state_->ddp() ? state_->ddp()->launched_during_backward() : 0;
 }
+ShardedModel::OffloadTraffic ShardedModel::offload_traffic() const {
+  const auto* off = state_->offloader();
+  return off ? OffloadTraffic{off->bytes_to_device(), off->bytes_to_host()} : OffloadTraffic{};
+}
 MemorySnapshot ShardedModel::memory() const { return state_->mem().snapshot(); }
 void ShardedModel::reset_peak_memory() { state_->mem().reset_peaks(); }
 CommStats ShardedModel::comm_stats() const {

@@ -369,3 +369,40 @@ TEST(Offload, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAgainAfterAnyOt
   }
   fs::remove_all(dir);
 }
+
+// What the masters' bf16 copies are for: the same gathers move half the
+// bytes to the device under bf16 as under fp32 (counted on the CPU too).
+TEST(Offload, UnderBf16TheCopiesToTheDeviceMoveHalfTheBytesOfFp32) {
+  auto r = run_ranks(2, [](World& w) {
+    auto x = gpt_tokens();
+    auto xs = x.narrow(0, w.rank() * 6, 6);
+    for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::HybridShard}) {
+      std::vector<int64_t> to_device;
+      int64_t shard_bytes_fp32 = 0;
+      for (bool bf16 : {false, true}) {
+        torch::manual_seed(0);
+        auto model = gpt::GPT(gpt::Config{});
+        auto o = strategy_options(s, 2).cpu_offload(true);
+        if (bf16) o.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
+        auto sm = shardtorch::shard(model, w, o);
+        auto opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
+        shard_bytes_fp32 = 0;
+        for (const auto& u : sm.units())
+          for (const auto& l : u.layouts) shard_bytes_fp32 += l.shard_numel() * 4;
+        for (int step = 0; step < 2; ++step) {
+          opt->zero_grad();
+          gpt::lm_loss(model(xs), xs).backward();
+          opt->step();
+        }
+        to_device.push_back(sm.offload_traffic().to_device_bytes);
+        require(sm.offload_traffic().to_host_bytes > 0, "no gradient copied to host memory");
+      }
+      const std::string name = shardtorch::strategy_name(s);
+      require(to_device[0] >= 2 * shard_bytes_fp32, name + ": fp32 sent " + std::to_string(to_device[0]) +
+                                                        " bytes to the device in two steps, less than the shards twice");
+      require(2 * to_device[1] == to_device[0], name + ": bf16 sent " + std::to_string(to_device[1]) + " bytes, fp32 " +
+                                                    std::to_string(to_device[0]) + ": not half");
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}

@@ -406,6 +406,13 @@ class ShardedModel {
   /// units finish in that order (docs/design.md, "Ordering and consistency
   /// across ranks").
   int64_t reductions_deferred() const;
+  /// CPU offload: bytes copied from host memory to the compute device (master
+  /// shards, or their bf16 copies, before all-gathers) and back (reduced
+  /// gradient shards), since shard(); both 0 without offload.
+  struct OffloadTraffic {
+    int64_t to_device_bytes = 0, to_host_bytes = 0;
+  };
+  OffloadTraffic offload_traffic() const;
   const std::shared_ptr<detail::ShardState>& state() const { return state_; }
 
  private:
