@@ -49,7 +49,7 @@ struct BlockImpl : torch::nn::Module {
     auto k = parts[1].view({B, T, H, D}).transpose(1, 2);
     auto v = parts[2].view({B, T, H, D}).transpose(1, 2);
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
-    auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+    auto mask = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);
     att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
     auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, C});
     x = x + proj(y);

@@ -58,7 +58,7 @@ void ShardState::ensure_end_of_backward_callback() {
   };
   auto runs = [&](const torch::autograd::Node* acc) { return (!restricted || needed(acc)) && in_graph(acc); };
   if (restricted) {
-    auto input = [&](const c10::intrusive_ptr<torch::autograd::Node>& acc) { return needed(acc.get()); };
+    auto input = [&](const AccumulatorRef& acc) { return needed(acc.get()); };
     bool any = std::any_of(ddp_accumulators_.begin(), ddp_accumulators_.end(), input);
     for (const auto& w : units_) {
       auto u = w.lock();

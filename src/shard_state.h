@@ -3,6 +3,7 @@
 // alive by the model (its units, and the registry entry that lives as long as
 // the root module), by ShardedModel handles and by optimizers.
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
 #include <cstdint>
@@ -19,6 +20,10 @@
 #include "offload.h"
 
 namespace shardtorch::detail {
+
+/// What holds a gradient accumulator: a shared_ptr up to LibTorch 2.11, an
+/// intrusive_ptr in later versions.
+using AccumulatorRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 enum class UnitState { Sharded, Gathering, Unsharded, Reducing };
 
@@ -102,7 +107,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Has trainable parameters, so it reduces gradients.
   bool reduces() const { return expected_grads_ > 0; }
   /// Its parameters' gradient accumulators (the nodes its hooks are on).
-  const std::vector<c10::intrusive_ptr<torch::autograd::Node>>& accumulators() const { return accumulators_; }
+  const std::vector<AccumulatorRef>& accumulators() const { return accumulators_; }
   /// At a backward's first hook: how many of its gradients the engine will
   /// deliver ("EXPECTED"): `runs` says whether the engine will run an
   /// accumulator in this backward. A checkpointed unit expects all: its
@@ -160,7 +165,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool persistent_;
   UnitState state_ = UnitState::Sharded;
   std::vector<std::unique_ptr<FlatParam>> flats_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<AccumulatorRef> accumulators_;
   std::vector<PendingWork> gathers_;      // in flight while Gathering
   std::vector<at::Tensor> gather_inputs_;  // kept alive for them
   int expected_grads_ = 0, received_grads_ = 0;
@@ -431,7 +436,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::vector<at::Tensor> ddp_params_, ddp_masters_;
   std::vector<std::string> ddp_names_;
   std::unordered_map<const void*, at::Tensor> masters_;  // NoShard + mixed precision: every parameter's fp32 master
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> ddp_accumulators_;
+  std::vector<AccumulatorRef> ddp_accumulators_;
   int nested_backward_ = 0;
   bool builds_graph_ = false;  // this backward was started with create_graph
   bool inputs_only_ = false;   // ... for tensors none of which is a parameter of ours

@@ -1,0 +1,157 @@
+// On a CUDA device, over NCCL (world size 1: one GPU per rank, and the GPU
+// machine has one): every strategy trains like plain LibTorch on the same
+// device; CPU offload (pinned masters, side-stream copies, prefetch) and
+// activation checkpointing train like device-resident training. Built only
+// against a CUDA LibTorch (tests/CMakeLists.txt); scripts/gpu/build_and_test.sh
+// runs it on a lent GPU machine (docs/gpu.md).
+//
+// Nothing here touches CUDA in the parent process: ranks are forked, and a
+// CUDA context made before fork() is unusable in the children.
+#include <gtest/gtest.h>
+
+#include "../models.h"
+#include "shardtorch/optim/cpu_adam.h"
+
+using namespace testmodels;
+using shardtorch::Strategy;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+
+namespace {
+
+shardtorch::testing::RunOptions on_cuda() {
+  return shardtorch::testing::RunOptions()
+      .device_type(c10::kCUDA)
+      .timeout(std::chrono::seconds(240))
+      .collective_timeout(std::chrono::seconds(60));
+}
+
+constexpr int kSteps = 3;
+
+std::map<std::string, torch::Tensor> on_cpu(const std::map<std::string, torch::Tensor>& m) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [k, v] : m) out[k] = v.detach().to(at::kCPU, at::kFloat);
+  return out;
+}
+
+// Plain LibTorch: the GPT on `device`, torch::optim::AdamW, the whole batch.
+std::map<std::string, torch::Tensor> plain(const c10::Device& device) {
+  auto x = gpt_tokens().to(device);
+  torch::manual_seed(0);
+  auto model = gpt::GPT(gpt::Config{});
+  model->to(device);
+  torch::optim::AdamW opt(unique_tensors(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  train_in_one_process(*model, opt, kSteps, [&] { return gpt::lm_loss(model(x), x); });
+  // Every name, the tied head's too, as full_parameters() gives them.
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().to(at::kCPU);
+  return out;
+}
+
+struct Recipe {
+  shardtorch::ShardOptions options;
+  bool fused = false;     // shardtorch::FusedAdamW (offload only: it steps host tensors)
+  double clip = 0.0;
+};
+
+struct Seen {
+  shardtorch::ShardedModel::OffloadTraffic traffic;
+  int64_t host_tensors = 0, pinned = 0;  // among the optimizer's tensors
+};
+
+std::map<std::string, torch::Tensor> sharded(World& w, const Recipe& r, Seen* seen = nullptr) {
+  auto x = gpt_tokens().to(w.device());
+  torch::manual_seed(0);
+  auto model = gpt::GPT(gpt::Config{});
+  model->to(w.device());
+  auto sm = shardtorch::shard(model, w, r.options);
+  auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.01);
+  auto opt = r.fused ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
+                     : shardtorch::AdamW(*model, adamw);
+  for (int s = 0; s < kSteps; ++s) {
+    opt->zero_grad();
+    gpt::lm_loss(model(x), x).backward();
+    if (r.clip > 0) shardtorch::clip_grad_norm(*model, r.clip);
+    opt->step();
+  }
+  if (seen) {
+    seen->traffic = sm.offload_traffic();
+    for (const auto& g : opt->inner().param_groups())
+      for (const auto& p : g.params())
+        if (p.device().is_cpu()) {
+          seen->host_tensors += 1;
+          seen->pinned += p.is_pinned() ? 1 : 0;
+        }
+  }
+  return on_cpu(shardtorch::full_parameters(*model));
+}
+
+}  // namespace
+
+TEST(CudaWorldOfOne, EveryStrategyTrainsLikePlainLibTorchOverNccl) {
+  auto r = run_ranks(1, [](World& w) {
+    require(w.device().is_cuda(), "rank 0 is not on a CUDA device");
+    require(w.backend_name() == "nccl", "backend is " + w.backend_name() + ", not nccl");
+    const auto want = plain(w.device());
+    for (Strategy s : kAllStrategies) {
+      Recipe r;
+      r.options = strategy_options(s, 1);
+      expect_close_map(sharded(w, r), want, 1e-5, std::string("CUDA ") + shardtorch::strategy_name(s));
+    }
+    // Prefetch and no reshard after forward change only when gathers run.
+    Recipe r;
+    r.options = strategy_options(Strategy::FullShard, 1).prefetch(true);
+    expect_close_map(sharded(w, r), want, 1e-5, "CUDA FullShard with prefetch");
+    r.options = strategy_options(Strategy::FullShard, 1).reshard_after_forward(false).bucket_mb(1e-4);
+    expect_close_map(sharded(w, r), want, 1e-5, "CUDA FullShard, no reshard after forward, tiny buckets");
+  }, on_cuda());
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Offloaded training (masters and optimizer on the host, pinned; copies on a
+// side stream) against the same training with everything on the device. The
+// optimizer runs on the CPU on one side and on the GPU on the other, so the
+// comparison has a tolerance.
+TEST(CudaWorldOfOne, OffloadWithPrefetchTrainsLikeDeviceResidentTraining) {
+  auto r = run_ranks(1, [](World& w) {
+    for (bool bf16 : {false, true}) {
+      for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp}) {
+        Recipe resident;
+        resident.options = strategy_options(s, 1).prefetch(true);
+        resident.clip = 0.5;
+        if (bf16)
+          resident.options.mixed_precision(
+              shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
+        Recipe offloaded = resident;
+        offloaded.options.cpu_offload(true);
+        const std::string what = std::string("offloaded ") + shardtorch::strategy_name(s) + (bf16 ? " bf16" : " fp32");
+        const auto want = sharded(w, resident);
+        Seen seen;
+        expect_close_map(sharded(w, offloaded, &seen), want, bf16 ? 1e-2 : 1e-5, what);
+        require(seen.traffic.to_device_bytes > 0 && seen.traffic.to_host_bytes > 0, what + ": nothing copied");
+        require(seen.host_tensors > 0 && seen.pinned == seen.host_tensors,
+                what + ": " + std::to_string(seen.pinned) + " of the optimizer's " +
+                    std::to_string(seen.host_tensors) + " host tensors are pinned");
+        // The fused CPU AdamW (writing the bf16 copies under bf16): its AVX-512
+        // variant takes sqrt and the division from rsqrt14/rcp14 and a Newton
+        // step, a few ulp from ATen's (docs/benchmarks.md).
+        offloaded.fused = true;
+        expect_close_map(sharded(w, offloaded), want, bf16 ? 1e-2 : 1e-4, what + " with FusedAdamW");
+      }
+    }
+  }, on_cuda());
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(CudaWorldOfOne, ActivationCheckpointingTrainsLikeWithout) {
+  auto r = run_ranks(1, [](World& w) {
+    const auto want = plain(w.device());
+    for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
+      Recipe r;
+      r.options = strategy_options(s, 1).activation_checkpointing(true);
+      expect_close_map(sharded(w, r), want, 1e-5,
+                       std::string("CUDA ") + shardtorch::strategy_name(s) + " with activation checkpointing");
+    }
+  }, on_cuda());
+  ASSERT_TRUE(r.ok) << r.summary();
+}
