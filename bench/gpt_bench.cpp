@@ -160,8 +160,9 @@ int run(const Args& a) {
       backward_ms.push_back(bwd);
       optimizer_ms.push_back(ms - fwd - bwd);
       sent += sharded.comm_stats().total_bytes_sent() - bytes0;
-      to_device += sharded.offload_traffic().to_device_bytes - traffic0.to_device_bytes;
-      to_host += sharded.offload_traffic().to_host_bytes - traffic0.to_host_bytes;
+      const auto traffic1 = sharded.offload_traffic();
+      to_device += traffic1.to_device_bytes - traffic0.to_device_bytes;
+      to_host += traffic1.to_host_bytes - traffic0.to_host_bytes;
     }
     at::Tensor mean = loss.detach().to(at::kDouble).reshape({1}).clone();
     world->comm().all_reduce(mean, c10d::ReduceOp::SUM, "gpt_bench loss");

@@ -188,13 +188,16 @@ void FlatParam::offload_shard(bool pin) {
   }
 }
 
+void FlatParam::refresh_low_copy() {
+  if (!low_copy_stale()) return;
+  c10::NoGradGuard no_grad;
+  low_.copy_(shard_);
+  low_version_ = static_cast<int64_t>(shard_._version());
+  low_copy_refreshes_.fetch_add(1);
+}
+
 const at::Tensor& FlatParam::upload_source() {
-  if (low_copy_stale()) {
-    c10::NoGradGuard no_grad;
-    low_.copy_(shard_);
-    low_version_ = static_cast<int64_t>(shard_._version());
-    low_copy_refreshes_.fetch_add(1);
-  }
+  refresh_low_copy();
   return low_.defined() ? low_ : shard_;
 }
 

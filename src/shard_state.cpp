@@ -373,7 +373,7 @@ void ShardState::low_copies_stale() {
 
 void ShardState::remake_low_copies() {
   for (auto& u : units())
-    for (auto& f : u->flats()) f->upload_source();
+    for (auto& f : u->flats()) f->refresh_low_copy();
 }
 
 void ShardState::launch_gathers(const std::function<void()>& launch) {

@@ -92,6 +92,9 @@ class FlatParam {
   /// master changed since the copy was last made or written (its version
   /// counter moved, or mark_low_copy_stale); else the master itself.
   const at::Tensor& upload_source();
+  /// Makes the bf16 copy again from the master if it is stale (see
+  /// upload_source); nothing without a copy.
+  void refresh_low_copy();
   /// Whether upload_source() would make the bf16 copy again (it writes host
   /// memory that an earlier asynchronous copy to the device may still read).
   bool low_copy_stale() const { return low_.defined() && low_version_ != static_cast<int64_t>(shard_._version()); }

@@ -43,9 +43,9 @@ std::map<std::string, torch::Tensor> plain(const c10::Device& device) {
   torch::optim::AdamW opt(unique_tensors(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
   train_in_one_process(*model, opt, kSteps, [&] { return gpt::lm_loss(model(x), x); });
   // Every name, the tied head's too, as full_parameters() gives them.
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().to(at::kCPU);
-  return out;
+  std::map<std::string, torch::Tensor> all;
+  for (const auto& item : model->named_parameters()) all[item.key()] = item.value();
+  return on_cpu(all);
 }
 
 struct Recipe {
