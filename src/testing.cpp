@@ -3,7 +3,6 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 
-#include <ftw.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -15,6 +14,8 @@
 #include <iostream>
 #include <sstream>
 #include <thread>
+
+#include "files.h"
 
 namespace shardtorch::testing {
 
@@ -39,28 +40,6 @@ std::string RunResult::summary() const {
 }
 
 namespace {
-
-// The temporary folder and the rank store in it, with POSIX calls rather than
-// std::filesystem: some LibTorch builds (the torch 2.11 CUDA wheel) export
-// std::filesystem functions of their own, which then stand in for
-// libstdc++'s in this library and crash (docs/gpu.md).
-std::string make_temp_dir() {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string t = std::string(tmp && *tmp ? tmp : "/tmp") + "/shardtorch-XXXXXX";
-  std::vector<char> buf(t.begin(), t.end());
-  buf.push_back('\0');
-  TORCH_CHECK(::mkdtemp(buf.data()) != nullptr, "run_ranks: mkdtemp in ", t, " failed: ", std::strerror(errno));
-  return std::string(buf.data());
-}
-
-void remove_tree(const std::string& dir) {
-  ::nftw(
-      dir.c_str(), [](const char* path, const struct stat*, int, struct FTW*) {
-        ::remove(path);  // best effort: a leftover temporary folder is no failure
-        return 0;
-      },
-      16, FTW_DEPTH | FTW_PHYS);
-}
 
 [[noreturn]] void child_main(int rank, int world_size, const std::string& store_path, int fd,
                              const RankBody& body, const RunOptions& options) {
@@ -108,7 +87,7 @@ void remove_tree(const std::string& dir) {
 
 RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
   TORCH_CHECK(world_size >= 1, "run_ranks: world size ", world_size);
-  const std::string dir = make_temp_dir();
+  const std::string dir = files::make_temp_dir("shardtorch");  // POSIX calls: files.h says why
   std::string store_path = dir + "/store";
 
   std::cout.flush();
@@ -183,7 +162,7 @@ RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
     while ((n = ::read(fds[r], chunk, sizeof(chunk))) > 0) result.ranks[r].message.append(chunk, static_cast<size_t>(n));
     ::close(fds[r]);
   }
-  remove_tree(dir);
+  files::remove_all_quietly(dir);  // a leftover temporary folder is no failure
   result.ok = true;
   for (const auto& o : result.ranks)
     if (o.exit_code != 0) result.ok = false;

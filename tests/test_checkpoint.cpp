@@ -10,7 +10,6 @@
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -25,11 +24,10 @@ using shardtorch::Strategy;
 using shardtorch::World;
 using shardtorch::checkpoint::SafetensorsError;
 using shardtorch::testing::run_ranks;
-namespace fs = std::filesystem;
 
 namespace {
 
-void write_raw(const fs::path& p, const std::string& json, const std::string& data) {
+void write_raw(const Path& p, const std::string& json, const std::string& data) {
   std::string bytes(8, '\0');
   uint64_t n = json.size();
   for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
@@ -45,7 +43,7 @@ std::string message_of(const std::function<void()>& f) {
   return "";
 }
 
-std::string error_of(const fs::path& p) {
+std::string error_of(const Path& p) {
   try {
     shardtorch::checkpoint::Reader r(p.string());
   } catch (const SafetensorsError& e) {
@@ -134,7 +132,7 @@ TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
   EXPECT_TRUE(at::equal(r.read_range("i64", 2, 3), at::arange(2, 5, at::kLong)));
   EXPECT_THROW(r.read_range("i64", 5, 3), SafetensorsError);
   EXPECT_THROW(r.read("missing"), SafetensorsError);
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // Every dtype the header check lets through must become an ATen tensor and
@@ -164,7 +162,7 @@ TEST(Safetensors, EveryDtypeTheHeaderAcceptsReadsAndWritesAsATen) {
     EXPECT_TRUE(at::equal(got.to(at::kLong), t.to(at::kLong))) << n;
     EXPECT_TRUE(at::equal(r.read_range(n, 1, 3).to(at::kLong), at::arange(1, 4, at::kLong).mul(1000))) << n;
   }
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 TEST(Safetensors, RefusesMalformedFilesNamingFileAndProblem) {
@@ -210,7 +208,7 @@ TEST(Safetensors, RefusesMalformedFilesNamingFileAndProblem) {
   std::ofstream(p, std::ios::binary) << "abc";
   EXPECT_NE(error_of(p).find("shorter than the 8-byte header length"), std::string::npos);
   EXPECT_NE(error_of(dir / "nope").find("cannot open"), std::string::npos);
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 TEST(Safetensors, AFailedWriteLeavesThePreviousFileIntact) {
@@ -225,10 +223,10 @@ TEST(Safetensors, AFailedWriteLeavesThePreviousFileIntact) {
   auto back = shardtorch::checkpoint::load_file(path);
   ASSERT_EQ(back.size(), 1u);
   EXPECT_TRUE(at::equal(back.at("w"), at::ones({4})));
-  size_t files = 0;
-  for (auto& e : fs::directory_iterator(dir)) files += e.is_regular_file();
-  EXPECT_EQ(files, 1u) << "a temporary file was left behind";
-  fs::remove_all(dir);
+  size_t regular = 0;
+  for (const auto& name : files::list_directory(dir)) regular += files::is_regular_file(dir / name);
+  EXPECT_EQ(regular, 1u) << "a temporary file was left behind";
+  files::remove_all(dir);
 }
 
 class FullStateDict : public ::testing::TestWithParam<Strategy> {};
@@ -276,7 +274,7 @@ TEST_P(FullStateDict, SavedAtFourLoadsBitwiseAtOneTwoAndThree) {
     });
     ASSERT_TRUE(r.ok) << "load at world " << world << "\n" << r.summary();
   }
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(LoadedAs, FullStateDict, ::testing::ValuesIn(kAllStrategies),
@@ -317,7 +315,7 @@ TEST(FullStateDict, SavingHoldsOneUnitsParametersAtATimeNotTheModel) {
   auto plain = gpt::GPT(cfg);  // every name written: one entry per parameter name (tied ones under each) and buffer
   EXPECT_EQ(shardtorch::checkpoint::Reader(path).header().tensors.size(),
             plain->named_parameters().size() + plain->named_buffers().size());
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 TEST(FullStateDictErrors, MissingMisShapedAndUnexpectedEntriesNameTheFileAndParameter) {
@@ -351,7 +349,7 @@ TEST(FullStateDictErrors, MissingMisShapedAndUnexpectedEntriesNameTheFileAndPara
     expect_error(extra, "unexpected tensor 'l9.weight'");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // ---------------------------------------------------------------- sharded checkpoints
@@ -408,7 +406,7 @@ TEST(ShardedCheckpoint, SavedAtFourLoadsBitwiseAtOneTwoThreeAndEight) {
     ASSERT_EQ(reloaded.size(), saved.size()) << "world " << world;
     for (auto& [k, t] : saved) EXPECT_TRUE(at::equal(reloaded.at(k), t)) << k << " differs at world " << world;
   }
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // HybridShard with two replica groups (4 ranks, shard groups of 2): only the
@@ -437,7 +435,7 @@ TEST(ShardedCheckpoint, HybridShardWithTwoReplicaGroupsRoundTripsBitwise) {
   };
   const std::string hybrid = (dir / "hybrid").string(), full = (dir / "full").string();
   reload(4, ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2), ckpt, hybrid);
-  auto index = std::ifstream(fs::path(hybrid) / "index.json");
+  auto index = std::ifstream(Path(hybrid) / "index.json");
   std::stringstream text;
   text << index.rdbuf();
   const std::regex second_group("\"kind\":\"(param|exp_avg|exp_avg_sq)\"[^}]*\"file\":\"rank-[23]\\.safetensors\"");
@@ -445,7 +443,7 @@ TEST(ShardedCheckpoint, HybridShardWithTwoReplicaGroupsRoundTripsBitwise) {
   EXPECT_FALSE(std::regex_search(text.str(), second_group)) << "the second replica group wrote parameters or state";
   EXPECT_TRUE(std::regex_search(text.str(), first_group)) << "the first replica group's second rank wrote nothing";
   reload(2, ShardOptions().strategy(Strategy::FullShard), hybrid, full);
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 TEST(ShardedCheckpoint, ResumingAtAnotherWorldSizeContinuesTheReferenceTraining) {
@@ -472,7 +470,7 @@ TEST(ShardedCheckpoint, ResumingAtAnotherWorldSizeContinuesTheReferenceTraining)
     expect_close_map(mine, want, 1e-5, "resumed at 2 ranks after saving at 4");
   });
   ASSERT_TRUE(second.ok) << second.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
@@ -500,40 +498,39 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   };
   EXPECT_EQ(load_error(ckpt), "");  // intact: loads at 1 rank
   auto copy = [&](const std::string& name) {
-    fs::copy(ckpt, dir / name, fs::copy_options::recursive);
+    files::copy_tree(ckpt, dir / name);
     return (dir / name).string();
   };
   auto missing = copy("missing");
-  fs::remove(fs::path(missing) / "rank-1.safetensors");
+  files::remove(Path(missing) / "rank-1.safetensors");
   EXPECT_NE(load_error(missing).find("shard file 'rank-1.safetensors' is missing"), std::string::npos) << load_error(missing);
   auto mixed = copy("mixed");
-  fs::copy_file(fs::path(ckpt + "-other") / "rank-1.safetensors", fs::path(mixed) / "rank-1.safetensors",
-                fs::copy_options::overwrite_existing);
+  files::copy_file(Path(ckpt + "-other") / "rank-1.safetensors", Path(mixed) / "rank-1.safetensors");
   std::string e = load_error(mixed);
   EXPECT_NE(e.find("'rank-1.safetensors' is from step 2 but the index is for step 1"), std::string::npos) << e;
   auto newer = copy("newer");
   {
-    std::ifstream in(fs::path(newer) / "index.json");
+    std::ifstream in(Path(newer) / "index.json");
     std::stringstream ss;
     ss << in.rdbuf();
     std::string text = ss.str();
     text.replace(text.find("\"format_version\":1"), 18, "\"format_version\":7");
-    std::ofstream(fs::path(newer) / "index.json") << text;
+    std::ofstream(Path(newer) / "index.json") << text;
   }
   EXPECT_NE(load_error(newer).find("format version 7 is newer"), std::string::npos) << load_error(newer);
   auto truncated = copy("truncated");
-  fs::resize_file(fs::path(truncated) / "rank-0.safetensors", 100);
+  files::resize_file(Path(truncated) / "rank-0.safetensors", 100);
   EXPECT_NE(load_error(truncated).find("'rank-0.safetensors' has 100 bytes"), std::string::npos) << load_error(truncated);
   // An index that claims more elements than its file holds, or a tensor the
   // file does not have: errors before anything is allocated or read.
   auto edit_index = [&](const std::string& name, const std::regex& from, const std::string& to) {
     auto p = copy(name);
-    std::ifstream in(fs::path(p) / "index.json");
+    std::ifstream in(Path(p) / "index.json");
     std::stringstream ss;
     ss << in.rdbuf();
     std::string text = std::regex_replace(ss.str(), from, to, std::regex_constants::format_first_only);
     require(text != ss.str(), "the index edit matched nothing");
-    std::ofstream(fs::path(p) / "index.json", std::ios::trunc) << text;
+    std::ofstream(Path(p) / "index.json", std::ios::trunc) << text;
     return p;
   };
   auto claims_more = edit_index("claims-more", std::regex("\"end\":[0-9]+"), "\"end\":999999999999");
@@ -542,7 +539,7 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   auto renamed = edit_index("renamed", std::regex("\"tensor\":\"[^\"]+\""), "\"tensor\":\"nothing|param|0\"");
   for (const auto& e : {load_error(renamed), message_of([&] { shardtorch::read_sharded_checkpoint(renamed); })})
     EXPECT_NE(e.find("has no tensor 'nothing|param|0', which the index lists"), std::string::npos) << e;
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // With torch::optim's AdamW, and with the fused CPU optimizers (whose state
@@ -590,7 +587,7 @@ TEST(ShardedCheckpoint, ResumeAtTheSameWorldSizeIsBitwiseEqualToAnUninterruptedR
     auto s = shardtorch::checkpoint::load_file(straight), r = shardtorch::checkpoint::load_file(resumed);
     ASSERT_EQ(s.size(), r.size());
     for (auto& [n, t] : s) EXPECT_TRUE(at::equal(t, r.at(n))) << what << ": " << n << " differs after resuming";
-    fs::remove_all(dir);
+    files::remove_all(dir);
   }
 }
 
@@ -636,7 +633,7 @@ TEST(ShardedCheckpoint, AWriterKilledAtRandomPointsLeavesALoadableCheckpoint) {
     EXPECT_TRUE(check.ok) << "round " << round << "\n" << check.summary();
   }
   EXPECT_EQ(interrupted, 8) << "every writer should have been killed mid-loop";
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // A writer killed (SIGKILL) at each named point of a save, on each rank that
@@ -690,7 +687,7 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
     const std::string what = std::string("killed rank ") + std::to_string(k.victim) + " at '" + k.point + "'" +
                              (k.exchange ? "" : " (renames, no exchange)");
     const std::string ckpt = (dir / ("case" + std::to_string(c))).string();
-    fs::copy(pristine, ckpt, fs::copy_options::recursive);
+    files::copy_tree(pristine, ckpt);
     auto killed = run_ranks(2, [&](World& w) {
       if (!k.exchange) ::setenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "1", 1);
       torch::manual_seed(2);
@@ -713,12 +710,12 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
       for (const auto& [n, t] : want) require(at::equal(got.at(n), t), what + ": '" + n + "' is neither as saved");
       shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 3);  // the next save goes over whatever is left
       require(shardtorch::load_sharded_checkpoint(*model, nullptr, ckpt) == 3, what + ": the next save did not land");
-      require(!fs::exists(ckpt + ".shardtorch-old") && !fs::exists(ckpt + ".shardtorch-tmp"),
+      require(!files::exists(ckpt + ".shardtorch-old") && !files::exists(ckpt + ".shardtorch-tmp"),
               what + ": the next save left a previous or unfinished checkpoint beside it");
     });
     EXPECT_TRUE(check.ok) << what << "\n" << check.summary();
   }
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // The same for the full state dict's single file, killed at each point of
@@ -731,7 +728,7 @@ TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
   const gpt::Config cfg{};
   auto leftovers = [&] {
     int n = 0;
-    for (const auto& e : fs::directory_iterator(dir)) n += e.path().filename().string().rfind(".model.safetensors.tmp-", 0) == 0;
+    for (const auto& name : files::list_directory(dir)) n += name.rfind(".model.safetensors.tmp-", 0) == 0;
     return n;
   };
   auto save = [&](int seed, const char* kill_at) {
@@ -762,8 +759,8 @@ TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
   const std::string prefix = ".model.safetensors.tmp-";
-  const fs::path live = dir / (prefix + host + "-" + std::to_string(::getpid()));
-  const fs::path elsewhere = dir / (prefix + "another-host-1");
+  const Path live = dir / (prefix + host + "-" + std::to_string(::getpid()));
+  const Path elsewhere = dir / (prefix + "another-host-1");
   std::ofstream(live) << "x";
   std::ofstream(elsewhere) << "x";
   std::ofstream(dir / (prefix + host + "-4194305")) << "x";
@@ -771,8 +768,8 @@ TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
   auto last = save(3, nullptr);
   ASSERT_TRUE(last.ok) << last.summary();
   EXPECT_EQ(leftovers(), 2) << "only the live writer's and the other host's temporary files should be left";
-  EXPECT_TRUE(fs::exists(live) && fs::exists(elsewhere));
-  fs::remove_all(dir);
+  EXPECT_TRUE(files::exists(live) && files::exists(elsewhere));
+  files::remove_all(dir);
 }
 
 // The application's own resume state (data-loader position, epoch, ...)
@@ -800,7 +797,7 @@ TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossR
     throw std::runtime_error("differing user_state was accepted");
   });
   ASSERT_TRUE(save.ok) << save.summary();
-  EXPECT_FALSE(fs::exists(bad)) << "a refused checkpoint must not be published";
+  EXPECT_FALSE(files::exists(bad)) << "a refused checkpoint must not be published";
   auto load = run_ranks(3, [&](World& w) {
     auto model = gpt::GPT(gpt::Config{});
     shardtorch::shard(model, w);
@@ -838,7 +835,7 @@ TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossR
     throw std::runtime_error("a non-string user_state value was accepted");
   });
   ASSERT_TRUE(malformed.ok) << malformed.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // Frozen parameters (the MLP's l2 bias) are saved and loaded under every
@@ -890,7 +887,7 @@ TEST(ShardedCheckpoint, FrozenParametersAndBuffersRoundTripUnderEveryStrategy) {
         }
       });
       ASSERT_TRUE(b.ok) << what << "\n" << b.summary();
-      fs::remove_all(dir);
+      files::remove_all(dir);
     }
   }
 }
@@ -932,7 +929,7 @@ TEST(ShardedCheckpoint, ParametersThatNeverHadAGradientLoadWithoutOptimizerState
     for (auto& [name, t] : p) require(at::equal(t, q.at(name)), name + " differs after resuming");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // A parameter with no elements has an empty flat parameter (or an empty slice
@@ -1004,7 +1001,7 @@ TEST(Checkpoint, AnEmptyParameterGoesThroughClippingSummonAndBothCheckpoints) {
     EXPECT_EQ(saved.at("b.none|param").numel(), 0) << what;
     EXPECT_GT(saved.at("b.lin.weight|exp_avg").abs().sum().item<double>(), 0) << what;
   }
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // ---------------------------------------------------------------- failures: every rank alike, nothing half-done
@@ -1065,7 +1062,7 @@ TEST(CheckpointFailures, AShardOnlyOneRankReadsFailsEveryRankAndChangesNothing) 
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 1);
   });
   ASSERT_TRUE(saved.ok) << saved.summary();
-  fs::resize_file(fs::path(ckpt) / "rank-1.safetensors", 100);
+  files::resize_file(Path(ckpt) / "rank-1.safetensors", 100);
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w, 13, false, Strategy::FullShard, /*seed=*/7);
     std::string e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt); });
@@ -1073,7 +1070,7 @@ TEST(CheckpointFailures, AShardOnlyOneRankReadsFailsEveryRankAndChangesNothing) 
             "expected every rank to name rank 1 and its truncated file, got: " + e);
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // The same for full state dicts: rank 1's file has a tensor of another shape;
@@ -1102,7 +1099,7 @@ TEST(CheckpointFailures, AFullStateDictOneRankCannotLoadFailsEveryRankAndChanges
       if (loaded.count(n)) require(at::equal(loaded.at(n), v), n + " did not load after the failure");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // Ranks that read different checkpoints (a copy per node, one of them stale)
@@ -1123,7 +1120,7 @@ TEST(CheckpointFailures, RanksReadingDifferentCheckpointsFailAlike) {
             "expected both ranks to name the two steps, got: " + e);
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // Shapes are recorded in the index and checked: a resized model, or a
@@ -1148,7 +1145,7 @@ TEST(CheckpointFailures, ShapesThatDifferAndUnexpectedTensorsAreRefusedByName) {
     require(e.find("unexpected tensor 'extra.") != std::string::npos, "expected the unexpected-tensor error, got: " + e);
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // A checkpoint without optimizer state (saved without the optimizer, or
@@ -1174,7 +1171,7 @@ TEST(CheckpointFailures, ACheckpointWithoutOptimizerStateResetsTheOptimizer) {
                                          std::to_string(state_bytes()) + " bytes, not " + std::to_string(before));
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // Saving: a failure on rank 0 alone (it prepares and publishes the
@@ -1184,7 +1181,7 @@ TEST(CheckpointFailures, ACheckpointWithoutOptimizerStateResetsTheOptimizer) {
 TEST(CheckpointFailures, SaveFailuresOnRankZeroFailEveryRankAndOtherDirectoriesAreKept) {
   const auto dir = temp_dir();
   std::ofstream(dir / "a-file") << "x";
-  fs::create_directories(dir / "logs");
+  files::create_directories(dir / "logs");
   std::ofstream(dir / "logs" / "train.log") << "step 1\n";
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w);
@@ -1193,16 +1190,16 @@ TEST(CheckpointFailures, SaveFailuresOnRankZeroFailEveryRankAndOtherDirectoriesA
             "expected every rank to fail naming rank 0, got: " + e);
     e = message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, nullptr, (dir / "logs").string(), 1); });
     require(e.find("is not a shardtorch checkpoint") != std::string::npos, "expected a refusal, got: " + e);
-    require(fs::exists(dir / "logs" / "train.log"), "the directory's files were deleted");
+    require(files::exists(dir / "logs" / "train.log"), "the directory's files were deleted");
     const std::string slash = (dir / "ck").string() + "/";
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), slash, 1);
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), slash, 2);
     require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), (dir / "ck").string()) == 2, "wrong step");
-    require(!fs::exists(dir / "ck" / ".shardtorch-tmp") && !fs::exists(dir / "ck.shardtorch-tmp"),
+    require(!files::exists(dir / "ck" / ".shardtorch-tmp") && !files::exists(dir / "ck.shardtorch-tmp"),
             "a temporary directory was left");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // A failed write of the index (here: the file-size limit, as a full disk
@@ -1224,7 +1221,7 @@ TEST(CheckpointFailures, AnIndexThatCannotBeWrittenKeepsThePreviousCheckpoint) {
     require(shardtorch::load_sharded_checkpoint(*t.model, nullptr, ckpt) == 1, "the previous checkpoint was lost");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // File systems without renameat2's RENAME_EXCHANGE (forced here): the
@@ -1238,7 +1235,7 @@ TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAsid
   const auto dir = temp_dir();
   const std::string ckpt = (dir / "ckpt").string(), aside = ckpt + ".shardtorch-old";
   for (const char* mine : {".old", ".tmp"}) {
-    fs::create_directories(ckpt + mine);
+    files::create_directories(ckpt + mine);
     std::ofstream(ckpt + mine + "/notes.txt") << "mine\n";
   }
   auto r = run_ranks(2, [&](World& w) {
@@ -1247,25 +1244,25 @@ TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAsid
     require(!shardtorch::sharded_checkpoint_exists(ckpt), "nothing saved yet");
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 1);
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 2);
-    require(!fs::exists(aside) && !fs::exists(ckpt + ".shardtorch-tmp"), "left-overs after a save");
+    require(!files::exists(aside) && !files::exists(ckpt + ".shardtorch-tmp"), "left-overs after a save");
     require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2, "wrong step");
     w.barrier();
-    if (w.rank() == 0) fs::rename(ckpt, aside);  // as if killed between the two renames
+    if (w.rank() == 0) files::rename(ckpt, aside);  // as if killed between the two renames
     w.barrier();
     require(shardtorch::sharded_checkpoint_exists(ckpt), "the checkpoint set aside is not reported");
     require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2, "the previous checkpoint was not found");
     require(shardtorch::read_sharded_checkpoint(ckpt).count("l1.lin.weight|param"), "offline reading missed it");
     w.barrier();
-    if (w.rank() == 0) fs::create_directories(ckpt);  // an empty directory made by a launcher
+    if (w.rank() == 0) files::create_directories(ckpt);  // an empty directory made by a launcher
     w.barrier();
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 3);
-    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 3 && !fs::exists(aside),
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 3 && !files::exists(aside),
             "saving after the interruption");
   });
   ASSERT_TRUE(r.ok) << r.summary();
   for (const char* mine : {".old", ".tmp"})
-    EXPECT_TRUE(fs::exists(ckpt + mine + "/notes.txt")) << "the user's " << ckpt + mine << " was touched";
-  fs::remove_all(dir);
+    EXPECT_TRUE(files::exists(ckpt + mine + "/notes.txt")) << "the user's " << ckpt + mine << " was touched";
+  files::remove_all(dir);
 }
 
 // Checkpoints carry the state of Adam, AdamW and SGD; another optimizer's
@@ -1293,5 +1290,5 @@ TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
     adagrad->step();  // its state intact
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }

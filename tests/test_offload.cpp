@@ -5,7 +5,6 @@
 // checkpoints move freely between offloaded and device-resident models.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 
 #include "models.h"
 #include "shardtorch/optim/cpu_adam.h"
@@ -16,7 +15,6 @@ using shardtorch::ShardOptions;
 using shardtorch::Strategy;
 using shardtorch::World;
 using shardtorch::testing::run_ranks;
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -174,7 +172,7 @@ TEST(Offload, NoShardRefusesOffloadNamingTheAlternative) {
 }
 
 TEST(Offload, CheckpointsMoveBetweenOffloadedAndResidentModelsBitwise) {
-  const fs::path dir = temp_dir("shardtorch-offload");
+  const Path dir = temp_dir("shardtorch-offload");
   auto x = gpt_tokens();
   auto save = [&](int world, bool offload, const std::string& where, bool load_first, const std::string& from) {
     return run_ranks(world, [&](World& w) {
@@ -210,7 +208,7 @@ TEST(Offload, CheckpointsMoveBetweenOffloadedAndResidentModelsBitwise) {
     ASSERT_EQ(again.size(), first.size()) << p;
     for (auto& [k, v] : first) EXPECT_TRUE(at::equal(again.at(k), v)) << k << " differs in " << p;
   }
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 TEST(Offload, GradScalerAndSummonWithGradsMatchResidentTrainingAndWritebackReachesTheHostMasters) {
@@ -287,7 +285,7 @@ class DataSgd : public torch::optim::Optimizer {
 // give exactly what they give without offload. (Writeback summons are
 // refused under mixed precision.)
 TEST(Offload, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAgainAfterAnyOtherChange) {
-  const fs::path dir = temp_dir("shardtorch-lowcopy");
+  const Path dir = temp_dir("shardtorch-lowcopy");
   const std::string saved = (dir / "init.safetensors").string();
   {
     torch::manual_seed(7);
@@ -367,7 +365,7 @@ TEST(Offload, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAgainAfterAnyOt
       ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
     }
   }
-  fs::remove_all(dir);
+  files::remove_all(dir);
 }
 
 // What the masters' bf16 copies are for: the same gathers move half the

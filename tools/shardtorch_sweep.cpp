@@ -15,7 +15,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -24,11 +23,12 @@
 #include <boost/program_options.hpp>
 
 #include "../examples/gpt.h"
+#include "../src/files.h"
 #include "shardtorch/plan.h"
 
 namespace po = boost::program_options;
 namespace json = boost::json;
-namespace fs = std::filesystem;
+namespace files = shardtorch::files;
 using shardtorch::Mem;
 using shardtorch::Strategy;
 
@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
     }
     po::notify(vm);
     if (c.steps < 20) throw std::invalid_argument("--steps must be at least 20 (p95 over fewer means little)");
-    if (!fs::exists(c.gpt_bench)) throw std::invalid_argument("no gpt_bench at " + c.gpt_bench + " (build first)");
+    if (!files::is_regular_file(c.gpt_bench)) throw std::invalid_argument("no gpt_bench at " + c.gpt_bench + " (build first)");
 
     std::vector<Config> configs;
     for (const auto& s : split(strategies))
@@ -148,10 +148,10 @@ int main(int argc, char** argv) {
                 configs.push_back(k);
               }
     if (configs.empty()) throw std::invalid_argument("no configuration to run");
-    fs::create_directories(fs::path(c.out) / "runs");
+    files::create_directories(files::join(c.out, "runs"));
 
     json::array rows;
-    std::ofstream csv(fs::path(c.out) / "sweep.csv");
+    std::ofstream csv(files::join(c.out, "sweep.csv"));
     csv << "strategy,world,layers,d_model,params,offload,bucket_mb,activation_checkpointing,dtype,p50_ms,p95_ms,tokens_per_s,peak_rss_bytes,"
            "model_state_bytes,planned_model_state_bytes,plan_error,bytes_sent_per_step,theory_bytes_per_step";
     for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) csv << ",peak_" << shardtorch::mem_name(static_cast<Mem>(i));
@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
     int failed = 0, over_theory = 0;
     for (size_t k = 0; k < configs.size(); ++k) {
       const Config& cfg = configs[k];
-      const std::string prefix = (fs::path(c.out) / "runs" / ("run" + std::to_string(k))).string();
+      const std::string prefix = files::join(files::join(c.out, "runs"), "run" + std::to_string(k));
       const int hybrid = std::max(1, cfg.world / 2);
       std::ostringstream cmd;
       cmd << "timeout " << c.timeout << " " << quote(c.torchrun) << " --no-python --standalone --nproc-per-node "
@@ -256,19 +256,19 @@ int main(int argc, char** argv) {
                          {"worst_plan_error", worst_plan_error}, {"failed", failed}, {"over_theory", over_theory},
                          {"rows", rows}};
     csv.close();
-    if (!csv) throw std::runtime_error("could not write " + (fs::path(c.out) / "sweep.csv").string());
+    if (!csv) throw std::runtime_error("could not write " + files::join(c.out, "sweep.csv"));
     {
-      std::ofstream out(fs::path(c.out) / "sweep.json");
+      std::ofstream out(files::join(c.out, "sweep.json"));
       out << json::serialize(summary) << "\n";
       out.close();
-      if (!out) throw std::runtime_error("could not write " + (fs::path(c.out) / "sweep.json").string());
+      if (!out) throw std::runtime_error("could not write " + files::join(c.out, "sweep.json"));
     }
     std::fprintf(stderr, "sweep: %zu configurations (%d failed, %d sent more than the theory); planner vs measured "
                  "model state: worst %.2f%% (target 5%%)\n", configs.size(), failed, over_theory, 100 * worst_plan_error);
     std::fprintf(stderr, "sweep: wrote %s/sweep.csv and sweep.json\n", c.out.c_str());
     if (!c.plot.empty()) {
-      std::string png = (fs::path(c.out) / "sweep.png").string();
-      int rc = run_shell(quote(c.python) + " " + quote(c.plot) + " " + quote((fs::path(c.out) / "sweep.json").string()) +
+      std::string png = files::join(c.out, "sweep.png");
+      int rc = run_shell(quote(c.python) + " " + quote(c.plot) + " " + quote(files::join(c.out, "sweep.json")) +
                          " " + quote(png));
       if (rc != 0) {
         std::fprintf(stderr, "sweep: the plot failed (exit %d)\n", rc);

@@ -7,7 +7,9 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
+#include <vector>
+
+#include "../files.h"
 
 namespace shardtorch::checkpoint {
 namespace {
@@ -158,14 +160,13 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     records.push_back(std::move(r));
   }
   const std::string header = serialize_header(records, metadata);
-  namespace fs = std::filesystem;
-  fs::path target(path);
-  fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  std::string dir = files::parent_path(path);
+  if (dir.empty()) dir = ".";
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
   // ".NAME.tmp-HOST-PID": a stale one is known by its host and dead process.
-  const std::string tmp_prefix = "." + target.filename().string() + ".tmp-" + host + "-";
-  const std::string tmp = (dir / (tmp_prefix + std::to_string(::getpid()))).string();
+  const std::string tmp_prefix = "." + files::filename(path) + ".tmp-" + host + "-";
+  const std::string tmp = files::join(dir, tmp_prefix + std::to_string(::getpid()));
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) sys_fail(tmp, "cannot create");
   try {
@@ -203,15 +204,18 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
   // Temporary files of writes to this path, on this host, whose process is
   // gone (killed before its rename): the new file replaces what they would
   // have become. A live writer's file, or another host's, is left alone.
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
+  std::vector<std::string> names;
+  try {
+    names = files::list_directory(dir);
+  } catch (const std::exception&) {
+    return;  // the file is written; leftovers stay for a later save
+  }
+  for (const std::string& name : names) {
     if (name.rfind(tmp_prefix, 0) != 0) continue;
     const std::string pid_text = name.substr(tmp_prefix.size());
     if (pid_text.empty() || pid_text.size() > 9 || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
     const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
-    std::error_code ignored;
-    if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) fs::remove(it->path(), ignored);
+    if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) ::unlink(files::join(dir, name).c_str());
   }
 }
 

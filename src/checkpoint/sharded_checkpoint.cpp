@@ -8,13 +8,13 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
 #include <set>
 #include <sstream>
 
+#include "../files.h"
 #include "../shard_state.h"
 #include "index_format.h"
 #include "shardtorch/checkpoint.h"
@@ -23,7 +23,6 @@
 namespace shardtorch {
 namespace {
 
-namespace fs = std::filesystem;
 namespace json = boost::json;
 using checkpoint::SafetensorsError;
 using namespace checkpoint::index_format;
@@ -59,7 +58,8 @@ void fsync_path(const std::string& p, bool dir) {
 }
 
 std::string parent_of(const std::string& dir) {
-  return fs::path(dir).has_parent_path() ? fs::path(dir).parent_path().string() : ".";
+  const std::string parent = files::parent_path(dir);
+  return parent.empty() ? "." : parent;
 }
 
 // After publishing: a failure here does not undo a published checkpoint, so
@@ -82,7 +82,7 @@ void write_text_durably(const std::string& path, const std::string& text) {
     out.flush();
     if (!out) throw SafetensorsError("checkpoint: writing '" + path + "' failed: " + std::strerror(errno));
   }
-  if (static_cast<size_t>(fs::file_size(path)) != text.size())
+  if (static_cast<size_t>(files::file_size(path)) != text.size())
     throw SafetensorsError("checkpoint: '" + path + "' was not written completely");
   fsync_path(path, false);
 }
@@ -90,7 +90,7 @@ void write_text_durably(const std::string& path, const std::string& text) {
 // "ck/" and "ck" are the same checkpoint (a trailing slash would put the
 // temporary directory "ck/.shardtorch-tmp" inside the one it is to replace).
 std::string normalized(const std::string& dir) {
-  std::string d = fs::path(dir).lexically_normal().string();
+  std::string d = files::lexically_normal(dir);
   while (d.size() > 1 && d.back() == '/') d.pop_back();
   TORCH_CHECK(!d.empty() && d != "." && d != "/", "shardtorch: '", dir, "' cannot be a checkpoint directory");
   return d;
@@ -101,7 +101,7 @@ std::string normalized(const std::string& dir) {
 // renames (`dir` then has no index).
 std::string published_dir(const std::string& dir, bool announce = true) {
   const std::string aside = dir + kAsideSuffix;
-  if (!fs::exists(dir + "/index.json") && fs::exists(aside + "/index.json")) {
+  if (!files::exists(dir + "/index.json") && files::exists(aside + "/index.json")) {
     if (announce)
       std::fprintf(stderr, "shardtorch: checkpoint '%s' is missing; using the previous one, left at '%s' by an "
                  "interrupted save\n", dir.c_str(), aside.c_str());
@@ -113,10 +113,10 @@ std::string published_dir(const std::string& dir, bool announce = true) {
 // Rank 0, before a save writes anything: `dir` may be replaced only if it is
 // a checkpoint (or an empty directory), never a directory of other files.
 void check_replaceable(const std::string& dir) {
-  if (!fs::exists(dir)) return;
-  if (!fs::is_directory(dir))
+  if (!files::exists(dir)) return;
+  if (!files::is_directory(dir))
     throw SafetensorsError("checkpoint '" + dir + "': exists and is not a directory");
-  if (!fs::exists(dir + "/index.json") && !fs::is_empty(dir))
+  if (!files::exists(dir + "/index.json") && !files::is_empty_directory(dir))
     throw SafetensorsError("checkpoint '" + dir + "': the directory exists and is not a shardtorch checkpoint (no "
                            "index.json); refusing to replace it and the files in it");
 }
@@ -135,32 +135,32 @@ void check_replaceable(const std::string& dir) {
 void publish(const std::string& tmp, const std::string& dir) {
   const std::string aside = dir + kAsideSuffix;
   const bool exchange = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE") == nullptr;
-  if (!fs::exists(dir + "/index.json")) {
-    if (fs::exists(dir)) fs::remove(dir);  // an empty directory (check_replaceable)
-    fs::rename(tmp, dir);
+  if (!files::exists(dir + "/index.json")) {
+    if (files::exists(dir)) files::remove(dir);  // an empty directory (check_replaceable)
+    files::rename(tmp, dir);
     checkpoint::crash_point("new moved in");
   } else if (exchange && ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
     checkpoint::crash_point("exchanged");
-    best_effort("removing the previous checkpoint", [&] { fs::remove_all(tmp); });
+    best_effort("removing the previous checkpoint", [&] { files::remove_all(tmp); });
   } else {
     if (exchange && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
       throw SafetensorsError("checkpoint '" + dir + "': could not swap in the new checkpoint: " + std::strerror(errno));
-    fs::remove_all(aside);  // older than `dir`, which is complete
-    fs::rename(dir, aside);
+    files::remove_all(aside);  // older than `dir`, which is complete
+    files::rename(dir, aside);
     checkpoint::crash_point("previous moved aside");
-    fs::rename(tmp, dir);
+    files::rename(tmp, dir);
     checkpoint::crash_point("new moved in");
   }
   // `dir` is complete now: a checkpoint set aside, by this save or by an
   // earlier one killed between its renames, is older.
-  best_effort("removing '" + aside + "'", [&] { fs::remove_all(aside); });
+  best_effort("removing '" + aside + "'", [&] { files::remove_all(aside); });
 }
 
 }  // namespace
 
 bool sharded_checkpoint_exists(const std::string& dir) {
   const std::string d = normalized(dir);
-  return fs::exists(published_dir(d, /*announce=*/false) + "/index.json");
+  return files::exists(published_dir(d, /*announce=*/false) + "/index.json");
 }
 
 namespace {
@@ -329,10 +329,10 @@ class Files {
     auto it = open_.find(name);
     if (it != open_.end()) return *it->second;
     const std::string path = dir_ + "/" + name;
-    if (!fs::exists(path)) throw SafetensorsError("checkpoint '" + dir_ + "': shard file '" + name + "' is missing");
+    if (!files::exists(path)) throw SafetensorsError("checkpoint '" + dir_ + "': shard file '" + name + "' is missing");
     const auto& [size, sum] = idx_.files.at(name);
-    if (static_cast<int64_t>(fs::file_size(path)) != size)
-      throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' has " + std::to_string(fs::file_size(path)) +
+    if (files::file_size(path) != size)
+      throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' has " + std::to_string(files::file_size(path)) +
                              " bytes, the index says " + std::to_string(size));
     // The step before the checksum: a shard copied in from another save of
     // the same model fails both, and "from step 2" says what went wrong.
@@ -453,8 +453,8 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   if (world.rank() == 0) {
     try {
       check_replaceable(dir);
-      fs::remove_all(tmp);
-      fs::create_directories(tmp);
+      files::remove_all(tmp);
+      files::create_directories(tmp);
       checkpoint::crash_point("staging directory created");
     } catch (const std::exception& e) {
       error = e.what();
@@ -474,7 +474,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
     checkpoint::save_file(tmp + "/" + file, tensors, {{"step", std::to_string(step)}, {"rank", std::to_string(world.rank())}},
                           /*remove_stale_temporaries=*/false);  // the staging directory is new
     report["file"] = json::object{{"name", file},
-                                  {"size", static_cast<int64_t>(fs::file_size(tmp + "/" + file))},
+                                  {"size", files::file_size(tmp + "/" + file)},
                                   {"checksum", checksum(tmp + "/" + file)}};
   } catch (const std::exception& e) {
     error = e.what();
@@ -506,7 +506,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
                "'s at " + key + " (user_state must be the same on every rank)";
     }
   }
-  if (!failed.empty() && world.rank() == 0) fs::remove_all(tmp);
+  if (!failed.empty() && world.rank() == 0) files::remove_all(tmp);
   TORCH_CHECK(failed.empty(), "shardtorch::save_sharded_checkpoint: writing '", dir, "' failed on ", failed);
   if (world.rank() == 0) {
     try {
@@ -540,8 +540,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
       checkpoint::crash_point("published");
     } catch (const std::exception& e) {
       error = e.what();
-      std::error_code ignored;
-      fs::remove_all(tmp, ignored);  // the attempt, unless publish() had moved it in already
+      files::remove_all_quietly(tmp);  // the attempt, unless publish() had moved it in already
     }
     if (error.empty()) best_effort("syncing the parent directory", [&] { fsync_path(parent_of(dir), true); });
   }

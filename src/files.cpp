@@ -1,0 +1,257 @@
+#include "files.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+namespace shardtorch::files {
+namespace {
+
+[[noreturn]] void fail(const std::string& call, const std::string& path, int err) {
+  throw std::runtime_error("shardtorch: " + call + " '" + path + "' failed: " + std::strerror(err));
+}
+
+bool stat_of(const std::string& path, struct stat& st, bool follow = true) {
+  return (follow ? ::stat(path.c_str(), &st) : ::lstat(path.c_str(), &st)) == 0;
+}
+
+// Removes `path` bottom-up; the first failure (other than "already gone")
+// is kept in `first_error`.
+void remove_tree(const std::string& path, int& first_error, std::string& failed_path) {
+  struct stat st;
+  if (!stat_of(path, st, /*follow=*/false)) {
+    if (errno != ENOENT && !first_error) first_error = errno, failed_path = path;
+    return;
+  }
+  if (S_ISDIR(st.st_mode)) {
+    DIR* d = ::opendir(path.c_str());
+    if (!d) {
+      if (!first_error) first_error = errno, failed_path = path;
+      return;
+    }
+    std::vector<std::string> names;
+    while (struct dirent* e = ::readdir(d)) {
+      const std::string n = e->d_name;
+      if (n != "." && n != "..") names.push_back(n);
+    }
+    ::closedir(d);
+    for (const auto& n : names) remove_tree(join(path, n), first_error, failed_path);
+    if (::rmdir(path.c_str()) != 0 && errno != ENOENT && !first_error) first_error = errno, failed_path = path;
+  } else if (::unlink(path.c_str()) != 0 && errno != ENOENT && !first_error) {
+    first_error = errno, failed_path = path;
+  }
+}
+
+}  // namespace
+
+bool exists(const std::string& path) {
+  struct stat st;
+  return stat_of(path, st, /*follow=*/false);
+}
+
+bool is_directory(const std::string& path) {
+  struct stat st;
+  return stat_of(path, st) && S_ISDIR(st.st_mode);
+}
+
+bool is_regular_file(const std::string& path) {
+  struct stat st;
+  return stat_of(path, st) && S_ISREG(st.st_mode);
+}
+
+bool is_empty_directory(const std::string& path) {
+  if (!is_directory(path)) return false;
+  DIR* d = ::opendir(path.c_str());
+  if (!d) return false;
+  bool empty = true;
+  while (struct dirent* e = ::readdir(d)) {
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
+      empty = false;
+      break;
+    }
+  }
+  ::closedir(d);
+  return empty;
+}
+
+int64_t file_size(const std::string& path) {
+  struct stat st;
+  if (!stat_of(path, st)) fail("stat of", path, errno);
+  if (!S_ISREG(st.st_mode)) throw std::runtime_error("shardtorch: '" + path + "' is not a regular file");
+  return static_cast<int64_t>(st.st_size);
+}
+
+std::vector<std::string> list_directory(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) fail("listing of", dir, errno);
+  std::vector<std::string> names;
+  while (struct dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(n);
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void remove_all(const std::string& path) {
+  int err = 0;
+  std::string where;
+  remove_tree(path, err, where);
+  if (err) fail("removal of", where, err);
+}
+
+void remove_all_quietly(const std::string& path) noexcept {
+  try {
+    int err = 0;
+    std::string where;
+    remove_tree(path, err, where);
+  } catch (...) {  // only allocation can throw here
+  }
+}
+
+bool remove(const std::string& path) {
+  if (::remove(path.c_str()) == 0) return true;
+  if (errno == ENOENT) return false;
+  fail("removal of", path, errno);
+}
+
+void rename(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    throw std::runtime_error("shardtorch: renaming '" + from + "' to '" + to + "' failed: " + std::strerror(errno));
+}
+
+namespace {
+void make_directories(const std::string& dir, const std::string& target) {
+  if (dir.empty() || is_directory(dir)) return;
+  const std::string parent = parent_path(dir);
+  if (!parent.empty() && parent != dir) make_directories(parent, target);
+  if (::mkdir(dir.c_str(), 0777) == 0 || (errno == EEXIST && is_directory(dir))) return;
+  const int err = errno;
+  std::string why = std::strerror(err);
+  if (err == EEXIST) why = "'" + dir + "' exists and is not a directory";
+  else if (dir != target) why = "mkdir of '" + dir + "': " + why;
+  throw std::runtime_error("shardtorch: making directory '" + target + "' failed: " + why);
+}
+}  // namespace
+
+void create_directories(const std::string& dir) { make_directories(dir, dir); }
+
+void copy_file(const std::string& from, const std::string& to) {
+  const int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in < 0) fail("open of", from, errno);
+  const int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (out < 0) {
+    const int err = errno;
+    ::close(in);
+    fail("creation of", to, err);
+  }
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(in, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : 0;
+      ::close(in);
+      if (::close(out) != 0 && !err) fail("close of", to, errno);
+      if (err) fail("read of", from, err);
+      return;
+    }
+    for (ssize_t done = 0; done < n;) {
+      const ssize_t w = ::write(out, buf + done, static_cast<size_t>(n - done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) {
+        const int err = errno;
+        ::close(in);
+        ::close(out);
+        fail("write of", to, err);
+      }
+      done += w;
+    }
+  }
+}
+
+void copy_tree(const std::string& from, const std::string& to) {
+  if (!is_directory(from)) {
+    copy_file(from, to);
+    return;
+  }
+  create_directories(to);
+  for (const auto& n : list_directory(from)) copy_tree(join(from, n), join(to, n));
+}
+
+void resize_file(const std::string& path, int64_t bytes) {
+  if (::truncate(path.c_str(), static_cast<off_t>(bytes)) != 0) fail("truncate of", path, errno);
+}
+
+std::string make_temp_dir(const std::string& prefix) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string t = join(tmp && *tmp ? tmp : "/tmp", prefix + "-XXXXXX");
+  std::vector<char> buf(t.begin(), t.end());
+  buf.push_back('\0');
+  if (::mkdtemp(buf.data()) == nullptr) fail("mkdtemp in", t, errno);
+  return std::string(buf.data());
+}
+
+std::string parent_path(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return "";
+  size_t end = slash;
+  while (end > 0 && path[end - 1] == '/') --end;  // "a//b" -> "a"
+  return end == 0 ? "/" : path.substr(0, end);
+}
+
+std::string filename(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+std::string lexically_normal(const std::string& path) {
+  if (path.empty()) return "";
+  const bool absolute = path[0] == '/';
+  std::vector<std::string> parts;
+  bool trailing = false;  // the last component was a directory (".", "..", or a slash)
+  size_t i = 0;
+  while (i <= path.size()) {
+    size_t j = path.find('/', i);
+    if (j == std::string::npos) j = path.size();
+    const std::string c = path.substr(i, j - i);
+    const bool last = j == path.size();
+    if (c.empty()) {
+      trailing = last && !parts.empty();
+    } else if (c == ".") {
+      trailing = !parts.empty();
+    } else if (c == "..") {
+      if (!parts.empty() && parts.back() != "..") {
+        parts.pop_back();
+        trailing = !parts.empty();
+      } else if (!absolute) {
+        parts.push_back(c);
+        trailing = false;
+      }
+    } else {
+      parts.push_back(c);
+      trailing = false;
+    }
+    i = j + 1;
+  }
+  std::string out = absolute ? "/" : "";
+  for (size_t k = 0; k < parts.size(); ++k) out += (k ? "/" : "") + parts[k];
+  if (trailing && !parts.empty()) out += "/";
+  if (out.empty()) out = ".";
+  return out;
+}
+
+std::string join(const std::string& a, const std::string& b) {
+  if (a.empty()) return b;
+  return a.back() == '/' ? a + b : a + "/" + b;
+}
+
+}  // namespace shardtorch::files

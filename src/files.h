@@ -1,0 +1,62 @@
+// File-system calls for the library, its tools and its tests, written with
+// POSIX calls instead of std::filesystem.
+//
+// Why: some LibTorch builds export std::filesystem functions of their own
+// (the torch 2.11 CUDA wheel's libtorch.so defines 208 of them, built
+// against an older libstdc++). A program that loads such a libtorch.so has
+// its own std::filesystem calls bound to those definitions, and they crash
+// (remove_all and directory_iterator did, on an H100 machine: docs/gpu.md).
+// Nothing built here may import a std::filesystem symbol; the ctest
+// `build.no_std_filesystem_imports` checks every binary.
+//
+// Errors throw std::runtime_error naming the call, the path and errno's text.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardtorch::files {
+
+/// True if `path` names anything (a dangling symbolic link counts).
+bool exists(const std::string& path);
+bool is_directory(const std::string& path);
+bool is_regular_file(const std::string& path);
+/// A directory with no entries; false for anything else.
+bool is_empty_directory(const std::string& path);
+/// Bytes of a regular file; throws if it cannot be read.
+int64_t file_size(const std::string& path);
+
+/// Entry names of `dir` ("." and ".." left out), sorted; throws if `dir`
+/// cannot be read.
+std::vector<std::string> list_directory(const std::string& dir);
+
+/// `path` and everything under it, links not followed; nothing to do if it
+/// is absent. Throws on the first entry that cannot be removed.
+void remove_all(const std::string& path);
+/// As remove_all, but failures are ignored (clean-up on an error path).
+void remove_all_quietly(const std::string& path) noexcept;
+/// One file, link or empty directory; false if it was absent.
+bool remove(const std::string& path);
+void rename(const std::string& from, const std::string& to);
+/// `dir` and its missing parents.
+void create_directories(const std::string& dir);
+/// Copies a regular file, replacing `to`.
+void copy_file(const std::string& from, const std::string& to);
+/// Copies a directory tree (directories and regular files).
+void copy_tree(const std::string& from, const std::string& to);
+void resize_file(const std::string& path, int64_t bytes);
+
+/// A new directory "PREFIX-XXXXXX" under $TMPDIR (or /tmp), made by mkdtemp.
+std::string make_temp_dir(const std::string& prefix);
+
+/// Path arithmetic on strings, as std::filesystem::path does it:
+/// parent_path("a/b") == "a", parent_path("b") == "", filename("a/b") == "b",
+/// lexically_normal("a/./b/../c/") == "a/c/".
+std::string parent_path(const std::string& path);
+std::string filename(const std::string& path);
+std::string lexically_normal(const std::string& path);
+/// "a" + "/" + "b", without doubling a trailing slash of `a`.
+std::string join(const std::string& a, const std::string& b);
+
+}  // namespace shardtorch::files

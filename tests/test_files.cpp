@@ -1,0 +1,93 @@
+// shardtorch::files: the POSIX file calls that stand in for std::filesystem
+// (src/files.h says why). Expected values are std::filesystem's.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <fstream>
+
+#include "../src/files.h"
+
+namespace files = shardtorch::files;
+
+TEST(Files, PathArithmeticAgreesWithStdFilesystem) {
+  EXPECT_EQ(files::parent_path("a/b"), "a");
+  EXPECT_EQ(files::parent_path("a//b"), "a");
+  EXPECT_EQ(files::parent_path("/a"), "/");
+  EXPECT_EQ(files::parent_path("b"), "");
+  EXPECT_EQ(files::parent_path("a/b/"), "a/b");
+  EXPECT_EQ(files::filename("a/b"), "b");
+  EXPECT_EQ(files::filename("b"), "b");
+  EXPECT_EQ(files::filename("a/"), "");
+  EXPECT_EQ(files::lexically_normal("a/./b/../c/"), "a/c/");
+  EXPECT_EQ(files::lexically_normal("a/b/.."), "a/");
+  EXPECT_EQ(files::lexically_normal("a/.."), ".");
+  EXPECT_EQ(files::lexically_normal("./a"), "a");
+  EXPECT_EQ(files::lexically_normal("../a/../../b"), "../../b");
+  EXPECT_EQ(files::lexically_normal("/../a//b"), "/a/b");
+  EXPECT_EQ(files::lexically_normal("ck/"), "ck/");
+  EXPECT_EQ(files::lexically_normal("."), ".");
+  EXPECT_EQ(files::lexically_normal(""), "");
+  EXPECT_EQ(files::join("a", "b"), "a/b");
+  EXPECT_EQ(files::join("a/", "b"), "a/b");
+  EXPECT_EQ(files::join("", "b"), "b");
+}
+
+TEST(Files, TreesAreMadeCopiedListedAndRemoved) {
+  const std::string root = files::make_temp_dir("shardtorch-files");
+  ASSERT_TRUE(files::is_directory(root));
+  EXPECT_TRUE(files::is_empty_directory(root));
+  files::create_directories(root + "/a/b/c");
+  ASSERT_TRUE(files::is_directory(root + "/a/b/c"));
+  std::ofstream(root + "/a/b/f.txt") << "12345";
+  std::ofstream(root + "/a/g.txt") << "x";
+  ASSERT_EQ(::symlink("/nonexistent-target", (root + "/a/dangling").c_str()), 0);
+  EXPECT_FALSE(files::is_empty_directory(root));
+  EXPECT_EQ(files::file_size(root + "/a/b/f.txt"), 5);
+  EXPECT_TRUE(files::exists(root + "/a/dangling"));  // the link itself, as remove_all must see it
+  EXPECT_EQ(files::list_directory(root + "/a"), (std::vector<std::string>{"b", "dangling", "g.txt"}));
+
+  files::copy_tree(root + "/a/b", root + "/copy");
+  EXPECT_EQ(files::list_directory(root + "/copy"), (std::vector<std::string>{"c", "f.txt"}));
+  EXPECT_EQ(files::file_size(root + "/copy/f.txt"), 5);
+  files::resize_file(root + "/copy/f.txt", 2);
+  EXPECT_EQ(files::file_size(root + "/copy/f.txt"), 2);
+  EXPECT_EQ(files::file_size(root + "/a/b/f.txt"), 5) << "the copy shares the original's bytes";
+  files::copy_file(root + "/a/g.txt", root + "/copy/f.txt");  // replaces
+  EXPECT_EQ(files::file_size(root + "/copy/f.txt"), 1);
+
+  files::rename(root + "/copy", root + "/moved");
+  EXPECT_FALSE(files::exists(root + "/copy"));
+  EXPECT_TRUE(files::is_regular_file(root + "/moved/f.txt"));
+  EXPECT_TRUE(files::remove(root + "/moved/f.txt"));
+  EXPECT_FALSE(files::remove(root + "/moved/f.txt")) << "absent: false, not an error";
+
+  files::remove_all(root);
+  EXPECT_FALSE(files::exists(root));
+  EXPECT_NO_THROW(files::remove_all(root)) << "nothing to remove is no error";
+}
+
+TEST(Files, FailuresNameTheCallThePathAndTheReason) {
+  const std::string root = files::make_temp_dir("shardtorch-files");
+  auto message = [](auto f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::string e = message([&] { files::file_size(root + "/absent"); });
+  EXPECT_NE(e.find(root + "/absent"), std::string::npos) << e;
+  EXPECT_NE(e.find("No such file"), std::string::npos) << e;
+  e = message([&] { files::rename(root + "/absent", root + "/b"); });
+  EXPECT_NE(e.find("renaming '" + root + "/absent'"), std::string::npos) << e;
+  std::ofstream(root + "/file") << "x";
+  e = message([&] { files::create_directories(root + "/file/sub"); });
+  EXPECT_NE(e.find("'" + root + "/file/sub'"), std::string::npos) << e;
+  EXPECT_NE(e.find("'" + root + "/file' exists and is not a directory"), std::string::npos) << e;
+  e = message([&] { files::list_directory(root + "/file"); });
+  EXPECT_NE(e.find("Not a directory"), std::string::npos) << e;
+  files::remove_all(root);
+  EXPECT_FALSE(files::exists(root));
+}
