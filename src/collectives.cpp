@@ -53,9 +53,13 @@ void Comm::run(const char* op, const std::string& what, const std::string& shape
                int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
                std::optional<std::chrono::steady_clock::time_point> started) {
   auto start = started.value_or(std::chrono::steady_clock::now());
+  complete(op, what, shapes, counter, bytes, start, [&] { launch()->wait(timeout_); });
+}
+
+void Comm::complete(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
+                    int64_t bytes, std::chrono::steady_clock::time_point start, const std::function<void()>& wait) {
   try {
-    auto work = launch();
-    work->wait(timeout_);
+    wait();
     if (injected().take(what)) throw std::runtime_error("failure injected by shardtorch::testing::fail_collectives");
   } catch (const std::exception& e) {
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -152,6 +156,14 @@ void Comm::wait(PendingWork& p) {
   // Done with it either way: a collective that failed is not waited for again.
   auto work = std::move(p.work);
   run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
+}
+
+void Comm::finish(PendingWork& p, std::exception_ptr error) {
+  TORCH_CHECK(p.work, "shardtorch: Comm::finish on a collective that was not launched");
+  auto work = std::move(p.work);
+  complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] {
+    if (error) std::rethrow_exception(error);
+  });
 }
 
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {

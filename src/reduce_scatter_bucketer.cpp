@@ -2,6 +2,11 @@
 
 #include <c10/core/GradMode.h>
 
+#include <cstdio>
+#include <thread>
+
+#include "completion_watcher.h"
+
 namespace shardtorch {
 
 ReduceScatterBucketer::ReduceScatterBucketer(double bucket_mb, MemoryTracker* mem, int max_in_flight)
@@ -56,7 +61,7 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
   Bucket& b = bucket_for(input, group);
   if (shard > b.cap) {  // too big to coalesce: launch what is queued (order), then this one alone
     launch_bucket(b);
-    make_room();
+    make_room(what);
     at::Tensor in = input.contiguous();
     at::Tensor out = at::empty({shard}, input.options());
     Pieces pieces;
@@ -74,16 +79,42 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
   if (b.cap - b.offset < shard) launch_bucket(b);  // another input like this one would not fit
 }
 
-void ReduceScatterBucketer::make_room() {
-  while (static_cast<int>(in_flight_.size()) >= max_in_flight_) complete_oldest();
+void ReduceScatterBucketer::make_room(const std::string& next) {
+  while (static_cast<int>(in_flight_.size()) >= max_in_flight_) {
+    const Launched& oldest = in_flight_.front();
+    const auto bound = std::min(kReduceScatterLimitWait, oldest.group->timeout() / 4);
+    if (!oldest_done_within(bound)) {
+      if (launched_past_limit_++ == 0)
+        std::fprintf(stderr,
+                     "shardtorch: rank %d: the reduce-scatter for %s goes out past the limit of %d in flight: the "
+                     "oldest (%s) did not complete within %.3f s. Ranks finished units at different points of the "
+                     "backward (the data routed around some); waiting longer could deadlock with an all-gather a "
+                     "peer waits in. Reported once; ShardedModel::reduce_scatters_past_the_limit() counts them.\n",
+                     oldest.group->rank(), next.c_str(), max_in_flight_, oldest.work.what.c_str(),
+                     std::chrono::duration<double>(bound).count());
+      return;
+    }
+    complete_oldest();
+  }
+}
+
+bool ReduceScatterBucketer::oldest_done_within(std::chrono::milliseconds bound) {
+  Launched& oldest = in_flight_.front();
+  if (oldest.completion) return oldest.completion->wait_for(bound);
+  const auto deadline = std::chrono::steady_clock::now() + bound;
+  while (!oldest.work.work->isCompleted()) {  // CUDA (NCCL): the Work answers for itself
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
 }
 
 void ReduceScatterBucketer::launch_bucket(Bucket& b) {
   if (b.offset == 0) return;
-  make_room();  // before the compact copy below is allocated
   b.high_water = std::max(b.high_water, b.offset);
-  std::string what = b.whats.size() == 1 ? b.whats[0] : "bucket of " + std::to_string(b.whats.size()) + " (" +
+  const std::string what = b.whats.size() == 1 ? b.whats[0] : "bucket of " + std::to_string(b.whats.size()) + " (" +
                                                             b.whats.front() + " .. " + b.whats.back() + ")";
+  make_room(what);  // before the compact copy below is allocated
   at::Tensor in, out;
   int64_t bytes = 0;
   if (b.offset == b.buffer.size(1)) {  // full: the buffers go with the collective (already tracked)
@@ -124,6 +155,10 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
     track(-bytes);
     throw;
   }
+  if (!group.device().is_cuda()) {
+    if (!watcher_) watcher_ = std::make_unique<detail::CompletionWatcher>();
+    l.completion = watcher_->watch(l.work.work, group.timeout());
+  }
   ++launched_;
   if (!in_flight_.empty()) ++launched_while_in_flight_;
   in_flight_.push_back(std::move(l));
@@ -133,7 +168,12 @@ void ReduceScatterBucketer::complete_oldest() {
   Launched l = std::move(in_flight_.front());
   in_flight_.pop_front();
   try {
-    l.group->wait(l.work);
+    if (l.completion) {
+      l.completion->wait();
+      l.group->finish(l.work, l.completion->error());
+    } else {
+      l.group->wait(l.work);
+    }
     for (auto& [range, cb] : l.pieces) cb(l.output.narrow(0, range.first, range.second));
   } catch (...) {
     track(-l.bytes);
@@ -165,7 +205,11 @@ void ReduceScatterBucketer::discard() {
     Launched l = std::move(in_flight_.front());
     in_flight_.pop_front();
     try {
-      l.group->wait(l.work);  // its buffers must outlive the collective
+      if (l.completion) {
+        l.completion->wait();  // its buffers must outlive the collective
+      } else {
+        l.group->wait(l.work);
+      }
     } catch (...) {
     }
     track(-l.bytes);

@@ -524,6 +524,7 @@ ShardedModel::NoSync ShardedModel::no_sync() { return NoSync(state_); }
 int64_t ShardedModel::gradient_reductions() const { return state_->gradient_reductions(); }
 int64_t ShardedModel::reductions_deferred() const { return state_->reductions_deferred(); }
 int64_t ShardedModel::reduce_scatters_overlapped() const { return state_->bucketer().launched_while_in_flight(); }
+int64_t ShardedModel::reduce_scatters_past_the_limit() const { return state_->bucketer().launched_past_limit(); }
 int64_t ShardedModel::buckets_launched_during_backward() const {
   return state_->ddp() ? state_->ddp()->launched_during_backward() : 0;
 }

@@ -281,6 +281,53 @@ struct WithParentImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(WithParent);
 
+// Parent inside two more units of the same kind: each runs its own layer
+// only while `use_own`, so a rank that skips them all has three units final
+// before the frozen child's backward all-gather, where the others have none.
+struct GrandImpl : torch::nn::Module {
+  GrandImpl() : own(register_module("own", torch::nn::Linear(6, 6))), inner(register_module("inner", Parent())) {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (use_own) x = own(x);
+    return inner(x) + 1;
+  }
+  void use(bool b) {
+    use_own = b;
+    inner->use_own = b;
+  }
+  torch::nn::Linear own;
+  Parent inner;
+  bool use_own = true;
+};
+SHARDTORCH_MODULE(Grand);
+
+struct GreatImpl : torch::nn::Module {
+  GreatImpl() : own(register_module("own", torch::nn::Linear(6, 6))), inner(register_module("inner", Grand())) {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (use_own) x = own(x);
+    return inner(x) - 1;
+  }
+  torch::nn::Linear own;
+  Grand inner;
+  bool use_own = true;
+};
+SHARDTORCH_MODULE(Great);
+
+struct NestedNetImpl : torch::nn::Module {
+  NestedNetImpl()
+      : first(register_module("first", Layer(6, 6, true))),
+        great(register_module("great", Great())),
+        last(register_module("last", Layer(6, 4, false))) {}
+  torch::Tensor forward(torch::Tensor x) { return last(great(first(x))); }
+  void use(bool b) {
+    great->use_own = b;
+    great->inner->use(b);
+  }
+  Layer first;
+  Great great;
+  Layer last;
+};
+SHARDTORCH_MODULE(NestedNet);
+
 }  // namespace
 
 TEST(RankDependentBranchesAroundGathers, AParentFinalBeforeItsFrozenChildGathersOnSomeRanksOnly) {
@@ -403,3 +450,41 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{Strategy::HybridShard, 2, 1e-4}, Case{Strategy::HybridShard, 4, 1e-4},
                       Case{Strategy::HybridShard, 4, 1e-4, true}, Case{Strategy::HybridShard, 4, 1e-4, false, true}),
     case_name);
+
+// Three nested units routed around on rank 1 only: there they are final at
+// their pre-backward hooks, one after the other, and their reduce-scatters go
+// out before the frozen child's backward all-gather, which rank 0 reaches
+// first. More reduce-scatters than the bucketer keeps in flight: waiting for
+// the oldest there would wait for rank 0, itself waiting in the all-gather
+// for rank 1 (until the collective timeout).
+TEST(RankDependentBranchesAroundGathers, MoreUnitsFinalBeforeAGatherThanReduceScattersInFlight) {
+  auto use_own = [](int s, int r) { return s != 1 || r == 0; };
+  for (auto [strategy, world] : {std::pair{Strategy::FullShard, 2}, std::pair{Strategy::HybridShard, 4}}) {
+    torch::manual_seed(3);
+    auto x = torch::randn({kRows * world, 6});
+    torch::manual_seed(0);
+    const auto want = mean_of_ranks(NestedNet(), x, world, 1,
+                                    [&](NestedNet& m, int s, int, int r) { m->use(use_own(s, r)); });
+    auto r = run_ranks(
+        world,
+        [&](World& w) {
+          torch::manual_seed(0);
+          NestedNet model;
+          auto sm = shardtorch::shard(model, w, strategy_options(strategy, world).bucket_mb(1e-4));
+          auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+          for (int s = 0; s < kSteps; ++s) {
+            opt->zero_grad();
+            model->use(use_own(s, w.rank()));
+            model(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+            opt->step();
+          }
+          expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "three nested units routed around");
+          // Somewhere a launch went past the limit instead of waiting.
+          auto past = torch::full({1}, static_cast<double>(sm.reduce_scatters_past_the_limit()), torch::kDouble);
+          w.comm().all_reduce(past, c10d::ReduceOp::SUM, "launches past the limit");
+          require(past.item<double>() >= 1, "no reduce-scatter was launched past the limit");
+        },
+        shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
+  }
+}

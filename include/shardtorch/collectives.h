@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <chrono>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <cstdint>
@@ -66,6 +67,10 @@ class Comm {
   /// Waits (with the timeout) for a launched collective; `pending` is spent
   /// afterwards, whether the collective succeeded or failed.
   void wait(PendingWork& pending);
+  /// Finishes a collective whose Work was waited for elsewhere (on another
+  /// thread): `error` is what that wait threw, if anything. Errors, fault
+  /// injection and statistics as wait(); `pending` is spent afterwards.
+  void finish(PendingWork& pending, std::exception_ptr error);
   void broadcast(at::Tensor& t, int root, const std::string& what);
   /// Every rank's string, in rank order (two all-gathers: lengths, then bytes).
   std::vector<std::string> all_gather_strings(const std::string& mine, const std::string& what);
@@ -77,6 +82,10 @@ class Comm {
   void run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
            int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
            std::optional<std::chrono::steady_clock::time_point> started = std::nullopt);
+  /// Runs `wait`, then fault injection; errors name the collective and the
+  /// time since `start`; counts the collective in `counter`.
+  void complete(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
+                int64_t bytes, std::chrono::steady_clock::time_point start, const std::function<void()>& wait);
   /// Starts a collective for wait(); a failure to start names the operation.
   PendingWork launch(const char* op, const std::string& what, std::string shapes, CollectiveCounter& counter,
                      int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& start);

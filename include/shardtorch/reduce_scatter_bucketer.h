@@ -17,8 +17,19 @@
 //   the queued bucket, to keep the order).
 // - Launched buckets are waited for in launch order; their callbacks run
 //   then, in submission order. At most `max_in_flight` collectives are in
-//   flight: launching one more first waits for the oldest. flush() launches
-//   every partly filled bucket and waits for everything.
+//   flight: launching one more first waits for the oldest, for a bounded
+//   time (kReduceScatterLimitWait, at most a quarter of the collective
+//   timeout). If the oldest has not completed by then, the launch goes out
+//   beside it, past the limit (counted by launched_past_limit(), reported
+//   once on stderr): a rank that finished several units early (the data
+//   routed around them) must not block there while a peer, which reduces
+//   those units later, waits for it in an all-gather on the other
+//   communicator (docs/design.md, COMMUNICATORS). flush() launches every
+//   partly filled bucket and waits for everything.
+// - Completion on the CPU is learnt from a watcher thread that waits for
+//   each launch in order (Gloo's reduce-scatter reports completion only
+//   through wait()); on CUDA from Work::isCompleted(). The callbacks, the
+//   statistics and the errors stay on the calling thread.
 // - Buffers are allocated when filling starts, sized from the previous
 //   backward's high-water mark and grown (by doubling, up to the capacity)
 //   only as far as the inputs need. A full bucket's buffers go with its
@@ -26,16 +37,18 @@
 //   launched from a compact copy and keeps its buffers for the next fill.
 //   free(), called at the end of each backward, releases the rest: buckets
 //   exist only during backward. Alive at once: one filling buffer per key
-//   and at most max_in_flight launched ones.
+//   and at most max_in_flight launched ones (more only past the limit).
 // - discard() (a failed backward) waits for what is in flight, ignoring
 //   errors, drops the callbacks and frees everything.
 //
 // Callbacks receive views of the reduced shard valid only during the call.
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -47,6 +60,14 @@ namespace shardtorch {
 
 /// Reduce-scatters a sharded model's bucketer keeps in flight during backward.
 constexpr int kMaxReduceScattersInFlight = 2;
+/// How long a launch waits for room under that limit before it goes out
+/// past it (at most a quarter of the group's collective timeout).
+constexpr std::chrono::milliseconds kReduceScatterLimitWait{1000};
+
+namespace detail {
+class CompletionWatcher;
+struct CompletionState;
+}  // namespace detail
 
 class ReduceScatterBucketer {
  public:
@@ -81,6 +102,9 @@ class ReduceScatterBucketer {
   int64_t in_flight() const { return static_cast<int64_t>(in_flight_.size()); }
   /// Collectives launched while an earlier one was still in flight (overlap).
   int64_t launched_while_in_flight() const { return launched_while_in_flight_; }
+  /// Collectives launched with max_in_flight already in flight, after the
+  /// oldest did not complete within the bounded wait.
+  int64_t launched_past_limit() const { return launched_past_limit_; }
 
  private:
   using Pieces = std::vector<std::pair<std::pair<int64_t, int64_t>, Callback>>;  // (start, len) in the output
@@ -100,6 +124,7 @@ class ReduceScatterBucketer {
     at::Tensor input, output;  // alive until the collective is done
     int64_t bytes = 0;         // tracked under Mem::Buckets
     Pieces pieces;
+    std::shared_ptr<detail::CompletionState> completion;  // CPU: set by the watcher thread
   };
   using Key = std::tuple<int /*dtype*/, std::string /*device*/, const void* /*group*/>;
 
@@ -109,8 +134,12 @@ class ReduceScatterBucketer {
   void track(int64_t bytes);
   /// Launches the bucket's queued columns.
   void launch_bucket(Bucket& b);
-  /// Waits for the oldest launches until fewer than max_in_flight remain.
-  void make_room();
+  /// Waits for the oldest launches until fewer than max_in_flight remain, or
+  /// until the oldest has not completed within the bounded wait (then
+  /// `next`, the launch to come, goes out past the limit).
+  void make_room(const std::string& next);
+  /// True once the oldest launch has completed, false if `bound` passed first.
+  bool oldest_done_within(std::chrono::milliseconds bound);
   /// Launches one reduce-scatter of `input` into `output` (call make_room() first).
   void launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
               const std::string& what);
@@ -122,7 +151,8 @@ class ReduceScatterBucketer {
   int max_in_flight_;
   std::map<Key, Bucket> buckets_;
   std::deque<Launched> in_flight_;
-  int64_t launched_ = 0, launched_while_in_flight_ = 0;
+  int64_t launched_ = 0, launched_while_in_flight_ = 0, launched_past_limit_ = 0;
+  std::unique_ptr<detail::CompletionWatcher> watcher_;  // made by the first CPU launch
 };
 
 }  // namespace shardtorch

@@ -397,6 +397,12 @@ class ShardedModel {
   /// one was still in flight, since shard() (they overlap each other and the
   /// rest of backward; 0 when every bucket is reduced at the end of backward).
   int64_t reduce_scatters_overlapped() const;
+  /// Sharded strategies: gradient reduce-scatters launched past the limit of
+  /// kMaxReduceScattersInFlight, since shard(), because the oldest had not
+  /// completed within kReduceScatterLimitWait: this rank finished units
+  /// before a peer did (data-dependent routing). Each holds one more bucket
+  /// for a while; 0 in models whose units finish in the same order everywhere.
+  int64_t reduce_scatters_past_the_limit() const;
   /// Gradient reductions started since shard(): flat gradients handed to a
   /// reduce-scatter or all-reduce, and NoShard buckets launched.
   int64_t gradient_reductions() const;

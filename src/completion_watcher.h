@@ -1,0 +1,67 @@
+// CompletionWatcher: learns when launched collectives complete, without
+// blocking the thread that launched them.
+//
+// Gloo's reduce-scatter Work reports completion only through wait():
+// isCompleted() stays false and it has no future (torch 2.13, measured). A
+// thread of the watcher's own therefore waits for each collective it is
+// given, in the order given, and records the outcome; the launching thread
+// waits with a bound (wait_for) and then finishes the
+// collective itself with Comm::finish (statistics, errors). Used for CPU
+// collectives; on CUDA, Work::isCompleted() answers directly.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace shardtorch::detail {
+
+/// The outcome of one watched collective, shared by the watcher's thread
+/// and the thread that asks.
+struct CompletionState {
+  /// True once done, false if `bound` passed first.
+  bool wait_for(std::chrono::milliseconds bound);
+  /// Until done (the watcher's wait is bounded by the collective's timeout).
+  void wait();
+  /// What the collective's wait() threw (null if it succeeded); call once done.
+  std::exception_ptr error();
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr failure;
+};
+
+class CompletionWatcher {
+ public:
+  CompletionWatcher() = default;
+  CompletionWatcher(const CompletionWatcher&) = delete;
+  CompletionWatcher& operator=(const CompletionWatcher&) = delete;
+  /// Waits for everything given (each wait is bounded by its timeout).
+  ~CompletionWatcher();
+
+  /// Starts watching `work`: its wait(timeout) runs on the watcher's thread.
+  std::shared_ptr<CompletionState> watch(c10::intrusive_ptr<c10d::Work> work, std::chrono::milliseconds timeout);
+
+ private:
+  struct Item {
+    c10::intrusive_ptr<c10d::Work> work;
+    std::chrono::milliseconds timeout{0};
+    std::shared_ptr<CompletionState> state;
+  };
+  void loop();
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // started by the first watch()
+};
+
+}  // namespace shardtorch::detail
