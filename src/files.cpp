@@ -22,6 +22,19 @@ bool stat_of(const std::string& path, struct stat& st, bool follow = true) {
   return (follow ? ::stat(path.c_str(), &st) : ::lstat(path.c_str(), &st)) == 0;
 }
 
+// The entry names of `dir` ("." and ".." left out) into `names`, in the
+// directory's order; 0, or errno if `dir` cannot be opened.
+int read_names(const std::string& dir, std::vector<std::string>& names) {
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return errno;
+  while (struct dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(n);
+  }
+  ::closedir(d);
+  return 0;
+}
+
 // Removes `path` bottom-up; the first failure (other than "already gone")
 // is kept in `first_error`.
 void remove_tree(const std::string& path, int& first_error, std::string& failed_path) {
@@ -31,17 +44,11 @@ void remove_tree(const std::string& path, int& first_error, std::string& failed_
     return;
   }
   if (S_ISDIR(st.st_mode)) {
-    DIR* d = ::opendir(path.c_str());
-    if (!d) {
-      if (!first_error) first_error = errno, failed_path = path;
+    std::vector<std::string> names;
+    if (const int err = read_names(path, names)) {
+      if (!first_error) first_error = err, failed_path = path;
       return;
     }
-    std::vector<std::string> names;
-    while (struct dirent* e = ::readdir(d)) {
-      const std::string n = e->d_name;
-      if (n != "." && n != "..") names.push_back(n);
-    }
-    ::closedir(d);
     for (const auto& n : names) remove_tree(join(path, n), first_error, failed_path);
     if (::rmdir(path.c_str()) != 0 && errno != ENOENT && !first_error) first_error = errno, failed_path = path;
   } else if (::unlink(path.c_str()) != 0 && errno != ENOENT && !first_error) {
@@ -67,18 +74,8 @@ bool is_regular_file(const std::string& path) {
 }
 
 bool is_empty_directory(const std::string& path) {
-  if (!is_directory(path)) return false;
-  DIR* d = ::opendir(path.c_str());
-  if (!d) return false;
-  bool empty = true;
-  while (struct dirent* e = ::readdir(d)) {
-    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
-      empty = false;
-      break;
-    }
-  }
-  ::closedir(d);
-  return empty;
+  std::vector<std::string> names;
+  return is_directory(path) && read_names(path, names) == 0 && names.empty();
 }
 
 int64_t file_size(const std::string& path) {
@@ -89,14 +86,8 @@ int64_t file_size(const std::string& path) {
 }
 
 std::vector<std::string> list_directory(const std::string& dir) {
-  DIR* d = ::opendir(dir.c_str());
-  if (!d) fail("listing of", dir, errno);
   std::vector<std::string> names;
-  while (struct dirent* e = ::readdir(d)) {
-    const std::string n = e->d_name;
-    if (n != "." && n != "..") names.push_back(n);
-  }
-  ::closedir(d);
+  if (const int err = read_names(dir, names)) fail("listing of", dir, err);
   std::sort(names.begin(), names.end());
   return names;
 }
@@ -206,6 +197,11 @@ std::string parent_path(const std::string& path) {
   size_t end = slash;
   while (end > 0 && path[end - 1] == '/') --end;  // "a//b" -> "a"
   return end == 0 ? "/" : path.substr(0, end);
+}
+
+std::string directory_of(const std::string& path) {
+  const std::string parent = parent_path(path);
+  return parent.empty() ? "." : parent;
 }
 
 std::string filename(const std::string& path) {

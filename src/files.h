@@ -54,6 +54,8 @@ std::string make_temp_dir(const std::string& prefix);
 /// parent_path("a/b") == "a", parent_path("b") == "", filename("a/b") == "b",
 /// lexically_normal("a/./b/../c/") == "a/c/".
 std::string parent_path(const std::string& path);
+/// The directory a path is in: parent_path(path), or "." when it has none.
+std::string directory_of(const std::string& path);
 std::string filename(const std::string& path);
 std::string lexically_normal(const std::string& path);
 /// "a" + "/" + "b", without doubling a trailing slash of `a`.

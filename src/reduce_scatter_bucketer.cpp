@@ -164,16 +164,20 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
   in_flight_.push_back(std::move(l));
 }
 
+void ReduceScatterBucketer::wait_for_launch(Launched& l) {
+  if (l.completion) {
+    l.completion->wait();
+    l.group->finish(l.work, l.completion->error());
+  } else {
+    l.group->wait(l.work);
+  }
+}
+
 void ReduceScatterBucketer::complete_oldest() {
   Launched l = std::move(in_flight_.front());
   in_flight_.pop_front();
   try {
-    if (l.completion) {
-      l.completion->wait();
-      l.group->finish(l.work, l.completion->error());
-    } else {
-      l.group->wait(l.work);
-    }
+    wait_for_launch(l);
     for (auto& [range, cb] : l.pieces) cb(l.output.narrow(0, range.first, range.second));
   } catch (...) {
     track(-l.bytes);
@@ -205,11 +209,7 @@ void ReduceScatterBucketer::discard() {
     Launched l = std::move(in_flight_.front());
     in_flight_.pop_front();
     try {
-      if (l.completion) {
-        l.completion->wait();  // its buffers must outlive the collective
-      } else {
-        l.group->wait(l.work);
-      }
+      wait_for_launch(l);  // its buffers must outlive the collective
     } catch (...) {
     }
     track(-l.bytes);

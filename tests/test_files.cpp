@@ -16,6 +16,9 @@ TEST(Files, PathArithmeticAgreesWithStdFilesystem) {
   EXPECT_EQ(files::parent_path("/a"), "/");
   EXPECT_EQ(files::parent_path("b"), "");
   EXPECT_EQ(files::parent_path("a/b/"), "a/b");
+  EXPECT_EQ(files::directory_of("a/b"), "a");
+  EXPECT_EQ(files::directory_of("b"), ".");
+  EXPECT_EQ(files::directory_of("/b"), "/");
   EXPECT_EQ(files::filename("a/b"), "b");
   EXPECT_EQ(files::filename("b"), "b");
   EXPECT_EQ(files::filename("a/"), "");

@@ -143,6 +143,9 @@ class ReduceScatterBucketer {
   /// Launches one reduce-scatter of `input` into `output` (call make_room() first).
   void launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
               const std::string& what);
+  /// Waits for `l`'s collective (watched or not) and finishes it: statistics,
+  /// errors (thrown).
+  void wait_for_launch(Launched& l);
   /// Waits for the oldest launch and runs its callbacks.
   void complete_oldest();
 

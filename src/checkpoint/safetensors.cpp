@@ -160,8 +160,7 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     records.push_back(std::move(r));
   }
   const std::string header = serialize_header(records, metadata);
-  std::string dir = files::parent_path(path);
-  if (dir.empty()) dir = ".";
+  const std::string dir = files::directory_of(path);
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
   // ".NAME.tmp-HOST-PID": a stale one is known by its host and dead process.

@@ -57,11 +57,6 @@ void fsync_path(const std::string& p, bool dir) {
   if (rc != 0) throw SafetensorsError("checkpoint: fsync of '" + p + "' failed: " + std::strerror(err));
 }
 
-std::string parent_of(const std::string& dir) {
-  const std::string parent = files::parent_path(dir);
-  return parent.empty() ? "." : parent;
-}
-
 // After publishing: a failure here does not undo a published checkpoint, so
 // it is reported, not thrown.
 void best_effort(const std::string& what, const std::function<void()>& f) {
@@ -331,8 +326,8 @@ class Files {
     const std::string path = dir_ + "/" + name;
     if (!files::exists(path)) throw SafetensorsError("checkpoint '" + dir_ + "': shard file '" + name + "' is missing");
     const auto& [size, sum] = idx_.files.at(name);
-    if (files::file_size(path) != size)
-      throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' has " + std::to_string(files::file_size(path)) +
+    if (const int64_t actual = files::file_size(path); actual != size)
+      throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' has " + std::to_string(actual) +
                              " bytes, the index says " + std::to_string(size));
     // The step before the checksum: a shard copied in from another save of
     // the same model fails both, and "from step 2" says what went wrong.
@@ -542,7 +537,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
       error = e.what();
       files::remove_all_quietly(tmp);  // the attempt, unless publish() had moved it in already
     }
-    if (error.empty()) best_effort("syncing the parent directory", [&] { fsync_path(parent_of(dir), true); });
+    if (error.empty()) best_effort("syncing the parent directory", [&] { fsync_path(files::directory_of(dir), true); });
   }
   detail::agree_on_errors(world, error, what);
 }
