@@ -1,11 +1,12 @@
 #include "shardtorch/flat_param.h"
 
+#include "storage_access.h"
+
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
 #include <sstream>
-#include <type_traits>
 
 namespace shardtorch {
 
@@ -45,37 +46,6 @@ std::optional<FlatParamLayout::Piece> FlatParamLayout::piece(size_t i, int rank)
 }
 
 namespace {
-// A freed full buffer keeps its StorageImpl (the parameters stay views of it),
-// with a null data pointer. Reading it would dereference that pointer plus the
-// parameter's offset: a crash far from the mistake. Where LibTorch lets a
-// storage carry a data-access error (StorageImpl's custom data-pointer error,
-// detected here so older LibTorch still compiles), every op that touches a
-// freed parameter's data throws that error instead.
-template <typename S, typename = void>
-struct HasAccessError : std::false_type {};
-template <typename S>
-struct HasAccessError<S, std::void_t<decltype(std::declval<S&>().clear_data_ptr_access_error_msg_()),
-                                     decltype(std::declval<S&>().release_data_and_set_meta_custom_data_ptr_error_msg_(
-                                         std::declval<std::string>()))>> : std::true_type {};
-
-// Returns whether it could. The storage then keeps its size, so that views of
-// a freed parameter (w.t(), narrow) still succeed and the op that reads them
-// throws this error rather than a bounds check's about a storage of size 0.
-template <typename S>
-bool forbid_data_access(S* impl, std::string message) {
-  if constexpr (HasAccessError<S>::value) {
-    impl->release_data_and_set_meta_custom_data_ptr_error_msg_(std::move(message));
-    return true;
-  } else {
-    return false;
-  }
-}
-
-template <typename S>
-void allow_data_access(S* impl) {
-  if constexpr (HasAccessError<S>::value) impl->clear_data_ptr_access_error_msg_();
-}
-
 std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
   std::vector<int64_t> st(shape.size());
   int64_t s = 1;
@@ -211,12 +181,12 @@ void FlatParam::alloc_full() {
   size_t nbytes = static_cast<size_t>(layout_.padded_numel()) * c10::elementSize(compute_dtype());
   impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
   impl->set_nbytes(nbytes);
-  allow_data_access(impl);
+  storage_access::allow(impl);
   gathered_ = true;
   if (mem_) mem_->add(Mem::GatheredParams, nbytes);
 }
 
-bool FlatParam::freed_access_is_an_error() { return HasAccessError<c10::StorageImpl>::value; }
+bool FlatParam::freed_access_is_an_error() { return storage_access::support() != storage_access::Support::None; }
 
 void FlatParam::free_full(bool abandon) {
   if (!gathered_ || persistent_) return;
@@ -227,7 +197,10 @@ void FlatParam::free_full(bool abandon) {
     (void)old.release_context();
   }
   // The error first: it may allocate (and throw) while the buffer is still whole.
-  const bool guarded = forbid_data_access(impl, access_error_);
+  // The storage then keeps its size, so that views of a freed parameter
+  // (w.t(), narrow) still succeed and the op that reads them throws this error
+  // rather than a bounds check's about a storage of size 0.
+  const bool guarded = storage_access::forbid(impl, access_error_);
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));
   if (!guarded) impl->set_nbytes(0);  // views of the parameters then fail their bounds check at least
   gathered_ = false;

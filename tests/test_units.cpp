@@ -1,7 +1,8 @@
 // Unit placement, summon_full_params, and the edges of the hook state machine.
 #include <gtest/gtest.h>
+#include <torch/version.h>
 
-
+#include "../src/storage_access.h"
 #include "models.h"
 
 using namespace testmodels;
@@ -189,6 +190,39 @@ TEST(Units, ReadingAFreedParameterIsAClearErrorAndChangesNothing) {
     require(at::equal(m->l1->lin->weight, want), "summon after a refused write sees a changed weight");
   });
   ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// LibTorch 2.11 sets a storage's data-access error but cannot lift it; the
+// library then lowers LibTorch's private flag itself (src/storage_access.cpp).
+// That path runs here whatever this LibTorch offers, so that it is tested on a
+// LibTorch that lifts the error itself too.
+TEST(FreedStorage, LiftingTheAccessErrorThroughItsFlagRestoresReadsAndWrites) {
+  namespace sa = shardtorch::storage_access;
+  if (!sa::testing::can_lift_through_flag()) GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " predates 2.11";
+  ASSERT_NE(sa::support(), sa::Support::None) << sa::describe(sa::support());
+  auto t = at::arange(6, at::kFloat);
+  auto view = t.narrow(0, 2, 3);
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  auto expect_error = [](const std::string& want, const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "no error; wanted '" << want << "'";
+  };
+  ASSERT_TRUE(sa::forbid(impl, "storage gone"));
+  expect_error("storage gone", [&] { (void)view.sum(); });
+  expect_error("storage gone", [&] { t.add_(1); });
+  sa::testing::lift_through_flag(impl);
+  EXPECT_EQ(view.sum().item<float>(), 9.0f);  // 2 + 3 + 4: the data was kept
+  t.add_(1);
+  EXPECT_EQ(t.sum().item<float>(), 21.0f);
+  ASSERT_TRUE(sa::forbid(impl, "gone again"));  // a second error names itself, not the first
+  expect_error("gone again", [&] { (void)t.sum(); });
+  sa::allow(impl);  // whichever lift this LibTorch uses in the library
+  EXPECT_EQ(t.sum().item<float>(), 21.0f);
 }
 
 // Under ZeRO-1/2 and NoShard the parameters stay whole: reading them outside
