@@ -1,26 +1,56 @@
 #!/usr/bin/env bash
-# Runs the library's freed-parameter storage code (src/storage_access.cpp)
-# against LibTorch 2.11's own headers and libraries, on a machine with no GPU:
-# the torch 2.11 wheel on PyPI is a CUDA build, so its libtorch_cpu.so needs
-# libcudart/libcupti, which load without a GPU (taken from their PyPI wheels).
-# 2.11 sets a storage's data-access error but cannot lift it; the library
-# lifts it through LibTorch's flag there (docs/design.md). Expects three "ok".
-# Usage: scripts/libtorch211/check.sh [workdir]   (downloads about 1 GB once)
+# Checks shardtorch against LibTorch 2.11 (the torch on the GPU machine) on a
+# machine with no GPU: the torch 2.11 wheel on PyPI is a CUDA build, but its
+# libtorch_cpu.so runs on the CPU once libcudart and libcupti can be loaded
+# (taken from their PyPI wheels; no GPU or CUDA toolkit needed).
+#
+#   scripts/libtorch211/check.sh            # the freed-parameter storage code (seconds)
+#   scripts/libtorch211/check.sh --suite    # the whole build and ctest (about 15 min)
+#
+# WORK (default /tmp/t211) keeps the downloads (about 1 GB); BUILD (default
+# $WORK/build) is the build folder.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-work=${1:-/tmp/t211}
+work=${WORK:-/tmp/t211}
 pip=${PIP:-$repo/.venv/bin/pip}
 mkdir -p "$work" && cd "$work"
 ls torch-2.11.0-*.whl > /dev/null 2>&1 || "$pip" download --no-deps -q -d . torch==2.11.0
 ls nv/nvidia_cuda_runtime-13*.whl > /dev/null 2>&1 ||
   "$pip" download --no-deps -q -d nv "nvidia-cuda-runtime==13.*" "nvidia-cuda-cupti==13.*"
-if [ ! -f full/torch/lib/libtorch_cpu.so ]; then
+if [ ! -f full/torch/include/torch/custom_class.h ]; then
   unzip -o -q torch-2.11.0-*.whl 'torch/lib/libtorch_cpu.so' 'torch/lib/libc10.so' 'torch/lib/libgomp.so.1' \
     'torch/include/*' -d full
 fi
 [ -f nv/nvidia/cu13/lib/libcudart.so.13 ] || (cd nv && for w in *.whl; do unzip -o -q "$w"; done)
-inc=$work/full/torch/include lib=$work/full/torch/lib cuda=$work/nv/nvidia/cu13/lib
-g++ -std=c++17 -O1 -I"$inc" -I"$inc/torch/csrc/api/include" "$here/freed_storage_probe.cpp" -o probe \
-  -L"$lib" -Wl,--no-as-needed -ltorch_cpu -lc10 -Wl,-rpath,"$lib:$cuda"
-./probe
+torch=$work/full/torch cuda=$work/nv/nvidia/cu13/lib
+
+if [ "${1:-}" != --suite ]; then
+  # 2.11 sets a storage's data-access error but cannot lift it; the library
+  # lifts it through LibTorch's flag there (docs/design.md). Expects three "ok".
+  g++ -std=c++17 -O1 -I"$torch/include" -I"$torch/include/torch/csrc/api/include" \
+    "$here/freed_storage_probe.cpp" -o probe \
+    -L"$torch/lib" -Wl,--no-as-needed -ltorch_cpu -lc10 -Wl,-rpath,"$torch/lib:$cuda"
+  exec ./probe
+fi
+
+# The wheel's own TorchConfig.cmake wants the CUDA toolkit; this one gives
+# the CPU libraries only (so no NCCL backend and no CUDA tests).
+mkdir -p cmake
+cat > cmake/TorchConfig.cmake <<CONFIG
+set(TORCH_INSTALL_PREFIX $torch)
+if(NOT TARGET torch)
+  add_library(torch INTERFACE IMPORTED)
+  set_target_properties(torch PROPERTIES
+    INTERFACE_INCLUDE_DIRECTORIES "$torch/include;$torch/include/torch/csrc/api/include"
+    INTERFACE_COMPILE_DEFINITIONS "_GLIBCXX_USE_CXX11_ABI=1"
+    INTERFACE_LINK_LIBRARIES "-Wl,--no-as-needed;$torch/lib/libtorch_cpu.so;$torch/lib/libc10.so;-Wl,--as-needed;-Wl,-rpath,$torch/lib:$cuda")
+endif()
+set(TORCH_LIBRARIES torch)
+set(TORCH_INCLUDE_DIRS "$torch/include;$torch/include/torch/csrc/api/include")
+set(Torch_FOUND TRUE)
+CONFIG
+build=${BUILD:-$work/build}
+cmake -S "$repo" -B "$build" -DTorch_DIR="$work/cmake" -DSHARDTORCH_PYTHON="$repo/.venv/bin/python3" > configure.log
+cmake --build "$build" -j"${JOBS:-2}"
+cd "$build" && ctest --output-on-failure -j"${JOBS:-2}"

@@ -1,4 +1,4 @@
-// Against LibTorch 2.11's own headers and libraries: the library's freed-storage path.
+// Run by check.sh against LibTorch 2.11's own headers and libraries: the library's freed-storage path.
 #include <ATen/ATen.h>
 #include <cstdio>
 #include "../../src/storage_access.cpp"  // the library's code, compiled against 2.11
