@@ -19,16 +19,17 @@ struct CanLift : std::false_type {};
 template <typename S>
 struct CanLift<S, std::void_t<decltype(std::declval<S&>().clear_data_ptr_access_error_msg_())>> : std::true_type {};
 
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11)
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11 && TORCH_VERSION_MINOR <= 13
 #define SHARDTORCH_LIFT_THROUGH_FLAG 1
 // LibTorch 2.11 sets the error (release_data_and_set_meta_custom_data_ptr_error_msg_
 // raises the private flag throw_on_immutable_data_ptr_ and stores the message)
 // but has no call that lowers the flag again; later versions added
-// clear_data_ptr_access_error_msg_, which does exactly what lift_through_flag
-// does. Access checking does not apply to the arguments of an explicit
-// instantiation (C++17 [temp.spec]/6), so the one below may name the private
-// flag; the friend it defines hands out a pointer to it. Admitted from 2.11 on
-// only: that is the oldest header read (the flag's name is not public API).
+// clear_data_ptr_access_error_msg_, which does what lift_through_flag does.
+// Access checking does not apply to the names in an explicit instantiation
+// (C++20 [temp.spec.general]/6), so the one below may name the private flag;
+// the friend it defines hands out a pointer to it. Admitted for the versions
+// whose header was read only, 2.11 to 2.13 (the flag is not public API: a
+// later LibTorch that renamed it must still compile, and lifts by itself).
 bool c10::StorageImpl::*immutable_data_flag();
 template <bool c10::StorageImpl::*Flag>
 struct FlagKey {
@@ -104,12 +105,14 @@ bool testing::can_lift_through_flag() {
 void testing::lift_through_flag(c10::StorageImpl* impl) {
 #ifdef SHARDTORCH_LIFT_THROUGH_FLAG
   impl->*immutable_data_flag() = false;
+  // (LibTorch's own lift leaves a storage without extra metadata as it is;
+  // get_extra_meta() gives it an empty one, which changes nothing else.)
   impl->get_extra_meta().custom_data_ptr_error_msg_ = std::nullopt;
   // set_data_ptr_noswap recomputes the storage's one "any check?" bit from its flags.
   at::DataPtr data = std::move(impl->_mutable_data_ptr_no_checks());
   impl->set_data_ptr_noswap(std::move(data));
 #else
-  TORCH_CHECK(false, "shardtorch: lift_through_flag needs LibTorch 2.11 or later (this is ", TORCH_VERSION, ")");
+  TORCH_CHECK(false, "shardtorch: lift_through_flag is compiled for LibTorch 2.11 to 2.13 only (this is ", TORCH_VERSION, ")");
 #endif
 }
 

@@ -24,7 +24,7 @@ bool forbid(c10::StorageImpl* impl, std::string message);
 void allow(c10::StorageImpl* impl);
 
 namespace testing {
-/// Whether lift_through_flag is compiled in (LibTorch 2.11 and later).
+/// Whether lift_through_flag is compiled in (LibTorch 2.11 to 2.13).
 bool can_lift_through_flag();
 /// The SetWithPrivateLift path's lift, run whatever support() says, so that
 /// it is tested on a LibTorch that lifts the error itself too.

@@ -198,7 +198,7 @@ TEST(Units, ReadingAFreedParameterIsAClearErrorAndChangesNothing) {
 // LibTorch that lifts the error itself too.
 TEST(FreedStorage, LiftingTheAccessErrorThroughItsFlagRestoresReadsAndWrites) {
   namespace sa = shardtorch::storage_access;
-  if (!sa::testing::can_lift_through_flag()) GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " predates 2.11";
+  if (!sa::testing::can_lift_through_flag()) GTEST_SKIP() << "LibTorch " << TORCH_VERSION << ": the flag lift is compiled for 2.11 to 2.13 only";
   ASSERT_NE(sa::support(), sa::Support::None) << sa::describe(sa::support());
   auto t = at::arange(6, at::kFloat);
   auto view = t.narrow(0, 2, 3);

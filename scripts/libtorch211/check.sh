@@ -19,7 +19,7 @@ ls torch-2.11.0-*.whl > /dev/null 2>&1 || "$pip" download --no-deps -q -d . torc
 ls nv/nvidia_cuda_runtime-13*.whl > /dev/null 2>&1 ||
   "$pip" download --no-deps -q -d nv "nvidia-cuda-runtime==13.*" "nvidia-cuda-cupti==13.*"
 if [ ! -f full/torch/include/torch/custom_class.h ]; then
-  unzip -o -q torch-2.11.0-*.whl 'torch/lib/libtorch_cpu.so' 'torch/lib/libc10.so' 'torch/lib/libgomp.so.1' \
+  unzip -o -q "$(ls torch-2.11.0-*.whl | head -n 1)" 'torch/lib/libtorch_cpu.so' 'torch/lib/libc10.so' 'torch/lib/libgomp.so.1' \
     'torch/include/*' -d full
 fi
 [ -f nv/nvidia/cu13/lib/libcudart.so.13 ] || (cd nv && for w in *.whl; do unzip -o -q "$w"; done)
@@ -28,7 +28,7 @@ torch=$work/full/torch cuda=$work/nv/nvidia/cu13/lib
 if [ "${1:-}" != --suite ]; then
   # 2.11 sets a storage's data-access error but cannot lift it; the library
   # lifts it through LibTorch's flag there (docs/design.md). Expects three "ok".
-  g++ -std=c++17 -O1 -I"$torch/include" -I"$torch/include/torch/csrc/api/include" \
+  g++ -std=c++20 -O1 -I"$torch/include" -I"$torch/include/torch/csrc/api/include" \
     "$here/freed_storage_probe.cpp" -o probe \
     -L"$torch/lib" -Wl,--no-as-needed -ltorch_cpu -lc10 -Wl,-rpath,"$torch/lib:$cuda"
   exec ./probe
@@ -51,6 +51,7 @@ set(TORCH_INCLUDE_DIRS "$torch/include;$torch/include/torch/csrc/api/include")
 set(Torch_FOUND TRUE)
 CONFIG
 build=${BUILD:-$work/build}
-cmake -S "$repo" -B "$build" -DTorch_DIR="$work/cmake" -DSHARDTORCH_PYTHON="$repo/.venv/bin/python3" > configure.log
+cmake -S "$repo" -B "$build" -DTorch_DIR="$work/cmake" -DSHARDTORCH_PYTHON="$repo/.venv/bin/python3" > configure.log ||
+  { cat configure.log; exit 1; }
 cmake --build "$build" -j"${JOBS:-2}"
 cd "$build" && ctest --output-on-failure -j"${JOBS:-2}"
