@@ -148,10 +148,12 @@ int main(int argc, char** argv) {
                 configs.push_back(k);
               }
     if (configs.empty()) throw std::invalid_argument("no configuration to run");
-    files::create_directories(files::join(c.out, "runs"));
+    const std::string runs_dir = files::join(c.out, "runs");
+    const std::string csv_path = files::join(c.out, "sweep.csv"), json_path = files::join(c.out, "sweep.json");
+    files::create_directories(runs_dir);
 
     json::array rows;
-    std::ofstream csv(files::join(c.out, "sweep.csv"));
+    std::ofstream csv(csv_path);
     csv << "strategy,world,layers,d_model,params,offload,bucket_mb,activation_checkpointing,dtype,p50_ms,p95_ms,tokens_per_s,peak_rss_bytes,"
            "model_state_bytes,planned_model_state_bytes,plan_error,bytes_sent_per_step,theory_bytes_per_step";
     for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) csv << ",peak_" << shardtorch::mem_name(static_cast<Mem>(i));
@@ -161,7 +163,7 @@ int main(int argc, char** argv) {
     int failed = 0, over_theory = 0;
     for (size_t k = 0; k < configs.size(); ++k) {
       const Config& cfg = configs[k];
-      const std::string prefix = files::join(files::join(c.out, "runs"), "run" + std::to_string(k));
+      const std::string prefix = files::join(runs_dir, "run" + std::to_string(k));
       const int hybrid = std::max(1, cfg.world / 2);
       std::ostringstream cmd;
       cmd << "timeout " << c.timeout << " " << quote(c.torchrun) << " --no-python --standalone --nproc-per-node "
@@ -256,19 +258,19 @@ int main(int argc, char** argv) {
                          {"worst_plan_error", worst_plan_error}, {"failed", failed}, {"over_theory", over_theory},
                          {"rows", rows}};
     csv.close();
-    if (!csv) throw std::runtime_error("could not write " + files::join(c.out, "sweep.csv"));
+    if (!csv) throw std::runtime_error("could not write " + csv_path);
     {
-      std::ofstream out(files::join(c.out, "sweep.json"));
+      std::ofstream out(json_path);
       out << json::serialize(summary) << "\n";
       out.close();
-      if (!out) throw std::runtime_error("could not write " + files::join(c.out, "sweep.json"));
+      if (!out) throw std::runtime_error("could not write " + json_path);
     }
     std::fprintf(stderr, "sweep: %zu configurations (%d failed, %d sent more than the theory); planner vs measured "
                  "model state: worst %.2f%% (target 5%%)\n", configs.size(), failed, over_theory, 100 * worst_plan_error);
     std::fprintf(stderr, "sweep: wrote %s/sweep.csv and sweep.json\n", c.out.c_str());
     if (!c.plot.empty()) {
       std::string png = files::join(c.out, "sweep.png");
-      int rc = run_shell(quote(c.python) + " " + quote(c.plot) + " " + quote(files::join(c.out, "sweep.json")) +
+      int rc = run_shell(quote(c.python) + " " + quote(c.plot) + " " + quote(json_path) +
                          " " + quote(png));
       if (rc != 0) {
         std::fprintf(stderr, "sweep: the plot failed (exit %d)\n", rc);
