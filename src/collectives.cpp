@@ -45,9 +45,25 @@ void testing::fail_collectives(const std::string& what, int count) {
   f.count = count;
 }
 
+namespace {
+bool is_gloo(const c10::intrusive_ptr<c10d::Backend>& backend) {
+  if (!backend) return false;
+  try {
+    return backend->getBackendName() == "gloo";
+  } catch (const std::exception&) {  // a backend without a name (c10d's default throws): not Gloo
+    return false;
+  }
+}
+}  // namespace
+
 Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::chrono::milliseconds timeout,
            c10::Device device)
-    : backend_(std::move(backend)), rank_(rank), size_(size), timeout_(timeout), device_(device) {}
+    : backend_(std::move(backend)),
+      rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      device_(device),
+      reduce_scatter_in_place_(is_gloo(backend_)) {}
 
 void Comm::run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
                int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
@@ -140,6 +156,17 @@ PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const st
   opts.timeout = timeout_;
   return launch("reduce_scatter", what, "in " + describe(in) + ", out " + describe(out), stats_.reduce_scatter,
                 out.nbytes() * (size_ - 1), [&] { return backend_->_reduce_scatter_base(o, i, opts); });
+}
+
+PendingWork Comm::reduce_scatter_in_place_async(at::Tensor& in, const std::string& what) {
+  TORCH_CHECK(in.is_contiguous() && in.numel() % size_ == 0, "shardtorch: rank ", rank_, ": reduce_scatter for ",
+              what, ": input ", describe(in), " is not contiguous with a multiple of ", size_, " elements");
+  std::vector<at::Tensor> ts{in.view({-1})};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.timeout = timeout_;
+  return launch("reduce_scatter", what, "in " + describe(in) + ", all-reduced in place", stats_.reduce_scatter,
+                in.nbytes() / size_ * (size_ - 1), [&] { return backend_->allreduce(ts, opts); });
 }
 
 PendingWork Comm::all_reduce_async(at::Tensor& t, const std::string& what) {

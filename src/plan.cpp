@@ -137,7 +137,8 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
   // With prefetch, the next unit is gathered while one computes.
   add(Mem::GatheredParams, root_gathered + kept_gathered + other_gathered * (o.prefetches() ? 2 : 1));
   add(Mem::GradStaging, plan.accumulates ? all_staging : root_staging + other_staging);
-  // Per reduce dtype, [N, cols] inputs and [cols] outputs: the bucket filling
+  // Per reduce dtype, [N, cols] inputs and [cols] outputs (none on Gloo,
+  // which reduces in place: there the estimate is 1/N high): the bucket filling
   // (grown by doubling: up to twice what it holds, never beyond its cap) and
   // at most kMaxReduceScattersInFlight launched ones (a bucket, at most its
   // cap or all bucketed columns, or a shard too big for a bucket).

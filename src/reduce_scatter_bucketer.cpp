@@ -27,17 +27,22 @@ void ReduceScatterBucketer::track(int64_t bytes) {
   if (mem_ && bytes < 0) mem_->sub(Mem::Buckets, -bytes);
 }
 
+namespace {
+int64_t nbytes(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; }
+}  // namespace
+
 void ReduceScatterBucketer::reserve(Bucket& b, int64_t cols, const at::TensorOptions& opts) {
   int64_t have = b.buffer.defined() ? b.buffer.size(1) : 0;
   if (cols <= have) return;
   int64_t want = std::min(b.cap, std::max({cols, 2 * have, b.high_water}));
   at::Tensor buffer = at::empty({b.group->size(), want}, opts);
-  at::Tensor output = at::empty({want}, opts);
+  // Reduced in place (Gloo), the shard is a row of the buffer: no output.
+  at::Tensor output = b.group->reduce_scatter_in_place() ? at::Tensor() : at::empty({want}, opts);
   if (b.offset > 0) buffer.narrow(1, 0, b.offset).copy_(b.buffer.narrow(1, 0, b.offset));
-  if (b.buffer.defined()) track(-(b.buffer.nbytes() + b.output.nbytes()));
+  if (b.buffer.defined()) track(-(nbytes(b.buffer) + nbytes(b.output)));
   b.buffer = std::move(buffer);
   b.output = std::move(output);
-  track(b.buffer.nbytes() + b.output.nbytes());
+  track(nbytes(b.buffer) + nbytes(b.output));
 }
 
 ReduceScatterBucketer::Bucket& ReduceScatterBucketer::bucket_for(const at::Tensor& input, Comm& group) {
@@ -63,11 +68,11 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
     launch_bucket(b);
     make_room(what);
     at::Tensor in = input.contiguous();
-    at::Tensor out = at::empty({shard}, input.options());
+    at::Tensor out = group.reduce_scatter_in_place() ? at::Tensor() : at::empty({shard}, input.options());
     Pieces pieces;
     pieces.push_back({{0, shard}, std::move(callback)});
-    track(in.nbytes() + out.nbytes());
-    launch(group, in, out, in.nbytes() + out.nbytes(), std::move(pieces), what);
+    track(nbytes(in) + nbytes(out));
+    launch(group, in, out, nbytes(in) + nbytes(out), std::move(pieces), what);
     return;
   }
   if (b.offset + shard > b.cap) launch_bucket(b);
@@ -120,7 +125,7 @@ void ReduceScatterBucketer::launch_bucket(Bucket& b) {
   if (b.offset == b.buffer.size(1)) {  // full: the buffers go with the collective (already tracked)
     in = b.buffer.view({-1});
     out = b.output;
-    bytes = b.buffer.nbytes() + b.output.nbytes();
+    bytes = nbytes(b.buffer) + nbytes(b.output);
     b.buffer = at::Tensor();
     b.output = at::Tensor();
   } else {  // partly filled: launch a compact copy, keep the buffers for the next fill
@@ -128,8 +133,8 @@ void ReduceScatterBucketer::launch_bucket(Bucket& b) {
     // contiguous() would hand the collective the buffer the next fill writes.
     in = at::empty({b.buffer.size(0), b.offset}, b.buffer.options());
     in.copy_(b.buffer.narrow(1, 0, b.offset));
-    out = at::empty({b.offset}, b.output.options());
-    bytes = in.nbytes() + out.nbytes();
+    if (!b.group->reduce_scatter_in_place()) out = at::empty({b.offset}, b.output.options());
+    bytes = nbytes(in) + nbytes(out);
     track(bytes);
   }
   Pieces pieces = std::move(b.pieces);
@@ -150,7 +155,12 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
   l.bytes = bytes;
   l.pieces = std::move(pieces);
   try {
-    l.work = group.reduce_scatter_async(l.output, l.input, what);
+    if (l.output.defined()) {
+      l.work = group.reduce_scatter_async(l.output, l.input, what);
+    } else {  // all-reduced in place: this rank's shard is its chunk of the input
+      l.work = group.reduce_scatter_in_place_async(l.input, what);
+      l.output = l.input.view({group.size(), -1}).select(0, group.rank());
+    }
   } catch (...) {
     track(-bytes);
     throw;
@@ -198,7 +208,7 @@ void ReduceScatterBucketer::free() {
   for (auto& [k, b] : buckets_) {
     TORCH_CHECK(b.offset == 0, "ReduceScatterBucketer::free() with ", b.pieces.size(),
                 " reductions still queued; call flush() first");
-    if (b.buffer.defined()) track(-(b.buffer.nbytes() + b.output.nbytes()));
+    if (b.buffer.defined()) track(-(nbytes(b.buffer) + nbytes(b.output)));
     b.buffer = at::Tensor();
     b.output = at::Tensor();
   }
@@ -225,7 +235,7 @@ void ReduceScatterBucketer::discard() {
 int64_t ReduceScatterBucketer::allocated_bytes() const {
   int64_t n = 0;
   for (const auto& [k, b] : buckets_) {
-    if (b.buffer.defined()) n += b.buffer.nbytes() + b.output.nbytes();
+    if (b.buffer.defined()) n += nbytes(b.buffer) + nbytes(b.output);
   }
   for (const auto& l : in_flight_) n += l.bytes;
   return n;

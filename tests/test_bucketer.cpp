@@ -1,4 +1,6 @@
-// ReduceScatterBucketer on its own, over real Gloo groups of 1 and 2 ranks.
+// ReduceScatterBucketer on its own, over real Gloo groups of 1 and 2 ranks,
+// each test both ways a launch can go: an all-reduce of the input in place
+// (Gloo's default) and c10d's reduce-scatter into an output (NCCL's).
 #include <gtest/gtest.h>
 
 #include "shardtorch/reduce_scatter_bucketer.h"
@@ -24,10 +26,16 @@ void check(bool ok, const std::string& what) {
 }
 }  // namespace
 
-class BucketerTest : public ::testing::TestWithParam<int> {};
+class BucketerTest : public ::testing::TestWithParam<std::tuple<int, bool>> {
+ protected:
+  int world() const { return std::get<0>(GetParam()); }
+  bool in_place() const { return std::get<1>(GetParam()); }
+};
 
 TEST_P(BucketerTest, CoalescesSmallInputsIntoOneCollectiveInOrder) {
-  auto r = run_ranks(GetParam(), [](World& w) {
+  const bool ip = in_place();
+  auto r = run_ranks(world(), [ip](World& w) {
+    w.comm().set_reduce_scatter_in_place(ip);
     ReduceScatterBucketer b(1.0);  // 1 MiB: room for all three
     std::vector<int> order;
     std::vector<at::Tensor> got(3);
@@ -49,12 +57,13 @@ TEST_P(BucketerTest, CoalescesSmallInputsIntoOneCollectiveInOrder) {
     // Buffers grow only as far as needed (here 10 columns of a 1 MiB bucket),
     // and the next backward starts at that high-water mark.
     const int64_t W = w.size();
-    check(b.allocated_bytes() <= 2 * (W * 10 + 10) * 4, "bucket grew past twice what was needed: " +
+    const int64_t out = ip ? 0 : 10;  // reduced in place, the shard is a row of the input: no output
+    check(b.allocated_bytes() <= 2 * (W * 10 + out) * 4, "bucket grew past twice what was needed: " +
           std::to_string(b.allocated_bytes()));
     b.free();
     for (int i = 0; i < 3; ++i)
       b.reduce_scatter(input_for(w.rank(), sizes[i], 0.0), w.comm(), [](const at::Tensor&) {}, "again");
-    check(b.allocated_bytes() == (W * 10 + 10) * 4, "second backward should allocate exactly the high-water mark, got " +
+    check(b.allocated_bytes() == (W * 10 + out) * 4, "second backward should allocate exactly the high-water mark, got " +
           std::to_string(b.allocated_bytes()));
     b.flush();
   });
@@ -62,7 +71,9 @@ TEST_P(BucketerTest, CoalescesSmallInputsIntoOneCollectiveInOrder) {
 }
 
 TEST_P(BucketerTest, LaunchesFullBucketsAsynchronouslyAndBypassesLargeInputs) {
-  auto r = run_ranks(GetParam(), [](World& w) {
+  const bool ip = in_place();
+  auto r = run_ranks(world(), [ip](World& w) {
+    w.comm().set_reduce_scatter_in_place(ip);
     const int W = w.size();
     shardtorch::MemoryTracker mem;
     // cap = 64 bytes / (4 bytes * W) elements per rank column range.
@@ -129,6 +140,11 @@ class DeferredBackend : public c10d::Backend {
                                                       const c10d::ReduceScatterOptions&) override {
     return c10::make_intrusive<DeferredWork>(out, in);
   }
+  // In place, one rank's sum is the input as it is: the shard is read from
+  // the launched input after the wait, so a later write to it shows there too.
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&, const c10d::AllreduceOptions&) override {
+    return c10::make_intrusive<DeferredWork>(at::empty({0}), at::empty({0}));
+  }
 };
 }  // namespace
 
@@ -137,7 +153,10 @@ class DeferredBackend : public c10d::Backend {
 // same buffer while the first collective may still be reading it. With one
 // rank the narrowed columns are contiguous, so contiguous() alone would not copy.
 TEST(Bucketer, APartlyFilledLaunchIsNotOverwrittenByTheNextFill) {
+  for (bool in_place : {false, true}) {
+  SCOPED_TRACE(in_place ? "all-reduced in place" : "reduce-scatter into an output");
   shardtorch::Comm comm(c10::make_intrusive<DeferredBackend>(), 0, 1, std::chrono::seconds(10));
+  comm.set_reduce_scatter_in_place(in_place);
   ReduceScatterBucketer b(1.0);
   const int64_t cap = 1024 * 1024 / 4;
   b.reduce_scatter(at::ones({cap * 9 / 10}), comm, [](const at::Tensor&) {}, "first pass");
@@ -151,10 +170,39 @@ TEST(Bucketer, APartlyFilledLaunchIsNotOverwrittenByTheNextFill) {
   b.flush();
   EXPECT_TRUE(at::equal(a, at::full({n}, 1.0))) << "a's reduction was overwritten by the next fill";
   EXPECT_TRUE(at::equal(c, at::full({n}, 2.0))) << "c's reduction is wrong";
+  }
+}
+
+// Gloo reduces in place by default (its c10d reduce-scatter would all-reduce
+// a clone); another backend does not, unless asked. Either way the launch is
+// counted as one reduce-scatter of its ring volume.
+TEST(Bucketer, GlooReducesInPlaceByDefaultAndCountsAReduceScatter) {
+  shardtorch::Comm other(c10::make_intrusive<DeferredBackend>(), 0, 1, std::chrono::seconds(10));
+  EXPECT_FALSE(other.reduce_scatter_in_place());
+  auto r = run_ranks(2, [](World& w) {
+    check(w.comm().reduce_scatter_in_place(), "a Gloo group should reduce-scatter in place by default");
+    w.comm().reset_stats();  // the World's set-up ran collectives of its own
+    shardtorch::MemoryTracker mem;
+    ReduceScatterBucketer b(1.0, &mem);
+    at::Tensor in = input_for(w.rank(), 8, 0.0), got;
+    b.reduce_scatter(in, w.comm(), [&](const at::Tensor& s) { got = s.clone(); }, "x");
+    check(mem.snapshot().cur(shardtorch::Mem::Buckets) == 8 * 4, "in place needs the [2, 4] input only, tracked " +
+          std::to_string(mem.snapshot().cur(shardtorch::Mem::Buckets)) + " bytes");
+    b.flush();
+    check(at::equal(got, expected_shard(w, 8, 0.0)), "wrong reduction in place");
+    check(at::equal(in, input_for(w.rank(), 8, 0.0)), "the caller's input was written (it was copied into a bucket)");
+    const auto& rs = w.comm().stats().reduce_scatter;
+    check(rs.calls == 1 && rs.bytes_sent == 4 * 4 && w.comm().stats().all_reduce.calls == 0,
+          "counted as " + std::to_string(rs.calls) + " reduce-scatters of " + std::to_string(rs.bytes_sent) +
+              " bytes, expected 1 of 16");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
 }
 
 TEST_P(BucketerTest, DiscardWaitsDropsCallbacksAndFreesEverything) {
-  auto r = run_ranks(GetParam(), [](World& w) {
+  const bool ip = in_place();
+  auto r = run_ranks(world(), [ip](World& w) {
+    w.comm().set_reduce_scatter_in_place(ip);
     shardtorch::MemoryTracker mem;
     ReduceScatterBucketer b(0.0, &mem, /*max_in_flight=*/4);  // every input goes alone
     int calls = 0;
@@ -176,7 +224,9 @@ TEST_P(BucketerTest, DiscardWaitsDropsCallbacksAndFreesEverything) {
 }
 
 TEST_P(BucketerTest, SeparateBucketsPerDtypeAndFreedAfterFlush) {
-  auto r = run_ranks(GetParam(), [](World& w) {
+  const bool ip = in_place();
+  auto r = run_ranks(world(), [ip](World& w) {
+    w.comm().set_reduce_scatter_in_place(ip);
     shardtorch::MemoryTracker mem;
     ReduceScatterBucketer b(1.0, &mem);
     at::Tensor f, d;
@@ -200,7 +250,9 @@ TEST_P(BucketerTest, SeparateBucketsPerDtypeAndFreedAfterFlush) {
 }
 
 TEST_P(BucketerTest, ZeroBucketSizeDisablesCoalescing) {
-  auto r = run_ranks(GetParam(), [](World& w) {
+  const bool ip = in_place();
+  auto r = run_ranks(world(), [ip](World& w) {
+    w.comm().set_reduce_scatter_in_place(ip);
     ReduceScatterBucketer b(0.0);
     int calls = 0;
     for (int i = 0; i < 3; ++i)
@@ -227,4 +279,8 @@ TEST(Bucketer, RejectsInputsNotDivisibleByWorld) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, BucketerTest, ::testing::Values(1, 2));
+INSTANTIATE_TEST_SUITE_P(Worlds, BucketerTest, ::testing::Combine(::testing::Values(1, 2), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<int, bool>>& info) {
+                           return std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_in_place" : "_reduce_scatter");
+                         });

@@ -64,6 +64,20 @@ class Comm {
   PendingWork reduce_scatter_async(at::Tensor& out, at::Tensor& in, const std::string& what);
   /// Launches a summing all-reduce and returns at once; wait() finishes it.
   PendingWork all_reduce_async(at::Tensor& t, const std::string& what);
+  /// Whether the bucketers reduce-scatter with reduce_scatter_in_place_async.
+  /// On by default for Gloo, whose reduce-scatter in c10d is an all-reduce of
+  /// a clone of the input (then this rank's chunk is copied out): in place,
+  /// the same exchange runs without the clone and the output buffer. Off for
+  /// NCCL, whose reduce-scatter sends half an all-reduce's bytes.
+  bool reduce_scatter_in_place() const { return reduce_scatter_in_place_; }
+  /// Overrides that choice (tests run the other path with it).
+  void set_reduce_scatter_in_place(bool on) { reduce_scatter_in_place_ = on; }
+  /// A summing reduce-scatter done as an all-reduce of `in` in place: once
+  /// wait() returns, chunk r of `in` (numel / size elements from r × that)
+  /// holds rank r's reduced shard, and this rank reads its own. `in` must
+  /// stay alive and unwritten until then. Counted as a reduce-scatter (its
+  /// ring volume, as reduce_scatter_async is counted on every backend).
+  PendingWork reduce_scatter_in_place_async(at::Tensor& in, const std::string& what);
   /// Waits (with the timeout) for a launched collective; `pending` is spent
   /// afterwards, whether the collective succeeded or failed.
   void wait(PendingWork& pending);
@@ -96,6 +110,7 @@ class Comm {
   int rank_, size_;
   std::chrono::milliseconds timeout_;
   c10::Device device_;
+  bool reduce_scatter_in_place_;
   CommStats stats_;
 };
 

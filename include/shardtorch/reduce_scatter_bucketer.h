@@ -30,6 +30,11 @@
 //   each launch in order (Gloo's reduce-scatter reports completion only
 //   through wait()); on CUDA from Work::isCompleted(). The callbacks, the
 //   statistics and the errors stay on the calling thread.
+// - On Gloo a launch is an all-reduce of the bucket's input in place, and
+//   the callbacks read this rank's row of it: c10d's Gloo reduce-scatter is
+//   that all-reduce run on a clone of the input, so this saves the clone
+//   and the output buffer (Comm::reduce_scatter_in_place). On NCCL it is a
+//   reduce-scatter into an output buffer.
 // - Buffers are allocated when filling starts, sized from the previous
 //   backward's high-water mark and grown (by doubling, up to the capacity)
 //   only as far as the inputs need. A full bucket's buffers go with its
@@ -83,7 +88,8 @@ class ReduceScatterBucketer {
   /// Queues `input` (1-D, numel divisible by the group size) for a summing
   /// reduce-scatter over `group`; `callback` gets this rank's reduced shard.
   /// `input` is copied into a bucket, or, when too big for one, kept and
-  /// reduced as it is: the caller must not write it afterwards.
+  /// reduced as it is: the caller must not write it afterwards, nor read it
+  /// (on Gloo it is all-reduced in place).
   void reduce_scatter(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
   /// Launches everything queued, waits for every collective in flight and
   /// runs the callbacks.
