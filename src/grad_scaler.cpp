@@ -2,6 +2,10 @@
 
 #include <c10/core/GradMode.h>
 
+#include <cmath>
+#include <cstdio>
+#include <stdexcept>
+
 #include "shard_state.h"
 
 namespace shardtorch {
@@ -53,6 +57,58 @@ bool GradScaler::step(ShardedOptimizer& opt) {
     good_steps_ = 0;
   }
   return true;
+}
+
+namespace {
+constexpr const char* kScale = "grad_scaler.scale";
+constexpr const char* kGoodSteps = "grad_scaler.good_steps";
+constexpr const char* kSkipped = "grad_scaler.skipped_steps";
+
+const std::string& entry(const std::map<std::string, std::string>& state, const char* key) {
+  auto it = state.find(key);
+  TORCH_CHECK(it != state.end(), "shardtorch::GradScaler::load_state_dict: no '", key,
+              "' (pass what GradScaler::state_dict() gave, e.g. inside a checkpoint's user_state)");
+  return it->second;
+}
+
+// The whole string must be the number: "12abc" or "" is refused, not read as 12 or 0.
+template <typename T>
+T parse(const std::map<std::string, std::string>& state, const char* key, T (*convert)(const std::string&, size_t*)) {
+  const std::string& text = entry(state, key);
+  size_t used = 0;
+  T value{};
+  try {
+    value = convert(text, &used);
+  } catch (const std::exception&) {
+    used = std::string::npos;
+  }
+  TORCH_CHECK(used == text.size(), "shardtorch::GradScaler::load_state_dict: '", key, "' is '", text,
+              "', not a number");
+  return value;
+}
+double to_double(const std::string& s, size_t* used) { return std::stod(s, used); }
+int64_t to_int(const std::string& s, size_t* used) { return std::stoll(s, used); }
+}  // namespace
+
+std::map<std::string, std::string> GradScaler::state_dict() const {
+  char scale[64];
+  std::snprintf(scale, sizeof scale, "%.17g", scale_);
+  return {{kScale, scale}, {kGoodSteps, std::to_string(good_steps_)}, {kSkipped, std::to_string(skipped_)}};
+}
+
+void GradScaler::load_state_dict(const std::map<std::string, std::string>& state) {
+  const double scale = parse<double>(state, kScale, to_double);
+  const int64_t good = parse<int64_t>(state, kGoodSteps, to_int);
+  const int64_t skipped = parse<int64_t>(state, kSkipped, to_int);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "shardtorch::GradScaler::load_state_dict: '", kScale, "' is ", scale,
+              ", not a positive finite scale");
+  // A good-step count at or past growth_interval (a run resumed with a
+  // smaller one) grows the scale at the next good step.
+  TORCH_CHECK(good >= 0 && good <= INT32_MAX && skipped >= 0, "shardtorch::GradScaler::load_state_dict: '", kGoodSteps,
+              "' is ", good, " and '", kSkipped, "' ", skipped, "; neither may be negative");
+  scale_ = scale;
+  good_steps_ = static_cast<int>(good);
+  skipped_ = skipped;
 }
 
 }  // namespace shardtorch

@@ -350,3 +350,104 @@ TEST(MixedPrecision, ConfigurationErrors) {
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
+
+// A run stopped and resumed from a sharded checkpoint, the scaler's
+// state_dict() carried in user_state, scales as the run that never stopped:
+// the same scale after every step (growth after 2 good steps, one of them
+// before the save), the same skipped steps, the same parameters bitwise.
+TEST(MixedPrecision, AGradScalerResumedFromACheckpointScalesAsTheUninterruptedRun) {
+  auto dir = temp_dir();
+  const std::string ckpt = (dir / "step-3").string();
+  auto r = run_ranks(2, [&](World& w) {
+    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+    const auto opts = shardtorch::GradScalerOptions().init_scale(1024).growth_interval(2);
+    struct Run {
+      gpt::GPT model{nullptr};
+      std::unique_ptr<shardtorch::ShardedOptimizer> opt;
+      std::unique_ptr<shardtorch::GradScaler> scaler;
+      bool poison = false;
+    };
+    auto make = [&](shardtorch::GradScalerOptions o) {
+      auto run = std::make_unique<Run>();
+      torch::manual_seed(0);
+      run->model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(run->model, w, ShardOptions().mixed_precision(
+                                           MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
+      run->scaler = std::make_unique<shardtorch::GradScaler>(*run->model, o);
+      run->opt = shardtorch::Adam(*run->model, torch::optim::AdamOptions(1e-3));
+      Run* raw = run.get();
+      run->model->ln_f->bias.register_hook([raw](const torch::Tensor& g) { return raw->poison ? g / 0.0 : g; });
+      return run;
+    };
+    auto step = [&](Run& run, int k) {
+      run.poison = k == 1;  // step 1 overflows: skipped, scale halved, good steps back to 0
+      run.opt->zero_grad();
+      run.scaler->scale(gpt::lm_loss(run.model(x), x)).backward();
+      run.scaler->step(*run.opt);
+      return run.scaler->scale_value();
+    };
+    auto whole = make(opts);
+    std::vector<double> expected;
+    for (int k = 0; k < 6; ++k) expected.push_back(step(*whole, k));
+    require(expected[1] == 512 && expected[3] == 1024, "the uninterrupted run should halve at step 1 and grow at "
+            "step 3 (two good steps, 2 and 3), got " + std::to_string(expected[1]) + ", " + std::to_string(expected[3]));
+
+    auto first = make(opts);
+    for (int k = 0; k < 3; ++k) step(*first, k);
+    auto user = first->scaler->state_dict();
+    user["epoch"] = "0";
+    shardtorch::save_sharded_checkpoint(*first->model, first->opt.get(), ckpt, 3, user);
+
+    auto resumed = make(shardtorch::GradScalerOptions().growth_interval(2));  // default init_scale: 65536
+    std::map<std::string, std::string> back;
+    require(shardtorch::load_sharded_checkpoint(*resumed->model, resumed->opt.get(), ckpt, &back) == 3, "step");
+    resumed->scaler->load_state_dict(back);
+    require(resumed->scaler->scale_value() == expected[2] && resumed->scaler->skipped_steps() == 1,
+            "loaded scale " + std::to_string(resumed->scaler->scale_value()) + ", skipped " +
+                std::to_string(resumed->scaler->skipped_steps()));
+    for (int k = 3; k < 6; ++k) {
+      const double s = step(*resumed, k);
+      require(s == expected[k], "step " + std::to_string(k) + ": scale " + std::to_string(s) + ", the uninterrupted "
+              "run had " + std::to_string(expected[k]));
+    }
+    auto a = shardtorch::full_parameters(*whole->model), b = shardtorch::full_parameters(*resumed->model);
+    for (auto& [n, t] : a) require(at::equal(t, b.at(n)), "resumed run differs from the uninterrupted one at " + n);
+  });
+  files::remove_all(dir);
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(MixedPrecision, GradScalerStateDictRoundTripsExactlyAndLoadingNamesAMissingOrMalformedKey) {
+  auto r = run_ranks(1, [](World& w) {
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w, ShardOptions().mixed_precision(MixedPrecision().param_dtype(at::kHalf)));
+    shardtorch::GradScaler a(*model, shardtorch::GradScalerOptions().init_scale(1.0 / 3.0));
+    shardtorch::GradScaler b(*model);
+    b.load_state_dict(a.state_dict());
+    require(b.scale_value() == 1.0 / 3.0, "the scale did not round-trip exactly");
+    auto refused = [&](std::map<std::string, std::string> state, const std::string& needle) {
+      try {
+        b.load_state_dict(state);
+      } catch (const c10::Error& e) {
+        require(std::string(e.what()).find(needle) != std::string::npos, "error lacks '" + needle + "': " + e.what());
+        require(b.scale_value() == 1.0 / 3.0, "a refused state changed the scale");
+        return;
+      }
+      throw std::runtime_error("no error for a state needing '" + needle + "'");
+    };
+    auto good = a.state_dict();
+    auto without = good;
+    without.erase("grad_scaler.good_steps");
+    refused(without, "no 'grad_scaler.good_steps'");
+    auto malformed = good;
+    malformed["grad_scaler.scale"] = "12abc";
+    refused(malformed, "'grad_scaler.scale' is '12abc', not a number");
+    auto negative = good;
+    negative["grad_scaler.scale"] = "-1";
+    refused(negative, "not a positive finite scale");
+    auto minus = good;
+    minus["grad_scaler.skipped_steps"] = "-3";
+    refused(minus, "neither may be negative");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}

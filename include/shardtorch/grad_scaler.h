@@ -14,8 +14,10 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "shardtorch/optim.h"
 
@@ -49,6 +51,17 @@ class GradScaler {
 
   double scale_value() const { return scale_; }
   int64_t skipped_steps() const { return skipped_; }
+
+  /// What a resumed run needs to scale as this one would have: the scale,
+  /// the good steps since it last changed and the steps skipped, under the
+  /// keys "grad_scaler.scale", "grad_scaler.good_steps" and
+  /// "grad_scaler.skipped_steps" (the scale exactly, as 17 digits). Merge it
+  /// into save_sharded_checkpoint's `user_state`; it is the same on every rank.
+  std::map<std::string, std::string> state_dict() const;
+  /// Restores a state_dict() (other keys are ignored, so the whole
+  /// `user_state` load_sharded_checkpoint gave back may be passed). Throws,
+  /// naming the key, if one is missing or is not a number this scaler accepts.
+  void load_state_dict(const std::map<std::string, std::string>& state);
 
  private:
   std::shared_ptr<detail::ShardState> state_;
