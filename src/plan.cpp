@@ -90,6 +90,7 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
   // Reduce dtype -> (shard elements that go through buckets, the largest
   // shard too big for a bucket, reduced alone).
   std::map<at::ScalarType, std::pair<int64_t, int64_t>> reduced;
+  int64_t biggest_all_reduce = 0;  // OptimizerOnly: the largest staging gradient all-reduced alone
   const int64_t bucket_bytes = static_cast<int64_t>(o.bucket_mb() * 1024.0 * 1024.0);
   for (const auto& u : units) {
     TORCH_CHECK(u.name != "<none>", "plan_memory: some parameters belong to no unit and the root is not a unit");
@@ -111,7 +112,9 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
       add(grad_cat, (strategy == Strategy::OptimizerOnly ? padded : S) * esize(f.dtype));
       add(opt_cat, plan.optimizer_states * owned * esize(f.dtype));
       staging += padded * esize(rd);
-      if (strategy != Strategy::OptimizerOnly) {
+      if (strategy == Strategy::OptimizerOnly) {
+        biggest_all_reduce = std::max(biggest_all_reduce, padded * esize(rd));
+      } else {
         auto& [bucketed, biggest] = reduced[rd];
         if (S * esize(rd) * shard_size <= bucket_bytes) {
           bucketed += S;
@@ -148,6 +151,9 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
     const int64_t cols = std::min(cap, 2 * bucketed) + kMaxReduceScattersInFlight * std::max(std::min(cap, bucketed), biggest);
     add(Mem::Buckets, (shard_size + 1) * cols * esize(dtype));
   }
+  // OptimizerOnly all-reduces each staging gradient alone, in place, at most
+  // kMaxReduceScattersInFlight at once; in flight they count as buckets.
+  add(Mem::Buckets, kMaxReduceScattersInFlight * biggest_all_reduce);
   return out;
 }
 

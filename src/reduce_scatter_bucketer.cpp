@@ -84,6 +84,18 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
   if (b.cap - b.offset < shard) launch_bucket(b);  // another input like this one would not fit
 }
 
+void ReduceScatterBucketer::all_reduce(const at::Tensor& input, Comm& group, Callback callback,
+                                       const std::string& what) {
+  c10::NoGradGuard no_grad;
+  launch_bucket(bucket_for(input, group));  // what is queued goes first, as for an input too big for a bucket
+  make_room(what);
+  at::Tensor in = input.contiguous().view({-1});
+  Pieces pieces;
+  pieces.push_back({{0, in.numel()}, std::move(callback)});
+  track(nbytes(in));
+  launch(group, in, at::Tensor(), nbytes(in), std::move(pieces), what, /*all_reduce=*/true);
+}
+
 void ReduceScatterBucketer::make_room(const std::string& next) {
   while (static_cast<int>(in_flight_.size()) >= max_in_flight_) {
     const Launched& oldest = in_flight_.front();
@@ -145,7 +157,7 @@ void ReduceScatterBucketer::launch_bucket(Bucket& b) {
 }
 
 void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
-                                   const std::string& what) {
+                                   const std::string& what, bool all_reduce) {
   // `bytes` (input and output) are tracked already; from here they belong to
   // the launch. The caller made room under max_in_flight.
   Launched l;
@@ -155,7 +167,10 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
   l.bytes = bytes;
   l.pieces = std::move(pieces);
   try {
-    if (l.output.defined()) {
+    if (all_reduce) {  // the callback gets the whole reduced input
+      l.work = group.all_reduce_async(l.input, what);
+      l.output = l.input;
+    } else if (l.output.defined()) {
       l.work = group.reduce_scatter_async(l.output, l.input, what);
     } else {  // all-reduced in place: this rank's shard is its chunk of the input
       l.work = group.reduce_scatter_in_place_async(l.input, what);

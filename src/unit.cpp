@@ -307,9 +307,15 @@ void Unit::reduce_flats() {
       g.div_(world);
       post = 1.0;
     }
-    if (owner_->strategy() == Strategy::OptimizerOnly) {
-      owner_->world().comm().all_reduce(g, c10d::ReduceOp::SUM, what);
-      owner_->deliver_gradient(g, /*owned=*/true, [fp, post](const at::Tensor& r) { fp->accumulate_full_grad(r, post); });
+    if (owner_->strategy() == Strategy::OptimizerOnly) {  // every rank keeps the whole gradient
+      ShardState* owner = owner_.get();
+      owner_->bucketer().all_reduce(
+          g, owner_->reduce_comm(),
+          [fp, post, owner](const at::Tensor& reduced) {  // the staging gradient, reduced: no one else writes it
+            owner->deliver_gradient(reduced, /*owned=*/true,
+                                    [fp, post](const at::Tensor& r) { fp->accumulate_full_grad(r, post); });
+          },
+          what);
       continue;
     }
     Comm* replicas = owner_->replica_comm();

@@ -91,6 +91,13 @@ class ReduceScatterBucketer {
   /// reduced as it is: the caller must not write it afterwards, nor read it
   /// (on Gloo it is all-reduced in place).
   void reduce_scatter(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
+  /// Queues `input` for a summing all-reduce over `group` (OptimizerOnly's
+  /// gradients, which every rank keeps whole): launched at once, alone,
+  /// after what is queued for the same dtype and group, under the same limit
+  /// in flight; `callback` gets the whole reduced input, which is `input`
+  /// itself when that was contiguous (reduced in place: the caller must not
+  /// read or write it meanwhile) and which nothing else writes afterwards.
+  void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
   /// Launches everything queued, waits for every collective in flight and
   /// runs the callbacks.
   void flush();
@@ -148,7 +155,7 @@ class ReduceScatterBucketer {
   bool oldest_done_within(std::chrono::milliseconds bound);
   /// Launches one reduce-scatter of `input` into `output` (call make_room() first).
   void launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
-              const std::string& what);
+              const std::string& what, bool all_reduce = false);
   /// Waits for `l`'s collective (watched or not) and finishes it: statistics,
   /// errors (thrown).
   void wait_for_launch(Launched& l);

@@ -393,9 +393,10 @@ class ShardedModel {
   /// NoShard: buckets whose all-reduce was launched from a gradient hook,
   /// i.e. while backward was still running (overlap), since shard().
   int64_t buckets_launched_during_backward() const;
-  /// Sharded strategies: gradient reduce-scatters launched while an earlier
-  /// one was still in flight, since shard() (they overlap each other and the
-  /// rest of backward; 0 when every bucket is reduced at the end of backward).
+  /// Sharded strategies: gradient reduce-scatters (OptimizerOnly: its
+  /// gradient all-reduces) launched while an earlier one was still in
+  /// flight, since shard() (they overlap each other and the rest of
+  /// backward; 0 when every bucket is reduced at the end of backward).
   int64_t reduce_scatters_overlapped() const;
   /// Sharded strategies: gradient reduce-scatters launched past the limit of
   /// kMaxReduceScattersInFlight, since shard(), because the oldest had not
