@@ -2,9 +2,10 @@
 
 #include <c10/core/GradMode.h>
 
+#include <charconv>
 #include <cmath>
-#include <cstdio>
-#include <stdexcept>
+#include <limits>
+#include <system_error>
 
 #include "shard_state.h"
 
@@ -71,41 +72,40 @@ const std::string& entry(const std::map<std::string, std::string>& state, const 
   return it->second;
 }
 
-// The whole string must be the number: "12abc" or "" is refused, not read as 12 or 0.
+// The whole string must be the number, in the C locale whatever the
+// process's (from_chars: no spaces, no sign "+", no "12abc").
 template <typename T>
-T parse(const std::map<std::string, std::string>& state, const char* key, T (*convert)(const std::string&, size_t*)) {
+T parse(const std::map<std::string, std::string>& state, const char* key) {
   const std::string& text = entry(state, key);
-  size_t used = 0;
   T value{};
-  try {
-    value = convert(text, &used);
-  } catch (const std::exception&) {
-    used = std::string::npos;
-  }
-  TORCH_CHECK(used == text.size(), "shardtorch::GradScaler::load_state_dict: '", key, "' is '", text,
-              "', not a number");
+  const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), value);
+  TORCH_CHECK(err == std::errc() && end == text.data() + text.size(), "shardtorch::GradScaler::load_state_dict: '",
+              key, "' is '", text, "', not a number");
   return value;
 }
-double to_double(const std::string& s, size_t* used) { return std::stod(s, used); }
-int64_t to_int(const std::string& s, size_t* used) { return std::stoll(s, used); }
 }  // namespace
 
 std::map<std::string, std::string> GradScaler::state_dict() const {
   char scale[64];
-  std::snprintf(scale, sizeof scale, "%.17g", scale_);
-  return {{kScale, scale}, {kGoodSteps, std::to_string(good_steps_)}, {kSkipped, std::to_string(skipped_)}};
+  const auto written = std::to_chars(scale, scale + sizeof scale, scale_);  // shortest text that reads back exactly
+  TORCH_INTERNAL_ASSERT(written.ec == std::errc());
+  return {{kScale, std::string(scale, written.ptr)},
+          {kGoodSteps, std::to_string(good_steps_)},
+          {kSkipped, std::to_string(skipped_)}};
 }
 
 void GradScaler::load_state_dict(const std::map<std::string, std::string>& state) {
-  const double scale = parse<double>(state, kScale, to_double);
-  const int64_t good = parse<int64_t>(state, kGoodSteps, to_int);
-  const int64_t skipped = parse<int64_t>(state, kSkipped, to_int);
+  const double scale = parse<double>(state, kScale);
+  const int64_t good = parse<int64_t>(state, kGoodSteps);
+  const int64_t skipped = parse<int64_t>(state, kSkipped);
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "shardtorch::GradScaler::load_state_dict: '", kScale, "' is ", scale,
               ", not a positive finite scale");
   // A good-step count at or past growth_interval (a run resumed with a
   // smaller one) grows the scale at the next good step.
-  TORCH_CHECK(good >= 0 && good <= INT32_MAX && skipped >= 0, "shardtorch::GradScaler::load_state_dict: '", kGoodSteps,
-              "' is ", good, " and '", kSkipped, "' ", skipped, "; neither may be negative");
+  TORCH_CHECK(good >= 0 && skipped >= 0, "shardtorch::GradScaler::load_state_dict: '", kGoodSteps, "' is ", good,
+              " and '", kSkipped, "' ", skipped, "; neither may be negative");
+  TORCH_CHECK(good <= std::numeric_limits<int>::max(), "shardtorch::GradScaler::load_state_dict: '", kGoodSteps,
+              "' is ", good, ", more than this scaler counts (", std::numeric_limits<int>::max(), ")");
   scale_ = scale;
   good_steps_ = static_cast<int>(good);
   skipped_ = skipped;

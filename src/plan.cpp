@@ -90,7 +90,7 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
   // Reduce dtype -> (shard elements that go through buckets, the largest
   // shard too big for a bucket, reduced alone).
   std::map<at::ScalarType, std::pair<int64_t, int64_t>> reduced;
-  int64_t biggest_all_reduce = 0;  // OptimizerOnly: the largest staging gradient all-reduced alone
+  std::vector<int64_t> all_reduced;  // OptimizerOnly: the staging gradients, each all-reduced alone
   const int64_t bucket_bytes = static_cast<int64_t>(o.bucket_mb() * 1024.0 * 1024.0);
   for (const auto& u : units) {
     TORCH_CHECK(u.name != "<none>", "plan_memory: some parameters belong to no unit and the root is not a unit");
@@ -113,7 +113,7 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
       add(opt_cat, plan.optimizer_states * owned * esize(f.dtype));
       staging += padded * esize(rd);
       if (strategy == Strategy::OptimizerOnly) {
-        biggest_all_reduce = std::max(biggest_all_reduce, padded * esize(rd));
+        all_reduced.push_back(padded * esize(rd));
       } else {
         auto& [bucketed, biggest] = reduced[rd];
         if (S * esize(rd) * shard_size <= bucket_bytes) {
@@ -152,8 +152,11 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
     add(Mem::Buckets, (shard_size + 1) * cols * esize(dtype));
   }
   // OptimizerOnly all-reduces each staging gradient alone, in place, at most
-  // kMaxReduceScattersInFlight at once; in flight they count as buckets.
-  add(Mem::Buckets, kMaxReduceScattersInFlight * biggest_all_reduce);
+  // kMaxReduceScattersInFlight at once (never past it); in flight they count
+  // as buckets: at most the largest that many.
+  std::sort(all_reduced.rbegin(), all_reduced.rend());
+  for (size_t k = 0; k < all_reduced.size() && k < static_cast<size_t>(kMaxReduceScattersInFlight); ++k)
+    add(Mem::Buckets, all_reduced[k]);
   return out;
 }
 

@@ -88,7 +88,11 @@ void ReduceScatterBucketer::all_reduce(const at::Tensor& input, Comm& group, Cal
                                        const std::string& what) {
   c10::NoGradGuard no_grad;
   launch_bucket(bucket_for(input, group));  // what is queued goes first, as for an input too big for a bucket
-  make_room(what);
+  // No bound on this wait (beyond the collective's timeout): the bound exists
+  // for a peer waiting in an all-gather on the other communicator, and the
+  // all-reduced gradients (OptimizerOnly) have no gathers in backward. The
+  // staging gradients in flight stay within the limit.
+  while (static_cast<int>(in_flight_.size()) >= max_in_flight_) complete_oldest();
   at::Tensor in = input.contiguous().view({-1});
   Pieces pieces;
   pieces.push_back({{0, in.numel()}, std::move(callback)});
@@ -145,7 +149,7 @@ void ReduceScatterBucketer::launch_bucket(Bucket& b) {
     // contiguous() would hand the collective the buffer the next fill writes.
     in = at::empty({b.buffer.size(0), b.offset}, b.buffer.options());
     in.copy_(b.buffer.narrow(1, 0, b.offset));
-    if (!b.group->reduce_scatter_in_place()) out = at::empty({b.offset}, b.output.options());
+    if (b.output.defined()) out = at::empty({b.offset}, b.buffer.options());  // else reduced in place
     bytes = nbytes(in) + nbytes(out);
     track(bytes);
   }

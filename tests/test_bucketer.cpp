@@ -3,6 +3,8 @@
 // (Gloo's default) and c10d's reduce-scatter into an output (NCCL's).
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "shardtorch/reduce_scatter_bucketer.h"
 #include "shardtorch/testing.h"
 
@@ -284,3 +286,27 @@ INSTANTIATE_TEST_SUITE_P(Worlds, BucketerTest, ::testing::Combine(::testing::Val
                            return std::to_string(std::get<0>(info.param)) +
                                   (std::get<1>(info.param) ? "_in_place" : "_reduce_scatter");
                          });
+
+// all_reduce() (OptimizerOnly's gradients) waits for room as long as the
+// collective allows, never going out past the limit: with one in flight and
+// a peer 1.5 s late, the second launch waits past kReduceScatterLimitWait
+// for the first. Each callback gets the whole sum, the input reduced in place.
+TEST(Bucketer, AllReducesWaitForRoomPastTheBoundAndGetTheWholeSum) {
+  auto r = run_ranks(2, [](World& w) {
+    ReduceScatterBucketer b(1.0, nullptr, /*max_in_flight=*/1);
+    if (w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    std::vector<at::Tensor> inputs, got(2);
+    for (int i = 0; i < 2; ++i) {
+      inputs.push_back(input_for(w.rank(), 6, 10.0 * i));
+      b.all_reduce(inputs.back(), w.comm(), [&, i](const at::Tensor& s) { got[i] = s; }, "g" + std::to_string(i));
+    }
+    b.flush();
+    check(b.launched_past_limit() == 0, "an all-reduce went out past the limit of one in flight");
+    for (int i = 0; i < 2; ++i) {
+      const at::Tensor want = (at::arange(6, at::kFloat) + 10.0 * i) * 3;  // ranks contribute 1x and 2x
+      check(at::equal(got[i], want), "wrong sum for g" + std::to_string(i));
+      check(got[i].data_ptr() == inputs[i].data_ptr(), "g" + std::to_string(i) + " was not reduced in place");
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}

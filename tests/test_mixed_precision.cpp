@@ -2,6 +2,8 @@
 // the dtype asked for, and fp16 overflow on one rank skips the step everywhere.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "models.h"
 
 using namespace testmodels;
@@ -423,6 +425,12 @@ TEST(MixedPrecision, GradScalerStateDictRoundTripsExactlyAndLoadingNamesAMissing
     shardtorch::shard(model, w, ShardOptions().mixed_precision(MixedPrecision().param_dtype(at::kHalf)));
     shardtorch::GradScaler a(*model, shardtorch::GradScalerOptions().init_scale(1.0 / 3.0));
     shardtorch::GradScaler b(*model);
+    // The smallest subnormal too: reachable only by backing off ~1075 times, but then it must still load.
+    for (double v : {std::numeric_limits<double>::denorm_min(), 65536.0 * 1024.0 * 1024.0}) {
+      shardtorch::GradScaler c(*model, shardtorch::GradScalerOptions().init_scale(v));
+      b.load_state_dict(c.state_dict());
+      require(b.scale_value() == v, "the scale " + c.state_dict().at("grad_scaler.scale") + " did not round-trip");
+    }
     b.load_state_dict(a.state_dict());
     require(b.scale_value() == 1.0 / 3.0, "the scale did not round-trip exactly");
     auto refused = [&](std::map<std::string, std::string> state, const std::string& needle) {
@@ -442,6 +450,14 @@ TEST(MixedPrecision, GradScalerStateDictRoundTripsExactlyAndLoadingNamesAMissing
     auto malformed = good;
     malformed["grad_scaler.scale"] = "12abc";
     refused(malformed, "'grad_scaler.scale' is '12abc', not a number");
+    for (const char* text : {" 5", "+5", "0x1p3", ""}) {
+      auto loose = good;
+      loose["grad_scaler.scale"] = text;
+      refused(loose, std::string("'grad_scaler.scale' is '") + text + "', not a number");
+    }
+    auto huge = good;
+    huge["grad_scaler.good_steps"] = "99999999999";
+    refused(huge, "more than this scaler counts");
     auto negative = good;
     negative["grad_scaler.scale"] = "-1";
     refused(negative, "not a positive finite scale");

@@ -55,7 +55,8 @@ class GradScaler {
   /// What a resumed run needs to scale as this one would have: the scale,
   /// the good steps since it last changed and the steps skipped, under the
   /// keys "grad_scaler.scale", "grad_scaler.good_steps" and
-  /// "grad_scaler.skipped_steps" (the scale exactly, as 17 digits). Merge it
+  /// "grad_scaler.skipped_steps" (the scale as the shortest text that reads
+  /// back exactly, in the C locale whatever the process's). Merge it
   /// into save_sharded_checkpoint's `user_state`; it is the same on every rank.
   std::map<std::string, std::string> state_dict() const;
   /// Restores a state_dict() (other keys are ignored, so the whole

@@ -27,8 +27,9 @@
 //   communicator (docs/design.md, COMMUNICATORS). flush() launches every
 //   partly filled bucket and waits for everything.
 // - Completion on the CPU is learnt from a watcher thread that waits for
-//   each launch in order (Gloo's reduce-scatter reports completion only
-//   through wait()); on CUDA from Work::isCompleted(). The callbacks, the
+//   each launch in order (c10d's Gloo reduce-scatter, the path taken when
+//   reduce_scatter_in_place() is off, reports completion only through
+//   wait()); on CUDA from Work::isCompleted(). The callbacks, the
 //   statistics and the errors stay on the calling thread.
 // - On Gloo a launch is an all-reduce of the bucket's input in place, and
 //   the callbacks read this rank's row of it: c10d's Gloo reduce-scatter is
@@ -46,7 +47,8 @@
 // - discard() (a failed backward) waits for what is in flight, ignoring
 //   errors, drops the callbacks and frees everything.
 //
-// Callbacks receive views of the reduced shard valid only during the call.
+// reduce_scatter() callbacks receive views of the reduced shard valid only
+// during the call; all_reduce() callbacks the reduced input, which may be kept.
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -63,7 +65,8 @@
 
 namespace shardtorch {
 
-/// Reduce-scatters a sharded model's bucketer keeps in flight during backward.
+/// Gradient reductions (reduce-scatters, OptimizerOnly's all-reduces) a
+/// sharded model's bucketer keeps in flight during backward.
 constexpr int kMaxReduceScattersInFlight = 2;
 /// How long a launch waits for room under that limit before it goes out
 /// past it (at most a quarter of the group's collective timeout).
@@ -94,7 +97,9 @@ class ReduceScatterBucketer {
   /// Queues `input` for a summing all-reduce over `group` (OptimizerOnly's
   /// gradients, which every rank keeps whole): launched at once, alone,
   /// after what is queued for the same dtype and group, under the same limit
-  /// in flight; `callback` gets the whole reduced input, which is `input`
+  /// in flight, waiting for room as long as the collective timeout allows
+  /// (no bounded wait: no gather in backward to deadlock with); `callback`
+  /// gets the whole reduced input, which is `input`
   /// itself when that was contiguous (reduced in place: the caller must not
   /// read or write it meanwhile) and which nothing else writes afterwards.
   void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
@@ -124,7 +129,7 @@ class ReduceScatterBucketer {
   struct Bucket {
     Comm* group = nullptr;
     at::Tensor buffer;  // [world, cols]; undefined when not filling
-    at::Tensor output;  // [cols]
+    at::Tensor output;  // [cols]; undefined when reduced in place (Gloo)
     int64_t cap = 0;         // most columns allowed (bucket_mb)
     int64_t high_water = 0;  // most columns used at a launch so far
     int64_t offset = 0;      // columns used
@@ -153,7 +158,9 @@ class ReduceScatterBucketer {
   void make_room(const std::string& next);
   /// True once the oldest launch has completed, false if `bound` passed first.
   bool oldest_done_within(std::chrono::milliseconds bound);
-  /// Launches one reduce-scatter of `input` into `output` (call make_room() first).
+  /// Launches one collective of `input` (call make_room() first): an
+  /// all-reduce whose callbacks get all of it (`all_reduce`), a
+  /// reduce-scatter into `output`, or, `output` undefined, one in place.
   void launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
               const std::string& what, bool all_reduce = false);
   /// Waits for `l`'s collective (watched or not) and finishes it: statistics,
