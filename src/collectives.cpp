@@ -161,21 +161,23 @@ PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const st
 PendingWork Comm::reduce_scatter_in_place_async(at::Tensor& in, const std::string& what) {
   TORCH_CHECK(in.is_contiguous() && in.numel() % size_ == 0, "shardtorch: rank ", rank_, ": reduce_scatter for ",
               what, ": input ", describe(in), " is not contiguous with a multiple of ", size_, " elements");
-  std::vector<at::Tensor> ts{in.view({-1})};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  opts.timeout = timeout_;
-  return launch("reduce_scatter", what, "in " + describe(in) + ", all-reduced in place", stats_.reduce_scatter,
-                in.nbytes() / size_ * (size_ - 1), [&] { return backend_->allreduce(ts, opts); });
+  at::Tensor flat = in.view({-1});
+  return launch_sum(flat, "reduce_scatter", "in " + describe(in) + ", all-reduced in place", stats_.reduce_scatter,
+                    in.nbytes() / size_ * (size_ - 1), what);
 }
 
 PendingWork Comm::all_reduce_async(at::Tensor& t, const std::string& what) {
+  return launch_sum(t, "all_reduce", describe(t), stats_.all_reduce, 2 * t.nbytes() * (size_ - 1) / std::max(size_, 1),
+                    what);
+}
+
+PendingWork Comm::launch_sum(at::Tensor& t, const char* op, std::string shapes, CollectiveCounter& counter,
+                             int64_t bytes, const std::string& what) {
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
-  return launch("all_reduce", what, describe(t), stats_.all_reduce, 2 * t.nbytes() * (size_ - 1) / std::max(size_, 1),
-                [&] { return backend_->allreduce(ts, opts); });
+  return launch(op, what, std::move(shapes), counter, bytes, [&] { return backend_->allreduce(ts, opts); });
 }
 
 void Comm::wait(PendingWork& p) {

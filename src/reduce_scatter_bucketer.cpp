@@ -29,6 +29,11 @@ void ReduceScatterBucketer::track(int64_t bytes) {
 
 namespace {
 int64_t nbytes(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; }
+// The [n] output a reduce-scatter over `group` writes; none where it reduces
+// in place (Gloo), the shard then being a row of the input.
+at::Tensor output_for(const Comm& group, int64_t n, const at::TensorOptions& opts) {
+  return group.reduce_scatter_in_place() ? at::Tensor() : at::empty({n}, opts);
+}
 }  // namespace
 
 void ReduceScatterBucketer::reserve(Bucket& b, int64_t cols, const at::TensorOptions& opts) {
@@ -36,8 +41,7 @@ void ReduceScatterBucketer::reserve(Bucket& b, int64_t cols, const at::TensorOpt
   if (cols <= have) return;
   int64_t want = std::min(b.cap, std::max({cols, 2 * have, b.high_water}));
   at::Tensor buffer = at::empty({b.group->size(), want}, opts);
-  // Reduced in place (Gloo), the shard is a row of the buffer: no output.
-  at::Tensor output = b.group->reduce_scatter_in_place() ? at::Tensor() : at::empty({want}, opts);
+  at::Tensor output = output_for(*b.group, want, opts);
   if (b.offset > 0) buffer.narrow(1, 0, b.offset).copy_(b.buffer.narrow(1, 0, b.offset));
   if (b.buffer.defined()) track(-(nbytes(b.buffer) + nbytes(b.output)));
   b.buffer = std::move(buffer);
@@ -68,7 +72,7 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
     launch_bucket(b);
     make_room(what);
     at::Tensor in = input.contiguous();
-    at::Tensor out = group.reduce_scatter_in_place() ? at::Tensor() : at::empty({shard}, input.options());
+    at::Tensor out = output_for(group, shard, input.options());
     Pieces pieces;
     pieces.push_back({{0, shard}, std::move(callback)});
     track(nbytes(in) + nbytes(out));
@@ -92,7 +96,7 @@ void ReduceScatterBucketer::all_reduce(const at::Tensor& input, Comm& group, Cal
   // for a peer waiting in an all-gather on the other communicator, and the
   // all-reduced gradients (OptimizerOnly) have no gathers in backward. The
   // staging gradients in flight stay within the limit.
-  while (static_cast<int>(in_flight_.size()) >= max_in_flight_) complete_oldest();
+  make_room(what, /*bounded=*/false);
   at::Tensor in = input.contiguous().view({-1});
   Pieces pieces;
   pieces.push_back({{0, in.numel()}, std::move(callback)});
@@ -100,8 +104,12 @@ void ReduceScatterBucketer::all_reduce(const at::Tensor& input, Comm& group, Cal
   launch(group, in, at::Tensor(), nbytes(in), std::move(pieces), what, /*all_reduce=*/true);
 }
 
-void ReduceScatterBucketer::make_room(const std::string& next) {
+void ReduceScatterBucketer::make_room(const std::string& next, bool bounded) {
   while (static_cast<int>(in_flight_.size()) >= max_in_flight_) {
+    if (!bounded) {
+      complete_oldest();
+      continue;
+    }
     const Launched& oldest = in_flight_.front();
     const auto bound = std::min(kReduceScatterLimitWait, oldest.group->timeout() / 4);
     if (!oldest_done_within(bound)) {

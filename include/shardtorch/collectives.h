@@ -103,6 +103,9 @@ class Comm {
   /// Starts a collective for wait(); a failure to start names the operation.
   PendingWork launch(const char* op, const std::string& what, std::string shapes, CollectiveCounter& counter,
                      int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
+  /// launch() of a summing all-reduce of `t` in place, named and counted as given.
+  PendingWork launch_sum(at::Tensor& t, const char* op, std::string shapes, CollectiveCounter& counter, int64_t bytes,
+                         const std::string& what);
   void check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const;
   void check_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) const;
 

@@ -152,10 +152,11 @@ class ReduceScatterBucketer {
   void track(int64_t bytes);
   /// Launches the bucket's queued columns.
   void launch_bucket(Bucket& b);
-  /// Waits for the oldest launches until fewer than max_in_flight remain, or
-  /// until the oldest has not completed within the bounded wait (then
-  /// `next`, the launch to come, goes out past the limit).
-  void make_room(const std::string& next);
+  /// Waits for the oldest launches until fewer than max_in_flight remain, or,
+  /// `bounded`, until the oldest has not completed within the bounded wait
+  /// (then `next`, the launch to come, goes out past the limit). Unbounded,
+  /// each wait is the collective's own (its timeout).
+  void make_room(const std::string& next, bool bounded = true);
   /// True once the oldest launch has completed, false if `bound` passed first.
   bool oldest_done_within(std::chrono::milliseconds bound);
   /// Launches one collective of `input` (call make_room() first): an
