@@ -381,6 +381,25 @@ shardtorch::testing::RunResult save_after_three_steps_at_four(const std::string&
   });
 }
 
+// Loads `from` (saved at `step`) into a GPT of other initial values on
+// `world` ranks under `options`, with Adam, saves what those ranks hold to
+// `to`, and requires every tensor there to equal `saved` bitwise.
+void reload_and_compare(int world, const ShardOptions& options, const std::string& from, const std::string& to,
+                        int64_t step, const std::map<std::string, at::Tensor>& saved) {
+  auto r = run_ranks(world, [&](World& w) {
+    torch::manual_seed(99);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w, options);
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+    require(shardtorch::load_sharded_checkpoint(*model, opt.get(), from) == step, "wrong step");
+    shardtorch::save_sharded_checkpoint(*model, opt.get(), to, step);
+  });
+  ASSERT_TRUE(r.ok) << to << "\n" << r.summary();
+  auto got = shardtorch::read_sharded_checkpoint(to);
+  ASSERT_EQ(got.size(), saved.size()) << to;
+  for (auto& [k, t] : saved) EXPECT_TRUE(at::equal(got.at(k), t)) << k << " differs in " << to;
+}
+
 }  // namespace
 
 TEST(ShardedCheckpoint, SavedAtFourLoadsBitwiseAtOneTwoThreeAndEight) {
@@ -391,27 +410,64 @@ TEST(ShardedCheckpoint, SavedAtFourLoadsBitwiseAtOneTwoThreeAndEight) {
   ASSERT_TRUE(save.ok) << save.summary();
   auto saved = shardtorch::read_sharded_checkpoint(ckpt);
   ASSERT_TRUE(saved.count("tok_emb.weight|param") && saved.count("tok_emb.weight|exp_avg_sq")) << "kinds missing";
-  for (int world : {1, 2, 3, 8}) {
-    const std::string again = (dir / ("again-" + std::to_string(world))).string();
-    auto r = run_ranks(world, [&](World& w) {
-      torch::manual_seed(99);
-      auto model = gpt::GPT(gpt::Config{});
-      shardtorch::shard(model, w);
-      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-      require(shardtorch::load_sharded_checkpoint(*model, opt.get(), ckpt) == 3, "wrong step");
-      shardtorch::save_sharded_checkpoint(*model, opt.get(), again, 3);  // what this world size holds now
-    });
-    ASSERT_TRUE(r.ok) << "world " << world << "\n" << r.summary();
-    auto reloaded = shardtorch::read_sharded_checkpoint(again);
-    ASSERT_EQ(reloaded.size(), saved.size()) << "world " << world;
-    for (auto& [k, t] : saved) EXPECT_TRUE(at::equal(reloaded.at(k), t)) << k << " differs at world " << world;
+  {
+    torch::manual_seed(0);
+    auto shapes = gpt::GPT(gpt::Config{});
+    int checked = 0;
+    for (const auto& item : shapes->named_parameters())  // a tied parameter is saved under one of its names
+      for (const char* kind : {"|param", "|exp_avg", "|exp_avg_sq"})
+        if (saved.count(item.key() + kind)) {
+          EXPECT_EQ(saved.at(item.key() + kind).sizes(), item.value().sizes()) << item.key() << kind;
+          ++checked;
+        }
+    EXPECT_EQ(checked, static_cast<int>(saved.size())) << "entries that are not parameters' or their state";
   }
+  for (int world : {1, 2, 3, 8})  // what each world size holds after loading, saved again
+    reload_and_compare(world, ShardOptions(), ckpt, (dir / ("again-" + std::to_string(world))).string(), 3, saved);
   files::remove_all(dir);
 }
 
-// HybridShard with two replica groups (4 ranks, shard groups of 2): only the
-// first group writes, each rank loads the ranges of its shard-group rank, and
-// the checkpoint moves to and from FullShard bitwise.
+// NoShard: the ranks share the writing of the replicated parameters and
+// their optimizer state (largest first, each to the rank with the least so
+// far) instead of rank 0 writing the whole model while the others wait in a
+// collective; the checkpoint moves to FullShard at another world size and
+// back to NoShard bitwise, optimizer state included.
+TEST(ShardedCheckpoint, NoShardSpreadsTheWritingAndMovesBetweenStrategiesBitwise) {
+  auto dir = temp_dir();
+  const std::string ckpt = (dir / "no-shard").string(), full = (dir / "full").string(),
+                    again = (dir / "again").string();
+  auto x = gpt_tokens();
+  auto save = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w, ShardOptions().strategy(Strategy::NoShard));
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+    train_steps(w, model, *opt, x, 2);
+    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 2);
+  });
+  ASSERT_TRUE(save.ok) << save.summary();
+  auto saved = shardtorch::read_sharded_checkpoint(ckpt);
+  int64_t largest = 0, total = 0;  // bytes of a parameter with its two moments
+  for (const auto& [key, t] : saved)
+    if (key.size() > 6 && key.compare(key.size() - 6, 6, "|param") == 0) {
+      largest = std::max<int64_t>(largest, 3 * t.nbytes());
+      total += 3 * t.nbytes();
+    }
+  const int64_t size0 = files::file_size(Path(ckpt) / "rank-0.safetensors"),
+                size1 = files::file_size(Path(ckpt) / "rank-1.safetensors");
+  EXPECT_LT(largest, total / 4) << "the test needs a model of many comparable parameters";
+  EXPECT_LE(std::abs(size0 - size1), largest + 16384)
+      << "rank 0 wrote " << size0 << " bytes, rank 1 " << size1 << " (the largest parameter and its state: " << largest
+      << ")";
+  reload_and_compare(3, ShardOptions().strategy(Strategy::FullShard), ckpt, full, 2, saved);
+  reload_and_compare(3, ShardOptions().strategy(Strategy::NoShard), full, again, 2, saved);
+  files::remove_all(dir);
+}
+
+// HybridShard with two replica groups (4 ranks, shard groups of 2): the two
+// groups share the writing of the ranges they hold alike (each range once:
+// loading refuses one saved twice), each rank loads the ranges of its
+// shard-group rank, and the checkpoint moves to and from FullShard bitwise.
 TEST(ShardedCheckpoint, HybridShardWithTwoReplicaGroupsRoundTripsBitwise) {
   auto dir = temp_dir();
   const std::string ckpt = (dir / "step-3").string();
@@ -419,30 +475,16 @@ TEST(ShardedCheckpoint, HybridShardWithTwoReplicaGroupsRoundTripsBitwise) {
   auto save = save_after_three_steps_at_four(ckpt, 1e-2, x);
   ASSERT_TRUE(save.ok) << save.summary();
   auto saved = shardtorch::read_sharded_checkpoint(ckpt);
-  auto reload = [&](int world, shardtorch::ShardOptions options, const std::string& from, const std::string& to) {
-    auto r = run_ranks(world, [&](World& w) {
-      torch::manual_seed(99);
-      auto model = gpt::GPT(gpt::Config{});
-      shardtorch::shard(model, w, options);
-      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-      require(shardtorch::load_sharded_checkpoint(*model, opt.get(), from) == 3, "wrong step");
-      shardtorch::save_sharded_checkpoint(*model, opt.get(), to, 3);
-    });
-    ASSERT_TRUE(r.ok) << to << "\n" << r.summary();
-    auto again = shardtorch::read_sharded_checkpoint(to);
-    ASSERT_EQ(again.size(), saved.size()) << to;
-    for (auto& [k, t] : saved) EXPECT_TRUE(at::equal(again.at(k), t)) << k << " differs in " << to;
-  };
   const std::string hybrid = (dir / "hybrid").string(), full = (dir / "full").string();
-  reload(4, ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2), ckpt, hybrid);
+  reload_and_compare(4, ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2), ckpt, hybrid, 3, saved);
   auto index = std::ifstream(Path(hybrid) / "index.json");
   std::stringstream text;
   text << index.rdbuf();
-  const std::regex second_group("\"kind\":\"(param|exp_avg|exp_avg_sq)\"[^}]*\"file\":\"rank-[23]\\.safetensors\"");
-  const std::regex first_group("\"kind\":\"param\"[^}]*\"file\":\"rank-1\\.safetensors\"");
-  EXPECT_FALSE(std::regex_search(text.str(), second_group)) << "the second replica group wrote parameters or state";
-  EXPECT_TRUE(std::regex_search(text.str(), first_group)) << "the first replica group's second rank wrote nothing";
-  reload(2, ShardOptions().strategy(Strategy::FullShard), hybrid, full);
+  for (int rank = 0; rank < 4; ++rank) {
+    const std::regex wrote("\"kind\":\"param\"[^}]*\"file\":\"rank-" + std::to_string(rank) + "\\.safetensors\"");
+    EXPECT_TRUE(std::regex_search(text.str(), wrote)) << "rank " << rank << " wrote no parameter range";
+  }
+  reload_and_compare(2, ShardOptions().strategy(Strategy::FullShard), hybrid, full, 3, saved);
   files::remove_all(dir);
 }
 
@@ -484,6 +526,8 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
     opt->step();
     shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 1);
     shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt + "-other", 2);
+    opt->step();  // other values, the same step number and sizes
+    shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt + "-twin", 1);
   });
   ASSERT_TRUE(save.ok) << save.summary();
   auto load_error = [&](const std::string& path) {
@@ -535,10 +579,46 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   };
   auto claims_more = edit_index("claims-more", std::regex("\"end\":[0-9]+"), "\"end\":999999999999");
   for (const auto& e : {load_error(claims_more), message_of([&] { shardtorch::read_sharded_checkpoint(claims_more); })})
-    EXPECT_NE(e.find("elements but the index says [0, 999999999999)"), std::string::npos) << e;
+    EXPECT_NE(e.find("is saved as elements [0, 999999999999) but has shape"), std::string::npos) << e;
   auto renamed = edit_index("renamed", std::regex("\"tensor\":\"[^\"]+\""), "\"tensor\":\"nothing|param|0\"");
   for (const auto& e : {load_error(renamed), message_of([&] { shardtorch::read_sharded_checkpoint(renamed); })})
     EXPECT_NE(e.find("has no tensor 'nothing|param|0', which the index lists"), std::string::npos) << e;
+  // Rank 1's part of a parameter that rank 0 starts (l1's weight straddles
+  // the middle of its unit's flat parameter), moved one element back: the
+  // lengths still add up to the parameter's, but its first element is saved
+  // twice and its last never. Then the same part listed as another kind: the
+  // parameter's end is missing, and the offline reader must not hand back a
+  // shorter tensor.
+  const std::regex straddling("\"kind\":\"param\",\"begin\":([1-9][0-9]*),\"end\":([0-9]+)(,\"step\":[0-9]+,"
+                              "\"file\":\"rank-1\\.safetensors\")");
+  std::smatch m;
+  std::string index_text;
+  {
+    std::ifstream in(Path(ckpt) / "index.json");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    index_text = ss.str();
+  }
+  ASSERT_TRUE(std::regex_search(index_text, m, straddling)) << "no parameter starts on rank 0 and ends on rank 1";
+  const int64_t b = std::stoll(m[1].str()), e_ = std::stoll(m[2].str());
+  auto shifted = edit_index("overlapping", straddling,
+                            "\"kind\":\"param\",\"begin\":" + std::to_string(b - 1) + ",\"end\":" +
+                                std::to_string(e_ - 1) + "$3");
+  for (const auto& e : {load_error(shifted), message_of([&] { shardtorch::read_sharded_checkpoint(shifted); })})
+    EXPECT_NE(e.find("elements [" + std::to_string(b - 1) + ", " + std::to_string(b) + ") of '"), std::string::npos)
+        << e;
+  EXPECT_NE(load_error(shifted).find("saved more than once"), std::string::npos) << load_error(shifted);
+  auto cut = edit_index("cut", straddling, "\"kind\":\"spare\",\"begin\":$1,\"end\":$2$3");
+  for (const auto& e : {load_error(cut), message_of([&] { shardtorch::read_sharded_checkpoint(cut); })})
+    EXPECT_NE(e.find("elements [" + std::to_string(b) + ", " + std::to_string(e_) + ") of '"), std::string::npos) << e;
+  EXPECT_NE(load_error(cut).find("are not all saved"), std::string::npos) << load_error(cut);
+  // A shard of another run at the same step, of the same size: only the
+  // checksum tells them apart.
+  auto twin = copy("twin");
+  files::copy_file(Path(ckpt + "-twin") / "rank-1.safetensors", Path(twin) / "rank-1.safetensors");
+  ASSERT_EQ(files::file_size(Path(twin) / "rank-1.safetensors"), files::file_size(Path(ckpt) / "rank-1.safetensors"));
+  e = load_error(twin);
+  EXPECT_NE(e.find("'rank-1.safetensors' does not match its checksum in the index"), std::string::npos) << e;
   files::remove_all(dir);
 }
 
@@ -1288,6 +1368,81 @@ TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
     require(shardtorch::load_sharded_checkpoint(*t.model, nullptr, ckpt) == 1, "the refused save replaced the checkpoint");
     t.model(torch::ones({2, 7})).sum().backward();
     adagrad->step();  // its state intact
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  files::remove_all(dir);
+}
+
+// Every rank must save the same step and pass the same optimizer (or none):
+// a rank that differed used to publish a checkpoint that no load accepts (a
+// file of another step, or ranges without optimizer state) over the good one.
+// Now every rank fails naming the other, and the previous checkpoint stays.
+TEST(CheckpointFailures, RanksSavingDifferentStepsOrOptimizersFailAndKeepThePreviousCheckpoint) {
+  const auto dir = temp_dir();
+  const std::string ckpt = (dir / "ckpt").string();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 1);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt + "-copy", 1);
+    const int other = 1 - w.rank();
+    std::string e = message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 2 + w.rank()); });
+    require(e.find("rank " + std::to_string(other) + ": it saves step " + std::to_string(2 + other) + " but rank " +
+                   std::to_string(w.rank()) + " saves step " + std::to_string(2 + w.rank())) != std::string::npos,
+            "expected the step mismatch, got: " + e);
+    e = message_of([&] {
+      shardtorch::save_sharded_checkpoint(*t.model, w.rank() == 0 ? t.opt.get() : nullptr, ckpt, 2);
+    });
+    require(e.find("rank " + std::to_string(other) + ": it saves optimizer " + (other == 0 ? "SGD" : "none")) !=
+                std::string::npos,
+            "expected the optimizer mismatch, got: " + e);
+    w.barrier();
+    require(!files::exists(ckpt + ".shardtorch-tmp"), "the refused save left its staging directory");
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 1, "the previous checkpoint was lost");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto kept = shardtorch::read_sharded_checkpoint(ckpt), copy = shardtorch::read_sharded_checkpoint(ckpt + "-copy");
+  ASSERT_EQ(kept.size(), copy.size());
+  for (const auto& [k, v] : copy) EXPECT_TRUE(at::equal(kept.at(k), v)) << k << " changed on disk";
+  files::remove_all(dir);
+}
+
+// Optimizer state of another kind (SGD's momentum, loaded into Adam), and
+// Adam's saved without amsgrad loaded into a group with amsgrad (which would
+// load, and fail in step() on the missing maximum), are refused before
+// anything changes; Adam's with amsgrad on both sides loads and steps.
+TEST(CheckpointFailures, OptimizerStateOfAnotherKindOrWithoutAmsgradIsRefused) {
+  const auto dir = temp_dir();
+  const std::string sgd = (dir / "sgd").string(), adam = (dir / "adam").string(), ams = (dir / "ams").string();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);  // SGD with momentum, one step
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), sgd, 1);
+    auto backward = [&] {
+      t.opt->zero_grad();
+      t.model(torch::ones({2, 7}) * (1 + w.rank())).sum().backward();
+    };
+    auto plain = shardtorch::Adam(*t.model, torch::optim::AdamOptions(0.1));
+    backward();
+    plain->step();
+    shardtorch::save_sharded_checkpoint(*t.model, plain.get(), adam, 2);
+    auto with_max = shardtorch::Adam(*t.model, torch::optim::AdamOptions(0.1).amsgrad(true));
+    const auto params = shardtorch::full_parameters(*t.model);
+    std::string e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, plain.get(), sgd); });
+    require(e.find("holds optimizer state of another kind of optimizer") != std::string::npos,
+            "expected the refusal of SGD's state, got: " + e);
+    e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, with_max.get(), adam); });
+    require(e.find("is in a parameter group with amsgrad, but the checkpoint has no max_exp_avg_sq") !=
+                std::string::npos,
+            "expected the refusal of state without amsgrad's maximum, got: " + e);
+    require(with_max->inner().state().empty(), "the refused load gave the optimizer state");
+    for (const auto& [n, v] : shardtorch::full_parameters(*t.model))
+      require(at::equal(v, params.at(n)), n + " changed in a refused load");
+    backward();
+    with_max->step();
+    shardtorch::save_sharded_checkpoint(*t.model, with_max.get(), ams, 3);
+    auto resumed = shardtorch::Adam(*t.model, torch::optim::AdamOptions(0.1).amsgrad(true));
+    require(shardtorch::load_sharded_checkpoint(*t.model, resumed.get(), ams) == 3, "wrong step");
+    backward();
+    resumed->step();  // the maximum is there
   });
   ASSERT_TRUE(r.ok) << r.summary();
   files::remove_all(dir);

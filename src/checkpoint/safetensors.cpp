@@ -194,10 +194,18 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     sys_fail(path, "rename of the temporary file failed");
   }
   crash_point("file renamed");
+  // The rename is durable once the directory is synced. Some file systems
+  // cannot sync a directory (EINVAL and the like): nothing more can be done
+  // there. Any other failure is an error: the file is in place, but a crash
+  // could still lose it.
   int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
+  if (dfd < 0) sys_fail(dir, "cannot open the directory to fsync it (the file is written, its rename not yet durable)");
+  const int synced = ::fsync(dfd);
+  const int err = errno;
+  ::close(dfd);
+  if (synced != 0 && err != EINVAL && err != ENOTSUP && err != EOPNOTSUPP) {
+    errno = err;
+    sys_fail(dir, "fsync of the directory failed (the file is written, its rename not yet durable)");
   }
   if (!remove_stale_temporaries) return;
   // Temporary files of writes to this path, on this host, whose process is

@@ -2,6 +2,7 @@
 // Boost.JSON index; loading reassembles whatever ranges a rank owns now.
 #include <boost/json.hpp>
 #include <c10/core/GradMode.h>
+#include <c10/util/accumulate.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -37,6 +39,10 @@ std::string checksum(const std::string& path) {
     in.read(buf, sizeof(buf));
     h = fnv1a(buf, static_cast<size_t>(in.gcount()), h);
   }
+  // A read error would give the checksum of part of the file: recorded in an
+  // index, every load would refuse the checkpoint; compared, it would blame
+  // the file.
+  if (in.bad()) throw SafetensorsError("checkpoint file '" + path + "': reading it to checksum it failed");
   return fnv_text(h);
 }
 
@@ -130,12 +136,19 @@ void check_replaceable(const std::string& dir) {
 void publish(const std::string& tmp, const std::string& dir) {
   const std::string aside = dir + kAsideSuffix;
   const bool exchange = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE") == nullptr;
+  // The renames are durable once the parent directory is synced: before any
+  // previous checkpoint is deleted (a crash must not find neither).
+  auto sync_parent = [&] {
+    best_effort("syncing the parent directory", [&] { fsync_path(files::directory_of(dir), true); });
+  };
   if (!files::exists(dir + "/index.json")) {
     if (files::exists(dir)) files::remove(dir);  // an empty directory (check_replaceable)
     files::rename(tmp, dir);
     checkpoint::crash_point("new moved in");
+    sync_parent();
   } else if (exchange && ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
     checkpoint::crash_point("exchanged");
+    sync_parent();
     best_effort("removing the previous checkpoint", [&] { files::remove_all(tmp); });
   } else {
     if (exchange && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
@@ -145,6 +158,7 @@ void publish(const std::string& tmp, const std::string& dir) {
     checkpoint::crash_point("previous moved aside");
     files::rename(tmp, dir);
     checkpoint::crash_point("new moved in");
+    sync_parent();
   }
   // `dir` is complete now: a checkpoint set aside, by this save or by an
   // earlier one killed between its renames, is older.
@@ -186,6 +200,15 @@ OptimizerKind optimizer_kind(ShardedOptimizer& opt) {
                          "parameters alone");
 }
 
+const char* optimizer_kind_name(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::Adam: return "Adam";
+    case OptimizerKind::AdamW: return "AdamW";
+    case OptimizerKind::SGD: return "SGD";
+  }
+  return "?";
+}
+
 int64_t step_of(const torch::optim::OptimizerParamState* st) {
   if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(st)) return a->step();
   if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(st)) return w->step();
@@ -213,39 +236,78 @@ struct Holding {
   std::vector<std::pair<Entry, at::Tensor>> items;
 };
 
+// Replicated ranges are written once, spread over the ranks that hold them
+// alike (every rank under NoShard, the replica groups under HybridShard):
+// largest first, each to the writer with the fewest elements so far. One
+// writer for all of them would write the whole model while the others wait
+// in the next collective, and past its timeout for a large one.
+std::vector<int> spread(const std::vector<int64_t>& sizes, int writers) {
+  std::vector<size_t> order(sizes.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] > sizes[b]; });
+  std::vector<int64_t> load(static_cast<size_t>(writers), 0);
+  std::vector<int> owner(sizes.size(), 0);
+  for (size_t k : order) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[k] = static_cast<int>(least);
+    load[static_cast<size_t>(least)] += sizes[k];
+  }
+  return owner;
+}
+
 Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt, int rank) {
   Holding h;
-  // Replicated strategies: one writer. HybridShard: the first replica group.
-  bool writes_params = true;
-  if (state.ddp()) writes_params = rank == 0;
-  if (state.replica_comm() && state.replica_comm()->rank() != 0) writes_params = false;
   const std::string file = "rank-" + std::to_string(rank) + ".safetensors";
   auto add = [&](const std::string& name, const std::string& kind, int64_t begin, const at::Tensor& t, int64_t step) {
     Entry e{name, kind, begin, begin + t.numel(), step, file, ""};
     e.tensor = tensor_key(e);
     h.items.emplace_back(e, t.detach().reshape({-1}));
   };
-  if (writes_params) {
-    if (state.ddp()) {
-      for (const auto& [name, p] : no_shard_params(root, state)) add(name, "param", 0, state.record_of(p), 0);
-    } else {
-      const int shard_rank = state.shard_comm().rank();
-      for (auto& u : state.units())
-        for (auto& f : u->flats())
-          for (size_t i = 0; i < f->params().size(); ++i)
-            if (auto p = f->layout().piece(i, shard_rank))
-              add(f->names()[i], "param", p->param_offset, f->shard().narrow(0, p->shard_offset, p->length), 0);
-            else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank owns a piece: listed once, empty
-              add(f->names()[i], "param", 0, f->shard().narrow(0, 0, 0), 0);
+  // The parameter ranges this rank holds, and which of the ranks holding the
+  // same ones it is: its rank (NoShard), its replica group (HybridShard).
+  struct Range {
+    std::string name;
+    int64_t begin;
+    at::Tensor values;
+  };
+  std::vector<Range> ranges;
+  int writers = 1, me = 0;
+  if (state.ddp()) {
+    for (const auto& [name, p] : no_shard_params(root, state)) ranges.push_back({name, 0, state.record_of(p)});
+    writers = state.world().size();
+    me = rank;
+  } else {
+    const int shard_rank = state.shard_comm().rank();
+    for (auto& u : state.units())
+      for (auto& f : u->flats())
+        for (size_t i = 0; i < f->params().size(); ++i)
+          if (auto p = f->layout().piece(i, shard_rank))
+            ranges.push_back({f->names()[i], p->param_offset, f->shard().narrow(0, p->shard_offset, p->length)});
+          else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank owns a piece: listed once, empty
+            ranges.push_back({f->names()[i], 0, f->shard().narrow(0, 0, 0)});
+    if (state.replica_comm()) {
+      writers = state.replica_comm()->size();
+      me = state.replica_comm()->rank();
     }
-    if (opt) {
-      const auto& st = opt->inner().state();
-      for (const auto& piece : opt->views().pieces()) {
-        auto it = st.find(piece.view.unsafeGetTensorImpl());
-        if (it == st.end()) continue;
-        int64_t step = step_of(it->second.get());
-        for (auto& [kind, t] : optimizer_kinds(it->second.get())) add(piece.name, kind, piece.param_offset, t, step);
-      }
+  }
+  std::vector<int64_t> sizes;
+  for (const auto& r : ranges) sizes.push_back(r.values.numel());
+  const std::vector<int> owner = spread(sizes, writers);
+  // A range's optimizer state goes with it: (name, first element) written here.
+  std::set<std::pair<std::string, int64_t>> written;
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    if (owner[k] != me) continue;
+    add(ranges[k].name, "param", ranges[k].begin, ranges[k].values, 0);
+    written.insert({ranges[k].name, ranges[k].begin});
+  }
+  if (opt) {
+    const auto& st = opt->inner().state();
+    for (const auto& piece : opt->views().pieces()) {
+      if (!written.count({piece.name, piece.param_offset})) continue;
+      auto it = st.find(piece.view.unsafeGetTensorImpl());
+      if (it == st.end()) continue;
+      int64_t step = step_of(it->second.get());
+      for (auto& [kind, t] : optimizer_kinds(it->second.get())) add(piece.name, kind, piece.param_offset, t, step);
     }
   }
   if (rank == 0)
@@ -277,6 +339,22 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return os.str();
 }
 
+// Every saved range lies within its tensor's recorded shape (and the
+// tensor has one): a range past the end would otherwise go unread.
+void check_entries_within_shapes(const Index& idx, const std::string& dir) {
+  if (!idx.shapes) return;
+  for (const auto& e : idx.entries) {
+    auto it = idx.shapes->find(e.name);
+    if (it == idx.shapes->end())
+      throw SafetensorsError("checkpoint '" + dir + "': '" + e.name + "' has no shape in the index");
+    const int64_t numel = c10::multiply_integers(it->second);
+    if (e.begin < 0 || e.end > numel || e.begin > e.end)
+      throw SafetensorsError("checkpoint '" + dir + "': '" + e.name + "' (" + e.kind + ") is saved as elements [" +
+                             std::to_string(e.begin) + ", " + std::to_string(e.end) + ") but has shape " +
+                             shape_text(it->second) + " (" + std::to_string(numel) + " elements)");
+  }
+}
+
 // Before anything is loaded: the checkpoint must hold this model. Shapes that
 // differ, parameters or buffers it lacks, and tensors the model has no name
 // for are errors naming them (element counts alone would let a transposed or
@@ -297,6 +375,7 @@ void check_model_against(torch::nn::Module& root, const Index& idx, const std::s
       throw SafetensorsError("checkpoint '" + dir + "': '" + name + "' has shape " + shape_text(shape) +
                              " in the checkpoint but the model's has " + shape_text(it->second));
   }
+  check_entries_within_shapes(idx, dir);
   for (const auto& [names_of, names] : detail::parameter_names(root)) {
     (void)names_of;
     if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return idx.shapes->count(n) > 0; }))
@@ -380,7 +459,6 @@ const checkpoint::TensorRecord& saved_record(Files& files, const Entry& e, const
 Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, int64_t begin, const Index& idx,
                Files& files, const std::string& dir) {
   const int64_t end = begin + numel;
-  int64_t covered = 0;
   Fill fill;
   for (const auto& e : idx.entries) {
     if (e.name != name || e.kind != kind) continue;
@@ -388,13 +466,25 @@ Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, 
     if (lo >= hi) continue;
     saved_record(files, e, dir);
     fill.copies.push_back({&e, lo - e.begin, lo - begin, hi - lo});
-    covered += hi - lo;
     fill.step = std::max(fill.step, e.step);
   }
-  if (covered != numel)
-    throw SafetensorsError("checkpoint '" + dir + "': elements [" + std::to_string(begin) + ", " + std::to_string(end) +
-                           ") of '" + name + "' (" + kind + ") are " +
-                           (covered < numel ? "not all saved (a missing shard?)" : "saved more than once"));
+  // The ranges must tile the destination: in order, each starting where the
+  // one before ended (lengths that add up are not enough: [0, 50) twice
+  // would leave [50, 100) unwritten).
+  std::sort(fill.copies.begin(), fill.copies.end(), [](const Fill::Copy& a, const Fill::Copy& b) { return a.to < b.to; });
+  int64_t next = 0;
+  for (const auto& c : fill.copies) {
+    if (c.to != next) {
+      const bool gap = c.to > next;
+      throw SafetensorsError("checkpoint '" + dir + "': elements [" + std::to_string(begin + std::min(next, c.to)) +
+                             ", " + std::to_string(begin + std::max(next, c.to)) + ") of '" + name + "' (" + kind +
+                             ") are " + (gap ? "not all saved (a missing shard?)" : "saved more than once"));
+    }
+    next = c.to + c.length;
+  }
+  if (next != numel)
+    throw SafetensorsError("checkpoint '" + dir + "': elements [" + std::to_string(begin + next) + ", " +
+                           std::to_string(end) + ") of '" + name + "' (" + kind + ") are not all saved (a missing shard?)");
   return fill;
 }
 
@@ -476,9 +566,16 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   }
   json::object user;
   for (const auto& [k, v] : user_state) user[k] = v;
+  // What every rank must pass alike: a rank with another step would write a
+  // file the index refuses, and one without the optimizer would leave its
+  // ranges without state; either checkpoint would replace a good one and
+  // never load.
+  const std::string opt_kind = opt ? optimizer_kind_name(optimizer_kind(*opt)) : "none";
   report["error"] = error;
   report["entries"] = mine;
   report["user_state"] = user;
+  report["step"] = step;
+  report["optimizer"] = opt_kind;
   auto reports = world.comm().all_gather_strings(json::serialize(report), "save_sharded_checkpoint index");
   checkpoint::crash_point("reports gathered");
   std::string failed;
@@ -489,6 +586,14 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
     if (!err.empty() && failed.empty()) failed = "rank " + std::to_string(r) + ": " + err;
     if (o.contains("file")) files.push_back(o.at("file"));
     for (auto& e : o.at("entries").as_array()) entries.push_back(e);
+    if (failed.empty() && o.at("step").as_int64() != step)
+      failed = "rank " + std::to_string(r) + ": it saves step " + std::to_string(o.at("step").as_int64()) +
+               " but rank " + std::to_string(world.rank()) + " saves step " + std::to_string(step) +
+               " (the step must be the same on every rank)";
+    if (failed.empty() && json::value_to<std::string>(o.at("optimizer")) != opt_kind)
+      failed = "rank " + std::to_string(r) + ": it saves optimizer " + json::value_to<std::string>(o.at("optimizer")) +
+               " but rank " + std::to_string(world.rank()) + " saves optimizer " + opt_kind +
+               " (pass the same optimizer, or none, on every rank)";
     if (failed.empty() && o.at("user_state") != json::value(user)) {
       // Every rank sees every report, so every rank fails alike.
       std::string key = "(the set of keys)";
@@ -537,7 +642,6 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
       error = e.what();
       files::remove_all_quietly(tmp);  // the attempt, unless publish() had moved it in already
     }
-    if (error.empty()) best_effort("syncing the parent directory", [&] { fsync_path(files::directory_of(dir), true); });
   }
   detail::agree_on_errors(world, error, what);
 }
@@ -616,6 +720,17 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
       std::set<std::string> with_state;
       for (const auto& e : idx.entries)
         if (e.kind == first_kind) with_state.insert(e.name);
+      // A group with amsgrad needs each parameter's max_exp_avg_sq: a
+      // checkpoint of an optimizer without it would load, and step() fail.
+      std::set<const void*> amsgrad;
+      for (auto& group : opt->inner().param_groups()) {
+        auto& o = group.options();
+        bool on = false;
+        if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) on = a->amsgrad();
+        if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&o)) on = w->amsgrad();
+        if (on)
+          for (const auto& p : group.params()) amsgrad.insert(p.unsafeGetTensorImpl());
+      }
       auto& st = opt->inner().state();
       for (const auto& piece : opt->views().pieces()) {
         void* key = piece.view.unsafeGetTensorImpl();
@@ -623,6 +738,10 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
           changes.push_back([&st, key] { st.erase(key); });
           continue;
         }
+        if (amsgrad.count(key) && !saved_kinds.count("max_exp_avg_sq"))
+          throw SafetensorsError("checkpoint '" + dir + "': '" + piece.name + "' is in a parameter group with amsgrad, "
+                                 "but the checkpoint has no max_exp_avg_sq (it was saved by an optimizer without "
+                                 "amsgrad)");
         std::vector<std::string> kinds = adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"}
                                               : std::vector<std::string>{"momentum_buffer"};
         if (adam && saved_kinds.count("max_exp_avg_sq")) kinds.push_back("max_exp_avg_sq");
@@ -667,20 +786,32 @@ std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir
   const std::string dir = published_dir(normalized(dir_arg));
   Index idx = read_index(dir);
   Files files(dir, idx);
-  std::map<std::string, int64_t> sizes;
-  std::map<std::string, at::ScalarType> dtypes;
+  // Each (name, kind) has the shape the index records for the name (the
+  // optimizer's state has its parameter's); its element count, not the
+  // largest saved end, is what the ranges must cover. Checkpoints written
+  // before shapes were recorded come back flat.
+  struct Whole {
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+  };
+  check_entries_within_shapes(idx, dir);
+  std::map<std::pair<std::string, std::string>, Whole> wholes;
   for (const auto& e : idx.entries) {
-    std::string key = e.name + "|" + e.kind;
-    sizes[key] = std::max(sizes[key], e.end);
-    dtypes[key] = checkpoint::scalar_type(saved_record(files, e, dir).dtype);
+    Whole& w = wholes[{e.name, e.kind}];
+    w.dtype = checkpoint::scalar_type(saved_record(files, e, dir).dtype);
+    if (idx.shapes) {
+      w.shape = idx.shapes->at(e.name);
+    } else {
+      w.shape = {std::max(w.shape.empty() ? int64_t{0} : w.shape[0], e.end)};
+    }
   }
   std::map<std::string, at::Tensor> out;
-  for (const auto& [key, n] : sizes) {
-    auto bar = key.find('|');
-    Fill fill = plan_fill(n, key.substr(0, bar), key.substr(bar + 1), 0, idx, files, dir);
-    at::Tensor t = at::empty({n}, at::TensorOptions().dtype(dtypes[key]));
+  for (const auto& [key, w] : wholes) {
+    const int64_t n = c10::multiply_integers(w.shape);
+    Fill fill = plan_fill(n, key.first, key.second, 0, idx, files, dir);
+    at::Tensor t = at::empty({n}, at::TensorOptions().dtype(w.dtype));
     run_fill(t, fill, files);
-    out[key] = t;
+    out[key.first + "|" + key.second] = t.view(w.shape);
   }
   return out;
 }
