@@ -444,6 +444,18 @@ TEST(ShardedCheckpoint, NoShardSpreadsTheWritingAndMovesBetweenStrategiesBitwise
     auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
     train_steps(w, model, *opt, x, 2);
     shardtorch::save_sharded_checkpoint(*model, opt.get(), ckpt, 2);
+    train_steps(w, model, *opt, x, 1);
+    const auto uninterrupted = shardtorch::full_parameters(*model);
+    // Resumed, the optimizer steps on (its state has the parameters'
+    // shapes) exactly as the uninterrupted run did.
+    torch::manual_seed(7);
+    auto resumed = gpt::GPT(gpt::Config{});
+    shardtorch::shard(resumed, w, ShardOptions().strategy(Strategy::NoShard));
+    auto opt2 = shardtorch::Adam(*resumed, torch::optim::AdamOptions(1e-2));
+    require(shardtorch::load_sharded_checkpoint(*resumed, opt2.get(), ckpt) == 2, "wrong step");
+    train_steps(w, resumed, *opt2, x, 1);
+    for (const auto& [n, t] : shardtorch::full_parameters(*resumed))
+      require(at::equal(t, uninterrupted.at(n)), n + " differs from the uninterrupted run after resuming");
   });
   ASSERT_TRUE(save.ok) << save.summary();
   auto saved = shardtorch::read_sharded_checkpoint(ckpt);
@@ -1068,6 +1080,25 @@ TEST(Checkpoint, AnEmptyParameterGoesThroughClippingSummonAndBothCheckpoints) {
       require(shardtorch::load_sharded_checkpoint(*again, opt2.get(), sharded) == 2, "wrong step");
       auto loaded = shardtorch::full_parameters(*again);
       for (auto& [n, t] : mine) require(at::equal(loaded.at(n), t), n + " differs after the sharded checkpoint");
+      // This rank's optimizer state, piece by piece (both models are laid out alike).
+      const auto& had = opt->views().pieces();
+      const auto& got = opt2->views().pieces();
+      require(had.size() == got.size(), "the optimizers have different pieces");
+      int compared = 0;
+      for (size_t k = 0; k < had.size(); ++k) {
+        auto a = opt->inner().state().find(had[k].view.unsafeGetTensorImpl());
+        auto b = opt2->inner().state().find(got[k].view.unsafeGetTensorImpl());
+        require((a == opt->inner().state().end()) == (b == opt2->inner().state().end()),
+                had[k].name + ": optimizer state on one side only");
+        if (a == opt->inner().state().end()) continue;
+        auto& sa = static_cast<torch::optim::AdamWParamState&>(*a->second);
+        auto& sb = static_cast<torch::optim::AdamWParamState&>(*b->second);
+        require(sa.step() == sb.step() && at::equal(sa.exp_avg(), sb.exp_avg()) &&
+                    at::equal(sa.exp_avg_sq(), sb.exp_avg_sq()),
+                had[k].name + ": optimizer state differs after the sharded checkpoint (in its values or its shape)");
+        ++compared;
+      }
+      require(compared > 0, "no optimizer state compared on rank " + std::to_string(w.rank()));
       torch::manual_seed(2);
       WithEmpty third;
       shardtorch::shard(third, w, options());

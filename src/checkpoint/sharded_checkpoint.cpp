@@ -462,6 +462,7 @@ Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, 
   Fill fill;
   for (const auto& e : idx.entries) {
     if (e.name != name || e.kind != kind) continue;
+    if (numel == 0) fill.step = std::max(fill.step, e.step);  // nothing to copy; the optimizer's step still counts
     int64_t lo = std::max(begin, e.begin), hi = std::min(end, e.end);
     if (lo >= hi) continue;
     saved_record(files, e, dir);
@@ -747,11 +748,16 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
         if (adam && saved_kinds.count("max_exp_avg_sq")) kinds.push_back("max_exp_avg_sq");
         std::vector<Fill> fills;
         for (const auto& kind : kinds) fills.push_back(plan(piece.length, piece.name, kind, piece.param_offset));
-        changes.push_back([&st, &files, key, fills, adam, adamw, options = piece.view.options(), length = piece.length] {
+        // The state takes the piece's shape: a NoShard piece is the whole
+        // parameter, and torch::optim adds its gradient into the state in
+        // place (a flat state made step() fail after a resume).
+        changes.push_back([&st, &files, key, fills, adam, adamw, options = piece.view.options(), length = piece.length,
+                           shape = piece.view.sizes().vec()] {
           std::vector<at::Tensor> t;
           for (const auto& fill : fills) {
-            t.push_back(at::empty({length}, options));
-            run_fill(t.back(), fill, *files);
+            at::Tensor flat = at::empty({length}, options);
+            run_fill(flat, fill, *files);
+            t.push_back(flat.view(shape));
           }
           const int64_t step = fills.front().step;
           const at::Tensor vmax = t.size() > 2 ? t[2] : at::Tensor();
