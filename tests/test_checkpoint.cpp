@@ -256,7 +256,8 @@ TEST_P(FullStateDict, SavedAtFourLoadsBitwiseAtOneTwoAndThree) {
   auto expected = shardtorch::checkpoint::load_file((dir / "expected.safetensors").string());
   shardtorch::checkpoint::Reader header(path);
   EXPECT_EQ(header.header().metadata.at("step"), "2");
-  EXPECT_EQ(header.header().metadata.at("world_size"), "4");
+  EXPECT_EQ(header.header().metadata.at("shardtorch_world_size"), "4");
+  EXPECT_EQ(header.header().metadata.at("format"), "pt");  // what Hugging Face's loaders require
   for (int world : {1, 2, 3}) {
     auto r = run_ranks(world, [&](World& w) {
       torch::manual_seed(99);  // different initial values: the load must replace them
@@ -1399,6 +1400,25 @@ TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
     require(shardtorch::load_sharded_checkpoint(*t.model, nullptr, ckpt) == 1, "the refused save replaced the checkpoint");
     t.model(torch::ones({2, 7})).sum().backward();
     adagrad->step();  // its state intact
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  files::remove_all(dir);
+}
+
+// A full state dict's metadata keys starting shardtorch_ are the library's,
+// and "format" is "pt": another value is refused on every rank before any
+// collective, naming the key.
+TEST(CheckpointFailures, ReservedFullStateDictMetadataIsRefused) {
+  const auto dir = temp_dir();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    const std::string path = (dir / "full.safetensors").string();
+    std::string e = message_of([&] { shardtorch::save_full_state_dict(*t.model, path, {{"shardtorch_strategy", "x"}}); });
+    require(e.find("metadata key 'shardtorch_strategy' is reserved") != std::string::npos, "expected a refusal, got: " + e);
+    e = message_of([&] { shardtorch::save_full_state_dict(*t.model, path, {{"format", "mine"}}); });
+    require(e.find("metadata \"format\" is \"pt\"") != std::string::npos, "expected a refusal, got: " + e);
+    require(!files::exists(path), "a refused save wrote the file");
+    shardtorch::save_full_state_dict(*t.model, path, {{"format", "pt"}, {"step", "1"}});
   });
   ASSERT_TRUE(r.ok) << r.summary();
   files::remove_all(dir);

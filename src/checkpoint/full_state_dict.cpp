@@ -21,6 +21,13 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                           const std::map<std::string, std::string>& user_metadata) {
   auto state = detail::require_state(root, "save_full_state_dict");
   World& world = state->world();
+  // Checked on every rank before any collective (the metadata is the same on every rank).
+  for (const auto& [key, value] : user_metadata) {
+    TORCH_CHECK(key.rfind("shardtorch_", 0) != 0, "shardtorch::save_full_state_dict '", path, "': metadata key '", key,
+                "' is reserved (keys starting with shardtorch_ are the library's)");
+    TORCH_CHECK(key != "format" || value == "pt", "shardtorch::save_full_state_dict '", path,
+                "': metadata \"format\" is \"pt\" (what Hugging Face's loaders require), not '", value, "'");
+  }
   const bool writer = world.rank() == 0;
   c10::NoGradGuard no_grad;
   NameMap names = detail::parameter_names(root);
@@ -68,10 +75,13 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
       at::Tensor b = item.value();
       if (b.defined()) pending.push_back({item.key(), b.scalar_type(), b.sizes().vec(), [b] { return b; }});
     }
+    // "format": "pt" is what Hugging Face's loaders require of a PyTorch
+    // state dict; our own keys carry a prefix no user key may take.
     auto metadata = user_metadata;
-    metadata["format"] = "shardtorch full state dict v1";
-    metadata["strategy"] = strategy_name(state->strategy());
-    metadata["world_size"] = std::to_string(world.size());
+    metadata["format"] = "pt";
+    metadata["shardtorch_format"] = "full state dict v1";
+    metadata["shardtorch_strategy"] = strategy_name(state->strategy());
+    metadata["shardtorch_world_size"] = std::to_string(world.size());
     try {
       checkpoint::write_file(path, pending, metadata);
     } catch (const std::exception& e) {

@@ -5,6 +5,7 @@ import os
 import sys
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 # The PyTorch twin of examples/gpt.h lives with the peers benchmark.
@@ -14,6 +15,12 @@ from gpt_model import GPT  # noqa: E402
 
 def main(d):
     state = load_file(f"{d}/model.safetensors")
+    with safe_open(f"{d}/model.safetensors", framework="pt") as f:
+        meta = f.metadata()
+    # Hugging Face's loaders refuse a state dict whose "format" is not one of theirs.
+    if meta.get("format") != "pt" or meta.get("shardtorch_format") != "full state dict v1":
+        print(f"check_full_state_dict: metadata {meta}: want format=pt and shardtorch_format", file=sys.stderr)
+        return 1
     io = load_file(f"{d}/io.safetensors")
     model = GPT(vocab=64, seq_len=16, d_model=32, n_head=4, n_layer=2)  # gpt::Config{}
     model.load_state_dict(state, strict=True)
