@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace shardtorch {
@@ -14,6 +15,8 @@ AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector
   const int64_t cap_bytes = static_cast<int64_t>(bucket_mb * 1024 * 1024);
   where_.resize(params_.size());
   ready_.assign(params_.size(), false);
+  touched_.assign(params_.size(), false);
+  absent_.assign(params_.size(), false);
   is_view_.assign(params_.size(), false);
   for (size_t k = 0; k < params_.size(); ++k) index_[params_[k].unsafeGetTensorImpl()] = k;
   // Reverse registration order; a new bucket when the dtype changes or the
@@ -31,7 +34,7 @@ AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector
     bytes += nb;
   }
   for (auto& [dtype, members] : groups) {
-    int64_t numel = 0;
+    int64_t numel = &members == &groups.back().second ? 1 : 0;  // the last bucket's flag (header comment)
     for (size_t k : members) numel += params_[k].numel();
     Bucket b;
     b.buffer = at::zeros({numel}, params_[members[0]].options().requires_grad(false).dtype(reduce_dtype.value_or(dtype)));
@@ -42,7 +45,7 @@ AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector
       is_view_[k] = b.buffer.scalar_type() == params_[k].scalar_type();
       off += params_[k].numel();
     }
-    if (mem) mem->add(Mem::Gradients, b.buffer.nbytes());
+    if (mem) mem->add(Mem::Gradients, (numel - (&members == &groups.back().second ? 1 : 0)) * b.buffer.element_size());
     buckets_.push_back(std::move(b));
   }
   bind_grads();
@@ -62,14 +65,18 @@ std::vector<size_t> AllReduceBucketer::bucket_of_params() const {
 void AllReduceBucketer::bind_grads() {
   c10::NoGradGuard no_grad;
   for (size_t k = 0; k < params_.size(); ++k) {
-    if (!is_view_[k]) continue;
+    if (!is_view_[k] || absent_[k]) continue;  // absent: none on purpose, its slice zero
     at::Tensor view = grad_view(k);
     at::Tensor& g = params_[k].mutable_grad();
     if (g.defined() && g.data_ptr() == view.data_ptr()) continue;
     // Autograd or the user replaced it: keep the values. Set to none (by
     // Module::zero_grad): the bucket's slice still holds the last step's.
-    if (g.defined()) view.copy_(g);
-    else view.zero_();
+    if (g.defined()) {
+      view.copy_(g);
+    } else {
+      view.zero_();
+      touched_[k] = false;
+    }
     g = view;
   }
 }
@@ -80,6 +87,10 @@ void AllReduceBucketer::launch(Bucket& b, size_t index) {
        << "')";
   b.launched = true;
   ++launched_;
+  if (index + 1 == buckets_.size()) {  // every parameter's backward is over by now, on this rank
+    const bool missing = std::find(ready_.begin(), ready_.end(), false) != ready_.end();
+    b.buffer.narrow(0, b.buffer.numel() - 1, 1).fill_(missing ? 1 : 0);
+  }
   // fp16 sums of N gradients can overflow where their mean does not: divide
   // first (as the sharded strategies do); other dtypes divide after.
   if (b.buffer.scalar_type() == at::kHalf && comm_.size() > 1) b.buffer.div_(static_cast<double>(comm_.size()));
@@ -90,6 +101,8 @@ void AllReduceBucketer::mark_ready(size_t i, bool sync) {
   // Autograd may have stolen the incoming gradient instead of accumulating
   // into our view (e.g. after the user set grads to none): move it in.
   auto [b, off] = where_[i];
+  absent_[i] = false;
+  touched_[i] = true;
   if (is_view_[i]) {
     const at::Tensor& g = params_[i].grad();
     const char* expect = static_cast<const char*>(buckets_[b].buffer.data_ptr()) + off * buckets_[b].buffer.element_size();
@@ -112,13 +125,6 @@ void AllReduceBucketer::mark_ready(size_t i, bool sync) {
 
 void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
   if (sync) {
-    if (error_on_unused) {
-      for (size_t k = 0; k < params_.size(); ++k) {
-        TORCH_CHECK(ready_[k], "shardtorch (NoShard): rank ", comm_.rank(), ": parameter '", names_[k],
-                    "' received no gradient in this backward; it is reduced as zero unless "
-                    "ShardOptions::error_on_unused_parameters is set (as it is now)");
-      }
-    }
     // A parameter with no gradient in this backward and none bound (set to
     // none, unused here) is reduced as zero, not as what its slice held.
     bind_grads();
@@ -129,8 +135,54 @@ void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
       comm_.wait(bucket.pending);
       if (n > 1 && bucket.buffer.scalar_type() != at::kHalf) bucket.buffer.div_(n);
     }
+    try {
+      settle_missing(error_on_unused);
+    } catch (...) {
+      reset_counts();
+      throw;
+    }
   }
   reset_counts();
+}
+
+void AllReduceBucketer::settle_missing(bool error_on_unused) {
+  const at::Tensor& last = buckets_.back().buffer;
+  // A sum of 0s and 1s (or of 0s and 1/n under fp16): positive exactly when
+  // some rank set its flag, in any dtype.
+  if (!(last.narrow(0, last.numel() - 1, 1).item<double>() > 0)) return;
+  const int64_t count = static_cast<int64_t>(params_.size());
+  at::Tensor counts = at::empty({2 * count}, at::kInt);
+  auto* c = counts.data_ptr<int32_t>();
+  for (int64_t k = 0; k < count; ++k) {
+    c[k] = ready_[k] ? 1 : 0;
+    c[count + k] = touched_[k] ? 1 : 0;
+  }
+  at::Tensor on_device = counts.to(comm_.device());
+  comm_.all_reduce(on_device, c10d::ReduceOp::SUM, "parameters without a gradient (NoShard)");
+  counts = on_device.cpu();
+  c = counts.data_ptr<int32_t>();
+  const int n = comm_.size();
+  if (error_on_unused) {
+    std::ostringstream missing;
+    int listed = 0;
+    for (int64_t k = 0; k < count; ++k) {
+      if (c[k] == n) continue;
+      if (listed++ < 5) {
+        missing << (listed > 1 ? ", " : "") << "'" << names_[k] << "' (on " << c[k] << " of " << n << " ranks"
+                << (ready_[k] ? "" : ", not this one") << ")";
+      }
+    }
+    TORCH_CHECK(listed == 0, "shardtorch (NoShard): rank ", comm_.rank(), ": ", listed, " parameter(s) received no "
+                "gradient in this backward on some ranks: ", missing.str(), listed > 5 ? ", ..." : "",
+                ". Without ShardOptions::error_on_unused_parameters (set now) such a gradient is reduced as zero, "
+                "and a parameter no rank gave one is left without a gradient");
+  }
+  c10::NoGradGuard no_grad;
+  for (int64_t k = 0; k < count; ++k) {
+    if (c[count + k] != 0) continue;
+    absent_[k] = true;
+    params_[k].mutable_grad().reset();  // its slice is zero, and stays bound to nothing until it has a gradient
+  }
 }
 
 void AllReduceBucketer::discard() {
@@ -157,6 +209,8 @@ void AllReduceBucketer::reset_counts() {
 
 void AllReduceBucketer::zero_grads() {
   for (auto& bucket : buckets_) bucket.buffer.zero_();
+  std::fill(absent_.begin(), absent_.end(), false);
+  std::fill(touched_.begin(), touched_.end(), false);
   bind_grads();
 }
 
@@ -166,6 +220,7 @@ void AllReduceBucketer::zero_grads_of(const std::vector<at::Tensor>& params) {
     auto it = index_.find(p.unsafeGetTensorImpl());
     if (it == index_.end()) continue;
     grad_view(it->second).zero_();
+    touched_[it->second] = false;
     if (!is_view_[it->second]) params_[it->second].mutable_grad().reset();
   }
 }

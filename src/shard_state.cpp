@@ -214,6 +214,10 @@ void ShardState::bind_master_grads() {
   c10::NoGradGuard no_grad;
   int64_t converted = 0;  // fp32 copies of gradients reduced in a lower dtype
   for (size_t i = 0; i < ddp_masters_.size(); ++i) {
+    if (ddp_->absent(i)) {  // no rank gave it a gradient: none, as the parameter's (the optimizer skips it)
+      ddp_masters_[i].mutable_grad().reset();
+      continue;
+    }
     at::Tensor g = ddp_->grad_view(i);
     if (!grad_is_copied(i)) {
       ddp_masters_[i].mutable_grad() = g;

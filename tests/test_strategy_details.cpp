@@ -365,31 +365,84 @@ TEST(NoShard, BucketAllReducesStartDuringBackwardAndGradientsAreBucketViews) {
 
 struct TwoHeadsImpl : torch::nn::Module {
   TwoHeadsImpl() : a(register_module("a", torch::nn::Linear(4, 4))), b(register_module("b", torch::nn::Linear(4, 4))) {}
-  torch::Tensor forward(torch::Tensor x) { return a(x); }  // b never used
+  torch::Tensor forward(torch::Tensor x) { return use_b ? a(x) + b(x) : a(x); }  // b only when told
   torch::nn::Linear a, b;
+  bool use_b = false;
 };
 TORCH_MODULE(TwoHeads);
 
-TEST(NoShard, UnusedParameterIsReducedAsZeroOrNamedInAnError) {
+// A parameter no rank gives a gradient ends the backward without one, as
+// under DDP and in one process (LibTorch's zero_grad sets gradients to
+// none): AdamW neither decays nor moves it and keeps no state for it, and
+// the rest trains as the single-process reference does. It used to get a
+// zero gradient, which AdamW decayed. A parameter only some ranks use is
+// reduced as zero where unused, alike on every rank.
+TEST(NoShard, AParameterNoRankUsesGetsNoGradientAndOneSomeUseIsReducedAsZero) {
   auto r = run_ranks(2, [](World& w) {
+    const auto x = torch::arange(16, at::kFloat).reshape({4, 4}) / 16;
+    const auto options = torch::optim::AdamWOptions(0.1).weight_decay(0.1);
+    torch::manual_seed(0);
+    TwoHeads ref;
+    torch::optim::AdamW ref_opt(ref->parameters(), options);
+    torch::manual_seed(0);
     TwoHeads m;
-    auto sm = shardtorch::shard(*m, w, ShardOptions().strategy(Strategy::NoShard));
-    auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
-    for (int s = 0; s < 2; ++s) {  // no hang, and a second step works
+    const at::Tensor b0 = m->b->weight.detach().clone();
+    shardtorch::shard(*m, w, ShardOptions().strategy(Strategy::NoShard));
+    auto opt = shardtorch::AdamW(*m, options);
+    for (int s = 0; s < 3; ++s) {
       opt->zero_grad();
-      m(torch::ones({2, 4}) * (w.rank() + 1)).sum().backward();
+      (m(x.narrow(0, 2 * w.rank(), 2)).sum() / 2).backward();  // the mean over ranks: the full batch's sum / 2
+      require(!m->b->weight.grad().defined() && !m->b->bias.grad().defined(), "the unused head has a gradient");
+      require(m->a->weight.grad().defined(), "the used head has no gradient");
       opt->step();
+      ref_opt.zero_grad();
+      (ref(x).sum() / 2).backward();
+      ref_opt.step();
     }
-    require(m->b->weight.grad().eq(0).all().item<bool>(), "unused parameter should have a zero gradient");
+    require(at::equal(m->b->weight, b0), "AdamW moved the parameter no rank used");
+    require(opt->inner().state().size() == 2, "optimizer state for " + std::to_string(opt->inner().state().size()) +
+                                                   " parameters, not the used head's 2");
+    for (const auto& [n, t] : std::vector<std::pair<std::string, at::Tensor>>{
+             {"a.weight", m->a->weight}, {"a.bias", m->a->bias}, {"b.weight", m->b->weight}}) {
+      const at::Tensor want = ref->named_parameters()[n];
+      require(at::allclose(t, want, 1e-6, 1e-6), n + " differs from the single-process reference");
+    }
+    m->use_b = w.rank() == 0;
+    opt->zero_grad();
+    m(x.narrow(0, 2 * w.rank(), 2)).sum().backward();
+    require(m->b->weight.grad().defined(), "the head rank 0 used has no gradient");
+    at::Tensor mine = m->b->weight.grad().clone(), largest = mine.clone();
+    w.comm().all_reduce(largest, c10d::ReduceOp::MAX, "compare");
+    require(at::equal(mine, largest) && mine.abs().sum().item<double>() > 0, "the ranks' gradients differ or are zero");
+    opt->step();
   });
   ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// error_on_unused_parameters: a parameter without a gradient on some rank is
+// an error on every rank, naming it and how many ranks had one; the check
+// was per rank, so the rank without the gradient threw while the others
+// waited in its all-reduce until the collective timeout. The next step works.
+TEST(NoShard, ErrorOnUnusedParametersFailsEveryRankAlike) {
   auto e = run_ranks(2, [](World& w) {
     TwoHeads m;
     shardtorch::shard(*m, w, ShardOptions().strategy(Strategy::NoShard).error_on_unused_parameters(true));
+    auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+    m->use_b = w.rank() == 0;
+    std::string msg;
+    try {
+      m(torch::ones({2, 4})).sum().backward();
+    } catch (const std::exception& ex) {
+      msg = ex.what();
+    }
+    require(msg.find("'b.weight' (on 1 of 2 ranks") != std::string::npos, "expected b.weight named, got: " + msg);
+    require((msg.find("not this one") != std::string::npos) == (w.rank() == 1), "this rank's part misreported: " + msg);
+    m->use_b = true;
+    opt->zero_grad();
     m(torch::ones({2, 4})).sum().backward();
-  });
-  ASSERT_FALSE(e.ok);
-  for (auto& o : e.ranks) EXPECT_NE(o.message.find("parameter 'b.weight' received no gradient"), std::string::npos) << e.summary();
+    opt->step();
+  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(10)).timeout(std::chrono::seconds(60)));
+  ASSERT_TRUE(e.ok) << e.summary();
 }
 
 TEST(FullShard, ReshardAfterForwardPerUnit) {

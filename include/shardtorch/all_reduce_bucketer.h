@@ -17,6 +17,22 @@
 //
 //   state per bucket:  filling --last gradient in--> launched --finish()--> reduced
 //   (with sync off nothing is launched: gradients accumulate in the buckets)
+//
+// Parameters without a gradient. The last bucket carries one more element:
+// 1 on a rank where some parameter got no gradient in this backward. Summed
+// with the gradients, it tells every rank alike, without a collective of its
+// own, whether any rank had one; only then do the ranks all-reduce, after
+// every bucket, each parameter's counts of ranks that gave it a gradient in
+// this backward and since its gradient was last zeroed. From those, on every
+// rank alike:
+//   - error_on_unused: a parameter without a gradient on some rank is an
+//     error naming it and how many ranks had one (the check used to be per
+//     rank: that rank threw while the others waited in its all-reduce);
+//   - a parameter no rank gave a gradient since it was zeroed ends the
+//     backward with its gradient set to none, as under DDP and in one process
+//     (LibTorch's zero_grad sets to none), so the optimizer skips it: no
+//     weight decay, no moments, no optimizer state. Its slice stays zero and
+//     is bound again once it gets a gradient (or at zero_grads()).
 #include <ATen/ATen.h>
 
 #include <optional>
@@ -64,6 +80,10 @@ class AllReduceBucketer {
   /// buckets' contents are whatever the failure left: zero_grads() them.
   void discard();
 
+  /// Parameter i ended the last syncing backward with no gradient on any rank
+  /// since it was zeroed: its grad is none (the optimizer skips it).
+  bool absent(size_t i) const { return absent_.at(i); }
+
   /// Buckets launched from a gradient hook, i.e. before backward ended.
   int64_t launched_during_backward() const { return launched_during_backward_; }
   int64_t launched() const { return launched_; }
@@ -77,6 +97,9 @@ class AllReduceBucketer {
     PendingWork pending;
   };
   void launch(Bucket& b, size_t index);
+  /// After the buckets are reduced: if some rank had a parameter without a
+  /// gradient, the counts (one small all-reduce), the error, the absences.
+  void settle_missing(bool error_on_unused);
   /// No parameter ready, no bucket launched: the state a backward starts from.
   void reset_counts();
 
@@ -84,7 +107,9 @@ class AllReduceBucketer {
   std::vector<std::string> names_;
   std::vector<std::pair<size_t, int64_t>> where_;  // param -> (bucket, offset)
   std::unordered_map<const c10::TensorImpl*, size_t> index_;  // param -> its index
-  std::vector<bool> ready_;
+  std::vector<bool> ready_;    // a gradient in this backward
+  std::vector<bool> touched_;  // a gradient since the slice was last zeroed
+  std::vector<bool> absent_;   // none on any rank at the last syncing finish(): grad set to none
   std::vector<Bucket> buckets_;
   std::vector<bool> is_view_;  // param.grad is a view of its bucket slice
   Comm& comm_;

@@ -100,8 +100,9 @@ struct ShardOptions {
   /// NoShard: launch each bucket's all-reduce as soon as its gradients are in
   /// (overlapping backward); false waits for the end of backward.
   TORCH_ARG(bool, ddp_async) = true;
-  /// NoShard: a trainable parameter that gets no gradient in a backward is an
-  /// error naming it (default: reduced as zero).
+  /// NoShard: a trainable parameter that gets no gradient in a backward on
+  /// some rank is an error on every rank naming it (default: reduced as zero
+  /// there; one no rank gave a gradient since it was zeroed gets none).
   TORCH_ARG(bool, error_on_unused_parameters) = false;
   /// FullShard and HybridShard: launch the next unit's all-gather (in the
   /// order the previous step ran them) while the current unit computes, in
