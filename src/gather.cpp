@@ -45,6 +45,10 @@ void FullParams::gather_all(bool keep) {
   }
   for (auto& u : state_->units()) {
     bool was_sharded = u->state() == detail::UnitState::Sharded;
+    if (!was_sharded && !writeback_)
+      for (auto& f : u->flats())
+        if (f->shard().storage().unsafeGetStorageImpl() == f->full().storage().unsafeGetStorageImpl())
+          restore_.emplace_back(f->shard(), f->shard().clone());
     u->unshard();
     if (keep) {
       u->pin();  // a forward or backward in the scope must not free it
@@ -75,10 +79,12 @@ void FullParams::gather_all(bool keep) {
 }
 
 FullParams::~FullParams() {
+  c10::NoGradGuard no_grad;
   // A destructor must not throw (that would terminate the program): a failure
   // here is reported, and the scope is still left.
   try {
     for (auto& p : grads_set_) p.mutable_grad().reset();
+    for (auto& [shard, saved] : restore_) shard.copy_(saved);
     if (writeback_) {
       state_->wait_for_offload_copies();
       for (auto& u : units_)
@@ -91,8 +97,15 @@ FullParams::~FullParams() {
   state_->leave_summon();
   try {
     for (auto& u : summoned_) u->reshard();
+    // The units the scope found unsharded compute with their full buffers,
+    // not the shards: gathered again, an edit without writeback is
+    // discarded (as where the scope frees what it gathered), and after a
+    // writeback every rank computes with the same values (each wrote back
+    // only its own slice of its own edit).
+    state_->regather_unsharded();
   } catch (const std::exception& e) {
-    TORCH_WARN("shardtorch: rank ", state_->world().rank(), ": freeing summoned parameters failed: ", e.what());
+    TORCH_WARN("shardtorch: rank ", state_->world().rank(), ": freeing or regathering summoned parameters failed: ",
+               e.what());
   }
 }
 

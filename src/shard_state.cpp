@@ -256,14 +256,23 @@ void ShardState::after_optimizer_step() {
     return;
   }
   for (auto& u : units()) {
-    for (auto& f : u->flats()) {
-      if (!f->persistent()) continue;
-      at::Tensor mine = gather_input(*f);
-      if (offloader_) offloader_->current_waits_for_copies();  // gathered on the compute stream
-      shard_comm().all_gather_into(f->full(), mine, "updated parameters of unit '" + u->label() + "'");
-    }
+    for (auto& f : u->flats())
+      if (f->persistent()) regather(*u, *f, "updated parameters");
     u->reshard();  // non-persistent full copies are stale now
   }
+}
+
+void ShardState::regather(Unit& u, FlatParam& f, const std::string& what) {
+  at::Tensor mine = gather_input(f);
+  if (offloader_) offloader_->current_waits_for_copies();  // gathered on the compute stream
+  shard_comm().all_gather_into(f.full(), mine, what + " of unit '" + u.label() + "'");
+}
+
+void ShardState::regather_unsharded() {
+  c10::NoGradGuard no_grad;
+  for (auto& u : units())
+    if (u->state() == UnitState::Unsharded)
+      for (auto& f : u->flats()) regather(*u, *f, "parameters after summon_full_params");
 }
 
 void ShardState::note_forward_for_reduction(Unit& u) {

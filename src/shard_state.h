@@ -295,6 +295,8 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// What a flat parameter's all-gather sends: its shard on the compute device
   /// in the compute dtype, never aliasing the full buffer.
   at::Tensor gather_input(FlatParam& f);
+  /// all-gathers `f`'s full parameters from the shards, into its full buffer.
+  void regather(Unit& u, FlatParam& f, const std::string& what);
   /// Runs `launch` (all-gathers of gather_input()s) so that it waits for the
   /// offload copies but the compute stream does not wait for them (offload on
   /// an accelerator; otherwise it just runs).
@@ -410,6 +412,10 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// After the optimizer changed the shards: rebuild persistent full buffers
   /// (ZeRO-1/2), free the stale full copies of the others.
   void after_optimizer_step();
+  /// Leaving summon_full_params: every unit still unsharded (ZeRO-1/2, whose
+  /// full buffers persist, or one a forward left gathered) gathers its full
+  /// parameters again from the shards. Collective.
+  void regather_unsharded();
 
  private:
   std::shared_ptr<World> world_;

@@ -7,6 +7,7 @@
 
 using namespace testmodels;
 using shardtorch::Mem;
+using shardtorch::Strategy;
 using shardtorch::World;
 using shardtorch::testing::run_ranks;
 
@@ -119,30 +120,64 @@ TEST(Units, ForwardInsideSummonKeepsTheUnitsAndAStepThereIsRefused) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// Under every sharded strategy (ZeRO-1/2 keep their full parameters between
+// steps, offloaded or not): edits in a summon scope reach the shards with
+// writeback and are discarded without it, in the full parameters forward
+// computes with too; edits that differ by rank, written back, leave every
+// rank computing with the same values. (Under ZeRO-1/2 an edit without
+// writeback used to stay in the full parameters until the next step, and
+// per-rank edits left the ranks computing with different ones.)
 TEST(Units, SummonWritesEditsBackIntoTheShards) {
-  auto r = run_ranks(2, [](World& w) {
-    auto m = MLP();
-    shardtorch::shard(m, w);
-    {
-      shardtorch::FullParams full(*m);
-      torch::NoGradGuard g;
-      m->l1->lin->weight.fill_(0.5);
-      m->l3->lin->bias.fill_(-2.0);
-    }
-    {
-      shardtorch::FullParams full(*m);
-      require(m->l1->lin->weight.eq(0.5).all().item<bool>(), "edit of l1.weight lost");
-      require(m->l3->lin->bias.eq(-2.0).all().item<bool>(), "edit of l3.bias lost");
-    }
-    {
-      shardtorch::FullParams full(*m, shardtorch::SummonOptions().writeback(false));
-      torch::NoGradGuard g;
-      m->l1->lin->weight.fill_(9.0);
-    }
-    shardtorch::FullParams full(*m);
-    require(m->l1->lin->weight.eq(0.5).all().item<bool>(), "writeback(false) still wrote back");
-  });
-  ASSERT_TRUE(r.ok) << r.summary();
+  struct Case {
+    Strategy s;
+    bool offload;
+  };
+  for (const Case c : {Case{Strategy::FullShard, false}, Case{Strategy::ShardGradOp, false},
+                       Case{Strategy::OptimizerOnly, false}, Case{Strategy::HybridShard, false},
+                       Case{Strategy::ShardGradOp, true}}) {
+    const std::string what = std::string(shardtorch::strategy_name(c.s)) + (c.offload ? "+offload" : "");
+    auto r = run_ranks(2, [&](World& w) {
+      auto m = MLP();
+      shardtorch::shard(m, w, strategy_options(c.s, w.size()).cpu_offload(c.offload));
+      const auto x = torch::ones({2, 7});
+      auto same_everywhere = [&](const std::string& when) {
+        at::Tensor out = m(x).detach(), largest = out.clone();
+        w.comm().all_reduce(largest, c10d::ReduceOp::MAX, "compare");
+        require(at::equal(out, largest), what + ": the ranks compute different outputs " + when);
+        return out;
+      };
+      {
+        shardtorch::FullParams full(*m);
+        torch::NoGradGuard g;
+        m->l1->lin->weight.fill_(0.5);
+        m->l3->lin->bias.fill_(-2.0);
+      }
+      const at::Tensor edited = same_everywhere("after a writeback");
+      {
+        shardtorch::FullParams full(*m);
+        require(m->l1->lin->weight.eq(0.5).all().item<bool>(), what + ": edit of l1.weight lost");
+        require(m->l3->lin->bias.eq(-2.0).all().item<bool>(), what + ": edit of l3.bias lost");
+      }
+      {
+        shardtorch::FullParams full(*m, shardtorch::SummonOptions().writeback(false));
+        torch::NoGradGuard g;
+        m->l1->lin->weight.fill_(9.0);
+      }
+      require(at::equal(same_everywhere("after an edit without writeback"), edited),
+              what + ": an edit without writeback changed what forward computes");
+      {
+        shardtorch::FullParams full(*m);
+        require(m->l1->lin->weight.eq(0.5).all().item<bool>(), what + ": writeback(false) still wrote back");
+      }
+      {
+        shardtorch::FullParams full(*m);
+        torch::NoGradGuard g;
+        m->l1->lin->weight.fill_(1.0 + w.rank());  // each rank writes back its own slice of its own edit
+      }
+      same_everywhere("after edits that differ by rank");
+    });
+    ASSERT_TRUE(r.ok) << what << ": " << r.summary();
+  }
 }
 
 // Outside its forward and backward a FullShard unit's parameters have no

@@ -49,6 +49,10 @@ class FullParams {
   std::vector<std::shared_ptr<detail::Unit>> units_;     // every unit, gathered while we live
   std::vector<std::shared_ptr<detail::Unit>> summoned_;  // the ones we gathered
   std::vector<at::Tensor> grads_set_;  // parameters whose grad we set
+  /// Without writeback: shards that are views of a full buffer the scope
+  /// found gathered (ZeRO-1/2 in fp32 on the device), with their values at
+  /// entry, put back on exit (an edit of the full parameters edits them).
+  std::vector<std::pair<at::Tensor, at::Tensor>> restore_;
 };
 
 /// `auto full = shardtorch::summon_full_params(*model);`
