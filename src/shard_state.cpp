@@ -89,6 +89,7 @@ void ShardState::check_grad_arrival(const at::Tensor& param, const std::string& 
 }
 
 void ShardState::on_zero_grad() {
+  stepped_since_zero_ = false;
   recover_if_backward_failed();  // reductions of a failed backward land before the zeroing
   gradients_changed();
   if (!callback_queued_) recording_.clear();
@@ -248,6 +249,7 @@ void ShardState::after_optimizer_step() {
   check_outside_summon();
   release_held();  // the step makes the full copies a graph-building backward held stale
   if (ddp_) {  // the optimizer updated the parameters themselves, or their masters
+    stepped_since_zero_ = true;
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < ddp_masters_.size(); ++i) ddp_params_[i].copy_(ddp_masters_[i]);
     // The step has read the fp32 copies; views of fp32 buckets stay until
@@ -432,6 +434,21 @@ std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
   return grads;
 }
 
+void ShardState::note_ddp_gradient(size_t i) {
+  if (!stepped_since_zero_) return;
+  stepped_since_zero_ = false;  // once per step at most
+  if (warned_unzeroed_ || ddp_->grad_view(i).scalar_type() == ddp_params_[i].scalar_type()) return;
+  warned_unzeroed_ = true;
+  // LibTorch's Module::zero_grad reaches our buckets only through a unit (the
+  // root, if it is one); with fp32 buckets of bf16 gradients the parameters
+  // hold no gradient it could clear.
+  TORCH_WARN("shardtorch (NoShard): rank ", world_->rank(), ": a backward after an optimizer step with no zero_grad "
+             "that reached the gradient buckets since: their ", ddp_->grad_view(i).scalar_type(), " gradients are not "
+             "the parameters' own (", ddp_params_[i].scalar_type(), "), so this step's gradients add to the last "
+             "step's. LibTorch's model->zero_grad() reaches them only through a unit; call opt->zero_grad(), or make "
+             "the root a unit (SHARDTORCH_MODULE). If you accumulate across steps on purpose, ignore this.");
+}
+
 namespace {
 class DdpGradHook : public torch::autograd::FunctionPostHook {
  public:
@@ -441,6 +458,7 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
     if (auto s = state_.lock()) {
       s->ensure_end_of_backward_callback();
       s->check_grad_arrival(s->ddp_params()[index_], s->ddp_names()[index_]);
+      s->note_ddp_gradient(index_);
       s->ddp()->mark_ready(index_, s->sync());
     }
     return outputs;

@@ -365,6 +365,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// (naming `name`) in one that builds a graph, after dropping the gradient
   /// (its graph would keep the forward's graph alive).
   void check_grad_arrival(const at::Tensor& param, const std::string& name) const;
+  /// NoShard, parameter i's gradient arrived: warns once if a step went by
+  /// without a zero_grad that could reach buckets of another dtype than i.
+  void note_ddp_gradient(size_t i);
   /// Activation checkpointing runs a nested backward (a second autograd graph
   /// task) inside the outer one; hooks firing there belong to the outer one.
   class NestedBackward {
@@ -447,6 +450,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool builds_graph_ = false;  // this backward was started with create_graph
   bool inputs_only_ = false;   // ... for tensors none of which is a parameter of ours
   bool callback_queued_ = false;
+  // NoShard: an optimizer step happened and no zero_grad reached the buckets
+  // since (warned about once, where the buckets are not the gradients).
+  bool stepped_since_zero_ = false, warned_unzeroed_ = false;
   uint64_t gradient_generation_ = 0;
   int callback_task_ = -1;  // the autograd graph task the callback was queued for
   bool sync_ = true;

@@ -713,3 +713,49 @@ TEST_P(EveryStrategy, AFailedCollectiveIsCleanedUpAndTrainingContinuesAsIfItHadN
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
+
+// NoShard with fp32 buckets of bf16 gradients under a root that is not a
+// unit: LibTorch's model->zero_grad() cannot reach the buckets (the
+// parameters hold no gradient), so the next step's gradients would add to
+// the last step's. The first backward after a step with no zero_grad that
+// reached the buckets warns, once, saying what to call; the optimizer's
+// zero_grad, or a unit root, gives no warning.
+TEST(NoShard, AStepWithoutAZeroGradThatReachesFp32BucketsWarnsOnce) {
+  auto r = run_ranks(2, [](World& w) {
+    auto precision =
+        shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).buffer_dtype(at::kBFloat16);
+    auto x = torch::ones({2, 7}, at::kBFloat16);
+    auto count = [&](bool through_module, bool unit_root) {
+      CapturedWarnings warnings;
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      std::shared_ptr<torch::nn::Module> root;
+      std::function<at::Tensor()> loss;
+      if (unit_root) {
+        auto m = MLP();
+        shardtorch::shard(m, w, ShardOptions().strategy(Strategy::NoShard).mixed_precision(precision));
+        root = m.ptr();
+        loss = [m, x]() mutable { return m(x).to(at::kFloat).sum(); };
+      } else {
+        auto m = torch::nn::Sequential(torch::nn::Linear(7, 5), torch::nn::Linear(5, 3));
+        shardtorch::shard(*m, w, ShardOptions().strategy(Strategy::NoShard).mixed_precision(precision));
+        root = m.ptr();
+        loss = [m, x]() mutable { return m->forward(x).to(at::kFloat).sum(); };
+      }
+      auto opt = shardtorch::AdamW(*root, torch::optim::AdamWOptions(1e-3));
+      for (int s = 0; s < 3; ++s) {
+        if (through_module) root->zero_grad();
+        else opt->zero_grad();
+        loss().backward();
+        opt->step();
+      }
+      return std::count_if(warnings.messages.begin(), warnings.messages.end(), [](const std::string& m) {
+        return m.find("call opt->zero_grad(), or make the root a unit") != std::string::npos;
+      });
+    };
+    require(count(true, false) == 1, "model->zero_grad() on a plain root: expected one warning, got " +
+                                         std::to_string(count(true, false)));
+    require(count(false, false) == 0, "opt->zero_grad() warned");
+    require(count(true, true) == 0, "model->zero_grad() on a unit root warned");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
