@@ -190,6 +190,8 @@ TEST(Safetensors, RefusesMalformedFilesNamingFileAndProblem) {
       {R"({"a":{"dtype":"F32","shape":[2]}})", std::string(8, 'x'), "missing dtype, shape or data_offsets"},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})", std::string(8, 'x'), "unexpected end"},
       {R"({"__metadata__":{"k":1}})", "", "is not a string"},
+      {R"({"__metadata__":{"k":"\udc00"}})", "", "a low surrogate"},
+      {R"({"__metadata__":{"k":"\ud83dx"}})", "", "without its pair"},
   };
   for (const auto& c : cases) {
     write_raw(p, c.json, c.data);
@@ -208,6 +210,34 @@ TEST(Safetensors, RefusesMalformedFilesNamingFileAndProblem) {
   std::ofstream(p, std::ios::binary) << "abc";
   EXPECT_NE(error_of(p).find("shorter than the 8-byte header length"), std::string::npos);
   EXPECT_NE(error_of(dir / "nope").find("cannot open"), std::string::npos);
+  files::remove_all(dir);
+}
+
+// Names and metadata are UTF-8 both ways, as Python's safetensors has them:
+// characters past U+FFFF escaped as a surrogate pair (as JSON writers do)
+// read back as themselves; a string that is not UTF-8 is refused on writing
+// (Python would refuse the whole file), and nothing is written.
+TEST(Safetensors, NamesAndMetadataAreUtf8BothWays) {
+  auto dir = temp_dir();
+  auto p = dir / "u.safetensors";
+  write_raw(p, R"({"__metadata__":{"k":"\ud83d\ude00 \u00e9"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+            std::string(4, '\0'));
+  shardtorch::checkpoint::Reader r(p.string());
+  EXPECT_EQ(r.header().metadata.at("k"), "\xF0\x9F\x98\x80 \xC3\xA9");  // U+1F600, U+00E9
+  const auto q = (dir / "v.safetensors").string();
+  const std::string named = "w\xC3\xA9ight \xF0\x9F\x98\x80";
+  shardtorch::checkpoint::save_file(q, {{named, at::ones({2})}}, {{"note", "\xE2\x82\xAC"}});
+  auto back = shardtorch::checkpoint::load_file(q);
+  EXPECT_TRUE(back.count(named)) << "a UTF-8 name did not round-trip";
+  for (const std::string bad : {std::string("\xFF"), std::string("\xC0\x80"), std::string("\xED\xA0\x80"),
+                                std::string("\xE2\x82")}) {
+    const auto b = (dir / "bad.safetensors").string();
+    std::string e = message_of([&] { shardtorch::checkpoint::save_file(b, {{"t", at::ones({1})}}, {{"k", bad}}); });
+    EXPECT_NE(e.find("is not valid UTF-8"), std::string::npos) << e;
+    e = message_of([&] { shardtorch::checkpoint::save_file(b, {{bad, at::ones({1})}}); });
+    EXPECT_NE(e.find("is not valid UTF-8"), std::string::npos) << e;
+    EXPECT_FALSE(files::exists(b)) << "a refused write left a file";
+  }
   files::remove_all(dir);
 }
 

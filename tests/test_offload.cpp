@@ -192,6 +192,7 @@ TEST(Offload, CheckpointsMoveBetweenOffloadedAndResidentModelsBitwise) {
         }
       }
       shardtorch::save_sharded_checkpoint(*model, opt.get(), where, 2);
+      shardtorch::save_full_state_dict(*model, where + ".safetensors");  // gathered from host masters when offloaded
     });
   };
   const std::string a = (dir / "offloaded").string(), b = (dir / "resident").string(), c = (dir / "back").string();
@@ -207,6 +208,14 @@ TEST(Offload, CheckpointsMoveBetweenOffloadedAndResidentModelsBitwise) {
     auto again = shardtorch::read_sharded_checkpoint(p);
     ASSERT_EQ(again.size(), first.size()) << p;
     for (auto& [k, v] : first) EXPECT_TRUE(at::equal(again.at(k), v)) << k << " differs in " << p;
+  }
+  // The full state dicts too: saved offloaded (a, c) and resident (b), bitwise alike.
+  auto whole = shardtorch::checkpoint::load_file(a + ".safetensors");
+  ASSERT_TRUE(whole.count("tok_emb.weight")) << "the full state dict lacks the embedding";
+  for (const auto& p : {b, c}) {
+    auto again = shardtorch::checkpoint::load_file(p + ".safetensors");
+    ASSERT_EQ(again.size(), whole.size()) << p;
+    for (auto& [k, v] : whole) EXPECT_TRUE(at::equal(again.at(k), v)) << k << " differs in " << p << ".safetensors";
   }
   files::remove_all(dir);
 }

@@ -120,6 +120,21 @@ class Parser {
     return v;
   }
 
+  // The four hex digits of a \u escape.
+  unsigned hex4() {
+    if (end_ - p_ < 4) error("short \\u escape");
+    unsigned v = 0;
+    for (int i = 0; i < 4; ++i) {
+      char h = *p_++;
+      v <<= 4;
+      if (h >= '0' && h <= '9') v |= static_cast<unsigned>(h - '0');
+      else if (h >= 'a' && h <= 'f') v |= static_cast<unsigned>(h - 'a' + 10);
+      else if (h >= 'A' && h <= 'F') v |= static_cast<unsigned>(h - 'A' + 10);
+      else error("bad \\u escape");
+    }
+    return v;
+  }
+
   std::string string() {
     ++p_;  // opening quote
     std::string out;
@@ -144,17 +159,20 @@ class Parser {
         case 'r': out += '\r'; break;
         case 't': out += '\t'; break;
         case 'u': {
-          if (end_ - p_ < 4) error("short \\u escape");
-          unsigned cp = 0;
-          for (int i = 0; i < 4; ++i) {
-            char h = *p_++;
-            cp <<= 4;
-            if (h >= '0' && h <= '9') cp |= static_cast<unsigned>(h - '0');
-            else if (h >= 'a' && h <= 'f') cp |= static_cast<unsigned>(h - 'a' + 10);
-            else if (h >= 'A' && h <= 'F') cp |= static_cast<unsigned>(h - 'A' + 10);
-            else error("bad \\u escape");
+          unsigned cp = hex4();
+          if (cp >= 0xDC00 && cp <= 0xDFFF) error("a low surrogate \\u escape without a high one before it");
+          if (cp >= 0xD800 && cp <= 0xDBFF) {  // a pair (JSON's way to write U+10000 and above)
+            if (end_ - p_ < 2 || p_[0] != '\\' || p_[1] != 'u') error("a high surrogate \\u escape without its pair");
+            p_ += 2;
+            const unsigned low = hex4();
+            if (low < 0xDC00 || low > 0xDFFF) error("a high surrogate \\u escape without its pair");
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+            out += static_cast<char>(0xF0 | (cp >> 18));
+            out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+            out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+            out += static_cast<char>(0x80 | (cp & 0x3F));
+            break;
           }
-          if (cp >= 0xD800 && cp <= 0xDFFF) error("surrogate \\u escapes are not supported");
           if (cp < 0x80) {
             out += static_cast<char>(cp);
           } else if (cp < 0x800) {
@@ -178,7 +196,43 @@ class Parser {
   const std::string& file_;
 };
 
+// Whether `s` is well-formed UTF-8 (no overlong forms, no surrogates,
+// nothing past U+10FFFF): Python's safetensors refuses a header that is not.
+bool valid_utf8(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    int extra;
+    unsigned cp;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      extra = 1, cp = c & 0x1F;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      extra = 2, cp = c & 0x0F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      extra = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + extra >= s.size()) return false;
+    for (int k = 1; k <= extra; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    if ((extra == 2 && cp < 0x800) || (extra == 3 && (cp < 0x10000 || cp > 0x10FFFF)) || (cp >= 0xD800 && cp <= 0xDFFF))
+      return false;
+    i += static_cast<size_t>(extra) + 1;
+  }
+  return true;
+}
+
 std::string quote(const std::string& s) {
+  if (!valid_utf8(s))
+    throw SafetensorsError("safetensors: the name or metadata string '" + s +
+                           "' is not valid UTF-8 (Python's safetensors would refuse the file)");
   std::string out = "\"";
   for (unsigned char c : s) {
     if (c == '"' || c == '\\') {
