@@ -89,14 +89,13 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
 }
 
 void ReduceScatterBucketer::all_reduce(const at::Tensor& input, Comm& group, Callback callback,
-                                       const std::string& what) {
+                                       const std::string& what, bool from_callback) {
   c10::NoGradGuard no_grad;
   launch_bucket(bucket_for(input, group));  // what is queued goes first, as for an input too big for a bucket
-  // No bound on this wait (beyond the collective's timeout): the bound exists
-  // for a peer waiting in an all-gather on the other communicator, and the
-  // all-reduced gradients (OptimizerOnly) have no gathers in backward. The
-  // staging gradients in flight stay within the limit.
-  make_room(what, /*bounded=*/false);
+  // OptimizerOnly: no bound beyond the collective's timeout (no peer can be
+  // waiting in an all-gather of this rank), and the staging gradients in
+  // flight stay within the limit. From a callback: no wait at all (header).
+  if (!from_callback) make_room(what, /*bounded=*/false);
   at::Tensor in = input.contiguous().view({-1});
   Pieces pieces;
   pieces.push_back({{0, in.numel()}, std::move(callback)});

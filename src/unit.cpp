@@ -328,9 +328,17 @@ void Unit::reduce_flats() {
             owner->deliver_gradient(reduced, /*owned=*/false, accumulate);  // a bucket's output
             return;
           }
-          at::Tensor t = reduced.clone();  // summed in the shard group; now across the replicas
-          replicas->all_reduce(t, c10d::ReduceOp::SUM, what + " across replicas");
-          owner->deliver_gradient(t, /*owned=*/true, accumulate);
+          // Summed in the shard group; now across the replicas, launched and
+          // left in flight: waiting here, inside a reduce-scatter's
+          // completion, could wait for a replica whose shard-group peer waits
+          // in an all-gather of this rank (a cycle until the timeout, when
+          // ranks route around units differently). The replica all-reduces
+          // go out in the order the reduce-scatters complete, which is the
+          // same on every rank, and complete by the end of backward.
+          owner->bucketer().all_reduce(
+              reduced.clone(), *replicas,
+              [owner, accumulate](const at::Tensor& t) { owner->deliver_gradient(t, /*owned=*/true, accumulate); },
+              what + " across replicas", /*from_callback=*/true);
         },
         what);
   }

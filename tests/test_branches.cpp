@@ -457,9 +457,24 @@ INSTANTIATE_TEST_SUITE_P(
 // first. More reduce-scatters than the bucketer keeps in flight: waiting for
 // the oldest there would wait for rank 0, itself waiting in the all-gather
 // for rank 1 (until the collective timeout).
+//
+// HybridShard at 4 ranks (shard groups {0,1}, {2,3}), routed around on one
+// rank of each shard group, the two in different replica groups (ranks 1 and
+// 2): their reduce-scatters complete before the all-gather their shard-group
+// peers wait in, and the replica all-reduce that follows must not block
+// there (it used to, inside the reduce-scatter's completion: rank 1 waited
+// for rank 3, 3 in the all-gather for 2, 2 for 0, 0 for 1).
 TEST(RankDependentBranchesAroundGathers, MoreUnitsFinalBeforeAGatherThanReduceScattersInFlight) {
-  auto use_own = [](int s, int r) { return s != 1 || r == 0; };
-  for (auto [strategy, world] : {std::pair{Strategy::FullShard, 2}, std::pair{Strategy::HybridShard, 4}}) {
+  struct Case {
+    Strategy strategy;
+    int world;
+    bool across_replicas;  // routed around on ranks 1 and 2, not on rank 1 alone
+  };
+  for (const Case c : {Case{Strategy::FullShard, 2, false}, Case{Strategy::HybridShard, 4, false},
+                       Case{Strategy::HybridShard, 4, true}}) {
+    const Strategy strategy = c.strategy;
+    const int world = c.world;
+    auto use_own = [&](int s, int r) { return s != 1 || r == 0 || (c.across_replicas && r == 3); };
     torch::manual_seed(3);
     auto x = torch::randn({kRows * world, 6});
     torch::manual_seed(0);
@@ -485,6 +500,7 @@ TEST(RankDependentBranchesAroundGathers, MoreUnitsFinalBeforeAGatherThanReduceSc
           require(past.item<double>() >= 1, "no reduce-scatter was launched past the limit");
         },
         shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << (c.across_replicas ? " across replicas" : "") << ": "
+                      << r.summary();
   }
 }

@@ -94,15 +94,22 @@ class ReduceScatterBucketer {
   /// reduced as it is: the caller must not write it afterwards, nor read it
   /// (on Gloo it is all-reduced in place).
   void reduce_scatter(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
-  /// Queues `input` for a summing all-reduce over `group` (OptimizerOnly's
-  /// gradients, which every rank keeps whole): launched at once, alone,
-  /// after what is queued for the same dtype and group, under the same limit
-  /// in flight, waiting for room as long as the collective timeout allows
-  /// (no bounded wait: no gather in backward to deadlock with); `callback`
-  /// gets the whole reduced input, which is `input`
-  /// itself when that was contiguous (reduced in place: the caller must not
-  /// read or write it meanwhile) and which nothing else writes afterwards.
-  void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
+  /// Queues `input` for a summing all-reduce over `group`: launched at once,
+  /// alone, after what is queued for the same dtype and group, under the
+  /// same limit in flight; `callback` gets the whole reduced input, which is
+  /// `input` itself when that was contiguous (reduced in place: the caller
+  /// must not read or write it meanwhile) and which nothing else writes
+  /// afterwards. It waits for room as long as the collective timeout allows
+  /// (OptimizerOnly's gradients: no gather in backward to deadlock with),
+  /// unless `from_callback`: then it goes out at once, past the limit if need
+  /// be (HybridShard's all-reduces across replicas, launched from a
+  /// reduce-scatter's callback: waiting there could wait for a replica whose
+  /// shard-group peer waits in an all-gather of this rank, and completing
+  /// another launch there would run its callbacks, and launch its
+  /// all-reduces, before those of the launch being completed, in an order
+  /// other ranks need not share).
+  void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what,
+                  bool from_callback = false);
   /// Launches everything queued, waits for every collective in flight and
   /// runs the callbacks.
   void flush();
