@@ -270,9 +270,14 @@ int main(int argc, char** argv) {
     }
     po::notify(vm);
     TORCH_CHECK(a.steps >= 1 && a.warmup >= 0 && a.batch >= 1, "gpt_bench: need --steps >= 1, --warmup >= 0, --batch >= 1");
+    TORCH_CHECK(a.cfg.n_layer >= 1 && a.cfg.d_model >= 1 && a.cfg.n_head >= 1 && a.cfg.vocab >= 1 && a.cfg.seq_len >= 2,
+                "gpt_bench: need --layers, --d-model, --heads and --vocab >= 1 and --seq >= 2");
     TORCH_CHECK(a.cfg.d_model % a.cfg.n_head == 0, "gpt_bench: --d-model ", a.cfg.d_model, " is not a multiple of --heads ",
                 a.cfg.n_head);
     return run(a);
+  } catch (const c10::Error& e) {  // the message, without LibTorch's C++ stack trace
+    std::cerr << "gpt_bench: " << e.what_without_backtrace() << "\n";
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "gpt_bench: " << e.what() << "\n";
     return 1;

@@ -52,6 +52,9 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
   const Scheme schemes[] = {
       {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"},
       {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+      // MPICH and Intel MPI (Hydra's PMI): without it each process would be
+      // rank 0 of a world of its own, and all train alone.
+      {"mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
       {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
   };
   LaunchEnv env;
@@ -98,7 +101,7 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
 std::shared_ptr<World> World::from_env(WorldOptions options) {
   LaunchEnv env = parse_launch_env();
   c10::intrusive_ptr<c10d::Store> store;
-  if (env.world_size == 1 && env.master_port == 0) {
+  if (env.world_size == 1) {  // nothing to rendezvous with (a MASTER_PORT left set used to wait for a server)
     store = c10::make_intrusive<c10d::HashStore>();
   } else {
     c10d::TCPStoreOptions so;

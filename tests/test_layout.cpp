@@ -106,6 +106,11 @@ TEST(LaunchEnv, OpenMpiAndSlurm) {
   auto s = shardtorch::parse_launch_env(env({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
                                              {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}}));
   EXPECT_EQ(s.launcher, "slurm");
+  auto p = shardtorch::parse_launch_env(env({{"PMI_RANK", "2"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "0"},
+                                             {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}}));
+  EXPECT_EQ(p.launcher, "mpich");  // MPICH's and Intel MPI's mpirun
+  EXPECT_EQ(p.rank, 2);
+  EXPECT_EQ(p.world_size, 4);
   EXPECT_EQ(s.rank, 5);
   EXPECT_EQ(s.world_size, 8);
   EXPECT_FALSE(s.use_agent_store);

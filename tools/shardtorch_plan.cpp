@@ -96,6 +96,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     po::notify(vm);
+    if (a.cfg.n_layer < 1 || a.cfg.d_model < 1 || a.cfg.n_head < 1 || a.cfg.vocab < 1 || a.cfg.seq_len < 1 ||
+        a.world < 1 || a.bucket_mb <= 0)
+      throw std::invalid_argument("--layers, --d-model, --heads, --vocab, --seq and --world must be at least 1, and "
+                                  "--bucket-mb positive");
+    if (a.cfg.d_model > (int64_t{1} << 20) || a.cfg.vocab > (int64_t{1} << 30) || a.cfg.seq_len > (int64_t{1} << 30))
+      throw std::invalid_argument("--d-model (at most 2^20), --vocab or --seq (at most 2^30) too large to plan");
     if (a.optimizer == "adamw" || a.optimizer == "adam") a.states = 2;
     else if (a.optimizer == "sgd-momentum") a.states = 1;
     else if (a.optimizer == "sgd") a.states = 0;
@@ -107,6 +113,8 @@ int main(int argc, char** argv) {
     if (!a.strategy.empty()) strategies.push_back(shardtorch::parse_strategy(a.strategy));
     else strategies = {Strategy::NoShard, Strategy::OptimizerOnly, Strategy::ShardGradOp, Strategy::FullShard,
                        Strategy::HybridShard};
+    if (!a.strategy.empty() && a.world < 2 && strategies.front() == Strategy::HybridShard)
+      throw std::invalid_argument("--strategy hybrid_shard needs --world 2 or more");
     if (a.world < 2) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::HybridShard), strategies.end());
     if (a.offload) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::NoShard), strategies.end());
 
@@ -167,11 +175,15 @@ int main(int argc, char** argv) {
         }
         const int64_t lo = shardtorch::largest_that_fits([&](int64_t n) { return peak(n).first; }, budget, 1 << 20);
         auto [bytes, params] = peak(lo);
-        std::printf("  %-15s %lld layers, %.3f B parameters, device peak %s\n", shardtorch::strategy_name(s),
+        std::printf("  %-15s %s%lld layers, %.3f B parameters, device peak %s\n", shardtorch::strategy_name(s),
+                    lo == (1 << 20) ? "at least " : "",  // the search's limit, not an answer
                     static_cast<long long>(lo), params / 1e9, shardtorch::format_bytes(bytes).c_str());
       }
     }
     return 0;
+  } catch (const c10::Error& e) {  // the message, without LibTorch's C++ stack trace
+    std::cerr << "shardtorch-plan: " << e.what_without_backtrace() << "\n";
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "shardtorch-plan: " << e.what() << "\n";
     return 1;
