@@ -34,6 +34,38 @@ using shardtorch::Strategy;
 
 namespace {
 
+// List entries, checked: the option and the entry are named in the error
+// (std::stoi's own says only "stoi"), and a flag is 0 or 1, nothing else.
+int64_t whole(const std::string& option, const std::string& text, int64_t least) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || used != text.size() || v < least)
+    throw std::invalid_argument(option + " entry '" + text + "' is not a whole number of at least " +
+                                std::to_string(least));
+  return v;
+}
+double positive(const std::string& option, const std::string& text) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || used != text.size() || !(v > 0))
+    throw std::invalid_argument(option + " entry '" + text + "' is not a positive number");
+  return v;
+}
+bool flag(const std::string& option, const std::string& text) {
+  if (text != "0" && text != "1") throw std::invalid_argument(option + " entry '" + text + "' is not 0 or 1");
+  return text == "1";
+}
+
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   std::stringstream ss(s);
@@ -141,8 +173,13 @@ int main(int argc, char** argv) {
               for (const auto& ac : split(recomputes)) {
                 auto x = m.find('x');
                 if (x == std::string::npos) throw std::invalid_argument("--models entry '" + m + "' is not LAYERSxD_MODEL");
-                Config k{shardtorch::parse_strategy(s), std::stoi(w), std::stoll(m.substr(0, x)),
-                         std::stoll(m.substr(x + 1)), o == "1", std::stod(b), ac == "1"};
+                Config k{shardtorch::parse_strategy(s),
+                         static_cast<int>(whole("--worlds", w, 1)),
+                         whole("--models", m.substr(0, x), 1),
+                         whole("--models", m.substr(x + 1), 1),
+                         flag("--offload", o),
+                         positive("--bucket-mb", b),
+                         flag("--activation-checkpointing", ac)};
                 if (k.offload && k.strategy == Strategy::NoShard) continue;  // refused by design
                 if (k.strategy == Strategy::HybridShard && (k.world < 2 || k.world % 2)) continue;
                 configs.push_back(k);
