@@ -34,7 +34,8 @@ AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector
     bytes += nb;
   }
   for (auto& [dtype, members] : groups) {
-    int64_t numel = &members == &groups.back().second ? 1 : 0;  // the last bucket's flag (header comment)
+    const int64_t flag = &members == &groups.back().second ? 1 : 0;  // the last bucket's flag (header comment)
+    int64_t numel = flag;
     for (size_t k : members) numel += params_[k].numel();
     Bucket b;
     b.buffer = at::zeros({numel}, params_[members[0]].options().requires_grad(false).dtype(reduce_dtype.value_or(dtype)));
@@ -45,7 +46,7 @@ AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector
       is_view_[k] = b.buffer.scalar_type() == params_[k].scalar_type();
       off += params_[k].numel();
     }
-    if (mem) mem->add(Mem::Gradients, (numel - (&members == &groups.back().second ? 1 : 0)) * b.buffer.element_size());
+    if (mem) mem->add(Mem::Gradients, (numel - flag) * b.buffer.element_size());
     buckets_.push_back(std::move(b));
   }
   bind_grads();

@@ -12,11 +12,13 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include <boost/json.hpp>
@@ -36,30 +38,25 @@ namespace {
 
 // List entries, checked: the option and the entry are named in the error
 // (std::stoi's own says only "stoi"), and a flag is 0 or 1, nothing else.
-int64_t whole(const std::string& option, const std::string& text, int64_t least) {
-  size_t used = 0;
-  int64_t v = 0;
-  try {
-    v = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (text.empty() || used != text.size() || v < least)
-    throw std::invalid_argument(option + " entry '" + text + "' is not a whole number of at least " +
-                                std::to_string(least));
+// The whole entry must be the number (from_chars: no "12abc", no spaces).
+template <typename T>
+std::optional<T> number(const std::string& text) {
+  T v{};
+  const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || err != std::errc() || end != text.data() + text.size()) return std::nullopt;
   return v;
 }
+int64_t whole(const std::string& option, const std::string& text, int64_t least) {
+  const auto v = number<int64_t>(text);
+  if (!v || *v < least)
+    throw std::invalid_argument(option + " entry '" + text + "' is not a whole number of at least " +
+                                std::to_string(least));
+  return *v;
+}
 double positive(const std::string& option, const std::string& text) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (text.empty() || used != text.size() || !(v > 0))
-    throw std::invalid_argument(option + " entry '" + text + "' is not a positive number");
-  return v;
+  const auto v = number<double>(text);
+  if (!v || !(*v > 0)) throw std::invalid_argument(option + " entry '" + text + "' is not a positive number");
+  return *v;
 }
 bool flag(const std::string& option, const std::string& text) {
   if (text != "0" && text != "1") throw std::invalid_argument(option + " entry '" + text + "' is not 0 or 1");
