@@ -26,6 +26,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "cli.h"
 #include "gpt.h"
 #include "shardtorch/shardtorch.h"
 
@@ -77,22 +78,22 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument("train_gpt: " + k + " needs a value");
       return argv[++i];
     };
-    if (k == "--steps") a.steps = std::stoi(next());
-    else if (k == "--batch") a.batch = std::stoll(next());
-    else if (k == "--lr") a.lr = std::stod(next());
-    else if (k == "--layers") a.cfg.n_layer = std::stoll(next());
-    else if (k == "--d-model") a.cfg.d_model = std::stoll(next());
+    if (k == "--steps") a.steps = cli::parse<int>(k, next());
+    else if (k == "--batch") a.batch = cli::parse<int64_t>(k, next());
+    else if (k == "--lr") a.lr = cli::parse<double>(k, next());
+    else if (k == "--layers") a.cfg.n_layer = cli::parse<int64_t>(k, next());
+    else if (k == "--d-model") a.cfg.d_model = cli::parse<int64_t>(k, next());
     else if (k == "--strategy") a.strategy = next();
-    else if (k == "--hybrid-shard-size") a.hybrid_shard_size = std::stoi(next());
+    else if (k == "--hybrid-shard-size") a.hybrid_shard_size = cli::parse<int>(k, next());
     else if (k == "--bf16") a.bf16 = true;
-    else if (k == "--accumulate") a.accumulate = std::stoi(next());
-    else if (k == "--clip") a.clip = std::stod(next());
+    else if (k == "--accumulate") a.accumulate = cli::parse<int>(k, next());
+    else if (k == "--clip") a.clip = cli::parse<double>(k, next());
     else if (k == "--offload") a.offload = true;
     else if (k == "--prefetch") a.prefetch = true;
     else if (k == "--activation-checkpointing") a.recompute = true;
-    else if (k == "--dataset") a.dataset = std::stoll(next());
+    else if (k == "--dataset") a.dataset = cli::parse<int64_t>(k, next());
     else if (k == "--checkpoint") a.checkpoint = next();
-    else if (k == "--save-every") a.save_every = std::stoi(next());
+    else if (k == "--save-every") a.save_every = cli::parse<int>(k, next());
     else if (k == "--resume") a.resume = true;
     else if (k == "--export") a.export_path = next();
     else if (k == "--help") {

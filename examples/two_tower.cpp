@@ -18,6 +18,7 @@
 #include <iostream>
 #include <string>
 
+#include "cli.h"
 #include "shardtorch/shardtorch.h"
 
 namespace {
@@ -80,9 +81,9 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument("two_tower: " + k + " needs a value");
       return argv[++i];
     };
-    if (k == "--steps") a.steps = std::stoi(next());
-    else if (k == "--batch") a.batch = std::stoll(next());
-    else if (k == "--lr") a.lr = std::stod(next());
+    if (k == "--steps") a.steps = cli::parse<int>(k, next());
+    else if (k == "--batch") a.batch = cli::parse<int64_t>(k, next());
+    else if (k == "--lr") a.lr = cli::parse<double>(k, next());
     else if (k == "--strategy") a.strategy = next();
     else if (k == "--prefetch") a.prefetch = true;
     else if (k == "--no-broadcast-buffers") a.broadcast_buffers = false;

@@ -35,8 +35,47 @@ int parse_int(const std::string& name, const std::string& value) {
   return static_cast<int>(v);
 }
 
+std::string seconds(std::chrono::milliseconds t) {
+  std::ostringstream os;
+  os << t.count() / 1000.0;
+  return os.str();
+}
+
 bool is_local_address(const std::string& addr) {
   return addr.empty() || addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+std::string list(const std::vector<int>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s + "]";
+}
+
+// A CUDA device this process cannot use fails here, naming the rank, rather
+// than at the first tensor moved to it.
+void check_device(const c10::Device& d, int rank, int local_rank) {
+  if (!d.is_cuda()) return;
+  TORCH_CHECK(at::hasCUDA(), "shardtorch: rank ", rank, " is to compute on ", d,
+              ", but this LibTorch has no CUDA or sees no GPU");
+  const auto count = static_cast<int64_t>(at::getNumGPUs());
+  TORCH_CHECK(!d.has_index() || d.index() < count, "shardtorch: rank ", rank, " (local rank ", local_rank,
+              ") is to compute on ", d, ", but this host shows it ", count,
+              " GPU(s): start at most that many ranks per host, or set WorldOptions::device");
+}
+
+// The backend of the world or of a group. A member that never arrives is an
+// error naming this rank, what was being set up and how long it waited.
+c10::intrusive_ptr<c10d::Backend> connect(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
+                                          int index, int n, const WorldOptions& options, int rank,
+                                          const std::string& what) {
+  try {
+    if (backend == "nccl") return detail::make_nccl_backend(store, index, n, options.timeout());
+    return detail::make_gloo_backend(store, index, n, options.timeout(), options.gloo_hostname());
+  } catch (c10::Error& e) {
+    e.add_context("shardtorch: rank " + std::to_string(rank) + " could not set up " + backend + " for " + what +
+                  " within " + seconds(options.timeout()) + " s");
+    throw;
+  }
 }
 
 }  // namespace
@@ -84,6 +123,11 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
     if (p < 1 || p > 65535) bad_var("MASTER_PORT", *port, "is outside 1..65535");
     env.master_port = p;
   }
+  if (auto t = lookup("SHARDTORCH_TIMEOUT_S")) {
+    const int seconds = parse_int("SHARDTORCH_TIMEOUT_S", *t);
+    if (seconds < 1) bad_var("SHARDTORCH_TIMEOUT_S", *t, "must be at least 1 (seconds)");
+    env.timeout = std::chrono::seconds(seconds);
+  }
   auto agent = lookup("TORCHELASTIC_USE_AGENT_STORE");
   env.use_agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   if (env.world_size > 1) {
@@ -100,6 +144,7 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
 
 std::shared_ptr<World> World::from_env(WorldOptions options) {
   LaunchEnv env = parse_launch_env();
+  if (env.timeout) options.timeout(*env.timeout);
   c10::intrusive_ptr<c10d::Store> store;
   if (env.world_size == 1) {  // nothing to rendezvous with (a MASTER_PORT left set used to wait for a server)
     store = c10::make_intrusive<c10d::HashStore>();
@@ -110,7 +155,20 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
     so.numWorkers = env.world_size;
     so.waitWorkers = false;
     so.timeout = options.timeout();
-    auto tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    c10::intrusive_ptr<c10d::TCPStore> tcp;
+    try {
+      tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    } catch (c10::Error& e) {
+      std::ostringstream os;
+      os << "shardtorch: rank " << env.rank << " of " << env.world_size << " (" << env.launcher << ") could not "
+         << (so.isServer ? "host" : "reach") << " the rendezvous store at " << env.master_addr << ":"
+         << env.master_port << " within " << seconds(options.timeout()) << " s"
+         << (so.isServer ? "; is another job using MASTER_PORT?"
+                         : "; is rank 0 running, and can this host reach MASTER_ADDR?")
+         << " (SHARDTORCH_TIMEOUT_S sets the wait)";
+      e.add_context(os.str());
+      throw;
+    }
     store = c10::make_intrusive<c10d::PrefixStore>("shardtorch", tcp);
   }
   if (options.gloo_hostname().empty() && is_local_address(env.master_addr)) options.gloo_hostname("127.0.0.1");
@@ -135,16 +193,15 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   }
   std::string backend = options.backend();
   if (backend == "auto") backend = (w->device_.is_cuda() && detail::nccl_available()) ? "nccl" : "gloo";
-  c10::intrusive_ptr<c10d::Backend> b;
-  if (backend == "gloo") {
-    b = detail::make_gloo_backend(store, rank, world_size, options.timeout(), options.gloo_hostname());
-  } else if (backend == "nccl") {
-    TORCH_CHECK(detail::nccl_available(), "shardtorch: backend 'nccl' asked for, but this build has no NCCL");
-    TORCH_CHECK(w->device_.is_cuda(), "shardtorch: backend 'nccl' needs a CUDA device, got ", w->device_);
-    b = detail::make_nccl_backend(store, rank, world_size, options.timeout());
-  } else {
-    TORCH_CHECK(false, "shardtorch: unknown backend '", backend, "' (expected auto, gloo or nccl)");
-  }
+  TORCH_CHECK(backend == "gloo" || backend == "nccl", "shardtorch: unknown backend '", backend,
+              "' (expected auto, gloo or nccl)");
+  TORCH_CHECK(backend != "nccl" || detail::nccl_available(),
+              "shardtorch: backend 'nccl' asked for, but this build has no NCCL");
+  TORCH_CHECK(backend != "nccl" || w->device_.is_cuda(), "shardtorch: backend 'nccl' needs a CUDA device, got ",
+              w->device_);
+  check_device(w->device_, rank, local_rank);
+  auto b = connect(backend, store, rank, world_size, options, rank,
+                   "the world (every one of the " + std::to_string(world_size) + " ranks must create it)");
   w->backend_name_ = backend;
   // Gloo moves CPU tensors; NCCL moves tensors on the rank's device.
   c10::Device comm_device = backend == "nccl" ? w->device_ : c10::Device(c10::kCPU);
@@ -156,22 +213,24 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   auto it = std::find(ranks.begin(), ranks.end(), rank_);
   TORCH_CHECK(it != ranks.end(), "shardtorch: rank ", rank_, " is not in the group '", tag, "' it asked to join");
   for (int r : ranks) TORCH_CHECK(r >= 0 && r < size_, "shardtorch: group '", tag, "' names rank ", r, " of ", size_);
+  std::vector<int> members = ranks;
+  std::sort(members.begin(), members.end());
+  TORCH_CHECK(std::adjacent_find(members.begin(), members.end()) == members.end(), "shardtorch: rank ", rank_,
+              ": group '", tag, "' names a rank twice: ", list(ranks));
   int index = static_cast<int>(it - ranks.begin());
   int n = static_cast<int>(ranks.size());
   // The members of a group are the only ranks that make it, so a count per
-  // (tag, ranks) keeps the keys of a second such group apart from the first's
-  // and is the same on all of them; a count over all groups would differ
-  // between ranks once some made a group the others are not in, and a count
-  // per tag once a tag named other ranks (shard()'s groups of two models).
+  // (tag, members) keys a second such group apart from the first and is the
+  // same on all of them; a count over all groups would differ between ranks
+  // once some made a group the others are not in, and a count per tag once a
+  // tag named other ranks (shard()'s groups of two models). Keyed by the set,
+  // not the order, so that members listing it in different orders meet and
+  // say so instead of each waiting for a group no one else joins.
   std::string key = tag + "/ranks";
-  for (int r : ranks) key += "-" + std::to_string(r);
+  for (int r : members) key += "-" + std::to_string(r);
   auto store = c10::make_intrusive<c10d::PrefixStore>("group/" + key + "/" + std::to_string(groups_made_[key]++), store_);
-  c10::intrusive_ptr<c10d::Backend> b;
-  if (backend_name_ == "nccl") {
-    b = detail::make_nccl_backend(store, index, n, options_.timeout());
-  } else {
-    b = detail::make_gloo_backend(store, index, n, options_.timeout(), options_.gloo_hostname());
-  }
+  agree_on_order(*store, ranks, members, tag);
+  auto b = connect(backend_name_, store, index, n, options_, rank_, "group '" + tag + "' of ranks " + list(ranks));
   auto comm = std::make_shared<Comm>(b, index, n, options_.timeout(), comm_->device());
   // One collective now, while every member is here: a backend that sets up
   // its communicator at the first collective (NCCL) must not do so at some
@@ -179,6 +238,35 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   auto probe = at::zeros({1}, at::TensorOptions().device(comm_->device()));
   comm->all_reduce(probe, c10d::ReduceOp::SUM, "setting up group '" + tag + "'");
   return comm;
+}
+
+// The lowest member publishes its order of the ranks; each member compares
+// its own and counts a difference; the last to arrive publishes the verdict.
+// Five store operations a member, whatever the group's size.
+void World::agree_on_order(c10d::Store& store, const std::vector<int>& ranks, const std::vector<int>& members,
+                           const std::string& tag) {
+  const int n = static_cast<int>(members.size());
+  const std::string mine = list(ranks);
+  auto as_string = [](const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); };
+  std::string first;
+  int64_t disagree = 0;
+  try {
+    if (rank_ == members.front()) store.set("order", std::vector<uint8_t>(mine.begin(), mine.end()));
+    first = as_string(store.get("order"));
+    if (first != mine) store.add("disagree", 1);
+    if (store.add("arrived", 1) == n) store.set("verdict", std::vector<uint8_t>{1});
+    store.wait({"verdict"});
+    disagree = store.add("disagree", 0);
+  } catch (c10::Error& e) {  // a store's time-out (FileStore's is a plain c10::Error)
+    e.add_context("shardtorch: rank " + std::to_string(rank_) + " waited " + seconds(options_.timeout()) +
+                  " s for the other members of group '" + tag + "' " + list(members) +
+                  " to arrive: do all of them call new_group with this tag and these ranks?");
+    throw;
+  }
+  TORCH_CHECK(disagree == 0, "shardtorch: rank ", rank_, ": the members of group '", tag,
+              "' list its ranks in different orders (a member's index in the group is its place in the list): rank ",
+              members.front(), " passed ", first, ", ", disagree, " member(s) another order",
+              first != mine ? ", this rank " + mine : std::string());
 }
 
 void World::barrier() {

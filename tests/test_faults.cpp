@@ -1,6 +1,9 @@
 // Bad input and faults: differing models, misuse, dead and stuck ranks.
 #include <gtest/gtest.h>
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include <csignal>
 #include <thread>
 
@@ -139,4 +142,106 @@ TEST(Faults, StuckRankTimesOutWithinTheCollectiveTimeout) {
   EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("rank 0/2: all_gather for parameters of unit 'l1'"), std::string::npos) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("timeout 2 s"), std::string::npos) << r.summary();
+}
+
+// Groups: a rank named twice, members listing the ranks in different orders
+// and a member that never comes are errors naming the group, not a wait for
+// a group no one else joins (each used to wait out the timeout in Gloo's
+// set-up, with a message about store keys).
+TEST(Faults, GroupsOfBadRankListsFailFastNamingTheGroup) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto twice = run_ranks(2, [](World& w) { w.new_group({0, 1, w.rank()}, "twice"); },
+                         shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
+  expect_all_fail_with(twice, {"group 'twice' names a rank twice: [0, 1, "});
+  auto orders = run_ranks(3, [](World& w) {
+    if (w.rank() == 2) return;
+    w.new_group(w.rank() == 0 ? std::vector<int>{0, 1} : std::vector<int>{1, 0}, "pair");
+  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
+  ASSERT_FALSE(orders.ok);
+  EXPECT_EQ(orders.ranks[2].exit_code, 0) << orders.summary();
+  for (int k : {0, 1}) {
+    EXPECT_EQ(orders.ranks[k].exit_code, 1) << orders.summary();
+    EXPECT_NE(orders.ranks[k].message.find("rank " + std::to_string(k) + ": the members of group 'pair' list its "
+                                           "ranks in different orders"),
+              std::string::npos)
+        << orders.summary();
+    EXPECT_NE(orders.ranks[k].message.find("rank 0 passed [0, 1], 1 member(s) another order"), std::string::npos)
+        << orders.summary();
+  }
+  EXPECT_NE(orders.ranks[1].message.find("this rank [1, 0]"), std::string::npos) << orders.summary();
+  EXPECT_LT(seconds_since(t0), 15.0) << "no rank should wait for the collective timeout";
+
+  auto missing = run_ranks(3, [](World& w) {
+    if (w.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(6));  // alive, never joins
+      return;
+    }
+    w.new_group({0, 1, 2}, "all");
+  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
+  EXPECT_EQ(missing.ranks[1].exit_code, 0) << missing.summary();
+  for (int k : {0, 2}) {
+    EXPECT_EQ(missing.ranks[k].exit_code, 1) << missing.summary();
+    EXPECT_NE(missing.ranks[k].message.find("rank " + std::to_string(k) +
+                                            " waited 2 s for the other members of group 'all' [0, 1, 2] to arrive"),
+              std::string::npos)
+        << missing.summary();
+  }
+}
+
+// A CUDA device this process cannot use is refused when the world is made,
+// naming the rank, not at the first tensor moved to it: any CUDA device
+// without CUDA, and one past the last visible GPU with it.
+TEST(Faults, AnUnusableDeviceIsRefusedWhenTheWorldIsMade) {
+  const int64_t gpus = at::hasCUDA() ? static_cast<int64_t>(at::getNumGPUs()) : 0;
+  const auto device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(gpus));
+  const std::string expected = "rank 0 is to compute on " + device.str() + ", but this " +
+                               (at::hasCUDA() ? "host shows it " + std::to_string(gpus) + " GPU(s)"
+                                              : std::string("LibTorch has no CUDA"));
+  try {
+    World::create(c10::make_intrusive<c10d::HashStore>(), 0, 1, shardtorch::WorldOptions().device(device));
+    FAIL() << device << " was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+  }
+}
+
+// Rendezvous through the launcher's variables: a store no one hosts, a port
+// someone else holds and a world whose other rank never starts are errors
+// that name the rank, the launcher, the address and the wait, and
+// SHARDTORCH_TIMEOUT_S sets that wait (here 1 s instead of 5 minutes).
+TEST(Faults, RendezvousFailuresNameTheRankTheAddressAndTheWait) {
+  auto r = run_ranks(1, [](World&) {  // a process of its own: the variables set here stay in it
+    c10d::TCPStoreOptions so;
+    so.port = 0;  // any free port
+    so.isServer = true;
+    so.waitWorkers = false;
+    auto held = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    const std::string port = std::to_string(held->getPort());
+    auto error_as = [&](const char* rank) -> std::string {
+      ::setenv("RANK", rank, 1);
+      ::setenv("WORLD_SIZE", "2", 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", port.c_str(), 1);
+      ::setenv("SHARDTORCH_TIMEOUT_S", "1", 1);
+      auto t0 = std::chrono::steady_clock::now();
+      try {
+        World::from_env();
+      } catch (const c10::Error& e) {
+        require(seconds_since(t0) < 10.0, "waited " + std::to_string(seconds_since(t0)) + " s, not about 1");
+        return e.what();
+      }
+      return "no error";
+    };
+    auto has = [](const std::string& text, const std::string& needle) {
+      require(text.find(needle) != std::string::npos, "'" + needle + "' is not in: " + text);
+    };
+    has(error_as("0"), "rank 0 of 2 (torchrun) could not host the rendezvous store at 127.0.0.1:" + port +
+                           " within 1 s; is another job using MASTER_PORT?");
+    held.reset();  // now no one listens there
+    has(error_as("1"), "rank 1 of 2 (torchrun) could not reach the rendezvous store at 127.0.0.1:" + port +
+                           " within 1 s; is rank 0 running");
+    has(error_as("0"), "rank 0 could not set up gloo for the world (every one of the 2 ranks must create it) "
+                       "within 1 s");
+  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)));
+  ASSERT_TRUE(r.ok) << r.summary();
 }

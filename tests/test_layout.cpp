@@ -116,6 +116,17 @@ TEST(LaunchEnv, OpenMpiAndSlurm) {
   EXPECT_FALSE(s.use_agent_store);
 }
 
+TEST(LaunchEnv, TimeoutFromTheEnvironment) {
+  EXPECT_FALSE(shardtorch::parse_launch_env(env({})).timeout);
+  auto e = shardtorch::parse_launch_env(env({{"SHARDTORCH_TIMEOUT_S", "7"}}));
+  ASSERT_TRUE(e.timeout);
+  EXPECT_EQ(e.timeout->count(), 7000);
+  EXPECT_NE(error_of({{"SHARDTORCH_TIMEOUT_S", "0"}}).find("SHARDTORCH_TIMEOUT_S='0' must be at least 1"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"SHARDTORCH_TIMEOUT_S", "2m"}}).find("SHARDTORCH_TIMEOUT_S='2m' is not an integer"),
+            std::string::npos);
+}
+
 TEST(LaunchEnv, NoLauncherIsOneRank) {
   auto e = shardtorch::parse_launch_env(env({}));
   EXPECT_EQ(e.launcher, "none");

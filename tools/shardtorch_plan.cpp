@@ -8,6 +8,7 @@
 // Without --strategy every strategy is shown side by side. docs/benchmarks.md
 // compares the plans with measurements (shardtorch-sweep does it per run).
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -23,16 +24,21 @@ using shardtorch::Strategy;
 
 namespace {
 
-int64_t parse_bytes(const std::string& s) {
-  size_t used = 0;
-  double v = std::stod(s, &used);
-  std::string unit = s.substr(used);
+// "80GiB", "512M", "1e9": a number, then a unit or none (bytes).
+int64_t parse_bytes(const std::string& option, const std::string& s) {
+  double v = 0;
+  const auto [end, err] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (err != std::errc() || !(v >= 0))
+    throw std::invalid_argument(option + " '" + s + "' is not a size (a number, then B, KiB, MiB, GiB or TiB)");
+  std::string unit(end, s.data() + s.size());
   double mult = 1;
   if (unit == "KiB" || unit == "K") mult = 1024.0;
   else if (unit == "MiB" || unit == "M") mult = 1024.0 * 1024;
   else if (unit == "GiB" || unit == "G") mult = 1024.0 * 1024 * 1024;
   else if (unit == "TiB" || unit == "T") mult = 1024.0 * 1024 * 1024 * 1024;
-  else if (!unit.empty() && unit != "B") throw std::invalid_argument("unknown unit in '" + s + "' (B, KiB, MiB, GiB, TiB)");
+  else if (!unit.empty() && unit != "B")
+    throw std::invalid_argument(option + " '" + s + "': unknown unit '" + unit + "' (B, KiB, MiB, GiB or TiB)");
+  if (!(v * mult < 0x1p62)) throw std::invalid_argument(option + " '" + s + "' is too large");
   return static_cast<int64_t>(v * mult);
 }
 
@@ -106,7 +112,8 @@ int main(int argc, char** argv) {
     else if (a.optimizer == "sgd-momentum") a.states = 1;
     else if (a.optimizer == "sgd") a.states = 0;
     else throw std::invalid_argument("unknown --optimizer " + a.optimizer);
-    const int64_t reserve = parse_bytes(a.reserve), budget = a.fit.empty() ? 0 : parse_bytes(a.fit) - reserve;
+    const int64_t reserve = parse_bytes("--reserve", a.reserve),
+                  budget = a.fit.empty() ? 0 : parse_bytes("--fit", a.fit) - reserve;
     if (!a.fit.empty() && budget <= 0)
       throw std::invalid_argument("--reserve " + a.reserve + " leaves nothing of --fit " + a.fit);
     std::vector<Strategy> strategies;

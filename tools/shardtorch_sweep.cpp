@@ -24,6 +24,7 @@
 #include <boost/json.hpp>
 #include <boost/program_options.hpp>
 
+#include "../examples/cli.h"
 #include "../examples/gpt.h"
 #include "../src/files.h"
 #include "shardtorch/plan.h"
@@ -36,16 +37,9 @@ using shardtorch::Strategy;
 
 namespace {
 
-// List entries, checked: the option and the entry are named in the error
-// (std::stoi's own says only "stoi"), and a flag is 0 or 1, nothing else.
-// The whole entry must be the number (from_chars: no "12abc", no spaces).
-template <typename T>
-std::optional<T> number(const std::string& text) {
-  T v{};
-  const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (text.empty() || err != std::errc() || end != text.data() + text.size()) return std::nullopt;
-  return v;
-}
+// List entries, checked: the option and the entry are named in the error,
+// and a flag is 0 or 1, nothing else.
+using cli::number;
 int64_t whole(const std::string& option, const std::string& text, int64_t least) {
   const auto v = number<int64_t>(text);
   if (!v || *v < least)

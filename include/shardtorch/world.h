@@ -19,15 +19,18 @@
 
 namespace shardtorch {
 
-/// What the launcher told this process: torchrun, OpenMPI or Slurm.
+/// What the launcher told this process: torchrun, OpenMPI, MPICH or Slurm.
 struct LaunchEnv {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
   std::string master_addr;  // empty when not given
   int master_port = 0;      // 0 when not given
-  std::string launcher;     // "torchrun", "openmpi", "slurm" or "none"
+  std::string launcher;     // "torchrun", "openmpi", "mpich", "slurm" or "none"
   bool use_agent_store = false;  // torchrun's agent already hosts the TCPStore
+  /// SHARDTORCH_TIMEOUT_S: replaces WorldOptions::timeout in from_env, so that
+  /// a program's waits can be changed at launch.
+  std::optional<std::chrono::milliseconds> timeout;
 };
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
@@ -54,7 +57,7 @@ class World : public std::enable_shared_from_this<World> {
  public:
   /// From the launcher's environment (torchrun, mpirun or srun): rendezvous on
   /// a TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it unless torchrun's
-  /// agent does).
+  /// agent does). SHARDTORCH_TIMEOUT_S, when set, replaces options.timeout.
   static std::shared_ptr<World> from_env(WorldOptions options = {});
   /// From an existing store (tests, custom launchers).
   static std::shared_ptr<World> create(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
@@ -74,10 +77,13 @@ class World : public std::enable_shared_from_this<World> {
   void barrier();
 
   /// A process group of some ranks (this one among them), e.g. for hybrid
-  /// sharding. Collective over its members: only they call this, with the
-  /// same ranks and tag, in the same order among their groups of that tag
-  /// and ranks (which, with a count, key its rendezvous in the store); it
-  /// runs one collective on the new group before returning.
+  /// sharding; a member's index in the group is its place in `ranks`.
+  /// Collective over its members: only they call this, with the same ranks in
+  /// the same order and the same tag, in the same order among their groups of
+  /// that tag and ranks (which, with a count, key its rendezvous in the
+  /// store); it runs one collective on the new group before returning. A rank
+  /// named twice, or members listing the ranks in different orders, is an
+  /// error on every member.
   std::shared_ptr<Comm> new_group(const std::vector<int>& ranks, const std::string& tag);
 
   World(const World&) = delete;
@@ -85,6 +91,8 @@ class World : public std::enable_shared_from_this<World> {
 
  private:
   World() = default;
+  void agree_on_order(c10d::Store& store, const std::vector<int>& ranks, const std::vector<int>& members,
+                      const std::string& tag);
   int rank_ = 0, size_ = 1, local_rank_ = 0;
   c10::Device device_ = c10::Device(c10::kCPU);
   WorldOptions options_;

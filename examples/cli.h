@@ -1,0 +1,28 @@
+#pragma once
+// Numbers on the command lines of the examples and tools. The whole text must
+// be the number (no "12abc", no spaces), and a bad one names the option and
+// the text (std::stoi's own error says only "stoi").
+#include <charconv>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+namespace cli {
+
+template <typename T>
+std::optional<T> number(const std::string& text) {
+  T v{};
+  const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || err != std::errc() || end != text.data() + text.size()) return std::nullopt;
+  return v;
+}
+
+template <typename T>
+T parse(const std::string& option, const std::string& text) {
+  if (auto v = number<T>(text)) return *v;
+  throw std::invalid_argument(option + " '" + text + "' is not " +
+                              (std::is_integral_v<T> ? "a whole number" : "a number"));
+}
+
+}  // namespace cli
