@@ -73,7 +73,10 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
       for (const auto& f : u.flats) {
         out.params += f.numel;
         add(Mem::ReplicatedParams, f.numel * esize(compute_of(f.dtype)));  // frozen ones too: whole everywhere
-        if (compute_of(f.dtype) != f.dtype) add(Mem::ReplicatedParams, f.numel * esize(f.dtype));  // fp32 masters, frozen too
+        // Masters (ShardState::enable_ddp): a trainable parameter has one under
+        // any param_dtype, even its own dtype; a frozen one only when cast.
+        if (compute_of(f.dtype) != f.dtype || (f.trainable && mp.param_dtype() && at::isFloatingType(f.dtype)))
+          add(Mem::ReplicatedParams, f.numel * esize(f.dtype));
         if (!f.trainable) continue;
         const at::ScalarType rd = mp.param_dtype() ? reduce_of(f.dtype) : f.dtype;
         add(Mem::Gradients, f.numel * esize(rd));                          // the all-reduce buckets

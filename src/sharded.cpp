@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -140,11 +141,14 @@ ModelWalk walk_model(torch::nn::Module& root, bool allow_sharded) {
 
 // A unit's parameters grouped by (dtype, requires_grad), in registration
 // order: its flat parameters.
-std::vector<std::vector<const FoundParam*>> flat_groups(const std::vector<FoundParam>& params, int unit) {
+// `dtype_of`: the dtype a parameter is grouped by (default its own).
+using DtypeOf = std::function<at::ScalarType(const at::Tensor&)>;
+std::vector<std::vector<const FoundParam*>> flat_groups(const std::vector<FoundParam>& params, int unit,
+                                                        const DtypeOf& dtype_of = {}) {
   std::vector<std::pair<std::pair<at::ScalarType, bool>, std::vector<const FoundParam*>>> groups;
   for (const auto& p : params) {
     if (p.unit != unit) continue;
-    auto key = std::make_pair(p.tensor.scalar_type(), p.tensor.requires_grad());
+    auto key = std::make_pair(dtype_of ? dtype_of(p.tensor) : p.tensor.scalar_type(), p.tensor.requires_grad());
     auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
     if (it == groups.end()) {
       groups.push_back({key, {}});
@@ -460,15 +464,29 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
 }
 
 std::vector<UnitSpec> unit_specs(torch::nn::Module& root) {
-  // A sharded model plans too: its parameters keep their shapes.
+  // A sharded model plans too: its parameters keep their shapes, and under
+  // mixed precision the dtype planned from is the masters' (the parameters
+  // now compute in param_dtype).
   ModelWalk found = walk_model(root, /*allow_sharded=*/true);
   const auto& units = found.units;
   const auto& params = found.params;
+  DtypeOf dtype_of;
+  if (auto state = detail::lookup_model(root)) {
+    std::unordered_map<const void*, at::ScalarType> masters;  // sharded strategies: the flat's dtype
+    for (const auto& u : state->units())
+      for (const auto& f : u->flats())
+        for (const auto& p : f->params()) masters[p.unsafeGetTensorImpl()] = f->dtype();
+    dtype_of = [state, masters = std::move(masters)](const at::Tensor& t) {
+      auto it = masters.find(t.unsafeGetTensorImpl());
+      return it != masters.end() ? it->second : state->record_of(t).scalar_type();  // NoShard: its master's
+    };
+  }
   std::vector<UnitSpec> out;
   auto spec = [&](const std::string& name, int unit) {
     UnitSpec s{name, {}};
-    for (const auto& members : flat_groups(params, unit)) {
-      FlatSpec f{0, members.front()->tensor.scalar_type(), members.front()->tensor.requires_grad()};
+    for (const auto& members : flat_groups(params, unit, dtype_of)) {
+      const at::Tensor& first = members.front()->tensor;
+      FlatSpec f{0, dtype_of ? dtype_of(first) : first.scalar_type(), first.requires_grad()};
       for (const auto* p : members) f.numel += p->tensor.numel();
       s.flats.push_back(f);
     }

@@ -58,15 +58,37 @@ TEST(Plan, GptShapeArithmeticEqualsTheWalkOfAConstructedModel) {
     auto model = gpt::GPT(c);
     expect_same_specs(gpt::unit_specs(c), shardtorch::unit_specs(*model));
   }
-  auto r = run_ranks(2, [](World& w) {  // a sharded model plans the same as before
-    auto model = gpt::GPT(gpt::Config{});
-    auto before = shardtorch::unit_specs(*model);
-    shardtorch::shard(model, w);
-    auto after = shardtorch::unit_specs(*model);
-    require(after.size() == before.size() && after[1].flats[0].numel == before[1].flats[0].numel,
-            "unit_specs changed when the model was sharded");
-  });
-  ASSERT_TRUE(r.ok) << r.summary();
+  // A sharded model plans the same as before, under mixed precision too: the
+  // dtype planned from is the masters', not the bf16 the parameters compute
+  // in (which planned model state at half its size).
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
+    for (bool bf16 : {false, true}) {
+      auto r = run_ranks(2, [&](World& w) {
+        auto model = gpt::GPT(gpt::Config{});
+        auto before = shardtorch::unit_specs(*model);
+        auto opts = strategy_options(s, 2);
+        if (bf16) opts.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
+        shardtorch::shard(model, w, opts);
+        require(!bf16 || model->ln_f->weight.scalar_type() == at::kBFloat16, "the model does not compute in bf16");
+        auto after = shardtorch::unit_specs(*model);
+        require(after.size() == before.size(), "unit count changed when the model was sharded");
+        for (size_t u = 0; u < before.size(); ++u) {
+          require(after[u].flats.size() == before[u].flats.size(), "flat count of unit " + before[u].name);
+          for (size_t f = 0; f < before[u].flats.size(); ++f) {
+            const auto &a = after[u].flats[f], &b = before[u].flats[f];
+            require(a.numel == b.numel && a.dtype == b.dtype && a.trainable == b.trainable,
+                    "unit '" + before[u].name + "' flat " + std::to_string(f) + " planned as " +
+                        std::to_string(a.numel) + " " + c10::toString(a.dtype) + " after sharding, " +
+                        std::to_string(b.numel) + " " + c10::toString(b.dtype) + " before");
+          }
+        }
+        const auto o = shardtorch::PlanOptions{opts, 2, 2};
+        require(shardtorch::plan_memory(after, o).model_state() == shardtorch::plan_memory(before, o).model_state(),
+                "the plan of the sharded model differs");
+      });
+      ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << (bf16 ? " bf16" : " fp32") << "\n" << r.summary();
+    }
+  }
   auto mlp = MLP();
   auto specs = shardtorch::unit_specs(*mlp);
   ASSERT_EQ(specs.size(), 4u);  // the root (a unit without parameters), l1, l2, l3
@@ -82,15 +104,24 @@ class PlanVsMeasured : public ::testing::TestWithParam<std::tuple<Strategy, int>
 
 TEST_P(PlanVsMeasured, ModelStateIsExactAndTransientEstimatesBoundThePeaks) {
   auto [strategy, world] = GetParam();
+  enum Precision { kFp32, kBf16, kFp32ComputeBf16Reduce };
   struct Variant {
-    bool bf16, offload;
+    Precision precision;
+    bool offload;
   };
-  for (Variant v : {Variant{false, false}, Variant{true, false}, Variant{false, true}, Variant{true, true}}) {
+  for (Variant v : {Variant{kFp32, false}, Variant{kBf16, false}, Variant{kFp32, true}, Variant{kBf16, true},
+                    Variant{kFp32ComputeBf16Reduce, false}}) {
     if (v.offload && strategy == Strategy::NoShard) continue;  // refused (Offload.NoShardRefuses...)
+    const char* precision[] = {" fp32", " bf16", " fp32 compute, bf16 reduce"};
     const std::string what = std::string(shardtorch::strategy_name(strategy)) + " world " + std::to_string(world) +
-                             (v.bf16 ? " bf16" : " fp32") + (v.offload ? " offloaded" : "");
+                             precision[v.precision] + (v.offload ? " offloaded" : "");
     auto opts = strategy_options(strategy, world).cpu_offload(v.offload).bucket_mb(0.01);
-    if (v.bf16) opts.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
+    if (v.precision == kBf16)
+      opts.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
+    // NoShard keeps masters even when param_dtype is the parameters' own
+    // dtype; the plan missed them (4 bytes a parameter).
+    if (v.precision == kFp32ComputeBf16Reduce)
+      opts.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kFloat).reduce_dtype(at::kBFloat16));
     gpt::Config cfg{67, 16, 24, 4, 3};  // odd sizes: every flat parameter is padded somewhere
     auto plan = shardtorch::plan_memory(gpt::unit_specs(cfg), {opts, world, 2});
     auto r = run_ranks(world, [&](World& w) {
