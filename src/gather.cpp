@@ -22,24 +22,29 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
     gather_all(keep);
   } catch (...) {  // no destructor will run: undo the pins and free what we gathered
     for (auto& p : grads_set_) p.mutable_grad().reset();
+    for (auto& [p, view] : views_) p.mutable_grad() = view;
     for (auto& u : units_) u->unpin();
     for (auto& u : summoned_) u->reshard();
     throw;
   }
-  state_->enter_summon();
+  state_->enter_summon(options_.with_grads());
 }
 
 void FullParams::gather_all(bool keep) {
   if (options_.with_grads() && keep && state_->ddp()) {
-    // NoShard: the gradients are bucket views and already there, except
-    // under mixed precision with another reduce dtype, where the fp32
-    // masters hold them: the parameters get a copy in their dtype.
+    // NoShard: the gradients are bucket views, or under mixed precision with
+    // another reduce dtype the fp32 masters hold them. The parameters get a
+    // copy in their dtype either way, as under the sharded strategies: an
+    // edit in the scope (or autograd's accumulation, before the refusal of a
+    // backward there) must not reach the buckets. The views come back on exit.
     const auto& params = state_->ddp_params();
     const auto& masters = state_->ddp_masters();
-    for (size_t i = 0; i < masters.size(); ++i) {
+    for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor p = params[i];
-      if (p.grad().defined() || !masters[i].grad().defined()) continue;
-      p.mutable_grad() = masters[i].grad().to(p.scalar_type());
+      const bool own = p.grad().defined();
+      if (!own && (masters.empty() || !masters[i].grad().defined())) continue;
+      if (own) views_.emplace_back(p, p.grad());
+      p.mutable_grad() = (own ? p.grad() : masters[i].grad()).to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
       grads_set_.push_back(p);
     }
   }
@@ -53,27 +58,31 @@ void FullParams::gather_all(bool keep) {
     if (keep) {
       u->pin();  // a forward or backward in the scope must not free it
       units_.push_back(u);
+      if (was_sharded) summoned_.push_back(u);  // freed on exit, or by the constructor's catch
     }
-    if (options_.with_grads()) {
-      for (auto& f : u->flats()) {
-        if (!f->requires_grad()) continue;
-        at::Tensor shard = state_->on_comm_device(f->shard_grad().defined() ? f->shard_grad() : at::zeros_like(f->shard()));
-        at::Tensor full = at::empty({f->layout().padded_numel()}, shard.options());
-        state_->shard_comm().all_gather_into(full, shard, "gradients of unit '" + u->label() + "' for summon_full_params");
-        if (!keep) continue;
-        for (size_t i = 0; i < f->params().size(); ++i) {
-          at::Tensor p = f->params()[i];
-          p.mutable_grad() = full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(p.sizes());
-          grads_set_.push_back(p);
-        }
-      }
+    try {
+      if (options_.with_grads()) gather_grads(*u, keep);
+    } catch (...) {
+      if (was_sharded && !keep) u->reshard();
+      throw;
     }
-    if (was_sharded) {
-      if (keep) {
-        summoned_.push_back(u);
-      } else {
-        u->reshard();
-      }
+    if (was_sharded && !keep) u->reshard();
+  }
+}
+
+void FullParams::gather_grads(detail::Unit& u, bool keep) {
+  for (auto& f : u.flats()) {
+    if (!f->requires_grad()) continue;
+    at::Tensor shard = state_->on_comm_device(f->shard_grad().defined() ? f->shard_grad() : at::zeros_like(f->shard()));
+    at::Tensor full = at::empty({f->layout().padded_numel()}, shard.options());
+    state_->shard_comm().all_gather_into(full, shard, "gradients of unit '" + u.label() + "' for summon_full_params");
+    if (!keep) continue;
+    for (size_t i = 0; i < f->params().size(); ++i) {
+      at::Tensor p = f->params()[i];
+      // In the parameter's dtype (a bf16 parameter's gradient is bf16, as
+      // autograd requires), from the masters' gradients.
+      p.mutable_grad() = full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(p.sizes()).to(p.scalar_type());
+      grads_set_.push_back(p);
     }
   }
 }
@@ -84,6 +93,7 @@ FullParams::~FullParams() {
   // here is reported, and the scope is still left.
   try {
     for (auto& p : grads_set_) p.mutable_grad().reset();
+    for (auto& [p, view] : views_) p.mutable_grad() = view;
     for (auto& [shard, saved] : restore_) shard.copy_(saved);
     if (writeback_) {
       state_->wait_for_offload_copies();
@@ -94,7 +104,7 @@ FullParams::~FullParams() {
     TORCH_WARN("shardtorch: rank ", state_->world().rank(), ": leaving summon_full_params failed: ", e.what());
   }
   for (auto& u : units_) u->unpin();
-  state_->leave_summon();
+  state_->leave_summon(options_.with_grads());
   try {
     for (auto& u : summoned_) u->reshard();
     // The units the scope found unsharded compute with their full buffers,

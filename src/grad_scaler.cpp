@@ -13,16 +13,31 @@ namespace shardtorch {
 
 GradScaler::GradScaler(torch::nn::Module& root, GradScalerOptions options)
     : state_(detail::require_state(root, "GradScaler")), options_(options), scale_(options.init_scale()) {
-  TORCH_CHECK(scale_ > 0 && options.growth_factor() > 1 && options.backoff_factor() > 0 && options.backoff_factor() < 1,
-              "shardtorch::GradScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1");
+  // Finite: an infinite scale would skip every step for ever (inf * backoff = inf).
+  TORCH_CHECK(std::isfinite(scale_) && scale_ > 0 && std::isfinite(options.growth_factor()) &&
+                  options.growth_factor() > 1 && options.backoff_factor() > 0 && options.backoff_factor() < 1 &&
+                  options.growth_interval() >= 1,
+              "shardtorch::GradScaler: need a finite init_scale > 0 (got ", scale_, "), a finite growth_factor > 1 (got ",
+              options.growth_factor(), "), 0 < backoff_factor < 1 (got ", options.backoff_factor(),
+              ") and growth_interval >= 1 (got ", options.growth_interval(), ")");
   state_->set_has_scaler();
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const { return loss * scale_; }
 
-void GradScaler::unscale(ShardedOptimizer&) {
+void GradScaler::check_optimizer(const ShardedOptimizer& opt, const char* who) const {
+  // Another model's optimizer would step on gradients this scaler never
+  // divided nor checked.
+  TORCH_CHECK(opt.views().state() == state_.get(), "shardtorch: rank ", state_->world().rank(), ": GradScaler::", who,
+              ": the optimizer is over another model than the one this scaler was made for (one GradScaler per "
+              "sharded model)");
+}
+
+void GradScaler::unscale(ShardedOptimizer& opt) {
+  check_optimizer(opt, "unscale");
   // Once per value of the gradients: after a backward or a zero_grad (a step
-  // the user chose not to take after unscale) they are scaled again.
+  // the user chose not to take after unscale) they are scaled again. A step,
+  // taken or skipped, leaves them as they are: unscaled.
   if (unscaled_at_ == state_->gradient_generation()) return;
   c10::NoGradGuard no_grad;
   bool partial = false;
@@ -31,6 +46,7 @@ void GradScaler::unscale(ShardedOptimizer&) {
 }
 
 bool GradScaler::step(ShardedOptimizer& opt) {
+  check_optimizer(opt, "step");
   unscale(opt);
   bool partial = false;
   bool found = false;
@@ -46,13 +62,11 @@ bool GradScaler::step(ShardedOptimizer& opt) {
   comm.all_reduce(flag, c10d::ReduceOp::MAX, "GradScaler inf/nan check");
   if (flag.cpu().item<float>() > 0) {
     scale_ *= options_.backoff_factor();
-    unscaled_at_.reset();
     good_steps_ = 0;
     ++skipped_;
     return false;
   }
   opt.step();  // if it throws (refused), the gradients stay marked unscaled: a retry does not divide again
-  unscaled_at_.reset();
   if (++good_steps_ >= options_.growth_interval()) {
     scale_ *= options_.growth_factor();
     good_steps_ = 0;

@@ -18,6 +18,7 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
     const auto& optimized = state_->ddp_optimized();
     for (size_t i = 0; i < params.size(); ++i) {
       by_param_.emplace_back(params[i].unsafeGetTensorImpl(), std::vector<size_t>{pieces_.size()});
+      param_names_.push_back(state_->ddp_names()[i]);
       trainable_.push_back(params[i].unsafeGetTensorImpl());
       pieces_.push_back({optimized[i], nullptr, 0, optimized[i].numel(), state_->ddp_names()[i], 0});
     }
@@ -37,6 +38,7 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
           }
         }
         by_param_.emplace_back(key, std::move(idx));
+        param_names_.push_back(f->names()[i]);
         if (f->requires_grad()) trainable_.push_back(key);
       }
     }
@@ -54,10 +56,11 @@ std::vector<at::Tensor> ShardViews::take(const std::vector<at::Tensor>& params) 
     const void* key = p.unsafeGetTensorImpl();
     auto it = std::find_if(by_param_.begin(), by_param_.end(), [&](const auto& e) { return e.first == key; });
     if (it == by_param_.end() && !p.requires_grad()) continue;  // frozen: nothing to optimize
-    TORCH_CHECK(it != by_param_.end(), "shardtorch optimizer: a parameter of shape ", p.sizes(),
-                " given in a parameter group is not a parameter of the sharded model");
-    TORCH_CHECK(std::find(asked_.begin(), asked_.end(), key) == asked_.end(), "shardtorch optimizer: a parameter of shape ",
-                p.sizes(), " appears in more than one parameter group");
+    TORCH_CHECK(it != by_param_.end(), "shardtorch optimizer: rank ", state_->world().rank(), ": a tensor of shape ",
+                p.sizes(), " given in a parameter group is not a parameter of the sharded model");
+    TORCH_CHECK(std::find(asked_.begin(), asked_.end(), key) == asked_.end(), "shardtorch optimizer: rank ",
+                state_->world().rank(), ": parameter '", param_names_[it - by_param_.begin()], "' ", p.sizes(),
+                " is given twice (in two parameter groups, or twice in one)");
     asked_.push_back(key);
     for (size_t i : it->second) {
       pieces_[i].taken = true;
@@ -84,6 +87,7 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 
 void ShardViews::bind_grads() {
   state_->check_outside_summon();  // before the step changes anything: the scope would write it over
+  state_->check_backward_finished("an optimizer step");
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).
   state_->wait_for_offload_copies(/*step=*/true);

@@ -78,7 +78,19 @@ void ShardState::release_held() {
     if (auto u = w.lock()) u->release();  // nothing for a unit not held
 }
 
+void ShardState::refuse_backward_in_grad_summon(const std::string& where) const {
+  // The scope set param.grad to the reduced gradients: this backward would
+  // add its own to them, and reduce both into gradients that already hold the
+  // first (counted twice). Every rank is in the scope, so every rank refuses;
+  // called first in every hook of a backward, before anything is queued or
+  // gathered, so the refused backward leaves nothing to clean up.
+  TORCH_CHECK(grad_summons_ == 0, "shardtorch: rank ", world_->rank(), ": a backward reached ", where,
+              " inside a summon_full_params(with_grads) scope, whose param.grad are the reduced gradients (a "
+              "backward would count them twice); leave the scope before the backward, or summon without with_grads");
+}
+
 void ShardState::check_grad_arrival(const at::Tensor& param, const std::string& name) const {
+  refuse_backward_in_grad_summon("parameter '" + name + "'");
   if (!builds_graph_) return;
   at::Tensor(param).mutable_grad().reset();  // a handle: the parameter itself
   TORCH_CHECK(false, "shardtorch: rank ", world_->rank(), ": the gradient of parameter '", name,
@@ -91,8 +103,13 @@ void ShardState::check_grad_arrival(const at::Tensor& param, const std::string& 
 void ShardState::on_zero_grad() {
   stepped_since_zero_ = false;
   recover_if_backward_failed();  // reductions of a failed backward land before the zeroing
+  partial_grads_ = false;
   gradients_changed();
-  if (!callback_queued_) recording_.clear();
+  // The next forward starts a new recording; until then the last one stays:
+  // a zero_grad between a forward and its backward (out = model(x);
+  // opt->zero_grad(); loss.backward()) must not lose the order the backward
+  // learns for prefetch (clearing it here turned prefetch off for good).
+  if (!callback_queued_) recording_stale_ = true;
   // Forwards never differentiated (an evaluation in grad mode, on some ranks
   // only, say) do not define the next reduction order.
   if (!callback_queued_) reduction_order_closed_ = true;
@@ -114,6 +131,13 @@ void ShardState::recover_if_backward_failed() {
   if (callback_queued_ && torch::autograd::get_current_graph_task_id() == -1) abandon_backward(/*warn=*/true);
 }
 
+void ShardState::check_backward_finished(const char* who) {
+  if (callback_queued_ && torch::autograd::get_current_graph_task_id() == -1) abandon_backward(/*warn=*/false);
+  TORCH_CHECK(!partial_grads_, "shardtorch: rank ", world_->rank(), ": ", who, " after a backward that did not "
+              "finish (an exception escaped it): the gradients are partial (its reductions in flight and staged "
+              "gradients were dropped). Call zero_grad() and run the backward again");
+}
+
 void ShardState::abandon_backward(bool warn) {
   if (warn) {
     TORCH_WARN("shardtorch: rank ", world_->rank(), ": the previous backward did not finish (an exception escaped it); ",
@@ -121,6 +145,7 @@ void ShardState::abandon_backward(bool warn) {
                "dropped. Gradients reduced before the failure may be partial: call zero_grad() before the next step.");
   }
   callback_queued_ = false;
+  partial_grads_ = true;  // until zero_grad
   recording_.clear();
   backward_cursor_ = SIZE_MAX;
   reduction_order_closed_ = true;
@@ -140,6 +165,7 @@ void ShardState::abandon_backward(bool warn) {
 }
 
 void ShardState::finish_backward() {
+  if (!reduction_order_.empty()) order_head_ = reduction_order_.front();  // an order a backward used
   callback_queued_ = false;
   backward_cursor_ = SIZE_MAX;
   reduction_order_closed_ = true;  // the next forward records a new one
@@ -282,11 +308,21 @@ void ShardState::note_forward_for_reduction(Unit& u) {
   if (!c10::GradMode::is_enabled() || callback_queued_) return;
   if (u.is_root()) reduction_order_closed_ = true;  // a new forward starts at the root
   if (!u.reduces()) return;
-  if (reduction_order_closed_) {
+  auto restart = [&] {
     for (const auto& w : reduction_order_)
       if (auto x = w.lock()) x->set_in_reduction_order(false);
     reduction_order_.clear();
     reduction_order_closed_ = false;
+  };
+  if (reduction_order_closed_) {
+    restart();
+  } else if (!reduction_order_.empty() && order_head_.lock().get() == &u &&
+             reduction_order_.front().lock().get() != &u) {
+    // Under a plain root nothing marks where a forward starts: the unit that
+    // began the last differentiated order beginning again marks it, so that a forward run
+    // after zero_grad and never differentiated (a look at one unit, on some
+    // ranks only) does not head this step's order on those ranks alone.
+    restart();
   }
   if (u.in_reduction_order()) return;
   u.set_in_reduction_order(true);
@@ -313,7 +349,8 @@ void ShardState::issue_reductions(bool at_end) {
 
 std::shared_ptr<Unit> ShardState::note_forward_and_next(Unit& u) {
   if (!options_.prefetches() || !c10::GradMode::is_enabled()) return nullptr;
-  if (u.is_root()) recording_.clear();  // a new forward starts at the root
+  if (u.is_root() || recording_stale_) recording_.clear();  // a new forward starts at the root, or after zero_grad
+  recording_stale_ = false;
   if (recording_.empty()) following_ = true;
   recording_.push_back(u.weak_from_this());
   const size_t pos = recording_.size() - 1;
@@ -413,6 +450,7 @@ void ShardState::deliver_gradient(const at::Tensor& reduced, bool owned,
 }
 
 std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
+  check_backward_finished("reading the gradients (clip_grad_norm, GradScaler)");
   // The strategy is the same everywhere: decide on it, not on what this rank
   // happens to hold, so that every rank communicates or none does.
   partial = strategy() != Strategy::NoShard && strategy() != Strategy::OptimizerOnly;
@@ -456,6 +494,7 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
     if (auto s = state_.lock()) {
+      s->refuse_backward_in_grad_summon("parameter '" + s->ddp_names()[index_] + "'");
       s->ensure_end_of_backward_callback();
       s->check_grad_arrival(s->ddp_params()[index_], s->ddp_names()[index_]);
       s->note_ddp_gradient(index_);

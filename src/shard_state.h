@@ -219,8 +219,17 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
 
   bool sync() const { return sync_; }
   /// summon_full_params scopes alive (on every rank, rank0_only or not).
-  void enter_summon() { ++summons_; }
-  void leave_summon() { --summons_; }
+  /// `with_grads`: the scope set param.grad; a backward inside it is refused.
+  /// Throws (this rank) inside a summon_full_params(with_grads) scope.
+  void refuse_backward_in_grad_summon(const std::string& where) const;
+  void enter_summon(bool with_grads) {
+    ++summons_;
+    grad_summons_ += with_grads;
+  }
+  void leave_summon(bool with_grads) {
+    --summons_;
+    grad_summons_ -= with_grads;
+  }
   /// Throws (this rank) inside a summon_full_params scope: an optimizer step
   /// or a checkpoint load there would leave the scope's full copies stale.
   void check_outside_summon() const;
@@ -389,6 +398,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// queued end-of-backward that never ran means the last backward failed;
   /// abandon_backward() then, before anything gathers, reduces or zeroes.
   void recover_if_backward_failed();
+  /// Throws (this rank) when a backward since the last zero_grad did not
+  /// finish (dropping what it left first): `who` would read partial gradients.
+  void check_backward_finished(const char* who);
   /// Changes whenever the gradients may have: at the end of every backward
   /// and at every zero_grad (the GradScaler's "already unscaled" is per value).
   uint64_t gradient_generation() const { return gradient_generation_; }
@@ -433,11 +445,13 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   std::map<int, std::function<void()>> zero_grad_listeners_;
   int next_listener_ = 0;
   std::vector<std::weak_ptr<Unit>> recording_, forward_order_;  // this step's forward; the last complete one
+  bool recording_stale_ = false;  // zero_grad since: the next forward starts a new recording
   bool following_ = false;  // this forward has run the units of forward_order_ in its order so far
   size_t backward_cursor_ = SIZE_MAX;  // this backward's place in forward_order_ (next_in_backward)
   // The reduction order, in first-forward order (issued from the back); a
   // backward's end closes it, and the next forward starts a new one.
   std::vector<std::weak_ptr<Unit>> reduction_order_;
+  std::weak_ptr<Unit> order_head_;  // the first unit of the order the last backward used
   bool reduction_order_closed_ = false;
   size_t issue_cursor_ = 0;  // reduction_order_[0, issue_cursor_) are still to be issued
   bool finishing_ = false;   // in finish_backward
@@ -456,7 +470,8 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   uint64_t gradient_generation_ = 0;
   int callback_task_ = -1;  // the autograd graph task the callback was queued for
   bool sync_ = true;
-  int summons_ = 0;
+  int summons_ = 0, grad_summons_ = 0;
+  bool partial_grads_ = false;  // a backward since the last zero_grad failed
   int64_t gradient_reductions_ = 0;
   bool has_scaler_ = false;
   int64_t master_grad_bytes_ = 0;

@@ -97,6 +97,12 @@ void walk(torch::nn::Module& m, const std::string& prefix, int current, std::vec
           std::vector<std::pair<std::string, at::Tensor>>& buffers, std::set<const void*>& seen_buffers,
           bool allow_sharded) {
   if (auto* b = dynamic_cast<UnitBase*>(&m)) {
+    // The same unit registered again under another name (weights shared by
+    // layers, ALBERT-style): it is the first one, whose parameters, buffers
+    // and hooks are already found; it runs as a unit called several times
+    // per forward. (A second FoundUnit for it overwrote the first's state and
+    // left both without parameters.)
+    if (std::any_of(units.begin(), units.end(), [b](const FoundUnit& u) { return u.base == b; })) return;
     TORCH_CHECK(allow_sharded || !b->is_sharded_unit(), "shardtorch::shard: module '", prefix.empty() ? "<root>" : prefix,
                 "' is already a unit of a sharded model; shard() was called twice on this model");
     units.push_back({prefix, b, current});

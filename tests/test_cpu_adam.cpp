@@ -181,7 +181,7 @@ TEST(FusedCpuAdam, ParametersItCannotUpdateAreRefusedOnEveryRankWhenItIsBuilt) {
 
 // The Newton variant against the exact one, element by element, where the
 // estimates are weakest: v = 0 (sqrt taken as 0, the denominator is eps),
-// subnormal and huge v, zero, NaN and infinite gradients.
+// subnormal, huge and infinite v, zero, NaN and infinite gradients.
 TEST(FusedCpuAdam, TheNewtonVariantIsWithinAFewUlpOfTheExactUpdateEverywhere) {
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -202,6 +202,9 @@ TEST(FusedCpuAdam, TheNewtonVariantIsWithinAFewUlpOfTheExactUpdateEverywhere) {
     p0.narrow(0, 40, 2000).zero_();
     g[32] = std::nanf("");
     g[33] = INFINITY;
+    v0[34] = INFINITY;  // finite m and g: the exact update leaves the parameter (the estimates made it NaN)
+    v0[35] = INFINITY;
+    g[35] = 1e25;
     auto run = [&](const char* isa, const shardtorch::AdamStep& s) {
       ::setenv("SHARDTORCH_ADAM_ISA", isa, 1);
       auto p = p0.clone(), m = m0.clone(), v = v0.clone();
@@ -232,10 +235,39 @@ TEST(FusedCpuAdam, TheNewtonVariantIsWithinAFewUlpOfTheExactUpdateEverywhere) {
       auto over = ((pn - pe).abs() / bound).masked_select(ok);
       require(over.max().item<double>() <= 1.0, "parameters apart by " + std::to_string(over.max().item<double>()) +
                                                     " times the bound");
-      require(rel_err(mn.masked_select(ok), me.masked_select(ok)) <= 1e-6 &&
-                  rel_err(vn.masked_select(ok), ve.masked_select(ok)) <= 1e-6,
+      require(at::equal(vn.isinf(), ve.isinf()), "an infinite v in one variant only");
+      auto finite_v = ok & ve.isfinite();
+      require(rel_err(mn.masked_select(finite_v), me.masked_select(finite_v)) <= 1e-6 &&
+                  rel_err(vn.masked_select(finite_v), ve.masked_select(finite_v)) <= 1e-6,
               "the moments differ between the variants");
+      require(pn[34].item<float>() == pe[34].item<float>(), "v = inf: the parameter moved (" +
+                                                                std::to_string(pn[34].item<float>()) + " vs " +
+                                                                std::to_string(pe[34].item<float>()) + ")");
     }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// An override that cannot be honoured (misspelled, or an instruction set
+// this CPU lacks) is said, not silently replaced by the automatic choice.
+TEST(FusedCpuAdam, AnOverrideThatCannotBeHonouredIsAWarning) {
+  auto r = run_ranks(1, [&](World&) {
+    ::unsetenv("SHARDTORCH_ADAM_ISA");
+    const std::string automatic = shardtorch::fused_adam_isa();
+    struct Captured : c10::WarningHandler {
+      std::vector<std::string> messages;
+      void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
+    } warnings;
+    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    ::setenv("SHARDTORCH_ADAM_ISA", "avx-512", 1);
+    auto p = torch::zeros({5}), g = torch::ones({5}), m = torch::zeros({5}), v = torch::zeros({5});
+    shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), 5,
+                               shardtorch::AdamStep{1e-3, 0.9, 0.999, 1e-8, 0.0, 1, true});
+    require(shardtorch::fused_adam_isa() == automatic, "ran " + shardtorch::fused_adam_isa() + ", not " + automatic);
+    require(warnings.messages.size() == 1, std::to_string(warnings.messages.size()) + " warnings, expected one");
+    const std::string want = "SHARDTORCH_ADAM_ISA='avx-512' is not one of avx512-newton, avx512, avx2, default; the "
+                             "fused CPU Adam uses '" + automatic + "'";
+    require(warnings.messages[0].find(want) != std::string::npos, warnings.messages[0]);
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

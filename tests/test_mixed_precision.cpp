@@ -48,23 +48,24 @@ Fp32Reference fp32_reference(const torch::Tensor& x) {
 }
 }  // namespace
 
-class Bf16 : public ::testing::TestWithParam<Strategy> {};
-
-TEST_P(Bf16, TrainsWithinBf16ToleranceOfFp32Over20Steps) {
-  const Strategy strategy = GetParam();
+// Trains the GPT 20 steps in bf16 (reductions in `reduce`) on `world` ranks,
+// each its share of the same batch, and requires the masters to end within
+// 5% of the fp32 movement of single-process training.
+void train_bf16_near_fp32(Strategy strategy, int world, int hybrid_shard_size) {
   auto x = gpt_tokens();
   auto ref = fp32_reference(x);
+  const int64_t rows = x.size(0) / world;
   for (auto reduce : {at::kBFloat16, at::kFloat}) {
-    auto r = run_ranks(2, [&](World& w) {
+    auto r = run_ranks(world, [&](World& w) {
       torch::manual_seed(0);
       auto model = gpt::GPT(gpt::Config{});
       auto opts = ShardOptions().strategy(strategy).mixed_precision(
           MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(reduce).output_dtype(at::kFloat));
-      if (strategy == Strategy::HybridShard) opts.hybrid_shard_size(1);
+      if (strategy == Strategy::HybridShard) opts.hybrid_shard_size(hybrid_shard_size);
       auto sm = shardtorch::shard(model, w, opts);
       require(model->block_list[0]->fc1->weight.scalar_type() == at::kBFloat16, "parameters should compute in bf16");
       auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
-      auto xs = x.narrow(0, w.rank() * 6, 6);
+      auto xs = x.narrow(0, w.rank() * rows, rows);
       for (int s = 0; s < kSteps; ++s) {
         opt->zero_grad();
         auto logits = model(xs);
@@ -78,12 +79,23 @@ TEST_P(Bf16, TrainsWithinBf16ToleranceOfFp32Over20Steps) {
       for (auto& [n, t] : ref.end) mine[n] = got.at(n);
       double d = drift(mine, ref.end, ref.start);
       if (w.rank() == 0)
-        std::printf("  %s reduce %s: drift from fp32 after %d steps %.4f\n", shardtorch::strategy_name(strategy),
-                    c10::toString(reduce), kSteps, d);
+        std::printf("  %s world %d reduce %s: drift from fp32 after %d steps %.4f\n",
+                    shardtorch::strategy_name(strategy), world, c10::toString(reduce), kSteps, d);
       require(d < 0.05, "bf16 drifted " + std::to_string(d) + " of the fp32 movement");
     });
-    ASSERT_TRUE(r.ok) << r.summary();
+    ASSERT_TRUE(r.ok) << c10::toString(reduce) << " reductions: " << r.summary();
   }
+}
+
+class Bf16 : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(Bf16, TrainsWithinBf16ToleranceOfFp32Over20Steps) { train_bf16_near_fp32(GetParam(), 2, 1); }
+
+// Two replicas of two shards: bf16 reduce-scatters within a shard group,
+// then all-reduces across the replica group (world 2 above has a replica
+// group of one shard each, whose reduce-scatter is a copy).
+TEST(Bf16HybridShard, TwoReplicasOfTwoShardsTrainWithinBf16ToleranceOfFp32) {
+  train_bf16_near_fp32(Strategy::HybridShard, 4, 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Every, Bf16,
@@ -220,16 +232,95 @@ TEST(MixedPrecision, AStepNotTakenAfterUnscaleLeavesTheNextGradientsToBeUnscaled
   }
 }
 
+// After a step, taken or skipped, the gradients are unscaled and stay so
+// until the next backward: unscale() (to log a norm after a skipped step,
+// say) must not divide them again. It did: the step forgot they were
+// unscaled, so they were divided by the (halved) scale a second time.
+TEST(MixedPrecision, AStepTakenOrSkippedLeavesTheGradientsUnscaled) {
+  auto r = run_ranks(2, [](World& w) {
+    torch::manual_seed(0);
+    auto model = MLP();
+    shardtorch::shard(model, w, ShardOptions().mixed_precision(
+                                     MixedPrecision().param_dtype(at::kHalf).buffer_dtype(at::kHalf).output_dtype(at::kFloat)));
+    shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
+    auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
+    bool poison = false;  // an inf in l3's bias: the step is skipped
+    model->l3->lin->bias.register_hook([&](const torch::Tensor& g) { return poison ? g / at::zeros_like(g) : g; });
+    auto l1_grad = [&] {
+      shardtorch::FullParams full(*model, shardtorch::SummonOptions().with_grads(true));
+      return model->l1->lin->weight.grad().to(at::kFloat).clone();
+    };
+    torch::manual_seed(1 + w.rank());
+    auto x = torch::randn({4, 7});
+    for (bool skip : {false, true}) {
+      poison = skip;
+      opt->zero_grad();
+      scaler.scale(model(x).square().mean()).backward();
+      require(scaler.step(*opt) == !skip, skip ? "the poisoned step was taken" : "the clean step was skipped");
+      auto after_step = l1_grad();
+      require(after_step.abs().sum().item<double>() > 0, "no gradient");
+      scaler.unscale(*opt);
+      require(at::equal(l1_grad(), after_step), std::string("unscale() after a ") + (skip ? "skipped" : "taken") +
+                                                   " step divided the gradients again");
+    }
+    require(scaler.scale_value() == 512, "one skip should halve the scale");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// One GradScaler per sharded model: another model's optimizer would step on
+// gradients this scaler never divided nor checked. Bad options name the value.
+TEST(MixedPrecision, AGradScalerRefusesAnotherModelsOptimizerAndBadOptions) {
+  auto r = run_ranks(2, [](World& w) {
+    auto a = MLP(), b = MLP();  // a in fp16 with a scaler, b in bf16 (needs none)
+    shardtorch::shard(a, w, ShardOptions().mixed_precision(MixedPrecision().param_dtype(at::kHalf)));
+    shardtorch::shard(b, w, ShardOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+    shardtorch::GradScaler scaler(*a);
+    auto opt_b = shardtorch::SGD(*b, torch::optim::SGDOptions(0.1));
+    for (int k = 0; k < 2; ++k) {
+      try {
+        k == 0 ? scaler.unscale(*opt_b) : (void)scaler.step(*opt_b);
+        throw std::runtime_error("another model's optimizer was accepted");
+      } catch (const c10::Error& e) {
+        const std::string want = "rank " + std::to_string(w.rank()) + ": GradScaler::" + (k == 0 ? "unscale" : "step") +
+                                 ": the optimizer is over another model than the one this scaler was made for";
+        require(std::string(e.what()).find(want) != std::string::npos, e.what());
+      }
+    }
+    auto refused = [&](shardtorch::GradScalerOptions o, const std::string& want) {
+      try {
+        shardtorch::GradScaler bad(*a, o);
+      } catch (const c10::Error& e) {
+        require(std::string(e.what()).find(want) != std::string::npos, e.what());
+        return;
+      }
+      throw std::runtime_error("accepted options that should name " + want);
+    };
+    refused(shardtorch::GradScalerOptions().growth_interval(0), "growth_interval >= 1 (got 0)");
+    refused(shardtorch::GradScalerOptions().init_scale(std::numeric_limits<double>::infinity()),
+            "a finite init_scale > 0 (got inf)");
+    refused(shardtorch::GradScalerOptions().growth_factor(std::numeric_limits<double>::infinity()),
+            "a finite growth_factor > 1 (got inf)");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // fp16 reductions divide by the world size before summing, under every
 // strategy: two ranks' gradients of 40000 each sum to 80000, beyond fp16's
 // 65504, but their mean does not overflow. NoShard used to sum first (an inf,
 // so a skipped step and a halved scale for nothing).
+// HybridShard also on four ranks, two replicas of two shards: four
+// gradients of 40000 sum to 160000, and the all-reduce across replicas must
+// divide before summing too.
 TEST(MixedPrecision, Fp16ReductionsDivideBeforeSummingUnderEveryStrategy) {
-  for (Strategy s : kAllStrategies) {
-    auto r = run_ranks(2, [&](World& w) {
+  std::vector<std::pair<Strategy, int>> cases;
+  for (Strategy s : kAllStrategies) cases.push_back({s, 2});
+  cases.push_back({Strategy::HybridShard, 4});
+  for (auto [s, world] : cases) {
+    auto r = run_ranks(world, [&](World& w) {
       torch::manual_seed(0);
       auto model = gpt::GPT(gpt::Config{});
-      shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(
+      shardtorch::shard(model, w, strategy_options(s, world).mixed_precision(
                                       MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
       shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
       auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
@@ -237,10 +328,10 @@ TEST(MixedPrecision, Fp16ReductionsDivideBeforeSummingUnderEveryStrategy) {
       auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
       opt->zero_grad();
       scaler.scale(gpt::lm_loss(model(x), x)).backward();
-      require(scaler.step(*opt), std::string(shardtorch::strategy_name(s)) +
+      require(scaler.step(*opt), std::string(shardtorch::strategy_name(s)) + " world " + std::to_string(world) +
                                      ": the step was skipped: the fp16 reduction overflowed");
     });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << "\n" << r.summary();
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << " world " << world << "\n" << r.summary();
   }
 }
 
@@ -316,6 +407,9 @@ TEST(MixedPrecision, SummonWithGradsShowsTheReducedGradientsUnderEveryStrategy) 
         for (auto& [n, p] : unique_params(*model)) {
           if (!p.requires_grad()) continue;
           require(p.grad().defined(), what + ": no gradient for " + n + " inside summon_full_params(with_grads)");
+          require(p.grad().scalar_type() == p.scalar_type(), what + ": the gradient of " + n + " is " +
+                                                                 c10::toString(p.grad().scalar_type()) + ", the parameter " +
+                                                                 c10::toString(p.scalar_type()));
           g[n] = p.grad().to(at::kFloat).clone();
         }
         return g;

@@ -349,11 +349,20 @@ TEST(Offload, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAgainAfterAnyOt
             if (step == 0) after_first = shardtorch::testing::low_copy_refreshes();
           }
           if (remade) *remade = {shardtorch::testing::low_copy_refreshes() - after_first, flats};
+          const std::string ckpt = (dir / ("ckpt-" + std::to_string(static_cast<int>(kind)) + "-" +
+                                           std::to_string(static_cast<int>(s)) + (offload ? "-off" : "-res")))
+                                       .string();
+          auto* saved_opt = kind == Opt::Data ? nullptr : opt.get();  // checkpoints carry no DataSgd state
+          shardtorch::save_sharded_checkpoint(*model, saved_opt, ckpt, 3);
           torch::NoGradGuard no_grad;
           // An edit of the masters the optimizer optimizes, by hand.
           for (auto& p : opt->inner().param_groups()[0].params()) p.mul_(0.5);
           forward();
           shardtorch::load_full_state_dict(*model, saved);
+          forward();
+          // A sharded checkpoint's reader writes the masters too: the next
+          // forward computes with what it loaded (the step-3 masters).
+          shardtorch::load_sharded_checkpoint(*model, saved_opt, ckpt);
           forward();
           return std::make_pair(losses, shardtorch::full_parameters(*model));
         };

@@ -662,6 +662,55 @@ TEST_P(EveryStrategy, AFailedBackwardIsCleanedUpAndTrainingContinuesAsIfItHadNot
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// After a failed backward the gradients are partial: a step, clip_grad_norm
+// or a GradScaler reading them is refused until zero_grad (they used to step
+// on whatever had been reduced before the failure, with no word). Then
+// training goes on as if the failed step had not happened.
+TEST_P(EveryStrategy, AStepOrClipAfterAFailedBackwardIsRefusedUntilZeroGrad) {
+  const Strategy strategy = GetParam();
+  torch::manual_seed(0);
+  auto x = torch::randn({kBatch, 7}), y = torch::randn({kBatch, 3});
+  const auto want = two_layer_reference(x, y, 3);
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(1);
+    TwoLayer model;
+    shardtorch::shard(model, w, strategy_options(strategy, 2).bucket_mb(1e-4));
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+    auto xs = x.narrow(0, w.rank() * kBatch / 2, kBatch / 2), ys = y.narrow(0, w.rank() * kBatch / 2, kBatch / 2);
+    auto refused = [&](const char* what, const std::function<void()>& f) {
+      std::string error = "none";
+      try {
+        f();
+      } catch (const c10::Error& e) {
+        error = e.what();
+      }
+      require(error.find("rank " + std::to_string(w.rank()) + ": " + what +
+                         " after a backward that did not finish") != std::string::npos,
+              std::string(what) + " after a failed backward: " + error);
+    };
+    for (int s = 0; s < 4; ++s) {
+      opt->zero_grad();
+      model->fail_next_backward = s == 1;
+      auto loss = torch::mse_loss(model(xs), ys);
+      if (s == 1) {
+        try {
+          loss.backward();
+        } catch (const std::exception&) {
+        }
+        refused("an optimizer step", [&] { opt->step(); });
+        refused("reading the gradients (clip_grad_norm, GradScaler)", [&] { shardtorch::clip_grad_norm(*model, 1.0); });
+        refused("an optimizer step", [&] { opt->step(); });  // still: nothing but zero_grad makes them whole
+        continue;
+      }
+      loss.backward();
+      opt->step();
+    }
+    shardtorch::FullParams full(*model);
+    expect_close_map(snapshot(*model), want, 1e-5, "after a refused step");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // A collective that fails (as a timed-out one would; injected here on every
 // rank) in a backward's gradient reduction, then in a forward's all-gather:
 // the backward or forward throws the collective's error, the units go back to

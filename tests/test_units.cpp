@@ -120,6 +120,88 @@ TEST(Units, ForwardInsideSummonKeepsTheUnitsAndAStepThereIsRefused) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// One unit registered twice in the module tree (layers sharing weights,
+// ALBERT-style): it is one unit, called twice per forward, and trains like
+// the same model in one process under every strategy. It used to become two
+// units, the second overwriting the first's state: the model then failed
+// with "a unit of this sharded model no longer exists".
+TEST(Units, AUnitRegisteredTwiceIsOneUnitAndTrainsLikeTorch) {
+  struct SharedImpl : torch::nn::Module {
+    SharedImpl() : block(Layer(7, 7, true)), head(register_module("head", Layer(7, 3, false))) {
+      register_module("first", block);
+      register_module("again", block);
+    }
+    torch::Tensor forward(torch::Tensor x) { return head(block(block(x))); }
+    Layer block, head;
+  };
+  torch::manual_seed(4);
+  auto x = torch::randn({kBatch, 7}), y = torch::randn({kBatch, 3});
+  torch::manual_seed(0);
+  auto ref = std::make_shared<SharedImpl>();
+  torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
+  const auto want = train_in_one_process(*ref, ref_opt, 3, [&] { return torch::mse_loss(ref->forward(x), y); });
+  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::HybridShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto model = std::make_shared<SharedImpl>();
+      auto sm = shardtorch::shard(*model, w, strategy_options(s, 2));
+      if (s != Strategy::NoShard)
+        require(sm.units().size() == 2, std::to_string(sm.units().size()) + " units, expected block and head");
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+      const int64_t per = kBatch / 2;
+      auto xs = x.narrow(0, w.rank() * per, per), ys = y.narrow(0, w.rank() * per, per);
+      for (int k = 0; k < 3; ++k) {
+        opt->zero_grad();
+        torch::mse_loss(model->forward(xs), ys).backward();
+        opt->step();
+      }
+      shardtorch::FullParams full(*model);
+      expect_close_map(snapshot(*model), want, 1e-5, "a unit registered twice");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
+// Inside summon_full_params(with_grads) param.grad are the reduced
+// gradients; a backward there added to them and reduced both again (the old
+// gradients counted twice). It is refused on every rank, and training after
+// the scope is what it would have been without the attempt, bitwise.
+TEST(Units, ABackwardInsideSummonWithGradsIsRefusedAndChangesNothing) {
+  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      auto train = [&](bool attempt) {
+        torch::manual_seed(0);
+        auto m = MLP();
+        shardtorch::shard(m, w, strategy_options(s, 2));
+        auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+        torch::manual_seed(1 + w.rank());
+        auto x = torch::randn({3, 7});
+        m(x).square().mean().backward();
+        if (attempt) {
+          shardtorch::FullParams full(*m, shardtorch::SummonOptions().with_grads(true));
+          std::string error = "none";
+          try {
+            m(x).square().mean().backward();
+          } catch (const c10::Error& e) {
+            error = e.what();
+          }
+          require(error.find("rank " + std::to_string(w.rank()) + ": a backward reached ") != std::string::npos &&
+                      error.find(" inside a summon_full_params(with_grads) scope") != std::string::npos,
+                  std::string(shardtorch::strategy_name(s)) + ": a backward inside the scope: " + error);
+        }
+        opt->step();
+        return shardtorch::full_parameters(*m);
+      };
+      auto want = train(false);
+      auto got = train(true);
+      for (auto& [n, t] : want)
+        require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n +
+                                             "' differs after a refused backward inside summon(with_grads)");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
 // Under every sharded strategy (ZeRO-1/2 keep their full parameters between
 // steps, offloaded or not): edits in a summon scope reach the shards with
 // writeback and are discarded without it, in the full parameters forward
@@ -662,6 +744,32 @@ TEST(Units, ForwardsWithoutABackwardDoNotDisturbPrefetchUnderAPlainRoot) {
     require(gathers[2] < gathers[0], "prefetch saved no all-gather once it had learned the order: " + seen);
     for (int step = 3; step < 6; ++step)
       require(gathers[step] == gathers[2], "all-gathers per step, an evaluation before the fourth: " + seen);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// zero_grad between a forward and its backward (out = model(x);
+// opt->zero_grad(); loss.backward()) used to drop the forward's recorded
+// order, so the backward learned none and prefetch never started.
+TEST(Units, ZeroGradBetweenForwardAndBackwardKeepsPrefetchUnderAPlainRoot) {
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = std::make_shared<PlainRoot>();
+    auto sm = shardtorch::shard(*m, w, shardtorch::ShardOptions().prefetch(true));
+    auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+    torch::manual_seed(1 + w.rank());
+    std::vector<int64_t> gathers;
+    for (int step = 0; step < 4; ++step) {
+      const int64_t before = sm.comm_stats().all_gather.calls;
+      auto loss = m->forward(torch::randn({2, 7})).pow(2).sum();
+      opt->zero_grad();
+      loss.backward();
+      gathers.push_back(sm.comm_stats().all_gather.calls - before);
+      opt->step();
+    }
+    std::string seen;
+    for (auto g : gathers) seen += std::to_string(g) + " ";
+    require(gathers[3] < gathers[0], "prefetch saved no all-gather with zero_grad before backward: " + seen);
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -28,7 +28,8 @@ struct SummonOptions {
   /// compute dtype and writing them back would round the fp32 masters
   /// (asking for it explicitly then is an error).
   TORCH_ARG(std::optional<bool>, writeback) = std::nullopt;
-  /// Also set param.grad() to the full (reduced, averaged) gradients.
+  /// Also set param.grad() to the full (reduced, averaged) gradients, in the
+  /// parameters' dtype.
   TORCH_ARG(bool, with_grads) = false;
 };
 
@@ -42,6 +43,7 @@ class FullParams {
 
  private:
   void gather_all(bool keep);
+  void gather_grads(detail::Unit& u, bool keep);
 
   std::shared_ptr<detail::ShardState> state_;
   SummonOptions options_;
@@ -49,6 +51,7 @@ class FullParams {
   std::vector<std::shared_ptr<detail::Unit>> units_;     // every unit, gathered while we live
   std::vector<std::shared_ptr<detail::Unit>> summoned_;  // the ones we gathered
   std::vector<at::Tensor> grads_set_;  // parameters whose grad we set
+  std::vector<std::pair<at::Tensor, at::Tensor>> views_;  // NoShard: a parameter, its bucket view of a gradient
   /// Without writeback: shards that are views of a full buffer the scope
   /// found gathered (ZeRO-1/2 in fp32 on the device), with their values at
   /// entry, put back on exit (an edit of the full parameters edits them).

@@ -65,6 +65,7 @@ class GradScaler {
   void load_state_dict(const std::map<std::string, std::string>& state);
 
  private:
+  void check_optimizer(const ShardedOptimizer& opt, const char* who) const;
   std::shared_ptr<detail::ShardState> state_;
   GradScalerOptions options_;
   double scale_;

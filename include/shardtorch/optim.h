@@ -4,6 +4,12 @@
 // rank; the optimizer is LibTorch's own (torch::optim::Adam, AdamW, SGD) run
 // over those pieces, so numerics, options and parameter groups are exactly
 // torch::optim's, and state exists only for the elements this rank owns.
+// One difference: under the sharded strategies a parameter that no rank used
+// in a backward its unit took part in has a zero gradient, not none (its
+// flat parameter's gradient is reduced whole), so the optimizer steps it
+// (AdamW decays it, the moments decay), as FSDP's flat parameters do. Under
+// NoShard such a parameter's gradient is undefined and it is skipped, as in
+// torch::optim.
 #include <torch/nn/module.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -75,11 +81,14 @@ class ShardViews {
     bool taken = false;
   };
   const std::vector<Piece>& pieces() const { return pieces_; }
+  /// The sharded model's state these pieces belong to.
+  const ShardState* state() const { return state_.get(); }
 
  private:
   std::shared_ptr<ShardState> state_;
   std::vector<Piece> pieces_;
   std::vector<std::pair<const void*, std::vector<size_t>>> by_param_;  // TensorImpl* -> pieces
+  std::vector<std::string> param_names_;                                // of by_param_'s, in its order
   std::vector<const void*> asked_;
   std::vector<const void*> trainable_;
   int listener_ = -1;  // the state's zero_grad listener dropping the pieces' gradients

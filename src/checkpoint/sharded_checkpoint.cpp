@@ -718,9 +718,13 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
       // checkpoint without any optimizer state (saved without the optimizer,
       // or before its first step) leaves the optimizer with none: a fresh start.
       const std::string first_kind = adam ? "exp_avg" : "momentum_buffer";
-      std::set<std::string> with_state;
-      for (const auto& e : idx.entries)
+      // Per name: groups may differ in amsgrad, so some parameters have a
+      // max_exp_avg_sq and others none.
+      std::set<std::string> with_state, with_max;
+      for (const auto& e : idx.entries) {
         if (e.kind == first_kind) with_state.insert(e.name);
+        if (e.kind == "max_exp_avg_sq") with_max.insert(e.name);
+      }
       // A group with amsgrad needs each parameter's max_exp_avg_sq: a
       // checkpoint of an optimizer without it would load, and step() fail.
       std::set<const void*> amsgrad;
@@ -739,13 +743,13 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
           changes.push_back([&st, key] { st.erase(key); });
           continue;
         }
-        if (amsgrad.count(key) && !saved_kinds.count("max_exp_avg_sq"))
+        if (amsgrad.count(key) && !with_max.count(piece.name))
           throw SafetensorsError("checkpoint '" + dir + "': '" + piece.name + "' is in a parameter group with amsgrad, "
-                                 "but the checkpoint has no max_exp_avg_sq (it was saved by an optimizer without "
-                                 "amsgrad)");
+                                 "but the checkpoint has no max_exp_avg_sq for it (it was saved by an optimizer "
+                                 "without amsgrad for it)");
         std::vector<std::string> kinds = adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"}
                                               : std::vector<std::string>{"momentum_buffer"};
-        if (adam && saved_kinds.count("max_exp_avg_sq")) kinds.push_back("max_exp_avg_sq");
+        if (adam && with_max.count(piece.name)) kinds.push_back("max_exp_avg_sq");
         std::vector<Fill> fills;
         for (const auto& kind : kinds) fills.push_back(plan(piece.length, piece.name, kind, piece.param_offset));
         // The state takes the piece's shape: a NoShard piece is the whole

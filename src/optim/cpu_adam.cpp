@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include <immintrin.h>
@@ -88,7 +89,7 @@ using Kernel = void (*)(float*, const float*, float*, float*, int64_t, Coeffs, a
 // 12 and 10 cycles a vector) this is several times fewer cycles; on AMD Zen 4
 // the estimates cost more than they save (docs/benchmarks.md).
 struct NewtonConsts {
-  __m512 beta1, omb1, beta2, omb2, eps, step, ibc, decay, wd, half, three_halves, two, tiny;
+  __m512 beta1, omb1, beta2, omb2, eps, step, ibc, decay, wd, half, three_halves, two, tiny, inf;
 };
 
 template <bool Tail>
@@ -118,6 +119,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
   const __m512 d = _mm512_fmadd_ps(sq, c.ibc, c.eps);
   __m512 q = _mm512_rcp14_ps(d);  // 1/d, then one Newton step: q (2 - d q)
   q = _mm512_mul_ps(q, _mm512_fnmadd_ps(d, q, c.two));
+  // v = inf: the estimates give 0 * inf = NaN; sqrt(v) is inf and m / inf
+  // is 0 (the exact update leaves the parameter as it is), so 1/d is 0.
+  q = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(vi, c.inf, _CMP_EQ_OQ), q, _mm512_setzero_ps());
   const __m512 out = _mm512_fnmadd_ps(c.step, _mm512_mul_ps(mi, q), param);
   if (Tail) {
     _mm512_mask_storeu_ps(m + i, k, mi);
@@ -137,7 +141,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton
                        _mm512_set1_ps(c.one_minus_beta2), _mm512_set1_ps(c.eps),     _mm512_set1_ps(c.step_size),
                        _mm512_set1_ps(c.inv_sqrt_bc2), _mm512_set1_ps(c.decay),       _mm512_set1_ps(c.wd),
                        _mm512_set1_ps(0.5f),        _mm512_set1_ps(1.5f),             _mm512_set1_ps(2.0f),
-                       _mm512_set1_ps(1.17549435e-38f)};  // FLT_MIN: below it, sqrt(v) is taken as 0
+                       _mm512_set1_ps(1.17549435e-38f),  // FLT_MIN: below it, sqrt(v) is taken as 0
+                       _mm512_set1_ps(std::numeric_limits<float>::infinity())};
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {  // two vectors an iteration: more loads in flight where memory bounds it
     newton_vector<false>(p, g, m, v, i, 0xffff, c.decoupled, k);
@@ -188,17 +193,27 @@ Choice choose() {
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (const char* want = std::getenv("SHARDTORCH_ADAM_ISA")) {
-    std::string w = want;
-    if (w == "avx512" && has512) return {adam_avx512, "avx512"};
-    if (w == "avx512-newton" && has512) return {adam_avx512_newton, "avx512-newton"};
-    if (w == "avx2" && has2) return {adam_avx2, "avx2"};
-    if (w == "default") return {adam_default, "default"};
-  }
-  if (has512 && __builtin_cpu_is("intel")) return {adam_avx512_newton, "avx512-newton"};
-  if (has512) return {adam_avx512, "avx512"};
-  if (has2) return {adam_avx2, "avx2"};
-  return {adam_default, "default"};
+  auto automatic = [&]() -> Choice {
+    if (has512 && __builtin_cpu_is("intel")) return {adam_avx512_newton, "avx512-newton"};
+    if (has512) return {adam_avx512, "avx512"};
+    if (has2) return {adam_avx2, "avx2"};
+    return {adam_default, "default"};
+  };
+  const char* want = std::getenv("SHARDTORCH_ADAM_ISA");
+  if (want == nullptr) return automatic();
+  const std::string w = want;
+  if (w == "avx512" && has512) return {adam_avx512, "avx512"};
+  if (w == "avx512-newton" && has512) return {adam_avx512_newton, "avx512-newton"};
+  if (w == "avx2" && has2) return {adam_avx2, "avx2"};
+  if (w == "default") return {adam_default, "default"};
+  // Not honoured: said once, not silently (ranks on unlike hosts could
+  // otherwise update replicated values with different kernels unawares).
+  Choice c = automatic();
+  const bool known = w == "avx512" || w == "avx512-newton" || w == "avx2";
+  TORCH_WARN_ONCE("shardtorch: SHARDTORCH_ADAM_ISA='", w, "' ",
+                  known ? "is not supported by this CPU" : "is not one of avx512-newton, avx512, avx2, default",
+                  "; the fused CPU Adam uses '", c.name, "'");
+  return c;
 }
 // Per call (a few cached CPU-feature checks and a getenv), so the override
 // applies whenever it is set.
