@@ -370,18 +370,28 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   const bool root_is_unit = dynamic_cast<UnitBase*>(&root) != nullptr;
   const std::vector<bool> checkpointed = checkpointed_units(units, params, options, root_is_unit);
 
+  // A parameter on another device than the backend's: part of the
+  // description, so that a rank alone with it makes every rank fail here
+  // (checked after the exchange, it failed that rank only and left the others
+  // waiting in shard()'s next collective until the timeout).
+  const c10::Device comm_device = world->comm().device();
+  std::string misplaced;
+  for (const auto& p : params) {
+    if (p.tensor.device() == comm_device) continue;
+    std::ostringstream os;
+    os << "parameter '" << p.name << "' is on " << p.tensor.device() << " but the " << world->backend_name()
+       << " backend works on " << comm_device << "; move the model there first";
+    misplaced = os.str();
+    break;
+  }
+
   std::ostringstream desc;
   desc << "strategy " << strategy_name(strategy) << "\n";
   for (const auto& p : params) desc << param_line(p, units) << "\n";
   for (const auto& [name, b] : buffers) desc << "buffer '" << name << "' " << c10::toString(b.scalar_type()) << b.sizes() << "\n";
+  if (!misplaced.empty()) desc << misplaced << "\n";
   if (world->size() > 1) check_same_model_everywhere(*world, desc.str());
-
-  const c10::Device comm_device = world->comm().device();
-  for (const auto& p : params) {
-    TORCH_CHECK(p.tensor.device() == comm_device, "shardtorch::shard: parameter '", p.name, "' is on ",
-                p.tensor.device(), " but the ", world->backend_name(), " backend of rank ", world->rank(),
-                " works on ", comm_device, "; move the model there first");
-  }
+  TORCH_CHECK(misplaced.empty(), "shardtorch::shard: rank ", world->rank(), ": ", misplaced);
 
   auto state = std::make_shared<detail::ShardState>(world, options);
   if (strategy == Strategy::NoShard) {

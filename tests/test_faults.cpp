@@ -38,6 +38,22 @@ TEST(Faults, ShapeMismatchFailsEveryRankNamingParameterAndRanks) {
   EXPECT_LT(seconds_since(t0), 20.0);
 }
 
+// A model on another device than the backend's on one rank only: every
+// rank fails at once naming it (the rank alone with it used to fail, and the
+// others waited in shard()'s next collective until the timeout).
+TEST(Faults, AParameterOnAnotherDeviceOnOneRankFailsEveryRankAtOnce) {
+  struct OnImpl : torch::nn::Module {
+    explicit OnImpl(c10::Device d) { register_parameter("w", torch::zeros({4, 3}, torch::device(d))); }
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(2, [](World& w) {
+    auto m = std::make_shared<OnImpl>(w.rank() == 1 ? c10::Device(c10::kMeta) : c10::Device(c10::kCPU));
+    shardtorch::shard(*m, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
+  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(30)));
+  expect_all_fail_with(r, {"parameter 'w' is on meta but the gloo backend works on cpu", "rank 1"});
+  EXPECT_LT(seconds_since(t0), 20.0) << "a rank waited for the collective timeout";
+}
+
 TEST(Faults, DtypeMismatchFailsEveryRank) {
   auto r = run_ranks(2, [](World& w) {
     MLP m;
