@@ -354,6 +354,8 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   void issue_reductions(bool at_end = false);
   /// This backward reduces gradients (not a grad call, not create_graph).
   bool backward_reduces() const { return !builds_graph_ && !inputs_only_; }
+  /// This backward was started with create_graph.
+  bool builds_graph() const { return builds_graph_; }
   /// Units whose gradients were final before their turn in the reduction
   /// order, since shard() (they waited; 0 when units finish in that order).
   int64_t reductions_deferred() const { return reductions_deferred_; }

@@ -212,8 +212,10 @@ void Unit::input_gradient_done(ForwardCall& call) {
     call.fired = 0;
   }
   ++call.fired;
-  // Gradients final (or none to have), and no live forward's backward left to read the frozen parameters.
-  if ((reduced_ || !reduces()) && touched_ && frozen_unread()) reshard();
+  // Gradients final (or none to have), and no live forward's backward left to
+  // read the frozen parameters. Not in a backward that builds a graph: that
+  // graph reads them again (finish_backward holds what is still gathered).
+  if ((reduced_ || !reduces()) && touched_ && frozen_unread() && !owner_->builds_graph()) reshard();
 }
 
 void Unit::on_grad_ready(size_t flat, size_t param) {

@@ -930,6 +930,43 @@ TEST(Units, PenaltyGraphsBuiltAheadAndThroughTheRootTrainLikeTorch) {
       });
 }
 
+// A gradient penalty through a unit whose parameters are all frozen (a
+// frozen feature network between trainable layers, as in GAN R1 penalties
+// through a pretrained extractor): autograd::grad with create_graph reaches
+// the frozen unit's input, whose hook freed the unit, and the graph it built
+// reads the frozen weights again in the second backward ("unit 'mid' is
+// sharded"). In a graph-building backward nothing is freed early: the units
+// still gathered at its end are held until the step.
+struct FrozenMidImpl : torch::nn::Module {
+  FrozenMidImpl()
+      : first(register_module("first", Layer(7, 6, true))),
+        mid(register_module("mid", Layer(6, 6, true))),
+        last(register_module("last", Layer(6, 3, false))) {
+    for (auto& p : mid->parameters()) p.requires_grad_(false);
+  }
+  torch::Tensor forward(torch::Tensor x) { return last(mid(first(x))); }
+  Layer first, mid, last;
+};
+SHARDTORCH_MODULE(FrozenMid);
+
+TEST(Units, AGradientPenaltyThroughAFrozenUnitTrainsLikeTorch) {
+  torch::manual_seed(5);
+  auto x = torch::randn({4, 7});
+  auto penalised = [](FrozenMid& m, const torch::Tensor& xs) {
+    auto xi = xs.clone().requires_grad_(true);
+    auto out = m(xi);
+    auto g = torch::autograd::grad({out.sum()}, {xi}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    return out.square().mean() + (g.norm() - 1).square();
+  };
+  auto want = train_reference<FrozenMid>([&](FrozenMid& ref) {
+    for (int r = 0; r < 2; ++r) (penalised(ref, x.narrow(0, 2 * r, 2)) / 2).backward();
+  });
+  expect_every_strategy_trains_like<FrozenMid>(want, "a penalty through a frozen unit",
+                                               [&](FrozenMid& m, shardtorch::ShardedModel&, World& w) {
+                                                 penalised(m, x.narrow(0, 2 * w.rank(), 2)).backward();
+                                               });
+}
+
 // Training with a parameter of no elements; test_checkpoint.cpp takes it
 // through clipping, summoning and checkpoints.
 TEST(Units, AnEmptyParameterTrainsLikeTorchUnderEveryStrategy) {
