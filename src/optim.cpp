@@ -88,6 +88,7 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 void ShardViews::bind_grads() {
   state_->check_outside_summon();  // before the step changes anything: the scope would write it over
   state_->check_backward_finished("an optimizer step");
+  state_->check_requires_grad_unchanged();
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).
   state_->wait_for_offload_copies(/*step=*/true);

@@ -131,6 +131,26 @@ void ShardState::recover_if_backward_failed() {
   if (callback_queued_ && torch::autograd::get_current_graph_task_id() == -1) abandon_backward(/*warn=*/true);
 }
 
+void ShardState::check_requires_grad_unchanged() const {
+  // Flat parameters, hooks and the optimizer's pieces were fixed by shard():
+  // a parameter unfrozen since would never have its gradient reduced nor be
+  // stepped, and one frozen since would still be stepped. Said, not silent.
+  auto check = [&](const at::Tensor& p, bool was, const std::string& name) {
+    TORCH_CHECK(p.requires_grad() == was, "shardtorch: rank ", world_->rank(), ": parameter '", name, "' was ",
+                was ? "trainable" : "frozen", " at shard() and is ", was ? "frozen" : "trainable",
+                " now; which parameters train is fixed when the model is sharded (its flat parameters, gradient "
+                "hooks and optimizer pieces follow it). Set requires_grad before shard(), or shard a new model "
+                "(load_full_state_dict carries the weights) to change it");
+  };
+  for (size_t i = 0; i < ddp_params_.size(); ++i) check(ddp_params_[i], true, ddp_names_[i]);
+  for (const auto& w : units_) {
+    auto u = w.lock();
+    if (!u) continue;
+    for (const auto& f : u->flats())
+      for (size_t i = 0; i < f->params().size(); ++i) check(f->params()[i], f->requires_grad(), f->names()[i]);
+  }
+}
+
 void ShardState::check_backward_finished(const char* who) {
   if (callback_queued_ && torch::autograd::get_current_graph_task_id() == -1) abandon_backward(/*warn=*/false);
   TORCH_CHECK(!partial_grads_, "shardtorch: rank ", world_->rank(), ": ", who, " after a backward that did not "

@@ -403,6 +403,8 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// Throws (this rank) when a backward since the last zero_grad did not
   /// finish (dropping what it left first): `who` would read partial gradients.
   void check_backward_finished(const char* who);
+  /// Throws (this rank) naming a parameter whose requires_grad changed since shard().
+  void check_requires_grad_unchanged() const;
   /// Changes whenever the gradients may have: at the end of every backward
   /// and at every zero_grad (the GradScaler's "already unscaled" is per value).
   uint64_t gradient_generation() const { return gradient_generation_; }

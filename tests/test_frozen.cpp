@@ -314,3 +314,42 @@ TEST(FrozenParameters, TwoForwardsDifferentiatedInOneBackwardTrainLikeTorch) {
     ASSERT_TRUE(r.ok) << (tbptt ? "tbptt: " : "two forwards: ") << r.summary();
   }
 }
+
+// Which parameters train is fixed by shard(): a parameter unfrozen later was
+// never reduced nor stepped, and one frozen later was still stepped, with no
+// word (gradual unfreezing, say). The next optimizer step names it.
+TEST(Frozen, ChangingRequiresGradAfterShardIsAnErrorAtTheNextStep) {
+  for (auto s : {shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      for (bool unfreeze : {false, true}) {
+        if (unfreeze && s == shardtorch::Strategy::NoShard) continue;  // NoShard keeps no list of frozen ones
+        torch::manual_seed(0);
+        MLP m;
+        shardtorch::shard(m, w, strategy_options(s, 2));
+        auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+        auto step = [&] {
+          opt->zero_grad();
+          m(torch::ones({2, 7})).square().sum().backward();
+          opt->step();
+        };
+        step();
+        if (unfreeze) {
+          m->l2->lin->bias.set_requires_grad(true);
+        } else {
+          m->l1->lin->weight.set_requires_grad(false);
+        }
+        std::string e = "no error";
+        try {
+          step();
+        } catch (const c10::Error& err) {
+          e = err.what();
+        }
+        const std::string want = unfreeze ? "parameter 'l2.lin.bias' was frozen at shard() and is trainable now"
+                                          : "parameter 'l1.lin.weight' was trainable at shard() and is frozen now";
+        require(e.find("rank " + std::to_string(w.rank()) + ": " + want) != std::string::npos,
+                std::string(shardtorch::strategy_name(s)) + ": " + e);
+      }
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
