@@ -2,6 +2,7 @@
 
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -20,16 +21,27 @@ double clip_grad_norm(torch::nn::Module& root, double max_norm, double norm_type
   // Accumulate in double: one partial value per rank.
   // A NaN gradient makes the norm NaN, as in torch::nn::utils::clip_grad_norm_
   // (std::max would drop it, and so may a MAX all-reduce: it travels as a flag).
+  // No copy of a whole gradient: the largest magnitude is max(|max|, |min|),
+  // and the sum of powers goes through double a chunk at a time (a whole
+  // OptimizerOnly flat gradient in double was 8 bytes per element at once).
+  constexpr int64_t kChunk = int64_t{1} << 20;
   double local = 0.0;
   bool nan = false;
   for (const auto& g : grads) {
     if (g.numel() == 0) continue;  // max() of nothing throws
     if (inf) {
-      const double m = g.abs().max().item<double>();
-      nan = nan || std::isnan(m);
+      const double hi = g.max().item<double>(), lo = g.min().item<double>();  // NaN propagates through both
+      nan = nan || std::isnan(hi) || std::isnan(lo);
+      const double m = std::max(std::abs(hi), std::abs(lo));
       if (m > local) local = m;
     } else {
-      local += g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
+      const at::Tensor flat = g.reshape({-1});
+      at::Tensor sum = at::zeros({}, flat.options().dtype(at::kDouble));
+      for (int64_t off = 0; off < flat.numel(); off += kChunk) {
+        const at::Tensor part = flat.narrow(0, off, std::min(kChunk, flat.numel() - off)).to(at::kDouble);
+        sum += norm_type == 2.0 ? part.square().sum() : part.abs().pow(norm_type).sum();
+      }
+      local += sum.item<double>();
     }
   }
   if (partial) {
