@@ -249,7 +249,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(), "shardtorch: rank ", rank,
                 ": checkpointed unit '", r->ac->label, "': torch::autograd::grad (or backward with inputs) is not "
                 "supported through activation checkpointing; use loss.backward()");
-    state->refuse_backward_in_grad_summon("checkpointed unit '" + r->ac->label + "'");
+    state->refuse_backward_in_grad_summon("checkpointed unit", r->ac->label);
     *r->pending = false;
     // The outer backward's end callback, queued on the outer graph task (the
     // nested backward below is another one).

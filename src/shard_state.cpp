@@ -78,19 +78,18 @@ void ShardState::release_held() {
     if (auto u = w.lock()) u->release();  // nothing for a unit not held
 }
 
-void ShardState::refuse_backward_in_grad_summon(const std::string& where) const {
+void ShardState::refuse_backward_in_grad_summon(const char* kind, const std::string& name) const {
   // The scope set param.grad to the reduced gradients: this backward would
   // add its own to them, and reduce both into gradients that already hold the
   // first (counted twice). Every rank is in the scope, so every rank refuses;
   // called first in every hook of a backward, before anything is queued or
   // gathered, so the refused backward leaves nothing to clean up.
-  TORCH_CHECK(grad_summons_ == 0, "shardtorch: rank ", world_->rank(), ": a backward reached ", where,
-              " inside a summon_full_params(with_grads) scope, whose param.grad are the reduced gradients (a "
+  TORCH_CHECK(grad_summons_ == 0, "shardtorch: rank ", world_->rank(), ": a backward reached ", kind, " '", name,
+              "' inside a summon_full_params(with_grads) scope, whose param.grad are the reduced gradients (a "
               "backward would count them twice); leave the scope before the backward, or summon without with_grads");
 }
 
 void ShardState::check_grad_arrival(const at::Tensor& param, const std::string& name) const {
-  refuse_backward_in_grad_summon("parameter '" + name + "'");
   if (!builds_graph_) return;
   at::Tensor(param).mutable_grad().reset();  // a handle: the parameter itself
   TORCH_CHECK(false, "shardtorch: rank ", world_->rank(), ": the gradient of parameter '", name,
@@ -127,8 +126,8 @@ void ShardState::zero_grads() {
     for (auto& f : u->flats()) f->zero_grad();
 }
 
-void ShardState::recover_if_backward_failed() {
-  if (callback_queued_ && torch::autograd::get_current_graph_task_id() == -1) abandon_backward(/*warn=*/true);
+void ShardState::recover_if_backward_failed(bool warn) {
+  if (callback_queued_ && torch::autograd::get_current_graph_task_id() == -1) abandon_backward(warn);
 }
 
 void ShardState::check_requires_grad_unchanged() const {
@@ -152,7 +151,7 @@ void ShardState::check_requires_grad_unchanged() const {
 }
 
 void ShardState::check_backward_finished(const char* who) {
-  if (callback_queued_ && torch::autograd::get_current_graph_task_id() == -1) abandon_backward(/*warn=*/false);
+  recover_if_backward_failed(/*warn=*/false);  // the error below says it
   TORCH_CHECK(!partial_grads_, "shardtorch: rank ", world_->rank(), ": ", who, " after a backward that did not "
               "finish (an exception escaped it): the gradients are partial (its reductions in flight and staged "
               "gradients were dropped). Call zero_grad() and run the backward again");
@@ -514,7 +513,7 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
     if (auto s = state_.lock()) {
-      s->refuse_backward_in_grad_summon("parameter '" + s->ddp_names()[index_] + "'");
+      s->refuse_backward_in_grad_summon("parameter", s->ddp_names()[index_]);
       s->ensure_end_of_backward_callback();
       s->check_grad_arrival(s->ddp_params()[index_], s->ddp_names()[index_]);
       s->note_ddp_gradient(index_);

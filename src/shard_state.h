@@ -221,7 +221,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// summon_full_params scopes alive (on every rank, rank0_only or not).
   /// `with_grads`: the scope set param.grad; a backward inside it is refused.
   /// Throws (this rank) inside a summon_full_params(with_grads) scope.
-  void refuse_backward_in_grad_summon(const std::string& where) const;
+  /// Names `kind` `name` ("unit", its label): the message is built only on failure,
+  /// since every gradient hook calls this.
+  void refuse_backward_in_grad_summon(const char* kind, const std::string& name) const;
   void enter_summon(bool with_grads) {
     ++summons_;
     grad_summons_ += with_grads;
@@ -398,8 +400,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   void finish_backward();
   /// At the start of a forward and in zero_grad(): outside any backward, a
   /// queued end-of-backward that never ran means the last backward failed;
-  /// abandon_backward() then, before anything gathers, reduces or zeroes.
-  void recover_if_backward_failed();
+  /// abandon_backward() then, before anything gathers, reduces or zeroes
+  /// (with its warning unless `warn` is false).
+  void recover_if_backward_failed(bool warn = true);
   /// Throws (this rank) when a backward since the last zero_grad did not
   /// finish (dropping what it left first): `who` would read partial gradients.
   void check_backward_finished(const char* who);

@@ -181,7 +181,7 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
 }
 
 void Unit::pre_backward() {
-  owner_->refuse_backward_in_grad_summon("unit '" + label() + "'");
+  owner_->refuse_backward_in_grad_summon("unit", label());
   owner_->ensure_end_of_backward_callback();
   touched_ = true;
   // A unit already final in this backward reads no more of its trainable
@@ -219,7 +219,7 @@ void Unit::input_gradient_done(ForwardCall& call) {
 }
 
 void Unit::on_grad_ready(size_t flat, size_t param) {
-  owner_->refuse_backward_in_grad_summon("parameter '" + flats_[flat]->names()[param] + "'");
+  owner_->refuse_backward_in_grad_summon("parameter", flats_[flat]->names()[param]);
   owner_->ensure_end_of_backward_callback();
   owner_->check_grad_arrival(flats_[flat]->params()[param], flats_[flat]->names()[param]);
   touched_ = true;
