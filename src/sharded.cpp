@@ -486,7 +486,7 @@ std::vector<UnitSpec> unit_specs(torch::nn::Module& root) {
   ModelWalk found = walk_model(root, /*allow_sharded=*/true);
   const auto& units = found.units;
   const auto& params = found.params;
-  DtypeOf dtype_of;
+  DtypeOf dtype_of = [](const at::Tensor& t) { return t.scalar_type(); };
   if (auto state = detail::lookup_model(root)) {
     std::unordered_map<const void*, at::ScalarType> masters;  // sharded strategies: the flat's dtype
     for (const auto& u : state->units())
@@ -502,7 +502,7 @@ std::vector<UnitSpec> unit_specs(torch::nn::Module& root) {
     UnitSpec s{name, {}};
     for (const auto& members : flat_groups(params, unit, dtype_of)) {
       const at::Tensor& first = members.front()->tensor;
-      FlatSpec f{0, dtype_of ? dtype_of(first) : first.scalar_type(), first.requires_grad()};
+      FlatSpec f{0, dtype_of(first), first.requires_grad()};
       for (const auto* p : members) f.numel += p->tensor.numel();
       s.flats.push_back(f);
     }
