@@ -87,6 +87,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::optional<at::ScalarType> input_dtype() const;
   std::optional<at::ScalarType> output_dtype() const;
   void post_forward(const std::vector<at::Tensor>& outputs);
+  /// Its forward threw after pre_forward (docs/design.md, "A forward that
+  /// fails"): frees what post_forward would have, and every unit a prefetch
+  /// left gathering.
+  void abandon_forward();
   void pre_backward();
   void on_grad_ready(size_t flat, size_t param);
   /// Its gradients are final in this backward ("FINAL" in docs/design.md,

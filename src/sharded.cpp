@@ -23,6 +23,15 @@ UnitBase::~UnitBase() = default;
 
 void UnitBase::before_forward(const std::vector<at::Tensor>& inputs) { unit_->pre_forward(inputs); }
 
+void UnitBase::forward_failed() noexcept {
+  try {
+    unit_->abandon_forward();
+  } catch (const std::exception& e) {  // runs while the forward's exception unwinds: warn, never throw
+    TORCH_WARN("shardtorch: rank ", unit_->owner().world().rank(), ": unit '", unit_->label(),
+               "' could not be resharded after its forward failed: ", e.what());
+  }
+}
+
 void UnitBase::zero_shard_grads(torch::nn::Module& self) {
   // Module::zero_grad calls the zero_grad of every module inside, so each
   // unit clears its own flats. Under NoShard the gradients are the

@@ -147,6 +147,16 @@ void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
   if (auto next = owner_->note_forward_and_next(*this)) next->unshard_async();
 }
 
+void Unit::abandon_forward() {
+  call_.reset();
+  // A prefetch launched in this forward (by this unit, or by one nested in
+  // it that had finished) gathers for a forward that will not come: nobody
+  // waits on a Gathering unit but its own pre-forward or pre-backward.
+  for (auto& u : owner_->units())
+    if (u->state() == UnitState::Gathering) u->reshard();
+  if (reshard_after_forward_ || !c10::GradMode::is_enabled()) reshard();
+}
+
 std::optional<at::ScalarType> Unit::input_dtype() const {
   const auto& mp = owner_->options().mixed_precision();
   if (!is_root_ || !mp.cast_root_inputs()) return std::nullopt;

@@ -519,9 +519,12 @@ TEST(Recompute, MisuseIsAClearError) {
       return "";
     };
     Twice net;
-    shardtorch::shard(net, w, ShardOptions().activation_checkpointing(true));
+    auto sm = shardtorch::shard(net, w, ShardOptions().activation_checkpointing(true));
     std::string e = error_of([&] { net(torch::randn({2, 6})).backward(); });
     require(has(e, "checkpointed unit 'l' ran its forward again"), "unit called twice: " + e);
+    // The refused forward had gathered 'l' again: it is freed, not left for the next forward.
+    require(sm.memory().gathered_units == 0 && sm.memory().cur(shardtorch::Mem::GatheredParams) == 0,
+            "the refused forward left " + std::to_string(sm.memory().gathered_units) + " unit(s) gathered");
     net->twice = false;
     e = error_of([&] { net(torch::randn({2, 6})).backward(); });
     require(has(e, "checkpointed unit 'inplace' modified its input 0"), "in-place input: " + e);

@@ -814,6 +814,85 @@ void expect_every_strategy_trains_like(const std::map<std::string, torch::Tensor
   }
 }
 
+// A unit whose forward throws while `fail` is set, after computing: a batch
+// that runs out of memory half-way.
+struct FailingLayerImpl : LayerImpl {
+  using LayerImpl::LayerImpl;
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = LayerImpl::forward(x);
+    if (fail) throw std::runtime_error("out of memory (simulated)");
+    return y;
+  }
+  bool fail = false;
+};
+SHARDTORCH_MODULE(FailingLayer);
+
+struct FailsInTheMiddle : torch::nn::Module {
+  FailsInTheMiddle()
+      : l1(register_module("l1", Layer(7, 5, true))),
+        l2(register_module("l2", FailingLayer(5, 5, true))),
+        l3(register_module("l3", Layer(5, 3, false))) {}
+  torch::Tensor forward(torch::Tensor x) { return l3(l2(l1(x))); }
+  Layer l1;
+  FailingLayer l2;
+  Layer l3;
+};
+
+// A forward that throws in a unit (caught, as a loop that retries a smaller
+// batch after running out of memory does) used to leave that unit gathered,
+// and the unit prefetched after it gathering, until their next forward. Both
+// are freed as the exception passes; the retry then gathers as many times as
+// a step before the failure and trains like torch without the failed forward.
+// With activation checkpointing the failure comes from inside the
+// checkpointed node's first run.
+TEST(Units, AForwardThatThrowsGivesItsUnitsBackAndTheRetryTrainsLikeTorch) {
+  torch::manual_seed(4);
+  auto x = torch::randn({kBatch, 7}), y = torch::randn({kBatch, 3});
+  torch::manual_seed(0);
+  auto ref = std::make_shared<FailsInTheMiddle>();
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  const auto want = train_in_one_process(*ref, ref_opt, 4, [&] { return torch::mse_loss(ref->forward(x), y); });
+  for (bool ckpt : {false, true}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto m = std::make_shared<FailsInTheMiddle>();
+      auto sm = shardtorch::shard(*m, w, shardtorch::ShardOptions().prefetch(true).activation_checkpointing(ckpt));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      const int64_t per = kBatch / 2;
+      auto xs = x.narrow(0, w.rank() * per, per), ys = y.narrow(0, w.rank() * per, per);
+      std::vector<int64_t> gathers;  // per step
+      for (int step = 0; step < 4; ++step) {
+        if (step == 2) {
+          m->l2->fail = true;
+          std::string error;
+          try {
+            m->forward(xs);
+          } catch (const std::exception& e) {
+            error = e.what();
+          }
+          m->l2->fail = false;
+          require(error.find("out of memory (simulated)") != std::string::npos, "the forward did not throw: " + error);
+          const auto mem = sm.memory();
+          require(mem.gathered_units == 0 && mem.cur(Mem::GatheredParams) == 0,
+                  "after the failed forward " + std::to_string(mem.gathered_units) + " unit(s), " +
+                      std::to_string(mem.cur(Mem::GatheredParams)) + " bytes stay gathered");
+        }
+        opt->zero_grad();
+        const int64_t before = sm.comm_stats().all_gather.calls;
+        torch::mse_loss(m->forward(xs), ys).backward();
+        gathers.push_back(sm.comm_stats().all_gather.calls - before);
+        opt->step();
+      }
+      std::string seen;
+      for (auto g : gathers) seen += std::to_string(g) + " ";
+      require(gathers[2] == gathers[1] && gathers[3] == gathers[1], "all-gathers per step: " + seen);
+      shardtorch::FullParams full(*m);
+      expect_close_map(snapshot(*m), want, 1e-5, ckpt ? "checkpointed, after a failed forward" : "after a failed forward");
+    });
+    ASSERT_TRUE(r.ok) << (ckpt ? "checkpointed: " : "") << r.summary();
+  }
+}
+
 // A gradient penalty differentiates the output with respect to the input
 // with create_graph, then backward() runs through the graph that built,
 // which saved the units' full parameters. The grad call reduces nothing.

@@ -191,8 +191,24 @@ class UnitBase {
   /// Runs `run(inputs, true)` without keeping activations and returns its
   /// outputs attached to one autograd node that recomputes them in backward.
   std::vector<at::Tensor> checkpointed_forward(std::vector<at::Tensor> inputs, detail::RecomputeFn run);
+  /// Until dismissed, gives the unit's memory back when its forward throws
+  /// (docs/design.md, "A forward that fails").
+  class ForwardGuard {
+   public:
+    explicit ForwardGuard(UnitBase* unit) : unit_(unit) {}
+    ~ForwardGuard() {
+      if (unit_) unit_->forward_failed();
+    }
+    ForwardGuard(const ForwardGuard&) = delete;
+    ForwardGuard& operator=(const ForwardGuard&) = delete;
+    void dismiss() { unit_ = nullptr; }
+
+   private:
+    UnitBase* unit_;
+  };
 
  private:
+  void forward_failed() noexcept;
   friend class detail::ShardState;
   std::shared_ptr<detail::Unit> unit_;
   std::shared_ptr<detail::Checkpointing> checkpointing_;  // set by shard() for checkpointed units
@@ -284,10 +300,12 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
     if (!is_sharded_unit() && !checkpoint) return Impl::forward(std::forward<A>(args)...);
     std::vector<at::Tensor> inputs;  // hooked (units with frozen parameters), and to tell one passed through
     if (is_sharded_unit() && !checkpoint) (detail::collect_tensors(inputs, args), ...);
+    ForwardGuard guard(is_sharded_unit() ? this : nullptr);
     if (is_sharded_unit()) before_forward(inputs);
     const auto in_dtype = is_sharded_unit() ? input_dtype() : std::nullopt;
     R out = checkpoint ? checkpointed(detail::cast_input(std::forward<A>(args), in_dtype)...)
                        : Impl::forward(detail::cast_input(std::forward<A>(args), in_dtype)...);
+    guard.dismiss();
     if (!is_sharded_unit()) return out;  // NoShard: checkpointing without a unit
     if constexpr (std::is_same_v<R, at::Tensor>) {
       if (auto od = output_dtype(); od && out.is_floating_point() && out.scalar_type() != *od) out = out.to(*od);
