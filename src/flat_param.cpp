@@ -227,8 +227,9 @@ void FlatParam::stage_grad(size_t i) {
   auto& p = params_.at(i);
   const auto& g = p.grad();
   if (!g.defined()) return;
-  TORCH_CHECK(g.sizes() == p.sizes(), "shardtorch: gradient of '", names_[i], "' has shape ", g.sizes(),
-              " but the parameter has ", p.sizes());
+  TORCH_CHECK(g.sizes() == p.sizes(), "shardtorch: rank ", rank_, ": the gradient of '", names_[i], "' has shape ",
+              g.sizes(), " but the parameter has ", p.sizes(), " (a hook or a custom autograd function returned a "
+              "gradient of the wrong shape?)");
   c10::NoGradGuard no_grad;
   staging_grad().narrow(0, layout_.offset(i), layout_.numel(i)).add_(g.reshape({-1}));
   p.mutable_grad().reset();

@@ -21,7 +21,8 @@ std::vector<std::shared_ptr<Unit>> ShardState::units() const {
   std::vector<std::shared_ptr<Unit>> out;
   for (const auto& w : units_) {
     auto u = w.lock();
-    TORCH_CHECK(u, "shardtorch: a unit of this sharded model no longer exists (was the model destroyed?)");
+    TORCH_CHECK(u, "shardtorch: rank ", world_->rank(), ": a unit of this sharded model no longer exists (was the model "
+                "destroyed, or a unit module replaced after shard()?)");
     out.push_back(std::move(u));
   }
   return out;

@@ -382,7 +382,8 @@ void Unit::register_grad_hooks() {
     const auto& params = flats_[f]->params();
     for (size_t i = 0; i < params.size(); ++i) {
       auto acc = torch::autograd::impl::grad_accumulator(params[i]);
-      TORCH_CHECK(acc, "shardtorch: no gradient accumulator for '", flats_[f]->names()[i], "'");
+      TORCH_CHECK(acc, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(), "': parameter '",
+                  flats_[f]->names()[i], "' has no gradient accumulator (is it a view or a non-leaf tensor?)");
       acc->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), f, i));
       accumulators_.push_back(std::move(acc));  // the parameter holds it only weakly
       ++expected_grads_;

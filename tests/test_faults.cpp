@@ -96,6 +96,29 @@ TEST(Faults, OptimizerOfUnshardedModelIsAnError) {
   }
 }
 
+// A unit module replaced after shard() takes its unit with it: the next use
+// of the model says so on every rank, naming it, instead of a bare message.
+TEST(Faults, AUnitReplacedAfterShardIsAnErrorNamingTheRank) {
+  auto r = run_ranks(2, [](World& w) {
+    MLP m;
+    shardtorch::shard(m, w);
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    m->l2 = m->replace_module("l2", Layer(13, 5, true));
+    try {
+      opt->zero_grad();
+      m(torch::randn({2, 7})).sum().backward();
+      opt->step();
+    } catch (const c10::Error& e) {
+      const std::string want = "rank " + std::to_string(w.rank()) + ": a unit of this sharded model no longer exists";
+      require(std::string(e.what()).find(want) != std::string::npos, e.what());
+      require(std::string(e.what()).find("replaced after shard()") != std::string::npos, e.what());
+      return;
+    }
+    throw std::runtime_error("no error");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(Faults, ParametersOutsideAnyUnitNeedARootUnit) {
   auto r = run_ranks(1, [](World& w) {
     auto seq = torch::nn::Sequential(torch::nn::Linear(3, 3));
