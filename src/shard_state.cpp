@@ -32,6 +32,15 @@ void ShardState::ensure_end_of_backward_callback() {
   if (nested_backward_ > 0 && callback_queued_) return;  // the recomputing node queued it on the outer task
   const int task = torch::autograd::get_current_graph_task_id();
   if (callback_queued_ && task == callback_task_) return;
+  // Queued for a backward that is still running: this one runs inside it
+  // (reentrant). Its gradients would be taken for the outer backward's, or
+  // the outer one for failed; only the recomputation of shardtorch's own
+  // checkpointing nests (NestedBackward above). Refused before anything changes.
+  TORCH_CHECK(!callback_queued_ || callback_alive_.expired(), "shardtorch: rank ", world_->rank(), ": a backward "
+              "inside another backward reached this sharded model (a checkpoint function of your own, or a backward "
+              "or torch::autograd::grad run from a hook or from an autograd function's backward). shardtorch cannot "
+              "tell its gradients from the outer backward's; the only nesting it supports is its own activation "
+              "checkpointing: ShardOptions::activation_checkpointing (or activation_checkpointing_for)");
   // Queued for another backward that never reached its end: an exception escaped it.
   if (callback_queued_) abandon_backward(/*warn=*/true);
   callback_queued_ = true;
@@ -71,7 +80,9 @@ void ShardState::ensure_end_of_backward_callback() {
     if (auto u = w.lock()) u->expect_from_graph(runs, in_graph);
   issue_cursor_ = reduction_order_.size();
   auto keep = shared_from_this();
-  torch::autograd::Engine::get_default_engine().queue_callback([keep] { keep->finish_backward(); });
+  auto alive = std::make_shared<bool>(true);
+  callback_alive_ = alive;
+  torch::autograd::Engine::get_default_engine().queue_callback([keep, alive] { keep->finish_backward(); });
 }
 
 void ShardState::release_held() {

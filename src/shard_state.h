@@ -480,6 +480,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool stepped_since_zero_ = false, warned_unzeroed_ = false;
   uint64_t gradient_generation_ = 0;
   int callback_task_ = -1;  // the autograd graph task the callback was queued for
+  // Alive as long as that graph task holds the callback: until it has run it,
+  // or the task is destroyed (an exception escaped the backward).
+  std::weak_ptr<void> callback_alive_;
   bool sync_ = true;
   int summons_ = 0, grad_summons_ = 0;
   bool partial_grads_ = false;  // a backward since the last zero_grad failed
