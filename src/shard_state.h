@@ -130,10 +130,14 @@ class Unit : public std::enable_shared_from_this<Unit> {
   }
   /// A unit with frozen parameters: one grad-mode forward of it, alive as
   /// long as that forward's graph (the hooks on its outputs hold it).
-  struct ForwardCall {
-    int hooked = 0;  // inputs whose gradient hook counts; -1: one it cannot hook (a leaf)
+  struct ForwardCall : std::enable_shared_from_this<ForwardCall> {
+    int hooked = 0;  // boundary nodes (and unreached inputs) whose hooks count; -1: one it cannot hook
     int fired = 0;   // of them, fired in graph task `task`
     int task = -1;
+    // From pre- to post-forward: the first sequence number of a node this
+    // forward may make, and each input needing a gradient with its gradient edge.
+    uint64_t first_node = 0;
+    std::vector<std::pair<at::Tensor, torch::autograd::Edge>> inputs;
   };
   /// No backward node of a live forward of it may still read its frozen
   /// parameters: every such forward either took no input that needs a
@@ -142,6 +146,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool frozen_unread() const;
   /// An input hook of `call` fired: frees the unit if it is done with.
   void input_gradient_done(ForwardCall& call);
+  /// At post-forward: hooks the nodes of `call`'s forward through which
+  /// gradient leaves the unit by its inputs (docs/design.md, RESHARD).
+  void hook_input_boundary(ForwardCall& call, const std::vector<at::Tensor>& outputs);
   /// Its place in the reduction order being recorded (ShardState).
   bool in_reduction_order() const { return in_reduction_order_; }
   void set_in_reduction_order(bool in) { in_reduction_order_ = in; }

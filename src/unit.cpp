@@ -1,4 +1,5 @@
 // The life of a unit: gather, free, hooks and gradient hand-off (docs/design.md).
+#include <ATen/SequenceNumber.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -6,6 +7,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <unordered_set>
 
 #include "shard_state.h"
 
@@ -126,22 +128,15 @@ void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
                  calls_.end());
     call_ = std::make_shared<ForwardCall>();
     calls_.push_back(call_);
-    std::weak_ptr<Unit> weak_unit = weak_from_this();
-    std::weak_ptr<ForwardCall> weak_call = call_;
-    for (const auto& t : inputs) {
-      if (!t.defined() || !t.requires_grad() || call_->hooked < 0) continue;
-      if (t.is_leaf()) {  // its hooks would stay for good, one more per forward
-        call_->hooked = -1;
-        continue;
-      }
-      ++call_->hooked;
-      t.register_hook([weak_unit, weak_call](const at::TensorBase&) {
-        auto u = weak_unit.lock();
-        auto c = weak_call.lock();
-        if (u && c) u->input_gradient_done(*c);
-      });
+    if (checkpointed_) {
+      call_->hooked = -1;  // complete_nested_backward frees it
+    } else {
+      // Where the inputs' gradients leave the unit, taken now: an in-place
+      // change of an input inside the forward moves its gradient edge.
+      call_->first_node = at::sequence_number::peek();
+      for (const auto& t : inputs)
+        if (t.defined() && t.requires_grad()) call_->inputs.emplace_back(t, torch::autograd::impl::gradient_edge(t));
     }
-    if (checkpointed_) call_->hooked = -1;  // complete_nested_backward frees it
   }
   unshard();
   if (auto next = owner_->note_forward_and_next(*this)) next->unshard_async();
@@ -170,6 +165,7 @@ std::optional<at::ScalarType> Unit::output_dtype() const {
 void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   bool grad_mode = c10::GradMode::is_enabled();
   std::shared_ptr<ForwardCall> call = std::move(call_);  // lives as long as the hooks on the outputs
+  if (call && grad_mode) hook_input_boundary(*call, outputs);
   if (grad_mode) {
     std::weak_ptr<Unit> weak = weak_from_this();
     for (const auto& t : outputs) {
@@ -355,6 +351,91 @@ void Unit::reduce_flats() {
               what + " across replicas", /*from_callback=*/true);
         },
         what);
+  }
+}
+
+namespace {
+// Runs after a node of a unit's forward that sends gradient out through one
+// of the unit's inputs.
+class BoundaryHook : public torch::autograd::FunctionPostHook {
+ public:
+  BoundaryHook(std::weak_ptr<Unit> unit, std::weak_ptr<Unit::ForwardCall> call)
+      : unit_(std::move(unit)), call_(std::move(call)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    auto u = unit_.lock();
+    auto c = call_.lock();
+    if (u && c) u->input_gradient_done(*c);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<Unit> unit_;
+  std::weak_ptr<Unit::ForwardCall> call_;
+};
+}  // namespace
+
+void Unit::hook_input_boundary(ForwardCall& call, const std::vector<at::Tensor>& outputs) {
+  using torch::autograd::Node;
+  auto inputs = std::move(call.inputs);
+  if (inputs.empty()) return;  // hooked stays 0: no input needs a gradient
+  // The nodes this forward made (sequence numbers from first_node on; a
+  // gradient accumulator's is the largest) that have an edge to an input's
+  // gradient edge: once each has run in a backward, every node of the unit
+  // on the way to its inputs has, and what follows in backward is outside
+  // the unit. Per unit, where a hook on the input tensor waited for every
+  // consumer of the input (an encoder output feeding every decoder layer
+  // kept them all gathered).
+  std::vector<bool> reached(inputs.size(), false);
+  std::vector<Node*> boundary, todo;
+  std::unordered_set<Node*> seen;
+  auto visit = [&](Node* n) {
+    if (n && n->sequence_nr() >= call.first_node && seen.insert(n).second) todo.push_back(n);
+  };
+  for (const auto& t : outputs)
+    if (t.defined() && t.requires_grad()) visit(t.grad_fn().get());
+  while (!todo.empty()) {
+    Node* n = todo.back();
+    todo.pop_back();
+    bool crosses = false;
+    for (const auto& e : n->next_edges()) {
+      if (!e.is_valid()) continue;
+      bool to_input = false;
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        if (inputs[i].second == e) {
+          reached[i] = to_input = true;
+        }
+      }
+      if (to_input) {
+        crosses = true;
+      } else {
+        visit(e.function.get());
+      }
+    }
+    if (crosses) boundary.push_back(n);
+  }
+  std::weak_ptr<Unit> weak_unit = weak_from_this();
+  std::weak_ptr<ForwardCall> weak_call = call.weak_from_this();
+  for (Node* n : boundary) {
+    n->add_post_hook(std::make_unique<BoundaryHook>(weak_unit, weak_call));
+    ++call.hooked;
+  }
+  // An input no node of this forward reaches by a gradient edge: unused, or
+  // reached in a way not seen here. A hook on it, as before (a leaf's would
+  // stay for good: that forward keeps the unit gathered to the end instead).
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (reached[i]) continue;
+    const at::Tensor& t = inputs[i].first;
+    if (t.is_leaf()) {
+      call.hooked = -1;
+      return;
+    }
+    ++call.hooked;
+    t.register_hook([weak_unit, weak_call](const at::TensorBase&) {
+      auto u = weak_unit.lock();
+      auto c = weak_call.lock();
+      if (u && c) u->input_gradient_done(*c);
+    });
   }
 }
 
