@@ -29,9 +29,11 @@
 #include <boost/json.hpp>
 #include <boost/program_options.hpp>
 
+#include <torch/cuda.h>
+
+#include "../examples/cli.h"
 #include "../examples/gpt.h"
 #include "shardtorch/shardtorch.h"
-#include <torch/cuda.h>
 
 namespace po = boost::program_options;
 namespace json = boost::json;
@@ -275,11 +277,7 @@ int main(int argc, char** argv) {
     TORCH_CHECK(a.cfg.d_model % a.cfg.n_head == 0, "gpt_bench: --d-model ", a.cfg.d_model, " is not a multiple of --heads ",
                 a.cfg.n_head);
     return run(a);
-  } catch (const c10::Error& e) {  // the message, without LibTorch's C++ stack trace
-    std::cerr << "gpt_bench: " << e.what_without_backtrace() << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "gpt_bench: " << e.what() << "\n";
-    return 1;
+  } catch (...) {
+    return cli::report_error("gpt_bench");
   }
 }

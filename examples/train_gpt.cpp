@@ -273,12 +273,8 @@ int main(int argc, char** argv) {
     auto done = torch::zeros({1});
     world->comm().all_reduce(done, c10d::ReduceOp::SUM, "train_gpt exit");
     return fell ? 0 : 2;
-  } catch (const c10::Error& e) {  // the message, without LibTorch's C++ stack trace
-    std::cerr << "train_gpt: " << e.what_without_backtrace() << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "train_gpt: " << e.what() << "\n";
-    return 1;
+  } catch (...) {
+    return cli::report_error("train_gpt");
   }
   return 0;
 }

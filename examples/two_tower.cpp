@@ -182,11 +182,7 @@ int main(int argc, char** argv) {
     auto done = torch::zeros({1});
     world->comm().all_reduce(done, c10d::ReduceOp::SUM, "two_tower exit");
     return fell && same ? 0 : 2;
-  } catch (const c10::Error& e) {  // the message, without LibTorch's C++ stack trace
-    std::cerr << "two_tower: " << e.what_without_backtrace() << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "two_tower: " << e.what() << "\n";
-    return 1;
+  } catch (...) {
+    return cli::report_error("two_tower");
   }
 }

@@ -15,6 +15,7 @@
 
 #include <boost/program_options.hpp>
 
+#include "../examples/cli.h"
 #include "../examples/gpt.h"
 #include "shardtorch/plan.h"
 
@@ -188,11 +189,7 @@ int main(int argc, char** argv) {
       }
     }
     return 0;
-  } catch (const c10::Error& e) {  // the message, without LibTorch's C++ stack trace
-    std::cerr << "shardtorch-plan: " << e.what_without_backtrace() << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "shardtorch-plan: " << e.what() << "\n";
-    return 1;
+  } catch (...) {
+    return cli::report_error("shardtorch-plan");
   }
 }

@@ -307,11 +307,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "sweep: wrote %s\n", png.c_str());
     }
     return failed > 0 || over_theory > 0 || worst_plan_error > 0.05 ? 1 : 0;
-  } catch (const c10::Error& e) {  // the message, without LibTorch's C++ stack trace
-    std::cerr << "shardtorch-sweep: " << e.what_without_backtrace() << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "shardtorch-sweep: " << e.what() << "\n";
-    return 1;
+  } catch (...) {
+    return cli::report_error("shardtorch-sweep");
   }
 }
