@@ -60,7 +60,7 @@ ReduceScatterBucketer::Bucket& ReduceScatterBucketer::bucket_for(const at::Tenso
 }
 
 void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group, Callback callback,
-                                           const std::string& what) {
+                                           const std::string& what, Comm* replicas) {
   const int world = group.size();
   TORCH_CHECK(input.dim() == 1 && input.numel() % world == 0, "shardtorch: rank ", group.rank(),
               ": reduce_scatter for ", what, ": input ", describe(input), " is not 1-D with a multiple of ",
@@ -68,6 +68,8 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
   c10::NoGradGuard no_grad;
   const int64_t shard = input.numel() / world;
   Bucket& b = bucket_for(input, group);
+  if (b.offset == 0) b.replicas = replicas;
+  TORCH_INTERNAL_ASSERT(b.replicas == replicas, "ReduceScatterBucketer: one bucket for two replica groups (", what, ")");
   if (shard > b.cap) {  // too big to coalesce: launch what is queued (order), then this one alone
     launch_bucket(b);
     make_room(what);
@@ -76,7 +78,7 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
     Pieces pieces;
     pieces.push_back({{0, shard}, std::move(callback)});
     track(nbytes(in) + nbytes(out));
-    launch(group, in, out, nbytes(in) + nbytes(out), std::move(pieces), what);
+    launch(group, in, out, nbytes(in) + nbytes(out), std::move(pieces), what, /*all_reduce=*/false, replicas);
     return;
   }
   if (b.offset + shard > b.cap) launch_bucket(b);
@@ -89,13 +91,13 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
 }
 
 void ReduceScatterBucketer::all_reduce(const at::Tensor& input, Comm& group, Callback callback,
-                                       const std::string& what, bool from_callback) {
+                                       const std::string& what) {
   c10::NoGradGuard no_grad;
   launch_bucket(bucket_for(input, group));  // what is queued goes first, as for an input too big for a bucket
   // OptimizerOnly: no bound beyond the collective's timeout (no peer can be
   // waiting in an all-gather of this rank), and the staging gradients in
-  // flight stay within the limit. From a callback: no wait at all (header).
-  if (!from_callback) make_room(what, /*bounded=*/false);
+  // flight stay within the limit.
+  make_room(what, /*bounded=*/false);
   at::Tensor in = input.contiguous().view({-1});
   Pieces pieces;
   pieces.push_back({{0, in.numel()}, std::move(callback)});
@@ -164,15 +166,16 @@ void ReduceScatterBucketer::launch_bucket(Bucket& b) {
   b.pieces.clear();
   b.whats.clear();
   b.offset = 0;
-  launch(*b.group, std::move(in), std::move(out), bytes, std::move(pieces), what);
+  launch(*b.group, std::move(in), std::move(out), bytes, std::move(pieces), what, /*all_reduce=*/false, b.replicas);
 }
 
 void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
-                                   const std::string& what, bool all_reduce) {
+                                   const std::string& what, bool all_reduce, Comm* replicas) {
   // `bytes` (input and output) are tracked already; from here they belong to
   // the launch. The caller made room under max_in_flight.
   Launched l;
   l.group = &group;
+  l.replicas = replicas != nullptr && replicas->size() > 1 ? replicas : nullptr;
   l.input = std::move(input);
   l.output = std::move(output);
   l.bytes = bytes;
@@ -209,12 +212,29 @@ void ReduceScatterBucketer::wait_for_launch(Launched& l) {
   }
 }
 
+void ReduceScatterBucketer::launch_across_replicas(Launched& l, const std::string& what) {
+  // On Gloo the output is a row of the [N, cols] input all-reduced in place:
+  // a copy of it lets the input go now. Otherwise the output goes on and
+  // the input is freed.
+  at::Tensor chunk = l.output.is_alias_of(l.input) ? l.output.clone() : l.output;
+  const int64_t bytes = nbytes(chunk);
+  track(bytes);
+  launch(*l.replicas, chunk, at::Tensor(), bytes, std::move(l.pieces), what + " across replicas", /*all_reduce=*/true);
+  track(-l.bytes);  // now the new launch's (`chunk`)
+  l.bytes = 0;
+}
+
 void ReduceScatterBucketer::complete_oldest() {
   Launched l = std::move(in_flight_.front());
   in_flight_.pop_front();
   try {
+    const std::string what = l.replicas ? l.work.what : std::string();
     wait_for_launch(l);
-    for (auto& [range, cb] : l.pieces) cb(l.output.narrow(0, range.first, range.second));
+    if (l.replicas) {
+      launch_across_replicas(l, what);  // its callbacks run when that completes
+    } else {
+      for (auto& [range, cb] : l.pieces) cb(l.output.narrow(0, range.first, range.second));
+    }
   } catch (...) {
     track(-l.bytes);
     throw;

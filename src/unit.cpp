@@ -328,29 +328,16 @@ void Unit::reduce_flats() {
           what);
       continue;
     }
-    Comm* replicas = owner_->replica_comm();
     ShardState* owner = owner_.get();
+    // HybridShard: summed in the shard group, then across the replicas by
+    // the bucketer (one all-reduce per launch) before the callback runs.
     owner_->bucketer().reduce_scatter(
         g, owner_->reduce_comm(),
-        [fp, post, replicas, what, owner](const at::Tensor& reduced) {
-          auto accumulate = [fp, post](const at::Tensor& r) { fp->accumulate_shard_grad(r, post); };
-          if (replicas == nullptr || replicas->size() == 1) {
-            owner->deliver_gradient(reduced, /*owned=*/false, accumulate);  // a bucket's output
-            return;
-          }
-          // Summed in the shard group; now across the replicas, launched and
-          // left in flight: waiting here, inside a reduce-scatter's
-          // completion, could wait for a replica whose shard-group peer waits
-          // in an all-gather of this rank (a cycle until the timeout, when
-          // ranks route around units differently). The replica all-reduces
-          // go out in the order the reduce-scatters complete, which is the
-          // same on every rank, and complete by the end of backward.
-          owner->bucketer().all_reduce(
-              reduced.clone(), *replicas,
-              [owner, accumulate](const at::Tensor& t) { owner->deliver_gradient(t, /*owned=*/true, accumulate); },
-              what + " across replicas", /*from_callback=*/true);
+        [fp, post, owner](const at::Tensor& reduced) {  // a view of a bucket's output
+          owner->deliver_gradient(reduced, /*owned=*/false,
+                                  [fp, post](const at::Tensor& r) { fp->accumulate_shard_grad(r, post); });
         },
-        what);
+        what, owner_->replica_comm());
   }
 }
 

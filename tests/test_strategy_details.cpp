@@ -583,6 +583,35 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<1>(info.param));
     });
 
+// HybridShard sums each launched reduce-scatter's output across the replicas
+// with one all-reduce, whatever number of flat parameters the bucket holds
+// (it used to be one per flat parameter: here 4 where 1 does). With buckets
+// of about a block's shard there are several launches, and as many all-reduces.
+TEST(HybridShard, OneAllReduceAcrossReplicasPerLaunchedBucket) {
+  auto x = gpt_tokens().narrow(0, 0, 2);
+  for (double mb : {25.0, 0.06}) {
+    auto r = run_ranks(4, [&](World& w) {
+      torch::manual_seed(0);
+      auto model = gpt::GPT(gpt::Config{});
+      auto sm = shardtorch::shard(model, w, strategy_options(Strategy::HybridShard, 4).bucket_mb(mb));
+      int flats = 0;
+      for (const auto& u : sm.units())
+        for (bool frozen : u.frozen) flats += !frozen;
+      const auto before = sm.comm_stats();
+      gpt::lm_loss(model(x), x).backward();
+      const auto after = sm.comm_stats();
+      const int64_t launches = after.reduce_scatter.calls - before.reduce_scatter.calls;
+      const int64_t across = after.all_reduce.calls - before.all_reduce.calls;
+      require(across == launches, std::to_string(across) + " all-reduces across replicas for " +
+                                      std::to_string(launches) + " reduce-scatters (" + std::to_string(flats) +
+                                      " flat parameters), bucket_mb " + std::to_string(mb));
+      if (mb == 25.0) require(launches == 1 && flats > 1, "one bucket expected, " + std::to_string(launches));
+      if (mb < 1.0) require(launches > 1, "several launches expected with small buckets");
+    });
+    ASSERT_TRUE(r.ok) << "bucket_mb " << mb << ": " << r.summary();
+  }
+}
+
 // A backward that throws half-way (here a user hook between two units, after
 // the second unit's reduction was launched) leaves reductions in flight and
 // units half-reduced. The next forward cleans up, warns once, and training

@@ -93,23 +93,26 @@ class ReduceScatterBucketer {
   /// `input` is copied into a bucket, or, when too big for one, kept and
   /// reduced as it is: the caller must not write it afterwards, nor read it
   /// (on Gloo it is all-reduced in place).
-  void reduce_scatter(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
+  /// `replicas` (HybridShard, more than one rank): the reduced shard is then
+  /// summed across it too before `callback` runs, by one all-reduce per
+  /// launch (a bucket, not an input), launched when the reduce-scatter
+  /// completes and left in flight in the same queue. It goes out at once,
+  /// past the limit if need be: waiting for room there could wait for a
+  /// replica whose shard-group peer waits in an all-gather of this rank, and
+  /// completing another launch there would run its callbacks, and launch
+  /// its all-reduces, before those of the launch being completed, in an
+  /// order other ranks need not share. Every input of a (dtype, device,
+  /// group) key must name the same `replicas`.
+  void reduce_scatter(const at::Tensor& input, Comm& group, Callback callback, const std::string& what,
+                      Comm* replicas = nullptr);
   /// Queues `input` for a summing all-reduce over `group`: launched at once,
   /// alone, after what is queued for the same dtype and group, under the
   /// same limit in flight; `callback` gets the whole reduced input, which is
   /// `input` itself when that was contiguous (reduced in place: the caller
   /// must not read or write it meanwhile) and which nothing else writes
   /// afterwards. It waits for room as long as the collective timeout allows
-  /// (OptimizerOnly's gradients: no gather in backward to deadlock with),
-  /// unless `from_callback`: then it goes out at once, past the limit if need
-  /// be (HybridShard's all-reduces across replicas, launched from a
-  /// reduce-scatter's callback: waiting there could wait for a replica whose
-  /// shard-group peer waits in an all-gather of this rank, and completing
-  /// another launch there would run its callbacks, and launch its
-  /// all-reduces, before those of the launch being completed, in an order
-  /// other ranks need not share).
-  void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what,
-                  bool from_callback = false);
+  /// (OptimizerOnly's gradients: no gather in backward to deadlock with).
+  void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
   /// Launches everything queued, waits for every collective in flight and
   /// runs the callbacks.
   void flush();
@@ -135,6 +138,7 @@ class ReduceScatterBucketer {
   using Pieces = std::vector<std::pair<std::pair<int64_t, int64_t>, Callback>>;  // (start, len) in the output
   struct Bucket {
     Comm* group = nullptr;
+    Comm* replicas = nullptr;  // summed across after the reduce-scatter (HybridShard)
     at::Tensor buffer;  // [world, cols]; undefined when not filling
     at::Tensor output;  // [cols]; undefined when reduced in place (Gloo)
     int64_t cap = 0;         // most columns allowed (bucket_mb)
@@ -145,6 +149,7 @@ class ReduceScatterBucketer {
   };
   struct Launched {
     Comm* group = nullptr;
+    Comm* replicas = nullptr;  // a reduce-scatter whose output goes on across these
     PendingWork work;
     at::Tensor input, output;  // alive until the collective is done
     int64_t bytes = 0;         // tracked under Mem::Buckets
@@ -170,7 +175,10 @@ class ReduceScatterBucketer {
   /// all-reduce whose callbacks get all of it (`all_reduce`), a
   /// reduce-scatter into `output`, or, `output` undefined, one in place.
   void launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
-              const std::string& what, bool all_reduce = false);
+              const std::string& what, bool all_reduce = false, Comm* replicas = nullptr);
+  /// `l`'s reduce-scatter is done: launches the all-reduce of its output
+  /// across `l.replicas`, which takes over its callbacks and bytes.
+  void launch_across_replicas(Launched& l, const std::string& what);
   /// Waits for `l`'s collective (watched or not) and finishes it: statistics,
   /// errors (thrown).
   void wait_for_launch(Launched& l);
