@@ -81,9 +81,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void reshard();
   /// The error a read of `flat`'s parameters throws while they are freed.
   std::string sharded_access_error(const FlatParam& flat) const;
-  /// `inputs`: the forward's tensor arguments, hooked when the unit has
-  /// frozen parameters (ForwardCall).
-  void pre_forward(const std::vector<at::Tensor>& inputs);
+  /// Gathers the unit; under grad mode, a unit with frozen parameters starts
+  /// a ForwardCall, whose exits post_forward hooks.
+  void pre_forward();
   std::optional<at::ScalarType> input_dtype() const;
   std::optional<at::ScalarType> output_dtype() const;
   void post_forward(const std::vector<at::Tensor>& outputs);
@@ -131,24 +131,24 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// A unit with frozen parameters: one grad-mode forward of it, alive as
   /// long as that forward's graph (the hooks on its outputs hold it).
   struct ForwardCall : std::enable_shared_from_this<ForwardCall> {
-    int hooked = 0;  // boundary nodes (and unreached inputs) whose hooks count; -1: one it cannot hook
-    int fired = 0;   // of them, fired in graph task `task`
+    int hooked = 0;    // exit nodes hooked (hook_exits); -1: cannot tell, kept to the end of backward
+    int fired = 0;     // their hooks fired in graph task `task`
+    int expected = 0;  // of them, those graph task `task` runs
     int task = -1;
-    // From pre- to post-forward: the first sequence number of a node this
-    // forward may make, and each input needing a gradient with its gradient edge.
-    uint64_t first_node = 0;
-    std::vector<std::pair<at::Tensor, torch::autograd::Edge>> inputs;
+    uint64_t first_node = 0;  // the first sequence number of a node this forward may make ...
+    uint64_t thread = 0;      // ... on this thread
+    std::vector<c10::weak_intrusive_ptr<torch::autograd::Node>> exits;
   };
   /// No backward node of a live forward of it may still read its frozen
-  /// parameters: every such forward either took no input that needs a
-  /// gradient or has had the gradients of all its inputs completed in this
-  /// backward (docs/design.md, RESHARD).
+  /// parameters: every such forward sends no gradient out of the unit, or
+  /// has run, in this backward, each of its exit nodes this backward runs
+  /// (docs/design.md, RESHARD).
   bool frozen_unread() const;
-  /// An input hook of `call` fired: frees the unit if it is done with.
-  void input_gradient_done(ForwardCall& call);
+  /// An exit hook of `call` fired: frees the unit if it is done with.
+  void exit_done(ForwardCall& call);
   /// At post-forward: hooks the nodes of `call`'s forward through which
-  /// gradient leaves the unit by its inputs (docs/design.md, RESHARD).
-  void hook_input_boundary(ForwardCall& call, const std::vector<at::Tensor>& outputs);
+  /// gradient leaves the unit (docs/design.md, RESHARD).
+  void hook_exits(ForwardCall& call, const std::vector<at::Tensor>& outputs);
   /// Its place in the reduction order being recorded (ShardState).
   bool in_reduction_order() const { return in_reduction_order_; }
   void set_in_reduction_order(bool in) { in_reduction_order_ = in; }

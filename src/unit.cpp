@@ -1,5 +1,6 @@
 // The life of a unit: gather, free, hooks and gradient hand-off (docs/design.md).
 #include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -114,7 +115,7 @@ std::string Unit::sharded_access_error(const FlatParam& flat) const {
   return os.str();
 }
 
-void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
+void Unit::pre_forward() {
   owner_->recover_if_backward_failed();
   owner_->note_forward_for_reduction(*this);
   call_.reset();
@@ -122,8 +123,8 @@ void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
     // Its frozen parameters may be read after its last trainable gradient
     // (LoRA: x W_frozen + x A B, where A's and B's accumulators run before
     // the product with W_frozen yields x's gradient): they are freed once
-    // the gradients of the inputs of every live forward of it are complete
-    // (frozen_unread), which hooks on the inputs tell.
+    // every live forward of it has run, in this backward, the nodes through
+    // which gradient leaves it (frozen_unread; hook_exits).
     calls_.erase(std::remove_if(calls_.begin(), calls_.end(), [](const auto& c) { return c.expired(); }),
                  calls_.end());
     call_ = std::make_shared<ForwardCall>();
@@ -131,11 +132,8 @@ void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
     if (checkpointed_) {
       call_->hooked = -1;  // complete_nested_backward frees it
     } else {
-      // Where the inputs' gradients leave the unit, taken now: an in-place
-      // change of an input inside the forward moves its gradient edge.
-      call_->first_node = at::sequence_number::peek();
-      for (const auto& t : inputs)
-        if (t.defined() && t.requires_grad()) call_->inputs.emplace_back(t, torch::autograd::impl::gradient_edge(t));
+      call_->first_node = at::sequence_number::peek();  // nodes made from here on are this forward's
+      call_->thread = at::RecordFunction::currentThreadId();
     }
   }
   unshard();
@@ -165,7 +163,7 @@ std::optional<at::ScalarType> Unit::output_dtype() const {
 void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   bool grad_mode = c10::GradMode::is_enabled();
   std::shared_ptr<ForwardCall> call = std::move(call_);  // lives as long as the hooks on the outputs
-  if (call && grad_mode) hook_input_boundary(*call, outputs);
+  if (call && grad_mode && call->hooked == 0) hook_exits(*call, outputs);
   if (grad_mode) {
     std::weak_ptr<Unit> weak = weak_from_this();
     for (const auto& t : outputs) {
@@ -203,20 +201,43 @@ void Unit::pre_backward() {
     reduce_grads(/*reshard_now=*/in_graph_now_ == 0);
 }
 
+namespace {
+// Starts `call`'s count for graph task `task`: how many of its exit nodes
+// that task will run (alive, in its graph and, in a backward restricted to
+// some inputs, needed). A forward whose exits this backward does not run
+// has nothing of it run here.
+void count_exits_for(Unit::ForwardCall& call, int task) {
+  if (call.task == task) return;
+  call.task = task;
+  call.fired = 0;
+  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+  const auto* exec = torch::autograd::get_current_graph_task_exec_info();
+  call.expected = 0;
+  for (const auto& w : call.exits) {
+    auto n = w.lock();
+    if (!n.defined() || (nodes != nullptr && nodes->count(n.get()) == 0)) continue;
+    if (exec != nullptr && !exec->empty()) {
+      auto it = exec->find(n.get());
+      if (it == exec->end() || !it->second.should_execute()) continue;
+    }
+    ++call.expected;
+  }
+}
+}  // namespace
+
 bool Unit::frozen_unread() const {
   const int task = torch::autograd::get_current_graph_task_id();
   return std::all_of(calls_.begin(), calls_.end(), [task](const auto& w) {
     auto c = w.lock();
-    return !c || c->hooked == 0 || (c->hooked > 0 && c->task == task && c->fired == c->hooked);
+    if (!c || c->hooked == 0) return true;
+    if (c->hooked < 0) return false;
+    count_exits_for(*c, task);
+    return c->fired >= c->expected;
   });
 }
 
-void Unit::input_gradient_done(ForwardCall& call) {
-  const int task = torch::autograd::get_current_graph_task_id();
-  if (call.task != task) {
-    call.task = task;
-    call.fired = 0;
-  }
+void Unit::exit_done(ForwardCall& call) {
+  count_exits_for(call, torch::autograd::get_current_graph_task_id());
   ++call.fired;
   // Gradients final (or none to have), and no live forward's backward left to
   // read the frozen parameters. Not in a backward that builds a graph: that
@@ -342,17 +363,16 @@ void Unit::reduce_flats() {
 }
 
 namespace {
-// Runs after a node of a unit's forward that sends gradient out through one
-// of the unit's inputs.
-class BoundaryHook : public torch::autograd::FunctionPostHook {
+// Runs after a node of a unit's forward that sends gradient out of the unit.
+class ExitHook : public torch::autograd::FunctionPostHook {
  public:
-  BoundaryHook(std::weak_ptr<Unit> unit, std::weak_ptr<Unit::ForwardCall> call)
+  ExitHook(std::weak_ptr<Unit> unit, std::weak_ptr<Unit::ForwardCall> call)
       : unit_(std::move(unit)), call_(std::move(call)) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
     auto u = unit_.lock();
     auto c = call_.lock();
-    if (u && c) u->input_gradient_done(*c);
+    if (u && c) u->exit_done(*c);
     return outputs;
   }
 
@@ -362,68 +382,63 @@ class BoundaryHook : public torch::autograd::FunctionPostHook {
 };
 }  // namespace
 
-void Unit::hook_input_boundary(ForwardCall& call, const std::vector<at::Tensor>& outputs) {
+void Unit::hook_exits(ForwardCall& call, const std::vector<at::Tensor>& outputs) {
   using torch::autograd::Node;
-  auto inputs = std::move(call.inputs);
-  if (inputs.empty()) return;  // hooked stays 0: no input needs a gradient
-  // The nodes this forward made (sequence numbers from first_node on; a
-  // gradient accumulator's is the largest) that have an edge to an input's
-  // gradient edge: once each has run in a backward, every node of the unit
-  // on the way to its inputs has, and what follows in backward is outside
-  // the unit. Per unit, where a hook on the input tensor waited for every
-  // consumer of the input (an encoder output feeding every decoder layer
-  // kept them all gathered).
-  std::vector<bool> reached(inputs.size(), false);
-  std::vector<Node*> boundary, todo;
+  // The nodes this forward made: sequence numbers from first_node on, on
+  // this thread (numbers count per thread). Gradient accumulators (the
+  // largest number) are leaves: this unit's own are inside it, any other
+  // (a leaf input, a captured parameter) is outside. A node with an edge to
+  // a node outside sends gradient out of the unit (EXIT): once every exit
+  // node has run in a backward, every node of the forward that leads out
+  // has, and the others lead only to the unit's own accumulators. Per unit,
+  // where a hook on an input tensor waited for all its consumers (an
+  // encoder output feeding every decoder layer kept them all gathered), and
+  // where an input's history rewritten in the forward (an in-place change
+  // of a view) or a captured tensor would have been missed.
+  std::unordered_set<const Node*> own;
+  for (const auto& acc : accumulators_) own.insert(acc.get());
+  const auto accumulator = [](const Node* n) { return n->sequence_nr() == UINT64_MAX; };
+  std::vector<Node*> exits, todo;
   std::unordered_set<Node*> seen;
+  bool unsure = false;  // a node of another thread: which side it is on cannot be told
   auto visit = [&](Node* n) {
-    if (n && n->sequence_nr() >= call.first_node && seen.insert(n).second) todo.push_back(n);
+    if (seen.insert(n).second) todo.push_back(n);
   };
-  for (const auto& t : outputs)
-    if (t.defined() && t.requires_grad()) visit(t.grad_fn().get());
-  while (!todo.empty()) {
+  auto inside = [&](const Node* n) {
+    if (!accumulator(n) && n->thread_id() != call.thread) unsure = true;
+    return !accumulator(n) && n->sequence_nr() >= call.first_node;
+  };
+  for (const auto& t : outputs) {
+    if (!t.defined() || !t.requires_grad()) continue;
+    Node* fn = t.grad_fn().get();
+    if (fn && inside(fn)) visit(fn);  // else made before this forward: nothing of it is read through this output
+  }
+  while (!todo.empty() && !unsure) {
     Node* n = todo.back();
     todo.pop_back();
-    bool crosses = false;
+    bool out = false;
     for (const auto& e : n->next_edges()) {
-      if (!e.is_valid()) continue;
-      bool to_input = false;
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        if (inputs[i].second == e) {
-          reached[i] = to_input = true;
-        }
-      }
-      if (to_input) {
-        crosses = true;
-      } else {
-        visit(e.function.get());
+      Node* next = e.function.get();
+      if (next == nullptr) continue;
+      if (inside(next)) {
+        visit(next);
+      } else if (!accumulator(next) || own.count(next) == 0) {
+        out = true;
       }
     }
-    if (crosses) boundary.push_back(n);
+    if (out) exits.push_back(n);
+  }
+  if (unsure) {
+    call.hooked = -1;  // kept to the end of the backward
+    return;
   }
   std::weak_ptr<Unit> weak_unit = weak_from_this();
   std::weak_ptr<ForwardCall> weak_call = call.weak_from_this();
-  for (Node* n : boundary) {
-    n->add_post_hook(std::make_unique<BoundaryHook>(weak_unit, weak_call));
-    ++call.hooked;
+  for (Node* n : exits) {
+    n->add_post_hook(std::make_unique<ExitHook>(weak_unit, weak_call));
+    call.exits.emplace_back(n->getptr());
   }
-  // An input no node of this forward reaches by a gradient edge: unused, or
-  // reached in a way not seen here. A hook on it, as before (a leaf's would
-  // stay for good: that forward keeps the unit gathered to the end instead).
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (reached[i]) continue;
-    const at::Tensor& t = inputs[i].first;
-    if (t.is_leaf()) {
-      call.hooked = -1;
-      return;
-    }
-    ++call.hooked;
-    t.register_hook([weak_unit, weak_call](const at::TensorBase&) {
-      auto u = weak_unit.lock();
-      auto c = weak_call.lock();
-      if (u && c) u->input_gradient_done(*c);
-    });
-  }
+  call.hooked = static_cast<int>(exits.size());
 }
 
 namespace {

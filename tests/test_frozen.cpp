@@ -6,6 +6,8 @@
 // through its inputs.
 #include <gtest/gtest.h>
 
+#include <future>
+
 #include "models.h"
 
 using namespace testmodels;
@@ -150,7 +152,105 @@ struct FanOutImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(FanOut);
 
+// An adapter unit that also reads a tensor it is handed before its forward
+// rather than as an argument (a cross-attention memory set on the layer):
+// gradient leaves the unit through that tensor as well as through its
+// input, and the product that sends it there reads the frozen weight after
+// every node leading to the input has run.
+struct CrossLoraImpl : torch::nn::Module {
+  CrossLoraImpl() {
+    w = register_parameter("w", torch::randn({6, 6}) * 0.4, /*requires_grad=*/false);
+    a = register_parameter("a", torch::randn({6, 2}) * 0.4);
+    b = register_parameter("b", torch::randn({2, 6}) * 0.4);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto cross = memory.matmul(w);  // recorded first: runs last in backward
+    return x + cross + x.matmul(a).matmul(b);
+  }
+  torch::Tensor w, a, b;
+  torch::Tensor memory;  // set by the caller before each forward
+};
+SHARDTORCH_MODULE(CrossLora);
+
+struct CrossNetImpl : torch::nn::Module {
+  CrossNetImpl()
+      : first(register_module("first", Layer(6, 6, true))),
+        l(register_module("l", CrossLora())),
+        last(register_module("last", Layer(6, 4, false))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = first(x);
+    l->memory = torch::tanh(h);
+    return last(l(h * 0.5));
+  }
+  Layer first;
+  CrossLora l;
+  Layer last;
+};
+SHARDTORCH_MODULE(CrossNet);
+
+// An adapter unit whose forward computes the frozen product on another
+// thread (parallel branches in a forward): the nodes that thread makes count
+// their sequence numbers there.
+struct ThreadedLoraImpl : torch::nn::Module {
+  ThreadedLoraImpl() {
+    w = register_parameter("w", torch::randn({6, 6}) * 0.4, /*requires_grad=*/false);
+    a = register_parameter("a", torch::randn({6, 2}) * 0.4);
+    b = register_parameter("b", torch::randn({2, 6}) * 0.4);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto frozen = threaded ? std::async(std::launch::async, [&] { return x.matmul(w); }).get() : x.matmul(w);
+    return frozen + x.matmul(a).matmul(b);
+  }
+  torch::Tensor w, a, b;
+  bool threaded = true;
+};
+SHARDTORCH_MODULE(ThreadedLora);
+
+struct ThreadedChainImpl : torch::nn::Module {
+  ThreadedChainImpl()
+      : first(register_module("first", Layer(6, 6, true))),
+        l(register_module("l", ThreadedLora())),
+        last(register_module("last", Layer(6, 4, false))) {}
+  torch::Tensor forward(torch::Tensor x) { return last(l(first(x))); }
+  Layer first;
+  ThreadedLora l;
+  Layer last;
+};
+SHARDTORCH_MODULE(ThreadedChain);
+
 constexpr int kSteps = 3;
+
+// Trains an M from seed 0 with Adam for kSteps under each of `strategies`,
+// each rank on its 4 rows of x, and requires the parameters one process
+// reaches on all 8. `ref_setup` adjusts the reference model; `backward`
+// runs one rank's forward and backward (and checks what it will).
+template <typename M>
+void expect_adam_trains_like_torch(
+    const std::string& what, std::initializer_list<Strategy> strategies, const std::function<void(M&)>& ref_setup,
+    const std::function<void(shardtorch::ShardedModel&, M&, const torch::Tensor&, int)>& backward) {
+  torch::manual_seed(3);
+  auto x = torch::randn({8, 6});
+  torch::manual_seed(0);
+  M ref;
+  ref_setup(ref);
+  torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
+  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).square().mean(); });
+  for (auto s : strategies) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      M m;
+      auto sm = shardtorch::shard(m, w, strategy_options(s, 2));
+      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
+      for (int step = 0; step < kSteps; ++step) {
+        opt->zero_grad();
+        backward(sm, m, x.narrow(0, 4 * w.rank(), 4), step);
+        opt->step();
+      }
+      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, what);
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
 
 }  // namespace
 
@@ -233,6 +333,43 @@ TEST(FrozenParameters, UnitsSharingAnInputAreFreedOneByOne) {
     });
     ASSERT_TRUE(r.ok) << (prefetch ? "with prefetch: " : "") << r.summary();
   }
+}
+
+// A unit's frozen weight read on the way to a tensor it captured, not to its
+// input: it stays gathered until that product has run (freed once the input's
+// gradient was out, the product read a freed weight: 'unit is sharded'), and
+// is freed as soon as it has, not kept to the end of backward.
+TEST(FrozenParameters, AUnitReadingACapturedTensorStaysGatheredUntilItsGradientIsOut) {
+  expect_adam_trains_like_torch<CrossNet>(
+      "a captured tensor", {Strategy::FullShard, Strategy::HybridShard}, [](CrossNet&) {},
+      [](shardtorch::ShardedModel& sm, CrossNet& m, const torch::Tensor& x, int step) {
+        auto out = m(x);
+        // When the captured tensor's gradient is out, before `first` gathers
+        // for its own backward, nothing is left gathered (`last` is done).
+        int gathered = -1;
+        m->l->memory.register_hook([&](const torch::Tensor&) { gathered = sm.memory().gathered_units; });
+        out.square().mean().backward();
+        require(gathered == 0, "step " + std::to_string(step) + ": " + std::to_string(gathered) +
+                                   " units gathered once the captured tensor's gradient was out, expected 0");
+      });
+}
+
+// A unit's forward that makes part of its graph on another thread: whether
+// those nodes are inside the unit cannot be told from their sequence
+// numbers (a fresh thread's start at 0, 'before' the forward), so that
+// forward keeps the unit to the end of backward. Taken for outside, the
+// product on the other thread looked like where the gradient leaves, and
+// the unit was freed before that product read the frozen weight.
+TEST(FrozenParameters, AForwardWithNodesOfAnotherThreadKeepsTheUnitToTheEndOfBackward) {
+  expect_adam_trains_like_torch<ThreadedChain>(
+      "nodes of another thread", {Strategy::FullShard, Strategy::HybridShard},
+      [](ThreadedChain& ref) { ref->l->threaded = false; },
+      [](shardtorch::ShardedModel& sm, ThreadedChain& m, const torch::Tensor& x, int step) {
+        m(x).square().mean().backward();
+        require(sm.memory().gathered_units == 0, "step " + std::to_string(step) + ": " +
+                                                     std::to_string(sm.memory().gathered_units) +
+                                                     " units gathered after backward");
+      });
 }
 
 // backward(inputs=...) naming one unit's parameters: the others' parameters

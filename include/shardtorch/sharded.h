@@ -172,8 +172,7 @@ class UnitBase {
   std::string checkpoint_label() const;
 
  protected:
-  /// `inputs`: the forward's tensor arguments (none for a checkpointed unit).
-  void before_forward(const std::vector<at::Tensor>& inputs);
+  void before_forward();
   /// Returns true if it replaced an output: an input or a leaf returned as it
   /// is becomes a copy, so that the unit's backward hook is its own
   /// (docs/design.md, "Ordering and consistency across ranks").
@@ -298,15 +297,14 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
   R forward(A... args) {
     const bool checkpoint = checkpointing_now();
     if (!is_sharded_unit() && !checkpoint) return Impl::forward(std::forward<A>(args)...);
-    std::vector<at::Tensor> inputs;  // hooked (units with frozen parameters), and to tell one passed through
+    std::vector<at::Tensor> inputs;  // to tell an input passed through
     if (is_sharded_unit() && !checkpoint) (detail::collect_tensors(inputs, args), ...);
     ForwardGuard guard(is_sharded_unit() ? this : nullptr);
-    if (is_sharded_unit()) before_forward(inputs);
+    if (is_sharded_unit()) before_forward();
     const auto in_dtype = is_sharded_unit() ? input_dtype() : std::nullopt;
     R out = checkpoint ? checkpointed(detail::cast_input(std::forward<A>(args), in_dtype)...)
                        : Impl::forward(detail::cast_input(std::forward<A>(args), in_dtype)...);
-    guard.dismiss();
-    if (!is_sharded_unit()) return out;  // NoShard: checkpointing without a unit
+    if (!is_sharded_unit()) return out;  // NoShard: checkpointing without a unit (no guard)
     if constexpr (std::is_same_v<R, at::Tensor>) {
       if (auto od = output_dtype(); od && out.is_floating_point() && out.scalar_type() != *od) out = out.to(*od);
     }
@@ -316,6 +314,7 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
       size_t k = 0;
       detail::replace_tensors(out, outputs, k);
     }
+    guard.dismiss();  // post-forward has run: the unit is where it should be
     return out;
   }
 
