@@ -130,6 +130,12 @@ TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
     EXPECT_TRUE(at::equal(got, t)) << n;
   }
   EXPECT_TRUE(at::equal(r.read_range("i64", 2, 3), at::arange(2, 5, at::kLong)));
+  // Every tensor starts at a multiple of its element size in the file (the
+  // bf16 tensor's 10 bytes, written in the given order, put the int64 one at
+  // 58), for readers that map the file and cast in place.
+  EXPECT_EQ(r.header().data_start % 8, 0u);
+  for (const auto& rec : r.header().tensors)
+    EXPECT_EQ((r.header().data_start + rec.begin) % shardtorch::checkpoint::dtype_size(rec.dtype), 0u) << rec.name;
   EXPECT_THROW(r.read_range("i64", 5, 3), SafetensorsError);
   EXPECT_THROW(r.read("missing"), SafetensorsError);
   files::remove_all(dir);

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <vector>
@@ -146,18 +147,30 @@ at::Tensor Reader::read_range(const std::string& name, int64_t offset, int64_t c
 void write_file(const std::string& path, const std::vector<PendingTensor>& tensors,
                 const std::map<std::string, std::string>& metadata, bool remove_stale_temporaries) {
   std::vector<TensorRecord> records;
-  uint64_t at = 0;
   for (const auto& t : tensors) {
     TensorRecord r;
     r.name = t.name;
     r.dtype = dtype_name(t.dtype);
     r.shape = t.shape;
+    records.push_back(std::move(r));
+  }
+  // Laid out by element size, largest first (as Python's safetensors does),
+  // the given order kept within a size: every tensor then starts at a
+  // multiple of its element size (sizes are powers of two, the data at a
+  // multiple of 8), which readers that map the file and cast in place need.
+  std::vector<size_t> layout(tensors.size());
+  for (size_t i = 0; i < layout.size(); ++i) layout[i] = i;
+  std::stable_sort(layout.begin(), layout.end(), [&](size_t a, size_t b) {
+    return dtype_size(records[a].dtype) > dtype_size(records[b].dtype);
+  });
+  uint64_t at = 0;
+  for (size_t i : layout) {
+    TensorRecord& r = records[i];
     uint64_t bytes = dtype_size(r.dtype);
-    for (int64_t d : t.shape) bytes *= static_cast<uint64_t>(d);
+    for (int64_t d : r.shape) bytes *= static_cast<uint64_t>(d);
     r.begin = at;
     r.end = at + bytes;
     at = r.end;
-    records.push_back(std::move(r));
   }
   const std::string header = serialize_header(records, metadata);
   const std::string dir = files::directory_of(path);
@@ -170,8 +183,9 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
   if (fd < 0) sys_fail(tmp, "cannot create");
   try {
     write_all(fd, header.data(), header.size(), tmp);
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (i == 1) crash_point("file partly written");
+    for (size_t k = 0; k < layout.size(); ++k) {
+      if (k == 1) crash_point("file partly written");
+      const size_t i = layout[k];
       at::Tensor t = tensors[i].produce().contiguous().cpu();
       const uint64_t want = records[i].end - records[i].begin;
       if (t.scalar_type() != tensors[i].dtype || static_cast<uint64_t>(t.nbytes()) != want)
