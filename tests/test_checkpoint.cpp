@@ -355,6 +355,32 @@ TEST(FullStateDict, SavingHoldsOneUnitsParametersAtATimeNotTheModel) {
   files::remove_all(dir);
 }
 
+// Flat parameters of two dtypes: the file lays the double ones out first
+// (aligned), yet the writer gathers the flats in the order the other ranks
+// do. Gathering in file order paired rank 0's all-gather of l2 with the
+// others' of l1.
+TEST(FullStateDict, FlatParametersOfTwoDtypesAreGatheredInTheOrderOfEveryRank) {
+  auto dir = temp_dir();
+  const std::string path = (dir / "mixed.safetensors").string();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    MLP m;
+    m->l2->to(torch::kDouble);
+    shardtorch::shard(m, w);
+    auto full = shardtorch::full_parameters(*m);
+    shardtorch::save_full_state_dict(*m, path);
+    if (w.rank() != 0) return;
+    shardtorch::checkpoint::Reader file(path);
+    for (const auto& rec : file.header().tensors)
+      require((file.header().data_start + rec.begin) % shardtorch::checkpoint::dtype_size(rec.dtype) == 0,
+              "'" + rec.name + "' is not aligned");
+    for (const auto& [n, t] : full) require(at::equal(file.read(n), t), "'" + n + "' differs in the file");
+    require(file.read("l2.lin.weight").scalar_type() == at::kDouble, "l2 is not double in the file");
+  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(10)));
+  ASSERT_TRUE(r.ok) << r.summary();
+  files::remove_all(dir);
+}
+
 TEST(FullStateDictErrors, MissingMisShapedAndUnexpectedEntriesNameTheFileAndParameter) {
   auto dir = temp_dir();
   auto r = run_ranks(1, [&](World& w) {

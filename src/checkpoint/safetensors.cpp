@@ -19,16 +19,17 @@ namespace {
   throw SafetensorsError("safetensors file '" + file + "': " + what + ": " + std::strerror(errno));
 }
 
-void write_all(int fd, const void* data, size_t n, const std::string& file) {
+void write_all(int fd, const void* data, size_t n, uint64_t at, const std::string& file) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
+    ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(at));
     if (w < 0) {
       if (errno == EINTR) continue;
       sys_fail(file, "write failed");
     }
     p += w;
     n -= static_cast<size_t>(w);
+    at += static_cast<uint64_t>(w);
   }
 }
 
@@ -158,6 +159,8 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
   // the given order kept within a size: every tensor then starts at a
   // multiple of its element size (sizes are powers of two, the data at a
   // multiple of 8), which readers that map the file and cast in place need.
+  // Produced and written in the given order all the same, each at its place:
+  // a producer may run a collective (save_full_state_dict gathers as it goes).
   std::vector<size_t> layout(tensors.size());
   for (size_t i = 0; i < layout.size(); ++i) layout[i] = i;
   std::stable_sort(layout.begin(), layout.end(), [&](size_t a, size_t b) {
@@ -182,17 +185,16 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) sys_fail(tmp, "cannot create");
   try {
-    write_all(fd, header.data(), header.size(), tmp);
-    for (size_t k = 0; k < layout.size(); ++k) {
-      if (k == 1) crash_point("file partly written");
-      const size_t i = layout[k];
+    write_all(fd, header.data(), header.size(), 0, tmp);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (i == 1) crash_point("file partly written");
       at::Tensor t = tensors[i].produce().contiguous().cpu();
       const uint64_t want = records[i].end - records[i].begin;
       if (t.scalar_type() != tensors[i].dtype || static_cast<uint64_t>(t.nbytes()) != want)
         throw SafetensorsError("safetensors file '" + path + "': tensor '" + tensors[i].name + "' produced " +
                                std::string(c10::toString(t.scalar_type())) + " of " + std::to_string(t.nbytes()) +
                                " bytes, announced " + records[i].dtype + " of " + std::to_string(want));
-      write_all(fd, t.data_ptr(), static_cast<size_t>(want), tmp);
+      write_all(fd, t.data_ptr(), static_cast<size_t>(want), header.size() + records[i].begin, tmp);
     }
     crash_point("file written");
     if (::fsync(fd) != 0) sys_fail(tmp, "fsync failed");
