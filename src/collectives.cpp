@@ -142,8 +142,10 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
 PendingWork Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   check_gather(out, in, what);
   at::Tensor o = out.view({-1}), i = in.view({-1});
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;  // else the backend's own, not this Comm's (a checkpoint's longer one, say)
   return launch("all_gather", what, "in " + describe(in) + ", out " + describe(out), stats_.all_gather,
-                in.nbytes() * (size_ - 1), [&] { return backend_->_allgather_base(o, i); });
+                in.nbytes() * (size_ - 1), [&] { return backend_->_allgather_base(o, i, opts); });
 }
 
 PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const std::string& what) {

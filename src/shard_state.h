@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -219,6 +220,23 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// reduce-scatter with an all-gather). Else the shard group.
   Comm& reduce_comm() { return reduce_group_ ? *reduce_group_ : shard_comm(); }
   void set_reduce_group(std::shared_ptr<Comm> g) { reduce_group_ = std::move(g); }
+  /// For its lifetime, every communicator of the model waits at least the
+  /// world's file_timeout: the checkpoints' collectives, which wait for other
+  /// ranks' file writes, reads and fsyncs.
+  class FileWaits {
+   public:
+    explicit FileWaits(ShardState& state) {
+      for (Comm* c : {&state.world().comm(), &state.shard_comm(), state.replica_comm(), &state.reduce_comm()}) {
+        if (c == nullptr || std::find(comms_.begin(), comms_.end(), c) != comms_.end()) continue;
+        comms_.push_back(c);
+        raised_.push_back(std::make_unique<Comm::TimeoutAtLeast>(*c, state.world().file_timeout()));
+      }
+    }
+
+   private:
+    std::vector<Comm*> comms_;
+    std::vector<std::unique_ptr<Comm::TimeoutAtLeast>> raised_;
+  };
   void set_groups(std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replica) {
     shard_group_ = std::move(shard);
     replica_group_ = std::move(replica);

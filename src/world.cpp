@@ -123,10 +123,13 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
     if (p < 1 || p > 65535) bad_var("MASTER_PORT", *port, "is outside 1..65535");
     env.master_port = p;
   }
-  if (auto t = lookup("SHARDTORCH_TIMEOUT_S")) {
-    const int seconds = parse_int("SHARDTORCH_TIMEOUT_S", *t);
-    if (seconds < 1) bad_var("SHARDTORCH_TIMEOUT_S", *t, "must be at least 1 (seconds)");
-    env.timeout = std::chrono::seconds(seconds);
+  for (auto [var, field] : {std::pair{"SHARDTORCH_TIMEOUT_S", &env.timeout},
+                             std::pair{"SHARDTORCH_FILE_TIMEOUT_S", &env.file_timeout}}) {
+    if (auto t = lookup(var)) {
+      const int seconds = parse_int(var, *t);
+      if (seconds < 1) bad_var(var, *t, "must be at least 1 (seconds)");
+      *field = std::chrono::seconds(seconds);
+    }
   }
   auto agent = lookup("TORCHELASTIC_USE_AGENT_STORE");
   env.use_agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
@@ -145,6 +148,7 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
 std::shared_ptr<World> World::from_env(WorldOptions options) {
   LaunchEnv env = parse_launch_env();
   if (env.timeout) options.timeout(*env.timeout);
+  if (env.file_timeout) options.file_timeout(*env.file_timeout);
   c10::intrusive_ptr<c10d::Store> store;
   if (env.world_size == 1) {  // nothing to rendezvous with (a MASTER_PORT left set used to wait for a server)
     store = c10::make_intrusive<c10d::HashStore>();

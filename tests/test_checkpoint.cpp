@@ -13,6 +13,7 @@
 #include <fstream>
 #include <regex>
 #include <sstream>
+#include <thread>
 
 #include "models.h"
 #include "shardtorch/checkpoint.h"
@@ -1470,6 +1471,51 @@ TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
 // A full state dict's metadata keys starting shardtorch_ are the library's,
 // and "format" is "pt": another value is refused on every rank before any
 // collective, naming the key.
+// A slow file system: rank 0's last write and fsync of a full state dict,
+// or one rank's shard file, take longer than the collective timeout (1 s
+// here). The others wait for them under WorldOptions::file_timeout (30
+// minutes) instead of failing in the next collective; the collectives after
+// the checkpoint get their own timeout back.
+TEST(CheckpointFailures, ASlowWriterIsWaitedForUnderTheFileTimeout) {
+  auto dir = temp_dir();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    MLP m;
+    shardtorch::shard(m, w);
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    const int slow = 0;
+    for (int round = 0; round < 2; ++round) {
+      // Rank `slow` takes 2.5 s over its file, once written.
+      shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
+        if (p == "file written" && w.rank() == slow) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+      });
+      if (round == 0) {
+        shardtorch::save_full_state_dict(*m, (dir / "full.safetensors").string());
+      } else {
+        shardtorch::save_sharded_checkpoint(*m, opt.get(), (dir / "sharded").string(), 1);
+      }
+      shardtorch::checkpoint::set_crash_hook(nullptr);
+      require(w.comm().timeout() == std::chrono::seconds(1), "the collective timeout was not restored");
+    }
+    // And without the allowance, the same wait fails naming the collective.
+    std::string e = "no error";
+    shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
+      if (p == "file written" && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    });
+    try {
+      shardtorch::checkpoint::save_file((dir / ("plain" + std::to_string(w.rank()))).string(), {{"x", torch::ones({2})}});
+      auto flag = torch::zeros({1});
+      w.comm().all_reduce(flag, c10d::ReduceOp::SUM, "after a slow write");
+    } catch (const std::exception& err) {
+      e = err.what();
+    }
+    shardtorch::checkpoint::set_crash_hook(nullptr);
+    require(w.rank() == 1 || e.find("after a slow write") != std::string::npos, "rank 0: " + e);
+  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(1)));
+  ASSERT_TRUE(r.ok) << r.summary();
+  files::remove_all(dir);
+}
+
 TEST(CheckpointFailures, ReservedFullStateDictMetadataIsRefused) {
   const auto dir = temp_dir();
   auto r = run_ranks(2, [&](World& w) {

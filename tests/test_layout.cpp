@@ -125,6 +125,13 @@ TEST(LaunchEnv, TimeoutFromTheEnvironment) {
             std::string::npos);
   EXPECT_NE(error_of({{"SHARDTORCH_TIMEOUT_S", "2m"}}).find("SHARDTORCH_TIMEOUT_S='2m' is not an integer"),
             std::string::npos);
+  EXPECT_FALSE(e.file_timeout);
+  auto f = shardtorch::parse_launch_env(env({{"SHARDTORCH_FILE_TIMEOUT_S", "3600"}}));
+  ASSERT_TRUE(f.file_timeout);
+  EXPECT_EQ(f.file_timeout->count(), 3600000);
+  EXPECT_FALSE(f.timeout);
+  EXPECT_NE(error_of({{"SHARDTORCH_FILE_TIMEOUT_S", "0"}}).find("SHARDTORCH_FILE_TIMEOUT_S='0' must be at least 1"),
+            std::string::npos);
 }
 
 TEST(LaunchEnv, NoLauncherIsOneRank) {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -91,6 +92,23 @@ class Comm {
 
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CommStats{}; }
+
+  /// For its lifetime, `comm`'s collectives wait at least `at_least` (never
+  /// less than they did): those of the checkpoints, which wait for other
+  /// ranks' file reads and writes.
+  class TimeoutAtLeast {
+   public:
+    TimeoutAtLeast(Comm& comm, std::chrono::milliseconds at_least) : comm_(comm), saved_(comm.timeout_) {
+      comm.timeout_ = std::max(saved_, at_least);
+    }
+    ~TimeoutAtLeast() { comm_.timeout_ = saved_; }
+    TimeoutAtLeast(const TimeoutAtLeast&) = delete;
+    TimeoutAtLeast& operator=(const TimeoutAtLeast&) = delete;
+
+   private:
+    Comm& comm_;
+    std::chrono::milliseconds saved_;
+  };
 
  private:
   void run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,

@@ -31,6 +31,8 @@ struct LaunchEnv {
   /// SHARDTORCH_TIMEOUT_S: replaces WorldOptions::timeout in from_env, so that
   /// a program's waits can be changed at launch.
   std::optional<std::chrono::milliseconds> timeout;
+  /// SHARDTORCH_FILE_TIMEOUT_S: replaces WorldOptions::file_timeout likewise.
+  std::optional<std::chrono::milliseconds> file_timeout;
 };
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
@@ -43,6 +45,11 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup = {});
 struct WorldOptions {
   /// Every collective and every store wait gives up after this long.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  /// The collectives of saving and loading checkpoints wait at least this
+  /// long: they wait for other ranks' file writes, reads and fsyncs (rank 0's
+  /// last write and fsync of a full state dict), which a large model on a
+  /// slow file system can make longer than `timeout`.
+  TORCH_ARG(std::chrono::milliseconds, file_timeout) = std::chrono::minutes(30);
   /// "auto" (NCCL for CUDA devices when built with it, else Gloo), "gloo", "nccl".
   TORCH_ARG(std::string, backend) = "auto";
   /// The device this rank computes on; default cuda:LOCAL_RANK when CUDA is
@@ -57,7 +64,8 @@ class World : public std::enable_shared_from_this<World> {
  public:
   /// From the launcher's environment (torchrun, mpirun or srun): rendezvous on
   /// a TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it unless torchrun's
-  /// agent does). SHARDTORCH_TIMEOUT_S, when set, replaces options.timeout.
+  /// agent does). SHARDTORCH_TIMEOUT_S, when set, replaces options.timeout,
+  /// and SHARDTORCH_FILE_TIMEOUT_S options.file_timeout.
   static std::shared_ptr<World> from_env(WorldOptions options = {});
   /// From an existing store (tests, custom launchers).
   static std::shared_ptr<World> create(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
@@ -68,6 +76,7 @@ class World : public std::enable_shared_from_this<World> {
   int local_rank() const { return local_rank_; }
   const c10::Device& device() const { return device_; }
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
+  std::chrono::milliseconds file_timeout() const { return options_.file_timeout(); }
   const std::string& backend_name() const { return backend_name_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
   /// Collectives over all ranks.

@@ -20,6 +20,7 @@ using NameMap = std::map<const void*, std::vector<std::string>>;
 void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                           const std::map<std::string, std::string>& user_metadata) {
   auto state = detail::require_state(root, "save_full_state_dict");
+  detail::ShardState::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
   World& world = state->world();
   // Checked on every rank before any collective (the metadata is the same on every rank).
   for (const auto& [key, value] : user_metadata) {
@@ -99,6 +100,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
 
 void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
   auto state = detail::require_state(root, "load_full_state_dict");
+  detail::ShardState::FileWaits file_waits(*state);
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::load_full_state_dict '" + path + "'";

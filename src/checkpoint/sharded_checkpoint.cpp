@@ -527,6 +527,7 @@ void load_agreed(ShardState& state, const std::string& error, const std::string&
 void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg, int64_t step,
                              const std::map<std::string, std::string>& user_state) {
   auto state = detail::require_state(root, "save_sharded_checkpoint");
+  detail::ShardState::FileWaits file_waits(*state);  // each rank waits for the slowest writer
   World& world = state->world();
   c10::NoGradGuard no_grad;
   const std::string dir = normalized(dir_arg);
@@ -650,6 +651,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
                                 std::map<std::string, std::string>* user_state) {
   auto state = detail::require_state(root, "load_sharded_checkpoint");
+  detail::ShardState::FileWaits file_waits(*state);  // and for the slowest reader
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   std::string dir = normalized(dir_arg);
