@@ -69,7 +69,8 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
   const int64_t shard = input.numel() / world;
   Bucket& b = bucket_for(input, group);
   if (b.offset == 0) b.replicas = replicas;
-  TORCH_INTERNAL_ASSERT(b.replicas == replicas, "ReduceScatterBucketer: one bucket for two replica groups (", what, ")");
+  TORCH_INTERNAL_ASSERT(b.replicas == replicas, "shardtorch: rank ", group.rank(),
+                        ": ReduceScatterBucketer: one bucket for two replica groups (", what, ")");
   if (shard > b.cap) {  // too big to coalesce: launch what is queued (order), then this one alone
     launch_bucket(b);
     make_room(what);
@@ -216,11 +217,16 @@ void ReduceScatterBucketer::launch_across_replicas(Launched& l, const std::strin
   // On Gloo the output is a row of the [N, cols] input all-reduced in place:
   // a copy of it lets the input go now. Otherwise the output goes on and
   // the input is freed.
-  at::Tensor chunk = l.output.is_alias_of(l.input) ? l.output.clone() : l.output;
+  const bool copied = l.output.is_alias_of(l.input);
+  at::Tensor chunk = copied ? l.output.clone() : l.output;
   const int64_t bytes = nbytes(chunk);
+  if (!copied) {  // counted once: as the new launch's from here on (the peak counted it twice on NCCL)
+    track(-l.bytes);
+    l.bytes = 0;
+  }
   track(bytes);
   launch(*l.replicas, chunk, at::Tensor(), bytes, std::move(l.pieces), what + " across replicas", /*all_reduce=*/true);
-  track(-l.bytes);  // now the new launch's (`chunk`)
+  track(-l.bytes);  // the input and its copied row (Gloo): `chunk` is the new launch's
   l.bytes = 0;
 }
 
