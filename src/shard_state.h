@@ -154,7 +154,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool in_reduction_order() const { return in_reduction_order_; }
   void set_in_reduction_order(bool in) { in_reduction_order_ = in; }
   void reset_backward() {
-    touched_ = reduced_ = issued_ = false;
+    touched_ = reduced_ = issued_ = unhookable_forward_ = false;
     received_grads_ = 0;
   }
   void register_grad_hooks();
@@ -187,6 +187,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::vector<std::weak_ptr<ForwardCall>> calls_;  // its live forwards (units with frozen parameters)
   std::shared_ptr<ForwardCall> call_;              // this forward's, from pre- to post-forward
   bool touched_ = false, reduced_ = false, issued_ = false;
+  // A grad-mode forward since the last backward returned nothing to hook (a
+  // custom struct): its graph's life cannot be followed, so frozen
+  // parameters are kept to the end of the next backward.
+  bool unhookable_forward_ = false;
   bool checkpointed_ = false, in_reduction_order_ = false;
   int pins_ = 0;
   bool held_ = false;

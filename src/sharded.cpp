@@ -29,6 +29,9 @@ void UnitBase::forward_failed() noexcept {
   } catch (const std::exception& e) {  // runs while the forward's exception unwinds: warn, never throw
     TORCH_WARN("shardtorch: rank ", unit_->owner().world().rank(), ": unit '", unit_->label(),
                "' could not be resharded after its forward failed: ", e.what());
+  } catch (...) {
+    TORCH_WARN("shardtorch: rank ", unit_->owner().world().rank(), ": unit '", unit_->label(),
+               "' could not be resharded after its forward failed (an exception of unknown type)");
   }
 }
 

@@ -147,6 +147,12 @@ void Unit::abandon_forward() {
   // waits on a Gathering unit but its own pre-forward or pre-backward.
   for (auto& u : owner_->units())
     if (u->state() == UnitState::Gathering) u->reshard();
+  // The root's forward holds every other: none is computing now, and those
+  // post-forward kept gathered for the backward (with prefetch, the last
+  // block) wait for one that will not come.
+  if (is_root_)
+    for (auto& u : owner_->units())
+      if (u.get() != this && u->reshard_after_forward_) u->reshard();
   if (reshard_after_forward_ || !c10::GradMode::is_enabled()) reshard();
 }
 
@@ -163,6 +169,7 @@ std::optional<at::ScalarType> Unit::output_dtype() const {
 void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   bool grad_mode = c10::GradMode::is_enabled();
   std::shared_ptr<ForwardCall> call = std::move(call_);  // lives as long as the hooks on the outputs
+  if (call && grad_mode && outputs.empty()) unhookable_forward_ = true;
   if (call && grad_mode && call->hooked == 0) hook_exits(*call, outputs);
   if (grad_mode) {
     std::weak_ptr<Unit> weak = weak_from_this();
@@ -217,8 +224,10 @@ void count_exits_for(Unit::ForwardCall& call, int task) {
     auto n = w.lock();
     if (!n.defined() || (nodes != nullptr && nodes->count(n.get()) == 0)) continue;
     if (exec != nullptr && !exec->empty()) {
+      // Needed: run. Captured only (autograd::grad of a tensor it makes): its
+      // inputs are taken, the node itself does not run, nor its hook.
       auto it = exec->find(n.get());
-      if (it == exec->end() || !it->second.should_execute()) continue;
+      if (it == exec->end() || !it->second.needed_) continue;
     }
     ++call.expected;
   }
@@ -226,6 +235,7 @@ void count_exits_for(Unit::ForwardCall& call, int task) {
 }  // namespace
 
 bool Unit::frozen_unread() const {
+  if (unhookable_forward_) return false;
   const int task = torch::autograd::get_current_graph_task_id();
   return std::all_of(calls_.begin(), calls_.end(), [task](const auto& w) {
     auto c = w.lock();
@@ -247,14 +257,21 @@ void Unit::exit_done(ForwardCall& call) {
 
 void Unit::on_grad_ready(size_t flat, size_t param) {
   owner_->refuse_backward_in_grad_summon("parameter", flats_[flat]->names()[param]);
-  owner_->ensure_end_of_backward_callback();
-  owner_->check_grad_arrival(flats_[flat]->params()[param], flats_[flat]->names()[param]);
-  touched_ = true;
-  TORCH_CHECK(!reduced_, "shardtorch: rank ", owner_->world().rank(), ": gradient of '", flats_[flat]->names()[param],
-              "' arrived after unit '", label(), "' had reduced its gradients in this backward (a parameter "
-              "accumulated twice in one backward?)");
-  TORCH_CHECK(state_ == UnitState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": gradient of '",
-              flats_[flat]->names()[param], "' arrived while unit '", label(), "' is ", state_name(state_));
+  try {
+    owner_->ensure_end_of_backward_callback();
+    owner_->check_grad_arrival(flats_[flat]->params()[param], flats_[flat]->names()[param]);
+    touched_ = true;
+    TORCH_CHECK(!reduced_, "shardtorch: rank ", owner_->world().rank(), ": gradient of '", flats_[flat]->names()[param],
+                "' arrived after unit '", label(), "' had reduced its gradients in this backward (a parameter "
+                "accumulated twice in one backward?)");
+    TORCH_CHECK(state_ == UnitState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": gradient of '",
+                flats_[flat]->names()[param], "' arrived while unit '", label(), "' is ", state_name(state_));
+  } catch (...) {
+    // Refused: the gradient autograd has just accumulated into param.grad
+    // (staged and cleared otherwise) would be added to the next backward's.
+    at::Tensor(flats_[flat]->params()[param]).mutable_grad().reset();
+    throw;
+  }
   flats_[flat]->stage_grad(param);
   if (++received_grads_ == expected_now_) reduce_grads();
 }
@@ -428,6 +445,12 @@ void Unit::hook_exits(ForwardCall& call, const std::vector<at::Tensor>& outputs)
     }
     if (out) exits.push_back(n);
   }
+  // Every node the forward made on this thread (each took one sequence
+  // number) must have been reached from its outputs. One that was not (an
+  // auxiliary loss kept on the module, x W_frozen summed into it) can read
+  // the frozen parameters after every exit has run, or a temporary was made
+  // and dropped: which, cannot be told, so that forward is kept as well.
+  if (!unsure && seen.size() != at::sequence_number::peek() - call.first_node) unsure = true;
   if (unsure) {
     call.hooked = -1;  // kept to the end of the backward
     return;

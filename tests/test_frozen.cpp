@@ -218,6 +218,86 @@ struct ThreadedChainImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(ThreadedChain);
 
+// An adapter unit that also keeps an auxiliary term of its frozen product
+// on the module (a regulariser, a probe), added to the loss outside it: the
+// nodes of that term are reached from no output of the unit, and the
+// product in it reads the frozen weight after every node the outputs lead
+// to has run.
+struct AuxLoraImpl : torch::nn::Module {
+  AuxLoraImpl() {
+    w = register_parameter("w", torch::randn({6, 6}) * 0.4, /*requires_grad=*/false);
+    a = register_parameter("a", torch::randn({6, 2}) * 0.4);
+    b = register_parameter("b", torch::randn({2, 6}) * 0.4);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    aux = x.matmul(w).square().sum(1, /*keepdim=*/true);  // per row; recorded first: runs last in backward
+    return x + x.matmul(a).matmul(b);
+  }
+  torch::Tensor w, a, b, aux;
+};
+SHARDTORCH_MODULE(AuxLora);
+
+struct AuxNetImpl : torch::nn::Module {
+  AuxNetImpl()
+      : first(register_module("first", Layer(6, 6, true))),
+        l(register_module("l", AuxLora())),
+        last(register_module("last", Layer(6, 4, false))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto out = last(l(first(x)));
+    return out + 0.1 * l->aux;
+  }
+  Layer first;
+  AuxLora l;
+  Layer last;
+};
+SHARDTORCH_MODULE(AuxNet);
+
+// Adapter units returning their two terms as a std::pair, and as a struct of
+// the user's own (no tensor shardtorch can hook): the frozen product is read
+// after the adapter's gradients are in.
+struct PairLoraImpl : torch::nn::Module {
+  PairLoraImpl() {
+    w = register_parameter("w", torch::randn({6, 6}) * 0.4, /*requires_grad=*/false);
+    a = register_parameter("a", torch::randn({6, 2}) * 0.4);
+    b = register_parameter("b", torch::randn({2, 6}) * 0.4);
+  }
+  std::pair<torch::Tensor, torch::Tensor> forward(torch::Tensor x) {
+    auto frozen = x.matmul(w);
+    return {frozen, x.matmul(a).matmul(b)};
+  }
+  torch::Tensor w, a, b;
+};
+SHARDTORCH_MODULE(PairLora);
+
+struct Terms {
+  torch::Tensor frozen, adapted;
+};
+struct StructLoraImpl : PairLoraImpl {
+  Terms forward(torch::Tensor x) {
+    auto [f, a] = PairLoraImpl::forward(x);
+    return {f, a};
+  }
+};
+SHARDTORCH_MODULE(StructLora);
+
+struct PairNetImpl : torch::nn::Module {
+  PairNetImpl()
+      : first(register_module("first", Layer(6, 6, true))),
+        p(register_module("p", PairLora())),
+        s(register_module("s", StructLora())),
+        last(register_module("last", Layer(6, 4, false))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto [f, a] = p(first(x));
+    auto t = s(torch::tanh(f + a));
+    return last(t.frozen + t.adapted);
+  }
+  Layer first;
+  PairLora p;
+  StructLora s;
+  Layer last;
+};
+SHARDTORCH_MODULE(PairNet);
+
 constexpr int kSteps = 3;
 
 // Trains an M from seed 0 with Adam for kSteps under each of `strategies`,
@@ -370,6 +450,23 @@ TEST(FrozenParameters, AForwardWithNodesOfAnotherThreadKeepsTheUnitToTheEndOfBac
                                                      std::to_string(sm.memory().gathered_units) +
                                                      " units gathered after backward");
       });
+}
+
+TEST(FrozenParameters, AnAuxiliaryTermKeptOnTheUnitReadsItsFrozenWeightInBackward) {
+  expect_adam_trains_like_torch<AuxNet>(
+      "an auxiliary term of the frozen weight", {Strategy::FullShard, Strategy::HybridShard}, [](AuxNet&) {},
+      [](shardtorch::ShardedModel& sm, AuxNet& m, const torch::Tensor& x, int step) {
+        m(x).square().mean().backward();
+        require(sm.memory().gathered_units == 0, "step " + std::to_string(step) + ": " +
+                                                     std::to_string(sm.memory().gathered_units) +
+                                                     " units gathered after backward");
+      });
+}
+
+TEST(FrozenParameters, UnitsReturningAPairOrAStructTrainLikeTorch) {
+  expect_adam_trains_like_torch<PairNet>(
+      "a pair and a struct", {Strategy::FullShard, Strategy::HybridShard}, [](PairNet&) {},
+      [](shardtorch::ShardedModel&, PairNet& m, const torch::Tensor& x, int) { m(x).square().mean().backward(); });
 }
 
 // backward(inputs=...) naming one unit's parameters: the others' parameters

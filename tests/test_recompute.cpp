@@ -129,10 +129,7 @@ SHARDTORCH_MODULE(Outer);
 
 struct PairImpl : torch::nn::Module {
   PairImpl() : lin(register_module("lin", torch::nn::Linear(6, 6))) {}
-  std::pair<torch::Tensor, torch::Tensor> forward(torch::Tensor x) {
-    auto y = lin(x);
-    return {y, y * 2};
-  }
+  std::pair<torch::Tensor, double> forward(torch::Tensor x) { return {lin(x), 2.0}; }
   torch::nn::Linear lin;
 };
 SHARDTORCH_MODULE(Pair);
@@ -140,8 +137,8 @@ SHARDTORCH_MODULE(Pair);
 struct OddNetImpl : torch::nn::Module {
   OddNetImpl() : o(register_module("o", Outer())), p(register_module("p", Pair())) {}
   torch::Tensor forward(torch::Tensor x) {
-    auto [y, z] = p(o(x));
-    return (y + z).sum();
+    auto [y, k] = p(o(x));
+    return (y * k).sum();
   }
   Outer o;
   Pair p;
@@ -149,7 +146,8 @@ struct OddNetImpl : torch::nn::Module {
 SHARDTORCH_MODULE(OddNet);
 
 // A unit with an optional tensor argument (that needs a gradient), one that
-// returns its own parameter beside its result, and a frozen unit fed by data.
+// returns its own parameter beside its result, a frozen unit fed by data,
+// and one returning a std::pair.
 struct MixImpl : torch::nn::Module {
   MixImpl() : lin(register_module("lin", torch::nn::Linear(6, 6))) {}
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, std::optional<torch::Tensor> context) {
@@ -161,18 +159,31 @@ struct MixImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(Mix);
 
+// Returns a std::pair of tensors.
+struct SplitImpl : torch::nn::Module {
+  SplitImpl() : lin(register_module("lin", torch::nn::Linear(6, 6))) {}
+  std::pair<torch::Tensor, torch::Tensor> forward(torch::Tensor x) {
+    auto y = lin(x);
+    return {torch::tanh(y), y * 2};
+  }
+  torch::nn::Linear lin;
+};
+SHARDTORCH_MODULE(Split);
+
 struct MixNetImpl : torch::nn::Module {
   MixNetImpl() : frozen(register_module("frozen", Layer(6, 6, true))), m(register_module("m", Mix())),
-                 ctx(register_module("ctx", torch::nn::Linear(6, 6))) {
+                 ctx(register_module("ctx", torch::nn::Linear(6, 6))), split(register_module("split", Split())) {
     for (auto& p : frozen->parameters()) p.set_requires_grad(false);
   }
   torch::Tensor forward(torch::Tensor x) {
     auto [y, bias] = m(frozen(x), std::optional<torch::Tensor>(ctx(x)));
-    return (y.pow(2).mean() + bias.pow(2).sum());
+    auto [a, b] = split(y);
+    return (a.pow(2).mean() + b.mean() + bias.pow(2).sum());
   }
   Layer frozen;
   Mix m;
   torch::nn::Linear ctx;
+  Split split;
 };
 SHARDTORCH_MODULE(MixNet);
 
@@ -483,7 +494,8 @@ TEST(Recompute, OptionalArgumentsReturnedParametersAndFrozenUnits) {
         torch::manual_seed(0);
         MixNet net;
         auto sm = shardtorch::shard(net, w, ShardOptions().strategy(strategy).activation_checkpointing(ckpt));
-        require(!ckpt || (net->m->checkpoint_label() == "m" && net->frozen->checkpoint_label() == "frozen"),
+        require(!ckpt || (net->m->checkpoint_label() == "m" && net->frozen->checkpoint_label() == "frozen" &&
+                          net->split->checkpoint_label() == "split"),
                 "the units are not checkpointed");
         auto opt = shardtorch::Adam(*net, torch::optim::AdamOptions(1e-2));
         const int64_t gathers0 = sm.comm_stats().all_gather.calls;
@@ -673,14 +685,15 @@ TEST(Recompute, WhatCannotBeCheckpointedIsAClearError) {
       shardtorch::shard(model, w, ShardOptions().strategy(strategy).activation_checkpointing(true));
       require(model->o->inner->checkpoint_label() == "o.inner", "inner layer not checkpointed");
       require(model->o->checkpoint_label() == "?", "enclosing unit checkpointed");
-      // The pair-returning unit cannot give its outputs back: an error at its forward.
+      // The unit returning a number beside its tensor cannot give its outputs
+      // back: an error at its forward.
       bool threw = false;
       try {
         model(torch::randn({2, 6}));
       } catch (const std::exception& ex) {
         threw = has(ex.what(), "unit 'p' is checkpointed") && has(ex.what(), "returns something other than tensors");
       }
-      require(threw, "a pair-returning checkpointed unit did not fail clearly");
+      require(threw, "a checkpointed unit returning a number did not fail clearly");
       torch::NoGradGuard no_grad;  // without grad mode nothing is checkpointed
       model(torch::randn({2, 6}));
     }

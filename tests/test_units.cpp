@@ -964,6 +964,136 @@ TEST(Units, ABackwardNestedInAnotherIsRefusedAndTrainingGoesOn) {
   }
 }
 
+// A unit keeping an auxiliary term of a parameter of its own (a router's
+// load-balancing sum), backpropagated by a hook while the outer backward
+// runs: the nested backward reaches the parameter's accumulator before any
+// unit output, and is refused there. The gradient autograd had just
+// accumulated into param.grad stayed, and the next backward added it to its
+// own (a silently wrong step).
+struct GatedImpl : torch::nn::Module {
+  GatedImpl() : lin(register_module("lin", torch::nn::Linear(5, 5))) {
+    gate = register_parameter("gate", torch::full({5}, 0.5));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    aux = gate.sum() * 0.1;  // reads no full parameter in backward
+    return lin(x) * gate;
+  }
+  torch::nn::Linear lin;
+  torch::Tensor gate, aux;
+};
+SHARDTORCH_MODULE(Gated);
+
+struct GatedNet : torch::nn::Module {
+  GatedNet() : l1(register_module("l1", Layer(7, 5, true))), g(register_module("g", Gated())) {}
+  torch::Tensor forward(torch::Tensor x) { return g(l1(x)); }
+  Layer l1;
+  Gated g;
+};
+
+TEST(Units, ARefusedNestedBackwardLeavesNoGradientForTheNextStep) {
+  torch::manual_seed(4);
+  auto x = torch::randn({kBatch, 7}), y = torch::randn({kBatch, 5});
+  torch::manual_seed(0);
+  auto ref = std::make_shared<GatedNet>();
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  const auto want = train_in_one_process(*ref, ref_opt, 2, [&] { return torch::mse_loss(ref->forward(x), y); });
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto m = std::make_shared<GatedNet>();
+      shardtorch::shard(*m, w, strategy_options(s, 2));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      const int64_t per = kBatch / 2;
+      auto xs = x.narrow(0, w.rank() * per, per), ys = y.narrow(0, w.rank() * per, per);
+      {
+        auto h = m->l1(xs);
+        auto out = m->g(h);
+        auto aux = m->g->aux;
+        h.register_hook([&](const torch::Tensor& g) {  // after the outer backward has taken g's gradients
+          aux.backward();
+          return g;
+        });
+        std::string error;
+        try {
+          torch::mse_loss(out, ys).backward();
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        require(error.find("rank " + std::to_string(w.rank()) + ": a backward inside another backward") !=
+                    std::string::npos,
+                "the nested backward was not refused: " + error);
+      }
+      for (int k = 0; k < 2; ++k) {
+        opt->zero_grad();
+        torch::mse_loss(m->forward(xs), ys).backward();
+        opt->step();
+      }
+      shardtorch::FullParams full(*m);
+      expect_close_map(snapshot(*m), want, 1e-5, "after a nested backward refused at an accumulator");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  }
+}
+
+// The root unit's own forward fails after its blocks have run (the LM head
+// running out of memory). With prefetch, post-forward had kept the last block
+// gathered for the backward; the root's failure frees it, so the retry starts
+// with only the root gathered, as after any forward of the root.
+struct FailingRootImpl : torch::nn::Module {
+  FailingRootImpl()
+      : l1(register_module("l1", Layer(7, 5, true))),
+        l2(register_module("l2", Layer(5, 5, true))),
+        head(register_module("head", torch::nn::Linear(5, 3))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = l2(l1(x));
+    if (fail) throw std::runtime_error("out of memory in the head (simulated)");
+    return head(h);
+  }
+  Layer l1, l2;
+  torch::nn::Linear head;
+  bool fail = false;
+};
+SHARDTORCH_MODULE(FailingRoot);
+
+TEST(Units, AFailedForwardOfTheRootFreesTheBlockKeptForBackward) {
+  torch::manual_seed(4);
+  auto x = torch::randn({kBatch, 7}), y = torch::randn({kBatch, 3});
+  torch::manual_seed(0);
+  FailingRoot ref;
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  const auto want = train_in_one_process(*ref, ref_opt, 4, [&] { return torch::mse_loss(ref(x), y); });
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    FailingRoot m;
+    auto sm = shardtorch::shard(m, w, shardtorch::ShardOptions().prefetch(true));
+    auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+    const int64_t per = kBatch / 2;
+    auto xs = x.narrow(0, w.rank() * per, per), ys = y.narrow(0, w.rank() * per, per);
+    for (int step = 0; step < 4; ++step) {
+      if (step == 2) {  // the order is learned: l2 is kept gathered after its forward
+        m->fail = true;
+        std::string error;
+        try {
+          m(xs);
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        m->fail = false;
+        require(error.find("out of memory in the head") != std::string::npos, "the forward did not throw: " + error);
+        require(sm.memory().gathered_units == 1, std::to_string(sm.memory().gathered_units) +
+                                                     " units gathered after the root's failed forward, expected "
+                                                     "the root alone");
+      }
+      opt->zero_grad();
+      torch::mse_loss(m(xs), ys).backward();
+      opt->step();
+    }
+    shardtorch::FullParams full(*m);
+    expect_close_map(snapshot(*m), want, 1e-5, "after the root's failed forward");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // A gradient penalty differentiates the output with respect to the input
 // with create_graph, then backward() runs through the graph that built,
 // which saved the units' full parameters. The grad call reduces nothing.

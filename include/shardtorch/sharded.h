@@ -36,7 +36,9 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -215,6 +217,21 @@ class UnitBase {
 };
 
 namespace detail {
+// Declared first, so that tuples and pairs of each other (and of anything)
+// find them all.
+template <class T>
+void collect_tensors(std::vector<at::Tensor>&, const T&);
+template <class T>
+void replace_tensors(T&, const std::vector<at::Tensor>&, size_t&);
+template <class... T>
+void collect_tensors(std::vector<at::Tensor>& out, const std::tuple<T...>& t);
+template <class A, class B>
+void collect_tensors(std::vector<at::Tensor>& out, const std::pair<A, B>& p);
+template <class... T>
+void replace_tensors(std::tuple<T...>& t, const std::vector<at::Tensor>& v, size_t& i);
+template <class A, class B>
+void replace_tensors(std::pair<A, B>& p, const std::vector<at::Tensor>& v, size_t& i);
+
 inline void collect_tensors(std::vector<at::Tensor>& out, const at::Tensor& t) { out.push_back(t); }
 inline void collect_tensors(std::vector<at::Tensor>& out, const std::optional<at::Tensor>& t) {
   if (t) out.push_back(*t);
@@ -225,6 +242,11 @@ inline void collect_tensors(std::vector<at::Tensor>& out, const std::vector<at::
 template <class... T>
 void collect_tensors(std::vector<at::Tensor>& out, const std::tuple<T...>& t) {
   std::apply([&](const auto&... x) { (collect_tensors(out, x), ...); }, t);
+}
+template <class A, class B>
+void collect_tensors(std::vector<at::Tensor>& out, const std::pair<A, B>& p) {
+  collect_tensors(out, p.first);
+  collect_tensors(out, p.second);
 }
 template <class T>
 void collect_tensors(std::vector<at::Tensor>&, const T&) {}  // carries no tensor we can hook
@@ -241,6 +263,11 @@ template <class... T>
 void replace_tensors(std::tuple<T...>& t, const std::vector<at::Tensor>& v, size_t& i) {
   std::apply([&](auto&... x) { (replace_tensors(x, v, i), ...); }, t);
 }
+template <class A, class B>
+void replace_tensors(std::pair<A, B>& p, const std::vector<at::Tensor>& v, size_t& i) {
+  replace_tensors(p.first, v, i);
+  replace_tensors(p.second, v, i);
+}
 template <class T>
 void replace_tensors(T&, const std::vector<at::Tensor>&, size_t&) {}
 
@@ -253,6 +280,8 @@ template <>
 struct all_tensors<std::vector<at::Tensor>> : std::true_type {};
 template <class... T>
 struct all_tensors<std::tuple<T...>> : std::bool_constant<(all_tensors<std::decay_t<T>>::value && ...)> {};
+template <class A, class B>
+struct all_tensors<std::pair<A, B>> : std::bool_constant<all_tensors<A>::value && all_tensors<B>::value> {};
 [[noreturn]] void checkpointed_forward_returns_non_tensors(const UnitBase& unit);
 
 // What a checkpointed forward may take: arguments that can be kept until
