@@ -225,7 +225,12 @@ void ReduceScatterBucketer::launch_across_replicas(Launched& l, const std::strin
     l.bytes = 0;
   }
   track(bytes);
+  // Part of the launch it continues: launched() and the overlap count the
+  // reduce-scatter, not this again.
+  const int64_t launched = launched_, overlapped = launched_while_in_flight_;
   launch(*l.replicas, chunk, at::Tensor(), bytes, std::move(l.pieces), what + " across replicas", /*all_reduce=*/true);
+  launched_ = launched;
+  launched_while_in_flight_ = overlapped;
   track(-l.bytes);  // the input and its copied row (Gloo): `chunk` is the new launch's
   l.bytes = 0;
 }

@@ -605,6 +605,11 @@ TEST(HybridShard, OneAllReduceAcrossReplicasPerLaunchedBucket) {
       require(across == launches, std::to_string(across) + " all-reduces across replicas for " +
                                       std::to_string(launches) + " reduce-scatters (" + std::to_string(flats) +
                                       " flat parameters), bucket_mb " + std::to_string(mb));
+      // The overlap counts reduce-scatters launched beside another, not the
+      // all-reduces that continue them (it counted those too).
+      require(sm.reduce_scatters_overlapped() < launches,
+              std::to_string(sm.reduce_scatters_overlapped()) + " reduce-scatters overlapped of " +
+                  std::to_string(launches) + ", bucket_mb " + std::to_string(mb));
       if (mb == 25.0) require(launches == 1 && flats > 1, "one bucket expected, " + std::to_string(launches));
       if (mb < 1.0) require(launches > 1, "several launches expected with small buckets");
     });
