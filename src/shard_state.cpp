@@ -429,8 +429,12 @@ std::shared_ptr<Unit> ShardState::next_in_backward(Unit& u) {
   if (j == 0) return nullptr;
   auto prev = forward_order_[j - 1].lock();
   // The order is the last step's: this step's forward may have run prev after
-  // u, so that prev has reduced already and is not needed again.
-  return prev && prev->state() == UnitState::Sharded && !prev->reduced() ? prev : nullptr;
+  // u, so that prev has reduced already and is not needed again. A unit none
+  // of whose outputs this step needs a gradient (a frozen backbone fed by
+  // data under a trainable head) has no backward to gather for.
+  return prev && prev->state() == UnitState::Sharded && !prev->reduced() && prev->may_take_part_in_backward()
+             ? prev
+             : nullptr;
 }
 
 void ShardState::enable_offload(c10::Device device) {

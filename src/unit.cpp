@@ -172,6 +172,10 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   if (call && grad_mode && outputs.empty()) unhookable_forward_ = true;
   if (call && grad_mode && call->hooked == 0) hook_exits(*call, outputs);
   if (grad_mode) {
+    if (outputs.empty() || std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) {
+          return t.defined() && t.requires_grad();
+        }))
+      ++forwards_in_graph_;
     std::weak_ptr<Unit> weak = weak_from_this();
     for (const auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
