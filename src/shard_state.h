@@ -110,7 +110,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// A grad-mode forward since the last backward gave it an output that needs
   /// a gradient (or one it cannot hook): it may take part in the next
   /// backward. A frozen block fed by data takes none, and is not prefetched.
-  bool may_take_part_in_backward() const { return forwards_in_graph_ > 0; }
+  bool may_take_part_in_backward() const { return forward_in_graph_; }
   /// Its gradients were handed to their reduction in this backward.
   bool issued() const { return issued_; }
   /// Has trainable parameters, so it reduces gradients.
@@ -160,7 +160,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void reset_backward() {
     touched_ = reduced_ = issued_ = unhookable_forward_ = false;
     received_grads_ = 0;
-    forwards_in_graph_ = 0;
+    forward_in_graph_ = false;
   }
   void register_grad_hooks();
 
@@ -196,7 +196,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   // custom struct): its graph's life cannot be followed, so frozen
   // parameters are kept to the end of the next backward.
   bool unhookable_forward_ = false;
-  int forwards_in_graph_ = 0;  // may_take_part_in_backward
+  bool forward_in_graph_ = false;  // may_take_part_in_backward
   bool checkpointed_ = false, in_reduction_order_ = false;
   int pins_ = 0;
   bool held_ = false;

@@ -175,7 +175,7 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
     if (outputs.empty() || std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) {
           return t.defined() && t.requires_grad();
         }))
-      ++forwards_in_graph_;
+      forward_in_graph_ = true;
     std::weak_ptr<Unit> weak = weak_from_this();
     for (const auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
