@@ -2,6 +2,8 @@
 
 #include <c10/core/GradMode.h>
 
+#include <unordered_set>
+
 #include "shard_state.h"
 
 namespace shardtorch {
@@ -27,6 +29,12 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
     for (auto& u : summoned_) u->reshard();
     throw;
   }
+  // The gradients set share storages (a unit's full gradient, when the
+  // dtypes agree): each counted once.
+  std::unordered_set<const void*> storages;
+  for (const auto& p : grads_set_)
+    if (storages.insert(p.grad().storage().unsafeGetStorageImpl()).second) grad_bytes_ += p.grad().storage().nbytes();
+  state_->mem().add(Mem::SummonedGrads, grad_bytes_);
   state_->enter_summon(options_.with_grads());
 }
 
@@ -93,6 +101,7 @@ FullParams::~FullParams() {
   // here is reported, and the scope is still left.
   try {
     for (auto& p : grads_set_) p.mutable_grad().reset();
+    state_->mem().sub(Mem::SummonedGrads, grad_bytes_);
     for (auto& [p, view] : views_) p.mutable_grad() = view;
     for (auto& [shard, saved] : restore_) shard.copy_(saved);
     if (writeback_) {

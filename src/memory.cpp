@@ -19,6 +19,7 @@ const char* mem_name(Mem m) {
     case Mem::HostParams: return "host_params";
     case Mem::HostGradients: return "host_gradients";
     case Mem::HostOptimizerState: return "host_optimizer_state";
+    case Mem::SummonedGrads: return "summoned_grads";
     default: return "?";
   }
 }

@@ -1094,6 +1094,42 @@ TEST(Units, AFailedForwardOfTheRootFreesTheBlockKeptForBackward) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// The full gradients a with_grads scope puts in param.grad are memory the
+// library holds: counted under summoned_grads while the scope lives, each
+// storage once (a unit's gradients share its full gradient when the dtypes
+// agree), and given back on exit.
+TEST(Units, SummonedGradientsAreCountedWhileTheScopeLives) {
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
+    for (bool bf16 : {false, true}) {
+      auto r = run_ranks(2, [&](World& w) {
+        torch::manual_seed(0);
+        FailingRoot m;  // a root unit without buffers: its input is cast to bf16
+        auto o = strategy_options(s, 2);
+        if (bf16) o.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
+        auto sm = shardtorch::shard(m, w, o);
+        m(torch::ones({2, 7})).square().sum().backward();
+        require(sm.memory().cur(Mem::SummonedGrads) == 0, "summoned gradients counted before any scope");
+        {
+          shardtorch::FullParams full(*m, shardtorch::SummonOptions().with_grads(true));
+          int64_t at_least = 0, at_most = 0;  // the gradients' own bytes; their storages' (unit flats, padded)
+          for (const auto& p : m->parameters()) {
+            if (!p.grad().defined()) continue;
+            at_least += p.grad().nbytes();
+            at_most += p.grad().storage().nbytes();
+          }
+          const int64_t counted = sm.memory().cur(Mem::SummonedGrads);
+          require(at_least > 0 && counted >= at_least && counted <= at_most,
+                  "summoned_grads " + std::to_string(counted) + " B, the gradients hold " + std::to_string(at_least) +
+                      " B (storages " + std::to_string(at_most) + " B)");
+        }
+        require(sm.memory().cur(Mem::SummonedGrads) == 0 && sm.memory().max(Mem::SummonedGrads) > 0,
+                "summoned gradients still counted after the scope");
+      });
+      ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << (bf16 ? " bf16" : "") << ": " << r.summary();
+    }
+  }
+}
+
 // A gradient penalty differentiates the output with respect to the input
 // with create_graph, then backward() runs through the graph that built,
 // which saved the units' full parameters. The grad call reduces nothing.

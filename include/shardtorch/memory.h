@@ -18,6 +18,7 @@ enum class Mem : int {
   HostParams,         // CPU offload: master shards in host memory
   HostGradients,      // CPU offload: gradient shards in host memory
   HostOptimizerState, // CPU offload: optimizer state in host memory
+  SummonedGrads,      // the full gradients a summon_full_params(with_grads) scope sets in param.grad
   kCount
 };
 
