@@ -158,9 +158,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool in_reduction_order() const { return in_reduction_order_; }
   void set_in_reduction_order(bool in) { in_reduction_order_ = in; }
   void reset_backward() {
-    touched_ = reduced_ = issued_ = unhookable_forward_ = false;
+    touched_ = reduced_ = issued_ = unhookable_forward_ = forward_in_graph_ = false;
     received_grads_ = 0;
-    forward_in_graph_ = false;
   }
   void register_grad_hooks();
 

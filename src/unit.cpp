@@ -169,16 +169,16 @@ std::optional<at::ScalarType> Unit::output_dtype() const {
 void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   bool grad_mode = c10::GradMode::is_enabled();
   std::shared_ptr<ForwardCall> call = std::move(call_);  // lives as long as the hooks on the outputs
-  if (call && grad_mode && outputs.empty()) unhookable_forward_ = true;
   if (call && grad_mode && call->hooked == 0) hook_exits(*call, outputs);
   if (grad_mode) {
-    if (outputs.empty() || std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) {
-          return t.defined() && t.requires_grad();
-        }))
+    if (outputs.empty()) {  // nothing to hook: it may take part, and how long its graph lives cannot be told
       forward_in_graph_ = true;
+      if (call) unhookable_forward_ = true;
+    }
     std::weak_ptr<Unit> weak = weak_from_this();
     for (const auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
+      forward_in_graph_ = true;
       t.register_hook([weak, call](const at::TensorBase&) {
         if (auto u = weak.lock()) u->pre_backward();
       });

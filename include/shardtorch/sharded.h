@@ -36,7 +36,6 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <string>
