@@ -22,6 +22,20 @@
 
 namespace shardtorch::detail {
 
+// A weak reference to an autograd node, of the kind Node::getptr() returns:
+// std::shared_ptr in LibTorch 2.11, c10::intrusive_ptr in 2.13.
+template <class P>
+struct WeakOf;
+template <class T>
+struct WeakOf<std::shared_ptr<T>> {
+  using type = std::weak_ptr<T>;
+};
+template <class T, class N>
+struct WeakOf<c10::intrusive_ptr<T, N>> {
+  using type = c10::weak_intrusive_ptr<T, N>;
+};
+using WeakNode = WeakOf<decltype(std::declval<torch::autograd::Node&>().getptr())>::type;
+
 /// What holds a gradient accumulator: a shared_ptr up to LibTorch 2.11, an
 /// intrusive_ptr in later versions.
 using AccumulatorRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
@@ -142,7 +156,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
     int task = -1;
     uint64_t first_node = 0;  // the first sequence number of a node this forward may make ...
     uint64_t thread = 0;      // ... on this thread
-    std::vector<c10::weak_intrusive_ptr<torch::autograd::Node>> exits;
+    std::vector<WeakNode> exits;
   };
   /// No backward node of a live forward of it may still read its frozen
   /// parameters: every such forward sends no gradient out of the unit, or

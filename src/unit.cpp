@@ -226,7 +226,7 @@ void count_exits_for(Unit::ForwardCall& call, int task) {
   call.expected = 0;
   for (const auto& w : call.exits) {
     auto n = w.lock();
-    if (!n.defined() || (nodes != nullptr && nodes->count(n.get()) == 0)) continue;
+    if (!n || (nodes != nullptr && nodes->count(n.get()) == 0)) continue;
     if (exec != nullptr && !exec->empty()) {
       // Needed: run. Captured only (autograd::grad of a tensor it makes): its
       // inputs are taken, the node itself does not run, nor its hook.
