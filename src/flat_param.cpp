@@ -152,6 +152,7 @@ void FlatParam::offload_shard(bool pin) {
   shard_ = host;
   shard_is_view_ = false;
   offloaded_ = true;
+  pinned_ = pin;
   if (dtype_ == at::kFloat && compute_dtype() == at::kBFloat16) {
     low_ = at::empty({shard_.numel()}, shard_.options().dtype(at::kBFloat16).pinned_memory(pin));
     if (mem_) mem_->add(Mem::HostParams, low_.nbytes());
@@ -248,21 +249,31 @@ void FlatParam::drop_staging_grad() {
   staging_ = at::Tensor();
 }
 
+at::Tensor FlatParam::new_grad(const at::Tensor& reduced, double divisor) const {
+  // Host gradients of an offloaded flat come from the pinned caching
+  // allocator: a fresh pageable tensor each step faulted in every page of it
+  // (docs/offload.md). Cast and divide in place: the values of
+  // at::div(reduced.to(dtype_), divisor), and x / 1 is x.
+  at::Tensor g = at::empty(reduced.sizes(), reduced.options().dtype(dtype_).pinned_memory(pinned_ && reduced.is_cpu()));
+  g.copy_(reduced);
+  if (divisor != 1.0) g.div_(divisor);
+  return g;
+}
+
 void FlatParam::accumulate_shard_grad(const at::Tensor& reduced, double divisor) {
   c10::NoGradGuard no_grad;
-  at::Tensor g = at::div(reduced.to(dtype_), divisor);  // gradient shards are in the master dtype
   if (!shard_grad_.defined()) {
-    shard_grad_ = g;
+    shard_grad_ = new_grad(reduced, divisor);  // gradient shards are in the master dtype
     if (mem_) mem_->add(grad_category(), shard_grad_.nbytes());
   } else {
-    shard_grad_.add_(g);
+    shard_grad_.add_(at::div(reduced.to(dtype_), divisor));
   }
 }
 
 void FlatParam::accumulate_full_grad(const at::Tensor& reduced, double divisor) {
   c10::NoGradGuard no_grad;
   if (!full_grad_.defined()) {
-    full_grad_ = at::div(reduced.to(dtype_), divisor);
+    full_grad_ = new_grad(reduced, divisor);
     auto [lo, hi] = layout_.shard_range(rank_);
     shard_grad_ = full_grad_.narrow(0, lo, hi - lo);
     if (mem_) mem_->add(grad_category(), full_grad_.nbytes());

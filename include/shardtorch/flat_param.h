@@ -169,7 +169,10 @@ class FlatParam {
   bool persistent_ = false;
   bool shard_is_view_ = false;
   bool offloaded_ = false;
+  bool pinned_ = false;  // offloaded to pinned host memory: gradients are made there too
   Mem grad_category() const { return offloaded_ ? Mem::HostGradients : Mem::Gradients; }
+  /// A new gradient in the master dtype: reduced / divisor.
+  at::Tensor new_grad(const at::Tensor& reduced, double divisor) const;
   Mem shard_category() const { return offloaded_ ? Mem::HostParams : Mem::ShardedParams; }
 };
 
