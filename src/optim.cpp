@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "shard_state.h"
+#include "shardtorch/optim/cpu_adam.h"
 
 namespace shardtorch {
 namespace detail {
@@ -114,10 +115,12 @@ void ShardViews::zero_grad() { state_->zero_grads(); }
 
 void ShardViews::require_fp32_cpu(const std::string& who) const {
   auto check = [&](const at::Tensor& t, const std::string& name) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), who, ": rank ", state_->world().rank(),
-                ": parameter '", name, "' is optimized as a ", t.scalar_type(), " tensor on ", t.device(),
-                "; it updates fp32 tensors in host memory only (fp32 parameters or masters, on the CPU or under "
-                "offload). Use torch::optim::Adam(W) through shardtorch::Adam(W) otherwise");
+    TORCH_CHECK(t.scalar_type() == at::kFloat && (t.device().is_cpu() || (t.is_cuda() && fused_adam_cuda_available())),
+                who, ": rank ", state_->world().rank(), ": parameter '", name, "' is optimized as a ",
+                t.scalar_type(), " tensor on ", t.device(), "; it updates fp32 tensors (fp32 parameters or masters) in "
+                "host memory, or on a CUDA device in a build with CUDA kernels (fused_adam_cuda_available() is ",
+                fused_adam_cuda_available() ? "true" : "false", " here). Use torch::optim::Adam(W) through "
+                "shardtorch::Adam(W) otherwise");
   };
   if (state_->ddp()) {
     for (size_t i = 0; i < state_->ddp_params().size(); ++i) check(state_->ddp_optimized()[i], state_->ddp_names()[i]);

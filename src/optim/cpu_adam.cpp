@@ -1,6 +1,8 @@
 // Built with -O3 (CMakeLists.txt) so that each target clone is vectorised.
 #include "shardtorch/optim/cpu_adam.h"
 
+#include "cuda_adam.h"
+
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
@@ -294,20 +296,22 @@ at::Tensor FusedAdamBase<Options, State, Decoupled>::step(LossClosure closure) {
                 o.lr(), ", eps ", o.eps(), ", weight_decay ", o.weight_decay(), ", betas (", beta1, ", ", beta2, ")");
     for (const auto& p : param_groups_[gi].params()) {
       if (!p.grad().defined()) continue;
-      TORCH_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu() && p.is_contiguous() &&
+      const bool on_device = p.is_cuda() && fused_adam_cuda_available();
+      TORCH_CHECK(p.scalar_type() == at::kFloat && (p.device().is_cpu() || on_device) && p.is_contiguous() &&
                       p.grad().is_contiguous() && p.grad().scalar_type() == at::kFloat &&
-                      p.grad().numel() == p.numel(),
-                  "shardtorch FusedAdam: group ", gi, ": needs contiguous fp32 CPU parameters and gradients of the "
-                  "same size, got a ", p.scalar_type(), " parameter of ", p.numel(), " on ", p.device(), " with a ",
-                  p.grad().scalar_type(), " gradient of ", p.grad().numel());
+                      p.grad().numel() == p.numel() && p.grad().device() == p.device(),
+                  "shardtorch FusedAdam: group ", gi, ": needs contiguous fp32 parameters and gradients of the "
+                  "same size on one device (the CPU, or CUDA in a build with CUDA kernels), got a ", p.scalar_type(),
+                  " parameter of ", p.numel(), " on ", p.device(), " with a ", p.grad().scalar_type(), " gradient of ",
+                  p.grad().numel(), " on ", p.grad().device());
       auto it = state_.find(p.unsafeGetTensorImpl());
       if (it == state_.end()) continue;
       const auto& s = static_cast<const State&>(*it->second);
       for (const at::Tensor& m : {s.exp_avg(), s.exp_avg_sq()})
-        TORCH_CHECK(m.defined() && m.scalar_type() == at::kFloat && m.device().is_cpu() && m.is_contiguous() &&
+        TORCH_CHECK(m.defined() && m.scalar_type() == at::kFloat && m.device() == p.device() && m.is_contiguous() &&
                         m.numel() == p.numel(),
-                    "shardtorch FusedAdam: group ", gi, ": a parameter of ", p.numel(),
-                    " elements has moments that are not contiguous fp32 CPU tensors of its size");
+                    "shardtorch FusedAdam: group ", gi, ": a parameter of ", p.numel(), " elements on ", p.device(),
+                    " has moments that are not contiguous fp32 tensors of its size on its device");
     }
   }
   for (auto& group : param_groups_) {
@@ -327,6 +331,10 @@ at::Tensor FusedAdamBase<Options, State, Decoupled>::step(LossClosure closure) {
       AdamStep a{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), s.step(),
                  Decoupled};
       auto low = low_.find(p.unsafeGetTensorImpl());
+      if (p.is_cuda()) {
+        fused_adam_cuda(p, p.grad(), s.exp_avg(), s.exp_avg_sq(), low == low_.end() ? at::Tensor() : low->second, a);
+        continue;
+      }
       fused_adam_cpu(p.data_ptr<float>(), p.grad().data_ptr<float>(), s.exp_avg().template data_ptr<float>(),
                      s.exp_avg_sq().template data_ptr<float>(), p.numel(), a,
                      low == low_.end() ? nullptr : low->second.template data_ptr<at::BFloat16>());
@@ -337,11 +345,11 @@ at::Tensor FusedAdamBase<Options, State, Decoupled>::step(LossClosure closure) {
 
 template <class Options, class State, bool Decoupled>
 void FusedAdamBase<Options, State, Decoupled>::write_low_copy(const at::Tensor& param, at::Tensor low) {
-  TORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.device().is_cpu() && low.is_contiguous() &&
+  TORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.device() == param.device() && low.is_contiguous() &&
                   low.numel() == param.numel(),
-              "shardtorch FusedAdam: the low-precision copy of a parameter of ", param.numel(),
-              " elements must be a contiguous bf16 CPU tensor of its size, got ", low.scalar_type(), " of ",
-              low.numel(), " on ", low.device());
+              "shardtorch FusedAdam: the low-precision copy of a parameter of ", param.numel(), " elements on ",
+              param.device(), " must be a contiguous bf16 tensor of its size on its device, got ", low.scalar_type(),
+              " of ", low.numel(), " on ", low.device());
   low_[param.unsafeGetTensorImpl()] = std::move(low);
 }
 

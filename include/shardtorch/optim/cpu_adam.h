@@ -2,7 +2,9 @@
 // A fused CPU Adam/AdamW: one pass over parameter, gradient and both moments
 // per element, vectorised for AVX-512, AVX2+FMA or plain x86-64 (chosen at run
 // time: the shipped build uses no -march=native), split across threads with
-// ATen's parallel_for. FusedAdam / FusedAdamW are torch::optim optimizers
+// ATen's parallel_for. On a CUDA device (a build against a CUDA LibTorch,
+// fused_adam_cuda_available()) the same update runs as one CUDA kernel per
+// parameter piece, on the current stream. FusedAdam / FusedAdamW are torch::optim optimizers
 // (same options and state classes as torch::optim::Adam / AdamW), so they work
 // with shardtorch::ShardedOptimizer, parameter groups and checkpoints:
 //
@@ -38,6 +40,11 @@ void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_
 /// Newton step, a few ulp from the exact update; the environment variable
 /// SHARDTORCH_ADAM_ISA overrides).
 std::string fused_adam_isa();
+
+/// Whether this build has the fused CUDA kernel, with which FusedAdam(W) also
+/// steps fp32 parameters on a CUDA device (built against a CUDA LibTorch with
+/// nvcc; docs/gpu.md).
+bool fused_adam_cuda_available();
 
 /// For benchmarks: the memory roofline of an Adam update's access pattern.
 /// Reads a, b, c, d and writes a, c, d (28 bytes per element, the least an
