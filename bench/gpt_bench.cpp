@@ -23,13 +23,21 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #include <boost/json.hpp>
 #include <boost/program_options.hpp>
 
+#include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
+#include <torch/optim/adamw.h>
+#if defined(SHARDTORCH_BENCH_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include "../examples/cli.h"
 #include "../examples/gpt.h"
@@ -44,11 +52,31 @@ struct Args {
   std::string strategy = "full_shard";
   gpt::Config cfg;
   int64_t batch = 8;
-  int steps = 30, warmup = 5, threads = 1, hybrid_shard_size = 0;
+  int steps = 30, warmup = 5, threads = 0, hybrid_shard_size = 0;
   double lr = 3e-3, bucket_mb = 25.0;
   bool bf16 = false, offload = false, quiet = false, fused_adam = false, prefetch = false, recompute = false;
-  std::string init, save_init, report;
+  std::string init, save_init, report, profile;
 };
+
+// The caching allocator's peak and current bytes on a CUDA device (zero
+// elsewhere, or in a build against a CPU LibTorch).
+struct DevicePeak {
+  int64_t allocated = 0, reserved = 0;
+};
+void reset_device_peak(const c10::Device& d) {
+#if defined(SHARDTORCH_BENCH_CUDA)
+  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
+#endif
+}
+DevicePeak device_peak(const c10::Device& d) {
+#if defined(SHARDTORCH_BENCH_CUDA)
+  if (d.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
+    return {stats.allocated_bytes[0].peak, stats.reserved_bytes[0].peak};  // [0]: all pools
+  }
+#endif
+  return {};
+}
 
 at::Tensor batch_tokens(const Args& a, int step, int world, int rank) {
   auto out = at::empty({a.batch, a.cfg.seq_len}, at::kLong);
@@ -94,7 +122,6 @@ int64_t count_params(torch::nn::Module& m) {
 }
 
 int run(const Args& a) {
-  at::set_num_threads(a.threads);
   torch::manual_seed(0);
   if (!a.save_init.empty()) {  // one process: the initial weights, unsharded
     gpt::GPT model(a.cfg);
@@ -108,12 +135,20 @@ int run(const Args& a) {
   }
   auto world = shardtorch::World::from_env();
   const bool lead = world->rank() == 0;
+  // One core a rank on the CPU (ranks share the machine); with an accelerator,
+  // host work (offload's gradients and CPU Adam) gets every core unless told.
+  if (a.threads > 0) {
+    at::set_num_threads(a.threads);
+  } else if (world->device().is_cpu()) {
+    at::set_num_threads(1);
+  }
+  const bool plain = a.strategy == "plain";
   const int64_t baseline_rss = current_rss_bytes();  // the process before the model exists
   gpt::GPT model(a.cfg);
   model->to(world->device());  // cuda:LOCAL_RANK under NCCL
   const int64_t params = count_params(*model);
   auto options = shardtorch::ShardOptions()
-                     .strategy(shardtorch::parse_strategy(a.strategy))
+                     .strategy(plain ? shardtorch::Strategy::NoShard : shardtorch::parse_strategy(a.strategy))
                      .bucket_mb(a.bucket_mb)
                      .cpu_offload(a.offload)
                      .prefetch(a.prefetch)
@@ -123,15 +158,37 @@ int run(const Args& a) {
     options.mixed_precision(
         shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kBFloat16).output_dtype(at::kFloat));
   }
-  auto sharded = shardtorch::shard(*model, world, options);
+  TORCH_CHECK(!plain || world->size() == 1, "gpt_bench: --strategy plain (LibTorch alone, no shardtorch) runs as "
+              "one process, not ", world->size());
+  TORCH_CHECK(!plain || (!a.offload && !a.prefetch && !a.recompute && a.init.empty()),
+              "gpt_bench: --strategy plain takes none of --offload, --prefetch, --activation-checkpointing, --init");
+  // plain: the model as LibTorch trains it alone; under --bf16, autocast to
+  // bf16 on the device with fp32 parameters (LibTorch's mixed precision).
+  std::optional<shardtorch::ShardedModel> sharded;
+  if (!plain) sharded.emplace(shardtorch::shard(*model, world, options));
   if (!a.init.empty()) shardtorch::load_full_state_dict(*model, a.init);
   auto adamw = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01);
   // Offloaded masters step on the CPU: there the fused kernel is the one to use.
   const bool fused = a.fused_adam || a.offload;
-  TORCH_CHECK(!fused || world->device().is_cpu() || a.offload, "gpt_bench: --fused-adam is the CPU kernel; the "
-              "parameters are on ", world->device());
-  auto opt = fused ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
-                   : shardtorch::AdamW(*model, adamw);
+  TORCH_CHECK(!fused || !plain, "gpt_bench: --fused-adam is shardtorch's; --strategy plain uses torch::optim::AdamW");
+  std::unique_ptr<shardtorch::ShardedOptimizer> opt;
+  std::unique_ptr<torch::optim::AdamW> plain_opt;
+  if (plain) {
+    std::vector<at::Tensor> unique;  // parameters() lists the tied head weight under both names
+    std::set<const void*> seen;
+    for (const auto& p : model->parameters())
+      if (seen.insert(p.unsafeGetTensorImpl()).second) unique.push_back(p);
+    plain_opt = std::make_unique<torch::optim::AdamW>(unique, adamw);
+  } else {
+    opt = fused ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
+                : shardtorch::AdamW(*model, adamw);
+  }
+  const bool autocast = plain && a.bf16 && !world->device().is_cpu();
+  TORCH_CHECK(!plain || !a.bf16 || autocast, "gpt_bench: --strategy plain --bf16 is autocast on an accelerator");
+  if (autocast) {
+    at::autocast::set_autocast_enabled(world->device().type(), true);
+    at::autocast::set_autocast_dtype(world->device().type(), at::kBFloat16);
+  }
 
   // Phases are host times: exact on CPU; on an accelerator the forward and
   // backward figures are mostly launch time (only the whole step is synced).
@@ -139,32 +196,67 @@ int run(const Args& a) {
   int64_t sent = 0;  // by the library during the measured steps
   int64_t to_device = 0, to_host = 0;  // offload copies during the measured steps
   const int total = a.warmup + a.steps;
+  // --profile: the first measured step under LibTorch's profiler (CPU ops and,
+  // on CUDA, kernels and copies), saved as a Chrome trace per rank.
+  const int profiled = a.profile.empty() ? -1 : a.warmup;
+  using torch::autograd::profiler::ProfilerConfig;
+  using torch::autograd::profiler::ProfilerState;
+  const ProfilerConfig prof_cfg(ProfilerState::KINETO);
+  std::set<torch::autograd::profiler::ActivityType> prof_acts{torch::autograd::profiler::ActivityType::CPU};
+  if (world->device().is_cuda()) prof_acts.insert(torch::autograd::profiler::ActivityType::CUDA);
   for (int s = 0; s < total; ++s) {
-    if (s == a.warmup) sharded.reset_peak_memory();
+    if (s == a.warmup) {
+      if (sharded) sharded->reset_peak_memory();
+      reset_device_peak(world->device());
+    }
     at::Tensor tokens = batch_tokens(a, s, world->size(), world->rank()).to(world->device());
     world->barrier();  // ranks start the step together
-    const int64_t bytes0 = sharded.comm_stats().total_bytes_sent();
-    const auto traffic0 = sharded.offload_traffic();
+    const int64_t bytes0 = sharded ? sharded->comm_stats().total_bytes_sent() : 0;
+    const auto traffic0 = sharded ? sharded->offload_traffic() : shardtorch::ShardedModel::OffloadTraffic{};
+    if (s == profiled) {
+      if (!world->device().is_cpu()) torch::cuda::synchronize(world->device().index());
+      torch::autograd::profiler::prepareProfiler(prof_cfg, prof_acts);
+      torch::autograd::profiler::enableProfiler(prof_cfg, prof_acts);
+    }
     using clock = std::chrono::steady_clock;
     auto since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
     auto t0 = clock::now();
-    opt->zero_grad();
-    at::Tensor loss = gpt::lm_loss(model(tokens), tokens);
+    at::Tensor loss;
+    {
+      RECORD_USER_SCOPE("gpt_bench.forward");
+      plain ? plain_opt->zero_grad() : opt->zero_grad();
+      loss = gpt::lm_loss(model(tokens), tokens);
+      if (autocast) at::autocast::clear_cache();
+    }
     const double fwd = since(t0);
-    loss.backward();
+    {
+      RECORD_USER_SCOPE("gpt_bench.backward");
+      loss.backward();
+    }
     const double bwd = since(t0) - fwd;
-    opt->step();
-    if (!world->device().is_cpu()) torch::cuda::synchronize(world->device().index());  // the step, not its launch
+    {
+      RECORD_USER_SCOPE("gpt_bench.optimizer");
+      plain ? (void)plain_opt->step() : opt->step();
+      if (!world->device().is_cpu()) torch::cuda::synchronize(world->device().index());  // the step, not its launch
+    }
     double ms = since(t0);
+    if (s == profiled) {
+      auto result = torch::autograd::profiler::disableProfiler();
+      const std::string path = a.profile + ".rank" + std::to_string(world->rank()) + ".json";
+      result->save(path);
+      if (lead) std::fprintf(stderr, "gpt_bench: step %d profiled into %s\n", s + 1, path.c_str());
+    }
     if (s >= a.warmup) {
       step_ms.push_back(ms);
       forward_ms.push_back(fwd);
       backward_ms.push_back(bwd);
       optimizer_ms.push_back(ms - fwd - bwd);
-      sent += sharded.comm_stats().total_bytes_sent() - bytes0;
-      const auto traffic1 = sharded.offload_traffic();
-      to_device += traffic1.to_device_bytes - traffic0.to_device_bytes;
-      to_host += traffic1.to_host_bytes - traffic0.to_host_bytes;
+      if (sharded) {
+        sent += sharded->comm_stats().total_bytes_sent() - bytes0;
+        const auto traffic1 = sharded->offload_traffic();
+        to_device += traffic1.to_device_bytes - traffic0.to_device_bytes;
+        to_host += traffic1.to_host_bytes - traffic0.to_host_bytes;
+      }
     }
     at::Tensor mean = loss.detach().to(at::kDouble).reshape({1}).clone();
     world->comm().all_reduce(mean, c10d::ReduceOp::SUM, "gpt_bench loss");
@@ -174,7 +266,8 @@ int run(const Args& a) {
     }
   }
 
-  auto m = sharded.memory();
+  const auto m = sharded ? sharded->memory() : shardtorch::MemorySnapshot{};
+  const DevicePeak dev_peak = device_peak(world->device());
   json::object mem;
   for (int i = 0; i < static_cast<int>(shardtorch::Mem::kCount); ++i) {
     auto c = static_cast<shardtorch::Mem>(i);
@@ -188,7 +281,7 @@ int run(const Args& a) {
   for (double v : step_ms) mean_ms += v / std::max<size_t>(step_ms.size(), 1);
   json::object r{
       {"impl", "shardtorch"},
-      {"strategy", shardtorch::strategy_name(sharded.strategy())},
+      {"strategy", plain ? "plain" : shardtorch::strategy_name(sharded->strategy())},
       {"world", world->size()},
       {"rank", world->rank()},
       {"config",
@@ -209,6 +302,9 @@ int run(const Args& a) {
         {"optimizer", percentile(optimizer_ms, 0.5)}}},
       {"tokens_per_s", mean_ms > 0 ? world->size() * a.batch * a.cfg.seq_len / (mean_ms / 1e3) : 0.0},
       {"peak_rss_bytes", peak_rss_bytes()},
+      {"device_peak_allocated_bytes", dev_peak.allocated},
+      {"device_peak_reserved_bytes", dev_peak.reserved},
+      {"threads", at::get_num_threads()},
       {"baseline_rss_bytes", baseline_rss},
       {"model_state_bytes", model_state},
       {"memory", mem},
@@ -225,11 +321,13 @@ int run(const Args& a) {
   }
   if (lead && !a.quiet) {
     std::printf("gpt_bench: %s, %d ranks, %lld params: p50 %.1f ms (forward %.1f, backward %.1f, optimizer %.1f), "
-                "p95 %.1f ms, %.0f tokens/s, model state %s/rank, peak RSS %s\n",
-                shardtorch::strategy_name(sharded.strategy()), world->size(), static_cast<long long>(params),
+                "p95 %.1f ms, %.0f tokens/s, model state %s/rank, peak RSS %s, device peak %s\n",
+                plain ? "plain" : shardtorch::strategy_name(sharded->strategy()), world->size(),
+                static_cast<long long>(params),
                 percentile(step_ms, 0.5), percentile(forward_ms, 0.5), percentile(backward_ms, 0.5),
                 percentile(optimizer_ms, 0.5), percentile(step_ms, 0.95), r["tokens_per_s"].as_double(),
-                shardtorch::format_bytes(model_state).c_str(), shardtorch::format_bytes(peak_rss_bytes()).c_str());
+                shardtorch::format_bytes(model_state).c_str(), shardtorch::format_bytes(peak_rss_bytes()).c_str(),
+                shardtorch::format_bytes(dev_peak.allocated).c_str());
   }
   return 0;
 }
@@ -240,7 +338,8 @@ int main(int argc, char** argv) {
   Args a;
   po::options_description desc("gpt_bench: train the example GPT and report time, memory and traffic per rank");
   desc.add_options()("help", "this text")
-      ("strategy", po::value(&a.strategy)->default_value(a.strategy), "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")
+      ("strategy", po::value(&a.strategy)->default_value(a.strategy),
+       "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard, or plain: LibTorch alone (one process)")
       ("hybrid-shard-size", po::value(&a.hybrid_shard_size)->default_value(0), "ranks per shard group (hybrid_shard)")
       ("layers", po::value(&a.cfg.n_layer)->default_value(2), "transformer blocks")
       ("d-model", po::value(&a.cfg.d_model)->default_value(32), "model width")
@@ -258,7 +357,9 @@ int main(int argc, char** argv) {
       ("prefetch", po::bool_switch(&a.prefetch), "full_shard/hybrid_shard: all-gather the next unit while one computes")
       ("activation-checkpointing", po::bool_switch(&a.recompute),
        "recompute the blocks' activations in backward instead of keeping them")
-      ("threads", po::value(&a.threads)->default_value(a.threads), "ATen threads per rank")
+      ("threads", po::value(&a.threads)->default_value(a.threads),
+       "ATen threads per rank (0: 1 on the CPU, ATen's default with an accelerator)")
+      ("profile", po::value(&a.profile), "profile the first measured step into PREFIX.rankR.json (Chrome trace)")
       ("init", po::value(&a.init), "load initial weights from this full state dict")
       ("save-init", po::value(&a.save_init), "write the initial weights here and exit (one process)")
       ("report", po::value(&a.report), "write PREFIX.rankR.json per rank")
@@ -271,7 +372,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     po::notify(vm);
-    TORCH_CHECK(a.steps >= 1 && a.warmup >= 0 && a.batch >= 1, "gpt_bench: need --steps >= 1, --warmup >= 0, --batch >= 1");
+    TORCH_CHECK(a.steps >= 1 && a.warmup >= 0 && a.batch >= 1 && a.threads >= 0,
+                "gpt_bench: need --steps >= 1, --warmup >= 0, --batch >= 1, --threads >= 0");
     TORCH_CHECK(a.cfg.n_layer >= 1 && a.cfg.d_model >= 1 && a.cfg.n_head >= 1 && a.cfg.vocab >= 1 && a.cfg.seq_len >= 2,
                 "gpt_bench: need --layers, --d-model, --heads and --vocab >= 1 and --seq >= 2");
     TORCH_CHECK(a.cfg.d_model % a.cfg.n_head == 0, "gpt_bench: --d-model ", a.cfg.d_model, " is not a multiple of --heads ",

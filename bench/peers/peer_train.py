@@ -1,6 +1,7 @@
 """PyTorch peers of build/bench/gpt_bench: trains the GPT of examples/gpt.h with
-DistributedDataParallel or FSDP2 (fully_shard) on CPU with Gloo and writes the
-same per-rank report JSON the C++ driver writes.
+DistributedDataParallel or FSDP2 (fully_shard) on CPU with Gloo (or, with
+--device cuda, on each rank's GPU with NCCL) and writes the same per-rank
+report JSON the C++ driver writes.
 
   torchrun --standalone --nproc-per-node N bench/peers/peer_train.py --mode ddp|fsdp2 [options]
   python bench/peers/peer_train.py --save-init FILE [model options]   (single process)
@@ -34,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--report", metavar="PREFIX", help="rank r writes PREFIX.rank{r}.json")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--save-init", metavar="FILE", help="write a seeded model's weights and exit (no torchrun)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: GPU LOCAL_RANK over NCCL; AdamW then takes PyTorch's CUDA default (foreach)")
     p.add_argument("--seed", type=int, default=0, help="seed for the model when no --init is given / for --save-init")
     a = p.parse_args(argv)
     if a.save_init is None and a.mode is None:
@@ -150,15 +153,17 @@ def percentile(xs, q):
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def wrap(model, a, world):
+def wrap(model, a, world, device):
     if a.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if device.type == "cuda":
+            return DDP(model, device_ids=[device.index])
         return DDP(model)  # CPU module: no device_ids; default 25 MiB buckets
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     kw = dict(mesh=mesh, reshard_after_forward=True)
     root_kw = dict(kw)
     if a.bf16:
@@ -184,7 +189,14 @@ def train(a):
         print("peer_train: launch with torchrun (RANK/WORLD_SIZE not set)", file=sys.stderr)
         return 2
     torch.set_num_threads(a.threads)
-    dist.init_process_group("gloo")
+    cuda = a.device == "cuda"
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     baseline_rss = current_rss_bytes()
 
@@ -192,15 +204,18 @@ def train(a):
     if a.init:
         load_init(model, a.init)
     n_params = count_params(model)
-    model = wrap(model, a, world)
+    model = wrap(model.to(device), a, world, device)
     # Without --fused-adam: PyTorch's default on CPU (foreach and fused are
-    # off there), spelled out so a future default cannot change the run.
+    # off there), spelled out so a future default cannot change the run; on
+    # CUDA, PyTorch's own default (foreach).
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                            foreach=False, fused=a.fused_adam)
+                            foreach=None if cuda else False, fused=a.fused_adam or None)
 
     losses, step_ms, phases = [], [], {"forward": [], "backward": [], "optimizer": []}
     for s in range(a.warmup + a.steps):
-        tokens = batch_tokens(s, rank, world, a.batch, a.seq, a.vocab)
+        if cuda and s == a.warmup:
+            torch.cuda.reset_peak_memory_stats(device)
+        tokens = batch_tokens(s, rank, world, a.batch, a.seq, a.vocab).to(device)
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -209,6 +224,8 @@ def train(a):
         loss.backward()
         t_bwd = time.perf_counter()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize(device)  # the step, not its launch
         t1 = time.perf_counter()
         if s >= a.warmup:
             step_ms.append((t1 - t0) * 1e3)
@@ -247,6 +264,9 @@ def train(a):
         "baseline_rss_bytes": baseline_rss,
         "comm_buffer_bytes": comm_buffer_bytes(model, a.mode),
         "threads": a.threads,
+        "device": str(device),
+        "device_peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else 0,
+        "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else 0,
         "fused_adam": a.fused_adam,
         "torch": torch.__version__,
     }
@@ -258,7 +278,7 @@ def train(a):
     if rank == 0:
         print(f"peer_train {a.mode} world={world} params={n_params} p50={report['p50_ms']:.2f} ms "
               f"tokens/s={report['tokens_per_s']:.0f} loss[0]={losses[0]:.6f} loss[-1]={losses[-1]:.6f} "
-              f"model_state={state_bytes} B")
+              f"model_state={state_bytes} B device_peak={report['device_peak_allocated_bytes']} B")
     dist.barrier()
     dist.destroy_process_group()
     return 0

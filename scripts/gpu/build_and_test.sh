@@ -37,7 +37,7 @@ TORCH_PREFIX=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 rc=0
 if [[ " $STEPS " == *" build "* ]]; then
   say "configure"
-  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="${SHARDTORCH_CUDA_ARCH:-90}" \
     -DCMAKE_PREFIX_PATH="$TORCH_PREFIX;$DEPS/usr" -DGLOO_INCLUDE_DIR="$DEPS/usr/include" \
     -DSHARDTORCH_PYTHON="$PY" >"$LOGS/configure.log" 2>&1 || { tail -40 "$LOGS/configure.log"; exit 1; }
   grep -i "nccl\|cuda" "$LOGS/configure.log" | head -5
