@@ -37,8 +37,6 @@ Entry entry_from(const json::value& v, const std::string& index) {
     if (!known_kind(e.kind)) throw std::invalid_argument("unknown kind '" + e.kind + "'");
     if (e.file.find('/') != std::string::npos || e.file.find("..") != std::string::npos)
       throw std::invalid_argument("file name outside the checkpoint directory");
-    if (e.tensor != tensor_key(e))
-      throw std::invalid_argument("tensor '" + e.tensor + "' is not named '" + tensor_key(e) + "' after its entry");
     return e;
   } catch (const std::exception& ex) {
     throw SafetensorsError("checkpoint index '" + index + "': malformed entry: " + ex.what());
