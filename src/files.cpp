@@ -85,6 +85,47 @@ int64_t file_size(const std::string& path) {
   return static_cast<int64_t>(st.st_size);
 }
 
+namespace {
+const char* kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+}  // namespace
+
+std::string irregular_kind(const std::string& path) {
+  struct stat st;
+  if (!stat_of(path, st) || S_ISREG(st.st_mode)) return "";
+  return kind_of(st.st_mode);
+}
+
+int open_regular_for_reading(const std::string& path, std::string& why) {
+  // O_NONBLOCK: opening a FIFO to read would otherwise wait for a writer,
+  // forever. It changes nothing for a regular file, and is cleared below.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) {
+    why = std::strerror(errno);
+    return -1;
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    why = std::strerror(errno);
+    ::close(fd);
+    return -1;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    why = std::string("is ") + kind_of(st.st_mode) + ", not a regular file";
+    ::close(fd);
+    return -1;
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  return fd;
+}
+
 std::vector<std::string> list_directory(const std::string& dir) {
   std::vector<std::string> names;
   if (const int err = read_names(dir, names)) fail("listing of", dir, err);

@@ -26,6 +26,15 @@ bool is_regular_file(const std::string& path);
 bool is_empty_directory(const std::string& path);
 /// Bytes of a regular file; throws if it cannot be read.
 int64_t file_size(const std::string& path);
+/// What `path` is, in words, if it is there and not a regular file (links
+/// followed): "a FIFO", "a directory", "a character device", ...; empty for
+/// a regular file or nothing at all.
+std::string irregular_kind(const std::string& path);
+/// Opens a regular file to read (O_CLOEXEC) without ever blocking on
+/// something else: a FIFO or a device is opened non-blocking, found by fstat
+/// and closed. Returns the descriptor, or -1 with `why` set ("No such file or
+/// directory", "is a FIFO, not a regular file", ...).
+int open_regular_for_reading(const std::string& path, std::string& why);
 
 /// Entry names of `dir` ("." and ".." left out), sorted; throws if `dir`
 /// cannot be read.

@@ -9,6 +9,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "store_listener.h"
+
 namespace shardtorch {
 namespace {
 
@@ -161,6 +163,11 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
     so.timeout = options.timeout();
     c10::intrusive_ptr<c10d::TCPStore> tcp;
     try {
+      // A loopback MASTER_ADDR means every rank is on this host: the store
+      // listens there alone, not on every interface (c10d's own socket).
+      if (so.isServer)
+        if (auto address = detail::loopback_listen_address(env.master_addr))
+          so.masterListenFd = detail::listen_socket(*address, so.port);
       tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
     } catch (c10::Error& e) {
       std::ostringstream os;

@@ -656,15 +656,21 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   auto claims_more = edit_index("claims-more", std::regex("\"end\":[0-9]+"), "\"end\":999999999999");
   for (const auto& e : {load_error(claims_more), message_of([&] { shardtorch::read_sharded_checkpoint(claims_more); })})
     EXPECT_NE(e.find("is saved as elements [0, 999999999999) but has shape"), std::string::npos) << e;
-  auto renamed = edit_index("renamed", std::regex("\"tensor\":\"[^\"]+\""), "\"tensor\":\"nothing|param|0\"");
+  // The first parameter range listed twice, the second time as a tensor its
+  // file lacks (renaming the tensor alone would leave the file's own
+  // unlisted, refused as such: NotACheckpoint.BothReadersRefuseATensorWhose...).
+  auto renamed = edit_index("renamed",
+                            std::regex("\\{(\"name\":\"[^\"]+\",\"kind\":\"param\",\"begin\":0,[^{}]*),\"tensor\":\"[^\"]+\"\\}"),
+                            "$&,{$1,\"tensor\":\"nothing|param|0\"}");
   for (const auto& e : {load_error(renamed), message_of([&] { shardtorch::read_sharded_checkpoint(renamed); })})
     EXPECT_NE(e.find("has no tensor 'nothing|param|0', which the index lists"), std::string::npos) << e;
   // Rank 1's part of a parameter that rank 0 starts (l1's weight straddles
   // the middle of its unit's flat parameter), moved one element back: the
   // lengths still add up to the parameter's, but its first element is saved
-  // twice and its last never. Then the same part listed as another kind: the
-  // parameter's end is missing, and the offline reader must not hand back a
-  // shorter tensor.
+  // twice and its last never. Then the same part listed as momentum: the
+  // parameter's end is missing (and the momentum's saved twice), and the
+  // offline reader must not hand back a shorter tensor. (A made-up kind is
+  // refused with the index.)
   const std::regex straddling("\"kind\":\"param\",\"begin\":([1-9][0-9]*),\"end\":([0-9]+)(,\"step\":[0-9]+,"
                               "\"file\":\"rank-1\\.safetensors\")");
   std::smatch m;
@@ -684,7 +690,7 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
     EXPECT_NE(e.find("elements [" + std::to_string(b - 1) + ", " + std::to_string(b) + ") of '"), std::string::npos)
         << e;
   EXPECT_NE(load_error(shifted).find("saved more than once"), std::string::npos) << load_error(shifted);
-  auto cut = edit_index("cut", straddling, "\"kind\":\"spare\",\"begin\":$1,\"end\":$2$3");
+  auto cut = edit_index("cut", straddling, "\"kind\":\"momentum_buffer\",\"begin\":$1,\"end\":$2$3");
   for (const auto& e : {load_error(cut), message_of([&] { shardtorch::read_sharded_checkpoint(cut); })})
     EXPECT_NE(e.find("elements [" + std::to_string(b) + ", " + std::to_string(e_) + ") of '"), std::string::npos) << e;
   EXPECT_NE(load_error(cut).find("are not all saved"), std::string::npos) << load_error(cut);

@@ -5,6 +5,7 @@
 // `load_state_dict` read. Saving gathers one flat parameter at a time (memory
 // stays bounded) and rank 0 writes atomically; loading works at any world size
 // and strategy: every rank reads only its own shard's elements.
+#include <torch/arg.h>
 #include <torch/nn/module.h>
 
 #include <map>
@@ -15,6 +16,17 @@
 
 namespace shardtorch {
 
+/// How loading treats what the caller may choose.
+struct LoadOptions {
+  /// A saved tensor whose dtype differs from the model's is cast when
+  /// checkpoint::is_safe_cast allows it (the same dtype, floating point to
+  /// floating point, an integer to a dtype that holds all its values);
+  /// otherwise (floating point into an integer buffer, an integer into a
+  /// narrower one) the load is refused, naming the tensor and both dtypes,
+  /// unless this is true: then it is cast as `Tensor::copy_` casts.
+  TORCH_ARG(bool, allow_lossy_casts) = false;
+};
+
 /// Collective. Rank 0 writes `path`; tied parameters appear under each of their names.
 void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                           const std::map<std::string, std::string>& metadata = {});
@@ -22,7 +34,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
 /// node) and takes its shards; missing or mis-shaped entries are errors naming
 /// the file and the parameter. Every rank checks first and the ranks agree: a
 /// problem on any rank throws on every rank, with no rank's model changed.
-void load_full_state_dict(torch::nn::Module& root, const std::string& path);
+void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options = {});
 
 /// Sharded checkpoints: DIR/rank-R.safetensors holds the element ranges of the
 /// parameters (master dtype) and of the optimizer state that rank R owns;
@@ -47,14 +59,18 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimize
 /// different checkpoints) throws on every rank before anything changes.
 /// `DIR` is replaced only if it is a checkpoint or an empty directory.
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
-                                std::map<std::string, std::string>* user_state = nullptr);
+                                std::map<std::string, std::string>* user_state = nullptr,
+                                const LoadOptions& options = {});
 /// Whether a sharded checkpoint can be loaded from `dir`: it has an index, or
 /// a save interrupted on a file system without RENAME_EXCHANGE left the
 /// previous checkpoint aside (`dir`.shardtorch-old), which loading then takes.
 /// Use it, not a test of the directory, to decide whether to resume.
 bool sharded_checkpoint_exists(const std::string& dir);
 /// Offline: every (parameter or buffer, kind) of a sharded checkpoint
-/// assembled whole, keyed "name|kind" (kinds: param, buffer, exp_avg, ...).
+/// assembled whole, keyed "name|kind" (kinds: param, buffer, exp_avg, ...),
+/// in its saved dtype. Refuses what load_sharded_checkpoint refuses of the
+/// checkpoint itself (a bad index or file, ranges that do not tile, a tensor
+/// of a file the index does not list, ranges of one tensor in two dtypes).
 std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir);
 
 }  // namespace shardtorch

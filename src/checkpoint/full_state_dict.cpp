@@ -98,7 +98,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   TORCH_CHECK(status.cpu().item<int>() == 0, "shardtorch::save_full_state_dict: rank 0 could not write '", path, "'");
 }
 
-void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
+void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options) {
   auto state = detail::require_state(root, "load_full_state_dict");
   detail::ShardState::FileWaits file_waits(*state);
   state->wait_for_offload_copies();
@@ -127,14 +127,22 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
       throw checkpoint::SafetensorsError("safetensors file '" + path + "': no entry for parameter '" +
                                          (ns.empty() ? std::string("?") : ns.front()) + "'");
     };
-    auto check_shape = [&](const std::string& n, c10::IntArrayRef want) {
+    // The shape, and a dtype the values can be cast into (docs/checkpoints.md).
+    auto check_shape = [&](const std::string& n, c10::IntArrayRef want, at::ScalarType dtype,
+                           const char* what = "parameter") {
       const auto* r = reader->header().find(n);
       if (c10::IntArrayRef(r->shape) != want) {
         std::ostringstream os;
         os << "safetensors file '" << path << "': '" << n << "' has shape " << c10::IntArrayRef(r->shape)
-           << " but the model's parameter has " << want;
+           << " but the model's " << what << " has " << want;
         throw checkpoint::SafetensorsError(os.str());
       }
+      const at::ScalarType saved = checkpoint::scalar_type(r->dtype);
+      if (!options.allow_lossy_casts() && !checkpoint::is_safe_cast(saved, dtype))
+        throw checkpoint::SafetensorsError(
+            "safetensors file '" + path + "': '" + n + "' is " + r->dtype + " but the model's " + what + " is " +
+            checkpoint::dtype_text(dtype) + ", and a cast from " + r->dtype + " to " + checkpoint::dtype_text(dtype) +
+            " can change values: refused (LoadOptions().allow_lossy_casts(true) casts anyway)");
     };
     auto mark_all = [&](const at::Tensor& p) {
       for (const auto& n : names[p.unsafeGetTensorImpl()]) used.insert(n);
@@ -146,7 +154,7 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
         at::Tensor p = item.value();
         if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded under its first name
         std::string n = name_in_file(p);
-        check_shape(n, p.sizes());
+        check_shape(n, p.sizes(), state->record_of(p).scalar_type());
         mark_all(p);
         changes.push_back([state, file, p, n] { state->load_record(p, file->read(n)); });  // the fp32 master under mixed precision
       }
@@ -156,7 +164,7 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
         for (auto& f : u->flats())
           for (size_t i = 0; i < f->params().size(); ++i) {
             std::string n = name_in_file(f->params()[i]);
-            check_shape(n, f->layout().shape(i));
+            check_shape(n, f->layout().shape(i), f->dtype());
             mark_all(f->params()[i]);
             auto piece = f->layout().piece(i, rank);
             if (!piece) continue;
@@ -170,7 +178,7 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path) {
       if (!item.value().defined()) continue;
       if (!reader->contains(item.key()))
         throw checkpoint::SafetensorsError("safetensors file '" + path + "': no entry for buffer '" + item.key() + "'");
-      check_shape(item.key(), item.value().sizes());
+      check_shape(item.key(), item.value().sizes(), item.value().scalar_type(), "buffer");
       used.insert(item.key());
       changes.push_back([file, b = item.value(), n = item.key()]() mutable { b.copy_(file->read(n)); });
     }

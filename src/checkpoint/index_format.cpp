@@ -9,18 +9,32 @@ namespace shardtorch::checkpoint::index_format {
 namespace json = boost::json;
 namespace {
 
+// A JSON integer, written as one: 2.0, 2.5, "2" and true are not integers.
+int64_t integer(const json::value& v, const std::string& what) {
+  if (v.is_int64()) return v.get_int64();
+  if (v.is_uint64() && v.get_uint64() <= static_cast<uint64_t>(INT64_MAX)) return static_cast<int64_t>(v.get_uint64());
+  throw std::invalid_argument(what + " is " + json::serialize(v) + ", not an integer");
+}
+
+bool known_kind(const std::string& k) {
+  return k == "param" || k == "buffer" || k == "exp_avg" || k == "exp_avg_sq" || k == "max_exp_avg_sq" ||
+         k == "momentum_buffer";
+}
+
 Entry entry_from(const json::value& v, const std::string& index) {
   try {
     const auto& o = v.as_object();
     Entry e;
     e.name = json::value_to<std::string>(o.at("name"));
     e.kind = json::value_to<std::string>(o.at("kind"));
-    e.begin = o.at("begin").to_number<int64_t>();
-    e.end = o.at("end").to_number<int64_t>();
-    e.step = o.at("step").to_number<int64_t>();
+    e.begin = integer(o.at("begin"), "begin");
+    e.end = integer(o.at("end"), "end");
+    e.step = integer(o.at("step"), "step");
     e.file = json::value_to<std::string>(o.at("file"));
     e.tensor = json::value_to<std::string>(o.at("tensor"));
     if (e.begin < 0 || e.end < e.begin) throw std::invalid_argument("bad range");
+    if (e.step < 0) throw std::invalid_argument("negative optimizer step " + std::to_string(e.step));
+    if (!known_kind(e.kind)) throw std::invalid_argument("unknown kind '" + e.kind + "'");
     if (e.file.find('/') != std::string::npos || e.file.find("..") != std::string::npos)
       throw std::invalid_argument("file name outside the checkpoint directory");
     return e;
@@ -29,7 +43,25 @@ Entry entry_from(const json::value& v, const std::string& index) {
   }
 }
 
+// "rank-R.safetensors" with R a rank of the world that saved: the names the
+// writer gives, so nothing else is ever opened.
+bool shard_file_name(const std::string& name, int64_t world_size) {
+  const std::string prefix = "rank-", suffix = ".safetensors";
+  if (name.size() <= prefix.size() + suffix.size() || name.rfind(prefix, 0) != 0 ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return false;
+  const std::string r = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  if (r.size() > 10 || r.find_first_not_of("0123456789") != std::string::npos || (r.size() > 1 && r[0] == '0'))
+    return false;
+  return std::stoll(r) < world_size;
+}
+
 }  // namespace
+
+bool known_strategy(const std::string& name) {
+  return name == "full_shard" || name == "shard_grad_op" || name == "optimizer_only" || name == "no_shard" ||
+         name == "hybrid_shard";
+}
 
 std::string tensor_key(const Entry& e) { return e.name + "|" + e.kind + "|" + std::to_string(e.begin); }
 
@@ -59,17 +91,35 @@ Index parse_index(const std::string& text, const std::string& path) {
   Index idx;
   try {
     const auto& o = v.as_object();
-    idx.version = o.at("format_version").to_number<int64_t>();
+    idx.version = integer(o.at("format_version"), "format_version");
     if (idx.version > kFormatVersion)
       throw SafetensorsError("checkpoint index '" + path + "': format version " + std::to_string(idx.version) +
                              " is newer than this shardtorch reads (" + std::to_string(kFormatVersion) + ")");
-    idx.world_size = o.at("world_size").to_number<int64_t>();
-    idx.step = o.at("step").to_number<int64_t>();
+    if (idx.version < 1) throw std::invalid_argument("format_version " + std::to_string(idx.version) + " is not 1 or more");
+    if (const auto* f = o.if_contains("format"); f && (!f->is_string() || f->as_string() != "shardtorch sharded checkpoint"))
+      throw std::invalid_argument("format is " + json::serialize(*f) + ", not \"shardtorch sharded checkpoint\"");
+    idx.world_size = integer(o.at("world_size"), "world_size");
+    if (idx.world_size < 1 || idx.world_size > (int64_t{1} << 30))
+      throw std::invalid_argument("world_size " + std::to_string(idx.world_size) + " is not a number of ranks");
+    idx.step = integer(o.at("step"), "step");
     idx.strategy = json::value_to<std::string>(o.at("strategy"));
+    if (!known_strategy(idx.strategy))
+      throw std::invalid_argument("unknown strategy '" + idx.strategy +
+                                  "' (full_shard, shard_grad_op, optimizer_only, no_shard or hybrid_shard)");
     for (const auto& f : o.at("files").as_array()) {
       const auto& fo = f.as_object();
-      idx.files[json::value_to<std::string>(fo.at("name"))] = {fo.at("size").to_number<int64_t>(),
-                                                               json::value_to<std::string>(fo.at("checksum"))};
+      const std::string name = json::value_to<std::string>(fo.at("name"));
+      if (!shard_file_name(name, idx.world_size))
+        throw std::invalid_argument("file '" + name + "' is not rank-R.safetensors for a rank R of the " +
+                                    std::to_string(idx.world_size) + " that saved");
+      const int64_t size = integer(fo.at("size"), "the size of '" + name + "'");
+      const std::string sum = json::value_to<std::string>(fo.at("checksum"));
+      if (size < 0) throw std::invalid_argument("the size of '" + name + "' is negative");
+      if (sum.rfind("fnv1a64:", 0) != 0 || sum.size() < 9 || sum.size() > 24 ||
+          sum.find_first_not_of("0123456789abcdef", 8) != std::string::npos)
+        throw std::invalid_argument("the checksum of '" + name + "' is not fnv1a64:HEX");
+      if (!idx.files.emplace(name, std::pair{size, sum}).second)
+        throw std::invalid_argument("file '" + name + "' is listed twice");
     }
     for (const auto& e : o.at("entries").as_array()) idx.entries.push_back(entry_from(e, path));
     if (const auto* u = o.if_contains("user_state")) {  // absent in checkpoints saved without it
@@ -84,7 +134,7 @@ Index parse_index(const std::string& text, const std::string& path) {
       for (const auto& [k, dims] : sh->as_object()) {
         std::vector<int64_t> shape;
         for (const auto& d : dims.as_array()) {
-          shape.push_back(d.to_number<int64_t>());
+          shape.push_back(integer(d, "a dimension of '" + std::string(k) + "'"));
           if (shape.back() < 0) throw std::invalid_argument("negative dimension of '" + std::string(k) + "'");
         }
         (*idx.shapes)[std::string(k)] = std::move(shape);

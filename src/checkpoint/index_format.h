@@ -44,6 +44,8 @@ uint64_t fnv1a(const char* data, size_t n, uint64_t h = kFnvBasis);
 std::string fnv_text(uint64_t h);
 
 boost::json::object entry_json(const Entry& e);
+/// The strategies an index may name: those strategy_name() gives.
+bool known_strategy(const std::string& name);
 /// Parses and checks index.json's text (`path` names it in errors): any
 /// malformed, mistyped or out-of-range content is a SafetensorsError naming
 /// the file, never a crash or an unchecked value.

@@ -71,9 +71,57 @@ at::ScalarType scalar_type(const std::string& d) {
   throw SafetensorsError("safetensors dtype '" + d + "' has no ATen equivalent here");
 }
 
+namespace {
+// Bits of magnitude an integer dtype holds (bool: 1), or the significand
+// bits of a floating-point one; 0 for dtypes outside the rule.
+int value_bits(at::ScalarType t) {
+  switch (t) {
+    case at::kBool: return 1;
+    case at::kByte: return 8;
+    case at::kChar: return 7;
+    case at::kUInt16: return 16;
+    case at::kShort: return 15;
+    case at::kUInt32: return 32;
+    case at::kInt: return 31;
+    case at::kUInt64: return 64;
+    case at::kLong: return 63;
+    case at::kBFloat16: return 8;
+    case at::kHalf: return 11;
+    case at::kFloat: return 24;
+    case at::kDouble: return 53;
+    default: return 0;
+  }
+}
+bool is_float(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
+}
+bool is_signed_integer(at::ScalarType t) {
+  return t == at::kChar || t == at::kShort || t == at::kInt || t == at::kLong;
+}
+}  // namespace
+
+bool is_safe_cast(at::ScalarType from, at::ScalarType to) {
+  if (from == to) return true;
+  if (value_bits(from) == 0 || value_bits(to) == 0) return false;
+  if (is_float(from)) return is_float(to);
+  if (to == at::kBool) return false;
+  if (is_signed_integer(from) && !is_float(to) && !is_signed_integer(to)) return false;
+  return value_bits(from) <= value_bits(to);
+}
+
+std::string dtype_text(at::ScalarType t) {
+  try {
+    return dtype_name(t);
+  } catch (const SafetensorsError&) {
+    return c10::toString(t);
+  }
+}
+
 Reader::Reader(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) sys_fail(path, "cannot open");
+  // Never a plain open(): on a FIFO it would wait for a writer, forever.
+  std::string why;
+  fd_ = files::open_regular_for_reading(path, why);
+  if (fd_ < 0) throw SafetensorsError("safetensors file '" + path + "': cannot open: " + why);
   struct stat st {};
   if (::fstat(fd_, &st) != 0) {
     ::close(fd_);

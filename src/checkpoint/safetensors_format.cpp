@@ -229,6 +229,31 @@ bool valid_utf8(const std::string& s) {
   return true;
 }
 
+// `s` with every byte outside printable ASCII as \xNN: an invalid string,
+// shown in an error message.
+std::string escaped(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (c >= 0x20 && c < 0x7F) {
+      out += static_cast<char>(c);
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02X", c);
+      out += buf;
+    }
+  }
+  return out;
+}
+
+// Names and metadata are UTF-8, on reading as on writing: Python's
+// safetensors refuses a header that is not.
+// `what` describes the string (escaped() shows its bytes).
+void require_utf8(const std::string& s, const std::string& file, const std::string& what) {
+  if (!valid_utf8(s))
+    fail(file, what + " is not valid UTF-8 (Python's safetensors refuses such a file; write it again with "
+                      "UTF-8 names and metadata)");
+}
+
 std::string quote(const std::string& s) {
   if (!valid_utf8(s))
     throw SafetensorsError("safetensors: the name or metadata string '" + s +
@@ -283,11 +308,15 @@ SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64
     if (name == "__metadata__") {
       if (v.kind != Json::Object) fail(file, "__metadata__ is not an object");
       for (size_t j = 0; j < v.keys.size(); ++j) {
+        require_utf8(v.keys[j], file, "__metadata__ key '" + escaped(v.keys[j]) + "'");
         if (v.items[j].kind != Json::String) fail(file, "__metadata__ value of '" + v.keys[j] + "' is not a string");
+        require_utf8(v.items[j].text, file,
+                     "__metadata__ value '" + escaped(v.items[j].text) + "' of '" + v.keys[j] + "'");
         h.metadata[v.keys[j]] = v.items[j].text;
       }
       continue;
     }
+    require_utf8(name, file, "tensor name '" + escaped(name) + "'");
     if (v.kind != Json::Object) fail(file, "entry '" + name + "' is not an object");
     TensorRecord t;
     t.name = name;

@@ -29,20 +29,33 @@ namespace json = boost::json;
 using checkpoint::SafetensorsError;
 using namespace checkpoint::index_format;
 
-// FNV-1a over the file's bytes.
-std::string checksum(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw SafetensorsError("checkpoint file '" + path + "' is missing");
-  uint64_t h = kFnvBasis;
+// Reads a whole regular file: through `consume` in pieces. Anything else (a
+// FIFO, a directory) is refused before it is read, never waited on.
+void read_regular_file(const std::string& path, const std::function<void(const char*, size_t)>& consume) {
+  std::string why;
+  const int fd = files::open_regular_for_reading(path, why);
+  if (fd < 0) throw SafetensorsError("checkpoint file '" + path + "': cannot open: " + why);
   char buf[1 << 16];
-  while (in) {
-    in.read(buf, sizeof(buf));
-    h = fnv1a(buf, static_cast<size_t>(in.gcount()), h);
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      throw SafetensorsError("checkpoint file '" + path + "': read failed: " + std::strerror(err));
+    }
+    if (n == 0) break;
+    consume(buf, static_cast<size_t>(n));
   }
-  // A read error would give the checksum of part of the file: recorded in an
-  // index, every load would refuse the checkpoint; compared, it would blame
-  // the file.
-  if (in.bad()) throw SafetensorsError("checkpoint file '" + path + "': reading it to checksum it failed");
+  ::close(fd);
+}
+
+// FNV-1a over the file's bytes. A read error is an error: the checksum of
+// part of the file, recorded in an index, would make every load refuse the
+// checkpoint; compared, it would blame the file.
+std::string checksum(const std::string& path) {
+  uint64_t h = kFnvBasis;
+  read_regular_file(path, [&](const char* p, size_t n) { h = fnv1a(p, n, h); });
   return fnv_text(h);
 }
 
@@ -388,11 +401,11 @@ void check_model_against(torch::nn::Module& root, const Index& idx, const std::s
 
 Index read_index(const std::string& dir) {
   const std::string path = dir + "/index.json";
-  std::ifstream in(path);
-  if (!in) throw SafetensorsError("checkpoint '" + dir + "': no index.json (not a checkpoint, or an unfinished one)");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse_index(ss.str(), path);
+  if (!files::exists(path))
+    throw SafetensorsError("checkpoint '" + dir + "': no index.json (not a checkpoint, or an unfinished one)");
+  std::string text;
+  read_regular_file(path, [&](const char* p, size_t n) { text.append(p, n); });
+  return parse_index(text, path);
 }
 
 // Opens (and checks) the files of a checkpoint on demand.
@@ -404,6 +417,9 @@ class Files {
     if (it != open_.end()) return *it->second;
     const std::string path = dir_ + "/" + name;
     if (!files::exists(path)) throw SafetensorsError("checkpoint '" + dir_ + "': shard file '" + name + "' is missing");
+    if (const std::string kind = files::irregular_kind(path); !kind.empty())
+      throw SafetensorsError("checkpoint '" + dir_ + "': shard file '" + name + "' is " + kind +
+                             ", not a regular file (copy the checkpoint again)");
     const auto& [size, sum] = idx_.files.at(name);
     if (const int64_t actual = files::file_size(path); actual != size)
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' has " + std::to_string(actual) +
@@ -418,12 +434,22 @@ class Files {
                              " but the index is for step " + std::to_string(idx_.step));
     if (checksum(path) != sum)
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' does not match its checksum in the index");
+    // Every tensor of the file is one the index lists: a tensor whose
+    // entries were taken out of the index would otherwise be left out
+    // without a word (by read_sharded_checkpoint, or as optimizer state).
+    if (listed_.empty())
+      for (const auto& e : idx_.entries) listed_.insert({e.file, e.tensor});
+    for (const auto& t : r->header().tensors)
+      if (!listed_.count({name, t.name}))
+        throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' holds '" + t.name +
+                               "', which the index does not list (an edited index, or a file of another save?)");
     return *open_.emplace(name, std::move(r)).first->second;
   }
 
  private:
   std::string dir_;
   const Index& idx_;
+  std::set<std::pair<std::string, std::string>> listed_;  // (file, tensor) of every entry
   std::map<std::string, std::unique_ptr<checkpoint::Reader>> open_;
 };
 
@@ -454,10 +480,12 @@ const checkpoint::TensorRecord& saved_record(Files& files, const Entry& e, const
   return *r;
 }
 
-// Checks that the saved ranges cover the destination exactly, and opens (and
-// so checks) every file they are in; reads no tensor data.
+// Checks that the saved ranges cover the destination exactly, that their
+// dtype may be cast into `into` (checkpoint::is_safe_cast, unless
+// `allow_lossy`), and opens (and so checks) every file they are in; reads no
+// tensor data.
 Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, int64_t begin, const Index& idx,
-               Files& files, const std::string& dir) {
+               Files& files, const std::string& dir, at::ScalarType into, bool allow_lossy) {
   const int64_t end = begin + numel;
   Fill fill;
   for (const auto& e : idx.entries) {
@@ -465,7 +493,12 @@ Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, 
     if (numel == 0) fill.step = std::max(fill.step, e.step);  // nothing to copy; the optimizer's step still counts
     int64_t lo = std::max(begin, e.begin), hi = std::min(end, e.end);
     if (lo >= hi) continue;
-    saved_record(files, e, dir);
+    const std::string& dtype = saved_record(files, e, dir).dtype;
+    if (!allow_lossy && !checkpoint::is_safe_cast(checkpoint::scalar_type(dtype), into))
+      throw SafetensorsError("checkpoint '" + dir + "': '" + name + "' (" + kind + ") is saved as " + dtype + " in '" +
+                             e.file + "' but the model's is " + checkpoint::dtype_text(into) + ", and a cast from " +
+                             dtype + " to " + checkpoint::dtype_text(into) +
+                             " can change values: refused (LoadOptions().allow_lossy_casts(true) casts anyway)");
     fill.copies.push_back({&e, lo - e.begin, lo - begin, hi - lo});
     fill.step = std::max(fill.step, e.step);
   }
@@ -649,7 +682,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
 }
 
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
-                                std::map<std::string, std::string>* user_state) {
+                                std::map<std::string, std::string>* user_state, const LoadOptions& options) {
   auto state = detail::require_state(root, "load_sharded_checkpoint");
   detail::ShardState::FileWaits file_waits(*state);  // and for the slowest reader
   state->wait_for_offload_copies();
@@ -672,13 +705,14 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
     idx = read_index(dir);
     files.emplace(dir, idx);
     check_model_against(root, idx, dir);
-    auto plan = [&](int64_t numel, const std::string& name, const std::string& kind, int64_t begin) {
-      return plan_fill(numel, name, kind, begin, idx, *files, dir);
+    auto plan = [&](int64_t numel, const std::string& name, const std::string& kind, int64_t begin,
+                    at::ScalarType into) {
+      return plan_fill(numel, name, kind, begin, idx, *files, dir, into, options.allow_lossy_casts());
     };
     if (state->ddp()) {
       for (const auto& [name, p] : no_shard_params(root, *state)) {
         const at::Tensor record = state->record_of(p);  // the fp32 master under mixed precision
-        changes.push_back([&, p, record, fill = plan(record.numel(), name, "param", 0)] {
+        changes.push_back([&, p, record, fill = plan(record.numel(), name, "param", 0, record.scalar_type())] {
           at::Tensor t = at::empty({record.numel()}, record.options());
           run_fill(t, fill, *files);
           state->load_record(p, t);
@@ -691,7 +725,7 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
           for (size_t i = 0; i < f->params().size(); ++i)
             if (auto p = f->layout().piece(i, shard_rank)) {
               at::Tensor dst = f->shard().narrow(0, p->shard_offset, p->length);
-              changes.push_back([&, dst, fill = plan(p->length, f->names()[i], "param", p->param_offset)] {
+              changes.push_back([&, dst, fill = plan(p->length, f->names()[i], "param", p->param_offset, f->dtype())] {
                 run_fill(dst, fill, *files);
               });
             }
@@ -699,7 +733,7 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
     for (const auto& item : root.named_buffers()) {
       if (!item.value().defined()) continue;
       at::Tensor b = item.value();
-      changes.push_back([&, b, fill = plan(b.numel(), item.key(), "buffer", 0)]() mutable {
+      changes.push_back([&, b, fill = plan(b.numel(), item.key(), "buffer", 0, b.scalar_type())]() mutable {
         at::Tensor t = at::empty({b.numel()}, b.options());
         run_fill(t, fill, *files);
         b.copy_(t.view(b.sizes()));
@@ -753,7 +787,7 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
                                               : std::vector<std::string>{"momentum_buffer"};
         if (adam && with_max.count(piece.name)) kinds.push_back("max_exp_avg_sq");
         std::vector<Fill> fills;
-        for (const auto& kind : kinds) fills.push_back(plan(piece.length, piece.name, kind, piece.param_offset));
+        for (const auto& kind : kinds) fills.push_back(plan(piece.length, piece.name, kind, piece.param_offset, piece.view.scalar_type()));
         // The state takes the piece's shape: a NoShard piece is the whole
         // parameter, and torch::optim adds its gradient into the state in
         // place (a flat state made step() fail after a resume).
@@ -798,19 +832,27 @@ std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir
   const std::string dir = published_dir(normalized(dir_arg));
   Index idx = read_index(dir);
   Files files(dir, idx);
+  // Every file, also one no entry names any more: its tensors must all be
+  // listed (as load_sharded_checkpoint, this refuses what it cannot account for).
+  for (const auto& [name, size_and_sum] : idx.files) files.get(name);
   // Each (name, kind) has the shape the index records for the name (the
   // optimizer's state has its parameter's); its element count, not the
   // largest saved end, is what the ranges must cover. Checkpoints written
   // before shapes were recorded come back flat.
   struct Whole {
     std::vector<int64_t> shape;
-    at::ScalarType dtype;
+    std::optional<at::ScalarType> dtype;  // of its first range: every other must have it too
   };
   check_entries_within_shapes(idx, dir);
   std::map<std::pair<std::string, std::string>, Whole> wholes;
   for (const auto& e : idx.entries) {
     Whole& w = wholes[{e.name, e.kind}];
-    w.dtype = checkpoint::scalar_type(saved_record(files, e, dir).dtype);
+    const at::ScalarType dtype = checkpoint::scalar_type(saved_record(files, e, dir).dtype);
+    if (w.dtype && *w.dtype != dtype)
+      throw SafetensorsError("checkpoint '" + dir + "': '" + e.name + "' (" + e.kind + ") is saved in " +
+                             checkpoint::dtype_text(*w.dtype) + " and, in '" + e.file + "', in " +
+                             checkpoint::dtype_text(dtype) + " (a file of another save?)");
+    w.dtype = dtype;
     if (idx.shapes) {
       w.shape = idx.shapes->at(e.name);
     } else {
@@ -820,8 +862,8 @@ std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir
   std::map<std::string, at::Tensor> out;
   for (const auto& [key, w] : wholes) {
     const int64_t n = c10::multiply_integers(w.shape);
-    Fill fill = plan_fill(n, key.first, key.second, 0, idx, files, dir);
-    at::Tensor t = at::empty({n}, at::TensorOptions().dtype(w.dtype));
+    Fill fill = plan_fill(n, key.first, key.second, 0, idx, files, dir, *w.dtype, /*allow_lossy=*/false);
+    at::Tensor t = at::empty({n}, at::TensorOptions().dtype(*w.dtype));
     run_fill(t, fill, files);
     out[key.first + "|" + key.second] = t.view(w.shape);
   }

@@ -1,6 +1,8 @@
 // libFuzzer target for the safetensors header parser (built with ASan and
 // UBSan). Any input must either parse or throw SafetensorsError: never crash,
-// never read out of bounds, never throw anything else.
+// never read out of bounds, never throw anything else. What parses must
+// serialize again (so its names and metadata are UTF-8, which the writer
+// requires).
 #include <cstddef>
 #include <cstdint>
 
@@ -13,9 +15,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (const auto& t : h.tensors) {
       if (h.data_start + t.end > size) __builtin_trap();
     }
-    // And serialize again into something that parses.
-    std::string again = shardtorch::checkpoint::serialize_header(h.tensors, h.metadata);
-    (void)again;
+    // And serialize again, which refuses strings that are not UTF-8.
+    try {
+      std::string again = shardtorch::checkpoint::serialize_header(h.tensors, h.metadata);
+      (void)again;
+    } catch (...) {
+      __builtin_trap();
+    }
   } catch (const shardtorch::checkpoint::SafetensorsError&) {
   }
   return 0;

@@ -18,6 +18,18 @@ namespace shardtorch::checkpoint {
 std::string dtype_name(at::ScalarType t);
 at::ScalarType scalar_type(const std::string& dtype);
 
+/// Whether loading may cast a saved `from` tensor into a `to` one without
+/// being asked to (LoadOptions::allow_lossy_casts): the same dtype; any
+/// floating-point dtype to another (rounded as a mixed-precision cast
+/// rounds); bool to any; an integer to a wider one that holds all its values
+/// (signed to unsigned never); an integer to a floating-point dtype that
+/// holds all its values exactly (U8/I8 to F16 or BF16, I16/U16 to F32,
+/// I32/U32 to F64). Everything else (floating point to an integer or bool,
+/// an integer to a narrower one, I64 to F64, ...) can change values.
+bool is_safe_cast(at::ScalarType from, at::ScalarType to);
+/// The safetensors name of a dtype ("F32"), or ATen's where it has none.
+std::string dtype_text(at::ScalarType t);
+
 class Reader {
  public:
   /// Opens and validates the file; throws SafetensorsError naming it.
