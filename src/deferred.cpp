@@ -44,7 +44,6 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "storage_access.h"
 
 namespace shardtorch {
 
@@ -267,11 +266,6 @@ class DeferredSession : public std::enable_shared_from_this<DeferredSession> {
     if (!t.key_set().has(kKey)) {  // a new meta tensor: give it the key (views of a deferred tensor have it)
       out = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set().add(kKey), t.dtype());
       out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-      if (new_storage && t.has_storage())
-        storage_access::forbid(out.storage().unsafeGetStorageImpl(),
-                               "shardtorch: the data of a deferred tensor (constructed under shardtorch::DeferredInit) "
-                               "was accessed through a pointer; deferred tensors have no data until shard() or "
-                               "shardtorch::materialize() gives them values");
     }
     out.unsafeGetTensorImpl()->set_backend_meta(c10::make_intrusive<DeferredMeta>(shared_from_this(), id));
     return out;
