@@ -390,3 +390,23 @@ TEST(DeferredShard, LoadsCheckpointsWithoutReplay) {
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
 }
+
+// Materialising inside a live guard would record the replay itself: an error
+// that says what to do; after the guard the same call works.
+TEST(Deferred, MaterializeInsideTheGuardIsAnError) {
+  MLP m = nullptr;
+  {
+    shardtorch::DeferredInit guard;
+    m = MLP();
+    try {
+      shardtorch::materialize(m);
+      FAIL() << "materialize() ran under a live DeferredInit";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("end the guard's scope first"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_GT(shardtorch::count_deferred(*m), 0);
+  shardtorch::materialize(m);
+  EXPECT_EQ(shardtorch::count_deferred(*m), 0);
+  EXPECT_EQ(m(torch::ones({2, 7})).sizes(), (std::vector<int64_t>{2, 3}));
+}
