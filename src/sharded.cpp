@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "shard_state.h"
+#include "shardtorch/deferred.h"
 #include "shardtorch/plan.h"
 
 namespace shardtorch {
@@ -225,6 +226,30 @@ void check_same_model_everywhere(World& world, const std::string& mine) {
   throw std::runtime_error(err.str());
 }
 
+// Deferred construction (shardtorch/deferred.h): gives the deferred ones
+// among `params` (all, or those of `unit`) their values on `device`.
+void materialize_params(const std::vector<FoundParam>& params, std::optional<int> unit, c10::Device device, int rank) {
+  std::vector<at::Tensor> ts;
+  std::vector<std::string> names;
+  for (const auto& p : params) {
+    if ((unit && p.unit != *unit) || !is_deferred(p.tensor)) continue;
+    ts.push_back(p.tensor);
+    names.push_back(p.name);
+  }
+  if (!ts.empty()) detail::materialize_tensors(ts, names, device, rank);
+}
+
+void materialize_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers, c10::Device device, int rank) {
+  std::vector<at::Tensor> ts;
+  std::vector<std::string> names;
+  for (const auto& [name, b] : buffers) {
+    if (!is_deferred(b)) continue;
+    ts.push_back(b);
+    names.push_back(name);
+  }
+  if (!ts.empty()) detail::materialize_tensors(ts, names, device, rank);
+}
+
 }  // namespace
 
 namespace {
@@ -389,7 +414,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   const c10::Device comm_device = world->comm().device();
   std::string misplaced;
   for (const auto& p : params) {
-    if (p.tensor.device() == comm_device) continue;
+    if (p.tensor.device() == comm_device || is_deferred(p.tensor)) continue;  // deferred: made on comm_device
     std::ostringstream os;
     os << "parameter '" << p.name << "' is on " << p.tensor.device() << " but the " << world->backend_name()
        << " backend works on " << comm_device << "; move the model there first";
@@ -407,6 +432,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
 
   auto state = std::make_shared<detail::ShardState>(world, options);
   if (strategy == Strategy::NoShard) {
+    materialize_params(params, std::nullopt, comm_device, world->rank());  // NoShard keeps every parameter whole
+    materialize_buffers(buffers, comm_device, world->rank());
     setup_no_shard(*state, *world, params);
     cast_buffers(mp, buffers);
     sync_buffers(*state, *world, buffers);
@@ -456,6 +483,9 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     bool is_root = root_is_unit && u == 0;
     auto unit = std::make_shared<detail::Unit>(state, units[u].name, static_cast<int>(u), is_root,
                                                options.reshard_after_forward_of(units[u].name), persistent);
+    // A deferred unit is made whole here, sliced by its FlatParams below and
+    // freed: one unit in full at a time.
+    materialize_params(params, static_cast<int>(u), comm_device, world->rank());
     for (auto& members : flat_groups(params, static_cast<int>(u))) {
       const at::ScalarType dtype = members.front()->tensor.scalar_type();
       std::vector<at::Tensor> ts;
@@ -483,6 +513,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     state->add_unit(unit);
     made.push_back(unit);
   }
+  materialize_buffers(buffers, comm_device, world->rank());
   cast_buffers(mp, buffers);
   sync_buffers(*state, *world, buffers);
   for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);

@@ -14,3 +14,4 @@
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"
 #include "shardtorch/plan.h"
+#include "shardtorch/deferred.h"
