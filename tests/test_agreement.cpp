@@ -182,3 +182,70 @@ TEST(Agreement, AnInvalidConfigurationOnEveryRankIsTheSameErrorEverywhere) {
         << r.summary();
   }
 }
+
+namespace {
+
+// A failure injected at one place inside the library's callbacks or threads.
+struct InjectCase {
+  const char* label;
+  const char* site;
+  Strategy strategy;
+  const char* operation;  // what the error must name, after "shardtorch: rank R"
+};
+
+std::vector<InjectCase> inject_cases() {
+  return {
+      // The thread that waits for CPU reduce-scatters: an exception there used
+      // to end the process (std::terminate).
+      {"CompletionWatcherThread", "completion watcher", Strategy::FullShard, "/2: reduce_scatter for "},
+      {"PreBackwardHook", "pre-backward hook", Strategy::FullShard, ": the pre-backward hook of unit '"},
+      {"GradientHook", "gradient hook", Strategy::FullShard, ": the gradient hook of parameter '"},
+      {"ExitHookOfAUnitWithFrozenParameters", "exit hook", Strategy::FullShard, ": the exit hook of unit 'l2'"},
+      {"ReduceScatterCallback", "reduction callback", Strategy::FullShard,
+       ": adding the reduce-scattered gradients of unit '"},
+      {"AllReduceCallback", "reduction callback", Strategy::OptimizerOnly,
+       ": adding the all-reduced gradients of unit '"},
+      {"EndOfBackward", "end of backward", Strategy::ShardGradOp, ": the end of backward (reducing the gradients)"},
+      {"EndOfBackwardNoShard", "end of backward", Strategy::NoShard, ": the end of backward (reducing the gradients)"},
+      {"NoShardGradientHook", "NoShard gradient hook", Strategy::NoShard, "' (NoShard)"},
+  };
+}
+
+class InjectedFailure : public ::testing::TestWithParam<InjectCase> {};
+
+// Every rank fails at the same place (so the ranks stay in step): the error
+// reaches the caller of backward(), naming the rank, the operation and the
+// cause; the process lives on, and after zero_grad() the model trains again.
+TEST_P(InjectedFailure, ReachesTheCallerNamingTheRankAndTheOperation) {
+  const InjectCase c = GetParam();
+  auto r = run_ranks(2, [&c](World& w) {
+    MLP m;
+    shardtorch::shard(m, w, ShardOptions().strategy(c.strategy));
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randn({4, 7});
+    std::string error;
+    shardtorch::testing::inject_failure(c.site);
+    try {
+      opt->zero_grad();
+      m(x).square().mean().backward();
+      opt->step();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    require(!error.empty(), std::string("no error: the failure at '") + c.site + "' was never reached");
+    const std::string rank = "shardtorch: rank " + std::to_string(w.rank());
+    for (const std::string& want : {rank + c.operation, std::string("failure injected at '") + c.site + "'"})
+      require(error.find(want) != std::string::npos, "'" + want + "' is not in: " + error);
+    for (int step = 0; step < 2; ++step) {  // and it trains on
+      opt->zero_grad();
+      m(x).square().mean().backward();
+      opt->step();
+    }
+  }, RunOptions().collective_timeout(std::chrono::seconds(15)).timeout(std::chrono::seconds(60)));
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(Agreement, InjectedFailure, ::testing::ValuesIn(inject_cases()),
+                         [](const ::testing::TestParamInfo<InjectCase>& i) { return std::string(i.param.label); });
+
+}  // namespace
