@@ -44,6 +44,7 @@ void ShardState::ensure_end_of_backward_callback() {
               "checkpointing: ShardOptions::activation_checkpointing (or activation_checkpointing_for)");
   // Queued for another backward that never reached its end: an exception escaped it.
   if (callback_queued_) abandon_backward(/*warn=*/true);
+  if (ddp_) world_->note_progress("backward");  // units note it per unit
   callback_queued_ = true;
   callback_task_ = task;
   builds_graph_ = c10::GradMode::is_enabled();  // the engine runs a backward in grad mode iff create_graph
@@ -207,6 +208,7 @@ void ShardState::finish_backward() {
   const bool no_gradients = builds_graph_ || inputs_only_;
   if (!no_gradients) gradients_changed();
   try {
+    world_->note_progress("end of backward");
     failure_point("end of backward");
     if (ddp_) {
       if (no_gradients) return;
@@ -305,6 +307,7 @@ void ShardState::check_outside_summon() const {
 }
 
 void ShardState::after_optimizer_step() {
+  world_->note_step_done();
   check_outside_summon();
   release_held();  // the step makes the full copies a graph-building backward held stale
   if (ddp_) {  // the optimizer updated the parameters themselves, or their masters

@@ -448,6 +448,7 @@ void enable_checkpointing(const std::vector<FoundUnit>& units, const std::vector
 ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options) {
   TORCH_CHECK(world, "shardtorch::shard: no world");
   TORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: this model is already sharded; shard() was called twice");
+  world->note_progress("shard()");
   const Strategy strategy = options.strategy();
   ModelWalk found = walk_model(root, /*allow_sharded=*/false);
   auto& units = found.units;
@@ -529,6 +530,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     for (const auto& u : units) detail::ShardState::attach_no_shard(*u.base, state);
     enable_checkpointing(units, checkpointed, state);
     detail::register_model(root, state);
+    world->note_progress("shard() done");
     return ShardedModel(state);
   }
 
@@ -596,6 +598,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
   enable_checkpointing(units, checkpointed, state, made);
   detail::register_model(root, state);
+  world->note_progress("shard() done");
   return ShardedModel(state);
 }
 

@@ -117,6 +117,7 @@ std::string Unit::sharded_access_error(const FlatParam& flat) const {
 }
 
 void Unit::pre_forward() {
+  owner_->world().note_progress(c10::GradMode::is_enabled() ? "forward" : "forward without grad", label());
   owner_->recover_if_backward_failed();
   owner_->note_forward_for_reduction(*this);
   call_.reset();
@@ -205,6 +206,7 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
 
 void Unit::pre_backward() {
   owner_->refuse_backward_in_grad_summon("unit", label());
+  owner_->world().note_progress("backward", label());
   owner_->ensure_end_of_backward_callback();
   touched_ = true;
   // A unit already final in this backward reads no more of its trainable
