@@ -163,7 +163,7 @@ TEST(Faults, KilledRankMakesTheOthersFailNamingTheOperation) {
     // ... and name the peer at fault, and where it last was (its forward of step 1).
     EXPECT_NE(r.ranks[k].message.find("Peer at fault: rank 1 is no longer running (pid "), std::string::npos)
         << r.summary();
-    EXPECT_NE(r.ranks[k].message.find("it was last at step 1, forward of unit 'blocks."), std::string::npos)
+    EXPECT_NE(r.ranks[k].message.find("it was last at step 1, forward of unit 'head'"), std::string::npos)
         << r.summary();
     EXPECT_EQ(r.ranks[k].message.find("rank " + std::to_string(2 - k) + " is"), std::string::npos)
         << "the other survivor is not at fault\n" << r.summary();
