@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdint>
@@ -36,13 +37,14 @@ struct Record {
   std::string host;
   int64_t changed_ms = 0;  // wall clock when step, phase or unit last changed
   int64_t beat_ms = 0;     // wall clock of the write
+  bool failed = false;     // a collective of this rank failed (Progress::failed)
 };
 
 // Tab-separated; phase and unit names carry no tab or newline.
 std::string encode(const Record& r) {
   std::ostringstream os;
   os << r.step << '\t' << r.phase << '\t' << r.unit << '\t' << r.pid << '\t' << r.host << '\t' << r.changed_ms << '\t'
-     << r.beat_ms;
+     << r.beat_ms << '\t' << (r.failed ? 1 : 0);
   return os.str();
 }
 bool decode(const std::string& s, Record& r) {
@@ -54,7 +56,7 @@ bool decode(const std::string& s, Record& r) {
     if (tab == std::string::npos) break;
     from = tab + 1;
   }
-  if (f.size() != 7) return false;
+  if (f.size() != 8) return false;
   try {
     r.step = std::stoll(f[0]);
     r.phase = f[1];
@@ -63,6 +65,7 @@ bool decode(const std::string& s, Record& r) {
     r.host = f[4];
     r.changed_ms = std::stoll(f[5]);
     r.beat_ms = std::stoll(f[6]);
+    r.failed = f[7] == "1";
   } catch (const std::exception&) {
     return false;
   }
@@ -156,6 +159,7 @@ void Progress::note(const std::string& phase, const std::string& unit) {
   if (r.phase == phase && r.unit == unit) return;
   r.phase = phase;
   r.unit = unit;
+  r.failed = false;  // it moved on from the failure (a caught error, a retry)
   r.changed_ms = now_ms();
   ++s_->version;
 }
@@ -165,8 +169,25 @@ void Progress::step_done() {
   ++s_->mine.step;
   s_->mine.phase = "optimizer step done";
   s_->mine.unit.clear();
+  s_->mine.failed = false;
   s_->mine.changed_ms = now_ms();
   ++s_->version;
+}
+
+void Progress::failed() {
+  Record r;
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->mine.failed = true;
+    ++s_->version;
+    r = s_->mine;
+  }
+  try {  // now, not from the thread: this rank may exit at once, and its peers must not take it for the dead one
+    r.beat_ms = now_ms();
+    const std::string text = encode(r);
+    s_->store->set(s_->key, std::vector<uint8_t>(text.begin(), text.end()));
+  } catch (...) {
+  }
 }
 
 std::string Progress::report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const {
@@ -196,15 +217,19 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
       }
       const std::string rank = "rank " + std::to_string(peer);
       const bool local = r.host == me.host;
-      if (local && process_gone(r.pid)) {
+      if (r.failed) {  // a fellow survivor that gave up first (and may have exited since): not at fault
+        others.push_back(rank + " failed too, at " + where(r));
+      } else if (local && process_gone(r.pid)) {
         at_fault.push_back(rank + " is no longer running (pid " + std::to_string(r.pid) + " on this host); it was last at " +
                            where(r) + ", " + seconds(now - r.changed_ms) + " ago");
       } else if (now - r.beat_ms > silent_after) {
         at_fault.push_back(rank + " stopped reporting " + seconds(now - r.beat_ms) + " ago (dead, or its process hung; pid " +
                            std::to_string(r.pid) + " on " + r.host + "); it was last at " + where(r));
-      } else if (!same_place(r, me) && r.changed_ms < started_ms) {
-        // Elsewhere since before this collective started. On this host it is
-        // known to run; on another, only that it was heard from lately.
+      } else if (!same_place(r, me) && now - r.changed_ms >= std::max<int64_t>((now - started_ms) / 2, 100)) {
+        // Elsewhere for at least half of this collective's wait (a peer that
+        // arrived would have moved to it long ago; "since it started" misses
+        // one that stalled a moment after this rank began). On this host it
+        // is known to run; on another, only that it was heard from lately.
         at_fault.push_back(rank + (local ? " is alive but" : "") + " did not arrive: it has been at " + where(r) +
                            " for " + seconds(now - r.changed_ms) +
                            (local ? " (pid " + std::to_string(r.pid) + " on this host)"

@@ -34,10 +34,16 @@ class Progress {
   /// An optimizer step is done: the step count grows.
   void step_done();
 
+  /// A collective of this rank failed: the record says so at once (written
+  /// here, not by the thread), so that peers whose own collective fails
+  /// next do not take this rank, gone after its error, for the one at fault.
+  /// Never throws.
+  void failed();
+
   /// For the error of a collective over `members` (global ranks, this one
   /// among them) that started at `started` and failed: which peers are no
-  /// longer running, which stopped reporting, and which were elsewhere since
-  /// before it started (did not arrive), with where each last was. Reads the
+  /// longer running, which stopped reporting, and which were elsewhere for at
+  /// least half of its wait (did not arrive), with where each last was. Reads the
   /// store; never throws ("" when nothing can be said).
   std::string report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const;
 

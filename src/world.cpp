@@ -221,7 +221,10 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
     std::weak_ptr<detail::Progress> progress = w->progress_;
     w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started) {
       auto p = progress.lock();
-      return p ? p->report(all, started) : std::string();
+      if (!p) return std::string();
+      std::string report = p->report(all, started);
+      p->failed();
+      return report;
     });
   }
   return w;
@@ -254,7 +257,10 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
     std::weak_ptr<detail::Progress> progress = progress_;
     comm->set_peer_report([progress, ranks](std::chrono::steady_clock::time_point started) {
       auto p = progress.lock();
-      return p ? p->report(ranks, started) : std::string();
+      if (!p) return std::string();
+      std::string report = p->report(ranks, started);
+      p->failed();
+      return report;
     });
   }
   // One collective now, while every member is here: a backend that sets up
