@@ -18,6 +18,13 @@ std::string describe(const at::Tensor& t) {
 }
 
 namespace {
+// The message of an error from c10d or Gloo, without the C++ backtrace a
+// c10::Error's what() carries.
+std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
 struct InjectedFailures {
   std::mutex mu;
   std::string what;
@@ -82,7 +89,11 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
     std::ostringstream os;
     os << "shardtorch: rank " << rank_ << "/" << size_ << ": " << op << " for " << what << " (" << shapes
        << ") did not complete after " << waited << " s (timeout " << timeout_.count() / 1000.0
-       << " s): " << e.what();
+       << " s): " << message_of(e);
+    if (peer_report_) {
+      const std::string peers = peer_report_(start);
+      if (!peers.empty()) os << ". " << peers;
+    }
     throw std::runtime_error(os.str());
   }
   counter.calls += 1;
@@ -134,7 +145,7 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
     p.work = start();
   } catch (const std::exception& e) {
     throw std::runtime_error("shardtorch: rank " + std::to_string(rank_) + "/" + std::to_string(size_) + ": " + op +
-                             " for " + what + " (" + p.shapes + ") could not be launched: " + e.what());
+                             " for " + what + " (" + p.shapes + ") could not be launched: " + message_of(e));
   }
   return p;
 }

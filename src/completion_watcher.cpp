@@ -1,5 +1,9 @@
 #include "completion_watcher.h"
 
+#include <stdexcept>
+
+#include "errors.h"
+
 namespace shardtorch::detail {
 
 bool CompletionState::wait_for(std::chrono::milliseconds bound) {
@@ -17,6 +21,15 @@ std::exception_ptr CompletionState::error() {
   return failure;
 }
 
+void CompletionState::settle(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    done = true;
+    failure = std::move(error);
+  }
+  cv.notify_all();
+}
+
 CompletionWatcher::~CompletionWatcher() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -29,16 +42,54 @@ CompletionWatcher::~CompletionWatcher() {
 std::shared_ptr<CompletionState> CompletionWatcher::watch(c10::intrusive_ptr<c10d::Work> work,
                                                           std::chrono::milliseconds timeout) {
   auto state = std::make_shared<CompletionState>();
+  std::exception_ptr broken;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(Item{std::move(work), timeout, state});
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    broken = broken_;
+    if (!broken) {
+      queue_.push_back(Item{work, timeout, state});
+      if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    }
+  }
+  if (broken) {  // the thread is gone: wait here (the buffers must outlive the collective), report its failure
+    std::exception_ptr error = broken;
+    try {
+      work->wait(timeout);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    state->settle(error);
+    return state;
   }
   cv_.notify_one();
   return state;
 }
 
-void CompletionWatcher::loop() {
+void CompletionWatcher::loop() noexcept {
+  try {
+    run();
+  } catch (...) {
+    // The thread's own machinery failed (not a collective): every collective
+    // still queued, and every later one, reports it to its waiter.
+    std::deque<Item> left;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      broken_ = std::current_exception();
+      left.swap(queue_);
+    }
+    for (auto& item : left) {
+      std::exception_ptr error = broken_;
+      try {
+        item.work->wait(item.timeout);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      item.state->settle(error);
+    }
+  }
+}
+
+void CompletionWatcher::run() {
   for (;;) {
     Item item;
     {
@@ -48,19 +99,17 @@ void CompletionWatcher::loop() {
       item = std::move(queue_.front());
       queue_.pop_front();
     }
+    // Whatever fails here, the collective's waiter hears of it (Comm::finish
+    // names the rank and the collective); nothing escapes the thread.
     std::exception_ptr error;
     try {
       item.work->wait(item.timeout);
+      failure_point("completion watcher");
+      item.work.reset();
     } catch (...) {
       error = std::current_exception();
     }
-    item.work.reset();
-    {
-      std::lock_guard<std::mutex> lock(item.state->mu);
-      item.state->done = true;
-      item.state->failure = error;
-    }
-    item.state->cv.notify_all();
+    item.state->settle(error);
   }
 }
 

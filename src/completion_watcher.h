@@ -7,7 +7,8 @@
 // given, in the order given, and records the outcome; the launching thread
 // waits with a bound (wait_for) and then finishes the
 // collective itself with Comm::finish (statistics, errors). Used for CPU
-// collectives; on CUDA, Work::isCompleted() answers directly.
+// collectives; on CUDA, Work::isCompleted() answers directly. No exception
+// leaves the thread: each reaches the waiter of its collective.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -31,6 +32,8 @@ struct CompletionState {
   void wait();
   /// What the collective's wait() threw (null if it succeeded); call once done.
   std::exception_ptr error();
+  /// Marks it done with `error` (null: succeeded) and wakes the waiters.
+  void settle(std::exception_ptr error);
 
   std::mutex mu;
   std::condition_variable cv;
@@ -55,12 +58,16 @@ class CompletionWatcher {
     std::chrono::milliseconds timeout{0};
     std::shared_ptr<CompletionState> state;
   };
-  void loop();
+  /// The thread: run(), and if its own machinery throws (not a collective:
+  /// those errors go to their waiters), every waiter hears of that instead.
+  void loop() noexcept;
+  void run();
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
   bool stop_ = false;
+  std::exception_ptr broken_;  // set when the thread failed; later watches wait on the caller's thread
   std::thread thread_;  // started by the first watch()
 };
 

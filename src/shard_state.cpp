@@ -10,6 +10,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "errors.h"
 #include "shard_state.h"
 
 namespace shardtorch::detail {
@@ -43,6 +44,7 @@ void ShardState::ensure_end_of_backward_callback() {
               "checkpointing: ShardOptions::activation_checkpointing (or activation_checkpointing_for)");
   // Queued for another backward that never reached its end: an exception escaped it.
   if (callback_queued_) abandon_backward(/*warn=*/true);
+  if (ddp_) world_->note_progress("backward");  // units note it per unit
   callback_queued_ = true;
   callback_task_ = task;
   builds_graph_ = c10::GradMode::is_enabled();  // the engine runs a backward in grad mode iff create_graph
@@ -206,6 +208,8 @@ void ShardState::finish_backward() {
   const bool no_gradients = builds_graph_ || inputs_only_;
   if (!no_gradients) gradients_changed();
   try {
+    world_->note_progress("end of backward");
+    failure_point("end of backward");
     if (ddp_) {
       if (no_gradients) return;
       ddp_->finish(sync_, options_.error_on_unused_parameters());
@@ -236,7 +240,7 @@ void ShardState::finish_backward() {
     }
   } catch (...) {
     abandon_backward(/*warn=*/false);  // nothing of this backward survives into the next; the caller sees why
-    throw;
+    rethrow_naming(world_->rank(), [] { return std::string("the end of backward (reducing the gradients)"); });
   }
 }
 
@@ -303,6 +307,7 @@ void ShardState::check_outside_summon() const {
 }
 
 void ShardState::after_optimizer_step() {
+  world_->note_step_done();
   check_outside_summon();
   release_held();  // the step makes the full copies a graph-building backward held stale
   if (ddp_) {  // the optimizer updated the parameters themselves, or their masters
@@ -528,12 +533,17 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
   DdpGradHook(std::weak_ptr<ShardState> state, size_t index) : state_(std::move(state)), index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
-    if (auto s = state_.lock()) {
+    auto s = state_.lock();
+    if (!s) return outputs;
+    try {
       s->refuse_backward_in_grad_summon("parameter", s->ddp_names()[index_]);
+      failure_point("NoShard gradient hook");
       s->ensure_end_of_backward_callback();
       s->check_grad_arrival(s->ddp_params()[index_], s->ddp_names()[index_]);
       s->note_ddp_gradient(index_);
       s->ddp()->mark_ready(index_, s->sync());
+    } catch (...) {
+      rethrow_naming(s->world().rank(), [&] { return "the gradient hook of parameter '" + s->ddp_names()[index_] + "' (NoShard)"; });
     }
     return outputs;
   }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <exception>
 #include <functional>
 #include <map>
 #include <set>
@@ -195,14 +196,110 @@ std::vector<std::string> split_lines(const std::string& s) {
   return out;
 }
 
-// Every rank learns every rank's description; all throw the same error.
+// Every option of ShardOptions as (name, value) pairs, in a fixed order: what
+// must agree across ranks (docs/api.md, "Options that must agree").
+using OptionValues = std::vector<std::pair<std::string, std::string>>;
+OptionValues option_values(const ShardOptions& o) {
+  auto dtype = [](const std::optional<at::ScalarType>& t) { return t ? std::string(c10::toString(*t)) : std::string("unset"); };
+  auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
+  std::ostringstream mb;
+  mb.precision(17);
+  mb << o.bucket_mb();
+  const auto& mp = o.mixed_precision();
+  OptionValues v = {
+      {"strategy", strategy_name(o.strategy())},
+      {"mixed_precision.param_dtype", dtype(mp.param_dtype())},
+      {"mixed_precision.reduce_dtype", dtype(mp.reduce_dtype())},
+      {"mixed_precision.output_dtype", dtype(mp.output_dtype())},
+      {"mixed_precision.buffer_dtype", dtype(mp.buffer_dtype())},
+      {"mixed_precision.cast_root_inputs", flag(mp.cast_root_inputs())},
+      {"reshard_after_forward", flag(o.reshard_after_forward())},
+      {"bucket_mb", mb.str()},
+      {"sync_module_states", flag(o.sync_module_states())},
+      {"broadcast_buffers", flag(o.broadcast_buffers())},
+      {"hybrid_shard_size", std::to_string(o.hybrid_shard_size())},
+      {"ddp_async", flag(o.ddp_async())},
+      {"error_on_unused_parameters", flag(o.error_on_unused_parameters())},
+      {"prefetch", flag(o.prefetch())},
+      {"cpu_offload", flag(o.cpu_offload())},
+      {"activation_checkpointing", flag(o.activation_checkpointing())},
+  };
+  for (const auto& [unit, value] : o.per_unit_reshard())
+    v.emplace_back("reshard_after_forward_for('" + unit + "')", flag(value));
+  for (const auto& [unit, value] : o.per_unit_checkpointing())
+    v.emplace_back("activation_checkpointing_for('" + unit + "')", flag(value));
+  return v;
+}
+
+// Option lines of a description start with this; the model's lines follow.
+constexpr const char* kOptionLine = "option\t";
+
+std::string describe_options(const OptionValues& options) {
+  std::string s;
+  for (const auto& [name, value] : options) s += std::string(kOptionLine) + name + "\t" + value + "\n";
+  return s;
+}
+
+// Splits a description into its options (name -> value, in order) and the model's lines.
+void parse_description(const std::string& desc, OptionValues& options, std::vector<std::string>& model) {
+  const size_t prefix = std::char_traits<char>::length(kOptionLine);
+  for (const auto& line : split_lines(desc)) {
+    if (line.compare(0, prefix, kOptionLine) == 0) {
+      const size_t tab = line.find('\t', prefix);
+      options.emplace_back(line.substr(prefix, tab - prefix), tab == std::string::npos ? "" : line.substr(tab + 1));
+    } else {
+      model.push_back(line);
+    }
+  }
+}
+
+// The options every rank passed differ from rank 0's: every rank throws the
+// same error, naming each differing option, both ranks and both values.
+void check_same_options(const std::vector<OptionValues>& all, int me) {
+  std::ostringstream err;
+  int listed = 0, more = 0;
+  auto value_in = [](const OptionValues& v, const std::string& name) -> std::optional<std::string> {
+    for (const auto& [n, value] : v)
+      if (n == name) return value;
+    return std::nullopt;
+  };
+  for (size_t r = 1; r < all.size(); ++r) {
+    std::vector<std::string> names;  // rank 0's order, then names rank r alone has
+    for (const auto& [n, v] : all[0]) names.push_back(n);
+    for (const auto& [n, v] : all[r])
+      if (!value_in(all[0], n)) names.push_back(n);
+    for (const auto& name : names) {
+      const auto a = value_in(all[0], name), b = value_in(all[r], name);
+      if (a == b) continue;
+      if (listed >= 8) {
+        ++more;
+        continue;
+      }
+      err << (listed++ ? "; " : "") << "option " << name << " is " << a.value_or("unset") << " on rank 0 but "
+          << b.value_or("unset") << " on rank " << r;
+    }
+  }
+  if (listed == 0) return;
+  std::ostringstream msg;
+  msg << "shardtorch::shard: ShardOptions differ across ranks: " << err.str();
+  if (more) msg << "; and " << more << " more";
+  msg << ". Every rank must pass the same ShardOptions (seen on rank " << me << ")";
+  throw std::runtime_error(msg.str());
+}
+
+// Every rank learns every rank's description (options, then the model); all
+// throw the same error: differing options first, then differing models.
 void check_same_model_everywhere(World& world, const std::string& mine) {
-  auto all = world.comm().all_gather_strings(mine, "shard(): model description");
-  auto ref = split_lines(all[0]);
+  auto all = world.comm().all_gather_strings(mine, "shard(): options and model description");
+  std::vector<OptionValues> options(all.size());
+  std::vector<std::vector<std::string>> models(all.size());
+  for (size_t r = 0; r < all.size(); ++r) parse_description(all[r], options[r], models[r]);
+  check_same_options(options, world.rank());
+  const auto& ref = models[0];
   std::ostringstream err;
   std::vector<int> bad;
   for (int r = 1; r < world.size(); ++r) {
-    auto other = split_lines(all[r]);
+    const auto& other = models[r];
     size_t n = std::min(ref.size(), other.size());
     size_t i = 0;
     while (i < n && ref[i] == other[i]) ++i;
@@ -376,36 +473,47 @@ void enable_checkpointing(const std::vector<FoundUnit>& units, const std::vector
 ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options) {
   TORCH_CHECK(world, "shardtorch::shard: no world");
   TORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: this model is already sharded; shard() was called twice");
+  world->note_progress("shard()");
   const Strategy strategy = options.strategy();
   ModelWalk found = walk_model(root, /*allow_sharded=*/false);
   auto& units = found.units;
   auto& params = found.params;
   auto& buffers = found.buffers;
 
-  // Configuration errors, before any communication.
+  // Configuration errors are found here and raised after the exchange below:
+  // options that differ across ranks make one rank's configuration invalid
+  // and not another's, and that rank throwing alone would leave the others
+  // waiting in the exchange until the timeout. Once options and models agree,
+  // every rank finds the same error.
   int shard_size = world->size();
-  if (strategy == Strategy::HybridShard) {
-    const int s = options.hybrid_shard_size();
-    TORCH_CHECK(s >= 1 && world->size() % s == 0, "shardtorch::shard: HybridShard needs hybrid_shard_size (now ", s,
-                ") to divide the world size ", world->size());
-    shard_size = s;
-  }
+  std::vector<bool> checkpointed;
+  std::exception_ptr config_error;
   const auto& mp = options.mixed_precision();
-  auto low_precision = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; };
-  TORCH_CHECK(!mp.param_dtype() || low_precision(*mp.param_dtype()), "shardtorch::shard: MixedPrecision param_dtype ",
-              *mp.param_dtype(), " must be BFloat16, Half or Float");
-  TORCH_CHECK(!mp.reduce_dtype() || low_precision(*mp.reduce_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype ",
-              *mp.reduce_dtype(), " must be BFloat16, Half or Float");
-  TORCH_CHECK(!(mp.reduce_dtype() && !mp.param_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype needs param_dtype");
-  TORCH_CHECK(!(options.cpu_offload() && strategy == Strategy::NoShard), "shardtorch::shard: cpu_offload needs a "
-              "sharding strategy; NoShard keeps whole parameters on the device (use OptimizerOnly for replicated "
-              "parameters with the optimizer in host memory)");
-  for (const auto& [unit, flag] : options.per_unit_reshard()) {
-    bool known = std::any_of(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == unit; });
-    TORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
-  }
   const bool root_is_unit = dynamic_cast<UnitBase*>(&root) != nullptr;
-  const std::vector<bool> checkpointed = checkpointed_units(units, params, options, root_is_unit);
+  try {
+    if (strategy == Strategy::HybridShard) {
+      const int s = options.hybrid_shard_size();
+      TORCH_CHECK(s >= 1 && world->size() % s == 0, "shardtorch::shard: HybridShard needs hybrid_shard_size (now ", s,
+                  ") to divide the world size ", world->size());
+      shard_size = s;
+    }
+    auto low_precision = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; };
+    TORCH_CHECK(!mp.param_dtype() || low_precision(*mp.param_dtype()), "shardtorch::shard: MixedPrecision param_dtype ",
+                *mp.param_dtype(), " must be BFloat16, Half or Float");
+    TORCH_CHECK(!mp.reduce_dtype() || low_precision(*mp.reduce_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype ",
+                *mp.reduce_dtype(), " must be BFloat16, Half or Float");
+    TORCH_CHECK(!(mp.reduce_dtype() && !mp.param_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype needs param_dtype");
+    TORCH_CHECK(!(options.cpu_offload() && strategy == Strategy::NoShard), "shardtorch::shard: cpu_offload needs a "
+                "sharding strategy; NoShard keeps whole parameters on the device (use OptimizerOnly for replicated "
+                "parameters with the optimizer in host memory)");
+    for (const auto& [unit, flag] : options.per_unit_reshard()) {
+      bool known = std::any_of(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == unit; });
+      TORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
+    }
+    checkpointed = checkpointed_units(units, params, options, root_is_unit);
+  } catch (...) {
+    config_error = std::current_exception();
+  }
 
   // A parameter on another device than the backend's: part of the
   // description, so that a rank alone with it makes every rank fail here
@@ -423,11 +531,12 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   }
 
   std::ostringstream desc;
-  desc << "strategy " << strategy_name(strategy) << "\n";
+  desc << describe_options(option_values(options));
   for (const auto& p : params) desc << param_line(p, units) << "\n";
   for (const auto& [name, b] : buffers) desc << "buffer '" << name << "' " << c10::toString(b.scalar_type()) << b.sizes() << "\n";
   if (!misplaced.empty()) desc << misplaced << "\n";
   if (world->size() > 1) check_same_model_everywhere(*world, desc.str());
+  if (config_error) std::rethrow_exception(config_error);
   TORCH_CHECK(misplaced.empty(), "shardtorch::shard: rank ", world->rank(), ": ", misplaced);
 
   auto state = std::make_shared<detail::ShardState>(world, options);
@@ -448,6 +557,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     for (const auto& u : units) detail::ShardState::attach_no_shard(*u.base, state);
     enable_checkpointing(units, checkpointed, state);
     detail::register_model(root, state);
+    world->note_progress("shard() done");
     return ShardedModel(state);
   }
 
@@ -519,6 +629,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
   enable_checkpointing(units, checkpointed, state, made);
   detail::register_model(root, state);
+  world->note_progress("shard() done");
   return ShardedModel(state);
 }
 

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "errors.h"
 #include "shard_state.h"
 
 namespace shardtorch::detail {
@@ -116,6 +117,7 @@ std::string Unit::sharded_access_error(const FlatParam& flat) const {
 }
 
 void Unit::pre_forward() {
+  owner_->world().note_progress(c10::GradMode::is_enabled() ? "forward" : "forward without grad", label());
   owner_->recover_if_backward_failed();
   owner_->note_forward_for_reduction(*this);
   call_.reset();
@@ -180,7 +182,14 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
       forward_in_graph_ = true;
       t.register_hook([weak, call](const at::TensorBase&) {
-        if (auto u = weak.lock()) u->pre_backward();
+        auto u = weak.lock();
+        if (!u) return;
+        try {
+          failure_point("pre-backward hook");
+          u->pre_backward();
+        } catch (...) {
+          rethrow_naming(u->owner().world().rank(), [&] { return "the pre-backward hook of unit '" + u->label() + "'"; });
+        }
       });
     }
   }
@@ -197,6 +206,7 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
 
 void Unit::pre_backward() {
   owner_->refuse_backward_in_grad_summon("unit", label());
+  owner_->world().note_progress("backward", label());
   owner_->ensure_end_of_backward_callback();
   touched_ = true;
   // A unit already final in this backward reads no more of its trainable
@@ -262,6 +272,7 @@ void Unit::exit_done(ForwardCall& call) {
 void Unit::on_grad_ready(size_t flat, size_t param) {
   owner_->refuse_backward_in_grad_summon("parameter", flats_[flat]->names()[param]);
   try {
+    failure_point("gradient hook");
     owner_->ensure_end_of_backward_callback();
     owner_->check_grad_arrival(flats_[flat]->params()[param], flats_[flat]->names()[param]);
     touched_ = true;
@@ -363,9 +374,14 @@ void Unit::reduce_flats() {
       ShardState* owner = owner_.get();
       owner_->bucketer().all_reduce(
           g, owner_->reduce_comm(),
-          [fp, post, owner](const at::Tensor& reduced) {  // the staging gradient, reduced: no one else writes it
-            owner->deliver_gradient(reduced, /*owned=*/true,
-                                    [fp, post](const at::Tensor& r) { fp->accumulate_full_grad(r, post); });
+          [fp, post, owner, what](const at::Tensor& reduced) {  // the staging gradient, reduced: no one else writes it
+            try {
+              failure_point("reduction callback");
+              owner->deliver_gradient(reduced, /*owned=*/true,
+                                      [fp, post](const at::Tensor& r) { fp->accumulate_full_grad(r, post); });
+            } catch (...) {
+              rethrow_naming(owner->world().rank(), [&] { return "adding the all-reduced " + what; });
+            }
           },
           what);
       continue;
@@ -375,9 +391,14 @@ void Unit::reduce_flats() {
     // the bucketer (one all-reduce per launch) before the callback runs.
     owner_->bucketer().reduce_scatter(
         g, owner_->reduce_comm(),
-        [fp, post, owner](const at::Tensor& reduced) {  // a view of a bucket's output
-          owner->deliver_gradient(reduced, /*owned=*/false,
-                                  [fp, post](const at::Tensor& r) { fp->accumulate_shard_grad(r, post); });
+        [fp, post, owner, what](const at::Tensor& reduced) {  // a view of a bucket's output
+          try {
+            failure_point("reduction callback");
+            owner->deliver_gradient(reduced, /*owned=*/false,
+                                    [fp, post](const at::Tensor& r) { fp->accumulate_shard_grad(r, post); });
+          } catch (...) {
+            rethrow_naming(owner->world().rank(), [&] { return "adding the reduce-scattered " + what; });
+          }
         },
         what, owner_->replica_comm());
   }
@@ -393,7 +414,13 @@ class ExitHook : public torch::autograd::FunctionPostHook {
                                             const torch::autograd::variable_list& /*inputs*/) override {
     auto u = unit_.lock();
     auto c = call_.lock();
-    if (u && c) u->exit_done(*c);
+    if (!u || !c) return outputs;
+    try {
+      failure_point("exit hook");
+      u->exit_done(*c);
+    } catch (...) {
+      rethrow_naming(u->owner().world().rank(), [&] { return "the exit hook of unit '" + u->label() + "'"; });
+    }
     return outputs;
   }
 
@@ -476,7 +503,15 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
       : unit_(std::move(unit)), flat_(flat), param_(param) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto u = unit_.lock()) u->on_grad_ready(flat_, param_);
+    auto u = unit_.lock();
+    if (!u) return outputs;
+    try {
+      u->on_grad_ready(flat_, param_);
+    } catch (...) {
+      rethrow_naming(u->owner().world().rank(), [&] {
+        return "the gradient hook of parameter '" + u->flats()[flat_]->names()[param_] + "' of unit '" + u->label() + "'";
+      });
+    }
     return outputs;
   }
 

@@ -4,6 +4,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "progress.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
@@ -217,6 +219,21 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   // Gloo moves CPU tensors; NCCL moves tensors on the rank's device.
   c10::Device comm_device = backend == "nccl" ? w->device_ : c10::Device(c10::kCPU);
   w->comm_ = std::make_unique<Comm>(b, rank, world_size, options.timeout(), comm_device);
+  if (world_size > 1) {
+    w->progress_ = std::make_shared<detail::Progress>(c10::make_intrusive<c10d::PrefixStore>("shardtorch-peers", store),
+                                                      rank);
+    w->progress_->note("world set up");
+    std::vector<int> all(world_size);
+    for (int r = 0; r < world_size; ++r) all[r] = r;
+    std::weak_ptr<detail::Progress> progress = w->progress_;
+    w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started) {
+      auto p = progress.lock();
+      if (!p) return std::string();
+      std::string report = p->report(all, started);
+      p->failed();
+      return report;
+    });
+  }
   return w;
 }
 
@@ -243,6 +260,16 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   agree_on_order(*store, ranks, members, tag);
   auto b = connect(backend_name_, store, index, n, options_, rank_, "group '" + tag + "' of ranks " + list(ranks));
   auto comm = std::make_shared<Comm>(b, index, n, options_.timeout(), comm_->device());
+  if (progress_) {
+    std::weak_ptr<detail::Progress> progress = progress_;
+    comm->set_peer_report([progress, ranks](std::chrono::steady_clock::time_point started) {
+      auto p = progress.lock();
+      if (!p) return std::string();
+      std::string report = p->report(ranks, started);
+      p->failed();
+      return report;
+    });
+  }
   // One collective now, while every member is here: a backend that sets up
   // its communicator at the first collective (NCCL) must not do so at some
   // rank-dependent point later (inside a backward, say).
@@ -278,6 +305,14 @@ void World::agree_on_order(c10d::Store& store, const std::vector<int>& ranks, co
               "' list its ranks in different orders (a member's index in the group is its place in the list): rank ",
               members.front(), " passed ", first, ", ", disagree, " member(s) another order",
               first != mine ? ", this rank " + mine : std::string());
+}
+
+void World::note_progress(const std::string& phase, const std::string& unit) {
+  if (progress_) progress_->note(phase, unit);
+}
+
+void World::note_step_done() {
+  if (progress_) progress_->step_done();
 }
 
 void World::barrier() {

@@ -143,7 +143,11 @@ TEST(Faults, KilledRankMakesTheOthersFailNamingTheOperation) {
     for (int step = 0; step < 3; ++step) {
       opt->zero_grad();
       auto loss = gpt::lm_loss(model(x), x);
-      if (step == 1 && w.rank() == 1) ::raise(SIGKILL);  // dies in the middle of a step
+      if (step == 1 && w.rank() == 1) {  // dies in the middle of a step
+        // (after its progress record caught up: it is written at most every 20 ms)
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        ::raise(SIGKILL);
+      }
       loss.backward();
       opt->step();
     }
@@ -156,6 +160,13 @@ TEST(Faults, KilledRankMakesTheOthersFailNamingTheOperation) {
     // The survivors are in backward: gathering a block again or reducing gradients.
     EXPECT_NE(r.ranks[k].message.find("for parameters of unit 'blocks.1'"), std::string::npos) << r.summary();
     EXPECT_NE(r.ranks[k].message.find("did not complete"), std::string::npos) << r.summary();
+    // ... and name the peer at fault, and where it last was (its forward of step 1).
+    EXPECT_NE(r.ranks[k].message.find("Peer at fault: rank 1 is no longer running (pid "), std::string::npos)
+        << r.summary();
+    EXPECT_NE(r.ranks[k].message.find("it was last at step 1, forward of unit 'head'"), std::string::npos)
+        << r.summary();
+    EXPECT_EQ(r.ranks[k].message.find("rank " + std::to_string(2 - k) + " is"), std::string::npos)
+        << "the other survivor is not at fault\n" << r.summary();
   }
   EXPECT_LT(seconds_since(t0), 25.0) << "the survivors should fail within the collective timeout";
 }
@@ -181,6 +192,33 @@ TEST(Faults, StuckRankTimesOutWithinTheCollectiveTimeout) {
   EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("rank 0/2: all_gather for parameters of unit 'l1'"), std::string::npos) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("timeout 2 s"), std::string::npos) << r.summary();
+  // The rank that did not arrive, and where it is; this rank's place too.
+  EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 is alive but did not arrive: it has been at step 0, "
+                                    "shard() done for "),
+            std::string::npos)
+      << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("This rank is at step 0, forward of unit 'l1'"), std::string::npos) << r.summary();
+  // The message and nothing more: no C++ backtrace of Gloo's or c10d's.
+  for (const char* trace : {"Exception raised from", "frame #"})
+    EXPECT_EQ(r.ranks[0].message.find(trace), std::string::npos) << r.summary();
+}
+
+// A rank whose whole process stops (SIGSTOP: its threads too) stops
+// reporting; the survivor's time-out names it as such.
+TEST(Faults, AStoppedRankIsNamedAsSilent) {
+  auto r = run_ranks(2, [](World& w) {
+    MLP m;
+    shardtorch::shard(m, w);
+    if (w.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // its record written
+      ::raise(SIGSTOP);  // the parent's time limit kills it
+    }
+    m(torch::randn({4, 7}));
+  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(4)).timeout(std::chrono::seconds(9)));
+  EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
+  EXPECT_TRUE(r.ranks[1].timed_out) << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 stopped reporting "), std::string::npos) << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("it was last at step 0, shard() done"), std::string::npos) << r.summary();
 }
 
 // Groups: a rank named twice, members listing the ranks in different orders

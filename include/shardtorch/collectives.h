@@ -90,6 +90,12 @@ class Comm {
   /// Every rank's string, in rank order (two all-gathers: lengths, then bytes).
   std::vector<std::string> all_gather_strings(const std::string& mine, const std::string& what);
 
+  /// What a failed collective's error adds about the peers (the world sets
+  /// it: which died or did not arrive, and where each last was); given when
+  /// the collective started, it must not throw.
+  using PeerReport = std::function<std::string(std::chrono::steady_clock::time_point started)>;
+  void set_peer_report(PeerReport report) { peer_report_ = std::move(report); }
+
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CommStats{}; }
 
@@ -133,6 +139,7 @@ class Comm {
   c10::Device device_;
   bool reduce_scatter_in_place_;
   CommStats stats_;
+  PeerReport peer_report_;
 };
 
 /// "float32[12, 4]"

@@ -58,4 +58,13 @@ using RankBody = std::function<void(World& world)>;
 void init();
 RunResult run_ranks(int world_size, const RankBody& body, RunOptions options = {});
 
+/// Fault injection for the library's callbacks and threads: the next `count`
+/// times this process reaches `site`, the library throws there, as a bug or a
+/// failed allocation would, and the error must reach the caller (of
+/// backward(), or of the collective's wait) naming the rank and the
+/// operation. Sites (docs/testing.md): "completion watcher", "pre-backward
+/// hook", "gradient hook", "exit hook", "reduction callback", "end of
+/// backward", "NoShard gradient hook". Not for production use.
+void inject_failure(const std::string& site, int count = 1);
+
 }  // namespace shardtorch::testing

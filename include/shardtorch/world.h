@@ -19,6 +19,10 @@
 
 namespace shardtorch {
 
+namespace detail {
+class Progress;
+}
+
 /// What the launcher told this process: torchrun, OpenMPI, MPICH or Slurm.
 struct LaunchEnv {
   int rank = 0;
@@ -85,6 +89,18 @@ class World : public std::enable_shared_from_this<World> {
   /// A collective barrier (an all-reduce of one element) with the timeout.
   void barrier();
 
+  /// Where this rank is, for its peers' errors (docs/reliability.md): when a
+  /// collective fails, the error names the peers that died, stopped reporting
+  /// or were elsewhere since before it started, and where each last was.
+  /// shardtorch notes its own phases (shard(), each unit's forward and
+  /// backward, the end of backward, the optimizer step); a program may note
+  /// its own ("evaluation", "saving"). No I/O here: a thread of the world's
+  /// writes the record to the store when it changed, at most every 20 ms,
+  /// and every 0.5 s.
+  void note_progress(const std::string& phase, const std::string& unit = "");
+  /// Counts an optimizer step (shardtorch's optimizers call it).
+  void note_step_done();
+
   /// A process group of some ranks (this one among them), e.g. for hybrid
   /// sharding; a member's index in the group is its place in `ranks`.
   /// Collective over its members: only they call this, with the same ranks in
@@ -109,6 +125,7 @@ class World : public std::enable_shared_from_this<World> {
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<Comm> comm_;
   std::map<std::string, int> groups_made_;  // by tag and ranks
+  std::shared_ptr<detail::Progress> progress_;
 };
 
 namespace detail {

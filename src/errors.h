@@ -1,0 +1,23 @@
+#pragma once
+// Errors raised inside the library's callbacks and threads (autograd hooks,
+// the end-of-backward callback, the completion watcher) reach the caller of
+// backward() or of the collective's wait naming the rank and the operation;
+// and a test-only way to make each of those places fail.
+#include <functional>
+#include <string>
+
+namespace shardtorch::detail {
+
+/// Rethrows the exception in flight so that its message names this rank and
+/// `operation` (built only then). shardtorch's own errors, which name the rank
+/// already, pass unchanged; a c10::Error keeps its type (out of memory stays
+/// c10::OutOfMemoryError) and gains the context; anything else becomes a
+/// std::runtime_error "shardtorch: rank R: OPERATION failed: MESSAGE".
+/// Call only inside a catch block.
+[[noreturn]] void rethrow_naming(int rank, const std::function<std::string()>& operation);
+
+/// Throws if shardtorch::testing::inject_failure armed `site` (one relaxed
+/// atomic load when nothing is armed).
+void failure_point(const char* site);
+
+}  // namespace shardtorch::detail

@@ -1,0 +1,56 @@
+#pragma once
+// Progress: where each rank last was (step, phase, unit), kept in the c10d
+// store so that a rank whose collective fails can name the peer at fault
+// (docs/reliability.md, "Ranks and options").
+//
+// note() only updates memory (a mutex and a string copy): a thread of the
+// Progress's own writes the record to the store when it changed (at most
+// every kWriteInterval) and at least every kBeat, so a record's age also
+// says whether its rank still runs. Nothing the thread does can throw out of
+// it; a store that fails stops the writing.
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace shardtorch::detail {
+
+class Progress {
+ public:
+  static constexpr std::chrono::milliseconds kWriteInterval{20};
+  static constexpr std::chrono::milliseconds kBeat{500};
+
+  Progress(c10::intrusive_ptr<c10d::Store> store, int rank);
+  /// Stops the thread (waits at most about a second for a store write in flight).
+  ~Progress();
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
+
+  /// This rank is now at `phase` (of `unit`, if any). No I/O.
+  void note(const std::string& phase, const std::string& unit = "");
+  /// An optimizer step is done: the step count grows.
+  void step_done();
+
+  /// A collective of this rank failed: the record says so at once (written
+  /// here, not by the thread), so that peers whose own collective fails
+  /// next do not take this rank, gone after its error, for the one at fault.
+  /// Never throws.
+  void failed();
+
+  /// For the error of a collective over `members` (global ranks, this one
+  /// among them) that started at `started` and failed: which peers are no
+  /// longer running, which stopped reporting, and which were elsewhere for at
+  /// least half of its wait (did not arrive), with where each last was. Reads the
+  /// store; never throws ("" when nothing can be said).
+  std::string report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const;
+
+ private:
+  struct Shared;  // what the thread uses: it may outlive this object (a store write stuck at exit)
+  std::shared_ptr<Shared> s_;
+  std::thread thread_;
+};
+
+}  // namespace shardtorch::detail
