@@ -11,6 +11,7 @@
 #include <iomanip>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 namespace shardtorch::detail {
 
@@ -202,24 +203,41 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
         now - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count();
     const int64_t silent_after = 4 * kBeat.count();
     std::vector<std::string> at_fault, others;
-    for (int peer : members) {
-      if (peer == s_->rank) continue;
-      const std::string key = "progress/" + std::to_string(peer);
-      Record r;
+    // A killed process closes its sockets before it becomes a zombie: a peer
+    // that saw the connection close may still find it running for a moment.
+    // Local peers get up to 300 ms, in all, to be seen gone.
+    const auto grace_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+    auto gone = [&](int64_t pid) {
+      for (;;) {
+        if (process_gone(pid)) return true;
+        if (std::chrono::steady_clock::now() >= grace_until) return false;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    };
+    auto read = [&](const std::string& key, Record& r) {
       std::string text;
       if (s_->store->check({key})) {
         auto v = s_->store->get(key);
         text.assign(v.begin(), v.end());
       }
-      if (text.empty() || !decode(text, r)) {
+      return !text.empty() && decode(text, r);
+    };
+    for (int peer : members) {
+      if (peer == s_->rank) continue;
+      const std::string key = "progress/" + std::to_string(peer);
+      Record r;
+      if (!read(key, r)) {
         at_fault.push_back("rank " + std::to_string(peer) + " has recorded no progress (did it start?)");
         continue;
       }
       const std::string rank = "rank " + std::to_string(peer);
       const bool local = r.host == me.host;
+      // A survivor marks its record failed before it looks at others, so one
+      // seen gone is read again: it may have failed and exited since.
+      if (!r.failed && local && gone(r.pid)) read(key, r);
       if (r.failed) {  // a fellow survivor that gave up first (and may have exited since): not at fault
         others.push_back(rank + " failed too, at " + where(r));
-      } else if (local && process_gone(r.pid)) {
+      } else if (local && gone(r.pid)) {
         at_fault.push_back(rank + " is no longer running (pid " + std::to_string(r.pid) + " on this host); it was last at " +
                            where(r) + ", " + seconds(now - r.changed_ms) + " ago");
       } else if (now - r.beat_ms > silent_after) {

@@ -229,9 +229,8 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
     w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started) {
       auto p = progress.lock();
       if (!p) return std::string();
-      std::string report = p->report(all, started);
-      p->failed();
-      return report;
+      p->failed();  // first: peers that look at this rank, even after it exits, see a survivor
+      return p->report(all, started);
     });
   }
   return w;
@@ -265,9 +264,8 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
     comm->set_peer_report([progress, ranks](std::chrono::steady_clock::time_point started) {
       auto p = progress.lock();
       if (!p) return std::string();
-      std::string report = p->report(ranks, started);
-      p->failed();
-      return report;
+      p->failed();  // first: peers that look at this rank, even after it exits, see a survivor
+      return p->report(ranks, started);
     });
   }
   // One collective now, while every member is here: a backend that sets up
