@@ -1,6 +1,7 @@
 // Built with -O3 (CMakeLists.txt) so that each target clone is vectorised.
 #include "shardtorch/optim/cpu_adam.h"
 
+#include "../../cuda/adam_math.h"
 #include "cuda_adam.h"
 
 #include <ATen/Parallel.h>
@@ -19,10 +20,8 @@
 namespace shardtorch {
 namespace {
 
-struct Coeffs {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2, decay, wd;
-  bool decoupled;
-};
+// Computed once per step by cuda::adam_coeffs, which the CUDA kernel shares.
+using Coeffs = cuda::AdamCoeffs;
 
 // The same arithmetic, in the same order, as torch::optim::Adam(W), except
 // that 1/sqrt(bias correction 2) multiplies instead of dividing. Inlined into
@@ -231,13 +230,9 @@ constexpr int64_t kGrain = 1 << 15;
 
 void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s,
                     at::BFloat16* low) {
-  const double bc1 = 1.0 - std::pow(s.beta1, static_cast<double>(s.step));
-  const double bc2 = 1.0 - std::pow(s.beta2, static_cast<double>(s.step));
   // Each coefficient computed in double and rounded once. (1 - 0.999f in
   // fp32 is 0.00099998713: exp_avg_sq was 1.3e-5 off torch::optim::Adam's.)
-  auto f = [](double x) { return static_cast<float>(x); };
-  Coeffs c{f(s.beta1), f(1.0 - s.beta1), f(s.beta2), f(1.0 - s.beta2), f(s.eps), f(s.lr / bc1),
-           f(1.0 / std::sqrt(bc2)), f(1.0 - s.lr * s.weight_decay), f(s.weight_decay), s.decoupled};
+  const Coeffs c = cuda::adam_coeffs(s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step, s.decoupled);
   const Kernel kernel = chosen().kernel;
   at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
     kernel(param + b, grad + b, exp_avg + b, exp_avg_sq + b, e - b, c, low ? low + b : nullptr);
