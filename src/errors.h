@@ -20,4 +20,16 @@ namespace shardtorch::detail {
 /// atomic load when nothing is armed).
 void failure_point(const char* site);
 
+/// Runs `body` at failure point `site`; whatever it throws leaves through
+/// rethrow_naming(rank, operation).
+template <class Body>
+void run_naming(int rank, const char* site, const std::function<std::string()>& operation, Body&& body) {
+  try {
+    failure_point(site);
+    body();
+  } catch (...) {
+    rethrow_naming(rank, operation);
+  }
+}
+
 }  // namespace shardtorch::detail

@@ -184,12 +184,8 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
       t.register_hook([weak, call](const at::TensorBase&) {
         auto u = weak.lock();
         if (!u) return;
-        try {
-          failure_point("pre-backward hook");
-          u->pre_backward();
-        } catch (...) {
-          rethrow_naming(u->owner().world().rank(), [&] { return "the pre-backward hook of unit '" + u->label() + "'"; });
-        }
+        run_naming(u->owner().world().rank(), "pre-backward hook",
+                   [&] { return "the pre-backward hook of unit '" + u->label() + "'"; }, [&] { u->pre_backward(); });
       });
     }
   }
@@ -375,13 +371,10 @@ void Unit::reduce_flats() {
       owner_->bucketer().all_reduce(
           g, owner_->reduce_comm(),
           [fp, post, owner, what](const at::Tensor& reduced) {  // the staging gradient, reduced: no one else writes it
-            try {
-              failure_point("reduction callback");
+            run_naming(owner->world().rank(), "reduction callback", [&] { return "adding the all-reduced " + what; }, [&] {
               owner->deliver_gradient(reduced, /*owned=*/true,
                                       [fp, post](const at::Tensor& r) { fp->accumulate_full_grad(r, post); });
-            } catch (...) {
-              rethrow_naming(owner->world().rank(), [&] { return "adding the all-reduced " + what; });
-            }
+            });
           },
           what);
       continue;
@@ -392,13 +385,10 @@ void Unit::reduce_flats() {
     owner_->bucketer().reduce_scatter(
         g, owner_->reduce_comm(),
         [fp, post, owner, what](const at::Tensor& reduced) {  // a view of a bucket's output
-          try {
-            failure_point("reduction callback");
+          run_naming(owner->world().rank(), "reduction callback", [&] { return "adding the reduce-scattered " + what; }, [&] {
             owner->deliver_gradient(reduced, /*owned=*/false,
                                     [fp, post](const at::Tensor& r) { fp->accumulate_shard_grad(r, post); });
-          } catch (...) {
-            rethrow_naming(owner->world().rank(), [&] { return "adding the reduce-scattered " + what; });
-          }
+          });
         },
         what, owner_->replica_comm());
   }
@@ -415,12 +405,8 @@ class ExitHook : public torch::autograd::FunctionPostHook {
     auto u = unit_.lock();
     auto c = call_.lock();
     if (!u || !c) return outputs;
-    try {
-      failure_point("exit hook");
-      u->exit_done(*c);
-    } catch (...) {
-      rethrow_naming(u->owner().world().rank(), [&] { return "the exit hook of unit '" + u->label() + "'"; });
-    }
+    run_naming(u->owner().world().rank(), "exit hook", [&] { return "the exit hook of unit '" + u->label() + "'"; },
+               [&] { u->exit_done(*c); });
     return outputs;
   }
 
