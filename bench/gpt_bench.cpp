@@ -212,7 +212,7 @@ int run(const Args& a) {
     at::Tensor tokens = batch_tokens(a, s, world->size(), world->rank()).to(world->device());
     world->barrier();  // ranks start the step together
     const int64_t bytes0 = sharded ? sharded->comm_stats().total_bytes_sent() : 0;
-    const auto traffic0 = sharded ? sharded->offload_traffic() : shardtorch::ShardedModel::OffloadTraffic{};
+    const auto traffic0 = sharded ? sharded->stats().offload : shardtorch::ShardStats::OffloadTraffic{};
     if (s == profiled) {
       if (!world->device().is_cpu()) torch::cuda::synchronize(world->device().index());
       torch::autograd::profiler::prepareProfiler(prof_cfg, prof_acts);
@@ -253,7 +253,7 @@ int run(const Args& a) {
       optimizer_ms.push_back(ms - fwd - bwd);
       if (sharded) {
         sent += sharded->comm_stats().total_bytes_sent() - bytes0;
-        const auto traffic1 = sharded->offload_traffic();
+        const auto traffic1 = sharded->stats().offload;
         to_device += traffic1.to_device_bytes - traffic0.to_device_bytes;
         to_host += traffic1.to_host_bytes - traffic0.to_host_bytes;
       }

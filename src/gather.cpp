@@ -57,7 +57,7 @@ void FullParams::gather_all(bool keep) {
     }
   }
   for (auto& u : state_->units()) {
-    bool was_sharded = u->state() == detail::UnitState::Sharded;
+    bool was_sharded = u->state() == detail::ParamState::Sharded;
     if (!was_sharded && !writeback_)
       for (auto& f : u->flats())
         if (f->shard().storage().unsafeGetStorageImpl() == f->full().storage().unsafeGetStorageImpl())

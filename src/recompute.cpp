@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <mutex>
 
+#include "checkpointing.h"
 #include "shard_state.h"
 
 namespace shardtorch {
@@ -253,7 +254,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     *r->pending = false;
     // The outer backward's end callback, queued on the outer graph task (the
     // nested backward below is another one).
-    state->ensure_end_of_backward_callback();
+    state->backward().ensure_end_of_backward_callback();
     std::vector<at::Tensor> in;
     for (const auto& t : ctx->get_saved_variables()) {
       if (!t.defined()) {
@@ -301,7 +302,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
       root_grads.push_back(grads[i]);
     }
     if (!roots.empty() && !stop_at.empty()) {
-      ShardState::NestedBackward nested(*state);
+      BackwardTracker::Nested nested(state->backward());
       torch::autograd::backward(roots, root_grads, /*retain_graph=*/std::nullopt, /*create_graph=*/false, stop_at);
     }
     // Every gradient the unit will get in this backward has arrived: a

@@ -19,69 +19,6 @@
 
 namespace shardtorch {
 
-// ---------------------------------------------------------------- UnitBase
-
-UnitBase::~UnitBase() = default;
-
-void UnitBase::before_forward() { unit_->pre_forward(); }
-
-void UnitBase::forward_failed() noexcept {
-  try {
-    unit_->abandon_forward();
-  } catch (const std::exception& e) {  // runs while the forward's exception unwinds: warn, never throw
-    TORCH_WARN("shardtorch: rank ", unit_->owner().world().rank(), ": unit '", unit_->label(),
-               "' could not be resharded after its forward failed: ", e.what());
-  } catch (...) {
-    TORCH_WARN("shardtorch: rank ", unit_->owner().world().rank(), ": unit '", unit_->label(),
-               "' could not be resharded after its forward failed (an exception of unknown type)");
-  }
-}
-
-void UnitBase::zero_shard_grads(torch::nn::Module& self) {
-  // Module::zero_grad calls the zero_grad of every module inside, so each
-  // unit clears its own flats. Under NoShard the gradients are the
-  // parameters' own (bucket views) except where the buckets hold another
-  // dtype (mixed precision); either way the slices keep their values until
-  // cleared: each module clears those of its parameters, the root every
-  // bucket (and the masters' gradients), as the optimizer's zero_grad does.
-  auto state = unit_ ? unit_->owner().shared_from_this() : no_shard_state_.lock();
-  if (!state) return;  // not sharded yet
-  if (state->ddp() && unit_) {  // NoShard's root unit (the only unit NoShard makes)
-    state->zero_grads();
-    return;
-  }
-  state->on_zero_grad();
-  if (unit_)
-    for (auto& f : unit_->flats()) f->zero_grad();
-  else if (state->ddp())
-    state->ddp()->zero_grads_of(self.parameters());  // plain modules inside have no hook of their own
-}
-bool UnitBase::after_forward(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) {
-  // An input returned as it is (a gate routing around the unit on this rank)
-  // would carry the hook of the unit that made it, and this unit's hook
-  // would fire after that one's on this rank only: the two units' backward
-  // all-gathers would swap places. A leaf returned as it is (a parameter)
-  // would collect one more hook at every forward (and, under FullShard, lose
-  // its memory when the unit reshards). A copy gives this unit a node of its
-  // own; not a view, whose node an in-place change of the output would drop
-  // from the graph, hook and all (checkpointed units copy such outputs too).
-  bool replaced = false;
-  if (c10::GradMode::is_enabled()) {
-    for (auto& t : outputs) {
-      if (!t.defined() || !t.requires_grad()) continue;
-      auto same = [&](const at::Tensor& in) { return in.defined() && in.unsafeGetTensorImpl() == t.unsafeGetTensorImpl(); };
-      if (t.is_leaf() || std::any_of(inputs.begin(), inputs.end(), same)) {
-        t = t.clone();
-        replaced = true;
-      }
-    }
-  }
-  unit_->post_forward(outputs);
-  return replaced;
-}
-std::optional<at::ScalarType> UnitBase::input_dtype() const { return unit_->input_dtype(); }
-std::optional<at::ScalarType> UnitBase::output_dtype() const { return unit_->output_dtype(); }
-
 // ---------------------------------------------------------------- shard()
 
 namespace {
@@ -351,42 +288,23 @@ void materialize_buffers(const std::vector<std::pair<std::string, at::Tensor>>& 
 
 namespace {
 
-// At shard(), and (broadcast_buffers) kept by the state for after each optimizer step.
-void sync_buffers(detail::ShardState& state, World& world, std::vector<std::pair<std::string, at::Tensor>>& buffers) {
-  const auto& o = state.options();
-  if (world.size() == 1 || buffers.empty() || !(o.sync_module_states() || o.broadcast_buffers())) return;
-  const c10::Device comm_device = world.comm().device();
-  for (auto& [name, b] : buffers) {
-    TORCH_CHECK(b.device() == comm_device, "shardtorch::shard: buffer '", name, "' is on ", b.device(),
-                ", expected ", comm_device);
-  }
-  if (o.sync_module_states()) detail::broadcast_coalesced(world.comm(), buffers, "buffers", "at shard()");
-  if (o.broadcast_buffers()) state.set_synced_buffers(buffers);
-}
-
-void cast_buffers(const MixedPrecision& mp, std::vector<std::pair<std::string, at::Tensor>>& buffers) {
-  if (!mp.buffer_dtype()) return;
-  c10::NoGradGuard no_grad;
-  for (auto& [name, b] : buffers)
-    if (b.is_floating_point()) b.set_data(b.to(*mp.buffer_dtype()));
-}
-
 // NoShard: the parameters stay whole; gradients go through buckets. Under
 // mixed precision the parameters become param_dtype and the optimizer gets
-// fp32 masters (ShardState::enable_ddp); frozen ones are cast and keep an
-// fp32 master for checkpoints (ShardState::add_frozen_master).
+// fp32 masters (ReplicatedPath::enable); frozen ones are cast and keep an
+// fp32 master for checkpoints (ReplicatedPath::add_frozen_master).
 void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundParam>& params) {
   std::vector<at::Tensor> trainable;
   std::vector<std::string> names;
   c10::NoGradGuard no_grad;
   const auto& mp = state.options().mixed_precision();
+  detail::ReplicatedPath& replicated = state.enable_replicated();
   for (auto& p : params) {
     if (state.options().sync_module_states() && world.size() > 1)
       world.comm().broadcast(p.tensor, 0, "parameter '" + p.name + "' at shard()");
     if (!p.tensor.requires_grad()) {  // frozen: whole on every rank
       if (mp.param_dtype() && p.tensor.is_floating_point() && p.tensor.scalar_type() != *mp.param_dtype()) {
         // It computes in param_dtype; the fp32 master is what checkpoints keep.
-        state.add_frozen_master(p.tensor, p.tensor.detach().clone());
+        replicated.add_frozen_master(p.tensor, p.tensor.detach().clone());
         p.tensor.set_data(p.tensor.detach().to(*mp.param_dtype()));
       }
       state.mem().add(Mem::ReplicatedParams, p.tensor.nbytes());
@@ -395,7 +313,7 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
     trainable.push_back(p.tensor);
     names.push_back(p.name);
   }
-  state.enable_ddp(std::move(trainable), std::move(names));
+  replicated.enable(std::move(trainable), std::move(names));
 }
 
 // Activation checkpointing: which units recompute (docs/design.md). Every
@@ -470,32 +388,30 @@ void enable_checkpointing(const std::vector<FoundUnit>& units, const std::vector
 
 }  // namespace
 
-ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options) {
-  TORCH_CHECK(world, "shardtorch::shard: no world");
-  TORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: this model is already sharded; shard() was called twice");
-  world->note_progress("shard()");
-  const Strategy strategy = options.strategy();
-  ModelWalk found = walk_model(root, /*allow_sharded=*/false);
-  auto& units = found.units;
-  auto& params = found.params;
-  auto& buffers = found.buffers;
+namespace {
 
-  // Configuration errors are found here and raised after the exchange below:
-  // options that differ across ranks make one rank's configuration invalid
-  // and not another's, and that rank throwing alone would leave the others
-  // waiting in the exchange until the timeout. Once options and models agree,
-  // every rank finds the same error.
-  int shard_size = world->size();
+// What shard() decides before the exchange: configuration errors are found
+// here and raised after it. Options that differ across ranks make one rank's
+// configuration invalid and not another's, and that rank throwing alone
+// would leave the others waiting in the exchange until the timeout. Once
+// options and models agree, every rank finds the same error.
+struct Config {
+  int shard_size = 0;
   std::vector<bool> checkpointed;
-  std::exception_ptr config_error;
+  std::exception_ptr error;
+};
+
+Config check_config(const ShardOptions& options, const World& world, const ModelWalk& found, bool root_is_unit) {
+  Config c;
+  c.shard_size = world.size();
+  const Strategy strategy = options.strategy();
   const auto& mp = options.mixed_precision();
-  const bool root_is_unit = dynamic_cast<UnitBase*>(&root) != nullptr;
   try {
     if (strategy == Strategy::HybridShard) {
       const int s = options.hybrid_shard_size();
-      TORCH_CHECK(s >= 1 && world->size() % s == 0, "shardtorch::shard: HybridShard needs hybrid_shard_size (now ", s,
-                  ") to divide the world size ", world->size());
-      shard_size = s;
+      TORCH_CHECK(s >= 1 && world.size() % s == 0, "shardtorch::shard: HybridShard needs hybrid_shard_size (now ", s,
+                  ") to divide the world size ", world.size());
+      c.shard_size = s;
     }
     auto low_precision = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; };
     TORCH_CHECK(!mp.param_dtype() || low_precision(*mp.param_dtype()), "shardtorch::shard: MixedPrecision param_dtype ",
@@ -507,87 +423,76 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
                 "sharding strategy; NoShard keeps whole parameters on the device (use OptimizerOnly for replicated "
                 "parameters with the optimizer in host memory)");
     for (const auto& [unit, flag] : options.per_unit_reshard()) {
-      bool known = std::any_of(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == unit; });
+      bool known = std::any_of(found.units.begin(), found.units.end(), [&](const FoundUnit& u) { return u.name == unit; });
       TORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
     }
-    checkpointed = checkpointed_units(units, params, options, root_is_unit);
+    c.checkpointed = checkpointed_units(found.units, found.params, options, root_is_unit);
   } catch (...) {
-    config_error = std::current_exception();
+    c.error = std::current_exception();
   }
+  return c;
+}
 
-  // A parameter on another device than the backend's: part of the
-  // description, so that a rank alone with it makes every rank fail here
-  // (checked after the exchange, it failed that rank only and left the others
-  // waiting in shard()'s next collective until the timeout).
-  const c10::Device comm_device = world->comm().device();
-  std::string misplaced;
+// A parameter on another device than the backend's ("" if none): part of the
+// description, so that a rank alone with it makes every rank fail at the
+// exchange (checked after it, it failed that rank only and left the others
+// waiting in shard()'s next collective until the timeout).
+std::string misplaced_parameter(World& world, const std::vector<FoundParam>& params) {
+  const c10::Device comm_device = world.comm().device();
   for (const auto& p : params) {
     if (p.tensor.device() == comm_device || is_deferred(p.tensor)) continue;  // deferred: made on comm_device
     std::ostringstream os;
-    os << "parameter '" << p.name << "' is on " << p.tensor.device() << " but the " << world->backend_name()
+    os << "parameter '" << p.name << "' is on " << p.tensor.device() << " but the " << world.backend_name()
        << " backend works on " << comm_device << "; move the model there first";
-    misplaced = os.str();
-    break;
+    return os.str();
   }
+  return "";
+}
 
+// Collective: every rank's options and model against rank 0's; then this
+// rank's configuration error or misplaced parameter, the same on every rank.
+void agree_on_model(World& world, const ShardOptions& options, const ModelWalk& found, const Config& config) {
+  const std::string misplaced = misplaced_parameter(world, found.params);
   std::ostringstream desc;
   desc << describe_options(option_values(options));
-  for (const auto& p : params) desc << param_line(p, units) << "\n";
-  for (const auto& [name, b] : buffers) desc << "buffer '" << name << "' " << c10::toString(b.scalar_type()) << b.sizes() << "\n";
+  for (const auto& p : found.params) desc << param_line(p, found.units) << "\n";
+  for (const auto& [name, b] : found.buffers) desc << "buffer '" << name << "' " << c10::toString(b.scalar_type()) << b.sizes() << "\n";
   if (!misplaced.empty()) desc << misplaced << "\n";
-  if (world->size() > 1) check_same_model_everywhere(*world, desc.str());
-  if (config_error) std::rethrow_exception(config_error);
-  TORCH_CHECK(misplaced.empty(), "shardtorch::shard: rank ", world->rank(), ": ", misplaced);
+  if (world.size() > 1) check_same_model_everywhere(world, desc.str());
+  if (config.error) std::rethrow_exception(config.error);
+  TORCH_CHECK(misplaced.empty(), "shardtorch::shard: rank ", world.rank(), ": ", misplaced);
+}
 
-  auto state = std::make_shared<detail::ShardState>(world, options);
-  if (strategy == Strategy::NoShard) {
-    materialize_params(params, std::nullopt, comm_device, world->rank());  // NoShard keeps every parameter whole
-    materialize_buffers(buffers, comm_device, world->rank());
-    setup_no_shard(*state, *world, params);
-    cast_buffers(mp, buffers);
-    sync_buffers(*state, *world, buffers);
-    if (auto* base = dynamic_cast<UnitBase*>(&root)) {
-      // No gathering in NoShard; a root unit without flat parameters only
-      // applies the mixed-precision casts of the root's inputs and output.
-      auto unit = std::make_shared<detail::Unit>(state, "", 0, /*is_root=*/true, false, /*persistent=*/true);
-      unit->mark_persistent_gathered();
-      state->add_unit(unit);
-      detail::ShardState::attach(*base, unit);
-    }
-    for (const auto& u : units) detail::ShardState::attach_no_shard(*u.base, state);
-    enable_checkpointing(units, checkpointed, state);
-    detail::register_model(root, state);
-    world->note_progress("shard() done");
-    return ShardedModel(state);
+// NoShard: every parameter whole, gradients all-reduced in buckets; a root
+// unit only applies the mixed-precision casts of the root's inputs and output.
+void shard_replicated(torch::nn::Module& root, World& world, ModelWalk& found, const std::vector<bool>& checkpointed,
+                      const std::shared_ptr<detail::ShardState>& state) {
+  const c10::Device comm_device = world.comm().device();
+  materialize_params(found.params, std::nullopt, comm_device, world.rank());
+  materialize_buffers(found.buffers, comm_device, world.rank());
+  setup_no_shard(*state, world, found.params);
+  state->buffers().setup(world, state->options(), found.buffers);
+  if (auto* base = dynamic_cast<UnitBase*>(&root)) {
+    auto unit = std::make_shared<detail::Unit>(state, "", 0, /*is_root=*/true, false, /*persistent=*/true);
+    unit->mark_persistent_gathered();
+    state->add_unit(unit);
+    detail::ShardState::attach(*base, unit);
   }
+  for (const auto& u : found.units) detail::ShardState::attach_no_shard(*u.base, state);
+  enable_checkpointing(found.units, checkpointed, state);
+}
 
-  std::vector<std::string> orphans;
-  for (const auto& p : params)
-    if (p.unit < 0) orphans.push_back(p.name);
-  TORCH_CHECK(orphans.empty(), "shardtorch::shard: ", orphans.size(), " parameter(s) belong to no unit (first: '",
-              orphans.front(), "') and the root module is not a unit; declare the root as shardtorch::Sharded<Impl> "
-              "(see docs/api.md)");
-  TORCH_CHECK(!units.empty(), "shardtorch::shard: the model has no unit; mark modules with shardtorch::Sharded<Impl>");
-
-  if (strategy == Strategy::HybridShard) {
-    const int r = world->rank(), s = shard_size, n = world->size();
-    std::vector<int> shard_ranks, replica_ranks;
-    for (int k = 0; k < s; ++k) shard_ranks.push_back((r / s) * s + k);
-    for (int k = r % s; k < n; k += s) replica_ranks.push_back(k);
-    auto shard_group = world->new_group(shard_ranks, "hybrid-shard-" + std::to_string(r / s));
-    auto replica_group = world->new_group(replica_ranks, "hybrid-replica-" + std::to_string(r % s));
-    state->set_groups(std::move(shard_group), std::move(replica_group));
-  }
-  if (strategy == Strategy::FullShard || strategy == Strategy::HybridShard) {
-    const int s = shard_size, first = (world->rank() / s) * s;
-    std::vector<int> ranks;
-    for (int k = 0; k < s; ++k) ranks.push_back(first + k);
-    state->set_reduce_group(world->new_group(ranks, "reduce-scatter-" + std::to_string(first / s)));
-  }
+// The sharded strategies: one Unit per unit module, its parameters laid out
+// in FlatParams (one per dtype and requires_grad), this rank's shard kept.
+std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelWalk& found, bool root_is_unit,
+                                                      int shard_size, const std::shared_ptr<detail::ShardState>& state) {
+  const ShardOptions& options = state->options();
+  const auto& mp = options.mixed_precision();
+  const auto& units = found.units;
+  const c10::Device comm_device = world.comm().device();
+  const Strategy strategy = options.strategy();
   const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
   Comm& shard_comm = state->shard_comm();
-  if (options.cpu_offload()) state->enable_offload(comm_device);
-
   std::vector<std::shared_ptr<detail::Unit>> made;
   for (size_t u = 0; u < units.size(); ++u) {
     bool is_root = root_is_unit && u == 0;
@@ -595,8 +500,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
                                                options.reshard_after_forward_of(units[u].name), persistent);
     // A deferred unit is made whole here, sliced by its FlatParams below and
     // freed: one unit in full at a time.
-    materialize_params(params, static_cast<int>(u), comm_device, world->rank());
-    for (auto& members : flat_groups(params, static_cast<int>(u))) {
+    materialize_params(found.params, static_cast<int>(u), comm_device, world.rank());
+    for (auto& members : flat_groups(found.params, static_cast<int>(u))) {
       const at::ScalarType dtype = members.front()->tensor.scalar_type();
       std::vector<at::Tensor> ts;
       std::vector<std::string> names;
@@ -606,8 +511,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
       }
       auto flat = std::make_unique<FlatParam>(std::move(ts), std::move(names), shard_size, shard_comm.rank(),
                                               &state->mem(), persistent);
-      if (options.sync_module_states() && world->size() > 1) {
-        world->comm().broadcast(flat->full(), 0, "parameters of unit '" + unit->label() + "' at shard()");
+      if (options.sync_module_states() && world.size() > 1) {
+        world.comm().broadcast(flat->full(), 0, "parameters of unit '" + unit->label() + "' at shard()");
         flat->write_back_shard();
       }
       if (mp.param_dtype() && at::isFloatingType(dtype)) {
@@ -623,11 +528,44 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     state->add_unit(unit);
     made.push_back(unit);
   }
-  materialize_buffers(buffers, comm_device, world->rank());
-  cast_buffers(mp, buffers);
-  sync_buffers(*state, *world, buffers);
-  for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
-  enable_checkpointing(units, checkpointed, state, made);
+  return made;
+}
+
+}  // namespace
+
+ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options) {
+  TORCH_CHECK(world, "shardtorch::shard: no world");
+  TORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: this model is already sharded; shard() was called twice");
+  world->note_progress("shard()");
+  const Strategy strategy = options.strategy();
+  ModelWalk found = walk_model(root, /*allow_sharded=*/false);
+  const bool root_is_unit = dynamic_cast<UnitBase*>(&root) != nullptr;
+  const Config config = check_config(options, *world, found, root_is_unit);
+  agree_on_model(*world, options, found, config);
+
+  auto state = std::make_shared<detail::ShardState>(world, options);
+  if (strategy == Strategy::NoShard) {
+    shard_replicated(root, *world, found, config.checkpointed, state);
+    detail::register_model(root, state);
+    world->note_progress("shard() done");
+    return ShardedModel(state);
+  }
+
+  std::vector<std::string> orphans;
+  for (const auto& p : found.params)
+    if (p.unit < 0) orphans.push_back(p.name);
+  TORCH_CHECK(orphans.empty(), "shardtorch::shard: ", orphans.size(), " parameter(s) belong to no unit (first: '",
+              orphans.front(), "') and the root module is not a unit; declare the root as shardtorch::Sharded<Impl> "
+              "(see docs/api.md)");
+  TORCH_CHECK(!found.units.empty(), "shardtorch::shard: the model has no unit; mark modules with shardtorch::Sharded<Impl>");
+
+  state->topology().build(strategy, config.shard_size);
+  if (options.cpu_offload()) state->copies().enable_offload(world->comm().device());
+  auto made = make_units(*world, found, root_is_unit, config.shard_size, state);
+  materialize_buffers(found.buffers, world->comm().device(), world->rank());
+  state->buffers().setup(*world, options, found.buffers);
+  for (size_t u = 0; u < found.units.size(); ++u) detail::ShardState::attach(*found.units[u].base, made[u]);
+  enable_checkpointing(found.units, config.checkpointed, state, made);
   detail::register_model(root, state);
   world->note_progress("shard() done");
   return ShardedModel(state);
@@ -709,36 +647,19 @@ ShardedModel::NoSync::~NoSync() {
   if (state_) state_->set_sync(previous_);
 }
 ShardedModel::NoSync ShardedModel::no_sync() { return NoSync(state_); }
-int64_t ShardedModel::gradient_reductions() const { return state_->gradient_reductions(); }
-int64_t ShardedModel::reductions_deferred() const { return state_->reductions_deferred(); }
-int64_t ShardedModel::reduce_scatters_overlapped() const { return state_->bucketer().launched_while_in_flight(); }
-int64_t ShardedModel::reduce_scatters_past_the_limit() const { return state_->bucketer().launched_past_limit(); }
-int64_t ShardedModel::buckets_launched_during_backward() const {
-  return state_->ddp() ? state_->ddp()->launched_during_backward() : 0;
-}
-ShardedModel::OffloadTraffic ShardedModel::offload_traffic() const {
-  const auto* off = state_->offloader();
-  return off ? OffloadTraffic{off->bytes_to_device(), off->bytes_to_host()} : OffloadTraffic{};
+ShardStats ShardedModel::stats() const {
+  ShardStats s;
+  s.gradient_reductions = state_->gradient_reductions();
+  s.reductions_deferred = state_->order().reductions_deferred();
+  s.reduce_scatters_overlapped = state_->bucketer().launched_while_in_flight();
+  s.reduce_scatters_past_the_limit = state_->bucketer().launched_past_limit();
+  s.buckets_launched_during_backward = state_->ddp() ? state_->ddp()->launched_during_backward() : 0;
+  if (const auto* off = state_->offloader()) s.offload = {off->bytes_to_device(), off->bytes_to_host()};
+  return s;
 }
 MemorySnapshot ShardedModel::memory() const { return state_->mem().snapshot(); }
 void ShardedModel::reset_peak_memory() { state_->mem().reset_peaks(); }
-CommStats ShardedModel::comm_stats() const {
-  CommStats total = state_->world().comm().stats();
-  auto add = [&](const Comm* c) {
-    if (c == nullptr || c == &state_->world().comm()) return;
-    const CommStats& s = c->stats();
-    for (auto [to, from] : {std::pair{&total.all_gather, &s.all_gather}, std::pair{&total.reduce_scatter, &s.reduce_scatter},
-                            std::pair{&total.all_reduce, &s.all_reduce}, std::pair{&total.broadcast, &s.broadcast}}) {
-      to->calls += from->calls;
-      to->bytes_sent += from->bytes_sent;
-      to->seconds += from->seconds;
-    }
-  };
-  add(&state_->shard_comm());
-  add(state_->replica_comm());
-  if (&state_->reduce_comm() != &state_->shard_comm()) add(&state_->reduce_comm());
-  return total;
-}
+CommStats ShardedModel::comm_stats() const { return state_->topology().stats(); }
 
 std::vector<UnitInfo> ShardedModel::units() const {
   std::vector<UnitInfo> out;

@@ -165,7 +165,7 @@ void train_and_check(const Case& c, int micro, MicroPlan plan, const std::functi
         auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
         const int64_t rows = kRows / micro;
         for (int s = 0; s < kSteps; ++s) {
-          const int64_t before = sm.reductions_deferred();
+          const int64_t before = sm.stats().reductions_deferred;
           opt->zero_grad();
           for (int k = 0; k < micro; ++k) {
             sm.set_requires_gradient_sync(k == micro - 1);
@@ -180,7 +180,7 @@ void train_and_check(const Case& c, int micro, MicroPlan plan, const std::functi
           require(sm.memory().gathered_units == 0, "units left gathered after backward");
           opt->step();
           if (between) between(model, w.rank());
-          const int64_t waited = sm.reductions_deferred() - before, want_waited = units_waited(s, w.rank());
+          const int64_t waited = sm.stats().reductions_deferred - before, want_waited = units_waited(s, w.rank());
           require(waited == want_waited, "step " + std::to_string(s) + ": " + std::to_string(waited) +
                                              " units waited for their turn, expected " + std::to_string(want_waited));
         }
@@ -352,7 +352,7 @@ TEST(RankDependentBranchesAroundGathers, AParentFinalBeforeItsFrozenChildGathers
             model(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
             opt->step();
           }
-          require(sm.reductions_deferred() == 0, "a unit waited for its turn");
+          require(sm.stats().reductions_deferred == 0, "a unit waited for its turn");
           expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a parent final before its child gathers");
         },
         shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
@@ -440,7 +440,7 @@ TEST(RankDependentBranchesAroundGathers, AForwardOnOneRankOnlyUnderAPlainRootDoe
         opt->step();
         if (!after_zero_grad && w.rank() == 0) look();
       }
-      require(sm.reductions_deferred() == 0, "a unit waited for its turn");
+      require(sm.stats().reductions_deferred == 0, "a unit waited for its turn");
       expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a forward on rank 0 only");
     }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << (after_zero_grad ? ", look after zero_grad: " : ": ")
@@ -503,7 +503,7 @@ TEST(RankDependentBranchesAroundGathers, MoreUnitsFinalBeforeAGatherThanReduceSc
           }
           expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "three nested units routed around");
           // Somewhere a launch went past the limit instead of waiting.
-          auto past = torch::full({1}, static_cast<double>(sm.reduce_scatters_past_the_limit()), torch::kDouble);
+          auto past = torch::full({1}, static_cast<double>(sm.stats().reduce_scatters_past_the_limit), torch::kDouble);
           w.comm().all_reduce(past, c10d::ReduceOp::SUM, "launches past the limit");
           require(past.item<double>() >= 1, "no reduce-scatter was launched past the limit");
         },

@@ -566,7 +566,7 @@ TEST(FrozenParameters, ACheckpointedFrozenUnitBetweenTrainableOnesTrainsLikeTorc
         m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
         opt->step();
       }
-      require(sm.reductions_deferred() == 0, std::to_string(sm.reductions_deferred()) + " units waited");
+      require(sm.stats().reductions_deferred == 0, std::to_string(sm.stats().reductions_deferred) + " units waited");
       expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a checkpointed frozen unit");
     });
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();

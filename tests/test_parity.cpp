@@ -88,7 +88,7 @@ void train_sharded(World& w, MakeModel make, LossFn loss_fn, MakeOpt make_opt, c
     opt->step();
   }
   // Units became final in the reduction order: none waited for its turn.
-  require(sm.reductions_deferred() == 0, std::to_string(sm.reductions_deferred()) + " reductions deferred");
+  require(sm.stats().reductions_deferred == 0, std::to_string(sm.stats().reductions_deferred) + " reductions deferred");
   shardtorch::FullParams full(*model);
   double e = expect_close_map(snapshot(*model), ref.final_params, kTol, "parameters after " + std::to_string(steps) + " steps");
   if (w.rank() == 0) std::cout << "  world " << w.size() << ": max relative error of parameters after " << steps << " steps " << e << std::endl;

@@ -260,8 +260,8 @@ TEST_P(SmallBucketParity, ReduceScattersInFlightDuringBackwardMatchSingleProcess
       const int64_t calls = whole ? sm.comm_stats().all_reduce.calls : sm.comm_stats().reduce_scatter.calls;
       require(calls >= 3, std::string("expected a ") + (whole ? "gradient all-reduce" : "reduce-scatter") +
                               " per unit (two blocks and the root) with 0.06 MiB buckets, got " + std::to_string(calls));
-      require(sm.reduce_scatters_overlapped() >= 1, "no gradient reduction was launched while another was in flight");
-      require(sm.reductions_deferred() == 0, "a unit waited for its turn in the reduction order");
+      require(sm.stats().reduce_scatters_overlapped >= 1, "no gradient reduction was launched while another was in flight");
+      require(sm.stats().reductions_deferred == 0, "a unit waited for its turn in the reduction order");
     }
     compare(train_sharded(w, recipe, x, opts), want,
             std::string(shardtorch::strategy_name(strategy)) + " with small buckets");

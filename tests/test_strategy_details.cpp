@@ -30,7 +30,7 @@ TEST_P(EveryStrategy, NoSyncReducesNothingUntilTheSynchronisingBackward) {
       gpt::lm_loss(model(x), x).backward();
     }
     require(sm.requires_gradient_sync(), "no_sync() did not restore sync");
-    require(sm.gradient_reductions() == 0, "reduced during no_sync: " + std::to_string(sm.gradient_reductions()));
+    require(sm.stats().gradient_reductions == 0, "reduced during no_sync: " + std::to_string(sm.stats().gradient_reductions));
     const int64_t staged = sm.memory().cur(Mem::GradStaging);
     if (strategy == Strategy::NoShard) {
       require(staged == 0, "NoShard accumulates in its buckets, nothing staged");
@@ -38,7 +38,7 @@ TEST_P(EveryStrategy, NoSyncReducesNothingUntilTheSynchronisingBackward) {
       require(staged > 0, "sharded strategies keep unsharded gradients while accumulating");
     }
     gpt::lm_loss(model(x), x).backward();
-    require(sm.gradient_reductions() > 0, "the synchronising backward reduced nothing");
+    require(sm.stats().gradient_reductions > 0, "the synchronising backward reduced nothing");
     require(sm.memory().cur(Mem::GradStaging) == 0, "staged gradients left after the synchronising backward");
   });
   ASSERT_TRUE(r.ok) << r.summary();
@@ -345,7 +345,7 @@ TEST(NoShard, BucketAllReducesStartDuringBackwardAndGradientsAreBucketViews) {
     auto sm = shardtorch::shard(model, w, ShardOptions().strategy(Strategy::NoShard).bucket_mb(1.0 / 64));
     auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
     gpt::lm_loss(model(x), x).backward();
-    require(sm.buckets_launched_during_backward() >= 1, "no bucket was launched before backward ended");
+    require(sm.stats().buckets_launched_during_backward >= 1, "no bucket was launched before backward ended");
     // Gradients are views of bucket storage: consecutive parameters of one
     // block share a storage.
     auto& ln = model->block_list[1]->ln2;
@@ -357,8 +357,8 @@ TEST(NoShard, BucketAllReducesStartDuringBackwardAndGradientsAreBucketViews) {
     auto sm = shardtorch::shard(model, w, ShardOptions().strategy(Strategy::NoShard).bucket_mb(1.0 / 64).ddp_async(false));
     auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
     gpt::lm_loss(model(x), x).backward();
-    require(sm.buckets_launched_during_backward() == 0, "synchronous mode launched during backward");
-    require(sm.gradient_reductions() > 1, "synchronous mode reduced nothing");
+    require(sm.stats().buckets_launched_during_backward == 0, "synchronous mode launched during backward");
+    require(sm.stats().gradient_reductions > 1, "synchronous mode reduced nothing");
   });
   ASSERT_TRUE(sync.ok) << sync.summary();
 }
@@ -480,7 +480,7 @@ TEST(Configuration, AGroupOfSomeRanksDoesNotUpsetTheGroupsShardMakes) {
       auto sm = shardtorch::shard(model, w, strategy_options(s, 4));
       torch::manual_seed(1);
       torch::mse_loss(model(torch::randn({2, 7})), torch::zeros({2, 3})).backward();
-      require(sm.gradient_reductions() > 0, "nothing reduced");
+      require(sm.stats().gradient_reductions > 0, "nothing reduced");
     }
   }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
   ASSERT_TRUE(r.ok) << r.summary();
@@ -607,8 +607,8 @@ TEST(HybridShard, OneAllReduceAcrossReplicasPerLaunchedBucket) {
                                       " flat parameters), bucket_mb " + std::to_string(mb));
       // The overlap counts reduce-scatters launched beside another, not the
       // all-reduces that continue them (it counted those too).
-      require(sm.reduce_scatters_overlapped() < launches,
-              std::to_string(sm.reduce_scatters_overlapped()) + " reduce-scatters overlapped of " +
+      require(sm.stats().reduce_scatters_overlapped < launches,
+              std::to_string(sm.stats().reduce_scatters_overlapped) + " reduce-scatters overlapped of " +
                   std::to_string(launches) + ", bucket_mb " + std::to_string(mb));
       if (mb == 25.0) require(launches == 1 && flats > 1, "one bucket expected, " + std::to_string(launches));
       if (mb < 1.0) require(launches > 1, "several launches expected with small buckets");

@@ -550,7 +550,7 @@ TEST(Units, AUnitCalledSeveralTimesInOneForwardTrainsLikeTorch) {
           opt->zero_grad();
           (m(part(xa), part(xb)).pow(2).sum() * w.size()).backward();
           require(sm.memory().gathered_units == 0, "units left gathered after backward");
-          require(sm.reductions_deferred() == 0, "a unit waited for its turn in the reduction order");
+          require(sm.stats().reductions_deferred == 0, "a unit waited for its turn in the reduction order");
           out.peak_units = std::max(out.peak_units, sm.memory().peak_gathered_units);
           opt->step();
         }
@@ -607,7 +607,7 @@ TEST(Units, PrefetchFollowsBackwardThroughRepeatedUnitsOfATwoTowerModel) {
         auto [za, zb] = m(part(xa), part(xb));
         ((za - zb).pow(2).sum() + za.sum()).backward();
         require(sm.memory().gathered_units == 0, "units left gathered after backward");
-        require(sm.reductions_deferred() == 0, "a unit waited for its turn in the reduction order");
+        require(sm.stats().reductions_deferred == 0, "a unit waited for its turn in the reduction order");
         peak = std::max(peak, sm.memory().peak_gathered_units);
         opt->step();
       }

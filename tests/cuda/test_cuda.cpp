@@ -55,7 +55,7 @@ struct Recipe {
 };
 
 struct Seen {
-  shardtorch::ShardedModel::OffloadTraffic traffic;
+  shardtorch::ShardStats::OffloadTraffic traffic;
   int64_t host_tensors = 0, pinned = 0;  // among the optimizer's tensors
   int64_t host_grads = 0, pinned_grads = 0;  // their gradients after the last backward
 };
@@ -76,7 +76,7 @@ std::map<std::string, torch::Tensor> sharded(World& w, const Recipe& r, Seen* se
     opt->step();
   }
   if (seen) {
-    seen->traffic = sm.offload_traffic();
+    seen->traffic = sm.stats().offload;
     for (const auto& g : opt->inner().param_groups())
       for (const auto& p : g.params())
         if (p.device().is_cpu()) {

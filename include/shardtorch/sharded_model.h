@@ -1,0 +1,117 @@
+#pragma once
+// shard() and the handle it returns: memory, communication and diagnostic
+// counters of a sharded model, gradient synchronisation (no_sync), and the
+// layout of its units.
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardtorch/flat_param.h"
+#include "shardtorch/memory.h"
+#include "shardtorch/shard_options.h"
+#include "shardtorch/unit.h"
+#include "shardtorch/world.h"
+
+namespace shardtorch {
+
+/// A sharded model's diagnostic counters on this rank, since shard()
+/// (ShardedModel::stats()).
+struct ShardStats {
+  /// Gradient reductions started: flat gradients handed to a reduce-scatter
+  /// or all-reduce, and NoShard buckets launched.
+  int64_t gradient_reductions = 0;
+  /// Sharded strategies: units whose gradients were final before their turn
+  /// in the reduction order. They wait (holding their staged gradient) so
+  /// that every rank issues its collectives in one order; 0 when units finish
+  /// in that order (docs/design.md, "Ordering and consistency across ranks").
+  int64_t reductions_deferred = 0;
+  /// Sharded strategies: gradient reduce-scatters (OptimizerOnly: its
+  /// gradient all-reduces) launched while an earlier one was still in flight
+  /// (they overlap each other and the rest of backward; 0 when every bucket
+  /// is reduced at the end of backward).
+  int64_t reduce_scatters_overlapped = 0;
+  /// Sharded strategies: gradient reduce-scatters launched past the limit of
+  /// kMaxReduceScattersInFlight, because the oldest had not completed within
+  /// kReduceScatterLimitWait: this rank finished units before a peer did
+  /// (data-dependent routing). Each holds one more bucket for a while; 0 in
+  /// models whose units finish in the same order everywhere.
+  int64_t reduce_scatters_past_the_limit = 0;
+  /// NoShard: buckets whose all-reduce was launched from a gradient hook,
+  /// i.e. while backward was still running (overlap).
+  int64_t buckets_launched_during_backward = 0;
+  /// CPU offload: bytes copied from host memory to the compute device (master
+  /// shards, or their bf16 copies, before all-gathers) and back (reduced
+  /// gradient shards); both 0 without offload.
+  struct OffloadTraffic {
+    int64_t to_device_bytes = 0, to_host_bytes = 0;
+  };
+  OffloadTraffic offload;
+};
+
+struct UnitInfo {
+  std::string name;  // "" for the root
+  std::vector<FlatParamLayout> layouts;
+  std::vector<std::vector<std::string>> param_names;  // per flat parameter
+  std::vector<bool> frozen;                           // per flat parameter
+};
+
+/// What shard() returns: a handle on the sharded model's state.
+class ShardedModel {
+ public:
+  explicit ShardedModel(std::shared_ptr<detail::ShardState> state) : state_(std::move(state)) {}
+  const World& world() const;
+  /// This rank's bytes by category.
+  MemorySnapshot memory() const;
+  void reset_peak_memory();
+  /// This rank's collectives so far, summed over the world and (HybridShard)
+  /// the shard and replica groups.
+  CommStats comm_stats() const;
+  std::vector<UnitInfo> units() const;
+  Strategy strategy() const;
+
+  /// With false, backwards accumulate gradients locally and reduce nothing;
+  /// the first backward with true reduces the sum (gradient accumulation).
+  void set_requires_gradient_sync(bool sync);
+  bool requires_gradient_sync() const;
+  /// RAII: no synchronisation while it lives.
+  class NoSync {
+   public:
+    explicit NoSync(std::shared_ptr<detail::ShardState> s);
+    ~NoSync();
+    NoSync(NoSync&&) = default;
+
+   private:
+    std::shared_ptr<detail::ShardState> state_;
+    bool previous_;
+  };
+  NoSync no_sync();
+
+  /// This rank's diagnostic counters since shard().
+  ShardStats stats() const;
+  const std::shared_ptr<detail::ShardState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<detail::ShardState> state_;
+};
+
+/// Shards `root` over `world`. Collective: every rank must call it with the
+/// same model; models that differ fail on every rank, naming the first
+/// differing parameter and the ranks.
+ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options = {});
+inline ShardedModel shard(torch::nn::Module& root, World& world, ShardOptions options = {}) {
+  return shard(root, world.shared_from_this(), options);
+}
+template <class M, class W>
+ShardedModel shard(torch::nn::ModuleHolder<M>& root, W&& world, ShardOptions options = {}) {
+  return shard(*root, std::forward<W>(world), options);
+}
+/// The handle of a model shard() was called on; throws if it never was.
+ShardedModel sharded_model(torch::nn::Module& root);
+
+}  // namespace shardtorch

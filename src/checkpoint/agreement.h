@@ -1,0 +1,47 @@
+#pragma once
+// Internal: how the ranks agree during a checkpoint save or load, so that no
+// rank carries on alone after another failed and no collective is left
+// waiting for a rank that threw.
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtorch/collectives.h"
+
+namespace shardtorch {
+class World;
+}
+
+namespace shardtorch::detail {
+
+class ShardState;
+
+/// Collective: every rank reports what went wrong on it ("" if nothing) and,
+/// when nothing did, a fingerprint of what it read. If any rank failed, every
+/// rank throws checkpoint::SafetensorsError "<what>: rank R: <R's error>" (R
+/// the first that failed); if the fingerprints differ, every rank throws
+/// naming the two.
+void agree_on_errors(World& world, const std::string& error, const std::string& what,
+                     const std::string& fingerprint = "");
+
+/// Collective, the end of a checkpoint load: agrees on what the check phase
+/// found (`error`, `fingerprint`), runs the planned `changes`, agrees again
+/// (a failure while copying says the model is partly loaded), then rebuilds
+/// what the new values make stale (after_optimizer_step).
+void load_agreed(ShardState& state, const std::string& error, const std::string& fingerprint,
+                 const std::vector<std::function<void()>>& changes, const std::string& what);
+
+/// For its lifetime, every communicator of the model waits at least the
+/// world's file_timeout: the checkpoints' collectives, which wait for other
+/// ranks' file writes, reads and fsyncs.
+class FileWaits {
+ public:
+  explicit FileWaits(ShardState& state);
+
+ private:
+  std::vector<std::unique_ptr<Comm::TimeoutAtLeast>> raised_;
+};
+
+}  // namespace shardtorch::detail

@@ -1,0 +1,58 @@
+#include "gradient_reducer.h"
+
+#include "errors.h"
+#include "shard_state.h"
+
+namespace shardtorch::detail {
+
+void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
+  const double world = model_.world().size();
+  FlatParam* fp = &flat;
+  const std::string what = "gradients of unit '" + label + "' (" + fp->describe() + ")";
+  at::Tensor g = fp->take_staging_grad();
+  if (g.numel() == 0) {  // a flat of empty parameters: an empty gradient, and nothing to send
+    const bool full = model_.strategy() == Strategy::OptimizerOnly;
+    model_.copies().deliver_gradient(g, /*owned=*/true, [fp, full](const at::Tensor& r) {
+      full ? fp->accumulate_full_grad(r, 1.0) : fp->accumulate_shard_grad(r, 1.0);
+    });
+    return;
+  }
+  ++reductions_;
+  // fp16 sums of N gradients can overflow: divide before reducing instead of after.
+  double post = world;
+  if (g.scalar_type() == at::kHalf) {
+    g.div_(world);
+    post = 1.0;
+  }
+  ShardState* owner = &model_;
+  if (model_.strategy() == Strategy::OptimizerOnly) {  // every rank keeps the whole gradient
+    bucketer_.all_reduce(
+        g, model_.reduce_comm(),
+        [fp, post, owner, what](const at::Tensor& reduced) {  // the staging gradient, reduced: no one else writes it
+          run_naming(owner->world().rank(), "reduction callback", [&] { return "adding the all-reduced " + what; }, [&] {
+            owner->copies().deliver_gradient(reduced, /*owned=*/true,
+                                             [fp, post](const at::Tensor& r) { fp->accumulate_full_grad(r, post); });
+          });
+        },
+        what);
+    return;
+  }
+  // HybridShard: summed in the shard group, then across the replicas by
+  // the bucketer (one all-reduce per launch) before the callback runs.
+  bucketer_.reduce_scatter(
+      g, model_.reduce_comm(),
+      [fp, post, owner, what](const at::Tensor& reduced) {  // a view of a bucket's output
+        run_naming(owner->world().rank(), "reduction callback", [&] { return "adding the reduce-scattered " + what; }, [&] {
+          owner->copies().deliver_gradient(reduced, /*owned=*/false,
+                                           [fp, post](const at::Tensor& r) { fp->accumulate_shard_grad(r, post); });
+        });
+      },
+      what, model_.replica_comm());
+}
+
+void ShardedReducer::finish_backward(bool /*sync*/) {
+  bucketer_.flush();
+  bucketer_.free();
+}
+
+}  // namespace shardtorch::detail

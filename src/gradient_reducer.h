@@ -1,0 +1,57 @@
+#pragma once
+// Internal: how a sharded model's gradients are reduced across ranks. One
+// interface, two paths: the sharded strategies reduce-scatter each unit's
+// flat gradient (all-reduce under OptimizerOnly) through a
+// ReduceScatterBucketer; NoShard all-reduces the parameters' gradients in
+// buckets (ReplicatedPath, replicated.h). Communication hooks plug in here.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+#include "shardtorch/reduce_scatter_bucketer.h"
+
+namespace shardtorch {
+class FlatParam;
+}
+
+namespace shardtorch::detail {
+
+class ShardState;
+
+class GradientReducer {
+ public:
+  virtual ~GradientReducer() = default;
+  /// The end of a backward that reduces gradients: launches what is still
+  /// pending, waits for every reduction in flight and delivers the results
+  /// (`sync`: the backward synchronises; without it gradients stay local).
+  virtual void finish_backward(bool sync) = 0;
+  /// A failed backward: waits for the reductions in flight and drops them
+  /// and whatever is staged.
+  virtual void discard() = 0;
+  /// Reductions started since shard(): flat gradients handed on, or buckets launched.
+  virtual int64_t reductions() const = 0;
+};
+
+/// The sharded strategies' reductions.
+class ShardedReducer final : public GradientReducer {
+ public:
+  ShardedReducer(ShardState& model, double bucket_mb, MemoryTracker* mem) : model_(model), bucketer_(bucket_mb, mem) {}
+
+  /// Hands `flat`'s staged gradient (of unit `label`) to its reduction; the
+  /// result is added into its shard gradient (OptimizerOnly: its whole
+  /// gradient) when the reduction completes.
+  void reduce(FlatParam& flat, const std::string& label);
+  void finish_backward(bool sync) override;
+  void discard() override { bucketer_.discard(); }
+  int64_t reductions() const override { return reductions_; }
+  ReduceScatterBucketer& bucketer() { return bucketer_; }
+  const ReduceScatterBucketer& bucketer() const { return bucketer_; }
+
+ private:
+  ShardState& model_;
+  ReduceScatterBucketer bucketer_;
+  int64_t reductions_ = 0;
+};
+
+}  // namespace shardtorch::detail

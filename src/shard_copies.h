@@ -1,0 +1,62 @@
+#pragma once
+// Internal: how shards reach the all-gathers and reduced gradients reach the
+// shards: directly, or under CPU offload through the Offloader's copies
+// between host memory and the compute device (docs/offload.md).
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <memory>
+
+#include "offload.h"
+
+namespace shardtorch {
+class FlatParam;
+}
+
+namespace shardtorch::detail {
+
+class ShardState;
+
+class ShardCopies {
+ public:
+  explicit ShardCopies(ShardState& model) : model_(model) {}
+
+  /// CPU offload: the host/device copies; null without offload.
+  Offloader* offloader() { return offloader_.get(); }
+  const Offloader* offloader() const { return offloader_.get(); }
+  void enable_offload(c10::Device device);
+  /// What a flat parameter's all-gather sends: its shard on the compute device
+  /// in the compute dtype, never aliasing the full buffer.
+  at::Tensor gather_input(FlatParam& f);
+  /// Runs `launch` (all-gathers of gather_input()s) so that it waits for the
+  /// offload copies but the compute stream does not wait for them (offload on
+  /// an accelerator; otherwise it just runs).
+  void launch_gathers(const std::function<void()>& launch);
+  /// A copy of `t` on the communication device (master shards and gradient
+  /// shards may be in host memory under offload).
+  at::Tensor on_comm_device(const at::Tensor& t);
+  /// Hands a reduced gradient to `accumulate`: at once, or under offload after
+  /// its copy to host memory (at the end of backward).
+  /// `owned`: the caller hands `reduced` over (nobody reuses its memory).
+  void deliver_gradient(const at::Tensor& reduced, bool owned, std::function<void(const at::Tensor&)> accumulate);
+  /// Before the CPU writes master shards (the optimizer step, loading
+  /// checkpoints, writeback): no offload copy may still read them. Outside
+  /// the optimizer step (`step`) the masters' bf16 copies are marked stale.
+  void wait_for_offload_copies(bool step = false) {
+    if (!offloader_) return;
+    offloader_->wait_idle();
+    if (!step) low_copies_stale();  // the loads write through copy_, which the version shows: belt and braces
+  }
+  /// Offload: every master's bf16 copy is made again before its next use
+  /// (the masters changed where their version counters may not show it).
+  void low_copies_stale();
+  /// Offload: makes every stale bf16 copy of a master again, now (call only
+  /// while no copy to the device runs).
+  void remake_low_copies();
+
+ private:
+  ShardState& model_;
+  std::unique_ptr<Offloader> offloader_;
+};
+
+}  // namespace shardtorch::detail
