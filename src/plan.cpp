@@ -42,59 +42,75 @@ std::string MemoryPlan::report() const {
 
 namespace {
 int64_t esize(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
-}  // namespace
 
-MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& plan) {
+// The ranks a parameter is sharded over; throws on options plan_memory cannot plan.
+int checked_shard_size(const PlanOptions& plan) {
   const ShardOptions& o = plan.options;
-  const Strategy strategy = o.strategy();
-  const auto& mp = o.mixed_precision();
   TORCH_CHECK(plan.world_size >= 1, "plan_memory: world size ", plan.world_size, " must be at least 1");
   TORCH_CHECK(plan.optimizer_states >= 0, "plan_memory: optimizer_states must not be negative");
-  TORCH_CHECK(!(o.cpu_offload() && strategy == Strategy::NoShard), "plan_memory: cpu_offload needs a sharding strategy");
-  int shard_size = plan.world_size;
-  if (strategy == Strategy::HybridShard) {
-    TORCH_CHECK(o.hybrid_shard_size() >= 1 && plan.world_size % o.hybrid_shard_size() == 0, "plan_memory: "
-                "hybrid_shard_size ", o.hybrid_shard_size(), " must divide the world size ", plan.world_size);
-    shard_size = o.hybrid_shard_size();
-  }
-  MemoryPlan out;
-  auto add = [&](Mem m, int64_t b) { out.bytes[static_cast<size_t>(m)] += b; };
-  const bool off = o.cpu_offload();
-  const Mem shard_cat = off ? Mem::HostParams : Mem::ShardedParams;
-  const Mem grad_cat = off ? Mem::HostGradients : Mem::Gradients;
-  const Mem opt_cat = off ? Mem::HostOptimizerState : Mem::OptimizerState;
-  auto compute_of = [&](at::ScalarType t) { return mp.param_dtype() && at::isFloatingType(t) ? *mp.param_dtype() : t; };
-  auto reduce_of = [&](at::ScalarType t) {
+  TORCH_CHECK(!(o.cpu_offload() && o.strategy() == Strategy::NoShard), "plan_memory: cpu_offload needs a sharding strategy");
+  if (o.strategy() != Strategy::HybridShard) return plan.world_size;
+  TORCH_CHECK(o.hybrid_shard_size() >= 1 && plan.world_size % o.hybrid_shard_size() == 0, "plan_memory: "
+              "hybrid_shard_size ", o.hybrid_shard_size(), " must divide the world size ", plan.world_size);
+  return o.hybrid_shard_size();
+}
+
+// The dtypes mixed precision gives a parameter of dtype t.
+struct Precision {
+  const MixedPrecision& mp;
+  at::ScalarType compute(at::ScalarType t) const { return mp.param_dtype() && at::isFloatingType(t) ? *mp.param_dtype() : t; }
+  at::ScalarType reduce(at::ScalarType t) const {
     return mp.param_dtype() && at::isFloatingType(t) ? mp.reduce_dtype().value_or(*mp.param_dtype()) : t;
-  };
-
-  if (strategy == Strategy::NoShard) {  // whole parameters, gradients in the all-reduce buckets
-    for (const auto& u : units) {
-      for (const auto& f : u.flats) {
-        out.params += f.numel;
-        add(Mem::ReplicatedParams, f.numel * esize(compute_of(f.dtype)));  // frozen ones too: whole everywhere
-        // Masters (ShardState::enable_ddp): a trainable parameter has one under
-        // any param_dtype, even its own dtype; a frozen one only when cast.
-        if (compute_of(f.dtype) != f.dtype || (f.trainable && mp.param_dtype() && at::isFloatingType(f.dtype)))
-          add(Mem::ReplicatedParams, f.numel * esize(f.dtype));
-        if (!f.trainable) continue;
-        const at::ScalarType rd = mp.param_dtype() ? reduce_of(f.dtype) : f.dtype;
-        add(Mem::Gradients, f.numel * esize(rd));                          // the all-reduce buckets
-        if (rd != f.dtype) add(Mem::MasterGrads, f.numel * esize(f.dtype));  // transient: backward to step
-        add(Mem::OptimizerState, plan.optimizer_states * f.numel * esize(f.dtype));
-      }
-    }
-    return out;
   }
+};
 
-  const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
+void add(MemoryPlan& out, Mem m, int64_t b) { out.bytes[static_cast<size_t>(m)] += b; }
+
+// NoShard: whole parameters, gradients in the all-reduce buckets.
+void plan_replicated(const std::vector<UnitSpec>& units, const PlanOptions& plan, MemoryPlan& out) {
+  const auto& mp = plan.options.mixed_precision();
+  const Precision p{mp};
+  for (const auto& u : units) {
+    for (const auto& f : u.flats) {
+      out.params += f.numel;
+      add(out, Mem::ReplicatedParams, f.numel * esize(p.compute(f.dtype)));  // frozen ones too: whole everywhere
+      // Masters (ReplicatedPath::enable): a trainable parameter has one under
+      // any param_dtype, even its own dtype; a frozen one only when cast.
+      if (p.compute(f.dtype) != f.dtype || (f.trainable && mp.param_dtype() && at::isFloatingType(f.dtype)))
+        add(out, Mem::ReplicatedParams, f.numel * esize(f.dtype));
+      if (!f.trainable) continue;
+      const at::ScalarType rd = mp.param_dtype() ? p.reduce(f.dtype) : f.dtype;
+      add(out, Mem::Gradients, f.numel * esize(rd));                          // the all-reduce buckets
+      if (rd != f.dtype) add(out, Mem::MasterGrads, f.numel * esize(f.dtype));  // transient: backward to step
+      add(out, Mem::OptimizerState, plan.optimizer_states * f.numel * esize(f.dtype));
+    }
+  }
+}
+
+// The sharded strategies' transient memory, gathered while tallying what
+// each unit holds for good.
+struct Transients {
   int64_t root_gathered = 0, other_gathered = 0, kept_gathered = 0, root_staging = 0, other_staging = 0;
   int64_t all_staging = 0;
   // Reduce dtype -> (shard elements that go through buckets, the largest
   // shard too big for a bucket, reduced alone).
   std::map<at::ScalarType, std::pair<int64_t, int64_t>> reduced;
   std::vector<int64_t> all_reduced;  // OptimizerOnly: the staging gradients, each all-reduced alone
+};
+
+// Adds what every unit holds between steps (shards, gradients, optimizer
+// state, persistent full buffers) and returns what it needs in a step.
+Transients tally_units(const std::vector<UnitSpec>& units, const PlanOptions& plan, int shard_size, MemoryPlan& out) {
+  const ShardOptions& o = plan.options;
+  const Strategy strategy = o.strategy();
+  const Precision p{o.mixed_precision()};
+  const bool off = o.cpu_offload();
+  const Mem shard_cat = off ? Mem::HostParams : Mem::ShardedParams;
+  const Mem grad_cat = off ? Mem::HostGradients : Mem::Gradients;
+  const Mem opt_cat = off ? Mem::HostOptimizerState : Mem::OptimizerState;
+  const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
   const int64_t bucket_bytes = static_cast<int64_t>(o.bucket_mb() * 1024.0 * 1024.0);
+  Transients t;
   for (const auto& u : units) {
     TORCH_CHECK(u.name != "<none>", "plan_memory: some parameters belong to no unit and the root is not a unit");
     int64_t gathered = 0, staging = 0;
@@ -102,23 +118,23 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
       out.params += f.numel;
       const int64_t S = (f.numel + shard_size - 1) / shard_size, padded = S * shard_size;
       const int64_t owned = std::min(f.numel, S);  // rank 0 owns the most (padding sits at the end)
-      const at::ScalarType cd = compute_of(f.dtype), rd = reduce_of(f.dtype);
+      const at::ScalarType cd = p.compute(f.dtype), rd = p.reduce(f.dtype);
       if (persistent) {
-        add(Mem::ReplicatedParams, padded * esize(cd));
-        if (cd != f.dtype || off) add(shard_cat, S * esize(f.dtype));  // else the shard is a view of it
+        add(out, Mem::ReplicatedParams, padded * esize(cd));
+        if (cd != f.dtype || off) add(out, shard_cat, S * esize(f.dtype));  // else the shard is a view of it
       } else {
-        add(shard_cat, S * esize(f.dtype));
+        add(out, shard_cat, S * esize(f.dtype));
         gathered += padded * esize(cd);
       }
-      if (off && f.dtype == at::kFloat && cd == at::kBFloat16) add(Mem::HostParams, S * 2);  // the bf16 copy sent
+      if (off && f.dtype == at::kFloat && cd == at::kBFloat16) add(out, Mem::HostParams, S * 2);  // the bf16 copy sent
       if (!f.trainable) continue;
-      add(grad_cat, (strategy == Strategy::OptimizerOnly ? padded : S) * esize(f.dtype));
-      add(opt_cat, plan.optimizer_states * owned * esize(f.dtype));
+      add(out, grad_cat, (strategy == Strategy::OptimizerOnly ? padded : S) * esize(f.dtype));
+      add(out, opt_cat, plan.optimizer_states * owned * esize(f.dtype));
       staging += padded * esize(rd);
       if (strategy == Strategy::OptimizerOnly) {
-        all_reduced.push_back(padded * esize(rd));
+        t.all_reduced.push_back(padded * esize(rd));
       } else {
-        auto& [bucketed, biggest] = reduced[rd];
+        auto& [bucketed, biggest] = t.reduced[rd];
         if (S * esize(rd) * shard_size <= bucket_bytes) {
           bucketed += S;
         } else {
@@ -126,40 +142,59 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& pl
         }
       }
     }
-    all_staging += staging;
+    t.all_staging += staging;
     if (u.name.empty()) {
-      root_gathered = gathered, root_staging = staging;
+      t.root_gathered = gathered, t.root_staging = staging;
     } else if (!o.reshard_after_forward_of(u.name)) {
-      kept_gathered += gathered;  // stays gathered from its forward to the end of backward
-      other_staging = std::max(other_staging, staging);
+      t.kept_gathered += gathered;  // stays gathered from its forward to the end of backward
+      t.other_staging = std::max(t.other_staging, staging);
     } else {
-      other_gathered = std::max(other_gathered, gathered), other_staging = std::max(other_staging, staging);
+      t.other_gathered = std::max(t.other_gathered, gathered), t.other_staging = std::max(t.other_staging, staging);
     }
   }
+  return t;
+}
+
+// Adds the peak of a step's transient memory: gathered units, staging gradients, buckets.
+void add_peaks(Transients& t, const PlanOptions& plan, int shard_size, MemoryPlan& out) {
+  const ShardOptions& o = plan.options;
+  const int64_t bucket_bytes = static_cast<int64_t>(o.bucket_mb() * 1024.0 * 1024.0);
   // The root (and every unit not resharded after forward) stays gathered
   // through backward beside one other unit; two units' staging buffers at
   // most are alive at once, except under accumulation without
   // synchronisation, where every unit keeps one (docs/memory.md).
   // With prefetch, the next unit is gathered while one computes.
-  add(Mem::GatheredParams, root_gathered + kept_gathered + other_gathered * (o.prefetches() ? 2 : 1));
-  add(Mem::GradStaging, plan.accumulates ? all_staging : root_staging + other_staging);
+  add(out, Mem::GatheredParams, t.root_gathered + t.kept_gathered + t.other_gathered * (o.prefetches() ? 2 : 1));
+  add(out, Mem::GradStaging, plan.accumulates ? t.all_staging : t.root_staging + t.other_staging);
   // Per reduce dtype, [N, cols] inputs and [cols] outputs (none on Gloo,
   // which reduces in place: there the estimate is 1/N high): the bucket filling
   // (grown by doubling: up to twice what it holds, never beyond its cap) and
   // at most kMaxReduceScattersInFlight launched ones (a bucket, at most its
   // cap or all bucketed columns, or a shard too big for a bucket).
-  for (const auto& [dtype, sizes] : reduced) {
+  for (const auto& [dtype, sizes] : t.reduced) {
     const auto [bucketed, biggest] = sizes;
     const int64_t cap = bucket_bytes / (esize(dtype) * shard_size);
     const int64_t cols = std::min(cap, 2 * bucketed) + kMaxReduceScattersInFlight * std::max(std::min(cap, bucketed), biggest);
-    add(Mem::Buckets, (shard_size + 1) * cols * esize(dtype));
+    add(out, Mem::Buckets, (shard_size + 1) * cols * esize(dtype));
   }
   // OptimizerOnly all-reduces each staging gradient alone, in place, at most
   // kMaxReduceScattersInFlight at once (never past it); in flight they count
   // as buckets: at most the largest that many.
-  std::sort(all_reduced.rbegin(), all_reduced.rend());
-  for (size_t k = 0; k < all_reduced.size() && k < static_cast<size_t>(kMaxReduceScattersInFlight); ++k)
-    add(Mem::Buckets, all_reduced[k]);
+  std::sort(t.all_reduced.rbegin(), t.all_reduced.rend());
+  for (size_t k = 0; k < t.all_reduced.size() && k < static_cast<size_t>(kMaxReduceScattersInFlight); ++k)
+    add(out, Mem::Buckets, t.all_reduced[k]);
+}
+}  // namespace
+
+MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& plan) {
+  const int shard_size = checked_shard_size(plan);
+  MemoryPlan out;
+  if (plan.options.strategy() == Strategy::NoShard) {
+    plan_replicated(units, plan, out);
+    return out;
+  }
+  Transients t = tally_units(units, plan, shard_size, out);
+  add_peaks(t, plan, shard_size, out);
   return out;
 }
 

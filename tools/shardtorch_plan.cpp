@@ -72,10 +72,8 @@ std::string gib(int64_t b) {
   return buf;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  Args a;
+// The command line, into `a`.
+po::options_description options_for_args(Args& a) {
   po::options_description desc("shardtorch-plan: per-rank memory of the example GPT before launch");
   desc.add_options()("help", "this text")
       ("layers", po::value(&a.cfg.n_layer)->default_value(12), "transformer blocks")
@@ -95,6 +93,109 @@ int main(int argc, char** argv) {
       ("reserve", po::value(&a.reserve)->default_value(a.reserve),
        "with --fit: memory kept back per rank for what the planner does not predict (activations, workspace), e.g. 6GiB")
       ("by-category", po::bool_switch(&a.by_category), "also print every memory category of each strategy's plan");
+  return desc;
+}
+
+// Throws std::invalid_argument naming the option that makes no sense; sets a.states.
+void validate(Args& a) {
+  if (a.cfg.n_layer < 1 || a.cfg.d_model < 1 || a.cfg.n_head < 1 || a.cfg.vocab < 1 || a.cfg.seq_len < 1 ||
+      a.world < 1 || a.bucket_mb <= 0)
+    throw std::invalid_argument("--layers, --d-model, --heads, --vocab, --seq and --world must be at least 1, and "
+                                "--bucket-mb positive");
+  if (a.cfg.d_model > (int64_t{1} << 20) || a.cfg.vocab > (int64_t{1} << 30) || a.cfg.seq_len > (int64_t{1} << 30))
+    throw std::invalid_argument("--d-model (at most 2^20), --vocab or --seq (at most 2^30) too large to plan");
+  if (a.optimizer == "adamw" || a.optimizer == "adam") a.states = 2;
+  else if (a.optimizer == "sgd-momentum") a.states = 1;
+  else if (a.optimizer == "sgd") a.states = 0;
+  else throw std::invalid_argument("unknown --optimizer " + a.optimizer);
+}
+
+// The strategies to plan: the one asked for, or all that apply.
+std::vector<Strategy> strategies_for(const Args& a) {
+  std::vector<Strategy> strategies;
+  if (!a.strategy.empty()) strategies.push_back(shardtorch::parse_strategy(a.strategy));
+  else strategies = {Strategy::NoShard, Strategy::OptimizerOnly, Strategy::ShardGradOp, Strategy::FullShard,
+                     Strategy::HybridShard};
+  if (!a.strategy.empty() && a.world < 2 && strategies.front() == Strategy::HybridShard)
+    throw std::invalid_argument("--strategy hybrid_shard needs --world 2 or more");
+  if (a.world < 2) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::HybridShard), strategies.end());
+  if (a.offload) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::NoShard), strategies.end());
+  return strategies;
+}
+
+// The table: one line per strategy, and with --by-category every category.
+void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
+  auto units = gpt::unit_specs(a.cfg);
+  std::printf("GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s%s; optimizer %s\n",
+              static_cast<long long>(a.cfg.n_layer), static_cast<long long>(a.cfg.d_model),
+              static_cast<long long>(a.cfg.vocab), static_cast<long long>(a.cfg.seq_len), a.world,
+              a.bf16 ? ", bf16" : ", fp32", a.offload ? ", CPU offload" : "",
+              a.accumulate ? ", accumulating without sync" : "", a.optimizer.c_str());
+  std::printf("per rank, GiB (rank 0, which owns the most); transient = peak estimates of gathered params, "
+              "gradient staging and buckets, and NoShard's fp32 gradient copies under mixed precision; activations "
+              "are not included\n");
+  std::printf("%-15s %14s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "params", "params_B", "grads_B",
+              "optim_B", "state_B", "transient", "device", "host");
+  std::string reports;  // --by-category
+  for (Strategy s : strategies) {
+    auto p = shardtorch::plan_memory(units, options_for(a, s));
+    if (a.by_category) reports += std::string("\n") + shardtorch::strategy_name(s) + ":\n" + p.report();
+    const int64_t params_b = p.of(Mem::ShardedParams) + p.of(Mem::ReplicatedParams) + p.of(Mem::HostParams);
+    const int64_t grads_b = p.of(Mem::Gradients) + p.of(Mem::HostGradients);
+    const int64_t optim_b = p.of(Mem::OptimizerState) + p.of(Mem::HostOptimizerState);
+    std::printf("%-15s %14lld %10s %10s %10s %10s %10s %10s %10s\n", shardtorch::strategy_name(s),
+                static_cast<long long>(p.params), gib(params_b).c_str(), gib(grads_b).c_str(), gib(optim_b).c_str(),
+                gib(p.model_state()).c_str(), gib(p.transient()).c_str(), gib(p.device_peak()).c_str(),
+                gib(p.host()).c_str());
+  }
+  if (a.by_category) std::printf("%s", reports.c_str());
+}
+
+// --fit: the most layers whose device peak fits `budget` per rank, per strategy.
+void print_fit(const Args& a, const std::vector<Strategy>& strategies, int64_t reserve, int64_t budget) {
+  std::printf("\nlargest GPT of this shape (d_model %lld, vocab %lld, seq %lld) whose device peak fits %s per rank%s:\n",
+              static_cast<long long>(a.cfg.d_model), static_cast<long long>(a.cfg.vocab),
+              static_cast<long long>(a.cfg.seq_len), shardtorch::format_bytes(budget).c_str(),
+              reserve > 0 ? (" (" + a.fit + " less " + a.reserve + " kept back)").c_str() : "");
+  for (Strategy s : strategies) {
+    auto peak = [&](int64_t layers) {
+      gpt::Config c = a.cfg;
+      c.n_layer = layers;
+      auto p = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
+      return std::make_pair(p.device_peak(), p.params);
+    };
+    if (peak(0).first > budget) {
+      std::printf("  %-15s nothing fits: the embeddings alone need %s\n", shardtorch::strategy_name(s),
+                  shardtorch::format_bytes(peak(0).first).c_str());
+      continue;
+    }
+    // Under offload the sharded strategies' device peak stops growing with
+    // depth (only one unit is on the device at a time): say so instead of
+    // searching forever.
+    if (peak(2048).first == peak(1024).first) {
+      gpt::Config c = a.cfg;
+      c.n_layer = 1;
+      auto one = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
+      c.n_layer = 2;
+      auto two = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
+      std::printf("  %-15s any depth: the device peak stays %s; host memory grows by %s per layer\n",
+                  shardtorch::strategy_name(s), shardtorch::format_bytes(peak(1024).first).c_str(),
+                  shardtorch::format_bytes(two.host() - one.host()).c_str());
+      continue;
+    }
+    const int64_t lo = shardtorch::largest_that_fits([&](int64_t n) { return peak(n).first; }, budget, 1 << 20);
+    auto [bytes, params] = peak(lo);
+    std::printf("  %-15s %s%lld layers, %.3f B parameters, device peak %s\n", shardtorch::strategy_name(s),
+                lo == (1 << 20) ? "at least " : "",  // the search's limit, not an answer
+                static_cast<long long>(lo), params / 1e9, shardtorch::format_bytes(bytes).c_str());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  po::options_description desc = options_for_args(a);
   try {
     po::variables_map vm;
     po::store(po::parse_command_line(argc, argv, desc), vm);
@@ -103,91 +204,14 @@ int main(int argc, char** argv) {
       return 0;
     }
     po::notify(vm);
-    if (a.cfg.n_layer < 1 || a.cfg.d_model < 1 || a.cfg.n_head < 1 || a.cfg.vocab < 1 || a.cfg.seq_len < 1 ||
-        a.world < 1 || a.bucket_mb <= 0)
-      throw std::invalid_argument("--layers, --d-model, --heads, --vocab, --seq and --world must be at least 1, and "
-                                  "--bucket-mb positive");
-    if (a.cfg.d_model > (int64_t{1} << 20) || a.cfg.vocab > (int64_t{1} << 30) || a.cfg.seq_len > (int64_t{1} << 30))
-      throw std::invalid_argument("--d-model (at most 2^20), --vocab or --seq (at most 2^30) too large to plan");
-    if (a.optimizer == "adamw" || a.optimizer == "adam") a.states = 2;
-    else if (a.optimizer == "sgd-momentum") a.states = 1;
-    else if (a.optimizer == "sgd") a.states = 0;
-    else throw std::invalid_argument("unknown --optimizer " + a.optimizer);
+    validate(a);
     const int64_t reserve = parse_bytes("--reserve", a.reserve),
                   budget = a.fit.empty() ? 0 : parse_bytes("--fit", a.fit) - reserve;
     if (!a.fit.empty() && budget <= 0)
       throw std::invalid_argument("--reserve " + a.reserve + " leaves nothing of --fit " + a.fit);
-    std::vector<Strategy> strategies;
-    if (!a.strategy.empty()) strategies.push_back(shardtorch::parse_strategy(a.strategy));
-    else strategies = {Strategy::NoShard, Strategy::OptimizerOnly, Strategy::ShardGradOp, Strategy::FullShard,
-                       Strategy::HybridShard};
-    if (!a.strategy.empty() && a.world < 2 && strategies.front() == Strategy::HybridShard)
-      throw std::invalid_argument("--strategy hybrid_shard needs --world 2 or more");
-    if (a.world < 2) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::HybridShard), strategies.end());
-    if (a.offload) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::NoShard), strategies.end());
-
-    auto units = gpt::unit_specs(a.cfg);
-    std::printf("GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s%s; optimizer %s\n",
-                static_cast<long long>(a.cfg.n_layer), static_cast<long long>(a.cfg.d_model),
-                static_cast<long long>(a.cfg.vocab), static_cast<long long>(a.cfg.seq_len), a.world,
-                a.bf16 ? ", bf16" : ", fp32", a.offload ? ", CPU offload" : "",
-                a.accumulate ? ", accumulating without sync" : "", a.optimizer.c_str());
-    std::printf("per rank, GiB (rank 0, which owns the most); transient = peak estimates of gathered params, "
-                "gradient staging and buckets, and NoShard's fp32 gradient copies under mixed precision; activations "
-                "are not included\n");
-    std::printf("%-15s %14s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "params", "params_B", "grads_B",
-                "optim_B", "state_B", "transient", "device", "host");
-    std::string reports;  // --by-category
-    for (Strategy s : strategies) {
-      auto p = shardtorch::plan_memory(units, options_for(a, s));
-      if (a.by_category) reports += std::string("\n") + shardtorch::strategy_name(s) + ":\n" + p.report();
-      const int64_t params_b = p.of(Mem::ShardedParams) + p.of(Mem::ReplicatedParams) + p.of(Mem::HostParams);
-      const int64_t grads_b = p.of(Mem::Gradients) + p.of(Mem::HostGradients);
-      const int64_t optim_b = p.of(Mem::OptimizerState) + p.of(Mem::HostOptimizerState);
-      std::printf("%-15s %14lld %10s %10s %10s %10s %10s %10s %10s\n", shardtorch::strategy_name(s),
-                  static_cast<long long>(p.params), gib(params_b).c_str(), gib(grads_b).c_str(), gib(optim_b).c_str(),
-                  gib(p.model_state()).c_str(), gib(p.transient()).c_str(), gib(p.device_peak()).c_str(),
-                  gib(p.host()).c_str());
-    }
-    if (a.by_category) std::printf("%s", reports.c_str());
-    if (!a.fit.empty()) {
-      std::printf("\nlargest GPT of this shape (d_model %lld, vocab %lld, seq %lld) whose device peak fits %s per rank%s:\n",
-                  static_cast<long long>(a.cfg.d_model), static_cast<long long>(a.cfg.vocab),
-                  static_cast<long long>(a.cfg.seq_len), shardtorch::format_bytes(budget).c_str(),
-                  reserve > 0 ? (" (" + a.fit + " less " + a.reserve + " kept back)").c_str() : "");
-      for (Strategy s : strategies) {
-        auto peak = [&](int64_t layers) {
-          gpt::Config c = a.cfg;
-          c.n_layer = layers;
-          auto p = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
-          return std::make_pair(p.device_peak(), p.params);
-        };
-        if (peak(0).first > budget) {
-          std::printf("  %-15s nothing fits: the embeddings alone need %s\n", shardtorch::strategy_name(s),
-                      shardtorch::format_bytes(peak(0).first).c_str());
-          continue;
-        }
-        // Under offload the sharded strategies' device peak stops growing with
-        // depth (only one unit is on the device at a time): say so instead of
-        // searching forever.
-        if (peak(2048).first == peak(1024).first) {
-          gpt::Config c = a.cfg;
-          c.n_layer = 1;
-          auto one = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
-          c.n_layer = 2;
-          auto two = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
-          std::printf("  %-15s any depth: the device peak stays %s; host memory grows by %s per layer\n",
-                      shardtorch::strategy_name(s), shardtorch::format_bytes(peak(1024).first).c_str(),
-                      shardtorch::format_bytes(two.host() - one.host()).c_str());
-          continue;
-        }
-        const int64_t lo = shardtorch::largest_that_fits([&](int64_t n) { return peak(n).first; }, budget, 1 << 20);
-        auto [bytes, params] = peak(lo);
-        std::printf("  %-15s %s%lld layers, %.3f B parameters, device peak %s\n", shardtorch::strategy_name(s),
-                    lo == (1 << 20) ? "at least " : "",  // the search's limit, not an answer
-                    static_cast<long long>(lo), params / 1e9, shardtorch::format_bytes(bytes).c_str());
-      }
-    }
+    const std::vector<Strategy> strategies = strategies_for(a);
+    print_plans(a, strategies);
+    if (!a.fit.empty()) print_fit(a, strategies, reserve, budget);
     return 0;
   } catch (...) {
     return cli::report_error("shardtorch-plan");

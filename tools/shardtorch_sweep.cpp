@@ -26,12 +26,12 @@
 
 #include "../examples/cli.h"
 #include "../examples/gpt.h"
-#include "../src/files.h"
+#include "support/tool_files.h"
 #include "shardtorch/plan.h"
 
 namespace po = boost::program_options;
 namespace json = boost::json;
-namespace files = shardtorch::files;
+namespace files = shardtorch::tools;
 using shardtorch::Mem;
 using shardtorch::Strategy;
 
@@ -115,20 +115,46 @@ double theory_bytes(Strategy s, int world, int hybrid, double psi_bytes) {
   return 0;
 }
 
-}  // namespace
+// The lists of the command line, crossed: every configuration to run.
+struct Lists {
+  std::string strategies = "no_shard,optimizer_only,shard_grad_op,full_shard", worlds = "1,2",
+              models = "2x64,4x128", offloads = "0", buckets = "25", recomputes = "0";
+};
 
-int main(int argc, char** argv) {
-  Common c;
-  std::string strategies = "no_shard,optimizer_only,shard_grad_op,full_shard", worlds = "1,2", models = "2x64,4x128",
-              offloads = "0", buckets = "25", recomputes = "0";
+std::vector<Config> configs_from(const Lists& l) {
+  std::vector<Config> configs;
+  for (const auto& s : split(l.strategies))
+    for (const auto& w : split(l.worlds))
+      for (const auto& m : split(l.models))
+        for (const auto& o : split(l.offloads))
+          for (const auto& b : split(l.buckets))
+            for (const auto& ac : split(l.recomputes)) {
+              auto x = m.find('x');
+              if (x == std::string::npos) throw std::invalid_argument("--models entry '" + m + "' is not LAYERSxD_MODEL");
+              Config k{shardtorch::parse_strategy(s),
+                       static_cast<int>(whole("--worlds", w, 1)),
+                       whole("--models", m.substr(0, x), 1),
+                       whole("--models", m.substr(x + 1), 1),
+                       flag("--offload", o),
+                       positive("--bucket-mb", b),
+                       flag("--activation-checkpointing", ac)};
+              if (k.offload && k.strategy == Strategy::NoShard) continue;  // refused by design
+              if (k.strategy == Strategy::HybridShard && (k.world < 2 || k.world % 2)) continue;
+              configs.push_back(k);
+            }
+  if (configs.empty()) throw std::invalid_argument("no configuration to run");
+  return configs;
+}
+
+po::options_description options_for(Common& c, Lists& l) {
   po::options_description desc("shardtorch-sweep: memory against throughput of the example GPT");
   desc.add_options()("help", "this text")
-      ("strategies", po::value(&strategies)->default_value(strategies), "comma list (hybrid_shard uses groups of world/2)")
-      ("worlds", po::value(&worlds)->default_value(worlds), "comma list of rank counts")
-      ("models", po::value(&models)->default_value(models), "comma list of LAYERSxD_MODEL")
-      ("offload", po::value(&offloads)->default_value(offloads), "comma list of 0/1")
-      ("bucket-mb", po::value(&buckets)->default_value(buckets), "comma list of bucket sizes in MiB")
-      ("activation-checkpointing", po::value(&recomputes)->default_value(recomputes),
+      ("strategies", po::value(&l.strategies)->default_value(l.strategies), "comma list (hybrid_shard uses groups of world/2)")
+      ("worlds", po::value(&l.worlds)->default_value(l.worlds), "comma list of rank counts")
+      ("models", po::value(&l.models)->default_value(l.models), "comma list of LAYERSxD_MODEL")
+      ("offload", po::value(&l.offloads)->default_value(l.offloads), "comma list of 0/1")
+      ("bucket-mb", po::value(&l.buckets)->default_value(l.buckets), "comma list of bucket sizes in MiB")
+      ("activation-checkpointing", po::value(&l.recomputes)->default_value(l.recomputes),
        "comma list of 0/1 (1: the blocks recompute their activations in backward)")
       ("vocab", po::value(&c.vocab)->default_value(c.vocab), "vocabulary")
       ("seq", po::value(&c.seq)->default_value(c.seq), "sequence length")
@@ -144,6 +170,104 @@ int main(int argc, char** argv) {
       ("torchrun", po::value(&c.torchrun)->default_value(c.torchrun), "torchrun")
       ("python", po::value(&c.python)->default_value(c.python), "python with matplotlib, for the plot")
       ("plot-script", po::value(&c.plot)->default_value(c.plot), "plotting script; empty: no plot");
+  return desc;
+}
+
+// The torchrun command that runs one configuration, its reports under `prefix`.
+std::string run_command(const Common& c, const Config& cfg, int hybrid, const std::string& prefix) {
+  std::ostringstream cmd;
+  cmd << "timeout " << c.timeout << " " << quote(c.torchrun) << " --no-python --standalone --nproc-per-node "
+      << cfg.world << " " << quote(c.gpt_bench) << " --strategy " << shardtorch::strategy_name(cfg.strategy)
+      << " --hybrid-shard-size " << hybrid << " --layers " << cfg.layers << " --d-model " << cfg.d_model
+      << " --heads " << c.heads << " --vocab " << c.vocab << " --seq " << c.seq << " --batch " << c.batch
+      << " --steps " << c.steps << " --warmup " << c.warmup << " --threads " << c.threads << " --bucket-mb "
+      << cfg.bucket_mb << (cfg.offload ? " --offload" : "") << (cfg.recompute ? " --activation-checkpointing" : "")
+      << (c.bf16 ? " --bf16" : "") << " --quiet --report "
+      << quote(prefix) << " > " << quote(prefix + ".log") << " 2>&1";
+  return cmd.str();
+}
+
+// One configuration's run, from its ranks' reports: the slowest rank's
+// times, the largest rank's memory.
+struct Measured {
+  double p50 = 0, p95 = 0, tps = 1e300;
+  int64_t rss = 0, state = 0, sent = 0, params = 0;
+  std::vector<int64_t> peaks = std::vector<int64_t>(static_cast<size_t>(Mem::kCount), 0);
+};
+
+Measured read_reports(const Config& cfg, const std::string& prefix) {
+  Measured m;
+  for (int r = 0; r < cfg.world; ++r) {
+    const std::string path = prefix + ".rank" + std::to_string(r) + ".json";
+    std::ifstream f(path);
+    if (!f) throw std::runtime_error("no report " + path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    const auto v = json::parse(ss.str()).as_object();
+    m.p50 = std::max(m.p50, v.at("p50_ms").to_number<double>());
+    m.p95 = std::max(m.p95, v.at("p95_ms").to_number<double>());
+    m.tps = std::min(m.tps, v.at("tokens_per_s").to_number<double>());
+    m.rss = std::max(m.rss, v.at("peak_rss_bytes").to_number<int64_t>());
+    m.state = std::max(m.state, v.at("model_state_bytes").to_number<int64_t>());
+    m.sent = std::max(m.sent, v.at("bytes_sent_per_step").to_number<int64_t>());
+    m.params = v.at("params").to_number<int64_t>();
+    const auto& mem = v.at("memory").as_object();
+    for (int i = 0; i < static_cast<int>(Mem::kCount); ++i)
+      m.peaks[i] = std::max(m.peaks[i], mem.at(shardtorch::mem_name(static_cast<Mem>(i))).at("peak").to_number<int64_t>());
+  }
+  return m;
+}
+
+// The plan for one configuration, to set against what it measured.
+shardtorch::MemoryPlan plan_for(const Common& c, const Config& cfg, int hybrid) {
+  gpt::Config g{c.vocab, c.seq, cfg.d_model, c.heads, cfg.layers};
+  auto opts = shardtorch::ShardOptions().strategy(cfg.strategy).cpu_offload(cfg.offload).bucket_mb(cfg.bucket_mb);
+  if (cfg.strategy == Strategy::HybridShard) opts.hybrid_shard_size(hybrid);
+  if (c.bf16) opts.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kBFloat16));
+  return shardtorch::plan_memory(gpt::unit_specs(g), {opts, cfg.world, 2});
+}
+
+void write_csv_header(std::ofstream& csv) {
+  csv << "strategy,world,layers,d_model,params,offload,bucket_mb,activation_checkpointing,dtype,p50_ms,p95_ms,tokens_per_s,peak_rss_bytes,"
+         "model_state_bytes,planned_model_state_bytes,plan_error,bytes_sent_per_step,theory_bytes_per_step";
+  for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) csv << ",peak_" << shardtorch::mem_name(static_cast<Mem>(i));
+  csv << "\n";
+}
+
+// One configuration's row, in the CSV and in the JSON rows.
+void record_row(const Common& c, const Config& cfg, const Measured& m, const shardtorch::MemoryPlan& plan, double err,
+                double theory, const std::string& prefix, std::ofstream& csv, json::array& rows) {
+  const char* dtype = c.bf16 ? "bfloat16" : "float32";
+  csv << shardtorch::strategy_name(cfg.strategy) << "," << cfg.world << "," << cfg.layers << "," << cfg.d_model << ","
+      << m.params << "," << cfg.offload << "," << cfg.bucket_mb << "," << cfg.recompute << "," << dtype << "," << m.p50 << "," << m.p95 << "," << m.tps
+      << "," << m.rss << "," << m.state << "," << plan.model_state() << "," << err << "," << m.sent << ","
+      << static_cast<int64_t>(theory);
+  json::object peak_obj;
+  for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) {
+    csv << "," << m.peaks[i];
+    peak_obj[shardtorch::mem_name(static_cast<Mem>(i))] = m.peaks[i];
+  }
+  csv << "\n";
+  json::object plan_obj;
+  for (int i = 0; i < static_cast<int>(Mem::kCount); ++i)
+    if (plan.bytes[i]) plan_obj[shardtorch::mem_name(static_cast<Mem>(i))] = plan.bytes[i];
+  rows.push_back(json::object{{"strategy", shardtorch::strategy_name(cfg.strategy)}, {"world", cfg.world},
+                              {"layers", cfg.layers}, {"d_model", cfg.d_model}, {"params", m.params},
+                              {"offload", cfg.offload}, {"bucket_mb", cfg.bucket_mb},
+                              {"activation_checkpointing", cfg.recompute}, {"dtype", dtype},
+                              {"p50_ms", m.p50}, {"p95_ms", m.p95}, {"tokens_per_s", m.tps}, {"peak_rss_bytes", m.rss},
+                              {"model_state_bytes", m.state}, {"planned_model_state_bytes", plan.model_state()},
+                              {"plan_error", err}, {"planned", plan_obj}, {"peak_memory", peak_obj},
+                              {"bytes_sent_per_step", m.sent}, {"theory_bytes_per_step", theory},
+                              {"report_prefix", prefix}});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Common c;
+  Lists lists;
+  po::options_description desc = options_for(c, lists);
   try {
     po::variables_map vm;
     po::store(po::parse_command_line(argc, argv, desc), vm);
@@ -155,37 +279,14 @@ int main(int argc, char** argv) {
     if (c.steps < 20) throw std::invalid_argument("--steps must be at least 20 (p95 over fewer means little)");
     if (!files::is_regular_file(c.gpt_bench)) throw std::invalid_argument("no gpt_bench at " + c.gpt_bench + " (build first)");
 
-    std::vector<Config> configs;
-    for (const auto& s : split(strategies))
-      for (const auto& w : split(worlds))
-        for (const auto& m : split(models))
-          for (const auto& o : split(offloads))
-            for (const auto& b : split(buckets))
-              for (const auto& ac : split(recomputes)) {
-                auto x = m.find('x');
-                if (x == std::string::npos) throw std::invalid_argument("--models entry '" + m + "' is not LAYERSxD_MODEL");
-                Config k{shardtorch::parse_strategy(s),
-                         static_cast<int>(whole("--worlds", w, 1)),
-                         whole("--models", m.substr(0, x), 1),
-                         whole("--models", m.substr(x + 1), 1),
-                         flag("--offload", o),
-                         positive("--bucket-mb", b),
-                         flag("--activation-checkpointing", ac)};
-                if (k.offload && k.strategy == Strategy::NoShard) continue;  // refused by design
-                if (k.strategy == Strategy::HybridShard && (k.world < 2 || k.world % 2)) continue;
-                configs.push_back(k);
-              }
-    if (configs.empty()) throw std::invalid_argument("no configuration to run");
+    const std::vector<Config> configs = configs_from(lists);
     const std::string runs_dir = files::join(c.out, "runs");
     const std::string csv_path = files::join(c.out, "sweep.csv"), json_path = files::join(c.out, "sweep.json");
     files::create_directories(runs_dir);
 
     json::array rows;
     std::ofstream csv(csv_path);
-    csv << "strategy,world,layers,d_model,params,offload,bucket_mb,activation_checkpointing,dtype,p50_ms,p95_ms,tokens_per_s,peak_rss_bytes,"
-           "model_state_bytes,planned_model_state_bytes,plan_error,bytes_sent_per_step,theory_bytes_per_step";
-    for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) csv << ",peak_" << shardtorch::mem_name(static_cast<Mem>(i));
-    csv << "\n";
+    write_csv_header(csv);
     double worst_plan_error = 0;
     const auto start = std::chrono::steady_clock::now();
     int failed = 0, over_theory = 0;
@@ -193,93 +294,38 @@ int main(int argc, char** argv) {
       const Config& cfg = configs[k];
       const std::string prefix = files::join(runs_dir, "run" + std::to_string(k));
       const int hybrid = std::max(1, cfg.world / 2);
-      std::ostringstream cmd;
-      cmd << "timeout " << c.timeout << " " << quote(c.torchrun) << " --no-python --standalone --nproc-per-node "
-          << cfg.world << " " << quote(c.gpt_bench) << " --strategy " << shardtorch::strategy_name(cfg.strategy)
-          << " --hybrid-shard-size " << hybrid << " --layers " << cfg.layers << " --d-model " << cfg.d_model
-          << " --heads " << c.heads << " --vocab " << c.vocab << " --seq " << c.seq << " --batch " << c.batch
-          << " --steps " << c.steps << " --warmup " << c.warmup << " --threads " << c.threads << " --bucket-mb "
-          << cfg.bucket_mb << (cfg.offload ? " --offload" : "") << (cfg.recompute ? " --activation-checkpointing" : "")
-          << (c.bf16 ? " --bf16" : "") << " --quiet --report "
-          << quote(prefix) << " > " << quote(prefix + ".log") << " 2>&1";
       double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       std::fprintf(stderr, "[%zu/%zu] %s ... (elapsed %.0f s%s)\n", k + 1, configs.size(), cfg.label().c_str(), elapsed,
                    k > 0 ? (", eta " + std::to_string(static_cast<int>(elapsed / k * (configs.size() - k))) + " s").c_str() : "");
-      int rc = run_shell(cmd.str());
+      int rc = run_shell(run_command(c, cfg, hybrid, prefix));
       if (rc != 0) {
         std::fprintf(stderr, "    FAILED (exit %d); log: %s.log\n", rc, prefix.c_str());
         ++failed;
         continue;
       }
-      // Per configuration: the slowest rank's times, the largest rank's memory.
-      double p50 = 0, p95 = 0, tps = 1e300;
-      int64_t rss = 0, state = 0, sent = 0, params = 0;
-      std::vector<int64_t> peaks(static_cast<size_t>(Mem::kCount), 0);
+      Measured m;
       try {
-        for (int r = 0; r < cfg.world; ++r) {
-          const std::string path = prefix + ".rank" + std::to_string(r) + ".json";
-          std::ifstream f(path);
-          if (!f) throw std::runtime_error("no report " + path);
-          std::stringstream ss;
-          ss << f.rdbuf();
-          const auto v = json::parse(ss.str()).as_object();
-          p50 = std::max(p50, v.at("p50_ms").to_number<double>());
-          p95 = std::max(p95, v.at("p95_ms").to_number<double>());
-          tps = std::min(tps, v.at("tokens_per_s").to_number<double>());
-          rss = std::max(rss, v.at("peak_rss_bytes").to_number<int64_t>());
-          state = std::max(state, v.at("model_state_bytes").to_number<int64_t>());
-          sent = std::max(sent, v.at("bytes_sent_per_step").to_number<int64_t>());
-          params = v.at("params").to_number<int64_t>();
-          const auto& mem = v.at("memory").as_object();
-          for (int i = 0; i < static_cast<int>(Mem::kCount); ++i)
-            peaks[i] = std::max(peaks[i], mem.at(shardtorch::mem_name(static_cast<Mem>(i))).at("peak").to_number<int64_t>());
-        }
+        m = read_reports(cfg, prefix);
       } catch (const std::exception& e) {  // a missing, truncated or foreign report
         std::fprintf(stderr, "    FAILED reading the reports: %s; log: %s.log\n", e.what(), prefix.c_str());
         ++failed;
         continue;
       }
-      gpt::Config g{c.vocab, c.seq, cfg.d_model, c.heads, cfg.layers};
-      auto opts = shardtorch::ShardOptions().strategy(cfg.strategy).cpu_offload(cfg.offload).bucket_mb(cfg.bucket_mb);
-      if (cfg.strategy == Strategy::HybridShard) opts.hybrid_shard_size(hybrid);
-      if (c.bf16) opts.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kBFloat16));
-      auto plan = shardtorch::plan_memory(gpt::unit_specs(g), {opts, cfg.world, 2});
-      const double err = state > 0 ? std::abs(static_cast<double>(plan.model_state() - state)) / state : 0.0;
+      auto plan = plan_for(c, cfg, hybrid);
+      const double err = m.state > 0 ? std::abs(static_cast<double>(plan.model_state() - m.state)) / m.state : 0.0;
       worst_plan_error = std::max(worst_plan_error, err);
-      const double theory = theory_bytes(cfg.strategy, cfg.world, hybrid, static_cast<double>(params) * (c.bf16 ? 2 : 4));
+      const double theory = theory_bytes(cfg.strategy, cfg.world, hybrid, static_cast<double>(m.params) * (c.bf16 ? 2 : 4));
       // Less than the theory is expected (the root unit stays gathered
       // between forward and backward); more would be traffic the strategy
       // should not send. 5% leaves room for the padding of flat parameters.
-      const bool over = static_cast<double>(sent) > 1.05 * theory + 4096;
+      const bool over = static_cast<double>(m.sent) > 1.05 * theory + 4096;
       over_theory += over;
       std::fprintf(stderr, "    p50 %.1f ms  p95 %.1f ms  %.0f tokens/s  model state %s/rank (plan %s, %.2f%%)  "
-                   "peak RSS %s  sent %s/step (theory %s)\n", p50, p95, tps, shardtorch::format_bytes(state).c_str(),
-                   shardtorch::format_bytes(plan.model_state()).c_str(), 100 * err, shardtorch::format_bytes(rss).c_str(),
-                   shardtorch::format_bytes(sent).c_str(), shardtorch::format_bytes(static_cast<int64_t>(theory)).c_str());
+                   "peak RSS %s  sent %s/step (theory %s)\n", m.p50, m.p95, m.tps, shardtorch::format_bytes(m.state).c_str(),
+                   shardtorch::format_bytes(plan.model_state()).c_str(), 100 * err, shardtorch::format_bytes(m.rss).c_str(),
+                   shardtorch::format_bytes(m.sent).c_str(), shardtorch::format_bytes(static_cast<int64_t>(theory)).c_str());
       if (over) std::fprintf(stderr, "    FAILED: sent more than 5%% over the theoretical volume\n");
-      const char* dtype = c.bf16 ? "bfloat16" : "float32";
-      csv << shardtorch::strategy_name(cfg.strategy) << "," << cfg.world << "," << cfg.layers << "," << cfg.d_model << ","
-          << params << "," << cfg.offload << "," << cfg.bucket_mb << "," << cfg.recompute << "," << dtype << "," << p50 << "," << p95 << "," << tps
-          << "," << rss << "," << state << "," << plan.model_state() << "," << err << "," << sent << ","
-          << static_cast<int64_t>(theory);
-      json::object peak_obj;
-      for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) {
-        csv << "," << peaks[i];
-        peak_obj[shardtorch::mem_name(static_cast<Mem>(i))] = peaks[i];
-      }
-      csv << "\n";
-      json::object plan_obj;
-      for (int i = 0; i < static_cast<int>(Mem::kCount); ++i)
-        if (plan.bytes[i]) plan_obj[shardtorch::mem_name(static_cast<Mem>(i))] = plan.bytes[i];
-      rows.push_back(json::object{{"strategy", shardtorch::strategy_name(cfg.strategy)}, {"world", cfg.world},
-                                  {"layers", cfg.layers}, {"d_model", cfg.d_model}, {"params", params},
-                                  {"offload", cfg.offload}, {"bucket_mb", cfg.bucket_mb},
-                                  {"activation_checkpointing", cfg.recompute}, {"dtype", dtype},
-                                  {"p50_ms", p50}, {"p95_ms", p95}, {"tokens_per_s", tps}, {"peak_rss_bytes", rss},
-                                  {"model_state_bytes", state}, {"planned_model_state_bytes", plan.model_state()},
-                                  {"plan_error", err}, {"planned", plan_obj}, {"peak_memory", peak_obj},
-                                  {"bytes_sent_per_step", sent}, {"theory_bytes_per_step", theory},
-                                  {"report_prefix", prefix}});
+      record_row(c, cfg, m, plan, err, theory, prefix, csv, rows);
     }
     json::object summary{{"vocab", c.vocab}, {"seq", c.seq}, {"heads", c.heads}, {"batch", c.batch},
                          {"steps", c.steps}, {"warmup", c.warmup}, {"threads", c.threads},
