@@ -26,9 +26,9 @@
 #include <iostream>
 #include <thread>
 
-#include "shardtorch/all_reduce_bucketer.h"
-#include "shardtorch/flat_param.h"
-#include "shardtorch/reduce_scatter_bucketer.h"
+#include "../src/all_reduce_bucketer.h"
+#include "../src/flat_param.h"
+#include "../src/reduce_scatter_bucketer.h"
 #include "shardtorch/world.h"
 
 namespace {

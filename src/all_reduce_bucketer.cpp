@@ -1,4 +1,4 @@
-#include "shardtorch/all_reduce_bucketer.h"
+#include "all_reduce_bucketer.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>

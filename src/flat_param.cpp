@@ -1,4 +1,4 @@
-#include "shardtorch/flat_param.h"
+#include "flat_param.h"
 
 #include "storage_access.h"
 

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "shardtorch/reduce_scatter_bucketer.h"
+#include "reduce_scatter_bucketer.h"
 
 namespace shardtorch {
 class FlatParam;

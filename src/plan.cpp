@@ -1,6 +1,6 @@
 #include "shardtorch/plan.h"
 
-#include "shardtorch/reduce_scatter_bucketer.h"
+#include "reduce_scatter_bucketer.h"
 
 #include <algorithm>
 #include <map>

@@ -1,4 +1,4 @@
-#include "shardtorch/reduce_scatter_bucketer.h"
+#include "reduce_scatter_bucketer.h"
 
 #include <c10/core/GradMode.h>
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "gradient_reducer.h"
-#include "shardtorch/all_reduce_bucketer.h"
+#include "all_reduce_bucketer.h"
 #include "unit.h"
 
 namespace shardtorch::detail {

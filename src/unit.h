@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "shardtorch/collectives.h"
-#include "shardtorch/flat_param.h"
+#include "flat_param.h"
 
 namespace shardtorch::detail {
 

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "../src/checkpoint/safetensors_format.h"
 #include "models.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"

@@ -3,7 +3,7 @@
 
 #include <map>
 
-#include "shardtorch/flat_param.h"
+#include "../src/flat_param.h"
 #include "shardtorch/world.h"
 
 using shardtorch::FlatParamLayout;

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 
+#include "../src/flat_param.h"
 #include "models.h"
 #include "shardtorch/optim/cpu_adam.h"
 

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <torch/version.h>
 
+#include "../src/flat_param.h"
 #include "../src/storage_access.h"
 #include "models.h"
 

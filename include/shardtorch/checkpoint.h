@@ -12,12 +12,13 @@
 #include <string>
 
 #include "shardtorch/checkpoint/safetensors.h"
+#include "shardtorch/export.h"
 #include "shardtorch/optim.h"
 
 namespace shardtorch {
 
 /// How loading treats what the caller may choose.
-struct LoadOptions {
+struct SHARDTORCH_API LoadOptions {
   /// A saved tensor whose dtype differs from the model's is cast when
   /// checkpoint::is_safe_cast allows it (the same dtype, floating point to
   /// floating point, an integer to a dtype that holds all its values);
@@ -28,13 +29,13 @@ struct LoadOptions {
 };
 
 /// Collective. Rank 0 writes `path`; tied parameters appear under each of their names.
-void save_full_state_dict(torch::nn::Module& root, const std::string& path,
+SHARDTORCH_API void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                           const std::map<std::string, std::string>& metadata = {});
 /// Collective. Every rank reads `path` (a shared file system, or a copy per
 /// node) and takes its shards; missing or mis-shaped entries are errors naming
 /// the file and the parameter. Every rank checks first and the ranks agree: a
 /// problem on any rank throws on every rank, with no rank's model changed.
-void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options = {});
+SHARDTORCH_API void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options = {});
 
 /// Sharded checkpoints: DIR/rank-R.safetensors holds the element ranges of the
 /// parameters (master dtype) and of the optimizer state that rank R owns;
@@ -49,7 +50,7 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
 /// stored in the index and published atomically with the tensors. It must be
 /// the same on every rank (checked: otherwise every rank fails naming the key
 /// and the ranks); derive per-rank positions from global ones.
-void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
+SHARDTORCH_API void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
                              int64_t step, const std::map<std::string, std::string>& user_state = {});
 /// Collective; returns the saved step. With an optimizer, its state is
 /// restored too (the checkpoint must hold state of the same kinds; one with
@@ -58,19 +59,19 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimize
 /// problem any rank finds (a bad file, a shape that differs, ranks reading
 /// different checkpoints) throws on every rank before anything changes.
 /// `DIR` is replaced only if it is a checkpoint or an empty directory.
-int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
+SHARDTORCH_API int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
                                 std::map<std::string, std::string>* user_state = nullptr,
                                 const LoadOptions& options = {});
 /// Whether a sharded checkpoint can be loaded from `dir`: it has an index, or
 /// a save interrupted on a file system without RENAME_EXCHANGE left the
 /// previous checkpoint aside (`dir`.shardtorch-old), which loading then takes.
 /// Use it, not a test of the directory, to decide whether to resume.
-bool sharded_checkpoint_exists(const std::string& dir);
+SHARDTORCH_API bool sharded_checkpoint_exists(const std::string& dir);
 /// Offline: every (parameter or buffer, kind) of a sharded checkpoint
 /// assembled whole, keyed "name|kind" (kinds: param, buffer, exp_avg, ...),
 /// in its saved dtype. Refuses what load_sharded_checkpoint refuses of the
 /// checkpoint itself (a bad index or file, ranges that do not tile, a tensor
 /// of a file the index does not list, ranges of one tensor in two dtypes).
-std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir);
+SHARDTORCH_API std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir);
 
 }  // namespace shardtorch

@@ -14,16 +14,18 @@
 #include <string>
 #include <vector>
 
+#include "shardtorch/export.h"
+
 namespace shardtorch {
 
 /// Counters of one kind of collective.
-struct CollectiveCounter {
+struct SHARDTORCH_API CollectiveCounter {
   int64_t calls = 0;
   int64_t bytes_sent = 0;  // per rank, ring algorithm estimate
   double seconds = 0.0;
 };
 
-struct CommStats {
+struct SHARDTORCH_API CommStats {
   CollectiveCounter all_gather, reduce_scatter, all_reduce, broadcast;
   int64_t total_bytes_sent() const {
     return all_gather.bytes_sent + reduce_scatter.bytes_sent + all_reduce.bytes_sent + broadcast.bytes_sent;
@@ -31,7 +33,7 @@ struct CommStats {
 };
 
 /// A collective launched and not yet waited for.
-struct PendingWork {
+struct SHARDTORCH_API PendingWork {
   c10::intrusive_ptr<c10d::Work> work;
   const char* op = "";
   std::string what, shapes;
@@ -40,7 +42,7 @@ struct PendingWork {
   std::chrono::steady_clock::time_point start;
 };
 
-class Comm {
+class SHARDTORCH_API Comm {
  public:
   Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::chrono::milliseconds timeout,
        c10::Device device = c10::Device(c10::kCPU));
@@ -102,7 +104,7 @@ class Comm {
   /// For its lifetime, `comm`'s collectives wait at least `at_least` (never
   /// less than they did): those of the checkpoints, which wait for other
   /// ranks' file reads and writes.
-  class TimeoutAtLeast {
+  class SHARDTORCH_API TimeoutAtLeast {
    public:
     TimeoutAtLeast(Comm& comm, std::chrono::milliseconds at_least) : comm_(comm), saved_(comm.timeout_) {
       comm.timeout_ = std::max(saved_, at_least);
@@ -143,7 +145,7 @@ class Comm {
 };
 
 /// "float32[12, 4]"
-std::string describe(const at::Tensor& t);
+SHARDTORCH_API std::string describe(const at::Tensor& t);
 
 namespace testing {
 /// Fault injection for recovery tests: the next `count` collectives on this
@@ -151,7 +153,7 @@ namespace testing {
 /// that timed out would (the error names the collective and says it was
 /// injected). The collective itself runs, so ranks that all arm the same
 /// failure stay in step. Not for production use.
-void fail_collectives(const std::string& what, int count = 1);
+SHARDTORCH_API void fail_collectives(const std::string& what, int count = 1);
 }  // namespace testing
 
 }  // namespace shardtorch

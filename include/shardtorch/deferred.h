@@ -36,6 +36,8 @@
 #include <utility>
 #include <vector>
 
+#include "shardtorch/export.h"
+
 namespace shardtorch {
 
 namespace detail {
@@ -45,7 +47,7 @@ class DeferredSession;
 /// RAII: while it lives, tensor factories on this thread produce deferred
 /// tensors and operations on deferred tensors are recorded. Guards nest (an
 /// inner one records into the outer one's session).
-class DeferredInit {
+class SHARDTORCH_API DeferredInit {
  public:
   DeferredInit();
   ~DeferredInit();
@@ -62,21 +64,21 @@ class DeferredInit {
 };
 
 /// Whether `t` is deferred (has no data yet).
-bool is_deferred(const at::Tensor& t);
+SHARDTORCH_API bool is_deferred(const at::Tensor& t);
 
 /// Gives the deferred parameters and buffers of `module` their names (as
 /// named_parameters() says them, after `prefix`), so that errors name them.
-void name_deferred(torch::nn::Module& module, const std::string& prefix = "");
+SHARDTORCH_API void name_deferred(torch::nn::Module& module, const std::string& prefix = "");
 
 /// Deferred parameters and buffers of `module` (each tensor once).
-int64_t count_deferred(torch::nn::Module& module);
+SHARDTORCH_API int64_t count_deferred(torch::nn::Module& module);
 
 /// Gives every deferred parameter and buffer of `module` its values, on
 /// `device` (default: the device each was asked for at construction). The
 /// whole module is then allocated: for a model that fits (a test, one
 /// device); shard() materialises one unit at a time instead. The tensors keep
 /// their identity (the module's members and any optimizer see the values).
-void materialize(torch::nn::Module& module, std::optional<c10::Device> device = std::nullopt);
+SHARDTORCH_API void materialize(torch::nn::Module& module, std::optional<c10::Device> device = std::nullopt);
 template <class M>
 void materialize(torch::nn::ModuleHolder<M>& module, std::optional<c10::Device> device = std::nullopt) {
   materialize(*module, device);
@@ -95,7 +97,7 @@ struct derefs_to_module<R, std::void_t<decltype(*std::declval<R&>())>>
 /// construction: for a model whose values come from a checkpoint loaded right
 /// after shard() (load_full_state_dict, load_sharded_checkpoint), which then
 /// skips the replay's compute. Returns how many it marked.
-int64_t skip_deferred_init(torch::nn::Module& module);
+SHARDTORCH_API int64_t skip_deferred_init(torch::nn::Module& module);
 template <class M>
 int64_t skip_deferred_init(torch::nn::ModuleHolder<M>& module) {
   return skip_deferred_init(*module);
@@ -124,7 +126,7 @@ namespace detail {
 /// `device`, replaying their recorded construction together (zeros for
 /// those skip_deferred_init marked); the tensors keep their identity.
 /// Non-deferred tensors are skipped. `rank` names the rank in errors (-1: none).
-void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vector<std::string>& names,
+SHARDTORCH_API void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vector<std::string>& names,
                          std::optional<c10::Device> device, int rank);
 }  // namespace detail
 

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "shardtorch/export.h"
+
 namespace shardtorch {
 
 namespace detail {
@@ -19,7 +21,7 @@ class ShardState;
 class Unit;
 }  // namespace detail
 
-struct SummonOptions {
+struct SHARDTORCH_API SummonOptions {
   /// Only rank 0 keeps the full parameters; the other ranks free each unit as
   /// soon as it is gathered, so their memory stays at one unit.
   TORCH_ARG(bool, rank0_only) = false;
@@ -33,7 +35,7 @@ struct SummonOptions {
   TORCH_ARG(bool, with_grads) = false;
 };
 
-class FullParams {
+class SHARDTORCH_API FullParams {
  public:
   /// Collective: every rank must enter it.
   FullParams(torch::nn::Module& root, SummonOptions options = {});
@@ -67,6 +69,6 @@ inline std::unique_ptr<FullParams> summon_full_params(torch::nn::Module& root, S
 /// Collective: every parameter's full value in the master dtype (fp32 under
 /// mixed precision), by name (tied parameters under each name), gathered one
 /// flat parameter at a time. With rank0_only the other ranks get an empty map.
-std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool rank0_only = false);
+SHARDTORCH_API std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool rank0_only = false);
 
 }  // namespace shardtorch

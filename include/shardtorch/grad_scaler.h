@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 
+#include "shardtorch/export.h"
 #include "shardtorch/optim.h"
 
 namespace shardtorch {
@@ -27,7 +28,7 @@ namespace detail {
 class ShardState;
 }
 
-struct GradScalerOptions {
+struct SHARDTORCH_API GradScalerOptions {
   TORCH_ARG(double, init_scale) = 65536.0;
   TORCH_ARG(double, growth_factor) = 2.0;
   TORCH_ARG(double, backoff_factor) = 0.5;
@@ -35,7 +36,7 @@ struct GradScalerOptions {
   TORCH_ARG(int, growth_interval) = 2000;
 };
 
-class GradScaler {
+class SHARDTORCH_API GradScaler {
  public:
   explicit GradScaler(torch::nn::Module& root, GradScalerOptions options = {});
 

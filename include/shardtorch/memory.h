@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "shardtorch/export.h"
+
 namespace shardtorch {
 
 enum class Mem : int {
@@ -22,9 +24,9 @@ enum class Mem : int {
   kCount
 };
 
-const char* mem_name(Mem m);
+SHARDTORCH_API const char* mem_name(Mem m);
 
-struct MemorySnapshot {
+struct SHARDTORCH_API MemorySnapshot {
   std::array<int64_t, static_cast<size_t>(Mem::kCount)> current{};
   std::array<int64_t, static_cast<size_t>(Mem::kCount)> peak{};
   int gathered_units = 0;       // units whose full parameters are alive now
@@ -35,7 +37,7 @@ struct MemorySnapshot {
   std::string report() const;
 };
 
-class MemoryTracker {
+class SHARDTORCH_API MemoryTracker {
  public:
   void add(Mem m, int64_t bytes);
   void sub(Mem m, int64_t bytes) { add(m, -bytes); }
@@ -51,6 +53,6 @@ class MemoryTracker {
 };
 
 /// "1.50 MiB"
-std::string format_bytes(int64_t bytes);
+SHARDTORCH_API std::string format_bytes(int64_t bytes);
 
 }  // namespace shardtorch

@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "shardtorch/export.h"
+
 namespace shardtorch {
 
 namespace detail {
@@ -30,7 +32,7 @@ class ShardState;
 /// the parameter (shardtorch::FusedAdam(W)). ShardedOptimizer hands it CPU
 /// offload's bf16 copies of the masters, which then stay fresh without being
 /// made again before each copy to the device (docs/offload.md).
-class LowCopyWriter {
+class SHARDTORCH_API LowCopyWriter {
  public:
   virtual ~LowCopyWriter() = default;
   /// From now on step() also writes `param`'s updated values into `low`
@@ -39,7 +41,7 @@ class LowCopyWriter {
 };
 
 /// Maps the model's parameters to their pieces of this rank's shards.
-class ShardViews {
+class SHARDTORCH_API ShardViews {
  public:
   explicit ShardViews(torch::nn::Module& root);
   ~ShardViews();
@@ -71,7 +73,7 @@ class ShardViews {
   /// not from this rank's pieces (a rank may own none of a parameter).
   void require_fp32_cpu(const std::string& who) const;
 
-  struct Piece {
+  struct SHARDTORCH_API Piece {
     at::Tensor view;       // what the optimizer updates
     void* flat;            // FlatParam*, or null under NoShard
     int64_t shard_offset;  // in the flat shard
@@ -110,7 +112,7 @@ struct ParamGroup {
   Options options;
 };
 
-class ShardedOptimizer {
+class SHARDTORCH_API ShardedOptimizer {
  public:
   /// Builds TorchOptim over the shards of `root` (which must be sharded).
   /// Groups come first, in order; the parameters in no group form a last

@@ -24,20 +24,21 @@
 #include <string>
 #include <vector>
 
+#include "shardtorch/export.h"
 #include "shardtorch/memory.h"
 #include "shardtorch/sharded.h"
 
 namespace shardtorch {
 
 /// One flat parameter: a unit's parameters of one dtype and trainability.
-struct FlatSpec {
+struct SHARDTORCH_API FlatSpec {
   int64_t numel = 0;
   at::ScalarType dtype = at::kFloat;
   bool trainable = true;
 };
 
 /// One unit as shard() would build it.
-struct UnitSpec {
+struct SHARDTORCH_API UnitSpec {
   std::string name;  // "" for the root
   std::vector<FlatSpec> flats;
 };
@@ -45,9 +46,9 @@ struct UnitSpec {
 /// The units and flat parameters shard() would build from `root` (the same
 /// walk: innermost unit, shared parameters to the lowest common unit); no
 /// communication, nothing allocated.
-std::vector<UnitSpec> unit_specs(torch::nn::Module& root);
+SHARDTORCH_API std::vector<UnitSpec> unit_specs(torch::nn::Module& root);
 
-struct PlanOptions {
+struct SHARDTORCH_API PlanOptions {
   ShardOptions options;  // strategy, mixed precision, cpu_offload, hybrid_shard_size, bucket_mb
   int world_size = 1;
   /// fp32 state tensors per optimized element: 2 for Adam/AdamW, 1 for SGD
@@ -61,7 +62,7 @@ struct PlanOptions {
   bool accumulates = false;
 };
 
-struct MemoryPlan {
+struct SHARDTORCH_API MemoryPlan {
   std::array<int64_t, static_cast<size_t>(Mem::kCount)> bytes{};
   int64_t of(Mem m) const { return bytes[static_cast<size_t>(m)]; }
   /// Parameters (sharded, replicated or host), gradients and optimizer state.
@@ -78,11 +79,11 @@ struct MemoryPlan {
   std::string report() const;
 };
 
-MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& plan);
+SHARDTORCH_API MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& plan);
 
 /// The largest n in [0, limit] with bytes(n) <= budget, for bytes that do not
 /// fall as n grows (the device peak of a model n layers deep); -1 when even
 /// bytes(0) is over the budget. Evaluates bytes O(log n) times.
-int64_t largest_that_fits(const std::function<int64_t(int64_t)>& bytes, int64_t budget, int64_t limit);
+SHARDTORCH_API int64_t largest_that_fits(const std::function<int64_t(int64_t)>& bytes, int64_t budget, int64_t limit);
 
 }  // namespace shardtorch

@@ -8,6 +8,8 @@
 #include <optional>
 #include <string>
 
+#include "shardtorch/export.h"
+
 namespace shardtorch {
 
 /// Where parameters, gradients and optimizer state live (docs/design.md).
@@ -20,12 +22,12 @@ enum class Strategy {
 };
 /// "full_shard"/"zero3", "shard_grad_op"/"zero2", "optimizer_only"/"zero1",
 /// "no_shard"/"ddp", "hybrid_shard"/"hybrid" (any case); throws on others.
-Strategy parse_strategy(const std::string& name);
-const char* strategy_name(Strategy s);
+SHARDTORCH_API Strategy parse_strategy(const std::string& name);
+SHARDTORCH_API const char* strategy_name(Strategy s);
 
 /// Mixed precision: fp32 master shards (owned by the optimizer), parameters
 /// gathered and computed in param_dtype, gradients reduced in reduce_dtype.
-struct MixedPrecision {
+struct SHARDTORCH_API MixedPrecision {
   /// Gathering and compute dtype (kBFloat16 or kHalf); unset: no mixed precision.
   TORCH_ARG(std::optional<at::ScalarType>, param_dtype) = std::nullopt;
   /// Gradient reduction dtype; unset: param_dtype. kFloat reduces in fp32.
@@ -38,7 +40,7 @@ struct MixedPrecision {
   TORCH_ARG(bool, cast_root_inputs) = true;
 };
 
-struct ShardOptions {
+struct SHARDTORCH_API ShardOptions {
   TORCH_ARG(Strategy, strategy) = Strategy::FullShard;
   /// Mixed precision (every strategy; NoShard keeps fp32 master copies).
   TORCH_ARG(MixedPrecision, mixed_precision) = {};

@@ -12,7 +12,8 @@
 #include <utility>
 #include <vector>
 
-#include "shardtorch/flat_param.h"
+#include "shardtorch/export.h"
+#include "shardtorch/flat_param_layout.h"
 #include "shardtorch/memory.h"
 #include "shardtorch/shard_options.h"
 #include "shardtorch/unit.h"
@@ -22,7 +23,7 @@ namespace shardtorch {
 
 /// A sharded model's diagnostic counters on this rank, since shard()
 /// (ShardedModel::stats()).
-struct ShardStats {
+struct SHARDTORCH_API ShardStats {
   /// Gradient reductions started: flat gradients handed to a reduce-scatter
   /// or all-reduce, and NoShard buckets launched.
   int64_t gradient_reductions = 0;
@@ -48,13 +49,13 @@ struct ShardStats {
   /// CPU offload: bytes copied from host memory to the compute device (master
   /// shards, or their bf16 copies, before all-gathers) and back (reduced
   /// gradient shards); both 0 without offload.
-  struct OffloadTraffic {
+  struct SHARDTORCH_API OffloadTraffic {
     int64_t to_device_bytes = 0, to_host_bytes = 0;
   };
   OffloadTraffic offload;
 };
 
-struct UnitInfo {
+struct SHARDTORCH_API UnitInfo {
   std::string name;  // "" for the root
   std::vector<FlatParamLayout> layouts;
   std::vector<std::vector<std::string>> param_names;  // per flat parameter
@@ -62,7 +63,7 @@ struct UnitInfo {
 };
 
 /// What shard() returns: a handle on the sharded model's state.
-class ShardedModel {
+class SHARDTORCH_API ShardedModel {
  public:
   explicit ShardedModel(std::shared_ptr<detail::ShardState> state) : state_(std::move(state)) {}
   const World& world() const;
@@ -80,7 +81,7 @@ class ShardedModel {
   void set_requires_gradient_sync(bool sync);
   bool requires_gradient_sync() const;
   /// RAII: no synchronisation while it lives.
-  class NoSync {
+  class SHARDTORCH_API NoSync {
    public:
     explicit NoSync(std::shared_ptr<detail::ShardState> s);
     ~NoSync();
@@ -103,7 +104,7 @@ class ShardedModel {
 /// Shards `root` over `world`. Collective: every rank must call it with the
 /// same model; models that differ fail on every rank, naming the first
 /// differing parameter and the ranks.
-ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options = {});
+SHARDTORCH_API ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options = {});
 inline ShardedModel shard(torch::nn::Module& root, World& world, ShardOptions options = {}) {
   return shard(root, world.shared_from_this(), options);
 }
@@ -112,6 +113,6 @@ ShardedModel shard(torch::nn::ModuleHolder<M>& root, W&& world, ShardOptions opt
   return shard(*root, std::forward<W>(world), options);
 }
 /// The handle of a model shard() was called on; throws if it never was.
-ShardedModel sharded_model(torch::nn::Module& root);
+SHARDTORCH_API ShardedModel sharded_model(torch::nn::Module& root);
 
 }  // namespace shardtorch

@@ -25,11 +25,12 @@
 #include <string>
 #include <vector>
 
+#include "shardtorch/export.h"
 #include "shardtorch/world.h"
 
 namespace shardtorch::testing {
 
-struct RunOptions {
+struct SHARDTORCH_API RunOptions {
   /// Wall-clock limit for the whole run; ranks still alive are killed.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(120);
   /// Timeout of every collective inside the ranks.
@@ -40,14 +41,14 @@ struct RunOptions {
   TORCH_ARG(int, threads) = 1;
 };
 
-struct RankOutcome {
+struct SHARDTORCH_API RankOutcome {
   int exit_code = -1;  // -1: killed by a signal or the time limit
   int signal = 0;
   bool timed_out = false;
   std::string message;  // what the rank threw, if anything
 };
 
-struct RunResult {
+struct SHARDTORCH_API RunResult {
   bool ok = false;
   std::vector<RankOutcome> ranks;
   std::string summary() const;
@@ -55,8 +56,8 @@ struct RunResult {
 
 using RankBody = std::function<void(World& world)>;
 
-void init();
-RunResult run_ranks(int world_size, const RankBody& body, RunOptions options = {});
+SHARDTORCH_API void init();
+SHARDTORCH_API RunResult run_ranks(int world_size, const RankBody& body, RunOptions options = {});
 
 /// Fault injection for the library's callbacks and threads: the next `count`
 /// times this process reaches `site`, the library throws there, as a bug or a
@@ -65,6 +66,6 @@ RunResult run_ranks(int world_size, const RankBody& body, RunOptions options = {
 /// operation. Sites (docs/testing.md): "completion watcher", "pre-backward
 /// hook", "gradient hook", "exit hook", "reduction callback", "end of
 /// backward", "NoShard gradient hook". Not for production use.
-void inject_failure(const std::string& site, int count = 1);
+SHARDTORCH_API void inject_failure(const std::string& site, int count = 1);
 
 }  // namespace shardtorch::testing

@@ -20,13 +20,15 @@
 #include <utility>
 #include <vector>
 
+#include "shardtorch/export.h"
+
 namespace shardtorch {
 
 namespace detail {
 class Unit;
 class ShardState;
 struct Checkpointing;
-std::shared_ptr<ShardState> state_of(torch::nn::Module& root);
+SHARDTORCH_API std::shared_ptr<ShardState> state_of(torch::nn::Module& root);
 /// A checkpointed unit's forward, replayable: given its tensor inputs, runs
 /// the Impl's forward and returns its tensor outputs (`first`: the forward
 /// itself, not the recomputation in backward).
@@ -34,7 +36,7 @@ using RecomputeFn = std::function<std::vector<at::Tensor>(const std::vector<at::
 }  // namespace detail
 
 /// The handle every Sharded<Impl> carries.
-class UnitBase {
+class SHARDTORCH_API UnitBase {
  public:
   virtual ~UnitBase();
   /// True once shard() has taken this module as a unit.
@@ -64,7 +66,7 @@ class UnitBase {
   std::vector<at::Tensor> checkpointed_forward(std::vector<at::Tensor> inputs, detail::RecomputeFn run);
   /// Until dismissed, gives the unit's memory back when its forward throws
   /// (docs/design.md, "A forward that fails").
-  class ForwardGuard {
+  class SHARDTORCH_API ForwardGuard {
    public:
     explicit ForwardGuard(UnitBase* unit) : unit_(unit) {}
     ~ForwardGuard() {
@@ -152,7 +154,7 @@ template <class... T>
 struct all_tensors<std::tuple<T...>> : std::bool_constant<(all_tensors<std::decay_t<T>>::value && ...)> {};
 template <class A, class B>
 struct all_tensors<std::pair<A, B>> : std::bool_constant<all_tensors<A>::value && all_tensors<B>::value> {};
-[[noreturn]] void checkpointed_forward_returns_non_tensors(const UnitBase& unit);
+[[noreturn]] SHARDTORCH_API void checkpointed_forward_returns_non_tensors(const UnitBase& unit);
 
 // What a checkpointed forward may take: arguments that can be kept until
 // backward and passed again. Views (ArrayRef, string_view) would dangle, and a
@@ -168,8 +170,8 @@ struct is_view_type<std::string_view> : std::true_type {};
 template <class A>
 constexpr bool keepable_arg = !(std::is_lvalue_reference_v<A> && !std::is_const_v<std::remove_reference_t<A>>) &&
                               !is_view_type<std::decay_t<A>>::value;
-[[noreturn]] void checkpointed_forward_takes_unkeepable_arguments(const UnitBase& unit);
-[[noreturn]] void checkpointed_unit_destroyed();
+[[noreturn]] SHARDTORCH_API void checkpointed_forward_takes_unkeepable_arguments(const UnitBase& unit);
+[[noreturn]] SHARDTORCH_API void checkpointed_unit_destroyed();
 
 // Casts a floating-point tensor argument; passes anything else through.
 template <class T>

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "shardtorch/collectives.h"
+#include "shardtorch/export.h"
 
 namespace shardtorch {
 
@@ -24,7 +25,7 @@ class Progress;
 }
 
 /// What the launcher told this process: torchrun, OpenMPI, MPICH or Slurm.
-struct LaunchEnv {
+struct SHARDTORCH_API LaunchEnv {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
@@ -44,9 +45,9 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
 /// Reads the launcher's variables through `lookup` (the process environment
 /// by default). Throws, naming the variable and its value, on anything that is
 /// not a number, a rank not below the world size or a port outside 1..65535.
-LaunchEnv parse_launch_env(const EnvLookup& lookup = {});
+SHARDTORCH_API LaunchEnv parse_launch_env(const EnvLookup& lookup = {});
 
-struct WorldOptions {
+struct SHARDTORCH_API WorldOptions {
   /// Every collective and every store wait gives up after this long.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   /// The collectives of saving and loading checkpoints wait at least this
@@ -64,7 +65,7 @@ struct WorldOptions {
   TORCH_ARG(std::string, gloo_hostname) = "";
 };
 
-class World : public std::enable_shared_from_this<World> {
+class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
  public:
   /// From the launcher's environment (torchrun, mpirun or srun): rendezvous on
   /// a TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it unless torchrun's
@@ -131,11 +132,11 @@ class World : public std::enable_shared_from_this<World> {
 namespace detail {
 // Constructors of the c10d backends, each in its own translation unit so that
 // only those files see Gloo's or NCCL's headers.
-c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+SHARDTORCH_API c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                     int size, std::chrono::milliseconds timeout,
                                                     const std::string& hostname);
-bool nccl_available();
-c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+SHARDTORCH_API bool nccl_available();
+SHARDTORCH_API c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                     int size, std::chrono::milliseconds timeout);
 }  // namespace detail
 

@@ -1,7 +1,7 @@
 #include "agreement.h"
 
 #include "../shard_state.h"
-#include "shardtorch/checkpoint/safetensors_format.h"
+#include "safetensors_format.h"
 
 namespace shardtorch::detail {
 

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "../shard_state.h"
+#include "safetensors_format.h"
 #include "shardtorch/checkpoint.h"
 
 namespace shardtorch {

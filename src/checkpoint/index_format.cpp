@@ -3,7 +3,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "shardtorch/checkpoint/safetensors_format.h"
+#include "safetensors_format.h"
 
 namespace shardtorch::checkpoint::index_format {
 namespace json = boost::json;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../files.h"
+#include "safetensors_format.h"
 
 namespace shardtorch::checkpoint {
 namespace {
@@ -140,7 +141,7 @@ Reader::Reader(const std::string& path) : path_(path) {
       prefix.resize(8 + n);
       read_bytes(8, prefix.data() + 8, n);
     }
-    header_ = parse_header(prefix.data(), prefix.size(), size, path);
+    header_ = std::make_unique<SafetensorsHeader>(parse_header(prefix.data(), prefix.size(), size, path));
   } catch (...) {
     ::close(fd_);
     throw;
@@ -166,8 +167,10 @@ void Reader::read_bytes(uint64_t off, void* dst, size_t n) const {
   }
 }
 
+bool Reader::contains(const std::string& name) const { return header_->find(name) != nullptr; }
+
 const TensorRecord& Reader::record(const std::string& name) const {
-  const auto* r = header_.find(name);
+  const auto* r = header_->find(name);
   if (r == nullptr) throw SafetensorsError("safetensors file '" + path_ + "': no tensor named '" + name + "'");
   return *r;
 }
@@ -175,7 +178,7 @@ const TensorRecord& Reader::record(const std::string& name) const {
 at::Tensor Reader::read(const std::string& name) const {
   const auto& r = record(name);
   at::Tensor t = at::empty(r.shape, at::TensorOptions().dtype(scalar_type(r.dtype)));
-  read_bytes(header_.data_start + r.begin, t.data_ptr(), static_cast<size_t>(r.end - r.begin));
+  read_bytes(header_->data_start + r.begin, t.data_ptr(), static_cast<size_t>(r.end - r.begin));
   return t;
 }
 
@@ -188,7 +191,7 @@ at::Tensor Reader::read_range(const std::string& name, int64_t offset, int64_t c
                            std::to_string(offset + count) + ") of '" + name + "' are outside its " +
                            std::to_string(numel) + " elements");
   at::Tensor t = at::empty({count}, at::TensorOptions().dtype(scalar_type(r.dtype)));
-  read_bytes(header_.data_start + r.begin + static_cast<uint64_t>(offset) * es, t.data_ptr(),
+  read_bytes(header_->data_start + r.begin + static_cast<uint64_t>(offset) * es, t.data_ptr(),
              static_cast<size_t>(count) * es);
   return t;
 }

@@ -1,4 +1,4 @@
-#include "shardtorch/checkpoint/safetensors_format.h"
+#include "safetensors_format.h"
 
 #include <algorithm>
 #include <cstring>

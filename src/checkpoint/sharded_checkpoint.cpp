@@ -18,6 +18,7 @@
 
 #include "../files.h"
 #include "../shard_state.h"
+#include "safetensors_format.h"
 #include "index_format.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "../../src/checkpoint/index_format.h"
-#include "shardtorch/checkpoint/safetensors_format.h"
+#include "../../src/checkpoint/safetensors_format.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   namespace f = shardtorch::checkpoint::index_format;

@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "shardtorch/checkpoint/safetensors_format.h"
+#include "../../src/checkpoint/safetensors_format.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {

@@ -6,17 +6,22 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "shardtorch/checkpoint/safetensors_format.h"
+#include "shardtorch/checkpoint/safetensors_error.h"
+#include "shardtorch/export.h"
 
 namespace shardtorch::checkpoint {
 
+struct SafetensorsHeader;
+struct TensorRecord;
+
 /// "F32" <-> at::kFloat, ... (throws for dtypes safetensors cannot hold).
-std::string dtype_name(at::ScalarType t);
-at::ScalarType scalar_type(const std::string& dtype);
+SHARDTORCH_API std::string dtype_name(at::ScalarType t);
+SHARDTORCH_API at::ScalarType scalar_type(const std::string& dtype);
 
 /// Whether loading may cast a saved `from` tensor into a `to` one without
 /// being asked to (LoadOptions::allow_lossy_casts): the same dtype; any
@@ -26,11 +31,11 @@ at::ScalarType scalar_type(const std::string& dtype);
 /// holds all its values exactly (U8/I8 to F16 or BF16, I16/U16 to F32,
 /// I32/U32 to F64). Everything else (floating point to an integer or bool,
 /// an integer to a narrower one, I64 to F64, ...) can change values.
-bool is_safe_cast(at::ScalarType from, at::ScalarType to);
+SHARDTORCH_API bool is_safe_cast(at::ScalarType from, at::ScalarType to);
 /// The safetensors name of a dtype ("F32"), or ATen's where it has none.
-std::string dtype_text(at::ScalarType t);
+SHARDTORCH_API std::string dtype_text(at::ScalarType t);
 
-class Reader {
+class SHARDTORCH_API Reader {
  public:
   /// Opens and validates the file; throws SafetensorsError naming it.
   explicit Reader(const std::string& path);
@@ -39,8 +44,9 @@ class Reader {
   Reader& operator=(const Reader&) = delete;
 
   const std::string& path() const { return path_; }
-  const SafetensorsHeader& header() const { return header_; }
-  bool contains(const std::string& name) const { return header_.find(name) != nullptr; }
+  /// The parsed header (its type is internal: src/checkpoint/safetensors_format.h).
+  const SafetensorsHeader& header() const { return *header_; }
+  bool contains(const std::string& name) const;
   /// The whole tensor, on the CPU.
   at::Tensor read(const std::string& name) const;
   /// `count` elements of the flattened tensor from element `offset`.
@@ -51,13 +57,13 @@ class Reader {
   void read_bytes(uint64_t file_offset, void* dst, size_t n) const;
   std::string path_;
   int fd_ = -1;
-  SafetensorsHeader header_;
+  std::unique_ptr<SafetensorsHeader> header_;
 };
 
 /// A tensor to write: its name, dtype and shape, and a function that yields
 /// its contiguous CPU bytes when the writer reaches it (so tensors can be
 /// produced one at a time, e.g. gathered unit by unit).
-struct PendingTensor {
+struct SHARDTORCH_API PendingTensor {
   std::string name;
   at::ScalarType dtype;
   std::vector<int64_t> shape;
@@ -70,17 +76,17 @@ struct PendingTensor {
 /// `remove_stale_temporaries`: then removes the temporary files of earlier
 /// writes of `path` on this host whose process is gone (it scans the
 /// directory; a fresh directory has none to remove).
-void write_file(const std::string& path, const std::vector<PendingTensor>& tensors,
+SHARDTORCH_API void write_file(const std::string& path, const std::vector<PendingTensor>& tensors,
                 const std::map<std::string, std::string>& metadata = {}, bool remove_stale_temporaries = true);
-void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+SHARDTORCH_API void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                const std::map<std::string, std::string>& metadata = {}, bool remove_stale_temporaries = true);
-std::map<std::string, at::Tensor> load_file(const std::string& path);
+SHARDTORCH_API std::map<std::string, at::Tensor> load_file(const std::string& path);
 
 /// Fault injection for crash tests. Checkpoint writes call crash_point() with
 /// the name of each point at which a crash must leave the previous checkpoint
 /// or the complete new one (docs/checkpoints.md lists them); a test's hook
 /// kills the process at one. An empty function (the default) removes it.
-void set_crash_hook(std::function<void(const std::string& point)> hook);
-void crash_point(const char* point);
+SHARDTORCH_API void set_crash_hook(std::function<void(const std::string& point)> hook);
+SHARDTORCH_API void crash_point(const char* point);
 
 }  // namespace shardtorch::checkpoint

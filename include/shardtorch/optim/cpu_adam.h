@@ -17,11 +17,12 @@
 #include <string>
 #include <unordered_map>
 
+#include "shardtorch/export.h"
 #include "shardtorch/optim.h"
 
 namespace shardtorch {
 
-struct AdamStep {
+struct SHARDTORCH_API AdamStep {
   // Double, as the options hold them: the kernel's fp32 coefficients (1 - beta2
   // among them) are rounded from the exact values, as torch::optim's are.
   double lr, beta1, beta2, eps, weight_decay;
@@ -31,7 +32,7 @@ struct AdamStep {
 
 /// One Adam/AdamW update of n fp32 elements in place. If `low` is not null,
 /// the updated parameters are also written there as bf16 (the compute copy).
-void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s,
+SHARDTORCH_API void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s,
                     at::BFloat16* low = nullptr);
 
 /// "avx512-newton", "avx512", "avx2" or "default": the variant fused_adam_cpu
@@ -39,18 +40,18 @@ void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_
 /// that takes sqrt and the division from hardware estimates refined by a
 /// Newton step, a few ulp from the exact update; the environment variable
 /// SHARDTORCH_ADAM_ISA overrides).
-std::string fused_adam_isa();
+SHARDTORCH_API std::string fused_adam_isa();
 
 /// Whether this build has the fused CUDA kernel, with which FusedAdam(W) also
 /// steps fp32 parameters on a CUDA device (built against a CUDA LibTorch with
 /// nvcc; docs/gpu.md).
-bool fused_adam_cuda_available();
+SHARDTORCH_API bool fused_adam_cuda_available();
 
 /// For benchmarks: the memory roofline of an Adam update's access pattern.
 /// Reads a, b, c, d and writes a, c, d (28 bytes per element, the least an
 /// update moves) with one add each, compiled and threaded exactly like
 /// fused_adam_cpu (same flags, same at::parallel_for grain).
-void adam_traffic_roofline(float* a, const float* b, float* c, float* d, int64_t n);
+SHARDTORCH_API void adam_traffic_roofline(float* a, const float* b, float* c, float* d, int64_t n);
 
 namespace detail {
 template <class Options, class State, bool Decoupled>

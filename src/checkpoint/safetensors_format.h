@@ -1,5 +1,5 @@
 #pragma once
-// The safetensors container, as bytes: an 8-byte little-endian header length
+// Internal: the safetensors container, as bytes: an 8-byte little-endian header length
 // N, N bytes of JSON ({name: {dtype, shape, data_offsets}} and an optional
 // "__metadata__" object of strings), then the tensors' raw bytes.
 //
@@ -19,12 +19,9 @@
 #include <string>
 #include <vector>
 
-namespace shardtorch::checkpoint {
+#include "shardtorch/checkpoint/safetensors_error.h"
 
-class SafetensorsError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+namespace shardtorch::checkpoint {
 
 /// Largest header accepted (the reference implementation's limit).
 constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;

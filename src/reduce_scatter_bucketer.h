@@ -1,4 +1,5 @@
 #pragma once
+// Internal (tests and benchmarks include it from src/).
 // ReduceScatterBucketer: coalesces small gradient reduce-scatters and runs
 // them asynchronously, so that they overlap the rest of backward.
 //

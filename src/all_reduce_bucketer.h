@@ -1,4 +1,5 @@
 #pragma once
+// Internal (tests and benchmarks include it from src/).
 // AllReduceBucketer: DDP's gradient reduction (the NoShard strategy).
 //
 // The trainable parameters are laid in buckets in reverse registration order

@@ -1,6 +1,5 @@
 #pragma once
-// Flat parameters: a unit's parameters of one dtype laid end to end, padded to
-// a multiple of the world size, rank r owning elements [r*S, (r+1)*S).
+// Internal: flat parameters, the tensors behind a FlatParamLayout.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -8,46 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "shardtorch/flat_param_layout.h"
 #include "shardtorch/memory.h"
 
 namespace shardtorch {
-
-/// Pure arithmetic of a flat parameter's layout; no tensors.
-class FlatParamLayout {
- public:
-  FlatParamLayout() = default;
-  FlatParamLayout(std::vector<std::vector<int64_t>> shapes, int world_size);
-
-  size_t size() const { return shapes_.size(); }
-  int world_size() const { return world_size_; }
-  const std::vector<int64_t>& shape(size_t i) const { return shapes_.at(i); }
-  int64_t offset(size_t i) const { return offsets_.at(i); }
-  int64_t numel(size_t i) const { return numels_.at(i); }
-  /// Sum of the parameters' sizes.
-  int64_t total_numel() const { return total_; }
-  /// total_numel rounded up to a multiple of the world size.
-  int64_t padded_numel() const { return shard_numel_ * world_size_; }
-  int64_t padding() const { return padded_numel() - total_; }
-  /// Elements each rank owns: ceil(total / world size).
-  int64_t shard_numel() const { return shard_numel_; }
-  /// [begin, end) of rank's shard in flat coordinates.
-  std::pair<int64_t, int64_t> shard_range(int rank) const;
-
-  /// The part of parameter i that rank owns: `length` elements starting at
-  /// `param_offset` in the flattened parameter and at `shard_offset` in the shard.
-  struct Piece {
-    int64_t param_offset;
-    int64_t shard_offset;
-    int64_t length;
-  };
-  std::optional<Piece> piece(size_t i, int rank) const;
-
- private:
-  std::vector<std::vector<int64_t>> shapes_;
-  std::vector<int64_t> offsets_, numels_;
-  int64_t total_ = 0, shard_numel_ = 0;
-  int world_size_ = 1;
-};
 
 /// One flat parameter of a unit: the module's own parameter tensors point into
 /// `full` (Tensor::set_ onto its storage); the storage's bytes are freed when
