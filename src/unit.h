@@ -110,11 +110,11 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void on_grad_ready(size_t flat, size_t param);
   /// Its gradients are final in this backward ("FINAL" in docs/design.md,
   /// "Ordering and consistency across ranks"): with sync they are handed on
-  /// for reduction in the reduction order (ShardState::issue_reductions),
+  /// for reduction in the reduction order (ExecutionOrder::issue_reductions),
   /// without it they keep accumulating; then it reshards, unless told not to
   /// (frozen parameters may still be needed).
   void reduce_grads(bool reshard_now = true);
-  /// Hands every trainable flat gradient to its reduction (ShardState decides when).
+  /// Hands every trainable flat gradient to its reduction (ExecutionOrder decides when).
   void issue_reduction();
   /// At the end of a backward: touched and not reduced yet, or (a unit this
   /// backward did not run) holding gradients accumulated without sync.
