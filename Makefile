@@ -37,6 +37,8 @@ bench: build
 	  --benchmark_out=$(BUILD)/bench-results/cpu_adam.json --benchmark_out_format=json
 	$(BUILD)/bench/bench_comm --benchmark_min_time=0.2 \
 	  --benchmark_out=$(BUILD)/bench-results/comm.json --benchmark_out_format=json
+	$(BUILD)/bench/bench_checksum --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+	  --benchmark_out=$(BUILD)/bench-results/checksum.json --benchmark_out_format=json
 
 # Memory against throughput of the example GPT (docs/benchmarks.md): CSV, JSON and PNG in $(BUILD)/sweep.
 sweep: build

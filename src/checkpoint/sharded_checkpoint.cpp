@@ -18,6 +18,7 @@
 
 #include "../files.h"
 #include "../shard_state.h"
+#include "checksum.h"
 #include "index_format.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"
@@ -35,9 +36,9 @@ void read_regular_file(const std::string& path, const std::function<void(const c
   std::string why;
   const int fd = files::open_regular_for_reading(path, why);
   if (fd < 0) throw SafetensorsError("checkpoint file '" + path + "': cannot open: " + why);
-  char buf[1 << 16];
+  std::vector<char> buf(size_t{1} << 20);
   for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const int err = errno;
@@ -45,18 +46,18 @@ void read_regular_file(const std::string& path, const std::function<void(const c
       throw SafetensorsError("checkpoint file '" + path + "': read failed: " + std::strerror(err));
     }
     if (n == 0) break;
-    consume(buf, static_cast<size_t>(n));
+    consume(buf.data(), static_cast<size_t>(n));
   }
   ::close(fd);
 }
 
-// FNV-1a over the file's bytes. A read error is an error: the checksum of
-// part of the file, recorded in an index, would make every load refuse the
-// checkpoint; compared, it would blame the file.
-std::string checksum(const std::string& path) {
-  uint64_t h = kFnvBasis;
-  read_regular_file(path, [&](const char* p, size_t n) { h = fnv1a(p, n, h); });
-  return fnv_text(h);
+// The file's checksum text with `algorithm` (checksum.h). A read error is an
+// error: the checksum of part of the file, recorded in an index, would make
+// every load refuse the checkpoint; compared, it would blame the file.
+std::string file_checksum(const std::string& path, std::string_view algorithm = checkpoint::checksum::kDefault) {
+  checkpoint::checksum::Hasher h(algorithm);
+  read_regular_file(path, [&](const char* p, size_t n) { h.update(p, n); });
+  return h.text();
 }
 
 // Next to DIR while a save runs, and the previous checkpoint set aside where
@@ -432,7 +433,7 @@ class Files {
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' is from step " +
                              (file_step == r->header().metadata.end() ? std::string("?") : file_step->second) +
                              " but the index is for step " + std::to_string(idx_.step));
-    if (checksum(path) != sum)
+    if (file_checksum(path, checkpoint::checksum::algorithm_of(sum)) != sum)
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' does not match its checksum in the index");
     // Every tensor of the file is one the index lists: a tensor whose
     // entries were taken out of the index would otherwise be left out
@@ -595,7 +596,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
                           /*remove_stale_temporaries=*/false);  // the staging directory is new
     report["file"] = json::object{{"name", file},
                                   {"size", files::file_size(tmp + "/" + file)},
-                                  {"checksum", checksum(tmp + "/" + file)}};
+                                  {"checksum", file_checksum(tmp + "/" + file)}};
   } catch (const std::exception& e) {
     error = e.what();
   }
