@@ -65,16 +65,13 @@ std::string file_checksum(const std::string& path, std::string_view algorithm = 
 constexpr const char* kTmpSuffix = ".shardtorch-tmp";
 constexpr const char* kAsideSuffix = ".shardtorch-old";
 
+// files::sync, its failure a SafetensorsError.
 void fsync_path(const std::string& p, bool dir) {
-  int fd = ::open(p.c_str(), (dir ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw SafetensorsError("checkpoint: cannot open '" + p + "' to fsync it: " + std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  // Some file systems cannot sync a directory (CIFS, some FUSE and network
-  // ones answer EINVAL): nothing more can be done there.
-  if (rc != 0 && dir && (err == EINVAL || err == ENOTSUP || err == EOPNOTSUPP)) return;
-  if (rc != 0) throw SafetensorsError("checkpoint: fsync of '" + p + "' failed: " + std::strerror(err));
+  try {
+    files::sync(p, dir);
+  } catch (const std::runtime_error& e) {
+    throw SafetensorsError(std::string("checkpoint: ") + e.what());
+  }
 }
 
 // After publishing: a failure here does not undo a published checkpoint, so
