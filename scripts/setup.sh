@@ -11,9 +11,10 @@ cd "$(dirname "$0")/.."
 # which c10d's ProcessGroupGloo.hpp includes (only src/gloo_backend.cpp).
 # clang-14 and libclang-rt-14-dev: libFuzzer with ASan/UBSan for the safetensors parser.
 # libxxhash-dev: XXH3 checksums of checkpoint files (header only).
+# g++-aarch64-linux-gnu: the ctest that compiles the CPU Adam for aarch64.
 PKGS=(cmake g++ make ccache libgtest-dev libgmock-dev libbenchmark-dev
       libboost-json1.81-dev libboost-program-options1.81-dev libgloo-dev python3-venv
-      clang-14 libclang-rt-14-dev libxxhash-dev)
+      clang-14 libclang-rt-14-dev libxxhash-dev g++-aarch64-linux-gnu)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
