@@ -20,6 +20,8 @@ std::string_view algorithm_of(std::string_view text) {
   return {};
 }
 
+// The FNV basis earlier versions used (one digit short of the published
+// 14695981039346656037): their checkpoints' checksums were computed with it.
 Hasher::Hasher(std::string_view algorithm) : xxh3_(algorithm == kXxh3), fnv_(1469598103934665603ull) {
   if (!xxh3_ && algorithm != kFnv1a)
     throw std::invalid_argument("unknown checksum algorithm '" + std::string(algorithm) + "'");
