@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "cli.h"
@@ -31,6 +32,8 @@
 #include "shardtorch/shardtorch.h"
 
 namespace {
+
+namespace po = boost::program_options;
 
 // Sequences that count: token t = (start + stride * t) mod vocab, with a random
 // start and a stride in 1..3. After two tokens the rest is determined, so a
@@ -70,42 +73,32 @@ struct Args {
   gpt::Config cfg;
 };
 
-Args parse(int argc, char** argv) {
+// Nothing (and the caller exits) after --help.
+std::optional<Args> parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument("train_gpt: " + k + " needs a value");
-      return argv[++i];
-    };
-    if (k == "--steps") a.steps = cli::parse<int>(k, next());
-    else if (k == "--batch") a.batch = cli::parse<int64_t>(k, next());
-    else if (k == "--lr") a.lr = cli::parse<double>(k, next());
-    else if (k == "--layers") a.cfg.n_layer = cli::parse<int64_t>(k, next());
-    else if (k == "--d-model") a.cfg.d_model = cli::parse<int64_t>(k, next());
-    else if (k == "--strategy") a.strategy = next();
-    else if (k == "--hybrid-shard-size") a.hybrid_shard_size = cli::parse<int>(k, next());
-    else if (k == "--bf16") a.bf16 = true;
-    else if (k == "--accumulate") a.accumulate = cli::parse<int>(k, next());
-    else if (k == "--clip") a.clip = cli::parse<double>(k, next());
-    else if (k == "--offload") a.offload = true;
-    else if (k == "--prefetch") a.prefetch = true;
-    else if (k == "--activation-checkpointing") a.recompute = true;
-    else if (k == "--dataset") a.dataset = cli::parse<int64_t>(k, next());
-    else if (k == "--checkpoint") a.checkpoint = next();
-    else if (k == "--save-every") a.save_every = cli::parse<int>(k, next());
-    else if (k == "--resume") a.resume = true;
-    else if (k == "--export") a.export_path = next();
-    else if (k == "--help") {
-      std::cout << "train_gpt [--steps N] [--batch B per rank] [--lr LR] [--layers L] [--d-model D]\n"
-                   "          [--strategy full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard]\n"
-                   "          [--hybrid-shard-size S] [--bf16] [--accumulate K micro-batches] [--clip MAX_NORM]\n"
-                   "          [--offload (CPU offload, fused CPU AdamW)] [--prefetch] [--activation-checkpointing]\n"
-                   "          [--dataset SEQUENCES]\n"
-                   "          [--checkpoint DIR [--save-every K] [--resume]] [--export FILE.safetensors]\n";
-      std::exit(0);
-    } else throw std::invalid_argument("train_gpt: unknown argument " + k);
-  }
+  po::options_description desc("options");
+  desc.add_options()("help", "this text")
+      ("steps", cli::number_option(a.steps, "--steps"), "optimizer steps")
+      ("batch", cli::number_option(a.batch, "--batch"), "sequences per rank per step")
+      ("lr", cli::number_option(a.lr, "--lr"), "learning rate (AdamW)")
+      ("layers", cli::number_option(a.cfg.n_layer, "--layers"), "transformer blocks")
+      ("d-model", cli::number_option(a.cfg.d_model, "--d-model"), "model width")
+      ("strategy", po::value(&a.strategy)->default_value(a.strategy),
+       "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")
+      ("hybrid-shard-size", cli::number_option(a.hybrid_shard_size, "--hybrid-shard-size"), "hybrid_shard group size")
+      ("bf16", po::bool_switch(&a.bf16), "bf16 parameters in compute, fp32 reduction and masters")
+      ("accumulate", cli::number_option(a.accumulate, "--accumulate"), "micro-batches per step")
+      ("clip", cli::number_option(a.clip, "--clip"), "gradient norm clipping (0: none)")
+      ("offload", po::bool_switch(&a.offload), "CPU offload (fused CPU AdamW)")
+      ("prefetch", po::bool_switch(&a.prefetch), "all-gather the next unit while one computes")
+      ("activation-checkpointing", po::bool_switch(&a.recompute), "recompute the blocks' activations in backward")
+      ("dataset", cli::number_option(a.dataset, "--dataset"), "sequences per epoch")
+      ("checkpoint", po::value(&a.checkpoint), "sharded checkpoint directory")
+      ("save-every", cli::number_option(a.save_every, "--save-every"), "steps between checkpoints (0: only at the end)")
+      ("resume", po::bool_switch(&a.resume), "continue from --checkpoint if it exists")
+      ("export", po::value(&a.export_path), "full state dict written at the end (FILE.safetensors)");
+  if (!cli::parse_command_line(argc, argv, desc, "train_gpt: trains the example GPT, sharded (launch with torchrun)"))
+    return std::nullopt;
   if (a.resume && a.checkpoint.empty()) throw std::invalid_argument("train_gpt: --resume needs --checkpoint DIR");
   return a;
 }
@@ -127,7 +120,9 @@ uint64_t fingerprint(torch::nn::Module& model) {
 
 int main(int argc, char** argv) {
   try {
-    Args args = parse(argc, argv);
+    const std::optional<Args> parsed = parse(argc, argv);
+    if (!parsed) return 0;
+    const Args& args = *parsed;
     auto world = shardtorch::World::from_env();
     const bool lead = world->rank() == 0;
     torch::manual_seed(0);
