@@ -27,7 +27,9 @@ build: configure
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
-demo: build
+# Builds the library and the example only (not the test suite).
+demo: configure
+	cmake --build $(BUILD) -j$(JOBS) --target train_gpt
 	$(VENV)/bin/torchrun --no-python --standalone --nproc-per-node 2 $(BUILD)/examples/train_gpt --steps 40
 
 # Google Benchmark results as JSON in $(BUILD)/bench-results/ (not a test: figures vary by machine).
