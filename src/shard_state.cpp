@@ -559,7 +559,8 @@ void ShardState::add_frozen_master(const at::Tensor& param, at::Tensor master) {
   masters_[param.unsafeGetTensorImpl()] = std::move(master);
 }
 
-void ShardState::enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names) {
+void ShardState::enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names,
+                            const std::unordered_set<const void*>& keep) {
   ddp_params_ = params;
   ddp_names_ = names;
   const auto& mp = options_.mixed_precision();
@@ -568,7 +569,8 @@ void ShardState::enable_ddp(std::vector<at::Tensor> params, std::vector<std::str
     for (auto& p : ddp_params_) {
       ddp_masters_.push_back(p.detach().clone());
       masters_[p.unsafeGetTensorImpl()] = ddp_masters_.back();
-      p.set_data(p.detach().to(*mp.param_dtype()));  // before the accumulators exist (below)
+      if (!keep.count(p.unsafeGetTensorImpl()))
+        p.set_data(p.detach().to(*mp.param_dtype()));  // before the accumulators exist (below)
       mem_.add(Mem::ReplicatedParams, ddp_masters_.back().nbytes());
     }
   }

@@ -311,7 +311,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   }
 
   /// NoShard: the bucketed all-reduce over the model's own parameters.
-  void enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names);
+  /// `keep`: parameters that stay in their dtype under mixed precision.
+  void enable_ddp(std::vector<at::Tensor> params, std::vector<std::string> names,
+                  const std::unordered_set<const void*>& keep = {});
   AllReduceBucketer* ddp() { return ddp_.get(); }
   const std::vector<at::Tensor>& ddp_params() const { return ddp_params_; }
   const std::vector<std::string>& ddp_names() const { return ddp_names_; }

@@ -11,7 +11,11 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
+#include <unordered_set>
+
+#include <torch/nn/modules/batchnorm.h>
 
 #include "shard_state.h"
 #include "shardtorch/deferred.h"
@@ -159,16 +163,31 @@ ModelWalk walk_model(torch::nn::Module& root, bool allow_sharded) {
   return w;
 }
 
-// A unit's parameters grouped by (dtype, requires_grad), in registration
-// order: its flat parameters.
+// Parameters and buffers (TensorImpls) of the batch-norm layers under `root`.
+std::unordered_set<const void*> batch_norm_tensors(torch::nn::Module& root) {
+  std::unordered_set<const void*> out;
+  for (const auto& m : root.modules()) {
+    if (!m->as<torch::nn::BatchNorm1d>() && !m->as<torch::nn::BatchNorm2d>() && !m->as<torch::nn::BatchNorm3d>())
+      continue;
+    for (const auto& p : m->parameters(/*recurse=*/false)) out.insert(p.unsafeGetTensorImpl());
+    for (const auto& b : m->buffers(/*recurse=*/false))
+      if (b.defined()) out.insert(b.unsafeGetTensorImpl());
+  }
+  return out;
+}
+
+// A unit's parameters grouped by (dtype, requires_grad, in `apart`), in
+// registration order: its flat parameters.
 // `dtype_of`: the dtype a parameter is grouped by (default its own).
 using DtypeOf = std::function<at::ScalarType(const at::Tensor&)>;
 std::vector<std::vector<const FoundParam*>> flat_groups(const std::vector<FoundParam>& params, int unit,
-                                                        const DtypeOf& dtype_of = {}) {
-  std::vector<std::pair<std::pair<at::ScalarType, bool>, std::vector<const FoundParam*>>> groups;
+                                                        const DtypeOf& dtype_of = {},
+                                                        const std::unordered_set<const void*>& apart = {}) {
+  std::vector<std::pair<std::tuple<at::ScalarType, bool, bool>, std::vector<const FoundParam*>>> groups;
   for (const auto& p : params) {
     if (p.unit != unit) continue;
-    auto key = std::make_pair(dtype_of ? dtype_of(p.tensor) : p.tensor.scalar_type(), p.tensor.requires_grad());
+    auto key = std::make_tuple(dtype_of ? dtype_of(p.tensor) : p.tensor.scalar_type(), p.tensor.requires_grad(),
+                               apart.count(p.tensor.unsafeGetTensorImpl()) > 0);
     auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
     if (it == groups.end()) {
       groups.push_back({key, {}});
@@ -213,6 +232,7 @@ OptionValues option_values(const ShardOptions& o) {
       {"mixed_precision.output_dtype", dtype(mp.output_dtype())},
       {"mixed_precision.buffer_dtype", dtype(mp.buffer_dtype())},
       {"mixed_precision.cast_root_inputs", flag(mp.cast_root_inputs())},
+      {"mixed_precision.keep_batch_norm_fp32", flag(mp.keep_batch_norm_fp32())},
       {"reshard_after_forward", flag(o.reshard_after_forward())},
       {"bucket_mb", mb.str()},
       {"sync_module_states", flag(o.sync_module_states())},
@@ -364,18 +384,21 @@ void sync_buffers(detail::ShardState& state, World& world, std::vector<std::pair
   if (o.broadcast_buffers()) state.set_synced_buffers(buffers);
 }
 
-void cast_buffers(const MixedPrecision& mp, std::vector<std::pair<std::string, at::Tensor>>& buffers) {
+// `keep`: buffers left as they are (batch norm's, MixedPrecision::keep_batch_norm_fp32).
+void cast_buffers(const MixedPrecision& mp, std::vector<std::pair<std::string, at::Tensor>>& buffers,
+                  const std::unordered_set<const void*>& keep) {
   if (!mp.buffer_dtype()) return;
   c10::NoGradGuard no_grad;
   for (auto& [name, b] : buffers)
-    if (b.is_floating_point()) b.set_data(b.to(*mp.buffer_dtype()));
+    if (b.is_floating_point() && !keep.count(b.unsafeGetTensorImpl())) b.set_data(b.to(*mp.buffer_dtype()));
 }
 
 // NoShard: the parameters stay whole; gradients go through buckets. Under
 // mixed precision the parameters become param_dtype and the optimizer gets
 // fp32 masters (ShardState::enable_ddp); frozen ones are cast and keep an
 // fp32 master for checkpoints (ShardState::add_frozen_master).
-void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundParam>& params) {
+void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundParam>& params,
+                    const std::unordered_set<const void*>& keep) {
   std::vector<at::Tensor> trainable;
   std::vector<std::string> names;
   c10::NoGradGuard no_grad;
@@ -384,7 +407,8 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
     if (state.options().sync_module_states() && world.size() > 1)
       world.comm().broadcast(p.tensor, 0, "parameter '" + p.name + "' at shard()");
     if (!p.tensor.requires_grad()) {  // frozen: whole on every rank
-      if (mp.param_dtype() && p.tensor.is_floating_point() && p.tensor.scalar_type() != *mp.param_dtype()) {
+      if (mp.param_dtype() && p.tensor.is_floating_point() && p.tensor.scalar_type() != *mp.param_dtype() &&
+          !keep.count(p.tensor.unsafeGetTensorImpl())) {
         // It computes in param_dtype; the fp32 master is what checkpoints keep.
         state.add_frozen_master(p.tensor, p.tensor.detach().clone());
         p.tensor.set_data(p.tensor.detach().to(*mp.param_dtype()));
@@ -395,7 +419,7 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
     trainable.push_back(p.tensor);
     names.push_back(p.name);
   }
-  state.enable_ddp(std::move(trainable), std::move(names));
+  state.enable_ddp(std::move(trainable), std::move(names), keep);
 }
 
 // Activation checkpointing: which units recompute (docs/design.md). Every
@@ -540,11 +564,14 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   TORCH_CHECK(misplaced.empty(), "shardtorch::shard: rank ", world->rank(), ": ", misplaced);
 
   auto state = std::make_shared<detail::ShardState>(world, options);
+  // Kept in their dtype under mixed precision (batch norm's).
+  const auto keep = mp.keep_batch_norm_fp32() && (mp.param_dtype() || mp.buffer_dtype())
+                        ? batch_norm_tensors(root) : std::unordered_set<const void*>{};
   if (strategy == Strategy::NoShard) {
     materialize_params(params, std::nullopt, comm_device, world->rank());  // NoShard keeps every parameter whole
     materialize_buffers(buffers, comm_device, world->rank());
-    setup_no_shard(*state, *world, params);
-    cast_buffers(mp, buffers);
+    setup_no_shard(*state, *world, params, keep);
+    cast_buffers(mp, buffers, keep);
     sync_buffers(*state, *world, buffers);
     if (auto* base = dynamic_cast<UnitBase*>(&root)) {
       // No gathering in NoShard; a root unit without flat parameters only
@@ -596,8 +623,9 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     // A deferred unit is made whole here, sliced by its FlatParams below and
     // freed: one unit in full at a time.
     materialize_params(params, static_cast<int>(u), comm_device, world->rank());
-    for (auto& members : flat_groups(params, static_cast<int>(u))) {
+    for (auto& members : flat_groups(params, static_cast<int>(u), {}, keep)) {
       const at::ScalarType dtype = members.front()->tensor.scalar_type();
+      const bool kept = keep.count(members.front()->tensor.unsafeGetTensorImpl()) > 0;
       std::vector<at::Tensor> ts;
       std::vector<std::string> names;
       for (const auto* p : members) {
@@ -610,7 +638,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
         world->comm().broadcast(flat->full(), 0, "parameters of unit '" + unit->label() + "' at shard()");
         flat->write_back_shard();
       }
-      if (mp.param_dtype() && at::isFloatingType(dtype)) {
+      if (mp.param_dtype() && at::isFloatingType(dtype) && !kept) {
         flat->set_mixed_precision(*mp.param_dtype(), mp.reduce_dtype().value_or(*mp.param_dtype()));
       }
       if (auto* off = state->offloader()) flat->offload_shard(off->pin());
@@ -624,7 +652,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
     made.push_back(unit);
   }
   materialize_buffers(buffers, comm_device, world->rank());
-  cast_buffers(mp, buffers);
+  cast_buffers(mp, buffers, keep);
   sync_buffers(*state, *world, buffers);
   for (size_t u = 0; u < units.size(); ++u) detail::ShardState::attach(*units[u].base, made[u]);
   enable_checkpointing(units, checkpointed, state, made);
