@@ -27,7 +27,9 @@ build: configure
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
-demo: build
+# Builds the library and the example only (not the test suite).
+demo: configure
+	cmake --build $(BUILD) -j$(JOBS) --target train_gpt
 	$(VENV)/bin/torchrun --no-python --standalone --nproc-per-node 2 $(BUILD)/examples/train_gpt --steps 40
 
 # Google Benchmark results as JSON in $(BUILD)/bench-results/ (not a test: figures vary by machine).
@@ -37,6 +39,8 @@ bench: build
 	  --benchmark_out=$(BUILD)/bench-results/cpu_adam.json --benchmark_out_format=json
 	$(BUILD)/bench/bench_comm --benchmark_min_time=0.2 \
 	  --benchmark_out=$(BUILD)/bench-results/comm.json --benchmark_out_format=json
+	$(BUILD)/bench/bench_checksum --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+	  --benchmark_out=$(BUILD)/bench-results/checksum.json --benchmark_out_format=json
 
 # Memory against throughput of the example GPT (docs/benchmarks.md): CSV, JSON and PNG in $(BUILD)/sweep.
 sweep: build

@@ -1,8 +1,8 @@
 #pragma once
-// Numbers on the command lines of the examples and tools. The whole text must
-// be the number (no "12abc", no spaces), and a bad one names the option and
-// the text (std::stoi's own error says only "stoi"). And how their main()s
-// report an error.
+// Command lines of the examples and tools (Boost.Program_options). Numbers:
+// the whole text must be the number (no "12abc", no spaces), and a bad one
+// names the option and the text. And how their main()s report an error.
+#include <boost/program_options.hpp>
 #include <c10/util/Exception.h>
 
 #include <charconv>
@@ -27,6 +27,33 @@ T parse(const std::string& option, const std::string& text) {
   if (auto v = number<T>(text)) return *v;
   throw std::invalid_argument(option + " '" + text + "' is not " +
                               (std::is_integral_v<T> ? "a whole number" : "a number"));
+}
+
+namespace po = boost::program_options;
+
+// A numeric option: its text is parsed by parse<T> into `dst`, whose value
+// now is the default (shown by --help).
+template <typename T>
+po::typed_value<std::string>* number_option(T& dst, const std::string& flag) {
+  char shown[64];
+  const auto [end, err] = std::to_chars(shown, shown + sizeof(shown), dst);  // shortest text that reads back as dst
+  (void)err;
+  return po::value<std::string>()->default_value(std::string(shown, end))->notifier([&dst, flag](const std::string& text) {
+    dst = parse<T>(flag, text);
+  });
+}
+
+// Parses argv by `desc`, which has a "help" switch, and stores the values.
+// Returns false after printing `usage` and the options for --help.
+inline bool parse_command_line(int argc, char** argv, const po::options_description& desc, const std::string& usage) {
+  po::variables_map vm;
+  po::store(po::parse_command_line(argc, argv, desc), vm);
+  if (vm.count("help")) {
+    std::cout << usage << "\n" << desc << "\n";
+    return false;
+  }
+  po::notify(vm);
+  return true;
 }
 
 // Inside a catch block: prints the exception being handled as

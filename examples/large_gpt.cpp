@@ -41,21 +41,15 @@ int main(int argc, char** argv) {
     cfg.n_layer = 12;
     int steps = 8;
     std::string strategy = "full_shard";
-    for (int i = 1; i < argc; ++i) {
-      std::string k = argv[i];
-      auto next = [&]() -> std::string {
-        if (i + 1 >= argc) throw std::invalid_argument("large_gpt: " + k + " needs a value");
-        return argv[++i];
-      };
-      if (k == "--layers") cfg.n_layer = cli::parse<int64_t>(k, next());
-      else if (k == "--d-model") cfg.d_model = cli::parse<int64_t>(k, next());
-      else if (k == "--steps") steps = cli::parse<int>(k, next());
-      else if (k == "--strategy") strategy = next();
-      else if (k == "--help") {
-        std::cout << "large_gpt [--layers L] [--d-model D] [--steps N] [--strategy full_shard|...]\n";
-        return 0;
-      } else throw std::invalid_argument("large_gpt: unknown argument " + k);
-    }
+    boost::program_options::options_description desc("options");
+    desc.add_options()("help", "this text")
+        ("layers", cli::number_option(cfg.n_layer, "--layers"), "transformer blocks")
+        ("d-model", cli::number_option(cfg.d_model, "--d-model"), "model width")
+        ("steps", cli::number_option(steps, "--steps"), "optimizer steps")
+        ("strategy", boost::program_options::value(&strategy)->default_value(strategy),
+         "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard");
+    if (!cli::parse_command_line(argc, argv, desc, "large_gpt: a GPT built deferred, sharded, trained (launch with torchrun)"))
+      return 0;
     // glibc keeps freed heap memory resident and raises its mmap threshold as
     // large blocks are freed; a fixed threshold makes VmRSS follow the live
     // bytes, so that the figures below show what the program holds.

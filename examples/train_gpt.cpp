@@ -4,10 +4,11 @@
 //
 //   torchrun --no-python --standalone --nproc-per-node 2 build/examples/train_gpt --steps 40
 //
-// Prints per step the loss (mean over ranks), step time and tokens/s, and per
-// rank the bytes the library holds by category; at the end a fingerprint of
-// the parameters (a hash of their bytes). Exits non-zero if the loss did not
-// fall (runs of 10 steps or more).
+// Prints per step one line (the loss, mean over ranks; step time; tokens/s),
+// every --report-every steps and at the end the bytes each rank's library
+// holds by category, and at the end a fingerprint of the parameters (a hash
+// of their bytes) and a summary. Exits non-zero if the loss did not fall
+// (runs of 10 steps or more).
 //
 // Checkpoints and resuming: --checkpoint DIR saves a sharded checkpoint
 // (parameters, optimizer state, and the data-loader position as user state)
@@ -21,9 +22,11 @@
 #include <torch/data.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "cli.h"
@@ -31,6 +34,8 @@
 #include "shardtorch/shardtorch.h"
 
 namespace {
+
+namespace po = boost::program_options;
 
 // Sequences that count: token t = (start + stride * t) mod vocab, with a random
 // start and a stride in 1..3. After two tokens the rest is determined, so a
@@ -67,45 +72,38 @@ struct Args {
   int save_every = 0;        // steps between checkpoints (0: only at the end)
   bool resume = false;       // continue from `checkpoint` if it exists
   std::string export_path;   // full state dict written at the end ("" for none)
+  int report_every = 10;     // steps between memory reports (0: only at the end)
   gpt::Config cfg;
 };
 
-Args parse(int argc, char** argv) {
+// Nothing (and the caller exits) after --help.
+std::optional<Args> parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument("train_gpt: " + k + " needs a value");
-      return argv[++i];
-    };
-    if (k == "--steps") a.steps = cli::parse<int>(k, next());
-    else if (k == "--batch") a.batch = cli::parse<int64_t>(k, next());
-    else if (k == "--lr") a.lr = cli::parse<double>(k, next());
-    else if (k == "--layers") a.cfg.n_layer = cli::parse<int64_t>(k, next());
-    else if (k == "--d-model") a.cfg.d_model = cli::parse<int64_t>(k, next());
-    else if (k == "--strategy") a.strategy = next();
-    else if (k == "--hybrid-shard-size") a.hybrid_shard_size = cli::parse<int>(k, next());
-    else if (k == "--bf16") a.bf16 = true;
-    else if (k == "--accumulate") a.accumulate = cli::parse<int>(k, next());
-    else if (k == "--clip") a.clip = cli::parse<double>(k, next());
-    else if (k == "--offload") a.offload = true;
-    else if (k == "--prefetch") a.prefetch = true;
-    else if (k == "--activation-checkpointing") a.recompute = true;
-    else if (k == "--dataset") a.dataset = cli::parse<int64_t>(k, next());
-    else if (k == "--checkpoint") a.checkpoint = next();
-    else if (k == "--save-every") a.save_every = cli::parse<int>(k, next());
-    else if (k == "--resume") a.resume = true;
-    else if (k == "--export") a.export_path = next();
-    else if (k == "--help") {
-      std::cout << "train_gpt [--steps N] [--batch B per rank] [--lr LR] [--layers L] [--d-model D]\n"
-                   "          [--strategy full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard]\n"
-                   "          [--hybrid-shard-size S] [--bf16] [--accumulate K micro-batches] [--clip MAX_NORM]\n"
-                   "          [--offload (CPU offload, fused CPU AdamW)] [--prefetch] [--activation-checkpointing]\n"
-                   "          [--dataset SEQUENCES]\n"
-                   "          [--checkpoint DIR [--save-every K] [--resume]] [--export FILE.safetensors]\n";
-      std::exit(0);
-    } else throw std::invalid_argument("train_gpt: unknown argument " + k);
-  }
+  po::options_description desc("options");
+  desc.add_options()("help", "this text")
+      ("steps", cli::number_option(a.steps, "--steps"), "optimizer steps")
+      ("batch", cli::number_option(a.batch, "--batch"), "sequences per rank per step")
+      ("lr", cli::number_option(a.lr, "--lr"), "learning rate (AdamW)")
+      ("layers", cli::number_option(a.cfg.n_layer, "--layers"), "transformer blocks")
+      ("d-model", cli::number_option(a.cfg.d_model, "--d-model"), "model width")
+      ("strategy", po::value(&a.strategy)->default_value(a.strategy),
+       "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")
+      ("hybrid-shard-size", cli::number_option(a.hybrid_shard_size, "--hybrid-shard-size"), "hybrid_shard group size")
+      ("bf16", po::bool_switch(&a.bf16), "bf16 parameters in compute, fp32 reduction and masters")
+      ("accumulate", cli::number_option(a.accumulate, "--accumulate"), "micro-batches per step")
+      ("clip", cli::number_option(a.clip, "--clip"), "gradient norm clipping (0: none)")
+      ("offload", po::bool_switch(&a.offload), "CPU offload (fused CPU AdamW)")
+      ("prefetch", po::bool_switch(&a.prefetch), "all-gather the next unit while one computes")
+      ("activation-checkpointing", po::bool_switch(&a.recompute), "recompute the blocks' activations in backward")
+      ("dataset", cli::number_option(a.dataset, "--dataset"), "sequences per epoch")
+      ("checkpoint", po::value(&a.checkpoint), "sharded checkpoint directory")
+      ("save-every", cli::number_option(a.save_every, "--save-every"), "steps between checkpoints (0: only at the end)")
+      ("resume", po::bool_switch(&a.resume), "continue from --checkpoint if it exists")
+      ("export", po::value(&a.export_path), "full state dict written at the end (FILE.safetensors)")
+      ("report-every", cli::number_option(a.report_every, "--report-every"),
+       "steps between memory reports (0: only at the end)");
+  if (!cli::parse_command_line(argc, argv, desc, "train_gpt: trains the example GPT, sharded (launch with torchrun)"))
+    return std::nullopt;
   if (a.resume && a.checkpoint.empty()) throw std::invalid_argument("train_gpt: --resume needs --checkpoint DIR");
   return a;
 }
@@ -127,7 +125,9 @@ uint64_t fingerprint(torch::nn::Module& model) {
 
 int main(int argc, char** argv) {
   try {
-    Args args = parse(argc, argv);
+    const std::optional<Args> parsed = parse(argc, argv);
+    if (!parsed) return 0;
+    const Args& args = *parsed;
     auto world = shardtorch::World::from_env();
     const bool lead = world->rank() == 0;
     torch::manual_seed(0);
@@ -181,7 +181,34 @@ int main(int argc, char** argv) {
                                            {"batches_done_in_epoch", std::to_string(batches_done)}});
       if (lead) std::cout << "saved " << args.checkpoint << " at step " << step << std::endl;
     };
-    std::vector<double> losses;
+    // Every rank's bytes by category (peaks since the last reset), printed by
+    // rank 0. Collective.
+    auto memory_report = [&](const std::string& title) {
+      auto m = sharded.memory();
+      std::ostringstream mine;
+      mine << "rank " << world->rank() << ": sharded_params " << shardtorch::format_bytes(m.cur(shardtorch::Mem::ShardedParams))
+           << " | replicated_params " << shardtorch::format_bytes(m.cur(shardtorch::Mem::ReplicatedParams))
+           << " | gradients " << shardtorch::format_bytes(m.cur(shardtorch::Mem::Gradients))
+           << " | optimizer_state " << shardtorch::format_bytes(m.cur(shardtorch::Mem::OptimizerState))
+           << (args.offload ? " | host (params, grads, optimizer) " +
+                                  shardtorch::format_bytes(m.cur(shardtorch::Mem::HostParams) +
+                                                           m.cur(shardtorch::Mem::HostGradients) +
+                                                           m.cur(shardtorch::Mem::HostOptimizerState))
+                            : std::string())
+           << " | peak gathered_params " << shardtorch::format_bytes(m.max(shardtorch::Mem::GatheredParams))
+           << " (" << m.peak_gathered_units << " units)"
+           << " | peak buckets " << shardtorch::format_bytes(m.max(shardtorch::Mem::Buckets))
+           << " | peak grad_staging " << shardtorch::format_bytes(m.max(shardtorch::Mem::GradStaging));
+      auto lines = world->comm().all_gather_strings(mine.str(), "demo memory report");
+      if (lead) {
+        std::printf("  %s:\n", title.c_str());
+        for (auto& line : lines) std::printf("    %s\n", line.c_str());
+        std::fflush(stdout);
+      }
+    };
+    std::vector<double> losses, step_seconds;
+    sharded.reset_peak_memory();
+    int peaks_since = step;  // the step since which the memory peaks count
     for (size_t epoch = first_epoch; step < args.steps; ++epoch) {
       // LibTorch's distributed sampler: each rank draws its own slice of a
       // permutation shared by all ranks; a new permutation every epoch.
@@ -198,7 +225,10 @@ int main(int argc, char** argv) {
           continue;
         }
         ++in_epoch;
-        sharded.reset_peak_memory();
+        if (args.report_every > 0 && step % args.report_every == 0 && step != peaks_since) {
+          sharded.reset_peak_memory();
+          peaks_since = step;
+        }
         auto t0 = std::chrono::steady_clock::now();
         opt->zero_grad();
         at::Tensor loss = at::zeros({});
@@ -218,30 +248,17 @@ int main(int argc, char** argv) {
         world->comm().all_reduce(mean_loss, c10d::ReduceOp::SUM, "demo loss");
         double l = mean_loss.item<double>() / world->size();
         losses.push_back(l);
-        auto m = sharded.memory();
-        std::ostringstream mine;
-        mine << "rank " << world->rank() << ": sharded_params " << shardtorch::format_bytes(m.cur(shardtorch::Mem::ShardedParams))
-             << " | replicated_params " << shardtorch::format_bytes(m.cur(shardtorch::Mem::ReplicatedParams))
-             << " | gradients " << shardtorch::format_bytes(m.cur(shardtorch::Mem::Gradients))
-             << " | optimizer_state " << shardtorch::format_bytes(m.cur(shardtorch::Mem::OptimizerState))
-             << (args.offload ? " | host (params, grads, optimizer) " +
-                                    shardtorch::format_bytes(m.cur(shardtorch::Mem::HostParams) +
-                                                             m.cur(shardtorch::Mem::HostGradients) +
-                                                             m.cur(shardtorch::Mem::HostOptimizerState))
-                              : std::string())
-             << " | peak gathered_params " << shardtorch::format_bytes(m.max(shardtorch::Mem::GatheredParams))
-             << " (" << m.peak_gathered_units << " units)"
-             << " | peak buckets " << shardtorch::format_bytes(m.max(shardtorch::Mem::Buckets))
-             << " | peak grad_staging " << shardtorch::format_bytes(m.max(shardtorch::Mem::GradStaging));
-        auto lines = world->comm().all_gather_strings(mine.str(), "demo memory report");
+        step_seconds.push_back(dt);
         if (lead) {
           double tokens = static_cast<double>(args.batch * args.cfg.seq_len * world->size());
           std::printf("step %3d  loss %.4f  step_time %.1f ms  tokens/s %.0f", step, l, dt * 1e3, tokens / dt);
           if (args.clip > 0) std::printf("  grad_norm %.3f", norm);
           std::printf("\n");
-          for (auto& line : lines) std::printf("    %s\n", line.c_str());
           std::fflush(stdout);
         }
+        // Collective: every rank reports at the same steps.
+        if (args.report_every > 0 && (step + 1) % args.report_every == 0 && step + 1 < args.steps)
+          memory_report("memory after step " + std::to_string(step));
         ++step;
         if (!args.checkpoint.empty() && ((args.save_every > 0 && step % args.save_every == 0) || step == args.steps))
           save(epoch, in_epoch);
@@ -249,6 +266,8 @@ int main(int argc, char** argv) {
       TORCH_CHECK(in_epoch > 0, "train_gpt: --dataset ", args.dataset, " has no full batch of ", args.batch,
                   " per rank at ", world->size(), " ranks");
     }
+    if (!step_seconds.empty())
+      memory_report("memory at the end (peaks since step " + std::to_string(peaks_since) + ")");
     if (!args.export_path.empty()) {
       shardtorch::save_full_state_dict(*model, args.export_path, {{"step", std::to_string(step)}});
       if (lead) std::cout << "exported the full state dict to " << args.export_path << std::endl;
@@ -266,8 +285,18 @@ int main(int argc, char** argv) {
     if (lead && judged) {
       std::printf("loss %s: mean of the first %zu steps %.4f, of the last %zu steps %.4f\n",
                   fell ? "fell" : "DID NOT FALL", k, first, k, last);
-      std::fflush(stdout);
     }
+    if (lead && !step_seconds.empty()) {
+      std::vector<double> sorted = step_seconds;
+      std::sort(sorted.begin(), sorted.end());
+      double total = 0;
+      for (double t : step_seconds) total += t;
+      const double tokens = static_cast<double>(args.batch * args.cfg.seq_len * world->size()) * step_seconds.size();
+      std::printf("summary: %zu steps on %d ranks in %.1f s, median step %.1f ms, %.0f tokens/s; loss %.4f -> %.4f\n",
+                  step_seconds.size(), world->size(), total, sorted[sorted.size() / 2] * 1e3, tokens / total,
+                  losses.front(), losses.back());
+    }
+    if (lead) std::fflush(stdout);
     // No rank exits before rank 0 has printed: torchrun stops the others as
     // soon as one exits with an error, and the verdict would be lost.
     auto done = torch::zeros({1});

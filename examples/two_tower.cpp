@@ -16,12 +16,15 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "cli.h"
 #include "shardtorch/shardtorch.h"
 
 namespace {
+
+namespace po = boost::program_options;
 
 struct EncoderImpl : torch::nn::Module {
   EncoderImpl(int64_t in, int64_t hidden, int64_t out)
@@ -73,24 +76,22 @@ struct Args {
   std::string strategy = "full_shard";
 };
 
-Args parse(int argc, char** argv) {
+// Nothing (and the caller exits) after --help.
+std::optional<Args> parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument("two_tower: " + k + " needs a value");
-      return argv[++i];
-    };
-    if (k == "--steps") a.steps = cli::parse<int>(k, next());
-    else if (k == "--batch") a.batch = cli::parse<int64_t>(k, next());
-    else if (k == "--lr") a.lr = cli::parse<double>(k, next());
-    else if (k == "--strategy") a.strategy = next();
-    else if (k == "--prefetch") a.prefetch = true;
-    else if (k == "--no-broadcast-buffers") a.broadcast_buffers = false;
-    else throw std::invalid_argument("two_tower: unknown option " + k +
-                                     " (known: --steps N --batch N --lr X --strategy S --prefetch"
-                                     " --no-broadcast-buffers)");
-  }
+  bool no_broadcast = false;
+  po::options_description desc("options");
+  desc.add_options()("help", "this text")
+      ("steps", cli::number_option(a.steps, "--steps"), "optimizer steps")
+      ("batch", cli::number_option(a.batch, "--batch"), "items per rank per step")
+      ("lr", cli::number_option(a.lr, "--lr"), "learning rate (AdamW)")
+      ("strategy", po::value(&a.strategy)->default_value(a.strategy),
+       "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")
+      ("prefetch", po::bool_switch(&a.prefetch), "all-gather the next unit while one computes")
+      ("no-broadcast-buffers", po::bool_switch(&no_broadcast), "each rank keeps its own batch-norm statistics");
+  if (!cli::parse_command_line(argc, argv, desc, "two_tower: a contrastive two-tower model, sharded (launch with torchrun)"))
+    return std::nullopt;
+  a.broadcast_buffers = !no_broadcast;
   return a;
 }
 
@@ -98,7 +99,9 @@ Args parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
-    Args args = parse(argc, argv);
+    const std::optional<Args> parsed = parse(argc, argv);
+    if (!parsed) return 0;
+    const Args& args = *parsed;
     auto world = shardtorch::World::from_env();
     const bool lead = world->rank() == 0;
     torch::manual_seed(0);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian machine with python3:
 #  - Debian packages: build tools, GoogleTest, Google Benchmark, Boost 1.81 JSON and
-#    program_options, ccache.
+#    program_options, xxHash, ccache.
 #  - A virtual environment owned by the Makefile (.venv) holding torch==2.13.0.
 # Each step is skipped when what it installs is already there.
 set -euo pipefail
@@ -10,9 +10,11 @@ cd "$(dirname "$0")/.."
 # libgloo-dev: the torch wheel ships Gloo compiled in but not its headers,
 # which c10d's ProcessGroupGloo.hpp includes (only src/gloo_backend.cpp).
 # clang-14 and libclang-rt-14-dev: libFuzzer with ASan/UBSan for the safetensors parser.
+# libxxhash-dev: XXH3 checksums of checkpoint files (header only).
+# g++-aarch64-linux-gnu: the ctest that compiles the CPU Adam for aarch64.
 PKGS=(cmake g++ make ccache libgtest-dev libgmock-dev libbenchmark-dev
       libboost-json1.81-dev libboost-program-options1.81-dev libgloo-dev python3-venv
-      clang-14 libclang-rt-14-dev)
+      clang-14 libclang-rt-14-dev libxxhash-dev g++-aarch64-linux-gnu)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

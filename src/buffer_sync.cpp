@@ -37,11 +37,12 @@ void broadcast_coalesced(Comm& comm, NamedTensors& tensors, const std::string& w
   }
 }
 
-void BufferSync::setup(World& world, const ShardOptions& o, NamedTensors& buffers) {
+void BufferSync::setup(World& world, const ShardOptions& o, NamedTensors& buffers,
+                       const std::unordered_set<const void*>& keep) {
   if (const auto& dtype = o.mixed_precision().buffer_dtype()) {
     c10::NoGradGuard no_grad;
     for (auto& [name, b] : buffers)
-      if (b.is_floating_point()) b.set_data(b.to(*dtype));
+      if (b.is_floating_point() && !keep.count(b.unsafeGetTensorImpl())) b.set_data(b.to(*dtype));
   }
   if (world.size() == 1 || buffers.empty() || !(o.sync_module_states() || o.broadcast_buffers())) return;
   const c10::Device comm_device = world.comm().device();

@@ -6,6 +6,7 @@
 
 #include <string>
 #include <utility>
+#include <unordered_set>
 #include <vector>
 
 #include "shardtorch/collectives.h"
@@ -26,10 +27,12 @@ void broadcast_coalesced(Comm& comm, NamedTensors& tensors, const std::string& w
 
 class BufferSync {
  public:
-  /// At shard(): casts the floating buffers to buffer_dtype, broadcasts them
-  /// from rank 0 (sync_module_states) and keeps them for after each step
+  /// At shard(): casts the floating buffers to buffer_dtype (except those in
+  /// `keep`: batch norm's, MixedPrecision::keep_batch_norm_fp32), broadcasts
+  /// them from rank 0 (sync_module_states) and keeps them for after each step
   /// (broadcast_buffers).
-  void setup(World& world, const ShardOptions& options, NamedTensors& buffers);
+  void setup(World& world, const ShardOptions& options, NamedTensors& buffers,
+             const std::unordered_set<const void*>& keep = {});
   /// After each optimizer step, not at the end of backward: the copy raises
   /// the buffers' version counters, and batch norm saves its running
   /// statistics for backward, so a graph kept alive with retain_graph would

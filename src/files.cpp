@@ -160,6 +160,22 @@ void rename(const std::string& from, const std::string& to) {
     throw std::runtime_error("shardtorch: renaming '" + from + "' to '" + to + "' failed: " + std::strerror(errno));
 }
 
+void sync(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("open (to fsync it) of", path, errno);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0 && directory && (err == EINVAL || err == ENOTSUP || err == EOPNOTSUPP)) return;
+  if (rc != 0) fail("fsync of", path, err);
+}
+
+void rename_durably(const std::string& from, const std::string& to, const std::function<void()>& renamed) {
+  rename(from, to);
+  if (renamed) renamed();
+  sync(directory_of(to), /*directory=*/true);
+}
+
 namespace {
 void make_directories(const std::string& dir, const std::string& target) {
   if (dir.empty() || is_directory(dir)) return;

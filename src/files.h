@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,14 @@ void remove_all_quietly(const std::string& path) noexcept;
 /// One file, link or empty directory; false if it was absent.
 bool remove(const std::string& path);
 void rename(const std::string& from, const std::string& to);
+/// fsync of a regular file, or of a directory (`directory`): what makes the
+/// creations, removals and renames in it durable. A directory whose file
+/// system cannot sync one (EINVAL, ENOTSUP: CIFS, some FUSE and network file
+/// systems) counts as synced: nothing more can be done there.
+void sync(const std::string& path, bool directory = false);
+/// rename(from, to), then sync of the directory `to` is in, so that the
+/// rename survives a crash. `renamed`, if given, runs between the two.
+void rename_durably(const std::string& from, const std::string& to, const std::function<void()>& renamed = {});
 /// `dir` and its missing parents.
 void create_directories(const std::string& dir);
 /// Copies a regular file, replacing `to`.

@@ -104,7 +104,8 @@ void ReplicatedPath::add_frozen_master(const at::Tensor& param, at::Tensor maste
   master_of_[param.unsafeGetTensorImpl()] = std::move(master);
 }
 
-void ReplicatedPath::enable(std::vector<at::Tensor> params, std::vector<std::string> names) {
+void ReplicatedPath::enable(std::vector<at::Tensor> params, std::vector<std::string> names,
+                            const std::unordered_set<const void*>& keep) {
   params_ = params;
   names_ = names;
   const auto& options = model_.options();
@@ -115,7 +116,8 @@ void ReplicatedPath::enable(std::vector<at::Tensor> params, std::vector<std::str
     for (auto& p : params_) {
       masters_.push_back(p.detach().clone());
       master_of_[p.unsafeGetTensorImpl()] = masters_.back();
-      p.set_data(p.detach().to(*mp.param_dtype()));  // before the accumulators exist (below)
+      if (!keep.count(p.unsafeGetTensorImpl()))
+        p.set_data(p.detach().to(*mp.param_dtype()));  // before the accumulators exist (below)
       mem.add(Mem::ReplicatedParams, masters_.back().nbytes());
     }
   }

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "gradient_reducer.h"
@@ -25,7 +26,9 @@ class ReplicatedPath final : public GradientReducer {
   /// Takes the trainable parameters `params`, named `names`: under mixed
   /// precision they become param_dtype with fp32 masters, and every one gets
   /// a gradient hook. Once, at shard(), after add_frozen_master.
-  void enable(std::vector<at::Tensor> params, std::vector<std::string> names);
+  /// `keep`: parameters that stay in their dtype under mixed precision.
+  void enable(std::vector<at::Tensor> params, std::vector<std::string> names,
+              const std::unordered_set<const void*>& keep = {});
 
   void finish_backward(bool sync) override;
   void discard() override { ddp_->discard(); }

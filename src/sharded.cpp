@@ -11,7 +11,11 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
+#include <unordered_set>
+
+#include <torch/nn/modules/batchnorm.h>
 
 #include "shard_state.h"
 #include "shardtorch/deferred.h"
@@ -96,16 +100,31 @@ ModelWalk walk_model(torch::nn::Module& root, bool allow_sharded) {
   return w;
 }
 
-// A unit's parameters grouped by (dtype, requires_grad), in registration
-// order: its flat parameters.
+// Parameters and buffers (TensorImpls) of the batch-norm layers under `root`.
+std::unordered_set<const void*> batch_norm_tensors(torch::nn::Module& root) {
+  std::unordered_set<const void*> out;
+  for (const auto& m : root.modules()) {
+    if (!m->as<torch::nn::BatchNorm1d>() && !m->as<torch::nn::BatchNorm2d>() && !m->as<torch::nn::BatchNorm3d>())
+      continue;
+    for (const auto& p : m->parameters(/*recurse=*/false)) out.insert(p.unsafeGetTensorImpl());
+    for (const auto& b : m->buffers(/*recurse=*/false))
+      if (b.defined()) out.insert(b.unsafeGetTensorImpl());
+  }
+  return out;
+}
+
+// A unit's parameters grouped by (dtype, requires_grad, in `apart`), in
+// registration order: its flat parameters.
 // `dtype_of`: the dtype a parameter is grouped by (default its own).
 using DtypeOf = std::function<at::ScalarType(const at::Tensor&)>;
 std::vector<std::vector<const FoundParam*>> flat_groups(const std::vector<FoundParam>& params, int unit,
-                                                        const DtypeOf& dtype_of = {}) {
-  std::vector<std::pair<std::pair<at::ScalarType, bool>, std::vector<const FoundParam*>>> groups;
+                                                        const DtypeOf& dtype_of = {},
+                                                        const std::unordered_set<const void*>& apart = {}) {
+  std::vector<std::pair<std::tuple<at::ScalarType, bool, bool>, std::vector<const FoundParam*>>> groups;
   for (const auto& p : params) {
     if (p.unit != unit) continue;
-    auto key = std::make_pair(dtype_of ? dtype_of(p.tensor) : p.tensor.scalar_type(), p.tensor.requires_grad());
+    auto key = std::make_tuple(dtype_of ? dtype_of(p.tensor) : p.tensor.scalar_type(), p.tensor.requires_grad(),
+                               apart.count(p.tensor.unsafeGetTensorImpl()) > 0);
     auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
     if (it == groups.end()) {
       groups.push_back({key, {}});
@@ -150,6 +169,7 @@ OptionValues option_values(const ShardOptions& o) {
       {"mixed_precision.output_dtype", dtype(mp.output_dtype())},
       {"mixed_precision.buffer_dtype", dtype(mp.buffer_dtype())},
       {"mixed_precision.cast_root_inputs", flag(mp.cast_root_inputs())},
+      {"mixed_precision.keep_batch_norm_fp32", flag(mp.keep_batch_norm_fp32())},
       {"reshard_after_forward", flag(o.reshard_after_forward())},
       {"bucket_mb", mb.str()},
       {"sync_module_states", flag(o.sync_module_states())},
@@ -292,7 +312,9 @@ namespace {
 // mixed precision the parameters become param_dtype and the optimizer gets
 // fp32 masters (ReplicatedPath::enable); frozen ones are cast and keep an
 // fp32 master for checkpoints (ReplicatedPath::add_frozen_master).
-void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundParam>& params) {
+// `keep`: parameters that stay in their dtype (batch norm's, MixedPrecision::keep_batch_norm_fp32).
+void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundParam>& params,
+                    const std::unordered_set<const void*>& keep) {
   std::vector<at::Tensor> trainable;
   std::vector<std::string> names;
   c10::NoGradGuard no_grad;
@@ -302,7 +324,8 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
     if (state.options().sync_module_states() && world.size() > 1)
       world.comm().broadcast(p.tensor, 0, "parameter '" + p.name + "' at shard()");
     if (!p.tensor.requires_grad()) {  // frozen: whole on every rank
-      if (mp.param_dtype() && p.tensor.is_floating_point() && p.tensor.scalar_type() != *mp.param_dtype()) {
+      if (mp.param_dtype() && p.tensor.is_floating_point() && p.tensor.scalar_type() != *mp.param_dtype() &&
+          !keep.count(p.tensor.unsafeGetTensorImpl())) {
         // It computes in param_dtype; the fp32 master is what checkpoints keep.
         replicated.add_frozen_master(p.tensor, p.tensor.detach().clone());
         p.tensor.set_data(p.tensor.detach().to(*mp.param_dtype()));
@@ -313,7 +336,7 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
     trainable.push_back(p.tensor);
     names.push_back(p.name);
   }
-  replicated.enable(std::move(trainable), std::move(names));
+  replicated.enable(std::move(trainable), std::move(names), keep);
 }
 
 // Activation checkpointing: which units recompute (docs/design.md). Every
@@ -466,12 +489,12 @@ void agree_on_model(World& world, const ShardOptions& options, const ModelWalk& 
 // NoShard: every parameter whole, gradients all-reduced in buckets; a root
 // unit only applies the mixed-precision casts of the root's inputs and output.
 void shard_replicated(torch::nn::Module& root, World& world, ModelWalk& found, const std::vector<bool>& checkpointed,
-                      const std::shared_ptr<detail::ShardState>& state) {
+                      const std::shared_ptr<detail::ShardState>& state, const std::unordered_set<const void*>& keep) {
   const c10::Device comm_device = world.comm().device();
   materialize_params(found.params, std::nullopt, comm_device, world.rank());
   materialize_buffers(found.buffers, comm_device, world.rank());
-  setup_no_shard(*state, world, found.params);
-  state->buffers().setup(world, state->options(), found.buffers);
+  setup_no_shard(*state, world, found.params, keep);
+  state->buffers().setup(world, state->options(), found.buffers, keep);
   if (auto* base = dynamic_cast<UnitBase*>(&root)) {
     auto unit = std::make_shared<detail::Unit>(state, "", 0, /*is_root=*/true, false, /*persistent=*/true);
     unit->mark_persistent_gathered();
@@ -485,7 +508,8 @@ void shard_replicated(torch::nn::Module& root, World& world, ModelWalk& found, c
 // The sharded strategies: one Unit per unit module, its parameters laid out
 // in FlatParams (one per dtype and requires_grad), this rank's shard kept.
 std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelWalk& found, bool root_is_unit,
-                                                      int shard_size, const std::shared_ptr<detail::ShardState>& state) {
+                                                      int shard_size, const std::shared_ptr<detail::ShardState>& state,
+                                                      const std::unordered_set<const void*>& keep) {
   const ShardOptions& options = state->options();
   const auto& mp = options.mixed_precision();
   const auto& units = found.units;
@@ -501,8 +525,9 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
     // A deferred unit is made whole here, sliced by its FlatParams below and
     // freed: one unit in full at a time.
     materialize_params(found.params, static_cast<int>(u), comm_device, world.rank());
-    for (auto& members : flat_groups(found.params, static_cast<int>(u))) {
+    for (auto& members : flat_groups(found.params, static_cast<int>(u), {}, keep)) {
       const at::ScalarType dtype = members.front()->tensor.scalar_type();
+      const bool kept = keep.count(members.front()->tensor.unsafeGetTensorImpl()) > 0;
       std::vector<at::Tensor> ts;
       std::vector<std::string> names;
       for (const auto* p : members) {
@@ -515,7 +540,7 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
         world.comm().broadcast(flat->full(), 0, "parameters of unit '" + unit->label() + "' at shard()");
         flat->write_back_shard();
       }
-      if (mp.param_dtype() && at::isFloatingType(dtype)) {
+      if (mp.param_dtype() && at::isFloatingType(dtype) && !kept) {
         flat->set_mixed_precision(*mp.param_dtype(), mp.reduce_dtype().value_or(*mp.param_dtype()));
       }
       if (auto* off = state->offloader()) flat->offload_shard(off->pin());
@@ -544,8 +569,12 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   agree_on_model(*world, options, found, config);
 
   auto state = std::make_shared<detail::ShardState>(world, options);
+  // Kept in their dtype under mixed precision (batch norm's).
+  const auto& mp = options.mixed_precision();
+  const auto keep = mp.keep_batch_norm_fp32() && (mp.param_dtype() || mp.buffer_dtype())
+                        ? batch_norm_tensors(root) : std::unordered_set<const void*>{};
   if (strategy == Strategy::NoShard) {
-    shard_replicated(root, *world, found, config.checkpointed, state);
+    shard_replicated(root, *world, found, config.checkpointed, state, keep);
     detail::register_model(root, state);
     world->note_progress("shard() done");
     return ShardedModel(state);
@@ -561,9 +590,9 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
 
   state->topology().build(strategy, config.shard_size);
   if (options.cpu_offload()) state->copies().enable_offload(world->comm().device());
-  auto made = make_units(*world, found, root_is_unit, config.shard_size, state);
+  auto made = make_units(*world, found, root_is_unit, config.shard_size, state, keep);
   materialize_buffers(found.buffers, world->comm().device(), world->rank());
-  state->buffers().setup(*world, options, found.buffers);
+  state->buffers().setup(*world, options, found.buffers, keep);
   for (size_t u = 0; u < found.units.size(); ++u) detail::ShardState::attach(*found.units[u].base, made[u]);
   enable_checkpointing(found.units, config.checkpointed, state, made);
   detail::register_model(root, state);

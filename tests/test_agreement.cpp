@@ -73,6 +73,13 @@ std::vector<OptionCase> option_cases() {
          return o;
        },
        "true", "false"},
+      {"KeepBatchNormFp32", "mixed_precision.keep_batch_norm_fp32",
+       [](int r) {
+         auto o = bf16();
+         o.mixed_precision().keep_batch_norm_fp32(r == 0);
+         return o;
+       },
+       "true", "false"},
       {"ReshardAfterForward", "reshard_after_forward",
        [](int r) { return on(Strategy::FullShard).reshard_after_forward(r == 0); }, "true", "false"},
       {"BucketMb", "bucket_mb", [](int r) { return on(Strategy::FullShard).bucket_mb(r ? 0.5 : 25); }, "25", "0.5"},

@@ -400,7 +400,7 @@ TEST(NotACheckpoint, AnIndexWithImpossibleValuesIsRefusedByBothReaders) {
       {"file-twice", "\"name\":\"rank-1.safetensors\"", "\"name\":\"rank-0.safetensors\"",
        "file 'rank-0.safetensors' is listed twice"},
       {"size", "(\"name\":\"rank-0.safetensors\",\"size\":)[0-9]+", "$1-8", "the size of 'rank-0.safetensors' is negative"},
-      {"checksum", "\"checksum\":\"fnv1a64:[0-9a-f]+\"", "\"checksum\":\"md5:0\"", "is not fnv1a64:HEX"},
+      {"checksum", "\"checksum\":\"xxh3_64:[0-9a-f]+\"", "\"checksum\":\"md5:0\"", "is not xxh3_64:HEX or fnv1a64:HEX"},
       {"shape", "(\"shapes\":\\{\"[^\"]+\":\\[)([0-9]+)", "$1$2.0", "not an integer"},
   };
   for (const auto& c : cases) {

@@ -59,6 +59,14 @@ TEST(Files, TreesAreMadeCopiedListedAndRemoved) {
   files::copy_file(root + "/a/g.txt", root + "/copy/f.txt");  // replaces
   EXPECT_EQ(files::file_size(root + "/copy/f.txt"), 1);
 
+  EXPECT_NO_THROW(files::sync(root + "/copy/f.txt"));
+  EXPECT_NO_THROW(files::sync(root + "/copy", /*directory=*/true));
+  bool between = false;
+  files::rename_durably(root + "/copy/f.txt", root + "/copy/h.txt", [&] {
+    between = files::exists(root + "/copy/h.txt") && !files::exists(root + "/copy/f.txt");
+  });
+  EXPECT_TRUE(between) << "the callback runs after the rename";
+  files::rename(root + "/copy/h.txt", root + "/copy/f.txt");
   files::rename(root + "/copy", root + "/moved");
   EXPECT_FALSE(files::exists(root + "/copy"));
   EXPECT_TRUE(files::is_regular_file(root + "/moved/f.txt"));
@@ -90,6 +98,10 @@ TEST(Files, FailuresNameTheCallThePathAndTheReason) {
   EXPECT_NE(e.find("'" + root + "/file/sub'"), std::string::npos) << e;
   EXPECT_NE(e.find("'" + root + "/file' exists and is not a directory"), std::string::npos) << e;
   e = message([&] { files::list_directory(root + "/file"); });
+  EXPECT_NE(e.find("Not a directory"), std::string::npos) << e;
+  e = message([&] { files::sync(root + "/absent"); });
+  EXPECT_NE(e.find("fsync it) of '" + root + "/absent'"), std::string::npos) << e;
+  e = message([&] { files::sync(root + "/file", /*directory=*/true); });
   EXPECT_NE(e.find("Not a directory"), std::string::npos) << e;
   files::remove_all(root);
   EXPECT_FALSE(files::exists(root));

@@ -38,6 +38,10 @@ struct SHARDTORCH_API MixedPrecision {
   TORCH_ARG(std::optional<at::ScalarType>, buffer_dtype) = std::nullopt;
   /// Floating-point tensor arguments of the root's forward are cast to param_dtype.
   TORCH_ARG(bool, cast_root_inputs) = true;
+  /// Parameters and buffers of batch-norm layers (BatchNorm1d/2d/3d) stay in
+  /// their own dtype (fp32), as under FSDP: they normalise low-precision
+  /// inputs with full-precision statistics. false: cast like the others.
+  TORCH_ARG(bool, keep_batch_norm_fp32) = true;
 };
 
 struct SHARDTORCH_API ShardOptions {

@@ -1,8 +1,8 @@
 #include "index_format.h"
 
-#include <sstream>
 #include <stdexcept>
 
+#include "checksum.h"
 #include "safetensors_format.h"
 
 namespace shardtorch::checkpoint::index_format {
@@ -65,20 +65,6 @@ bool known_strategy(const std::string& name) {
 
 std::string tensor_key(const Entry& e) { return e.name + "|" + e.kind + "|" + std::to_string(e.begin); }
 
-uint64_t fnv1a(const char* data, size_t n, uint64_t h) {
-  for (size_t i = 0; i < n; ++i) {
-    h ^= static_cast<unsigned char>(data[i]);
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-std::string fnv_text(uint64_t h) {
-  std::ostringstream os;
-  os << "fnv1a64:" << std::hex << h;
-  return os.str();
-}
-
 json::object entry_json(const Entry& e) {
   return {{"name", e.name}, {"kind", e.kind}, {"begin", e.begin}, {"end", e.end},
           {"step", e.step}, {"file", e.file}, {"tensor", e.tensor}};
@@ -115,9 +101,8 @@ Index parse_index(const std::string& text, const std::string& path) {
       const int64_t size = integer(fo.at("size"), "the size of '" + name + "'");
       const std::string sum = json::value_to<std::string>(fo.at("checksum"));
       if (size < 0) throw std::invalid_argument("the size of '" + name + "' is negative");
-      if (sum.rfind("fnv1a64:", 0) != 0 || sum.size() < 9 || sum.size() > 24 ||
-          sum.find_first_not_of("0123456789abcdef", 8) != std::string::npos)
-        throw std::invalid_argument("the checksum of '" + name + "' is not fnv1a64:HEX");
+      if (checksum::algorithm_of(sum).empty())
+        throw std::invalid_argument("the checksum of '" + name + "' is not xxh3_64:HEX or fnv1a64:HEX");
       if (!idx.files.emplace(name, std::pair{size, sum}).second)
         throw std::invalid_argument("file '" + name + "' is listed twice");
     }
@@ -148,7 +133,7 @@ Index parse_index(const std::string& text, const std::string& path) {
   for (const auto& e : idx.entries)
     if (!idx.files.count(e.file))
       throw SafetensorsError("checkpoint index '" + path + "': entry '" + e.tensor + "' names unlisted file '" + e.file + "'");
-  idx.fingerprint = "step " + std::to_string(idx.step) + ", index " + fnv_text(fnv1a(text.data(), text.size()));
+  idx.fingerprint = "step " + std::to_string(idx.step) + ", index " + checksum::of(text.data(), text.size());
   return idx;
 }
 

@@ -1,6 +1,6 @@
 #pragma once
-// The sharded checkpoint's index.json: its entries, its parsing and the
-// FNV-1a checksum it records. No LibTorch here, so that the fuzz target
+// The sharded checkpoint's index.json: its entries and its parsing (the
+// checksums it records: checksum.h). No LibTorch here, so that the fuzz target
 // (tests/fuzz/fuzz_checkpoint_index.cpp) builds it alone with Boost.JSON.
 #include <boost/json.hpp>
 
@@ -38,10 +38,6 @@ struct Index {
   std::optional<std::map<std::string, std::vector<int64_t>>> shapes;
   std::string fingerprint;  // the step and the index's checksum: ranks compare it
 };
-
-constexpr uint64_t kFnvBasis = 1469598103934665603ull;
-uint64_t fnv1a(const char* data, size_t n, uint64_t h = kFnvBasis);
-std::string fnv_text(uint64_t h);
 
 boost::json::object entry_json(const Entry& e);
 /// The strategies an index may name: those strategy_name() gives.

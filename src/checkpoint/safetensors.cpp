@@ -256,23 +256,24 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     throw;
   }
   if (::close(fd) != 0) sys_fail(tmp, "close failed");
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    sys_fail(path, "rename of the temporary file failed");
-  }
-  crash_point("file renamed");
-  // The rename is durable once the directory is synced. Some file systems
-  // cannot sync a directory (EINVAL and the like): nothing more can be done
-  // there. Any other failure is an error: the file is in place, but a crash
-  // could still lose it.
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) sys_fail(dir, "cannot open the directory to fsync it (the file is written, its rename not yet durable)");
-  const int synced = ::fsync(dfd);
-  const int err = errno;
-  ::close(dfd);
-  if (synced != 0 && err != EINVAL && err != ENOTSUP && err != EOPNOTSUPP) {
-    errno = err;
-    sys_fail(dir, "fsync of the directory failed (the file is written, its rename not yet durable)");
+  // The rename is durable once the directory is synced (files::sync). A
+  // failure there is an error: the file is in place, but a crash could
+  // still lose it.
+  bool renamed = false, past_crash_point = false;
+  try {
+    files::rename_durably(tmp, path, [&] {
+      renamed = true;
+      crash_point("file renamed");
+      past_crash_point = true;
+    });
+  } catch (const std::runtime_error& e) {
+    if (!renamed) {
+      ::unlink(tmp.c_str());
+      throw SafetensorsError("safetensors file '" + path + "': rename of the temporary file failed: " + e.what());
+    }
+    if (!past_crash_point) throw;  // the crash hook's own
+    throw SafetensorsError("safetensors file '" + path + "': the file is written, its rename not yet durable: " +
+                           e.what());
   }
   if (!remove_stale_temporaries) return;
   // Temporary files of writes to this path, on this host, whose process is

@@ -18,6 +18,7 @@
 
 #include "../files.h"
 #include "../shard_state.h"
+#include "checksum.h"
 #include "safetensors_format.h"
 #include "index_format.h"
 #include "shardtorch/checkpoint.h"
@@ -36,9 +37,9 @@ void read_regular_file(const std::string& path, const std::function<void(const c
   std::string why;
   const int fd = files::open_regular_for_reading(path, why);
   if (fd < 0) throw SafetensorsError("checkpoint file '" + path + "': cannot open: " + why);
-  char buf[1 << 16];
+  std::vector<char> buf(size_t{1} << 20);
   for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const int err = errno;
@@ -46,18 +47,18 @@ void read_regular_file(const std::string& path, const std::function<void(const c
       throw SafetensorsError("checkpoint file '" + path + "': read failed: " + std::strerror(err));
     }
     if (n == 0) break;
-    consume(buf, static_cast<size_t>(n));
+    consume(buf.data(), static_cast<size_t>(n));
   }
   ::close(fd);
 }
 
-// FNV-1a over the file's bytes. A read error is an error: the checksum of
-// part of the file, recorded in an index, would make every load refuse the
-// checkpoint; compared, it would blame the file.
-std::string checksum(const std::string& path) {
-  uint64_t h = kFnvBasis;
-  read_regular_file(path, [&](const char* p, size_t n) { h = fnv1a(p, n, h); });
-  return fnv_text(h);
+// The file's checksum text with `algorithm` (checksum.h). A read error is an
+// error: the checksum of part of the file, recorded in an index, would make
+// every load refuse the checkpoint; compared, it would blame the file.
+std::string file_checksum(const std::string& path, std::string_view algorithm = checkpoint::checksum::kDefault) {
+  checkpoint::checksum::Hasher h(algorithm);
+  read_regular_file(path, [&](const char* p, size_t n) { h.update(p, n); });
+  return h.text();
 }
 
 // Next to DIR while a save runs, and the previous checkpoint set aside where
@@ -65,16 +66,13 @@ std::string checksum(const std::string& path) {
 constexpr const char* kTmpSuffix = ".shardtorch-tmp";
 constexpr const char* kAsideSuffix = ".shardtorch-old";
 
+// files::sync, its failure a SafetensorsError.
 void fsync_path(const std::string& p, bool dir) {
-  int fd = ::open(p.c_str(), (dir ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw SafetensorsError("checkpoint: cannot open '" + p + "' to fsync it: " + std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  // Some file systems cannot sync a directory (CIFS, some FUSE and network
-  // ones answer EINVAL): nothing more can be done there.
-  if (rc != 0 && dir && (err == EINVAL || err == ENOTSUP || err == EOPNOTSUPP)) return;
-  if (rc != 0) throw SafetensorsError("checkpoint: fsync of '" + p + "' failed: " + std::strerror(err));
+  try {
+    files::sync(p, dir);
+  } catch (const std::runtime_error& e) {
+    throw SafetensorsError(std::string("checkpoint: ") + e.what());
+  }
 }
 
 // After publishing: a failure here does not undo a published checkpoint, so
@@ -433,7 +431,7 @@ class Files {
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' is from step " +
                              (file_step == r->header().metadata.end() ? std::string("?") : file_step->second) +
                              " but the index is for step " + std::to_string(idx_.step));
-    if (checksum(path) != sum)
+    if (file_checksum(path, checkpoint::checksum::algorithm_of(sum)) != sum)
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' does not match its checksum in the index");
     // Every tensor of the file is one the index lists: a tensor whose
     // entries were taken out of the index would otherwise be left out
@@ -530,6 +528,153 @@ void run_fill(at::Tensor dst, const Fill& fill, Files& files) {
 
 }  // namespace
 
+
+namespace {
+
+// Rank 0, first: the staging directory `tmp`, new and empty, once `dir` is
+// known to be replaceable. The error, or "".
+std::string prepare_staging(const std::string& dir, const std::string& tmp) {
+  try {
+    check_replaceable(dir);
+    files::remove_all(tmp);
+    files::create_directories(tmp);
+    checkpoint::crash_point("staging directory created");
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+json::object user_json(const std::map<std::string, std::string>& user_state) {
+  json::object user;
+  for (const auto& [k, v] : user_state) user[k] = v;
+  return user;
+}
+
+// Writes this rank's shard file into `tmp`; returns its report to the other
+// ranks: the file (name, size, checksum), its entries, and what every rank
+// must pass alike (a rank with another step would write a file the index
+// refuses, and one without the optimizer would leave its ranges without
+// state; either checkpoint would replace a good one and never load). A
+// failure to write is the report's error.
+json::object write_rank_file(const Holding& h, const std::string& tmp, int rank, int64_t step, const json::object& user,
+                             const std::string& opt_kind) {
+  const std::string file = "rank-" + std::to_string(rank) + ".safetensors";
+  std::string error;
+  json::array mine;
+  json::object report;
+  try {
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (auto& [e, t] : h.items) {
+      tensors.emplace_back(e.tensor, t);
+      mine.push_back(entry_json(e));
+    }
+    checkpoint::save_file(tmp + "/" + file, tensors, {{"step", std::to_string(step)}, {"rank", std::to_string(rank)}},
+                          /*remove_stale_temporaries=*/false);  // the staging directory is new
+    report["file"] = json::object{{"name", file},
+                                  {"size", files::file_size(tmp + "/" + file)},
+                                  {"checksum", file_checksum(tmp + "/" + file)}};
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  report["error"] = error;
+  report["entries"] = mine;
+  report["user_state"] = user;
+  report["step"] = step;
+  report["optimizer"] = opt_kind;
+  return report;
+}
+
+// Every rank's report merged: the files and entries of the index, or the
+// first failure (a rank's error, or a step, optimizer or user_state other
+// than this rank's). Every rank sees every report, so every rank fails alike.
+struct MergedReports {
+  json::array files, entries;
+  std::string failed;
+};
+
+MergedReports merge_reports(const std::vector<std::string>& reports, int rank, int64_t step,
+                            const std::string& opt_kind, const json::object& user) {
+  MergedReports m;
+  std::string& failed = m.failed;
+  for (size_t r = 0; r < reports.size(); ++r) {
+    json::object o = json::parse(reports[r]).as_object();
+    std::string err = json::value_to<std::string>(o.at("error"));
+    if (!err.empty() && failed.empty()) failed = "rank " + std::to_string(r) + ": " + err;
+    if (o.contains("file")) m.files.push_back(o.at("file"));
+    for (auto& e : o.at("entries").as_array()) m.entries.push_back(e);
+    if (failed.empty() && o.at("step").as_int64() != step)
+      failed = "rank " + std::to_string(r) + ": it saves step " + std::to_string(o.at("step").as_int64()) +
+               " but rank " + std::to_string(rank) + " saves step " + std::to_string(step) +
+               " (the step must be the same on every rank)";
+    if (failed.empty() && json::value_to<std::string>(o.at("optimizer")) != opt_kind)
+      failed = "rank " + std::to_string(r) + ": it saves optimizer " + json::value_to<std::string>(o.at("optimizer")) +
+               " but rank " + std::to_string(rank) + " saves optimizer " + opt_kind +
+               " (pass the same optimizer, or none, on every rank)";
+    if (failed.empty() && o.at("user_state") != json::value(user)) {
+      std::string key = "(the set of keys)";
+      const auto& theirs = o.at("user_state").as_object();
+      for (const auto& [k, v] : user)
+        if (!theirs.contains(k) || theirs.at(k) != v) key = quoted(k);
+      for (const auto& [k, v] : theirs)
+        if (!user.contains(k)) key = quoted(k);
+      failed = "rank " + std::to_string(r) + ": its user_state differs from rank " + std::to_string(rank) + "'s at " +
+               key + " (user_state must be the same on every rank)";
+    }
+  }
+  return m;
+}
+
+// The index of the checkpoint: format, world, strategy, step, files,
+// entries, user state, every tensor's shape, and the units' flat parameters.
+json::object index_json(torch::nn::Module& root, detail::ShardState& state, int world_size, int64_t step,
+                        MergedReports merged, const json::object& user) {
+  json::object index{{"format_version", kFormatVersion}, {"format", "shardtorch sharded checkpoint"},
+                     {"world_size", world_size}, {"strategy", strategy_name(state.strategy())},
+                     {"step", step}, {"files", std::move(merged.files)}, {"entries", std::move(merged.entries)},
+                     {"user_state", user}};
+  json::object shapes;
+  for (const auto& [name, shape] : model_shapes(root)) {
+    json::array dims;
+    for (int64_t d : shape) dims.push_back(d);
+    shapes[name] = dims;
+  }
+  index["shapes"] = shapes;
+  json::array units;
+  if (!state.ddp())
+    for (auto& u : state.units()) {
+      json::array flats;
+      for (auto& f : u->flats()) {
+        json::array names;
+        for (auto& n : f->names()) names.push_back(json::value(n));
+        flats.push_back(json::object{{"params", names}, {"numel", f->layout().total_numel()},
+                                     {"padded_numel", f->layout().padded_numel()}});
+      }
+      units.push_back(json::object{{"name", u->label()}, {"flats", flats}});
+    }
+  index["units"] = units;
+  return index;
+}
+
+// Rank 0, last: the index written into `tmp`, synced, and `tmp` published as
+// `dir`. The error, or "" (the attempt is removed unless it was published).
+std::string write_index_and_publish(const std::function<json::object()>& index, const std::string& tmp,
+                                    const std::string& dir) {
+  try {
+    write_text_durably(tmp + "/index.json", json::serialize(index()));
+    fsync_path(tmp, true);
+    checkpoint::crash_point("index written");
+    publish(tmp, dir);
+    checkpoint::crash_point("published");
+  } catch (const std::exception& e) {
+    files::remove_all_quietly(tmp);  // the attempt, unless publish() had moved it in already
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
 void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg, int64_t step,
                              const std::map<std::string, std::string>& user_state) {
   auto state = detail::require_state(root, "save_sharded_checkpoint");
@@ -542,117 +687,178 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   if (opt) optimizer_kind(*opt);  // the same on every rank: each throws alike, before any collective
   // Every step one rank alone takes ends in an agreement: a failure there
   // fails every rank with its message, and nothing is published.
-  std::string error;
-  if (world.rank() == 0) {
-    try {
-      check_replaceable(dir);
-      files::remove_all(tmp);
-      files::create_directories(tmp);
-      checkpoint::crash_point("staging directory created");
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  }
-  detail::agree_on_errors(world, error, what);
-  Holding h = collect(root, *state, opt, world.rank());
-  const std::string file = "rank-" + std::to_string(world.rank()) + ".safetensors";
-  json::array mine;
-  json::object report;
-  try {
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
-    for (auto& [e, t] : h.items) {
-      tensors.emplace_back(e.tensor, t);
-      mine.push_back(entry_json(e));
-    }
-    checkpoint::save_file(tmp + "/" + file, tensors, {{"step", std::to_string(step)}, {"rank", std::to_string(world.rank())}},
-                          /*remove_stale_temporaries=*/false);  // the staging directory is new
-    report["file"] = json::object{{"name", file},
-                                  {"size", files::file_size(tmp + "/" + file)},
-                                  {"checksum", checksum(tmp + "/" + file)}};
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  json::object user;
-  for (const auto& [k, v] : user_state) user[k] = v;
-  // What every rank must pass alike: a rank with another step would write a
-  // file the index refuses, and one without the optimizer would leave its
-  // ranges without state; either checkpoint would replace a good one and
-  // never load.
+  detail::agree_on_errors(world, world.rank() == 0 ? prepare_staging(dir, tmp) : "", what);
+  const json::object user = user_json(user_state);
   const std::string opt_kind = opt ? optimizer_kind_name(optimizer_kind(*opt)) : "none";
-  report["error"] = error;
-  report["entries"] = mine;
-  report["user_state"] = user;
-  report["step"] = step;
-  report["optimizer"] = opt_kind;
+  const json::object report =
+      write_rank_file(collect(root, *state, opt, world.rank()), tmp, world.rank(), step, user, opt_kind);
   auto reports = world.comm().all_gather_strings(json::serialize(report), "save_sharded_checkpoint index");
   checkpoint::crash_point("reports gathered");
-  std::string failed;
-  json::array files, entries;
-  for (size_t r = 0; r < reports.size(); ++r) {
-    json::object o = json::parse(reports[r]).as_object();
-    std::string err = json::value_to<std::string>(o.at("error"));
-    if (!err.empty() && failed.empty()) failed = "rank " + std::to_string(r) + ": " + err;
-    if (o.contains("file")) files.push_back(o.at("file"));
-    for (auto& e : o.at("entries").as_array()) entries.push_back(e);
-    if (failed.empty() && o.at("step").as_int64() != step)
-      failed = "rank " + std::to_string(r) + ": it saves step " + std::to_string(o.at("step").as_int64()) +
-               " but rank " + std::to_string(world.rank()) + " saves step " + std::to_string(step) +
-               " (the step must be the same on every rank)";
-    if (failed.empty() && json::value_to<std::string>(o.at("optimizer")) != opt_kind)
-      failed = "rank " + std::to_string(r) + ": it saves optimizer " + json::value_to<std::string>(o.at("optimizer")) +
-               " but rank " + std::to_string(world.rank()) + " saves optimizer " + opt_kind +
-               " (pass the same optimizer, or none, on every rank)";
-    if (failed.empty() && o.at("user_state") != json::value(user)) {
-      // Every rank sees every report, so every rank fails alike.
-      std::string key = "(the set of keys)";
-      const auto& theirs = o.at("user_state").as_object();
-      for (const auto& [k, v] : user)
-        if (!theirs.contains(k) || theirs.at(k) != v) key = quoted(k);
-      for (const auto& [k, v] : theirs)
-        if (!user.contains(k)) key = quoted(k);
-      failed = "rank " + std::to_string(r) + ": its user_state differs from rank " + std::to_string(world.rank()) +
-               "'s at " + key + " (user_state must be the same on every rank)";
-    }
-  }
-  if (!failed.empty() && world.rank() == 0) files::remove_all(tmp);
-  TORCH_CHECK(failed.empty(), "shardtorch::save_sharded_checkpoint: writing '", dir, "' failed on ", failed);
-  if (world.rank() == 0) {
-    try {
-      json::object index{{"format_version", kFormatVersion}, {"format", "shardtorch sharded checkpoint"},
-                         {"world_size", world.size()}, {"strategy", strategy_name(state->strategy())},
-                         {"step", step}, {"files", files}, {"entries", entries}, {"user_state", user}};
-      json::object shapes;
-      for (const auto& [name, shape] : model_shapes(root)) {
-        json::array dims;
-        for (int64_t d : shape) dims.push_back(d);
-        shapes[name] = dims;
-      }
-      index["shapes"] = shapes;
-      json::array units;
-      if (!state->ddp())
-        for (auto& u : state->units()) {
-          json::array flats;
-          for (auto& f : u->flats()) {
-            json::array names;
-            for (auto& n : f->names()) names.push_back(json::value(n));
-            flats.push_back(json::object{{"params", names}, {"numel", f->layout().total_numel()},
-                                         {"padded_numel", f->layout().padded_numel()}});
-          }
-          units.push_back(json::object{{"name", u->label()}, {"flats", flats}});
-        }
-      index["units"] = units;
-      write_text_durably(tmp + "/index.json", json::serialize(index));
-      fsync_path(tmp, true);
-      checkpoint::crash_point("index written");
-      publish(tmp, dir);
-      checkpoint::crash_point("published");
-    } catch (const std::exception& e) {
-      error = e.what();
-      files::remove_all_quietly(tmp);  // the attempt, unless publish() had moved it in already
-    }
-  }
+  MergedReports merged = merge_reports(reports, world.rank(), step, opt_kind, user);
+  if (!merged.failed.empty() && world.rank() == 0) files::remove_all(tmp);
+  TORCH_CHECK(merged.failed.empty(), "shardtorch::save_sharded_checkpoint: writing '", dir, "' failed on ",
+              merged.failed);
+  std::string error;
+  if (world.rank() == 0)
+    error = write_index_and_publish(
+        [&] { return index_json(root, *state, world.size(), step, std::move(merged), user); }, tmp, dir);
   detail::agree_on_errors(world, error, what);
 }
+
+namespace {
+
+using Changes = std::vector<std::function<void()>>;
+
+// Plans one destination's fill from this load's index and files.
+struct FillPlanner {
+  const Index& idx;
+  Files& files;
+  const std::string& dir;
+  bool allow_lossy;
+  Fill operator()(int64_t numel, const std::string& name, const std::string& kind, int64_t begin,
+                  at::ScalarType into) const {
+    return plan_fill(numel, name, kind, begin, idx, files, dir, into, allow_lossy);
+  }
+};
+
+// The parameters this rank holds: whole under NoShard (into the fp32 master
+// under mixed precision), the ranges of its shards otherwise.
+void plan_parameters(torch::nn::Module& root, detail::ShardState& state, const FillPlanner& plan, Changes& changes) {
+  Files* files = &plan.files;
+  detail::ShardState* st = &state;
+  if (state.ddp()) {
+    for (const auto& [name, p] : no_shard_params(root, state)) {
+      const at::Tensor record = state.record_of(p);  // the fp32 master under mixed precision
+      changes.push_back([st, files, p, record, fill = plan(record.numel(), name, "param", 0, record.scalar_type())] {
+        at::Tensor t = at::empty({record.numel()}, record.options());
+        run_fill(t, fill, *files);
+        st->load_record(p, t);
+      });
+    }
+    return;
+  }
+  const int shard_rank = state.shard_comm().rank();
+  for (auto& u : state.units())
+    for (auto& f : u->flats())
+      for (size_t i = 0; i < f->params().size(); ++i)
+        if (auto p = f->layout().piece(i, shard_rank)) {
+          at::Tensor dst = f->shard().narrow(0, p->shard_offset, p->length);
+          changes.push_back([files, dst, fill = plan(p->length, f->names()[i], "param", p->param_offset, f->dtype())] {
+            run_fill(dst, fill, *files);
+          });
+        }
+}
+
+void plan_buffers(torch::nn::Module& root, const FillPlanner& plan, Changes& changes) {
+  Files* files = &plan.files;
+  for (const auto& item : root.named_buffers()) {
+    if (!item.value().defined()) continue;
+    at::Tensor b = item.value();
+    changes.push_back([files, b, fill = plan(b.numel(), item.key(), "buffer", 0, b.scalar_type())]() mutable {
+      at::Tensor t = at::empty({b.numel()}, b.options());
+      run_fill(t, fill, *files);
+      b.copy_(t.view(b.sizes()));
+    });
+  }
+}
+
+// The parameters (their TensorImpls) in groups with amsgrad.
+std::set<const void*> amsgrad_params(ShardedOptimizer& opt) {
+  std::set<const void*> amsgrad;
+  for (auto& group : opt.inner().param_groups()) {
+    auto& o = group.options();
+    bool on = false;
+    if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) on = a->amsgrad();
+    if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&o)) on = w->amsgrad();
+    if (on)
+      for (const auto& p : group.params()) amsgrad.insert(p.unsafeGetTensorImpl());
+  }
+  return amsgrad;
+}
+
+// One parameter's optimizer state from its loaded tensors: exp_avg,
+// exp_avg_sq (and max_exp_avg_sq) for Adam(W), momentum_buffer for SGD.
+std::unique_ptr<torch::optim::OptimizerParamState> param_state(OptimizerKind kind, int64_t step,
+                                                               const std::vector<at::Tensor>& t) {
+  const at::Tensor vmax = t.size() > 2 ? t[2] : at::Tensor();
+  if (kind == OptimizerKind::AdamW) {
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(step).exp_avg(t[0]).exp_avg_sq(t[1]);
+    if (vmax.defined()) s->max_exp_avg_sq(vmax);
+    return s;
+  }
+  if (kind == OptimizerKind::Adam) {
+    auto s = std::make_unique<torch::optim::AdamParamState>();
+    s->step(step).exp_avg(t[0]).exp_avg_sq(t[1]);
+    if (vmax.defined()) s->max_exp_avg_sq(vmax);
+    return s;
+  }
+  auto s = std::make_unique<torch::optim::SGDParamState>();
+  s->momentum_buffer(t[0]);
+  return s;
+}
+
+// The optimizer state of the pieces this rank's optimizer steps.
+void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Changes& changes) {
+  const Index& idx = plan.idx;
+  const std::string& dir = plan.dir;
+  std::set<std::string> saved_kinds;
+  for (const auto& e : idx.entries)
+    if (e.kind != "param" && e.kind != "buffer") saved_kinds.insert(e.kind);
+  const OptimizerKind kind = optimizer_kind(opt);
+  const bool adam = kind == OptimizerKind::AdamW || kind == OptimizerKind::Adam;
+  const bool sgd = kind == OptimizerKind::SGD;
+  if (!saved_kinds.empty() && !((adam && saved_kinds.count("exp_avg")) || (sgd && saved_kinds.count("momentum_buffer"))))
+    throw SafetensorsError("checkpoint '" + dir + "' holds optimizer state of another kind of optimizer");
+  // A parameter that never had a gradient has no optimizer state (the
+  // optimizer skipped it) and none was saved: it gets none now either. A
+  // checkpoint without any optimizer state (saved without the optimizer,
+  // or before its first step) leaves the optimizer with none: a fresh start.
+  const std::string first_kind = adam ? "exp_avg" : "momentum_buffer";
+  // Per name: groups may differ in amsgrad, so some parameters have a
+  // max_exp_avg_sq and others none.
+  std::set<std::string> with_state, with_max;
+  for (const auto& e : idx.entries) {
+    if (e.kind == first_kind) with_state.insert(e.name);
+    if (e.kind == "max_exp_avg_sq") with_max.insert(e.name);
+  }
+  // A group with amsgrad needs each parameter's max_exp_avg_sq: a
+  // checkpoint of an optimizer without it would load, and step() fail.
+  const std::set<const void*> amsgrad = amsgrad_params(opt);
+  auto* st = &opt.inner().state();
+  Files* files = &plan.files;
+  for (const auto& piece : opt.views().pieces()) {
+    void* key = piece.view.unsafeGetTensorImpl();
+    if (!with_state.count(piece.name)) {
+      changes.push_back([st, key] { st->erase(key); });
+      continue;
+    }
+    if (amsgrad.count(key) && !with_max.count(piece.name))
+      throw SafetensorsError("checkpoint '" + dir + "': '" + piece.name + "' is in a parameter group with amsgrad, "
+                             "but the checkpoint has no max_exp_avg_sq for it (it was saved by an optimizer "
+                             "without amsgrad for it)");
+    std::vector<std::string> kinds = adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"}
+                                          : std::vector<std::string>{"momentum_buffer"};
+    if (adam && with_max.count(piece.name)) kinds.push_back("max_exp_avg_sq");
+    std::vector<Fill> fills;
+    for (const auto& k : kinds) fills.push_back(plan(piece.length, piece.name, k, piece.param_offset, piece.view.scalar_type()));
+    // The state takes the piece's shape: a NoShard piece is the whole
+    // parameter, and torch::optim adds its gradient into the state in
+    // place (a flat state made step() fail after a resume).
+    changes.push_back([st, files, key, fills, kind, options = piece.view.options(), length = piece.length,
+                       shape = piece.view.sizes().vec()] {
+      std::vector<at::Tensor> t;
+      for (const auto& fill : fills) {
+        at::Tensor flat = at::empty({length}, options);
+        run_fill(flat, fill, *files);
+        t.push_back(flat.view(shape));
+      }
+      (*st)[key] = param_state(kind, fills.front().step, t);
+    });
+  }
+}
+
+}  // namespace
 
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
                                 std::map<std::string, std::string>* user_state, const LoadOptions& options) {
@@ -670,7 +876,7 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
   // was. Then the copies run, and the ranks agree once more.
   Index idx;
   std::optional<Files> files;
-  std::vector<std::function<void()>> changes;
+  Changes changes;
   std::string error;
   try {
     state->check_outside_summon();
@@ -678,120 +884,10 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
     idx = read_index(dir);
     files.emplace(dir, idx);
     check_model_against(root, idx, dir);
-    auto plan = [&](int64_t numel, const std::string& name, const std::string& kind, int64_t begin,
-                    at::ScalarType into) {
-      return plan_fill(numel, name, kind, begin, idx, *files, dir, into, options.allow_lossy_casts());
-    };
-    if (state->ddp()) {
-      for (const auto& [name, p] : no_shard_params(root, *state)) {
-        const at::Tensor record = state->record_of(p);  // the fp32 master under mixed precision
-        changes.push_back([&, p, record, fill = plan(record.numel(), name, "param", 0, record.scalar_type())] {
-          at::Tensor t = at::empty({record.numel()}, record.options());
-          run_fill(t, fill, *files);
-          state->load_record(p, t);
-        });
-      }
-    } else {
-      const int shard_rank = state->shard_comm().rank();
-      for (auto& u : state->units())
-        for (auto& f : u->flats())
-          for (size_t i = 0; i < f->params().size(); ++i)
-            if (auto p = f->layout().piece(i, shard_rank)) {
-              at::Tensor dst = f->shard().narrow(0, p->shard_offset, p->length);
-              changes.push_back([&, dst, fill = plan(p->length, f->names()[i], "param", p->param_offset, f->dtype())] {
-                run_fill(dst, fill, *files);
-              });
-            }
-    }
-    for (const auto& item : root.named_buffers()) {
-      if (!item.value().defined()) continue;
-      at::Tensor b = item.value();
-      changes.push_back([&, b, fill = plan(b.numel(), item.key(), "buffer", 0, b.scalar_type())]() mutable {
-        at::Tensor t = at::empty({b.numel()}, b.options());
-        run_fill(t, fill, *files);
-        b.copy_(t.view(b.sizes()));
-      });
-    }
-    if (opt) {
-      std::set<std::string> saved_kinds;
-      for (const auto& e : idx.entries)
-        if (e.kind != "param" && e.kind != "buffer") saved_kinds.insert(e.kind);
-      const OptimizerKind kind = optimizer_kind(*opt);
-      const bool adamw = kind == OptimizerKind::AdamW;
-      const bool adam = adamw || kind == OptimizerKind::Adam;
-      const bool sgd = kind == OptimizerKind::SGD;
-      if (!saved_kinds.empty() && !((adam && saved_kinds.count("exp_avg")) || (sgd && saved_kinds.count("momentum_buffer"))))
-        throw SafetensorsError("checkpoint '" + dir + "' holds optimizer state of another kind of optimizer");
-      // A parameter that never had a gradient has no optimizer state (the
-      // optimizer skipped it) and none was saved: it gets none now either. A
-      // checkpoint without any optimizer state (saved without the optimizer,
-      // or before its first step) leaves the optimizer with none: a fresh start.
-      const std::string first_kind = adam ? "exp_avg" : "momentum_buffer";
-      // Per name: groups may differ in amsgrad, so some parameters have a
-      // max_exp_avg_sq and others none.
-      std::set<std::string> with_state, with_max;
-      for (const auto& e : idx.entries) {
-        if (e.kind == first_kind) with_state.insert(e.name);
-        if (e.kind == "max_exp_avg_sq") with_max.insert(e.name);
-      }
-      // A group with amsgrad needs each parameter's max_exp_avg_sq: a
-      // checkpoint of an optimizer without it would load, and step() fail.
-      std::set<const void*> amsgrad;
-      for (auto& group : opt->inner().param_groups()) {
-        auto& o = group.options();
-        bool on = false;
-        if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) on = a->amsgrad();
-        if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&o)) on = w->amsgrad();
-        if (on)
-          for (const auto& p : group.params()) amsgrad.insert(p.unsafeGetTensorImpl());
-      }
-      auto& st = opt->inner().state();
-      for (const auto& piece : opt->views().pieces()) {
-        void* key = piece.view.unsafeGetTensorImpl();
-        if (!with_state.count(piece.name)) {
-          changes.push_back([&st, key] { st.erase(key); });
-          continue;
-        }
-        if (amsgrad.count(key) && !with_max.count(piece.name))
-          throw SafetensorsError("checkpoint '" + dir + "': '" + piece.name + "' is in a parameter group with amsgrad, "
-                                 "but the checkpoint has no max_exp_avg_sq for it (it was saved by an optimizer "
-                                 "without amsgrad for it)");
-        std::vector<std::string> kinds = adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"}
-                                              : std::vector<std::string>{"momentum_buffer"};
-        if (adam && with_max.count(piece.name)) kinds.push_back("max_exp_avg_sq");
-        std::vector<Fill> fills;
-        for (const auto& kind : kinds) fills.push_back(plan(piece.length, piece.name, kind, piece.param_offset, piece.view.scalar_type()));
-        // The state takes the piece's shape: a NoShard piece is the whole
-        // parameter, and torch::optim adds its gradient into the state in
-        // place (a flat state made step() fail after a resume).
-        changes.push_back([&st, &files, key, fills, adam, adamw, options = piece.view.options(), length = piece.length,
-                           shape = piece.view.sizes().vec()] {
-          std::vector<at::Tensor> t;
-          for (const auto& fill : fills) {
-            at::Tensor flat = at::empty({length}, options);
-            run_fill(flat, fill, *files);
-            t.push_back(flat.view(shape));
-          }
-          const int64_t step = fills.front().step;
-          const at::Tensor vmax = t.size() > 2 ? t[2] : at::Tensor();
-          if (adamw) {
-            auto s = std::make_unique<torch::optim::AdamWParamState>();
-            s->step(step).exp_avg(t[0]).exp_avg_sq(t[1]);
-            if (vmax.defined()) s->max_exp_avg_sq(vmax);
-            st[key] = std::move(s);
-          } else if (adam) {
-            auto s = std::make_unique<torch::optim::AdamParamState>();
-            s->step(step).exp_avg(t[0]).exp_avg_sq(t[1]);
-            if (vmax.defined()) s->max_exp_avg_sq(vmax);
-            st[key] = std::move(s);
-          } else {
-            auto s = std::make_unique<torch::optim::SGDParamState>();
-            s->momentum_buffer(t[0]);
-            st[key] = std::move(s);
-          }
-        });
-      }
-    }
+    const FillPlanner plan{idx, *files, dir, options.allow_lossy_casts()};
+    plan_parameters(root, *state, plan, changes);
+    plan_buffers(root, plan, changes);
+    if (opt) plan_optimizer_state(*opt, plan, changes);
   } catch (const std::exception& e) {
     error = e.what();
   }

@@ -1,4 +1,7 @@
 // Built with -O3 (CMakeLists.txt) so that each target clone is vectorised.
+// On x86-64 the AVX-512 and AVX2 variants are chosen at run time; elsewhere
+// (aarch64) the one portable variant runs, vectorised by the compiler for the
+// target's baseline (NEON on aarch64).
 #include "shardtorch/optim/cpu_adam.h"
 
 #include "../../cuda/adam_math.h"
@@ -15,7 +18,12 @@
 #include <limits>
 #include <string>
 
+#if defined(__x86_64__) || defined(__i386__)
+#define SHARDTORCH_ADAM_X86 1
 #include <immintrin.h>
+#else
+#define SHARDTORCH_ADAM_X86 0
+#endif
 
 namespace shardtorch {
 namespace {
@@ -82,6 +90,12 @@ __attribute__((always_inline)) inline void adam_body(float* __restrict p, const 
 }
 
 using Kernel = void (*)(float*, const float*, float*, float*, int64_t, Coeffs, at::BFloat16*);
+
+void adam_default(float* p, const float* g, float* m, float* v, int64_t n, Coeffs c, at::BFloat16* low) {
+  adam_body(p, g, m, v, n, c, low);
+}
+
+#if SHARDTORCH_ADAM_X86
 
 // The Newton variant (on Intel cores with AVX-512): the moments as adam_loop
 // computes them; sqrt(v) and the division from the 14-bit estimates
@@ -175,9 +189,7 @@ __attribute__((target("avx2,fma"))) void adam_avx2(float* p, const float* g, flo
                                                    Coeffs c, at::BFloat16* low) {
   adam_body(p, g, m, v, n, c, low);
 }
-void adam_default(float* p, const float* g, float* m, float* v, int64_t n, Coeffs c, at::BFloat16* low) {
-  adam_body(p, g, m, v, n, c, low);
-}
+#endif  // SHARDTORCH_ADAM_X86
 
 // The variant for this CPU: the widest it has (measured in the library on the
 // AMD EPYC development VM, AVX-512 beat AVX2+FMA: docs/benchmarks.md), and on
@@ -190,6 +202,7 @@ struct Choice {
   std::string name;
 };
 Choice choose() {
+#if SHARDTORCH_ADAM_X86
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
@@ -200,12 +213,17 @@ Choice choose() {
     if (has2) return {adam_avx2, "avx2"};
     return {adam_default, "default"};
   };
+#else
+  auto automatic = []() -> Choice { return {adam_default, "default"}; };
+#endif
   const char* want = std::getenv("SHARDTORCH_ADAM_ISA");
   if (want == nullptr) return automatic();
   const std::string w = want;
+#if SHARDTORCH_ADAM_X86
   if (w == "avx512" && has512) return {adam_avx512, "avx512"};
   if (w == "avx512-newton" && has512) return {adam_avx512_newton, "avx512-newton"};
   if (w == "avx2" && has2) return {adam_avx2, "avx2"};
+#endif
   if (w == "default") return {adam_default, "default"};
   // Not honoured: said once, not silently (ranks on unlike hosts could
   // otherwise update replicated values with different kernels unawares).
@@ -253,6 +271,7 @@ __attribute__((always_inline)) inline void roofline_body(float* __restrict a, co
 }
 }  // namespace
 
+#if SHARDTORCH_ADAM_X86
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void roofline_avx512(float* a, const float* b, float* c,
                                                                                 float* d, int64_t n) {
   roofline_body(a, b, c, d, n);
@@ -260,12 +279,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void roofline_avx512(fl
 __attribute__((target("avx2,fma"))) void roofline_avx2(float* a, const float* b, float* c, float* d, int64_t n) {
   roofline_body(a, b, c, d, n);
 }
+#endif
 void roofline_default(float* a, const float* b, float* c, float* d, int64_t n) { roofline_body(a, b, c, d, n); }
 
 void adam_traffic_roofline(float* a, const float* b, float* c, float* d, int64_t n) {
   // The same instruction set as the Adam kernel chosen here.
   const std::string isa = chosen().name;
+#if SHARDTORCH_ADAM_X86
   auto body = isa.rfind("avx512", 0) == 0 ? roofline_avx512 : isa == "avx2" ? roofline_avx2 : roofline_default;
+#else
+  auto body = roofline_default;
+#endif
   at::parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) { body(a + lo, b + lo, c + lo, d + lo, hi - lo); });
 }
 

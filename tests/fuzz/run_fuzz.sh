@@ -14,7 +14,7 @@ if [ -z "$cxx" ]; then
 fi
 case $target in
   safetensors_header) corpus=corpus; sources=("$src/src/checkpoint/safetensors_format.cpp"); libs=() ;;
-  checkpoint_index) corpus=index_corpus; sources=("$src/src/checkpoint/index_format.cpp"); libs=(-lboost_json) ;;
+  checkpoint_index) corpus=index_corpus; sources=("$src/src/checkpoint/index_format.cpp" "$src/src/checkpoint/checksum.cpp"); libs=(-lboost_json) ;;
   *) echo "run_fuzz: unknown target '$target' (safetensors_header or checkpoint_index)" >&2; exit 1 ;;
 esac
 out=$build/fuzz/$target
