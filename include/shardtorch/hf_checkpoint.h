@@ -18,11 +18,13 @@
 #include <utility>
 #include <vector>
 
+#include "shardtorch/export.h"
+
 namespace shardtorch {
 
 /// How a Hugging Face checkpoint's tensor names become the model's, and
 /// what may differ between the two.
-struct HfLoadOptions {
+struct SHARDTORCH_API HfLoadOptions {
   /// A checkpoint name to the model's name; nullopt or "" skips the tensor.
   using NameFn = std::function<std::optional<std::string>(const std::string& checkpoint_name)>;
   /// Whether the model's parameter or buffer `model_name` may be absent.
@@ -74,7 +76,7 @@ struct HfLoadOptions {
 };
 
 /// What one rank did in load_hf_checkpoint.
-struct HfLoadReport {
+struct SHARDTORCH_API HfLoadReport {
   std::vector<std::string> files_opened;  // this rank's, as the index names them, in the order opened
   int64_t bytes_read = 0;                 // tensor bytes this rank read
   std::vector<std::string> missing;       // model names the checkpoint lacks (allowed), kept as they were
@@ -94,6 +96,6 @@ struct HfLoadReport {
 /// (checkpoint::SafetensorsError naming that rank), the model unchanged.
 /// Tied parameters are loaded from the first of their names the checkpoint
 /// holds.
-HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options = {});
+SHARDTORCH_API HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options = {});
 
 }  // namespace shardtorch

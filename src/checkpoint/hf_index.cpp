@@ -4,7 +4,7 @@
 
 #include <stdexcept>
 
-#include "shardtorch/checkpoint/safetensors_format.h"
+#include "safetensors_format.h"
 
 namespace shardtorch::checkpoint::hf_index {
 namespace json = boost::json;
