@@ -15,6 +15,7 @@
 #include "../files.h"
 #include "../shard_state.h"
 #include "hf_index.h"
+#include "safetensors_format.h"
 #include "shardtorch/checkpoint/safetensors.h"
 
 namespace shardtorch {
