@@ -55,6 +55,7 @@ struct Args {
   int steps = 30, warmup = 5, threads = 0, hybrid_shard_size = 0;
   double lr = 3e-3, bucket_mb = 25.0;
   bool bf16 = false, offload = false, quiet = false, fused_adam = false, prefetch = false, recompute = false;
+  bool deferred = false;
   std::string init, save_init, report, profile;
 };
 
@@ -144,8 +145,10 @@ int run(const Args& a) {
   }
   const bool plain = a.strategy == "plain";
   const int64_t baseline_rss = current_rss_bytes();  // the process before the model exists
-  gpt::GPT model(a.cfg);
-  model->to(world->device());  // cuda:LOCAL_RANK under NCCL
+  TORCH_CHECK(!a.deferred || a.strategy != "plain", "gpt_bench: --deferred needs a shardtorch strategy");
+  // Deferred: no parameter memory until shard() makes each unit's shards.
+  gpt::GPT model = a.deferred ? shardtorch::deferred([&] { return gpt::GPT(a.cfg); }) : gpt::GPT(a.cfg);
+  if (!a.deferred) model->to(world->device());  // cuda:LOCAL_RANK under NCCL
   const int64_t params = count_params(*model);
   auto options = shardtorch::ShardOptions()
                      .strategy(plain ? shardtorch::Strategy::NoShard : shardtorch::parse_strategy(a.strategy))
@@ -353,6 +356,7 @@ int main(int argc, char** argv) {
       ("bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size in MiB")
       ("bf16", po::bool_switch(&a.bf16), "bf16 parameters and reductions, fp32 masters")
       ("offload", po::bool_switch(&a.offload), "CPU offload of masters, gradients and optimizer state (implies --fused-adam)")
+      ("deferred", po::bool_switch(&a.deferred), "construct the model deferred (shard() initialises one unit at a time)")
       ("fused-adam", po::bool_switch(&a.fused_adam), "shardtorch::FusedAdamW (CPU) instead of torch::optim::AdamW")
       ("prefetch", po::bool_switch(&a.prefetch), "full_shard/hybrid_shard: all-gather the next unit while one computes")
       ("activation-checkpointing", po::bool_switch(&a.recompute),

@@ -1,8 +1,13 @@
 #include "shardtorch/collectives.h"
 
-#include <chrono>
-#include <cstring>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
@@ -63,6 +68,63 @@ bool is_gloo(const c10::intrusive_ptr<c10d::Backend>& backend) {
 }
 }  // namespace
 
+namespace detail {
+// Collectives a CUDA stream waits for and the host has not seen complete: an
+// event recorded on the stream right after its wait, so that nothing holds
+// the collective's tensors.
+class StreamOrderedWaits {
+ public:
+  struct Entry {
+    c10::Event passed;
+    const char* op;
+    std::string what, shapes;
+    std::chrono::steady_clock::time_point start;
+  };
+  explicit StreamOrderedWaits(c10::Device device) : device_(device) {}
+
+  void add(const char* op, std::string what, std::string shapes, std::chrono::steady_clock::time_point start) {
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    Entry e{spare_event(), op, std::move(what), std::move(shapes), start};
+    e.passed.record(impl.getStream(device_));
+    entries_.push_back(std::move(e));
+  }
+  /// Drops the entries the device has passed, oldest first; returns the
+  /// oldest one left (null if none).
+  const Entry* reap() {
+    while (!entries_.empty() && entries_.front().passed.query()) {
+      spare_.push_back(std::move(entries_.front().passed));
+      entries_.pop_front();
+    }
+    return entries_.empty() ? nullptr : &entries_.front();
+  }
+  size_t size() const { return entries_.size(); }
+  void block_on_oldest() { entries_.front().passed.synchronize(); }
+  void clear() { entries_.clear(); }
+
+ private:
+  c10::Event spare_event() {
+    if (spare_.empty()) return c10::Event(device_.type());
+    c10::Event e = std::move(spare_.back());
+    spare_.pop_back();
+    return e;
+  }
+  c10::Device device_;
+  std::deque<Entry> entries_;
+  std::vector<c10::Event> spare_;
+};
+}  // namespace detail
+
+namespace {
+// At most this many collectives waited for and not yet seen complete; past
+// it, wait() blocks on the oldest (the host is then that far ahead anyway).
+constexpr size_t kMaxUnsettled = 4096;
+
+bool blocking_wait_requested() {
+  const char* v = std::getenv("SHARDTORCH_BLOCKING_WAIT");
+  return v != nullptr && std::string(v) == "1";
+}
+}  // namespace
+
 Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::chrono::milliseconds timeout,
            c10::Device device)
     : backend_(std::move(backend)),
@@ -70,7 +132,12 @@ Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::c
       size_(size),
       timeout_(timeout),
       device_(device),
-      reduce_scatter_in_place_(is_gloo(backend_)) {}
+      reduce_scatter_in_place_(is_gloo(backend_)),
+      host_waits_(!device.is_cuda() || blocking_wait_requested()) {
+  if (!host_waits_) unsettled_ = std::make_unique<detail::StreamOrderedWaits>(device_);
+}
+
+Comm::~Comm() = default;
 
 void Comm::run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
                int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
@@ -197,7 +264,29 @@ void Comm::wait(PendingWork& p) {
   TORCH_CHECK(p.work, "shardtorch: Comm::wait on a collective that was not launched");
   // Done with it either way: a collective that failed is not waited for again.
   auto work = std::move(p.work);
-  run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
+  if (host_waits_) {
+    run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
+    return;
+  }
+  settle_earlier();
+  // Work::wait with a timeout would block this thread until the device
+  // finished the collective (polling every millisecond); without one, the
+  // current stream waits for it, and it throws if the collective failed.
+  complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] { work->wait(); });
+  unsettled_->add(p.op, p.what, p.shapes, p.start);
+}
+
+void Comm::settle_earlier() {
+  if (unsettled_->size() >= kMaxUnsettled) unsettled_->block_on_oldest();
+  const auto* oldest = unsettled_->reap();
+  if (oldest == nullptr || std::chrono::steady_clock::now() - oldest->start < timeout_) return;
+  const char* op = oldest->op;
+  const std::string what = oldest->what, shapes = oldest->shapes;
+  const auto start = oldest->start;
+  unsettled_->clear();  // reported once; the ranks are out of step from here
+  complete(op, what, shapes, stats_.all_reduce, 0, start, [&] {
+    throw std::runtime_error("the device has not passed it: the collective has not completed");
+  });
 }
 
 void Comm::finish(PendingWork& p, std::exception_ptr error) {

@@ -131,6 +131,22 @@ void ShardViews::require_fp32_cpu(const std::string& who) const {
       if (f->requires_grad() && !f->names().empty()) check(f->shard(), f->names().front());
 }
 
+bool ShardViews::all_fp32_cuda() const {
+  bool any = false, all = true;
+  auto see = [&](const at::Tensor& t) {
+    any = true;
+    all = all && t.scalar_type() == at::kFloat && t.is_cuda();
+  };
+  if (state_->ddp()) {
+    for (const auto& t : state_->ddp_optimized()) see(t);
+  } else {
+    for (auto& u : state_->units())
+      for (auto& f : u->flats())
+        if (f->requires_grad() && !f->names().empty()) see(f->shard());
+  }
+  return any && all;
+}
+
 ShardViews::~ShardViews() {
   if (listener_ >= 0) state_->remove_zero_grad_listener(listener_);
 }
@@ -195,6 +211,31 @@ void ShardedOptimizer::set_lr(double lr) {
 void ShardedOptimizer::set_lr(size_t group, double lr) {
   TORCH_CHECK(group < inner_->param_groups().size(), "shardtorch optimizer: no parameter group ", group);
   inner_->param_groups()[group].options().set_lr(lr);
+}
+
+namespace {
+template <class Options>
+bool fused_cuda_fits(torch::nn::Module& root, const Options& defaults,
+                     const std::vector<ParamGroup<Options>>& groups) {
+  if (!fused_adam_cuda_available() || defaults.amsgrad()) return false;
+  for (const auto& g : groups)
+    if (g.options.amsgrad()) return false;
+  return detail::ShardViews(root).all_fp32_cuda();
+}
+}  // namespace
+
+std::unique_ptr<ShardedOptimizer> Adam(torch::nn::Module& root, torch::optim::AdamOptions defaults,
+                                       std::vector<ParamGroup<torch::optim::AdamOptions>> groups) {
+  if (fused_cuda_fits(root, defaults, groups))
+    return ShardedOptimizer::make<FusedAdam>(root, defaults, std::move(groups));
+  return ShardedOptimizer::make<torch::optim::Adam>(root, defaults, std::move(groups));
+}
+
+std::unique_ptr<ShardedOptimizer> AdamW(torch::nn::Module& root, torch::optim::AdamWOptions defaults,
+                                        std::vector<ParamGroup<torch::optim::AdamWOptions>> groups) {
+  if (fused_cuda_fits(root, defaults, groups))
+    return ShardedOptimizer::make<FusedAdamW>(root, defaults, std::move(groups));
+  return ShardedOptimizer::make<torch::optim::AdamW>(root, defaults, std::move(groups));
 }
 
 }  // namespace shardtorch

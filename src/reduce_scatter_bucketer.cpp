@@ -108,7 +108,9 @@ void ReduceScatterBucketer::all_reduce(const at::Tensor& input, Comm& group, Cal
 
 void ReduceScatterBucketer::make_room(const std::string& next, bool bounded) {
   while (static_cast<int>(in_flight_.size()) >= max_in_flight_) {
-    if (!bounded) {
+    // Where the group's waits are stream-ordered (CUDA), completing the
+    // oldest blocks nothing, so the bound is not needed.
+    if (!bounded || !in_flight_.front().group->host_waits()) {
       complete_oldest();
       continue;
     }

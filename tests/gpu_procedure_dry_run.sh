@@ -15,6 +15,8 @@ tiny=(--layers 2 --d-model 32 --heads 4 --vocab 64 --seq 16 --batch 2 --steps 3 
   --report "$out/plain" > "$out/plain.log" 2>&1 || { cat "$out/plain.log"; exit 1; }
 "$torchrun" --no-python --standalone --nproc-per-node 1 "$gpt" "${tiny[@]}" --strategy full_shard \
   --report "$out/full" --profile "$out/trace" > "$out/full.log" 2>&1 || { cat "$out/full.log"; exit 1; }
+"$torchrun" --no-python --standalone --nproc-per-node 1 "$gpt" "${tiny[@]}" --strategy full_shard --deferred \
+  --report "$out/deferred" > "$out/deferred.log" 2>&1 || { cat "$out/deferred.log"; exit 1; }
 # Refused: the baseline is one process without the library's options.
 if "$torchrun" --no-python --standalone --nproc-per-node 1 "$gpt" "${tiny[@]}" --strategy plain --offload \
     > "$out/refused.log" 2>&1; then
@@ -35,6 +37,9 @@ for r in (plain, full):
 assert plain["model_state_bytes"] == 0 and full["model_state_bytes"] > 0
 # Same seed, same data, same model: the first loss is the same computation.
 assert abs(plain["losses"][0] - full["losses"][0]) <= 1e-5 * abs(plain["losses"][0]), (plain["losses"], full["losses"])
+# Deferred construction initialises each unit as eager construction would: the same losses, bitwise.
+deferred = json.load(open(f"{d}/deferred.rank0.json"))
+assert deferred["losses"] == full["losses"], (deferred["losses"], full["losses"])
 s = open(f"{d}/summary.txt").read()
 for phase in ("gpt_bench.forward", "gpt_bench.backward", "gpt_bench.optimizer"):
     assert phase in s, f"trace summary lacks {phase}:\n{s}"

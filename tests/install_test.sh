@@ -9,6 +9,11 @@ trap 'rm -rf "$tmp"' EXIT
 cmake --install "$build" --prefix "$tmp/prefix" > "$tmp/install.log"
 test -f "$tmp/prefix/include/shardtorch/sharded.h"
 test -f "$tmp/prefix/lib/cmake/shardtorch/shardtorchConfig.cmake"
+# The installed library's run path reaches LibTorch's libraries itself.
+torch_lib=$(dirname "$(ldd "$build/libshardtorch.so" | awk '/libc10\.so/ {print $3}')")
+readelf -d "$tmp/prefix/lib/libshardtorch.so" | grep -E "R(UN)?PATH" | grep -q "$torch_lib" || {
+  echo "installed libshardtorch.so has no run path to LibTorch's libraries ($torch_lib):"
+  readelf -d "$tmp/prefix/lib/libshardtorch.so" | grep -E "R(UN)?PATH"; exit 1; }
 launcher=()
 command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 torch=()

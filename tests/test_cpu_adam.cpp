@@ -157,6 +157,26 @@ TEST(FusedCpuAdam, ShardedTrainingWithFusedAdamWMatchesSingleProcess) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// shardtorch::Adam(W) pick the fused kernel only for fp32 CUDA shards (the
+// CUDA test checks that side); on host shards they are torch::optim's own,
+// so that their numerics stay exactly torch::optim's.
+TEST(ShardedAdam, HostShardsGetTorchOptimItself) {
+  auto r = run_ranks(2, [&](World& w) {
+    for (auto strategy : {shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard}) {
+      torch::manual_seed(0);
+      auto model = MLP();
+      shardtorch::shard(model, w, strategy_options(strategy, 2));
+      auto adamw = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-3));
+      require(dynamic_cast<torch::optim::AdamW*>(&adamw->inner()) != nullptr,
+              std::string("shardtorch::AdamW is not torch::optim::AdamW under ") + shardtorch::strategy_name(strategy));
+      auto adam = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+      require(dynamic_cast<torch::optim::Adam*>(&adam->inner()) != nullptr,
+              std::string("shardtorch::Adam is not torch::optim::Adam under ") + shardtorch::strategy_name(strategy));
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // Refused when built, on every rank alike: a rank that owns no piece of the
 // fp64 parameters would otherwise step, go on to the next collective and
 // wait there for ranks that threw in step().

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <cstdint>
 #include <string>
@@ -40,10 +41,17 @@ struct PendingWork {
   std::chrono::steady_clock::time_point start;
 };
 
+namespace detail {
+class StreamOrderedWaits;
+}
+
 class Comm {
  public:
   Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::chrono::milliseconds timeout,
        c10::Device device = c10::Device(c10::kCPU));
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -79,9 +87,17 @@ class Comm {
   /// stay alive and unwritten until then. Counted as a reduce-scatter (its
   /// ring volume, as reduce_scatter_async is counted on every backend).
   PendingWork reduce_scatter_in_place_async(at::Tensor& in, const std::string& what);
-  /// Waits (with the timeout) for a launched collective; `pending` is spent
-  /// afterwards, whether the collective succeeded or failed.
+  /// Waits for a launched collective; `pending` is spent afterwards, whether
+  /// the collective succeeded or failed. Where host_waits(), this thread
+  /// blocks until the collective completed or the timeout passed. Otherwise
+  /// (CUDA) the current stream waits for it and this thread goes on; the
+  /// collective is settled later: each wait() first checks, without
+  /// blocking, the ones waited for before, and throws for one that failed or
+  /// that the device has not passed within the timeout (naming it).
   void wait(PendingWork& pending);
+  /// Whether wait() blocks the calling thread: on the CPU (Gloo), and on CUDA
+  /// where the environment sets SHARDTORCH_BLOCKING_WAIT=1.
+  bool host_waits() const { return host_waits_; }
   /// Finishes a collective whose Work was waited for elsewhere (on another
   /// thread): `error` is what that wait threw, if anything. Errors, fault
   /// injection and statistics as wait(); `pending` is spent afterwards.
@@ -124,6 +140,9 @@ class Comm {
   /// time since `start`; counts the collective in `counter`.
   void complete(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
                 int64_t bytes, std::chrono::steady_clock::time_point start, const std::function<void()>& wait);
+  /// Checks, without blocking, the collectives wait() let the stream wait for;
+  /// throws for the oldest that has not completed within the timeout.
+  void settle_earlier();
   /// Starts a collective for wait(); a failure to start names the operation.
   PendingWork launch(const char* op, const std::string& what, std::string shapes, CollectiveCounter& counter,
                      int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
@@ -138,6 +157,8 @@ class Comm {
   std::chrono::milliseconds timeout_;
   c10::Device device_;
   bool reduce_scatter_in_place_;
+  bool host_waits_;
+  std::unique_ptr<detail::StreamOrderedWaits> unsettled_;  // when !host_waits_
   CommStats stats_;
   PeerReport peer_report_;
 };

@@ -70,6 +70,9 @@ class ShardViews {
   /// fp32 in host memory. Decided from the flat parameters every rank has,
   /// not from this rank's pieces (a rank may own none of a parameter).
   void require_fp32_cpu(const std::string& who) const;
+  /// Whether every trainable parameter is optimized as an fp32 CUDA tensor,
+  /// decided from the flat parameters every rank has (the same on all).
+  bool all_fp32_cuda() const;
 
   struct Piece {
     at::Tensor view;       // what the optimizer updates
@@ -148,14 +151,16 @@ class ShardedOptimizer {
   std::unique_ptr<torch::optim::Optimizer> inner_;
 };
 
-inline std::unique_ptr<ShardedOptimizer> Adam(torch::nn::Module& root, torch::optim::AdamOptions defaults,
-                                              std::vector<ParamGroup<torch::optim::AdamOptions>> groups = {}) {
-  return ShardedOptimizer::make<torch::optim::Adam>(root, defaults, std::move(groups));
-}
-inline std::unique_ptr<ShardedOptimizer> AdamW(torch::nn::Module& root, torch::optim::AdamWOptions defaults,
-                                               std::vector<ParamGroup<torch::optim::AdamWOptions>> groups = {}) {
-  return ShardedOptimizer::make<torch::optim::AdamW>(root, defaults, std::move(groups));
-}
+/// torch::optim::Adam / AdamW over the shards; where every optimized tensor
+/// is an fp32 CUDA tensor, the library has its CUDA kernel
+/// (fused_adam_cuda_available()) and no group uses amsgrad, FusedAdam /
+/// FusedAdamW instead (same options and state, one kernel per piece; the
+/// update is the same within a few ulp). The choice is the same on every
+/// rank. For torch::optim's exactly, use ShardedOptimizer::make<torch::optim::AdamW>.
+std::unique_ptr<ShardedOptimizer> Adam(torch::nn::Module& root, torch::optim::AdamOptions defaults,
+                                       std::vector<ParamGroup<torch::optim::AdamOptions>> groups = {});
+std::unique_ptr<ShardedOptimizer> AdamW(torch::nn::Module& root, torch::optim::AdamWOptions defaults,
+                                        std::vector<ParamGroup<torch::optim::AdamWOptions>> groups = {});
 inline std::unique_ptr<ShardedOptimizer> SGD(torch::nn::Module& root, torch::optim::SGDOptions defaults,
                                              std::vector<ParamGroup<torch::optim::SGDOptions>> groups = {}) {
   return ShardedOptimizer::make<torch::optim::SGD>(root, defaults, std::move(groups));

@@ -11,8 +11,14 @@
 #   overhead gpt_bench at world size 1: plain LibTorch, FullShard, NoShard; PyTorch FSDP2 and DDP
 #   offload  FullShard bf16 with and without CPU offload, profiled; pinned bandwidth
 #   largest  the largest GPT that trains with offload, from a list of sizes
+#   waits    FullShard fp32 and bf16 against plain LibTorch, with the collectives'
+#            stream-ordered waits (the default) and with SHARDTORCH_BLOCKING_WAIT=1
+#   install  the installed-package consumer test (ctest -R install)
+#   peers    PyTorch FSDP2 (bf16, fp32) and DDP (fp32) beside FullShard bf16 and fp32
 #   ctest    the CPU suite with the GPU hidden, in the background on cores 8-15 from
 #            the build to the deadline (the measurements run on cores 0-7)
+# SHARDTORCH_GPU_LARGEST: the sizes LxDxH for `largest`; SHARDTORCH_GPU_LARGEST_ARGS:
+#   gpt_bench arguments added there (--deferred).
 # SHARDTORCH_GPU_DEADLINE_S: seconds from the start after which no new stage starts (default 540).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -109,6 +115,31 @@ peer() {  # peer NAME SECONDS peer_train-args...
   echo "rc=$?" >>"$LOGS/peer_$name.log"; tail -2 "$LOGS/peer_$name.log" | cut -c1-400
 }
 
+if want waits; then
+  bench plain_fp32 60 --strategy plain
+  bench full_shard_fp32 60 --strategy full_shard
+  SHARDTORCH_BLOCKING_WAIT=1 bench full_shard_fp32_blocking 60 --strategy full_shard
+  bench plain_bf16 60 --strategy plain --bf16
+  bench full_shard_bf16_prefetch 60 --strategy full_shard --bf16 --prefetch
+  SHARDTORCH_BLOCKING_WAIT=1 bench full_shard_bf16_prefetch_blocking 60 --strategy full_shard --bf16 --prefetch
+  bench full_shard_fp32_prefetch 60 --strategy full_shard --prefetch
+  bench offload_bf16 90 --strategy full_shard --bf16 --prefetch --offload
+fi
+
+if want peers; then
+  peer fsdp2_bf16 90 --mode fsdp2 --bf16
+  bench full_shard_bf16_prefetch 60 --strategy full_shard --bf16 --prefetch
+  peer fsdp2_fp32 90 --mode fsdp2
+  bench full_shard_fp32 60 --strategy full_shard
+  peer ddp_fp32 90 --mode ddp
+fi
+
+if want install; then
+  say "install"
+  (cd "$BUILD" && limit 120 ctest -R install --timeout 110 --output-on-failure) >"$LOGS/install.log" 2>&1
+  echo "rc=$?" >>"$LOGS/install.log"; tail -15 "$LOGS/install.log"
+fi
+
 if want overhead; then
   bench plain_bf16 60 --strategy plain --bf16
   bench full_shard_bf16_prefetch 60 --strategy full_shard --bf16 --prefetch
@@ -161,7 +192,9 @@ if want largest; then
     read -r L D H <<<"$size"
     [ "$(left)" -gt 60 ] || break
     GPT=(--layers "$L" --d-model "$D" --heads "$H" --vocab 32768 --seq 1024 --batch 4 --steps 3 --warmup 1 --quiet)
-    bench "largest_${L}x${D}" 150 --strategy full_shard --bf16 --prefetch --offload
+    # shellcheck disable=SC2086
+    bench "largest_${L}x${D}" "${SHARDTORCH_GPU_LARGEST_LIMIT_S:-150}" --strategy full_shard --bf16 --prefetch --offload \
+      ${SHARDTORCH_GPU_LARGEST_ARGS:-}
   done
 fi
 

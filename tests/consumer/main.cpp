@@ -22,6 +22,7 @@ SHARDTORCH_MODULE(Net);
 int main() {
   auto world = shardtorch::World::from_env();
   Net net;
+  net->to(world->device());  // cuda:LOCAL_RANK where the world runs NCCL
   auto sharded = shardtorch::shard(net, world);
   auto opt = shardtorch::SGD(*net, torch::optim::SGDOptions(0.1));
   at::Tensor before;
@@ -29,7 +30,7 @@ int main() {
     shardtorch::FullParams full(*net);
     before = net->a->lin->weight.detach().clone();
   }
-  net(at::ones({2, 4})).sum().backward();
+  net(at::ones({2, 4}, at::TensorOptions().device(world->device()))).sum().backward();
   opt->step();
   shardtorch::FullParams full(*net);
   bool moved = !at::equal(before, net->a->lin->weight);
