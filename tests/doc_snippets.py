@@ -29,6 +29,7 @@ PRELUDE = r'''
 #include <shardtorch/shardtorch.h>
 #include <shardtorch/checkpoint.h>
 #include <shardtorch/deferred.h>
+#include <shardtorch/hf_checkpoint.h>
 #include <shardtorch/plan.h>
 #include <shardtorch/testing.h>
 #include <shardtorch/optim/cpu_adam.h>
