@@ -113,38 +113,41 @@ void ShardViews::bind_grads() {
 
 void ShardViews::zero_grad() { state_->zero_grads(); }
 
+namespace {
+// Calls fn(tensor, name) for each tensor the optimizer updates, one per
+// trainable flat parameter (named by its first parameter) or NoShard
+// parameter: from what every rank holds, not from this rank's pieces.
+template <class Fn>
+void for_each_optimized(ShardState& state, Fn fn) {
+  if (state.ddp()) {
+    for (size_t i = 0; i < state.ddp_params().size(); ++i) fn(state.ddp_optimized()[i], state.ddp_names()[i]);
+    return;
+  }
+  for (auto& u : state.units())
+    for (auto& f : u->flats())
+      if (f->requires_grad() && !f->names().empty()) fn(f->shard(), f->names().front());
+}
+
+// Whether every optimized tensor is an fp32 CUDA tensor (and there is one).
+bool all_fp32_cuda(ShardState& state) {
+  bool any = false, all = true;
+  for_each_optimized(state, [&](const at::Tensor& t, const std::string&) {
+    any = true;
+    all = all && t.scalar_type() == at::kFloat && t.is_cuda();
+  });
+  return any && all;
+}
+}  // namespace
+
 void ShardViews::require_fp32_cpu(const std::string& who) const {
-  auto check = [&](const at::Tensor& t, const std::string& name) {
+  for_each_optimized(*state_, [&](const at::Tensor& t, const std::string& name) {
     TORCH_CHECK(t.scalar_type() == at::kFloat && (t.device().is_cpu() || (t.is_cuda() && fused_adam_cuda_available())),
                 who, ": rank ", state_->world().rank(), ": parameter '", name, "' is optimized as a ",
                 t.scalar_type(), " tensor on ", t.device(), "; it updates fp32 tensors (fp32 parameters or masters) in "
                 "host memory, or on a CUDA device in a build with CUDA kernels (fused_adam_cuda_available() is ",
                 fused_adam_cuda_available() ? "true" : "false", " here). Use torch::optim::Adam(W) through "
                 "shardtorch::Adam(W) otherwise");
-  };
-  if (state_->ddp()) {
-    for (size_t i = 0; i < state_->ddp_params().size(); ++i) check(state_->ddp_optimized()[i], state_->ddp_names()[i]);
-    return;
-  }
-  for (auto& u : state_->units())
-    for (auto& f : u->flats())
-      if (f->requires_grad() && !f->names().empty()) check(f->shard(), f->names().front());
-}
-
-bool ShardViews::all_fp32_cuda() const {
-  bool any = false, all = true;
-  auto see = [&](const at::Tensor& t) {
-    any = true;
-    all = all && t.scalar_type() == at::kFloat && t.is_cuda();
-  };
-  if (state_->ddp()) {
-    for (const auto& t : state_->ddp_optimized()) see(t);
-  } else {
-    for (auto& u : state_->units())
-      for (auto& f : u->flats())
-        if (f->requires_grad() && !f->names().empty()) see(f->shard());
-  }
-  return any && all;
+  });
 }
 
 ShardViews::~ShardViews() {
@@ -220,7 +223,7 @@ bool fused_cuda_fits(torch::nn::Module& root, const Options& defaults,
   if (!fused_adam_cuda_available() || defaults.amsgrad()) return false;
   for (const auto& g : groups)
     if (g.options.amsgrad()) return false;
-  return detail::ShardViews(root).all_fp32_cuda();
+  return detail::all_fp32_cuda(*detail::require_state(root, "cannot build a sharded optimizer"));
 }
 }  // namespace
 

@@ -72,9 +72,6 @@ class SHARDTORCH_API ShardViews {
   /// fp32 in host memory. Decided from the flat parameters every rank has,
   /// not from this rank's pieces (a rank may own none of a parameter).
   void require_fp32_cpu(const std::string& who) const;
-  /// Whether every trainable parameter is optimized as an fp32 CUDA tensor,
-  /// decided from the flat parameters every rank has (the same on all).
-  bool all_fp32_cuda() const;
 
   struct SHARDTORCH_API Piece {
     at::Tensor view;       // what the optimizer updates
