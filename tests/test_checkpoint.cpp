@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "../src/checkpoint/safetensors_format.h"
+#include "counting_allocator.h"
 #include "models.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"
@@ -65,51 +66,6 @@ shardtorch::testing::RunOptions crash_run() {
   return shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5));
 }
 
-// Counts the bytes the CPU allocator holds while installed, and their peak:
-// what the process really allocates, not what the library says it does. The
-// counters outlive the object: a tensor allocated through it may be freed
-// after it is gone (by Gloo's thread, say).
-class CountingCPUAllocator final : public c10::Allocator {
- public:
-  CountingCPUAllocator() : base_(c10::GetCPUAllocator()) {
-    counters().peak = counters().current.load();
-    c10::SetCPUAllocator(this);
-  }
-  ~CountingCPUAllocator() override {
-    if (c10::GetCPUAllocator() == this) c10::SetCPUAllocator(base_);
-  }
-  c10::DataPtr allocate(size_t n) override {
-    auto* held = new Held{base_->allocate(n), n};
-    auto& c = counters();
-    const int64_t now = c.current += static_cast<int64_t>(n);
-    for (int64_t p = c.peak.load(); now > p && !c.peak.compare_exchange_weak(p, now);) {
-    }
-    return {held->inner.get(), held, &Held::release, c10::Device(c10::kCPU)};
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-  /// The most bytes held at once since this object was made, counting what
-  /// was held then through an earlier one.
-  int64_t peak() const { return counters().peak; }
-
- private:
-  struct Counters {
-    std::atomic<int64_t> current{0}, peak{0};
-  };
-  static Counters& counters() {
-    static Counters c;
-    return c;
-  }
-  struct Held {
-    c10::DataPtr inner;
-    size_t bytes;
-    static void release(void* p) {
-      auto* h = static_cast<Held*>(p);
-      counters().current -= static_cast<int64_t>(h->bytes);
-      delete h;
-    }
-  };
-  c10::Allocator* base_;
-};
 }  // namespace
 
 TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {

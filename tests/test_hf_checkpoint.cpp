@@ -15,6 +15,7 @@
 #include <optional>
 #include <set>
 
+#include "counting_allocator.h"
 #include "models.h"
 #include "shardtorch/hf_checkpoint.h"
 
@@ -196,50 +197,6 @@ void parity(int world) {
   files::remove_all(ck.dir);
 }
 
-// Counts the bytes the CPU allocator holds while installed, and their peak
-// (what the process really allocates, not what the library says).
-class CountingCPUAllocator final : public c10::Allocator {
- public:
-  CountingCPUAllocator() : base_(c10::GetCPUAllocator()) {
-    counters().peak = counters().current.load();
-    c10::SetCPUAllocator(this);
-  }
-  ~CountingCPUAllocator() override {
-    if (c10::GetCPUAllocator() == this) c10::SetCPUAllocator(base_);
-  }
-  c10::DataPtr allocate(size_t n) override {
-    auto* held = new Held{base_->allocate(n), n};
-    auto& c = counters();
-    const int64_t now = c.current += static_cast<int64_t>(n);
-    for (int64_t p = c.peak.load(); now > p && !c.peak.compare_exchange_weak(p, now);) {
-    }
-    return {held->inner.get(), held, &Held::release, c10::Device(c10::kCPU)};
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-  int64_t current() const { return counters().current; }
-  int64_t peak() const { return counters().peak; }
-  /// The peak restarts from what is held now.
-  void reset_peak() { counters().peak = counters().current.load(); }
-
- private:
-  struct Counters {
-    std::atomic<int64_t> current{0}, peak{0};
-  };
-  static Counters& counters() {
-    static Counters c;
-    return c;
-  }
-  struct Held {
-    c10::DataPtr inner;
-    size_t bytes;
-    static void release(void* p) {
-      auto* h = static_cast<Held*>(p);
-      counters().current -= static_cast<int64_t>(h->bytes);
-      delete h;
-    }
-  };
-  c10::Allocator* base_;
-};
 
 }  // namespace
 
