@@ -55,7 +55,7 @@ struct Args {
   int steps = 30, warmup = 5, threads = 0, hybrid_shard_size = 0;
   double lr = 3e-3, bucket_mb = 25.0;
   bool bf16 = false, offload = false, quiet = false, fused_adam = false, prefetch = false, recompute = false;
-  bool deferred = false;
+  bool deferred = false, overlap_step = false;
   std::string init, save_init, report, profile;
 };
 
@@ -185,6 +185,7 @@ int run(const Args& a) {
   } else {
     opt = fused ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
                 : shardtorch::AdamW(*model, adamw);
+    if (a.overlap_step) opt->overlap_with_backward();
   }
   const bool autocast = plain && a.bf16 && !world->device().is_cpu();
   TORCH_CHECK(!plain || !a.bf16 || autocast, "gpt_bench: --strategy plain --bf16 is autocast on an accelerator");
@@ -290,7 +291,7 @@ int run(const Args& a) {
       {"config",
        {{"vocab", a.cfg.vocab}, {"seq_len", a.cfg.seq_len}, {"d_model", a.cfg.d_model}, {"n_head", a.cfg.n_head},
         {"n_layer", a.cfg.n_layer}, {"batch", a.batch}, {"dtype", a.bf16 ? "bfloat16" : "float32"},
-        {"offload", a.offload}, {"bucket_mb", a.bucket_mb}, {"fused_adam", fused}, {"prefetch", a.prefetch},
+        {"offload", a.offload}, {"overlap_step", a.overlap_step}, {"bucket_mb", a.bucket_mb}, {"fused_adam", fused}, {"prefetch", a.prefetch},
         {"activation_checkpointing", a.recompute}}},
       {"params", params},
       {"warmup", a.warmup},
@@ -356,6 +357,8 @@ int main(int argc, char** argv) {
       ("bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size in MiB")
       ("bf16", po::bool_switch(&a.bf16), "bf16 parameters and reductions, fp32 masters")
       ("offload", po::bool_switch(&a.offload), "CPU offload of masters, gradients and optimizer state (implies --fused-adam)")
+      ("overlap-step", po::bool_switch(&a.overlap_step),
+       "with --offload: update each unit's shard on the host while backward goes on (overlap_with_backward)")
       ("deferred", po::bool_switch(&a.deferred), "construct the model deferred (shard() initialises one unit at a time)")
       ("fused-adam", po::bool_switch(&a.fused_adam), "shardtorch::FusedAdamW (CPU) instead of torch::optim::AdamW")
       ("prefetch", po::bool_switch(&a.prefetch), "full_shard/hybrid_shard: all-gather the next unit while one computes")

@@ -48,21 +48,39 @@ std::string MemorySnapshot::report() const {
 }
 
 void MemoryTracker::add(Mem m, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
   auto i = static_cast<size_t>(m);
   snap_.current[i] += bytes;
   snap_.peak[i] = std::max(snap_.peak[i], snap_.current[i]);
 }
 
+void MemoryTracker::set(Mem m, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto i = static_cast<size_t>(m);
+  snap_.current[i] = bytes;
+  snap_.peak[i] = std::max(snap_.peak[i], snap_.current[i]);
+}
+
 void MemoryTracker::unit_gathered() {
+  std::lock_guard<std::mutex> lock(mu_);
   snap_.gathered_units += 1;
   snap_.peak_gathered_units = std::max(snap_.peak_gathered_units, snap_.gathered_units);
 }
 
-void MemoryTracker::unit_released() { snap_.gathered_units -= 1; }
+void MemoryTracker::unit_released() {
+  std::lock_guard<std::mutex> lock(mu_);
+  snap_.gathered_units -= 1;
+}
 
 void MemoryTracker::reset_peaks() {
+  std::lock_guard<std::mutex> lock(mu_);
   snap_.peak = snap_.current;
   snap_.peak_gathered_units = snap_.gathered_units;
+}
+
+MemorySnapshot MemoryTracker::snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return snap_;
 }
 
 }  // namespace shardtorch

@@ -1,8 +1,11 @@
 #include "offload.h"
 
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <utility>
 
 namespace shardtorch::detail {
 
@@ -70,11 +73,10 @@ void Offloader::to_host(const at::Tensor& device_tensor, bool owned, std::functi
   if (!accelerator()) {
     p.host.copy_(device_tensor);
   } else {
-    release_finished();
     // A tensor someone else may reuse (a bucket's output) is first copied on
     // the current stream; one handed over (`owned`) is kept as it is.
     p.device_copy = owned ? device_tensor : device_tensor.clone();
-    in_flight_bytes_ += p.device_copy.nbytes();
+    p.device_bytes = p.device_copy.nbytes();
     c10::impl::VirtualGuardImpl impl(device_.type());
     c10::Event cloned(device_.type());
     cloned.record(impl.getStream(device_));
@@ -84,45 +86,99 @@ void Offloader::to_host(const at::Tensor& device_tensor, bool owned, std::functi
     p.copied.emplace(device_.type());
     p.copied->record(*side_);
   }
-  pending_.push_back(std::move(p));
-  // Bound the device memory held by copies in flight: wait for the oldest.
-  for (auto& q : pending_) {
-    if (in_flight_bytes_ <= kMaxInFlightBytes) break;
-    if (!q.device_copy.defined()) continue;
-    q.copied->synchronize();
-    in_flight_bytes_ -= q.device_copy.nbytes();
-    q.device_copy = at::Tensor();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!worker_.joinable()) worker_ = std::thread([this] { work(); });
+  in_flight_bytes_ += p.device_bytes;
+  queue_.push_back(std::move(p));
+  cv_.notify_all();
+  // Bound the device memory held by copies in flight.
+  cv_.wait(lock, [&] { return in_flight_bytes_ <= kMaxInFlightBytes; });
+}
+
+void Offloader::work() {
+  at::init_num_threads();  // ATen's thread count (set_num_threads) holds here too
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping
+    Pending p = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    std::exception_ptr failed;
+    try {
+      if (p.copied) p.copied->synchronize();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    p.device_copy = at::Tensor();
+    lock.lock();
+    in_flight_bytes_ -= p.device_bytes;
+    const bool run = !failed && !error_ && !dropping_;
+    if (failed && !error_ && !dropping_) error_ = failed;
+    cv_.notify_all();
+    lock.unlock();
+    if (run) {
+      try {
+        c10::NoGradGuard no_grad;
+        p.done(p.host);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    p = Pending();  // the host copy and the callback's captures go before the worker says idle
+    lock.lock();
+    if (failed && !error_ && !dropping_) error_ = failed;
+    busy_ = false;
+    cv_.notify_all();
   }
 }
 
-void Offloader::release_finished() {
-  for (auto& p : pending_) {
-    if (p.device_copy.defined() && p.copied && p.copied->query()) {
-      in_flight_bytes_ -= p.device_copy.nbytes();
-      p.device_copy = at::Tensor();
-    }
+Offloader::~Offloader() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    dropping_ = true;
+    cv_.notify_all();
   }
+  if (worker_.joinable()) worker_.join();
+}
+
+int64_t Offloader::in_flight_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_flight_bytes_;
+}
+
+void Offloader::wait_worker() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
 }
 
 void Offloader::wait_idle() {
+  wait_worker();
   if (accelerator()) side_->synchronize();
 }
 
 void Offloader::discard() {
-  wait_idle();
-  pending_.clear();
-  in_flight_bytes_ = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dropping_ = true;
+  }
+  wait_worker();
+  if (accelerator()) side_->synchronize();
+  std::lock_guard<std::mutex> lock(mu_);
+  dropping_ = false;
+  error_ = nullptr;
 }
 
 void Offloader::drain() {
-  auto pending = std::move(pending_);
-  pending_.clear();
-  for (auto& p : pending) {
-    if (p.copied) p.copied->synchronize();
-    p.device_copy = at::Tensor();
+  wait_worker();
+  std::exception_ptr e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    e = std::exchange(error_, nullptr);
   }
-  in_flight_bytes_ = 0;
-  for (auto& p : pending) p.done(p.host);
+  if (e) std::rethrow_exception(e);
 }
 
 }  // namespace shardtorch::detail

@@ -33,21 +33,28 @@
 //     owns, so the bucket it came from may be reused at once (a tensor the
 //     caller hands over is used as it is); the side stream
 //     waits for that and copies to pinned host memory while backward goes on.
-//     The gradient is handed on (the callback adds it into the host gradient
-//     shard) at drain(), at the end of backward, after every copy finished.
-//     A device buffer is released as soon as its copy is seen to be done;
-//     above kMaxInFlightBytes of them, the oldest is waited for.
+//     A host thread (the worker) takes the copies in issue order, waits for
+//     each to finish, releases its device buffer and hands the gradient on
+//     (the callback adds it into the host gradient shard, and may step the
+//     optimizer: ShardedOptimizer::overlap_with_backward), while backward
+//     goes on. Above kMaxInFlightBytes of device buffers, to_host waits for
+//     the worker. drain(), at the end of backward, waits until every
+//     callback has run and rethrows the first that threw.
 //
 // With host and device both the CPU the same calls run, without streams:
-// to_device is a cast copy, to_host a copy, and the callbacks still wait for
-// drain(). That is the path the CPU tests exercise.
+// to_device is a cast copy, to_host a copy, and the worker still runs the
+// callbacks. That is the path the CPU tests exercise.
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <condition_variable>
+#include <deque>
+#include <exception>
 #include <functional>
+#include <mutex>
 #include <optional>
-#include <vector>
+#include <thread>
 
 namespace shardtorch::detail {
 
@@ -55,6 +62,9 @@ class Offloader {
  public:
   /// `device`: where units compute; `pin`: pin host buffers (accelerators).
   Offloader(c10::Device device, bool pin);
+  ~Offloader();
+  Offloader(const Offloader&) = delete;
+  Offloader& operator=(const Offloader&) = delete;
 
   bool pin() const { return pin_; }
   /// A copy of `host` on the compute device in `dtype`. On an accelerator the
@@ -67,20 +77,23 @@ class Offloader {
   void on_side_stream(const std::function<void()>& launch);
   /// The current stream waits for the copies to the device made so far.
   void current_waits_for_copies();
-  /// Copies `device_tensor` to host memory; `done(host_copy)` runs at drain().
-  /// `owned`: nobody else writes `device_tensor` afterwards (no protective
-  /// device copy is made).
+  /// Copies `device_tensor` to host memory; `done(host_copy)` runs on the
+  /// worker thread once the copy finished, in issue order, before drain()
+  /// returns. `owned`: nobody else writes `device_tensor` afterwards (no
+  /// protective device copy is made).
   void to_host(const at::Tensor& device_tensor, bool owned, std::function<void(const at::Tensor&)> done);
-  /// Waits for every copy to host and runs their callbacks in issue order.
+  /// Waits until every callback has run; rethrows the first that threw.
   void drain();
-  /// Waits until no copy reads or writes host memory (before the CPU writes
-  /// master shards outside the optimizer step, e.g. loading a checkpoint).
+  /// Waits until no copy reads or writes host memory and the worker is idle
+  /// (before the CPU writes master shards, e.g. an optimizer step or loading
+  /// a checkpoint).
   void wait_idle();
-  /// Drops pending copies without running their callbacks (after an error).
+  /// Drops pending copies without running their callbacks, and any error
+  /// (after a failed backward).
   void discard();
   /// Device bytes held by copies to host not yet seen finished; capped at
-  /// kMaxInFlightBytes (then the oldest is waited for).
-  int64_t in_flight_bytes() const { return in_flight_bytes_; }
+  /// kMaxInFlightBytes (to_host then waits for the worker).
+  int64_t in_flight_bytes() const;
   static constexpr int64_t kMaxInFlightBytes = int64_t{256} << 20;
   /// Bytes of every to_device / to_host copy so far.
   int64_t bytes_to_device() const { return bytes_to_device_; }
@@ -90,19 +103,29 @@ class Offloader {
  private:
   struct Pending {
     at::Tensor device_copy;  // kept alive until the side stream is done with it
+    int64_t device_bytes = 0;
     at::Tensor host;
     std::optional<c10::Event> copied;
     std::function<void(const at::Tensor&)> done;
   };
   bool accelerator() const { return !device_.is_cpu(); }
-  void release_finished();
+  void work();         // the worker's loop
+  void wait_worker();  // until the queue is empty and the worker idle
 
   c10::Device device_;
   bool pin_;
   std::optional<c10::Stream> side_;
-  std::vector<Pending> pending_;
-  int64_t in_flight_bytes_ = 0;
   int64_t bytes_to_device_ = 0, bytes_to_host_ = 0;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // any change below
+  std::deque<Pending> queue_;   // copies not yet taken by the worker
+  bool busy_ = false;           // the worker holds a copy
+  bool dropping_ = false;       // discard(): release copies, run no callback
+  bool stop_ = false;
+  int64_t in_flight_bytes_ = 0;
+  std::exception_ptr error_;    // the first callback that threw since drain()
+  std::thread worker_;          // started at the first to_host
 };
 
 }  // namespace shardtorch::detail

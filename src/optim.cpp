@@ -3,7 +3,10 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <mutex>
+#include <unordered_set>
 
+#include "flat_param.h"
 #include "shard_state.h"
 #include "shardtorch/optim/cpu_adam.h"
 
@@ -150,8 +153,98 @@ void ShardViews::require_fp32_cpu(const std::string& who) const {
   });
 }
 
+// ShardedOptimizer::overlap_with_backward: steps each flat parameter's pieces
+// on the offload thread as soon as its gradient reached its host shard.
+class StepInBackward final : public GradientListener {
+ public:
+  StepInBackward(ShardViews& views, ShardState& state, PartialStepper& stepper)
+      : views_(views), state_(state), stepper_(stepper) {}
+
+  void before(FlatParam& flat) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(!stepped_.count(&flat), "shardtorch: rank ", state_.world().rank(), ": the gradient of ",
+                flat.describe(), " was reduced again before opt->step(), and the optimizer already stepped with the "
+                "first (overlap_with_backward): call step() after every backward that synchronizes gradients, and "
+                "accumulate micro-batches with set_requires_gradient_sync(false)");
+    if (!window_open_) stepper_.check_step();  // what step() would refuse, before anything changes
+    window_open_ = true;
+  }
+
+  void arrived(FlatParam& flat) override {
+    std::vector<at::Tensor> params;
+    for (const auto& piece : views_.pieces()) {
+      if (piece.flat != &flat || !piece.taken || !flat.shard_grad().defined()) continue;
+      at::Tensor view = piece.view;
+      view.mutable_grad() = flat.shard_grad().narrow(0, piece.shard_offset, piece.length);
+      params.push_back(view);
+    }
+    stepper_.step_params(params);
+    std::lock_guard<std::mutex> lock(mu_);
+    stepped_.insert(&flat);
+  }
+
+  bool stepped(const FlatParam& flat) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stepped_.count(&flat) > 0;
+  }
+  bool any_stepped() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !stepped_.empty();
+  }
+
+  PartialStepper& stepper() { return stepper_; }
+  /// The pieces the backward did not step; the step is over.
+  std::vector<at::Tensor> finish() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<at::Tensor> rest;
+    for (const auto& piece : views_.pieces())
+      if (piece.taken && !stepped_.count(static_cast<const FlatParam*>(piece.flat))) rest.push_back(piece.view);
+    stepped_.clear();
+    window_open_ = false;
+    return rest;
+  }
+
+ private:
+  ShardViews& views_;
+  ShardState& state_;
+  PartialStepper& stepper_;
+  mutable std::mutex mu_;
+  std::unordered_set<const FlatParam*> stepped_;  // since the last step()
+  bool window_open_ = false;                      // a gradient arrived since the last step()
+};
+
 ShardViews::~ShardViews() {
+  if (overlap_) state_->copies().set_gradient_listener(nullptr);
   if (listener_ >= 0) state_->remove_zero_grad_listener(listener_);
+}
+
+void ShardViews::overlap_with_backward(torch::optim::Optimizer& opt, bool on) {
+  const int rank = state_->world().rank();
+  if (!on) {
+    TORCH_CHECK(!overlap_ || !overlap_->any_stepped(), "shardtorch: rank ", rank, ": overlap_with_backward(false) "
+                "between a backward that stepped and opt->step(): call step() first");
+    if (overlap_) state_->copies().set_gradient_listener(nullptr);
+    overlap_.reset();
+    return;
+  }
+  auto* stepper = dynamic_cast<PartialStepper*>(&opt);
+  TORCH_CHECK(stepper, "shardtorch: rank ", rank, ": overlap_with_backward needs an optimizer that can step part of "
+              "its parameters: shardtorch::FusedAdam or FusedAdamW (ShardedOptimizer::make<shardtorch::FusedAdamW>)");
+  TORCH_CHECK(state_->offloader() && !state_->ddp(), "shardtorch: rank ", rank, ": overlap_with_backward overlaps "
+              "the host's optimizer step with the device's backward: it needs ShardOptions().cpu_offload(true) "
+              "(without offload the update runs on the device after backward)");
+  TORCH_CHECK(!state_->has_scaler(), "shardtorch: rank ", rank, ": overlap_with_backward cannot be used with a "
+              "GradScaler, which must see every gradient before any update");
+  if (overlap_) return;
+  overlap_ = std::make_unique<StepInBackward>(*this, *state_, *stepper);
+  state_->copies().set_gradient_listener(overlap_.get());
+}
+
+bool ShardViews::step_rest() {
+  if (!overlap_) return false;
+  overlap_->stepper().check_step();
+  overlap_->stepper().step_params(overlap_->finish());
+  return true;
 }
 
 void ShardViews::attach_low_copies(torch::optim::Optimizer& opt) {
@@ -196,9 +289,11 @@ void ShardViews::count_optimizer_state(const torch::optim::Optimizer& opt) const
 
 void ShardedOptimizer::step() {
   views_->bind_grads();
-  inner_->step();
+  if (!views_->step_rest()) inner_->step();
   views_->after_step(*inner_);
 }
+
+void ShardedOptimizer::overlap_with_backward(bool on) { views_->overlap_with_backward(*inner_, on); }
 
 void ShardedOptimizer::zero_grad() { views_->zero_grad(); }
 

@@ -1,5 +1,6 @@
 #include "shard_copies.h"
 
+#include "flat_param.h"
 #include "shard_state.h"
 
 namespace shardtorch::detail {
@@ -10,6 +11,10 @@ void ShardCopies::enable_offload(c10::Device device) {
 
 at::Tensor ShardCopies::gather_input(FlatParam& f) {
   if (offloader_) {
+    TORCH_CHECK(!listener_ || !listener_->stepped(f), "shardtorch: rank ", model_.world().rank(), ": ", f.describe(),
+                " is gathered again after the optimizer updated it during the last backward "
+                "(overlap_with_backward): call opt->step() before the next forward, and let only the last "
+                "micro-batch's backward synchronize gradients (set_requires_gradient_sync)");
     if (f.low_copy_stale()) offloader_->wait_idle();  // no copy may still read the bf16 copy it remakes
     return offloader_->to_device(f.upload_source(), f.compute_dtype());  // always a new tensor
   }
@@ -42,13 +47,24 @@ at::Tensor ShardCopies::on_comm_device(const at::Tensor& t) {
   return t.to(model_.world().comm().device(), t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 
-void ShardCopies::deliver_gradient(const at::Tensor& reduced, bool owned,
+void ShardCopies::deliver_gradient(FlatParam& flat, const at::Tensor& reduced, bool owned,
                                    std::function<void(const at::Tensor&)> accumulate) {
-  if (offloader_) {
+  if (offloader_ && listener_) {
+    listener_->before(flat);
+    offloader_->to_host(reduced, owned, [accumulate = std::move(accumulate), l = listener_, f = &flat](const at::Tensor& h) {
+      accumulate(h);
+      l->arrived(*f);
+    });
+  } else if (offloader_) {
     offloader_->to_host(reduced, owned, std::move(accumulate));
   } else {
     accumulate(reduced);
   }
+}
+
+void ShardCopies::set_gradient_listener(GradientListener* listener) {
+  if (offloader_) offloader_->wait_idle();
+  listener_ = listener;
 }
 
 }  // namespace shardtorch::detail

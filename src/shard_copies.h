@@ -17,6 +17,19 @@ namespace shardtorch::detail {
 
 class ShardState;
 
+/// Told of each reduced gradient that offload hands on (StepInBackward).
+class GradientListener {
+ public:
+  virtual ~GradientListener() = default;
+  /// On the reducing thread, before the gradient is handed on; may throw.
+  virtual void before(FlatParam& flat) = 0;
+  /// On the offload thread, after the gradient was added into the host shard.
+  virtual void arrived(FlatParam& flat) = 0;
+  /// Whether `flat`'s masters were updated since the last optimizer step.
+  virtual bool stepped(const FlatParam& flat) const = 0;
+  virtual bool any_stepped() const = 0;
+};
+
 class ShardCopies {
  public:
   explicit ShardCopies(ShardState& model) : model_(model) {}
@@ -35,10 +48,16 @@ class ShardCopies {
   /// A copy of `t` on the communication device (master shards and gradient
   /// shards may be in host memory under offload).
   at::Tensor on_comm_device(const at::Tensor& t);
-  /// Hands a reduced gradient to `accumulate`: at once, or under offload after
-  /// its copy to host memory (at the end of backward).
+  /// Hands `flat`'s reduced gradient to `accumulate`: at once, or under
+  /// offload on the offload thread after its copy to host memory (at the
+  /// latest at the end of backward), then tells the listener.
   /// `owned`: the caller hands `reduced` over (nobody reuses its memory).
-  void deliver_gradient(const at::Tensor& reduced, bool owned, std::function<void(const at::Tensor&)> accumulate);
+  void deliver_gradient(FlatParam& flat, const at::Tensor& reduced, bool owned,
+                        std::function<void(const at::Tensor&)> accumulate);
+  /// Offload: the listener of delivered gradients (null: none). Waits for the
+  /// offload thread first.
+  void set_gradient_listener(GradientListener* listener);
+  GradientListener* gradient_listener() const { return listener_; }
   /// Before the CPU writes master shards (the optimizer step, loading
   /// checkpoints, writeback): no offload copy may still read them. Outside
   /// the optimizer step (`step`) the masters' bf16 copies are marked stale.
@@ -57,6 +76,7 @@ class ShardCopies {
  private:
   ShardState& model_;
   std::unique_ptr<Offloader> offloader_;
+  GradientListener* listener_ = nullptr;
 };
 
 }  // namespace shardtorch::detail

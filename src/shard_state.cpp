@@ -129,6 +129,10 @@ void ShardState::regather_unsharded() {
 
 std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
   check_backward_finished("reading the gradients (clip_grad_norm, GradScaler)");
+  const auto* listener = copies_.gradient_listener();
+  TORCH_CHECK(!listener || !listener->any_stepped(), "shardtorch: rank ", world().rank(), ": clip_grad_norm or "
+              "GradScaler after a backward during which the optimizer already stepped (overlap_with_backward): the "
+              "update used the unclipped, unscaled gradients. Turn the overlap off to clip or scale gradients");
   // The strategy is the same everywhere: decide on it, not on what this rank
   // happens to hold, so that every rank communicates or none does.
   partial = strategy() != Strategy::NoShard && strategy() != Strategy::OptimizerOnly;

@@ -5,6 +5,8 @@
 // checkpoints move freely between offloaded and device-resident models.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 
 #include "../src/flat_param.h"
 #include "models.h"
@@ -26,6 +28,7 @@ struct Recipe {
   bool bf16 = false;
   bool fused = false;  // shardtorch::FusedAdamW instead of torch::optim::AdamW
   bool prefetch = false;
+  bool overlap = false;  // ShardedOptimizer::overlap_with_backward (needs fused, no clip)
   double lr = 1e-2;
 };
 
@@ -43,6 +46,7 @@ std::map<std::string, torch::Tensor> train(World& w, Strategy s, const Recipe& r
   auto adamw = torch::optim::AdamWOptions(r.lr).weight_decay(0.01);
   auto opt = r.fused ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
                      : shardtorch::AdamW(*model, adamw);
+  if (r.overlap) opt->overlap_with_backward();
   const int64_t per = kBatch / w.size(), mb = per / r.micro;
   for (int step = 0; step < r.steps; ++step) {
     opt->zero_grad();
@@ -79,6 +83,39 @@ TEST_P(OffloadParity, EqualsTrainingWithoutOffloadBitwise) {
       auto got = train(w, strategy, recipe, true);
       double err = expect_close_map(got, want, 0.0, what);
       require(err == 0.0, "not bitwise");
+    });
+    ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
+  }
+}
+
+// overlap_with_backward: the update of each flat parameter runs on the host
+// thread during the backward; training is bitwise the same as stepping after
+// it, and the update did happen before step() (the optimizer has state then).
+TEST_P(OffloadParity, OverlappingTheStepWithBackwardChangesNothing) {
+  auto [strategy, world] = GetParam();
+  for (bool bf16 : {false, true}) {
+    Recipe recipe;
+    recipe.bf16 = bf16;
+    recipe.prefetch = recipe.fused = true;
+    recipe.clip = 0;
+    const std::string what = std::string("offloaded ") + shardtorch::strategy_name(strategy) +
+                             (bf16 ? " bf16" : " fp32") + " with the step overlapping backward";
+    auto r = run_ranks(world, [&](World& w) {
+      auto want = train(w, strategy, recipe, true);
+      recipe.overlap = true;
+      auto got = train(w, strategy, recipe, true);
+      double err = expect_close_map(got, want, 0.0, what);
+      require(err == 0.0, "not bitwise");
+
+      torch::manual_seed(0);
+      auto model = gpt::GPT(gpt::Config{});
+      auto sm = shardtorch::shard(model, w, options_for(strategy, w.size(), recipe, true));
+      auto opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
+      opt->overlap_with_backward();
+      auto x = gpt_tokens().narrow(0, 0, 2);
+      gpt::lm_loss(model(x), x).backward();
+      require(!opt->inner().state().empty(), "the backward did not step the optimizer");
+      opt->step();
     });
     ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
   }
@@ -420,6 +457,61 @@ TEST(Offload, UnderBf16TheCopiesToTheDeviceMoveHalfTheBytesOfFp32) {
       require(2 * to_device[1] == to_device[0], name + ": bf16 sent " + std::to_string(to_device[1]) + " bytes, fp32 " +
                                                     std::to_string(to_device[0]) + ": not half");
     }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+namespace {
+// Runs `f`, which must throw an error whose message contains `needle`.
+void expect_throws_with(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    require(std::string(e.what()).find(needle) != std::string::npos,
+            "expected an error with '" + needle + "', got: " + e.what());
+    return;
+  }
+  throw std::runtime_error("expected an error with '" + needle + "', nothing was thrown");
+}
+}  // namespace
+
+TEST(Offload, OverlapWithBackwardRefusesWhatWouldChangeTheUpdate) {
+  auto r = run_ranks(2, [](World& w) {
+    auto x = gpt_tokens().narrow(0, 2 * w.rank(), 2);
+    auto options = [&](bool offload) { return strategy_options(Strategy::FullShard, w.size()).cpu_offload(offload); };
+    torch::manual_seed(0);
+    auto resident = gpt::GPT(gpt::Config{});
+    auto resident_sm = shardtorch::shard(resident, w, options(false));
+    auto fused = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*resident, torch::optim::AdamWOptions(1e-2));
+    expect_throws_with([&] { fused->overlap_with_backward(); }, "cpu_offload(true)");
+
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    auto sm = shardtorch::shard(model, w, options(true));
+    {
+      auto torch_opt = shardtorch::ShardedOptimizer::make<torch::optim::AdamW>(*model, torch::optim::AdamWOptions(1e-2));
+      expect_throws_with([&] { torch_opt->overlap_with_backward(); }, "FusedAdamW");
+    }
+    auto opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
+    opt->overlap_with_backward();
+    gpt::lm_loss(model(x), x).backward();
+    // The update used the unclipped gradients: clipping now would be a lie.
+    expect_throws_with([&] { shardtorch::clip_grad_norm(*model, 0.5); }, "overlap_with_backward");
+    // A forward before step() would compute with parameters already updated.
+    expect_throws_with([&] { gpt::lm_loss(model(x), x).backward(); }, "call opt->step() before the next forward");
+    opt->zero_grad();
+    opt->step();
+    // After step() training goes on, also after that failure.
+    for (int i = 0; i < 2; ++i) {
+      opt->zero_grad();
+      gpt::lm_loss(model(x), x).backward();
+      opt->step();
+    }
+    opt->overlap_with_backward(false);
+    opt->zero_grad();
+    gpt::lm_loss(model(x), x).backward();
+    shardtorch::clip_grad_norm(*model, 0.5);  // allowed again without the overlap
+    opt->step();
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -2,6 +2,7 @@
 // Every byte the library holds, by category, with peaks.
 #include <array>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "shardtorch/export.h"
@@ -37,18 +38,20 @@ struct SHARDTORCH_API MemorySnapshot {
   std::string report() const;
 };
 
+/// Thread-safe: CPU offload's host thread counts the host gradients it makes.
 class SHARDTORCH_API MemoryTracker {
  public:
   void add(Mem m, int64_t bytes);
   void sub(Mem m, int64_t bytes) { add(m, -bytes); }
-  void set(Mem m, int64_t bytes) { add(m, bytes - snap_.cur(m)); }
+  void set(Mem m, int64_t bytes);
   void unit_gathered();
   void unit_released();
   /// Peaks restart from the current values (e.g. at each step).
   void reset_peaks();
-  const MemorySnapshot& snapshot() const { return snap_; }
+  MemorySnapshot snapshot() const;
 
  private:
+  mutable std::mutex mu_;
   MemorySnapshot snap_;
 };
 

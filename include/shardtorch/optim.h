@@ -40,6 +40,19 @@ class SHARDTORCH_API LowCopyWriter {
   virtual void write_low_copy(const at::Tensor& param, at::Tensor low) = 0;
 };
 
+/// An optimizer that can update some of its parameters at a time
+/// (shardtorch::FusedAdam(W)): ShardedOptimizer::overlap_with_backward.
+class SHARDTORCH_API PartialStepper {
+ public:
+  virtual ~PartialStepper() = default;
+  /// Throws what step() would refuse, before anything is updated.
+  virtual void check_step() const = 0;
+  /// What step() does to `params` (those of them with a gradient), unchecked.
+  virtual void step_params(const std::vector<at::Tensor>& params) = 0;
+};
+
+class StepInBackward;
+
 /// Maps the model's parameters to their pieces of this rank's shards.
 class SHARDTORCH_API ShardViews {
  public:
@@ -64,6 +77,11 @@ class SHARDTORCH_API ShardViews {
   /// copies during its step; if it is not, after_step marks them stale.
   void attach_low_copies(torch::optim::Optimizer& opt);
   void after_step(const torch::optim::Optimizer& opt);
+  /// ShardedOptimizer::overlap_with_backward.
+  void overlap_with_backward(torch::optim::Optimizer& opt, bool on);
+  /// Under the overlap: steps what the backward did not, and returns true;
+  /// otherwise false (the caller steps everything).
+  bool step_rest();
   /// Sets the memory tracker's optimizer-state figure from `opt`'s state
   /// (after a step, and after a checkpoint replaced the state).
   void count_optimizer_state(const torch::optim::Optimizer& opt) const;
@@ -95,6 +113,7 @@ class SHARDTORCH_API ShardViews {
   std::vector<const void*> trainable_;
   int listener_ = -1;  // the state's zero_grad listener dropping the pieces' gradients
   bool low_copies_written_ = false;  // the optimizer writes the masters' bf16 copies
+  std::unique_ptr<StepInBackward> overlap_;
 };
 
 /// Optimizers that update only contiguous fp32 host tensors (FusedAdam)
@@ -133,6 +152,16 @@ class SHARDTORCH_API ShardedOptimizer {
 
   /// One update of this rank's shards from their reduced gradients.
   void step();
+  /// CPU offload with FusedAdam(W): from now on (`on`), each flat parameter's
+  /// shard is updated on the host as soon as its reduced gradient arrived
+  /// there during a backward, overlapping the CPU update with the rest of
+  /// that backward on the device; step() then updates whatever the backward
+  /// did not and finishes the step. The result is bitwise the same as without
+  /// the overlap. Every backward that synchronizes gradients must be followed
+  /// by step() (accumulate micro-batches with set_requires_gradient_sync(
+  /// false)); set the learning rate before the backward; no clip_grad_norm or
+  /// GradScaler (each refused with an error saying so). See docs/offload.md.
+  void overlap_with_backward(bool on = true);
   /// Drops the gradient shards (set to none).
   void zero_grad();
   size_t num_groups() const { return inner_->param_groups().size(); }

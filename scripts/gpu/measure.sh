@@ -10,6 +10,8 @@
 #   cuda     the CUDA tests (ctest -L cuda)
 #   overhead gpt_bench at world size 1: plain LibTorch, FullShard, NoShard; PyTorch FSDP2 and DDP
 #   offload  FullShard bf16 with and without CPU offload, profiled; pinned bandwidth
+#   overlap  offload with the optimizer step overlapping backward (--overlap-step) against
+#            offload without it and the resident step, profiled; pinned bandwidth
 #   largest  the largest GPT that trains with offload, from a list of sizes
 #   waits    FullShard fp32 and bf16 against plain LibTorch, with the collectives'
 #            stream-ordered waits (the default) and with SHARDTORCH_BLOCKING_WAIT=1
@@ -155,7 +157,7 @@ if want overhead; then
   fi
 fi
 
-if want offload; then
+pinned_bandwidth() {
   say "pinned bandwidth"
   limit 60 "${PIN[@]}" "$PY" - >"$LOGS/pinned_bandwidth.json" 2>"$LOGS/pinned_bandwidth.err" <<'PYEOF'
 import json, time, torch
@@ -170,6 +172,10 @@ for name, f in (("h2d", lambda: d.copy_(h, non_blocking=True)), ("d2h", lambda: 
 print(json.dumps(out))
 PYEOF
   cat "$LOGS/pinned_bandwidth.json"
+}
+
+if want offload; then
+  pinned_bandwidth
   bench offload_bf16 90 --strategy full_shard --bf16 --prefetch --offload
   bench offload_bf16_1thread 90 --strategy full_shard --bf16 --prefetch --offload --threads 1
   # Profiles: a short run each, the first measured step traced.
@@ -183,6 +189,28 @@ PYEOF
     "$PY" scripts/gpu/trace_summary.py "$LOGS/trace_$t.rank0.json" >"$LOGS/trace_${t}_summary.txt" 2>&1
     gzip -f "$LOGS/trace_$t.rank0.json"
   done
+fi
+
+# profiled NAME gpt_bench-args...: one short run, its first measured step traced and summarized.
+profiled() {
+  local name=$1; shift
+  local saved=("${GPT[@]}")
+  GPT=(--layers 12 --d-model 1024 --heads 16 --vocab 32768 --seq 1024 --batch 8 --steps 2 --warmup 2 --quiet)
+  bench "${name}_profiled" 60 "$@" --profile "$LOGS/trace_$name"
+  GPT=("${saved[@]}")
+  if [ -f "$LOGS/trace_$name.rank0.json" ]; then
+    "$PY" scripts/gpu/trace_summary.py "$LOGS/trace_$name.rank0.json" >"$LOGS/trace_${name}_summary.txt" 2>&1
+    gzip -f "$LOGS/trace_$name.rank0.json"
+  fi
+}
+
+if want overlap; then
+  pinned_bandwidth
+  bench resident_bf16 60 --strategy full_shard --bf16 --prefetch
+  bench offload_bf16 90 --strategy full_shard --bf16 --prefetch --offload
+  bench offload_bf16_overlap 90 --strategy full_shard --bf16 --prefetch --offload --overlap-step
+  profiled overlap --strategy full_shard --bf16 --prefetch --offload --overlap-step
+  profiled offload --strategy full_shard --bf16 --prefetch --offload
 fi
 
 if want largest; then

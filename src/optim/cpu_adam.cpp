@@ -303,6 +303,14 @@ at::Tensor FusedAdamBase<Options, State, Decoupled>::step(LossClosure closure) {
     loss = closure();
   }
   c10::NoGradGuard no_grad;
+  check_step();
+  for (auto& group : param_groups_)
+    for (auto& p : group.params()) update(p, static_cast<Options&>(group.options()));
+  return loss;
+}
+
+template <class Options, class State, bool Decoupled>
+void FusedAdamBase<Options, State, Decoupled>::check_step() const {
   // Everything is checked before anything is updated: a refusal leaves no
   // group stepped and no step counted.
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
@@ -333,33 +341,39 @@ at::Tensor FusedAdamBase<Options, State, Decoupled>::step(LossClosure closure) {
                     " has moments that are not contiguous fp32 tensors of its size on its device");
     }
   }
-  for (auto& group : param_groups_) {
-    auto& o = static_cast<Options&>(group.options());
-    for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      auto& slot = state_[p.unsafeGetTensorImpl()];
-      if (!slot) {
-        auto s = std::make_unique<State>();
-        s->step(0);
-        s->exp_avg(at::zeros_like(p, at::MemoryFormat::Contiguous));
-        s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Contiguous));
-        slot = std::move(s);
-      }
-      auto& s = static_cast<State&>(*slot);
-      s.step(s.step() + 1);
-      AdamStep a{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), s.step(),
-                 Decoupled};
-      auto low = low_.find(p.unsafeGetTensorImpl());
-      if (p.is_cuda()) {
-        fused_adam_cuda(p, p.grad(), s.exp_avg(), s.exp_avg_sq(), low == low_.end() ? at::Tensor() : low->second, a);
-        continue;
-      }
-      fused_adam_cpu(p.data_ptr<float>(), p.grad().data_ptr<float>(), s.exp_avg().template data_ptr<float>(),
-                     s.exp_avg_sq().template data_ptr<float>(), p.numel(), a,
-                     low == low_.end() ? nullptr : low->second.template data_ptr<at::BFloat16>());
-    }
+}
+
+template <class Options, class State, bool Decoupled>
+void FusedAdamBase<Options, State, Decoupled>::step_params(const std::vector<at::Tensor>& params) {
+  c10::NoGradGuard no_grad;
+  for (const auto& want : params)
+    for (auto& group : param_groups_)
+      for (auto& p : group.params())
+        if (p.unsafeGetTensorImpl() == want.unsafeGetTensorImpl()) update(p, static_cast<Options&>(group.options()));
+}
+
+template <class Options, class State, bool Decoupled>
+void FusedAdamBase<Options, State, Decoupled>::update(at::Tensor& p, const Options& o) {
+  if (!p.grad().defined()) return;
+  auto& slot = state_[p.unsafeGetTensorImpl()];
+  if (!slot) {
+    auto s = std::make_unique<State>();
+    s->step(0);
+    s->exp_avg(at::zeros_like(p, at::MemoryFormat::Contiguous));
+    s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Contiguous));
+    slot = std::move(s);
   }
-  return loss;
+  auto& s = static_cast<State&>(*slot);
+  s.step(s.step() + 1);
+  AdamStep a{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), s.step(), Decoupled};
+  auto low = low_.find(p.unsafeGetTensorImpl());
+  if (p.is_cuda()) {
+    fused_adam_cuda(p, p.grad(), s.exp_avg(), s.exp_avg_sq(), low == low_.end() ? at::Tensor() : low->second, a);
+    return;
+  }
+  fused_adam_cpu(p.data_ptr<float>(), p.grad().data_ptr<float>(), s.exp_avg().template data_ptr<float>(),
+                 s.exp_avg_sq().template data_ptr<float>(), p.numel(), a,
+                 low == low_.end() ? nullptr : low->second.template data_ptr<at::BFloat16>());
 }
 
 template <class Options, class State, bool Decoupled>

@@ -53,6 +53,7 @@ struct Recipe {
   bool fused = false;     // shardtorch::FusedAdamW (the CPU kernel, or the CUDA one on device shards)
   bool torch_adamw = false;  // ShardedOptimizer::make<torch::optim::AdamW>, not shardtorch::AdamW's choice
   double clip = 0.0;
+  bool overlap = false;  // opt->overlap_with_backward() (offload, fused, no clip)
 };
 
 struct Seen {
@@ -72,6 +73,7 @@ std::map<std::string, torch::Tensor> sharded(World& w, const Recipe& r, Seen* se
   auto opt = r.fused         ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
              : r.torch_adamw ? shardtorch::ShardedOptimizer::make<torch::optim::AdamW>(*model, adamw)
                              : shardtorch::AdamW(*model, adamw);
+  if (r.overlap) opt->overlap_with_backward();
   for (int s = 0; s < kSteps; ++s) {
     opt->zero_grad();
     gpt::lm_loss(model(x), x).backward();
@@ -151,6 +153,13 @@ TEST(CudaWorldOfOne, OffloadWithPrefetchTrainsLikeDeviceResidentTraining) {
         // step, a few ulp from ATen's (docs/benchmarks.md).
         offloaded.fused = true;
         expect_close_map(sharded(w, offloaded), want, bf16 ? 1e-2 : 1e-4, what + " with FusedAdamW");
+        // The step overlapping backward on the host thread, against the same
+        // offloaded training stepping after backward: bitwise.
+        offloaded.clip = 0;
+        const auto after = sharded(w, offloaded);
+        offloaded.overlap = true;
+        require(expect_close_map(sharded(w, offloaded), after, 0.0, what + " with the step overlapping backward") == 0.0,
+                what + ": the overlapped step is not bitwise the step after backward");
       }
     }
   }, on_cuda());

@@ -55,7 +55,7 @@ SHARDTORCH_API void adam_traffic_roofline(float* a, const float* b, float* c, fl
 
 namespace detail {
 template <class Options, class State, bool Decoupled>
-class FusedAdamBase : public torch::optim::Optimizer, public LowCopyWriter {
+class FusedAdamBase : public torch::optim::Optimizer, public LowCopyWriter, public PartialStepper {
  public:
   /// ShardedOptimizer::make checks every rank's optimized tensors up front.
   static constexpr bool kNeedsFp32Cpu = true;
@@ -65,8 +65,11 @@ class FusedAdamBase : public torch::optim::Optimizer, public LowCopyWriter {
       : FusedAdamBase({torch::optim::OptimizerParamGroup(std::move(params))}, defaults) {}
   at::Tensor step(LossClosure closure = nullptr) override;
   void write_low_copy(const at::Tensor& param, at::Tensor low) override;
+  void check_step() const override;
+  void step_params(const std::vector<at::Tensor>& params) override;
 
  private:
+  void update(at::Tensor& param, const Options& options);
   std::unordered_map<const c10::TensorImpl*, at::Tensor> low_;  // parameter -> its bf16 copy
 };
 }  // namespace detail
