@@ -5,6 +5,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <cstdlib>
 #include <utility>
 
 namespace shardtorch::detail {
@@ -95,8 +96,14 @@ void Offloader::to_host(const at::Tensor& device_tensor, bool owned, std::functi
   cv_.wait(lock, [&] { return in_flight_bytes_ <= kMaxInFlightBytes; });
 }
 
+void set_thread_parallelism(int threads);  // src/optim/cpu_adam.cpp
+
 void Offloader::work() {
   at::init_num_threads();  // ATen's thread count (set_num_threads) holds here too
+  if (const char* env = std::getenv("SHARDTORCH_OFFLOAD_THREADS")) {
+    const int threads = std::atoi(env);
+    if (threads > 0) set_thread_parallelism(threads);
+  }
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });

@@ -9,7 +9,8 @@ cd "$(dirname "$0")/../.."
 PKGS=(libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian
       libboost1.81-dev libboost-json1.81-dev libboost-json1.81.0
       libboost-container1.81-dev libboost-container1.81.0 libboost-system1.81-dev libboost-system1.81.0
-      libboost-program-options1.81-dev libboost-program-options1.81.0 libgloo-dev)
+      libboost-program-options1.81-dev libboost-program-options1.81.0 libgloo-dev
+      libxxhash-dev libxxhash0)
 mkdir -p .gpu/debs
 cd .gpu/debs
 for p in "${PKGS[@]}"; do

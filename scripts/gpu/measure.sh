@@ -12,6 +12,7 @@
 #   offload  FullShard bf16 with and without CPU offload, profiled; pinned bandwidth
 #   overlap  offload with the optimizer step overlapping backward (--overlap-step) against
 #            offload without it and the resident step, profiled; pinned bandwidth
+#   overlap_threads  the same, unprofiled, with the host thread's team at 16, 14, 12 and 8 threads
 #   largest  the largest GPT that trains with offload, from a list of sizes
 #   waits    FullShard fp32 and bf16 against plain LibTorch, with the collectives'
 #            stream-ordered waits (the default) and with SHARDTORCH_BLOCKING_WAIT=1
@@ -40,10 +41,10 @@ PY=$(command -v python3)
 TORCHRUN=$(command -v torchrun || echo "$PY -m torch.distributed.run")
 
 DEPS=/opt/shardtorch-deps
-if [ ! -d "$DEPS/usr" ]; then
-  mkdir -p "$DEPS"
-  for f in .gpu/debs/*.deb; do dpkg -x "$f" "$DEPS"; done
-fi
+mkdir -p "$DEPS"
+for f in .gpu/debs/*.deb; do  # each once per machine (a warm machine keeps them)
+  [ -e "$DEPS/.done-$(basename "$f")" ] || { dpkg -x "$f" "$DEPS" && touch "$DEPS/.done-$(basename "$f")"; }
+done
 export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if want build; then
   say "build"
@@ -211,6 +212,15 @@ if want overlap; then
   bench offload_bf16_overlap 90 --strategy full_shard --bf16 --prefetch --offload --overlap-step
   profiled overlap --strategy full_shard --bf16 --prefetch --offload --overlap-step
   profiled offload --strategy full_shard --bf16 --prefetch --offload
+fi
+
+if want overlap_threads; then  # the host thread's OpenMP team against the launching threads
+  bench resident_bf16 60 --strategy full_shard --bf16 --prefetch
+  bench offload_bf16 90 --strategy full_shard --bf16 --prefetch --offload
+  bench offload_bf16_overlap 90 --strategy full_shard --bf16 --prefetch --offload --overlap-step
+  for t in 14 12 8; do
+    SHARDTORCH_OFFLOAD_THREADS=$t bench "offload_bf16_overlap_t$t" 90 --strategy full_shard --bf16 --prefetch --offload --overlap-step
+  done
 fi
 
 if want largest; then

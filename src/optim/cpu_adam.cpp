@@ -8,6 +8,9 @@
 #include "cuda_adam.h"
 
 #include <ATen/Parallel.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -294,6 +297,15 @@ void adam_traffic_roofline(float* a, const float* b, float* c, float* d, int64_t
 }
 
 namespace detail {
+
+// Declared in src/offload.cpp: this file is the one compiled with OpenMP.
+void set_thread_parallelism(int threads) {
+#ifdef _OPENMP
+  omp_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+}
 
 template <class Options, class State, bool Decoupled>
 at::Tensor FusedAdamBase<Options, State, Decoupled>::step(LossClosure closure) {
