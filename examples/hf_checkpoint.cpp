@@ -1,10 +1,11 @@
-// Hugging Face's multi-file safetensors layout, made and loaded. Rank 0
-// writes a GPT's weights the way transformers' save_pretrained does (files
-// of at most --max-file-kb, each tensor whole in one file, the tied head
-// saved once, model.safetensors.index.json with its weight_map); then every
-// rank builds the GPT deferred, shards it without replaying its
-// initialisation, and loads the checkpoint, opening only the files that hold
-// its own elements. Launch:
+// Hugging Face's multi-file safetensors layout, saved and loaded. Every rank
+// shards a GPT and save_hf_checkpoint writes it the way transformers'
+// save_pretrained does (files of at most --max-file-kb, each tensor whole in
+// one file, the tied head saved once, model.safetensors.index.json with its
+// weight_map), gathering one flat parameter at a time; then every rank
+// builds the GPT deferred, shards it without replaying its initialisation,
+// and loads the checkpoint, opening only the files that hold its own
+// elements. Launch:
 //
 //   torchrun --no-python --standalone --nproc-per-node 2 build/examples/hf_checkpoint --dir /tmp/gpt-hf
 //   torchrun ... build/examples/hf_checkpoint --dir DIR --no-write --strip-prefix model.   # a checkpoint you have
@@ -15,66 +16,16 @@
 
 #include <boost/program_options.hpp>
 
-#include <sys/stat.h>
-
-#include <cerrno>
-#include <cstring>
-#include <fstream>
 #include <iostream>
 #include <map>
-#include <set>
 #include <sstream>
 
 #include "cli.h"
 #include "gpt.h"
-#include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/shardtorch.h"
 
 namespace po = boost::program_options;
-
-namespace {
-
-// Writes `model`'s parameters (a tied one once) and buffers into `dir` as
-// transformers does: greedily into files of at most `max_bytes` (a larger
-// tensor alone in its file), named model-0000K-of-0000N.safetensors, and the
-// index. Returns the number of files.
-int write_hf_checkpoint(torch::nn::Module& model, const std::string& dir, int64_t max_bytes) {
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> shards(1);
-  int64_t in_shard = 0, total = 0;
-  std::set<const void*> seen;
-  auto add = [&](const std::string& name, const at::Tensor& t) {
-    const int64_t n = t.nbytes();
-    if (!shards.back().empty() && in_shard + n > max_bytes) {
-      shards.emplace_back();
-      in_shard = 0;
-    }
-    shards.back().emplace_back(name, t.detach());
-    in_shard += n;
-    total += n;
-  };
-  for (const auto& item : model.named_parameters())
-    if (seen.insert(item.value().unsafeGetTensorImpl()).second) add(item.key(), item.value());
-  for (const auto& item : model.named_buffers()) add(item.key(), item.value());
-  const int files = static_cast<int>(shards.size());
-  std::ostringstream index;
-  index << "{\n  \"metadata\": {\n    \"total_size\": " << total << "\n  },\n  \"weight_map\": {";
-  const char* sep = "\n";
-  for (int k = 0; k < files; ++k) {
-    char name[64];
-    std::snprintf(name, sizeof(name), "model-%05d-of-%05d.safetensors", k + 1, files);
-    shardtorch::checkpoint::save_file(dir + "/" + name, shards[k], {{"format", "pt"}});
-    for (const auto& [n, t] : shards[k]) {
-      index << sep << "    \"" << n << "\": \"" << name << "\"";
-      sep = ",\n";
-    }
-  }
-  index << "\n  }\n}\n";
-  std::ofstream(dir + "/model.safetensors.index.json") << index.str();
-  return files;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   try {
@@ -107,19 +58,18 @@ int main(int argc, char** argv) {
 
     auto world = shardtorch::World::from_env();
     const int rank = world->rank();
-    std::map<std::string, double> written;  // rank 0: each tensor's sum of squares, as written
+    std::map<std::string, double> written;  // each tensor's sum of squares, as written
     if (!no_write) {
-      if (rank == 0) {
-        torch::manual_seed(0);
-        gpt::GPT source(cfg);  // the model someone trained and published
-        if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
-          throw std::runtime_error("cannot create " + dir + ": " + std::strerror(errno));
-        const int files = write_hf_checkpoint(*source, dir, max_kb * 1024);
-        for (const auto& item : source->named_parameters())
-          written[item.key()] = item.value().detach().to(torch::kDouble).square().sum().item<double>();
-        std::cout << "rank 0 wrote " << files << " files into " << dir << std::endl;
-      }
-      world->barrier();
+      // The model someone trained, sharded, saved in the layout: one flat
+      // parameter gathered at a time, rank 0 writing.
+      torch::manual_seed(0);
+      gpt::GPT source(cfg);
+      shardtorch::shard(source, world, shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)));
+      auto saved = shardtorch::save_hf_checkpoint(*source, dir, shardtorch::HfSaveOptions().max_file_bytes(max_kb * 1024));
+      for (const auto& [n, t] : shardtorch::full_parameters(*source))  // collective
+        written[n] = t.to(torch::kDouble).square().sum().item<double>();
+      if (rank == 0)
+        std::cout << "wrote " << saved.files.size() << " files (" << saved.total_bytes << " bytes) into " << dir << std::endl;
     }
 
     // Built deferred (nothing allocated), sharded without replaying the

@@ -21,6 +21,7 @@
 
 using namespace testmodels;
 using shardtorch::HfLoadOptions;
+using shardtorch::HfSaveOptions;
 using shardtorch::ShardOptions;
 using shardtorch::Strategy;
 using shardtorch::World;
@@ -532,4 +533,159 @@ TEST(HfInterop, DISABLED_LoadsWhatPythonWrote) {
         ASSERT_TRUE(r.ok) << sub << ", " << shardtorch::strategy_name(s) << " at " << world << ": " << r.summary();
       }
   }
+}
+
+// save_hf_checkpoint: written at 2 ranks under every strategy into files of
+// at most 16 KiB, the layout holds every tensor once (a tied one under its
+// first name), each file within the limit unless it holds one tensor alone,
+// and loads back at 1 and 3 ranks bitwise.
+TEST(HfSave, WritesTheLayoutThatLoadsBackAtOtherWorldSizesBitwise) {
+  auto ck = make_gpt_checkpoint();
+  constexpr int64_t kMax = 16 * 1024;
+  torch::manual_seed(5);
+  gpt::GPT names_of(gpt::Config{});
+  std::set<std::string> want_names;
+  for (const auto& [n, t] : hf_tensors(*names_of)) want_names.insert(n);
+  for (auto s : kAllStrategies) {
+    const std::string dir = (ck.dir / (std::string("saved-") + shardtorch::strategy_name(s))).string();
+    auto r = run_ranks(2, [&](World& w) {
+      gpt::GPT model(gpt::Config{});
+      shardtorch::shard(model, w, strategy_options(s, 2));
+      shardtorch::load_full_state_dict(*model, ck.full);
+      auto report = shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().max_file_bytes(kMax));
+      require(report.files.size() >= 3, "only " + std::to_string(report.files.size()) + " files");
+      require(report.tensors == static_cast<int64_t>(want_names.size()), "tensor count");
+      if (w.rank() != 0) return;
+      std::set<std::string> seen;
+      int64_t total = 0;
+      for (const auto& f : report.files) {
+        auto tensors = shardtorch::checkpoint::load_file(dir + "/" + f);
+        int64_t bytes = 0;
+        for (const auto& [n, t] : tensors) {
+          require(seen.insert(n).second, n + " in two files");
+          require(torch::equal(t, ck.values.at(n)), n + " differs in " + f);
+          bytes += t.nbytes();
+        }
+        require(bytes <= kMax || tensors.size() == 1, f + " holds " + std::to_string(bytes) + " bytes");
+        total += bytes;
+      }
+      require(seen == want_names, "the files hold other names than the model's parameters (once) and buffers");
+      require(total == report.total_bytes, "total_size");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+    for (int world : {1, 3}) {
+      auto back = run_ranks(world, [&](World& w) {
+        auto lazy = shardtorch::deferred([] { return gpt::GPT(gpt::Config{}); });
+        shardtorch::skip_deferred_init(lazy);
+        shardtorch::shard(lazy, w, strategy_options(Strategy::FullShard, world));
+        shardtorch::load_hf_checkpoint(*lazy, dir);
+        require_bitwise(full_values(*lazy), ck.values, "loaded back at " + std::to_string(world));
+      });
+      ASSERT_TRUE(back.ok) << shardtorch::strategy_name(s) << " back at " << world << ": " << back.summary();
+    }
+  }
+  files::remove_all(ck.dir);
+}
+
+// A prefix, a name function that leaves tensors out, and bf16 on writing:
+// what loads back is the source rounded to bf16, the left-out tensors
+// missing.
+TEST(HfSave, PrefixNameMappingAndDtype) {
+  auto ck = make_gpt_checkpoint();
+  const std::string dir = (ck.dir / "bf16").string();
+  auto r = run_ranks(2, [&](World& w) {
+    gpt::GPT model(gpt::Config{});
+    shardtorch::shard(model, w, strategy_options(Strategy::FullShard, 2));
+    shardtorch::load_full_state_dict(*model, ck.full);
+    auto skip_fc2 = [](const std::string& n) -> std::optional<std::string> {
+      if (n.find(".fc2.") != std::string::npos) return std::nullopt;
+      return n;
+    };
+    shardtorch::save_hf_checkpoint(
+        *model, dir, HfSaveOptions().prefix("model.").map_name(skip_fc2).dtype(at::kBFloat16).max_file_bytes(8192));
+    if (w.rank() == 0)
+      for (const auto& f : files::list_directory(dir))
+        if (f.rfind("model-", 0) == 0)
+          for (const auto& [n, t] : shardtorch::checkpoint::load_file(dir + "/" + f)) {
+            require(n.rfind("model.", 0) == 0 && n.find(".fc2.") == std::string::npos, "name " + n);
+            if (at::isFloatingType(t.scalar_type())) require(t.scalar_type() == at::kBFloat16, n + " not bf16");
+          }
+    torch::manual_seed(9);
+    gpt::GPT back(gpt::Config{});
+    shardtorch::shard(back, w, strategy_options(Strategy::FullShard, 2));
+    shardtorch::load_full_state_dict(*back, ck.full);
+    auto report = shardtorch::load_hf_checkpoint(
+        *back, dir, HfLoadOptions().strip_prefix("model.").allow_missing_if([](const std::string& n) {
+          return n.find(".fc2.") != std::string::npos;
+        }));
+    require(!report.missing.empty(), "fc2 not missing");
+    for (const auto& [n, v] : full_values(*back)) {
+      const auto& src = ck.values.at(n);
+      const bool kept = n.find(".fc2.") != std::string::npos;  // left out: the full state dict's values
+      auto want = kept || !at::isFloatingType(src.scalar_type()) ? src : src.to(at::kBFloat16).to(src.scalar_type());
+      require(torch::equal(v, want), n + " is not the source rounded to bf16");
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  files::remove_all(ck.dir);
+}
+
+// Rank 0 failing while it writes a file: every rank throws, and the earlier
+// checkpoint in the directory is as it was (files and values).
+TEST(HfSave, AFailedWriteFailsEveryRankAndKeepsTheEarlierCheckpoint) {
+  auto ck = make_gpt_checkpoint();
+  const std::string dir = (ck.dir / "kept").string();
+  auto r = run_ranks(2, [&](World& w) {
+    gpt::GPT model(gpt::Config{});
+    shardtorch::shard(model, w, strategy_options(Strategy::FullShard, 2));
+    shardtorch::load_full_state_dict(*model, ck.full);
+    shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().max_file_bytes(16 * 1024));
+    const auto before = files::list_directory(dir);
+    {
+      torch::NoGradGuard no_grad;
+      auto summon = shardtorch::summon_full_params(*model, shardtorch::SummonOptions().writeback(true));
+      for (auto& p : model->parameters()) p.add_(1.0);
+    }
+    if (w.rank() == 0)
+      shardtorch::checkpoint::set_crash_hook([](const std::string& point) {
+        if (point == "file partly written") throw std::runtime_error("injected: disk full");
+      });
+    const std::string msg = message_of([&] {
+      shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().max_file_bytes(8 * 1024));
+    });
+    shardtorch::checkpoint::set_crash_hook(nullptr);
+    require(has(msg, w.rank() == 0 ? "injected: disk full" : "rank 0 could not write"), "rank " +
+            std::to_string(w.rank()) + ": " + msg);
+    require(files::list_directory(dir) == before, "the directory changed");
+    auto lazy = shardtorch::deferred([] { return gpt::GPT(gpt::Config{}); });
+    shardtorch::skip_deferred_init(lazy);
+    shardtorch::shard(lazy, w, strategy_options(Strategy::FullShard, 2));
+    shardtorch::load_hf_checkpoint(*lazy, dir);
+    require_bitwise(full_values(*lazy), ck.values, "the earlier checkpoint");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  files::remove_all(ck.dir);
+}
+
+// Run by the ctest checkpoint.hf_checkpoint_to_python: writes a GPT in the
+// Hugging Face layout at 2 FullShard ranks, and the logits it computes, for
+// tests/python/check_hf_layout.py to load and compare.
+TEST(HfInteropWrite, DISABLED_WritesForPython) {
+  const char* dir_env = std::getenv("SHARDTORCH_HF_INTEROP_DIR");
+  ASSERT_NE(dir_env, nullptr) << "set SHARDTORCH_HF_INTEROP_DIR";
+  const std::string dir(dir_env);
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(3);
+    gpt::GPT model(gpt::Config{});
+    shardtorch::shard(model, w, strategy_options(Strategy::FullShard, 2));
+    shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().max_file_bytes(16 * 1024));
+    auto tokens = gpt_tokens();
+    at::Tensor logits;
+    {
+      torch::NoGradGuard no_grad;
+      logits = model(tokens);
+    }
+    if (w.rank() == 0) shardtorch::checkpoint::save_file(dir + "/io.safetensors", {{"tokens", tokens}, {"logits", logits}});
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
 }

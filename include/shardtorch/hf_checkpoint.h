@@ -1,5 +1,6 @@
 #pragma once
-// Loading Hugging Face's safetensors layouts into a sharded model: a
+// Hugging Face's safetensors layouts, loaded into and saved from a sharded
+// model. Loading: a
 // directory with model.safetensors.index.json (its "weight_map" says which
 // file holds each tensor, files model-0000K-of-0000N.safetensors), or a single
 // model.safetensors. Each rank opens only the files holding elements of its
@@ -8,6 +9,7 @@
 // without any rank holding a full tensor it does not own.
 // docs/checkpoints.md, "Hugging Face layouts", says what is checked and how
 // names and dtypes are matched.
+#include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
@@ -97,5 +99,47 @@ struct SHARDTORCH_API HfLoadReport {
 /// Tied parameters are loaded from the first of their names the checkpoint
 /// holds.
 SHARDTORCH_API HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options = {});
+
+/// How save_hf_checkpoint names and stores the model's tensors.
+struct SHARDTORCH_API HfSaveOptions {
+  /// A checkpoint name (after the prefix) to the name written; nullopt or ""
+  /// leaves the tensor out.
+  using NameFn = std::function<std::optional<std::string>(const std::string& name)>;
+  /// Prepended to every model name ("model." for transformers' layouts).
+  TORCH_ARG(std::string, prefix) = "";
+  TORCH_ARG(NameFn, map_name) = nullptr;
+  /// The largest data file, in bytes of tensor data (transformers' default,
+  /// 5 GB); a larger tensor is alone in its file.
+  TORCH_ARG(int64_t, max_file_bytes) = 5'000'000'000;
+  /// Floating-point tensors are written in this dtype (e.g. at::kBFloat16);
+  /// unset: as the model holds them (fp32 masters).
+  TORCH_ARG(std::optional<at::ScalarType>, dtype) = std::nullopt;
+  /// A tied parameter under its first name only (as transformers saves
+  /// them; load_hf_checkpoint loads it into every name), or under each.
+  TORCH_ARG(bool, tied_once) = true;
+  /// The model's buffers too.
+  TORCH_ARG(bool, include_buffers) = true;
+};
+
+/// What save_hf_checkpoint wrote (the same on every rank).
+struct SHARDTORCH_API HfSaveReport {
+  std::vector<std::string> files;  // data files, in order
+  int64_t total_bytes = 0;         // tensor data, the index's total_size
+  int64_t tensors = 0;
+};
+
+/// Collective. Writes the sharded model `root` into directory `dir` (made if
+/// missing) in Hugging Face's multi-file layout: model-0000K-of-0000N
+/// .safetensors files (metadata "format": "pt") filled in order up to
+/// max_file_bytes, each tensor whole in one file, and
+/// model.safetensors.index.json with "total_size" and "weight_map". Flat
+/// parameters are gathered one at a time and rank 0 writes each tensor as it
+/// comes: no rank holds more than one gathered flat parameter. The data files
+/// are written under staging names and renamed into place, the index last;
+/// data files of an earlier save that the new index does not name are then
+/// removed (other files in `dir` are left alone). A failure on rank 0 throws
+/// on every rank, and leaves an earlier checkpoint in `dir` as it was.
+SHARDTORCH_API HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
+                                               const HfSaveOptions& options = {});
 
 }  // namespace shardtorch

@@ -13,3 +13,4 @@
 #include "shardtorch/optim/cpu_adam.h"
 #include "shardtorch/plan.h"
 #include "shardtorch/deferred.h"
+#include "shardtorch/hf_checkpoint.h"

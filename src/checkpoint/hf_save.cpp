@@ -1,0 +1,210 @@
+// Hugging Face's multi-file safetensors layout written from a sharded model:
+// gathered one flat parameter at a time, written by rank 0 into files of at
+// most max_file_bytes (each tensor whole in one file), then the index.
+#include <c10/core/GradMode.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "../files.h"
+#include "../shard_state.h"
+#include "shardtorch/checkpoint/safetensors.h"
+#include "shardtorch/hf_checkpoint.h"
+
+namespace shardtorch {
+namespace {
+
+constexpr const char* kIndexName = "model.safetensors.index.json";
+
+// One tensor of the checkpoint: where its values come from, and its name there.
+struct Entry {
+  std::string name;  // in the checkpoint
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t bytes = 0;
+  std::function<at::Tensor()> produce;  // rank 0 only
+};
+
+std::string json_escaped(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
+std::string file_name(size_t k, size_t n) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu.safetensors", k + 1, n);
+  return buf;
+}
+
+}  // namespace
+
+HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir, const HfSaveOptions& options) {
+  auto state = detail::require_state(root, "save_hf_checkpoint");
+  World& world = state->world();
+  const std::string who = "shardtorch::save_hf_checkpoint '" + dir + "'";
+  TORCH_CHECK(options.max_file_bytes() > 0, who, ": max_file_bytes must be positive, got ", options.max_file_bytes());
+  TORCH_CHECK(!options.dtype() || at::isFloatingType(*options.dtype()), who, ": dtype must be a floating-point type, got ",
+              *options.dtype());
+  detail::ShardState::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
+  const bool writer = world.rank() == 0;
+  c10::NoGradGuard no_grad;
+
+  // Every rank lists the same tensors, in gathering order (gathers are collective).
+  std::vector<FlatParam*> flats;
+  std::vector<std::string> labels;
+  if (!state->ddp())
+    for (auto& u : state->units())
+      for (auto& f : u->flats()) flats.push_back(f.get()), labels.push_back(u->label());
+  size_t gathered = 0;
+  at::Tensor current;  // the last gathered flat parameter, full
+  auto gather = [&](size_t k) {
+    FlatParam* f = flats[k];
+    at::Tensor mine = f->shard().to(world.comm().device());
+    current = at::Tensor();  // the previous one is written: free it first
+    current = at::empty({f->layout().padded_numel()}, mine.options());
+    state->shard_comm().all_gather_into(current, mine, "master parameters of unit '" + labels[k] + "' for save_hf_checkpoint");
+    gathered = k + 1;
+  };
+
+  std::vector<Entry> entries;
+  std::set<std::string> taken;
+  auto add = [&](const std::string& model_name, at::ScalarType dtype, std::vector<int64_t> shape,
+                 std::function<at::Tensor()> produce) {
+    std::string name = options.prefix() + model_name;
+    if (options.map_name()) {
+      auto mapped = options.map_name()(name);
+      if (!mapped || mapped->empty()) return;
+      name = *mapped;
+    }
+    TORCH_CHECK(taken.insert(name).second, who, ": two of the model's tensors are named '", name,
+                "' in the checkpoint (the last is '", model_name, "'): the name mapping must keep names distinct");
+    const at::ScalarType out = options.dtype() && at::isFloatingType(dtype) ? *options.dtype() : dtype;
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    Entry e{name, out, std::move(shape), numel * static_cast<int64_t>(c10::elementSize(out)), nullptr};
+    if (writer)
+      e.produce = [produce = std::move(produce), out] {
+        at::Tensor t = produce();
+        return t.scalar_type() == out ? t : t.to(out);
+      };
+    entries.push_back(std::move(e));
+  };
+
+  auto names = detail::parameter_names(root);
+  if (state->ddp()) {
+    std::set<const void*> seen;
+    for (const auto& item : root.named_parameters()) {
+      const bool first = seen.insert(item.value().unsafeGetTensorImpl()).second;
+      if (!first && options.tied_once()) continue;
+      at::Tensor v = state->record_of(item.value()).detach();
+      add(item.key(), v.scalar_type(), v.sizes().vec(), [v] { return v; });
+    }
+  } else {
+    for (size_t k = 0; k < flats.size(); ++k) {
+      FlatParam* f = flats[k];
+      for (size_t i = 0; i < f->params().size(); ++i) {
+        const auto& all = names[f->params()[i].unsafeGetTensorImpl()];
+        for (size_t j = 0; j < all.size() && (j == 0 || !options.tied_once()); ++j) {
+          add(all[j], f->dtype(), f->layout().shape(i), [&, k, f, i] {
+            if (gathered != k + 1) gather(k);
+            return current.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i));
+          });
+        }
+      }
+    }
+  }
+  if (options.include_buffers())
+    for (const auto& item : root.named_buffers()) {
+      at::Tensor b = item.value();
+      if (b.defined()) add(item.key(), b.scalar_type(), b.sizes().vec(), [b] { return b; });
+    }
+
+  // Files in order, each filled until the next tensor would pass the limit
+  // (a larger tensor alone in its file), as transformers' save_pretrained.
+  std::vector<std::vector<size_t>> plan(1);
+  int64_t in_file = 0;
+  HfSaveReport report;
+  for (size_t e = 0; e < entries.size(); ++e) {
+    if (!plan.back().empty() && in_file + entries[e].bytes > options.max_file_bytes()) {
+      plan.emplace_back();
+      in_file = 0;
+    }
+    plan.back().push_back(e);
+    in_file += entries[e].bytes;
+    report.total_bytes += entries[e].bytes;
+  }
+  for (size_t k = 0; k < plan.size(); ++k) report.files.push_back(file_name(k, plan.size()));
+
+  std::string error;
+  if (writer) {
+    // Data files under staging names, then renamed into place, the index
+    // last: a reader of the old index never sees a half-written file.
+    const std::string staging = ".shardtorch-staging-" + std::to_string(::getpid()) + "-";
+    try {
+      files::create_directories(dir);
+      for (size_t k = 0; k < plan.size(); ++k) {
+        std::vector<checkpoint::PendingTensor> pending;
+        for (size_t e : plan[k]) pending.push_back({entries[e].name, entries[e].dtype, entries[e].shape, entries[e].produce});
+        checkpoint::write_file(dir + "/" + staging + report.files[k], pending, {{"format", "pt"}});
+      }
+      std::ostringstream index;
+      index << "{\n  \"metadata\": {\n    \"total_size\": " << report.total_bytes << "\n  },\n  \"weight_map\": {";
+      const char* sep = "\n";
+      for (size_t k = 0; k < plan.size(); ++k)
+        for (size_t e : plan[k]) {
+          index << sep << "    \"" << json_escaped(entries[e].name) << "\": \"" << report.files[k] << "\"";
+          sep = ",\n";
+        }
+      index << "\n  }\n}\n";
+      const std::string index_tmp = dir + "/" + staging + kIndexName;
+      {
+        std::ofstream out(index_tmp, std::ios::binary | std::ios::trunc);
+        out << index.str();
+        out.flush();
+        TORCH_CHECK(out.good(), "cannot write '", index_tmp, "'");
+      }
+      files::sync(index_tmp);
+      for (size_t k = 0; k < plan.size(); ++k) files::rename(dir + "/" + staging + report.files[k], dir + "/" + report.files[k]);
+      files::rename_durably(index_tmp, dir + "/" + kIndexName);
+      // Data files of an earlier save that the new index does not name.
+      static const std::regex ours(R"(model-\d{5}-of-\d{5}\.safetensors)");
+      const std::set<std::string> kept(report.files.begin(), report.files.end());
+      for (const auto& name : files::list_directory(dir))
+        if (std::regex_match(name, ours) && !kept.count(name)) files::remove(dir + "/" + name);
+    } catch (const std::exception& e) {
+      error = e.what();
+      try {  // what this save left behind; the earlier checkpoint stays as it was
+        for (const auto& name : files::list_directory(dir))
+          if (name.find(staging) != std::string::npos) files::remove(dir + "/" + name);  // with write_file's temporaries
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  // The other ranks (and rank 0, after a failed write) finish the gathers.
+  for (size_t k = gathered; k < flats.size(); ++k) gather(k);
+  current = at::Tensor();
+  auto status = at::full({1}, error.empty() ? 0 : 1, at::kInt).to(world.comm().device());
+  world.comm().broadcast(status, 0, "save_hf_checkpoint status");
+  TORCH_CHECK(error.empty(), who, ": ", error);
+  TORCH_CHECK(status.cpu().item<int>() == 0, who, ": rank 0 could not write it; its error says why");
+  report.tensors = static_cast<int64_t>(entries.size());
+  return report;
+}
+
+}  // namespace shardtorch
