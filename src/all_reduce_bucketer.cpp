@@ -1,4 +1,5 @@
 #include "all_reduce_bucketer.h"
+#include "check.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
@@ -173,7 +174,7 @@ void AllReduceBucketer::settle_missing(bool error_on_unused) {
                 << (ready_[k] ? "" : ", not this one") << ")";
       }
     }
-    TORCH_CHECK(listed == 0, "shardtorch (NoShard): rank ", comm_.rank(), ": ", listed, " parameter(s) received no "
+    SHARDTORCH_CHECK(listed == 0, "shardtorch (NoShard): rank ", comm_.rank(), ": ", listed, " parameter(s) received no "
                 "gradient in this backward on some ranks: ", missing.str(), listed > 5 ? ", ..." : "",
                 ". Without ShardOptions::error_on_unused_parameters (set now) such a gradient is reduced as zero, "
                 "and a parameter no rank gave one is left without a gradient");

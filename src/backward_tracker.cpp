@@ -1,4 +1,5 @@
 #include "backward_tracker.h"
+#include "check.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/engine.h>
@@ -33,7 +34,7 @@ void BackwardTracker::ensure_end_of_backward_callback() {
   // (reentrant). Its gradients would be taken for the outer backward's, or
   // the outer one for failed; only the recomputation of shardtorch's own
   // checkpointing nests (Nested above). Refused before anything changes.
-  TORCH_CHECK(!running() || callback_alive_.expired(), "shardtorch: rank ", model_.world().rank(), ": a backward "
+  SHARDTORCH_CHECK(!running() || callback_alive_.expired(), "shardtorch: rank ", model_.world().rank(), ": a backward "
               "inside another backward reached this sharded model (a checkpoint function of your own, or a backward "
               "or torch::autograd::grad run from a hook or from an autograd function's backward). shardtorch cannot "
               "tell its gradients from the outer backward's; the only nesting it supports is its own activation "
@@ -85,7 +86,7 @@ void BackwardTracker::ensure_end_of_backward_callback() {
 void BackwardTracker::check_grad_arrival(const at::Tensor& param, const std::string& name) const {
   if (!builds_graph()) return;
   at::Tensor(param).mutable_grad().reset();  // a handle: the parameter itself
-  TORCH_CHECK(false, "shardtorch: rank ", model_.world().rank(), ": the gradient of parameter '", name,
+  SHARDTORCH_CHECK(false, "shardtorch: rank ", model_.world().rank(), ": the gradient of parameter '", name,
               "' arrived in a backward with create_graph. Parameter gradients are flattened, reduced and detached, so "
               "their higher-order gradients are not supported. Differentiate with respect to inputs instead "
               "(torch::autograd::grad(outputs, inputs, {}, true, /*create_graph=*/true), a gradient penalty) and "
@@ -98,7 +99,7 @@ void BackwardTracker::recover_if_failed(bool warn) {
 
 void BackwardTracker::check_finished(const char* who) {
   recover_if_failed(/*warn=*/false);  // the error below says it
-  TORCH_CHECK(!partial_grads_, "shardtorch: rank ", model_.world().rank(), ": ", who, " after a backward that did not "
+  SHARDTORCH_CHECK(!partial_grads_, "shardtorch: rank ", model_.world().rank(), ": ", who, " after a backward that did not "
               "finish (an exception escaped it): the gradients are partial (its reductions in flight and staged "
               "gradients were dropped). Call zero_grad() and run the backward again");
 }

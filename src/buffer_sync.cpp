@@ -1,4 +1,5 @@
 #include "buffer_sync.h"
+#include "check.h"
 
 #include <c10/core/GradMode.h>
 
@@ -47,7 +48,7 @@ void BufferSync::setup(World& world, const ShardOptions& o, NamedTensors& buffer
   if (world.size() == 1 || buffers.empty() || !(o.sync_module_states() || o.broadcast_buffers())) return;
   const c10::Device comm_device = world.comm().device();
   for (auto& [name, b] : buffers) {
-    TORCH_CHECK(b.device() == comm_device, "shardtorch::shard: buffer '", name, "' is on ", b.device(),
+    SHARDTORCH_CHECK(b.device() == comm_device, "shardtorch::shard: buffer '", name, "' is on ", b.device(),
                 ", expected ", comm_device);
   }
   if (o.sync_module_states()) broadcast_coalesced(world.comm(), buffers, "buffers", "at shard()");

@@ -1,4 +1,5 @@
 #include "shardtorch/clip.h"
+#include "check.h"
 
 #include <c10/core/GradMode.h>
 
@@ -12,7 +13,7 @@ namespace shardtorch {
 
 double clip_grad_norm(torch::nn::Module& root, double max_norm, double norm_type) {
   auto state = detail::require_state(root, "clip_grad_norm");
-  TORCH_CHECK(norm_type > 0, "shardtorch::clip_grad_norm: norm_type ", norm_type, " must be positive");
+  SHARDTORCH_CHECK(norm_type > 0, "shardtorch::clip_grad_norm: norm_type ", norm_type, " must be positive");
   c10::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
 

@@ -1,4 +1,6 @@
 #include "shardtorch/collectives.h"
+#include "check.h"
+#include "errors.h"
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -23,13 +25,6 @@ std::string describe(const at::Tensor& t) {
 }
 
 namespace {
-// The message of an error from c10d or Gloo, without the C++ backtrace a
-// c10::Error's what() carries.
-std::string message_of(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
-
 struct InjectedFailures {
   std::mutex mu;
   std::string what;
@@ -156,7 +151,7 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
     std::ostringstream os;
     os << "shardtorch: rank " << rank_ << "/" << size_ << ": " << op << " for " << what << " (" << shapes
        << ") did not complete after " << waited << " s (timeout " << timeout_.count() / 1000.0
-       << " s): " << message_of(e);
+       << " s): " << detail::message_of(e);
     if (peer_report_) {
       const std::string peers = peer_report_(start);
       if (!peers.empty()) os << ". " << peers;
@@ -169,13 +164,13 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
 }
 
 void Comm::check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const {
-  TORCH_CHECK(out.is_contiguous() && in.is_contiguous() && out.scalar_type() == in.scalar_type(), "shardtorch: rank ",
+  SHARDTORCH_CHECK(out.is_contiguous() && in.is_contiguous() && out.scalar_type() == in.scalar_type(), "shardtorch: rank ",
               rank_, ": ", op, " for ", what, " needs contiguous tensors of one dtype, got in ", describe(in),
               ", out ", describe(out));
 }
 
 void Comm::check_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) const {
-  TORCH_CHECK(out.numel() == in.numel() * size_, "shardtorch: rank ", rank_, ": all_gather for ", what,
+  SHARDTORCH_CHECK(out.numel() == in.numel() * size_, "shardtorch: rank ", rank_, ": all_gather for ", what,
               ": output ", describe(out), " is not ", size_, " x input ", describe(in));
   check_flat(out, in, "all_gather", what);
 }
@@ -212,7 +207,7 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
     p.work = start();
   } catch (const std::exception& e) {
     throw std::runtime_error("shardtorch: rank " + std::to_string(rank_) + "/" + std::to_string(size_) + ": " + op +
-                             " for " + what + " (" + p.shapes + ") could not be launched: " + message_of(e));
+                             " for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e));
   }
   return p;
 }
@@ -227,7 +222,7 @@ PendingWork Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::s
 }
 
 PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
-  TORCH_CHECK(in.numel() == out.numel() * size_, "shardtorch: rank ", rank_, ": reduce_scatter for ", what,
+  SHARDTORCH_CHECK(in.numel() == out.numel() * size_, "shardtorch: rank ", rank_, ": reduce_scatter for ", what,
               ": input ", describe(in), " is not ", size_, " x output ", describe(out));
   check_flat(out, in, "reduce_scatter", what);
   at::Tensor o = out.view({-1}), i = in.view({-1});
@@ -239,7 +234,7 @@ PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const st
 }
 
 PendingWork Comm::reduce_scatter_in_place_async(at::Tensor& in, const std::string& what) {
-  TORCH_CHECK(in.is_contiguous() && in.numel() % size_ == 0, "shardtorch: rank ", rank_, ": reduce_scatter for ",
+  SHARDTORCH_CHECK(in.is_contiguous() && in.numel() % size_ == 0, "shardtorch: rank ", rank_, ": reduce_scatter for ",
               what, ": input ", describe(in), " is not contiguous with a multiple of ", size_, " elements");
   at::Tensor flat = in.view({-1});
   return launch_sum(flat, "reduce_scatter", "in " + describe(in) + ", all-reduced in place", stats_.reduce_scatter,
@@ -261,7 +256,7 @@ PendingWork Comm::launch_sum(at::Tensor& t, const char* op, std::string shapes, 
 }
 
 void Comm::wait(PendingWork& p) {
-  TORCH_CHECK(p.work, "shardtorch: Comm::wait on a collective that was not launched");
+  SHARDTORCH_CHECK(p.work, "shardtorch: Comm::wait on a collective that was not launched");
   // Done with it either way: a collective that failed is not waited for again.
   auto work = std::move(p.work);
   if (host_waits_) {
@@ -290,7 +285,7 @@ void Comm::settle_earlier() {
 }
 
 void Comm::finish(PendingWork& p, std::exception_ptr error) {
-  TORCH_CHECK(p.work, "shardtorch: Comm::finish on a collective that was not launched");
+  SHARDTORCH_CHECK(p.work, "shardtorch: Comm::finish on a collective that was not launched");
   auto work = std::move(p.work);
   complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] {
     if (error) std::rethrow_exception(error);

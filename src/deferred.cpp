@@ -1,4 +1,5 @@
 #include "shardtorch/deferred.h"
+#include "check.h"
 
 // Deferred construction (docs/large-models.md has the design).
 //
@@ -335,7 +336,7 @@ class DeferredSession : public std::enable_shared_from_this<DeferredSession> {
       try {
         r.op.callBoxed(st);
       } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "shardtorch: replaying ", r.op.schema().name(), " recorded at deferred construction failed: ",
+        SHARDTORCH_CHECK(false, "shardtorch: replaying ", r.op.schema().name(), " recorded at deferred construction failed: ",
                     e.what_without_backtrace());
       }
       for (const auto& out : r.outputs) {
@@ -371,7 +372,7 @@ void run_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   else
     os << ". Call shardtorch::shard() (or shardtorch::materialize()) before using the model (a forward before "
           "shard()?)";
-  TORCH_CHECK(false, os.str());
+  SHARDTORCH_CHECK(false, os.str());
   throw std::logic_error("unreachable");
 }
 
@@ -414,7 +415,7 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
   } else {
     s = fakes.front().m->session;
     for (const auto& f : fakes)
-      TORCH_CHECK(f.m->session == s, "shardtorch: ", schema.name(), " mixes deferred tensors of two DeferredInit "
+      SHARDTORCH_CHECK(f.m->session == s, "shardtorch: ", schema.name(), " mixes deferred tensors of two DeferredInit "
                   "sessions (", s->describe(fakes.front().m->id), " and ", f.m->session->describe(f.m->id), ")");
     if (metadata_only(schema)) {
       c10::impl::ExcludeDispatchKeyGuard no_record(kKey);
@@ -498,7 +499,7 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
 
 void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vector<std::string>& names,
                          std::optional<c10::Device> device, int rank) {
-  TORCH_CHECK(!tls_session, "shardtorch: ", rank >= 0 ? "rank " + std::to_string(rank) + ": " : rank_text(),
+  SHARDTORCH_CHECK(!tls_session, "shardtorch: ", rank >= 0 ? "rank " + std::to_string(rank) + ": " : rank_text(),
               "deferred tensors cannot be materialised (shard(), materialize()) while a shardtorch::DeferredInit "
               "lives on this thread; end the guard's scope first");
   std::map<DeferredSession*, std::vector<size_t>> by_session;

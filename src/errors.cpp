@@ -1,12 +1,16 @@
 #include "errors.h"
 
+#include <c10/util/Backtrace.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
 
+#include "check.h"
+#include "shardtorch/checkpoint/safetensors_error.h"
 #include "shardtorch/testing.h"
 
 namespace shardtorch::detail {
@@ -15,20 +19,45 @@ namespace {
 bool names_rank(const std::string& message, int rank) {
   return message.rfind("shardtorch", 0) == 0 && message.find("rank " + std::to_string(rank)) != std::string::npos;
 }
+
+bool show_backtraces() {  // read at each error: errors are rare
+  const char* v = std::getenv("SHARDTORCH_SHOW_CPP_STACKTRACES");
+  return v && std::string(v) == "1";
+}
 }  // namespace
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+void throw_error(const char* condition, const std::string& message) {
+  std::string m = message.empty() ? std::string("shardtorch: expected ") + condition : message;
+  if (show_backtraces()) m += "\n" + c10::get_backtrace(/*frames_to_skip=*/1);
+  throw Error(m);
+}
 
 void rethrow_naming(int rank, const std::function<std::string()>& operation) {
   const std::string where = "shardtorch: rank " + std::to_string(rank) + ": " + operation() + " failed";
   try {
     throw;
-  } catch (c10::Error& e) {
+  } catch (c10::OutOfMemoryError& e) {  // keeps its type: callers may free memory and retry
     if (!names_rank(e.what_without_backtrace(), rank)) e.add_context(where);
     throw;
+  } catch (const checkpoint::SafetensorsError& e) {
+    if (names_rank(e.what(), rank)) throw;
+    throw checkpoint::SafetensorsError(where + ": " + e.what());
+  } catch (const Error& e) {
+    if (names_rank(e.what(), rank)) throw;
+    throw_error("", where + ": " + e.what());
+  } catch (const c10::Error& e) {  // from LibTorch or c10d: its message, without c10's backtrace
+    const std::string m = e.what_without_backtrace();
+    throw_error("", names_rank(m, rank) ? m : where + ": " + m);
   } catch (const std::exception& e) {
     if (names_rank(e.what(), rank)) throw;
-    throw std::runtime_error(where + ": " + e.what());
+    throw_error("", where + ": " + e.what());
   } catch (...) {
-    throw std::runtime_error(where + " (an exception of unknown type)");
+    throw_error("", where + " (an exception of unknown type)");
   }
 }
 

@@ -3,18 +3,22 @@
 // the end-of-backward callback, the completion watcher) reach the caller of
 // backward() or of the collective's wait naming the rank and the operation;
 // and a test-only way to make each of those places fail.
+#include <exception>
 #include <functional>
 #include <string>
 
 namespace shardtorch::detail {
 
 /// Rethrows the exception in flight so that its message names this rank and
-/// `operation` (built only then). shardtorch's own errors, which name the rank
-/// already, pass unchanged; a c10::Error keeps its type (out of memory stays
-/// c10::OutOfMemoryError) and gains the context; anything else becomes a
-/// std::runtime_error "shardtorch: rank R: OPERATION failed: MESSAGE".
-/// Call only inside a catch block.
+/// `operation` (built only then), as a shardtorch::Error without a C++
+/// backtrace. Errors that name the rank already pass unchanged;
+/// checkpoint::SafetensorsError and c10::OutOfMemoryError keep their types;
+/// a c10::Error loses c10's backtrace. Call only inside a catch block.
 [[noreturn]] void rethrow_naming(int rank, const std::function<std::string()>& operation);
+
+/// An exception's message, without the C++ backtrace a c10::Error's what()
+/// carries.
+std::string message_of(const std::exception& e);
 
 /// Throws if shardtorch::testing::inject_failure armed `site` (one relaxed
 /// atomic load when nothing is armed).

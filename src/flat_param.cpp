@@ -1,4 +1,5 @@
 #include "flat_param.h"
+#include "check.h"
 
 #include "storage_access.h"
 
@@ -18,11 +19,11 @@ int64_t testing::low_copy_refreshes() { return low_copy_refreshes_.load(); }
 
 FlatParamLayout::FlatParamLayout(std::vector<std::vector<int64_t>> shapes, int world_size)
     : shapes_(std::move(shapes)), world_size_(world_size) {
-  TORCH_CHECK(world_size >= 1, "FlatParamLayout: world size ", world_size, " must be at least 1");
+  SHARDTORCH_CHECK(world_size >= 1, "FlatParamLayout: world size ", world_size, " must be at least 1");
   for (const auto& s : shapes_) {
     int64_t n = 1;
     for (int64_t d : s) {
-      TORCH_CHECK(d >= 0, "FlatParamLayout: negative dimension in shape ", c10::IntArrayRef(s));
+      SHARDTORCH_CHECK(d >= 0, "FlatParamLayout: negative dimension in shape ", c10::IntArrayRef(s));
       n *= d;
     }
     offsets_.push_back(total_);
@@ -33,7 +34,7 @@ FlatParamLayout::FlatParamLayout(std::vector<std::vector<int64_t>> shapes, int w
 }
 
 std::pair<int64_t, int64_t> FlatParamLayout::shard_range(int rank) const {
-  TORCH_CHECK(rank >= 0 && rank < world_size_, "FlatParamLayout: rank ", rank, " not in [0, ", world_size_, ")");
+  SHARDTORCH_CHECK(rank >= 0 && rank < world_size_, "FlatParamLayout: rank ", rank, " not in [0, ", world_size_, ")");
   return {rank * shard_numel_, (rank + 1) * shard_numel_};
 }
 
@@ -60,14 +61,14 @@ std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, int world_size, int rank,
                      MemoryTracker* mem, bool persistent)
     : params_(std::move(params)), names_(std::move(names)), rank_(rank), mem_(mem), persistent_(persistent) {
-  TORCH_CHECK(!params_.empty(), "FlatParam: no parameters");
+  SHARDTORCH_CHECK(!params_.empty(), "FlatParam: no parameters");
   dtype_ = params_[0].scalar_type();
   reduce_dtype_ = dtype_;
   requires_grad_ = params_[0].requires_grad();
   std::vector<std::vector<int64_t>> shapes;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
-    TORCH_CHECK(p.scalar_type() == dtype_ && p.device() == params_[0].device() &&
+    SHARDTORCH_CHECK(p.scalar_type() == dtype_ && p.device() == params_[0].device() &&
                     p.requires_grad() == requires_grad_,
                 "FlatParam: parameter '", names_[i], "' (", p.scalar_type(), ", ", p.device(),
                 ") does not match '", names_[0], "'");
@@ -118,7 +119,7 @@ FlatParam::~FlatParam() {
 void FlatParam::set_mixed_precision(at::ScalarType compute, at::ScalarType reduce) {
   reduce_dtype_ = reduce;
   if (compute == compute_dtype()) return;
-  TORCH_CHECK(gathered_, "FlatParam: set_mixed_precision of ", describe(), " while it is sharded");
+  SHARDTORCH_CHECK(gathered_, "FlatParam: set_mixed_precision of ", describe(), " while it is sharded");
   c10::NoGradGuard no_grad;
   if (persistent_) {  // the shard was a view of the full buffer: the master needs its own memory
     shard_ = shard_.clone();
@@ -140,7 +141,7 @@ void FlatParam::set_mixed_precision(at::ScalarType compute, at::ScalarType reduc
 
 void FlatParam::offload_shard(bool pin) {
   if (offloaded_) return;
-  TORCH_CHECK(!shard_grad_.defined() && !staging_.defined(), "FlatParam: offload_shard of ", describe(),
+  SHARDTORCH_CHECK(!shard_grad_.defined() && !staging_.defined(), "FlatParam: offload_shard of ", describe(),
               " after gradients exist");
   c10::NoGradGuard no_grad;
   at::Tensor host = at::empty({shard_.numel()}, shard_.options().device(at::kCPU).pinned_memory(pin));
@@ -209,7 +210,7 @@ void FlatParam::free_full(bool abandon) {
 }
 
 void FlatParam::write_back_shard() {
-  TORCH_CHECK(gathered_, "FlatParam: write_back_shard of ", describe(), " while it is sharded");
+  SHARDTORCH_CHECK(gathered_, "FlatParam: write_back_shard of ", describe(), " while it is sharded");
   if (shard_is_view_) return;  // the shard is a view of the full buffer
   auto [lo, hi] = layout_.shard_range(rank_);
   c10::NoGradGuard no_grad;
@@ -228,7 +229,7 @@ void FlatParam::stage_grad(size_t i) {
   auto& p = params_.at(i);
   const auto& g = p.grad();
   if (!g.defined()) return;
-  TORCH_CHECK(g.sizes() == p.sizes(), "shardtorch: rank ", rank_, ": the gradient of '", names_[i], "' has shape ",
+  SHARDTORCH_CHECK(g.sizes() == p.sizes(), "shardtorch: rank ", rank_, ": the gradient of '", names_[i], "' has shape ",
               g.sizes(), " but the parameter has ", p.sizes(), " (a hook or a custom autograd function returned a "
               "gradient of the wrong shape?)");
   c10::NoGradGuard no_grad;

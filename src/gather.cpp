@@ -1,4 +1,5 @@
 #include "shardtorch/gather.h"
+#include "check.h"
 
 #include <c10/core/GradMode.h>
 
@@ -11,9 +12,9 @@ namespace shardtorch {
 FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
     : state_(detail::require_state(root, "summon_full_params")), options_(options) {
   const bool mixed = state_->options().mixed_precision().param_dtype().has_value();
-  TORCH_CHECK(!(mixed && options_.writeback().value_or(false)), "shardtorch::summon_full_params: writeback under "
+  SHARDTORCH_CHECK(!(mixed && options_.writeback().value_or(false)), "shardtorch::summon_full_params: writeback under "
               "mixed precision would round the fp32 master parameters to the compute dtype; leave writeback unset");
-  TORCH_CHECK(!(options_.rank0_only() && options_.writeback().value_or(false)), "shardtorch::summon_full_params: "
+  SHARDTORCH_CHECK(!(options_.rank0_only() && options_.writeback().value_or(false)), "shardtorch::summon_full_params: "
               "writeback with rank0_only: only rank 0 keeps the full parameters, so edits could not reach the other "
               "ranks' shards; leave writeback unset");
   writeback_ = options_.writeback().value_or(!mixed) && !options_.rank0_only();

@@ -1,4 +1,5 @@
 #include "shardtorch/grad_scaler.h"
+#include "check.h"
 
 #include <c10/core/GradMode.h>
 
@@ -14,7 +15,7 @@ namespace shardtorch {
 GradScaler::GradScaler(torch::nn::Module& root, GradScalerOptions options)
     : state_(detail::require_state(root, "GradScaler")), options_(options), scale_(options.init_scale()) {
   // Finite: an infinite scale would skip every step for ever (inf * backoff = inf).
-  TORCH_CHECK(std::isfinite(scale_) && scale_ > 0 && std::isfinite(options.growth_factor()) &&
+  SHARDTORCH_CHECK(std::isfinite(scale_) && scale_ > 0 && std::isfinite(options.growth_factor()) &&
                   options.growth_factor() > 1 && options.backoff_factor() > 0 && options.backoff_factor() < 1 &&
                   options.growth_interval() >= 1,
               "shardtorch::GradScaler: need a finite init_scale > 0 (got ", scale_, "), a finite growth_factor > 1 (got ",
@@ -28,7 +29,7 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) const { return loss * scale
 void GradScaler::check_optimizer(const ShardedOptimizer& opt, const char* who) const {
   // Another model's optimizer would step on gradients this scaler never
   // divided nor checked.
-  TORCH_CHECK(opt.views().state() == state_.get(), "shardtorch: rank ", state_->world().rank(), ": GradScaler::", who,
+  SHARDTORCH_CHECK(opt.views().state() == state_.get(), "shardtorch: rank ", state_->world().rank(), ": GradScaler::", who,
               ": the optimizer is over another model than the one this scaler was made for (one GradScaler per "
               "sharded model)");
 }
@@ -81,7 +82,7 @@ constexpr const char* kSkipped = "grad_scaler.skipped_steps";
 
 const std::string& entry(const std::map<std::string, std::string>& state, const char* key) {
   auto it = state.find(key);
-  TORCH_CHECK(it != state.end(), "shardtorch::GradScaler::load_state_dict: no '", key,
+  SHARDTORCH_CHECK(it != state.end(), "shardtorch::GradScaler::load_state_dict: no '", key,
               "' (pass what GradScaler::state_dict() gave, e.g. inside a checkpoint's user_state)");
   return it->second;
 }
@@ -93,7 +94,7 @@ T parse(const std::map<std::string, std::string>& state, const char* key) {
   const std::string& text = entry(state, key);
   T value{};
   const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), value);
-  TORCH_CHECK(err == std::errc() && end == text.data() + text.size(), "shardtorch::GradScaler::load_state_dict: '",
+  SHARDTORCH_CHECK(err == std::errc() && end == text.data() + text.size(), "shardtorch::GradScaler::load_state_dict: '",
               key, "' is '", text, "', not a number");
   return value;
 }
@@ -112,13 +113,13 @@ void GradScaler::load_state_dict(const std::map<std::string, std::string>& state
   const double scale = parse<double>(state, kScale);
   const int64_t good = parse<int64_t>(state, kGoodSteps);
   const int64_t skipped = parse<int64_t>(state, kSkipped);
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "shardtorch::GradScaler::load_state_dict: '", kScale, "' is ", scale,
+  SHARDTORCH_CHECK(std::isfinite(scale) && scale > 0, "shardtorch::GradScaler::load_state_dict: '", kScale, "' is ", scale,
               ", not a positive finite scale");
   // A good-step count at or past growth_interval (a run resumed with a
   // smaller one) grows the scale at the next good step.
-  TORCH_CHECK(good >= 0 && skipped >= 0, "shardtorch::GradScaler::load_state_dict: '", kGoodSteps, "' is ", good,
+  SHARDTORCH_CHECK(good >= 0 && skipped >= 0, "shardtorch::GradScaler::load_state_dict: '", kGoodSteps, "' is ", good,
               " and '", kSkipped, "' ", skipped, "; neither may be negative");
-  TORCH_CHECK(good <= std::numeric_limits<int>::max(), "shardtorch::GradScaler::load_state_dict: '", kGoodSteps,
+  SHARDTORCH_CHECK(good <= std::numeric_limits<int>::max(), "shardtorch::GradScaler::load_state_dict: '", kGoodSteps,
               "' is ", good, ", more than this scaler counts (", std::numeric_limits<int>::max(), ")");
   scale_ = scale;
   good_steps_ = static_cast<int>(good);

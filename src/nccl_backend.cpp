@@ -2,6 +2,7 @@
 // the LibTorch build has NCCL (see CMakeLists.txt). Without it, NCCL is
 // reported unavailable and "auto" picks Gloo.
 #include "shardtorch/world.h"
+#include "check.h"
 
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -23,7 +24,7 @@ bool nccl_available() { return false; }
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>&, int, int,
                                                     std::chrono::milliseconds) {
-  TORCH_CHECK(false, "shardtorch: this build has no NCCL");
+  SHARDTORCH_CHECK(false, "shardtorch: this build has no NCCL");
 }
 #endif
 

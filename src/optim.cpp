@@ -1,4 +1,5 @@
 #include "shardtorch/optim.h"
+#include "check.h"
 
 #include <c10/core/GradMode.h>
 
@@ -14,7 +15,7 @@ namespace shardtorch {
 namespace detail {
 
 ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "cannot build a sharded optimizer")) {
-  TORCH_CHECK(state_->options().mixed_precision().param_dtype() != at::kHalf || state_->has_scaler(),
+  SHARDTORCH_CHECK(state_->options().mixed_precision().param_dtype() != at::kHalf || state_->has_scaler(),
               "shardtorch: fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
               "model before its optimizer, and step through scaler.step(*opt)");
   if (state_->ddp()) {  // NoShard: the optimizer runs over the parameters themselves
@@ -60,9 +61,9 @@ std::vector<at::Tensor> ShardViews::take(const std::vector<at::Tensor>& params) 
     const void* key = p.unsafeGetTensorImpl();
     auto it = std::find_if(by_param_.begin(), by_param_.end(), [&](const auto& e) { return e.first == key; });
     if (it == by_param_.end() && !p.requires_grad()) continue;  // frozen: nothing to optimize
-    TORCH_CHECK(it != by_param_.end(), "shardtorch optimizer: rank ", state_->world().rank(), ": a tensor of shape ",
+    SHARDTORCH_CHECK(it != by_param_.end(), "shardtorch optimizer: rank ", state_->world().rank(), ": a tensor of shape ",
                 p.sizes(), " given in a parameter group is not a parameter of the sharded model");
-    TORCH_CHECK(std::find(asked_.begin(), asked_.end(), key) == asked_.end(), "shardtorch optimizer: rank ",
+    SHARDTORCH_CHECK(std::find(asked_.begin(), asked_.end(), key) == asked_.end(), "shardtorch optimizer: rank ",
                 state_->world().rank(), ": parameter '", param_names_[it - by_param_.begin()], "' ", p.sizes(),
                 " is given twice (in two parameter groups, or twice in one)");
     asked_.push_back(key);
@@ -144,7 +145,7 @@ bool all_fp32_cuda(ShardState& state) {
 
 void ShardViews::require_fp32_cpu(const std::string& who) const {
   for_each_optimized(*state_, [&](const at::Tensor& t, const std::string& name) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && (t.device().is_cpu() || (t.is_cuda() && fused_adam_cuda_available())),
+    SHARDTORCH_CHECK(t.scalar_type() == at::kFloat && (t.device().is_cpu() || (t.is_cuda() && fused_adam_cuda_available())),
                 who, ": rank ", state_->world().rank(), ": parameter '", name, "' is optimized as a ",
                 t.scalar_type(), " tensor on ", t.device(), "; it updates fp32 tensors (fp32 parameters or masters) in "
                 "host memory, or on a CUDA device in a build with CUDA kernels (fused_adam_cuda_available() is ",
@@ -162,7 +163,7 @@ class StepInBackward final : public GradientListener {
 
   void before(FlatParam& flat) override {
     std::lock_guard<std::mutex> lock(mu_);
-    TORCH_CHECK(!stepped_.count(&flat), "shardtorch: rank ", state_.world().rank(), ": the gradient of ",
+    SHARDTORCH_CHECK(!stepped_.count(&flat), "shardtorch: rank ", state_.world().rank(), ": the gradient of ",
                 flat.describe(), " was reduced again before opt->step(), and the optimizer already stepped with the "
                 "first (overlap_with_backward): call step() after every backward that synchronizes gradients, and "
                 "accumulate micro-batches with set_requires_gradient_sync(false)");
@@ -221,19 +222,19 @@ ShardViews::~ShardViews() {
 void ShardViews::overlap_with_backward(torch::optim::Optimizer& opt, bool on) {
   const int rank = state_->world().rank();
   if (!on) {
-    TORCH_CHECK(!overlap_ || !overlap_->any_stepped(), "shardtorch: rank ", rank, ": overlap_with_backward(false) "
+    SHARDTORCH_CHECK(!overlap_ || !overlap_->any_stepped(), "shardtorch: rank ", rank, ": overlap_with_backward(false) "
                 "between a backward that stepped and opt->step(): call step() first");
     if (overlap_) state_->copies().set_gradient_listener(nullptr);
     overlap_.reset();
     return;
   }
   auto* stepper = dynamic_cast<PartialStepper*>(&opt);
-  TORCH_CHECK(stepper, "shardtorch: rank ", rank, ": overlap_with_backward needs an optimizer that can step part of "
+  SHARDTORCH_CHECK(stepper, "shardtorch: rank ", rank, ": overlap_with_backward needs an optimizer that can step part of "
               "its parameters: shardtorch::FusedAdam or FusedAdamW (ShardedOptimizer::make<shardtorch::FusedAdamW>)");
-  TORCH_CHECK(state_->offloader() && !state_->ddp(), "shardtorch: rank ", rank, ": overlap_with_backward overlaps "
+  SHARDTORCH_CHECK(state_->offloader() && !state_->ddp(), "shardtorch: rank ", rank, ": overlap_with_backward overlaps "
               "the host's optimizer step with the device's backward: it needs ShardOptions().cpu_offload(true) "
               "(without offload the update runs on the device after backward)");
-  TORCH_CHECK(!state_->has_scaler(), "shardtorch: rank ", rank, ": overlap_with_backward cannot be used with a "
+  SHARDTORCH_CHECK(!state_->has_scaler(), "shardtorch: rank ", rank, ": overlap_with_backward cannot be used with a "
               "GradScaler, which must see every gradient before any update");
   if (overlap_) return;
   overlap_ = std::make_unique<StepInBackward>(*this, *state_, *stepper);
@@ -298,7 +299,7 @@ void ShardedOptimizer::overlap_with_backward(bool on) { views_->overlap_with_bac
 void ShardedOptimizer::zero_grad() { views_->zero_grad(); }
 
 double ShardedOptimizer::lr(size_t group) const {
-  TORCH_CHECK(group < inner_->param_groups().size(), "shardtorch optimizer: no parameter group ", group);
+  SHARDTORCH_CHECK(group < inner_->param_groups().size(), "shardtorch optimizer: no parameter group ", group);
   return inner_->param_groups()[group].options().get_lr();
 }
 
@@ -307,7 +308,7 @@ void ShardedOptimizer::set_lr(double lr) {
 }
 
 void ShardedOptimizer::set_lr(size_t group, double lr) {
-  TORCH_CHECK(group < inner_->param_groups().size(), "shardtorch optimizer: no parameter group ", group);
+  SHARDTORCH_CHECK(group < inner_->param_groups().size(), "shardtorch optimizer: no parameter group ", group);
   inner_->param_groups()[group].options().set_lr(lr);
 }
 

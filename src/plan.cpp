@@ -1,4 +1,5 @@
 #include "shardtorch/plan.h"
+#include "check.h"
 
 #include "reduce_scatter_bucketer.h"
 
@@ -46,11 +47,11 @@ int64_t esize(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t
 // The ranks a parameter is sharded over; throws on options plan_memory cannot plan.
 int checked_shard_size(const PlanOptions& plan) {
   const ShardOptions& o = plan.options;
-  TORCH_CHECK(plan.world_size >= 1, "plan_memory: world size ", plan.world_size, " must be at least 1");
-  TORCH_CHECK(plan.optimizer_states >= 0, "plan_memory: optimizer_states must not be negative");
-  TORCH_CHECK(!(o.cpu_offload() && o.strategy() == Strategy::NoShard), "plan_memory: cpu_offload needs a sharding strategy");
+  SHARDTORCH_CHECK(plan.world_size >= 1, "plan_memory: world size ", plan.world_size, " must be at least 1");
+  SHARDTORCH_CHECK(plan.optimizer_states >= 0, "plan_memory: optimizer_states must not be negative");
+  SHARDTORCH_CHECK(!(o.cpu_offload() && o.strategy() == Strategy::NoShard), "plan_memory: cpu_offload needs a sharding strategy");
   if (o.strategy() != Strategy::HybridShard) return plan.world_size;
-  TORCH_CHECK(o.hybrid_shard_size() >= 1 && plan.world_size % o.hybrid_shard_size() == 0, "plan_memory: "
+  SHARDTORCH_CHECK(o.hybrid_shard_size() >= 1 && plan.world_size % o.hybrid_shard_size() == 0, "plan_memory: "
               "hybrid_shard_size ", o.hybrid_shard_size(), " must divide the world size ", plan.world_size);
   return o.hybrid_shard_size();
 }
@@ -112,7 +113,7 @@ Transients tally_units(const std::vector<UnitSpec>& units, const PlanOptions& pl
   const int64_t bucket_bytes = static_cast<int64_t>(o.bucket_mb() * 1024.0 * 1024.0);
   Transients t;
   for (const auto& u : units) {
-    TORCH_CHECK(u.name != "<none>", "plan_memory: some parameters belong to no unit and the root is not a unit");
+    SHARDTORCH_CHECK(u.name != "<none>", "plan_memory: some parameters belong to no unit and the root is not a unit");
     int64_t gathered = 0, staging = 0;
     for (const auto& f : u.flats) {
       out.params += f.numel;

@@ -2,6 +2,7 @@
 // the autograd node that recomputes them in backward (docs/design.md,
 // "Activation checkpointing").
 #include <ATen/Context.h>
+#include "check.h"
 #include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -19,18 +20,18 @@ namespace shardtorch {
 namespace detail {
 
 void checkpointed_forward_takes_unkeepable_arguments(const UnitBase& unit) {
-  TORCH_CHECK(false, "shardtorch: unit '", unit.checkpoint_label(), "' is checkpointed (activation_checkpointing), but "
+  SHARDTORCH_CHECK(false, "shardtorch: unit '", unit.checkpoint_label(), "' is checkpointed (activation_checkpointing), but "
               "its forward takes an argument that cannot be kept until backward (a view such as IntArrayRef, "
               "TensorList or string_view would dangle; a non-const reference would be written to a copy); take it by "
               "value, or turn checkpointing off for the unit (activation_checkpointing_for)");
 }
 
 void checkpointed_unit_destroyed() {
-  TORCH_CHECK(false, "shardtorch: backward through a checkpointed unit whose module was destroyed after its forward");
+  SHARDTORCH_CHECK(false, "shardtorch: backward through a checkpointed unit whose module was destroyed after its forward");
 }
 
 void checkpointed_forward_returns_non_tensors(const UnitBase& unit) {
-  TORCH_CHECK(false, "shardtorch: unit '", unit.checkpoint_label(), "' is checkpointed (activation_checkpointing), but "
+  SHARDTORCH_CHECK(false, "shardtorch: unit '", unit.checkpoint_label(), "' is checkpointed (activation_checkpointing), but "
               "its forward returns something other than tensors (a tensor, a std::vector or a std::tuple of them): "
               "its outputs cannot be recomputed; turn checkpointing off for it (activation_checkpointing_for)");
 }
@@ -212,7 +213,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
       outs = r->run(in, /*first=*/true);
     }
     for (size_t i = 0; i < in.size(); ++i) {
-      TORCH_CHECK(!in[i].defined() || static_cast<int64_t>(in[i]._version()) == versions[i], "shardtorch: checkpointed "
+      SHARDTORCH_CHECK(!in[i].defined() || static_cast<int64_t>(in[i]._version()) == versions[i], "shardtorch: checkpointed "
                   "unit '", r->ac->label, "' modified its input ", i, " (shape ", in[i].sizes(), ") in place; the "
                   "recomputation in backward would see the modified value. Compute on a copy (x = x + f(x) instead "
                   "of x += f(x)), or turn checkpointing off for the unit (activation_checkpointing_for)");
@@ -239,15 +240,15 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto r = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
     std::shared_ptr<ShardState> state = r->ac->state.lock();
-    TORCH_CHECK(state, "shardtorch: backward through checkpointed unit '", r->ac->label,
+    SHARDTORCH_CHECK(state, "shardtorch: backward through checkpointed unit '", r->ac->label,
                 "' after its sharded model was destroyed");
     const int rank = state->world().rank();
     // The gradients come from a nested backward that accumulates into .grad:
     // no graph of them (double backward), and no autograd::grad (which must
     // not touch .grad).
-    TORCH_CHECK(!c10::GradMode::is_enabled(), "shardtorch: rank ", rank, ": checkpointed unit '", r->ac->label,
+    SHARDTORCH_CHECK(!c10::GradMode::is_enabled(), "shardtorch: rank ", rank, ": checkpointed unit '", r->ac->label,
                 "': backward with create_graph (double backward) is not supported through activation checkpointing");
-    TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(), "shardtorch: rank ", rank,
+    SHARDTORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(), "shardtorch: rank ", rank,
                 ": checkpointed unit '", r->ac->label, "': torch::autograd::grad (or backward with inputs) is not "
                 "supported through activation checkpointing; use loss.backward()");
     state->refuse_backward_in_grad_summon("checkpointed unit", r->ac->label);
@@ -280,7 +281,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
       }
       now.apply();
     }
-    TORCH_CHECK(outs.size() == grads.size(), "shardtorch: rank ", rank, ": checkpointed unit '", r->ac->label,
+    SHARDTORCH_CHECK(outs.size() == grads.size(), "shardtorch: rank ", rank, ": checkpointed unit '", r->ac->label,
                 "' returned ", grads.size(), " tensors in forward but ", outs.size(),
                 " when recomputed in backward (its forward must be deterministic in structure)");
     // The nested backward stops at the detached inputs and the unit's own
@@ -295,7 +296,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     variable_list roots, root_grads;
     for (size_t i = 0; i < outs.size(); ++i) {
       if (!outs[i].defined() || !outs[i].requires_grad() || !grads[i].defined()) continue;
-      TORCH_CHECK(outs[i].sizes() == grads[i].sizes(), "shardtorch: rank ", rank, ": checkpointed unit '",
+      SHARDTORCH_CHECK(outs[i].sizes() == grads[i].sizes(), "shardtorch: rank ", rank, ": checkpointed unit '",
                   r->ac->label, "' output ", i, " has shape ", outs[i].sizes(), " when recomputed but ",
                   grads[i].sizes(), " in forward");
       roots.push_back(outs[i]);
@@ -339,10 +340,10 @@ std::string UnitBase::checkpoint_label() const { return checkpointing_ ? checkpo
 
 std::vector<at::Tensor> UnitBase::checkpointed_forward(std::vector<at::Tensor> inputs, detail::RecomputeFn run) {
   auto state = checkpointing_->state.lock();
-  TORCH_CHECK(state, "shardtorch: forward through checkpointed unit '", checkpointing_->label,
+  SHARDTORCH_CHECK(state, "shardtorch: forward through checkpointed unit '", checkpointing_->label,
               "' after its sharded model was destroyed");
   auto previous = checkpointing_->last_pending.lock();
-  TORCH_CHECK(!previous || !*previous, "shardtorch: rank ", state->world().rank(), ": checkpointed unit '",
+  SHARDTORCH_CHECK(!previous || !*previous, "shardtorch: rank ", state->world().rank(), ": checkpointed unit '",
               checkpointing_->label, "' ran its forward again while the graph of its previous forward is alive and "
               "not yet differentiated; its parameters would get two gradient accumulations in one backward. A "
               "checkpointed unit runs once per backward: turn checkpointing off for a unit called twice "

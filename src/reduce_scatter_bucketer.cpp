@@ -1,4 +1,5 @@
 #include "reduce_scatter_bucketer.h"
+#include "check.h"
 
 #include <c10/core/GradMode.h>
 
@@ -11,8 +12,8 @@ namespace shardtorch {
 
 ReduceScatterBucketer::ReduceScatterBucketer(double bucket_mb, MemoryTracker* mem, int max_in_flight)
     : bucket_bytes_(static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0)), mem_(mem), max_in_flight_(max_in_flight) {
-  TORCH_CHECK(bucket_mb >= 0, "ReduceScatterBucketer: bucket_mb ", bucket_mb, " must not be negative");
-  TORCH_CHECK(max_in_flight >= 1, "ReduceScatterBucketer: max_in_flight ", max_in_flight, " must be at least 1");
+  SHARDTORCH_CHECK(bucket_mb >= 0, "ReduceScatterBucketer: bucket_mb ", bucket_mb, " must not be negative");
+  SHARDTORCH_CHECK(max_in_flight >= 1, "ReduceScatterBucketer: max_in_flight ", max_in_flight, " must be at least 1");
 }
 
 ReduceScatterBucketer::~ReduceScatterBucketer() {
@@ -62,7 +63,7 @@ ReduceScatterBucketer::Bucket& ReduceScatterBucketer::bucket_for(const at::Tenso
 void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group, Callback callback,
                                            const std::string& what, Comm* replicas) {
   const int world = group.size();
-  TORCH_CHECK(input.dim() == 1 && input.numel() % world == 0, "shardtorch: rank ", group.rank(),
+  SHARDTORCH_CHECK(input.dim() == 1 && input.numel() % world == 0, "shardtorch: rank ", group.rank(),
               ": reduce_scatter for ", what, ": input ", describe(input), " is not 1-D with a multiple of ",
               world, " elements");
   c10::NoGradGuard no_grad;
@@ -262,10 +263,10 @@ void ReduceScatterBucketer::flush() {
 }
 
 void ReduceScatterBucketer::free() {
-  TORCH_CHECK(in_flight_.empty(), "ReduceScatterBucketer::free() with ", in_flight_.size(),
+  SHARDTORCH_CHECK(in_flight_.empty(), "ReduceScatterBucketer::free() with ", in_flight_.size(),
               " reduce-scatters in flight; call flush() first");
   for (auto& [k, b] : buckets_) {
-    TORCH_CHECK(b.offset == 0, "ReduceScatterBucketer::free() with ", b.pieces.size(),
+    SHARDTORCH_CHECK(b.offset == 0, "ReduceScatterBucketer::free() with ", b.pieces.size(),
                 " reductions still queued; call flush() first");
     if (b.buffer.defined()) track(-(nbytes(b.buffer) + nbytes(b.output)));
     b.buffer = at::Tensor();

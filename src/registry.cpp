@@ -1,5 +1,6 @@
 // The registry that finds a sharded model's state from its root module.
 #include <algorithm>
+#include "check.h"
 #include <mutex>
 
 #include "shard_state.h"
@@ -23,7 +24,7 @@ Registry& registry() {
 
 void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state) {
   std::weak_ptr<torch::nn::Module> weak = root.weak_from_this();
-  TORCH_CHECK(!weak.expired(), "shardtorch::shard: the root module must be owned by a std::shared_ptr (declare "
+  SHARDTORCH_CHECK(!weak.expired(), "shardtorch::shard: the root module must be owned by a std::shared_ptr (declare "
                                "it through its holder, e.g. `Net net;` after SHARDTORCH_MODULE(Net) or "
                                "TORCH_MODULE(Net), or create it with std::make_shared)");
   auto& r = registry();
@@ -47,7 +48,7 @@ std::shared_ptr<ShardState> state_of(torch::nn::Module& root) { return lookup_mo
 
 std::shared_ptr<ShardState> require_state(torch::nn::Module& root, const std::string& what) {
   auto s = lookup_model(root);
-  TORCH_CHECK(s, "shardtorch: ", what, ": this model was never sharded; call shardtorch::shard(model, world) first");
+  SHARDTORCH_CHECK(s, "shardtorch: ", what, ": this model was never sharded; call shardtorch::shard(model, world) first");
   return s;
 }
 

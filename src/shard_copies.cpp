@@ -1,4 +1,5 @@
 #include "shard_copies.h"
+#include "check.h"
 
 #include "flat_param.h"
 #include "shard_state.h"
@@ -11,7 +12,7 @@ void ShardCopies::enable_offload(c10::Device device) {
 
 at::Tensor ShardCopies::gather_input(FlatParam& f) {
   if (offloader_) {
-    TORCH_CHECK(!listener_ || !listener_->stepped(f), "shardtorch: rank ", model_.world().rank(), ": ", f.describe(),
+    SHARDTORCH_CHECK(!listener_ || !listener_->stepped(f), "shardtorch: rank ", model_.world().rank(), ": ", f.describe(),
                 " is gathered again after the optimizer updated it during the last backward "
                 "(overlap_with_backward): call opt->step() before the next forward, and let only the last "
                 "micro-batch's backward synchronize gradients (set_requires_gradient_sync)");

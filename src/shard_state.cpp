@@ -1,6 +1,7 @@
 // A sharded model's runtime state: what spans its parts (zero_grad, the
 // optimizer step's follow-up, summon_full_params scopes).
 #include "shard_state.h"
+#include "check.h"
 
 #include <c10/core/GradMode.h>
 
@@ -26,7 +27,7 @@ std::vector<std::shared_ptr<Unit>> ShardState::units() const {
   std::vector<std::shared_ptr<Unit>> out;
   for (const auto& w : units_) {
     auto u = w.lock();
-    TORCH_CHECK(u, "shardtorch: rank ", topology_.world().rank(), ": a unit of this sharded model no longer exists (was the model "
+    SHARDTORCH_CHECK(u, "shardtorch: rank ", topology_.world().rank(), ": a unit of this sharded model no longer exists (was the model "
                 "destroyed, or a unit module replaced after shard()?)");
     out.push_back(std::move(u));
   }
@@ -50,7 +51,7 @@ void ShardState::refuse_backward_in_grad_summon(const char* kind, const std::str
   // first (counted twice). Every rank is in the scope, so every rank refuses;
   // called first in every hook of a backward, before anything is queued or
   // gathered, so the refused backward leaves nothing to clean up.
-  TORCH_CHECK(grad_summons_ == 0, "shardtorch: rank ", topology_.world().rank(), ": a backward reached ", kind, " '", name,
+  SHARDTORCH_CHECK(grad_summons_ == 0, "shardtorch: rank ", topology_.world().rank(), ": a backward reached ", kind, " '", name,
               "' inside a summon_full_params(with_grads) scope, whose param.grad are the reduced gradients (a "
               "backward would count them twice); leave the scope before the backward, or summon without with_grads");
 }
@@ -79,7 +80,7 @@ void ShardState::check_requires_grad_unchanged() const {
   // a parameter unfrozen since would never have its gradient reduced nor be
   // stepped, and one frozen since would still be stepped. Said, not silent.
   auto check = [&](const at::Tensor& p, bool was, const std::string& name) {
-    TORCH_CHECK(p.requires_grad() == was, "shardtorch: rank ", topology_.world().rank(), ": parameter '", name, "' was ",
+    SHARDTORCH_CHECK(p.requires_grad() == was, "shardtorch: rank ", topology_.world().rank(), ": parameter '", name, "' was ",
                 was ? "trainable" : "frozen", " at shard() and is ", was ? "frozen" : "trainable",
                 " now; which parameters train is fixed when the model is sharded (its flat parameters, gradient "
                 "hooks and optimizer pieces follow it). Set requires_grad before shard(), or shard a new model "
@@ -94,7 +95,7 @@ void ShardState::check_requires_grad_unchanged() const {
 
 void ShardState::check_outside_summon() const {
   // Symmetric: every rank holds a FullParams for the scope, kept or not.
-  TORCH_CHECK(summons_ == 0, "shardtorch: rank ", topology_.world().rank(), ": an optimizer step or a checkpoint load inside a "
+  SHARDTORCH_CHECK(summons_ == 0, "shardtorch: rank ", topology_.world().rank(), ": an optimizer step or a checkpoint load inside a "
               "summon_full_params scope: the scope's full parameters would be stale (and written back over the new "
               "values on exit); leave the scope first");
 }
@@ -130,7 +131,7 @@ void ShardState::regather_unsharded() {
 std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
   check_backward_finished("reading the gradients (clip_grad_norm, GradScaler)");
   const auto* listener = copies_.gradient_listener();
-  TORCH_CHECK(!listener || !listener->any_stepped(), "shardtorch: rank ", world().rank(), ": clip_grad_norm or "
+  SHARDTORCH_CHECK(!listener || !listener->any_stepped(), "shardtorch: rank ", world().rank(), ": clip_grad_norm or "
               "GradScaler after a backward during which the optimizer already stepped (overlap_with_backward): the "
               "update used the unclipped, unscaled gradients. Turn the overlap off to clip or scale gradients");
   // The strategy is the same everywhere: decide on it, not on what this rank

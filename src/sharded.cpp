@@ -1,4 +1,5 @@
 #include "shardtorch/sharded.h"
+#include "check.h"
 
 // shard(): finding units and parameters, checking the model across ranks,
 // building flat parameters (or, for NoShard, the all-reduce buckets).
@@ -58,7 +59,7 @@ void walk(torch::nn::Module& m, const std::string& prefix, int current, std::vec
     // per forward. (A second FoundUnit for it overwrote the first's state and
     // left both without parameters.)
     if (std::any_of(units.begin(), units.end(), [b](const FoundUnit& u) { return u.base == b; })) return;
-    TORCH_CHECK(allow_sharded || !b->is_sharded_unit(), "shardtorch::shard: module '", prefix.empty() ? "<root>" : prefix,
+    SHARDTORCH_CHECK(allow_sharded || !b->is_sharded_unit(), "shardtorch::shard: module '", prefix.empty() ? "<root>" : prefix,
                 "' is already a unit of a sharded model; shard() was called twice on this model");
     units.push_back({prefix, b, current});
     current = static_cast<int>(units.size()) - 1;
@@ -370,20 +371,20 @@ std::vector<bool> checkpointed_units(const std::vector<FoundUnit>& units, const 
   }
   for (const auto& [name, value] : options.per_unit_checkpointing()) {
     auto it = std::find_if(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == name; });
-    TORCH_CHECK(it != units.end(), "shardtorch::shard: activation_checkpointing_for('", name,
+    SHARDTORCH_CHECK(it != units.end(), "shardtorch::shard: activation_checkpointing_for('", name,
                 "') names no unit of this model");
     const size_t u = static_cast<size_t>(it - units.begin());
     if (value) {
-      TORCH_CHECK(!is_root(u), "shardtorch::shard: activation_checkpointing_for('", name, "'): the root unit cannot be "
+      SHARDTORCH_CHECK(!is_root(u), "shardtorch::shard: activation_checkpointing_for('", name, "'): the root unit cannot be "
                   "checkpointed (its forward encloses every other unit); checkpoint the units inside it");
       if (!leaf[u]) {
         auto inner = std::find_if(units.begin(), units.end(), [&](const FoundUnit& v) { return v.parent == static_cast<int>(u); });
-        TORCH_CHECK(false, "shardtorch::shard: activation_checkpointing_for('", name, "'): unit '", name,
+        SHARDTORCH_CHECK(false, "shardtorch::shard: activation_checkpointing_for('", name, "'): unit '", name,
                     "' has units inside it (first: '", inner->name, "'), whose forwards would run twice; "
                     "checkpoint the inner units instead");
       }
       const std::string shared = shared_param(u);
-      TORCH_CHECK(shared.empty(), "shardtorch::shard: activation_checkpointing_for('", name, "'): its parameter '",
+      SHARDTORCH_CHECK(shared.empty(), "shardtorch::shard: activation_checkpointing_for('", name, "'): its parameter '",
                   shared, "' is shared with another unit (tied), and recomputing would give it two gradient "
                   "accumulations in one backward; such a unit cannot be checkpointed");
     }
@@ -432,22 +433,22 @@ Config check_config(const ShardOptions& options, const World& world, const Model
   try {
     if (strategy == Strategy::HybridShard) {
       const int s = options.hybrid_shard_size();
-      TORCH_CHECK(s >= 1 && world.size() % s == 0, "shardtorch::shard: HybridShard needs hybrid_shard_size (now ", s,
+      SHARDTORCH_CHECK(s >= 1 && world.size() % s == 0, "shardtorch::shard: HybridShard needs hybrid_shard_size (now ", s,
                   ") to divide the world size ", world.size());
       c.shard_size = s;
     }
     auto low_precision = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; };
-    TORCH_CHECK(!mp.param_dtype() || low_precision(*mp.param_dtype()), "shardtorch::shard: MixedPrecision param_dtype ",
+    SHARDTORCH_CHECK(!mp.param_dtype() || low_precision(*mp.param_dtype()), "shardtorch::shard: MixedPrecision param_dtype ",
                 *mp.param_dtype(), " must be BFloat16, Half or Float");
-    TORCH_CHECK(!mp.reduce_dtype() || low_precision(*mp.reduce_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype ",
+    SHARDTORCH_CHECK(!mp.reduce_dtype() || low_precision(*mp.reduce_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype ",
                 *mp.reduce_dtype(), " must be BFloat16, Half or Float");
-    TORCH_CHECK(!(mp.reduce_dtype() && !mp.param_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype needs param_dtype");
-    TORCH_CHECK(!(options.cpu_offload() && strategy == Strategy::NoShard), "shardtorch::shard: cpu_offload needs a "
+    SHARDTORCH_CHECK(!(mp.reduce_dtype() && !mp.param_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype needs param_dtype");
+    SHARDTORCH_CHECK(!(options.cpu_offload() && strategy == Strategy::NoShard), "shardtorch::shard: cpu_offload needs a "
                 "sharding strategy; NoShard keeps whole parameters on the device (use OptimizerOnly for replicated "
                 "parameters with the optimizer in host memory)");
     for (const auto& [unit, flag] : options.per_unit_reshard()) {
       bool known = std::any_of(found.units.begin(), found.units.end(), [&](const FoundUnit& u) { return u.name == unit; });
-      TORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
+      SHARDTORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
     }
     c.checkpointed = checkpointed_units(found.units, found.params, options, root_is_unit);
   } catch (...) {
@@ -483,7 +484,7 @@ void agree_on_model(World& world, const ShardOptions& options, const ModelWalk& 
   if (!misplaced.empty()) desc << misplaced << "\n";
   if (world.size() > 1) check_same_model_everywhere(world, desc.str());
   if (config.error) std::rethrow_exception(config.error);
-  TORCH_CHECK(misplaced.empty(), "shardtorch::shard: rank ", world.rank(), ": ", misplaced);
+  SHARDTORCH_CHECK(misplaced.empty(), "shardtorch::shard: rank ", world.rank(), ": ", misplaced);
 }
 
 // NoShard: every parameter whole, gradients all-reduced in buckets; a root
@@ -559,8 +560,9 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
 }  // namespace
 
 ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options) {
-  TORCH_CHECK(world, "shardtorch::shard: no world");
-  TORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: this model is already sharded; shard() was called twice");
+  SHARDTORCH_CHECK(world, "shardtorch::shard: no world");
+  SHARDTORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: rank ", world->rank(), ": this model is already "
+                   "sharded; shard() was called twice (build a new model to shard it again)");
   world->note_progress("shard()");
   const Strategy strategy = options.strategy();
   ModelWalk found = walk_model(root, /*allow_sharded=*/false);
@@ -583,10 +585,10 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   std::vector<std::string> orphans;
   for (const auto& p : found.params)
     if (p.unit < 0) orphans.push_back(p.name);
-  TORCH_CHECK(orphans.empty(), "shardtorch::shard: ", orphans.size(), " parameter(s) belong to no unit (first: '",
+  SHARDTORCH_CHECK(orphans.empty(), "shardtorch::shard: ", orphans.size(), " parameter(s) belong to no unit (first: '",
               orphans.front(), "') and the root module is not a unit; declare the root as shardtorch::Sharded<Impl> "
               "(see docs/api.md)");
-  TORCH_CHECK(!found.units.empty(), "shardtorch::shard: the model has no unit; mark modules with shardtorch::Sharded<Impl>");
+  SHARDTORCH_CHECK(!found.units.empty(), "shardtorch::shard: the model has no unit; mark modules with shardtorch::Sharded<Impl>");
 
   state->topology().build(strategy, config.shard_size);
   if (options.cpu_offload()) state->copies().enable_offload(world->comm().device());
@@ -649,7 +651,7 @@ Strategy parse_strategy(const std::string& name) {
   if (n == "optimizer_only" || n == "optimizeronly" || n == "zero1") return Strategy::OptimizerOnly;
   if (n == "no_shard" || n == "noshard" || n == "ddp") return Strategy::NoShard;
   if (n == "hybrid_shard" || n == "hybridshard" || n == "hybrid") return Strategy::HybridShard;
-  TORCH_CHECK(false, "shardtorch: unknown strategy '", name,
+  SHARDTORCH_CHECK(false, "shardtorch: unknown strategy '", name,
               "'; expected one of full_shard (zero3), shard_grad_op (zero2), optimizer_only (zero1), "
               "no_shard (ddp), hybrid_shard");
 }

@@ -1,4 +1,5 @@
 #include "storage_access.h"
+#include "check.h"
 
 #include <torch/version.h>
 
@@ -112,7 +113,7 @@ void testing::lift_through_flag(c10::StorageImpl* impl) {
   at::DataPtr data = std::move(impl->_mutable_data_ptr_no_checks());
   impl->set_data_ptr_noswap(std::move(data));
 #else
-  TORCH_CHECK(false, "shardtorch: lift_through_flag is compiled for LibTorch 2.11 to 2.13 only (this is ", TORCH_VERSION, ")");
+  SHARDTORCH_CHECK(false, "shardtorch: lift_through_flag is compiled for LibTorch 2.11 to 2.13 only (this is ", TORCH_VERSION, ")");
 #endif
 }
 

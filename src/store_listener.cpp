@@ -1,4 +1,5 @@
 #include "store_listener.h"
+#include "check.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -40,15 +41,15 @@ int listen_socket(const std::string& address, uint16_t port) {
     v6->sin6_port = htons(port);
     length = sizeof(sockaddr_in6);
   } else {
-    TORCH_CHECK(false, "shardtorch: '", address, "' is not an IP address to listen on");
+    SHARDTORCH_CHECK(false, "shardtorch: '", address, "' is not an IP address to listen on");
   }
   const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  TORCH_CHECK(fd >= 0, "shardtorch: cannot create a socket to listen on ", address, ":", port, ": ",
+  SHARDTORCH_CHECK(fd >= 0, "shardtorch: cannot create a socket to listen on ", address, ":", port, ": ",
               std::strerror(errno));
   auto fail = [&](const char* what) {
     const int err = errno;
     ::close(fd);
-    TORCH_CHECK(false, "shardtorch: cannot ", what, " ", address, ":", port, ": ", std::strerror(err));
+    SHARDTORCH_CHECK(false, "shardtorch: cannot ", what, " ", address, ":", port, ": ", std::strerror(err));
   };
   // As c10d's own listening socket: a port a previous run left in TIME_WAIT
   // can be bound again at once. A socket listening on the port (any

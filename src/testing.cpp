@@ -1,4 +1,5 @@
 #include "shardtorch/testing.h"
+#include "check.h"
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -86,7 +87,7 @@ namespace {
 }  // namespace
 
 RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
-  TORCH_CHECK(world_size >= 1, "run_ranks: world size ", world_size);
+  SHARDTORCH_CHECK(world_size >= 1, "run_ranks: world size ", world_size);
   const std::string dir = files::make_temp_dir("shardtorch");  // POSIX calls: files.h says why
   std::string store_path = dir + "/store";
 
@@ -97,9 +98,9 @@ RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
   std::vector<int> fds(world_size, -1);
   for (int r = 0; r < world_size; ++r) {
     int p[2];
-    TORCH_CHECK(::pipe(p) == 0, "run_ranks: pipe failed: ", std::strerror(errno));
+    SHARDTORCH_CHECK(::pipe(p) == 0, "run_ranks: pipe failed: ", std::strerror(errno));
     pid_t pid = ::fork();
-    TORCH_CHECK(pid >= 0, "run_ranks: fork failed: ", std::strerror(errno));
+    SHARDTORCH_CHECK(pid >= 0, "run_ranks: fork failed: ", std::strerror(errno));
     if (pid == 0) {
       ::close(p[0]);
       for (int q = 0; q < r; ++q) ::close(fds[q]);

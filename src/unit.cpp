@@ -1,5 +1,6 @@
 // The life of a unit: gather, free, hooks and gradient hand-off (docs/design.md).
 #include <c10/core/GradMode.h>
+#include "check.h"
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
@@ -77,7 +78,7 @@ void Unit::unshard_async() {
 void Unit::unshard() {
   if (state_ == ParamState::Unsharded) return;
   unshard_async();  // nothing if a prefetch launched it already
-  TORCH_CHECK(state_ == ParamState::Gathering, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
+  SHARDTORCH_CHECK(state_ == ParamState::Gathering, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(),
               "' asked to gather while ", state_name(state_));
   size_t i = 0;
   try {
@@ -159,10 +160,10 @@ void Unit::on_grad_ready(size_t flat, size_t param) {
     owner_->backward().ensure_end_of_backward_callback();
     owner_->backward().check_grad_arrival(flats_[flat]->params()[param], flats_[flat]->names()[param]);
     reach();
-    TORCH_CHECK(!reduced(), "shardtorch: rank ", owner_->world().rank(), ": gradient of '", flats_[flat]->names()[param],
+    SHARDTORCH_CHECK(!reduced(), "shardtorch: rank ", owner_->world().rank(), ": gradient of '", flats_[flat]->names()[param],
                 "' arrived after unit '", label(), "' had reduced its gradients in this backward (a parameter "
                 "accumulated twice in one backward?)");
-    TORCH_CHECK(state_ == ParamState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": gradient of '",
+    SHARDTORCH_CHECK(state_ == ParamState::Unsharded, "shardtorch: rank ", owner_->world().rank(), ": gradient of '",
                 flats_[flat]->names()[param], "' arrived while unit '", label(), "' is ", state_name(state_));
   } catch (...) {
     // Refused: the gradient autograd has just accumulated into param.grad
@@ -202,7 +203,7 @@ void Unit::reduce_grads(bool reshard_now) {
   const bool was_reached = reached();
   if (!was_reached && state_ == ParamState::Gathering) reshard();
   const bool idle = !was_reached && state_ == ParamState::Sharded;
-  TORCH_CHECK(state_ == ParamState::Unsharded || idle, "shardtorch: rank ", owner_->world().rank(), ": unit '",
+  SHARDTORCH_CHECK(state_ == ParamState::Unsharded || idle, "shardtorch: rank ", owner_->world().rank(), ": unit '",
               label(), "' reduces its gradients while ", state_name(state_));
   finalize();
   // Without sync (accumulation) the staged gradients wait for a synchronising
@@ -264,7 +265,7 @@ void Unit::register_grad_hooks() {
     const auto& params = flats_[f]->params();
     for (size_t i = 0; i < params.size(); ++i) {
       auto acc = torch::autograd::impl::grad_accumulator(params[i]);
-      TORCH_CHECK(acc, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(), "': parameter '",
+      SHARDTORCH_CHECK(acc, "shardtorch: rank ", owner_->world().rank(), ": unit '", label(), "': parameter '",
                   flats_[f]->names()[i], "' has no gradient accumulator (is it a view or a non-leaf tensor?)");
       acc->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), f, i));
       accumulators_.push_back(std::move(acc));  // the parameter holds it only weakly

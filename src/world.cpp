@@ -1,4 +1,6 @@
 #include "shardtorch/world.h"
+#include "check.h"
+#include "errors.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -59,10 +61,10 @@ std::string list(const std::vector<int>& ranks) {
 // than at the first tensor moved to it.
 void check_device(const c10::Device& d, int rank, int local_rank) {
   if (!d.is_cuda()) return;
-  TORCH_CHECK(at::hasCUDA(), "shardtorch: rank ", rank, " is to compute on ", d,
+  SHARDTORCH_CHECK(at::hasCUDA(), "shardtorch: rank ", rank, " is to compute on ", d,
               ", but this LibTorch has no CUDA or sees no GPU");
   const auto count = static_cast<int64_t>(at::getNumGPUs());
-  TORCH_CHECK(!d.has_index() || d.index() < count, "shardtorch: rank ", rank, " (local rank ", local_rank,
+  SHARDTORCH_CHECK(!d.has_index() || d.index() < count, "shardtorch: rank ", rank, " (local rank ", local_rank,
               ") is to compute on ", d, ", but this host shows it ", count,
               " GPU(s): start at most that many ranks per host, or set WorldOptions::device");
 }
@@ -75,10 +77,9 @@ c10::intrusive_ptr<c10d::Backend> connect(const std::string& backend, const c10:
   try {
     if (backend == "nccl") return detail::make_nccl_backend(store, index, n, options.timeout());
     return detail::make_gloo_backend(store, index, n, options.timeout(), options.gloo_hostname());
-  } catch (c10::Error& e) {
-    e.add_context("shardtorch: rank " + std::to_string(rank) + " could not set up " + backend + " for " + what +
-                  " within " + seconds(options.timeout()) + " s");
-    throw;
+  } catch (const std::exception& e) {
+    detail::throw_error("", "shardtorch: rank " + std::to_string(rank) + " could not set up " + backend + " for " + what +
+                                " within " + seconds(options.timeout()) + " s: " + detail::message_of(e));
   }
 }
 
@@ -171,16 +172,15 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
         if (auto address = detail::loopback_listen_address(env.master_addr))
           so.masterListenFd = detail::listen_socket(*address, so.port);
       tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-    } catch (c10::Error& e) {
+    } catch (const std::exception& e) {
       std::ostringstream os;
       os << "shardtorch: rank " << env.rank << " of " << env.world_size << " (" << env.launcher << ") could not "
          << (so.isServer ? "host" : "reach") << " the rendezvous store at " << env.master_addr << ":"
          << env.master_port << " within " << seconds(options.timeout()) << " s"
          << (so.isServer ? "; is another job using MASTER_PORT?"
                          : "; is rank 0 running, and can this host reach MASTER_ADDR?")
-         << " (SHARDTORCH_TIMEOUT_S sets the wait)";
-      e.add_context(os.str());
-      throw;
+         << " (SHARDTORCH_TIMEOUT_S sets the wait): " << detail::message_of(e);
+      detail::throw_error("", os.str());
     }
     store = c10::make_intrusive<c10d::PrefixStore>("shardtorch", tcp);
   }
@@ -190,7 +190,7 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
 
 std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                                      WorldOptions options, int local_rank) {
-  TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "shardtorch: rank ", rank,
+  SHARDTORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "shardtorch: rank ", rank,
               " is not in [0, ", world_size, ")");
   std::shared_ptr<World> w(new World());
   w->rank_ = rank;
@@ -206,11 +206,11 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   }
   std::string backend = options.backend();
   if (backend == "auto") backend = (w->device_.is_cuda() && detail::nccl_available()) ? "nccl" : "gloo";
-  TORCH_CHECK(backend == "gloo" || backend == "nccl", "shardtorch: unknown backend '", backend,
+  SHARDTORCH_CHECK(backend == "gloo" || backend == "nccl", "shardtorch: unknown backend '", backend,
               "' (expected auto, gloo or nccl)");
-  TORCH_CHECK(backend != "nccl" || detail::nccl_available(),
+  SHARDTORCH_CHECK(backend != "nccl" || detail::nccl_available(),
               "shardtorch: backend 'nccl' asked for, but this build has no NCCL");
-  TORCH_CHECK(backend != "nccl" || w->device_.is_cuda(), "shardtorch: backend 'nccl' needs a CUDA device, got ",
+  SHARDTORCH_CHECK(backend != "nccl" || w->device_.is_cuda(), "shardtorch: backend 'nccl' needs a CUDA device, got ",
               w->device_);
   check_device(w->device_, rank, local_rank);
   auto b = connect(backend, store, rank, world_size, options, rank,
@@ -238,11 +238,11 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
 
 std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std::string& tag) {
   auto it = std::find(ranks.begin(), ranks.end(), rank_);
-  TORCH_CHECK(it != ranks.end(), "shardtorch: rank ", rank_, " is not in the group '", tag, "' it asked to join");
-  for (int r : ranks) TORCH_CHECK(r >= 0 && r < size_, "shardtorch: group '", tag, "' names rank ", r, " of ", size_);
+  SHARDTORCH_CHECK(it != ranks.end(), "shardtorch: rank ", rank_, " is not in the group '", tag, "' it asked to join");
+  for (int r : ranks) SHARDTORCH_CHECK(r >= 0 && r < size_, "shardtorch: group '", tag, "' names rank ", r, " of ", size_);
   std::vector<int> members = ranks;
   std::sort(members.begin(), members.end());
-  TORCH_CHECK(std::adjacent_find(members.begin(), members.end()) == members.end(), "shardtorch: rank ", rank_,
+  SHARDTORCH_CHECK(std::adjacent_find(members.begin(), members.end()) == members.end(), "shardtorch: rank ", rank_,
               ": group '", tag, "' names a rank twice: ", list(ranks));
   int index = static_cast<int>(it - ranks.begin());
   int n = static_cast<int>(ranks.size());
@@ -293,13 +293,13 @@ void World::agree_on_order(c10d::Store& store, const std::vector<int>& ranks, co
     if (store.add("arrived", 1) == n) store.set("verdict", std::vector<uint8_t>{1});
     store.wait({"verdict"});
     disagree = store.add("disagree", 0);
-  } catch (c10::Error& e) {  // a store's time-out (FileStore's is a plain c10::Error)
-    e.add_context("shardtorch: rank " + std::to_string(rank_) + " waited " + seconds(options_.timeout()) +
-                  " s for the other members of group '" + tag + "' " + list(members) +
-                  " to arrive: do all of them call new_group with this tag and these ranks?");
-    throw;
+  } catch (const std::exception& e) {  // a store's time-out (FileStore's is a plain c10::Error)
+    detail::throw_error("", "shardtorch: rank " + std::to_string(rank_) + " waited " + seconds(options_.timeout()) +
+                                " s for the other members of group '" + tag + "' " + list(members) +
+                                " to arrive: do all of them call new_group with this tag and these ranks? (" +
+                                detail::message_of(e) + ")");
   }
-  TORCH_CHECK(disagree == 0, "shardtorch: rank ", rank_, ": the members of group '", tag,
+  SHARDTORCH_CHECK(disagree == 0, "shardtorch: rank ", rank_, ": the members of group '", tag,
               "' list its ranks in different orders (a member's index in the group is its place in the list): rank ",
               members.front(), " passed ", first, ", ", disagree, " member(s) another order",
               first != mine ? ", this rank " + mine : std::string());

@@ -196,7 +196,7 @@ TEST(Deferred, ReadBeforeShardNamesTheParameter) {
   try {
     mlp(torch::ones({2, 7}));
     FAIL() << "a forward of a deferred model ran";
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("'scale'"), std::string::npos) << msg;  // the first deferred tensor the forward reads
     EXPECT_NE(msg.find("shard()"), std::string::npos) << msg;
@@ -204,7 +204,7 @@ TEST(Deferred, ReadBeforeShardNamesTheParameter) {
   try {
     (void)mlp->l1->lin->weight.sum().item<float>();
     FAIL() << "item() of a deferred tensor returned";
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("l1.lin.weight"), std::string::npos) << e.what();
   }
 }
@@ -223,7 +223,7 @@ TEST(Deferred, ReadingValuesAtConstructionIsAnError) {
     shardtorch::DeferredInit guard;
     ReadsAtConstruction m;
     FAIL() << "a constructor read a deferred tensor's value";
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("during deferred construction"), std::string::npos) << msg;
     EXPECT_NE(msg.find("construct it eagerly"), std::string::npos) << msg;
@@ -401,7 +401,7 @@ TEST(Deferred, MaterializeInsideTheGuardIsAnError) {
     try {
       shardtorch::materialize(m);
       FAIL() << "materialize() ran under a live DeferredInit";
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       EXPECT_NE(std::string(e.what()).find("end the guard's scope first"), std::string::npos) << e.what();
     }
   }

@@ -77,7 +77,7 @@ TEST(Faults, ShardTwiceIsAnError) {
     shardtorch::shard(m, w);
     try {
       shardtorch::shard(m, w);
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       require(std::string(e.what()).find("shard() was called twice") != std::string::npos, e.what());
       return;
     }
@@ -91,7 +91,7 @@ TEST(Faults, OptimizerOfUnshardedModelIsAnError) {
   try {
     shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
     FAIL() << "no error";
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("never sharded"), std::string::npos) << e.what();
   }
 }
@@ -108,7 +108,7 @@ TEST(Faults, AUnitReplacedAfterShardIsAnErrorNamingTheRank) {
       opt->zero_grad();
       m(torch::randn({2, 7})).sum().backward();
       opt->step();
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       const std::string want = "rank " + std::to_string(w.rank()) + ": a unit of this sharded model no longer exists";
       require(std::string(e.what()).find(want) != std::string::npos, e.what());
       require(std::string(e.what()).find("replaced after shard()") != std::string::npos, e.what());
@@ -124,7 +124,7 @@ TEST(Faults, ParametersOutsideAnyUnitNeedARootUnit) {
     auto seq = torch::nn::Sequential(torch::nn::Linear(3, 3));
     try {
       shardtorch::shard(*seq, w);
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       require(std::string(e.what()).find("belong to no unit (first: '0.weight')") != std::string::npos, e.what());
       return;
     }
@@ -277,7 +277,7 @@ TEST(Faults, AnUnusableDeviceIsRefusedWhenTheWorldIsMade) {
   try {
     World::create(c10::make_intrusive<c10d::HashStore>(), 0, 1, shardtorch::WorldOptions().device(device));
     FAIL() << device << " was accepted";
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
   }
 }
@@ -303,7 +303,7 @@ TEST(Faults, RendezvousFailuresNameTheRankTheAddressAndTheWait) {
       auto t0 = std::chrono::steady_clock::now();
       try {
         World::from_env();
-      } catch (const c10::Error& e) {
+      } catch (const std::exception& e) {
         require(seconds_since(t0) < 10.0, "waited " + std::to_string(seconds_since(t0)) + " s, not about 1");
         return e.what();
       }

@@ -3,6 +3,7 @@
 
 #include <map>
 
+#include "shardtorch/error.h"
 #include "../src/flat_param.h"
 #include "shardtorch/world.h"
 
@@ -62,7 +63,7 @@ TEST(FlatParamLayout, EmptyAndScalarParameters) {
   EXPECT_EQ(l.numel(1), 0);
   EXPECT_FALSE(l.piece(1, 0));
   EXPECT_FALSE(l.piece(1, 1));
-  EXPECT_THROW(FlatParamLayout({{2}}, 0), c10::Error);
+  EXPECT_THROW(FlatParamLayout({{2}}, 0), shardtorch::Error);
 }
 
 namespace {

@@ -211,7 +211,7 @@ TEST(MixedPrecision, AStepNotTakenAfterUnscaleLeavesTheNextGradientsToBeUnscaled
             try {
               shardtorch::FullParams full(*model);
               scaler.step(*opt);
-            } catch (const c10::Error&) {
+            } catch (const std::exception&) {
               refused = true;
             }
             require(refused, "a step inside summon_full_params was accepted");
@@ -281,7 +281,7 @@ TEST(MixedPrecision, AGradScalerRefusesAnotherModelsOptimizerAndBadOptions) {
       try {
         k == 0 ? scaler.unscale(*opt_b) : (void)scaler.step(*opt_b);
         throw std::runtime_error("another model's optimizer was accepted");
-      } catch (const c10::Error& e) {
+      } catch (const std::exception& e) {
         const std::string want = "rank " + std::to_string(w.rank()) + ": GradScaler::" + (k == 0 ? "unscale" : "step") +
                                  ": the optimizer is over another model than the one this scaler was made for";
         require(std::string(e.what()).find(want) != std::string::npos, e.what());
@@ -290,7 +290,7 @@ TEST(MixedPrecision, AGradScalerRefusesAnotherModelsOptimizerAndBadOptions) {
     auto refused = [&](shardtorch::GradScalerOptions o, const std::string& want) {
       try {
         shardtorch::GradScaler bad(*a, o);
-      } catch (const c10::Error& e) {
+      } catch (const std::exception& e) {
         require(std::string(e.what()).find(want) != std::string::npos, e.what());
         return;
       }
@@ -429,7 +429,7 @@ TEST(MixedPrecision, ConfigurationErrors) {
       try {
         shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
         throw std::runtime_error("fp16 without a scaler was accepted");
-      } catch (const c10::Error& e) {
+      } catch (const std::exception& e) {
         require(std::string(e.what()).find("fp16 mixed precision needs a loss scaler") != std::string::npos, e.what());
       }
     }
@@ -439,7 +439,7 @@ TEST(MixedPrecision, ConfigurationErrors) {
       try {
         shardtorch::FullParams full(*model, shardtorch::SummonOptions().writeback(true));
         throw std::runtime_error("writeback under mixed precision was accepted");
-      } catch (const c10::Error& e) {
+      } catch (const std::exception& e) {
         require(std::string(e.what()).find("would round the fp32 master") != std::string::npos, e.what());
       }
     }
@@ -530,7 +530,7 @@ TEST(MixedPrecision, GradScalerStateDictRoundTripsExactlyAndLoadingNamesAMissing
     auto refused = [&](std::map<std::string, std::string> state, const std::string& needle) {
       try {
         b.load_state_dict(state);
-      } catch (const c10::Error& e) {
+      } catch (const std::exception& e) {
         require(std::string(e.what()).find(needle) != std::string::npos, "error lacks '" + needle + "': " + e.what());
         require(b.scale_value() == 1.0 / 3.0, "a refused state changed the scale");
         return;

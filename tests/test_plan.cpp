@@ -4,6 +4,7 @@
 // bound the peaks measured in a step.
 #include <gtest/gtest.h>
 
+#include "shardtorch/error.h"
 #include "models.h"
 #include "shardtorch/plan.h"
 
@@ -167,7 +168,7 @@ TEST(Plan, ShardingDividesModelStateByTheWorldSizeUpToPadding) {
   EXPECT_EQ(ddp_bf16.of(Mem::MasterGrads), 4 * psi);
   EXPECT_EQ(ddp_bf16.device_peak(), 20 * psi);
   EXPECT_THROW(shardtorch::plan_memory(units, {ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(3), 8, 2}),
-               c10::Error);
+               shardtorch::Error);
 }
 
 TEST(Plan, FrozenParametersAndUnitsKeptGatheredArePlanned) {

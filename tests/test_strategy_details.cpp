@@ -494,14 +494,14 @@ TEST(Configuration, BadStrategyNamesAndGroupSizesAreClearErrors) {
   try {
     shardtorch::parse_strategy("zero4");
     FAIL();
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("unknown strategy 'zero4'; expected one of full_shard"), std::string::npos);
   }
   auto r = run_ranks(3, [](World& w) {
     auto model = gpt::GPT(gpt::Config{});
     try {
       shardtorch::shard(model, w, ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2));
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       require(std::string(e.what()).find("hybrid_shard_size (now 2) to divide the world size 3") != std::string::npos, e.what());
       return;
     }
@@ -512,7 +512,7 @@ TEST(Configuration, BadStrategyNamesAndGroupSizesAreClearErrors) {
     auto model = gpt::GPT(gpt::Config{});
     try {
       shardtorch::shard(model, w, ShardOptions().reshard_after_forward_for("blocks.7", false));
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       require(std::string(e.what()).find("reshard_after_forward_for('blocks.7') names no unit") != std::string::npos, e.what());
       return;
     }
@@ -715,7 +715,7 @@ TEST_P(EveryStrategy, AStepOrClipAfterAFailedBackwardIsRefusedUntilZeroGrad) {
       std::string error = "none";
       try {
         f();
-      } catch (const c10::Error& e) {
+      } catch (const std::exception& e) {
         error = e.what();
       }
       require(error.find("rank " + std::to_string(w.rank()) + ": " + what +

@@ -59,7 +59,7 @@ TEST(Units, SummonRank0OnlyKeepsOtherRanksSharded) {
     bool refused = false;
     try {
       shardtorch::FullParams full(*m, shardtorch::SummonOptions().rank0_only(true).writeback(true));
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       refused = std::string(e.what()).find("writeback with rank0_only") != std::string::npos;
     }
     require(refused, "rank0_only with writeback was accepted");
@@ -97,7 +97,7 @@ TEST(Units, ForwardInsideSummonKeepsTheUnitsAndAStepThereIsRefused) {
       bool refused = false;
       try {
         opt->step();
-      } catch (const c10::Error& e) {
+      } catch (const std::exception& e) {
         refused = std::string(e.what()).find("inside a summon_full_params scope") != std::string::npos;
       }
       require(refused, "an optimizer step inside summon was accepted");
@@ -183,7 +183,7 @@ TEST(Units, ABackwardInsideSummonWithGradsIsRefusedAndChangesNothing) {
           std::string error = "none";
           try {
             m(x).square().mean().backward();
-          } catch (const c10::Error& e) {
+          } catch (const std::exception& e) {
             error = e.what();
           }
           require(error.find("rank " + std::to_string(w.rank()) + ": a backward reached ") != std::string::npos &&
@@ -282,7 +282,7 @@ TEST(Units, ReadingAFreedParameterIsAClearErrorAndChangesNothing) {
     auto expect_error = [&](const char* what, const std::function<void()>& f) {
       try {
         f();
-      } catch (const c10::Error& e) {
+      } catch (const std::exception& e) {
         std::string msg = e.what();
         for (const std::string& part : {"rank " + std::to_string(w.rank()) + ": unit 'l1' is sharded",
                                         std::string("'l1.lin.weight' [13, 7], 'l1.lin.bias' [13]"),
@@ -324,7 +324,7 @@ TEST(FreedStorage, LiftingTheAccessErrorThroughItsFlagRestoresReadsAndWrites) {
   auto expect_error = [](const std::string& want, const std::function<void()>& f) {
     try {
       f();
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
       return;
     }

@@ -1,6 +1,7 @@
 // Full state dicts: gathered one flat parameter at a time, written by rank 0;
 // loaded by every rank reading only its own shard's elements.
 #include <c10/core/GradMode.h>
+#include "../check.h"
 
 #include <functional>
 #include <optional>
@@ -25,9 +26,9 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   World& world = state->world();
   // Checked on every rank before any collective (the metadata is the same on every rank).
   for (const auto& [key, value] : user_metadata) {
-    TORCH_CHECK(key.rfind("shardtorch_", 0) != 0, "shardtorch::save_full_state_dict '", path, "': metadata key '", key,
+    SHARDTORCH_CHECK(key.rfind("shardtorch_", 0) != 0, "shardtorch::save_full_state_dict '", path, "': metadata key '", key,
                 "' is reserved (keys starting with shardtorch_ are the library's)");
-    TORCH_CHECK(key != "format" || value == "pt", "shardtorch::save_full_state_dict '", path,
+    SHARDTORCH_CHECK(key != "format" || value == "pt", "shardtorch::save_full_state_dict '", path,
                 "': metadata \"format\" is \"pt\" (what Hugging Face's loaders require), not '", value, "'");
   }
   const bool writer = world.rank() == 0;
@@ -95,8 +96,8 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   current = at::Tensor();
   auto status = at::full({1}, error.empty() ? 0 : 1, at::kInt).to(world.comm().device());
   world.comm().broadcast(status, 0, "save_full_state_dict status");
-  TORCH_CHECK(error.empty(), "shardtorch::save_full_state_dict: ", error);
-  TORCH_CHECK(status.cpu().item<int>() == 0, "shardtorch::save_full_state_dict: rank 0 could not write '", path, "'");
+  SHARDTORCH_CHECK(error.empty(), "shardtorch::save_full_state_dict: ", error);
+  SHARDTORCH_CHECK(status.cpu().item<int>() == 0, "shardtorch::save_full_state_dict: rank 0 could not write '", path, "'");
 }
 
 void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options) {

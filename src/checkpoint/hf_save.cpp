@@ -2,6 +2,7 @@
 // gathered one flat parameter at a time, written by rank 0 into files of at
 // most max_file_bytes (each tensor whole in one file), then the index.
 #include <c10/core/GradMode.h>
+#include "../check.h"
 #include <unistd.h>
 
 #include <cstdio>
@@ -58,8 +59,8 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   auto state = detail::require_state(root, "save_hf_checkpoint");
   World& world = state->world();
   const std::string who = "shardtorch::save_hf_checkpoint '" + dir + "'";
-  TORCH_CHECK(options.max_file_bytes() > 0, who, ": max_file_bytes must be positive, got ", options.max_file_bytes());
-  TORCH_CHECK(!options.dtype() || at::isFloatingType(*options.dtype()), who, ": dtype must be a floating-point type, got ",
+  SHARDTORCH_CHECK(options.max_file_bytes() > 0, who, ": max_file_bytes must be positive, got ", options.max_file_bytes());
+  SHARDTORCH_CHECK(!options.dtype() || at::isFloatingType(*options.dtype()), who, ": dtype must be a floating-point type, got ",
               *options.dtype());
   detail::ShardState::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
   const bool writer = world.rank() == 0;
@@ -92,7 +93,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
       if (!mapped || mapped->empty()) return;
       name = *mapped;
     }
-    TORCH_CHECK(taken.insert(name).second, who, ": two of the model's tensors are named '", name,
+    SHARDTORCH_CHECK(taken.insert(name).second, who, ": two of the model's tensors are named '", name,
                 "' in the checkpoint (the last is '", model_name, "'): the name mapping must keep names distinct");
     const at::ScalarType out = options.dtype() && at::isFloatingType(dtype) ? *options.dtype() : dtype;
     int64_t numel = 1;
@@ -177,7 +178,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
         std::ofstream out(index_tmp, std::ios::binary | std::ios::trunc);
         out << index.str();
         out.flush();
-        TORCH_CHECK(out.good(), "cannot write '", index_tmp, "'");
+        SHARDTORCH_CHECK(out.good(), "cannot write '", index_tmp, "'");
       }
       files::sync(index_tmp);
       for (size_t k = 0; k < plan.size(); ++k) files::rename(dir + "/" + staging + report.files[k], dir + "/" + report.files[k]);
@@ -201,8 +202,8 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   current = at::Tensor();
   auto status = at::full({1}, error.empty() ? 0 : 1, at::kInt).to(world.comm().device());
   world.comm().broadcast(status, 0, "save_hf_checkpoint status");
-  TORCH_CHECK(error.empty(), who, ": ", error);
-  TORCH_CHECK(status.cpu().item<int>() == 0, who, ": rank 0 could not write it; its error says why");
+  SHARDTORCH_CHECK(error.empty(), who, ": ", error);
+  SHARDTORCH_CHECK(status.cpu().item<int>() == 0, who, ": rank 0 could not write it; its error says why");
   report.tensors = static_cast<int64_t>(entries.size());
   return report;
 }

@@ -1,6 +1,7 @@
 // Sharded checkpoints: per-rank safetensors files of element ranges and a
 // Boost.JSON index; loading reassembles whatever ranges a rank owns now.
 #include <boost/json.hpp>
+#include "../check.h"
 #include <c10/core/GradMode.h>
 #include <c10/util/accumulate.h>
 #include <fcntl.h>
@@ -105,7 +106,7 @@ void write_text_durably(const std::string& path, const std::string& text) {
 std::string normalized(const std::string& dir) {
   std::string d = files::lexically_normal(dir);
   while (d.size() > 1 && d.back() == '/') d.pop_back();
-  TORCH_CHECK(!d.empty() && d != "." && d != "/", "shardtorch: '", dir, "' cannot be a checkpoint directory");
+  SHARDTORCH_CHECK(!d.empty() && d != "." && d != "/", "shardtorch: '", dir, "' cannot be a checkpoint directory");
   return d;
 }
 
@@ -696,7 +697,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   checkpoint::crash_point("reports gathered");
   MergedReports merged = merge_reports(reports, world.rank(), step, opt_kind, user);
   if (!merged.failed.empty() && world.rank() == 0) files::remove_all(tmp);
-  TORCH_CHECK(merged.failed.empty(), "shardtorch::save_sharded_checkpoint: writing '", dir, "' failed on ",
+  SHARDTORCH_CHECK(merged.failed.empty(), "shardtorch::save_sharded_checkpoint: writing '", dir, "' failed on ",
               merged.failed);
   std::string error;
   if (world.rank() == 0)

@@ -3,6 +3,7 @@
 // (aarch64) the one portable variant runs, vectorised by the compiler for the
 // target's baseline (NEON on aarch64).
 #include "shardtorch/optim/cpu_adam.h"
+#include "../check.h"
 
 #include "../../cuda/adam_math.h"
 #include "cuda_adam.h"
@@ -328,15 +329,15 @@ void FusedAdamBase<Options, State, Decoupled>::check_step() const {
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     const auto& o = static_cast<const Options&>(param_groups_[gi].options());
     const auto [beta1, beta2] = o.betas();
-    TORCH_CHECK(!o.amsgrad(), "shardtorch FusedAdam: group ", gi, ": amsgrad is not supported; use torch::optim::Adam");
-    TORCH_CHECK(o.lr() >= 0 && o.eps() >= 0 && o.weight_decay() >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 &&
+    SHARDTORCH_CHECK(!o.amsgrad(), "shardtorch FusedAdam: group ", gi, ": amsgrad is not supported; use torch::optim::Adam");
+    SHARDTORCH_CHECK(o.lr() >= 0 && o.eps() >= 0 && o.weight_decay() >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 &&
                     beta2 < 1,
                 "shardtorch FusedAdam: group ", gi, ": need lr, eps, weight_decay >= 0 and 0 <= betas < 1, got lr ",
                 o.lr(), ", eps ", o.eps(), ", weight_decay ", o.weight_decay(), ", betas (", beta1, ", ", beta2, ")");
     for (const auto& p : param_groups_[gi].params()) {
       if (!p.grad().defined()) continue;
       const bool on_device = p.is_cuda() && fused_adam_cuda_available();
-      TORCH_CHECK(p.scalar_type() == at::kFloat && (p.device().is_cpu() || on_device) && p.is_contiguous() &&
+      SHARDTORCH_CHECK(p.scalar_type() == at::kFloat && (p.device().is_cpu() || on_device) && p.is_contiguous() &&
                       p.grad().is_contiguous() && p.grad().scalar_type() == at::kFloat &&
                       p.grad().numel() == p.numel() && p.grad().device() == p.device(),
                   "shardtorch FusedAdam: group ", gi, ": needs contiguous fp32 parameters and gradients of the "
@@ -347,7 +348,7 @@ void FusedAdamBase<Options, State, Decoupled>::check_step() const {
       if (it == state_.end()) continue;
       const auto& s = static_cast<const State&>(*it->second);
       for (const at::Tensor& m : {s.exp_avg(), s.exp_avg_sq()})
-        TORCH_CHECK(m.defined() && m.scalar_type() == at::kFloat && m.device() == p.device() && m.is_contiguous() &&
+        SHARDTORCH_CHECK(m.defined() && m.scalar_type() == at::kFloat && m.device() == p.device() && m.is_contiguous() &&
                         m.numel() == p.numel(),
                     "shardtorch FusedAdam: group ", gi, ": a parameter of ", p.numel(), " elements on ", p.device(),
                     " has moments that are not contiguous fp32 tensors of its size on its device");
@@ -390,7 +391,7 @@ void FusedAdamBase<Options, State, Decoupled>::update(at::Tensor& p, const Optio
 
 template <class Options, class State, bool Decoupled>
 void FusedAdamBase<Options, State, Decoupled>::write_low_copy(const at::Tensor& param, at::Tensor low) {
-  TORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.device() == param.device() && low.is_contiguous() &&
+  SHARDTORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.device() == param.device() && low.is_contiguous() &&
                   low.numel() == param.numel(),
               "shardtorch FusedAdam: the low-precision copy of a parameter of ", param.numel(), " elements on ",
               param.device(), " must be a contiguous bf16 tensor of its size on its device, got ", low.scalar_type(),

@@ -1,6 +1,7 @@
 // Built only against a CUDA LibTorch with a CUDA compiler (CMakeLists.txt);
 // src/optim/cuda_adam_none.cpp stands in otherwise.
 #include "cuda_adam.h"
+#include "../check.h"
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -17,13 +18,13 @@ void fused_adam_cuda(const at::Tensor& param, const at::Tensor& grad, const at::
                      const at::Tensor& exp_avg_sq, const at::Tensor& low, const AdamStep& s) {
   const c10::Device dev = param.device();
   for (const at::Tensor* t : {&grad, &exp_avg, &exp_avg_sq}) {
-    TORCH_CHECK(t->device() == dev && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+    SHARDTORCH_CHECK(t->device() == dev && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->numel() == param.numel(),
                 "shardtorch FusedAdam (CUDA): a parameter of ", param.numel(), " elements on ", dev,
                 " has a gradient or moment of ", t->numel(), " ", t->scalar_type(), " elements on ", t->device(),
                 "; all four must be contiguous fp32 tensors of one size on one device");
   }
-  TORCH_CHECK(!low.defined() || (low.device() == dev && low.scalar_type() == at::kBFloat16 && low.is_contiguous() &&
+  SHARDTORCH_CHECK(!low.defined() || (low.device() == dev && low.scalar_type() == at::kBFloat16 && low.is_contiguous() &&
                                  low.numel() == param.numel()),
               "shardtorch FusedAdam (CUDA): the bf16 copy of a parameter of ", param.numel(), " elements on ", dev,
               " must be a contiguous bf16 tensor of its size on the same device");
@@ -33,7 +34,7 @@ void fused_adam_cuda(const at::Tensor& param, const at::Tensor& grad, const at::
       param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
       low.defined() ? reinterpret_cast<uint16_t*>(low.data_ptr<at::BFloat16>()) : nullptr, param.numel(), c,
       c10::cuda::getCurrentCUDAStream(dev.index()).stream());
-  TORCH_CHECK(err == 0, "shardtorch FusedAdam (CUDA): kernel launch on ", dev, " failed: ",
+  SHARDTORCH_CHECK(err == 0, "shardtorch FusedAdam (CUDA): kernel launch on ", dev, " failed: ",
               cuda::fused_adam_error_string(err));
 }
 

@@ -1,5 +1,6 @@
 // Stands in for src/optim/cuda_adam.cpp in a build without CUDA kernels.
 #include "cuda_adam.h"
+#include "../check.h"
 
 namespace shardtorch {
 
@@ -9,7 +10,7 @@ namespace detail {
 
 void fused_adam_cuda(const at::Tensor& param, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, const AdamStep&) {
-  TORCH_CHECK(false, "shardtorch FusedAdam: a parameter of ", param.numel(), " elements is on ", param.device(),
+  SHARDTORCH_CHECK(false, "shardtorch FusedAdam: a parameter of ", param.numel(), " elements is on ", param.device(),
               ", but this shardtorch was built without CUDA kernels (against a CPU LibTorch, or without a CUDA "
               "compiler); rebuild against a CUDA LibTorch with nvcc on PATH, or use shardtorch::AdamW");
 }

@@ -1,15 +1,14 @@
 #pragma once
 // The error every checkpoint reader and writer throws, naming the file and
 // the problem (plain C++, no ATen).
-#include <stdexcept>
-
+#include "shardtorch/error.h"
 #include "shardtorch/export.h"
 
 namespace shardtorch::checkpoint {
 
-class SHARDTORCH_API SafetensorsError : public std::runtime_error {
+class SHARDTORCH_API SafetensorsError : public Error {
  public:
-  using std::runtime_error::runtime_error;
+  using Error::Error;
 };
 
 }  // namespace shardtorch::checkpoint
