@@ -189,7 +189,7 @@ void AllReduceBucketer::settle_missing(bool error_on_unused) {
 
 void AllReduceBucketer::discard() {
   for (auto& bucket : buckets_) {
-    if (bucket.launched && bucket.pending.work) {
+    if (bucket.launched && bucket.pending.pending()) {
       try {
         comm_.wait(bucket.pending);  // the buffer must outlive the collective
       } catch (...) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "collective_check.h"
 #include "errors.h"
 #include "shard_state.h"
 
@@ -24,6 +25,7 @@ void BackwardTracker::start_finishing() { phase_ = BackwardPhase::Finishing; }
 void BackwardTracker::end_finishing() {
   TORCH_INTERNAL_ASSERT(phase_ == BackwardPhase::Finishing, "the end of a backward that was not finishing");
   phase_ = BackwardPhase::Idle;
+  model_.world().collective_context().backward_ends();
 }
 
 void BackwardTracker::ensure_end_of_backward_callback() {
@@ -75,6 +77,7 @@ void BackwardTracker::ensure_end_of_backward_callback() {
   }
   begin(task, builds_graph ? BackwardKind::BuildsGraph
                            : inputs_only ? BackwardKind::InputsOnly : BackwardKind::Reduces);
+  model_.world().collective_context().backward_begins(model_.sync());
   for (const auto& u : units) u->expect_from_graph(runs, in_graph);
   model_.order().on_backward_start();
   auto keep = model_.shared_from_this();
@@ -112,6 +115,7 @@ void BackwardTracker::abandon(bool warn) {
   }
   phase_ = BackwardPhase::Idle;  // from any phase
   partial_grads_ = true;  // until zero_grad
+  model_.world().collective_context().backward_ends();
   model_.order().on_backward_abandoned();
   gradients_changed();  // partly reduced, staged ones dropped
   model_.release_held();

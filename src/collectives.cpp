@@ -14,6 +14,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "collective_check.h"
+
 namespace shardtorch {
 
 std::string describe(const at::Tensor& t) {
@@ -146,6 +148,8 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
   try {
     wait();
     if (injected().take(what)) throw std::runtime_error("failure injected by shardtorch::testing::fail_collectives");
+  } catch (const CollectivesDiverged&) {
+    throw;  // names the ranks and both collectives already; nothing ran
   } catch (const std::exception& e) {
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::ostringstream os;
@@ -186,16 +190,33 @@ void Comm::reduce_scatter_into(at::Tensor& out, at::Tensor& in, const std::strin
 }
 
 void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
-  std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op;
   opts.timeout = timeout_;
-  run("all_reduce", what, describe(t), stats_.all_reduce, 2 * t.nbytes() * (size_ - 1) / std::max(size_, 1),
-      [&] { return backend_->allreduce(ts, opts); });
+  auto b = backend_;
+  PendingWork p = launch("all_reduce", what, describe(t), stats_.all_reduce,
+                         2 * t.nbytes() * (size_ - 1) / std::max(size_, 1),
+                         [b, t, opts]() mutable {
+                           std::vector<at::Tensor> ts{t};
+                           return b->allreduce(ts, opts);
+                         },
+                         t, static_cast<int64_t>(op) + 1);
+  wait_on_host(p);
+}
+
+namespace {
+int64_t op_code(const char* op) { return detail::text_hash(op); }
+}  // namespace
+
+void Comm::enable_checks(std::shared_ptr<detail::CollectiveContext> context) {
+  SHARDTORCH_CHECK(!device_.is_cuda(), "shardtorch: the collective check runs on CPU (Gloo) groups only");
+  context_ = std::move(context);
+  if (!checker_) checker_ = std::make_unique<detail::CollectiveChecker>(backend_, rank_, size_);
 }
 
 PendingWork Comm::launch(const char* op, const std::string& what, std::string shapes, CollectiveCounter& counter,
-                         int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+                         int64_t bytes, std::function<c10::intrusive_ptr<c10d::Work>()> start, const at::Tensor& data,
+                         int64_t extra) {
   PendingWork p;
   p.op = op;
   p.what = what;
@@ -203,6 +224,15 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   p.counter = &counter;
   p.bytes = bytes;
   p.start = std::chrono::steady_clock::now();
+  if (checker_) {
+    const auto where = context_->snapshot();
+    std::vector<int64_t> fingerprint{op_code(op),  detail::text_hash(what), data.numel(),
+                                     static_cast<int64_t>(data.scalar_type()), extra, where.step, where.backwards,
+                                     where.phase, where.inputs_hash};
+    std::string description = std::string(op) + " for " + what + " (" + p.shapes + "); " + where.words;
+    p.checked = checker_->submit(std::move(fingerprint), std::move(description), std::move(start), timeout_);
+    return p;
+  }
   try {
     p.work = start();
   } catch (const std::exception& e) {
@@ -212,13 +242,32 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   return p;
 }
 
+c10::intrusive_ptr<c10d::Work> Comm::launched(PendingWork& p) {
+  if (p.work) return p.work;
+  SHARDTORCH_CHECK(p.checked, "shardtorch: Comm::wait on a collective that was not launched");
+  auto checked = std::move(p.checked);
+  try {
+    p.work = checked->launched();
+  } catch (const CollectivesDiverged&) {
+    throw;
+  } catch (const std::exception&) {
+    // The fingerprint exchange failed (a peer died, or never came) or the
+    // launch did: the same error as a collective that failed.
+    std::exception_ptr error = std::current_exception();
+    complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] { std::rethrow_exception(error); });
+    throw;  // not reached: complete() threw
+  }
+  return p.work;
+}
+
 PendingWork Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   check_gather(out, in, what);
   at::Tensor o = out.view({-1}), i = in.view({-1});
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;  // else the backend's own, not this Comm's (a checkpoint's longer one, say)
+  auto b = backend_;
   return launch("all_gather", what, "in " + describe(in) + ", out " + describe(out), stats_.all_gather,
-                in.nbytes() * (size_ - 1), [&] { return backend_->_allgather_base(o, i, opts); });
+                in.nbytes() * (size_ - 1), [b, o, i, opts]() mutable { return b->_allgather_base(o, i, opts); }, in);
 }
 
 PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
@@ -229,8 +278,10 @@ PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const st
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
+  auto b = backend_;
   return launch("reduce_scatter", what, "in " + describe(in) + ", out " + describe(out), stats_.reduce_scatter,
-                out.nbytes() * (size_ - 1), [&] { return backend_->_reduce_scatter_base(o, i, opts); });
+                out.nbytes() * (size_ - 1),
+                [b, o, i, opts]() mutable { return b->_reduce_scatter_base(o, i, opts); }, in);
 }
 
 PendingWork Comm::reduce_scatter_in_place_async(at::Tensor& in, const std::string& what) {
@@ -248,15 +299,21 @@ PendingWork Comm::all_reduce_async(at::Tensor& t, const std::string& what) {
 
 PendingWork Comm::launch_sum(at::Tensor& t, const char* op, std::string shapes, CollectiveCounter& counter,
                              int64_t bytes, const std::string& what) {
-  std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
-  return launch(op, what, std::move(shapes), counter, bytes, [&] { return backend_->allreduce(ts, opts); });
+  auto b = backend_;
+  return launch(op, what, std::move(shapes), counter, bytes,
+                [b, t, opts]() mutable {
+                  std::vector<at::Tensor> ts{t};
+                  return b->allreduce(ts, opts);
+                },
+                t, static_cast<int64_t>(c10d::ReduceOp::SUM) + 1);
 }
 
 void Comm::wait(PendingWork& p) {
-  SHARDTORCH_CHECK(p.work, "shardtorch: Comm::wait on a collective that was not launched");
+  SHARDTORCH_CHECK(p.pending(), "shardtorch: Comm::wait on a collective that was not launched");
+  launched(p);  // a checked launch: its check first (p.checked is spent)
   // Done with it either way: a collective that failed is not waited for again.
   auto work = std::move(p.work);
   if (host_waits_) {
@@ -285,20 +342,32 @@ void Comm::settle_earlier() {
 }
 
 void Comm::finish(PendingWork& p, std::exception_ptr error) {
-  SHARDTORCH_CHECK(p.work, "shardtorch: Comm::finish on a collective that was not launched");
+  SHARDTORCH_CHECK(p.pending(), "shardtorch: Comm::finish on a collective that was not launched");
   auto work = std::move(p.work);
+  p.checked.reset();
   complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] {
     if (error) std::rethrow_exception(error);
   });
 }
 
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
-  std::vector<at::Tensor> ts{t};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = timeout_;
-  run("broadcast", what, describe(t), stats_.broadcast, rank_ == root ? t.nbytes() : 0,
-      [&] { return backend_->broadcast(ts, opts); });
+  auto b = backend_;
+  PendingWork p = launch("broadcast", what, describe(t), stats_.broadcast, rank_ == root ? t.nbytes() : 0,
+                         [b, t, opts]() mutable {
+                           std::vector<at::Tensor> ts{t};
+                           return b->broadcast(ts, opts);
+                         },
+                         t, root);
+  wait_on_host(p);
+}
+
+void Comm::wait_on_host(PendingWork& p) {
+  launched(p);
+  auto work = std::move(p.work);
+  run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
 }
 
 std::vector<std::string> Comm::all_gather_strings(const std::string& mine, const std::string& what) {

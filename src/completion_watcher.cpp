@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "collective_check.h"
 #include "errors.h"
 
 namespace shardtorch::detail {
@@ -39,22 +40,30 @@ CompletionWatcher::~CompletionWatcher() {
   if (thread_.joinable()) thread_.join();
 }
 
+void CompletionWatcher::wait(Item& item) {
+  if (!item.work) item.work = item.checked->launched();
+  item.checked.reset();
+  item.work->wait(item.timeout);
+}
+
 std::shared_ptr<CompletionState> CompletionWatcher::watch(c10::intrusive_ptr<c10d::Work> work,
-                                                          std::chrono::milliseconds timeout) {
+                                                          std::chrono::milliseconds timeout,
+                                                          std::shared_ptr<CheckedLaunch> checked) {
   auto state = std::make_shared<CompletionState>();
   std::exception_ptr broken;
   {
     std::lock_guard<std::mutex> lock(mu_);
     broken = broken_;
     if (!broken) {
-      queue_.push_back(Item{work, timeout, state});
+      queue_.push_back(Item{work, checked, timeout, state});
       if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
     }
   }
   if (broken) {  // the thread is gone: wait here (the buffers must outlive the collective), report its failure
     std::exception_ptr error = broken;
     try {
-      work->wait(timeout);
+      Item item{work, checked, timeout, state};
+      wait(item);
     } catch (...) {
       error = std::current_exception();
     }
@@ -80,7 +89,7 @@ void CompletionWatcher::loop() noexcept {
     for (auto& item : left) {
       std::exception_ptr error = broken_;
       try {
-        item.work->wait(item.timeout);
+        wait(item);
       } catch (...) {
         error = std::current_exception();
       }
@@ -103,7 +112,7 @@ void CompletionWatcher::run() {
     // names the rank and the collective); nothing escapes the thread.
     std::exception_ptr error;
     try {
-      item.work->wait(item.timeout);
+      wait(item);
       failure_point("completion watcher");
       item.work.reset();
     } catch (...) {

@@ -23,6 +23,8 @@
 
 namespace shardtorch::detail {
 
+struct CheckedLaunch;
+
 /// The outcome of one watched collective, shared by the watcher's thread
 /// and the thread that asks.
 struct CompletionState {
@@ -50,11 +52,15 @@ class CompletionWatcher {
   ~CompletionWatcher();
 
   /// Starts watching `work`: its wait(timeout) runs on the watcher's thread.
-  std::shared_ptr<CompletionState> watch(c10::intrusive_ptr<c10d::Work> work, std::chrono::milliseconds timeout);
+  /// Where `work` is null, `checked` (a launch waiting for its check) gives
+  /// it there first; what the check throws is the collective's error.
+  std::shared_ptr<CompletionState> watch(c10::intrusive_ptr<c10d::Work> work, std::chrono::milliseconds timeout,
+                                         std::shared_ptr<CheckedLaunch> checked = nullptr);
 
  private:
   struct Item {
     c10::intrusive_ptr<c10d::Work> work;
+    std::shared_ptr<CheckedLaunch> checked;
     std::chrono::milliseconds timeout{0};
     std::shared_ptr<CompletionState> state;
   };
@@ -62,6 +68,8 @@ class CompletionWatcher {
   /// those errors go to their waiters), every waiter hears of that instead.
   void loop() noexcept;
   void run();
+  /// The item's wait (its check first, if any); throws its error.
+  static void wait(Item& item);
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -10,13 +10,15 @@
 #include <algorithm>
 #include <unordered_set>
 
+#include "collective_check.h"
 #include "errors.h"
 #include "shard_state.h"
 
 namespace shardtorch::detail {
 
-void Unit::pre_forward() {
+void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
   owner_->world().note_progress(c10::GradMode::is_enabled() ? "forward" : "forward without grad", label());
+  if (is_root_ && c10::GradMode::is_enabled()) owner_->world().collective_context().root_inputs(inputs);
   owner_->backward().recover_if_failed();
   owner_->order().note_forward_for_reduction(*this);
   call_.reset();

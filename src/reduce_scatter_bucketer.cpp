@@ -200,7 +200,7 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
   }
   if (!group.device().is_cuda()) {
     if (!watcher_) watcher_ = std::make_unique<detail::CompletionWatcher>();
-    l.completion = watcher_->watch(l.work.work, group.timeout());
+    l.completion = watcher_->watch(l.work.work, group.timeout(), l.work.checked);
   }
   ++launched_;
   if (!in_flight_.empty()) ++launched_while_in_flight_;

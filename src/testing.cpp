@@ -50,7 +50,7 @@ namespace {
     at::set_num_threads(options.threads());
     auto store = c10::make_intrusive<c10d::FileStore>(store_path, world_size);
     WorldOptions wo;
-    wo.timeout(options.collective_timeout()).gloo_hostname("127.0.0.1");
+    wo.timeout(options.collective_timeout()).gloo_hostname("127.0.0.1").check_collectives(options.check_collectives());
     if (options.device_type() == c10::kCUDA) {
       wo.device(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank)));
     } else {

@@ -98,7 +98,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::string sharded_access_error(const FlatParam& flat) const;
   /// Gathers the unit; under grad mode, a unit with frozen parameters starts
   /// a ForwardCall, whose exits post_forward hooks.
-  void pre_forward();
+  void pre_forward(const std::vector<at::Tensor>& inputs = {});
   std::optional<at::ScalarType> input_dtype() const;
   std::optional<at::ScalarType> output_dtype() const;
   void post_forward(const std::vector<at::Tensor>& outputs);

@@ -10,7 +10,7 @@ namespace shardtorch {
 
 UnitBase::~UnitBase() = default;
 
-void UnitBase::before_forward() { unit_->pre_forward(); }
+void UnitBase::before_forward(const std::vector<at::Tensor>& inputs) { unit_->pre_forward(inputs); }
 
 void UnitBase::forward_failed() noexcept {
   try {

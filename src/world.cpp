@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "collective_check.h"
 #include "progress.h"
 
 #include <algorithm>
@@ -233,6 +234,36 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
       return p->report(all, started);
     });
   }
+  w->context_ = std::make_shared<detail::CollectiveContext>();
+  bool check = options.check_collectives();
+  if (const char* v = std::getenv("SHARDTORCH_CHECK_COLLECTIVES")) {
+    const std::string value = v;
+    SHARDTORCH_CHECK(value == "0" || value == "1", "shardtorch: SHARDTORCH_CHECK_COLLECTIVES='", value,
+                "' is neither 0 nor 1");
+    check = value == "1";
+  }
+  if (check && comm_device.is_cuda()) {
+    TORCH_WARN_ONCE("shardtorch: check_collectives is not available on CUDA (NCCL) yet and stays off: it has not "
+                    "run on a GPU (docs/reliability.md)");
+    check = false;
+  }
+  if (world_size > 1) {
+    // A rank checking beside one that does not would pair its fingerprint
+    // with the other's collective: every rank must agree, so they compare
+    // (on the backend itself: nothing counted, nothing checked).
+    auto mine = at::full({1}, check ? 1 : 0, at::kLong).to(comm_device);
+    auto all = at::empty({world_size}, mine.options());
+    c10d::AllgatherOptions o;
+    o.timeout = options.timeout();
+    b->_allgather_base(all, mine, o)->wait(options.timeout());
+    all = all.cpu();
+    for (int r = 1; r < world_size; ++r)
+      SHARDTORCH_CHECK(all[r].item<int64_t>() == all[0].item<int64_t>(), "shardtorch: rank ", rank,
+                  ": check_collectives differs across ranks: ", all[0].item<int64_t>() ? "on" : "off", " on rank 0 but ",
+                  all[r].item<int64_t>() ? "on" : "off", " on rank ", r,
+                  "; every rank must pass the same WorldOptions::check_collectives (SHARDTORCH_CHECK_COLLECTIVES)");
+  }
+  if (check && world_size > 1) w->comm_->enable_checks(w->context_);
   return w;
 }
 
@@ -273,6 +304,7 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   // rank-dependent point later (inside a backward, say).
   auto probe = at::zeros({1}, at::TensorOptions().device(comm_->device()));
   comm->all_reduce(probe, c10d::ReduceOp::SUM, "setting up group '" + tag + "'");
+  if (comm_->checks() && n > 1) comm->enable_checks(context_);  // every member, at the same point
   return comm;
 }
 
@@ -311,6 +343,7 @@ void World::note_progress(const std::string& phase, const std::string& unit) {
 
 void World::note_step_done() {
   if (progress_) progress_->step_done();
+  context_->step_done();
 }
 
 void World::barrier() {

@@ -12,9 +12,11 @@
 #include <memory>
 #include <optional>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "shardtorch/error.h"
 #include "shardtorch/export.h"
 
 namespace shardtorch {
@@ -33,19 +35,34 @@ struct SHARDTORCH_API CommStats {
   }
 };
 
+namespace detail {
+class StreamOrderedWaits;
+class CollectiveChecker;
+class CollectiveContext;
+struct CheckedLaunch;
+}  // namespace detail
+
+/// Thrown on every rank of a group, before the collective runs, when the
+/// ranks are at different collectives (checked communicators only:
+/// WorldOptions::check_collectives): the message names two ranks that
+/// differ and where each is (operation, what for, shapes, step, phase).
+class SHARDTORCH_API CollectivesDiverged : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A collective launched and not yet waited for.
 struct SHARDTORCH_API PendingWork {
-  c10::intrusive_ptr<c10d::Work> work;
+  c10::intrusive_ptr<c10d::Work> work;  // null while a checked launch waits for its check
+  std::shared_ptr<detail::CheckedLaunch> checked;  // the check and launch, on a checked Comm
+  /// Launched (or queued for its check) and not yet waited for.
+  bool pending() const { return work || checked; }
   const char* op = "";
   std::string what, shapes;
   CollectiveCounter* counter = nullptr;
   int64_t bytes = 0;
   std::chrono::steady_clock::time_point start;
 };
-
-namespace detail {
-class StreamOrderedWaits;
-}
 
 class SHARDTORCH_API Comm {
  public:
@@ -108,6 +125,14 @@ class SHARDTORCH_API Comm {
   /// Every rank's string, in rank order (two all-gathers: lengths, then bytes).
   std::vector<std::string> all_gather_strings(const std::string& mine, const std::string& what);
 
+  /// From now on, before each collective the ranks compare a fingerprint of
+  /// it (operation, what for, element count, dtype, and where `context`
+  /// says the rank is) and every rank throws CollectivesDiverged instead of
+  /// running it when they differ (docs/reliability.md). Collective: every
+  /// member must turn it on at the same point. CPU (Gloo) groups only.
+  void enable_checks(std::shared_ptr<detail::CollectiveContext> context);
+  bool checks() const { return static_cast<bool>(checker_); }
+
   /// What a failed collective's error adds about the peers (the world sets
   /// it: which died or did not arrive, and where each last was); given when
   /// the collective started, it must not throw.
@@ -138,6 +163,8 @@ class SHARDTORCH_API Comm {
   void run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
            int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
            std::optional<std::chrono::steady_clock::time_point> started = std::nullopt);
+  /// Waits for `p` on this thread, whatever the device (the blocking calls).
+  void wait_on_host(PendingWork& p);
   /// Runs `wait`, then fault injection; errors name the collective and the
   /// time since `start`; counts the collective in `counter`.
   void complete(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
@@ -146,8 +173,14 @@ class SHARDTORCH_API Comm {
   /// throws for the oldest that has not completed within the timeout.
   void settle_earlier();
   /// Starts a collective for wait(); a failure to start names the operation.
+  /// `start` may run later, on the checker's thread: it holds what it uses.
+  /// `numel`, `dtype` and `extra` (a root, a reduce op) go into the fingerprint.
   PendingWork launch(const char* op, const std::string& what, std::string shapes, CollectiveCounter& counter,
-                     int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
+                     int64_t bytes, std::function<c10::intrusive_ptr<c10d::Work>()> start, const at::Tensor& data,
+                     int64_t extra = 0);
+  /// The collective, launched when every rank's fingerprint agrees (checked
+  /// Comm) or at once; throws what the check or the launch threw.
+  c10::intrusive_ptr<c10d::Work> launched(PendingWork& p);
   /// launch() of a summing all-reduce of `t` in place, named and counted as given.
   PendingWork launch_sum(at::Tensor& t, const char* op, std::string shapes, CollectiveCounter& counter, int64_t bytes,
                          const std::string& what);
@@ -161,6 +194,8 @@ class SHARDTORCH_API Comm {
   bool reduce_scatter_in_place_;
   bool host_waits_;
   std::unique_ptr<detail::StreamOrderedWaits> unsettled_;  // when !host_waits_
+  std::shared_ptr<detail::CollectiveContext> context_;
+  std::unique_ptr<detail::CollectiveChecker> checker_;  // when checks()
   CommStats stats_;
   PeerReport peer_report_;
 };

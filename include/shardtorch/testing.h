@@ -39,6 +39,8 @@ struct SHARDTORCH_API RunOptions {
   TORCH_ARG(c10::DeviceType, device_type) = c10::kCPU;
   /// Intra-op threads in each rank.
   TORCH_ARG(int, threads) = 1;
+  /// WorldOptions::check_collectives of each rank's world.
+  TORCH_ARG(bool, check_collectives) = false;
 };
 
 struct SHARDTORCH_API RankOutcome {

@@ -46,7 +46,9 @@ class SHARDTORCH_API UnitBase {
   std::string checkpoint_label() const;
 
  protected:
-  void before_forward();
+  /// `inputs`: the forward's tensor arguments (the root's are part of the
+  /// collectives' fingerprint: WorldOptions::check_collectives).
+  void before_forward(const std::vector<at::Tensor>& inputs);
   /// Returns true if it replaced an output: an input or a leaf returned as it
   /// is becomes a copy, so that the unit's backward hook is its own
   /// (docs/design.md, "Ordering and consistency across ranks").
@@ -201,7 +203,7 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
     std::vector<at::Tensor> inputs;  // to tell an input passed through
     if (is_sharded_unit() && !checkpoint) (detail::collect_tensors(inputs, args), ...);
     ForwardGuard guard(is_sharded_unit() ? this : nullptr);
-    if (is_sharded_unit()) before_forward();
+    if (is_sharded_unit()) before_forward(inputs);
     const auto in_dtype = is_sharded_unit() ? input_dtype() : std::nullopt;
     R out = checkpoint ? checkpointed(detail::cast_input(std::forward<A>(args), in_dtype)...)
                        : Impl::forward(detail::cast_input(std::forward<A>(args), in_dtype)...);

@@ -22,6 +22,7 @@ namespace shardtorch {
 
 namespace detail {
 class Progress;
+class CollectiveContext;
 }
 
 /// What the launcher told this process: torchrun, OpenMPI, MPICH or Slurm.
@@ -63,6 +64,15 @@ struct SHARDTORCH_API WorldOptions {
   /// Interface address Gloo binds to; default: loopback when MASTER_ADDR is
   /// local, else the host name.
   TORCH_ARG(std::string, gloo_hostname) = "";
+  /// Before each collective, the ranks compare a fingerprint of it (one
+  /// all-gather of a few integers) and every rank throws
+  /// CollectivesDiverged, naming two ranks and where each is, instead of
+  /// running collectives that do not pair (docs/reliability.md). Costs one
+  /// small exchange per collective (docs/benchmarks.md). CPU (Gloo) only:
+  /// ignored, with a warning, on CUDA. SHARDTORCH_CHECK_COLLECTIVES=0 or 1
+  /// replaces it at launch. Every rank must pass the same value (checked
+  /// when the world is created).
+  TORCH_ARG(bool, check_collectives) = false;
 };
 
 class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
@@ -101,6 +111,11 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   void note_progress(const std::string& phase, const std::string& unit = "");
   /// Counts an optimizer step (shardtorch's optimizers call it).
   void note_step_done();
+  /// Whether this world's collectives are checked (WorldOptions::check_collectives).
+  bool checks_collectives() const { return comm_->checks(); }
+  /// Where this rank is (step, backward, the step's inputs), for the
+  /// collectives' fingerprints; shardtorch's sharded models keep it.
+  detail::CollectiveContext& collective_context() const { return *context_; }
 
   /// A process group of some ranks (this one among them), e.g. for hybrid
   /// sharding; a member's index in the group is its place in `ranks`.
@@ -127,6 +142,7 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   std::unique_ptr<Comm> comm_;
   std::map<std::string, int> groups_made_;  // by tag and ranks
   std::shared_ptr<detail::Progress> progress_;
+  std::shared_ptr<detail::CollectiveContext> context_;
 };
 
 namespace detail {

@@ -1,0 +1,259 @@
+// Ranks that diverge after shard(): with WorldOptions::check_collectives,
+// every rank fails before the first collective that does not pair, naming
+// two ranks and where each is (docs/reliability.md, "Ranks that diverge
+// after shard()"). Without the check each of these waited for the
+// collective timeout, paired the wrong units' data, aborted inside Gloo
+// (SIGABRT) or trained on with no word.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "models.h"
+
+using namespace testmodels;
+using shardtorch::ShardOptions;
+using shardtorch::Strategy;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+using shardtorch::testing::RunOptions;
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// A collective timeout far above what the tests allow: an error within it
+// comes from the check, not from a timeout.
+RunOptions checked() {
+  return RunOptions()
+      .check_collectives(true)
+      .collective_timeout(std::chrono::seconds(60))
+      .timeout(std::chrono::seconds(90));
+}
+constexpr double kWithinSeconds = 15.0;
+
+// Every rank threw CollectivesDiverged, saying each of `words`.
+void expect_diverged(const shardtorch::testing::RunResult& r, const std::vector<std::string>& words) {
+  ASSERT_FALSE(r.ok) << r.summary();
+  for (size_t k = 0; k < r.ranks.size(); ++k) {
+    const auto& m = r.ranks[k].message;
+    EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
+    EXPECT_NE(m.find("shardtorch: rank " + std::to_string(k) + "/" + std::to_string(r.ranks.size()) +
+                     ": collectives diverged: rank 0 is at "),
+              std::string::npos)
+        << r.summary();
+    for (const auto& w : words) EXPECT_NE(m.find(w), std::string::npos) << "missing: " << w << "\n" << r.summary();
+    for (const char* trace : {"Exception raised from", "frame #"})
+      EXPECT_EQ(m.find(trace), std::string::npos) << r.summary();
+  }
+}
+
+// Runs micro-batches of `x` (the last with gradient sync) and one step.
+template <class M>
+void train_step(M& model, shardtorch::ShardedModel& sharded, shardtorch::ShardedOptimizer& opt, const torch::Tensor& x,
+                int micro_batches) {
+  opt.zero_grad();
+  for (int m = 0; m < micro_batches; ++m) {
+    sharded.set_requires_gradient_sync(m + 1 == micro_batches);
+    model(x).square().mean().backward();
+  }
+  sharded.set_requires_gradient_sync(true);
+  opt.step();
+}
+
+// Three units of one size and one of another, the second skipped where `skip`.
+struct RoutedImpl : torch::nn::Module {
+  RoutedImpl()
+      : a(register_module("a", Layer(6, 6, true))),
+        b(register_module("b", Layer(6, 6, true))),
+        c(register_module("c", Layer(6, 6, true))),
+        d(register_module("d", Layer(6, 2, false))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = a(x);
+    if (!skip_b) x = b(x);
+    if (!skip_c) x = c(x);
+    return d(x);
+  }
+  Layer a, b, c, d;
+  bool skip_b = false, skip_c = false;
+};
+SHARDTORCH_MODULE(Routed);
+
+}  // namespace
+
+// (a) One rank runs three micro-batches per step, the other two.
+TEST(Diverged, ADifferentNumberOfMicroBatchesFailsEveryRankNamingBoth) {
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp}) {
+    SCOPED_TRACE(shardtorch::strategy_name(s));
+    auto t0 = std::chrono::steady_clock::now();
+    auto r = run_ranks(2, [s](World& w) {
+      torch::manual_seed(0);
+      MLP m;
+      auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
+      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+      auto x = torch::randn({4, 7});
+      for (int step = 0; step < 2; ++step)
+        train_step(m, sharded, *opt, x, w.rank() == 0 ? 3 : 2);
+    }, checked());
+    EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+    if (s == Strategy::FullShard) {
+      // Both in the second backward: rank 0 without gradient sync, rank 1 with.
+      expect_diverged(r, {"rank 0 is at all_gather for parameters of unit 'l3'",
+                          "step 0, in backward 2 since the last optimizer step (gradient sync off)",
+                          "but rank 1 is at all_gather for parameters of unit 'l3'",
+                          "step 0, in backward 2 since the last optimizer step (gradient sync on)"});
+    } else {
+      // Nothing gathers in backward: rank 0's third backward meets rank 1's second.
+      expect_diverged(r, {"in backward 3 since the last optimizer step (gradient sync on)",
+                          "but rank 1 is at", "in backward 2 since the last optimizer step (gradient sync on)"});
+    }
+  }
+}
+
+// (b) One rank stops a step early and goes on to the next collective of its
+// program (a barrier before saving); or it exits.
+TEST(Diverged, ARankThatStopsEarlyFailsEveryRankNamingBoth) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(2, [](World& w) {
+    MLP m;
+    auto sharded = shardtorch::shard(m, w);
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randn({4, 7});
+    const int steps = w.rank() == 0 ? 3 : 2;
+    for (int step = 0; step < steps; ++step)
+      train_step(m, sharded, *opt, x, 1);
+    w.barrier();
+  }, checked());
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+  expect_diverged(r, {"rank 0 is at all_gather for parameters of unit 'l1'", "step 2, after 0 backwards",
+                      "but rank 1 is at all_reduce for barrier (Float[1]); step 2"});
+
+  // The rank that stopped leaves: the other fails at once, naming it.
+  t0 = std::chrono::steady_clock::now();
+  auto gone = run_ranks(2, [](World& w) {
+    MLP m;
+    auto sharded = shardtorch::shard(m, w);
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randn({4, 7});
+    const int steps = w.rank() == 0 ? 3 : 2;
+    for (int step = 0; step < steps; ++step)
+      train_step(m, sharded, *opt, x, 1);
+  }, checked());
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << gone.summary();
+  EXPECT_EQ(gone.ranks[1].exit_code, 0) << gone.summary();
+  EXPECT_EQ(gone.ranks[0].exit_code, 1) << gone.summary();
+  EXPECT_NE(gone.ranks[0].message.find("all_gather for parameters of unit 'l1'"), std::string::npos) << gone.summary();
+  EXPECT_NE(gone.ranks[0].message.find("Peer at fault: rank 1"), std::string::npos) << gone.summary();
+}
+
+// (c) One rank routes around a unit of the same size as the next: without
+// the check the two all-gathers paired, each rank computing with the other
+// unit's parameters.
+TEST(Diverged, ADifferentForwardPathFailsEveryRankNamingBothUnits) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(2, [](World& w) {
+    Routed m;
+    auto sharded = shardtorch::shard(m, w);
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randn({4, 6});
+    train_step(m, sharded, *opt, x, 1);
+    m->skip_b = w.rank() == 1;
+    train_step(m, sharded, *opt, x, 1);
+  }, checked());
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+  expect_diverged(r, {"rank 0 is at all_gather for parameters of unit 'b' (flat Float of 2 params, 42 elements",
+                      "step 1, after 0 backwards",
+                      "but rank 1 is at all_gather for parameters of unit 'c' (flat Float of 2 params, 42 elements"});
+}
+
+// (d) One rank's batch is half the others'. Caught at the step's first
+// collective: an all-gather of the first forward (FullShard) or the first
+// reduction of the backward (NoShard, which gathers nothing).
+TEST(Diverged, ADifferentBatchSizeFailsEveryRankNamingBothShapes) {
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
+    SCOPED_TRACE(shardtorch::strategy_name(s));
+    auto t0 = std::chrono::steady_clock::now();
+    auto r = run_ranks(2, [s](World& w) {
+      MLP m;
+      auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
+      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+      auto x = torch::randn({w.rank() == 0 ? 8 : 4, 7});
+      train_step(m, sharded, *opt, x, 1);
+    }, checked());
+    EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+    expect_diverged(r, {"the step's first forward took Float[8, 7]", "but rank 1 is at",
+                        "the step's first forward took Float[4, 7]"});
+  }
+}
+
+// (e) Collectives of different sizes: one rank skips a unit whose size
+// differs from the next one's (this aborted the process inside Gloo's own
+// thread: "Received data size doesn't match expected size", SIGABRT), or
+// clips its gradients while the other goes on to the next forward.
+TEST(Diverged, CollectivesOfDifferentSizesAreAnErrorOnEveryRankNotAnAbort) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(2, [](World& w) {
+    Routed m;
+    auto sharded = shardtorch::shard(m, w);
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randn({4, 6});
+    m->skip_c = w.rank() == 1;
+    train_step(m, sharded, *opt, x, 1);
+  }, checked());
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+  for (const auto& rank : r.ranks) EXPECT_EQ(rank.signal, 0) << r.summary();
+  expect_diverged(r, {"rank 0 is at all_gather for parameters of unit 'c' (flat Float of 2 params, 42 elements",
+                      "but rank 1 is at all_gather for parameters of unit 'd' (flat Float of 2 params, 14 elements"});
+
+  t0 = std::chrono::steady_clock::now();
+  auto clip = run_ranks(2, [](World& w) {
+    MLP m;
+    auto sharded = shardtorch::shard(m, w);
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randn({4, 7});
+    for (int step = 0; step < 2; ++step) {
+      opt->zero_grad();
+      m(x).square().mean().backward();
+      if (w.rank() == 0) shardtorch::clip_grad_norm(*m, 1.0);
+      opt->step();
+    }
+  }, checked());
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << clip.summary();
+  for (const auto& rank : clip.ranks) EXPECT_EQ(rank.signal, 0) << clip.summary();
+  expect_diverged(clip, {"rank 0 is at all_reduce for clip_grad_norm (Double[1])",
+                         "but rank 1 is at broadcast for "});
+}
+
+// The same programs with equal ranks train as before, and the switch must
+// agree across ranks.
+TEST(Diverged, EqualRanksTrainAndTheSwitchMustAgree) {
+  auto r = run_ranks(2, [](World& w) {
+    if (!w.checks_collectives()) throw std::runtime_error("the world does not check its collectives");
+    Routed m;
+    auto sharded = shardtorch::shard(m, w, ShardOptions().prefetch(true));
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randn({4, 6});
+    for (int step = 0; step < 3; ++step) train_step(m, sharded, *opt, x, 2);
+    shardtorch::clip_grad_norm(*m, 1.0);
+    w.barrier();
+  }, checked());
+  ASSERT_TRUE(r.ok) << r.summary();
+
+  auto differ = run_ranks(2, [](World& w) {
+    // The body is not reached: the second world is made here, with the switch on rank 1 only.
+    auto store = c10::make_intrusive<c10d::PrefixStore>("second", w.store());
+    World::create(store, w.rank(), w.size(),
+                  shardtorch::WorldOptions().gloo_hostname("127.0.0.1").device(c10::Device(c10::kCPU)).backend("gloo")
+                      .timeout(std::chrono::seconds(20)).check_collectives(w.rank() == 1));
+  });
+  ASSERT_FALSE(differ.ok);
+  for (const auto& rank : differ.ranks)
+    EXPECT_NE(rank.message.find("check_collectives differs across ranks: off on rank 0 but on on rank 1"),
+              std::string::npos)
+        << differ.summary();
+}
