@@ -12,7 +12,7 @@
 namespace shardtorch::detail {
 /// Throws shardtorch::Error(message, or one naming `condition` if empty),
 /// with a C++ backtrace appended under SHARDTORCH_SHOW_CPP_STACKTRACES=1.
-[[noreturn]] void throw_error(const char* condition, const std::string& message);
+[[noreturn]] SHARDTORCH_API void throw_error(const char* condition, const std::string& message);
 }  // namespace shardtorch::detail
 
 #define SHARDTORCH_CHECK(cond, ...)                                                        \
