@@ -83,20 +83,51 @@ void AllReduceBucketer::bind_grads() {
   }
 }
 
-void AllReduceBucketer::launch(Bucket& b, size_t index) {
+std::string AllReduceBucketer::describe_bucket(size_t index) const {
+  const Bucket& b = buckets_[index];
   std::ostringstream what;
   what << "gradient bucket " << index << " (" << b.params.size() << " params, first '" << names_[b.params.front()]
        << "')";
+  return what.str();
+}
+
+at::Tensor AllReduceBucketer::gradients_of(size_t b) const {
+  const at::Tensor& buffer = buckets_[b].buffer;
+  return b + 1 == buckets_.size() ? buffer.narrow(0, 0, buffer.numel() - 1) : buffer;
+}
+
+void AllReduceBucketer::launch(Bucket& b, size_t index) {
   b.launched = true;
   ++launched_;
-  if (index + 1 == buckets_.size()) {  // every parameter's backward is over by now, on this rank
-    const bool missing = std::find(ready_.begin(), ready_.end(), false) != ready_.end();
-    b.buffer.narrow(0, b.buffer.numel() - 1, 1).fill_(missing ? 1 : 0);
+  const bool last = index + 1 == buckets_.size();
+  bool missing = false;
+  if (last) {  // every parameter's backward is over by now, on this rank
+    missing = std::find(ready_.begin(), ready_.end(), false) != ready_.end();
+    if (!hook_) b.buffer.narrow(0, b.buffer.numel() - 1, 1).fill_(missing ? 1 : 0);
+  }
+  if (hook_) {
+    std::vector<size_t> offsets, lengths;
+    std::vector<c10::IntArrayRef> sizes;
+    std::vector<at::Tensor> params;
+    for (size_t k : b.params) {
+      offsets.push_back(static_cast<size_t>(where_[k].second));
+      lengths.push_back(static_cast<size_t>(params_[k].numel()));
+      sizes.push_back(params_[k].sizes());
+      params.push_back(params_[k]);
+    }
+    c10d::GradBucket bucket(index, buckets_.size(), gradients_of(index), std::move(offsets), std::move(lengths),
+                            std::move(sizes), std::move(params), std::nullopt);
+    b.call = detail::call_hook(*hook_, bucket, comm_.rank(), describe_bucket(index));
+    if (last) {
+      flag_ = at::full({1}, missing ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(comm_.device()));
+      flag_pending_ = comm_.all_reduce_async(flag_, "parameters without a gradient (flag)");
+    }
+    return;
   }
   // fp16 sums of N gradients can overflow where their mean does not: divide
   // first (as the sharded strategies do); other dtypes divide after.
   if (b.buffer.scalar_type() == at::kHalf && comm_.size() > 1) b.buffer.div_(static_cast<double>(comm_.size()));
-  b.pending = comm_.all_reduce_async(b.buffer, what.str());
+  b.pending = comm_.all_reduce_async(b.buffer, describe_bucket(index));
 }
 
 void AllReduceBucketer::mark_ready(size_t i, bool sync) {
@@ -133,10 +164,18 @@ void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
     for (size_t b = 0; b < buckets_.size(); ++b)
       if (!buckets_[b].launched) launch(buckets_[b], b);
     const double n = comm_.size();
-    for (auto& bucket : buckets_) {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      Bucket& bucket = buckets_[b];
+      if (bucket.call.active()) {  // the hook's mean: into the bucket, unless it reduced in place
+        at::Tensor mean = detail::finish_hook(*hook_, bucket.call, comm_.rank(), comm_.timeout());
+        at::Tensor grads = gradients_of(b);
+        if (mean.data_ptr() != grads.data_ptr()) grads.copy_(mean);
+        continue;
+      }
       comm_.wait(bucket.pending);
       if (n > 1 && bucket.buffer.scalar_type() != at::kHalf) bucket.buffer.div_(n);
     }
+    if (flag_pending_.work) comm_.wait(flag_pending_);
     try {
       settle_missing(error_on_unused);
     } catch (...) {
@@ -147,11 +186,16 @@ void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
   reset_counts();
 }
 
-void AllReduceBucketer::settle_missing(bool error_on_unused) {
+bool AllReduceBucketer::any_rank_missing() const {
+  if (flag_.defined()) return flag_.item<int>() > 0;  // summed on its own (a hook reduced the buckets)
   const at::Tensor& last = buckets_.back().buffer;
   // A sum of 0s and 1s (or of 0s and 1/n under fp16): positive exactly when
   // some rank set its flag, in any dtype.
-  if (!(last.narrow(0, last.numel() - 1, 1).item<double>() > 0)) return;
+  return last.narrow(0, last.numel() - 1, 1).item<double>() > 0;
+}
+
+void AllReduceBucketer::settle_missing(bool error_on_unused) {
+  if (!any_rank_missing()) return;
   const int64_t count = static_cast<int64_t>(params_.size());
   at::Tensor counts = at::empty({2 * count}, at::kInt);
   auto* c = counts.data_ptr<int32_t>();
@@ -196,6 +240,13 @@ void AllReduceBucketer::discard() {
       }
     }
     bucket.pending = PendingWork{};
+    detail::abandon_hook(bucket.call, comm_.timeout());
+  }
+  if (flag_pending_.work) {
+    try {
+      comm_.wait(flag_pending_);
+    } catch (...) {
+    }
   }
   reset_counts();
 }
@@ -207,6 +258,8 @@ void AllReduceBucketer::reset_counts() {
   }
   next_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), false);
+  flag_ = at::Tensor();
+  flag_pending_ = PendingWork{};
 }
 
 void AllReduceBucketer::zero_grads() {

@@ -34,6 +34,12 @@
 //     (LibTorch's zero_grad sets to none), so the optimizer skips it: no
 //     weight decay, no moments, no optimizer state. Its slice stays zero and
 //     is bound again once it gets a gradient (or at zero_grads()).
+//
+// With a communication hook (set_hook) each bucket's gradients, without the
+// flag, go to the hook instead of the all-reduce, and what its future holds
+// (their mean over the ranks: the hook divides) is copied back into the
+// bucket; the flag is then summed by an all-reduce of its own, launched with
+// the last bucket.
 #include <ATen/ATen.h>
 
 #include <optional>
@@ -41,7 +47,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "hook_call.h"
 #include "shardtorch/collectives.h"
+#include "shardtorch/comm_hooks.h"
 #include "shardtorch/memory.h"
 
 namespace shardtorch {
@@ -65,6 +73,11 @@ class AllReduceBucketer {
   /// Points every param.grad at its slice of a bucket (again, if something
   /// replaced it). Keeps values already there.
   void bind_grads();
+  /// Reduces every bucket through `hook` (which outlives this) instead of the
+  /// built-in all-reduce and division; null: the built-in. Not during a backward.
+  void set_hook(CommHook* hook) { hook_ = hook; }
+  CommHook* hook() const { return hook_; }
+
   /// Called when autograd has accumulated param i's gradient.
   void mark_ready(size_t i, bool sync);
   /// End of backward: launch what is left (unused parameters count as zero,
@@ -96,8 +109,15 @@ class AllReduceBucketer {
     size_t ready = 0;
     bool launched = false;
     PendingWork pending;
+    detail::HookCall call;  // with a hook: its reduction in flight
   };
   void launch(Bucket& b, size_t index);
+  /// What the hook gets of bucket b: its gradients, without the flag.
+  at::Tensor gradients_of(size_t b) const;
+  /// Bucket `index`'s description in collectives' and hooks' errors.
+  std::string describe_bucket(size_t index) const;
+  /// Whether some rank had a parameter without a gradient (the summed flag).
+  bool any_rank_missing() const;
   /// After the buckets are reduced: if some rank had a parameter without a
   /// gradient, the counts (one small all-reduce), the error, the absences.
   void settle_missing(bool error_on_unused);
@@ -114,6 +134,9 @@ class AllReduceBucketer {
   std::vector<Bucket> buckets_;
   std::vector<bool> is_view_;  // param.grad is a view of its bucket slice
   Comm& comm_;
+  CommHook* hook_ = nullptr;
+  at::Tensor flag_;  // with a hook: the flag, all-reduced on its own
+  PendingWork flag_pending_;
   bool async_;
   int64_t launched_during_backward_ = 0, launched_ = 0;
   size_t next_launch_ = 0;  // buckets below it are launched

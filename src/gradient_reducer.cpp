@@ -20,7 +20,12 @@ void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
   ++reductions_;
   // fp16 sums of N gradients can overflow: divide before reducing instead of after.
   double post = world;
-  if (g.scalar_type() == at::kHalf) {
+  if (comm_hook() && model_.strategy() != Strategy::OptimizerOnly) {
+    // The hook gets the shard group's mean and returns the mean over all
+    // ranks: it divides by the number of replicas, as DDP's hooks do.
+    g.div_(static_cast<double>(model_.reduce_comm().size()));
+    post = 1.0;
+  } else if (g.scalar_type() == at::kHalf) {
     g.div_(world);
     post = 1.0;
   }

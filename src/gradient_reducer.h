@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "reduce_scatter_bucketer.h"
@@ -31,6 +32,20 @@ class GradientReducer {
   virtual void discard() = 0;
   /// Reductions started since shard(): flat gradients handed on, or buckets launched.
   virtual int64_t reductions() const = 0;
+  /// Routes the reduction across replicas through `hook` from the next
+  /// backward on (docs/api.md, "Communication hooks"). Not during a backward.
+  void set_comm_hook(std::unique_ptr<CommHook> hook) {
+    hook_ = std::move(hook);
+    use_hook(hook_.get());
+  }
+  CommHook* comm_hook() const { return hook_.get(); }
+
+ protected:
+  /// Hands the hook (null: none) to the bucketer.
+  virtual void use_hook(CommHook* hook) = 0;
+
+ private:
+  std::unique_ptr<CommHook> hook_;  // a base member: it outlives the bucketers, which may wait on it
 };
 
 /// The sharded strategies' reductions.
@@ -45,6 +60,7 @@ class ShardedReducer final : public GradientReducer {
   void finish_backward(bool sync) override;
   void discard() override { bucketer_.discard(); }
   int64_t reductions() const override { return reductions_; }
+  void use_hook(CommHook* hook) override { bucketer_.set_hook(hook); }
   ReduceScatterBucketer& bucketer() { return bucketer_; }
   const ReduceScatterBucketer& bucketer() const { return bucketer_; }
 

@@ -134,6 +134,7 @@ void ReduceScatterBucketer::make_room(const std::string& next, bool bounded) {
 
 bool ReduceScatterBucketer::oldest_done_within(std::chrono::milliseconds bound) {
   Launched& oldest = in_flight_.front();
+  if (oldest.call.active()) return detail::hook_done_within(oldest.call, bound);
   if (oldest.completion) return oldest.completion->wait_for(bound);
   const auto deadline = std::chrono::steady_clock::now() + bound;
   while (!oldest.work.work->isCompleted()) {  // CUDA (NCCL): the Work answers for itself
@@ -180,6 +181,7 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
   Launched l;
   l.group = &group;
   l.replicas = replicas != nullptr && replicas->size() > 1 ? replicas : nullptr;
+  l.to_hook = hook_ != nullptr && !all_reduce;
   l.input = std::move(input);
   l.output = std::move(output);
   l.bytes = bytes;
@@ -208,7 +210,9 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
 }
 
 void ReduceScatterBucketer::wait_for_launch(Launched& l) {
-  if (l.completion) {
+  if (l.call.active()) {
+    l.output = detail::finish_hook(*hook_, l.call, l.group->rank(), l.group->timeout());
+  } else if (l.completion) {
     l.completion->wait();
     l.group->finish(l.work, l.completion->error());
   } else {
@@ -238,13 +242,52 @@ void ReduceScatterBucketer::launch_across_replicas(Launched& l, const std::strin
   l.bytes = 0;
 }
 
+void ReduceScatterBucketer::launch_hook(Launched& l, const std::string& what) {
+  // The hook may write its bucket (the built-in ones reduce in place): on
+  // Gloo the output is a row of the input, so a copy of it lets the input go.
+  const bool copied = l.output.is_alias_of(l.input);
+  at::Tensor chunk = copied ? l.output.clone() : l.output;
+  Launched h;
+  h.group = l.group;
+  h.output = chunk;
+  h.bytes = nbytes(chunk);
+  track(h.bytes);
+  h.pieces = std::move(l.pieces);
+  h.work.what = what + " (communication hook)";
+  std::vector<size_t> offsets, lengths;
+  std::vector<int64_t> numels;
+  numels.reserve(h.pieces.size());
+  for (const auto& [range, cb] : h.pieces) {
+    offsets.push_back(static_cast<size_t>(range.first));
+    lengths.push_back(static_cast<size_t>(range.second));
+    numels.push_back(range.second);
+  }
+  std::vector<c10::IntArrayRef> sizes;
+  for (const int64_t& n : numels) sizes.emplace_back(&n, 1);
+  // The number of buckets in a backward is not known before it ends: 0, so
+  // that isLast() is false.
+  c10d::GradBucket bucket(hook_calls_++, 0, chunk, std::move(offsets), std::move(lengths), std::move(sizes), {},
+                          std::nullopt);
+  try {
+    h.call = detail::call_hook(*hook_, bucket, l.group->rank(), what);
+  } catch (...) {
+    track(-h.bytes);
+    throw;
+  }
+  track(-l.bytes);  // the reduce-scatter's buffers: `chunk` is the hook's from here on
+  l.bytes = 0;
+  in_flight_.push_back(std::move(h));
+}
+
 void ReduceScatterBucketer::complete_oldest() {
   Launched l = std::move(in_flight_.front());
   in_flight_.pop_front();
   try {
-    const std::string what = l.replicas ? l.work.what : std::string();
+    const std::string what = l.replicas || l.to_hook ? l.work.what : std::string();
     wait_for_launch(l);
-    if (l.replicas) {
+    if (l.to_hook) {
+      launch_hook(l, what);  // its callbacks run when the hook's future completes
+    } else if (l.replicas) {
       launch_across_replicas(l, what);  // its callbacks run when that completes
     } else {
       for (auto& [range, cb] : l.pieces) cb(l.output.narrow(0, range.first, range.second));
@@ -260,6 +303,7 @@ void ReduceScatterBucketer::flush() {
   c10::NoGradGuard no_grad;
   for (auto& [k, b] : buckets_) launch_bucket(b);
   while (!in_flight_.empty()) complete_oldest();
+  hook_calls_ = 0;
 }
 
 void ReduceScatterBucketer::free() {
@@ -278,12 +322,17 @@ void ReduceScatterBucketer::discard() {
   while (!in_flight_.empty()) {
     Launched l = std::move(in_flight_.front());
     in_flight_.pop_front();
-    try {
-      wait_for_launch(l);  // its buffers must outlive the collective
-    } catch (...) {
+    if (l.call.active()) {
+      detail::abandon_hook(l.call, l.group->timeout());
+    } else {
+      try {
+        wait_for_launch(l);  // its buffers must outlive the collective
+      } catch (...) {
+      }
     }
     track(-l.bytes);
   }
+  hook_calls_ = 0;
   for (auto& [k, b] : buckets_) {
     b.pieces.clear();
     b.whats.clear();

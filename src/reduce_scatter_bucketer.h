@@ -48,6 +48,11 @@
 // - discard() (a failed backward) waits for what is in flight, ignoring
 //   errors, drops the callbacks and frees everything.
 //
+// - A communication hook (set_hook) takes the place of the all-reduce across
+//   replicas: when a reduce-scatter completes, this rank's chunk of it goes
+//   to the hook (with or without replicas), its future stays in flight in
+//   the same queue, and the callbacks get what the future holds.
+//
 // reduce_scatter() callbacks receive views of the reduced shard valid only
 // during the call; all_reduce() callbacks the reduced input, which may be kept.
 #include <ATen/ATen.h>
@@ -61,7 +66,9 @@
 #include <tuple>
 #include <vector>
 
+#include "hook_call.h"
 #include "shardtorch/collectives.h"
+#include "shardtorch/comm_hooks.h"
 #include "shardtorch/memory.h"
 
 namespace shardtorch {
@@ -114,6 +121,11 @@ class ReduceScatterBucketer {
   /// afterwards. It waits for room as long as the collective timeout allows
   /// (OptimizerOnly's gradients: no gather in backward to deadlock with).
   void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
+  /// Passes every reduce-scatter's output (this rank's chunk of a launch)
+  /// through `hook` (which outlives this) before the callbacks, in place of
+  /// the all-reduce across `replicas`; null: no hook. Not during a backward.
+  void set_hook(CommHook* hook) { hook_ = hook; }
+  CommHook* hook() const { return hook_; }
   /// Launches everything queued, waits for every collective in flight and
   /// runs the callbacks.
   void flush();
@@ -156,6 +168,8 @@ class ReduceScatterBucketer {
     int64_t bytes = 0;         // tracked under Mem::Buckets
     Pieces pieces;
     std::shared_ptr<detail::CompletionState> completion;  // CPU: set by the watcher thread
+    bool to_hook = false;   // a reduce-scatter whose output goes on to the hook
+    detail::HookCall call;  // the hook's reduction (then `work` is empty)
   };
   using Key = std::tuple<int /*dtype*/, std::string /*device*/, const void* /*group*/>;
 
@@ -180,6 +194,9 @@ class ReduceScatterBucketer {
   /// `l`'s reduce-scatter is done: launches the all-reduce of its output
   /// across `l.replicas`, which takes over its callbacks and bytes.
   void launch_across_replicas(Launched& l, const std::string& what);
+  /// `l`'s reduce-scatter is done: hands its output to the hook, whose
+  /// future takes over its callbacks and bytes in the queue.
+  void launch_hook(Launched& l, const std::string& what);
   /// Waits for `l`'s collective (watched or not) and finishes it: statistics,
   /// errors (thrown).
   void wait_for_launch(Launched& l);
@@ -192,6 +209,8 @@ class ReduceScatterBucketer {
   std::map<Key, Bucket> buckets_;
   std::deque<Launched> in_flight_;
   int64_t launched_ = 0, launched_while_in_flight_ = 0, launched_past_limit_ = 0;
+  CommHook* hook_ = nullptr;
+  size_t hook_calls_ = 0;  // in this backward: the GradBucket index
   std::unique_ptr<detail::CompletionWatcher> watcher_;  // made by the first CPU launch
 };
 

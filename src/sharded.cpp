@@ -19,6 +19,7 @@
 #include <torch/nn/modules/batchnorm.h>
 
 #include "shard_state.h"
+#include "shardtorch/comm_hooks.h"
 #include "shardtorch/deferred.h"
 #include "shardtorch/plan.h"
 
@@ -688,6 +689,29 @@ ShardStats ShardedModel::stats() const {
   if (const auto* off = state_->offloader()) s.offload = {off->bytes_to_device(), off->bytes_to_host()};
   return s;
 }
+void ShardedModel::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
+  const int rank = state_->world().rank();
+  SHARDTORCH_CHECK(hook, "shardtorch: rank ", rank, ": register_comm_hook: the hook is null");
+  SHARDTORCH_CHECK(state_->strategy() != Strategy::OptimizerOnly, "shardtorch: rank ", rank,
+              ": register_comm_hook: OptimizerOnly all-reduces whole flat gradients over the world and takes no "
+              "communication hook (NoShard, FullShard, ShardGradOp and HybridShard do)");
+  SHARDTORCH_CHECK(!state_->reducer().comm_hook(), "shardtorch: rank ", rank,
+              ": register_comm_hook: this model has a communication hook already (one per model, as under DDP)");
+  state_->check_backward_finished("register_comm_hook");
+  state_->reducer().set_comm_hook(std::move(hook));
+}
+
+c10::intrusive_ptr<c10d::Backend> ShardedModel::comm_hook_group() const {
+  switch (state_->strategy()) {
+    case Strategy::NoShard: return state_->world().comm().backend();
+    case Strategy::HybridShard: {
+      Comm* replicas = state_->replica_comm();
+      return replicas && replicas->size() > 1 ? replicas->backend() : c10::intrusive_ptr<c10d::Backend>();
+    }
+    default: return {};
+  }
+}
+
 MemorySnapshot ShardedModel::memory() const { return state_->mem().snapshot(); }
 void ShardedModel::reset_peak_memory() { state_->mem().reset_peaks(); }
 CommStats ShardedModel::comm_stats() const { return state_->topology().stats(); }

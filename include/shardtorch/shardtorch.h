@@ -1,6 +1,7 @@
 #pragma once
 // Everything a training program needs.
 #include "shardtorch/collectives.h"
+#include "shardtorch/comm_hooks.h"
 #include "shardtorch/error.h"
 #include "shardtorch/flat_param_layout.h"
 #include "shardtorch/gather.h"

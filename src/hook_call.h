@@ -1,0 +1,48 @@
+#pragma once
+// Internal: running a communication hook (shardtorch/comm_hooks.h) on one
+// bucket and waiting for its future, with errors that name the rank, the
+// bucket and the shapes. The waiting thread is the one that launched the
+// hook (the backward's); nothing here throws on another thread: the only
+// callback added to a hook's future records completion and cannot throw.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "shardtorch/comm_hooks.h"
+
+namespace shardtorch::detail {
+
+/// A hook's reduction of one bucket, launched and not yet waited for.
+struct HookCall {
+  struct Signal {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::shared_ptr<Signal> signal;
+  std::string what;       // names the bucket
+  std::string shape;      // the bucket as given to the hook, e.g. "float32[109]"
+  std::vector<int64_t> sizes;
+  std::chrono::steady_clock::time_point start;
+  bool active() const { return static_cast<bool>(future); }
+};
+
+/// Calls hook.runHook(bucket). Throws naming the rank and `what` if the hook
+/// throws or returns no future.
+HookCall call_hook(CommHook& hook, c10d::GradBucket& bucket, int rank, std::string what);
+/// True once the hook's future has completed, false if `bound` passed first.
+bool hook_done_within(const HookCall& call, std::chrono::milliseconds bound);
+/// Waits, at most `timeout`, for the hook's future and returns its tensor.
+/// Throws naming the rank, the bucket and the shapes when the future failed,
+/// did not complete in time, or holds something other than a tensor of the
+/// bucket's shape. `call` is spent afterwards, whatever happened.
+at::Tensor finish_hook(CommHook& hook, HookCall& call, int rank, std::chrono::milliseconds timeout);
+/// After a failure elsewhere: waits at most `timeout`, ignores the outcome.
+void abandon_hook(HookCall& call, std::chrono::milliseconds timeout) noexcept;
+
+}  // namespace shardtorch::detail
