@@ -10,6 +10,7 @@
 
 #include "../shard_state.h"
 #include "safetensors_format.h"
+#include "streamed_tensors.h"
 #include "shardtorch/checkpoint.h"
 
 namespace shardtorch {
@@ -33,51 +34,12 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   }
   const bool writer = world.rank() == 0;
   c10::NoGradGuard no_grad;
-  NameMap names = detail::parameter_names(root);
-
-  // Every flat parameter, in a fixed order: gathering is collective.
-  std::vector<FlatParam*> flats;
-  std::vector<std::string> labels;
-  if (!state->ddp())
-    for (auto& u : state->units())
-      for (auto& f : u->flats()) flats.push_back(f.get()), labels.push_back(u->label());
-  size_t gathered = 0;
-  at::Tensor current;  // the last gathered flat parameter, full
-  auto gather = [&](size_t k) {
-    FlatParam* f = flats[k];
-    at::Tensor mine = f->shard().to(world.comm().device());  // no copy on the device already: current is new
-    current = at::Tensor();  // the previous one is written: free it before the next is allocated
-    current = at::empty({f->layout().padded_numel()}, mine.options());
-    state->shard_comm().all_gather_into(current, mine, "master parameters of unit '" + labels[k] + "' for save_full_state_dict");
-    gathered = k + 1;
-  };
+  checkpoint::StreamedTensors tensors(root, *state, "save_full_state_dict", /*tied_once=*/false);
 
   std::string error;
   if (writer) {
     std::vector<checkpoint::PendingTensor> pending;
-    if (state->ddp()) {
-      for (const auto& item : root.named_parameters()) {  // a tied parameter under each of its names
-        at::Tensor v = state->record_of(item.value()).detach();
-        pending.push_back({item.key(), v.scalar_type(), v.sizes().vec(), [v] { return v; }});
-      }
-    } else {
-      for (size_t k = 0; k < flats.size(); ++k) {
-        FlatParam* f = flats[k];
-        for (size_t i = 0; i < f->params().size(); ++i) {
-          for (const auto& n : names[f->params()[i].unsafeGetTensorImpl()]) {
-            auto produce = [&, k, f, i] {
-              if (gathered != k + 1) gather(k);
-              return current.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i));
-            };
-            pending.push_back({n, f->dtype(), f->layout().shape(i), produce});
-          }
-        }
-      }
-    }
-    for (const auto& item : root.named_buffers()) {
-      at::Tensor b = item.value();
-      if (b.defined()) pending.push_back({item.key(), b.scalar_type(), b.sizes().vec(), [b] { return b; }});
-    }
+    for (const auto& t : tensors.items()) pending.push_back({t.name, t.dtype, t.shape, t.produce});
     // "format": "pt" is what Hugging Face's loaders require of a PyTorch
     // state dict; our own keys carry a prefix no user key may take.
     auto metadata = user_metadata;
@@ -91,9 +53,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
       error = e.what();
     }
   }
-  // The other ranks (and rank 0, after a failed write) finish the gathers.
-  for (size_t k = gathered; k < flats.size(); ++k) gather(k);
-  current = at::Tensor();
+  tensors.finish();  // the other ranks (and rank 0, after a failed write) take part in the gathers
   auto status = at::full({1}, error.empty() ? 0 : 1, at::kInt).to(world.comm().device());
   world.comm().broadcast(status, 0, "save_full_state_dict status");
   SHARDTORCH_CHECK(error.empty(), "shardtorch::save_full_state_dict: ", error);

@@ -2,7 +2,6 @@
 // gathered one flat parameter at a time, written by rank 0 into files of at
 // most max_file_bytes (each tensor whole in one file), then the index.
 #include <c10/core/GradMode.h>
-#include "../check.h"
 #include <unistd.h>
 
 #include <cstdio>
@@ -11,10 +10,13 @@
 #include <set>
 #include <sstream>
 
+#include "../check.h"
 #include "../files.h"
 #include "../shard_state.h"
+#include "safetensors_format.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/hf_checkpoint.h"
+#include "streamed_tensors.h"
 
 namespace shardtorch {
 namespace {
@@ -29,23 +31,6 @@ struct Entry {
   int64_t bytes = 0;
   std::function<at::Tensor()> produce;  // rank 0 only
 };
-
-std::string json_escaped(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
-}
 
 std::string file_name(size_t k, size_t n) {
   char buf[64];
@@ -67,74 +52,30 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   c10::NoGradGuard no_grad;
 
   // Every rank lists the same tensors, in gathering order (gathers are collective).
-  std::vector<FlatParam*> flats;
-  std::vector<std::string> labels;
-  if (!state->ddp())
-    for (auto& u : state->units())
-      for (auto& f : u->flats()) flats.push_back(f.get()), labels.push_back(u->label());
-  size_t gathered = 0;
-  at::Tensor current;  // the last gathered flat parameter, full
-  auto gather = [&](size_t k) {
-    FlatParam* f = flats[k];
-    at::Tensor mine = f->shard().to(world.comm().device());
-    current = at::Tensor();  // the previous one is written: free it first
-    current = at::empty({f->layout().padded_numel()}, mine.options());
-    state->shard_comm().all_gather_into(current, mine, "master parameters of unit '" + labels[k] + "' for save_hf_checkpoint");
-    gathered = k + 1;
-  };
-
+  checkpoint::StreamedTensors tensors(root, *state, "save_hf_checkpoint", options.tied_once(),
+                                      options.include_buffers());
   std::vector<Entry> entries;
   std::set<std::string> taken;
-  auto add = [&](const std::string& model_name, at::ScalarType dtype, std::vector<int64_t> shape,
-                 std::function<at::Tensor()> produce) {
-    std::string name = options.prefix() + model_name;
+  for (const auto& t : tensors.items()) {
+    std::string name = options.prefix() + t.name;
     if (options.map_name()) {
       auto mapped = options.map_name()(name);
-      if (!mapped || mapped->empty()) return;
+      if (!mapped || mapped->empty()) continue;
       name = *mapped;
     }
     SHARDTORCH_CHECK(taken.insert(name).second, who, ": two of the model's tensors are named '", name,
-                "' in the checkpoint (the last is '", model_name, "'): the name mapping must keep names distinct");
-    const at::ScalarType out = options.dtype() && at::isFloatingType(dtype) ? *options.dtype() : dtype;
+                     "' in the checkpoint (the last is '", t.name, "'): the name mapping must keep names distinct");
+    const at::ScalarType out = options.dtype() && at::isFloatingType(t.dtype) ? *options.dtype() : t.dtype;
     int64_t numel = 1;
-    for (int64_t d : shape) numel *= d;
-    Entry e{name, out, std::move(shape), numel * static_cast<int64_t>(c10::elementSize(out)), nullptr};
+    for (int64_t d : t.shape) numel *= d;
+    Entry e{name, out, t.shape, numel * static_cast<int64_t>(c10::elementSize(out)), nullptr};
     if (writer)
-      e.produce = [produce = std::move(produce), out] {
-        at::Tensor t = produce();
-        return t.scalar_type() == out ? t : t.to(out);
+      e.produce = [produce = t.produce, out] {
+        at::Tensor v = produce();
+        return v.scalar_type() == out ? v : v.to(out);
       };
     entries.push_back(std::move(e));
-  };
-
-  auto names = detail::parameter_names(root);
-  if (state->ddp()) {
-    std::set<const void*> seen;
-    for (const auto& item : root.named_parameters()) {
-      const bool first = seen.insert(item.value().unsafeGetTensorImpl()).second;
-      if (!first && options.tied_once()) continue;
-      at::Tensor v = state->record_of(item.value()).detach();
-      add(item.key(), v.scalar_type(), v.sizes().vec(), [v] { return v; });
-    }
-  } else {
-    for (size_t k = 0; k < flats.size(); ++k) {
-      FlatParam* f = flats[k];
-      for (size_t i = 0; i < f->params().size(); ++i) {
-        const auto& all = names[f->params()[i].unsafeGetTensorImpl()];
-        for (size_t j = 0; j < all.size() && (j == 0 || !options.tied_once()); ++j) {
-          add(all[j], f->dtype(), f->layout().shape(i), [&, k, f, i] {
-            if (gathered != k + 1) gather(k);
-            return current.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i));
-          });
-        }
-      }
-    }
   }
-  if (options.include_buffers())
-    for (const auto& item : root.named_buffers()) {
-      at::Tensor b = item.value();
-      if (b.defined()) add(item.key(), b.scalar_type(), b.sizes().vec(), [b] { return b; });
-    }
 
   // Files in order, each filled until the next tensor would pass the limit
   // (a larger tensor alone in its file), as transformers' save_pretrained.
@@ -169,7 +110,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
       const char* sep = "\n";
       for (size_t k = 0; k < plan.size(); ++k)
         for (size_t e : plan[k]) {
-          index << sep << "    \"" << json_escaped(entries[e].name) << "\": \"" << report.files[k] << "\"";
+          index << sep << "    " << checkpoint::quote(entries[e].name) << ": \"" << report.files[k] << "\"";
           sep = ",\n";
         }
       index << "\n  }\n}\n";
@@ -197,9 +138,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
       }
     }
   }
-  // The other ranks (and rank 0, after a failed write) finish the gathers.
-  for (size_t k = gathered; k < flats.size(); ++k) gather(k);
-  current = at::Tensor();
+  tensors.finish();  // the other ranks (and rank 0, after a failed write) take part in the gathers
   auto status = at::full({1}, error.empty() ? 0 : 1, at::kInt).to(world.comm().device());
   world.comm().broadcast(status, 0, "save_hf_checkpoint status");
   SHARDTORCH_CHECK(error.empty(), who, ": ", error);

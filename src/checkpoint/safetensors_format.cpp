@@ -254,6 +254,8 @@ void require_utf8(const std::string& s, const std::string& file, const std::stri
                       "UTF-8 names and metadata)");
 }
 
+}  // namespace
+
 std::string quote(const std::string& s) {
   if (!valid_utf8(s))
     throw SafetensorsError("safetensors: the name or metadata string '" + s +
@@ -273,8 +275,6 @@ std::string quote(const std::string& s) {
   }
   return out + "\"";
 }
-
-}  // namespace
 
 size_t dtype_size(const std::string& d) {
   if (d == "F64" || d == "I64" || d == "U64") return 8;

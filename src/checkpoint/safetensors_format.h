@@ -49,6 +49,10 @@ size_t dtype_size(const std::string& dtype);
 SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64_t file_size,
                                const std::string& file);
 
+/// `s` as a JSON string, quotes included; throws SafetensorsError if it is
+/// not UTF-8.
+std::string quote(const std::string& s);
+
 /// The 8-byte length and the JSON for these records (offsets as given),
 /// padded with spaces to a multiple of 8 bytes.
 std::string serialize_header(const std::vector<TensorRecord>& tensors,

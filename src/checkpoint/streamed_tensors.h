@@ -1,0 +1,55 @@
+#pragma once
+// Internal: a sharded model's parameters and buffers as tensors a writer on
+// rank 0 produces one at a time (save_full_state_dict, save_hf_checkpoint).
+// Flat parameters are all-gathered in a fixed order, each when the writer
+// first reaches one of its tensors, the previous one freed first; every rank
+// calls finish() to take part in the gathers the writer did not reach.
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace shardtorch {
+class FlatParam;
+namespace detail {
+class ShardState;
+}
+
+namespace checkpoint {
+
+class StreamedTensors {
+ public:
+  struct Item {
+    std::string name;  // the model's
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    std::function<at::Tensor()> produce;  // call on rank 0 only, in order
+  };
+  /// Every parameter (a tied one under each name, or its first only with
+  /// `tied_once`) in gathering order, then, with `buffers`, every buffer.
+  /// `purpose` names the caller in the all-gathers' descriptions.
+  StreamedTensors(torch::nn::Module& root, detail::ShardState& state, std::string purpose, bool tied_once,
+                  bool buffers = true);
+  StreamedTensors(const StreamedTensors&) = delete;
+  StreamedTensors& operator=(const StreamedTensors&) = delete;
+
+  const std::vector<Item>& items() const { return items_; }
+  /// The all-gathers not yet made (every rank; after the writer, or its failure).
+  void finish();
+
+ private:
+  void gather(size_t k);
+
+  detail::ShardState& state_;
+  std::string purpose_;
+  std::vector<FlatParam*> flats_;
+  std::vector<std::string> labels_;  // each flat's unit
+  size_t gathered_ = 0;
+  at::Tensor current_;  // the last gathered flat parameter, full
+  std::vector<Item> items_;
+};
+
+}  // namespace checkpoint
+}  // namespace shardtorch
