@@ -5,12 +5,9 @@
 
 #include <cstdlib>
 
-#include "models.h"
 #include "shardtorch/checkpoint/safetensors.h"
-
-using namespace testmodels;
-using shardtorch::World;
-using shardtorch::testing::run_ranks;
+#include "shardtorch/error.h"
+#include "shardtorch/flat_param_layout.h"
 
 namespace {
 bool has_backtrace(const std::string& m) {
@@ -40,22 +37,4 @@ TEST(Errors, LibraryErrorsAreShardtorchErrorsWithoutABacktrace) {
 
   // Checkpoint errors are shardtorch::Errors too.
   EXPECT_THROW(shardtorch::checkpoint::load_file("/nonexistent/shardtorch.safetensors"), shardtorch::Error);
-}
-
-// An error raised on every rank (the model sharded twice), as each rank sees it.
-TEST(Errors, ErrorsOfShardedModelsNameTheRankWithoutABacktrace) {
-  auto r = run_ranks(2, [](World& w) {
-    MLP m;
-    shardtorch::shard(m, w);
-    try {
-      shardtorch::shard(m, w);
-    } catch (const shardtorch::Error& e) {
-      const std::string msg = e.what();
-      require(!has_backtrace(msg), "a backtrace in: " + msg);
-      require(msg.find("rank " + std::to_string(w.rank())) != std::string::npos, "no rank in: " + msg);
-      return;
-    }
-    require(false, "sharding twice did not throw shardtorch::Error");
-  });
-  ASSERT_TRUE(r.ok) << r.summary();
 }
