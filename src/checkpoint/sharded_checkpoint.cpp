@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "../files.h"
+#include "../optimizer_state.h"
 #include "../shard_state.h"
 #include "checksum.h"
 #include "safetensors_format.h"
@@ -187,45 +188,13 @@ bool sharded_checkpoint_exists(const std::string& dir) {
 
 namespace {
 
-std::vector<std::pair<std::string, at::Tensor>> optimizer_kinds(const torch::optim::OptimizerParamState* st) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(st)) {
-    out = {{"exp_avg", a->exp_avg()}, {"exp_avg_sq", a->exp_avg_sq()}, {"max_exp_avg_sq", a->max_exp_avg_sq()}};
-  } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(st)) {
-    out = {{"exp_avg", w->exp_avg()}, {"exp_avg_sq", w->exp_avg_sq()}, {"max_exp_avg_sq", w->max_exp_avg_sq()}};
-  } else if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(st)) {
-    out = {{"momentum_buffer", s->momentum_buffer()}};
-  }
-  out.erase(std::remove_if(out.begin(), out.end(), [](const auto& kv) { return !kv.second.defined(); }), out.end());
-  return out;
-}
-
-// The optimizers whose state checkpoints carry (the fused CPU ones keep torch::optim's state classes).
-enum class OptimizerKind { Adam, AdamW, SGD };
+using detail::OptimizerKind;
 
 OptimizerKind optimizer_kind(ShardedOptimizer& opt) {
-  torch::optim::Optimizer* inner = &opt.inner();
-  if (dynamic_cast<torch::optim::AdamW*>(inner) || dynamic_cast<FusedAdamW*>(inner)) return OptimizerKind::AdamW;
-  if (dynamic_cast<torch::optim::Adam*>(inner) || dynamic_cast<FusedAdam*>(inner)) return OptimizerKind::Adam;
-  if (dynamic_cast<torch::optim::SGD*>(inner)) return OptimizerKind::SGD;
+  if (auto k = detail::optimizer_kind(opt)) return *k;
   throw SafetensorsError("sharded checkpoints carry the state of Adam, AdamW and SGD (and the fused CPU Adam and "
                          "AdamW); this optimizer's state would be lost: pass a null optimizer to save and load the "
                          "parameters alone");
-}
-
-const char* optimizer_kind_name(OptimizerKind k) {
-  switch (k) {
-    case OptimizerKind::Adam: return "Adam";
-    case OptimizerKind::AdamW: return "AdamW";
-    case OptimizerKind::SGD: return "SGD";
-  }
-  return "?";
-}
-
-int64_t step_of(const torch::optim::OptimizerParamState* st) {
-  if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(st)) return a->step();
-  if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(st)) return w->step();
-  return 0;
 }
 
 // NoShard: every parameter of the module, each tensor once, saved and loaded
@@ -319,8 +288,8 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
       if (!written.count({piece.name, piece.param_offset})) continue;
       auto it = st.find(piece.view.unsafeGetTensorImpl());
       if (it == st.end()) continue;
-      int64_t step = step_of(it->second.get());
-      for (auto& [kind, t] : optimizer_kinds(it->second.get())) add(piece.name, kind, piece.param_offset, t, step);
+      int64_t step = detail::optimizer_state_step(it->second.get());
+      for (auto& [kind, t] : detail::optimizer_state_tensors(it->second.get())) add(piece.name, kind, piece.param_offset, t, step);
     }
   }
   if (rank == 0)
@@ -690,7 +659,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   // fails every rank with its message, and nothing is published.
   detail::agree_on_errors(world, world.rank() == 0 ? prepare_staging(dir, tmp) : "", what);
   const json::object user = user_json(user_state);
-  const std::string opt_kind = opt ? optimizer_kind_name(optimizer_kind(*opt)) : "none";
+  const std::string opt_kind = opt ? detail::optimizer_kind_name(optimizer_kind(*opt)) : "none";
   const json::object report =
       write_rank_file(collect(root, *state, opt, world.rank()), tmp, world.rank(), step, user, opt_kind);
   auto reports = world.comm().all_gather_strings(json::serialize(report), "save_sharded_checkpoint index");
@@ -777,28 +746,6 @@ std::set<const void*> amsgrad_params(ShardedOptimizer& opt) {
   return amsgrad;
 }
 
-// One parameter's optimizer state from its loaded tensors: exp_avg,
-// exp_avg_sq (and max_exp_avg_sq) for Adam(W), momentum_buffer for SGD.
-std::unique_ptr<torch::optim::OptimizerParamState> param_state(OptimizerKind kind, int64_t step,
-                                                               const std::vector<at::Tensor>& t) {
-  const at::Tensor vmax = t.size() > 2 ? t[2] : at::Tensor();
-  if (kind == OptimizerKind::AdamW) {
-    auto s = std::make_unique<torch::optim::AdamWParamState>();
-    s->step(step).exp_avg(t[0]).exp_avg_sq(t[1]);
-    if (vmax.defined()) s->max_exp_avg_sq(vmax);
-    return s;
-  }
-  if (kind == OptimizerKind::Adam) {
-    auto s = std::make_unique<torch::optim::AdamParamState>();
-    s->step(step).exp_avg(t[0]).exp_avg_sq(t[1]);
-    if (vmax.defined()) s->max_exp_avg_sq(vmax);
-    return s;
-  }
-  auto s = std::make_unique<torch::optim::SGDParamState>();
-  s->momentum_buffer(t[0]);
-  return s;
-}
-
 // The optimizer state of the pieces this rank's optimizer steps.
 void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Changes& changes) {
   const Index& idx = plan.idx;
@@ -854,7 +801,7 @@ void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Change
         run_fill(flat, fill, *files);
         t.push_back(flat.view(shape));
       }
-      (*st)[key] = param_state(kind, fills.front().step, t);
+      (*st)[key] = detail::make_optimizer_state(kind, fills.front().step, t);
     });
   }
 }
