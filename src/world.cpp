@@ -183,7 +183,14 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
          << " (SHARDTORCH_TIMEOUT_S sets the wait): " << detail::message_of(e);
       detail::throw_error("", os.str());
     }
-    store = c10::make_intrusive<c10d::PrefixStore>("shardtorch", tcp);
+    // torchrun's agent keeps its store across restarts of the workers: each
+    // attempt rendezvouses under its own prefix, or a restarted rank would
+    // read the dead attempt's addresses (as PyTorch's env:// rendezvous does).
+    std::string prefix = "shardtorch";
+    if (env.use_agent_store)
+      if (const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT"); attempt && std::string(attempt) != "0")
+        prefix += "/attempt_" + std::string(attempt);
+    store = c10::make_intrusive<c10d::PrefixStore>(prefix, tcp);
   }
   if (options.gloo_hostname().empty() && is_local_address(env.master_addr)) options.gloo_hostname("127.0.0.1");
   return create(store, env.rank, env.world_size, options, env.local_rank);
