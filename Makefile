@@ -8,7 +8,7 @@ JOBS ?= 2
 PY := $(VENV)/bin/python3
 Torch_DIR ?=
 
-.PHONY: all setup configure build test demo bench sweep peers install clean
+.PHONY: all setup configure build test demo ft-demo bench sweep peers install clean
 
 all: build
 
@@ -31,6 +31,13 @@ test: build
 demo: configure
 	cmake --build $(BUILD) -j$(JOBS) --target train_gpt
 	$(VENV)/bin/torchrun --no-python --standalone --nproc-per-node 2 $(BUILD)/examples/train_gpt --steps 40
+
+# Fault tolerance (docs/fault_tolerance.md): torchft's lighthouse, three replica
+# groups, one killed twice and healed; prints the timeline and checks the result.
+ft-demo: configure
+	cmake --build $(BUILD) -j$(JOBS) --target ft_train
+	$(PY) tests/ft/kill_and_heal.py --lighthouse $(VENV)/bin/torchft_lighthouse --torchrun $(VENV)/bin/torchrun \
+	  --trainer $(BUILD)/examples/ft_train --workdir $(BUILD)/ft-demo --groups 3 --steps 60 --kills 2 --step-ms 100
 
 # Google Benchmark results as JSON in $(BUILD)/bench-results/ (not a test: figures vary by machine).
 bench: build

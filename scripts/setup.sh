@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian machine with python3:
 #  - Debian packages: build tools, GoogleTest, Google Benchmark, Boost 1.81 JSON and
-#    program_options, xxHash, ccache.
-#  - A virtual environment owned by the Makefile (.venv) holding torch==2.13.0.
+#    program_options, xxHash, ccache, gRPC.
+#  - A virtual environment owned by the Makefile (.venv) holding torch==2.13.0
+#    and torchft's lighthouse.
 # Each step is skipped when what it installs is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,9 +13,11 @@ cd "$(dirname "$0")/.."
 # clang-14 and libclang-rt-14-dev: libFuzzer with ASan/UBSan for the safetensors parser.
 # libxxhash-dev: XXH3 checksums of checkpoint files (header only).
 # g++-aarch64-linux-gnu: the ctest that compiles the CPU Adam for aarch64.
+# gRPC and protobuf: the fault-tolerance manager's client of torchft's lighthouse.
 PKGS=(cmake g++ make ccache libgtest-dev libgmock-dev libbenchmark-dev
       libboost-json1.81-dev libboost-program-options1.81-dev libgloo-dev python3-venv
-      clang-14 libclang-rt-14-dev libxxhash-dev g++-aarch64-linux-gnu)
+      clang-14 libclang-rt-14-dev libxxhash-dev g++-aarch64-linux-gnu
+      libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -39,6 +42,13 @@ fi
 if ! "$VENV/bin/python3" -c 'import safetensors' 2>/dev/null; then
   echo "setup: installing safetensors into $VENV"
   "$VENV/bin/python3" -m pip install -q safetensors
+fi
+# torchft's lighthouse (torchft_lighthouse), the coordinator of fault-tolerant
+# training (docs/fault_tolerance.md); pinned: proto/lighthouse.proto follows its protocol.
+TORCHFT_VERSION=2026.10.26
+if ! "$VENV/bin/python3" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('torchft-nightly') == '$TORCHFT_VERSION' else 1)" 2>/dev/null; then
+  echo "setup: installing torchft-nightly==$TORCHFT_VERSION into $VENV"
+  "$VENV/bin/python3" -m pip install -q "torchft-nightly==$TORCHFT_VERSION"
 fi
 # matplotlib: the sweep tool's PNG plot (bench/plot_sweep.py).
 if ! "$VENV/bin/python3" -c 'import matplotlib' 2>/dev/null; then

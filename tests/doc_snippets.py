@@ -29,6 +29,7 @@ PRELUDE = r'''
 #include <shardtorch/shardtorch.h>
 #include <shardtorch/checkpoint.h>
 #include <shardtorch/deferred.h>
+#include <shardtorch/ft.h>
 #include <shardtorch/hf_checkpoint.h>
 #include <shardtorch/plan.h>
 #include <shardtorch/testing.h>

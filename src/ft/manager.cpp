@@ -1,0 +1,716 @@
+// The fault-tolerance manager: per step a quorum from torchft's lighthouse,
+// cross-replica process groups rebuilt when it changes, gradients averaged
+// through a communication hook that never throws, heals by send/recv from a
+// live peer, and a vote inside the replica group. The state machine is in
+// docs/fault_tolerance.md.
+#include "shardtorch/ft.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <ATen/core/jit_type.h>
+#include <boost/json.hpp>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <future>
+#include <iostream>
+#include <mutex>
+#include <random>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "../check.h"
+#include "../errors.h"
+#include "lighthouse_client.h"
+#include "../optimizer_state.h"
+#include "../shard_state.h"
+#include "../store_listener.h"
+#include "shardtorch/comm_hooks.h"
+#include "shardtorch/sharded_model.h"
+#include "../unit.h"
+
+namespace shardtorch::ft {
+namespace json = boost::json;
+using Clock = std::chrono::steady_clock;
+using detail::Member;
+using shardtorch::detail::ShardState;
+
+namespace {
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return std::nullopt;
+  return std::string(v);
+}
+
+std::string random_hex(int n) {
+  std::random_device rd;
+  std::mt19937_64 g((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                    static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
+  const char* digits = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < n; ++i) s += digits[g() % 16];
+  return s;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return "{" + s + "}";
+}
+
+// The port the kernel gave a socket bound to port 0.
+int bound_port(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof addr;
+  SHARDTORCH_CHECK(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0, "shardtorch::ft: getsockname: ",
+                   std::strerror(errno));
+  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+  return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+}
+
+// What every group must have alike, in words (compared across groups).
+std::string describe_model(torch::nn::Module& root, ShardState& st, ShardedOptimizer& opt, int world_size) {
+  int64_t numel = 0, n = 0;
+  std::size_t h = 0;
+  for (const auto& item : root.named_parameters()) {
+    ++n;
+    numel += item.value().numel();
+    h = h * 1000003u ^ std::hash<std::string>()(item.key());
+    for (auto s : item.value().sizes()) h = h * 31u + static_cast<std::size_t>(s);
+  }
+  auto kind = shardtorch::detail::optimizer_kind(opt);
+  std::ostringstream s;
+  s << strategy_name(st.options().strategy()) << ", " << world_size << (world_size == 1 ? " rank, " : " ranks, ")
+    << n << " parameters of " << numel << " elements (names and shapes " << std::hex << (h & 0xffffffffu) << std::dec
+    << "), " << (kind ? shardtorch::detail::optimizer_kind_name(*kind) : "an optimizer without movable state");
+  return s.str();
+}
+
+struct Participant {
+  std::string id, group, store_address, model;
+  int64_t step = 0;
+  bool restarted = false;
+  int64_t broken = 0;
+};
+
+std::string group_of(const std::string& replica_id) { return replica_id.substr(0, replica_id.rfind(':')); }
+
+// One step's quorum as this rank sees it.
+struct Quorum {
+  int64_t id = 0;
+  std::vector<Participant> participants;  // sorted by replica id
+  int me = -1;                             // index among participants
+  int64_t max_step = 0;
+  std::vector<int> counted;                // participants whose gradients count
+  std::vector<std::pair<int, int>> heals;  // (healed, source) participant indices
+  std::string config;                      // identifies the cross-replica group
+  std::string error;                       // the quorum could not be had: the step cannot commit
+  bool fatal = false;                      // ... and that is a configuration error: throw
+};
+
+std::string encode(const detail::QuorumReply& r) {
+  json::array ps;
+  for (const auto& p : r.participants)
+    ps.push_back(json::object{{"id", p.replica_id}, {"store", p.store_address}, {"step", p.step}, {"data", p.data}});
+  return json::serialize(json::object{{"quorum_id", r.quorum_id}, {"participants", ps}});
+}
+
+}  // namespace
+
+struct Manager::Impl {
+  std::shared_ptr<World> world;
+  torch::nn::Module& root;
+  ShardedOptimizer& opt;
+  std::shared_ptr<ShardState> state;
+  ManagerOptions options;
+  std::string group, replica_id, model;
+  bool restarted = false;
+  std::string key_prefix;  // in the group's store, per incarnation
+  int64_t round = 0;
+  int64_t step = 0;
+  int64_t broken = 0;  // cross-replica groups of this rank that failed
+  bool in_step = false;
+  StepReport report;
+  std::function<std::string()> save_user;
+  std::function<void(const std::string&)> load_user;
+
+  // Group rank 0: the lighthouse client, heartbeats, the store server.
+  std::unique_ptr<detail::LighthouseClient> lighthouse;
+  c10::intrusive_ptr<c10d::TCPStore> store_server;
+  std::string store_address;
+  std::thread heartbeats;
+  std::mutex hb_mu;
+  std::condition_variable hb_cv;
+  bool stopping = false;
+
+  // The cross-replica group of this rank (rank k of every participating group).
+  c10::intrusive_ptr<c10d::Backend> pg;
+  std::string pg_config;
+  std::shared_future<Quorum> quorum;
+  std::mutex step_mu;
+  std::string step_error;  // the first failure of this step's cross-replica work
+
+  Impl(std::shared_ptr<World> w, torch::nn::Module& r, ShardedOptimizer& o, ManagerOptions opts)
+      : world(std::move(w)), root(r), opt(o), options(std::move(opts)) {}
+
+  void fail_step(const std::string& why) {
+    std::lock_guard<std::mutex> lock(step_mu);
+    if (step_error.empty()) step_error = why;
+  }
+
+  void log(const std::string& line) const {
+    if (!options.log() || world->rank() != 0) return;
+    const auto now = std::chrono::system_clock::now();
+    const std::time_t t = std::chrono::system_clock::to_time_t(now);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
+    std::tm tm{};
+    ::localtime_r(&t, &tm);
+    char stamp[32];
+    std::snprintf(stamp, sizeof stamp, "%02d:%02d:%02d.%03d", tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>(ms));
+    std::cerr << "[shardtorch-ft " << stamp << "] group " << group << ": " << line << std::endl;
+  }
+
+  // ---- the quorum (runs on a thread of its own, one per step)
+
+  std::string data_json() const {
+    return json::serialize(json::object{{"group", group}, {"model", model}, {"restarted", restarted},
+                                        {"broken", broken}});
+  }
+
+  detail::QuorumReply ask_lighthouse() {
+    Member me{replica_id, store_address, store_address, step, static_cast<uint64_t>(world->size()), data_json()};
+    return lighthouse->quorum(me, options.quorum_timeout());
+  }
+
+  // Group rank 0 asks the lighthouse and hands the answer to the group
+  // through the group's store; the others wait for it there.
+  std::string group_quorum_text(int64_t r) {
+    const std::string key = key_prefix + "round/" + std::to_string(r);
+    auto& store = *world->store();
+    if (world->rank() == 0) {
+      std::string text;
+      try {
+        text = encode(ask_lighthouse());
+      } catch (const std::exception& e) {
+        text = json::serialize(json::object{{"error", e.what()}});
+      }
+      store.set(key, std::vector<uint8_t>(text.begin(), text.end()));
+      return text;
+    }
+    // Polled, not store.wait(): a blocking wait would hold the store client's
+    // lock and stall the training thread's own use of the store.
+    const auto deadline = Clock::now() + options.quorum_timeout() + std::chrono::seconds(5);
+    while (!store.check({key})) {
+      if (Clock::now() > deadline)
+        return json::serialize(json::object{
+            {"error", "rank " + std::to_string(world->rank()) + " of replica group '" + group +
+                          "' did not get the quorum from its group rank 0 within the quorum timeout"}});
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    auto v = store.get(key);
+    return std::string(v.begin(), v.end());
+  }
+
+  Quorum compute(int64_t r) {
+    Quorum q;
+    json::object o;
+    try {
+      o = json::parse(group_quorum_text(r)).as_object();
+    } catch (const std::exception& e) {
+      q.error = std::string("malformed quorum: ") + e.what();
+      return q;
+    }
+    if (o.contains("error")) {
+      q.error = json::value_to<std::string>(o.at("error"));
+      q.fatal = true;  // the lighthouse could not be had within its timeout
+      return q;
+    }
+    q.id = o.at("quorum_id").as_int64();
+    for (const auto& v : o.at("participants").as_array()) {
+      const auto& p = v.as_object();
+      Participant x;
+      x.id = json::value_to<std::string>(p.at("id"));
+      x.store_address = json::value_to<std::string>(p.at("store"));
+      x.step = p.at("step").as_int64();
+      try {
+        auto d = json::parse(json::value_to<std::string>(p.at("data"))).as_object();
+        x.group = json::value_to<std::string>(d.at("group"));
+        x.model = json::value_to<std::string>(d.at("model"));
+        x.restarted = d.at("restarted").as_bool();
+        x.broken = d.at("broken").as_int64();
+      } catch (const std::exception&) {
+        q.error = "replica '" + x.id + "' in the quorum is not a shardtorch fault-tolerance manager (its data is not "
+                  "shardtorch's); every replica group must run shardtorch::ft::Manager";
+        q.fatal = true;
+        return q;
+      }
+      q.participants.push_back(std::move(x));
+    }
+    std::sort(q.participants.begin(), q.participants.end(), [](auto& a, auto& b) { return a.id < b.id; });
+    for (size_t i = 0; i < q.participants.size(); ++i)
+      if (q.participants[i].id == replica_id) q.me = static_cast<int>(i);
+    if (q.me < 0) {
+      q.error = "the lighthouse's quorum does not include this replica";
+      return q;
+    }
+    for (const auto& p : q.participants)
+      if (p.model != model) {
+        q.error = "replica groups '" + group + "' and '" + p.group + "' train different models or strategies: '" +
+                  group + "' has " + model + "; '" + p.group + "' has " + p.model +
+                  ". Every replica group must build the same model with the same ShardOptions, world size and optimizer";
+        q.fatal = true;
+        return q;
+      }
+    int64_t broken_sum = 0;
+    for (const auto& p : q.participants) {
+      q.max_step = std::max(q.max_step, p.step);
+      broken_sum += p.broken;
+    }
+    // Who counts: the groups at the latest step. Before any step committed,
+    // one group's weights are everyone's start: the first (by id) that was
+    // not restarted. The others are healed from the counted groups.
+    const int n = static_cast<int>(q.participants.size());
+    if (q.max_step > 0) {
+      for (int i = 0; i < n; ++i)
+        if (q.participants[i].step == q.max_step) q.counted.push_back(i);
+    } else {
+      for (int i = 0; i < n && q.counted.empty(); ++i)
+        if (!q.participants[i].restarted) q.counted.push_back(i);
+      if (q.counted.empty()) {
+        q.error = "every replica group in the quorum " + join(names(q)) +
+                  " was restarted and none has committed a step: there is no live state to heal from. Load the latest "
+                  "checkpoint (then Manager::set_step) in every group, or start the groups afresh (not as restarts)";
+        q.fatal = true;
+        return q;
+      }
+    }
+    std::set<int> counted(q.counted.begin(), q.counted.end());
+    int k = 0;
+    for (int i = 0; i < n; ++i)
+      if (!counted.count(i)) q.heals.push_back({i, q.counted[static_cast<size_t>(k++) % q.counted.size()]});
+    q.config = "q" + std::to_string(q.id) + "/b" + std::to_string(broken_sum);
+    return q;
+  }
+
+  static std::vector<std::string> names(const Quorum& q) {
+    std::vector<std::string> v;
+    for (const auto& p : q.participants) v.push_back(p.group);
+    return v;
+  }
+
+  // Builds this rank's cross-replica group when the quorum's configuration
+  // changed. On a failure the step cannot commit; the next quorum retries.
+  void configure(const Quorum& q) {
+    if (q.participants.size() <= 1) {
+      pg.reset();
+      pg_config = q.config;
+      return;
+    }
+    if (pg && pg_config == q.config) return;
+    pg.reset();
+    pg_config.clear();
+    const std::string primary = q.participants[static_cast<size_t>(q.counted.front())].store_address;
+    const auto colon = primary.rfind(':');
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(std::stoi(primary.substr(colon + 1)));
+    so.isServer = false;
+    so.waitWorkers = false;
+    so.timeout = options.timeout();
+    auto client = c10::make_intrusive<c10d::TCPStore>(primary.substr(0, colon), so);
+    auto store = c10::make_intrusive<c10d::PrefixStore>(
+        "shardtorch-ft/" + q.config + "/rank" + std::to_string(world->rank()), client);
+    pg = shardtorch::detail::make_gloo_backend(store, q.me, static_cast<int>(q.participants.size()), options.timeout(),
+                                               options.host());
+    pg_config = q.config;
+  }
+
+  Quorum run_quorum(int64_t r) {
+    Quorum q = compute(r);
+    if (!q.error.empty()) return q;
+    try {
+      configure(q);
+    } catch (const std::exception& e) {
+      q.error = "could not build the cross-replica group of quorum " + std::to_string(q.id) + " " + join(names(q)) +
+                ": " + shardtorch::detail::message_of(e);
+    }
+    return q;
+  }
+
+  const Quorum& wait_quorum() {
+    // run_quorum's own waits are bounded (quorum_timeout, timeout); this adds a margin.
+    const auto bound = options.quorum_timeout() + 2 * options.timeout() + std::chrono::seconds(10);
+    SHARDTORCH_CHECK(quorum.valid(), "shardtorch::ft: Manager::start_step() was not called before this backward or "
+                                     "should_commit() (group '", group, "', rank ", world->rank(), ")");
+    SHARDTORCH_CHECK(quorum.wait_for(bound) == std::future_status::ready, "shardtorch::ft: group '", group, "', rank ",
+                     world->rank(), ": the quorum of step ", step, " did not finish within ", bound.count(), " ms");
+    return quorum.get();
+  }
+
+  bool healing(const Quorum& q) const {
+    for (auto [healed, source] : q.heals)
+      if (healed == q.me) return true;
+    return false;
+  }
+
+  // ---- the heal: the tensors that make a replica's state, in one order on every group
+
+  std::vector<at::Tensor> model_tensors() {
+    std::vector<at::Tensor> out;
+    if (state->ddp()) {
+      for (const auto& p : state->ddp_params()) out.push_back(state->record_of(p));
+    } else {
+      for (auto& u : state->units())
+        for (auto& f : u->flats()) out.push_back(f->shard());
+    }
+    for (const auto& b : root.buffers())
+      if (b.defined()) out.push_back(b);
+    return out;
+  }
+
+  void send_state(int dst, int tag) {
+    c10::NoGradGuard no_grad;
+    const auto& pieces = opt.views().pieces();
+    const auto& st = opt.inner().state();
+    const std::string user = save_user ? save_user() : std::string();
+    at::Tensor meta = at::zeros({static_cast<int64_t>(2 + 2 * pieces.size())}, at::kLong);
+    auto m = meta.accessor<int64_t, 1>();
+    m[0] = step;
+    m[1] = static_cast<int64_t>(user.size());
+    std::vector<at::Tensor> out;
+    for (auto& t : model_tensors()) out.push_back(t.contiguous());
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      auto it = st.find(pieces[i].view.unsafeGetTensorImpl());
+      if (it == st.end()) continue;
+      auto ts = shardtorch::detail::optimizer_state_tensors(it->second.get());
+      m[static_cast<int64_t>(2 + 2 * i)] = static_cast<int64_t>(ts.size());
+      m[static_cast<int64_t>(3 + 2 * i)] = shardtorch::detail::optimizer_state_step(it->second.get());
+      for (auto& [name, t] : ts) out.push_back(t.contiguous());
+    }
+    if (!user.empty()) {
+      at::Tensor u = at::empty({static_cast<int64_t>(user.size())}, at::kByte);
+      std::memcpy(u.data_ptr(), user.data(), user.size());
+      out.push_back(u);
+    }
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<at::Tensor> one{meta};
+    works.push_back(pg->send(one, dst, tag));
+    for (auto& t : out) {
+      std::vector<at::Tensor> v{t};
+      works.push_back(pg->send(v, dst, tag));
+    }
+    for (auto& w : works) w->wait(options.timeout());
+  }
+
+  // Receives everything first, then replaces the state: a transfer that fails
+  // half-way changes nothing.
+  int64_t receive_state(int src, int tag) {
+    c10::NoGradGuard no_grad;
+    const auto& pieces = opt.views().pieces();
+    at::Tensor meta = at::zeros({static_cast<int64_t>(2 + 2 * pieces.size())}, at::kLong);
+    std::vector<at::Tensor> one{meta};
+    pg->recv(one, src, tag)->wait(options.timeout());
+    auto m = meta.accessor<int64_t, 1>();
+    std::vector<at::Tensor> dst = model_tensors(), got;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    auto post = [&](at::Tensor t) {
+      got.push_back(t);
+      std::vector<at::Tensor> v{t};
+      works.push_back(pg->recv(v, src, tag));
+    };
+    for (auto& t : dst) post(at::empty_like(t, at::MemoryFormat::Contiguous));
+    for (size_t i = 0; i < pieces.size(); ++i)
+      for (int64_t k = 0; k < m[static_cast<int64_t>(2 + 2 * i)]; ++k) post(at::empty_like(pieces[i].view));
+    const int64_t user_len = m[1];
+    if (user_len > 0) post(at::empty({user_len}, at::kByte));
+    for (auto& w : works) w->wait(options.timeout());
+    // Everything arrived: replace.
+    size_t at = 0;
+    for (auto& t : dst) t.copy_(got[at++]);
+    auto kind = shardtorch::detail::optimizer_kind(opt);
+    auto& st = opt.inner().state();
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      void* key = pieces[i].view.unsafeGetTensorImpl();
+      const int64_t n = m[static_cast<int64_t>(2 + 2 * i)];
+      if (n == 0) {
+        st.erase(key);
+        continue;
+      }
+      std::vector<at::Tensor> ts(got.begin() + static_cast<long>(at), got.begin() + static_cast<long>(at + n));
+      at += static_cast<size_t>(n);
+      st[key] = shardtorch::detail::make_optimizer_state(*kind, m[static_cast<int64_t>(3 + 2 * i)], ts);
+    }
+    opt.views().count_optimizer_state(opt.inner());
+    if (user_len > 0 && load_user) {
+      const at::Tensor& u = got[at];
+      load_user(std::string(static_cast<const char*>(u.data_ptr()), static_cast<size_t>(user_len)));
+    }
+    for (auto& b : dst) (void)b;
+    return m[0];
+  }
+
+  void heal(const Quorum& q) {
+    for (size_t h = 0; h < q.heals.size(); ++h) {
+      auto [healed, source] = q.heals[h];
+      const int tag = 7000 + static_cast<int>(h);
+      if (source == q.me) {
+        const auto t0 = Clock::now();
+        send_state(healed, tag);
+        log("step " + std::to_string(step) + ": sent this group's state to '" + q.participants[healed].group + "' in " +
+            std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()) + " ms");
+      } else if (healed == q.me) {
+        const auto t0 = Clock::now();
+        const int64_t from_step = step;
+        step = receive_state(source, tag);
+        log("healed from '" + q.participants[source].group + "': step " + std::to_string(from_step) + " -> " +
+            std::to_string(step) + " in " +
+            std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()) + " ms");
+      }
+    }
+  }
+};
+
+// The cross-replica reduction: this rank's bucket (its group's mean) summed
+// over the cross-replica group and divided by the groups that count; a
+// healed group sends zeros. Never fails: an error marks the step, which the
+// vote then rejects.
+class FtHook : public c10d::CommHookInterface {
+ public:
+  FtHook(Manager::Impl* m, c10::intrusive_ptr<c10d::Backend> inner) : m_(m), inner_(std::move(inner)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    at::Tensor buffer = bucket.getBuffer();
+    Manager::Impl* m = m_;
+    try {
+      if (inner_ && inner_->getSize() > 1) {  // NoShard: the group's own mean first
+        buffer.div_(inner_->getSize());
+        std::vector<at::Tensor> v{buffer};
+        inner_->allreduce(v)->wait();
+      }
+      const Quorum& q = m->wait_quorum();
+      if (!q.error.empty()) return completed_future(buffer);
+      if (m->healing(q)) buffer.zero_();
+      const double counted = static_cast<double>(q.counted.size());
+      if (!m->pg) {
+        buffer.div_(counted);
+        return completed_future(buffer);
+      }
+      std::vector<at::Tensor> v{buffer};
+      auto fut = m->pg->allreduce(v)->getFuture();
+      return fut->then(
+          [m, buffer, counted](c10::ivalue::Future& f) {
+            if (f.hasError()) {
+              m->fail_step("a cross-replica all-reduce failed: " + f.tryRetrieveErrorMessage());
+            } else {
+              buffer.div_(counted);
+            }
+            return c10::IValue(buffer);
+          },
+          c10::TensorType::get());
+    } catch (const std::exception& e) {
+      m->fail_step(std::string("the cross-replica reduction failed: ") + shardtorch::detail::message_of(e));
+      return completed_future(buffer);
+    }
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
+
+ private:
+  Manager::Impl* m_;
+  c10::intrusive_ptr<c10d::Backend> inner_;
+};
+
+Manager::Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedOptimizer& opt, ManagerOptions options)
+    : impl_(std::make_unique<Impl>(std::move(world), root, opt, std::move(options))) {
+  Impl& m = *impl_;
+  auto& o = m.options;
+  if (o.lighthouse().empty()) o.lighthouse(env("SHARDTORCH_FT_LIGHTHOUSE").value_or(env("TORCHFT_LIGHTHOUSE").value_or("")));
+  if (o.replica_group().empty())
+    o.replica_group(env("SHARDTORCH_FT_REPLICA_GROUP").value_or(env("REPLICA_GROUP_ID").value_or("")));
+  SHARDTORCH_CHECK(!o.replica_group().empty(), "shardtorch::ft::Manager: rank ", m.world->rank(),
+                   ": no replica group name: pass ManagerOptions::replica_group or set SHARDTORCH_FT_REPLICA_GROUP "
+                   "(the same on every rank of a group and across its restarts)");
+  SHARDTORCH_CHECK(o.replica_group().find(':') == std::string::npos, "shardtorch::ft::Manager: replica group name '",
+                   o.replica_group(), "' contains ':'");
+  m.group = o.replica_group();
+  const int restarts = std::atoi(env("TORCHELASTIC_RESTART_COUNT").value_or("0").c_str());
+  m.restarted = o.restarted().value_or(restarts > 0);
+  m.state = sharded_model(root).state();
+  const Strategy strategy = m.state->options().strategy();
+  SHARDTORCH_CHECK(strategy == Strategy::NoShard || strategy == Strategy::FullShard, "shardtorch::ft::Manager: group '",
+                   m.group, "': strategy ", strategy_name(strategy),
+                   " is not supported inside a fault-tolerant replica group yet: use NoShard or FullShard (the groups "
+                   "are the replicas, as HybridShard's would be)");
+  SHARDTORCH_CHECK(!m.state->options().cpu_offload(), "shardtorch::ft::Manager: group '", m.group,
+                   "': CPU offload is not supported with fault tolerance yet");
+  m.model = describe_model(root, *m.state, opt, m.world->size());
+  // Every rank of the group must agree on the group name and the incarnation.
+  auto names = m.world->comm().all_gather_strings(m.group + "/" + std::to_string(restarts), "shardtorch::ft group name");
+  for (size_t r = 0; r < names.size(); ++r)
+    SHARDTORCH_CHECK(names[r] == names[0], "shardtorch::ft::Manager: ranks 0 and ", r,
+                     " of one World name different replica groups or restarts: '", names[0], "' and '", names[r], "'");
+  m.key_prefix = "shardtorch-ft/" + m.group + "/incarnation" + std::to_string(restarts) + "/";
+  if (m.world->rank() == 0) {
+    // Bound to `host` alone (c10d's TCPStore would listen on every interface).
+    const int fd = shardtorch::detail::listen_socket(o.host(), 0);
+    const int port = bound_port(fd);
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(port);
+    so.isServer = true;
+    so.waitWorkers = false;
+    so.numWorkers = std::nullopt;
+    so.timeout = o.timeout();
+    so.masterListenFd = fd;  // c10d owns it from here
+    m.store_server = c10::make_intrusive<c10d::TCPStore>(o.host(), so);
+    m.store_address = o.host() + ":" + std::to_string(port);
+    m.replica_id = m.group + ":" + random_hex(12);
+    m.lighthouse = std::make_unique<detail::LighthouseClient>(o.lighthouse());
+    m.heartbeats = std::thread([&m] {
+      std::unique_lock<std::mutex> lock(m.hb_mu);
+      while (!m.stopping) {
+        lock.unlock();
+        try {
+          m.lighthouse->heartbeat(m.replica_id, std::chrono::seconds(1));
+        } catch (const std::exception&) {
+          // The quorum reports an unreachable lighthouse; a missed beat is only late.
+        }
+        lock.lock();
+        m.hb_cv.wait_for(lock, m.options.heartbeat_interval(), [&m] { return m.stopping; });
+      }
+    });
+  }
+  // The other ranks learn the replica id from rank 0 (they name it in the quorum's participants).
+  auto ids = m.world->comm().all_gather_strings(m.replica_id, "shardtorch::ft replica id");
+  m.replica_id = ids[0];
+  sharded_model(root).register_comm_hook(std::make_unique<FtHook>(&m, sharded_model(root).comm_hook_group()));
+  m.log("replica " + m.replica_id + " (" + m.model + ")" + (m.restarted ? ", restarted" : "") + ", lighthouse " +
+        (m.world->rank() == 0 ? m.lighthouse->address() : std::string("-")));
+}
+
+Manager::~Manager() {
+  Impl& m = *impl_;
+  if (m.quorum.valid()) m.quorum.wait();
+  {
+    std::lock_guard<std::mutex> lock(m.hb_mu);
+    m.stopping = true;
+  }
+  m.hb_cv.notify_all();
+  if (m.heartbeats.joinable()) m.heartbeats.join();
+}
+
+void Manager::start_step() {
+  Impl& m = *impl_;
+  SHARDTORCH_CHECK(!m.in_step, "shardtorch::ft: group '", m.group, "', rank ", m.world->rank(),
+                   ": start_step() twice without should_commit() between them");
+  m.in_step = true;
+  {
+    std::lock_guard<std::mutex> lock(m.step_mu);
+    m.step_error.clear();
+  }
+  const int64_t r = m.round++;
+  m.quorum = std::async(std::launch::async, [&m, r] { return m.run_quorum(r); }).share();
+}
+
+bool Manager::should_commit() {
+  Impl& m = *impl_;
+  SHARDTORCH_CHECK(m.in_step, "shardtorch::ft: group '", m.group, "', rank ", m.world->rank(),
+                   ": should_commit() without start_step()");
+  m.in_step = false;
+  const Quorum& q = m.wait_quorum();
+  StepReport rep;
+  rep.step = m.step;
+  rep.quorum_id = q.id;
+  std::string error = q.error;
+  if (q.fatal) {
+    // Every rank of every group computes the same: each throws the same error.
+    m.report = rep;
+    m.report.error = error;
+    SHARDTORCH_CHECK(false, "shardtorch::ft: group '", m.group, "', rank ", m.world->rank(), ": ", error);
+  }
+  if (error.empty()) {
+    for (int i : q.counted) rep.counted.push_back(q.participants[static_cast<size_t>(i)].group);
+    for (auto [h, s] : q.heals) rep.healed.push_back(q.participants[static_cast<size_t>(h)].group);
+    {
+      std::lock_guard<std::mutex> lock(m.step_mu);
+      error = m.step_error;
+    }
+    if (error.empty() && !q.heals.empty() && m.pg) {
+      try {
+        m.heal(q);
+      } catch (const std::exception& e) {
+        error = std::string("the heal failed: ") + shardtorch::detail::message_of(e);
+      }
+    }
+  }
+  if (!error.empty() && m.pg) {
+    // Dropped now, not at the next quorum: peers still waiting on this rank
+    // see its connections close and fail at once instead of at their timeout.
+    m.pg.reset();
+    m.pg_config.clear();
+    ++m.broken;
+  }
+  rep.step = m.step;  // a healed group's is its source's
+  // The vote: every rank of the group, inside the group (its own world).
+  at::Tensor ok = at::full({1}, error.empty() ? 1 : 0, at::kInt);
+  m.world->comm().all_reduce(ok, c10d::ReduceOp::MIN, "shardtorch::ft vote");
+  rep.committed = ok.item<int>() == 1;
+  if (rep.committed) {
+    ++m.step;
+  } else {
+    rep.error = error.empty() ? "another rank of the group failed" : error;
+    m.log("step " + std::to_string(rep.step) + " not committed: " + rep.error);
+  }
+  if (m.report.quorum_id != rep.quorum_id && error.empty())
+    m.log("quorum " + std::to_string(q.id) + ": " + join(rep.counted) + " counted" +
+          (rep.healed.empty() ? "" : ", " + join(rep.healed) + " healed") + " at step " + std::to_string(rep.step));
+  m.report = rep;
+  return rep.committed;
+}
+
+int64_t Manager::step() const { return impl_->step; }
+void Manager::set_step(int64_t step) {
+  SHARDTORCH_CHECK(step >= 0 && !impl_->in_step, "shardtorch::ft::Manager::set_step(", step,
+                   "): a step count (>= 0) between steps");
+  impl_->step = step;
+}
+const StepReport& Manager::last_step() const { return impl_->report; }
+void Manager::set_user_state(std::function<std::string()> save, std::function<void(const std::string&)> load) {
+  impl_->save_user = std::move(save);
+  impl_->load_user = std::move(load);
+}
+const std::string& Manager::replica_group() const { return impl_->group; }
+
+ReplicaSampler::ReplicaSampler(int64_t dataset_size, int64_t groups, int64_t group_index, int rank, int world_size,
+                               int64_t batch_size)
+    : batch_(batch_size) {
+  SHARDTORCH_CHECK(groups > 0 && group_index >= 0 && group_index < groups && world_size > 0 && rank >= 0 &&
+                       rank < world_size && batch_size > 0,
+                   "shardtorch::ft::ReplicaSampler: group ", group_index, " of ", groups, ", rank ", rank, " of ",
+                   world_size, ", batch ", batch_size, ": out of range");
+  const int64_t part = dataset_size / groups, sub = part / world_size;
+  SHARDTORCH_CHECK(sub > 0, "shardtorch::ft::ReplicaSampler: ", dataset_size, " samples are too few for ", groups,
+                   " groups of ", world_size, " ranks");
+  begin_ = group_index * part + rank * sub;
+  length_ = sub;
+}
+
+std::vector<int64_t> ReplicaSampler::batch(int64_t step) const {
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < batch_; ++i) out.push_back(begin_ + (step * batch_ + i) % length_);
+  return out;
+}
+
+}  // namespace shardtorch::ft

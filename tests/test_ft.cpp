@@ -1,0 +1,258 @@
+// Fault tolerance against torchft's real lighthouse (started here from the
+// torchft wheel that scripts/setup.sh pins): the gRPC client inside a process
+// that runs LibTorch, and replica groups that train as one process would.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <future>
+#include <thread>
+
+#include "ft/lighthouse_client.h"
+#include "shardtorch/error.h"
+#include "shardtorch/ft.h"
+#include "shardtorch/shardtorch.h"
+#include "shardtorch/testing.h"
+
+extern char** environ;
+
+namespace {
+using shardtorch::World;
+using shardtorch::ft::detail::LighthouseClient;
+using shardtorch::ft::detail::Member;
+using namespace std::chrono_literals;
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// torchft_lighthouse on a free loopback port, for the life of the object.
+class Lighthouse {
+ public:
+  explicit Lighthouse(int min_replicas) : port_(free_port()) {
+    const std::string exe = SHARDTORCH_LIGHTHOUSE;
+    if (::access(exe.c_str(), X_OK) != 0)
+      throw std::runtime_error("no torchft_lighthouse at " + exe + ": run scripts/setup.sh (it installs torchft-nightly)");
+    std::vector<std::string> args{exe, "--bind", address(), "--min_replicas", std::to_string(min_replicas),
+                                  "--join_timeout_ms", "2000", "--quorum_tick_ms", "20",
+                                  // Long: the bare clients below send no heartbeats while they wait for each other.
+                                  "--heartbeat_timeout_ms", "30000"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
+    if (posix_spawn(&pid_, exe.c_str(), &fa, nullptr, argv.data(), environ) != 0)
+      throw std::runtime_error("could not start " + exe);
+    posix_spawn_file_actions_destroy(&fa);
+  }
+  ~Lighthouse() {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  int port_;
+  pid_t pid_ = 0;
+};
+
+Member member(const std::string& id, int64_t step) { return Member{id, "", "127.0.0.1:1", step, 1, "{}"}; }
+
+TEST(FtLighthouse, GrpcClientAndLibTorchWorkInOneProcess) {
+  // protobuf objects made and parsed by the client, tensors and a Gloo
+  // all-reduce of LibTorch (which exports some protobuf symbols of its own),
+  // in the same process. The forked ranks come first: gRPC does not survive
+  // a fork of a process that used it.
+  Lighthouse lh(2);
+  auto r = shardtorch::testing::run_ranks(2, [&](World& w) {
+    LighthouseClient c(lh.address());
+    auto q = c.quorum(member("g" + std::to_string(w.rank()) + ":r", 7 + w.rank()), 20s);
+    auto t = at::full({4}, static_cast<float>(w.rank() + 1));
+    w.comm().all_reduce(t, c10d::ReduceOp::SUM, "test");
+    if (t[0].item<float>() != 3.f) throw std::runtime_error("all-reduce gave " + std::to_string(t[0].item<float>()));
+    if (q.participants.size() != 2 || q.participants[1].step != 8)
+      throw std::runtime_error("quorum of " + std::to_string(q.participants.size()));
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto x = at::arange(10, at::kFloat);
+  LighthouseClient a(lh.address()), b("http://" + lh.address());
+  auto fa = std::async(std::launch::async, [&] { return a.quorum(member("g0:a", 3), 20s); });
+  auto qb = b.quorum(member("g1:b", 5), 20s);
+  auto qa = fa.get();
+  b.heartbeat("g1:b", 5s);
+  EXPECT_EQ(qa.quorum_id, qb.quorum_id);
+  ASSERT_EQ(qa.participants.size(), 2u);
+  EXPECT_EQ(qa.participants[0].replica_id, "g0:a");
+  EXPECT_EQ(qa.participants[1].replica_id, "g1:b");
+  EXPECT_EQ(qa.participants[1].step, 5);
+  EXPECT_EQ(qa.participants[0].data, "{}");
+  EXPECT_EQ(x.sum().item<float>(), 45.f);
+}
+
+TEST(FtLighthouse, UnreachableLighthouseIsAClearErrorWithinTheTimeout) {
+  LighthouseClient c("127.0.0.1:" + std::to_string(free_port()));  // nothing listens there
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    c.quorum(member("g0:x", 0), 700ms);
+    FAIL() << "no error";
+  } catch (const shardtorch::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("lighthouse at 127.0.0.1:"), std::string::npos) << m;
+    EXPECT_NE(m.find("700 ms"), std::string::npos) << m;
+    EXPECT_NE(m.find("torchft_lighthouse"), std::string::npos) << m;
+  }
+  // Bounded by the timeout (with a wide margin for a loaded machine), not gRPC's own defaults.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+}
+
+// Two replica groups of `ranks` ranks each, in 2*ranks forked processes: each
+// group its own World; `hidden` may differ per group.
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(int64_t hidden)
+      : a(register_module("a", torch::nn::Linear(6, hidden))), b(register_module("b", torch::nn::Linear(hidden, 1))) {}
+  at::Tensor forward(at::Tensor x) { return b(a(x).tanh()); }
+  torch::nn::Linear a, b;
+};
+SHARDTORCH_MODULE(Net);
+
+at::Tensor batch_x(int64_t group, int rank, int64_t step) {
+  at::manual_seed(100 * group + 10 * rank + step);
+  return at::randn({4, 6});
+}
+
+std::shared_ptr<World> group_world(World& all, int ranks) {
+  const int g = all.rank() / ranks;
+  auto store = c10::make_intrusive<c10d::PrefixStore>("group" + std::to_string(g), all.store());
+  return World::create(store, all.rank() % ranks, ranks);
+}
+
+std::map<std::string, at::Tensor> train_group(World& all, int ranks, shardtorch::Strategy strategy, int steps,
+                                              const std::string& lighthouse, std::vector<std::string>* counted,
+                                              int64_t hidden_for_group1 = 8) {
+  auto world = group_world(all, ranks);
+  const int g = all.rank() / ranks;
+  at::manual_seed(0);
+  Net model(g == 1 ? hidden_for_group1 : 8);
+  shardtorch::shard(*model, world, shardtorch::ShardOptions().strategy(strategy));
+  auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+  shardtorch::ft::Manager m(world, *model, *opt,
+                            shardtorch::ft::ManagerOptions().lighthouse(lighthouse).replica_group(std::to_string(g)).log(false));
+  while (m.step() < steps) {
+    m.start_step();
+    auto x = batch_x(g, world->rank(), m.step());
+    opt->zero_grad();
+    model->forward(x).pow(2).mean().backward();
+    if (m.should_commit()) {
+      opt->step();
+      std::string who;
+      for (auto& c : m.last_step().counted) who += c;
+      if (counted) counted->push_back(who);
+    }
+  }
+  return shardtorch::full_parameters(*model);
+}
+
+// Single-process replay: step s averages the counted groups' ranks' batches.
+std::map<std::string, at::Tensor> reference(int ranks, const std::vector<std::string>& counted) {
+  at::manual_seed(0);
+  Net model(8);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (size_t s = 0; s < counted.size(); ++s) {
+    opt.zero_grad();
+    at::Tensor total;
+    for (char c : counted[s])
+      for (int r = 0; r < ranks; ++r) {
+        auto l = model->forward(batch_x(c - '0', r, static_cast<int64_t>(s))).pow(2).mean();
+        total = total.defined() ? total + l : l;
+      }
+    (total / static_cast<double>(counted[s].size() * static_cast<size_t>(ranks))).backward();
+    opt.step();
+  }
+  std::map<std::string, at::Tensor> out;
+  for (auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+void two_groups_train_like_one_process(int ranks, shardtorch::Strategy strategy) {
+  Lighthouse lh(2);
+  auto r = shardtorch::testing::run_ranks(2 * ranks, [&](World& all) {
+    std::vector<std::string> counted;
+    auto got = train_group(all, ranks, strategy, 6, lh.address(), &counted);
+    // Step 0 counts one group (the other starts from its weights); later steps both.
+    if (counted.size() != 6u || counted[0].size() != 1 || counted[5] != "01")
+      throw std::runtime_error("counted groups per step: " + c10::Join(",", counted));
+    auto want = reference(ranks, counted);
+    for (auto& [name, t] : want) {
+      const double d = (got.at(name) - t).abs().max().item<double>();
+      if (!(d <= 1e-6)) throw std::runtime_error(name + " differs from one process by " + std::to_string(d));
+      // Every group bitwise alike: rank 0's values against everyone's.
+      auto mine = got.at(name).clone(), first = got.at(name).clone();
+      all.comm().broadcast(first, 0, "compare");
+      if (!at::equal(mine, first)) throw std::runtime_error(name + " differs between the groups");
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(FtManager, TwoNoShardGroupsTrainLikeOneProcess) {
+  two_groups_train_like_one_process(1, shardtorch::Strategy::NoShard);
+}
+
+TEST(FtManager, TwoFullShardGroupsOfTwoRanksTrainLikeOneProcess) {
+  two_groups_train_like_one_process(2, shardtorch::Strategy::FullShard);
+}
+
+TEST(FtManager, GroupsWithDifferentModelsFailNamingBothGroups) {
+  Lighthouse lh(2);
+  auto r = shardtorch::testing::run_ranks(2, [&](World& all) {
+    try {
+      train_group(all, 1, shardtorch::Strategy::NoShard, 2, lh.address(), nullptr, /*hidden_for_group1=*/9);
+    } catch (const shardtorch::Error& e) {
+      const std::string m = e.what();
+      if (m.find("replica groups '") != std::string::npos && m.find("'0'") != std::string::npos &&
+          m.find("'1'") != std::string::npos && m.find("different models") != std::string::npos)
+        return;
+      throw std::runtime_error("unexpected error: " + m);
+    }
+    throw std::runtime_error("no error for groups with different models");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(FtSampler, EachGroupReadsItsOwnPartAndTheSameAfterAHeal) {
+  shardtorch::ft::ReplicaSampler g0(120, 3, 0, 0, 1, 8), g1(120, 3, 1, 0, 1, 8), g1again(120, 3, 1, 0, 1, 8);
+  for (int64_t s = 0; s < 12; ++s) {
+    for (auto i : g0.batch(s)) EXPECT_TRUE(i >= 0 && i < 40);
+    for (auto i : g1.batch(s)) EXPECT_TRUE(i >= 40 && i < 80);
+    EXPECT_EQ(g1.batch(s), g1again.batch(s));
+  }
+  EXPECT_NE(g1.batch(0), g1.batch(1));
+  EXPECT_THROW(shardtorch::ft::ReplicaSampler(2, 3, 0, 0, 1, 8), shardtorch::Error);
+}
+
+}  // namespace
