@@ -7,6 +7,7 @@
 #include <ATen/core/jit_type.h>
 
 #include <atomic>
+#include <optional>
 
 #include "models.h"
 
@@ -37,13 +38,23 @@ std::map<std::string, torch::Tensor> train(World& w, ShardOptions opts, const Ho
   MLP model;
   auto sm = shardtorch::shard(model, w, opts);
   if (make_hook) sm.register_comm_hook(make_hook(sm));
+  const auto dtype = opts.mixed_precision().param_dtype();
+  std::optional<shardtorch::GradScaler> scaler;  // fp16 trains only through one
+  if (dtype == at::kHalf) scaler.emplace(*model, shardtorch::GradScalerOptions().init_scale(1024));
   auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(lr));
   const int64_t per = kBatch / w.size();
   auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+  if (dtype) x = x.to(*dtype);
   for (int s = 0; s < steps; ++s) {
     opt->zero_grad();
-    torch::mse_loss(model(x), y).backward();
-    opt->step();
+    auto loss = torch::mse_loss(model(x).to(at::kFloat), y);
+    if (!scaler) {
+      loss.backward();
+      opt->step();
+      continue;
+    }
+    scaler->scale(loss).backward();
+    require(scaler->step(*opt), "an fp16 step was skipped");
   }
   return shardtorch::full_parameters(*model);
 }
@@ -72,6 +83,17 @@ struct RecordingHook : shardtorch::AllReduceHook {
   std::vector<size_t> indices;
   std::vector<bool> last;
   std::vector<std::vector<at::Tensor>> params, gradients;
+};
+
+// allreduce_hook, refusing a bucket of another dtype than `want`.
+struct DtypeCheckingHook : shardtorch::AllReduceHook {
+  DtypeCheckingHook(shardtorch::HookGroup g, at::ScalarType want) : AllReduceHook(std::move(g)), want(want) {}
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    require(bucket.getBuffer().scalar_type() == want,
+            "the hook got a bucket of " + shardtorch::describe(bucket.getBuffer()) + ", expected " + c10::toString(want));
+    return AllReduceHook::runHook(bucket);
+  }
+  at::ScalarType want;
 };
 
 // Multiplies the bucket by `factor`, reducing nothing.
@@ -315,3 +337,28 @@ TEST(CommHooks, FullShardHookRunsOnTheReduceScatterOutput) {
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
+
+// Under mixed precision the hook gets the bucket in the dtype the built-in
+// reduction uses (reduce_dtype, else param_dtype), and what it returns goes
+// back into the gradients as the built-in reduction's result does.
+TEST(CommHooks, AllReduceHookTrainsBitwiseLikeTheBuiltInReductionUnderMixedPrecision) {
+  auto r = run_ranks(4, [](World& w) {
+    // The MLP's buffer in param_dtype too: an fp32 one would promote the input to fp32.
+    const auto mp =
+        shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).buffer_dtype(at::kBFloat16);
+    for (auto opts : {ShardOptions().strategy(Strategy::NoShard).bucket_mb(0.0002).mixed_precision(mp),
+                      ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2).mixed_precision(mp),
+                      ShardOptions().strategy(Strategy::FullShard).mixed_precision(
+                          shardtorch::MixedPrecision().param_dtype(at::kHalf).buffer_dtype(at::kHalf))}) {
+      auto want = train(w, opts, nullptr);
+      const auto mp = opts.mixed_precision();
+      const at::ScalarType bucket = mp.reduce_dtype().value_or(*mp.param_dtype());
+      auto got = train(w, opts, [bucket](shardtorch::ShardedModel& sm) {
+        return std::make_unique<DtypeCheckingHook>(sm.comm_hook_group(), bucket);
+      });
+      expect_equal(got, want, std::string("mixed precision, ") + shardtorch::strategy_name(opts.strategy()));
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
