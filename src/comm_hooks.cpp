@@ -60,11 +60,16 @@ std::string seconds(std::chrono::steady_clock::duration d) {
 }
 }  // namespace
 
-HookCall call_hook(CommHook& hook, c10d::GradBucket& bucket, int rank, std::string what) {
+HookCall call_hook(CommHook& hook, c10d::GradBucket& bucket, int rank, std::string what, HookCounter* counter) {
   HookCall call;
   call.what = std::move(what);
   call.shape = describe(bucket.getBuffer());
   call.sizes = bucket.getBuffer().sizes().vec();
+  call.counter = counter;
+  if (counter) {  // handed over, whatever the hook then does with it
+    ++counter->calls;
+    counter->bucket_bytes += static_cast<int64_t>(bucket.getBuffer().nbytes());
+  }
   call.start = std::chrono::steady_clock::now();
   try {
     call.future = hook.runHook(bucket);
@@ -105,6 +110,7 @@ at::Tensor finish_hook(CommHook& hook, HookCall& call, int rank, std::chrono::mi
       SHARDTORCH_CHECK(false, head, ": its future did not complete after ",
                   seconds(std::chrono::steady_clock::now() - c.start), " (timeout ", seconds(timeout), ")");
   }
+  if (c.counter) c.counter->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - c.start).count();
   c.future->wait();  // completed: returns at once (on CUDA, the current streams wait for its value)
   if (c.future->hasError()) {
     std::string cause;

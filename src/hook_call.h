@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 
+#include "shardtorch/collectives.h"
 #include "shardtorch/comm_hooks.h"
 
 namespace shardtorch::detail {
@@ -29,12 +30,15 @@ struct HookCall {
   std::string shape;      // the bucket as given to the hook, e.g. "float32[109]"
   std::vector<int64_t> sizes;
   std::chrono::steady_clock::time_point start;
+  HookCounter* counter = nullptr;  // its time is added here when the future completes
   bool active() const { return static_cast<bool>(future); }
 };
 
-/// Calls hook.runHook(bucket). Throws naming the rank and `what` if the hook
+/// Calls hook.runHook(bucket), counting the call and the bucket's bytes in
+/// `counter` (if not null). Throws naming the rank and `what` if the hook
 /// throws or returns no future.
-HookCall call_hook(CommHook& hook, c10d::GradBucket& bucket, int rank, std::string what);
+HookCall call_hook(CommHook& hook, c10d::GradBucket& bucket, int rank, std::string what,
+                   HookCounter* counter = nullptr);
 /// True once the hook's future has completed, false if `bound` passed first.
 bool hook_done_within(const HookCall& call, std::chrono::milliseconds bound);
 /// Waits, at most `timeout`, for the hook's future and returns its tensor.

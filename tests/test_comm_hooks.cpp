@@ -362,3 +362,44 @@ TEST(CommHooks, AllReduceHookTrainsBitwiseLikeTheBuiltInReductionUnderMixedPreci
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// comm_stats() counts what the library handed to the hook: one call per
+// bucket (NoShard) or reduce-scatter output (sharded), their bytes in the
+// bucket's dtype, and the time until their futures completed; nothing
+// without a hook.
+TEST(CommHooks, CommStatsCountTheBucketsHandedToTheHook) {
+  auto r = run_ranks(4, [](World& w) {
+    const auto mp =
+        shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).buffer_dtype(at::kBFloat16);
+    for (auto opts : {ShardOptions().strategy(Strategy::NoShard).bucket_mb(0.0002),
+                      ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2).bucket_mb(0.0002),
+                      ShardOptions().strategy(Strategy::FullShard).bucket_mb(0.0002).mixed_precision(mp)}) {
+      const std::string what = shardtorch::strategy_name(opts.strategy());
+      torch::manual_seed(0);
+      MLP model;
+      auto sm = shardtorch::shard(model, w, opts);
+      auto owned = std::make_unique<RecordingHook>(sm.comm_hook_group());
+      RecordingHook* hook = owned.get();
+      const int64_t per = kBatch / w.size();
+      auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+      if (auto dtype = opts.mixed_precision().param_dtype()) x = x.to(*dtype);
+      torch::mse_loss(model(x).to(at::kFloat), y).backward();  // no hook yet
+      require(sm.comm_stats().comm_hook.calls == 0 && sm.comm_stats().comm_hook.bucket_bytes == 0,
+              what + ": hook calls counted without a hook");
+      sm.register_comm_hook(std::move(owned));
+      for (int step = 0; step < 2; ++step) torch::mse_loss(model(x).to(at::kFloat), y).backward();
+      const auto stats = sm.comm_stats().comm_hook;
+      int64_t bytes = 0;
+      for (const auto& b : hook->buffers) bytes += static_cast<int64_t>(b.nbytes());
+      require(hook->buffers.size() >= 2, what + ": expected several buckets");
+      require(stats.calls == static_cast<int64_t>(hook->buffers.size()),
+              what + ": " + std::to_string(stats.calls) + " hook calls counted, the hook saw " +
+                  std::to_string(hook->buffers.size()));
+      require(stats.bucket_bytes == bytes, what + ": " + std::to_string(stats.bucket_bytes) +
+                                               " bucket bytes counted, the hook saw " + std::to_string(bytes));
+      require(stats.seconds > 0, what + ": no time counted");
+      if (opts.mixed_precision().reduce_dtype())  // fp32 buckets of bf16 parameters: 4 bytes an element
+        for (const auto& b : hook->buffers) require(b.scalar_type() == at::kFloat, what + ": a bucket of " + shardtorch::describe(b));
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
