@@ -36,11 +36,22 @@ class GradientReducer {
   /// backward on (docs/api.md, "Communication hooks"). Not during a backward.
   void set_comm_hook(std::unique_ptr<CommHook> hook) {
     hook_ = std::move(hook);
+    hook_checked_ = false;
     use_hook(hook_.get(), &hook_stats_);
   }
   CommHook* comm_hook() const { return hook_.get(); }
   /// What the hook was handed since shard() (CommStats::comm_hook).
   const HookCounter& hook_stats() const { return hook_stats_; }
+  /// Call before the first gradient reduction of every synchronising
+  /// backward: after shard() and after set_comm_hook, the first one compares
+  /// every rank's hook (none included) through the world's store and throws
+  /// on every rank when they differ (check_same_hook, hook_call.h); until it
+  /// passes, every such backward compares again.
+  void check_hooks_agree(World& world) {
+    if (hook_checked_) return;
+    check_same_hook(world, hook_.get());
+    hook_checked_ = true;
+  }
 
  protected:
   /// Hands the hook (null: none) and its counter to the bucketer.
@@ -49,6 +60,7 @@ class GradientReducer {
  private:
   std::unique_ptr<CommHook> hook_;  // a base member: it outlives the bucketers, which may wait on it
   HookCounter hook_stats_;
+  bool hook_checked_ = false;  // the ranks' hooks compared since shard() or the last set_comm_hook
 };
 
 /// The sharded strategies' reductions.

@@ -15,6 +15,10 @@
 #include "shardtorch/collectives.h"
 #include "shardtorch/comm_hooks.h"
 
+namespace shardtorch {
+class World;
+}
+
 namespace shardtorch::detail {
 
 /// A hook's reduction of one bucket, launched and not yet waited for.
@@ -48,5 +52,17 @@ bool hook_done_within(const HookCall& call, std::chrono::milliseconds bound);
 at::Tensor finish_hook(CommHook& hook, HookCall& call, int rank, std::chrono::milliseconds timeout);
 /// After a failure elsewhere: waits at most `timeout`, ignores the outcome.
 void abandon_hook(HookCall& call, std::chrono::milliseconds timeout) noexcept;
+
+/// What the ranks compare of a hook: its dynamic C++ type, and for a
+/// CompressHook its dtype ("shardtorch::CompressHook(BFloat16)"); "no hook"
+/// for null.
+std::string describe_hook(const CommHook* hook);
+/// Compares describe_hook(hook) across every rank of `world` through its
+/// store (no collective: it pairs with nothing) and throws on every rank
+/// when two differ, naming both ranks and both hooks. Every rank must call
+/// it at the same point of its program (the n-th call on each rank is
+/// compared with the n-th of the others); it waits at most the world's
+/// timeout for the others. Nothing on a world of one rank.
+void check_same_hook(World& world, const CommHook* hook);
 
 }  // namespace shardtorch::detail

@@ -362,6 +362,52 @@ TEST(CommHooks, AllReduceHookTrainsBitwiseLikeTheBuiltInReductionUnderMixedPreci
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// Hooks that differ across ranks (or a hook on some ranks only) would issue
+// different collectives: the first backward fails on every rank at once,
+// naming both ranks and both hooks, instead of pairing mismatched
+// collectives (an abort inside Gloo) or silently training apart.
+TEST(CommHooks, DifferentHooksOnDifferentRanksFailEveryRankNamingBoth) {
+  struct Case {
+    Strategy strategy;
+    int ranks;
+    bool last_has_none;  // the last rank registers no hook (else the bf16 one)
+  };
+  for (const Case c : {Case{Strategy::NoShard, 2, false}, Case{Strategy::NoShard, 2, true},
+                       Case{Strategy::FullShard, 2, false}, Case{Strategy::HybridShard, 4, false},
+                       Case{Strategy::HybridShard, 4, true}}) {
+    SCOPED_TRACE(std::string(shardtorch::strategy_name(c.strategy)) + (c.last_has_none ? ", no hook" : ", bf16"));
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = run_ranks(c.ranks, [c](World& w) {
+      torch::manual_seed(0);
+      MLP model;
+      auto opts = ShardOptions().strategy(c.strategy);
+      if (c.strategy == Strategy::HybridShard) opts.hybrid_shard_size(2);
+      auto sm = shardtorch::shard(model, w, opts);
+      const bool last = w.rank() + 1 == w.size();
+      if (!last) sm.register_comm_hook(shardtorch::allreduce_hook(sm.comm_hook_group()));
+      if (last && !c.last_has_none) sm.register_comm_hook(shardtorch::bf16_compress_hook(sm.comm_hook_group()));
+      const int64_t per = kBatch / w.size();
+      auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+      std::string message;
+      try {
+        torch::mse_loss(model(x), y).backward();
+      } catch (const shardtorch::Error& e) {
+        message = e.what();
+      }
+      require(!message.empty(), "backward did not fail with shardtorch::Error");
+      const std::string other = c.last_has_none ? "no hook" : "shardtorch::CompressHook(BFloat16)";
+      for (const std::string& want :
+           {"shardtorch: rank " + std::to_string(w.rank()) + ": the ranks have different communication hooks: ",
+            std::string("rank 0 has shardtorch::AllReduceHook, rank ") + std::to_string(w.size() - 1) + " has " + other,
+            std::string("register the same kind of hook on every rank")})
+        require(message.find(want) != std::string::npos, "'" + want + "' is not in: " + message);
+    }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(60)).timeout(std::chrono::seconds(90)));
+    ASSERT_TRUE(r.ok) << r.summary();
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0)
+        << "the ranks should fail at once, not after the collective timeout";
+  }
+}
+
 // comm_stats() counts what the library handed to the hook: one call per
 // bucket (NoShard) or reduce-scatter output (sharded), their bytes in the
 // bucket's dtype, and the time until their futures completed; nothing
