@@ -74,8 +74,12 @@ class AllReduceBucketer {
   /// replaced it). Keeps values already there.
   void bind_grads();
   /// Reduces every bucket through `hook` (which outlives this) instead of the
-  /// built-in all-reduce and division; null: the built-in. Not during a backward.
-  void set_hook(CommHook* hook) { hook_ = hook; }
+  /// built-in all-reduce and division; null: the built-in. Each call is
+  /// counted in `counter` (if not null). Not during a backward.
+  void set_hook(CommHook* hook, HookCounter* counter = nullptr) {
+    hook_ = hook;
+    hook_counter_ = counter;
+  }
   CommHook* hook() const { return hook_; }
 
   /// Called when autograd has accumulated param i's gradient.
@@ -135,6 +139,7 @@ class AllReduceBucketer {
   std::vector<bool> is_view_;  // param.grad is a view of its bucket slice
   Comm& comm_;
   CommHook* hook_ = nullptr;
+  HookCounter* hook_counter_ = nullptr;
   at::Tensor flag_;  // with a hook: the flag, all-reduced on its own
   PendingWork flag_pending_;
   bool async_;

@@ -2,12 +2,16 @@
 #include "check.h"
 
 #include <ATen/core/jit_type.h>
+#include <c10/util/Type.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <sstream>
+#include <typeinfo>
 
 #include "errors.h"
 #include "hook_call.h"
 #include "shardtorch/collectives.h"
+#include "shardtorch/world.h"
 
 namespace shardtorch {
 
@@ -60,11 +64,16 @@ std::string seconds(std::chrono::steady_clock::duration d) {
 }
 }  // namespace
 
-HookCall call_hook(CommHook& hook, c10d::GradBucket& bucket, int rank, std::string what) {
+HookCall call_hook(CommHook& hook, c10d::GradBucket& bucket, int rank, std::string what, HookCounter* counter) {
   HookCall call;
   call.what = std::move(what);
   call.shape = describe(bucket.getBuffer());
   call.sizes = bucket.getBuffer().sizes().vec();
+  call.counter = counter;
+  if (counter) {  // handed over, whatever the hook then does with it
+    ++counter->calls;
+    counter->bucket_bytes += static_cast<int64_t>(bucket.getBuffer().nbytes());
+  }
   call.start = std::chrono::steady_clock::now();
   try {
     call.future = hook.runHook(bucket);
@@ -105,6 +114,7 @@ at::Tensor finish_hook(CommHook& hook, HookCall& call, int rank, std::chrono::mi
       SHARDTORCH_CHECK(false, head, ": its future did not complete after ",
                   seconds(std::chrono::steady_clock::now() - c.start), " (timeout ", seconds(timeout), ")");
   }
+  if (c.counter) c.counter->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - c.start).count();
   c.future->wait();  // completed: returns at once (on CUDA, the current streams wait for its value)
   if (c.future->hasError()) {
     std::string cause;
@@ -140,6 +150,48 @@ void abandon_hook(HookCall& call, std::chrono::milliseconds timeout) noexcept {
   } catch (...) {
   }
   call = HookCall{};
+}
+
+std::string describe_hook(const CommHook* hook) {
+  if (!hook) return "no hook";
+  std::string d = c10::demangle(typeid(*hook).name());
+  if (const auto* c = dynamic_cast<const CompressHook*>(hook)) d += "(" + std::string(c10::toString(c->dtype())) + ")";
+  return d;
+}
+
+void check_same_hook(World& world, const CommHook* hook) {
+  const int n = world.size(), rank = world.rank();
+  if (n <= 1) return;
+  const std::string mine = describe_hook(hook);
+  auto store = c10::make_intrusive<c10d::PrefixStore>("shardtorch-comm-hooks", world.store());
+  // This rank's n-th check meets every other rank's n-th: a key per round.
+  const int64_t round = store->add("checks-of-rank-" + std::to_string(rank), 1);
+  auto key = [&](int r) { return std::to_string(round) + "/" + std::to_string(r); };
+  store->set(key(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  std::vector<std::string> keys;
+  for (int r = 0; r < n; ++r) keys.push_back(key(r));
+  try {
+    store->wait(keys, world.timeout());
+  } catch (const std::exception&) {
+    std::string missing;
+    for (int r = 0; r < n; ++r)
+      if (!store->check({keys[r]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    SHARDTORCH_CHECK(false, "shardtorch: rank ", rank, ": the check that every rank has the same communication hook "
+                     "(this rank: ", mine, "): rank(s) ", missing, " did not report theirs within ",
+                     seconds(world.timeout()), ". The ranks compare their hooks at the first backward that reduces "
+                     "gradients after shard() and after register_comm_hook: register the hook on every rank, before "
+                     "the same backward");
+  }
+  std::vector<std::string> hooks;
+  for (int r = 0; r < n; ++r) {
+    const std::vector<uint8_t> v = store->get(keys[r]);
+    hooks.emplace_back(v.begin(), v.end());
+  }
+  for (int r = 1; r < n; ++r)
+    SHARDTORCH_CHECK(hooks[r] == hooks[0], "shardtorch: rank ", rank, ": the ranks have different communication "
+                     "hooks: rank 0 has ", hooks[0], ", rank ", r, " has ", hooks[r], " (this rank: ", mine,
+                     "). Different hooks issue different collectives; register the same kind of hook on every rank "
+                     "(register_comm_hook), or none on any");
 }
 
 }  // namespace detail

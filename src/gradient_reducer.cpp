@@ -6,6 +6,7 @@
 namespace shardtorch::detail {
 
 void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
+  if (model_.strategy() != Strategy::OptimizerOnly) check_hooks_agree(model_.world());  // before any collective of it
   const double world = model_.world().size();
   FlatParam* fp = &flat;
   const std::string what = "gradients of unit '" + label + "' (" + fp->describe() + ")";

@@ -36,16 +36,31 @@ class GradientReducer {
   /// backward on (docs/api.md, "Communication hooks"). Not during a backward.
   void set_comm_hook(std::unique_ptr<CommHook> hook) {
     hook_ = std::move(hook);
-    use_hook(hook_.get());
+    hook_checked_ = false;
+    use_hook(hook_.get(), &hook_stats_);
   }
   CommHook* comm_hook() const { return hook_.get(); }
+  /// What the hook was handed since shard() (CommStats::comm_hook).
+  const HookCounter& hook_stats() const { return hook_stats_; }
+  /// Call before the first gradient reduction of every synchronising
+  /// backward: after shard() and after set_comm_hook, the first one compares
+  /// every rank's hook (none included) through the world's store and throws
+  /// on every rank when they differ (check_same_hook, hook_call.h); until it
+  /// passes, every such backward compares again.
+  void check_hooks_agree(World& world) {
+    if (hook_checked_) return;
+    check_same_hook(world, hook_.get());
+    hook_checked_ = true;
+  }
 
  protected:
-  /// Hands the hook (null: none) to the bucketer.
-  virtual void use_hook(CommHook* hook) = 0;
+  /// Hands the hook (null: none) and its counter to the bucketer.
+  virtual void use_hook(CommHook* hook, HookCounter* counter) = 0;
 
  private:
   std::unique_ptr<CommHook> hook_;  // a base member: it outlives the bucketers, which may wait on it
+  HookCounter hook_stats_;
+  bool hook_checked_ = false;  // the ranks' hooks compared since shard() or the last set_comm_hook
 };
 
 /// The sharded strategies' reductions.
@@ -60,7 +75,7 @@ class ShardedReducer final : public GradientReducer {
   void finish_backward(bool sync) override;
   void discard() override { bucketer_.discard(); }
   int64_t reductions() const override { return reductions_; }
-  void use_hook(CommHook* hook) override { bucketer_.set_hook(hook); }
+  void use_hook(CommHook* hook, HookCounter* counter) override { bucketer_.set_hook(hook, counter); }
   ReduceScatterBucketer& bucketer() { return bucketer_; }
   const ReduceScatterBucketer& bucketer() const { return bucketer_; }
 

@@ -269,7 +269,7 @@ void ReduceScatterBucketer::launch_hook(Launched& l, const std::string& what) {
   c10d::GradBucket bucket(hook_calls_++, 0, chunk, std::move(offsets), std::move(lengths), std::move(sizes), {},
                           std::nullopt);
   try {
-    h.call = detail::call_hook(*hook_, bucket, l.group->rank(), what);
+    h.call = detail::call_hook(*hook_, bucket, l.group->rank(), what, hook_counter_);
   } catch (...) {
     track(-h.bytes);
     throw;

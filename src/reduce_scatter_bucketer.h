@@ -123,8 +123,12 @@ class ReduceScatterBucketer {
   void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
   /// Passes every reduce-scatter's output (this rank's chunk of a launch)
   /// through `hook` (which outlives this) before the callbacks, in place of
-  /// the all-reduce across `replicas`; null: no hook. Not during a backward.
-  void set_hook(CommHook* hook) { hook_ = hook; }
+  /// the all-reduce across `replicas`; null: no hook. Each call is counted
+  /// in `counter` (if not null). Not during a backward.
+  void set_hook(CommHook* hook, HookCounter* counter = nullptr) {
+    hook_ = hook;
+    hook_counter_ = counter;
+  }
   CommHook* hook() const { return hook_; }
   /// Launches everything queued, waits for every collective in flight and
   /// runs the callbacks.
@@ -210,6 +214,7 @@ class ReduceScatterBucketer {
   std::deque<Launched> in_flight_;
   int64_t launched_ = 0, launched_while_in_flight_ = 0, launched_past_limit_ = 0;
   CommHook* hook_ = nullptr;
+  HookCounter* hook_counter_ = nullptr;
   size_t hook_calls_ = 0;  // in this backward: the GradBucket index
   std::unique_ptr<detail::CompletionWatcher> watcher_;  // made by the first CPU launch
 };

@@ -9,6 +9,7 @@
 namespace shardtorch::detail {
 
 void ReplicatedPath::finish_backward(bool sync) {
+  if (sync) check_hooks_agree(model_.world());  // a backward in which no gradient hook ran
   ddp_->finish(sync, model_.options().error_on_unused_parameters());
   if (sync) bind_master_grads();
 }
@@ -86,6 +87,7 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
       s->backward().ensure_end_of_backward_callback();
       s->backward().check_grad_arrival(r.params()[index_], r.names()[index_]);
       r.note_gradient(index_);
+      if (s->sync()) r.check_hooks_agree(s->world());  // before the first bucket can launch
       r.bucketer().mark_ready(index_, s->sync());
     } catch (...) {
       rethrow_naming(s->world().rank(), [&] { return "the gradient hook of parameter '" + r.names()[index_] + "' (NoShard)"; });

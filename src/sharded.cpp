@@ -714,7 +714,11 @@ c10::intrusive_ptr<c10d::Backend> ShardedModel::comm_hook_group() const {
 
 MemorySnapshot ShardedModel::memory() const { return state_->mem().snapshot(); }
 void ShardedModel::reset_peak_memory() { state_->mem().reset_peaks(); }
-CommStats ShardedModel::comm_stats() const { return state_->topology().stats(); }
+CommStats ShardedModel::comm_stats() const {
+  CommStats stats = state_->topology().stats();
+  stats.comm_hook = state_->reducer().hook_stats();
+  return stats;
+}
 
 std::vector<UnitInfo> ShardedModel::units() const {
   std::vector<UnitInfo> out;

@@ -7,6 +7,7 @@
 #include <ATen/core/jit_type.h>
 
 #include <atomic>
+#include <optional>
 
 #include "models.h"
 
@@ -37,13 +38,23 @@ std::map<std::string, torch::Tensor> train(World& w, ShardOptions opts, const Ho
   MLP model;
   auto sm = shardtorch::shard(model, w, opts);
   if (make_hook) sm.register_comm_hook(make_hook(sm));
+  const auto dtype = opts.mixed_precision().param_dtype();
+  std::optional<shardtorch::GradScaler> scaler;  // fp16 trains only through one
+  if (dtype == at::kHalf) scaler.emplace(*model, shardtorch::GradScalerOptions().init_scale(1024));
   auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(lr));
   const int64_t per = kBatch / w.size();
   auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+  if (dtype) x = x.to(*dtype);
   for (int s = 0; s < steps; ++s) {
     opt->zero_grad();
-    torch::mse_loss(model(x), y).backward();
-    opt->step();
+    auto loss = torch::mse_loss(model(x).to(at::kFloat), y);
+    if (!scaler) {
+      loss.backward();
+      opt->step();
+      continue;
+    }
+    scaler->scale(loss).backward();
+    require(scaler->step(*opt), "an fp16 step was skipped");
   }
   return shardtorch::full_parameters(*model);
 }
@@ -72,6 +83,17 @@ struct RecordingHook : shardtorch::AllReduceHook {
   std::vector<size_t> indices;
   std::vector<bool> last;
   std::vector<std::vector<at::Tensor>> params, gradients;
+};
+
+// allreduce_hook, refusing a bucket of another dtype than `want`.
+struct DtypeCheckingHook : shardtorch::AllReduceHook {
+  DtypeCheckingHook(shardtorch::HookGroup g, at::ScalarType want) : AllReduceHook(std::move(g)), want(want) {}
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    require(bucket.getBuffer().scalar_type() == want,
+            "the hook got a bucket of " + shardtorch::describe(bucket.getBuffer()) + ", expected " + c10::toString(want));
+    return AllReduceHook::runHook(bucket);
+  }
+  at::ScalarType want;
 };
 
 // Multiplies the bucket by `factor`, reducing nothing.
@@ -312,6 +334,118 @@ TEST(CommHooks, FullShardHookRunsOnTheReduceScatterOutput) {
       return std::make_unique<ScaleHook>(2.0);
     }, 3, 0.05);
     expect_equal(sgo, train(w, ShardOptions().strategy(Strategy::ShardGradOp), nullptr), "ShardGradOp, doubled");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Under mixed precision the hook gets the bucket in the dtype the built-in
+// reduction uses (reduce_dtype, else param_dtype), and what it returns goes
+// back into the gradients as the built-in reduction's result does.
+TEST(CommHooks, AllReduceHookTrainsBitwiseLikeTheBuiltInReductionUnderMixedPrecision) {
+  auto r = run_ranks(4, [](World& w) {
+    // The MLP's buffer in param_dtype too: an fp32 one would promote the input to fp32.
+    const auto mp =
+        shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).buffer_dtype(at::kBFloat16);
+    for (auto opts : {ShardOptions().strategy(Strategy::NoShard).bucket_mb(0.0002).mixed_precision(mp),
+                      ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2).mixed_precision(mp),
+                      ShardOptions().strategy(Strategy::FullShard).mixed_precision(
+                          shardtorch::MixedPrecision().param_dtype(at::kHalf).buffer_dtype(at::kHalf))}) {
+      auto want = train(w, opts, nullptr);
+      const auto mp = opts.mixed_precision();
+      const at::ScalarType bucket = mp.reduce_dtype().value_or(*mp.param_dtype());
+      auto got = train(w, opts, [bucket](shardtorch::ShardedModel& sm) {
+        return std::make_unique<DtypeCheckingHook>(sm.comm_hook_group(), bucket);
+      });
+      expect_equal(got, want, std::string("mixed precision, ") + shardtorch::strategy_name(opts.strategy()));
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Hooks that differ across ranks (or a hook on some ranks only) would issue
+// different collectives: the first backward fails on every rank at once,
+// naming both ranks and both hooks, instead of pairing mismatched
+// collectives (an abort inside Gloo) or silently training apart.
+TEST(CommHooks, DifferentHooksOnDifferentRanksFailEveryRankNamingBoth) {
+  struct Case {
+    Strategy strategy;
+    int ranks;
+    bool last_has_none;  // the last rank registers no hook (else the bf16 one)
+  };
+  for (const Case c : {Case{Strategy::NoShard, 2, false}, Case{Strategy::NoShard, 2, true},
+                       Case{Strategy::FullShard, 2, false}, Case{Strategy::HybridShard, 4, false},
+                       Case{Strategy::HybridShard, 4, true}}) {
+    SCOPED_TRACE(std::string(shardtorch::strategy_name(c.strategy)) + (c.last_has_none ? ", no hook" : ", bf16"));
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = run_ranks(c.ranks, [c](World& w) {
+      torch::manual_seed(0);
+      MLP model;
+      auto opts = ShardOptions().strategy(c.strategy);
+      if (c.strategy == Strategy::HybridShard) opts.hybrid_shard_size(2);
+      auto sm = shardtorch::shard(model, w, opts);
+      const bool last = w.rank() + 1 == w.size();
+      if (!last) sm.register_comm_hook(shardtorch::allreduce_hook(sm.comm_hook_group()));
+      if (last && !c.last_has_none) sm.register_comm_hook(shardtorch::bf16_compress_hook(sm.comm_hook_group()));
+      const int64_t per = kBatch / w.size();
+      auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+      std::string message;
+      try {
+        torch::mse_loss(model(x), y).backward();
+      } catch (const shardtorch::Error& e) {
+        message = e.what();
+      }
+      require(!message.empty(), "backward did not fail with shardtorch::Error");
+      const std::string other = c.last_has_none ? "no hook" : "shardtorch::CompressHook(BFloat16)";
+      for (const std::string& want :
+           {"shardtorch: rank " + std::to_string(w.rank()) + ": the ranks have different communication hooks: ",
+            std::string("rank 0 has shardtorch::AllReduceHook, rank ") + std::to_string(w.size() - 1) + " has " + other,
+            std::string("register the same kind of hook on every rank")})
+        require(message.find(want) != std::string::npos, "'" + want + "' is not in: " + message);
+    }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(60)).timeout(std::chrono::seconds(90)));
+    ASSERT_TRUE(r.ok) << r.summary();
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0)
+        << "the ranks should fail at once, not after the collective timeout";
+  }
+}
+
+// comm_stats() counts what the library handed to the hook: one call per
+// bucket (NoShard) or reduce-scatter output (sharded), their bytes in the
+// bucket's dtype, and the time until their futures completed; nothing
+// without a hook.
+TEST(CommHooks, CommStatsCountTheBucketsHandedToTheHook) {
+  auto r = run_ranks(4, [](World& w) {
+    const auto mp =
+        shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).buffer_dtype(at::kBFloat16);
+    for (auto opts : {ShardOptions().strategy(Strategy::NoShard).bucket_mb(0.0002),
+                      ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2).bucket_mb(0.0002),
+                      ShardOptions().strategy(Strategy::FullShard).bucket_mb(0.0002).mixed_precision(mp)}) {
+      const std::string what = shardtorch::strategy_name(opts.strategy());
+      torch::manual_seed(0);
+      MLP model;
+      auto sm = shardtorch::shard(model, w, opts);
+      auto owned = std::make_unique<RecordingHook>(sm.comm_hook_group());
+      RecordingHook* hook = owned.get();
+      const int64_t per = kBatch / w.size();
+      auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+      if (auto dtype = opts.mixed_precision().param_dtype()) x = x.to(*dtype);
+      torch::mse_loss(model(x).to(at::kFloat), y).backward();  // no hook yet
+      require(sm.comm_stats().comm_hook.calls == 0 && sm.comm_stats().comm_hook.bucket_bytes == 0,
+              what + ": hook calls counted without a hook");
+      sm.register_comm_hook(std::move(owned));
+      for (int step = 0; step < 2; ++step) torch::mse_loss(model(x).to(at::kFloat), y).backward();
+      const auto stats = sm.comm_stats().comm_hook;
+      int64_t bytes = 0;
+      for (const auto& b : hook->buffers) bytes += static_cast<int64_t>(b.nbytes());
+      require(hook->buffers.size() >= 2, what + ": expected several buckets");
+      require(stats.calls == static_cast<int64_t>(hook->buffers.size()),
+              what + ": " + std::to_string(stats.calls) + " hook calls counted, the hook saw " +
+                  std::to_string(hook->buffers.size()));
+      require(stats.bucket_bytes == bytes, what + ": " + std::to_string(stats.bucket_bytes) +
+                                               " bucket bytes counted, the hook saw " + std::to_string(bytes));
+      require(stats.seconds > 0, what + ": no time counted");
+      if (opts.mixed_precision().reduce_dtype())  // fp32 buckets of bf16 parameters: 4 bytes an element
+        for (const auto& b : hook->buffers) require(b.scalar_type() == at::kFloat, what + ": a bucket of " + shardtorch::describe(b));
+    }
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -28,8 +28,18 @@ struct SHARDTORCH_API CollectiveCounter {
   double seconds = 0.0;
 };
 
+/// What the library handed to a communication hook (shardtorch/comm_hooks.h).
+/// The hook's own collectives run on its group directly: they are in no
+/// CollectiveCounter, whatever they send.
+struct SHARDTORCH_API HookCounter {
+  int64_t calls = 0;         // buckets handed to the hook (runHook calls)
+  int64_t bucket_bytes = 0;  // their bytes, in the bucket's dtype
+  double seconds = 0.0;      // from each runHook call until its future completed, summed
+};
+
 struct SHARDTORCH_API CommStats {
   CollectiveCounter all_gather, reduce_scatter, all_reduce, broadcast;
+  HookCounter comm_hook;  // ShardedModel::comm_stats() only; not in total_bytes_sent()
   int64_t total_bytes_sent() const {
     return all_gather.bytes_sent + reduce_scatter.bytes_sent + all_reduce.bytes_sent + broadcast.bytes_sent;
   }

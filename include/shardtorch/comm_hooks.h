@@ -42,6 +42,8 @@ class SHARDTORCH_API CompressHook : public c10d::CppCommHookInterface<HookGroup>
   CompressHook(HookGroup group, at::ScalarType dtype)
       : c10d::CppCommHookInterface<HookGroup>(std::move(group)), dtype_(dtype) {}
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
+  /// The dtype it reduces in (ranks compare it: docs/api.md).
+  at::ScalarType dtype() const { return dtype_; }
 
  private:
   at::ScalarType dtype_;
