@@ -13,17 +13,21 @@
 //
 // --kill "0@12,1@30" makes this group kill itself (SIGKILL) at its step 12
 // in its first incarnation and at step 30 (or the first step after it
-// healed past it) in its second: torchrun restarts
-// it and it heals. Every group appends its committed steps (and whose
+// healed past it) in its second: torchrun restarts it and it heals. A "b"
+// after the step kills it in the backward, between its gradient buckets'
+// all-reduces; an "h", while it sends its state to a group it heals. Every group appends its committed steps (and whose
 // gradients each averaged) to DIR/steps-GROUP.txt and saves its final state;
+// (lines "<step> quorum <id> at <epoch ms> counted <groups>"), and
 // `ft_train --reference --dir DIR --groups 3` then replays those steps in
 // one process and checks every group against it (exit status 0 when equal).
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -40,10 +44,13 @@ namespace {
 
 constexpr int64_t kFeatures = 16, kPerRank = 64, kBatch = 8;
 
+int64_t g_hidden = 32;  // --hidden
+
 struct NetImpl : torch::nn::Module {
   NetImpl()
-      : l1(register_module("l1", torch::nn::Linear(kFeatures, 32))),
-        l2(register_module("l2", torch::nn::Linear(32, 32))), head(register_module("head", torch::nn::Linear(32, 1))) {}
+      : l1(register_module("l1", torch::nn::Linear(kFeatures, g_hidden))),
+        l2(register_module("l2", torch::nn::Linear(g_hidden, g_hidden))),
+        head(register_module("head", torch::nn::Linear(g_hidden, 1))) {}
   torch::Tensor forward(torch::Tensor x) { return head(torch::tanh(l2(torch::tanh(l1(x))))); }
   torch::nn::Linear l1, l2, head;
 };
@@ -62,57 +69,135 @@ Net fresh_model() {
   return Net();
 }
 
+// The median of the steps' times, in ms.
+double median_ms(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+using Clock = std::chrono::steady_clock;
+
+// The same training without fault tolerance: one World of R ranks under
+// NoShard, rank r reading what group r reads (the baseline of the overhead).
+int train_without_ft(int64_t steps, int64_t groups) {
+  auto world = shardtorch::World::from_env();
+  Net model = fresh_model();
+  shardtorch::shard(*model, world, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard).bucket_mb(0.002));
+  auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+  auto [x, y] = dataset(groups * kPerRank);
+  shardtorch::ft::ReplicaSampler sampler(x.size(0), groups, world->rank(), 0, 1, kBatch);
+  std::vector<double> times;
+  for (int64_t step = 0; step < steps; ++step) {
+    const auto t0 = Clock::now();
+    auto idx = torch::tensor(sampler.batch(step));
+    opt->zero_grad();
+    torch::mse_loss(model->forward(x.index_select(0, idx)), y.index_select(0, idx)).backward();
+    opt->step();
+    if (step >= 5) times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  if (world->rank() == 0)
+    std::printf("without fault tolerance: %d ranks, step time: median %.3f ms over %zu steps\n", world->size(),
+                median_ms(times), times.size());
+  return 0;
+}
+
 std::string final_path(const std::string& dir, const std::string& group, int rank) {
   return dir + "/final-" + group + "-rank" + std::to_string(rank) + ".pt";
 }
 
-// "0@12,1@30" -> {incarnation: step}
-std::map<int, int64_t> parse_kills(const std::string& s) {
-  std::map<int, int64_t> out;
+// "0@12,1@30b,2@40h" -> {incarnation: (step, where)}: where is ' ' (before
+// the step), 'b' (in the backward, between gradient buckets) or 'h' (while
+// sending its state to a group it heals, at that step or later).
+std::map<int, std::pair<int64_t, char>> parse_kills(const std::string& s) {
+  std::map<int, std::pair<int64_t, char>> out;
   std::stringstream in(s);
   std::string item;
   while (std::getline(in, item, ',')) {
     const auto at = item.find('@');
-    if (at == std::string::npos) throw std::runtime_error("--kill: '" + item + "' is not INCARNATION@STEP");
-    out[std::stoi(item.substr(0, at))] = std::stoll(item.substr(at + 1));
+    if (at == std::string::npos) throw std::runtime_error("--kill: '" + item + "' is not INCARNATION@STEP[b|h]");
+    char where = item.back() == 'b' || item.back() == 'h' ? item.back() : ' ';
+    out[std::stoi(item.substr(0, at))] = {std::stoll(item.substr(at + 1)), where};
   }
   return out;
 }
 
+[[noreturn]] void die(const std::string& group, int rank, int64_t step, const char* where) {
+  const auto now = std::chrono::system_clock::now();
+  const std::time_t t = std::chrono::system_clock::to_time_t(now);
+  std::tm tm{};
+  ::localtime_r(&t, &tm);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
+  std::printf("group %s rank %d: killing itself at step %lld%s at %02d:%02d:%02d.%03d\n", group.c_str(), rank,
+              static_cast<long long>(step), where, tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>(ms));
+  std::fflush(stdout);
+  std::raise(SIGKILL);
+  std::abort();
+}
+
 int train(int64_t steps, int64_t groups, const std::string& dir, const std::string& kill, int kill_rank,
-          const std::string& strategy, int step_ms) {
+          const std::string& strategy, int step_ms, int timeout_ms, int quorum_timeout_ms) {
   auto world = shardtorch::World::from_env();
   const int incarnation = std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT") ? std::getenv("TORCHELASTIC_RESTART_COUNT") : "0");
   Net model = fresh_model();
-  shardtorch::shard(*model, world, shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)));
+  // Small buckets: several all-reduces per step, so that a kill in the
+  // backward lands between them.
+  shardtorch::shard(*model, world,
+                    shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)).bucket_mb(0.002));
   auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
-  shardtorch::ft::Manager manager(world, *model, *opt);
+  shardtorch::ft::Manager manager(world, *model, *opt,
+                                  shardtorch::ft::ManagerOptions()
+                                      .timeout(std::chrono::milliseconds(timeout_ms))
+                                      .quorum_timeout(std::chrono::milliseconds(quorum_timeout_ms)));
   const std::string group = manager.replica_group();
   const int64_t group_index = std::stoll(group);
   auto [x, y] = dataset(groups * world->size() * kPerRank);
   shardtorch::ft::ReplicaSampler sampler(x.size(0), groups, group_index, world->rank(), world->size(), kBatch);
   const auto kills = parse_kills(kill);
+  const auto my_kill = kills.count(incarnation) && world->rank() == kill_rank
+                           ? std::optional<std::pair<int64_t, char>>(kills.at(incarnation))
+                           : std::nullopt;
+  // The program's own state that a heal carries: here the samples this group
+  // has read (a data loader's position would go the same way).
+  int64_t samples_read = 0;
+  manager.set_user_state(
+      [&] {
+        if (my_kill && my_kill->second == 'h' && manager.step() >= my_kill->first)
+          die(group, world->rank(), manager.step(), " while sending its state to a healing group");
+        return std::to_string(samples_read);
+      },
+      [&](const std::string& s) { samples_read = std::stoll(s); });
   if (world->rank() == 0) std::printf("group %s: incarnation %d\n", group.c_str(), incarnation);
   std::fflush(stdout);
+  std::vector<double> times;  // steps that committed without a heal or a new quorum
   while (manager.step() < steps) {
-    auto k = kills.find(incarnation);
-    if (k != kills.end() && manager.step() >= k->second && world->rank() == kill_rank) {
-      std::printf("group %s rank %d: killing itself at step %lld\n", group.c_str(), world->rank(),
-                  static_cast<long long>(manager.step()));
-      std::fflush(stdout);
-      std::raise(SIGKILL);
-    }
+    const auto t0 = Clock::now();
+    if (my_kill && my_kill->second == ' ' && manager.step() >= my_kill->first)
+      die(group, world->rank(), manager.step(), "");
     manager.start_step();
     auto idx = torch::tensor(sampler.batch(manager.step()));
     opt->zero_grad();
     auto loss = torch::mse_loss(model->forward(x.index_select(0, idx)), y.index_select(0, idx));
+    if (my_kill && my_kill->second == 'b' && manager.step() >= my_kill->first) {
+      // The first layer's gradient comes last: the other buckets' all-reduces are under way.
+      const int64_t at_step = manager.step();
+      model->l1->weight.register_hook([&group, rank = world->rank(), at_step](torch::Tensor g) {
+        die(group, rank, at_step, " in the backward, between its gradient buckets");
+        return g;
+      });
+    }
     loss.backward();
     if (manager.should_commit()) {
       opt->step();
+      samples_read += idx.size(0);
       const auto& r = manager.last_step();
+      if (r.healed.empty() && !r.reconfigured && r.step >= 5)
+        times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
       if (world->rank() == 0) {
         std::ofstream log(dir + "/steps-" + group + ".txt", std::ios::app);
-        log << r.step << " quorum " << r.quorum_id << " counted";
+        const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            std::chrono::system_clock::now().time_since_epoch()).count();
+        log << r.step << " quorum " << r.quorum_id << " at " << ms << " counted";
         for (const auto& g : r.counted) log << ' ' << g;
         log << '\n';
         if (r.step % 10 == 0) std::printf("group %s step %lld loss %.5f\n", group.c_str(), static_cast<long long>(r.step), loss.item<double>());
@@ -136,7 +221,12 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
     ++i;
   }
   ar.save_to(final_path(dir, group, world->rank()));
-  if (world->rank() == 0) std::printf("group %s: done at step %lld\n", group.c_str(), static_cast<long long>(manager.step()));
+  if (world->rank() == 0) {
+    std::printf("group %s: done at step %lld, %lld samples read on rank 0\n", group.c_str(),
+                static_cast<long long>(manager.step()), static_cast<long long>(samples_read));
+    std::printf("group %s: step time: median %.3f ms over %zu steady steps\n", group.c_str(), median_ms(times),
+                times.size());
+  }
   return 0;
 }
 
@@ -161,9 +251,9 @@ int reference(int64_t groups, int ranks, const std::string& dir) {
     std::string line;
     while (std::getline(in, line)) {
       std::istringstream ls(line);
-      int64_t step, qid;
+      int64_t step, qid, ms;
       std::string word, who;
-      ls >> step >> word >> qid >> word;
+      ls >> step >> word >> qid >> word >> ms >> word;  // "<step> quorum <id> at <epoch ms> counted <groups>"
       std::getline(ls, who);
       auto [it, fresh] = counted.emplace(step, who);
       if (!fresh && it->second != who) {
@@ -249,9 +339,9 @@ int main(int argc, char** argv) {
   try {
     namespace po = boost::program_options;
     int64_t steps = 60, groups = 3;
-    int kill_rank = 0, ranks = 1, step_ms = 0;
+    int kill_rank = 0, ranks = 1, step_ms = 0, timeout_ms = 30000, quorum_timeout_ms = 60000;
     std::string dir = ".", kill, strategy = "no_shard";
-    bool ref = false;
+    bool ref = false, no_ft = false;
     po::options_description desc("options");
     desc.add_options()("help", "this text")("steps", cli::number_option(steps, "--steps"), "steps to commit")(
         "groups", cli::number_option(groups, "--groups"), "replica groups (the data set is split among them)")(
@@ -260,12 +350,18 @@ int main(int argc, char** argv) {
         "kill", po::value(&kill)->default_value(kill), "INCARNATION@STEP,...: die (SIGKILL) there")(
         "kill-rank", cli::number_option(kill_rank, "--kill-rank"), "which rank of the group dies")(
         "step-ms", cli::number_option(step_ms, "--step-ms"), "sleep after each step (slows a demo down)")(
+        "timeout-ms", cli::number_option(timeout_ms, "--timeout-ms"), "ManagerOptions::timeout")(
+        "quorum-timeout-ms", cli::number_option(quorum_timeout_ms, "--quorum-timeout-ms"),
+        "ManagerOptions::quorum_timeout")(
         "reference", po::bool_switch(&ref), "replay the logs in one process and compare")(
+        "no-ft", po::bool_switch(&no_ft), "the same training without fault tolerance: one World, rank r as group r")(
+        "hidden", cli::number_option(g_hidden, "--hidden"), "width of the model's hidden layers")(
         "ranks", cli::number_option(ranks, "--ranks"), "ranks per group (with --reference)");
     if (!cli::parse_command_line(argc, argv, desc, "usage: ft_train [options]  (under torchrun --no-python)"))
       return 0;
     if (ref) return reference(groups, ranks, dir);
-    return train(steps, groups, dir, kill, kill_rank, strategy, step_ms);
+    if (no_ft) return train_without_ft(steps, groups);
+    return train(steps, groups, dir, kill, kill_rank, strategy, step_ms, timeout_ms, quorum_timeout_ms);
   } catch (...) {
     return cli::report_error("ft_train");
   }

@@ -99,8 +99,11 @@ TEST(FtLighthouse, GrpcClientAndLibTorchWorkInOneProcess) {
       throw std::runtime_error("quorum of " + std::to_string(q.participants.size()));
   });
   ASSERT_TRUE(r.ok) << r.summary();
+  // A lighthouse of their own: on the first, the children's replicas still
+  // count as alive, and two newcomers are not a majority of four.
+  Lighthouse lh2(2);
   auto x = at::arange(10, at::kFloat);
-  LighthouseClient a(lh.address()), b("http://" + lh.address());
+  LighthouseClient a(lh2.address()), b("http://" + lh2.address());
   auto fa = std::async(std::launch::async, [&] { return a.quorum(member("g0:a", 3), 20s); });
   auto qb = b.quorum(member("g1:b", 5), 20s);
   auto qa = fa.get();
@@ -153,7 +156,7 @@ std::shared_ptr<World> group_world(World& all, int ranks) {
 
 std::map<std::string, at::Tensor> train_group(World& all, int ranks, shardtorch::Strategy strategy, int steps,
                                               const std::string& lighthouse, std::vector<std::string>* counted,
-                                              int64_t hidden_for_group1 = 8) {
+                                              int64_t hidden_for_group1 = 8, int* rebuilt = nullptr) {
   auto world = group_world(all, ranks);
   const int g = all.rank() / ranks;
   at::manual_seed(0);
@@ -167,7 +170,9 @@ std::map<std::string, at::Tensor> train_group(World& all, int ranks, shardtorch:
     auto x = batch_x(g, world->rank(), m.step());
     opt->zero_grad();
     model->forward(x).pow(2).mean().backward();
-    if (m.should_commit()) {
+    const bool committed = m.should_commit();
+    if (rebuilt && m.last_step().reconfigured) ++*rebuilt;
+    if (committed) {
       opt->step();
       std::string who;
       for (auto& c : m.last_step().counted) who += c;
@@ -202,10 +207,13 @@ void two_groups_train_like_one_process(int ranks, shardtorch::Strategy strategy)
   Lighthouse lh(2);
   auto r = shardtorch::testing::run_ranks(2 * ranks, [&](World& all) {
     std::vector<std::string> counted;
-    auto got = train_group(all, ranks, strategy, 6, lh.address(), &counted);
+    int rebuilt = 0;
+    auto got = train_group(all, ranks, strategy, 6, lh.address(), &counted, 8, &rebuilt);
     // Step 0 counts one group (the other starts from its weights); later steps both.
     if (counted.size() != 6u || counted[0].size() != 1 || counted[5] != "01")
       throw std::runtime_error("counted groups per step: " + c10::Join(",", counted));
+    // One quorum throughout: its cross-replica group is built once.
+    if (rebuilt != 1) throw std::runtime_error("the cross-replica group was built " + std::to_string(rebuilt) + " times");
     auto want = reference(ranks, counted);
     for (auto& [name, t] : want) {
       const double d = (got.at(name) - t).abs().max().item<double>();
@@ -240,6 +248,59 @@ TEST(FtManager, GroupsWithDifferentModelsFailNamingBothGroups) {
       throw std::runtime_error("unexpected error: " + m);
     }
     throw std::runtime_error("no error for groups with different models");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(FtManager, UnreachableLighthouseFailsEveryRankWithinTheQuorumTimeout) {
+  const std::string nowhere = "127.0.0.1:" + std::to_string(free_port());
+  auto r = shardtorch::testing::run_ranks(2, [&](World& w) {
+    at::manual_seed(0);
+    Net model(8);
+    shardtorch::shard(model, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::FullShard));
+    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+    shardtorch::ft::Manager m(w.shared_from_this(), *model, *opt,
+                              shardtorch::ft::ManagerOptions().lighthouse(nowhere).replica_group("0").log(false)
+                                  .quorum_timeout(std::chrono::milliseconds(800)));
+    const auto t0 = std::chrono::steady_clock::now();
+    m.start_step();
+    model->forward(batch_x(0, w.rank(), 0)).pow(2).mean().backward();
+    try {
+      m.should_commit();
+    } catch (const shardtorch::Error& e) {
+      const std::string msg = e.what();
+      if (msg.find("lighthouse at " + nowhere) == std::string::npos || msg.find("group '0'") == std::string::npos)
+        throw std::runtime_error("unexpected error: " + msg);
+      if (std::chrono::steady_clock::now() - t0 > 15s) throw std::runtime_error("the error came after the timeout");
+      return;
+    }
+    throw std::runtime_error("no error without a lighthouse");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(FtManager, RestartedGroupWithNoLiveStateFailsInsteadOfTrainingFromScratch) {
+  Lighthouse lh(1);
+  auto r = shardtorch::testing::run_ranks(1, [&](World& w) {
+    at::manual_seed(0);
+    Net model(8);
+    shardtorch::shard(model, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
+    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+    shardtorch::ft::Manager m(w.shared_from_this(), *model, *opt,
+                              shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group("0").log(false)
+                                  .restarted(true));
+    m.start_step();
+    model->forward(batch_x(0, 0, 0)).pow(2).mean().backward();
+    try {
+      m.should_commit();
+    } catch (const shardtorch::Error& e) {
+      const std::string msg = e.what();
+      if (msg.find("was restarted and none has committed a step") == std::string::npos)
+        throw std::runtime_error("unexpected error: " + msg);
+      if (m.step() != 0) throw std::runtime_error("the step count moved");
+      return;
+    }
+    throw std::runtime_error("a restarted group with nobody to heal from trained on");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

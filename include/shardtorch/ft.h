@@ -59,6 +59,8 @@ struct SHARDTORCH_API StepReport {
   /// Replica groups whose gradients the update averages (sorted), and those
   /// that were healed in this step (they contributed none).
   std::vector<std::string> counted, healed;
+  /// Whether this step built a new cross-replica group (the quorum changed).
+  bool reconfigured = false;
   bool committed = false;
   std::string error;       // why not committed ("" when committed)
 };

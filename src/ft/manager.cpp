@@ -107,8 +107,6 @@ struct Participant {
   int64_t broken = 0;
 };
 
-std::string group_of(const std::string& replica_id) { return replica_id.substr(0, replica_id.rfind(':')); }
-
 // One step's quorum as this rank sees it.
 struct Quorum {
   int64_t id = 0;
@@ -118,6 +116,7 @@ struct Quorum {
   std::vector<int> counted;                // participants whose gradients count
   std::vector<std::pair<int, int>> heals;  // (healed, source) participant indices
   std::string config;                      // identifies the cross-replica group
+  bool rebuilt = false;                    // this step built the cross-replica group
   std::string error;                       // the quorum could not be had: the step cannot commit
   bool fatal = false;                      // ... and that is a configuration error: throw
 };
@@ -314,13 +313,14 @@ struct Manager::Impl {
 
   // Builds this rank's cross-replica group when the quorum's configuration
   // changed. On a failure the step cannot commit; the next quorum retries.
-  void configure(const Quorum& q) {
+  void configure(Quorum& q) {
     if (q.participants.size() <= 1) {
       pg.reset();
       pg_config = q.config;
       return;
     }
     if (pg && pg_config == q.config) return;
+    q.rebuilt = true;
     pg.reset();
     pg_config.clear();
     const std::string primary = q.participants[static_cast<size_t>(q.counted.front())].store_address;
@@ -381,7 +381,8 @@ struct Manager::Impl {
     return out;
   }
 
-  void send_state(int dst, int tag) {
+  // Sends this rank's state; returns the bytes sent.
+  int64_t send_state(int dst, int tag) {
     c10::NoGradGuard no_grad;
     const auto& pieces = opt.views().pieces();
     const auto& st = opt.inner().state();
@@ -413,6 +414,9 @@ struct Manager::Impl {
       works.push_back(pg->send(v, dst, tag));
     }
     for (auto& w : works) w->wait(options.timeout());
+    int64_t bytes = static_cast<int64_t>(meta.nbytes());
+    for (auto& t : out) bytes += static_cast<int64_t>(t.nbytes());
+    return bytes;
   }
 
   // Receives everything first, then replaces the state: a transfer that fails
@@ -468,8 +472,9 @@ struct Manager::Impl {
       const int tag = 7000 + static_cast<int>(h);
       if (source == q.me) {
         const auto t0 = Clock::now();
-        send_state(healed, tag);
-        log("step " + std::to_string(step) + ": sent this group's state to '" + q.participants[healed].group + "' in " +
+        const int64_t bytes = send_state(healed, tag);
+        log("step " + std::to_string(step) + ": sent this rank's state (" + std::to_string(bytes) + " bytes) to '" +
+            q.participants[healed].group + "' in " +
             std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()) + " ms");
       } else if (healed == q.me) {
         const auto t0 = Clock::now();
@@ -633,6 +638,7 @@ bool Manager::should_commit() {
   StepReport rep;
   rep.step = m.step;
   rep.quorum_id = q.id;
+  rep.reconfigured = q.rebuilt;
   std::string error = q.error;
   if (q.fatal) {
     // Every rank of every group computes the same: each throws the same error.

@@ -40,7 +40,14 @@ def main():
     ap.add_argument("--ranks", type=int, default=1, help="ranks per group")
     ap.add_argument("--strategy", default="no_shard")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--kills", type=int, default=2, help="how many times the victim group dies")
+    ap.add_argument("--kills", type=int, default=2, help="how many times the victim group dies (scenario twice)")
+    ap.add_argument("--scenario", default="twice", choices=["twice", "backward", "heal", "lighthouse"],
+                    help="twice: one group killed --kills times before a step; backward: killed in the backward, "
+                         "between its gradient all-reduces; heal: a group killed, then its source killed while "
+                         "sending it the state; lighthouse: the lighthouse dies, every group fails with a clear "
+                         "error within the quorum timeout")
+    ap.add_argument("--timeout-ms", type=int, default=5000, help="ManagerOptions::timeout of the groups")
+    ap.add_argument("--quorum-timeout-ms", type=int, default=5000, help="ManagerOptions::quorum_timeout")
     ap.add_argument("--kill-rank", type=int, default=0)
     ap.add_argument("--step-ms", type=int, default=200)
     ap.add_argument("--seed", type=int, default=None)
@@ -49,14 +56,39 @@ def main():
 
     seed = a.seed if a.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
-    victim = rng.randrange(a.groups)
-    # Incarnation i dies at its step kill_steps[i] (or the first step after it
-    # healed past it): a restarted one heals first, so each kill comes after
-    # the previous one rejoined. Early in the run, so that the last restart
-    # (a few seconds) still finds the others training.
-    kill_steps = sorted(rng.sample(range(3, max(4 + a.kills, a.steps // 3)), a.kills))
-    kill_arg = ",".join(f"{i}@{s}" for i, s in enumerate(kill_steps))
-    print(f"seed {seed}: group {victim} rank {a.kill_rank} dies at steps {kill_steps}", flush=True)
+    # Kill steps come early in the run, so that the last restart (a few
+    # seconds) still finds the others training.
+    late = max(6, a.steps // 3)
+    kills = {}  # group -> --kill argument
+    restarts = {g: 0 for g in range(a.groups)}
+    if a.scenario == "twice":
+        victim = rng.randrange(a.groups)
+        # Incarnation i dies at its step kill_steps[i] (or the first step after
+        # it healed past it): each kill comes after the previous one rejoined.
+        kill_steps = sorted(rng.sample(range(3, max(4 + a.kills, late)), a.kills))
+        kills[victim] = ",".join(f"{i}@{s}" for i, s in enumerate(kill_steps))
+        restarts[victim] = a.kills
+        what = f"group {victim} rank {a.kill_rank} dies before steps {kill_steps}"
+    elif a.scenario == "backward":
+        victim = rng.randrange(a.groups)
+        step = rng.randrange(3, late)
+        kills[victim] = f"0@{step}b"
+        restarts[victim] = 1
+        what = f"group {victim} rank {a.kill_rank} dies in the backward of step {step}"
+    elif a.scenario == "lighthouse":
+        what = "the lighthouse dies"
+    else:
+        # The last group dies; restarted, it heals from the first counted group
+        # (by name), which dies while sending it the state; the heal is
+        # retried from another group.
+        assert a.groups >= 3, "the heal scenario needs 3 groups"
+        victim, source = a.groups - 1, 0
+        step = rng.randrange(3, late)
+        kills[victim] = f"0@{step}"
+        kills[source] = f"0@{step}h"
+        restarts[victim] = restarts[source] = 1
+        what = f"group {victim} dies before step {step}; group {source} dies while sending it the state"
+    print(f"seed {seed}: {what}", flush=True)
 
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
@@ -72,14 +104,17 @@ def main():
         for g in range(a.groups):
             env = dict(os.environ, SHARDTORCH_FT_LIGHTHOUSE=f"127.0.0.1:{port}", SHARDTORCH_FT_REPLICA_GROUP=str(g))
             cmd = [a.torchrun, "--no-python", "--standalone", "--nproc-per-node", str(a.ranks),
-                   "--max-restarts", str(a.kills + 1), "--monitor-interval", "0.2", a.trainer,
+                   "--max-restarts", str(restarts[g] + 1), "--monitor-interval", "0.2", a.trainer,
                    "--steps", str(a.steps), "--groups", str(a.groups), "--dir", a.workdir,
-                   "--strategy", a.strategy, "--step-ms", str(a.step_ms)]
-            if g == victim:
-                cmd += ["--kill", kill_arg, "--kill-rank", str(a.kill_rank)]
+                   "--strategy", a.strategy, "--step-ms", str(a.step_ms), "--timeout-ms", str(a.timeout_ms),
+                   "--quorum-timeout-ms", str(a.quorum_timeout_ms)]
+            if g in kills:
+                cmd += ["--kill", kills[g], "--kill-rank", str(a.kill_rank)]
             log = open(os.path.join(a.workdir, f"group-{g}.log"), "w")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        if a.scenario == "lighthouse":
+            return lighthouse_dies(a, lighthouse, procs, logs)
         deadline = time.time() + a.timeout
         for p in procs:
             p.wait(timeout=max(1, deadline - time.time()))
@@ -94,18 +129,43 @@ def main():
         lighthouse.wait()
     elapsed = time.time() - t0
     failures = []
+    texts = [open(os.path.join(a.workdir, f"group-{g}.log")).read() for g in range(a.groups)]
+    samples = set()
     for g, p in enumerate(procs):
+        text = texts[g]
         if p.returncode != 0:
             failures.append(f"group {g}'s torchrun exited with {p.returncode}")
-        text = open(os.path.join(a.workdir, f"group-{g}.log")).read()
         incarnations = [int(x) for x in re.findall(r"group \d+: incarnation (\d+)", text)]
-        want = list(range(a.kills + 1)) if g == victim else [0]
+        want = list(range(restarts[g] + 1))
         if incarnations != want:
             failures.append(f"group {g} ran incarnations {incarnations}, expected {want}")
-        if g == victim and len(re.findall(r"healed from", text)) < a.kills:
-            failures.append(f"group {g} healed {len(re.findall(r'healed from', text))} times, expected {a.kills}")
-        if f"group {g}: done at step {a.steps}" not in text:
+        heals = len(re.findall(r"healed from", text))
+        if heals < restarts[g]:
+            failures.append(f"group {g} healed {heals} times, expected at least {restarts[g]}")
+        done = re.search(rf"group {g}: done at step (\d+), (\d+) samples read", text)
+        if not done or int(done.group(1)) != a.steps:
             failures.append(f"group {g} did not finish at step {a.steps}")
+        else:
+            samples.add(done.group(2))
+    # The data position travels with a heal (Manager::set_user_state): every group read as much.
+    if len(samples) > 1:
+        failures.append(f"the groups end with different data positions: {sorted(samples)}")
+    # A kill between the gradient all-reduces: the survivors drop that step
+    # (no partly reduced gradient is applied) within the timeout.
+    if a.scenario == "backward":
+        kill = re.search(r"killing itself.* at (\d\d):(\d\d):(\d\d)\.(\d\d\d)", texts[victim])
+        t_kill = clock(kill.groups()) if kill else None
+        for g in range(a.groups):
+            if g == victim:
+                continue
+            m = re.search(r"\[shardtorch-ft (\d\d):(\d\d):(\d\d)\.(\d\d\d)\] group \d+: step \d+ not committed", texts[g])
+            if not m:
+                failures.append(f"group {g} committed the step group {victim} died in")
+            elif t_kill is not None:
+                waited = (clock(m.groups()) - t_kill) % 86400
+                print(f"group {g} dropped the step {waited:.2f} s after the kill (timeout {a.timeout_ms / 1000:.1f} s)")
+                if waited > a.timeout_ms / 1000 + 1.0:
+                    failures.append(f"group {g} waited {waited:.2f} s, past the timeout")
     print(f"groups finished in {elapsed:.1f} s", flush=True)
     timeline(a)
     ref = subprocess.run([a.trainer, "--reference", "--dir", a.workdir, "--groups", str(a.groups),
@@ -118,15 +178,63 @@ def main():
         for f in failures:
             print("FAIL: " + f, flush=True)
         return 1
-    print("PASS: survivors never restarted; the killed group healed and rejoined; every group bitwise equal and "
+    print("PASS: only the killed groups restarted; they healed and rejoined; every group bitwise equal and "
           "equal to the single-process replay", flush=True)
     return 0
+
+
+def lighthouse_dies(a, lighthouse, procs, logs):
+    """Kills the lighthouse once every group has committed a few steps; each
+    group must then fail with an error naming the lighthouse within its
+    quorum timeout, and exit (torchrun gives up after its restarts)."""
+    deadline = time.time() + a.timeout
+    while time.time() < deadline:
+        texts = [open(os.path.join(a.workdir, f"group-{g}.log")).read() for g in range(a.groups)]
+        if all(os.path.exists(os.path.join(a.workdir, f"steps-{g}.txt")) and
+               len(open(os.path.join(a.workdir, f"steps-{g}.txt")).readlines()) >= 5 for g in range(a.groups)):
+            break
+        time.sleep(0.1)
+    lighthouse.kill()
+    t_kill = time.time()
+    print("killed the lighthouse", flush=True)
+    failures = []
+    for g, p in enumerate(procs):
+        try:
+            p.wait(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            failures.append(f"group {g} still runs {time.time() - t_kill:.1f} s after the lighthouse died")
+            p.kill()
+            continue
+    waited = time.time() - t_kill
+    # Each attempt waits at most the quorum timeout; torchrun restarts the group --max-restarts times.
+    bound = (a.quorum_timeout_ms / 1000 + 10) * (2 + a.kills)
+    print(f"every group exited {waited:.1f} s after the lighthouse died (bound {bound:.0f} s)", flush=True)
+    if waited > bound:
+        failures.append(f"the groups took {waited:.1f} s to give up")
+    for g, p in enumerate(procs):
+        text = open(os.path.join(a.workdir, f"group-{g}.log")).read()
+        if p.returncode == 0:
+            failures.append(f"group {g} exited 0 without a lighthouse")
+        if "got no quorum from the lighthouse at 127.0.0.1:" not in text:
+            failures.append(f"group {g}'s log does not name the lighthouse")
+    if failures:
+        dump(a)
+        for f in failures:
+            print("FAIL: " + f, flush=True)
+        return 1
+    print("PASS: every group failed with an error naming the lighthouse, within its quorum timeout", flush=True)
+    return 0
+
+
+def clock(hms):
+    h, m, s, ms = (int(x) for x in hms)
+    return h * 3600 + m * 60 + s + ms / 1000
 
 
 def timeline(a):
     for g in range(a.groups):
         for line in open(os.path.join(a.workdir, f"group-{g}.log")):
-            if "[shardtorch-ft" in line or "killing itself" in line or "incarnation" in line:
+            if "[shardtorch-ft" in line or "killing itself" in line or "incarnation" in line or "done at" in line:
                 print("  " + line.rstrip(), flush=True)
 
 
