@@ -231,6 +231,10 @@ TEST(FtManager, TwoNoShardGroupsTrainLikeOneProcess) {
   two_groups_train_like_one_process(1, shardtorch::Strategy::NoShard);
 }
 
+TEST(FtManager, TwoNoShardGroupsOfTwoRanksTrainLikeOneProcess) {
+  two_groups_train_like_one_process(2, shardtorch::Strategy::NoShard);
+}
+
 TEST(FtManager, TwoFullShardGroupsOfTwoRanksTrainLikeOneProcess) {
   two_groups_train_like_one_process(2, shardtorch::Strategy::FullShard);
 }

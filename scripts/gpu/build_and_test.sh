@@ -39,7 +39,7 @@ if [[ " $STEPS " == *" build "* ]]; then
   say "configure"
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="${SHARDTORCH_CUDA_ARCH:-90}" \
     -DCMAKE_PREFIX_PATH="$TORCH_PREFIX;$DEPS/usr" -DGLOO_INCLUDE_DIR="$DEPS/usr/include" \
-    -DSHARDTORCH_PYTHON="$PY" >"$LOGS/configure.log" 2>&1 || { tail -40 "$LOGS/configure.log"; exit 1; }
+    -DSHARDTORCH_FT=OFF -DSHARDTORCH_PYTHON="$PY" >"$LOGS/configure.log" 2>&1 || { tail -40 "$LOGS/configure.log"; exit 1; }
   grep -i "nccl\|cuda" "$LOGS/configure.log" | head -5
   say "build"
   # SHARDTORCH_GPU_TARGETS: build only these (e.g. "shardtorch_cuda_tests").

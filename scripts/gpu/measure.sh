@@ -57,7 +57,7 @@ if want build; then
   configure() {
     cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)');$DEPS/usr" \
-      -DGLOO_INCLUDE_DIR="$DEPS/usr/include" -DSHARDTORCH_PYTHON="$PY" "$@" >"$LOGS/configure.log" 2>&1
+      -DGLOO_INCLUDE_DIR="$DEPS/usr/include" -DSHARDTORCH_FT=OFF -DSHARDTORCH_PYTHON="$PY" "$@" >"$LOGS/configure.log" 2>&1
   }
   configure || { tail -30 "$LOGS/configure.log"; say "configure failed"; exit 1; }
   # -k 0: a target that fails to compile does not stop the others.
