@@ -488,10 +488,8 @@ struct Manager::Impl {
   }
 };
 
-// The cross-replica reduction: this rank's bucket (its group's mean) summed
-// over the cross-replica group and divided by the groups that count; a
-// healed group sends zeros. Never fails: an error marks the step, which the
-// vote then rejects.
+// The cross-replica reduction. Never fails: an error marks the step, which
+// the vote then rejects.
 class FtHook : public c10d::CommHookInterface {
  public:
   FtHook(Manager::Impl* m, c10::intrusive_ptr<c10d::Backend> inner) : m_(m), inner_(std::move(inner)) {}
@@ -499,12 +497,34 @@ class FtHook : public c10d::CommHookInterface {
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     at::Tensor buffer = bucket.getBuffer();
     Manager::Impl* m = m_;
+    if (!inner_ || inner_->getSize() <= 1) return across(m, buffer);
+    // NoShard with several ranks per group: the group's own mean first, then
+    // across the groups when it completes (the backward goes on meanwhile).
     try {
-      if (inner_ && inner_->getSize() > 1) {  // NoShard: the group's own mean first
-        buffer.div_(inner_->getSize());
-        std::vector<at::Tensor> v{buffer};
-        inner_->allreduce(v)->wait();
-      }
+      buffer.div_(inner_->getSize());
+      std::vector<at::Tensor> v{buffer};
+      return inner_->allreduce(v)->getFuture()->thenAsync(
+          [m, buffer](c10::ivalue::Future& f) {
+            if (f.hasError()) {
+              m->fail_step("the all-reduce inside the group failed: " + f.tryRetrieveErrorMessage());
+              return completed_future(buffer);
+            }
+            return across(m, buffer);
+          },
+          c10::TensorType::get());
+    } catch (const std::exception& e) {
+      m->fail_step(std::string("the all-reduce inside the group failed: ") + shardtorch::detail::message_of(e));
+      return completed_future(buffer);
+    }
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
+
+ private:
+  // `buffer` (this group's mean) summed over the cross-replica group and
+  // divided by the groups that count; a healed group sends zeros.
+  static c10::intrusive_ptr<c10::ivalue::Future> across(Manager::Impl* m, at::Tensor buffer) {
+    try {
       const Quorum& q = m->wait_quorum();
       if (!q.error.empty()) return completed_future(buffer);
       if (m->healing(q)) buffer.zero_();
@@ -514,8 +534,7 @@ class FtHook : public c10d::CommHookInterface {
         return completed_future(buffer);
       }
       std::vector<at::Tensor> v{buffer};
-      auto fut = m->pg->allreduce(v)->getFuture();
-      return fut->then(
+      return m->pg->allreduce(v)->getFuture()->then(
           [m, buffer, counted](c10::ivalue::Future& f) {
             if (f.hasError()) {
               m->fail_step("a cross-replica all-reduce failed: " + f.tryRetrieveErrorMessage());
@@ -531,9 +550,6 @@ class FtHook : public c10d::CommHookInterface {
     }
   }
 
-  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
-
- private:
   Manager::Impl* m_;
   c10::intrusive_ptr<c10d::Backend> inner_;
 };
