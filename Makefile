@@ -8,7 +8,7 @@ JOBS ?= 2
 PY := $(VENV)/bin/python3
 Torch_DIR ?=
 
-.PHONY: all setup configure build test demo ft-demo bench sweep peers install clean
+.PHONY: all setup configure build test demo ft-demo ft-bench bench sweep peers install clean
 
 all: build
 
@@ -38,6 +38,12 @@ ft-demo: configure
 	cmake --build $(BUILD) -j$(JOBS) --target ft_train
 	$(PY) tests/ft/kill_and_heal.py --lighthouse $(VENV)/bin/torchft_lighthouse --torchrun $(VENV)/bin/torchrun \
 	  --trainer $(BUILD)/examples/ft_train --workdir $(BUILD)/ft-demo --groups 3 --steps 60 --kills 2 --step-ms 100
+
+# Fault tolerance's cost against torchft's own DDP (docs/fault_tolerance.md, "Measurements"):
+# steady-state overhead and one failure, side by side. A benchmark, not a test: figures vary by run.
+ft-bench: configure
+	cmake --build $(BUILD) -j$(JOBS) --target ft_train
+	$(PY) bench/ft/run_overhead.py --build $(BUILD) --venv $(VENV) --out $(BUILD)/ft-bench.json
 
 # Google Benchmark results as JSON in $(BUILD)/bench-results/ (not a test: figures vary by machine).
 bench: build
