@@ -52,6 +52,8 @@ def main():
     ap.add_argument("--step-ms", type=int, default=200)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--model", default="mlp", help="ft_train --model: mlp or gpt (the example GPT)")
+    ap.add_argument("--tolerance", default="1e-6", help="largest difference from the single-process replay")
     a = ap.parse_args()
 
     seed = a.seed if a.seed is not None else random.randrange(1 << 30)
@@ -107,7 +109,7 @@ def main():
                    "--max-restarts", str(restarts[g] + 1), "--monitor-interval", "0.2", a.trainer,
                    "--steps", str(a.steps), "--groups", str(a.groups), "--dir", a.workdir,
                    "--strategy", a.strategy, "--step-ms", str(a.step_ms), "--timeout-ms", str(a.timeout_ms),
-                   "--quorum-timeout-ms", str(a.quorum_timeout_ms)]
+                   "--quorum-timeout-ms", str(a.quorum_timeout_ms), "--model", a.model]
             if g in kills:
                 cmd += ["--kill", kills[g], "--kill-rank", str(a.kill_rank)]
             log = open(os.path.join(a.workdir, f"group-{g}.log"), "w")
@@ -169,7 +171,8 @@ def main():
     print(f"groups finished in {elapsed:.1f} s", flush=True)
     timeline(a)
     ref = subprocess.run([a.trainer, "--reference", "--dir", a.workdir, "--groups", str(a.groups),
-                          "--ranks", str(a.ranks)], capture_output=True, text=True)
+                          "--ranks", str(a.ranks), "--model", a.model, "--tolerance", a.tolerance],
+                         capture_output=True, text=True)
     print(ref.stdout + ref.stderr, end="", flush=True)
     if ref.returncode != 0:
         failures.append("the final states differ from each other or from the reference")
