@@ -28,6 +28,12 @@ torch::Tensor batch_y() {
   return torch::randn({kBatch, 3});
 }
 
+// This rank's slice of the batch.
+std::pair<torch::Tensor, torch::Tensor> rank_batch(World& w) {
+  const int64_t per = kBatch / w.size();
+  return {batch_x().narrow(0, w.rank() * per, per), batch_y().narrow(0, w.rank() * per, per)};
+}
+
 using HookFactory = std::function<std::unique_ptr<shardtorch::CommHook>(shardtorch::ShardedModel&)>;
 
 // Trains the test MLP for `steps` SGD steps on this rank's slice, with the
@@ -42,8 +48,7 @@ std::map<std::string, torch::Tensor> train(World& w, ShardOptions opts, const Ho
   std::optional<shardtorch::GradScaler> scaler;  // fp16 trains only through one
   if (dtype == at::kHalf) scaler.emplace(*model, shardtorch::GradScalerOptions().init_scale(1024));
   auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(lr));
-  const int64_t per = kBatch / w.size();
-  auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+  auto [x, y] = rank_batch(w);
   if (dtype) x = x.to(*dtype);
   for (int s = 0; s < steps; ++s) {
     opt->zero_grad();
@@ -150,8 +155,7 @@ TEST(CommHooks, NoShardHookIsGivenEachBucketsLocalGradientsAndItsParameters) {
     auto owned = std::make_unique<RecordingHook>(sm.comm_hook_group());
     RecordingHook* hook = owned.get();
     sm.register_comm_hook(std::move(owned));
-    const int64_t per = kBatch / w.size();
-    auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+    auto [x, y] = rank_batch(w);
     torch::mse_loss(model(x), y).backward();
 
     const size_t n = hook->buffers.size();
@@ -225,8 +229,7 @@ TEST_P(HookFailures, ReachTheCallerOfBackwardNamingRankAndBucket) {
     auto sm = shardtorch::shard(model, w, opts);
     sm.register_comm_hook(std::make_unique<FailingHook>(sm.comm_hook_group(), how, 1));
     auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
-    const int64_t per = kBatch / w.size();
-    auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+    auto [x, y] = rank_batch(w);
     std::string message;
     try {
       torch::mse_loss(model(x), y).backward();
@@ -289,8 +292,7 @@ TEST(CommHooks, HybridShardHookIsGivenTheShardGroupsMeanOfThisRanksShard) {
     auto owned = std::make_unique<RecordingHook>(sm.comm_hook_group());
     RecordingHook* hook = owned.get();
     sm.register_comm_hook(std::move(owned));
-    const int64_t per = kBatch / w.size();
-    auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+    auto [x, y] = rank_batch(w);
     torch::mse_loss(model(x), y).backward();
     // This rank's trainable shard elements: each reduce-scatter output holds pieces of them.
     int64_t shard_numel = 0;
@@ -386,8 +388,7 @@ TEST(CommHooks, DifferentHooksOnDifferentRanksFailEveryRankNamingBoth) {
       const bool last = w.rank() + 1 == w.size();
       if (!last) sm.register_comm_hook(shardtorch::allreduce_hook(sm.comm_hook_group()));
       if (last && !c.last_has_none) sm.register_comm_hook(shardtorch::bf16_compress_hook(sm.comm_hook_group()));
-      const int64_t per = kBatch / w.size();
-      auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+      auto [x, y] = rank_batch(w);
       std::string message;
       try {
         torch::mse_loss(model(x), y).backward();
@@ -425,8 +426,7 @@ TEST(CommHooks, CommStatsCountTheBucketsHandedToTheHook) {
       auto sm = shardtorch::shard(model, w, opts);
       auto owned = std::make_unique<RecordingHook>(sm.comm_hook_group());
       RecordingHook* hook = owned.get();
-      const int64_t per = kBatch / w.size();
-      auto x = batch_x().narrow(0, w.rank() * per, per), y = batch_y().narrow(0, w.rank() * per, per);
+      auto [x, y] = rank_batch(w);
       if (auto dtype = opts.mixed_precision().param_dtype()) x = x.to(*dtype);
       torch::mse_loss(model(x).to(at::kFloat), y).backward();  // no hook yet
       require(sm.comm_stats().comm_hook.calls == 0 && sm.comm_stats().comm_hook.bucket_bytes == 0,

@@ -256,29 +256,43 @@ TEST(FtManager, GroupsWithDifferentModelsFailNamingBothGroups) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// One step of a group of this World's ranks: what should_commit() threw
+// ("" if nothing), how long after start_step(), and the step count after it.
+struct FirstStep {
+  std::string error;
+  std::chrono::steady_clock::duration took{};
+  int64_t step = 0;
+};
+
+FirstStep first_step(World& w, shardtorch::Strategy strategy, shardtorch::ft::ManagerOptions options) {
+  at::manual_seed(0);
+  Net model(8);
+  shardtorch::shard(model, w, shardtorch::ShardOptions().strategy(strategy));
+  auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+  shardtorch::ft::Manager m(w.shared_from_this(), *model, *opt, options.replica_group("0").log(false));
+  FirstStep out;
+  const auto t0 = std::chrono::steady_clock::now();
+  m.start_step();
+  model->forward(batch_x(0, w.rank(), 0)).pow(2).mean().backward();
+  try {
+    m.should_commit();
+  } catch (const shardtorch::Error& e) {
+    out.error = e.what();
+  }
+  out.took = std::chrono::steady_clock::now() - t0;
+  out.step = m.step();
+  return out;
+}
+
 TEST(FtManager, UnreachableLighthouseFailsEveryRankWithinTheQuorumTimeout) {
   const std::string nowhere = "127.0.0.1:" + std::to_string(free_port());
   auto r = shardtorch::testing::run_ranks(2, [&](World& w) {
-    at::manual_seed(0);
-    Net model(8);
-    shardtorch::shard(model, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::FullShard));
-    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
-    shardtorch::ft::Manager m(w.shared_from_this(), *model, *opt,
-                              shardtorch::ft::ManagerOptions().lighthouse(nowhere).replica_group("0").log(false)
-                                  .quorum_timeout(std::chrono::milliseconds(800)));
-    const auto t0 = std::chrono::steady_clock::now();
-    m.start_step();
-    model->forward(batch_x(0, w.rank(), 0)).pow(2).mean().backward();
-    try {
-      m.should_commit();
-    } catch (const shardtorch::Error& e) {
-      const std::string msg = e.what();
-      if (msg.find("lighthouse at " + nowhere) == std::string::npos || msg.find("group '0'") == std::string::npos)
-        throw std::runtime_error("unexpected error: " + msg);
-      if (std::chrono::steady_clock::now() - t0 > 15s) throw std::runtime_error("the error came after the timeout");
-      return;
-    }
-    throw std::runtime_error("no error without a lighthouse");
+    auto s = first_step(w, shardtorch::Strategy::FullShard,
+                        shardtorch::ft::ManagerOptions().lighthouse(nowhere).quorum_timeout(std::chrono::milliseconds(800)));
+    if (s.error.empty()) throw std::runtime_error("no error without a lighthouse");
+    if (s.error.find("lighthouse at " + nowhere) == std::string::npos || s.error.find("group '0'") == std::string::npos)
+      throw std::runtime_error("unexpected error: " + s.error);
+    if (s.took > 15s) throw std::runtime_error("the error came after the timeout");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -286,25 +300,12 @@ TEST(FtManager, UnreachableLighthouseFailsEveryRankWithinTheQuorumTimeout) {
 TEST(FtManager, RestartedGroupWithNoLiveStateFailsInsteadOfTrainingFromScratch) {
   Lighthouse lh(1);
   auto r = shardtorch::testing::run_ranks(1, [&](World& w) {
-    at::manual_seed(0);
-    Net model(8);
-    shardtorch::shard(model, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
-    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
-    shardtorch::ft::Manager m(w.shared_from_this(), *model, *opt,
-                              shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group("0").log(false)
-                                  .restarted(true));
-    m.start_step();
-    model->forward(batch_x(0, 0, 0)).pow(2).mean().backward();
-    try {
-      m.should_commit();
-    } catch (const shardtorch::Error& e) {
-      const std::string msg = e.what();
-      if (msg.find("was restarted and none has committed a step") == std::string::npos)
-        throw std::runtime_error("unexpected error: " + msg);
-      if (m.step() != 0) throw std::runtime_error("the step count moved");
-      return;
-    }
-    throw std::runtime_error("a restarted group with nobody to heal from trained on");
+    auto s = first_step(w, shardtorch::Strategy::NoShard,
+                        shardtorch::ft::ManagerOptions().lighthouse(lh.address()).restarted(true));
+    if (s.error.empty()) throw std::runtime_error("a restarted group with nobody to heal from trained on");
+    if (s.error.find("was restarted and none has committed a step") == std::string::npos)
+      throw std::runtime_error("unexpected error: " + s.error);
+    if (s.step != 0) throw std::runtime_error("the step count moved");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -17,7 +17,6 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -462,7 +461,6 @@ struct Manager::Impl {
       const at::Tensor& u = got[at];
       load_user(std::string(static_cast<const char*>(u.data_ptr()), static_cast<size_t>(user_len)));
     }
-    for (auto& b : dst) (void)b;
     return m[0];
   }
 

@@ -192,7 +192,6 @@ def lighthouse_dies(a, lighthouse, procs, logs):
     quorum timeout, and exit (torchrun gives up after its restarts)."""
     deadline = time.time() + a.timeout
     while time.time() < deadline:
-        texts = [open(os.path.join(a.workdir, f"group-{g}.log")).read() for g in range(a.groups)]
         if all(os.path.exists(os.path.join(a.workdir, f"steps-{g}.txt")) and
                len(open(os.path.join(a.workdir, f"steps-{g}.txt")).readlines()) >= 5 for g in range(a.groups)):
             break
