@@ -179,6 +179,9 @@ std::map<std::string, at::Tensor> train_group(World& all, int ranks, shardtorch:
       if (counted) counted->push_back(who);
     }
   }
+  // Each round's answer is dropped from the group's store after the next round starts.
+  const std::string rounds = "shardtorch-ft/" + std::to_string(g) + "/incarnation0/round/";
+  if (world->store()->check({rounds + "0"})) throw std::runtime_error("the group's store keeps every round");
   return shardtorch::full_parameters(*model);
 }
 

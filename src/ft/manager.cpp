@@ -207,6 +207,9 @@ struct Manager::Impl {
         text = json::serialize(json::object{{"error", e.what()}});
       }
       store.set(key, std::vector<uint8_t>(text.begin(), text.end()));
+      // Every rank read the previous round's answer before the previous vote,
+      // which this rank has passed: drop it, or the store grows every step.
+      if (r > 0) store.deleteKey(key_prefix + "round/" + std::to_string(r - 1));
       return text;
     }
     // Polled, not store.wait(): a blocking wait would hold the store client's
