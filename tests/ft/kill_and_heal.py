@@ -157,10 +157,21 @@ def main():
     if a.scenario == "backward":
         kill = re.search(r"killing itself.* at (\d\d):(\d\d):(\d\d)\.(\d\d\d)", texts[victim])
         t_kill = clock(kill.groups()) if kill else None
+        dropped = 0
         for g in range(a.groups):
             if g == victim:
                 continue
+            # A group that joined only after the kill (its first committed step
+            # is later) was not in that step's quorum: nothing for it to drop.
+            first = open(os.path.join(a.workdir, f"steps-{g}.txt")).readline().split()
+            joined = time.localtime(int(first[4]) / 1000) if len(first) > 4 else None
+            if t_kill is not None and joined is not None and \
+                    clock((joined.tm_hour, joined.tm_min, joined.tm_sec, int(first[4]) % 1000)) > t_kill:
+                print(f"group {g} joined after the kill")
+                continue
             m = re.search(r"\[shardtorch-ft (\d\d):(\d\d):(\d\d)\.(\d\d\d)\] group \d+: step \d+ not committed", texts[g])
+            if m:
+                dropped += 1
             if not m:
                 failures.append(f"group {g} committed the step group {victim} died in")
             elif t_kill is not None:
@@ -168,6 +179,8 @@ def main():
                 print(f"group {g} dropped the step {waited:.2f} s after the kill (timeout {a.timeout_ms / 1000:.1f} s)")
                 if waited > a.timeout_ms / 1000 + 1.0:
                     failures.append(f"group {g} waited {waited:.2f} s, past the timeout")
+        if dropped == 0:
+            failures.append(f"no group dropped the step group {victim} died in")
     print(f"groups finished in {elapsed:.1f} s", flush=True)
     timeline(a)
     ref = subprocess.run([a.trainer, "--reference", "--dir", a.workdir, "--groups", str(a.groups),
