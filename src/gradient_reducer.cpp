@@ -13,9 +13,7 @@ void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
   at::Tensor g = fp->take_staging_grad();
   if (g.numel() == 0) {  // a flat of empty parameters: an empty gradient, and nothing to send
     const bool full = model_.strategy() == Strategy::OptimizerOnly;
-    model_.copies().deliver_gradient(*fp, g, /*owned=*/true, [fp, full](const at::Tensor& r) {
-      full ? fp->accumulate_full_grad(r, 1.0) : fp->accumulate_shard_grad(r, 1.0);
-    });
+    model_.copies().deliver_gradient(*fp, g, /*owned=*/true, 1.0, full);
     return;
   }
   ++reductions_;
@@ -36,8 +34,7 @@ void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
         g, model_.reduce_comm(),
         [fp, post, owner, what](const at::Tensor& reduced) {  // the staging gradient, reduced: no one else writes it
           run_naming(owner->world().rank(), "reduction callback", [&] { return "adding the all-reduced " + what; }, [&] {
-            owner->copies().deliver_gradient(*fp, reduced, /*owned=*/true,
-                                             [fp, post](const at::Tensor& r) { fp->accumulate_full_grad(r, post); });
+            owner->copies().deliver_gradient(*fp, reduced, /*owned=*/true, post, /*full=*/true);
           });
         },
         what);
@@ -49,8 +46,7 @@ void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
       g, model_.reduce_comm(),
       [fp, post, owner, what](const at::Tensor& reduced) {  // a view of a bucket's output
         run_naming(owner->world().rank(), "reduction callback", [&] { return "adding the reduce-scattered " + what; }, [&] {
-          owner->copies().deliver_gradient(*fp, reduced, /*owned=*/false,
-                                           [fp, post](const at::Tensor& r) { fp->accumulate_shard_grad(r, post); });
+          owner->copies().deliver_gradient(*fp, reduced, /*owned=*/false, post, /*full=*/false);
         });
       },
       what, model_.replica_comm());

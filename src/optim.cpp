@@ -184,6 +184,20 @@ class StepInBackward final : public GradientListener {
     stepped_.insert(&flat);
   }
 
+  bool consume(FlatParam& flat, const at::Tensor& host, double divisor) override {
+    std::vector<at::Tensor> params, grads;
+    for (const auto& piece : views_.pieces()) {
+      if (piece.flat != &flat) continue;
+      if (!piece.taken) return false;  // a parameter outside the optimizer keeps its gradient
+      params.push_back(piece.view);
+      grads.push_back(host.narrow(0, piece.shard_offset, piece.length));
+    }
+    if (!stepper_.step_params_with(params, grads, divisor)) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    stepped_.insert(&flat);
+    return true;
+  }
+
   bool stepped(const FlatParam& flat) const override {
     std::lock_guard<std::mutex> lock(mu_);
     return stepped_.count(&flat) > 0;

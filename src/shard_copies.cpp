@@ -48,18 +48,22 @@ at::Tensor ShardCopies::on_comm_device(const at::Tensor& t) {
   return t.to(model_.world().comm().device(), t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 
-void ShardCopies::deliver_gradient(FlatParam& flat, const at::Tensor& reduced, bool owned,
-                                   std::function<void(const at::Tensor&)> accumulate) {
+void ShardCopies::deliver_gradient(FlatParam& flat, const at::Tensor& reduced, bool owned, double divisor,
+                                   bool full) {
+  auto add = [f = &flat, divisor, full](const at::Tensor& r) {
+    full ? f->accumulate_full_grad(r, divisor) : f->accumulate_shard_grad(r, divisor);
+  };
   if (offloader_ && listener_) {
     listener_->before(flat);
-    offloader_->to_host(reduced, owned, [accumulate = std::move(accumulate), l = listener_, f = &flat](const at::Tensor& h) {
-      accumulate(h);
+    offloader_->to_host(reduced, owned, [add, l = listener_, f = &flat, divisor, full](const at::Tensor& h) {
+      if (!full && !f->shard_grad().defined() && l->consume(*f, h, divisor)) return;
+      add(h);
       l->arrived(*f);
     });
   } else if (offloader_) {
-    offloader_->to_host(reduced, owned, std::move(accumulate));
+    offloader_->to_host(reduced, owned, add);
   } else {
-    accumulate(reduced);
+    add(reduced);
   }
 }
 

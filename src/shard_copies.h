@@ -25,6 +25,11 @@ class GradientListener {
   virtual void before(FlatParam& flat) = 0;
   /// On the offload thread, after the gradient was added into the host shard.
   virtual void arrived(FlatParam& flat) = 0;
+  /// On the offload thread, instead of adding (`flat` has no gradient yet):
+  /// updates `flat`'s masters from `host`, its reduced gradient in host
+  /// memory to be divided by `divisor`, keeping no gradient. False: it cannot,
+  /// nothing changed (the gradient is then added and arrived() told).
+  virtual bool consume(FlatParam& flat, const at::Tensor& host, double divisor) = 0;
   /// Whether `flat`'s masters were updated since the last optimizer step.
   virtual bool stepped(const FlatParam& flat) const = 0;
   virtual bool any_stepped() const = 0;
@@ -48,12 +53,12 @@ class ShardCopies {
   /// A copy of `t` on the communication device (master shards and gradient
   /// shards may be in host memory under offload).
   at::Tensor on_comm_device(const at::Tensor& t);
-  /// Hands `flat`'s reduced gradient to `accumulate`: at once, or under
-  /// offload on the offload thread after its copy to host memory (at the
-  /// latest at the end of backward), then tells the listener.
+  /// Adds `flat`'s reduced gradient, divided by `divisor`, into its full
+  /// (`full`) or shard gradient: at once, or under offload on the offload
+  /// thread after its copy to host memory (at the latest at the end of
+  /// backward), then tells the listener, which may consume it instead.
   /// `owned`: the caller hands `reduced` over (nobody reuses its memory).
-  void deliver_gradient(FlatParam& flat, const at::Tensor& reduced, bool owned,
-                        std::function<void(const at::Tensor&)> accumulate);
+  void deliver_gradient(FlatParam& flat, const at::Tensor& reduced, bool owned, double divisor, bool full);
   /// Offload: the listener of delivered gradients (null: none). Waits for the
   /// offload thread first.
   void set_gradient_listener(GradientListener* listener);

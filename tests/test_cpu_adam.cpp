@@ -405,3 +405,50 @@ TEST(FusedCpuAdam, ThePortableVariantMatchesEveryX86Variant) {
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
+
+// step_params_with (overlap_with_backward's update straight from the host
+// copy of a reduced gradient): the same bits as step_params after the
+// gradient was made fp32 and divided, for bf16 and fp32 gradients, with and
+// without a divisor, writing the bf16 copy too; what it cannot take it
+// refuses, updating nothing.
+TEST(FusedCpuAdam, StepsFromBf16AndDividedGradientsAsFromTheirFp32Values) {
+  const int64_t n = 70001;  // several parallel chunks of many blocks, the last block partial
+  at::set_num_threads(2);
+  torch::manual_seed(5);
+  const auto start = torch::randn({n});
+  for (auto dtype : {torch::kBFloat16, torch::kFloat})
+    for (double divisor : {1.0, 3.0}) {
+      const std::string what = std::string(c10::toString(dtype)) + " gradient / " + std::to_string(divisor);
+      auto g = torch::randn({n}).to(dtype);
+      auto a = start.clone(), b = start.clone();
+      auto low_a = torch::zeros({n}, torch::kBFloat16), low_b = torch::zeros({n}, torch::kBFloat16);
+      shardtorch::FusedAdamW want({a}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      shardtorch::FusedAdamW got({b}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      want.write_low_copy(a, low_a);
+      got.write_low_copy(b, low_b);
+      for (int step = 0; step < 2; ++step) {
+        a.mutable_grad() = at::div(g.to(torch::kFloat), divisor);
+        want.step_params({a});
+        ASSERT_TRUE(got.step_params_with({b}, {g}, divisor)) << what;
+        EXPECT_FALSE(b.grad().defined()) << what;
+        g = g * 0.5 + torch::randn({n}).to(dtype);
+      }
+      EXPECT_TRUE(at::equal(a, b)) << what << ": parameters differ";
+      EXPECT_TRUE(at::equal(low_a.view(at::kShort), low_b.view(at::kShort))) << what << ": bf16 copies differ";
+      auto& sa = static_cast<torch::optim::AdamWParamState&>(*want.state().at(a.unsafeGetTensorImpl()));
+      auto& sb = static_cast<torch::optim::AdamWParamState&>(*got.state().at(b.unsafeGetTensorImpl()));
+      EXPECT_EQ(sa.step(), sb.step()) << what;
+      EXPECT_TRUE(at::equal(sa.exp_avg(), sb.exp_avg())) << what;
+      EXPECT_TRUE(at::equal(sa.exp_avg_sq(), sb.exp_avg_sq())) << what;
+    }
+  at::set_num_threads(1);
+
+  auto p = torch::randn({16});
+  const auto before = p.clone();
+  shardtorch::FusedAdamW opt({p}, torch::optim::AdamWOptions(1e-2));
+  EXPECT_FALSE(opt.step_params_with({p}, {torch::randn({16}).to(torch::kHalf)}, 1.0)) << "an fp16 gradient";
+  EXPECT_FALSE(opt.step_params_with({p}, {torch::randn({15})}, 1.0)) << "a gradient of another size";
+  EXPECT_FALSE(opt.step_params_with({torch::randn({16})}, {torch::randn({16})}, 1.0)) << "a tensor not optimized";
+  EXPECT_TRUE(at::equal(p, before));
+  EXPECT_TRUE(opt.state().empty());
+}

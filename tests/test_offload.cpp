@@ -128,6 +128,42 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<1>(info.param));
     });
 
+// With the step overlapping backward each sharded unit's update reads the
+// host copy of its reduced gradient directly: no host gradient is made
+// (OptimizerOnly, whose flats keep whole gradients, still makes them), and
+// the optimizer stepped during the backward.
+TEST(Offload, TheStepOverlappingBackwardKeepsNoHostGradients) {
+  auto r = run_ranks(2, [](World& w) {
+    auto x = gpt_tokens().narrow(0, w.rank() * 2, 2);
+    for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::HybridShard, Strategy::OptimizerOnly})
+      for (bool bf16 : {false, true}) {
+        const std::string name = std::string(shardtorch::strategy_name(s)) + (bf16 ? " bf16" : " fp32");
+        torch::manual_seed(0);
+        auto model = gpt::GPT(gpt::Config{});
+        auto options = strategy_options(s, 2).cpu_offload(true);
+        if (bf16) options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
+        auto sm = shardtorch::shard(model, w, options);
+        auto opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
+        opt->overlap_with_backward();
+        for (int step = 0; step < 2; ++step) {
+          opt->zero_grad();
+          sm.reset_peak_memory();
+          gpt::lm_loss(model(x), x).backward();
+          require(!opt->inner().state().empty(), name + ": the backward did not step the optimizer");
+          const auto m = sm.memory();
+          if (s == Strategy::OptimizerOnly) {
+            require(m.cur(Mem::HostGradients) > 0, name + ": no host gradients");
+          } else {
+            require(m.max(Mem::HostGradients) == 0,
+                    name + ": host gradients of " + std::to_string(m.max(Mem::HostGradients)) + " bytes");
+          }
+          opt->step();
+        }
+      }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(Offload, FusedCpuAdamWOnOffloadedShardsMatchesSingleProcessTraining) {
   // The reference: torch::optim::AdamW over the whole model in one process.
   auto x = gpt_tokens();

@@ -49,6 +49,15 @@ class SHARDTORCH_API PartialStepper {
   virtual void check_step() const = 0;
   /// What step() does to `params` (those of them with a gradient), unchecked.
   virtual void step_params(const std::vector<at::Tensor>& params) = 0;
+  /// What step_params does to each `params[i]` were its gradient
+  /// `grads[i].to(fp32) / divisor` (`grads[i]`: contiguous fp32 or bf16, the
+  /// parameter's size and device), without any gradient tensor being made or
+  /// set. False, with nothing updated: this optimizer cannot.
+  virtual bool step_params_with(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                                double divisor) {
+    (void)params, (void)grads, (void)divisor;
+    return false;
+  }
 };
 
 class StepInBackward;

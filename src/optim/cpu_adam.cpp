@@ -264,6 +264,34 @@ void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_
 std::string fused_adam_isa() { return chosen().name; }
 
 namespace {
+// fused_adam_cpu with the gradient given as G (fp32 or bf16) to be divided by
+// `divisor`: each block of kLowBlock is converted into a buffer that stays in
+// L1 and updated from there by the same kernel, so the values are those of
+// the update after grad = grad.to(fp32) / divisor (what at::div_ computes:
+// an fp32 division by the divisor rounded to fp32; none when it is 1).
+template <class G>
+void fused_adam_cpu_converting(float* param, const G* grad, float divisor, float* exp_avg, float* exp_avg_sq,
+                               int64_t n, const AdamStep& s, at::BFloat16* low) {
+  const Coeffs c = cuda::adam_coeffs(s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step, s.decoupled);
+  const Kernel kernel = chosen().kernel;
+  const bool divide = divisor != 1.0f;
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    alignas(64) float buf[kLowBlock];
+    for (int64_t i = b; i < e; i += kLowBlock) {
+      const int64_t len = std::min(kLowBlock, e - i);
+      const G* __restrict g = grad + i;
+      if (divide) {
+        for (int64_t j = 0; j < len; ++j) buf[j] = static_cast<float>(g[j]) / divisor;
+      } else {
+        for (int64_t j = 0; j < len; ++j) buf[j] = static_cast<float>(g[j]);
+      }
+      kernel(param + i, buf, exp_avg + i, exp_avg_sq + i, len, c, low ? low + i : nullptr);
+    }
+  });
+}
+}  // namespace
+
+namespace {
 __attribute__((always_inline)) inline void roofline_body(float* __restrict a, const float* __restrict b,
                                                          float* __restrict c, float* __restrict d, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
@@ -366,8 +394,44 @@ void FusedAdamBase<Options, State, Decoupled>::step_params(const std::vector<at:
 }
 
 template <class Options, class State, bool Decoupled>
+bool FusedAdamBase<Options, State, Decoupled>::step_params_with(const std::vector<at::Tensor>& params,
+                                                                 const std::vector<at::Tensor>& grads, double divisor) {
+  c10::NoGradGuard no_grad;
+  SHARDTORCH_CHECK(params.size() == grads.size(), "shardtorch FusedAdam: step_params_with got ", params.size(),
+                   " parameters and ", grads.size(), " gradients");
+  // Everything is looked at before anything is updated.
+  std::vector<std::pair<at::Tensor*, const Options*>> found;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    const at::Tensor& want = params[i];
+    if (!(g.defined() && want.device().is_cpu() && g.device().is_cpu() && want.scalar_type() == at::kFloat &&
+          (g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16) && g.is_contiguous() &&
+          want.is_contiguous() && g.numel() == want.numel()))
+      return false;
+    at::Tensor* hit = nullptr;
+    const Options* options = nullptr;
+    for (auto& group : param_groups_)
+      for (auto& p : group.params())
+        if (p.unsafeGetTensorImpl() == want.unsafeGetTensorImpl()) {
+          hit = &p;
+          options = &static_cast<const Options&>(group.options());
+        }
+    if (hit == nullptr) return false;
+    found.emplace_back(hit, options);
+  }
+  for (size_t i = 0; i < found.size(); ++i) update_from(*found[i].first, grads[i], divisor, *found[i].second);
+  return true;
+}
+
+template <class Options, class State, bool Decoupled>
 void FusedAdamBase<Options, State, Decoupled>::update(at::Tensor& p, const Options& o) {
   if (!p.grad().defined()) return;
+  update_from(p, p.grad(), 1.0, o);
+}
+
+template <class Options, class State, bool Decoupled>
+void FusedAdamBase<Options, State, Decoupled>::update_from(at::Tensor& p, const at::Tensor& grad, double divisor,
+                                                           const Options& o) {
   auto& slot = state_[p.unsafeGetTensorImpl()];
   if (!slot) {
     auto s = std::make_unique<State>();
@@ -380,13 +444,21 @@ void FusedAdamBase<Options, State, Decoupled>::update(at::Tensor& p, const Optio
   s.step(s.step() + 1);
   AdamStep a{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), s.step(), Decoupled};
   auto low = low_.find(p.unsafeGetTensorImpl());
-  if (p.is_cuda()) {
-    fused_adam_cuda(p, p.grad(), s.exp_avg(), s.exp_avg_sq(), low == low_.end() ? at::Tensor() : low->second, a);
+  if (p.is_cuda()) {  // step_params_with refuses CUDA parameters: grad is p.grad()
+    fused_adam_cuda(p, grad, s.exp_avg(), s.exp_avg_sq(), low == low_.end() ? at::Tensor() : low->second, a);
     return;
   }
-  fused_adam_cpu(p.data_ptr<float>(), p.grad().data_ptr<float>(), s.exp_avg().template data_ptr<float>(),
-                 s.exp_avg_sq().template data_ptr<float>(), p.numel(), a,
-                 low == low_.end() ? nullptr : low->second.template data_ptr<at::BFloat16>());
+  float* m = s.exp_avg().template data_ptr<float>();
+  float* v = s.exp_avg_sq().template data_ptr<float>();
+  at::BFloat16* l = low == low_.end() ? nullptr : low->second.template data_ptr<at::BFloat16>();
+  const auto d = static_cast<float>(divisor);
+  if (grad.scalar_type() == at::kBFloat16) {
+    fused_adam_cpu_converting(p.data_ptr<float>(), grad.data_ptr<at::BFloat16>(), d, m, v, p.numel(), a, l);
+  } else if (divisor != 1.0) {
+    fused_adam_cpu_converting(p.data_ptr<float>(), grad.data_ptr<float>(), d, m, v, p.numel(), a, l);
+  } else {
+    fused_adam_cpu(p.data_ptr<float>(), grad.data_ptr<float>(), m, v, p.numel(), a, l);
+  }
 }
 
 template <class Options, class State, bool Decoupled>

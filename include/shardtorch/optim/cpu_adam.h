@@ -67,9 +67,14 @@ class FusedAdamBase : public torch::optim::Optimizer, public LowCopyWriter, publ
   void write_low_copy(const at::Tensor& param, at::Tensor low) override;
   void check_step() const override;
   void step_params(const std::vector<at::Tensor>& params) override;
+  /// fp32 or bf16 gradients of CPU parameters; each converted and divided a
+  /// block at a time inside the update (no fp32 gradient is written).
+  bool step_params_with(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                        double divisor) override;
 
  private:
   void update(at::Tensor& param, const Options& options);
+  void update_from(at::Tensor& param, const at::Tensor& grad, double divisor, const Options& options);
   std::unordered_map<const c10::TensorImpl*, at::Tensor> low_;  // parameter -> its bf16 copy
 };
 }  // namespace detail
