@@ -212,6 +212,8 @@ if want overlap; then
   bench offload_bf16_overlap 90 --strategy full_shard --bf16 --prefetch --offload --overlap-step
   profiled overlap --strategy full_shard --bf16 --prefetch --offload --overlap-step
   profiled offload --strategy full_shard --bf16 --prefetch --offload
+  bench resident_bf16_again 60 --strategy full_shard --bf16 --prefetch
+  bench offload_bf16_overlap_again 90 --strategy full_shard --bf16 --prefetch --offload --overlap-step
 fi
 
 if want overlap_threads; then  # the host thread's OpenMP team against the launching threads
