@@ -54,6 +54,7 @@ struct Recipe {
   bool torch_adamw = false;  // ShardedOptimizer::make<torch::optim::AdamW>, not shardtorch::AdamW's choice
   double clip = 0.0;
   bool overlap = false;  // opt->overlap_with_backward() (offload, fused, no clip)
+  std::function<std::unique_ptr<shardtorch::CommHook>(shardtorch::HookGroup)> hook;  // registered after shard()
 };
 
 struct Seen {
@@ -61,6 +62,7 @@ struct Seen {
   int64_t host_tensors = 0, pinned = 0;  // among the optimizer's tensors
   int64_t host_grads = 0, pinned_grads = 0;  // their gradients after the last backward
   bool fused_inner = false;  // the optimizer is shardtorch::FusedAdamW
+  int64_t hook_calls = 0;    // buckets handed to the communication hook
 };
 
 std::map<std::string, torch::Tensor> sharded(World& w, const Recipe& r, Seen* seen = nullptr) {
@@ -69,6 +71,7 @@ std::map<std::string, torch::Tensor> sharded(World& w, const Recipe& r, Seen* se
   auto model = gpt::GPT(gpt::Config{});
   model->to(w.device());
   auto sm = shardtorch::shard(model, w, r.options);
+  if (r.hook) sm.register_comm_hook(r.hook(sm.comm_hook_group()));
   auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.01);
   auto opt = r.fused         ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
              : r.torch_adamw ? shardtorch::ShardedOptimizer::make<torch::optim::AdamW>(*model, adamw)
@@ -83,6 +86,7 @@ std::map<std::string, torch::Tensor> sharded(World& w, const Recipe& r, Seen* se
   if (seen) {
     seen->fused_inner = dynamic_cast<shardtorch::FusedAdamW*>(&opt->inner()) != nullptr;
     seen->traffic = sm.stats().offload;
+    seen->hook_calls = sm.comm_stats().comm_hook.calls;
     for (const auto& g : opt->inner().param_groups())
       for (const auto& p : g.params())
         if (p.device().is_cpu()) {
@@ -212,6 +216,36 @@ TEST(CudaWorldOfOne, FusedAdamWOnTheDeviceTrainsLikePlainLibTorch) {
     // and the gradients follow (3.1e-4 and 1.3e-3 measured on H200s,
     // docs/gpu.md); the offload test compares bf16 training within 1e-2 too.
     expect_close_map(sharded(w, bf16), resident, 1e-2, "CUDA FusedAdamW, bf16 compute, fp32 masters");
+  }, on_cuda());
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Communication hooks over NCCL (shardtorch/comm_hooks.h): NoShard's buckets
+// and FullShard's reduce-scatter outputs through the all-reduce hook train
+// bitwise like the built-in reduction; through the fp16 and bf16 compression
+// hooks (gradients rounded once) close to it. Each hook was handed buckets.
+TEST(CudaWorldOfOne, CommHooksTrainLikeTheBuiltInReductionOverNccl) {
+  auto r = run_ranks(1, [](World& w) {
+    using Make = std::function<std::unique_ptr<shardtorch::CommHook>(shardtorch::HookGroup)>;
+    const std::vector<std::pair<std::string, Make>> hooks = {
+        {"allreduce_hook", [](shardtorch::HookGroup g) { return shardtorch::allreduce_hook(std::move(g)); }},
+        {"fp16_compress_hook", [](shardtorch::HookGroup g) { return shardtorch::fp16_compress_hook(std::move(g)); }},
+        {"bf16_compress_hook", [](shardtorch::HookGroup g) { return shardtorch::bf16_compress_hook(std::move(g)); }}};
+    for (Strategy s : {Strategy::NoShard, Strategy::FullShard}) {
+      Recipe builtin;
+      builtin.options = strategy_options(s, 1).bucket_mb(0.05);  // several buckets a step
+      const auto want = sharded(w, builtin);
+      for (const auto& [name, make] : hooks) {
+        Recipe hooked = builtin;
+        hooked.hook = make;
+        Seen seen;
+        const std::string what = std::string("CUDA ") + shardtorch::strategy_name(s) + " with " + name;
+        const double err = expect_close_map(sharded(w, hooked, &seen), want, name == "allreduce_hook" ? 0.0 : 1e-2, what);
+        if (name == "allreduce_hook") require(err == 0.0, what + ": not bitwise the built-in reduction");
+        require(seen.hook_calls >= 2 * kSteps, what + ": the hook was handed " + std::to_string(seen.hook_calls) +
+                                                   " buckets in " + std::to_string(kSteps) + " steps");
+      }
+    }
   }, on_cuda());
   ASSERT_TRUE(r.ok) << r.summary();
 }
