@@ -81,6 +81,7 @@ struct SHARDTORCH_API StepReport {
 class SHARDTORCH_API Manager {
  public:
   Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedOptimizer& opt, ManagerOptions options = {});
+  /// Cancels a quorum request in flight rather than wait for the lighthouse.
   ~Manager();
   Manager(const Manager&) = delete;
   Manager& operator=(const Manager&) = delete;
