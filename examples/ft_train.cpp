@@ -176,7 +176,7 @@ std::map<int, std::pair<int64_t, char>> parse_kills(const std::string& s) {
 }
 
 int train(int64_t steps, int64_t groups, const std::string& dir, const std::string& kill, int kill_rank,
-          const std::string& strategy, int step_ms, int timeout_ms, int quorum_timeout_ms) {
+          const std::string& strategy, int step_ms, int timeout_ms, int quorum_timeout_ms, bool prefetch_quorum) {
   auto world = shardtorch::World::from_env();
   const int incarnation = std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT") ? std::getenv("TORCHELASTIC_RESTART_COUNT") : "0");
   const int64_t size = groups * world->size() * kPerRank;
@@ -189,7 +189,8 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
   shardtorch::ft::Manager manager(world, *task.root, *opt,
                                   shardtorch::ft::ManagerOptions()
                                       .timeout(std::chrono::milliseconds(timeout_ms))
-                                      .quorum_timeout(std::chrono::milliseconds(quorum_timeout_ms)));
+                                      .quorum_timeout(std::chrono::milliseconds(quorum_timeout_ms))
+                                      .prefetch_quorum(prefetch_quorum));
   const std::string group = manager.replica_group();
   const int64_t group_index = std::stoll(group);
   shardtorch::ft::ReplicaSampler sampler(size, groups, group_index, world->rank(), world->size(), kBatch);
@@ -388,7 +389,7 @@ int main(int argc, char** argv) {
     int64_t steps = 60, groups = 3;
     int kill_rank = 0, ranks = 1, step_ms = 0, timeout_ms = 30000, quorum_timeout_ms = 60000;
     std::string dir = ".", kill, strategy = "no_shard";
-    bool ref = false, no_ft = false;
+    bool ref = false, no_ft = false, prefetch_quorum = false;
     po::options_description desc("options");
     desc.add_options()("help", "this text")("steps", cli::number_option(steps, "--steps"), "steps to commit")(
         "groups", cli::number_option(groups, "--groups"), "replica groups (the data set is split among them)")(
@@ -400,6 +401,7 @@ int main(int argc, char** argv) {
         "timeout-ms", cli::number_option(timeout_ms, "--timeout-ms"), "ManagerOptions::timeout")(
         "quorum-timeout-ms", cli::number_option(quorum_timeout_ms, "--quorum-timeout-ms"),
         "ManagerOptions::quorum_timeout")(
+        "prefetch-quorum", po::bool_switch(&prefetch_quorum), "ManagerOptions::prefetch_quorum")(
         "reference", po::bool_switch(&ref), "replay the logs in one process and compare")(
         "no-ft", po::bool_switch(&no_ft), "the same training without fault tolerance: one World, rank r as group r")(
         "hidden", cli::number_option(g_hidden, "--hidden"), "width of the MLP's hidden layers")(
@@ -411,7 +413,8 @@ int main(int argc, char** argv) {
       return 0;
     if (ref) return reference(groups, ranks, dir);
     if (no_ft) return train_without_ft(steps, groups);
-    return train(steps, groups, dir, kill, kill_rank, strategy, step_ms, timeout_ms, quorum_timeout_ms);
+    return train(steps, groups, dir, kill, kill_rank, strategy, step_ms, timeout_ms, quorum_timeout_ms,
+                 prefetch_quorum);
   } catch (...) {
     return cli::report_error("ft_train");
   }

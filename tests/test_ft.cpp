@@ -75,6 +75,9 @@ class Lighthouse {
     ::waitpid(pid_, nullptr, 0);
   }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  // SIGSTOP: it keeps its connections but answers nothing until resume().
+  void pause() const { ::kill(pid_, SIGSTOP); }
+  void resume() const { ::kill(pid_, SIGCONT); }
 
  private:
   int port_;
@@ -156,7 +159,8 @@ std::shared_ptr<World> group_world(World& all, int ranks) {
 
 std::map<std::string, at::Tensor> train_group(World& all, int ranks, shardtorch::Strategy strategy, int steps,
                                               const std::string& lighthouse, std::vector<std::string>* counted,
-                                              int64_t hidden_for_group1 = 8, int* rebuilt = nullptr) {
+                                              int64_t hidden_for_group1 = 8, int* rebuilt = nullptr,
+                                              bool prefetch = false) {
   auto world = group_world(all, ranks);
   const int g = all.rank() / ranks;
   at::manual_seed(0);
@@ -164,7 +168,8 @@ std::map<std::string, at::Tensor> train_group(World& all, int ranks, shardtorch:
   shardtorch::shard(*model, world, shardtorch::ShardOptions().strategy(strategy));
   auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
   shardtorch::ft::Manager m(world, *model, *opt,
-                            shardtorch::ft::ManagerOptions().lighthouse(lighthouse).replica_group(std::to_string(g)).log(false));
+                            shardtorch::ft::ManagerOptions().lighthouse(lighthouse).replica_group(std::to_string(g)).log(false)
+                                .prefetch_quorum(prefetch));
   while (m.step() < steps) {
     m.start_step();
     auto x = batch_x(g, world->rank(), m.step());
@@ -206,12 +211,12 @@ std::map<std::string, at::Tensor> reference(int ranks, const std::vector<std::st
   return out;
 }
 
-void two_groups_train_like_one_process(int ranks, shardtorch::Strategy strategy) {
+void two_groups_train_like_one_process(int ranks, shardtorch::Strategy strategy, bool prefetch = false) {
   Lighthouse lh(2);
   auto r = shardtorch::testing::run_ranks(2 * ranks, [&](World& all) {
     std::vector<std::string> counted;
     int rebuilt = 0;
-    auto got = train_group(all, ranks, strategy, 6, lh.address(), &counted, 8, &rebuilt);
+    auto got = train_group(all, ranks, strategy, 6, lh.address(), &counted, 8, &rebuilt, prefetch);
     // Step 0 counts one group (the other starts from its weights); later steps both.
     if (counted.size() != 6u || counted[0].size() != 1 || counted[5] != "01")
       throw std::runtime_error("counted groups per step: " + c10::Join(",", counted));
@@ -236,6 +241,10 @@ TEST(FtManager, TwoNoShardGroupsTrainLikeOneProcess) {
 
 TEST(FtManager, TwoNoShardGroupsOfTwoRanksTrainLikeOneProcess) {
   two_groups_train_like_one_process(2, shardtorch::Strategy::NoShard);
+}
+
+TEST(FtManager, TwoNoShardGroupsOfTwoRanksTrainLikeOneProcessWithThePrefetchedQuorum) {
+  two_groups_train_like_one_process(2, shardtorch::Strategy::NoShard, /*prefetch=*/true);
 }
 
 TEST(FtManager, TwoFullShardGroupsOfTwoRanksTrainLikeOneProcess) {
@@ -309,6 +318,79 @@ TEST(FtManager, RestartedGroupWithNoLiveStateFailsInsteadOfTrainingFromScratch) 
     if (s.error.find("was restarted and none has committed a step") == std::string::npos)
       throw std::runtime_error("unexpected error: " + s.error);
     if (s.step != 0) throw std::runtime_error("the step count moved");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// One step of a manager's loop; returns should_commit()'s answer.
+bool one_step(shardtorch::ft::Manager& m, Net& model, shardtorch::ShardedOptimizer& opt, int64_t group, int rank) {
+  m.start_step();
+  opt.zero_grad();
+  model->forward(batch_x(group, rank, m.step() % 50)).pow(2).mean().backward();
+  const bool committed = m.should_commit();
+  if (committed) opt.step();
+  return committed;
+}
+
+TEST(FtManager, NextQuorumAskedForBeforeSetStepIsAskedForAgain) {
+  // should_commit() asks for the next step's quorum at once. Group 0 then
+  // moves its step to 100: the lighthouse must learn of it in the very next
+  // step, where group 1 (at step 3) is healed from group 0.
+  Lighthouse lh(2);
+  auto r = shardtorch::testing::run_ranks(2, [&](World& all) {
+    auto world = group_world(all, 1);
+    const int g = all.rank();
+    at::manual_seed(0);
+    Net model(8);
+    shardtorch::shard(*model, world, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
+    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+    shardtorch::ft::Manager m(world, *model, *opt,
+                              shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group(std::to_string(g))
+                                  .log(false).timeout(5s).quorum_timeout(10s).prefetch_quorum(true));
+    for (int i = 0; i < 3; ++i)
+      if (!one_step(m, model, *opt, g, 0)) throw std::runtime_error("step " + std::to_string(i) + " not committed");
+    if (g == 0) {
+      m.set_step(100);
+      one_step(m, model, *opt, g, 0);
+      const auto& rep = m.last_step();
+      if (!rep.committed || rep.step != 100 || rep.healed != std::vector<std::string>{"1"})
+        throw std::runtime_error("the step after set_step(100) was step " + std::to_string(rep.step) + ", healed " +
+                                 c10::Join(",", rep.healed) + ": the lighthouse got the old step");
+    } else {
+      // Its next step may fail (group 0 dropped the quorum it had asked for); then it is healed.
+      for (int i = 0; i < 4 && m.step() < 100; ++i) one_step(m, model, *opt, g, 0);
+      if (m.step() != 101) throw std::runtime_error("group 1 is at step " + std::to_string(m.step()) + ", not 101");
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(FtManager, DestructorReturnsAtOnceWhileTheNextQuorumIsUnanswered) {
+  // After a commit the next step's quorum is in flight; a lighthouse that
+  // stopped answering must not hold the program's exit for the quorum timeout.
+  Lighthouse lh(1);
+  auto r = shardtorch::testing::run_ranks(1, [&](World& w) {
+    at::manual_seed(0);
+    Net model(8);
+    shardtorch::shard(*model, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
+    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+    std::chrono::steady_clock::time_point t0;
+    {
+      shardtorch::ft::Manager m(w.shared_from_this(), *model, *opt,
+                                shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group("0").log(false)
+                                    .quorum_timeout(30s).prefetch_quorum(true));
+      m.start_step();
+      opt->zero_grad();
+      model->forward(batch_x(0, 0, 0)).pow(2).mean().backward();  // this step's quorum is answered here
+      lh.pause();
+      if (!m.should_commit()) throw std::runtime_error("step 0 not committed");
+      t0 = std::chrono::steady_clock::now();
+    }
+    const auto took = std::chrono::steady_clock::now() - t0;
+    lh.resume();
+    if (took > 5s)
+      throw std::runtime_error("~Manager took " +
+                               std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) + " ms");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -215,6 +215,8 @@ class Runner:
                     common += ["--step-ms", str(step_ms)]
                 if kill and g == groups - 1:
                     common += ["--kill", f"0@{kill}"]
+                if lib == "shardtorch" and a.prefetch_quorum:
+                    common += ["--prefetch-quorum"]
                 if lib == "shardtorch":
                     env = dict(self.env, SHARDTORCH_FT_LIGHTHOUSE=f"127.0.0.1:{port}",
                                SHARDTORCH_FT_REPLICA_GROUP=str(g))
@@ -397,6 +399,8 @@ def main():
                     help="sleep after each step in the failure runs, so that the survivors are still training "
                          "when the killed group comes back")
     ap.add_argument("--no-failure", action="store_true")
+    ap.add_argument("--prefetch-quorum", action="store_true",
+                    help="shardtorch's groups run with ManagerOptions::prefetch_quorum (ft_train --prefetch-quorum)")
     ap.add_argument("--quiet-torchft", type=int, default=1,
                     help="1: RUST_LOG=warn for torchft's groups (its manager logs every quorum at INFO otherwise)")
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds per run")

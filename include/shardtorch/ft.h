@@ -50,6 +50,12 @@ struct SHARDTORCH_API ManagerOptions {
   /// Log lines (group rank 0, stderr) for every quorum change, heal and
   /// step not committed.
   TORCH_ARG(bool, log) = true;
+  /// Ask for the next step's quorum at the end of should_commit() rather
+  /// than in start_step(), so that the lighthouse's round trip overlaps the
+  /// optimizer step, data loading and forward. Then a group that dies
+  /// between its commit and its next start_step() is in the others' next
+  /// quorum, and that step fails for them (docs/fault_tolerance.md).
+  TORCH_ARG(bool, prefetch_quorum) = false;
 };
 
 /// What the last step did (Manager::last_step()).
@@ -75,11 +81,14 @@ struct SHARDTORCH_API StepReport {
 class SHARDTORCH_API Manager {
  public:
   Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedOptimizer& opt, ManagerOptions options = {});
+  /// Cancels a quorum request in flight rather than wait for the lighthouse.
   ~Manager();
   Manager(const Manager&) = delete;
   Manager& operator=(const Manager&) = delete;
 
-  /// Starts this step's quorum in the background (it overlaps forward).
+  /// Starts this step's quorum in the background (it overlaps forward), or
+  /// takes the one should_commit() asked for (prefetch_quorum); asks again
+  /// if set_step() changed the step since.
   void start_step();
   /// Waits for this step's cross-replica work (quorum, reductions, a heal),
   /// then every rank of the group votes: true, on every rank alike, when
@@ -92,7 +101,7 @@ class SHARDTORCH_API Manager {
   /// of the quorum (a healed group takes its source's).
   int64_t step() const;
   /// Sets the committed step count, after loading a checkpoint (before the
-  /// first start_step()).
+  /// first start_step(), or between steps on every rank of the group).
   void set_step(int64_t step);
   const StepReport& last_step() const;
   /// State of the program's own (a data position...) that a heal carries

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <mutex>
 #include <sstream>
 
 #include "shardtorch/error.h"
@@ -12,6 +13,9 @@ namespace shardtorch::ft::detail {
 struct LighthouseClient::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<torchft::LighthouseService::Stub> stub;
+  std::mutex mu;                        // guards the two below
+  grpc::ClientContext* active = nullptr;  // the quorum call in flight
+  bool cancelled = false;
 };
 
 namespace {
@@ -75,7 +79,16 @@ QuorumReply LighthouseClient::quorum(const Member& me, std::chrono::milliseconds
   // Waits for the channel to connect (within the deadline) instead of failing
   // at once while the lighthouse is still starting.
   ctx.set_wait_for_ready(true);
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    check(!impl_->cancelled, "shardtorch::ft: replica '", me.replica_id, "': the quorum request was cancelled");
+    impl_->active = &ctx;
+  }
   const grpc::Status s = impl_->stub->Quorum(&ctx, req, &resp);
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->active = nullptr;
+  }
   check(s.ok(), "shardtorch::ft: replica '", me.replica_id, "' got no quorum from the lighthouse at ",
                    address_, " within ", timeout.count(), " ms (", describe(s),
                    "). Check that torchft_lighthouse runs there and that --min_replicas replica groups are up; "
@@ -85,6 +98,17 @@ QuorumReply LighthouseClient::quorum(const Member& me, std::chrono::milliseconds
   for (const auto& p : resp.quorum().participants())
     out.participants.push_back({p.replica_id(), p.address(), p.store_address(), p.step(), p.world_size(), p.data()});
   return out;
+}
+
+void LighthouseClient::cancel_quorum() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->cancelled = true;
+  if (impl_->active) impl_->active->TryCancel();
+}
+
+void LighthouseClient::allow_quorum() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->cancelled = false;
 }
 
 void LighthouseClient::heartbeat(const std::string& replica_id, std::chrono::milliseconds timeout) {

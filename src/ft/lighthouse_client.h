@@ -31,8 +31,13 @@ class LighthouseClient {
   ~LighthouseClient();
   const std::string& address() const { return address_; }
   /// Joins the next quorum and waits for it, at most `timeout`. Throws
-  /// shardtorch::Error naming the lighthouse on a failure or a timeout.
+  /// shardtorch::Error naming the lighthouse on a failure or a timeout, and
+  /// after cancel_quorum().
   QuorumReply quorum(const Member& me, std::chrono::milliseconds timeout);
+  /// Ends the quorum() call in flight on another thread, if any, and makes
+  /// every later one throw at once until allow_quorum(). Thread-safe.
+  void cancel_quorum();
+  void allow_quorum();
   /// Tells the lighthouse this replica is alive; throws like quorum().
   void heartbeat(const std::string& replica_id, std::chrono::milliseconds timeout);
 

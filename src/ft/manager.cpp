@@ -1,4 +1,5 @@
-// The fault-tolerance manager: per step a quorum from torchft's lighthouse,
+// The fault-tolerance manager: per step a quorum from torchft's lighthouse
+// (asked for by a worker thread of the manager's own),
 // cross-replica process groups rebuilt when it changes, gradients averaged
 // through a communication hook that never throws, heals by send/recv from a
 // live peer, and a vote inside the replica group. The state machine is in
@@ -17,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -106,6 +108,12 @@ struct Participant {
   int64_t broken = 0;
 };
 
+// What a quorum request tells the lighthouse that can change between steps,
+// taken when the request is made (the worker thread reads no live field).
+struct Ask {
+  int64_t round = 0, step = 0, broken = 0;
+};
+
 // One step's quorum as this rank sees it.
 struct Quorum {
   int64_t id = 0;
@@ -158,7 +166,9 @@ struct Manager::Impl {
   // The cross-replica group of this rank (rank k of every participating group).
   c10::intrusive_ptr<c10d::Backend> pg;
   std::string pg_config;
-  std::shared_future<Quorum> quorum;
+  std::shared_future<Quorum> quorum;  // this step's, or the next step's requested after a commit
+  Ask asked;                          // what `quorum` was requested with
+  bool prefetched = false;            // `quorum` was requested by should_commit() for the next step
   std::mutex step_mu;
   std::string step_error;  // the first failure of this step's cross-replica work
 
@@ -182,40 +192,96 @@ struct Manager::Impl {
     std::cerr << "[shardtorch-ft " << stamp << "] group " << group << ": " << line << std::endl;
   }
 
-  // ---- the quorum (runs on a thread of its own, one per step)
+  // ---- the quorum: one request at a time, run by a worker thread of the
+  // manager's own (requests are rounds, numbered alike on every rank)
 
-  std::string data_json() const {
-    return json::serialize(json::object{{"group", group}, {"model", model}, {"restarted", restarted},
-                                        {"broken", broken}});
+  std::thread worker;
+  std::mutex worker_mu;
+  std::condition_variable worker_cv;
+  std::optional<std::pair<Ask, std::promise<Quorum>>> job;  // guarded by worker_mu
+  bool worker_stop = false;                                  // guarded by worker_mu
+  std::atomic<bool> cancelled{false};  // the request in flight is abandoned: end its waits
+  int64_t posted = -1;                 // group rank 0: the last round whose answer is in the group's store
+
+  void worker_loop() {
+    std::unique_lock<std::mutex> lock(worker_mu);
+    while (true) {
+      worker_cv.wait(lock, [this] { return worker_stop || job.has_value(); });
+      if (worker_stop) return;
+      auto [ask, done] = std::move(*job);
+      job.reset();
+      lock.unlock();
+      try {
+        done.set_value(run_quorum(ask));
+      } catch (...) {
+        done.set_exception(std::current_exception());  // rethrown where the quorum is waited for, as before
+      }
+      lock.lock();
+    }
   }
 
-  detail::QuorumReply ask_lighthouse() {
-    Member me{replica_id, store_address, store_address, step, static_cast<uint64_t>(world->size()), data_json()};
+  // Hands a request to the worker; `quorum` becomes its answer.
+  void request_quorum(bool prefetch) {
+    asked = Ask{round++, step, broken};
+    prefetched = prefetch;
+    std::promise<Quorum> done;
+    quorum = done.get_future().share();
+    {
+      std::lock_guard<std::mutex> lock(worker_mu);
+      job.emplace(asked, std::move(done));
+    }
+    worker_cv.notify_one();
+  }
+
+  // Ends the request in flight (its gRPC call, its wait for group rank 0's
+  // answer) and waits for the worker to finish it.
+  void abandon_quorum() {
+    if (!quorum.valid()) return;
+    cancelled = true;
+    if (lighthouse) lighthouse->cancel_quorum();
+    quorum.wait();  // bounded: the cancelled waits end at once
+    quorum = {};
+    cancelled = false;
+    if (lighthouse) lighthouse->allow_quorum();
+  }
+
+  std::string data_json(const Ask& ask) const {
+    return json::serialize(json::object{{"group", group}, {"model", model}, {"restarted", restarted},
+                                        {"broken", ask.broken}});
+  }
+
+  detail::QuorumReply ask_lighthouse(const Ask& ask) {
+    Member me{replica_id, store_address, store_address, ask.step, static_cast<uint64_t>(world->size()),
+              data_json(ask)};
     return lighthouse->quorum(me, options.quorum_timeout());
   }
 
-  // Group rank 0 asks the lighthouse and hands the answer to the group
-  // through the group's store; the others wait for it there.
-  std::string group_quorum_text(int64_t r) {
-    const std::string key = key_prefix + "round/" + std::to_string(r);
+  // Group rank 0 asks the lighthouse and, when the group has other ranks,
+  // hands the answer to them through the group's store; they wait for it there.
+  std::string group_quorum_text(const Ask& ask) {
+    const std::string key = key_prefix + "round/" + std::to_string(ask.round);
     auto& store = *world->store();
     if (world->rank() == 0) {
       std::string text;
       try {
-        text = encode(ask_lighthouse());
+        text = encode(ask_lighthouse(ask));
       } catch (const std::exception& e) {
         text = json::serialize(json::object{{"error", e.what()}});
       }
+      if (world->size() == 1 || cancelled) return text;  // nobody reads it
       store.set(key, std::vector<uint8_t>(text.begin(), text.end()));
-      // Every rank read the previous round's answer before the previous vote,
-      // which this rank has passed: drop it, or the store grows every step.
-      if (r > 0) store.deleteKey(key_prefix + "round/" + std::to_string(r - 1));
+      // Every rank read the previous posted answer before the vote that
+      // followed it, which this rank has passed: drop it, or the store grows
+      // every step.
+      if (posted >= 0) store.deleteKey(key_prefix + "round/" + std::to_string(posted));
+      posted = ask.round;
       return text;
     }
     // Polled, not store.wait(): a blocking wait would hold the store client's
     // lock and stall the training thread's own use of the store.
     const auto deadline = Clock::now() + options.quorum_timeout() + std::chrono::seconds(5);
     while (!store.check({key})) {
+      if (cancelled) return json::serialize(json::object{{"error", "cancelled"}});
       if (Clock::now() > deadline)
         return json::serialize(json::object{
             {"error", "rank " + std::to_string(world->rank()) + " of replica group '" + group +
@@ -226,11 +292,11 @@ struct Manager::Impl {
     return std::string(v.begin(), v.end());
   }
 
-  Quorum compute(int64_t r) {
+  Quorum compute(const Ask& ask) {
     Quorum q;
     json::object o;
     try {
-      o = json::parse(group_quorum_text(r)).as_object();
+      o = json::parse(group_quorum_text(ask)).as_object();
     } catch (const std::exception& e) {
       q.error = std::string("malformed quorum: ") + e.what();
       return q;
@@ -340,9 +406,9 @@ struct Manager::Impl {
     pg_config = q.config;
   }
 
-  Quorum run_quorum(int64_t r) {
-    Quorum q = compute(r);
-    if (!q.error.empty()) return q;
+  Quorum run_quorum(const Ask& ask) {
+    Quorum q = compute(ask);
+    if (!q.error.empty() || cancelled) return q;
     try {
       configure(q);
     } catch (const std::exception& e) {
@@ -618,13 +684,22 @@ Manager::Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedO
   auto ids = m.world->comm().all_gather_strings(m.replica_id, "shardtorch::ft replica id");
   m.replica_id = ids[0];
   sharded_model(root).register_comm_hook(std::make_unique<FtHook>(&m, sharded_model(root).comm_hook_group()));
+  m.worker = std::thread([&m] { m.worker_loop(); });
   m.log("replica " + m.replica_id + " (" + m.model + ")" + (m.restarted ? ", restarted" : "") + ", lighthouse " +
         (m.world->rank() == 0 ? m.lighthouse->address() : std::string("-")));
 }
 
 Manager::~Manager() {
   Impl& m = *impl_;
-  if (m.quorum.valid()) m.quorum.wait();
+  // A request in flight (the next step's, asked for by the last
+  // should_commit()) is cancelled, not waited for: it may never be answered.
+  m.abandon_quorum();
+  {
+    std::lock_guard<std::mutex> lock(m.worker_mu);
+    m.worker_stop = true;
+  }
+  m.worker_cv.notify_all();
+  if (m.worker.joinable()) m.worker.join();
   {
     std::lock_guard<std::mutex> lock(m.hb_mu);
     m.stopping = true;
@@ -642,8 +717,21 @@ void Manager::start_step() {
     std::lock_guard<std::mutex> lock(m.step_mu);
     m.step_error.clear();
   }
-  const int64_t r = m.round++;
-  m.quorum = std::async(std::launch::async, [&m, r] { return m.run_quorum(r); }).share();
+  if (m.prefetched && m.quorum.valid()) {
+    m.prefetched = false;
+    if (m.asked.step == m.step && m.asked.broken == m.broken) return;  // what start_step() would ask
+    // set_step() moved the step after the request went out: a quorum with
+    // the old step may already have reached the other groups, which would
+    // then wait for this rank in their all-reduce. Drop the cross-replica
+    // group, so that they fail at once, and ask again.
+    m.abandon_quorum();
+    if (m.pg) {
+      m.pg.reset();
+      m.pg_config.clear();
+      ++m.broken;
+    }
+  }
+  m.request_quorum(/*prefetch=*/false);
 }
 
 bool Manager::should_commit() {
@@ -686,10 +774,14 @@ bool Manager::should_commit() {
     ++m.broken;
   }
   rep.step = m.step;  // a healed group's is its source's
-  // The vote: every rank of the group, inside the group (its own world).
-  at::Tensor ok = at::full({1}, error.empty() ? 1 : 0, at::kInt);
-  m.world->comm().all_reduce(ok, c10d::ReduceOp::MIN, "shardtorch::ft vote");
-  rep.committed = ok.item<int>() == 1;
+  // The vote: every rank of the group, inside the group (its own world); a
+  // group of one rank decides alone.
+  rep.committed = error.empty();
+  if (m.world->size() > 1) {
+    at::Tensor ok = at::full({1}, error.empty() ? 1 : 0, at::kInt);
+    m.world->comm().all_reduce(ok, c10d::ReduceOp::MIN, "shardtorch::ft vote");
+    rep.committed = ok.item<int>() == 1;
+  }
   if (rep.committed) {
     ++m.step;
   } else {
@@ -700,6 +792,10 @@ bool Manager::should_commit() {
     m.log("quorum " + std::to_string(q.id) + ": " + join(rep.counted) + " counted" +
           (rep.healed.empty() ? "" : ", " + join(rep.healed) + " healed") + " at step " + std::to_string(rep.step));
   m.report = rep;
+  // The next step's quorum, asked for now with what start_step() would send
+  // (the step and failure count are final here): it runs during the
+  // optimizer step, the data loading and the next forward.
+  if (m.options.prefetch_quorum()) m.request_quorum(/*prefetch=*/true);
   return rep.committed;
 }
 
