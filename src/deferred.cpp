@@ -545,6 +545,36 @@ void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vect
   }
 }
 
+void materialize_into(const at::Tensor& t, const std::string& name, const at::Tensor& dst, int rank) {
+  SHARDTORCH_CHECK(!tls_session, "shardtorch: ", rank >= 0 ? "rank " + std::to_string(rank) + ": " : rank_text(),
+              "deferred tensors cannot be materialised (shard(), materialize()) while a shardtorch::DeferredInit "
+              "lives on this thread; end the guard's scope first");
+  auto* m = meta_of(t);
+  SHARDTORCH_CHECK(m, "shardtorch: materialize_into: '", name, "' is not deferred");
+  SHARDTORCH_CHECK(dst.sizes() == t.sizes() && dst.scalar_type() == t.scalar_type() && dst.is_contiguous(),
+              "shardtorch: materialize_into: '", name, "': the destination does not match the tensor");
+  std::shared_ptr<DeferredSession> s = m->session;  // alive while we work
+  const int64_t id = m->id;
+  bool zeros = false;
+  {
+    std::lock_guard<std::recursive_mutex> lock(s->mu);
+    if (!name.empty() && s->fakes[id].name.empty()) s->fakes[id].name = name;
+    zeros = s->fakes[id].zeros;
+  }
+  {
+    c10::NoGradGuard no_grad;
+    if (zeros) {
+      dst.zero_();
+    } else {
+      at::Tensor v = s->replay({id}).at(id);
+      dst.copy_(v);
+    }
+  }
+  auto* impl = t.unsafeGetTensorImpl();
+  impl->shallow_copy_from(dst.getIntrusivePtr());
+  impl->set_backend_meta(nullptr);
+}
+
 }  // namespace detail
 
 struct DeferredInit::KeyGuard {

@@ -2,6 +2,7 @@
 #include "check.h"
 
 #include "storage_access.h"
+#include "shardtorch/deferred.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
@@ -59,28 +60,34 @@ std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
 }  // namespace
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, int world_size, int rank,
-                     MemoryTracker* mem, bool persistent)
+                     MemoryTracker* mem, bool persistent, std::optional<c10::Device> device)
     : params_(std::move(params)), names_(std::move(names)), rank_(rank), mem_(mem), persistent_(persistent) {
   SHARDTORCH_CHECK(!params_.empty(), "FlatParam: no parameters");
   dtype_ = params_[0].scalar_type();
   reduce_dtype_ = dtype_;
   requires_grad_ = params_[0].requires_grad();
+  // A deferred parameter is on the meta device until it is given values here.
+  auto device_of = [&](const at::Tensor& p) { return device && is_deferred(p) ? *device : p.device(); };
+  const c10::Device target = device.value_or(device_of(params_[0]));
   std::vector<std::vector<int64_t>> shapes;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
-    SHARDTORCH_CHECK(p.scalar_type() == dtype_ && p.device() == params_[0].device() &&
-                    p.requires_grad() == requires_grad_,
-                "FlatParam: parameter '", names_[i], "' (", p.scalar_type(), ", ", p.device(),
+    SHARDTORCH_CHECK(p.scalar_type() == dtype_ && device_of(p) == target && p.requires_grad() == requires_grad_,
+                "FlatParam: parameter '", names_[i], "' (", p.scalar_type(), ", ", device_of(p),
                 ") does not match '", names_[0], "'");
     shapes.push_back(p.sizes().vec());
   }
   layout_ = FlatParamLayout(std::move(shapes), world_size);
   access_error_ = "shardtorch: the parameters of " + describe() + " are sharded: their memory is freed";
   c10::NoGradGuard no_grad;
-  full_ = at::zeros({layout_.padded_numel()}, params_[0].options().requires_grad(false));
+  full_ = at::zeros({layout_.padded_numel()}, params_[0].options().device(target).requires_grad(false));
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    full_.narrow(0, layout_.offset(i), layout_.numel(i)).copy_(p.detach().reshape({-1}));
+    at::Tensor dst = full_.narrow(0, layout_.offset(i), layout_.numel(i));
+    if (is_deferred(p))
+      detail::materialize_into(p, names_[i], dst.view(layout_.shape(i)), rank_);
+    else
+      dst.copy_(p.detach().reshape({-1}));
     p.set_(full_.storage(), layout_.offset(i), layout_.shape(i), contiguous_strides(layout_.shape(i)));
   }
   gathered_ = true;

@@ -19,9 +19,13 @@ namespace shardtorch {
 class FlatParam {
  public:
   /// `persistent`: the full buffer is never freed (ZeRO-1/2) and the shard is
-  /// a view of this rank's slice of it.
+  /// a view of this rank's slice of it. `device`: where the full buffer is
+  /// made (default: the first parameter's device); required when parameters
+  /// are deferred (shardtorch/deferred.h): each is then given its values
+  /// straight into the full buffer, one at a time, so that no more than the
+  /// buffer and one parameter's replayed values exist at once.
   FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, int world_size, int rank,
-            MemoryTracker* mem, bool persistent = false);
+            MemoryTracker* mem, bool persistent = false, std::optional<c10::Device> device = std::nullopt);
   ~FlatParam();
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;

@@ -187,15 +187,57 @@ void add_peaks(Transients& t, const PlanOptions& plan, int shard_size, MemoryPla
 }
 }  // namespace
 
+// startup_deferred and startup_eager (plan.h): shard() makes the units in
+// order; while it makes unit u a rank holds what the units before u keep,
+// u's full buffers (sharded strategies; the casts under mixed precision) and
+// its shard, and, eagerly constructed, the parameters of u and every later unit.
+void add_startup(const std::vector<UnitSpec>& units, const PlanOptions& plan, int shard_size, MemoryPlan& out) {
+  const ShardOptions& o = plan.options;
+  const Precision p{o.mixed_precision()};
+  const bool keeps_full = o.strategy() == Strategy::NoShard || o.strategy() == Strategy::ShardGradOp ||
+                          o.strategy() == Strategy::OptimizerOnly;  // the full buffers are in the categories
+  std::vector<int64_t> constructed, kept, full;
+  for (const auto& u : units) {
+    MemoryPlan one;
+    if (o.strategy() == Strategy::NoShard) plan_replicated({u}, plan, one);
+    else tally_units({u}, plan, shard_size, one);
+    int64_t c = 0, f = 0;
+    for (const auto& fs : u.flats) {
+      const int64_t padded = (fs.numel + shard_size - 1) / shard_size * shard_size;
+      c += fs.numel * esize(fs.dtype);
+      if (keeps_full) continue;
+      f += padded * esize(fs.dtype);
+      if (p.compute(fs.dtype) != fs.dtype) f += padded * esize(p.compute(fs.dtype));  // set_mixed_precision's cast
+    }
+    constructed.push_back(c);
+    kept.push_back(one.of(Mem::ShardedParams) + one.of(Mem::ReplicatedParams) + one.of(Mem::HostParams));
+    full.push_back(f);
+  }
+  if (o.strategy() == Strategy::NoShard) {  // the parameters stay where they were made
+    out.startup_deferred = out.startup_eager = out.of(Mem::ReplicatedParams);
+    return;
+  }
+  int64_t later = 0;
+  for (int64_t c : constructed) later += c;
+  int64_t before = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    out.startup_deferred = std::max(out.startup_deferred, before + full[u] + kept[u]);
+    out.startup_eager = std::max(out.startup_eager, later + before + full[u] + kept[u]);
+    later -= constructed[u];
+    before += kept[u];
+  }
+}
+
 MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& plan) {
   const int shard_size = checked_shard_size(plan);
   MemoryPlan out;
   if (plan.options.strategy() == Strategy::NoShard) {
     plan_replicated(units, plan, out);
-    return out;
+  } else {
+    Transients t = tally_units(units, plan, shard_size, out);
+    add_peaks(t, plan, shard_size, out);
   }
-  Transients t = tally_units(units, plan, shard_size, out);
-  add_peaks(t, plan, shard_size, out);
+  add_startup(units, plan, shard_size, out);
   return out;
 }
 

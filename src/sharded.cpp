@@ -524,9 +524,9 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
     bool is_root = root_is_unit && u == 0;
     auto unit = std::make_shared<detail::Unit>(state, units[u].name, static_cast<int>(u), is_root,
                                                options.reshard_after_forward_of(units[u].name), persistent);
-    // A deferred unit is made whole here, sliced by its FlatParams below and
-    // freed: one unit in full at a time.
-    materialize_params(found.params, static_cast<int>(u), comm_device, world.rank());
+    // A deferred unit is made whole here, each parameter given its values
+    // straight into its flat parameter's full buffer (FlatParam), sliced and
+    // freed: one unit in full at a time, plus one parameter being replayed.
     for (auto& members : flat_groups(found.params, static_cast<int>(u), {}, keep)) {
       const at::ScalarType dtype = members.front()->tensor.scalar_type();
       const bool kept = keep.count(members.front()->tensor.unsafeGetTensorImpl()) > 0;
@@ -537,7 +537,7 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
         names.push_back(p->name);
       }
       auto flat = std::make_unique<FlatParam>(std::move(ts), std::move(names), shard_size, shard_comm.rank(),
-                                              &state->mem(), persistent);
+                                              &state->mem(), persistent, comm_device);
       if (options.sync_module_states() && world.size() > 1) {
         world.comm().broadcast(flat->full(), 0, "parameters of unit '" + unit->label() + "' at shard()");
         flat->write_back_shard();

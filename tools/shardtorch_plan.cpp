@@ -47,7 +47,7 @@ struct Args {
   gpt::Config cfg;
   int world = 8, hybrid = 0, states = 2;
   std::string strategy, fit, reserve = "0", optimizer = "adamw";
-  bool bf16 = false, offload = false, accumulate = false, by_category = false;
+  bool bf16 = false, offload = false, accumulate = false, by_category = false, startup = false;
   double bucket_mb = 25;
 };
 
@@ -92,7 +92,9 @@ po::options_description options_for_args(Args& a) {
       ("fit", po::value(&a.fit), "also find the most layers whose device peak fits this per rank (e.g. 80GiB)")
       ("reserve", po::value(&a.reserve)->default_value(a.reserve),
        "with --fit: memory kept back per rank for what the planner does not predict (activations, workspace), e.g. 6GiB")
-      ("by-category", po::bool_switch(&a.by_category), "also print every memory category of each strategy's plan");
+      ("by-category", po::bool_switch(&a.by_category), "also print every memory category of each strategy's plan")
+      ("startup", po::bool_switch(&a.startup),
+       "also print each strategy's peak during construct + shard() + load, deferred and eager (MemoryPlan::startup_*)");
   return desc;
 }
 
@@ -149,6 +151,14 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
                 gib(p.host()).c_str());
   }
   if (a.by_category) std::printf("%s", reports.c_str());
+  if (!a.startup) return;
+  std::printf("\nconstruct + shard() + load, per rank, GiB: the library's parameters and full flat buffers at their "
+              "peak (docs/scale.md)\n%-15s %10s %10s\n", "strategy", "deferred", "eager");
+  for (Strategy s : strategies) {
+    auto p = shardtorch::plan_memory(units, options_for(a, s));
+    std::printf("%-15s %10s %10s\n", shardtorch::strategy_name(s), gib(p.startup_deferred).c_str(),
+                gib(p.startup_eager).c_str());
+  }
 }
 
 // --fit: the most layers whose device peak fits `budget` per rank, per strategy.

@@ -128,6 +128,11 @@ namespace detail {
 /// Non-deferred tensors are skipped. `rank` names the rank in errors (-1: none).
 SHARDTORCH_API void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vector<std::string>& names,
                          std::optional<c10::Device> device, int rank);
+/// shard()'s entry for one deferred tensor `t` (named `name`): writes its
+/// values (replayed, or zeros if skip_deferred_init marked it) into `dst`
+/// (t's shape and dtype, contiguous, on the target device), and `t` then
+/// shares `dst`'s storage; the replayed copy is freed on return.
+SHARDTORCH_API void materialize_into(const at::Tensor& t, const std::string& name, const at::Tensor& dst, int rank);
 }  // namespace detail
 
 }  // namespace shardtorch

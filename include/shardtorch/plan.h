@@ -75,6 +75,21 @@ struct SHARDTORCH_API MemoryPlan {
   /// Bytes in host memory (offload).
   int64_t host() const;
   int64_t params = 0;  // elements, frozen included, padding excluded
+  /// Construct + shard() + a checkpoint load: the most the library holds at
+  /// once per rank (parameters and full flat buffers; model-state bytes as
+  /// the categories count them). shard() makes the units in order; while it
+  /// makes one, a rank holds what the units before it keep, that unit's full
+  /// flat buffers (in the dtypes the UnitSpec gives, plus their param_dtype
+  /// casts under mixed precision; none under NoShard, ShardGradOp and
+  /// OptimizerOnly, whose full buffers are what they keep) and its shard.
+  /// Deferred construction (shardtorch/deferred.h): that alone, at most the
+  /// parameter categories plus the largest unit's full buffers. Not counted:
+  /// the replayed values of the one parameter being copied in (none after
+  /// skip_deferred_init) and a checkpoint load's buffer for one piece.
+  int64_t startup_deferred = 0;
+  /// The same with eager construction: also the parameters, as constructed,
+  /// of the unit being made and of every later one (NoShard: the model).
+  int64_t startup_eager = 0;
   /// One line per non-empty category, then the totals.
   std::string report() const;
 };
