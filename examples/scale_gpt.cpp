@@ -103,7 +103,7 @@ struct LoraGPTImpl : torch::nn::Module {
       block_list.emplace_back(c, r);
       blocks->push_back(block_list.back());
     }
-    for (auto* m : {tok_emb.ptr().get(), pos_emb.ptr().get(), ln_f.ptr().get()})
+    for (torch::nn::Module* m : std::initializer_list<torch::nn::Module*>{tok_emb.ptr().get(), pos_emb.ptr().get(), ln_f.ptr().get()})
       for (auto& p : m->parameters()) p.set_requires_grad(false);
   }
   torch::Tensor forward(torch::Tensor tokens) {
