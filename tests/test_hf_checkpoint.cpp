@@ -680,6 +680,46 @@ TEST(HfSave, PrefixNameMappingAndDtype) {
   files::remove_all(ck.dir);
 }
 
+// A name mapping that drops whole flat parameters (every unit but one):
+// every rank gathers only the kept unit's flats, in the same order. Before,
+// rank 0 gathered the kept unit at once while the others gathered every
+// unit in order from the first: mismatched all-gathers, an abort in Gloo.
+TEST(HfSave, ANameMappingThatDropsWholeUnitsGathersOnlyTheKeptOnes) {
+  auto ck = make_gpt_checkpoint();
+  const std::string dir = (ck.dir / "one_unit").string();
+  auto r = run_ranks(2, [&](World& w) {
+    gpt::GPT model(gpt::Config{});
+    auto sm = shardtorch::shard(model, w, strategy_options(Strategy::FullShard, 2));
+    shardtorch::load_full_state_dict(*model, ck.full);
+    int64_t flats = 0;
+    for (const auto& u : sm.units())
+      if (u.name == "blocks.1") flats = static_cast<int64_t>(u.layouts.size());
+    require(flats > 0, "no unit 'blocks.1'");
+    auto only_block1 = [](const std::string& n) -> std::optional<std::string> {
+      if (n.rfind("blocks.1.", 0) != 0) return std::nullopt;
+      return n;
+    };
+    const int64_t before = sm.comm_stats().all_gather.calls;
+    shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().map_name(only_block1));
+    const int64_t gathers = sm.comm_stats().all_gather.calls - before;
+    require(gathers == flats, "gathered " + std::to_string(gathers) + " flat parameters, not the kept unit's " +
+                                  std::to_string(flats));
+    if (w.rank() == 0) {
+      int64_t seen = 0;
+      for (const auto& f : files::list_directory(dir))
+        if (f.rfind("model-", 0) == 0)
+          for (const auto& [n, t] : shardtorch::checkpoint::load_file(dir + "/" + f)) {
+            require(n.rfind("blocks.1.", 0) == 0, "name " + n + " was written");
+            require(torch::equal(t, ck.values.at(n)), n + " differs from the model's value");
+            ++seen;
+          }
+      require(seen > 0, "nothing written");
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  files::remove_all(ck.dir);
+}
+
 // Rank 0 failing while it writes a file: every rank throws, and the earlier
 // checkpoint in the directory is as it was (files and values).
 TEST(HfSave, AFailedWriteFailsEveryRankAndKeepsTheEarlierCheckpoint) {

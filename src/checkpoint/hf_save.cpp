@@ -55,8 +55,10 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   checkpoint::StreamedTensors tensors(root, *state, "save_hf_checkpoint", options.tied_once(),
                                       options.include_buffers());
   std::vector<Entry> entries;
+  std::vector<size_t> kept;  // items written: only their flats are gathered
   std::set<std::string> taken;
-  for (const auto& t : tensors.items()) {
+  for (size_t item = 0; item < tensors.items().size(); ++item) {
+    const auto& t = tensors.items()[item];
     std::string name = options.prefix() + t.name;
     if (options.map_name()) {
       auto mapped = options.map_name()(name);
@@ -75,7 +77,9 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
         return v.scalar_type() == out ? v : v.to(out);
       };
     entries.push_back(std::move(e));
+    kept.push_back(item);
   }
+  tensors.keep_only(kept);
 
   // Files in order, each filled until the next tensor would pass the limit
   // (a larger tensor alone in its file), as transformers' save_pretrained.

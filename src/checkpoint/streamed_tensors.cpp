@@ -2,6 +2,7 @@
 
 #include <set>
 
+#include "../check.h"
 #include "../flat_param.h"
 #include "../shard_state.h"
 
@@ -26,11 +27,13 @@ StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& st
       for (size_t i = 0; i < f->params().size(); ++i) {
         const auto& all = names[f->params()[i].unsafeGetTensorImpl()];
         for (size_t j = 0; j < all.size() && (j == 0 || !tied_once); ++j)
-          items_.push_back({all[j], f->dtype(), f->layout().shape(i), [this, k, f, i] {
-                              if (gathered_ != k + 1) gather(k);
+          items_.push_back({all[j], f->dtype(), f->layout().shape(i),
+                            [this, k, f, i] {
+                              if (gathered_ != k + 1) gather_through(k);
                               return current_.narrow(0, f->layout().offset(i), f->layout().numel(i))
                                   .view(f->layout().shape(i));
-                            }});
+                            },
+                            static_cast<int64_t>(k)});
       }
     }
   }
@@ -41,6 +44,21 @@ StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& st
   }
 }
 
+void StreamedTensors::keep_only(const std::vector<size_t>& items) {
+  needed_.assign(flats_.size(), false);
+  for (size_t i : items)
+    if (items_.at(i).flat >= 0) needed_[static_cast<size_t>(items_[i].flat)] = true;
+}
+
+void StreamedTensors::gather_through(size_t k) {
+  // The writer may skip flats (none of their tensors kept): the gathers
+  // still follow the one order every rank's finish() follows.
+  SHARDTORCH_CHECK(k + 1 >= gathered_, "shardtorch: internal: ", purpose_, " went back to an earlier flat parameter");
+  for (size_t j = gathered_; j <= k; ++j)
+    if (needed_.empty() || needed_[j]) gather(j);
+  gathered_ = k + 1;
+}
+
 void StreamedTensors::gather(size_t k) {
   World& world = state_.world();
   FlatParam* f = flats_[k];
@@ -49,11 +67,10 @@ void StreamedTensors::gather(size_t k) {
   current_ = at::empty({f->layout().padded_numel()}, mine.options());
   state_.shard_comm().all_gather_into(current_, mine,
                                       "master parameters of unit '" + labels_[k] + "' for " + purpose_);
-  gathered_ = k + 1;
 }
 
 void StreamedTensors::finish() {
-  for (size_t k = gathered_; k < flats_.size(); ++k) gather(k);
+  if (gathered_ < flats_.size()) gather_through(flats_.size() - 1);
   current_ = at::Tensor();
 }
 

@@ -26,6 +26,7 @@ class StreamedTensors {
     at::ScalarType dtype;
     std::vector<int64_t> shape;
     std::function<at::Tensor()> produce;  // call on rank 0 only, in order
+    int64_t flat = -1;                    // the flat parameter it is part of (-1: none)
   };
   /// Every parameter (a tied one under each name, or its first only with
   /// `tied_once`) in gathering order, then, with `buffers`, every buffer.
@@ -36,17 +37,22 @@ class StreamedTensors {
   StreamedTensors& operator=(const StreamedTensors&) = delete;
 
   const std::vector<Item>& items() const { return items_; }
+  /// Only the flat parameters of these items (indices into items()) are
+  /// gathered: every rank must pass the same list, before any produce().
+  void keep_only(const std::vector<size_t>& items);
   /// The all-gathers not yet made (every rank; after the writer, or its failure).
   void finish();
 
  private:
+  void gather_through(size_t k);  // every needed flat up to k, in order; k's is then current_
   void gather(size_t k);
 
   detail::ShardState& state_;
   std::string purpose_;
   std::vector<FlatParam*> flats_;
   std::vector<std::string> labels_;  // each flat's unit
-  size_t gathered_ = 0;
+  size_t gathered_ = 0;           // flats before this one are gathered or skipped
+  std::vector<bool> needed_;      // per flat
   at::Tensor current_;  // the last gathered flat parameter, full
   std::vector<Item> items_;
 };
