@@ -55,6 +55,29 @@ def rss_of(pid, field="VmRSS"):
     return 0
 
 
+def mem_total():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_for_memory(want, limit_s=120):
+    """Until MemAvailable is at least `want` bytes (the previous run's memory returned), at most limit_s."""
+    t0 = time.time()
+    while mem_available() < want and time.time() - t0 < limit_s:
+        time.sleep(0.2)
+    return mem_available()
+
+
+def read_some(stream):
+    try:
+        return stream.read()
+    except (BlockingIOError, TypeError):  # non-blocking text reads raise either when nothing is there
+        return None
+
+
 def gib(b):
     return f"{b / 2**30:.2f}"
 
@@ -73,16 +96,16 @@ def main():
     cmd = [a.torchrun, "--no-python", "--standalone", "--nproc-per-node", str(a.world), a.exe] + args
     print(" ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # A run killed just before may still be returning its memory.
+    start_avail = wait_for_memory(mem_total() - 3 * 2**30)
+    print(f"MemAvailable at start: {gib(start_avail)} GiB", flush=True)
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True, env=env)
     os.set_blocking(proc.stdout.fileno(), False)
     lines, buf, killed, min_avail = [], "", None, mem_available()
     while True:
-        try:
-            chunk = proc.stdout.read()
-        except (BlockingIOError, TypeError):
-            chunk = None
+        chunk = read_some(proc.stdout)
         if chunk:
             buf += chunk
             *done, buf = buf.split("\n")
@@ -96,10 +119,16 @@ def main():
             killed = {"why": "memory" if avail < a.guard_gib * 2**30 else "timeout", "mem_available": avail,
                       "seconds": time.time() - t0, "rss": sorted((r for _, r in ranks if r > 0), reverse=True)}
             os.killpg(proc.pid, signal.SIGKILL)
+            for p, _ in ranks:  # torchrun may start its workers in sessions of their own
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
             print(f"GUARD: killed the run ({killed['why']}), MemAvailable {gib(avail)} GiB, process RSS (GiB): "
                   + ", ".join(gib(r) for r in killed["rss"][:a.world]), flush=True)
         if proc.poll() is not None:
-            rest = proc.stdout.read() or ""
+            os.set_blocking(proc.stdout.fileno(), True)
+            rest = read_some(proc.stdout) or ""
             for line in (buf + rest).split("\n"):
                 if line:
                     print(line, flush=True)
