@@ -168,6 +168,7 @@ int main(int argc, char** argv) {
     std::string mode = "finetune", init = "deferred", checkpoint, save, stop_after;
     int64_t rank_r = 8, batch = 1, tokens_per_seq = 32;
     int steps = 2;
+    bool bf16 = false;
     boost::program_options::options_description desc("options");
     desc.add_options()("help", "this text")
         ("mode", boost::program_options::value(&mode)->default_value(mode), "finetune|pretrain")
@@ -181,6 +182,7 @@ int main(int argc, char** argv) {
         ("batch", cli::number_option(batch, "--batch"), "sequences per rank per step")
         ("lora-rank", cli::number_option(rank_r, "--lora-rank"), "adapter rank (finetune)")
         ("steps", cli::number_option(steps, "--steps"), "optimizer steps")
+        ("bf16", boost::program_options::bool_switch(&bf16), "pretrain: bf16 mixed precision (fp32 masters and optimizer state)")
         ("checkpoint", boost::program_options::value(&checkpoint), "finetune: the base model in Hugging Face's layout")
         ("save", boost::program_options::value(&save), "where to save (finetune: the adapters; pretrain: a sharded checkpoint)")
         ("stop-after", boost::program_options::value(&stop_after), "construct|shard|load: end after that phase");
@@ -252,9 +254,11 @@ int main(int argc, char** argv) {
       numel += p.numel();
       if (p.requires_grad()) trainable += p.numel();
     }
-    const auto options = shardtorch::ShardOptions()
-                             .strategy(shardtorch::Strategy::FullShard)
-                             .sync_module_states(false);  // every rank makes the same values
+    auto options = shardtorch::ShardOptions()
+                       .strategy(shardtorch::Strategy::FullShard)
+                       .sync_module_states(false);  // every rank makes the same values
+    if (bf16)  // pretrain: fp32 masters and AdamW state, bf16 gathers, compute and gradient reductions
+      options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
     const auto units = shardtorch::unit_specs(*root);
     const auto plan = shardtorch::plan_memory(units, {options, N, finetune ? 2 : 2, false});
     int64_t largest_unit = 0;
