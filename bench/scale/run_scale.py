@@ -16,12 +16,17 @@ import sys
 import time
 
 
-def mem_available():
+def meminfo(field):
+    """A /proc/meminfo field in bytes (0 if absent)."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def mem_available():
+    return meminfo("MemAvailable")
 
 
 def descendants(root):
@@ -52,14 +57,6 @@ def rss_of(pid, field="VmRSS"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
-
-
-def mem_total():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
     return 0
 
 
@@ -97,7 +94,7 @@ def main():
     print(" ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     # A run killed just before may still be returning its memory.
-    start_avail = wait_for_memory(mem_total() - 3 * 2**30)
+    start_avail = wait_for_memory(meminfo("MemTotal") - 3 * 2**30)
     print(f"MemAvailable at start: {gib(start_avail)} GiB", flush=True)
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
