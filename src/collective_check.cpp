@@ -72,13 +72,6 @@ CollectiveContext::Snapshot CollectiveContext::snapshot() const {
   return s;
 }
 
-c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched() {
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return done; });
-  if (error) std::rethrow_exception(error);
-  return work;
-}
-
 void CheckedLaunch::settle(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr e) {
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -97,7 +90,7 @@ struct CheckerShared {
   std::condition_variable cv;
   std::deque<std::shared_ptr<CheckedLaunch>> queue;
   bool stop = false;
-  bool busy = false;
+  bool busy = false;  // an exchange runs, on the checker's thread or on a waiting one
   std::exception_ptr broken;  // after a failed check: the ranks are out of step, every later launch fails alike
 };
 
@@ -131,7 +124,53 @@ std::vector<std::string> gather_texts(c10d::Backend& backend, const std::string&
 
 void check(CheckerShared& s, CheckedLaunch& c);
 
+// Runs the check of `c`, taken off the queue with `busy` set, on this thread.
+// Nothing leaves: the launch's waiter hears of a failure, and every later
+// launch fails alike (the ranks are out of step).
+void run_taken(CheckerShared& s, CheckedLaunch& c, const std::exception_ptr& broken) {
+  if (broken) {
+    c.settle(nullptr, broken);
+  } else {
+    try {
+      check(s, c);
+    } catch (...) {
+      std::exception_ptr e = std::current_exception();
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        s.broken = e;
+      }
+      c.settle(nullptr, e);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.busy = false;
+  }
+  s.cv.notify_all();  // the checker's thread, for what was queued meanwhile
+}
+
+// Runs the check of `c` on this thread when it is next and no exchange runs.
+void take_if_next(CheckerShared& s, CheckedLaunch& c) {
+  std::exception_ptr broken;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.busy || s.queue.empty() || s.queue.front().get() != &c) return;
+    s.queue.pop_front();  // the caller holds `c`
+    broken = s.broken;
+    s.busy = true;
+  }
+  run_taken(s, c, broken);
+}
+
 }  // namespace
+
+c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched() {
+  if (auto s = checker.lock()) take_if_next(*s, *this);
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done; });
+  if (error) std::rethrow_exception(error);
+  return work;
+}
 
 CollectiveChecker::CollectiveChecker(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size)
     : s_(std::make_shared<CheckerShared>()) {
@@ -144,28 +183,14 @@ CollectiveChecker::CollectiveChecker(c10::intrusive_ptr<c10d::Backend> backend, 
       std::exception_ptr broken;
       {
         std::unique_lock<std::mutex> lock(s->mu);
-        s->busy = false;
-        s->cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
+        s->cv.wait(lock, [&] { return !s->busy && (s->stop || !s->queue.empty()); });
         if (s->queue.empty()) return;  // stopping, nothing left
         c = std::move(s->queue.front());
         s->queue.pop_front();
         broken = s->broken;
         s->busy = true;
       }
-      if (broken) {
-        c->settle(nullptr, broken);
-        continue;
-      }
-      try {
-        check(*s, *c);
-      } catch (...) {  // nothing leaves the thread: the launch's waiter hears of it
-        std::exception_ptr e = std::current_exception();
-        {
-          std::lock_guard<std::mutex> lock(s->mu);
-          s->broken = e;
-        }
-        c->settle(nullptr, e);
-      }
+      run_taken(*s, *c, broken);
     }
   });
 }
@@ -194,6 +219,7 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> fi
   c->description = std::move(description);
   c->start = std::move(start);
   c->timeout = timeout;
+  c->checker = s_;
   {
     std::lock_guard<std::mutex> lock(s_->mu);
     s_->queue.push_back(c);

@@ -13,7 +13,8 @@
 // thread never waits for the check (launches stay asynchronous), so
 // communicators whose collectives ranks reach in different orders (the
 // all-gathers and the reduce-scatters of a backward) do not wait on each
-// other.
+// other. A thread that waits for a collective whose check is next in order
+// and not started runs the check itself, saving two thread hand-offs.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -62,7 +63,10 @@ class CollectiveContext {
   std::string inputs_;
 };
 
-/// One collective waiting for its check: filled by the checker's thread.
+struct CheckerShared;  // what the checker's thread uses: it may outlive the checker
+
+/// One collective waiting for its check: filled by the checker's thread, or
+/// by the thread that waits for it when that thread comes first.
 struct CheckedLaunch {
   std::vector<int64_t> fingerprint;
   std::string description;  // in words, for the error
@@ -71,18 +75,19 @@ struct CheckedLaunch {
 
   /// Blocks until the check is done; returns the launched collective, or
   /// throws the check's error (CollectivesDiverged, or the failure of the
-  /// fingerprint exchange or of the launch).
+  /// fingerprint exchange or of the launch). When this launch is next in its
+  /// checker's order and no exchange is running, the calling thread runs the
+  /// check itself (it would wait for it anyway): no thread hand-off.
   c10::intrusive_ptr<c10d::Work> launched();
   void settle(c10::intrusive_ptr<c10d::Work> work, std::exception_ptr error);
 
+  std::weak_ptr<CheckerShared> checker;  // set by submit()
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   c10::intrusive_ptr<c10d::Work> work;
   std::exception_ptr error;
 };
-
-struct CheckerShared;  // what the checker's thread uses: it may outlive the checker
 
 class CollectiveChecker {
  public:
