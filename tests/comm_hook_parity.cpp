@@ -1,7 +1,8 @@
 // The shardtorch side of tests/python/comm_hook_parity.py: NoShard with a
 // built-in communication hook, the weights and batches of that script's
-// formulas, SGD; writes each rank's losses and first reduced gradients.
-//   comm_hook_parity {allreduce|fp16|bf16} OUT_DIR      (under torchrun, 2 ranks)
+// formulas, SGD; writes each rank's losses and first reduced gradients, per
+// hook (a fresh model each) to OUT_DIR/cpp_HOOK_rankR.json.
+//   comm_hook_parity HOOK[,HOOK...] OUT_DIR      (HOOK: allreduce, fp16, bf16; under torchrun, 2 ranks)
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
@@ -10,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -43,16 +45,8 @@ std::string json_list(const torch::Tensor& t) {
   return s.str() + "]";
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::cerr << "usage: comm_hook_parity {allreduce|fp16|bf16} OUT_DIR\n";
-    return 2;
-  }
-  const std::string hook = argv[1], out_dir = argv[2];
-  torch::set_num_threads(1);
-  auto world = shardtorch::World::from_env();
+// Trains a fresh model with `hook`; false for an unknown hook name.
+bool train(const std::shared_ptr<shardtorch::World>& world, const std::string& hook, const std::string& out_dir) {
   Net net;
   {
     torch::NoGradGuard no_grad;
@@ -74,7 +68,7 @@ int main(int argc, char** argv) {
     sharded.register_comm_hook(shardtorch::bf16_compress_hook(group));
   } else {
     std::cerr << "unknown hook " << hook << "\n";
-    return 2;
+    return false;
   }
   auto opt = shardtorch::SGD(*net, torch::optim::SGDOptions(0.1));
   const int rank = world->rank();
@@ -95,7 +89,24 @@ int main(int argc, char** argv) {
     }
     opt->step();
   }
-  std::ofstream f(out_dir + "/cpp_rank" + std::to_string(rank) + ".json");
+  std::ofstream f(out_dir + "/cpp_" + hook + "_rank" + std::to_string(rank) + ".json");
   f << "{\"losses\":[" << losses.str() << "],\"grads\":{" << grads.str() << "}}\n";
-  return f.good() ? 0 : 1;
+  if (!f.good()) throw std::runtime_error("comm_hook_parity: could not write to " + out_dir);
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::cerr << "usage: comm_hook_parity HOOK[,HOOK...] OUT_DIR   (HOOK: allreduce, fp16, bf16)\n";
+    return 2;
+  }
+  const std::string hooks = argv[1], out_dir = argv[2];
+  torch::set_num_threads(1);
+  auto world = shardtorch::World::from_env();
+  std::stringstream list(hooks);
+  for (std::string hook; std::getline(list, hook, ',');)
+    if (!train(world, hook, out_dir)) return 2;
+  return 0;
 }

@@ -1,10 +1,11 @@
-"""PyTorch DDP with one of its own comm hooks against shardtorch NoShard with
-the same hook, at 2 ranks on Gloo: same initial weights, same data, SGD.
+"""PyTorch DDP with its own comm hooks against shardtorch NoShard with the
+same hook, at 2 ranks on Gloo: same initial weights, same data, SGD.
 
-    comm_hook_parity.py --torchrun T --cpp BIN --hook {allreduce,fp16,bf16} --workdir D
+    comm_hook_parity.py --torchrun T --cpp BIN --hook allreduce,fp16,bf16 --workdir D
 
 runs DDP (this file, as a torchrun worker) and the C++ program
-(tests/comm_hook_parity.cpp) under torchrun, then compares every rank's loss
+(tests/comm_hook_parity.cpp) under torchrun, each once for all the hooks (a
+fresh model per hook), then compares, per hook, every rank's loss
 at every step and the reduced gradients after the first backward (SGD keeps
 the gradients' scale visible in the parameters; the gradients are compared
 as well). Both sides build the weights and the batches from the same integer
@@ -31,14 +32,23 @@ def batch(step, rank, rows, cols, mod, scale):
             for b in range(rows)]
 
 
-def ddp_worker(hook_name, out_dir):
+def ddp_worker(hooks, out_dir):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for hook_name in hooks:
+        ddp_train(hook_name, out_dir)
+    dist.destroy_process_group()
+
+
+def ddp_train(hook_name, out_dir):
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
 
     class Net(torch.nn.Module):
@@ -76,17 +86,16 @@ def ddp_worker(hook_name, out_dir):
         if step == 0:
             grads = {n: p.grad.reshape(-1).tolist() for n, p in net.named_parameters()}
         opt.step()
-    with open(os.path.join(out_dir, f"ddp_rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"ddp_{hook_name}_rank{rank}.json"), "w") as f:
         json.dump({"losses": losses, "grads": grads}, f)
-    dist.destroy_process_group()
 
 
 def compare(workdir, hook):
     worst_loss = worst_grad = 0.0
     for rank in range(2):
-        with open(os.path.join(workdir, f"ddp_rank{rank}.json")) as f:
+        with open(os.path.join(workdir, f"ddp_{hook}_rank{rank}.json")) as f:
             ddp = json.load(f)
-        with open(os.path.join(workdir, f"cpp_rank{rank}.json")) as f:
+        with open(os.path.join(workdir, f"cpp_{hook}_rank{rank}.json")) as f:
             cpp = json.load(f)
         assert len(ddp["losses"]) == len(cpp["losses"]) == STEPS, (len(ddp["losses"]), len(cpp["losses"]))
         for step, (a, b) in enumerate(zip(ddp["losses"], cpp["losses"])):
@@ -104,14 +113,18 @@ def compare(workdir, hook):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hook", choices=["allreduce", "fp16", "bf16"], required=True)
+    ap.add_argument("--hook", required=True, help="comma-separated: allreduce, fp16, bf16")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--worker", action="store_true", help="run as a DDP rank (under torchrun)")
     ap.add_argument("--torchrun")
     ap.add_argument("--cpp")
     args = ap.parse_args()
+    hooks = args.hook.split(",")
+    unknown = [h for h in hooks if h not in ("allreduce", "fp16", "bf16")]
+    if unknown:
+        ap.error(f"unknown hook(s) {unknown}: allreduce, fp16, bf16")
     if args.worker:
-        ddp_worker(args.hook, args.workdir)
+        ddp_worker(hooks, args.workdir)
         return 0
     os.makedirs(args.workdir, exist_ok=True)
     for f in os.listdir(args.workdir):
@@ -122,7 +135,8 @@ def main():
     subprocess.run(common + [os.path.abspath(__file__), "--worker", "--hook", args.hook,
                              "--workdir", args.workdir], check=True, env=env)
     subprocess.run(common + ["--no-python", args.cpp, args.hook, args.workdir], check=True, env=env)
-    return 0 if compare(args.workdir, args.hook) else 1
+    results = [compare(args.workdir, hook) for hook in hooks]
+    return 0 if all(results) else 1
 
 
 if __name__ == "__main__":
