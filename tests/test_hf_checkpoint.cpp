@@ -701,7 +701,8 @@ TEST(HfSave, ANameMappingThatDropsWholeUnitsGathersOnlyTheKeptOnes) {
     };
     const int64_t before = sm.comm_stats().all_gather.calls;
     shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().map_name(only_block1));
-    const int64_t gathers = sm.comm_stats().all_gather.calls - before;
+    // Two of the all-gathers are the ranks' agreement on the names written.
+    const int64_t gathers = sm.comm_stats().all_gather.calls - before - 2;
     require(gathers == flats, "gathered " + std::to_string(gathers) + " flat parameters, not the kept unit's " +
                                   std::to_string(flats));
     if (w.rank() == 0) {
@@ -753,6 +754,41 @@ TEST(HfSave, AFailedWriteFailsEveryRankAndKeepsTheEarlierCheckpoint) {
     shardtorch::load_hf_checkpoint(*lazy, dir);
     require_bitwise(full_values(*lazy), ck.values, "the earlier checkpoint");
   });
+  ASSERT_TRUE(r.ok) << r.summary();
+  files::remove_all(ck.dir);
+}
+
+// A name mapping that answers differently on one rank, or throws on one rank:
+// every rank throws at once, naming the rank (and the first name that
+// differs), and nothing is written. Before, the ranks gathered different
+// flat parameters (an abort in Gloo), or the throwing rank left the others
+// waiting in a gather until the timeout.
+TEST(HfSave, ANameMappingThatDiffersOrThrowsOnOneRankFailsEveryRankAtOnce) {
+  auto ck = make_gpt_checkpoint();
+  const std::string dir = (ck.dir / "differ").string();
+  auto r = run_ranks(2, [&](World& w) {
+    gpt::GPT model(gpt::Config{});
+    shardtorch::shard(model, w, strategy_options(Strategy::FullShard, 2));
+    const bool odd = w.rank() == 1;
+    auto differs = [odd](const std::string& n) -> std::optional<std::string> {
+      if (odd && n.rfind("blocks.1.", 0) == 0) return std::nullopt;  // rank 1 leaves block 1 out
+      return n;
+    };
+    std::string msg = message_of([&] { shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().map_name(differs)); });
+    require(has(msg, "the ranks would write different tensors") && has(msg, "on rank 1") &&
+                has(msg, "'blocks.1."),
+            "rank " + std::to_string(w.rank()) + ": " + msg);
+    auto throws = [odd](const std::string& n) -> std::optional<std::string> {
+      if (odd && n.rfind("blocks.0.", 0) == 0) throw std::runtime_error("no rule for " + n);
+      return n;
+    };
+    msg = message_of([&] { shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().map_name(throws)); });
+    require(has(msg, "rank 1: no rule for blocks.0."), "rank " + std::to_string(w.rank()) + ": " + msg);
+    require(!files::exists(dir), "something was written");
+    // The ranks are in step afterwards: a save that agrees works.
+    shardtorch::save_hf_checkpoint(*model, dir);
+    require(files::exists(dir + "/model.safetensors.index.json"), "the agreeing save wrote nothing");
+  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(30)));
   ASSERT_TRUE(r.ok) << r.summary();
   files::remove_all(ck.dir);
 }

@@ -38,6 +38,34 @@ std::string file_name(size_t k, size_t n) {
   return buf;
 }
 
+// Collective: every rank names the same tensors, in the same order (the
+// gathers follow them), and none failed to; otherwise every rank throws,
+// naming the rank and, for names, the first that differs.
+void agree_on_names(World& world, const std::string& who, const std::string& error, const std::vector<Entry>& entries) {
+  std::string mine = error.empty() ? "=" : "!" + error;
+  if (error.empty())
+    for (const auto& e : entries) mine += e.name + '\n';
+  const auto all = world.comm().all_gather_strings(mine, "save_hf_checkpoint names");
+  for (size_t r = 0; r < all.size(); ++r)
+    SHARDTORCH_CHECK(all[r].empty() || all[r][0] != '!', who, ": rank ", r, ": ", all[r].substr(1));
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    std::istringstream a(all[0].substr(1)), b(all[r].substr(1));
+    std::string x, y;
+    int64_t k = 0;
+    bool a_more = false, b_more = false;
+    for (;; ++k) {
+      a_more = static_cast<bool>(std::getline(a, x));
+      b_more = static_cast<bool>(std::getline(b, y));
+      if (!a_more || !b_more || x != y) break;
+    }
+    SHARDTORCH_CHECK(false, who, ": the ranks would write different tensors: tensor ", k, " is ",
+                     a_more ? "'" + x + "'" : std::string("none (the end)"), " on rank 0 but ",
+                     b_more ? "'" + y + "'" : std::string("none (the end)"), " on rank ", r,
+                     ". prefix and map_name must give the same names on every rank; nothing was written");
+  }
+}
+
 }  // namespace
 
 HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir, const HfSaveOptions& options) {
@@ -57,6 +85,8 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   std::vector<Entry> entries;
   std::vector<size_t> kept;  // items written: only their flats are gathered
   std::set<std::string> taken;
+  std::string naming_error;  // agreed below: no rank may throw alone before the gathers
+  try {
   for (size_t item = 0; item < tensors.items().size(); ++item) {
     const auto& t = tensors.items()[item];
     std::string name = options.prefix() + t.name;
@@ -79,6 +109,10 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
     entries.push_back(std::move(e));
     kept.push_back(item);
   }
+  } catch (const std::exception& e) {
+    naming_error = detail::message_of(e);
+  }
+  agree_on_names(world, who, naming_error, entries);
   tensors.keep_only(kept);
 
   // Files in order, each filled until the next tensor would pass the limit
