@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "../check.h"
+#include "../errors.h"
 #include "../files.h"
 #include "../shard_state.h"
 #include "safetensors_format.h"
