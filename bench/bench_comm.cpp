@@ -4,6 +4,10 @@
 //   BM_AllGather / BM_ReduceScatter: c10d through shardtorch::Comm, per-rank
 //     shard sizes from 4 KiB to 64 MiB; bytes_per_second counts the bytes a
 //     rank sends (ring estimate, (N-1)/N of the full buffer).
+//   BM_CheckedAllGather: BM_AllGather on a world with check_collectives on
+//     (each all-gather preceded by the ranks' fingerprint exchange), against
+//     BM_AllGather of the same size: what the check costs a collective that
+//     is waited for at once.
 //   BM_BucketerCoalescing: 256 gradient flats of 4K elements reduce-scattered
 //     through the ReduceScatterBucketer, coalesced (25 MiB buckets) or one
 //     collective each (bucket 0).
@@ -35,11 +39,13 @@ namespace {
 
 constexpr int kRanks = 2;
 std::shared_ptr<shardtorch::World> g_worlds[kRanks];
+std::shared_ptr<shardtorch::World> g_checked[kRanks];  // check_collectives on
 
-void make_worlds() {
+void make_worlds(std::shared_ptr<shardtorch::World> (&worlds)[kRanks], bool checked) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  std::thread other([&] { g_worlds[1] = shardtorch::World::create(store, 1, kRanks); });
-  g_worlds[0] = shardtorch::World::create(store, 0, kRanks);
+  const auto options = shardtorch::WorldOptions().check_collectives(checked);
+  std::thread other([&] { worlds[1] = shardtorch::World::create(store, 1, kRanks, options); });
+  worlds[0] = shardtorch::World::create(store, 0, kRanks, options);
   other.join();
 }
 
@@ -47,6 +53,14 @@ double ring(int64_t full_bytes) { return static_cast<double>(full_bytes) * (kRan
 
 void BM_AllGather(benchmark::State& state) {
   auto& comm = g_worlds[state.thread_index()]->comm();
+  const int64_t shard = state.range(0) / 4;
+  at::Tensor in = at::randn({shard}), out = at::empty({shard * kRanks});
+  for (auto _ : state) comm.all_gather_into(out, in, "bench all-gather");
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(out.nbytes())));
+}
+
+void BM_CheckedAllGather(benchmark::State& state) {
+  auto& comm = g_checked[state.thread_index()]->comm();
   const int64_t shard = state.range(0) / 4;
   at::Tensor in = at::randn({shard}), out = at::empty({shard * kRanks});
   for (auto _ : state) comm.all_gather_into(out, in, "bench all-gather");
@@ -165,6 +179,7 @@ void BM_StageGrads(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_AllGather)->RangeMultiplier(8)->Range(4 << 10, 64 << 20)->Threads(kRanks)->UseRealTime();
+BENCHMARK(BM_CheckedAllGather)->Arg(4 << 10)->Arg(256 << 10)->Threads(kRanks)->UseRealTime();
 BENCHMARK(BM_ReduceScatter)->RangeMultiplier(8)->Range(4 << 10, 64 << 20)->Threads(kRanks)->UseRealTime();
 BENCHMARK(BM_BucketerCoalescing)->Arg(0)->Arg(25)->Threads(kRanks)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AllReduceBucketer)->Arg(0)->Arg(25)->Threads(kRanks)->UseRealTime()->Unit(benchmark::kMillisecond);
@@ -175,10 +190,12 @@ BENCHMARK(BM_StageGrads)->Arg(256)->Arg(1024)->UseRealTime()->Unit(benchmark::kM
 int main(int argc, char** argv) {
   at::set_num_threads(1);  // the ranks are the parallelism
   benchmark::Initialize(&argc, argv);
-  make_worlds();
+  make_worlds(g_worlds, false);
+  make_worlds(g_checked, true);
   std::cerr << "bench_comm: " << kRanks << " ranks as threads, Gloo on loopback\n";
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   for (auto& w : g_worlds) w.reset();
+  for (auto& w : g_checked) w.reset();
   return 0;
 }
