@@ -13,6 +13,7 @@
 #include "../src/files.h"
 #include "shardtorch/shardtorch.h"
 #include "shardtorch/testing.h"
+#include "temp_dir.h"
 
 namespace testmodels {
 
@@ -133,25 +134,6 @@ inline double expect_close_map(const std::map<std::string, torch::Tensor>& got,
   }
   return worst;
 }
-
-namespace files = shardtorch::files;
-
-/// A path for tests: a string with "/" to join, over shardtorch::files
-/// (POSIX calls; std::filesystem is not used anywhere: src/files.h says why).
-class Path {
- public:
-  Path(std::string s) : s_(std::move(s)) {}
-  Path(const char* s) : s_(s) {}
-  const std::string& string() const { return s_; }
-  operator const std::string&() const { return s_; }
-  friend Path operator/(const Path& a, const std::string& b) { return Path(files::join(a.s_, b)); }
-
- private:
-  std::string s_;
-};
-
-/// A fresh directory under the system's temporary directory.
-inline Path temp_dir(const std::string& prefix = "shardtorch-test") { return Path(files::make_temp_dir(prefix)); }
 
 inline void require(bool ok, const std::string& msg) {
   if (!ok) throw std::runtime_error(msg);

@@ -69,7 +69,7 @@ shardtorch::testing::RunOptions crash_run() {
 }  // namespace
 
 TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
-  auto dir = temp_dir();
+  const TempDir dir;
   auto path = (dir / "t.safetensors").string();
   std::vector<std::pair<std::string, at::Tensor>> ts = {
       {"f32", at::randn({3, 4})},
@@ -96,7 +96,6 @@ TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
     EXPECT_EQ((r.header().data_start + rec.begin) % shardtorch::checkpoint::dtype_size(rec.dtype), 0u) << rec.name;
   EXPECT_THROW(r.read_range("i64", 5, 3), SafetensorsError);
   EXPECT_THROW(r.read("missing"), SafetensorsError);
-  files::remove_all(dir);
 }
 
 // Every dtype the header check lets through must become an ATen tensor and
@@ -113,7 +112,7 @@ TEST(Safetensors, EveryDtypeTheHeaderAcceptsReadsAndWritesAsATen) {
     EXPECT_EQ(c10::elementSize(t), dtype_size(d)) << d;
   }
   EXPECT_EQ(dtype_size("F8_E4M3"), 0u);  // refused by the header check, so never asked of scalar_type
-  auto dir = temp_dir();
+  const TempDir dir;
   auto path = (dir / "u.safetensors").string();
   std::vector<std::pair<std::string, at::Tensor>> ts;
   for (auto t : {at::kUInt16, at::kUInt32, at::kUInt64})
@@ -126,11 +125,10 @@ TEST(Safetensors, EveryDtypeTheHeaderAcceptsReadsAndWritesAsATen) {
     EXPECT_TRUE(at::equal(got.to(at::kLong), t.to(at::kLong))) << n;
     EXPECT_TRUE(at::equal(r.read_range(n, 1, 3).to(at::kLong), at::arange(1, 4, at::kLong).mul(1000))) << n;
   }
-  files::remove_all(dir);
 }
 
 TEST(Safetensors, RefusesMalformedFilesNamingFileAndProblem) {
-  auto dir = temp_dir();
+  const TempDir dir;
   auto p = dir / "bad.safetensors";
   const std::string ok = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
   struct Case {
@@ -174,7 +172,6 @@ TEST(Safetensors, RefusesMalformedFilesNamingFileAndProblem) {
   std::ofstream(p, std::ios::binary) << "abc";
   EXPECT_NE(error_of(p).find("shorter than the 8-byte header length"), std::string::npos);
   EXPECT_NE(error_of(dir / "nope").find("cannot open"), std::string::npos);
-  files::remove_all(dir);
 }
 
 // Names and metadata are UTF-8 both ways, as Python's safetensors has them:
@@ -182,7 +179,7 @@ TEST(Safetensors, RefusesMalformedFilesNamingFileAndProblem) {
 // read back as themselves; a string that is not UTF-8 is refused on writing
 // (Python would refuse the whole file), and nothing is written.
 TEST(Safetensors, NamesAndMetadataAreUtf8BothWays) {
-  auto dir = temp_dir();
+  const TempDir dir;
   auto p = dir / "u.safetensors";
   write_raw(p, R"({"__metadata__":{"k":"\ud83d\ude00 \u00e9"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
             std::string(4, '\0'));
@@ -202,11 +199,10 @@ TEST(Safetensors, NamesAndMetadataAreUtf8BothWays) {
     EXPECT_NE(e.find("is not valid UTF-8"), std::string::npos) << e;
     EXPECT_FALSE(files::exists(b)) << "a refused write left a file";
   }
-  files::remove_all(dir);
 }
 
 TEST(Safetensors, AFailedWriteLeavesThePreviousFileIntact) {
-  auto dir = temp_dir();
+  const TempDir dir;
   auto path = (dir / "m.safetensors").string();
   shardtorch::checkpoint::save_file(path, {{"w", at::ones({4})}});
   std::vector<shardtorch::checkpoint::PendingTensor> pending = {
@@ -220,14 +216,13 @@ TEST(Safetensors, AFailedWriteLeavesThePreviousFileIntact) {
   size_t regular = 0;
   for (const auto& name : files::list_directory(dir)) regular += files::is_regular_file(dir / name);
   EXPECT_EQ(regular, 1u) << "a temporary file was left behind";
-  files::remove_all(dir);
 }
 
 class FullStateDict : public ::testing::TestWithParam<Strategy> {};
 
 TEST_P(FullStateDict, SavedAtFourLoadsBitwiseAtOneTwoAndThree) {
   const Strategy load_strategy = GetParam();
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string path = (dir / "gpt.safetensors").string();
   auto x = gpt_tokens();
   auto save = run_ranks(4, [&](World& w) {
@@ -269,7 +264,6 @@ TEST_P(FullStateDict, SavedAtFourLoadsBitwiseAtOneTwoAndThree) {
     });
     ASSERT_TRUE(r.ok) << "load at world " << world << "\n" << r.summary();
   }
-  files::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(LoadedAs, FullStateDict, ::testing::ValuesIn(kAllStrategies),
@@ -281,7 +275,7 @@ INSTANTIATE_TEST_SUITE_P(LoadedAs, FullStateDict, ::testing::ValuesIn(kAllStrate
 // parameter; c10d's Gloo all-gather stages its output too (measured: three
 // flat parameters' bytes at the peak).
 TEST(FullStateDict, SavingHoldsOneUnitsParametersAtATimeNotTheModel) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string path = (dir / "deep.safetensors").string();
   const gpt::Config cfg{64, 16, 128, 4, 16};
   auto r = run_ranks(2, [&](World& w) {
@@ -310,7 +304,6 @@ TEST(FullStateDict, SavingHoldsOneUnitsParametersAtATimeNotTheModel) {
   auto plain = gpt::GPT(cfg);  // every name written: one entry per parameter name (tied ones under each) and buffer
   EXPECT_EQ(shardtorch::checkpoint::Reader(path).header().tensors.size(),
             plain->named_parameters().size() + plain->named_buffers().size());
-  files::remove_all(dir);
 }
 
 // Flat parameters of two dtypes: the file lays the double ones out first
@@ -318,7 +311,7 @@ TEST(FullStateDict, SavingHoldsOneUnitsParametersAtATimeNotTheModel) {
 // do. Gathering in file order paired rank 0's all-gather of l2 with the
 // others' of l1.
 TEST(FullStateDict, FlatParametersOfTwoDtypesAreGatheredInTheOrderOfEveryRank) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string path = (dir / "mixed.safetensors").string();
   auto r = run_ranks(2, [&](World& w) {
     torch::manual_seed(0);
@@ -336,11 +329,10 @@ TEST(FullStateDict, FlatParametersOfTwoDtypesAreGatheredInTheOrderOfEveryRank) {
     require(file.read("l2.lin.weight").scalar_type() == at::kDouble, "l2 is not double in the file");
   }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(10)));
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 TEST(FullStateDictErrors, MissingMisShapedAndUnexpectedEntriesNameTheFileAndParameter) {
-  auto dir = temp_dir();
+  const TempDir dir;
   auto r = run_ranks(1, [&](World& w) {
     auto model = MLP();
     shardtorch::shard(model, w);
@@ -370,7 +362,6 @@ TEST(FullStateDictErrors, MissingMisShapedAndUnexpectedEntriesNameTheFileAndPara
     expect_error(extra, "unexpected tensor 'l9.weight'");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // ---------------------------------------------------------------- sharded checkpoints
@@ -424,7 +415,7 @@ void reload_and_compare(int world, const ShardOptions& options, const std::strin
 }  // namespace
 
 TEST(ShardedCheckpoint, SavedAtFourLoadsBitwiseAtOneTwoThreeAndEight) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "step-3").string();
   auto x = gpt_tokens();
   auto save = save_after_three_steps_at_four(ckpt, 1e-2, x);
@@ -445,7 +436,6 @@ TEST(ShardedCheckpoint, SavedAtFourLoadsBitwiseAtOneTwoThreeAndEight) {
   }
   for (int world : {1, 2, 3, 8})  // what each world size holds after loading, saved again
     reload_and_compare(world, ShardOptions(), ckpt, (dir / ("again-" + std::to_string(world))).string(), 3, saved);
-  files::remove_all(dir);
 }
 
 // NoShard: the ranks share the writing of the replicated parameters and
@@ -454,7 +444,7 @@ TEST(ShardedCheckpoint, SavedAtFourLoadsBitwiseAtOneTwoThreeAndEight) {
 // collective; the checkpoint moves to FullShard at another world size and
 // back to NoShard bitwise, optimizer state included.
 TEST(ShardedCheckpoint, NoShardSpreadsTheWritingAndMovesBetweenStrategiesBitwise) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "no-shard").string(), full = (dir / "full").string(),
                     again = (dir / "again").string();
   auto x = gpt_tokens();
@@ -494,7 +484,6 @@ TEST(ShardedCheckpoint, NoShardSpreadsTheWritingAndMovesBetweenStrategiesBitwise
       << ")";
   reload_and_compare(3, ShardOptions().strategy(Strategy::FullShard), ckpt, full, 2, saved);
   reload_and_compare(3, ShardOptions().strategy(Strategy::NoShard), full, again, 2, saved);
-  files::remove_all(dir);
 }
 
 // HybridShard with two replica groups (4 ranks, shard groups of 2): the two
@@ -502,7 +491,7 @@ TEST(ShardedCheckpoint, NoShardSpreadsTheWritingAndMovesBetweenStrategiesBitwise
 // loading refuses one saved twice), each rank loads the ranges of its
 // shard-group rank, and the checkpoint moves to and from FullShard bitwise.
 TEST(ShardedCheckpoint, HybridShardWithTwoReplicaGroupsRoundTripsBitwise) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "step-3").string();
   auto x = gpt_tokens();
   auto save = save_after_three_steps_at_four(ckpt, 1e-2, x);
@@ -518,11 +507,10 @@ TEST(ShardedCheckpoint, HybridShardWithTwoReplicaGroupsRoundTripsBitwise) {
     EXPECT_TRUE(std::regex_search(text.str(), wrote)) << "rank " << rank << " wrote no parameter range";
   }
   reload_and_compare(2, ShardOptions().strategy(Strategy::FullShard), hybrid, full, 3, saved);
-  files::remove_all(dir);
 }
 
 TEST(ShardedCheckpoint, ResumingAtAnotherWorldSizeContinuesTheReferenceTraining) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string();
   auto x = gpt_tokens();
   // The reference: 5 steps in one process on the full batch.
@@ -545,11 +533,10 @@ TEST(ShardedCheckpoint, ResumingAtAnotherWorldSizeContinuesTheReferenceTraining)
     expect_close_map(mine, want, 1e-5, "resumed at 2 ranks after saving at 4");
   });
   ASSERT_TRUE(second.ok) << second.summary();
-  files::remove_all(dir);
 }
 
 TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string();
   auto save = run_ranks(2, [&](World& w) {
     auto model = MLP();
@@ -658,7 +645,6 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   ASSERT_EQ(files::file_size(Path(twin) / "rank-1.safetensors"), files::file_size(Path(ckpt) / "rank-1.safetensors"));
   e = load_error(twin);
   EXPECT_NE(e.find("'rank-1.safetensors' does not match its checksum in the index"), std::string::npos) << e;
-  files::remove_all(dir);
 }
 
 // With torch::optim's AdamW, and with the fused CPU optimizers (whose state
@@ -670,7 +656,7 @@ TEST(ShardedCheckpoint, ResumeAtTheSameWorldSizeIsBitwiseEqualToAnUninterruptedR
   };
   for (const Variant& v : {Variant{"AdamW", false}, Variant{"FusedAdamW", true}, Variant{"FusedAdam", false}}) {
     const std::string what = v.optimizer + (v.offload ? ", offloaded" : "");
-    auto dir = temp_dir();
+    const TempDir dir;
     const std::string ckpt = (dir / "ckpt").string();
     auto x = gpt_tokens();
     auto setup = [&](World& w, uint64_t seed) {
@@ -706,12 +692,11 @@ TEST(ShardedCheckpoint, ResumeAtTheSameWorldSizeIsBitwiseEqualToAnUninterruptedR
     auto s = shardtorch::checkpoint::load_file(straight), r = shardtorch::checkpoint::load_file(resumed);
     ASSERT_EQ(s.size(), r.size());
     for (auto& [n, t] : s) EXPECT_TRUE(at::equal(t, r.at(n))) << what << ": " << n << " differs after resuming";
-    files::remove_all(dir);
   }
 }
 
 TEST(ShardedCheckpoint, AWriterKilledAtRandomPointsLeavesALoadableCheckpoint) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "latest").string();
   const std::string full = (dir / "latest.safetensors").string();
   // A first complete checkpoint of each kind.
@@ -752,7 +737,6 @@ TEST(ShardedCheckpoint, AWriterKilledAtRandomPointsLeavesALoadableCheckpoint) {
     EXPECT_TRUE(check.ok) << "round " << round << "\n" << check.summary();
   }
   EXPECT_EQ(interrupted, 8) << "every writer should have been killed mid-loop";
-  files::remove_all(dir);
 }
 
 // A writer killed (SIGKILL) at each named point of a save, on each rank that
@@ -782,7 +766,7 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
   cases.push_back({"new moved in", 0, false, true});
   cases.push_back({"published", 0, false, true});
 
-  auto dir = temp_dir();
+  const TempDir dir;
   const gpt::Config cfg{};
   auto params_of = [&](int seed) {
     torch::manual_seed(seed);
@@ -834,7 +818,6 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
     });
     EXPECT_TRUE(check.ok) << what << "\n" << check.summary();
   }
-  files::remove_all(dir);
 }
 
 // The same for the full state dict's single file, killed at each point of
@@ -842,7 +825,7 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
 // leave are removed by the next write that completes (on the same host,
 // whose process is gone: not a live writer's).
 TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string path = (dir / "model.safetensors").string();
   const gpt::Config cfg{};
   auto leftovers = [&] {
@@ -888,14 +871,13 @@ TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
   ASSERT_TRUE(last.ok) << last.summary();
   EXPECT_EQ(leftovers(), 2) << "only the live writer's and the other host's temporary files should be left";
   EXPECT_TRUE(files::exists(live) && files::exists(elsewhere));
-  files::remove_all(dir);
 }
 
 // The application's own resume state (data-loader position, epoch, ...)
 // travels in the index: saved at 2 ranks, read back at 3; ranks that disagree
 // fail alike, naming the key; checkpoints saved without it read back empty.
 TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossRanks) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string(), bare = (dir / "bare").string(), bad = (dir / "bad").string();
   const std::map<std::string, std::string> state{{"epoch", "3"}, {"samples_seen", "12000"}, {"rng", "seed=7;offset=42"}};
   auto save = run_ranks(2, [&](World& w) {
@@ -954,7 +936,6 @@ TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossR
     throw std::runtime_error("a non-string user_state value was accepted");
   });
   ASSERT_TRUE(malformed.ok) << malformed.summary();
-  files::remove_all(dir);
 }
 
 // Frozen parameters (the MLP's l2 bias) are saved and loaded under every
@@ -971,7 +952,7 @@ TEST(ShardedCheckpoint, FrozenParametersAndBuffersRoundTripUnderEveryStrategy) {
       const std::string what = std::string(shardtorch::strategy_name(s)) + (bf16 ? " bf16" : "");
       auto options = strategy_options(s, 2);
       if (bf16) options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
-      auto dir = temp_dir();
+      const TempDir dir;
       const std::string ckpt = (dir / "ckpt").string(), full = (dir / "full.safetensors").string();
       std::map<std::string, at::Tensor> saved;  // what the ranks save: a fresh seed-0 model's values
       torch::manual_seed(0);
@@ -1006,7 +987,6 @@ TEST(ShardedCheckpoint, FrozenParametersAndBuffersRoundTripUnderEveryStrategy) {
         }
       });
       ASSERT_TRUE(b.ok) << what << "\n" << b.summary();
-      files::remove_all(dir);
     }
   }
 }
@@ -1016,7 +996,7 @@ TEST(ShardedCheckpoint, FrozenParametersAndBuffersRoundTripUnderEveryStrategy) {
 // of such a model loads (it used to fail: "not all saved (a missing shard?)"),
 // the unused unit still has no state, and training continues bitwise.
 TEST(ShardedCheckpoint, ParametersThatNeverHadAGradientLoadWithoutOptimizerState) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string();
   auto x = torch::randn({4, 6});
   auto r = run_ranks(2, [&](World& w) {
@@ -1048,7 +1028,6 @@ TEST(ShardedCheckpoint, ParametersThatNeverHadAGradientLoadWithoutOptimizerState
     for (auto& [name, t] : p) require(at::equal(t, q.at(name)), name + " differs after resuming");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // A parameter with no elements has an empty flat parameter (or an empty slice
@@ -1056,7 +1035,7 @@ TEST(ShardedCheckpoint, ParametersThatNeverHadAGradientLoadWithoutOptimizerState
 // of checkpoint carry it, and loading into a differently initialised model
 // reproduces the saved parameters and optimizer state bitwise.
 TEST(Checkpoint, AnEmptyParameterGoesThroughClippingSummonAndBothCheckpoints) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   torch::manual_seed(5);
   auto x = torch::randn({4, 7});
   struct Case {
@@ -1139,7 +1118,6 @@ TEST(Checkpoint, AnEmptyParameterGoesThroughClippingSummonAndBothCheckpoints) {
     EXPECT_EQ(saved.at("b.none|param").numel(), 0) << what;
     EXPECT_GT(saved.at("b.lin.weight|exp_avg").abs().sum().item<double>(), 0) << what;
   }
-  files::remove_all(dir);
 }
 
 // ---------------------------------------------------------------- failures: every rank alike, nothing half-done
@@ -1193,7 +1171,7 @@ std::string failing_load(Trained& t, const std::function<void()>& load) {
 // no rank's model or optimizer changes: they used to load on the ranks that
 // did not read the bad file, and carry on alone.
 TEST(CheckpointFailures, AShardOnlyOneRankReadsFailsEveryRankAndChangesNothing) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string();
   auto saved = run_ranks(2, [&](World& w) {
     Trained t(w);
@@ -1208,14 +1186,13 @@ TEST(CheckpointFailures, AShardOnlyOneRankReadsFailsEveryRankAndChangesNothing) 
             "expected every rank to name rank 1 and its truncated file, got: " + e);
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // The same for full state dicts: rank 1's file has a tensor of another shape;
 // neither rank changes anything (under ShardGradOp the replicated full
 // parameters would otherwise disagree with the master shards).
 TEST(CheckpointFailures, AFullStateDictOneRankCannotLoadFailsEveryRankAndChangesNothing) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string good = (dir / "good.safetensors").string(), bad = (dir / "bad.safetensors").string();
   auto saved = run_ranks(1, [&](World& w) {
     Trained t(w, 13, false, Strategy::FullShard, 3);
@@ -1237,13 +1214,12 @@ TEST(CheckpointFailures, AFullStateDictOneRankCannotLoadFailsEveryRankAndChanges
       if (loaded.count(n)) require(at::equal(loaded.at(n), v), n + " did not load after the failure");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // Ranks that read different checkpoints (a copy per node, one of them stale)
 // fail alike instead of training on shards from two steps.
 TEST(CheckpointFailures, RanksReadingDifferentCheckpointsFailAlike) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string a = (dir / "a").string(), b = (dir / "b").string();
   auto saved = run_ranks(2, [&](World& w) {
     Trained t(w);
@@ -1258,14 +1234,13 @@ TEST(CheckpointFailures, RanksReadingDifferentCheckpointsFailAlike) {
             "expected both ranks to name the two steps, got: " + e);
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // Shapes are recorded in the index and checked: a resized model, or a
 // checkpoint with parameters the model lacks, is refused by name (element
 // ranges alone used to let a smaller weight load, scrambled).
 TEST(CheckpointFailures, ShapesThatDifferAndUnexpectedTensorsAreRefusedByName) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string wide = (dir / "wide").string(), extra = (dir / "extra").string();
   auto saved = run_ranks(2, [&](World& w) {
     Trained t(w, 13);
@@ -1283,14 +1258,13 @@ TEST(CheckpointFailures, ShapesThatDifferAndUnexpectedTensorsAreRefusedByName) {
     require(e.find("unexpected tensor 'extra.") != std::string::npos, "expected the unexpected-tensor error, got: " + e);
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // A checkpoint without optimizer state (saved without the optimizer, or
 // before the first step) leaves the optimizer with none: stale moments from
 // the run being rolled back used to survive the load.
 TEST(CheckpointFailures, ACheckpointWithoutOptimizerStateResetsTheOptimizer) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "weights-only").string();
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w);
@@ -1309,7 +1283,6 @@ TEST(CheckpointFailures, ACheckpointWithoutOptimizerStateResetsTheOptimizer) {
                                          std::to_string(state_bytes()) + " bytes, not " + std::to_string(before));
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // Saving: a failure on rank 0 alone (it prepares and publishes the
@@ -1317,7 +1290,7 @@ TEST(CheckpointFailures, ACheckpointWithoutOptimizerStateResetsTheOptimizer) {
 // others in a barrier; a directory that is not a checkpoint is never
 // replaced; a trailing slash names the same checkpoint.
 TEST(CheckpointFailures, SaveFailuresOnRankZeroFailEveryRankAndOtherDirectoriesAreKept) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   std::ofstream(dir / "a-file") << "x";
   files::create_directories(dir / "logs");
   std::ofstream(dir / "logs" / "train.log") << "step 1\n";
@@ -1337,14 +1310,13 @@ TEST(CheckpointFailures, SaveFailuresOnRankZeroFailEveryRankAndOtherDirectoriesA
             "a temporary directory was left");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // A failed write of the index (here: the file-size limit, as a full disk
 // would) is an error, and the previous checkpoint stays in place (a truncated
 // index used to be published over it).
 TEST(CheckpointFailures, AnIndexThatCannotBeWrittenKeepsThePreviousCheckpoint) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string();
   auto r = run_ranks(1, [&](World& w) {
     Trained t(w);
@@ -1359,7 +1331,6 @@ TEST(CheckpointFailures, AnIndexThatCannotBeWrittenKeepsThePreviousCheckpoint) {
     require(shardtorch::load_sharded_checkpoint(*t.model, nullptr, ckpt) == 1, "the previous checkpoint was lost");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // File systems without renameat2's RENAME_EXCHANGE (forced here): the
@@ -1370,7 +1341,7 @@ TEST(CheckpointFailures, AnIndexThatCannotBeWrittenKeepsThePreviousCheckpoint) {
 // in place. Directories of the user's named like ours (ck.old, ck.tmp) are
 // never touched.
 TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAside) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string(), aside = ckpt + ".shardtorch-old";
   for (const char* mine : {".old", ".tmp"}) {
     files::create_directories(ckpt + mine);
@@ -1400,14 +1371,13 @@ TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAsid
   ASSERT_TRUE(r.ok) << r.summary();
   for (const char* mine : {".old", ".tmp"})
     EXPECT_TRUE(files::exists(ckpt + mine + "/notes.txt")) << "the user's " << ckpt + mine << " was touched";
-  files::remove_all(dir);
 }
 
 // Checkpoints carry the state of Adam, AdamW and SGD; another optimizer's
 // state would be lost, so passing one is a clear error on save and on load
 // (loading used to reset its state, and Adagrad then failed in step()).
 TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string();
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w);
@@ -1428,7 +1398,6 @@ TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
     adagrad->step();  // its state intact
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // A full state dict's metadata keys starting shardtorch_ are the library's,
@@ -1440,7 +1409,7 @@ TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
 // minutes) instead of failing in the next collective; the collectives after
 // the checkpoint get their own timeout back.
 TEST(CheckpointFailures, ASlowWriterIsWaitedForUnderTheFileTimeout) {
-  auto dir = temp_dir();
+  const TempDir dir;
   auto r = run_ranks(2, [&](World& w) {
     torch::manual_seed(0);
     MLP m;
@@ -1476,11 +1445,10 @@ TEST(CheckpointFailures, ASlowWriterIsWaitedForUnderTheFileTimeout) {
     require(w.rank() == 1 || e.find("after a slow write") != std::string::npos, "rank 0: " + e);
   }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(1)));
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 TEST(CheckpointFailures, ReservedFullStateDictMetadataIsRefused) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w);
     const std::string path = (dir / "full.safetensors").string();
@@ -1492,7 +1460,6 @@ TEST(CheckpointFailures, ReservedFullStateDictMetadataIsRefused) {
     shardtorch::save_full_state_dict(*t.model, path, {{"format", "pt"}, {"step", "1"}});
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // Every rank must save the same step and pass the same optimizer (or none):
@@ -1500,7 +1467,7 @@ TEST(CheckpointFailures, ReservedFullStateDictMetadataIsRefused) {
 // file of another step, or ranges without optimizer state) over the good one.
 // Now every rank fails naming the other, and the previous checkpoint stays.
 TEST(CheckpointFailures, RanksSavingDifferentStepsOrOptimizersFailAndKeepThePreviousCheckpoint) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string();
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w);
@@ -1525,7 +1492,6 @@ TEST(CheckpointFailures, RanksSavingDifferentStepsOrOptimizersFailAndKeepThePrev
   auto kept = shardtorch::read_sharded_checkpoint(ckpt), copy = shardtorch::read_sharded_checkpoint(ckpt + "-copy");
   ASSERT_EQ(kept.size(), copy.size());
   for (const auto& [k, v] : copy) EXPECT_TRUE(at::equal(kept.at(k), v)) << k << " changed on disk";
-  files::remove_all(dir);
 }
 
 // Groups that differ in amsgrad: only the amsgrad group's parameters have a
@@ -1533,7 +1499,7 @@ TEST(CheckpointFailures, RanksSavingDifferentStepsOrOptimizersFailAndKeepThePrev
 // then planned one for every parameter, failing with "not all saved (a
 // missing shard?)". Each parameter's state now comes back as it was saved.
 TEST(Checkpoint, OptimizerStateOfGroupsThatDifferInAmsgradRoundTrips) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   for (auto s : {Strategy::FullShard, Strategy::NoShard}) {
     const std::string ckpt = (dir / shardtorch::strategy_name(s)).string();
     auto r = run_ranks(2, [&](World& w) {
@@ -1578,7 +1544,6 @@ TEST(Checkpoint, OptimizerStateOfGroupsThatDifferInAmsgradRoundTrips) {
     });
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
-  files::remove_all(dir);
 }
 
 // Optimizer state of another kind (SGD's momentum, loaded into Adam), and
@@ -1586,7 +1551,7 @@ TEST(Checkpoint, OptimizerStateOfGroupsThatDifferInAmsgradRoundTrips) {
 // load, and fail in step() on the missing maximum), are refused before
 // anything changes; Adam's with amsgrad on both sides loads and steps.
 TEST(CheckpointFailures, OptimizerStateOfAnotherKindOrWithoutAmsgradIsRefused) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string sgd = (dir / "sgd").string(), adam = (dir / "adam").string(), ams = (dir / "ams").string();
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w);  // SGD with momentum, one step
@@ -1620,5 +1585,4 @@ TEST(CheckpointFailures, OptimizerStateOfAnotherKindOrWithoutAmsgradIsRefused) {
     resumed->step();  // the maximum is there
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
