@@ -88,6 +88,35 @@ struct OnlyEmptyTrainsImpl : WithEmptyImpl {
 };
 SHARDTORCH_MODULE(OnlyEmptyTrains);
 
+/// A root that is not a unit: shard() makes units of its layers only.
+struct PlainRoot : torch::nn::Module {
+  PlainRoot()
+      : l1(register_module("l1", Layer(7, 5, true))),
+        l2(register_module("l2", Layer(5, 5, true))),
+        l3(register_module("l3", Layer(5, 3, false))) {}
+  torch::Tensor forward(torch::Tensor x) { return l3(l2(l1(x))); }
+  Layer l1, l2, l3;
+};
+
+/// A root unit with parameters of its own (the head) after two Layers; while
+/// `fail` is set its forward throws after the layers have run (the LM head
+/// running out of memory).
+struct FailingRootImpl : torch::nn::Module {
+  FailingRootImpl()
+      : l1(register_module("l1", Layer(7, 5, true))),
+        l2(register_module("l2", Layer(5, 5, true))),
+        head(register_module("head", torch::nn::Linear(5, 3))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = l2(l1(x));
+    if (fail) throw std::runtime_error("out of memory in the head (simulated)");
+    return head(h);
+  }
+  Layer l1, l2;
+  torch::nn::Linear head;
+  bool fail = false;
+};
+SHARDTORCH_MODULE(FailingRoot);
+
 /// name -> tensor, each distinct tensor once (tied parameters appear under their first name).
 inline std::vector<std::pair<std::string, torch::Tensor>> unique_params(torch::nn::Module& m) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
