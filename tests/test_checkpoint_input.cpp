@@ -11,6 +11,7 @@
 #include <regex>
 #include <sstream>
 
+#include "checkpoint_helpers.h"
 #include "models.h"
 #include "shardtorch/checkpoint.h"
 
@@ -35,20 +36,6 @@ struct CountedImpl : torch::nn::Module {
   torch::Tensor counts;
 };
 SHARDTORCH_MODULE(Counted);
-
-void write_raw(const std::string& p, const std::string& json, const std::string& data) {
-  std::string bytes(8, '\0');
-  uint64_t n = json.size();
-  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
-  std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes << json << data;
-}
-
-std::string read_text(const std::string& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // What `f` throws as a SafetensorsError (the library's checkpoint error);
 // another exception type, or none, is reported as such.

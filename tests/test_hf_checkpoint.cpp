@@ -16,6 +16,7 @@
 #include <set>
 
 #include "counting_allocator.h"
+#include "checkpoint_helpers.h"
 #include "models.h"
 #include "shardtorch/hf_checkpoint.h"
 
@@ -107,15 +108,6 @@ void require_bitwise(const std::map<std::string, torch::Tensor>& got, const std:
 }
 
 std::map<std::string, torch::Tensor> as_map(const Tensors& ts) { return {ts.begin(), ts.end()}; }
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
