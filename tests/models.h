@@ -214,6 +214,15 @@ const shardtorch::Strategy kAllStrategies[] = {shardtorch::Strategy::FullShard, 
                                                shardtorch::Strategy::OptimizerOnly, shardtorch::Strategy::NoShard,
                                                shardtorch::Strategy::HybridShard};
 
+/// The name of a test parameterised by a strategy: the strategy's
+/// ("full_shard"), for INSTANTIATE_TEST_SUITE_P.
+struct StrategyName {
+  template <class ParamInfo>
+  std::string operator()(const ParamInfo& info) const {
+    return shardtorch::strategy_name(info.param);
+  }
+};
+
 /// Options for a strategy at a world size (HybridShard: groups of 2 where 2 divides it, else 1).
 inline shardtorch::ShardOptions strategy_options(shardtorch::Strategy s, int world) {
   auto o = shardtorch::ShardOptions().strategy(s);

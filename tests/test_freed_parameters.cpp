@@ -95,17 +95,21 @@ TEST(FreedStorage, LiftingTheAccessErrorThroughItsFlagRestoresReadsAndWrites) {
 
 // Under ZeRO-1/2 and NoShard the parameters stay whole: reading them outside
 // forward is allowed and exact.
-TEST(FreedParameters, PersistentStrategiesKeepParametersReadable) {
+class Persistent : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(Persistent, PersistentStrategiesKeepParametersReadable) {
+  const Strategy strategy = GetParam();
   torch::manual_seed(0);
   auto want = MLP()->l1->lin->weight.detach().clone();
-  for (auto strategy : {shardtorch::Strategy::ShardGradOp, shardtorch::Strategy::OptimizerOnly,
-                        shardtorch::Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      torch::manual_seed(0);
-      auto m = MLP();
-      shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(strategy));
-      require(at::equal(m->l1->lin->weight, want), "the parameter outside forward differs from the unsharded one");
-    });
-    ASSERT_TRUE(r.ok) << r.summary();
-  }
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = MLP();
+    shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(strategy));
+    require(at::equal(m->l1->lin->weight, want), "the parameter outside forward differs from the unsharded one");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(FreedParameters, Persistent,
+                         ::testing::Values(Strategy::ShardGradOp, Strategy::OptimizerOnly, Strategy::NoShard),
+                         StrategyName());

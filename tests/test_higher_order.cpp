@@ -57,7 +57,7 @@ TEST(HigherOrderGradients, ABackwardWithCreateGraphReachingParametersIsAClearErr
                   error.find("l3.lin.") != std::string::npos,
               "expected the create_graph error naming the rank and the parameter, got: " + error.substr(0, 300));
     });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
 }
 

@@ -77,7 +77,7 @@ TEST(NestedBackward, ABackwardNestedInAnotherIsRefusedAndTrainingGoesOn) {
       shardtorch::FullParams full(*m);
       expect_close_map(snapshot(*m), want, 1e-5, "after a refused nested backward");
     });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
 }
 
@@ -148,6 +148,6 @@ TEST(NestedBackward, ARefusedNestedBackwardLeavesNoGradientForTheNextStep) {
       shardtorch::FullParams full(*m);
       expect_close_map(snapshot(*m), want, 1e-5, "after a nested backward refused at an accumulator");
     });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
 }

@@ -483,7 +483,8 @@ TEST(Offload, UnderBf16TheCopiesToTheDeviceMoveHalfTheBytesOfFp32) {
           opt->step();
         }
         to_device.push_back(sm.stats().offload.to_device_bytes);
-        require(sm.stats().offload.to_host_bytes > 0, "no gradient copied to host memory");
+        require(sm.stats().offload.to_host_bytes > 0,
+                std::string(shardtorch::strategy_name(s)) + ": no gradient copied to host memory");
       }
       const std::string name = shardtorch::strategy_name(s);
       require(to_device[0] >= 2 * shard_bytes_fp32, name + ": fp32 sent " + std::to_string(to_device[0]) +

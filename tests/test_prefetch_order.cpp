@@ -23,13 +23,15 @@ struct SiameseImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(Siamese);
 
+class RepeatedUnit : public ::testing::TestWithParam<Strategy> {};
+
 // Without prefetch a repeated unit is gathered for each of its forwards and
 // once in backward; with it (docs/design.md, "Prefetch") it stays gathered
 // between its two forwards in a row, the head stays gathered into backward,
 // and backward prefetches along the learned order without gathering a unit
 // it has already finished: two all-gathers fewer per step once the order is
 // learned.
-TEST(PrefetchOrder, AUnitCalledSeveralTimesInOneForwardTrainsLikeTorch) {
+TEST_P(RepeatedUnit, AUnitCalledSeveralTimesInOneForwardTrainsLikeTorch) {
   torch::manual_seed(5);
   auto xa = torch::randn({4, 7}), xb = torch::randn({4, 7});
   torch::manual_seed(0);
@@ -37,47 +39,48 @@ TEST(PrefetchOrder, AUnitCalledSeveralTimesInOneForwardTrainsLikeTorch) {
   torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.1));
   constexpr int kSteps = 3;
   auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(xa, xb).pow(2).sum(); });
-  for (auto s : kAllStrategies) {
-    auto r = run_ranks(2, [&](World& w) {
-      struct Out {
-        std::map<std::string, torch::Tensor> params;
-        int64_t gathers;
-        int peak_units = 0;
-      };
-      auto run = [&](bool prefetch) {
-        torch::manual_seed(0);
-        auto m = Siamese();
-        auto sm = shardtorch::shard(m, w, strategy_options(s, 2).prefetch(prefetch));
-        auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
-        auto part = [&](const torch::Tensor& x) { return x.narrow(0, 2 * w.rank(), 2); };
-        Out out{{}, -sm.comm_stats().all_gather.calls};  // the world's counters run on across models
-        for (int step = 0; step < kSteps; ++step) {
-          sm.reset_peak_memory();
-          opt->zero_grad();
-          (m(part(xa), part(xb)).pow(2).sum() * w.size()).backward();
-          require(sm.memory().gathered_units == 0, "units left gathered after backward");
-          require(sm.stats().reductions_deferred == 0, "a unit waited for its turn in the reduction order");
-          out.peak_units = std::max(out.peak_units, sm.memory().peak_gathered_units);
-          opt->step();
-        }
-        out.gathers += sm.comm_stats().all_gather.calls;
-        out.params = shardtorch::full_parameters(*m);
-        return out;
-      };
-      Out off = run(false), on = run(true);
-      expect_close_map(off.params, want, 1e-5, "a unit called twice");
-      require(expect_close_map(on.params, off.params, 0.0, "prefetch") == 0.0, "prefetch changed the result");
-      if (s != shardtorch::Strategy::FullShard && s != shardtorch::Strategy::HybridShard) return;
-      // Per step: enc, enc, mid, enc, head in forward (the root has no parameters of its own);
-      // head, enc and mid in backward (enc stays gathered until all three uses' gradients are in).
-      require(off.gathers == 8 * kSteps, "without prefetch: " + std::to_string(off.gathers) + " all-gathers");
-      require(on.gathers == off.gathers - 2 * (kSteps - 1),
-              "with prefetch: " + std::to_string(on.gathers) + " all-gathers, " + std::to_string(off.gathers) + " without");
-      require(on.peak_units <= 3, "with prefetch at most 3 units gathered, saw " + std::to_string(on.peak_units));
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+  const Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    struct Out {
+      std::map<std::string, torch::Tensor> params;
+      int64_t gathers;
+      int peak_units = 0;
+    };
+    auto run = [&](bool prefetch) {
+      torch::manual_seed(0);
+      auto m = Siamese();
+      auto sm = shardtorch::shard(m, w, strategy_options(s, 2).prefetch(prefetch));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      auto part = [&](const torch::Tensor& x) { return x.narrow(0, 2 * w.rank(), 2); };
+      Out out{{}, -sm.comm_stats().all_gather.calls};  // the world's counters run on across models
+      for (int step = 0; step < kSteps; ++step) {
+        sm.reset_peak_memory();
+        opt->zero_grad();
+        (m(part(xa), part(xb)).pow(2).sum() * w.size()).backward();
+        require(sm.memory().gathered_units == 0, "units left gathered after backward");
+        require(sm.stats().reductions_deferred == 0, "a unit waited for its turn in the reduction order");
+        out.peak_units = std::max(out.peak_units, sm.memory().peak_gathered_units);
+        opt->step();
+      }
+      out.gathers += sm.comm_stats().all_gather.calls;
+      out.params = shardtorch::full_parameters(*m);
+      return out;
+    };
+    Out off = run(false), on = run(true);
+    expect_close_map(off.params, want, 1e-5, "a unit called twice");
+    require(expect_close_map(on.params, off.params, 0.0, "prefetch") == 0.0, "prefetch changed the result");
+    if (s != shardtorch::Strategy::FullShard && s != shardtorch::Strategy::HybridShard) return;
+    // Per step: enc, enc, mid, enc, head in forward (the root has no parameters of its own);
+    // head, enc and mid in backward (enc stays gathered until all three uses' gradients are in).
+    require(off.gathers == 8 * kSteps, "without prefetch: " + std::to_string(off.gathers) + " all-gathers");
+    require(on.gathers == off.gathers - 2 * (kSteps - 1),
+            "with prefetch: " + std::to_string(on.gathers) + " all-gathers, " + std::to_string(off.gathers) + " without");
+    require(on.peak_units <= 3, "with prefetch at most 3 units gathered, saw " + std::to_string(on.peak_units));
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(PrefetchOrder, RepeatedUnit, ::testing::ValuesIn(kAllStrategies), StrategyName());
 
 /// Two towers sharing their units, the root returning both embeddings (a
 /// contrastive model): the root's output hooks fire in the middle of backward.

@@ -539,6 +539,8 @@ TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossR
   ASSERT_TRUE(malformed.ok) << malformed.summary();
 }
 
+class FrozenAndBuffers : public ::testing::TestWithParam<Strategy> {};
+
 // Frozen parameters (the MLP's l2 bias) are saved and loaded under every
 // strategy: under NoShard they used to be saved but not loaded (they kept
 // the loading model's own values, silently). Under bf16 mixed precision they
@@ -546,51 +548,52 @@ TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossR
 // with, so a checkpoint rounded them), in sharded checkpoints and full state
 // dicts alike. So is the buffer: the saver's `scale` holds values the loader's
 // fresh model does not (exact in bf16), so a load that skipped buffers fails.
-TEST(ShardedCheckpoint, FrozenParametersAndBuffersRoundTripUnderEveryStrategy) {
+TEST_P(FrozenAndBuffers, FrozenParametersAndBuffersRoundTrip) {
+  const Strategy s = GetParam();
   const at::Tensor scale = at::arange(7, at::kFloat).mul(0.25).add(0.5);
   for (bool bf16 : {false, true}) {
-    for (Strategy s : kAllStrategies) {
-      const std::string what = std::string(shardtorch::strategy_name(s)) + (bf16 ? " bf16" : "");
-      auto options = strategy_options(s, 2);
-      if (bf16) options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
-      const TempDir dir;
-      const std::string ckpt = (dir / "ckpt").string(), full = (dir / "full.safetensors").string();
-      std::map<std::string, at::Tensor> saved;  // what the ranks save: a fresh seed-0 model's values
+    const std::string what = std::string(shardtorch::strategy_name(s)) + (bf16 ? " bf16" : "");
+    auto options = strategy_options(s, 2);
+    if (bf16) options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
+    const TempDir dir;
+    const std::string ckpt = (dir / "ckpt").string(), full = (dir / "full.safetensors").string();
+    std::map<std::string, at::Tensor> saved;  // what the ranks save: a fresh seed-0 model's values
+    torch::manual_seed(0);
+    auto ref = MLP();
+    for (auto& item : ref->named_parameters()) saved[item.key()] = item.value().detach().clone();
+    require(!at::equal(saved.at("l2.lin.bias"), saved.at("l2.lin.bias").to(at::kBFloat16).to(at::kFloat)),
+            "the frozen bias is exact in bf16: the test would not see rounding");
+    auto a = run_ranks(2, [&](World& w) {
       torch::manual_seed(0);
-      auto ref = MLP();
-      for (auto& item : ref->named_parameters()) saved[item.key()] = item.value().detach().clone();
-      require(!at::equal(saved.at("l2.lin.bias"), saved.at("l2.lin.bias").to(at::kBFloat16).to(at::kFloat)),
-              "the frozen bias is exact in bf16: the test would not see rounding");
-      auto a = run_ranks(2, [&](World& w) {
-        torch::manual_seed(0);
+      auto m = MLP();
+      m->scale.copy_(scale);
+      shardtorch::shard(m, w, options);
+      shardtorch::save_sharded_checkpoint(*m, nullptr, ckpt, 0);
+      shardtorch::save_full_state_dict(*m, full);
+    });
+    ASSERT_TRUE(a.ok) << what << "\n" << a.summary();
+    auto b = run_ranks(2, [&](World& w) {
+      for (bool from_full : {false, true}) {
+        torch::manual_seed(1);  // other values everywhere, the frozen bias included
         auto m = MLP();
-        m->scale.copy_(scale);
+        require(!at::equal(m->l2->lin->bias, saved.at("l2.lin.bias")), "the seeds give the same frozen bias");
         shardtorch::shard(m, w, options);
-        shardtorch::save_sharded_checkpoint(*m, nullptr, ckpt, 0);
-        shardtorch::save_full_state_dict(*m, full);
-      });
-      ASSERT_TRUE(a.ok) << what << "\n" << a.summary();
-      auto b = run_ranks(2, [&](World& w) {
-        for (bool from_full : {false, true}) {
-          torch::manual_seed(1);  // other values everywhere, the frozen bias included
-          auto m = MLP();
-          require(!at::equal(m->l2->lin->bias, saved.at("l2.lin.bias")), "the seeds give the same frozen bias");
-          shardtorch::shard(m, w, options);
-          if (from_full) {
-            shardtorch::load_full_state_dict(*m, full);
-          } else {
-            shardtorch::load_sharded_checkpoint(*m, nullptr, ckpt);
-          }
-          const std::string from = from_full ? "full state dict" : "sharded checkpoint";
-          for (auto& [name, t] : shardtorch::full_parameters(*m))
-            require(at::equal(t, saved.at(name)), what + ": " + name + " was not loaded exactly from the " + from);
-          require(at::equal(m->scale.to(at::kFloat), scale), what + ": the buffer was not loaded from the " + from);
+        if (from_full) {
+          shardtorch::load_full_state_dict(*m, full);
+        } else {
+          shardtorch::load_sharded_checkpoint(*m, nullptr, ckpt);
         }
-      });
-      ASSERT_TRUE(b.ok) << what << "\n" << b.summary();
-    }
+        const std::string from = from_full ? "full state dict" : "sharded checkpoint";
+        for (auto& [name, t] : shardtorch::full_parameters(*m))
+          require(at::equal(t, saved.at(name)), what + ": " + name + " was not loaded exactly from the " + from);
+        require(at::equal(m->scale.to(at::kFloat), scale), what + ": the buffer was not loaded from the " + from);
+      }
+    });
+    ASSERT_TRUE(b.ok) << what << "\n" << b.summary();
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(ShardedCheckpoint, FrozenAndBuffers, ::testing::ValuesIn(kAllStrategies), StrategyName());
 
 // Optimizer state exists only for parameters that had gradients (here unit b,
 // which forward never runs, has none); a checkpoint

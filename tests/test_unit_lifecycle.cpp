@@ -163,7 +163,7 @@ TEST(UnitLifecycle, AForwardThatThrowsGivesItsUnitsBackAndTheRetryTrainsLikeTorc
       shardtorch::FullParams full(*m);
       expect_close_map(snapshot(*m), want, 1e-5, ckpt ? "checkpointed, after a failed forward" : "after a failed forward");
     });
-    ASSERT_TRUE(r.ok) << (ckpt ? "checkpointed: " : "") << r.summary();
+    EXPECT_TRUE(r.ok) << (ckpt ? "checkpointed: " : "") << r.summary();
   }
 }
 
