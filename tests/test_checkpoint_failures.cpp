@@ -311,9 +311,10 @@ TEST(CheckpointFailures, ASlowWriterIsWaitedForUnderTheFileTimeout) {
     auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
     const int slow = 0;
     for (int round = 0; round < 2; ++round) {
-      // Rank `slow` takes 2.5 s over its file, once written.
+      // Rank `slow` takes 2 s over its file, once written: the stall is the
+      // scenario, twice the collective timeout.
       shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
-        if (p == "file written" && w.rank() == slow) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+        if (p == "file written" && w.rank() == slow) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
       });
       if (round == 0) {
         shardtorch::save_full_state_dict(*m, (dir / "full.safetensors").string());
@@ -326,7 +327,7 @@ TEST(CheckpointFailures, ASlowWriterIsWaitedForUnderTheFileTimeout) {
     // And without the allowance, the same wait fails naming the collective.
     std::string e = "no error";
     shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
-      if (p == "file written" && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+      if (p == "file written" && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
     });
     try {
       shardtorch::checkpoint::save_file((dir / ("plain" + std::to_string(w.rank()))).string(), {{"x", torch::ones({2})}});
