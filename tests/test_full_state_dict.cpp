@@ -8,6 +8,7 @@
 #include <csignal>
 #include <fstream>
 
+#include "../src/checkpoint/safetensors_format.h"
 #include "checkpoint_helpers.h"
 #include "counting_allocator.h"
 #include "models.h"
