@@ -13,6 +13,7 @@
 #include "../src/files.h"
 #include "shardtorch/shardtorch.h"
 #include "shardtorch/testing.h"
+#include "temp_dir.h"
 
 namespace testmodels {
 
@@ -87,6 +88,35 @@ struct OnlyEmptyTrainsImpl : WithEmptyImpl {
 };
 SHARDTORCH_MODULE(OnlyEmptyTrains);
 
+/// A root that is not a unit: shard() makes units of its layers only.
+struct PlainRoot : torch::nn::Module {
+  PlainRoot()
+      : l1(register_module("l1", Layer(7, 5, true))),
+        l2(register_module("l2", Layer(5, 5, true))),
+        l3(register_module("l3", Layer(5, 3, false))) {}
+  torch::Tensor forward(torch::Tensor x) { return l3(l2(l1(x))); }
+  Layer l1, l2, l3;
+};
+
+/// A root unit with parameters of its own (the head) after two Layers; while
+/// `fail` is set its forward throws after the layers have run (the LM head
+/// running out of memory).
+struct FailingRootImpl : torch::nn::Module {
+  FailingRootImpl()
+      : l1(register_module("l1", Layer(7, 5, true))),
+        l2(register_module("l2", Layer(5, 5, true))),
+        head(register_module("head", torch::nn::Linear(5, 3))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = l2(l1(x));
+    if (fail) throw std::runtime_error("out of memory in the head (simulated)");
+    return head(h);
+  }
+  Layer l1, l2;
+  torch::nn::Linear head;
+  bool fail = false;
+};
+SHARDTORCH_MODULE(FailingRoot);
+
 /// name -> tensor, each distinct tensor once (tied parameters appear under their first name).
 inline std::vector<std::pair<std::string, torch::Tensor>> unique_params(torch::nn::Module& m) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
@@ -133,25 +163,6 @@ inline double expect_close_map(const std::map<std::string, torch::Tensor>& got,
   }
   return worst;
 }
-
-namespace files = shardtorch::files;
-
-/// A path for tests: a string with "/" to join, over shardtorch::files
-/// (POSIX calls; std::filesystem is not used anywhere: src/files.h says why).
-class Path {
- public:
-  Path(std::string s) : s_(std::move(s)) {}
-  Path(const char* s) : s_(s) {}
-  const std::string& string() const { return s_; }
-  operator const std::string&() const { return s_; }
-  friend Path operator/(const Path& a, const std::string& b) { return Path(files::join(a.s_, b)); }
-
- private:
-  std::string s_;
-};
-
-/// A fresh directory under the system's temporary directory.
-inline Path temp_dir(const std::string& prefix = "shardtorch-test") { return Path(files::make_temp_dir(prefix)); }
 
 inline void require(bool ok, const std::string& msg) {
   if (!ok) throw std::runtime_error(msg);
@@ -202,6 +213,15 @@ inline void step_both(torch::optim::Optimizer& ref, torch::Tensor& a, torch::opt
 const shardtorch::Strategy kAllStrategies[] = {shardtorch::Strategy::FullShard, shardtorch::Strategy::ShardGradOp,
                                                shardtorch::Strategy::OptimizerOnly, shardtorch::Strategy::NoShard,
                                                shardtorch::Strategy::HybridShard};
+
+/// The name of a test parameterised by a strategy: the strategy's
+/// ("full_shard"), for INSTANTIATE_TEST_SUITE_P.
+struct StrategyName {
+  template <class ParamInfo>
+  std::string operator()(const ParamInfo& info) const {
+    return shardtorch::strategy_name(info.param);
+  }
+};
 
 /// Options for a strategy at a world size (HybridShard: groups of 2 where 2 divides it, else 1).
 inline shardtorch::ShardOptions strategy_options(shardtorch::Strategy s, int world) {

@@ -11,6 +11,7 @@
 #include <regex>
 #include <sstream>
 
+#include "checkpoint_helpers.h"
 #include "models.h"
 #include "shardtorch/checkpoint.h"
 
@@ -35,20 +36,6 @@ struct CountedImpl : torch::nn::Module {
   torch::Tensor counts;
 };
 SHARDTORCH_MODULE(Counted);
-
-void write_raw(const std::string& p, const std::string& json, const std::string& data) {
-  std::string bytes(8, '\0');
-  uint64_t n = json.size();
-  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
-  std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes << json << data;
-}
-
-std::string read_text(const std::string& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // What `f` throws as a SafetensorsError (the library's checkpoint error);
 // another exception type, or none, is reported as such.
@@ -134,7 +121,7 @@ std::string replace_first(const std::string& text, const std::string& pattern, c
 // Opening a FIFO to read waits for a writer: the safetensors reader (and
 // load_file over it) used to open before it looked, and block forever.
 TEST(NotACheckpoint, TheSafetensorsReaderRefusesAFifoADirectoryAndADeviceWithoutBlocking) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string fifo = (dir / "model.safetensors").string();
   make_fifo(fifo);
   bounded([&] {
@@ -146,11 +133,10 @@ TEST(NotACheckpoint, TheSafetensorsReaderRefusesAFifoADirectoryAndADeviceWithout
       require_has(e, "is " + kind + ", not a regular file");
     }
   });
-  files::remove_all(dir);
 }
 
 TEST(NotACheckpoint, LoadFullStateDictRefusesAFifoWithoutBlocking) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string fifo = (dir / "model.safetensors").string();
   make_fifo(fifo);
   const auto t0 = std::chrono::steady_clock::now();
@@ -164,13 +150,12 @@ TEST(NotACheckpoint, LoadFullStateDictRefusesAFifoWithoutBlocking) {
   }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(30)));  // a blocked reader is killed
   ASSERT_TRUE(r.ok) << r.summary();
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
-  files::remove_all(dir);
 }
 
 // The index and every shard file: a FIFO index used to block the loader in
 // its open (the shard files were checked with stat already).
 TEST(NotACheckpoint, LoadShardedCheckpointRefusesAFifoIndexOrShardWithoutBlocking) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = saved_mlp(dir);
   for (const std::string file : {"index.json", "rank-1.safetensors"}) {
     const std::string copy = (dir / ("fifo-" + file)).string();
@@ -183,11 +168,10 @@ TEST(NotACheckpoint, LoadShardedCheckpointRefusesAFifoIndexOrShardWithoutBlockin
     EXPECT_NE(e.find("is a FIFO, not a regular file"), std::string::npos) << e;
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
   }
-  files::remove_all(dir);
 }
 
 TEST(NotACheckpoint, ReadShardedCheckpointRefusesAFifoIndexOrShardWithoutBlocking) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = saved_mlp(dir);
   for (const std::string file : {"index.json", "rank-0.safetensors"}) {
     const std::string copy = (dir / ("fifo-" + file)).string();
@@ -200,13 +184,12 @@ TEST(NotACheckpoint, ReadShardedCheckpointRefusesAFifoIndexOrShardWithoutBlockin
       require_has(e, "is a FIFO, not a regular file");
     });
   }
-  files::remove_all(dir);
 }
 
 // A shard that is a directory: the offline reader threw std::runtime_error
 // (from a file-size helper) where the loader gave the checkpoint error.
 TEST(NotACheckpoint, AShardThatIsADirectoryIsTheCheckpointErrorForBothReaders) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = saved_mlp(dir);
   const std::string copy = (dir / "dir-shard").string();
   files::copy_tree(ckpt, copy);
@@ -217,7 +200,6 @@ TEST(NotACheckpoint, AShardThatIsADirectoryIsTheCheckpointErrorForBothReaders) {
   EXPECT_NE(offline.find(needle), std::string::npos) << offline;
   const std::string loaded = mlp_load_error(copy);
   EXPECT_NE(loaded.find(needle), std::string::npos) << loaded;
-  files::remove_all(dir);
 }
 
 // ---------------------------------------------------------------- names and metadata that are not UTF-8
@@ -225,7 +207,7 @@ TEST(NotACheckpoint, AShardThatIsADirectoryIsTheCheckpointErrorForBothReaders) {
 // Python's safetensors refuses such a header; the reader accepted it (a bad
 // metadata value loaded silently, a bad name failed for another reason).
 TEST(NotACheckpoint, NamesAndMetadataThatAreNotUtf8AreRefusedOnReading) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string p = (dir / "bad.safetensors").string();
   const std::string tensor = R"("t":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
   struct Bad {
@@ -264,7 +246,6 @@ TEST(NotACheckpoint, NamesAndMetadataThatAreNotUtf8AreRefusedOnReading) {
                 "__metadata__ value 'f\\xFFne' of 'note' is not valid UTF-8");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(dir);
 }
 
 // ---------------------------------------------------------------- dtypes: widening and float to float only
@@ -339,7 +320,7 @@ std::string load_counted(const CastCase& c, bool sharded, bool allow_lossy, cons
 // A parameter or buffer saved in another dtype was cast silently, a float
 // into an integer buffer too (2.7 became 2). Refused now unless asked for.
 TEST(NotACheckpoint, LossyCastsAreRefusedByBothLoadersUnlessAllowed) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const CastCase f64_params{"f64-params", [] { return Counted(at::kLong, 5, at::kDouble); }};
   const CastCase i32_counts{"i32-counts", [] { return Counted(at::kInt, 7); }};
   const CastCase f32_counts{"f32-counts", [] { return Counted(at::kFloat, 2.7); }};
@@ -367,7 +348,6 @@ TEST(NotACheckpoint, LossyCastsAreRefusedByBothLoadersUnlessAllowed) {
     EXPECT_EQ(load_counted(f32_counts, sharded, true, dir, got), "") << which;
     if (!got.empty()) EXPECT_TRUE(at::equal(got.at("counts"), torch::full({2}, 2, torch::kLong))) << which;
   }
-  files::remove_all(dir);
 }
 
 // ---------------------------------------------------------------- the sharded index
@@ -375,7 +355,7 @@ TEST(NotACheckpoint, LossyCastsAreRefusedByBothLoadersUnlessAllowed) {
 // Values no save writes are refused, by the loader and the offline reader
 // alike, naming index.json and the value.
 TEST(NotACheckpoint, AnIndexWithImpossibleValuesIsRefusedByBothReaders) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = saved_mlp(dir);
   ASSERT_EQ(mlp_load_error(ckpt), "");
   struct Case {
@@ -423,7 +403,6 @@ TEST(NotACheckpoint, AnIndexWithImpossibleValuesIsRefusedByBothReaders) {
     });
     EXPECT_EQ(checkpoint_error([&] { shardtorch::read_sharded_checkpoint(copy); }), "no error") << name;
   }
-  files::remove_all(dir);
 }
 
 // A tensor whose entries were taken out of the index: the loader refused
@@ -431,7 +410,7 @@ TEST(NotACheckpoint, AnIndexWithImpossibleValuesIsRefusedByBothReaders) {
 // with only a parameter's momentum entries gone, the loader too dropped its
 // state silently. Both refuse, naming the file and the tensor.
 TEST(NotACheckpoint, BothReadersRefuseATensorWhoseEntriesWereTakenOutOfTheIndex) {
-  const auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = saved_mlp(dir);
   auto without = [&](const std::string& name, const std::string& kinds) {
     return with_index(ckpt, "without-" + name + "-" + kinds, [&](std::string t) {
@@ -450,5 +429,4 @@ TEST(NotACheckpoint, BothReadersRefuseATensorWhoseEntriesWereTakenOutOfTheIndex)
       EXPECT_NE(e.find(needle), std::string::npos) << name << " " << kinds << ": " << e;
     }
   }
-  files::remove_all(dir);
 }

@@ -52,7 +52,7 @@ TEST(Checksum, KnownValuesAndAnySplitGiveTheSame) {
 // checksums in its index (as earlier versions wrote it) loads, and a file
 // that does not match its FNV-1a checksum is refused.
 TEST(ShardedCheckpoint, ChecksumsAreXxh3AndCheckpointsWithFnvChecksumsStillLoad) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string();
   auto save = run_ranks(2, [&](World& w) {
     auto model = MLP();
@@ -95,5 +95,4 @@ TEST(ShardedCheckpoint, ChecksumsAreXxh3AndCheckpointsWithFnvChecksumsStillLoad)
   files::copy_file(ckpt + "-twin/rank-1.safetensors", legacy + "/rank-1.safetensors");
   const std::string e = load_error(legacy);
   EXPECT_NE(e.find("'rank-1.safetensors' does not match its checksum in the index"), std::string::npos) << e;
-  files::remove_all(dir);
 }

@@ -343,7 +343,7 @@ TEST(DeferredShard, PeakIsUnitsNotModel) {
 // every strategy, equals an eager model loaded from the same files, bit for
 // bit; the loaders read each rank's own ranges (their existing path).
 TEST(DeferredShard, LoadsCheckpointsWithoutReplay) {
-  auto dir = temp_dir("shardtorch-deferred");
+  const TempDir dir("shardtorch-deferred");
   const std::string full = (dir / "full.safetensors").string(), sharded = (dir / "ck").string();
   auto made = run_ranks(2, [&](World& w) {
     torch::manual_seed(5);

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <csignal>
@@ -24,6 +25,33 @@ void expect_all_fail_with(const shardtorch::testing::RunResult& r, std::vector<s
 }
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Waits until this rank's progress record in the store (src/progress.h) has
+// it at `step`, `phase` and `unit`: what its peers read when they fail.
+void wait_until_recorded(World& w, int64_t step, const std::string& phase, const std::string& unit) {
+  c10d::PrefixStore store("shardtorch-peers", w.store());
+  const std::string key = "progress/" + std::to_string(w.rank());
+  const std::string want = std::to_string(step) + "\t" + phase + "\t" + unit + "\t";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (;;) {
+    if (store.check({key})) {
+      const auto v = store.get(key);
+      if (std::string(v.begin(), v.end()).rfind(want, 0) == 0) return;
+    }
+    if (std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error("rank " + std::to_string(w.rank()) + "'s progress record never reached " + phase);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+// Ranks that stay away on purpose wait for the others' `done` marks in the
+// store rather than for a fixed time.
+void mark_done(World& w) { w.store()->set("rank " + std::to_string(w.rank()) + " done", std::vector<uint8_t>{1}); }
+void wait_until_done(World& w, const std::vector<int>& ranks) {
+  std::vector<std::string> keys;
+  for (int r : ranks) keys.push_back("rank " + std::to_string(r) + " done");
+  w.store()->wait(keys, std::chrono::seconds(60));
 }
 }  // namespace
 
@@ -147,9 +175,8 @@ TEST(Faults, KilledRankMakesTheOthersFailNamingTheOperation) {
     for (int step = 0; step < 3; ++step) {
       opt->zero_grad();
       auto loss = gpt::lm_loss(model(x), x);
-      if (step == 1 && w.rank() == 1) {  // dies in the middle of a step
-        // (after its progress record caught up: it is written at most every 20 ms)
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      if (step == 1 && w.rank() == 1) {  // dies in the middle of a step, once its peers can read where
+        wait_until_recorded(w, 1, "forward", "head");
         ::raise(SIGKILL);
       }
       loss.backward();
@@ -180,17 +207,19 @@ TEST(Faults, StuckRankTimesOutWithinTheCollectiveTimeout) {
     MLP m;
     shardtorch::shard(m, w);
     if (w.rank() == 1) {
-      std::this_thread::sleep_for(std::chrono::seconds(8));  // alive but never joins
+      wait_until_done(w, {0});  // alive but never joins
       return;
     }
     auto t0 = std::chrono::steady_clock::now();
     try {
       m(torch::randn({4, 7}));
     } catch (const std::exception& e) {
+      mark_done(w);
       double waited = seconds_since(t0);
       require(waited < 6.0, "gave up only after " + std::to_string(waited) + " s");
       throw;
     }
+    mark_done(w);
   }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
   EXPECT_EQ(r.ranks[1].exit_code, 0) << r.summary();
   EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
@@ -214,11 +243,13 @@ TEST(Faults, AStoppedRankIsNamedAsSilent) {
     MLP m;
     shardtorch::shard(m, w);
     if (w.rank() == 1) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // its record written
-      ::raise(SIGSTOP);  // the parent's time limit kills it
+      wait_until_recorded(w, 0, "shard() done", "");
+      // The stall is the scenario: stopped until the run's time limit kills
+      // it, after rank 0 has failed at its 4 s collective timeout.
+      ::raise(SIGSTOP);
     }
     m(torch::randn({4, 7}));
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(4)).timeout(std::chrono::seconds(9)));
+  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(4)).timeout(std::chrono::seconds(7)));
   EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
   EXPECT_TRUE(r.ranks[1].timed_out) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 stopped reporting "), std::string::npos) << r.summary();
@@ -254,10 +285,16 @@ TEST(Faults, GroupsOfBadRankListsFailFastNamingTheGroup) {
 
   auto missing = run_ranks(3, [](World& w) {
     if (w.rank() == 1) {
-      std::this_thread::sleep_for(std::chrono::seconds(6));  // alive, never joins
+      wait_until_done(w, {0, 2});  // alive, never joins
       return;
     }
-    w.new_group({0, 1, 2}, "all");
+    try {
+      w.new_group({0, 1, 2}, "all");
+    } catch (...) {
+      mark_done(w);
+      throw;
+    }
+    mark_done(w);
   }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
   EXPECT_EQ(missing.ranks[1].exit_code, 0) << missing.summary();
   for (int k : {0, 2}) {

@@ -7,8 +7,10 @@
 #include <fstream>
 
 #include "../src/files.h"
+#include "temp_dir.h"
 
 namespace files = shardtorch::files;
+using testmodels::TempDir;
 
 TEST(Files, PathArithmeticAgreesWithStdFilesystem) {
   EXPECT_EQ(files::parent_path("a/b"), "a");
@@ -37,7 +39,8 @@ TEST(Files, PathArithmeticAgreesWithStdFilesystem) {
 }
 
 TEST(Files, TreesAreMadeCopiedListedAndRemoved) {
-  const std::string root = files::make_temp_dir("shardtorch-files");
+  const TempDir made("shardtorch-files");  // removed by the test itself; by this if an ASSERT stops it first
+  const std::string root = made.string();
   ASSERT_TRUE(files::is_directory(root));
   EXPECT_TRUE(files::is_empty_directory(root));
   files::create_directories(root + "/a/b/c");
@@ -79,7 +82,8 @@ TEST(Files, TreesAreMadeCopiedListedAndRemoved) {
 }
 
 TEST(Files, FailuresNameTheCallThePathAndTheReason) {
-  const std::string root = files::make_temp_dir("shardtorch-files");
+  const TempDir made("shardtorch-files");
+  const std::string root = made.string();
   auto message = [](auto f) {
     try {
       f();

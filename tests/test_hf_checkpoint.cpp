@@ -16,6 +16,7 @@
 #include <set>
 
 #include "counting_allocator.h"
+#include "checkpoint_helpers.h"
 #include "models.h"
 #include "shardtorch/hf_checkpoint.h"
 
@@ -108,15 +109,6 @@ void require_bitwise(const std::map<std::string, torch::Tensor>& got, const std:
 
 std::map<std::string, torch::Tensor> as_map(const Tensors& ts) { return {ts.begin(), ts.end()}; }
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // The files a rank must open for the GPT of gpt_file_of: those holding an
@@ -142,7 +134,7 @@ std::set<std::string> files_needed(const shardtorch::ShardedModel& sm, World& w,
 }
 
 struct GptCheckpoint {
-  Path dir;
+  TempDir dir;
   std::string full;  // the same values as a full state dict
   std::map<std::string, torch::Tensor> values;  // every name
 };
@@ -150,7 +142,7 @@ struct GptCheckpoint {
 // A GPT's values (seed 5, then perturbed so that no two LayerNorms are
 // alike) as a full state dict and in the Hugging Face layout of gpt_file_of.
 GptCheckpoint make_gpt_checkpoint(const gpt::Config& cfg = gpt::Config{}) {
-  GptCheckpoint c{temp_dir("shardtorch-hf"), "", {}};
+  GptCheckpoint c{TempDir("shardtorch-hf"), "", {}};
   torch::manual_seed(5);
   gpt::GPT src(cfg);
   {
@@ -195,7 +187,6 @@ void parity(int world) {
     });
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << " at " << world << ": " << r.summary();
   }
-  files::remove_all(ck.dir);
 }
 
 
@@ -223,7 +214,6 @@ TEST(HfCheckpoint, SingleFileLoadsLikeTheIndex) {
     }
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(ck.dir);
 }
 
 // Each rank opens only its files: a file only rank 1 needs (the blocks' fc2)
@@ -264,7 +254,6 @@ TEST(HfCheckpoint, EachRankOpensOnlyTheFilesHoldingItsElements) {
     EXPECT_TRUE(bad.ok) << file << ": " << bad.summary();
     files::copy_file(saved, path);
   }
-  files::remove_all(ck.dir);
 }
 
 // Names: prefix rules (the first that matches applies), then the user's
@@ -303,7 +292,6 @@ TEST(HfCheckpoint, NamesAreMappedByPrefixRulesAndAFunction) {
     require(has(msg, "rank 0: ") && has(msg, "unexpected tensor 'model.") && has(msg, "strip_prefix"), "got: " + msg);
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(ck.dir);
 }
 
 // A bf16 checkpoint loads into fp32 parameters (widening: always allowed),
@@ -347,7 +335,6 @@ TEST(HfCheckpoint, Bf16FileIntoFp32ModelAndTheCastRule) {
     require(full_values(*m).at("ln_f.weight").eq(3).all().item<bool>(), "ln_f.weight not loaded as 3");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(ck.dir);
 }
 
 // Every bad input fails every rank before anything changes, naming the rank
@@ -437,7 +424,6 @@ TEST(HfCheckpoint, BadInputsFailEveryRankWithTheModelUnchanged) {
     require_bitwise(full_values(*m), ck.values, "ignore_unexpected");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(ck.dir);
 }
 
 // The scale path, test-sized: a GPT built deferred, sharded without replay
@@ -501,7 +487,6 @@ TEST(HfCheckpoint, DeferredLoadPeakIsShardsPlusOneUnit) {
     });
     ASSERT_TRUE(r.ok) << "world " << world << ": " << r.summary();
   }
-  files::remove_all(ck.dir);
 }
 
 // The same path initialised by the model's own constructors, replayed one
@@ -634,7 +619,6 @@ TEST(HfSave, WritesTheLayoutThatLoadsBackAtOtherWorldSizesBitwise) {
       ASSERT_TRUE(back.ok) << shardtorch::strategy_name(s) << " back at " << world << ": " << back.summary();
     }
   }
-  files::remove_all(ck.dir);
 }
 
 // A prefix, a name function that leaves tensors out, and bf16 on writing:
@@ -677,7 +661,6 @@ TEST(HfSave, PrefixNameMappingAndDtype) {
     }
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(ck.dir);
 }
 
 // A name mapping that drops whole flat parameters (every unit but one):
@@ -718,7 +701,6 @@ TEST(HfSave, ANameMappingThatDropsWholeUnitsGathersOnlyTheKeptOnes) {
     }
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(ck.dir);
 }
 
 // Rank 0 failing while it writes a file: every rank throws, and the earlier
@@ -755,7 +737,6 @@ TEST(HfSave, AFailedWriteFailsEveryRankAndKeepsTheEarlierCheckpoint) {
     require_bitwise(full_values(*lazy), ck.values, "the earlier checkpoint");
   });
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(ck.dir);
 }
 
 // A name mapping that answers differently on one rank, or throws on one rank:

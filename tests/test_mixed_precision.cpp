@@ -452,7 +452,7 @@ TEST(MixedPrecision, ConfigurationErrors) {
 // the same scale after every step (growth after 2 good steps, one of them
 // before the save), the same skipped steps, the same parameters bitwise.
 TEST(MixedPrecision, AGradScalerResumedFromACheckpointScalesAsTheUninterruptedRun) {
-  auto dir = temp_dir();
+  const TempDir dir;
   const std::string ckpt = (dir / "step-3").string();
   auto r = run_ranks(2, [&](World& w) {
     auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
@@ -509,7 +509,6 @@ TEST(MixedPrecision, AGradScalerResumedFromACheckpointScalesAsTheUninterruptedRu
     auto a = shardtorch::full_parameters(*whole->model), b = shardtorch::full_parameters(*resumed->model);
     for (auto& [n, t] : a) require(at::equal(t, b.at(n)), "resumed run differs from the uninterrupted one at " + n);
   });
-  files::remove_all(dir);
   ASSERT_TRUE(r.ok) << r.summary();
 }
 

@@ -246,7 +246,7 @@ TEST(Offload, NoShardRefusesOffloadNamingTheAlternative) {
 }
 
 TEST(Offload, CheckpointsMoveBetweenOffloadedAndResidentModelsBitwise) {
-  const Path dir = temp_dir("shardtorch-offload");
+  const TempDir dir("shardtorch-offload");
   auto x = gpt_tokens();
   auto save = [&](int world, bool offload, const std::string& where, bool load_first, const std::string& from) {
     return run_ranks(world, [&](World& w) {
@@ -291,7 +291,6 @@ TEST(Offload, CheckpointsMoveBetweenOffloadedAndResidentModelsBitwise) {
     ASSERT_EQ(again.size(), whole.size()) << p;
     for (auto& [k, v] : whole) EXPECT_TRUE(at::equal(again.at(k), v)) << k << " differs in " << p << ".safetensors";
   }
-  files::remove_all(dir);
 }
 
 TEST(Offload, GradScalerAndSummonWithGradsMatchResidentTrainingAndWritebackReachesTheHostMasters) {
@@ -368,7 +367,7 @@ class DataSgd : public torch::optim::Optimizer {
 // give exactly what they give without offload. (Writeback summons are
 // refused under mixed precision.)
 TEST(Offload, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAgainAfterAnyOtherChange) {
-  const Path dir = temp_dir("shardtorch-lowcopy");
+  const TempDir dir("shardtorch-lowcopy");
   const std::string saved = (dir / "init.safetensors").string();
   {
     torch::manual_seed(7);
@@ -457,7 +456,6 @@ TEST(Offload, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAgainAfterAnyOt
       ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
     }
   }
-  files::remove_all(dir);
 }
 
 // What the masters' bf16 copies are for: the same gathers move half the
@@ -485,7 +483,8 @@ TEST(Offload, UnderBf16TheCopiesToTheDeviceMoveHalfTheBytesOfFp32) {
           opt->step();
         }
         to_device.push_back(sm.stats().offload.to_device_bytes);
-        require(sm.stats().offload.to_host_bytes > 0, "no gradient copied to host memory");
+        require(sm.stats().offload.to_host_bytes > 0,
+                std::string(shardtorch::strategy_name(s)) + ": no gradient copied to host memory");
       }
       const std::string name = shardtorch::strategy_name(s);
       require(to_device[0] >= 2 * shard_bytes_fp32, name + ": fp32 sent " + std::to_string(to_device[0]) +

@@ -427,61 +427,65 @@ INSTANTIATE_TEST_SUITE_P(EveryStrategy, Recompute,
                                   std::to_string(std::get<1>(info.param)) + "ranks";
                          });
 
+class Autocast : public ::testing::TestWithParam<Strategy> {};
+
 // A forward under autocast computes in bf16; backward runs after the user
 // has left the autocast region, so the recomputation must replay the region's
 // state or its matmuls run in fp32 and the gradients differ.
-TEST(Recompute, AutocastRegionIsReplayed) {
+TEST_P(Autocast, AutocastRegionIsReplayed) {
   auto x = gpt_tokens();
-  for (auto strategy : {Strategy::FullShard, Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      auto train = [&](bool ckpt, bool autocast, bool backward_inside = false) {
-        torch::manual_seed(0);
-        auto model = gpt::GPT(gpt::Config{});
-        shardtorch::shard(model, w, strategy_options(strategy, 2).activation_checkpointing(ckpt));
-        auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
-        const int64_t per = kBatch / w.size();
-        auto xs = x.narrow(0, w.rank() * per, per);
-        for (int s = 0; s < 3; ++s) {
-          opt->zero_grad();
-          at::Tensor loss;
-          {
-            at::autocast::set_autocast_enabled(at::kCPU, autocast);
-            at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-            loss = gpt::lm_loss(model(xs), xs);
-            if (backward_inside) {
-              loss.backward();
-              require(at::autocast::is_autocast_enabled(at::kCPU) &&
-                          at::autocast::get_autocast_dtype(at::kCPU) == at::kBFloat16 &&
-                          at::autocast::is_autocast_cache_enabled(),
-                      "the recomputation left the thread's autocast state changed");
-            }
-            at::autocast::set_autocast_enabled(at::kCPU, false);
-            at::autocast::clear_cache();
-          }
-          if (!backward_inside) {
+  const Strategy strategy = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    auto train = [&](bool ckpt, bool autocast, bool backward_inside = false) {
+      torch::manual_seed(0);
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w, strategy_options(strategy, 2).activation_checkpointing(ckpt));
+      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+      const int64_t per = kBatch / w.size();
+      auto xs = x.narrow(0, w.rank() * per, per);
+      for (int s = 0; s < 3; ++s) {
+        opt->zero_grad();
+        at::Tensor loss;
+        {
+          at::autocast::set_autocast_enabled(at::kCPU, autocast);
+          at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+          loss = gpt::lm_loss(model(xs), xs);
+          if (backward_inside) {
             loss.backward();
-            require(!at::autocast::is_autocast_enabled(at::kCPU) && at::autocast::is_autocast_cache_enabled(),
+            require(at::autocast::is_autocast_enabled(at::kCPU) &&
+                        at::autocast::get_autocast_dtype(at::kCPU) == at::kBFloat16 &&
+                        at::autocast::is_autocast_cache_enabled(),
                     "the recomputation left the thread's autocast state changed");
           }
-          opt->step();
+          at::autocast::set_autocast_enabled(at::kCPU, false);
+          at::autocast::clear_cache();
         }
-        shardtorch::FullParams full(*model);
-        return snapshot(*model);
-      };
-      const std::string what = std::string(shardtorch::strategy_name(strategy)) + " under autocast";
-      auto plain = train(false, true);
-      require_bitwise(train(true, true), plain, what);
-      // Backward inside the region: the recomputation must not reuse casts
-      // cached by another run.
-      require_bitwise(train(true, true, true), train(false, true, true), what + ", backward inside the region");
-      // Not vacuous: autocast changes the result.
-      auto fp32 = train(false, false);
-      require(!torch::equal(fp32.at("blocks.0.fc1.weight"), plain.at("blocks.0.fc1.weight")),
-              what + ": autocast changed nothing");
-    });
-    ASSERT_TRUE(r.ok) << r.summary();
-  }
+        if (!backward_inside) {
+          loss.backward();
+          require(!at::autocast::is_autocast_enabled(at::kCPU) && at::autocast::is_autocast_cache_enabled(),
+                  "the recomputation left the thread's autocast state changed");
+        }
+        opt->step();
+      }
+      shardtorch::FullParams full(*model);
+      return snapshot(*model);
+    };
+    const std::string what = std::string(shardtorch::strategy_name(strategy)) + " under autocast";
+    auto plain = train(false, true);
+    require_bitwise(train(true, true), plain, what);
+    // Backward inside the region: the recomputation must not reuse casts
+    // cached by another run.
+    require_bitwise(train(true, true, true), train(false, true, true), what + ", backward inside the region");
+    // Not vacuous: autocast changes the result.
+    auto fp32 = train(false, false);
+    require(!torch::equal(fp32.at("blocks.0.fc1.weight"), plain.at("blocks.0.fc1.weight")),
+            what + ": autocast changed nothing");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(Recompute, Autocast, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
+                         StrategyName());
 
 // An optional tensor argument is a differentiable input; a parameter
 // returned as it is stays a leaf that trains; a frozen unit fed by data costs
@@ -683,8 +687,9 @@ TEST(Recompute, WhatCannotBeCheckpointedIsAClearError) {
     for (auto strategy : {Strategy::FullShard, Strategy::NoShard}) {
       auto model = OddNet();
       shardtorch::shard(model, w, ShardOptions().strategy(strategy).activation_checkpointing(true));
-      require(model->o->inner->checkpoint_label() == "o.inner", "inner layer not checkpointed");
-      require(model->o->checkpoint_label() == "?", "enclosing unit checkpointed");
+      const std::string name = shardtorch::strategy_name(strategy);
+      require(model->o->inner->checkpoint_label() == "o.inner", name + ": inner layer not checkpointed");
+      require(model->o->checkpoint_label() == "?", name + ": enclosing unit checkpointed");
       // The unit returning a number beside its tensor cannot give its outputs
       // back: an error at its forward.
       bool threw = false;
@@ -693,7 +698,7 @@ TEST(Recompute, WhatCannotBeCheckpointedIsAClearError) {
       } catch (const std::exception& ex) {
         threw = has(ex.what(), "unit 'p' is checkpointed") && has(ex.what(), "returns something other than tensors");
       }
-      require(threw, "a checkpointed unit returning a number did not fail clearly");
+      require(threw, name + ": a checkpointed unit returning a number did not fail clearly");
       torch::NoGradGuard no_grad;  // without grad mode nothing is checkpointed
       model(torch::randn({2, 6}));
     }

@@ -480,7 +480,7 @@ TEST(Configuration, AGroupOfSomeRanksDoesNotUpsetTheGroupsShardMakes) {
       auto sm = shardtorch::shard(model, w, strategy_options(s, 4));
       torch::manual_seed(1);
       torch::mse_loss(model(torch::randn({2, 7})), torch::zeros({2, 3})).backward();
-      require(sm.stats().gradient_reductions > 0, "nothing reduced");
+      require(sm.stats().gradient_reductions > 0, std::string(shardtorch::strategy_name(s)) + ": nothing reduced");
     }
   }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
   ASSERT_TRUE(r.ok) << r.summary();

@@ -1,0 +1,434 @@
+// Checkpoint failures: every rank fails alike, naming the rank and the
+// problem, and nothing is half-done (no model, optimizer or checkpoint on
+// disk changes).
+#include <gtest/gtest.h>
+
+#include <sys/resource.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <thread>
+
+#include "checkpoint_helpers.h"
+#include "models.h"
+#include "shardtorch/checkpoint.h"
+
+using namespace testmodels;
+using shardtorch::Strategy;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+
+namespace {
+
+// MLP (FullShard unless told) with SGD and momentum, one step taken, so there
+// are parameters, a buffer and optimizer state to compare before and after.
+struct Trained {
+  MLP model;
+  std::unique_ptr<shardtorch::ShardedOptimizer> opt;
+  Trained(World& w, int64_t hidden = 13, bool extra = false, Strategy s = Strategy::FullShard, unsigned seed = 0) {
+    torch::manual_seed(seed);
+    model = MLP(hidden, extra);
+    shardtorch::shard(model, w, strategy_options(s, w.size()));
+    opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1).momentum(0.9));
+    opt->zero_grad();
+    model(torch::ones({2, 7}) * (1 + w.rank())).sum().backward();
+    opt->step();
+  }
+  std::map<std::string, at::Tensor> values() {
+    auto out = shardtorch::full_parameters(*model);
+    for (const auto& item : model->named_buffers()) out[item.key()] = item.value().clone();
+    for (const auto& [key, s] : opt->inner().state()) {
+      auto* m = dynamic_cast<torch::optim::SGDParamState*>(s.get());
+      out["momentum@" + std::to_string(reinterpret_cast<uintptr_t>(key))] = m->momentum_buffer().clone();
+    }
+    return out;
+  }
+};
+
+void require_unchanged(const std::map<std::string, at::Tensor>& before, const std::map<std::string, at::Tensor>& after,
+                       const std::string& what) {
+  require(before.size() == after.size(), what + ": the set of tensors changed");
+  for (const auto& [k, v] : before) require(at::equal(after.at(k), v), what + ": '" + k + "' changed");
+}
+
+// Runs a load that must fail; requires that it changed nothing of `t`
+// (parameters, buffers, optimizer state) and returns its message.
+std::string failing_load(Trained& t, const std::function<void()>& load) {
+  const auto before = t.values();
+  std::string e = message_of(load);
+  require(!e.empty(), "the load succeeded");
+  require_unchanged(before, t.values(), "after the failed load");
+  return e;
+}
+
+}  // namespace
+
+// A problem only one rank can see (its own shard file) fails every rank, and
+// no rank's model or optimizer changes: they used to load on the ranks that
+// did not read the bad file, and carry on alone.
+TEST(CheckpointFailures, AShardOnlyOneRankReadsFailsEveryRankAndChangesNothing) {
+  const TempDir dir;
+  const std::string ckpt = (dir / "ckpt").string();
+  auto saved = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 1);
+  });
+  ASSERT_TRUE(saved.ok) << saved.summary();
+  files::resize_file(Path(ckpt) / "rank-1.safetensors", 100);
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, 13, false, Strategy::FullShard, /*seed=*/7);
+    std::string e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt); });
+    require(e.find("rank 1: ") != std::string::npos && e.find("'rank-1.safetensors' has 100 bytes") != std::string::npos,
+            "expected every rank to name rank 1 and its truncated file, got: " + e);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// The same for full state dicts: rank 1's file has a tensor of another shape;
+// neither rank changes anything (under ShardGradOp the replicated full
+// parameters would otherwise disagree with the master shards).
+TEST(CheckpointFailures, AFullStateDictOneRankCannotLoadFailsEveryRankAndChangesNothing) {
+  const TempDir dir;
+  const std::string good = (dir / "good.safetensors").string(), bad = (dir / "bad.safetensors").string();
+  auto saved = run_ranks(1, [&](World& w) {
+    Trained t(w, 13, false, Strategy::FullShard, 3);
+    shardtorch::save_full_state_dict(*t.model, good);
+  });
+  ASSERT_TRUE(saved.ok) << saved.summary();
+  auto sd = shardtorch::checkpoint::load_file(good);
+  sd["l3.lin.bias"] = at::zeros({4});
+  shardtorch::checkpoint::save_file(bad, std::vector<std::pair<std::string, at::Tensor>>(sd.begin(), sd.end()));
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, 13, false, Strategy::ShardGradOp);
+    std::string e = failing_load(t, [&] { shardtorch::load_full_state_dict(*t.model, w.rank() == 1 ? bad : good); });
+    require(e.find("rank 1: ") != std::string::npos && e.find("'l3.lin.bias' has shape [4]") != std::string::npos,
+            "expected every rank to name rank 1 and the mis-shaped bias, got: " + e);
+    // Afterwards the good file loads on both ranks.
+    shardtorch::load_full_state_dict(*t.model, good);
+    auto loaded = shardtorch::full_parameters(*t.model);
+    for (const auto& [n, v] : shardtorch::checkpoint::load_file(good))
+      if (loaded.count(n)) require(at::equal(loaded.at(n), v), n + " did not load after the failure");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Ranks that read different checkpoints (a copy per node, one of them stale)
+// fail alike instead of training on shards from two steps.
+TEST(CheckpointFailures, RanksReadingDifferentCheckpointsFailAlike) {
+  const TempDir dir;
+  const std::string a = (dir / "a").string(), b = (dir / "b").string();
+  auto saved = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), a, 1);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), b, 2);
+  });
+  ASSERT_TRUE(saved.ok) << saved.summary();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, 13, false, Strategy::FullShard, 7);
+    std::string e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), w.rank() ? b : a); });
+    require(e.find("rank 1 read step 2") != std::string::npos && e.find("rank 0 read step 1") != std::string::npos,
+            "expected both ranks to name the two steps, got: " + e);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Shapes are recorded in the index and checked: a resized model, or a
+// checkpoint with parameters the model lacks, is refused by name (element
+// ranges alone used to let a smaller weight load, scrambled).
+TEST(CheckpointFailures, ShapesThatDifferAndUnexpectedTensorsAreRefusedByName) {
+  const TempDir dir;
+  const std::string wide = (dir / "wide").string(), extra = (dir / "extra").string();
+  auto saved = run_ranks(2, [&](World& w) {
+    Trained t(w, 13);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), wide, 1);
+    Trained u(w, 12, /*extra=*/true);
+    shardtorch::save_sharded_checkpoint(*u.model, u.opt.get(), extra, 1);
+  });
+  ASSERT_TRUE(saved.ok) << saved.summary();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, 12);
+    std::string e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), wide); });
+    require(e.find("'l1.lin.bias' has shape [13] in the checkpoint but the model's has [12]") != std::string::npos,
+            "expected the shape error, got: " + e);
+    e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), extra); });
+    require(e.find("unexpected tensor 'extra.") != std::string::npos, "expected the unexpected-tensor error, got: " + e);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// A checkpoint without optimizer state (saved without the optimizer, or
+// before the first step) leaves the optimizer with none: stale moments from
+// the run being rolled back used to survive the load.
+TEST(CheckpointFailures, ACheckpointWithoutOptimizerStateResetsTheOptimizer) {
+  const TempDir dir;
+  const std::string ckpt = (dir / "weights-only").string();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 0);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt + "-full", 0);
+    require(!t.opt->inner().state().empty(), "the step should have made optimizer state");
+    auto state_bytes = [&] { return shardtorch::sharded_model(*t.model).memory().cur(shardtorch::Mem::OptimizerState); };
+    const int64_t before = state_bytes();
+    require(before > 0, "no optimizer state counted after the step");
+    shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt);
+    require(t.opt->inner().state().empty(), "optimizer state from before the load survived it");
+    require(state_bytes() == 0, "the memory report still counts " + std::to_string(state_bytes()) +
+                                    " bytes of optimizer state after a load that left none");
+    shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt + "-full");
+    require(state_bytes() == before, "after loading the state back the memory report counts " +
+                                         std::to_string(state_bytes()) + " bytes, not " + std::to_string(before));
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Saving: a failure on rank 0 alone (it prepares and publishes the
+// directory) fails every rank with rank 0's message instead of leaving the
+// others in a barrier; a directory that is not a checkpoint is never
+// replaced; a trailing slash names the same checkpoint.
+TEST(CheckpointFailures, SaveFailuresOnRankZeroFailEveryRankAndOtherDirectoriesAreKept) {
+  const TempDir dir;
+  std::ofstream(dir / "a-file") << "x";
+  files::create_directories(dir / "logs");
+  std::ofstream(dir / "logs" / "train.log") << "step 1\n";
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    std::string e = message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, nullptr, (dir / "a-file" / "ck").string(), 1); });
+    require(e.find("save_sharded_checkpoint") != std::string::npos && e.find("rank 0: ") != std::string::npos,
+            "expected every rank to fail naming rank 0, got: " + e);
+    e = message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, nullptr, (dir / "logs").string(), 1); });
+    require(e.find("is not a shardtorch checkpoint") != std::string::npos, "expected a refusal, got: " + e);
+    require(files::exists(dir / "logs" / "train.log"), "the directory's files were deleted");
+    const std::string slash = (dir / "ck").string() + "/";
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), slash, 1);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), slash, 2);
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), (dir / "ck").string()) == 2, "wrong step");
+    require(!files::exists(dir / "ck" / ".shardtorch-tmp") && !files::exists(dir / "ck.shardtorch-tmp"),
+            "a temporary directory was left");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// A failed write of the index (here: the file-size limit, as a full disk
+// would) is an error, and the previous checkpoint stays in place (a truncated
+// index used to be published over it).
+TEST(CheckpointFailures, AnIndexThatCannotBeWrittenKeepsThePreviousCheckpoint) {
+  const TempDir dir;
+  const std::string ckpt = (dir / "ckpt").string();
+  auto r = run_ranks(1, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 1);
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit limit{64 << 10, 64 << 10};  // the rank file is ~1 KB; the index with this user_state is over 1 MB
+    require(::setrlimit(RLIMIT_FSIZE, &limit) == 0, "setrlimit failed");
+    std::string e = message_of([&] {
+      shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 2, {{"blob", std::string(1 << 20, 'x')}});
+    });
+    require(e.find("index.json") != std::string::npos, "expected the failed index write, got: " + e);
+    require(shardtorch::load_sharded_checkpoint(*t.model, nullptr, ckpt) == 1, "the previous checkpoint was lost");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// File systems without renameat2's RENAME_EXCHANGE (forced here): the
+// previous checkpoint moves aside (DIR.shardtorch-old) while the new one
+// moves in; if the writer dies between the two renames, loading finds it
+// there, sharded_checkpoint_exists says so, and the next save, even into an
+// empty DIR a launcher made meanwhile, removes it only once the new one is
+// in place. Directories of the user's named like ours (ck.old, ck.tmp) are
+// never touched.
+TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAside) {
+  const TempDir dir;
+  const std::string ckpt = (dir / "ckpt").string(), aside = ckpt + ".shardtorch-old";
+  for (const char* mine : {".old", ".tmp"}) {
+    files::create_directories(ckpt + mine);
+    std::ofstream(ckpt + mine + "/notes.txt") << "mine\n";
+  }
+  auto r = run_ranks(2, [&](World& w) {
+    ::setenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "1", 1);
+    Trained t(w);
+    require(!shardtorch::sharded_checkpoint_exists(ckpt), "nothing saved yet");
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 1);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 2);
+    require(!files::exists(aside) && !files::exists(ckpt + ".shardtorch-tmp"), "left-overs after a save");
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2, "wrong step");
+    w.barrier();
+    if (w.rank() == 0) files::rename(ckpt, aside);  // as if killed between the two renames
+    w.barrier();
+    require(shardtorch::sharded_checkpoint_exists(ckpt), "the checkpoint set aside is not reported");
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2, "the previous checkpoint was not found");
+    require(shardtorch::read_sharded_checkpoint(ckpt).count("l1.lin.weight|param"), "offline reading missed it");
+    w.barrier();
+    if (w.rank() == 0) files::create_directories(ckpt);  // an empty directory made by a launcher
+    w.barrier();
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 3);
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 3 && !files::exists(aside),
+            "saving after the interruption");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  for (const char* mine : {".old", ".tmp"})
+    EXPECT_TRUE(files::exists(ckpt + mine + "/notes.txt")) << "the user's " << ckpt + mine << " was touched";
+}
+
+// Checkpoints carry the state of Adam, AdamW and SGD; another optimizer's
+// state would be lost, so passing one is a clear error on save and on load
+// (loading used to reset its state, and Adagrad then failed in step()).
+TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
+  const TempDir dir;
+  const std::string ckpt = (dir / "ckpt").string();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 1);
+    auto adagrad = shardtorch::ShardedOptimizer::make<torch::optim::Adagrad>(*t.model, torch::optim::AdagradOptions(0.1));
+    for (auto* call : {"save", "load"}) {
+      std::string e = message_of([&] {
+        if (std::string(call) == "save")
+          shardtorch::save_sharded_checkpoint(*t.model, adagrad.get(), ckpt, 2);
+        else
+          shardtorch::load_sharded_checkpoint(*t.model, adagrad.get(), ckpt);
+      });
+      require(e.find("carry the state of Adam, AdamW and SGD") != std::string::npos,
+              std::string(call) + ": expected the refusal, got: " + e);
+    }
+    require(shardtorch::load_sharded_checkpoint(*t.model, nullptr, ckpt) == 1, "the refused save replaced the checkpoint");
+    t.model(torch::ones({2, 7})).sum().backward();
+    adagrad->step();  // its state intact
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// A slow file system: rank 0's last write and fsync of a full state dict,
+// or one rank's shard file, take longer than the collective timeout (1 s
+// here). The others wait for them under WorldOptions::file_timeout (30
+// minutes) instead of failing in the next collective; the collectives after
+// the checkpoint get their own timeout back.
+TEST(CheckpointFailures, ASlowWriterIsWaitedForUnderTheFileTimeout) {
+  const TempDir dir;
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    MLP m;
+    shardtorch::shard(m, w);
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    const int slow = 0;
+    for (int round = 0; round < 2; ++round) {
+      // Rank `slow` takes 2 s over its file, once written: the stall is the
+      // scenario, twice the collective timeout.
+      shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
+        if (p == "file written" && w.rank() == slow) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+      });
+      if (round == 0) {
+        shardtorch::save_full_state_dict(*m, (dir / "full.safetensors").string());
+      } else {
+        shardtorch::save_sharded_checkpoint(*m, opt.get(), (dir / "sharded").string(), 1);
+      }
+      shardtorch::checkpoint::set_crash_hook(nullptr);
+      require(w.comm().timeout() == std::chrono::seconds(1), "the collective timeout was not restored");
+    }
+    // And without the allowance, the same wait fails naming the collective.
+    std::string e = "no error";
+    shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
+      if (p == "file written" && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+    });
+    try {
+      shardtorch::checkpoint::save_file((dir / ("plain" + std::to_string(w.rank()))).string(), {{"x", torch::ones({2})}});
+      auto flag = torch::zeros({1});
+      w.comm().all_reduce(flag, c10d::ReduceOp::SUM, "after a slow write");
+    } catch (const std::exception& err) {
+      e = err.what();
+    }
+    shardtorch::checkpoint::set_crash_hook(nullptr);
+    require(w.rank() == 1 || e.find("after a slow write") != std::string::npos, "rank 0: " + e);
+  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(1)));
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// A full state dict's metadata keys starting shardtorch_ are the library's,
+// and "format" is "pt": another value is refused on every rank before any
+// collective, naming the key.
+TEST(CheckpointFailures, ReservedFullStateDictMetadataIsRefused) {
+  const TempDir dir;
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    const std::string path = (dir / "full.safetensors").string();
+    std::string e = message_of([&] { shardtorch::save_full_state_dict(*t.model, path, {{"shardtorch_strategy", "x"}}); });
+    require(e.find("metadata key 'shardtorch_strategy' is reserved") != std::string::npos, "expected a refusal, got: " + e);
+    e = message_of([&] { shardtorch::save_full_state_dict(*t.model, path, {{"format", "mine"}}); });
+    require(e.find("metadata \"format\" is \"pt\"") != std::string::npos, "expected a refusal, got: " + e);
+    require(!files::exists(path), "a refused save wrote the file");
+    shardtorch::save_full_state_dict(*t.model, path, {{"format", "pt"}, {"step", "1"}});
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Every rank must save the same step and pass the same optimizer (or none):
+// a rank that differed used to publish a checkpoint that no load accepts (a
+// file of another step, or ranges without optimizer state) over the good one.
+// Now every rank fails naming the other, and the previous checkpoint stays.
+TEST(CheckpointFailures, RanksSavingDifferentStepsOrOptimizersFailAndKeepThePreviousCheckpoint) {
+  const TempDir dir;
+  const std::string ckpt = (dir / "ckpt").string();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 1);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt + "-copy", 1);
+    const int other = 1 - w.rank();
+    std::string e = message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 2 + w.rank()); });
+    require(e.find("rank " + std::to_string(other) + ": it saves step " + std::to_string(2 + other) + " but rank " +
+                   std::to_string(w.rank()) + " saves step " + std::to_string(2 + w.rank())) != std::string::npos,
+            "expected the step mismatch, got: " + e);
+    e = message_of([&] {
+      shardtorch::save_sharded_checkpoint(*t.model, w.rank() == 0 ? t.opt.get() : nullptr, ckpt, 2);
+    });
+    require(e.find("rank " + std::to_string(other) + ": it saves optimizer " + (other == 0 ? "SGD" : "none")) !=
+                std::string::npos,
+            "expected the optimizer mismatch, got: " + e);
+    w.barrier();
+    require(!files::exists(ckpt + ".shardtorch-tmp"), "the refused save left its staging directory");
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 1, "the previous checkpoint was lost");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto kept = shardtorch::read_sharded_checkpoint(ckpt), copy = shardtorch::read_sharded_checkpoint(ckpt + "-copy");
+  ASSERT_EQ(kept.size(), copy.size());
+  for (const auto& [k, v] : copy) EXPECT_TRUE(at::equal(kept.at(k), v)) << k << " changed on disk";
+}
+
+// Optimizer state of another kind (SGD's momentum, loaded into Adam), and
+// Adam's saved without amsgrad loaded into a group with amsgrad (which would
+// load, and fail in step() on the missing maximum), are refused before
+// anything changes; Adam's with amsgrad on both sides loads and steps.
+TEST(CheckpointFailures, OptimizerStateOfAnotherKindOrWithoutAmsgradIsRefused) {
+  const TempDir dir;
+  const std::string sgd = (dir / "sgd").string(), adam = (dir / "adam").string(), ams = (dir / "ams").string();
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);  // SGD with momentum, one step
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), sgd, 1);
+    auto backward = [&] {
+      t.opt->zero_grad();
+      t.model(torch::ones({2, 7}) * (1 + w.rank())).sum().backward();
+    };
+    auto plain = shardtorch::Adam(*t.model, torch::optim::AdamOptions(0.1));
+    backward();
+    plain->step();
+    shardtorch::save_sharded_checkpoint(*t.model, plain.get(), adam, 2);
+    auto with_max = shardtorch::Adam(*t.model, torch::optim::AdamOptions(0.1).amsgrad(true));
+    const auto params = shardtorch::full_parameters(*t.model);
+    std::string e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, plain.get(), sgd); });
+    require(e.find("holds optimizer state of another kind of optimizer") != std::string::npos,
+            "expected the refusal of SGD's state, got: " + e);
+    e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, with_max.get(), adam); });
+    require(e.find("is in a parameter group with amsgrad, but the checkpoint has no max_exp_avg_sq") !=
+                std::string::npos,
+            "expected the refusal of state without amsgrad's maximum, got: " + e);
+    require(with_max->inner().state().empty(), "the refused load gave the optimizer state");
+    for (const auto& [n, v] : shardtorch::full_parameters(*t.model))
+      require(at::equal(v, params.at(n)), n + " changed in a refused load");
+    backward();
+    with_max->step();
+    shardtorch::save_sharded_checkpoint(*t.model, with_max.get(), ams, 3);
+    auto resumed = shardtorch::Adam(*t.model, torch::optim::AdamOptions(0.1).amsgrad(true));
+    require(shardtorch::load_sharded_checkpoint(*t.model, resumed.get(), ams) == 3, "wrong step");
+    backward();
+    resumed->step();  // the maximum is there
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
