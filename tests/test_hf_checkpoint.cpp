@@ -771,7 +771,6 @@ TEST(HfSave, ANameMappingThatDiffersOrThrowsOnOneRankFailsEveryRankAtOnce) {
     require(files::exists(dir + "/model.safetensors.index.json"), "the agreeing save wrote nothing");
   }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(30)));
   ASSERT_TRUE(r.ok) << r.summary();
-  files::remove_all(ck.dir);
 }
 
 // Run by the ctest checkpoint.hf_checkpoint_to_python: writes a GPT in the
