@@ -18,19 +18,35 @@ mkdir -p "$work" && cd "$work"
 ls torch-2.11.0-*.whl > /dev/null 2>&1 || "$pip" download --no-deps -q -d . torch==2.11.0
 ls nv/nvidia_cuda_runtime-13*.whl > /dev/null 2>&1 ||
   "$pip" download --no-deps -q -d nv "nvidia-cuda-runtime==13.*" "nvidia-cuda-cupti==13.*"
-if [ ! -f full/torch/include/torch/custom_class.h ]; then
-  unzip -o -q "$(ls torch-2.11.0-*.whl | head -n 1)" 'torch/lib/libtorch_cpu.so' 'torch/lib/libc10.so' 'torch/lib/libgomp.so.1' \
-    'torch/include/*' -d full
+# extract WHEEL DEST PATTERN...: the wheel's members matching a pattern.
+extract() {
+  "$repo/.venv/bin/python3" - "$@" <<'PY'
+import fnmatch, sys, zipfile
+whl, dest, *pats = sys.argv[1:]
+with zipfile.ZipFile(whl) as z:
+    z.extractall(dest, [n for n in z.namelist() if any(fnmatch.fnmatch(n, p) for p in pats)])
+PY
+}
+if [ ! -f full/torch/extracted ]; then  # written last: a partial extraction is redone
+  extract "$(ls torch-2.11.0-*.whl | head -n 1)" full 'torch/lib/libtorch_cpu.so' 'torch/lib/libc10.so' \
+    'torch/lib/libgomp.so.1' 'torch/include/*'
+  touch full/torch/extracted
 fi
-[ -f nv/nvidia/cu13/lib/libcudart.so.13 ] || (cd nv && for w in *.whl; do unzip -o -q "$w"; done)
-torch=$work/full/torch cuda=$work/nv/nvidia/cu13/lib
+# Beside torch/ as in site-packages: libtorch_cpu.so's own RPATH
+# ($ORIGIN/../../nvidia/cu13/lib) finds them there, for every binary that
+# loads it (an executable's RUNPATH does not serve its libraries' needs).
+if [ ! -f full/nvidia/extracted ]; then
+  for w in nv/*.whl; do extract "$w" full 'nvidia/*'; done
+  touch full/nvidia/extracted
+fi
+torch=$work/full/torch
 
 if [ "${1:-}" != --suite ]; then
   # 2.11 sets a storage's data-access error but cannot lift it; the library
   # lifts it through LibTorch's flag there (docs/design.md). Expects three "ok".
   g++ -std=c++20 -O1 -I"$torch/include" -I"$torch/include/torch/csrc/api/include" \
     "$here/freed_storage_probe.cpp" -o probe \
-    -L"$torch/lib" -Wl,--no-as-needed -ltorch_cpu -lc10 -Wl,-rpath,"$torch/lib:$cuda"
+    -L"$torch/lib" -Wl,--no-as-needed -ltorch_cpu -lc10 -Wl,-rpath,"$torch/lib"
   exec ./probe
 fi
 
@@ -44,7 +60,7 @@ if(NOT TARGET torch)
   set_target_properties(torch PROPERTIES
     INTERFACE_INCLUDE_DIRECTORIES "$torch/include;$torch/include/torch/csrc/api/include"
     INTERFACE_COMPILE_DEFINITIONS "_GLIBCXX_USE_CXX11_ABI=1"
-    INTERFACE_LINK_LIBRARIES "-Wl,--no-as-needed;$torch/lib/libtorch_cpu.so;$torch/lib/libc10.so;-Wl,--as-needed;-Wl,-rpath,$torch/lib:$cuda")
+    INTERFACE_LINK_LIBRARIES "-Wl,--no-as-needed;$torch/lib/libtorch_cpu.so;$torch/lib/libc10.so;-Wl,--as-needed;-Wl,-rpath,$torch/lib")
 endif()
 set(TORCH_LIBRARIES torch)
 set(TORCH_INCLUDE_DIRS "$torch/include;$torch/include/torch/csrc/api/include")
