@@ -4,11 +4,12 @@
 # libtorch_cpu.so runs on the CPU once libcudart and libcupti can be loaded
 # (taken from their PyPI wheels; no GPU or CUDA toolkit needed).
 #
-#   scripts/libtorch211/check.sh            # the freed-parameter storage code (seconds)
-#   scripts/libtorch211/check.sh --suite    # the whole build and ctest (about 15 min)
+#   scripts/libtorch211/check.sh              # the freed-parameter storage code (seconds)
+#   scripts/libtorch211/check.sh --deferred   # the test binary only, its Deferred* tests
+#   scripts/libtorch211/check.sh --suite      # the whole build and ctest (about 15 min)
 #
 # WORK (default /tmp/t211) keeps the downloads (about 1 GB); BUILD (default
-# $WORK/build) is the build folder.
+# $WORK/build, $WORK/build-tests for --deferred) is the build folder.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -41,7 +42,9 @@ if [ ! -f full/nvidia/extracted ]; then
 fi
 torch=$work/full/torch
 
-if [ "${1:-}" != --suite ]; then
+mode=${1:-}
+case "$mode" in ""|--suite|--deferred) ;; *) echo "usage: $0 [--suite|--deferred]" >&2; exit 2 ;; esac
+if [ -z "$mode" ]; then
   # 2.11 sets a storage's data-access error but cannot lift it; the library
   # lifts it through LibTorch's flag there (docs/design.md). Expects three "ok".
   g++ -std=c++20 -O1 -I"$torch/include" -I"$torch/include/torch/csrc/api/include" \
@@ -66,6 +69,15 @@ set(TORCH_LIBRARIES torch)
 set(TORCH_INCLUDE_DIRS "$torch/include;$torch/include/torch/csrc/api/include")
 set(Torch_FOUND TRUE)
 CONFIG
+if [ "$mode" = --deferred ]; then
+  # Deferred construction's tests (Deferred*, HfCheckpoint.Deferred*): the
+  # library and the test binary, without fault tolerance, examples or benchmarks.
+  build=${BUILD:-$work/build-tests}
+  cmake -S "$repo" -B "$build" -DTorch_DIR="$work/cmake" -DSHARDTORCH_FT=OFF -DSHARDTORCH_BUILD_EXAMPLES=OFF \
+    -DSHARDTORCH_BUILD_BENCH=OFF > configure.log || { cat configure.log; exit 1; }
+  cmake --build "$build" -j"${JOBS:-2}" --target shardtorch_tests
+  cd "$build/tests" && exec ./shardtorch_tests --gtest_filter='Deferred*:HfCheckpoint.Deferred*'
+fi
 build=${BUILD:-$work/build}
 cmake -S "$repo" -B "$build" -DTorch_DIR="$work/cmake" -DSHARDTORCH_PYTHON="$repo/.venv/bin/python3" > configure.log ||
   { cat configure.log; exit 1; }
