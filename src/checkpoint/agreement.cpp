@@ -7,15 +7,22 @@ namespace shardtorch::detail {
 
 using checkpoint::SafetensorsError;
 
-void agree_on_errors(World& world, const std::string& error, const std::string& what, const std::string& fingerprint) {
-  const auto reports = world.comm().all_gather_strings(error.empty() ? "=" + fingerprint : "!" + error, what);
+std::vector<std::string> agreed_fingerprints(World& world, const std::string& error, const std::string& what,
+                                             const std::string& fingerprint) {
+  auto reports = world.comm().all_gather_strings(error.empty() ? "=" + fingerprint : "!" + error, what);
   for (size_t r = 0; r < reports.size(); ++r)
     if (!reports[r].empty() && reports[r][0] == '!')
       throw SafetensorsError(what + ": rank " + std::to_string(r) + ": " + reports[r].substr(1));
-  for (size_t r = 1; r < reports.size(); ++r)
-    if (reports[r] != reports[0])
-      throw SafetensorsError(what + ": rank " + std::to_string(r) + " read " + reports[r].substr(1) + " but rank 0 read " +
-                             reports[0].substr(1) + " (every rank must see the same checkpoint)");
+  for (auto& report : reports) report.erase(0, 1);
+  return reports;
+}
+
+void agree_on_errors(World& world, const std::string& error, const std::string& what, const std::string& fingerprint) {
+  const auto prints = agreed_fingerprints(world, error, what, fingerprint);
+  for (size_t r = 1; r < prints.size(); ++r)
+    if (prints[r] != prints[0])
+      throw SafetensorsError(what + ": rank " + std::to_string(r) + " read " + prints[r] + " but rank 0 read " +
+                             prints[0] + " (every rank must see the same checkpoint)");
 }
 
 void load_agreed(ShardState& state, const std::string& error, const std::string& fingerprint,

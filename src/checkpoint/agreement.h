@@ -26,6 +26,12 @@ class ShardState;
 void agree_on_errors(World& world, const std::string& error, const std::string& what,
                      const std::string& fingerprint = "");
 
+/// The first half of agree_on_errors: throws as it does if any rank failed,
+/// else returns every rank's fingerprint, in rank order, for the caller to
+/// compare in its own words.
+std::vector<std::string> agreed_fingerprints(World& world, const std::string& error, const std::string& what,
+                                             const std::string& fingerprint);
+
 /// Collective, the end of a checkpoint load: agrees on what the check phase
 /// found (`error`, `fingerprint`), runs the planned `changes`, agrees again
 /// (a failure while copying says the model is partly loaded), then rebuilds

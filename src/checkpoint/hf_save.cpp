@@ -14,6 +14,7 @@
 #include "../errors.h"
 #include "../files.h"
 #include "../shard_state.h"
+#include "agreement.h"
 #include "safetensors_format.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/hf_checkpoint.h"
@@ -43,15 +44,12 @@ std::string file_name(size_t k, size_t n) {
 // gathers follow them), and none failed to; otherwise every rank throws,
 // naming the rank and, for names, the first that differs.
 void agree_on_names(World& world, const std::string& who, const std::string& error, const std::vector<Entry>& entries) {
-  std::string mine = error.empty() ? "=" : "!" + error;
-  if (error.empty())
-    for (const auto& e : entries) mine += e.name + '\n';
-  const auto all = world.comm().all_gather_strings(mine, "save_hf_checkpoint names");
-  for (size_t r = 0; r < all.size(); ++r)
-    SHARDTORCH_CHECK(all[r].empty() || all[r][0] != '!', who, ": rank ", r, ": ", all[r].substr(1));
+  std::string mine;
+  for (const auto& e : entries) mine += e.name + '\n';
+  const auto all = detail::agreed_fingerprints(world, error, who, mine);
   for (size_t r = 1; r < all.size(); ++r) {
     if (all[r] == all[0]) continue;
-    std::istringstream a(all[0].substr(1)), b(all[r].substr(1));
+    std::istringstream a(all[0]), b(all[r]);
     std::string x, y;
     int64_t k = 0;
     bool a_more = false, b_more = false;
@@ -88,28 +86,28 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   std::set<std::string> taken;
   std::string naming_error;  // agreed below: no rank may throw alone before the gathers
   try {
-  for (size_t item = 0; item < tensors.items().size(); ++item) {
-    const auto& t = tensors.items()[item];
-    std::string name = options.prefix() + t.name;
-    if (options.map_name()) {
-      auto mapped = options.map_name()(name);
-      if (!mapped || mapped->empty()) continue;
-      name = *mapped;
+    for (size_t item = 0; item < tensors.items().size(); ++item) {
+      const auto& t = tensors.items()[item];
+      std::string name = options.prefix() + t.name;
+      if (options.map_name()) {
+        auto mapped = options.map_name()(name);
+        if (!mapped || mapped->empty()) continue;
+        name = *mapped;
+      }
+      SHARDTORCH_CHECK(taken.insert(name).second, who, ": two of the model's tensors are named '", name,
+                       "' in the checkpoint (the last is '", t.name, "'): the name mapping must keep names distinct");
+      const at::ScalarType out = options.dtype() && at::isFloatingType(t.dtype) ? *options.dtype() : t.dtype;
+      int64_t numel = 1;
+      for (int64_t d : t.shape) numel *= d;
+      Entry e{name, out, t.shape, numel * static_cast<int64_t>(c10::elementSize(out)), nullptr};
+      if (writer)
+        e.produce = [produce = t.produce, out] {
+          at::Tensor v = produce();
+          return v.scalar_type() == out ? v : v.to(out);
+        };
+      entries.push_back(std::move(e));
+      kept.push_back(item);
     }
-    SHARDTORCH_CHECK(taken.insert(name).second, who, ": two of the model's tensors are named '", name,
-                     "' in the checkpoint (the last is '", t.name, "'): the name mapping must keep names distinct");
-    const at::ScalarType out = options.dtype() && at::isFloatingType(t.dtype) ? *options.dtype() : t.dtype;
-    int64_t numel = 1;
-    for (int64_t d : t.shape) numel *= d;
-    Entry e{name, out, t.shape, numel * static_cast<int64_t>(c10::elementSize(out)), nullptr};
-    if (writer)
-      e.produce = [produce = t.produce, out] {
-        at::Tensor v = produce();
-        return v.scalar_type() == out ? v : v.to(out);
-      };
-    entries.push_back(std::move(e));
-    kept.push_back(item);
-  }
   } catch (const std::exception& e) {
     naming_error = detail::message_of(e);
   }
