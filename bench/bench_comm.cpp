@@ -51,21 +51,16 @@ void make_worlds(std::shared_ptr<shardtorch::World> (&worlds)[kRanks], bool chec
 
 double ring(int64_t full_bytes) { return static_cast<double>(full_bytes) * (kRanks - 1) / kRanks; }
 
-void BM_AllGather(benchmark::State& state) {
-  auto& comm = g_worlds[state.thread_index()]->comm();
+void all_gather_on(benchmark::State& state, std::shared_ptr<shardtorch::World> (&worlds)[kRanks]) {
+  auto& comm = worlds[state.thread_index()]->comm();
   const int64_t shard = state.range(0) / 4;
   at::Tensor in = at::randn({shard}), out = at::empty({shard * kRanks});
   for (auto _ : state) comm.all_gather_into(out, in, "bench all-gather");
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(out.nbytes())));
 }
 
-void BM_CheckedAllGather(benchmark::State& state) {
-  auto& comm = g_checked[state.thread_index()]->comm();
-  const int64_t shard = state.range(0) / 4;
-  at::Tensor in = at::randn({shard}), out = at::empty({shard * kRanks});
-  for (auto _ : state) comm.all_gather_into(out, in, "bench all-gather");
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(out.nbytes())));
-}
+void BM_AllGather(benchmark::State& state) { all_gather_on(state, g_worlds); }
+void BM_CheckedAllGather(benchmark::State& state) { all_gather_on(state, g_checked); }
 
 void BM_ReduceScatter(benchmark::State& state) {
   auto& comm = g_worlds[state.thread_index()]->comm();
