@@ -15,7 +15,10 @@
 // in its first incarnation and at step 30 (or the first step after it
 // healed past it) in its second: torchrun restarts it and it heals. A "b"
 // after the step kills it in the backward, between its gradient buckets'
-// all-reduces; an "h", while it sends its state to a group it heals. Every group appends its committed steps (and whose
+// all-reduces; an "h", while it sends its state to a group it heals. A kill
+// waits, past its step, until this incarnation has committed a step that
+// counted all --groups groups, so that a group slow to start is up to date
+// before anyone dies. Every group appends its committed steps (and whose
 // gradients each averaged) to DIR/steps-GROUP.txt and saves its final state;
 // (lines "<step> quorum <id> at <epoch ms> counted <groups>"), and
 // `ft_train --reference --dir DIR --groups 3` then replays those steps in
@@ -201,9 +204,13 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
   // The program's own state that a heal carries: here the samples this group
   // has read (a data loader's position would go the same way).
   int64_t samples_read = 0;
+  bool all_counted = false;  // this incarnation committed a step that counted every group
+  const auto kill_due = [&](char where) {
+    return my_kill && my_kill->second == where && manager.step() >= my_kill->first && all_counted;
+  };
   manager.set_user_state(
       [&] {
-        if (my_kill && my_kill->second == 'h' && manager.step() >= my_kill->first)
+        if (kill_due('h'))
           die(group, world->rank(), manager.step(), " while sending its state to a healing group");
         return std::to_string(samples_read);
       },
@@ -213,13 +220,13 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
   std::vector<double> times;  // steps that committed without a heal or a new quorum
   while (manager.step() < steps) {
     const auto t0 = Clock::now();
-    if (my_kill && my_kill->second == ' ' && manager.step() >= my_kill->first)
+    if (kill_due(' '))
       die(group, world->rank(), manager.step(), "");
     manager.start_step();
     auto idx = torch::tensor(sampler.batch(manager.step()));
     opt->zero_grad();
     auto loss = task.loss(idx);
-    if (my_kill && my_kill->second == 'b' && manager.step() >= my_kill->first) {
+    if (kill_due('b')) {
       // The first layer's gradient comes last: the other buckets' all-reduces are under way.
       const int64_t at_step = manager.step();
       task.first_param.register_hook([&group, rank = world->rank(), at_step](torch::Tensor g) {
@@ -232,6 +239,7 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
       opt->step();
       samples_read += idx.size(0);
       const auto& r = manager.last_step();
+      if (static_cast<int64_t>(r.counted.size()) == groups) all_counted = true;
       if (r.healed.empty() && !r.reconfigured && r.step >= 5)
         times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
       if (world->rank() == 0) {
