@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <optional>
 #include <sstream>
 
 #include "shardtorch/collectives.h"
@@ -72,9 +74,161 @@ CollectiveContext::Snapshot CollectiveContext::snapshot() const {
   return s;
 }
 
+// ---- WaitBoard
+
+namespace {
+
+std::string one_line(std::string s) {
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  return s;
+}
+
+// A rank's record: "idle", or what it waits for and what it has issued.
+struct WaitRecord {
+  bool waiting = false;
+  std::string comm, description;
+  int64_t seq = 0;
+  std::map<std::string, int64_t> issued;  // by communicator name
+};
+
+WaitRecord parse_record(const std::vector<uint8_t>& bytes) {
+  std::istringstream in(std::string(bytes.begin(), bytes.end()));
+  WaitRecord r;
+  std::string line;
+  if (!std::getline(in, line) || line != "waiting") return r;
+  int64_t n = 0;
+  if (!(in >> r.seq) || in.get() != ' ' || !std::getline(in, r.comm) || !std::getline(in, r.description) || !(in >> n))
+    return r;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t count = 0;
+    std::string name;
+    if (!(in >> count) || in.get() != ' ' || !std::getline(in, name)) return r;
+    r.issued[name] = count;
+  }
+  r.waiting = true;
+  return r;
+}
+
+std::string wait_key(int rank) { return "wait/" + std::to_string(rank); }
+std::string crossed_key(int rank) { return "crossed/" + std::to_string(rank); }
+
+}  // namespace
+
+WaitBoard::WaitBoard(c10::intrusive_ptr<c10d::Store> store, int rank) : store_(std::move(store)), rank_(rank) {}
+
+std::string WaitBoard::prefixed(const std::string& text) const {
+  return "shardtorch: rank " + std::to_string(rank_) + ": " + text;
+}
+
+std::string WaitBoard::crossing_reported() const {
+  try {
+    if (!store_->check({crossed_key(rank_)})) return "";
+    auto v = store_->get(crossed_key(rank_));
+    return prefixed(std::string(v.begin(), v.end()));
+  } catch (...) {
+    return "";
+  }
+}
+
+int WaitBoard::add(std::string name, std::vector<int> members) {
+  std::lock_guard<std::mutex> lock(mu_);
+  comms_.push_back(Comm{one_line(std::move(name)), std::move(members), 0});
+  return static_cast<int>(comms_.size()) - 1;
+}
+
+int64_t WaitBoard::issue(int comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ++comms_.at(static_cast<size_t>(comm)).issued;
+}
+
+std::string WaitBoard::record(int comm, int64_t seq, const std::string& description) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::ostringstream os;
+  os << "waiting\n" << seq << ' ' << comms_[static_cast<size_t>(comm)].name << '\n' << one_line(description) << '\n'
+     << comms_.size() << '\n';
+  for (const auto& c : comms_) os << c.issued << ' ' << c.name << '\n';
+  return os.str();
+}
+
+WaitBoard::Wait::Wait(std::shared_ptr<WaitBoard> board, int comm, int64_t seq, std::string description)
+    : board_(std::move(board)), comm_(comm), seq_(seq), description_(std::move(description)),
+      started_(std::chrono::steady_clock::now()), next_(started_ + kQuiet) {}
+
+WaitBoard::Wait::~Wait() {
+  // After a crossing the record stays: the peer's probe must still see it.
+  if (!written_ || crossed_) return;
+  try {
+    board_->store_->set(wait_key(board_->rank_), std::string("idle"));
+  } catch (...) {
+  }
+}
+
+std::string WaitBoard::Wait::probe() {
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_) return "";
+  next_ = now + kProbe;
+  WaitBoard& b = *board_;
+  try {
+    if (!written_) {
+      b.store_->set(wait_key(b.rank_), b.record(comm_, seq_, description_));
+      written_ = true;
+    }
+    std::string mine, members_name;
+    std::vector<int> members;
+    std::map<std::string, int64_t> issued;
+    {
+      std::lock_guard<std::mutex> lock(b.mu_);
+      members = b.comms_[static_cast<size_t>(comm_)].members;
+      mine = b.comms_[static_cast<size_t>(comm_)].name;
+      for (const auto& c : b.comms_) issued[c.name] = c.issued;
+    }
+    std::string crossing, text;
+    for (int p : members) {
+      if (p == b.rank_ || !b.store_->check({wait_key(p)})) continue;
+      const WaitRecord r = parse_record(b.store_->get(wait_key(p)));
+      if (!r.waiting || r.comm == mine) continue;
+      auto theirs = issued.find(r.comm);
+      auto ours = r.issued.find(mine);
+      if (theirs == issued.end()) continue;  // not a communicator of this rank
+      const int64_t they_issued = ours == r.issued.end() ? 0 : ours->second;
+      if (they_issued >= seq_ || theirs->second >= r.seq) continue;  // one of the two can go on
+      crossing = std::to_string(p) + "\n" + std::to_string(r.seq) + "\n" + r.comm;
+      const std::string here = "rank " + std::to_string(b.rank_) + " waits at " + description_ + " (collective " +
+                               std::to_string(seq_) + " of communicator '" + mine + "', which rank " +
+                               std::to_string(p) + " has not issued: it issued " + std::to_string(they_issued) +
+                               " there)";
+      const std::string there = "rank " + std::to_string(p) + " waits at " + r.description + " (collective " +
+                                std::to_string(r.seq) + " of communicator '" + r.comm + "', which rank " +
+                                std::to_string(b.rank_) + " has not issued: it issued " +
+                                std::to_string(theirs->second) + " there)";
+      text = "collectives diverged across communicators: " +
+             (b.rank_ < p ? here + " but " + there : there + " but " + here) +
+             ". Every rank must issue the same collectives in the same order on each communicator; neither "
+             "collective was run";
+      if (crossing == suspect_) {
+        // For the peer, whose own exchange may fail first once this rank is gone.
+        b.store_->set(crossed_key(p), text);
+        b.store_->set(crossed_key(b.rank_), text);
+      }
+      break;
+    }
+    crossed_ = !crossing.empty() && crossing == suspect_;
+    suspect_ = crossing;
+    if (crossed_) return b.prefixed(text);
+    std::string reported = b.crossing_reported();  // found by the peer first
+    crossed_ = !reported.empty();
+    return reported;
+  } catch (...) {
+    return "";  // a store that fails: the collective's own timeout still holds
+  }
+}
+
+// ---- CheckedLaunch, CollectiveChecker
+
 void CheckedLaunch::settle(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr e) {
   {
     std::lock_guard<std::mutex> lock(mu);
+    if (done) return;
     work = std::move(w);
     error = std::move(e);
     done = true;
@@ -92,18 +246,37 @@ struct CheckerShared {
   bool stop = false;
   bool busy = false;  // an exchange runs, on the checker's thread or on a waiting one
   std::exception_ptr broken;  // after a failed check: the ranks are out of step, every later launch fails alike
+  std::shared_ptr<WaitBoard> board;  // may be null
+  int comm = -1;                     // this communicator's number on `board`
 };
 
 namespace {
 
-at::Tensor gather(c10d::Backend& backend, const at::Tensor& mine, int size,
-                  std::chrono::milliseconds timeout) {
+// `wait`: the waiting thread's, when it runs the exchange itself (probed as it lasts).
+at::Tensor gather(c10d::Backend& backend, const at::Tensor& mine, int size, std::chrono::milliseconds timeout,
+                  WaitBoard::Wait* wait = nullptr) {
   at::Tensor all = at::empty({mine.numel() * size}, mine.options());
   at::Tensor in = mine;
   c10d::AllgatherOptions o;
   o.timeout = timeout;
-  backend._allgather_base(all, in, o)->wait(timeout);
-  return all;
+  auto work = backend._allgather_base(all, in, o);
+  if (!wait) {
+    work->wait(timeout);
+    return all;
+  }
+  for (;;) {
+    try {
+      work->wait(WaitBoard::kProbe);  // throws when the slice passes (the work goes on)
+      return all;
+    } catch (const std::exception&) {
+      if (work->isCompleted()) {
+        work->wait(timeout);  // its own outcome: the exchange's failure, if any
+        return all;
+      }
+    }
+    std::string crossed = wait->probe();
+    if (!crossed.empty()) throw CollectivesDiverged(crossed);
+  }
 }
 
 // Every rank's text, in rank order: every rank calls it, after every rank saw the same mismatch.
@@ -122,23 +295,31 @@ std::vector<std::string> gather_texts(c10d::Backend& backend, const std::string&
   return out;
 }
 
-void check(CheckerShared& s, CheckedLaunch& c);
+void check(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait);
 
-// Runs the check of `c`, taken off the queue with `busy` set, on this thread.
-// Nothing leaves: the launch's waiter hears of a failure, and every later
-// launch fails alike (the ranks are out of step).
-void run_taken(CheckerShared& s, CheckedLaunch& c, const std::exception_ptr& broken) {
+void mark_broken(CheckerShared& s, const std::exception_ptr& e) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.broken) s.broken = e;
+}
+
+// Runs the check of `c`, taken off the queue with `busy` set, on this thread
+// (`wait`: when it is the waiting thread). Nothing leaves: the launch's
+// waiter hears of a failure, and every later launch fails alike (the ranks
+// are out of step).
+void run_taken(CheckerShared& s, CheckedLaunch& c, const std::exception_ptr& broken, WaitBoard::Wait* wait) {
   if (broken) {
     c.settle(nullptr, broken);
   } else {
     try {
-      check(s, c);
+      check(s, c, wait);
     } catch (...) {
       std::exception_ptr e = std::current_exception();
-      {
-        std::lock_guard<std::mutex> lock(s.mu);
-        s.broken = e;
-      }
+      // A peer that found the two waits crossed may have left before this
+      // rank saw it: its exchange then fails here. Say why.
+      if (s.board)
+        if (std::string crossed = s.board->crossing_reported(); !crossed.empty())
+          e = std::make_exception_ptr(CollectivesDiverged(crossed));
+      mark_broken(s, e);
       c.settle(nullptr, e);
     }
   }
@@ -149,34 +330,66 @@ void run_taken(CheckerShared& s, CheckedLaunch& c, const std::exception_ptr& bro
   s.cv.notify_all();  // the checker's thread, for what was queued meanwhile
 }
 
-// Runs the check of `c` on this thread when it is next and no exchange runs.
-void take_if_next(CheckerShared& s, CheckedLaunch& c) {
+// Runs the check of `c` on this thread when it is next and no exchange
+// runs; fails it at once when the checker is broken.
+void take_if_next(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait) {
   std::exception_ptr broken;
   {
     std::lock_guard<std::mutex> lock(s.mu);
-    if (s.busy || s.queue.empty() || s.queue.front().get() != &c) return;
-    s.queue.pop_front();  // the caller holds `c`
-    broken = s.broken;
-    s.busy = true;
+    if (s.broken) {
+      // The exchange that broke it may still hold the thread: do not queue behind it.
+      auto it = std::find_if(s.queue.begin(), s.queue.end(), [&](const auto& q) { return q.get() == &c; });
+      if (it == s.queue.end()) return;
+      s.queue.erase(it);
+      broken = s.broken;
+    } else {
+      if (s.busy || s.queue.empty() || s.queue.front().get() != &c) return;
+      s.queue.pop_front();  // the caller holds `c`
+      s.busy = true;
+    }
   }
-  run_taken(s, c, broken);
+  if (broken) {
+    c.settle(nullptr, broken);
+    return;
+  }
+  run_taken(s, c, nullptr, wait);
 }
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched() {
-  if (auto s = checker.lock()) take_if_next(*s, *this);
+c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched(bool probe) {
+  auto s = checker.lock();
+  std::optional<WaitBoard::Wait> wait;
+  if (probe && s && s->board) wait.emplace(s->board, s->comm, seq, description);
+  if (s) take_if_next(*s, *this, wait ? &*wait : nullptr);
   std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return done; });
+  if (!wait) {
+    cv.wait(lock, [&] { return done; });
+  } else {
+    // The check runs on the checker's thread: probe while it lasts.
+    while (!cv.wait_for(lock, WaitBoard::kProbe, [&] { return done; })) {
+      lock.unlock();
+      std::string crossed = wait->probe();
+      if (!crossed.empty()) {
+        auto e = std::make_exception_ptr(CollectivesDiverged(crossed));
+        mark_broken(*s, e);
+        settle(nullptr, e);
+      }
+      lock.lock();
+    }
+  }
   if (error) std::rethrow_exception(error);
   return work;
 }
 
-CollectiveChecker::CollectiveChecker(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size)
+CollectiveChecker::CollectiveChecker(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size,
+                                     std::shared_ptr<WaitBoard> board, int comm)
     : s_(std::make_shared<CheckerShared>()) {
   s_->backend = std::move(backend);
   s_->rank = rank;
   s_->size = size;
+  s_->board = std::move(board);
+  s_->comm = comm;
   thread_ = std::thread([s = s_] {
     for (;;) {
       std::shared_ptr<CheckedLaunch> c;
@@ -190,7 +403,7 @@ CollectiveChecker::CollectiveChecker(c10::intrusive_ptr<c10d::Backend> backend, 
         broken = s->broken;
         s->busy = true;
       }
-      run_taken(*s, *c, broken);
+      run_taken(*s, *c, broken, nullptr);
     }
   });
 }
@@ -220,6 +433,7 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> fi
   c->start = std::move(start);
   c->timeout = timeout;
   c->checker = s_;
+  if (s_->board) c->seq = s_->board->issue(s_->comm);
   {
     std::lock_guard<std::mutex> lock(s_->mu);
     s_->queue.push_back(c);
@@ -230,11 +444,11 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> fi
 
 namespace {
 
-void check(CheckerShared& s, CheckedLaunch& c) {
+void check(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait) {
   const int64_t k = static_cast<int64_t>(c.fingerprint.size());
   at::Tensor mine = at::empty({k}, at::kLong);
   std::memcpy(mine.data_ptr(), c.fingerprint.data(), k * sizeof(int64_t));
-  at::Tensor all = gather(*s.backend, mine, s.size, c.timeout);
+  at::Tensor all = gather(*s.backend, mine, s.size, c.timeout, wait);
   const int64_t* a = all.data_ptr<int64_t>();
   std::vector<int> differ;
   for (int r = 1; r < s.size; ++r)

@@ -15,8 +15,16 @@
 // all-gathers and the reduce-scatters of a backward) do not wait on each
 // other. A thread that waits for a collective whose check is next in order
 // and not started runs the check itself, saving two thread hand-offs.
+//
+// Ranks that first differ on two communicators each wait for an exchange
+// the other never joins. A wait longer than WaitBoard::kQuiet is written to
+// the World's store (which collective of which communicator, and how many
+// each communicator of the rank has issued); two ranks each waiting for a
+// collective the other has not issued, seen twice in a row, make both throw
+// CollectivesDiverged naming both.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <condition_variable>
@@ -63,6 +71,65 @@ class CollectiveContext {
   std::string inputs_;
 };
 
+/// One rank's checked communicators and, for its long waits, their records
+/// in the store (see the top of this file). Shared by a World's checkers;
+/// thread-safe.
+class WaitBoard {
+ public:
+  /// A wait this long is written to the store and compared with the peers'.
+  static constexpr std::chrono::milliseconds kQuiet{1000};
+  /// Then compared again this often; a crossing seen twice in a row is an error.
+  static constexpr std::chrono::milliseconds kProbe{500};
+
+  WaitBoard(c10::intrusive_ptr<c10d::Store> store, int rank);
+  /// A communicator: its name, the same on every member, and its members'
+  /// ranks in the World (by index in the communicator). Returns its number.
+  int add(std::string name, std::vector<int> members);
+  /// The number of the next collective issued on communicator `comm` (1, 2, ...).
+  int64_t issue(int comm);
+  /// The error a peer (or this rank) found for this rank's crossed wait, "" if none. Never throws.
+  std::string crossing_reported() const;
+
+  /// One wait for collective `seq` of communicator `comm`: probe() as it
+  /// lasts, then the destructor clears its record (kept after a crossing,
+  /// for the peer's probe). Never throws.
+  class Wait {
+   public:
+    Wait(std::shared_ptr<WaitBoard> board, int comm, int64_t seq, std::string description);
+    ~Wait();
+    Wait(const Wait&) = delete;
+    Wait& operator=(const Wait&) = delete;
+    /// Call while waiting; cheap until kQuiet has passed, then at most one
+    /// store round trip per kProbe. Returns the error's text when this rank
+    /// and a peer each wait for a collective the other has not issued (seen
+    /// twice in a row), "" otherwise.
+    std::string probe();
+
+   private:
+    std::shared_ptr<WaitBoard> board_;
+    int comm_;
+    int64_t seq_;
+    std::string description_;
+    std::chrono::steady_clock::time_point started_, next_;
+    bool written_ = false;
+    bool crossed_ = false;  // probe() returned an error
+    std::string suspect_;   // the crossing seen at the last probe
+  };
+
+ private:
+  struct Comm {
+    std::string name;
+    std::vector<int> members;
+    int64_t issued = 0;
+  };
+  std::string record(int comm, int64_t seq, const std::string& description) const;
+  std::string prefixed(const std::string& text) const;  // "shardtorch: rank R: " + text
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  mutable std::mutex mu_;
+  std::vector<Comm> comms_;
+};
+
 struct CheckerShared;  // what the checker's thread uses: it may outlive the checker
 
 /// One collective waiting for its check: filled by the checker's thread, or
@@ -72,13 +139,18 @@ struct CheckedLaunch {
   std::string description;  // in words, for the error
   std::function<c10::intrusive_ptr<c10d::Work>()> start;
   std::chrono::milliseconds timeout{0};
+  int64_t seq = 0;  // its number on its communicator (WaitBoard::issue)
 
   /// Blocks until the check is done; returns the launched collective, or
   /// throws the check's error (CollectivesDiverged, or the failure of the
   /// fingerprint exchange or of the launch). When this launch is next in its
   /// checker's order and no exchange is running, the calling thread runs the
   /// check itself (it would wait for it anyway): no thread hand-off.
-  c10::intrusive_ptr<c10d::Work> launched();
+  /// `probe`: compare a long wait with the peers' (WaitBoard); false for
+  /// the library's own background waits, which block no program thread (a
+  /// thread that gave up on them goes on and issues what the peer waits for).
+  c10::intrusive_ptr<c10d::Work> launched(bool probe = true);
+  /// The first call decides; later ones are ignored.
   void settle(c10::intrusive_ptr<c10d::Work> work, std::exception_ptr error);
 
   std::weak_ptr<CheckerShared> checker;  // set by submit()
@@ -91,7 +163,10 @@ struct CheckedLaunch {
 
 class CollectiveChecker {
  public:
-  CollectiveChecker(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size);
+  /// `board`: where long waits are compared across communicators (may be
+  /// null); `comm`: this communicator's number on it.
+  CollectiveChecker(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size,
+                    std::shared_ptr<WaitBoard> board = nullptr, int comm = -1);
   /// Stops the thread; one still inside an exchange (a peer that never
   /// comes) is left to finish on its own (it holds what it uses).
   ~CollectiveChecker();

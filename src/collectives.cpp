@@ -208,10 +208,13 @@ namespace {
 int64_t op_code(const char* op) { return detail::text_hash(op); }
 }  // namespace
 
-void Comm::enable_checks(std::shared_ptr<detail::CollectiveContext> context) {
+void Comm::enable_checks(std::shared_ptr<detail::CollectiveContext> context, std::shared_ptr<detail::WaitBoard> board,
+                         const std::string& name, std::vector<int> members) {
   SHARDTORCH_CHECK(!device_.is_cuda(), "shardtorch: the collective check runs on CPU (Gloo) groups only");
   context_ = std::move(context);
-  if (!checker_) checker_ = std::make_unique<detail::CollectiveChecker>(backend_, rank_, size_);
+  if (checker_) return;
+  const int comm = board ? board->add(name, std::move(members)) : -1;
+  checker_ = std::make_unique<detail::CollectiveChecker>(backend_, rank_, size_, std::move(board), comm);
 }
 
 PendingWork Comm::launch(const char* op, const std::string& what, std::string shapes, CollectiveCounter& counter,

@@ -41,7 +41,7 @@ CompletionWatcher::~CompletionWatcher() {
 }
 
 void CompletionWatcher::wait(Item& item) {
-  if (!item.work) item.work = item.checked->launched();
+  if (!item.work) item.work = item.checked->launched(/*probe=*/false);  // a background wait
   item.checked.reset();
   item.work->wait(item.timeout);
 }

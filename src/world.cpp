@@ -270,7 +270,13 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
                   all[r].item<int64_t>() ? "on" : "off", " on rank ", r,
                   "; every rank must pass the same WorldOptions::check_collectives (SHARDTORCH_CHECK_COLLECTIVES)");
   }
-  if (check && world_size > 1) w->comm_->enable_checks(w->context_);
+  if (check && world_size > 1) {
+    w->waits_ = std::make_shared<detail::WaitBoard>(c10::make_intrusive<c10d::PrefixStore>("shardtorch-waits", store),
+                                                    rank);
+    std::vector<int> all(world_size);
+    for (int r = 0; r < world_size; ++r) all[r] = r;
+    w->comm_->enable_checks(w->context_, w->waits_, "the world", all);
+  }
   return w;
 }
 
@@ -311,7 +317,9 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   // rank-dependent point later (inside a backward, say).
   auto probe = at::zeros({1}, at::TensorOptions().device(comm_->device()));
   comm->all_reduce(probe, c10d::ReduceOp::SUM, "setting up group '" + tag + "'");
-  if (comm_->checks() && n > 1) comm->enable_checks(context_);  // every member, at the same point
+  if (comm_->checks() && n > 1)  // every member, at the same point
+    comm->enable_checks(context_, waits_, "group '" + tag + "' of ranks " + list(ranks) + " (" +
+                                              std::to_string(groups_made_[key] - 1) + ")", ranks);
   return comm;
 }
 

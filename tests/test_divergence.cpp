@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -256,4 +257,61 @@ TEST(Diverged, EqualRanksTrainAndTheSwitchMustAgree) {
     EXPECT_NE(rank.message.find("check_collectives differs across ranks: off on rank 0 but on on rank 1"),
               std::string::npos)
         << differ.summary();
+}
+
+// Ranks that first differ on two communicators: each waits for a check that
+// the other never joins (rank 0 on the world, rank 1 on a group of both).
+// Without the comparison of long waits, both waited for the collective
+// timeout (60 s here).
+TEST(Diverged, RanksWaitingOnTwoCommunicatorsFailNamingBoth) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(2, [](World& w) {
+    auto group = w.new_group({0, 1}, "pair");
+    auto t = torch::ones({3});
+    if (w.rank() == 0)
+      w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the world's sum");
+    else
+      group->all_reduce(t, c10d::ReduceOp::SUM, "the pair's sum");
+  }, checked());
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+  ASSERT_FALSE(r.ok) << r.summary();
+  for (size_t k = 0; k < r.ranks.size(); ++k) {
+    const auto& m = r.ranks[k].message;
+    EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
+    for (const std::string& words :
+         {"shardtorch: rank " + std::to_string(k) + ": collectives diverged across communicators: ",
+          std::string("rank 0 waits at all_reduce for the world's sum (Float[3]); step 0"),
+          std::string("of communicator 'the world', which rank 1 has not issued: it issued "),
+          std::string(" but rank 1 waits at all_reduce for the pair's sum (Float[3])"),
+          std::string("of communicator 'group 'pair' of ranks [0, 1] (0)', which rank 0 has not issued: it issued 0 "
+                      "there)")})
+      EXPECT_NE(m.find(words), std::string::npos) << "missing: " << words << "\n" << r.summary();
+  }
+}
+
+// Long waits on two communicators that are not crossed: rank 0 waits on the
+// world for rank 2 (slow), rank 1 waits on their group for rank 0, which
+// issues it after the world's. Rank 1 has issued the world's collective, so
+// nothing is wrong, and everything completes.
+TEST(Diverged, LongWaitsOnTwoCommunicatorsThatResolveAreNoDivergence) {
+  auto r = run_ranks(3, [](World& w) {
+    std::shared_ptr<shardtorch::Comm> group;
+    if (w.rank() < 2) group = w.new_group({0, 1}, "pair");
+    auto world_sum = torch::full({2}, static_cast<float>(w.rank() + 1));
+    auto pair_sum = torch::full({2}, static_cast<float>(w.rank() + 1));
+    if (w.rank() == 0) {
+      w.comm().all_reduce(world_sum, c10d::ReduceOp::SUM, "the world's sum");
+      group->all_reduce(pair_sum, c10d::ReduceOp::SUM, "the pair's sum");
+    } else if (w.rank() == 1) {
+      auto pending = w.comm().all_reduce_async(world_sum, "the world's sum");
+      group->all_reduce(pair_sum, c10d::ReduceOp::SUM, "the pair's sum");
+      w.comm().wait(pending);
+    } else {
+      std::this_thread::sleep_for(std::chrono::seconds(3));  // three times the quiet time before a wait is compared
+      w.comm().all_reduce(world_sum, c10d::ReduceOp::SUM, "the world's sum");
+    }
+    if (world_sum[0].item<float>() != 6.0f) throw std::runtime_error("wrong world sum");
+    if (group && pair_sum[0].item<float>() != 3.0f) throw std::runtime_error("wrong pair sum");
+  }, checked());
+  EXPECT_TRUE(r.ok) << r.summary();
 }

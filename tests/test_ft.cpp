@@ -19,7 +19,9 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstdio>
 #include <future>
+#include <set>
 #include <thread>
 
 #include "ft/lighthouse_client.h"
@@ -51,14 +53,14 @@ int free_port() {
 // torchft_lighthouse on a free loopback port, for the life of the object.
 class Lighthouse {
  public:
-  explicit Lighthouse(int min_replicas) : port_(free_port()) {
+  explicit Lighthouse(int min_replicas, int heartbeat_timeout_ms = 30000) : port_(free_port()) {
     const std::string exe = SHARDTORCH_LIGHTHOUSE;
     if (::access(exe.c_str(), X_OK) != 0)
       throw std::runtime_error("no torchft_lighthouse at " + exe + ": run scripts/setup.sh (it installs torchft-nightly)");
     std::vector<std::string> args{exe, "--bind", address(), "--min_replicas", std::to_string(min_replicas),
                                   "--join_timeout_ms", "2000", "--quorum_tick_ms", "20",
                                   // Long: the bare clients below send no heartbeats while they wait for each other.
-                                  "--heartbeat_timeout_ms", "30000"};
+                                  "--heartbeat_timeout_ms", std::to_string(heartbeat_timeout_ms)};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -407,3 +409,83 @@ TEST(FtSampler, EachGroupReadsItsOwnPartAndTheSameAfterAHeal) {
 }
 
 }  // namespace
+
+// Each new quorum of several groups builds its cross-replica group through a
+// rendezvous in the first counted group's store (served by its rank 0). The
+// earlier quorums' keys leave that store once a step committed on the new
+// group; before, they stayed, one set per reconfiguration. Group 1 leaves
+// and comes back three times (a new Manager, as a restart would make).
+TEST(FtManager, EarlierQuorumsRendezvousKeysLeaveTheStore) {
+  Lighthouse lh(1, /*heartbeat_timeout_ms=*/1000);
+  auto r = shardtorch::testing::run_ranks(2, [&](World& all) {
+    auto world = group_world(all, 1);
+    const int g = all.rank();
+    at::manual_seed(0);
+    Net model(8);
+    shardtorch::shard(*model, world, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
+    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+    auto options = [&](bool restarted) {
+      return shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group(std::to_string(g)).log(false)
+          .timeout(5s).quorum_timeout(20s).restarted(restarted);
+    };
+    if (g == 1) {
+      for (int life = 0; life < 3; ++life) {
+        shardtorch::ft::Manager m(world, *model, *opt, options(life > 0));
+        for (int committed = 0; committed < 2;) committed += one_step(m, model, *opt, g, 0) ? 1 : 0;
+      }
+      all.store()->set("group 1 done", "1");
+      return;
+    }
+    shardtorch::ft::Manager m(world, *model, *opt, options(false));
+    int rebuilt = 0;
+    while (!all.store()->check({"group 1 done"})) {
+      one_step(m, model, *opt, g, 0);
+      if (m.last_step().reconfigured && m.last_step().counted.size() + m.last_step().healed.size() == 2) ++rebuilt;
+    }
+    std::set<long long> quorums;
+    for (const auto& key : shardtorch::ft::detail::served_store_keys(m)) {
+      long long id = -1;
+      if (std::sscanf(key.c_str(), "shardtorch-ft/q%lld/", &id) == 1) quorums.insert(id);
+    }
+    if (rebuilt < 3) throw std::runtime_error("group 0 built " + std::to_string(rebuilt) + " groups with group 1, not 3");
+    if (quorums.size() > 1)
+      throw std::runtime_error("group 0's store holds the rendezvous of " + std::to_string(quorums.size()) +
+                               " quorums, not just the last one's");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// A restarted group's earlier incarnation is still a participant until the
+// lighthouse's heartbeat timeout: here a bare client stands in for it
+// (replica '1:stale'). The quorum holds two replicas of group 1; the step
+// fails at once naming both, instead of waiting `timeout` in a rendezvous
+// the dead one never joins.
+TEST(FtManager, AQuorumWithTwoReplicasOfOneGroupFailsTheStepAtOnce) {
+  Lighthouse lh(2);
+  auto r = shardtorch::testing::run_ranks(1, [&](World& w) {
+    LighthouseClient stale(lh.address());
+    auto pending = std::async(std::launch::async, [&] {
+      return stale.quorum(Member{"1:stale", "", "127.0.0.1:1", 0, 1,
+                                 R"({"group":"1","model":"x","restarted":false,"broken":0})"},
+                          20s);
+    });
+    at::manual_seed(0);
+    Net model(8);
+    shardtorch::shard(*model, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
+    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+    shardtorch::ft::Manager m(w.shared_from_this(), *model, *opt,
+                              shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group("1").log(false)
+                                  .timeout(10s).quorum_timeout(20s));
+    const auto t0 = std::chrono::steady_clock::now();
+    const bool committed = one_step(m, model, *opt, 1, 0);
+    const auto took = std::chrono::steady_clock::now() - t0;
+    pending.get();
+    const std::string& e = m.last_step().error;
+    if (committed) throw std::runtime_error("a step with a dead replica in its quorum committed");
+    if (e.find("holds two replicas of group '1' ('1:") == std::string::npos || e.find("'1:stale'") == std::string::npos)
+      throw std::runtime_error("unexpected error: " + e);
+    if (took > 5s) throw std::runtime_error("the step failed only after " +
+                                            std::to_string(std::chrono::duration<double>(took).count()) + " s");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}

@@ -49,6 +49,7 @@ namespace detail {
 class StreamOrderedWaits;
 class CollectiveChecker;
 class CollectiveContext;
+class WaitBoard;
 struct CheckedLaunch;
 }  // namespace detail
 
@@ -140,7 +141,12 @@ class SHARDTORCH_API Comm {
   /// says the rank is) and every rank throws CollectivesDiverged instead of
   /// running it when they differ (docs/reliability.md). Collective: every
   /// member must turn it on at the same point. CPU (Gloo) groups only.
-  void enable_checks(std::shared_ptr<detail::CollectiveContext> context);
+  /// `board`, `name` (the same on every member) and `members` (their ranks
+  /// in the World): where a long wait is compared with the other
+  /// communicators' (ranks that diverge across communicators).
+  void enable_checks(std::shared_ptr<detail::CollectiveContext> context,
+                     std::shared_ptr<detail::WaitBoard> board = nullptr, const std::string& name = "",
+                     std::vector<int> members = {});
   bool checks() const { return static_cast<bool>(checker_); }
 
   /// What a failed collective's error adds about the peers (the world sets

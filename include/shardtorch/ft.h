@@ -58,6 +58,14 @@ struct SHARDTORCH_API ManagerOptions {
   TORCH_ARG(bool, prefetch_quorum) = false;
 };
 
+class Manager;
+namespace detail {
+/// For tests: the keys of the store this rank serves (a group's rank 0
+/// serves the rendezvous of the cross-replica groups it is primary of);
+/// empty on the other ranks.
+std::vector<std::string> served_store_keys(const Manager& m);
+}  // namespace detail
+
 /// What the last step did (Manager::last_step()).
 struct SHARDTORCH_API StepReport {
   int64_t step = 0;        // the step number this step was (committed steps before it)
@@ -112,6 +120,7 @@ class SHARDTORCH_API Manager {
   struct Impl;
 
  private:
+  friend std::vector<std::string> detail::served_store_keys(const Manager& m);
   std::unique_ptr<Impl> impl_;
 };
 

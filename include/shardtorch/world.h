@@ -143,6 +143,7 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   std::map<std::string, int> groups_made_;  // by tag and ranks
   std::shared_ptr<detail::Progress> progress_;
   std::shared_ptr<detail::CollectiveContext> context_;
+  std::shared_ptr<detail::WaitBoard> waits_;  // when the collectives are checked
 };
 
 namespace detail {

@@ -174,6 +174,11 @@ struct Manager::Impl {
 
   Impl(std::shared_ptr<World> w, torch::nn::Module& r, ShardedOptimizer& o, ManagerOptions opts)
       : world(std::move(w)), root(r), opt(o), options(std::move(opts)) {}
+  // Also runs when the Manager's constructor throws: stops the threads it
+  // started and takes its hook off the model (which may train on, or get
+  // another Manager).
+  ~Impl();
+  c10d::CommHookInterface* hook = nullptr;  // the hook registered on the model, while it is there
 
   void fail_step(const std::string& why) {
     std::lock_guard<std::mutex> lock(step_mu);
@@ -334,6 +339,17 @@ struct Manager::Impl {
       q.error = "the lighthouse's quorum does not include this replica";
       return q;
     }
+    // Ids are "group:random", so one group's replicas sort side by side.
+    for (size_t i = 1; i < q.participants.size(); ++i)
+      if (q.participants[i].group == q.participants[i - 1].group) {
+        // An incarnation that died within the lighthouse's heartbeat timeout
+        // is still a participant: it would never join the group's rendezvous.
+        q.error = "the quorum " + join(names(q)) + " holds two replicas of group '" + q.participants[i].group +
+                  "' ('" + q.participants[i - 1].id + "' and '" + q.participants[i].id +
+                  "'): one is an earlier incarnation that the lighthouse has not yet timed out; the next quorum goes "
+                  "without it";
+        return q;
+      }
     for (const auto& p : q.participants)
       if (p.model != model) {
         q.error = "replica groups '" + group + "' and '" + p.group + "' train different models or strategies: '" +
@@ -404,6 +420,24 @@ struct Manager::Impl {
     pg = shardtorch::detail::make_gloo_backend(store, q.me, static_cast<int>(q.participants.size()), options.timeout(),
                                                options.host());
     pg_config = q.config;
+  }
+
+  // Drops the rendezvous keys of quorums before `current` from the store
+  // this rank serves (the first counted group's rank 0 serves each
+  // cross-replica group's rendezvous), or it grows with every
+  // reconfiguration. Called after a step committed on a newly built group:
+  // every member has finished that group's rendezvous, and no one builds an
+  // older quorum's group again (a straggler that tries fails its step).
+  void drop_old_rendezvous(int64_t current) {
+    if (!store_server) return;
+    try {
+      for (const auto& key : store_server->listKeys()) {
+        long long id = -1;
+        if (std::sscanf(key.c_str(), "shardtorch-ft/q%lld/", &id) == 1 && id < current) store_server->deleteKey(key);
+      }
+    } catch (const std::exception& e) {
+      log("could not drop earlier quorums' keys from this group's store: " + shardtorch::detail::message_of(e));
+    }
   }
 
   Quorum run_quorum(const Ask& ask) {
@@ -683,30 +717,40 @@ Manager::Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedO
   // The other ranks learn the replica id from rank 0 (they name it in the quorum's participants).
   auto ids = m.world->comm().all_gather_strings(m.replica_id, "shardtorch::ft replica id");
   m.replica_id = ids[0];
-  sharded_model(root).register_comm_hook(std::make_unique<FtHook>(&m, sharded_model(root).comm_hook_group()));
+  auto hook = std::make_unique<FtHook>(&m, sharded_model(root).comm_hook_group());
+  c10d::CommHookInterface* registered = hook.get();
+  sharded_model(root).register_comm_hook(std::move(hook));
+  m.hook = registered;
   m.worker = std::thread([&m] { m.worker_loop(); });
   m.log("replica " + m.replica_id + " (" + m.model + ")" + (m.restarted ? ", restarted" : "") + ", lighthouse " +
         (m.world->rank() == 0 ? m.lighthouse->address() : std::string("-")));
 }
 
-Manager::~Manager() {
-  Impl& m = *impl_;
+std::vector<std::string> detail::served_store_keys(const Manager& m) {
+  return m.impl_->store_server ? m.impl_->store_server->listKeys() : std::vector<std::string>{};
+}
+
+Manager::Impl::~Impl() {
   // A request in flight (the next step's, asked for by the last
   // should_commit()) is cancelled, not waited for: it may never be answered.
-  m.abandon_quorum();
+  abandon_quorum();
   {
-    std::lock_guard<std::mutex> lock(m.worker_mu);
-    m.worker_stop = true;
+    std::lock_guard<std::mutex> lock(worker_mu);
+    worker_stop = true;
   }
-  m.worker_cv.notify_all();
-  if (m.worker.joinable()) m.worker.join();
+  worker_cv.notify_all();
+  if (worker.joinable()) worker.join();
   {
-    std::lock_guard<std::mutex> lock(m.hb_mu);
-    m.stopping = true;
+    std::lock_guard<std::mutex> lock(hb_mu);
+    stopping = true;
   }
-  m.hb_cv.notify_all();
-  if (m.heartbeats.joinable()) m.heartbeats.join();
+  hb_cv.notify_all();
+  if (heartbeats.joinable()) heartbeats.join();
+  // The hook points here: off the model before this goes.
+  if (hook && state && state->reducer().comm_hook() == hook) state->reducer().set_comm_hook(nullptr);
 }
+
+Manager::~Manager() = default;
 
 void Manager::start_step() {
   Impl& m = *impl_;
@@ -784,6 +828,7 @@ bool Manager::should_commit() {
   }
   if (rep.committed) {
     ++m.step;
+    if (q.rebuilt) m.drop_old_rendezvous(q.id);
   } else {
     rep.error = error.empty() ? "another rank of the group failed" : error;
     m.log("step " + std::to_string(rep.step) + " not committed: " + rep.error);

@@ -54,6 +54,7 @@ def main():
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--model", default="mlp", help="ft_train --model: mlp or gpt (the example GPT)")
     ap.add_argument("--tolerance", default="1e-6", help="largest difference from the single-process replay")
+    ap.add_argument("--prefetch-quorum", action="store_true", help="the groups run with ManagerOptions::prefetch_quorum")
     a = ap.parse_args()
 
     seed = a.seed if a.seed is not None else random.randrange(1 << 30)
@@ -112,6 +113,8 @@ def main():
                    "--quorum-timeout-ms", str(a.quorum_timeout_ms), "--model", a.model]
             if g in kills:
                 cmd += ["--kill", kills[g], "--kill-rank", str(a.kill_rank)]
+            if a.prefetch_quorum:
+                cmd += ["--prefetch-quorum"]
             log = open(os.path.join(a.workdir, f"group-{g}.log"), "w")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
