@@ -52,6 +52,30 @@ void require_plan_holds(const shardtorch::MemorySnapshot& m, const shardtorch::M
               " after the step");
 }
 
+// Units of a linear layer and a batch norm (odd sizes: every flat parameter
+// is padded somewhere), under a root with a frozen head bias.
+struct NormedImpl : torch::nn::Module {
+  NormedImpl(int64_t in, int64_t out)
+      : fc(register_module("fc", torch::nn::Linear(in, out))), bn(register_module("bn", torch::nn::BatchNorm1d(out))) {}
+  torch::Tensor forward(torch::Tensor x) { return torch::relu(bn(fc(x))); }
+  torch::nn::Linear fc;
+  torch::nn::BatchNorm1d bn;
+};
+SHARDTORCH_MODULE(Normed);
+
+struct NormedNetImpl : torch::nn::Module {
+  NormedNetImpl()
+      : a(register_module("a", Normed(7, 13))),
+        b(register_module("b", Normed(13, 11))),
+        head(register_module("head", torch::nn::Linear(11, 3))) {
+    head->bias.set_requires_grad(false);
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(b(a(x))); }
+  Normed a, b;
+  torch::nn::Linear head;
+};
+SHARDTORCH_MODULE(NormedNet);
+
 }  // namespace
 
 TEST(Plan, GptShapeArithmeticEqualsTheWalkOfAConstructedModel) {
@@ -232,6 +256,47 @@ TEST_P(Measured, AccumulationWithoutSyncKeepsEveryUnitsStagingAndThePlanSaysSo) 
       require(m.max(Mem::GradStaging) > plain.of(Mem::GradStaging),
               what + ": accumulation should stage more than " + std::to_string(plain.of(Mem::GradStaging)));
     }
+  });
+  ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
+}
+
+// Under bf16 mixed precision batch norm's parameters stay fp32
+// (keep_batch_norm_fp32) in flat parameters of their own: the plan has the
+// flats shard() made, and the model state it gives them (fp32, not bf16) is
+// what the model holds, byte for byte.
+TEST_P(Measured, BatchNormKeptInFp32IsPlannedAsShardLaysItOut) {
+  const Strategy s = GetParam();
+  const std::string what = std::string(shardtorch::strategy_name(s)) + " bf16 with batch norm";
+  auto opts = strategy_options(s, 2).bucket_mb(0.01).mixed_precision(
+      shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
+  ASSERT_TRUE(opts.mixed_precision().keep_batch_norm_fp32());  // the default
+  auto probe = NormedNet();
+  const auto specs = shardtorch::unit_specs(*probe);
+  const auto plan = shardtorch::plan_memory(specs, {opts, 2, 2});
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = NormedNet();
+    auto sm = shardtorch::shard(model, w, opts);
+    require(model->a->bn->weight.scalar_type() == at::kFloat && model->a->fc->weight.scalar_type() == at::kBFloat16,
+            what + ": the batch norm is not kept in fp32 beside a bf16 layer");
+    if (s != Strategy::NoShard) {  // NoShard has no flat parameters
+      const auto units = sm.units();
+      require(units.size() == specs.size(), what + ": " + std::to_string(units.size()) + " units, planned " +
+                                                std::to_string(specs.size()));
+      for (size_t u = 0; u < units.size(); ++u) {
+        std::string made, planned;
+        for (const auto& l : units[u].layouts) made += " " + std::to_string(l.total_numel());
+        for (const auto& f : specs[u].flats) planned += " " + std::to_string(f.numel);
+        require(made == planned, what + ": unit '" + units[u].name + "' has flat parameters of" + made +
+                                     " elements, planned" + planned);
+      }
+    }
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+    sm.reset_peak_memory();
+    model(torch::randn({4, 7})).square().mean().backward();
+    opt->step();
+    if (w.rank() != 0) return;
+    require_plan_holds(sm.memory(), plan, what);
   });
   ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
 }
