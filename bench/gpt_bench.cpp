@@ -15,8 +15,6 @@
 // + b; the row counts from start = idx*2654435761 mod vocab with stride
 // 1 + (idx / vocab) mod 3. bench/peers/peer_train.py computes the same rows.
 #include <ATen/Parallel.h>
-#include <sys/resource.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -41,6 +39,7 @@
 
 #include "../examples/cli.h"
 #include "../examples/gpt.h"
+#include "../examples/process_memory.h"
 #include "shardtorch/shardtorch.h"
 
 namespace po = boost::program_options;
@@ -100,20 +99,6 @@ double percentile(std::vector<double> v, double q) {
   return v[lo] + (v[hi] - v[lo]) * (pos - lo);
 }
 
-int64_t peak_rss_bytes() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
-}
-
-// Resident memory now, from /proc/self/statm.
-int64_t current_rss_bytes() {
-  std::ifstream f("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  f >> size >> resident;
-  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-}
-
 int64_t count_params(torch::nn::Module& m) {
   int64_t n = 0;
   std::set<const void*> seen;  // parameters() lists a tied tensor under each name
@@ -144,7 +129,7 @@ int run(const Args& a) {
     at::set_num_threads(1);
   }
   const bool plain = a.strategy == "plain";
-  const int64_t baseline_rss = current_rss_bytes();  // the process before the model exists
+  const int64_t baseline_rss = process_memory::resident_bytes();  // the process before the model exists
   TORCH_CHECK(!a.deferred || a.strategy != "plain", "gpt_bench: --deferred needs a shardtorch strategy");
   // Deferred: no parameter memory until shard() makes each unit's shards.
   gpt::GPT model = a.deferred ? shardtorch::deferred([&] { return gpt::GPT(a.cfg); }) : gpt::GPT(a.cfg);
@@ -305,7 +290,7 @@ int run(const Args& a) {
         {"backward", percentile(backward_ms, 0.5)},
         {"optimizer", percentile(optimizer_ms, 0.5)}}},
       {"tokens_per_s", mean_ms > 0 ? world->size() * a.batch * a.cfg.seq_len / (mean_ms / 1e3) : 0.0},
-      {"peak_rss_bytes", peak_rss_bytes()},
+      {"peak_rss_bytes", process_memory::peak_resident_bytes()},
       {"device_peak_allocated_bytes", dev_peak.allocated},
       {"device_peak_reserved_bytes", dev_peak.reserved},
       {"threads", at::get_num_threads()},
@@ -330,7 +315,8 @@ int run(const Args& a) {
                 static_cast<long long>(params),
                 percentile(step_ms, 0.5), percentile(forward_ms, 0.5), percentile(backward_ms, 0.5),
                 percentile(optimizer_ms, 0.5), percentile(step_ms, 0.95), r["tokens_per_s"].as_double(),
-                shardtorch::format_bytes(model_state).c_str(), shardtorch::format_bytes(peak_rss_bytes()).c_str(),
+                shardtorch::format_bytes(model_state).c_str(),
+                shardtorch::format_bytes(process_memory::peak_resident_bytes()).c_str(),
                 shardtorch::format_bytes(dev_peak.allocated).c_str());
   }
   return 0;

@@ -12,25 +12,14 @@
 
 #include <malloc.h>
 
-#include <fstream>
 #include <iostream>
 #include <sstream>
 
 #include "cli.h"
 #include "gpt.h"
+#include "process_memory.h"
 #include "shardtorch/deferred.h"
 #include "shardtorch/shardtorch.h"
-
-namespace {
-
-int64_t status_mib(const std::string& field) {
-  std::ifstream f("/proc/self/status");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) / 1024;
-  return -1;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   try {
@@ -58,8 +47,8 @@ int main(int argc, char** argv) {
     const int rank = world->rank();
     auto report = [&](const std::string& phase) {
       std::ostringstream os;
-      os << "rank " << rank << " after " << phase << ": VmRSS " << status_mib("VmRSS") << " MiB, peak VmHWM "
-         << status_mib("VmHWM") << " MiB\n";
+      os << "rank " << rank << " after " << phase << ": VmRSS " << process_memory::mib(process_memory::resident_bytes())
+         << " MiB, peak VmHWM " << process_memory::mib(process_memory::peak_resident_bytes()) << " MiB\n";
       std::cout << os.str() << std::flush;
     };
     report("start");

@@ -27,12 +27,12 @@
 #include <malloc.h>
 
 #include <cstring>
-#include <fstream>
 #include <iostream>
 #include <sstream>
 
 #include "cli.h"
 #include "gpt.h"
+#include "process_memory.h"
 #include "shardtorch/shardtorch.h"
 
 namespace {
@@ -120,21 +120,6 @@ struct LoraGPTImpl : torch::nn::Module {
 SHARDTORCH_MODULE(LoraGPT);
 
 // ---- measuring ---------------------------------------------------------------
-int64_t status_bytes(const std::string& field) {
-  std::ifstream f("/proc/self/status");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
-  return -1;
-}
-
-// VmHWM restarts from the current RSS (Linux >= 4.0); false if refused.
-bool reset_hwm() {
-  std::ofstream f("/proc/self/clear_refs");
-  f << "5";
-  f.flush();
-  return f.good();
-}
-
 std::string mem_json(const shardtorch::MemorySnapshot& s) {
   std::ostringstream os;
   os << "{";
@@ -196,19 +181,20 @@ int main(int argc, char** argv) {
     mallopt(M_MMAP_THRESHOLD, 1 << 20);
     auto world = shardtorch::World::from_env();
     const int rank = world->rank(), N = world->size();
-    const int64_t baseline = status_bytes("VmRSS");
-    const bool resets = reset_hwm();
+    const int64_t baseline = process_memory::resident_bytes();
+    const bool resets = process_memory::reset_peak();
     std::shared_ptr<shardtorch::ShardedModel> sharded;
     auto phase = [&](const std::string& name, auto&& body) {
       world->barrier();
-      reset_hwm();
+      process_memory::reset_peak();
       if (sharded) sharded->reset_peak_memory();
       auto t0 = std::chrono::steady_clock::now();
       body();
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::ostringstream os;
       os << "{\"rank\": " << rank << ", \"phase\": \"" << name << "\", \"seconds\": " << secs
-         << ", \"vmhwm\": " << status_bytes("VmHWM") << ", \"vmrss\": " << status_bytes("VmRSS")
+         << ", \"vmhwm\": " << process_memory::peak_resident_bytes()
+         << ", \"vmrss\": " << process_memory::resident_bytes()
          << ", \"baseline\": " << baseline << ", \"hwm_reset\": " << (resets ? "true" : "false");
       if (sharded) os << ", \"lib_peak_sum\": " << peak_sum(sharded->memory()) << ", \"lib\": " << mem_json(sharded->memory());
       os << "}\n";

@@ -56,12 +56,49 @@ int checked_shard_size(const PlanOptions& plan) {
   return o.hybrid_shard_size();
 }
 
-// The dtypes mixed precision gives a parameter of dtype t.
+// Whether shard() gives batch norm's parameters flats of their own, kept in
+// their dtype (MixedPrecision::keep_batch_norm_fp32; sharded.cpp's `keep`).
+bool keeps_batch_norm(const MixedPrecision& mp) {
+  return mp.keep_batch_norm_fp32() && (mp.param_dtype() || mp.buffer_dtype());
+}
+
+// The units as shard() lays them out under `mp`: a batch-norm flat not kept
+// apart joins the unit's flat of its dtype and trainability.
+std::vector<UnitSpec> as_laid_out(const std::vector<UnitSpec>& units, const MixedPrecision& mp) {
+  if (keeps_batch_norm(mp)) return units;
+  std::vector<UnitSpec> out;
+  for (const auto& u : units) {
+    UnitSpec merged{u.name, {}};
+    for (const auto& f : u.flats) {
+      auto same = std::find_if(merged.flats.begin(), merged.flats.end(), [&](const FlatSpec& g) {
+        return g.dtype == f.dtype && g.trainable == f.trainable;
+      });
+      if (same != merged.flats.end()) {
+        same->numel += f.numel;
+      } else {
+        merged.flats.push_back(FlatSpec{f.numel, f.dtype, f.trainable});
+      }
+    }
+    out.push_back(std::move(merged));
+  }
+  return out;
+}
+
+// The dtypes mixed precision gives a flat parameter (after as_laid_out).
 struct Precision {
   const MixedPrecision& mp;
-  at::ScalarType compute(at::ScalarType t) const { return mp.param_dtype() && at::isFloatingType(t) ? *mp.param_dtype() : t; }
-  at::ScalarType reduce(at::ScalarType t) const {
-    return mp.param_dtype() && at::isFloatingType(t) ? mp.reduce_dtype().value_or(*mp.param_dtype()) : t;
+  bool cast(const FlatSpec& f) const {
+    return mp.param_dtype() && at::isFloatingType(f.dtype) && !(f.batch_norm && keeps_batch_norm(mp));
+  }
+  at::ScalarType compute(const FlatSpec& f) const { return cast(f) ? *mp.param_dtype() : f.dtype; }
+  // The sharded strategies reduce a flat kept in its dtype in that dtype.
+  at::ScalarType reduce(const FlatSpec& f) const {
+    return cast(f) ? mp.reduce_dtype().value_or(*mp.param_dtype()) : f.dtype;
+  }
+  // NoShard's all-reduce buckets: the reduce dtype for every floating-point
+  // parameter under mixed precision, kept ones too.
+  at::ScalarType bucket(const FlatSpec& f) const {
+    return mp.param_dtype() && at::isFloatingType(f.dtype) ? mp.reduce_dtype().value_or(*mp.param_dtype()) : f.dtype;
   }
 };
 
@@ -74,13 +111,13 @@ void plan_replicated(const std::vector<UnitSpec>& units, const PlanOptions& plan
   for (const auto& u : units) {
     for (const auto& f : u.flats) {
       out.params += f.numel;
-      add(out, Mem::ReplicatedParams, f.numel * esize(p.compute(f.dtype)));  // frozen ones too: whole everywhere
+      add(out, Mem::ReplicatedParams, f.numel * esize(p.compute(f)));  // frozen ones too: whole everywhere
       // Masters (ReplicatedPath::enable): a trainable parameter has one under
-      // any param_dtype, even its own dtype; a frozen one only when cast.
-      if (p.compute(f.dtype) != f.dtype || (f.trainable && mp.param_dtype() && at::isFloatingType(f.dtype)))
+      // any param_dtype, even its own dtype or kept in it; a frozen one only when cast.
+      if (p.compute(f) != f.dtype || (f.trainable && mp.param_dtype() && at::isFloatingType(f.dtype)))
         add(out, Mem::ReplicatedParams, f.numel * esize(f.dtype));
       if (!f.trainable) continue;
-      const at::ScalarType rd = mp.param_dtype() ? p.reduce(f.dtype) : f.dtype;
+      const at::ScalarType rd = p.bucket(f);
       add(out, Mem::Gradients, f.numel * esize(rd));                          // the all-reduce buckets
       if (rd != f.dtype) add(out, Mem::MasterGrads, f.numel * esize(f.dtype));  // transient: backward to step
       add(out, Mem::OptimizerState, plan.optimizer_states * f.numel * esize(f.dtype));
@@ -119,7 +156,7 @@ Transients tally_units(const std::vector<UnitSpec>& units, const PlanOptions& pl
       out.params += f.numel;
       const int64_t S = (f.numel + shard_size - 1) / shard_size, padded = S * shard_size;
       const int64_t owned = std::min(f.numel, S);  // rank 0 owns the most (padding sits at the end)
-      const at::ScalarType cd = p.compute(f.dtype), rd = p.reduce(f.dtype);
+      const at::ScalarType cd = p.compute(f), rd = p.reduce(f);
       if (persistent) {
         add(out, Mem::ReplicatedParams, padded * esize(cd));
         if (cd != f.dtype || off) add(out, shard_cat, S * esize(f.dtype));  // else the shard is a view of it
@@ -207,7 +244,7 @@ void add_startup(const std::vector<UnitSpec>& units, const PlanOptions& plan, in
       c += fs.numel * esize(fs.dtype);
       if (keeps_full) continue;
       f += padded * esize(fs.dtype);
-      if (p.compute(fs.dtype) != fs.dtype) f += padded * esize(p.compute(fs.dtype));  // set_mixed_precision's cast
+      if (p.compute(fs) != fs.dtype) f += padded * esize(p.compute(fs));  // set_mixed_precision's cast
     }
     constructed.push_back(c);
     kept.push_back(one.of(Mem::ShardedParams) + one.of(Mem::ReplicatedParams) + one.of(Mem::HostParams));
@@ -228,8 +265,9 @@ void add_startup(const std::vector<UnitSpec>& units, const PlanOptions& plan, in
   }
 }
 
-MemoryPlan plan_memory(const std::vector<UnitSpec>& units, const PlanOptions& plan) {
+MemoryPlan plan_memory(const std::vector<UnitSpec>& specs, const PlanOptions& plan) {
   const int shard_size = checked_shard_size(plan);
+  const std::vector<UnitSpec> units = as_laid_out(specs, plan.options.mixed_precision());
   MemoryPlan out;
   if (plan.options.strategy() == Strategy::NoShard) {
     plan_replicated(units, plan, out);

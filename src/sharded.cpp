@@ -621,12 +621,15 @@ std::vector<UnitSpec> unit_specs(torch::nn::Module& root) {
       return it != masters.end() ? it->second : state->record_of(t).scalar_type();  // NoShard: its master's
     };
   }
+  // Batch norm's parameters in flats of their own (FlatSpec::batch_norm):
+  // plan_memory joins them to the others where shard() does.
+  const auto batch_norm = batch_norm_tensors(root);
   std::vector<UnitSpec> out;
   auto spec = [&](const std::string& name, int unit) {
     UnitSpec s{name, {}};
-    for (const auto& members : flat_groups(params, unit, dtype_of)) {
+    for (const auto& members : flat_groups(params, unit, dtype_of, batch_norm)) {
       const at::Tensor& first = members.front()->tensor;
-      FlatSpec f{0, dtype_of(first), first.requires_grad()};
+      FlatSpec f{0, dtype_of(first), first.requires_grad(), batch_norm.count(first.unsafeGetTensorImpl()) > 0};
       for (const auto* p : members) f.numel += p->tensor.numel();
       s.flats.push_back(f);
     }

@@ -330,35 +330,43 @@ SHARDTORCH_MODULE(NestedNet);
 
 }  // namespace
 
-TEST(RankDependentBranchesAroundGathers, AParentFinalBeforeItsFrozenChildGathersOnSomeRanksOnly) {
+class ParentFinalFirst : public ::testing::TestWithParam<std::pair<Strategy, int>> {};
+
+TEST_P(ParentFinalFirst, AParentFinalBeforeItsFrozenChildGathersOnSomeRanksOnly) {
+  const auto [strategy, world] = GetParam();
   auto use_own = [](int s, int r) { return s != 1 || r == 0; };
-  for (auto [strategy, world] : {std::pair{Strategy::FullShard, 2}, std::pair{Strategy::HybridShard, 4}}) {
-    torch::manual_seed(3);
-    auto x = torch::randn({kRows * world, 6});
-    torch::manual_seed(0);
-    const auto want = mean_of_ranks(WithParent(), x, world, 1, [&](WithParent& m, int s, int, int r) {
-      m->parent->use_own = use_own(s, r);
-    });
-    auto r = run_ranks(
-        world,
-        [&](World& w) {
-          torch::manual_seed(0);
-          WithParent model;
-          auto sm = shardtorch::shard(model, w, strategy_options(strategy, world).bucket_mb(1e-4));
-          auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-          for (int s = 0; s < kSteps; ++s) {
-            opt->zero_grad();
-            model->parent->use_own = use_own(s, w.rank());
-            model(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
-            opt->step();
-          }
-          require(sm.stats().reductions_deferred == 0, "a unit waited for its turn");
-          expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a parent final before its child gathers");
-        },
-        shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
-  }
+  torch::manual_seed(3);
+  auto x = torch::randn({kRows * world, 6});
+  torch::manual_seed(0);
+  const auto want = mean_of_ranks(WithParent(), x, world, 1, [&](WithParent& m, int s, int, int r) {
+    m->parent->use_own = use_own(s, r);
+  });
+  auto r = run_ranks(
+      world,
+      [&](World& w) {
+        torch::manual_seed(0);
+        WithParent model;
+        auto sm = shardtorch::shard(model, w, strategy_options(strategy, world).bucket_mb(1e-4));
+        auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+        for (int s = 0; s < kSteps; ++s) {
+          opt->zero_grad();
+          model->parent->use_own = use_own(s, w.rank());
+          model(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+          opt->step();
+        }
+        require(sm.stats().reductions_deferred == 0, "a unit waited for its turn");
+        expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a parent final before its child gathers");
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(RankDependentBranchesAroundGathers, ParentFinalFirst,
+                         ::testing::Values(std::pair{Strategy::FullShard, 2}, std::pair{Strategy::HybridShard, 4}),
+                         [](const auto& info) {
+                           return std::string(shardtorch::strategy_name(info.param.first)) + "_" +
+                                  std::to_string(info.param.second) + "ranks";
+                         });
 
 // A unit called twice in one forward, routed around in the first call on
 // rank 0 only: there its gradients are final after the second call's
@@ -401,6 +409,9 @@ TEST(RankDependentBranchesAroundGathers, AUnitFinalBeforeItsLastOutputHookGather
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// The strategy, and whether rank 0 looks after zero_grad() (else after step()).
+class ForwardOnOneRank : public ::testing::TestWithParam<std::pair<Strategy, bool>> {};
+
 // The same forward on rank 0 only between steps, with a root that is not a
 // unit (no root forward marks where a step's forward starts): zero_grad()
 // ends the order it would otherwise have begun. And the look taken after
@@ -408,7 +419,8 @@ TEST(RankDependentBranchesAroundGathers, AUnitFinalBeforeItsLastOutputHookGather
 // order, beginning again, starts a new one (the look headed rank 0's order
 // alone, and the reductions summed other units' gradients, wrong with no
 // error). From the second step: before the first, no order has begun.
-TEST(RankDependentBranchesAroundGathers, AForwardOnOneRankOnlyUnderAPlainRootDoesNotReorderTheNextReductions) {
+TEST_P(ForwardOnOneRank, AForwardOnOneRankOnlyUnderAPlainRootDoesNotReorderTheNextReductions) {
+  const auto [strategy, after_zero_grad] = GetParam();
   struct PlainImpl : torch::nn::Module {
     PlainImpl()
         : first(register_module("first", Layer(6, 6, true))),
@@ -419,34 +431,41 @@ TEST(RankDependentBranchesAroundGathers, AForwardOnOneRankOnlyUnderAPlainRootDoe
     Branchy mid;
     Layer last;
   };
-  for (auto [strategy, after_zero_grad] : {std::pair{Strategy::ShardGradOp, false}, {Strategy::OptimizerOnly, false},
-                                           {Strategy::ShardGradOp, true}, {Strategy::OptimizerOnly, true}}) {
-    torch::manual_seed(3);
-    auto x = torch::randn({2 * kRows, 6});
+  torch::manual_seed(3);
+  auto x = torch::randn({2 * kRows, 6});
+  torch::manual_seed(0);
+  auto ref = std::make_shared<PlainImpl>();
+  torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
+  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref->forward(x).square().mean(); });
+  auto r = run_ranks(2, [&](World& w) {
     torch::manual_seed(0);
-    auto ref = std::make_shared<PlainImpl>();
-    torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
-    auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref->forward(x).square().mean(); });
-    auto r = run_ranks(2, [&](World& w) {
-      torch::manual_seed(0);
-      auto model = std::make_shared<PlainImpl>();
-      auto sm = shardtorch::shard(*model, w, strategy_options(strategy, 2).bucket_mb(1e-4));
-      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-      auto look = [&] { model->last(torch::ones({1, 6})).sum().item<double>(); };  // in grad mode
-      for (int s = 0; s < kSteps; ++s) {
-        opt->zero_grad();
-        if (after_zero_grad && s > 0 && w.rank() == 0) look();
-        model->forward(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
-        opt->step();
-        if (!after_zero_grad && w.rank() == 0) look();
-      }
-      require(sm.stats().reductions_deferred == 0, "a unit waited for its turn");
-      expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a forward on rank 0 only");
-    }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << (after_zero_grad ? ", look after zero_grad: " : ": ")
-                      << r.summary();
-  }
+    auto model = std::make_shared<PlainImpl>();
+    auto sm = shardtorch::shard(*model, w, strategy_options(strategy, 2).bucket_mb(1e-4));
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+    auto look = [&] { model->last(torch::ones({1, 6})).sum().item<double>(); };  // in grad mode
+    for (int s = 0; s < kSteps; ++s) {
+      opt->zero_grad();
+      if (after_zero_grad && s > 0 && w.rank() == 0) look();
+      model->forward(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+      opt->step();
+      if (!after_zero_grad && w.rank() == 0) look();
+    }
+    require(sm.stats().reductions_deferred == 0, "a unit waited for its turn");
+    expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a forward on rank 0 only");
+  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << (after_zero_grad ? ", look after zero_grad: " : ": ")
+                    << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(RankDependentBranchesAroundGathers, ForwardOnOneRank,
+                         ::testing::Values(std::pair{Strategy::ShardGradOp, false},
+                                           std::pair{Strategy::OptimizerOnly, false},
+                                           std::pair{Strategy::ShardGradOp, true},
+                                           std::pair{Strategy::OptimizerOnly, true}),
+                         [](const auto& info) {
+                           return std::string(shardtorch::strategy_name(info.param.first)) +
+                                  (info.param.second ? "_look_after_zero_grad" : "_look_after_step");
+                         });
 
 INSTANTIATE_TEST_SUITE_P(
     All, RankDependentBranches,
@@ -458,6 +477,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{Strategy::HybridShard, 2, 1e-4}, Case{Strategy::HybridShard, 4, 1e-4},
                       Case{Strategy::HybridShard, 4, 1e-4, true}, Case{Strategy::HybridShard, 4, 1e-4, false, true}),
     case_name);
+
+struct RoutedCase {
+  Strategy strategy;
+  int world;
+  bool across_replicas;  // routed around on ranks 1 and 2, not on rank 1 alone
+};
+
+class UnitsFinalBeforeAGather : public ::testing::TestWithParam<RoutedCase> {};
 
 // Three nested units routed around on rank 1 only: there they are final at
 // their pre-backward hooks, one after the other, and their reduce-scatters go
@@ -472,43 +499,46 @@ INSTANTIATE_TEST_SUITE_P(
 // peers wait in, and the replica all-reduce that follows must not block
 // there (it used to, inside the reduce-scatter's completion: rank 1 waited
 // for rank 3, 3 in the all-gather for 2, 2 for 0, 0 for 1).
-TEST(RankDependentBranchesAroundGathers, MoreUnitsFinalBeforeAGatherThanReduceScattersInFlight) {
-  struct Case {
-    Strategy strategy;
-    int world;
-    bool across_replicas;  // routed around on ranks 1 and 2, not on rank 1 alone
-  };
-  for (const Case c : {Case{Strategy::FullShard, 2, false}, Case{Strategy::HybridShard, 4, false},
-                       Case{Strategy::HybridShard, 4, true}}) {
-    const Strategy strategy = c.strategy;
-    const int world = c.world;
-    auto use_own = [&](int s, int r) { return s != 1 || r == 0 || (c.across_replicas && r == 3); };
-    torch::manual_seed(3);
-    auto x = torch::randn({kRows * world, 6});
-    torch::manual_seed(0);
-    const auto want = mean_of_ranks(NestedNet(), x, world, 1,
-                                    [&](NestedNet& m, int s, int, int r) { m->use(use_own(s, r)); });
-    auto r = run_ranks(
-        world,
-        [&](World& w) {
-          torch::manual_seed(0);
-          NestedNet model;
-          auto sm = shardtorch::shard(model, w, strategy_options(strategy, world).bucket_mb(1e-4));
-          auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-          for (int s = 0; s < kSteps; ++s) {
-            opt->zero_grad();
-            model->use(use_own(s, w.rank()));
-            model(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
-            opt->step();
-          }
-          expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "three nested units routed around");
-          // Somewhere a launch went past the limit instead of waiting.
-          auto past = torch::full({1}, static_cast<double>(sm.stats().reduce_scatters_past_the_limit), torch::kDouble);
-          w.comm().all_reduce(past, c10d::ReduceOp::SUM, "launches past the limit");
-          require(past.item<double>() >= 1, "no reduce-scatter was launched past the limit");
-        },
-        shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << (c.across_replicas ? " across replicas" : "") << ": "
-                      << r.summary();
-  }
+TEST_P(UnitsFinalBeforeAGather, MoreUnitsFinalBeforeAGatherThanReduceScattersInFlight) {
+  const RoutedCase c = GetParam();
+  const Strategy strategy = c.strategy;
+  const int world = c.world;
+  auto use_own = [&](int s, int r) { return s != 1 || r == 0 || (c.across_replicas && r == 3); };
+  torch::manual_seed(3);
+  auto x = torch::randn({kRows * world, 6});
+  torch::manual_seed(0);
+  const auto want = mean_of_ranks(NestedNet(), x, world, 1,
+                                  [&](NestedNet& m, int s, int, int r) { m->use(use_own(s, r)); });
+  auto r = run_ranks(
+      world,
+      [&](World& w) {
+        torch::manual_seed(0);
+        NestedNet model;
+        auto sm = shardtorch::shard(model, w, strategy_options(strategy, world).bucket_mb(1e-4));
+        auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+        for (int s = 0; s < kSteps; ++s) {
+          opt->zero_grad();
+          model->use(use_own(s, w.rank()));
+          model(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+          opt->step();
+        }
+        expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "three nested units routed around");
+        // Somewhere a launch went past the limit instead of waiting.
+        auto past = torch::full({1}, static_cast<double>(sm.stats().reduce_scatters_past_the_limit), torch::kDouble);
+        w.comm().all_reduce(past, c10d::ReduceOp::SUM, "launches past the limit");
+        require(past.item<double>() >= 1, "no reduce-scatter was launched past the limit");
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << (c.across_replicas ? " across replicas" : "") << ": "
+                    << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(RankDependentBranchesAroundGathers, UnitsFinalBeforeAGather,
+                         ::testing::Values(RoutedCase{Strategy::FullShard, 2, false},
+                                           RoutedCase{Strategy::HybridShard, 4, false},
+                                           RoutedCase{Strategy::HybridShard, 4, true}),
+                         [](const auto& info) {
+                           return std::string(shardtorch::strategy_name(info.param.strategy)) + "_" +
+                                  std::to_string(info.param.world) + "ranks" +
+                                  (info.param.across_replicas ? "_across_replicas" : "");
+                         });

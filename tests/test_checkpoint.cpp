@@ -119,54 +119,58 @@ INSTANTIATE_TEST_SUITE_P(Checkpoint, EmptyParameter, ::testing::ValuesIn(empty_p
                                   (info.param.offload ? "_offload" : "") + (info.param.bf16 ? "_bf16" : "");
                          });
 
+class AmsgradGroups : public ::testing::TestWithParam<Strategy> {};
+
 // Groups that differ in amsgrad: only the amsgrad group's parameters have a
 // max_exp_avg_sq. Loading asked whether the checkpoint had any at all and
 // then planned one for every parameter, failing with "not all saved (a
 // missing shard?)". Each parameter's state now comes back as it was saved.
-TEST(Checkpoint, OptimizerStateOfGroupsThatDifferInAmsgradRoundTrips) {
+TEST_P(AmsgradGroups, OptimizerStateOfGroupsThatDifferInAmsgradRoundTrips) {
   const TempDir dir;
-  for (auto s : {Strategy::FullShard, Strategy::NoShard}) {
-    const std::string ckpt = (dir / shardtorch::strategy_name(s)).string();
-    auto r = run_ranks(2, [&](World& w) {
-      MLP m;
-      shardtorch::shard(m, w, strategy_options(s, 2));
-      auto make = [&] {
-        return shardtorch::Adam(*m, torch::optim::AdamOptions(0.1),
-                                {{{m->l1->lin->weight}, torch::optim::AdamOptions(0.1).amsgrad(true)}});
-      };
-      auto backward = [&](const std::unique_ptr<shardtorch::ShardedOptimizer>& opt) {
-        opt->zero_grad();
-        m(torch::ones({2, 7}) * (1 + w.rank())).square().sum().backward();
-      };
-      auto opt = make();
-      backward(opt);
-      opt->step();
-      shardtorch::save_sharded_checkpoint(*m, opt.get(), ckpt, 1);
-      auto resumed = make();
-      require(shardtorch::load_sharded_checkpoint(*m, resumed.get(), ckpt) == 1, "wrong step");
-      auto& a = opt->inner(), &b = resumed->inner();
-      int with_max = 0;
-      for (size_t g = 0; g < a.param_groups().size(); ++g) {
-        for (size_t k = 0; k < a.param_groups()[g].params().size(); ++k) {
-          auto* pa = a.param_groups()[g].params()[k].unsafeGetTensorImpl();
-          auto* pb = b.param_groups()[g].params()[k].unsafeGetTensorImpl();
-          require(a.state().count(pa) == b.state().count(pb), "state present on one side only");
-          if (!a.state().count(pa)) continue;
-          auto& sa = static_cast<torch::optim::AdamParamState&>(*a.state().at(pa));
-          auto& sb = static_cast<torch::optim::AdamParamState&>(*b.state().at(pb));
-          require(sa.step() == sb.step() && at::equal(sa.exp_avg(), sb.exp_avg()) &&
-                      at::equal(sa.exp_avg_sq(), sb.exp_avg_sq()),
-                  "moments differ after the load");
-          require(sa.max_exp_avg_sq().defined() == sb.max_exp_avg_sq().defined() &&
-                      (!sa.max_exp_avg_sq().defined() || at::equal(sa.max_exp_avg_sq(), sb.max_exp_avg_sq())),
-                  "max_exp_avg_sq differs after the load (group " + std::to_string(g) + ")");
-          with_max += sa.max_exp_avg_sq().defined();
-        }
+  const shardtorch::Strategy s = GetParam();
+  const std::string ckpt = (dir / shardtorch::strategy_name(s)).string();
+  auto r = run_ranks(2, [&](World& w) {
+    MLP m;
+    shardtorch::shard(m, w, strategy_options(s, 2));
+    auto make = [&] {
+      return shardtorch::Adam(*m, torch::optim::AdamOptions(0.1),
+                              {{{m->l1->lin->weight}, torch::optim::AdamOptions(0.1).amsgrad(true)}});
+    };
+    auto backward = [&](const std::unique_ptr<shardtorch::ShardedOptimizer>& opt) {
+      opt->zero_grad();
+      m(torch::ones({2, 7}) * (1 + w.rank())).square().sum().backward();
+    };
+    auto opt = make();
+    backward(opt);
+    opt->step();
+    shardtorch::save_sharded_checkpoint(*m, opt.get(), ckpt, 1);
+    auto resumed = make();
+    require(shardtorch::load_sharded_checkpoint(*m, resumed.get(), ckpt) == 1, "wrong step");
+    auto& a = opt->inner(), &b = resumed->inner();
+    int with_max = 0;
+    for (size_t g = 0; g < a.param_groups().size(); ++g) {
+      for (size_t k = 0; k < a.param_groups()[g].params().size(); ++k) {
+        auto* pa = a.param_groups()[g].params()[k].unsafeGetTensorImpl();
+        auto* pb = b.param_groups()[g].params()[k].unsafeGetTensorImpl();
+        require(a.state().count(pa) == b.state().count(pb), "state present on one side only");
+        if (!a.state().count(pa)) continue;
+        auto& sa = static_cast<torch::optim::AdamParamState&>(*a.state().at(pa));
+        auto& sb = static_cast<torch::optim::AdamParamState&>(*b.state().at(pb));
+        require(sa.step() == sb.step() && at::equal(sa.exp_avg(), sb.exp_avg()) &&
+                    at::equal(sa.exp_avg_sq(), sb.exp_avg_sq()),
+                "moments differ after the load");
+        require(sa.max_exp_avg_sq().defined() == sb.max_exp_avg_sq().defined() &&
+                    (!sa.max_exp_avg_sq().defined() || at::equal(sa.max_exp_avg_sq(), sb.max_exp_avg_sq())),
+                "max_exp_avg_sq differs after the load (group " + std::to_string(g) + ")");
+        with_max += sa.max_exp_avg_sq().defined();
       }
-      require(with_max <= 1, "max_exp_avg_sq outside the amsgrad group");
-      backward(resumed);
-      resumed->step();
-    });
-    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+    }
+    require(with_max <= 1, "max_exp_avg_sq outside the amsgrad group");
+    backward(resumed);
+    resumed->step();
+  });
+  EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(Checkpoint, AmsgradGroups,
+                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());

@@ -403,7 +403,7 @@ TEST(CommHooks, DifferentHooksOnDifferentRanksFailEveryRankNamingBoth) {
             std::string("register the same kind of hook on every rank")})
         require(message.find(want) != std::string::npos, "'" + want + "' is not in: " + message);
     }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(60)).timeout(std::chrono::seconds(90)));
-    ASSERT_TRUE(r.ok) << r.summary();
+    EXPECT_TRUE(r.ok) << r.summary();
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0)
         << "the ranks should fail at once, not after the collective timeout";
   }

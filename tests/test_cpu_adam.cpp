@@ -178,28 +178,33 @@ TEST(ShardedAdam, HostShardsGetTorchOptimItself) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+class UnsupportedDtype : public ::testing::TestWithParam<shardtorch::Strategy> {};
+
 // Refused when built, on every rank alike: a rank that owns no piece of the
 // fp64 parameters would otherwise step, go on to the next collective and
 // wait there for ranks that threw in step().
-TEST(FusedCpuAdam, ParametersItCannotUpdateAreRefusedOnEveryRankWhenItIsBuilt) {
-  for (auto strategy : {shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      torch::manual_seed(0);
-      auto model = MLP();
-      model->l3->lin->to(torch::kDouble);
-      shardtorch::shard(model, w, strategy_options(strategy, 2));
-      try {
-        shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-3));
-      } catch (const std::exception& e) {
-        const std::string msg = e.what();
-        require(msg.find("'l3.lin.weight' is optimized as a Double tensor") != std::string::npos, msg);
-        return;
-      }
-      throw std::runtime_error("FusedAdamW accepted fp64 parameters");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
-  }
+TEST_P(UnsupportedDtype, ParametersItCannotUpdateAreRefusedOnEveryRankWhenItIsBuilt) {
+  const shardtorch::Strategy strategy = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = MLP();
+    model->l3->lin->to(torch::kDouble);
+    shardtorch::shard(model, w, strategy_options(strategy, 2));
+    try {
+      shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-3));
+    } catch (const std::exception& e) {
+      const std::string msg = e.what();
+      require(msg.find("'l3.lin.weight' is optimized as a Double tensor") != std::string::npos, msg);
+      return;
+    }
+    throw std::runtime_error("FusedAdamW accepted fp64 parameters");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(FusedCpuAdam, UnsupportedDtype,
+                         ::testing::Values(shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard),
+                         StrategyName());
 
 // The Newton variant against the exact one, element by element, where the
 // estimates are weakest: v = 0 (sqrt taken as 0, the denominator is eps),

@@ -296,7 +296,7 @@ void parity_all_strategies(int world_size) {
       deferred_parity<gpt::GPT>(w, make_gpt, gpt_loss, opts, 3);
       deferred_parity<MLP>(w, make_mlp, mlp_loss, opts, 3);
     });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
 }
 
@@ -387,7 +387,7 @@ TEST(DeferredShard, LoadsCheckpointsWithoutReplay) {
                         std::string("rank ") + std::to_string(w.rank()) + (from_full ? ": full state dict" : ": sharded checkpoint"));
       }
     });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
 }
 

@@ -328,38 +328,39 @@ void expect_adam_trains_like_torch(
       }
       expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, what);
     });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
 }
 
 }  // namespace
 
-TEST(FrozenParameters, AdaptersBesideFrozenWeightsTrainLikeTorchUnderEveryStrategy) {
+class Adapters : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(Adapters, AdaptersBesideFrozenWeightsTrainLikeTorchUnderEveryStrategy) {
   torch::manual_seed(3);
   auto x = torch::randn({8, 6});
   torch::manual_seed(0);
   Adapted ref;
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
   auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).square().mean(); });
-  for (auto s : kAllStrategies) {
-    for (bool prefetch : {false, true}) {
-      auto r = run_ranks(2, [&](World& w) {
-        torch::manual_seed(0);
-        Adapted m;
-        auto sm = shardtorch::shard(m, w, strategy_options(s, 2).prefetch(prefetch).bucket_mb(1e-4));
-        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
-        for (int step = 0; step < kSteps; ++step) {
-          opt->zero_grad();
-          (m(x.narrow(0, 4 * w.rank(), 4)).square().mean()).backward();
-          require(sm.memory().cur(Mem::GatheredParams) == 0 || s == Strategy::ShardGradOp ||
-                      s == Strategy::OptimizerOnly || s == Strategy::NoShard,
-                  "units left gathered after backward");
-          opt->step();
-        }
-        expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "adapters beside frozen weights");
-      });
-      ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << (prefetch ? " with prefetch" : "") << ": " << r.summary();
-    }
+  const shardtorch::Strategy s = GetParam();
+  for (bool prefetch : {false, true}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      Adapted m;
+      auto sm = shardtorch::shard(m, w, strategy_options(s, 2).prefetch(prefetch).bucket_mb(1e-4));
+      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
+      for (int step = 0; step < kSteps; ++step) {
+        opt->zero_grad();
+        (m(x.narrow(0, 4 * w.rank(), 4)).square().mean()).backward();
+        require(sm.memory().cur(Mem::GatheredParams) == 0 || s == Strategy::ShardGradOp ||
+                    s == Strategy::OptimizerOnly || s == Strategy::NoShard,
+                "units left gathered after backward");
+        opt->step();
+      }
+      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "adapters beside frozen weights");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << (prefetch ? " with prefetch" : "") << ": " << r.summary();
   }
 }
 
@@ -516,7 +517,7 @@ TEST(FrozenParameters, AFrozenBackboneFedByDataIsNotPrefetchedInBackward) {
 // backward(inputs=...) naming one unit's parameters: the others' parameters
 // are in the graph but get no gradient, and their weights are still read for
 // the gradient flowing through them.
-TEST(FrozenParameters, ABackwardForSomeParametersOnlyReadsTheOthersWeights) {
+TEST_P(Adapters, ABackwardForSomeParametersOnlyReadsTheOthersWeights) {
   torch::manual_seed(3);
   auto x = torch::randn({8, 6});
   auto inputs_of = [](Adapted& m) { return m->first->parameters(); };
@@ -529,80 +530,89 @@ TEST(FrozenParameters, ABackwardForSomeParametersOnlyReadsTheOthersWeights) {
     ref_opt.step();
   }
   auto want = snapshot(*ref);
-  for (auto s : kAllStrategies) {
-    auto r = run_ranks(2, [&](World& w) {
-      torch::manual_seed(0);
-      Adapted m;
-      shardtorch::shard(m, w, strategy_options(s, 2).bucket_mb(1e-4));
-      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));  // a zero gradient changes nothing
-      for (int step = 0; step < kSteps; ++step) {
-        opt->zero_grad();
-        m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward({}, std::nullopt, false, inputs_of(m));
-        opt->step();
-      }
-      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "backward for some parameters only");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+  const shardtorch::Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    Adapted m;
+    shardtorch::shard(m, w, strategy_options(s, 2).bucket_mb(1e-4));
+    auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));  // a zero gradient changes nothing
+    for (int step = 0; step < kSteps; ++step) {
+      opt->zero_grad();
+      m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward({}, std::nullopt, false, inputs_of(m));
+      opt->step();
+    }
+    expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "backward for some parameters only");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(FrozenParameters, Adapters, ::testing::ValuesIn(kAllStrategies), StrategyName());
+
+class CheckpointedFrozenUnit : public ::testing::TestWithParam<Strategy> {};
 
 // Checkpointed, a unit with only frozen parameters is recomputed in backward
 // (its input needs a gradient) and has nothing to reduce: nothing waits for it.
-TEST(FrozenParameters, ACheckpointedFrozenUnitBetweenTrainableOnesTrainsLikeTorch) {
+TEST_P(CheckpointedFrozenUnit, ACheckpointedFrozenUnitBetweenTrainableOnesTrainsLikeTorch) {
   torch::manual_seed(3);
   auto x = torch::randn({8, 6});
   torch::manual_seed(0);
   Sandwich ref;
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
   auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).square().mean(); });
-  for (auto s : {Strategy::FullShard, Strategy::ShardGradOp}) {
-    auto r = run_ranks(2, [&](World& w) {
-      torch::manual_seed(0);
-      Sandwich m;
-      auto sm = shardtorch::shard(m, w, strategy_options(s, 2).activation_checkpointing_for("frozen", true));
-      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
-      for (int step = 0; step < kSteps; ++step) {
-        opt->zero_grad();
-        m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
-        opt->step();
-      }
-      require(sm.stats().reductions_deferred == 0, std::to_string(sm.stats().reductions_deferred) + " units waited");
-      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a checkpointed frozen unit");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+  const shardtorch::Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    Sandwich m;
+    auto sm = shardtorch::shard(m, w, strategy_options(s, 2).activation_checkpointing_for("frozen", true));
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
+    for (int step = 0; step < kSteps; ++step) {
+      opt->zero_grad();
+      m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
+      opt->step();
+    }
+    require(sm.stats().reductions_deferred == 0, std::to_string(sm.stats().reductions_deferred) + " units waited");
+    expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a checkpointed frozen unit");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
 
-TEST(FrozenParameters, AnAdapterUnitWithALeafInputTrainsLikeTorchAndCollectsNoHooks) {
+INSTANTIATE_TEST_SUITE_P(FrozenParameters, CheckpointedFrozenUnit,
+                         ::testing::Values(Strategy::FullShard, Strategy::ShardGradOp), StrategyName());
+
+class LeafInput : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(LeafInput, AnAdapterUnitWithALeafInputTrainsLikeTorchAndCollectsNoHooks) {
   torch::manual_seed(3);
   auto x = torch::randn({8, 6});
   torch::manual_seed(0);
   PosNet ref;
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
   auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).square().mean(); });
-  for (auto s : {Strategy::FullShard, Strategy::HybridShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      torch::manual_seed(0);
-      PosNet m;
-      shardtorch::shard(m, w, strategy_options(s, 2));
-      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
-      // C++ hooks of a tensor are kept in one list behind a single pre-hook.
-      auto cpp_hooks = [](const torch::Tensor& t) {
-        auto* meta = torch::autograd::impl::get_autograd_meta(t);
-        return meta && meta->cpp_hooks_list_ ? meta->cpp_hooks_list_->size() : size_t{0};
-      };
-      const size_t hooks = cpp_hooks(m->pos);
-      for (int step = 0; step < kSteps; ++step) {
-        opt->zero_grad();
-        m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
-        opt->step();
-      }
-      require(cpp_hooks(m->pos) == hooks, std::to_string(cpp_hooks(m->pos) - hooks) + " hooks piled up on the leaf input");
-      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a leaf input");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+  const shardtorch::Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    PosNet m;
+    shardtorch::shard(m, w, strategy_options(s, 2));
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
+    // C++ hooks of a tensor are kept in one list behind a single pre-hook.
+    auto cpp_hooks = [](const torch::Tensor& t) {
+      auto* meta = torch::autograd::impl::get_autograd_meta(t);
+      return meta && meta->cpp_hooks_list_ ? meta->cpp_hooks_list_->size() : size_t{0};
+    };
+    const size_t hooks = cpp_hooks(m->pos);
+    for (int step = 0; step < kSteps; ++step) {
+      opt->zero_grad();
+      m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
+      opt->step();
+    }
+    require(cpp_hooks(m->pos) == hooks, std::to_string(cpp_hooks(m->pos) - hooks) + " hooks piled up on the leaf input");
+    expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a leaf input");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(FrozenParameters, LeafInput,
+                         ::testing::Values(Strategy::FullShard, Strategy::HybridShard), StrategyName());
 
 // Two forwards, one backward through both graphs: the second forward's input
 // gradient is complete before the first forward's backward reads the frozen
@@ -647,41 +657,45 @@ TEST(FrozenParameters, TwoForwardsDifferentiatedInOneBackwardTrainLikeTorch) {
   }
 }
 
+class RequiresGradChanged : public ::testing::TestWithParam<Strategy> {};
+
 // Which parameters train is fixed by shard(): a parameter unfrozen later was
 // never reduced nor stepped, and one frozen later was still stepped, with no
 // word (gradual unfreezing, say). The next optimizer step names it.
-TEST(Frozen, ChangingRequiresGradAfterShardIsAnErrorAtTheNextStep) {
-  for (auto s : {shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      for (bool unfreeze : {false, true}) {
-        if (unfreeze && s == shardtorch::Strategy::NoShard) continue;  // NoShard keeps no list of frozen ones
-        torch::manual_seed(0);
-        MLP m;
-        shardtorch::shard(m, w, strategy_options(s, 2));
-        auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
-        auto step = [&] {
-          opt->zero_grad();
-          m(torch::ones({2, 7})).square().sum().backward();
-          opt->step();
-        };
-        step();
-        if (unfreeze) {
-          m->l2->lin->bias.set_requires_grad(true);
-        } else {
-          m->l1->lin->weight.set_requires_grad(false);
-        }
-        std::string e = "no error";
-        try {
-          step();
-        } catch (const std::exception& err) {
-          e = err.what();
-        }
-        const std::string want = unfreeze ? "parameter 'l2.lin.bias' was frozen at shard() and is trainable now"
-                                          : "parameter 'l1.lin.weight' was trainable at shard() and is frozen now";
-        require(e.find("rank " + std::to_string(w.rank()) + ": " + want) != std::string::npos,
-                std::string(shardtorch::strategy_name(s)) + ": " + e);
+TEST_P(RequiresGradChanged, ChangingRequiresGradAfterShardIsAnErrorAtTheNextStep) {
+  const shardtorch::Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    for (bool unfreeze : {false, true}) {
+      if (unfreeze && s == shardtorch::Strategy::NoShard) continue;  // NoShard keeps no list of frozen ones
+      torch::manual_seed(0);
+      MLP m;
+      shardtorch::shard(m, w, strategy_options(s, 2));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      auto step = [&] {
+        opt->zero_grad();
+        m(torch::ones({2, 7})).square().sum().backward();
+        opt->step();
+      };
+      step();
+      if (unfreeze) {
+        m->l2->lin->bias.set_requires_grad(true);
+      } else {
+        m->l1->lin->weight.set_requires_grad(false);
       }
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+      std::string e = "no error";
+      try {
+        step();
+      } catch (const std::exception& err) {
+        e = err.what();
+      }
+      const std::string want = unfreeze ? "parameter 'l2.lin.bias' was frozen at shard() and is trainable now"
+                                        : "parameter 'l1.lin.weight' was trainable at shard() and is frozen now";
+      require(e.find("rank " + std::to_string(w.rank()) + ": " + want) != std::string::npos,
+              std::string(shardtorch::strategy_name(s)) + ": " + e);
+    }
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(Frozen, RequiresGradChanged,
+                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());

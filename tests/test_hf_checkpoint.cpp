@@ -157,44 +157,47 @@ GptCheckpoint make_gpt_checkpoint(const gpt::Config& cfg = gpt::Config{}) {
   return c;
 }
 
-// At `world` ranks under every strategy: a deferred GPT (never replayed)
+}  // namespace
+
+class ParityWithFullStateDict : public ::testing::TestWithParam<std::tuple<Strategy, int>> {};
+
+// At `world` ranks under strategy `s`: a deferred GPT (never replayed)
 // loaded from the Hugging Face layout equals an eager GPT of another seed
 // loaded from the full state dict, and the source's values, bit for bit;
 // each rank opened exactly the files holding its elements.
-void parity(int world) {
+TEST_P(ParityWithFullStateDict, ADeferredModelLoadsTheHfLayoutBitwiseOpeningOnlyItsFiles) {
+  const auto [s, world] = GetParam();
   auto ck = make_gpt_checkpoint();
-  for (auto s : kAllStrategies) {
-    auto opts = strategy_options(s, world);
-    auto r = run_ranks(world, [&](World& w) {
-      torch::manual_seed(9);
-      gpt::GPT ref(gpt::Config{});
-      shardtorch::shard(ref, w, opts);
-      shardtorch::load_full_state_dict(*ref, ck.full);
-      auto lazy = shardtorch::deferred([] { return gpt::GPT(gpt::Config{}); });
-      shardtorch::skip_deferred_init(lazy);
-      auto sm = shardtorch::shard(lazy, w, opts);
-      auto report = shardtorch::load_hf_checkpoint(*lazy, (ck.dir / "hf").string());
-      const std::string who = "rank " + std::to_string(w.rank());
-      require_bitwise(full_values(*lazy), full_values(*ref), who + ": HF layout against the full state dict");
-      require_bitwise(full_values(*lazy), ck.values, who + ": HF layout against the source");
-      std::set<std::string> opened(report.files_opened.begin(), report.files_opened.end());
-      require(opened.size() == report.files_opened.size(), who + ": a file opened twice");
-      const auto needed = files_needed(sm, w, opts);
-      std::string list;
-      for (const auto& f : opened) list += " " + f;
-      require(opened == needed, who + " opened" + list + "; it needs " + std::to_string(needed.size()) + " files");
-      require(report.missing.empty() && report.skipped.empty() && report.unexpected.empty(), who + ": report not empty");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << " at " << world << ": " << r.summary();
-  }
+  auto opts = strategy_options(s, world);
+  auto r = run_ranks(world, [&](World& w) {
+    torch::manual_seed(9);
+    gpt::GPT ref(gpt::Config{});
+    shardtorch::shard(ref, w, opts);
+    shardtorch::load_full_state_dict(*ref, ck.full);
+    auto lazy = shardtorch::deferred([] { return gpt::GPT(gpt::Config{}); });
+    shardtorch::skip_deferred_init(lazy);
+    auto sm = shardtorch::shard(lazy, w, opts);
+    auto report = shardtorch::load_hf_checkpoint(*lazy, (ck.dir / "hf").string());
+    const std::string who = "rank " + std::to_string(w.rank());
+    require_bitwise(full_values(*lazy), full_values(*ref), who + ": HF layout against the full state dict");
+    require_bitwise(full_values(*lazy), ck.values, who + ": HF layout against the source");
+    std::set<std::string> opened(report.files_opened.begin(), report.files_opened.end());
+    require(opened.size() == report.files_opened.size(), who + ": a file opened twice");
+    const auto needed = files_needed(sm, w, opts);
+    std::string list;
+    for (const auto& f : opened) list += " " + f;
+    require(opened == needed, who + " opened" + list + "; it needs " + std::to_string(needed.size()) + " files");
+    require(report.missing.empty() && report.skipped.empty() && report.unexpected.empty(), who + ": report not empty");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << " at " << world << ": " << r.summary();
 }
 
-
-}  // namespace
-
-TEST(HfCheckpoint, ParityWithFullStateDictEveryStrategyWorld1) { parity(1); }
-TEST(HfCheckpoint, ParityWithFullStateDictEveryStrategyWorld2) { parity(2); }
-TEST(HfCheckpoint, ParityWithFullStateDictEveryStrategyWorld3) { parity(3); }
+INSTANTIATE_TEST_SUITE_P(HfCheckpoint, ParityWithFullStateDict,
+                         ::testing::Combine(::testing::ValuesIn(kAllStrategies), ::testing::Values(1, 2, 3)),
+                         [](const auto& info) {
+                           return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_" +
+                                  std::to_string(std::get<1>(info.param)) + "ranks";
+                         });
 
 // A single model.safetensors (the directory, or the file named) loads as the
 // index does; every rank opens that one file.
@@ -570,56 +573,59 @@ TEST(HfInterop, DISABLED_LoadsWhatPythonWrote) {
   }
 }
 
+class FromEveryStrategy : public ::testing::TestWithParam<Strategy> {};
+
 // save_hf_checkpoint: written at 2 ranks under every strategy into files of
 // at most 16 KiB, the layout holds every tensor once (a tied one under its
 // first name), each file within the limit unless it holds one tensor alone,
 // and loads back at 1 and 3 ranks bitwise.
-TEST(HfSave, WritesTheLayoutThatLoadsBackAtOtherWorldSizesBitwise) {
+TEST_P(FromEveryStrategy, WritesTheLayoutThatLoadsBackAtOtherWorldSizesBitwise) {
   auto ck = make_gpt_checkpoint();
   constexpr int64_t kMax = 16 * 1024;
   torch::manual_seed(5);
   gpt::GPT names_of(gpt::Config{});
   std::set<std::string> want_names;
   for (const auto& [n, t] : hf_tensors(*names_of)) want_names.insert(n);
-  for (auto s : kAllStrategies) {
-    const std::string dir = (ck.dir / (std::string("saved-") + shardtorch::strategy_name(s))).string();
-    auto r = run_ranks(2, [&](World& w) {
-      gpt::GPT model(gpt::Config{});
-      shardtorch::shard(model, w, strategy_options(s, 2));
-      shardtorch::load_full_state_dict(*model, ck.full);
-      auto report = shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().max_file_bytes(kMax));
-      require(report.files.size() >= 3, "only " + std::to_string(report.files.size()) + " files");
-      require(report.tensors == static_cast<int64_t>(want_names.size()), "tensor count");
-      if (w.rank() != 0) return;
-      std::set<std::string> seen;
-      int64_t total = 0;
-      for (const auto& f : report.files) {
-        auto tensors = shardtorch::checkpoint::load_file(dir + "/" + f);
-        int64_t bytes = 0;
-        for (const auto& [n, t] : tensors) {
-          require(seen.insert(n).second, n + " in two files");
-          require(torch::equal(t, ck.values.at(n)), n + " differs in " + f);
-          bytes += t.nbytes();
-        }
-        require(bytes <= kMax || tensors.size() == 1, f + " holds " + std::to_string(bytes) + " bytes");
-        total += bytes;
+  const shardtorch::Strategy s = GetParam();
+  const std::string dir = (ck.dir / (std::string("saved-") + shardtorch::strategy_name(s))).string();
+  auto r = run_ranks(2, [&](World& w) {
+    gpt::GPT model(gpt::Config{});
+    shardtorch::shard(model, w, strategy_options(s, 2));
+    shardtorch::load_full_state_dict(*model, ck.full);
+    auto report = shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().max_file_bytes(kMax));
+    require(report.files.size() >= 3, "only " + std::to_string(report.files.size()) + " files");
+    require(report.tensors == static_cast<int64_t>(want_names.size()), "tensor count");
+    if (w.rank() != 0) return;
+    std::set<std::string> seen;
+    int64_t total = 0;
+    for (const auto& f : report.files) {
+      auto tensors = shardtorch::checkpoint::load_file(dir + "/" + f);
+      int64_t bytes = 0;
+      for (const auto& [n, t] : tensors) {
+        require(seen.insert(n).second, n + " in two files");
+        require(torch::equal(t, ck.values.at(n)), n + " differs in " + f);
+        bytes += t.nbytes();
       }
-      require(seen == want_names, "the files hold other names than the model's parameters (once) and buffers");
-      require(total == report.total_bytes, "total_size");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-    for (int world : {1, 3}) {
-      auto back = run_ranks(world, [&](World& w) {
-        auto lazy = shardtorch::deferred([] { return gpt::GPT(gpt::Config{}); });
-        shardtorch::skip_deferred_init(lazy);
-        shardtorch::shard(lazy, w, strategy_options(Strategy::FullShard, world));
-        shardtorch::load_hf_checkpoint(*lazy, dir);
-        require_bitwise(full_values(*lazy), ck.values, "loaded back at " + std::to_string(world));
-      });
-      ASSERT_TRUE(back.ok) << shardtorch::strategy_name(s) << " back at " << world << ": " << back.summary();
+      require(bytes <= kMax || tensors.size() == 1, f + " holds " + std::to_string(bytes) + " bytes");
+      total += bytes;
     }
+    require(seen == want_names, "the files hold other names than the model's parameters (once) and buffers");
+    require(total == report.total_bytes, "total_size");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
+  for (int world : {1, 3}) {
+    auto back = run_ranks(world, [&](World& w) {
+      auto lazy = shardtorch::deferred([] { return gpt::GPT(gpt::Config{}); });
+      shardtorch::skip_deferred_init(lazy);
+      shardtorch::shard(lazy, w, strategy_options(Strategy::FullShard, world));
+      shardtorch::load_hf_checkpoint(*lazy, dir);
+      require_bitwise(full_values(*lazy), ck.values, "loaded back at " + std::to_string(world));
+    });
+    ASSERT_TRUE(back.ok) << shardtorch::strategy_name(s) << " back at " << world << ": " << back.summary();
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(HfSave, FromEveryStrategy, ::testing::ValuesIn(kAllStrategies), StrategyName());
 
 // A prefix, a name function that leaves tensors out, and bf16 on writing:
 // what loads back is the source rounded to bf16, the left-out tensors

@@ -38,28 +38,32 @@ TEST(HigherOrderGradients, AGradientPenaltyTrainsLikeTorchUnderEveryStrategy) {
   });
 }
 
+class CreateGraph : public ::testing::TestWithParam<Strategy> {};
+
 // Higher-order gradients of parameters (backward with create_graph) are a
 // clear error, not gradients that silently lose their graph.
-TEST(HigherOrderGradients, ABackwardWithCreateGraphReachingParametersIsAClearError) {
-  for (auto s : {shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      torch::manual_seed(0);
-      auto m = MLP();
-      shardtorch::shard(m, w, strategy_options(s, 2));
-      std::string error;
-      try {
-        m(torch::randn({2, 7})).square().sum().backward({}, /*retain_graph=*/true, /*create_graph=*/true);
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-      require(error.find("rank " + std::to_string(w.rank())) != std::string::npos &&
-                  error.find("arrived in a backward with create_graph") != std::string::npos &&
-                  error.find("l3.lin.") != std::string::npos,
-              "expected the create_graph error naming the rank and the parameter, got: " + error.substr(0, 300));
-    });
-    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+TEST_P(CreateGraph, ABackwardWithCreateGraphReachingParametersIsAClearError) {
+  const shardtorch::Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = MLP();
+    shardtorch::shard(m, w, strategy_options(s, 2));
+    std::string error;
+    try {
+      m(torch::randn({2, 7})).square().sum().backward({}, /*retain_graph=*/true, /*create_graph=*/true);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    require(error.find("rank " + std::to_string(w.rank())) != std::string::npos &&
+                error.find("arrived in a backward with create_graph") != std::string::npos &&
+                error.find("l3.lin.") != std::string::npos,
+            "expected the create_graph error naming the rank and the parameter, got: " + error.substr(0, 300));
+  });
+  EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(HigherOrderGradients, CreateGraph,
+                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());
 
 // A backward with create_graph that no backward follows (an input-gradient
 // diagnostic after the training backward): the optimizer step releases the

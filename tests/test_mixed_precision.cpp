@@ -179,57 +179,58 @@ TEST(MixedPrecision, Fp16OverflowOnOneRankSkipsTheStepOnEveryRankAndHalvesTheSca
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+class ScaledSteps : public ::testing::TestWithParam<Strategy> {};
+
 // A loop that unscales (to clip, or to look at the gradients), then decides
 // not to step, clears and runs the next backward: the next step unscales the
 // new gradients again. It used to step on gradients still multiplied by the
 // scale. Trained the same as the loop that never skipped, bitwise.
-TEST(MixedPrecision, AStepNotTakenAfterUnscaleLeavesTheNextGradientsToBeUnscaled) {
-  for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      auto train = [&](bool skip_first, bool refuse_first = false) {
-        torch::manual_seed(0);
-        auto model = gpt::GPT(gpt::Config{});
-        shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(
-                                        MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
-        shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
-        auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
-        auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
-        auto backward = [&] {
-          opt->zero_grad();
-          scaler.scale(gpt::lm_loss(model(x), x)).backward();
-        };
-        if (skip_first) {
-          backward();
-          scaler.unscale(*opt);
-          shardtorch::clip_grad_norm(*model, 1e9);  // looked at, not stepped
-        }
-        for (int k = 0; k < 2; ++k) {
-          if (k > 0 || !refuse_first) backward();
-          if (k == 0 && refuse_first) {  // a step refused inside a summon scope, then taken outside it
-            backward();
-            bool refused = false;
-            try {
-              shardtorch::FullParams full(*model);
-              scaler.step(*opt);
-            } catch (const std::exception&) {
-              refused = true;
-            }
-            require(refused, "a step inside summon_full_params was accepted");
-          }
-          require(scaler.step(*opt), "a step was skipped");
-        }
-        return shardtorch::full_parameters(*model);
+TEST_P(ScaledSteps, AStepNotTakenAfterUnscaleLeavesTheNextGradientsToBeUnscaled) {
+  const shardtorch::Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    auto train = [&](bool skip_first, bool refuse_first = false) {
+      torch::manual_seed(0);
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(
+                                      MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
+      shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
+      auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
+      auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+      auto backward = [&] {
+        opt->zero_grad();
+        scaler.scale(gpt::lm_loss(model(x), x)).backward();
       };
-      auto want = train(false);
-      for (auto [skip, refuse] : {std::pair{true, false}, std::pair{false, true}}) {
-        auto got = train(skip, refuse);
-        for (auto& [n, t] : want)
-          require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n + "' differs after " +
-                                                (skip ? "a step not taken following unscale" : "a refused step"));
+      if (skip_first) {
+        backward();
+        scaler.unscale(*opt);
+        shardtorch::clip_grad_norm(*model, 1e9);  // looked at, not stepped
       }
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+      for (int k = 0; k < 2; ++k) {
+        if (k > 0 || !refuse_first) backward();
+        if (k == 0 && refuse_first) {  // a step refused inside a summon scope, then taken outside it
+          backward();
+          bool refused = false;
+          try {
+            shardtorch::FullParams full(*model);
+            scaler.step(*opt);
+          } catch (const std::exception&) {
+            refused = true;
+          }
+          require(refused, "a step inside summon_full_params was accepted");
+        }
+        require(scaler.step(*opt), "a step was skipped");
+      }
+      return shardtorch::full_parameters(*model);
+    };
+    auto want = train(false);
+    for (auto [skip, refuse] : {std::pair{true, false}, std::pair{false, true}}) {
+      auto got = train(skip, refuse);
+      for (auto& [n, t] : want)
+        require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n + "' differs after " +
+                                              (skip ? "a step not taken following unscale" : "a refused step"));
+    }
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
 
 // After a step, taken or skipped, the gradients are unscaled and stay so
@@ -305,6 +306,8 @@ TEST(MixedPrecision, AGradScalerRefusesAnotherModelsOptimizerAndBadOptions) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+class Fp16Reductions : public ::testing::TestWithParam<std::pair<Strategy, int>> {};
+
 // fp16 reductions divide by the world size before summing, under every
 // strategy: two ranks' gradients of 40000 each sum to 80000, beyond fp16's
 // 65504, but their mean does not overflow. NoShard used to sum first (an inf,
@@ -312,28 +315,37 @@ TEST(MixedPrecision, AGradScalerRefusesAnotherModelsOptimizerAndBadOptions) {
 // HybridShard also on four ranks, two replicas of two shards: four
 // gradients of 40000 sum to 160000, and the all-reduce across replicas must
 // divide before summing too.
-TEST(MixedPrecision, Fp16ReductionsDivideBeforeSummingUnderEveryStrategy) {
+TEST_P(Fp16Reductions, Fp16ReductionsDivideBeforeSummingUnderEveryStrategy) {
+  const auto [s, world] = GetParam();
+  auto r = run_ranks(world, [&](World& w) {
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    shardtorch::shard(model, w, strategy_options(s, world).mixed_precision(
+                                    MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
+    shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
+    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+    model->ln_f->bias.register_hook([](const torch::Tensor& g) { return at::full_like(g, 40000); });
+    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+    opt->zero_grad();
+    scaler.scale(gpt::lm_loss(model(x), x)).backward();
+    require(scaler.step(*opt), std::string(shardtorch::strategy_name(s)) + " world " + std::to_string(world) +
+                                   ": the step was skipped: the fp16 reduction overflowed");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << " world " << world << "\n" << r.summary();
+}
+
+std::vector<std::pair<Strategy, int>> fp16_reduction_cases() {
   std::vector<std::pair<Strategy, int>> cases;
   for (Strategy s : kAllStrategies) cases.push_back({s, 2});
   cases.push_back({Strategy::HybridShard, 4});
-  for (auto [s, world] : cases) {
-    auto r = run_ranks(world, [&](World& w) {
-      torch::manual_seed(0);
-      auto model = gpt::GPT(gpt::Config{});
-      shardtorch::shard(model, w, strategy_options(s, world).mixed_precision(
-                                      MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
-      shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
-      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
-      model->ln_f->bias.register_hook([](const torch::Tensor& g) { return at::full_like(g, 40000); });
-      auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
-      opt->zero_grad();
-      scaler.scale(gpt::lm_loss(model(x), x)).backward();
-      require(scaler.step(*opt), std::string(shardtorch::strategy_name(s)) + " world " + std::to_string(world) +
-                                     ": the step was skipped: the fp16 reduction overflowed");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << " world " << world << "\n" << r.summary();
-  }
+  return cases;
 }
+
+INSTANTIATE_TEST_SUITE_P(MixedPrecision, Fp16Reductions, ::testing::ValuesIn(fp16_reduction_cases()),
+                         [](const auto& info) {
+                           return std::string(shardtorch::strategy_name(info.param.first)) + "_" +
+                                  std::to_string(info.param.second) + "ranks";
+                         });
 
 // summon_full_params(with_grads) shows the reduced gradients under every
 // strategy with fp32 reductions of bf16 compute; NoShard used to show none
@@ -342,84 +354,89 @@ TEST(MixedPrecision, Fp16ReductionsDivideBeforeSummingUnderEveryStrategy) {
 // unscale() and step() (an input-gradient penalty computed late, a saliency
 // map logged) leaves the parameters' gradients alone, so step() does not
 // unscale them a second time.
-TEST(MixedPrecision, AnInputGradientBetweenUnscaleAndStepDoesNotUnscaleTwice) {
-  for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      auto train = [&](int input_grad) {  // 0: none, 1: autograd::grad, 2: backward(inputs=...)
-        torch::manual_seed(0);
-        auto model = MLP();
-        shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(MixedPrecision()
-                                                                               .param_dtype(at::kHalf)
-                                                                               .buffer_dtype(at::kHalf)
-                                                                               .output_dtype(at::kFloat)));
-        shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
-        auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
-        torch::manual_seed(1 + w.rank());
-        auto x = torch::randn({4, 7});
-        for (int k = 0; k < 2; ++k) {
-          opt->zero_grad();
-          scaler.scale(model(x).square().mean()).backward();
-          scaler.unscale(*opt);
-          if (input_grad > 0) {
-            auto xi = x.clone().requires_grad_();
-            at::Tensor g;
-            if (input_grad == 1) {
-              g = torch::autograd::grad({model(xi).sum()}, {xi})[0];
-            } else {
-              torch::autograd::backward({model(xi).sum()}, {}, std::nullopt, false, {xi});
-              g = xi.grad();
-            }
-            require(g.defined() && g.abs().sum().item<double>() > 0, "no input gradient");
+TEST_P(ScaledSteps, AnInputGradientBetweenUnscaleAndStepDoesNotUnscaleTwice) {
+  const shardtorch::Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    auto train = [&](int input_grad) {  // 0: none, 1: autograd::grad, 2: backward(inputs=...)
+      torch::manual_seed(0);
+      auto model = MLP();
+      shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(MixedPrecision()
+                                                                             .param_dtype(at::kHalf)
+                                                                             .buffer_dtype(at::kHalf)
+                                                                             .output_dtype(at::kFloat)));
+      shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
+      auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
+      torch::manual_seed(1 + w.rank());
+      auto x = torch::randn({4, 7});
+      for (int k = 0; k < 2; ++k) {
+        opt->zero_grad();
+        scaler.scale(model(x).square().mean()).backward();
+        scaler.unscale(*opt);
+        if (input_grad > 0) {
+          auto xi = x.clone().requires_grad_();
+          at::Tensor g;
+          if (input_grad == 1) {
+            g = torch::autograd::grad({model(xi).sum()}, {xi})[0];
+          } else {
+            torch::autograd::backward({model(xi).sum()}, {}, std::nullopt, false, {xi});
+            g = xi.grad();
           }
-          require(scaler.step(*opt), "a step was skipped");
+          require(g.defined() && g.abs().sum().item<double>() > 0, "no input gradient");
         }
-        return shardtorch::full_parameters(*model);
-      };
-      auto want = train(0);
-      for (int how : {1, 2}) {
-        auto got = train(how);
-        for (auto& [n, t] : want)
-          require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n + "' differs after " +
-                                                (how == 1 ? "autograd::grad" : "backward(inputs=...)") +
-                                                " between unscale and step");
+        require(scaler.step(*opt), "a step was skipped");
       }
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+      return shardtorch::full_parameters(*model);
+    };
+    auto want = train(0);
+    for (int how : {1, 2}) {
+      auto got = train(how);
+      for (auto& [n, t] : want)
+        require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n + "' differs after " +
+                                              (how == 1 ? "autograd::grad" : "backward(inputs=...)") +
+                                              " between unscale and step");
+    }
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
 
-TEST(MixedPrecision, SummonWithGradsShowsTheReducedGradientsUnderEveryStrategy) {
-  for (Strategy s : kAllStrategies) {
-    auto r = run_ranks(2, [&](World& w) {
-      const std::string what = shardtorch::strategy_name(s);
-      auto grads_of = [&](bool bf16) {
-        torch::manual_seed(0);
-        auto model = MLP();
-        auto opts = strategy_options(s, 2);
-        if (bf16)
-          opts.mixed_precision(
-              MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).buffer_dtype(at::kBFloat16));
-        shardtorch::shard(model, w, opts);
-        torch::manual_seed(10 + w.rank());
-        model(torch::randn({4, 7})).to(at::kFloat).square().mean().backward();
-        shardtorch::FullParams full(*model, shardtorch::SummonOptions().with_grads(true));
-        std::map<std::string, torch::Tensor> g;
-        for (auto& [n, p] : unique_params(*model)) {
-          if (!p.requires_grad()) continue;
-          require(p.grad().defined(), what + ": no gradient for " + n + " inside summon_full_params(with_grads)");
-          require(p.grad().scalar_type() == p.scalar_type(), what + ": the gradient of " + n + " is " +
-                                                                 c10::toString(p.grad().scalar_type()) + ", the parameter " +
-                                                                 c10::toString(p.scalar_type()));
-          g[n] = p.grad().to(at::kFloat).clone();
-        }
-        return g;
-      };
-      auto fp32 = grads_of(false);
-      expect_close_map(grads_of(true), fp32, 3e-2, what + " bf16 gradients against fp32");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+INSTANTIATE_TEST_SUITE_P(MixedPrecision, ScaledSteps,
+                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());
+
+class SummonedGradients : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(SummonedGradients, SummonWithGradsShowsTheReducedGradientsUnderEveryStrategy) {
+  const shardtorch::Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    const std::string what = shardtorch::strategy_name(s);
+    auto grads_of = [&](bool bf16) {
+      torch::manual_seed(0);
+      auto model = MLP();
+      auto opts = strategy_options(s, 2);
+      if (bf16)
+        opts.mixed_precision(
+            MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).buffer_dtype(at::kBFloat16));
+      shardtorch::shard(model, w, opts);
+      torch::manual_seed(10 + w.rank());
+      model(torch::randn({4, 7})).to(at::kFloat).square().mean().backward();
+      shardtorch::FullParams full(*model, shardtorch::SummonOptions().with_grads(true));
+      std::map<std::string, torch::Tensor> g;
+      for (auto& [n, p] : unique_params(*model)) {
+        if (!p.requires_grad()) continue;
+        require(p.grad().defined(), what + ": no gradient for " + n + " inside summon_full_params(with_grads)");
+        require(p.grad().scalar_type() == p.scalar_type(), what + ": the gradient of " + n + " is " +
+                                                               c10::toString(p.grad().scalar_type()) + ", the parameter " +
+                                                               c10::toString(p.scalar_type()));
+        g[n] = p.grad().to(at::kFloat).clone();
+      }
+      return g;
+    };
+    auto fp32 = grads_of(false);
+    expect_close_map(grads_of(true), fp32, 3e-2, what + " bf16 gradients against fp32");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(MixedPrecision, SummonedGradients, ::testing::ValuesIn(kAllStrategies), StrategyName());
 
 TEST(MixedPrecision, ConfigurationErrors) {
   auto r = run_ranks(1, [](World& w) {

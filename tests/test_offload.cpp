@@ -359,6 +359,8 @@ class DataSgd : public torch::optim::Optimizer {
 };
 }  // namespace
 
+class LowPrecisionCopies : public ::testing::TestWithParam<Strategy> {};
+
 // Under bf16 offload each master has a bf16 copy in host memory, which the
 // copy to the device sends. The fused CPU AdamW writes it in its pass, so it
 // is never made again; any other change of the masters (another optimizer,
@@ -366,7 +368,7 @@ class DataSgd : public torch::optim::Optimizer {
 // load) makes it again before the next gather, and training, edits and loads
 // give exactly what they give without offload. (Writeback summons are
 // refused under mixed precision.)
-TEST(Offload, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAgainAfterAnyOtherChange) {
+TEST_P(LowPrecisionCopies, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAgainAfterAnyOtherChange) {
   const TempDir dir("shardtorch-lowcopy");
   const std::string saved = (dir / "init.safetensors").string();
   {
@@ -379,84 +381,86 @@ TEST(Offload, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAgainAfterAnyOt
     ASSERT_TRUE(r.ok) << r.summary();
   }
   enum class Opt { Fused, Torch, Data };
-  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp}) {
-    for (Opt kind : {Opt::Fused, Opt::Torch, Opt::Data}) {
-      const std::string what = std::string(shardtorch::strategy_name(s)) +
-                               (kind == Opt::Fused ? " FusedAdamW" : kind == Opt::Torch ? " torch AdamW" : " SGD through data()");
-      auto r = run_ranks(2, [&](World& w) {
-        auto x = gpt_tokens();
-        auto xs = x.narrow(0, w.rank() * 6, 6);
-        // Trains 3 steps, halves the masters, then loads `saved`: the losses
-        // of every forward, and the parameters.
-        // `remade`: how often the bf16 copies were made in steps 2 and 3, and
-        // how many flat parameters there are (each has one).
-        auto run = [&](bool offload, std::pair<int64_t, int64_t>* remade) {
-          torch::manual_seed(0);
-          auto model = gpt::GPT(gpt::Config{});
-          auto sm = shardtorch::shard(model, w, ShardOptions().strategy(s).cpu_offload(offload).mixed_precision(
-                                                    shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat)));
-          std::unique_ptr<shardtorch::ShardedOptimizer> opt;
-          if (kind == Opt::Fused) opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
-          if (kind == Opt::Torch) opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
-          if (kind == Opt::Data) opt = shardtorch::ShardedOptimizer::make<DataSgd>(*model, torch::optim::SGDOptions(0.5));
-          int64_t flats = 0;
-          if (offload) {
-            int64_t shard_elems = 0;
-            for (const auto& u : sm.units())
-              for (const auto& l : u.layouts) shard_elems += l.shard_numel(), ++flats;
-            const int64_t host = sm.memory().cur(Mem::HostParams);
-            require(host == shard_elems * (4 + 2), what + ": host_params " + std::to_string(host) + " != fp32 masters and their bf16 copies, " +
-                                                       std::to_string(shard_elems * 6));
-          }
-          std::vector<torch::Tensor> losses;
-          auto forward = [&] {
-            auto loss = gpt::lm_loss(model(xs), xs);
-            losses.push_back(loss.detach());
-            return loss;
-          };
-          int64_t after_first = 0;
-          for (int step = 0; step < 3; ++step) {
-            opt->zero_grad();
-            forward().backward();
-            opt->step();
-            if (step == 0) after_first = shardtorch::testing::low_copy_refreshes();
-          }
-          if (remade) *remade = {shardtorch::testing::low_copy_refreshes() - after_first, flats};
-          const std::string ckpt = (dir / ("ckpt-" + std::to_string(static_cast<int>(kind)) + "-" +
-                                           std::to_string(static_cast<int>(s)) + (offload ? "-off" : "-res")))
-                                       .string();
-          auto* saved_opt = kind == Opt::Data ? nullptr : opt.get();  // checkpoints carry no DataSgd state
-          shardtorch::save_sharded_checkpoint(*model, saved_opt, ckpt, 3);
-          torch::NoGradGuard no_grad;
-          // An edit of the masters the optimizer optimizes, by hand.
-          for (auto& p : opt->inner().param_groups()[0].params()) p.mul_(0.5);
-          forward();
-          shardtorch::load_full_state_dict(*model, saved);
-          forward();
-          // A sharded checkpoint's reader writes the masters too: the next
-          // forward computes with what it loaded (the step-3 masters).
-          shardtorch::load_sharded_checkpoint(*model, saved_opt, ckpt);
-          forward();
-          return std::make_pair(losses, shardtorch::full_parameters(*model));
+  const shardtorch::Strategy s = GetParam();
+  for (Opt kind : {Opt::Fused, Opt::Torch, Opt::Data}) {
+    const std::string what = std::string(shardtorch::strategy_name(s)) +
+                             (kind == Opt::Fused ? " FusedAdamW" : kind == Opt::Torch ? " torch AdamW" : " SGD through data()");
+    auto r = run_ranks(2, [&](World& w) {
+      auto x = gpt_tokens();
+      auto xs = x.narrow(0, w.rank() * 6, 6);
+      // Trains 3 steps, halves the masters, then loads `saved`: the losses
+      // of every forward, and the parameters.
+      // `remade`: how often the bf16 copies were made in steps 2 and 3, and
+      // how many flat parameters there are (each has one).
+      auto run = [&](bool offload, std::pair<int64_t, int64_t>* remade) {
+        torch::manual_seed(0);
+        auto model = gpt::GPT(gpt::Config{});
+        auto sm = shardtorch::shard(model, w, ShardOptions().strategy(s).cpu_offload(offload).mixed_precision(
+                                                  shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat)));
+        std::unique_ptr<shardtorch::ShardedOptimizer> opt;
+        if (kind == Opt::Fused) opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
+        if (kind == Opt::Torch) opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+        if (kind == Opt::Data) opt = shardtorch::ShardedOptimizer::make<DataSgd>(*model, torch::optim::SGDOptions(0.5));
+        int64_t flats = 0;
+        if (offload) {
+          int64_t shard_elems = 0;
+          for (const auto& u : sm.units())
+            for (const auto& l : u.layouts) shard_elems += l.shard_numel(), ++flats;
+          const int64_t host = sm.memory().cur(Mem::HostParams);
+          require(host == shard_elems * (4 + 2), what + ": host_params " + std::to_string(host) + " != fp32 masters and their bf16 copies, " +
+                                                     std::to_string(shard_elems * 6));
+        }
+        std::vector<torch::Tensor> losses;
+        auto forward = [&] {
+          auto loss = gpt::lm_loss(model(xs), xs);
+          losses.push_back(loss.detach());
+          return loss;
         };
-        std::pair<int64_t, int64_t> remade;
-        auto want = run(false, nullptr);
-        auto got = run(true, &remade);
-        for (size_t i = 0; i < want.first.size(); ++i)
-          require(at::equal(got.first[i], want.first[i]), what + ": loss " + std::to_string(i) + " differs with offload: " +
-                                                              std::to_string(got.first[i].item<double>()) + " vs " +
-                                                              std::to_string(want.first[i].item<double>()));
-        require(expect_close_map(got.second, want.second, 0.0, what) == 0.0, what + ": parameters not bitwise");
-        // Fused: never made again; otherwise once per flat and step.
-        const auto [times, flats] = remade;
-        const int64_t want_times = kind == Opt::Fused ? 0 : 2 * flats;
-        require(times == want_times, what + ": the bf16 copies of " + std::to_string(flats) + " flat parameters were made " +
-                                         std::to_string(times) + " times in two steps, expected " + std::to_string(want_times));
-      });
-      ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
-    }
+        int64_t after_first = 0;
+        for (int step = 0; step < 3; ++step) {
+          opt->zero_grad();
+          forward().backward();
+          opt->step();
+          if (step == 0) after_first = shardtorch::testing::low_copy_refreshes();
+        }
+        if (remade) *remade = {shardtorch::testing::low_copy_refreshes() - after_first, flats};
+        const std::string ckpt = (dir / ("ckpt-" + std::to_string(static_cast<int>(kind)) + "-" +
+                                         std::to_string(static_cast<int>(s)) + (offload ? "-off" : "-res")))
+                                     .string();
+        auto* saved_opt = kind == Opt::Data ? nullptr : opt.get();  // checkpoints carry no DataSgd state
+        shardtorch::save_sharded_checkpoint(*model, saved_opt, ckpt, 3);
+        torch::NoGradGuard no_grad;
+        // An edit of the masters the optimizer optimizes, by hand.
+        for (auto& p : opt->inner().param_groups()[0].params()) p.mul_(0.5);
+        forward();
+        shardtorch::load_full_state_dict(*model, saved);
+        forward();
+        // A sharded checkpoint's reader writes the masters too: the next
+        // forward computes with what it loaded (the step-3 masters).
+        shardtorch::load_sharded_checkpoint(*model, saved_opt, ckpt);
+        forward();
+        return std::make_pair(losses, shardtorch::full_parameters(*model));
+      };
+      std::pair<int64_t, int64_t> remade;
+      auto want = run(false, nullptr);
+      auto got = run(true, &remade);
+      for (size_t i = 0; i < want.first.size(); ++i)
+        require(at::equal(got.first[i], want.first[i]), what + ": loss " + std::to_string(i) + " differs with offload: " +
+                                                            std::to_string(got.first[i].item<double>()) + " vs " +
+                                                            std::to_string(want.first[i].item<double>()));
+      require(expect_close_map(got.second, want.second, 0.0, what) == 0.0, what + ": parameters not bitwise");
+      // Fused: never made again; otherwise once per flat and step.
+      const auto [times, flats] = remade;
+      const int64_t want_times = kind == Opt::Fused ? 0 : 2 * flats;
+      require(times == want_times, what + ": the bf16 copies of " + std::to_string(flats) + " flat parameters were made " +
+                                       std::to_string(times) + " times in two steps, expected " + std::to_string(want_times));
+    });
+    ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Offload, LowPrecisionCopies,
+                         ::testing::Values(Strategy::FullShard, Strategy::ShardGradOp), StrategyName());
 
 // What the masters' bf16 copies are for: the same gathers move half the
 // bytes to the device under bf16 as under fp32 (counted on the CPU too).

@@ -226,34 +226,39 @@ TEST(Parity, TheDefaultParamGroupExistsOnEveryRank) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+class BadGroups : public ::testing::TestWithParam<shardtorch::Strategy> {};
+
 // A parameter given twice, in two groups or twice in one, and a tensor that
 // is not the model's are errors naming the rank and the parameter.
-TEST(Parity, BadParameterGroupsNameTheRankAndTheParameter) {
-  for (auto s : {shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      testmodels::MLP m;
-      shardtorch::shard(m, w, testmodels::strategy_options(s, 2));
-      auto w1 = m->l1->lin->weight;
-      auto opts = torch::optim::AdamWOptions(1e-2);
-      auto error_of = [&](std::vector<shardtorch::ParamGroup<torch::optim::AdamWOptions>> groups) -> std::string {
-        try {
-          shardtorch::AdamW(*m, opts, std::move(groups));
-        } catch (const std::exception& e) {
-          return e.what();
-        }
-        return "no error";
-      };
-      const std::string rank = "rank " + std::to_string(w.rank()) + ": ";
-      for (const auto& e : {error_of({{{w1}, opts}, {{w1}, opts}}), error_of({{{w1, w1}, opts}})})
-        require(e.find(rank + "parameter 'l1.lin.weight' [13, 7] is given twice") != std::string::npos, e);
-      const auto e = error_of({{{torch::zeros({2, 2}, torch::requires_grad())}, opts}});
-      require(e.find(rank + "a tensor of shape [2, 2] given in a parameter group is not a parameter") !=
-                  std::string::npos,
-              e);
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+TEST_P(BadGroups, BadParameterGroupsNameTheRankAndTheParameter) {
+  const shardtorch::Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    testmodels::MLP m;
+    shardtorch::shard(m, w, testmodels::strategy_options(s, 2));
+    auto w1 = m->l1->lin->weight;
+    auto opts = torch::optim::AdamWOptions(1e-2);
+    auto error_of = [&](std::vector<shardtorch::ParamGroup<torch::optim::AdamWOptions>> groups) -> std::string {
+      try {
+        shardtorch::AdamW(*m, opts, std::move(groups));
+      } catch (const std::exception& e) {
+        return e.what();
+      }
+      return "no error";
+    };
+    const std::string rank = "rank " + std::to_string(w.rank()) + ": ";
+    for (const auto& e : {error_of({{{w1}, opts}, {{w1}, opts}}), error_of({{{w1, w1}, opts}})})
+      require(e.find(rank + "parameter 'l1.lin.weight' [13, 7] is given twice") != std::string::npos, e);
+    const auto e = error_of({{{torch::zeros({2, 2}, torch::requires_grad())}, opts}});
+    require(e.find(rank + "a tensor of shape [2, 2] given in a parameter group is not a parameter") !=
+                std::string::npos,
+            e);
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(Parity, BadGroups,
+                         ::testing::Values(shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard),
+                         testmodels::StrategyName());
 
 TEST(Parity, SgdMomentumNesterovWeightDecay) {
   torch::manual_seed(7);

@@ -487,41 +487,45 @@ TEST_P(Autocast, AutocastRegionIsReplayed) {
 INSTANTIATE_TEST_SUITE_P(Recompute, Autocast, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
                          StrategyName());
 
+class UnusualUnits : public ::testing::TestWithParam<Strategy> {};
+
 // An optional tensor argument is a differentiable input; a parameter
 // returned as it is stays a leaf that trains; a frozen unit fed by data costs
 // no extra all-gather. NoShard too: a parameter returned by a FullShard unit
 // would be freed after its forward (checkpointed or not).
-TEST(Recompute, OptionalArgumentsReturnedParametersAndFrozenUnits) {
-  for (Strategy strategy : {Strategy::NoShard, Strategy::ShardGradOp}) {
-    auto r = run_ranks(2, [&](World& w) {
-      auto train = [&](bool ckpt) {
-        torch::manual_seed(0);
-        MixNet net;
-        auto sm = shardtorch::shard(net, w, ShardOptions().strategy(strategy).activation_checkpointing(ckpt));
-        require(!ckpt || (net->m->checkpoint_label() == "m" && net->frozen->checkpoint_label() == "frozen" &&
-                          net->split->checkpoint_label() == "split"),
-                "the units are not checkpointed");
-        auto opt = shardtorch::Adam(*net, torch::optim::AdamOptions(1e-2));
-        const int64_t gathers0 = sm.comm_stats().all_gather.calls;
-        for (int s = 0; s < 3; ++s) {
-          opt->zero_grad();
-          net(torch::full({3, 6}, 0.2 * (s + 1) - w.rank())).backward();
-          opt->step();
-        }
-        const int64_t gathers = sm.comm_stats().all_gather.calls - gathers0;
-        shardtorch::FullParams full(*net);
-        auto p = snapshot(*net);
-        p["<all-gathers>"] = torch::tensor({gathers});
-        return p;
-      };
-      auto plain = train(false);
-      auto ckpt = train(true);
-      require(!torch::equal(plain.at("m.lin.bias"), ckpt.at("ctx.bias")), "sanity: distinct parameters");
-      require_bitwise(ckpt, plain, shardtorch::strategy_name(strategy));
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
-  }
+TEST_P(UnusualUnits, OptionalArgumentsReturnedParametersAndFrozenUnits) {
+  const shardtorch::Strategy strategy = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    auto train = [&](bool ckpt) {
+      torch::manual_seed(0);
+      MixNet net;
+      auto sm = shardtorch::shard(net, w, ShardOptions().strategy(strategy).activation_checkpointing(ckpt));
+      require(!ckpt || (net->m->checkpoint_label() == "m" && net->frozen->checkpoint_label() == "frozen" &&
+                        net->split->checkpoint_label() == "split"),
+              "the units are not checkpointed");
+      auto opt = shardtorch::Adam(*net, torch::optim::AdamOptions(1e-2));
+      const int64_t gathers0 = sm.comm_stats().all_gather.calls;
+      for (int s = 0; s < 3; ++s) {
+        opt->zero_grad();
+        net(torch::full({3, 6}, 0.2 * (s + 1) - w.rank())).backward();
+        opt->step();
+      }
+      const int64_t gathers = sm.comm_stats().all_gather.calls - gathers0;
+      shardtorch::FullParams full(*net);
+      auto p = snapshot(*net);
+      p["<all-gathers>"] = torch::tensor({gathers});
+      return p;
+    };
+    auto plain = train(false);
+    auto ckpt = train(true);
+    require(!torch::equal(plain.at("m.lin.bias"), ckpt.at("ctx.bias")), "sanity: distinct parameters");
+    require_bitwise(ckpt, plain, shardtorch::strategy_name(strategy));
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(Recompute, UnusualUnits, ::testing::Values(Strategy::NoShard, Strategy::ShardGradOp),
+                         StrategyName());
 
 TEST(Recompute, MisuseIsAClearError) {
   auto r = run_ranks(1, [&](World& w) {
@@ -570,78 +574,82 @@ TEST(Recompute, MisuseIsAClearError) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// Checkpointing under a sharded and a replicated strategy.
+class Checkpointed : public ::testing::TestWithParam<Strategy> {};
+
 // Memory: without checkpointing every block's activations stay alive from
 // forward to backward; with it only each block's input does, plus one
 // block's recomputation at a time.
-TEST(Recompute, KeepsOnlyUnitInputsBetweenForwardAndBackward) {
-  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      static CountingAllocator counting(c10::GetCPUAllocator());
-      c10::SetCPUAllocator(&counting, /*priority=*/255);
-      auto extra = [&](bool ckpt) {  // peak bytes above the start of the step
-        torch::manual_seed(0);
-        Tower tower(8);
-        shardtorch::shard(tower, w, ShardOptions().strategy(strategy).activation_checkpointing(ckpt));
-        auto x = torch::randn({256, 32});
-        for (int s = 0; s < 2; ++s) {  // the second step: buckets and staging already sized
-          for (auto& p : tower->parameters()) p.mutable_grad().reset();
-          counting.reset_peak();
-          const int64_t base = counting.current();
-          tower(x).backward();
-          if (s == 1) return counting.peak() - base;
-        }
-        return int64_t{0};
-      };
-      const int64_t plain = extra(false), ckpt = extra(true);
-      // Per block: 256 x (32 + 512 + 512) floats of activations, about 1 MiB.
-      require(plain > 6 * (1 << 20), "without checkpointing the step's peak rose by only " + std::to_string(plain) + " B");
-      require(ckpt * 2 < plain, std::string(shardtorch::strategy_name(strategy)) + ": with checkpointing the peak rose by " +
-                                    std::to_string(ckpt) + " B, without by " + std::to_string(plain) + " B");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
-  }
+TEST_P(Checkpointed, KeepsOnlyUnitInputsBetweenForwardAndBackward) {
+  const shardtorch::Strategy strategy = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    static CountingAllocator counting(c10::GetCPUAllocator());
+    c10::SetCPUAllocator(&counting, /*priority=*/255);
+    auto extra = [&](bool ckpt) {  // peak bytes above the start of the step
+      torch::manual_seed(0);
+      Tower tower(8);
+      shardtorch::shard(tower, w, ShardOptions().strategy(strategy).activation_checkpointing(ckpt));
+      auto x = torch::randn({256, 32});
+      for (int s = 0; s < 2; ++s) {  // the second step: buckets and staging already sized
+        for (auto& p : tower->parameters()) p.mutable_grad().reset();
+        counting.reset_peak();
+        const int64_t base = counting.current();
+        tower(x).backward();
+        if (s == 1) return counting.peak() - base;
+      }
+      return int64_t{0};
+    };
+    const int64_t plain = extra(false), ckpt = extra(true);
+    // Per block: 256 x (32 + 512 + 512) floats of activations, about 1 MiB.
+    require(plain > 6 * (1 << 20), "without checkpointing the step's peak rose by only " + std::to_string(plain) + " B");
+    require(ckpt * 2 < plain, std::string(shardtorch::strategy_name(strategy)) + ": with checkpointing the peak rose by " +
+                                  std::to_string(ckpt) + " B, without by " + std::to_string(plain) + " B");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
 }
 
 // An exception from inside the recomputing backward (a hook in the unit)
 // reaches the caller; the model recovers as from any failed backward and
 // trains on as if that step had not happened.
-TEST(Recompute, AFailureInsideTheRecomputationIsCleanedUp) {
-  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      auto train = [&](bool with_failure) {
-        torch::manual_seed(0);
-        FlakyNet net;
-        auto sm = shardtorch::shard(net, w, ShardOptions().strategy(strategy).activation_checkpointing(true));
-        auto opt = shardtorch::Adam(*net, torch::optim::AdamOptions(1e-2));
-        for (int s = 0; s < 4; ++s) {
-          auto x = torch::full({3, 6}, 0.1 * (s + 1) + w.rank());
-          opt->zero_grad();
-          if (s == 1) {
-            if (!with_failure) continue;
-            net->f->fail = true;
-            bool threw = false;
-            try {
-              net(x).backward();
-            } catch (const std::exception& e) {
-              threw = std::string(e.what()).find("hook failed inside unit f") != std::string::npos;
-            }
-            net->f->fail = false;
-            require(threw, "the hook's exception did not reach the caller");
-            continue;
+TEST_P(Checkpointed, AFailureInsideTheRecomputationIsCleanedUp) {
+  const shardtorch::Strategy strategy = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    auto train = [&](bool with_failure) {
+      torch::manual_seed(0);
+      FlakyNet net;
+      auto sm = shardtorch::shard(net, w, ShardOptions().strategy(strategy).activation_checkpointing(true));
+      auto opt = shardtorch::Adam(*net, torch::optim::AdamOptions(1e-2));
+      for (int s = 0; s < 4; ++s) {
+        auto x = torch::full({3, 6}, 0.1 * (s + 1) + w.rank());
+        opt->zero_grad();
+        if (s == 1) {
+          if (!with_failure) continue;
+          net->f->fail = true;
+          bool threw = false;
+          try {
+            net(x).backward();
+          } catch (const std::exception& e) {
+            threw = std::string(e.what()).find("hook failed inside unit f") != std::string::npos;
           }
-          net(x).backward();
-          opt->step();
+          net->f->fail = false;
+          require(threw, "the hook's exception did not reach the caller");
+          continue;
         }
-        shardtorch::FullParams full(*net);
-        return snapshot(*net);
-      };
-      auto clean = train(false);
-      auto failed = train(true);
-      require_bitwise(failed, clean, std::string(shardtorch::strategy_name(strategy)) + " after a failed step");
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
-  }
+        net(x).backward();
+        opt->step();
+      }
+      shardtorch::FullParams full(*net);
+      return snapshot(*net);
+    };
+    auto clean = train(false);
+    auto failed = train(true);
+    require_bitwise(failed, clean, std::string(shardtorch::strategy_name(strategy)) + " after a failed step");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(Recompute, Checkpointed, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
+                         StrategyName());
 
 // Evaluation (no grad mode) runs the units as usual: no node, same outputs.
 TEST(Recompute, EvaluationIsUnchanged) {

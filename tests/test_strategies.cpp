@@ -159,30 +159,33 @@ struct NanLayerImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(NanLayer);
 
+class NanGradient : public ::testing::TestWithParam<Strategy> {};
+
 // The norm is NaN on every rank, as torch::nn::utils::clip_grad_norm_ gives,
 // so a loop that skips the step on a non-finite norm does skip it; with
 // either norm, and the NaN in one rank's shard only.
-TEST(Clipping, ANaNGradientInOneRanksShardGivesANaNNormEverywhere) {
+TEST_P(NanGradient, ANaNGradientInOneRanksShardGivesANaNNormEverywhere) {
+  const shardtorch::Strategy strategy = GetParam();
   for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
     torch::manual_seed(0);
     NanLayer ref;
     ref(torch::randn({3, 4})).pow(2).mean().backward();
     const double want = torch::nn::utils::clip_grad_norm_(ref->parameters(), 1.0, norm_type);
     ASSERT_TRUE(std::isnan(want)) << "torch's norm " << norm_type << ": " << want;
-    for (Strategy strategy : kAllStrategies) {
-      auto r = run_ranks(2, [&](World& w) {
-        torch::manual_seed(0);
-        NanLayer m;
-        shardtorch::shard(m, w, strategy_options(strategy, 2));
-        m(torch::randn({3, 4})).pow(2).mean().backward();
-        const double norm = shardtorch::clip_grad_norm(*m, 1.0, norm_type);
-        require(std::isnan(norm), std::string(shardtorch::strategy_name(strategy)) + " norm " +
-                                      std::to_string(norm_type) + ": " + std::to_string(norm) + ", want NaN");
-      });
-      ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << " norm " << norm_type << ": " << r.summary();
-    }
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      NanLayer m;
+      shardtorch::shard(m, w, strategy_options(strategy, 2));
+      m(torch::randn({3, 4})).pow(2).mean().backward();
+      const double norm = shardtorch::clip_grad_norm(*m, 1.0, norm_type);
+      require(std::isnan(norm), std::string(shardtorch::strategy_name(strategy)) + " norm " +
+                                    std::to_string(norm_type) + ": " + std::to_string(norm) + ", want NaN");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << " norm " << norm_type << ": " << r.summary();
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Clipping, NanGradient, ::testing::ValuesIn(kAllStrategies), StrategyName());
 
 // Gradients larger than the chunk the norm goes through double by (2^20
 // elements): the norm and the clipped gradients still equal torch's, for the
@@ -194,39 +197,43 @@ struct WideImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(Wide);
 
-TEST(Clipping, GradientsLargerThanAChunkClipLikeTorch) {
+class WideGradient : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(WideGradient, GradientsLargerThanAChunkClipLikeTorch) {
+  const shardtorch::Strategy strategy = GetParam();
   for (double norm_type : {2.0, 3.0, std::numeric_limits<double>::infinity()}) {
-    for (Strategy strategy : {Strategy::OptimizerOnly, Strategy::FullShard}) {
-      const std::string what = std::string(shardtorch::strategy_name(strategy)) + " norm " + std::to_string(norm_type);
-      auto r = run_ranks(2, [&](World& w) {
-        torch::manual_seed(0);
-        Wide m;
-        shardtorch::shard(m, w, strategy_options(strategy, 2));
-        torch::manual_seed(1 + w.rank());
-        m(torch::randn({2, 1200})).pow(2).mean().backward();
-        // torch's clip of the same (reduced, whole) gradients, in double as
-        // ours accumulates (torch's fp32 norm of 1.2M elements is 2e-5 off).
-        std::vector<torch::Tensor> copies;
-        {
-          shardtorch::FullParams full(*m, shardtorch::SummonOptions().with_grads(true));
-          for (const auto& p : m->parameters()) {
-            auto c = p.detach().to(at::kDouble).requires_grad_(true);
-            c.mutable_grad() = p.grad().to(at::kDouble);
-            copies.push_back(c);
-          }
-        }
-        const double want = torch::nn::utils::clip_grad_norm_(copies, 0.5, norm_type);
-        const double norm = shardtorch::clip_grad_norm(*m, 0.5, norm_type);
-        require(std::abs(norm - want) <= 1e-12 * want,
-                what + ": " + std::to_string(norm) + ", torch " + std::to_string(want));
+    const std::string what = std::string(shardtorch::strategy_name(strategy)) + " norm " + std::to_string(norm_type);
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      Wide m;
+      shardtorch::shard(m, w, strategy_options(strategy, 2));
+      torch::manual_seed(1 + w.rank());
+      m(torch::randn({2, 1200})).pow(2).mean().backward();
+      // torch's clip of the same (reduced, whole) gradients, in double as
+      // ours accumulates (torch's fp32 norm of 1.2M elements is 2e-5 off).
+      std::vector<torch::Tensor> copies;
+      {
         shardtorch::FullParams full(*m, shardtorch::SummonOptions().with_grads(true));
-        require(at::allclose(m->lin->weight.grad().to(at::kDouble), copies[0].grad(), 1e-6, 1e-12),
-                what + ": clipped gradients differ");
-      });
-      ASSERT_TRUE(r.ok) << what << ": " << r.summary();
-    }
+        for (const auto& p : m->parameters()) {
+          auto c = p.detach().to(at::kDouble).requires_grad_(true);
+          c.mutable_grad() = p.grad().to(at::kDouble);
+          copies.push_back(c);
+        }
+      }
+      const double want = torch::nn::utils::clip_grad_norm_(copies, 0.5, norm_type);
+      const double norm = shardtorch::clip_grad_norm(*m, 0.5, norm_type);
+      require(std::abs(norm - want) <= 1e-12 * want,
+              what + ": " + std::to_string(norm) + ", torch " + std::to_string(want));
+      shardtorch::FullParams full(*m, shardtorch::SummonOptions().with_grads(true));
+      require(at::allclose(m->lin->weight.grad().to(at::kDouble), copies[0].grad(), 1e-6, 1e-12),
+              what + ": clipped gradients differ");
+    });
+    ASSERT_TRUE(r.ok) << what << ": " << r.summary();
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Clipping, WideGradient,
+                         ::testing::Values(Strategy::OptimizerOnly, Strategy::FullShard), StrategyName());
 
 INSTANTIATE_TEST_SUITE_P(
     All, StrategyParity,
@@ -281,13 +288,32 @@ INSTANTIATE_TEST_SUITE_P(Strategies, SmallBucketParity,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+struct SkippedUnitCase {
+  Strategy strategy;
+  int world;
+  bool prefetch;
+};
+
+// Every strategy at 2 ranks; FullShard with prefetch; HybridShard at 4 ranks with and without.
+std::vector<SkippedUnitCase> skipped_unit_cases() {
+  std::vector<SkippedUnitCase> cases;
+  for (Strategy s : kAllStrategies) cases.push_back({s, 2, false});
+  cases.push_back({Strategy::FullShard, 2, true});
+  cases.push_back({Strategy::HybridShard, 4, true});
+  cases.push_back({Strategy::HybridShard, 4, false});
+  return cases;
+}
+
+class SkippedUnit : public ::testing::TestWithParam<SkippedUnitCase> {};
+
 // Accumulation where the synchronising micro-batch does not run a unit that an
 // earlier one did: that unit's gradients, staged without sync, are reduced in
 // this step (they used to wait for some later step's reduction). With
 // prefetch the skipped unit is gathered for nothing (the order learned says it
 // comes next) and must still reduce (it used to fail "reduces its gradients
 // while gathering"); HybridShard at 4 ranks has two replica groups.
-TEST(Accumulation, AUnitTheSynchronisingMicroBatchSkipsIsStillReduced) {
+TEST_P(SkippedUnit, AUnitTheSynchronisingMicroBatchSkipsIsStillReduced) {
+  const auto [strategy, world, prefetch] = GetParam();
   torch::manual_seed(5);
   auto x = torch::randn({8, 6});
   auto loss_of = [](Sometimes& m, const torch::Tensor& xs, bool use_b) {
@@ -304,39 +330,32 @@ TEST(Accumulation, AUnitTheSynchronisingMicroBatchSkipsIsStillReduced) {
     ref_opt.step();
   }
   auto want = snapshot(*ref);
-  struct Case {
-    Strategy strategy;
-    int world;
-    bool prefetch;
-  };
-  std::vector<Case> cases;
-  for (Strategy s : kAllStrategies) cases.push_back({s, 2, false});
-  cases.push_back({Strategy::FullShard, 2, true});
-  cases.push_back({Strategy::HybridShard, 4, true});
-  cases.push_back({Strategy::HybridShard, 4, false});
-  for (const auto& [strategy, world, prefetch] : cases) {
-    auto r = run_ranks(world, [&](World& w) {
-      torch::manual_seed(0);
-      auto m = Sometimes();
-      auto sm = shardtorch::shard(m, w, strategy_options(strategy, world).prefetch(prefetch));
-      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
-      const int64_t rows = 4 / world;
-      for (int s = 0; s < 3; ++s) {
-        opt->zero_grad();
-        sm.set_requires_gradient_sync(false);
-        loss_of(m, x.narrow(0, rows * w.rank(), rows), true).backward();
-        sm.set_requires_gradient_sync(true);
-        loss_of(m, x.narrow(0, 4 + rows * w.rank(), rows), false).backward();
-        require(sm.memory().cur(Mem::GradStaging) == 0, "gradients staged without sync were left unreduced");
-        opt->step();
-      }
-      shardtorch::FullParams full(*m);
-      expect_close_map(snapshot(*m), want, kTol, shardtorch::strategy_name(strategy));
-    });
-    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << " at " << world << (prefetch ? " with prefetch" : "")
-                      << "\n" << r.summary();
-  }
+  auto r = run_ranks(world, [&](World& w) {
+    torch::manual_seed(0);
+    auto m = Sometimes();
+    auto sm = shardtorch::shard(m, w, strategy_options(strategy, world).prefetch(prefetch));
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
+    const int64_t rows = 4 / world;
+    for (int s = 0; s < 3; ++s) {
+      opt->zero_grad();
+      sm.set_requires_gradient_sync(false);
+      loss_of(m, x.narrow(0, rows * w.rank(), rows), true).backward();
+      sm.set_requires_gradient_sync(true);
+      loss_of(m, x.narrow(0, 4 + rows * w.rank(), rows), false).backward();
+      require(sm.memory().cur(Mem::GradStaging) == 0, "gradients staged without sync were left unreduced");
+      opt->step();
+    }
+    shardtorch::FullParams full(*m);
+    expect_close_map(snapshot(*m), want, kTol, shardtorch::strategy_name(strategy));
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << " at " << world << (prefetch ? " with prefetch" : "")
+                    << "\n" << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(Accumulation, SkippedUnit, ::testing::ValuesIn(skipped_unit_cases()), [](const auto& info) {
+  return std::string(shardtorch::strategy_name(info.param.strategy)) + "_" + std::to_string(info.param.world) +
+         "ranks" + (info.param.prefetch ? "_prefetch" : "");
+});
 
 // Batch norm inside a unit: each rank normalises with its own batch, so the
 // running statistics differ across ranks unless rank 0's are broadcast after
@@ -361,7 +380,10 @@ struct NormNetImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(NormNet);
 
-TEST(Buffers, BatchNormStatisticsFollowRankZeroLikeDDP) {
+class BatchNormBuffers : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(BatchNormBuffers, BatchNormStatisticsFollowRankZeroLikeDDP) {
+  const shardtorch::Strategy strategy = GetParam();
   torch::manual_seed(9);
   auto x = torch::randn({8, 6}) * 2 + 1;
   auto rows = [&](int r) { return x.narrow(0, 4 * r, 4); };
@@ -390,38 +412,38 @@ TEST(Buffers, BatchNormStatisticsFollowRankZeroLikeDDP) {
   }
   auto want = snapshot(*ref);
   auto want_buffers = buffers_of(*ref);
-  for (Strategy strategy : kAllStrategies) {
-    for (bool broadcast : {true, false}) {
-      auto r = run_ranks(2, [&](World& w) {
-        torch::manual_seed(0);
-        auto m = NormNet();
-        auto sm = shardtorch::shard(m, w, strategy_options(strategy, 2).broadcast_buffers(broadcast));
-        auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
-        const int64_t broadcasts = sm.comm_stats().broadcast.calls;
-        for (int s = 0; s < kSteps; ++s) {
-          opt->zero_grad();
-          auto loss = m(rows(w.rank())).square().mean() / 2;  // twice: the gradient of the mean
-          loss.backward({}, /*retain_graph=*/true);
-          loss.backward();
-          opt->step();
-        }
-        // Float statistics and the Long batch counter: one broadcast each per step.
-        require(sm.comm_stats().broadcast.calls - broadcasts == (broadcast ? 2 * kSteps : 0),
-                "broadcasts: " + std::to_string(sm.comm_stats().broadcast.calls - broadcasts));
-        auto got = buffers_of(*m);
-        require(got.at("block.bn.num_batches_tracked").item<int64_t>() == kSteps, "batch counter");
-        const double err = rel_err(got.at("block.bn.running_mean"), want_buffers.at("block.bn.running_mean"));
-        if (broadcast || w.rank() == 0) {
-          expect_close_map(got, want_buffers, kTol, "buffers");
-        } else {
-          require(err > 1e-2, "without broadcast_buffers rank 1 keeps its own statistics; relative difference " +
-                                  std::to_string(err));
-        }
-        shardtorch::FullParams full(*m);
-        expect_close_map(snapshot(*m), want, kTol, "parameters");
-      });
-      ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << " broadcast_buffers " << broadcast << "\n"
-                        << r.summary();
-    }
+  for (bool broadcast : {true, false}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto m = NormNet();
+      auto sm = shardtorch::shard(m, w, strategy_options(strategy, 2).broadcast_buffers(broadcast));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      const int64_t broadcasts = sm.comm_stats().broadcast.calls;
+      for (int s = 0; s < kSteps; ++s) {
+        opt->zero_grad();
+        auto loss = m(rows(w.rank())).square().mean() / 2;  // twice: the gradient of the mean
+        loss.backward({}, /*retain_graph=*/true);
+        loss.backward();
+        opt->step();
+      }
+      // Float statistics and the Long batch counter: one broadcast each per step.
+      require(sm.comm_stats().broadcast.calls - broadcasts == (broadcast ? 2 * kSteps : 0),
+              "broadcasts: " + std::to_string(sm.comm_stats().broadcast.calls - broadcasts));
+      auto got = buffers_of(*m);
+      require(got.at("block.bn.num_batches_tracked").item<int64_t>() == kSteps, "batch counter");
+      const double err = rel_err(got.at("block.bn.running_mean"), want_buffers.at("block.bn.running_mean"));
+      if (broadcast || w.rank() == 0) {
+        expect_close_map(got, want_buffers, kTol, "buffers");
+      } else {
+        require(err > 1e-2, "without broadcast_buffers rank 1 keeps its own statistics; relative difference " +
+                                std::to_string(err));
+      }
+      shardtorch::FullParams full(*m);
+      expect_close_map(snapshot(*m), want, kTol, "parameters");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << " broadcast_buffers " << broadcast << "\n"
+                      << r.summary();
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Buffers, BatchNormBuffers, ::testing::ValuesIn(kAllStrategies), StrategyName());

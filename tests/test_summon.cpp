@@ -98,45 +98,50 @@ TEST(Summon, ForwardInsideSummonKeepsTheUnitsAndAStepThereIsRefused) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+class WithGrads : public ::testing::TestWithParam<Strategy> {};
+
 // Inside summon_full_params(with_grads) param.grad are the reduced
 // gradients; a backward there added to them and reduced both again (the old
 // gradients counted twice). It is refused on every rank, and training after
 // the scope is what it would have been without the attempt, bitwise.
-TEST(Summon, ABackwardInsideSummonWithGradsIsRefusedAndChangesNothing) {
-  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard}) {
-    auto r = run_ranks(2, [&](World& w) {
-      auto train = [&](bool attempt) {
-        torch::manual_seed(0);
-        auto m = MLP();
-        shardtorch::shard(m, w, strategy_options(s, 2));
-        auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
-        torch::manual_seed(1 + w.rank());
-        auto x = torch::randn({3, 7});
-        m(x).square().mean().backward();
-        if (attempt) {
-          shardtorch::FullParams full(*m, shardtorch::SummonOptions().with_grads(true));
-          std::string error = "none";
-          try {
-            m(x).square().mean().backward();
-          } catch (const std::exception& e) {
-            error = e.what();
-          }
-          require(error.find("rank " + std::to_string(w.rank()) + ": a backward reached ") != std::string::npos &&
-                      error.find(" inside a summon_full_params(with_grads) scope") != std::string::npos,
-                  std::string(shardtorch::strategy_name(s)) + ": a backward inside the scope: " + error);
+TEST_P(WithGrads, ABackwardInsideSummonWithGradsIsRefusedAndChangesNothing) {
+  const shardtorch::Strategy s = GetParam();
+  auto r = run_ranks(2, [&](World& w) {
+    auto train = [&](bool attempt) {
+      torch::manual_seed(0);
+      auto m = MLP();
+      shardtorch::shard(m, w, strategy_options(s, 2));
+      auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+      torch::manual_seed(1 + w.rank());
+      auto x = torch::randn({3, 7});
+      m(x).square().mean().backward();
+      if (attempt) {
+        shardtorch::FullParams full(*m, shardtorch::SummonOptions().with_grads(true));
+        std::string error = "none";
+        try {
+          m(x).square().mean().backward();
+        } catch (const std::exception& e) {
+          error = e.what();
         }
-        opt->step();
-        return shardtorch::full_parameters(*m);
-      };
-      auto want = train(false);
-      auto got = train(true);
-      for (auto& [n, t] : want)
-        require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n +
-                                             "' differs after a refused backward inside summon(with_grads)");
-    });
-    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
-  }
+        require(error.find("rank " + std::to_string(w.rank()) + ": a backward reached ") != std::string::npos &&
+                    error.find(" inside a summon_full_params(with_grads) scope") != std::string::npos,
+                std::string(shardtorch::strategy_name(s)) + ": a backward inside the scope: " + error);
+      }
+      opt->step();
+      return shardtorch::full_parameters(*m);
+    };
+    auto want = train(false);
+    auto got = train(true);
+    for (auto& [n, t] : want)
+      require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n +
+                                           "' differs after a refused backward inside summon(with_grads)");
+  });
+  EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(Summon, WithGrads,
+                         ::testing::Values(Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard),
+                         StrategyName());
 
 namespace {
 struct WritebackCase {
@@ -211,38 +216,42 @@ INSTANTIATE_TEST_SUITE_P(Summon, Writeback,
                                   (info.param.offload ? "_offload" : "");
                          });
 
+class GradientsCounted : public ::testing::TestWithParam<Strategy> {};
+
 // The full gradients a with_grads scope puts in param.grad are memory the
 // library holds: counted under summoned_grads while the scope lives, each
 // storage once (a unit's gradients share its full gradient when the dtypes
 // agree), and given back on exit.
-TEST(Summon, SummonedGradientsAreCountedWhileTheScopeLives) {
-  for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
-    for (bool bf16 : {false, true}) {
-      auto r = run_ranks(2, [&](World& w) {
-        torch::manual_seed(0);
-        FailingRoot m;  // a root unit without buffers: its input is cast to bf16
-        auto o = strategy_options(s, 2);
-        if (bf16) o.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
-        auto sm = shardtorch::shard(m, w, o);
-        m(torch::ones({2, 7})).square().sum().backward();
-        require(sm.memory().cur(Mem::SummonedGrads) == 0, "summoned gradients counted before any scope");
-        {
-          shardtorch::FullParams full(*m, shardtorch::SummonOptions().with_grads(true));
-          int64_t at_least = 0, at_most = 0;  // the gradients' own bytes; their storages' (unit flats, padded)
-          for (const auto& p : m->parameters()) {
-            if (!p.grad().defined()) continue;
-            at_least += p.grad().nbytes();
-            at_most += p.grad().storage().nbytes();
-          }
-          const int64_t counted = sm.memory().cur(Mem::SummonedGrads);
-          require(at_least > 0 && counted >= at_least && counted <= at_most,
-                  "summoned_grads " + std::to_string(counted) + " B, the gradients hold " + std::to_string(at_least) +
-                      " B (storages " + std::to_string(at_most) + " B)");
+TEST_P(GradientsCounted, SummonedGradientsAreCountedWhileTheScopeLives) {
+  const shardtorch::Strategy s = GetParam();
+  for (bool bf16 : {false, true}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      FailingRoot m;  // a root unit without buffers: its input is cast to bf16
+      auto o = strategy_options(s, 2);
+      if (bf16) o.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
+      auto sm = shardtorch::shard(m, w, o);
+      m(torch::ones({2, 7})).square().sum().backward();
+      require(sm.memory().cur(Mem::SummonedGrads) == 0, "summoned gradients counted before any scope");
+      {
+        shardtorch::FullParams full(*m, shardtorch::SummonOptions().with_grads(true));
+        int64_t at_least = 0, at_most = 0;  // the gradients' own bytes; their storages' (unit flats, padded)
+        for (const auto& p : m->parameters()) {
+          if (!p.grad().defined()) continue;
+          at_least += p.grad().nbytes();
+          at_most += p.grad().storage().nbytes();
         }
-        require(sm.memory().cur(Mem::SummonedGrads) == 0 && sm.memory().max(Mem::SummonedGrads) > 0,
-                "summoned gradients still counted after the scope");
-      });
-      EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << (bf16 ? " bf16" : "") << ": " << r.summary();
-    }
+        const int64_t counted = sm.memory().cur(Mem::SummonedGrads);
+        require(at_least > 0 && counted >= at_least && counted <= at_most,
+                "summoned_grads " + std::to_string(counted) + " B, the gradients hold " + std::to_string(at_least) +
+                    " B (storages " + std::to_string(at_most) + " B)");
+      }
+      require(sm.memory().cur(Mem::SummonedGrads) == 0 && sm.memory().max(Mem::SummonedGrads) > 0,
+              "summoned gradients still counted after the scope");
+    });
+    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << (bf16 ? " bf16" : "") << ": " << r.summary();
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Summon, GradientsCounted,
+                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());

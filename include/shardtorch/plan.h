@@ -35,6 +35,14 @@ struct SHARDTORCH_API FlatSpec {
   int64_t numel = 0;
   at::ScalarType dtype = at::kFloat;
   bool trainable = true;
+  /// Parameters of batch-norm layers (BatchNorm1d/2d/3d), which unit_specs
+  /// puts in a flat of their own. Under mixed precision with
+  /// keep_batch_norm_fp32, shard() does too and keeps them in `dtype`
+  /// (computed, gathered and reduced in it; NoShard reduces them in the
+  /// reduce dtype, in buckets of their own); otherwise plan_memory counts
+  /// them in the unit's flat of the same dtype and trainability, as shard()
+  /// lays them out.
+  bool batch_norm = false;
 };
 
 /// One unit as shard() would build it.
