@@ -99,8 +99,9 @@ std::string describe_model(torch::nn::Module& root, ShardState& st, ShardedOptim
   s << strategy_name(o.strategy());
   if (o.strategy() == Strategy::HybridShard) s << " (shard groups of " << o.hybrid_shard_size() << ")";
   if (o.cpu_offload()) s << " with CPU offload";
-  s << ", " << world_size << (world_size == 1 ? " rank, " : " ranks, ") << n << " parameters of " << numel << " elements (names and shapes " << std::hex << (h & 0xffffffffu) << std::dec
-    << "), " << (kind ? shardtorch::detail::optimizer_kind_name(*kind) : "an optimizer without movable state");
+  s << ", " << world_size << (world_size == 1 ? " rank, " : " ranks, ") << n << " parameters of " << numel
+    << " elements (names and shapes " << std::hex << (h & 0xffffffffu) << std::dec << "), "
+    << (kind ? shardtorch::detail::optimizer_kind_name(*kind) : "an optimizer without movable state");
   return s.str();
 }
 
