@@ -78,6 +78,7 @@ struct Task {
   torch::Tensor first_param;                                // its gradient comes last in a backward
 };
 std::string g_model = "mlp";  // --model
+int g_hybrid_shard_size = 0;   // --hybrid-shard-size
 double g_tolerance = 1e-6;     // --tolerance
 
 Task make_task(int64_t size) {
@@ -187,7 +188,10 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
   // Small buckets: several all-reduces per step, so that a kill in the
   // backward lands between them.
   shardtorch::shard(*task.root, world,
-                    shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)).bucket_mb(0.002));
+                    shardtorch::ShardOptions()
+                        .strategy(shardtorch::parse_strategy(strategy))
+                        .hybrid_shard_size(g_hybrid_shard_size)
+                        .bucket_mb(0.002));
   auto opt = shardtorch::AdamW(*task.root, torch::optim::AdamWOptions(1e-2));
   shardtorch::ft::Manager manager(world, *task.root, *opt,
                                   shardtorch::ft::ManagerOptions()
@@ -402,7 +406,9 @@ int main(int argc, char** argv) {
     desc.add_options()("help", "this text")("steps", cli::number_option(steps, "--steps"), "steps to commit")(
         "groups", cli::number_option(groups, "--groups"), "replica groups (the data set is split among them)")(
         "dir", po::value(&dir)->default_value(dir), "where the step logs and final states go")(
-        "strategy", po::value(&strategy)->default_value(strategy), "no_shard or full_shard (inside each group)")(
+        "strategy", po::value(&strategy)->default_value(strategy), "the sharding strategy inside each group")(
+        "hybrid-shard-size", cli::number_option(g_hybrid_shard_size, "--hybrid-shard-size"),
+        "--strategy hybrid_shard: ranks per shard group")(
         "kill", po::value(&kill)->default_value(kill), "INCARNATION@STEP,...: die (SIGKILL) there")(
         "kill-rank", cli::number_option(kill_rank, "--kill-rank"), "which rank of the group dies")(
         "step-ms", cli::number_option(step_ms, "--step-ms"), "sleep after each step (slows a demo down)")(

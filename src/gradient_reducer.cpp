@@ -6,7 +6,7 @@
 namespace shardtorch::detail {
 
 void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
-  if (model_.strategy() != Strategy::OptimizerOnly) check_hooks_agree(model_.world());  // before any collective of it
+  check_hooks_agree(model_.world());  // before any collective of it
   const double world = model_.world().size();
   FlatParam* fp = &flat;
   const std::string what = "gradients of unit '" + label + "' (" + fp->describe() + ")";
@@ -19,9 +19,10 @@ void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
   ++reductions_;
   // fp16 sums of N gradients can overflow: divide before reducing instead of after.
   double post = world;
-  if (comm_hook() && model_.strategy() != Strategy::OptimizerOnly) {
-    // The hook gets the shard group's mean and returns the mean over all
-    // ranks: it divides by the number of replicas, as DDP's hooks do.
+  if (comm_hook()) {
+    // The hook gets the shard group's mean (OptimizerOnly: the world's) and
+    // returns the mean over all ranks: it divides by the number of
+    // replicas, as DDP's hooks do.
     g.div_(static_cast<double>(model_.reduce_comm().size()));
     post = 1.0;
   } else if (g.scalar_type() == at::kHalf) {

@@ -105,6 +105,7 @@ void ReduceScatterBucketer::all_reduce(const at::Tensor& input, Comm& group, Cal
   pieces.push_back({{0, in.numel()}, std::move(callback)});
   track(nbytes(in));
   launch(group, in, at::Tensor(), nbytes(in), std::move(pieces), what, /*all_reduce=*/true);
+  in_flight_.back().to_hook = hook_ != nullptr;  // the hook reduces across replicas what the group summed
 }
 
 void ReduceScatterBucketer::make_room(const std::string& next, bool bounded) {
@@ -190,6 +191,7 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
     if (all_reduce) {  // the callback gets the whole reduced input
       l.work = group.all_reduce_async(l.input, what);
       l.output = l.input;
+      l.whole = true;
     } else if (l.output.defined()) {
       l.work = group.reduce_scatter_async(l.output, l.input, what);
     } else {  // all-reduced in place: this rank's shard is its chunk of the input
@@ -244,8 +246,9 @@ void ReduceScatterBucketer::launch_across_replicas(Launched& l, const std::strin
 
 void ReduceScatterBucketer::launch_hook(Launched& l, const std::string& what) {
   // The hook may write its bucket (the built-in ones reduce in place): on
-  // Gloo the output is a row of the input, so a copy of it lets the input go.
-  const bool copied = l.output.is_alias_of(l.input);
+  // Gloo a reduce-scatter's output is a row of the input, so a copy of it
+  // lets the input go. An all-reduce's output is all of its input: no copy.
+  const bool copied = !l.whole && l.output.is_alias_of(l.input);
   at::Tensor chunk = copied ? l.output.clone() : l.output;
   Launched h;
   h.group = l.group;

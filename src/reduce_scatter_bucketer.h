@@ -120,11 +120,13 @@ class ReduceScatterBucketer {
   /// must not read or write it meanwhile) and which nothing else writes
   /// afterwards. It waits for room as long as the collective timeout allows
   /// (OptimizerOnly's gradients: no gather in backward to deadlock with).
+  /// With a hook, the reduced input goes on to it first (see set_hook).
   void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
-  /// Passes every reduce-scatter's output (this rank's chunk of a launch)
-  /// through `hook` (which outlives this) before the callbacks, in place of
-  /// the all-reduce across `replicas`; null: no hook. Each call is counted
-  /// in `counter` (if not null). Not during a backward.
+  /// Passes every reduce-scatter's output (this rank's chunk of a launch),
+  /// and every all_reduce()'s whole result, through `hook` (which outlives
+  /// this) before the callbacks, in place of the all-reduce across
+  /// `replicas`; null: no hook. Each call is counted in `counter` (if not
+  /// null). Not during a backward.
   void set_hook(CommHook* hook, HookCounter* counter = nullptr) {
     hook_ = hook;
     hook_counter_ = counter;
@@ -172,7 +174,8 @@ class ReduceScatterBucketer {
     int64_t bytes = 0;         // tracked under Mem::Buckets
     Pieces pieces;
     std::shared_ptr<detail::CompletionState> completion;  // CPU: set by the watcher thread
-    bool to_hook = false;   // a reduce-scatter whose output goes on to the hook
+    bool to_hook = false;   // a reduction whose output goes on to the hook
+    bool whole = false;     // an all-reduce: its output is all of its input
     detail::HookCall call;  // the hook's reduction (then `work` is empty)
   };
   using Key = std::tuple<int /*dtype*/, std::string /*device*/, const void* /*group*/>;

@@ -102,6 +102,10 @@ void ShardState::check_outside_summon() const {
 
 void ShardState::after_optimizer_step() {
   world().note_step_done();
+  after_shards_replaced();
+}
+
+void ShardState::after_shards_replaced() {
   check_outside_summon();
   release_held();  // the step makes the full copies a graph-building backward held stale
   if (replicated_) {

@@ -172,6 +172,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// After the optimizer changed the shards: rebuild persistent full buffers
   /// (ZeRO-1/2), free the stale full copies of the others.
   void after_optimizer_step();
+  /// The same after something else replaced the shards (or NoShard's
+  /// masters): a heal. Collective over the shard group.
+  void after_shards_replaced();
 
  private:
   ShardOptions options_;

@@ -695,9 +695,6 @@ ShardStats ShardedModel::stats() const {
 void ShardedModel::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
   const int rank = state_->world().rank();
   SHARDTORCH_CHECK(hook, "shardtorch: rank ", rank, ": register_comm_hook: the hook is null");
-  SHARDTORCH_CHECK(state_->strategy() != Strategy::OptimizerOnly, "shardtorch: rank ", rank,
-              ": register_comm_hook: OptimizerOnly all-reduces whole flat gradients over the world and takes no "
-              "communication hook (NoShard, FullShard, ShardGradOp and HybridShard do)");
   SHARDTORCH_CHECK(!state_->reducer().comm_hook(), "shardtorch: rank ", rank,
               ": register_comm_hook: this model has a communication hook already (one per model, as under DDP)");
   state_->check_backward_finished("register_comm_hook");

@@ -20,7 +20,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstdio>
+#include <functional>
 #include <future>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -159,44 +161,75 @@ std::shared_ptr<World> group_world(World& all, int ranks) {
   return World::create(store, all.rank() % ranks, ranks);
 }
 
-std::map<std::string, at::Tensor> train_group(World& all, int ranks, shardtorch::Strategy strategy, int steps,
-                                              const std::string& lighthouse, std::vector<std::string>* counted,
-                                              int64_t hidden_for_group1 = 8, int* rebuilt = nullptr,
-                                              bool prefetch = false) {
+using Named = std::map<std::string, at::Tensor>;
+
+// How train_group trains each group.
+struct GroupRun {
+  shardtorch::ShardOptions shard;
+  int steps = 6;
+  int64_t hidden_for_group1 = 8;  // another width: a different model
+  bool prefetch = false;
+  // On every rank after each committed step (after the optimizer step).
+  std::function<void(int group, shardtorch::ft::Manager&, Net&, shardtorch::ShardedOptimizer&)> after_step;
+};
+
+struct GroupResult {
+  Named params;                // at the end, full
+  std::vector<std::string> counted;  // per committed step: the groups whose gradients counted
+  std::vector<Named> grads;          // per committed step: the full gradients the optimizer stepped with
+  std::vector<Named> before;         // per committed step: the full parameters it stepped from
+  int rebuilt = 0;                   // steps that built the cross-replica group
+};
+
+GroupResult train_group(World& all, int ranks, const std::string& lighthouse, const GroupRun& run) {
   auto world = group_world(all, ranks);
   const int g = all.rank() / ranks;
   at::manual_seed(0);
-  Net model(g == 1 ? hidden_for_group1 : 8);
-  shardtorch::shard(*model, world, shardtorch::ShardOptions().strategy(strategy));
+  Net model(g == 1 ? run.hidden_for_group1 : 8);
+  shardtorch::shard(*model, world, run.shard);
   auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
   shardtorch::ft::Manager m(world, *model, *opt,
                             shardtorch::ft::ManagerOptions().lighthouse(lighthouse).replica_group(std::to_string(g)).log(false)
-                                .prefetch_quorum(prefetch));
-  while (m.step() < steps) {
+                                .prefetch_quorum(run.prefetch));
+  GroupResult out;
+  while (m.step() < run.steps) {
     m.start_step();
     auto x = batch_x(g, world->rank(), m.step());
     opt->zero_grad();
     model->forward(x).pow(2).mean().backward();
     const bool committed = m.should_commit();
-    if (rebuilt && m.last_step().reconfigured) ++*rebuilt;
-    if (committed) {
-      opt->step();
-      std::string who;
-      for (auto& c : m.last_step().counted) who += c;
-      if (counted) counted->push_back(who);
+    if (m.last_step().reconfigured) ++out.rebuilt;
+    if (!committed) continue;
+    {
+      auto full = shardtorch::summon_full_params(*model, shardtorch::SummonOptions().with_grads(true).writeback(false));
+      Named grads, before;
+      for (auto& item : model->named_parameters()) {
+        grads[item.key()] = item.value().grad().clone();
+        before[item.key()] = item.value().detach().clone();
+      }
+      out.grads.push_back(std::move(grads));
+      out.before.push_back(std::move(before));
     }
+    opt->step();
+    std::string who;
+    for (auto& c : m.last_step().counted) who += c;
+    out.counted.push_back(who);
+    if (run.after_step) run.after_step(g, m, model, *opt);
   }
   // Each round's answer is dropped from the group's store after the next round starts.
   const std::string rounds = "shardtorch-ft/" + std::to_string(g) + "/incarnation0/round/";
   if (world->store()->check({rounds + "0"})) throw std::runtime_error("the group's store keeps every round");
-  return shardtorch::full_parameters(*model);
+  out.params = shardtorch::full_parameters(*model);
+  return out;
 }
 
 // Single-process replay: step s averages the counted groups' ranks' batches.
-std::map<std::string, at::Tensor> reference(int ranks, const std::vector<std::string>& counted) {
+// Returns the parameters at the end and each step's gradients.
+std::pair<Named, std::vector<Named>> reference(int ranks, const std::vector<std::string>& counted) {
   at::manual_seed(0);
   Net model(8);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  std::vector<Named> grads;
   for (size_t s = 0; s < counted.size(); ++s) {
     opt.zero_grad();
     at::Tensor total;
@@ -206,58 +239,181 @@ std::map<std::string, at::Tensor> reference(int ranks, const std::vector<std::st
         total = total.defined() ? total + l : l;
       }
     (total / static_cast<double>(counted[s].size() * static_cast<size_t>(ranks))).backward();
+    Named step;
+    for (auto& item : model->named_parameters()) step[item.key()] = item.value().grad().clone();
+    grads.push_back(std::move(step));
     opt.step();
   }
-  std::map<std::string, at::Tensor> out;
+  Named out;
   for (auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
-  return out;
+  return {out, grads};
 }
 
-void two_groups_train_like_one_process(int ranks, shardtorch::Strategy strategy, bool prefetch = false) {
+// Throws unless `t` is bitwise the same on every rank of `all`.
+void require_alike(World& all, const at::Tensor& t, const std::string& what) {
+  auto first = t.clone();
+  all.comm().broadcast(first, 0, "compare");
+  if (!at::equal(t, first)) throw std::runtime_error(what + " differs between the groups");
+}
+
+// `got` (a group's training) against the replay of its committed steps:
+// every step's gradients and the final parameters within 1e-6, and the
+// parameters bitwise alike in every group, before every step and at the end.
+void check_against_replay(World& all, int ranks, const GroupResult& got) {
+  auto [want, want_grads] = reference(ranks, got.counted);
+  if (got.grads.size() != want_grads.size()) throw std::runtime_error("gradients of a step missing");
+  for (size_t s = 0; s < want_grads.size(); ++s)
+    for (auto& [name, t] : want_grads[s]) {
+      require_alike(all, got.before[s].at(name), "step " + std::to_string(s) + ": " + name + " before the optimizer step");
+      const double d = (got.grads[s].at(name) - t).abs().max().item<double>();
+      if (!(d <= 1e-6))
+        throw std::runtime_error("step " + std::to_string(s) + ": the gradient of " + name + " differs from one process by " +
+                                 std::to_string(d) + " (counted groups " + got.counted[s] + ")");
+    }
+  for (auto& [name, t] : want) {
+    const double d = (got.params.at(name) - t).abs().max().item<double>();
+    if (!(d <= 1e-6)) throw std::runtime_error(name + " differs from one process by " + std::to_string(d));
+    require_alike(all, got.params.at(name), name);  // rank 0's values against everyone's
+  }
+}
+
+void two_groups_train_like_one_process(int ranks, shardtorch::ShardOptions shard, bool prefetch = false) {
   Lighthouse lh(2);
   auto r = shardtorch::testing::run_ranks(2 * ranks, [&](World& all) {
-    std::vector<std::string> counted;
-    int rebuilt = 0;
-    auto got = train_group(all, ranks, strategy, 6, lh.address(), &counted, 8, &rebuilt, prefetch);
+    GroupRun run;
+    run.shard = shard;
+    run.prefetch = prefetch;
+    auto got = train_group(all, ranks, lh.address(), run);
     // Step 0 counts one group (the other starts from its weights); later steps both.
-    if (counted.size() != 6u || counted[0].size() != 1 || counted[5] != "01")
-      throw std::runtime_error("counted groups per step: " + c10::Join(",", counted));
+    if (got.counted.size() != 6u || got.counted[0].size() != 1 || got.counted[5] != "01")
+      throw std::runtime_error("counted groups per step: " + c10::Join(",", got.counted));
     // One quorum throughout: its cross-replica group is built once.
-    if (rebuilt != 1) throw std::runtime_error("the cross-replica group was built " + std::to_string(rebuilt) + " times");
-    auto want = reference(ranks, counted);
-    for (auto& [name, t] : want) {
-      const double d = (got.at(name) - t).abs().max().item<double>();
-      if (!(d <= 1e-6)) throw std::runtime_error(name + " differs from one process by " + std::to_string(d));
-      // Every group bitwise alike: rank 0's values against everyone's.
-      auto mine = got.at(name).clone(), first = got.at(name).clone();
-      all.comm().broadcast(first, 0, "compare");
-      if (!at::equal(mine, first)) throw std::runtime_error(name + " differs between the groups");
-    }
+    if (got.rebuilt != 1)
+      throw std::runtime_error("the cross-replica group was built " + std::to_string(got.rebuilt) + " times");
+    check_against_replay(all, ranks, got);
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+shardtorch::ShardOptions shard_options(shardtorch::Strategy s) { return shardtorch::ShardOptions().strategy(s); }
+
 TEST(FtManager, TwoNoShardGroupsTrainLikeOneProcess) {
-  two_groups_train_like_one_process(1, shardtorch::Strategy::NoShard);
+  two_groups_train_like_one_process(1, shard_options(shardtorch::Strategy::NoShard));
 }
 
 TEST(FtManager, TwoNoShardGroupsOfTwoRanksTrainLikeOneProcess) {
-  two_groups_train_like_one_process(2, shardtorch::Strategy::NoShard);
+  two_groups_train_like_one_process(2, shard_options(shardtorch::Strategy::NoShard));
 }
 
 TEST(FtManager, TwoNoShardGroupsOfTwoRanksTrainLikeOneProcessWithThePrefetchedQuorum) {
-  two_groups_train_like_one_process(2, shardtorch::Strategy::NoShard, /*prefetch=*/true);
+  two_groups_train_like_one_process(2, shard_options(shardtorch::Strategy::NoShard), /*prefetch=*/true);
 }
 
 TEST(FtManager, TwoFullShardGroupsOfTwoRanksTrainLikeOneProcess) {
-  two_groups_train_like_one_process(2, shardtorch::Strategy::FullShard);
+  two_groups_train_like_one_process(2, shard_options(shardtorch::Strategy::FullShard));
+}
+
+TEST(FtManager, TwoShardGradOpGroupsOfTwoRanksTrainLikeOneProcess) {
+  two_groups_train_like_one_process(2, shard_options(shardtorch::Strategy::ShardGradOp));
+}
+
+TEST(FtManager, TwoOptimizerOnlyGroupsOfTwoRanksTrainLikeOneProcess) {
+  two_groups_train_like_one_process(2, shard_options(shardtorch::Strategy::OptimizerOnly));
+}
+
+// Each group: 2 shard groups of 2 ranks, replicated twice inside the group.
+TEST(FtManager, TwoHybridShardGroupsOfFourRanksTrainLikeOneProcess) {
+  two_groups_train_like_one_process(4, shard_options(shardtorch::Strategy::HybridShard).hybrid_shard_size(2));
+}
+
+// The optimizer steps on the CPU, from host-held masters and state.
+TEST(FtManager, TwoFullShardGroupsWithCpuOffloadTrainLikeOneProcess) {
+  two_groups_train_like_one_process(2, shard_options(shardtorch::Strategy::FullShard).cpu_offload(true));
+}
+
+// Group 1 loses its state after step 3 (other weights, garbage optimizer
+// state, an older step count): the next quorum heals it from group 0, rank k
+// from rank k, before its optimizer step. From then on both groups train
+// bitwise alike and like one process (the optimizer state's moments and step
+// count show in every later update).
+void group_that_lost_its_state_heals(int ranks, shardtorch::ShardOptions shard) {
+  Lighthouse lh(2);
+  auto r = shardtorch::testing::run_ranks(2 * ranks, [&](World& all) {
+    GroupRun run;
+    run.shard = shard;
+    run.after_step = [](int g, shardtorch::ft::Manager& m, Net& model, shardtorch::ShardedOptimizer& opt) {
+      if (g != 1 || m.step() != 3) return;
+      c10::NoGradGuard no_grad;
+      {
+        auto full = shardtorch::summon_full_params(*model);  // the edits are written back into the shards
+        for (auto& p : model->parameters()) p.add_(1.0);
+      }
+      for (auto& [key, st] : opt.inner().state()) {
+        auto& a = static_cast<torch::optim::AdamWParamState&>(*st);
+        a.exp_avg().fill_(7.0);
+        a.exp_avg_sq().fill_(3.0);
+        a.step(1000);
+      }
+      m.set_step(1);
+    };
+    auto got = train_group(all, ranks, lh.address(), run);
+    // Step 3 counted group 0 alone (group 1 was healed), the steps after it both.
+    if (got.counted.size() != 6u || got.counted[3] != "0" || got.counted[4] != "01")
+      throw std::runtime_error("counted groups per step: " + c10::Join(",", got.counted));
+    check_against_replay(all, ranks, got);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(FtManager, ShardGradOpGroupThatLostItsStateHealsShardMatched) {
+  group_that_lost_its_state_heals(2, shard_options(shardtorch::Strategy::ShardGradOp));
+}
+
+TEST(FtManager, OptimizerOnlyGroupThatLostItsStateHealsShardMatched) {
+  group_that_lost_its_state_heals(2, shard_options(shardtorch::Strategy::OptimizerOnly));
+}
+
+TEST(FtManager, HybridShardGroupThatLostItsStateHealsShardMatched) {
+  group_that_lost_its_state_heals(4, shard_options(shardtorch::Strategy::HybridShard).hybrid_shard_size(2));
+}
+
+TEST(FtManager, ShardGradOpGroupWithCpuOffloadThatLostItsStateHealsShardMatched) {
+  group_that_lost_its_state_heals(2, shard_options(shardtorch::Strategy::ShardGradOp).cpu_offload(true));
+}
+
+TEST(FtManager, OptimizerSteppingDuringTheBackwardIsRefused) {
+  // It would update before the group's vote.
+  Lighthouse lh(1);
+  auto r = shardtorch::testing::run_ranks(1, [&](World& w) {
+    at::manual_seed(0);
+    Net model(8);
+    shardtorch::shard(*model, w, shard_options(shardtorch::Strategy::FullShard).cpu_offload(true));
+    auto opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
+    shardtorch::ft::Manager m(w.shared_from_this(), *model, *opt,
+                              shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group("0").log(false));
+    opt->overlap_with_backward();
+    try {
+      m.start_step();
+    } catch (const shardtorch::Error& e) {
+      if (std::string(e.what()).find("overlap_with_backward") != std::string::npos &&
+          std::string(e.what()).find("group '0'") != std::string::npos)
+        return;
+      throw;
+    }
+    throw std::runtime_error("start_step() let the optimizer step during the backward");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
 }
 
 TEST(FtManager, GroupsWithDifferentModelsFailNamingBothGroups) {
   Lighthouse lh(2);
   auto r = shardtorch::testing::run_ranks(2, [&](World& all) {
     try {
-      train_group(all, 1, shardtorch::Strategy::NoShard, 2, lh.address(), nullptr, /*hidden_for_group1=*/9);
+      GroupRun run;
+      run.shard = shard_options(shardtorch::Strategy::NoShard);
+      run.steps = 2;
+      run.hidden_for_group1 = 9;
+      train_group(all, 1, lh.address(), run);
     } catch (const shardtorch::Error& e) {
       const std::string m = e.what();
       if (m.find("replica groups '") != std::string::npos && m.find("'0'") != std::string::npos &&

@@ -85,7 +85,8 @@ struct SHARDTORCH_API StepReport {
 ///   if (manager.should_commit()) opt.step();
 /// Construct it on every rank of the group after shard() and the optimizer,
 /// before the first backward: it registers the model's communication hook.
-/// NoShard, FullShard and ShardGradOp inside a group; no CPU offload.
+/// Any strategy inside a group, CPU offload included; not the optimizer's
+/// overlap_with_backward (docs/fault_tolerance.md, "Strategies inside a group").
 class SHARDTORCH_API Manager {
  public:
   Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedOptimizer& opt, ManagerOptions options = {});

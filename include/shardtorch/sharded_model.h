@@ -101,15 +101,16 @@ class SHARDTORCH_API ShardedModel {
   ShardStats stats() const;
 
   /// Reduces gradients across replicas through `hook` (shardtorch/comm_hooks.h)
-  /// from the next backward on: NoShard's buckets, or under FullShard,
-  /// ShardGradOp and HybridShard each reduce-scatter's output. Once per
-  /// model, outside a backward, on every rank with the same kind of hook;
-  /// not under OptimizerOnly. Contract: docs/api.md, "Communication hooks".
+  /// from the next backward on: NoShard's buckets, under FullShard,
+  /// ShardGradOp and HybridShard each reduce-scatter's output, under
+  /// OptimizerOnly each all-reduced whole flat gradient. Once per model,
+  /// outside a backward, on every rank with the same kind of hook.
+  /// Contract: docs/api.md, "Communication hooks".
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
   /// The group a hook averages over: NoShard the world, HybridShard this
-  /// rank's replica group; null where the reduce-scatter covered every rank
-  /// (FullShard, ShardGradOp, or one replica), which the built-in hooks take
-  /// as a group of one.
+  /// rank's replica group; null where the world's reduction covered every
+  /// rank (FullShard, ShardGradOp, OptimizerOnly, or one replica), which the
+  /// built-in hooks take as a group of one.
   c10::intrusive_ptr<c10d::Backend> comm_hook_group() const;
   const std::shared_ptr<detail::ShardState>& state() const { return state_; }
 

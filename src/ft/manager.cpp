@@ -94,10 +94,14 @@ std::string describe_model(torch::nn::Module& root, ShardState& st, ShardedOptim
     for (auto s : item.value().sizes()) h = h * 31u + static_cast<std::size_t>(s);
   }
   auto kind = shardtorch::detail::optimizer_kind(opt);
+  const auto& o = st.options();
   std::ostringstream s;
-  s << strategy_name(st.options().strategy()) << ", " << world_size << (world_size == 1 ? " rank, " : " ranks, ")
-    << n << " parameters of " << numel << " elements (names and shapes " << std::hex << (h & 0xffffffffu) << std::dec
-    << "), " << (kind ? shardtorch::detail::optimizer_kind_name(*kind) : "an optimizer without movable state");
+  s << strategy_name(o.strategy());
+  if (o.strategy() == Strategy::HybridShard) s << " (shard groups of " << o.hybrid_shard_size() << ")";
+  if (o.cpu_offload()) s << " with CPU offload";
+  s << ", " << world_size << (world_size == 1 ? " rank, " : " ranks, ") << n << " parameters of " << numel
+    << " elements (names and shapes " << std::hex << (h & 0xffffffffu) << std::dec << "), "
+    << (kind ? shardtorch::detail::optimizer_kind_name(*kind) : "an optimizer without movable state");
   return s.str();
 }
 
@@ -543,7 +547,9 @@ struct Manager::Impl {
     const int64_t user_len = m[1];
     if (user_len > 0) post(at::empty({user_len}, at::kByte));
     for (auto& w : works) w->wait(options.timeout());
-    // Everything arrived: replace.
+    // Everything arrived: replace (under CPU offload once no copy to the
+    // device reads the masters any more).
+    state->wait_for_offload_copies();
     size_t at = 0;
     for (auto& t : dst) t.copy_(got[at++]);
     auto kind = shardtorch::detail::optimizer_kind(opt);
@@ -671,13 +677,6 @@ Manager::Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedO
   const int restarts = std::atoi(env("TORCHELASTIC_RESTART_COUNT").value_or("0").c_str());
   m.restarted = o.restarted().value_or(restarts > 0);
   m.state = sharded_model(root).state();
-  const Strategy strategy = m.state->options().strategy();
-  SHARDTORCH_CHECK(strategy == Strategy::NoShard || strategy == Strategy::FullShard, "shardtorch::ft::Manager: group '",
-                   m.group, "': strategy ", strategy_name(strategy),
-                   " is not supported inside a fault-tolerant replica group yet: use NoShard or FullShard (the groups "
-                   "are the replicas, as HybridShard's would be)");
-  SHARDTORCH_CHECK(!m.state->options().cpu_offload(), "shardtorch::ft::Manager: group '", m.group,
-                   "': CPU offload is not supported with fault tolerance yet");
   m.model = describe_model(root, *m.state, opt, m.world->size());
   // Every rank of the group must agree on the group name and the incarnation.
   auto names = m.world->comm().all_gather_strings(m.group + "/" + std::to_string(restarts), "shardtorch::ft group name");
@@ -756,6 +755,11 @@ void Manager::start_step() {
   Impl& m = *impl_;
   SHARDTORCH_CHECK(!m.in_step, "shardtorch::ft: group '", m.group, "', rank ", m.world->rank(),
                    ": start_step() twice without should_commit() between them");
+  // An optimizer that steps during the backward would update before the vote.
+  SHARDTORCH_CHECK(!m.state->copies().gradient_listener(), "shardtorch::ft: group '", m.group, "', rank ",
+                   m.world->rank(), ": the optimizer steps during the backward (ShardedOptimizer::"
+                   "overlap_with_backward), before the group votes on the step: turn the overlap off under fault "
+                   "tolerance, where should_commit() decides whether the optimizer steps");
   m.in_step = true;
   {
     std::lock_guard<std::mutex> lock(m.step_mu);
@@ -789,6 +793,7 @@ bool Manager::should_commit() {
   rep.quorum_id = q.id;
   rep.reconfigured = q.rebuilt;
   std::string error = q.error;
+  const int64_t before_heal = m.step;
   if (q.fatal) {
     // Every rank of every group computes the same: each throws the same error.
     m.report = rep;
@@ -827,9 +832,15 @@ bool Manager::should_commit() {
     rep.committed = ok.item<int>() == 1;
   }
   if (rep.committed) {
+    // Every rank of the group received its state (the vote says so): the
+    // full parameters made from the old shards go (collective in the group).
+    if (m.healing(q)) m.state->after_shards_replaced();
     ++m.step;
     if (q.rebuilt) m.drop_old_rendezvous(q.id);
   } else {
+    // Another rank of the group may not have received its state: this rank
+    // goes back to its own step, so that the next quorum heals the group again.
+    if (m.healing(q)) rep.step = m.step = before_heal;
     rep.error = error.empty() ? "another rank of the group failed" : error;
     m.log("step " + std::to_string(rep.step) + " not committed: " + rep.error);
   }
