@@ -150,9 +150,9 @@ std::string WaitBoard::record(int comm, int64_t seq, const std::string& descript
   return os.str();
 }
 
-WaitBoard::Wait::Wait(std::shared_ptr<WaitBoard> board, int comm, int64_t seq, std::string description)
-    : board_(std::move(board)), comm_(comm), seq_(seq), description_(std::move(description)),
-      started_(std::chrono::steady_clock::now()), next_(started_ + kQuiet) {}
+WaitBoard::Wait::Wait(std::shared_ptr<WaitBoard> board, int comm, int64_t seq, const std::string& description)
+    : board_(std::move(board)), comm_(comm), seq_(seq), description_(description),
+      next_(std::chrono::steady_clock::now() + kQuiet) {}
 
 WaitBoard::Wait::~Wait() {
   // After a crossing the record stays: the peer's probe must still see it.
@@ -173,7 +173,7 @@ std::string WaitBoard::Wait::probe() {
       b.store_->set(wait_key(b.rank_), b.record(comm_, seq_, description_));
       written_ = true;
     }
-    std::string mine, members_name;
+    std::string mine;
     std::vector<int> members;
     std::map<std::string, int64_t> issued;
     {
@@ -193,14 +193,15 @@ std::string WaitBoard::Wait::probe() {
       const int64_t they_issued = ours == r.issued.end() ? 0 : ours->second;
       if (they_issued >= seq_ || theirs->second >= r.seq) continue;  // one of the two can go on
       crossing = std::to_string(p) + "\n" + std::to_string(r.seq) + "\n" + r.comm;
-      const std::string here = "rank " + std::to_string(b.rank_) + " waits at " + description_ + " (collective " +
-                               std::to_string(seq_) + " of communicator '" + mine + "', which rank " +
-                               std::to_string(p) + " has not issued: it issued " + std::to_string(they_issued) +
-                               " there)";
-      const std::string there = "rank " + std::to_string(p) + " waits at " + r.description + " (collective " +
-                                std::to_string(r.seq) + " of communicator '" + r.comm + "', which rank " +
-                                std::to_string(b.rank_) + " has not issued: it issued " +
-                                std::to_string(theirs->second) + " there)";
+      // `who` waits at `what`, collective `seq` of `comm`, which `other` has not issued (it issued `issued` there).
+      const auto waits = [](int who, const std::string& what, int64_t seq, const std::string& comm, int other,
+                            int64_t issued) {
+        return "rank " + std::to_string(who) + " waits at " + what + " (collective " + std::to_string(seq) +
+               " of communicator '" + comm + "', which rank " + std::to_string(other) +
+               " has not issued: it issued " + std::to_string(issued) + " there)";
+      };
+      const std::string here = waits(b.rank_, description_, seq_, mine, p, they_issued);
+      const std::string there = waits(p, r.description, r.seq, r.comm, b.rank_, theirs->second);
       text = "collectives diverged across communicators: " +
              (b.rank_ < p ? here + " but " + there : there + " but " + here) +
              ". Every rank must issue the same collectives in the same order on each communicator; neither "

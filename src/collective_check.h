@@ -95,7 +95,8 @@ class WaitBoard {
   /// for the peer's probe). Never throws.
   class Wait {
    public:
-    Wait(std::shared_ptr<WaitBoard> board, int comm, int64_t seq, std::string description);
+    /// `description` must outlive the Wait (it is not copied: one is made per checked wait).
+    Wait(std::shared_ptr<WaitBoard> board, int comm, int64_t seq, const std::string& description);
     ~Wait();
     Wait(const Wait&) = delete;
     Wait& operator=(const Wait&) = delete;
@@ -109,8 +110,8 @@ class WaitBoard {
     std::shared_ptr<WaitBoard> board_;
     int comm_;
     int64_t seq_;
-    std::string description_;
-    std::chrono::steady_clock::time_point started_, next_;
+    const std::string& description_;
+    std::chrono::steady_clock::time_point next_;
     bool written_ = false;
     bool crossed_ = false;  // probe() returned an error
     std::string suspect_;   // the crossing seen at the last probe

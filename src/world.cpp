@@ -227,12 +227,12 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   // Gloo moves CPU tensors; NCCL moves tensors on the rank's device.
   c10::Device comm_device = backend == "nccl" ? w->device_ : c10::Device(c10::kCPU);
   w->comm_ = std::make_unique<Comm>(b, rank, world_size, options.timeout(), comm_device);
+  std::vector<int> all(world_size);  // the world's members, for the peer reports and the check
+  for (int r = 0; r < world_size; ++r) all[r] = r;
   if (world_size > 1) {
     w->progress_ = std::make_shared<detail::Progress>(c10::make_intrusive<c10d::PrefixStore>("shardtorch-peers", store),
                                                       rank);
     w->progress_->note("world set up");
-    std::vector<int> all(world_size);
-    for (int r = 0; r < world_size; ++r) all[r] = r;
     std::weak_ptr<detail::Progress> progress = w->progress_;
     w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started) {
       auto p = progress.lock();
@@ -273,8 +273,6 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   if (check && world_size > 1) {
     w->waits_ = std::make_shared<detail::WaitBoard>(c10::make_intrusive<c10d::PrefixStore>("shardtorch-waits", store),
                                                     rank);
-    std::vector<int> all(world_size);
-    for (int r = 0; r < world_size; ++r) all[r] = r;
     w->comm_->enable_checks(w->context_, w->waits_, "the world", all);
   }
   return w;
