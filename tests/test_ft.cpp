@@ -56,10 +56,10 @@ int free_port() {
 class Lighthouse {
  public:
   explicit Lighthouse(int min_replicas, int heartbeat_timeout_ms = 30000) : port_(free_port()) {
-    const std::string exe = SHARDTORCH_LIGHTHOUSE;
+    const std::string exe = SHARDTORCH_PYTHON_FOR_FT;
     if (::access(exe.c_str(), X_OK) != 0)
-      throw std::runtime_error("no torchft_lighthouse at " + exe + ": run scripts/setup.sh (it installs torchft-nightly)");
-    std::vector<std::string> args{exe, "--bind", address(), "--min_replicas", std::to_string(min_replicas),
+      throw std::runtime_error("no Python with torchft at '" + exe + "': run scripts/setup.sh (it installs torchft-nightly)");
+    std::vector<std::string> args{exe, SHARDTORCH_LIGHTHOUSE, "--bind", address(), "--min_replicas", std::to_string(min_replicas),
                                   "--join_timeout_ms", "2000", "--quorum_tick_ms", "20",
                                   // Long: the bare clients below send no heartbeats while they wait for each other.
                                   "--heartbeat_timeout_ms", std::to_string(heartbeat_timeout_ms)};

@@ -32,7 +32,8 @@ def free_port():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lighthouse", required=True, help="torchft_lighthouse executable")
+    ap.add_argument("--lighthouse", required=True, help="torchft_lighthouse executable, or a Python script "
+                    "run by this script's interpreter (tests/ft/lighthouse.py)")
     ap.add_argument("--torchrun", required=True)
     ap.add_argument("--trainer", required=True, help="examples/ft_train")
     ap.add_argument("--workdir", required=True)
@@ -97,8 +98,9 @@ def main():
     os.makedirs(a.workdir)
     port = free_port()
     lh_log = open(os.path.join(a.workdir, "lighthouse.log"), "w")
+    launcher = [sys.executable, a.lighthouse] if a.lighthouse.endswith(".py") else [a.lighthouse]
     lighthouse = subprocess.Popen(
-        [a.lighthouse, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(max(1, a.groups - 1)),
+        launcher + ["--bind", f"127.0.0.1:{port}", "--min_replicas", str(max(1, a.groups - 1)),
          "--join_timeout_ms", "1000", "--quorum_tick_ms", "20", "--heartbeat_timeout_ms", "1000"],
         stdout=lh_log, stderr=subprocess.STDOUT, env=dict(os.environ, RUST_LOG="info"))
     procs, logs = [], []
