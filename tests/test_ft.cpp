@@ -23,6 +23,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -168,6 +169,7 @@ struct GroupRun {
   shardtorch::ShardOptions shard;
   int steps = 6;
   int64_t hidden_for_group1 = 8;  // another width: a different model
+  std::optional<shardtorch::ShardOptions> shard_for_group1;  // unset: `shard`
   bool prefetch = false;
   // On every rank after each committed step (after the optimizer step).
   std::function<void(int group, shardtorch::ft::Manager&, Net&, shardtorch::ShardedOptimizer&)> after_step;
@@ -186,7 +188,7 @@ GroupResult train_group(World& all, int ranks, const std::string& lighthouse, co
   const int g = all.rank() / ranks;
   at::manual_seed(0);
   Net model(g == 1 ? run.hidden_for_group1 : 8);
-  shardtorch::shard(*model, world, run.shard);
+  shardtorch::shard(*model, world, g == 1 && run.shard_for_group1 ? *run.shard_for_group1 : run.shard);
   auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
   shardtorch::ft::Manager m(world, *model, *opt,
                             shardtorch::ft::ManagerOptions().lighthouse(lighthouse).replica_group(std::to_string(g)).log(false)
@@ -405,25 +407,42 @@ TEST(FtManager, OptimizerSteppingDuringTheBackwardIsRefused) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
-TEST(FtManager, GroupsWithDifferentModelsFailNamingBothGroups) {
+// Two groups of one rank that differ as `run` says: should_commit() throws
+// on both, naming both groups and each of `words`.
+void groups_fail_naming_both(GroupRun run, const std::vector<std::string>& words) {
   Lighthouse lh(2);
   auto r = shardtorch::testing::run_ranks(2, [&](World& all) {
     try {
-      GroupRun run;
-      run.shard = shard_options(shardtorch::Strategy::NoShard);
       run.steps = 2;
-      run.hidden_for_group1 = 9;
       train_group(all, 1, lh.address(), run);
     } catch (const shardtorch::Error& e) {
       const std::string m = e.what();
-      if (m.find("replica groups '") != std::string::npos && m.find("'0'") != std::string::npos &&
-          m.find("'1'") != std::string::npos && m.find("different models") != std::string::npos)
-        return;
+      bool named = m.find("replica groups '") != std::string::npos && m.find("'0'") != std::string::npos &&
+                   m.find("'1'") != std::string::npos;
+      for (const auto& w : words) named = named && m.find(w) != std::string::npos;
+      if (named) return;
       throw std::runtime_error("unexpected error: " + m);
     }
-    throw std::runtime_error("no error for groups with different models");
+    throw std::runtime_error("no error for groups that differ");
   });
   ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(FtManager, GroupsWithDifferentModelsFailNamingBothGroups) {
+  GroupRun run;
+  run.shard = shard_options(shardtorch::Strategy::NoShard);
+  run.hidden_for_group1 = 9;
+  groups_fail_naming_both(run, {"different models"});
+}
+
+// Group 1 computes and reduces its gradients in bf16, group 0 in fp32: the
+// first quorum refuses them (the buckets they would all-reduce differ in dtype).
+TEST(FtManager, GroupsWithDifferentMixedPrecisionFailNamingBothGroupsAndDtypes) {
+  GroupRun run;
+  run.shard = shard_options(shardtorch::Strategy::NoShard);
+  run.shard_for_group1 = shard_options(shardtorch::Strategy::NoShard)
+                             .mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
+  groups_fail_naming_both(run, {"no mixed precision", "parameters in BFloat16"});
 }
 
 // One step of a group of this World's ranks: what should_commit() threw

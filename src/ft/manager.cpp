@@ -83,6 +83,20 @@ int bound_port(int fd) {
   return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
 }
 
+// Mixed precision as far as it changes what crosses the groups: the dtype of
+// the gradients they all-reduce, of the buffers a heal sends, and which
+// flats batch norm's parameters are in; and the compute dtype.
+std::string describe_precision(const MixedPrecision& mp) {
+  if (!mp.param_dtype() && !mp.buffer_dtype()) return "no mixed precision";
+  auto name = [](const std::optional<at::ScalarType>& t) {
+    return t ? std::string(c10::toString(*t)) : std::string("their own dtype");
+  };
+  const auto reduce = mp.param_dtype() ? std::optional(mp.reduce_dtype().value_or(*mp.param_dtype())) : std::nullopt;
+  return "mixed precision (parameters in " + name(mp.param_dtype()) + ", gradients reduced in " + name(reduce) +
+         ", buffers in " + name(mp.buffer_dtype()) + ", batch norm " +
+         (mp.keep_batch_norm_fp32() ? "kept in its own dtype" : "cast like the rest") + ")";
+}
+
 // What every group must have alike, in words (compared across groups).
 std::string describe_model(torch::nn::Module& root, ShardState& st, ShardedOptimizer& opt, int world_size) {
   int64_t numel = 0, n = 0;
@@ -99,7 +113,8 @@ std::string describe_model(torch::nn::Module& root, ShardState& st, ShardedOptim
   s << strategy_name(o.strategy());
   if (o.strategy() == Strategy::HybridShard) s << " (shard groups of " << o.hybrid_shard_size() << ")";
   if (o.cpu_offload()) s << " with CPU offload";
-  s << ", " << world_size << (world_size == 1 ? " rank, " : " ranks, ") << n << " parameters of " << numel
+  s << ", " << describe_precision(o.mixed_precision()) << ", " << world_size
+    << (world_size == 1 ? " rank, " : " ranks, ") << n << " parameters of " << numel
     << " elements (names and shapes " << std::hex << (h & 0xffffffffu) << std::dec << "), "
     << (kind ? shardtorch::detail::optimizer_kind_name(*kind) : "an optimizer without movable state");
   return s.str();
@@ -356,8 +371,9 @@ struct Manager::Impl {
       }
     for (const auto& p : q.participants)
       if (p.model != model) {
-        q.error = "replica groups '" + group + "' and '" + p.group + "' train different models or strategies: '" +
-                  group + "' has " + model + "; '" + p.group + "' has " + p.model +
+        q.error = "replica groups '" + group + "' and '" + p.group +
+                  "' train different models, strategies or mixed precision: '" + group + "' has " + model + "; '" +
+                  p.group + "' has " + p.model +
                   ". Every replica group must build the same model with the same ShardOptions, world size and optimizer";
         q.fatal = true;
         return q;
