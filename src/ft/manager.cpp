@@ -167,7 +167,9 @@ struct Manager::Impl {
   std::string key_prefix;  // in the group's store, per incarnation
   int64_t round = 0;
   int64_t step = 0;
-  int64_t broken = 0;  // cross-replica groups of this rank that failed
+  // Cross-replica groups dropped after a failure: the same on every rank of
+  // the group (group rank 0's goes in the quorum, whose configuration it changes).
+  int64_t broken = 0;
   bool in_step = false;
   StepReport report;
   std::function<std::string()> save_user;
@@ -831,12 +833,11 @@ bool Manager::should_commit() {
       }
     }
   }
-  if (!error.empty() && m.pg) {
-    // Dropped now, not at the next quorum: peers still waiting on this rank
-    // see its connections close and fail at once instead of at their timeout.
+  if (!error.empty()) {
+    // Dropped now, not after the vote: peers still waiting on this rank see
+    // its connections close and fail at once instead of at their timeout.
     m.pg.reset();
     m.pg_config.clear();
-    ++m.broken;
   }
   rep.step = m.step;  // a healed group's is its source's
   // The vote: every rank of the group, inside the group (its own world); a
@@ -854,6 +855,12 @@ bool Manager::should_commit() {
     ++m.step;
     if (q.rebuilt) m.drop_old_rendezvous(q.id);
   } else {
+    // Every rank of the group drops its cross-replica group and counts the
+    // failure, its own part failed or not: the next quorum's configuration
+    // then differs, and every rank of every group builds the new one.
+    m.pg.reset();
+    m.pg_config.clear();
+    ++m.broken;
     // Another rank of the group may not have received its state: this rank
     // goes back to its own step, so that the next quorum heals the group again.
     if (m.healing(q)) rep.step = m.step = before_heal;
