@@ -23,7 +23,8 @@
 // (lines "<step> quorum <id> at <epoch ms> counted <groups>"), and
 // `ft_train --reference --dir DIR --groups 3` then replays those steps in
 // one process and checks every group against it (exit status 0 when equal).
-// --model gpt trains the example GPT (examples/gpt.h) instead of the MLP.
+// --model gpt trains the example GPT (examples/gpt.h) instead of the MLP;
+// --cpu-offload turns on ShardOptions::cpu_offload inside each group.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -79,6 +80,7 @@ struct Task {
 };
 std::string g_model = "mlp";  // --model
 int g_hybrid_shard_size = 0;   // --hybrid-shard-size
+bool g_cpu_offload = false;    // --cpu-offload
 double g_tolerance = 1e-6;     // --tolerance
 
 Task make_task(int64_t size) {
@@ -191,6 +193,7 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
                     shardtorch::ShardOptions()
                         .strategy(shardtorch::parse_strategy(strategy))
                         .hybrid_shard_size(g_hybrid_shard_size)
+                        .cpu_offload(g_cpu_offload)
                         .bucket_mb(0.002));
   auto opt = shardtorch::AdamW(*task.root, torch::optim::AdamWOptions(1e-2));
   shardtorch::ft::Manager manager(world, *task.root, *opt,
@@ -409,6 +412,8 @@ int main(int argc, char** argv) {
         "strategy", po::value(&strategy)->default_value(strategy), "the sharding strategy inside each group")(
         "hybrid-shard-size", cli::number_option(g_hybrid_shard_size, "--hybrid-shard-size"),
         "--strategy hybrid_shard: ranks per shard group")(
+        "cpu-offload", po::bool_switch(&g_cpu_offload),
+        "ShardOptions::cpu_offload: masters, gradient shards and optimizer state in host memory (not no_shard)")(
         "kill", po::value(&kill)->default_value(kill), "INCARNATION@STEP,...: die (SIGKILL) there")(
         "kill-rank", cli::number_option(kill_rank, "--kill-rank"), "which rank of the group dies")(
         "step-ms", cli::number_option(step_ms, "--step-ms"), "sleep after each step (slows a demo down)")(

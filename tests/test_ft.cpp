@@ -23,6 +23,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -168,7 +169,10 @@ struct GroupRun {
   shardtorch::ShardOptions shard;
   int steps = 6;
   int64_t hidden_for_group1 = 8;  // another width: a different model
+  std::optional<shardtorch::ShardOptions> shard_for_group1;  // unset: `shard`
   bool prefetch = false;
+  // On every rank after its Manager is made.
+  std::function<void(int group, int rank, shardtorch::ft::Manager&)> setup;
   // On every rank after each committed step (after the optimizer step).
   std::function<void(int group, shardtorch::ft::Manager&, Net&, shardtorch::ShardedOptimizer&)> after_step;
 };
@@ -178,6 +182,7 @@ struct GroupResult {
   std::vector<std::string> counted;  // per committed step: the groups whose gradients counted
   std::vector<Named> grads;          // per committed step: the full gradients the optimizer stepped with
   std::vector<Named> before;         // per committed step: the full parameters it stepped from
+  std::vector<int64_t> failed;       // per step not committed: step() after it
   int rebuilt = 0;                   // steps that built the cross-replica group
 };
 
@@ -186,11 +191,12 @@ GroupResult train_group(World& all, int ranks, const std::string& lighthouse, co
   const int g = all.rank() / ranks;
   at::manual_seed(0);
   Net model(g == 1 ? run.hidden_for_group1 : 8);
-  shardtorch::shard(*model, world, run.shard);
+  shardtorch::shard(*model, world, g == 1 && run.shard_for_group1 ? *run.shard_for_group1 : run.shard);
   auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
   shardtorch::ft::Manager m(world, *model, *opt,
                             shardtorch::ft::ManagerOptions().lighthouse(lighthouse).replica_group(std::to_string(g)).log(false)
                                 .prefetch_quorum(run.prefetch));
+  if (run.setup) run.setup(g, world->rank(), m);
   GroupResult out;
   while (m.step() < run.steps) {
     m.start_step();
@@ -199,7 +205,10 @@ GroupResult train_group(World& all, int ranks, const std::string& lighthouse, co
     model->forward(x).pow(2).mean().backward();
     const bool committed = m.should_commit();
     if (m.last_step().reconfigured) ++out.rebuilt;
-    if (!committed) continue;
+    if (!committed) {
+      out.failed.push_back(m.step());
+      continue;
+    }
     {
       auto full = shardtorch::summon_full_params(*model, shardtorch::SummonOptions().with_grads(true).writeback(false));
       Named grads, before;
@@ -336,26 +345,29 @@ TEST(FtManager, TwoFullShardGroupsWithCpuOffloadTrainLikeOneProcess) {
 // from rank k, before its optimizer step. From then on both groups train
 // bitwise alike and like one process (the optimizer state's moments and step
 // count show in every later update).
+void group_1_loses_its_state_after_step_3(int g, shardtorch::ft::Manager& m, Net& model,
+                                          shardtorch::ShardedOptimizer& opt) {
+  if (g != 1 || m.step() != 3) return;
+  c10::NoGradGuard no_grad;
+  {
+    auto full = shardtorch::summon_full_params(*model);  // the edits are written back into the shards
+    for (auto& p : model->parameters()) p.add_(1.0);
+  }
+  for (auto& [key, st] : opt.inner().state()) {
+    auto& a = static_cast<torch::optim::AdamWParamState&>(*st);
+    a.exp_avg().fill_(7.0);
+    a.exp_avg_sq().fill_(3.0);
+    a.step(1000);
+  }
+  m.set_step(1);
+}
+
 void group_that_lost_its_state_heals(int ranks, shardtorch::ShardOptions shard) {
   Lighthouse lh(2);
   auto r = shardtorch::testing::run_ranks(2 * ranks, [&](World& all) {
     GroupRun run;
     run.shard = shard;
-    run.after_step = [](int g, shardtorch::ft::Manager& m, Net& model, shardtorch::ShardedOptimizer& opt) {
-      if (g != 1 || m.step() != 3) return;
-      c10::NoGradGuard no_grad;
-      {
-        auto full = shardtorch::summon_full_params(*model);  // the edits are written back into the shards
-        for (auto& p : model->parameters()) p.add_(1.0);
-      }
-      for (auto& [key, st] : opt.inner().state()) {
-        auto& a = static_cast<torch::optim::AdamWParamState&>(*st);
-        a.exp_avg().fill_(7.0);
-        a.exp_avg_sq().fill_(3.0);
-        a.step(1000);
-      }
-      m.set_step(1);
-    };
+    run.after_step = group_1_loses_its_state_after_step_3;
     auto got = train_group(all, ranks, lh.address(), run);
     // Step 3 counted group 0 alone (group 1 was healed), the steps after it both.
     if (got.counted.size() != 6u || got.counted[3] != "0" || got.counted[4] != "01")
@@ -379,6 +391,39 @@ TEST(FtManager, HybridShardGroupThatLostItsStateHealsShardMatched) {
 
 TEST(FtManager, ShardGradOpGroupWithCpuOffloadThatLostItsStateHealsShardMatched) {
   group_that_lost_its_state_heals(2, shard_options(shardtorch::Strategy::ShardGradOp).cpu_offload(true));
+}
+
+// As above, but the heal at group 0's step 3 fails on group 1's rank 1 alone
+// (loading its user state throws, once): the vote fails, and rank 0, whose
+// heal succeeded, goes back to its own step 1 with rank 1. The next quorum
+// heals the whole group again (at step 4, counting group 0 alone); then
+// every rank of both groups ends bitwise alike.
+TEST(FtManager, AVoteThatFailsAfterAHealPutsEveryRankBackOnItsOwnStep) {
+  Lighthouse lh(2);
+  auto r = shardtorch::testing::run_ranks(4, [&](World& all) {
+    GroupRun run;
+    run.shard = shard_options(shardtorch::Strategy::ShardGradOp);
+    run.after_step = group_1_loses_its_state_after_step_3;
+    bool thrown = false;
+    run.setup = [&thrown](int g, int rank, shardtorch::ft::Manager& m) {
+      m.set_user_state([&m] { return std::to_string(m.step()); },
+                       [g, rank, &thrown](const std::string& step) {
+                         if (g != 1 || rank != 1 || step != "3" || thrown) return;
+                         thrown = true;
+                         throw std::runtime_error("injected: group 1 rank 1 could not load the user state of step 3");
+                       });
+    };
+    auto got = train_group(all, 2, lh.address(), run);
+    const int g = all.rank() / 2;
+    const std::vector<int64_t> want_failed = g == 1 ? std::vector<int64_t>{1} : std::vector<int64_t>{};
+    if (got.failed != want_failed)
+      throw std::runtime_error("step() after each failed vote: {" + c10::Join(",", got.failed) + "}");
+    const auto want = g == 1 ? std::vector<std::string>{"0", "01", "01", "0", "01"}
+                             : std::vector<std::string>{"0", "01", "01", "0", "0", "01"};
+    if (got.counted != want) throw std::runtime_error("counted groups per step: " + c10::Join(",", got.counted));
+    for (auto& [name, t] : got.params) require_alike(all, t, name);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
 }
 
 TEST(FtManager, OptimizerSteppingDuringTheBackwardIsRefused) {
@@ -405,25 +450,42 @@ TEST(FtManager, OptimizerSteppingDuringTheBackwardIsRefused) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
-TEST(FtManager, GroupsWithDifferentModelsFailNamingBothGroups) {
+// Two groups of one rank that differ as `run` says: should_commit() throws
+// on both, naming both groups and each of `words`.
+void groups_fail_naming_both(GroupRun run, const std::vector<std::string>& words) {
   Lighthouse lh(2);
   auto r = shardtorch::testing::run_ranks(2, [&](World& all) {
     try {
-      GroupRun run;
-      run.shard = shard_options(shardtorch::Strategy::NoShard);
       run.steps = 2;
-      run.hidden_for_group1 = 9;
       train_group(all, 1, lh.address(), run);
     } catch (const shardtorch::Error& e) {
       const std::string m = e.what();
-      if (m.find("replica groups '") != std::string::npos && m.find("'0'") != std::string::npos &&
-          m.find("'1'") != std::string::npos && m.find("different models") != std::string::npos)
-        return;
+      bool named = m.find("replica groups '") != std::string::npos && m.find("'0'") != std::string::npos &&
+                   m.find("'1'") != std::string::npos;
+      for (const auto& w : words) named = named && m.find(w) != std::string::npos;
+      if (named) return;
       throw std::runtime_error("unexpected error: " + m);
     }
-    throw std::runtime_error("no error for groups with different models");
+    throw std::runtime_error("no error for groups that differ");
   });
   ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(FtManager, GroupsWithDifferentModelsFailNamingBothGroups) {
+  GroupRun run;
+  run.shard = shard_options(shardtorch::Strategy::NoShard);
+  run.hidden_for_group1 = 9;
+  groups_fail_naming_both(run, {"different models"});
+}
+
+// Group 1 computes and reduces its gradients in bf16, group 0 in fp32: the
+// first quorum refuses them (the buckets they would all-reduce differ in dtype).
+TEST(FtManager, GroupsWithDifferentMixedPrecisionFailNamingBothGroupsAndDtypes) {
+  GroupRun run;
+  run.shard = shard_options(shardtorch::Strategy::NoShard);
+  run.shard_for_group1 = shard_options(shardtorch::Strategy::NoShard)
+                             .mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
+  groups_fail_naming_both(run, {"no mixed precision", "parameters in BFloat16"});
 }
 
 // One step of a group of this World's ranks: what should_commit() threw

@@ -83,6 +83,20 @@ int bound_port(int fd) {
   return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
 }
 
+// Mixed precision as far as it changes what crosses the groups: the dtype of
+// the gradients they all-reduce, of the buffers a heal sends, and which
+// flats batch norm's parameters are in; and the compute dtype.
+std::string describe_precision(const MixedPrecision& mp) {
+  if (!mp.param_dtype() && !mp.buffer_dtype()) return "no mixed precision";
+  auto name = [](const std::optional<at::ScalarType>& t) {
+    return t ? std::string(c10::toString(*t)) : std::string("their own dtype");
+  };
+  const auto reduce = mp.param_dtype() ? std::optional(mp.reduce_dtype().value_or(*mp.param_dtype())) : std::nullopt;
+  return "mixed precision (parameters in " + name(mp.param_dtype()) + ", gradients reduced in " + name(reduce) +
+         ", buffers in " + name(mp.buffer_dtype()) + ", batch norm " +
+         (mp.keep_batch_norm_fp32() ? "kept in its own dtype" : "cast like the rest") + ")";
+}
+
 // What every group must have alike, in words (compared across groups).
 std::string describe_model(torch::nn::Module& root, ShardState& st, ShardedOptimizer& opt, int world_size) {
   int64_t numel = 0, n = 0;
@@ -99,7 +113,8 @@ std::string describe_model(torch::nn::Module& root, ShardState& st, ShardedOptim
   s << strategy_name(o.strategy());
   if (o.strategy() == Strategy::HybridShard) s << " (shard groups of " << o.hybrid_shard_size() << ")";
   if (o.cpu_offload()) s << " with CPU offload";
-  s << ", " << world_size << (world_size == 1 ? " rank, " : " ranks, ") << n << " parameters of " << numel
+  s << ", " << describe_precision(o.mixed_precision()) << ", " << world_size
+    << (world_size == 1 ? " rank, " : " ranks, ") << n << " parameters of " << numel
     << " elements (names and shapes " << std::hex << (h & 0xffffffffu) << std::dec << "), "
     << (kind ? shardtorch::detail::optimizer_kind_name(*kind) : "an optimizer without movable state");
   return s.str();
@@ -152,7 +167,9 @@ struct Manager::Impl {
   std::string key_prefix;  // in the group's store, per incarnation
   int64_t round = 0;
   int64_t step = 0;
-  int64_t broken = 0;  // cross-replica groups of this rank that failed
+  // Cross-replica groups dropped after a failure: the same on every rank of
+  // the group (group rank 0's goes in the quorum, whose configuration it changes).
+  int64_t broken = 0;
   bool in_step = false;
   StepReport report;
   std::function<std::string()> save_user;
@@ -356,8 +373,9 @@ struct Manager::Impl {
       }
     for (const auto& p : q.participants)
       if (p.model != model) {
-        q.error = "replica groups '" + group + "' and '" + p.group + "' train different models or strategies: '" +
-                  group + "' has " + model + "; '" + p.group + "' has " + p.model +
+        q.error = "replica groups '" + group + "' and '" + p.group +
+                  "' train different models, strategies or mixed precision: '" + group + "' has " + model + "; '" +
+                  p.group + "' has " + p.model +
                   ". Every replica group must build the same model with the same ShardOptions, world size and optimizer";
         q.fatal = true;
         return q;
@@ -815,12 +833,11 @@ bool Manager::should_commit() {
       }
     }
   }
-  if (!error.empty() && m.pg) {
-    // Dropped now, not at the next quorum: peers still waiting on this rank
-    // see its connections close and fail at once instead of at their timeout.
+  if (!error.empty()) {
+    // Dropped now, not after the vote: peers still waiting on this rank see
+    // its connections close and fail at once instead of at their timeout.
     m.pg.reset();
     m.pg_config.clear();
-    ++m.broken;
   }
   rep.step = m.step;  // a healed group's is its source's
   // The vote: every rank of the group, inside the group (its own world); a
@@ -838,6 +855,12 @@ bool Manager::should_commit() {
     ++m.step;
     if (q.rebuilt) m.drop_old_rendezvous(q.id);
   } else {
+    // Every rank of the group drops its cross-replica group and counts the
+    // failure, its own part failed or not: the next quorum's configuration
+    // then differs, and every rank of every group builds the new one.
+    m.pg.reset();
+    m.pg_config.clear();
+    ++m.broken;
     // Another rank of the group may not have received its state: this rank
     // goes back to its own step, so that the next quorum heals the group again.
     if (m.healing(q)) rep.step = m.step = before_heal;

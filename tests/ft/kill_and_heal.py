@@ -56,6 +56,7 @@ def main():
     ap.add_argument("--model", default="mlp", help="ft_train --model: mlp or gpt (the example GPT)")
     ap.add_argument("--tolerance", default="1e-6", help="largest difference from the single-process replay")
     ap.add_argument("--prefetch-quorum", action="store_true", help="the groups run with ManagerOptions::prefetch_quorum")
+    ap.add_argument("--cpu-offload", action="store_true", help="the groups run with ShardOptions::cpu_offload")
     a = ap.parse_args()
 
     seed = a.seed if a.seed is not None else random.randrange(1 << 30)
@@ -117,6 +118,8 @@ def main():
                 cmd += ["--kill", kills[g], "--kill-rank", str(a.kill_rank)]
             if a.prefetch_quorum:
                 cmd += ["--prefetch-quorum"]
+            if a.cpu_offload:
+                cmd += ["--cpu-offload"]
             log = open(os.path.join(a.workdir, f"group-{g}.log"), "w")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
