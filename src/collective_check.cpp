@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "shardtorch/collectives.h"
@@ -83,22 +84,30 @@ std::string one_line(std::string s) {
   return s;
 }
 
-// A rank's record: "idle", or what it waits for and what it has issued.
+// A rank's record: "idle", or what it waits for, the members of that
+// communicator and what it has issued on each of its communicators.
 struct WaitRecord {
   bool waiting = false;
   std::string comm, description;
   int64_t seq = 0;
+  std::vector<int> members;               // of `comm`, by rank in the World
   std::map<std::string, int64_t> issued;  // by communicator name
+  std::string text;                       // as stored
 };
 
-WaitRecord parse_record(const std::vector<uint8_t>& bytes) {
-  std::istringstream in(std::string(bytes.begin(), bytes.end()));
+WaitRecord parse_record(std::string text) {
+  std::istringstream in(text);
   WaitRecord r;
+  r.text = std::move(text);
   std::string line;
   if (!std::getline(in, line) || line != "waiting") return r;
   int64_t n = 0;
-  if (!(in >> r.seq) || in.get() != ' ' || !std::getline(in, r.comm) || !std::getline(in, r.description) || !(in >> n))
+  if (!(in >> r.seq) || in.get() != ' ' || !std::getline(in, r.comm) || !std::getline(in, r.description) ||
+      !std::getline(in, line))
     return r;
+  std::istringstream members(line);
+  for (int m = 0; members >> m;) r.members.push_back(m);
+  if (!(in >> n)) return r;
   for (int64_t i = 0; i < n; ++i) {
     int64_t count = 0;
     std::string name;
@@ -107,6 +116,70 @@ WaitRecord parse_record(const std::vector<uint8_t>& bytes) {
   }
   r.waiting = true;
   return r;
+}
+
+// How many collectives `r` has issued on communicator `comm` (0 on one it does not have).
+int64_t issued_on(const WaitRecord& r, const std::string& comm) {
+  auto it = r.issued.find(comm);
+  return it == r.issued.end() ? 0 : it->second;
+}
+
+// The edge of the wait-for graph: waiting rank `r` waits for member `p` of
+// its communicator when `p` waits too and has not issued the collective.
+bool waits_for(const WaitRecord& r, const WaitRecord& p) {
+  return r.waiting && p.waiting && issued_on(p, r.comm) < r.seq;
+}
+
+// A cycle of the wait-for graph through `self`, in edge order from `self`;
+// empty if none. `record_of(rank)` reads a rank's record (once per rank).
+template <class RecordOf>
+std::vector<int> cycle_through(int self, RecordOf&& record_of) {
+  std::vector<int> path{self};
+  std::vector<size_t> next{0};  // per rank on the path: its next member to try
+  std::set<int> seen{self};     // on the path, or left without leading back to `self`: not entered again
+  while (!path.empty()) {
+    const WaitRecord& r = record_of(path.back());
+    if (next.back() >= r.members.size()) {
+      path.pop_back();
+      next.pop_back();
+      continue;
+    }
+    const int p = r.members[next.back()++];
+    if (p == path.back() || !waits_for(r, record_of(p))) continue;
+    if (p == self) return path;
+    if (seen.insert(p).second) {
+      path.push_back(p);
+      next.push_back(0);
+    }
+  }
+  return {};
+}
+
+// The error for a cycle of waits, the same on each of its ranks: from its
+// lowest rank on, each rank, where it waits and what the next has issued there.
+template <class RecordOf>
+std::string cycle_text(std::vector<int> cycle, RecordOf&& record_of) {
+  std::rotate(cycle.begin(), std::min_element(cycle.begin(), cycle.end()), cycle.end());
+  const size_t n = cycle.size();
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < n; ++i) {
+    const WaitRecord& r = record_of(cycle[i]);
+    const int next = cycle[(i + 1) % n];
+    parts.push_back("rank " + std::to_string(cycle[i]) + " waits at " + r.description + " (collective " +
+                    std::to_string(r.seq) + " of communicator '" + r.comm + "', which rank " + std::to_string(next) +
+                    " has not issued: it issued " + std::to_string(issued_on(record_of(next), r.comm)) + " there)");
+  }
+  std::string text = "collectives diverged across communicators: ";
+  if (n == 2) {
+    text += parts[0] + " but " + parts[1];
+  } else {
+    text += "ranks ";
+    for (size_t i = 0; i < n; ++i) text += (i == 0 ? "" : i + 1 < n ? ", " : " and ") + std::to_string(cycle[i]);
+    text += " wait for each other in a cycle: ";
+    for (size_t i = 0; i < n; ++i) text += (i == 0 ? "" : i + 1 < n ? ", " : ", and ") + parts[i];
+  }
+  return text + ". Every rank must issue the same collectives in the same order on each communicator; " +
+         (n == 2 ? std::string("neither collective was run") : "none of the " + std::to_string(n) + " collectives was run");
 }
 
 std::string wait_key(int rank) { return "wait/" + std::to_string(rank); }
@@ -120,7 +193,7 @@ std::string WaitBoard::prefixed(const std::string& text) const {
   return "shardtorch: rank " + std::to_string(rank_) + ": " + text;
 }
 
-std::string WaitBoard::crossing_reported() const {
+std::string WaitBoard::cycle_reported() const {
   try {
     if (!store_->check({crossed_key(rank_)})) return "";
     auto v = store_->get(crossed_key(rank_));
@@ -143,10 +216,12 @@ int64_t WaitBoard::issue(int comm) {
 
 std::string WaitBoard::record(int comm, int64_t seq, const std::string& description) const {
   std::lock_guard<std::mutex> lock(mu_);
+  const Comm& c = comms_[static_cast<size_t>(comm)];
   std::ostringstream os;
-  os << "waiting\n" << seq << ' ' << comms_[static_cast<size_t>(comm)].name << '\n' << one_line(description) << '\n'
-     << comms_.size() << '\n';
-  for (const auto& c : comms_) os << c.issued << ' ' << c.name << '\n';
+  os << "waiting\n" << seq << ' ' << c.name << '\n' << one_line(description) << '\n';
+  for (size_t i = 0; i < c.members.size(); ++i) os << (i ? " " : "") << c.members[i];
+  os << '\n' << comms_.size() << '\n';
+  for (const auto& each : comms_) os << each.issued << ' ' << each.name << '\n';
   return os.str();
 }
 
@@ -155,8 +230,8 @@ WaitBoard::Wait::Wait(std::shared_ptr<WaitBoard> board, int comm, int64_t seq, c
       next_(std::chrono::steady_clock::now() + kQuiet) {}
 
 WaitBoard::Wait::~Wait() {
-  // After a crossing the record stays: the peer's probe must still see it.
-  if (!written_ || crossed_) return;
+  // After a cycle the record stays: its other ranks' probes must still see it.
+  if (written_.empty() || crossed_) return;
   try {
     board_->store_->set(wait_key(board_->rank_), std::string("idle"));
   } catch (...) {
@@ -169,54 +244,39 @@ std::string WaitBoard::Wait::probe() {
   next_ = now + kProbe;
   WaitBoard& b = *board_;
   try {
-    if (!written_) {
-      b.store_->set(wait_key(b.rank_), b.record(comm_, seq_, description_));
-      written_ = true;
+    // Rewritten when it changed: another thread of this rank issued meanwhile.
+    std::string mine = b.record(comm_, seq_, description_);
+    if (mine != written_) {
+      b.store_->set(wait_key(b.rank_), mine);
+      written_ = mine;
     }
-    std::string mine;
-    std::vector<int> members;
-    std::map<std::string, int64_t> issued;
-    {
-      std::lock_guard<std::mutex> lock(b.mu_);
-      members = b.comms_[static_cast<size_t>(comm_)].members;
-      mine = b.comms_[static_cast<size_t>(comm_)].name;
-      for (const auto& c : b.comms_) issued[c.name] = c.issued;
-    }
-    std::string crossing, text;
-    for (int p : members) {
-      if (p == b.rank_ || !b.store_->check({wait_key(p)})) continue;
-      const WaitRecord r = parse_record(b.store_->get(wait_key(p)));
-      if (!r.waiting || r.comm == mine) continue;
-      auto theirs = issued.find(r.comm);
-      auto ours = r.issued.find(mine);
-      if (theirs == issued.end()) continue;  // not a communicator of this rank
-      const int64_t they_issued = ours == r.issued.end() ? 0 : ours->second;
-      if (they_issued >= seq_ || theirs->second >= r.seq) continue;  // one of the two can go on
-      crossing = std::to_string(p) + "\n" + std::to_string(r.seq) + "\n" + r.comm;
-      // `who` waits at `what`, collective `seq` of `comm`, which `other` has not issued (it issued `issued` there).
-      const auto waits = [](int who, const std::string& what, int64_t seq, const std::string& comm, int other,
-                            int64_t issued) {
-        return "rank " + std::to_string(who) + " waits at " + what + " (collective " + std::to_string(seq) +
-               " of communicator '" + comm + "', which rank " + std::to_string(other) +
-               " has not issued: it issued " + std::to_string(issued) + " there)";
-      };
-      const std::string here = waits(b.rank_, description_, seq_, mine, p, they_issued);
-      const std::string there = waits(p, r.description, r.seq, r.comm, b.rank_, theirs->second);
-      text = "collectives diverged across communicators: " +
-             (b.rank_ < p ? here + " but " + there : there + " but " + here) +
-             ". Every rank must issue the same collectives in the same order on each communicator; neither "
-             "collective was run";
-      if (crossing == suspect_) {
-        // For the peer, whose own exchange may fail first once this rank is gone.
-        b.store_->set(crossed_key(p), text);
-        b.store_->set(crossed_key(b.rank_), text);
+    std::map<int, WaitRecord> records;  // read at most once each per probe
+    records.emplace(b.rank_, parse_record(std::move(mine)));
+    const auto record_of = [&](int p) -> const WaitRecord& {
+      auto it = records.find(p);
+      if (it == records.end()) {
+        std::string text;
+        if (b.store_->check({wait_key(p)})) {
+          auto v = b.store_->get(wait_key(p));
+          text.assign(v.begin(), v.end());
+        }
+        it = records.emplace(p, parse_record(std::move(text))).first;
       }
-      break;
+      return it->second;
+    };
+    const std::vector<int> cycle = cycle_through(b.rank_, record_of);
+    // The same cycle with the same records at two probes in a row: none of its ranks went on meanwhile.
+    std::string seen;
+    for (int r : cycle) seen += std::to_string(r) + "\n" + record_of(r).text + "\n";
+    crossed_ = !cycle.empty() && seen == suspect_;
+    suspect_ = std::move(seen);
+    if (crossed_) {
+      const std::string text = cycle_text(cycle, record_of);
+      // For the cycle's other ranks, whose own exchanges may fail first once this rank is gone.
+      for (int r : cycle) b.store_->set(crossed_key(r), text);
+      return b.prefixed(text);
     }
-    crossed_ = !crossing.empty() && crossing == suspect_;
-    suspect_ = crossing;
-    if (crossed_) return b.prefixed(text);
-    std::string reported = b.crossing_reported();  // found by the peer first
+    std::string reported = b.cycle_reported();  // found by another rank of the cycle first
     crossed_ = !reported.empty();
     return reported;
   } catch (...) {
@@ -315,10 +375,10 @@ void run_taken(CheckerShared& s, CheckedLaunch& c, const std::exception_ptr& bro
       check(s, c, wait);
     } catch (...) {
       std::exception_ptr e = std::current_exception();
-      // A peer that found the two waits crossed may have left before this
-      // rank saw it: its exchange then fails here. Say why.
+      // Another rank that found a cycle of waits through this one may have
+      // left before this rank saw it: its exchange then fails here. Say why.
       if (s.board)
-        if (std::string crossed = s.board->crossing_reported(); !crossed.empty())
+        if (std::string crossed = s.board->cycle_reported(); !crossed.empty())
           e = std::make_exception_ptr(CollectivesDiverged(crossed));
       mark_broken(s, e);
       c.settle(nullptr, e);

@@ -16,12 +16,14 @@
 // other. A thread that waits for a collective whose check is next in order
 // and not started runs the check itself, saving two thread hand-offs.
 //
-// Ranks that first differ on two communicators each wait for an exchange
-// the other never joins. A wait longer than WaitBoard::kQuiet is written to
-// the World's store (which collective of which communicator, and how many
-// each communicator of the rank has issued); two ranks each waiting for a
-// collective the other has not issued, seen twice in a row, make both throw
-// CollectivesDiverged naming both.
+// Ranks that first differ on two or more communicators each wait for an
+// exchange another never joins. A wait longer than WaitBoard::kQuiet is
+// written to the World's store (which collective of which communicator, that
+// communicator's members, and how many each communicator of the rank has
+// issued). Waiting rank r waits for rank p when p is a member of r's
+// communicator, waits too, and has not issued r's collective there; a cycle
+// of such edges through r, seen twice in a row with the same records, makes
+// every rank of the cycle throw CollectivesDiverged naming each of them.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -78,7 +80,7 @@ class WaitBoard {
  public:
   /// A wait this long is written to the store and compared with the peers'.
   static constexpr std::chrono::milliseconds kQuiet{1000};
-  /// Then compared again this often; a crossing seen twice in a row is an error.
+  /// Then compared again this often; a cycle of waits seen twice in a row is an error.
   static constexpr std::chrono::milliseconds kProbe{500};
 
   WaitBoard(c10::intrusive_ptr<c10d::Store> store, int rank);
@@ -87,12 +89,12 @@ class WaitBoard {
   int add(std::string name, std::vector<int> members);
   /// The number of the next collective issued on communicator `comm` (1, 2, ...).
   int64_t issue(int comm);
-  /// The error a peer (or this rank) found for this rank's crossed wait, "" if none. Never throws.
-  std::string crossing_reported() const;
+  /// The error another rank (or this one) found for a cycle of waits through this rank, "" if none. Never throws.
+  std::string cycle_reported() const;
 
   /// One wait for collective `seq` of communicator `comm`: probe() as it
-  /// lasts, then the destructor clears its record (kept after a crossing,
-  /// for the peer's probe). Never throws.
+  /// lasts, then the destructor clears its record (kept after a cycle, for
+  /// the other ranks' probes). Never throws.
   class Wait {
    public:
     /// `description` must outlive the Wait (it is not copied: one is made per checked wait).
@@ -100,10 +102,12 @@ class WaitBoard {
     ~Wait();
     Wait(const Wait&) = delete;
     Wait& operator=(const Wait&) = delete;
-    /// Call while waiting; cheap until kQuiet has passed, then at most one
-    /// store round trip per kProbe. Returns the error's text when this rank
-    /// and a peer each wait for a collective the other has not issued (seen
-    /// twice in a row), "" otherwise.
+    /// Call while waiting; cheap until kQuiet has passed, then once per
+    /// kProbe: this rank's record written when it changed, and the records
+    /// that following the wait-for graph from this rank needs read (each at
+    /// most once, so at most one per rank of the World). Returns the error's
+    /// text when a cycle through this rank is seen twice in a row with the
+    /// same records (or another rank of it reported one), "" otherwise.
     std::string probe();
 
    private:
@@ -112,9 +116,9 @@ class WaitBoard {
     int64_t seq_;
     const std::string& description_;
     std::chrono::steady_clock::time_point next_;
-    bool written_ = false;
+    std::string written_;   // this rank's record as last written, "" before
     bool crossed_ = false;  // probe() returned an error
-    std::string suspect_;   // the crossing seen at the last probe
+    std::string suspect_;   // the cycle and its records seen at the last probe
   };
 
  private:

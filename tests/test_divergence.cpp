@@ -13,6 +13,7 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "../src/collective_check.h"
 #include "models.h"
 
 using namespace testmodels;
@@ -312,6 +313,144 @@ TEST(Diverged, LongWaitsOnTwoCommunicatorsThatResolveAreNoDivergence) {
     }
     if (world_sum[0].item<float>() != 6.0f) throw std::runtime_error("wrong world sum");
     if (group && pair_sum[0].item<float>() != 3.0f) throw std::runtime_error("wrong pair sum");
+  }, checked());
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
+namespace {
+
+// Three pair communicators around ranks 0, 1, 2: a = {0, 1}, b = {1, 2},
+// c = {0, 2}, made in an order that pairs on every rank. Null where the
+// rank is not a member.
+struct Ring3 {
+  std::shared_ptr<shardtorch::Comm> a, b, c;
+  explicit Ring3(World& w) {
+    if (w.rank() != 2) a = w.new_group({0, 1}, "a");
+    if (w.rank() != 0) b = w.new_group({1, 2}, "b");
+    if (w.rank() != 1) c = w.new_group({0, 2}, "c");
+  }
+};
+
+// A sum of ones over a pair: 2 everywhere.
+void pair_sum(shardtorch::Comm& comm, const std::string& what) {
+  auto t = torch::ones({2});
+  comm.all_reduce(t, c10d::ReduceOp::SUM, what);
+  if (t[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum for " + what);
+}
+
+// Waits until each of `ranks` has written that it waits (one of its waits
+// has lasted WaitBoard::kQuiet, 1 s).
+void await_long_waits(World& w, const std::vector<int>& ranks) {
+  auto waits = c10::make_intrusive<c10d::PrefixStore>("shardtorch-waits", w.store());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (int r : ranks) {
+    const std::string key = "wait/" + std::to_string(r);
+    for (;;) {
+      if (waits->check({key})) {
+        auto v = waits->get(key);
+        if (std::string(v.begin(), v.end()).rfind("waiting", 0) == 0) break;
+      }
+      if (std::chrono::steady_clock::now() > deadline)
+        throw std::runtime_error("rank " + std::to_string(r) + " never waited long");
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+}
+
+}  // namespace
+
+// Three ranks in a cycle of waits over three pair communicators: rank 0
+// waits in a for rank 1, rank 1 in b for rank 2, rank 2 in c for rank 0.
+// No two of them wait on each other; without the wait-for graph all three
+// waited for the collective timeout (60 s here).
+TEST(Diverged, ThreeRanksWaitingInACycleFailNamingEachOfThem) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(3, [](World& w) {
+    Ring3 g(w);
+    auto t = torch::ones({3});
+    if (w.rank() == 0) g.a->all_reduce(t, c10d::ReduceOp::SUM, "a's sum");
+    if (w.rank() == 1) g.b->all_reduce(t, c10d::ReduceOp::SUM, "b's sum");
+    if (w.rank() == 2) g.c->all_reduce(t, c10d::ReduceOp::SUM, "c's sum");
+  }, checked());
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+  ASSERT_FALSE(r.ok) << r.summary();
+  for (size_t k = 0; k < r.ranks.size(); ++k) {
+    const auto& m = r.ranks[k].message;
+    EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
+    for (const std::string& words :
+         {"shardtorch: rank " + std::to_string(k) + ": collectives diverged across communicators: ranks 0, 1 and 2 "
+                                                     "wait for each other in a cycle: rank 0 waits at all_reduce for "
+                                                     "a's sum (Float[3]); step 0",
+          std::string("(collective 1 of communicator 'group 'a' of ranks [0, 1] (0)', which rank 1 has not issued: "
+                      "it issued 0 there), rank 1 waits at all_reduce for b's sum (Float[3]); step 0"),
+          std::string("(collective 1 of communicator 'group 'b' of ranks [1, 2] (0)', which rank 2 has not issued: "
+                      "it issued 0 there), and rank 2 waits at all_reduce for c's sum (Float[3]); step 0"),
+          std::string("(collective 1 of communicator 'group 'c' of ranks [0, 2] (0)', which rank 0 has not issued: "
+                      "it issued 0 there). Every rank must issue the same collectives in the same order on each "
+                      "communicator; none of the 3 collectives was run")})
+      EXPECT_NE(m.find(words), std::string::npos) << "missing: " << words << "\n" << r.summary();
+  }
+}
+
+// A cycle of four (pairs {0, 1}, {1, 2}, {2, 3}, {0, 3}) and a fifth rank
+// that waits on the world for all four: it is not on the cycle (no rank of
+// the cycle waits for it), so it is not told of it. Its exchange fails once
+// the cycle's ranks have left, naming the ranks that left.
+TEST(Diverged, FourRanksWaitingInACycleFailAndARankWaitingOnThemIsNotBlamed) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(5, [](World& w) {
+    const int me = w.rank();
+    std::shared_ptr<shardtorch::Comm> mine, other;  // where the rank waits; its other pair
+    if (me == 0 || me == 1) (me == 0 ? mine : other) = w.new_group({0, 1}, "a");
+    if (me == 1 || me == 2) (me == 1 ? mine : other) = w.new_group({1, 2}, "b");
+    if (me == 2 || me == 3) (me == 2 ? mine : other) = w.new_group({2, 3}, "c");
+    if (me == 3 || me == 0) (me == 3 ? mine : other) = w.new_group({0, 3}, "d");
+    auto t = torch::ones({3});
+    if (me == 4)
+      w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the world's sum");
+    else
+      mine->all_reduce(t, c10d::ReduceOp::SUM, "the pair's sum");
+  }, checked());
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+  ASSERT_FALSE(r.ok) << r.summary();
+  for (size_t k = 0; k < 4; ++k) {
+    const auto& m = r.ranks[k].message;
+    EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
+    for (const std::string& words :
+         {"shardtorch: rank " + std::to_string(k) + ": collectives diverged across communicators: ranks 0, 1, 2 and "
+                                                     "3 wait for each other in a cycle: rank 0 waits at ",
+          std::string("'group 'a' of ranks [0, 1] (0)', which rank 1 has not issued"),
+          std::string("'group 'b' of ranks [1, 2] (0)', which rank 2 has not issued"),
+          std::string("'group 'c' of ranks [2, 3] (0)', which rank 3 has not issued"),
+          std::string("'group 'd' of ranks [0, 3] (0)', which rank 0 has not issued"),
+          std::string("none of the 4 collectives was run")})
+      EXPECT_NE(m.find(words), std::string::npos) << "missing: " << words << "\n" << r.summary();
+    EXPECT_EQ(m.find("rank 4"), std::string::npos) << r.summary();
+  }
+  EXPECT_EQ(r.ranks[4].exit_code, 1) << r.summary();
+  EXPECT_EQ(r.ranks[4].message.find("collectives diverged"), std::string::npos) << r.summary();
+  EXPECT_NE(r.ranks[4].message.find("all_reduce for the world's sum"), std::string::npos) << r.summary();  EXPECT_NE(r.ranks[4].message.find("Peer at fault: rank "), std::string::npos) << r.summary();
+}
+
+// A would-be cycle that resolves: rank 0 waits in a for rank 1, rank 1 in b
+// for rank 2, which is slow (it issues b only after both waits have been
+// compared for a while), then each goes on to its other pair. Nothing is
+// wrong, and every sum completes.
+TEST(Diverged, LongWaitsInAWouldBeCycleOfThreeThatResolveAreNoDivergence) {
+  auto r = run_ranks(3, [](World& w) {
+    Ring3 g(w);
+    if (w.rank() == 0) {
+      pair_sum(*g.a, "a's sum");
+      pair_sum(*g.c, "c's sum");
+    } else if (w.rank() == 1) {
+      pair_sum(*g.b, "b's sum");
+      pair_sum(*g.a, "a's sum");
+    } else {
+      await_long_waits(w, {0, 1});
+      std::this_thread::sleep_for(3 * shardtorch::detail::WaitBoard::kProbe);  // probes with both waits written
+      pair_sum(*g.b, "b's sum");
+      pair_sum(*g.c, "c's sum");
+    }
   }, checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
