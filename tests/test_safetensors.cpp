@@ -55,6 +55,22 @@ TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
   EXPECT_THROW(r.read("missing"), SafetensorsError);
 }
 
+// A program's own reader: the names and the metadata through the installed
+// header alone (header() returns a type that is not installed).
+TEST(Safetensors, ThePublicReaderListsNamesAndMetadata) {
+  const TempDir dir;
+  auto path = (dir / "t.safetensors").string();
+  shardtorch::checkpoint::save_file(path, {{"b", at::ones({2})}, {"a", at::zeros({3}, at::kDouble)}},
+                                    {{"step", "42"}, {"note", "x"}});
+  shardtorch::checkpoint::Reader r(path);
+  EXPECT_EQ(r.metadata(), (std::map<std::string, std::string>{{"note", "x"}, {"step", "42"}}));
+  auto names = r.names();  // data order: the writer puts wider elements first
+  EXPECT_EQ(names, (std::vector<std::string>{"a", "b"}));
+  auto bare = (dir / "bare.safetensors").string();
+  shardtorch::checkpoint::save_file(bare, {{"x", at::ones({1})}});
+  EXPECT_TRUE(shardtorch::checkpoint::Reader(bare).metadata().empty());
+}
+
 // Every dtype the header check lets through must become an ATen tensor and
 // back: a valid file must never pass the checks and then fail while a model
 // is half loaded (U16/U32/U64 once did).

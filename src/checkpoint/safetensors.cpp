@@ -169,6 +169,15 @@ void Reader::read_bytes(uint64_t off, void* dst, size_t n) const {
 
 bool Reader::contains(const std::string& name) const { return header_->find(name) != nullptr; }
 
+std::vector<std::string> Reader::names() const {
+  std::vector<std::string> out;
+  out.reserve(header_->tensors.size());
+  for (const auto& r : header_->tensors) out.push_back(r.name);
+  return out;
+}
+
+const std::map<std::string, std::string>& Reader::metadata() const { return header_->metadata; }
+
 const TensorRecord& Reader::record(const std::string& name) const {
   const auto* r = header_->find(name);
   if (r == nullptr) throw SafetensorsError("safetensors file '" + path_ + "': no tensor named '" + name + "'");

@@ -47,6 +47,10 @@ class SHARDTORCH_API Reader {
   /// The parsed header (its type is internal: src/checkpoint/safetensors_format.h).
   const SafetensorsHeader& header() const { return *header_; }
   bool contains(const std::string& name) const;
+  /// The tensors' names, in the order of their data in the file.
+  std::vector<std::string> names() const;
+  /// The header's "__metadata__" (empty if it has none).
+  const std::map<std::string, std::string>& metadata() const;
   /// The whole tensor, on the CPU.
   at::Tensor read(const std::string& name) const;
   /// `count` elements of the flattened tensor from element `offset`.
