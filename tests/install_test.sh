@@ -22,3 +22,18 @@ cmake -S "$src/tests/consumer" -B "$tmp/build" "${launcher[@]}" "${torch[@]}" \
   -DCMAKE_PREFIX_PATH="$tmp/prefix;$prefix_path" > "$tmp/configure.log" || { cat "$tmp/configure.log"; exit 1; }
 cmake --build "$tmp/build" -j2 > "$tmp/build.log" || { cat "$tmp/build.log"; exit 1; }
 "$tmp/build/consumer"
+# A program that finds another LibTorch release than the library's is refused
+# at configure time, naming both (a stand-in LibTorch package of version 1.0).
+fake="$tmp/fake-torch"
+mkdir -p "$fake"
+echo 'set(TORCH_FOUND TRUE)' > "$fake/TorchConfig.cmake"
+printf 'set(PACKAGE_VERSION "1.0.0")\nset(PACKAGE_VERSION_COMPATIBLE TRUE)\n' > "$fake/TorchConfigVersion.cmake"
+if cmake -S "$src/tests/consumer" -B "$tmp/build-fake" -DTorch_DIR="$fake" \
+     -DCMAKE_PREFIX_PATH="$tmp/prefix" > "$tmp/configure-fake.log" 2>&1; then
+  echo "a consumer configured against LibTorch 1.0 although the library was built against another"; exit 1
+fi
+# CMake wraps the message: compare it as one line.
+tr -s ' \n' ' ' < "$tmp/configure-fake.log" |
+  grep -q "was built against LibTorch [0-9]*\.[0-9]*.* found LibTorch '1.0.0'" || {
+  echo "the LibTorch mismatch was not named:"; cat "$tmp/configure-fake.log"; exit 1; }
+echo "install test: consumer built and ran; a LibTorch 1.0 consumer was refused"
