@@ -55,6 +55,20 @@ void expect_diverged(const shardtorch::testing::RunResult& r, const std::vector<
   }
 }
 
+// Ranks 0 .. ranks-1 threw CollectivesDiverged for waits across
+// communicators, the message going on with `head`, and saying each of `words`.
+void expect_waits_diverged(const shardtorch::testing::RunResult& r, size_t ranks, const std::string& head,
+                           const std::vector<std::string>& words) {
+  ASSERT_FALSE(r.ok) << r.summary();
+  for (size_t k = 0; k < ranks; ++k) {
+    const auto& m = r.ranks[k].message;
+    EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
+    const std::string start = "shardtorch: rank " + std::to_string(k) + ": collectives diverged across communicators: ";
+    EXPECT_NE(m.find(start + head), std::string::npos) << "missing: " << start + head << "\n" << r.summary();
+    for (const auto& w : words) EXPECT_NE(m.find(w), std::string::npos) << "missing: " << w << "\n" << r.summary();
+  }
+}
+
 // Runs micro-batches of `x` (the last with gradient sync) and one step.
 template <class M>
 void train_step(M& model, shardtorch::ShardedModel& sharded, shardtorch::ShardedOptimizer& opt, const torch::Tensor& x,
@@ -275,19 +289,12 @@ TEST(Diverged, RanksWaitingOnTwoCommunicatorsFailNamingBoth) {
       group->all_reduce(t, c10d::ReduceOp::SUM, "the pair's sum");
   }, checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
-  ASSERT_FALSE(r.ok) << r.summary();
-  for (size_t k = 0; k < r.ranks.size(); ++k) {
-    const auto& m = r.ranks[k].message;
-    EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
-    for (const std::string& words :
-         {"shardtorch: rank " + std::to_string(k) + ": collectives diverged across communicators: ",
-          std::string("rank 0 waits at all_reduce for the world's sum (Float[3]); step 0"),
-          std::string("of communicator 'the world', which rank 1 has not issued: it issued "),
-          std::string(" but rank 1 waits at all_reduce for the pair's sum (Float[3])"),
-          std::string("of communicator 'group 'pair' of ranks [0, 1] (0)', which rank 0 has not issued: it issued 0 "
-                      "there)")})
-      EXPECT_NE(m.find(words), std::string::npos) << "missing: " << words << "\n" << r.summary();
-  }
+  expect_waits_diverged(
+      r, 2, "",
+      {"rank 0 waits at all_reduce for the world's sum (Float[3]); step 0",
+       "of communicator 'the world', which rank 1 has not issued: it issued ",
+       " but rank 1 waits at all_reduce for the pair's sum (Float[3])",
+       "of communicator 'group 'pair' of ranks [0, 1] (0)', which rank 0 has not issued: it issued 0 there)"});
 }
 
 // Long waits on two communicators that are not crossed: rank 0 waits on the
@@ -373,23 +380,15 @@ TEST(Diverged, ThreeRanksWaitingInACycleFailNamingEachOfThem) {
     if (w.rank() == 2) g.c->all_reduce(t, c10d::ReduceOp::SUM, "c's sum");
   }, checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
-  ASSERT_FALSE(r.ok) << r.summary();
-  for (size_t k = 0; k < r.ranks.size(); ++k) {
-    const auto& m = r.ranks[k].message;
-    EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
-    for (const std::string& words :
-         {"shardtorch: rank " + std::to_string(k) + ": collectives diverged across communicators: ranks 0, 1 and 2 "
-                                                     "wait for each other in a cycle: rank 0 waits at all_reduce for "
-                                                     "a's sum (Float[3]); step 0",
-          std::string("(collective 1 of communicator 'group 'a' of ranks [0, 1] (0)', which rank 1 has not issued: "
-                      "it issued 0 there), rank 1 waits at all_reduce for b's sum (Float[3]); step 0"),
-          std::string("(collective 1 of communicator 'group 'b' of ranks [1, 2] (0)', which rank 2 has not issued: "
-                      "it issued 0 there), and rank 2 waits at all_reduce for c's sum (Float[3]); step 0"),
-          std::string("(collective 1 of communicator 'group 'c' of ranks [0, 2] (0)', which rank 0 has not issued: "
-                      "it issued 0 there). Every rank must issue the same collectives in the same order on each "
-                      "communicator; none of the 3 collectives was run")})
-      EXPECT_NE(m.find(words), std::string::npos) << "missing: " << words << "\n" << r.summary();
-  }
+  expect_waits_diverged(
+      r, 3, "ranks 0, 1 and 2 wait for each other in a cycle: rank 0 waits at all_reduce for a's sum (Float[3]); step 0",
+      {"(collective 1 of communicator 'group 'a' of ranks [0, 1] (0)', which rank 1 has not issued: it issued 0 "
+       "there), rank 1 waits at all_reduce for b's sum (Float[3]); step 0",
+       "(collective 1 of communicator 'group 'b' of ranks [1, 2] (0)', which rank 2 has not issued: it issued 0 "
+       "there), and rank 2 waits at all_reduce for c's sum (Float[3]); step 0",
+       "(collective 1 of communicator 'group 'c' of ranks [0, 2] (0)', which rank 0 has not issued: it issued 0 "
+       "there). Every rank must issue the same collectives in the same order on each communicator; none of the 3 "
+       "collectives was run"});
 }
 
 // A cycle of four (pairs {0, 1}, {1, 2}, {2, 3}, {0, 3}) and a fifth rank
@@ -412,24 +411,17 @@ TEST(Diverged, FourRanksWaitingInACycleFailAndARankWaitingOnThemIsNotBlamed) {
       mine->all_reduce(t, c10d::ReduceOp::SUM, "the pair's sum");
   }, checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
-  ASSERT_FALSE(r.ok) << r.summary();
-  for (size_t k = 0; k < 4; ++k) {
-    const auto& m = r.ranks[k].message;
-    EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
-    for (const std::string& words :
-         {"shardtorch: rank " + std::to_string(k) + ": collectives diverged across communicators: ranks 0, 1, 2 and "
-                                                     "3 wait for each other in a cycle: rank 0 waits at ",
-          std::string("'group 'a' of ranks [0, 1] (0)', which rank 1 has not issued"),
-          std::string("'group 'b' of ranks [1, 2] (0)', which rank 2 has not issued"),
-          std::string("'group 'c' of ranks [2, 3] (0)', which rank 3 has not issued"),
-          std::string("'group 'd' of ranks [0, 3] (0)', which rank 0 has not issued"),
-          std::string("none of the 4 collectives was run")})
-      EXPECT_NE(m.find(words), std::string::npos) << "missing: " << words << "\n" << r.summary();
-    EXPECT_EQ(m.find("rank 4"), std::string::npos) << r.summary();
-  }
+  expect_waits_diverged(r, 4, "ranks 0, 1, 2 and 3 wait for each other in a cycle: rank 0 waits at ",
+                        {"'group 'a' of ranks [0, 1] (0)', which rank 1 has not issued",
+                         "'group 'b' of ranks [1, 2] (0)', which rank 2 has not issued",
+                         "'group 'c' of ranks [2, 3] (0)', which rank 3 has not issued",
+                         "'group 'd' of ranks [0, 3] (0)', which rank 0 has not issued",
+                         "none of the 4 collectives was run"});
+  for (size_t k = 0; k < 4; ++k) EXPECT_EQ(r.ranks[k].message.find("rank 4"), std::string::npos) << r.summary();
   EXPECT_EQ(r.ranks[4].exit_code, 1) << r.summary();
   EXPECT_EQ(r.ranks[4].message.find("collectives diverged"), std::string::npos) << r.summary();
-  EXPECT_NE(r.ranks[4].message.find("all_reduce for the world's sum"), std::string::npos) << r.summary();  EXPECT_NE(r.ranks[4].message.find("Peer at fault: rank "), std::string::npos) << r.summary();
+  EXPECT_NE(r.ranks[4].message.find("all_reduce for the world's sum"), std::string::npos) << r.summary();
+  EXPECT_NE(r.ranks[4].message.find("Peer at fault: rank "), std::string::npos) << r.summary();
 }
 
 // A would-be cycle that resolves: rank 0 waits in a for rank 1, rank 1 in b
