@@ -52,6 +52,19 @@ void require_plan_holds(const shardtorch::MemorySnapshot& m, const shardtorch::M
               " after the step");
 }
 
+// One Adam step of `model` (7 input features) from a reset peak; rank 0,
+// which owns the most, then requires the plan to hold.
+template <class M>
+void one_step_holds_plan(M& model, shardtorch::ShardedModel& sm, const World& w, const shardtorch::MemoryPlan& plan,
+                         const std::string& what) {
+  auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+  sm.reset_peak_memory();
+  model(torch::randn({4, 7})).square().mean().backward();
+  opt->step();
+  if (w.rank() != 0) return;
+  require_plan_holds(sm.memory(), plan, what);
+}
+
 // Units of a linear layer and a batch norm (odd sizes: every flat parameter
 // is padded somewhere), under a root with a frozen head bias.
 struct NormedImpl : torch::nn::Module {
@@ -210,12 +223,7 @@ TEST_P(Measured, FrozenParametersAndUnitsKeptGatheredArePlanned) {
       torch::manual_seed(0);
       auto model = MLP();
       auto sm = shardtorch::shard(model, w, opts);
-      auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
-      sm.reset_peak_memory();
-      model(torch::randn({4, 7})).square().mean().backward();
-      opt->step();
-      if (w.rank() != 0) return;
-      require_plan_holds(sm.memory(), plan, what);
+      one_step_holds_plan(model, sm, w, plan, what);
     });
     ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
   }
@@ -291,12 +299,7 @@ TEST_P(Measured, BatchNormKeptInFp32IsPlannedAsShardLaysItOut) {
                                      " elements, planned" + planned);
       }
     }
-    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
-    sm.reset_peak_memory();
-    model(torch::randn({4, 7})).square().mean().backward();
-    opt->step();
-    if (w.rank() != 0) return;
-    require_plan_holds(sm.memory(), plan, what);
+    one_step_holds_plan(model, sm, w, plan, what);
   });
   ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
 }
