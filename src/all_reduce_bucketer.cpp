@@ -117,6 +117,7 @@ void AllReduceBucketer::launch(Bucket& b, size_t index) {
     }
     c10d::GradBucket bucket(index, buckets_.size(), gradients_of(index), std::move(offsets), std::move(lengths),
                             std::move(sizes), std::move(params), std::nullopt);
+    comm_.flush_launches();  // the hook's collectives run on the backend itself
     b.call = detail::call_hook(*hook_, bucket, comm_.rank(), describe_bucket(index), hook_counter_);
     if (last) {
       flag_ = at::full({1}, missing ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(comm_.device()));

@@ -79,20 +79,24 @@ CollectiveContext::Snapshot CollectiveContext::snapshot() const {
 
 namespace {
 
+using Kind = WaitBoard::Kind;
+
 std::string one_line(std::string s) {
   std::replace(s.begin(), s.end(), '\n', ' ');
   return s;
 }
 
 // A rank's record: "idle", or what it waits for, the members of that
-// communicator and what it has issued on each of its communicators.
+// communicator and what it has launched and entered on each of its communicators.
 struct WaitRecord {
   bool waiting = false;
+  Kind kind = Kind::Collective;
   std::string comm, description;
   int64_t seq = 0;
-  std::vector<int> members;               // of `comm`, by rank in the World
-  std::map<std::string, int64_t> issued;  // by communicator name
-  std::string text;                       // as stored
+  std::vector<int> members;                  // of `comm`, by rank in the World
+  std::map<std::string, int64_t> launched;   // collectives, by communicator name
+  std::map<std::string, int64_t> entered;    // exchanges, by communicator name
+  std::string text;                          // as stored
 };
 
 WaitRecord parse_record(std::string text) {
@@ -100,34 +104,39 @@ WaitRecord parse_record(std::string text) {
   WaitRecord r;
   r.text = std::move(text);
   std::string line;
+  char kind = 0;
   if (!std::getline(in, line) || line != "waiting") return r;
   int64_t n = 0;
-  if (!(in >> r.seq) || in.get() != ' ' || !std::getline(in, r.comm) || !std::getline(in, r.description) ||
-      !std::getline(in, line))
+  if (!(in >> kind >> r.seq) || (kind != 'c' && kind != 'x') || in.get() != ' ' || !std::getline(in, r.comm) ||
+      !std::getline(in, r.description) || !std::getline(in, line))
     return r;
+  r.kind = kind == 'c' ? Kind::Collective : Kind::Exchange;
   std::istringstream members(line);
   for (int m = 0; members >> m;) r.members.push_back(m);
   if (!(in >> n)) return r;
   for (int64_t i = 0; i < n; ++i) {
-    int64_t count = 0;
+    int64_t launched = 0, entered = 0;
     std::string name;
-    if (!(in >> count) || in.get() != ' ' || !std::getline(in, name)) return r;
-    r.issued[name] = count;
+    if (!(in >> launched >> entered) || in.get() != ' ' || !std::getline(in, name)) return r;
+    r.launched[name] = launched;
+    r.entered[name] = entered;
   }
   r.waiting = true;
   return r;
 }
 
-// How many collectives `r` has issued on communicator `comm` (0 on one it does not have).
-int64_t issued_on(const WaitRecord& r, const std::string& comm) {
-  auto it = r.issued.find(comm);
-  return it == r.issued.end() ? 0 : it->second;
+// How many collectives (exchanges) `r` has launched (entered) on
+// communicator `comm`, the kind `kind` counts (0 on one it does not have).
+int64_t reached(const WaitRecord& r, Kind kind, const std::string& comm) {
+  const auto& counts = kind == Kind::Collective ? r.launched : r.entered;
+  auto it = counts.find(comm);
+  return it == counts.end() ? 0 : it->second;
 }
 
 // The edge of the wait-for graph: waiting rank `r` waits for member `p` of
-// its communicator when `p` waits too and has not issued the collective.
+// its communicator when `p` waits too and has not reached what `r` waits for.
 bool waits_for(const WaitRecord& r, const WaitRecord& p) {
-  return r.waiting && p.waiting && issued_on(p, r.comm) < r.seq;
+  return r.waiting && p.waiting && reached(p, r.kind, r.comm) < r.seq;
 }
 
 // A cycle of the wait-for graph through `self`, in edge order from `self`;
@@ -155,19 +164,69 @@ std::vector<int> cycle_through(int self, RecordOf&& record_of) {
   return {};
 }
 
+// The ranks that this one waits for, directly or not, and that wait for it
+// in turn (its strongly connected component of the wait-for graph), in
+// rank order; empty when it is on no cycle. Each of them is on a cycle.
+template <class RecordOf>
+std::vector<int> deadlocked_with(int self, RecordOf&& record_of) {
+  std::vector<int> reach{self};  // from `self`, breadth first
+  std::set<int> reached{self};
+  std::map<int, std::vector<int>> edges;
+  for (size_t i = 0; i < reach.size(); ++i) {
+    const int r = reach[i];
+    const WaitRecord& rec = record_of(r);
+    for (int p : rec.members) {
+      if (p == r || !waits_for(rec, record_of(p))) continue;
+      edges[r].push_back(p);
+      if (reached.insert(p).second) reach.push_back(p);
+    }
+  }
+  std::set<int> back{self};  // of those, the ones that lead back to `self`
+  for (bool grew = true; grew;) {
+    grew = false;
+    for (int r : reach)
+      if (!back.count(r))
+        for (int p : edges[r])
+          if (back.count(p)) {
+            back.insert(r);
+            grew = true;
+            break;
+          }
+  }
+  if (back.size() < 2) return {};
+  return std::vector<int>(back.begin(), back.end());
+}
+
+const char* const kSameOrder =
+    "Every rank must issue the same collectives in the same order (the same number of micro-batches and of "
+    "optimizer steps, the same units in forward, inputs of the same shapes)";
+
 // The error for a cycle of waits, the same on each of its ranks: from its
-// lowest rank on, each rank, where it waits and what the next has issued there.
+// lowest rank on, each rank, where it waits and what the next has reached there.
 template <class RecordOf>
 std::string cycle_text(std::vector<int> cycle, RecordOf&& record_of) {
   std::rotate(cycle.begin(), std::min_element(cycle.begin(), cycle.end()), cycle.end());
   const size_t n = cycle.size();
+  if (n == 2 && record_of(cycle[0]).comm == record_of(cycle[1]).comm) {
+    // One communicator: one rank launched its collective, the other waits in
+    // the exchange before its own (the two differ; see collective_check.h).
+    return "collectives diverged: rank " + std::to_string(cycle[0]) + " is at " + record_of(cycle[0]).description +
+           " but rank " + std::to_string(cycle[1]) + " is at " + record_of(cycle[1]).description + ". " + kSameOrder +
+           "; neither collective ran";
+  }
   std::vector<std::string> parts;
   for (size_t i = 0; i < n; ++i) {
     const WaitRecord& r = record_of(cycle[i]);
-    const int next = cycle[(i + 1) % n];
-    parts.push_back("rank " + std::to_string(cycle[i]) + " waits at " + r.description + " (collective " +
-                    std::to_string(r.seq) + " of communicator '" + r.comm + "', which rank " + std::to_string(next) +
-                    " has not issued: it issued " + std::to_string(issued_on(record_of(next), r.comm)) + " there)");
+    const std::string next = std::to_string(cycle[(i + 1) % n]);
+    const std::string count = std::to_string(reached(record_of(cycle[(i + 1) % n]), r.kind, r.comm));
+    std::string where = "rank " + std::to_string(cycle[i]) + " waits at " + r.description + " (";
+    if (r.kind == Kind::Collective)
+      where += "collective " + std::to_string(r.seq) + " of communicator '" + r.comm + "', which rank " + next +
+               " has not launched: it launched " + count + " there)";
+    else
+      where += "in its check, exchange " + std::to_string(r.seq) + " of communicator '" + r.comm + "', which rank " + next +
+               " has not entered: it entered " + count + " there)";
+    parts.push_back(std::move(where));
   }
   std::string text = "collectives diverged across communicators: ";
   if (n == 2) {
@@ -179,7 +238,7 @@ std::string cycle_text(std::vector<int> cycle, RecordOf&& record_of) {
     for (size_t i = 0; i < n; ++i) text += (i == 0 ? "" : i + 1 < n ? ", " : ", and ") + parts[i];
   }
   return text + ". Every rank must issue the same collectives in the same order on each communicator; " +
-         (n == 2 ? std::string("neither collective was run") : "none of the " + std::to_string(n) + " collectives was run");
+         (n == 2 ? std::string("neither collective ran") : "none of the " + std::to_string(n) + " collectives ran");
 }
 
 std::string wait_key(int rank) { return "wait/" + std::to_string(rank); }
@@ -187,10 +246,11 @@ std::string crossed_key(int rank) { return "crossed/" + std::to_string(rank); }
 
 }  // namespace
 
-WaitBoard::WaitBoard(c10::intrusive_ptr<c10d::Store> store, int rank) : store_(std::move(store)), rank_(rank) {}
+WaitBoard::WaitBoard(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
+    : store_(std::move(store)), rank_(rank), size_(size) {}
 
 std::string WaitBoard::prefixed(const std::string& text) const {
-  return "shardtorch: rank " + std::to_string(rank_) + ": " + text;
+  return "shardtorch: rank " + std::to_string(rank_) + "/" + std::to_string(size_) + ": " + text;
 }
 
 std::string WaitBoard::cycle_reported() const {
@@ -205,28 +265,35 @@ std::string WaitBoard::cycle_reported() const {
 
 int WaitBoard::add(std::string name, std::vector<int> members) {
   std::lock_guard<std::mutex> lock(mu_);
-  comms_.push_back(Comm{one_line(std::move(name)), std::move(members), 0});
+  comms_.push_back(Comm{one_line(std::move(name)), std::move(members)});
   return static_cast<int>(comms_.size()) - 1;
 }
 
-int64_t WaitBoard::issue(int comm) {
+void WaitBoard::launched(int comm) {
   std::lock_guard<std::mutex> lock(mu_);
-  return ++comms_.at(static_cast<size_t>(comm)).issued;
+  ++comms_.at(static_cast<size_t>(comm)).launched;
 }
 
-std::string WaitBoard::record(int comm, int64_t seq, const std::string& description) const {
+void WaitBoard::entered(int comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++comms_.at(static_cast<size_t>(comm)).entered;
+}
+
+std::string WaitBoard::record(int comm, Kind kind, int64_t seq, const std::string& description) const {
   std::lock_guard<std::mutex> lock(mu_);
   const Comm& c = comms_[static_cast<size_t>(comm)];
   std::ostringstream os;
-  os << "waiting\n" << seq << ' ' << c.name << '\n' << one_line(description) << '\n';
+  os << "waiting\n" << (kind == Kind::Collective ? 'c' : 'x') << ' ' << seq << ' ' << c.name << '\n'
+     << one_line(description) << '\n';
   for (size_t i = 0; i < c.members.size(); ++i) os << (i ? " " : "") << c.members[i];
   os << '\n' << comms_.size() << '\n';
-  for (const auto& each : comms_) os << each.issued << ' ' << each.name << '\n';
+  for (const auto& each : comms_) os << each.launched << ' ' << each.entered << ' ' << each.name << '\n';
   return os.str();
 }
 
-WaitBoard::Wait::Wait(std::shared_ptr<WaitBoard> board, int comm, int64_t seq, const std::string& description)
-    : board_(std::move(board)), comm_(comm), seq_(seq), description_(description),
+WaitBoard::Wait::Wait(std::shared_ptr<WaitBoard> board, int comm, Kind kind, int64_t seq,
+                      const std::string& description)
+    : board_(std::move(board)), comm_(comm), kind_(kind), seq_(seq), description_(description),
       next_(std::chrono::steady_clock::now() + kQuiet) {}
 
 WaitBoard::Wait::~Wait() {
@@ -244,8 +311,8 @@ std::string WaitBoard::Wait::probe() {
   next_ = now + kProbe;
   WaitBoard& b = *board_;
   try {
-    // Rewritten when it changed: another thread of this rank issued meanwhile.
-    std::string mine = b.record(comm_, seq_, description_);
+    // Rewritten when it changed: another thread of this rank launched meanwhile.
+    std::string mine = b.record(comm_, kind_, seq_, description_);
     if (mine != written_) {
       b.store_->set(wait_key(b.rank_), mine);
       written_ = mine;
@@ -264,17 +331,22 @@ std::string WaitBoard::Wait::probe() {
       }
       return it->second;
     };
-    const std::vector<int> cycle = cycle_through(b.rank_, record_of);
-    // The same cycle with the same records at two probes in a row: none of its ranks went on meanwhile.
+    const std::vector<int> stuck = deadlocked_with(b.rank_, record_of);
+    // The same ranks with the same records at two probes in a row: none of them went on meanwhile.
     std::string seen;
-    for (int r : cycle) seen += std::to_string(r) + "\n" + record_of(r).text + "\n";
-    crossed_ = !cycle.empty() && seen == suspect_;
+    for (int r : stuck) seen += std::to_string(r) + "\n" + record_of(r).text + "\n";
+    crossed_ = !stuck.empty() && seen == suspect_;
     suspect_ = std::move(seen);
     if (crossed_) {
-      const std::string text = cycle_text(cycle, record_of);
-      // For the cycle's other ranks, whose own exchanges may fail first once this rank is gone.
-      for (int r : cycle) b.store_->set(crossed_key(r), text);
-      return b.prefixed(text);
+      // Each of them, a cycle through it; stored for the others, whose own
+      // waits may fail first once this rank is gone.
+      std::string mine;
+      for (int r : stuck) {
+        std::string text = cycle_text(cycle_through(r, record_of), record_of);
+        b.store_->set(crossed_key(r), text);
+        if (r == b.rank_) mine = std::move(text);
+      }
+      return b.prefixed(mine);
     }
     std::string reported = b.cycle_reported();  // found by another rank of the cycle first
     crossed_ = !reported.empty();
@@ -299,16 +371,23 @@ void CheckedLaunch::settle(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr 
 }
 
 struct CheckerShared {
-  c10::intrusive_ptr<c10d::Backend> backend;
+  c10::intrusive_ptr<c10d::Backend> check;  // the check group: the exchanges alone
   int rank = 0, size = 1;
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<std::shared_ptr<CheckedLaunch>> queue;
+  std::deque<std::shared_ptr<CheckedLaunch>> queue;  // not launched yet, in order
   bool stop = false;
-  bool busy = false;  // an exchange runs, on the checker's thread or on a waiting one
+  bool busy = false;  // an entry taken off the queue runs, on the checker's thread or on a waiting one
   std::exception_ptr broken;  // after a failed check: the ranks are out of step, every later launch fails alike
   std::shared_ptr<WaitBoard> board;  // may be null
   int comm = -1;                     // this communicator's number on `board`
+  // The patterns of the previous step's collectives and of this step's so far.
+  std::vector<std::vector<int64_t>> previous, current;
+  int64_t step = -1;
+  int64_t issued = 0;     // collectives submitted
+  int64_t entered = 0;    // exchanges entered
+  int64_t finished = 0;   // exchanges finished (in order: the next to finish is finished + 1)
+  std::shared_ptr<CheckedLaunch> newest;  // the last one queued (launched in order: when it is, all are)
 };
 
 namespace {
@@ -356,23 +435,72 @@ std::vector<std::string> gather_texts(c10d::Backend& backend, const std::string&
   return out;
 }
 
-void check(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait);
-
 void mark_broken(CheckerShared& s, const std::exception_ptr& e) {
   std::lock_guard<std::mutex> lock(s.mu);
   if (!s.broken) s.broken = e;
 }
 
-// Runs the check of `c`, taken off the queue with `busy` set, on this thread
-// (`wait`: when it is the waiting thread). Nothing leaves: the launch's
-// waiter hears of a failure, and every later launch fails alike (the ranks
-// are out of step).
+// Starts the collective and counts it; throws what the launch threw.
+void launch(CheckerShared& s, CheckedLaunch& c) {
+  auto work = c.start();
+  if (s.board) s.board->launched(s.comm);
+  c.settle(std::move(work), nullptr);
+}
+
+// Exchanges the fingerprint of `c` and launches it where every rank's is the
+// same; throws CollectivesDiverged where one differs. Runs on one thread at
+// a time (`busy`), in the order of the queue.
+void exchange_and_launch(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait) {
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    ++s.entered;
+    if (wait) wait->set(Kind::Exchange, s.entered);
+  }
+  if (s.board) s.board->entered(s.comm);
+  struct Finished {  // counted however the exchange ends
+    CheckerShared& s;
+    ~Finished() {
+      std::lock_guard<std::mutex> lock(s.mu);
+      ++s.finished;
+    }
+  } finished{s};
+  const int64_t k = static_cast<int64_t>(c.fingerprint.size());
+  at::Tensor mine = at::empty({k}, at::kLong);
+  std::memcpy(mine.data_ptr(), c.fingerprint.data(), k * sizeof(int64_t));
+  at::Tensor all = gather(*s.check, mine, s.size, c.timeout, wait);
+  const int64_t* a = all.data_ptr<int64_t>();
+  std::vector<int> differ;
+  for (int r = 1; r < s.size; ++r)
+    if (!std::equal(a + r * k, a + (r + 1) * k, a)) differ.push_back(r);
+  if (differ.empty()) {
+    launch(s, c);
+    return;
+  }
+  // Every rank saw the same fingerprints, so every rank is here: the texts.
+  const auto texts = gather_texts(*s.check, c.description, s.size, c.timeout);
+  std::ostringstream os;
+  os << "shardtorch: rank " << s.rank << "/" << s.size << ": collectives diverged: rank 0 is at " << texts[0]
+     << " but rank " << differ[0] << " is at " << texts[differ[0]];
+  if (differ.size() > 1) {
+    os << "; ranks that differ from rank 0:";
+    for (int r : differ) os << " " << r;
+  }
+  os << ". " << kSameOrder << "; neither collective ran";
+  throw CollectivesDiverged(os.str());
+}
+
+// Runs `c`, taken off the queue with `busy` set, on this thread (`wait`:
+// when it is the waiting thread). Nothing leaves: the launch's waiter hears
+// of a failure, and every later launch fails alike (the ranks are out of step).
 void run_taken(CheckerShared& s, CheckedLaunch& c, const std::exception_ptr& broken, WaitBoard::Wait* wait) {
   if (broken) {
     c.settle(nullptr, broken);
   } else {
     try {
-      check(s, c, wait);
+      if (c.exchange)
+        exchange_and_launch(s, c, wait);
+      else
+        launch(s, c);
     } catch (...) {
       std::exception_ptr e = std::current_exception();
       // Another rank that found a cycle of waits through this one may have
@@ -391,8 +519,8 @@ void run_taken(CheckerShared& s, CheckedLaunch& c, const std::exception_ptr& bro
   s.cv.notify_all();  // the checker's thread, for what was queued meanwhile
 }
 
-// Runs the check of `c` on this thread when it is next and no exchange
-// runs; fails it at once when the checker is broken.
+// Runs `c` on this thread when it is first and nothing runs; fails it at
+// once when the checker is broken.
 void take_if_next(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait) {
   std::exception_ptr broken;
   {
@@ -416,20 +544,34 @@ void take_if_next(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait) {
   run_taken(s, c, nullptr, wait);
 }
 
+// What a thread whose launch is not done waits for: the next exchange to finish.
+int64_t next_exchange(CheckerShared& s) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.finished + 1;
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched(bool probe) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (done) {
+      if (error) std::rethrow_exception(error);
+      return work;
+    }
+  }
   auto s = checker.lock();
   std::optional<WaitBoard::Wait> wait;
-  if (probe && s && s->board) wait.emplace(s->board, s->comm, seq, description);
+  if (probe && s && s->board) wait.emplace(s->board, s->comm, Kind::Exchange, next_exchange(*s), description);
   if (s) take_if_next(*s, *this, wait ? &*wait : nullptr);
   std::unique_lock<std::mutex> lock(mu);
   if (!wait) {
     cv.wait(lock, [&] { return done; });
   } else {
-    // The check runs on the checker's thread: probe while it lasts.
+    // It runs on the checker's thread: probe while it lasts.
     while (!cv.wait_for(lock, WaitBoard::kProbe, [&] { return done; })) {
       lock.unlock();
+      wait->set(Kind::Exchange, next_exchange(*s));
       std::string crossed = wait->probe();
       if (!crossed.empty()) {
         auto e = std::make_exception_ptr(CollectivesDiverged(crossed));
@@ -443,10 +585,56 @@ c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched(bool probe) {
   return work;
 }
 
-CollectiveChecker::CollectiveChecker(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size,
+bool CheckedLaunch::await(const std::function<bool(std::chrono::milliseconds)>& done_within,
+                          std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto s = checker.lock();
+  if (!s || !s->board) return done_within(timeout);
+  WaitBoard::Wait wait(s->board, s->comm, Kind::Collective, seq, description);
+  std::chrono::milliseconds slice = WaitBoard::kQuiet;  // a shorter wait is never compared: one call
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return false;
+    if (done_within(std::min(slice, left))) return true;
+    slice = WaitBoard::kProbe;
+    bool is_launched;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (done && error) return true;  // the waiter's own path reports it
+      is_launched = done;
+    }
+    std::exception_ptr broken;
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      broken = s->broken;
+    }
+    // A later check failed: the ranks are out of step, and a launched
+    // collective would wait for a peer that will never launch it.
+    if (broken) std::rethrow_exception(broken);
+    if (is_launched)
+      wait.set(Kind::Collective, seq);
+    else
+      wait.set(Kind::Exchange, next_exchange(*s));
+    std::string crossed = wait.probe();
+    if (!crossed.empty()) {
+      auto e = std::make_exception_ptr(CollectivesDiverged(crossed));
+      mark_broken(*s, e);
+      std::rethrow_exception(e);
+    }
+  }
+}
+
+std::exception_ptr CheckedLaunch::explain(std::exception_ptr e) const {
+  auto s = checker.lock();
+  if (!s || !s->board) return e;
+  std::string crossed = s->board->cycle_reported();
+  return crossed.empty() ? e : std::make_exception_ptr(CollectivesDiverged(crossed));
+}
+
+CollectiveChecker::CollectiveChecker(c10::intrusive_ptr<c10d::Backend> check, int rank, int size,
                                      std::shared_ptr<WaitBoard> board, int comm)
     : s_(std::make_shared<CheckerShared>()) {
-  s_->backend = std::move(backend);
+  s_->check = std::move(check);
   s_->rank = rank;
   s_->size = size;
   s_->board = std::move(board);
@@ -485,54 +673,65 @@ CollectiveChecker::~CollectiveChecker() {
     thread_.join();
 }
 
-std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> fingerprint, std::string description,
+std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pattern, int64_t step,
+                                                         std::string description,
                                                          std::function<c10::intrusive_ptr<c10d::Work>()> start,
                                                          std::chrono::milliseconds timeout) {
   auto c = std::make_shared<CheckedLaunch>();
-  c->fingerprint = std::move(fingerprint);
   c->description = std::move(description);
   c->start = std::move(start);
   c->timeout = timeout;
   c->checker = s_;
-  if (s_->board) c->seq = s_->board->issue(s_->comm);
-  {
-    std::lock_guard<std::mutex> lock(s_->mu);
-    s_->queue.push_back(c);
+  std::unique_lock<std::mutex> lock(s_->mu);
+  c->seq = ++s_->issued;
+  if (step != s_->step) {
+    s_->previous = std::move(s_->current);
+    s_->current.clear();
+    s_->step = step;
   }
+  const size_t k = s_->current.size();
+  c->exchange = !(k > 0 && k < s_->previous.size() && s_->previous[k] == pattern);
+  c->fingerprint = pattern;
+  c->fingerprint.push_back(step);
+  c->fingerprint.push_back(c->seq);
+  s_->current.push_back(std::move(pattern));
+  if (s_->broken) {
+    auto broken = s_->broken;
+    lock.unlock();
+    c->settle(nullptr, broken);
+    return c;
+  }
+  if (!c->exchange && s_->queue.empty() && !s_->busy) {
+    // Nothing before it waits: launched here, under the lock, so that the
+    // launches keep the order of the submits.
+    try {
+      launch(*s_, *c);
+    } catch (...) {
+      std::exception_ptr e = std::current_exception();
+      if (!s_->broken) s_->broken = e;
+      c->settle(nullptr, e);
+    }
+    return c;
+  }
+  s_->queue.push_back(c);
+  s_->newest = c;
+  lock.unlock();
   s_->cv.notify_one();
   return c;
 }
 
-namespace {
-
-void check(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait) {
-  const int64_t k = static_cast<int64_t>(c.fingerprint.size());
-  at::Tensor mine = at::empty({k}, at::kLong);
-  std::memcpy(mine.data_ptr(), c.fingerprint.data(), k * sizeof(int64_t));
-  at::Tensor all = gather(*s.backend, mine, s.size, c.timeout, wait);
-  const int64_t* a = all.data_ptr<int64_t>();
-  std::vector<int> differ;
-  for (int r = 1; r < s.size; ++r)
-    if (!std::equal(a + r * k, a + (r + 1) * k, a)) differ.push_back(r);
-  if (differ.empty()) {
-    auto work = c.start();
-    c.settle(std::move(work), nullptr);
-    return;
+void CollectiveChecker::flush() {
+  std::shared_ptr<CheckedLaunch> newest;
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    newest = s_->newest;
   }
-  // Every rank saw the same fingerprints, so every rank is here: the texts.
-  const auto texts = gather_texts(*s.backend, c.description, s.size, c.timeout);
-  std::ostringstream os;
-  os << "shardtorch: rank " << s.rank << "/" << s.size << ": collectives diverged: rank 0 is at " << texts[0]
-     << " but rank " << differ[0] << " is at " << texts[differ[0]];
-  if (differ.size() > 1) {
-    os << "; ranks that differ from rank 0:";
-    for (int r : differ) os << " " << r;
-  }
-  os << ". Every rank must issue the same collectives in the same order (the same number of micro-batches and of "
-        "optimizer steps, the same units in forward, inputs of the same shapes); neither collective was run";
-  throw CollectivesDiverged(os.str());
+  if (newest) newest->launched();
 }
 
-}  // namespace
+int64_t CollectiveChecker::exchanges() const {
+  std::lock_guard<std::mutex> lock(s_->mu);
+  return s_->entered;
+}
 
 }  // namespace shardtorch::detail

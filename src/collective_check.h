@@ -1,29 +1,31 @@
 #pragma once
 // Internal: the check that ranks are at the same collective before it runs
-// (docs/reliability.md, "Ranks that diverge after shard()").
+// (docs/reliability.md, "Ranks that diverge after shard()"; the state
+// machine and why it is sound: docs/design.md, "Checking that ranks are at
+// the same collective").
 //
-// Every collective of a checked Comm goes through its CollectiveChecker: a
-// thread of the Comm's own that, per collective and in the order given,
-// all-gathers a fixed-size fingerprint on the Comm's backend, compares the
-// ranks' fingerprints and only then launches the collective. The fingerprint
-// exchange has the same size on every rank, so it always pairs; the data
-// collective is launched only where every rank's fingerprint is the same, so
-// it never runs mismatched. On a mismatch every rank throws the same
-// CollectivesDiverged, naming two ranks and where each is. The launching
-// thread never waits for the check (launches stay asynchronous), so
-// communicators whose collectives ranks reach in different orders (the
-// all-gathers and the reduce-scatters of a backward) do not wait on each
-// other. A thread that waits for a collective whose check is next in order
-// and not started runs the check itself, saving two thread hand-offs.
+// Every collective of a checked Comm goes through its CollectiveChecker. A
+// collective whose pattern (its fingerprint without the step) equals the one
+// at the same place of the previous optimizer step is launched at once;
+// the step's first collective, and any that differs from the previous
+// step's, is first exchanged with the peers on a Gloo group of its own (the
+// check group) and launched only where every rank's fingerprint is the
+// same. A rank that differs therefore never launches: either every rank
+// exchanged and every rank throws the same CollectivesDiverged, naming two
+// ranks and where each is; or the others launched and wait for it while it
+// waits in the exchange, a cycle of waits that the WaitBoard finds. Launches
+// stay asynchronous: the exchanges run on the Comm's own thread, or on the
+// thread that waits for the collective when it comes first.
 //
-// Ranks that first differ on two or more communicators each wait for an
-// exchange another never joins. A wait longer than WaitBoard::kQuiet is
-// written to the World's store (which collective of which communicator, that
-// communicator's members, and how many each communicator of the rank has
-// issued). Waiting rank r waits for rank p when p is a member of r's
-// communicator, waits too, and has not issued r's collective there; a cycle
-// of such edges through r, seen twice in a row with the same records, makes
-// every rank of the cycle throw CollectivesDiverged naming each of them.
+// A program thread that waits for a checked collective longer than
+// WaitBoard::kQuiet writes its wait to the World's store: which collective
+// (or which exchange) of which communicator, that communicator's members,
+// and how many collectives and exchanges each communicator of the rank has
+// launched and entered. Waiting rank r waits for rank p when p is a member
+// of r's communicator, waits too, and has not launched r's collective (not
+// entered r's exchange) there; a cycle of such edges through r, seen twice
+// in a row with the same records, makes every rank of the cycle throw
+// CollectivesDiverged naming each of them.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -83,25 +85,35 @@ class WaitBoard {
   /// Then compared again this often; a cycle of waits seen twice in a row is an error.
   static constexpr std::chrono::milliseconds kProbe{500};
 
-  WaitBoard(c10::intrusive_ptr<c10d::Store> store, int rank);
+  /// What a thread waits for: a launched collective, or an exchange of fingerprints.
+  enum class Kind { Collective, Exchange };
+
+  /// `rank` of `size` in the World.
+  WaitBoard(c10::intrusive_ptr<c10d::Store> store, int rank, int size);
   /// A communicator: its name, the same on every member, and its members'
   /// ranks in the World (by index in the communicator). Returns its number.
   int add(std::string name, std::vector<int> members);
-  /// The number of the next collective issued on communicator `comm` (1, 2, ...).
-  int64_t issue(int comm);
+  /// Counts a collective launched (an exchange entered) on communicator `comm`.
+  void launched(int comm);
+  void entered(int comm);
   /// The error another rank (or this one) found for a cycle of waits through this rank, "" if none. Never throws.
   std::string cycle_reported() const;
 
-  /// One wait for collective `seq` of communicator `comm`: probe() as it
-  /// lasts, then the destructor clears its record (kept after a cycle, for
-  /// the other ranks' probes). Never throws.
+  /// One wait for collective (or exchange) number `seq` of communicator
+  /// `comm`: probe() as it lasts, then the destructor clears its record
+  /// (kept after a cycle, for the other ranks' probes). Never throws.
   class Wait {
    public:
     /// `description` must outlive the Wait (it is not copied: one is made per checked wait).
-    Wait(std::shared_ptr<WaitBoard> board, int comm, int64_t seq, const std::string& description);
+    Wait(std::shared_ptr<WaitBoard> board, int comm, Kind kind, int64_t seq, const std::string& description);
     ~Wait();
     Wait(const Wait&) = delete;
     Wait& operator=(const Wait&) = delete;
+    /// What is waited for from now on (the launch came, or another exchange runs).
+    void set(Kind kind, int64_t seq) {
+      kind_ = kind;
+      seq_ = seq;
+    }
     /// Call while waiting; cheap until kQuiet has passed, then once per
     /// kProbe: this rank's record written when it changed, and the records
     /// that following the wait-for graph from this rank needs read (each at
@@ -113,6 +125,7 @@ class WaitBoard {
    private:
     std::shared_ptr<WaitBoard> board_;
     int comm_;
+    Kind kind_;
     int64_t seq_;
     const std::string& description_;
     std::chrono::steady_clock::time_point next_;
@@ -125,36 +138,49 @@ class WaitBoard {
   struct Comm {
     std::string name;
     std::vector<int> members;
-    int64_t issued = 0;
+    int64_t launched = 0, entered = 0;
   };
-  std::string record(int comm, int64_t seq, const std::string& description) const;
-  std::string prefixed(const std::string& text) const;  // "shardtorch: rank R: " + text
+  std::string record(int comm, Kind kind, int64_t seq, const std::string& description) const;
+  std::string prefixed(const std::string& text) const;  // "shardtorch: rank R/N: " + text
   c10::intrusive_ptr<c10d::Store> store_;
-  int rank_;
+  int rank_, size_;
   mutable std::mutex mu_;
   std::vector<Comm> comms_;
 };
 
 struct CheckerShared;  // what the checker's thread uses: it may outlive the checker
 
-/// One collective waiting for its check: filled by the checker's thread, or
-/// by the thread that waits for it when that thread comes first.
+/// One checked collective: launched at once, or waiting in its checker's
+/// FIFO for the launches before it or for its exchange.
 struct CheckedLaunch {
-  std::vector<int64_t> fingerprint;
-  std::string description;  // in words, for the error
+  std::vector<int64_t> fingerprint;  // exchanged: the pattern, the step, seq
+  std::string description;           // in words, for the error
   std::function<c10::intrusive_ptr<c10d::Work>()> start;
   std::chrono::milliseconds timeout{0};
-  int64_t seq = 0;  // its number on its communicator (WaitBoard::issue)
+  int64_t seq = 0;        // its number on its communicator (1, 2, ...)
+  bool exchange = false;  // exchanged before it is launched
 
-  /// Blocks until the check is done; returns the launched collective, or
-  /// throws the check's error (CollectivesDiverged, or the failure of the
-  /// fingerprint exchange or of the launch). When this launch is next in its
-  /// checker's order and no exchange is running, the calling thread runs the
-  /// check itself (it would wait for it anyway): no thread hand-off.
-  /// `probe`: compare a long wait with the peers' (WaitBoard); false for
-  /// the library's own background waits, which block no program thread (a
-  /// thread that gave up on them goes on and issues what the peer waits for).
+  /// Blocks until launched; returns the launched collective, or throws the
+  /// check's error (CollectivesDiverged, or the failure of the exchange or
+  /// of the launch). When this launch is first in its checker's FIFO and
+  /// nothing runs there, the calling thread runs it itself (it would wait
+  /// for it anyway): no thread hand-off. `probe`: compare a long wait with
+  /// the peers' (WaitBoard); false for the library's own background waits,
+  /// which block no program thread (a thread that gave up on them goes on
+  /// and issues what the peer waits for).
   c10::intrusive_ptr<c10d::Work> launched(bool probe = true);
+  /// A program thread's wait for the collective itself (its launch first,
+  /// where the launch is not done): `done_within(slice)` waits at most
+  /// `slice` and says whether it completed or failed. Long waits are
+  /// compared with the peers' (WaitBoard). Returns false when `timeout`
+  /// passed first; throws CollectivesDiverged for a cycle of waits through
+  /// this rank, or the checker's error when it broke meanwhile (the ranks are
+  /// out of step: this collective would never complete).
+  bool await(const std::function<bool(std::chrono::milliseconds)>& done_within, std::chrono::milliseconds timeout);
+  /// What a program thread's failed wait for the collective throws: a
+  /// CollectivesDiverged when a rank reported a cycle of waits through this
+  /// one (it may have left first, failing the collective here), else `e`.
+  std::exception_ptr explain(std::exception_ptr e) const;
   /// The first call decides; later ones are ignored.
   void settle(c10::intrusive_ptr<c10d::Work> work, std::exception_ptr error);
 
@@ -168,9 +194,10 @@ struct CheckedLaunch {
 
 class CollectiveChecker {
  public:
-  /// `board`: where long waits are compared across communicators (may be
-  /// null); `comm`: this communicator's number on it.
-  CollectiveChecker(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size,
+  /// `check`: a group of the same members as the checked communicator, for
+  /// the exchanges alone. `board`: where long waits are compared across
+  /// communicators (may be null); `comm`: this communicator's number on it.
+  CollectiveChecker(c10::intrusive_ptr<c10d::Backend> check, int rank, int size,
                     std::shared_ptr<WaitBoard> board = nullptr, int comm = -1);
   /// Stops the thread; one still inside an exchange (a peer that never
   /// comes) is left to finish on its own (it holds what it uses).
@@ -178,11 +205,20 @@ class CollectiveChecker {
   CollectiveChecker(const CollectiveChecker&) = delete;
   CollectiveChecker& operator=(const CollectiveChecker&) = delete;
 
-  /// Queues a collective: `start` runs on the checker's thread once every
-  /// rank's fingerprint equals this one.
-  std::shared_ptr<CheckedLaunch> submit(std::vector<int64_t> fingerprint, std::string description,
+  /// A collective, in the order the rank issues them: `start` runs at once
+  /// when `pattern` (its fingerprint but the step) equals the one at the same
+  /// place of the previous step and nothing is queued before it; otherwise
+  /// in order, after the exchange of (pattern, step, its number) where it
+  /// needs one (the step's first; one that differs from the previous step's).
+  std::shared_ptr<CheckedLaunch> submit(std::vector<int64_t> pattern, int64_t step, std::string description,
                                         std::function<c10::intrusive_ptr<c10d::Work>()> start,
                                         std::chrono::milliseconds timeout);
+  /// Exchanges entered so far.
+  int64_t exchanges() const;
+  /// Blocks until every collective submitted so far is launched (or failed:
+  /// throws the error of the last one); a long wait is compared with the
+  /// peers' as the launch's own would be.
+  void flush();
 
  private:
   std::shared_ptr<CheckerShared> s_;

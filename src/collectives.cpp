@@ -208,13 +208,19 @@ namespace {
 int64_t op_code(const char* op) { return detail::text_hash(op); }
 }  // namespace
 
-void Comm::enable_checks(std::shared_ptr<detail::CollectiveContext> context, std::shared_ptr<detail::WaitBoard> board,
-                         const std::string& name, std::vector<int> members) {
+void Comm::enable_checks(std::shared_ptr<detail::CollectiveContext> context, c10::intrusive_ptr<c10d::Backend> check,
+                         std::shared_ptr<detail::WaitBoard> board, const std::string& name, std::vector<int> members) {
   SHARDTORCH_CHECK(!device_.is_cuda(), "shardtorch: the collective check runs on CPU (Gloo) groups only");
   context_ = std::move(context);
   if (checker_) return;
   const int comm = board ? board->add(name, std::move(members)) : -1;
-  checker_ = std::make_unique<detail::CollectiveChecker>(backend_, rank_, size_, std::move(board), comm);
+  checker_ = std::make_unique<detail::CollectiveChecker>(std::move(check), rank_, size_, std::move(board), comm);
+}
+
+int64_t Comm::check_exchanges() const { return checker_ ? checker_->exchanges() : 0; }
+
+void Comm::flush_launches() {
+  if (checker_) checker_->flush();
 }
 
 PendingWork Comm::launch(const char* op, const std::string& what, std::string shapes, CollectiveCounter& counter,
@@ -229,11 +235,11 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   p.start = std::chrono::steady_clock::now();
   if (checker_) {
     const auto where = context_->snapshot();
-    std::vector<int64_t> fingerprint{op_code(op),  detail::text_hash(what), data.numel(),
-                                     static_cast<int64_t>(data.scalar_type()), extra, where.step, where.backwards,
-                                     where.phase, where.inputs_hash};
+    std::vector<int64_t> pattern{op_code(op), detail::text_hash(what), data.numel(),
+                                 static_cast<int64_t>(data.scalar_type()), extra, where.backwards, where.phase,
+                                 where.inputs_hash};
     std::string description = std::string(op) + " for " + what + " (" + p.shapes + "); " + where.words;
-    p.checked = checker_->submit(std::move(fingerprint), std::move(description), std::move(start), timeout_);
+    p.checked = checker_->submit(std::move(pattern), where.step, std::move(description), std::move(start), timeout_);
     return p;
   }
   try {
@@ -316,13 +322,13 @@ PendingWork Comm::launch_sum(at::Tensor& t, const char* op, std::string shapes, 
 
 void Comm::wait(PendingWork& p) {
   SHARDTORCH_CHECK(p.pending(), "shardtorch: Comm::wait on a collective that was not launched");
+  if (host_waits_) {
+    wait_on_host(p);
+    return;
+  }
   launched(p);  // a checked launch: its check first (p.checked is spent)
   // Done with it either way: a collective that failed is not waited for again.
   auto work = std::move(p.work);
-  if (host_waits_) {
-    run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
-    return;
-  }
   settle_earlier();
   // Work::wait with a timeout would block this thread until the device
   // finished the collective (polling every millisecond); without one, the
@@ -367,10 +373,40 @@ void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
   wait_on_host(p);
 }
 
+namespace {
+// Whether `work` completed or failed within `slice` (false: it goes on).
+bool done_within(c10d::Work& work, std::chrono::milliseconds slice) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    work.wait(slice);
+    return true;
+  } catch (const std::exception&) {
+    // A failure, not the slice passing: completed, or thrown well before the slice's end.
+    return work.isCompleted() || std::chrono::steady_clock::now() - start < slice / 2;
+  }
+}
+}  // namespace
+
 void Comm::wait_on_host(PendingWork& p) {
+  auto checked = p.checked;  // launched() spends it
   launched(p);
   auto work = std::move(p.work);
-  run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
+  if (!checked) {
+    run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
+    return;
+  }
+  // Checked: waits longer than a second are compared with the peers' (a
+  // rank that launched this collective while another differs and waits in
+  // its exchange is a cycle of two waits).
+  complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] {
+    const bool done = checked->await([&](std::chrono::milliseconds slice) { return done_within(*work, slice); },
+                                     timeout_);
+    try {
+      work->wait(done ? timeout_ : std::chrono::milliseconds(1));  // its outcome; past the timeout, its timeout error
+    } catch (...) {
+      std::rethrow_exception(checked->explain(std::current_exception()));
+    }
+  });
 }
 
 std::vector<std::string> Comm::all_gather_strings(const std::string& mine, const std::string& what) {

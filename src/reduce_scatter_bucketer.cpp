@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "collective_check.h"
 #include "completion_watcher.h"
 
 namespace shardtorch {
@@ -215,8 +216,21 @@ void ReduceScatterBucketer::wait_for_launch(Launched& l) {
   if (l.call.active()) {
     l.output = detail::finish_hook(*hook_, l.call, l.group->rank(), l.group->timeout());
   } else if (l.completion) {
-    l.completion->wait();
-    l.group->finish(l.work, l.completion->error());
+    std::exception_ptr diverged;  // checked: a long wait is compared with the peers' (collective_check.h)
+    if (l.work.checked) {
+      try {
+        l.work.checked->await([&](std::chrono::milliseconds slice) { return l.completion->wait_for(slice); },
+                              l.group->timeout());
+      } catch (...) {
+        diverged = std::current_exception();
+      }
+    }
+    if (!diverged) {
+      l.completion->wait();
+      diverged = l.completion->error();
+      if (diverged && l.work.checked) diverged = l.work.checked->explain(diverged);
+    }
+    l.group->finish(l.work, diverged);
   } else {
     l.group->wait(l.work);
   }
@@ -272,6 +286,7 @@ void ReduceScatterBucketer::launch_hook(Launched& l, const std::string& what) {
   c10d::GradBucket bucket(hook_calls_++, 0, chunk, std::move(offsets), std::move(lengths), std::move(sizes), {},
                           std::nullopt);
   try {
+    if (l.replicas) l.replicas->flush_launches();  // the hook's group: its collectives run on the backend itself
     h.call = detail::call_hook(*hook_, bucket, l.group->rank(), what, hook_counter_);
   } catch (...) {
     track(-h.bytes);

@@ -272,8 +272,10 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   }
   if (check && world_size > 1) {
     w->waits_ = std::make_shared<detail::WaitBoard>(c10::make_intrusive<c10d::PrefixStore>("shardtorch-waits", store),
-                                                    rank);
-    w->comm_->enable_checks(w->context_, w->waits_, "the world", all);
+                                                    rank, world_size);
+    auto check = connect("gloo", c10::make_intrusive<c10d::PrefixStore>("shardtorch-check", store), rank, world_size,
+                         options, rank, "the collective check of the world");
+    w->comm_->enable_checks(w->context_, check, w->waits_, "the world", all);
   }
   return w;
 }
@@ -315,9 +317,13 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   // rank-dependent point later (inside a backward, say).
   auto probe = at::zeros({1}, at::TensorOptions().device(comm_->device()));
   comm->all_reduce(probe, c10d::ReduceOp::SUM, "setting up group '" + tag + "'");
-  if (comm_->checks() && n > 1)  // every member, at the same point
-    comm->enable_checks(context_, waits_, "group '" + tag + "' of ranks " + list(ranks) + " (" +
-                                              std::to_string(groups_made_[key] - 1) + ")", ranks);
+  if (comm_->checks() && n > 1) {  // every member, at the same point
+    const std::string name =
+        "group '" + tag + "' of ranks " + list(ranks) + " (" + std::to_string(groups_made_[key] - 1) + ")";
+    auto check = connect("gloo", c10::make_intrusive<c10d::PrefixStore>("check", store), index, n, options_, rank_,
+                         "the collective check of " + name);
+    comm->enable_checks(context_, check, waits_, name, ranks);
+  }
   return comm;
 }
 

@@ -63,7 +63,8 @@ void expect_waits_diverged(const shardtorch::testing::RunResult& r, size_t ranks
   for (size_t k = 0; k < ranks; ++k) {
     const auto& m = r.ranks[k].message;
     EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
-    const std::string start = "shardtorch: rank " + std::to_string(k) + ": collectives diverged across communicators: ";
+    const std::string start = "shardtorch: rank " + std::to_string(k) + "/" + std::to_string(r.ranks.size()) +
+                              ": collectives diverged across communicators: ";
     EXPECT_NE(m.find(start + head), std::string::npos) << "missing: " << start + head << "\n" << r.summary();
     for (const auto& w : words) EXPECT_NE(m.find(w), std::string::npos) << "missing: " << w << "\n" << r.summary();
   }
@@ -254,7 +255,13 @@ TEST(Diverged, EqualRanksTrainAndTheSwitchMustAgree) {
     auto sharded = shardtorch::shard(m, w, ShardOptions().prefetch(true));
     auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
     auto x = torch::randn({4, 6});
-    for (int step = 0; step < 3; ++step) train_step(m, sharded, *opt, x, 2);
+    for (int step = 0; step < 7; ++step) {
+      if (step == 3) {  // an evaluation on every rank: the step's pattern changes alike
+        torch::NoGradGuard no_grad;
+        m(x);
+      }
+      train_step(m, sharded, *opt, step == 5 ? x.narrow(0, 0, 2) : x, 2);  // a short batch, on every rank
+    }
     shardtorch::clip_grad_norm(*m, 1.0);
     w.barrier();
   }, checked());
@@ -292,9 +299,10 @@ TEST(Diverged, RanksWaitingOnTwoCommunicatorsFailNamingBoth) {
   expect_waits_diverged(
       r, 2, "",
       {"rank 0 waits at all_reduce for the world's sum (Float[3]); step 0",
-       "of communicator 'the world', which rank 1 has not issued: it issued ",
+       "(in its check, exchange ", "of communicator 'the world', which rank 1 has not entered: it entered ",
        " but rank 1 waits at all_reduce for the pair's sum (Float[3])",
-       "of communicator 'group 'pair' of ranks [0, 1] (0)', which rank 0 has not issued: it issued 0 there)"});
+       "(in its check, exchange 1 of communicator 'group 'pair' of ranks [0, 1] (0)', which rank 0 has not entered: "
+       "it entered 0 there)"});
 }
 
 // Long waits on two communicators that are not crossed: rank 0 waits on the
@@ -382,13 +390,13 @@ TEST(Diverged, ThreeRanksWaitingInACycleFailNamingEachOfThem) {
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
   expect_waits_diverged(
       r, 3, "ranks 0, 1 and 2 wait for each other in a cycle: rank 0 waits at all_reduce for a's sum (Float[3]); step 0",
-      {"(collective 1 of communicator 'group 'a' of ranks [0, 1] (0)', which rank 1 has not issued: it issued 0 "
-       "there), rank 1 waits at all_reduce for b's sum (Float[3]); step 0",
-       "(collective 1 of communicator 'group 'b' of ranks [1, 2] (0)', which rank 2 has not issued: it issued 0 "
-       "there), and rank 2 waits at all_reduce for c's sum (Float[3]); step 0",
-       "(collective 1 of communicator 'group 'c' of ranks [0, 2] (0)', which rank 0 has not issued: it issued 0 "
-       "there). Every rank must issue the same collectives in the same order on each communicator; none of the 3 "
-       "collectives was run"});
+      {"(in its check, exchange 1 of communicator 'group 'a' of ranks [0, 1] (0)', which rank 1 has not entered: it "
+       "entered 0 there), rank 1 waits at all_reduce for b's sum (Float[3]); step 0",
+       "(in its check, exchange 1 of communicator 'group 'b' of ranks [1, 2] (0)', which rank 2 has not entered: it "
+       "entered 0 there), and rank 2 waits at all_reduce for c's sum (Float[3]); step 0",
+       "(in its check, exchange 1 of communicator 'group 'c' of ranks [0, 2] (0)', which rank 0 has not entered: it "
+       "entered 0 there). Every rank must issue the same collectives in the same order on each communicator; none of "
+       "the 3 collectives ran"});
 }
 
 // A cycle of four (pairs {0, 1}, {1, 2}, {2, 3}, {0, 3}) and a fifth rank
@@ -412,11 +420,11 @@ TEST(Diverged, FourRanksWaitingInACycleFailAndARankWaitingOnThemIsNotBlamed) {
   }, checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
   expect_waits_diverged(r, 4, "ranks 0, 1, 2 and 3 wait for each other in a cycle: rank 0 waits at ",
-                        {"'group 'a' of ranks [0, 1] (0)', which rank 1 has not issued",
-                         "'group 'b' of ranks [1, 2] (0)', which rank 2 has not issued",
-                         "'group 'c' of ranks [2, 3] (0)', which rank 3 has not issued",
-                         "'group 'd' of ranks [0, 3] (0)', which rank 0 has not issued",
-                         "none of the 4 collectives was run"});
+                        {"'group 'a' of ranks [0, 1] (0)', which rank 1 has not entered",
+                         "'group 'b' of ranks [1, 2] (0)', which rank 2 has not entered",
+                         "'group 'c' of ranks [2, 3] (0)', which rank 3 has not entered",
+                         "'group 'd' of ranks [0, 3] (0)', which rank 0 has not entered",
+                         "none of the 4 collectives ran"});
   for (size_t k = 0; k < 4; ++k) EXPECT_EQ(r.ranks[k].message.find("rank 4"), std::string::npos) << r.summary();
   EXPECT_EQ(r.ranks[4].exit_code, 1) << r.summary();
   EXPECT_EQ(r.ranks[4].message.find("collectives diverged"), std::string::npos) << r.summary();
@@ -445,4 +453,161 @@ TEST(Diverged, LongWaitsInAWouldBeCycleOfThreeThatResolveAreNoDivergence) {
     }
   }, checked());
   EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// The check's state machine (docs/design.md, "Checking that ranks are at the
+// same collective"): a collective is exchanged when it is its step's first
+// or differs from the same place of the previous step; the rest launch at
+// once. Counted on the world's communicator, with a step pattern that
+// changes on every rank alike (an extra collective in step 5).
+TEST(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFromThePreviousStep) {
+  auto r = run_ranks(2, [](World& w) {
+    auto sum = [&](const std::string& what, int64_t n) {
+      auto t = torch::ones({n});
+      w.comm().all_reduce(t, c10d::ReduceOp::SUM, what);
+      if (t[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum for " + what);
+    };
+    w.note_step_done();  // the set-up's collectives are a step of their own
+    std::vector<int64_t> per_step;
+    for (int step = 0; step < 8; ++step) {
+      const int64_t before = w.comm().check_exchanges();
+      sum("a", 3);
+      if (step == 5) sum("extra", 5);
+      sum("b", 4);
+      auto c = torch::full({2}, static_cast<float>(w.rank()));
+      w.comm().broadcast(c, 1, "c");
+      if (c[0].item<float>() != 1.0f) throw std::runtime_error("wrong broadcast");
+      w.note_step_done();
+      per_step.push_back(w.comm().check_exchanges() - before);
+    }
+    // Step 0: its collectives differ from the set-up's. Step 5: a (first),
+    // extra, b, c (each differs from step 4's at its place). Step 6: a, then
+    // b and c differ from step 5's.
+    const std::vector<int64_t> expected{3, 1, 1, 1, 1, 4, 3, 1};
+    if (per_step != expected) {
+      std::string got;
+      for (auto n : per_step) got += std::to_string(n) + " ";
+      throw std::runtime_error("exchanges per step: " + got);
+    }
+  }, checked());
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// Ranks that agree for two steps and then differ in the middle of a step:
+// the rank that differs exchanges while its peer launched the collective
+// the previous step had there; the two waits form a cycle, and every rank
+// fails naming both collectives within seconds.
+TEST(Diverged, MicroBatchesThatDifferAfterTwoEqualStepsFailEveryRankNamingBoth) {
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp}) {
+    SCOPED_TRACE(shardtorch::strategy_name(s));
+    auto t0 = std::chrono::steady_clock::now();
+    auto r = run_ranks(2, [s](World& w) {
+      torch::manual_seed(0);
+      MLP m;
+      auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
+      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+      auto x = torch::randn({4, 7});
+      for (int step = 0; step < 4; ++step) train_step(m, sharded, *opt, x, step == 2 && w.rank() == 0 ? 3 : 2);
+    }, checked());
+    EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+    if (s == Strategy::FullShard) {
+      expect_diverged(r, {"rank 0 is at all_gather for parameters of unit 'l3'",
+                          "step 2, in backward 2 since the last optimizer step (gradient sync off)",
+                          "but rank 1 is at all_gather for parameters of unit 'l3'",
+                          "step 2, in backward 2 since the last optimizer step (gradient sync on)", "neither"});
+    } else {
+      expect_diverged(r, {"step 2, in backward 3 since the last optimizer step (gradient sync on)", "but rank 1 is at",
+                          "step 2, in backward 2 since the last optimizer step (gradient sync on)"});
+    }
+  }
+}
+
+// Three ranks, one of which routes around a unit in its third step: the
+// two that launched the unit's all-gather each fail naming the one that did
+// not, and it fails too.
+TEST(Diverged, ALoneRankThatDiffersInTheMiddleOfAStepFailsEveryRankNamingIt) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(3, [](World& w) {
+    Routed m;
+    auto sharded = shardtorch::shard(m, w);
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randn({4, 6});
+    for (int step = 0; step < 4; ++step) {
+      m->skip_b = step == 2 && w.rank() == 1;
+      train_step(m, sharded, *opt, x, 1);
+    }
+  }, checked());
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+  ASSERT_FALSE(r.ok) << r.summary();
+  for (size_t k = 0; k < r.ranks.size(); ++k) {
+    const auto& m = r.ranks[k].message;
+    EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
+    EXPECT_NE(m.find("shardtorch: rank " + std::to_string(k) + "/3: collectives diverged: rank "), std::string::npos)
+        << r.summary();
+    EXPECT_NE(m.find("rank 1 is at all_gather for parameters of unit 'c'"), std::string::npos) << r.summary();
+    EXPECT_NE(m.find("is at all_gather for parameters of unit 'b'"), std::string::npos) << r.summary();
+    EXPECT_NE(m.find("step 2, after 0 backwards"), std::string::npos) << r.summary();
+  }
+}
+
+// A rank that steps twice after one backward: its collectives have the
+// same sizes as the others' in every later step, and only the step count
+// tells them apart. The next step's first collective is always exchanged.
+TEST(Diverged, ARankThatStepsTwiceFailsAtTheNextStepsFirstCollective) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(2, [](World& w) {
+    MLP m;
+    auto sharded = shardtorch::shard(m, w);
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randn({4, 7});
+    for (int step = 0; step < 4; ++step) {
+      train_step(m, sharded, *opt, x, 1);
+      if (step == 1 && w.rank() == 0) opt->step();
+    }
+  }, checked());
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+  // Rank 0's second step broadcasts its buffers after the step, as each step does.
+  expect_diverged(r, {"rank 0 is at broadcast for buffers of dtype Float ('scale') after a step (Float[7]); step 3",
+                      "but rank 1 is at all_gather for parameters of unit 'l1'", "step 2, after 0 backwards"});
+}
+
+// A slow rank in the steady state (from the third step on, collectives are
+// launched without an exchange): its peer waits in a launched collective
+// (backward's first: an all-gather, NoShard's all-reduce, ShardGradOp's
+// reduce-scatter waited for at the end of the backward) until that wait is
+// written to the store and compared several times, and nothing is wrong:
+// every strategy trains on.
+TEST(Diverged, ASlowRankInTheSteadyStateIsNoDivergence) {
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp}) {
+    SCOPED_TRACE(shardtorch::strategy_name(s));
+    auto r = run_ranks(2, [s](World& w) {
+      torch::manual_seed(0);
+      MLP m;
+      auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
+      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+      auto x = torch::randn({4, 7});
+      for (int step = 0; step < 4; ++step) {
+        opt->zero_grad();
+        auto loss = m(x).square().mean();
+        if (step == 3 && w.rank() == 1) {
+          // Until rank 0 has written a wait for a launched collective ("c"), then three probes more.
+          auto waits = c10::make_intrusive<c10d::PrefixStore>("shardtorch-waits", w.store());
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+          for (;;) {
+            if (waits->check({"wait/0"})) {
+              auto v = waits->get("wait/0");
+              if (std::string(v.begin(), v.end()).rfind("waiting\nc ", 0) == 0) break;
+            }
+            if (std::chrono::steady_clock::now() > deadline)
+              throw std::runtime_error("rank 0 never waited long in a launched collective");
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          }
+          std::this_thread::sleep_for(3 * shardtorch::detail::WaitBoard::kProbe);
+        }
+        loss.backward();
+        opt->step();
+      }
+    }, checked());
+    EXPECT_TRUE(r.ok) << r.summary();
+  }
 }

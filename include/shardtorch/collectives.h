@@ -136,17 +136,26 @@ class SHARDTORCH_API Comm {
   /// Every rank's string, in rank order (two all-gathers: lengths, then bytes).
   std::vector<std::string> all_gather_strings(const std::string& mine, const std::string& what);
 
-  /// From now on, before each collective the ranks compare a fingerprint of
-  /// it (operation, what for, element count, dtype, and where `context`
-  /// says the rank is) and every rank throws CollectivesDiverged instead of
-  /// running it when they differ (docs/reliability.md). Collective: every
-  /// member must turn it on at the same point. CPU (Gloo) groups only.
-  /// `board`, `name` (the same on every member) and `members` (their ranks
-  /// in the World): where a long wait is compared with the other
-  /// communicators' (ranks that diverge across communicators).
-  void enable_checks(std::shared_ptr<detail::CollectiveContext> context,
+  /// From now on the ranks compare a fingerprint of each collective
+  /// (operation, what for, element count, dtype, and where `context` says
+  /// the rank is) and every rank throws CollectivesDiverged instead of
+  /// running it when they differ (docs/reliability.md). The fingerprints
+  /// travel on `check`, a group of the same members made for this alone.
+  /// Collective: every member must turn it on at the same point. CPU (Gloo)
+  /// groups only. `board`, `name` (the same on every member) and `members`
+  /// (their ranks in the World): where a long wait is compared with the
+  /// other communicators' (ranks that diverge across communicators).
+  void enable_checks(std::shared_ptr<detail::CollectiveContext> context, c10::intrusive_ptr<c10d::Backend> check,
                      std::shared_ptr<detail::WaitBoard> board = nullptr, const std::string& name = "",
                      std::vector<int> members = {});
+  /// Fingerprint exchanges the check has run on this communicator (0 unchecked).
+  int64_t check_exchanges() const;
+  /// Blocks until every collective started through this Comm is on its
+  /// backend (a checked Comm holds some back until their fingerprints are
+  /// exchanged): call it before running a collective on backend() directly,
+  /// so that every rank's backend sees the same order. Throws what the check
+  /// threw.
+  void flush_launches();
   bool checks() const { return static_cast<bool>(checker_); }
 
   /// What a failed collective's error adds about the peers (the world sets

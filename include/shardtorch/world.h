@@ -64,14 +64,14 @@ struct SHARDTORCH_API WorldOptions {
   /// Interface address Gloo binds to; default: loopback when MASTER_ADDR is
   /// local, else the host name.
   TORCH_ARG(std::string, gloo_hostname) = "";
-  /// Before each collective, the ranks compare a fingerprint of it (one
-  /// all-gather of a few integers) and every rank throws
-  /// CollectivesDiverged, naming two ranks and where each is, instead of
-  /// running collectives that do not pair (docs/reliability.md). Costs one
-  /// small exchange per collective (docs/benchmarks.md). CPU (Gloo) only:
-  /// ignored, with a warning, on CUDA. SHARDTORCH_CHECK_COLLECTIVES=0 or 1
-  /// replaces it at launch. Every rank must pass the same value (checked
-  /// when the world is created).
+  /// The ranks compare a fingerprint of each collective and every rank
+  /// throws CollectivesDiverged, naming two ranks and where each is, instead
+  /// of running collectives that do not pair (docs/reliability.md). In a
+  /// training loop, from the third step on, one small exchange per step and
+  /// group (docs/benchmarks.md); each group gets a second Gloo group for the
+  /// exchanges. CPU (Gloo) only: ignored, with a warning, on CUDA.
+  /// SHARDTORCH_CHECK_COLLECTIVES=0 or 1 replaces it at launch. Every rank
+  /// must pass the same value (checked when the world is created).
   TORCH_ARG(bool, check_collectives) = false;
 };
 
