@@ -7,7 +7,12 @@
 //   BM_CheckedAllGather: BM_AllGather on a world with check_collectives on
 //     (each all-gather preceded by the ranks' fingerprint exchange), against
 //     BM_AllGather of the same size: what the check costs a collective that
-//     is waited for at once.
+//     is waited for at once, when every all-gather is exchanged (no optimizer
+//     step between them).
+//   BM_AllGatherInSteps / BM_CheckedAllGatherInSteps: eight all-gathers and
+//     an optimizer step (World::note_step_done) per iteration, unchecked and
+//     checked: the check in a training loop's steady state, which exchanges
+//     only each step's first collective.
 //   BM_BucketerCoalescing: 256 gradient flats of 4K elements reduce-scattered
 //     through the ReduceScatterBucketer, coalesced (25 MiB buckets) or one
 //     collective each (bucket 0).
@@ -61,6 +66,22 @@ void all_gather_on(benchmark::State& state, std::shared_ptr<shardtorch::World> (
 
 void BM_AllGather(benchmark::State& state) { all_gather_on(state, g_worlds); }
 void BM_CheckedAllGather(benchmark::State& state) { all_gather_on(state, g_checked); }
+
+// Eight all-gathers and an optimizer step per iteration: the check's steady
+// state, where only each step's first all-gather is exchanged.
+constexpr int kPerStep = 8;
+void all_gathers_in_steps(benchmark::State& state, std::shared_ptr<shardtorch::World> (&worlds)[kRanks]) {
+  auto& world = *worlds[state.thread_index()];
+  const int64_t shard = state.range(0) / 4;
+  at::Tensor in = at::randn({shard}), out = at::empty({shard * kRanks});
+  for (auto _ : state) {
+    for (int i = 0; i < kPerStep; ++i) world.comm().all_gather_into(out, in, "bench all-gather");
+    world.note_step_done();
+  }
+  state.SetItemsProcessed(state.iterations() * kPerStep);
+}
+void BM_AllGatherInSteps(benchmark::State& state) { all_gathers_in_steps(state, g_worlds); }
+void BM_CheckedAllGatherInSteps(benchmark::State& state) { all_gathers_in_steps(state, g_checked); }
 
 void BM_ReduceScatter(benchmark::State& state) {
   auto& comm = g_worlds[state.thread_index()]->comm();
@@ -175,6 +196,8 @@ void BM_StageGrads(benchmark::State& state) {
 
 BENCHMARK(BM_AllGather)->RangeMultiplier(8)->Range(4 << 10, 64 << 20)->Threads(kRanks)->UseRealTime();
 BENCHMARK(BM_CheckedAllGather)->Arg(4 << 10)->Arg(256 << 10)->Threads(kRanks)->UseRealTime();
+BENCHMARK(BM_AllGatherInSteps)->Arg(4 << 10)->Threads(kRanks)->UseRealTime();
+BENCHMARK(BM_CheckedAllGatherInSteps)->Arg(4 << 10)->Threads(kRanks)->UseRealTime();
 BENCHMARK(BM_ReduceScatter)->RangeMultiplier(8)->Range(4 << 10, 64 << 20)->Threads(kRanks)->UseRealTime();
 BENCHMARK(BM_BucketerCoalescing)->Arg(0)->Arg(25)->Threads(kRanks)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AllReduceBucketer)->Arg(0)->Arg(25)->Threads(kRanks)->UseRealTime()->Unit(benchmark::kMillisecond);
