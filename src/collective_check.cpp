@@ -39,7 +39,7 @@ void CollectiveContext::step_done() {
   backwards_ = 0;
   inputs_seen_ = false;
   inputs_hash_ = 0;
-  inputs_.clear();
+  inputs_.reset();
 }
 
 void CollectiveContext::root_inputs(const std::vector<at::Tensor>& inputs) {
@@ -49,10 +49,10 @@ void CollectiveContext::root_inputs(const std::vector<at::Tensor>& inputs) {
   }
   std::ostringstream os;
   for (size_t i = 0; i < inputs.size(); ++i) os << (i ? ", " : "") << describe(inputs[i]);
-  std::string text = inputs.empty() ? std::string("no tensor") : os.str();
+  auto text = std::make_shared<const std::string>(inputs.empty() ? std::string("no tensor") : os.str());
   std::lock_guard<std::mutex> lock(mu_);
   inputs_seen_ = true;
-  inputs_hash_ = text_hash(text);
+  inputs_hash_ = text_hash(*text);
   inputs_ = std::move(text);
 }
 
@@ -63,16 +63,20 @@ CollectiveContext::Snapshot CollectiveContext::snapshot() const {
   s.backwards = backwards_;
   s.phase = in_backward_ ? (sync_ ? 2 : 1) : 0;
   s.inputs_hash = inputs_hash_;
-  std::ostringstream os;
-  os << "step " << step_ << ", ";
-  if (in_backward_)
-    os << "in backward " << backwards_ + 1 << " since the last optimizer step (gradient sync "
-       << (sync_ ? "on" : "off") << ")";
-  else
-    os << "after " << backwards_ << " backward" << (backwards_ == 1 ? "" : "s") << " since the last optimizer step";
-  if (inputs_seen_) os << "; the step's first forward took " << inputs_;
-  s.words = os.str();
+  s.inputs = inputs_;
   return s;
+}
+
+std::string CollectiveContext::Snapshot::words() const {
+  std::ostringstream os;
+  os << "step " << step << ", ";
+  if (phase != 0)
+    os << "in backward " << backwards + 1 << " since the last optimizer step (gradient sync "
+       << (phase == 2 ? "on" : "off") << ")";
+  else
+    os << "after " << backwards << " backward" << (backwards == 1 ? "" : "s") << " since the last optimizer step";
+  if (inputs) os << "; the step's first forward took " << *inputs;
+  return os.str();
 }
 
 // ---- WaitBoard
@@ -292,8 +296,8 @@ std::string WaitBoard::record(int comm, Kind kind, int64_t seq, const std::strin
 }
 
 WaitBoard::Wait::Wait(std::shared_ptr<WaitBoard> board, int comm, Kind kind, int64_t seq,
-                      const std::string& description)
-    : board_(std::move(board)), comm_(comm), kind_(kind), seq_(seq), description_(description),
+                      std::function<std::string()> describe)
+    : board_(std::move(board)), comm_(comm), kind_(kind), seq_(seq), describe_(std::move(describe)),
       next_(std::chrono::steady_clock::now() + kQuiet) {}
 
 WaitBoard::Wait::~Wait() {
@@ -311,6 +315,7 @@ std::string WaitBoard::Wait::probe() {
   next_ = now + kProbe;
   WaitBoard& b = *board_;
   try {
+    if (description_.empty()) description_ = describe_();
     // Rewritten when it changed: another thread of this rank launched meanwhile.
     std::string mine = b.record(comm_, kind_, seq_, description_);
     if (mine != written_) {
@@ -358,6 +363,22 @@ std::string WaitBoard::Wait::probe() {
 
 // ---- CheckedLaunch, CollectiveChecker
 
+const std::string& CheckedLaunch::description() const {
+  std::call_once(described_, [&] { description_ = describe ? describe() : std::string("a collective"); });
+  return description_;
+}
+
+bool work_done_within(c10d::Work& work, std::chrono::milliseconds slice) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    work.wait(slice);  // throws when the slice passes (the work goes on), or with the work's failure
+    return true;
+  } catch (const std::exception&) {
+    // A failure, not the slice passing: completed, or thrown well before the slice's end.
+    return work.isCompleted() || std::chrono::steady_clock::now() - start < slice / 2;
+  }
+}
+
 void CheckedLaunch::settle(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr e) {
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -404,19 +425,12 @@ at::Tensor gather(c10d::Backend& backend, const at::Tensor& mine, int size, std:
     work->wait(timeout);
     return all;
   }
-  for (;;) {
-    try {
-      work->wait(WaitBoard::kProbe);  // throws when the slice passes (the work goes on)
-      return all;
-    } catch (const std::exception&) {
-      if (work->isCompleted()) {
-        work->wait(timeout);  // its own outcome: the exchange's failure, if any
-        return all;
-      }
-    }
+  while (!work_done_within(*work, WaitBoard::kProbe)) {
     std::string crossed = wait->probe();
-    if (!crossed.empty()) throw CollectivesDiverged(crossed);
+    if (!crossed.empty()) throw CollectivesDiverged(crossed);  // run_taken marks the checker broken
   }
+  work->wait(timeout);  // its own outcome: the exchange's failure, if any
+  return all;
 }
 
 // Every rank's text, in rank order: every rank calls it, after every rank saw the same mismatch.
@@ -477,7 +491,7 @@ void exchange_and_launch(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wa
     return;
   }
   // Every rank saw the same fingerprints, so every rank is here: the texts.
-  const auto texts = gather_texts(*s.check, c.description, s.size, c.timeout);
+  const auto texts = gather_texts(*s.check, c.description(), s.size, c.timeout);
   std::ostringstream os;
   os << "shardtorch: rank " << s.rank << "/" << s.size << ": collectives diverged: rank 0 is at " << texts[0]
      << " but rank " << differ[0] << " is at " << texts[differ[0]];
@@ -544,6 +558,16 @@ void take_if_next(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait) {
   run_taken(s, c, nullptr, wait);
 }
 
+// Probes `wait`; for a cycle of waits through this rank, marks the checker
+// broken and returns the CollectivesDiverged to throw (null otherwise).
+std::exception_ptr diverged_on_probe(CheckerShared& s, WaitBoard::Wait& wait) {
+  std::string crossed = wait.probe();
+  if (crossed.empty()) return nullptr;
+  auto e = std::make_exception_ptr(CollectivesDiverged(crossed));
+  mark_broken(s, e);
+  return e;
+}
+
 // What a thread whose launch is not done waits for: the next exchange to finish.
 int64_t next_exchange(CheckerShared& s) {
   std::lock_guard<std::mutex> lock(s.mu);
@@ -562,7 +586,7 @@ c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched(bool probe) {
   }
   auto s = checker.lock();
   std::optional<WaitBoard::Wait> wait;
-  if (probe && s && s->board) wait.emplace(s->board, s->comm, Kind::Exchange, next_exchange(*s), description);
+  if (probe && s && s->board) wait.emplace(s->board, s->comm, Kind::Exchange, next_exchange(*s), [this] { return description(); });
   if (s) take_if_next(*s, *this, wait ? &*wait : nullptr);
   std::unique_lock<std::mutex> lock(mu);
   if (!wait) {
@@ -572,12 +596,7 @@ c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched(bool probe) {
     while (!cv.wait_for(lock, WaitBoard::kProbe, [&] { return done; })) {
       lock.unlock();
       wait->set(Kind::Exchange, next_exchange(*s));
-      std::string crossed = wait->probe();
-      if (!crossed.empty()) {
-        auto e = std::make_exception_ptr(CollectivesDiverged(crossed));
-        mark_broken(*s, e);
-        settle(nullptr, e);
-      }
+      if (auto e = diverged_on_probe(*s, *wait)) settle(nullptr, e);
       lock.lock();
     }
   }
@@ -590,7 +609,7 @@ bool CheckedLaunch::await(const std::function<bool(std::chrono::milliseconds)>& 
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto s = checker.lock();
   if (!s || !s->board) return done_within(timeout);
-  WaitBoard::Wait wait(s->board, s->comm, Kind::Collective, seq, description);
+  WaitBoard::Wait wait(s->board, s->comm, Kind::Collective, seq, [this] { return description(); });
   std::chrono::milliseconds slice = WaitBoard::kQuiet;  // a shorter wait is never compared: one call
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
@@ -615,12 +634,7 @@ bool CheckedLaunch::await(const std::function<bool(std::chrono::milliseconds)>& 
       wait.set(Kind::Collective, seq);
     else
       wait.set(Kind::Exchange, next_exchange(*s));
-    std::string crossed = wait.probe();
-    if (!crossed.empty()) {
-      auto e = std::make_exception_ptr(CollectivesDiverged(crossed));
-      mark_broken(*s, e);
-      std::rethrow_exception(e);
-    }
+    if (auto e = diverged_on_probe(*s, wait)) std::rethrow_exception(e);
   }
 }
 
@@ -674,11 +688,11 @@ CollectiveChecker::~CollectiveChecker() {
 }
 
 std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pattern, int64_t step,
-                                                         std::string description,
+                                                         std::function<std::string()> describe,
                                                          std::function<c10::intrusive_ptr<c10d::Work>()> start,
                                                          std::chrono::milliseconds timeout) {
   auto c = std::make_shared<CheckedLaunch>();
-  c->description = std::move(description);
+  c->describe = std::move(describe);
   c->start = std::move(start);
   c->timeout = timeout;
   c->checker = s_;

@@ -58,9 +58,12 @@ class CollectiveContext {
   /// the step's next collective).
   void root_inputs(const std::vector<at::Tensor>& inputs);
 
+  /// Numbers only: the words are built when an error or a wait record needs them.
   struct Snapshot {
-    int64_t step = 0, backwards = 0, phase = 0, inputs_hash = 0;
-    std::string words;  // "step 2, after 1 backward since the step, in a backward with gradient sync on; ..."
+    int64_t step = 0, backwards = 0, phase = 0, inputs_hash = 0;  // phase: 0 none, 1 backward without sync, 2 with
+    std::shared_ptr<const std::string> inputs;                    // the step's first forward's, null before it
+    /// "step 2, after 1 backward since the last optimizer step; the step's first forward took ..."
+    std::string words() const;
   };
   Snapshot snapshot() const;
 
@@ -72,7 +75,7 @@ class CollectiveContext {
   bool sync_ = true;
   bool inputs_seen_ = false;
   int64_t inputs_hash_ = 0;
-  std::string inputs_;
+  std::shared_ptr<const std::string> inputs_;
 };
 
 /// One rank's checked communicators and, for its long waits, their records
@@ -104,8 +107,9 @@ class WaitBoard {
   /// (kept after a cycle, for the other ranks' probes). Never throws.
   class Wait {
    public:
-    /// `description` must outlive the Wait (it is not copied: one is made per checked wait).
-    Wait(std::shared_ptr<WaitBoard> board, int comm, Kind kind, int64_t seq, const std::string& description);
+    /// `describe` gives what is waited for in words; called at the first probe
+    /// that writes a record (a wait past kQuiet), never for a short wait.
+    Wait(std::shared_ptr<WaitBoard> board, int comm, Kind kind, int64_t seq, std::function<std::string()> describe);
     ~Wait();
     Wait(const Wait&) = delete;
     Wait& operator=(const Wait&) = delete;
@@ -127,7 +131,8 @@ class WaitBoard {
     int comm_;
     Kind kind_;
     int64_t seq_;
-    const std::string& description_;
+    std::function<std::string()> describe_;
+    std::string description_;  // built at the first record
     std::chrono::steady_clock::time_point next_;
     std::string written_;   // this rank's record as last written, "" before
     bool crossed_ = false;  // probe() returned an error
@@ -154,7 +159,9 @@ struct CheckerShared;  // what the checker's thread uses: it may outlive the che
 /// FIFO for the launches before it or for its exchange.
 struct CheckedLaunch {
   std::vector<int64_t> fingerprint;  // exchanged: the pattern, the step, seq
-  std::string description;           // in words, for the error
+  std::function<std::string()> describe;  // in words, for an error or a wait record (built then only)
+  /// describe()'s text, built at the first call; thread-safe.
+  const std::string& description() const;
   std::function<c10::intrusive_ptr<c10d::Work>()> start;
   std::chrono::milliseconds timeout{0};
   int64_t seq = 0;        // its number on its communicator (1, 2, ...)
@@ -190,6 +197,10 @@ struct CheckedLaunch {
   bool done = false;
   c10::intrusive_ptr<c10d::Work> work;
   std::exception_ptr error;
+
+ private:
+  mutable std::once_flag described_;
+  mutable std::string description_;
 };
 
 class CollectiveChecker {
@@ -210,7 +221,9 @@ class CollectiveChecker {
   /// place of the previous step and nothing is queued before it; otherwise
   /// in order, after the exchange of (pattern, step, its number) where it
   /// needs one (the step's first; one that differs from the previous step's).
-  std::shared_ptr<CheckedLaunch> submit(std::vector<int64_t> pattern, int64_t step, std::string description,
+  /// `describe`: the collective in words, called only for an error or a wait record.
+  std::shared_ptr<CheckedLaunch> submit(std::vector<int64_t> pattern, int64_t step,
+                                        std::function<std::string()> describe,
                                         std::function<c10::intrusive_ptr<c10d::Work>()> start,
                                         std::chrono::milliseconds timeout);
   /// Exchanges entered so far.
@@ -224,6 +237,10 @@ class CollectiveChecker {
   std::shared_ptr<CheckerShared> s_;
   std::thread thread_;
 };
+
+/// Whether `work` completed or failed within `slice` (false: it goes on).
+/// Never throws; `work.wait()` then gives its outcome.
+bool work_done_within(c10d::Work& work, std::chrono::milliseconds slice);
 
 /// FNV-1a, 64 bits (as an int64): the same on every rank for the same text.
 int64_t text_hash(const std::string& s);

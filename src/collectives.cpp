@@ -238,8 +238,10 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
     std::vector<int64_t> pattern{op_code(op), detail::text_hash(what), data.numel(),
                                  static_cast<int64_t>(data.scalar_type()), extra, where.backwards, where.phase,
                                  where.inputs_hash};
-    std::string description = std::string(op) + " for " + what + " (" + p.shapes + "); " + where.words;
-    p.checked = checker_->submit(std::move(pattern), where.step, std::move(description), std::move(start), timeout_);
+    auto describe = [op, what = p.what, shapes = p.shapes, where] {
+      return std::string(op) + " for " + what + " (" + shapes + "); " + where.words();
+    };
+    p.checked = checker_->submit(std::move(pattern), where.step, std::move(describe), std::move(start), timeout_);
     return p;
   }
   try {
@@ -373,20 +375,6 @@ void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
   wait_on_host(p);
 }
 
-namespace {
-// Whether `work` completed or failed within `slice` (false: it goes on).
-bool done_within(c10d::Work& work, std::chrono::milliseconds slice) {
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    work.wait(slice);
-    return true;
-  } catch (const std::exception&) {
-    // A failure, not the slice passing: completed, or thrown well before the slice's end.
-    return work.isCompleted() || std::chrono::steady_clock::now() - start < slice / 2;
-  }
-}
-}  // namespace
-
 void Comm::wait_on_host(PendingWork& p) {
   auto checked = p.checked;  // launched() spends it
   launched(p);
@@ -399,7 +387,7 @@ void Comm::wait_on_host(PendingWork& p) {
   // rank that launched this collective while another differs and waits in
   // its exchange is a cycle of two waits).
   complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] {
-    const bool done = checked->await([&](std::chrono::milliseconds slice) { return done_within(*work, slice); },
+    const bool done = checked->await([&](std::chrono::milliseconds slice) { return detail::work_done_within(*work, slice); },
                                      timeout_);
     try {
       work->wait(done ? timeout_ : std::chrono::milliseconds(1));  // its outcome; past the timeout, its timeout error

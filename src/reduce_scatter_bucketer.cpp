@@ -216,21 +216,21 @@ void ReduceScatterBucketer::wait_for_launch(Launched& l) {
   if (l.call.active()) {
     l.output = detail::finish_hook(*hook_, l.call, l.group->rank(), l.group->timeout());
   } else if (l.completion) {
-    std::exception_ptr diverged;  // checked: a long wait is compared with the peers' (collective_check.h)
+    std::exception_ptr error;  // checked: a long wait is compared with the peers' (collective_check.h)
     if (l.work.checked) {
       try {
         l.work.checked->await([&](std::chrono::milliseconds slice) { return l.completion->wait_for(slice); },
                               l.group->timeout());
       } catch (...) {
-        diverged = std::current_exception();
+        error = std::current_exception();
       }
     }
-    if (!diverged) {
+    if (!error) {
       l.completion->wait();
-      diverged = l.completion->error();
-      if (diverged && l.work.checked) diverged = l.work.checked->explain(diverged);
+      error = l.completion->error();
+      if (error && l.work.checked) error = l.work.checked->explain(error);
     }
-    l.group->finish(l.work, diverged);
+    l.group->finish(l.work, error);
   } else {
     l.group->wait(l.work);
   }
