@@ -160,7 +160,7 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
       const std::string peers = peer_report_(start);
       if (!peers.empty()) os << ". " << peers;
     }
-    throw std::runtime_error(os.str());
+    throw Error(os.str());
   }
   counter.calls += 1;
   counter.bytes_sent += bytes;
@@ -247,7 +247,7 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   try {
     p.work = start();
   } catch (const std::exception& e) {
-    throw std::runtime_error("shardtorch: rank " + std::to_string(rank_) + "/" + std::to_string(size_) + ": " + op +
+    throw Error("shardtorch: rank " + std::to_string(rank_) + "/" + std::to_string(size_) + ": " + op +
                              " for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e));
   }
   return p;

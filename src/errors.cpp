@@ -53,9 +53,8 @@ void rethrow_naming(int rank, const std::function<std::string()>& operation) {
   } catch (const c10::Error& e) {  // from LibTorch or c10d: its message, without c10's backtrace
     const std::string m = e.what_without_backtrace();
     throw_error("", names_rank(m, rank) ? m : where + ": " + m);
-  } catch (const std::exception& e) {
-    if (names_rank(e.what(), rank)) throw;
-    throw_error("", where + ": " + e.what());
+  } catch (const std::exception& e) {  // one error type: a shardtorch::Error, its message kept
+    throw_error("", names_rank(e.what(), rank) ? std::string(e.what()) : where + ": " + e.what());
   } catch (...) {
     throw_error("", where + " (an exception of unknown type)");
   }

@@ -11,11 +11,13 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "shardtorch/error.h"
+
 namespace shardtorch::files {
 namespace {
 
 [[noreturn]] void fail(const std::string& call, const std::string& path, int err) {
-  throw std::runtime_error("shardtorch: " + call + " '" + path + "' failed: " + std::strerror(err));
+  throw Error("shardtorch: " + call + " '" + path + "' failed: " + std::strerror(err));
 }
 
 bool stat_of(const std::string& path, struct stat& st, bool follow = true) {
@@ -81,7 +83,7 @@ bool is_empty_directory(const std::string& path) {
 int64_t file_size(const std::string& path) {
   struct stat st;
   if (!stat_of(path, st)) fail("stat of", path, errno);
-  if (!S_ISREG(st.st_mode)) throw std::runtime_error("shardtorch: '" + path + "' is not a regular file");
+  if (!S_ISREG(st.st_mode)) throw Error("shardtorch: '" + path + "' is not a regular file");
   return static_cast<int64_t>(st.st_size);
 }
 
@@ -157,7 +159,7 @@ bool remove(const std::string& path) {
 
 void rename(const std::string& from, const std::string& to) {
   if (::rename(from.c_str(), to.c_str()) != 0)
-    throw std::runtime_error("shardtorch: renaming '" + from + "' to '" + to + "' failed: " + std::strerror(errno));
+    throw Error("shardtorch: renaming '" + from + "' to '" + to + "' failed: " + std::strerror(errno));
 }
 
 void sync(const std::string& path, bool directory) {
@@ -186,7 +188,7 @@ void make_directories(const std::string& dir, const std::string& target) {
   std::string why = std::strerror(err);
   if (err == EEXIST) why = "'" + dir + "' exists and is not a directory";
   else if (dir != target) why = "mkdir of '" + dir + "': " + why;
-  throw std::runtime_error("shardtorch: making directory '" + target + "' failed: " + why);
+  throw Error("shardtorch: making directory '" + target + "' failed: " + why);
 }
 }  // namespace
 

@@ -9,7 +9,7 @@
 // Nothing built here may import a std::filesystem symbol; the ctest
 // `build.no_std_filesystem_imports` checks every binary.
 //
-// Errors throw std::runtime_error naming the call, the path and errno's text.
+// Errors throw shardtorch::Error naming the call, the path and errno's text.
 #pragma once
 
 #include <cstdint>

@@ -243,7 +243,7 @@ void check_same_options(const std::vector<OptionValues>& all, int me) {
   msg << "shardtorch::shard: ShardOptions differ across ranks: " << err.str();
   if (more) msg << "; and " << more << " more";
   msg << ". Every rank must pass the same ShardOptions (seen on rank " << me << ")";
-  throw std::runtime_error(msg.str());
+  throw Error(msg.str());
 }
 
 // Every rank learns every rank's description (options, then the model); all
@@ -279,7 +279,7 @@ void check_same_model_everywhere(World& world, const std::string& mine) {
   err << "; ranks that differ from rank 0:";
   for (int r : bad) err << " " << r;
   err << " (seen on rank " << world.rank() << ")";
-  throw std::runtime_error(err.str());
+  throw Error(err.str());
 }
 
 // Deferred construction (shardtorch/deferred.h): gives the deferred ones

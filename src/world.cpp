@@ -26,7 +26,7 @@ std::optional<std::string> process_env(const std::string& name) {
 }
 
 [[noreturn]] void bad_var(const std::string& name, const std::string& value, const std::string& why) {
-  throw std::invalid_argument("shardtorch: environment variable " + name + "='" + value + "' " + why);
+  throw Error("shardtorch: environment variable " + name + "='" + value + "' " + why);
 }
 
 int parse_int(const std::string& name, const std::string& value) {
@@ -108,8 +108,8 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
     auto rank = lookup(s.rank);
     auto size = lookup(s.size);
     if (!rank && !size) continue;
-    if (!rank) throw std::invalid_argument(std::string("shardtorch: ") + s.size + " is set but " + s.rank + " is not");
-    if (!size) throw std::invalid_argument(std::string("shardtorch: ") + s.rank + " is set but " + s.size + " is not");
+    if (!rank) throw Error(std::string("shardtorch: ") + s.size + " is set but " + s.rank + " is not");
+    if (!size) throw Error(std::string("shardtorch: ") + s.rank + " is set but " + s.size + " is not");
     env.launcher = s.launcher;
     env.rank = parse_int(s.rank, *rank);
     env.world_size = parse_int(s.size, *size);
@@ -141,11 +141,11 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
   env.use_agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   if (env.world_size > 1) {
     if (env.master_addr.empty())
-      throw std::invalid_argument("shardtorch: MASTER_ADDR is not set (world size " +
+      throw Error("shardtorch: MASTER_ADDR is not set (world size " +
                                   std::to_string(env.world_size) + " from " + env.launcher +
                                   "); set it to the address of rank 0");
     if (env.master_port == 0)
-      throw std::invalid_argument("shardtorch: MASTER_PORT is not set (world size " +
+      throw Error("shardtorch: MASTER_PORT is not set (world size " +
                                   std::to_string(env.world_size) + " from " + env.launcher + ")");
   }
   return env;

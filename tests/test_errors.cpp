@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <optional>
 
+#include "models.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/error.h"
 #include "shardtorch/flat_param_layout.h"
@@ -37,4 +39,62 @@ TEST(Errors, LibraryErrorsAreShardtorchErrorsWithoutABacktrace) {
 
   // Checkpoint errors are shardtorch::Errors too.
   EXPECT_THROW(shardtorch::checkpoint::load_file("/nonexistent/shardtorch.safetensors"), shardtorch::Error);
+}
+
+// One catch clause is enough, wherever a failure starts: the launcher's
+// variables, ranks whose ShardOptions differ in shard(), a collective whose
+// peer left, a failure inside the library's thread that waits for
+// reduce-scatters. Each of these was once a plain std::runtime_error or
+// std::invalid_argument.
+TEST(Errors, LaunchAgreementCollectiveAndThreadFailuresAreShardtorchErrors) {
+  const shardtorch::EnvLookup bad_rank = [](const std::string& name) -> std::optional<std::string> {
+    if (name == "RANK") return "one";
+    if (name == "WORLD_SIZE") return "2";
+    return std::nullopt;
+  };
+  EXPECT_THROW(shardtorch::parse_launch_env(bad_rank), shardtorch::Error);
+  const shardtorch::EnvLookup no_size = [](const std::string& name) -> std::optional<std::string> {
+    if (name == "RANK") return "0";
+    return std::nullopt;
+  };
+  EXPECT_THROW(shardtorch::parse_launch_env(no_size), shardtorch::Error);
+
+  using shardtorch::testing::RunOptions;
+  auto r = shardtorch::testing::run_ranks(2, [](shardtorch::World& w) {
+    // What `body` throws, unless it is a shardtorch::Error whose message holds `want`.
+    auto expect_error = [&](const char* what, const std::string& want, const std::function<void()>& body) {
+      try {
+        body();
+      } catch (const shardtorch::Error& e) {
+        if (std::string(e.what()).find(want) != std::string::npos) return;
+        throw std::runtime_error(std::string(what) + ": '" + want + "' is not in: " + e.what());
+      } catch (const std::exception& e) {
+        throw std::runtime_error(std::string(what) + ": not a shardtorch::Error: " + e.what());
+      }
+      throw std::runtime_error(std::string(what) + ": no error");
+    };
+    {
+      testmodels::MLP m;
+      const auto strategy = w.rank() == 0 ? shardtorch::Strategy::FullShard : shardtorch::Strategy::NoShard;
+      expect_error("shard() with differing strategies", "ShardOptions differ across ranks",
+                   [&] { shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(strategy)); });
+    }
+    {
+      testmodels::MLP m;
+      shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::FullShard));
+      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+      shardtorch::testing::inject_failure("completion watcher");
+      expect_error("a failure in the completion watcher", "shardtorch: rank " + std::to_string(w.rank()), [&] {
+        opt->zero_grad();
+        m(torch::randn({4, 7})).square().mean().backward();
+        opt->step();
+      });
+    }
+    // Rank 1 leaves; rank 0's all-reduce then fails.
+    if (w.rank() == 1) return;
+    at::Tensor t = at::ones({4});
+    expect_error("an all-reduce whose peer left", "shardtorch: rank 0/2: all_reduce for lonely",
+                 [&] { w.comm().all_reduce(t, c10d::ReduceOp::SUM, "lonely"); });
+  }, RunOptions().collective_timeout(std::chrono::seconds(10)).timeout(std::chrono::seconds(60)));
+  ASSERT_TRUE(r.ok) << r.summary();
 }
