@@ -3,8 +3,8 @@
 // lighthouse (docs/fault_tolerance.md). Each replica group is one World (one
 // torchrun job) that shards the model as usual; the groups average their
 // gradients through a Manager, which survives the loss of a group and heals
-// a restarted one from a live peer. Link shardtorch::ft (built when gRPC is
-// found).
+// a restarted one from a live peer. Part of shardtorch::shardtorch when built
+// with SHARDTORCH_FT=ON, the default (it needs gRPC and protobuf).
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
