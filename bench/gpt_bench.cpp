@@ -184,6 +184,7 @@ int run(const Args& a) {
   std::vector<double> losses, step_ms, forward_ms, backward_ms, optimizer_ms;
   int64_t sent = 0;  // by the library during the measured steps
   int64_t to_device = 0, to_host = 0;  // offload copies during the measured steps
+  int64_t exchanges = 0;  // of the collective check on the world's group, during the measured steps
   const int total = a.warmup + a.steps;
   // --profile: the first measured step under LibTorch's profiler (CPU ops and,
   // on CUDA, kernels and copies), saved as a Chrome trace per rank.
@@ -201,6 +202,7 @@ int run(const Args& a) {
     at::Tensor tokens = batch_tokens(a, s, world->size(), world->rank()).to(world->device());
     world->barrier();  // ranks start the step together
     const int64_t bytes0 = sharded ? sharded->comm_stats().total_bytes_sent() : 0;
+    const int64_t exchanges0 = world->comm().check_exchanges();
     const auto traffic0 = sharded ? sharded->stats().offload : shardtorch::ShardStats::OffloadTraffic{};
     if (s == profiled) {
       if (!world->device().is_cpu()) torch::cuda::synchronize(world->device().index());
@@ -250,6 +252,7 @@ int run(const Args& a) {
     at::Tensor mean = loss.detach().to(at::kDouble).reshape({1}).clone();
     world->comm().all_reduce(mean, c10d::ReduceOp::SUM, "gpt_bench loss");
     losses.push_back(mean.item<double>() / world->size());
+    if (s >= a.warmup) exchanges += world->comm().check_exchanges() - exchanges0;
     if (lead && !a.quiet && (s + 1 == total || (s + 1) % 10 == 0)) {
       std::fprintf(stderr, "gpt_bench: step %d/%d loss %.4f %.1f ms\n", s + 1, total, losses.back(), ms);
     }
@@ -301,6 +304,8 @@ int run(const Args& a) {
       {"bytes_sent_per_step", a.steps > 0 ? sent / a.steps : 0},
       {"offload_to_device_bytes_per_step", a.steps > 0 ? to_device / a.steps : 0},
       {"offload_to_host_bytes_per_step", a.steps > 0 ? to_host / a.steps : 0},
+      {"check_collectives", world->checks_collectives()},
+      {"check_exchanges_per_step", a.steps > 0 ? static_cast<double>(exchanges) / a.steps : 0.0},
   };
   if (!a.report.empty()) {
     std::string path = a.report + ".rank" + std::to_string(world->rank()) + ".json";
@@ -318,6 +323,9 @@ int run(const Args& a) {
                 shardtorch::format_bytes(model_state).c_str(),
                 shardtorch::format_bytes(process_memory::peak_resident_bytes()).c_str(),
                 shardtorch::format_bytes(dev_peak.allocated).c_str());
+    if (world->checks_collectives())
+      std::printf("gpt_bench: collective check on: %.2f exchanges per step on the world's group\n",
+                  r["check_exchanges_per_step"].as_double());
   }
   return 0;
 }
