@@ -33,13 +33,28 @@ void CollectiveContext::backward_ends() {
   ++backwards_;
 }
 
+void step_began(CheckerShared& s, int64_t step);  // below
+
 void CollectiveContext::step_done() {
+  std::vector<std::weak_ptr<CheckerShared>> checkers;
+  int64_t step;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    step = ++step_;
+    backwards_ = 0;
+    inputs_seen_ = false;
+    inputs_hash_ = 0;
+    inputs_.reset();
+    checkers = checkers_;
+  }
+  for (auto& weak : checkers)
+    if (auto s = weak.lock()) step_began(*s, step);
+}
+
+void CollectiveContext::follow(std::weak_ptr<CheckerShared> checker) {
   std::lock_guard<std::mutex> lock(mu_);
-  ++step_;
-  backwards_ = 0;
-  inputs_seen_ = false;
-  inputs_hash_ = 0;
-  inputs_.reset();
+  std::erase_if(checkers_, [](const auto& w) { return w.expired(); });
+  checkers_.push_back(std::move(checker));
 }
 
 void CollectiveContext::root_inputs(const std::vector<at::Tensor>& inputs) {
@@ -391,7 +406,7 @@ void CheckedLaunch::settle(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr 
   cv.notify_all();
 }
 
-struct CheckerShared {
+struct CheckerShared : std::enable_shared_from_this<CheckerShared> {
   c10::intrusive_ptr<c10d::Backend> check;  // the check group: the exchanges alone
   int rank = 0, size = 1;
   std::mutex mu;
@@ -405,6 +420,8 @@ struct CheckerShared {
   // The patterns of the previous step's collectives and of this step's so far.
   std::vector<std::vector<int64_t>> previous, current;
   int64_t step = -1;
+  bool marked = false;    // this step began with a marker exchange (step_began)
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // a marker's: the last collective's
   int64_t issued = 0;     // collectives submitted
   int64_t entered = 0;    // exchanges entered
   int64_t finished = 0;   // exchanges finished (in order: the next to finish is finished + 1)
@@ -454,8 +471,13 @@ void mark_broken(CheckerShared& s, const std::exception_ptr& e) {
   if (!s.broken) s.broken = e;
 }
 
-// Starts the collective and counts it; throws what the launch threw.
+// Starts the collective and counts it; throws what the launch threw. A
+// step's marker (no `start`) launches nothing.
 void launch(CheckerShared& s, CheckedLaunch& c) {
+  if (!c.start) {
+    c.settle(nullptr, nullptr);
+    return;
+  }
   auto work = c.start();
   if (s.board) s.board->launched(s.comm);
   c.settle(std::move(work), nullptr);
@@ -660,6 +682,9 @@ CollectiveChecker::CollectiveChecker(c10::intrusive_ptr<c10d::Backend> check, in
       {
         std::unique_lock<std::mutex> lock(s->mu);
         s->cv.wait(lock, [&] { return !s->busy && (s->stop || !s->queue.empty()); });
+        // Stopping: a step's marker no one waits for is not exchanged (a
+        // peer that left would keep this thread until the timeout).
+        if (s->stop) std::erase_if(s->queue, [](const auto& q) { return !q->start; });
         if (s->queue.empty()) return;  // stopping, nothing left
         c = std::move(s->queue.front());
         s->queue.pop_front();
@@ -687,6 +712,41 @@ CollectiveChecker::~CollectiveChecker() {
     thread_.join();
 }
 
+void step_began(CheckerShared& s, int64_t step) {
+  auto m = std::make_shared<CheckedLaunch>();
+  m->exchange = true;  // and no `start`: nothing to launch
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.broken || s.stop) return;
+    if (step != s.step) {
+      s.previous = std::move(s.current);
+      s.current.clear();
+      s.step = step;
+    }
+    s.marked = true;
+    m->fingerprint.assign(kPatternSize, 0);
+    m->fingerprint[0] = text_hash("the start of a step");
+    m->fingerprint.push_back(step);
+    m->fingerprint.push_back(s.issued);
+    m->describe = [step, issued = s.issued] {
+      return "the start of step " + std::to_string(step) + " (after " + std::to_string(issued) +
+             " collectives on this communicator)";
+    };
+    m->timeout = s.timeout;
+    m->checker = s.weak_from_this();
+    s.queue.push_back(std::move(m));
+  }
+  s.cv.notify_all();
+}
+
+void CollectiveChecker::follow_steps(CollectiveContext& context, std::chrono::milliseconds timeout) {
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->timeout = timeout;
+  }
+  context.follow(s_);
+}
+
 std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pattern, int64_t step,
                                                          std::function<std::string()> describe,
                                                          std::function<c10::intrusive_ptr<c10d::Work>()> start,
@@ -698,13 +758,17 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pa
   c->checker = s_;
   std::unique_lock<std::mutex> lock(s_->mu);
   c->seq = ++s_->issued;
-  if (step != s_->step) {
+  s_->timeout = timeout;
+  if (step != s_->step) {  // a step with no marker: its first collective compares the step counts
     s_->previous = std::move(s_->current);
     s_->current.clear();
     s_->step = step;
+    s_->marked = false;
   }
   const size_t k = s_->current.size();
-  c->exchange = !(k > 0 && k < s_->previous.size() && s_->previous[k] == pattern);
+  if (pattern.size() != kPatternSize)  // a marker's exchange must pair with any collective's
+    throw std::logic_error("CollectiveChecker::submit: a pattern of " + std::to_string(pattern.size()) + " integers");
+  c->exchange = !((k > 0 || s_->marked) && k < s_->previous.size() && s_->previous[k] == pattern);
   c->fingerprint = pattern;
   c->fingerprint.push_back(step);
   c->fingerprint.push_back(c->seq);

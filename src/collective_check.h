@@ -44,6 +44,11 @@
 
 namespace shardtorch::detail {
 
+struct CheckerShared;  // what a checker's thread uses: it may outlive the checker
+
+/// A collective's pattern: its fingerprint without the step (see Comm::launch).
+constexpr size_t kPatternSize = 8;
+
 /// Where this rank is in training, shared by a World's communicators and
 /// written by its sharded models: part of every collective's fingerprint, so
 /// that ranks at the same unit's collective in different micro-batches,
@@ -52,7 +57,11 @@ class CollectiveContext {
  public:
   void backward_begins(bool sync);
   void backward_ends();
+  /// Counts the step; each checker that follows the steps queues the new
+  /// step's marker exchange (CollectiveChecker::follow_steps).
   void step_done();
+  /// Adds a checker to those told of each step.
+  void follow(std::weak_ptr<CheckerShared> checker);
   /// The inputs of the root unit's forward in grad mode: the first since the
   /// last step is kept (a different batch size per rank is then caught at
   /// the step's next collective).
@@ -76,6 +85,7 @@ class CollectiveContext {
   bool inputs_seen_ = false;
   int64_t inputs_hash_ = 0;
   std::shared_ptr<const std::string> inputs_;
+  std::vector<std::weak_ptr<CheckerShared>> checkers_;
 };
 
 /// One rank's checked communicators and, for its long waits, their records
@@ -153,8 +163,6 @@ class WaitBoard {
   std::vector<Comm> comms_;
 };
 
-struct CheckerShared;  // what the checker's thread uses: it may outlive the checker
-
 /// One checked collective: launched at once, or waiting in its checker's
 /// FIFO for the launches before it or for its exchange.
 struct CheckedLaunch {
@@ -226,7 +234,12 @@ class CollectiveChecker {
                                         std::function<std::string()> describe,
                                         std::function<c10::intrusive_ptr<c10d::Work>()> start,
                                         std::chrono::milliseconds timeout);
-  /// Exchanges entered so far.
+  /// From now on, each step of `context` queues a marker exchange (the step,
+  /// the collectives issued so far) at once, on the checker's thread, so that
+  /// the step's first collective need not wait for one.
+  /// `timeout`: the markers' until a collective brings its own.
+  void follow_steps(CollectiveContext& context, std::chrono::milliseconds timeout);
+  /// Exchanges entered so far, step markers included.
   int64_t exchanges() const;
   /// Blocks until every collective submitted so far is launched (or failed:
   /// throws the error of the last one); a long wait is compared with the

@@ -215,6 +215,7 @@ void Comm::enable_checks(std::shared_ptr<detail::CollectiveContext> context, c10
   if (checker_) return;
   const int comm = board ? board->add(name, std::move(members)) : -1;
   checker_ = std::make_unique<detail::CollectiveChecker>(std::move(check), rank_, size_, std::move(board), comm);
+  checker_->follow_steps(*context_, timeout_);
 }
 
 int64_t Comm::check_exchanges() const { return checker_ ? checker_->exchanges() : 0; }

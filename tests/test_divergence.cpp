@@ -243,7 +243,7 @@ TEST(Diverged, CollectivesOfDifferentSizesAreAnErrorOnEveryRankNotAnAbort) {
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << clip.summary();
   for (const auto& rank : clip.ranks) EXPECT_EQ(rank.signal, 0) << clip.summary();
   expect_diverged(clip, {"rank 0 is at all_reduce for clip_grad_norm (Double[1])",
-                         "but rank 1 is at broadcast for "});
+                         "but rank 1 is at the start of step 1 (after "});
 }
 
 // The same programs with equal ranks train as before, and the switch must
@@ -468,27 +468,64 @@ TEST(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFromTh
       if (t[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum for " + what);
     };
     w.note_step_done();  // the set-up's collectives are a step of their own
+    // Counted after each step's first collective: by then the step's marker,
+    // exchanged in the background, has run (the collective launches after it).
     std::vector<int64_t> per_step;
+    int64_t before = -1;
     for (int step = 0; step < 8; ++step) {
-      const int64_t before = w.comm().check_exchanges();
       sum("a", 3);
+      const int64_t now = w.comm().check_exchanges();
+      if (before >= 0) per_step.push_back(now - before);
+      before = now;
       if (step == 5) sum("extra", 5);
       sum("b", 4);
       auto c = torch::full({2}, static_cast<float>(w.rank()));
       w.comm().broadcast(c, 1, "c");
       if (c[0].item<float>() != 1.0f) throw std::runtime_error("wrong broadcast");
       w.note_step_done();
-      per_step.push_back(w.comm().check_exchanges() - before);
     }
-    // Step 0: its collectives differ from the set-up's. Step 5: a (first),
-    // extra, b, c (each differs from step 4's at its place). Step 6: a, then
-    // b and c differ from step 5's.
-    const std::vector<int64_t> expected{3, 1, 1, 1, 1, 4, 3, 1};
+    // From each step's a to the next's: the step's other collectives, the
+    // next step's marker, and its a (never: it matches the previous step's
+    // first). Step 0: b and c differ from the set-up's. Step 5: extra, b and
+    // c each differ from step 4's at their place. Step 6: b and c differ
+    // from step 5's.
+    const std::vector<int64_t> expected{3, 1, 1, 1, 1, 4, 3};
     if (per_step != expected) {
       std::string got;
       for (auto n : per_step) got += std::to_string(n) + " ";
       throw std::runtime_error("exchanges per step: " + got);
     }
+  }, checked());
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// Each step's marker is exchanged in the background, on the checker's
+// thread, as the optimizer step ends: the step's first collective then
+// matches the previous step's first and launches at once, even while a peer
+// is still busy before it (here: 1.5 s). Before, it waited for that peer in
+// its own exchange.
+TEST(Diverged, AStepsFirstCollectiveLaunchesWithoutWaitingForASlowPeer) {
+  auto r = run_ranks(2, [](World& w) {
+    w.note_step_done();
+    auto step = [&](bool slow) {
+      if (slow && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      auto a = torch::ones({3});
+      auto pending = w.comm().all_reduce_async(a, "a");
+      const auto t0 = std::chrono::steady_clock::now();
+      w.comm().flush_launches();  // returns once "a" is on the backend
+      const double launch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      w.comm().wait(pending);
+      if (a[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum for a");
+      auto b = torch::ones({4});
+      w.comm().all_reduce(b, c10d::ReduceOp::SUM, "b");
+      w.note_step_done();
+      return launch_s;
+    };
+    for (int i = 0; i < 3; ++i) step(false);
+    const double launch_s = step(true);
+    if (w.rank() == 0 && launch_s > 0.75)
+      throw std::runtime_error("the step's first collective waited " + std::to_string(launch_s) +
+                               " s for its launch: it was exchanged with the slow peer");
   }, checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
