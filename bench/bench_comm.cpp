@@ -10,9 +10,10 @@
 //     is waited for at once, when every all-gather is exchanged (no optimizer
 //     step between them).
 //   BM_AllGatherInSteps / BM_CheckedAllGatherInSteps: eight all-gathers and
-//     an optimizer step (World::note_step_done) per iteration, unchecked and
-//     checked: the check in a training loop's steady state, which exchanges
-//     only each step's first collective.
+//     an optimizer step (World::note_step_done) per iteration, then 0 or
+//     2000 µs of sleep (the next forward's compute), unchecked and checked:
+//     the check in a training loop's steady state, which exchanges only each
+//     step's marker, in the background.
 //   BM_BucketerCoalescing: 256 gradient flats of 4K elements reduce-scattered
 //     through the ReduceScatterBucketer, coalesced (25 MiB buckets) or one
 //     collective each (bucket 0).
@@ -33,6 +34,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <iostream>
+#include <chrono>
 #include <thread>
 
 #include "../src/all_reduce_bucketer.h"
@@ -67,8 +69,11 @@ void all_gather_on(benchmark::State& state, std::shared_ptr<shardtorch::World> (
 void BM_AllGather(benchmark::State& state) { all_gather_on(state, g_worlds); }
 void BM_CheckedAllGather(benchmark::State& state) { all_gather_on(state, g_checked); }
 
-// Eight all-gathers and an optimizer step per iteration: the check's steady
-// state, where only each step's first all-gather is exchanged.
+// Eight all-gathers and an optimizer step per iteration, then range(1) µs
+// before the next step's first all-gather (the next forward's compute; a
+// sleep, as two ranks share this VM's two cores): the check's steady state,
+// where each step's marker is exchanged in the background and no all-gather
+// is.
 constexpr int kPerStep = 8;
 void all_gathers_in_steps(benchmark::State& state, std::shared_ptr<shardtorch::World> (&worlds)[kRanks]) {
   auto& world = *worlds[state.thread_index()];
@@ -77,6 +82,7 @@ void all_gathers_in_steps(benchmark::State& state, std::shared_ptr<shardtorch::W
   for (auto _ : state) {
     for (int i = 0; i < kPerStep; ++i) world.comm().all_gather_into(out, in, "bench all-gather");
     world.note_step_done();
+    if (state.range(1) > 0) std::this_thread::sleep_for(std::chrono::microseconds(state.range(1)));
   }
   state.SetItemsProcessed(state.iterations() * kPerStep);
 }
@@ -196,8 +202,8 @@ void BM_StageGrads(benchmark::State& state) {
 
 BENCHMARK(BM_AllGather)->RangeMultiplier(8)->Range(4 << 10, 64 << 20)->Threads(kRanks)->UseRealTime();
 BENCHMARK(BM_CheckedAllGather)->Arg(4 << 10)->Arg(256 << 10)->Threads(kRanks)->UseRealTime();
-BENCHMARK(BM_AllGatherInSteps)->Arg(4 << 10)->Threads(kRanks)->UseRealTime();
-BENCHMARK(BM_CheckedAllGatherInSteps)->Arg(4 << 10)->Threads(kRanks)->UseRealTime();
+BENCHMARK(BM_AllGatherInSteps)->Args({4 << 10, 0})->Args({4 << 10, 2000})->Threads(kRanks)->UseRealTime();
+BENCHMARK(BM_CheckedAllGatherInSteps)->Args({4 << 10, 0})->Args({4 << 10, 2000})->Threads(kRanks)->UseRealTime();
 BENCHMARK(BM_ReduceScatter)->RangeMultiplier(8)->Range(4 << 10, 64 << 20)->Threads(kRanks)->UseRealTime();
 BENCHMARK(BM_BucketerCoalescing)->Arg(0)->Arg(25)->Threads(kRanks)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AllReduceBucketer)->Arg(0)->Arg(25)->Threads(kRanks)->UseRealTime()->Unit(benchmark::kMillisecond);
