@@ -140,31 +140,37 @@ TEST(Network, OnlyLoopbackAddressesAreListenedOnAlone) {
 // TCPStore listened on :: (every interface) before.
 TEST(Network, WithALoopbackMasterAddrNothingListensBeyondLoopback) {
   for (const std::string& addr : loopback_addresses()) {
-    const int port = free_port();
-    auto r = run_ranks(2, [&](World& w) {
-      ::setenv("RANK", std::to_string(w.rank()).c_str(), 1);
-      ::setenv("WORLD_SIZE", "2", 1);
-      ::setenv("MASTER_ADDR", addr.c_str(), 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      auto world = World::from_env(shardtorch::WorldOptions().timeout(std::chrono::seconds(20)));
-      world->barrier();  // both ranks are connected: every socket is open
-      const auto all = listening_sockets();
-      const auto mine = own_socket_inodes();
-      std::vector<Listener> on_port, exposed, own;
-      for (const auto& l : all) {
-        if (l.port == port) on_port.push_back(l);
-        if (mine.count(l.inode)) own.push_back(l);
-        if ((l.port == port || mine.count(l.inode)) && !l.loopback) exposed.push_back(l);
-      }
-      require(exposed.empty(), "MASTER_ADDR=" + addr + ": rank " + std::to_string(w.rank()) +
-                                   " finds sockets listening beyond loopback: " + describe(exposed));
-      if (w.rank() == 0) {
-        require(!on_port.empty(), "no socket listens on the store's port " + std::to_string(port));
-        require(!own.empty(), "rank 0 (the store's host) owns no listening socket");
-      }
-      world->barrier();  // rank 1 stays connected while rank 0 looks
-    });
-    ASSERT_TRUE(r.ok) << "MASTER_ADDR=" << addr << "\n" << r.summary();
+    // Another process (a parallel test's torchrun) may take the free port
+    // before rank 0 binds it: then the run is repeated on another one.
+    for (int attempt = 1;; ++attempt) {
+      const int port = free_port();
+      auto r = run_ranks(2, [&](World& w) {
+        ::setenv("RANK", std::to_string(w.rank()).c_str(), 1);
+        ::setenv("WORLD_SIZE", "2", 1);
+        ::setenv("MASTER_ADDR", addr.c_str(), 1);
+        ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+        auto world = World::from_env(shardtorch::WorldOptions().timeout(std::chrono::seconds(20)));
+        world->barrier();  // both ranks are connected: every socket is open
+        const auto all = listening_sockets();
+        const auto mine = own_socket_inodes();
+        std::vector<Listener> on_port, exposed, own;
+        for (const auto& l : all) {
+          if (l.port == port) on_port.push_back(l);
+          if (mine.count(l.inode)) own.push_back(l);
+          if ((l.port == port || mine.count(l.inode)) && !l.loopback) exposed.push_back(l);
+        }
+        require(exposed.empty(), "MASTER_ADDR=" + addr + ": rank " + std::to_string(w.rank()) +
+                                     " finds sockets listening beyond loopback: " + describe(exposed));
+        if (w.rank() == 0) {
+          require(!on_port.empty(), "no socket listens on the store's port " + std::to_string(port));
+          require(!own.empty(), "rank 0 (the store's host) owns no listening socket");
+        }
+        world->barrier();  // rank 1 stays connected while rank 0 looks
+      });
+      if (!r.ok && attempt < 3 && r.ranks[0].message.find("Address already in use") != std::string::npos) continue;
+      ASSERT_TRUE(r.ok) << "MASTER_ADDR=" << addr << "\n" << r.summary();
+      break;
+    }
   }
 }
 
