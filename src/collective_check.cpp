@@ -474,7 +474,7 @@ void mark_broken(CheckerShared& s, const std::exception_ptr& e) {
 // Starts the collective and counts it; throws what the launch threw. A
 // step's marker (no `start`) launches nothing.
 void launch(CheckerShared& s, CheckedLaunch& c) {
-  if (!c.start) {
+  if (c.marker) {
     c.settle(nullptr, nullptr);
     return;
   }
@@ -684,7 +684,7 @@ CollectiveChecker::CollectiveChecker(c10::intrusive_ptr<c10d::Backend> check, in
         s->cv.wait(lock, [&] { return !s->busy && (s->stop || !s->queue.empty()); });
         // Stopping: a step's marker no one waits for is not exchanged (a
         // peer that left would keep this thread until the timeout).
-        if (s->stop) std::erase_if(s->queue, [](const auto& q) { return !q->start; });
+        if (s->stop) std::erase_if(s->queue, [](const auto& q) { return q->marker; });
         if (s->queue.empty()) return;  // stopping, nothing left
         c = std::move(s->queue.front());
         s->queue.pop_front();
@@ -699,7 +699,13 @@ CollectiveChecker::CollectiveChecker(c10::intrusive_ptr<c10d::Backend> check, in
 CollectiveChecker::~CollectiveChecker() {
   bool busy;
   {
-    std::lock_guard<std::mutex> lock(s_->mu);
+    std::unique_lock<std::mutex> lock(s_->mu);
+    // The last step's markers: the peers queued the same ones, so they pair
+    // at once, unless a peer is gone (or out of step: then it is broken).
+    s_->cv.wait_for(lock, kMarkerDrain, [&] {
+      return s_->broken || (!s_->busy && std::none_of(s_->queue.begin(), s_->queue.end(),
+                                                      [](const auto& q) { return q->marker; }));
+    });
     s_->stop = true;
     busy = s_->busy;
   }
@@ -714,12 +720,15 @@ CollectiveChecker::~CollectiveChecker() {
 
 void step_began(CheckerShared& s, int64_t step) {
   auto m = std::make_shared<CheckedLaunch>();
-  m->exchange = true;  // and no `start`: nothing to launch
+  m->exchange = true;
+  m->marker = true;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (s.broken || s.stop) return;
     if (step != s.step) {
-      s.previous = std::move(s.current);
+      // A step with no collective here (two optimizers stepped one after the
+      // other; an idle group) keeps the last one that had some as the reference.
+      if (!s.current.empty()) s.previous = std::move(s.current);
       s.current.clear();
       s.step = step;
     }
@@ -756,6 +765,8 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pa
   c->start = std::move(start);
   c->timeout = timeout;
   c->checker = s_;
+  if (pattern.size() != kPatternSize)  // a marker's exchange must pair with any collective's
+    throw std::logic_error("CollectiveChecker::submit: a pattern of " + std::to_string(pattern.size()) + " integers");
   std::unique_lock<std::mutex> lock(s_->mu);
   c->seq = ++s_->issued;
   s_->timeout = timeout;
@@ -766,8 +777,6 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pa
     s_->marked = false;
   }
   const size_t k = s_->current.size();
-  if (pattern.size() != kPatternSize)  // a marker's exchange must pair with any collective's
-    throw std::logic_error("CollectiveChecker::submit: a pattern of " + std::to_string(pattern.size()) + " integers");
   c->exchange = !((k > 0 || s_->marked) && k < s_->previous.size() && s_->previous[k] == pattern);
   c->fingerprint = pattern;
   c->fingerprint.push_back(step);

@@ -174,6 +174,7 @@ struct CheckedLaunch {
   std::chrono::milliseconds timeout{0};
   int64_t seq = 0;        // its number on its communicator (1, 2, ...)
   bool exchange = false;  // exchanged before it is launched
+  bool marker = false;    // a step's marker (step_began): exchanged, launches nothing
 
   /// Blocks until launched; returns the launched collective, or throws the
   /// check's error (CollectivesDiverged, or the failure of the exchange or
@@ -213,13 +214,16 @@ struct CheckedLaunch {
 
 class CollectiveChecker {
  public:
+  static constexpr std::chrono::milliseconds kMarkerDrain{2000};
   /// `check`: a group of the same members as the checked communicator, for
   /// the exchanges alone. `board`: where long waits are compared across
   /// communicators (may be null); `comm`: this communicator's number on it.
   CollectiveChecker(c10::intrusive_ptr<c10d::Backend> check, int rank, int size,
                     std::shared_ptr<WaitBoard> board = nullptr, int comm = -1);
-  /// Stops the thread; one still inside an exchange (a peer that never
-  /// comes) is left to finish on its own (it holds what it uses).
+  /// Stops the thread. Step markers still queued or running get up to
+  /// kMarkerDrain to pair with the peers' (every rank queued the same ones);
+  /// then queued ones are dropped, and a thread still inside an exchange (a
+  /// peer that never comes) is left to finish on its own (it holds what it uses).
   ~CollectiveChecker();
   CollectiveChecker(const CollectiveChecker&) = delete;
   CollectiveChecker& operator=(const CollectiveChecker&) = delete;

@@ -499,6 +499,40 @@ TEST(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFromTh
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
+// Two optimizers stepped one after the other (two World::note_step_done
+// with no collective between them): the step without collectives does not
+// replace the reference, so the collectives still launch without an
+// exchange; only the two markers are exchanged.
+TEST(Diverged, TwoStepsInARowKeepTheLastStepWithCollectivesAsTheReference) {
+  auto r = run_ranks(2, [](World& w) {
+    auto sum = [&](const std::string& what, int64_t n) {
+      auto t = torch::ones({n});
+      w.comm().all_reduce(t, c10d::ReduceOp::SUM, what);
+      if (t[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum for " + what);
+    };
+    w.note_step_done();
+    std::vector<int64_t> per_step;
+    int64_t before = -1;
+    for (int step = 0; step < 6; ++step) {
+      sum("a", 3);
+      const int64_t now = w.comm().check_exchanges();
+      if (before >= 0) per_step.push_back(now - before);
+      before = now;
+      sum("b", 4);
+      w.note_step_done();  // the first model's optimizer
+      w.note_step_done();  // the second's
+    }
+    // Step 0: b differs from the set-up's; then the two markers of each step.
+    const std::vector<int64_t> expected{3, 2, 2, 2, 2};
+    if (per_step != expected) {
+      std::string got;
+      for (auto n : per_step) got += std::to_string(n) + " ";
+      throw std::runtime_error("exchanges per step: " + got);
+    }
+  }, checked());
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
 // Each step's marker is exchanged in the background, on the checker's
 // thread, as the optimizer step ends: the step's first collective then
 // matches the previous step's first and launches at once, even while a peer
