@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <cstdlib>
@@ -110,6 +111,29 @@ TEST(CheckpointFailures, AFullStateDictOneRankCannotLoadFailsEveryRankAndChanges
     for (const auto& [n, v] : shardtorch::checkpoint::load_file(good))
       if (loaded.count(n)) require(at::equal(loaded.at(n), v), n + " did not load after the failure");
   });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// One checkpoint read through a different path on each rank (a copy per
+// node) loads with the collective check on: the check's fingerprint names
+// the loader's collectives without the path.
+TEST(CheckpointFailures, RanksReadingOneCheckpointThroughDifferentPathsLoadItWithTheCheckOn) {
+  const TempDir dir;
+  const std::string a = (dir / "a").string(), b = (dir / "b").string();
+  const std::string full = (dir / "full.safetensors").string(), full_b = (dir / "full-b.safetensors").string();
+  auto saved = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), a, 1);
+    shardtorch::save_full_state_dict(*t.model, full);
+  });
+  ASSERT_TRUE(saved.ok) << saved.summary();
+  ASSERT_EQ(::symlink(a.c_str(), b.c_str()), 0);
+  ASSERT_EQ(::symlink(full.c_str(), full_b.c_str()), 0);
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, 13, false, Strategy::FullShard, 7);
+    shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), w.rank() ? b : a);
+    shardtorch::load_full_state_dict(*t.model, w.rank() ? full_b : full);
+  }, shardtorch::testing::RunOptions().check_collectives(true));
   ASSERT_TRUE(r.ok) << r.summary();
 }
 

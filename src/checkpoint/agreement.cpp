@@ -7,9 +7,20 @@ namespace shardtorch::detail {
 
 using checkpoint::SafetensorsError;
 
+namespace {
+// The collective's name without the path that `what` quotes ("shardtorch::load_full_state_dict '/a/b'"):
+// ranks may read the same checkpoint through different paths, and with
+// WorldOptions::check_collectives the name is part of the fingerprint.
+std::string without_path(const std::string& what) {
+  const auto quote = what.find(" '");
+  return quote == std::string::npos ? what : what.substr(0, quote);
+}
+}  // namespace
+
 std::vector<std::string> agreed_fingerprints(World& world, const std::string& error, const std::string& what,
                                              const std::string& fingerprint) {
-  auto reports = world.comm().all_gather_strings(error.empty() ? "=" + fingerprint : "!" + error, what);
+  auto reports =
+      world.comm().all_gather_strings(error.empty() ? "=" + fingerprint : "!" + error, without_path(what) + ": agreement");
   for (size_t r = 0; r < reports.size(); ++r)
     if (!reports[r].empty() && reports[r][0] == '!')
       throw SafetensorsError(what + ": rank " + std::to_string(r) + ": " + reports[r].substr(1));
