@@ -346,11 +346,19 @@ struct Ring3 {
   }
 };
 
-// A sum of ones over a pair: 2 everywhere.
-void pair_sum(shardtorch::Comm& comm, const std::string& what) {
-  auto t = torch::ones({2});
+// A sum of `n` ones over a pair: 2 everywhere.
+void pair_sum(shardtorch::Comm& comm, const std::string& what, int64_t n = 2) {
+  auto t = torch::ones({n});
   comm.all_reduce(t, c10d::ReduceOp::SUM, what);
   if (t[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum for " + what);
+}
+
+// Throws, with the counts, unless the exchanges per step are `expected`.
+void require_exchanges(const std::vector<int64_t>& per_step, const std::vector<int64_t>& expected) {
+  if (per_step == expected) return;
+  std::string got;
+  for (auto n : per_step) got += std::to_string(n) + " ";
+  throw std::runtime_error("exchanges per step: " + got);
 }
 
 // Waits until each of `ranks` has written that it waits (one of its waits
@@ -462,11 +470,7 @@ TEST(Diverged, LongWaitsInAWouldBeCycleOfThreeThatResolveAreNoDivergence) {
 // changes on every rank alike (an extra collective in step 5).
 TEST(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFromThePreviousStep) {
   auto r = run_ranks(2, [](World& w) {
-    auto sum = [&](const std::string& what, int64_t n) {
-      auto t = torch::ones({n});
-      w.comm().all_reduce(t, c10d::ReduceOp::SUM, what);
-      if (t[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum for " + what);
-    };
+    auto sum = [&](const std::string& what, int64_t n) { pair_sum(w.comm(), what, n); };
     w.note_step_done();  // the set-up's collectives are a step of their own
     // Counted after each step's first collective: by then the step's marker,
     // exchanged in the background, has run (the collective launches after it).
@@ -490,11 +494,7 @@ TEST(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFromTh
     // c each differ from step 4's at their place. Step 6: b and c differ
     // from step 5's.
     const std::vector<int64_t> expected{3, 1, 1, 1, 1, 4, 3};
-    if (per_step != expected) {
-      std::string got;
-      for (auto n : per_step) got += std::to_string(n) + " ";
-      throw std::runtime_error("exchanges per step: " + got);
-    }
+    require_exchanges(per_step, expected);
   }, checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
@@ -505,11 +505,7 @@ TEST(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFromTh
 // exchange; only the two markers are exchanged.
 TEST(Diverged, TwoStepsInARowKeepTheLastStepWithCollectivesAsTheReference) {
   auto r = run_ranks(2, [](World& w) {
-    auto sum = [&](const std::string& what, int64_t n) {
-      auto t = torch::ones({n});
-      w.comm().all_reduce(t, c10d::ReduceOp::SUM, what);
-      if (t[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum for " + what);
-    };
+    auto sum = [&](const std::string& what, int64_t n) { pair_sum(w.comm(), what, n); };
     w.note_step_done();
     std::vector<int64_t> per_step;
     int64_t before = -1;
@@ -524,11 +520,7 @@ TEST(Diverged, TwoStepsInARowKeepTheLastStepWithCollectivesAsTheReference) {
     }
     // Step 0: b differs from the set-up's; then the two markers of each step.
     const std::vector<int64_t> expected{3, 2, 2, 2, 2};
-    if (per_step != expected) {
-      std::string got;
-      for (auto n : per_step) got += std::to_string(n) + " ";
-      throw std::runtime_error("exchanges per step: " + got);
-    }
+    require_exchanges(per_step, expected);
   }, checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
