@@ -298,8 +298,28 @@ void WaitBoard::entered(int comm) {
   ++comms_.at(static_cast<size_t>(comm)).entered;
 }
 
+void WaitBoard::issued(int64_t step) {
+  const auto me = std::this_thread::get_id();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (step != issue_step_) {
+    issued_before_ = step == issue_step_ + 1 ? std::move(issuers_) : std::vector<std::thread::id>{};
+    issuers_.clear();
+    issue_step_ = step;
+  }
+  if (std::find(issuers_.begin(), issuers_.end(), me) == issuers_.end()) issuers_.push_back(me);
+}
+
+bool WaitBoard::several_threads() const {
+  std::vector<std::thread::id> all = issuers_;
+  for (const auto& t : issued_before_)
+    if (std::find(all.begin(), all.end(), t) == all.end()) all.push_back(t);
+  return all.size() > 1;
+}
+
 std::string WaitBoard::record(int comm, Kind kind, int64_t seq, const std::string& description) const {
   std::lock_guard<std::mutex> lock(mu_);
+  // Not "waiting": another thread of this rank may launch what a peer waits for.
+  if (several_threads()) return "several threads issue this rank's collectives\n";
   const Comm& c = comms_[static_cast<size_t>(comm)];
   std::ostringstream os;
   os << "waiting\n" << (kind == Kind::Collective ? 'c' : 'x') << ' ' << seq << ' ' << c.name << '\n'
@@ -767,6 +787,7 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pa
   c->checker = s_;
   if (pattern.size() != kPatternSize)  // a marker's exchange must pair with any collective's
     throw std::logic_error("CollectiveChecker::submit: a pattern of " + std::to_string(pattern.size()) + " integers");
+  if (s_->board) s_->board->issued(step);
   std::unique_lock<std::mutex> lock(s_->mu);
   c->seq = ++s_->issued;
   s_->timeout = timeout;

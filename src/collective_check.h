@@ -25,7 +25,9 @@
 // of r's communicator, waits too, and has not launched r's collective (not
 // entered r's exchange) there; a cycle of such edges through r, seen twice
 // in a row with the same records, makes every rank of the cycle throw
-// CollectivesDiverged naming each of them.
+// CollectivesDiverged naming each of them. A rank whose checked collectives
+// come from two or more threads (in this optimizer step or the previous
+// one) is left out of that search.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -111,6 +113,13 @@ class WaitBoard {
   void entered(int comm);
   /// The error another rank (or this one) found for a cycle of waits through this rank, "" if none. Never throws.
   std::string cycle_reported() const;
+  /// Counts the calling thread as one that issues this rank's checked
+  /// collectives in optimizer step `step` (CollectiveChecker::submit). While
+  /// two or more threads issued some in this step or the previous one, the
+  /// rank's record says so instead of what it waits for: it is no node of
+  /// the wait-for graph (one of its threads may launch what a peer waits for
+  /// while another waits).
+  void issued(int64_t step);
 
   /// One wait for collective (or exchange) number `seq` of communicator
   /// `comm`: probe() as it lasts, then the destructor clears its record
@@ -156,11 +165,15 @@ class WaitBoard {
     int64_t launched = 0, entered = 0;
   };
   std::string record(int comm, Kind kind, int64_t seq, const std::string& description) const;
+  bool several_threads() const;  // under mu_
   std::string prefixed(const std::string& text) const;  // "shardtorch: rank R/N: " + text
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, size_;
   mutable std::mutex mu_;
   std::vector<Comm> comms_;
+  int64_t issue_step_ = -1;                    // the step of the last issued()
+  std::vector<std::thread::id> issuers_;       // the threads that issued in it
+  std::vector<std::thread::id> issued_before_; // and in the step before it
 };
 
 /// One checked collective: launched at once, or waiting in its checker's

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <exception>
 #include <string>
 #include <thread>
 #include <vector>
@@ -457,6 +458,42 @@ TEST(Diverged, LongWaitsInAWouldBeCycleOfThreeThatResolveAreNoDivergence) {
       await_long_waits(w, {0, 1});
       std::this_thread::sleep_for(3 * shardtorch::detail::WaitBoard::kProbe);  // probes with both waits written
       pair_sum(*g.b, "b's sum");
+      pair_sum(*g.c, "c's sum");
+    }
+  }, checked());
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// Two threads of one rank issue its collectives. Rank 0's main thread waits
+// in c for rank 2 (slow), then issues a; its second thread waits in a2 for
+// rank 1, which issues a2 only after a, and rank 1 waits in a for rank 0.
+// Had rank 0 one thread, that would be a cycle (0 waits for 1 in a2, 1 for 0
+// in a), but its main thread goes on once rank 2 comes: nothing is wrong,
+// and every sum completes.
+TEST(Diverged, LongWaitsOfTwoThreadsOfARankThatResolveAreNoDivergence) {
+  auto r = run_ranks(3, [](World& w) {
+    Ring3 g(w);
+    std::shared_ptr<shardtorch::Comm> a2;
+    if (w.rank() != 2) a2 = w.new_group({0, 1}, "a2");
+    if (w.rank() == 0) {
+      std::exception_ptr failed;
+      std::thread second([&] {
+        try {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));  // its wait is written last
+          pair_sum(*a2, "a2's sum");
+        } catch (...) {
+          failed = std::current_exception();
+        }
+      });
+      pair_sum(*g.c, "c's sum");
+      pair_sum(*g.a, "a's sum");
+      second.join();
+      if (failed) std::rethrow_exception(failed);
+    } else if (w.rank() == 1) {
+      pair_sum(*g.a, "a's sum");
+      pair_sum(*a2, "a2's sum");
+    } else {
+      std::this_thread::sleep_for(std::chrono::seconds(4));  // both of rank 0's waits compared twice and more
       pair_sum(*g.c, "c's sum");
     }
   }, checked());
