@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "shardtorch/collectives.h"
+#include "shardtorch/world.h"
 
 namespace shardtorch::detail {
 
@@ -92,6 +93,22 @@ std::string CollectiveContext::Snapshot::words() const {
     os << "after " << backwards << " backward" << (backwards == 1 ? "" : "s") << " since the last optimizer step";
   if (inputs) os << "; the step's first forward took " << *inputs;
   return os.str();
+}
+
+CheckChoice check_collectives_choice(std::optional<bool> option, const char* env, bool cuda, int world_size) {
+  if (env != nullptr) {
+    const std::string value = env;
+    if (value != "0" && value != "1")
+      throw Error("shardtorch: SHARDTORCH_CHECK_COLLECTIVES='" + value + "' is neither 0 nor 1");
+    option = value == "1";
+  }
+  CheckChoice c;
+  if (cuda) {
+    c.refused_on_cuda = option.value_or(false);
+    return c;
+  }
+  c.on = option.value_or(world_size <= WorldOptions::kCheckedByDefaultUpTo);
+  return c;
 }
 
 // ---- WaitBoard
@@ -301,18 +318,27 @@ void WaitBoard::entered(int comm) {
 void WaitBoard::issued(int64_t step) {
   const auto me = std::this_thread::get_id();
   std::lock_guard<std::mutex> lock(mu_);
-  if (step != issue_step_) {
-    issued_before_ = step == issue_step_ + 1 ? std::move(issuers_) : std::vector<std::thread::id>{};
+  if (step > issue_step_) {
+    // The previous step with collectives stays (a step without any, between
+    // two optimizers, does not wipe it); a thread still at an older step
+    // counts with the newest.
+    if (!issuers_.empty()) issued_before_ = std::move(issuers_);
     issuers_.clear();
     issue_step_ = step;
   }
   if (std::find(issuers_.begin(), issuers_.end(), me) == issuers_.end()) issuers_.push_back(me);
 }
 
+bool WaitBoard::issued_from_several_threads() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return several_threads();
+}
+
 bool WaitBoard::several_threads() const {
   std::vector<std::thread::id> all = issuers_;
-  for (const auto& t : issued_before_)
-    if (std::find(all.begin(), all.end(), t) == all.end()) all.push_back(t);
+  for (const auto* each : {&issued_before_, &waiting_})
+    for (const auto& t : *each)
+      if (std::find(all.begin(), all.end(), t) == all.end()) all.push_back(t);
   return all.size() > 1;
 }
 
@@ -333,9 +359,17 @@ std::string WaitBoard::record(int comm, Kind kind, int64_t seq, const std::strin
 WaitBoard::Wait::Wait(std::shared_ptr<WaitBoard> board, int comm, Kind kind, int64_t seq,
                       std::function<std::string()> describe)
     : board_(std::move(board)), comm_(comm), kind_(kind), seq_(seq), describe_(std::move(describe)),
-      next_(std::chrono::steady_clock::now() + kQuiet) {}
+      next_(std::chrono::steady_clock::now() + kQuiet) {
+  std::lock_guard<std::mutex> lock(board_->mu_);
+  board_->waiting_.push_back(std::this_thread::get_id());
+}
 
 WaitBoard::Wait::~Wait() {
+  {
+    std::lock_guard<std::mutex> lock(board_->mu_);
+    auto& w = board_->waiting_;
+    if (auto it = std::find(w.begin(), w.end(), std::this_thread::get_id()); it != w.end()) w.erase(it);
+  }
   // After a cycle the record stays: its other ranks' probes must still see it.
   if (written_.empty() || crossed_) return;
   try {
@@ -439,6 +473,7 @@ struct CheckerShared : std::enable_shared_from_this<CheckerShared> {
   int comm = -1;                     // this communicator's number on `board`
   // The patterns of the previous step's collectives and of this step's so far.
   std::vector<std::vector<int64_t>> previous, current;
+  size_t position = 0;  // this step's collectives so far (`current` holds the first kMaxPatternsPerStep)
   int64_t step = -1;
   bool marked = false;    // this step began with a marker exchange (step_began)
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // a marker's: the last collective's
@@ -542,6 +577,10 @@ void exchange_and_launch(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wa
     for (int r : differ) os << " " << r;
   }
   os << ". " << kSameOrder << "; neither collective ran";
+  if (s.board && s.board->issued_from_several_threads())
+    os << ". This rank issued checked collectives from two or more threads in this optimizer step or the last: "
+          "the check follows one thread's steps and cannot order another's. If that is why, turn the check off "
+          "(WorldOptions::check_collectives(false), or SHARDTORCH_CHECK_COLLECTIVES=0)";
   throw CollectivesDiverged(os.str());
 }
 
@@ -750,6 +789,7 @@ void step_began(CheckerShared& s, int64_t step) {
       // other; an idle group) keeps the last one that had some as the reference.
       if (!s.current.empty()) s.previous = std::move(s.current);
       s.current.clear();
+      s.position = 0;
       s.step = step;
     }
     s.marked = true;
@@ -794,15 +834,18 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pa
   if (step != s_->step) {  // a step with no marker: its first collective compares the step counts
     s_->previous = std::move(s_->current);
     s_->current.clear();
+    s_->position = 0;
     s_->step = step;
     s_->marked = false;
   }
-  const size_t k = s_->current.size();
+  const size_t k = s_->position++;
   c->exchange = !((k > 0 || s_->marked) && k < s_->previous.size() && s_->previous[k] == pattern);
   c->fingerprint = pattern;
   c->fingerprint.push_back(step);
   c->fingerprint.push_back(c->seq);
-  s_->current.push_back(std::move(pattern));
+  // Bounded: a program that never steps (no note_step_done) exchanges every
+  // collective and must not grow this list without end.
+  if (s_->current.size() < kMaxPatternsPerStep) s_->current.push_back(std::move(pattern));
   if (s_->broken) {
     auto broken = s_->broken;
     lock.unlock();

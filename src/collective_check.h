@@ -40,6 +40,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -50,6 +51,9 @@ struct CheckerShared;  // what a checker's thread uses: it may outlive the check
 
 /// A collective's pattern: its fingerprint without the step (see Comm::launch).
 constexpr size_t kPatternSize = 8;
+/// A step's collectives past this many are exchanged in the next step too
+/// (their patterns are not kept).
+constexpr size_t kMaxPatternsPerStep = 1 << 14;
 
 /// Where this rank is in training, shared by a World's communicators and
 /// written by its sharded models: part of every collective's fingerprint, so
@@ -115,11 +119,13 @@ class WaitBoard {
   std::string cycle_reported() const;
   /// Counts the calling thread as one that issues this rank's checked
   /// collectives in optimizer step `step` (CollectiveChecker::submit). While
-  /// two or more threads issued some in this step or the previous one, the
-  /// rank's record says so instead of what it waits for: it is no node of
-  /// the wait-for graph (one of its threads may launch what a peer waits for
-  /// while another waits).
+  /// two or more threads issued some in this step or the last earlier one
+  /// that issued any, or wait now, the rank's record says so instead of what
+  /// it waits for: it is no node of the wait-for graph (one of its threads
+  /// may launch what a peer waits for while another waits).
   void issued(int64_t step);
+  /// Whether two or more threads issued in this step or the previous one (as above).
+  bool issued_from_several_threads() const;
 
   /// One wait for collective (or exchange) number `seq` of communicator
   /// `comm`: probe() as it lasts, then the destructor clears its record
@@ -174,6 +180,7 @@ class WaitBoard {
   int64_t issue_step_ = -1;                    // the step of the last issued()
   std::vector<std::thread::id> issuers_;       // the threads that issued in it
   std::vector<std::thread::id> issued_before_; // and in the step before it
+  std::vector<std::thread::id> waiting_;       // one entry per Wait alive, by its thread
 };
 
 /// One checked collective: launched at once, or waiting in its checker's
@@ -271,6 +278,16 @@ class CollectiveChecker {
 /// Whether `work` completed or failed within `slice` (false: it goes on).
 /// Never throws; `work.wait()` then gives its outcome.
 bool work_done_within(c10d::Work& work, std::chrono::milliseconds slice);
+
+/// WorldOptions::check_collectives as it applies to a world (world.h says
+/// how): `option` as set, `env` SHARDTORCH_CHECK_COLLECTIVES (null when
+/// unset; anything but "0" or "1" is an Error). `refused_on_cuda`: asked
+/// for on CUDA, where it stays off.
+struct CheckChoice {
+  bool on = false;
+  bool refused_on_cuda = false;
+};
+CheckChoice check_collectives_choice(std::optional<bool> option, const char* env, bool cuda, int world_size);
 
 /// FNV-1a, 64 bits (as an int64): the same on every rank for the same text.
 int64_t text_hash(const std::string& s);

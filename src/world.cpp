@@ -242,18 +242,14 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
     });
   }
   w->context_ = std::make_shared<detail::CollectiveContext>();
-  bool check = options.check_collectives();
-  if (const char* v = std::getenv("SHARDTORCH_CHECK_COLLECTIVES")) {
-    const std::string value = v;
-    SHARDTORCH_CHECK(value == "0" || value == "1", "shardtorch: SHARDTORCH_CHECK_COLLECTIVES='", value,
-                "' is neither 0 nor 1");
-    check = value == "1";
-  }
-  if (check && comm_device.is_cuda()) {
+  const auto choice = detail::check_collectives_choice(options.check_collectives(),
+                                                       std::getenv("SHARDTORCH_CHECK_COLLECTIVES"),
+                                                       comm_device.is_cuda(), world_size);
+  if (choice.refused_on_cuda) {
     TORCH_WARN_ONCE("shardtorch: check_collectives is not available on CUDA (NCCL) yet and stays off: it has not "
                     "run on a GPU (docs/reliability.md)");
-    check = false;
   }
+  const bool check = choice.on;
   if (world_size > 1) {
     // A rank checking beside one that does not would pair its fingerprint
     // with the other's collective: every rank must agree, so they compare

@@ -7,7 +7,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <exception>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,6 +41,24 @@ RunOptions checked() {
       .timeout(std::chrono::seconds(90));
 }
 constexpr double kWithinSeconds = 15.0;
+
+// SHARDTORCH_CHECK_COLLECTIVES unset for the scope (the ranks inherit the
+// environment when they are forked): for tests that choose the switch or
+// test its default themselves.
+class WithoutCheckVariable {
+ public:
+  WithoutCheckVariable() {
+    if (const char* v = std::getenv(kName)) saved_ = v;
+    ::unsetenv(kName);
+  }
+  ~WithoutCheckVariable() {
+    if (saved_) ::setenv(kName, saved_->c_str(), 1);
+  }
+
+ private:
+  static constexpr const char* kName = "SHARDTORCH_CHECK_COLLECTIVES";
+  std::optional<std::string> saved_;
+};
 
 // Every rank threw CollectivesDiverged, saying each of `words`.
 void expect_diverged(const shardtorch::testing::RunResult& r, const std::vector<std::string>& words) {
@@ -250,6 +270,7 @@ TEST(Diverged, CollectivesOfDifferentSizesAreAnErrorOnEveryRankNotAnAbort) {
 // The same programs with equal ranks train as before, and the switch must
 // agree across ranks.
 TEST(Diverged, EqualRanksTrainAndTheSwitchMustAgree) {
+  WithoutCheckVariable choose_here;
   auto r = run_ranks(2, [](World& w) {
     if (!w.checks_collectives()) throw std::runtime_error("the world does not check its collectives");
     Routed m;
@@ -280,6 +301,46 @@ TEST(Diverged, EqualRanksTrainAndTheSwitchMustAgree) {
     EXPECT_NE(rank.message.find("check_collectives differs across ranks: off on rank 0 but on on rank 1"),
               std::string::npos)
         << differ.summary();
+}
+
+// WorldOptions::check_collectives unset: on for CPU worlds of up to
+// kCheckedByDefaultUpTo ranks; the variable replaces the option either way;
+// on CUDA off, with a warning only where it was asked for.
+TEST(Diverged, TheCheckIsOnByDefaultForCpuWorldsUpToTheLimit) {
+  using shardtorch::detail::check_collectives_choice;
+  const int most = shardtorch::WorldOptions::kCheckedByDefaultUpTo;
+  EXPECT_TRUE(check_collectives_choice(std::nullopt, nullptr, false, 2).on);
+  EXPECT_TRUE(check_collectives_choice(std::nullopt, nullptr, false, most).on);
+  EXPECT_FALSE(check_collectives_choice(std::nullopt, nullptr, false, most + 1).on);
+  EXPECT_TRUE(check_collectives_choice(true, nullptr, false, most + 1).on);
+  EXPECT_FALSE(check_collectives_choice(false, nullptr, false, 2).on);
+  EXPECT_TRUE(check_collectives_choice(false, "1", false, 2).on);
+  EXPECT_FALSE(check_collectives_choice(true, "0", false, 2).on);
+  EXPECT_FALSE(check_collectives_choice(std::nullopt, "0", false, 2).on);
+  const auto unset_on_cuda = check_collectives_choice(std::nullopt, nullptr, true, 2);
+  EXPECT_FALSE(unset_on_cuda.on);
+  EXPECT_FALSE(unset_on_cuda.refused_on_cuda);
+  const auto asked_on_cuda = check_collectives_choice(true, nullptr, true, 2);
+  EXPECT_FALSE(asked_on_cuda.on);
+  EXPECT_TRUE(asked_on_cuda.refused_on_cuda);
+  EXPECT_THROW(check_collectives_choice(std::nullopt, "yes", false, 2), shardtorch::Error);
+}
+
+// With the options left at their defaults, two CPU ranks that issue
+// collectives of different sizes fail at once naming both, as a user's
+// first program would (before the default changed: the 60 s timeout here,
+// or an abort in Gloo).
+TEST(Diverged, WithDefaultOptionsADivergenceIsAnErrorAtOnce) {
+  WithoutCheckVariable the_default;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(2, [](World& w) {
+    if (!w.checks_collectives()) throw std::runtime_error("the world does not check its collectives by default");
+    auto t = torch::ones({w.rank() == 0 ? 3 : 5});
+    w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the loss");
+  }, RunOptions().collective_timeout(std::chrono::seconds(60)).timeout(std::chrono::seconds(90)));
+  EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
+  expect_diverged(r, {"rank 0 is at all_reduce for the loss (Float[3]); step 0",
+                      "but rank 1 is at all_reduce for the loss (Float[5]); step 0"});
 }
 
 // Ranks that first differ on two communicators: each waits for a check that
@@ -498,6 +559,36 @@ TEST(Diverged, LongWaitsOfTwoThreadsOfARankThatResolveAreNoDivergence) {
     }
   }, checked());
   EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// A divergence on a rank that issued checked collectives from two threads
+// in the step: its error says so and how to turn the check off (a second
+// thread's collectives can differ from the peers' by timing alone); the
+// rank that issued from one thread is not told.
+TEST(Diverged, ADivergenceOnARankThatIssuedFromTwoThreadsSaysSo) {
+  auto r = run_ranks(2, [](World& w) {
+    if (w.rank() == 0) {
+      std::exception_ptr failed;
+      std::thread other([&] {
+        try {
+          pair_sum(w.comm(), "the evaluation's sum", 3);
+        } catch (...) {
+          failed = std::current_exception();
+        }
+      });
+      other.join();
+      if (failed) std::rethrow_exception(failed);
+      pair_sum(w.comm(), "the loss", 3);
+    } else {
+      pair_sum(w.comm(), "the evaluation's sum", 3);
+      pair_sum(w.comm(), "the loss", 5);
+    }
+  }, checked());
+  const std::string hint = "This rank issued checked collectives from two or more threads";
+  expect_diverged(r, {"rank 0 is at all_reduce for the loss (Float[3])", "but rank 1 is at all_reduce for the loss (Float[5])"});
+  EXPECT_NE(r.ranks[0].message.find(hint + " in this optimizer step or the last"), std::string::npos) << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("WorldOptions::check_collectives(false)"), std::string::npos) << r.summary();
+  EXPECT_EQ(r.ranks[1].message.find(hint), std::string::npos) << r.summary();
 }
 
 // The check's state machine (docs/design.md, "Checking that ranks are at the

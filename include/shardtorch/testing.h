@@ -22,6 +22,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,8 +40,8 @@ struct SHARDTORCH_API RunOptions {
   TORCH_ARG(c10::DeviceType, device_type) = c10::kCPU;
   /// Intra-op threads in each rank.
   TORCH_ARG(int, threads) = 1;
-  /// WorldOptions::check_collectives of each rank's world.
-  TORCH_ARG(bool, check_collectives) = false;
+  /// WorldOptions::check_collectives of each rank's world (unset: its default).
+  TORCH_ARG(std::optional<bool>, check_collectives) = std::nullopt;
 };
 
 struct SHARDTORCH_API RankOutcome {

@@ -49,6 +49,10 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
 SHARDTORCH_API LaunchEnv parse_launch_env(const EnvLookup& lookup = {});
 
 struct SHARDTORCH_API WorldOptions {
+  /// The largest world in which check_collectives is on by default: a long
+  /// wait reads every rank's record from the store twice a second.
+  static constexpr int kCheckedByDefaultUpTo = 64;
+
   /// Every collective and every store wait gives up after this long.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   /// The collectives of saving and loading checkpoints wait at least this
@@ -69,10 +73,12 @@ struct SHARDTORCH_API WorldOptions {
   /// of running collectives that do not pair (docs/reliability.md). In a
   /// training loop, from the third step on, one small exchange per step and
   /// group (docs/benchmarks.md); each group gets a second Gloo group for the
-  /// exchanges. CPU (Gloo) only: ignored, with a warning, on CUDA.
-  /// SHARDTORCH_CHECK_COLLECTIVES=0 or 1 replaces it at launch. Every rank
-  /// must pass the same value (checked when the world is created).
-  TORCH_ARG(bool, check_collectives) = false;
+  /// exchanges. Unset (the default): on for CPU (Gloo) worlds of at most
+  /// kCheckedByDefaultUpTo ranks, off otherwise. CPU (Gloo) only: true is
+  /// ignored, with a warning, on CUDA. SHARDTORCH_CHECK_COLLECTIVES=0 or 1
+  /// replaces it at launch. Every rank must end up with the same choice
+  /// (checked when the world is created).
+  TORCH_ARG(std::optional<bool>, check_collectives) = std::nullopt;
 };
 
 class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
