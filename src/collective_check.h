@@ -53,7 +53,7 @@ struct CheckerShared;  // what a checker's thread uses: it may outlive the check
 constexpr size_t kPatternSize = 8;
 /// A step's collectives past this many are exchanged in the next step too
 /// (their patterns are not kept).
-constexpr size_t kMaxPatternsPerStep = 1 << 14;
+constexpr size_t kMaxPatternsPerStep = 1 << 17;
 
 /// Where this rank is in training, shared by a World's communicators and
 /// written by its sharded models: part of every collective's fingerprint, so
@@ -281,8 +281,9 @@ bool work_done_within(c10d::Work& work, std::chrono::milliseconds slice);
 
 /// WorldOptions::check_collectives as it applies to a world (world.h says
 /// how): `option` as set, `env` SHARDTORCH_CHECK_COLLECTIVES (null when
-/// unset; anything but "0" or "1" is an Error). `refused_on_cuda`: asked
-/// for on CUDA, where it stays off.
+/// unset; anything but "0" or "1" is an Error), `cuda`: the world computes
+/// on a CUDA device (either backend). `refused_on_cuda`: asked for there,
+/// where it stays off.
 struct CheckChoice {
   bool on = false;
   bool refused_on_cuda = false;

@@ -244,10 +244,10 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   w->context_ = std::make_shared<detail::CollectiveContext>();
   const auto choice = detail::check_collectives_choice(options.check_collectives(),
                                                        std::getenv("SHARDTORCH_CHECK_COLLECTIVES"),
-                                                       comm_device.is_cuda(), world_size);
+                                                       w->device_.is_cuda(), world_size);
   if (choice.refused_on_cuda) {
-    TORCH_WARN_ONCE("shardtorch: check_collectives is not available on CUDA (NCCL) yet and stays off: it has not "
-                    "run on a GPU (docs/reliability.md)");
+    TORCH_WARN_ONCE("shardtorch: check_collectives is not available on a CUDA device yet and stays off: it has "
+                    "not run on a GPU (docs/reliability.md)");
   }
   const bool check = choice.on;
   if (world_size > 1) {

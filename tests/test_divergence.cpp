@@ -43,8 +43,7 @@ RunOptions checked() {
 constexpr double kWithinSeconds = 15.0;
 
 // SHARDTORCH_CHECK_COLLECTIVES unset for the scope (the ranks inherit the
-// environment when they are forked): for tests that choose the switch or
-// test its default themselves.
+// environment when they are forked).
 class WithoutCheckVariable {
  public:
   WithoutCheckVariable() {
@@ -59,6 +58,16 @@ class WithoutCheckVariable {
   static constexpr const char* kName = "SHARDTORCH_CHECK_COLLECTIVES";
   std::optional<std::string> saved_;
 };
+
+}  // namespace
+
+// Each test chooses the switch itself (or tests its default): the variable,
+// which would replace it in every rank, is unset while it runs.
+class Diverged : public ::testing::Test {
+  WithoutCheckVariable choose_here_;
+};
+
+namespace {
 
 // Every rank threw CollectivesDiverged, saying each of `words`.
 void expect_diverged(const shardtorch::testing::RunResult& r, const std::vector<std::string>& words) {
@@ -125,7 +134,7 @@ SHARDTORCH_MODULE(Routed);
 }  // namespace
 
 // (a) One rank runs three micro-batches per step, the other two.
-TEST(Diverged, ADifferentNumberOfMicroBatchesFailsEveryRankNamingBoth) {
+TEST_F(Diverged, ADifferentNumberOfMicroBatchesFailsEveryRankNamingBoth) {
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp}) {
     SCOPED_TRACE(shardtorch::strategy_name(s));
     auto t0 = std::chrono::steady_clock::now();
@@ -155,7 +164,7 @@ TEST(Diverged, ADifferentNumberOfMicroBatchesFailsEveryRankNamingBoth) {
 
 // (b) One rank stops a step early and goes on to the next collective of its
 // program (a barrier before saving); or it exits.
-TEST(Diverged, ARankThatStopsEarlyFailsEveryRankNamingBoth) {
+TEST_F(Diverged, ARankThatStopsEarlyFailsEveryRankNamingBoth) {
   auto t0 = std::chrono::steady_clock::now();
   auto r = run_ranks(2, [](World& w) {
     MLP m;
@@ -192,7 +201,7 @@ TEST(Diverged, ARankThatStopsEarlyFailsEveryRankNamingBoth) {
 // (c) One rank routes around a unit of the same size as the next: without
 // the check the two all-gathers paired, each rank computing with the other
 // unit's parameters.
-TEST(Diverged, ADifferentForwardPathFailsEveryRankNamingBothUnits) {
+TEST_F(Diverged, ADifferentForwardPathFailsEveryRankNamingBothUnits) {
   auto t0 = std::chrono::steady_clock::now();
   auto r = run_ranks(2, [](World& w) {
     Routed m;
@@ -212,7 +221,7 @@ TEST(Diverged, ADifferentForwardPathFailsEveryRankNamingBothUnits) {
 // (d) One rank's batch is half the others'. Caught at the step's first
 // collective: an all-gather of the first forward (FullShard) or the first
 // reduction of the backward (NoShard, which gathers nothing).
-TEST(Diverged, ADifferentBatchSizeFailsEveryRankNamingBothShapes) {
+TEST_F(Diverged, ADifferentBatchSizeFailsEveryRankNamingBothShapes) {
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
     SCOPED_TRACE(shardtorch::strategy_name(s));
     auto t0 = std::chrono::steady_clock::now();
@@ -233,7 +242,7 @@ TEST(Diverged, ADifferentBatchSizeFailsEveryRankNamingBothShapes) {
 // differs from the next one's (this aborted the process inside Gloo's own
 // thread: "Received data size doesn't match expected size", SIGABRT), or
 // clips its gradients while the other goes on to the next forward.
-TEST(Diverged, CollectivesOfDifferentSizesAreAnErrorOnEveryRankNotAnAbort) {
+TEST_F(Diverged, CollectivesOfDifferentSizesAreAnErrorOnEveryRankNotAnAbort) {
   auto t0 = std::chrono::steady_clock::now();
   auto r = run_ranks(2, [](World& w) {
     Routed m;
@@ -269,8 +278,7 @@ TEST(Diverged, CollectivesOfDifferentSizesAreAnErrorOnEveryRankNotAnAbort) {
 
 // The same programs with equal ranks train as before, and the switch must
 // agree across ranks.
-TEST(Diverged, EqualRanksTrainAndTheSwitchMustAgree) {
-  WithoutCheckVariable choose_here;
+TEST_F(Diverged, EqualRanksTrainAndTheSwitchMustAgree) {
   auto r = run_ranks(2, [](World& w) {
     if (!w.checks_collectives()) throw std::runtime_error("the world does not check its collectives");
     Routed m;
@@ -306,7 +314,7 @@ TEST(Diverged, EqualRanksTrainAndTheSwitchMustAgree) {
 // WorldOptions::check_collectives unset: on for CPU worlds of up to
 // kCheckedByDefaultUpTo ranks; the variable replaces the option either way;
 // on CUDA off, with a warning only where it was asked for.
-TEST(Diverged, TheCheckIsOnByDefaultForCpuWorldsUpToTheLimit) {
+TEST_F(Diverged, TheCheckIsOnByDefaultForCpuWorldsUpToTheLimit) {
   using shardtorch::detail::check_collectives_choice;
   const int most = shardtorch::WorldOptions::kCheckedByDefaultUpTo;
   EXPECT_TRUE(check_collectives_choice(std::nullopt, nullptr, false, 2).on);
@@ -330,8 +338,7 @@ TEST(Diverged, TheCheckIsOnByDefaultForCpuWorldsUpToTheLimit) {
 // collectives of different sizes fail at once naming both, as a user's
 // first program would (before the default changed: the 60 s timeout here,
 // or an abort in Gloo).
-TEST(Diverged, WithDefaultOptionsADivergenceIsAnErrorAtOnce) {
-  WithoutCheckVariable the_default;
+TEST_F(Diverged, WithDefaultOptionsADivergenceIsAnErrorAtOnce) {
   const auto t0 = std::chrono::steady_clock::now();
   auto r = run_ranks(2, [](World& w) {
     if (!w.checks_collectives()) throw std::runtime_error("the world does not check its collectives by default");
@@ -347,7 +354,7 @@ TEST(Diverged, WithDefaultOptionsADivergenceIsAnErrorAtOnce) {
 // the other never joins (rank 0 on the world, rank 1 on a group of both).
 // Without the comparison of long waits, both waited for the collective
 // timeout (60 s here).
-TEST(Diverged, RanksWaitingOnTwoCommunicatorsFailNamingBoth) {
+TEST_F(Diverged, RanksWaitingOnTwoCommunicatorsFailNamingBoth) {
   const auto t0 = std::chrono::steady_clock::now();
   auto r = run_ranks(2, [](World& w) {
     auto group = w.new_group({0, 1}, "pair");
@@ -371,7 +378,7 @@ TEST(Diverged, RanksWaitingOnTwoCommunicatorsFailNamingBoth) {
 // world for rank 2 (slow), rank 1 waits on their group for rank 0, which
 // issues it after the world's. Rank 1 has issued the world's collective, so
 // nothing is wrong, and everything completes.
-TEST(Diverged, LongWaitsOnTwoCommunicatorsThatResolveAreNoDivergence) {
+TEST_F(Diverged, LongWaitsOnTwoCommunicatorsThatResolveAreNoDivergence) {
   auto r = run_ranks(3, [](World& w) {
     std::shared_ptr<shardtorch::Comm> group;
     if (w.rank() < 2) group = w.new_group({0, 1}, "pair");
@@ -448,7 +455,7 @@ void await_long_waits(World& w, const std::vector<int>& ranks) {
 // waits in a for rank 1, rank 1 in b for rank 2, rank 2 in c for rank 0.
 // No two of them wait on each other; without the wait-for graph all three
 // waited for the collective timeout (60 s here).
-TEST(Diverged, ThreeRanksWaitingInACycleFailNamingEachOfThem) {
+TEST_F(Diverged, ThreeRanksWaitingInACycleFailNamingEachOfThem) {
   const auto t0 = std::chrono::steady_clock::now();
   auto r = run_ranks(3, [](World& w) {
     Ring3 g(w);
@@ -473,7 +480,7 @@ TEST(Diverged, ThreeRanksWaitingInACycleFailNamingEachOfThem) {
 // that waits on the world for all four: it is not on the cycle (no rank of
 // the cycle waits for it), so it is not told of it. Its exchange fails once
 // the cycle's ranks have left, naming the ranks that left.
-TEST(Diverged, FourRanksWaitingInACycleFailAndARankWaitingOnThemIsNotBlamed) {
+TEST_F(Diverged, FourRanksWaitingInACycleFailAndARankWaitingOnThemIsNotBlamed) {
   const auto t0 = std::chrono::steady_clock::now();
   auto r = run_ranks(5, [](World& w) {
     const int me = w.rank();
@@ -506,7 +513,7 @@ TEST(Diverged, FourRanksWaitingInACycleFailAndARankWaitingOnThemIsNotBlamed) {
 // for rank 2, which is slow (it issues b only after both waits have been
 // compared for a while), then each goes on to its other pair. Nothing is
 // wrong, and every sum completes.
-TEST(Diverged, LongWaitsInAWouldBeCycleOfThreeThatResolveAreNoDivergence) {
+TEST_F(Diverged, LongWaitsInAWouldBeCycleOfThreeThatResolveAreNoDivergence) {
   auto r = run_ranks(3, [](World& w) {
     Ring3 g(w);
     if (w.rank() == 0) {
@@ -531,7 +538,7 @@ TEST(Diverged, LongWaitsInAWouldBeCycleOfThreeThatResolveAreNoDivergence) {
 // Had rank 0 one thread, that would be a cycle (0 waits for 1 in a2, 1 for 0
 // in a), but its main thread goes on once rank 2 comes: nothing is wrong,
 // and every sum completes.
-TEST(Diverged, LongWaitsOfTwoThreadsOfARankThatResolveAreNoDivergence) {
+TEST_F(Diverged, LongWaitsOfTwoThreadsOfARankThatResolveAreNoDivergence) {
   auto r = run_ranks(3, [](World& w) {
     Ring3 g(w);
     std::shared_ptr<shardtorch::Comm> a2;
@@ -565,7 +572,7 @@ TEST(Diverged, LongWaitsOfTwoThreadsOfARankThatResolveAreNoDivergence) {
 // in the step: its error says so and how to turn the check off (a second
 // thread's collectives can differ from the peers' by timing alone); the
 // rank that issued from one thread is not told.
-TEST(Diverged, ADivergenceOnARankThatIssuedFromTwoThreadsSaysSo) {
+TEST_F(Diverged, ADivergenceOnARankThatIssuedFromTwoThreadsSaysSo) {
   auto r = run_ranks(2, [](World& w) {
     if (w.rank() == 0) {
       std::exception_ptr failed;
@@ -596,7 +603,7 @@ TEST(Diverged, ADivergenceOnARankThatIssuedFromTwoThreadsSaysSo) {
 // or differs from the same place of the previous step; the rest launch at
 // once. Counted on the world's communicator, with a step pattern that
 // changes on every rank alike (an extra collective in step 5).
-TEST(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFromThePreviousStep) {
+TEST_F(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFromThePreviousStep) {
   auto r = run_ranks(2, [](World& w) {
     auto sum = [&](const std::string& what, int64_t n) { pair_sum(w.comm(), what, n); };
     w.note_step_done();  // the set-up's collectives are a step of their own
@@ -631,7 +638,7 @@ TEST(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFromTh
 // with no collective between them): the step without collectives does not
 // replace the reference, so the collectives still launch without an
 // exchange; only the two markers are exchanged.
-TEST(Diverged, TwoStepsInARowKeepTheLastStepWithCollectivesAsTheReference) {
+TEST_F(Diverged, TwoStepsInARowKeepTheLastStepWithCollectivesAsTheReference) {
   auto r = run_ranks(2, [](World& w) {
     auto sum = [&](const std::string& what, int64_t n) { pair_sum(w.comm(), what, n); };
     w.note_step_done();
@@ -658,7 +665,7 @@ TEST(Diverged, TwoStepsInARowKeepTheLastStepWithCollectivesAsTheReference) {
 // matches the previous step's first and launches at once, even while a peer
 // is still busy before it (here: 1.5 s). Before, it waited for that peer in
 // its own exchange.
-TEST(Diverged, AStepsFirstCollectiveLaunchesWithoutWaitingForASlowPeer) {
+TEST_F(Diverged, AStepsFirstCollectiveLaunchesWithoutWaitingForASlowPeer) {
   auto r = run_ranks(2, [](World& w) {
     w.note_step_done();
     auto step = [&](bool slow) {
@@ -688,7 +695,7 @@ TEST(Diverged, AStepsFirstCollectiveLaunchesWithoutWaitingForASlowPeer) {
 // the rank that differs exchanges while its peer launched the collective
 // the previous step had there; the two waits form a cycle, and every rank
 // fails naming both collectives within seconds.
-TEST(Diverged, MicroBatchesThatDifferAfterTwoEqualStepsFailEveryRankNamingBoth) {
+TEST_F(Diverged, MicroBatchesThatDifferAfterTwoEqualStepsFailEveryRankNamingBoth) {
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp}) {
     SCOPED_TRACE(shardtorch::strategy_name(s));
     auto t0 = std::chrono::steady_clock::now();
@@ -716,7 +723,7 @@ TEST(Diverged, MicroBatchesThatDifferAfterTwoEqualStepsFailEveryRankNamingBoth) 
 // Three ranks, one of which routes around a unit in its third step: the
 // two that launched the unit's all-gather each fail naming the one that did
 // not, and it fails too.
-TEST(Diverged, ALoneRankThatDiffersInTheMiddleOfAStepFailsEveryRankNamingIt) {
+TEST_F(Diverged, ALoneRankThatDiffersInTheMiddleOfAStepFailsEveryRankNamingIt) {
   auto t0 = std::chrono::steady_clock::now();
   auto r = run_ranks(3, [](World& w) {
     Routed m;
@@ -744,7 +751,7 @@ TEST(Diverged, ALoneRankThatDiffersInTheMiddleOfAStepFailsEveryRankNamingIt) {
 // A rank that steps twice after one backward: its collectives have the
 // same sizes as the others' in every later step, and only the step count
 // tells them apart. The next step's first collective is always exchanged.
-TEST(Diverged, ARankThatStepsTwiceFailsAtTheNextStepsFirstCollective) {
+TEST_F(Diverged, ARankThatStepsTwiceFailsAtTheNextStepsFirstCollective) {
   auto t0 = std::chrono::steady_clock::now();
   auto r = run_ranks(2, [](World& w) {
     MLP m;
@@ -768,7 +775,7 @@ TEST(Diverged, ARankThatStepsTwiceFailsAtTheNextStepsFirstCollective) {
 // reduce-scatter waited for at the end of the backward) until that wait is
 // written to the store and compared several times, and nothing is wrong:
 // every strategy trains on.
-TEST(Diverged, ASlowRankInTheSteadyStateIsNoDivergence) {
+TEST_F(Diverged, ASlowRankInTheSteadyStateIsNoDivergence) {
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp}) {
     SCOPED_TRACE(shardtorch::strategy_name(s));
     auto r = run_ranks(2, [s](World& w) {
