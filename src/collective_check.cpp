@@ -34,7 +34,19 @@ void CollectiveContext::backward_ends() {
   ++backwards_;
 }
 
-void step_began(CheckerShared& s, int64_t step);  // below
+void step_began(CheckerShared& s, int64_t step, bool setup);  // below
+
+void CollectiveContext::setup_done() {
+  std::vector<std::weak_ptr<CheckerShared>> checkers;
+  int64_t step;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    step = step_;
+    checkers = checkers_;
+  }
+  for (auto& weak : checkers)
+    if (auto s = weak.lock()) step_began(*s, step, /*setup=*/true);
+}
 
 void CollectiveContext::step_done() {
   std::vector<std::weak_ptr<CheckerShared>> checkers;
@@ -49,7 +61,7 @@ void CollectiveContext::step_done() {
     checkers = checkers_;
   }
   for (auto& weak : checkers)
-    if (auto s = weak.lock()) step_began(*s, step);
+    if (auto s = weak.lock()) step_began(*s, step, /*setup=*/false);
 }
 
 void CollectiveContext::follow(std::weak_ptr<CheckerShared> checker) {
@@ -777,14 +789,14 @@ CollectiveChecker::~CollectiveChecker() {
     thread_.join();
 }
 
-void step_began(CheckerShared& s, int64_t step) {
+void step_began(CheckerShared& s, int64_t step, bool setup) {
   auto m = std::make_shared<CheckedLaunch>();
   m->exchange = true;
   m->marker = true;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (s.broken || s.stop) return;
-    if (step != s.step) {
+    if (setup || step != s.step) {
       // A step with no collective here (two optimizers stepped one after the
       // other; an idle group) keeps the last one that had some as the reference.
       if (!s.current.empty()) s.previous = std::move(s.current);
@@ -794,12 +806,12 @@ void step_began(CheckerShared& s, int64_t step) {
     }
     s.marked = true;
     m->fingerprint.assign(kPatternSize, 0);
-    m->fingerprint[0] = text_hash("the start of a step");
+    m->fingerprint[0] = text_hash(setup ? "the end of shard()" : "the start of a step");
     m->fingerprint.push_back(step);
     m->fingerprint.push_back(s.issued);
-    m->describe = [step, issued = s.issued] {
-      return "the start of step " + std::to_string(step) + " (after " + std::to_string(issued) +
-             " collectives on this communicator)";
+    m->describe = [step, setup, issued = s.issued] {
+      return (setup ? "the end of shard() in step " : "the start of step ") + std::to_string(step) + " (after " +
+             std::to_string(issued) + " collectives on this communicator)";
     };
     m->timeout = s.timeout;
     m->checker = s.weak_from_this();

@@ -66,6 +66,10 @@ class CollectiveContext {
   /// Counts the step; each checker that follows the steps queues the new
   /// step's marker exchange (CollectiveChecker::follow_steps).
   void step_done();
+  /// shard() ended: each checker that follows the steps takes what it has
+  /// issued since the last step as its reference and queues a marker, so
+  /// that the first step's collectives, not shard()'s, are the second's.
+  void setup_done();
   /// Adds a checker to those told of each step.
   void follow(std::weak_ptr<CheckerShared> checker);
   /// The inputs of the root unit's forward in grad mode: the first since the

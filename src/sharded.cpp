@@ -18,6 +18,7 @@
 
 #include <torch/nn/modules/batchnorm.h>
 
+#include "collective_check.h"
 #include "shard_state.h"
 #include "shardtorch/comm_hooks.h"
 #include "shardtorch/deferred.h"
@@ -579,6 +580,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   if (strategy == Strategy::NoShard) {
     shard_replicated(root, *world, found, config.checkpointed, state, keep);
     detail::register_model(root, state);
+    world->collective_context().setup_done();
     world->note_progress("shard() done");
     return ShardedModel(state);
   }
@@ -599,6 +601,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   for (size_t u = 0; u < found.units.size(); ++u) detail::ShardState::attach(*found.units[u].base, made[u]);
   enable_checkpointing(found.units, config.checkpointed, state, made);
   detail::register_model(root, state);
+  world->collective_context().setup_done();
   world->note_progress("shard() done");
   return ShardedModel(state);
 }

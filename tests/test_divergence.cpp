@@ -634,6 +634,33 @@ TEST_F(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFrom
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
+// shard()'s collectives are not the first step's reference: from the
+// second step on, the only exchange per step on the world's communicator
+// (FullShard: the all-gathers are on it) is the step's marker. Before,
+// the second step exchanged every all-gather too.
+TEST_F(Diverged, FromTheSecondStepOnAShardedModelExchangesOnlyTheStepsMarker) {
+  auto r = run_ranks(2, [](World& w) {
+    Routed m;
+    auto sharded = shardtorch::shard(m, w, ShardOptions());
+    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+    auto x = torch::randn({4, 6});
+    std::vector<int64_t> per_step;
+    int64_t before = -1;
+    for (int step = 0; step < 4; ++step) {
+      opt->zero_grad();
+      auto loss = m(x).square().mean();  // its all-gathers launched after the step's marker
+      const int64_t now = w.comm().check_exchanges();
+      if (before >= 0) per_step.push_back(now - before);
+      before = now;
+      loss.backward();
+      opt->step();
+    }
+    // From step 1's forward to step 2's, and on: the next step's marker.
+    require_exchanges({per_step.begin() + 1, per_step.end()}, {1, 1});
+  }, checked());
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
 // Two optimizers stepped one after the other (two World::note_step_done
 // with no collective between them): the step without collectives does not
 // replace the reference, so the collectives still launch without an
