@@ -36,32 +36,27 @@ void CollectiveContext::backward_ends() {
 
 void step_began(CheckerShared& s, int64_t step, bool setup);  // below
 
-void CollectiveContext::setup_done() {
+void CollectiveContext::setup_done() { mark(/*setup=*/true); }
+
+void CollectiveContext::step_done() { mark(/*setup=*/false); }
+
+void CollectiveContext::mark(bool setup) {
   std::vector<std::weak_ptr<CheckerShared>> checkers;
   int64_t step;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!setup) {
+      ++step_;
+      backwards_ = 0;
+      inputs_seen_ = false;
+      inputs_hash_ = 0;
+      inputs_.reset();
+    }
     step = step_;
     checkers = checkers_;
   }
   for (auto& weak : checkers)
-    if (auto s = weak.lock()) step_began(*s, step, /*setup=*/true);
-}
-
-void CollectiveContext::step_done() {
-  std::vector<std::weak_ptr<CheckerShared>> checkers;
-  int64_t step;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    step = ++step_;
-    backwards_ = 0;
-    inputs_seen_ = false;
-    inputs_hash_ = 0;
-    inputs_.reset();
-    checkers = checkers_;
-  }
-  for (auto& weak : checkers)
-    if (auto s = weak.lock()) step_began(*s, step, /*setup=*/false);
+    if (auto s = weak.lock()) step_began(*s, step, setup);
 }
 
 void CollectiveContext::follow(std::weak_ptr<CheckerShared> checker) {
@@ -533,6 +528,16 @@ std::vector<std::string> gather_texts(c10d::Backend& backend, const std::string&
   return out;
 }
 
+// Under s.mu: step `step` (or the end of shard()) begins here, and what was
+// issued since the last one becomes the reference; `keep_when_empty`: the
+// reference stays when nothing was.
+void new_reference(CheckerShared& s, int64_t step, bool keep_when_empty) {
+  if (!keep_when_empty || !s.current.empty()) s.previous = std::move(s.current);
+  s.current.clear();
+  s.position = 0;
+  s.step = step;
+}
+
 void mark_broken(CheckerShared& s, const std::exception_ptr& e) {
   std::lock_guard<std::mutex> lock(s.mu);
   if (!s.broken) s.broken = e;
@@ -796,14 +801,9 @@ void step_began(CheckerShared& s, int64_t step, bool setup) {
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (s.broken || s.stop) return;
-    if (setup || step != s.step) {
-      // A step with no collective here (two optimizers stepped one after the
-      // other; an idle group) keeps the last one that had some as the reference.
-      if (!s.current.empty()) s.previous = std::move(s.current);
-      s.current.clear();
-      s.position = 0;
-      s.step = step;
-    }
+    // A step with no collective here (two optimizers stepped one after the
+    // other; an idle group) keeps the last one that had some as the reference.
+    if (setup || step != s.step) new_reference(s, step, /*keep_when_empty=*/true);
     s.marked = true;
     m->fingerprint.assign(kPatternSize, 0);
     m->fingerprint[0] = text_hash(setup ? "the end of shard()" : "the start of a step");
@@ -844,10 +844,7 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pa
   c->seq = ++s_->issued;
   s_->timeout = timeout;
   if (step != s_->step) {  // a step with no marker: its first collective compares the step counts
-    s_->previous = std::move(s_->current);
-    s_->current.clear();
-    s_->position = 0;
-    s_->step = step;
+    new_reference(*s_, step, /*keep_when_empty=*/false);
     s_->marked = false;
   }
   const size_t k = s_->position++;

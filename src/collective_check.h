@@ -96,6 +96,7 @@ class CollectiveContext {
   int64_t inputs_hash_ = 0;
   std::shared_ptr<const std::string> inputs_;
   std::vector<std::weak_ptr<CheckerShared>> checkers_;
+  void mark(bool setup);  // step_done (a new step) or setup_done: each followed checker queues its marker
 };
 
 /// One rank's checked communicators and, for its long waits, their records

@@ -430,6 +430,23 @@ void require_exchanges(const std::vector<int64_t>& per_step, const std::vector<i
   throw std::runtime_error("exchanges per step: " + got);
 }
 
+// The exchanges on `comm` between successive calls of count(), one entry
+// per call after the first.
+class ExchangesPerStep {
+ public:
+  explicit ExchangesPerStep(shardtorch::Comm& comm) : comm_(comm) {}
+  void count() {
+    const int64_t now = comm_.check_exchanges();
+    if (before_ >= 0) per_step.push_back(now - before_);
+    before_ = now;
+  }
+  std::vector<int64_t> per_step;
+
+ private:
+  shardtorch::Comm& comm_;
+  int64_t before_ = -1;
+};
+
 // Waits until each of `ranks` has written that it waits (one of its waits
 // has lasted WaitBoard::kQuiet, 1 s).
 void await_long_waits(World& w, const std::vector<int>& ranks) {
@@ -609,13 +626,10 @@ TEST_F(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFrom
     w.note_step_done();  // the set-up's collectives are a step of their own
     // Counted after each step's first collective: by then the step's marker,
     // exchanged in the background, has run (the collective launches after it).
-    std::vector<int64_t> per_step;
-    int64_t before = -1;
+    ExchangesPerStep exchanges(w.comm());
     for (int step = 0; step < 8; ++step) {
       sum("a", 3);
-      const int64_t now = w.comm().check_exchanges();
-      if (before >= 0) per_step.push_back(now - before);
-      before = now;
+      exchanges.count();
       if (step == 5) sum("extra", 5);
       sum("b", 4);
       auto c = torch::full({2}, static_cast<float>(w.rank()));
@@ -629,7 +643,7 @@ TEST_F(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFrom
     // c each differ from step 4's at their place. Step 6: b and c differ
     // from step 5's.
     const std::vector<int64_t> expected{3, 1, 1, 1, 1, 4, 3};
-    require_exchanges(per_step, expected);
+    require_exchanges(exchanges.per_step, expected);
   }, checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
@@ -644,19 +658,16 @@ TEST_F(Diverged, FromTheSecondStepOnAShardedModelExchangesOnlyTheStepsMarker) {
     auto sharded = shardtorch::shard(m, w, ShardOptions());
     auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
     auto x = torch::randn({4, 6});
-    std::vector<int64_t> per_step;
-    int64_t before = -1;
+    ExchangesPerStep exchanges(w.comm());
     for (int step = 0; step < 4; ++step) {
       opt->zero_grad();
       auto loss = m(x).square().mean();  // its all-gathers launched after the step's marker
-      const int64_t now = w.comm().check_exchanges();
-      if (before >= 0) per_step.push_back(now - before);
-      before = now;
+      exchanges.count();
       loss.backward();
       opt->step();
     }
     // From step 1's forward to step 2's, and on: the next step's marker.
-    require_exchanges({per_step.begin() + 1, per_step.end()}, {1, 1});
+    require_exchanges({exchanges.per_step.begin() + 1, exchanges.per_step.end()}, {1, 1});
   }, checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
@@ -669,20 +680,17 @@ TEST_F(Diverged, TwoStepsInARowKeepTheLastStepWithCollectivesAsTheReference) {
   auto r = run_ranks(2, [](World& w) {
     auto sum = [&](const std::string& what, int64_t n) { pair_sum(w.comm(), what, n); };
     w.note_step_done();
-    std::vector<int64_t> per_step;
-    int64_t before = -1;
+    ExchangesPerStep exchanges(w.comm());
     for (int step = 0; step < 6; ++step) {
       sum("a", 3);
-      const int64_t now = w.comm().check_exchanges();
-      if (before >= 0) per_step.push_back(now - before);
-      before = now;
+      exchanges.count();
       sum("b", 4);
       w.note_step_done();  // the first model's optimizer
       w.note_step_done();  // the second's
     }
     // Step 0: b differs from the set-up's; then the two markers of each step.
     const std::vector<int64_t> expected{3, 2, 2, 2, 2};
-    require_exchanges(per_step, expected);
+    require_exchanges(exchanges.per_step, expected);
   }, checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
