@@ -1,6 +1,7 @@
 #include "collective_check.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -528,6 +529,8 @@ std::vector<std::string> gather_texts(c10d::Backend& backend, const std::string&
   return out;
 }
 
+std::atomic<size_t> max_patterns{kMaxPatternsPerStep};
+
 // Under s.mu: step `step` (or the end of shard()) begins here, and what was
 // issued since the last one becomes the reference; `keep_when_empty`: the
 // reference stays when nothing was.
@@ -854,7 +857,7 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pa
   c->fingerprint.push_back(c->seq);
   // Bounded: a program that never steps (no note_step_done) exchanges every
   // collective and must not grow this list without end.
-  if (s_->current.size() < kMaxPatternsPerStep) s_->current.push_back(std::move(pattern));
+  if (s_->current.size() < max_patterns.load(std::memory_order_relaxed)) s_->current.push_back(std::move(pattern));
   if (s_->broken) {
     auto broken = s_->broken;
     lock.unlock();
@@ -888,6 +891,8 @@ void CollectiveChecker::flush() {
   }
   if (newest) newest->launched();
 }
+
+void set_max_patterns_per_step(size_t n) { max_patterns.store(n, std::memory_order_relaxed); }
 
 int64_t CollectiveChecker::exchanges() const {
   std::lock_guard<std::mutex> lock(s_->mu);

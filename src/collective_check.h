@@ -54,6 +54,9 @@ constexpr size_t kPatternSize = 8;
 /// A step's collectives past this many are exchanged in the next step too
 /// (their patterns are not kept).
 constexpr size_t kMaxPatternsPerStep = 1 << 17;
+/// Replaces kMaxPatternsPerStep in this process from now on (for tests: the
+/// bound is otherwise reached only after 131072 collectives in one step).
+void set_max_patterns_per_step(size_t n);
 
 /// Where this rank is in training, shared by a World's communicators and
 /// written by its sharded models: part of every collective's fingerprint, so

@@ -648,6 +648,28 @@ TEST_F(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFrom
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
+// A step keeps the patterns of its first kMaxPatternsPerStep collectives
+// only (here 3), so a program that never steps holds no more: the
+// collectives past the bound are exchanged in the next step too, as
+// collectives that differ would be.
+TEST_F(Diverged, CollectivesPastTheBoundOfKeptPatternsAreExchangedInTheNextStep) {
+  auto r = run_ranks(2, [](World& w) {
+    shardtorch::detail::set_max_patterns_per_step(3);
+    w.note_step_done();
+    ExchangesPerStep exchanges(w.comm());
+    for (int step = 0; step < 6; ++step) {
+      pair_sum(w.comm(), "a", 3);
+      exchanges.count();
+      for (const char* what : {"b", "c", "d", "e"}) pair_sum(w.comm(), what, 4);
+      w.note_step_done();
+    }
+    // From step 1's a on: d and e (past the 3 kept of the previous step) and
+    // the next step's marker. Step 0's collectives differ from the set-up's.
+    require_exchanges({exchanges.per_step.begin() + 1, exchanges.per_step.end()}, {3, 3, 3, 3});
+  }, checked());
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
 // shard()'s collectives are not the first step's reference: from the
 // second step on, the only exchange per step on the world's communicator
 // (FullShard: the all-gathers are on it) is the step's marker. Before,
