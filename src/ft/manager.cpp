@@ -515,15 +515,18 @@ struct Manager::Impl {
     auto m = meta.accessor<int64_t, 1>();
     m[0] = step;
     m[1] = static_cast<int64_t>(user.size());
+    // Gloo sends and receives host memory only (it reads a tensor's data
+    // pointer): state on a device goes through a host copy.
+    auto host = [](const at::Tensor& t) { return t.to(at::kCPU).contiguous(); };
     std::vector<at::Tensor> out;
-    for (auto& t : model_tensors()) out.push_back(t.contiguous());
+    for (auto& t : model_tensors()) out.push_back(host(t));
     for (size_t i = 0; i < pieces.size(); ++i) {
       auto it = st.find(pieces[i].view.unsafeGetTensorImpl());
       if (it == st.end()) continue;
       auto ts = shardtorch::detail::optimizer_state_tensors(it->second.get());
       m[static_cast<int64_t>(2 + 2 * i)] = static_cast<int64_t>(ts.size());
       m[static_cast<int64_t>(3 + 2 * i)] = shardtorch::detail::optimizer_state_step(it->second.get());
-      for (auto& [name, t] : ts) out.push_back(t.contiguous());
+      for (auto& [name, t] : ts) out.push_back(host(t));
     }
     if (!user.empty()) {
       at::Tensor u = at::empty({static_cast<int64_t>(user.size())}, at::kByte);
@@ -559,9 +562,12 @@ struct Manager::Impl {
       std::vector<at::Tensor> v{t};
       works.push_back(pg->recv(v, src, tag));
     };
-    for (auto& t : dst) post(at::empty_like(t, at::MemoryFormat::Contiguous));
+    // Into host memory (Gloo's receives write through the data pointer);
+    // copied to where the state lives once everything arrived.
+    auto host_like = [](const at::Tensor& t) { return at::empty(t.sizes(), t.options().device(at::kCPU)); };
+    for (auto& t : dst) post(host_like(t));
     for (size_t i = 0; i < pieces.size(); ++i)
-      for (int64_t k = 0; k < m[static_cast<int64_t>(2 + 2 * i)]; ++k) post(at::empty_like(pieces[i].view));
+      for (int64_t k = 0; k < m[static_cast<int64_t>(2 + 2 * i)]; ++k) post(host_like(pieces[i].view));
     const int64_t user_len = m[1];
     if (user_len > 0) post(at::empty({user_len}, at::kByte));
     for (auto& w : works) w->wait(options.timeout());
@@ -581,6 +587,7 @@ struct Manager::Impl {
       }
       std::vector<at::Tensor> ts(got.begin() + static_cast<long>(at), got.begin() + static_cast<long>(at + n));
       at += static_cast<size_t>(n);
+      for (auto& t : ts) t = t.to(pieces[i].view.device());  // the state lives with its piece
       st[key] = shardtorch::detail::make_optimizer_state(*kind, m[static_cast<int64_t>(3 + 2 * i)], ts);
     }
     opt.views().count_optimizer_state(opt.inner());
@@ -844,7 +851,8 @@ bool Manager::should_commit() {
   // group of one rank decides alone.
   rep.committed = error.empty();
   if (m.world->size() > 1) {
-    at::Tensor ok = at::full({1}, error.empty() ? 1 : 0, at::kInt);
+    // On the group's device: NCCL reduces device memory only.
+    at::Tensor ok = at::full({1}, error.empty() ? 1 : 0, at::kInt).to(m.world->comm().device());
     m.world->comm().all_reduce(ok, c10d::ReduceOp::MIN, "shardtorch::ft vote");
     rep.committed = ok.item<int>() == 1;
   }
