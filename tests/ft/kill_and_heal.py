@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--tolerance", default="1e-6", help="largest difference from the single-process replay")
     ap.add_argument("--prefetch-quorum", action="store_true", help="the groups run with ManagerOptions::prefetch_quorum")
     ap.add_argument("--cpu-offload", action="store_true", help="the groups run with ShardOptions::cpu_offload")
+    ap.add_argument("--hybrid-shard-size", type=int, default=0, help="ft_train --hybrid-shard-size (--strategy hybrid_shard)")
     a = ap.parse_args()
 
     seed = a.seed if a.seed is not None else random.randrange(1 << 30)
@@ -120,6 +121,8 @@ def main():
                 cmd += ["--prefetch-quorum"]
             if a.cpu_offload:
                 cmd += ["--cpu-offload"]
+            if a.hybrid_shard_size:
+                cmd += ["--hybrid-shard-size", str(a.hybrid_shard_size)]
             log = open(os.path.join(a.workdir, f"group-{g}.log"), "w")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
