@@ -27,67 +27,19 @@
 #include <set>
 #include <thread>
 
+#include "ft/ft_support.h"
 #include "ft/lighthouse_client.h"
 #include "shardtorch/error.h"
 #include "shardtorch/ft.h"
 #include "shardtorch/shardtorch.h"
 #include "shardtorch/testing.h"
 
-extern char** environ;
-
 namespace {
+using namespace ftsupport;
 using shardtorch::World;
 using shardtorch::ft::detail::LighthouseClient;
 using shardtorch::ft::detail::Member;
 using namespace std::chrono_literals;
-
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-// torchft_lighthouse on a free loopback port, for the life of the object.
-class Lighthouse {
- public:
-  explicit Lighthouse(int min_replicas, int heartbeat_timeout_ms = 30000) : port_(free_port()) {
-    const std::string exe = SHARDTORCH_PYTHON_FOR_FT;
-    if (::access(exe.c_str(), X_OK) != 0)
-      throw std::runtime_error("no Python with torchft at '" + exe + "': run scripts/setup.sh (it installs torchft-nightly)");
-    std::vector<std::string> args{exe, SHARDTORCH_LIGHTHOUSE, "--bind", address(), "--min_replicas", std::to_string(min_replicas),
-                                  "--join_timeout_ms", "2000", "--quorum_tick_ms", "20",
-                                  // Long: the bare clients below send no heartbeats while they wait for each other.
-                                  "--heartbeat_timeout_ms", std::to_string(heartbeat_timeout_ms)};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-    posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
-    if (posix_spawn(&pid_, exe.c_str(), &fa, nullptr, argv.data(), environ) != 0)
-      throw std::runtime_error("could not start " + exe);
-    posix_spawn_file_actions_destroy(&fa);
-  }
-  ~Lighthouse() {
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-  }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
-  // SIGSTOP: it keeps its connections but answers nothing until resume().
-  void pause() const { ::kill(pid_, SIGSTOP); }
-  void resume() const { ::kill(pid_, SIGCONT); }
-
- private:
-  int port_;
-  pid_t pid_ = 0;
-};
 
 Member member(const std::string& id, int64_t step) { return Member{id, "", "127.0.0.1:1", step, 1, "{}"}; }
 
@@ -139,151 +91,6 @@ TEST(FtLighthouse, UnreachableLighthouseIsAClearErrorWithinTheTimeout) {
   }
   // Bounded by the timeout (with a wide margin for a loaded machine), not gRPC's own defaults.
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
-}
-
-// Two replica groups of `ranks` ranks each, in 2*ranks forked processes: each
-// group its own World; `hidden` may differ per group.
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(int64_t hidden)
-      : a(register_module("a", torch::nn::Linear(6, hidden))), b(register_module("b", torch::nn::Linear(hidden, 1))) {}
-  at::Tensor forward(at::Tensor x) { return b(a(x).tanh()); }
-  torch::nn::Linear a, b;
-};
-SHARDTORCH_MODULE(Net);
-
-at::Tensor batch_x(int64_t group, int rank, int64_t step) {
-  at::manual_seed(100 * group + 10 * rank + step);
-  return at::randn({4, 6});
-}
-
-std::shared_ptr<World> group_world(World& all, int ranks) {
-  const int g = all.rank() / ranks;
-  auto store = c10::make_intrusive<c10d::PrefixStore>("group" + std::to_string(g), all.store());
-  return World::create(store, all.rank() % ranks, ranks);
-}
-
-using Named = std::map<std::string, at::Tensor>;
-
-// How train_group trains each group.
-struct GroupRun {
-  shardtorch::ShardOptions shard;
-  int steps = 6;
-  int64_t hidden_for_group1 = 8;  // another width: a different model
-  std::optional<shardtorch::ShardOptions> shard_for_group1;  // unset: `shard`
-  bool prefetch = false;
-  // On every rank after its Manager is made.
-  std::function<void(int group, int rank, shardtorch::ft::Manager&)> setup;
-  // On every rank after each committed step (after the optimizer step).
-  std::function<void(int group, shardtorch::ft::Manager&, Net&, shardtorch::ShardedOptimizer&)> after_step;
-};
-
-struct GroupResult {
-  Named params;                // at the end, full
-  std::vector<std::string> counted;  // per committed step: the groups whose gradients counted
-  std::vector<Named> grads;          // per committed step: the full gradients the optimizer stepped with
-  std::vector<Named> before;         // per committed step: the full parameters it stepped from
-  std::vector<int64_t> failed;       // per step not committed: step() after it
-  int rebuilt = 0;                   // steps that built the cross-replica group
-};
-
-GroupResult train_group(World& all, int ranks, const std::string& lighthouse, const GroupRun& run) {
-  auto world = group_world(all, ranks);
-  const int g = all.rank() / ranks;
-  at::manual_seed(0);
-  Net model(g == 1 ? run.hidden_for_group1 : 8);
-  shardtorch::shard(*model, world, g == 1 && run.shard_for_group1 ? *run.shard_for_group1 : run.shard);
-  auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
-  shardtorch::ft::Manager m(world, *model, *opt,
-                            shardtorch::ft::ManagerOptions().lighthouse(lighthouse).replica_group(std::to_string(g)).log(false)
-                                .prefetch_quorum(run.prefetch));
-  if (run.setup) run.setup(g, world->rank(), m);
-  GroupResult out;
-  while (m.step() < run.steps) {
-    m.start_step();
-    auto x = batch_x(g, world->rank(), m.step());
-    opt->zero_grad();
-    model->forward(x).pow(2).mean().backward();
-    const bool committed = m.should_commit();
-    if (m.last_step().reconfigured) ++out.rebuilt;
-    if (!committed) {
-      out.failed.push_back(m.step());
-      continue;
-    }
-    {
-      auto full = shardtorch::summon_full_params(*model, shardtorch::SummonOptions().with_grads(true).writeback(false));
-      Named grads, before;
-      for (auto& item : model->named_parameters()) {
-        grads[item.key()] = item.value().grad().clone();
-        before[item.key()] = item.value().detach().clone();
-      }
-      out.grads.push_back(std::move(grads));
-      out.before.push_back(std::move(before));
-    }
-    opt->step();
-    std::string who;
-    for (auto& c : m.last_step().counted) who += c;
-    out.counted.push_back(who);
-    if (run.after_step) run.after_step(g, m, model, *opt);
-  }
-  // Each round's answer is dropped from the group's store after the next round starts.
-  const std::string rounds = "shardtorch-ft/" + std::to_string(g) + "/incarnation0/round/";
-  if (world->store()->check({rounds + "0"})) throw std::runtime_error("the group's store keeps every round");
-  out.params = shardtorch::full_parameters(*model);
-  return out;
-}
-
-// Single-process replay: step s averages the counted groups' ranks' batches.
-// Returns the parameters at the end and each step's gradients.
-std::pair<Named, std::vector<Named>> reference(int ranks, const std::vector<std::string>& counted) {
-  at::manual_seed(0);
-  Net model(8);
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
-  std::vector<Named> grads;
-  for (size_t s = 0; s < counted.size(); ++s) {
-    opt.zero_grad();
-    at::Tensor total;
-    for (char c : counted[s])
-      for (int r = 0; r < ranks; ++r) {
-        auto l = model->forward(batch_x(c - '0', r, static_cast<int64_t>(s))).pow(2).mean();
-        total = total.defined() ? total + l : l;
-      }
-    (total / static_cast<double>(counted[s].size() * static_cast<size_t>(ranks))).backward();
-    Named step;
-    for (auto& item : model->named_parameters()) step[item.key()] = item.value().grad().clone();
-    grads.push_back(std::move(step));
-    opt.step();
-  }
-  Named out;
-  for (auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
-  return {out, grads};
-}
-
-// Throws unless `t` is bitwise the same on every rank of `all`.
-void require_alike(World& all, const at::Tensor& t, const std::string& what) {
-  auto first = t.clone();
-  all.comm().broadcast(first, 0, "compare");
-  if (!at::equal(t, first)) throw std::runtime_error(what + " differs between the groups");
-}
-
-// `got` (a group's training) against the replay of its committed steps:
-// every step's gradients and the final parameters within 1e-6, and the
-// parameters bitwise alike in every group, before every step and at the end.
-void check_against_replay(World& all, int ranks, const GroupResult& got) {
-  auto [want, want_grads] = reference(ranks, got.counted);
-  if (got.grads.size() != want_grads.size()) throw std::runtime_error("gradients of a step missing");
-  for (size_t s = 0; s < want_grads.size(); ++s)
-    for (auto& [name, t] : want_grads[s]) {
-      require_alike(all, got.before[s].at(name), "step " + std::to_string(s) + ": " + name + " before the optimizer step");
-      const double d = (got.grads[s].at(name) - t).abs().max().item<double>();
-      if (!(d <= 1e-6))
-        throw std::runtime_error("step " + std::to_string(s) + ": the gradient of " + name + " differs from one process by " +
-                                 std::to_string(d) + " (counted groups " + got.counted[s] + ")");
-    }
-  for (auto& [name, t] : want) {
-    const double d = (got.params.at(name) - t).abs().max().item<double>();
-    if (!(d <= 1e-6)) throw std::runtime_error(name + " differs from one process by " + std::to_string(d));
-    require_alike(all, got.params.at(name), name);  // rank 0's values against everyone's
-  }
 }
 
 void two_groups_train_like_one_process(int ranks, shardtorch::ShardOptions shard, bool prefetch = false) {
@@ -338,28 +145,6 @@ TEST(FtManager, TwoHybridShardGroupsOfFourRanksTrainLikeOneProcess) {
 // The optimizer steps on the CPU, from host-held masters and state.
 TEST(FtManager, TwoFullShardGroupsWithCpuOffloadTrainLikeOneProcess) {
   two_groups_train_like_one_process(2, shard_options(shardtorch::Strategy::FullShard).cpu_offload(true));
-}
-
-// Group 1 loses its state after step 3 (other weights, garbage optimizer
-// state, an older step count): the next quorum heals it from group 0, rank k
-// from rank k, before its optimizer step. From then on both groups train
-// bitwise alike and like one process (the optimizer state's moments and step
-// count show in every later update).
-void group_1_loses_its_state_after_step_3(int g, shardtorch::ft::Manager& m, Net& model,
-                                          shardtorch::ShardedOptimizer& opt) {
-  if (g != 1 || m.step() != 3) return;
-  c10::NoGradGuard no_grad;
-  {
-    auto full = shardtorch::summon_full_params(*model);  // the edits are written back into the shards
-    for (auto& p : model->parameters()) p.add_(1.0);
-  }
-  for (auto& [key, st] : opt.inner().state()) {
-    auto& a = static_cast<torch::optim::AdamWParamState&>(*st);
-    a.exp_avg().fill_(7.0);
-    a.exp_avg_sq().fill_(3.0);
-    a.step(1000);
-  }
-  m.set_step(1);
 }
 
 void group_that_lost_its_state_heals(int ranks, shardtorch::ShardOptions shard) {
