@@ -468,6 +468,8 @@ void CheckedLaunch::settle(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr 
   cv.notify_all();
 }
 
+void CheckedLaunch::abandon(const std::string& why) { settle(nullptr, std::make_exception_ptr(std::runtime_error(why))); }
+
 struct CheckerShared : std::enable_shared_from_this<CheckerShared> {
   c10::intrusive_ptr<c10d::Backend> check;  // the check group: the exchanges alone
   int rank = 0, size = 1;
@@ -553,7 +555,13 @@ void launch(CheckerShared& s, CheckedLaunch& c) {
     c.settle(nullptr, nullptr);
     return;
   }
-  auto work = c.start();
+  std::function<c10::intrusive_ptr<c10d::Work>()> start;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    if (c.done) return;  // abandoned: launches nothing
+    start = c.start;
+  }
+  auto work = start();
   if (s.board) s.board->launched(s.comm);
   c.settle(std::move(work), nullptr);
 }
@@ -688,7 +696,7 @@ c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched(bool probe) {
   auto s = checker.lock();
   std::optional<WaitBoard::Wait> wait;
   if (probe && s && s->board) wait.emplace(s->board, s->comm, Kind::Exchange, next_exchange(*s), [this] { return description(); });
-  if (s) take_if_next(*s, *this, wait ? &*wait : nullptr);
+  if (probe && s) take_if_next(*s, *this, wait ? &*wait : nullptr);
   std::unique_lock<std::mutex> lock(mu);
   if (!wait) {
     cv.wait(lock, [&] { return done; });

@@ -209,9 +209,11 @@ struct CheckedLaunch {
   /// of the launch). When this launch is first in its checker's FIFO and
   /// nothing runs there, the calling thread runs it itself (it would wait
   /// for it anyway): no thread hand-off. `probe`: compare a long wait with
-  /// the peers' (WaitBoard); false for the library's own background waits,
-  /// which block no program thread (a thread that gave up on them goes on
-  /// and issues what the peer waits for).
+  /// the peers' (WaitBoard), and run the launch here when it is next; false
+  /// for the library's own background waits, which block no program thread
+  /// (a thread that gave up on them goes on and issues what the peer waits
+  /// for) and leave exchanges to the checker's thread, whose wait for a
+  /// peer that never comes does not hold up teardown (see abandon()).
   c10::intrusive_ptr<c10d::Work> launched(bool probe = true);
   /// A program thread's wait for the collective itself (its launch first,
   /// where the launch is not done): `done_within(slice)` waits at most
@@ -227,6 +229,10 @@ struct CheckedLaunch {
   std::exception_ptr explain(std::exception_ptr e) const;
   /// The first call decides; later ones are ignored.
   void settle(c10::intrusive_ptr<c10d::Work> work, std::exception_ptr error);
+  /// Its waiters stop waiting for the launch: launched() throws `why` (a
+  /// launch that comes later runs with no one waiting; the collective holds
+  /// its tensors). No effect once it is settled. For teardown.
+  void abandon(const std::string& why);
 
   std::weak_ptr<CheckerShared> checker;  // set by submit()
   std::mutex mu;

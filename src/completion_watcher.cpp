@@ -1,6 +1,7 @@
 #include "completion_watcher.h"
 
 #include <stdexcept>
+#include <vector>
 
 #include "collective_check.h"
 #include "errors.h"
@@ -32,10 +33,16 @@ void CompletionState::settle(std::exception_ptr error) {
 }
 
 CompletionWatcher::~CompletionWatcher() {
+  std::vector<std::shared_ptr<CheckedLaunch>> unlaunched;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    if (waiting_) unlaunched.push_back(waiting_);
+    for (auto& item : queue_)
+      if (item.checked) unlaunched.push_back(item.checked);
   }
+  for (auto& c : unlaunched)
+    c->abandon("shardtorch: the sharded model was destroyed before this collective was launched");
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
 }
@@ -107,6 +114,9 @@ void CompletionWatcher::run() {
       if (queue_.empty()) return;  // stopping, and nothing left to wait for
       item = std::move(queue_.front());
       queue_.pop_front();
+      // Abandoned by the destructor from here on, should it come meanwhile.
+      waiting_ = item.work ? nullptr : item.checked;
+      if (stop_ && waiting_) waiting_->abandon("shardtorch: the sharded model was destroyed before this collective was launched");
     }
     // Whatever fails here, the collective's waiter hears of it (Comm::finish
     // names the rank and the collective); nothing escapes the thread.
@@ -117,6 +127,10 @@ void CompletionWatcher::run() {
       item.work.reset();
     } catch (...) {
       error = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting_.reset();
     }
     item.state->settle(error);
   }

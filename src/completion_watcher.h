@@ -48,7 +48,9 @@ class CompletionWatcher {
   CompletionWatcher() = default;
   CompletionWatcher(const CompletionWatcher&) = delete;
   CompletionWatcher& operator=(const CompletionWatcher&) = delete;
-  /// Waits for everything given (each wait is bounded by its timeout).
+  /// Waits for every launched collective given (each wait is bounded by
+  /// its timeout); one still waiting for its launch is abandoned
+  /// (CheckedLaunch::abandon): after a divergence it may never come.
   ~CompletionWatcher();
 
   /// Starts watching `work`: its wait(timeout) runs on the watcher's thread.
@@ -74,6 +76,7 @@ class CompletionWatcher {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
+  std::shared_ptr<CheckedLaunch> waiting_;  // the launch the thread waits for, if any
   bool stop_ = false;
   std::exception_ptr broken_;  // set when the thread failed; later watches wait on the caller's thread
   std::thread thread_;  // started by the first watch()

@@ -17,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "../src/collective_check.h"
+#include "../src/shard_state.h"
 #include "models.h"
 
 using namespace testmodels;
@@ -159,6 +160,40 @@ TEST_F(Diverged, ADifferentNumberOfMicroBatchesFailsEveryRankNamingBoth) {
       expect_diverged(r, {"in backward 3 since the last optimizer step (gradient sync on)",
                           "but rank 1 is at", "in backward 2 since the last optimizer step (gradient sync on)"});
     }
+  }
+}
+
+// A program that catches the divergence and lets its model go (returns
+// from main, say) is not held until the collective timeout: each rank tears
+// its sharded model down within seconds. Before, under ShardGradOp and
+// OptimizerOnly, the destructor waited for a collective that its peer would
+// never launch (the peer, for an exchange this rank would never join).
+TEST_F(Diverged, ARankThatCaughtTheDivergenceTearsItsModelDownAtOnce) {
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp, Strategy::OptimizerOnly}) {
+    SCOPED_TRACE(shardtorch::strategy_name(s));
+    auto r = run_ranks(2, [s](World& w) {
+      torch::manual_seed(0);
+      auto m = std::make_unique<MLP>();
+      auto sharded = std::make_unique<shardtorch::ShardedModel>(shardtorch::shard(*m, w, ShardOptions().strategy(s)));
+      auto opt = shardtorch::Adam(**m, torch::optim::AdamOptions(1e-3));
+      auto x = torch::randn({4, 7});
+      bool diverged = false;
+      try {
+        for (int step = 0; step < 4; ++step) train_step(*m, *sharded, *opt, x, step == 2 && w.rank() == 1 ? 3 : 2);
+      } catch (const shardtorch::CollectivesDiverged&) {
+        diverged = true;
+      }
+      if (!diverged) throw std::runtime_error("no divergence seen");
+      const auto t0 = std::chrono::steady_clock::now();
+      opt.reset();
+      sharded.reset();
+      m.reset();
+      torch::nn::Linear other(1, 1);
+      shardtorch::detail::lookup_model(*other);  // the registry lets the dead model's state go here
+      const double teardown = seconds_since(t0);
+      if (teardown > 10.0) throw std::runtime_error("the teardown took " + std::to_string(teardown) + " s");
+    }, checked());
+    EXPECT_TRUE(r.ok) << r.summary();
   }
 }
 
