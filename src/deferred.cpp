@@ -1,4 +1,5 @@
 #include "shardtorch/deferred.h"
+#include "deferred_session.h"
 #include "check.h"
 
 // Deferred construction (docs/large-models.md has the design).
@@ -496,6 +497,8 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
 }
 
 }  // namespace
+
+bool deferred_init_live() { return tls_session != nullptr; }
 
 void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vector<std::string>& names,
                          std::optional<c10::Device> device, int rank) {

@@ -19,6 +19,7 @@
 #include <torch/nn/modules/batchnorm.h>
 
 #include "collective_check.h"
+#include "deferred_session.h"
 #include "shard_state.h"
 #include "shardtorch/comm_hooks.h"
 #include "shardtorch/deferred.h"
@@ -563,6 +564,10 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
 
 ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardOptions options) {
   SHARDTORCH_CHECK(world, "shardtorch::shard: no world");
+  // Its tensors would be deferred too: the collectives below would read meta memory.
+  SHARDTORCH_CHECK(!detail::deferred_init_live(), "shardtorch::shard: rank ", world->rank(),
+                   ": called while a shardtorch::DeferredInit lives on this thread; end the guard's scope first "
+                   "(construct the model inside it, shard after it: docs/large-models.md)");
   SHARDTORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: rank ", world->rank(), ": this model is already "
                    "sharded; shard() was called twice (build a new model to shard it again)");
   world->note_progress("shard()");

@@ -410,3 +410,29 @@ TEST(Deferred, MaterializeInsideTheGuardIsAnError) {
   EXPECT_EQ(shardtorch::count_deferred(*m), 0);
   EXPECT_EQ(m(torch::ones({2, 7})).sizes(), (std::vector<int64_t>{2, 3}));
 }
+
+// shard() inside a live guard: an error on every rank, naming it and saying
+// what to do, before any collective (whose tensors the guard would make
+// deferred: at two ranks this crashed with SIGSEGV, reading a fingerprint
+// from meta memory); after the guard the same model shards and trains.
+TEST(Deferred, ShardInsideTheGuardIsAnErrorOnEveryRank) {
+  auto r = shardtorch::testing::run_ranks(2, [](shardtorch::World& w) {
+    MLP m = nullptr;
+    {
+      shardtorch::DeferredInit guard;
+      m = MLP();
+      try {
+        shardtorch::shard(m, w);
+        throw std::runtime_error("shard() ran under a live DeferredInit");
+      } catch (const shardtorch::Error& e) {
+        const std::string what = e.what();
+        const std::string want = "shardtorch::shard: rank " + std::to_string(w.rank()) +
+                                 ": called while a shardtorch::DeferredInit lives on this thread; end the guard's scope first";
+        if (what.find(want) == std::string::npos) throw std::runtime_error("unexpected error: " + what);
+      }
+    }
+    shardtorch::shard(m, w);
+    m(torch::ones({2, 7})).sum().backward();
+  });
+  EXPECT_TRUE(r.ok) << r.summary();
+}
