@@ -65,7 +65,7 @@ inline bool params_close(Net&, const std::map<std::string, at::Tensor>&) { retur
       torch::optim::AdamWOptions adamw
 '''
 
-DECL_START = re.compile(r'^(struct|class|TEST|TEST_F|TEST_P|int main|void |SHARDTORCH_MODULE|TORCH_MODULE|using |namespace |template)')
+DECL_START = re.compile(r'^(struct|class|TEST|TEST_F|TEST_P|int main|void |torch::Tensor \w+\(|SHARDTORCH_MODULE|TORCH_MODULE|using |namespace |template)')
 
 
 def blocks(path):
