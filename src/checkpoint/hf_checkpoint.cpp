@@ -174,8 +174,23 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
           report.unexpected.push_back(c);
           continue;
         }
+        // The common case: the checkpoint's names carry a prefix the model's
+        // do not. Any of its names shows it (this one may be an extra).
+        std::string hint;
+        for (const auto& [c2, f2] : entries) {
+          auto m2 = model_name_of(c2, options);
+          if (!m2 || model_names.count(*m2)) continue;
+          for (const auto& name : model_names)
+            if (ends_with(*m2, "." + name)) {
+              hint = " (the checkpoint's '" + *m2 + "' is the model's '" + name + "' behind a prefix: strip_prefix(\"" +
+                     m2->substr(0, m2->size() - name.size()) + "\")?)";
+              break;
+            }
+          if (!hint.empty()) break;
+        }
         throw SafetensorsError(where + ": unexpected tensor '" + c + "'" + (*m != c ? " (mapped to '" + *m + "')" : "") +
-                               ": the model has no parameter or buffer of that name (map the checkpoint's names with "
+                               ": the model has no parameter or buffer of that name" + hint +
+                               " (map the checkpoint's names with "
                                "HfLoadOptions().strip_prefix/replace_prefix/map_name, skip it by mapping it to "
                                "nullopt, or pass ignore_unexpected(true))");
       }
