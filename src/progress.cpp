@@ -39,13 +39,14 @@ struct Record {
   int64_t changed_ms = 0;  // wall clock when step, phase or unit last changed
   int64_t beat_ms = 0;     // wall clock of the write
   bool failed = false;     // a collective of this rank failed (Progress::failed)
+  bool finished = false;   // its World was destroyed (~Progress): it left every collective
 };
 
 // Tab-separated; phase and unit names carry no tab or newline.
 std::string encode(const Record& r) {
   std::ostringstream os;
   os << r.step << '\t' << r.phase << '\t' << r.unit << '\t' << r.pid << '\t' << r.host << '\t' << r.changed_ms << '\t'
-     << r.beat_ms << '\t' << (r.failed ? 1 : 0);
+     << r.beat_ms << '\t' << (r.failed ? 1 : r.finished ? 2 : 0);
   return os.str();
 }
 bool decode(const std::string& s, Record& r) {
@@ -67,6 +68,7 @@ bool decode(const std::string& s, Record& r) {
     r.changed_ms = std::stoll(f[5]);
     r.beat_ms = std::stoll(f[6]);
     r.failed = f[7] == "1";
+    r.finished = f[7] == "2";
   } catch (const std::exception&) {
     return false;
   }
@@ -118,9 +120,10 @@ Progress::Progress(c10::intrusive_ptr<c10d::Store> store, int rank) : s_(std::ma
     auto last_write = std::chrono::steady_clock::time_point{};
     try {
       std::unique_lock<std::mutex> lock(s->mu);
-      while (!s->stop) {
+      for (;;) {
         const auto now = std::chrono::steady_clock::now();
-        if (s->version != written || now - last_write >= kBeat) {
+        // Stopping: the last record (finished) is written once more.
+        if (s->version != written || (!s->stop && now - last_write >= kBeat)) {
           Record r = s->mine;
           written = s->version;
           lock.unlock();
@@ -130,6 +133,7 @@ Progress::Progress(c10::intrusive_ptr<c10d::Store> store, int rank) : s_(std::ma
           last_write = std::chrono::steady_clock::now();
           lock.lock();
         }
+        if (s->stop && s->version == written) break;
         s->cv.wait_for(lock, kWriteInterval, [&] { return s->stop; });
       }
     } catch (...) {  // the store is gone (its host died): peers will see this rank's record age
@@ -144,6 +148,8 @@ Progress::~Progress() {
   bool done = false;
   {
     std::unique_lock<std::mutex> lock(s_->mu);
+    s_->mine.finished = true;  // peers whose collective fails next learn that this rank left, and where from
+    ++s_->version;
     s_->stop = true;
     s_->cv.notify_all();
     done = s_->cv.wait_for(lock, std::chrono::seconds(1), [&] { return s_->done; });
@@ -237,6 +243,10 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
       if (!r.failed && local && gone(r.pid)) read(key, r);
       if (r.failed) {  // a fellow survivor that gave up first (and may have exited since): not at fault
         others.push_back(rank + " failed too, at " + where(r));
+      } else if (r.finished) {  // left without an error: it issued fewer collectives than this rank
+        at_fault.push_back(rank + " had finished: its World was destroyed " + seconds(now - r.beat_ms) + " ago, after " +
+                           where(r) + ", without an error (it issued fewer collectives than this rank: fewer steps or "
+                           "micro-batches?)");
       } else if (local && gone(r.pid)) {
         at_fault.push_back(rank + " is no longer running (pid " + std::to_string(r.pid) + " on this host); it was last at " +
                            where(r) + ", " + seconds(now - r.changed_ms) + " ago");

@@ -256,6 +256,28 @@ TEST(Faults, AStoppedRankIsNamedAsSilent) {
   EXPECT_NE(r.ranks[0].message.find("it was last at step 0, shard() done"), std::string::npos) << r.summary();
 }
 
+// A rank that runs fewer steps and ends without an error: its World's
+// destruction records that it finished, and where it was, before its
+// connections close, so the survivor's error names it as finished rather
+// than as dead, stale or late.
+TEST(Faults, ARankThatFinishedEarlyIsNamedAsFinished) {
+  auto r = run_ranks(2, [](World& w) {
+    const int steps = w.rank() == 1 ? 2 : 3;
+    for (int step = 0; step < steps; ++step) {
+      auto t = torch::ones({4});
+      w.comm().all_reduce(t, c10d::ReduceOp::SUM, "step " + std::to_string(step));
+      w.note_step_done();
+    }
+  }, shardtorch::testing::RunOptions().check_collectives(false).collective_timeout(std::chrono::seconds(20)));
+  EXPECT_EQ(r.ranks[1].exit_code, 0) << r.summary();
+  EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("all_reduce for step 2"), std::string::npos) << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 had finished: its World was destroyed "), std::string::npos)
+      << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("after step 2, optimizer step done, without an error"), std::string::npos)
+      << r.summary();
+}
+
 // Groups: a rank named twice, members listing the ranks in different orders
 // and a member that never comes are errors naming the group, not a wait for
 // a group no one else joins (each used to wait out the timeout in Gloo's
