@@ -1,5 +1,7 @@
 #include "collective_check.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -468,7 +470,17 @@ void CheckedLaunch::settle(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr 
   cv.notify_all();
 }
 
-void CheckedLaunch::abandon(const std::string& why) { settle(nullptr, std::make_exception_ptr(std::runtime_error(why))); }
+void CheckedLaunch::abandon(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (done) return;
+    done = true;
+    error = std::make_exception_ptr(std::runtime_error(why));
+    // `start` stays: the launch still comes if its exchange succeeds, so the
+    // peers that launched it are not left waiting.
+  }
+  cv.notify_all();
+}
 
 struct CheckerShared : std::enable_shared_from_this<CheckerShared> {
   c10::intrusive_ptr<c10d::Backend> check;  // the check group: the exchanges alone
@@ -558,9 +570,9 @@ void launch(CheckerShared& s, CheckedLaunch& c) {
   std::function<c10::intrusive_ptr<c10d::Work>()> start;
   {
     std::lock_guard<std::mutex> lock(c.mu);
-    if (c.done) return;  // abandoned: launches nothing
-    start = c.start;
+    start = std::move(c.start);
   }
+  if (!start) return;  // settled meanwhile by a failure: nothing to launch
   auto work = start();
   if (s.board) s.board->launched(s.comm);
   c.settle(std::move(work), nullptr);
@@ -570,6 +582,8 @@ void launch(CheckerShared& s, CheckedLaunch& c) {
 // same; throws CollectivesDiverged where one differs. Runs on one thread at
 // a time (`busy`), in the order of the queue.
 void exchange_and_launch(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait) {
+  // The fingerprints are real host tensors even under a live DeferredInit on this thread.
+  c10::impl::ExcludeDispatchKeyGuard no_deferred(c10::DispatchKey::DeferredInit);
   {
     std::lock_guard<std::mutex> lock(s.mu);
     ++s.entered;

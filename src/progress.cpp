@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <fstream>
 #include <iomanip>
 #include <mutex>
@@ -40,13 +41,14 @@ struct Record {
   int64_t beat_ms = 0;     // wall clock of the write
   bool failed = false;     // a collective of this rank failed (Progress::failed)
   bool finished = false;   // its World was destroyed (~Progress): it left every collective
+  bool left_on_error = false;  // ... while an exception unwound, with no collective of its own failed
 };
 
 // Tab-separated; phase and unit names carry no tab or newline.
 std::string encode(const Record& r) {
   std::ostringstream os;
   os << r.step << '\t' << r.phase << '\t' << r.unit << '\t' << r.pid << '\t' << r.host << '\t' << r.changed_ms << '\t'
-     << r.beat_ms << '\t' << (r.failed ? 1 : r.finished ? 2 : 0);
+     << r.beat_ms << '\t' << (r.failed ? 1 : r.finished ? 2 : r.left_on_error ? 3 : 0);
   return os.str();
 }
 bool decode(const std::string& s, Record& r) {
@@ -69,6 +71,7 @@ bool decode(const std::string& s, Record& r) {
     r.beat_ms = std::stoll(f[6]);
     r.failed = f[7] == "1";
     r.finished = f[7] == "2";
+    r.left_on_error = f[7] == "3";
   } catch (const std::exception&) {
     return false;
   }
@@ -148,7 +151,12 @@ Progress::~Progress() {
   bool done = false;
   {
     std::unique_lock<std::mutex> lock(s_->mu);
-    s_->mine.finished = true;  // peers whose collective fails next learn that this rank left, and where from
+    // Peers whose collective fails next learn that this rank left, and where
+    // from; a World destroyed while an exception unwinds left after an error.
+    if (std::uncaught_exceptions() > 0)
+      s_->mine.left_on_error = !s_->mine.failed;
+    else
+      s_->mine.finished = !s_->mine.failed;
     ++s_->version;
     s_->stop = true;
     s_->cv.notify_all();
@@ -243,10 +251,13 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
       if (!r.failed && local && gone(r.pid)) read(key, r);
       if (r.failed) {  // a fellow survivor that gave up first (and may have exited since): not at fault
         others.push_back(rank + " failed too, at " + where(r));
+      } else if (r.left_on_error) {
+        at_fault.push_back(rank + " stopped on an error of its own (see its output): its World was destroyed " +
+                           seconds(now - r.beat_ms) + " ago, while an exception unwound, after " + where(r));
       } else if (r.finished) {  // left without an error: it issued fewer collectives than this rank
         at_fault.push_back(rank + " had finished: its World was destroyed " + seconds(now - r.beat_ms) + " ago, after " +
-                           where(r) + ", without an error (it issued fewer collectives than this rank: fewer steps or "
-                           "micro-batches?)");
+                           where(r) + ", with no exception in flight (it issued fewer collectives than this rank: "
+                           "fewer steps or micro-batches, or it caught an error of its own and ended?)");
       } else if (local && gone(r.pid)) {
         at_fault.push_back(rank + " is no longer running (pid " + std::to_string(r.pid) + " on this host); it was last at " +
                            where(r) + ", " + seconds(now - r.changed_ms) + " ago");

@@ -433,6 +433,14 @@ TEST(Deferred, ShardInsideTheGuardIsAnErrorOnEveryRank) {
     }
     shardtorch::shard(m, w);
     m(torch::ones({2, 7})).sum().backward();
+    // A collective of real tensors inside a guard: the collective check's
+    // own buffers stay real (they were deferred: SIGSEGV in the exchange).
+    auto t = torch::ones({4});
+    {
+      shardtorch::DeferredInit guard;
+      w.comm().all_reduce(t, c10d::ReduceOp::SUM, "inside a guard");
+    }
+    if (t[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum inside a guard");
   });
   EXPECT_TRUE(r.ok) << r.summary();
 }

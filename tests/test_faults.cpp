@@ -274,8 +274,29 @@ TEST(Faults, ARankThatFinishedEarlyIsNamedAsFinished) {
   EXPECT_NE(r.ranks[0].message.find("all_reduce for step 2"), std::string::npos) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 had finished: its World was destroyed "), std::string::npos)
       << r.summary();
-  EXPECT_NE(r.ranks[0].message.find("after step 2, optimizer step done, without an error"), std::string::npos)
+  EXPECT_NE(r.ranks[0].message.find("after step 2, optimizer step done, with no exception in flight"), std::string::npos)
       << r.summary();
+}
+
+// A rank whose World goes while an exception unwinds (it stopped on an
+// error of its own) is named as such, not as having finished normally.
+TEST(Faults, ARankThatLeftOnAnErrorIsNotNamedAsFinished) {
+  auto r = run_ranks(2, [](World& w) {
+    auto t = torch::ones({4});
+    w.comm().all_reduce(t, c10d::ReduceOp::SUM, "step 0");
+    w.note_step_done();
+    if (w.rank() == 1) throw std::runtime_error("an error of rank 1's own");
+    w.comm().all_reduce(t, c10d::ReduceOp::SUM, "step 1");
+  }, shardtorch::testing::RunOptions().check_collectives(false).collective_timeout(std::chrono::seconds(20)));
+  EXPECT_EQ(r.ranks[1].exit_code, 1) << r.summary();
+  EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 stopped on an error of its own (see its output): its World "
+                                    "was destroyed "),
+            std::string::npos)
+      << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("while an exception unwound, after step 1, optimizer step done"), std::string::npos)
+      << r.summary();
+  EXPECT_EQ(r.ranks[0].message.find("had finished"), std::string::npos) << r.summary();
 }
 
 // Groups: a rank named twice, members listing the ranks in different orders

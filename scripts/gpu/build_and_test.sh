@@ -31,7 +31,7 @@ ARCH_LIB=$DEPS/usr/lib/x86_64-linux-gnu
 LDCONFIG=$(command -v ldconfig || echo /sbin/ldconfig)
 find "$DEPS" -xtype l 2>/dev/null | while read -r link; do
   stem=$(basename "$link"); stem=${stem%%.so*}.so
-  own=$("$LDCONFIG" -p | awk -v s="$stem" 'index($1, s ".") == 1 && $1 ~ /\.so\.[0-9]+$/ {print $NF; exit}')
+  own=$("$LDCONFIG" -p | awk -v s="$stem" 'index($1, s ".") == 1 && $1 ~ /\.so\.[0-9]+$/ && $0 ~ /x86-64/ {print $NF; exit}')
   [ -n "$own" ] && ln -sf "$own" "$link"
 done
 export LD_LIBRARY_PATH=$ARCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
