@@ -1,7 +1,6 @@
 #include "completion_watcher.h"
 
 #include <stdexcept>
-#include <vector>
 
 #include "collective_check.h"
 #include "errors.h"
@@ -32,17 +31,18 @@ void CompletionState::settle(std::exception_ptr error) {
   cv.notify_all();
 }
 
+namespace {
+constexpr const char* kAbandoned = "shardtorch: the sharded model was destroyed before this collective was launched";
+}  // namespace
+
 CompletionWatcher::~CompletionWatcher() {
-  std::vector<std::shared_ptr<CheckedLaunch>> unlaunched;
+  std::shared_ptr<CheckedLaunch> waiting;  // the queued ones are abandoned by run() as it takes them
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
-    if (waiting_) unlaunched.push_back(waiting_);
-    for (auto& item : queue_)
-      if (item.checked) unlaunched.push_back(item.checked);
+    waiting = waiting_;
   }
-  for (auto& c : unlaunched)
-    c->abandon("shardtorch: the sharded model was destroyed before this collective was launched");
+  if (waiting) waiting->abandon(kAbandoned);
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
 }
@@ -116,7 +116,7 @@ void CompletionWatcher::run() {
       queue_.pop_front();
       // Abandoned by the destructor from here on, should it come meanwhile.
       waiting_ = item.work ? nullptr : item.checked;
-      if (stop_ && waiting_) waiting_->abandon("shardtorch: the sharded model was destroyed before this collective was launched");
+      if (stop_ && waiting_) waiting_->abandon(kAbandoned);
     }
     // Whatever fails here, the collective's waiter hears of it (Comm::finish
     // names the rank and the collective); nothing escapes the thread.

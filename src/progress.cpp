@@ -39,16 +39,19 @@ struct Record {
   std::string host;
   int64_t changed_ms = 0;  // wall clock when step, phase or unit last changed
   int64_t beat_ms = 0;     // wall clock of the write
-  bool failed = false;     // a collective of this rank failed (Progress::failed)
-  bool finished = false;   // its World was destroyed (~Progress): it left every collective
-  bool left_on_error = false;  // ... while an exception unwound, with no collective of its own failed
+  // Written as its number. Failed: a collective of this rank failed
+  // (Progress::failed). Finished, LeftOnError: its World was destroyed
+  // (~Progress), it left every collective; LeftOnError while an exception
+  // unwound, with no collective of its own failed.
+  enum class State { Running = 0, Failed = 1, Finished = 2, LeftOnError = 3 };
+  State state = State::Running;
 };
 
 // Tab-separated; phase and unit names carry no tab or newline.
 std::string encode(const Record& r) {
   std::ostringstream os;
   os << r.step << '\t' << r.phase << '\t' << r.unit << '\t' << r.pid << '\t' << r.host << '\t' << r.changed_ms << '\t'
-     << r.beat_ms << '\t' << (r.failed ? 1 : r.finished ? 2 : r.left_on_error ? 3 : 0);
+     << r.beat_ms << '\t' << static_cast<int>(r.state);
   return os.str();
 }
 bool decode(const std::string& s, Record& r) {
@@ -69,9 +72,9 @@ bool decode(const std::string& s, Record& r) {
     r.host = f[4];
     r.changed_ms = std::stoll(f[5]);
     r.beat_ms = std::stoll(f[6]);
-    r.failed = f[7] == "1";
-    r.finished = f[7] == "2";
-    r.left_on_error = f[7] == "3";
+    const int state = std::stoi(f[7]);
+    if (state < 0 || state > 3) return false;
+    r.state = static_cast<Record::State>(state);
   } catch (const std::exception&) {
     return false;
   }
@@ -153,10 +156,8 @@ Progress::~Progress() {
     std::unique_lock<std::mutex> lock(s_->mu);
     // Peers whose collective fails next learn that this rank left, and where
     // from; a World destroyed while an exception unwinds left after an error.
-    if (std::uncaught_exceptions() > 0)
-      s_->mine.left_on_error = !s_->mine.failed;
-    else
-      s_->mine.finished = !s_->mine.failed;
+    if (s_->mine.state != Record::State::Failed)
+      s_->mine.state = std::uncaught_exceptions() > 0 ? Record::State::LeftOnError : Record::State::Finished;
     ++s_->version;
     s_->stop = true;
     s_->cv.notify_all();
@@ -174,7 +175,7 @@ void Progress::note(const std::string& phase, const std::string& unit) {
   if (r.phase == phase && r.unit == unit) return;
   r.phase = phase;
   r.unit = unit;
-  r.failed = false;  // it moved on from the failure (a caught error, a retry)
+  r.state = Record::State::Running;  // it moved on from the failure (a caught error, a retry)
   r.changed_ms = now_ms();
   ++s_->version;
 }
@@ -184,7 +185,7 @@ void Progress::step_done() {
   ++s_->mine.step;
   s_->mine.phase = "optimizer step done";
   s_->mine.unit.clear();
-  s_->mine.failed = false;
+  s_->mine.state = Record::State::Running;
   s_->mine.changed_ms = now_ms();
   ++s_->version;
 }
@@ -193,7 +194,7 @@ void Progress::failed() {
   Record r;
   {
     std::lock_guard<std::mutex> lock(s_->mu);
-    s_->mine.failed = true;
+    s_->mine.state = Record::State::Failed;
     ++s_->version;
     r = s_->mine;
   }
@@ -248,13 +249,13 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
       const bool local = r.host == me.host;
       // A survivor marks its record failed before it looks at others, so one
       // seen gone is read again: it may have failed and exited since.
-      if (!r.failed && local && gone(r.pid)) read(key, r);
-      if (r.failed) {  // a fellow survivor that gave up first (and may have exited since): not at fault
+      if (r.state != Record::State::Failed && local && gone(r.pid)) read(key, r);
+      if (r.state == Record::State::Failed) {  // a fellow survivor that gave up first (and may have exited since): not at fault
         others.push_back(rank + " failed too, at " + where(r));
-      } else if (r.left_on_error) {
+      } else if (r.state == Record::State::LeftOnError) {
         at_fault.push_back(rank + " stopped on an error of its own (see its output): its World was destroyed " +
                            seconds(now - r.beat_ms) + " ago, while an exception unwound, after " + where(r));
-      } else if (r.finished) {  // left without an error: it issued fewer collectives than this rank
+      } else if (r.state == Record::State::Finished) {  // left without an error: it issued fewer collectives than this rank
         at_fault.push_back(rank + " had finished: its World was destroyed " + seconds(now - r.beat_ms) + " ago, after " +
                            where(r) + ", with no exception in flight (it issued fewer collectives than this rank: "
                            "fewer steps or micro-batches, or it caught an error of its own and ended?)");
