@@ -37,9 +37,9 @@
 #include <chrono>
 #include <thread>
 
-#include "../src/all_reduce_bucketer.h"
-#include "../src/flat_param.h"
-#include "../src/reduce_scatter_bucketer.h"
+#include "../src/buckets/all_reduce_bucketer.h"
+#include "../src/runtime/flat_param.h"
+#include "../src/buckets/reduce_scatter_bucketer.h"
 #include "shardtorch/world.h"
 
 namespace {

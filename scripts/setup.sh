@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # libgloo-dev: the torch wheel ships Gloo compiled in but not its headers,
-# which c10d's ProcessGroupGloo.hpp includes (only src/gloo_backend.cpp).
+# which c10d's ProcessGroupGloo.hpp includes (only src/comm/gloo_backend.cpp).
 # clang-14 and libclang-rt-14-dev: libFuzzer with ASan/UBSan for the safetensors parser.
 # libxxhash-dev: XXH3 checksums of checkpoint files (header only).
 # g++-aarch64-linux-gnu: the ctest that compiles the CPU Adam for aarch64.

@@ -14,7 +14,7 @@ mkdir -p "$out"
 obj=$out/cpu_adam.aarch64.o
 rm -f "$obj"
 "$cxx" -std=c++20 -O3 -fno-math-errno -fopenmp -fPIC -Wall -Wextra -Wno-unused-parameter \
-  -I"$src/include" "${incs[@]}" -c "$src/src/optim/cpu_adam.cpp" -o "$obj"
+  -I"$src/include" -I"$src/src" "${incs[@]}" -c "$src/src/optim/cpu_adam.cpp" -o "$obj"
 desc=$(file -b "$obj" 2>/dev/null || readelf -h "$obj" | grep Machine)
 echo "cpu_adam.cpp for aarch64: $desc"
 case $desc in

@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "../examples/gpt.h"
-#include "../src/files.h"
+#include "../src/base/files.h"
 #include "shardtorch/shardtorch.h"
 #include "shardtorch/testing.h"
 #include "temp_dir.h"

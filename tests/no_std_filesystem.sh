@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # No binary built here may import or define a std::filesystem symbol: some
 # LibTorch builds (the torch 2.11 CUDA wheel's libtorch.so) export their own,
-# which then bind in place of libstdc++'s and crash (src/files.h says more).
+# which then bind in place of libstdc++'s and crash (src/base/files.h says more).
 # Usage: no_std_filesystem.sh BINARY...
 set -uo pipefail
 [ $# -gt 0 ] || { echo "no binaries given"; exit 2; }

@@ -4,14 +4,14 @@
 
 #include <string>
 
-#include "../src/files.h"
+#include "../src/base/files.h"
 
 namespace testmodels {
 
 namespace files = shardtorch::files;
 
 /// A path for tests: a string with "/" to join, over shardtorch::files
-/// (POSIX calls; std::filesystem is not used anywhere: src/files.h says why).
+/// (POSIX calls; std::filesystem is not used anywhere: src/base/files.h says why).
 class Path {
  public:
   Path(std::string s) : s_(std::move(s)) {}

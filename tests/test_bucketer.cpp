@@ -5,7 +5,7 @@
 
 #include <thread>
 
-#include "../src/reduce_scatter_bucketer.h"
+#include "../src/buckets/reduce_scatter_bucketer.h"
 #include "shardtorch/testing.h"
 
 using shardtorch::ReduceScatterBucketer;

@@ -16,8 +16,8 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "../src/collective_check.h"
-#include "../src/shard_state.h"
+#include "../src/comm/collective_check.h"
+#include "../src/runtime/shard_state.h"
 #include "models.h"
 
 using namespace testmodels;

@@ -27,7 +27,7 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
-// Waits until this rank's progress record in the store (src/progress.h) has
+// Waits until this rank's progress record in the store (src/comm/progress.h) has
 // it at `step`, `phase` and `unit`: what its peers read when they fail.
 void wait_until_recorded(World& w, int64_t step, const std::string& phase, const std::string& unit) {
   c10d::PrefixStore store("shardtorch-peers", w.store());

@@ -1,12 +1,12 @@
 // shardtorch::files: the POSIX file calls that stand in for std::filesystem
-// (src/files.h says why). Expected values are std::filesystem's.
+// (src/base/files.h says why). Expected values are std::filesystem's.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
 
 #include <fstream>
 
-#include "../src/files.h"
+#include "../src/base/files.h"
 #include "temp_dir.h"
 
 namespace files = shardtorch::files;

@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/version.h>
 
-#include "../src/flat_param.h"
-#include "../src/storage_access.h"
+#include "../src/runtime/flat_param.h"
+#include "../src/base/storage_access.h"
 #include "models.h"
 
 using namespace testmodels;
@@ -61,7 +61,7 @@ TEST(FreedParameters, ReadingAFreedParameterIsAClearErrorAndChangesNothing) {
 }
 
 // LibTorch 2.11 sets a storage's data-access error but cannot lift it; the
-// library then lowers LibTorch's private flag itself (src/storage_access.cpp).
+// library then lowers LibTorch's private flag itself (src/base/storage_access.cpp).
 // That path runs here whatever this LibTorch offers, so that it is tested on a
 // LibTorch that lifts the error itself too.
 TEST(FreedStorage, LiftingTheAccessErrorThroughItsFlagRestoresReadsAndWrites) {

@@ -8,7 +8,7 @@
 #include <csignal>
 #include <fstream>
 
-#include "../src/checkpoint/safetensors_format.h"
+#include "../src/checkpoint/reader_access.h"
 #include "checkpoint_helpers.h"
 #include "counting_allocator.h"
 #include "models.h"
@@ -45,9 +45,9 @@ TEST_P(FullStateDict, SavedAtFourLoadsBitwiseAtOneTwoAndThree) {
   ASSERT_TRUE(save.ok) << save.summary();
   auto expected = shardtorch::checkpoint::load_file((dir / "expected.safetensors").string());
   shardtorch::checkpoint::Reader header(path);
-  EXPECT_EQ(header.header().metadata.at("step"), "2");
-  EXPECT_EQ(header.header().metadata.at("shardtorch_world_size"), "4");
-  EXPECT_EQ(header.header().metadata.at("format"), "pt");  // what Hugging Face's loaders require
+  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(header).metadata.at("step"), "2");
+  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(header).metadata.at("shardtorch_world_size"), "4");
+  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(header).metadata.at("format"), "pt");  // what Hugging Face's loaders require
   for (int world : {1, 2, 3}) {
     auto r = run_ranks(world, [&](World& w) {
       torch::manual_seed(99);  // different initial values: the load must replace them
@@ -103,7 +103,7 @@ TEST(FullStateDict, SavingHoldsOneUnitsParametersAtATimeNotTheModel) {
   });
   ASSERT_TRUE(r.ok) << r.summary();
   auto plain = gpt::GPT(cfg);  // every name written: one entry per parameter name (tied ones under each) and buffer
-  EXPECT_EQ(shardtorch::checkpoint::Reader(path).header().tensors.size(),
+  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(shardtorch::checkpoint::Reader(path)).tensors.size(),
             plain->named_parameters().size() + plain->named_buffers().size());
 }
 
@@ -123,8 +123,8 @@ TEST(FullStateDict, FlatParametersOfTwoDtypesAreGatheredInTheOrderOfEveryRank) {
     shardtorch::save_full_state_dict(*m, path);
     if (w.rank() != 0) return;
     shardtorch::checkpoint::Reader file(path);
-    for (const auto& rec : file.header().tensors)
-      require((file.header().data_start + rec.begin) % shardtorch::checkpoint::dtype_size(rec.dtype) == 0,
+    for (const auto& rec : shardtorch::checkpoint::ReaderAccess::header(file).tensors)
+      require((shardtorch::checkpoint::ReaderAccess::header(file).data_start + rec.begin) % shardtorch::checkpoint::dtype_size(rec.dtype) == 0,
               "'" + rec.name + "' is not aligned");
     for (const auto& [n, t] : full) require(at::equal(file.read(n), t), "'" + n + "' differs in the file");
     require(file.read("l2.lin.weight").scalar_type() == at::kDouble, "l2 is not double in the file");
@@ -162,7 +162,7 @@ TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
     ASSERT_FALSE(killed.ranks[1].timed_out) << point << ": rank 1 hung\n" << killed.summary();
     const bool renamed = std::string(point) == "file renamed";
     auto file = shardtorch::checkpoint::load_file(path);  // validates the whole file
-    EXPECT_EQ(shardtorch::checkpoint::Reader(path).header().metadata.at("seed"), renamed ? "2" : "1") << point;
+    EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(shardtorch::checkpoint::Reader(path)).metadata.at("seed"), renamed ? "2" : "1") << point;
     torch::manual_seed(renamed ? 2 : 1);
     auto want = gpt::GPT(cfg);
     for (auto& [n, t] : unique_params(*want)) EXPECT_TRUE(at::equal(file.at(n), t)) << point << ": '" << n << "'";

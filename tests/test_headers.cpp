@@ -5,7 +5,7 @@
 #include <functional>
 #include <string>
 
-#include "../src/files.h"
+#include "../src/base/files.h"
 
 namespace files = shardtorch::files;
 

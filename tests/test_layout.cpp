@@ -4,7 +4,7 @@
 #include <map>
 
 #include "shardtorch/error.h"
-#include "../src/flat_param.h"
+#include "../src/runtime/flat_param.h"
 #include "shardtorch/world.h"
 
 using shardtorch::FlatParamLayout;

@@ -16,7 +16,7 @@
 #include <set>
 #include <sstream>
 
-#include "../src/store_listener.h"
+#include "../src/comm/store_listener.h"
 #include "models.h"
 
 using namespace testmodels;

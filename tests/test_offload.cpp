@@ -8,7 +8,7 @@
 #include <functional>
 
 
-#include "../src/flat_param.h"
+#include "../src/runtime/flat_param.h"
 #include "models.h"
 #include "shardtorch/optim/cpu_adam.h"
 

@@ -4,7 +4,7 @@
 
 #include <fstream>
 
-#include "../src/checkpoint/safetensors_format.h"
+#include "../src/checkpoint/reader_access.h"
 #include "checkpoint_helpers.h"
 #include "models.h"
 #include "shardtorch/checkpoint.h"
@@ -38,7 +38,7 @@ TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
   };
   shardtorch::checkpoint::save_file(path, ts, {{"step", "42"}});
   shardtorch::checkpoint::Reader r(path);
-  EXPECT_EQ(r.header().metadata.at("step"), "42");
+  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(r).metadata.at("step"), "42");
   for (auto& [n, t] : ts) {
     auto got = r.read(n);
     EXPECT_EQ(got.scalar_type(), t.scalar_type()) << n;
@@ -48,15 +48,15 @@ TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
   // Every tensor starts at a multiple of its element size in the file (the
   // bf16 tensor's 10 bytes, written in the given order, put the int64 one at
   // 58), for readers that map the file and cast in place.
-  EXPECT_EQ(r.header().data_start % 8, 0u);
-  for (const auto& rec : r.header().tensors)
-    EXPECT_EQ((r.header().data_start + rec.begin) % shardtorch::checkpoint::dtype_size(rec.dtype), 0u) << rec.name;
+  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(r).data_start % 8, 0u);
+  for (const auto& rec : shardtorch::checkpoint::ReaderAccess::header(r).tensors)
+    EXPECT_EQ((shardtorch::checkpoint::ReaderAccess::header(r).data_start + rec.begin) % shardtorch::checkpoint::dtype_size(rec.dtype), 0u) << rec.name;
   EXPECT_THROW(r.read_range("i64", 5, 3), SafetensorsError);
   EXPECT_THROW(r.read("missing"), SafetensorsError);
 }
 
-// A program's own reader: the names and the metadata through the installed
-// header alone (header() returns a type that is not installed).
+// A program's own reader: the names, the metadata and each tensor's dtype,
+// shape and size through the installed header alone, without reading data.
 TEST(Safetensors, ThePublicReaderListsNamesAndMetadata) {
   const TempDir dir;
   auto path = (dir / "t.safetensors").string();
@@ -66,6 +66,17 @@ TEST(Safetensors, ThePublicReaderListsNamesAndMetadata) {
   EXPECT_EQ(r.metadata(), (std::map<std::string, std::string>{{"note", "x"}, {"step", "42"}}));
   auto names = r.names();  // data order: the writer puts wider elements first
   EXPECT_EQ(names, (std::vector<std::string>{"a", "b"}));
+  auto infos = r.tensors();
+  ASSERT_EQ(infos.size(), 2u);
+  EXPECT_EQ(infos[0].name, "a");
+  EXPECT_EQ(infos[0].dtype, at::kDouble);
+  EXPECT_EQ(infos[0].shape, (std::vector<int64_t>{3}));
+  EXPECT_EQ(infos[0].nbytes, 24);
+  auto b = r.info("b");
+  EXPECT_EQ(b.dtype, at::kFloat);
+  EXPECT_EQ(b.shape, (std::vector<int64_t>{2}));
+  EXPECT_EQ(b.nbytes, 8);
+  EXPECT_THROW(r.info("missing"), shardtorch::checkpoint::SafetensorsError);
   auto bare = (dir / "bare.safetensors").string();
   shardtorch::checkpoint::save_file(bare, {{"x", at::ones({1})}});
   EXPECT_TRUE(shardtorch::checkpoint::Reader(bare).metadata().empty());
@@ -157,7 +168,7 @@ TEST(Safetensors, NamesAndMetadataAreUtf8BothWays) {
   write_raw(p, R"({"__metadata__":{"k":"\ud83d\ude00 \u00e9"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
             std::string(4, '\0'));
   shardtorch::checkpoint::Reader r(p.string());
-  EXPECT_EQ(r.header().metadata.at("k"), "\xF0\x9F\x98\x80 \xC3\xA9");  // U+1F600, U+00E9
+  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(r).metadata.at("k"), "\xF0\x9F\x98\x80 \xC3\xA9");  // U+1F600, U+00E9
   const auto q = (dir / "v.safetensors").string();
   const std::string named = "w\xC3\xA9ight \xF0\x9F\x98\x80";
   shardtorch::checkpoint::save_file(q, {{named, at::ones({2})}}, {{"note", "\xE2\x82\xAC"}});

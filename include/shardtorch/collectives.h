@@ -136,18 +136,6 @@ class SHARDTORCH_API Comm {
   /// Every rank's string, in rank order (two all-gathers: lengths, then bytes).
   std::vector<std::string> all_gather_strings(const std::string& mine, const std::string& what);
 
-  /// From now on the ranks compare a fingerprint of each collective
-  /// (operation, what for, element count, dtype, and where `context` says
-  /// the rank is) and every rank throws CollectivesDiverged instead of
-  /// running it when they differ (docs/reliability.md). The fingerprints
-  /// travel on `check`, a group of the same members made for this alone.
-  /// Collective: every member must turn it on at the same point. CPU (Gloo)
-  /// groups only. `board`, `name` (the same on every member) and `members`
-  /// (their ranks in the World): where a long wait is compared with the
-  /// other communicators' (ranks that diverge across communicators).
-  void enable_checks(std::shared_ptr<detail::CollectiveContext> context, c10::intrusive_ptr<c10d::Backend> check,
-                     std::shared_ptr<detail::WaitBoard> board = nullptr, const std::string& name = "",
-                     std::vector<int> members = {});
   /// Fingerprint exchanges the check has run on this communicator (0 unchecked).
   int64_t check_exchanges() const;
   /// Blocks until every collective started through this Comm is on its
@@ -157,12 +145,6 @@ class SHARDTORCH_API Comm {
   /// threw.
   void flush_launches();
   bool checks() const { return static_cast<bool>(checker_); }
-
-  /// What a failed collective's error adds about the peers (the world sets
-  /// it: which died or did not arrive, and where each last was); given when
-  /// the collective started, it must not throw.
-  using PeerReport = std::function<std::string(std::chrono::steady_clock::time_point started)>;
-  void set_peer_report(PeerReport report) { peer_report_ = std::move(report); }
 
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CommStats{}; }
@@ -185,6 +167,25 @@ class SHARDTORCH_API Comm {
   };
 
  private:
+  friend class World;  // turns the check on and sets the peer report of the groups it makes
+  /// From now on the ranks compare a fingerprint of each collective
+  /// (operation, what for, element count, dtype, and where `context` says
+  /// the rank is) and every rank throws CollectivesDiverged instead of
+  /// running it when they differ (docs/reliability.md). The fingerprints
+  /// travel on `check`, a group of the same members made for this alone.
+  /// Collective: every member must turn it on at the same point. CPU (Gloo)
+  /// groups only. `board`, `name` (the same on every member) and `members`
+  /// (their ranks in the World): where a long wait is compared with the
+  /// other communicators' (ranks that diverge across communicators).
+  void enable_checks(std::shared_ptr<detail::CollectiveContext> context, c10::intrusive_ptr<c10d::Backend> check,
+                     std::shared_ptr<detail::WaitBoard> board = nullptr, const std::string& name = "",
+                     std::vector<int> members = {});
+  /// What a failed collective's error adds about the peers (the world sets
+  /// it: which died or did not arrive, and where each last was); given when
+  /// the collective started, it must not throw.
+  using PeerReport = std::function<std::string(std::chrono::steady_clock::time_point started)>;
+  void set_peer_report(PeerReport report) { peer_report_ = std::move(report); }
+
   void run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
            int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
            std::optional<std::chrono::steady_clock::time_point> started = std::nullopt);
@@ -228,13 +229,5 @@ class SHARDTORCH_API Comm {
 /// "float32[12, 4]"
 SHARDTORCH_API std::string describe(const at::Tensor& t);
 
-namespace testing {
-/// Fault injection for recovery tests: the next `count` collectives on this
-/// process whose description contains `what` complete and then fail, as one
-/// that timed out would (the error names the collective and says it was
-/// injected). The collective itself runs, so ranks that all arm the same
-/// failure stay in step. Not for production use.
-SHARDTORCH_API void fail_collectives(const std::string& what, int count = 1);
-}  // namespace testing
 
 }  // namespace shardtorch

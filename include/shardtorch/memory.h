@@ -2,7 +2,6 @@
 // Every byte the library holds, by category, with peaks.
 #include <array>
 #include <cstdint>
-#include <mutex>
 #include <string>
 
 #include "shardtorch/export.h"
@@ -36,23 +35,6 @@ struct SHARDTORCH_API MemorySnapshot {
   int64_t max(Mem m) const { return peak[static_cast<size_t>(m)]; }
   /// One line per category: "sharded_params 1.2 MiB (peak 1.2 MiB)".
   std::string report() const;
-};
-
-/// Thread-safe: CPU offload's host thread counts the host gradients it makes.
-class SHARDTORCH_API MemoryTracker {
- public:
-  void add(Mem m, int64_t bytes);
-  void sub(Mem m, int64_t bytes) { add(m, -bytes); }
-  void set(Mem m, int64_t bytes);
-  void unit_gathered();
-  void unit_released();
-  /// Peaks restart from the current values (e.g. at each step).
-  void reset_peaks();
-  MemorySnapshot snapshot() const;
-
- private:
-  mutable std::mutex mu_;
-  MemorySnapshot snap_;
 };
 
 /// "1.50 MiB"

@@ -112,7 +112,6 @@ class SHARDTORCH_API ShardedModel {
   /// rank (FullShard, ShardGradOp, OptimizerOnly, or one replica), which the
   /// built-in hooks take as a group of one.
   c10::intrusive_ptr<c10d::Backend> comm_hook_group() const;
-  const std::shared_ptr<detail::ShardState>& state() const { return state_; }
 
  private:
   std::shared_ptr<detail::ShardState> state_;

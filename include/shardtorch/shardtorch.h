@@ -16,3 +16,4 @@
 #include "shardtorch/plan.h"
 #include "shardtorch/deferred.h"
 #include "shardtorch/hf_checkpoint.h"
+#include "shardtorch/mesh.h"

@@ -71,4 +71,11 @@ SHARDTORCH_API RunResult run_ranks(int world_size, const RankBody& body, RunOpti
 /// backward", "NoShard gradient hook". Not for production use.
 SHARDTORCH_API void inject_failure(const std::string& site, int count = 1);
 
+/// Fault injection for recovery tests: the next `count` collectives on this
+/// process whose description contains `what` complete and then fail, as one
+/// that timed out would (the error names the collective and says it was
+/// injected). The collective itself runs, so ranks that all arm the same
+/// failure stay in step. Not for production use.
+SHARDTORCH_API void fail_collectives(const std::string& what, int count = 1);
+
 }  // namespace shardtorch::testing

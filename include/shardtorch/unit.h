@@ -28,7 +28,6 @@ namespace detail {
 class Unit;
 class ShardState;
 struct Checkpointing;
-SHARDTORCH_API std::shared_ptr<ShardState> state_of(torch::nn::Module& root);
 /// A checkpointed unit's forward, replayable: given its tensor inputs, runs
 /// the Impl's forward and returns its tensor outputs (`first`: the forward
 /// itself, not the recomputation in backward).

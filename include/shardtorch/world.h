@@ -23,6 +23,7 @@ namespace shardtorch {
 namespace detail {
 class Progress;
 class CollectiveContext;
+struct WorldAccess;
 }
 
 /// What the launcher told this process: torchrun, OpenMPI, MPICH or Slurm.
@@ -92,8 +93,16 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   static std::shared_ptr<World> create(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                                        WorldOptions options = {}, int local_rank = 0);
 
+  /// This process's rank in this World (in a World of some ranks, made by
+  /// subworld() or a DeviceMesh, its index among them).
   int rank() const { return rank_; }
   int size() const { return size_; }
+  /// This process's rank in the whole job (what error messages name).
+  int global_rank() const { return global_ranks_.empty() ? rank_ : global_ranks_[rank_]; }
+  /// The rank in the whole job of this World's rank `r`.
+  int global_rank_of(int r) const { return global_ranks_.empty() ? r : global_ranks_.at(r); }
+  /// The World this one was made from (null for the whole job's).
+  const std::shared_ptr<World>& parent() const { return parent_; }
   int local_rank() const { return local_rank_; }
   const c10::Device& device() const { return device_; }
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
@@ -119,9 +128,6 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   void note_step_done();
   /// Whether this world's collectives are checked (WorldOptions::check_collectives).
   bool checks_collectives() const { return comm_->checks(); }
-  /// Where this rank is (step, backward, the step's inputs), for the
-  /// collectives' fingerprints; shardtorch's sharded models keep it.
-  detail::CollectiveContext& collective_context() const { return *context_; }
 
   /// A process group of some ranks (this one among them), e.g. for hybrid
   /// sharding; a member's index in the group is its place in `ranks`.
@@ -133,11 +139,21 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   /// error on every member.
   std::shared_ptr<Comm> new_group(const std::vector<int>& ranks, const std::string& tag);
 
+  /// A World of some ranks of this one (this rank among them): its rank() is
+  /// this rank's place in `ranks`, its size() their number, and everything a
+  /// World does (shard() over it, checkpoints, the collective check, the
+  /// peer reports, which name ranks of the whole job) works in it. Collective
+  /// over its members, as new_group. DeviceMesh makes one per dimension.
+  std::shared_ptr<World> subworld(const std::vector<int>& ranks, const std::string& tag);
+
   World(const World&) = delete;
   World& operator=(const World&) = delete;
 
  private:
+  friend struct detail::WorldAccess;  // the library's own access (src/comm/world_access.h)
   World() = default;
+  /// The whole job's World (this one, unless made by subworld()).
+  World& root();
   void agree_on_order(c10d::Store& store, const std::vector<int>& ranks, const std::vector<int>& members,
                       const std::string& tag);
   int rank_ = 0, size_ = 1, local_rank_ = 0;
@@ -145,22 +161,13 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   WorldOptions options_;
   std::string backend_name_;
   c10::intrusive_ptr<c10d::Store> store_;
-  std::unique_ptr<Comm> comm_;
-  std::map<std::string, int> groups_made_;  // by tag and ranks
+  std::shared_ptr<Comm> comm_;
+  std::map<std::string, int> groups_made_;  // by tag and ranks (of the whole job's World)
+  std::shared_ptr<World> parent_;           // a subworld's: the World it was made from
+  std::vector<int> global_ranks_;           // a subworld's: its ranks in the whole job
   std::shared_ptr<detail::Progress> progress_;
   std::shared_ptr<detail::CollectiveContext> context_;
   std::shared_ptr<detail::WaitBoard> waits_;  // when the collectives are checked
 };
-
-namespace detail {
-// Constructors of the c10d backends, each in its own translation unit so that
-// only those files see Gloo's or NCCL's headers.
-SHARDTORCH_API c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                    int size, std::chrono::milliseconds timeout,
-                                                    const std::string& hostname);
-SHARDTORCH_API bool nccl_available();
-SHARDTORCH_API c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                    int size, std::chrono::milliseconds timeout);
-}  // namespace detail
 
 }  // namespace shardtorch

@@ -47,8 +47,8 @@ case "$mode" in ""|--suite|--deferred) ;; *) echo "usage: $0 [--suite|--deferred
 if [ -z "$mode" ]; then
   # 2.11 sets a storage's data-access error but cannot lift it; the library
   # lifts it through LibTorch's flag there (docs/design.md). Expects three "ok".
-  g++ -std=c++20 -O1 -I"$repo/include" -I"$torch/include" -I"$torch/include/torch/csrc/api/include" \
-    "$here/freed_storage_probe.cpp" "$repo/src/errors.cpp" -o probe \
+  g++ -std=c++20 -O1 -I"$repo/include" -I"$repo/src" -I"$torch/include" -I"$torch/include/torch/csrc/api/include" \
+    "$here/freed_storage_probe.cpp" "$repo/src/base/errors.cpp" -o probe \
     -L"$torch/lib" -Wl,--no-as-needed -ltorch_cpu -lc10 -Wl,-rpath,"$torch/lib"
   exec ./probe
 fi

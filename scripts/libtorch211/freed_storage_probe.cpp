@@ -1,7 +1,7 @@
 // Run by check.sh against LibTorch 2.11's own headers and libraries: the library's freed-storage path.
 #include <ATen/ATen.h>
 #include <cstdio>
-#include "../../src/storage_access.cpp"  // the library's code, compiled against 2.11
+#include "../../src/base/storage_access.cpp"  // the library's code, compiled against 2.11
 namespace sa = shardtorch::storage_access;
 int main() {
   std::printf("torch %s, support: %s\n", TORCH_VERSION, sa::describe(sa::support()));

@@ -1,7 +1,7 @@
-#include "agreement.h"
+#include "checkpoint/agreement.h"
 
-#include "../shard_state.h"
-#include "safetensors_format.h"
+#include "runtime/shard_state.h"
+#include "checkpoint/safetensors_format.h"
 
 namespace shardtorch::detail {
 

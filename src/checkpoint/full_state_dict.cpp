@@ -1,16 +1,17 @@
 // Full state dicts: gathered one flat parameter at a time, written by rank 0;
 // loaded by every rank reading only its own shard's elements.
 #include <c10/core/GradMode.h>
-#include "../check.h"
+#include "base/check.h"
 
 #include <functional>
 #include <optional>
 #include <set>
 #include <sstream>
 
-#include "../shard_state.h"
-#include "safetensors_format.h"
-#include "streamed_tensors.h"
+#include "runtime/shard_state.h"
+#include "checkpoint/agreement.h"
+#include "checkpoint/reader_access.h"
+#include "checkpoint/streamed_tensors.h"
 #include "shardtorch/checkpoint.h"
 
 namespace shardtorch {
@@ -23,7 +24,7 @@ using NameMap = std::map<const void*, std::vector<std::string>>;
 void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                           const std::map<std::string, std::string>& user_metadata) {
   auto state = detail::require_state(root, "save_full_state_dict");
-  detail::ShardState::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
+  detail::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
   World& world = state->world();
   // Checked on every rank before any collective (the metadata is the same on every rank).
   for (const auto& [key, value] : user_metadata) {
@@ -62,7 +63,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
 
 void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options) {
   auto state = detail::require_state(root, "load_full_state_dict");
-  detail::ShardState::FileWaits file_waits(*state);
+  detail::FileWaits file_waits(*state);
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::load_full_state_dict '" + path + "'";
@@ -77,9 +78,9 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
     reader.emplace(path);
     // What ranks reading their own copies can compare cheaply: the layout
     // and the metadata (where an application keeps its step).
-    fingerprint = "a file of " + std::to_string(reader->header().tensors.size()) + " tensors from byte " +
-                  std::to_string(reader->header().data_start);
-    for (const auto& [k, v] : reader->header().metadata) fingerprint += ", " + k + "=" + v;
+    fingerprint = "a file of " + std::to_string(ReaderAccess::header(*reader).tensors.size()) + " tensors from byte " +
+                  std::to_string(ReaderAccess::header(*reader).data_start);
+    for (const auto& [k, v] : ReaderAccess::header(*reader).metadata) fingerprint += ", " + k + "=" + v;
     NameMap names = detail::parameter_names(root);
     std::set<std::string> used;
     auto name_in_file = [&](const at::Tensor& p) -> std::string {
@@ -92,7 +93,7 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
     // The shape, and a dtype the values can be cast into (docs/checkpoints.md).
     auto check_shape = [&](const std::string& n, c10::IntArrayRef want, at::ScalarType dtype,
                            const char* what = "parameter") {
-      const auto* r = reader->header().find(n);
+      const auto* r = ReaderAccess::header(*reader).find(n);
       if (c10::IntArrayRef(r->shape) != want) {
         std::ostringstream os;
         os << "safetensors file '" << path << "': '" << n << "' has shape " << c10::IntArrayRef(r->shape)
@@ -144,7 +145,7 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
       used.insert(item.key());
       changes.push_back([file, b = item.value(), n = item.key()]() mutable { b.copy_(file->read(n)); });
     }
-    for (const auto& t : reader->header().tensors) {
+    for (const auto& t : ReaderAccess::header(*reader).tensors) {
       if (!used.count(t.name))
         throw checkpoint::SafetensorsError("safetensors file '" + path + "': unexpected tensor '" + t.name +
                                            "' (no parameter or buffer of the model has that name)");

@@ -12,10 +12,11 @@
 #include <set>
 #include <sstream>
 
-#include "../files.h"
-#include "../shard_state.h"
-#include "hf_index.h"
-#include "safetensors_format.h"
+#include "base/files.h"
+#include "runtime/shard_state.h"
+#include "checkpoint/agreement.h"
+#include "checkpoint/hf_index.h"
+#include "checkpoint/reader_access.h"
 #include "shardtorch/checkpoint/safetensors.h"
 
 namespace shardtorch {
@@ -100,7 +101,7 @@ std::optional<std::string> model_name_of(const std::string& name, const HfLoadOp
 
 HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options) {
   auto state = detail::require_state(root, "load_hf_checkpoint");
-  detail::ShardState::FileWaits file_waits(*state);
+  detail::FileWaits file_waits(*state);
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::load_hf_checkpoint '" + path + "'";
@@ -147,7 +148,7 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
                     " files";
       for (const auto& [k, v] : idx.metadata) fingerprint += ", " + k + "=" + v;
     } else {
-      const auto& h = open(src.single).header();
+      const auto& h = ReaderAccess::header(open(src.single));
       for (const auto& t : h.tensors) entries.emplace_back(t.name, src.single);
       fingerprint = "a file of " + std::to_string(h.tensors.size()) + " tensors from byte " +
                     std::to_string(h.data_start);
@@ -219,7 +220,7 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
     // The record of `s` in its file (opened now), its shape and a dtype it can be cast into.
     auto check = [&](const Source1& s, const std::string& m, c10::IntArrayRef want, at::ScalarType dtype,
                      const char* kind) -> const checkpoint::TensorRecord& {
-      const auto* rec = open(s.file).header().find(s.name);
+      const auto* rec = ReaderAccess::header(open(s.file)).find(s.name);
       if (rec == nullptr)
         throw SafetensorsError(where + ": the index puts '" + s.name + "' in '" + s.file +
                                "', but that file has no such tensor (are the index and the files from the same "

@@ -1,10 +1,10 @@
-#include "hf_index.h"
+#include "checkpoint/hf_index.h"
 
 #include <boost/json.hpp>
 
 #include <stdexcept>
 
-#include "safetensors_format.h"
+#include "checkpoint/safetensors_format.h"
 
 namespace shardtorch::checkpoint::hf_index {
 namespace json = boost::json;

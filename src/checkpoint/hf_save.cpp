@@ -10,15 +10,15 @@
 #include <set>
 #include <sstream>
 
-#include "../check.h"
-#include "../errors.h"
-#include "../files.h"
-#include "../shard_state.h"
-#include "agreement.h"
-#include "safetensors_format.h"
+#include "base/check.h"
+#include "base/errors.h"
+#include "base/files.h"
+#include "runtime/shard_state.h"
+#include "checkpoint/agreement.h"
+#include "checkpoint/safetensors_format.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/hf_checkpoint.h"
-#include "streamed_tensors.h"
+#include "checkpoint/streamed_tensors.h"
 
 namespace shardtorch {
 namespace {
@@ -74,7 +74,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   SHARDTORCH_CHECK(options.max_file_bytes() > 0, who, ": max_file_bytes must be positive, got ", options.max_file_bytes());
   SHARDTORCH_CHECK(!options.dtype() || at::isFloatingType(*options.dtype()), who, ": dtype must be a floating-point type, got ",
               *options.dtype());
-  detail::ShardState::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
+  detail::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
   const bool writer = world.rank() == 0;
   c10::NoGradGuard no_grad;
 

@@ -1,9 +1,9 @@
-#include "index_format.h"
+#include "checkpoint/index_format.h"
 
 #include <stdexcept>
 
-#include "checksum.h"
-#include "safetensors_format.h"
+#include "checkpoint/checksum.h"
+#include "checkpoint/safetensors_format.h"
 
 namespace shardtorch::checkpoint::index_format {
 namespace json = boost::json;

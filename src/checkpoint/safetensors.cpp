@@ -10,8 +10,8 @@
 #include <cstring>
 #include <vector>
 
-#include "../files.h"
-#include "safetensors_format.h"
+#include "base/files.h"
+#include "checkpoint/reader_access.h"
 
 namespace shardtorch::checkpoint {
 namespace {
@@ -178,6 +178,21 @@ std::vector<std::string> Reader::names() const {
 
 const std::map<std::string, std::string>& Reader::metadata() const { return header_->metadata; }
 
+namespace {
+TensorInfo info_of(const TensorRecord& r) {
+  return TensorInfo{r.name, scalar_type(r.dtype), r.shape, static_cast<int64_t>(r.end - r.begin)};
+}
+}  // namespace
+
+std::vector<TensorInfo> Reader::tensors() const {
+  std::vector<TensorInfo> out;
+  out.reserve(header_->tensors.size());
+  for (const auto& r : header_->tensors) out.push_back(info_of(r));
+  return out;
+}
+
+TensorInfo Reader::info(const std::string& name) const { return info_of(record(name)); }
+
 const TensorRecord& Reader::record(const std::string& name) const {
   const auto* r = header_->find(name);
   if (r == nullptr) throw SafetensorsError("safetensors file '" + path_ + "': no tensor named '" + name + "'");
@@ -329,7 +344,7 @@ void crash_point(const char* point) {
 std::map<std::string, at::Tensor> load_file(const std::string& path) {
   Reader r(path);
   std::map<std::string, at::Tensor> out;
-  for (const auto& t : r.header().tensors) out[t.name] = r.read(t.name);
+  for (const auto& t : ReaderAccess::header(r).tensors) out[t.name] = r.read(t.name);
   return out;
 }
 

@@ -1,4 +1,4 @@
-#include "safetensors_format.h"
+#include "checkpoint/safetensors_format.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,7 +1,7 @@
 // Sharded checkpoints: per-rank safetensors files of element ranges and a
 // Boost.JSON index; loading reassembles whatever ranges a rank owns now.
 #include <boost/json.hpp>
-#include "../check.h"
+#include "base/check.h"
 #include <c10/core/GradMode.h>
 #include <c10/util/accumulate.h>
 #include <fcntl.h>
@@ -17,12 +17,13 @@
 #include <set>
 #include <sstream>
 
-#include "../files.h"
-#include "../optimizer_state.h"
-#include "../shard_state.h"
-#include "checksum.h"
-#include "safetensors_format.h"
-#include "index_format.h"
+#include "base/files.h"
+#include "optim/optimizer_state.h"
+#include "runtime/shard_state.h"
+#include "checkpoint/agreement.h"
+#include "checkpoint/checksum.h"
+#include "checkpoint/reader_access.h"
+#include "checkpoint/index_format.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"
 
@@ -396,10 +397,10 @@ class Files {
     // The step before the checksum: a shard copied in from another save of
     // the same model fails both, and "from step 2" says what went wrong.
     auto r = std::make_unique<checkpoint::Reader>(path);
-    auto file_step = r->header().metadata.find("step");
-    if (file_step == r->header().metadata.end() || file_step->second != std::to_string(idx_.step))
+    auto file_step = ReaderAccess::header(*r).metadata.find("step");
+    if (file_step == ReaderAccess::header(*r).metadata.end() || file_step->second != std::to_string(idx_.step))
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' is from step " +
-                             (file_step == r->header().metadata.end() ? std::string("?") : file_step->second) +
+                             (file_step == ReaderAccess::header(*r).metadata.end() ? std::string("?") : file_step->second) +
                              " but the index is for step " + std::to_string(idx_.step));
     if (file_checksum(path, checkpoint::checksum::algorithm_of(sum)) != sum)
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' does not match its checksum in the index");
@@ -408,7 +409,7 @@ class Files {
     // without a word (by read_sharded_checkpoint, or as optimizer state).
     if (listed_.empty())
       for (const auto& e : idx_.entries) listed_.insert({e.file, e.tensor});
-    for (const auto& t : r->header().tensors)
+    for (const auto& t : ReaderAccess::header(*r).tensors)
       if (!listed_.count({name, t.name}))
         throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' holds '" + t.name +
                                "', which the index does not list (an edited index, or a file of another save?)");
@@ -437,7 +438,7 @@ struct Fill {
 // with the entry's element count (an index that claims more would make a
 // reader allocate or read what is not there).
 const checkpoint::TensorRecord& saved_record(Files& files, const Entry& e, const std::string& dir) {
-  const auto* r = files.get(e.file).header().find(e.tensor);
+  const auto* r = ReaderAccess::header(files.get(e.file)).find(e.tensor);
   if (r == nullptr)
     throw SafetensorsError("checkpoint '" + dir + "': '" + e.file + "' has no tensor '" + e.tensor +
                            "', which the index lists");
@@ -648,7 +649,7 @@ std::string write_index_and_publish(const std::function<json::object()>& index, 
 void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg, int64_t step,
                              const std::map<std::string, std::string>& user_state) {
   auto state = detail::require_state(root, "save_sharded_checkpoint");
-  detail::ShardState::FileWaits file_waits(*state);  // each rank waits for the slowest writer
+  detail::FileWaits file_waits(*state);  // each rank waits for the slowest writer
   World& world = state->world();
   c10::NoGradGuard no_grad;
   const std::string dir = normalized(dir_arg);
@@ -811,7 +812,7 @@ void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Change
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
                                 std::map<std::string, std::string>* user_state, const LoadOptions& options) {
   auto state = detail::require_state(root, "load_sharded_checkpoint");
-  detail::ShardState::FileWaits file_waits(*state);  // and for the slowest reader
+  detail::FileWaits file_waits(*state);  // and for the slowest reader
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   std::string dir = normalized(dir_arg);

@@ -1,10 +1,10 @@
-#include "streamed_tensors.h"
+#include "checkpoint/streamed_tensors.h"
 
 #include <set>
 
-#include "../check.h"
-#include "../flat_param.h"
-#include "../shard_state.h"
+#include "base/check.h"
+#include "runtime/flat_param.h"
+#include "runtime/shard_state.h"
 
 namespace shardtorch::checkpoint {
 

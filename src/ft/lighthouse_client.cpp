@@ -1,4 +1,4 @@
-#include "lighthouse_client.h"
+#include "ft/lighthouse_client.h"
 
 #include <grpcpp/grpcpp.h>
 

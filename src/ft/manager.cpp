@@ -5,6 +5,7 @@
 // live peer, and a vote inside the replica group. The state machine is in
 // docs/fault_tolerance.md.
 #include "shardtorch/ft.h"
+#include "comm/backends.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -33,15 +34,15 @@
 #include <sstream>
 #include <thread>
 
-#include "../check.h"
-#include "../errors.h"
-#include "lighthouse_client.h"
-#include "../optimizer_state.h"
-#include "../shard_state.h"
-#include "../store_listener.h"
+#include "base/check.h"
+#include "base/errors.h"
+#include "ft/lighthouse_client.h"
+#include "optim/optimizer_state.h"
+#include "runtime/shard_state.h"
+#include "comm/store_listener.h"
 #include "shardtorch/comm_hooks.h"
 #include "shardtorch/sharded_model.h"
-#include "../unit.h"
+#include "runtime/unit.h"
 
 namespace shardtorch::ft {
 namespace json = boost::json;
@@ -701,7 +702,7 @@ Manager::Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedO
   m.group = o.replica_group();
   const int restarts = std::atoi(env("TORCHELASTIC_RESTART_COUNT").value_or("0").c_str());
   m.restarted = o.restarted().value_or(restarts > 0);
-  m.state = sharded_model(root).state();
+  m.state = detail::require_state(root, "shardtorch::ft::Manager");
   m.model = describe_model(root, *m.state, opt, m.world->size());
   // Every rank of the group must agree on the group name and the incarnation.
   auto names = m.world->comm().all_gather_strings(m.group + "/" + std::to_string(restarts), "shardtorch::ft group name");

@@ -3,10 +3,10 @@
 // (aarch64) the one portable variant runs, vectorised by the compiler for the
 // target's baseline (NEON on aarch64).
 #include "shardtorch/optim/cpu_adam.h"
-#include "../check.h"
+#include "base/check.h"
 
 #include "../../cuda/adam_math.h"
-#include "cuda_adam.h"
+#include "optim/cuda_adam.h"
 
 #include <ATen/Parallel.h>
 #ifdef _OPENMP
@@ -327,7 +327,7 @@ void adam_traffic_roofline(float* a, const float* b, float* c, float* d, int64_t
 
 namespace detail {
 
-// Declared in src/offload.cpp: this file is the one compiled with OpenMP.
+// Declared in src/runtime/offload.cpp: this file is the one compiled with OpenMP.
 void set_thread_parallelism(int threads) {
 #ifdef _OPENMP
   omp_set_num_threads(threads);

@@ -1,7 +1,7 @@
 // Built only against a CUDA LibTorch with a CUDA compiler (CMakeLists.txt);
 // src/optim/cuda_adam_none.cpp stands in otherwise.
-#include "cuda_adam.h"
-#include "../check.h"
+#include "optim/cuda_adam.h"
+#include "base/check.h"
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

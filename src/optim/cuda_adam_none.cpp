@@ -1,6 +1,6 @@
 // Stands in for src/optim/cuda_adam.cpp in a build without CUDA kernels.
-#include "cuda_adam.h"
-#include "../check.h"
+#include "optim/cuda_adam.h"
+#include "base/check.h"
 
 namespace shardtorch {
 

@@ -30,6 +30,6 @@ for f in "${sources[@]}" "$src/tests/fuzz/fuzz_$target.cpp" "$src"/src/checkpoin
 done
 if [ $stale = 1 ]; then
   "$cxx" -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -I"$src/include" "$src/tests/fuzz/fuzz_$target.cpp" "${sources[@]}" "${libs[@]}" -o "$bin"
+    -I"$src/include" -I"$src/src" "$src/tests/fuzz/fuzz_$target.cpp" "${sources[@]}" "${libs[@]}" -o "$bin"
 fi
 "$bin" -max_total_time="$seconds" -artifact_prefix="$out/artifacts/" -print_final_stats=1 "$out/corpus" 2>&1 | tail -15

@@ -1,6 +1,6 @@
 #pragma once
 // The few file-system calls the tools make, with POSIX calls: nothing built
-// here may import a std::filesystem symbol (the library's src/files.h says why).
+// here may import a std::filesystem symbol (the library's src/base/files.h says why).
 // Errors throw std::runtime_error naming the call, the path and errno's text.
 #include <string>
 

@@ -18,6 +18,7 @@ namespace shardtorch::checkpoint {
 
 struct SafetensorsHeader;
 struct TensorRecord;
+struct ReaderAccess;
 
 /// "F32" <-> at::kFloat, ... (throws for dtypes safetensors cannot hold).
 SHARDTORCH_API std::string dtype_name(at::ScalarType t);
@@ -35,6 +36,14 @@ SHARDTORCH_API bool is_safe_cast(at::ScalarType from, at::ScalarType to);
 /// The safetensors name of a dtype ("F32"), or ATen's where it has none.
 SHARDTORCH_API std::string dtype_text(at::ScalarType t);
 
+/// What a file's header says of one tensor (read without its data).
+struct SHARDTORCH_API TensorInfo {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t nbytes = 0;  // its bytes in the file
+};
+
 class SHARDTORCH_API Reader {
  public:
   /// Opens and validates the file; throws SafetensorsError naming it.
@@ -44,11 +53,13 @@ class SHARDTORCH_API Reader {
   Reader& operator=(const Reader&) = delete;
 
   const std::string& path() const { return path_; }
-  /// The parsed header (its type is internal: src/checkpoint/safetensors_format.h).
-  const SafetensorsHeader& header() const { return *header_; }
   bool contains(const std::string& name) const;
   /// The tensors' names, in the order of their data in the file.
   std::vector<std::string> names() const;
+  /// Every tensor's name, dtype, shape and size, in the order of their data.
+  std::vector<TensorInfo> tensors() const;
+  /// One tensor's; throws SafetensorsError naming the file if there is none.
+  TensorInfo info(const std::string& name) const;
   /// The header's "__metadata__" (empty if it has none).
   const std::map<std::string, std::string>& metadata() const;
   /// The whole tensor, on the CPU.
@@ -57,6 +68,7 @@ class SHARDTORCH_API Reader {
   at::Tensor read_range(const std::string& name, int64_t offset, int64_t count) const;
 
  private:
+  friend struct ReaderAccess;  // the library's own access to the parsed header
   const TensorRecord& record(const std::string& name) const;
   void read_bytes(uint64_t file_offset, void* dst, size_t n) const;
   std::string path_;

@@ -1,0 +1,312 @@
+#include "runtime/flat_param.h"
+#include "base/check.h"
+
+#include "base/storage_access.h"
+#include "shardtorch/deferred.h"
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <atomic>
+#include <sstream>
+
+namespace shardtorch {
+
+namespace {
+std::atomic<int64_t> low_copy_refreshes_{0};
+}  // namespace
+
+int64_t testing::low_copy_refreshes() { return low_copy_refreshes_.load(); }
+
+FlatParamLayout::FlatParamLayout(std::vector<std::vector<int64_t>> shapes, int world_size)
+    : shapes_(std::move(shapes)), world_size_(world_size) {
+  SHARDTORCH_CHECK(world_size >= 1, "FlatParamLayout: world size ", world_size, " must be at least 1");
+  for (const auto& s : shapes_) {
+    int64_t n = 1;
+    for (int64_t d : s) {
+      SHARDTORCH_CHECK(d >= 0, "FlatParamLayout: negative dimension in shape ", c10::IntArrayRef(s));
+      n *= d;
+    }
+    offsets_.push_back(total_);
+    numels_.push_back(n);
+    total_ += n;
+  }
+  shard_numel_ = (total_ + world_size - 1) / world_size;
+}
+
+std::pair<int64_t, int64_t> FlatParamLayout::shard_range(int rank) const {
+  SHARDTORCH_CHECK(rank >= 0 && rank < world_size_, "FlatParamLayout: rank ", rank, " not in [0, ", world_size_, ")");
+  return {rank * shard_numel_, (rank + 1) * shard_numel_};
+}
+
+std::optional<FlatParamLayout::Piece> FlatParamLayout::piece(size_t i, int rank) const {
+  auto [lo, hi] = shard_range(rank);
+  int64_t begin = std::max(lo, offsets_.at(i));
+  int64_t end = std::min(hi, offsets_[i] + numels_[i]);
+  if (begin >= end) return std::nullopt;
+  return Piece{begin - offsets_[i], begin - lo, end - begin};
+}
+
+namespace {
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> st(shape.size());
+  int64_t s = 1;
+  for (size_t d = shape.size(); d-- > 0;) {
+    st[d] = s;
+    s *= std::max<int64_t>(shape[d], 1);
+  }
+  return st;
+}
+}  // namespace
+
+FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, int world_size, int rank,
+                     MemoryTracker* mem, bool persistent, std::optional<c10::Device> device)
+    : params_(std::move(params)), names_(std::move(names)), rank_(rank), mem_(mem), persistent_(persistent) {
+  SHARDTORCH_CHECK(!params_.empty(), "FlatParam: no parameters");
+  dtype_ = params_[0].scalar_type();
+  reduce_dtype_ = dtype_;
+  requires_grad_ = params_[0].requires_grad();
+  // A deferred parameter is on the meta device until it is given values here.
+  auto device_of = [&](const at::Tensor& p) { return device && is_deferred(p) ? *device : p.device(); };
+  const c10::Device target = device.value_or(device_of(params_[0]));
+  std::vector<std::vector<int64_t>> shapes;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    SHARDTORCH_CHECK(p.scalar_type() == dtype_ && device_of(p) == target && p.requires_grad() == requires_grad_,
+                "FlatParam: parameter '", names_[i], "' (", p.scalar_type(), ", ", device_of(p),
+                ") does not match '", names_[0], "'");
+    shapes.push_back(p.sizes().vec());
+  }
+  layout_ = FlatParamLayout(std::move(shapes), world_size);
+  access_error_ = "shardtorch: the parameters of " + describe() + " are sharded: their memory is freed";
+  c10::NoGradGuard no_grad;
+  full_ = at::zeros({layout_.padded_numel()}, params_[0].options().device(target).requires_grad(false));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    at::Tensor dst = full_.narrow(0, layout_.offset(i), layout_.numel(i));
+    if (is_deferred(p))
+      detail::materialize_into(p, names_[i], dst.view(layout_.shape(i)), rank_);
+    else
+      dst.copy_(p.detach().reshape({-1}));
+    p.set_(full_.storage(), layout_.offset(i), layout_.shape(i), contiguous_strides(layout_.shape(i)));
+  }
+  gathered_ = true;
+  auto [lo, hi] = layout_.shard_range(rank_);
+  if (persistent_) {
+    shard_ = full_.narrow(0, lo, hi - lo);
+    shard_is_view_ = true;
+    if (mem_) mem_->add(Mem::ReplicatedParams, full_.nbytes());
+  } else {
+    shard_ = full_.narrow(0, lo, hi - lo).clone();
+    if (mem_) {
+      mem_->add(Mem::ShardedParams, shard_.nbytes());
+      mem_->add(Mem::GatheredParams, full_.nbytes());
+    }
+  }
+}
+
+FlatParam::~FlatParam() {
+  if (!mem_) return;
+  if (persistent_) {
+    mem_->sub(Mem::ReplicatedParams, full_.nbytes());
+    if (!shard_is_view_) mem_->sub(shard_category(), shard_.nbytes());
+  } else {
+    mem_->sub(shard_category(), shard_.nbytes());
+    if (gathered_) mem_->sub(Mem::GatheredParams, full_.nbytes());
+  }
+  if (full_grad_.defined()) {
+    mem_->sub(grad_category(), full_grad_.nbytes());
+  } else if (shard_grad_.defined()) {
+    mem_->sub(grad_category(), shard_grad_.nbytes());
+  }
+  if (staging_.defined()) mem_->sub(Mem::GradStaging, staging_.nbytes());
+  if (low_.defined()) mem_->sub(Mem::HostParams, low_.nbytes());
+}
+
+void FlatParam::set_mixed_precision(at::ScalarType compute, at::ScalarType reduce) {
+  reduce_dtype_ = reduce;
+  if (compute == compute_dtype()) return;
+  SHARDTORCH_CHECK(gathered_, "FlatParam: set_mixed_precision of ", describe(), " while it is sharded");
+  c10::NoGradGuard no_grad;
+  if (persistent_) {  // the shard was a view of the full buffer: the master needs its own memory
+    shard_ = shard_.clone();
+    shard_is_view_ = false;
+    if (mem_) {
+      mem_->add(Mem::ShardedParams, shard_.nbytes());
+      mem_->sub(Mem::ReplicatedParams, full_.nbytes());
+    }
+  } else if (mem_) {
+    mem_->sub(Mem::GatheredParams, full_.nbytes());
+  }
+  at::Tensor low = full_.to(compute);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].set_data(low.narrow(0, layout_.offset(i), layout_.numel(i)).view(layout_.shape(i)));
+  }
+  full_ = low;
+  if (mem_) mem_->add(persistent_ ? Mem::ReplicatedParams : Mem::GatheredParams, full_.nbytes());
+}
+
+void FlatParam::offload_shard(bool pin) {
+  if (offloaded_) return;
+  SHARDTORCH_CHECK(!shard_grad_.defined() && !staging_.defined(), "FlatParam: offload_shard of ", describe(),
+              " after gradients exist");
+  c10::NoGradGuard no_grad;
+  at::Tensor host = at::empty({shard_.numel()}, shard_.options().device(at::kCPU).pinned_memory(pin));
+  host.copy_(shard_);
+  if (mem_) {
+    if (!shard_is_view_) mem_->sub(Mem::ShardedParams, shard_.nbytes());
+    mem_->add(Mem::HostParams, host.nbytes());
+  }
+  shard_ = host;
+  shard_is_view_ = false;
+  offloaded_ = true;
+  pinned_ = pin;
+  if (dtype_ == at::kFloat && compute_dtype() == at::kBFloat16) {
+    low_ = at::empty({shard_.numel()}, shard_.options().dtype(at::kBFloat16).pinned_memory(pin));
+    if (mem_) mem_->add(Mem::HostParams, low_.nbytes());
+  }
+}
+
+void FlatParam::refresh_low_copy() {
+  if (!low_copy_stale()) return;
+  c10::NoGradGuard no_grad;
+  low_.copy_(shard_);
+  low_version_ = static_cast<int64_t>(shard_._version());
+  low_copy_refreshes_.fetch_add(1);
+}
+
+const at::Tensor& FlatParam::upload_source() {
+  refresh_low_copy();
+  return low_.defined() ? low_ : shard_;
+}
+
+at::Tensor FlatParam::gather_source() const {
+  return shard_.scalar_type() == full_.scalar_type() ? shard_ : shard_.to(full_.scalar_type());
+}
+
+void FlatParam::alloc_full() {
+  if (gathered_ || persistent_) return;
+  auto* impl = full_.storage().unsafeGetStorageImpl();
+  size_t nbytes = static_cast<size_t>(layout_.padded_numel()) * c10::elementSize(compute_dtype());
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+  storage_access::allow(impl);
+  gathered_ = true;
+  if (mem_) mem_->add(Mem::GatheredParams, nbytes);
+}
+
+bool FlatParam::freed_access_is_an_error() { return storage_access::support() != storage_access::Support::None; }
+
+void FlatParam::free_full(bool abandon) {
+  if (!gathered_ || persistent_) return;
+  auto* impl = full_.storage().unsafeGetStorageImpl();
+  size_t nbytes = impl->nbytes();
+  if (abandon) {  // never freed: the failed collective may still write here
+    at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, full_.device()));
+    (void)old.release_context();
+  }
+  // The error first: it may allocate (and throw) while the buffer is still whole.
+  // The storage then keeps its size, so that views of a freed parameter
+  // (w.t(), narrow) still succeed and the op that reads them throws this error
+  // rather than a bounds check's about a storage of size 0.
+  const bool guarded = storage_access::forbid(impl, access_error_);
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));
+  if (!guarded) impl->set_nbytes(0);  // views of the parameters then fail their bounds check at least
+  gathered_ = false;
+  if (mem_) mem_->sub(Mem::GatheredParams, nbytes);
+}
+
+void FlatParam::write_back_shard() {
+  SHARDTORCH_CHECK(gathered_, "FlatParam: write_back_shard of ", describe(), " while it is sharded");
+  if (shard_is_view_) return;  // the shard is a view of the full buffer
+  auto [lo, hi] = layout_.shard_range(rank_);
+  c10::NoGradGuard no_grad;
+  shard_.copy_(full_.narrow(0, lo, hi - lo));
+}
+
+at::Tensor& FlatParam::staging_grad() {
+  if (!staging_.defined()) {
+    staging_ = at::zeros({layout_.padded_numel()}, full_.options().dtype(reduce_dtype_));
+    if (mem_) mem_->add(Mem::GradStaging, staging_.nbytes());
+  }
+  return staging_;
+}
+
+void FlatParam::stage_grad(size_t i) {
+  auto& p = params_.at(i);
+  const auto& g = p.grad();
+  if (!g.defined()) return;
+  SHARDTORCH_CHECK(g.sizes() == p.sizes(), detail::rank_prefix(rank_), ": the gradient of '", names_[i], "' has shape ",
+              g.sizes(), " but the parameter has ", p.sizes(), " (a hook or a custom autograd function returned a "
+              "gradient of the wrong shape?)");
+  c10::NoGradGuard no_grad;
+  staging_grad().narrow(0, layout_.offset(i), layout_.numel(i)).add_(g.reshape({-1}));
+  p.mutable_grad().reset();
+}
+
+at::Tensor FlatParam::take_staging_grad() {
+  at::Tensor t = staging_grad();
+  staging_ = at::Tensor();
+  if (mem_) mem_->sub(Mem::GradStaging, t.nbytes());
+  return t;
+}
+
+void FlatParam::drop_staging_grad() {
+  if (!staging_.defined()) return;
+  if (mem_) mem_->sub(Mem::GradStaging, staging_.nbytes());
+  staging_ = at::Tensor();
+}
+
+at::Tensor FlatParam::new_grad(const at::Tensor& reduced, double divisor) const {
+  // Host gradients of an offloaded flat come from the pinned caching
+  // allocator: a fresh pageable tensor each step faulted in every page of it
+  // (docs/offload.md). Cast and divide in place: the values of
+  // at::div(reduced.to(dtype_), divisor), and x / 1 is x.
+  at::Tensor g = at::empty(reduced.sizes(), reduced.options().dtype(dtype_).pinned_memory(pinned_ && reduced.is_cpu()));
+  g.copy_(reduced);
+  if (divisor != 1.0) g.div_(divisor);
+  return g;
+}
+
+void FlatParam::accumulate_shard_grad(const at::Tensor& reduced, double divisor) {
+  c10::NoGradGuard no_grad;
+  if (!shard_grad_.defined()) {
+    shard_grad_ = new_grad(reduced, divisor);  // gradient shards are in the master dtype
+    if (mem_) mem_->add(grad_category(), shard_grad_.nbytes());
+  } else {
+    shard_grad_.add_(at::div(reduced.to(dtype_), divisor));
+  }
+}
+
+void FlatParam::accumulate_full_grad(const at::Tensor& reduced, double divisor) {
+  c10::NoGradGuard no_grad;
+  if (!full_grad_.defined()) {
+    full_grad_ = new_grad(reduced, divisor);
+    auto [lo, hi] = layout_.shard_range(rank_);
+    shard_grad_ = full_grad_.narrow(0, lo, hi - lo);
+    if (mem_) mem_->add(grad_category(), full_grad_.nbytes());
+  } else {
+    full_grad_.add_(at::div(reduced.to(dtype_), divisor));
+  }
+}
+
+void FlatParam::zero_grad() {
+  if (full_grad_.defined()) {
+    if (mem_) mem_->sub(grad_category(), full_grad_.nbytes());
+  } else if (shard_grad_.defined()) {
+    if (mem_) mem_->sub(grad_category(), shard_grad_.nbytes());
+  }
+  full_grad_ = at::Tensor();
+  shard_grad_ = at::Tensor();
+  drop_staging_grad();  // gradients accumulated without sync are gradients too
+}
+
+std::string FlatParam::describe() const {
+  std::ostringstream os;
+  os << "flat " << c10::toString(dtype_) << (requires_grad_ ? "" : " frozen") << " of " << params_.size()
+     << " params, " << layout_.total_numel() << " elements padded to " << layout_.padded_numel() << ", shard "
+     << layout_.shard_numel();
+  return os.str();
+}
+
+}  // namespace shardtorch

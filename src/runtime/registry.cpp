@@ -1,0 +1,60 @@
+// The registry that finds a sharded model's state from its root module.
+#include <algorithm>
+#include "base/check.h"
+#include <mutex>
+
+#include "runtime/shard_state.h"
+
+namespace shardtorch::detail {
+
+namespace {
+struct Registry {
+  std::mutex mu;
+  std::vector<std::pair<std::weak_ptr<torch::nn::Module>, std::shared_ptr<ShardState>>> entries;
+  void prune() {
+    entries.erase(std::remove_if(entries.begin(), entries.end(), [](const auto& e) { return e.first.expired(); }),
+                  entries.end());
+  }
+};
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+}  // namespace
+
+void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state) {
+  std::weak_ptr<torch::nn::Module> weak = root.weak_from_this();
+  SHARDTORCH_CHECK(!weak.expired(), "shardtorch::shard: the root module must be owned by a std::shared_ptr (declare "
+                               "it through its holder, e.g. `Net net;` after SHARDTORCH_MODULE(Net) or "
+                               "TORCH_MODULE(Net), or create it with std::make_shared)");
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.prune();
+  r.entries.emplace_back(weak, state);
+}
+
+std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.prune();
+  for (const auto& [weak, state] : r.entries) {
+    auto m = weak.lock();
+    if (m.get() == &root) return state;
+  }
+  return nullptr;
+}
+
+
+std::shared_ptr<ShardState> require_state(torch::nn::Module& root, const std::string& what) {
+  auto s = lookup_model(root);
+  SHARDTORCH_CHECK(s, "shardtorch: ", what, ": this model was never sharded; call shardtorch::shard(model, world) first");
+  return s;
+}
+
+std::map<const void*, std::vector<std::string>> parameter_names(torch::nn::Module& root) {
+  std::map<const void*, std::vector<std::string>> names;
+  for (const auto& item : root.named_parameters()) names[item.value().unsafeGetTensorImpl()].push_back(item.key());
+  return names;
+}
+
+}  // namespace shardtorch::detail

@@ -1,0 +1,89 @@
+#pragma once
+// Internal: NoShard (DDP): whole parameters on every rank, gradients
+// all-reduced in buckets from the gradient accumulators' hooks, and under
+// mixed precision fp32 masters for the optimizer and for checkpoints.
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "runtime/gradient_reducer.h"
+#include "buckets/all_reduce_bucketer.h"
+#include "runtime/unit.h"
+
+namespace shardtorch::detail {
+
+class ShardState;
+
+class ReplicatedPath final : public GradientReducer {
+ public:
+  explicit ReplicatedPath(ShardState& model) : model_(model) {}
+  /// Takes the trainable parameters `params`, named `names`: under mixed
+  /// precision they become param_dtype with fp32 masters, and every one gets
+  /// a gradient hook. Once, at shard(), after add_frozen_master.
+  /// `keep`: parameters that stay in their dtype under mixed precision.
+  void enable(std::vector<at::Tensor> params, std::vector<std::string> names,
+              const std::unordered_set<const void*>& keep = {});
+
+  void finish_backward(bool sync) override;
+  void discard() override { ddp_->discard(); }
+  int64_t reductions() const override { return ddp_->launched(); }
+  void use_hook(CommHook* hook, HookCounter* counter) override { ddp_->set_hook(hook, counter); }
+
+  AllReduceBucketer& bucketer() { return *ddp_; }
+  const AllReduceBucketer& bucketer() const { return *ddp_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<std::string>& names() const { return names_; }
+  const std::vector<AccumulatorRef>& accumulators() const { return accumulators_; }
+  /// Under mixed precision: fp32 masters of params() (else empty).
+  const std::vector<at::Tensor>& masters() const { return masters_; }
+  /// The tensors the optimizer updates: masters, or the parameters.
+  const std::vector<at::Tensor>& optimized() const { return masters_.empty() ? params_ : masters_; }
+  /// Under mixed precision a frozen floating parameter computes in
+  /// param_dtype and keeps its fp32 master here.
+  void add_frozen_master(const at::Tensor& param, at::Tensor master);
+  /// The value of record of a parameter (what checkpoints save and load):
+  /// its fp32 master under mixed precision, else the parameter itself.
+  at::Tensor record_of(const at::Tensor& param) const {
+    auto it = master_of_.find(param.unsafeGetTensorImpl());
+    return it == master_of_.end() ? param : it->second;
+  }
+  /// Points the masters' grads at the reduced gradients: views of buckets in
+  /// the masters' dtype, or fp32 copies of buckets in a lower dtype. The
+  /// copies are transient: after_optimizer_step() releases them
+  /// (converted_only), zero_grad every master grad, so between steps NoShard
+  /// holds 16 bytes per parameter under bf16, as ZeRO counts it, not 20.
+  void bind_master_grads();
+  void release_master_grads(bool converted_only = false);
+  /// The optimizer updated the parameters themselves, or their masters.
+  void after_optimizer_step();
+  /// zero_grad: the buckets and the masters' gradients.
+  void zero_grads();
+  /// Parameter i's gradient arrived: warns once if a step went by without a
+  /// zero_grad that could reach buckets of another dtype than i.
+  void note_gradient(size_t i);
+  /// zero_grad of any kind reached the model (the warning above resets).
+  void on_zero_grad();
+
+ private:
+  /// Master i's grad is a copy (its bucket is in another dtype), not a view of its bucket.
+  bool grad_is_copied(size_t i) const { return ddp_->grad_view(i).scalar_type() != masters_[i].scalar_type(); }
+
+  ShardState& model_;
+  std::vector<at::Tensor> params_, masters_;
+  std::vector<std::string> names_;
+  std::unordered_map<const void*, at::Tensor> master_of_;  // mixed precision: every parameter's fp32 master
+  std::unique_ptr<AllReduceBucketer> ddp_;
+  std::vector<AccumulatorRef> accumulators_;
+  // An optimizer step happened and no zero_grad reached the buckets since
+  // (warned about once, where the buckets are not the gradients).
+  bool stepped_since_zero_ = false, warned_unzeroed_ = false;
+  int64_t master_grad_bytes_ = 0;
+};
+
+}  // namespace shardtorch::detail

@@ -1,0 +1,162 @@
+// A sharded model's runtime state: what spans its parts (zero_grad, the
+// optimizer step's follow-up, summon_full_params scopes).
+#include "runtime/shard_state.h"
+#include "base/check.h"
+
+#include <c10/core/GradMode.h>
+
+namespace shardtorch::detail {
+
+const std::vector<at::Tensor> ShardState::none_;
+const std::vector<std::string> ShardState::no_names_;
+
+ShardState::ShardState(std::shared_ptr<World> world, ShardOptions options)
+    : options_(std::move(options)),
+      topology_(std::move(world)),
+      sharded_(*this, options_.bucket_mb(), &mem_),
+      order_(*this),
+      backward_(*this),
+      copies_(*this) {}
+
+ReplicatedPath& ShardState::enable_replicated() {
+  replicated_ = std::make_unique<ReplicatedPath>(*this);
+  return *replicated_;
+}
+
+std::vector<std::shared_ptr<Unit>> ShardState::units() const {
+  std::vector<std::shared_ptr<Unit>> out;
+  for (const auto& w : units_) {
+    auto u = w.lock();
+    SHARDTORCH_CHECK(u, detail::rank_prefix(topology_.world().global_rank()), ": a unit of this sharded model no longer exists (was the model "
+                "destroyed, or a unit module replaced after shard()?)");
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
+std::vector<std::shared_ptr<Unit>> ShardState::live_units() const {
+  std::vector<std::shared_ptr<Unit>> out;
+  for (const auto& w : units_)
+    if (auto u = w.lock()) out.push_back(std::move(u));
+  return out;
+}
+
+void ShardState::release_held() {
+  for (auto& u : live_units()) u->release();  // nothing for a unit not held
+}
+
+void ShardState::refuse_backward_in_grad_summon(const char* kind, const std::string& name) const {
+  // The scope set param.grad to the reduced gradients: this backward would
+  // add its own to them, and reduce both into gradients that already hold the
+  // first (counted twice). Every rank is in the scope, so every rank refuses;
+  // called first in every hook of a backward, before anything is queued or
+  // gathered, so the refused backward leaves nothing to clean up.
+  SHARDTORCH_CHECK(grad_summons_ == 0, detail::rank_prefix(topology_.world().global_rank()), ": a backward reached ", kind, " '", name,
+              "' inside a summon_full_params(with_grads) scope, whose param.grad are the reduced gradients (a "
+              "backward would count them twice); leave the scope before the backward, or summon without with_grads");
+}
+
+void ShardState::on_zero_grad() {
+  if (replicated_) replicated_->on_zero_grad();
+  backward_.recover_if_failed();  // reductions of a failed backward land before the zeroing
+  backward_.on_zero_grad();
+  backward_.gradients_changed();
+  if (!backward_.running()) order_.on_zero_grad();
+  for (auto& [id, f] : zero_grad_listeners_) f();
+}
+
+void ShardState::zero_grads() {
+  on_zero_grad();
+  if (replicated_) {
+    replicated_->zero_grads();
+    return;
+  }
+  for (auto& u : units())
+    for (auto& f : u->flats()) f->zero_grad();
+}
+
+void ShardState::check_requires_grad_unchanged() const {
+  // Flat parameters, hooks and the optimizer's pieces were fixed by shard():
+  // a parameter unfrozen since would never have its gradient reduced nor be
+  // stepped, and one frozen since would still be stepped. Said, not silent.
+  auto check = [&](const at::Tensor& p, bool was, const std::string& name) {
+    SHARDTORCH_CHECK(p.requires_grad() == was, detail::rank_prefix(topology_.world().global_rank()), ": parameter '", name, "' was ",
+                was ? "trainable" : "frozen", " at shard() and is ", was ? "frozen" : "trainable",
+                " now; which parameters train is fixed when the model is sharded (its flat parameters, gradient "
+                "hooks and optimizer pieces follow it). Set requires_grad before shard(), or shard a new model "
+                "(load_full_state_dict carries the weights) to change it");
+  };
+  for (size_t i = 0; i < ddp_params().size(); ++i) check(ddp_params()[i], true, ddp_names()[i]);
+  for (const auto& u : live_units()) {
+    for (const auto& f : u->flats())
+      for (size_t i = 0; i < f->params().size(); ++i) check(f->params()[i], f->requires_grad(), f->names()[i]);
+  }
+}
+
+void ShardState::check_outside_summon() const {
+  // Symmetric: every rank holds a FullParams for the scope, kept or not.
+  SHARDTORCH_CHECK(summons_ == 0, detail::rank_prefix(topology_.world().global_rank()), ": an optimizer step or a checkpoint load inside a "
+              "summon_full_params scope: the scope's full parameters would be stale (and written back over the new "
+              "values on exit); leave the scope first");
+}
+
+void ShardState::after_optimizer_step() {
+  world().note_step_done();
+  after_shards_replaced();
+}
+
+void ShardState::after_shards_replaced() {
+  check_outside_summon();
+  release_held();  // the step makes the full copies a graph-building backward held stale
+  if (replicated_) {
+    replicated_->after_optimizer_step();
+    return;
+  }
+  for (auto& u : units()) {
+    for (auto& f : u->flats())
+      if (f->persistent()) regather(*u, *f, "updated parameters");
+    u->reshard();  // non-persistent full copies are stale now
+  }
+}
+
+void ShardState::regather(Unit& u, FlatParam& f, const std::string& what) {
+  at::Tensor mine = copies_.gather_input(f);
+  if (auto* off = copies_.offloader()) off->current_waits_for_copies();  // gathered on the compute stream
+  shard_comm().all_gather_into(f.full(), mine, what + " of unit '" + u.label() + "'");
+}
+
+void ShardState::regather_unsharded() {
+  c10::NoGradGuard no_grad;
+  for (auto& u : units())
+    if (u->state() == ParamState::Unsharded)
+      for (auto& f : u->flats()) regather(*u, *f, "parameters after summon_full_params");
+}
+
+std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
+  check_backward_finished("reading the gradients (clip_grad_norm, GradScaler)");
+  const auto* listener = copies_.gradient_listener();
+  SHARDTORCH_CHECK(!listener || !listener->any_stepped(), detail::rank_prefix(world().global_rank()), ": clip_grad_norm or "
+              "GradScaler after a backward during which the optimizer already stepped (overlap_with_backward): the "
+              "update used the unclipped, unscaled gradients. Turn the overlap off to clip or scale gradients");
+  // The strategy is the same everywhere: decide on it, not on what this rank
+  // happens to hold, so that every rank communicates or none does.
+  partial = strategy() != Strategy::NoShard && strategy() != Strategy::OptimizerOnly;
+  std::vector<at::Tensor> grads;
+  if (replicated_) {
+    for (const auto& p : replicated_->optimized())
+      if (p.grad().defined()) grads.push_back(p.grad());
+    return grads;
+  }
+  for (auto& u : units()) {
+    for (auto& f : u->flats()) {
+      if (f->full_grad().defined()) {
+        grads.push_back(f->full_grad());  // OptimizerOnly: whole and identical on every rank
+      } else if (f->shard_grad().defined()) {
+        grads.push_back(f->shard_grad());
+      }
+    }
+  }
+  return grads;
+}
+
+}  // namespace shardtorch::detail

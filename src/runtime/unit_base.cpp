@@ -1,0 +1,75 @@
+// UnitBase: what every Sharded<Impl> runs around its forward, and its zero_grad.
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <exception>
+
+#include "base/check.h"
+#include "runtime/shard_state.h"
+
+namespace shardtorch {
+
+UnitBase::~UnitBase() = default;
+
+void UnitBase::before_forward(const std::vector<at::Tensor>& inputs) { unit_->pre_forward(inputs); }
+
+void UnitBase::forward_failed() noexcept {
+  try {
+    unit_->abandon_forward();
+  } catch (const std::exception& e) {  // runs while the forward's exception unwinds: warn, never throw
+    TORCH_WARN(detail::rank_prefix(unit_->owner().world().global_rank()), ": unit '", unit_->label(),
+               "' could not be resharded after its forward failed: ", e.what());
+  } catch (...) {
+    TORCH_WARN(detail::rank_prefix(unit_->owner().world().global_rank()), ": unit '", unit_->label(),
+               "' could not be resharded after its forward failed (an exception of unknown type)");
+  }
+}
+
+void UnitBase::zero_shard_grads(torch::nn::Module& self) {
+  // Module::zero_grad calls the zero_grad of every module inside, so each
+  // unit clears its own flats. Under NoShard the gradients are the
+  // parameters' own (bucket views) except where the buckets hold another
+  // dtype (mixed precision); either way the slices keep their values until
+  // cleared: each module clears those of its parameters, the root every
+  // bucket (and the masters' gradients), as the optimizer's zero_grad does.
+  auto state = unit_ ? unit_->owner().shared_from_this() : no_shard_state_.lock();
+  if (!state) return;  // not sharded yet
+  if (state->replicated() && unit_) {  // NoShard's root unit (the only unit NoShard makes)
+    state->zero_grads();
+    return;
+  }
+  state->on_zero_grad();
+  if (unit_)
+    for (auto& f : unit_->flats()) f->zero_grad();
+  else if (auto* replicated = state->replicated())
+    replicated->bucketer().zero_grads_of(self.parameters());  // plain modules inside have no hook of their own
+}
+
+bool UnitBase::after_forward(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) {
+  // An input returned as it is (a gate routing around the unit on this rank)
+  // would carry the hook of the unit that made it, and this unit's hook
+  // would fire after that one's on this rank only: the two units' backward
+  // all-gathers would swap places. A leaf returned as it is (a parameter)
+  // would collect one more hook at every forward (and, under FullShard, lose
+  // its memory when the unit reshards). A copy gives this unit a node of its
+  // own; not a view, whose node an in-place change of the output would drop
+  // from the graph, hook and all (checkpointed units copy such outputs too).
+  bool replaced = false;
+  if (c10::GradMode::is_enabled()) {
+    for (auto& t : outputs) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      auto same = [&](const at::Tensor& in) { return in.defined() && in.unsafeGetTensorImpl() == t.unsafeGetTensorImpl(); };
+      if (t.is_leaf() || std::any_of(inputs.begin(), inputs.end(), same)) {
+        t = t.clone();
+        replaced = true;
+      }
+    }
+  }
+  unit_->post_forward(outputs);
+  return replaced;
+}
+
+std::optional<at::ScalarType> UnitBase::input_dtype() const { return unit_->input_dtype(); }
+std::optional<at::ScalarType> UnitBase::output_dtype() const { return unit_->output_dtype(); }
+
+}  // namespace shardtorch

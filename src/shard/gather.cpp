@@ -1,0 +1,160 @@
+#include "shardtorch/gather.h"
+#include "base/check.h"
+
+#include <c10/core/GradMode.h>
+
+#include <unordered_set>
+
+#include "runtime/shard_state.h"
+
+namespace shardtorch {
+
+FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
+    : state_(detail::require_state(root, "summon_full_params")), options_(options) {
+  const bool mixed = state_->options().mixed_precision().param_dtype().has_value();
+  SHARDTORCH_CHECK(!(mixed && options_.writeback().value_or(false)), "shardtorch::summon_full_params: writeback under "
+              "mixed precision would round the fp32 master parameters to the compute dtype; leave writeback unset");
+  SHARDTORCH_CHECK(!(options_.rank0_only() && options_.writeback().value_or(false)), "shardtorch::summon_full_params: "
+              "writeback with rank0_only: only rank 0 keeps the full parameters, so edits could not reach the other "
+              "ranks' shards; leave writeback unset");
+  writeback_ = options_.writeback().value_or(!mixed) && !options_.rank0_only();
+  World& world = state_->world();
+  const bool keep = !options_.rank0_only() || world.rank() == 0;
+  c10::NoGradGuard no_grad;
+  try {
+    gather_all(keep);
+  } catch (...) {  // no destructor will run: undo the pins and free what we gathered
+    for (auto& p : grads_set_) p.mutable_grad().reset();
+    for (auto& [p, view] : views_) p.mutable_grad() = view;
+    for (auto& u : units_) u->unpin();
+    for (auto& u : summoned_) u->reshard();
+    throw;
+  }
+  // The gradients set share storages (a unit's full gradient, when the
+  // dtypes agree): each counted once.
+  std::unordered_set<const void*> storages;
+  for (const auto& p : grads_set_)
+    if (storages.insert(p.grad().storage().unsafeGetStorageImpl()).second) grad_bytes_ += p.grad().storage().nbytes();
+  state_->mem().add(Mem::SummonedGrads, grad_bytes_);
+  state_->enter_summon(options_.with_grads());
+}
+
+void FullParams::gather_all(bool keep) {
+  if (options_.with_grads() && keep && state_->ddp()) {
+    // NoShard: the gradients are bucket views, or under mixed precision with
+    // another reduce dtype the fp32 masters hold them. The parameters get a
+    // copy in their dtype either way, as under the sharded strategies: an
+    // edit in the scope (or autograd's accumulation, before the refusal of a
+    // backward there) must not reach the buckets. The views come back on exit.
+    const auto& params = state_->ddp_params();
+    const auto& masters = state_->ddp_masters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor p = params[i];
+      const bool own = p.grad().defined();
+      if (!own && (masters.empty() || !masters[i].grad().defined())) continue;
+      if (own) views_.emplace_back(p, p.grad());
+      p.mutable_grad() = (own ? p.grad() : masters[i].grad()).to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      grads_set_.push_back(p);
+    }
+  }
+  for (auto& u : state_->units()) {
+    bool was_sharded = u->state() == detail::ParamState::Sharded;
+    if (!was_sharded && !writeback_)
+      for (auto& f : u->flats())
+        if (f->shard().storage().unsafeGetStorageImpl() == f->full().storage().unsafeGetStorageImpl())
+          restore_.emplace_back(f->shard(), f->shard().clone());
+    u->unshard();
+    if (keep) {
+      u->pin();  // a forward or backward in the scope must not free it
+      units_.push_back(u);
+      if (was_sharded) summoned_.push_back(u);  // freed on exit, or by the constructor's catch
+    }
+    try {
+      if (options_.with_grads()) gather_grads(*u, keep);
+    } catch (...) {
+      if (was_sharded && !keep) u->reshard();
+      throw;
+    }
+    if (was_sharded && !keep) u->reshard();
+  }
+}
+
+void FullParams::gather_grads(detail::Unit& u, bool keep) {
+  for (auto& f : u.flats()) {
+    if (!f->requires_grad()) continue;
+    at::Tensor shard = state_->on_comm_device(f->shard_grad().defined() ? f->shard_grad() : at::zeros_like(f->shard()));
+    at::Tensor full = at::empty({f->layout().padded_numel()}, shard.options());
+    state_->shard_comm().all_gather_into(full, shard, "gradients of unit '" + u.label() + "' for summon_full_params");
+    if (!keep) continue;
+    for (size_t i = 0; i < f->params().size(); ++i) {
+      at::Tensor p = f->params()[i];
+      // In the parameter's dtype (a bf16 parameter's gradient is bf16, as
+      // autograd requires), from the masters' gradients.
+      p.mutable_grad() = full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(p.sizes()).to(p.scalar_type());
+      grads_set_.push_back(p);
+    }
+  }
+}
+
+FullParams::~FullParams() {
+  c10::NoGradGuard no_grad;
+  // A destructor must not throw (that would terminate the program): a failure
+  // here is reported, and the scope is still left.
+  try {
+    for (auto& p : grads_set_) p.mutable_grad().reset();
+    state_->mem().sub(Mem::SummonedGrads, grad_bytes_);
+    for (auto& [p, view] : views_) p.mutable_grad() = view;
+    for (auto& [shard, saved] : restore_) shard.copy_(saved);
+    if (writeback_) {
+      state_->wait_for_offload_copies();
+      for (auto& u : units_)
+        for (auto& f : u->flats()) f->write_back_shard();
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN(detail::rank_prefix(state_->world().global_rank()), ": leaving summon_full_params failed: ", e.what());
+  }
+  for (auto& u : units_) u->unpin();
+  state_->leave_summon(options_.with_grads());
+  try {
+    for (auto& u : summoned_) u->reshard();
+    // The units the scope found unsharded compute with their full buffers,
+    // not the shards: gathered again, an edit without writeback is
+    // discarded (as where the scope frees what it gathered), and after a
+    // writeback every rank computes with the same values (each wrote back
+    // only its own slice of its own edit).
+    state_->regather_unsharded();
+  } catch (const std::exception& e) {
+    TORCH_WARN(detail::rank_prefix(state_->world().global_rank()), ": freeing or regathering summoned parameters failed: ",
+               e.what());
+  }
+}
+
+std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool rank0_only) {
+  auto state = detail::require_state(root, "full_parameters");
+  const bool keep = !rank0_only || state->world().rank() == 0;
+  std::map<std::string, at::Tensor> out;
+  c10::NoGradGuard no_grad;
+  // Tied parameters appear under every name the module gives them.
+  auto names = detail::parameter_names(root);
+  auto put = [&](const at::Tensor& param, const at::Tensor& value) {
+    for (const auto& n : names[param.unsafeGetTensorImpl()]) out[n] = value;
+  };
+  if (state->ddp()) {
+    if (!keep) return out;
+    for (const auto& item : root.named_parameters()) out[item.key()] = state->record_of(item.value()).detach().clone();
+    return out;
+  }
+  for (auto& u : state->units()) {
+    for (auto& f : u->flats()) {
+      at::Tensor mine = state->on_comm_device(f->shard());
+      at::Tensor full = at::empty({f->layout().padded_numel()}, mine.options());
+      state->shard_comm().all_gather_into(full, mine, "master parameters of unit '" + u->label() + "'");
+      if (!keep) continue;
+      for (size_t i = 0; i < f->params().size(); ++i)
+        put(f->params()[i], full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i)).clone());
+    }
+  }
+  return out;
+}
+
+}  // namespace shardtorch
