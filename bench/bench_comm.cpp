@@ -114,13 +114,16 @@ void BM_BucketerCoalescing(benchmark::State& state) {
     state.PauseTiming();
     for (int i = 0; i < kFlats; ++i) grads[i].copy_(fresh[i]);
     state.ResumeTiming();
-    for (auto& g : grads) bucketer.reduce_scatter(g, comm, [&](const at::Tensor& r) { sink += r.numel(); }, "bench");
+    for (auto& g : grads)
+      bucketer.reduce_scatter(
+          g, comm, [&](const at::Tensor& r) { sink += r.numel(); }, "bench");
     bucketer.flush();
     bucketer.free();
   }
   benchmark::DoNotOptimize(sink);
-  state.counters["collectives_per_iter"] = benchmark::Counter(
-      static_cast<double>(bucketer.launched()) / std::max<int64_t>(state.iterations(), 1), benchmark::Counter::kAvgThreads);
+  state.counters["collectives_per_iter"] =
+      benchmark::Counter(static_cast<double>(bucketer.launched()) / std::max<int64_t>(state.iterations(), 1),
+                         benchmark::Counter::kAvgThreads);
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(kFlats * kNumel * 4)));
 }
 
@@ -138,16 +141,17 @@ void BM_AllReduceBucketer(benchmark::State& state) {
     bucketer.finish(/*sync=*/true, /*error_on_unused=*/true);
   }
   benchmark::DoNotOptimize(params[0].grad().data_ptr());
-  state.counters["collectives_per_iter"] = benchmark::Counter(
-      static_cast<double>(bucketer.launched()) / std::max<int64_t>(state.iterations(), 1), benchmark::Counter::kAvgThreads);
+  state.counters["collectives_per_iter"] =
+      benchmark::Counter(static_cast<double>(bucketer.launched()) / std::max<int64_t>(state.iterations(), 1),
+                         benchmark::Counter::kAvgThreads);
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * 2 * ring(kParams * kNumel * 4)));
 }
 
 // A GPT block's parameter shapes at d_model = D.
 std::vector<at::Tensor> block_params(int64_t d) {
-  return {at::randn({d}),         at::randn({d}),     at::randn({3 * d, d}), at::randn({d, d}), at::randn({d}),
-          at::randn({d}),         at::randn({d}),     at::randn({4 * d, d}), at::randn({4 * d}),
-          at::randn({d, 4 * d}), at::randn({d})};
+  return {at::randn({d}),     at::randn({d}),        at::randn({3 * d, d}), at::randn({d, d}),
+          at::randn({d}),     at::randn({d}),        at::randn({d}),        at::randn({4 * d, d}),
+          at::randn({4 * d}), at::randn({d, 4 * d}), at::randn({d})};
 }
 
 void BM_FlattenParams(benchmark::State& state) {

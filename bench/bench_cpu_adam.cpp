@@ -159,7 +159,9 @@ void BM_Paired(benchmark::State& state) {
   std::vector<double> ours, aten, roof, speedup, of_roof;
   int64_t step = 0;
   using clock = std::chrono::steady_clock;
-  auto ms = [](clock::time_point t0, clock::time_point t1) { return std::chrono::duration<double, std::milli>(t1 - t0).count(); };
+  auto ms = [](clock::time_point t0, clock::time_point t1) {
+    return std::chrono::duration<double, std::milli>(t1 - t0).count();
+  };
   for (auto _ : state) {
     auto t0 = clock::now();
     shardtorch::adam_traffic_roofline(p.data_ptr<float>(), zero.data_ptr<float>(), m.data_ptr<float>(),

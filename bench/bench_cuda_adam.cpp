@@ -74,8 +74,8 @@ int main(int argc, char** argv) {
     auto stepq = at::zeros({}, dev);
     auto aten = [&] {
       stepq.add_(1);
-      at::_fused_adamw_({q}, {g}, {mq}, {vq}, {}, {stepq}, opts.lr(), 0.9, 0.95, opts.weight_decay(), opts.eps(),
-                        false, false);
+      at::_fused_adamw_({q}, {g}, {mq}, {vq}, {}, {stepq}, opts.lr(), 0.9, 0.95, opts.weight_decay(), opts.eps(), false,
+                        false);
     };
     // First step of each from the same state: the values agree.
     ours.step();
@@ -100,8 +100,8 @@ int main(int argc, char** argv) {
                   "\"copy_roofline_ms\": %.4f, \"copy_GBps\": %.1f, \"ours_bf16_GBps\": %.1f, "
                   "\"ours_bf16_of_roofline\": %.3f, \"ours_vs_aten_speedup\": %.3f, \"rel_err_vs_cpu\": %.3g, "
                   "\"rel_err_vs_aten\": %.3g}",
-                  static_cast<long long>(n), t_ours, t_ours_low, t_aten, t_copy, copy_gbs, 30.0 * n / (t_ours_low * 1e6),
-                  t_copy / t_ours_low, t_aten / t_ours, vs_cpu, vs_aten);
+                  static_cast<long long>(n), t_ours, t_ours_low, t_aten, t_copy, copy_gbs,
+                  30.0 * n / (t_ours_low * 1e6), t_copy / t_ours_low, t_aten / t_ours, vs_cpu, vs_aten);
     std::cout << line << std::endl;
     if (out) out << line << "\n";
   }

@@ -146,8 +146,10 @@ int run(const Args& a) {
     options.mixed_precision(
         shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kBFloat16).output_dtype(at::kFloat));
   }
-  TORCH_CHECK(!plain || world->size() == 1, "gpt_bench: --strategy plain (LibTorch alone, no shardtorch) runs as "
-              "one process, not ", world->size());
+  TORCH_CHECK(!plain || world->size() == 1,
+              "gpt_bench: --strategy plain (LibTorch alone, no shardtorch) runs as "
+              "one process, not ",
+              world->size());
   TORCH_CHECK(!plain || (!a.offload && !a.prefetch && !a.recompute && a.init.empty()),
               "gpt_bench: --strategy plain takes none of --offload, --prefetch, --activation-checkpointing, --init");
   // plain: the model as LibTorch trains it alone; under --bf16, autocast to
@@ -182,9 +184,9 @@ int run(const Args& a) {
   // Phases are host times: exact on CPU; on an accelerator the forward and
   // backward figures are mostly launch time (only the whole step is synced).
   std::vector<double> losses, step_ms, forward_ms, backward_ms, optimizer_ms;
-  int64_t sent = 0;  // by the library during the measured steps
+  int64_t sent = 0;                    // by the library during the measured steps
   int64_t to_device = 0, to_host = 0;  // offload copies during the measured steps
-  int64_t exchanges = 0;  // of the collective check on the world's group, during the measured steps
+  int64_t exchanges = 0;               // of the collective check on the world's group, during the measured steps
   const int total = a.warmup + a.steps;
   // --profile: the first measured step under LibTorch's profiler (CPU ops and,
   // on CUDA, kernels and copies), saved as a Chrome trace per rank.
@@ -210,7 +212,9 @@ int run(const Args& a) {
       torch::autograd::profiler::enableProfiler(prof_cfg, prof_acts);
     }
     using clock = std::chrono::steady_clock;
-    auto since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
+    auto since = [](clock::time_point t) {
+      return std::chrono::duration<double, std::milli>(clock::now() - t).count();
+    };
     auto t0 = clock::now();
     at::Tensor loss;
     {
@@ -277,9 +281,18 @@ int run(const Args& a) {
       {"world", world->size()},
       {"rank", world->rank()},
       {"config",
-       {{"vocab", a.cfg.vocab}, {"seq_len", a.cfg.seq_len}, {"d_model", a.cfg.d_model}, {"n_head", a.cfg.n_head},
-        {"n_layer", a.cfg.n_layer}, {"batch", a.batch}, {"dtype", a.bf16 ? "bfloat16" : "float32"},
-        {"offload", a.offload}, {"overlap_step", a.overlap_step}, {"bucket_mb", a.bucket_mb}, {"fused_adam", fused}, {"prefetch", a.prefetch},
+       {{"vocab", a.cfg.vocab},
+        {"seq_len", a.cfg.seq_len},
+        {"d_model", a.cfg.d_model},
+        {"n_head", a.cfg.n_head},
+        {"n_layer", a.cfg.n_layer},
+        {"batch", a.batch},
+        {"dtype", a.bf16 ? "bfloat16" : "float32"},
+        {"offload", a.offload},
+        {"overlap_step", a.overlap_step},
+        {"bucket_mb", a.bucket_mb},
+        {"fused_adam", fused},
+        {"prefetch", a.prefetch},
         {"activation_checkpointing", a.recompute}}},
       {"params", params},
       {"warmup", a.warmup},
@@ -314,15 +327,15 @@ int run(const Args& a) {
     TORCH_CHECK(f.good(), "gpt_bench: rank ", world->rank(), " could not write ", path);
   }
   if (lead && !a.quiet) {
-    std::printf("gpt_bench: %s, %d ranks, %lld params: p50 %.1f ms (forward %.1f, backward %.1f, optimizer %.1f), "
-                "p95 %.1f ms, %.0f tokens/s, model state %s/rank, peak RSS %s, device peak %s\n",
-                plain ? "plain" : shardtorch::strategy_name(sharded->strategy()), world->size(),
-                static_cast<long long>(params),
-                percentile(step_ms, 0.5), percentile(forward_ms, 0.5), percentile(backward_ms, 0.5),
-                percentile(optimizer_ms, 0.5), percentile(step_ms, 0.95), r["tokens_per_s"].as_double(),
-                shardtorch::format_bytes(model_state).c_str(),
-                shardtorch::format_bytes(process_memory::peak_resident_bytes()).c_str(),
-                shardtorch::format_bytes(dev_peak.allocated).c_str());
+    std::printf(
+        "gpt_bench: %s, %d ranks, %lld params: p50 %.1f ms (forward %.1f, backward %.1f, optimizer %.1f), "
+        "p95 %.1f ms, %.0f tokens/s, model state %s/rank, peak RSS %s, device peak %s\n",
+        plain ? "plain" : shardtorch::strategy_name(sharded->strategy()), world->size(), static_cast<long long>(params),
+        percentile(step_ms, 0.5), percentile(forward_ms, 0.5), percentile(backward_ms, 0.5),
+        percentile(optimizer_ms, 0.5), percentile(step_ms, 0.95), r["tokens_per_s"].as_double(),
+        shardtorch::format_bytes(model_state).c_str(),
+        shardtorch::format_bytes(process_memory::peak_resident_bytes()).c_str(),
+        shardtorch::format_bytes(dev_peak.allocated).c_str());
     if (world->checks_collectives())
       std::printf("gpt_bench: collective check on: %.2f exchanges per step on the world's group\n",
                   r["check_exchanges_per_step"].as_double());
@@ -335,36 +348,38 @@ int run(const Args& a) {
 int main(int argc, char** argv) {
   Args a;
   po::options_description desc("gpt_bench: train the example GPT and report time, memory and traffic per rank");
-  desc.add_options()("help", "this text")
-      ("strategy", po::value(&a.strategy)->default_value(a.strategy),
-       "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard, or plain: LibTorch alone (one process)")
-      ("hybrid-shard-size", po::value(&a.hybrid_shard_size)->default_value(0), "ranks per shard group (hybrid_shard)")
-      ("layers", po::value(&a.cfg.n_layer)->default_value(2), "transformer blocks")
-      ("d-model", po::value(&a.cfg.d_model)->default_value(32), "model width")
-      ("heads", po::value(&a.cfg.n_head)->default_value(4), "attention heads")
-      ("vocab", po::value(&a.cfg.vocab)->default_value(64), "vocabulary size")
-      ("seq", po::value(&a.cfg.seq_len)->default_value(16), "sequence length")
-      ("batch", po::value(&a.batch)->default_value(a.batch), "sequences per rank per step")
-      ("steps", po::value(&a.steps)->default_value(a.steps), "measured steps")
-      ("warmup", po::value(&a.warmup)->default_value(a.warmup), "steps before measuring")
-      ("lr", po::value(&a.lr)->default_value(a.lr), "AdamW learning rate")
-      ("bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size in MiB")
-      ("bf16", po::bool_switch(&a.bf16), "bf16 parameters and reductions, fp32 masters")
-      ("offload", po::bool_switch(&a.offload), "CPU offload of masters, gradients and optimizer state (implies --fused-adam)")
-      ("overlap-step", po::bool_switch(&a.overlap_step),
-       "with --offload: update each unit's shard on the host while backward goes on (overlap_with_backward)")
-      ("deferred", po::bool_switch(&a.deferred), "construct the model deferred (shard() initialises one unit at a time)")
-      ("fused-adam", po::bool_switch(&a.fused_adam), "shardtorch::FusedAdamW (CPU) instead of torch::optim::AdamW")
-      ("prefetch", po::bool_switch(&a.prefetch), "full_shard/hybrid_shard: all-gather the next unit while one computes")
-      ("activation-checkpointing", po::bool_switch(&a.recompute),
-       "recompute the blocks' activations in backward instead of keeping them")
-      ("threads", po::value(&a.threads)->default_value(a.threads),
-       "ATen threads per rank (0: 1 on the CPU, ATen's default with an accelerator)")
-      ("profile", po::value(&a.profile), "profile the first measured step into PREFIX.rankR.json (Chrome trace)")
-      ("init", po::value(&a.init), "load initial weights from this full state dict")
-      ("save-init", po::value(&a.save_init), "write the initial weights here and exit (one process)")
-      ("report", po::value(&a.report), "write PREFIX.rankR.json per rank")
-      ("quiet", po::bool_switch(&a.quiet), "no progress lines");
+  desc.add_options()("help", "this text")(
+      "strategy", po::value(&a.strategy)->default_value(a.strategy),
+      "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard, or plain: LibTorch alone (one process)")(
+      "hybrid-shard-size", po::value(&a.hybrid_shard_size)->default_value(0), "ranks per shard group (hybrid_shard)")(
+      "layers", po::value(&a.cfg.n_layer)->default_value(2), "transformer blocks")(
+      "d-model", po::value(&a.cfg.d_model)->default_value(32), "model width")(
+      "heads", po::value(&a.cfg.n_head)->default_value(4), "attention heads")(
+      "vocab", po::value(&a.cfg.vocab)->default_value(64), "vocabulary size")(
+      "seq", po::value(&a.cfg.seq_len)->default_value(16), "sequence length")(
+      "batch", po::value(&a.batch)->default_value(a.batch), "sequences per rank per step")(
+      "steps", po::value(&a.steps)->default_value(a.steps), "measured steps")(
+      "warmup", po::value(&a.warmup)->default_value(a.warmup), "steps before measuring")(
+      "lr", po::value(&a.lr)->default_value(a.lr), "AdamW learning rate")(
+      "bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size in MiB")(
+      "bf16", po::bool_switch(&a.bf16), "bf16 parameters and reductions, fp32 masters")(
+      "offload", po::bool_switch(&a.offload),
+      "CPU offload of masters, gradients and optimizer state (implies --fused-adam)")(
+      "overlap-step", po::bool_switch(&a.overlap_step),
+      "with --offload: update each unit's shard on the host while backward goes on (overlap_with_backward)")(
+      "deferred", po::bool_switch(&a.deferred),
+      "construct the model deferred (shard() initialises one unit at a time)")(
+      "fused-adam", po::bool_switch(&a.fused_adam), "shardtorch::FusedAdamW (CPU) instead of torch::optim::AdamW")(
+      "prefetch", po::bool_switch(&a.prefetch), "full_shard/hybrid_shard: all-gather the next unit while one computes")(
+      "activation-checkpointing", po::bool_switch(&a.recompute),
+      "recompute the blocks' activations in backward instead of keeping them")(
+      "threads", po::value(&a.threads)->default_value(a.threads),
+      "ATen threads per rank (0: 1 on the CPU, ATen's default with an accelerator)")(
+      "profile", po::value(&a.profile), "profile the first measured step into PREFIX.rankR.json (Chrome trace)")(
+      "init", po::value(&a.init), "load initial weights from this full state dict")(
+      "save-init", po::value(&a.save_init), "write the initial weights here and exit (one process)")(
+      "report", po::value(&a.report), "write PREFIX.rankR.json per rank")("quiet", po::bool_switch(&a.quiet),
+                                                                          "no progress lines");
   try {
     po::variables_map vm;
     po::store(po::parse_command_line(argc, argv, desc), vm);
@@ -377,8 +392,8 @@ int main(int argc, char** argv) {
                 "gpt_bench: need --steps >= 1, --warmup >= 0, --batch >= 1, --threads >= 0");
     TORCH_CHECK(a.cfg.n_layer >= 1 && a.cfg.d_model >= 1 && a.cfg.n_head >= 1 && a.cfg.vocab >= 1 && a.cfg.seq_len >= 2,
                 "gpt_bench: need --layers, --d-model, --heads and --vocab >= 1 and --seq >= 2");
-    TORCH_CHECK(a.cfg.d_model % a.cfg.n_head == 0, "gpt_bench: --d-model ", a.cfg.d_model, " is not a multiple of --heads ",
-                a.cfg.n_head);
+    TORCH_CHECK(a.cfg.d_model % a.cfg.n_head == 0, "gpt_bench: --d-model ", a.cfg.d_model,
+                " is not a multiple of --heads ", a.cfg.n_head);
     return run(a);
   } catch (...) {
     return cli::report_error("gpt_bench");

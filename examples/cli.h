@@ -38,9 +38,9 @@ po::typed_value<std::string>* number_option(T& dst, const std::string& flag) {
   char shown[64];
   const auto [end, err] = std::to_chars(shown, shown + sizeof(shown), dst);  // shortest text that reads back as dst
   (void)err;
-  return po::value<std::string>()->default_value(std::string(shown, end))->notifier([&dst, flag](const std::string& text) {
-    dst = parse<T>(flag, text);
-  });
+  return po::value<std::string>()
+      ->default_value(std::string(shown, end))
+      ->notifier([&dst, flag](const std::string& text) { dst = parse<T>(flag, text); });
 }
 
 // Parses argv by `desc`, which has a "help" switch, and stores the values.

@@ -5,7 +5,8 @@
 // compression drops it). Launch:
 //
 //   torchrun --no-python --standalone --nproc-per-node 2 build/examples/comm_hook --steps 60
-//   torchrun --no-python --standalone --nproc-per-node 4 build/examples/comm_hook --strategy hybrid_shard --hybrid-shard-size 2
+//   torchrun --no-python --standalone --nproc-per-node 4 build/examples/comm_hook --strategy hybrid_shard
+//   --hybrid-shard-size 2
 //
 // Prints the loss (rank 0's batch) as it trains and what the hook sent; exits
 // non-zero if the loss did not fall by half.
@@ -71,7 +72,8 @@ SHARDTORCH_MODULE(Block);
 
 struct RegressorImpl : torch::nn::Module {
   RegressorImpl()
-      : b1(register_module("b1", Block(16, 64))), b2(register_module("b2", Block(64, 64))),
+      : b1(register_module("b1", Block(16, 64))),
+        b2(register_module("b2", Block(64, 64))),
         head(register_module("head", torch::nn::Linear(64, 1))) {}
   torch::Tensor forward(torch::Tensor x) { return head(b2(b1(x))); }
   Block b1, b2;
@@ -104,7 +106,7 @@ int main(int argc, char** argv) {
     auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
 
     const auto w_true = torch::randn({16, 1});  // the function to learn: the same on every rank
-    torch::manual_seed(1000 + world->rank());  // each rank its own samples of it
+    torch::manual_seed(1000 + world->rank());   // each rank its own samples of it
     double first = 0, last = 0;
     for (int step = 0; step < steps; ++step) {
       auto x = torch::randn({32, 16});
@@ -115,8 +117,7 @@ int main(int argc, char** argv) {
       opt->step();
       last = loss.item<double>();
       if (step == 0) first = last;
-      if (world->rank() == 0 && (step % 10 == 0 || step + 1 == steps))
-        std::printf("step %3d  loss %.5f\n", step, last);
+      if (world->rank() == 0 && (step % 10 == 0 || step + 1 == steps)) std::printf("step %3d  loss %.5f\n", step, last);
     }
     if (world->rank() == 0)
       std::printf("the hook reduced %lld buckets, %lld bytes in bf16 on this rank\n",

@@ -79,9 +79,9 @@ struct Task {
   torch::Tensor first_param;                                // its gradient comes last in a backward
 };
 std::string g_model = "mlp";  // --model
-int g_hybrid_shard_size = 0;   // --hybrid-shard-size
-bool g_cpu_offload = false;    // --cpu-offload
-double g_tolerance = 1e-6;     // --tolerance
+int g_hybrid_shard_size = 0;  // --hybrid-shard-size
+bool g_cpu_offload = false;   // --cpu-offload
+double g_tolerance = 1e-6;    // --tolerance
 
 Task make_task(int64_t size) {
   torch::manual_seed(0);  // every group, every incarnation: the same start
@@ -130,7 +130,8 @@ int train_without_ft(int64_t steps, int64_t groups) {
   auto world = shardtorch::World::from_env();
   const int64_t size = groups * kPerRank;
   Task task = make_task(size);
-  shardtorch::shard(*task.root, world, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard).bucket_mb(0.002));
+  shardtorch::shard(*task.root, world,
+                    shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard).bucket_mb(0.002));
   auto opt = shardtorch::AdamW(*task.root, torch::optim::AdamWOptions(1e-2));
   shardtorch::ft::ReplicaSampler sampler(size, groups, world->rank(), 0, 1, kBatch);
   std::vector<double> times;
@@ -184,7 +185,8 @@ std::map<int, std::pair<int64_t, char>> parse_kills(const std::string& s) {
 int train(int64_t steps, int64_t groups, const std::string& dir, const std::string& kill, int kill_rank,
           const std::string& strategy, int step_ms, int timeout_ms, int quorum_timeout_ms, bool prefetch_quorum) {
   auto world = shardtorch::World::from_env();
-  const int incarnation = std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT") ? std::getenv("TORCHELASTIC_RESTART_COUNT") : "0");
+  const int incarnation =
+      std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT") ? std::getenv("TORCHELASTIC_RESTART_COUNT") : "0");
   const int64_t size = groups * world->size() * kPerRank;
   Task task = make_task(size);
   // Small buckets: several all-reduces per step, so that a kill in the
@@ -217,8 +219,7 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
   };
   manager.set_user_state(
       [&] {
-        if (kill_due('h'))
-          die(group, world->rank(), manager.step(), " while sending its state to a healing group");
+        if (kill_due('h')) die(group, world->rank(), manager.step(), " while sending its state to a healing group");
         return std::to_string(samples_read);
       },
       [&](const std::string& s) { samples_read = std::stoll(s); });
@@ -227,8 +228,7 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
   std::vector<double> times;  // steps that committed without a heal or a new quorum
   while (manager.step() < steps) {
     const auto t0 = Clock::now();
-    if (kill_due(' '))
-      die(group, world->rank(), manager.step(), "");
+    if (kill_due(' ')) die(group, world->rank(), manager.step(), "");
     manager.start_step();
     auto idx = torch::tensor(sampler.batch(manager.step()));
     opt->zero_grad();
@@ -251,12 +251,15 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
         times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
       if (world->rank() == 0) {
         std::ofstream log(dir + "/steps-" + group + ".txt", std::ios::app);
-        const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            std::chrono::system_clock::now().time_since_epoch()).count();
+        const auto ms =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+                .count();
         log << r.step << " quorum " << r.quorum_id << " at " << ms << " counted";
         for (const auto& g : r.counted) log << ' ' << g;
         log << '\n';
-        if (r.step % 10 == 0) std::printf("group %s step %lld loss %.5f\n", group.c_str(), static_cast<long long>(r.step), loss.item<double>());
+        if (r.step % 10 == 0)
+          std::printf("group %s step %lld loss %.5f\n", group.c_str(), static_cast<long long>(r.step),
+                      loss.item<double>());
         std::fflush(stdout);
       }
     }
@@ -273,7 +276,8 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
     auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
     ar.write("opt." + std::to_string(i) + ".exp_avg", s.exp_avg());
     ar.write("opt." + std::to_string(i) + ".exp_avg_sq", s.exp_avg_sq());
-    ar.write("opt." + std::to_string(i) + ".name", torch::tensor(static_cast<int64_t>(std::hash<std::string>()(piece.name) & 0xffffff)));
+    ar.write("opt." + std::to_string(i) + ".name",
+             torch::tensor(static_cast<int64_t>(std::hash<std::string>()(piece.name) & 0xffffff)));
     ++i;
   }
   ar.save_to(final_path(dir, group, world->rank()));
@@ -371,8 +375,8 @@ int reference(int64_t groups, int ranks, const std::string& dir) {
       auto first = read_archive(final_path(dir, "0", r));
       for (const auto& [key, t] : first)
         if (!mine.count(key) || !torch::equal(mine.at(key), t)) {
-          std::fprintf(stderr, "group %lld rank %d: '%s' is not bitwise equal to group 0's\n", static_cast<long long>(g),
-                       r, key.c_str());
+          std::fprintf(stderr, "group %lld rank %d: '%s' is not bitwise equal to group 0's\n",
+                       static_cast<long long>(g), r, key.c_str());
           ++unequal;
         }
     }
@@ -385,7 +389,8 @@ int reference(int64_t groups, int ranks, const std::string& dir) {
       const double d = (got.at("opt." + std::to_string(i) + ".exp_avg") - s.exp_avg()).abs().max().item<double>();
       worst = std::max(worst, d);
       if (!(d <= g_tolerance)) {
-        std::fprintf(stderr, "exp_avg of parameter %lld differs from the reference by %g\n", static_cast<long long>(i), d);
+        std::fprintf(stderr, "exp_avg of parameter %lld differs from the reference by %g\n", static_cast<long long>(i),
+                     d);
         ++bad;
       }
       ++i;
@@ -419,17 +424,16 @@ int main(int argc, char** argv) {
         "step-ms", cli::number_option(step_ms, "--step-ms"), "sleep after each step (slows a demo down)")(
         "timeout-ms", cli::number_option(timeout_ms, "--timeout-ms"), "ManagerOptions::timeout")(
         "quorum-timeout-ms", cli::number_option(quorum_timeout_ms, "--quorum-timeout-ms"),
-        "ManagerOptions::quorum_timeout")(
-        "prefetch-quorum", po::bool_switch(&prefetch_quorum), "ManagerOptions::prefetch_quorum")(
+        "ManagerOptions::quorum_timeout")("prefetch-quorum", po::bool_switch(&prefetch_quorum),
+                                          "ManagerOptions::prefetch_quorum")(
         "reference", po::bool_switch(&ref), "replay the logs in one process and compare")(
         "no-ft", po::bool_switch(&no_ft), "the same training without fault tolerance: one World, rank r as group r")(
         "hidden", cli::number_option(g_hidden, "--hidden"), "width of the MLP's hidden layers")(
         "model", po::value(&g_model)->default_value(g_model), "mlp, or gpt (the example GPT, examples/gpt.h)")(
         "tolerance", po::value(&g_tolerance)->default_value(g_tolerance),
-        "--reference: the largest difference from the replay allowed")(
-        "ranks", cli::number_option(ranks, "--ranks"), "ranks per group (with --reference)");
-    if (!cli::parse_command_line(argc, argv, desc, "usage: ft_train [options]  (under torchrun --no-python)"))
-      return 0;
+        "--reference: the largest difference from the replay allowed")("ranks", cli::number_option(ranks, "--ranks"),
+                                                                       "ranks per group (with --reference)");
+    if (!cli::parse_command_line(argc, argv, desc, "usage: ft_train [options]  (under torchrun --no-python)")) return 0;
     if (ref) return reference(groups, ranks, dir);
     if (no_ft) return train_without_ft(steps, groups);
     return train(steps, groups, dir, kill, kill_rank, strategy, step_ms, timeout_ms, quorum_timeout_ms,

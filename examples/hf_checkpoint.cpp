@@ -38,14 +38,15 @@ int main(int argc, char** argv) {
     int64_t max_kb = 256;
     bool no_write = false;
     po::options_description desc("hf_checkpoint: make and load a Hugging Face multi-file safetensors checkpoint");
-    desc.add_options()("help", "this text")
-        ("dir", po::value(&dir)->required(), "checkpoint directory (model.safetensors.index.json and its files)")
-        ("layers", po::value(&cfg.n_layer)->default_value(cfg.n_layer), "transformer blocks")
-        ("d-model", po::value(&cfg.d_model)->default_value(cfg.d_model), "model width")
-        ("max-file-kb", po::value(&max_kb)->default_value(max_kb), "largest data file written, KiB")
-        ("strategy", po::value(&strategy)->default_value(strategy), "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")
-        ("strip-prefix", po::value(&strip), "a prefix to strip from the checkpoint's names (e.g. model.)")
-        ("no-write", po::bool_switch(&no_write), "load what is in --dir, write nothing");
+    desc.add_options()("help", "this text")("dir", po::value(&dir)->required(),
+                                            "checkpoint directory (model.safetensors.index.json and its files)")(
+        "layers", po::value(&cfg.n_layer)->default_value(cfg.n_layer), "transformer blocks")(
+        "d-model", po::value(&cfg.d_model)->default_value(cfg.d_model), "model width")(
+        "max-file-kb", po::value(&max_kb)->default_value(max_kb), "largest data file written, KiB")(
+        "strategy", po::value(&strategy)->default_value(strategy),
+        "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")(
+        "strip-prefix", po::value(&strip), "a prefix to strip from the checkpoint's names (e.g. model.)")(
+        "no-write", po::bool_switch(&no_write), "load what is in --dir, write nothing");
     po::variables_map vm;
     po::store(po::parse_command_line(argc, argv, desc), vm);
     if (vm.count("help")) {
@@ -54,7 +55,8 @@ int main(int argc, char** argv) {
     }
     po::notify(vm);
     if (cfg.n_layer < 1 || cfg.d_model < 1 || cfg.d_model % cfg.n_head != 0 || max_kb < 1)
-      throw std::invalid_argument("--layers, --d-model and --max-file-kb must be at least 1, --d-model a multiple of 4");
+      throw std::invalid_argument(
+          "--layers, --d-model and --max-file-kb must be at least 1, --d-model a multiple of 4");
 
     auto world = shardtorch::World::from_env();
     const int rank = world->rank();
@@ -65,18 +67,21 @@ int main(int argc, char** argv) {
       torch::manual_seed(0);
       gpt::GPT source(cfg);
       shardtorch::shard(source, world, shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)));
-      auto saved = shardtorch::save_hf_checkpoint(*source, dir, shardtorch::HfSaveOptions().max_file_bytes(max_kb * 1024));
+      auto saved =
+          shardtorch::save_hf_checkpoint(*source, dir, shardtorch::HfSaveOptions().max_file_bytes(max_kb * 1024));
       for (const auto& [n, t] : shardtorch::full_parameters(*source))  // collective
         written[n] = t.to(torch::kDouble).square().sum().item<double>();
       if (rank == 0)
-        std::cout << "wrote " << saved.files.size() << " files (" << saved.total_bytes << " bytes) into " << dir << std::endl;
+        std::cout << "wrote " << saved.files.size() << " files (" << saved.total_bytes << " bytes) into " << dir
+                  << std::endl;
     }
 
     // Built deferred (nothing allocated), sharded without replaying the
     // initialisation (zeros, overwritten by the load), loaded.
     auto model = shardtorch::deferred([&] { return gpt::GPT(cfg); });
     shardtorch::skip_deferred_init(model);
-    auto sharded = shardtorch::shard(model, world, shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)));
+    auto sharded =
+        shardtorch::shard(model, world, shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)));
     auto options = shardtorch::HfLoadOptions();
     if (!strip.empty()) options.strip_prefix(strip);
     auto report = shardtorch::load_hf_checkpoint(*model, dir, options);
@@ -90,8 +95,8 @@ int main(int argc, char** argv) {
     for (const auto& [n, t] : shardtorch::full_parameters(*model))  // collective
       loaded[n] = t.to(torch::kDouble).square().sum().item<double>();
     if (!no_write && rank == 0) {
-      std::cout << "every tensor's sum of squares " << (written == loaded ? "equals" : "differs from") << " what was written"
-                << std::endl;
+      std::cout << "every tensor's sum of squares " << (written == loaded ? "equals" : "differs from")
+                << " what was written" << std::endl;
       if (written != loaded) {
         std::cerr << "hf_checkpoint: the loaded model differs from the one written" << std::endl;
         return 1;

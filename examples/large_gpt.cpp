@@ -31,13 +31,14 @@ int main(int argc, char** argv) {
     int steps = 8;
     std::string strategy = "full_shard";
     boost::program_options::options_description desc("options");
-    desc.add_options()("help", "this text")
-        ("layers", cli::number_option(cfg.n_layer, "--layers"), "transformer blocks")
-        ("d-model", cli::number_option(cfg.d_model, "--d-model"), "model width")
-        ("steps", cli::number_option(steps, "--steps"), "optimizer steps")
-        ("strategy", boost::program_options::value(&strategy)->default_value(strategy),
-         "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard");
-    if (!cli::parse_command_line(argc, argv, desc, "large_gpt: a GPT built deferred, sharded, trained (launch with torchrun)"))
+    desc.add_options()("help", "this text")("layers", cli::number_option(cfg.n_layer, "--layers"),
+                                            "transformer blocks")(
+        "d-model", cli::number_option(cfg.d_model, "--d-model"), "model width")(
+        "steps", cli::number_option(steps, "--steps"), "optimizer steps")(
+        "strategy", boost::program_options::value(&strategy)->default_value(strategy),
+        "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard");
+    if (!cli::parse_command_line(argc, argv, desc,
+                                 "large_gpt: a GPT built deferred, sharded, trained (launch with torchrun)"))
       return 0;
     // glibc keeps freed heap memory resident and raises its mmap threshold as
     // large blocks are freed; a fixed threshold makes VmRSS follow the live
@@ -66,7 +67,8 @@ int main(int argc, char** argv) {
 
     // 2. Shard: each unit is made whole in turn (its construction replayed,
     //    bitwise what eager construction gives), sliced, and freed.
-    auto sharded = shardtorch::shard(model, world, shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)));
+    auto sharded =
+        shardtorch::shard(model, world, shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)));
     report("shard()");
     if (rank == 0) std::cout << sharded.memory().report() << std::flush;
 
@@ -80,8 +82,8 @@ int main(int argc, char** argv) {
     for (int s = 0; s < steps; ++s) {
       opt->zero_grad();
       auto logits = model(tokens);
-      auto loss = torch::nn::functional::cross_entropy(
-          logits.slice(1, 0, -1).reshape({-1, cfg.vocab}), tokens.slice(1, 1).reshape({-1}));
+      auto loss = torch::nn::functional::cross_entropy(logits.slice(1, 0, -1).reshape({-1, cfg.vocab}),
+                                                       tokens.slice(1, 1).reshape({-1}));
       loss.backward();
       opt->step();
       auto mean = loss.detach().clone();

@@ -103,7 +103,8 @@ struct LoraGPTImpl : torch::nn::Module {
       block_list.emplace_back(c, r);
       blocks->push_back(block_list.back());
     }
-    for (torch::nn::Module* m : std::initializer_list<torch::nn::Module*>{tok_emb.ptr().get(), pos_emb.ptr().get(), ln_f.ptr().get()})
+    for (torch::nn::Module* m :
+         std::initializer_list<torch::nn::Module*>{tok_emb.ptr().get(), pos_emb.ptr().get(), ln_f.ptr().get()})
       for (auto& p : m->parameters()) p.set_requires_grad(false);
   }
   torch::Tensor forward(torch::Tensor tokens) {
@@ -155,23 +156,26 @@ int main(int argc, char** argv) {
     int steps = 2;
     bool bf16 = false;
     boost::program_options::options_description desc("options");
-    desc.add_options()("help", "this text")
-        ("mode", boost::program_options::value(&mode)->default_value(mode), "finetune|pretrain")
-        ("init", boost::program_options::value(&init)->default_value(init), "deferred|eager")
-        ("layers", cli::number_option(cfg.n_layer, "--layers"), "transformer blocks")
-        ("d-model", cli::number_option(cfg.d_model, "--d-model"), "model width")
-        ("heads", cli::number_option(cfg.n_head, "--heads"), "attention heads")
-        ("vocab", cli::number_option(cfg.vocab, "--vocab"), "vocabulary")
-        ("seq", cli::number_option(cfg.seq_len, "--seq"), "position embedding length")
-        ("tokens", cli::number_option(tokens_per_seq, "--tokens"), "tokens per sequence in training (<= --seq)")
-        ("batch", cli::number_option(batch, "--batch"), "sequences per rank per step")
-        ("lora-rank", cli::number_option(rank_r, "--lora-rank"), "adapter rank (finetune)")
-        ("steps", cli::number_option(steps, "--steps"), "optimizer steps")
-        ("bf16", boost::program_options::bool_switch(&bf16), "pretrain: bf16 mixed precision (fp32 masters and optimizer state)")
-        ("checkpoint", boost::program_options::value(&checkpoint), "finetune: the base model in Hugging Face's layout")
-        ("save", boost::program_options::value(&save), "where to save (finetune: the adapters; pretrain: a sharded checkpoint)")
-        ("stop-after", boost::program_options::value(&stop_after), "construct|shard|load: end after that phase");
-    if (!cli::parse_command_line(argc, argv, desc, "scale_gpt: a GPT bigger than a rank (launch with torchrun)")) return 0;
+    desc.add_options()("help", "this text")("mode", boost::program_options::value(&mode)->default_value(mode),
+                                            "finetune|pretrain")(
+        "init", boost::program_options::value(&init)->default_value(init), "deferred|eager")(
+        "layers", cli::number_option(cfg.n_layer, "--layers"), "transformer blocks")(
+        "d-model", cli::number_option(cfg.d_model, "--d-model"), "model width")(
+        "heads", cli::number_option(cfg.n_head, "--heads"), "attention heads")(
+        "vocab", cli::number_option(cfg.vocab, "--vocab"), "vocabulary")(
+        "seq", cli::number_option(cfg.seq_len, "--seq"), "position embedding length")(
+        "tokens", cli::number_option(tokens_per_seq, "--tokens"), "tokens per sequence in training (<= --seq)")(
+        "batch", cli::number_option(batch, "--batch"), "sequences per rank per step")(
+        "lora-rank", cli::number_option(rank_r, "--lora-rank"), "adapter rank (finetune)")(
+        "steps", cli::number_option(steps, "--steps"), "optimizer steps")(
+        "bf16", boost::program_options::bool_switch(&bf16),
+        "pretrain: bf16 mixed precision (fp32 masters and optimizer state)")(
+        "checkpoint", boost::program_options::value(&checkpoint), "finetune: the base model in Hugging Face's layout")(
+        "save", boost::program_options::value(&save),
+        "where to save (finetune: the adapters; pretrain: a sharded checkpoint)")(
+        "stop-after", boost::program_options::value(&stop_after), "construct|shard|load: end after that phase");
+    if (!cli::parse_command_line(argc, argv, desc, "scale_gpt: a GPT bigger than a rank (launch with torchrun)"))
+      return 0;
     if (mode != "finetune" && mode != "pretrain") throw std::invalid_argument("--mode must be finetune or pretrain");
     if (init != "deferred" && init != "eager") throw std::invalid_argument("--init must be deferred or eager");
     if (tokens_per_seq > cfg.seq_len) throw std::invalid_argument("--tokens must be at most --seq");
@@ -194,9 +198,10 @@ int main(int argc, char** argv) {
       std::ostringstream os;
       os << "{\"rank\": " << rank << ", \"phase\": \"" << name << "\", \"seconds\": " << secs
          << ", \"vmhwm\": " << process_memory::peak_resident_bytes()
-         << ", \"vmrss\": " << process_memory::resident_bytes()
-         << ", \"baseline\": " << baseline << ", \"hwm_reset\": " << (resets ? "true" : "false");
-      if (sharded) os << ", \"lib_peak_sum\": " << peak_sum(sharded->memory()) << ", \"lib\": " << mem_json(sharded->memory());
+         << ", \"vmrss\": " << process_memory::resident_bytes() << ", \"baseline\": " << baseline
+         << ", \"hwm_reset\": " << (resets ? "true" : "false");
+      if (sharded)
+        os << ", \"lib_peak_sum\": " << peak_sum(sharded->memory()) << ", \"lib\": " << mem_json(sharded->memory());
       os << "}\n";
       std::cout << os.str() << std::flush;
       world->barrier();
@@ -258,18 +263,17 @@ int main(int argc, char** argv) {
       os << "{\"model\": {\"mode\": \"" << mode << "\", \"init\": \"" << init << "\", \"world\": " << N
          << ", \"layers\": " << cfg.n_layer << ", \"d_model\": " << cfg.d_model << ", \"vocab\": " << cfg.vocab
          << ", \"params\": " << numel << ", \"trainable\": " << trainable << ", \"units\": " << units.size()
-         << ", \"largest_unit_bytes\": " << largest_unit << "}, \"plan\": {\"params\": "
-         << plan.of(shardtorch::Mem::ShardedParams) << ", \"model_state\": " << plan.model_state()
-         << ", \"startup_deferred\": " << plan.startup_deferred << ", \"startup_eager\": " << plan.startup_eager
-         << ", \"step_peak\": " << plan.device_peak() << "}}\n";
+         << ", \"largest_unit_bytes\": " << largest_unit
+         << "}, \"plan\": {\"params\": " << plan.of(shardtorch::Mem::ShardedParams)
+         << ", \"model_state\": " << plan.model_state() << ", \"startup_deferred\": " << plan.startup_deferred
+         << ", \"startup_eager\": " << plan.startup_eager << ", \"step_peak\": " << plan.device_peak() << "}}\n";
       std::cout << os.str() << std::flush;
     }
     if (stop_after == "construct") return 0;
 
     // 2. Shard: one unit at a time.
-    phase("shard", [&] {
-      sharded = std::make_shared<shardtorch::ShardedModel>(shardtorch::shard(*root, world, options));
-    });
+    phase("shard",
+          [&] { sharded = std::make_shared<shardtorch::ShardedModel>(shardtorch::shard(*root, world, options)); });
     if (stop_after == "shard") return 0;
 
     // 3. Load (finetune): each rank reads only its elements of the files that hold them.
@@ -282,14 +286,16 @@ int main(int argc, char** argv) {
               .map_name([](const std::string& n) -> std::optional<std::string> {  // PEFT-style: the base under "base."
                 for (const char* l : {".qkv.", ".proj."}) {
                   auto at = n.find(l);
-                  if (at != std::string::npos) return n.substr(0, at + std::strlen(l)) + "base." + n.substr(at + std::strlen(l));
+                  if (at != std::string::npos)
+                    return n.substr(0, at + std::strlen(l)) + "base." + n.substr(at + std::strlen(l));
                 }
                 return n;
               })
               .allow_missing_if([](const std::string& n) { return n.find("lora_") != std::string::npos; }));
       if (rank == 0)
         std::cout << "{\"loaded_files\": " << report.files_opened.size() << ", \"missing\": " << report.missing.size()
-                  << "}\n" << std::flush;
+                  << "}\n"
+                  << std::flush;
     });
     if (stop_after == "load") return 0;
 
@@ -309,8 +315,9 @@ int main(int argc, char** argv) {
         auto mean = loss.detach().clone();
         world->comm().all_reduce(mean, c10d::ReduceOp::SUM, "loss");
         if (rank == 0)
-          std::cout << "{\"step\": " << s << ", \"loss\": " << mean.item<double>() / N << ", \"seconds\": "
-                    << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << "}\n"
+          std::cout << "{\"step\": " << s << ", \"loss\": " << mean.item<double>() / N
+                    << ", \"seconds\": " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+                    << "}\n"
                     << std::flush;
       }
     });
@@ -319,11 +326,12 @@ int main(int argc, char** argv) {
     phase("save", [&] {
       if (save.empty()) return;
       if (finetune) {
-        shardtorch::save_hf_checkpoint(*root, save, shardtorch::HfSaveOptions().include_buffers(false).map_name(
-                                                        [](const std::string& n) -> std::optional<std::string> {
-                                                          if (n.find("lora_") == std::string::npos) return std::nullopt;
-                                                          return n;
-                                                        }));
+        shardtorch::save_hf_checkpoint(*root, save,
+                                       shardtorch::HfSaveOptions().include_buffers(false).map_name(
+                                           [](const std::string& n) -> std::optional<std::string> {
+                                             if (n.find("lora_") == std::string::npos) return std::nullopt;
+                                             return n;
+                                           }));
       } else {
         shardtorch::save_sharded_checkpoint(*root, opt.get(), save, steps);
       }

@@ -62,17 +62,17 @@ struct Args {
   std::string strategy = "full_shard";
   int hybrid_shard_size = 1;
   bool bf16 = false;
-  int accumulate = 1;  // micro-batches per step
-  double clip = 0;     // 0: no clipping
-  bool offload = false;   // CPU offload of masters, gradients, optimizer state (fused CPU AdamW)
-  bool prefetch = false;  // all-gather the next unit while one computes
-  bool recompute = false;  // activation checkpointing of the blocks
-  int64_t dataset = 4096;    // sequences per epoch
-  std::string checkpoint;    // sharded checkpoint directory ("" for none)
-  int save_every = 0;        // steps between checkpoints (0: only at the end)
-  bool resume = false;       // continue from `checkpoint` if it exists
-  std::string export_path;   // full state dict written at the end ("" for none)
-  int report_every = 10;     // steps between memory reports (0: only at the end)
+  int accumulate = 1;       // micro-batches per step
+  double clip = 0;          // 0: no clipping
+  bool offload = false;     // CPU offload of masters, gradients, optimizer state (fused CPU AdamW)
+  bool prefetch = false;    // all-gather the next unit while one computes
+  bool recompute = false;   // activation checkpointing of the blocks
+  int64_t dataset = 4096;   // sequences per epoch
+  std::string checkpoint;   // sharded checkpoint directory ("" for none)
+  int save_every = 0;       // steps between checkpoints (0: only at the end)
+  bool resume = false;      // continue from `checkpoint` if it exists
+  std::string export_path;  // full state dict written at the end ("" for none)
+  int report_every = 10;    // steps between memory reports (0: only at the end)
   gpt::Config cfg;
 };
 
@@ -80,28 +80,27 @@ struct Args {
 std::optional<Args> parse(int argc, char** argv) {
   Args a;
   po::options_description desc("options");
-  desc.add_options()("help", "this text")
-      ("steps", cli::number_option(a.steps, "--steps"), "optimizer steps")
-      ("batch", cli::number_option(a.batch, "--batch"), "sequences per rank per step")
-      ("lr", cli::number_option(a.lr, "--lr"), "learning rate (AdamW)")
-      ("layers", cli::number_option(a.cfg.n_layer, "--layers"), "transformer blocks")
-      ("d-model", cli::number_option(a.cfg.d_model, "--d-model"), "model width")
-      ("strategy", po::value(&a.strategy)->default_value(a.strategy),
-       "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")
-      ("hybrid-shard-size", cli::number_option(a.hybrid_shard_size, "--hybrid-shard-size"), "hybrid_shard group size")
-      ("bf16", po::bool_switch(&a.bf16), "bf16 parameters in compute, fp32 reduction and masters")
-      ("accumulate", cli::number_option(a.accumulate, "--accumulate"), "micro-batches per step")
-      ("clip", cli::number_option(a.clip, "--clip"), "gradient norm clipping (0: none)")
-      ("offload", po::bool_switch(&a.offload), "CPU offload (fused CPU AdamW)")
-      ("prefetch", po::bool_switch(&a.prefetch), "all-gather the next unit while one computes")
-      ("activation-checkpointing", po::bool_switch(&a.recompute), "recompute the blocks' activations in backward")
-      ("dataset", cli::number_option(a.dataset, "--dataset"), "sequences per epoch")
-      ("checkpoint", po::value(&a.checkpoint), "sharded checkpoint directory")
-      ("save-every", cli::number_option(a.save_every, "--save-every"), "steps between checkpoints (0: only at the end)")
-      ("resume", po::bool_switch(&a.resume), "continue from --checkpoint if it exists")
-      ("export", po::value(&a.export_path), "full state dict written at the end (FILE.safetensors)")
-      ("report-every", cli::number_option(a.report_every, "--report-every"),
-       "steps between memory reports (0: only at the end)");
+  desc.add_options()("help", "this text")("steps", cli::number_option(a.steps, "--steps"), "optimizer steps")(
+      "batch", cli::number_option(a.batch, "--batch"), "sequences per rank per step")(
+      "lr", cli::number_option(a.lr, "--lr"), "learning rate (AdamW)")(
+      "layers", cli::number_option(a.cfg.n_layer, "--layers"), "transformer blocks")(
+      "d-model", cli::number_option(a.cfg.d_model, "--d-model"), "model width")(
+      "strategy", po::value(&a.strategy)->default_value(a.strategy),
+      "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")(
+      "hybrid-shard-size", cli::number_option(a.hybrid_shard_size, "--hybrid-shard-size"), "hybrid_shard group size")(
+      "bf16", po::bool_switch(&a.bf16), "bf16 parameters in compute, fp32 reduction and masters")(
+      "accumulate", cli::number_option(a.accumulate, "--accumulate"), "micro-batches per step")(
+      "clip", cli::number_option(a.clip, "--clip"), "gradient norm clipping (0: none)")(
+      "offload", po::bool_switch(&a.offload), "CPU offload (fused CPU AdamW)")(
+      "prefetch", po::bool_switch(&a.prefetch), "all-gather the next unit while one computes")(
+      "activation-checkpointing", po::bool_switch(&a.recompute), "recompute the blocks' activations in backward")(
+      "dataset", cli::number_option(a.dataset, "--dataset"), "sequences per epoch")(
+      "checkpoint", po::value(&a.checkpoint), "sharded checkpoint directory")(
+      "save-every", cli::number_option(a.save_every, "--save-every"), "steps between checkpoints (0: only at the end)")(
+      "resume", po::bool_switch(&a.resume), "continue from --checkpoint if it exists")(
+      "export", po::value(&a.export_path), "full state dict written at the end (FILE.safetensors)")(
+      "report-every", cli::number_option(a.report_every, "--report-every"),
+      "steps between memory reports (0: only at the end)");
   if (!cli::parse_command_line(argc, argv, desc, "train_gpt: trains the example GPT, sharded (launch with torchrun)"))
     return std::nullopt;
   if (a.resume && a.checkpoint.empty()) throw std::invalid_argument("train_gpt: --resume needs --checkpoint DIR");
@@ -141,8 +140,8 @@ int main(int argc, char** argv) {
                        .prefetch(args.prefetch)
                        .activation_checkpointing(args.recompute);
     if (args.bf16) {
-      options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)
-                                  .output_dtype(at::kFloat));
+      options.mixed_precision(
+          shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).output_dtype(at::kFloat));
     }
     auto sharded = shardtorch::shard(model, world, options);
     auto adamw = torch::optim::AdamWOptions(args.lr).weight_decay(0.01);
@@ -151,8 +150,8 @@ int main(int argc, char** argv) {
                             : shardtorch::AdamW(*model, adamw);
 
     if (lead) {
-      std::cout << "shardtorch demo: GPT with " << args.cfg.n_layer << " blocks, d_model " << args.cfg.d_model
-                << ", " << world->size() << " ranks (" << world->backend_name() << "), strategy "
+      std::cout << "shardtorch demo: GPT with " << args.cfg.n_layer << " blocks, d_model " << args.cfg.d_model << ", "
+                << world->size() << " ranks (" << world->backend_name() << "), strategy "
                 << shardtorch::strategy_name(sharded.strategy()) << (args.bf16 ? ", bf16" : "") << ", batch "
                 << args.batch << " per rank in " << args.accumulate << " micro-batch(es)"
                 << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << (args.offload ? ", CPU offload" : "")
@@ -170,15 +169,16 @@ int main(int argc, char** argv) {
                   args.checkpoint, " has no data-loader position (not written by train_gpt?)");
       first_epoch = std::stoull(position.at("epoch"));
       done_in_epoch = std::stoll(position.at("batches_done_in_epoch"));
-      if (lead) std::cout << "resumed from " << args.checkpoint << " at step " << step << " (epoch " << first_epoch
-                          << ", " << done_in_epoch << " batches into it)" << std::endl;
+      if (lead)
+        std::cout << "resumed from " << args.checkpoint << " at step " << step << " (epoch " << first_epoch << ", "
+                  << done_in_epoch << " batches into it)" << std::endl;
     } else if (args.resume && lead) {
       std::cout << "no checkpoint at " << args.checkpoint << ": starting from step 0" << std::endl;
     }
     auto save = [&](size_t epoch, int64_t batches_done) {
-      shardtorch::save_sharded_checkpoint(*model, opt.get(), args.checkpoint, step,
-                                          {{"epoch", std::to_string(epoch)},
-                                           {"batches_done_in_epoch", std::to_string(batches_done)}});
+      shardtorch::save_sharded_checkpoint(
+          *model, opt.get(), args.checkpoint, step,
+          {{"epoch", std::to_string(epoch)}, {"batches_done_in_epoch", std::to_string(batches_done)}});
       if (lead) std::cout << "saved " << args.checkpoint << " at step " << step << std::endl;
     };
     // Every rank's bytes by category (peaks since the last reset), printed by
@@ -186,19 +186,20 @@ int main(int argc, char** argv) {
     auto memory_report = [&](const std::string& title) {
       auto m = sharded.memory();
       std::ostringstream mine;
-      mine << "rank " << world->rank() << ": sharded_params " << shardtorch::format_bytes(m.cur(shardtorch::Mem::ShardedParams))
-           << " | replicated_params " << shardtorch::format_bytes(m.cur(shardtorch::Mem::ReplicatedParams))
-           << " | gradients " << shardtorch::format_bytes(m.cur(shardtorch::Mem::Gradients))
-           << " | optimizer_state " << shardtorch::format_bytes(m.cur(shardtorch::Mem::OptimizerState))
+      mine << "rank " << world->rank() << ": sharded_params "
+           << shardtorch::format_bytes(m.cur(shardtorch::Mem::ShardedParams)) << " | replicated_params "
+           << shardtorch::format_bytes(m.cur(shardtorch::Mem::ReplicatedParams)) << " | gradients "
+           << shardtorch::format_bytes(m.cur(shardtorch::Mem::Gradients)) << " | optimizer_state "
+           << shardtorch::format_bytes(m.cur(shardtorch::Mem::OptimizerState))
            << (args.offload ? " | host (params, grads, optimizer) " +
                                   shardtorch::format_bytes(m.cur(shardtorch::Mem::HostParams) +
                                                            m.cur(shardtorch::Mem::HostGradients) +
                                                            m.cur(shardtorch::Mem::HostOptimizerState))
                             : std::string())
-           << " | peak gathered_params " << shardtorch::format_bytes(m.max(shardtorch::Mem::GatheredParams))
-           << " (" << m.peak_gathered_units << " units)"
-           << " | peak buckets " << shardtorch::format_bytes(m.max(shardtorch::Mem::Buckets))
-           << " | peak grad_staging " << shardtorch::format_bytes(m.max(shardtorch::Mem::GradStaging));
+           << " | peak gathered_params " << shardtorch::format_bytes(m.max(shardtorch::Mem::GatheredParams)) << " ("
+           << m.peak_gathered_units << " units)"
+           << " | peak buckets " << shardtorch::format_bytes(m.max(shardtorch::Mem::Buckets)) << " | peak grad_staging "
+           << shardtorch::format_bytes(m.max(shardtorch::Mem::GradStaging));
       auto lines = world->comm().all_gather_strings(mine.str(), "demo memory report");
       if (lead) {
         std::printf("  %s:\n", title.c_str());
@@ -273,7 +274,8 @@ int main(int argc, char** argv) {
       if (lead) std::cout << "exported the full state dict to " << args.export_path << std::endl;
     }
     const uint64_t print = fingerprint(*model);
-    if (lead) std::printf("parameters after step %d: fingerprint %016llx\n", step, static_cast<unsigned long long>(print));
+    if (lead)
+      std::printf("parameters after step %d: fingerprint %016llx\n", step, static_cast<unsigned long long>(print));
     const size_t k = std::min<size_t>(5, losses.size() / 2);
     double first = 0, last = 0;
     for (size_t i = 0; i < k; ++i) {

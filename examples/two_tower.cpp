@@ -63,7 +63,8 @@ torch::Tensor contrastive_loss(const torch::Tensor& za, const torch::Tensor& zb,
   auto logits = za.matmul(zb.t()) / temperature;
   auto labels = torch::arange(za.size(0), torch::kLong);
   return (torch::nn::functional::cross_entropy(logits, labels) +
-          torch::nn::functional::cross_entropy(logits.t(), labels)) / 2;
+          torch::nn::functional::cross_entropy(logits.t(), labels)) /
+         2;
 }
 
 struct Args {
@@ -81,15 +82,15 @@ std::optional<Args> parse(int argc, char** argv) {
   Args a;
   bool no_broadcast = false;
   po::options_description desc("options");
-  desc.add_options()("help", "this text")
-      ("steps", cli::number_option(a.steps, "--steps"), "optimizer steps")
-      ("batch", cli::number_option(a.batch, "--batch"), "items per rank per step")
-      ("lr", cli::number_option(a.lr, "--lr"), "learning rate (AdamW)")
-      ("strategy", po::value(&a.strategy)->default_value(a.strategy),
-       "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")
-      ("prefetch", po::bool_switch(&a.prefetch), "all-gather the next unit while one computes")
-      ("no-broadcast-buffers", po::bool_switch(&no_broadcast), "each rank keeps its own batch-norm statistics");
-  if (!cli::parse_command_line(argc, argv, desc, "two_tower: a contrastive two-tower model, sharded (launch with torchrun)"))
+  desc.add_options()("help", "this text")("steps", cli::number_option(a.steps, "--steps"), "optimizer steps")(
+      "batch", cli::number_option(a.batch, "--batch"), "items per rank per step")(
+      "lr", cli::number_option(a.lr, "--lr"), "learning rate (AdamW)")(
+      "strategy", po::value(&a.strategy)->default_value(a.strategy),
+      "full_shard|shard_grad_op|optimizer_only|no_shard|hybrid_shard")("prefetch", po::bool_switch(&a.prefetch),
+                                                                       "all-gather the next unit while one computes")(
+      "no-broadcast-buffers", po::bool_switch(&no_broadcast), "each rank keeps its own batch-norm statistics");
+  if (!cli::parse_command_line(argc, argv, desc,
+                               "two_tower: a contrastive two-tower model, sharded (launch with torchrun)"))
     return std::nullopt;
   a.broadcast_buffers = !no_broadcast;
   return a;
@@ -113,8 +114,8 @@ int main(int argc, char** argv) {
                                          .broadcast_buffers(args.broadcast_buffers));
     auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(args.lr));
     if (lead) {
-      std::cout << "two_tower: shared encoder and projection, " << world->size() << " ranks ("
-                << world->backend_name() << "), strategy " << shardtorch::strategy_name(sharded.strategy())
+      std::cout << "two_tower: shared encoder and projection, " << world->size() << " ranks (" << world->backend_name()
+                << "), strategy " << shardtorch::strategy_name(sharded.strategy())
                 << (args.prefetch ? ", prefetch" : "") << ", " << args.batch << " pairs per rank" << std::endl;
     }
     // The items (the same on every rank); each rank draws its own items and

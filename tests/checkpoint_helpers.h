@@ -47,7 +47,9 @@ inline void die_at(const std::string& point) {
   });
 }
 inline shardtorch::testing::RunOptions crash_run() {
-  return shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5));
+  return shardtorch::testing::RunOptions()
+      .timeout(std::chrono::seconds(60))
+      .collective_timeout(std::chrono::seconds(5));
 }
 
 }  // namespace testmodels

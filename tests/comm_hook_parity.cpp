@@ -22,8 +22,9 @@ namespace {
 constexpr int kSteps = 6, kIn = 16, kHidden = 32, kOut = 4, kBatch = 8;
 
 struct NetImpl : torch::nn::Module {
-  NetImpl() : fc1(register_module("fc1", torch::nn::Linear(kIn, kHidden))),
-              fc2(register_module("fc2", torch::nn::Linear(kHidden, kOut))) {}
+  NetImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(kIn, kHidden))),
+        fc2(register_module("fc2", torch::nn::Linear(kHidden, kOut))) {}
   torch::Tensor forward(torch::Tensor x) { return fc2(torch::tanh(fc1(x))); }
   torch::nn::Linear fc1, fc2;
 };
@@ -32,7 +33,8 @@ SHARDTORCH_MODULE(Net);
 torch::Tensor batch(int step, int rank, int rows, int cols, int mod, double scale) {
   std::vector<float> v;
   for (int b = 0; b < rows; ++b)
-    for (int j = 0; j < cols; ++j) v.push_back(static_cast<float>((((step * 131 + rank * 71 + b * 17 + j * 7) % mod) - mod / 2) / scale));
+    for (int j = 0; j < cols; ++j)
+      v.push_back(static_cast<float>((((step * 131 + rank * 71 + b * 17 + j * 7) % mod) - mod / 2) / scale));
   return torch::tensor(v).view({rows, cols});
 }
 
@@ -53,7 +55,8 @@ bool train(const std::shared_ptr<shardtorch::World>& world, const std::string& h
     int salt = 0;
     for (auto& p : net->parameters()) {
       std::vector<float> v;
-      for (int64_t i = 0; i < p.numel(); ++i) v.push_back(static_cast<float>(((i * 37 + salt * 11) % 101 - 50) / 512.0));
+      for (int64_t i = 0; i < p.numel(); ++i)
+        v.push_back(static_cast<float>(((i * 37 + salt * 11) % 101 - 50) / 512.0));
       p.copy_(torch::tensor(v).view(p.sizes()));
       ++salt;
     }

@@ -147,7 +147,8 @@ inline double expect_close_map(const std::map<std::string, torch::Tensor>& got,
                                const std::map<std::string, torch::Tensor>& want, double tol, const std::string& what) {
   double worst = 0;
   if (got.size() != want.size())
-    throw std::runtime_error(what + ": " + std::to_string(got.size()) + " tensors, expected " + std::to_string(want.size()));
+    throw std::runtime_error(what + ": " + std::to_string(got.size()) + " tensors, expected " +
+                             std::to_string(want.size()));
   for (const auto& [name, w] : want) {
     auto it = got.find(name);
     if (it == got.end()) throw std::runtime_error(what + ": missing " + name);

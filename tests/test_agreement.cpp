@@ -41,8 +41,8 @@ std::vector<OptionCase> option_cases() {
       {"Strategy", "strategy", [](int r) { return on(r ? Strategy::NoShard : Strategy::FullShard); }, "full_shard",
        "no_shard"},
       // The reported crash: one rank in bf16 aborted in Gloo (SIGABRT).
-      {"ParamDtype", "mixed_precision.param_dtype",
-       [](int r) { return r ? bf16() : on(Strategy::FullShard); }, "unset", "BFloat16"},
+      {"ParamDtype", "mixed_precision.param_dtype", [](int r) { return r ? bf16() : on(Strategy::FullShard); }, "unset",
+       "BFloat16"},
       {"ParamDtypeNoShard", "mixed_precision.param_dtype",
        [](int r) { return r ? bf16(Strategy::NoShard) : on(Strategy::NoShard); }, "unset", "BFloat16"},
       {"ReduceDtype", "mixed_precision.reduce_dtype",
@@ -85,8 +85,8 @@ std::vector<OptionCase> option_cases() {
       {"BucketMb", "bucket_mb", [](int r) { return on(Strategy::FullShard).bucket_mb(r ? 0.5 : 25); }, "25", "0.5"},
       {"SyncModuleStates", "sync_module_states",
        [](int r) { return on(Strategy::FullShard).sync_module_states(r == 0); }, "true", "false"},
-      {"BroadcastBuffers", "broadcast_buffers",
-       [](int r) { return on(Strategy::FullShard).broadcast_buffers(r != 0); }, "false", "true"},
+      {"BroadcastBuffers", "broadcast_buffers", [](int r) { return on(Strategy::FullShard).broadcast_buffers(r != 0); },
+       "false", "true"},
       {"HybridShardSize", "hybrid_shard_size",
        [](int r) { return on(Strategy::HybridShard).hybrid_shard_size(r ? 1 : 2); }, "2", "1"},
       // Invalid on rank 1 only (3 does not divide 2): that rank used to throw
@@ -97,11 +97,10 @@ std::vector<OptionCase> option_cases() {
       {"ErrorOnUnusedParameters", "error_on_unused_parameters",
        [](int r) { return on(Strategy::NoShard).error_on_unused_parameters(r != 0); }, "false", "true"},
       {"Prefetch", "prefetch", [](int r) { return on(Strategy::FullShard).prefetch(r != 0); }, "false", "true"},
-      {"CpuOffload", "cpu_offload", [](int r) { return on(Strategy::FullShard).cpu_offload(r != 0); }, "false",
-       "true"},
+      {"CpuOffload", "cpu_offload", [](int r) { return on(Strategy::FullShard).cpu_offload(r != 0); }, "false", "true"},
       // Invalid on rank 1 only (NoShard refuses offload).
-      {"CpuOffloadInvalidOnOneRank", "cpu_offload",
-       [](int r) { return on(Strategy::NoShard).cpu_offload(r != 0); }, "false", "true"},
+      {"CpuOffloadInvalidOnOneRank", "cpu_offload", [](int r) { return on(Strategy::NoShard).cpu_offload(r != 0); },
+       "false", "true"},
       {"ActivationCheckpointing", "activation_checkpointing",
        [](int r) { return on(Strategy::FullShard).activation_checkpointing(r != 0); }, "false", "true"},
       {"ReshardAfterForwardForAUnit", "reshard_after_forward_for('l2')",
@@ -130,16 +129,19 @@ class OptionsDiffer : public ::testing::TestWithParam<OptionCase> {};
 TEST_P(OptionsDiffer, EveryRankFailsInShardNamingTheOptionAndBothValues) {
   const OptionCase c = GetParam();
   auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(2, [&c](World& w) {
-    MLP m;
-    auto sm = shardtorch::shard(m, w, c.options(w.rank()));
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    opt->zero_grad();
-    m(torch::randn({4, 7})).to(torch::kFloat).square().mean().backward();
-    opt->step();
-  }, RunOptions().collective_timeout(std::chrono::seconds(15)).timeout(std::chrono::seconds(60)));
-  const std::string want = std::string("option ") + c.option + " is " + c.on0 + " on rank 0 but " + c.on1 +
-                           " on rank 1";
+  auto r = run_ranks(
+      2,
+      [&c](World& w) {
+        MLP m;
+        auto sm = shardtorch::shard(m, w, c.options(w.rank()));
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        opt->zero_grad();
+        m(torch::randn({4, 7})).to(torch::kFloat).square().mean().backward();
+        opt->step();
+      },
+      RunOptions().collective_timeout(std::chrono::seconds(15)).timeout(std::chrono::seconds(60)));
+  const std::string want =
+      std::string("option ") + c.option + " is " + c.on0 + " on rank 0 but " + c.on1 + " on rank 1";
   ASSERT_FALSE(r.ok) << r.summary();
   for (int k = 0; k < 2; ++k) {
     EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
@@ -167,8 +169,8 @@ TEST(Agreement, EveryDifferingOptionIsNamedWithTheRankThatDiffers) {
   ASSERT_FALSE(r.ok);
   for (int k = 0; k < 3; ++k) {
     EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
-    for (const char* want : {"option bucket_mb is 25 on rank 0 but 1 on rank 2",
-                             "option prefetch is false on rank 0 but true on rank 2"})
+    for (const char* want :
+         {"option bucket_mb is 25 on rank 0 but 1 on rank 2", "option prefetch is false on rank 0 but true on rank 2"})
       EXPECT_NE(r.ranks[k].message.find(want), std::string::npos) << want << " in\n" << r.summary();
     for (const char* not_at_fault : {" on rank 1;", " on rank 1."})
       EXPECT_EQ(r.ranks[k].message.find(not_at_fault), std::string::npos) << r.summary();
@@ -227,30 +229,33 @@ class InjectedFailure : public ::testing::TestWithParam<InjectCase> {};
 // cause; the process lives on, and after zero_grad() the model trains again.
 TEST_P(InjectedFailure, ReachesTheCallerNamingTheRankAndTheOperation) {
   const InjectCase c = GetParam();
-  auto r = run_ranks(2, [&c](World& w) {
-    MLP m;
-    shardtorch::shard(m, w, ShardOptions().strategy(c.strategy));
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randn({4, 7});
-    std::string error;
-    shardtorch::testing::inject_failure(c.site);
-    try {
-      opt->zero_grad();
-      m(x).square().mean().backward();
-      opt->step();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    require(!error.empty(), std::string("no error: the failure at '") + c.site + "' was never reached");
-    const std::string rank = "shardtorch: rank " + std::to_string(w.rank());
-    for (const std::string& want : {rank + c.operation, std::string("failure injected at '") + c.site + "'"})
-      require(error.find(want) != std::string::npos, "'" + want + "' is not in: " + error);
-    for (int step = 0; step < 2; ++step) {  // and it trains on
-      opt->zero_grad();
-      m(x).square().mean().backward();
-      opt->step();
-    }
-  }, RunOptions().collective_timeout(std::chrono::seconds(15)).timeout(std::chrono::seconds(60)));
+  auto r = run_ranks(
+      2,
+      [&c](World& w) {
+        MLP m;
+        shardtorch::shard(m, w, ShardOptions().strategy(c.strategy));
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 7});
+        std::string error;
+        shardtorch::testing::inject_failure(c.site);
+        try {
+          opt->zero_grad();
+          m(x).square().mean().backward();
+          opt->step();
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        require(!error.empty(), std::string("no error: the failure at '") + c.site + "' was never reached");
+        const std::string rank = "shardtorch: rank " + std::to_string(w.rank());
+        for (const std::string& want : {rank + c.operation, std::string("failure injected at '") + c.site + "'"})
+          require(error.find(want) != std::string::npos, "'" + want + "' is not in: " + error);
+        for (int step = 0; step < 2; ++step) {  // and it trains on
+          opt->zero_grad();
+          m(x).square().mean().backward();
+          opt->step();
+        }
+      },
+      RunOptions().collective_timeout(std::chrono::seconds(15)).timeout(std::chrono::seconds(60)));
   ASSERT_TRUE(r.ok) << r.summary();
 }
 

@@ -338,9 +338,8 @@ TEST_P(ParentFinalFirst, AParentFinalBeforeItsFrozenChildGathersOnSomeRanksOnly)
   torch::manual_seed(3);
   auto x = torch::randn({kRows * world, 6});
   torch::manual_seed(0);
-  const auto want = mean_of_ranks(WithParent(), x, world, 1, [&](WithParent& m, int s, int, int r) {
-    m->parent->use_own = use_own(s, r);
-  });
+  const auto want = mean_of_ranks(WithParent(), x, world, 1,
+                                  [&](WithParent& m, int s, int, int r) { m->parent->use_own = use_own(s, r); });
   auto r = run_ranks(
       world,
       [&](World& w) {
@@ -374,8 +373,10 @@ INSTANTIATE_TEST_SUITE_P(RankDependentBranchesAroundGathers, ParentFinalFirst,
 // the unit again (on the other ranks the unit is still gathered then).
 TEST(RankDependentBranchesAroundGathers, AUnitFinalBeforeItsLastOutputHookGathersNothingMore) {
   struct TwiceImpl : torch::nn::Module {
-    TwiceImpl() : first(register_module("first", Layer(6, 6, true))), gate(register_module("gate", Gate())),
-                  last(register_module("last", Layer(6, 4, false))) {}
+    TwiceImpl()
+        : first(register_module("first", Layer(6, 6, true))),
+          gate(register_module("gate", Gate())),
+          last(register_module("last", Layer(6, 4, false))) {}
     torch::Tensor forward(torch::Tensor x) {
       gate->skip = skip_first;
       auto h = gate(first(x));
@@ -391,21 +392,25 @@ TEST(RankDependentBranchesAroundGathers, AUnitFinalBeforeItsLastOutputHookGather
   torch::manual_seed(3);
   auto x = torch::randn({2 * kRows, 6});
   torch::manual_seed(0);
-  const auto want = mean_of_ranks(std::make_shared<TwiceImpl>(), x, 2, 1,
-                                  [&](std::shared_ptr<TwiceImpl>& m, int s, int, int r) { m->skip_first = skip(s, r); });
-  auto r = run_ranks(2, [&](World& w) {
-    torch::manual_seed(0);
-    auto model = std::make_shared<TwiceImpl>();
-    auto sm = shardtorch::shard(*model, w, shardtorch::ShardOptions().bucket_mb(1e-4));
-    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-    for (int s = 0; s < kSteps; ++s) {
-      opt->zero_grad();
-      model->skip_first = skip(s, w.rank());
-      model->forward(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
-      opt->step();
-    }
-    expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a unit called twice, routed around once");
-  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+  const auto want =
+      mean_of_ranks(std::make_shared<TwiceImpl>(), x, 2, 1,
+                    [&](std::shared_ptr<TwiceImpl>& m, int s, int, int r) { m->skip_first = skip(s, r); });
+  auto r = run_ranks(
+      2,
+      [&](World& w) {
+        torch::manual_seed(0);
+        auto model = std::make_shared<TwiceImpl>();
+        auto sm = shardtorch::shard(*model, w, shardtorch::ShardOptions().bucket_mb(1e-4));
+        auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+        for (int s = 0; s < kSteps; ++s) {
+          opt->zero_grad();
+          model->skip_first = skip(s, w.rank());
+          model->forward(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+          opt->step();
+        }
+        expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a unit called twice, routed around once");
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
@@ -437,22 +442,25 @@ TEST_P(ForwardOnOneRank, AForwardOnOneRankOnlyUnderAPlainRootDoesNotReorderTheNe
   auto ref = std::make_shared<PlainImpl>();
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
   auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref->forward(x).square().mean(); });
-  auto r = run_ranks(2, [&](World& w) {
-    torch::manual_seed(0);
-    auto model = std::make_shared<PlainImpl>();
-    auto sm = shardtorch::shard(*model, w, strategy_options(strategy, 2).bucket_mb(1e-4));
-    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-    auto look = [&] { model->last(torch::ones({1, 6})).sum().item<double>(); };  // in grad mode
-    for (int s = 0; s < kSteps; ++s) {
-      opt->zero_grad();
-      if (after_zero_grad && s > 0 && w.rank() == 0) look();
-      model->forward(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
-      opt->step();
-      if (!after_zero_grad && w.rank() == 0) look();
-    }
-    require(sm.stats().reductions_deferred == 0, "a unit waited for its turn");
-    expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a forward on rank 0 only");
-  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+  auto r = run_ranks(
+      2,
+      [&](World& w) {
+        torch::manual_seed(0);
+        auto model = std::make_shared<PlainImpl>();
+        auto sm = shardtorch::shard(*model, w, strategy_options(strategy, 2).bucket_mb(1e-4));
+        auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
+        auto look = [&] { model->last(torch::ones({1, 6})).sum().item<double>(); };  // in grad mode
+        for (int s = 0; s < kSteps; ++s) {
+          opt->zero_grad();
+          if (after_zero_grad && s > 0 && w.rank() == 0) look();
+          model->forward(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+          opt->step();
+          if (!after_zero_grad && w.rank() == 0) look();
+        }
+        require(sm.stats().reductions_deferred == 0, "a unit waited for its turn");
+        expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a forward on rank 0 only");
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << (after_zero_grad ? ", look after zero_grad: " : ": ")
                     << r.summary();
 }
@@ -507,8 +515,8 @@ TEST_P(UnitsFinalBeforeAGather, MoreUnitsFinalBeforeAGatherThanReduceScattersInF
   torch::manual_seed(3);
   auto x = torch::randn({kRows * world, 6});
   torch::manual_seed(0);
-  const auto want = mean_of_ranks(NestedNet(), x, world, 1,
-                                  [&](NestedNet& m, int s, int, int r) { m->use(use_own(s, r)); });
+  const auto want =
+      mean_of_ranks(NestedNet(), x, world, 1, [&](NestedNet& m, int s, int, int r) { m->use(use_own(s, r)); });
   auto r = run_ranks(
       world,
       [&](World& w) {

@@ -43,10 +43,13 @@ TEST_P(BucketerTest, CoalescesSmallInputsIntoOneCollectiveInOrder) {
     std::vector<at::Tensor> got(3);
     const int64_t sizes[3] = {2L * w.size(), 5L * w.size(), 3L * w.size()};
     for (int i = 0; i < 3; ++i) {
-      b.reduce_scatter(input_for(w.rank(), sizes[i], 10.0 * i), w.comm(), [&, i](const at::Tensor& s) {
-        order.push_back(i);
-        got[i] = s.clone();
-      }, "t" + std::to_string(i));
+      b.reduce_scatter(
+          input_for(w.rank(), sizes[i], 10.0 * i), w.comm(),
+          [&, i](const at::Tensor& s) {
+            order.push_back(i);
+            got[i] = s.clone();
+          },
+          "t" + std::to_string(i));
     }
     check(b.launched() == 0, "nothing should be launched before flush");
     check(order.empty(), "no callback before flush");
@@ -60,13 +63,14 @@ TEST_P(BucketerTest, CoalescesSmallInputsIntoOneCollectiveInOrder) {
     // and the next backward starts at that high-water mark.
     const int64_t W = w.size();
     const int64_t out = ip ? 0 : 10;  // reduced in place, the shard is a row of the input: no output
-    check(b.allocated_bytes() <= 2 * (W * 10 + out) * 4, "bucket grew past twice what was needed: " +
-          std::to_string(b.allocated_bytes()));
+    check(b.allocated_bytes() <= 2 * (W * 10 + out) * 4,
+          "bucket grew past twice what was needed: " + std::to_string(b.allocated_bytes()));
     b.free();
     for (int i = 0; i < 3; ++i)
-      b.reduce_scatter(input_for(w.rank(), sizes[i], 0.0), w.comm(), [](const at::Tensor&) {}, "again");
-    check(b.allocated_bytes() == (W * 10 + out) * 4, "second backward should allocate exactly the high-water mark, got " +
-          std::to_string(b.allocated_bytes()));
+      b.reduce_scatter(
+          input_for(w.rank(), sizes[i], 0.0), w.comm(), [](const at::Tensor&) {}, "again");
+    check(b.allocated_bytes() == (W * 10 + out) * 4,
+          "second backward should allocate exactly the high-water mark, got " + std::to_string(b.allocated_bytes()));
     b.flush();
   });
   ASSERT_TRUE(r.ok) << r.summary();
@@ -103,8 +107,8 @@ TEST_P(BucketerTest, LaunchesFullBucketsAsynchronouslyAndBypassesLargeInputs) {
     // big exceeds the capacity: b's bucket goes first, then big alone; with
     // two in flight already, launching big first completes a.
     b.reduce_scatter(input_for(w.rank(), sizes[2], 3.0), w.comm(), keep(2), "big");
-    check(b.launched() == 3, "an oversized input launches the queue and goes alone, got " +
-                                 std::to_string(b.launched()));
+    check(b.launched() == 3,
+          "an oversized input launches the queue and goes alone, got " + std::to_string(b.launched()));
     check(b.in_flight() == 2 && order == std::vector<int>({0}), "max_in_flight should have completed a, and only a");
     check(b.launched_while_in_flight() == 2, "b's bucket and big were launched with another in flight");
     check(tracked() == b.allocated_bytes(), "tracker disagrees with the buffers in flight");
@@ -156,22 +160,25 @@ class DeferredBackend : public c10d::Backend {
 // rank the narrowed columns are contiguous, so contiguous() alone would not copy.
 TEST(Bucketer, APartlyFilledLaunchIsNotOverwrittenByTheNextFill) {
   for (bool in_place : {false, true}) {
-  SCOPED_TRACE(in_place ? "all-reduced in place" : "reduce-scatter into an output");
-  shardtorch::Comm comm(c10::make_intrusive<DeferredBackend>(), 0, 1, std::chrono::seconds(10));
-  comm.set_reduce_scatter_in_place(in_place);
-  ReduceScatterBucketer b(1.0);
-  const int64_t cap = 1024 * 1024 / 4;
-  b.reduce_scatter(at::ones({cap * 9 / 10}), comm, [](const at::Tensor&) {}, "first pass");
-  b.flush();
-  b.free();  // the high-water mark is now 0.9 cap
-  const int64_t n = cap * 6 / 10;  // fills 0.6 cap: launched at once, from a buffer of 0.9 cap
-  at::Tensor a, c;
-  b.reduce_scatter(at::full({n}, 1.0), comm, [&](const at::Tensor& s) { a = s.clone(); }, "a");
-  ASSERT_EQ(b.in_flight(), 1) << "a should be in flight";
-  b.reduce_scatter(at::full({n}, 2.0), comm, [&](const at::Tensor& s) { c = s.clone(); }, "c");
-  b.flush();
-  EXPECT_TRUE(at::equal(a, at::full({n}, 1.0))) << "a's reduction was overwritten by the next fill";
-  EXPECT_TRUE(at::equal(c, at::full({n}, 2.0))) << "c's reduction is wrong";
+    SCOPED_TRACE(in_place ? "all-reduced in place" : "reduce-scatter into an output");
+    shardtorch::Comm comm(c10::make_intrusive<DeferredBackend>(), 0, 1, std::chrono::seconds(10));
+    comm.set_reduce_scatter_in_place(in_place);
+    ReduceScatterBucketer b(1.0);
+    const int64_t cap = 1024 * 1024 / 4;
+    b.reduce_scatter(
+        at::ones({cap * 9 / 10}), comm, [](const at::Tensor&) {}, "first pass");
+    b.flush();
+    b.free();                        // the high-water mark is now 0.9 cap
+    const int64_t n = cap * 6 / 10;  // fills 0.6 cap: launched at once, from a buffer of 0.9 cap
+    at::Tensor a, c;
+    b.reduce_scatter(
+        at::full({n}, 1.0), comm, [&](const at::Tensor& s) { a = s.clone(); }, "a");
+    ASSERT_EQ(b.in_flight(), 1) << "a should be in flight";
+    b.reduce_scatter(
+        at::full({n}, 2.0), comm, [&](const at::Tensor& s) { c = s.clone(); }, "c");
+    b.flush();
+    EXPECT_TRUE(at::equal(a, at::full({n}, 1.0))) << "a's reduction was overwritten by the next fill";
+    EXPECT_TRUE(at::equal(c, at::full({n}, 2.0))) << "c's reduction is wrong";
   }
 }
 
@@ -187,9 +194,11 @@ TEST(Bucketer, GlooReducesInPlaceByDefaultAndCountsAReduceScatter) {
     shardtorch::MemoryTracker mem;
     ReduceScatterBucketer b(1.0, &mem);
     at::Tensor in = input_for(w.rank(), 8, 0.0), got;
-    b.reduce_scatter(in, w.comm(), [&](const at::Tensor& s) { got = s.clone(); }, "x");
-    check(mem.snapshot().cur(shardtorch::Mem::Buckets) == 8 * 4, "in place needs the [2, 4] input only, tracked " +
-          std::to_string(mem.snapshot().cur(shardtorch::Mem::Buckets)) + " bytes");
+    b.reduce_scatter(
+        in, w.comm(), [&](const at::Tensor& s) { got = s.clone(); }, "x");
+    check(mem.snapshot().cur(shardtorch::Mem::Buckets) == 8 * 4,
+          "in place needs the [2, 4] input only, tracked " +
+              std::to_string(mem.snapshot().cur(shardtorch::Mem::Buckets)) + " bytes");
     b.flush();
     check(at::equal(got, expected_shard(w, 8, 0.0)), "wrong reduction in place");
     check(at::equal(in, input_for(w.rank(), 8, 0.0)), "the caller's input was written (it was copied into a bucket)");
@@ -209,7 +218,8 @@ TEST_P(BucketerTest, DiscardWaitsDropsCallbacksAndFreesEverything) {
     ReduceScatterBucketer b(0.0, &mem, /*max_in_flight=*/4);  // every input goes alone
     int calls = 0;
     for (int i = 0; i < 3; ++i)
-      b.reduce_scatter(input_for(w.rank(), 4 * w.size(), i), w.comm(), [&](const at::Tensor&) { ++calls; }, "x");
+      b.reduce_scatter(
+          input_for(w.rank(), 4 * w.size(), i), w.comm(), [&](const at::Tensor&) { ++calls; }, "x");
     check(b.in_flight() == 3 && calls == 0, "three collectives should be in flight, none completed");
     b.discard();
     check(calls == 0, "discard ran a callback");
@@ -217,8 +227,8 @@ TEST_P(BucketerTest, DiscardWaitsDropsCallbacksAndFreesEverything) {
     check(mem.snapshot().cur(shardtorch::Mem::Buckets) == 0, "tracker should show 0 bucket bytes after discard");
     // Usable again, with correct results.
     at::Tensor got;
-    b.reduce_scatter(input_for(w.rank(), 4 * w.size(), 7.0), w.comm(), [&](const at::Tensor& s) { got = s.clone(); },
-                     "after");
+    b.reduce_scatter(
+        input_for(w.rank(), 4 * w.size(), 7.0), w.comm(), [&](const at::Tensor& s) { got = s.clone(); }, "after");
     b.flush();
     check(at::equal(got, expected_shard(w, 4 * w.size(), 7.0)), "reduction after discard wrong");
   });
@@ -232,8 +242,11 @@ TEST_P(BucketerTest, SeparateBucketsPerDtypeAndFreedAfterFlush) {
     shardtorch::MemoryTracker mem;
     ReduceScatterBucketer b(1.0, &mem);
     at::Tensor f, d;
-    b.reduce_scatter(input_for(w.rank(), 4 * w.size(), 0.0), w.comm(), [&](const at::Tensor& s) { f = s.clone(); }, "f");
-    b.reduce_scatter(input_for(w.rank(), 4 * w.size(), 0.0, at::kDouble), w.comm(), [&](const at::Tensor& s) { d = s.clone(); }, "d");
+    b.reduce_scatter(
+        input_for(w.rank(), 4 * w.size(), 0.0), w.comm(), [&](const at::Tensor& s) { f = s.clone(); }, "f");
+    b.reduce_scatter(
+        input_for(w.rank(), 4 * w.size(), 0.0, at::kDouble), w.comm(), [&](const at::Tensor& s) { d = s.clone(); },
+        "d");
     check(b.allocated_bytes() > 0, "buffers should exist during backward");
     check(mem.snapshot().cur(shardtorch::Mem::Buckets) == b.allocated_bytes(), "tracker disagrees with buffers");
     b.flush();
@@ -244,7 +257,8 @@ TEST_P(BucketerTest, SeparateBucketsPerDtypeAndFreedAfterFlush) {
     check(b.allocated_bytes() == 0, "buffers should be freed after free()");
     check(mem.snapshot().cur(shardtorch::Mem::Buckets) == 0, "tracker should show 0 bucket bytes");
     // Reusable after free: buffers come back lazily.
-    b.reduce_scatter(input_for(w.rank(), 2 * w.size(), 5.0), w.comm(), [&](const at::Tensor& s) { f = s.clone(); }, "again");
+    b.reduce_scatter(
+        input_for(w.rank(), 2 * w.size(), 5.0), w.comm(), [&](const at::Tensor& s) { f = s.clone(); }, "again");
     b.flush();
     check(at::equal(f, expected_shard(w, 2 * w.size(), 5.0)), "reduction after free wrong");
   });
@@ -258,7 +272,8 @@ TEST_P(BucketerTest, ZeroBucketSizeDisablesCoalescing) {
     ReduceScatterBucketer b(0.0);
     int calls = 0;
     for (int i = 0; i < 3; ++i)
-      b.reduce_scatter(input_for(w.rank(), w.size(), i), w.comm(), [&](const at::Tensor&) { ++calls; }, "x");
+      b.reduce_scatter(
+          input_for(w.rank(), w.size(), i), w.comm(), [&](const at::Tensor&) { ++calls; }, "x");
     check(b.launched() == 3, "every input should go out at once");
     check(calls == 1, "with two in flight, the third launch should complete the first");
     b.flush();
@@ -271,7 +286,8 @@ TEST(Bucketer, RejectsInputsNotDivisibleByWorld) {
   auto r = run_ranks(2, [](World& w) {
     ReduceScatterBucketer b(1.0);
     try {
-      b.reduce_scatter(at::ones({5}), w.comm(), [](const at::Tensor&) {}, "odd");
+      b.reduce_scatter(
+          at::ones({5}), w.comm(), [](const at::Tensor&) {}, "odd");
     } catch (const std::exception& e) {
       check(std::string(e.what()).find("multiple of 2") != std::string::npos, e.what());
       return;
@@ -293,22 +309,26 @@ INSTANTIATE_TEST_SUITE_P(Worlds, BucketerTest, ::testing::Combine(::testing::Val
 // quarter of the 2 s collective timeout, below kReduceScatterLimitWait) for
 // the first. Each callback gets the whole sum, the input reduced in place.
 TEST(Bucketer, AllReducesWaitForRoomPastTheBoundAndGetTheWholeSum) {
-  auto r = run_ranks(2, [](World& w) {
-    ReduceScatterBucketer b(1.0, nullptr, /*max_in_flight=*/1);
-    // The stall is the scenario: twice the bound, half the collective timeout.
-    if (w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1000));
-    std::vector<at::Tensor> inputs, got(2);
-    for (int i = 0; i < 2; ++i) {
-      inputs.push_back(input_for(w.rank(), 6, 10.0 * i));
-      b.all_reduce(inputs.back(), w.comm(), [&, i](const at::Tensor& s) { got[i] = s; }, "g" + std::to_string(i));
-    }
-    b.flush();
-    check(b.launched_past_limit() == 0, "an all-reduce went out past the limit of one in flight");
-    for (int i = 0; i < 2; ++i) {
-      const at::Tensor want = (at::arange(6, at::kFloat) + 10.0 * i) * 3;  // ranks contribute 1x and 2x
-      check(at::equal(got[i], want), "wrong sum for g" + std::to_string(i));
-      check(got[i].data_ptr() == inputs[i].data_ptr(), "g" + std::to_string(i) + " was not reduced in place");
-    }
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        ReduceScatterBucketer b(1.0, nullptr, /*max_in_flight=*/1);
+        // The stall is the scenario: twice the bound, half the collective timeout.
+        if (w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+        std::vector<at::Tensor> inputs, got(2);
+        for (int i = 0; i < 2; ++i) {
+          inputs.push_back(input_for(w.rank(), 6, 10.0 * i));
+          b.all_reduce(
+              inputs.back(), w.comm(), [&, i](const at::Tensor& s) { got[i] = s; }, "g" + std::to_string(i));
+        }
+        b.flush();
+        check(b.launched_past_limit() == 0, "an all-reduce went out past the limit of one in flight");
+        for (int i = 0; i < 2; ++i) {
+          const at::Tensor want = (at::arange(6, at::kFloat) + 10.0 * i) * 3;  // ranks contribute 1x and 2x
+          check(at::equal(got[i], want), "wrong sum for g" + std::to_string(i));
+          check(got[i].data_ptr() == inputs[i].data_ptr(), "g" + std::to_string(i) + " was not reduced in place");
+        }
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
   ASSERT_TRUE(r.ok) << r.summary();
 }

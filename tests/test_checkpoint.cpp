@@ -42,8 +42,8 @@ TEST_P(EmptyParameter, AnEmptyParameterGoesThroughClippingSummonAndBothCheckpoin
   torch::manual_seed(5);
   auto x = torch::randn({4, 7});
   const EmptyParameterCase c = GetParam();
-  const std::string what = std::string(shardtorch::strategy_name(c.s)) + (c.offload ? "+offload" : "") +
-                           (c.bf16 ? "+bf16" : "");
+  const std::string what =
+      std::string(shardtorch::strategy_name(c.s)) + (c.offload ? "+offload" : "") + (c.bf16 ? "+bf16" : "");
   const auto full = (dir / (what + ".safetensors")).string(), sharded = (dir / what).string();
   auto options = [&] {
     auto o = strategy_options(c.s, 2).cpu_offload(c.offload);
@@ -146,7 +146,7 @@ TEST_P(AmsgradGroups, OptimizerStateOfGroupsThatDifferInAmsgradRoundTrips) {
     shardtorch::save_sharded_checkpoint(*m, opt.get(), ckpt, 1);
     auto resumed = make();
     require(shardtorch::load_sharded_checkpoint(*m, resumed.get(), ckpt) == 1, "wrong step");
-    auto& a = opt->inner(), &b = resumed->inner();
+    auto &a = opt->inner(), &b = resumed->inner();
     int with_max = 0;
     for (size_t g = 0; g < a.param_groups().size(); ++g) {
       for (size_t k = 0; k < a.param_groups()[g].params().size(); ++k) {
@@ -172,5 +172,5 @@ TEST_P(AmsgradGroups, OptimizerStateOfGroupsThatDifferInAmsgradRoundTrips) {
   EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(Checkpoint, AmsgradGroups,
-                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());
+INSTANTIATE_TEST_SUITE_P(Checkpoint, AmsgradGroups, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
+                         StrategyName());

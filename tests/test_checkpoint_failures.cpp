@@ -80,8 +80,9 @@ TEST(CheckpointFailures, AShardOnlyOneRankReadsFailsEveryRankAndChangesNothing) 
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w, 13, false, Strategy::FullShard, /*seed=*/7);
     std::string e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt); });
-    require(e.find("rank 1: ") != std::string::npos && e.find("'rank-1.safetensors' has 100 bytes") != std::string::npos,
-            "expected every rank to name rank 1 and its truncated file, got: " + e);
+    require(
+        e.find("rank 1: ") != std::string::npos && e.find("'rank-1.safetensors' has 100 bytes") != std::string::npos,
+        "expected every rank to name rank 1 and its truncated file, got: " + e);
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -129,11 +130,14 @@ TEST(CheckpointFailures, RanksReadingOneCheckpointThroughDifferentPathsLoadItWit
   ASSERT_TRUE(saved.ok) << saved.summary();
   ASSERT_EQ(::symlink(a.c_str(), b.c_str()), 0);
   ASSERT_EQ(::symlink(full.c_str(), full_b.c_str()), 0);
-  auto r = run_ranks(2, [&](World& w) {
-    Trained t(w, 13, false, Strategy::FullShard, 7);
-    shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), w.rank() ? b : a);
-    shardtorch::load_full_state_dict(*t.model, w.rank() ? full_b : full);
-  }, shardtorch::testing::RunOptions().check_collectives(true));
+  auto r = run_ranks(
+      2,
+      [&](World& w) {
+        Trained t(w, 13, false, Strategy::FullShard, 7);
+        shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), w.rank() ? b : a);
+        shardtorch::load_full_state_dict(*t.model, w.rank() ? full_b : full);
+      },
+      shardtorch::testing::RunOptions().check_collectives(true));
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
@@ -150,7 +154,8 @@ TEST(CheckpointFailures, RanksReadingDifferentCheckpointsFailAlike) {
   ASSERT_TRUE(saved.ok) << saved.summary();
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w, 13, false, Strategy::FullShard, 7);
-    std::string e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), w.rank() ? b : a); });
+    std::string e =
+        failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), w.rank() ? b : a); });
     require(e.find("rank 1 read step 2") != std::string::npos && e.find("rank 0 read step 1") != std::string::npos,
             "expected both ranks to name the two steps, got: " + e);
   });
@@ -176,7 +181,8 @@ TEST(CheckpointFailures, ShapesThatDifferAndUnexpectedTensorsAreRefusedByName) {
     require(e.find("'l1.lin.bias' has shape [13] in the checkpoint but the model's has [12]") != std::string::npos,
             "expected the shape error, got: " + e);
     e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), extra); });
-    require(e.find("unexpected tensor 'extra.") != std::string::npos, "expected the unexpected-tensor error, got: " + e);
+    require(e.find("unexpected tensor 'extra.") != std::string::npos,
+            "expected the unexpected-tensor error, got: " + e);
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -192,7 +198,9 @@ TEST(CheckpointFailures, ACheckpointWithoutOptimizerStateResetsTheOptimizer) {
     shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 0);
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt + "-full", 0);
     require(!t.opt->inner().state().empty(), "the step should have made optimizer state");
-    auto state_bytes = [&] { return shardtorch::sharded_model(*t.model).memory().cur(shardtorch::Mem::OptimizerState); };
+    auto state_bytes = [&] {
+      return shardtorch::sharded_model(*t.model).memory().cur(shardtorch::Mem::OptimizerState);
+    };
     const int64_t before = state_bytes();
     require(before > 0, "no optimizer state counted after the step");
     shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt);
@@ -217,7 +225,8 @@ TEST(CheckpointFailures, SaveFailuresOnRankZeroFailEveryRankAndOtherDirectoriesA
   std::ofstream(dir / "logs" / "train.log") << "step 1\n";
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w);
-    std::string e = message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, nullptr, (dir / "a-file" / "ck").string(), 1); });
+    std::string e = message_of(
+        [&] { shardtorch::save_sharded_checkpoint(*t.model, nullptr, (dir / "a-file" / "ck").string(), 1); });
     require(e.find("save_sharded_checkpoint") != std::string::npos && e.find("rank 0: ") != std::string::npos,
             "expected every rank to fail naming rank 0, got: " + e);
     e = message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, nullptr, (dir / "logs").string(), 1); });
@@ -280,7 +289,8 @@ TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAsid
     if (w.rank() == 0) files::rename(ckpt, aside);  // as if killed between the two renames
     w.barrier();
     require(shardtorch::sharded_checkpoint_exists(ckpt), "the checkpoint set aside is not reported");
-    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2, "the previous checkpoint was not found");
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2,
+            "the previous checkpoint was not found");
     require(shardtorch::read_sharded_checkpoint(ckpt).count("l1.lin.weight|param"), "offline reading missed it");
     w.barrier();
     if (w.rank() == 0) files::create_directories(ckpt);  // an empty directory made by a launcher
@@ -303,7 +313,8 @@ TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w);
     shardtorch::save_sharded_checkpoint(*t.model, nullptr, ckpt, 1);
-    auto adagrad = shardtorch::ShardedOptimizer::make<torch::optim::Adagrad>(*t.model, torch::optim::AdagradOptions(0.1));
+    auto adagrad =
+        shardtorch::ShardedOptimizer::make<torch::optim::Adagrad>(*t.model, torch::optim::AdagradOptions(0.1));
     for (auto* call : {"save", "load"}) {
       std::string e = message_of([&] {
         if (std::string(call) == "save")
@@ -314,7 +325,8 @@ TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
       require(e.find("carry the state of Adam, AdamW and SGD") != std::string::npos,
               std::string(call) + ": expected the refusal, got: " + e);
     }
-    require(shardtorch::load_sharded_checkpoint(*t.model, nullptr, ckpt) == 1, "the refused save replaced the checkpoint");
+    require(shardtorch::load_sharded_checkpoint(*t.model, nullptr, ckpt) == 1,
+            "the refused save replaced the checkpoint");
     t.model(torch::ones({2, 7})).sum().backward();
     adagrad->step();  // its state intact
   });
@@ -328,41 +340,45 @@ TEST(CheckpointFailures, AnOptimizerWhoseStateIsNotCarriedIsRefused) {
 // the checkpoint get their own timeout back.
 TEST(CheckpointFailures, ASlowWriterIsWaitedForUnderTheFileTimeout) {
   const TempDir dir;
-  auto r = run_ranks(2, [&](World& w) {
-    torch::manual_seed(0);
-    MLP m;
-    shardtorch::shard(m, w);
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    const int slow = 0;
-    for (int round = 0; round < 2; ++round) {
-      // Rank `slow` takes 2 s over its file, once written: the stall is the
-      // scenario, twice the collective timeout.
-      shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
-        if (p == "file written" && w.rank() == slow) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
-      });
-      if (round == 0) {
-        shardtorch::save_full_state_dict(*m, (dir / "full.safetensors").string());
-      } else {
-        shardtorch::save_sharded_checkpoint(*m, opt.get(), (dir / "sharded").string(), 1);
-      }
-      shardtorch::checkpoint::set_crash_hook(nullptr);
-      require(w.comm().timeout() == std::chrono::seconds(1), "the collective timeout was not restored");
-    }
-    // And without the allowance, the same wait fails naming the collective.
-    std::string e = "no error";
-    shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
-      if (p == "file written" && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
-    });
-    try {
-      shardtorch::checkpoint::save_file((dir / ("plain" + std::to_string(w.rank()))).string(), {{"x", torch::ones({2})}});
-      auto flag = torch::zeros({1});
-      w.comm().all_reduce(flag, c10d::ReduceOp::SUM, "after a slow write");
-    } catch (const std::exception& err) {
-      e = err.what();
-    }
-    shardtorch::checkpoint::set_crash_hook(nullptr);
-    require(w.rank() == 1 || e.find("after a slow write") != std::string::npos, "rank 0: " + e);
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(1)));
+  auto r = run_ranks(
+      2,
+      [&](World& w) {
+        torch::manual_seed(0);
+        MLP m;
+        shardtorch::shard(m, w);
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        const int slow = 0;
+        for (int round = 0; round < 2; ++round) {
+          // Rank `slow` takes 2 s over its file, once written: the stall is the
+          // scenario, twice the collective timeout.
+          shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
+            if (p == "file written" && w.rank() == slow) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+          });
+          if (round == 0) {
+            shardtorch::save_full_state_dict(*m, (dir / "full.safetensors").string());
+          } else {
+            shardtorch::save_sharded_checkpoint(*m, opt.get(), (dir / "sharded").string(), 1);
+          }
+          shardtorch::checkpoint::set_crash_hook(nullptr);
+          require(w.comm().timeout() == std::chrono::seconds(1), "the collective timeout was not restored");
+        }
+        // And without the allowance, the same wait fails naming the collective.
+        std::string e = "no error";
+        shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
+          if (p == "file written" && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+        });
+        try {
+          shardtorch::checkpoint::save_file((dir / ("plain" + std::to_string(w.rank()))).string(),
+                                            {{"x", torch::ones({2})}});
+          auto flag = torch::zeros({1});
+          w.comm().all_reduce(flag, c10d::ReduceOp::SUM, "after a slow write");
+        } catch (const std::exception& err) {
+          e = err.what();
+        }
+        shardtorch::checkpoint::set_crash_hook(nullptr);
+        require(w.rank() == 1 || e.find("after a slow write") != std::string::npos, "rank 0: " + e);
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(1)));
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
@@ -374,8 +390,11 @@ TEST(CheckpointFailures, ReservedFullStateDictMetadataIsRefused) {
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w);
     const std::string path = (dir / "full.safetensors").string();
-    std::string e = message_of([&] { shardtorch::save_full_state_dict(*t.model, path, {{"shardtorch_strategy", "x"}}); });
-    require(e.find("metadata key 'shardtorch_strategy' is reserved") != std::string::npos, "expected a refusal, got: " + e);
+    std::string e = message_of([&] {
+      shardtorch::save_full_state_dict(*t.model, path, {{"shardtorch_strategy", "x"}});
+    });
+    require(e.find("metadata key 'shardtorch_strategy' is reserved") != std::string::npos,
+            "expected a refusal, got: " + e);
     e = message_of([&] { shardtorch::save_full_state_dict(*t.model, path, {{"format", "mine"}}); });
     require(e.find("metadata \"format\" is \"pt\"") != std::string::npos, "expected a refusal, got: " + e);
     require(!files::exists(path), "a refused save wrote the file");
@@ -400,9 +419,8 @@ TEST(CheckpointFailures, RanksSavingDifferentStepsOrOptimizersFailAndKeepThePrev
     require(e.find("rank " + std::to_string(other) + ": it saves step " + std::to_string(2 + other) + " but rank " +
                    std::to_string(w.rank()) + " saves step " + std::to_string(2 + w.rank())) != std::string::npos,
             "expected the step mismatch, got: " + e);
-    e = message_of([&] {
-      shardtorch::save_sharded_checkpoint(*t.model, w.rank() == 0 ? t.opt.get() : nullptr, ckpt, 2);
-    });
+    e = message_of(
+        [&] { shardtorch::save_sharded_checkpoint(*t.model, w.rank() == 0 ? t.opt.get() : nullptr, ckpt, 2); });
     require(e.find("rank " + std::to_string(other) + ": it saves optimizer " + (other == 0 ? "SGD" : "none")) !=
                 std::string::npos,
             "expected the optimizer mismatch, got: " + e);
@@ -440,9 +458,9 @@ TEST(CheckpointFailures, OptimizerStateOfAnotherKindOrWithoutAmsgradIsRefused) {
     require(e.find("holds optimizer state of another kind of optimizer") != std::string::npos,
             "expected the refusal of SGD's state, got: " + e);
     e = message_of([&] { shardtorch::load_sharded_checkpoint(*t.model, with_max.get(), adam); });
-    require(e.find("is in a parameter group with amsgrad, but the checkpoint has no max_exp_avg_sq") !=
-                std::string::npos,
-            "expected the refusal of state without amsgrad's maximum, got: " + e);
+    require(
+        e.find("is in a parameter group with amsgrad, but the checkpoint has no max_exp_avg_sq") != std::string::npos,
+        "expected the refusal of state without amsgrad's maximum, got: " + e);
     require(with_max->inner().state().empty(), "the refused load gave the optimizer state");
     for (const auto& [n, v] : shardtorch::full_parameters(*t.model))
       require(at::equal(v, params.at(n)), n + " changed in a refused load");

@@ -58,7 +58,8 @@ void require_has(const std::string& text, const std::string& needle) {
 // that blocks fails the test instead of hanging it.
 void bounded(const std::function<void()>& body) {
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(1, [&](World&) { body(); }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(30)));
+  auto r = run_ranks(
+      1, [&](World&) { body(); }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(30)));
   ASSERT_TRUE(r.ok) << (r.ranks[0].timed_out ? "a reader blocked (killed after 30 s)\n" : "") << r.summary();
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
 }
@@ -87,12 +88,15 @@ std::string saved_mlp(const Path& dir) {
 
 // The message of loading `ckpt` into the MLP at 1 rank (empty: it loaded).
 std::string mlp_load_error(const std::string& ckpt) {
-  auto r = run_ranks(1, [&](World& w) {
-    auto model = MLP();
-    shardtorch::shard(model, w);
-    auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1).momentum(0.9));
-    shardtorch::load_sharded_checkpoint(*model, opt.get(), ckpt);
-  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(30)));
+  auto r = run_ranks(
+      1,
+      [&](World& w) {
+        auto model = MLP();
+        shardtorch::shard(model, w);
+        auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1).momentum(0.9));
+        shardtorch::load_sharded_checkpoint(*model, opt.get(), ckpt);
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(30)));
   if (r.ok) return "";
   return r.ranks[0].timed_out ? "the load blocked" : r.ranks[0].message;
 }
@@ -140,14 +144,18 @@ TEST(NotACheckpoint, LoadFullStateDictRefusesAFifoWithoutBlocking) {
   const std::string fifo = (dir / "model.safetensors").string();
   make_fifo(fifo);
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(2, [&](World& w) {
-    auto model = MLP();
-    shardtorch::shard(model, w);
-    const auto before = shardtorch::full_parameters(*model);
-    const std::string e = checkpoint_error([&] { shardtorch::load_full_state_dict(*model, fifo); });
-    require_has(e, "rank 0: safetensors file '" + fifo + "': cannot open: is a FIFO, not a regular file");
-    for (const auto& [n, v] : shardtorch::full_parameters(*model)) require(at::equal(v, before.at(n)), n + " changed");
-  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(30)));  // a blocked reader is killed
+  auto r = run_ranks(
+      2,
+      [&](World& w) {
+        auto model = MLP();
+        shardtorch::shard(model, w);
+        const auto before = shardtorch::full_parameters(*model);
+        const std::string e = checkpoint_error([&] { shardtorch::load_full_state_dict(*model, fifo); });
+        require_has(e, "rank 0: safetensors file '" + fifo + "': cannot open: is a FIFO, not a regular file");
+        for (const auto& [n, v] : shardtorch::full_parameters(*model))
+          require(at::equal(v, before.at(n)), n + " changed");
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(30)));  // a blocked reader is killed
   ASSERT_TRUE(r.ok) << r.summary();
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
 }
@@ -195,7 +203,8 @@ TEST(NotACheckpoint, AShardThatIsADirectoryIsTheCheckpointErrorForBothReaders) {
   files::copy_tree(ckpt, copy);
   files::remove(copy + "/rank-1.safetensors");
   files::create_directories(copy + "/rank-1.safetensors");
-  const std::string needle = "checkpoint '" + copy + "': shard file 'rank-1.safetensors' is a directory, not a regular file";
+  const std::string needle =
+      "checkpoint '" + copy + "': shard file 'rank-1.safetensors' is a directory, not a regular file";
   const std::string offline = checkpoint_error([&] { shardtorch::read_sharded_checkpoint(copy); });
   EXPECT_NE(offline.find(needle), std::string::npos) << offline;
   const std::string loaded = mlp_load_error(copy);
@@ -257,16 +266,16 @@ TEST(NotACheckpoint, TheCastRuleAllowsFloatToFloatAndWideningOnly) {
     bool allowed;
   };
   const std::vector<Case> cases = {
-      {at::kFloat, at::kFloat, true},     {at::kFloat, at::kDouble, true},    {at::kDouble, at::kFloat, true},
-      {at::kFloat, at::kBFloat16, true},  {at::kHalf, at::kBFloat16, true},   {at::kInt, at::kLong, true},
-      {at::kShort, at::kInt, true},       {at::kByte, at::kShort, true},      {at::kByte, at::kUInt16, true},
-      {at::kBool, at::kByte, true},       {at::kBool, at::kFloat, true},      {at::kChar, at::kHalf, true},
-      {at::kByte, at::kBFloat16, true},   {at::kUInt16, at::kFloat, true},    {at::kInt, at::kDouble, true},
-      {at::kFloat, at::kLong, false},     {at::kFloat, at::kInt, false},      {at::kDouble, at::kBool, false},
-      {at::kBFloat16, at::kByte, false},  {at::kLong, at::kInt, false},       {at::kInt, at::kShort, false},
-      {at::kUInt64, at::kLong, false},    {at::kByte, at::kChar, false},      {at::kChar, at::kByte, false},
-      {at::kInt, at::kUInt64, false},     {at::kLong, at::kDouble, false},    {at::kInt, at::kFloat, false},
-      {at::kShort, at::kHalf, false},     {at::kByte, at::kBool, false},      {at::kFloat, at::kComplexFloat, false},
+      {at::kFloat, at::kFloat, true},    {at::kFloat, at::kDouble, true},  {at::kDouble, at::kFloat, true},
+      {at::kFloat, at::kBFloat16, true}, {at::kHalf, at::kBFloat16, true}, {at::kInt, at::kLong, true},
+      {at::kShort, at::kInt, true},      {at::kByte, at::kShort, true},    {at::kByte, at::kUInt16, true},
+      {at::kBool, at::kByte, true},      {at::kBool, at::kFloat, true},    {at::kChar, at::kHalf, true},
+      {at::kByte, at::kBFloat16, true},  {at::kUInt16, at::kFloat, true},  {at::kInt, at::kDouble, true},
+      {at::kFloat, at::kLong, false},    {at::kFloat, at::kInt, false},    {at::kDouble, at::kBool, false},
+      {at::kBFloat16, at::kByte, false}, {at::kLong, at::kInt, false},     {at::kInt, at::kShort, false},
+      {at::kUInt64, at::kLong, false},   {at::kByte, at::kChar, false},    {at::kChar, at::kByte, false},
+      {at::kInt, at::kUInt64, false},    {at::kLong, at::kDouble, false},  {at::kInt, at::kFloat, false},
+      {at::kShort, at::kHalf, false},    {at::kByte, at::kBool, false},    {at::kFloat, at::kComplexFloat, false},
   };
   for (const auto& c : cases)
     EXPECT_EQ(is_safe_cast(c.from, c.to), c.allowed) << c10::toString(c.from) << " -> " << c10::toString(c.to);
@@ -306,7 +315,8 @@ std::string load_counted(const CastCase& c, bool sharded, bool allow_lossy, cons
         shardtorch::load_full_state_dict(*model, path, options);
     } catch (const SafetensorsError& e) {
       require(at::equal(model->counts, counts), "a refused load changed the counts");
-      for (const auto& [n, v] : shardtorch::full_parameters(*model)) require(at::equal(v, before.at(n)), n + " changed");
+      for (const auto& [n, v] : shardtorch::full_parameters(*model))
+        require(at::equal(v, before.at(n)), n + " changed");
       throw;
     }
     shardtorch::save_full_state_dict(*model, out);  // what it holds now, for the parent
@@ -338,8 +348,10 @@ TEST(NotACheckpoint, LossyCastsAreRefusedByBothLoadersUnlessAllowed) {
     EXPECT_NE(e.find("'counts'"), std::string::npos) << which << e;
     EXPECT_NE(e.find("F32"), std::string::npos) << which << e;
     EXPECT_NE(e.find("can change values: refused (LoadOptions().allow_lossy_casts(true) casts anyway)"),
-              std::string::npos) << which << e;
-    EXPECT_NE(e.find("the model's " + std::string(sharded ? "is I64" : "buffer is I64")), std::string::npos) << which << e;
+              std::string::npos)
+        << which << e;
+    EXPECT_NE(e.find("the model's " + std::string(sharded ? "is I64" : "buffer is I64")), std::string::npos)
+        << which << e;
     e = load_counted(into_i32, sharded, false, dir, got);
     EXPECT_NE(e.find("I64"), std::string::npos) << which << e;
     EXPECT_NE(e.find("I32, and a cast from I64 to I32 can change values"), std::string::npos) << which << e;
@@ -379,23 +391,24 @@ TEST(NotACheckpoint, AnIndexWithImpossibleValuesIsRefusedByBothReaders) {
       {"file-name", "\"name\":\"rank-1.safetensors\"", "\"name\":\"notes.txt\"", "file 'notes.txt' is not rank-R"},
       {"file-twice", "\"name\":\"rank-1.safetensors\"", "\"name\":\"rank-0.safetensors\"",
        "file 'rank-0.safetensors' is listed twice"},
-      {"size", "(\"name\":\"rank-0.safetensors\",\"size\":)[0-9]+", "$1-8", "the size of 'rank-0.safetensors' is negative"},
+      {"size", "(\"name\":\"rank-0.safetensors\",\"size\":)[0-9]+", "$1-8",
+       "the size of 'rank-0.safetensors' is negative"},
       {"checksum", "\"checksum\":\"xxh3_64:[0-9a-f]+\"", "\"checksum\":\"md5:0\"", "is not xxh3_64:HEX or fnv1a64:HEX"},
       {"shape", "(\"shapes\":\\{\"[^\"]+\":\\[)([0-9]+)", "$1$2.0", "not an integer"},
   };
   for (const auto& c : cases) {
-    const std::string copy = with_index(ckpt, c.name, [&](std::string t) { return replace_first(t, c.pattern, c.with); });
+    const std::string copy =
+        with_index(ckpt, c.name, [&](std::string t) { return replace_first(t, c.pattern, c.with); });
     const std::string index = copy + "/index.json";
-    for (const auto& e : {mlp_load_error(copy),
-                          checkpoint_error([&] { shardtorch::read_sharded_checkpoint(copy); })}) {
+    for (const auto& e : {mlp_load_error(copy), checkpoint_error([&] { shardtorch::read_sharded_checkpoint(copy); })}) {
       EXPECT_NE(e.find("checkpoint index '" + index + "'"), std::string::npos) << c.name << ": " << e;
       EXPECT_NE(e.find(c.needle), std::string::npos) << c.name << ": " << e;
     }
   }
   // Every strategy a save records reads back.
-  for (const auto s : {shardtorch::Strategy::FullShard, shardtorch::Strategy::ShardGradOp,
-                       shardtorch::Strategy::OptimizerOnly, shardtorch::Strategy::NoShard,
-                       shardtorch::Strategy::HybridShard}) {
+  for (const auto s :
+       {shardtorch::Strategy::FullShard, shardtorch::Strategy::ShardGradOp, shardtorch::Strategy::OptimizerOnly,
+        shardtorch::Strategy::NoShard, shardtorch::Strategy::HybridShard}) {
     const std::string name = shardtorch::strategy_name(s);
     const std::string copy = with_index(ckpt, "as-" + name, [&](std::string t) {
       return name == "full_shard" ? replace_first(t, "\"world_size\":2", "\"world_size\":2 ")

@@ -68,8 +68,8 @@ void expect_equal(const std::map<std::string, torch::Tensor>& got, const std::ma
                   const std::string& what) {
   require(got.size() == want.size(), what + ": parameter counts differ");
   for (const auto& [name, t] : want)
-    require(torch::equal(got.at(name), t), what + ": " + name + " differs by " +
-                                               std::to_string((got.at(name) - t).abs().max().item<double>()));
+    require(torch::equal(got.at(name), t),
+            what + ": " + name + " differs by " + std::to_string((got.at(name) - t).abs().max().item<double>()));
 }
 
 // Records every bucket it is given, then all-reduces it as the built-in hook.
@@ -94,8 +94,9 @@ struct RecordingHook : shardtorch::AllReduceHook {
 struct DtypeCheckingHook : shardtorch::AllReduceHook {
   DtypeCheckingHook(shardtorch::HookGroup g, at::ScalarType want) : AllReduceHook(std::move(g)), want(want) {}
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
-    require(bucket.getBuffer().scalar_type() == want,
-            "the hook got a bucket of " + shardtorch::describe(bucket.getBuffer()) + ", expected " + c10::toString(want));
+    require(
+        bucket.getBuffer().scalar_type() == want,
+        "the hook got a bucket of " + shardtorch::describe(bucket.getBuffer()) + ", expected " + c10::toString(want));
     return AllReduceHook::runHook(bucket);
   }
   at::ScalarType want;
@@ -112,7 +113,8 @@ struct ScaleHook : c10d::CppCommHookInterface<double> {
 // Fails in one of three ways on its first `failures` calls, then all-reduces.
 enum class Failure { FutureError, WrongShape, ThrowsInCallback };
 struct FailingHook : shardtorch::AllReduceHook {
-  FailingHook(shardtorch::HookGroup g, Failure how, int failures) : AllReduceHook(std::move(g)), how(how), left(failures) {}
+  FailingHook(shardtorch::HookGroup g, Failure how, int failures)
+      : AllReduceHook(std::move(g)), how(how), left(failures) {}
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     if (left <= 0) return AllReduceHook::runHook(bucket);
     --left;
@@ -122,7 +124,8 @@ struct FailingHook : shardtorch::AllReduceHook {
         f->setError(std::make_exception_ptr(std::runtime_error("the replica group voted this step down")));
         return f;
       }
-      case Failure::WrongShape: return shardtorch::completed_future(at::zeros({3}));
+      case Failure::WrongShape:
+        return shardtorch::completed_future(at::zeros({3}));
       case Failure::ThrowsInCallback:  // the callback runs on a Gloo thread: its exception must not escape there
         return AllReduceHook::runHook(bucket)->then(
             [](c10::ivalue::Future&) -> c10::IValue { throw std::runtime_error("decompression failed"); },
@@ -141,7 +144,8 @@ TEST(CommHooks, NoShardAllReduceHookTrainsBitwiseLikeTheBuiltInReduction) {
     // Small buckets: several per step, and the unused-parameter flag goes on its own.
     const auto opts = ShardOptions().strategy(Strategy::NoShard).bucket_mb(0.0002);
     auto want = train(w, opts, nullptr);
-    auto got = train(w, opts, [](shardtorch::ShardedModel& sm) { return shardtorch::allreduce_hook(sm.comm_hook_group()); });
+    auto got =
+        train(w, opts, [](shardtorch::ShardedModel& sm) { return shardtorch::allreduce_hook(sm.comm_hook_group()); });
     expect_equal(got, want, "NoShard with allreduce_hook");
   });
   ASSERT_TRUE(r.ok) << r.summary();
@@ -239,7 +243,8 @@ TEST_P(HookFailures, ReachTheCallerOfBackwardNamingRankAndBucket) {
         require(message.find("the replica group voted this step down") != std::string::npos, message);
         break;
       case Failure::WrongShape:
-        require(message.find("holds Float[3], expected a tensor of the bucket's shape [") != std::string::npos, message);
+        require(message.find("holds Float[3], expected a tensor of the bucket's shape [") != std::string::npos,
+                message);
         break;
       case Failure::ThrowsInCallback:
         require(message.find("decompression failed") != std::string::npos, message);
@@ -320,11 +325,12 @@ TEST(CommHooks, FullShardHookRunsOnTheReduceScatterOutput) {
     });
     expect_equal(same, want, "FullShard with allreduce_hook");
     // A hook doubling the gradients, at half the learning rate, takes the same steps.
-    auto doubled = train(w, opts, [](shardtorch::ShardedModel&) { return std::make_unique<ScaleHook>(2.0); }, 3, 0.05);
+    auto doubled = train(
+        w, opts, [](shardtorch::ShardedModel&) { return std::make_unique<ScaleHook>(2.0); }, 3, 0.05);
     expect_equal(doubled, want, "FullShard with gradients doubled by a hook at half the learning rate");
-    auto sgo = train(w, ShardOptions().strategy(Strategy::ShardGradOp), [](shardtorch::ShardedModel&) {
-      return std::make_unique<ScaleHook>(2.0);
-    }, 3, 0.05);
+    auto sgo = train(
+        w, ShardOptions().strategy(Strategy::ShardGradOp),
+        [](shardtorch::ShardedModel&) { return std::make_unique<ScaleHook>(2.0); }, 3, 0.05);
     expect_equal(sgo, train(w, ShardOptions().strategy(Strategy::ShardGradOp), nullptr), "ShardGradOp, doubled");
   });
   ASSERT_TRUE(r.ok) << r.summary();
@@ -358,10 +364,12 @@ TEST(CommHooks, OptimizerOnlyHookRunsOnTheAllReducedWholeGradient) {
                                       std::to_string(params) + ": not whole gradients");
     }
     auto want = train(w, opts, nullptr);
-    auto same = train(w, opts, [](shardtorch::ShardedModel& sm) { return shardtorch::allreduce_hook(sm.comm_hook_group()); });
+    auto same =
+        train(w, opts, [](shardtorch::ShardedModel& sm) { return shardtorch::allreduce_hook(sm.comm_hook_group()); });
     expect_equal(same, want, "OptimizerOnly with allreduce_hook");
     // A hook doubling the gradients, at half the learning rate, takes the same steps.
-    auto doubled = train(w, opts, [](shardtorch::ShardedModel&) { return std::make_unique<ScaleHook>(2.0); }, 3, 0.05);
+    auto doubled = train(
+        w, opts, [](shardtorch::ShardedModel&) { return std::make_unique<ScaleHook>(2.0); }, 3, 0.05);
     expect_equal(doubled, want, "OptimizerOnly with gradients doubled by a hook at half the learning rate");
   });
   ASSERT_TRUE(r.ok) << r.summary();
@@ -375,10 +383,12 @@ TEST(CommHooks, AllReduceHookTrainsBitwiseLikeTheBuiltInReductionUnderMixedPreci
     // The MLP's buffer in param_dtype too: an fp32 one would promote the input to fp32.
     const auto mp =
         shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).buffer_dtype(at::kBFloat16);
-    for (auto opts : {ShardOptions().strategy(Strategy::NoShard).bucket_mb(0.0002).mixed_precision(mp),
-                      ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2).mixed_precision(mp),
-                      ShardOptions().strategy(Strategy::FullShard).mixed_precision(
-                          shardtorch::MixedPrecision().param_dtype(at::kHalf).buffer_dtype(at::kHalf))}) {
+    for (auto opts :
+         {ShardOptions().strategy(Strategy::NoShard).bucket_mb(0.0002).mixed_precision(mp),
+          ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2).mixed_precision(mp),
+          ShardOptions()
+              .strategy(Strategy::FullShard)
+              .mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kHalf).buffer_dtype(at::kHalf))}) {
       auto want = train(w, opts, nullptr);
       const auto mp = opts.mixed_precision();
       const at::ScalarType bucket = mp.reduce_dtype().value_or(*mp.param_dtype());
@@ -401,35 +411,41 @@ TEST(CommHooks, DifferentHooksOnDifferentRanksFailEveryRankNamingBoth) {
     int ranks;
     bool last_has_none;  // the last rank registers no hook (else the bf16 one)
   };
-  for (const Case c : {Case{Strategy::NoShard, 2, false}, Case{Strategy::NoShard, 2, true},
-                       Case{Strategy::FullShard, 2, false}, Case{Strategy::HybridShard, 4, false},
-                       Case{Strategy::HybridShard, 4, true}}) {
+  for (const Case c :
+       {Case{Strategy::NoShard, 2, false}, Case{Strategy::NoShard, 2, true}, Case{Strategy::FullShard, 2, false},
+        Case{Strategy::HybridShard, 4, false}, Case{Strategy::HybridShard, 4, true}}) {
     SCOPED_TRACE(std::string(shardtorch::strategy_name(c.strategy)) + (c.last_has_none ? ", no hook" : ", bf16"));
     const auto t0 = std::chrono::steady_clock::now();
-    auto r = run_ranks(c.ranks, [c](World& w) {
-      torch::manual_seed(0);
-      MLP model;
-      auto opts = ShardOptions().strategy(c.strategy);
-      if (c.strategy == Strategy::HybridShard) opts.hybrid_shard_size(2);
-      auto sm = shardtorch::shard(model, w, opts);
-      const bool last = w.rank() + 1 == w.size();
-      if (!last) sm.register_comm_hook(shardtorch::allreduce_hook(sm.comm_hook_group()));
-      if (last && !c.last_has_none) sm.register_comm_hook(shardtorch::bf16_compress_hook(sm.comm_hook_group()));
-      auto [x, y] = rank_batch(w);
-      std::string message;
-      try {
-        torch::mse_loss(model(x), y).backward();
-      } catch (const shardtorch::Error& e) {
-        message = e.what();
-      }
-      require(!message.empty(), "backward did not fail with shardtorch::Error");
-      const std::string other = c.last_has_none ? "no hook" : "shardtorch::CompressHook(BFloat16)";
-      for (const std::string& want :
-           {"shardtorch: rank " + std::to_string(w.rank()) + ": the ranks have different communication hooks: ",
-            std::string("rank 0 has shardtorch::AllReduceHook, rank ") + std::to_string(w.size() - 1) + " has " + other,
-            std::string("register the same kind of hook on every rank")})
-        require(message.find(want) != std::string::npos, "'" + want + "' is not in: " + message);
-    }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(60)).timeout(std::chrono::seconds(90)));
+    auto r = run_ranks(
+        c.ranks,
+        [c](World& w) {
+          torch::manual_seed(0);
+          MLP model;
+          auto opts = ShardOptions().strategy(c.strategy);
+          if (c.strategy == Strategy::HybridShard) opts.hybrid_shard_size(2);
+          auto sm = shardtorch::shard(model, w, opts);
+          const bool last = w.rank() + 1 == w.size();
+          if (!last) sm.register_comm_hook(shardtorch::allreduce_hook(sm.comm_hook_group()));
+          if (last && !c.last_has_none) sm.register_comm_hook(shardtorch::bf16_compress_hook(sm.comm_hook_group()));
+          auto [x, y] = rank_batch(w);
+          std::string message;
+          try {
+            torch::mse_loss(model(x), y).backward();
+          } catch (const shardtorch::Error& e) {
+            message = e.what();
+          }
+          require(!message.empty(), "backward did not fail with shardtorch::Error");
+          const std::string other = c.last_has_none ? "no hook" : "shardtorch::CompressHook(BFloat16)";
+          for (const std::string& want :
+               {"shardtorch: rank " + std::to_string(w.rank()) + ": the ranks have different communication hooks: ",
+                std::string("rank 0 has shardtorch::AllReduceHook, rank ") + std::to_string(w.size() - 1) + " has " +
+                    other,
+                std::string("register the same kind of hook on every rank")})
+            require(message.find(want) != std::string::npos, "'" + want + "' is not in: " + message);
+        },
+        shardtorch::testing::RunOptions()
+            .collective_timeout(std::chrono::seconds(60))
+            .timeout(std::chrono::seconds(90)));
     EXPECT_TRUE(r.ok) << r.summary();
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0)
         << "the ranks should fail at once, not after the collective timeout";
@@ -464,14 +480,15 @@ TEST(CommHooks, CommStatsCountTheBucketsHandedToTheHook) {
       int64_t bytes = 0;
       for (const auto& b : hook->buffers) bytes += static_cast<int64_t>(b.nbytes());
       require(hook->buffers.size() >= 2, what + ": expected several buckets");
-      require(stats.calls == static_cast<int64_t>(hook->buffers.size()),
-              what + ": " + std::to_string(stats.calls) + " hook calls counted, the hook saw " +
-                  std::to_string(hook->buffers.size()));
+      require(stats.calls == static_cast<int64_t>(hook->buffers.size()), what + ": " + std::to_string(stats.calls) +
+                                                                             " hook calls counted, the hook saw " +
+                                                                             std::to_string(hook->buffers.size()));
       require(stats.bucket_bytes == bytes, what + ": " + std::to_string(stats.bucket_bytes) +
                                                " bucket bytes counted, the hook saw " + std::to_string(bytes));
       require(stats.seconds > 0, what + ": no time counted");
       if (opts.mixed_precision().reduce_dtype())  // fp32 buckets of bf16 parameters: 4 bytes an element
-        for (const auto& b : hook->buffers) require(b.scalar_type() == at::kFloat, what + ": a bucket of " + shardtorch::describe(b));
+        for (const auto& b : hook->buffers)
+          require(b.scalar_type() == at::kFloat, what + ": a bucket of " + shardtorch::describe(b));
     }
   });
   ASSERT_TRUE(r.ok) << r.summary();

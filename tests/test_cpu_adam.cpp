@@ -10,7 +10,6 @@ using namespace testmodels;
 using shardtorch::World;
 using shardtorch::testing::run_ranks;
 
-
 namespace {
 
 // How far the fused optimizer's state for `b` is from torch::optim's for `a`
@@ -92,7 +91,8 @@ TEST(FusedCpuAdam, WritesTheBf16CopyInTheSamePass) {
   // and vector conversions give NaNs of different bits), bit for bit elsewhere.
   auto want = p.to(torch::kBFloat16);
   EXPECT_TRUE(at::equal(low.isnan(), want.isnan()));
-  EXPECT_TRUE(at::equal(low.view(at::kShort).masked_fill(low.isnan(), 0), want.view(at::kShort).masked_fill(want.isnan(), 0)));
+  EXPECT_TRUE(
+      at::equal(low.view(at::kShort).masked_fill(low.isnan(), 0), want.view(at::kShort).masked_fill(want.isnan(), 0)));
   // Writing the copy changes nothing else.
   EXPECT_TRUE(at::equal(p.view(at::kInt), p2.view(at::kInt)));
   EXPECT_TRUE(at::equal(m, m2));
@@ -112,10 +112,11 @@ TEST(FusedCpuAdam, RefusesAmsgrad) {
 TEST(FusedCpuAdam, ARefusedStepChangesNothing) {
   auto a = torch::randn({4}).requires_grad_(true), b = torch::randn({4}).requires_grad_(true);
   const auto a0 = a.detach().clone();
-  shardtorch::FusedAdamW opt({torch::optim::OptimizerParamGroup({a}),
-                              torch::optim::OptimizerParamGroup({b}, std::make_unique<torch::optim::AdamWOptions>(
-                                                                         torch::optim::AdamWOptions(1e-3).amsgrad(true)))},
-                             torch::optim::AdamWOptions(1e-3));
+  shardtorch::FusedAdamW opt(
+      {torch::optim::OptimizerParamGroup({a}),
+       torch::optim::OptimizerParamGroup(
+           {b}, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(1e-3).amsgrad(true)))},
+      torch::optim::AdamWOptions(1e-3));
   a.mutable_grad() = torch::ones({4});
   b.mutable_grad() = torch::ones({4});
   EXPECT_THROW(opt.step(), shardtorch::Error);
@@ -235,8 +236,8 @@ TEST(FusedCpuAdam, TheNewtonVariantIsWithinAFewUlpOfTheExactUpdateEverywhere) {
     auto run = [&](const char* isa, const shardtorch::AdamStep& s) {
       ::setenv("SHARDTORCH_ADAM_ISA", isa, 1);
       auto p = p0.clone(), m = m0.clone(), v = v0.clone();
-      shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
-                                 n, s);
+      shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n,
+                                 s);
       return std::make_tuple(p, m, v, shardtorch::fused_adam_isa());
     };
     for (const auto& s : {shardtorch::AdamStep{1e-3, 0.9, 0.999, 1e-8, 0.01, 7, true},
@@ -260,8 +261,8 @@ TEST(FusedCpuAdam, TheNewtonVariantIsWithinAFewUlpOfTheExactUpdateEverywhere) {
       // at most) plus 1e-6 of the update.
       auto bound = pe.abs() * 1.2e-7 + (pe - p0).abs() * 1e-6 + 1e-38;
       auto over = ((pn - pe).abs() / bound).masked_select(ok);
-      require(over.max().item<double>() <= 1.0, "parameters apart by " + std::to_string(over.max().item<double>()) +
-                                                    " times the bound");
+      require(over.max().item<double>() <= 1.0,
+              "parameters apart by " + std::to_string(over.max().item<double>()) + " times the bound");
       require(at::equal(vn.isinf(), ve.isinf()), "an infinite v in one variant only");
       auto finite_v = ok & ve.isfinite();
       require(rel_err(mn.masked_select(finite_v), me.masked_select(finite_v)) <= 1e-6 &&
@@ -292,8 +293,10 @@ TEST(FusedCpuAdam, AnOverrideThatCannotBeHonouredIsAWarning) {
                                shardtorch::AdamStep{1e-3, 0.9, 0.999, 1e-8, 0.0, 1, true});
     require(shardtorch::fused_adam_isa() == automatic, "ran " + shardtorch::fused_adam_isa() + ", not " + automatic);
     require(warnings.messages.size() == 1, std::to_string(warnings.messages.size()) + " warnings, expected one");
-    const std::string want = "SHARDTORCH_ADAM_ISA='avx-512' is not one of avx512-newton, avx512, avx2, default; the "
-                             "fused CPU Adam uses '" + automatic + "'";
+    const std::string want =
+        "SHARDTORCH_ADAM_ISA='avx-512' is not one of avx512-newton, avx512, avx2, default; the "
+        "fused CPU Adam uses '" +
+        automatic + "'";
     require(warnings.messages[0].find(want) != std::string::npos, warnings.messages[0]);
   });
   ASSERT_TRUE(r.ok) << r.summary();
@@ -322,7 +325,8 @@ TEST(FusedCpuAdam, EveryInstructionSetVariantMatchesTorch) {
       require(ran == isa, "asked for " + isa + " but ran " + ran);
       require(rel_err(b.detach(), a.detach()) <= 1e-6, ran + " variant differs from torch::optim::AdamW");
       auto gap = state_gap<torch::optim::AdamWParamState>(ref, a, fused, b);
-      require(gap.exp_avg <= 1e-6 && gap.exp_avg_sq <= 1e-6, ran + " variant's moments differ from torch::optim::AdamW's");
+      require(gap.exp_avg <= 1e-6 && gap.exp_avg_sq <= 1e-6,
+              ran + " variant's moments differ from torch::optim::AdamW's");
       std::cout << "  asked for " << isa << ", ran " << ran << std::endl;
     });
     ASSERT_TRUE(r.ok) << isa << "\n" << r.summary();
@@ -372,7 +376,6 @@ TEST(FusedCudaAdamReference, MatchesTheCpuKernelWithinOneMillionth) {
     EXPECT_EQ(mismatched, 0) << "bf16 copies of equal parameters";
   }
 }
-
 
 // The portable variant (the only one on aarch64, and "default" on x86)
 // against each vectorised x86 variant this CPU has, directly: parameters and

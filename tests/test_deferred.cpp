@@ -58,8 +58,9 @@ struct ZooImpl : torch::nn::Module {
         bn1(register_module("bn1", torch::nn::BatchNorm1d(4))),
         bn2(register_module("bn2", torch::nn::BatchNorm2d(3))),
         mha(register_module("mha", torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(8, 2)))),
-        mha_kv(register_module("mha_kv", torch::nn::MultiheadAttention(
-                                             torch::nn::MultiheadAttentionOptions(8, 2).kdim(5).vdim(6).add_bias_kv(true)))),
+        mha_kv(register_module("mha_kv",
+                               torch::nn::MultiheadAttention(
+                                   torch::nn::MultiheadAttentionOptions(8, 2).kdim(5).vdim(6).add_bias_kv(true)))),
         user(register_module("user", UserInit())) {}
   torch::nn::Linear lin;
   torch::nn::Embedding emb;
@@ -86,8 +87,8 @@ std::map<std::string, torch::Tensor> all_tensors(torch::nn::Module& m) {
 // Throws naming the first tensor that is not bitwise equal (dtype, shape, values).
 void require_bitwise(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want,
                      const std::string& what) {
-  require(got.size() == want.size(), what + ": " + std::to_string(got.size()) + " tensors, expected " +
-                                         std::to_string(want.size()));
+  require(got.size() == want.size(),
+          what + ": " + std::to_string(got.size()) + " tensors, expected " + std::to_string(want.size()));
   for (const auto& [name, w] : want) {
     auto it = got.find(name);
     require(it != got.end(), what + ": missing " + name);
@@ -95,9 +96,9 @@ void require_bitwise(const std::map<std::string, torch::Tensor>& got, const std:
     require(!shardtorch::is_deferred(g), what + ": " + name + " still deferred");
     require(g.scalar_type() == w.scalar_type() && g.sizes() == w.sizes() && g.device() == w.device(),
             what + ": " + name + " differs in dtype, shape or device");
-    require(torch::equal(g, w), what + ": " + name + " is not bitwise equal (max |diff| " +
-                                    std::to_string((g.to(torch::kDouble) - w.to(torch::kDouble)).abs().max().item<double>()) +
-                                    ")");
+    require(torch::equal(g, w),
+            what + ": " + name + " is not bitwise equal (max |diff| " +
+                std::to_string((g.to(torch::kDouble) - w.to(torch::kDouble)).abs().max().item<double>()) + ")");
   }
 }
 
@@ -384,7 +385,8 @@ TEST(DeferredShard, LoadsCheckpointsWithoutReplay) {
           shardtorch::load_sharded_checkpoint(*lazy, nullptr, sharded);
         auto summon = shardtorch::summon_full_params(*lazy);
         require_bitwise(clone_all(all_tensors(*lazy)), want,
-                        std::string("rank ") + std::to_string(w.rank()) + (from_full ? ": full state dict" : ": sharded checkpoint"));
+                        std::string("rank ") + std::to_string(w.rank()) +
+                            (from_full ? ": full state dict" : ": sharded checkpoint"));
       }
     });
     EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
@@ -426,8 +428,9 @@ TEST(Deferred, ShardInsideTheGuardIsAnErrorOnEveryRank) {
         throw std::runtime_error("shard() ran under a live DeferredInit");
       } catch (const shardtorch::Error& e) {
         const std::string what = e.what();
-        const std::string want = "shardtorch::shard: rank " + std::to_string(w.rank()) +
-                                 ": called while a shardtorch::DeferredInit lives on this thread; end the guard's scope first";
+        const std::string want =
+            "shardtorch::shard: rank " + std::to_string(w.rank()) +
+            ": called while a shardtorch::DeferredInit lives on this thread; end the guard's scope first";
         if (what.find(want) == std::string::npos) throw std::runtime_error("unexpected error: " + what);
       }
     }

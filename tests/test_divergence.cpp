@@ -139,15 +139,17 @@ TEST_F(Diverged, ADifferentNumberOfMicroBatchesFailsEveryRankNamingBoth) {
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp}) {
     SCOPED_TRACE(shardtorch::strategy_name(s));
     auto t0 = std::chrono::steady_clock::now();
-    auto r = run_ranks(2, [s](World& w) {
-      torch::manual_seed(0);
-      MLP m;
-      auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
-      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-      auto x = torch::randn({4, 7});
-      for (int step = 0; step < 2; ++step)
-        train_step(m, sharded, *opt, x, w.rank() == 0 ? 3 : 2);
-    }, checked());
+    auto r = run_ranks(
+        2,
+        [s](World& w) {
+          torch::manual_seed(0);
+          MLP m;
+          auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
+          auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+          auto x = torch::randn({4, 7});
+          for (int step = 0; step < 2; ++step) train_step(m, sharded, *opt, x, w.rank() == 0 ? 3 : 2);
+        },
+        checked());
     EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
     if (s == Strategy::FullShard) {
       // Both in the second backward: rank 0 without gradient sync, rank 1 with.
@@ -157,8 +159,8 @@ TEST_F(Diverged, ADifferentNumberOfMicroBatchesFailsEveryRankNamingBoth) {
                           "step 0, in backward 2 since the last optimizer step (gradient sync on)"});
     } else {
       // Nothing gathers in backward: rank 0's third backward meets rank 1's second.
-      expect_diverged(r, {"in backward 3 since the last optimizer step (gradient sync on)",
-                          "but rank 1 is at", "in backward 2 since the last optimizer step (gradient sync on)"});
+      expect_diverged(r, {"in backward 3 since the last optimizer step (gradient sync on)", "but rank 1 is at",
+                          "in backward 2 since the last optimizer step (gradient sync on)"});
     }
   }
 }
@@ -171,28 +173,32 @@ TEST_F(Diverged, ADifferentNumberOfMicroBatchesFailsEveryRankNamingBoth) {
 TEST_F(Diverged, ARankThatCaughtTheDivergenceTearsItsModelDownAtOnce) {
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp, Strategy::OptimizerOnly}) {
     SCOPED_TRACE(shardtorch::strategy_name(s));
-    auto r = run_ranks(2, [s](World& w) {
-      torch::manual_seed(0);
-      auto m = std::make_unique<MLP>();
-      auto sharded = std::make_unique<shardtorch::ShardedModel>(shardtorch::shard(*m, w, ShardOptions().strategy(s)));
-      auto opt = shardtorch::Adam(**m, torch::optim::AdamOptions(1e-3));
-      auto x = torch::randn({4, 7});
-      bool diverged = false;
-      try {
-        for (int step = 0; step < 4; ++step) train_step(*m, *sharded, *opt, x, step == 2 && w.rank() == 1 ? 3 : 2);
-      } catch (const shardtorch::CollectivesDiverged&) {
-        diverged = true;
-      }
-      if (!diverged) throw std::runtime_error("no divergence seen");
-      const auto t0 = std::chrono::steady_clock::now();
-      opt.reset();
-      sharded.reset();
-      m.reset();
-      torch::nn::Linear other(1, 1);
-      shardtorch::detail::lookup_model(*other);  // the registry lets the dead model's state go here
-      const double teardown = seconds_since(t0);
-      if (teardown > 10.0) throw std::runtime_error("the teardown took " + std::to_string(teardown) + " s");
-    }, checked());
+    auto r = run_ranks(
+        2,
+        [s](World& w) {
+          torch::manual_seed(0);
+          auto m = std::make_unique<MLP>();
+          auto sharded =
+              std::make_unique<shardtorch::ShardedModel>(shardtorch::shard(*m, w, ShardOptions().strategy(s)));
+          auto opt = shardtorch::Adam(**m, torch::optim::AdamOptions(1e-3));
+          auto x = torch::randn({4, 7});
+          bool diverged = false;
+          try {
+            for (int step = 0; step < 4; ++step) train_step(*m, *sharded, *opt, x, step == 2 && w.rank() == 1 ? 3 : 2);
+          } catch (const shardtorch::CollectivesDiverged&) {
+            diverged = true;
+          }
+          if (!diverged) throw std::runtime_error("no divergence seen");
+          const auto t0 = std::chrono::steady_clock::now();
+          opt.reset();
+          sharded.reset();
+          m.reset();
+          torch::nn::Linear other(1, 1);
+          shardtorch::detail::lookup_model(*other);  // the registry lets the dead model's state go here
+          const double teardown = seconds_since(t0);
+          if (teardown > 10.0) throw std::runtime_error("the teardown took " + std::to_string(teardown) + " s");
+        },
+        checked());
     EXPECT_TRUE(r.ok) << r.summary();
   }
 }
@@ -201,31 +207,35 @@ TEST_F(Diverged, ARankThatCaughtTheDivergenceTearsItsModelDownAtOnce) {
 // program (a barrier before saving); or it exits.
 TEST_F(Diverged, ARankThatStopsEarlyFailsEveryRankNamingBoth) {
   auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(2, [](World& w) {
-    MLP m;
-    auto sharded = shardtorch::shard(m, w);
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randn({4, 7});
-    const int steps = w.rank() == 0 ? 3 : 2;
-    for (int step = 0; step < steps; ++step)
-      train_step(m, sharded, *opt, x, 1);
-    w.barrier();
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        MLP m;
+        auto sharded = shardtorch::shard(m, w);
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 7});
+        const int steps = w.rank() == 0 ? 3 : 2;
+        for (int step = 0; step < steps; ++step) train_step(m, sharded, *opt, x, 1);
+        w.barrier();
+      },
+      checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
   expect_diverged(r, {"rank 0 is at all_gather for parameters of unit 'l1'", "step 2, after 0 backwards",
                       "but rank 1 is at all_reduce for barrier (Float[1]); step 2"});
 
   // The rank that stopped leaves: the other fails at once, naming it.
   t0 = std::chrono::steady_clock::now();
-  auto gone = run_ranks(2, [](World& w) {
-    MLP m;
-    auto sharded = shardtorch::shard(m, w);
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randn({4, 7});
-    const int steps = w.rank() == 0 ? 3 : 2;
-    for (int step = 0; step < steps; ++step)
-      train_step(m, sharded, *opt, x, 1);
-  }, checked());
+  auto gone = run_ranks(
+      2,
+      [](World& w) {
+        MLP m;
+        auto sharded = shardtorch::shard(m, w);
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 7});
+        const int steps = w.rank() == 0 ? 3 : 2;
+        for (int step = 0; step < steps; ++step) train_step(m, sharded, *opt, x, 1);
+      },
+      checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << gone.summary();
   EXPECT_EQ(gone.ranks[1].exit_code, 0) << gone.summary();
   EXPECT_EQ(gone.ranks[0].exit_code, 1) << gone.summary();
@@ -238,15 +248,18 @@ TEST_F(Diverged, ARankThatStopsEarlyFailsEveryRankNamingBoth) {
 // unit's parameters.
 TEST_F(Diverged, ADifferentForwardPathFailsEveryRankNamingBothUnits) {
   auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(2, [](World& w) {
-    Routed m;
-    auto sharded = shardtorch::shard(m, w);
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randn({4, 6});
-    train_step(m, sharded, *opt, x, 1);
-    m->skip_b = w.rank() == 1;
-    train_step(m, sharded, *opt, x, 1);
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        Routed m;
+        auto sharded = shardtorch::shard(m, w);
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 6});
+        train_step(m, sharded, *opt, x, 1);
+        m->skip_b = w.rank() == 1;
+        train_step(m, sharded, *opt, x, 1);
+      },
+      checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
   expect_diverged(r, {"rank 0 is at all_gather for parameters of unit 'b' (flat Float of 2 params, 42 elements",
                       "step 1, after 0 backwards",
@@ -260,13 +273,16 @@ TEST_F(Diverged, ADifferentBatchSizeFailsEveryRankNamingBothShapes) {
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
     SCOPED_TRACE(shardtorch::strategy_name(s));
     auto t0 = std::chrono::steady_clock::now();
-    auto r = run_ranks(2, [s](World& w) {
-      MLP m;
-      auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
-      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-      auto x = torch::randn({w.rank() == 0 ? 8 : 4, 7});
-      train_step(m, sharded, *opt, x, 1);
-    }, checked());
+    auto r = run_ranks(
+        2,
+        [s](World& w) {
+          MLP m;
+          auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
+          auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+          auto x = torch::randn({w.rank() == 0 ? 8 : 4, 7});
+          train_step(m, sharded, *opt, x, 1);
+        },
+        checked());
     EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
     expect_diverged(r, {"the step's first forward took Float[8, 7]", "but rank 1 is at",
                         "the step's first forward took Float[4, 7]"});
@@ -279,65 +295,78 @@ TEST_F(Diverged, ADifferentBatchSizeFailsEveryRankNamingBothShapes) {
 // clips its gradients while the other goes on to the next forward.
 TEST_F(Diverged, CollectivesOfDifferentSizesAreAnErrorOnEveryRankNotAnAbort) {
   auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(2, [](World& w) {
-    Routed m;
-    auto sharded = shardtorch::shard(m, w);
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randn({4, 6});
-    m->skip_c = w.rank() == 1;
-    train_step(m, sharded, *opt, x, 1);
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        Routed m;
+        auto sharded = shardtorch::shard(m, w);
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 6});
+        m->skip_c = w.rank() == 1;
+        train_step(m, sharded, *opt, x, 1);
+      },
+      checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
   for (const auto& rank : r.ranks) EXPECT_EQ(rank.signal, 0) << r.summary();
   expect_diverged(r, {"rank 0 is at all_gather for parameters of unit 'c' (flat Float of 2 params, 42 elements",
                       "but rank 1 is at all_gather for parameters of unit 'd' (flat Float of 2 params, 14 elements"});
 
   t0 = std::chrono::steady_clock::now();
-  auto clip = run_ranks(2, [](World& w) {
-    MLP m;
-    auto sharded = shardtorch::shard(m, w);
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randn({4, 7});
-    for (int step = 0; step < 2; ++step) {
-      opt->zero_grad();
-      m(x).square().mean().backward();
-      if (w.rank() == 0) shardtorch::clip_grad_norm(*m, 1.0);
-      opt->step();
-    }
-  }, checked());
+  auto clip = run_ranks(
+      2,
+      [](World& w) {
+        MLP m;
+        auto sharded = shardtorch::shard(m, w);
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 7});
+        for (int step = 0; step < 2; ++step) {
+          opt->zero_grad();
+          m(x).square().mean().backward();
+          if (w.rank() == 0) shardtorch::clip_grad_norm(*m, 1.0);
+          opt->step();
+        }
+      },
+      checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << clip.summary();
   for (const auto& rank : clip.ranks) EXPECT_EQ(rank.signal, 0) << clip.summary();
-  expect_diverged(clip, {"rank 0 is at all_reduce for clip_grad_norm (Double[1])",
-                         "but rank 1 is at the start of step 1 (after "});
+  expect_diverged(
+      clip, {"rank 0 is at all_reduce for clip_grad_norm (Double[1])", "but rank 1 is at the start of step 1 (after "});
 }
 
 // The same programs with equal ranks train as before, and the switch must
 // agree across ranks.
 TEST_F(Diverged, EqualRanksTrainAndTheSwitchMustAgree) {
-  auto r = run_ranks(2, [](World& w) {
-    if (!w.checks_collectives()) throw std::runtime_error("the world does not check its collectives");
-    Routed m;
-    auto sharded = shardtorch::shard(m, w, ShardOptions().prefetch(true));
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randn({4, 6});
-    for (int step = 0; step < 7; ++step) {
-      if (step == 3) {  // an evaluation on every rank: the step's pattern changes alike
-        torch::NoGradGuard no_grad;
-        m(x);
-      }
-      train_step(m, sharded, *opt, step == 5 ? x.narrow(0, 0, 2) : x, 2);  // a short batch, on every rank
-    }
-    shardtorch::clip_grad_norm(*m, 1.0);
-    w.barrier();
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        if (!w.checks_collectives()) throw std::runtime_error("the world does not check its collectives");
+        Routed m;
+        auto sharded = shardtorch::shard(m, w, ShardOptions().prefetch(true));
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 6});
+        for (int step = 0; step < 7; ++step) {
+          if (step == 3) {  // an evaluation on every rank: the step's pattern changes alike
+            torch::NoGradGuard no_grad;
+            m(x);
+          }
+          train_step(m, sharded, *opt, step == 5 ? x.narrow(0, 0, 2) : x, 2);  // a short batch, on every rank
+        }
+        shardtorch::clip_grad_norm(*m, 1.0);
+        w.barrier();
+      },
+      checked());
   ASSERT_TRUE(r.ok) << r.summary();
 
   auto differ = run_ranks(2, [](World& w) {
     // The body is not reached: the second world is made here, with the switch on rank 1 only.
     auto store = c10::make_intrusive<c10d::PrefixStore>("second", w.store());
     World::create(store, w.rank(), w.size(),
-                  shardtorch::WorldOptions().gloo_hostname("127.0.0.1").device(c10::Device(c10::kCPU)).backend("gloo")
-                      .timeout(std::chrono::seconds(20)).check_collectives(w.rank() == 1));
+                  shardtorch::WorldOptions()
+                      .gloo_hostname("127.0.0.1")
+                      .device(c10::Device(c10::kCPU))
+                      .backend("gloo")
+                      .timeout(std::chrono::seconds(20))
+                      .check_collectives(w.rank() == 1));
   });
   ASSERT_FALSE(differ.ok);
   for (const auto& rank : differ.ranks)
@@ -375,11 +404,14 @@ TEST_F(Diverged, TheCheckIsOnByDefaultForCpuWorldsUpToTheLimit) {
 // or an abort in Gloo).
 TEST_F(Diverged, WithDefaultOptionsADivergenceIsAnErrorAtOnce) {
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(2, [](World& w) {
-    if (!w.checks_collectives()) throw std::runtime_error("the world does not check its collectives by default");
-    auto t = torch::ones({w.rank() == 0 ? 3 : 5});
-    w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the loss");
-  }, RunOptions().collective_timeout(std::chrono::seconds(60)).timeout(std::chrono::seconds(90)));
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        if (!w.checks_collectives()) throw std::runtime_error("the world does not check its collectives by default");
+        auto t = torch::ones({w.rank() == 0 ? 3 : 5});
+        w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the loss");
+      },
+      RunOptions().collective_timeout(std::chrono::seconds(60)).timeout(std::chrono::seconds(90)));
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
   expect_diverged(r, {"rank 0 is at all_reduce for the loss (Float[3]); step 0",
                       "but rank 1 is at all_reduce for the loss (Float[5]); step 0"});
@@ -391,19 +423,22 @@ TEST_F(Diverged, WithDefaultOptionsADivergenceIsAnErrorAtOnce) {
 // timeout (60 s here).
 TEST_F(Diverged, RanksWaitingOnTwoCommunicatorsFailNamingBoth) {
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(2, [](World& w) {
-    auto group = w.new_group({0, 1}, "pair");
-    auto t = torch::ones({3});
-    if (w.rank() == 0)
-      w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the world's sum");
-    else
-      group->all_reduce(t, c10d::ReduceOp::SUM, "the pair's sum");
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        auto group = w.new_group({0, 1}, "pair");
+        auto t = torch::ones({3});
+        if (w.rank() == 0)
+          w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the world's sum");
+        else
+          group->all_reduce(t, c10d::ReduceOp::SUM, "the pair's sum");
+      },
+      checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
   expect_waits_diverged(
       r, 2, "",
-      {"rank 0 waits at all_reduce for the world's sum (Float[3]); step 0",
-       "(in its check, exchange ", "of communicator 'the world', which rank 1 has not entered: it entered ",
+      {"rank 0 waits at all_reduce for the world's sum (Float[3]); step 0", "(in its check, exchange ",
+       "of communicator 'the world', which rank 1 has not entered: it entered ",
        " but rank 1 waits at all_reduce for the pair's sum (Float[3])",
        "(in its check, exchange 1 of communicator 'group 'pair' of ranks [0, 1] (0)', which rank 0 has not entered: "
        "it entered 0 there)"});
@@ -414,25 +449,28 @@ TEST_F(Diverged, RanksWaitingOnTwoCommunicatorsFailNamingBoth) {
 // issues it after the world's. Rank 1 has issued the world's collective, so
 // nothing is wrong, and everything completes.
 TEST_F(Diverged, LongWaitsOnTwoCommunicatorsThatResolveAreNoDivergence) {
-  auto r = run_ranks(3, [](World& w) {
-    std::shared_ptr<shardtorch::Comm> group;
-    if (w.rank() < 2) group = w.new_group({0, 1}, "pair");
-    auto world_sum = torch::full({2}, static_cast<float>(w.rank() + 1));
-    auto pair_sum = torch::full({2}, static_cast<float>(w.rank() + 1));
-    if (w.rank() == 0) {
-      w.comm().all_reduce(world_sum, c10d::ReduceOp::SUM, "the world's sum");
-      group->all_reduce(pair_sum, c10d::ReduceOp::SUM, "the pair's sum");
-    } else if (w.rank() == 1) {
-      auto pending = w.comm().all_reduce_async(world_sum, "the world's sum");
-      group->all_reduce(pair_sum, c10d::ReduceOp::SUM, "the pair's sum");
-      w.comm().wait(pending);
-    } else {
-      std::this_thread::sleep_for(std::chrono::seconds(3));  // three times the quiet time before a wait is compared
-      w.comm().all_reduce(world_sum, c10d::ReduceOp::SUM, "the world's sum");
-    }
-    if (world_sum[0].item<float>() != 6.0f) throw std::runtime_error("wrong world sum");
-    if (group && pair_sum[0].item<float>() != 3.0f) throw std::runtime_error("wrong pair sum");
-  }, checked());
+  auto r = run_ranks(
+      3,
+      [](World& w) {
+        std::shared_ptr<shardtorch::Comm> group;
+        if (w.rank() < 2) group = w.new_group({0, 1}, "pair");
+        auto world_sum = torch::full({2}, static_cast<float>(w.rank() + 1));
+        auto pair_sum = torch::full({2}, static_cast<float>(w.rank() + 1));
+        if (w.rank() == 0) {
+          w.comm().all_reduce(world_sum, c10d::ReduceOp::SUM, "the world's sum");
+          group->all_reduce(pair_sum, c10d::ReduceOp::SUM, "the pair's sum");
+        } else if (w.rank() == 1) {
+          auto pending = w.comm().all_reduce_async(world_sum, "the world's sum");
+          group->all_reduce(pair_sum, c10d::ReduceOp::SUM, "the pair's sum");
+          w.comm().wait(pending);
+        } else {
+          std::this_thread::sleep_for(std::chrono::seconds(3));  // three times the quiet time before a wait is compared
+          w.comm().all_reduce(world_sum, c10d::ReduceOp::SUM, "the world's sum");
+        }
+        if (world_sum[0].item<float>() != 6.0f) throw std::runtime_error("wrong world sum");
+        if (group && pair_sum[0].item<float>() != 3.0f) throw std::runtime_error("wrong pair sum");
+      },
+      checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
@@ -509,16 +547,20 @@ void await_long_waits(World& w, const std::vector<int>& ranks) {
 // waited for the collective timeout (60 s here).
 TEST_F(Diverged, ThreeRanksWaitingInACycleFailNamingEachOfThem) {
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(3, [](World& w) {
-    Ring3 g(w);
-    auto t = torch::ones({3});
-    if (w.rank() == 0) g.a->all_reduce(t, c10d::ReduceOp::SUM, "a's sum");
-    if (w.rank() == 1) g.b->all_reduce(t, c10d::ReduceOp::SUM, "b's sum");
-    if (w.rank() == 2) g.c->all_reduce(t, c10d::ReduceOp::SUM, "c's sum");
-  }, checked());
+  auto r = run_ranks(
+      3,
+      [](World& w) {
+        Ring3 g(w);
+        auto t = torch::ones({3});
+        if (w.rank() == 0) g.a->all_reduce(t, c10d::ReduceOp::SUM, "a's sum");
+        if (w.rank() == 1) g.b->all_reduce(t, c10d::ReduceOp::SUM, "b's sum");
+        if (w.rank() == 2) g.c->all_reduce(t, c10d::ReduceOp::SUM, "c's sum");
+      },
+      checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
   expect_waits_diverged(
-      r, 3, "ranks 0, 1 and 2 wait for each other in a cycle: rank 0 waits at all_reduce for a's sum (Float[3]); step 0",
+      r, 3,
+      "ranks 0, 1 and 2 wait for each other in a cycle: rank 0 waits at all_reduce for a's sum (Float[3]); step 0",
       {"(in its check, exchange 1 of communicator 'group 'a' of ranks [0, 1] (0)', which rank 1 has not entered: it "
        "entered 0 there), rank 1 waits at all_reduce for b's sum (Float[3]); step 0",
        "(in its check, exchange 1 of communicator 'group 'b' of ranks [1, 2] (0)', which rank 2 has not entered: it "
@@ -534,26 +576,29 @@ TEST_F(Diverged, ThreeRanksWaitingInACycleFailNamingEachOfThem) {
 // the cycle's ranks have left, naming the ranks that left.
 TEST_F(Diverged, FourRanksWaitingInACycleFailAndARankWaitingOnThemIsNotBlamed) {
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(5, [](World& w) {
-    const int me = w.rank();
-    std::shared_ptr<shardtorch::Comm> mine, other;  // where the rank waits; its other pair
-    if (me == 0 || me == 1) (me == 0 ? mine : other) = w.new_group({0, 1}, "a");
-    if (me == 1 || me == 2) (me == 1 ? mine : other) = w.new_group({1, 2}, "b");
-    if (me == 2 || me == 3) (me == 2 ? mine : other) = w.new_group({2, 3}, "c");
-    if (me == 3 || me == 0) (me == 3 ? mine : other) = w.new_group({0, 3}, "d");
-    auto t = torch::ones({3});
-    if (me == 4)
-      w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the world's sum");
-    else
-      mine->all_reduce(t, c10d::ReduceOp::SUM, "the pair's sum");
-  }, checked());
+  auto r = run_ranks(
+      5,
+      [](World& w) {
+        const int me = w.rank();
+        std::shared_ptr<shardtorch::Comm> mine, other;  // where the rank waits; its other pair
+        if (me == 0 || me == 1) (me == 0 ? mine : other) = w.new_group({0, 1}, "a");
+        if (me == 1 || me == 2) (me == 1 ? mine : other) = w.new_group({1, 2}, "b");
+        if (me == 2 || me == 3) (me == 2 ? mine : other) = w.new_group({2, 3}, "c");
+        if (me == 3 || me == 0) (me == 3 ? mine : other) = w.new_group({0, 3}, "d");
+        auto t = torch::ones({3});
+        if (me == 4)
+          w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the world's sum");
+        else
+          mine->all_reduce(t, c10d::ReduceOp::SUM, "the pair's sum");
+      },
+      checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
-  expect_waits_diverged(r, 4, "ranks 0, 1, 2 and 3 wait for each other in a cycle: rank 0 waits at ",
-                        {"'group 'a' of ranks [0, 1] (0)', which rank 1 has not entered",
-                         "'group 'b' of ranks [1, 2] (0)', which rank 2 has not entered",
-                         "'group 'c' of ranks [2, 3] (0)', which rank 3 has not entered",
-                         "'group 'd' of ranks [0, 3] (0)', which rank 0 has not entered",
-                         "none of the 4 collectives ran"});
+  expect_waits_diverged(
+      r, 4, "ranks 0, 1, 2 and 3 wait for each other in a cycle: rank 0 waits at ",
+      {"'group 'a' of ranks [0, 1] (0)', which rank 1 has not entered",
+       "'group 'b' of ranks [1, 2] (0)', which rank 2 has not entered",
+       "'group 'c' of ranks [2, 3] (0)', which rank 3 has not entered",
+       "'group 'd' of ranks [0, 3] (0)', which rank 0 has not entered", "none of the 4 collectives ran"});
   for (size_t k = 0; k < 4; ++k) EXPECT_EQ(r.ranks[k].message.find("rank 4"), std::string::npos) << r.summary();
   EXPECT_EQ(r.ranks[4].exit_code, 1) << r.summary();
   EXPECT_EQ(r.ranks[4].message.find("collectives diverged"), std::string::npos) << r.summary();
@@ -566,21 +611,24 @@ TEST_F(Diverged, FourRanksWaitingInACycleFailAndARankWaitingOnThemIsNotBlamed) {
 // compared for a while), then each goes on to its other pair. Nothing is
 // wrong, and every sum completes.
 TEST_F(Diverged, LongWaitsInAWouldBeCycleOfThreeThatResolveAreNoDivergence) {
-  auto r = run_ranks(3, [](World& w) {
-    Ring3 g(w);
-    if (w.rank() == 0) {
-      pair_sum(*g.a, "a's sum");
-      pair_sum(*g.c, "c's sum");
-    } else if (w.rank() == 1) {
-      pair_sum(*g.b, "b's sum");
-      pair_sum(*g.a, "a's sum");
-    } else {
-      await_long_waits(w, {0, 1});
-      std::this_thread::sleep_for(3 * shardtorch::detail::WaitBoard::kProbe);  // probes with both waits written
-      pair_sum(*g.b, "b's sum");
-      pair_sum(*g.c, "c's sum");
-    }
-  }, checked());
+  auto r = run_ranks(
+      3,
+      [](World& w) {
+        Ring3 g(w);
+        if (w.rank() == 0) {
+          pair_sum(*g.a, "a's sum");
+          pair_sum(*g.c, "c's sum");
+        } else if (w.rank() == 1) {
+          pair_sum(*g.b, "b's sum");
+          pair_sum(*g.a, "a's sum");
+        } else {
+          await_long_waits(w, {0, 1});
+          std::this_thread::sleep_for(3 * shardtorch::detail::WaitBoard::kProbe);  // probes with both waits written
+          pair_sum(*g.b, "b's sum");
+          pair_sum(*g.c, "c's sum");
+        }
+      },
+      checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
@@ -591,32 +639,35 @@ TEST_F(Diverged, LongWaitsInAWouldBeCycleOfThreeThatResolveAreNoDivergence) {
 // in a), but its main thread goes on once rank 2 comes: nothing is wrong,
 // and every sum completes.
 TEST_F(Diverged, LongWaitsOfTwoThreadsOfARankThatResolveAreNoDivergence) {
-  auto r = run_ranks(3, [](World& w) {
-    Ring3 g(w);
-    std::shared_ptr<shardtorch::Comm> a2;
-    if (w.rank() != 2) a2 = w.new_group({0, 1}, "a2");
-    if (w.rank() == 0) {
-      std::exception_ptr failed;
-      std::thread second([&] {
-        try {
-          std::this_thread::sleep_for(std::chrono::milliseconds(200));  // its wait is written last
+  auto r = run_ranks(
+      3,
+      [](World& w) {
+        Ring3 g(w);
+        std::shared_ptr<shardtorch::Comm> a2;
+        if (w.rank() != 2) a2 = w.new_group({0, 1}, "a2");
+        if (w.rank() == 0) {
+          std::exception_ptr failed;
+          std::thread second([&] {
+            try {
+              std::this_thread::sleep_for(std::chrono::milliseconds(200));  // its wait is written last
+              pair_sum(*a2, "a2's sum");
+            } catch (...) {
+              failed = std::current_exception();
+            }
+          });
+          pair_sum(*g.c, "c's sum");
+          pair_sum(*g.a, "a's sum");
+          second.join();
+          if (failed) std::rethrow_exception(failed);
+        } else if (w.rank() == 1) {
+          pair_sum(*g.a, "a's sum");
           pair_sum(*a2, "a2's sum");
-        } catch (...) {
-          failed = std::current_exception();
+        } else {
+          std::this_thread::sleep_for(std::chrono::seconds(4));  // both of rank 0's waits compared twice and more
+          pair_sum(*g.c, "c's sum");
         }
-      });
-      pair_sum(*g.c, "c's sum");
-      pair_sum(*g.a, "a's sum");
-      second.join();
-      if (failed) std::rethrow_exception(failed);
-    } else if (w.rank() == 1) {
-      pair_sum(*g.a, "a's sum");
-      pair_sum(*a2, "a2's sum");
-    } else {
-      std::this_thread::sleep_for(std::chrono::seconds(4));  // both of rank 0's waits compared twice and more
-      pair_sum(*g.c, "c's sum");
-    }
-  }, checked());
+      },
+      checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
@@ -625,26 +676,30 @@ TEST_F(Diverged, LongWaitsOfTwoThreadsOfARankThatResolveAreNoDivergence) {
 // thread's collectives can differ from the peers' by timing alone); the
 // rank that issued from one thread is not told.
 TEST_F(Diverged, ADivergenceOnARankThatIssuedFromTwoThreadsSaysSo) {
-  auto r = run_ranks(2, [](World& w) {
-    if (w.rank() == 0) {
-      std::exception_ptr failed;
-      std::thread other([&] {
-        try {
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        if (w.rank() == 0) {
+          std::exception_ptr failed;
+          std::thread other([&] {
+            try {
+              pair_sum(w.comm(), "the evaluation's sum", 3);
+            } catch (...) {
+              failed = std::current_exception();
+            }
+          });
+          other.join();
+          if (failed) std::rethrow_exception(failed);
+          pair_sum(w.comm(), "the loss", 3);
+        } else {
           pair_sum(w.comm(), "the evaluation's sum", 3);
-        } catch (...) {
-          failed = std::current_exception();
+          pair_sum(w.comm(), "the loss", 5);
         }
-      });
-      other.join();
-      if (failed) std::rethrow_exception(failed);
-      pair_sum(w.comm(), "the loss", 3);
-    } else {
-      pair_sum(w.comm(), "the evaluation's sum", 3);
-      pair_sum(w.comm(), "the loss", 5);
-    }
-  }, checked());
+      },
+      checked());
   const std::string hint = "This rank issued checked collectives from two or more threads";
-  expect_diverged(r, {"rank 0 is at all_reduce for the loss (Float[3])", "but rank 1 is at all_reduce for the loss (Float[5])"});
+  expect_diverged(
+      r, {"rank 0 is at all_reduce for the loss (Float[3])", "but rank 1 is at all_reduce for the loss (Float[5])"});
   EXPECT_NE(r.ranks[0].message.find(hint + " in this optimizer step or the last"), std::string::npos) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("WorldOptions::check_collectives(false)"), std::string::npos) << r.summary();
   EXPECT_EQ(r.ranks[1].message.find(hint), std::string::npos) << r.summary();
@@ -656,30 +711,33 @@ TEST_F(Diverged, ADivergenceOnARankThatIssuedFromTwoThreadsSaysSo) {
 // once. Counted on the world's communicator, with a step pattern that
 // changes on every rank alike (an extra collective in step 5).
 TEST_F(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFromThePreviousStep) {
-  auto r = run_ranks(2, [](World& w) {
-    auto sum = [&](const std::string& what, int64_t n) { pair_sum(w.comm(), what, n); };
-    w.note_step_done();  // the set-up's collectives are a step of their own
-    // Counted after each step's first collective: by then the step's marker,
-    // exchanged in the background, has run (the collective launches after it).
-    ExchangesPerStep exchanges(w.comm());
-    for (int step = 0; step < 8; ++step) {
-      sum("a", 3);
-      exchanges.count();
-      if (step == 5) sum("extra", 5);
-      sum("b", 4);
-      auto c = torch::full({2}, static_cast<float>(w.rank()));
-      w.comm().broadcast(c, 1, "c");
-      if (c[0].item<float>() != 1.0f) throw std::runtime_error("wrong broadcast");
-      w.note_step_done();
-    }
-    // From each step's a to the next's: the step's other collectives, the
-    // next step's marker, and its a (never: it matches the previous step's
-    // first). Step 0: b and c differ from the set-up's. Step 5: extra, b and
-    // c each differ from step 4's at their place. Step 6: b and c differ
-    // from step 5's.
-    const std::vector<int64_t> expected{3, 1, 1, 1, 1, 4, 3};
-    require_exchanges(exchanges.per_step, expected);
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        auto sum = [&](const std::string& what, int64_t n) { pair_sum(w.comm(), what, n); };
+        w.note_step_done();  // the set-up's collectives are a step of their own
+        // Counted after each step's first collective: by then the step's marker,
+        // exchanged in the background, has run (the collective launches after it).
+        ExchangesPerStep exchanges(w.comm());
+        for (int step = 0; step < 8; ++step) {
+          sum("a", 3);
+          exchanges.count();
+          if (step == 5) sum("extra", 5);
+          sum("b", 4);
+          auto c = torch::full({2}, static_cast<float>(w.rank()));
+          w.comm().broadcast(c, 1, "c");
+          if (c[0].item<float>() != 1.0f) throw std::runtime_error("wrong broadcast");
+          w.note_step_done();
+        }
+        // From each step's a to the next's: the step's other collectives, the
+        // next step's marker, and its a (never: it matches the previous step's
+        // first). Step 0: b and c differ from the set-up's. Step 5: extra, b and
+        // c each differ from step 4's at their place. Step 6: b and c differ
+        // from step 5's.
+        const std::vector<int64_t> expected{3, 1, 1, 1, 1, 4, 3};
+        require_exchanges(exchanges.per_step, expected);
+      },
+      checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
@@ -688,20 +746,23 @@ TEST_F(Diverged, EachCollectiveIsExchangedOnlyWhenItIsTheStepsFirstOrDiffersFrom
 // collectives past the bound are exchanged in the next step too, as
 // collectives that differ would be.
 TEST_F(Diverged, CollectivesPastTheBoundOfKeptPatternsAreExchangedInTheNextStep) {
-  auto r = run_ranks(2, [](World& w) {
-    shardtorch::detail::set_max_patterns_per_step(3);
-    w.note_step_done();
-    ExchangesPerStep exchanges(w.comm());
-    for (int step = 0; step < 6; ++step) {
-      pair_sum(w.comm(), "a", 3);
-      exchanges.count();
-      for (const char* what : {"b", "c", "d", "e"}) pair_sum(w.comm(), what, 4);
-      w.note_step_done();
-    }
-    // From step 1's a on: d and e (past the 3 kept of the previous step) and
-    // the next step's marker. Step 0's collectives differ from the set-up's.
-    require_exchanges({exchanges.per_step.begin() + 1, exchanges.per_step.end()}, {3, 3, 3, 3});
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        shardtorch::detail::set_max_patterns_per_step(3);
+        w.note_step_done();
+        ExchangesPerStep exchanges(w.comm());
+        for (int step = 0; step < 6; ++step) {
+          pair_sum(w.comm(), "a", 3);
+          exchanges.count();
+          for (const char* what : {"b", "c", "d", "e"}) pair_sum(w.comm(), what, 4);
+          w.note_step_done();
+        }
+        // From step 1's a on: d and e (past the 3 kept of the previous step) and
+        // the next step's marker. Step 0's collectives differ from the set-up's.
+        require_exchanges({exchanges.per_step.begin() + 1, exchanges.per_step.end()}, {3, 3, 3, 3});
+      },
+      checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
@@ -710,22 +771,25 @@ TEST_F(Diverged, CollectivesPastTheBoundOfKeptPatternsAreExchangedInTheNextStep)
 // (FullShard: the all-gathers are on it) is the step's marker. Before,
 // the second step exchanged every all-gather too.
 TEST_F(Diverged, FromTheSecondStepOnAShardedModelExchangesOnlyTheStepsMarker) {
-  auto r = run_ranks(2, [](World& w) {
-    Routed m;
-    auto sharded = shardtorch::shard(m, w, ShardOptions());
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randn({4, 6});
-    ExchangesPerStep exchanges(w.comm());
-    for (int step = 0; step < 4; ++step) {
-      opt->zero_grad();
-      auto loss = m(x).square().mean();  // its all-gathers launched after the step's marker
-      exchanges.count();
-      loss.backward();
-      opt->step();
-    }
-    // From step 1's forward to step 2's, and on: the next step's marker.
-    require_exchanges({exchanges.per_step.begin() + 1, exchanges.per_step.end()}, {1, 1});
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        Routed m;
+        auto sharded = shardtorch::shard(m, w, ShardOptions());
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 6});
+        ExchangesPerStep exchanges(w.comm());
+        for (int step = 0; step < 4; ++step) {
+          opt->zero_grad();
+          auto loss = m(x).square().mean();  // its all-gathers launched after the step's marker
+          exchanges.count();
+          loss.backward();
+          opt->step();
+        }
+        // From step 1's forward to step 2's, and on: the next step's marker.
+        require_exchanges({exchanges.per_step.begin() + 1, exchanges.per_step.end()}, {1, 1});
+      },
+      checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
@@ -734,21 +798,24 @@ TEST_F(Diverged, FromTheSecondStepOnAShardedModelExchangesOnlyTheStepsMarker) {
 // replace the reference, so the collectives still launch without an
 // exchange; only the two markers are exchanged.
 TEST_F(Diverged, TwoStepsInARowKeepTheLastStepWithCollectivesAsTheReference) {
-  auto r = run_ranks(2, [](World& w) {
-    auto sum = [&](const std::string& what, int64_t n) { pair_sum(w.comm(), what, n); };
-    w.note_step_done();
-    ExchangesPerStep exchanges(w.comm());
-    for (int step = 0; step < 6; ++step) {
-      sum("a", 3);
-      exchanges.count();
-      sum("b", 4);
-      w.note_step_done();  // the first model's optimizer
-      w.note_step_done();  // the second's
-    }
-    // Step 0: b differs from the set-up's; then the two markers of each step.
-    const std::vector<int64_t> expected{3, 2, 2, 2, 2};
-    require_exchanges(exchanges.per_step, expected);
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        auto sum = [&](const std::string& what, int64_t n) { pair_sum(w.comm(), what, n); };
+        w.note_step_done();
+        ExchangesPerStep exchanges(w.comm());
+        for (int step = 0; step < 6; ++step) {
+          sum("a", 3);
+          exchanges.count();
+          sum("b", 4);
+          w.note_step_done();  // the first model's optimizer
+          w.note_step_done();  // the second's
+        }
+        // Step 0: b differs from the set-up's; then the two markers of each step.
+        const std::vector<int64_t> expected{3, 2, 2, 2, 2};
+        require_exchanges(exchanges.per_step, expected);
+      },
+      checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
@@ -758,28 +825,31 @@ TEST_F(Diverged, TwoStepsInARowKeepTheLastStepWithCollectivesAsTheReference) {
 // is still busy before it (here: 1.5 s). Before, it waited for that peer in
 // its own exchange.
 TEST_F(Diverged, AStepsFirstCollectiveLaunchesWithoutWaitingForASlowPeer) {
-  auto r = run_ranks(2, [](World& w) {
-    w.note_step_done();
-    auto step = [&](bool slow) {
-      if (slow && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-      auto a = torch::ones({3});
-      auto pending = w.comm().all_reduce_async(a, "a");
-      const auto t0 = std::chrono::steady_clock::now();
-      w.comm().flush_launches();  // returns once "a" is on the backend
-      const double launch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      w.comm().wait(pending);
-      if (a[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum for a");
-      auto b = torch::ones({4});
-      w.comm().all_reduce(b, c10d::ReduceOp::SUM, "b");
-      w.note_step_done();
-      return launch_s;
-    };
-    for (int i = 0; i < 3; ++i) step(false);
-    const double launch_s = step(true);
-    if (w.rank() == 0 && launch_s > 0.75)
-      throw std::runtime_error("the step's first collective waited " + std::to_string(launch_s) +
-                               " s for its launch: it was exchanged with the slow peer");
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        w.note_step_done();
+        auto step = [&](bool slow) {
+          if (slow && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+          auto a = torch::ones({3});
+          auto pending = w.comm().all_reduce_async(a, "a");
+          const auto t0 = std::chrono::steady_clock::now();
+          w.comm().flush_launches();  // returns once "a" is on the backend
+          const double launch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          w.comm().wait(pending);
+          if (a[0].item<float>() != 2.0f) throw std::runtime_error("wrong sum for a");
+          auto b = torch::ones({4});
+          w.comm().all_reduce(b, c10d::ReduceOp::SUM, "b");
+          w.note_step_done();
+          return launch_s;
+        };
+        for (int i = 0; i < 3; ++i) step(false);
+        const double launch_s = step(true);
+        if (w.rank() == 0 && launch_s > 0.75)
+          throw std::runtime_error("the step's first collective waited " + std::to_string(launch_s) +
+                                   " s for its launch: it was exchanged with the slow peer");
+      },
+      checked());
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
@@ -791,14 +861,17 @@ TEST_F(Diverged, MicroBatchesThatDifferAfterTwoEqualStepsFailEveryRankNamingBoth
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp}) {
     SCOPED_TRACE(shardtorch::strategy_name(s));
     auto t0 = std::chrono::steady_clock::now();
-    auto r = run_ranks(2, [s](World& w) {
-      torch::manual_seed(0);
-      MLP m;
-      auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
-      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-      auto x = torch::randn({4, 7});
-      for (int step = 0; step < 4; ++step) train_step(m, sharded, *opt, x, step == 2 && w.rank() == 0 ? 3 : 2);
-    }, checked());
+    auto r = run_ranks(
+        2,
+        [s](World& w) {
+          torch::manual_seed(0);
+          MLP m;
+          auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
+          auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+          auto x = torch::randn({4, 7});
+          for (int step = 0; step < 4; ++step) train_step(m, sharded, *opt, x, step == 2 && w.rank() == 0 ? 3 : 2);
+        },
+        checked());
     EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
     if (s == Strategy::FullShard) {
       expect_diverged(r, {"rank 0 is at all_gather for parameters of unit 'l3'",
@@ -817,16 +890,19 @@ TEST_F(Diverged, MicroBatchesThatDifferAfterTwoEqualStepsFailEveryRankNamingBoth
 // not, and it fails too.
 TEST_F(Diverged, ALoneRankThatDiffersInTheMiddleOfAStepFailsEveryRankNamingIt) {
   auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(3, [](World& w) {
-    Routed m;
-    auto sharded = shardtorch::shard(m, w);
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randn({4, 6});
-    for (int step = 0; step < 4; ++step) {
-      m->skip_b = step == 2 && w.rank() == 1;
-      train_step(m, sharded, *opt, x, 1);
-    }
-  }, checked());
+  auto r = run_ranks(
+      3,
+      [](World& w) {
+        Routed m;
+        auto sharded = shardtorch::shard(m, w);
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 6});
+        for (int step = 0; step < 4; ++step) {
+          m->skip_b = step == 2 && w.rank() == 1;
+          train_step(m, sharded, *opt, x, 1);
+        }
+      },
+      checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
   ASSERT_FALSE(r.ok) << r.summary();
   for (size_t k = 0; k < r.ranks.size(); ++k) {
@@ -845,16 +921,19 @@ TEST_F(Diverged, ALoneRankThatDiffersInTheMiddleOfAStepFailsEveryRankNamingIt) {
 // tells them apart. The next step's first collective is always exchanged.
 TEST_F(Diverged, ARankThatStepsTwiceFailsAtTheNextStepsFirstCollective) {
   auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(2, [](World& w) {
-    MLP m;
-    auto sharded = shardtorch::shard(m, w);
-    auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randn({4, 7});
-    for (int step = 0; step < 4; ++step) {
-      train_step(m, sharded, *opt, x, 1);
-      if (step == 1 && w.rank() == 0) opt->step();
-    }
-  }, checked());
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        MLP m;
+        auto sharded = shardtorch::shard(m, w);
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 7});
+        for (int step = 0; step < 4; ++step) {
+          train_step(m, sharded, *opt, x, 1);
+          if (step == 1 && w.rank() == 0) opt->step();
+        }
+      },
+      checked());
   EXPECT_LT(seconds_since(t0), kWithinSeconds) << r.summary();
   // Rank 0's second step broadcasts its buffers after the step, as each step does.
   expect_diverged(r, {"rank 0 is at broadcast for buffers of dtype Float ('scale') after a step (Float[7]); step 3",
@@ -870,34 +949,37 @@ TEST_F(Diverged, ARankThatStepsTwiceFailsAtTheNextStepsFirstCollective) {
 TEST_F(Diverged, ASlowRankInTheSteadyStateIsNoDivergence) {
   for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardGradOp}) {
     SCOPED_TRACE(shardtorch::strategy_name(s));
-    auto r = run_ranks(2, [s](World& w) {
-      torch::manual_seed(0);
-      MLP m;
-      auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
-      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-      auto x = torch::randn({4, 7});
-      for (int step = 0; step < 4; ++step) {
-        opt->zero_grad();
-        auto loss = m(x).square().mean();
-        if (step == 3 && w.rank() == 1) {
-          // Until rank 0 has written a wait for a launched collective ("c"), then three probes more.
-          auto waits = c10::make_intrusive<c10d::PrefixStore>("shardtorch-waits", w.store());
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-          for (;;) {
-            if (waits->check({"wait/0"})) {
-              auto v = waits->get("wait/0");
-              if (std::string(v.begin(), v.end()).rfind("waiting\nc ", 0) == 0) break;
+    auto r = run_ranks(
+        2,
+        [s](World& w) {
+          torch::manual_seed(0);
+          MLP m;
+          auto sharded = shardtorch::shard(m, w, ShardOptions().strategy(s));
+          auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+          auto x = torch::randn({4, 7});
+          for (int step = 0; step < 4; ++step) {
+            opt->zero_grad();
+            auto loss = m(x).square().mean();
+            if (step == 3 && w.rank() == 1) {
+              // Until rank 0 has written a wait for a launched collective ("c"), then three probes more.
+              auto waits = c10::make_intrusive<c10d::PrefixStore>("shardtorch-waits", w.store());
+              const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+              for (;;) {
+                if (waits->check({"wait/0"})) {
+                  auto v = waits->get("wait/0");
+                  if (std::string(v.begin(), v.end()).rfind("waiting\nc ", 0) == 0) break;
+                }
+                if (std::chrono::steady_clock::now() > deadline)
+                  throw std::runtime_error("rank 0 never waited long in a launched collective");
+                std::this_thread::sleep_for(std::chrono::milliseconds(20));
+              }
+              std::this_thread::sleep_for(3 * shardtorch::detail::WaitBoard::kProbe);
             }
-            if (std::chrono::steady_clock::now() > deadline)
-              throw std::runtime_error("rank 0 never waited long in a launched collective");
-            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+            loss.backward();
+            opt->step();
           }
-          std::this_thread::sleep_for(3 * shardtorch::detail::WaitBoard::kProbe);
-        }
-        loss.backward();
-        opt->step();
-      }
-    }, checked());
+        },
+        checked());
     EXPECT_TRUE(r.ok) << r.summary();
   }
 }

@@ -60,41 +60,44 @@ TEST(Errors, LaunchAgreementCollectiveAndThreadFailuresAreShardtorchErrors) {
   EXPECT_THROW(shardtorch::parse_launch_env(no_size), shardtorch::Error);
 
   using shardtorch::testing::RunOptions;
-  auto r = shardtorch::testing::run_ranks(2, [](shardtorch::World& w) {
-    // What `body` throws, unless it is a shardtorch::Error whose message holds `want`.
-    auto expect_error = [&](const char* what, const std::string& want, const std::function<void()>& body) {
-      try {
-        body();
-      } catch (const shardtorch::Error& e) {
-        if (std::string(e.what()).find(want) != std::string::npos) return;
-        throw std::runtime_error(std::string(what) + ": '" + want + "' is not in: " + e.what());
-      } catch (const std::exception& e) {
-        throw std::runtime_error(std::string(what) + ": not a shardtorch::Error: " + e.what());
-      }
-      throw std::runtime_error(std::string(what) + ": no error");
-    };
-    {
-      testmodels::MLP m;
-      const auto strategy = w.rank() == 0 ? shardtorch::Strategy::FullShard : shardtorch::Strategy::NoShard;
-      expect_error("shard() with differing strategies", "ShardOptions differ across ranks",
-                   [&] { shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(strategy)); });
-    }
-    {
-      testmodels::MLP m;
-      shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::FullShard));
-      auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
-      shardtorch::testing::inject_failure("completion watcher");
-      expect_error("a failure in the completion watcher", "shardtorch: rank " + std::to_string(w.rank()), [&] {
-        opt->zero_grad();
-        m(torch::randn({4, 7})).square().mean().backward();
-        opt->step();
-      });
-    }
-    // Rank 1 leaves; rank 0's all-reduce then fails.
-    if (w.rank() == 1) return;
-    at::Tensor t = at::ones({4});
-    expect_error("an all-reduce whose peer left", "shardtorch: rank 0/2: all_reduce for lonely",
-                 [&] { w.comm().all_reduce(t, c10d::ReduceOp::SUM, "lonely"); });
-  }, RunOptions().collective_timeout(std::chrono::seconds(10)).timeout(std::chrono::seconds(60)));
+  auto r = shardtorch::testing::run_ranks(
+      2,
+      [](shardtorch::World& w) {
+        // What `body` throws, unless it is a shardtorch::Error whose message holds `want`.
+        auto expect_error = [&](const char* what, const std::string& want, const std::function<void()>& body) {
+          try {
+            body();
+          } catch (const shardtorch::Error& e) {
+            if (std::string(e.what()).find(want) != std::string::npos) return;
+            throw std::runtime_error(std::string(what) + ": '" + want + "' is not in: " + e.what());
+          } catch (const std::exception& e) {
+            throw std::runtime_error(std::string(what) + ": not a shardtorch::Error: " + e.what());
+          }
+          throw std::runtime_error(std::string(what) + ": no error");
+        };
+        {
+          testmodels::MLP m;
+          const auto strategy = w.rank() == 0 ? shardtorch::Strategy::FullShard : shardtorch::Strategy::NoShard;
+          expect_error("shard() with differing strategies", "ShardOptions differ across ranks",
+                       [&] { shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(strategy)); });
+        }
+        {
+          testmodels::MLP m;
+          shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::FullShard));
+          auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+          shardtorch::testing::inject_failure("completion watcher");
+          expect_error("a failure in the completion watcher", "shardtorch: rank " + std::to_string(w.rank()), [&] {
+            opt->zero_grad();
+            m(torch::randn({4, 7})).square().mean().backward();
+            opt->step();
+          });
+        }
+        // Rank 1 leaves; rank 0's all-reduce then fails.
+        if (w.rank() == 1) return;
+        at::Tensor t = at::ones({4});
+        expect_error("an all-reduce whose peer left", "shardtorch: rank 0/2: all_reduce for lonely",
+                     [&] { w.comm().all_reduce(t, c10d::ReduceOp::SUM, "lonely"); });
+      },
+      RunOptions().collective_timeout(std::chrono::seconds(10)).timeout(std::chrono::seconds(60)));
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -20,7 +20,8 @@ void expect_all_fail_with(const shardtorch::testing::RunResult& r, std::vector<s
   ASSERT_FALSE(r.ok);
   for (size_t k = 0; k < r.ranks.size(); ++k) {
     EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
-    for (const auto& n : needles) EXPECT_NE(r.ranks[k].message.find(n), std::string::npos) << "'" << n << "' in\n" << r.summary();
+    for (const auto& n : needles)
+      EXPECT_NE(r.ranks[k].message.find(n), std::string::npos) << "'" << n << "' in\n" << r.summary();
   }
 }
 double seconds_since(std::chrono::steady_clock::time_point t) {
@@ -61,8 +62,8 @@ TEST(Faults, ShapeMismatchFailsEveryRankNamingParameterAndRanks) {
     MLP m(w.rank() == 2 ? 14 : 13);  // rank 2 has another hidden size
     shardtorch::shard(m, w);
   });
-  expect_all_fail_with(r, {"models differ across ranks", "'l1.lin.weight' Float[13, 7]", "Float[14, 7]",
-                           "on rank 2", "ranks that differ from rank 0: 2"});
+  expect_all_fail_with(r, {"models differ across ranks", "'l1.lin.weight' Float[13, 7]", "Float[14, 7]", "on rank 2",
+                           "ranks that differ from rank 0: 2"});
   EXPECT_LT(seconds_since(t0), 20.0);
 }
 
@@ -74,10 +75,13 @@ TEST(Faults, AParameterOnAnotherDeviceOnOneRankFailsEveryRankAtOnce) {
     explicit OnImpl(c10::Device d) { register_parameter("w", torch::zeros({4, 3}, torch::device(d))); }
   };
   auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(2, [](World& w) {
-    auto m = std::make_shared<OnImpl>(w.rank() == 1 ? c10::Device(c10::kMeta) : c10::Device(c10::kCPU));
-    shardtorch::shard(*m, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(30)));
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        auto m = std::make_shared<OnImpl>(w.rank() == 1 ? c10::Device(c10::kMeta) : c10::Device(c10::kCPU));
+        shardtorch::shard(*m, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(30)));
   expect_all_fail_with(r, {"parameter 'w' is on meta but the gloo backend works on cpu", "rank 1"});
   EXPECT_LT(seconds_since(t0), 20.0) << "a rank waited for the collective timeout";
 }
@@ -167,22 +171,25 @@ TEST(Faults, ParametersOutsideAnyUnitNeedARootUnit) {
 
 TEST(Faults, KilledRankMakesTheOthersFailNamingTheOperation) {
   auto t0 = std::chrono::steady_clock::now();
-  auto r = run_ranks(3, [](World& w) {
-    auto model = gpt::GPT(gpt::Config{});
-    shardtorch::shard(model, w);
-    auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
-    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
-    for (int step = 0; step < 3; ++step) {
-      opt->zero_grad();
-      auto loss = gpt::lm_loss(model(x), x);
-      if (step == 1 && w.rank() == 1) {  // dies in the middle of a step, once its peers can read where
-        wait_until_recorded(w, 1, "forward", "head");
-        ::raise(SIGKILL);
-      }
-      loss.backward();
-      opt->step();
-    }
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
+  auto r = run_ranks(
+      3,
+      [](World& w) {
+        auto model = gpt::GPT(gpt::Config{});
+        shardtorch::shard(model, w);
+        auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+        for (int step = 0; step < 3; ++step) {
+          opt->zero_grad();
+          auto loss = gpt::lm_loss(model(x), x);
+          if (step == 1 && w.rank() == 1) {  // dies in the middle of a step, once its peers can read where
+            wait_until_recorded(w, 1, "forward", "head");
+            ::raise(SIGKILL);
+          }
+          loss.backward();
+          opt->step();
+        }
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
   ASSERT_FALSE(r.ok);
   EXPECT_EQ(r.ranks[1].signal, SIGKILL);
   // No survivor may die of SIGPIPE writing to the dead rank's socket.
@@ -197,33 +204,38 @@ TEST(Faults, KilledRankMakesTheOthersFailNamingTheOperation) {
     EXPECT_NE(r.ranks[k].message.find("it was last at step 1, forward of unit 'head'"), std::string::npos)
         << r.summary();
     EXPECT_EQ(r.ranks[k].message.find("rank " + std::to_string(2 - k) + " is"), std::string::npos)
-        << "the other survivor is not at fault\n" << r.summary();
+        << "the other survivor is not at fault\n"
+        << r.summary();
   }
   EXPECT_LT(seconds_since(t0), 25.0) << "the survivors should fail within the collective timeout";
 }
 
 TEST(Faults, StuckRankTimesOutWithinTheCollectiveTimeout) {
-  auto r = run_ranks(2, [](World& w) {
-    MLP m;
-    shardtorch::shard(m, w);
-    if (w.rank() == 1) {
-      wait_until_done(w, {0});  // alive but never joins
-      return;
-    }
-    auto t0 = std::chrono::steady_clock::now();
-    try {
-      m(torch::randn({4, 7}));
-    } catch (const std::exception& e) {
-      mark_done(w);
-      double waited = seconds_since(t0);
-      require(waited < 6.0, "gave up only after " + std::to_string(waited) + " s");
-      throw;
-    }
-    mark_done(w);
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        MLP m;
+        shardtorch::shard(m, w);
+        if (w.rank() == 1) {
+          wait_until_done(w, {0});  // alive but never joins
+          return;
+        }
+        auto t0 = std::chrono::steady_clock::now();
+        try {
+          m(torch::randn({4, 7}));
+        } catch (const std::exception& e) {
+          mark_done(w);
+          double waited = seconds_since(t0);
+          require(waited < 6.0, "gave up only after " + std::to_string(waited) + " s");
+          throw;
+        }
+        mark_done(w);
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
   EXPECT_EQ(r.ranks[1].exit_code, 0) << r.summary();
   EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
-  EXPECT_NE(r.ranks[0].message.find("rank 0/2: all_gather for parameters of unit 'l1'"), std::string::npos) << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("rank 0/2: all_gather for parameters of unit 'l1'"), std::string::npos)
+      << r.summary();
   EXPECT_NE(r.ranks[0].message.find("timeout 2 s"), std::string::npos) << r.summary();
   // The rank that did not arrive, and where it is; this rank's place too.
   EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 is alive but did not arrive: it has been at step 0, "
@@ -239,17 +251,20 @@ TEST(Faults, StuckRankTimesOutWithinTheCollectiveTimeout) {
 // A rank whose whole process stops (SIGSTOP: its threads too) stops
 // reporting; the survivor's time-out names it as such.
 TEST(Faults, AStoppedRankIsNamedAsSilent) {
-  auto r = run_ranks(2, [](World& w) {
-    MLP m;
-    shardtorch::shard(m, w);
-    if (w.rank() == 1) {
-      wait_until_recorded(w, 0, "shard() done", "");
-      // The stall is the scenario: stopped until the run's time limit kills
-      // it, after rank 0 has failed at its 4 s collective timeout.
-      ::raise(SIGSTOP);
-    }
-    m(torch::randn({4, 7}));
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(4)).timeout(std::chrono::seconds(7)));
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        MLP m;
+        shardtorch::shard(m, w);
+        if (w.rank() == 1) {
+          wait_until_recorded(w, 0, "shard() done", "");
+          // The stall is the scenario: stopped until the run's time limit kills
+          // it, after rank 0 has failed at its 4 s collective timeout.
+          ::raise(SIGSTOP);
+        }
+        m(torch::randn({4, 7}));
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(4)).timeout(std::chrono::seconds(7)));
   EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
   EXPECT_TRUE(r.ranks[1].timed_out) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 stopped reporting "), std::string::npos) << r.summary();
@@ -261,33 +276,40 @@ TEST(Faults, AStoppedRankIsNamedAsSilent) {
 // connections close, so the survivor's error names it as finished rather
 // than as dead, stale or late.
 TEST(Faults, ARankThatFinishedEarlyIsNamedAsFinished) {
-  auto r = run_ranks(2, [](World& w) {
-    const int steps = w.rank() == 1 ? 2 : 3;
-    for (int step = 0; step < steps; ++step) {
-      auto t = torch::ones({4});
-      w.comm().all_reduce(t, c10d::ReduceOp::SUM, "step " + std::to_string(step));
-      w.note_step_done();
-    }
-  }, shardtorch::testing::RunOptions().check_collectives(false).collective_timeout(std::chrono::seconds(20)));
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        const int steps = w.rank() == 1 ? 2 : 3;
+        for (int step = 0; step < steps; ++step) {
+          auto t = torch::ones({4});
+          w.comm().all_reduce(t, c10d::ReduceOp::SUM, "step " + std::to_string(step));
+          w.note_step_done();
+        }
+      },
+      shardtorch::testing::RunOptions().check_collectives(false).collective_timeout(std::chrono::seconds(20)));
   EXPECT_EQ(r.ranks[1].exit_code, 0) << r.summary();
   EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("all_reduce for step 2"), std::string::npos) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 had finished: its World was destroyed "), std::string::npos)
       << r.summary();
-  EXPECT_NE(r.ranks[0].message.find("after step 2, optimizer step done, with no exception in flight"), std::string::npos)
+  EXPECT_NE(r.ranks[0].message.find("after step 2, optimizer step done, with no exception in flight"),
+            std::string::npos)
       << r.summary();
 }
 
 // A rank whose World goes while an exception unwinds (it stopped on an
 // error of its own) is named as such, not as having finished normally.
 TEST(Faults, ARankThatLeftOnAnErrorIsNotNamedAsFinished) {
-  auto r = run_ranks(2, [](World& w) {
-    auto t = torch::ones({4});
-    w.comm().all_reduce(t, c10d::ReduceOp::SUM, "step 0");
-    w.note_step_done();
-    if (w.rank() == 1) throw std::runtime_error("an error of rank 1's own");
-    w.comm().all_reduce(t, c10d::ReduceOp::SUM, "step 1");
-  }, shardtorch::testing::RunOptions().check_collectives(false).collective_timeout(std::chrono::seconds(20)));
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        auto t = torch::ones({4});
+        w.comm().all_reduce(t, c10d::ReduceOp::SUM, "step 0");
+        w.note_step_done();
+        if (w.rank() == 1) throw std::runtime_error("an error of rank 1's own");
+        w.comm().all_reduce(t, c10d::ReduceOp::SUM, "step 1");
+      },
+      shardtorch::testing::RunOptions().check_collectives(false).collective_timeout(std::chrono::seconds(20)));
   EXPECT_EQ(r.ranks[1].exit_code, 1) << r.summary();
   EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 stopped on an error of its own (see its output): its World "
@@ -305,18 +327,26 @@ TEST(Faults, ARankThatLeftOnAnErrorIsNotNamedAsFinished) {
 // set-up, with a message about store keys).
 TEST(Faults, GroupsOfBadRankListsFailFastNamingTheGroup) {
   auto t0 = std::chrono::steady_clock::now();
-  auto twice = run_ranks(2, [](World& w) { w.new_group({0, 1, w.rank()}, "twice"); },
-                         shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
+  auto twice = run_ranks(
+      2,
+      [](World& w) {
+        w.new_group({0, 1, w.rank()}, "twice");
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
   expect_all_fail_with(twice, {"group 'twice' names a rank twice: [0, 1, "});
-  auto orders = run_ranks(3, [](World& w) {
-    if (w.rank() == 2) return;
-    w.new_group(w.rank() == 0 ? std::vector<int>{0, 1} : std::vector<int>{1, 0}, "pair");
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
+  auto orders = run_ranks(
+      3,
+      [](World& w) {
+        if (w.rank() == 2) return;
+        w.new_group(w.rank() == 0 ? std::vector<int>{0, 1} : std::vector<int>{1, 0}, "pair");
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
   ASSERT_FALSE(orders.ok);
   EXPECT_EQ(orders.ranks[2].exit_code, 0) << orders.summary();
   for (int k : {0, 1}) {
     EXPECT_EQ(orders.ranks[k].exit_code, 1) << orders.summary();
-    EXPECT_NE(orders.ranks[k].message.find("rank " + std::to_string(k) + ": the members of group 'pair' list its "
+    EXPECT_NE(orders.ranks[k].message.find("rank " + std::to_string(k) +
+                                           ": the members of group 'pair' list its "
                                            "ranks in different orders"),
               std::string::npos)
         << orders.summary();
@@ -326,19 +356,22 @@ TEST(Faults, GroupsOfBadRankListsFailFastNamingTheGroup) {
   EXPECT_NE(orders.ranks[1].message.find("this rank [1, 0]"), std::string::npos) << orders.summary();
   EXPECT_LT(seconds_since(t0), 15.0) << "no rank should wait for the collective timeout";
 
-  auto missing = run_ranks(3, [](World& w) {
-    if (w.rank() == 1) {
-      wait_until_done(w, {0, 2});  // alive, never joins
-      return;
-    }
-    try {
-      w.new_group({0, 1, 2}, "all");
-    } catch (...) {
-      mark_done(w);
-      throw;
-    }
-    mark_done(w);
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
+  auto missing = run_ranks(
+      3,
+      [](World& w) {
+        if (w.rank() == 1) {
+          wait_until_done(w, {0, 2});  // alive, never joins
+          return;
+        }
+        try {
+          w.new_group({0, 1, 2}, "all");
+        } catch (...) {
+          mark_done(w);
+          throw;
+        }
+        mark_done(w);
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
   EXPECT_EQ(missing.ranks[1].exit_code, 0) << missing.summary();
   for (int k : {0, 2}) {
     EXPECT_EQ(missing.ranks[k].exit_code, 1) << missing.summary();
@@ -355,9 +388,9 @@ TEST(Faults, GroupsOfBadRankListsFailFastNamingTheGroup) {
 TEST(Faults, AnUnusableDeviceIsRefusedWhenTheWorldIsMade) {
   const int64_t gpus = at::hasCUDA() ? static_cast<int64_t>(at::getNumGPUs()) : 0;
   const auto device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(gpus));
-  const std::string expected = "rank 0 is to compute on " + device.str() + ", but this " +
-                               (at::hasCUDA() ? "host shows it " + std::to_string(gpus) + " GPU(s)"
-                                              : std::string("LibTorch has no CUDA"));
+  const std::string expected =
+      "rank 0 is to compute on " + device.str() + ", but this " +
+      (at::hasCUDA() ? "host shows it " + std::to_string(gpus) + " GPU(s)" : std::string("LibTorch has no CUDA"));
   try {
     World::create(c10::make_intrusive<c10d::HashStore>(), 0, 1, shardtorch::WorldOptions().device(device));
     FAIL() << device << " was accepted";
@@ -371,38 +404,42 @@ TEST(Faults, AnUnusableDeviceIsRefusedWhenTheWorldIsMade) {
 // that name the rank, the launcher, the address and the wait, and
 // SHARDTORCH_TIMEOUT_S sets that wait (here 1 s instead of 5 minutes).
 TEST(Faults, RendezvousFailuresNameTheRankTheAddressAndTheWait) {
-  auto r = run_ranks(1, [](World&) {  // a process of its own: the variables set here stay in it
-    c10d::TCPStoreOptions so;
-    so.port = 0;  // any free port
-    so.isServer = true;
-    so.waitWorkers = false;
-    auto held = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-    const std::string port = std::to_string(held->getPort());
-    auto error_as = [&](const char* rank) -> std::string {
-      ::setenv("RANK", rank, 1);
-      ::setenv("WORLD_SIZE", "2", 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", port.c_str(), 1);
-      ::setenv("SHARDTORCH_TIMEOUT_S", "1", 1);
-      auto t0 = std::chrono::steady_clock::now();
-      try {
-        World::from_env();
-      } catch (const std::exception& e) {
-        require(seconds_since(t0) < 10.0, "waited " + std::to_string(seconds_since(t0)) + " s, not about 1");
-        return e.what();
-      }
-      return "no error";
-    };
-    auto has = [](const std::string& text, const std::string& needle) {
-      require(text.find(needle) != std::string::npos, "'" + needle + "' is not in: " + text);
-    };
-    has(error_as("0"), "rank 0 of 2 (torchrun) could not host the rendezvous store at 127.0.0.1:" + port +
-                           " within 1 s; is another job using MASTER_PORT?");
-    held.reset();  // now no one listens there
-    has(error_as("1"), "rank 1 of 2 (torchrun) could not reach the rendezvous store at 127.0.0.1:" + port +
-                           " within 1 s; is rank 0 running");
-    has(error_as("0"), "rank 0 could not set up gloo for the world (every one of the 2 ranks must create it) "
-                       "within 1 s");
-  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)));
+  auto r = run_ranks(
+      1,
+      [](World&) {  // a process of its own: the variables set here stay in it
+        c10d::TCPStoreOptions so;
+        so.port = 0;  // any free port
+        so.isServer = true;
+        so.waitWorkers = false;
+        auto held = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+        const std::string port = std::to_string(held->getPort());
+        auto error_as = [&](const char* rank) -> std::string {
+          ::setenv("RANK", rank, 1);
+          ::setenv("WORLD_SIZE", "2", 1);
+          ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+          ::setenv("MASTER_PORT", port.c_str(), 1);
+          ::setenv("SHARDTORCH_TIMEOUT_S", "1", 1);
+          auto t0 = std::chrono::steady_clock::now();
+          try {
+            World::from_env();
+          } catch (const std::exception& e) {
+            require(seconds_since(t0) < 10.0, "waited " + std::to_string(seconds_since(t0)) + " s, not about 1");
+            return e.what();
+          }
+          return "no error";
+        };
+        auto has = [](const std::string& text, const std::string& needle) {
+          require(text.find(needle) != std::string::npos, "'" + needle + "' is not in: " + text);
+        };
+        has(error_as("0"), "rank 0 of 2 (torchrun) could not host the rendezvous store at 127.0.0.1:" + port +
+                               " within 1 s; is another job using MASTER_PORT?");
+        held.reset();  // now no one listens there
+        has(error_as("1"), "rank 1 of 2 (torchrun) could not reach the rendezvous store at 127.0.0.1:" + port +
+                               " within 1 s; is rank 0 running");
+        has(error_as("0"),
+            "rank 0 could not set up gloo for the world (every one of the 2 ranks must create it) "
+            "within 1 s");
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)));
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -65,9 +65,8 @@ TEST(Files, TreesAreMadeCopiedListedAndRemoved) {
   EXPECT_NO_THROW(files::sync(root + "/copy/f.txt"));
   EXPECT_NO_THROW(files::sync(root + "/copy", /*directory=*/true));
   bool between = false;
-  files::rename_durably(root + "/copy/f.txt", root + "/copy/h.txt", [&] {
-    between = files::exists(root + "/copy/h.txt") && !files::exists(root + "/copy/f.txt");
-  });
+  files::rename_durably(root + "/copy/f.txt", root + "/copy/h.txt",
+                        [&] { between = files::exists(root + "/copy/h.txt") && !files::exists(root + "/copy/f.txt"); });
   EXPECT_TRUE(between) << "the callback runs after the rename";
   files::rename(root + "/copy/h.txt", root + "/copy/f.txt");
   files::rename(root + "/copy", root + "/moved");

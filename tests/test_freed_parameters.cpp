@@ -34,9 +34,9 @@ TEST(FreedParameters, ReadingAFreedParameterIsAClearErrorAndChangesNothing) {
         f();
       } catch (const std::exception& e) {
         std::string msg = e.what();
-        for (const std::string& part : {"rank " + std::to_string(w.rank()) + ": unit 'l1' is sharded",
-                                        std::string("'l1.lin.weight' [13, 7], 'l1.lin.bias' [13]"),
-                                        std::string("FullParams")}) {
+        for (const std::string& part :
+             {"rank " + std::to_string(w.rank()) + ": unit 'l1' is sharded",
+              std::string("'l1.lin.weight' [13, 7], 'l1.lin.bias' [13]"), std::string("FullParams")}) {
           require(msg.find(part) != std::string::npos, std::string(what) + ": message lacks '" + part + "': " + msg);
         }
         return;
@@ -66,7 +66,8 @@ TEST(FreedParameters, ReadingAFreedParameterIsAClearErrorAndChangesNothing) {
 // LibTorch that lifts the error itself too.
 TEST(FreedStorage, LiftingTheAccessErrorThroughItsFlagRestoresReadsAndWrites) {
   namespace sa = shardtorch::storage_access;
-  if (!sa::testing::can_lift_through_flag()) GTEST_SKIP() << "LibTorch " << TORCH_VERSION << ": the flag lift is compiled for 2.11 to 2.13 only";
+  if (!sa::testing::can_lift_through_flag())
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << ": the flag lift is compiled for 2.11 to 2.13 only";
   ASSERT_NE(sa::support(), sa::Support::None) << sa::describe(sa::support());
   auto t = at::arange(6, at::kFloat);
   auto view = t.narrow(0, 2, 3);

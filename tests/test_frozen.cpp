@@ -46,9 +46,7 @@ struct TwoOutImpl : torch::nn::Module {
         trained(register_module("trained", torch::nn::Linear(6, 6))) {
     for (auto& p : frozen->parameters()) p.set_requires_grad(false);
   }
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x) {
-    return {torch::tanh(frozen(x)), trained(x)};
-  }
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x) { return {torch::tanh(frozen(x)), trained(x)}; }
   torch::nn::Linear frozen, trained;
 };
 SHARDTORCH_MODULE(TwoOut);
@@ -605,14 +603,15 @@ TEST_P(LeafInput, AnAdapterUnitWithALeafInputTrainsLikeTorchAndCollectsNoHooks) 
       m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
       opt->step();
     }
-    require(cpp_hooks(m->pos) == hooks, std::to_string(cpp_hooks(m->pos) - hooks) + " hooks piled up on the leaf input");
+    require(cpp_hooks(m->pos) == hooks,
+            std::to_string(cpp_hooks(m->pos) - hooks) + " hooks piled up on the leaf input");
     expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a leaf input");
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(FrozenParameters, LeafInput,
-                         ::testing::Values(Strategy::FullShard, Strategy::HybridShard), StrategyName());
+INSTANTIATE_TEST_SUITE_P(FrozenParameters, LeafInput, ::testing::Values(Strategy::FullShard, Strategy::HybridShard),
+                         StrategyName());
 
 // Two forwards, one backward through both graphs: the second forward's input
 // gradient is complete before the first forward's backward reads the frozen
@@ -638,7 +637,8 @@ TEST(FrozenParameters, TwoForwardsDifferentiatedInOneBackwardTrainLikeTorch) {
     Chain ref;
     torch::optim::SGD ref_opt(unique_tensors(*ref), torch::optim::SGDOptions(0.05));
     for (int s = 0; s < kSteps; ++s) {
-      step(ref, [&] { ref_opt.zero_grad(); }, [](const torch::Tensor& t) { return t; });
+      step(
+          ref, [&] { ref_opt.zero_grad(); }, [](const torch::Tensor& t) { return t; });
       ref_opt.step();
     }
     auto want = snapshot(*ref);
@@ -648,7 +648,8 @@ TEST(FrozenParameters, TwoForwardsDifferentiatedInOneBackwardTrainLikeTorch) {
       shardtorch::shard(m, w);
       auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.05));
       for (int s = 0; s < kSteps; ++s) {
-        step(m, [&] { opt->zero_grad(); }, [&](const torch::Tensor& t) { return t.narrow(0, 4 * w.rank(), 4); });
+        step(
+            m, [&] { opt->zero_grad(); }, [&](const torch::Tensor& t) { return t.narrow(0, 4 * w.rank(), 4); });
         opt->step();
       }
       expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, tbptt ? "tbptt" : "two forwards");
@@ -697,5 +698,5 @@ TEST_P(RequiresGradChanged, ChangingRequiresGradAfterShardIsAnErrorAtTheNextStep
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(Frozen, RequiresGradChanged,
-                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());
+INSTANTIATE_TEST_SUITE_P(Frozen, RequiresGradChanged, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
+                         StrategyName());

@@ -304,8 +304,9 @@ FirstStep first_step(World& w, shardtorch::Strategy strategy, shardtorch::ft::Ma
 TEST(FtManager, UnreachableLighthouseFailsEveryRankWithinTheQuorumTimeout) {
   const std::string nowhere = "127.0.0.1:" + std::to_string(free_port());
   auto r = shardtorch::testing::run_ranks(2, [&](World& w) {
-    auto s = first_step(w, shardtorch::Strategy::FullShard,
-                        shardtorch::ft::ManagerOptions().lighthouse(nowhere).quorum_timeout(std::chrono::milliseconds(800)));
+    auto s =
+        first_step(w, shardtorch::Strategy::FullShard,
+                   shardtorch::ft::ManagerOptions().lighthouse(nowhere).quorum_timeout(std::chrono::milliseconds(800)));
     if (s.error.empty()) throw std::runtime_error("no error without a lighthouse");
     if (s.error.find("lighthouse at " + nowhere) == std::string::npos || s.error.find("group '0'") == std::string::npos)
       throw std::runtime_error("unexpected error: " + s.error);
@@ -350,8 +351,13 @@ TEST(FtManager, NextQuorumAskedForBeforeSetStepIsAskedForAgain) {
     shardtorch::shard(*model, world, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
     auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
     shardtorch::ft::Manager m(world, *model, *opt,
-                              shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group(std::to_string(g))
-                                  .log(false).timeout(5s).quorum_timeout(10s).prefetch_quorum(true));
+                              shardtorch::ft::ManagerOptions()
+                                  .lighthouse(lh.address())
+                                  .replica_group(std::to_string(g))
+                                  .log(false)
+                                  .timeout(5s)
+                                  .quorum_timeout(10s)
+                                  .prefetch_quorum(true));
     for (int i = 0; i < 3; ++i)
       if (!one_step(m, model, *opt, g, 0)) throw std::runtime_error("step " + std::to_string(i) + " not committed");
     if (g == 0) {
@@ -382,8 +388,12 @@ TEST(FtManager, DestructorReturnsAtOnceWhileTheNextQuorumIsUnanswered) {
     std::chrono::steady_clock::time_point t0;
     {
       shardtorch::ft::Manager m(w.shared_from_this(), *model, *opt,
-                                shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group("0").log(false)
-                                    .quorum_timeout(30s).prefetch_quorum(true));
+                                shardtorch::ft::ManagerOptions()
+                                    .lighthouse(lh.address())
+                                    .replica_group("0")
+                                    .log(false)
+                                    .quorum_timeout(30s)
+                                    .prefetch_quorum(true));
       m.start_step();
       opt->zero_grad();
       model->forward(batch_x(0, 0, 0)).pow(2).mean().backward();  // this step's quorum is answered here
@@ -395,7 +405,8 @@ TEST(FtManager, DestructorReturnsAtOnceWhileTheNextQuorumIsUnanswered) {
     lh.resume();
     if (took > 5s)
       throw std::runtime_error("~Manager took " +
-                               std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) + " ms");
+                               std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) +
+                               " ms");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -428,8 +439,13 @@ TEST(FtManager, EarlierQuorumsRendezvousKeysLeaveTheStore) {
     shardtorch::shard(*model, world, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
     auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
     auto options = [&](bool restarted) {
-      return shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group(std::to_string(g)).log(false)
-          .timeout(5s).quorum_timeout(20s).restarted(restarted);
+      return shardtorch::ft::ManagerOptions()
+          .lighthouse(lh.address())
+          .replica_group(std::to_string(g))
+          .log(false)
+          .timeout(5s)
+          .quorum_timeout(20s)
+          .restarted(restarted);
     };
     if (g == 1) {
       // Not before group 0 trains: alone (the lighthouse needs one group), the first life would train by itself.
@@ -452,7 +468,8 @@ TEST(FtManager, EarlierQuorumsRendezvousKeysLeaveTheStore) {
       long long id = -1;
       if (std::sscanf(key.c_str(), "shardtorch-ft/q%lld/", &id) == 1) quorums.insert(id);
     }
-    if (rebuilt < 3) throw std::runtime_error("group 0 built " + std::to_string(rebuilt) + " groups with group 1, not 3");
+    if (rebuilt < 3)
+      throw std::runtime_error("group 0 built " + std::to_string(rebuilt) + " groups with group 1, not 3");
     if (quorums.size() > 1)
       throw std::runtime_error("group 0's store holds the rendezvous of " + std::to_string(quorums.size()) +
                                " quorums, not just the last one's");
@@ -470,17 +487,20 @@ TEST(FtManager, AQuorumWithTwoReplicasOfOneGroupFailsTheStepAtOnce) {
   auto r = shardtorch::testing::run_ranks(1, [&](World& w) {
     LighthouseClient stale(lh.address());
     auto pending = std::async(std::launch::async, [&] {
-      return stale.quorum(Member{"1:stale", "", "127.0.0.1:1", 0, 1,
-                                 R"({"group":"1","model":"x","restarted":false,"broken":0})"},
-                          20s);
+      return stale.quorum(
+          Member{"1:stale", "", "127.0.0.1:1", 0, 1, R"({"group":"1","model":"x","restarted":false,"broken":0})"}, 20s);
     });
     at::manual_seed(0);
     Net model(8);
     shardtorch::shard(*model, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
     auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
     shardtorch::ft::Manager m(w.shared_from_this(), *model, *opt,
-                              shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group("1").log(false)
-                                  .timeout(10s).quorum_timeout(20s));
+                              shardtorch::ft::ManagerOptions()
+                                  .lighthouse(lh.address())
+                                  .replica_group("1")
+                                  .log(false)
+                                  .timeout(10s)
+                                  .quorum_timeout(20s));
     const auto t0 = std::chrono::steady_clock::now();
     const bool committed = one_step(m, model, *opt, 1, 0);
     const auto took = std::chrono::steady_clock::now() - t0;
@@ -489,8 +509,9 @@ TEST(FtManager, AQuorumWithTwoReplicasOfOneGroupFailsTheStepAtOnce) {
     if (committed) throw std::runtime_error("a step with a dead replica in its quorum committed");
     if (e.find("holds two replicas of group '1' ('1:") == std::string::npos || e.find("'1:stale'") == std::string::npos)
       throw std::runtime_error("unexpected error: " + e);
-    if (took > 5s) throw std::runtime_error("the step failed only after " +
-                                            std::to_string(std::chrono::duration<double>(took).count()) + " s");
+    if (took > 5s)
+      throw std::runtime_error("the step failed only after " +
+                               std::to_string(std::chrono::duration<double>(took).count()) + " s");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

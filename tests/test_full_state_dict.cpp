@@ -39,15 +39,17 @@ TEST_P(FullStateDict, SavedAtFourLoadsBitwiseAtOneTwoAndThree) {
     }
     auto full = shardtorch::full_parameters(*model);
     shardtorch::save_full_state_dict(*model, path, {{"step", "2"}});
-    if (w.rank() == 0) shardtorch::checkpoint::save_file((dir / "expected.safetensors").string(),
-                                                          std::vector<std::pair<std::string, at::Tensor>>(full.begin(), full.end()));
+    if (w.rank() == 0)
+      shardtorch::checkpoint::save_file((dir / "expected.safetensors").string(),
+                                        std::vector<std::pair<std::string, at::Tensor>>(full.begin(), full.end()));
   });
   ASSERT_TRUE(save.ok) << save.summary();
   auto expected = shardtorch::checkpoint::load_file((dir / "expected.safetensors").string());
   shardtorch::checkpoint::Reader header(path);
   EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(header).metadata.at("step"), "2");
   EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(header).metadata.at("shardtorch_world_size"), "4");
-  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(header).metadata.at("format"), "pt");  // what Hugging Face's loaders require
+  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(header).metadata.at("format"),
+            "pt");  // what Hugging Face's loaders require
   for (int world : {1, 2, 3}) {
     auto r = run_ranks(world, [&](World& w) {
       torch::manual_seed(99);  // different initial values: the load must replace them
@@ -114,21 +116,26 @@ TEST(FullStateDict, SavingHoldsOneUnitsParametersAtATimeNotTheModel) {
 TEST(FullStateDict, FlatParametersOfTwoDtypesAreGatheredInTheOrderOfEveryRank) {
   const TempDir dir;
   const std::string path = (dir / "mixed.safetensors").string();
-  auto r = run_ranks(2, [&](World& w) {
-    torch::manual_seed(0);
-    MLP m;
-    m->l2->to(torch::kDouble);
-    shardtorch::shard(m, w);
-    auto full = shardtorch::full_parameters(*m);
-    shardtorch::save_full_state_dict(*m, path);
-    if (w.rank() != 0) return;
-    shardtorch::checkpoint::Reader file(path);
-    for (const auto& rec : shardtorch::checkpoint::ReaderAccess::header(file).tensors)
-      require((shardtorch::checkpoint::ReaderAccess::header(file).data_start + rec.begin) % shardtorch::checkpoint::dtype_size(rec.dtype) == 0,
-              "'" + rec.name + "' is not aligned");
-    for (const auto& [n, t] : full) require(at::equal(file.read(n), t), "'" + n + "' differs in the file");
-    require(file.read("l2.lin.weight").scalar_type() == at::kDouble, "l2 is not double in the file");
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(10)));
+  auto r = run_ranks(
+      2,
+      [&](World& w) {
+        torch::manual_seed(0);
+        MLP m;
+        m->l2->to(torch::kDouble);
+        shardtorch::shard(m, w);
+        auto full = shardtorch::full_parameters(*m);
+        shardtorch::save_full_state_dict(*m, path);
+        if (w.rank() != 0) return;
+        shardtorch::checkpoint::Reader file(path);
+        for (const auto& rec : shardtorch::checkpoint::ReaderAccess::header(file).tensors)
+          require((shardtorch::checkpoint::ReaderAccess::header(file).data_start + rec.begin) %
+                          shardtorch::checkpoint::dtype_size(rec.dtype) ==
+                      0,
+                  "'" + rec.name + "' is not aligned");
+        for (const auto& [n, t] : full) require(at::equal(file.read(n), t), "'" + n + "' differs in the file");
+        require(file.read("l2.lin.weight").scalar_type() == at::kDouble, "l2 is not double in the file");
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(10)));
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
@@ -146,13 +153,16 @@ TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
     return n;
   };
   auto save = [&](int seed, const char* kill_at) {
-    return run_ranks(2, [&](World& w) {
-      torch::manual_seed(seed);
-      auto model = gpt::GPT(cfg);
-      shardtorch::shard(model, w);
-      if (kill_at && w.rank() == 0) die_at(kill_at);
-      shardtorch::save_full_state_dict(*model, path, {{"seed", std::to_string(seed)}});
-    }, crash_run());
+    return run_ranks(
+        2,
+        [&](World& w) {
+          torch::manual_seed(seed);
+          auto model = gpt::GPT(cfg);
+          shardtorch::shard(model, w);
+          if (kill_at && w.rank() == 0) die_at(kill_at);
+          shardtorch::save_full_state_dict(*model, path, {{"seed", std::to_string(seed)}});
+        },
+        crash_run());
   };
   for (const char* point : {"file partly written", "file written", "file synced", "file renamed"}) {
     auto first = save(1, nullptr);
@@ -162,7 +172,9 @@ TEST(FullStateDict, AWriterKilledAtEachPointLeavesTheOldFileOrTheNew) {
     ASSERT_FALSE(killed.ranks[1].timed_out) << point << ": rank 1 hung\n" << killed.summary();
     const bool renamed = std::string(point) == "file renamed";
     auto file = shardtorch::checkpoint::load_file(path);  // validates the whole file
-    EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(shardtorch::checkpoint::Reader(path)).metadata.at("seed"), renamed ? "2" : "1") << point;
+    EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(shardtorch::checkpoint::Reader(path)).metadata.at("seed"),
+              renamed ? "2" : "1")
+        << point;
     torch::manual_seed(renamed ? 2 : 1);
     auto want = gpt::GPT(cfg);
     for (auto& [n, t] : unique_params(*want)) EXPECT_TRUE(at::equal(file.at(n), t)) << point << ": '" << n << "'";
@@ -195,11 +207,13 @@ TEST(FullStateDictErrors, MissingMisShapedAndUnexpectedEntriesNameTheFileAndPara
     auto sd = shardtorch::checkpoint::load_file(good);
     auto expect_error = [&](std::map<std::string, at::Tensor> edited, const std::string& needle) {
       const std::string p = (dir / "edited.safetensors").string();
-      shardtorch::checkpoint::save_file(p, std::vector<std::pair<std::string, at::Tensor>>(edited.begin(), edited.end()));
+      shardtorch::checkpoint::save_file(p,
+                                        std::vector<std::pair<std::string, at::Tensor>>(edited.begin(), edited.end()));
       try {
         shardtorch::load_full_state_dict(*model, p);
       } catch (const std::exception& e) {
-        require(std::string(e.what()).find(needle) != std::string::npos && std::string(e.what()).find(p) != std::string::npos,
+        require(std::string(e.what()).find(needle) != std::string::npos &&
+                    std::string(e.what()).find(p) != std::string::npos,
                 "wrong message: " + std::string(e.what()));
         return;
       }

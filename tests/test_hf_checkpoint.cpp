@@ -36,7 +36,8 @@ using Tensors = std::vector<std::pair<std::string, at::Tensor>>;
 // save_pretrained does: each tensor whole in file number file_of(name) (of
 // `files`, "model-0000K-of-0000N.safetensors"), and the index with
 // metadata.total_size and the weight_map.
-void write_hf(const Path& dir, const Tensors& tensors, const std::function<int(const std::string&)>& file_of, int files) {
+void write_hf(const Path& dir, const Tensors& tensors, const std::function<int(const std::string&)>& file_of,
+              int files) {
   auto file_name = [&](int k) {
     char buf[64];
     std::snprintf(buf, sizeof(buf), "model-%05d-of-%05d.safetensors", k + 1, files);
@@ -96,14 +97,14 @@ std::map<std::string, torch::Tensor> full_values(torch::nn::Module& m) {
 
 void require_bitwise(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want,
                      const std::string& what) {
-  require(got.size() == want.size(), what + ": " + std::to_string(got.size()) + " tensors, expected " +
-                                         std::to_string(want.size()));
+  require(got.size() == want.size(),
+          what + ": " + std::to_string(got.size()) + " tensors, expected " + std::to_string(want.size()));
   for (const auto& [n, w] : want) {
     auto it = got.find(n);
     require(it != got.end(), what + ": no " + n);
-    require(it->second.scalar_type() == w.scalar_type() && it->second.sizes() == w.sizes() &&
-                torch::equal(it->second, w),
-            what + ": '" + n + "' differs");
+    require(
+        it->second.scalar_type() == w.scalar_type() && it->second.sizes() == w.sizes() && torch::equal(it->second, w),
+        what + ": '" + n + "' differs");
   }
 }
 
@@ -114,7 +115,9 @@ bool has(const std::string& s, const std::string& part) { return s.find(part) !=
 // The files a rank must open for the GPT of gpt_file_of: those holding an
 // element of its shard (NoShard: everything). The head is tied to tok_emb.
 std::set<std::string> files_needed(const shardtorch::ShardedModel& sm, World& w, const ShardOptions& opts) {
-  auto file_name = [](int k) { return "model-0000" + std::to_string(k + 1) + "-of-0000" + std::to_string(kGptFiles) + ".safetensors"; };
+  auto file_name = [](int k) {
+    return "model-0000" + std::to_string(k + 1) + "-of-0000" + std::to_string(kGptFiles) + ".safetensors";
+  };
   std::set<std::string> out;
   if (opts.strategy() == Strategy::NoShard) {
     for (int k = 0; k < kGptFiles; ++k) out.insert(file_name(k));
@@ -135,7 +138,7 @@ std::set<std::string> files_needed(const shardtorch::ShardedModel& sm, World& w,
 
 struct GptCheckpoint {
   TempDir dir;
-  std::string full;  // the same values as a full state dict
+  std::string full;                             // the same values as a full state dict
   std::map<std::string, torch::Tensor> values;  // every name
 };
 
@@ -236,7 +239,8 @@ TEST(HfCheckpoint, EachRankOpensOnlyTheFilesHoldingItsElements) {
                       : std::vector<std::string>{"model-00001-of-00004.safetensors", "model-00003-of-00004.safetensors",
                                                  "model-00004-of-00004.safetensors"};
     std::set<std::string> got(report.files_opened.begin(), report.files_opened.end());
-    require(got == std::set<std::string>(want.begin(), want.end()), "rank " + std::to_string(w.rank()) + " opened other files");
+    require(got == std::set<std::string>(want.begin(), want.end()),
+            "rank " + std::to_string(w.rank()) + " opened other files");
   });
   ASSERT_TRUE(r.ok) << r.summary();
   for (auto [file, owner] : {std::pair<std::string, int>{"model-00004-of-00004.safetensors", 1},
@@ -268,14 +272,15 @@ TEST(HfCheckpoint, NamesAreMappedByPrefixRulesAndAFunction) {
   for (const auto& [n, t] : ck.values) {
     if (n == "head.weight") continue;  // tied: saved once
     std::string hf_name = n.rfind("blocks.", 0) == 0 ? "model.layers." + n.substr(7)
-                          : n == "tok_emb.weight"   ? "model.embed_tokens.weight"
-                                                    : "model." + n;
+                          : n == "tok_emb.weight"    ? "model.embed_tokens.weight"
+                                                     : "model." + n;
     renamed.emplace_back(hf_name, t);
   }
   renamed.emplace_back("model.rotary.inv_freq", torch::arange(4).to(torch::kFloat));
   const std::string dir = (ck.dir / "renamed").string();
   files::create_directories(dir);
-  write_hf(dir, renamed, [](const std::string& n) { return n.find("layers.1.") != std::string::npos ? 1 : 0; }, 2);
+  write_hf(
+      dir, renamed, [](const std::string& n) { return n.find("layers.1.") != std::string::npos ? 1 : 0; }, 2);
   auto r = run_ranks(2, [&](World& w) {
     gpt::GPT m(gpt::Config{});
     shardtorch::shard(m, w);
@@ -333,7 +338,8 @@ TEST(HfCheckpoint, Bf16FileIntoFp32ModelAndTheCastRule) {
     shardtorch::shard(m, w);
     const auto before = full_values(*m);
     const std::string msg = message_of([&] { shardtorch::load_hf_checkpoint(*m, int_dir); });
-    require(has(msg, "'ln_f.weight' is I64") && has(msg, "is F32") && has(msg, "allow_lossy_casts(true)"), "got: " + msg);
+    require(has(msg, "'ln_f.weight' is I64") && has(msg, "is F32") && has(msg, "allow_lossy_casts(true)"),
+            "got: " + msg);
     require_bitwise(full_values(*m), before, "a refused load changed the model");
     shardtorch::load_hf_checkpoint(*m, int_dir, HfLoadOptions().allow_lossy_casts(true));
     require(full_values(*m).at("ln_f.weight").eq(3).all().item<bool>(), "ln_f.weight not loaded as 3");
@@ -388,7 +394,8 @@ TEST(HfCheckpoint, BadInputsFailEveryRankWithTheModelUnchanged) {
   const std::string not_json = variant("not_json", [](Tensors&) {});
   std::ofstream(Path(not_json) / "model.safetensors.index.json") << "{\"weight_map\": {\"a\": ";
   const std::string escape = variant("escape", [](Tensors&) {});
-  std::ofstream(Path(escape) / "model.safetensors.index.json") << "{\"weight_map\": {\"ln_f.weight\": \"../x.safetensors\"}}";
+  std::ofstream(Path(escape) / "model.safetensors.index.json")
+      << "{\"weight_map\": {\"ln_f.weight\": \"../x.safetensors\"}}";
 
   auto r = run_ranks(2, [&](World& w) {
     gpt::GPT m(gpt::Config{});
@@ -397,7 +404,8 @@ TEST(HfCheckpoint, BadInputsFailEveryRankWithTheModelUnchanged) {
     auto fails = [&](const std::string& dir, const HfLoadOptions& o, std::vector<std::string> parts) {
       const std::string msg = message_of([&] { shardtorch::load_hf_checkpoint(*m, dir, o); });
       parts.push_back("shardtorch::load_hf_checkpoint '" + dir + "': rank ");
-      for (const auto& p : parts) require(has(msg, p), "rank " + std::to_string(w.rank()) + ": '" + p + "' not in: " + msg);
+      for (const auto& p : parts)
+        require(has(msg, p), "rank " + std::to_string(w.rank()) + ": '" + p + "' not in: " + msg);
       require_bitwise(full_values(*m), before, "the model changed after: " + msg);
     };
     fails(missing, {}, {"no tensor for the model's parameter 'blocks.1.fc2.bias'", "allow_missing"});
@@ -405,7 +413,8 @@ TEST(HfCheckpoint, BadInputsFailEveryRankWithTheModelUnchanged) {
     // proj.bias lies in rank 0's half of block 0: only rank 0 opens it and finds the shapes differ.
     fails(shape, {}, {"rank 0: ", "'blocks.0.proj.bias' has shape [33]", "has shape [32]"});
     fails(absent, {}, {"names 'model-00004-of-00004.safetensors', which is not in", "copy every file"});
-    fails(misplaced, {}, {"puts 'blocks.0.qkv.weight' in 'model-00003-of-00004.safetensors', but that file has no such tensor"});
+    fails(misplaced, {},
+          {"puts 'blocks.0.qkv.weight' in 'model-00003-of-00004.safetensors', but that file has no such tensor"});
     fails(truncated, {}, {"model-00003-of-00004.safetensors"});
     fails(malformed, {}, {"no \"weight_map\""});
     fails(not_json, {}, {"not valid JSON"});
@@ -413,16 +422,18 @@ TEST(HfCheckpoint, BadInputsFailEveryRankWithTheModelUnchanged) {
     auto twice = HfLoadOptions().map_name([](const std::string& n) -> std::optional<std::string> {
       return n == "blocks.1.fc1.bias" ? "blocks.0.fc1.bias" : n;
     });
-    fails((ck.dir / "hf").string(), twice, {"'blocks.0.fc1.bias' and 'blocks.1.fc1.bias' both map to the model's 'blocks.0.fc1.bias'"});
+    fails((ck.dir / "hf").string(), twice,
+          {"'blocks.0.fc1.bias' and 'blocks.1.fc1.bias' both map to the model's 'blocks.0.fc1.bias'"});
 
     // Allowed: a missing parameter keeps its value; the others load.
-    auto report = shardtorch::load_hf_checkpoint(*m, missing, HfLoadOptions().allow_missing_if([](const std::string& n) {
-      return n.find("fc2.bias") != std::string::npos;
-    }));
+    auto report = shardtorch::load_hf_checkpoint(
+        *m, missing,
+        HfLoadOptions().allow_missing_if([](const std::string& n) { return n.find("fc2.bias") != std::string::npos; }));
     require(report.missing == std::vector<std::string>{"blocks.1.fc2.bias"}, "missing not reported");
     auto after = full_values(*m);
     require(torch::equal(after.at("blocks.1.fc2.bias"), before.at("blocks.1.fc2.bias")), "the missing one changed");
-    require(torch::equal(after.at("blocks.1.fc2.weight"), ck.values.at("blocks.1.fc2.weight")), "the others did not load");
+    require(torch::equal(after.at("blocks.1.fc2.weight"), ck.values.at("blocks.1.fc2.weight")),
+            "the others did not load");
     report = shardtorch::load_hf_checkpoint(*m, extra, HfLoadOptions().ignore_unexpected(true));
     require(report.unexpected == std::vector<std::string>{"extra.weight"}, "unexpected not reported");
     require_bitwise(full_values(*m), ck.values, "ignore_unexpected");
@@ -471,11 +482,12 @@ TEST(HfCheckpoint, DeferredLoadPeakIsShardsPlusOneUnit) {
       for (int i = 0; i < static_cast<int>(shardtorch::Mem::kCount); ++i) accounted += sm->memory().peak[i];
       const int64_t total = std::max(built_peak, shards + load_peak);
       if (w.rank() == 0)
-        std::printf("  world %d: model %lld B, largest unit %lld B, bound %lld B; library peak %lld B; allocator: "
-                    "construct+shard %lld B, load %lld B over the shards, overall %lld B\n",
-                    w.size(), static_cast<long long>(model_bytes), static_cast<long long>(largest),
-                    static_cast<long long>(bound), static_cast<long long>(accounted),
-                    static_cast<long long>(built_peak), static_cast<long long>(load_peak), static_cast<long long>(total));
+        std::printf(
+            "  world %d: model %lld B, largest unit %lld B, bound %lld B; library peak %lld B; allocator: "
+            "construct+shard %lld B, load %lld B over the shards, overall %lld B\n",
+            w.size(), static_cast<long long>(model_bytes), static_cast<long long>(largest),
+            static_cast<long long>(bound), static_cast<long long>(accounted), static_cast<long long>(built_peak),
+            static_cast<long long>(load_peak), static_cast<long long>(total));
       const std::string who = "rank " + std::to_string(w.rank());
       require(largest * 4 < model_bytes, "the model is too shallow for this test");
       require(accounted <= bound, who + ": the library counted a peak of " + std::to_string(accounted) + " B; bound " +
@@ -485,8 +497,8 @@ TEST(HfCheckpoint, DeferredLoadPeakIsShardsPlusOneUnit) {
       require(total <= bound, who + ": construct + shard + load held " + std::to_string(total) +
                                   " B at once; model_state/N + the largest unit + 10% is " + std::to_string(bound));
       require(plan.startup_deferred == accounted, who + ": the planner predicted " +
-                                                      std::to_string(plan.startup_deferred) + " B, the library counted " +
-                                                      std::to_string(accounted));
+                                                      std::to_string(plan.startup_deferred) +
+                                                      " B, the library counted " + std::to_string(accounted));
       require_bitwise(full_values(*model), ck.values, who);
     });
     ASSERT_TRUE(r.ok) << "world " << world << ": " << r.summary();
@@ -530,8 +542,8 @@ TEST(HfCheckpoint, DeferredReplayPeakIsShardsPlusOneUnit) {
       require(accounted <= bound, who + ": the library counted a peak of " + std::to_string(accounted) + " B; bound " +
                                       std::to_string(bound));
       require(plan.startup_deferred == accounted, who + ": the planner predicted " +
-                                                      std::to_string(plan.startup_deferred) + " B, the library counted " +
-                                                      std::to_string(accounted));
+                                                      std::to_string(plan.startup_deferred) +
+                                                      " B, the library counted " + std::to_string(accounted));
       require(built_peak <= accounted + largest_param + 64 * 1024,
               who + ": construct + shard held " + std::to_string(built_peak) + " B at the allocator; the library's " +
                   std::to_string(accounted) + " B + one parameter (" + std::to_string(largest_param) + " B) + 64 kB");
@@ -693,8 +705,8 @@ TEST(HfSave, ANameMappingThatDropsWholeUnitsGathersOnlyTheKeptOnes) {
     shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().map_name(only_block1));
     // Two of the all-gathers are the ranks' agreement on the names written.
     const int64_t gathers = sm.comm_stats().all_gather.calls - before - 2;
-    require(gathers == flats, "gathered " + std::to_string(gathers) + " flat parameters, not the kept unit's " +
-                                  std::to_string(flats));
+    require(gathers == flats,
+            "gathered " + std::to_string(gathers) + " flat parameters, not the kept unit's " + std::to_string(flats));
     if (w.rank() == 0) {
       int64_t seen = 0;
       for (const auto& f : files::list_directory(dir))
@@ -730,12 +742,11 @@ TEST(HfSave, AFailedWriteFailsEveryRankAndKeepsTheEarlierCheckpoint) {
       shardtorch::checkpoint::set_crash_hook([](const std::string& point) {
         if (point == "file partly written") throw std::runtime_error("injected: disk full");
       });
-    const std::string msg = message_of([&] {
-      shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().max_file_bytes(8 * 1024));
-    });
+    const std::string msg =
+        message_of([&] { shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().max_file_bytes(8 * 1024)); });
     shardtorch::checkpoint::set_crash_hook(nullptr);
-    require(has(msg, w.rank() == 0 ? "injected: disk full" : "rank 0 could not write"), "rank " +
-            std::to_string(w.rank()) + ": " + msg);
+    require(has(msg, w.rank() == 0 ? "injected: disk full" : "rank 0 could not write"),
+            "rank " + std::to_string(w.rank()) + ": " + msg);
     require(files::list_directory(dir) == before, "the directory changed");
     auto lazy = shardtorch::deferred([] { return gpt::GPT(gpt::Config{}); });
     shardtorch::skip_deferred_init(lazy);
@@ -754,29 +765,32 @@ TEST(HfSave, AFailedWriteFailsEveryRankAndKeepsTheEarlierCheckpoint) {
 TEST(HfSave, ANameMappingThatDiffersOrThrowsOnOneRankFailsEveryRankAtOnce) {
   auto ck = make_gpt_checkpoint();
   const std::string dir = (ck.dir / "differ").string();
-  auto r = run_ranks(2, [&](World& w) {
-    gpt::GPT model(gpt::Config{});
-    shardtorch::shard(model, w, strategy_options(Strategy::FullShard, 2));
-    const bool odd = w.rank() == 1;
-    auto differs = [odd](const std::string& n) -> std::optional<std::string> {
-      if (odd && n.rfind("blocks.1.", 0) == 0) return std::nullopt;  // rank 1 leaves block 1 out
-      return n;
-    };
-    std::string msg = message_of([&] { shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().map_name(differs)); });
-    require(has(msg, "the ranks would write different tensors") && has(msg, "on rank 1") &&
-                has(msg, "'blocks.1."),
-            "rank " + std::to_string(w.rank()) + ": " + msg);
-    auto throws = [odd](const std::string& n) -> std::optional<std::string> {
-      if (odd && n.rfind("blocks.0.", 0) == 0) throw std::runtime_error("no rule for " + n);
-      return n;
-    };
-    msg = message_of([&] { shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().map_name(throws)); });
-    require(has(msg, "rank 1: no rule for blocks.0."), "rank " + std::to_string(w.rank()) + ": " + msg);
-    require(!files::exists(dir), "something was written");
-    // The ranks are in step afterwards: a save that agrees works.
-    shardtorch::save_hf_checkpoint(*model, dir);
-    require(files::exists(dir + "/model.safetensors.index.json"), "the agreeing save wrote nothing");
-  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(30)));
+  auto r = run_ranks(
+      2,
+      [&](World& w) {
+        gpt::GPT model(gpt::Config{});
+        shardtorch::shard(model, w, strategy_options(Strategy::FullShard, 2));
+        const bool odd = w.rank() == 1;
+        auto differs = [odd](const std::string& n) -> std::optional<std::string> {
+          if (odd && n.rfind("blocks.1.", 0) == 0) return std::nullopt;  // rank 1 leaves block 1 out
+          return n;
+        };
+        std::string msg =
+            message_of([&] { shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().map_name(differs)); });
+        require(has(msg, "the ranks would write different tensors") && has(msg, "on rank 1") && has(msg, "'blocks.1."),
+                "rank " + std::to_string(w.rank()) + ": " + msg);
+        auto throws = [odd](const std::string& n) -> std::optional<std::string> {
+          if (odd && n.rfind("blocks.0.", 0) == 0) throw std::runtime_error("no rule for " + n);
+          return n;
+        };
+        msg = message_of([&] { shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().map_name(throws)); });
+        require(has(msg, "rank 1: no rule for blocks.0."), "rank " + std::to_string(w.rank()) + ": " + msg);
+        require(!files::exists(dir), "something was written");
+        // The ranks are in step afterwards: a save that agrees works.
+        shardtorch::save_hf_checkpoint(*model, dir);
+        require(files::exists(dir + "/model.safetensors.index.json"), "the agreeing save wrote nothing");
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(30)));
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
@@ -798,7 +812,8 @@ TEST(HfInteropWrite, DISABLED_WritesForPython) {
       torch::NoGradGuard no_grad;
       logits = model(tokens);
     }
-    if (w.rank() == 0) shardtorch::checkpoint::save_file(dir + "/io.safetensors", {{"tokens", tokens}, {"logits", logits}});
+    if (w.rank() == 0)
+      shardtorch::checkpoint::save_file(dir + "/io.safetensors", {{"tokens", tokens}, {"logits", logits}});
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

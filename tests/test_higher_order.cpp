@@ -31,8 +31,9 @@ TEST(HigherOrderGradients, AGradientPenaltyTrainsLikeTorchUnderEveryStrategy) {
     const auto before = sm.comm_stats();
     auto loss = penalised(m, x.narrow(0, 2 * w.rank(), 2), [&] {
       const auto now = sm.comm_stats();
-      require(now.reduce_scatter.calls == before.reduce_scatter.calls && now.all_reduce.calls == before.all_reduce.calls,
-              "autograd::grad with respect to the input reduced gradients");
+      require(
+          now.reduce_scatter.calls == before.reduce_scatter.calls && now.all_reduce.calls == before.all_reduce.calls,
+          "autograd::grad with respect to the input reduced gradients");
     });
     loss.backward();
   });
@@ -62,8 +63,8 @@ TEST_P(CreateGraph, ABackwardWithCreateGraphReachingParametersIsAClearError) {
   EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(HigherOrderGradients, CreateGraph,
-                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());
+INSTANTIATE_TEST_SUITE_P(HigherOrderGradients, CreateGraph, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
+                         StrategyName());
 
 // A backward with create_graph that no backward follows (an input-gradient
 // diagnostic after the training backward): the optimizer step releases the
@@ -122,13 +123,13 @@ TEST(HigherOrderGradients, PenaltyGraphsBuiltAheadAndThroughTheRootTrainLikeTorc
   auto want = train_reference<PenaltyNet>([&](PenaltyNet& ref) {
     for (int r = 0; r < 4; ++r) (penalty(ref, x.narrow(0, r, 1)) / 4).backward();
   });
-  expect_every_strategy_trains_like<PenaltyNet>(
-      want, "penalties built ahead, through the root", [&](PenaltyNet& m, shardtorch::ShardedModel&, World& w) {
-        auto first = penalty(m, x.narrow(0, 2 * w.rank(), 1));
-        auto second = penalty(m, x.narrow(0, 2 * w.rank() + 1, 1));
-        (first / 2).backward();
-        (second / 2).backward();
-      });
+  expect_every_strategy_trains_like<PenaltyNet>(want, "penalties built ahead, through the root",
+                                                [&](PenaltyNet& m, shardtorch::ShardedModel&, World& w) {
+                                                  auto first = penalty(m, x.narrow(0, 2 * w.rank(), 1));
+                                                  auto second = penalty(m, x.narrow(0, 2 * w.rank() + 1, 1));
+                                                  (first / 2).backward();
+                                                  (second / 2).backward();
+                                                });
 }
 
 // A gradient penalty through a unit whose parameters are all frozen (a

@@ -85,8 +85,11 @@ std::string error_of(std::map<std::string, std::string> m) {
 }  // namespace
 
 TEST(LaunchEnv, Torchrun) {
-  auto e = shardtorch::parse_launch_env(env({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
-                                             {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
+  auto e = shardtorch::parse_launch_env(env({{"RANK", "3"},
+                                             {"WORLD_SIZE", "4"},
+                                             {"LOCAL_RANK", "1"},
+                                             {"MASTER_ADDR", "10.0.0.1"},
+                                             {"MASTER_PORT", "29500"},
                                              {"TORCHELASTIC_USE_AGENT_STORE", "True"}}));
   EXPECT_EQ(e.launcher, "torchrun");
   EXPECT_EQ(e.rank, 3);
@@ -98,17 +101,22 @@ TEST(LaunchEnv, Torchrun) {
 }
 
 TEST(LaunchEnv, OpenMpiAndSlurm) {
-  auto m = shardtorch::parse_launch_env(env({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                                             {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"MASTER_ADDR", "h"},
+  auto m = shardtorch::parse_launch_env(env({{"OMPI_COMM_WORLD_RANK", "1"},
+                                             {"OMPI_COMM_WORLD_SIZE", "2"},
+                                             {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                             {"MASTER_ADDR", "h"},
                                              {"MASTER_PORT", "1234"}}));
   EXPECT_EQ(m.launcher, "openmpi");
   EXPECT_EQ(m.rank, 1);
   EXPECT_EQ(m.local_rank, 1);
-  auto s = shardtorch::parse_launch_env(env({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
-                                             {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}}));
+  auto s = shardtorch::parse_launch_env(env({{"SLURM_PROCID", "5"},
+                                             {"SLURM_NTASKS", "8"},
+                                             {"SLURM_LOCALID", "1"},
+                                             {"MASTER_ADDR", "h"},
+                                             {"MASTER_PORT", "1234"}}));
   EXPECT_EQ(s.launcher, "slurm");
-  auto p = shardtorch::parse_launch_env(env({{"PMI_RANK", "2"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "0"},
-                                             {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}}));
+  auto p = shardtorch::parse_launch_env(env(
+      {{"PMI_RANK", "2"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "0"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}}));
   EXPECT_EQ(p.launcher, "mpich");  // MPICH's and Intel MPI's mpirun
   EXPECT_EQ(p.rank, 2);
   EXPECT_EQ(p.world_size, 4);
@@ -153,9 +161,11 @@ TEST(LaunchEnv, BadValuesNameTheVariableAndValue) {
   EXPECT_NE(with({{"RANK", "1x"}, {"WORLD_SIZE", "2"}}).find("RANK='1x'"), std::string::npos);
   EXPECT_NE(with({{"RANK", "2"}, {"WORLD_SIZE", "2"}}).find("RANK='2' is not below WORLD_SIZE=2"), std::string::npos);
   EXPECT_NE(with({{"RANK", "0"}, {"WORLD_SIZE", "-1"}}).find("WORLD_SIZE='-1'"), std::string::npos);
-  EXPECT_NE(with({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}).find("MASTER_PORT='70000' is outside 1..65535"),
+  EXPECT_NE(with({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}})
+                .find("MASTER_PORT='70000' is outside 1..65535"),
             std::string::npos);
-  EXPECT_NE(with({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "0"}}).find("MASTER_PORT='0'"), std::string::npos);
+  EXPECT_NE(with({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "0"}}).find("MASTER_PORT='0'"),
+            std::string::npos);
   EXPECT_NE(with({{"RANK", "0"}}).find("RANK is set but WORLD_SIZE is not"), std::string::npos);
   EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}}).find("MASTER_ADDR is not set"), std::string::npos);
   EXPECT_NE(error_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "two"}}).find("SLURM_NTASKS='two'"), std::string::npos);

@@ -109,8 +109,8 @@ TEST(MixedPrecision, ReductionsHappenInTheReduceDtypeAskedFor) {
   for (auto reduce : {at::kBFloat16, at::kFloat}) {
     auto r = run_ranks(2, [&](World& w) {
       auto model = gpt::GPT(gpt::Config{});
-      auto sm = shardtorch::shard(model, w, ShardOptions().mixed_precision(
-                                                MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(reduce)));
+      auto sm = shardtorch::shard(
+          model, w, ShardOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(reduce)));
       auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
       const auto before = sm.comm_stats();  // reductions run on a communicator of their own
       sm.reset_peak_memory();
@@ -120,7 +120,7 @@ TEST(MixedPrecision, ReductionsHappenInTheReduceDtypeAskedFor) {
       int64_t root = units[0].layouts[0].padded_numel(), block = units[1].layouts[0].padded_numel();
       require(sm.memory().max(shardtorch::Mem::GatheredParams) == 2 * (root + block),
               "peak gathered bytes " + std::to_string(sm.memory().max(shardtorch::Mem::GatheredParams)) +
-              ", expected bf16 root + block " + std::to_string(2 * (root + block)));
+                  ", expected bf16 root + block " + std::to_string(2 * (root + block)));
       auto rs = sm.comm_stats().reduce_scatter;
       auto ag = sm.comm_stats().all_gather;
       rs.bytes_sent -= before.reduce_scatter.bytes_sent;
@@ -131,12 +131,13 @@ TEST(MixedPrecision, ReductionsHappenInTheReduceDtypeAskedFor) {
       for (auto& u : sm.units())
         for (auto& l : u.layouts) expect_ag += l.shard_numel() * 2 * (u.name.empty() ? 1 : 2);
       require(ag.bytes_sent == expect_ag, "all-gathers moved " + std::to_string(ag.bytes_sent) + " bytes, expected " +
-              std::to_string(expect_ag) + " in bf16");
+                                              std::to_string(expect_ag) + " in bf16");
       int64_t expect_rs = 0;
       for (auto& u : sm.units())
         for (auto& l : u.layouts) expect_rs += l.shard_numel() * (reduce == at::kFloat ? 4 : 2);
-      require(rs.bytes_sent == expect_rs, "reduce-scatter moved " + std::to_string(rs.bytes_sent) + " bytes, expected " +
-              std::to_string(expect_rs) + " for " + c10::toString(reduce));
+      require(rs.bytes_sent == expect_rs, "reduce-scatter moved " + std::to_string(rs.bytes_sent) +
+                                              " bytes, expected " + std::to_string(expect_rs) + " for " +
+                                              c10::toString(reduce));
     });
     ASSERT_TRUE(r.ok) << r.summary();
   }
@@ -146,8 +147,9 @@ TEST(MixedPrecision, Fp16OverflowOnOneRankSkipsTheStepOnEveryRankAndHalvesTheSca
   auto r = run_ranks(2, [](World& w) {
     torch::manual_seed(0);
     auto model = gpt::GPT(gpt::Config{});
-    shardtorch::shard(model, w, ShardOptions().mixed_precision(
-                                     MixedPrecision().param_dtype(at::kHalf).reduce_dtype(at::kFloat).output_dtype(at::kFloat)));
+    shardtorch::shard(model, w,
+                      ShardOptions().mixed_precision(
+                          MixedPrecision().param_dtype(at::kHalf).reduce_dtype(at::kFloat).output_dtype(at::kFloat)));
     shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
     auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
     // ln_f.bias is the last parameter of the root's flat parameter: with two
@@ -191,8 +193,9 @@ TEST_P(ScaledSteps, AStepNotTakenAfterUnscaleLeavesTheNextGradientsToBeUnscaled)
     auto train = [&](bool skip_first, bool refuse_first = false) {
       torch::manual_seed(0);
       auto model = gpt::GPT(gpt::Config{});
-      shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(
-                                      MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
+      shardtorch::shard(
+          model, w,
+          strategy_options(s, 2).mixed_precision(MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
       shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
       auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
       auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
@@ -227,7 +230,7 @@ TEST_P(ScaledSteps, AStepNotTakenAfterUnscaleLeavesTheNextGradientsToBeUnscaled)
       auto got = train(skip, refuse);
       for (auto& [n, t] : want)
         require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n + "' differs after " +
-                                              (skip ? "a step not taken following unscale" : "a refused step"));
+                                             (skip ? "a step not taken following unscale" : "a refused step"));
     }
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
@@ -241,8 +244,9 @@ TEST(MixedPrecision, AStepTakenOrSkippedLeavesTheGradientsUnscaled) {
   auto r = run_ranks(2, [](World& w) {
     torch::manual_seed(0);
     auto model = MLP();
-    shardtorch::shard(model, w, ShardOptions().mixed_precision(
-                                     MixedPrecision().param_dtype(at::kHalf).buffer_dtype(at::kHalf).output_dtype(at::kFloat)));
+    shardtorch::shard(model, w,
+                      ShardOptions().mixed_precision(
+                          MixedPrecision().param_dtype(at::kHalf).buffer_dtype(at::kHalf).output_dtype(at::kFloat)));
     shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
     auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
     bool poison = false;  // an inf in l3's bias: the step is skipped
@@ -261,8 +265,8 @@ TEST(MixedPrecision, AStepTakenOrSkippedLeavesTheGradientsUnscaled) {
       auto after_step = l1_grad();
       require(after_step.abs().sum().item<double>() > 0, "no gradient");
       scaler.unscale(*opt);
-      require(at::equal(l1_grad(), after_step), std::string("unscale() after a ") + (skip ? "skipped" : "taken") +
-                                                   " step divided the gradients again");
+      require(at::equal(l1_grad(), after_step),
+              std::string("unscale() after a ") + (skip ? "skipped" : "taken") + " step divided the gradients again");
     }
     require(scaler.scale_value() == 512, "one skip should halve the scale");
   });
@@ -320,8 +324,9 @@ TEST_P(Fp16Reductions, Fp16ReductionsDivideBeforeSummingUnderEveryStrategy) {
   auto r = run_ranks(world, [&](World& w) {
     torch::manual_seed(0);
     auto model = gpt::GPT(gpt::Config{});
-    shardtorch::shard(model, w, strategy_options(s, world).mixed_precision(
-                                    MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
+    shardtorch::shard(
+        model, w,
+        strategy_options(s, world).mixed_precision(MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
     shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
     auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
     model->ln_f->bias.register_hook([](const torch::Tensor& g) { return at::full_like(g, 40000); });
@@ -360,10 +365,9 @@ TEST_P(ScaledSteps, AnInputGradientBetweenUnscaleAndStepDoesNotUnscaleTwice) {
     auto train = [&](int input_grad) {  // 0: none, 1: autograd::grad, 2: backward(inputs=...)
       torch::manual_seed(0);
       auto model = MLP();
-      shardtorch::shard(model, w, strategy_options(s, 2).mixed_precision(MixedPrecision()
-                                                                             .param_dtype(at::kHalf)
-                                                                             .buffer_dtype(at::kHalf)
-                                                                             .output_dtype(at::kFloat)));
+      shardtorch::shard(model, w,
+                        strategy_options(s, 2).mixed_precision(
+                            MixedPrecision().param_dtype(at::kHalf).buffer_dtype(at::kHalf).output_dtype(at::kFloat)));
       shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
       auto opt = shardtorch::SGD(*model, torch::optim::SGDOptions(0.1));
       torch::manual_seed(1 + w.rank());
@@ -392,15 +396,15 @@ TEST_P(ScaledSteps, AnInputGradientBetweenUnscaleAndStepDoesNotUnscaleTwice) {
       auto got = train(how);
       for (auto& [n, t] : want)
         require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(s)) + ": '" + n + "' differs after " +
-                                              (how == 1 ? "autograd::grad" : "backward(inputs=...)") +
-                                              " between unscale and step");
+                                             (how == 1 ? "autograd::grad" : "backward(inputs=...)") +
+                                             " between unscale and step");
     }
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(MixedPrecision, ScaledSteps,
-                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());
+INSTANTIATE_TEST_SUITE_P(MixedPrecision, ScaledSteps, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
+                         StrategyName());
 
 class SummonedGradients : public ::testing::TestWithParam<Strategy> {};
 
@@ -424,8 +428,8 @@ TEST_P(SummonedGradients, SummonWithGradsShowsTheReducedGradientsUnderEveryStrat
         if (!p.requires_grad()) continue;
         require(p.grad().defined(), what + ": no gradient for " + n + " inside summon_full_params(with_grads)");
         require(p.grad().scalar_type() == p.scalar_type(), what + ": the gradient of " + n + " is " +
-                                                               c10::toString(p.grad().scalar_type()) + ", the parameter " +
-                                                               c10::toString(p.scalar_type()));
+                                                               c10::toString(p.grad().scalar_type()) +
+                                                               ", the parameter " + c10::toString(p.scalar_type()));
         g[n] = p.grad().to(at::kFloat).clone();
       }
       return g;
@@ -484,8 +488,9 @@ TEST(MixedPrecision, AGradScalerResumedFromACheckpointScalesAsTheUninterruptedRu
       auto run = std::make_unique<Run>();
       torch::manual_seed(0);
       run->model = gpt::GPT(gpt::Config{});
-      shardtorch::shard(run->model, w, ShardOptions().mixed_precision(
-                                           MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
+      shardtorch::shard(
+          run->model, w,
+          ShardOptions().mixed_precision(MixedPrecision().param_dtype(at::kHalf).output_dtype(at::kFloat)));
       run->scaler = std::make_unique<shardtorch::GradScaler>(*run->model, o);
       run->opt = shardtorch::Adam(*run->model, torch::optim::AdamOptions(1e-3));
       Run* raw = run.get();
@@ -502,8 +507,10 @@ TEST(MixedPrecision, AGradScalerResumedFromACheckpointScalesAsTheUninterruptedRu
     auto whole = make(opts);
     std::vector<double> expected;
     for (int k = 0; k < 6; ++k) expected.push_back(step(*whole, k));
-    require(expected[1] == 512 && expected[3] == 1024, "the uninterrupted run should halve at step 1 and grow at "
-            "step 3 (two good steps, 2 and 3), got " + std::to_string(expected[1]) + ", " + std::to_string(expected[3]));
+    require(expected[1] == 512 && expected[3] == 1024,
+            "the uninterrupted run should halve at step 1 and grow at "
+            "step 3 (two good steps, 2 and 3), got " +
+                std::to_string(expected[1]) + ", " + std::to_string(expected[3]));
 
     auto first = make(opts);
     for (int k = 0; k < 3; ++k) step(*first, k);
@@ -520,8 +527,10 @@ TEST(MixedPrecision, AGradScalerResumedFromACheckpointScalesAsTheUninterruptedRu
                 std::to_string(resumed->scaler->skipped_steps()));
     for (int k = 3; k < 6; ++k) {
       const double s = step(*resumed, k);
-      require(s == expected[k], "step " + std::to_string(k) + ": scale " + std::to_string(s) + ", the uninterrupted "
-              "run had " + std::to_string(expected[k]));
+      require(s == expected[k], "step " + std::to_string(k) + ": scale " + std::to_string(s) +
+                                    ", the uninterrupted "
+                                    "run had " +
+                                    std::to_string(expected[k]));
     }
     auto a = shardtorch::full_parameters(*whole->model), b = shardtorch::full_parameters(*resumed->model);
     for (auto& [n, t] : a) require(at::equal(t, b.at(n)), "resumed run differs from the uninterrupted one at " + n);

@@ -46,9 +46,9 @@ TEST_P(Nested, ABackwardNestedInAnotherIsRefusedAndTrainingGoesOn) {
       } catch (const std::exception& e) {
         error = e.what();
       }
-      require(error.find("rank " + std::to_string(w.rank()) + ": a backward inside another backward") !=
-                  std::string::npos,
-              "the nested backward was not refused: " + error);
+      require(
+          error.find("rank " + std::to_string(w.rank()) + ": a backward inside another backward") != std::string::npos,
+          "the nested backward was not refused: " + error);
     }
     {
       // A backward that failed is told from one still running: the backward
@@ -137,9 +137,9 @@ TEST_P(Nested, ARefusedNestedBackwardLeavesNoGradientForTheNextStep) {
       } catch (const std::exception& e) {
         error = e.what();
       }
-      require(error.find("rank " + std::to_string(w.rank()) + ": a backward inside another backward") !=
-                  std::string::npos,
-              "the nested backward was not refused: " + error);
+      require(
+          error.find("rank " + std::to_string(w.rank()) + ": a backward inside another backward") != std::string::npos,
+          "the nested backward was not refused: " + error);
     }
     for (int k = 0; k < 2; ++k) {
       opt->zero_grad();
@@ -152,5 +152,5 @@ TEST_P(Nested, ARefusedNestedBackwardLeavesNoGradientForTheNextStep) {
   EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(NestedBackward, Nested,
-                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());
+INSTANTIATE_TEST_SUITE_P(NestedBackward, Nested, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
+                         StrategyName());

@@ -44,7 +44,7 @@ std::vector<Listener> listening_sockets() {
       std::istringstream fields(line);
       std::string sl, local, remote, state, skip;
       fields >> sl >> local >> remote >> state;
-      if (state != "0A") continue;  // TCP_LISTEN
+      if (state != "0A") continue;                 // TCP_LISTEN
       for (int i = 0; i < 5; ++i) fields >> skip;  // tx:rx queues, timer, retransmits, uid, timeout
       Listener l;
       fields >> l.inode;

@@ -7,7 +7,6 @@
 
 #include <functional>
 
-
 #include "../src/runtime/flat_param.h"
 #include "models.h"
 #include "shardtorch/optim/cpu_adam.h"
@@ -77,7 +76,8 @@ TEST_P(OffloadParity, EqualsTrainingWithoutOffloadBitwise) {
     recipe.bf16 = variant >= 1;
     recipe.prefetch = recipe.fused = variant == 2;
     const std::string what = std::string("offloaded ") + shardtorch::strategy_name(strategy) +
-                             (recipe.bf16 ? " bf16" : " fp32") + (recipe.prefetch ? " with prefetch and FusedAdamW" : "");
+                             (recipe.bf16 ? " bf16" : " fp32") +
+                             (recipe.prefetch ? " with prefetch and FusedAdamW" : "");
     auto r = run_ranks(world, [&](World& w) {
       auto want = train(w, strategy, recipe, false);
       auto got = train(w, strategy, recipe, true);
@@ -121,12 +121,12 @@ TEST_P(OffloadParity, OverlappingTheStepWithBackwardChangesNothing) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Sharded, OffloadParity, ::testing::Combine(::testing::ValuesIn(kSharded), ::testing::Values(1, 2, 3)),
-    [](const ::testing::TestParamInfo<OffloadParity::ParamType>& info) {
-      return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
-             std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Sharded, OffloadParity,
+                         ::testing::Combine(::testing::ValuesIn(kSharded), ::testing::Values(1, 2, 3)),
+                         [](const ::testing::TestParamInfo<OffloadParity::ParamType>& info) {
+                           return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 // With the step overlapping backward each sharded unit's update reads the
 // host copy of its reduced gradient directly: no host gradient is made
@@ -141,7 +141,8 @@ TEST(Offload, TheStepOverlappingBackwardKeepsNoHostGradients) {
         torch::manual_seed(0);
         auto model = gpt::GPT(gpt::Config{});
         auto options = strategy_options(s, 2).cpu_offload(true);
-        if (bf16) options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
+        if (bf16)
+          options.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
         auto sm = shardtorch::shard(model, w, options);
         auto opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
         opt->overlap_with_backward();
@@ -206,16 +207,16 @@ TEST(Offload, MastersGradientsAndOptimizerStateAreCountedInHostMemory) {
       gpt::lm_loss(model(xs), xs).backward();
       m = sm.memory();
       require(m.cur(Mem::Gradients) == 0, name + ": gradients on the device after backward");
-      require(m.cur(Mem::HostGradients) == shard_bytes, name + ": host_gradients " +
-                                                            std::to_string(m.cur(Mem::HostGradients)));
+      require(m.cur(Mem::HostGradients) == shard_bytes,
+              name + ": host_gradients " + std::to_string(m.cur(Mem::HostGradients)));
       opt->step();
       m = sm.memory();
       require(m.cur(Mem::OptimizerState) == 0, name + ": optimizer state on the device");
       int64_t owned = 0;  // elements of parameters this rank optimizes (its shards less padding)
       for (const auto& piece : opt->views().pieces()) owned += piece.length;
       require(m.cur(Mem::HostOptimizerState) == 2 * 4 * owned,
-              name + ": host_optimizer_state " + std::to_string(m.cur(Mem::HostOptimizerState)) + " != exp_avg + exp_avg_sq of " +
-                  std::to_string(owned) + " elements");
+              name + ": host_optimizer_state " + std::to_string(m.cur(Mem::HostOptimizerState)) +
+                  " != exp_avg + exp_avg_sq of " + std::to_string(owned) + " elements");
       // Every optimized tensor and its state are CPU tensors.
       for (const auto& g : opt->inner().param_groups())
         for (const auto& p : g.params()) require(p.device().is_cpu(), name + ": a master is not in host memory");
@@ -300,9 +301,10 @@ TEST(Offload, GradScalerAndSummonWithGradsMatchResidentTrainingAndWritebackReach
     auto run = [&](bool offload) {
       torch::manual_seed(0);
       auto model = gpt::GPT(gpt::Config{});
-      shardtorch::shard(model, w,
-                        ShardOptions().cpu_offload(offload).mixed_precision(
-                            shardtorch::MixedPrecision().param_dtype(at::kHalf).reduce_dtype(at::kFloat).output_dtype(at::kFloat)));
+      shardtorch::shard(
+          model, w,
+          ShardOptions().cpu_offload(offload).mixed_precision(
+              shardtorch::MixedPrecision().param_dtype(at::kHalf).reduce_dtype(at::kFloat).output_dtype(at::kFloat)));
       shardtorch::GradScaler scaler(*model, shardtorch::GradScalerOptions().init_scale(1024));
       auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
       for (int s = 0; s < 3; ++s) {
@@ -321,7 +323,8 @@ TEST(Offload, GradScalerAndSummonWithGradsMatchResidentTrainingAndWritebackReach
     };
     auto want = run(false), got = run(true);
     require(expect_close_map(got.first, want.first, 0.0, "fp16 + GradScaler, offloaded") == 0.0, "params not bitwise");
-    require(expect_close_map(got.second, want.second, 0.0, "summoned gradients, offloaded") == 0.0, "grads not bitwise");
+    require(expect_close_map(got.second, want.second, 0.0, "summoned gradients, offloaded") == 0.0,
+            "grads not bitwise");
 
     torch::manual_seed(0);
     auto model = gpt::GPT(gpt::Config{});
@@ -383,8 +386,9 @@ TEST_P(LowPrecisionCopies, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAg
   enum class Opt { Fused, Torch, Data };
   const shardtorch::Strategy s = GetParam();
   for (Opt kind : {Opt::Fused, Opt::Torch, Opt::Data}) {
-    const std::string what = std::string(shardtorch::strategy_name(s)) +
-                             (kind == Opt::Fused ? " FusedAdamW" : kind == Opt::Torch ? " torch AdamW" : " SGD through data()");
+    const std::string what = std::string(shardtorch::strategy_name(s)) + (kind == Opt::Fused   ? " FusedAdamW"
+                                                                          : kind == Opt::Torch ? " torch AdamW"
+                                                                                               : " SGD through data()");
     auto r = run_ranks(2, [&](World& w) {
       auto x = gpt_tokens();
       auto xs = x.narrow(0, w.rank() * 6, 6);
@@ -395,10 +399,13 @@ TEST_P(LowPrecisionCopies, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAg
       auto run = [&](bool offload, std::pair<int64_t, int64_t>* remade) {
         torch::manual_seed(0);
         auto model = gpt::GPT(gpt::Config{});
-        auto sm = shardtorch::shard(model, w, ShardOptions().strategy(s).cpu_offload(offload).mixed_precision(
-                                                  shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat)));
+        auto sm =
+            shardtorch::shard(model, w,
+                              ShardOptions().strategy(s).cpu_offload(offload).mixed_precision(
+                                  shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat)));
         std::unique_ptr<shardtorch::ShardedOptimizer> opt;
-        if (kind == Opt::Fused) opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
+        if (kind == Opt::Fused)
+          opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));
         if (kind == Opt::Torch) opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
         if (kind == Opt::Data) opt = shardtorch::ShardedOptimizer::make<DataSgd>(*model, torch::optim::SGDOptions(0.5));
         int64_t flats = 0;
@@ -407,7 +414,8 @@ TEST_P(LowPrecisionCopies, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAg
           for (const auto& u : sm.units())
             for (const auto& l : u.layouts) shard_elems += l.shard_numel(), ++flats;
           const int64_t host = sm.memory().cur(Mem::HostParams);
-          require(host == shard_elems * (4 + 2), what + ": host_params " + std::to_string(host) + " != fp32 masters and their bf16 copies, " +
+          require(host == shard_elems * (4 + 2), what + ": host_params " + std::to_string(host) +
+                                                     " != fp32 masters and their bf16 copies, " +
                                                      std::to_string(shard_elems * 6));
         }
         std::vector<torch::Tensor> losses;
@@ -445,22 +453,24 @@ TEST_P(LowPrecisionCopies, TheMastersBf16CopiesAreWrittenByTheFusedStepAndMadeAg
       auto want = run(false, nullptr);
       auto got = run(true, &remade);
       for (size_t i = 0; i < want.first.size(); ++i)
-        require(at::equal(got.first[i], want.first[i]), what + ": loss " + std::to_string(i) + " differs with offload: " +
-                                                            std::to_string(got.first[i].item<double>()) + " vs " +
-                                                            std::to_string(want.first[i].item<double>()));
+        require(at::equal(got.first[i], want.first[i]),
+                what + ": loss " + std::to_string(i) +
+                    " differs with offload: " + std::to_string(got.first[i].item<double>()) + " vs " +
+                    std::to_string(want.first[i].item<double>()));
       require(expect_close_map(got.second, want.second, 0.0, what) == 0.0, what + ": parameters not bitwise");
       // Fused: never made again; otherwise once per flat and step.
       const auto [times, flats] = remade;
       const int64_t want_times = kind == Opt::Fused ? 0 : 2 * flats;
-      require(times == want_times, what + ": the bf16 copies of " + std::to_string(flats) + " flat parameters were made " +
-                                       std::to_string(times) + " times in two steps, expected " + std::to_string(want_times));
+      require(times == want_times, what + ": the bf16 copies of " + std::to_string(flats) +
+                                       " flat parameters were made " + std::to_string(times) +
+                                       " times in two steps, expected " + std::to_string(want_times));
     });
     ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Offload, LowPrecisionCopies,
-                         ::testing::Values(Strategy::FullShard, Strategy::ShardGradOp), StrategyName());
+INSTANTIATE_TEST_SUITE_P(Offload, LowPrecisionCopies, ::testing::Values(Strategy::FullShard, Strategy::ShardGradOp),
+                         StrategyName());
 
 // What the masters' bf16 copies are for: the same gathers move half the
 // bytes to the device under bf16 as under fp32 (counted on the CPU too).
@@ -491,8 +501,9 @@ TEST(Offload, UnderBf16TheCopiesToTheDeviceMoveHalfTheBytesOfFp32) {
                 std::string(shardtorch::strategy_name(s)) + ": no gradient copied to host memory");
       }
       const std::string name = shardtorch::strategy_name(s);
-      require(to_device[0] >= 2 * shard_bytes_fp32, name + ": fp32 sent " + std::to_string(to_device[0]) +
-                                                        " bytes to the device in two steps, less than the shards twice");
+      require(to_device[0] >= 2 * shard_bytes_fp32,
+              name + ": fp32 sent " + std::to_string(to_device[0]) +
+                  " bytes to the device in two steps, less than the shards twice");
       require(2 * to_device[1] == to_device[0], name + ": bf16 sent " + std::to_string(to_device[1]) + " bytes, fp32 " +
                                                     std::to_string(to_device[0]) + ": not half");
     }
@@ -521,14 +532,16 @@ TEST(Offload, OverlapWithBackwardRefusesWhatWouldChangeTheUpdate) {
     torch::manual_seed(0);
     auto resident = gpt::GPT(gpt::Config{});
     auto resident_sm = shardtorch::shard(resident, w, options(false));
-    auto fused = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*resident, torch::optim::AdamWOptions(1e-2));
+    auto fused =
+        shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*resident, torch::optim::AdamWOptions(1e-2));
     expect_throws_with([&] { fused->overlap_with_backward(); }, "cpu_offload(true)");
 
     torch::manual_seed(0);
     auto model = gpt::GPT(gpt::Config{});
     auto sm = shardtorch::shard(model, w, options(true));
     {
-      auto torch_opt = shardtorch::ShardedOptimizer::make<torch::optim::AdamW>(*model, torch::optim::AdamWOptions(1e-2));
+      auto torch_opt =
+          shardtorch::ShardedOptimizer::make<torch::optim::AdamW>(*model, torch::optim::AdamWOptions(1e-2));
       expect_throws_with([&] { torch_opt->overlap_with_backward(); }, "FusedAdamW");
     }
     auto opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, torch::optim::AdamWOptions(1e-2));

@@ -60,8 +60,9 @@ void train_sharded(World& w, MakeModel make, LossFn loss_fn, MakeOpt make_opt, c
       expect_shard_bytes += l.shard_numel() * 4;
     }
   auto m0 = sm.memory();
-  require(m0.cur(shardtorch::Mem::ShardedParams) == expect_shard_bytes, "sharded bytes " +
-          std::to_string(m0.cur(shardtorch::Mem::ShardedParams)) + " != " + std::to_string(expect_shard_bytes));
+  require(m0.cur(shardtorch::Mem::ShardedParams) == expect_shard_bytes,
+          "sharded bytes " + std::to_string(m0.cur(shardtorch::Mem::ShardedParams)) +
+              " != " + std::to_string(expect_shard_bytes));
   require(m0.cur(shardtorch::Mem::GatheredParams) == 0, "full parameters alive after shard()");
   sm.reset_peak_memory();
 
@@ -72,7 +73,8 @@ void train_sharded(World& w, MakeModel make, LossFn loss_fn, MakeOpt make_opt, c
     loss.backward();
     auto m = sm.memory();
     require(m.peak_gathered_units <= max_gathered_units, "step " + std::to_string(s) + ": peak gathered units " +
-            std::to_string(m.peak_gathered_units) + " > " + std::to_string(max_gathered_units));
+                                                             std::to_string(m.peak_gathered_units) + " > " +
+                                                             std::to_string(max_gathered_units));
     require(m.peak_gathered_units >= 1, "no unit was ever gathered?");
     require(m.cur(shardtorch::Mem::Buckets) == 0, "buckets alive after backward");
     require(m.cur(shardtorch::Mem::GatheredParams) == 0, "full parameters alive after backward");
@@ -90,8 +92,11 @@ void train_sharded(World& w, MakeModel make, LossFn loss_fn, MakeOpt make_opt, c
   // Units became final in the reduction order: none waited for its turn.
   require(sm.stats().reductions_deferred == 0, std::to_string(sm.stats().reductions_deferred) + " reductions deferred");
   shardtorch::FullParams full(*model);
-  double e = expect_close_map(snapshot(*model), ref.final_params, kTol, "parameters after " + std::to_string(steps) + " steps");
-  if (w.rank() == 0) std::cout << "  world " << w.size() << ": max relative error of parameters after " << steps << " steps " << e << std::endl;
+  double e = expect_close_map(snapshot(*model), ref.final_params, kTol,
+                              "parameters after " + std::to_string(steps) + " steps");
+  if (w.rank() == 0)
+    std::cout << "  world " << w.size() << ": max relative error of parameters after " << steps << " steps " << e
+              << std::endl;
 }
 
 auto make_gpt = [] { return gpt::GPT(gpt::Config{}); };
@@ -112,9 +117,8 @@ class GptParity : public ::testing::TestWithParam<int> {};
 TEST_P(GptParity, FullShardAdamMatchesSingleProcess) {
   auto x = gpt_tokens();
   auto ref = train_reference<gpt::GPT>(make_gpt, gpt_loss, torch_adam, x, x, 5);
-  auto r = run_ranks(GetParam(), [&](World& w) {
-    train_sharded<gpt::GPT>(w, make_gpt, gpt_loss, sharded_adam, x, x, 5, ref);
-  });
+  auto r = run_ranks(GetParam(),
+                     [&](World& w) { train_sharded<gpt::GPT>(w, make_gpt, gpt_loss, sharded_adam, x, x, 5, ref); });
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
@@ -156,9 +160,10 @@ TEST(Parity, ParamGroupsAdamWNoDecayOnNormsAndBiasesWithLrSchedule) {
   torch::manual_seed(0);
   auto ref_model = gpt::GPT(gpt::Config{});
   auto [d, nd] = groups_of(*ref_model);
-  torch::optim::AdamW ref_opt({torch::optim::OptimizerParamGroup(d, std::make_unique<torch::optim::AdamWOptions>(opts(0.1))),
-                               torch::optim::OptimizerParamGroup(nd, std::make_unique<torch::optim::AdamWOptions>(opts(0.0)))},
-                              opts(0.0));
+  torch::optim::AdamW ref_opt(
+      {torch::optim::OptimizerParamGroup(d, std::make_unique<torch::optim::AdamWOptions>(opts(0.1))),
+       torch::optim::OptimizerParamGroup(nd, std::make_unique<torch::optim::AdamWOptions>(opts(0.0)))},
+      opts(0.0));
   const int steps = 4;
   for (int s = 0; s < steps; ++s) {
     ref_opt.zero_grad();
@@ -220,9 +225,8 @@ TEST(Parity, TheDefaultParamGroupExistsOnEveryRank) {
     opt->set_lr(1, 1e-2);  // the default group, on every rank
     return opt;
   };
-  auto r = run_ranks(2, [&](World& w) {
-    train_sharded<testmodels::MLP>(w, make_mlp, mlp_loss, sharded_groups, x, y, 4, ref);
-  });
+  auto r = run_ranks(
+      2, [&](World& w) { train_sharded<testmodels::MLP>(w, make_mlp, mlp_loss, sharded_groups, x, y, 4, ref); });
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
@@ -249,9 +253,9 @@ TEST_P(BadGroups, BadParameterGroupsNameTheRankAndTheParameter) {
     for (const auto& e : {error_of({{{w1}, opts}, {{w1}, opts}}), error_of({{{w1, w1}, opts}})})
       require(e.find(rank + "parameter 'l1.lin.weight' [13, 7] is given twice") != std::string::npos, e);
     const auto e = error_of({{{torch::zeros({2, 2}, torch::requires_grad())}, opts}});
-    require(e.find(rank + "a tensor of shape [2, 2] given in a parameter group is not a parameter") !=
-                std::string::npos,
-            e);
+    require(
+        e.find(rank + "a tensor of shape [2, 2] given in a parameter group is not a parameter") != std::string::npos,
+        e);
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
@@ -265,12 +269,13 @@ TEST(Parity, SgdMomentumNesterovWeightDecay) {
   auto x = torch::randn({kBatch, 7});
   auto y = torch::randn({kBatch, 3});
   auto sgd_opts = torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3);
-  auto torch_sgd = [&](torch::nn::Module& m) { return std::make_unique<torch::optim::SGD>(unique_tensors(m), sgd_opts); };
+  auto torch_sgd = [&](torch::nn::Module& m) {
+    return std::make_unique<torch::optim::SGD>(unique_tensors(m), sgd_opts);
+  };
   auto sharded_sgd = [&](torch::nn::Module& m) { return shardtorch::SGD(m, sgd_opts); };
   auto ref = train_reference<testmodels::MLP>(make_mlp, mlp_loss, torch_sgd, x, y, 6);
-  auto r = run_ranks(2, [&](World& w) {
-    train_sharded<testmodels::MLP>(w, make_mlp, mlp_loss, sharded_sgd, x, y, 6, ref);
-  });
+  auto r =
+      run_ranks(2, [&](World& w) { train_sharded<testmodels::MLP>(w, make_mlp, mlp_loss, sharded_sgd, x, y, 6, ref); });
   ASSERT_TRUE(r.ok) << r.summary();
 }
 

@@ -17,7 +17,7 @@ using shardtorch::testing::run_ranks;
 
 namespace {
 
-const Mem kModelState[] = {Mem::ShardedParams, Mem::ReplicatedParams, Mem::Gradients,    Mem::OptimizerState,
+const Mem kModelState[] = {Mem::ShardedParams, Mem::ReplicatedParams, Mem::Gradients,         Mem::OptimizerState,
                            Mem::HostParams,    Mem::HostGradients,    Mem::HostOptimizerState};
 const Mem kTransient[] = {Mem::GatheredParams, Mem::GradStaging, Mem::Buckets};
 
@@ -37,7 +37,8 @@ void expect_same_specs(const std::vector<shardtorch::UnitSpec>& got, const std::
 // Model state measured equals the plan byte for byte; transient peaks stay
 // within it; NoShard's fp32 gradient copies peak exactly at the plan and are
 // gone after the step (m is taken after one).
-void require_plan_holds(const shardtorch::MemorySnapshot& m, const shardtorch::MemoryPlan& plan, const std::string& what) {
+void require_plan_holds(const shardtorch::MemorySnapshot& m, const shardtorch::MemoryPlan& plan,
+                        const std::string& what) {
   for (Mem c : kModelState) {
     require(m.cur(c) == plan.of(c), what + ": " + shardtorch::mem_name(c) + " measured " + std::to_string(m.cur(c)) +
                                         ", planned " + std::to_string(plan.of(c)));
@@ -178,12 +179,12 @@ TEST_P(PlanVsMeasured, ModelStateIsExactAndTransientEstimatesBoundThePeaks) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, PlanVsMeasured, ::testing::Combine(::testing::ValuesIn(kAllStrategies), ::testing::Values(1, 2, 3, 4)),
-    [](const ::testing::TestParamInfo<PlanVsMeasured::ParamType>& info) {
-      return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
-             std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(All, PlanVsMeasured,
+                         ::testing::Combine(::testing::ValuesIn(kAllStrategies), ::testing::Values(1, 2, 3, 4)),
+                         [](const ::testing::TestParamInfo<PlanVsMeasured::ParamType>& info) {
+                           return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 TEST(Plan, ShardingDividesModelStateByTheWorldSizeUpToPadding) {
   auto units = gpt::unit_specs(gpt::Config{1000, 128, 256, 8, 4});
@@ -200,12 +201,14 @@ TEST(Plan, ShardingDividesModelStateByTheWorldSizeUpToPadding) {
   // parameters and buckets, fp32 masters and moments); the masters' fp32
   // gradients are transient.
   auto bf16 = shardtorch::MixedPrecision().param_dtype(at::kBFloat16);
-  auto ddp_bf16 = shardtorch::plan_memory(units, {ShardOptions().strategy(Strategy::NoShard).mixed_precision(bf16), 8, 2});
+  auto ddp_bf16 =
+      shardtorch::plan_memory(units, {ShardOptions().strategy(Strategy::NoShard).mixed_precision(bf16), 8, 2});
   EXPECT_EQ(ddp_bf16.model_state(), 16 * psi);
   EXPECT_EQ(ddp_bf16.of(Mem::MasterGrads), 4 * psi);
   EXPECT_EQ(ddp_bf16.device_peak(), 20 * psi);
-  EXPECT_THROW(shardtorch::plan_memory(units, {ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(3), 8, 2}),
-               shardtorch::Error);
+  EXPECT_THROW(
+      shardtorch::plan_memory(units, {ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(3), 8, 2}),
+      shardtorch::Error);
 }
 
 class Measured : public ::testing::TestWithParam<Strategy> {};
@@ -289,14 +292,14 @@ TEST_P(Measured, BatchNormKeptInFp32IsPlannedAsShardLaysItOut) {
             what + ": the batch norm is not kept in fp32 beside a bf16 layer");
     if (s != Strategy::NoShard) {  // NoShard has no flat parameters
       const auto units = sm.units();
-      require(units.size() == specs.size(), what + ": " + std::to_string(units.size()) + " units, planned " +
-                                                std::to_string(specs.size()));
+      require(units.size() == specs.size(),
+              what + ": " + std::to_string(units.size()) + " units, planned " + std::to_string(specs.size()));
       for (size_t u = 0; u < units.size(); ++u) {
         std::string made, planned;
         for (const auto& l : units[u].layouts) made += " " + std::to_string(l.total_numel());
         for (const auto& f : specs[u].flats) planned += " " + std::to_string(f.numel);
-        require(made == planned, what + ": unit '" + units[u].name + "' has flat parameters of" + made +
-                                     " elements, planned" + planned);
+        require(made == planned,
+                what + ": unit '" + units[u].name + "' has flat parameters of" + made + " elements, planned" + planned);
       }
     }
     one_step_holds_plan(model, sm, w, plan, what);
@@ -309,11 +312,11 @@ INSTANTIATE_TEST_SUITE_P(Plan, Measured, ::testing::ValuesIn(kAllStrategies), St
 TEST(Plan, TheFitSearchFindsTheLargestThatFits) {
   using shardtorch::largest_that_fits;
   auto tens = [](int64_t n) { return 10 * n + 5; };
-  EXPECT_EQ(largest_that_fits(tens, 95, 1000), 9);   // 95 fits, 105 does not
+  EXPECT_EQ(largest_that_fits(tens, 95, 1000), 9);  // 95 fits, 105 does not
   EXPECT_EQ(largest_that_fits(tens, 94, 1000), 8);
   EXPECT_EQ(largest_that_fits(tens, 5, 1000), 0);
-  EXPECT_EQ(largest_that_fits(tens, 4, 1000), -1);   // not even n = 0
-  EXPECT_EQ(largest_that_fits(tens, 1 << 30, 37), 37);  // the limit, never past it
+  EXPECT_EQ(largest_that_fits(tens, 4, 1000), -1);                                        // not even n = 0
+  EXPECT_EQ(largest_that_fits(tens, 1 << 30, 37), 37);                                    // the limit, never past it
   EXPECT_EQ(largest_that_fits([](int64_t) { return int64_t{1}; }, 1, 1 << 20), 1 << 20);  // a peak that stops growing
   // On the GPT, per strategy: n layers fit the budget and n + 1 do not.
   for (auto s : kAllStrategies) {

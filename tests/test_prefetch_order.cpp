@@ -73,8 +73,9 @@ TEST_P(RepeatedUnit, AUnitCalledSeveralTimesInOneForwardTrainsLikeTorch) {
     // Per step: enc, enc, mid, enc, head in forward (the root has no parameters of its own);
     // head, enc and mid in backward (enc stays gathered until all three uses' gradients are in).
     require(off.gathers == 8 * kSteps, "without prefetch: " + std::to_string(off.gathers) + " all-gathers");
-    require(on.gathers == off.gathers - 2 * (kSteps - 1),
-            "with prefetch: " + std::to_string(on.gathers) + " all-gathers, " + std::to_string(off.gathers) + " without");
+    require(
+        on.gathers == off.gathers - 2 * (kSteps - 1),
+        "with prefetch: " + std::to_string(on.gathers) + " all-gathers, " + std::to_string(off.gathers) + " without");
     require(on.peak_units <= 3, "with prefetch at most 3 units gathered, saw " + std::to_string(on.peak_units));
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
@@ -168,7 +169,7 @@ TEST(PrefetchOrder, PrefetchLooksPastARunOfTheSameUnitInBackward) {
     }
     // Step 1 learns the order (nothing prefetched); then enc and mid, the head having reduced.
     require(seen == std::vector<int>({1, 2, 2}), "units gathered at the probe: " + std::to_string(seen[0]) + ", " +
-                                                      std::to_string(seen[1]) + ", " + std::to_string(seen[2]));
+                                                     std::to_string(seen[1]) + ", " + std::to_string(seen[2]));
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

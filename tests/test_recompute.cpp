@@ -76,7 +76,9 @@ SHARDTORCH_MODULE(NormNet);
 // Wide residual blocks: activations (batch x 512 per block) dwarf the
 // parameters, so what checkpointing saves shows.
 struct WideImpl : torch::nn::Module {
-  WideImpl() : up(register_module("up", torch::nn::Linear(32, 512))), down(register_module("down", torch::nn::Linear(512, 32))) {}
+  WideImpl()
+      : up(register_module("up", torch::nn::Linear(32, 512))),
+        down(register_module("down", torch::nn::Linear(512, 32))) {}
   torch::Tensor forward(torch::Tensor x) { return x + down(torch::gelu(up(x))); }
   torch::nn::Linear up, down;
 };
@@ -171,8 +173,11 @@ struct SplitImpl : torch::nn::Module {
 SHARDTORCH_MODULE(Split);
 
 struct MixNetImpl : torch::nn::Module {
-  MixNetImpl() : frozen(register_module("frozen", Layer(6, 6, true))), m(register_module("m", Mix())),
-                 ctx(register_module("ctx", torch::nn::Linear(6, 6))), split(register_module("split", Split())) {
+  MixNetImpl()
+      : frozen(register_module("frozen", Layer(6, 6, true))),
+        m(register_module("m", Mix())),
+        ctx(register_module("ctx", torch::nn::Linear(6, 6))),
+        split(register_module("split", Split())) {
     for (auto& p : frozen->parameters()) p.set_requires_grad(false);
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -314,9 +319,8 @@ TEST_P(Recompute, TrainsBitwiseAsWithoutCheckpointing) {
     auto ckpt = train_gpt(w, x, strategy_options(strategy, world).activation_checkpointing(true));
     expect_close_map(ckpt.params, want, kTol, what);
     require_bitwise(ckpt.params, plain.params, what + " vs not checkpointed");
-    require(ckpt.all_gathers == plain.all_gathers, what + ": " + std::to_string(ckpt.all_gathers) +
-                                                       " all-gathers, " + std::to_string(plain.all_gathers) +
-                                                       " without checkpointing");
+    require(ckpt.all_gathers == plain.all_gathers, what + ": " + std::to_string(ckpt.all_gathers) + " all-gathers, " +
+                                                       std::to_string(plain.all_gathers) + " without checkpointing");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -568,8 +572,9 @@ TEST(Recompute, MisuseIsAClearError) {
     e = error_of([&] { gpt::lm_loss(other(x), x).backward({}, /*retain_graph=*/true, /*create_graph=*/true); });
     // The root's parameters (embeddings, final norm) get their gradients before the
     // checkpointed blocks recompute: the general create_graph error comes first.
-    require(has(e, "arrived in a backward with create_graph") || has(e, "create_graph (double backward) is not supported"),
-            "create_graph: " + e);
+    require(
+        has(e, "arrived in a backward with create_graph") || has(e, "create_graph (double backward) is not supported"),
+        "create_graph: " + e);
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -601,9 +606,11 @@ TEST_P(Checkpointed, KeepsOnlyUnitInputsBetweenForwardAndBackward) {
     };
     const int64_t plain = extra(false), ckpt = extra(true);
     // Per block: 256 x (32 + 512 + 512) floats of activations, about 1 MiB.
-    require(plain > 6 * (1 << 20), "without checkpointing the step's peak rose by only " + std::to_string(plain) + " B");
-    require(ckpt * 2 < plain, std::string(shardtorch::strategy_name(strategy)) + ": with checkpointing the peak rose by " +
-                                  std::to_string(ckpt) + " B, without by " + std::to_string(plain) + " B");
+    require(plain > 6 * (1 << 20),
+            "without checkpointing the step's peak rose by only " + std::to_string(plain) + " B");
+    require(ckpt * 2 < plain, std::string(shardtorch::strategy_name(strategy)) +
+                                  ": with checkpointing the peak rose by " + std::to_string(ckpt) + " B, without by " +
+                                  std::to_string(plain) + " B");
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
 }

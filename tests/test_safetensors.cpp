@@ -29,12 +29,9 @@ TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
   const TempDir dir;
   auto path = (dir / "t.safetensors").string();
   std::vector<std::pair<std::string, at::Tensor>> ts = {
-      {"f32", at::randn({3, 4})},
-      {"bf16", at::randn({5}).to(at::kBFloat16)},
-      {"i64", at::arange(7, at::kLong)},
-      {"scalar", at::full({}, 2.5)},
-      {"empty", at::empty({0, 3})},
-      {"name with \"quotes\" and \\", at::ones({2}, at::kDouble)},
+      {"f32", at::randn({3, 4})},        {"bf16", at::randn({5}).to(at::kBFloat16)},
+      {"i64", at::arange(7, at::kLong)}, {"scalar", at::full({}, 2.5)},
+      {"empty", at::empty({0, 3})},      {"name with \"quotes\" and \\", at::ones({2}, at::kDouble)},
   };
   shardtorch::checkpoint::save_file(path, ts, {{"step", "42"}});
   shardtorch::checkpoint::Reader r(path);
@@ -50,7 +47,10 @@ TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
   // 58), for readers that map the file and cast in place.
   EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(r).data_start % 8, 0u);
   for (const auto& rec : shardtorch::checkpoint::ReaderAccess::header(r).tensors)
-    EXPECT_EQ((shardtorch::checkpoint::ReaderAccess::header(r).data_start + rec.begin) % shardtorch::checkpoint::dtype_size(rec.dtype), 0u) << rec.name;
+    EXPECT_EQ((shardtorch::checkpoint::ReaderAccess::header(r).data_start + rec.begin) %
+                  shardtorch::checkpoint::dtype_size(rec.dtype),
+              0u)
+        << rec.name;
   EXPECT_THROW(r.read_range("i64", 5, 3), SafetensorsError);
   EXPECT_THROW(r.read("missing"), SafetensorsError);
 }
@@ -125,7 +125,8 @@ TEST(Safetensors, RefusesMalformedFilesNamingFileAndProblem) {
        std::string(12, 'x'), "overlap"},
       {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
        std::string(12, 'x'), "gap"},
-      {R"({"a":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,8]}})", std::string(8, 'x'), "overflows"},
+      {R"({"a":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,8]}})", std::string(8, 'x'),
+       "overflows"},
       {R"({"a":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", std::string(8, 'x'), "unknown dtype 'Q7'"},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
        std::string(16, 'x'), "duplicate key 'a'"},
@@ -168,14 +169,15 @@ TEST(Safetensors, NamesAndMetadataAreUtf8BothWays) {
   write_raw(p, R"({"__metadata__":{"k":"\ud83d\ude00 \u00e9"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
             std::string(4, '\0'));
   shardtorch::checkpoint::Reader r(p.string());
-  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(r).metadata.at("k"), "\xF0\x9F\x98\x80 \xC3\xA9");  // U+1F600, U+00E9
+  EXPECT_EQ(shardtorch::checkpoint::ReaderAccess::header(r).metadata.at("k"),
+            "\xF0\x9F\x98\x80 \xC3\xA9");  // U+1F600, U+00E9
   const auto q = (dir / "v.safetensors").string();
   const std::string named = "w\xC3\xA9ight \xF0\x9F\x98\x80";
   shardtorch::checkpoint::save_file(q, {{named, at::ones({2})}}, {{"note", "\xE2\x82\xAC"}});
   auto back = shardtorch::checkpoint::load_file(q);
   EXPECT_TRUE(back.count(named)) << "a UTF-8 name did not round-trip";
-  for (const std::string bad : {std::string("\xFF"), std::string("\xC0\x80"), std::string("\xED\xA0\x80"),
-                                std::string("\xE2\x82")}) {
+  for (const std::string bad :
+       {std::string("\xFF"), std::string("\xC0\x80"), std::string("\xED\xA0\x80"), std::string("\xE2\x82")}) {
     const auto b = (dir / "bad.safetensors").string();
     std::string e = message_of([&] { shardtorch::checkpoint::save_file(b, {{"t", at::ones({1})}}, {{"k", bad}}); });
     EXPECT_NE(e.find("is not valid UTF-8"), std::string::npos) << e;

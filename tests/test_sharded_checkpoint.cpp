@@ -133,9 +133,8 @@ TEST(ShardedCheckpoint, NoShardSpreadsTheWritingAndMovesBetweenStrategiesBitwise
   const int64_t size0 = files::file_size(Path(ckpt) / "rank-0.safetensors"),
                 size1 = files::file_size(Path(ckpt) / "rank-1.safetensors");
   EXPECT_LT(largest, total / 4) << "the test needs a model of many comparable parameters";
-  EXPECT_LE(std::abs(size0 - size1), largest + 16384)
-      << "rank 0 wrote " << size0 << " bytes, rank 1 " << size1 << " (the largest parameter and its state: " << largest
-      << ")";
+  EXPECT_LE(std::abs(size0 - size1), largest + 16384) << "rank 0 wrote " << size0 << " bytes, rank 1 " << size1
+                                                      << " (the largest parameter and its state: " << largest << ")";
   reload_and_compare(3, ShardOptions().strategy(Strategy::FullShard), ckpt, full, 2, saved);
   reload_and_compare(3, ShardOptions().strategy(Strategy::NoShard), full, again, 2, saved);
 }
@@ -221,7 +220,8 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   };
   auto missing = copy("missing");
   files::remove(Path(missing) / "rank-1.safetensors");
-  EXPECT_NE(load_error(missing).find("shard file 'rank-1.safetensors' is missing"), std::string::npos) << load_error(missing);
+  EXPECT_NE(load_error(missing).find("shard file 'rank-1.safetensors' is missing"), std::string::npos)
+      << load_error(missing);
   auto mixed = copy("mixed");
   files::copy_file(Path(ckpt + "-other") / "rank-1.safetensors", Path(mixed) / "rank-1.safetensors");
   std::string e = load_error(mixed);
@@ -238,7 +238,8 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   EXPECT_NE(load_error(newer).find("format version 7 is newer"), std::string::npos) << load_error(newer);
   auto truncated = copy("truncated");
   files::resize_file(Path(truncated) / "rank-0.safetensors", 100);
-  EXPECT_NE(load_error(truncated).find("'rank-0.safetensors' has 100 bytes"), std::string::npos) << load_error(truncated);
+  EXPECT_NE(load_error(truncated).find("'rank-0.safetensors' has 100 bytes"), std::string::npos)
+      << load_error(truncated);
   // An index that claims more elements than its file holds, or a tensor the
   // file does not have: errors before anything is allocated or read.
   auto edit_index = [&](const std::string& name, const std::regex& from, const std::string& to) {
@@ -257,9 +258,9 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   // The first parameter range listed twice, the second time as a tensor its
   // file lacks (renaming the tensor alone would leave the file's own
   // unlisted, refused as such: NotACheckpoint.BothReadersRefuseATensorWhose...).
-  auto renamed = edit_index("renamed",
-                            std::regex("\\{(\"name\":\"[^\"]+\",\"kind\":\"param\",\"begin\":0,[^{}]*),\"tensor\":\"[^\"]+\"\\}"),
-                            "$&,{$1,\"tensor\":\"nothing|param|0\"}");
+  auto renamed = edit_index(
+      "renamed", std::regex("\\{(\"name\":\"[^\"]+\",\"kind\":\"param\",\"begin\":0,[^{}]*),\"tensor\":\"[^\"]+\"\\}"),
+      "$&,{$1,\"tensor\":\"nothing|param|0\"}");
   for (const auto& e : {load_error(renamed), message_of([&] { shardtorch::read_sharded_checkpoint(renamed); })})
     EXPECT_NE(e.find("has no tensor 'nothing|param|0', which the index lists"), std::string::npos) << e;
   // Rank 1's part of a parameter that rank 0 starts (l1's weight straddles
@@ -269,8 +270,9 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   // parameter's end is missing (and the momentum's saved twice), and the
   // offline reader must not hand back a shorter tensor. (A made-up kind is
   // refused with the index.)
-  const std::regex straddling("\"kind\":\"param\",\"begin\":([1-9][0-9]*),\"end\":([0-9]+)(,\"step\":[0-9]+,"
-                              "\"file\":\"rank-1\\.safetensors\")");
+  const std::regex straddling(
+      "\"kind\":\"param\",\"begin\":([1-9][0-9]*),\"end\":([0-9]+)(,\"step\":[0-9]+,"
+      "\"file\":\"rank-1\\.safetensors\")");
   std::smatch m;
   std::string index_text;
   {
@@ -281,9 +283,9 @@ TEST(ShardedCheckpoint, MissingShardsNewerFormatsAndMixedStepsAreClearErrors) {
   }
   ASSERT_TRUE(std::regex_search(index_text, m, straddling)) << "no parameter starts on rank 0 and ends on rank 1";
   const int64_t b = std::stoll(m[1].str()), e_ = std::stoll(m[2].str());
-  auto shifted = edit_index("overlapping", straddling,
-                            "\"kind\":\"param\",\"begin\":" + std::to_string(b - 1) + ",\"end\":" +
-                                std::to_string(e_ - 1) + "$3");
+  auto shifted =
+      edit_index("overlapping", straddling,
+                 "\"kind\":\"param\",\"begin\":" + std::to_string(b - 1) + ",\"end\":" + std::to_string(e_ - 1) + "$3");
   for (const auto& e : {load_error(shifted), message_of([&] { shardtorch::read_sharded_checkpoint(shifted); })})
     EXPECT_NE(e.find("elements [" + std::to_string(b - 1) + ", " + std::to_string(b) + ") of '"), std::string::npos)
         << e;
@@ -322,8 +324,8 @@ TEST(ShardedCheckpoint, ResumeAtTheSameWorldSizeIsBitwiseEqualToAnUninterruptedR
       if (v.optimizer == "AdamW") opt = shardtorch::AdamW(*model, adamw);
       if (v.optimizer == "FusedAdamW") opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw);
       if (v.optimizer == "FusedAdam")
-        opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdam>(*model,
-                                                                        torch::optim::AdamOptions(1e-2).weight_decay(0.1));
+        opt = shardtorch::ShardedOptimizer::make<shardtorch::FusedAdam>(
+            *model, torch::optim::AdamOptions(1e-2).weight_decay(0.1));
       return std::make_pair(model, std::move(opt));
     };
     const std::string straight = (dir / "straight.safetensors").string();
@@ -367,15 +369,18 @@ TEST(ShardedCheckpoint, AWriterKilledAtRandomPointsLeavesALoadableCheckpoint) {
     // A writer that saves new steps over the same paths in a loop, killed
     // after a random delay (the parent's time limit kills it: SIGKILL).
     const auto delay = std::chrono::milliseconds(20 + std::rand() % 200);
-    auto r = run_ranks(1, [&](World& w) {
-      torch::manual_seed(round);
-      auto model = gpt::GPT(gpt::Config{});
-      shardtorch::shard(model, w);
-      for (int step = 1;; ++step) {
-        shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 100 * (round + 1) + step);
-        shardtorch::save_full_state_dict(*model, full, {{"step", std::to_string(step)}});
-      }
-    }, shardtorch::testing::RunOptions().timeout(delay));
+    auto r = run_ranks(
+        1,
+        [&](World& w) {
+          torch::manual_seed(round);
+          auto model = gpt::GPT(gpt::Config{});
+          shardtorch::shard(model, w);
+          for (int step = 1;; ++step) {
+            shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 100 * (round + 1) + step);
+            shardtorch::save_full_state_dict(*model, full, {{"step", std::to_string(step)}});
+          }
+        },
+        shardtorch::testing::RunOptions().timeout(delay));
     interrupted += r.ranks[0].timed_out;
     // Whatever is on disk now loads completely.
     auto sharded = shardtorch::read_sharded_checkpoint(ckpt);
@@ -445,15 +450,19 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
                              (k.exchange ? "" : " (renames, no exchange)");
     const std::string ckpt = (dir / ("case" + std::to_string(c))).string();
     files::copy_tree(pristine, ckpt);
-    auto killed = run_ranks(2, [&](World& w) {
-      if (!k.exchange) ::setenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "1", 1);
-      torch::manual_seed(2);
-      auto model = gpt::GPT(cfg);
-      shardtorch::shard(model, w);
-      if (w.rank() == k.victim) die_at(k.point);
-      shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 2);
-    }, crash_run());
-    ASSERT_EQ(killed.ranks[k.victim].signal, SIGKILL) << what << ": the save never reached the point\n" << killed.summary();
+    auto killed = run_ranks(
+        2,
+        [&](World& w) {
+          if (!k.exchange) ::setenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "1", 1);
+          torch::manual_seed(2);
+          auto model = gpt::GPT(cfg);
+          shardtorch::shard(model, w);
+          if (w.rank() == k.victim) die_at(k.point);
+          shardtorch::save_sharded_checkpoint(*model, nullptr, ckpt, 2);
+        },
+        crash_run());
+    ASSERT_EQ(killed.ranks[k.victim].signal, SIGKILL) << what << ": the save never reached the point\n"
+                                                      << killed.summary();
     ASSERT_FALSE(killed.ranks[1 - k.victim].timed_out) << what << ": the other rank hung\n" << killed.summary();
 
     auto check = run_ranks(2, [&](World& w) {
@@ -480,7 +489,8 @@ TEST(ShardedCheckpoint, AWriterKilledAtEachPointOfASaveLeavesTheOldOrTheNewCheck
 TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossRanks) {
   const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string(), bare = (dir / "bare").string(), bad = (dir / "bad").string();
-  const std::map<std::string, std::string> state{{"epoch", "3"}, {"samples_seen", "12000"}, {"rng", "seed=7;offset=42"}};
+  const std::map<std::string, std::string> state{
+      {"epoch", "3"}, {"samples_seen", "12000"}, {"rng", "seed=7;offset=42"}};
   auto save = run_ranks(2, [&](World& w) {
     auto model = gpt::GPT(gpt::Config{});
     shardtorch::shard(model, w);

@@ -232,16 +232,15 @@ TEST_P(WideGradient, GradientsLargerThanAChunkClipLikeTorch) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Clipping, WideGradient,
-                         ::testing::Values(Strategy::OptimizerOnly, Strategy::FullShard), StrategyName());
+INSTANTIATE_TEST_SUITE_P(Clipping, WideGradient, ::testing::Values(Strategy::OptimizerOnly, Strategy::FullShard),
+                         StrategyName());
 
-INSTANTIATE_TEST_SUITE_P(
-    All, StrategyParity,
-    ::testing::Combine(::testing::ValuesIn(kAllStrategies), ::testing::Values(1, 2, 3, 4)),
-    [](const ::testing::TestParamInfo<StrategyParity::ParamType>& info) {
-      return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
-             std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(All, StrategyParity,
+                         ::testing::Combine(::testing::ValuesIn(kAllStrategies), ::testing::Values(1, 2, 3, 4)),
+                         [](const ::testing::TestParamInfo<StrategyParity::ParamType>& info) {
+                           return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 // Buckets small enough that every block's gradients launch their own
 // reduce-scatter during backward, several in flight while backward goes on
@@ -266,8 +265,10 @@ TEST_P(SmallBucketParity, ReduceScattersInFlightDuringBackwardMatchSingleProcess
       const bool whole = strategy == Strategy::OptimizerOnly;
       const int64_t calls = whole ? sm.comm_stats().all_reduce.calls : sm.comm_stats().reduce_scatter.calls;
       require(calls >= 3, std::string("expected a ") + (whole ? "gradient all-reduce" : "reduce-scatter") +
-                              " per unit (two blocks and the root) with 0.06 MiB buckets, got " + std::to_string(calls));
-      require(sm.stats().reduce_scatters_overlapped >= 1, "no gradient reduction was launched while another was in flight");
+                              " per unit (two blocks and the root) with 0.06 MiB buckets, got " +
+                              std::to_string(calls));
+      require(sm.stats().reduce_scatters_overlapped >= 1,
+              "no gradient reduction was launched while another was in flight");
       require(sm.stats().reductions_deferred == 0, "a unit waited for its turn in the reduction order");
     }
     compare(train_sharded(w, recipe, x, opts), want,
@@ -276,17 +277,15 @@ TEST_P(SmallBucketParity, ReduceScattersInFlightDuringBackwardMatchSingleProcess
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, SmallBucketParity,
-                         ::testing::Values(std::make_tuple(Strategy::FullShard, 2),
-                                           std::make_tuple(Strategy::FullShard, 3),
-                                           std::make_tuple(Strategy::ShardGradOp, 2),
-                                           std::make_tuple(Strategy::OptimizerOnly, 2),
-                                           std::make_tuple(Strategy::OptimizerOnly, 3),
-                                           std::make_tuple(Strategy::HybridShard, 4)),
-                         [](const ::testing::TestParamInfo<SmallBucketParity::ParamType>& info) {
-                           return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
-                                  std::to_string(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, SmallBucketParity,
+    ::testing::Values(std::make_tuple(Strategy::FullShard, 2), std::make_tuple(Strategy::FullShard, 3),
+                      std::make_tuple(Strategy::ShardGradOp, 2), std::make_tuple(Strategy::OptimizerOnly, 2),
+                      std::make_tuple(Strategy::OptimizerOnly, 3), std::make_tuple(Strategy::HybridShard, 4)),
+    [](const ::testing::TestParamInfo<SmallBucketParity::ParamType>& info) {
+      return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
+             std::to_string(std::get<1>(info.param));
+    });
 
 struct SkippedUnitCase {
   Strategy strategy;
@@ -349,7 +348,8 @@ TEST_P(SkippedUnit, AUnitTheSynchronisingMicroBatchSkipsIsStillReduced) {
     expect_close_map(snapshot(*m), want, kTol, shardtorch::strategy_name(strategy));
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << " at " << world << (prefetch ? " with prefetch" : "")
-                    << "\n" << r.summary();
+                    << "\n"
+                    << r.summary();
 }
 
 INSTANTIATE_TEST_SUITE_P(Accumulation, SkippedUnit, ::testing::ValuesIn(skipped_unit_cases()), [](const auto& info) {
@@ -366,7 +366,8 @@ INSTANTIATE_TEST_SUITE_P(Accumulation, SkippedUnit, ::testing::ValuesIn(skipped_
 // its statistics for backward, so changing them before the step would break
 // the second.
 struct NormBlockImpl : torch::nn::Module {
-  NormBlockImpl() : lin(register_module("lin", torch::nn::Linear(6, 5))), bn(register_module("bn", torch::nn::BatchNorm1d(5))) {}
+  NormBlockImpl()
+      : lin(register_module("lin", torch::nn::Linear(6, 5))), bn(register_module("bn", torch::nn::BatchNorm1d(5))) {}
   torch::Tensor forward(torch::Tensor x) { return torch::tanh(bn(lin(x))); }
   torch::nn::Linear lin;
   torch::nn::BatchNorm1d bn;

@@ -30,7 +30,8 @@ TEST_P(EveryStrategy, NoSyncReducesNothingUntilTheSynchronisingBackward) {
       gpt::lm_loss(model(x), x).backward();
     }
     require(sm.requires_gradient_sync(), "no_sync() did not restore sync");
-    require(sm.stats().gradient_reductions == 0, "reduced during no_sync: " + std::to_string(sm.stats().gradient_reductions));
+    require(sm.stats().gradient_reductions == 0,
+            "reduced during no_sync: " + std::to_string(sm.stats().gradient_reductions));
     const int64_t staged = sm.memory().cur(Mem::GradStaging);
     if (strategy == Strategy::NoShard) {
       require(staged == 0, "NoShard accumulates in its buckets, nothing staged");
@@ -57,33 +58,45 @@ TEST_P(EveryStrategy, ModelStateMemoryMatchesTheZeroFormula) {
       gpt::lm_loss(model(x), x).backward();
       opt->step();
       auto m = sm.memory();
-      const int64_t state = m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) +
-                            m.cur(Mem::OptimizerState);
+      const int64_t state =
+          m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) + m.cur(Mem::OptimizerState);
       const double n = world, P = static_cast<double>(psi);
       const double s = strategy_options(strategy, world).hybrid_shard_size();  // HybridShard only
       double formula = 0;
       switch (strategy) {
-        case Strategy::FullShard: formula = 16 * P / n; break;
-        case Strategy::ShardGradOp: formula = 4 * P + 12 * P / n; break;
-        case Strategy::OptimizerOnly: formula = 8 * P + 8 * P / n; break;
-        case Strategy::NoShard: formula = 16 * P; break;
-        case Strategy::HybridShard: formula = 16 * P / s; break;
+        case Strategy::FullShard:
+          formula = 16 * P / n;
+          break;
+        case Strategy::ShardGradOp:
+          formula = 4 * P + 12 * P / n;
+          break;
+        case Strategy::OptimizerOnly:
+          formula = 8 * P + 8 * P / n;
+          break;
+        case Strategy::NoShard:
+          formula = 16 * P;
+          break;
+        case Strategy::HybridShard:
+          formula = 16 * P / s;
+          break;
       }
       int64_t padding = 0, flats = 0;
       for (const auto& u : sm.units())
         for (const auto& l : u.layouts) padding += l.padding(), ++flats;
       const double slack = 16.0 * (padding + flats);  // padding, and ceil() per flat parameter
       if (w.rank() == 0) {
-        std::printf("  memory %-14s N=%d psi=%lld formula=%.0f measured=%lld (params %lld + %lld, grads %lld, optim %lld)\n",
-                    shardtorch::strategy_name(strategy), world, static_cast<long long>(psi), formula,
-                    static_cast<long long>(state), static_cast<long long>(m.cur(Mem::ShardedParams)),
-                    static_cast<long long>(m.cur(Mem::ReplicatedParams)), static_cast<long long>(m.cur(Mem::Gradients)),
-                    static_cast<long long>(m.cur(Mem::OptimizerState)));
+        std::printf(
+            "  memory %-14s N=%d psi=%lld formula=%.0f measured=%lld (params %lld + %lld, grads %lld, optim %lld)\n",
+            shardtorch::strategy_name(strategy), world, static_cast<long long>(psi), formula,
+            static_cast<long long>(state), static_cast<long long>(m.cur(Mem::ShardedParams)),
+            static_cast<long long>(m.cur(Mem::ReplicatedParams)), static_cast<long long>(m.cur(Mem::Gradients)),
+            static_cast<long long>(m.cur(Mem::OptimizerState)));
         std::fflush(stdout);
       }
-      require(std::abs(state - formula) <= slack, std::string(shardtorch::strategy_name(strategy)) + " at N=" +
-              std::to_string(world) + ": model state " + std::to_string(state) + " bytes, formula " +
-              std::to_string(formula) + " +- " + std::to_string(slack));
+      require(std::abs(state - formula) <= slack, std::string(shardtorch::strategy_name(strategy)) +
+                                                      " at N=" + std::to_string(world) + ": model state " +
+                                                      std::to_string(state) + " bytes, formula " +
+                                                      std::to_string(formula) + " +- " + std::to_string(slack));
     });
     ASSERT_TRUE(r.ok) << r.summary();
   }
@@ -198,12 +211,13 @@ TEST_P(EveryStrategy, ClearingGradientsThroughTheModuleTrainsAsTheOptimizersZero
     auto sm = shardtorch::shard(m, w, strategy_options(strategy, 2));
     auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
     for (int s = 0; s < 3; ++s) {
-      m->zero_grad();  // set_to_none
+      m->zero_grad();                       // set_to_none
       if (strategy != Strategy::NoShard) {  // (NoShard's are views of the cleared buckets)
         for (const auto& g : opt->inner().param_groups())
           for (const auto& p : g.params())
-            require(!p.grad().defined(), "an optimizer parameter kept its gradient (and the old shard's memory) "
-                                         "after the module's zero_grad");
+            require(!p.grad().defined(),
+                    "an optimizer parameter kept its gradient (and the old shard's memory) "
+                    "after the module's zero_grad");
       }
       torch::mse_loss(m(x.narrow(0, 6 * w.rank(), 6)), y.narrow(0, 6 * w.rank(), 6)).backward();
       opt->step();
@@ -225,16 +239,19 @@ TEST_P(EveryStrategy, ClearingGradientsThroughTheModuleUnderMixedPrecisionTrains
     auto train = [&](bool through_module) {
       torch::manual_seed(0);
       auto m = MLP();
-      auto sm = shardtorch::shard(m, w, strategy_options(strategy, 2).mixed_precision(
-                                            shardtorch::MixedPrecision()
-                                                .param_dtype(at::kBFloat16)
-                                                .reduce_dtype(at::kFloat)
-                                                .buffer_dtype(at::kBFloat16)
-                                                .output_dtype(at::kFloat)));
+      auto sm = shardtorch::shard(m, w,
+                                  strategy_options(strategy, 2)
+                                      .mixed_precision(shardtorch::MixedPrecision()
+                                                           .param_dtype(at::kBFloat16)
+                                                           .reduce_dtype(at::kFloat)
+                                                           .buffer_dtype(at::kBFloat16)
+                                                           .output_dtype(at::kFloat)));
       auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
       for (int s = 0; s < 3; ++s) {
-        if (through_module) m->zero_grad();
-        else opt->zero_grad();
+        if (through_module)
+          m->zero_grad();
+        else
+          opt->zero_grad();
         torch::mse_loss(m(x.narrow(0, 6 * w.rank(), 6)), y.narrow(0, 6 * w.rank(), 6)).backward();
         opt->step();
       }
@@ -244,7 +261,7 @@ TEST_P(EveryStrategy, ClearingGradientsThroughTheModuleUnderMixedPrecisionTrains
     auto got = train(true);
     for (auto& [n, t] : want)
       require(at::equal(t, got.at(n)), std::string(shardtorch::strategy_name(strategy)) + ": '" + n +
-                                            "' differs with the module's zero_grad under bf16");
+                                           "' differs with the module's zero_grad under bf16");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -266,10 +283,8 @@ TEST(NoShard, GradientsSetToNoneInASubmoduleAreReducedAsZeroWhereNoGradientArriv
       Sometimes model;
       auto opts = strategy_options(Strategy::NoShard, 2).bucket_mb(1e-4);
       if (mixed)  // fp32 buckets: the bf16 gradients are added in, not views
-        opts.mixed_precision(shardtorch::MixedPrecision()
-                                 .param_dtype(at::kBFloat16)
-                                 .reduce_dtype(at::kFloat)
-                                 .output_dtype(at::kFloat));
+        opts.mixed_precision(
+            shardtorch::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).output_dtype(at::kFloat));
       shardtorch::shard(model, w, opts);
       auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
       for (int s = 0; s < 3; ++s) {
@@ -354,7 +369,8 @@ TEST(NoShard, BucketAllReducesStartDuringBackwardAndGradientsAreBucketViews) {
   ASSERT_TRUE(r.ok) << r.summary();
   auto sync = run_ranks(2, [](World& w) {
     auto model = gpt::GPT(gpt::Config{});
-    auto sm = shardtorch::shard(model, w, ShardOptions().strategy(Strategy::NoShard).bucket_mb(1.0 / 64).ddp_async(false));
+    auto sm =
+        shardtorch::shard(model, w, ShardOptions().strategy(Strategy::NoShard).bucket_mb(1.0 / 64).ddp_async(false));
     auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
     gpt::lm_loss(model(x), x).backward();
     require(sm.stats().buckets_launched_during_backward == 0, "synchronous mode launched during backward");
@@ -401,7 +417,7 @@ TEST(NoShard, AParameterNoRankUsesGetsNoGradientAndOneSomeUseIsReducedAsZero) {
     }
     require(at::equal(m->b->weight, b0), "AdamW moved the parameter no rank used");
     require(opt->inner().state().size() == 2, "optimizer state for " + std::to_string(opt->inner().state().size()) +
-                                                   " parameters, not the used head's 2");
+                                                  " parameters, not the used head's 2");
     for (const auto& [n, t] : std::vector<std::pair<std::string, at::Tensor>>{
              {"a.weight", m->a->weight}, {"a.bias", m->a->bias}, {"b.weight", m->b->weight}}) {
       const at::Tensor want = ref->named_parameters()[n];
@@ -424,24 +440,28 @@ TEST(NoShard, AParameterNoRankUsesGetsNoGradientAndOneSomeUseIsReducedAsZero) {
 // was per rank, so the rank without the gradient threw while the others
 // waited in its all-reduce until the collective timeout. The next step works.
 TEST(NoShard, ErrorOnUnusedParametersFailsEveryRankAlike) {
-  auto e = run_ranks(2, [](World& w) {
-    TwoHeads m;
-    shardtorch::shard(*m, w, ShardOptions().strategy(Strategy::NoShard).error_on_unused_parameters(true));
-    auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
-    m->use_b = w.rank() == 0;
-    std::string msg;
-    try {
-      m(torch::ones({2, 4})).sum().backward();
-    } catch (const std::exception& ex) {
-      msg = ex.what();
-    }
-    require(msg.find("'b.weight' (on 1 of 2 ranks") != std::string::npos, "expected b.weight named, got: " + msg);
-    require((msg.find("not this one") != std::string::npos) == (w.rank() == 1), "this rank's part misreported: " + msg);
-    m->use_b = true;
-    opt->zero_grad();
-    m(torch::ones({2, 4})).sum().backward();
-    opt->step();
-  }, shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(10)).timeout(std::chrono::seconds(60)));
+  auto e = run_ranks(
+      2,
+      [](World& w) {
+        TwoHeads m;
+        shardtorch::shard(*m, w, ShardOptions().strategy(Strategy::NoShard).error_on_unused_parameters(true));
+        auto opt = shardtorch::SGD(*m, torch::optim::SGDOptions(0.1));
+        m->use_b = w.rank() == 0;
+        std::string msg;
+        try {
+          m(torch::ones({2, 4})).sum().backward();
+        } catch (const std::exception& ex) {
+          msg = ex.what();
+        }
+        require(msg.find("'b.weight' (on 1 of 2 ranks") != std::string::npos, "expected b.weight named, got: " + msg);
+        require((msg.find("not this one") != std::string::npos) == (w.rank() == 1),
+                "this rank's part misreported: " + msg);
+        m->use_b = true;
+        opt->zero_grad();
+        m(torch::ones({2, 4})).sum().backward();
+        opt->step();
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(10)).timeout(std::chrono::seconds(60)));
   ASSERT_TRUE(e.ok) << e.summary();
 }
 
@@ -452,8 +472,8 @@ TEST(FullShard, ReshardAfterForwardPerUnit) {
     auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
     auto loss = gpt::lm_loss(model(x), x);
     // After forward: the root and blocks.0 stay gathered, blocks.1 was freed.
-    require(sm.memory().gathered_units == 2, "expected root and blocks.0 gathered, got " +
-            std::to_string(sm.memory().gathered_units));
+    require(sm.memory().gathered_units == 2,
+            "expected root and blocks.0 gathered, got " + std::to_string(sm.memory().gathered_units));
     loss.backward();
     require(sm.memory().gathered_units == 0, "units left gathered after backward");
   });
@@ -465,24 +485,27 @@ TEST(FullShard, ReshardAfterForwardPerUnit) {
 // reduce-scatter group, HybridShard's groups), nor does one tag naming other
 // ranks in another model: keys count per tag and ranks.
 TEST(Configuration, AGroupOfSomeRanksDoesNotUpsetTheGroupsShardMakes) {
-  auto r = run_ranks(4, [](World& w) {
-    if (w.rank() < 2) {
-      auto pair = w.new_group({0, 1}, "pair");
-      auto t = torch::ones({1});
-      pair->all_reduce(t, c10d::ReduceOp::SUM, "pair");
-      require(t.item<float>() == 2.0f, "the pair's all-reduce");
-    }
-    // Both orders: "reduce-scatter-0" names all four ranks under FullShard and
-    // two under HybridShard.
-    for (auto s : {Strategy::FullShard, Strategy::HybridShard, Strategy::FullShard}) {
-      torch::manual_seed(0);
-      MLP model;
-      auto sm = shardtorch::shard(model, w, strategy_options(s, 4));
-      torch::manual_seed(1);
-      torch::mse_loss(model(torch::randn({2, 7})), torch::zeros({2, 3})).backward();
-      require(sm.stats().gradient_reductions > 0, std::string(shardtorch::strategy_name(s)) + ": nothing reduced");
-    }
-  }, shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
+  auto r = run_ranks(
+      4,
+      [](World& w) {
+        if (w.rank() < 2) {
+          auto pair = w.new_group({0, 1}, "pair");
+          auto t = torch::ones({1});
+          pair->all_reduce(t, c10d::ReduceOp::SUM, "pair");
+          require(t.item<float>() == 2.0f, "the pair's all-reduce");
+        }
+        // Both orders: "reduce-scatter-0" names all four ranks under FullShard and
+        // two under HybridShard.
+        for (auto s : {Strategy::FullShard, Strategy::HybridShard, Strategy::FullShard}) {
+          torch::manual_seed(0);
+          MLP model;
+          auto sm = shardtorch::shard(model, w, strategy_options(s, 4));
+          torch::manual_seed(1);
+          torch::mse_loss(model(torch::randn({2, 7})), torch::zeros({2, 3})).backward();
+          require(sm.stats().gradient_reductions > 0, std::string(shardtorch::strategy_name(s)) + ": nothing reduced");
+        }
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
@@ -502,7 +525,8 @@ TEST(Configuration, BadStrategyNamesAndGroupSizesAreClearErrors) {
     try {
       shardtorch::shard(model, w, ShardOptions().strategy(Strategy::HybridShard).hybrid_shard_size(2));
     } catch (const std::exception& e) {
-      require(std::string(e.what()).find("hybrid_shard_size (now 2) to divide the world size 3") != std::string::npos, e.what());
+      require(std::string(e.what()).find("hybrid_shard_size (now 2) to divide the world size 3") != std::string::npos,
+              e.what());
       return;
     }
     throw std::runtime_error("no error");
@@ -513,7 +537,8 @@ TEST(Configuration, BadStrategyNamesAndGroupSizesAreClearErrors) {
     try {
       shardtorch::shard(model, w, ShardOptions().reshard_after_forward_for("blocks.7", false));
     } catch (const std::exception& e) {
-      require(std::string(e.what()).find("reshard_after_forward_for('blocks.7') names no unit") != std::string::npos, e.what());
+      require(std::string(e.what()).find("reshard_after_forward_for('blocks.7') names no unit") != std::string::npos,
+              e.what());
       return;
     }
     throw std::runtime_error("no error");
@@ -568,20 +593,21 @@ TEST_P(Prefetch, TrainsBitwiseLikeWithoutItWithOneGatherFewerPerStepAndOneMoreUn
     // Steps 2-4 follow the order step 1 taught: the last block is not gathered again for backward.
     require(on.gathers == off.gathers - 3, "prefetch should save one all-gather in each of 3 steps: " +
                                                std::to_string(on.gathers) + " vs " + std::to_string(off.gathers));
-    require(off.peak_units <= 2, "without prefetch at most 2 units are gathered, saw " + std::to_string(off.peak_units));
-    require(on.peak_units == 3, "with prefetch the root, the computing unit and the next one: saw " +
-                                    std::to_string(on.peak_units));
+    require(off.peak_units <= 2,
+            "without prefetch at most 2 units are gathered, saw " + std::to_string(off.peak_units));
+    require(on.peak_units == 3,
+            "with prefetch the root, the computing unit and the next one: saw " + std::to_string(on.peak_units));
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Sharding, Prefetch,
-    ::testing::Combine(::testing::Values(Strategy::FullShard, Strategy::HybridShard), ::testing::Values(1, 2, 3)),
-    [](const ::testing::TestParamInfo<Prefetch::ParamType>& info) {
-      return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
-             std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Sharding, Prefetch,
+                         ::testing::Combine(::testing::Values(Strategy::FullShard, Strategy::HybridShard),
+                                            ::testing::Values(1, 2, 3)),
+                         [](const ::testing::TestParamInfo<Prefetch::ParamType>& info) {
+                           return std::string(shardtorch::strategy_name(std::get<0>(info.param))) + "_world" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 // HybridShard sums each launched reduce-scatter's output across the replicas
 // with one all-reduce, whatever number of flat parameters the bucket holds
@@ -682,8 +708,7 @@ TEST_P(EveryStrategy, AFailedBackwardIsCleanedUpAndTrainingContinuesAsIfItHadNot
       loss.backward();
       opt->step();
       if (s == 2) {
-        require(warnings.messages.size() == 1 &&
-                    warnings.messages[0].find("did not finish") != std::string::npos,
+        require(warnings.messages.size() == 1 && warnings.messages[0].find("did not finish") != std::string::npos,
                 "expected one warning about the failed backward, got " + std::to_string(warnings.messages.size()));
       }
       auto m = sm.memory();
@@ -718,8 +743,8 @@ TEST_P(EveryStrategy, AStepOrClipAfterAFailedBackwardIsRefusedUntilZeroGrad) {
       } catch (const std::exception& e) {
         error = e.what();
       }
-      require(error.find("rank " + std::to_string(w.rank()) + ": " + what +
-                         " after a backward that did not finish") != std::string::npos,
+      require(error.find("rank " + std::to_string(w.rank()) + ": " + what + " after a backward that did not finish") !=
+                  std::string::npos,
               std::string(what) + " after a failed backward: " + error);
     };
     for (int s = 0; s < 4; ++s) {
@@ -826,8 +851,10 @@ TEST(NoShard, AStepWithoutAZeroGradThatReachesFp32BucketsWarnsOnce) {
       }
       auto opt = shardtorch::AdamW(*root, torch::optim::AdamWOptions(1e-3));
       for (int s = 0; s < 3; ++s) {
-        if (through_module) root->zero_grad();
-        else opt->zero_grad();
+        if (through_module)
+          root->zero_grad();
+        else
+          opt->zero_grad();
         loss().backward();
         opt->step();
       }
@@ -835,8 +862,8 @@ TEST(NoShard, AStepWithoutAZeroGradThatReachesFp32BucketsWarnsOnce) {
         return m.find("call opt->zero_grad(), or make the root a unit") != std::string::npos;
       });
     };
-    require(count(true, false) == 1, "model->zero_grad() on a plain root: expected one warning, got " +
-                                         std::to_string(count(true, false)));
+    require(count(true, false) == 1,
+            "model->zero_grad() on a plain root: expected one warning, got " + std::to_string(count(true, false)));
     require(count(false, false) == 0, "opt->zero_grad() warned");
     require(count(true, true) == 0, "model->zero_grad() on a unit root warned");
   });

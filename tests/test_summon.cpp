@@ -205,16 +205,14 @@ TEST_P(Writeback, SummonWritesEditsBackIntoTheShards) {
   ASSERT_TRUE(r.ok) << what << ": " << r.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(Summon, Writeback,
-                         ::testing::Values(WritebackCase{Strategy::FullShard, false},
-                                           WritebackCase{Strategy::ShardGradOp, false},
-                                           WritebackCase{Strategy::OptimizerOnly, false},
-                                           WritebackCase{Strategy::HybridShard, false},
-                                           WritebackCase{Strategy::ShardGradOp, true}),
-                         [](const ::testing::TestParamInfo<WritebackCase>& info) {
-                           return std::string(shardtorch::strategy_name(info.param.s)) +
-                                  (info.param.offload ? "_offload" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Summon, Writeback,
+    ::testing::Values(WritebackCase{Strategy::FullShard, false}, WritebackCase{Strategy::ShardGradOp, false},
+                      WritebackCase{Strategy::OptimizerOnly, false}, WritebackCase{Strategy::HybridShard, false},
+                      WritebackCase{Strategy::ShardGradOp, true}),
+    [](const ::testing::TestParamInfo<WritebackCase>& info) {
+      return std::string(shardtorch::strategy_name(info.param.s)) + (info.param.offload ? "_offload" : "");
+    });
 
 class GradientsCounted : public ::testing::TestWithParam<Strategy> {};
 
@@ -253,5 +251,5 @@ TEST_P(GradientsCounted, SummonedGradientsAreCountedWhileTheScopeLives) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Summon, GradientsCounted,
-                         ::testing::Values(Strategy::FullShard, Strategy::NoShard), StrategyName());
+INSTANTIATE_TEST_SUITE_P(Summon, GradientsCounted, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
+                         StrategyName());

@@ -13,7 +13,9 @@ using shardtorch::testing::run_ranks;
 // A unit whose parameter gets no gradient this step (an unused branch) must
 // not hang the step: it is reduced as zero at the end of backward.
 struct BranchyImpl : torch::nn::Module {
-  BranchyImpl() : used(register_module("used", torch::nn::Linear(4, 4))), unused(register_module("unused", torch::nn::Linear(4, 4))) {}
+  BranchyImpl()
+      : used(register_module("used", torch::nn::Linear(4, 4))),
+        unused(register_module("unused", torch::nn::Linear(4, 4))) {}
   torch::Tensor forward(torch::Tensor x) { return used(x); }
   torch::nn::Linear used, unused;
 };
@@ -161,7 +163,8 @@ TEST(UnitLifecycle, AForwardThatThrowsGivesItsUnitsBackAndTheRetryTrainsLikeTorc
       for (auto g : gathers) seen += std::to_string(g) + " ";
       require(gathers[2] == gathers[1] && gathers[3] == gathers[1], "all-gathers per step: " + seen);
       shardtorch::FullParams full(*m);
-      expect_close_map(snapshot(*m), want, 1e-5, ckpt ? "checkpointed, after a failed forward" : "after a failed forward");
+      expect_close_map(snapshot(*m), want, 1e-5,
+                       ckpt ? "checkpointed, after a failed forward" : "after a failed forward");
     });
     EXPECT_TRUE(r.ok) << (ckpt ? "checkpointed: " : "") << r.summary();
   }

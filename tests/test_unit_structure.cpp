@@ -17,8 +17,9 @@ TEST(UnitPlacement, TiedWeightGoesToTheCommonAncestorUnit) {
     auto sm = shardtorch::shard(model, w);
     auto units = sm.units();
     require(units.size() == 4, "expected root, 2 blocks and head, got " + std::to_string(units.size()));
-    require(units[0].name.empty() && units[1].name == "blocks.0" && units[2].name == "blocks.1" && units[3].name == "head",
-            "unexpected unit names");
+    require(
+        units[0].name.empty() && units[1].name == "blocks.0" && units[2].name == "blocks.1" && units[3].name == "head",
+        "unexpected unit names");
     require(units[3].layouts.empty(), "the head's tied weight should not be in the head unit");
     int seen = 0;
     for (auto& names : units[0].param_names)
@@ -138,9 +139,10 @@ TEST(UnusualParameters, AnEmptyParameterTrainsLikeTorchUnderEveryStrategy) {
   torch::manual_seed(5);
   auto x = torch::randn({4, 7});
   auto want = train_reference<WithEmpty>([&](WithEmpty& ref) { ref(x).square().sum().backward(); });
-  expect_every_strategy_trains_like<WithEmpty>(want, "empty parameter", [&](WithEmpty& m, shardtorch::ShardedModel&, World& w) {
-    (m(x.narrow(0, 2 * w.rank(), 2)).square().sum() * 2).backward();
-  });
+  expect_every_strategy_trains_like<WithEmpty>(want, "empty parameter",
+                                               [&](WithEmpty& m, shardtorch::ShardedModel&, World& w) {
+                                                 (m(x.narrow(0, 2 * w.rank(), 2)).square().sum() * 2).backward();
+                                               });
 }
 
 // A unit whose only trainable parameter is empty (next to frozen ones) has an
@@ -209,8 +211,8 @@ TEST(UnusualParameters, IntegerAndBoolParametersTrainLikeTorchUnderEveryStrategy
   for (auto s : kAllStrategies) {
     auto r = run_ranks(2, [&](World& w) {
       WithIndexing m;
-      shardtorch::shard(m, w, strategy_options(s, 2).mixed_precision(
-                                  shardtorch::MixedPrecision().param_dtype(at::kBFloat16)));
+      shardtorch::shard(
+          m, w, strategy_options(s, 2).mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16)));
       auto out = m(x);
       require(out.scalar_type() == at::kBFloat16, "expected a bf16 output");
       out.sum().backward();

@@ -33,10 +33,14 @@ int64_t parse_bytes(const std::string& option, const std::string& s) {
     throw std::invalid_argument(option + " '" + s + "' is not a size (a number, then B, KiB, MiB, GiB or TiB)");
   std::string unit(end, s.data() + s.size());
   double mult = 1;
-  if (unit == "KiB" || unit == "K") mult = 1024.0;
-  else if (unit == "MiB" || unit == "M") mult = 1024.0 * 1024;
-  else if (unit == "GiB" || unit == "G") mult = 1024.0 * 1024 * 1024;
-  else if (unit == "TiB" || unit == "T") mult = 1024.0 * 1024 * 1024 * 1024;
+  if (unit == "KiB" || unit == "K")
+    mult = 1024.0;
+  else if (unit == "MiB" || unit == "M")
+    mult = 1024.0 * 1024;
+  else if (unit == "GiB" || unit == "G")
+    mult = 1024.0 * 1024 * 1024;
+  else if (unit == "TiB" || unit == "T")
+    mult = 1024.0 * 1024 * 1024 * 1024;
   else if (!unit.empty() && unit != "B")
     throw std::invalid_argument(option + " '" + s + "': unknown unit '" + unit + "' (B, KiB, MiB, GiB or TiB)");
   if (!(v * mult < 0x1p62)) throw std::invalid_argument(option + " '" + s + "' is too large");
@@ -75,26 +79,27 @@ std::string gib(int64_t b) {
 // The command line, into `a`.
 po::options_description options_for_args(Args& a) {
   po::options_description desc("shardtorch-plan: per-rank memory of the example GPT before launch");
-  desc.add_options()("help", "this text")
-      ("layers", po::value(&a.cfg.n_layer)->default_value(12), "transformer blocks")
-      ("d-model", po::value(&a.cfg.d_model)->default_value(768), "model width")
-      ("heads", po::value(&a.cfg.n_head)->default_value(12), "attention heads (no effect on memory)")
-      ("vocab", po::value(&a.cfg.vocab)->default_value(50257), "vocabulary")
-      ("seq", po::value(&a.cfg.seq_len)->default_value(1024), "sequence length (position embedding)")
-      ("world", po::value(&a.world)->default_value(a.world), "ranks")
-      ("strategy", po::value(&a.strategy), "one strategy (default: all side by side)")
-      ("hybrid-shard-size", po::value(&a.hybrid)->default_value(0), "hybrid_shard group size (default world/2)")
-      ("bf16", po::bool_switch(&a.bf16), "bf16 compute and reduction, fp32 masters")
-      ("offload", po::bool_switch(&a.offload), "CPU offload (not for no_shard)")
-      ("accumulate", po::bool_switch(&a.accumulate), "gradient accumulation without synchronisation (no_sync)")
-      ("bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size")
-      ("optimizer", po::value(&a.optimizer)->default_value(a.optimizer), "adamw|adam (2 states), sgd-momentum (1), sgd (0)")
-      ("fit", po::value(&a.fit), "also find the most layers whose device peak fits this per rank (e.g. 80GiB)")
-      ("reserve", po::value(&a.reserve)->default_value(a.reserve),
-       "with --fit: memory kept back per rank for what the planner does not predict (activations, workspace), e.g. 6GiB")
-      ("by-category", po::bool_switch(&a.by_category), "also print every memory category of each strategy's plan")
-      ("startup", po::bool_switch(&a.startup),
-       "also print each strategy's peak during construct + shard() + load, deferred and eager (MemoryPlan::startup_*)");
+  desc.add_options()("help", "this text")("layers", po::value(&a.cfg.n_layer)->default_value(12), "transformer blocks")(
+      "d-model", po::value(&a.cfg.d_model)->default_value(768), "model width")(
+      "heads", po::value(&a.cfg.n_head)->default_value(12), "attention heads (no effect on memory)")(
+      "vocab", po::value(&a.cfg.vocab)->default_value(50257), "vocabulary")(
+      "seq", po::value(&a.cfg.seq_len)->default_value(1024), "sequence length (position embedding)")(
+      "world", po::value(&a.world)->default_value(a.world), "ranks")("strategy", po::value(&a.strategy),
+                                                                     "one strategy (default: all side by side)")(
+      "hybrid-shard-size", po::value(&a.hybrid)->default_value(0), "hybrid_shard group size (default world/2)")(
+      "bf16", po::bool_switch(&a.bf16), "bf16 compute and reduction, fp32 masters")(
+      "offload", po::bool_switch(&a.offload), "CPU offload (not for no_shard)")(
+      "accumulate", po::bool_switch(&a.accumulate), "gradient accumulation without synchronisation (no_sync)")(
+      "bucket-mb", po::value(&a.bucket_mb)->default_value(a.bucket_mb), "bucket size")(
+      "optimizer", po::value(&a.optimizer)->default_value(a.optimizer),
+      "adamw|adam (2 states), sgd-momentum (1), sgd (0)")(
+      "fit", po::value(&a.fit), "also find the most layers whose device peak fits this per rank (e.g. 80GiB)")(
+      "reserve", po::value(&a.reserve)->default_value(a.reserve),
+      "with --fit: memory kept back per rank for what the planner does not predict (activations, workspace), e.g. "
+      "6GiB")("by-category", po::bool_switch(&a.by_category),
+              "also print every memory category of each strategy's plan")(
+      "startup", po::bool_switch(&a.startup),
+      "also print each strategy's peak during construct + shard() + load, deferred and eager (MemoryPlan::startup_*)");
   return desc;
 }
 
@@ -102,26 +107,35 @@ po::options_description options_for_args(Args& a) {
 void validate(Args& a) {
   if (a.cfg.n_layer < 1 || a.cfg.d_model < 1 || a.cfg.n_head < 1 || a.cfg.vocab < 1 || a.cfg.seq_len < 1 ||
       a.world < 1 || a.bucket_mb <= 0)
-    throw std::invalid_argument("--layers, --d-model, --heads, --vocab, --seq and --world must be at least 1, and "
-                                "--bucket-mb positive");
+    throw std::invalid_argument(
+        "--layers, --d-model, --heads, --vocab, --seq and --world must be at least 1, and "
+        "--bucket-mb positive");
   if (a.cfg.d_model > (int64_t{1} << 20) || a.cfg.vocab > (int64_t{1} << 30) || a.cfg.seq_len > (int64_t{1} << 30))
     throw std::invalid_argument("--d-model (at most 2^20), --vocab or --seq (at most 2^30) too large to plan");
-  if (a.optimizer == "adamw" || a.optimizer == "adam") a.states = 2;
-  else if (a.optimizer == "sgd-momentum") a.states = 1;
-  else if (a.optimizer == "sgd") a.states = 0;
-  else throw std::invalid_argument("unknown --optimizer " + a.optimizer);
+  if (a.optimizer == "adamw" || a.optimizer == "adam")
+    a.states = 2;
+  else if (a.optimizer == "sgd-momentum")
+    a.states = 1;
+  else if (a.optimizer == "sgd")
+    a.states = 0;
+  else
+    throw std::invalid_argument("unknown --optimizer " + a.optimizer);
 }
 
 // The strategies to plan: the one asked for, or all that apply.
 std::vector<Strategy> strategies_for(const Args& a) {
   std::vector<Strategy> strategies;
-  if (!a.strategy.empty()) strategies.push_back(shardtorch::parse_strategy(a.strategy));
-  else strategies = {Strategy::NoShard, Strategy::OptimizerOnly, Strategy::ShardGradOp, Strategy::FullShard,
-                     Strategy::HybridShard};
+  if (!a.strategy.empty())
+    strategies.push_back(shardtorch::parse_strategy(a.strategy));
+  else
+    strategies = {Strategy::NoShard, Strategy::OptimizerOnly, Strategy::ShardGradOp, Strategy::FullShard,
+                  Strategy::HybridShard};
   if (!a.strategy.empty() && a.world < 2 && strategies.front() == Strategy::HybridShard)
     throw std::invalid_argument("--strategy hybrid_shard needs --world 2 or more");
-  if (a.world < 2) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::HybridShard), strategies.end());
-  if (a.offload) strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::NoShard), strategies.end());
+  if (a.world < 2)
+    strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::HybridShard), strategies.end());
+  if (a.offload)
+    strategies.erase(std::remove(strategies.begin(), strategies.end(), Strategy::NoShard), strategies.end());
   return strategies;
 }
 
@@ -133,11 +147,12 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
               static_cast<long long>(a.cfg.vocab), static_cast<long long>(a.cfg.seq_len), a.world,
               a.bf16 ? ", bf16" : ", fp32", a.offload ? ", CPU offload" : "",
               a.accumulate ? ", accumulating without sync" : "", a.optimizer.c_str());
-  std::printf("per rank, GiB (rank 0, which owns the most); transient = peak estimates of gathered params, "
-              "gradient staging and buckets, and NoShard's fp32 gradient copies under mixed precision; activations "
-              "are not included\n");
-  std::printf("%-15s %14s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "params", "params_B", "grads_B",
-              "optim_B", "state_B", "transient", "device", "host");
+  std::printf(
+      "per rank, GiB (rank 0, which owns the most); transient = peak estimates of gathered params, "
+      "gradient staging and buckets, and NoShard's fp32 gradient copies under mixed precision; activations "
+      "are not included\n");
+  std::printf("%-15s %14s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "params", "params_B", "grads_B", "optim_B",
+              "state_B", "transient", "device", "host");
   std::string reports;  // --by-category
   for (Strategy s : strategies) {
     auto p = shardtorch::plan_memory(units, options_for(a, s));
@@ -152,8 +167,10 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
   }
   if (a.by_category) std::printf("%s", reports.c_str());
   if (!a.startup) return;
-  std::printf("\nconstruct + shard() + load, per rank, GiB: the library's parameters and full flat buffers at their "
-              "peak (docs/scale.md)\n%-15s %10s %10s\n", "strategy", "deferred", "eager");
+  std::printf(
+      "\nconstruct + shard() + load, per rank, GiB: the library's parameters and full flat buffers at their "
+      "peak (docs/scale.md)\n%-15s %10s %10s\n",
+      "strategy", "deferred", "eager");
   for (Strategy s : strategies) {
     auto p = shardtorch::plan_memory(units, options_for(a, s));
     std::printf("%-15s %10s %10s\n", shardtorch::strategy_name(s), gib(p.startup_deferred).c_str(),
@@ -163,10 +180,11 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
 
 // --fit: the most layers whose device peak fits `budget` per rank, per strategy.
 void print_fit(const Args& a, const std::vector<Strategy>& strategies, int64_t reserve, int64_t budget) {
-  std::printf("\nlargest GPT of this shape (d_model %lld, vocab %lld, seq %lld) whose device peak fits %s per rank%s:\n",
-              static_cast<long long>(a.cfg.d_model), static_cast<long long>(a.cfg.vocab),
-              static_cast<long long>(a.cfg.seq_len), shardtorch::format_bytes(budget).c_str(),
-              reserve > 0 ? (" (" + a.fit + " less " + a.reserve + " kept back)").c_str() : "");
+  std::printf(
+      "\nlargest GPT of this shape (d_model %lld, vocab %lld, seq %lld) whose device peak fits %s per rank%s:\n",
+      static_cast<long long>(a.cfg.d_model), static_cast<long long>(a.cfg.vocab), static_cast<long long>(a.cfg.seq_len),
+      shardtorch::format_bytes(budget).c_str(),
+      reserve > 0 ? (" (" + a.fit + " less " + a.reserve + " kept back)").c_str() : "");
   for (Strategy s : strategies) {
     auto peak = [&](int64_t layers) {
       gpt::Config c = a.cfg;

@@ -105,10 +105,14 @@ int run_shell(const std::string& cmd) {
 double theory_bytes(Strategy s, int world, int hybrid, double psi_bytes) {
   auto ring = [](int n) { return n > 1 ? static_cast<double>(n - 1) / n : 0.0; };
   switch (s) {
-    case Strategy::NoShard: return 2 * psi_bytes * ring(world);                 // all-reduce of gradients
-    case Strategy::FullShard: return 3 * psi_bytes * ring(world);               // gather fwd + bwd, reduce-scatter
-    case Strategy::ShardGradOp: return 2 * psi_bytes * ring(world);             // reduce-scatter, gather after step
-    case Strategy::OptimizerOnly: return 3 * psi_bytes * ring(world);           // all-reduce, gather after step
+    case Strategy::NoShard:
+      return 2 * psi_bytes * ring(world);  // all-reduce of gradients
+    case Strategy::FullShard:
+      return 3 * psi_bytes * ring(world);  // gather fwd + bwd, reduce-scatter
+    case Strategy::ShardGradOp:
+      return 2 * psi_bytes * ring(world);  // reduce-scatter, gather after step
+    case Strategy::OptimizerOnly:
+      return 3 * psi_bytes * ring(world);  // all-reduce, gather after step
     case Strategy::HybridShard:
       return 3 * psi_bytes * ring(hybrid) + 2 * (psi_bytes / hybrid) * ring(world / hybrid);
   }
@@ -117,8 +121,8 @@ double theory_bytes(Strategy s, int world, int hybrid, double psi_bytes) {
 
 // The lists of the command line, crossed: every configuration to run.
 struct Lists {
-  std::string strategies = "no_shard,optimizer_only,shard_grad_op,full_shard", worlds = "1,2",
-              models = "2x64,4x128", offloads = "0", buckets = "25", recomputes = "0";
+  std::string strategies = "no_shard,optimizer_only,shard_grad_op,full_shard", worlds = "1,2", models = "2x64,4x128",
+              offloads = "0", buckets = "25", recomputes = "0";
 };
 
 std::vector<Config> configs_from(const Lists& l) {
@@ -130,7 +134,8 @@ std::vector<Config> configs_from(const Lists& l) {
           for (const auto& b : split(l.buckets))
             for (const auto& ac : split(l.recomputes)) {
               auto x = m.find('x');
-              if (x == std::string::npos) throw std::invalid_argument("--models entry '" + m + "' is not LAYERSxD_MODEL");
+              if (x == std::string::npos)
+                throw std::invalid_argument("--models entry '" + m + "' is not LAYERSxD_MODEL");
               Config k{shardtorch::parse_strategy(s),
                        static_cast<int>(whole("--worlds", w, 1)),
                        whole("--models", m.substr(0, x), 1),
@@ -148,28 +153,28 @@ std::vector<Config> configs_from(const Lists& l) {
 
 po::options_description options_for(Common& c, Lists& l) {
   po::options_description desc("shardtorch-sweep: memory against throughput of the example GPT");
-  desc.add_options()("help", "this text")
-      ("strategies", po::value(&l.strategies)->default_value(l.strategies), "comma list (hybrid_shard uses groups of world/2)")
-      ("worlds", po::value(&l.worlds)->default_value(l.worlds), "comma list of rank counts")
-      ("models", po::value(&l.models)->default_value(l.models), "comma list of LAYERSxD_MODEL")
-      ("offload", po::value(&l.offloads)->default_value(l.offloads), "comma list of 0/1")
-      ("bucket-mb", po::value(&l.buckets)->default_value(l.buckets), "comma list of bucket sizes in MiB")
-      ("activation-checkpointing", po::value(&l.recomputes)->default_value(l.recomputes),
-       "comma list of 0/1 (1: the blocks recompute their activations in backward)")
-      ("vocab", po::value(&c.vocab)->default_value(c.vocab), "vocabulary")
-      ("seq", po::value(&c.seq)->default_value(c.seq), "sequence length")
-      ("heads", po::value(&c.heads)->default_value(c.heads), "attention heads")
-      ("batch", po::value(&c.batch)->default_value(c.batch), "sequences per rank per step")
-      ("steps", po::value(&c.steps)->default_value(c.steps), "measured steps (at least 20)")
-      ("warmup", po::value(&c.warmup)->default_value(c.warmup), "steps before measuring")
-      ("threads", po::value(&c.threads)->default_value(c.threads), "ATen threads per rank")
-      ("bf16", po::bool_switch(&c.bf16), "bf16 compute and reduction")
-      ("timeout", po::value(&c.timeout)->default_value(c.timeout), "seconds per configuration")
-      ("out", po::value(&c.out)->default_value(c.out), "output directory")
-      ("gpt-bench", po::value(&c.gpt_bench)->default_value(c.gpt_bench), "the gpt_bench binary")
-      ("torchrun", po::value(&c.torchrun)->default_value(c.torchrun), "torchrun")
-      ("python", po::value(&c.python)->default_value(c.python), "python with matplotlib, for the plot")
-      ("plot-script", po::value(&c.plot)->default_value(c.plot), "plotting script; empty: no plot");
+  desc.add_options()("help", "this text")("strategies", po::value(&l.strategies)->default_value(l.strategies),
+                                          "comma list (hybrid_shard uses groups of world/2)")(
+      "worlds", po::value(&l.worlds)->default_value(l.worlds), "comma list of rank counts")(
+      "models", po::value(&l.models)->default_value(l.models), "comma list of LAYERSxD_MODEL")(
+      "offload", po::value(&l.offloads)->default_value(l.offloads), "comma list of 0/1")(
+      "bucket-mb", po::value(&l.buckets)->default_value(l.buckets), "comma list of bucket sizes in MiB")(
+      "activation-checkpointing", po::value(&l.recomputes)->default_value(l.recomputes),
+      "comma list of 0/1 (1: the blocks recompute their activations in backward)")(
+      "vocab", po::value(&c.vocab)->default_value(c.vocab), "vocabulary")(
+      "seq", po::value(&c.seq)->default_value(c.seq), "sequence length")(
+      "heads", po::value(&c.heads)->default_value(c.heads), "attention heads")(
+      "batch", po::value(&c.batch)->default_value(c.batch), "sequences per rank per step")(
+      "steps", po::value(&c.steps)->default_value(c.steps), "measured steps (at least 20)")(
+      "warmup", po::value(&c.warmup)->default_value(c.warmup), "steps before measuring")(
+      "threads", po::value(&c.threads)->default_value(c.threads), "ATen threads per rank")(
+      "bf16", po::bool_switch(&c.bf16), "bf16 compute and reduction")(
+      "timeout", po::value(&c.timeout)->default_value(c.timeout), "seconds per configuration")(
+      "out", po::value(&c.out)->default_value(c.out), "output directory")(
+      "gpt-bench", po::value(&c.gpt_bench)->default_value(c.gpt_bench), "the gpt_bench binary")(
+      "torchrun", po::value(&c.torchrun)->default_value(c.torchrun), "torchrun")(
+      "python", po::value(&c.python)->default_value(c.python), "python with matplotlib, for the plot")(
+      "plot-script", po::value(&c.plot)->default_value(c.plot), "plotting script; empty: no plot");
   return desc;
 }
 
@@ -178,12 +183,12 @@ std::string run_command(const Common& c, const Config& cfg, int hybrid, const st
   std::ostringstream cmd;
   cmd << "timeout " << c.timeout << " " << quote(c.torchrun) << " --no-python --standalone --nproc-per-node "
       << cfg.world << " " << quote(c.gpt_bench) << " --strategy " << shardtorch::strategy_name(cfg.strategy)
-      << " --hybrid-shard-size " << hybrid << " --layers " << cfg.layers << " --d-model " << cfg.d_model
-      << " --heads " << c.heads << " --vocab " << c.vocab << " --seq " << c.seq << " --batch " << c.batch
-      << " --steps " << c.steps << " --warmup " << c.warmup << " --threads " << c.threads << " --bucket-mb "
-      << cfg.bucket_mb << (cfg.offload ? " --offload" : "") << (cfg.recompute ? " --activation-checkpointing" : "")
-      << (c.bf16 ? " --bf16" : "") << " --quiet --report "
-      << quote(prefix) << " > " << quote(prefix + ".log") << " 2>&1";
+      << " --hybrid-shard-size " << hybrid << " --layers " << cfg.layers << " --d-model " << cfg.d_model << " --heads "
+      << c.heads << " --vocab " << c.vocab << " --seq " << c.seq << " --batch " << c.batch << " --steps " << c.steps
+      << " --warmup " << c.warmup << " --threads " << c.threads << " --bucket-mb " << cfg.bucket_mb
+      << (cfg.offload ? " --offload" : "") << (cfg.recompute ? " --activation-checkpointing" : "")
+      << (c.bf16 ? " --bf16" : "") << " --quiet --report " << quote(prefix) << " > " << quote(prefix + ".log")
+      << " 2>&1";
   return cmd.str();
 }
 
@@ -213,7 +218,8 @@ Measured read_reports(const Config& cfg, const std::string& prefix) {
     m.params = v.at("params").to_number<int64_t>();
     const auto& mem = v.at("memory").as_object();
     for (int i = 0; i < static_cast<int>(Mem::kCount); ++i)
-      m.peaks[i] = std::max(m.peaks[i], mem.at(shardtorch::mem_name(static_cast<Mem>(i))).at("peak").to_number<int64_t>());
+      m.peaks[i] =
+          std::max(m.peaks[i], mem.at(shardtorch::mem_name(static_cast<Mem>(i))).at("peak").to_number<int64_t>());
   }
   return m;
 }
@@ -228,7 +234,8 @@ shardtorch::MemoryPlan plan_for(const Common& c, const Config& cfg, int hybrid) 
 }
 
 void write_csv_header(std::ofstream& csv) {
-  csv << "strategy,world,layers,d_model,params,offload,bucket_mb,activation_checkpointing,dtype,p50_ms,p95_ms,tokens_per_s,peak_rss_bytes,"
+  csv << "strategy,world,layers,d_model,params,offload,bucket_mb,activation_checkpointing,dtype,p50_ms,p95_ms,tokens_"
+         "per_s,peak_rss_bytes,"
          "model_state_bytes,planned_model_state_bytes,plan_error,bytes_sent_per_step,theory_bytes_per_step";
   for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) csv << ",peak_" << shardtorch::mem_name(static_cast<Mem>(i));
   csv << "\n";
@@ -239,9 +246,9 @@ void record_row(const Common& c, const Config& cfg, const Measured& m, const sha
                 double theory, const std::string& prefix, std::ofstream& csv, json::array& rows) {
   const char* dtype = c.bf16 ? "bfloat16" : "float32";
   csv << shardtorch::strategy_name(cfg.strategy) << "," << cfg.world << "," << cfg.layers << "," << cfg.d_model << ","
-      << m.params << "," << cfg.offload << "," << cfg.bucket_mb << "," << cfg.recompute << "," << dtype << "," << m.p50 << "," << m.p95 << "," << m.tps
-      << "," << m.rss << "," << m.state << "," << plan.model_state() << "," << err << "," << m.sent << ","
-      << static_cast<int64_t>(theory);
+      << m.params << "," << cfg.offload << "," << cfg.bucket_mb << "," << cfg.recompute << "," << dtype << "," << m.p50
+      << "," << m.p95 << "," << m.tps << "," << m.rss << "," << m.state << "," << plan.model_state() << "," << err
+      << "," << m.sent << "," << static_cast<int64_t>(theory);
   json::object peak_obj;
   for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) {
     csv << "," << m.peaks[i];
@@ -251,14 +258,26 @@ void record_row(const Common& c, const Config& cfg, const Measured& m, const sha
   json::object plan_obj;
   for (int i = 0; i < static_cast<int>(Mem::kCount); ++i)
     if (plan.bytes[i]) plan_obj[shardtorch::mem_name(static_cast<Mem>(i))] = plan.bytes[i];
-  rows.push_back(json::object{{"strategy", shardtorch::strategy_name(cfg.strategy)}, {"world", cfg.world},
-                              {"layers", cfg.layers}, {"d_model", cfg.d_model}, {"params", m.params},
-                              {"offload", cfg.offload}, {"bucket_mb", cfg.bucket_mb},
-                              {"activation_checkpointing", cfg.recompute}, {"dtype", dtype},
-                              {"p50_ms", m.p50}, {"p95_ms", m.p95}, {"tokens_per_s", m.tps}, {"peak_rss_bytes", m.rss},
-                              {"model_state_bytes", m.state}, {"planned_model_state_bytes", plan.model_state()},
-                              {"plan_error", err}, {"planned", plan_obj}, {"peak_memory", peak_obj},
-                              {"bytes_sent_per_step", m.sent}, {"theory_bytes_per_step", theory},
+  rows.push_back(json::object{{"strategy", shardtorch::strategy_name(cfg.strategy)},
+                              {"world", cfg.world},
+                              {"layers", cfg.layers},
+                              {"d_model", cfg.d_model},
+                              {"params", m.params},
+                              {"offload", cfg.offload},
+                              {"bucket_mb", cfg.bucket_mb},
+                              {"activation_checkpointing", cfg.recompute},
+                              {"dtype", dtype},
+                              {"p50_ms", m.p50},
+                              {"p95_ms", m.p95},
+                              {"tokens_per_s", m.tps},
+                              {"peak_rss_bytes", m.rss},
+                              {"model_state_bytes", m.state},
+                              {"planned_model_state_bytes", plan.model_state()},
+                              {"plan_error", err},
+                              {"planned", plan_obj},
+                              {"peak_memory", peak_obj},
+                              {"bytes_sent_per_step", m.sent},
+                              {"theory_bytes_per_step", theory},
                               {"report_prefix", prefix}});
 }
 
@@ -277,7 +296,8 @@ int main(int argc, char** argv) {
     }
     po::notify(vm);
     if (c.steps < 20) throw std::invalid_argument("--steps must be at least 20 (p95 over fewer means little)");
-    if (!files::is_regular_file(c.gpt_bench)) throw std::invalid_argument("no gpt_bench at " + c.gpt_bench + " (build first)");
+    if (!files::is_regular_file(c.gpt_bench))
+      throw std::invalid_argument("no gpt_bench at " + c.gpt_bench + " (build first)");
 
     const std::vector<Config> configs = configs_from(lists);
     const std::string runs_dir = files::join(c.out, "runs");
@@ -295,8 +315,10 @@ int main(int argc, char** argv) {
       const std::string prefix = files::join(runs_dir, "run" + std::to_string(k));
       const int hybrid = std::max(1, cfg.world / 2);
       double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      std::fprintf(stderr, "[%zu/%zu] %s ... (elapsed %.0f s%s)\n", k + 1, configs.size(), cfg.label().c_str(), elapsed,
-                   k > 0 ? (", eta " + std::to_string(static_cast<int>(elapsed / k * (configs.size() - k))) + " s").c_str() : "");
+      std::fprintf(
+          stderr, "[%zu/%zu] %s ... (elapsed %.0f s%s)\n", k + 1, configs.size(), cfg.label().c_str(), elapsed,
+          k > 0 ? (", eta " + std::to_string(static_cast<int>(elapsed / k * (configs.size() - k))) + " s").c_str()
+                : "");
       int rc = run_shell(run_command(c, cfg, hybrid, prefix));
       if (rc != 0) {
         std::fprintf(stderr, "    FAILED (exit %d); log: %s.log\n", rc, prefix.c_str());
@@ -314,22 +336,28 @@ int main(int argc, char** argv) {
       auto plan = plan_for(c, cfg, hybrid);
       const double err = m.state > 0 ? std::abs(static_cast<double>(plan.model_state() - m.state)) / m.state : 0.0;
       worst_plan_error = std::max(worst_plan_error, err);
-      const double theory = theory_bytes(cfg.strategy, cfg.world, hybrid, static_cast<double>(m.params) * (c.bf16 ? 2 : 4));
+      const double theory =
+          theory_bytes(cfg.strategy, cfg.world, hybrid, static_cast<double>(m.params) * (c.bf16 ? 2 : 4));
       // Less than the theory is expected (the root unit stays gathered
       // between forward and backward); more would be traffic the strategy
       // should not send. 5% leaves room for the padding of flat parameters.
       const bool over = static_cast<double>(m.sent) > 1.05 * theory + 4096;
       over_theory += over;
-      std::fprintf(stderr, "    p50 %.1f ms  p95 %.1f ms  %.0f tokens/s  model state %s/rank (plan %s, %.2f%%)  "
-                   "peak RSS %s  sent %s/step (theory %s)\n", m.p50, m.p95, m.tps, shardtorch::format_bytes(m.state).c_str(),
-                   shardtorch::format_bytes(plan.model_state()).c_str(), 100 * err, shardtorch::format_bytes(m.rss).c_str(),
-                   shardtorch::format_bytes(m.sent).c_str(), shardtorch::format_bytes(static_cast<int64_t>(theory)).c_str());
+      std::fprintf(stderr,
+                   "    p50 %.1f ms  p95 %.1f ms  %.0f tokens/s  model state %s/rank (plan %s, %.2f%%)  "
+                   "peak RSS %s  sent %s/step (theory %s)\n",
+                   m.p50, m.p95, m.tps, shardtorch::format_bytes(m.state).c_str(),
+                   shardtorch::format_bytes(plan.model_state()).c_str(), 100 * err,
+                   shardtorch::format_bytes(m.rss).c_str(), shardtorch::format_bytes(m.sent).c_str(),
+                   shardtorch::format_bytes(static_cast<int64_t>(theory)).c_str());
       if (over) std::fprintf(stderr, "    FAILED: sent more than 5%% over the theoretical volume\n");
       record_row(c, cfg, m, plan, err, theory, prefix, csv, rows);
     }
-    json::object summary{{"vocab", c.vocab}, {"seq", c.seq}, {"heads", c.heads}, {"batch", c.batch},
-                         {"steps", c.steps}, {"warmup", c.warmup}, {"threads", c.threads},
-                         {"worst_plan_error", worst_plan_error}, {"failed", failed}, {"over_theory", over_theory},
+    json::object summary{{"vocab", c.vocab},     {"seq", c.seq},
+                         {"heads", c.heads},     {"batch", c.batch},
+                         {"steps", c.steps},     {"warmup", c.warmup},
+                         {"threads", c.threads}, {"worst_plan_error", worst_plan_error},
+                         {"failed", failed},     {"over_theory", over_theory},
                          {"rows", rows}};
     csv.close();
     if (!csv) throw std::runtime_error("could not write " + csv_path);
@@ -339,13 +367,14 @@ int main(int argc, char** argv) {
       out.close();
       if (!out) throw std::runtime_error("could not write " + json_path);
     }
-    std::fprintf(stderr, "sweep: %zu configurations (%d failed, %d sent more than the theory); planner vs measured "
-                 "model state: worst %.2f%% (target 5%%)\n", configs.size(), failed, over_theory, 100 * worst_plan_error);
+    std::fprintf(stderr,
+                 "sweep: %zu configurations (%d failed, %d sent more than the theory); planner vs measured "
+                 "model state: worst %.2f%% (target 5%%)\n",
+                 configs.size(), failed, over_theory, 100 * worst_plan_error);
     std::fprintf(stderr, "sweep: wrote %s/sweep.csv and sweep.json\n", c.out.c_str());
     if (!c.plot.empty()) {
       std::string png = files::join(c.out, "sweep.png");
-      int rc = run_shell(quote(c.python) + " " + quote(c.plot) + " " + quote(json_path) +
-                         " " + quote(png));
+      int rc = run_shell(quote(c.python) + " " + quote(c.plot) + " " + quote(json_path) + " " + quote(png));
       if (rc != 0) {
         std::fprintf(stderr, "sweep: the plot failed (exit %d)\n", rc);
         return 1;

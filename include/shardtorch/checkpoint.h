@@ -30,28 +30,28 @@ struct SHARDTORCH_API LoadOptions {
 
 /// Collective. Rank 0 writes `path`; tied parameters appear under each of their names.
 SHARDTORCH_API void save_full_state_dict(torch::nn::Module& root, const std::string& path,
-                          const std::map<std::string, std::string>& metadata = {});
+                                         const std::map<std::string, std::string>& metadata = {});
 /// Collective. Every rank reads `path` (a shared file system, or a copy per
 /// node) and takes its shards; missing or mis-shaped entries are errors naming
 /// the file and the parameter. Every rank checks first and the ranks agree: a
 /// problem on any rank throws on every rank, with no rank's model changed.
-SHARDTORCH_API void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options = {});
+SHARDTORCH_API void load_full_state_dict(torch::nn::Module& root, const std::string& path,
+                                         const LoadOptions& options = {});
 
 /// Sharded checkpoints: DIR/rank-R.safetensors holds the element ranges of the
 /// parameters (master dtype) and of the optimizer state that rank R owns;
 /// DIR/index.json (format version, world size, strategy, step, every
 /// parameter's and buffer's shape, and for every tensor the parameter, kind
 /// and element range it holds, and every file's size and checksum) says where
-/// everything is. Written into DIR.shardtorch-tmp, then swapped in as DIR. Loading works at any world size and strategy: each rank
-/// reads the ranges that overlap what it owns now.
-/// Collective. `optimizer` may be null (parameters and buffers only).
-/// `user_state`: the application's own state to resume with (data-loader
-/// position, epoch, RNG seed, learning-rate schedule, ...), strings by key,
-/// stored in the index and published atomically with the tensors. It must be
-/// the same on every rank (checked: otherwise every rank fails naming the key
-/// and the ranks); derive per-rank positions from global ones.
-SHARDTORCH_API void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
-                             int64_t step, const std::map<std::string, std::string>& user_state = {});
+/// everything is. Written into DIR.shardtorch-tmp, then swapped in as DIR. Loading works at any world size and
+/// strategy: each rank reads the ranges that overlap what it owns now. Collective. `optimizer` may be null (parameters
+/// and buffers only). `user_state`: the application's own state to resume with (data-loader position, epoch, RNG seed,
+/// learning-rate schedule, ...), strings by key, stored in the index and published atomically with the tensors. It must
+/// be the same on every rank (checked: otherwise every rank fails naming the key and the ranks); derive per-rank
+/// positions from global ones.
+SHARDTORCH_API void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer,
+                                            const std::string& dir, int64_t step,
+                                            const std::map<std::string, std::string>& user_state = {});
 /// Collective; returns the saved step. With an optimizer, its state is
 /// restored too (the checkpoint must hold state of the same kinds; one with
 /// none leaves the optimizer with none). With `user_state`, it receives what
@@ -59,9 +59,10 @@ SHARDTORCH_API void save_sharded_checkpoint(torch::nn::Module& root, ShardedOpti
 /// problem any rank finds (a bad file, a shape that differs, ranks reading
 /// different checkpoints) throws on every rank before anything changes.
 /// `DIR` is replaced only if it is a checkpoint or an empty directory.
-SHARDTORCH_API int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
-                                std::map<std::string, std::string>* user_state = nullptr,
-                                const LoadOptions& options = {});
+SHARDTORCH_API int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer,
+                                               const std::string& dir,
+                                               std::map<std::string, std::string>* user_state = nullptr,
+                                               const LoadOptions& options = {});
 /// Whether a sharded checkpoint can be loaded from `dir`: it has an index, or
 /// a save interrupted on a file system without RENAME_EXCHANGE left the
 /// previous checkpoint aside (`dir`.shardtorch-old), which loading then takes.

@@ -64,7 +64,7 @@ class SHARDTORCH_API CollectivesDiverged : public Error {
 
 /// A collective launched and not yet waited for.
 struct SHARDTORCH_API PendingWork {
-  c10::intrusive_ptr<c10d::Work> work;  // null while a checked launch waits for its check
+  c10::intrusive_ptr<c10d::Work> work;             // null while a checked launch waits for its check
   std::shared_ptr<detail::CheckedLaunch> checked;  // the check and launch, on a checked Comm
   /// Launched (or queued for its check) and not yet waited for.
   bool pending() const { return work || checked; }
@@ -228,6 +228,5 @@ class SHARDTORCH_API Comm {
 
 /// "float32[12, 4]"
 SHARDTORCH_API std::string describe(const at::Tensor& t);
-
 
 }  // namespace shardtorch

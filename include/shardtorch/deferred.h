@@ -127,7 +127,7 @@ namespace detail {
 /// those skip_deferred_init marked); the tensors keep their identity.
 /// Non-deferred tensors are skipped. `rank` names the rank in errors (-1: none).
 SHARDTORCH_API void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vector<std::string>& names,
-                         std::optional<c10::Device> device, int rank);
+                                        std::optional<c10::Device> device, int rank);
 /// shard()'s entry for one deferred tensor `t` (named `name`): writes its
 /// values (replayed, or zeros if skip_deferred_init marked it) into `dst`
 /// (t's shape and dtype, contiguous, on the target device), and `t` then

@@ -68,15 +68,15 @@ std::vector<std::string> served_store_keys(const Manager& m);
 
 /// What the last step did (Manager::last_step()).
 struct SHARDTORCH_API StepReport {
-  int64_t step = 0;        // the step number this step was (committed steps before it)
-  int64_t quorum_id = 0;   // the lighthouse's
+  int64_t step = 0;       // the step number this step was (committed steps before it)
+  int64_t quorum_id = 0;  // the lighthouse's
   /// Replica groups whose gradients the update averages (sorted), and those
   /// that were healed in this step (they contributed none).
   std::vector<std::string> counted, healed;
   /// Whether this step built a new cross-replica group (the quorum changed).
   bool reconfigured = false;
   bool committed = false;
-  std::string error;       // why not committed ("" when committed)
+  std::string error;  // why not committed ("" when committed)
 };
 
 /// Drives one replica group's side of fault-tolerant training. Per step:

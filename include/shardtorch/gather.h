@@ -50,10 +50,10 @@ class SHARDTORCH_API FullParams {
   std::shared_ptr<detail::ShardState> state_;
   SummonOptions options_;
   bool writeback_ = true;
-  std::vector<std::shared_ptr<detail::Unit>> units_;     // every unit, gathered while we live
-  std::vector<std::shared_ptr<detail::Unit>> summoned_;  // the ones we gathered
-  std::vector<at::Tensor> grads_set_;  // parameters whose grad we set
-  int64_t grad_bytes_ = 0;             // what their gradients hold (Mem::SummonedGrads)
+  std::vector<std::shared_ptr<detail::Unit>> units_;      // every unit, gathered while we live
+  std::vector<std::shared_ptr<detail::Unit>> summoned_;   // the ones we gathered
+  std::vector<at::Tensor> grads_set_;                     // parameters whose grad we set
+  int64_t grad_bytes_ = 0;                                // what their gradients hold (Mem::SummonedGrads)
   std::vector<std::pair<at::Tensor, at::Tensor>> views_;  // NoShard: a parameter, its bucket view of a gradient
   /// Without writeback: shards that are views of a full buffer the scope
   /// found gathered (ZeRO-1/2 in fp32 on the device), with their values at

@@ -47,7 +47,6 @@ struct SHARDTORCH_API HfLoadOptions {
   TORCH_ARG(NameFn, map_name) = nullptr;
 
  public:  // TORCH_ARG leaves the access private
-
   /// Model parameters and buffers the checkpoint may lack: they keep the
   /// values they have (after skip_deferred_init and shard(): zeros). For
   /// adapters, say, that the checkpoint of a base model does not hold.
@@ -98,7 +97,8 @@ struct SHARDTORCH_API HfLoadReport {
 /// (checkpoint::SafetensorsError naming that rank), the model unchanged.
 /// Tied parameters are loaded from the first of their names the checkpoint
 /// holds.
-SHARDTORCH_API HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options = {});
+SHARDTORCH_API HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path,
+                                               const HfLoadOptions& options = {});
 
 /// How save_hf_checkpoint names and stores the model's tensors.
 struct SHARDTORCH_API HfSaveOptions {

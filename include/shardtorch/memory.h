@@ -9,18 +9,18 @@
 namespace shardtorch {
 
 enum class Mem : int {
-  ShardedParams = 0,  // this rank's shards of the flat parameters
-  ReplicatedParams,   // parameters kept whole between steps (ZeRO-1/2 flat buffers, DDP's parameters)
-  Gradients,          // this rank's gradient shards
-  OptimizerState,     // optimizer state over the shards
-  GatheredParams,     // full (unsharded) flat parameters alive now
-  GradStaging,        // a unit's full flat gradient while backward fills it
-  Buckets,            // reduce-scatter bucket buffers
-  MasterGrads,        // NoShard, mixed precision: the masters' fp32 gradients, from backward to the end of the step
-  HostParams,         // CPU offload: master shards in host memory
-  HostGradients,      // CPU offload: gradient shards in host memory
-  HostOptimizerState, // CPU offload: optimizer state in host memory
-  SummonedGrads,      // the full gradients a summon_full_params(with_grads) scope sets in param.grad
+  ShardedParams = 0,   // this rank's shards of the flat parameters
+  ReplicatedParams,    // parameters kept whole between steps (ZeRO-1/2 flat buffers, DDP's parameters)
+  Gradients,           // this rank's gradient shards
+  OptimizerState,      // optimizer state over the shards
+  GatheredParams,      // full (unsharded) flat parameters alive now
+  GradStaging,         // a unit's full flat gradient while backward fills it
+  Buckets,             // reduce-scatter bucket buffers
+  MasterGrads,         // NoShard, mixed precision: the masters' fp32 gradients, from backward to the end of the step
+  HostParams,          // CPU offload: master shards in host memory
+  HostGradients,       // CPU offload: gradient shards in host memory
+  HostOptimizerState,  // CPU offload: optimizer state in host memory
+  SummonedGrads,       // the full gradients a summon_full_params(with_grads) scope sets in param.grad
   kCount
 };
 

@@ -117,10 +117,10 @@ class SHARDTORCH_API ShardViews {
   std::shared_ptr<ShardState> state_;
   std::vector<Piece> pieces_;
   std::vector<std::pair<const void*, std::vector<size_t>>> by_param_;  // TensorImpl* -> pieces
-  std::vector<std::string> param_names_;                                // of by_param_'s, in its order
+  std::vector<std::string> param_names_;                               // of by_param_'s, in its order
   std::vector<const void*> asked_;
   std::vector<const void*> trainable_;
-  int listener_ = -1;  // the state's zero_grad listener dropping the pieces' gradients
+  int listener_ = -1;                // the state's zero_grad listener dropping the pieces' gradients
   bool low_copies_written_ = false;  // the optimizer writes the masters' bf16 copies
   std::unique_ptr<StepInBackward> overlap_;
 };
@@ -195,9 +195,9 @@ class SHARDTORCH_API ShardedOptimizer {
 /// update is the same within a few ulp). The choice is the same on every
 /// rank. For torch::optim's exactly, use ShardedOptimizer::make<torch::optim::AdamW>.
 SHARDTORCH_API std::unique_ptr<ShardedOptimizer> Adam(torch::nn::Module& root, torch::optim::AdamOptions defaults,
-                                       std::vector<ParamGroup<torch::optim::AdamOptions>> groups = {});
+                                                      std::vector<ParamGroup<torch::optim::AdamOptions>> groups = {});
 SHARDTORCH_API std::unique_ptr<ShardedOptimizer> AdamW(torch::nn::Module& root, torch::optim::AdamWOptions defaults,
-                                        std::vector<ParamGroup<torch::optim::AdamWOptions>> groups = {});
+                                                       std::vector<ParamGroup<torch::optim::AdamWOptions>> groups = {});
 inline std::unique_ptr<ShardedOptimizer> SGD(torch::nn::Module& root, torch::optim::SGDOptions defaults,
                                              std::vector<ParamGroup<torch::optim::SGDOptions>> groups = {}) {
   return ShardedOptimizer::make<torch::optim::SGD>(root, defaults, std::move(groups));

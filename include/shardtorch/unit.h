@@ -86,7 +86,7 @@ class SHARDTORCH_API UnitBase {
   friend class detail::ShardState;
   std::shared_ptr<detail::Unit> unit_;
   std::shared_ptr<detail::Checkpointing> checkpointing_;  // set by shard() for checkpointed units
-  std::weak_ptr<detail::ShardState> no_shard_state_;       // NoShard: set by shard() for every module like this
+  std::weak_ptr<detail::ShardState> no_shard_state_;      // NoShard: set by shard() for every module like this
 };
 
 namespace detail {
@@ -169,8 +169,8 @@ struct is_view_type<c10::OptionalArrayRef<T>> : std::true_type {};
 template <>
 struct is_view_type<std::string_view> : std::true_type {};
 template <class A>
-constexpr bool keepable_arg = !(std::is_lvalue_reference_v<A> && !std::is_const_v<std::remove_reference_t<A>>) &&
-                              !is_view_type<std::decay_t<A>>::value;
+constexpr bool keepable_arg = !(std::is_lvalue_reference_v<A> &&
+                                !std::is_const_v<std::remove_reference_t<A>>)&&!is_view_type<std::decay_t<A>>::value;
 [[noreturn]] SHARDTORCH_API void checkpointed_forward_takes_unkeepable_arguments(const UnitBase& unit);
 [[noreturn]] SHARDTORCH_API void checkpointed_unit_destroyed();
 
@@ -178,8 +178,10 @@ constexpr bool keepable_arg = !(std::is_lvalue_reference_v<A> && !std::is_const_
 template <class T>
 decltype(auto) cast_input(T&& arg, const std::optional<at::ScalarType>& dtype) {
   using D = std::decay_t<T>;
-  if constexpr (std::is_same_v<D, at::Tensor> && !(std::is_lvalue_reference_v<T> && !std::is_const_v<std::remove_reference_t<T>>)) {
-    if (dtype && arg.defined() && arg.is_floating_point() && arg.scalar_type() != *dtype) return at::Tensor(arg.to(*dtype));
+  if constexpr (std::is_same_v<D, at::Tensor> &&
+                !(std::is_lvalue_reference_v<T> && !std::is_const_v<std::remove_reference_t<T>>)) {
+    if (dtype && arg.defined() && arg.is_floating_point() && arg.scalar_type() != *dtype)
+      return at::Tensor(arg.to(*dtype));
     return at::Tensor(std::forward<T>(arg));
   } else {
     return std::forward<T>(arg);

@@ -24,16 +24,16 @@ namespace detail {
 class Progress;
 class CollectiveContext;
 struct WorldAccess;
-}
+}  // namespace detail
 
 /// What the launcher told this process: torchrun, OpenMPI, MPICH or Slurm.
 struct SHARDTORCH_API LaunchEnv {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
-  std::string master_addr;  // empty when not given
-  int master_port = 0;      // 0 when not given
-  std::string launcher;     // "torchrun", "openmpi", "mpich", "slurm" or "none"
+  std::string master_addr;       // empty when not given
+  int master_port = 0;           // 0 when not given
+  std::string launcher;          // "torchrun", "openmpi", "mpich", "slurm" or "none"
   bool use_agent_store = false;  // torchrun's agent already hosts the TCPStore
   /// SHARDTORCH_TIMEOUT_S: replaces WorldOptions::timeout in from_env, so that
   /// a program's waits can be changed at launch.

@@ -19,7 +19,7 @@ namespace shardtorch::detail {
 inline std::string rank_prefix(int rank) { return "shardtorch: rank " + std::to_string(rank); }
 }  // namespace shardtorch::detail
 
-#define SHARDTORCH_CHECK(cond, ...)                                                        \
-  do {                                                                                     \
+#define SHARDTORCH_CHECK(cond, ...)                                                               \
+  do {                                                                                            \
     if (C10_UNLIKELY(!(cond))) ::shardtorch::detail::throw_error(#cond, ::c10::str(__VA_ARGS__)); \
   } while (false)

@@ -90,4 +90,3 @@ void failure_point(const char* site) {
 }
 
 }  // namespace shardtorch::detail
-

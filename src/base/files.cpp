@@ -186,8 +186,10 @@ void make_directories(const std::string& dir, const std::string& target) {
   if (::mkdir(dir.c_str(), 0777) == 0 || (errno == EEXIST && is_directory(dir))) return;
   const int err = errno;
   std::string why = std::strerror(err);
-  if (err == EEXIST) why = "'" + dir + "' exists and is not a directory";
-  else if (dir != target) why = "mkdir of '" + dir + "': " + why;
+  if (err == EEXIST)
+    why = "'" + dir + "' exists and is not a directory";
+  else if (dir != target)
+    why = "mkdir of '" + dir + "': " + why;
   throw Error("shardtorch: making directory '" + target + "' failed: " + why);
 }
 }  // namespace

@@ -8,19 +8,32 @@ namespace shardtorch {
 
 const char* mem_name(Mem m) {
   switch (m) {
-    case Mem::ShardedParams: return "sharded_params";
-    case Mem::ReplicatedParams: return "replicated_params";
-    case Mem::Gradients: return "gradients";
-    case Mem::OptimizerState: return "optimizer_state";
-    case Mem::GatheredParams: return "gathered_params";
-    case Mem::GradStaging: return "grad_staging";
-    case Mem::Buckets: return "buckets";
-    case Mem::MasterGrads: return "master_grads";
-    case Mem::HostParams: return "host_params";
-    case Mem::HostGradients: return "host_gradients";
-    case Mem::HostOptimizerState: return "host_optimizer_state";
-    case Mem::SummonedGrads: return "summoned_grads";
-    default: return "?";
+    case Mem::ShardedParams:
+      return "sharded_params";
+    case Mem::ReplicatedParams:
+      return "replicated_params";
+    case Mem::Gradients:
+      return "gradients";
+    case Mem::OptimizerState:
+      return "optimizer_state";
+    case Mem::GatheredParams:
+      return "gathered_params";
+    case Mem::GradStaging:
+      return "grad_staging";
+    case Mem::Buckets:
+      return "buckets";
+    case Mem::MasterGrads:
+      return "master_grads";
+    case Mem::HostParams:
+      return "host_params";
+    case Mem::HostGradients:
+      return "host_gradients";
+    case Mem::HostOptimizerState:
+      return "host_optimizer_state";
+    case Mem::SummonedGrads:
+      return "summoned_grads";
+    default:
+      return "?";
   }
 }
 

@@ -113,7 +113,8 @@ void testing::lift_through_flag(c10::StorageImpl* impl) {
   at::DataPtr data = std::move(impl->_mutable_data_ptr_no_checks());
   impl->set_data_ptr_noswap(std::move(data));
 #else
-  SHARDTORCH_CHECK(false, "shardtorch: lift_through_flag is compiled for LibTorch 2.11 to 2.13 only (this is ", TORCH_VERSION, ")");
+  SHARDTORCH_CHECK(false, "shardtorch: lift_through_flag is compiled for LibTorch 2.11 to 2.13 only (this is ",
+                   TORCH_VERSION, ")");
 #endif
 }
 

@@ -9,8 +9,8 @@
 
 namespace shardtorch {
 
-AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector<std::string> names,
-                                     double bucket_mb, Comm& comm, MemoryTracker* mem, bool async,
+AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector<std::string> names, double bucket_mb,
+                                     Comm& comm, MemoryTracker* mem, bool async,
                                      std::optional<at::ScalarType> reduce_dtype)
     : params_(std::move(params)), names_(std::move(names)), comm_(comm), async_(async) {
   const int64_t cap_bytes = static_cast<int64_t>(bucket_mb * 1024 * 1024);
@@ -39,7 +39,8 @@ AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector
     int64_t numel = flag;
     for (size_t k : members) numel += params_[k].numel();
     Bucket b;
-    b.buffer = at::zeros({numel}, params_[members[0]].options().requires_grad(false).dtype(reduce_dtype.value_or(dtype)));
+    b.buffer =
+        at::zeros({numel}, params_[members[0]].options().requires_grad(false).dtype(reduce_dtype.value_or(dtype)));
     b.params = members;
     int64_t off = 0;
     for (size_t k : members) {
@@ -139,7 +140,8 @@ void AllReduceBucketer::mark_ready(size_t i, bool sync) {
   touched_[i] = true;
   if (is_view_[i]) {
     const at::Tensor& g = params_[i].grad();
-    const char* expect = static_cast<const char*>(buckets_[b].buffer.data_ptr()) + off * buckets_[b].buffer.element_size();
+    const char* expect =
+        static_cast<const char*>(buckets_[b].buffer.data_ptr()) + off * buckets_[b].buffer.element_size();
     if (!g.defined() || g.data_ptr() != expect) bind_grads();
   } else if (params_[i].grad().defined()) {  // another dtype: add it in (cast) and drop it
     c10::NoGradGuard no_grad;
@@ -219,10 +221,12 @@ void AllReduceBucketer::settle_missing(bool error_on_unused) {
                 << (ready_[k] ? "" : ", not this one") << ")";
       }
     }
-    SHARDTORCH_CHECK(listed == 0, "shardtorch (NoShard): rank ", comm_.rank(), ": ", listed, " parameter(s) received no "
-                "gradient in this backward on some ranks: ", missing.str(), listed > 5 ? ", ..." : "",
-                ". Without ShardOptions::error_on_unused_parameters (set now) such a gradient is reduced as zero, "
-                "and a parameter no rank gave one is left without a gradient");
+    SHARDTORCH_CHECK(listed == 0, "shardtorch (NoShard): rank ", comm_.rank(), ": ", listed,
+                     " parameter(s) received no "
+                     "gradient in this backward on some ranks: ",
+                     missing.str(), listed > 5 ? ", ..." : "",
+                     ". Without ShardOptions::error_on_unused_parameters (set now) such a gradient is reduced as zero, "
+                     "and a parameter no rank gave one is left without a gradient");
   }
   c10::NoGradGuard no_grad;
   for (int64_t k = 0; k < count; ++k) {

@@ -130,11 +130,11 @@ class AllReduceBucketer {
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
-  std::vector<std::pair<size_t, int64_t>> where_;  // param -> (bucket, offset)
+  std::vector<std::pair<size_t, int64_t>> where_;             // param -> (bucket, offset)
   std::unordered_map<const c10::TensorImpl*, size_t> index_;  // param -> its index
-  std::vector<bool> ready_;    // a gradient in this backward
-  std::vector<bool> touched_;  // a gradient since the slice was last zeroed
-  std::vector<bool> absent_;   // none on any rank at the last syncing finish(): grad set to none
+  std::vector<bool> ready_;                                   // a gradient in this backward
+  std::vector<bool> touched_;                                 // a gradient since the slice was last zeroed
+  std::vector<bool> absent_;  // none on any rank at the last syncing finish(): grad set to none
   std::vector<Bucket> buckets_;
   std::vector<bool> is_view_;  // param.grad is a view of its bucket slice
   Comm& comm_;

@@ -65,8 +65,8 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
                                            const std::string& what, Comm* replicas) {
   const int world = group.size();
   SHARDTORCH_CHECK(input.dim() == 1 && input.numel() % world == 0, detail::rank_prefix(group.rank()),
-              ": reduce_scatter for ", what, ": input ", describe(input), " is not 1-D with a multiple of ",
-              world, " elements");
+                   ": reduce_scatter for ", what, ": input ", describe(input), " is not 1-D with a multiple of ", world,
+                   " elements");
   c10::NoGradGuard no_grad;
   const int64_t shard = input.numel() / world;
   Bucket& b = bucket_for(input, group);
@@ -149,8 +149,9 @@ bool ReduceScatterBucketer::oldest_done_within(std::chrono::milliseconds bound) 
 void ReduceScatterBucketer::launch_bucket(Bucket& b) {
   if (b.offset == 0) return;
   b.high_water = std::max(b.high_water, b.offset);
-  const std::string what = b.whats.size() == 1 ? b.whats[0] : "bucket of " + std::to_string(b.whats.size()) + " (" +
-                                                            b.whats.front() + " .. " + b.whats.back() + ")";
+  const std::string what = b.whats.size() == 1 ? b.whats[0]
+                                               : "bucket of " + std::to_string(b.whats.size()) + " (" +
+                                                     b.whats.front() + " .. " + b.whats.back() + ")";
   make_room(what);  // before the compact copy below is allocated
   at::Tensor in, out;
   int64_t bytes = 0;
@@ -326,10 +327,10 @@ void ReduceScatterBucketer::flush() {
 
 void ReduceScatterBucketer::free() {
   SHARDTORCH_CHECK(in_flight_.empty(), "ReduceScatterBucketer::free() with ", in_flight_.size(),
-              " reduce-scatters in flight; call flush() first");
+                   " reduce-scatters in flight; call flush() first");
   for (auto& [k, b] : buckets_) {
     SHARDTORCH_CHECK(b.offset == 0, "ReduceScatterBucketer::free() with ", b.pieces.size(),
-                " reductions still queued; call flush() first");
+                     " reductions still queued; call flush() first");
     if (b.buffer.defined()) track(-(nbytes(b.buffer) + nbytes(b.output)));
     b.buffer = at::Tensor();
     b.output = at::Tensor();

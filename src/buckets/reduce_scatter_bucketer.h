@@ -158,11 +158,11 @@ class ReduceScatterBucketer {
   struct Bucket {
     Comm* group = nullptr;
     Comm* replicas = nullptr;  // summed across after the reduce-scatter (HybridShard)
-    at::Tensor buffer;  // [world, cols]; undefined when not filling
-    at::Tensor output;  // [cols]; undefined when reduced in place (Gloo)
-    int64_t cap = 0;         // most columns allowed (bucket_mb)
-    int64_t high_water = 0;  // most columns used at a launch so far
-    int64_t offset = 0;      // columns used
+    at::Tensor buffer;         // [world, cols]; undefined when not filling
+    at::Tensor output;         // [cols]; undefined when reduced in place (Gloo)
+    int64_t cap = 0;           // most columns allowed (bucket_mb)
+    int64_t high_water = 0;    // most columns used at a launch so far
+    int64_t offset = 0;        // columns used
     Pieces pieces;
     std::vector<std::string> whats;
   };
@@ -174,9 +174,9 @@ class ReduceScatterBucketer {
     int64_t bytes = 0;         // tracked under Mem::Buckets
     Pieces pieces;
     std::shared_ptr<detail::CompletionState> completion;  // CPU: set by the watcher thread
-    bool to_hook = false;   // a reduction whose output goes on to the hook
-    bool whole = false;     // an all-reduce: its output is all of its input
-    detail::HookCall call;  // the hook's reduction (then `work` is empty)
+    bool to_hook = false;                                 // a reduction whose output goes on to the hook
+    bool whole = false;                                   // an all-reduce: its output is all of its input
+    detail::HookCall call;                                // the hook's reduction (then `work` is empty)
   };
   using Key = std::tuple<int /*dtype*/, std::string /*device*/, const void* /*group*/>;
 
@@ -196,8 +196,8 @@ class ReduceScatterBucketer {
   /// Launches one collective of `input` (call make_room() first): an
   /// all-reduce whose callbacks get all of it (`all_reduce`), a
   /// reduce-scatter into `output`, or, `output` undefined, one in place.
-  void launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
-              const std::string& what, bool all_reduce = false, Comm* replicas = nullptr);
+  void launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces, const std::string& what,
+              bool all_reduce = false, Comm* replicas = nullptr);
   /// `l`'s reduce-scatter is done: launches the all-reduce of its output
   /// across `l.replicas`, which takes over its callbacks and bytes.
   void launch_across_replicas(Launched& l, const std::string& what);
@@ -218,7 +218,7 @@ class ReduceScatterBucketer {
   int64_t launched_ = 0, launched_while_in_flight_ = 0, launched_past_limit_ = 0;
   CommHook* hook_ = nullptr;
   HookCounter* hook_counter_ = nullptr;
-  size_t hook_calls_ = 0;  // in this backward: the GradBucket index
+  size_t hook_calls_ = 0;                               // in this backward: the GradBucket index
   std::unique_ptr<detail::CompletionWatcher> watcher_;  // made by the first CPU launch
 };
 

@@ -19,8 +19,8 @@ std::string without_path(const std::string& what) {
 
 std::vector<std::string> agreed_fingerprints(World& world, const std::string& error, const std::string& what,
                                              const std::string& fingerprint) {
-  auto reports =
-      world.comm().all_gather_strings(error.empty() ? "=" + fingerprint : "!" + error, without_path(what) + ": agreement");
+  auto reports = world.comm().all_gather_strings(error.empty() ? "=" + fingerprint : "!" + error,
+                                                 without_path(what) + ": agreement");
   for (size_t r = 0; r < reports.size(); ++r)
     if (!reports[r].empty() && reports[r][0] == '!')
       throw SafetensorsError(what + ": rank " + std::to_string(r) + ": " + reports[r].substr(1));

@@ -49,9 +49,7 @@ void Hasher::update(const char* data, size_t n) {
   fnv_ = h;
 }
 
-uint64_t Hasher::value() const {
-  return xxh3_ ? XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_)) : fnv_;
-}
+uint64_t Hasher::value() const { return xxh3_ ? XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_)) : fnv_; }
 
 std::string Hasher::text() const {
   char hex[17];

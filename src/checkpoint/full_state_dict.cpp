@@ -28,10 +28,10 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   World& world = state->world();
   // Checked on every rank before any collective (the metadata is the same on every rank).
   for (const auto& [key, value] : user_metadata) {
-    SHARDTORCH_CHECK(key.rfind("shardtorch_", 0) != 0, "shardtorch::save_full_state_dict '", path, "': metadata key '", key,
-                "' is reserved (keys starting with shardtorch_ are the library's)");
+    SHARDTORCH_CHECK(key.rfind("shardtorch_", 0) != 0, "shardtorch::save_full_state_dict '", path, "': metadata key '",
+                     key, "' is reserved (keys starting with shardtorch_ are the library's)");
     SHARDTORCH_CHECK(key != "format" || value == "pt", "shardtorch::save_full_state_dict '", path,
-                "': metadata \"format\" is \"pt\" (what Hugging Face's loaders require), not '", value, "'");
+                     "': metadata \"format\" is \"pt\" (what Hugging Face's loaders require), not '", value, "'");
   }
   const bool writer = world.rank() == 0;
   c10::NoGradGuard no_grad;
@@ -58,7 +58,8 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   auto status = at::full({1}, error.empty() ? 0 : 1, at::kInt).to(world.comm().device());
   world.comm().broadcast(status, 0, "save_full_state_dict status");
   SHARDTORCH_CHECK(error.empty(), "shardtorch::save_full_state_dict: ", error);
-  SHARDTORCH_CHECK(status.cpu().item<int>() == 0, "shardtorch::save_full_state_dict: rank 0 could not write '", path, "'");
+  SHARDTORCH_CHECK(status.cpu().item<int>() == 0, "shardtorch::save_full_state_dict: rank 0 could not write '", path,
+                   "'");
 }
 
 void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options) {
@@ -119,7 +120,8 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
         std::string n = name_in_file(p);
         check_shape(n, p.sizes(), state->record_of(p).scalar_type());
         mark_all(p);
-        changes.push_back([state, file, p, n] { state->load_record(p, file->read(n)); });  // the fp32 master under mixed precision
+        changes.push_back(
+            [state, file, p, n] { state->load_record(p, file->read(n)); });  // the fp32 master under mixed precision
       }
     } else {
       const int rank = state->shard_comm().rank();

@@ -115,9 +115,8 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
   try {
     state->check_outside_summon();
     const Source src = resolve(path);
-    const std::string where =
-        src.index.empty() ? "safetensors file '" + files::join(src.dir, src.single) + "'"
-                          : "Hugging Face checkpoint '" + src.index + "'";
+    const std::string where = src.index.empty() ? "safetensors file '" + files::join(src.dir, src.single) + "'"
+                                                : "Hugging Face checkpoint '" + src.index + "'";
     auto open = [&](const std::string& file) -> checkpoint::Reader& {
       auto& r = readers[file];
       if (!r) {
@@ -144,14 +143,14 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
         const std::string kind = files::irregular_kind(full);
         if (!kind.empty()) throw SafetensorsError(where + ": '" + f + "' is " + kind + ", not a regular file");
       }
-      fingerprint = "an index of " + std::to_string(entries.size()) + " tensors in " + std::to_string(names.size()) +
-                    " files";
+      fingerprint =
+          "an index of " + std::to_string(entries.size()) + " tensors in " + std::to_string(names.size()) + " files";
       for (const auto& [k, v] : idx.metadata) fingerprint += ", " + k + "=" + v;
     } else {
       const auto& h = ReaderAccess::header(open(src.single));
       for (const auto& t : h.tensors) entries.emplace_back(t.name, src.single);
-      fingerprint = "a file of " + std::to_string(h.tensors.size()) + " tensors from byte " +
-                    std::to_string(h.data_start);
+      fingerprint =
+          "a file of " + std::to_string(h.tensors.size()) + " tensors from byte " + std::to_string(h.data_start);
       for (const auto& [k, v] : h.metadata) fingerprint += ", " + k + "=" + v;
     }
 
@@ -189,7 +188,8 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
             }
           if (!hint.empty()) break;
         }
-        throw SafetensorsError(where + ": unexpected tensor '" + c + "'" + (*m != c ? " (mapped to '" + *m + "')" : "") +
+        throw SafetensorsError(where + ": unexpected tensor '" + c + "'" +
+                               (*m != c ? " (mapped to '" + *m + "')" : "") +
                                ": the model has no parameter or buffer of that name" + hint +
                                " (map the checkpoint's names with "
                                "HfLoadOptions().strip_prefix/replace_prefix/map_name, skip it by mapping it to "
@@ -197,9 +197,8 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
       }
       auto [it, fresh] = by_model.emplace(*m, Source1{c, f});
       if (!fresh)
-        throw SafetensorsError(where + ": tensors '" + it->second.name + "' and '" + c +
-                               "' both map to the model's '" + *m +
-                               "' (change the name mapping so that at most one does, or skip the other)");
+        throw SafetensorsError(where + ": tensors '" + it->second.name + "' and '" + c + "' both map to the model's '" +
+                               *m + "' (change the name mapping so that at most one does, or skip the other)");
     }
 
     auto missing = [&](const std::string& m, const char* kind) {
@@ -298,9 +297,8 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
       }
       const auto& rec = check(it->second, item.key(), item.value().sizes(), item.value().scalar_type(), "buffer");
       report.bytes_read += static_cast<int64_t>(rec.end - rec.begin);
-      changes.push_back([file = reader_of(it->second), b = item.value(), n = it->second.name]() mutable {
-        b.copy_(file->read(n));
-      });
+      changes.push_back(
+          [file = reader_of(it->second), b = item.value(), n = it->second.name]() mutable { b.copy_(file->read(n)); });
     }
   } catch (const std::exception& e) {
     error = e.what();

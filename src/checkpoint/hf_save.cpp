@@ -71,9 +71,10 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   auto state = detail::require_state(root, "save_hf_checkpoint");
   World& world = state->world();
   const std::string who = "shardtorch::save_hf_checkpoint '" + dir + "'";
-  SHARDTORCH_CHECK(options.max_file_bytes() > 0, who, ": max_file_bytes must be positive, got ", options.max_file_bytes());
-  SHARDTORCH_CHECK(!options.dtype() || at::isFloatingType(*options.dtype()), who, ": dtype must be a floating-point type, got ",
-              *options.dtype());
+  SHARDTORCH_CHECK(options.max_file_bytes() > 0, who, ": max_file_bytes must be positive, got ",
+                   options.max_file_bytes());
+  SHARDTORCH_CHECK(!options.dtype() || at::isFloatingType(*options.dtype()), who,
+                   ": dtype must be a floating-point type, got ", *options.dtype());
   detail::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
   const bool writer = world.rank() == 0;
   c10::NoGradGuard no_grad;
@@ -139,7 +140,8 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
       files::create_directories(dir);
       for (size_t k = 0; k < plan.size(); ++k) {
         std::vector<checkpoint::PendingTensor> pending;
-        for (size_t e : plan[k]) pending.push_back({entries[e].name, entries[e].dtype, entries[e].shape, entries[e].produce});
+        for (size_t e : plan[k])
+          pending.push_back({entries[e].name, entries[e].dtype, entries[e].shape, entries[e].produce});
         checkpoint::write_file(dir + "/" + staging + report.files[k], pending, {{"format", "pt"}});
       }
       std::ostringstream index;
@@ -159,7 +161,8 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
         SHARDTORCH_CHECK(out.good(), "cannot write '", index_tmp, "'");
       }
       files::sync(index_tmp);
-      for (size_t k = 0; k < plan.size(); ++k) files::rename(dir + "/" + staging + report.files[k], dir + "/" + report.files[k]);
+      for (size_t k = 0; k < plan.size(); ++k)
+        files::rename(dir + "/" + staging + report.files[k], dir + "/" + report.files[k]);
       files::rename_durably(index_tmp, dir + "/" + kIndexName);
       // Data files of an earlier save that the new index does not name.
       static const std::regex ours(R"(model-\d{5}-of-\d{5}\.safetensors)");
@@ -170,7 +173,8 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
       error = e.what();
       try {  // what this save left behind; the earlier checkpoint stays as it was
         for (const auto& name : files::list_directory(dir))
-          if (name.find(staging) != std::string::npos) files::remove(dir + "/" + name);  // with write_file's temporaries
+          if (name.find(staging) != std::string::npos)
+            files::remove(dir + "/" + name);  // with write_file's temporaries
       } catch (const std::exception&) {
       }
     }

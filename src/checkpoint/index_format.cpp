@@ -66,7 +66,7 @@ bool known_strategy(const std::string& name) {
 std::string tensor_key(const Entry& e) { return e.name + "|" + e.kind + "|" + std::to_string(e.begin); }
 
 json::object entry_json(const Entry& e) {
-  return {{"name", e.name}, {"kind", e.kind}, {"begin", e.begin}, {"end", e.end},
+  return {{"name", e.name}, {"kind", e.kind}, {"begin", e.begin},  {"end", e.end},
           {"step", e.step}, {"file", e.file}, {"tensor", e.tensor}};
 }
 
@@ -81,8 +81,10 @@ Index parse_index(const std::string& text, const std::string& path) {
     if (idx.version > kFormatVersion)
       throw SafetensorsError("checkpoint index '" + path + "': format version " + std::to_string(idx.version) +
                              " is newer than this shardtorch reads (" + std::to_string(kFormatVersion) + ")");
-    if (idx.version < 1) throw std::invalid_argument("format_version " + std::to_string(idx.version) + " is not 1 or more");
-    if (const auto* f = o.if_contains("format"); f && (!f->is_string() || f->as_string() != "shardtorch sharded checkpoint"))
+    if (idx.version < 1)
+      throw std::invalid_argument("format_version " + std::to_string(idx.version) + " is not 1 or more");
+    if (const auto* f = o.if_contains("format");
+        f && (!f->is_string() || f->as_string() != "shardtorch sharded checkpoint"))
       throw std::invalid_argument("format is " + json::serialize(*f) + ", not \"shardtorch sharded checkpoint\"");
     idx.world_size = integer(o.at("world_size"), "world_size");
     if (idx.world_size < 1 || idx.world_size > (int64_t{1} << 30))
@@ -110,7 +112,8 @@ Index parse_index(const std::string& text, const std::string& path) {
     if (const auto* u = o.if_contains("user_state")) {  // absent in checkpoints saved without it
       for (const auto& [k, v] : u->as_object()) {
         if (!v.is_string())
-          throw SafetensorsError("checkpoint index '" + path + "': user_state '" + std::string(k) + "' is not a string");
+          throw SafetensorsError("checkpoint index '" + path + "': user_state '" + std::string(k) +
+                                 "' is not a string");
         idx.user_state[std::string(k)] = json::value_to<std::string>(v);
       }
     }
@@ -132,7 +135,8 @@ Index parse_index(const std::string& text, const std::string& path) {
   }
   for (const auto& e : idx.entries)
     if (!idx.files.count(e.file))
-      throw SafetensorsError("checkpoint index '" + path + "': entry '" + e.tensor + "' names unlisted file '" + e.file + "'");
+      throw SafetensorsError("checkpoint index '" + path + "': entry '" + e.tensor + "' names unlisted file '" +
+                             e.file + "'");
   idx.fingerprint = "step " + std::to_string(idx.step) + ", index " + checksum::of(text.data(), text.size());
   return idx;
 }

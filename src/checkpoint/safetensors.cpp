@@ -38,20 +38,34 @@ void write_all(int fd, const void* data, size_t n, uint64_t at, const std::strin
 
 std::string dtype_name(at::ScalarType t) {
   switch (t) {
-    case at::kDouble: return "F64";
-    case at::kFloat: return "F32";
-    case at::kHalf: return "F16";
-    case at::kBFloat16: return "BF16";
-    case at::kLong: return "I64";
-    case at::kInt: return "I32";
-    case at::kShort: return "I16";
-    case at::kChar: return "I8";
-    case at::kByte: return "U8";
-    case at::kUInt16: return "U16";
-    case at::kUInt32: return "U32";
-    case at::kUInt64: return "U64";
-    case at::kBool: return "BOOL";
-    default: throw SafetensorsError(std::string("safetensors cannot hold dtype ") + c10::toString(t));
+    case at::kDouble:
+      return "F64";
+    case at::kFloat:
+      return "F32";
+    case at::kHalf:
+      return "F16";
+    case at::kBFloat16:
+      return "BF16";
+    case at::kLong:
+      return "I64";
+    case at::kInt:
+      return "I32";
+    case at::kShort:
+      return "I16";
+    case at::kChar:
+      return "I8";
+    case at::kByte:
+      return "U8";
+    case at::kUInt16:
+      return "U16";
+    case at::kUInt32:
+      return "U32";
+    case at::kUInt64:
+      return "U64";
+    case at::kBool:
+      return "BOOL";
+    default:
+      throw SafetensorsError(std::string("safetensors cannot hold dtype ") + c10::toString(t));
   }
 }
 
@@ -77,25 +91,37 @@ namespace {
 // bits of a floating-point one; 0 for dtypes outside the rule.
 int value_bits(at::ScalarType t) {
   switch (t) {
-    case at::kBool: return 1;
-    case at::kByte: return 8;
-    case at::kChar: return 7;
-    case at::kUInt16: return 16;
-    case at::kShort: return 15;
-    case at::kUInt32: return 32;
-    case at::kInt: return 31;
-    case at::kUInt64: return 64;
-    case at::kLong: return 63;
-    case at::kBFloat16: return 8;
-    case at::kHalf: return 11;
-    case at::kFloat: return 24;
-    case at::kDouble: return 53;
-    default: return 0;
+    case at::kBool:
+      return 1;
+    case at::kByte:
+      return 8;
+    case at::kChar:
+      return 7;
+    case at::kUInt16:
+      return 16;
+    case at::kShort:
+      return 15;
+    case at::kUInt32:
+      return 32;
+    case at::kInt:
+      return 31;
+    case at::kUInt64:
+      return 64;
+    case at::kLong:
+      return 63;
+    case at::kBFloat16:
+      return 8;
+    case at::kHalf:
+      return 11;
+    case at::kFloat:
+      return 24;
+    case at::kDouble:
+      return 53;
+    default:
+      return 0;
   }
 }
-bool is_float(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
-}
+bool is_float(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble; }
 bool is_signed_integer(at::ScalarType t) {
   return t == at::kChar || t == at::kShort || t == at::kInt || t == at::kLong;
 }
@@ -238,9 +264,8 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
   // a producer may run a collective (save_full_state_dict gathers as it goes).
   std::vector<size_t> layout(tensors.size());
   for (size_t i = 0; i < layout.size(); ++i) layout[i] = i;
-  std::stable_sort(layout.begin(), layout.end(), [&](size_t a, size_t b) {
-    return dtype_size(records[a].dtype) > dtype_size(records[b].dtype);
-  });
+  std::stable_sort(layout.begin(), layout.end(),
+                   [&](size_t a, size_t b) { return dtype_size(records[a].dtype) > dtype_size(records[b].dtype); });
   uint64_t at = 0;
   for (size_t i : layout) {
     TensorRecord& r = records[i];
@@ -296,8 +321,8 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
       throw SafetensorsError("safetensors file '" + path + "': rename of the temporary file failed: " + e.what());
     }
     if (!past_crash_point) throw;  // the crash hook's own
-    throw SafetensorsError("safetensors file '" + path + "': the file is written, its rename not yet durable: " +
-                           e.what());
+    throw SafetensorsError("safetensors file '" + path +
+                           "': the file is written, its rename not yet durable: " + e.what());
   }
   if (!remove_stale_temporaries) return;
   // Temporary files of writes to this path, on this host, whose process is
@@ -312,7 +337,8 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
   for (const std::string& name : names) {
     if (name.rfind(tmp_prefix, 0) != 0) continue;
     const std::string pid_text = name.substr(tmp_prefix.size());
-    if (pid_text.empty() || pid_text.size() > 9 || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (pid_text.empty() || pid_text.size() > 9 || pid_text.find_first_not_of("0123456789") != std::string::npos)
+      continue;
     const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
     if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) ::unlink(files::join(dir, name).c_str());
   }

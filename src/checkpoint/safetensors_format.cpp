@@ -17,9 +17,9 @@ namespace {
 struct Json {
   enum Kind { Object, Array, String, Integer } kind = Object;
   std::vector<std::string> keys;  // Object, in order (values in `items`)
-  std::vector<Json> items;         // Array elements, or the Object's values
-  std::string text;                                   // String
-  uint64_t number = 0;                                // Integer
+  std::vector<Json> items;        // Array elements, or the Object's values
+  std::string text;               // String
+  uint64_t number = 0;            // Integer
 };
 
 class Parser {
@@ -127,10 +127,14 @@ class Parser {
     for (int i = 0; i < 4; ++i) {
       char h = *p_++;
       v <<= 4;
-      if (h >= '0' && h <= '9') v |= static_cast<unsigned>(h - '0');
-      else if (h >= 'a' && h <= 'f') v |= static_cast<unsigned>(h - 'a' + 10);
-      else if (h >= 'A' && h <= 'F') v |= static_cast<unsigned>(h - 'A' + 10);
-      else error("bad \\u escape");
+      if (h >= '0' && h <= '9')
+        v |= static_cast<unsigned>(h - '0');
+      else if (h >= 'a' && h <= 'f')
+        v |= static_cast<unsigned>(h - 'a' + 10);
+      else if (h >= 'A' && h <= 'F')
+        v |= static_cast<unsigned>(h - 'A' + 10);
+      else
+        error("bad \\u escape");
     }
     return v;
   }
@@ -150,14 +154,30 @@ class Parser {
       if (p_ == end_) error("unterminated escape");
       char e = *p_++;
       switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
+        case '"':
+          out += '"';
+          break;
+        case '\\':
+          out += '\\';
+          break;
+        case '/':
+          out += '/';
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
+        case 'n':
+          out += '\n';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 't':
+          out += '\t';
+          break;
         case 'u': {
           unsigned cp = hex4();
           if (cp >= 0xDC00 && cp <= 0xDFFF) error("a low surrogate \\u escape without a high one before it");
@@ -185,7 +205,8 @@ class Parser {
           }
           break;
         }
-        default: error(std::string("bad escape '\\") + e + "'");
+        default:
+          error(std::string("bad escape '\\") + e + "'");
       }
     }
   }
@@ -250,8 +271,9 @@ std::string escaped(const std::string& s) {
 // `what` describes the string (escaped() shows its bytes).
 void require_utf8(const std::string& s, const std::string& file, const std::string& what) {
   if (!valid_utf8(s))
-    fail(file, what + " is not valid UTF-8 (Python's safetensors refuses such a file; write it again with "
-                      "UTF-8 names and metadata)");
+    fail(file, what +
+                   " is not valid UTF-8 (Python's safetensors refuses such a file; write it again with "
+                   "UTF-8 names and metadata)");
 }
 
 }  // namespace
@@ -291,11 +313,14 @@ const TensorRecord* SafetensorsHeader::find(const std::string& name) const {
 }
 
 SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64_t file_size, const std::string& file) {
-  if (file_size < 8 || prefix_size < 8) fail(file, "shorter than the 8-byte header length (" + std::to_string(file_size) + " bytes)");
+  if (file_size < 8 || prefix_size < 8)
+    fail(file, "shorter than the 8-byte header length (" + std::to_string(file_size) + " bytes)");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | prefix[i];
   if (n > kMaxHeaderBytes) fail(file, "header length " + std::to_string(n) + " exceeds the 100 MB limit");
-  if (n > file_size - 8) fail(file, "header length " + std::to_string(n) + " is larger than the file (" + std::to_string(file_size) + " bytes)");
+  if (n > file_size - 8)
+    fail(file,
+         "header length " + std::to_string(n) + " is larger than the file (" + std::to_string(file_size) + " bytes)");
   if (prefix_size < 8 + n) fail(file, "header not fully read");
 
   Json doc = Parser(reinterpret_cast<const char*>(prefix + 8), static_cast<size_t>(n), file).document();
@@ -347,10 +372,13 @@ SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64
         fail(file, "tensor '" + name + "': unknown field '" + k + "'");
       }
     }
-    if (!have_dtype || !have_shape || !have_offsets) fail(file, "tensor '" + name + "': missing dtype, shape or data_offsets");
+    if (!have_dtype || !have_shape || !have_offsets)
+      fail(file, "tensor '" + name + "': missing dtype, shape or data_offsets");
     size_t es = dtype_size(t.dtype);
     if (es == 0) fail(file, "tensor '" + name + "': unknown dtype '" + t.dtype + "'");
-    if (t.begin > t.end) fail(file, "tensor '" + name + "': data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) + "] run backwards");
+    if (t.begin > t.end)
+      fail(file, "tensor '" + name + "': data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                     "] run backwards");
     uint64_t bytes = es;
     for (int64_t d : t.shape) {
       uint64_t ud = static_cast<uint64_t>(d);
@@ -358,8 +386,8 @@ SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64
       bytes *= ud;
     }
     if (bytes != t.end - t.begin)
-      fail(file, "tensor '" + name + "': shape and dtype need " + std::to_string(bytes) + " bytes but data_offsets span " +
-                     std::to_string(t.end - t.begin));
+      fail(file, "tensor '" + name + "': shape and dtype need " + std::to_string(bytes) +
+                     " bytes but data_offsets span " + std::to_string(t.end - t.begin));
     h.tensors.push_back(std::move(t));
   }
   std::sort(h.tensors.begin(), h.tensors.end(), [](const TensorRecord& a, const TensorRecord& b) {
@@ -378,7 +406,8 @@ SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64
   return h;
 }
 
-std::string serialize_header(const std::vector<TensorRecord>& tensors, const std::map<std::string, std::string>& metadata) {
+std::string serialize_header(const std::vector<TensorRecord>& tensors,
+                             const std::map<std::string, std::string>& metadata) {
   std::ostringstream js;
   js << "{";
   bool first = true;

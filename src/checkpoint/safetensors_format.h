@@ -46,8 +46,7 @@ size_t dtype_size(const std::string& dtype);
 /// Parses and validates the header. `prefix` holds the file's first bytes (at
 /// least 8 + header length of them, or the call throws), `file_size` the
 /// whole file's size; `file` names it in errors.
-SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64_t file_size,
-                               const std::string& file);
+SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64_t file_size, const std::string& file);
 
 /// `s` as a JSON string, quotes included; throws SafetensorsError if it is
 /// not UTF-8.

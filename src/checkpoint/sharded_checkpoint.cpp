@@ -119,8 +119,10 @@ std::string published_dir(const std::string& dir, bool announce = true) {
   const std::string aside = dir + kAsideSuffix;
   if (!files::exists(dir + "/index.json") && files::exists(aside + "/index.json")) {
     if (announce)
-      std::fprintf(stderr, "shardtorch: checkpoint '%s' is missing; using the previous one, left at '%s' by an "
-                 "interrupted save\n", dir.c_str(), aside.c_str());
+      std::fprintf(stderr,
+                   "shardtorch: checkpoint '%s' is missing; using the previous one, left at '%s' by an "
+                   "interrupted save\n",
+                   dir.c_str(), aside.c_str());
     return aside;
   }
   return dir;
@@ -130,10 +132,10 @@ std::string published_dir(const std::string& dir, bool announce = true) {
 // a checkpoint (or an empty directory), never a directory of other files.
 void check_replaceable(const std::string& dir) {
   if (!files::exists(dir)) return;
-  if (!files::is_directory(dir))
-    throw SafetensorsError("checkpoint '" + dir + "': exists and is not a directory");
+  if (!files::is_directory(dir)) throw SafetensorsError("checkpoint '" + dir + "': exists and is not a directory");
   if (!files::exists(dir + "/index.json") && !files::is_empty_directory(dir))
-    throw SafetensorsError("checkpoint '" + dir + "': the directory exists and is not a shardtorch checkpoint (no "
+    throw SafetensorsError("checkpoint '" + dir +
+                           "': the directory exists and is not a shardtorch checkpoint (no "
                            "index.json); refusing to replace it and the files in it");
 }
 
@@ -193,9 +195,10 @@ using detail::OptimizerKind;
 
 OptimizerKind optimizer_kind(ShardedOptimizer& opt) {
   if (auto k = detail::optimizer_kind(opt)) return *k;
-  throw SafetensorsError("sharded checkpoints carry the state of Adam, AdamW and SGD (and the fused CPU Adam and "
-                         "AdamW); this optimizer's state would be lost: pass a null optimizer to save and load the "
-                         "parameters alone");
+  throw SafetensorsError(
+      "sharded checkpoints carry the state of Adam, AdamW and SGD (and the fused CPU Adam and "
+      "AdamW); this optimizer's state would be lost: pass a null optimizer to save and load the "
+      "parameters alone");
 }
 
 // NoShard: every parameter of the module, each tensor once, saved and loaded
@@ -290,7 +293,8 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
       auto it = st.find(piece.view.unsafeGetTensorImpl());
       if (it == st.end()) continue;
       int64_t step = detail::optimizer_state_step(it->second.get());
-      for (auto& [kind, t] : detail::optimizer_state_tensors(it->second.get())) add(piece.name, kind, piece.param_offset, t, step);
+      for (auto& [kind, t] : detail::optimizer_state_tensors(it->second.get()))
+        add(piece.name, kind, piece.param_offset, t, step);
     }
   }
   if (rank == 0)
@@ -399,9 +403,10 @@ class Files {
     auto r = std::make_unique<checkpoint::Reader>(path);
     auto file_step = ReaderAccess::header(*r).metadata.find("step");
     if (file_step == ReaderAccess::header(*r).metadata.end() || file_step->second != std::to_string(idx_.step))
-      throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' is from step " +
-                             (file_step == ReaderAccess::header(*r).metadata.end() ? std::string("?") : file_step->second) +
-                             " but the index is for step " + std::to_string(idx_.step));
+      throw SafetensorsError(
+          "checkpoint '" + dir_ + "': '" + name + "' is from step " +
+          (file_step == ReaderAccess::header(*r).metadata.end() ? std::string("?") : file_step->second) +
+          " but the index is for step " + std::to_string(idx_.step));
     if (file_checksum(path, checkpoint::checksum::algorithm_of(sum)) != sum)
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' does not match its checksum in the index");
     // Every tensor of the file is one the index lists: a tensor whose
@@ -446,7 +451,8 @@ const checkpoint::TensorRecord& saved_record(Files& files, const Entry& e, const
   for (int64_t d : r->shape) n *= d;  // the reader checked that this does not overflow
   if (n != e.end - e.begin)
     throw SafetensorsError("checkpoint '" + dir + "': '" + e.tensor + "' in '" + e.file + "' has " + std::to_string(n) +
-                           " elements but the index says [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + ")");
+                           " elements but the index says [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                           ")");
   return *r;
 }
 
@@ -475,7 +481,8 @@ Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, 
   // The ranges must tile the destination: in order, each starting where the
   // one before ended (lengths that add up are not enough: [0, 50) twice
   // would leave [50, 100) unwritten).
-  std::sort(fill.copies.begin(), fill.copies.end(), [](const Fill::Copy& a, const Fill::Copy& b) { return a.to < b.to; });
+  std::sort(fill.copies.begin(), fill.copies.end(),
+            [](const Fill::Copy& a, const Fill::Copy& b) { return a.to < b.to; });
   int64_t next = 0;
   for (const auto& c : fill.copies) {
     if (c.to != next) {
@@ -488,7 +495,8 @@ Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, 
   }
   if (next != numel)
     throw SafetensorsError("checkpoint '" + dir + "': elements [" + std::to_string(begin + next) + ", " +
-                           std::to_string(end) + ") of '" + name + "' (" + kind + ") are not all saved (a missing shard?)");
+                           std::to_string(end) + ") of '" + name + "' (" + kind +
+                           ") are not all saved (a missing shard?)");
   return fill;
 }
 
@@ -498,7 +506,6 @@ void run_fill(at::Tensor dst, const Fill& fill, Files& files) {
 }
 
 }  // namespace
-
 
 namespace {
 
@@ -542,9 +549,8 @@ json::object write_rank_file(const Holding& h, const std::string& tmp, int rank,
     }
     checkpoint::save_file(tmp + "/" + file, tensors, {{"step", std::to_string(step)}, {"rank", std::to_string(rank)}},
                           /*remove_stale_temporaries=*/false);  // the staging directory is new
-    report["file"] = json::object{{"name", file},
-                                  {"size", files::file_size(tmp + "/" + file)},
-                                  {"checksum", file_checksum(tmp + "/" + file)}};
+    report["file"] = json::object{
+        {"name", file}, {"size", files::file_size(tmp + "/" + file)}, {"checksum", file_checksum(tmp + "/" + file)}};
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -600,9 +606,13 @@ MergedReports merge_reports(const std::vector<std::string>& reports, int rank, i
 // entries, user state, every tensor's shape, and the units' flat parameters.
 json::object index_json(torch::nn::Module& root, detail::ShardState& state, int world_size, int64_t step,
                         MergedReports merged, const json::object& user) {
-  json::object index{{"format_version", kFormatVersion}, {"format", "shardtorch sharded checkpoint"},
-                     {"world_size", world_size}, {"strategy", strategy_name(state.strategy())},
-                     {"step", step}, {"files", std::move(merged.files)}, {"entries", std::move(merged.entries)},
+  json::object index{{"format_version", kFormatVersion},
+                     {"format", "shardtorch sharded checkpoint"},
+                     {"world_size", world_size},
+                     {"strategy", strategy_name(state.strategy())},
+                     {"step", step},
+                     {"files", std::move(merged.files)},
+                     {"entries", std::move(merged.entries)},
                      {"user_state", user}};
   json::object shapes;
   for (const auto& [name, shape] : model_shapes(root)) {
@@ -618,8 +628,8 @@ json::object index_json(torch::nn::Module& root, detail::ShardState& state, int 
       for (auto& f : u->flats()) {
         json::array names;
         for (auto& n : f->names()) names.push_back(json::value(n));
-        flats.push_back(json::object{{"params", names}, {"numel", f->layout().total_numel()},
-                                     {"padded_numel", f->layout().padded_numel()}});
+        flats.push_back(json::object{
+            {"params", names}, {"numel", f->layout().total_numel()}, {"padded_numel", f->layout().padded_numel()}});
       }
       units.push_back(json::object{{"name", u->label()}, {"flats", flats}});
     }
@@ -668,7 +678,7 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   MergedReports merged = merge_reports(reports, world.rank(), step, opt_kind, user);
   if (!merged.failed.empty() && world.rank() == 0) files::remove_all(tmp);
   SHARDTORCH_CHECK(merged.failed.empty(), "shardtorch::save_sharded_checkpoint: writing '", dir, "' failed on ",
-              merged.failed);
+                   merged.failed);
   std::string error;
   if (world.rank() == 0)
     error = write_index_and_publish(
@@ -757,7 +767,8 @@ void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Change
   const OptimizerKind kind = optimizer_kind(opt);
   const bool adam = kind == OptimizerKind::AdamW || kind == OptimizerKind::Adam;
   const bool sgd = kind == OptimizerKind::SGD;
-  if (!saved_kinds.empty() && !((adam && saved_kinds.count("exp_avg")) || (sgd && saved_kinds.count("momentum_buffer"))))
+  if (!saved_kinds.empty() &&
+      !((adam && saved_kinds.count("exp_avg")) || (sgd && saved_kinds.count("momentum_buffer"))))
     throw SafetensorsError("checkpoint '" + dir + "' holds optimizer state of another kind of optimizer");
   // A parameter that never had a gradient has no optimizer state (the
   // optimizer skipped it) and none was saved: it gets none now either. A
@@ -783,14 +794,16 @@ void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Change
       continue;
     }
     if (amsgrad.count(key) && !with_max.count(piece.name))
-      throw SafetensorsError("checkpoint '" + dir + "': '" + piece.name + "' is in a parameter group with amsgrad, "
+      throw SafetensorsError("checkpoint '" + dir + "': '" + piece.name +
+                             "' is in a parameter group with amsgrad, "
                              "but the checkpoint has no max_exp_avg_sq for it (it was saved by an optimizer "
                              "without amsgrad for it)");
-    std::vector<std::string> kinds = adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"}
-                                          : std::vector<std::string>{"momentum_buffer"};
+    std::vector<std::string> kinds =
+        adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"} : std::vector<std::string>{"momentum_buffer"};
     if (adam && with_max.count(piece.name)) kinds.push_back("max_exp_avg_sq");
     std::vector<Fill> fills;
-    for (const auto& k : kinds) fills.push_back(plan(piece.length, piece.name, k, piece.param_offset, piece.view.scalar_type()));
+    for (const auto& k : kinds)
+      fills.push_back(plan(piece.length, piece.name, k, piece.param_offset, piece.view.scalar_type()));
     // The state takes the piece's shape: a NoShard piece is the whole
     // parameter, and torch::optim adds its gradient into the state in
     // place (a flat state made step() fail after a resume).

@@ -27,13 +27,13 @@ StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& st
       for (size_t i = 0; i < f->params().size(); ++i) {
         const auto& all = names[f->params()[i].unsafeGetTensorImpl()];
         for (size_t j = 0; j < all.size() && (j == 0 || !tied_once); ++j)
-          items_.push_back({all[j], f->dtype(), f->layout().shape(i),
-                            [this, k, f, i] {
-                              if (gathered_ != k + 1) gather_through(k);
-                              return current_.narrow(0, f->layout().offset(i), f->layout().numel(i))
-                                  .view(f->layout().shape(i));
-                            },
-                            static_cast<int64_t>(k)});
+          items_.push_back(
+              {all[j], f->dtype(), f->layout().shape(i),
+               [this, k, f, i] {
+                 if (gathered_ != k + 1) gather_through(k);
+                 return current_.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i));
+               },
+               static_cast<int64_t>(k)});
       }
     }
   }
@@ -65,8 +65,7 @@ void StreamedTensors::gather(size_t k) {
   at::Tensor mine = f->shard().to(world.comm().device());  // no copy on the device already: current_ is new
   current_ = at::Tensor();  // the previous one is written: free it before the next is allocated
   current_ = at::empty({f->layout().padded_numel()}, mine.options());
-  state_.shard_comm().all_gather_into(current_, mine,
-                                      "master parameters of unit '" + labels_[k] + "' for " + purpose_);
+  state_.shard_comm().all_gather_into(current_, mine, "master parameters of unit '" + labels_[k] + "' for " + purpose_);
 }
 
 void StreamedTensors::finish() {

@@ -51,9 +51,9 @@ class StreamedTensors {
   std::string purpose_;
   std::vector<FlatParam*> flats_;
   std::vector<std::string> labels_;  // each flat's unit
-  size_t gathered_ = 0;           // flats before this one are gathered or skipped
-  std::vector<bool> needed_;      // per flat
-  at::Tensor current_;  // the last gathered flat parameter, full
+  size_t gathered_ = 0;              // flats before this one are gathered or skipped
+  std::vector<bool> needed_;         // per flat
+  at::Tensor current_;               // the last gathered flat parameter, full
   std::vector<Item> items_;
 };
 

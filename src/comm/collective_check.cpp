@@ -140,10 +140,10 @@ struct WaitRecord {
   Kind kind = Kind::Collective;
   std::string comm, description;
   int64_t seq = 0;
-  std::vector<int> members;                  // of `comm`, by rank in the World
-  std::map<std::string, int64_t> launched;   // collectives, by communicator name
-  std::map<std::string, int64_t> entered;    // exchanges, by communicator name
-  std::string text;                          // as stored
+  std::vector<int> members;                 // of `comm`, by rank in the World
+  std::map<std::string, int64_t> launched;  // collectives, by communicator name
+  std::map<std::string, int64_t> entered;   // exchanges, by communicator name
+  std::string text;                         // as stored
 };
 
 WaitRecord parse_record(std::string text) {
@@ -271,8 +271,8 @@ std::string cycle_text(std::vector<int> cycle, RecordOf&& record_of) {
       where += "collective " + std::to_string(r.seq) + " of communicator '" + r.comm + "', which rank " + next +
                " has not launched: it launched " + count + " there)";
     else
-      where += "in its check, exchange " + std::to_string(r.seq) + " of communicator '" + r.comm + "', which rank " + next +
-               " has not entered: it entered " + count + " there)";
+      where += "in its check, exchange " + std::to_string(r.seq) + " of communicator '" + r.comm + "', which rank " +
+               next + " has not entered: it entered " + count + " there)";
     parts.push_back(std::move(where));
   }
   std::string text = "collectives diverged across communicators: ";
@@ -359,7 +359,8 @@ std::string WaitBoard::record(int comm, Kind kind, int64_t seq, const std::strin
   if (several_threads()) return "several threads issue this rank's collectives\n";
   const Comm& c = comms_[static_cast<size_t>(comm)];
   std::ostringstream os;
-  os << "waiting\n" << (kind == Kind::Collective ? 'c' : 'x') << ' ' << seq << ' ' << c.name << '\n'
+  os << "waiting\n"
+     << (kind == Kind::Collective ? 'c' : 'x') << ' ' << seq << ' ' << c.name << '\n'
      << one_line(description) << '\n';
   for (size_t i = 0; i < c.members.size(); ++i) os << (i ? " " : "") << c.members[i];
   os << '\n' << comms_.size() << '\n';
@@ -369,7 +370,11 @@ std::string WaitBoard::record(int comm, Kind kind, int64_t seq, const std::strin
 
 WaitBoard::Wait::Wait(std::shared_ptr<WaitBoard> board, int comm, Kind kind, int64_t seq,
                       std::function<std::string()> describe)
-    : board_(std::move(board)), comm_(comm), kind_(kind), seq_(seq), describe_(std::move(describe)),
+    : board_(std::move(board)),
+      comm_(comm),
+      kind_(kind),
+      seq_(seq),
+      describe_(std::move(describe)),
       next_(std::chrono::steady_clock::now() + kQuiet) {
   std::lock_guard<std::mutex> lock(board_->mu_);
   board_->waiting_.push_back(std::this_thread::get_id());
@@ -490,19 +495,19 @@ struct CheckerShared : std::enable_shared_from_this<CheckerShared> {
   std::condition_variable cv;
   std::deque<std::shared_ptr<CheckedLaunch>> queue;  // not launched yet, in order
   bool stop = false;
-  bool busy = false;  // an entry taken off the queue runs, on the checker's thread or on a waiting one
-  std::exception_ptr broken;  // after a failed check: the ranks are out of step, every later launch fails alike
+  bool busy = false;                 // an entry taken off the queue runs, on the checker's thread or on a waiting one
+  std::exception_ptr broken;         // after a failed check: the ranks are out of step, every later launch fails alike
   std::shared_ptr<WaitBoard> board;  // may be null
   int comm = -1;                     // this communicator's number on `board`
   // The patterns of the previous step's collectives and of this step's so far.
   std::vector<std::vector<int64_t>> previous, current;
   size_t position = 0;  // this step's collectives so far (`current` holds the first kMaxPatternsPerStep)
   int64_t step = -1;
-  bool marked = false;    // this step began with a marker exchange (step_began)
+  bool marked = false;                                         // this step began with a marker exchange (step_began)
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // a marker's: the last collective's
-  int64_t issued = 0;     // collectives submitted
-  int64_t entered = 0;    // exchanges entered
-  int64_t finished = 0;   // exchanges finished (in order: the next to finish is finished + 1)
+  int64_t issued = 0;                                          // collectives submitted
+  int64_t entered = 0;                                         // exchanges entered
+  int64_t finished = 0;                   // exchanges finished (in order: the next to finish is finished + 1)
   std::shared_ptr<CheckedLaunch> newest;  // the last one queued (launched in order: when it is, all are)
 };
 
@@ -710,7 +715,8 @@ c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched(bool probe) {
   }
   auto s = checker.lock();
   std::optional<WaitBoard::Wait> wait;
-  if (probe && s && s->board) wait.emplace(s->board, s->comm, Kind::Exchange, next_exchange(*s), [this] { return description(); });
+  if (probe && s && s->board)
+    wait.emplace(s->board, s->comm, Kind::Exchange, next_exchange(*s), [this] { return description(); });
   if (probe && s) take_if_next(*s, *this, wait ? &*wait : nullptr);
   std::unique_lock<std::mutex> lock(mu);
   if (!wait) {
@@ -736,7 +742,8 @@ bool CheckedLaunch::await(const std::function<bool(std::chrono::milliseconds)>& 
   WaitBoard::Wait wait(s->board, s->comm, Kind::Collective, seq, [this] { return description(); });
   std::chrono::milliseconds slice = WaitBoard::kQuiet;  // a shorter wait is never compared: one call
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return false;
     if (done_within(std::min(slice, left))) return true;
     slice = WaitBoard::kProbe;
@@ -805,8 +812,8 @@ CollectiveChecker::~CollectiveChecker() {
     // The last step's markers: the peers queued the same ones, so they pair
     // at once, unless a peer is gone (or out of step: then it is broken).
     s_->cv.wait_for(lock, kMarkerDrain, [&] {
-      return s_->broken || (!s_->busy && std::none_of(s_->queue.begin(), s_->queue.end(),
-                                                      [](const auto& q) { return q->marker; }));
+      return s_->broken ||
+             (!s_->busy && std::none_of(s_->queue.begin(), s_->queue.end(), [](const auto& q) { return q->marker; }));
     });
     s_->stop = true;
     busy = s_->busy;

@@ -179,22 +179,22 @@ class WaitBoard {
     int64_t launched = 0, entered = 0;
   };
   std::string record(int comm, Kind kind, int64_t seq, const std::string& description) const;
-  bool several_threads() const;  // under mu_
+  bool several_threads() const;                         // under mu_
   std::string prefixed(const std::string& text) const;  // "shardtorch: rank R/N: " + text
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, size_;
   mutable std::mutex mu_;
   std::vector<Comm> comms_;
-  int64_t issue_step_ = -1;                    // the step of the last issued()
-  std::vector<std::thread::id> issuers_;       // the threads that issued in it
-  std::vector<std::thread::id> issued_before_; // and in the step before it
-  std::vector<std::thread::id> waiting_;       // one entry per Wait alive, by its thread
+  int64_t issue_step_ = -1;                     // the step of the last issued()
+  std::vector<std::thread::id> issuers_;        // the threads that issued in it
+  std::vector<std::thread::id> issued_before_;  // and in the step before it
+  std::vector<std::thread::id> waiting_;        // one entry per Wait alive, by its thread
 };
 
 /// One checked collective: launched at once, or waiting in its checker's
 /// FIFO for the launches before it or for its exchange.
 struct CheckedLaunch {
-  std::vector<int64_t> fingerprint;  // exchanged: the pattern, the step, seq
+  std::vector<int64_t> fingerprint;       // exchanged: the pattern, the step, seq
   std::function<std::string()> describe;  // in words, for an error or a wait record (built then only)
   /// describe()'s text, built at the first call; thread-safe.
   const std::string& description() const;

@@ -169,13 +169,14 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
 }
 
 void Comm::check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const {
-  SHARDTORCH_CHECK(out.is_contiguous() && in.is_contiguous() && out.scalar_type() == in.scalar_type(), detail::rank_prefix(rank_), ": ", op, " for ", what, " needs contiguous tensors of one dtype, got in ", describe(in),
-              ", out ", describe(out));
+  SHARDTORCH_CHECK(out.is_contiguous() && in.is_contiguous() && out.scalar_type() == in.scalar_type(),
+                   detail::rank_prefix(rank_), ": ", op, " for ", what,
+                   " needs contiguous tensors of one dtype, got in ", describe(in), ", out ", describe(out));
 }
 
 void Comm::check_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) const {
   SHARDTORCH_CHECK(out.numel() == in.numel() * size_, detail::rank_prefix(rank_), ": all_gather for ", what,
-              ": output ", describe(out), " is not ", size_, " x input ", describe(in));
+                   ": output ", describe(out), " is not ", size_, " x input ", describe(in));
   check_flat(out, in, "all_gather", what);
 }
 
@@ -194,13 +195,13 @@ void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what)
   opts.reduceOp = op;
   opts.timeout = timeout_;
   auto b = backend_;
-  PendingWork p = launch("all_reduce", what, describe(t), stats_.all_reduce,
-                         2 * t.nbytes() * (size_ - 1) / std::max(size_, 1),
-                         [b, t, opts]() mutable {
-                           std::vector<at::Tensor> ts{t};
-                           return b->allreduce(ts, opts);
-                         },
-                         t, static_cast<int64_t>(op) + 1);
+  PendingWork p = launch(
+      "all_reduce", what, describe(t), stats_.all_reduce, 2 * t.nbytes() * (size_ - 1) / std::max(size_, 1),
+      [b, t, opts]() mutable {
+        std::vector<at::Tensor> ts{t};
+        return b->allreduce(ts, opts);
+      },
+      t, static_cast<int64_t>(op) + 1);
   wait_on_host(p);
 }
 
@@ -236,9 +237,9 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   p.start = std::chrono::steady_clock::now();
   if (checker_) {
     const auto where = context_->snapshot();
-    std::vector<int64_t> pattern{op_code(op), detail::text_hash(what), data.numel(),
-                                 static_cast<int64_t>(data.scalar_type()), extra, where.backwards, where.phase,
-                                 where.inputs_hash};
+    std::vector<int64_t> pattern{
+        op_code(op), detail::text_hash(what), data.numel(), static_cast<int64_t>(data.scalar_type()),
+        extra,       where.backwards,         where.phase,  where.inputs_hash};
     auto describe = [op, what = p.what, shapes = p.shapes, where] {
       return std::string(op) + " for " + what + " (" + shapes + "); " + where.words();
     };
@@ -248,8 +249,8 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   try {
     p.work = start();
   } catch (const std::exception& e) {
-    throw Error(detail::rank_prefix(rank_) + "/" + std::to_string(size_) + ": " + op +
-                             " for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e));
+    throw Error(detail::rank_prefix(rank_) + "/" + std::to_string(size_) + ": " + op + " for " + what + " (" +
+                p.shapes + ") could not be launched: " + detail::message_of(e));
   }
   return p;
 }
@@ -278,27 +279,28 @@ PendingWork Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::s
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;  // else the backend's own, not this Comm's (a checkpoint's longer one, say)
   auto b = backend_;
-  return launch("all_gather", what, "in " + describe(in) + ", out " + describe(out), stats_.all_gather,
-                in.nbytes() * (size_ - 1), [b, o, i, opts]() mutable { return b->_allgather_base(o, i, opts); }, in);
+  return launch(
+      "all_gather", what, "in " + describe(in) + ", out " + describe(out), stats_.all_gather, in.nbytes() * (size_ - 1),
+      [b, o, i, opts]() mutable { return b->_allgather_base(o, i, opts); }, in);
 }
 
 PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   SHARDTORCH_CHECK(in.numel() == out.numel() * size_, detail::rank_prefix(rank_), ": reduce_scatter for ", what,
-              ": input ", describe(in), " is not ", size_, " x output ", describe(out));
+                   ": input ", describe(in), " is not ", size_, " x output ", describe(out));
   check_flat(out, in, "reduce_scatter", what);
   at::Tensor o = out.view({-1}), i = in.view({-1});
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
   auto b = backend_;
-  return launch("reduce_scatter", what, "in " + describe(in) + ", out " + describe(out), stats_.reduce_scatter,
-                out.nbytes() * (size_ - 1),
-                [b, o, i, opts]() mutable { return b->_reduce_scatter_base(o, i, opts); }, in);
+  return launch(
+      "reduce_scatter", what, "in " + describe(in) + ", out " + describe(out), stats_.reduce_scatter,
+      out.nbytes() * (size_ - 1), [b, o, i, opts]() mutable { return b->_reduce_scatter_base(o, i, opts); }, in);
 }
 
 PendingWork Comm::reduce_scatter_in_place_async(at::Tensor& in, const std::string& what) {
   SHARDTORCH_CHECK(in.is_contiguous() && in.numel() % size_ == 0, detail::rank_prefix(rank_), ": reduce_scatter for ",
-              what, ": input ", describe(in), " is not contiguous with a multiple of ", size_, " elements");
+                   what, ": input ", describe(in), " is not contiguous with a multiple of ", size_, " elements");
   at::Tensor flat = in.view({-1});
   return launch_sum(flat, "reduce_scatter", "in " + describe(in) + ", all-reduced in place", stats_.reduce_scatter,
                     in.nbytes() / size_ * (size_ - 1), what);
@@ -315,12 +317,13 @@ PendingWork Comm::launch_sum(at::Tensor& t, const char* op, std::string shapes, 
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
   auto b = backend_;
-  return launch(op, what, std::move(shapes), counter, bytes,
-                [b, t, opts]() mutable {
-                  std::vector<at::Tensor> ts{t};
-                  return b->allreduce(ts, opts);
-                },
-                t, static_cast<int64_t>(c10d::ReduceOp::SUM) + 1);
+  return launch(
+      op, what, std::move(shapes), counter, bytes,
+      [b, t, opts]() mutable {
+        std::vector<at::Tensor> ts{t};
+        return b->allreduce(ts, opts);
+      },
+      t, static_cast<int64_t>(c10d::ReduceOp::SUM) + 1);
 }
 
 void Comm::wait(PendingWork& p) {
@@ -348,9 +351,8 @@ void Comm::settle_earlier() {
   const std::string what = oldest->what, shapes = oldest->shapes;
   const auto start = oldest->start;
   unsettled_->clear();  // reported once; the ranks are out of step from here
-  complete(op, what, shapes, stats_.all_reduce, 0, start, [&] {
-    throw std::runtime_error("the device has not passed it: the collective has not completed");
-  });
+  complete(op, what, shapes, stats_.all_reduce, 0, start,
+           [&] { throw std::runtime_error("the device has not passed it: the collective has not completed"); });
 }
 
 void Comm::finish(PendingWork& p, std::exception_ptr error) {
@@ -367,12 +369,13 @@ void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
   opts.rootRank = root;
   opts.timeout = timeout_;
   auto b = backend_;
-  PendingWork p = launch("broadcast", what, describe(t), stats_.broadcast, rank_ == root ? t.nbytes() : 0,
-                         [b, t, opts]() mutable {
-                           std::vector<at::Tensor> ts{t};
-                           return b->broadcast(ts, opts);
-                         },
-                         t, root);
+  PendingWork p = launch(
+      "broadcast", what, describe(t), stats_.broadcast, rank_ == root ? t.nbytes() : 0,
+      [b, t, opts]() mutable {
+        std::vector<at::Tensor> ts{t};
+        return b->broadcast(ts, opts);
+      },
+      t, root);
   wait_on_host(p);
 }
 
@@ -381,15 +384,16 @@ void Comm::wait_on_host(PendingWork& p) {
   launched(p);
   auto work = std::move(p.work);
   if (!checked) {
-    run(p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
+    run(
+        p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
     return;
   }
   // Checked: waits longer than a second are compared with the peers' (a
   // rank that launched this collective while another differs and waits in
   // its exchange is a cycle of two waits).
   complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] {
-    const bool done = checked->await([&](std::chrono::milliseconds slice) { return detail::work_done_within(*work, slice); },
-                                     timeout_);
+    const bool done = checked->await(
+        [&](std::chrono::milliseconds slice) { return detail::work_done_within(*work, slice); }, timeout_);
     try {
       work->wait(done ? timeout_ : std::chrono::milliseconds(1));  // its outcome; past the timeout, its timeout error
     } catch (...) {

@@ -81,7 +81,7 @@ HookCall call_hook(CommHook& hook, c10d::GradBucket& bucket, int rank, std::stri
     rethrow_naming(rank, [&] { return "the communication hook for " + call.what + " (" + call.shape + ")"; });
   }
   SHARDTORCH_CHECK(call.future, detail::rank_prefix(rank), ": the communication hook for ", call.what, " (", call.shape,
-              ") returned no future");
+                   ") returned no future");
   call.signal = std::make_shared<HookCall::Signal>();
   // Runs on whichever thread completes the future (a Gloo worker) or here:
   // it only wakes the waiter, and cannot throw.
@@ -105,16 +105,16 @@ bool hook_done_within(const HookCall& call, std::chrono::milliseconds bound) {
 at::Tensor finish_hook(CommHook& hook, HookCall& call, int rank, std::chrono::milliseconds timeout) {
   HookCall c = std::move(call);
   call = HookCall{};
-  const std::string head = detail::rank_prefix(rank) + ": the communication hook for " + c.what +
-                           " (" + c.shape + ")";
+  const std::string head = detail::rank_prefix(rank) + ": the communication hook for " + c.what + " (" + c.shape + ")";
   const auto deadline = c.start + timeout;
   {
     std::unique_lock<std::mutex> lock(c.signal->mu);
     if (!c.signal->cv.wait_until(lock, deadline, [&] { return c.signal->done; }))
       SHARDTORCH_CHECK(false, head, ": its future did not complete after ",
-                  seconds(std::chrono::steady_clock::now() - c.start), " (timeout ", seconds(timeout), ")");
+                       seconds(std::chrono::steady_clock::now() - c.start), " (timeout ", seconds(timeout), ")");
   }
-  if (c.counter) c.counter->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - c.start).count();
+  if (c.counter)
+    c.counter->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - c.start).count();
   c.future->wait();  // completed: returns at once (on CUDA, the current streams wait for its value)
   if (c.future->hasError()) {
     std::string cause;
@@ -134,11 +134,11 @@ at::Tensor finish_hook(CommHook& hook, HookCall& call, int rank, std::chrono::mi
     result = hook.parseHookResult(c.future->value());
   } catch (const std::exception& e) {
     SHARDTORCH_CHECK(false, head, ": its future holds ", c.future->value().tagKind(),
-                ", not the reduced bucket (a tensor or a list of one): ", e.what());
+                     ", not the reduced bucket (a tensor or a list of one): ", e.what());
   }
   SHARDTORCH_CHECK(result.defined() && result.sizes().vec() == c.sizes, head, ": its future holds ",
-              result.defined() ? describe(result) : std::string("an undefined tensor"),
-              ", expected a tensor of the bucket's shape ", c10::IntArrayRef(c.sizes));
+                   result.defined() ? describe(result) : std::string("an undefined tensor"),
+                   ", expected a tensor of the bucket's shape ", c10::IntArrayRef(c.sizes));
   return result;
 }
 
@@ -176,9 +176,11 @@ void check_same_hook(World& world, const CommHook* hook) {
     std::string missing;
     for (int r = 0; r < n; ++r)
       if (!store->check({keys[r]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    SHARDTORCH_CHECK(false, detail::rank_prefix(rank), ": the check that every rank has the same communication hook "
-                     "(this rank: ", mine, "): rank(s) ", missing, " did not report theirs within ",
-                     seconds(world.timeout()), ". The ranks compare their hooks at the first backward that reduces "
+    SHARDTORCH_CHECK(false, detail::rank_prefix(rank),
+                     ": the check that every rank has the same communication hook "
+                     "(this rank: ",
+                     mine, "): rank(s) ", missing, " did not report theirs within ", seconds(world.timeout()),
+                     ". The ranks compare their hooks at the first backward that reduces "
                      "gradients after shard() and after register_comm_hook: register the hook on every rank, before "
                      "the same backward");
   }
@@ -188,8 +190,10 @@ void check_same_hook(World& world, const CommHook* hook) {
     hooks.emplace_back(v.begin(), v.end());
   }
   for (int r = 1; r < n; ++r)
-    SHARDTORCH_CHECK(hooks[r] == hooks[0], detail::rank_prefix(rank), ": the ranks have different communication "
-                     "hooks: rank 0 has ", hooks[0], ", rank ", r, " has ", hooks[r], " (this rank: ", mine,
+    SHARDTORCH_CHECK(hooks[r] == hooks[0], detail::rank_prefix(rank),
+                     ": the ranks have different communication "
+                     "hooks: rank 0 has ",
+                     hooks[0], ", rank ", r, " has ", hooks[r], " (this rank: ", mine,
                      "). Different hooks issue different collectives; register the same kind of hook on every rank "
                      "(register_comm_hook), or none on any");
 }

@@ -79,7 +79,7 @@ class CompletionWatcher {
   std::shared_ptr<CheckedLaunch> waiting_;  // the launch the thread waits for, if any
   bool stop_ = false;
   std::exception_ptr broken_;  // set when the thread failed; later watches wait on the caller's thread
-  std::thread thread_;  // started by the first watch()
+  std::thread thread_;         // started by the first watch()
 };
 
 }  // namespace shardtorch::detail

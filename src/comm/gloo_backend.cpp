@@ -19,9 +19,8 @@ void ignore_sigpipe_unless_handled() {
 }
 }  // namespace
 
-c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                    int size, std::chrono::milliseconds timeout,
-                                                    const std::string& hostname) {
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                    std::chrono::milliseconds timeout, const std::string& hostname) {
   ignore_sigpipe_unless_handled();
   auto opts = c10d::ProcessGroupGloo::Options::create();
   opts->timeout = timeout;

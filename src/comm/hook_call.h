@@ -30,8 +30,8 @@ struct HookCall {
   };
   c10::intrusive_ptr<c10::ivalue::Future> future;
   std::shared_ptr<Signal> signal;
-  std::string what;       // names the bucket
-  std::string shape;      // the bucket as given to the hook, e.g. "float32[109]"
+  std::string what;   // names the bucket
+  std::string shape;  // the bucket as given to the hook, e.g. "float32[109]"
   std::vector<int64_t> sizes;
   std::chrono::steady_clock::time_point start;
   HookCounter* counter = nullptr;  // its time is added here when the future completes

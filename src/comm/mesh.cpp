@@ -27,8 +27,7 @@ std::string invalid(const DeviceMesh::Dims& dims, int n) {
     product *= size;
   }
   if (product != n)
-    return "the sizes multiply to " + std::to_string(product) + ", not to the world's " + std::to_string(n) +
-           " ranks";
+    return "the sizes multiply to " + std::to_string(product) + ", not to the world's " + std::to_string(n) + " ranks";
   return "";
 }
 
@@ -83,8 +82,9 @@ int DeviceMesh::rank_at(const std::vector<int>& coordinates) const {
                    " coordinates for a mesh of ", dims_.size(), " dimensions (", describe(), ")");
   int r = 0;
   for (size_t i = 0; i < dims_.size(); ++i) {
-    SHARDTORCH_CHECK(coordinates[i] >= 0 && coordinates[i] < dims_[i].second, "shardtorch: DeviceMesh::rank_at: ",
-                     dims_[i].first, " coordinate ", coordinates[i], " is outside [0, ", dims_[i].second, ")");
+    SHARDTORCH_CHECK(coordinates[i] >= 0 && coordinates[i] < dims_[i].second,
+                     "shardtorch: DeviceMesh::rank_at: ", dims_[i].first, " coordinate ", coordinates[i],
+                     " is outside [0, ", dims_[i].second, ")");
     r = r * dims_[i].second + coordinates[i];
   }
   return r;

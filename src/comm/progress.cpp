@@ -165,8 +165,10 @@ Progress::~Progress() {
   }
   // A store write stuck past the bound (a store host that stopped answering)
   // must not hold up the exit: the thread keeps what it uses alive.
-  if (done) thread_.join();
-  else thread_.detach();
+  if (done)
+    thread_.join();
+  else
+    thread_.detach();
 }
 
 void Progress::note(const std::string& phase, const std::string& unit) {
@@ -250,21 +252,25 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
       // A survivor marks its record failed before it looks at others, so one
       // seen gone is read again: it may have failed and exited since.
       if (r.state != Record::State::Failed && local && gone(r.pid)) read(key, r);
-      if (r.state == Record::State::Failed) {  // a fellow survivor that gave up first (and may have exited since): not at fault
+      if (r.state ==
+          Record::State::Failed) {  // a fellow survivor that gave up first (and may have exited since): not at fault
         others.push_back(rank + " failed too, at " + where(r));
       } else if (r.state == Record::State::LeftOnError) {
         at_fault.push_back(rank + " stopped on an error of its own (see its output): its World was destroyed " +
                            seconds(now - r.beat_ms) + " ago, while an exception unwound, after " + where(r));
-      } else if (r.state == Record::State::Finished) {  // left without an error: it issued fewer collectives than this rank
-        at_fault.push_back(rank + " had finished: its World was destroyed " + seconds(now - r.beat_ms) + " ago, after " +
-                           where(r) + ", with no exception in flight (it issued fewer collectives than this rank: "
+      } else if (r.state ==
+                 Record::State::Finished) {  // left without an error: it issued fewer collectives than this rank
+        at_fault.push_back(rank + " had finished: its World was destroyed " + seconds(now - r.beat_ms) +
+                           " ago, after " + where(r) +
+                           ", with no exception in flight (it issued fewer collectives than this rank: "
                            "fewer steps or micro-batches, or it caught an error of its own and ended?)");
       } else if (local && gone(r.pid)) {
-        at_fault.push_back(rank + " is no longer running (pid " + std::to_string(r.pid) + " on this host); it was last at " +
-                           where(r) + ", " + seconds(now - r.changed_ms) + " ago");
+        at_fault.push_back(rank + " is no longer running (pid " + std::to_string(r.pid) +
+                           " on this host); it was last at " + where(r) + ", " + seconds(now - r.changed_ms) + " ago");
       } else if (now - r.beat_ms > silent_after) {
-        at_fault.push_back(rank + " stopped reporting " + seconds(now - r.beat_ms) + " ago (dead, or its process hung; pid " +
-                           std::to_string(r.pid) + " on " + r.host + "); it was last at " + where(r));
+        at_fault.push_back(rank + " stopped reporting " + seconds(now - r.beat_ms) +
+                           " ago (dead, or its process hung; pid " + std::to_string(r.pid) + " on " + r.host +
+                           "); it was last at " + where(r));
       } else if (!same_place(r, me) && now - r.changed_ms >= std::max<int64_t>((now - started_ms) / 2, 100)) {
         // Elsewhere for at least half of this collective's wait (a peer that
         // arrived would have moved to it long ago; "since it started" misses
@@ -297,8 +303,7 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
   } catch (const std::exception& e) {
     const auto* c = dynamic_cast<const c10::Error*>(&e);
     return std::string("(the peers' progress could not be read from the store: ") +
-           (c ? c->what_without_backtrace() : e.what()) +
-           "; if rank 0 hosts it, rank 0 may have died)";
+           (c ? c->what_without_backtrace() : e.what()) + "; if rank 0 hosts it, rank 0 may have died)";
   }
 }
 

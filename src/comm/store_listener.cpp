@@ -45,7 +45,7 @@ int listen_socket(const std::string& address, uint16_t port) {
   }
   const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   SHARDTORCH_CHECK(fd >= 0, "shardtorch: cannot create a socket to listen on ", address, ":", port, ": ",
-              std::strerror(errno));
+                   std::strerror(errno));
   auto fail = [&](const char* what) {
     const int err = errno;
     ::close(fd);

@@ -64,11 +64,11 @@ std::string list(const std::vector<int>& ranks) {
 void check_device(const c10::Device& d, int rank, int local_rank) {
   if (!d.is_cuda()) return;
   SHARDTORCH_CHECK(at::hasCUDA(), detail::rank_prefix(rank), " is to compute on ", d,
-              ", but this LibTorch has no CUDA or sees no GPU");
+                   ", but this LibTorch has no CUDA or sees no GPU");
   const auto count = static_cast<int64_t>(at::getNumGPUs());
   SHARDTORCH_CHECK(!d.has_index() || d.index() < count, detail::rank_prefix(rank), " (local rank ", local_rank,
-              ") is to compute on ", d, ", but this host shows it ", count,
-              " GPU(s): start at most that many ranks per host, or set WorldOptions::device");
+                   ") is to compute on ", d, ", but this host shows it ", count,
+                   " GPU(s): start at most that many ranks per host, or set WorldOptions::device");
 }
 
 // The backend of the world or of a group. A member that never arrives is an
@@ -80,8 +80,8 @@ c10::intrusive_ptr<c10d::Backend> connect(const std::string& backend, const c10:
     if (backend == "nccl") return detail::make_nccl_backend(store, index, n, options.timeout());
     return detail::make_gloo_backend(store, index, n, options.timeout(), options.gloo_hostname());
   } catch (const std::exception& e) {
-    detail::throw_error("", detail::rank_prefix(rank) + " could not set up " + backend + " for " + what +
-                                " within " + seconds(options.timeout()) + " s: " + detail::message_of(e));
+    detail::throw_error("", detail::rank_prefix(rank) + " could not set up " + backend + " for " + what + " within " +
+                                seconds(options.timeout()) + " s: " + detail::message_of(e));
   }
 }
 
@@ -115,8 +115,7 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
     env.rank = parse_int(s.rank, *rank);
     env.world_size = parse_int(s.size, *size);
     if (env.world_size < 1) bad_var(s.size, *size, "must be at least 1");
-    if (env.rank >= env.world_size)
-      bad_var(s.rank, *rank, "is not below " + std::string(s.size) + "=" + *size);
+    if (env.rank >= env.world_size) bad_var(s.rank, *rank, "is not below " + std::string(s.size) + "=" + *size);
     auto local = lookup(s.local);
     env.local_rank = local ? parse_int(s.local, *local) : 0;
     break;
@@ -130,8 +129,8 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
     if (p < 1 || p > 65535) bad_var("MASTER_PORT", *port, "is outside 1..65535");
     env.master_port = p;
   }
-  for (auto [var, field] : {std::pair{"SHARDTORCH_TIMEOUT_S", &env.timeout},
-                             std::pair{"SHARDTORCH_FILE_TIMEOUT_S", &env.file_timeout}}) {
+  for (auto [var, field] :
+       {std::pair{"SHARDTORCH_TIMEOUT_S", &env.timeout}, std::pair{"SHARDTORCH_FILE_TIMEOUT_S", &env.file_timeout}}) {
     if (auto t = lookup(var)) {
       const int seconds = parse_int(var, *t);
       if (seconds < 1) bad_var(var, *t, "must be at least 1 (seconds)");
@@ -142,12 +141,11 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
   env.use_agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   if (env.world_size > 1) {
     if (env.master_addr.empty())
-      throw Error("shardtorch: MASTER_ADDR is not set (world size " +
-                                  std::to_string(env.world_size) + " from " + env.launcher +
-                                  "); set it to the address of rank 0");
+      throw Error("shardtorch: MASTER_ADDR is not set (world size " + std::to_string(env.world_size) + " from " +
+                  env.launcher + "); set it to the address of rank 0");
     if (env.master_port == 0)
-      throw Error("shardtorch: MASTER_PORT is not set (world size " +
-                                  std::to_string(env.world_size) + " from " + env.launcher + ")");
+      throw Error("shardtorch: MASTER_PORT is not set (world size " + std::to_string(env.world_size) + " from " +
+                  env.launcher + ")");
   }
   return env;
 }
@@ -177,8 +175,8 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
     } catch (const std::exception& e) {
       std::ostringstream os;
       os << detail::rank_prefix(env.rank) << " of " << env.world_size << " (" << env.launcher << ") could not "
-         << (so.isServer ? "host" : "reach") << " the rendezvous store at " << env.master_addr << ":"
-         << env.master_port << " within " << seconds(options.timeout()) << " s"
+         << (so.isServer ? "host" : "reach") << " the rendezvous store at " << env.master_addr << ":" << env.master_port
+         << " within " << seconds(options.timeout()) << " s"
          << (so.isServer ? "; is another job using MASTER_PORT?"
                          : "; is rank 0 running, and can this host reach MASTER_ADDR?")
          << " (SHARDTORCH_TIMEOUT_S sets the wait): " << detail::message_of(e);
@@ -199,8 +197,8 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
 
 std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                                      WorldOptions options, int local_rank) {
-  SHARDTORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, detail::rank_prefix(rank),
-              " is not in [0, ", world_size, ")");
+  SHARDTORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, detail::rank_prefix(rank), " is not in [0, ",
+                   world_size, ")");
   std::shared_ptr<World> w(new World());
   w->rank_ = rank;
   w->size_ = world_size;
@@ -216,11 +214,11 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   std::string backend = options.backend();
   if (backend == "auto") backend = (w->device_.is_cuda() && detail::nccl_available()) ? "nccl" : "gloo";
   SHARDTORCH_CHECK(backend == "gloo" || backend == "nccl", "shardtorch: unknown backend '", backend,
-              "' (expected auto, gloo or nccl)");
+                   "' (expected auto, gloo or nccl)");
   SHARDTORCH_CHECK(backend != "nccl" || detail::nccl_available(),
-              "shardtorch: backend 'nccl' asked for, but this build has no NCCL");
+                   "shardtorch: backend 'nccl' asked for, but this build has no NCCL");
   SHARDTORCH_CHECK(backend != "nccl" || w->device_.is_cuda(), "shardtorch: backend 'nccl' needs a CUDA device, got ",
-              w->device_);
+                   w->device_);
   check_device(w->device_, rank, local_rank);
   auto b = connect(backend, store, rank, world_size, options, rank,
                    "the world (every one of the " + std::to_string(world_size) + " ranks must create it)");
@@ -231,8 +229,8 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   std::vector<int> all(world_size);  // the world's members, for the peer reports and the check
   for (int r = 0; r < world_size; ++r) all[r] = r;
   if (world_size > 1) {
-    w->progress_ = std::make_shared<detail::Progress>(c10::make_intrusive<c10d::PrefixStore>("shardtorch-peers", store),
-                                                      rank);
+    w->progress_ =
+        std::make_shared<detail::Progress>(c10::make_intrusive<c10d::PrefixStore>("shardtorch-peers", store), rank);
     w->progress_->note("world set up");
     std::weak_ptr<detail::Progress> progress = w->progress_;
     w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started) {
@@ -243,12 +241,12 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
     });
   }
   w->context_ = std::make_shared<detail::CollectiveContext>();
-  const auto choice = detail::check_collectives_choice(options.check_collectives(),
-                                                       std::getenv("SHARDTORCH_CHECK_COLLECTIVES"),
-                                                       w->device_.is_cuda(), world_size);
+  const auto choice = detail::check_collectives_choice(
+      options.check_collectives(), std::getenv("SHARDTORCH_CHECK_COLLECTIVES"), w->device_.is_cuda(), world_size);
   if (choice.refused_on_cuda) {
-    TORCH_WARN_ONCE("shardtorch: check_collectives is not available on a CUDA device yet and stays off: it has "
-                    "not run on a GPU (docs/reliability.md)");
+    TORCH_WARN_ONCE(
+        "shardtorch: check_collectives is not available on a CUDA device yet and stays off: it has "
+        "not run on a GPU (docs/reliability.md)");
   }
   const bool check = choice.on;
   if (world_size > 1) {
@@ -262,10 +260,11 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
     b->_allgather_base(all, mine, o)->wait(options.timeout());
     all = all.cpu();
     for (int r = 1; r < world_size; ++r)
-      SHARDTORCH_CHECK(all[r].item<int64_t>() == all[0].item<int64_t>(), detail::rank_prefix(rank),
-                  ": check_collectives differs across ranks: ", all[0].item<int64_t>() ? "on" : "off", " on rank 0 but ",
-                  all[r].item<int64_t>() ? "on" : "off", " on rank ", r,
-                  "; every rank must pass the same WorldOptions::check_collectives (SHARDTORCH_CHECK_COLLECTIVES)");
+      SHARDTORCH_CHECK(
+          all[r].item<int64_t>() == all[0].item<int64_t>(), detail::rank_prefix(rank),
+          ": check_collectives differs across ranks: ", all[0].item<int64_t>() ? "on" : "off", " on rank 0 but ",
+          all[r].item<int64_t>() ? "on" : "off", " on rank ", r,
+          "; every rank must pass the same WorldOptions::check_collectives (SHARDTORCH_CHECK_COLLECTIVES)");
   }
   if (check && world_size > 1) {
     w->waits_ = std::make_shared<detail::WaitBoard>(c10::make_intrusive<c10d::PrefixStore>("shardtorch-waits", store),
@@ -287,7 +286,8 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   auto it = std::find(ranks.begin(), ranks.end(), rank_);
   SHARDTORCH_CHECK(it != ranks.end(), detail::rank_prefix(global_rank()), " is not in the group '", tag,
                    "' it asked to join");
-  for (int r : ranks) SHARDTORCH_CHECK(r >= 0 && r < size_, "shardtorch: group '", tag, "' names rank ", r, " of ", size_);
+  for (int r : ranks)
+    SHARDTORCH_CHECK(r >= 0 && r < size_, "shardtorch: group '", tag, "' names rank ", r, " of ", size_);
   std::vector<int> members = ranks;
   std::sort(members.begin(), members.end());
   SHARDTORCH_CHECK(std::adjacent_find(members.begin(), members.end()) == members.end(),
@@ -308,7 +308,8 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   // say so instead of each waiting for a group no one else joins.
   std::string key = tag + "/ranks";
   for (int r : members) key += "-" + std::to_string(r);
-  auto store = c10::make_intrusive<c10d::PrefixStore>("group/" + key + "/" + std::to_string(groups_made_[key]++), store_);
+  auto store =
+      c10::make_intrusive<c10d::PrefixStore>("group/" + key + "/" + std::to_string(groups_made_[key]++), store_);
   agree_on_order(*store, ranks, members, tag);
   auto b = connect(backend_name_, store, index, n, options_, rank_, "group '" + tag + "' of ranks " + list(ranks));
   auto comm = std::make_shared<Comm>(b, index, n, options_.timeout(), comm_->device());
@@ -351,8 +352,8 @@ std::shared_ptr<World> World::subworld(const std::vector<int>& ranks, const std:
   World& top = root();
   std::string key = tag + "/ranks";
   for (int r : w->global_ranks_) key += "-" + std::to_string(r);
-  w->store_ = c10::make_intrusive<c10d::PrefixStore>("subworld/" + key + "/" + std::to_string(top.groups_made_["subworld/" + key]++),
-                                                     top.store_);
+  w->store_ = c10::make_intrusive<c10d::PrefixStore>(
+      "subworld/" + key + "/" + std::to_string(top.groups_made_["subworld/" + key]++), top.store_);
   // One process, one place in training: the records peers read and the
   // collectives' fingerprints are the whole job's.
   w->progress_ = progress_;
@@ -384,10 +385,11 @@ void World::agree_on_order(c10d::Store& store, const std::vector<int>& ranks, co
                                 " to arrive: do all of them call new_group with this tag and these ranks? (" +
                                 detail::message_of(e) + ")");
   }
-  SHARDTORCH_CHECK(disagree == 0, detail::rank_prefix(rank_), ": the members of group '", tag,
-              "' list its ranks in different orders (a member's index in the group is its place in the list): rank ",
-              members.front(), " passed ", first, ", ", disagree, " member(s) another order",
-              first != mine ? ", this rank " + mine : std::string());
+  SHARDTORCH_CHECK(
+      disagree == 0, detail::rank_prefix(rank_), ": the members of group '", tag,
+      "' list its ranks in different orders (a member's index in the group is its place in the list): rank ",
+      members.front(), " passed ", first, ", ", disagree, " member(s) another order",
+      first != mine ? ", this rank " + mine : std::string());
 }
 
 void World::note_progress(const std::string& phase, const std::string& unit) {

@@ -46,7 +46,6 @@
 #include <unordered_map>
 #include <unordered_set>
 
-
 namespace shardtorch {
 
 namespace detail {
@@ -75,10 +74,10 @@ struct RecordedOp {
 };
 
 struct FakeInfo {
-  int creator;       // the operator that returned it
-  int64_t storage;   // storage id: views share their base's
+  int creator;         // the operator that returned it
+  int64_t storage;     // storage id: views share their base's
   c10::Device device;  // asked for at construction
-  std::string name;  // "" until named
+  std::string name;    // "" until named
   std::string shape;
   int64_t source = -1;  // the first deferred argument of its creator, if any
   bool zeros = false;   // skip_deferred_init: materialised as zeros, not replayed
@@ -106,13 +105,35 @@ std::string rank_text() {
 // Operators that return something other than tensors from metadata alone
 // (shapes, dtypes, flags): they run on the meta device, unrecorded.
 bool metadata_only(const c10::FunctionSchema& s) {
-  static const std::set<std::string> names = {
-      "aten::_has_compatible_shallow_copy_type", "aten::is_same_size", "aten::size", "aten::stride", "aten::numel",
-      "aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten::sym_storage_offset", "aten::dim",
-      "aten::is_complex", "aten::is_floating_point", "aten::is_signed", "aten::is_conj", "aten::is_neg",
-      "aten::is_inference", "aten::_is_zerotensor", "aten::result_type", "aten::can_cast", "aten::promote_types",
-      "aten::output_nr", "aten::_version", "aten::is_leaf", "aten::retains_grad", "aten::is_contiguous",
-      "aten::is_non_overlapping_and_dense", "aten::is_set_to", "aten::is_pinned", "aten::storage_offset"};
+  static const std::set<std::string> names = {"aten::_has_compatible_shallow_copy_type",
+                                              "aten::is_same_size",
+                                              "aten::size",
+                                              "aten::stride",
+                                              "aten::numel",
+                                              "aten::sym_size",
+                                              "aten::sym_stride",
+                                              "aten::sym_numel",
+                                              "aten::sym_storage_offset",
+                                              "aten::dim",
+                                              "aten::is_complex",
+                                              "aten::is_floating_point",
+                                              "aten::is_signed",
+                                              "aten::is_conj",
+                                              "aten::is_neg",
+                                              "aten::is_inference",
+                                              "aten::_is_zerotensor",
+                                              "aten::result_type",
+                                              "aten::can_cast",
+                                              "aten::promote_types",
+                                              "aten::output_nr",
+                                              "aten::_version",
+                                              "aten::is_leaf",
+                                              "aten::retains_grad",
+                                              "aten::is_contiguous",
+                                              "aten::is_non_overlapping_and_dense",
+                                              "aten::is_set_to",
+                                              "aten::is_pinned",
+                                              "aten::storage_offset"};
   return names.count(s.name()) > 0;
 }
 
@@ -121,9 +142,10 @@ bool metadata_only(const c10::FunctionSchema& s) {
 // call (normal_, uniform_, ... with a Generator argument) is what is recorded.
 bool random_without_generator(const c10::FunctionSchema& s) {
   static const std::set<std::string> names = {
-      "aten::rand", "aten::randn", "aten::randint", "aten::randperm", "aten::rand_like", "aten::randn_like",
-      "aten::randint_like", "aten::dropout", "aten::dropout_", "aten::feature_dropout", "aten::alpha_dropout",
-      "aten::feature_alpha_dropout", "aten::native_dropout"};
+      "aten::rand",          "aten::randn",           "aten::randint",       "aten::randperm",
+      "aten::rand_like",     "aten::randn_like",      "aten::randint_like",  "aten::dropout",
+      "aten::dropout_",      "aten::feature_dropout", "aten::alpha_dropout", "aten::feature_alpha_dropout",
+      "aten::native_dropout"};
   return names.count(s.name()) > 0;
 }
 
@@ -221,7 +243,8 @@ class DeferredSession : public std::enable_shared_from_this<DeferredSession> {
     const auto& f = fakes.at(id);
     if (!f.name.empty()) return "parameter or buffer '" + f.name + "' (" + f.shape + ")";
     if (f.source >= 0 && f.source != id)
-      return "a tensor " + f.shape + " computed by " + ops.at(f.creator).op.schema().name() + " from " + describe(f.source);
+      return "a tensor " + f.shape + " computed by " + ops.at(f.creator).op.schema().name() + " from " +
+             describe(f.source);
     return "a deferred tensor " + f.shape + " (not yet named: shard() and shardtorch::deferred() name them)";
   }
 
@@ -337,8 +360,8 @@ class DeferredSession : public std::enable_shared_from_this<DeferredSession> {
       try {
         r.op.callBoxed(st);
       } catch (const c10::Error& e) {
-        SHARDTORCH_CHECK(false, "shardtorch: replaying ", r.op.schema().name(), " recorded at deferred construction failed: ",
-                    e.what_without_backtrace());
+        SHARDTORCH_CHECK(false, "shardtorch: replaying ", r.op.schema().name(),
+                         " recorded at deferred construction failed: ", e.what_without_backtrace());
       }
       for (const auto& out : r.outputs) {
         const c10::IValue& v = st.at(out.arg);
@@ -364,8 +387,8 @@ void run_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 [[noreturn]] void cannot_read(const DeferredSession& s, int64_t id, const c10::OperatorHandle& op, bool constructing) {
   std::ostringstream os;
   os << "shardtorch: " << rank_text() << s.describe(id) << " is deferred (constructed under shardtorch::DeferredInit) "
-     << "and has no values until shard() or shardtorch::materialize() gives it some, but "
-     << op.schema().name() << " reads them";
+     << "and has no values until shard() or shardtorch::materialize() gives it some, but " << op.schema().name()
+     << " reads them";
   if (constructing)
     os << " during deferred construction. A module that reads a tensor's values in its constructor (.item(), a "
           "comparison, a value copied to the host) cannot be constructed deferred; construct it eagerly, or move "
@@ -405,8 +428,8 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
   std::shared_ptr<DeferredSession> s;
   std::optional<c10::Device> device;
   if (fakes.empty()) {
-    const bool factory = recording && device_arg && reals.empty() && !schema.returns().empty() &&
-                         returns_only_tensors(schema);
+    const bool factory =
+        recording && device_arg && reals.empty() && !schema.returns().empty() && returns_only_tensors(schema);
     if (!factory) {
       c10::impl::ExcludeDispatchKeyGuard no_record(kKey);
       op.callBoxed(stack);
@@ -416,8 +439,10 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
   } else {
     s = fakes.front().m->session;
     for (const auto& f : fakes)
-      SHARDTORCH_CHECK(f.m->session == s, "shardtorch: ", schema.name(), " mixes deferred tensors of two DeferredInit "
-                  "sessions (", s->describe(fakes.front().m->id), " and ", f.m->session->describe(f.m->id), ")");
+      SHARDTORCH_CHECK(f.m->session == s, "shardtorch: ", schema.name(),
+                       " mixes deferred tensors of two DeferredInit "
+                       "sessions (",
+                       s->describe(fakes.front().m->id), " and ", f.m->session->describe(f.m->id), ")");
     if (metadata_only(schema)) {
       c10::impl::ExcludeDispatchKeyGuard no_record(kKey);
       op.callBoxed(stack);
@@ -435,8 +460,9 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
   if (auto pin = schema.argumentIndexWithName("pin_memory")) (*stack)[base + *pin] = c10::IValue();
   for (const auto& [arg, elem] : reals) {
     c10::IValue& v = (*stack)[base + arg];
-    at::Tensor t = elem < 0 ? v.toTensor()
-                            : (v.isTensorList() ? at::Tensor(v.toTensorList().get(elem)) : v.toList().get(elem).toTensor());
+    at::Tensor t = elem < 0
+                       ? v.toTensor()
+                       : (v.isTensorList() ? at::Tensor(v.toTensorList().get(elem)) : v.toList().get(elem).toTensor());
     if (!t.is_meta()) replace_tensor(v, elem, meta_standin(t));
   }
   run_meta(op, stack);
@@ -503,8 +529,8 @@ bool deferred_init_live() { return tls_session != nullptr; }
 void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vector<std::string>& names,
                          std::optional<c10::Device> device, int rank) {
   SHARDTORCH_CHECK(!tls_session, "shardtorch: ", rank >= 0 ? "rank " + std::to_string(rank) + ": " : rank_text(),
-              "deferred tensors cannot be materialised (shard(), materialize()) while a shardtorch::DeferredInit "
-              "lives on this thread; end the guard's scope first");
+                   "deferred tensors cannot be materialised (shard(), materialize()) while a shardtorch::DeferredInit "
+                   "lives on this thread; end the guard's scope first");
   std::map<DeferredSession*, std::vector<size_t>> by_session;
   for (size_t i = 0; i < tensors.size(); ++i)
     if (auto* m = meta_of(tensors[i])) by_session[m->session.get()].push_back(i);
@@ -550,12 +576,12 @@ void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vect
 
 void materialize_into(const at::Tensor& t, const std::string& name, const at::Tensor& dst, int rank) {
   SHARDTORCH_CHECK(!tls_session, "shardtorch: ", rank >= 0 ? "rank " + std::to_string(rank) + ": " : rank_text(),
-              "deferred tensors cannot be materialised (shard(), materialize()) while a shardtorch::DeferredInit "
-              "lives on this thread; end the guard's scope first");
+                   "deferred tensors cannot be materialised (shard(), materialize()) while a shardtorch::DeferredInit "
+                   "lives on this thread; end the guard's scope first");
   auto* m = meta_of(t);
   SHARDTORCH_CHECK(m, "shardtorch: materialize_into: '", name, "' is not deferred");
   SHARDTORCH_CHECK(dst.sizes() == t.sizes() && dst.scalar_type() == t.scalar_type() && dst.is_contiguous(),
-              "shardtorch: materialize_into: '", name, "': the destination does not match the tensor");
+                   "shardtorch: materialize_into: '", name, "': the destination does not match the tensor");
   std::shared_ptr<DeferredSession> s = m->session;  // alive while we work
   const int64_t id = m->id;
   bool zeros = false;

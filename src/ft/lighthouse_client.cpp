@@ -13,7 +13,7 @@ namespace shardtorch::ft::detail {
 struct LighthouseClient::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<torchft::LighthouseService::Stub> stub;
-  std::mutex mu;                        // guards the two below
+  std::mutex mu;                          // guards the two below
   grpc::ClientContext* active = nullptr;  // the quorum call in flight
   bool cancelled = false;
 };
@@ -39,11 +39,20 @@ std::string strip_scheme(const std::string& a) {
 std::string describe(const grpc::Status& s) {
   std::string code;
   switch (s.error_code()) {
-    case grpc::StatusCode::UNAVAILABLE: code = "unavailable"; break;
-    case grpc::StatusCode::DEADLINE_EXCEEDED: code = "no answer before the timeout"; break;
-    case grpc::StatusCode::CANCELLED: code = "cancelled"; break;
-    case grpc::StatusCode::INVALID_ARGUMENT: code = "invalid argument"; break;
-    default: code = "gRPC status " + std::to_string(static_cast<int>(s.error_code()));
+    case grpc::StatusCode::UNAVAILABLE:
+      code = "unavailable";
+      break;
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      code = "no answer before the timeout";
+      break;
+    case grpc::StatusCode::CANCELLED:
+      code = "cancelled";
+      break;
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      code = "invalid argument";
+      break;
+    default:
+      code = "gRPC status " + std::to_string(static_cast<int>(s.error_code()));
   }
   return code + (s.error_message().empty() ? "" : ": " + s.error_message());
 }
@@ -56,8 +65,9 @@ void set_deadline(grpc::ClientContext& ctx, std::chrono::milliseconds timeout) {
 
 LighthouseClient::LighthouseClient(const std::string& address)
     : address_(strip_scheme(address)), impl_(std::make_unique<Impl>()) {
-  check(!address_.empty(), "shardtorch::ft: no lighthouse address: pass ManagerOptions::lighthouse "
-                                      "or set SHARDTORCH_FT_LIGHTHOUSE (host:port of torchft_lighthouse)");
+  check(!address_.empty(),
+        "shardtorch::ft: no lighthouse address: pass ManagerOptions::lighthouse "
+        "or set SHARDTORCH_FT_LIGHTHOUSE (host:port of torchft_lighthouse)");
   impl_->channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
   impl_->stub = torchft::LighthouseService::NewStub(impl_->channel);
 }
@@ -89,10 +99,10 @@ QuorumReply LighthouseClient::quorum(const Member& me, std::chrono::milliseconds
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->active = nullptr;
   }
-  check(s.ok(), "shardtorch::ft: replica '", me.replica_id, "' got no quorum from the lighthouse at ",
-                   address_, " within ", timeout.count(), " ms (", describe(s),
-                   "). Check that torchft_lighthouse runs there and that --min_replicas replica groups are up; "
-                   "ManagerOptions::quorum_timeout sets this wait");
+  check(s.ok(), "shardtorch::ft: replica '", me.replica_id, "' got no quorum from the lighthouse at ", address_,
+        " within ", timeout.count(), " ms (", describe(s),
+        "). Check that torchft_lighthouse runs there and that --min_replicas replica groups are up; "
+        "ManagerOptions::quorum_timeout sets this wait");
   QuorumReply out;
   out.quorum_id = resp.quorum().quorum_id();
   for (const auto& p : resp.quorum().participants())
@@ -118,8 +128,8 @@ void LighthouseClient::heartbeat(const std::string& replica_id, std::chrono::mil
   grpc::ClientContext ctx;
   set_deadline(ctx, timeout);
   const grpc::Status s = impl_->stub->Heartbeat(&ctx, req, &resp);
-  check(s.ok(), "shardtorch::ft: replica '", replica_id, "' could not reach the lighthouse at ", address_,
-                   " (", describe(s), ")");
+  check(s.ok(), "shardtorch::ft: replica '", replica_id, "' could not reach the lighthouse at ", address_, " (",
+        describe(s), ")");
 }
 
 }  // namespace shardtorch::ft::detail

@@ -78,8 +78,8 @@ std::string join(const std::vector<std::string>& v) {
 int bound_port(int fd) {
   sockaddr_storage addr{};
   socklen_t len = sizeof addr;
-  SHARDTORCH_CHECK(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0, "shardtorch::ft: getsockname: ",
-                   std::strerror(errno));
+  SHARDTORCH_CHECK(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0,
+                   "shardtorch::ft: getsockname: ", std::strerror(errno));
   if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
   return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
 }
@@ -115,8 +115,8 @@ std::string describe_model(torch::nn::Module& root, ShardState& st, ShardedOptim
   if (o.strategy() == Strategy::HybridShard) s << " (shard groups of " << o.hybrid_shard_size() << ")";
   if (o.cpu_offload()) s << " with CPU offload";
   s << ", " << describe_precision(o.mixed_precision()) << ", " << world_size
-    << (world_size == 1 ? " rank, " : " ranks, ") << n << " parameters of " << numel
-    << " elements (names and shapes " << std::hex << (h & 0xffffffffu) << std::dec << "), "
+    << (world_size == 1 ? " rank, " : " ranks, ") << n << " parameters of " << numel << " elements (names and shapes "
+    << std::hex << (h & 0xffffffffu) << std::dec << "), "
     << (kind ? shardtorch::detail::optimizer_kind_name(*kind) : "an optimizer without movable state");
   return s.str();
 }
@@ -138,7 +138,7 @@ struct Ask {
 struct Quorum {
   int64_t id = 0;
   std::vector<Participant> participants;  // sorted by replica id
-  int me = -1;                             // index among participants
+  int me = -1;                            // index among participants
   int64_t max_step = 0;
   std::vector<int> counted;                // participants whose gradients count
   std::vector<std::pair<int, int>> heals;  // (healed, source) participant indices
@@ -226,9 +226,9 @@ struct Manager::Impl {
   std::mutex worker_mu;
   std::condition_variable worker_cv;
   std::optional<std::pair<Ask, std::promise<Quorum>>> job;  // guarded by worker_mu
-  bool worker_stop = false;                                  // guarded by worker_mu
-  std::atomic<bool> cancelled{false};  // the request in flight is abandoned: end its waits
-  int64_t posted = -1;                 // group rank 0: the last round whose answer is in the group's store
+  bool worker_stop = false;                                 // guarded by worker_mu
+  std::atomic<bool> cancelled{false};                       // the request in flight is abandoned: end its waits
+  int64_t posted = -1;  // group rank 0: the last round whose answer is in the group's store
 
   void worker_loop() {
     std::unique_lock<std::mutex> lock(worker_mu);
@@ -273,13 +273,12 @@ struct Manager::Impl {
   }
 
   std::string data_json(const Ask& ask) const {
-    return json::serialize(json::object{{"group", group}, {"model", model}, {"restarted", restarted},
-                                        {"broken", ask.broken}});
+    return json::serialize(
+        json::object{{"group", group}, {"model", model}, {"restarted", restarted}, {"broken", ask.broken}});
   }
 
   detail::QuorumReply ask_lighthouse(const Ask& ask) {
-    Member me{replica_id, store_address, store_address, ask.step, static_cast<uint64_t>(world->size()),
-              data_json(ask)};
+    Member me{replica_id, store_address, store_address, ask.step, static_cast<uint64_t>(world->size()), data_json(ask)};
     return lighthouse->quorum(me, options.quorum_timeout());
   }
 
@@ -310,9 +309,9 @@ struct Manager::Impl {
     while (!store.check({key})) {
       if (cancelled) return json::serialize(json::object{{"error", "cancelled"}});
       if (Clock::now() > deadline)
-        return json::serialize(json::object{
-            {"error", "rank " + std::to_string(world->rank()) + " of replica group '" + group +
-                          "' did not get the quorum from its group rank 0 within the quorum timeout"}});
+        return json::serialize(
+            json::object{{"error", "rank " + std::to_string(world->rank()) + " of replica group '" + group +
+                                       "' did not get the quorum from its group rank 0 within the quorum timeout"}});
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     auto v = store.get(key);
@@ -347,7 +346,8 @@ struct Manager::Impl {
         x.restarted = d.at("restarted").as_bool();
         x.broken = d.at("broken").as_int64();
       } catch (const std::exception&) {
-        q.error = "replica '" + x.id + "' in the quorum is not a shardtorch fault-tolerance manager (its data is not "
+        q.error = "replica '" + x.id +
+                  "' in the quorum is not a shardtorch fault-tolerance manager (its data is not "
                   "shardtorch's); every replica group must run shardtorch::ft::Manager";
         q.fatal = true;
         return q;
@@ -366,18 +366,19 @@ struct Manager::Impl {
       if (q.participants[i].group == q.participants[i - 1].group) {
         // An incarnation that died within the lighthouse's heartbeat timeout
         // is still a participant: it would never join the group's rendezvous.
-        q.error = "the quorum " + join(names(q)) + " holds two replicas of group '" + q.participants[i].group +
-                  "' ('" + q.participants[i - 1].id + "' and '" + q.participants[i].id +
+        q.error = "the quorum " + join(names(q)) + " holds two replicas of group '" + q.participants[i].group + "' ('" +
+                  q.participants[i - 1].id + "' and '" + q.participants[i].id +
                   "'): one is an earlier incarnation that the lighthouse has not yet timed out; the next quorum goes "
                   "without it";
         return q;
       }
     for (const auto& p : q.participants)
       if (p.model != model) {
-        q.error = "replica groups '" + group + "' and '" + p.group +
-                  "' train different models, strategies or mixed precision: '" + group + "' has " + model + "; '" +
-                  p.group + "' has " + p.model +
-                  ". Every replica group must build the same model with the same ShardOptions, world size and optimizer";
+        q.error =
+            "replica groups '" + group + "' and '" + p.group +
+            "' train different models, strategies or mixed precision: '" + group + "' has " + model + "; '" + p.group +
+            "' has " + p.model +
+            ". Every replica group must build the same model with the same ShardOptions, world size and optimizer";
         q.fatal = true;
         return q;
       }
@@ -478,8 +479,10 @@ struct Manager::Impl {
   const Quorum& wait_quorum() {
     // run_quorum's own waits are bounded (quorum_timeout, timeout); this adds a margin.
     const auto bound = options.quorum_timeout() + 2 * options.timeout() + std::chrono::seconds(10);
-    SHARDTORCH_CHECK(quorum.valid(), "shardtorch::ft: Manager::start_step() was not called before this backward or "
-                                     "should_commit() (group '", group, "', rank ", world->rank(), ")");
+    SHARDTORCH_CHECK(quorum.valid(),
+                     "shardtorch::ft: Manager::start_step() was not called before this backward or "
+                     "should_commit() (group '",
+                     group, "', rank ", world->rank(), ")");
     SHARDTORCH_CHECK(quorum.wait_for(bound) == std::future_status::ready, "shardtorch::ft: group '", group, "', rank ",
                      world->rank(), ": the quorum of step ", step, " did not finish within ", bound.count(), " ms");
     return quorum.get();
@@ -691,7 +694,8 @@ Manager::Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedO
     : impl_(std::make_unique<Impl>(std::move(world), root, opt, std::move(options))) {
   Impl& m = *impl_;
   auto& o = m.options;
-  if (o.lighthouse().empty()) o.lighthouse(env("SHARDTORCH_FT_LIGHTHOUSE").value_or(env("TORCHFT_LIGHTHOUSE").value_or("")));
+  if (o.lighthouse().empty())
+    o.lighthouse(env("SHARDTORCH_FT_LIGHTHOUSE").value_or(env("TORCHFT_LIGHTHOUSE").value_or("")));
   if (o.replica_group().empty())
     o.replica_group(env("SHARDTORCH_FT_REPLICA_GROUP").value_or(env("REPLICA_GROUP_ID").value_or("")));
   SHARDTORCH_CHECK(!o.replica_group().empty(), "shardtorch::ft::Manager: rank ", m.world->rank(),
@@ -705,7 +709,8 @@ Manager::Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedO
   m.state = detail::require_state(root, "shardtorch::ft::Manager");
   m.model = describe_model(root, *m.state, opt, m.world->size());
   // Every rank of the group must agree on the group name and the incarnation.
-  auto names = m.world->comm().all_gather_strings(m.group + "/" + std::to_string(restarts), "shardtorch::ft group name");
+  auto names =
+      m.world->comm().all_gather_strings(m.group + "/" + std::to_string(restarts), "shardtorch::ft group name");
   for (size_t r = 0; r < names.size(); ++r)
     SHARDTORCH_CHECK(names[r] == names[0], "shardtorch::ft::Manager: ranks 0 and ", r,
                      " of one World name different replica groups or restarts: '", names[0], "' and '", names[r], "'");
@@ -783,7 +788,8 @@ void Manager::start_step() {
                    ": start_step() twice without should_commit() between them");
   // An optimizer that steps during the backward would update before the vote.
   SHARDTORCH_CHECK(!m.state->copies().gradient_listener(), "shardtorch::ft: group '", m.group, "', rank ",
-                   m.world->rank(), ": the optimizer steps during the backward (ShardedOptimizer::"
+                   m.world->rank(),
+                   ": the optimizer steps during the backward (ShardedOptimizer::"
                    "overlap_with_backward), before the group votes on the step: turn the overlap off under fault "
                    "tolerance, where should_commit() decides whether the optimizer steps");
   m.in_step = true;

@@ -27,7 +27,7 @@ double clip_grad_norm(torch::nn::Module& root, double max_norm, double norm_type
   // and the sum of powers goes through double a chunk at a time (a whole
   // OptimizerOnly flat gradient in double was 8 bytes per element at once).
   constexpr int64_t kChunk = int64_t{1} << 20;
-  const c10::Device device = partial ? state->shard_comm().device()
+  const c10::Device device = partial         ? state->shard_comm().device()
                              : grads.empty() ? c10::Device(c10::kCPU)
                                              : grads.front().device();
   const auto dbl = at::TensorOptions().dtype(at::kDouble).device(device);

@@ -79,8 +79,8 @@ __attribute__((always_inline)) inline uint16_t bf16_bits(float x) {
 }
 
 __attribute__((always_inline)) inline void adam_body(float* __restrict p, const float* __restrict g,
-                                                     float* __restrict m, float* __restrict v, int64_t n,
-                                                     Coeffs c, at::BFloat16* __restrict low) {
+                                                     float* __restrict m, float* __restrict v, int64_t n, Coeffs c,
+                                                     at::BFloat16* __restrict low) {
   if (low == nullptr) {
     adam_loop(p, g, m, v, n, c);
     return;
@@ -113,7 +113,7 @@ struct NewtonConsts {
 
 template <bool Tail>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline __m512 load16(const float* a,
-                                                                                               __mmask16 k) {
+                                                                                             __mmask16 k) {
   return Tail ? _mm512_maskz_loadu_ps(k, a) : _mm512_loadu_ps(a);
 }
 
@@ -121,8 +121,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline _
 // loop are plain: masked ones cost where memory is the bound).
 template <bool Tail>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void newton_vector(
-    float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t i,
-    __mmask16 k, bool decoupled, const NewtonConsts& c) {
+    float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t i, __mmask16 k,
+    bool decoupled, const NewtonConsts& c) {
   __m512 param = load16<Tail>(p + i, k), grad = load16<Tail>(g + i, k);
   if (decoupled) {
     param = _mm512_mul_ps(param, c.decay);
@@ -130,8 +130,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
     grad = _mm512_fmadd_ps(c.wd, param, grad);
   }
   const __m512 mi = _mm512_fmadd_ps(load16<Tail>(m + i, k), c.beta1, _mm512_mul_ps(grad, c.omb1));
-  const __m512 vi =
-      _mm512_fmadd_ps(load16<Tail>(v + i, k), c.beta2, _mm512_mul_ps(_mm512_mul_ps(c.omb2, grad), grad));
+  const __m512 vi = _mm512_fmadd_ps(load16<Tail>(v + i, k), c.beta2, _mm512_mul_ps(_mm512_mul_ps(c.omb2, grad), grad));
   __m512 r = _mm512_rsqrt14_ps(vi);  // 1/sqrt(v), then one Newton step: r (3/2 - v r^2 / 2)
   r = _mm512_mul_ps(r, _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_mul_ps(c.half, vi), r), r, c.three_halves));
   const __m512 sq = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(vi, c.tiny, _CMP_GE_OQ), vi, r);  // sqrt(v) = v / sqrt(v)
@@ -153,13 +152,23 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton_loop(
-    float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t n,
-    const Coeffs& c) {
-  const NewtonConsts k{_mm512_set1_ps(c.beta1),     _mm512_set1_ps(c.one_minus_beta1), _mm512_set1_ps(c.beta2),
-                       _mm512_set1_ps(c.one_minus_beta2), _mm512_set1_ps(c.eps),     _mm512_set1_ps(c.step_size),
-                       _mm512_set1_ps(c.inv_sqrt_bc2), _mm512_set1_ps(c.decay),       _mm512_set1_ps(c.wd),
-                       _mm512_set1_ps(0.5f),        _mm512_set1_ps(1.5f),             _mm512_set1_ps(2.0f),
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton_loop(float* __restrict p,
+                                                                                      const float* __restrict g,
+                                                                                      float* __restrict m,
+                                                                                      float* __restrict v, int64_t n,
+                                                                                      const Coeffs& c) {
+  const NewtonConsts k{_mm512_set1_ps(c.beta1),
+                       _mm512_set1_ps(c.one_minus_beta1),
+                       _mm512_set1_ps(c.beta2),
+                       _mm512_set1_ps(c.one_minus_beta2),
+                       _mm512_set1_ps(c.eps),
+                       _mm512_set1_ps(c.step_size),
+                       _mm512_set1_ps(c.inv_sqrt_bc2),
+                       _mm512_set1_ps(c.decay),
+                       _mm512_set1_ps(c.wd),
+                       _mm512_set1_ps(0.5f),
+                       _mm512_set1_ps(1.5f),
+                       _mm512_set1_ps(2.0f),
                        _mm512_set1_ps(1.17549435e-38f),  // FLT_MIN: below it, sqrt(v) is taken as 0
                        _mm512_set1_ps(std::numeric_limits<float>::infinity())};
   int64_t i = 0;
@@ -171,8 +180,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton
   if (i < n) newton_vector<true>(p, g, m, v, i, static_cast<__mmask16>((1u << (n - i)) - 1), c.decoupled, k);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton(
-    float* p, const float* g, float* m, float* v, int64_t n, Coeffs c, at::BFloat16* low) {
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton(float* p, const float* g, float* m,
+                                                                                 float* v, int64_t n, Coeffs c,
+                                                                                 at::BFloat16* low) {
   if (low == nullptr) {
     adam_avx512_newton_loop(p, g, m, v, n, c);
     return;
@@ -185,12 +195,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512(
-    float* p, const float* g, float* m, float* v, int64_t n, Coeffs c, at::BFloat16* low) {
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512(float* p, const float* g, float* m, float* v,
+                                                                          int64_t n, Coeffs c, at::BFloat16* low) {
   adam_body(p, g, m, v, n, c, low);
 }
-__attribute__((target("avx2,fma"))) void adam_avx2(float* p, const float* g, float* m, float* v, int64_t n,
-                                                   Coeffs c, at::BFloat16* low) {
+__attribute__((target("avx2,fma"))) void adam_avx2(float* p, const float* g, float* m, float* v, int64_t n, Coeffs c,
+                                                   at::BFloat16* low) {
   adam_body(p, g, m, v, n, c, low);
 }
 #endif  // SHARDTORCH_ADAM_X86
@@ -270,8 +280,8 @@ namespace {
 // the update after grad = grad.to(fp32) / divisor (what at::div_ computes:
 // an fp32 division by the divisor rounded to fp32; none when it is 1).
 template <class G>
-void fused_adam_cpu_converting(float* param, const G* grad, float divisor, float* exp_avg, float* exp_avg_sq,
-                               int64_t n, const AdamStep& s, at::BFloat16* low) {
+void fused_adam_cpu_converting(float* param, const G* grad, float divisor, float* exp_avg, float* exp_avg_sq, int64_t n,
+                               const AdamStep& s, at::BFloat16* low) {
   const Coeffs c = cuda::adam_coeffs(s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step, s.decoupled);
   const Kernel kernel = chosen().kernel;
   const bool divide = divisor != 1.0f;
@@ -305,7 +315,7 @@ __attribute__((always_inline)) inline void roofline_body(float* __restrict a, co
 
 #if SHARDTORCH_ADAM_X86
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void roofline_avx512(float* a, const float* b, float* c,
-                                                                                float* d, int64_t n) {
+                                                                              float* d, int64_t n) {
   roofline_body(a, b, c, d, n);
 }
 __attribute__((target("avx2,fma"))) void roofline_avx2(float* a, const float* b, float* c, float* d, int64_t n) {
@@ -357,29 +367,31 @@ void FusedAdamBase<Options, State, Decoupled>::check_step() const {
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     const auto& o = static_cast<const Options&>(param_groups_[gi].options());
     const auto [beta1, beta2] = o.betas();
-    SHARDTORCH_CHECK(!o.amsgrad(), "shardtorch FusedAdam: group ", gi, ": amsgrad is not supported; use torch::optim::Adam");
-    SHARDTORCH_CHECK(o.lr() >= 0 && o.eps() >= 0 && o.weight_decay() >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 &&
-                    beta2 < 1,
-                "shardtorch FusedAdam: group ", gi, ": need lr, eps, weight_decay >= 0 and 0 <= betas < 1, got lr ",
-                o.lr(), ", eps ", o.eps(), ", weight_decay ", o.weight_decay(), ", betas (", beta1, ", ", beta2, ")");
+    SHARDTORCH_CHECK(!o.amsgrad(), "shardtorch FusedAdam: group ", gi,
+                     ": amsgrad is not supported; use torch::optim::Adam");
+    SHARDTORCH_CHECK(
+        o.lr() >= 0 && o.eps() >= 0 && o.weight_decay() >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1,
+        "shardtorch FusedAdam: group ", gi, ": need lr, eps, weight_decay >= 0 and 0 <= betas < 1, got lr ", o.lr(),
+        ", eps ", o.eps(), ", weight_decay ", o.weight_decay(), ", betas (", beta1, ", ", beta2, ")");
     for (const auto& p : param_groups_[gi].params()) {
       if (!p.grad().defined()) continue;
       const bool on_device = p.is_cuda() && fused_adam_cuda_available();
       SHARDTORCH_CHECK(p.scalar_type() == at::kFloat && (p.device().is_cpu() || on_device) && p.is_contiguous() &&
-                      p.grad().is_contiguous() && p.grad().scalar_type() == at::kFloat &&
-                      p.grad().numel() == p.numel() && p.grad().device() == p.device(),
-                  "shardtorch FusedAdam: group ", gi, ": needs contiguous fp32 parameters and gradients of the "
-                  "same size on one device (the CPU, or CUDA in a build with CUDA kernels), got a ", p.scalar_type(),
-                  " parameter of ", p.numel(), " on ", p.device(), " with a ", p.grad().scalar_type(), " gradient of ",
-                  p.grad().numel(), " on ", p.grad().device());
+                           p.grad().is_contiguous() && p.grad().scalar_type() == at::kFloat &&
+                           p.grad().numel() == p.numel() && p.grad().device() == p.device(),
+                       "shardtorch FusedAdam: group ", gi,
+                       ": needs contiguous fp32 parameters and gradients of the "
+                       "same size on one device (the CPU, or CUDA in a build with CUDA kernels), got a ",
+                       p.scalar_type(), " parameter of ", p.numel(), " on ", p.device(), " with a ",
+                       p.grad().scalar_type(), " gradient of ", p.grad().numel(), " on ", p.grad().device());
       auto it = state_.find(p.unsafeGetTensorImpl());
       if (it == state_.end()) continue;
       const auto& s = static_cast<const State&>(*it->second);
       for (const at::Tensor& m : {s.exp_avg(), s.exp_avg_sq()})
-        SHARDTORCH_CHECK(m.defined() && m.scalar_type() == at::kFloat && m.device() == p.device() && m.is_contiguous() &&
-                        m.numel() == p.numel(),
-                    "shardtorch FusedAdam: group ", gi, ": a parameter of ", p.numel(), " elements on ", p.device(),
-                    " has moments that are not contiguous fp32 tensors of its size on its device");
+        SHARDTORCH_CHECK(m.defined() && m.scalar_type() == at::kFloat && m.device() == p.device() &&
+                             m.is_contiguous() && m.numel() == p.numel(),
+                         "shardtorch FusedAdam: group ", gi, ": a parameter of ", p.numel(), " elements on ",
+                         p.device(), " has moments that are not contiguous fp32 tensors of its size on its device");
     }
   }
 }
@@ -395,7 +407,7 @@ void FusedAdamBase<Options, State, Decoupled>::step_params(const std::vector<at:
 
 template <class Options, class State, bool Decoupled>
 bool FusedAdamBase<Options, State, Decoupled>::step_params_with(const std::vector<at::Tensor>& params,
-                                                                 const std::vector<at::Tensor>& grads, double divisor) {
+                                                                const std::vector<at::Tensor>& grads, double divisor) {
   c10::NoGradGuard no_grad;
   SHARDTORCH_CHECK(params.size() == grads.size(), "shardtorch FusedAdam: step_params_with got ", params.size(),
                    " parameters and ", grads.size(), " gradients");
@@ -464,10 +476,10 @@ void FusedAdamBase<Options, State, Decoupled>::update_from(at::Tensor& p, const 
 template <class Options, class State, bool Decoupled>
 void FusedAdamBase<Options, State, Decoupled>::write_low_copy(const at::Tensor& param, at::Tensor low) {
   SHARDTORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.device() == param.device() && low.is_contiguous() &&
-                  low.numel() == param.numel(),
-              "shardtorch FusedAdam: the low-precision copy of a parameter of ", param.numel(), " elements on ",
-              param.device(), " must be a contiguous bf16 tensor of its size on its device, got ", low.scalar_type(),
-              " of ", low.numel(), " on ", low.device());
+                       low.numel() == param.numel(),
+                   "shardtorch FusedAdam: the low-precision copy of a parameter of ", param.numel(), " elements on ",
+                   param.device(), " must be a contiguous bf16 tensor of its size on its device, got ",
+                   low.scalar_type(), " of ", low.numel(), " on ", low.device());
   low_[param.unsafeGetTensorImpl()] = std::move(low);
 }
 

@@ -11,8 +11,8 @@ namespace detail {
 void fused_adam_cuda(const at::Tensor& param, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, const AdamStep&) {
   SHARDTORCH_CHECK(false, "shardtorch FusedAdam: a parameter of ", param.numel(), " elements is on ", param.device(),
-              ", but this shardtorch was built without CUDA kernels (against a CPU LibTorch, or without a CUDA "
-              "compiler); rebuild against a CUDA LibTorch with nvcc on PATH, or use shardtorch::AdamW");
+                   ", but this shardtorch was built without CUDA kernels (against a CPU LibTorch, or without a CUDA "
+                   "compiler); rebuild against a CUDA LibTorch with nvcc on PATH, or use shardtorch::AdamW");
 }
 
 }  // namespace detail

@@ -16,11 +16,11 @@ GradScaler::GradScaler(torch::nn::Module& root, GradScalerOptions options)
     : state_(detail::require_state(root, "GradScaler")), options_(options), scale_(options.init_scale()) {
   // Finite: an infinite scale would skip every step for ever (inf * backoff = inf).
   SHARDTORCH_CHECK(std::isfinite(scale_) && scale_ > 0 && std::isfinite(options.growth_factor()) &&
-                  options.growth_factor() > 1 && options.backoff_factor() > 0 && options.backoff_factor() < 1 &&
-                  options.growth_interval() >= 1,
-              "shardtorch::GradScaler: need a finite init_scale > 0 (got ", scale_, "), a finite growth_factor > 1 (got ",
-              options.growth_factor(), "), 0 < backoff_factor < 1 (got ", options.backoff_factor(),
-              ") and growth_interval >= 1 (got ", options.growth_interval(), ")");
+                       options.growth_factor() > 1 && options.backoff_factor() > 0 && options.backoff_factor() < 1 &&
+                       options.growth_interval() >= 1,
+                   "shardtorch::GradScaler: need a finite init_scale > 0 (got ", scale_,
+                   "), a finite growth_factor > 1 (got ", options.growth_factor(), "), 0 < backoff_factor < 1 (got ",
+                   options.backoff_factor(), ") and growth_interval >= 1 (got ", options.growth_interval(), ")");
   state_->set_has_scaler();
 }
 
@@ -29,9 +29,10 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) const { return loss * scale
 void GradScaler::check_optimizer(const ShardedOptimizer& opt, const char* who) const {
   // Another model's optimizer would step on gradients this scaler never
   // divided nor checked.
-  SHARDTORCH_CHECK(opt.views().state() == state_.get(), detail::rank_prefix(state_->world().global_rank()), ": GradScaler::", who,
-              ": the optimizer is over another model than the one this scaler was made for (one GradScaler per "
-              "sharded model)");
+  SHARDTORCH_CHECK(opt.views().state() == state_.get(), detail::rank_prefix(state_->world().global_rank()),
+                   ": GradScaler::", who,
+                   ": the optimizer is over another model than the one this scaler was made for (one GradScaler per "
+                   "sharded model)");
 }
 
 void GradScaler::unscale(ShardedOptimizer& opt) {
@@ -83,7 +84,7 @@ constexpr const char* kSkipped = "grad_scaler.skipped_steps";
 const std::string& entry(const std::map<std::string, std::string>& state, const char* key) {
   auto it = state.find(key);
   SHARDTORCH_CHECK(it != state.end(), "shardtorch::GradScaler::load_state_dict: no '", key,
-              "' (pass what GradScaler::state_dict() gave, e.g. inside a checkpoint's user_state)");
+                   "' (pass what GradScaler::state_dict() gave, e.g. inside a checkpoint's user_state)");
   return it->second;
 }
 
@@ -95,7 +96,7 @@ T parse(const std::map<std::string, std::string>& state, const char* key) {
   T value{};
   const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), value);
   SHARDTORCH_CHECK(err == std::errc() && end == text.data() + text.size(), "shardtorch::GradScaler::load_state_dict: '",
-              key, "' is '", text, "', not a number");
+                   key, "' is '", text, "', not a number");
   return value;
 }
 }  // namespace
@@ -113,14 +114,14 @@ void GradScaler::load_state_dict(const std::map<std::string, std::string>& state
   const double scale = parse<double>(state, kScale);
   const int64_t good = parse<int64_t>(state, kGoodSteps);
   const int64_t skipped = parse<int64_t>(state, kSkipped);
-  SHARDTORCH_CHECK(std::isfinite(scale) && scale > 0, "shardtorch::GradScaler::load_state_dict: '", kScale, "' is ", scale,
-              ", not a positive finite scale");
+  SHARDTORCH_CHECK(std::isfinite(scale) && scale > 0, "shardtorch::GradScaler::load_state_dict: '", kScale, "' is ",
+                   scale, ", not a positive finite scale");
   // A good-step count at or past growth_interval (a run resumed with a
   // smaller one) grows the scale at the next good step.
   SHARDTORCH_CHECK(good >= 0 && skipped >= 0, "shardtorch::GradScaler::load_state_dict: '", kGoodSteps, "' is ", good,
-              " and '", kSkipped, "' ", skipped, "; neither may be negative");
+                   " and '", kSkipped, "' ", skipped, "; neither may be negative");
   SHARDTORCH_CHECK(good <= std::numeric_limits<int>::max(), "shardtorch::GradScaler::load_state_dict: '", kGoodSteps,
-              "' is ", good, ", more than this scaler counts (", std::numeric_limits<int>::max(), ")");
+                   "' is ", good, ", more than this scaler counts (", std::numeric_limits<int>::max(), ")");
   scale_ = scale;
   good_steps_ = static_cast<int>(good);
   skipped_ = skipped;

@@ -16,8 +16,8 @@ namespace detail {
 
 ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "cannot build a sharded optimizer")) {
   SHARDTORCH_CHECK(state_->options().mixed_precision().param_dtype() != at::kHalf || state_->has_scaler(),
-              "shardtorch: fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
-              "model before its optimizer, and step through scaler.step(*opt)");
+                   "shardtorch: fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
+                   "model before its optimizer, and step through scaler.step(*opt)");
   if (state_->ddp()) {  // NoShard: the optimizer runs over the parameters themselves
     const auto& params = state_->ddp_params();
     const auto& optimized = state_->ddp_optimized();
@@ -38,8 +38,8 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
         if (f->requires_grad()) {
           if (auto piece = f->layout().piece(i, rank)) {
             idx.push_back(pieces_.size());
-            pieces_.push_back({f->shard().narrow(0, piece->shard_offset, piece->length), f.get(),
-                               piece->shard_offset, piece->length, f->names()[i], piece->param_offset});
+            pieces_.push_back({f->shard().narrow(0, piece->shard_offset, piece->length), f.get(), piece->shard_offset,
+                               piece->length, f->names()[i], piece->param_offset});
           }
         }
         by_param_.emplace_back(key, std::move(idx));
@@ -61,11 +61,12 @@ std::vector<at::Tensor> ShardViews::take(const std::vector<at::Tensor>& params) 
     const void* key = p.unsafeGetTensorImpl();
     auto it = std::find_if(by_param_.begin(), by_param_.end(), [&](const auto& e) { return e.first == key; });
     if (it == by_param_.end() && !p.requires_grad()) continue;  // frozen: nothing to optimize
-    SHARDTORCH_CHECK(it != by_param_.end(), "shardtorch optimizer: rank ", state_->world().global_rank(), ": a tensor of shape ",
-                p.sizes(), " given in a parameter group is not a parameter of the sharded model");
+    SHARDTORCH_CHECK(it != by_param_.end(), "shardtorch optimizer: rank ", state_->world().global_rank(),
+                     ": a tensor of shape ", p.sizes(),
+                     " given in a parameter group is not a parameter of the sharded model");
     SHARDTORCH_CHECK(std::find(asked_.begin(), asked_.end(), key) == asked_.end(), "shardtorch optimizer: rank ",
-                state_->world().global_rank(), ": parameter '", param_names_[it - by_param_.begin()], "' ", p.sizes(),
-                " is given twice (in two parameter groups, or twice in one)");
+                     state_->world().global_rank(), ": parameter '", param_names_[it - by_param_.begin()], "' ",
+                     p.sizes(), " is given twice (in two parameter groups, or twice in one)");
     asked_.push_back(key);
     for (size_t i : it->second) {
       pieces_[i].taken = true;
@@ -145,12 +146,15 @@ bool all_fp32_cuda(ShardState& state) {
 
 void ShardViews::require_fp32_cpu(const std::string& who) const {
   for_each_optimized(*state_, [&](const at::Tensor& t, const std::string& name) {
-    SHARDTORCH_CHECK(t.scalar_type() == at::kFloat && (t.device().is_cpu() || (t.is_cuda() && fused_adam_cuda_available())),
-                who, ": rank ", state_->world().global_rank(), ": parameter '", name, "' is optimized as a ",
-                t.scalar_type(), " tensor on ", t.device(), "; it updates fp32 tensors (fp32 parameters or masters) in "
-                "host memory, or on a CUDA device in a build with CUDA kernels (fused_adam_cuda_available() is ",
-                fused_adam_cuda_available() ? "true" : "false", " here). Use torch::optim::Adam(W) through "
-                "shardtorch::Adam(W) otherwise");
+    SHARDTORCH_CHECK(
+        t.scalar_type() == at::kFloat && (t.device().is_cpu() || (t.is_cuda() && fused_adam_cuda_available())), who,
+        ": rank ", state_->world().global_rank(), ": parameter '", name, "' is optimized as a ", t.scalar_type(),
+        " tensor on ", t.device(),
+        "; it updates fp32 tensors (fp32 parameters or masters) in "
+        "host memory, or on a CUDA device in a build with CUDA kernels (fused_adam_cuda_available() is ",
+        fused_adam_cuda_available() ? "true" : "false",
+        " here). Use torch::optim::Adam(W) through "
+        "shardtorch::Adam(W) otherwise");
   });
 }
 
@@ -164,9 +168,10 @@ class StepInBackward final : public GradientListener {
   void before(FlatParam& flat) override {
     std::lock_guard<std::mutex> lock(mu_);
     SHARDTORCH_CHECK(!stepped_.count(&flat), detail::rank_prefix(state_.world().global_rank()), ": the gradient of ",
-                flat.describe(), " was reduced again before opt->step(), and the optimizer already stepped with the "
-                "first (overlap_with_backward): call step() after every backward that synchronizes gradients, and "
-                "accumulate micro-batches with set_requires_gradient_sync(false)");
+                     flat.describe(),
+                     " was reduced again before opt->step(), and the optimizer already stepped with the "
+                     "first (overlap_with_backward): call step() after every backward that synchronizes gradients, and "
+                     "accumulate micro-batches with set_requires_gradient_sync(false)");
     if (!window_open_) stepper_.check_step();  // what step() would refuse, before anything changes
     window_open_ = true;
   }
@@ -236,20 +241,25 @@ ShardViews::~ShardViews() {
 void ShardViews::overlap_with_backward(torch::optim::Optimizer& opt, bool on) {
   const int rank = state_->world().global_rank();
   if (!on) {
-    SHARDTORCH_CHECK(!overlap_ || !overlap_->any_stepped(), detail::rank_prefix(rank), ": overlap_with_backward(false) "
-                "between a backward that stepped and opt->step(): call step() first");
+    SHARDTORCH_CHECK(!overlap_ || !overlap_->any_stepped(), detail::rank_prefix(rank),
+                     ": overlap_with_backward(false) "
+                     "between a backward that stepped and opt->step(): call step() first");
     if (overlap_) state_->copies().set_gradient_listener(nullptr);
     overlap_.reset();
     return;
   }
   auto* stepper = dynamic_cast<PartialStepper*>(&opt);
-  SHARDTORCH_CHECK(stepper, detail::rank_prefix(rank), ": overlap_with_backward needs an optimizer that can step part of "
-              "its parameters: shardtorch::FusedAdam or FusedAdamW (ShardedOptimizer::make<shardtorch::FusedAdamW>)");
-  SHARDTORCH_CHECK(state_->offloader() && !state_->ddp(), detail::rank_prefix(rank), ": overlap_with_backward overlaps "
-              "the host's optimizer step with the device's backward: it needs ShardOptions().cpu_offload(true) "
-              "(without offload the update runs on the device after backward)");
-  SHARDTORCH_CHECK(!state_->has_scaler(), detail::rank_prefix(rank), ": overlap_with_backward cannot be used with a "
-              "GradScaler, which must see every gradient before any update");
+  SHARDTORCH_CHECK(
+      stepper, detail::rank_prefix(rank),
+      ": overlap_with_backward needs an optimizer that can step part of "
+      "its parameters: shardtorch::FusedAdam or FusedAdamW (ShardedOptimizer::make<shardtorch::FusedAdamW>)");
+  SHARDTORCH_CHECK(state_->offloader() && !state_->ddp(), detail::rank_prefix(rank),
+                   ": overlap_with_backward overlaps "
+                   "the host's optimizer step with the device's backward: it needs ShardOptions().cpu_offload(true) "
+                   "(without offload the update runs on the device after backward)");
+  SHARDTORCH_CHECK(!state_->has_scaler(), detail::rank_prefix(rank),
+                   ": overlap_with_backward cannot be used with a "
+                   "GradScaler, which must see every gradient before any update");
   if (overlap_) return;
   overlap_ = std::make_unique<StepInBackward>(*this, *state_, *stepper);
   state_->copies().set_gradient_listener(overlap_.get());
@@ -328,8 +338,7 @@ void ShardedOptimizer::set_lr(size_t group, double lr) {
 
 namespace {
 template <class Options>
-bool fused_cuda_fits(torch::nn::Module& root, const Options& defaults,
-                     const std::vector<ParamGroup<Options>>& groups) {
+bool fused_cuda_fits(torch::nn::Module& root, const Options& defaults, const std::vector<ParamGroup<Options>>& groups) {
   if (!fused_adam_cuda_available() || defaults.amsgrad()) return false;
   for (const auto& g : groups)
     if (g.options.amsgrad()) return false;

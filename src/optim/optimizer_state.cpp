@@ -21,9 +21,12 @@ std::optional<OptimizerKind> optimizer_kind(ShardedOptimizer& opt) {
 
 const char* optimizer_kind_name(OptimizerKind k) {
   switch (k) {
-    case OptimizerKind::Adam: return "Adam";
-    case OptimizerKind::AdamW: return "AdamW";
-    case OptimizerKind::SGD: return "SGD";
+    case OptimizerKind::Adam:
+      return "Adam";
+    case OptimizerKind::AdamW:
+      return "AdamW";
+    case OptimizerKind::SGD:
+      return "SGD";
   }
   return "?";
 }

@@ -14,9 +14,7 @@ int64_t MemoryPlan::model_state() const {
          of(Mem::HostParams) + of(Mem::HostGradients) + of(Mem::HostOptimizerState);
 }
 
-int64_t MemoryPlan::host() const {
-  return of(Mem::HostParams) + of(Mem::HostGradients) + of(Mem::HostOptimizerState);
-}
+int64_t MemoryPlan::host() const { return of(Mem::HostParams) + of(Mem::HostGradients) + of(Mem::HostOptimizerState); }
 
 int64_t MemoryPlan::device_peak() const {
   return of(Mem::ShardedParams) + of(Mem::ReplicatedParams) + of(Mem::Gradients) + of(Mem::OptimizerState) +
@@ -34,7 +32,10 @@ std::string MemoryPlan::report() const {
     auto m = static_cast<Mem>(i);
     const bool estimate = m == Mem::GatheredParams || m == Mem::GradStaging || m == Mem::Buckets;
     os << "  " << mem_name(m) << " " << format_bytes(bytes[i])
-       << (estimate ? " (peak, estimate)" : m == Mem::MasterGrads ? " (backward to step)" : "") << "\n";
+       << (estimate                ? " (peak, estimate)"
+           : m == Mem::MasterGrads ? " (backward to step)"
+                                   : "")
+       << "\n";
   }
   os << "  model state " << format_bytes(model_state()) << " | device peak " << format_bytes(device_peak())
      << " | host " << format_bytes(host()) << "\n";
@@ -49,10 +50,13 @@ int checked_shard_size(const PlanOptions& plan) {
   const ShardOptions& o = plan.options;
   SHARDTORCH_CHECK(plan.world_size >= 1, "plan_memory: world size ", plan.world_size, " must be at least 1");
   SHARDTORCH_CHECK(plan.optimizer_states >= 0, "plan_memory: optimizer_states must not be negative");
-  SHARDTORCH_CHECK(!(o.cpu_offload() && o.strategy() == Strategy::NoShard), "plan_memory: cpu_offload needs a sharding strategy");
+  SHARDTORCH_CHECK(!(o.cpu_offload() && o.strategy() == Strategy::NoShard),
+                   "plan_memory: cpu_offload needs a sharding strategy");
   if (o.strategy() != Strategy::HybridShard) return plan.world_size;
-  SHARDTORCH_CHECK(o.hybrid_shard_size() >= 1 && plan.world_size % o.hybrid_shard_size() == 0, "plan_memory: "
-              "hybrid_shard_size ", o.hybrid_shard_size(), " must divide the world size ", plan.world_size);
+  SHARDTORCH_CHECK(o.hybrid_shard_size() >= 1 && plan.world_size % o.hybrid_shard_size() == 0,
+                   "plan_memory: "
+                   "hybrid_shard_size ",
+                   o.hybrid_shard_size(), " must divide the world size ", plan.world_size);
   return o.hybrid_shard_size();
 }
 
@@ -70,9 +74,8 @@ std::vector<UnitSpec> as_laid_out(const std::vector<UnitSpec>& units, const Mixe
   for (const auto& u : units) {
     UnitSpec merged{u.name, {}};
     for (const auto& f : u.flats) {
-      auto same = std::find_if(merged.flats.begin(), merged.flats.end(), [&](const FlatSpec& g) {
-        return g.dtype == f.dtype && g.trainable == f.trainable;
-      });
+      auto same = std::find_if(merged.flats.begin(), merged.flats.end(),
+                               [&](const FlatSpec& g) { return g.dtype == f.dtype && g.trainable == f.trainable; });
       if (same != merged.flats.end()) {
         same->numel += f.numel;
       } else {
@@ -118,7 +121,7 @@ void plan_replicated(const std::vector<UnitSpec>& units, const PlanOptions& plan
         add(out, Mem::ReplicatedParams, f.numel * esize(f.dtype));
       if (!f.trainable) continue;
       const at::ScalarType rd = p.bucket(f);
-      add(out, Mem::Gradients, f.numel * esize(rd));                          // the all-reduce buckets
+      add(out, Mem::Gradients, f.numel * esize(rd));                            // the all-reduce buckets
       if (rd != f.dtype) add(out, Mem::MasterGrads, f.numel * esize(f.dtype));  // transient: backward to step
       add(out, Mem::OptimizerState, plan.optimizer_states * f.numel * esize(f.dtype));
     }
@@ -212,7 +215,8 @@ void add_peaks(Transients& t, const PlanOptions& plan, int shard_size, MemoryPla
   for (const auto& [dtype, sizes] : t.reduced) {
     const auto [bucketed, biggest] = sizes;
     const int64_t cap = bucket_bytes / (esize(dtype) * shard_size);
-    const int64_t cols = std::min(cap, 2 * bucketed) + kMaxReduceScattersInFlight * std::max(std::min(cap, bucketed), biggest);
+    const int64_t cols =
+        std::min(cap, 2 * bucketed) + kMaxReduceScattersInFlight * std::max(std::min(cap, bucketed), biggest);
     add(out, Mem::Buckets, (shard_size + 1) * cols * esize(dtype));
   }
   // OptimizerOnly all-reduces each staging gradient alone, in place, at most
@@ -236,8 +240,10 @@ void add_startup(const std::vector<UnitSpec>& units, const PlanOptions& plan, in
   std::vector<int64_t> constructed, kept, full;
   for (const auto& u : units) {
     MemoryPlan one;
-    if (o.strategy() == Strategy::NoShard) plan_replicated({u}, plan, one);
-    else tally_units({u}, plan, shard_size, one);
+    if (o.strategy() == Strategy::NoShard)
+      plan_replicated({u}, plan, one);
+    else
+      tally_units({u}, plan, shard_size, one);
     int64_t c = 0, f = 0;
     for (const auto& fs : u.flats) {
       const int64_t padded = (fs.numel + shard_size - 1) / shard_size * shard_size;

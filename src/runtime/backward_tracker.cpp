@@ -36,16 +36,18 @@ void BackwardTracker::ensure_end_of_backward_callback() {
   // (reentrant). Its gradients would be taken for the outer backward's, or
   // the outer one for failed; only the recomputation of shardtorch's own
   // checkpointing nests (Nested above). Refused before anything changes.
-  SHARDTORCH_CHECK(!running() || callback_alive_.expired(), detail::rank_prefix(model_.world().global_rank()), ": a backward "
-              "inside another backward reached this sharded model (a checkpoint function of your own, or a backward "
-              "or torch::autograd::grad run from a hook or from an autograd function's backward). shardtorch cannot "
-              "tell its gradients from the outer backward's; the only nesting it supports is its own activation "
-              "checkpointing: ShardOptions::activation_checkpointing (or activation_checkpointing_for)");
+  SHARDTORCH_CHECK(
+      !running() || callback_alive_.expired(), detail::rank_prefix(model_.world().global_rank()),
+      ": a backward "
+      "inside another backward reached this sharded model (a checkpoint function of your own, or a backward "
+      "or torch::autograd::grad run from a hook or from an autograd function's backward). shardtorch cannot "
+      "tell its gradients from the outer backward's; the only nesting it supports is its own activation "
+      "checkpointing: ShardOptions::activation_checkpointing (or activation_checkpointing_for)");
   // Queued for another backward that never reached its end: an exception escaped it.
   if (running()) abandon(/*warn=*/true);
   ReplicatedPath* replicated = model_.replicated();
   if (replicated) model_.world().note_progress("backward");  // units note it per unit
-  const bool builds_graph = c10::GradMode::is_enabled();  // the engine runs a backward in grad mode iff create_graph
+  const bool builds_graph = c10::GradMode::is_enabled();     // the engine runs a backward in grad mode iff create_graph
   // A backward restricted to some tensors (torch::autograd::grad, or
   // backward(inputs=...)) runs only the accumulators of the parameters among
   // them to accumulate; with none of ours it has no gradients to reduce.
@@ -75,8 +77,9 @@ void BackwardTracker::ensure_end_of_backward_callback() {
       if (!any) any = std::any_of(u->accumulators().begin(), u->accumulators().end(), input);
     inputs_only = !any;
   }
-  begin(task, builds_graph ? BackwardKind::BuildsGraph
-                           : inputs_only ? BackwardKind::InputsOnly : BackwardKind::Reduces);
+  begin(task, builds_graph  ? BackwardKind::BuildsGraph
+              : inputs_only ? BackwardKind::InputsOnly
+                            : BackwardKind::Reduces);
   detail::collective_context(model_.world()).backward_begins(model_.sync());
   for (const auto& u : units) u->expect_from_graph(runs, in_graph);
   model_.order().on_backward_start();
@@ -89,11 +92,12 @@ void BackwardTracker::ensure_end_of_backward_callback() {
 void BackwardTracker::check_grad_arrival(const at::Tensor& param, const std::string& name) const {
   if (!builds_graph()) return;
   at::Tensor(param).mutable_grad().reset();  // a handle: the parameter itself
-  SHARDTORCH_CHECK(false, detail::rank_prefix(model_.world().global_rank()), ": the gradient of parameter '", name,
-              "' arrived in a backward with create_graph. Parameter gradients are flattened, reduced and detached, so "
-              "their higher-order gradients are not supported. Differentiate with respect to inputs instead "
-              "(torch::autograd::grad(outputs, inputs, {}, true, /*create_graph=*/true), a gradient penalty) and "
-              "call backward() without create_graph");
+  SHARDTORCH_CHECK(
+      false, detail::rank_prefix(model_.world().global_rank()), ": the gradient of parameter '", name,
+      "' arrived in a backward with create_graph. Parameter gradients are flattened, reduced and detached, so "
+      "their higher-order gradients are not supported. Differentiate with respect to inputs instead "
+      "(torch::autograd::grad(outputs, inputs, {}, true, /*create_graph=*/true), a gradient penalty) and "
+      "call backward() without create_graph");
 }
 
 void BackwardTracker::recover_if_failed(bool warn) {
@@ -102,19 +106,21 @@ void BackwardTracker::recover_if_failed(bool warn) {
 
 void BackwardTracker::check_finished(const char* who) {
   recover_if_failed(/*warn=*/false);  // the error below says it
-  SHARDTORCH_CHECK(!partial_grads_, detail::rank_prefix(model_.world().global_rank()), ": ", who, " after a backward that did not "
-              "finish (an exception escaped it): the gradients are partial (its reductions in flight and staged "
-              "gradients were dropped). Call zero_grad() and run the backward again");
+  SHARDTORCH_CHECK(!partial_grads_, detail::rank_prefix(model_.world().global_rank()), ": ", who,
+                   " after a backward that did not "
+                   "finish (an exception escaped it): the gradients are partial (its reductions in flight and staged "
+                   "gradients were dropped). Call zero_grad() and run the backward again");
 }
 
 void BackwardTracker::abandon(bool warn) {
   if (warn) {
-    TORCH_WARN(detail::rank_prefix(model_.world().global_rank()), ": the previous backward did not finish (an exception escaped it); ",
+    TORCH_WARN(detail::rank_prefix(model_.world().global_rank()),
+               ": the previous backward did not finish (an exception escaped it); ",
                "its reductions in flight, its staged gradients and any gradients accumulated under no_sync were ",
                "dropped. Gradients reduced before the failure may be partial: call zero_grad() before the next step.");
   }
   phase_ = BackwardPhase::Idle;  // from any phase
-  partial_grads_ = true;  // until zero_grad
+  partial_grads_ = true;         // until zero_grad
   detail::collective_context(model_.world()).backward_ends();
   model_.order().on_backward_abandoned();
   gradients_changed();  // partly reduced, staged ones dropped
@@ -165,7 +171,8 @@ void BackwardTracker::finish() {
     end_finishing();
   } catch (...) {
     abandon(/*warn=*/false);  // nothing of this backward survives into the next; the caller sees why
-    rethrow_naming(model_.world().global_rank(), [] { return std::string("the end of backward (reducing the gradients)"); });
+    rethrow_naming(model_.world().global_rank(),
+                   [] { return std::string("the end of backward (reducing the gradients)"); });
   }
 }
 

@@ -49,7 +49,7 @@ void BufferSync::setup(World& world, const ShardOptions& o, NamedTensors& buffer
   const c10::Device comm_device = world.comm().device();
   for (auto& [name, b] : buffers) {
     SHARDTORCH_CHECK(b.device() == comm_device, "shardtorch::shard: buffer '", name, "' is on ", b.device(),
-                ", expected ", comm_device);
+                     ", expected ", comm_device);
   }
   if (o.sync_module_states()) broadcast_coalesced(world.comm(), buffers, "buffers", "at shard()");
   if (o.broadcast_buffers()) buffers_ = buffers;

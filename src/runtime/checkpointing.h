@@ -18,7 +18,7 @@ struct Checkpointing {
   std::weak_ptr<ShardState> state;
   std::string label;               // the unit's name, for errors
   std::vector<at::Tensor> params;  // its trainable parameters: where the nested backward stops
-  std::weak_ptr<Unit> unit;  // the unit (sharded strategies; a checkpointed unit has none inside it)
+  std::weak_ptr<Unit> unit;        // the unit (sharded strategies; a checkpointed unit has none inside it)
   // The last forward's node: alive and not yet differentiated means a second
   // forward now would give its parameters two gradient accumulations.
   std::weak_ptr<std::atomic<bool>> last_pending;

@@ -74,7 +74,7 @@ void ExecutionOrder::issue_reductions(bool at_end) {
         u->issue_reduction();
       } else if (!at_end) {
         return;  // not final yet: the units after it wait, on every rank alike
-      }  // at the end: not final means it took no part in this backward
+      }          // at the end: not final means it took no part in this backward
     }
     --issue_cursor_;
   }
@@ -108,7 +108,7 @@ bool ExecutionOrder::needed_again_at_once(const Unit& u) const {
     if (unit && unit->has_params()) break;
     --last;
   }
-  const size_t next = recording_.size();  // the position the next pre-forward takes
+  const size_t next = recording_.size();                            // the position the next pre-forward takes
   if (next < last) return forward_order_[next].lock().get() == &u;  // u runs again at once
   return next == last && last > 0 && forward_order_[last - 1].lock().get() == &u;  // backward starts with u
 }

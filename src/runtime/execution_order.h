@@ -60,8 +60,8 @@ class ExecutionOrder {
  private:
   ShardState& model_;
   std::vector<std::weak_ptr<Unit>> recording_, forward_order_;  // this step's forward; the last complete one
-  bool recording_stale_ = false;  // zero_grad since: the next forward starts a new recording
-  bool following_ = false;  // this forward has run the units of forward_order_ in its order so far
+  bool recording_stale_ = false;       // zero_grad since: the next forward starts a new recording
+  bool following_ = false;             // this forward has run the units of forward_order_ in its order so far
   size_t backward_cursor_ = SIZE_MAX;  // this backward's place in forward_order_ (next_in_backward)
   // The reduction order, in first-forward order (issued from the back); a
   // backward's end closes it, and the next forward starts a new one.

@@ -73,8 +73,8 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
     SHARDTORCH_CHECK(p.scalar_type() == dtype_ && device_of(p) == target && p.requires_grad() == requires_grad_,
-                "FlatParam: parameter '", names_[i], "' (", p.scalar_type(), ", ", device_of(p),
-                ") does not match '", names_[0], "'");
+                     "FlatParam: parameter '", names_[i], "' (", p.scalar_type(), ", ", device_of(p),
+                     ") does not match '", names_[0], "'");
     shapes.push_back(p.sizes().vec());
   }
   layout_ = FlatParamLayout(std::move(shapes), world_size);
@@ -149,7 +149,7 @@ void FlatParam::set_mixed_precision(at::ScalarType compute, at::ScalarType reduc
 void FlatParam::offload_shard(bool pin) {
   if (offloaded_) return;
   SHARDTORCH_CHECK(!shard_grad_.defined() && !staging_.defined(), "FlatParam: offload_shard of ", describe(),
-              " after gradients exist");
+                   " after gradients exist");
   c10::NoGradGuard no_grad;
   at::Tensor host = at::empty({shard_.numel()}, shard_.options().device(at::kCPU).pinned_memory(pin));
   host.copy_(shard_);
@@ -237,8 +237,9 @@ void FlatParam::stage_grad(size_t i) {
   const auto& g = p.grad();
   if (!g.defined()) return;
   SHARDTORCH_CHECK(g.sizes() == p.sizes(), detail::rank_prefix(rank_), ": the gradient of '", names_[i], "' has shape ",
-              g.sizes(), " but the parameter has ", p.sizes(), " (a hook or a custom autograd function returned a "
-              "gradient of the wrong shape?)");
+                   g.sizes(), " but the parameter has ", p.sizes(),
+                   " (a hook or a custom autograd function returned a "
+                   "gradient of the wrong shape?)");
   c10::NoGradGuard no_grad;
   staging_grad().narrow(0, layout_.offset(i), layout_.numel(i)).add_(g.reshape({-1}));
   p.mutable_grad().reset();
@@ -303,8 +304,8 @@ void FlatParam::zero_grad() {
 
 std::string FlatParam::describe() const {
   std::ostringstream os;
-  os << "flat " << c10::toString(dtype_) << (requires_grad_ ? "" : " frozen") << " of " << params_.size()
-     << " params, " << layout_.total_numel() << " elements padded to " << layout_.padded_numel() << ", shard "
+  os << "flat " << c10::toString(dtype_) << (requires_grad_ ? "" : " frozen") << " of " << params_.size() << " params, "
+     << layout_.total_numel() << " elements padded to " << layout_.padded_numel() << ", shard "
      << layout_.shard_numel();
   return os.str();
 }

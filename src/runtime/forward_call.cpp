@@ -28,8 +28,7 @@ void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
     // the product with W_frozen yields x's gradient): they are freed once
     // every live forward of it has run, in this backward, the nodes through
     // which gradient leaves it (frozen_unread; hook_exits).
-    calls_.erase(std::remove_if(calls_.begin(), calls_.end(), [](const auto& c) { return c.expired(); }),
-                 calls_.end());
+    calls_.erase(std::remove_if(calls_.begin(), calls_.end(), [](const auto& c) { return c.expired(); }), calls_.end());
     call_ = std::make_shared<ForwardCall>();
     calls_.push_back(call_);
     if (checkpointed_) {
@@ -85,8 +84,9 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
       t.register_hook([weak, call](const at::TensorBase&) {
         auto u = weak.lock();
         if (!u) return;
-        run_naming(u->owner().world().global_rank(), "pre-backward hook",
-                   [&] { return "the pre-backward hook of unit '" + u->label() + "'"; }, [&] { u->pre_backward(); });
+        run_naming(
+            u->owner().world().global_rank(), "pre-backward hook",
+            [&] { return "the pre-backward hook of unit '" + u->label() + "'"; }, [&] { u->pre_backward(); });
       });
     }
   }
@@ -159,8 +159,9 @@ class ExitHook : public torch::autograd::FunctionPostHook {
     auto u = unit_.lock();
     auto c = call_.lock();
     if (!u || !c) return outputs;
-    run_naming(u->owner().world().global_rank(), "exit hook", [&] { return "the exit hook of unit '" + u->label() + "'"; },
-               [&] { u->exit_done(*c); });
+    run_naming(
+        u->owner().world().global_rank(), "exit hook", [&] { return "the exit hook of unit '" + u->label() + "'"; },
+        [&] { u->exit_done(*c); });
     return outputs;
   }
 

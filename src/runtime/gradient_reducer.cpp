@@ -34,9 +34,9 @@ void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
     bucketer_.all_reduce(
         g, model_.reduce_comm(),
         [fp, post, owner, what](const at::Tensor& reduced) {  // the staging gradient, reduced: no one else writes it
-          run_naming(owner->world().global_rank(), "reduction callback", [&] { return "adding the all-reduced " + what; }, [&] {
-            owner->copies().deliver_gradient(*fp, reduced, /*owned=*/true, post, /*full=*/true);
-          });
+          run_naming(
+              owner->world().global_rank(), "reduction callback", [&] { return "adding the all-reduced " + what; },
+              [&] { owner->copies().deliver_gradient(*fp, reduced, /*owned=*/true, post, /*full=*/true); });
         },
         what);
     return;
@@ -46,9 +46,9 @@ void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
   bucketer_.reduce_scatter(
       g, model_.reduce_comm(),
       [fp, post, owner, what](const at::Tensor& reduced) {  // a view of a bucket's output
-        run_naming(owner->world().global_rank(), "reduction callback", [&] { return "adding the reduce-scattered " + what; }, [&] {
-          owner->copies().deliver_gradient(*fp, reduced, /*owned=*/false, post, /*full=*/false);
-        });
+        run_naming(
+            owner->world().global_rank(), "reduction callback", [&] { return "adding the reduce-scattered " + what; },
+            [&] { owner->copies().deliver_gradient(*fp, reduced, /*owned=*/false, post, /*full=*/false); });
       },
       what, model_.replica_comm());
 }

@@ -99,7 +99,6 @@ class Offloader {
   int64_t bytes_to_device() const { return bytes_to_device_; }
   int64_t bytes_to_host() const { return bytes_to_host_; }
 
-
  private:
   struct Pending {
     at::Tensor device_copy;  // kept alive until the side stream is done with it
@@ -124,8 +123,8 @@ class Offloader {
   bool dropping_ = false;       // discard(): release copies, run no callback
   bool stop_ = false;
   int64_t in_flight_bytes_ = 0;
-  std::exception_ptr error_;    // the first callback that threw since drain()
-  std::thread worker_;          // started at the first to_host
+  std::exception_ptr error_;  // the first callback that threw since drain()
+  std::thread worker_;        // started at the first to_host
 };
 
 }  // namespace shardtorch::detail

@@ -20,20 +20,25 @@ namespace shardtorch {
 namespace detail {
 
 void checkpointed_forward_takes_unkeepable_arguments(const UnitBase& unit) {
-  SHARDTORCH_CHECK(false, "shardtorch: unit '", unit.checkpoint_label(), "' is checkpointed (activation_checkpointing), but "
-              "its forward takes an argument that cannot be kept until backward (a view such as IntArrayRef, "
-              "TensorList or string_view would dangle; a non-const reference would be written to a copy); take it by "
-              "value, or turn checkpointing off for the unit (activation_checkpointing_for)");
+  SHARDTORCH_CHECK(
+      false, "shardtorch: unit '", unit.checkpoint_label(),
+      "' is checkpointed (activation_checkpointing), but "
+      "its forward takes an argument that cannot be kept until backward (a view such as IntArrayRef, "
+      "TensorList or string_view would dangle; a non-const reference would be written to a copy); take it by "
+      "value, or turn checkpointing off for the unit (activation_checkpointing_for)");
 }
 
 void checkpointed_unit_destroyed() {
-  SHARDTORCH_CHECK(false, "shardtorch: backward through a checkpointed unit whose module was destroyed after its forward");
+  SHARDTORCH_CHECK(false,
+                   "shardtorch: backward through a checkpointed unit whose module was destroyed after its forward");
 }
 
 void checkpointed_forward_returns_non_tensors(const UnitBase& unit) {
-  SHARDTORCH_CHECK(false, "shardtorch: unit '", unit.checkpoint_label(), "' is checkpointed (activation_checkpointing), but "
-              "its forward returns something other than tensors (a tensor, a std::vector or a std::tuple of them): "
-              "its outputs cannot be recomputed; turn checkpointing off for it (activation_checkpointing_for)");
+  SHARDTORCH_CHECK(
+      false, "shardtorch: unit '", unit.checkpoint_label(),
+      "' is checkpointed (activation_checkpointing), but "
+      "its forward returns something other than tensors (a tensor, a std::vector or a std::tuple of them): "
+      "its outputs cannot be recomputed; turn checkpointing off for it (activation_checkpointing_for)");
 }
 
 namespace {
@@ -185,8 +190,10 @@ class BuffersKept {
       try {
         if (!at::equal(b, value)) b.detach().copy_(value);
       } catch (const std::exception& e) {  // a destructor must not throw (it may run while one unwinds)
-        TORCH_WARN("shardtorch: a checkpointed unit's buffer of shape ", b.sizes(), " could not be put back after "
-                   "its recomputation: ", e.what());
+        TORCH_WARN("shardtorch: a checkpointed unit's buffer of shape ", b.sizes(),
+                   " could not be put back after "
+                   "its recomputation: ",
+                   e.what());
       }
     }
   }
@@ -213,10 +220,14 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
       outs = r->run(in, /*first=*/true);
     }
     for (size_t i = 0; i < in.size(); ++i) {
-      SHARDTORCH_CHECK(!in[i].defined() || static_cast<int64_t>(in[i]._version()) == versions[i], "shardtorch: checkpointed "
-                  "unit '", r->ac->label, "' modified its input ", i, " (shape ", in[i].sizes(), ") in place; the "
-                  "recomputation in backward would see the modified value. Compute on a copy (x = x + f(x) instead "
-                  "of x += f(x)), or turn checkpointing off for the unit (activation_checkpointing_for)");
+      SHARDTORCH_CHECK(
+          !in[i].defined() || static_cast<int64_t>(in[i]._version()) == versions[i],
+          "shardtorch: checkpointed "
+          "unit '",
+          r->ac->label, "' modified its input ", i, " (shape ", in[i].sizes(),
+          ") in place; the "
+          "recomputation in backward would see the modified value. Compute on a copy (x = x + f(x) instead "
+          "of x += f(x)), or turn checkpointing off for the unit (activation_checkpointing_for)");
     }
     auto aliases = [](const at::Tensor& o, const std::vector<at::Tensor>& ts) {
       return std::any_of(ts.begin(), ts.end(), [&](const at::Tensor& t) { return t.defined() && o.is_alias_of(t); });
@@ -241,16 +252,18 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     auto r = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
     std::shared_ptr<ShardState> state = r->ac->state.lock();
     SHARDTORCH_CHECK(state, "shardtorch: backward through checkpointed unit '", r->ac->label,
-                "' after its sharded model was destroyed");
+                     "' after its sharded model was destroyed");
     const int rank = state->world().global_rank();
     // The gradients come from a nested backward that accumulates into .grad:
     // no graph of them (double backward), and no autograd::grad (which must
     // not touch .grad).
-    SHARDTORCH_CHECK(!c10::GradMode::is_enabled(), detail::rank_prefix(rank), ": checkpointed unit '", r->ac->label,
-                "': backward with create_graph (double backward) is not supported through activation checkpointing");
+    SHARDTORCH_CHECK(
+        !c10::GradMode::is_enabled(), detail::rank_prefix(rank), ": checkpointed unit '", r->ac->label,
+        "': backward with create_graph (double backward) is not supported through activation checkpointing");
     SHARDTORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(), detail::rank_prefix(rank),
-                ": checkpointed unit '", r->ac->label, "': torch::autograd::grad (or backward with inputs) is not "
-                "supported through activation checkpointing; use loss.backward()");
+                     ": checkpointed unit '", r->ac->label,
+                     "': torch::autograd::grad (or backward with inputs) is not "
+                     "supported through activation checkpointing; use loss.backward()");
     state->refuse_backward_in_grad_summon("checkpointed unit", r->ac->label);
     *r->pending = false;
     // The outer backward's end callback, queued on the outer graph task (the
@@ -282,8 +295,8 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
       now.apply();
     }
     SHARDTORCH_CHECK(outs.size() == grads.size(), detail::rank_prefix(rank), ": checkpointed unit '", r->ac->label,
-                "' returned ", grads.size(), " tensors in forward but ", outs.size(),
-                " when recomputed in backward (its forward must be deterministic in structure)");
+                     "' returned ", grads.size(), " tensors in forward but ", outs.size(),
+                     " when recomputed in backward (its forward must be deterministic in structure)");
     // The nested backward stops at the detached inputs and the unit's own
     // parameters: a tensor the unit uses but did not take as an argument
     // (a captured one) gets no gradient from it, rather than a second walk
@@ -297,8 +310,8 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     for (size_t i = 0; i < outs.size(); ++i) {
       if (!outs[i].defined() || !outs[i].requires_grad() || !grads[i].defined()) continue;
       SHARDTORCH_CHECK(outs[i].sizes() == grads[i].sizes(), detail::rank_prefix(rank), ": checkpointed unit '",
-                  r->ac->label, "' output ", i, " has shape ", outs[i].sizes(), " when recomputed but ",
-                  grads[i].sizes(), " in forward");
+                       r->ac->label, "' output ", i, " has shape ", outs[i].sizes(), " when recomputed but ",
+                       grads[i].sizes(), " in forward");
       roots.push_back(outs[i]);
       root_grads.push_back(grads[i]);
     }
@@ -341,14 +354,15 @@ std::string UnitBase::checkpoint_label() const { return checkpointing_ ? checkpo
 std::vector<at::Tensor> UnitBase::checkpointed_forward(std::vector<at::Tensor> inputs, detail::RecomputeFn run) {
   auto state = checkpointing_->state.lock();
   SHARDTORCH_CHECK(state, "shardtorch: forward through checkpointed unit '", checkpointing_->label,
-              "' after its sharded model was destroyed");
+                   "' after its sharded model was destroyed");
   auto previous = checkpointing_->last_pending.lock();
   SHARDTORCH_CHECK(!previous || !*previous, detail::rank_prefix(state->world().global_rank()), ": checkpointed unit '",
-              checkpointing_->label, "' ran its forward again while the graph of its previous forward is alive and "
-              "not yet differentiated; its parameters would get two gradient accumulations in one backward. A "
-              "checkpointed unit runs once per backward: turn checkpointing off for a unit called twice "
-              "(activation_checkpointing_for), and run forwards that are not differentiated under "
-              "torch::NoGradGuard");
+                   checkpointing_->label,
+                   "' ran its forward again while the graph of its previous forward is alive and "
+                   "not yet differentiated; its parameters would get two gradient accumulations in one backward. A "
+                   "checkpointed unit runs once per backward: turn checkpointing off for a unit called twice "
+                   "(activation_checkpointing_for), and run forwards that are not differentiated under "
+                   "torch::NoGradGuard");
   auto r = c10::make_intrusive<detail::Recompute>();
   r->ac = checkpointing_;
   r->run = std::move(run);
@@ -367,7 +381,8 @@ std::vector<at::Tensor> UnitBase::checkpointed_forward(std::vector<at::Tensor> i
   // No input that needs a gradient: autograd would never run the node and
   // the parameters would get none. An empty tensor that requires grad makes
   // the node part of the graph (only needed if there are such parameters).
-  const bool any = std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
+  const bool any =
+      std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
   if (!any && !checkpointing_->params.empty())
     inputs.push_back(at::empty({0}, at::TensorOptions().dtype(at::kFloat)).requires_grad_());
   return detail::RecomputeFunction::apply(at::TensorList(inputs), r);

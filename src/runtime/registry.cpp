@@ -24,9 +24,10 @@ Registry& registry() {
 
 void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state) {
   std::weak_ptr<torch::nn::Module> weak = root.weak_from_this();
-  SHARDTORCH_CHECK(!weak.expired(), "shardtorch::shard: the root module must be owned by a std::shared_ptr (declare "
-                               "it through its holder, e.g. `Net net;` after SHARDTORCH_MODULE(Net) or "
-                               "TORCH_MODULE(Net), or create it with std::make_shared)");
+  SHARDTORCH_CHECK(!weak.expired(),
+                   "shardtorch::shard: the root module must be owned by a std::shared_ptr (declare "
+                   "it through its holder, e.g. `Net net;` after SHARDTORCH_MODULE(Net) or "
+                   "TORCH_MODULE(Net), or create it with std::make_shared)");
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.prune();
@@ -44,10 +45,10 @@ std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root) {
   return nullptr;
 }
 
-
 std::shared_ptr<ShardState> require_state(torch::nn::Module& root, const std::string& what) {
   auto s = lookup_model(root);
-  SHARDTORCH_CHECK(s, "shardtorch: ", what, ": this model was never sharded; call shardtorch::shard(model, world) first");
+  SHARDTORCH_CHECK(s, "shardtorch: ", what,
+                   ": this model was never sharded; call shardtorch::shard(model, world) first");
   return s;
 }
 

@@ -63,9 +63,14 @@ void ReplicatedPath::note_gradient(size_t i) {
   // LibTorch's Module::zero_grad reaches our buckets only through a unit (the
   // root, if it is one); with fp32 buckets of bf16 gradients the parameters
   // hold no gradient it could clear.
-  TORCH_WARN("shardtorch (NoShard): rank ", model_.world().global_rank(), ": a backward after an optimizer step with no zero_grad "
-             "that reached the gradient buckets since: their ", ddp_->grad_view(i).scalar_type(), " gradients are not "
-             "the parameters' own (", params_[i].scalar_type(), "), so this step's gradients add to the last "
+  TORCH_WARN("shardtorch (NoShard): rank ", model_.world().global_rank(),
+             ": a backward after an optimizer step with no zero_grad "
+             "that reached the gradient buckets since: their ",
+             ddp_->grad_view(i).scalar_type(),
+             " gradients are not "
+             "the parameters' own (",
+             params_[i].scalar_type(),
+             "), so this step's gradients add to the last "
              "step's. LibTorch's model->zero_grad() reaches them only through a unit; call opt->zero_grad(), or make "
              "the root a unit (SHARDTORCH_MODULE). If you accumulate across steps on purpose, ignore this.");
 }
@@ -90,7 +95,8 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
       if (s->sync()) r.check_hooks_agree(s->world());  // before the first bucket can launch
       r.bucketer().mark_ready(index_, s->sync());
     } catch (...) {
-      rethrow_naming(s->world().global_rank(), [&] { return "the gradient hook of parameter '" + r.names()[index_] + "' (NoShard)"; });
+      rethrow_naming(s->world().global_rank(),
+                     [&] { return "the gradient hook of parameter '" + r.names()[index_] + "' (NoShard)"; });
     }
     return outputs;
   }
@@ -126,8 +132,8 @@ void ReplicatedPath::enable(std::vector<at::Tensor> params, std::vector<std::str
   for (const auto& p : params_) mem.add(Mem::ReplicatedParams, p.nbytes());
   std::optional<at::ScalarType> reduce;
   if (mp.param_dtype()) reduce = mp.reduce_dtype().value_or(*mp.param_dtype());
-  ddp_ = std::make_unique<AllReduceBucketer>(params_, std::move(names), options.bucket_mb(), model_.world().comm(), &mem,
-                                             options.ddp_async(), reduce);
+  ddp_ = std::make_unique<AllReduceBucketer>(params_, std::move(names), options.bucket_mb(), model_.world().comm(),
+                                             &mem, options.ddp_async(), reduce);
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     acc->add_post_hook(std::make_unique<DdpGradHook>(model_.weak_from_this(), i));

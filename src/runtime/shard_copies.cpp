@@ -12,10 +12,11 @@ void ShardCopies::enable_offload(c10::Device device) {
 
 at::Tensor ShardCopies::gather_input(FlatParam& f) {
   if (offloader_) {
-    SHARDTORCH_CHECK(!listener_ || !listener_->stepped(f), detail::rank_prefix(model_.world().global_rank()), ": ", f.describe(),
-                " is gathered again after the optimizer updated it during the last backward "
-                "(overlap_with_backward): call opt->step() before the next forward, and let only the last "
-                "micro-batch's backward synchronize gradients (set_requires_gradient_sync)");
+    SHARDTORCH_CHECK(!listener_ || !listener_->stepped(f), detail::rank_prefix(model_.world().global_rank()), ": ",
+                     f.describe(),
+                     " is gathered again after the optimizer updated it during the last backward "
+                     "(overlap_with_backward): call opt->step() before the next forward, and let only the last "
+                     "micro-batch's backward synchronize gradients (set_requires_gradient_sync)");
     if (f.low_copy_stale()) offloader_->wait_idle();  // no copy may still read the bf16 copy it remakes
     return offloader_->to_device(f.upload_source(), f.compute_dtype());  // always a new tensor
   }
@@ -48,8 +49,7 @@ at::Tensor ShardCopies::on_comm_device(const at::Tensor& t) {
   return t.to(model_.world().comm().device(), t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 
-void ShardCopies::deliver_gradient(FlatParam& flat, const at::Tensor& reduced, bool owned, double divisor,
-                                   bool full) {
+void ShardCopies::deliver_gradient(FlatParam& flat, const at::Tensor& reduced, bool owned, double divisor, bool full) {
   auto add = [f = &flat, divisor, full](const at::Tensor& r) {
     full ? f->accumulate_full_grad(r, divisor) : f->accumulate_shard_grad(r, divisor);
   };

@@ -27,8 +27,9 @@ std::vector<std::shared_ptr<Unit>> ShardState::units() const {
   std::vector<std::shared_ptr<Unit>> out;
   for (const auto& w : units_) {
     auto u = w.lock();
-    SHARDTORCH_CHECK(u, detail::rank_prefix(topology_.world().global_rank()), ": a unit of this sharded model no longer exists (was the model "
-                "destroyed, or a unit module replaced after shard()?)");
+    SHARDTORCH_CHECK(u, detail::rank_prefix(topology_.world().global_rank()),
+                     ": a unit of this sharded model no longer exists (was the model "
+                     "destroyed, or a unit module replaced after shard()?)");
     out.push_back(std::move(u));
   }
   return out;
@@ -51,9 +52,11 @@ void ShardState::refuse_backward_in_grad_summon(const char* kind, const std::str
   // first (counted twice). Every rank is in the scope, so every rank refuses;
   // called first in every hook of a backward, before anything is queued or
   // gathered, so the refused backward leaves nothing to clean up.
-  SHARDTORCH_CHECK(grad_summons_ == 0, detail::rank_prefix(topology_.world().global_rank()), ": a backward reached ", kind, " '", name,
-              "' inside a summon_full_params(with_grads) scope, whose param.grad are the reduced gradients (a "
-              "backward would count them twice); leave the scope before the backward, or summon without with_grads");
+  SHARDTORCH_CHECK(
+      grad_summons_ == 0, detail::rank_prefix(topology_.world().global_rank()), ": a backward reached ", kind, " '",
+      name,
+      "' inside a summon_full_params(with_grads) scope, whose param.grad are the reduced gradients (a "
+      "backward would count them twice); leave the scope before the backward, or summon without with_grads");
 }
 
 void ShardState::on_zero_grad() {
@@ -80,11 +83,11 @@ void ShardState::check_requires_grad_unchanged() const {
   // a parameter unfrozen since would never have its gradient reduced nor be
   // stepped, and one frozen since would still be stepped. Said, not silent.
   auto check = [&](const at::Tensor& p, bool was, const std::string& name) {
-    SHARDTORCH_CHECK(p.requires_grad() == was, detail::rank_prefix(topology_.world().global_rank()), ": parameter '", name, "' was ",
-                was ? "trainable" : "frozen", " at shard() and is ", was ? "frozen" : "trainable",
-                " now; which parameters train is fixed when the model is sharded (its flat parameters, gradient "
-                "hooks and optimizer pieces follow it). Set requires_grad before shard(), or shard a new model "
-                "(load_full_state_dict carries the weights) to change it");
+    SHARDTORCH_CHECK(p.requires_grad() == was, detail::rank_prefix(topology_.world().global_rank()), ": parameter '",
+                     name, "' was ", was ? "trainable" : "frozen", " at shard() and is ", was ? "frozen" : "trainable",
+                     " now; which parameters train is fixed when the model is sharded (its flat parameters, gradient "
+                     "hooks and optimizer pieces follow it). Set requires_grad before shard(), or shard a new model "
+                     "(load_full_state_dict carries the weights) to change it");
   };
   for (size_t i = 0; i < ddp_params().size(); ++i) check(ddp_params()[i], true, ddp_names()[i]);
   for (const auto& u : live_units()) {
@@ -95,9 +98,11 @@ void ShardState::check_requires_grad_unchanged() const {
 
 void ShardState::check_outside_summon() const {
   // Symmetric: every rank holds a FullParams for the scope, kept or not.
-  SHARDTORCH_CHECK(summons_ == 0, detail::rank_prefix(topology_.world().global_rank()), ": an optimizer step or a checkpoint load inside a "
-              "summon_full_params scope: the scope's full parameters would be stale (and written back over the new "
-              "values on exit); leave the scope first");
+  SHARDTORCH_CHECK(
+      summons_ == 0, detail::rank_prefix(topology_.world().global_rank()),
+      ": an optimizer step or a checkpoint load inside a "
+      "summon_full_params scope: the scope's full parameters would be stale (and written back over the new "
+      "values on exit); leave the scope first");
 }
 
 void ShardState::after_optimizer_step() {
@@ -135,9 +140,11 @@ void ShardState::regather_unsharded() {
 std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
   check_backward_finished("reading the gradients (clip_grad_norm, GradScaler)");
   const auto* listener = copies_.gradient_listener();
-  SHARDTORCH_CHECK(!listener || !listener->any_stepped(), detail::rank_prefix(world().global_rank()), ": clip_grad_norm or "
-              "GradScaler after a backward during which the optimizer already stepped (overlap_with_backward): the "
-              "update used the unclipped, unscaled gradients. Turn the overlap off to clip or scale gradients");
+  SHARDTORCH_CHECK(
+      !listener || !listener->any_stepped(), detail::rank_prefix(world().global_rank()),
+      ": clip_grad_norm or "
+      "GradScaler after a backward during which the optimizer already stepped (overlap_with_backward): the "
+      "update used the unclipped, unscaled gradients. Turn the overlap off to clip or scale gradients");
   // The strategy is the same everywhere: decide on it, not on what this rank
   // happens to hold, so that every rank communicates or none does.
   partial = strategy() != Strategy::NoShard && strategy() != Strategy::OptimizerOnly;

@@ -37,8 +37,9 @@ CommStats Topology::stats() const {
   auto add = [&](const Comm* c) {
     if (c == nullptr || c == &world_->comm()) return;
     const CommStats& s = c->stats();
-    for (auto [to, from] : {std::pair{&total.all_gather, &s.all_gather}, std::pair{&total.reduce_scatter, &s.reduce_scatter},
-                            std::pair{&total.all_reduce, &s.all_reduce}, std::pair{&total.broadcast, &s.broadcast}}) {
+    for (auto [to, from] :
+         {std::pair{&total.all_gather, &s.all_gather}, std::pair{&total.reduce_scatter, &s.reduce_scatter},
+          std::pair{&total.all_reduce, &s.all_reduce}, std::pair{&total.broadcast, &s.broadcast}}) {
       to->calls += from->calls;
       to->bytes_sent += from->bytes_sent;
       to->seconds += from->seconds;

@@ -16,9 +16,12 @@ namespace shardtorch::detail {
 
 const char* state_name(ParamState s) {
   switch (s) {
-    case ParamState::Sharded: return "sharded";
-    case ParamState::Gathering: return "gathering";
-    case ParamState::Unsharded: return "unsharded";
+    case ParamState::Sharded:
+      return "sharded";
+    case ParamState::Gathering:
+      return "gathering";
+    case ParamState::Unsharded:
+      return "unsharded";
   }
   return "?";
 }
@@ -29,7 +32,8 @@ void Unit::start_gather() {
 }
 
 void Unit::finish_gather() {
-  TORCH_INTERNAL_ASSERT(state_ == ParamState::Gathering, "unit '", label(), "': finish_gather while ", state_name(state_));
+  TORCH_INTERNAL_ASSERT(state_ == ParamState::Gathering, "unit '", label(), "': finish_gather while ",
+                        state_name(state_));
   state_ = ParamState::Unsharded;
 }
 
@@ -57,12 +61,14 @@ void Unit::unshard_async() {
   if (state_ != ParamState::Sharded || persistent_) return;
   start_gather();
   try {
-    for (auto& f : flats_) gather_inputs_.push_back(owner_->copies().gather_input(*f));  // under offload, all copies first
-    for (auto& f : flats_) f->alloc_full();  // on the compute stream (offload.h)
+    for (auto& f : flats_)
+      gather_inputs_.push_back(owner_->copies().gather_input(*f));  // under offload, all copies first
+    for (auto& f : flats_) f->alloc_full();                         // on the compute stream (offload.h)
     owner_->copies().launch_gathers([&] {
       for (size_t i = 0; i < flats_.size(); ++i)
         gathers_.push_back(owner_->shard_comm().all_gather_async(
-            flats_[i]->full(), gather_inputs_[i], "parameters of unit '" + label() + "' (" + flats_[i]->describe() + ")"));
+            flats_[i]->full(), gather_inputs_[i],
+            "parameters of unit '" + label() + "' (" + flats_[i]->describe() + ")"));
     });
   } catch (...) {
     // Out of memory, say (prefetch raises the peak), and caught by the user:
@@ -78,8 +84,8 @@ void Unit::unshard_async() {
 void Unit::unshard() {
   if (state_ == ParamState::Unsharded) return;
   unshard_async();  // nothing if a prefetch launched it already
-  SHARDTORCH_CHECK(state_ == ParamState::Gathering, detail::rank_prefix(owner_->world().global_rank()), ": unit '", label(),
-              "' asked to gather while ", state_name(state_));
+  SHARDTORCH_CHECK(state_ == ParamState::Gathering, detail::rank_prefix(owner_->world().global_rank()), ": unit '",
+                   label(), "' asked to gather while ", state_name(state_));
   size_t i = 0;
   try {
     for (; i < gathers_.size(); ++i) owner_->shard_comm().wait(gathers_[i]);
@@ -160,11 +166,13 @@ void Unit::on_grad_ready(size_t flat, size_t param) {
     owner_->backward().ensure_end_of_backward_callback();
     owner_->backward().check_grad_arrival(flats_[flat]->params()[param], flats_[flat]->names()[param]);
     reach();
-    SHARDTORCH_CHECK(!reduced(), detail::rank_prefix(owner_->world().global_rank()), ": gradient of '", flats_[flat]->names()[param],
-                "' arrived after unit '", label(), "' had reduced its gradients in this backward (a parameter "
-                "accumulated twice in one backward?)");
-    SHARDTORCH_CHECK(state_ == ParamState::Unsharded, detail::rank_prefix(owner_->world().global_rank()), ": gradient of '",
-                flats_[flat]->names()[param], "' arrived while unit '", label(), "' is ", state_name(state_));
+    SHARDTORCH_CHECK(!reduced(), detail::rank_prefix(owner_->world().global_rank()), ": gradient of '",
+                     flats_[flat]->names()[param], "' arrived after unit '", label(),
+                     "' had reduced its gradients in this backward (a parameter "
+                     "accumulated twice in one backward?)");
+    SHARDTORCH_CHECK(state_ == ParamState::Unsharded, detail::rank_prefix(owner_->world().global_rank()),
+                     ": gradient of '", flats_[flat]->names()[param], "' arrived while unit '", label(), "' is ",
+                     state_name(state_));
   } catch (...) {
     // Refused: the gradient autograd has just accumulated into param.grad
     // (staged and cleared otherwise) would be added to the next backward's.
@@ -203,8 +211,8 @@ void Unit::reduce_grads(bool reshard_now) {
   const bool was_reached = reached();
   if (!was_reached && state_ == ParamState::Gathering) reshard();
   const bool idle = !was_reached && state_ == ParamState::Sharded;
-  SHARDTORCH_CHECK(state_ == ParamState::Unsharded || idle, detail::rank_prefix(owner_->world().global_rank()), ": unit '",
-              label(), "' reduces its gradients while ", state_name(state_));
+  SHARDTORCH_CHECK(state_ == ParamState::Unsharded || idle, detail::rank_prefix(owner_->world().global_rank()),
+                   ": unit '", label(), "' reduces its gradients while ", state_name(state_));
   finalize();
   // Without sync (accumulation) the staged gradients wait for a synchronising
   // backward, which reduces the units holding some: every rank's unit that
@@ -247,7 +255,8 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
       u->on_grad_ready(flat_, param_);
     } catch (...) {
       rethrow_naming(u->owner().world().global_rank(), [&] {
-        return "the gradient hook of parameter '" + u->flats()[flat_]->names()[param_] + "' of unit '" + u->label() + "'";
+        return "the gradient hook of parameter '" + u->flats()[flat_]->names()[param_] + "' of unit '" + u->label() +
+               "'";
       });
     }
     return outputs;
@@ -266,7 +275,7 @@ void Unit::register_grad_hooks() {
     for (size_t i = 0; i < params.size(); ++i) {
       auto acc = torch::autograd::impl::grad_accumulator(params[i]);
       SHARDTORCH_CHECK(acc, detail::rank_prefix(owner_->world().global_rank()), ": unit '", label(), "': parameter '",
-                  flats_[f]->names()[i], "' has no gradient accumulator (is it a view or a non-leaf tensor?)");
+                       flats_[f]->names()[i], "' has no gradient accumulator (is it a view or a non-leaf tensor?)");
       acc->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), f, i));
       accumulators_.push_back(std::move(acc));  // the parameter holds it only weakly
       ++expected_grads_;

@@ -196,8 +196,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
     if (grad_ == GradState::Idle) grad_ = GradState::Reached;
   }
   bool reached() const { return grad_ != GradState::Idle; }
-  void finalize();  // Idle | Reached -> Final
-  void issue();     // Final -> Issued
+  void finalize();         // Idle | Reached -> Final
+  void issue();            // Final -> Issued
   void trace_in_graph() {  // None -> InGraph; Untraceable stays
     if (trace_ == ForwardTrace::None) trace_ = ForwardTrace::InGraph;
   }
@@ -214,12 +214,12 @@ class Unit : public std::enable_shared_from_this<Unit> {
   ForwardTrace trace_ = ForwardTrace::None;
   std::vector<std::unique_ptr<FlatParam>> flats_;
   std::vector<AccumulatorRef> accumulators_;
-  std::vector<PendingWork> gathers_;      // in flight while Gathering
+  std::vector<PendingWork> gathers_;       // in flight while Gathering
   std::vector<at::Tensor> gather_inputs_;  // kept alive for them
   int expected_grads_ = 0, received_grads_ = 0;
-  int expected_now_ = 0;  // of expected_grads_, those this backward's graph will deliver
-  int in_graph_now_ = 0;  // of expected_grads_, those in this backward's graph at all
-  bool has_frozen_ = false;  // a frozen flat: its backward may read it after the last gradient
+  int expected_now_ = 0;                           // of expected_grads_, those this backward's graph will deliver
+  int in_graph_now_ = 0;                           // of expected_grads_, those in this backward's graph at all
+  bool has_frozen_ = false;                        // a frozen flat: its backward may read it after the last gradient
   std::vector<std::weak_ptr<ForwardCall>> calls_;  // its live forwards (units with frozen parameters)
   std::shared_ptr<ForwardCall> call_;              // this forward's, from pre- to post-forward
   // Untraceable: a grad-mode forward since the last backward returned nothing

@@ -33,7 +33,7 @@ void UnitBase::zero_shard_grads(torch::nn::Module& self) {
   // cleared: each module clears those of its parameters, the root every
   // bucket (and the masters' gradients), as the optimizer's zero_grad does.
   auto state = unit_ ? unit_->owner().shared_from_this() : no_shard_state_.lock();
-  if (!state) return;  // not sharded yet
+  if (!state) return;                  // not sharded yet
   if (state->replicated() && unit_) {  // NoShard's root unit (the only unit NoShard makes)
     state->zero_grads();
     return;
@@ -58,7 +58,9 @@ bool UnitBase::after_forward(std::vector<at::Tensor>& outputs, const std::vector
   if (c10::GradMode::is_enabled()) {
     for (auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
-      auto same = [&](const at::Tensor& in) { return in.defined() && in.unsafeGetTensorImpl() == t.unsafeGetTensorImpl(); };
+      auto same = [&](const at::Tensor& in) {
+        return in.defined() && in.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+      };
       if (t.is_leaf() || std::any_of(inputs.begin(), inputs.end(), same)) {
         t = t.clone();
         replaced = true;

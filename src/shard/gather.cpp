@@ -12,11 +12,15 @@ namespace shardtorch {
 FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
     : state_(detail::require_state(root, "summon_full_params")), options_(options) {
   const bool mixed = state_->options().mixed_precision().param_dtype().has_value();
-  SHARDTORCH_CHECK(!(mixed && options_.writeback().value_or(false)), "shardtorch::summon_full_params: writeback under "
-              "mixed precision would round the fp32 master parameters to the compute dtype; leave writeback unset");
-  SHARDTORCH_CHECK(!(options_.rank0_only() && options_.writeback().value_or(false)), "shardtorch::summon_full_params: "
-              "writeback with rank0_only: only rank 0 keeps the full parameters, so edits could not reach the other "
-              "ranks' shards; leave writeback unset");
+  SHARDTORCH_CHECK(
+      !(mixed && options_.writeback().value_or(false)),
+      "shardtorch::summon_full_params: writeback under "
+      "mixed precision would round the fp32 master parameters to the compute dtype; leave writeback unset");
+  SHARDTORCH_CHECK(
+      !(options_.rank0_only() && options_.writeback().value_or(false)),
+      "shardtorch::summon_full_params: "
+      "writeback with rank0_only: only rank 0 keeps the full parameters, so edits could not reach the other "
+      "ranks' shards; leave writeback unset");
   writeback_ = options_.writeback().value_or(!mixed) && !options_.rank0_only();
   World& world = state_->world();
   const bool keep = !options_.rank0_only() || world.rank() == 0;
@@ -53,7 +57,8 @@ void FullParams::gather_all(bool keep) {
       const bool own = p.grad().defined();
       if (!own && (masters.empty() || !masters[i].grad().defined())) continue;
       if (own) views_.emplace_back(p, p.grad());
-      p.mutable_grad() = (own ? p.grad() : masters[i].grad()).to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      p.mutable_grad() =
+          (own ? p.grad() : masters[i].grad()).to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
       grads_set_.push_back(p);
     }
   }
@@ -90,7 +95,8 @@ void FullParams::gather_grads(detail::Unit& u, bool keep) {
       at::Tensor p = f->params()[i];
       // In the parameter's dtype (a bf16 parameter's gradient is bf16, as
       // autograd requires), from the masters' gradients.
-      p.mutable_grad() = full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(p.sizes()).to(p.scalar_type());
+      p.mutable_grad() =
+          full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(p.sizes()).to(p.scalar_type());
       grads_set_.push_back(p);
     }
   }
@@ -124,8 +130,8 @@ FullParams::~FullParams() {
     // only its own slice of its own edit).
     state_->regather_unsharded();
   } catch (const std::exception& e) {
-    TORCH_WARN(detail::rank_prefix(state_->world().global_rank()), ": freeing or regathering summoned parameters failed: ",
-               e.what());
+    TORCH_WARN(detail::rank_prefix(state_->world().global_rank()),
+               ": freeing or regathering summoned parameters failed: ", e.what());
   }
 }
 
@@ -151,7 +157,8 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
       state->shard_comm().all_gather_into(full, mine, "master parameters of unit '" + u->label() + "'");
       if (!keep) continue;
       for (size_t i = 0; i < f->params().size(); ++i)
-        put(f->params()[i], full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i)).clone());
+        put(f->params()[i],
+            full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i)).clone());
     }
   }
   return out;

@@ -31,8 +31,9 @@ void walk(torch::nn::Module& m, const std::string& prefix, int current, std::vec
     // per forward. (A second FoundUnit for it overwrote the first's state and
     // left both without parameters.)
     if (std::any_of(units.begin(), units.end(), [b](const FoundUnit& u) { return u.base == b; })) return;
-    SHARDTORCH_CHECK(allow_sharded || !b->is_sharded_unit(), "shardtorch::shard: module '", prefix.empty() ? "<root>" : prefix,
-                "' is already a unit of a sharded model; shard() was called twice on this model");
+    SHARDTORCH_CHECK(allow_sharded || !b->is_sharded_unit(), "shardtorch::shard: module '",
+                     prefix.empty() ? "<root>" : prefix,
+                     "' is already a unit of a sharded model; shard() was called twice on this model");
     units.push_back({prefix, b, current});
     current = static_cast<int>(units.size()) - 1;
   }
@@ -50,7 +51,8 @@ void walk(torch::nn::Module& m, const std::string& prefix, int current, std::vec
   }
   for (const auto& item : m.named_buffers(/*recurse=*/false)) {
     if (!item.value().defined()) continue;
-    if (seen_buffers.insert(item.value().unsafeGetTensorImpl()).second) buffers.emplace_back(join(item.key()), item.value());
+    if (seen_buffers.insert(item.value().unsafeGetTensorImpl()).second)
+      buffers.emplace_back(join(item.key()), item.value());
   }
   for (const auto& child : m.named_children()) {
     walk(*child.value(), join(child.key()), current, units, params, seen, buffers, seen_buffers, allow_sharded);

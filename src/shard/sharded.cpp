@@ -56,7 +56,9 @@ std::vector<std::string> split_lines(const std::string& s) {
 // must agree across ranks (docs/api.md, "Options that must agree").
 using OptionValues = std::vector<std::pair<std::string, std::string>>;
 OptionValues option_values(const ShardOptions& o) {
-  auto dtype = [](const std::optional<at::ScalarType>& t) { return t ? std::string(c10::toString(*t)) : std::string("unset"); };
+  auto dtype = [](const std::optional<at::ScalarType>& t) {
+    return t ? std::string(c10::toString(*t)) : std::string("unset");
+  };
   auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
   std::ostringstream mb;
   mb.precision(17);
@@ -168,9 +170,11 @@ void check_same_model_everywhere(World& world, const std::string& mine) {
         err << "entry " << i << " is " << ref[i] << " on rank " << world.global_rank_of(0) << " but " << other[i]
             << " on rank " << world.global_rank_of(r);
       } else {
-        const std::string first = std::to_string(world.global_rank_of(0)), rth = std::to_string(world.global_rank_of(r));
+        const std::string first = std::to_string(world.global_rank_of(0)),
+                          rth = std::to_string(world.global_rank_of(r));
         err << "rank " << first << " has " << ref.size() << " parameters and buffers, rank " << rth << " has "
-            << other.size() << " (first extra: " << (ref.size() > n ? ref[n] + " on rank " + first : other[n] + " on rank " + rth)
+            << other.size()
+            << " (first extra: " << (ref.size() > n ? ref[n] + " on rank " + first : other[n] + " on rank " + rth)
             << ")";
       }
     }
@@ -274,21 +278,25 @@ std::vector<bool> checkpointed_units(const std::vector<FoundUnit>& units, const 
   for (const auto& [name, value] : options.per_unit_checkpointing()) {
     auto it = std::find_if(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == name; });
     SHARDTORCH_CHECK(it != units.end(), "shardtorch::shard: activation_checkpointing_for('", name,
-                "') names no unit of this model");
+                     "') names no unit of this model");
     const size_t u = static_cast<size_t>(it - units.begin());
     if (value) {
-      SHARDTORCH_CHECK(!is_root(u), "shardtorch::shard: activation_checkpointing_for('", name, "'): the root unit cannot be "
-                  "checkpointed (its forward encloses every other unit); checkpoint the units inside it");
+      SHARDTORCH_CHECK(!is_root(u), "shardtorch::shard: activation_checkpointing_for('", name,
+                       "'): the root unit cannot be "
+                       "checkpointed (its forward encloses every other unit); checkpoint the units inside it");
       if (!leaf[u]) {
-        auto inner = std::find_if(units.begin(), units.end(), [&](const FoundUnit& v) { return v.parent == static_cast<int>(u); });
+        auto inner = std::find_if(units.begin(), units.end(),
+                                  [&](const FoundUnit& v) { return v.parent == static_cast<int>(u); });
         SHARDTORCH_CHECK(false, "shardtorch::shard: activation_checkpointing_for('", name, "'): unit '", name,
-                    "' has units inside it (first: '", inner->name, "'), whose forwards would run twice; "
-                    "checkpoint the inner units instead");
+                         "' has units inside it (first: '", inner->name,
+                         "'), whose forwards would run twice; "
+                         "checkpoint the inner units instead");
       }
       const std::string shared = shared_param(u);
       SHARDTORCH_CHECK(shared.empty(), "shardtorch::shard: activation_checkpointing_for('", name, "'): its parameter '",
-                  shared, "' is shared with another unit (tied), and recomputing would give it two gradient "
-                  "accumulations in one backward; such a unit cannot be checkpointed");
+                       shared,
+                       "' is shared with another unit (tied), and recomputing would give it two gradient "
+                       "accumulations in one backward; such a unit cannot be checkpointed");
     }
     out[u] = value;
   }
@@ -335,21 +343,27 @@ Config check_config(const ShardOptions& options, const World& world, const Model
   try {
     if (strategy == Strategy::HybridShard) {
       const int s = options.hybrid_shard_size();
-      SHARDTORCH_CHECK(s >= 1 && world.size() % s == 0, "shardtorch::shard: HybridShard needs hybrid_shard_size (now ", s,
-                  ") to divide the world size ", world.size());
+      SHARDTORCH_CHECK(s >= 1 && world.size() % s == 0, "shardtorch::shard: HybridShard needs hybrid_shard_size (now ",
+                       s, ") to divide the world size ", world.size());
       c.shard_size = s;
     }
     auto low_precision = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; };
-    SHARDTORCH_CHECK(!mp.param_dtype() || low_precision(*mp.param_dtype()), "shardtorch::shard: MixedPrecision param_dtype ",
-                *mp.param_dtype(), " must be BFloat16, Half or Float");
-    SHARDTORCH_CHECK(!mp.reduce_dtype() || low_precision(*mp.reduce_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype ",
-                *mp.reduce_dtype(), " must be BFloat16, Half or Float");
-    SHARDTORCH_CHECK(!(mp.reduce_dtype() && !mp.param_dtype()), "shardtorch::shard: MixedPrecision reduce_dtype needs param_dtype");
-    SHARDTORCH_CHECK(!(options.cpu_offload() && strategy == Strategy::NoShard), "shardtorch::shard: cpu_offload needs a "
-                "sharding strategy; NoShard keeps whole parameters on the device (use OptimizerOnly for replicated "
-                "parameters with the optimizer in host memory)");
+    SHARDTORCH_CHECK(!mp.param_dtype() || low_precision(*mp.param_dtype()),
+                     "shardtorch::shard: MixedPrecision param_dtype ", *mp.param_dtype(),
+                     " must be BFloat16, Half or Float");
+    SHARDTORCH_CHECK(!mp.reduce_dtype() || low_precision(*mp.reduce_dtype()),
+                     "shardtorch::shard: MixedPrecision reduce_dtype ", *mp.reduce_dtype(),
+                     " must be BFloat16, Half or Float");
+    SHARDTORCH_CHECK(!(mp.reduce_dtype() && !mp.param_dtype()),
+                     "shardtorch::shard: MixedPrecision reduce_dtype needs param_dtype");
+    SHARDTORCH_CHECK(
+        !(options.cpu_offload() && strategy == Strategy::NoShard),
+        "shardtorch::shard: cpu_offload needs a "
+        "sharding strategy; NoShard keeps whole parameters on the device (use OptimizerOnly for replicated "
+        "parameters with the optimizer in host memory)");
     for (const auto& [unit, flag] : options.per_unit_reshard()) {
-      bool known = std::any_of(found.units.begin(), found.units.end(), [&](const FoundUnit& u) { return u.name == unit; });
+      bool known =
+          std::any_of(found.units.begin(), found.units.end(), [&](const FoundUnit& u) { return u.name == unit; });
       SHARDTORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
     }
     c.checkpointed = checkpointed_units(found.units, found.params, options, root_is_unit);
@@ -382,7 +396,8 @@ void agree_on_model(World& world, const ShardOptions& options, const ModelWalk& 
   std::ostringstream desc;
   desc << describe_options(option_values(options));
   for (const auto& p : found.params) desc << param_line(p, found.units) << "\n";
-  for (const auto& [name, b] : found.buffers) desc << "buffer '" << name << "' " << c10::toString(b.scalar_type()) << b.sizes() << "\n";
+  for (const auto& [name, b] : found.buffers)
+    desc << "buffer '" << name << "' " << c10::toString(b.scalar_type()) << b.sizes() << "\n";
   if (!misplaced.empty()) desc << misplaced << "\n";
   if (world.size() > 1) check_same_model_everywhere(world, desc.str());
   if (config.error) std::rethrow_exception(config.error);
@@ -467,7 +482,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   SHARDTORCH_CHECK(!detail::deferred_init_live(), "shardtorch::shard: rank ", world->global_rank(),
                    ": called while a shardtorch::DeferredInit lives on this thread; end the guard's scope first "
                    "(construct the model inside it, shard after it: docs/large-models.md)");
-  SHARDTORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: rank ", world->global_rank(), ": this model is already "
+  SHARDTORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: rank ", world->global_rank(),
+                   ": this model is already "
                    "sharded; shard() was called twice (build a new model to shard it again)");
   world->note_progress("shard()");
   const Strategy strategy = options.strategy();
@@ -480,7 +496,8 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   // Kept in their dtype under mixed precision (batch norm's).
   const auto& mp = options.mixed_precision();
   const auto keep = mp.keep_batch_norm_fp32() && (mp.param_dtype() || mp.buffer_dtype())
-                        ? batch_norm_tensors(root) : std::unordered_set<const void*>{};
+                        ? batch_norm_tensors(root)
+                        : std::unordered_set<const void*>{};
   if (strategy == Strategy::NoShard) {
     shard_replicated(root, *world, found, config.checkpointed, state, keep);
     detail::register_model(root, state);
@@ -493,9 +510,11 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   for (const auto& p : found.params)
     if (p.unit < 0) orphans.push_back(p.name);
   SHARDTORCH_CHECK(orphans.empty(), "shardtorch::shard: ", orphans.size(), " parameter(s) belong to no unit (first: '",
-              orphans.front(), "') and the root module is not a unit; declare the root as shardtorch::Sharded<Impl> "
-              "(see docs/api.md)");
-  SHARDTORCH_CHECK(!found.units.empty(), "shardtorch::shard: the model has no unit; mark modules with shardtorch::Sharded<Impl>");
+                   orphans.front(),
+                   "') and the root module is not a unit; declare the root as shardtorch::Sharded<Impl> "
+                   "(see docs/api.md)");
+  SHARDTORCH_CHECK(!found.units.empty(),
+                   "shardtorch::shard: the model has no unit; mark modules with shardtorch::Sharded<Impl>");
 
   state->topology().build(strategy, config.shard_size);
   if (options.cpu_offload()) state->copies().enable_offload(world->comm().device());
@@ -525,17 +544,22 @@ Strategy parse_strategy(const std::string& name) {
   if (n == "no_shard" || n == "noshard" || n == "ddp") return Strategy::NoShard;
   if (n == "hybrid_shard" || n == "hybridshard" || n == "hybrid") return Strategy::HybridShard;
   SHARDTORCH_CHECK(false, "shardtorch: unknown strategy '", name,
-              "'; expected one of full_shard (zero3), shard_grad_op (zero2), optimizer_only (zero1), "
-              "no_shard (ddp), hybrid_shard");
+                   "'; expected one of full_shard (zero3), shard_grad_op (zero2), optimizer_only (zero1), "
+                   "no_shard (ddp), hybrid_shard");
 }
 
 const char* strategy_name(Strategy s) {
   switch (s) {
-    case Strategy::FullShard: return "full_shard";
-    case Strategy::ShardGradOp: return "shard_grad_op";
-    case Strategy::OptimizerOnly: return "optimizer_only";
-    case Strategy::NoShard: return "no_shard";
-    case Strategy::HybridShard: return "hybrid_shard";
+    case Strategy::FullShard:
+      return "full_shard";
+    case Strategy::ShardGradOp:
+      return "shard_grad_op";
+    case Strategy::OptimizerOnly:
+      return "optimizer_only";
+    case Strategy::NoShard:
+      return "no_shard";
+    case Strategy::HybridShard:
+      return "hybrid_shard";
   }
   return "?";
 }
@@ -565,19 +589,21 @@ void ShardedModel::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> h
   const int rank = state_->world().global_rank();
   SHARDTORCH_CHECK(hook, detail::rank_prefix(rank), ": register_comm_hook: the hook is null");
   SHARDTORCH_CHECK(!state_->reducer().comm_hook(), detail::rank_prefix(rank),
-              ": register_comm_hook: this model has a communication hook already (one per model, as under DDP)");
+                   ": register_comm_hook: this model has a communication hook already (one per model, as under DDP)");
   state_->check_backward_finished("register_comm_hook");
   state_->reducer().set_comm_hook(std::move(hook));
 }
 
 c10::intrusive_ptr<c10d::Backend> ShardedModel::comm_hook_group() const {
   switch (state_->strategy()) {
-    case Strategy::NoShard: return state_->world().comm().backend();
+    case Strategy::NoShard:
+      return state_->world().comm().backend();
     case Strategy::HybridShard: {
       Comm* replicas = state_->replica_comm();
       return replicas && replicas->size() > 1 ? replicas->backend() : c10::intrusive_ptr<c10d::Backend>();
     }
-    default: return {};
+    default:
+      return {};
   }
 }
 

@@ -44,8 +44,8 @@ std::string RunResult::summary() const {
 
 namespace {
 
-[[noreturn]] void child_main(int rank, int world_size, const std::string& store_path, int fd,
-                             const RankBody& body, const RunOptions& options) {
+[[noreturn]] void child_main(int rank, int world_size, const std::string& store_path, int fd, const RankBody& body,
+                             const RunOptions& options) {
   int code = 0;
   std::string message;
   try {
@@ -123,8 +123,10 @@ RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
     std::vector<pollfd> pfds;
     for (int r = 0; r < world_size; ++r)
       if (fds[r] >= 0) pfds.push_back({fds[r], POLLIN, 0});
-    if (!pfds.empty()) ::poll(pfds.data(), pfds.size(), 20);
-    else std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (!pfds.empty())
+      ::poll(pfds.data(), pfds.size(), 20);
+    else
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     for (auto& pf : pfds) {
       if (!(pf.revents & (POLLIN | POLLHUP))) continue;
       int r = static_cast<int>(std::find(fds.begin(), fds.end(), pf.fd) - fds.begin());
@@ -162,7 +164,8 @@ RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
     if (fds[r] < 0) continue;
     char chunk[4096];
     ssize_t n;
-    while ((n = ::read(fds[r], chunk, sizeof(chunk))) > 0) result.ranks[r].message.append(chunk, static_cast<size_t>(n));
+    while ((n = ::read(fds[r], chunk, sizeof(chunk))) > 0)
+      result.ranks[r].message.append(chunk, static_cast<size_t>(n));
     ::close(fds[r]);
   }
   files::remove_all_quietly(dir);  // a leftover temporary folder is no failure

@@ -51,9 +51,10 @@ class Lighthouse {
   explicit Lighthouse(int min_replicas, int heartbeat_timeout_ms = 30000) : port_(free_port()) {
     const std::string exe = SHARDTORCH_PYTHON_FOR_FT;
     if (::access(exe.c_str(), X_OK) != 0)
-      throw std::runtime_error("no Python with torchft at '" + exe + "': run scripts/setup.sh (it installs torchft-nightly)");
-    std::vector<std::string> args{exe, SHARDTORCH_LIGHTHOUSE, "--bind", address(), "--min_replicas", std::to_string(min_replicas),
-                                  "--join_timeout_ms", "2000", "--quorum_tick_ms", "20",
+      throw std::runtime_error("no Python with torchft at '" + exe +
+                               "': run scripts/setup.sh (it installs torchft-nightly)");
+    std::vector<std::string> args{exe, SHARDTORCH_LIGHTHOUSE, "--bind", address(), "--min_replicas",
+                                  std::to_string(min_replicas), "--join_timeout_ms", "2000", "--quorum_tick_ms", "20",
                                   // Long: the bare clients below send no heartbeats while they wait for each other.
                                   "--heartbeat_timeout_ms", std::to_string(heartbeat_timeout_ms)};
     std::vector<char*> argv;
@@ -80,7 +81,6 @@ class Lighthouse {
   int port_;
   pid_t pid_ = 0;
 };
-
 
 // Two replica groups of `ranks` ranks each, in 2*ranks forked processes: each
 // group its own World; `hidden` may differ per group.
@@ -110,7 +110,7 @@ using Named = std::map<std::string, at::Tensor>;
 struct GroupRun {
   shardtorch::ShardOptions shard;
   int steps = 6;
-  int64_t hidden_for_group1 = 8;  // another width: a different model
+  int64_t hidden_for_group1 = 8;                             // another width: a different model
   std::optional<shardtorch::ShardOptions> shard_for_group1;  // unset: `shard`
   bool prefetch = false;
   c10::Device device = at::kCPU;  // each group's World computes here (the outer World stays on the CPU)
@@ -123,7 +123,7 @@ struct GroupRun {
 
 // Every tensor on the CPU.
 struct GroupResult {
-  Named params;                // at the end, full
+  Named params;                      // at the end, full
   std::vector<std::string> counted;  // per committed step: the groups whose gradients counted
   std::vector<Named> grads;          // per committed step: the full gradients the optimizer stepped with
   std::vector<Named> before;         // per committed step: the full parameters it stepped from
@@ -140,7 +140,10 @@ inline GroupResult train_group(World& all, int ranks, const std::string& lightho
   shardtorch::shard(*model, world, g == 1 && run.shard_for_group1 ? *run.shard_for_group1 : run.shard);
   auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
   shardtorch::ft::Manager m(world, *model, *opt,
-                            shardtorch::ft::ManagerOptions().lighthouse(lighthouse).replica_group(std::to_string(g)).log(false)
+                            shardtorch::ft::ManagerOptions()
+                                .lighthouse(lighthouse)
+                                .replica_group(std::to_string(g))
+                                .log(false)
                                 .prefetch_quorum(run.prefetch));
   if (run.setup) run.setup(g, world->rank(), m);
   GroupResult out;
@@ -181,7 +184,7 @@ inline GroupResult train_group(World& all, int ranks, const std::string& lightho
 // Single-process replay: step s averages the counted groups' ranks' batches.
 // Returns the parameters at the end and each step's gradients.
 inline std::pair<Named, std::vector<Named>> reference(int ranks, const std::vector<std::string>& counted,
-                                                     const c10::Device& device = at::kCPU) {
+                                                      const c10::Device& device = at::kCPU) {
   at::manual_seed(0);
   Net model(8);
   model->to(device);
@@ -221,11 +224,13 @@ inline void check_against_replay(World& all, int ranks, const GroupResult& got, 
   if (got.grads.size() != want_grads.size()) throw std::runtime_error("gradients of a step missing");
   for (size_t s = 0; s < want_grads.size(); ++s)
     for (auto& [name, t] : want_grads[s]) {
-      require_alike(all, got.before[s].at(name), "step " + std::to_string(s) + ": " + name + " before the optimizer step");
+      require_alike(all, got.before[s].at(name),
+                    "step " + std::to_string(s) + ": " + name + " before the optimizer step");
       const double d = (got.grads[s].at(name) - t).abs().max().item<double>();
       if (!(d <= run.tolerance))
-        throw std::runtime_error("step " + std::to_string(s) + ": the gradient of " + name + " differs from one process by " +
-                                 std::to_string(d) + " (counted groups " + got.counted[s] + ")");
+        throw std::runtime_error("step " + std::to_string(s) + ": the gradient of " + name +
+                                 " differs from one process by " + std::to_string(d) + " (counted groups " +
+                                 got.counted[s] + ")");
     }
   for (auto& [name, t] : want) {
     const double d = (got.params.at(name) - t).abs().max().item<double>();
@@ -240,7 +245,7 @@ inline void check_against_replay(World& all, int ranks, const GroupResult& got, 
 // bitwise alike and like one process (the optimizer state's moments and step
 // count show in every later update).
 inline void group_1_loses_its_state_after_step_3(int g, shardtorch::ft::Manager& m, Net& model,
-                                          shardtorch::ShardedOptimizer& opt) {
+                                                 shardtorch::ShardedOptimizer& opt) {
   if (g != 1 || m.step() != 3) return;
   c10::NoGradGuard no_grad;
   {

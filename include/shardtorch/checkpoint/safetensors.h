@@ -93,9 +93,11 @@ struct SHARDTORCH_API PendingTensor {
 /// writes of `path` on this host whose process is gone (it scans the
 /// directory; a fresh directory has none to remove).
 SHARDTORCH_API void write_file(const std::string& path, const std::vector<PendingTensor>& tensors,
-                const std::map<std::string, std::string>& metadata = {}, bool remove_stale_temporaries = true);
+                               const std::map<std::string, std::string>& metadata = {},
+                               bool remove_stale_temporaries = true);
 SHARDTORCH_API void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-               const std::map<std::string, std::string>& metadata = {}, bool remove_stale_temporaries = true);
+                              const std::map<std::string, std::string>& metadata = {},
+                              bool remove_stale_temporaries = true);
 SHARDTORCH_API std::map<std::string, at::Tensor> load_file(const std::string& path);
 
 /// Fault injection for crash tests. Checkpoint writes call crash_point() with

@@ -26,14 +26,14 @@ struct SHARDTORCH_API AdamStep {
   // Double, as the options hold them: the kernel's fp32 coefficients (1 - beta2
   // among them) are rounded from the exact values, as torch::optim's are.
   double lr, beta1, beta2, eps, weight_decay;
-  int64_t step;     // after increment: 1 on the first step
-  bool decoupled;   // AdamW (decay the parameter) or Adam (decay added to the gradient)
+  int64_t step;    // after increment: 1 on the first step
+  bool decoupled;  // AdamW (decay the parameter) or Adam (decay added to the gradient)
 };
 
 /// One Adam/AdamW update of n fp32 elements in place. If `low` is not null,
 /// the updated parameters are also written there as bf16 (the compute copy).
-SHARDTORCH_API void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s,
-                    at::BFloat16* low = nullptr);
+SHARDTORCH_API void fused_adam_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+                                   const AdamStep& s, at::BFloat16* low = nullptr);
 
 /// "avx512-newton", "avx512", "avx2" or "default": the variant fused_adam_cpu
 /// runs here (the widest the CPU has; on Intel cores with AVX-512, the one
