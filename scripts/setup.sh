@@ -11,12 +11,13 @@ cd "$(dirname "$0")/.."
 # libgloo-dev: the torch wheel ships Gloo compiled in but not its headers,
 # which c10d's ProcessGroupGloo.hpp includes (only src/comm/gloo_backend.cpp).
 # clang-14 and libclang-rt-14-dev: libFuzzer with ASan/UBSan for the safetensors parser.
+# clang-format-14: the C++ style (.clang-format), checked by the ctest build.format.
 # libxxhash-dev: XXH3 checksums of checkpoint files (header only).
 # g++-aarch64-linux-gnu: the ctest that compiles the CPU Adam for aarch64.
 # gRPC and protobuf: the fault-tolerance manager's client of torchft's lighthouse.
 PKGS=(cmake g++ make ccache libgtest-dev libgmock-dev libbenchmark-dev
       libboost-json1.81-dev libboost-program-options1.81-dev libgloo-dev python3-venv
-      clang-14 libclang-rt-14-dev libxxhash-dev g++-aarch64-linux-gnu
+      clang-14 libclang-rt-14-dev clang-format-14 libxxhash-dev g++-aarch64-linux-gnu
       libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc)
 missing=()
 for p in "${PKGS[@]}"; do
