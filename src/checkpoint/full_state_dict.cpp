@@ -79,9 +79,9 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
     reader.emplace(path);
     // What ranks reading their own copies can compare cheaply: the layout
     // and the metadata (where an application keeps its step).
-    fingerprint = "a file of " + std::to_string(ReaderAccess::header(*reader).tensors.size()) + " tensors from byte " +
-                  std::to_string(ReaderAccess::header(*reader).data_start);
-    for (const auto& [k, v] : ReaderAccess::header(*reader).metadata) fingerprint += ", " + k + "=" + v;
+    fingerprint = "a file of " + std::to_string(checkpoint::ReaderAccess::header(*reader).tensors.size()) +
+                  " tensors from byte " + std::to_string(checkpoint::ReaderAccess::header(*reader).data_start);
+    for (const auto& [k, v] : checkpoint::ReaderAccess::header(*reader).metadata) fingerprint += ", " + k + "=" + v;
     NameMap names = detail::parameter_names(root);
     std::set<std::string> used;
     auto name_in_file = [&](const at::Tensor& p) -> std::string {
@@ -94,7 +94,7 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
     // The shape, and a dtype the values can be cast into (docs/checkpoints.md).
     auto check_shape = [&](const std::string& n, c10::IntArrayRef want, at::ScalarType dtype,
                            const char* what = "parameter") {
-      const auto* r = ReaderAccess::header(*reader).find(n);
+      const auto* r = checkpoint::ReaderAccess::header(*reader).find(n);
       if (c10::IntArrayRef(r->shape) != want) {
         std::ostringstream os;
         os << "safetensors file '" << path << "': '" << n << "' has shape " << c10::IntArrayRef(r->shape)
@@ -147,7 +147,7 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
       used.insert(item.key());
       changes.push_back([file, b = item.value(), n = item.key()]() mutable { b.copy_(file->read(n)); });
     }
-    for (const auto& t : ReaderAccess::header(*reader).tensors) {
+    for (const auto& t : checkpoint::ReaderAccess::header(*reader).tensors) {
       if (!used.count(t.name))
         throw checkpoint::SafetensorsError("safetensors file '" + path + "': unexpected tensor '" + t.name +
                                            "' (no parameter or buffer of the model has that name)");

@@ -147,7 +147,7 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
           "an index of " + std::to_string(entries.size()) + " tensors in " + std::to_string(names.size()) + " files";
       for (const auto& [k, v] : idx.metadata) fingerprint += ", " + k + "=" + v;
     } else {
-      const auto& h = ReaderAccess::header(open(src.single));
+      const auto& h = checkpoint::ReaderAccess::header(open(src.single));
       for (const auto& t : h.tensors) entries.emplace_back(t.name, src.single);
       fingerprint =
           "a file of " + std::to_string(h.tensors.size()) + " tensors from byte " + std::to_string(h.data_start);
@@ -219,7 +219,7 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
     // The record of `s` in its file (opened now), its shape and a dtype it can be cast into.
     auto check = [&](const Source1& s, const std::string& m, c10::IntArrayRef want, at::ScalarType dtype,
                      const char* kind) -> const checkpoint::TensorRecord& {
-      const auto* rec = ReaderAccess::header(open(s.file)).find(s.name);
+      const auto* rec = checkpoint::ReaderAccess::header(open(s.file)).find(s.name);
       if (rec == nullptr)
         throw SafetensorsError(where + ": the index puts '" + s.name + "' in '" + s.file +
                                "', but that file has no such tensor (are the index and the files from the same "

@@ -401,11 +401,12 @@ class Files {
     // The step before the checksum: a shard copied in from another save of
     // the same model fails both, and "from step 2" says what went wrong.
     auto r = std::make_unique<checkpoint::Reader>(path);
-    auto file_step = ReaderAccess::header(*r).metadata.find("step");
-    if (file_step == ReaderAccess::header(*r).metadata.end() || file_step->second != std::to_string(idx_.step))
+    auto file_step = checkpoint::ReaderAccess::header(*r).metadata.find("step");
+    if (file_step == checkpoint::ReaderAccess::header(*r).metadata.end() ||
+        file_step->second != std::to_string(idx_.step))
       throw SafetensorsError(
           "checkpoint '" + dir_ + "': '" + name + "' is from step " +
-          (file_step == ReaderAccess::header(*r).metadata.end() ? std::string("?") : file_step->second) +
+          (file_step == checkpoint::ReaderAccess::header(*r).metadata.end() ? std::string("?") : file_step->second) +
           " but the index is for step " + std::to_string(idx_.step));
     if (file_checksum(path, checkpoint::checksum::algorithm_of(sum)) != sum)
       throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' does not match its checksum in the index");
@@ -414,7 +415,7 @@ class Files {
     // without a word (by read_sharded_checkpoint, or as optimizer state).
     if (listed_.empty())
       for (const auto& e : idx_.entries) listed_.insert({e.file, e.tensor});
-    for (const auto& t : ReaderAccess::header(*r).tensors)
+    for (const auto& t : checkpoint::ReaderAccess::header(*r).tensors)
       if (!listed_.count({name, t.name}))
         throw SafetensorsError("checkpoint '" + dir_ + "': '" + name + "' holds '" + t.name +
                                "', which the index does not list (an edited index, or a file of another save?)");
@@ -443,7 +444,7 @@ struct Fill {
 // with the entry's element count (an index that claims more would make a
 // reader allocate or read what is not there).
 const checkpoint::TensorRecord& saved_record(Files& files, const Entry& e, const std::string& dir) {
-  const auto* r = ReaderAccess::header(files.get(e.file)).find(e.tensor);
+  const auto* r = checkpoint::ReaderAccess::header(files.get(e.file)).find(e.tensor);
   if (r == nullptr)
     throw SafetensorsError("checkpoint '" + dir + "': '" + e.file + "' has no tensor '" + e.tensor +
                            "', which the index lists");

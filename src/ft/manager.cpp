@@ -706,7 +706,7 @@ Manager::Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedO
   m.group = o.replica_group();
   const int restarts = std::atoi(env("TORCHELASTIC_RESTART_COUNT").value_or("0").c_str());
   m.restarted = o.restarted().value_or(restarts > 0);
-  m.state = detail::require_state(root, "shardtorch::ft::Manager");
+  m.state = shardtorch::detail::require_state(root, "shardtorch::ft::Manager");
   m.model = describe_model(root, *m.state, opt, m.world->size());
   // Every rank of the group must agree on the group name and the incarnation.
   auto names =
