@@ -39,9 +39,13 @@ struct SHARDTORCH_API HookCounter {
 
 struct SHARDTORCH_API CommStats {
   CollectiveCounter all_gather, reduce_scatter, all_reduce, broadcast;
+  /// Point-to-point (pipeline stages): bytes_sent counts what this rank sent;
+  /// a receive sends nothing (its seconds are the wait).
+  CollectiveCounter send, recv;
   HookCounter comm_hook;  // ShardedModel::comm_stats() only; not in total_bytes_sent()
   int64_t total_bytes_sent() const {
-    return all_gather.bytes_sent + reduce_scatter.bytes_sent + all_reduce.bytes_sent + broadcast.bytes_sent;
+    return all_gather.bytes_sent + reduce_scatter.bytes_sent + all_reduce.bytes_sent + broadcast.bytes_sent +
+           send.bytes_sent;
   }
 };
 
@@ -133,6 +137,14 @@ class SHARDTORCH_API Comm {
   /// injection and statistics as wait(); `pending` is spent afterwards.
   void finish(PendingWork& pending, std::exception_ptr error);
   void broadcast(at::Tensor& t, int root, const std::string& what);
+  /// Point-to-point, for pipeline stages: sends `t` to member `peer`, or
+  /// receives into `t` (contiguous, of the sent shape and dtype) from it;
+  /// `tag` pairs a send with its receive. Not part of the collective check
+  /// (two members take part, not the group): checked collectives started
+  /// before are launched first. wait() finishes it, with the timeout and
+  /// the errors of a collective (naming the peer's state when it fails).
+  PendingWork send_async(const at::Tensor& t, int peer, int tag, const std::string& what);
+  PendingWork recv_async(const at::Tensor& t, int peer, int tag, const std::string& what);
   /// Every rank's string, in rank order (two all-gathers: lengths, then bytes).
   std::vector<std::string> all_gather_strings(const std::string& mine, const std::string& what);
 

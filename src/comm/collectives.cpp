@@ -364,6 +364,50 @@ void Comm::finish(PendingWork& p, std::exception_ptr error) {
   });
 }
 
+namespace {
+PendingWork p2p(const char* op, const std::string& what, const at::Tensor& t, CollectiveCounter& counter, int64_t bytes,
+                int rank, int size, int peer) {
+  SHARDTORCH_CHECK(peer >= 0 && peer < size && peer != rank, detail::rank_prefix(rank), ": ", op, " for ", what,
+                   ": peer ", peer, " is not another member of a group of ", size);
+  SHARDTORCH_CHECK(t.is_contiguous(), detail::rank_prefix(rank), ": ", op, " for ", what,
+                   " needs a contiguous tensor, got ", describe(t));
+  PendingWork p;
+  p.op = op;
+  p.what = what;
+  p.shapes = describe(t) + (std::string(op) == "send" ? " to " : " from ") + "member " + std::to_string(peer);
+  p.counter = &counter;
+  p.bytes = bytes;
+  p.start = std::chrono::steady_clock::now();
+  return p;
+}
+}  // namespace
+
+PendingWork Comm::send_async(const at::Tensor& t, int peer, int tag, const std::string& what) {
+  PendingWork p = p2p("send", what, t, stats_.send, t.nbytes(), rank_, size_, peer);
+  flush_launches();  // every rank's backend sees the checked collectives before this
+  try {
+    std::vector<at::Tensor> ts{t};
+    p.work = backend_->send(ts, peer, tag);
+  } catch (const std::exception& e) {
+    throw Error(detail::rank_prefix(rank_) + "/" + std::to_string(size_) + ": send for " + what + " (" + p.shapes +
+                ") could not be launched: " + detail::message_of(e));
+  }
+  return p;
+}
+
+PendingWork Comm::recv_async(const at::Tensor& t, int peer, int tag, const std::string& what) {
+  PendingWork p = p2p("recv", what, t, stats_.recv, 0, rank_, size_, peer);
+  flush_launches();
+  try {
+    std::vector<at::Tensor> ts{t};
+    p.work = backend_->recv(ts, peer, tag);
+  } catch (const std::exception& e) {
+    throw Error(detail::rank_prefix(rank_) + "/" + std::to_string(size_) + ": recv for " + what + " (" + p.shapes +
+                ") could not be launched: " + detail::message_of(e));
+  }
+  return p;
+}
+
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;

@@ -39,7 +39,8 @@ CommStats Topology::stats() const {
     const CommStats& s = c->stats();
     for (auto [to, from] :
          {std::pair{&total.all_gather, &s.all_gather}, std::pair{&total.reduce_scatter, &s.reduce_scatter},
-          std::pair{&total.all_reduce, &s.all_reduce}, std::pair{&total.broadcast, &s.broadcast}}) {
+          std::pair{&total.all_reduce, &s.all_reduce}, std::pair{&total.broadcast, &s.broadcast},
+          std::pair{&total.send, &s.send}, std::pair{&total.recv, &s.recv}}) {
       to->calls += from->calls;
       to->bytes_sent += from->bytes_sent;
       to->seconds += from->seconds;
