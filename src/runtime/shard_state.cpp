@@ -46,6 +46,33 @@ void ShardState::release_held() {
   for (auto& u : live_units()) u->release();  // nothing for a unit not held
 }
 
+void ShardState::gather_for_step() {
+  if (step_gather_) return;
+  auto all = units();
+  size_t pinned = 0;
+  try {
+    for (auto& u : all) u->unshard_async();  // every all-gather in flight, then each waited for
+    for (; pinned < all.size(); ++pinned) {
+      all[pinned]->unshard();
+      all[pinned]->pin();
+    }
+  } catch (...) {
+    for (size_t i = 0; i < pinned; ++i) all[i]->unpin();
+    for (auto& u : all) u->reshard();
+    throw;
+  }
+  step_gather_ = true;
+}
+
+void ShardState::release_step_gather() {
+  if (!step_gather_) return;
+  step_gather_ = false;
+  for (auto& u : live_units()) {
+    u->unpin();
+    u->reshard();
+  }
+}
+
 void ShardState::refuse_backward_in_grad_summon(const char* kind, const std::string& name) const {
   // The scope set param.grad to the reduced gradients: this backward would
   // add its own to them, and reduce both into gradients that already hold the

@@ -116,6 +116,12 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// graph's backward until release_held(): at the optimizer step, a
   /// checkpoint load or after a failed backward.
   void release_held();
+  /// Pipelines (parallel/pipeline.h): gathers every unit now and keeps it
+  /// gathered (pinned) until release_step_gather(), so that a stage runs all
+  /// its micro-batches on one all-gather per unit. Collective over the shard
+  /// group; nothing under the strategies whose units stay gathered.
+  void gather_for_step();
+  void release_step_gather();
   /// all-gathers `f`'s full parameters from the shards, into its full buffer.
   void regather(Unit& u, FlatParam& f, const std::string& what);
 
@@ -193,6 +199,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool sync_ = true;
   int summons_ = 0, grad_summons_ = 0;
   bool has_scaler_ = false;
+  bool step_gather_ = false;
   static const std::vector<at::Tensor> none_;
   static const std::vector<std::string> no_names_;
 };
