@@ -191,6 +191,18 @@ def run_ddp(a):
         print(f"without fault tolerance: {world} ranks, step time: median {median_ms(times):.3f} ms "
               f"over {len(times)} steps", flush=True)
     dist.destroy_process_group()
+    # Not a normal interpreter exit: Gloo's worker threads outlive
+    # destroy_process_group() (torch.distributed.nn.functional's defaults keep
+    # the group alive), and one of them may still be freeing the last step's
+    # all-reduce work, whose saved thread-local state holds a Python object.
+    # Freeing it takes the GIL; once Py_FinalizeEx has begun, Python ends such
+    # a thread with pthread_exit(), whose unwinding through the work's noexcept
+    # destructor calls std::terminate ("terminate called without an active
+    # exception", SIGABRT, now and then, on any rank). So, like run_ft(), end
+    # the process here without finalizing the interpreter.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main():
