@@ -8,7 +8,7 @@ JOBS ?= 2
 PY := $(VENV)/bin/python3
 Torch_DIR ?=
 
-.PHONY: all setup configure build test demo ft-demo ft-bench bench sweep peers install clean
+.PHONY: all setup configure build test demo pipeline-demo ft-demo ft-bench bench sweep peers install clean
 
 all: build
 
@@ -31,6 +31,13 @@ test: build
 demo: configure
 	cmake --build $(BUILD) -j$(JOBS) --target train_gpt
 	$(VENV)/bin/torchrun --no-python --standalone --nproc-per-node 2 $(BUILD)/examples/train_gpt --steps 40
+
+# Pipeline parallelism (docs/parallelism.md): the example GPT in 2 stages x 2 data-parallel
+# ranks, 1F1B; writes the last step's timeline (JSON) and its picture (PNG) in $(BUILD).
+pipeline-demo: configure
+	cmake --build $(BUILD) -j$(JOBS) --target pipeline_gpt
+	$(VENV)/bin/torchrun --no-python --standalone --nproc-per-node 4 $(BUILD)/examples/pipeline_gpt --pp 2 --steps 20 \
+	  --microbatches 4 --timeline $(BUILD)/pipeline-timeline.json --plot $(BUILD)/pipeline-timeline.png --python $(PY)
 
 # Fault tolerance (docs/fault_tolerance.md): torchft's lighthouse, three replica
 # groups of the example GPT, one killed twice and healed; prints the timeline and checks the result.

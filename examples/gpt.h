@@ -15,6 +15,7 @@
 #include <cmath>
 #include <limits>
 
+#include "shardtorch/pipeline.h"
 #include "shardtorch/plan.h"
 #include "shardtorch/sharded.h"
 
@@ -106,6 +107,27 @@ struct GPTImpl : torch::nn::Module {
   TiedHead head;
 };
 SHARDTORCH_MODULE(GPT);
+
+/// The GPT as pipeline layers (shardtorch/pipeline.h), in the order its
+/// forward runs them: the embeddings, each block, the final norm with the LM
+/// head. The modules keep their names, so a pipelined GPT's parameters have
+/// the unsplit GPT's names; the head's weight, tied to the token embedding,
+/// is a parameter tied across stages when the two land on different ranks.
+inline std::vector<shardtorch::PipelineLayer> pipeline_layers(GPT& model) {
+  auto m = model.ptr();
+  std::vector<shardtorch::PipelineLayer> layers;
+  layers.push_back(
+      {"embed", {{"tok_emb", m->tok_emb.ptr()}, {"pos_emb", m->pos_emb.ptr()}}, [m](const at::Tensor& tokens) {
+         auto pos = at::arange(tokens.size(1), tokens.options());
+         return m->tok_emb(tokens) + m->pos_emb(pos).unsqueeze(0);
+       }});
+  for (size_t i = 0; i < m->block_list.size(); ++i)
+    layers.push_back(shardtorch::PipelineLayer::of("blocks." + std::to_string(i), m->block_list[i]));
+  layers.push_back({"head", {{"ln_f", m->ln_f.ptr()}, {"head", m->head.ptr()}}, [m](const at::Tensor& x) {
+                      return m->head(m->ln_f(x));
+                    }});
+  return layers;
+}
 
 /// The units shard() builds from a GPT of this shape, computed from the shape
 /// alone (for planning models too large to construct); tests check it equals

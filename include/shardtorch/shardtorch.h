@@ -17,3 +17,5 @@
 #include "shardtorch/deferred.h"
 #include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/mesh.h"
+#include "shardtorch/pipeline.h"
+#include "shardtorch/schedule.h"
