@@ -89,6 +89,8 @@ class SHARDTORCH_API Comm {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  /// The rank in the whole job of member `member` (errors name these).
+  int global_rank(int member) const { return global_ranks_.empty() ? member : global_ranks_.at(member); }
   std::chrono::milliseconds timeout() const { return timeout_; }
   /// Where this group's tensors must live (CUDA for NCCL).
   const c10::Device& device() const { return device_; }
@@ -225,8 +227,13 @@ class SHARDTORCH_API Comm {
   void check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const;
   void check_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) const;
 
+  /// "shardtorch: rank G/N" for the world's Comm; "shardtorch: rank G (member
+  /// i of n)" for a group's: how this Comm's messages begin.
+  std::string who() const;
+
   c10::intrusive_ptr<c10d::Backend> backend_;
   int rank_, size_;
+  std::vector<int> global_ranks_;  // a group's members' ranks in the whole job (World sets them); empty: the world
   std::chrono::milliseconds timeout_;
   c10::Device device_;
   bool reduce_scatter_in_place_;

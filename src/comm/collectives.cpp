@@ -154,9 +154,8 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
   } catch (const std::exception& e) {
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::ostringstream os;
-    os << detail::rank_prefix(rank_) << "/" << size_ << ": " << op << " for " << what << " (" << shapes
-       << ") did not complete after " << waited << " s (timeout " << timeout_.count() / 1000.0
-       << " s): " << detail::message_of(e);
+    os << who() << ": " << op << " for " << what << " (" << shapes << ") did not complete after " << waited
+       << " s (timeout " << timeout_.count() / 1000.0 << " s): " << detail::message_of(e);
     if (peer_report_) {
       const std::string peers = peer_report_(start);
       if (!peers.empty()) os << ". " << peers;
@@ -169,14 +168,14 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
 }
 
 void Comm::check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const {
-  SHARDTORCH_CHECK(out.is_contiguous() && in.is_contiguous() && out.scalar_type() == in.scalar_type(),
-                   detail::rank_prefix(rank_), ": ", op, " for ", what,
-                   " needs contiguous tensors of one dtype, got in ", describe(in), ", out ", describe(out));
+  SHARDTORCH_CHECK(out.is_contiguous() && in.is_contiguous() && out.scalar_type() == in.scalar_type(), who(), ": ", op,
+                   " for ", what, " needs contiguous tensors of one dtype, got in ", describe(in), ", out ",
+                   describe(out));
 }
 
 void Comm::check_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) const {
-  SHARDTORCH_CHECK(out.numel() == in.numel() * size_, detail::rank_prefix(rank_), ": all_gather for ", what,
-                   ": output ", describe(out), " is not ", size_, " x input ", describe(in));
+  SHARDTORCH_CHECK(out.numel() == in.numel() * size_, who(), ": all_gather for ", what, ": output ", describe(out),
+                   " is not ", size_, " x input ", describe(in));
   check_flat(out, in, "all_gather", what);
 }
 
@@ -249,8 +248,8 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   try {
     p.work = start();
   } catch (const std::exception& e) {
-    throw Error(detail::rank_prefix(rank_) + "/" + std::to_string(size_) + ": " + op + " for " + what + " (" +
-                p.shapes + ") could not be launched: " + detail::message_of(e));
+    throw Error(who() + ": " + op + " for " + what + " (" + p.shapes +
+                ") could not be launched: " + detail::message_of(e));
   }
   return p;
 }
@@ -285,8 +284,8 @@ PendingWork Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::s
 }
 
 PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
-  SHARDTORCH_CHECK(in.numel() == out.numel() * size_, detail::rank_prefix(rank_), ": reduce_scatter for ", what,
-                   ": input ", describe(in), " is not ", size_, " x output ", describe(out));
+  SHARDTORCH_CHECK(in.numel() == out.numel() * size_, who(), ": reduce_scatter for ", what, ": input ", describe(in),
+                   " is not ", size_, " x output ", describe(out));
   check_flat(out, in, "reduce_scatter", what);
   at::Tensor o = out.view({-1}), i = in.view({-1});
   c10d::ReduceScatterOptions opts;
@@ -299,8 +298,8 @@ PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const st
 }
 
 PendingWork Comm::reduce_scatter_in_place_async(at::Tensor& in, const std::string& what) {
-  SHARDTORCH_CHECK(in.is_contiguous() && in.numel() % size_ == 0, detail::rank_prefix(rank_), ": reduce_scatter for ",
-                   what, ": input ", describe(in), " is not contiguous with a multiple of ", size_, " elements");
+  SHARDTORCH_CHECK(in.is_contiguous() && in.numel() % size_ == 0, who(), ": reduce_scatter for ", what, ": input ",
+                   describe(in), " is not contiguous with a multiple of ", size_, " elements");
   at::Tensor flat = in.view({-1});
   return launch_sum(flat, "reduce_scatter", "in " + describe(in) + ", all-reduced in place", stats_.reduce_scatter,
                     in.nbytes() / size_ * (size_ - 1), what);
@@ -366,15 +365,14 @@ void Comm::finish(PendingWork& p, std::exception_ptr error) {
 
 namespace {
 PendingWork p2p(const char* op, const std::string& what, const at::Tensor& t, CollectiveCounter& counter, int64_t bytes,
-                int rank, int size, int peer) {
-  SHARDTORCH_CHECK(peer >= 0 && peer < size && peer != rank, detail::rank_prefix(rank), ": ", op, " for ", what,
-                   ": peer ", peer, " is not another member of a group of ", size);
-  SHARDTORCH_CHECK(t.is_contiguous(), detail::rank_prefix(rank), ": ", op, " for ", what,
-                   " needs a contiguous tensor, got ", describe(t));
+                const std::string& who, int rank, int size, int peer, int peer_rank) {
+  SHARDTORCH_CHECK(peer >= 0 && peer < size && peer != rank, who, ": ", op, " for ", what, ": peer ", peer,
+                   " is not another member of a group of ", size);
+  SHARDTORCH_CHECK(t.is_contiguous(), who, ": ", op, " for ", what, " needs a contiguous tensor, got ", describe(t));
   PendingWork p;
   p.op = op;
   p.what = what;
-  p.shapes = describe(t) + (std::string(op) == "send" ? " to " : " from ") + "member " + std::to_string(peer);
+  p.shapes = describe(t) + (std::string(op) == "send" ? " to " : " from ") + "rank " + std::to_string(peer_rank);
   p.counter = &counter;
   p.bytes = bytes;
   p.start = std::chrono::steady_clock::now();
@@ -383,29 +381,35 @@ PendingWork p2p(const char* op, const std::string& what, const at::Tensor& t, Co
 }  // namespace
 
 PendingWork Comm::send_async(const at::Tensor& t, int peer, int tag, const std::string& what) {
-  PendingWork p = p2p("send", what, t, stats_.send, t.nbytes(), rank_, size_, peer);
+  PendingWork p = p2p("send", what, t, stats_.send, t.nbytes(), who(), rank_, size_, peer, global_rank(peer));
   flush_launches();  // every rank's backend sees the checked collectives before this
   try {
     std::vector<at::Tensor> ts{t};
     p.work = backend_->send(ts, peer, tag);
   } catch (const std::exception& e) {
-    throw Error(detail::rank_prefix(rank_) + "/" + std::to_string(size_) + ": send for " + what + " (" + p.shapes +
-                ") could not be launched: " + detail::message_of(e));
+    throw Error(who() + ": send for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e));
   }
   return p;
 }
 
 PendingWork Comm::recv_async(const at::Tensor& t, int peer, int tag, const std::string& what) {
-  PendingWork p = p2p("recv", what, t, stats_.recv, 0, rank_, size_, peer);
+  PendingWork p = p2p("recv", what, t, stats_.recv, 0, who(), rank_, size_, peer, global_rank(peer));
   flush_launches();
   try {
     std::vector<at::Tensor> ts{t};
     p.work = backend_->recv(ts, peer, tag);
   } catch (const std::exception& e) {
-    throw Error(detail::rank_prefix(rank_) + "/" + std::to_string(size_) + ": recv for " + what + " (" + p.shapes +
-                ") could not be launched: " + detail::message_of(e));
+    throw Error(who() + ": recv for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e));
   }
   return p;
+}
+
+std::string Comm::who() const {
+  bool identity = true;  // the group's members are ranks 0..size-1 of the job: a member is its rank
+  for (size_t i = 0; i < global_ranks_.size(); ++i) identity = identity && global_ranks_[i] == static_cast<int>(i);
+  if (identity) return detail::rank_prefix(rank_) + "/" + std::to_string(size_);
+  return detail::rank_prefix(global_rank(rank_)) + " (member " + std::to_string(rank_) + " of " +
+         std::to_string(size_) + " of its group)";
 }
 
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {

@@ -35,6 +35,7 @@ std::string seconds(int64_t ms) {
 struct Record {
   int64_t step = 0;
   std::string phase, unit;
+  std::string context;  // what the program set beside the phase (a pipeline's stage and micro-batch)
   int64_t pid = 0;
   std::string host;
   int64_t changed_ms = 0;  // wall clock when step, phase or unit last changed
@@ -51,7 +52,7 @@ struct Record {
 std::string encode(const Record& r) {
   std::ostringstream os;
   os << r.step << '\t' << r.phase << '\t' << r.unit << '\t' << r.pid << '\t' << r.host << '\t' << r.changed_ms << '\t'
-     << r.beat_ms << '\t' << static_cast<int>(r.state);
+     << r.beat_ms << '\t' << static_cast<int>(r.state) << '\t' << r.context;
   return os.str();
 }
 bool decode(const std::string& s, Record& r) {
@@ -63,7 +64,7 @@ bool decode(const std::string& s, Record& r) {
     if (tab == std::string::npos) break;
     from = tab + 1;
   }
-  if (f.size() != 8) return false;
+  if (f.size() != 9) return false;
   try {
     r.step = std::stoll(f[0]);
     r.phase = f[1];
@@ -75,6 +76,7 @@ bool decode(const std::string& s, Record& r) {
     const int state = std::stoi(f[7]);
     if (state < 0 || state > 3) return false;
     r.state = static_cast<Record::State>(state);
+    r.context = f[8];
   } catch (const std::exception&) {
     return false;
   }
@@ -83,6 +85,7 @@ bool decode(const std::string& s, Record& r) {
 std::string where(const Record& r) {
   std::string s = "step " + std::to_string(r.step) + ", " + r.phase;
   if (!r.unit.empty()) s += " of unit '" + r.unit + "'";
+  if (!r.context.empty()) s += " (" + r.context + ")";
   return s;
 }
 // A process of this host that is gone: no such process, or a zombie (dead,
@@ -96,7 +99,9 @@ bool process_gone(int64_t pid) {
   const size_t paren = text.rfind(')');  // "pid (name) S ...": the name may hold spaces and parentheses
   return paren != std::string::npos && paren + 2 < text.size() && (text[paren + 2] == 'Z' || text[paren + 2] == 'X');
 }
-bool same_place(const Record& a, const Record& b) { return a.step == b.step && a.phase == b.phase && a.unit == b.unit; }
+bool same_place(const Record& a, const Record& b) {
+  return a.step == b.step && a.phase == b.phase && a.unit == b.unit && a.context == b.context;
+}
 }  // namespace
 
 struct Progress::Shared {
@@ -178,6 +183,15 @@ void Progress::note(const std::string& phase, const std::string& unit) {
   r.phase = phase;
   r.unit = unit;
   r.state = Record::State::Running;  // it moved on from the failure (a caught error, a retry)
+  r.changed_ms = now_ms();
+  ++s_->version;
+}
+
+void Progress::set_context(const std::string& context) {
+  std::lock_guard<std::mutex> lock(s_->mu);
+  Record& r = s_->mine;
+  if (r.context == context) return;
+  r.context = context;
   r.changed_ms = now_ms();
   ++s_->version;
 }

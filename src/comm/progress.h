@@ -31,6 +31,10 @@ class Progress {
 
   /// This rank is now at `phase` (of `unit`, if any). No I/O.
   void note(const std::string& phase, const std::string& unit = "");
+  /// Where in its own work the program is, beside the phase (a pipeline's
+  /// stage and micro-batch); shown after the phase; "" clears it. No I/O.
+  /// Tabs and newlines are not allowed (the record is tab-separated).
+  void set_context(const std::string& context);
   /// An optimizer step is done: the step count grows.
   void step_done();
 

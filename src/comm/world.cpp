@@ -313,6 +313,7 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   agree_on_order(*store, ranks, members, tag);
   auto b = connect(backend_name_, store, index, n, options_, rank_, "group '" + tag + "' of ranks " + list(ranks));
   auto comm = std::make_shared<Comm>(b, index, n, options_.timeout(), comm_->device());
+  comm->global_ranks_ = ranks;  // new_group runs on the whole job's World: these are its ranks
   if (progress_) {
     std::weak_ptr<detail::Progress> progress = progress_;
     comm->set_peer_report([progress, ranks](std::chrono::steady_clock::time_point started) {
