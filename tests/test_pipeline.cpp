@@ -91,6 +91,21 @@ TEST(PipelineSchedule, EveryMicrobatchRunsOnceAndEveryTransferHasItsPeer) {
   }
 }
 
+TEST(PipelineSchedule, ForwardPlansRunEveryMicrobatchThroughEveryStageInOrder) {
+  for (auto [p, v, m] : {std::tuple{2, 1, 4}, std::tuple{4, 2, 3}, std::tuple{1, 3, 2}}) {
+    const auto plan = pl::make_forward_plan(p, v, m);
+    pl::simulate(plan);  // finishes: throws otherwise
+    for (int r = 0; r < p; ++r) {
+      std::vector<std::string> want;
+      for (int mb = 0; mb < m; ++mb)
+        for (int c = 0; c < v; ++c) want.push_back("F" + std::to_string(c * p + r) + "." + std::to_string(mb));
+      std::vector<std::string> got;
+      for (const auto& a : plan.compute(r)) got.push_back(a.str());
+      EXPECT_EQ(got, want);
+    }
+  }
+}
+
 TEST(PipelineSchedule, UnsupportedCombinationsAreRefusedByName) {
   auto message = [](auto f) {
     try {
@@ -149,6 +164,9 @@ constexpr int kSteps = 3;
 // themselves are compared after the first backward.
 torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-3).eps(1e-6); }
 
+// The loss of the reference's final parameters on the batch (what evaluate() must give after training).
+double reference_eval_loss = 0;
+
 const testref::Run& reference() {
   static const testref::Run run = [] {
     torch::manual_seed(0);
@@ -159,7 +177,10 @@ const testref::Run& reference() {
       if (p.requires_grad()) trainable.push_back(p);
     torch::optim::AdamW opt(trainable, adamw());
     auto x = tokens();
-    return testref::train_reference(*model, opt, kSteps, [&](int) { return gpt::lm_loss(model(x), x); });
+    auto r = testref::train_reference(*model, opt, kSteps, [&](int) { return gpt::lm_loss(model(x), x); });
+    torch::NoGradGuard no_grad;
+    reference_eval_loss = gpt::lm_loss(model(x), x).item<double>();
+    return r;
   }();
   return run;
 }
@@ -218,6 +239,17 @@ void expect_pipeline_trains_like_one_process(const PipeCase& c) {
       opt->step();
     }
     got.final_params = testref::full_parameters(pipe.module());
+    // Evaluation of the trained pipeline: the reference's loss with its final parameters.
+    auto eval =
+        pipe.evaluate(pipe.is_first_stage() ? mine : torch::Tensor(), pipe.is_last_stage() ? mine : torch::Tensor(),
+                      [](const torch::Tensor& logits, const torch::Tensor& t) { return gpt::lm_loss(logits, t); })
+            .reshape({1})
+            .clone();
+    mesh->group("dp")->comm().all_reduce(eval, c10d::ReduceOp::SUM, "test: the evaluation's loss");
+    const double e_loss = eval.item<double>() / c.dp;
+    require(std::abs(e_loss - reference_eval_loss) <= 1e-5 * std::abs(reference_eval_loss),
+            "evaluate() gives " + std::to_string(e_loss) + ", the reference's final loss is " +
+                std::to_string(reference_eval_loss));
     // The LM head's weight is the token embedding's (the reference names it so).
     for (auto* m : {&got.first_grads, &got.final_params})
       if (m->count("head.weight") && !m->count("tok_emb.weight")) {
@@ -261,4 +293,208 @@ INSTANTIATE_TEST_SUITE_P(Meshes, PipelineParity,
                            return n;
                          });
 
+// ---------------------------------------------------------------- composition
+
+enum class Variant { Clip, Accumulate, RecomputeOffloadFused };
+
+const char* variant_name(Variant v) {
+  switch (v) {
+    case Variant::Clip:
+      return "clipping";
+    case Variant::Accumulate:
+      return "accumulation over two steps";
+    case Variant::RecomputeOffloadFused:
+      return "activation checkpointing, CPU offload and the fused AdamW";
+  }
+  return "?";
+}
+
+constexpr double kMaxNorm = 0.05;  // below the GPT's gradient norm here: every step clips
+
+// Single process: the variant's training on the whole batch.
+testref::Run variant_reference(Variant v, std::vector<double>* norms) {
+  torch::manual_seed(0);
+  gpt::GPT model(pipe_config());
+  prepare(model);
+  std::vector<torch::Tensor> trainable;
+  for (auto& p : unique_tensors(*model))
+    if (p.requires_grad()) trainable.push_back(p);
+  torch::optim::AdamW opt(trainable, adamw());
+  auto x = tokens();
+  testref::Run run;
+  for (int s = 0; s < kSteps; ++s) {
+    opt.zero_grad();
+    double loss = 0;
+    if (v == Variant::Accumulate) {
+      for (int half = 0; half < 2; ++half) {
+        auto xs = x.narrow(0, half * kBatch / 2, kBatch / 2);
+        auto l = gpt::lm_loss(model(xs), xs) / 2;
+        l.backward();
+        loss += l.item<double>();
+      }
+    } else {
+      auto l = gpt::lm_loss(model(x), x);
+      l.backward();
+      loss = l.item<double>();
+    }
+    run.losses.push_back(loss);
+    if (v == Variant::Clip) norms->push_back(torch::nn::utils::clip_grad_norm_(trainable, kMaxNorm));
+    if (s == 0)
+      for (auto& [n, p] : unique_params(*model))
+        if (p.grad().defined()) run.first_grads[n] = p.grad().detach().clone();
+    opt.step();
+  }
+  run.final_params = snapshot(*model);
+  return run;
+}
+
+class PipelineComposition : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(PipelineComposition, TrainsLikeOneProcess) {
+  const Variant v = GetParam();
+  std::vector<double> want_norms;
+  const auto ref = variant_reference(v, &want_norms);
+  const auto x = tokens();
+  auto r = run_ranks(4, [&](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}, {"dp", 2}});
+    torch::manual_seed(0);
+    gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(pipe_config()); });
+    prepare(model);
+    auto shard = shardtorch::ShardOptions();
+    if (v == Variant::RecomputeOffloadFused) shard.activation_checkpointing(true).cpu_offload(true);
+    Pipeline pipe(gpt::pipeline_layers(model), mesh, PipelineOptions().microbatches(2).shard(shard));
+    auto opt = v == Variant::RecomputeOffloadFused
+                   ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(pipe.module(), adamw())
+                   : shardtorch::AdamW(pipe.module(), adamw());
+    const int64_t per = kBatch / 2, d = mesh->coordinate("dp");
+    auto mine = x.narrow(0, d * per, per);
+    auto run = [&](const torch::Tensor& rows, double scale) {
+      auto loss = pipe.step(
+          pipe.is_first_stage() ? rows : torch::Tensor(), pipe.is_last_stage() ? rows : torch::Tensor(),
+          [scale](const torch::Tensor& logits, const torch::Tensor& t) { return gpt::lm_loss(logits, t) * scale; });
+      auto global = loss.reshape({1}).clone();
+      mesh->group("dp")->comm().all_reduce(global, c10d::ReduceOp::SUM, "test: the step's loss");
+      return global.item<double>() / 2;
+    };
+    testref::Run got;
+    for (int s = 0; s < kSteps; ++s) {
+      opt->zero_grad();
+      double loss = 0;
+      if (v == Variant::Accumulate) {
+        // Each data-parallel rank's rows in two halves, as the reference's halves of the whole batch.
+        pipe.sharded().set_requires_gradient_sync(false);
+        loss += run(x.narrow(0, d * per / 2, per / 2), 0.5);
+        pipe.sharded().set_requires_gradient_sync(true);
+        loss += run(x.narrow(0, kBatch / 2 + d * per / 2, per / 2), 0.5);
+      } else {
+        loss = run(mine, 1.0);
+      }
+      got.losses.push_back(loss);
+      if (v == Variant::Clip) {
+        const double norm = pipe.clip_grad_norm(kMaxNorm);
+        require(std::abs(norm - want_norms[s]) <= 1e-5 * want_norms[s],
+                "step " + std::to_string(s) + ": gradient norm " + std::to_string(norm) + ", the reference's " +
+                    std::to_string(want_norms[s]));
+      }
+      if (s == 0) got.first_grads = testref::full_gradients(pipe.module());
+      opt->step();
+    }
+    got.final_params = testref::full_parameters(pipe.module());
+    for (auto* m : {&got.first_grads, &got.final_params})
+      if (m->count("head.weight") && !m->count("tok_emb.weight")) {
+        (*m)["tok_emb.weight"] = (*m)["head.weight"];
+        m->erase("head.weight");
+      }
+    testref::expect_same_run(got, ref, 1e-5, variant_name(v), /*subset=*/true);
+  });
+  EXPECT_TRUE(r.ok) << variant_name(v) << ": " << r.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, PipelineComposition,
+                         ::testing::Values(Variant::Clip, Variant::Accumulate, Variant::RecomputeOffloadFused),
+                         [](const auto& info) {
+                           switch (info.param) {
+                             case Variant::Clip:
+                               return std::string("Clip");
+                             case Variant::Accumulate:
+                               return std::string("Accumulate");
+                             default:
+                               return std::string("RecomputeOffloadFused");
+                           }
+                         });
+
+// ---------------------------------------------------------------- failures
+
+// Every rank's error, for tests that expect all of them to fail.
+std::vector<std::string> errors_of(const shardtorch::testing::RunResult& r) {
+  std::vector<std::string> out;
+  for (const auto& k : r.ranks) out.push_back(k.message);
+  return out;
+}
+
+TEST(PipelineFailures, RanksThatBuildDifferentPipelinesFailBeforeAnyTransfer) {
+  auto r = run_ranks(2, [](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}});
+    torch::manual_seed(0);
+    gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(pipe_config()); });
+    Pipeline pipe(gpt::pipeline_layers(model), mesh, PipelineOptions().microbatches(w.rank() == 1 ? 2 : 4));
+  });
+  ASSERT_FALSE(r.ok);
+  for (const auto& m : errors_of(r)) {
+    EXPECT_NE(m.find("the ranks build different pipelines"), std::string::npos) << m;
+    EXPECT_NE(m.find("4 micro-batches"), std::string::npos) << m;  // rank 0's line
+    EXPECT_NE(m.find("2 micro-batches"), std::string::npos) << m;  // rank 1's
+  }
+}
+
+TEST(PipelineFailures, AStepWithFewerRowsThanMicrobatchesFailsOnEveryRank) {
+  auto r = run_ranks(2, [](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}});
+    torch::manual_seed(0);
+    gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(pipe_config()); });
+    Pipeline pipe(gpt::pipeline_layers(model), mesh, PipelineOptions().microbatches(4));
+    auto x = tokens().narrow(0, 0, 3);
+    pipe.step(x, x, [](const torch::Tensor& l, const torch::Tensor& t) { return gpt::lm_loss(l, t); });
+  });
+  ASSERT_FALSE(r.ok);
+  const auto m = errors_of(r);
+  EXPECT_NE(m[0].find("at least 4 rows (one per micro-batch), got Long[3, 8]"), std::string::npos) << m[0];
+  EXPECT_NE(m[1].find("rank 0 (the first stage) refused its inputs"), std::string::npos) << m[1];
+}
+
+// A stage that dies mid-step: its peer's error names it, what it was doing,
+// and comes when the connection closes, not at the timeout.
+TEST(PipelineFailures, AStageThatDiesIsNamedByItsPeerAtOnce) {
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}});
+        torch::manual_seed(0);
+        gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(pipe_config()); });
+        auto layers = gpt::pipeline_layers(model);
+        // The last layer (stage 1's) throws in its third forward of the second step: micro-batch 2.
+        auto calls = std::make_shared<int>(0);
+        auto inner = layers.back().forward;
+        layers.back().forward = [inner, calls](const at::Tensor& x) {
+          if (++*calls == 4 + 3) throw std::runtime_error("the head ran out of memory (simulated)");
+          return inner(x);
+        };
+        Pipeline pipe(layers, mesh, PipelineOptions().microbatches(4));
+        auto x = tokens();
+        for (int s = 0; s < 2; ++s)
+          pipe.step(x, x, [](const torch::Tensor& l, const torch::Tensor& t) { return gpt::lm_loss(l, t); });
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(60)));
+  ASSERT_FALSE(r.ok);
+  const auto m = errors_of(r);
+  EXPECT_NE(m[1].find("the head ran out of memory (simulated)"), std::string::npos) << m[1];
+  // Rank 0 waits for a gradient from rank 1 and hears that it is gone, naming where it was.
+  EXPECT_NE(m[0].find("rank 1"), std::string::npos) << m[0];
+  EXPECT_NE(m[0].find("forward of unit 'blocks.5' (pipeline stage 1 of 2, micro-batch 2 of 4)"), std::string::npos)
+      << m[0];
+  EXPECT_NE(m[0].find("micro-batch 2 of 4"), std::string::npos) << m[0];
+  const auto at = m[0].find("did not complete after ");
+  ASSERT_NE(at, std::string::npos) << m[0];
+  EXPECT_LT(std::stod(m[0].substr(at + 23)), 30.0) << "rank 0 waited for the timeout: " << m[0];
+}
 }  // namespace

@@ -119,6 +119,16 @@ class SHARDTORCH_API Pipeline {
   /// mean. Returns that loss on every rank of this pipeline (the same value
   /// on each of its stages). The optimizer step follows, as usual.
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss);
+  /// The same loss without gradients (evaluation): every micro-batch's
+  /// forward through the stages in order (pipeline::make_forward_plan), no
+  /// backward, no reduction; gradients are untouched.
+  at::Tensor evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss);
+
+  /// Collective over the mesh's World: clip_grad_norm (shardtorch/clip.h)
+  /// over the whole pipeline, every stage's gradients (a parameter tied
+  /// across stages counted once), after step() and before the optimizer.
+  /// Returns the norm on every rank.
+  double clip_grad_norm(double max_norm, double norm_type = 2.0);
 
   /// This rank's stages as one module (every module of its layers at its
   /// path in the unsplit model), sharded over the data-parallel dimension:

@@ -86,6 +86,11 @@ struct SHARDTORCH_API Plan {
 /// chunk, Interleaved1F1B two or more and micro-batches a multiple of ranks).
 SHARDTORCH_API Plan make_plan(Schedule schedule, int ranks, int chunks, int microbatches, PlanOptions options = {});
 
+/// Forwards only (evaluation): every rank runs its stages' forwards of
+/// micro-batch 0, then of 1, ..., with the transfers they need; `options`'
+/// gathers add Unshard and Reshard, `tied` is ignored.
+SHARDTORCH_API Plan make_forward_plan(int ranks, int chunks, int microbatches, PlanOptions options = {});
+
 /// A plan run on paper: each rank runs its compute actions in order, a
 /// forward taking `forward` time units and a backward `backward`, each
 /// starting when its rank is free and its input has arrived (sends take no

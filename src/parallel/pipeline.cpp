@@ -206,6 +206,7 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
         for (const auto& [path, m] : rt.layers[l].modules) rt.module->place(path, m);
   rt.sharded.emplace(shard(*rt.module, rt.dp, options.shard()));
   rt.state = detail::require_state(*rt.module, "shardtorch::Pipeline");
+  rt.state->set_pipelined();
 
   std::map<std::vector<int>, std::shared_ptr<Comm>> groups;  // by the pipeline ranks holding a tie
   const Strategy strategy = options.shard().strategy();
@@ -233,8 +234,9 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
       if (tp.name.empty() && rt.holds(s)) tp.name = name;
     }
     tp.tensor = tensors[key];
+    tp.counted_here = rt.holds(h.front().first);
     tp.group = group;
-    tp.copies = strategy == Strategy::NoShard       ? rt.dp->size()
+    tp.copies = strategy == Strategy::NoShard || strategy == Strategy::OptimizerOnly ? rt.dp->size()
                 : strategy == Strategy::HybridShard ? rt.dp->size() / std::max(1, options.shard().hybrid_shard_size())
                                                     : 1;
     rt.tied.push_back(std::move(tp));
@@ -248,6 +250,9 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
     po.tied = !rt.tied.empty();
     rt.plan = pipeline::make_plan(options.schedule(), p, v, options.microbatches(), po);
   }
+  pipeline::PlanOptions fo;
+  fo.gathers = options.shard().strategy() == Strategy::FullShard || options.shard().strategy() == Strategy::HybridShard;
+  rt.forward_plan = pipeline::make_forward_plan(p, v, options.microbatches(), fo);
   world.note_progress("pipeline built");
 }
 
@@ -257,6 +262,10 @@ Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
 
 at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss) {
   return rt_->step(inputs, targets, loss);
+}
+
+at::Tensor Pipeline::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss) {
+  return rt_->evaluate(inputs, targets, loss);
 }
 
 torch::nn::Module& Pipeline::module() const { return *rt_->module; }
@@ -284,6 +293,8 @@ std::vector<std::vector<std::string>> Pipeline::stage_layers() const {
 
 const pipeline::Plan& Pipeline::plan() const { return rt_->plan; }
 const std::vector<PipelineEvent>& Pipeline::timeline() const { return rt_->timeline; }
+
+double Pipeline::clip_grad_norm(double max_norm, double norm_type) { return rt_->clip_grad_norm(max_norm, norm_type); }
 
 std::vector<std::pair<std::string, std::string>> Pipeline::tied_parameters() const {
   std::vector<std::pair<std::string, std::string>> out;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel/param_pieces.h"
 #include "parallel/stage_module.h"
 #include "shardtorch/pipeline.h"
 
@@ -26,7 +27,8 @@ struct TiedParam {
   std::vector<std::string> all;  // its name on each holding stage, by stage
   at::Tensor tensor;             // the module's parameter
   std::shared_ptr<Comm> group;   // every dp rank of every pipeline rank that holds it
-  double copies = 1;             // ranks of this side's dp group holding each element (NoShard: all of them)
+  double copies = 1;             // ranks of this side's dp group holding each gradient element
+  bool counted_here = false;     // this rank holds its first stage: the copy a gradient norm counts
 };
 
 class PipelineRuntime {
@@ -38,6 +40,7 @@ class PipelineRuntime {
   std::vector<std::vector<int>> stage_layers;  // layer indices, by stage
   int rank = 0;                                // along the pipeline
   pipeline::Plan plan;
+  pipeline::Plan forward_plan;  // evaluate()'s
   PipelineStage module{nullptr};
   std::optional<ShardedModel> sharded;
   std::shared_ptr<ShardState> state;
@@ -57,8 +60,13 @@ class PipelineRuntime {
   int pp_rank_of(int stage) const { return plan.rank_of(stage); }
   std::string where(int stage, int mb) const;
   at::Tensor run_stage(int stage, const at::Tensor& x) const;
-  /// The step (pipeline_step.cpp).
+  /// The step, and evaluation (pipeline_step.cpp): both run a plan.
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets, const Pipeline::LossFn& loss);
+  at::Tensor evaluate(const at::Tensor& inputs, const at::Tensor& targets, const Pipeline::LossFn& loss);
+  at::Tensor run(const pipeline::Plan& plan, bool training, const at::Tensor& inputs, const at::Tensor& targets,
+                 const Pipeline::LossFn& loss);
+  /// Pipeline::clip_grad_norm (pipeline_clip.cpp).
+  double clip_grad_norm(double max_norm, double norm_type);
   /// Sums the tied parameters' gradients across their stages (SyncTied).
   void sync_tied();
   /// Throws, on every rank of each tie's group, if a tied parameter's values

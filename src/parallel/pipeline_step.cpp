@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "base/check.h"
+#include "comm/world_access.h"
 #include "parallel/pipeline_runtime.h"
 #include "runtime/shard_state.h"
 
@@ -61,11 +62,22 @@ struct Send {
 }  // namespace
 
 at::Tensor PipelineRuntime::step(const at::Tensor& inputs, const at::Tensor& targets, const Pipeline::LossFn& loss_fn) {
+  return run(plan, /*training=*/true, inputs, targets, loss_fn);
+}
+
+at::Tensor PipelineRuntime::evaluate(const at::Tensor& inputs, const at::Tensor& targets,
+                                     const Pipeline::LossFn& loss_fn) {
+  c10::NoGradGuard no_grad;
+  return run(forward_plan, /*training=*/false, inputs, targets, loss_fn);
+}
+
+at::Tensor PipelineRuntime::run(const pipeline::Plan& plan, bool training, const at::Tensor& inputs,
+                                const at::Tensor& targets, const Pipeline::LossFn& loss_fn) {
   World& world = *mesh->world();
   Comm& comm = pp->comm();
   const int m = plan.microbatches, S = stages();
   const bool first = holds(0), last = holds(S - 1);
-  const std::string me = rank_prefix(world.global_rank()) + ": Pipeline::step";
+  const std::string me = rank_prefix(world.global_rank()) + (training ? ": Pipeline::step" : ": Pipeline::evaluate");
   const auto t0 = std::chrono::steady_clock::now();
   auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   timeline.clear();
@@ -131,7 +143,18 @@ at::Tensor PipelineRuntime::step(const at::Tensor& inputs, const at::Tensor& tar
   std::vector<Send> grad_sends;
   at::Tensor loss_sum = at::zeros({}, at::kDouble);
   const auto out_dtype = options.shard().mixed_precision().output_dtype();
+  // Gradient accumulation over steps: with the model's sync off
+  // (ShardedModel::set_requires_gradient_sync(false)) no backward reduces and
+  // the tied gradients wait for the step that does.
+  const bool sync = sharded->requires_gradient_sync();
 
+  // Where this rank is, for its peers' errors: the phase (the unit's forward,
+  // a wait) and beside it the stage and micro-batch.
+  Progress* progress = WorldAccess::progress(world);
+  auto at = [&](const std::string& phase, int stage, int mb) {
+    if (progress) progress->set_context("pipeline " + where(stage, mb));
+    world.note_progress(phase);
+  };
   auto post_recv = [&](Msg kind, int stage, int mb, int peer_stage) {
     auto key = std::make_pair(stage, mb);
     const std::string what = std::string(kind == Msg::Activation ? "the input" : "the gradient of the output") +
@@ -159,9 +182,9 @@ at::Tensor PipelineRuntime::step(const at::Tensor& inputs, const at::Tensor& tar
     if (!recvs.count(key)) post_recv(kind, stage, mb, peer_stage);
     Recv r = std::move(recvs.at(key));
     recvs.erase(key);
-    world.note_progress("pipeline: waiting for " + std::string(kind == Msg::Activation ? "the input" : "the gradient") +
-                            " from stage " + std::to_string(peer_stage),
-                        where(stage, mb));
+    at("pipeline: waiting for " + std::string(kind == Msg::Activation ? "the input" : "the gradient") + " from stage " +
+           std::to_string(peer_stage),
+       stage, mb);
     comm.wait(r.work);
     if (r.header) {
       at::Tensor h = r.buffer.cpu();
@@ -205,12 +228,13 @@ at::Tensor PipelineRuntime::step(const at::Tensor& inputs, const at::Tensor& tar
             x = mb_inputs[a.microbatch];
           } else if (holds(a.stage - 1)) {  // the previous stage ran here
             x = outs.at({a.stage - 1, a.microbatch}).detach();
+            if (!training) outs.erase({a.stage - 1, a.microbatch});
           } else {
             x = take_recv(Msg::Activation, a.stage, a.microbatch, a.peer_stage >= 0 ? a.peer_stage : a.stage - 1);
           }
           if (a.stage > 0 && x.is_floating_point()) x.requires_grad_(true);
           const double compute = seconds();
-          world.note_progress("pipeline forward", where(a.stage, a.microbatch));
+          at("pipeline forward", a.stage, a.microbatch);
           at::Tensor y = run_stage(a.stage, x);
           ins[key] = x;
           if (a.stage == S - 1) {
@@ -220,7 +244,7 @@ at::Tensor PipelineRuntime::step(const at::Tensor& inputs, const at::Tensor& tar
                              " is not one number (", l.defined() ? describe(l) : std::string("undefined"), ")");
             l = l.reshape({}) * (static_cast<double>(sizes[a.microbatch]) / static_cast<double>(rows));
             loss_sum += l.detach().to(at::kDouble).cpu();
-            losses[key] = l;
+            if (training) losses[key] = l;
           } else {
             outs[key] = y;
           }
@@ -251,6 +275,7 @@ at::Tensor PipelineRuntime::step(const at::Tensor& inputs, const at::Tensor& tar
           s.work = comm.send_async(s.buffer, pp_rank_of(a.peer_stage), tag(Msg::Activation, a.peer_stage, a.microbatch),
                                    what);
           act_sends[key] = std::move(s);
+          if (!training) outs.erase(key);  // the send holds what it needs
           break;
         }
         case ActionKind::Backward: {
@@ -270,8 +295,8 @@ at::Tensor PipelineRuntime::step(const at::Tensor& inputs, const at::Tensor& tar
             if (grad.defined() && grad.device() != root.device()) grad = grad.to(root.device());
           }
           const double compute = seconds();
-          world.note_progress("pipeline backward", where(a.stage, a.microbatch));
-          sharded->set_requires_gradient_sync(a.reduce);
+          at("pipeline backward", a.stage, a.microbatch);
+          sharded->set_requires_gradient_sync(a.reduce && sync);
           if (root.requires_grad()) {
             if (grad.defined() || a.stage == S - 1)
               torch::autograd::backward(
@@ -296,6 +321,7 @@ at::Tensor PipelineRuntime::step(const at::Tensor& inputs, const at::Tensor& tar
           break;
         }
         case ActionKind::SyncTied:
+          if (!sync) break;
           world.note_progress("pipeline: summing tied parameters' gradients");
           sync_tied();
           break;
@@ -308,17 +334,19 @@ at::Tensor PipelineRuntime::step(const at::Tensor& inputs, const at::Tensor& tar
       comm.wait(s.work);
     }
   } catch (...) {
+    // The context stays: peers whose transfers fail next read where this rank stopped.
     // The shapes are agreed again in the next step: this one may have stopped between a header and its payload.
     signature.clear();
     shapes.clear();
-    sharded->set_requires_gradient_sync(true);
+    sharded->set_requires_gradient_sync(sync);
     state->release_step_gather();
     throw;
   }
-  sharded->set_requires_gradient_sync(true);
+  sharded->set_requires_gradient_sync(sync);
   // The loss, from the last stage to every stage.
   at::Tensor loss = loss_sum.to(at::kFloat).reshape({1}).to(comm.device());
   comm.broadcast(loss, pp_rank_of(S - 1), "the pipeline step's loss");
+  if (progress) progress->set_context("");
   world.note_progress("pipeline step done");
   return loss.cpu().reshape({});
 }

@@ -195,6 +195,33 @@ Plan make_plan(Schedule schedule, int ranks, int chunks, int microbatches, PlanO
   return plan;
 }
 
+Plan make_forward_plan(int ranks, int chunks, int microbatches, PlanOptions options) {
+  SHARDTORCH_CHECK(ranks >= 1 && chunks >= 1 && microbatches >= 1,
+                   "shardtorch: a pipeline plan needs at least one rank, ", "chunk and micro-batch (got ", ranks,
+                   " ranks, ", chunks, " chunks, ", microbatches, " micro-batches)");
+  Plan plan;
+  plan.schedule = chunks > 1 ? Schedule::Interleaved1F1B : Schedule::GPipe;
+  plan.ranks = ranks;
+  plan.chunks = chunks;
+  plan.microbatches = microbatches;
+  const int stages = ranks * chunks;
+  plan.actions.resize(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    auto& out = plan.actions[r];
+    if (options.gathers) out.push_back(compute_action(ActionKind::Unshard, -1, -1));
+    for (int mb = 0; mb < microbatches; ++mb)
+      for (int c = 0; c < chunks; ++c) {
+        const int s = c * ranks + r;
+        if (s > 0 && plan.rank_of(s - 1) != r) out.push_back(transfer(ActionKind::RecvActivation, s, mb, s - 1));
+        out.push_back(compute_action(ActionKind::Forward, s, mb));
+        if (s < stages - 1 && plan.rank_of(s + 1) != r)
+          out.push_back(transfer(ActionKind::SendActivation, s, mb, s + 1));
+      }
+    if (options.gathers) out.push_back(compute_action(ActionKind::Reshard, -1, -1));
+  }
+  return plan;
+}
+
 Simulation simulate(const Plan& plan, double forward, double backward) {
   const int p = plan.ranks, stages = plan.stages(), m = plan.microbatches;
   std::vector<std::vector<Action>> order(p);

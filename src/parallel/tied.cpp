@@ -15,38 +15,6 @@
 #include "runtime/shard_state.h"
 
 namespace shardtorch::detail {
-namespace {
-
-struct Piece {
-  int64_t offset = 0, length = 0;  // in the flattened parameter
-  at::Tensor value, grad;          // this rank's (grad undefined when there is none)
-};
-
-// This rank's pieces of `param` in the sharded model.
-std::vector<Piece> pieces_of(ShardState& state, const at::Tensor& param) {
-  std::vector<Piece> out;
-  if (state.ddp()) {  // NoShard: the whole parameter (its fp32 master under mixed precision)
-    at::Tensor record = state.record_of(param);
-    out.push_back(
-        {0, record.numel(), record.view({-1}), record.grad().defined() ? record.grad().view({-1}) : at::Tensor()});
-    return out;
-  }
-  const int rank = state.shard_comm().rank();
-  for (auto& u : state.units())
-    for (auto& f : u->flats())
-      for (size_t i = 0; i < f->params().size(); ++i) {
-        if (!f->params()[i].is_same(param)) continue;
-        if (auto p = f->layout().piece(i, rank)) {
-          Piece piece{p->param_offset, p->length, f->shard().narrow(0, p->shard_offset, p->length), at::Tensor()};
-          if (f->shard_grad().defined()) piece.grad = f->shard_grad().narrow(0, p->shard_offset, p->length);
-          out.push_back(piece);
-        }
-        return out;
-      }
-  return out;
-}
-
-}  // namespace
 
 void PipelineRuntime::check_tied_equal() {
   c10::NoGradGuard no_grad;
@@ -56,6 +24,7 @@ void PipelineRuntime::check_tied_equal() {
     at::Tensor hi = at::full({t.tensor.numel()}, -std::numeric_limits<double>::infinity(), opts);
     at::Tensor lo = at::full({t.tensor.numel()}, std::numeric_limits<double>::infinity(), opts);
     for (const auto& p : pieces_of(*state, t.tensor)) {
+      if (!p.value.defined() || p.value.numel() != p.length) continue;  // OptimizerOnly: values are owned pieces
       hi.narrow(0, p.offset, p.length).copy_(p.value);
       lo.narrow(0, p.offset, p.length).copy_(p.value);
     }

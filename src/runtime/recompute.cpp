@@ -356,8 +356,8 @@ std::vector<at::Tensor> UnitBase::checkpointed_forward(std::vector<at::Tensor> i
   SHARDTORCH_CHECK(state, "shardtorch: forward through checkpointed unit '", checkpointing_->label,
                    "' after its sharded model was destroyed");
   auto previous = checkpointing_->last_pending.lock();
-  SHARDTORCH_CHECK(!previous || !*previous, detail::rank_prefix(state->world().global_rank()), ": checkpointed unit '",
-                   checkpointing_->label,
+  SHARDTORCH_CHECK(!previous || !*previous || state->pipelined(), detail::rank_prefix(state->world().global_rank()),
+                   ": checkpointed unit '", checkpointing_->label,
                    "' ran its forward again while the graph of its previous forward is alive and "
                    "not yet differentiated; its parameters would get two gradient accumulations in one backward. A "
                    "checkpointed unit runs once per backward: turn checkpointing off for a unit called twice "

@@ -122,6 +122,12 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// group; nothing under the strategies whose units stay gathered.
   void gather_for_step();
   void release_step_gather();
+  /// Pipelines: several forwards' graphs are alive at once, each
+  /// differentiated by a backward of its own (micro-batches in flight), so a
+  /// checkpointed unit may run its forward again before the last one's
+  /// backward.
+  void set_pipelined() { pipelined_ = true; }
+  bool pipelined() const { return pipelined_; }
   /// all-gathers `f`'s full parameters from the shards, into its full buffer.
   void regather(Unit& u, FlatParam& f, const std::string& what);
 
@@ -200,6 +206,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   int summons_ = 0, grad_summons_ = 0;
   bool has_scaler_ = false;
   bool step_gather_ = false;
+  bool pipelined_ = false;
   static const std::vector<at::Tensor> none_;
   static const std::vector<std::string> no_names_;
 };
