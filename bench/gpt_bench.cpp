@@ -56,6 +56,9 @@ struct Args {
   bool bf16 = false, offload = false, quiet = false, fused_adam = false, prefetch = false, recompute = false;
   bool deferred = false, overlap_step = false;
   std::string init, save_init, report, profile;
+  // Pipeline parallelism (--pp P > 0): P pipeline ranks x world/P data-parallel ones.
+  int pp = 0, microbatches = 4, chunks = 1;
+  std::string schedule = "1f1b", split_at;
 };
 
 // The caching allocator's peak and current bytes on a CUDA device (zero
@@ -107,7 +110,167 @@ int64_t count_params(torch::nn::Module& m) {
   return n;
 }
 
+// --pp: the GPT as a shardtorch::Pipeline over a {pp, dp} mesh, built
+// deferred from the same seed (so its weights are --save-init's, bitwise),
+// stages sharded over dp with --strategy. Pipeline d reads
+// batch_tokens(step, dp, d): --batch rows per pipeline, as
+// bench/pipeline/torch_pipeline.py reads them.
+int run_pipeline(const Args& a) {
+  auto world = shardtorch::World::from_env();
+  const bool lead = world->rank() == 0;
+  at::set_num_threads(a.threads > 0 ? a.threads : 1);
+  TORCH_CHECK(world->size() % a.pp == 0, "gpt_bench: --pp ", a.pp, " does not divide the world's ", world->size(),
+              " ranks");
+  TORCH_CHECK(a.init.empty(),
+              "gpt_bench: --pp builds the model deferred from seed 0 (--save-init's weights); no --init");
+  const int dp = world->size() / a.pp;
+  const int64_t baseline_rss = process_memory::resident_bytes();
+  auto mesh = shardtorch::DeviceMesh::create(world, {{"pp", a.pp}, {"dp", dp}});
+  torch::manual_seed(0);
+  gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(a.cfg); });
+  const int64_t params = count_params(*model);
+  auto shard = shardtorch::ShardOptions()
+                   .strategy(shardtorch::parse_strategy(a.strategy))
+                   .bucket_mb(a.bucket_mb)
+                   .activation_checkpointing(a.recompute);
+  if (shard.strategy() == shardtorch::Strategy::HybridShard) shard.hybrid_shard_size(a.hybrid_shard_size);
+  auto options = shardtorch::PipelineOptions()
+                     .schedule(shardtorch::parse_schedule(a.schedule))
+                     .microbatches(a.microbatches)
+                     .chunks_per_rank(a.chunks)
+                     .shard(shard)
+                     .record_timeline(true);
+  if (!a.split_at.empty()) {
+    std::vector<std::string> names;
+    std::stringstream ss(a.split_at);
+    for (std::string n; std::getline(ss, n, ',');) names.push_back(n);
+    options.split_at(names);
+  }
+  shardtorch::Pipeline pipe(gpt::pipeline_layers(model), mesh, options);
+  auto adamw = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01);
+  auto opt = a.fused_adam ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(pipe.module(), adamw)
+                          : shardtorch::AdamW(pipe.module(), adamw);
+  auto loss_fn = [](const at::Tensor& logits, const at::Tensor& t) { return gpt::lm_loss(logits, t); };
+  const int d = mesh->coordinate("dp");
+  std::vector<double> losses, step_ms, pipe_ms, fwd_ms, bwd_ms, idle_ms, opt_ms, idle_share;
+  int64_t sent = 0;
+  for (int s = 0; s < a.warmup + a.steps; ++s) {
+    if (s == a.warmup) pipe.sharded().reset_peak_memory();
+    const bool reads = pipe.is_first_stage() || pipe.is_last_stage();
+    at::Tensor tokens = reads ? batch_tokens(a, s, dp, d) : at::Tensor();
+    world->barrier();  // ranks start the step together
+    const int64_t bytes0 =
+        pipe.sharded().comm_stats().total_bytes_sent() + mesh->group("pp")->comm().stats().total_bytes_sent();
+    using clock = std::chrono::steady_clock;
+    const auto t0 = clock::now();
+    opt->zero_grad();
+    at::Tensor loss =
+        pipe.step(pipe.is_first_stage() ? tokens : at::Tensor(), pipe.is_last_stage() ? tokens : at::Tensor(), loss_fn);
+    const auto t1 = clock::now();
+    opt->step();
+    const auto t2 = clock::now();
+    auto ms = [](clock::time_point x, clock::time_point y) {
+      return std::chrono::duration<double, std::milli>(y - x).count();
+    };
+    double f = 0, b = 0;
+    for (const auto& e : pipe.timeline()) {
+      if (e.action.kind == shardtorch::pipeline::ActionKind::Forward) f += (e.end - e.start) * 1e3;
+      if (e.action.kind == shardtorch::pipeline::ActionKind::Backward) b += (e.end - e.start) * 1e3;
+    }
+    at::Tensor mean = loss.to(at::kDouble).reshape({1}).clone();
+    mesh->group("dp")->comm().all_reduce(mean, c10d::ReduceOp::SUM, "gpt_bench loss");
+    losses.push_back(mean.item<double>() / dp);
+    if (s >= a.warmup) {
+      step_ms.push_back(ms(t0, t2));
+      pipe_ms.push_back(ms(t0, t1));
+      fwd_ms.push_back(f);
+      bwd_ms.push_back(b);
+      idle_ms.push_back(ms(t0, t1) - f - b);
+      opt_ms.push_back(ms(t1, t2));
+      idle_share.push_back(1.0 - (f + b) / std::max(1e-9, ms(t0, t1)));
+      sent += pipe.sharded().comm_stats().total_bytes_sent() + mesh->group("pp")->comm().stats().total_bytes_sent() -
+              bytes0;
+    }
+    if (lead && !a.quiet && (s + 1 == a.warmup + a.steps || (s + 1) % 10 == 0))
+      std::fprintf(stderr, "gpt_bench: step %d/%d loss %.4f %.1f ms\n", s + 1, a.warmup + a.steps, losses.back(),
+                   ms(t0, t2));
+  }
+  const auto m = pipe.sharded().memory();
+  using shardtorch::Mem;
+  const int64_t model_state =
+      m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) + m.cur(Mem::OptimizerState);
+  double mean_ms = 0;
+  for (double v : step_ms) mean_ms += v / std::max<size_t>(step_ms.size(), 1);
+  json::array stages;
+  for (const auto& layers : pipe.stage_layers()) stages.push_back(json::value_from(layers));
+  json::object mem;
+  for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) {
+    auto c = static_cast<Mem>(i);
+    mem[shardtorch::mem_name(c)] = json::object{{"current", m.cur(c)}, {"peak", m.max(c)}};
+  }
+  json::object r{
+      {"impl", "shardtorch_pipeline"},
+      {"strategy", shardtorch::strategy_name(shard.strategy())},
+      {"world", world->size()},
+      {"rank", world->rank()},
+      {"pp", a.pp},
+      {"dp", dp},
+      {"pipeline_rank", mesh->coordinate("pp")},
+      {"schedule", a.schedule},
+      {"microbatches", a.microbatches},
+      {"chunks", a.chunks},
+      {"stages", stages},
+      {"config",
+       {{"vocab", a.cfg.vocab},
+        {"seq_len", a.cfg.seq_len},
+        {"d_model", a.cfg.d_model},
+        {"n_head", a.cfg.n_head},
+        {"n_layer", a.cfg.n_layer},
+        {"batch", a.batch},
+        {"dtype", "float32"},
+        {"fused_adam", a.fused_adam},
+        {"activation_checkpointing", a.recompute}}},
+      {"params", params},
+      {"warmup", a.warmup},
+      {"steps", a.steps},
+      {"losses", json::value_from(losses)},
+      {"step_ms", json::value_from(step_ms)},
+      {"p50_ms", percentile(step_ms, 0.5)},
+      {"p95_ms", percentile(step_ms, 0.95)},
+      {"phase_p50_ms",
+       {{"pipeline", percentile(pipe_ms, 0.5)},
+        {"forward", percentile(fwd_ms, 0.5)},
+        {"backward", percentile(bwd_ms, 0.5)},
+        {"idle", percentile(idle_ms, 0.5)},
+        {"optimizer", percentile(opt_ms, 0.5)}}},
+      {"idle_share_p50", percentile(idle_share, 0.5)},
+      {"theoretical_bubble", shardtorch::pipeline::theoretical_bubble(pipe.plan())},
+      {"tokens_per_s", mean_ms > 0 ? dp * a.batch * a.cfg.seq_len / (mean_ms / 1e3) : 0.0},
+      {"peak_rss_bytes", process_memory::peak_resident_bytes()},
+      {"baseline_rss_bytes", baseline_rss},
+      {"model_state_bytes", model_state},
+      {"memory", mem},
+      {"bytes_sent_per_step", a.steps > 0 ? sent / a.steps : 0},
+  };
+  if (!a.report.empty()) {
+    std::string path = a.report + ".rank" + std::to_string(world->rank()) + ".json";
+    std::ofstream out(path);
+    out << json::serialize(r) << "\n";
+    TORCH_CHECK(out.good(), "gpt_bench: rank ", world->rank(), " could not write ", path);
+  }
+  if (!a.profile.empty()) pipe.write_timeline(a.profile + ".timeline.json");  // collective
+  if (lead && !a.quiet)
+    std::printf(
+        "gpt_bench: pipeline %s, %s, %d ranks (pp %d x dp %d), %lld params: p50 %.1f ms (pipeline %.1f, "
+        "idle %.0f%%, optimizer %.1f), %.0f tokens/s\n",
+        a.schedule.c_str(), shardtorch::strategy_name(shard.strategy()), world->size(), a.pp, dp,
+        static_cast<long long>(params), percentile(step_ms, 0.5), percentile(pipe_ms, 0.5),
+        100 * percentile(idle_share, 0.5), percentile(opt_ms, 0.5), r["tokens_per_s"].as_double());
+  return 0;
+}
+
 int run(const Args& a) {
+  if (a.pp > 0) return run_pipeline(a);
   torch::manual_seed(0);
   if (!a.save_init.empty()) {  // one process: the initial weights, unsharded
     gpt::GPT model(a.cfg);
@@ -375,9 +538,17 @@ int main(int argc, char** argv) {
       "recompute the blocks' activations in backward instead of keeping them")(
       "threads", po::value(&a.threads)->default_value(a.threads),
       "ATen threads per rank (0: 1 on the CPU, ATen's default with an accelerator)")(
-      "profile", po::value(&a.profile), "profile the first measured step into PREFIX.rankR.json (Chrome trace)")(
-      "init", po::value(&a.init), "load initial weights from this full state dict")(
+      "profile", po::value(&a.profile),
+      "profile the first measured step into PREFIX.rankR.json (Chrome trace); with --pp, the last step's "
+      "pipeline timeline into PREFIX.timeline.json")("init", po::value(&a.init),
+                                                     "load initial weights from this full state dict")(
       "save-init", po::value(&a.save_init), "write the initial weights here and exit (one process)")(
+      "pp", po::value(&a.pp)->default_value(a.pp),
+      "pipeline ranks (0: no pipeline); the world is pp x dp, stages sharded over dp with --strategy")(
+      "schedule", po::value(&a.schedule)->default_value(a.schedule), "with --pp: gpipe|1f1b|interleaved_1f1b")(
+      "microbatches", po::value(&a.microbatches)->default_value(a.microbatches), "with --pp: micro-batches per step")(
+      "chunks", po::value(&a.chunks)->default_value(a.chunks), "with --pp: chunks per pipeline rank")(
+      "split-at", po::value(&a.split_at), "with --pp: layers that begin stages 1.. (comma-separated)")(
       "report", po::value(&a.report), "write PREFIX.rankR.json per rank")("quiet", po::bool_switch(&a.quiet),
                                                                           "no progress lines");
   try {
