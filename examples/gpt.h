@@ -18,6 +18,7 @@
 #include "shardtorch/pipeline.h"
 #include "shardtorch/plan.h"
 #include "shardtorch/sharded.h"
+#include "shardtorch/tensor_parallel.h"
 
 namespace gpt {
 
@@ -31,53 +32,55 @@ struct Config {
 
 struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(const Config& c)
-      : n_head(c.n_head),
+      : head_dim(c.d_model / c.n_head),
         ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})))),
         // No bias on qkv: the key part of such a bias has an exactly zero
         // gradient (softmax ignores a per-query constant), and Adam turns the
         // rounding noise of a zero gradient into full-size steps, which no
         // data-parallel run can reproduce bit for bit.
-        qkv(register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, 3 * c.d_model).bias(false)))),
-        proj(register_module("proj", torch::nn::Linear(c.d_model, c.d_model))),
+        qkv(register_module(
+            "qkv", shardtorch::ParallelLinear(torch::nn::LinearOptions(c.d_model, 3 * c.d_model).bias(false)))),
+        proj(register_module("proj", shardtorch::ParallelLinear(c.d_model, c.d_model))),
         ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})))),
-        fc1(register_module("fc1", torch::nn::Linear(c.d_model, 4 * c.d_model))),
-        fc2(register_module("fc2", torch::nn::Linear(4 * c.d_model, c.d_model))) {}
+        fc1(register_module("fc1", shardtorch::ParallelLinear(c.d_model, 4 * c.d_model))),
+        fc2(register_module("fc2", shardtorch::ParallelLinear(4 * c.d_model, c.d_model))) {}
 
+  // The heads and the sequence come from qkv's output: under tensor
+  // parallelism it holds this rank's heads (and, with sequence parallelism,
+  // the whole sequence while `x` holds a slice of it).
   torch::Tensor forward(torch::Tensor x) {
-    const auto B = x.size(0), T = x.size(1), C = x.size(2), H = n_head, D = C / H;
     auto parts = qkv(ln1(x)).chunk(3, -1);
-    auto q = parts[0].view({B, T, H, D}).transpose(1, 2);
-    auto k = parts[1].view({B, T, H, D}).transpose(1, 2);
-    auto v = parts[2].view({B, T, H, D}).transpose(1, 2);
+    const auto B = parts[0].size(0), T = parts[0].size(1), D = head_dim;
+    auto q = parts[0].view({B, T, -1, D}).transpose(1, 2);
+    auto k = parts[1].view({B, T, -1, D}).transpose(1, 2);
+    auto v = parts[2].view({B, T, -1, D}).transpose(1, 2);
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
     auto mask = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);
     att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
-    auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, C});
+    auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, -1});
     x = x + proj(y);
     return x + fc2(torch::gelu(fc1(ln2(x))));
   }
 
-  int64_t n_head;
+  int64_t head_dim;
   torch::nn::LayerNorm ln1;
-  torch::nn::Linear qkv, proj;
+  shardtorch::ParallelLinear qkv, proj;
   torch::nn::LayerNorm ln2;
-  torch::nn::Linear fc1, fc2;
+  shardtorch::ParallelLinear fc1, fc2;
 };
 SHARDTORCH_MODULE(Block);
 
 /// The LM head: holds the token embedding's weight (shared, not copied).
-struct TiedHeadImpl : torch::nn::Module {
-  explicit TiedHeadImpl(torch::Tensor shared_weight) : weight(register_parameter("weight", shared_weight)) {}
-  torch::Tensor forward(torch::Tensor x) { return torch::linear(x, weight); }
-  torch::Tensor weight;
+struct TiedHeadImpl : shardtorch::TiedLinearImpl {
+  using shardtorch::TiedLinearImpl::TiedLinearImpl;
 };
 SHARDTORCH_MODULE(TiedHead);
 
 struct GPTImpl : torch::nn::Module {
   explicit GPTImpl(const Config& c)
       : cfg(c),
-        tok_emb(register_module("tok_emb", torch::nn::Embedding(c.vocab, c.d_model))),
-        pos_emb(register_module("pos_emb", torch::nn::Embedding(c.seq_len, c.d_model))),
+        tok_emb(register_module("tok_emb", shardtorch::ParallelEmbedding(c.vocab, c.d_model))),
+        pos_emb(register_module("pos_emb", shardtorch::ParallelEmbedding(c.seq_len, c.d_model))),
         blocks(register_module("blocks", torch::nn::ModuleList())),
         ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})))),
         head(register_module("head", TiedHead(tok_emb->weight))) {
@@ -100,13 +103,37 @@ struct GPTImpl : torch::nn::Module {
   }
 
   Config cfg;
-  torch::nn::Embedding tok_emb, pos_emb;
+  shardtorch::ParallelEmbedding tok_emb, pos_emb;
   torch::nn::ModuleList blocks;
   std::vector<Block> block_list;
   torch::nn::LayerNorm ln_f;
   TiedHead head;
 };
 SHARDTORCH_MODULE(GPT);
+
+/// The tensor-parallel plan of the GPT (shardtorch/tensor_parallel.h):
+/// attention heads and MLP columns split across the group, the vocabulary
+/// split in the token embedding and the tied LM head (whose logits stay
+/// split: use lm_loss_tp). With sequence parallelism the norms and residual
+/// adds run on a slice of the sequence, the position embedding's output is
+/// split along it.
+inline shardtorch::TpPlan tp_plan(const Config& c, bool sequence_parallel = false) {
+  auto plan = shardtorch::TpPlan()
+                  .sequence_parallel(sequence_parallel)
+                  .add("tok_emb", shardtorch::TpStyle::vocab_embedding())
+                  .add("blocks.*.qkv", shardtorch::TpStyle::colwise().parts(3).heads(c.n_head))
+                  .add("blocks.*.proj", shardtorch::TpStyle::rowwise())
+                  .add("blocks.*.fc1", shardtorch::TpStyle::colwise())
+                  .add("blocks.*.fc2", shardtorch::TpStyle::rowwise())
+                  .add("head", shardtorch::TpStyle::colwise());
+  if (sequence_parallel) {
+    plan.add("pos_emb", shardtorch::TpStyle::shard_output(0))
+        .add("blocks.*.ln1", shardtorch::TpStyle::sequence_parallel())
+        .add("blocks.*.ln2", shardtorch::TpStyle::sequence_parallel())
+        .add("ln_f", shardtorch::TpStyle::sequence_parallel());
+  }
+  return plan;
+}
 
 /// The GPT as pipeline layers (shardtorch/pipeline.h), in the order its
 /// forward runs them: the embeddings, each block, the final norm with the LM
@@ -150,6 +177,16 @@ inline torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& t
   auto pred = logits.narrow(1, 0, logits.size(1) - 1).reshape({-1, V});
   auto target = tokens.narrow(1, 1, tokens.size(1) - 1).reshape({-1});
   return torch::nn::functional::cross_entropy(pred, target);
+}
+
+/// lm_loss for a tensor-parallel GPT: its logits hold this rank's slice of
+/// the vocabulary; the loss is computed without gathering them.
+inline torch::Tensor lm_loss_tp(const torch::Tensor& local_logits, const torch::Tensor& tokens,
+                                const std::shared_ptr<shardtorch::World>& tp) {
+  auto V = local_logits.size(-1);
+  auto pred = local_logits.narrow(1, 0, local_logits.size(1) - 1).reshape({-1, V});
+  auto target = tokens.narrow(1, 1, tokens.size(1) - 1).reshape({-1});
+  return shardtorch::vocab_parallel_cross_entropy(pred, target, tp);
 }
 
 }  // namespace gpt

@@ -19,3 +19,4 @@
 #include "shardtorch/mesh.h"
 #include "shardtorch/pipeline.h"
 #include "shardtorch/schedule.h"
+#include "shardtorch/tensor_parallel.h"

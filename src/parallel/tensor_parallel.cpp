@@ -1,0 +1,348 @@
+// Tensor parallelism (shardtorch/tensor_parallel.h, docs/parallelism.md):
+// the plan applied to a model's modules, the split layers' forwards and the
+// vocabulary-parallel cross entropy.
+#include "shardtorch/tensor_parallel.h"
+
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+
+#include "base/check.h"
+#include "parallel/tp_comm.h"
+#include "parallel/tp_layer.h"
+#include "runtime/placement.h"
+#include "shardtorch/deferred.h"
+
+namespace shardtorch {
+
+using detail::TpLayer;
+
+namespace {
+
+const char* kind_name(TpStyle::Kind k) {
+  switch (k) {
+    case TpStyle::Kind::Colwise:
+      return "colwise";
+    case TpStyle::Kind::Rowwise:
+      return "rowwise";
+    case TpStyle::Kind::VocabEmbedding:
+      return "vocab_embedding";
+    case TpStyle::Kind::SequenceParallel:
+      return "sequence_parallel";
+    case TpStyle::Kind::ShardOutput:
+      return "shard_output";
+  }
+  return "?";
+}
+
+std::vector<std::string> segments(const std::string& name) {
+  std::vector<std::string> out;
+  std::stringstream ss(name);
+  for (std::string s; std::getline(ss, s, '.');) out.push_back(s);
+  if (name.empty()) out.clear();
+  return out;
+}
+
+// `*` stands for exactly one segment of a dotted module name.
+bool matches(const std::string& pattern, const std::string& name) {
+  const auto p = segments(pattern), n = segments(name);
+  if (p.size() != n.size()) return false;
+  for (size_t i = 0; i < p.size(); ++i)
+    if (p[i] != "*" && p[i] != n[i]) return false;
+  return true;
+}
+
+std::string what(const TpLayer& l) { return std::string(kind_name(l.style.kind())) + " layer '" + l.name + "'"; }
+
+// The parts of dimension `dim` (length parts x k x n, rank r's slices of each part) of `t`.
+at::Tensor slice_of(const at::Tensor& t, int64_t dim, int parts, int n, int r) {
+  const int64_t part = t.size(dim) / parts, k = part / n;
+  std::vector<at::Tensor> pieces;
+  for (int j = 0; j < parts; ++j) pieces.push_back(t.narrow(dim, j * part + r * k, k));
+  return at::cat(pieces, dim).contiguous();
+}
+
+// `p`'s gradient summed over the group before it accumulates (sequence
+// parallelism: each rank saw part of the sequence). Once per parameter.
+void sum_gradient_over(at::Tensor p, const std::shared_ptr<World>& group, const std::string& name,
+                       std::set<const void*>& hooked) {
+  if (!p.requires_grad() || !hooked.insert(p.unsafeGetTensorImpl()).second) return;
+  const std::string label = "the gradient of '" + name + "' (sequence parallel)";
+  std::weak_ptr<World> weak = group;
+  p.register_hook([weak, label](const at::Tensor& g) -> at::Tensor {
+    auto w = weak.lock();
+    if (!w || w->size() == 1) return g;
+    at::Tensor t = g.contiguous().clone();
+    w->comm().all_reduce(t, c10d::ReduceOp::SUM, label);
+    return t;
+  });
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- layers
+
+namespace {
+
+// A split Linear's forward (ParallelLinear, TiedLinear) with its own weight and bias.
+at::Tensor linear_forward(const TpLayer& l, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
+  Comm& comm = l.group->comm();
+  const std::string w = what(l);
+  switch (l.style.kind()) {
+    case TpStyle::Kind::Colwise: {
+      at::Tensor x = l.sequence_parallel ? detail::tp::gather_for_column(input, l.sequence_dim, comm, w + " input")
+                                         : detail::tp::copy_to_group(input, comm, w + " input");
+      at::Tensor y = at::linear(x, weight, bias);
+      if (!l.style.gather_output()) return y;
+      y = detail::tp::gather_dim(y, -1, comm, w + " output");
+      if (l.style.parts() > 1) {  // [r0: p0 p1 p2 | r1: p0 p1 p2] -> [p0: r0 r1 | p1: ... | p2: ...]
+        auto shape = y.sizes().vec();
+        const int64_t k = shape.back() / (comm.size() * l.style.parts());
+        auto split = shape;
+        split.back() = comm.size();
+        split.push_back(l.style.parts());
+        split.push_back(k);
+        y = y.reshape(split).transpose(-3, -2).reshape(shape);
+      }
+      return y;
+    }
+    case TpStyle::Kind::Rowwise: {
+      at::Tensor x = input;
+      const int64_t local = weight.size(1);
+      if (x.size(-1) != local) {  // the whole input: each rank takes its slice of the features
+        SHARDTORCH_CHECK(x.size(-1) == local * comm.size(), detail::rank_prefix(l.group->global_rank()), ": ", w,
+                         " takes inputs whose last dimension is its slice (", local, ") or the whole (",
+                         local * comm.size(), "), got ", describe(x));
+        x = detail::tp::split_dim(x, -1, comm, w + " input");
+      }
+      if (comm.size() == 1) return at::linear(x, weight, bias);  // what torch::nn::Linear computes, bitwise
+      at::Tensor y = at::linear(x, weight);
+      y = l.sequence_parallel ? detail::tp::reduce_scatter(y, l.sequence_dim, comm, w + " output")
+                              : detail::tp::reduce_from_group(y, comm, w + " output");
+      return bias.defined() ? y + bias : y;
+    }
+    case TpStyle::Kind::ShardOutput:
+      return detail::tp::split_dim(at::linear(input, weight, bias), l.style.dim(), comm, w + " output");
+    default:
+      break;
+  }
+  SHARDTORCH_CHECK(false, "shardtorch: ", w, ": not a style of a Linear");
+}
+
+}  // namespace
+
+at::Tensor ParallelLinearImpl::forward(const at::Tensor& input) {
+  if (!tp) return torch::nn::LinearImpl::forward(input);
+  return linear_forward(*tp, input, weight, bias);
+}
+
+TiedLinearImpl::TiedLinearImpl(at::Tensor shared_weight)
+    : weight(register_parameter("weight", std::move(shared_weight))) {}
+
+at::Tensor TiedLinearImpl::forward(const at::Tensor& input) {
+  if (!tp) return at::linear(input, weight);
+  return linear_forward(*tp, input, weight, at::Tensor());
+}
+
+at::Tensor ParallelEmbeddingImpl::forward(const at::Tensor& indices) {
+  if (!tp) return torch::nn::EmbeddingImpl::forward(indices);
+  const TpLayer& l = *tp;
+  Comm& comm = l.group->comm();
+  const std::string w = what(l);
+  if (l.style.kind() == TpStyle::Kind::ShardOutput)
+    return detail::tp::split_dim(torch::nn::EmbeddingImpl::forward(indices), l.style.dim(), comm, w + " output");
+  // VocabEmbedding: rows [vocab_start, vocab_end) here; other ids look up zeros, summed over the group.
+  const at::Tensor outside = (indices < l.vocab_start) | (indices >= l.vocab_end);
+  const at::Tensor local = (indices - l.vocab_start).masked_fill(outside, 0);
+  at::Tensor out = at::embedding(weight, local, /*padding_idx=*/-1, options.scale_grad_by_freq(), options.sparse());
+  out = out.masked_fill(outside.unsqueeze(-1), 0.0);
+  return l.sequence_parallel ? detail::tp::reduce_scatter(out, l.sequence_dim, comm, w + " output")
+                             : detail::tp::reduce_from_group(out, comm, w + " output");
+}
+
+// ---------------------------------------------------------------- the plan
+
+TpReport parallelize(torch::nn::Module& model, std::shared_ptr<World> tp, const TpPlan& plan) {
+  SHARDTORCH_CHECK(tp, "shardtorch::parallelize: no tensor-parallel World");
+  World& group = *tp;
+  const int n = group.size(), r = group.rank();
+  const std::string me = detail::rank_prefix(group.global_rank()) + ": shardtorch::parallelize";
+  struct Match {
+    std::string name;
+    std::shared_ptr<torch::nn::Module> module;
+    TpStyle style;
+  };
+  std::vector<Match> matched;
+  std::string bad;  // this rank's configuration error, raised after the agreement
+  auto fail = [&](const std::string& why) {
+    if (bad.empty()) bad = why;
+  };
+  const auto modules = model.named_modules();
+  std::map<std::string, std::string> rule_of;  // module -> the rule that took it
+  for (const auto& [pattern, style] : plan.rules()) {
+    bool any = false;
+    for (const auto& item : modules) {
+      if (!matches(pattern, item.key())) continue;
+      any = true;
+      if (auto it = rule_of.find(item.key()); it != rule_of.end()) {
+        fail("module '" + item.key() + "' is matched by rules '" + it->second + "' and '" + pattern + "'");
+        continue;
+      }
+      rule_of[item.key()] = pattern;
+      matched.push_back({item.key(), item.value(), style});
+    }
+    if (!any) fail("rule '" + pattern + "' (" + kind_name(style.kind()) + ") matches no module of the model");
+  }
+  // Each match: the right type, sizes the group divides.
+  std::ostringstream desc;
+  desc << "tensor-parallel group of " << n << ", sequence parallel " << plan.sequence_parallel() << " on dim "
+       << plan.sequence_dim() << "\n";
+  for (const auto& m : matched) {
+    auto* lin = dynamic_cast<ParallelLinearImpl*>(m.module.get());
+    auto* tied = dynamic_cast<TiedLinearImpl*>(m.module.get());
+    auto* emb = dynamic_cast<ParallelEmbeddingImpl*>(m.module.get());
+    const at::Tensor linear_weight = lin ? lin->weight : tied ? tied->weight : at::Tensor();
+    const auto kind = m.style.kind();
+    desc << m.name << " " << kind_name(kind) << " parts " << m.style.parts() << " heads " << m.style.heads() << " dim "
+         << m.style.dim() << " gather " << m.style.gather_output();
+    const std::string who = "module '" + m.name + "' (" + kind_name(kind) + ")";
+    if ((kind == TpStyle::Kind::Colwise || kind == TpStyle::Kind::Rowwise) && !linear_weight.defined()) {
+      fail(who + " is not a shardtorch::ParallelLinear (a drop-in for torch::nn::Linear) or TiedLinear");
+    } else if (kind == TpStyle::Kind::VocabEmbedding && !emb) {
+      fail(who + " is not a shardtorch::ParallelEmbedding: declare it as one (a drop-in for torch::nn::Embedding)");
+    } else if (kind == TpStyle::Kind::ShardOutput && !linear_weight.defined() && !emb) {
+      fail(who + " needs a shardtorch::ParallelLinear, TiedLinear or ParallelEmbedding");
+    } else if (kind == TpStyle::Kind::Colwise) {
+      const int64_t out = linear_weight.size(0), parts = m.style.parts();
+      desc << " out " << out;
+      if (parts < 1 || out % parts != 0 || (out / parts) % n != 0)
+        fail(who + ": its " + std::to_string(out) + " output features in " + std::to_string(parts) +
+             " part(s) do not split evenly across the group's " + std::to_string(n) + " ranks");
+      if (m.style.heads() > 0 && m.style.heads() % n != 0)
+        fail(who + ": its " + std::to_string(m.style.heads()) + " attention heads do not split across the group's " +
+             std::to_string(n) + " ranks");
+    } else if (kind == TpStyle::Kind::Rowwise) {
+      const int64_t in = linear_weight.size(1);
+      desc << " in " << in;
+      if (in % n != 0)
+        fail(who + ": its " + std::to_string(in) + " input features do not split across the group's " +
+             std::to_string(n) + " ranks");
+    } else if (kind == TpStyle::Kind::VocabEmbedding) {
+      const int64_t v = emb->weight.size(0);
+      desc << " vocab " << v;
+      if (v % n != 0)
+        fail(who + ": its vocabulary of " + std::to_string(v) + " does not split across the group's " +
+             std::to_string(n) + " ranks");
+      if (emb->options.padding_idx() || emb->options.max_norm())
+        fail(who + ": padding_idx and max_norm are not supported with a vocabulary split");
+    }
+    desc << "\n";
+  }
+  for (const auto& m : matched)
+    for (const auto& item : m.module->named_parameters(/*recurse=*/true))
+      if (is_deferred(item.value()))
+        fail("parameter '" + (m.name.empty() ? item.key() : m.name + "." + item.key()) +
+             "' is deferred: parallelize() splits constructed parameters (materialize() the model first)");
+  const auto all = group.comm().all_gather_strings(desc.str(), "the tensor-parallel plan");
+  for (int k = 0; k < n; ++k)
+    SHARDTORCH_CHECK(all[k] == all[0], me, ": the ranks of the tensor-parallel group apply different plans or ",
+                     "models: rank ", group.global_rank_of(0), " has\n", all[0], "rank ", group.global_rank_of(k),
+                     " has\n", all[k]);
+  SHARDTORCH_CHECK(bad.empty(), me, ": ", bad);
+
+  // Apply: split the parameters (once each: a tied one may be matched twice), attach the layers.
+  TpReport report;
+  c10::NoGradGuard no_grad;
+  std::unordered_map<const void*, std::pair<int64_t, int>> split;  // a parameter's split: (dim, parts)
+  auto split_param = [&](at::Tensor& p, const std::string& name, int64_t dim, int parts) {
+    const void* key = p.unsafeGetTensorImpl();
+    if (auto it = split.find(key); it != split.end()) {
+      SHARDTORCH_CHECK(it->second == std::make_pair(dim, parts), me, ": parameter '", name,
+                       "' is split twice in different ways (tied to another split parameter?)");
+      return;
+    }
+    const auto full = p.sizes().vec();
+    at::Tensor local = slice_of(p.detach(), dim, parts, n, r).clone();
+    p.set_(local);
+    split[key] = {dim, parts};
+    detail::set_placement(p, detail::Placement{dim, parts, full, r, n});
+    report.split.emplace_back(name, full);
+  };
+  std::set<const void*> hooked;
+  for (auto& m : matched) {
+    auto layer = std::make_shared<TpLayer>();
+    layer->name = m.name;
+    layer->style = m.style;
+    layer->group = tp;
+    layer->sequence_parallel = plan.sequence_parallel();
+    layer->sequence_dim = plan.sequence_dim();
+    const auto kind = m.style.kind();
+    const std::string prefix = m.name.empty() ? "" : m.name + ".";
+    if (auto* tied = dynamic_cast<TiedLinearImpl*>(m.module.get())) {
+      if (kind == TpStyle::Kind::Colwise) split_param(tied->weight, prefix + "weight", 0, m.style.parts());
+      if (kind == TpStyle::Kind::Rowwise) split_param(tied->weight, prefix + "weight", 1, 1);
+      tied->tp = layer;
+    } else if (auto* lin = dynamic_cast<ParallelLinearImpl*>(m.module.get())) {
+      if (kind == TpStyle::Kind::Colwise) {
+        split_param(lin->weight, prefix + "weight", 0, m.style.parts());
+        if (lin->bias.defined()) split_param(lin->bias, prefix + "bias", 0, m.style.parts());
+      } else if (kind == TpStyle::Kind::Rowwise) {
+        split_param(lin->weight, prefix + "weight", 1, 1);
+        // The bias is added after the reduction: whole on every rank; under
+        // sequence parallelism to a slice of the sequence, so its gradient is partial.
+        if (lin->bias.defined() && plan.sequence_parallel()) sum_gradient_over(lin->bias, tp, prefix + "bias", hooked);
+      }
+      lin->tp = layer;
+    } else if (auto* emb = dynamic_cast<ParallelEmbeddingImpl*>(m.module.get())) {
+      if (kind == TpStyle::Kind::VocabEmbedding) {
+        const int64_t v = emb->weight.size(0);
+        split_param(emb->weight, prefix + "weight", 0, 1);
+        layer->vocab_start = r * (v / n);
+        layer->vocab_end = (r + 1) * (v / n);
+      }
+      emb->tp = layer;
+    }
+    if (kind == TpStyle::Kind::SequenceParallel && plan.sequence_parallel())
+      for (auto& item : m.module->named_parameters(/*recurse=*/true))
+        sum_gradient_over(item.value(), tp, prefix + item.key(), hooked);
+    report.applied.emplace_back(m.name, kind);
+  }
+  group.note_progress("parallelize() done");
+  return report;
+}
+
+// ---------------------------------------------------------------- cross entropy
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
+                                        const std::shared_ptr<World>& tp) {
+  SHARDTORCH_CHECK(tp, "shardtorch::vocab_parallel_cross_entropy: no tensor-parallel World");
+  Comm& comm = tp->comm();
+  const int64_t v = local_logits.size(-1), start = tp->rank() * v;
+  SHARDTORCH_CHECK(targets.sizes() == local_logits.sizes().slice(0, local_logits.dim() - 1),
+                   detail::rank_prefix(tp->global_rank()), ": vocab_parallel_cross_entropy: targets ",
+                   describe(targets), " do not match the logits ", describe(local_logits),
+                   " without their last dimension");
+  at::Tensor logits = local_logits.to(at::promote_types(local_logits.scalar_type(), at::kFloat));
+  at::Tensor max;
+  {
+    c10::NoGradGuard no_grad;
+    max = std::get<0>(logits.max(-1)).contiguous();
+    if (comm.size() > 1)
+      comm.all_reduce(max, c10d::ReduceOp::MAX, "the logits' maximum (vocab-parallel cross entropy)");
+  }
+  const at::Tensor shifted = logits - max.unsqueeze(-1);
+  const at::Tensor sum_exp = detail::tp::reduce_from_group(shifted.exp().sum(-1), comm,
+                                                           "the exponentials' sum (vocab-parallel cross entropy)");
+  const at::Tensor outside = (targets < start) | (targets >= start + v);
+  const at::Tensor local = (targets - start).masked_fill(outside, 0);
+  const at::Tensor picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0);
+  const at::Tensor target_logit =
+      detail::tp::reduce_from_group(picked, comm, "the targets' logits (vocab-parallel cross entropy)");
+  return (sum_exp.log() - target_logit).mean();
+}
+
+}  // namespace shardtorch

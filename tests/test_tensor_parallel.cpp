@@ -1,0 +1,301 @@
+// Tensor parallelism: the example GPT split over a tensor-parallel group
+// (heads, MLP columns, vocabulary), alone, with sequence parallelism, under
+// shard() over a data-parallel dimension (every strategy) and inside
+// pipeline stages, against single-process training (losses, first
+// gradients, final parameters).
+#include <gtest/gtest.h>
+
+#include "../src/parallel/tp_comm.h"
+#include "../src/runtime/placement.h"
+#include "models.h"
+#include "reference.h"
+
+using namespace testmodels;
+using shardtorch::DeviceMesh;
+using shardtorch::Strategy;
+using shardtorch::TpPlan;
+using shardtorch::TpStyle;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+
+namespace {
+
+gpt::Config tp_config() {
+  gpt::Config c;
+  c.vocab = 32;
+  c.seq_len = 8;
+  c.d_model = 16;
+  c.n_head = 4;
+  c.n_layer = 2;
+  return c;
+}
+
+// Norm biases away from zero (parameters are compared relative to their
+// largest magnitude; see tests/test_pipeline.cpp's prepare()).
+void prepare(gpt::GPT& m) {
+  torch::NoGradGuard no_grad;
+  m->ln_f->bias.normal_(0.0, 0.1);
+  for (auto& b : m->block_list)
+    for (auto* ln : {&b->ln1, &b->ln2}) (*ln)->bias.normal_(0.0, 0.1);
+}
+
+torch::Tensor tokens() {
+  torch::manual_seed(321);
+  return torch::randint(0, tp_config().vocab, {kBatch, tp_config().seq_len}, torch::kLong);
+}
+
+constexpr int kSteps = 3;
+torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-3).eps(1e-6); }
+
+constexpr double kMaxNorm = 0.05;  // below the gradients' norm here: every step clips
+
+// The single-process run, clipped at kMaxNorm when `clip` (its norms in `norms`).
+testref::Run reference_run(bool clip, std::vector<double>* norms) {
+  torch::manual_seed(0);
+  gpt::GPT model(tp_config());
+  prepare(model);
+  auto params = unique_tensors(*model);
+  torch::optim::AdamW opt(params, adamw());
+  auto x = tokens();
+  testref::Run run;
+  for (int s = 0; s < kSteps; ++s) {
+    opt.zero_grad();
+    auto l = gpt::lm_loss(model(x), x);
+    l.backward();
+    run.losses.push_back(l.item<double>());
+    if (clip) norms->push_back(torch::nn::utils::clip_grad_norm_(params, kMaxNorm));
+    if (s == 0)
+      for (auto& [n, p] : unique_params(*model)) run.first_grads[n] = p.grad().detach().clone();
+    opt.step();
+  }
+  run.final_params = snapshot(*model);
+  return run;
+}
+
+const testref::Run& reference() {
+  static const testref::Run run = reference_run(false, nullptr);
+  return run;
+}
+
+// Collective over `tp`: every tensor of `m` whole again (the split ones
+// gathered across the group), under the names it had.
+std::map<std::string, torch::Tensor> whole(const std::map<std::string, torch::Tensor>& m,
+                                           const std::map<std::string, torch::Tensor>& params, World& tp) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, t] : m) {
+    auto placement = shardtorch::detail::placement_of(params.at(name));
+    if (!placement) {
+      out[name] = t;
+      continue;
+    }
+    const int64_t dim = placement->dim, parts = placement->parts, n = placement->size;
+    auto g = shardtorch::detail::tp::all_gather_along(t.contiguous(), dim, tp.comm(), "test: a split tensor");
+    // [r0: p0 p1 | r1: p0 p1] along dim -> [p0: r0 r1 | p1: r0 r1]
+    auto shape = g.sizes().vec();
+    const int64_t k = shape[dim] / (n * parts);
+    std::vector<int64_t> split(shape.begin(), shape.begin() + dim);
+    split.insert(split.end(), {n, parts, k});
+    split.insert(split.end(), shape.begin() + dim + 1, shape.end());
+    out[name] = g.reshape(split).transpose(dim, dim + 1).reshape(shape).contiguous();
+  }
+  return out;
+}
+
+struct TpCase {
+  int tp, dp;
+  Strategy strategy;
+  bool sequence_parallel;
+  bool clip = false;  // clip_grad_norm over tp and dp after each backward
+};
+
+std::string case_name(const TpCase& c) {
+  return "tp" + std::to_string(c.tp) + " dp" + std::to_string(c.dp) + " " + shardtorch::strategy_name(c.strategy) +
+         (c.sequence_parallel ? " sequence parallel" : "") + (c.clip ? " clipped" : "");
+}
+
+class TpParity : public ::testing::TestWithParam<TpCase> {};
+
+TEST_P(TpParity, TrainsTheGptLikeOneProcess) {
+  const TpCase c = GetParam();
+  std::vector<double> norms;
+  const auto ref = c.clip ? reference_run(true, &norms) : reference();
+  const auto x = tokens();
+  auto r = run_ranks(c.tp * c.dp, [&](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", c.dp}, {"tp", c.tp}});
+    auto tp = (*mesh)["tp"];
+    torch::manual_seed(0);
+    gpt::GPT model(tp_config());
+    prepare(model);
+    auto report = shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config(), c.sequence_parallel));
+    require(!report.split.empty(), "the plan split nothing");
+    require(model->tok_emb->weight.size(0) == tp_config().vocab / c.tp, "the vocabulary is not split");
+    require(model->head->weight.is_same(model->tok_emb->weight), "the head is no longer tied to the embedding");
+    shardtorch::shard(model, (*mesh)["dp"], strategy_options(c.strategy, c.dp));
+    auto opt = shardtorch::AdamW(*model, adamw());
+    const int64_t per = kBatch / c.dp, d = mesh->coordinate("dp");
+    auto mine = x.narrow(0, d * per, per);
+    testref::Run got;
+    std::map<std::string, torch::Tensor> params;  // the model's own tensors, for their placements
+    for (auto& [n, p] : unique_params(*model)) params[n] = p;
+    for (int s = 0; s < kSteps; ++s) {
+      opt->zero_grad();
+      auto loss = gpt::lm_loss_tp(model(mine), mine, tp);
+      loss.backward();
+      auto global = loss.detach().reshape({1}).clone();
+      (*mesh)["dp"]->comm().all_reduce(global, c10d::ReduceOp::SUM, "test: the step's loss");
+      got.losses.push_back(global.item<double>() / c.dp);
+      if (c.clip) {
+        const double norm = shardtorch::clip_grad_norm(*model, tp, kMaxNorm);
+        require(std::abs(norm - norms[s]) <= 1e-5 * norms[s], "step " + std::to_string(s) + ": gradient norm " +
+                                                                  std::to_string(norm) + ", the reference's " +
+                                                                  std::to_string(norms[s]));
+      }
+      if (s == 0) got.first_grads = whole(testref::full_gradients(*model), params, *tp);
+      opt->step();
+    }
+    got.final_params = whole(testref::full_parameters(*model), params, *tp);
+    const double e = testref::expect_same_run(got, ref, 1e-5, case_name(c));
+    if (w.rank() == 0) std::cout << "  " << case_name(c) << ": max relative error " << e << std::endl;
+  });
+  EXPECT_TRUE(r.ok) << case_name(c) << ": " << r.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, TpParity,
+    ::testing::Values(TpCase{2, 1, Strategy::NoShard, false}, TpCase{4, 1, Strategy::NoShard, false},
+                      TpCase{2, 1, Strategy::NoShard, true}, TpCase{4, 1, Strategy::FullShard, true},
+                      TpCase{2, 2, Strategy::FullShard, false}, TpCase{2, 2, Strategy::FullShard, true},
+                      TpCase{2, 2, Strategy::ShardGradOp, false}, TpCase{2, 2, Strategy::OptimizerOnly, true},
+                      TpCase{2, 2, Strategy::NoShard, true}, TpCase{2, 2, Strategy::HybridShard, false}),
+    [](const auto& info) {
+      std::string n = case_name(info.param);
+      for (auto& ch : n)
+        if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return n;
+    });
+
+// 3-D: pipeline stages x tensor parallelism x data parallelism on 8 ranks.
+TEST(TpPipeline, PipelineStagesOfATensorParallelGptShardedOverDpTrainLikeOneProcess) {
+  const auto& ref = reference();
+  const auto x = tokens();
+  auto r = run_ranks(8, [&](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}, {"dp", 2}, {"tp", 2}});
+    auto tp = (*mesh)["tp"];
+    torch::manual_seed(0);
+    gpt::GPT model(tp_config());
+    prepare(model);
+    shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config(), /*sequence_parallel=*/true));
+    shardtorch::Pipeline pipe(
+        gpt::pipeline_layers(model), mesh,
+        shardtorch::PipelineOptions().microbatches(2).shard(shardtorch::ShardOptions().strategy(Strategy::FullShard)));
+    auto opt = shardtorch::AdamW(pipe.module(), adamw());
+    const int64_t per = kBatch / 2, d = mesh->coordinate("dp");
+    auto mine = x.narrow(0, d * per, per);
+    std::map<std::string, torch::Tensor> params;
+    for (auto& [n, p] : unique_params(pipe.module())) params[n] = p;
+    testref::Run got;
+    for (int s = 0; s < kSteps; ++s) {
+      opt->zero_grad();
+      auto loss = pipe.step(
+          pipe.is_first_stage() ? mine : torch::Tensor(), pipe.is_last_stage() ? mine : torch::Tensor(),
+          [&](const torch::Tensor& logits, const torch::Tensor& t) { return gpt::lm_loss_tp(logits, t, tp); });
+      auto global = loss.reshape({1}).clone();
+      (*mesh)["dp"]->comm().all_reduce(global, c10d::ReduceOp::SUM, "test: the step's loss");
+      got.losses.push_back(global.item<double>() / 2);
+      if (s == 0) got.first_grads = whole(testref::full_gradients(pipe.module()), params, *tp);
+      opt->step();
+    }
+    got.final_params = whole(testref::full_parameters(pipe.module()), params, *tp);
+    for (auto* m : {&got.first_grads, &got.final_params})
+      if (m->count("head.weight") && !m->count("tok_emb.weight")) {
+        (*m)["tok_emb.weight"] = (*m)["head.weight"];
+        m->erase("head.weight");
+      }
+    testref::expect_same_run(got, ref, 1e-5, "pp 2 x dp 2 x tp 2, sequence parallel, full_shard", /*subset=*/true);
+  });
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// The communication's adjoints at a group of one are the identity: a split
+// layer there computes what torch::nn::Linear computes, bitwise (both models
+// take the same loss function, so that only the layers differ).
+TEST(TpLayers, AtOneRankTheSplitLayersAreTheLibTorchOnesBitwise) {
+  auto r = run_ranks(1, [](World& w) {
+    torch::manual_seed(0);
+    gpt::GPT a(tp_config());
+    torch::manual_seed(0);
+    gpt::GPT b(tp_config());
+    shardtorch::parallelize(*b, w.shared_from_this(), gpt::tp_plan(tp_config(), true));
+    auto x = tokens();
+    auto la = gpt::lm_loss_tp(a(x), x, w.shared_from_this()), lb = gpt::lm_loss_tp(b(x), x, w.shared_from_this());
+    require(la.item<double>() == lb.item<double>(), "losses differ");
+    la.backward();
+    lb.backward();
+    for (auto& [n, p] : unique_params(*a)) {
+      auto q = b->named_parameters()[n];
+      require(torch::equal(p.grad(), q.grad()), "the gradient of " + n + " differs");
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+TEST(TpLayers, VocabParallelCrossEntropyEqualsTheGatheredOne) {
+  torch::manual_seed(5);
+  auto logits = torch::randn({6, 12}, torch::kDouble) * 3;
+  auto targets = torch::randint(0, 12, {6}, torch::kLong);
+  auto want = torch::nn::functional::cross_entropy(logits, targets);
+  auto lw = logits.clone().requires_grad_();
+  torch::nn::functional::cross_entropy(lw, targets).backward();
+  auto r = run_ranks(3, [&](World& w) {
+    auto local = logits.narrow(1, 4 * w.rank(), 4).clone().requires_grad_();
+    auto got = shardtorch::vocab_parallel_cross_entropy(local, targets, w.shared_from_this());
+    require(std::abs(got.item<double>() - want.item<double>()) < 1e-12,
+            "loss " + std::to_string(got.item<double>()) + " != " + std::to_string(want.item<double>()));
+    got.backward();
+    require(torch::allclose(local.grad(), lw.grad().narrow(1, 4 * w.rank(), 4), 1e-12, 1e-12),
+            "the gradient of this rank's logits differs");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// ---------------------------------------------------------------- misuse
+
+std::vector<std::string> errors_of(const shardtorch::testing::RunResult& r) {
+  std::vector<std::string> out;
+  for (const auto& k : r.ranks) out.push_back(k.message);
+  return out;
+}
+
+TEST(TpErrors, MisusedPlansFailOnEveryRankNamingTheModule) {
+  struct Misuse {
+    std::function<TpPlan(int rank)> plan;
+    std::string says;
+  };
+  const std::vector<Misuse> cases = {
+      {[](int) { return TpPlan().add("blocks.*.attn", TpStyle::colwise()); }, "matches no module"},
+      {[](int) { return TpPlan().add("blocks.*.ln1", TpStyle::colwise()); },
+       "module 'blocks.0.ln1' (colwise) is not a shardtorch::ParallelLinear"},
+      {[](int) { return TpPlan().add("blocks.*.qkv", TpStyle::colwise().parts(3).heads(3)); },
+       "its 3 attention heads do not split across the group's 2 ranks"},
+      {[](int) { return TpPlan().add("tok_emb", TpStyle::rowwise()); }, "is not a shardtorch::ParallelLinear"},
+      {[](int rank) { return TpPlan().add("blocks.*.fc1", rank == 0 ? TpStyle::colwise() : TpStyle::rowwise()); },
+       "apply different plans or models"},
+  };
+  for (const auto& c : cases) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      gpt::GPT model(tp_config());
+      const auto shape = model->block_list[0]->fc1->weight.sizes().vec();
+      try {
+        shardtorch::parallelize(*model, w.shared_from_this(), c.plan(w.rank()));
+      } catch (...) {
+        require(model->block_list[0]->fc1->weight.sizes().vec() == shape, "the refused plan changed the model");
+        throw;
+      }
+    });
+    ASSERT_FALSE(r.ok) << c.says;
+    for (const auto& m : errors_of(r)) EXPECT_NE(m.find(c.says), std::string::npos) << m;
+  }
+}
+
+}  // namespace
