@@ -145,6 +145,9 @@ def main():
                 tu += with_lines(rel, stmts)
                 tu.append("} }")
             tu.append("}")
+    if count == 0:  # nothing compiled would pass: a moved docs/ or a changed fence must not
+        print(f"doc_snippets: no C++ snippet found in {len(docs)} documents under {src}: FAILED")
+        return 1
     os.makedirs(out_dir, exist_ok=True)
     tu_path = os.path.join(out_dir, "doc_snippets.cpp")
     with open(tu_path, "w", encoding="utf-8") as f:

@@ -10,7 +10,11 @@ cmake --install "$build" --prefix "$tmp/prefix" > "$tmp/install.log"
 test -f "$tmp/prefix/include/shardtorch/sharded.h"
 test -f "$tmp/prefix/lib/cmake/shardtorch/shardtorchConfig.cmake"
 # The installed library's run path reaches LibTorch's libraries itself.
-torch_lib=$(dirname "$(ldd "$build/libshardtorch.so" | awk '/libc10\.so/ {print $3}')")
+c10=$(ldd "$build/libshardtorch.so" | awk '/libc10\.so/ {print $3}')
+case $c10 in
+  /*) torch_lib=$(dirname "$c10") ;;
+  *) echo "ldd did not resolve libc10.so for $build/libshardtorch.so (got '$c10'): no run path to check against"; exit 1 ;;
+esac
 readelf -d "$tmp/prefix/lib/libshardtorch.so" | grep -E "R(UN)?PATH" | grep -q "$torch_lib" || {
   echo "installed libshardtorch.so has no run path to LibTorch's libraries ($torch_lib):"
   readelf -d "$tmp/prefix/lib/libshardtorch.so" | grep -E "R(UN)?PATH"; exit 1; }

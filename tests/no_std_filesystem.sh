@@ -5,6 +5,7 @@
 # Usage: no_std_filesystem.sh BINARY...
 set -uo pipefail
 [ $# -gt 0 ] || { echo "no binaries given"; exit 2; }
+command -v nm > /dev/null || { echo "no nm: install binutils"; exit 2; }
 bad=0
 for f in "$@"; do
   if [ ! -f "$f" ]; then
@@ -12,7 +13,12 @@ for f in "$@"; do
     bad=1
     continue
   fi
-  syms=$(nm -D "$f" | grep 'St10filesystem' || true)
+  if ! table=$(nm -D "$f"); then
+    echo "nm could not read the dynamic symbols of $f"
+    bad=1
+    continue
+  fi
+  syms=$(grep 'St10filesystem' <<< "$table" || true)
   if [ -n "$syms" ]; then
     echo "$f uses std::filesystem:"
     echo "$syms" | c++filt | sed 's/^/  /' | head -20

@@ -139,7 +139,7 @@ TEST_P(OptionsDiffer, EveryRankFailsInShardNamingTheOptionAndBothValues) {
         m(torch::randn({4, 7})).to(torch::kFloat).square().mean().backward();
         opt->step();
       },
-      RunOptions().collective_timeout(std::chrono::seconds(15)).timeout(std::chrono::seconds(60)));
+      RunOptions().collective_timeout(std::chrono::seconds(45)).timeout(std::chrono::seconds(90)));
   const std::string want =
       std::string("option ") + c.option + " is " + c.on0 + " on rank 0 but " + c.on1 + " on rank 1";
   ASSERT_FALSE(r.ok) << r.summary();
@@ -150,7 +150,7 @@ TEST_P(OptionsDiffer, EveryRankFailsInShardNamingTheOptionAndBothValues) {
     EXPECT_NE(r.ranks[k].message.find(want), std::string::npos) << "'" << want << "' in\n" << r.summary();
     EXPECT_NE(r.ranks[k].message.find("(seen on rank " + std::to_string(k) + ")"), std::string::npos) << r.summary();
   }
-  EXPECT_LT(seconds_since(t0), 10.0) << "a rank waited for the collective timeout (15 s)";
+  EXPECT_LT(seconds_since(t0), 10.0) << "a rank waited for the collective timeout (45 s)";
 }
 
 INSTANTIATE_TEST_SUITE_P(Agreement, OptionsDiffer, ::testing::ValuesIn(option_cases()),

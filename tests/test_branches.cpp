@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "models.h"
+#include "reference.h"
 
 using namespace testmodels;
 using shardtorch::ShardOptions;
@@ -102,26 +103,37 @@ void choose(BranchNet& m, Choice c) {
 // synchronises), rank r.
 using MicroPlan = Choice (*)(int step, int micro, int rank);
 
+// Every step but the first, whose gradients are compared too: the ranks'
+// branches differ from step to step.
+const std::set<int> kLaterSteps = {1, 2, 3};
+
 // The single-process reference: `ref` (made with seed 0) trained with Adam
 // on the mean of every rank's and micro-batch's loss, each rank's rows of x
-// with that rank's choices (`choose(model, step, micro, rank)`).
+// with that rank's choices (`choose(model, step, micro, rank)`); the
+// gradients of every step recorded.
 template <class Model, class Choose>
-std::map<std::string, torch::Tensor> mean_of_ranks(Model ref, const torch::Tensor& x, int world, int micro,
-                                                   Choose choose) {
+testref::Run mean_of_ranks(Model ref, const torch::Tensor& x, int world, int micro, Choose choose) {
   torch::optim::Adam opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
   const int64_t rows = kRows / micro;
-  for (int s = 0; s < kSteps; ++s) {
-    opt.zero_grad();
-    torch::Tensor loss = torch::zeros({});
-    for (int r = 0; r < world; ++r)
-      for (int k = 0; k < micro; ++k) {
-        choose(ref, s, k, r);
-        loss = loss + ref->forward(x.narrow(0, kRows * r + rows * k, rows)).square().mean() / (world * micro);
-      }
-    loss.backward();
-    opt.step();
-  }
-  return snapshot(*ref);
+  return testref::train_reference(
+      *ref, opt, kSteps,
+      [&](int s) {
+        torch::Tensor loss = torch::zeros({});
+        for (int r = 0; r < world; ++r)
+          for (int k = 0; k < micro; ++k) {
+            choose(ref, s, k, r);
+            loss = loss + ref->forward(x.narrow(0, kRows * r + rows * k, rows)).square().mean() / (world * micro);
+          }
+        return loss;
+      },
+      kLaterSteps);
+}
+
+// In a rank: `steps` of `opt` with `backward(step)` between zero_grad and
+// step, recording what mean_of_ranks does.
+testref::Run train_like_mean_of_ranks(torch::nn::Module& model, shardtorch::ShardedOptimizer& opt,
+                                      const std::function<void(int)>& backward) {
+  return testref::train_ranks(model, opt, kSteps, backward, kLaterSteps);
 }
 
 struct Case {
@@ -164,6 +176,7 @@ void train_and_check(const Case& c, int micro, MicroPlan plan, const std::functi
         auto sm = shardtorch::shard(model, w, opts);
         auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
         const int64_t rows = kRows / micro;
+        testref::Run got;
         for (int s = 0; s < kSteps; ++s) {
           const int64_t before = sm.stats().reductions_deferred;
           opt->zero_grad();
@@ -178,13 +191,15 @@ void train_and_check(const Case& c, int micro, MicroPlan plan, const std::functi
             }
           }
           require(sm.memory().gathered_units == 0, "units left gathered after backward");
+          (s == 0 ? got.first_grads : got.later_grads[s]) = testref::full_gradients(*model);
           opt->step();
           if (between) between(model, w.rank());
           const int64_t waited = sm.stats().reductions_deferred - before, want_waited = units_waited(s, w.rank());
           require(waited == want_waited, "step " + std::to_string(s) + ": " + std::to_string(waited) +
                                              " units waited for their turn, expected " + std::to_string(want_waited));
         }
-        expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "rank-dependent branches");
+        got.final_params = testref::full_parameters(*model);
+        testref::expect_same_run(got, want, 1e-5, "rank-dependent branches");
       },
       shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
   ASSERT_TRUE(r.ok) << r.summary();
@@ -347,14 +362,12 @@ TEST_P(ParentFinalFirst, AParentFinalBeforeItsFrozenChildGathersOnSomeRanksOnly)
         WithParent model;
         auto sm = shardtorch::shard(model, w, strategy_options(strategy, world).bucket_mb(1e-4));
         auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-        for (int s = 0; s < kSteps; ++s) {
-          opt->zero_grad();
+        const auto got = train_like_mean_of_ranks(*model, *opt, [&](int s) {
           model->parent->use_own = use_own(s, w.rank());
           model(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
-          opt->step();
-        }
+        });
         require(sm.stats().reductions_deferred == 0, "a unit waited for its turn");
-        expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a parent final before its child gathers");
+        testref::expect_same_run(got, want, 1e-5, "a parent final before its child gathers");
       },
       shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
@@ -402,13 +415,11 @@ TEST(RankDependentBranchesAroundGathers, AUnitFinalBeforeItsLastOutputHookGather
         auto model = std::make_shared<TwiceImpl>();
         auto sm = shardtorch::shard(*model, w, shardtorch::ShardOptions().bucket_mb(1e-4));
         auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-        for (int s = 0; s < kSteps; ++s) {
-          opt->zero_grad();
+        const auto got = train_like_mean_of_ranks(*model, *opt, [&](int s) {
           model->skip_first = skip(s, w.rank());
           model->forward(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
-          opt->step();
-        }
-        expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a unit called twice, routed around once");
+        });
+        testref::expect_same_run(got, want, 1e-5, "a unit called twice, routed around once");
       },
       shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
   ASSERT_TRUE(r.ok) << r.summary();
@@ -441,7 +452,8 @@ TEST_P(ForwardOnOneRank, AForwardOnOneRankOnlyUnderAPlainRootDoesNotReorderTheNe
   torch::manual_seed(0);
   auto ref = std::make_shared<PlainImpl>();
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
-  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref->forward(x).square().mean(); });
+  const auto want =
+      testref::train_reference(*ref, ref_opt, kSteps, [&](int) { return ref->forward(x).square().mean(); });
   auto r = run_ranks(
       2,
       [&](World& w) {
@@ -450,15 +462,18 @@ TEST_P(ForwardOnOneRank, AForwardOnOneRankOnlyUnderAPlainRootDoesNotReorderTheNe
         auto sm = shardtorch::shard(*model, w, strategy_options(strategy, 2).bucket_mb(1e-4));
         auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
         auto look = [&] { model->last(torch::ones({1, 6})).sum().item<double>(); };  // in grad mode
+        testref::Run got;
         for (int s = 0; s < kSteps; ++s) {
           opt->zero_grad();
           if (after_zero_grad && s > 0 && w.rank() == 0) look();
           model->forward(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
+          if (s == 0) got.first_grads = testref::full_gradients(*model);
           opt->step();
           if (!after_zero_grad && w.rank() == 0) look();
         }
         require(sm.stats().reductions_deferred == 0, "a unit waited for its turn");
-        expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "a forward on rank 0 only");
+        got.final_params = testref::full_parameters(*model);
+        testref::expect_same_run(got, want, 1e-5, "a forward on rank 0 only");
       },
       shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)).collective_timeout(std::chrono::seconds(5)));
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << (after_zero_grad ? ", look after zero_grad: " : ": ")
@@ -524,13 +539,11 @@ TEST_P(UnitsFinalBeforeAGather, MoreUnitsFinalBeforeAGatherThanReduceScattersInF
         NestedNet model;
         auto sm = shardtorch::shard(model, w, strategy_options(strategy, world).bucket_mb(1e-4));
         auto opt = shardtorch::Adam(*model, torch::optim::AdamOptions(1e-2));
-        for (int s = 0; s < kSteps; ++s) {
-          opt->zero_grad();
+        const auto got = train_like_mean_of_ranks(*model, *opt, [&](int s) {
           model->use(use_own(s, w.rank()));
           model(x.narrow(0, kRows * w.rank(), kRows)).square().mean().backward();
-          opt->step();
-        }
-        expect_close_map(shardtorch::full_parameters(*model), want, 1e-5, "three nested units routed around");
+        });
+        testref::expect_same_run(got, want, 1e-5, "three nested units routed around");
         // Somewhere a launch went past the limit instead of waiting.
         auto past = torch::full({1}, static_cast<double>(sm.stats().reduce_scatters_past_the_limit), torch::kDouble);
         w.comm().all_reduce(past, c10d::ReduceOp::SUM, "launches past the limit");

@@ -305,16 +305,17 @@ INSTANTIATE_TEST_SUITE_P(Worlds, BucketerTest, ::testing::Combine(::testing::Val
 
 // all_reduce() (OptimizerOnly's gradients) waits for room as long as the
 // collective allows, never going out past the limit: with one in flight and
-// a peer 1 s late, the second launch waits past the bound on that wait (a
-// quarter of the 2 s collective timeout, below kReduceScatterLimitWait) for
-// the first. Each callback gets the whole sum, the input reduced in place.
+// a peer 2 s late, the second launch waits past the bound on that wait
+// (kReduceScatterLimitWait, 1 s, a quarter of the 8 s collective timeout at
+// most) for the first. Each callback gets the whole sum, the input reduced
+// in place.
 TEST(Bucketer, AllReducesWaitForRoomPastTheBoundAndGetTheWholeSum) {
   auto r = run_ranks(
       2,
       [](World& w) {
         ReduceScatterBucketer b(1.0, nullptr, /*max_in_flight=*/1);
-        // The stall is the scenario: twice the bound, half the collective timeout.
-        if (w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+        // The stall is the scenario: twice the bound, a quarter of the collective timeout.
+        if (w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
         std::vector<at::Tensor> inputs, got(2);
         for (int i = 0; i < 2; ++i) {
           inputs.push_back(input_for(w.rank(), 6, 10.0 * i));
@@ -329,6 +330,6 @@ TEST(Bucketer, AllReducesWaitForRoomPastTheBoundAndGetTheWholeSum) {
           check(got[i].data_ptr() == inputs[i].data_ptr(), "g" + std::to_string(i) + " was not reduced in place");
         }
       },
-      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(8)));
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -343,10 +343,16 @@ TEST(CheckpointFailures, ASlowWriterIsWaitedForUnderTheFileTimeout) {
   auto r = run_ranks(
       2,
       [&](World& w) {
-        torch::manual_seed(0);
-        MLP m;
-        shardtorch::shard(m, w);
-        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        MLP m{nullptr};
+        std::unique_ptr<shardtorch::ShardedOptimizer> opt;
+        {
+          // The set-up's collectives are not the scenario: a rank late to them on a loaded machine must not time out.
+          shardtorch::Comm::TimeoutAtLeast setup(w.comm(), std::chrono::seconds(60));
+          torch::manual_seed(0);
+          m = MLP();
+          shardtorch::shard(m, w);
+          opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        }
         const int slow = 0;
         for (int round = 0; round < 2; ++round) {
           // Rank `slow` takes 2 s over its file, once written: the stall is the
@@ -362,10 +368,11 @@ TEST(CheckpointFailures, ASlowWriterIsWaitedForUnderTheFileTimeout) {
           shardtorch::checkpoint::set_crash_hook(nullptr);
           require(w.comm().timeout() == std::chrono::seconds(1), "the collective timeout was not restored");
         }
-        // And without the allowance, the same wait fails naming the collective.
+        // And without the allowance, the same wait fails naming the collective (a stall three times the
+        // timeout: rank 0 must time out even if it comes late to the wait).
         std::string e = "no error";
         shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
-          if (p == "file written" && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+          if (p == "file written" && w.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(3000));
         });
         try {
           shardtorch::checkpoint::save_file((dir / ("plain" + std::to_string(w.rank()))).string(),

@@ -28,29 +28,37 @@ StateGap state_gap(torch::optim::Optimizer& ref, const torch::Tensor& a, torch::
 
 }  // namespace
 
+// With one intra-op thread and with two (in a rank: the suite's parent
+// process starts no threads, docs/testing.md).
 TEST(FusedCpuAdam, AdamWMatchesTorchWithinOneMillionth) {
   for (int threads : {1, 2}) {
-    torch::manual_seed(0);
-    const int64_t n = 100003;  // not a multiple of any vector width
-    auto p0 = torch::randn({n});
-    auto a = p0.clone().requires_grad_(true), b = p0.clone().requires_grad_(true);
-    auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95}).eps(1e-6);
-    torch::optim::AdamW ref({a}, opts);
-    shardtorch::FusedAdamW fused({b}, opts);
-    at::set_num_threads(threads);
-    step_both(ref, a, fused, b, 10, /*grad_growth=*/1.0);
-    at::set_num_threads(1);
-    // Relative to each tensor's scale (largest |difference| / largest |value|),
-    // parameters and both moments. Not element by element: near zero, one
-    // rounding of a differently ordered fp32 operation (torch updates exp_avg
-    // with lerp, we multiply and add) is a large fraction of the element;
-    // measured, element by element down to 1/1000 of the scale: 4e-6 for the
-    // parameters, 4e-5 for exp_avg.
-    EXPECT_LE(rel_err(b.detach(), a.detach()), 1e-6) << "parameters, threads " << threads;
-    auto gap = state_gap<torch::optim::AdamWParamState>(ref, a, fused, b);
-    EXPECT_EQ(gap.ref_step, gap.fused_step);
-    EXPECT_LE(gap.exp_avg, 1e-6);
-    EXPECT_LE(gap.exp_avg_sq, 1e-6);
+    auto r = run_ranks(
+        1,
+        [&](World&) {
+          require(at::get_num_threads() == threads, "ATen runs " + std::to_string(at::get_num_threads()) + " threads");
+          torch::manual_seed(0);
+          const int64_t n = 100003;  // not a multiple of any vector width
+          auto p0 = torch::randn({n});
+          auto a = p0.clone().requires_grad_(true), b = p0.clone().requires_grad_(true);
+          auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95}).eps(1e-6);
+          torch::optim::AdamW ref({a}, opts);
+          shardtorch::FusedAdamW fused({b}, opts);
+          step_both(ref, a, fused, b, 10, /*grad_growth=*/1.0);
+          // Relative to each tensor's scale (largest |difference| / largest |value|),
+          // parameters and both moments. Not element by element: near zero, one
+          // rounding of a differently ordered fp32 operation (torch updates exp_avg
+          // with lerp, we multiply and add) is a large fraction of the element;
+          // measured, element by element down to 1/1000 of the scale: 4e-6 for the
+          // parameters, 4e-5 for exp_avg.
+          const double params = rel_err(b.detach(), a.detach());
+          require(params <= 1e-6, "parameters " + std::to_string(params) + " apart");
+          auto gap = state_gap<torch::optim::AdamWParamState>(ref, a, fused, b);
+          require(gap.ref_step == gap.fused_step, "steps differ");
+          require(gap.exp_avg <= 1e-6 && gap.exp_avg_sq <= 1e-6,
+                  "moments " + std::to_string(gap.exp_avg) + " and " + std::to_string(gap.exp_avg_sq) + " apart");
+        },
+        shardtorch::testing::RunOptions().threads(threads));
+    ASSERT_TRUE(r.ok) << threads << " threads: " << r.summary();
   }
   std::cout << "  fused Adam runs the " << shardtorch::fused_adam_isa() << " variant here\n";
 }
@@ -71,32 +79,37 @@ TEST(FusedCpuAdam, AdamWithCoupledWeightDecayMatchesTorch) {
   EXPECT_LE(gap.exp_avg_sq, 1e-6);
 }
 
+// Two intra-op threads, in a rank.
 TEST(FusedCpuAdam, WritesTheBf16CopyInTheSamePass) {
-  const int64_t n = 70001;  // several parallel chunks, each of many blocks, the last block partial
-  at::set_num_threads(2);
-  torch::manual_seed(4);
-  auto p = torch::randn({n}), g = torch::randn({n}), m = torch::randn({n}), v = torch::rand({n});
-  p[0] = std::nanf("");  // stays NaN, and inf stays inf: both must round as ATen rounds them
-  p[1] = INFINITY;
-  p[2] = -INFINITY;
-  auto p2 = p.clone(), m2 = m.clone(), v2 = v.clone();
-  auto low = torch::full({n}, 7.0, torch::kBFloat16);
-  const shardtorch::AdamStep s{1e-3, 0.9, 0.999, 1e-8, 0.01, 3, true};
-  shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n, s,
-                             low.data_ptr<at::BFloat16>());
-  shardtorch::fused_adam_cpu(p2.data_ptr<float>(), g.data_ptr<float>(), m2.data_ptr<float>(), v2.data_ptr<float>(), n,
-                             s);
-  at::set_num_threads(1);
-  // What ATen's conversion gives: NaN where it gives NaN (ATen's own scalar
-  // and vector conversions give NaNs of different bits), bit for bit elsewhere.
-  auto want = p.to(torch::kBFloat16);
-  EXPECT_TRUE(at::equal(low.isnan(), want.isnan()));
-  EXPECT_TRUE(
-      at::equal(low.view(at::kShort).masked_fill(low.isnan(), 0), want.view(at::kShort).masked_fill(want.isnan(), 0)));
-  // Writing the copy changes nothing else.
-  EXPECT_TRUE(at::equal(p.view(at::kInt), p2.view(at::kInt)));
-  EXPECT_TRUE(at::equal(m, m2));
-  EXPECT_TRUE(at::equal(v, v2));
+  auto r = run_ranks(
+      1,
+      [](World&) {
+        const int64_t n = 70001;  // several parallel chunks, each of many blocks, the last block partial
+        torch::manual_seed(4);
+        auto p = torch::randn({n}), g = torch::randn({n}), m = torch::randn({n}), v = torch::rand({n});
+        p[0] = std::nanf("");  // stays NaN, and inf stays inf: both must round as ATen rounds them
+        p[1] = INFINITY;
+        p[2] = -INFINITY;
+        auto p2 = p.clone(), m2 = m.clone(), v2 = v.clone();
+        auto low = torch::full({n}, 7.0, torch::kBFloat16);
+        const shardtorch::AdamStep s{1e-3, 0.9, 0.999, 1e-8, 0.01, 3, true};
+        shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                                   n, s, low.data_ptr<at::BFloat16>());
+        shardtorch::fused_adam_cpu(p2.data_ptr<float>(), g.data_ptr<float>(), m2.data_ptr<float>(),
+                                   v2.data_ptr<float>(), n, s);
+        // What ATen's conversion gives: NaN where it gives NaN (ATen's own scalar
+        // and vector conversions give NaNs of different bits), bit for bit elsewhere.
+        auto want = p.to(torch::kBFloat16);
+        require(at::equal(low.isnan(), want.isnan()), "NaN in other places than ATen's conversion");
+        require(at::equal(low.view(at::kShort).masked_fill(low.isnan(), 0),
+                          want.view(at::kShort).masked_fill(want.isnan(), 0)),
+                "the bf16 copy differs from ATen's conversion");
+        // Writing the copy changes nothing else.
+        require(at::equal(p.view(at::kInt), p2.view(at::kInt)) && at::equal(m, m2) && at::equal(v, v2),
+                "writing the copy changed the parameters or the moments");
+      },
+      shardtorch::testing::RunOptions().threads(2));
+  ASSERT_TRUE(r.ok) << r.summary();
 }
 
 TEST(FusedCpuAdam, RefusesAmsgrad) {
@@ -207,9 +220,11 @@ INSTANTIATE_TEST_SUITE_P(FusedCpuAdam, UnsupportedDtype,
                          ::testing::Values(shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard),
                          StrategyName());
 
-// The Newton variant against the exact one, element by element, where the
-// estimates are weakest: v = 0 (sqrt taken as 0, the denominator is eps),
-// subnormal, huge and infinite v, zero, NaN and infinite gradients.
+// At the inputs where the estimates are weakest (v = 0: sqrt taken as 0,
+// the denominator is eps; subnormal, huge and infinite v; zero, NaN and
+// infinite gradients), element by element: the portable variant against the
+// host reference of cuda/adam_math.h (the same arithmetic in scalar code),
+// on every CPU; with AVX-512, the Newton variant against the exact one.
 TEST(FusedCpuAdam, TheNewtonVariantIsWithinAFewUlpOfTheExactUpdateEverywhere) {
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -238,42 +253,58 @@ TEST(FusedCpuAdam, TheNewtonVariantIsWithinAFewUlpOfTheExactUpdateEverywhere) {
       auto p = p0.clone(), m = m0.clone(), v = v0.clone();
       shardtorch::fused_adam_cpu(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n,
                                  s);
-      return std::make_tuple(p, m, v, shardtorch::fused_adam_isa());
+      require(shardtorch::fused_adam_isa() == isa,
+              std::string("asked for ") + isa + ", ran " + shardtorch::fused_adam_isa());
+      return std::make_tuple(p, m, v);
     };
-    for (const auto& s : {shardtorch::AdamStep{1e-3, 0.9, 0.999, 1e-8, 0.01, 7, true},
-                          shardtorch::AdamStep{1e-2, 0.8, 0.99, 1e-6, 0.1, 1, false}}) {
-      auto [pe, me, ve, exact] = run("avx512", s);
-      auto [pn, mn, vn, newton] = run("avx512-newton", s);
-      if (!has512) {
-        require(newton != "avx512-newton", "the Newton variant ran without AVX-512");
-        continue;
-      }
-      require(newton == "avx512-newton" && exact == "avx512", "ran " + exact + " and " + newton);
-      require(at::equal(pe.isnan(), pn.isnan()), "NaN in one variant's parameters only");
+    auto host_reference = [&](const shardtorch::AdamStep& s) {
+      auto p = p0.clone(), m = m0.clone(), v = v0.clone();
+      const auto c = shardtorch::cuda::adam_coeffs(s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step, s.decoupled);
+      for (int64_t i = 0; i < n; ++i)
+        shardtorch::cuda::adam_element(p.data_ptr<float>()[i], g.data_ptr<float>()[i], m.data_ptr<float>()[i],
+                                       v.data_ptr<float>()[i], c);
+      return std::make_tuple(p, m, v);
+    };
+    // `got` (p, m, v) within a few ulp of `want`, which the test trusts.
+    auto expect_near = [&](const std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>& got,
+                           const std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>& want,
+                           const std::string& what) {
+      const auto& [pn, mn, vn] = got;
+      const auto& [pe, me, ve] = want;
+      require(at::equal(pe.isnan(), pn.isnan()), what + ": NaN in one's parameters only");
       auto ok = pe.isfinite() & pn.isfinite();
-      require(at::equal(ok, pe.isfinite()), "a finite parameter in one variant only");
+      require(at::equal(ok, pe.isfinite()), what + ": a finite parameter in one only");
       // Where p0 = 0 the parameter is the update itself: within 1e-6 of it
       // (a few ulp). Elsewhere the two may round to neighbouring floats.
       auto zero = ok & p0.eq(0);
       auto rel = (pn - pe).masked_select(zero).abs() / pe.masked_select(zero).abs().clamp_min(1e-30);
-      require(rel.max().item<double>() <= 1e-6, "update off by " + std::to_string(rel.max().item<double>()));
+      require(rel.max().item<double>() <= 1e-6, what + ": update off by " + std::to_string(rel.max().item<double>()));
       // Elsewhere: apart by at most the rounding of p (one ulp, 1.2e-7 of it
       // at most) plus 1e-6 of the update.
       auto bound = pe.abs() * 1.2e-7 + (pe - p0).abs() * 1e-6 + 1e-38;
       auto over = ((pn - pe).abs() / bound).masked_select(ok);
       require(over.max().item<double>() <= 1.0,
-              "parameters apart by " + std::to_string(over.max().item<double>()) + " times the bound");
-      require(at::equal(vn.isinf(), ve.isinf()), "an infinite v in one variant only");
+              what + ": parameters apart by " + std::to_string(over.max().item<double>()) + " times the bound");
+      require(at::equal(vn.isinf(), ve.isinf()), what + ": an infinite v in one only");
       auto finite_v = ok & ve.isfinite();
       require(rel_err(mn.masked_select(finite_v), me.masked_select(finite_v)) <= 1e-6 &&
                   rel_err(vn.masked_select(finite_v), ve.masked_select(finite_v)) <= 1e-6,
-              "the moments differ between the variants");
-      require(pn[34].item<float>() == pe[34].item<float>(), "v = inf: the parameter moved (" +
+              what + ": the moments differ");
+      require(pn[34].item<float>() == pe[34].item<float>(), what + ": v = inf: the parameter moved (" +
                                                                 std::to_string(pn[34].item<float>()) + " vs " +
                                                                 std::to_string(pe[34].item<float>()) + ")");
+    };
+    for (const auto& s : {shardtorch::AdamStep{1e-3, 0.9, 0.999, 1e-8, 0.01, 7, true},
+                          shardtorch::AdamStep{1e-2, 0.8, 0.99, 1e-6, 0.1, 1, false}}) {
+      expect_near(run("default", s), host_reference(s), "the portable variant against the host reference");
+      if (has512) expect_near(run("avx512-newton", s), run("avx512", s), "avx512-newton against avx512");
     }
+    ::unsetenv("SHARDTORCH_ADAM_ISA");
   });
   ASSERT_TRUE(r.ok) << r.summary();
+  std::cout << "  checked the portable variant against the host reference"
+            << (has512 ? ", and avx512-newton against avx512\n"
+                       : "; this CPU has no AVX-512, so the Newton variant was not checked\n");
 }
 
 // An override that cannot be honoured (misspelled, or an instruction set
@@ -423,36 +454,40 @@ TEST(FusedCpuAdam, ThePortableVariantMatchesEveryX86Variant) {
 // without a divisor, writing the bf16 copy too; what it cannot take it
 // refuses, updating nothing.
 TEST(FusedCpuAdam, StepsFromBf16AndDividedGradientsAsFromTheirFp32Values) {
-  const int64_t n = 70001;  // several parallel chunks of many blocks, the last block partial
-  at::set_num_threads(2);
-  torch::manual_seed(5);
-  const auto start = torch::randn({n});
-  for (auto dtype : {torch::kBFloat16, torch::kFloat})
-    for (double divisor : {1.0, 3.0}) {
-      const std::string what = std::string(c10::toString(dtype)) + " gradient / " + std::to_string(divisor);
-      auto g = torch::randn({n}).to(dtype);
-      auto a = start.clone(), b = start.clone();
-      auto low_a = torch::zeros({n}, torch::kBFloat16), low_b = torch::zeros({n}, torch::kBFloat16);
-      shardtorch::FusedAdamW want({a}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-      shardtorch::FusedAdamW got({b}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-      want.write_low_copy(a, low_a);
-      got.write_low_copy(b, low_b);
-      for (int step = 0; step < 2; ++step) {
-        a.mutable_grad() = at::div(g.to(torch::kFloat), divisor);
-        want.step_params({a});
-        ASSERT_TRUE(got.step_params_with({b}, {g}, divisor)) << what;
-        EXPECT_FALSE(b.grad().defined()) << what;
-        g = g * 0.5 + torch::randn({n}).to(dtype);
-      }
-      EXPECT_TRUE(at::equal(a, b)) << what << ": parameters differ";
-      EXPECT_TRUE(at::equal(low_a.view(at::kShort), low_b.view(at::kShort))) << what << ": bf16 copies differ";
-      auto& sa = static_cast<torch::optim::AdamWParamState&>(*want.state().at(a.unsafeGetTensorImpl()));
-      auto& sb = static_cast<torch::optim::AdamWParamState&>(*got.state().at(b.unsafeGetTensorImpl()));
-      EXPECT_EQ(sa.step(), sb.step()) << what;
-      EXPECT_TRUE(at::equal(sa.exp_avg(), sb.exp_avg())) << what;
-      EXPECT_TRUE(at::equal(sa.exp_avg_sq(), sb.exp_avg_sq())) << what;
-    }
-  at::set_num_threads(1);
+  auto r = run_ranks(
+      1,
+      [](World&) {                // two intra-op threads, in a rank
+        const int64_t n = 70001;  // several parallel chunks of many blocks, the last block partial
+        torch::manual_seed(5);
+        const auto start = torch::randn({n});
+        for (auto dtype : {torch::kBFloat16, torch::kFloat})
+          for (double divisor : {1.0, 3.0}) {
+            const std::string what = std::string(c10::toString(dtype)) + " gradient / " + std::to_string(divisor);
+            auto g = torch::randn({n}).to(dtype);
+            auto a = start.clone(), b = start.clone();
+            auto low_a = torch::zeros({n}, torch::kBFloat16), low_b = torch::zeros({n}, torch::kBFloat16);
+            shardtorch::FusedAdamW want({a}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+            shardtorch::FusedAdamW got({b}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+            want.write_low_copy(a, low_a);
+            got.write_low_copy(b, low_b);
+            for (int step = 0; step < 2; ++step) {
+              a.mutable_grad() = at::div(g.to(torch::kFloat), divisor);
+              want.step_params({a});
+              require(got.step_params_with({b}, {g}, divisor), what + ": refused");
+              require(!b.grad().defined(), what + ": a gradient was left");
+              g = g * 0.5 + torch::randn({n}).to(dtype);
+            }
+            require(at::equal(a, b), what + ": parameters differ");
+            require(at::equal(low_a.view(at::kShort), low_b.view(at::kShort)), what + ": bf16 copies differ");
+            auto& sa = static_cast<torch::optim::AdamWParamState&>(*want.state().at(a.unsafeGetTensorImpl()));
+            auto& sb = static_cast<torch::optim::AdamWParamState&>(*got.state().at(b.unsafeGetTensorImpl()));
+            require(sa.step() == sb.step() && at::equal(sa.exp_avg(), sb.exp_avg()) &&
+                        at::equal(sa.exp_avg_sq(), sb.exp_avg_sq()),
+                    what + ": the optimizer states differ");
+          }
+      },
+      shardtorch::testing::RunOptions().threads(2));
+  ASSERT_TRUE(r.ok) << r.summary();
 
   auto p = torch::randn({16});
   const auto before = p.clone();

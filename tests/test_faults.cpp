@@ -5,6 +5,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <unistd.h>
+
 #include <csignal>
 #include <thread>
 
@@ -189,7 +191,7 @@ TEST(Faults, KilledRankMakesTheOthersFailNamingTheOperation) {
           opt->step();
         }
       },
-      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(60)));
   ASSERT_FALSE(r.ok);
   EXPECT_EQ(r.ranks[1].signal, SIGKILL);
   // No survivor may die of SIGPIPE writing to the dead rank's socket.
@@ -207,7 +209,7 @@ TEST(Faults, KilledRankMakesTheOthersFailNamingTheOperation) {
         << "the other survivor is not at fault\n"
         << r.summary();
   }
-  EXPECT_LT(seconds_since(t0), 25.0) << "the survivors should fail within the collective timeout";
+  EXPECT_LT(seconds_since(t0), 25.0) << "the survivors should fail at once, not at the collective timeout (60 s)";
 }
 
 TEST(Faults, StuckRankTimesOutWithinTheCollectiveTimeout) {
@@ -258,15 +260,23 @@ TEST(Faults, AStoppedRankIsNamedAsSilent) {
         shardtorch::shard(m, w);
         if (w.rank() == 1) {
           wait_until_recorded(w, 0, "shard() done", "");
-          // The stall is the scenario: stopped until the run's time limit kills
-          // it, after rank 0 has failed at its 4 s collective timeout.
+          const std::string pid = std::to_string(::getpid());
+          w.store()->set("test: stopped pid", std::vector<uint8_t>(pid.begin(), pid.end()));
+          // The stall is the scenario: stopped until rank 0, failed at its 4 s
+          // collective timeout, kills it.
           ::raise(SIGSTOP);
         }
-        m(torch::randn({4, 7}));
+        try {
+          m(torch::randn({4, 7}));
+        } catch (...) {
+          const auto pid = w.store()->get("test: stopped pid");
+          ::kill(std::stoi(std::string(pid.begin(), pid.end())), SIGKILL);
+          throw;
+        }
       },
-      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(4)).timeout(std::chrono::seconds(7)));
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(4)).timeout(std::chrono::seconds(60)));
   EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
-  EXPECT_TRUE(r.ranks[1].timed_out) << r.summary();
+  EXPECT_EQ(r.ranks[1].signal, SIGKILL) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 stopped reporting "), std::string::npos) << r.summary();
   EXPECT_NE(r.ranks[0].message.find("it was last at step 0, shard() done"), std::string::npos) << r.summary();
 }

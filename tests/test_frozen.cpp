@@ -9,6 +9,7 @@
 #include <future>
 
 #include "models.h"
+#include "reference.h"
 
 using namespace testmodels;
 using shardtorch::Mem;
@@ -312,19 +313,16 @@ void expect_adam_trains_like_torch(
   M ref;
   ref_setup(ref);
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
-  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).square().mean(); });
+  const auto want = testref::train_reference(*ref, ref_opt, kSteps, [&](int) { return ref(x).square().mean(); });
   for (auto s : strategies) {
     auto r = run_ranks(2, [&](World& w) {
       torch::manual_seed(0);
       M m;
       auto sm = shardtorch::shard(m, w, strategy_options(s, 2));
       auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
-      for (int step = 0; step < kSteps; ++step) {
-        opt->zero_grad();
-        backward(sm, m, x.narrow(0, 4 * w.rank(), 4), step);
-        opt->step();
-      }
-      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, what);
+      const auto got = testref::train_ranks(*m, *opt, kSteps,
+                                            [&](int step) { backward(sm, m, x.narrow(0, 4 * w.rank(), 4), step); });
+      testref::expect_same_run(got, want, 1e-5, what);
     });
     EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
   }
@@ -340,7 +338,7 @@ TEST_P(Adapters, AdaptersBesideFrozenWeightsTrainLikeTorchUnderEveryStrategy) {
   torch::manual_seed(0);
   Adapted ref;
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
-  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).square().mean(); });
+  const auto want = testref::train_reference(*ref, ref_opt, kSteps, [&](int) { return ref(x).square().mean(); });
   const shardtorch::Strategy s = GetParam();
   for (bool prefetch : {false, true}) {
     auto r = run_ranks(2, [&](World& w) {
@@ -348,15 +346,13 @@ TEST_P(Adapters, AdaptersBesideFrozenWeightsTrainLikeTorchUnderEveryStrategy) {
       Adapted m;
       auto sm = shardtorch::shard(m, w, strategy_options(s, 2).prefetch(prefetch).bucket_mb(1e-4));
       auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
-      for (int step = 0; step < kSteps; ++step) {
-        opt->zero_grad();
+      const auto got = testref::train_ranks(*m, *opt, kSteps, [&](int) {
         (m(x.narrow(0, 4 * w.rank(), 4)).square().mean()).backward();
         require(sm.memory().cur(Mem::GatheredParams) == 0 || s == Strategy::ShardGradOp ||
                     s == Strategy::OptimizerOnly || s == Strategy::NoShard,
                 "units left gathered after backward");
-        opt->step();
-      }
-      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "adapters beside frozen weights");
+      });
+      testref::expect_same_run(got, want, 1e-5, "adapters beside frozen weights");
     });
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << (prefetch ? " with prefetch" : "") << ": " << r.summary();
   }
@@ -390,15 +386,14 @@ TEST(FrozenParameters, UnitsSharingAnInputAreFreedOneByOne) {
   torch::manual_seed(0);
   FanOut ref;
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
-  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).square().mean(); });
+  const auto want = testref::train_reference(*ref, ref_opt, kSteps, [&](int) { return ref(x).square().mean(); });
   for (bool prefetch : {false, true}) {
     auto r = run_ranks(2, [&](World& w) {
       torch::manual_seed(0);
       FanOut m;
       auto sm = shardtorch::shard(m, w, shardtorch::ShardOptions().prefetch(prefetch));
       auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
-      for (int step = 0; step < kSteps; ++step) {
-        opt->zero_grad();
+      const auto got = testref::train_ranks(*m, *opt, kSteps, [&](int step) {
         auto out = m(x.narrow(0, 4 * w.rank(), 4));
         sm.reset_peak_memory();
         out.square().mean().backward();
@@ -406,9 +401,8 @@ TEST(FrozenParameters, UnitsSharingAnInputAreFreedOneByOne) {
         const int peak = sm.memory().peak_gathered_units, most = prefetch ? 3 : 2;
         require(peak <= most, "step " + std::to_string(step) + ": a peak of " + std::to_string(peak) +
                                   " units gathered in backward, expected " + std::to_string(most) + " at most");
-        opt->step();
-      }
-      expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "adapters sharing an input");
+      });
+      testref::expect_same_run(got, want, 1e-5, "adapters sharing an input");
     });
     ASSERT_TRUE(r.ok) << (prefetch ? "with prefetch: " : "") << r.summary();
   }
@@ -490,14 +484,14 @@ TEST(FrozenParameters, AFrozenBackboneFedByDataIsNotPrefetchedInBackward) {
   torch::manual_seed(0);
   auto ref = std::make_shared<BackboneNet>();
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
-  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref->forward(x).square().mean(); });
+  const auto want =
+      testref::train_reference(*ref, ref_opt, kSteps, [&](int) { return ref->forward(x).square().mean(); });
   auto r = run_ranks(2, [&](World& w) {
     torch::manual_seed(0);
     auto m = std::make_shared<BackboneNet>();
     auto sm = shardtorch::shard(*m, w, shardtorch::ShardOptions().prefetch(true));
     auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
-    for (int step = 0; step < kSteps; ++step) {
-      opt->zero_grad();
+    const auto got = testref::train_ranks(*m, *opt, kSteps, [&](int step) {
       auto out = m->forward(x.narrow(0, 4 * w.rank(), 4));
       const int64_t before = sm.comm_stats().all_gather.calls;
       out.square().mean().backward();
@@ -505,9 +499,8 @@ TEST(FrozenParameters, AFrozenBackboneFedByDataIsNotPrefetchedInBackward) {
       // From the second step on the order is known and the head kept from forward.
       require(step == 0 || gathers == 0, "step " + std::to_string(step) + ": " + std::to_string(gathers) +
                                              " all-gathers in backward, expected none");
-      opt->step();
-    }
-    expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a frozen backbone");
+    });
+    testref::expect_same_run(got, want, 1e-5, "a frozen backbone");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -556,20 +549,17 @@ TEST_P(CheckpointedFrozenUnit, ACheckpointedFrozenUnitBetweenTrainableOnesTrains
   torch::manual_seed(0);
   Sandwich ref;
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
-  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).square().mean(); });
+  const auto want = testref::train_reference(*ref, ref_opt, kSteps, [&](int) { return ref(x).square().mean(); });
   const shardtorch::Strategy s = GetParam();
   auto r = run_ranks(2, [&](World& w) {
     torch::manual_seed(0);
     Sandwich m;
     auto sm = shardtorch::shard(m, w, strategy_options(s, 2).activation_checkpointing_for("frozen", true));
     auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
-    for (int step = 0; step < kSteps; ++step) {
-      opt->zero_grad();
-      m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
-      opt->step();
-    }
+    const auto got = testref::train_ranks(*m, *opt, kSteps,
+                                          [&](int) { m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward(); });
     require(sm.stats().reductions_deferred == 0, std::to_string(sm.stats().reductions_deferred) + " units waited");
-    expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a checkpointed frozen unit");
+    testref::expect_same_run(got, want, 1e-5, "a checkpointed frozen unit");
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }
@@ -585,7 +575,7 @@ TEST_P(LeafInput, AnAdapterUnitWithALeafInputTrainsLikeTorchAndCollectsNoHooks) 
   torch::manual_seed(0);
   PosNet ref;
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
-  auto want = train_in_one_process(*ref, ref_opt, kSteps, [&] { return ref(x).square().mean(); });
+  const auto want = testref::train_reference(*ref, ref_opt, kSteps, [&](int) { return ref(x).square().mean(); });
   const shardtorch::Strategy s = GetParam();
   auto r = run_ranks(2, [&](World& w) {
     torch::manual_seed(0);
@@ -598,14 +588,11 @@ TEST_P(LeafInput, AnAdapterUnitWithALeafInputTrainsLikeTorchAndCollectsNoHooks) 
       return meta && meta->cpp_hooks_list_ ? meta->cpp_hooks_list_->size() : size_t{0};
     };
     const size_t hooks = cpp_hooks(m->pos);
-    for (int step = 0; step < kSteps; ++step) {
-      opt->zero_grad();
-      m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward();
-      opt->step();
-    }
+    const auto got = testref::train_ranks(*m, *opt, kSteps,
+                                          [&](int) { m(x.narrow(0, 4 * w.rank(), 4)).square().mean().backward(); });
     require(cpp_hooks(m->pos) == hooks,
             std::to_string(cpp_hooks(m->pos) - hooks) + " hooks piled up on the leaf input");
-    expect_close_map(shardtorch::full_parameters(*m), want, 1e-5, "a leaf input");
+    testref::expect_same_run(got, want, 1e-5, "a leaf input");
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }

@@ -499,7 +499,7 @@ TEST(FtManager, AQuorumWithTwoReplicasOfOneGroupFailsTheStepAtOnce) {
                                   .lighthouse(lh.address())
                                   .replica_group("1")
                                   .log(false)
-                                  .timeout(10s)
+                                  .timeout(30s)
                                   .quorum_timeout(20s));
     const auto t0 = std::chrono::steady_clock::now();
     const bool committed = one_step(m, model, *opt, 1, 0);

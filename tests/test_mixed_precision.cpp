@@ -314,7 +314,7 @@ class Fp16Reductions : public ::testing::TestWithParam<std::pair<Strategy, int>>
 
 // fp16 reductions divide by the world size before summing, under every
 // strategy: two ranks' gradients of 40000 each sum to 80000, beyond fp16's
-// 65504, but their mean does not overflow. NoShard used to sum first (an inf,
+// 65504, but their mean does not overflow, and is what the parameter gets. NoShard used to sum first (an inf,
 // so a skipped step and a halved scale for nothing).
 // HybridShard also on four ranks, two replicas of two shards: four
 // gradients of 40000 sum to 160000, and the all-reduce across replicas must
@@ -333,8 +333,18 @@ TEST_P(Fp16Reductions, Fp16ReductionsDivideBeforeSummingUnderEveryStrategy) {
     auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
     opt->zero_grad();
     scaler.scale(gpt::lm_loss(model(x), x)).backward();
-    require(scaler.step(*opt), std::string(shardtorch::strategy_name(s)) + " world " + std::to_string(world) +
-                                   ": the step was skipped: the fp16 reduction overflowed");
+    const std::string what = std::string(shardtorch::strategy_name(s)) + " world " + std::to_string(world);
+    {
+      // The mean of the ranks' 40000s, exact in fp16 at every partial sum.
+      shardtorch::FullParams full(*model, shardtorch::SummonOptions().with_grads(true).writeback(false));
+      const auto g = model->ln_f->bias.grad();
+      require(g.defined() && at::equal(g.to(at::kFloat), at::full(g.sizes(), 40000.0)),
+              what + ": the reduced gradient of ln_f.bias is not the mean of the ranks' 40000s, it holds " +
+                  (g.defined() ? std::to_string(g.to(at::kFloat).min().item<double>()) + " to " +
+                                     std::to_string(g.to(at::kFloat).max().item<double>())
+                               : std::string("nothing")));
+    }
+    require(scaler.step(*opt), what + ": the step was skipped: the fp16 reduction overflowed");
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << " world " << world << "\n" << r.summary();
 }
@@ -352,9 +362,6 @@ INSTANTIATE_TEST_SUITE_P(MixedPrecision, Fp16Reductions, ::testing::ValuesIn(fp1
                                   std::to_string(info.param.second) + "ranks";
                          });
 
-// summon_full_params(with_grads) shows the reduced gradients under every
-// strategy with fp32 reductions of bf16 compute; NoShard used to show none
-// (its masters held them; the bf16 parameters had no .grad).
 // torch::autograd::grad, or backward(inputs=...) of an input, between
 // unscale() and step() (an input-gradient penalty computed late, a saliency
 // map logged) leaves the parameters' gradients alone, so step() does not
@@ -408,8 +415,24 @@ INSTANTIATE_TEST_SUITE_P(MixedPrecision, ScaledSteps, ::testing::Values(Strategy
 
 class SummonedGradients : public ::testing::TestWithParam<Strategy> {};
 
+// summon_full_params(with_grads) shows the reduced gradients under every
+// strategy, in fp32 and with fp32 reductions of bf16 compute, against one
+// process in fp32; NoShard used to show none under bf16 (its masters held
+// them; the bf16 parameters had no .grad).
 TEST_P(SummonedGradients, SummonWithGradsShowsTheReducedGradientsUnderEveryStrategy) {
   const shardtorch::Strategy s = GetParam();
+  // The reference: the mean of the two ranks' losses in one process, fp32, without the library.
+  std::vector<torch::Tensor> inputs;
+  for (int rank = 0; rank < 2; ++rank) {
+    torch::manual_seed(10 + rank);
+    inputs.push_back(torch::randn({4, 7}));
+  }
+  torch::manual_seed(0);
+  auto ref = MLP();
+  ((ref(inputs[0]).square().mean() + ref(inputs[1]).square().mean()) / 2).backward();
+  std::map<std::string, torch::Tensor> want;
+  for (auto& [n, p] : unique_params(*ref))
+    if (p.requires_grad()) want[n] = p.grad().clone();
   auto r = run_ranks(2, [&](World& w) {
     const std::string what = shardtorch::strategy_name(s);
     auto grads_of = [&](bool bf16) {
@@ -420,8 +443,7 @@ TEST_P(SummonedGradients, SummonWithGradsShowsTheReducedGradientsUnderEveryStrat
         opts.mixed_precision(
             MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).buffer_dtype(at::kBFloat16));
       shardtorch::shard(model, w, opts);
-      torch::manual_seed(10 + w.rank());
-      model(torch::randn({4, 7})).to(at::kFloat).square().mean().backward();
+      model(inputs[w.rank()]).to(at::kFloat).square().mean().backward();
       shardtorch::FullParams full(*model, shardtorch::SummonOptions().with_grads(true));
       std::map<std::string, torch::Tensor> g;
       for (auto& [n, p] : unique_params(*model)) {
@@ -434,8 +456,8 @@ TEST_P(SummonedGradients, SummonWithGradsShowsTheReducedGradientsUnderEveryStrat
       }
       return g;
     };
-    auto fp32 = grads_of(false);
-    expect_close_map(grads_of(true), fp32, 3e-2, what + " bf16 gradients against fp32");
+    expect_close_map(grads_of(false), want, 1e-5, what + " fp32 gradients against one process");
+    expect_close_map(grads_of(true), want, 3e-2, what + " bf16 gradients against one process in fp32");
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(s) << ": " << r.summary();
 }

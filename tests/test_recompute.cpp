@@ -658,18 +658,36 @@ TEST_P(Checkpointed, AFailureInsideTheRecomputationIsCleanedUp) {
 INSTANTIATE_TEST_SUITE_P(Recompute, Checkpointed, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
                          StrategyName());
 
-// Evaluation (no grad mode) runs the units as usual: no node, same outputs.
+// Evaluation (no grad mode) of a checkpointed model runs the units as
+// usual: no node, nothing left gathered, and the logits of the model in one
+// process without the library, bitwise; a forward in grad mode (the
+// checkpointing path) computes the same.
 TEST(Recompute, EvaluationIsUnchanged) {
+  auto x = gpt_tokens().narrow(0, 0, 4);
+  torch::manual_seed(0);
+  auto ref = gpt::GPT(gpt::Config{});
+  torch::Tensor want;
+  {
+    torch::NoGradGuard no_grad;
+    want = ref(x);
+  }
   auto r = run_ranks(2, [&](World& w) {
-    auto x = gpt_tokens().narrow(0, 0, 4);
-    auto logits = [&](bool ckpt) {
-      torch::manual_seed(0);
-      auto model = gpt::GPT(gpt::Config{});
-      shardtorch::shard(model, w, ShardOptions().activation_checkpointing(ckpt));
+    torch::manual_seed(0);
+    auto model = gpt::GPT(gpt::Config{});
+    auto sm = shardtorch::shard(model, w, ShardOptions().activation_checkpointing(true));
+    torch::Tensor eval;
+    {
       torch::NoGradGuard no_grad;
-      return model(x);
-    };
-    require(torch::equal(logits(true), logits(false)), "evaluation differs with checkpointing on");
+      eval = model(x);
+    }
+    require(!eval.requires_grad() && !eval.grad_fn(), "an evaluation forward made an autograd node");
+    require(sm.memory().gathered_units == 0, "units left gathered after an evaluation forward");
+    require(torch::equal(eval, want),
+            "evaluation differs from the model in one process by " + std::to_string(rel_err(eval, want)) + " relative");
+    auto trained = model(x);
+    require(trained.requires_grad(), "a forward in grad mode made no node");
+    require(torch::equal(trained.detach(), eval), "a forward in grad mode differs from evaluation");
+    trained.square().mean().backward();
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -5,6 +5,7 @@
 #include <torch/nn/utils/clip_grad.h>
 
 #include "models.h"
+#include "reference.h"
 
 using namespace testmodels;
 using shardtorch::Mem;
@@ -31,8 +32,10 @@ struct Recipe {
   bool discarded_micro_batch = false;
 };
 
+// The first gradients (after clipping, where the recipe clips) and the final
+// parameters, and the norms clipping saw.
 struct Result {
-  std::map<std::string, torch::Tensor> params;
+  testref::Run run;
   std::vector<double> norms;
 };
 
@@ -45,9 +48,10 @@ Result train_reference(const Recipe& r, const torch::Tensor& x) {
     opt.zero_grad();
     gpt::lm_loss(model(x), x).backward();
     if (r.clip > 0) res.norms.push_back(torch::nn::utils::clip_grad_norm_(unique_tensors(*model), r.clip, r.norm_type));
+    if (s == 0) res.run.first_grads = testref::gradients_of(*model);
     opt.step();
   }
-  res.params = snapshot(*model);
+  res.run.final_params = snapshot(*model);
   return res;
 }
 
@@ -73,15 +77,15 @@ Result train_sharded(World& w, const Recipe& r, const torch::Tensor& x, ShardOpt
       (gpt::lm_loss(model(xs), xs) / r.micro).backward();
     }
     if (r.clip > 0) res.norms.push_back(shardtorch::clip_grad_norm(*model, r.clip, r.norm_type));
+    if (s == 0) res.run.first_grads = testref::full_gradients(*model);
     opt->step();
   }
-  shardtorch::FullParams full(*model);
-  res.params = snapshot(*model);
+  res.run.final_params = testref::full_parameters(*model);
   return res;
 }
 
 void compare(const Result& got, const Result& want, const std::string& what) {
-  expect_close_map(got.params, want.params, kTol, what);
+  testref::expect_same_run(got.run, want.run, kTol, what);
   require(got.norms.size() == want.norms.size(), what + ": norm count");
   for (size_t i = 0; i < want.norms.size(); ++i) {
     double e = std::abs(got.norms[i] - want.norms[i]) / std::abs(want.norms[i]);
@@ -322,30 +326,24 @@ TEST_P(SkippedUnit, AUnitTheSynchronisingMicroBatchSkipsIsStillReduced) {
   torch::manual_seed(0);
   auto ref = Sometimes();
   torch::optim::Adam ref_opt(unique_tensors(*ref), torch::optim::AdamOptions(1e-2));
-  for (int s = 0; s < 3; ++s) {
-    ref_opt.zero_grad();
-    loss_of(ref, x.narrow(0, 0, 4), true).backward();
-    loss_of(ref, x.narrow(0, 4, 4), false).backward();
-    ref_opt.step();
-  }
-  auto want = snapshot(*ref);
+  const auto want = testref::train_reference(*ref, ref_opt, 3, [&](int) {
+    auto first = loss_of(ref, x.narrow(0, 0, 4), true);
+    return first + loss_of(ref, x.narrow(0, 4, 4), false);
+  });
   auto r = run_ranks(world, [&](World& w) {
     torch::manual_seed(0);
     auto m = Sometimes();
     auto sm = shardtorch::shard(m, w, strategy_options(strategy, world).prefetch(prefetch));
     auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-2));
     const int64_t rows = 4 / world;
-    for (int s = 0; s < 3; ++s) {
-      opt->zero_grad();
+    const auto got = testref::train_ranks(*m, *opt, 3, [&](int) {
       sm.set_requires_gradient_sync(false);
       loss_of(m, x.narrow(0, rows * w.rank(), rows), true).backward();
       sm.set_requires_gradient_sync(true);
       loss_of(m, x.narrow(0, 4 + rows * w.rank(), rows), false).backward();
       require(sm.memory().cur(Mem::GradStaging) == 0, "gradients staged without sync were left unreduced");
-      opt->step();
-    }
-    shardtorch::FullParams full(*m);
-    expect_close_map(snapshot(*m), want, kTol, shardtorch::strategy_name(strategy));
+    });
+    testref::expect_same_run(got, want, kTol, shardtorch::strategy_name(strategy));
   });
   ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << " at " << world << (prefetch ? " with prefetch" : "")
                     << "\n"

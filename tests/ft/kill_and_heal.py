@@ -168,6 +168,8 @@ def main():
     if a.scenario == "backward":
         kill = re.search(r"killing itself.* at (\d\d):(\d\d):(\d\d)\.(\d\d\d)", texts[victim])
         t_kill = clock(kill.groups()) if kill else None
+        if t_kill is None:  # the wait could not be timed: say so rather than pass without timing it
+            failures.append(f"group {victim} logged no 'killing itself ... at HH:MM:SS.mmm' line")
         dropped = 0
         for g in range(a.groups):
             if g == victim:

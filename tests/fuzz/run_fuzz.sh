@@ -21,7 +21,14 @@ case $target in
 esac
 out=$build/fuzz/$target
 mkdir -p "$out/corpus" "$out/artifacts"
-cp -n "$src/tests/fuzz/$corpus"/* "$out/corpus/" 2>/dev/null || true
+seeds=("$src/tests/fuzz/$corpus"/*)
+if [ ! -e "${seeds[0]}" ]; then
+  echo "run_fuzz: the seed corpus $src/tests/fuzz/$corpus is missing or empty" >&2
+  exit 1
+fi
+for f in "${seeds[@]}"; do  # the corpus kept from earlier runs stays
+  [ -e "$out/corpus/$(basename "$f")" ] || cp "$f" "$out/corpus/"
+done
 bin=$out/fuzz_$target
 stale=0
 [ -x "$bin" ] || stale=1
