@@ -8,7 +8,7 @@ JOBS ?= 2
 PY := $(VENV)/bin/python3
 Torch_DIR ?=
 
-.PHONY: all setup configure build test demo pipeline-demo ft-demo ft-bench bench sweep peers install clean
+.PHONY: all setup configure build test demo pipeline-demo tp-demo ft-demo ft-bench bench sweep peers install clean
 
 all: build
 
@@ -41,6 +41,10 @@ pipeline-demo: configure
 
 # Fault tolerance (docs/fault_tolerance.md): torchft's lighthouse, three replica
 # groups of the example GPT, one killed twice and healed; prints the timeline and checks the result.
+tp-demo: configure
+	cmake --build $(BUILD) -j$(JOBS) --target tp_gpt
+	$(VENV)/bin/torchrun --no-python --standalone --nproc-per-node 4 $(BUILD)/examples/tp_gpt --tp 2 --steps 20 --sequence-parallel
+
 ft-demo: configure
 	cmake --build $(BUILD) -j$(JOBS) --target ft_train
 	$(PY) tests/ft/kill_and_heal.py --lighthouse $(VENV)/bin/torchft_lighthouse --torchrun $(VENV)/bin/torchrun \
