@@ -117,6 +117,19 @@ struct FailingRootImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(FailingRoot);
 
+/// An embedding and a head under the names of a tied pair ("emb.weight",
+/// "head.weight"): one parameter when `tied`, two (the head's random) when
+/// not, as a model that did not tie them would save.
+struct TwinsImpl : torch::nn::Module {
+  explicit TwinsImpl(bool tied)
+      : emb(register_module("emb", torch::nn::Embedding(8, 4))),
+        head(register_module("head", gpt::TiedHead(tied ? emb->weight : torch::randn({8, 4})))) {}
+  torch::Tensor forward(torch::Tensor x) { return head(emb(x)); }
+  torch::nn::Embedding emb;
+  gpt::TiedHead head;
+};
+SHARDTORCH_MODULE(Twins);
+
 /// name -> tensor, each distinct tensor once (tied parameters appear under their first name).
 inline std::vector<std::pair<std::string, torch::Tensor>> unique_params(torch::nn::Module& m) {
   std::vector<std::pair<std::string, torch::Tensor>> out;

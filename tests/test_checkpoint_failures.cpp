@@ -481,3 +481,48 @@ TEST(CheckpointFailures, OptimizerStateOfAnotherKindOrWithoutAmsgradIsRefused) {
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
+
+// A sharded checkpoint of a model that did not tie two parameters holds
+// both; loaded into a model that ties them, values that differ are refused
+// on every rank naming both names, with nothing changed, unless
+// LoadOptions::tied_from names the one that wins (its values and its
+// optimizer state are loaded). Before: the first name was taken silently.
+TEST(CheckpointFailures, ATiedParameterSavedUntiedWithDifferentValuesIsRefusedUnlessTiedFromSaysWhichWins) {
+  const TempDir dir;
+  const std::string ckpt = (dir / "ckpt").string();
+  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      auto step = [](Twins& m, shardtorch::ShardedOptimizer& opt) {
+        opt.zero_grad();
+        m(torch::arange(8).view({2, 4})).square().mean().backward();
+        opt.step();
+      };
+      torch::manual_seed(1);
+      Twins untied(false);
+      shardtorch::shard(untied, w, strategy_options(strategy, 2));
+      auto uopt = shardtorch::Adam(*untied, torch::optim::AdamOptions(1e-2));
+      step(untied, *uopt);
+      shardtorch::save_sharded_checkpoint(*untied, uopt.get(), ckpt, 1);
+      const auto saved = shardtorch::full_parameters(*untied);
+      Twins tied(true);
+      shardtorch::shard(tied, w, strategy_options(strategy, 2));
+      auto opt = shardtorch::Adam(*tied, torch::optim::AdamOptions(1e-2));
+      const auto before = shardtorch::full_parameters(*tied);
+      const std::string e = message_of([&] { shardtorch::load_sharded_checkpoint(*tied, opt.get(), ckpt); });
+      for (const char* needle : {"'emb.weight' and 'head.weight' are one tied parameter of the model, but the "
+                                 "checkpoint holds different values under them",
+                                 "LoadOptions().tied_from({\"head.weight\"})"})
+        require(e.find(needle) != std::string::npos, "'" + std::string(needle) + "' is not in: " + e);
+      require(at::equal(shardtorch::full_parameters(*tied).at("emb.weight"), before.at("emb.weight")),
+              "a refused load changed the model");
+      for (const char* wins : {"head.weight", "emb.weight"}) {
+        shardtorch::load_sharded_checkpoint(*tied, opt.get(), ckpt, nullptr,
+                                            shardtorch::LoadOptions().tied_from({wins}));
+        require(at::equal(shardtorch::full_parameters(*tied).at("emb.weight"), saved.at(wins)),
+                std::string("not loaded from ") + wins);
+        step(tied, *opt);  // with the optimizer state loaded along
+      }
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << "\n" << r.summary();
+  }
+}

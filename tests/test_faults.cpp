@@ -5,12 +5,20 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <csignal>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
+#include "checkpoint_helpers.h"
 #include "models.h"
+#include "shardtorch/checkpoint.h"
 
 using namespace testmodels;
 using shardtorch::World;
@@ -452,4 +460,168 @@ TEST(Faults, RendezvousFailuresNameTheRankTheAddressAndTheWait) {
       },
       shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)));
   ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// ---- Rank 0's store. Under mpirun, srun or a hand launch, rank 0's process
+// hosts the TCPStore the peer records and the collective check use
+// (World::from_env); run_ranks' own world rendezvouses through a file, so
+// these tests make a second World as from_env does, from the launcher's
+// variables set in each rank's process.
+namespace {
+std::shared_ptr<World> hand_launched(World& w, int timeout_s) {
+  if (w.rank() == 0) {  // a free port of this host
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(a);
+    require(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &length) == 0,
+            "no free port");
+    ::close(fd);
+    w.store()->set("hand launch port", std::to_string(ntohs(a.sin_port)));
+  }
+  w.store()->set("pid " + std::to_string(w.rank()), std::to_string(::getpid()));
+  const std::string port = w.store()->get_to_str("hand launch port");
+  ::setenv("RANK", std::to_string(w.rank()).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(w.size()).c_str(), 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", port.c_str(), 1);
+  ::setenv("SHARDTORCH_TIMEOUT_S", std::to_string(timeout_s).c_str(), 1);
+  ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+  return World::from_env();
+}
+pid_t pid_of(World& w, int rank) { return std::stoi(w.store()->get_to_str("pid " + std::to_string(rank))); }
+// The process's state letter in /proc/PID/stat ('T': stopped, 'Z': dead, not reaped), 'X' when it is gone.
+char state_of(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return 'X';
+  return text[text.rfind(')') + 2];
+}
+void wait_for_state(pid_t pid, const std::string& states) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (states.find(state_of(pid)) == std::string::npos) {
+    require(std::chrono::steady_clock::now() < deadline, "pid " + std::to_string(pid) + " never reached " + states);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+// From here on, this process's stderr (c10's and c10d's logging) goes to `path`.
+void stderr_to(const std::string& path) {
+  std::fflush(stderr);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ::dup2(fd, 2);
+  ::close(fd);
+}
+// What a rank wrote to stderr, and whether a line of it is a C++ frame (c10's "frame #9: <unknown function> ...").
+std::string stderr_of(const Path& dir, int rank) {
+  std::ifstream in((dir / ("stderr-" + std::to_string(rank))).string());
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+bool has_frames(const std::string& text) { return text.find("frame #") != std::string::npos; }
+}  // namespace
+
+// A stopped rank 0 (SIGSTOP) stops its store from answering: the survivor's
+// collective fails within its timeout (plus the 2 s after which a store that
+// does not answer names its host), naming rank 0 as stopped; once continued,
+// rank 0 fails too, saying that its own process did not run. Neither prints
+// a C++ frame. Before: the survivor's collective check and peer report
+// waited on the store with no limit (forever while rank 0 stayed stopped),
+// and the report then said "Every peer is alive and reporting".
+TEST(RankZeroStore, AStoppedRankZeroIsNamedWithinTheCollectiveTimeout) {
+  const TempDir dir;
+  auto r = run_ranks(
+      2,
+      [&](World& w) {
+        stderr_to((dir / ("stderr-" + std::to_string(w.rank()))).string());
+        auto world = hand_launched(w, 3);
+        at::Tensor t = at::ones({4});
+        world->comm().all_reduce(t, c10d::ReduceOp::SUM, "before the stop");
+        if (world->rank() == 0) {
+          ::raise(SIGSTOP);  // until rank 1 has failed
+          world->comm().all_reduce(t, c10d::ReduceOp::SUM, "after the stop");
+          return;
+        }
+        const pid_t zero = pid_of(w, 0);
+        wait_for_state(zero, "T");
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          world->comm().all_reduce(t, c10d::ReduceOp::SUM, "after the stop");
+        } catch (const std::exception&) {
+          const double waited = seconds_since(t0);
+          ::kill(zero, SIGCONT);
+          require(waited < 3.0 + 4.0, "the error came after " + std::to_string(waited) + " s, timeout 3 s");
+          throw;
+        }
+        ::kill(zero, SIGCONT);
+        throw std::runtime_error("no error");
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)));
+  ASSERT_EQ(r.ranks[1].exit_code, 1) << r.summary();
+  const std::string& m1 = r.ranks[1].message;
+  for (const char* part :
+       {"shardtorch: rank 1/2: all_reduce for after the stop", "Peer at fault: rank 0 is stopped (pid ",
+        "process state T", "it hosts the store at 127.0.0.1:", "which has not answered for "})
+    EXPECT_NE(m1.find(part), std::string::npos) << "'" << part << "' in\n" << r.summary();
+  EXPECT_EQ(m1.find("Every peer is alive"), std::string::npos) << r.summary();
+  EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("own process did not run for "), std::string::npos) << r.summary();
+  for (int k : {0, 1}) {
+    EXPECT_FALSE(has_frames(r.ranks[k].message)) << r.summary();
+    EXPECT_FALSE(has_frames(stderr_of(dir, k))) << "rank " << k << "'s stderr:\n" << stderr_of(dir, k);
+  }
+}
+
+// A killed rank 0 takes its store with it: the survivor's error names it as
+// no longer running, and nothing prints a C++ frame. Before: c10d logged
+// the store client's failure with c10's 30-frame backtrace, and the error
+// said only "if rank 0 hosts it, rank 0 may have died".
+TEST(RankZeroStore, AKilledRankZeroIsNamedAndNoFramesArePrinted) {
+  const TempDir dir;
+  auto r = run_ranks(
+      2,
+      [&](World& w) {
+        stderr_to((dir / ("stderr-" + std::to_string(w.rank()))).string());
+        auto world = hand_launched(w, 20);
+        at::Tensor t = at::ones({4});
+        world->comm().all_reduce(t, c10d::ReduceOp::SUM, "before the kill");
+        if (world->rank() == 0) ::raise(SIGKILL);
+        wait_for_state(pid_of(w, 0), "XZ");
+        world->comm().all_reduce(t, c10d::ReduceOp::SUM, "after the kill");
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)));
+  EXPECT_EQ(r.ranks[0].signal, SIGKILL) << r.summary();
+  ASSERT_EQ(r.ranks[1].exit_code, 1) << r.summary();
+  for (const char* part : {"shardtorch: rank 1/2: all_reduce for after the kill",
+                           "Peer at fault: rank 0 is no longer running (pid ", "it hosted the store at 127.0.0.1:"})
+    EXPECT_NE(r.ranks[1].message.find(part), std::string::npos) << "'" << part << "' in\n" << r.summary();
+  EXPECT_FALSE(has_frames(r.ranks[1].message)) << r.summary();
+  EXPECT_FALSE(has_frames(stderr_of(dir, 1))) << "rank 1's stderr:\n" << stderr_of(dir, 1);
+}
+
+// Rank 0 killed while it writes its file of a sharded save: every survivor
+// fails naming it, and none prints a C++ frame (before: every survivor did).
+TEST(RankZeroStore, SurvivorsOfRankZerosCrashDuringAShardedSavePrintNoFrames) {
+  const TempDir dir;
+  auto r = run_ranks(
+      3,
+      [&](World& w) {
+        stderr_to((dir / ("stderr-" + std::to_string(w.rank()))).string());
+        auto world = hand_launched(w, 20);
+        MLP model;
+        shardtorch::shard(model, *world);
+        if (world->rank() == 0) die_at("file partly written");
+        shardtorch::save_sharded_checkpoint(*model, nullptr, (dir / "ckpt").string(), 1);
+      },
+      shardtorch::testing::RunOptions().timeout(std::chrono::seconds(60)));
+  EXPECT_EQ(r.ranks[0].signal, SIGKILL) << r.summary();
+  for (int k : {1, 2}) {
+    EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
+    EXPECT_NE(r.ranks[k].message.find("Peer at fault: rank 0 is no longer running (pid "), std::string::npos)
+        << r.summary();
+    EXPECT_FALSE(has_frames(r.ranks[k].message)) << r.summary();
+    EXPECT_FALSE(has_frames(stderr_of(dir, k))) << "rank " << k << "'s stderr:\n" << stderr_of(dir, k);
+  }
 }

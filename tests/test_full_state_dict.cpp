@@ -231,3 +231,60 @@ TEST(FullStateDictErrors, MissingMisShapedAndUnexpectedEntriesNameTheFileAndPara
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
+
+// A full state dict holds a tied parameter under each of its names. Values
+// that differ under them (a file of a model that did not tie them, or one
+// edited) are refused on every rank, naming both names, with the model
+// unchanged, unless LoadOptions::tied_from names the one to load from. Only
+// the last element differs: under FullShard one rank's shard holds it.
+// Before: loaded from the first name without a word.
+TEST(FullStateDictErrors, ATiedPairHoldingDifferentValuesIsRefusedUnlessTiedFromSaysWhichWins) {
+  const TempDir dir;
+  const std::string saved = (dir / "gpt.safetensors").string(), edited = (dir / "edited.safetensors").string();
+  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      auto model = gpt::GPT(gpt::Config{});
+      shardtorch::shard(model, w, strategy_options(strategy, 2));
+      shardtorch::save_full_state_dict(*model, saved);
+      auto sd = shardtorch::checkpoint::load_file(saved);
+      at::Tensor head = sd.at("head.weight").clone();
+      const int64_t last = head.numel() - 1;
+      head.view({-1})[last] += 1;
+      if (w.rank() == 0) {
+        sd["head.weight"] = head;
+        shardtorch::checkpoint::save_file(edited,
+                                          std::vector<std::pair<std::string, at::Tensor>>(sd.begin(), sd.end()));
+      }
+      w.barrier();
+      const auto before = shardtorch::full_parameters(*model);
+      auto refused = [&](const shardtorch::LoadOptions& options, const std::vector<std::string>& needles) {
+        try {
+          shardtorch::load_full_state_dict(*model, edited, options);
+        } catch (const shardtorch::Error& e) {
+          for (const auto& n : needles)
+            require(std::string(e.what()).find(n) != std::string::npos, "'" + n + "' is not in: " + e.what());
+          for (const auto& [n, t] : shardtorch::full_parameters(*model))
+            require(at::equal(t, before.at(n)), "'" + n + "' changed by a refused load");
+          return;
+        }
+        throw std::runtime_error("no error for " + needles.front());
+      };
+      refused({}, {"'tok_emb.weight' and 'head.weight' are one tied parameter of the model, but the checkpoint holds "
+                   "different values under them (the first at element " +
+                       std::to_string(last) + ")",
+                   "LoadOptions().tied_from({\"head.weight\"})", edited});
+      refused(shardtorch::LoadOptions().tied_from({"ln_f.weight"}),
+              {"'ln_f.weight', which is no name of a tied parameter of the model"});
+      refused(shardtorch::LoadOptions().tied_from({"tok_emb.weight", "head.weight"}),
+              {"two names of one tied parameter"});
+      // Either name wins when named; the other is not compared.
+      shardtorch::load_full_state_dict(*model, edited, shardtorch::LoadOptions().tied_from({"head.weight"}));
+      require(at::equal(shardtorch::full_parameters(*model).at("tok_emb.weight"), head), "not loaded from head.weight");
+      shardtorch::load_full_state_dict(*model, edited, shardtorch::LoadOptions().tied_from({"tok_emb.weight"}));
+      require(at::equal(shardtorch::full_parameters(*model).at("head.weight"), sd.at("tok_emb.weight")),
+              "not loaded from tok_emb.weight");
+    });
+    ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << "\n" << r.summary();
+  }
+}

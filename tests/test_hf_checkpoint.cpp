@@ -817,3 +817,25 @@ TEST(HfInteropWrite, DISABLED_WritesForPython) {
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
+
+// A Hugging Face checkpoint holding both names of a tied pair with different
+// values is refused on every rank, naming both, unless
+// HfLoadOptions::tied_from says which wins. Before: the first name held won.
+TEST(HfCheckpoint, ATiedPairHoldingDifferentValuesIsRefusedUnlessTiedFromSaysWhichWins) {
+  const TempDir dir;
+  const std::string file = (dir / "model.safetensors").string();
+  torch::manual_seed(3);
+  const at::Tensor emb = torch::randn({8, 4}), head = emb + 1;
+  shardtorch::checkpoint::save_file(file, {{"emb.weight", emb}, {"head.weight", head}}, {{"format", "pt"}});
+  auto r = run_ranks(2, [&](World& w) {
+    Twins tied(true);
+    shardtorch::shard(tied, w);
+    const std::string e = message_of([&] { shardtorch::load_hf_checkpoint(*tied, file); });
+    for (const char* needle : {"'emb.weight' and 'head.weight' are one tied parameter of the model",
+                               "HfLoadOptions().tied_from({\"head.weight\"})"})
+      require(e.find(needle) != std::string::npos, "'" + std::string(needle) + "' is not in: " + e);
+    shardtorch::load_hf_checkpoint(*tied, file, HfLoadOptions().tied_from({"head.weight"}));
+    require(at::equal(shardtorch::full_parameters(*tied).at("emb.weight"), head), "not loaded from head.weight");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}

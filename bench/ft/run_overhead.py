@@ -20,7 +20,7 @@ the same model (ft_train's MLP, --hidden H), replica count R and steps:
   heals. Measured from the logs: kill -> the survivors' next committed step,
   the survivors' steps not committed, kill -> restarted process up -> healed,
   the heal's transfer (bytes, time) against the loopback bandwidth measured
-  here (a 256 MB TCP transfer over 127.0.0.1), and the steps the restarted
+  here (a TCP transfer over 127.0.0.1, 256 MB by default), and the steps the restarted
   group missed or had to redo.
 
 --groups 1 runs the steady state only, one group against one plain process:
@@ -90,13 +90,14 @@ def loopback_bandwidth(total=256 << 20, chunk=4 << 20):
 
     reader = threading.Thread(target=receive)
     reader.start()
-    payload = bytes(chunk)
+    payload = memoryview(bytes(chunk))
     with socket.create_connection(server.getsockname()) as out:
         t0 = time.perf_counter()
         sent = 0
-        while sent < total:
-            out.sendall(payload)
-            sent += chunk
+        while sent < total:  # exactly `total`: the receiver stops there
+            n = min(chunk, total - sent)
+            out.sendall(payload[:n])
+            sent += n
         reader.join()
         elapsed = time.perf_counter() - t0
     server.close()
@@ -119,14 +120,14 @@ def _quorum_probe(addr, g, rounds, out):
     out.put(times[5:])
 
 
-def lighthouse_round_trip(lighthouse_bin, groups, rounds=200):
+def lighthouse_round_trip(lighthouse_cmd, groups, rounds=200):
     """The lighthouse's quorum as a per-step barrier: R client processes (the
     Rust client torchft ships) ask for a quorum in lockstep, nothing else
-    running; the median of the calls' times, in ms."""
+    running; the median of the calls' times (the first 5 left out), in ms."""
     import multiprocessing as mp
 
     port = free_port()
-    lh = subprocess.Popen([lighthouse_bin, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(groups),
+    lh = subprocess.Popen([*lighthouse_cmd, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(groups),
                            "--join_timeout_ms", "1000", "--quorum_tick_ms", "20"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -149,8 +150,10 @@ def lighthouse_round_trip(lighthouse_bin, groups, rounds=200):
 class Runner:
     def __init__(self, a):
         self.a = a
-        self.torchrun = os.path.join(a.venv, "bin", "torchrun")
-        self.lighthouse_bin = os.path.join(a.venv, "bin", "torchft_lighthouse")
+        self.torchrun = a.torchrun or os.path.join(a.venv, "bin", "torchrun")
+        # The wheel's lighthouse; a .py file (tests/ft/lighthouse.py) runs under this Python.
+        lighthouse = a.lighthouse or os.path.join(a.venv, "bin", "torchft_lighthouse")
+        self.lighthouse_cmd = [sys.executable, lighthouse] if lighthouse.endswith(".py") else [lighthouse]
         self.trainer = os.path.join(a.build, "examples", "ft_train")
         self.script = os.path.join(ROOT, "bench", "ft", "torchft_ddp.py")
         self.env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -184,7 +187,7 @@ class Runner:
 
     def start_lighthouse(self, workdir, min_replicas):
         port = free_port()
-        lh = self.spawn([self.lighthouse_bin, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
+        lh = self.spawn([*self.lighthouse_cmd, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
                          "--join_timeout_ms", "1000", "--quorum_tick_ms", "20", "--heartbeat_timeout_ms",
                          str(self.a.heartbeat_timeout_ms)],
                         os.path.join(workdir, "lighthouse.log"), dict(self.env, RUST_LOG="info"))
@@ -405,7 +408,20 @@ def main():
                     help="1: RUST_LOG=warn for torchft's groups (its manager logs every quorum at INFO otherwise)")
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds per run")
     ap.add_argument("--libs", default="shardtorch,torchft", help="which sides to run (both for the comparison)")
+    ap.add_argument("--torchrun", default=None, help="default VENV/bin/torchrun")
+    ap.add_argument("--lighthouse", default=None,
+                    help="the lighthouse to start (default VENV/bin/torchft_lighthouse; a .py file runs under this "
+                         "Python: tests/ft/lighthouse.py starts the same server without importing torch)")
+    ap.add_argument("--loopback-mb", type=int, default=256, help="size of the loopback bandwidth measurement")
+    ap.add_argument("--quorum-rounds", type=int, default=200,
+                    help="quorum calls per client in the lighthouse measurement (the first 5 are left out)")
     a = ap.parse_args()
+    if a.loopback_mb < 1:
+        ap.error("--loopback-mb must be 1 or more")
+    if a.quorum_rounds <= 5:
+        ap.error("--quorum-rounds must be over 5 (the first 5 calls are left out)")
+    if a.steps <= 5:
+        ap.error("--steps must be over 5 (the step-time medians leave out the first 5 steps)")
     libs = a.libs.split(",")
     a.workdir = a.workdir or os.path.join(a.build, "ft-bench")
     os.makedirs(a.workdir, exist_ok=True)
@@ -431,12 +447,12 @@ def main():
     except Exception:
         pass
 
-    bw = loopback_bandwidth()
+    bw = loopback_bandwidth(total=a.loopback_mb << 20)
     results["loopback"] = bw
     print(f"loopback (one TCP stream, 127.0.0.1): {bw['bytes'] >> 20} MiB in {bw['seconds']:.3f} s = "
           f"{bw['bytes_per_s'] / 1e6:.0f} MB/s", flush=True)
 
-    rt = lighthouse_round_trip(r.lighthouse_bin, a.groups)
+    rt = lighthouse_round_trip(r.lighthouse_cmd, a.groups, a.quorum_rounds)
     results["lighthouse_quorum"] = rt
     print(f"lighthouse quorum, {a.groups} clients in lockstep (a barrier per step): median "
           f"{rt['median_ms']:.3f} ms per call", flush=True)

@@ -10,6 +10,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/export.h"
@@ -26,6 +27,14 @@ struct SHARDTORCH_API LoadOptions {
   /// narrower one) the load is refused, naming the tensor and both dtypes,
   /// unless this is true: then it is cast as `Tensor::copy_` casts.
   TORCH_ARG(bool, allow_lossy_casts) = false;
+  /// A parameter tied under several names (tok_emb.weight and head.weight)
+  /// may be held under two or more of them (a checkpoint of a model that did
+  /// not tie them): their values must then be equal, or the load is refused
+  /// naming both. A name listed here is what its parameter is loaded from,
+  /// and the others it is held under are neither read nor compared. Each
+  /// must be a name of a tied parameter of the model that the checkpoint
+  /// holds, one per parameter at most.
+  TORCH_ARG(std::vector<std::string>, tied_from) = {};
 };
 
 /// Collective. Rank 0 writes `path`; tied parameters appear under each of their names.

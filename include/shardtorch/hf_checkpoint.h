@@ -70,6 +70,10 @@ struct SHARDTORCH_API HfLoadOptions {
   /// one) are refused unless this is true. Floating point into floating
   /// point (a BF16 or F16 file into F32 masters) is always allowed.
   TORCH_ARG(bool, allow_lossy_casts) = false;
+  /// As LoadOptions::tied_from, by the model's names: a tied parameter the
+  /// checkpoint holds under two or more of them (after the name mapping)
+  /// is refused when their values differ, unless one of them is listed here.
+  TORCH_ARG(std::vector<std::string>, tied_from) = {};
 
  private:
   std::vector<std::pair<std::string, std::string>> prefix_rules_;

@@ -2,6 +2,7 @@
 
 #include <c10/util/Backtrace.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -28,6 +29,14 @@ bool show_backtraces() {  // read at each error: errors are rare
 std::string message_of(const std::exception& e) {
   if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
   return e.what();
+}
+
+void quiet_cpp_stacktraces() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (!show_backtraces())
+      c10::SetStackTraceFetcher([]() -> std::string { return "(frames left out: SHARDTORCH_SHOW_CPP_STACKTRACES=1)"; });
+  });
 }
 
 void throw_error(const char* condition, const std::string& message) {

@@ -22,6 +22,13 @@ namespace shardtorch::detail {
 /// carries.
 std::string message_of(const std::exception& e);
 
+/// From now on, c10::Errors made in this process carry no C++ backtrace
+/// (c10::SetStackTraceFetcher), unless SHARDTORCH_SHOW_CPP_STACKTRACES=1:
+/// c10d logs the what() of errors it catches (a store or a peer whose
+/// process died) and would print c10's frames. Idempotent; World::create
+/// calls it.
+void quiet_cpp_stacktraces();
+
 /// Throws if shardtorch::testing::inject_failure armed `site` (one relaxed
 /// atomic load when nothing is armed).
 void failure_point(const char* site);

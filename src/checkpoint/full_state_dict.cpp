@@ -12,6 +12,7 @@
 #include "checkpoint/agreement.h"
 #include "checkpoint/reader_access.h"
 #include "checkpoint/streamed_tensors.h"
+#include "checkpoint/tied_names.h"
 #include "shardtorch/checkpoint.h"
 
 namespace shardtorch {
@@ -83,14 +84,10 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
                   " tensors from byte " + std::to_string(checkpoint::ReaderAccess::header(*reader).data_start);
     for (const auto& [k, v] : checkpoint::ReaderAccess::header(*reader).metadata) fingerprint += ", " + k + "=" + v;
     NameMap names = detail::parameter_names(root);
+    const std::string file_where = "safetensors file '" + path + "'";
+    constexpr const char* kOption = "LoadOptions().tied_from";
+    checkpoint::check_tied_from(names, options.tied_from(), file_where, kOption);
     std::set<std::string> used;
-    auto name_in_file = [&](const at::Tensor& p) -> std::string {
-      const auto& ns = names[p.unsafeGetTensorImpl()];
-      for (const auto& n : ns)
-        if (reader->contains(n)) return n;
-      throw checkpoint::SafetensorsError("safetensors file '" + path + "': no entry for parameter '" +
-                                         (ns.empty() ? std::string("?") : ns.front()) + "'");
-    };
     // The shape, and a dtype the values can be cast into (docs/checkpoints.md).
     auto check_shape = [&](const std::string& n, c10::IntArrayRef want, at::ScalarType dtype,
                            const char* what = "parameter") {
@@ -108,18 +105,37 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
             checkpoint::dtype_text(dtype) + ", and a cast from " + r->dtype + " to " + checkpoint::dtype_text(dtype) +
             " can change values: refused (LoadOptions().allow_lossy_casts(true) casts anyway)");
     };
-    auto mark_all = [&](const at::Tensor& p) {
-      for (const auto& n : names[p.unsafeGetTensorImpl()]) used.insert(n);
+    // The name `p` is read from. Every name of it the file holds counts as
+    // used; the others a tied parameter is held under must hold the same
+    // values, compared over elements [first, first + count) here (each rank
+    // compares its own part: every rank's error fails every rank).
+    auto source_of = [&](const at::Tensor& p, c10::IntArrayRef shape, at::ScalarType dtype, int64_t first,
+                         int64_t count) -> std::string {
+      const auto& ns = names[p.unsafeGetTensorImpl()];
+      for (const auto& n : ns) used.insert(n);
+      auto t = checkpoint::tied_source(
+          ns, [&](const std::string& n) { return reader->contains(n); }, options.tied_from(), file_where, kOption);
+      if (!t)
+        throw checkpoint::SafetensorsError(file_where + ": no entry for parameter '" +
+                                           (ns.empty() ? std::string("?") : ns.front()) + "'");
+      check_shape(t->source, shape, dtype);
+      for (const auto& other : t->others) {
+        check_shape(other, shape, dtype);
+        if (count > 0)
+          checkpoint::require_equal_tied(reader->read_range(t->source, first, count),
+                                         reader->read_range(other, first, count), dtype, t->source, other, first,
+                                         file_where, kOption);
+      }
+      return t->source;
     };
     checkpoint::Reader* file = &*reader;
     if (state->ddp()) {
       std::set<const void*> done;
       for (const auto& item : root.named_parameters()) {
         at::Tensor p = item.value();
-        if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded under its first name
-        std::string n = name_in_file(p);
-        check_shape(n, p.sizes(), state->record_of(p).scalar_type());
-        mark_all(p);
+        if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded once
+        const auto [first, count] = checkpoint::share_of(p.numel(), state->world().rank(), state->world().size());
+        std::string n = source_of(p, p.sizes(), state->record_of(p).scalar_type(), first, count);
         changes.push_back(
             [state, file, p, n] { state->load_record(p, file->read(n)); });  // the fp32 master under mixed precision
       }
@@ -128,10 +144,9 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
       for (auto& u : state->units())
         for (auto& f : u->flats())
           for (size_t i = 0; i < f->params().size(); ++i) {
-            std::string n = name_in_file(f->params()[i]);
-            check_shape(n, f->layout().shape(i), f->dtype());
-            mark_all(f->params()[i]);
             auto piece = f->layout().piece(i, rank);
+            std::string n = source_of(f->params()[i], f->layout().shape(i), f->dtype(), piece ? piece->param_offset : 0,
+                                      piece ? piece->length : 0);
             if (!piece) continue;
             at::Tensor dst = f->shard().narrow(0, piece->shard_offset, piece->length);
             changes.push_back([file, dst, n, piece]() mutable {

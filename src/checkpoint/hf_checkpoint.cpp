@@ -16,6 +16,7 @@
 #include "runtime/shard_state.h"
 #include "checkpoint/agreement.h"
 #include "checkpoint/hf_index.h"
+#include "checkpoint/tied_names.h"
 #include "checkpoint/reader_access.h"
 #include "shardtorch/checkpoint/safetensors.h"
 
@@ -240,12 +241,29 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
     auto reader_of = [&](const Source1& s) { return readers.at(s.file).get(); };
 
     auto names = detail::parameter_names(root);
-    auto source_of = [&](const at::Tensor& p) -> const Source1* {
-      for (const auto& n : names[p.unsafeGetTensorImpl()]) {
-        auto it = by_model.find(n);
-        if (it != by_model.end()) return &it->second;
+    constexpr const char* kOption = "HfLoadOptions().tied_from";
+    checkpoint::check_tied_from(names, options.tied_from(), where, kOption);
+    // Where `p` is read from (null: nowhere). A tied parameter held under
+    // two or more of its names must hold the same values under each, as this
+    // rank compares over elements [first, first + count) (every rank's error
+    // fails every rank), unless tied_from says which name to take.
+    auto source_of = [&](const at::Tensor& p, c10::IntArrayRef shape, at::ScalarType dtype, int64_t first,
+                         int64_t count) -> const Source1* {
+      const auto& ns = names[p.unsafeGetTensorImpl()];
+      auto t = checkpoint::tied_source(
+          ns, [&](const std::string& n) { return by_model.count(n) > 0; }, options.tied_from(), where, kOption);
+      if (!t) return nullptr;
+      const Source1& s = by_model.at(t->source);
+      for (const auto& other : t->others) {
+        const Source1& o = by_model.at(other);
+        check(s, t->source, shape, dtype, "parameter");
+        check(o, other, shape, dtype, "parameter");
+        if (count > 0)
+          checkpoint::require_equal_tied(reader_of(s)->read_range(s.name, first, count),
+                                         reader_of(o)->read_range(o.name, first, count), dtype, t->source, other, first,
+                                         where, kOption);
       }
-      return nullptr;
+      return &s;
     };
     auto first_name = [&](const at::Tensor& p) {
       const auto& ns = names[p.unsafeGetTensorImpl()];
@@ -255,13 +273,15 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
       std::set<const void*> done;
       for (const auto& item : root.named_parameters()) {
         at::Tensor p = item.value();
-        if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded from its first name held
-        const Source1* s = source_of(p);
+        if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded once
+        const at::ScalarType dtype = state->record_of(p).scalar_type();
+        const auto [first, count] = checkpoint::share_of(p.numel(), state->world().rank(), state->world().size());
+        const Source1* s = source_of(p, p.sizes(), dtype, first, count);
         if (s == nullptr) {
           missing(item.key(), "parameter");
           continue;
         }
-        const auto& rec = check(*s, item.key(), p.sizes(), state->record_of(p).scalar_type(), "parameter");
+        const auto& rec = check(*s, item.key(), p.sizes(), dtype, "parameter");
         report.bytes_read += static_cast<int64_t>(rec.end - rec.begin);
         changes.push_back([state, file = reader_of(*s), p, n = s->name] { state->load_record(p, file->read(n)); });
       }
@@ -272,13 +292,22 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
         for (auto& f : u->flats())
           for (size_t i = 0; i < f->params().size(); ++i) {
             const at::Tensor& p = f->params()[i];
-            const Source1* s = source_of(p);
+            auto piece = f->layout().piece(i, rank);
+            const bool mine = piece || (f->layout().numel(i) == 0 && checks_empty);
+            // Only a rank with a piece opens the files (and compares tied names).
+            const Source1* s = mine ? source_of(p, f->layout().shape(i), f->dtype(), piece ? piece->param_offset : 0,
+                                                piece ? piece->length : 0)
+                                    : nullptr;
+            if (!mine) {
+              bool any = false;
+              for (const auto& n : names[p.unsafeGetTensorImpl()]) any = any || by_model.count(n);
+              if (!any) missing(first_name(p), "parameter");
+              continue;  // not this rank's: not opened
+            }
             if (s == nullptr) {
               missing(first_name(p), "parameter");
               continue;
             }
-            auto piece = f->layout().piece(i, rank);
-            if (!piece && !(f->layout().numel(i) == 0 && checks_empty)) continue;  // not this rank's: not opened
             const auto& rec = check(*s, first_name(p), f->layout().shape(i), f->dtype(), "parameter");
             if (!piece || piece->length == 0) continue;
             report.bytes_read += piece->length * static_cast<int64_t>(checkpoint::dtype_size(rec.dtype));

@@ -24,6 +24,7 @@
 #include "checkpoint/checksum.h"
 #include "checkpoint/reader_access.h"
 #include "checkpoint/index_format.h"
+#include "checkpoint/tied_names.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"
 
@@ -697,11 +698,63 @@ struct FillPlanner {
   Files& files;
   const std::string& dir;
   bool allow_lossy;
+  // A tied parameter read (with its optimizer state) under another of its
+  // names than the one this model keeps it under (plan_tied).
+  std::map<std::string, std::string> read_as = {};
+  const std::string& source(const std::string& name) const {
+    auto it = read_as.find(name);
+    return it == read_as.end() ? name : it->second;
+  }
   Fill operator()(int64_t numel, const std::string& name, const std::string& kind, int64_t begin,
                   at::ScalarType into) const {
-    return plan_fill(numel, name, kind, begin, idx, files, dir, into, allow_lossy);
+    return plan_fill(numel, source(name), kind, begin, idx, files, dir, into, allow_lossy);
   }
 };
+
+// A tied parameter the checkpoint holds under two or more of its names (a
+// checkpoint of a model that did not tie them): the values must be equal
+// (this rank compares the elements it loads; any rank's error fails every
+// rank), unless LoadOptions::tied_from names the one to read. Fills
+// `plan.read_as` where the name read is not the one this model keeps.
+void plan_tied(torch::nn::Module& root, detail::ShardState& state, FillPlanner& plan,
+               const std::vector<std::string>& tied_from) {
+  constexpr const char* kOption = "LoadOptions().tied_from";
+  const std::string where = "checkpoint '" + plan.dir + "'";
+  const auto names = detail::parameter_names(root);
+  checkpoint::check_tied_from(names, tied_from, where, kOption);
+  std::set<std::string> held;
+  for (const auto& e : plan.idx.entries)
+    if (e.kind == "param") held.insert(e.name);
+  auto one = [&](const std::string& kept, const at::Tensor& p, int64_t first, int64_t count, at::ScalarType dtype) {
+    const auto& ns = names.at(p.unsafeGetTensorImpl());
+    if (ns.size() < 2) return;
+    auto t = checkpoint::tied_source(
+        ns, [&](const std::string& n) { return held.count(n) > 0; }, tied_from, where, kOption);
+    if (!t) return;  // none held: the fill says what is missing
+    if (t->source != kept) plan.read_as[kept] = t->source;
+    for (const auto& other : t->others) {
+      if (count == 0) continue;
+      at::Tensor a = at::empty({count}, at::TensorOptions().dtype(dtype)), b = at::empty_like(a);
+      run_fill(a, plan_fill(count, t->source, "param", first, plan.idx, plan.files, plan.dir, dtype, true), plan.files);
+      run_fill(b, plan_fill(count, other, "param", first, plan.idx, plan.files, plan.dir, dtype, true), plan.files);
+      checkpoint::require_equal_tied(a, b, dtype, t->source, other, first, where, kOption);
+    }
+  };
+  if (state.ddp()) {
+    for (const auto& [name, p] : no_shard_params(root, state)) {
+      const auto [first, count] = checkpoint::share_of(p.numel(), state.world().rank(), state.world().size());
+      one(name, p, first, count, state.record_of(p).scalar_type());
+    }
+    return;
+  }
+  const int shard_rank = state.shard_comm().rank();
+  for (auto& u : state.units())
+    for (auto& f : u->flats())
+      for (size_t i = 0; i < f->params().size(); ++i) {
+        auto piece = f->layout().piece(i, shard_rank);
+        one(f->names()[i], f->params()[i], piece ? piece->param_offset : 0, piece ? piece->length : 0, f->dtype());
+      }
+}
 
 // The parameters this rank holds: whole under NoShard (into the fp32 master
 // under mixed precision), the ranges of its shards otherwise.
@@ -790,18 +843,19 @@ void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Change
   Files* files = &plan.files;
   for (const auto& piece : opt.views().pieces()) {
     void* key = piece.view.unsafeGetTensorImpl();
-    if (!with_state.count(piece.name)) {
+    const std::string& source = plan.source(piece.name);  // a tied parameter's state comes with its values
+    if (!with_state.count(source)) {
       changes.push_back([st, key] { st->erase(key); });
       continue;
     }
-    if (amsgrad.count(key) && !with_max.count(piece.name))
+    if (amsgrad.count(key) && !with_max.count(source))
       throw SafetensorsError("checkpoint '" + dir + "': '" + piece.name +
                              "' is in a parameter group with amsgrad, "
                              "but the checkpoint has no max_exp_avg_sq for it (it was saved by an optimizer "
                              "without amsgrad for it)");
     std::vector<std::string> kinds =
         adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"} : std::vector<std::string>{"momentum_buffer"};
-    if (adam && with_max.count(piece.name)) kinds.push_back("max_exp_avg_sq");
+    if (adam && with_max.count(source)) kinds.push_back("max_exp_avg_sq");
     std::vector<Fill> fills;
     for (const auto& k : kinds)
       fills.push_back(plan(piece.length, piece.name, k, piece.param_offset, piece.view.scalar_type()));
@@ -847,7 +901,8 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
     idx = read_index(dir);
     files.emplace(dir, idx);
     check_model_against(root, idx, dir);
-    const FillPlanner plan{idx, *files, dir, options.allow_lossy_casts()};
+    FillPlanner plan{idx, *files, dir, options.allow_lossy_casts()};
+    plan_tied(root, *state, plan, options.tied_from());
     plan_parameters(root, *state, plan, changes);
     plan_buffers(root, plan, changes);
     if (opt) plan_optimizer_state(*opt, plan, changes);

@@ -288,12 +288,19 @@ std::string cycle_text(std::vector<int> cycle, RecordOf&& record_of) {
          (n == 2 ? std::string("neither collective ran") : "none of the " + std::to_string(n) + " collectives ran");
 }
 
-std::string wait_key(int rank) { return "wait/" + std::to_string(rank); }
-std::string crossed_key(int rank) { return "crossed/" + std::to_string(rank); }
+std::string wait_key(int rank) { return "shardtorch-waits/wait/" + std::to_string(rank); }
+std::string crossed_key(int rank) { return "shardtorch-waits/crossed/" + std::to_string(rank); }
+// What a probe, or a look for a reported cycle, waits for the store at most;
+// a store that does not answer is left alone (the collective's own timeout
+// holds, and its error names the store's host).
+constexpr std::chrono::milliseconds kStoreAnswer{2000};
+void put(BoundedStore& store, const std::string& key, const std::string& value, BoundedStore::Clock::time_point until) {
+  store.run([key, value](c10d::Store& s) { s.set(key, std::vector<uint8_t>(value.begin(), value.end())); }, until);
+}
 
 }  // namespace
 
-WaitBoard::WaitBoard(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
+WaitBoard::WaitBoard(c10::intrusive_ptr<BoundedStore> store, int rank, int size)
     : store_(std::move(store)), rank_(rank), size_(size) {}
 
 std::string WaitBoard::prefixed(const std::string& text) const {
@@ -302,9 +309,9 @@ std::string WaitBoard::prefixed(const std::string& text) const {
 
 std::string WaitBoard::cycle_reported() const {
   try {
-    if (!store_->check({crossed_key(rank_)})) return "";
-    auto v = store_->get(crossed_key(rank_));
-    return prefixed(std::string(v.begin(), v.end()));
+    if (!store_->answering(kStoreAnswer)) return "";
+    auto text = store_->get_if_set(crossed_key(rank_), BoundedStore::Clock::now() + kStoreAnswer);
+    return text ? prefixed(*text) : "";
   } catch (...) {
     return "";
   }
@@ -389,22 +396,25 @@ WaitBoard::Wait::~Wait() {
   // After a cycle the record stays: its other ranks' probes must still see it.
   if (written_.empty() || crossed_) return;
   try {
-    board_->store_->set(wait_key(board_->rank_), std::string("idle"));
+    if (board_->store_->answering(kStoreAnswer))
+      put(*board_->store_, wait_key(board_->rank_), "idle", BoundedStore::Clock::now() + kStoreAnswer);
   } catch (...) {
   }
 }
 
-std::string WaitBoard::Wait::probe() {
+std::string WaitBoard::Wait::probe(std::optional<std::chrono::steady_clock::time_point> until) {
   const auto now = std::chrono::steady_clock::now();
   if (now < next_) return "";
   next_ = now + kProbe;
   WaitBoard& b = *board_;
+  const auto give_up = until ? std::min(*until, now + kStoreAnswer) : now + kStoreAnswer;
+  if (!b.store_->answering(kStoreAnswer)) return "";
   try {
     if (description_.empty()) description_ = describe_();
     // Rewritten when it changed: another thread of this rank launched meanwhile.
     std::string mine = b.record(comm_, kind_, seq_, description_);
     if (mine != written_) {
-      b.store_->set(wait_key(b.rank_), mine);
+      put(*b.store_, wait_key(b.rank_), mine, give_up);
       written_ = mine;
     }
     std::map<int, WaitRecord> records;  // read at most once each per probe
@@ -412,11 +422,7 @@ std::string WaitBoard::Wait::probe() {
     const auto record_of = [&](int p) -> const WaitRecord& {
       auto it = records.find(p);
       if (it == records.end()) {
-        std::string text;
-        if (b.store_->check({wait_key(p)})) {
-          auto v = b.store_->get(wait_key(p));
-          text.assign(v.begin(), v.end());
-        }
+        std::string text = b.store_->get_if_set(wait_key(p), give_up).value_or("");
         it = records.emplace(p, parse_record(std::move(text))).first;
       }
       return it->second;
@@ -433,7 +439,7 @@ std::string WaitBoard::Wait::probe() {
       std::string mine;
       for (int r : stuck) {
         std::string text = cycle_text(cycle_through(r, record_of), record_of);
-        b.store_->set(crossed_key(r), text);
+        put(*b.store_, crossed_key(r), text, give_up);
         if (r == b.rank_) mine = std::move(text);
       }
       return b.prefixed(mine);
@@ -442,7 +448,7 @@ std::string WaitBoard::Wait::probe() {
     crossed_ = !reported.empty();
     return reported;
   } catch (...) {
-    return "";  // a store that fails: the collective's own timeout still holds
+    return "";  // a store that fails or does not answer: the collective's own timeout still holds
   }
 }
 
@@ -525,8 +531,9 @@ at::Tensor gather(c10d::Backend& backend, const at::Tensor& mine, int size, std:
     work->wait(timeout);
     return all;
   }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!work_done_within(*work, WaitBoard::kProbe)) {
-    std::string crossed = wait->probe();
+    std::string crossed = wait->probe(deadline);
     if (!crossed.empty()) throw CollectivesDiverged(crossed);  // run_taken marks the checker broken
   }
   work->wait(timeout);  // its own outcome: the exchange's failure, if any
@@ -689,8 +696,9 @@ void take_if_next(CheckerShared& s, CheckedLaunch& c, WaitBoard::Wait* wait) {
 
 // Probes `wait`; for a cycle of waits through this rank, marks the checker
 // broken and returns the CollectivesDiverged to throw (null otherwise).
-std::exception_ptr diverged_on_probe(CheckerShared& s, WaitBoard::Wait& wait) {
-  std::string crossed = wait.probe();
+std::exception_ptr diverged_on_probe(CheckerShared& s, WaitBoard::Wait& wait,
+                                     std::optional<std::chrono::steady_clock::time_point> until = std::nullopt) {
+  std::string crossed = wait.probe(until);
   if (crossed.empty()) return nullptr;
   auto e = std::make_exception_ptr(CollectivesDiverged(crossed));
   mark_broken(s, e);
@@ -765,7 +773,7 @@ bool CheckedLaunch::await(const std::function<bool(std::chrono::milliseconds)>& 
       wait.set(Kind::Collective, seq);
     else
       wait.set(Kind::Exchange, next_exchange(*s));
-    if (auto e = diverged_on_probe(*s, wait)) std::rethrow_exception(e);
+    if (auto e = diverged_on_probe(*s, wait, deadline)) std::rethrow_exception(e);
   }
 }
 

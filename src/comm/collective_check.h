@@ -30,7 +30,8 @@
 // one) is left out of that search.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "comm/bounded_store.h"
 
 #include <chrono>
 #include <condition_variable>
@@ -115,8 +116,9 @@ class WaitBoard {
   /// What a thread waits for: a launched collective, or an exchange of fingerprints.
   enum class Kind { Collective, Exchange };
 
-  /// `rank` of `size` in the World.
-  WaitBoard(c10::intrusive_ptr<c10d::Store> store, int rank, int size);
+  /// `rank` of `size` in the World. `store`: the connection the World's
+  /// Progress uses (its keys start "shardtorch-waits/").
+  WaitBoard(c10::intrusive_ptr<BoundedStore> store, int rank, int size);
   /// A communicator: its name, the same on every member, and its members'
   /// ranks in the World (by index in the communicator). Returns its number.
   int add(std::string name, std::vector<int> members);
@@ -156,8 +158,10 @@ class WaitBoard {
     /// that following the wait-for graph from this rank needs read (each at
     /// most once, so at most one per rank of the World). Returns the error's
     /// text when a cycle through this rank is seen twice in a row with the
-    /// same records (or another rank of it reported one), "" otherwise.
-    std::string probe();
+    /// same records (or another rank of it reported one), "" otherwise. The
+    /// store is waited for until `until` at most (and 2 s), and not asked
+    /// while it does not answer ("" then).
+    std::string probe(std::optional<std::chrono::steady_clock::time_point> until = std::nullopt);
 
    private:
     std::shared_ptr<WaitBoard> board_;
@@ -181,7 +185,7 @@ class WaitBoard {
   std::string record(int comm, Kind kind, int64_t seq, const std::string& description) const;
   bool several_threads() const;                         // under mu_
   std::string prefixed(const std::string& text) const;  // "shardtorch: rank R/N: " + text
-  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<BoundedStore> store_;
   int rank_, size_;
   mutable std::mutex mu_;
   std::vector<Comm> comms_;

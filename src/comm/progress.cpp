@@ -1,4 +1,5 @@
 #include "comm/progress.h"
+#include "base/errors.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -88,24 +89,33 @@ std::string where(const Record& r) {
   if (!r.context.empty()) s += " (" + r.context + ")";
   return s;
 }
-// A process of this host that is gone: no such process, or a zombie (dead,
-// not yet reaped by its parent: the launcher reaps it a moment later).
-bool process_gone(int64_t pid) {
-  if (pid <= 0) return false;
-  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+// The state of a process of this host, as /proc/PID/stat shows it: 'R',
+// 'S', 'T' (stopped), 't' (traced), 'Z' (a zombie: dead, not yet reaped by
+// its parent, which the launcher does a moment later); 'X' when there is no
+// such process, '?' when it cannot be told.
+char process_state(int64_t pid) {
+  if (pid <= 0) return '?';
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH ? 'X' : '?';
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   std::string text;
-  if (!std::getline(stat, text)) return false;
+  if (!std::getline(stat, text)) return '?';
   const size_t paren = text.rfind(')');  // "pid (name) S ...": the name may hold spaces and parentheses
-  return paren != std::string::npos && paren + 2 < text.size() && (text[paren + 2] == 'Z' || text[paren + 2] == 'X');
+  return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '?';
+}
+// A process of this host that is gone: no such process, or a zombie.
+bool process_gone(int64_t pid) {
+  const char state = process_state(pid);
+  return state == 'X' || state == 'Z';
 }
 bool same_place(const Record& a, const Record& b) {
   return a.step == b.step && a.phase == b.phase && a.unit == b.unit && a.context == b.context;
 }
+
+std::string key_of(int rank) { return "shardtorch-peers/progress/" + std::to_string(rank); }
 }  // namespace
 
 struct Progress::Shared {
-  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<BoundedStore> store;
   int rank = 0;
   std::string key;
   std::mutex mu;
@@ -113,43 +123,64 @@ struct Progress::Shared {
   Record mine;
   uint64_t version = 0;
   bool stop = false, done = false;
+  // The last time this process did not run for kSilent or longer (stopped,
+  // or starved): how long, and when it ran again (wall clock, ms; 0: never).
+  int64_t stalled_ms = 0, stalled_until_ms = 0;
 };
 
-Progress::Progress(c10::intrusive_ptr<c10d::Store> store, int rank) : s_(std::make_shared<Shared>()) {
+Progress::Progress(c10::intrusive_ptr<BoundedStore> store, int rank) : s_(std::make_shared<Shared>()) {
   s_->store = std::move(store);
   s_->rank = rank;
-  s_->key = "progress/" + std::to_string(rank);
+  s_->key = key_of(rank);
   s_->mine.phase = "setting up";
   s_->mine.pid = static_cast<int64_t>(::getpid());
   s_->mine.host = this_host();
   s_->mine.changed_ms = now_ms();
   auto s = s_;
   thread_ = std::thread([s] {
-    // Writes the record when it changed (at most every kWriteInterval) and at
-    // least every kBeat. Nothing leaves this thread: a failing store ends it.
+    // Writes the record when it changed (at most every kWriteInterval), and
+    // at least every kBeat waiting for the store's answer. A call the store
+    // does not answer in time is retried at the next beat (the store answers
+    // again once its host goes on); a closed connection ends the thread.
+    // Nothing leaves this thread.
     uint64_t written = UINT64_MAX;
-    auto last_write = std::chrono::steady_clock::time_point{};
-    try {
-      std::unique_lock<std::mutex> lock(s->mu);
-      for (;;) {
-        const auto now = std::chrono::steady_clock::now();
-        // Stopping: the last record (finished) is written once more.
-        if (s->version != written || (!s->stop && now - last_write >= kBeat)) {
-          Record r = s->mine;
-          written = s->version;
-          lock.unlock();
+    auto last_write = std::chrono::steady_clock::time_point{}, retry_at = last_write;
+    std::unique_lock<std::mutex> lock(s->mu);
+    for (;;) {
+      const auto now = std::chrono::steady_clock::now();
+      const bool beat = !s->stop && now - last_write >= kBeat;
+      // Stopping: the last record (finished) is written once more.
+      if ((s->version != written && now >= retry_at) || beat) {
+        Record r = s->mine;
+        const uint64_t version = s->version;
+        lock.unlock();
+        bool ok = true;
+        try {
           r.beat_ms = now_ms();
-          const std::string text = encode(r);
-          s->store->set(s->key, std::vector<uint8_t>(text.begin(), text.end()));
-          last_write = std::chrono::steady_clock::now();
-          lock.lock();
+          if (beat)
+            s->store->set_and_confirm(s->key, encode(r), std::nullopt);
+          else
+            s->store->run([key = s->key, text = encode(r)](c10d::Store& st) {
+              st.set(key, std::vector<uint8_t>(text.begin(), text.end()));
+            });
+        } catch (...) {
+          ok = false;
         }
-        if (s->stop && s->version == written) break;
-        s->cv.wait_for(lock, kWriteInterval, [&] { return s->stop; });
+        last_write = std::chrono::steady_clock::now();
+        lock.lock();
+        if (ok) written = version;
+        if (!ok) retry_at = last_write + kBeat;
+        if (!ok && (s->stop || !s->store->broken().empty())) break;  // gone for good, or no time left
       }
-    } catch (...) {  // the store is gone (its host died): peers will see this rank's record age
+      if (s->stop && s->version == written) break;
+      const auto before = std::chrono::steady_clock::now();
+      s->cv.wait_for(lock, kWriteInterval, [&] { return s->stop; });
+      // A wait of 20 ms that took seconds: the whole process was stopped (or starved).
+      if (const auto took = std::chrono::steady_clock::now() - before; took >= kSilent) {
+        s->stalled_ms = std::chrono::duration_cast<std::chrono::milliseconds>(took).count();
+        s->stalled_until_ms = now_ms();
+      }
     }
-    std::lock_guard<std::mutex> lock(s->mu);
     s->done = true;
     s->cv.notify_all();
   });
@@ -214,26 +245,78 @@ void Progress::failed() {
     ++s_->version;
     r = s_->mine;
   }
+  if (!s_->store->answering(kSilent)) return;  // its peers cannot read the store either
   try {  // now, not from the thread: this rank may exit at once, and its peers must not take it for the dead one
     r.beat_ms = now_ms();
-    const std::string text = encode(r);
-    s_->store->set(s_->key, std::vector<uint8_t>(text.begin(), text.end()));
+    s_->store->set_and_confirm(s_->key, encode(r), std::chrono::steady_clock::now() + kSilent);
   } catch (...) {
   }
 }
 
-std::string Progress::report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const {
-  try {
-    Record me;
-    {
-      std::lock_guard<std::mutex> lock(s_->mu);
-      me = s_->mine;
+namespace {
+// The peer at fault when the store does not answer or closed its connection:
+// the rank that hosts it, if one does, named as surely as any other peer.
+std::string store_failure(const BoundedStore& store, int self, const Record& me, const std::string& error) {
+  const std::string closed = store.broken();
+  const auto silent = std::max(store.unanswered_for(), Progress::kSilent);
+  const std::string unanswered = store.name() + ", which has not answered for " + seconds(silent.count());
+  const auto& host = store.host();
+  std::string text;
+  if (!host || host->rank == self) {
+    text = "The peers' records could not be read: " +
+           (closed.empty() ? unanswered : store.name() + " closed its connection: " + closed) +
+           (error.empty() ? "" : " (" + error + ")") + ".";
+  } else {
+    const std::string rank = "rank " + std::to_string(host->rank);
+    const bool local = host->pid > 0 && host->name == me.host;
+    char state = local ? process_state(host->pid) : '?';
+    // A killed process closes its sockets before it becomes a zombie (as in report()).
+    for (int i = 0; i < 30 && !closed.empty() && local && state != 'X' && state != 'Z'; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      state = process_state(host->pid);
     }
+    const std::string pid = "pid " + std::to_string(host->pid) + (local ? " on this host" : " on " + host->name);
+    text = "Peer at fault: ";
+    if (state == 'X' || state == 'Z')
+      text += rank + " is no longer running (" + pid + "); it hosted " + store.name() +
+              ", so the other peers' records went with it";
+    else if (state == 'T' || state == 't')
+      text += rank + " is stopped (" + pid + ", process state " + std::string(1, state) +
+              ": SIGSTOP, job control or a debugger); it hosts " + unanswered +
+              ", so the other peers' records cannot be read";
+    else if (!closed.empty())
+      text += rank + ", which hosts " + store.name() + ", closed its connection: it died, or its World ended" +
+              (host->pid > 0 ? " (" + pid + ")" : "") + "; the other peers' records went with it";
+    else
+      text += rank + " hosts " + unanswered + ": its process is stopped or hung, or its host is down" +
+              (host->pid > 0 ? " (" + pid + (local ? ", running" : "") + ")" : "") +
+              "; the other peers' records are there and could not be read";
+    text += ".";
+  }
+  return text + " This rank is at " + where(me);
+}
+}  // namespace
+
+std::string Progress::report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const {
+  Record me;
+  int64_t stalled_ms = 0, stalled_until_ms = 0;
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    me = s_->mine;
+    stalled_ms = s_->stalled_ms;
+    stalled_until_ms = s_->stalled_until_ms;
+  }
+  const BoundedStore& store = *s_->store;
+  // Everything read below within kSilent: a store that takes longer names its host.
+  const auto give_up = std::chrono::steady_clock::now() + kSilent;
+  try {
+    if (!store.answering(kSilent)) return store_failure(store, s_->rank, me, "");
     const int64_t now = now_ms();
     const int64_t started_ms =
         now - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count();
-    const int64_t silent_after = 4 * kBeat.count();
+    const int64_t silent_after = kSilent.count();
     std::vector<std::string> at_fault, others;
+    int failed_too = 0;
     // A killed process closes its sockets before it becomes a zombie: a peer
     // that saw the connection close may still find it running for a moment.
     // Local peers get up to 300 ms, in all, to be seen gone.
@@ -245,19 +328,14 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
     };
-    auto read = [&](const std::string& key, Record& r) {
-      std::string text;
-      if (s_->store->check({key})) {
-        auto v = s_->store->get(key);
-        text.assign(v.begin(), v.end());
-      }
-      return !text.empty() && decode(text, r);
+    auto read = [&](int peer, Record& r) {
+      auto text = s_->store->get_if_set(key_of(peer), give_up);
+      return text && decode(*text, r);
     };
     for (int peer : members) {
       if (peer == s_->rank) continue;
-      const std::string key = "progress/" + std::to_string(peer);
       Record r;
-      if (!read(key, r)) {
+      if (!read(peer, r)) {
         at_fault.push_back("rank " + std::to_string(peer) + " has recorded no progress (did it start?)");
         continue;
       }
@@ -265,10 +343,11 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
       const bool local = r.host == me.host;
       // A survivor marks its record failed before it looks at others, so one
       // seen gone is read again: it may have failed and exited since.
-      if (r.state != Record::State::Failed && local && gone(r.pid)) read(key, r);
+      if (r.state != Record::State::Failed && local && gone(r.pid)) read(peer, r);
       if (r.state ==
           Record::State::Failed) {  // a fellow survivor that gave up first (and may have exited since): not at fault
         others.push_back(rank + " failed too, at " + where(r));
+        ++failed_too;
       } else if (r.state == Record::State::LeftOnError) {
         at_fault.push_back(rank + " stopped on an error of its own (see its output): its World was destroyed " +
                            seconds(now - r.beat_ms) + " ago, while an exception unwound, after " + where(r));
@@ -299,25 +378,36 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
         others.push_back(rank + " at " + where(r));
       }
     }
-    if (at_fault.empty() && others.empty()) return "";
+    // This process itself did not run during this collective, or just before
+    // it: its peers may have given up on it.
+    const bool stalled = stalled_until_ms > 0 && stalled_until_ms >= started_ms - silent_after;
+    if (at_fault.empty() && others.empty() && !stalled) return "";
     std::ostringstream os;
     if (!at_fault.empty()) {
       os << "Peer at fault: ";
       for (size_t i = 0; i < at_fault.size(); ++i) os << (i ? "; " : "") << at_fault[i];
       os << ".";
+    } else if (stalled) {
+      os << "No peer is at fault: this rank's own process did not run for " << seconds(stalled_ms) << ", until "
+         << seconds(now - stalled_until_ms)
+         << " ago (stopped, by SIGSTOP, job control or a debugger, or starved of CPU), and its peers gave up "
+            "waiting for it.";
+    } else if (others.size() == static_cast<size_t>(failed_too)) {
+      os << "No peer is at fault that this rank can tell: every other failed too.";
     } else {
       os << "Every peer is alive and reporting.";
     }
+    if (stalled && !at_fault.empty())
+      os << " This rank's own process did not run for " << seconds(stalled_ms) << ", until "
+         << seconds(now - stalled_until_ms) << " ago.";
     os << " This rank is at " << where(me);
     if (!others.empty()) {
       os << "; ";
       for (size_t i = 0; i < others.size(); ++i) os << (i ? ", " : "") << others[i];
     }
     return os.str();
-  } catch (const std::exception& e) {
-    const auto* c = dynamic_cast<const c10::Error*>(&e);
-    return std::string("(the peers' progress could not be read from the store: ") +
-           (c ? c->what_without_backtrace() : e.what()) + "; if rank 0 hosts it, rank 0 may have died)";
+  } catch (const std::exception& e) {  // the store did not answer in time, or closed its connection
+    return store_failure(store, s_->rank, me, message_of(e));
   }
 }
 

@@ -6,9 +6,11 @@
 // note() only updates memory (a mutex and a string copy): a thread of the
 // Progress's own writes the record to the store when it changed (at most
 // every kWriteInterval) and at least every kBeat, so a record's age also
-// says whether its rank still runs. Nothing the thread does can throw out of
-// it; a store that fails stops the writing.
-#include <torch/csrc/distributed/c10d/Store.hpp>
+// says whether its rank still runs. Each beat waits for the store's answer,
+// so a store that stops answering (its host rank stopped) is seen within a
+// beat or two. Nothing the thread does can throw out of it; a store whose
+// connection closed stops the writing.
+#include "comm/bounded_store.h"
 
 #include <chrono>
 #include <memory>
@@ -22,8 +24,13 @@ class Progress {
  public:
   static constexpr std::chrono::milliseconds kWriteInterval{20};
   static constexpr std::chrono::milliseconds kBeat{500};
+  /// A peer whose record is this old has stopped reporting; a store that
+  /// has not answered a call for this long is taken as not answering.
+  static constexpr std::chrono::milliseconds kSilent{4 * kBeat};
 
-  Progress(c10::intrusive_ptr<c10d::Store> store, int rank);
+  /// `store`: a connection of the Progress's own (BoundedStore::fresh_connection),
+  /// shared with the World's WaitBoard.
+  Progress(c10::intrusive_ptr<BoundedStore> store, int rank);
   /// Stops the thread (waits at most about a second for a store write in flight).
   ~Progress();
   Progress(const Progress&) = delete;
@@ -41,14 +48,16 @@ class Progress {
   /// A collective of this rank failed: the record says so at once (written
   /// here, not by the thread), so that peers whose own collective fails
   /// next do not take this rank, gone after its error, for the one at fault.
-  /// Never throws.
+  /// Never throws; waits at most kSilent for the store.
   void failed();
 
   /// For the error of a collective over `members` (global ranks, this one
   /// among them) that started at `started` and failed: which peers are no
   /// longer running, which stopped reporting, and which were elsewhere for at
   /// least half of its wait (did not arrive), with where each last was. Reads the
-  /// store; never throws ("" when nothing can be said).
+  /// store, for kSilent at most: a store that does not answer, or whose
+  /// connection closed, names the rank that hosts it (stopped, hung or
+  /// gone). Never throws ("" when nothing can be said).
   std::string report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const;
 
  private:

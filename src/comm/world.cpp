@@ -7,8 +7,11 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "comm/bounded_store.h"
 #include "comm/collective_check.h"
 #include "comm/progress.h"
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -83,6 +86,28 @@ c10::intrusive_ptr<c10d::Backend> connect(const std::string& backend, const c10:
     detail::throw_error("", detail::rank_prefix(rank) + " could not set up " + backend + " for " + what + " within " +
                                 seconds(options.timeout()) + " s: " + detail::message_of(e));
   }
+}
+
+// Rank 0 hosts the store: it publishes its pid and host name there, and
+// every rank learns them, so that a report on a store that stopped answering
+// can tell whether rank 0 is stopped or gone. Unknown (pid 0) when that fails.
+detail::BoundedStore::Host store_host(c10d::Store& store, int rank) {
+  detail::BoundedStore::Host host;
+  char name[256] = {0};
+  if (::gethostname(name, sizeof(name) - 1) != 0) name[0] = '?';
+  try {
+    if (rank == 0) {
+      const std::string mine = std::to_string(::getpid()) + "\t" + name;
+      store.set("shardtorch-store-host", std::vector<uint8_t>(mine.begin(), mine.end()));
+    }
+    const auto v = store.get("shardtorch-store-host");
+    const std::string text(v.begin(), v.end());
+    const size_t tab = text.find('\t');
+    host.pid = std::stoll(text.substr(0, tab));
+    host.name = tab == std::string::npos ? "?" : text.substr(tab + 1);
+  } catch (const std::exception&) {  // rank 0 never came: the world's set-up says so next
+  }
+  return host;
 }
 
 }  // namespace
@@ -189,7 +214,15 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
     if (env.use_agent_store)
       if (const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT"); attempt && std::string(attempt) != "0")
         prefix += "/attempt_" + std::string(attempt);
-    store = c10::make_intrusive<c10d::PrefixStore>(prefix, tcp);
+    // Every call bounded (a stopped rank 0 would hold its callers forever),
+    // and a report that the store does not answer names the rank hosting it.
+    const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, tcp);
+    std::optional<detail::BoundedStore::Host> host;
+    if (!env.use_agent_store)
+      host = store_host(*c10::make_intrusive<detail::BoundedStore>(prefixed, options.timeout(), ""), env.rank);
+    store = c10::make_intrusive<detail::BoundedStore>(
+        prefixed, options.timeout(), (env.use_agent_store ? "torchrun's store at " : "the store at ") + where, host);
   }
   if (options.gloo_hostname().empty() && is_local_address(env.master_addr)) options.gloo_hostname("127.0.0.1");
   return create(store, env.rank, env.world_size, options, env.local_rank);
@@ -204,6 +237,14 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   w->size_ = world_size;
   w->local_rank_ = local_rank;
   w->options_ = options;
+  detail::quiet_cpp_stacktraces();
+  c10::intrusive_ptr<detail::BoundedStore> bounded;  // every call of the World's on `store` within a bound
+  if (auto* b = dynamic_cast<detail::BoundedStore*>(store.get())) {
+    bounded = c10::intrusive_ptr<detail::BoundedStore>::unsafe_reclaim_from_nonowning(b);
+  } else if (world_size > 1) {
+    bounded = c10::make_intrusive<detail::BoundedStore>(store, options.timeout(), "the World's store");
+    store = bounded;
+  }
   w->store_ = store;
   store->setTimeout(options.timeout());
   if (options.device()) {
@@ -228,9 +269,12 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   w->comm_ = std::make_shared<Comm>(b, rank, world_size, options.timeout(), comm_device);
   std::vector<int> all(world_size);  // the world's members, for the peer reports and the check
   for (int r = 0; r < world_size; ++r) all[r] = r;
+  // The peer records and the collective check's waits: a connection of their
+  // own, so that a call the store does not answer holds up nothing else.
+  c10::intrusive_ptr<detail::BoundedStore> peers;
   if (world_size > 1) {
-    w->progress_ =
-        std::make_shared<detail::Progress>(c10::make_intrusive<c10d::PrefixStore>("shardtorch-peers", store), rank);
+    peers = bounded->fresh_connection();
+    w->progress_ = std::make_shared<detail::Progress>(peers, rank);
     w->progress_->note("world set up");
     std::weak_ptr<detail::Progress> progress = w->progress_;
     w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started) {
@@ -267,8 +311,7 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
           "; every rank must pass the same WorldOptions::check_collectives (SHARDTORCH_CHECK_COLLECTIVES)");
   }
   if (check && world_size > 1) {
-    w->waits_ = std::make_shared<detail::WaitBoard>(c10::make_intrusive<c10d::PrefixStore>("shardtorch-waits", store),
-                                                    rank, world_size);
+    w->waits_ = std::make_shared<detail::WaitBoard>(peers, rank, world_size);
     auto check = connect("gloo", c10::make_intrusive<c10d::PrefixStore>("shardtorch-check", store), rank, world_size,
                          options, rank, "the collective check of the world");
     w->comm_->enable_checks(w->context_, check, w->waits_, "the world", all);
