@@ -18,4 +18,5 @@
 #include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/mesh.h"
 #include "shardtorch/pipeline.h"
+#include "shardtorch/pipeline_checkpoint.h"
 #include "shardtorch/schedule.h"
