@@ -38,7 +38,7 @@ PUBLIC = {
     "optim": ["optim.h", "optim/cpu_adam.h", "grad_scaler.h", "clip.h"],
     "checkpoint": ["checkpoint.h", "checkpoint/safetensors.h", "hf_checkpoint.h"],
     "ft": ["ft.h"],
-    "parallel": ["schedule.h", "pipeline.h", "tensor_parallel.h"],
+    "parallel": ["schedule.h", "pipeline.h", "pipeline_checkpoint.h", "tensor_parallel.h"],
     "testing": ["testing.h"],
     None: ["shardtorch.h"],  # the umbrella header: includes everything, included by nothing here
 }

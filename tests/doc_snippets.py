@@ -63,7 +63,7 @@ inline bool params_close(Net&, const std::map<std::string, at::Tensor>&) { retur
       std::map<std::string, std::string> user_state, std::map<std::string, std::string> resume, int K,         \
       std::vector<torch::Tensor> micro, size_t group, std::vector<torch::Tensor> no_decay_params,               \
       torch::optim::AdamWOptions adamw, std::shared_ptr<shardtorch::DeviceMesh> mesh, torch::Tensor tokens,       \
-      int steps
+      int steps, shardtorch::Pipeline& pipe
 '''
 
 DECL_START = re.compile(r'^(struct|class|TEST|TEST_F|TEST_P|int main|void |torch::Tensor \w+\(|SHARDTORCH_MODULE|TORCH_MODULE|using |namespace |template)')

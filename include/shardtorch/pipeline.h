@@ -95,7 +95,8 @@ struct SHARDTORCH_API PipelineEvent {
 
 namespace detail {
 class PipelineRuntime;
-}
+struct PipelineAccess;  // the pipeline's checkpoints (shardtorch/pipeline_checkpoint.h) read its runtime
+}  // namespace detail
 
 class SHARDTORCH_API Pipeline {
  public:
@@ -155,6 +156,7 @@ class SHARDTORCH_API Pipeline {
   std::vector<std::pair<std::string, std::string>> tied_parameters() const;
 
  private:
+  friend struct detail::PipelineAccess;
   std::unique_ptr<detail::PipelineRuntime> rt_;
 };
 

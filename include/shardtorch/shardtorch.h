@@ -18,5 +18,6 @@
 #include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/mesh.h"
 #include "shardtorch/pipeline.h"
+#include "shardtorch/pipeline_checkpoint.h"
 #include "shardtorch/schedule.h"
 #include "shardtorch/tensor_parallel.h"

@@ -1,5 +1,7 @@
 #include "checkpoint/agreement.h"
 
+#include <algorithm>
+
 #include "runtime/shard_state.h"
 #include "checkpoint/safetensors_format.h"
 
@@ -37,21 +39,23 @@ void agree_on_errors(World& world, const std::string& error, const std::string& 
 }
 
 void load_agreed(ShardState& state, const std::string& error, const std::string& fingerprint,
-                 const std::vector<std::function<void()>>& changes, const std::string& what) {
-  agree_on_errors(state.world(), error, what, fingerprint);
+                 const std::vector<std::function<void()>>& changes, const std::string& what, World* world) {
+  World& over = world ? *world : state.world();
+  agree_on_errors(over, error, what, fingerprint);
   std::string failed;
   try {
     for (const auto& change : changes) change();
   } catch (const std::exception& e) {
     failed = std::string(e.what()) + " (the model is partly loaded: load a checkpoint again before training)";
   }
-  agree_on_errors(state.world(), failed, what);
+  agree_on_errors(over, failed, what);
   state.after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
 }
 
-FileWaits::FileWaits(ShardState& state) {
-  for (Comm* c : state.topology().comms())
-    raised_.push_back(std::make_unique<Comm::TimeoutAtLeast>(*c, state.world().file_timeout()));
+FileWaits::FileWaits(ShardState& state, World* also) {
+  std::vector<Comm*> comms = state.topology().comms();
+  if (also && std::find(comms.begin(), comms.end(), &also->comm()) == comms.end()) comms.push_back(&also->comm());
+  for (Comm* c : comms) raised_.push_back(std::make_unique<Comm::TimeoutAtLeast>(*c, state.world().file_timeout()));
 }
 
 }  // namespace shardtorch::detail

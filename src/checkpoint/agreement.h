@@ -35,16 +35,18 @@ std::vector<std::string> agreed_fingerprints(World& world, const std::string& er
 /// Collective, the end of a checkpoint load: agrees on what the check phase
 /// found (`error`, `fingerprint`), runs the planned `changes`, agrees again
 /// (a failure while copying says the model is partly loaded), then rebuilds
-/// what the new values make stale (after_optimizer_step).
+/// what the new values make stale (after_optimizer_step). The agreements run
+/// over `world` (every rank loading), the model's World by default.
 void load_agreed(ShardState& state, const std::string& error, const std::string& fingerprint,
-                 const std::vector<std::function<void()>>& changes, const std::string& what);
+                 const std::vector<std::function<void()>>& changes, const std::string& what, World* world = nullptr);
 
-/// For its lifetime, every communicator of the model waits at least the
-/// world's file_timeout: the checkpoints' collectives, which wait for other
-/// ranks' file writes, reads and fsyncs.
+/// For its lifetime, every communicator of the model (and `also`'s, the
+/// World of a save or load over several models) waits at least the world's
+/// file_timeout: the checkpoints' collectives, which wait for other ranks'
+/// file writes, reads and fsyncs.
 class FileWaits {
  public:
-  explicit FileWaits(ShardState& state);
+  explicit FileWaits(ShardState& state, World* also = nullptr);
 
  private:
   std::vector<std::unique_ptr<Comm::TimeoutAtLeast>> raised_;

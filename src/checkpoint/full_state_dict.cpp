@@ -1,8 +1,11 @@
 // Full state dicts: gathered one flat parameter at a time, written by rank 0;
 // loaded by every rank reading only its own shard's elements.
+#include <boost/json.hpp>
 #include <c10/core/GradMode.h>
+
 #include "base/check.h"
 
+#include <algorithm>
 #include <functional>
 #include <optional>
 #include <set>
@@ -10,6 +13,7 @@
 
 #include "runtime/shard_state.h"
 #include "checkpoint/agreement.h"
+#include "checkpoint/model_part.h"
 #include "checkpoint/reader_access.h"
 #include "checkpoint/streamed_tensors.h"
 #include "checkpoint/tied_names.h"
@@ -19,6 +23,29 @@ namespace shardtorch {
 namespace {
 
 using NameMap = std::map<const void*, std::vector<std::string>>;
+namespace json = boost::json;
+
+// Checked on every rank before any collective (the metadata is the same on every rank).
+void check_user_metadata(const std::string& path, const std::map<std::string, std::string>& user_metadata) {
+  for (const auto& [key, value] : user_metadata) {
+    SHARDTORCH_CHECK(key.rfind("shardtorch_", 0) != 0, "shardtorch::save_full_state_dict '", path, "': metadata key '",
+                     key, "' is reserved (keys starting with shardtorch_ are the library's)");
+    SHARDTORCH_CHECK(key != "format" || value == "pt", "shardtorch::save_full_state_dict '", path,
+                     "': metadata \"format\" is \"pt\" (what Hugging Face's loaders require), not '", value, "'");
+  }
+}
+
+// "format": "pt" is what Hugging Face's loaders require of a PyTorch state
+// dict; our own keys carry a prefix no user key may take.
+std::map<std::string, std::string> file_metadata(const std::map<std::string, std::string>& user_metadata,
+                                                 Strategy strategy, int world_size) {
+  auto metadata = user_metadata;
+  metadata["format"] = "pt";
+  metadata["shardtorch_format"] = "full state dict v1";
+  metadata["shardtorch_strategy"] = strategy_name(strategy);
+  metadata["shardtorch_world_size"] = std::to_string(world_size);
+  return metadata;
+}
 
 }  // namespace
 
@@ -27,13 +54,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   auto state = detail::require_state(root, "save_full_state_dict");
   detail::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
   World& world = state->world();
-  // Checked on every rank before any collective (the metadata is the same on every rank).
-  for (const auto& [key, value] : user_metadata) {
-    SHARDTORCH_CHECK(key.rfind("shardtorch_", 0) != 0, "shardtorch::save_full_state_dict '", path, "': metadata key '",
-                     key, "' is reserved (keys starting with shardtorch_ are the library's)");
-    SHARDTORCH_CHECK(key != "format" || value == "pt", "shardtorch::save_full_state_dict '", path,
-                     "': metadata \"format\" is \"pt\" (what Hugging Face's loaders require), not '", value, "'");
-  }
+  check_user_metadata(path, user_metadata);
   const bool writer = world.rank() == 0;
   c10::NoGradGuard no_grad;
   checkpoint::StreamedTensors tensors(root, *state, "save_full_state_dict", /*tied_once=*/false);
@@ -42,13 +63,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   if (writer) {
     std::vector<checkpoint::PendingTensor> pending;
     for (const auto& t : tensors.items()) pending.push_back({t.name, t.dtype, t.shape, t.produce});
-    // "format": "pt" is what Hugging Face's loaders require of a PyTorch
-    // state dict; our own keys carry a prefix no user key may take.
-    auto metadata = user_metadata;
-    metadata["format"] = "pt";
-    metadata["shardtorch_format"] = "full state dict v1";
-    metadata["shardtorch_strategy"] = strategy_name(state->strategy());
-    metadata["shardtorch_world_size"] = std::to_string(world.size());
+    const auto metadata = file_metadata(user_metadata, state->strategy(), world.size());
     try {
       checkpoint::write_file(path, pending, metadata);
     } catch (const std::exception& e) {
@@ -63,9 +78,14 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                    "'");
 }
 
-void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options) {
+namespace {
+
+// load_full_state_dict, of the whole model or (`part`) of one part of it.
+void load_full(torch::nn::Module& root, const std::string& path, const LoadOptions& options,
+               const checkpoint::ModelPart* part) {
   auto state = detail::require_state(root, "load_full_state_dict");
-  detail::FileWaits file_waits(*state);
+  World* world = part ? part->world.get() : &state->world();
+  detail::FileWaits file_waits(*state, world);
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::load_full_state_dict '" + path + "'";
@@ -84,6 +104,14 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
                   " tensors from byte " + std::to_string(checkpoint::ReaderAccess::header(*reader).data_start);
     for (const auto& [k, v] : checkpoint::ReaderAccess::header(*reader).metadata) fingerprint += ", " + k + "=" + v;
     NameMap names = detail::parameter_names(root);
+    if (part)  // a tied parameter is found under its names on the other parts too
+      for (auto& [impl, ns] : names) {
+        std::vector<std::string> all;
+        for (const auto& n : ns)
+          for (const auto& m : part->names_of(n))
+            if (std::find(all.begin(), all.end(), m) == all.end()) all.push_back(m);
+        ns = std::move(all);
+      }
     const std::string file_where = "safetensors file '" + path + "'";
     constexpr const char* kOption = "LoadOptions().tied_from";
     checkpoint::check_tied_from(names, options.tied_from(), file_where, kOption);
@@ -163,14 +191,134 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
       changes.push_back([file, b = item.value(), n = item.key()]() mutable { b.copy_(file->read(n)); });
     }
     for (const auto& t : checkpoint::ReaderAccess::header(*reader).tensors) {
-      if (!used.count(t.name))
+      if (!used.count(t.name) && !(part && part->shapes.count(t.name)))  // another part's: checked there
         throw checkpoint::SafetensorsError("safetensors file '" + path + "': unexpected tensor '" + t.name +
                                            "' (no parameter or buffer of the model has that name)");
     }
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::load_agreed(*state, error, fingerprint, changes, what);
+  detail::load_agreed(*state, error, fingerprint, changes, what, world);
 }
 
+}  // namespace
+
+void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options) {
+  load_full(root, path, options, nullptr);
+}
+
+namespace checkpoint {
+
+void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options,
+                          const ModelPart& part) {
+  load_full(root, path, options, &part);
+}
+
+// One file for every part: rank 0 of part.world writes it. Its own part's
+// tensors it gathers as the whole model's save does; every other part's
+// leader (rank 0 of that part's World) gathers its part's the same way and
+// sends each tensor to rank 0 when rank 0's writer reaches it, so that no
+// rank holds more than one gathered flat parameter and one received tensor.
+// No rank but rank 0 writes, and no file system is shared.
+void save_full_state_dict(torch::nn::Module& root, const std::string& path,
+                          const std::map<std::string, std::string>& user_metadata, const ModelPart& part) {
+  auto state = detail::require_state(root, "save_full_state_dict");
+  World& world = *part.world;
+  detail::FileWaits file_waits(*state, &world);  // leaders wait for rank 0 to reach their tensors
+  check_user_metadata(path, user_metadata);
+  const bool writer = world.rank() == 0, leader = state->world().rank() == 0;
+  SHARDTORCH_CHECK(!writer || leader, "shardtorch: internal: rank 0 of the parts is not rank 0 of its own part");
+  c10::NoGradGuard no_grad;
+  StreamedTensors tensors(root, *state, "save_full_state_dict", /*tied_once=*/false);
+
+  // Every leader's list of its tensors (name, dtype, shape), in the order it sends them.
+  json::array mine;
+  if (leader)
+    for (const auto& t : tensors.items()) {
+      json::array shape;
+      for (int64_t d : t.shape) shape.push_back(d);
+      mine.push_back(json::array{json::value(t.name), static_cast<int64_t>(t.dtype), shape});
+    }
+  const auto lists = detail::agreed_fingerprints(world, "", "shardtorch::save_full_state_dict: the parts' tensors",
+                                                 leader ? json::serialize(mine) : "");
+  Comm& comm = world.comm();
+  auto transfer_what = [&](int from, const std::string& name) {
+    return "tensor '" + name + "' of rank " + std::to_string(world.global_rank_of(from)) +
+           "'s part for save_full_state_dict";
+  };
+
+  std::string error;
+  if (writer) {
+    struct Remote {
+      int rank;
+      std::vector<PendingTensor> items;  // name, dtype, shape
+      size_t received = 0;
+    };
+    std::vector<Remote> remotes;
+    for (int r = 1; r < world.size(); ++r) {
+      if (lists[r].empty()) continue;
+      Remote remote{r, {}, 0};
+      const json::value list = json::parse(lists[r]);
+      for (const auto& v : list.as_array()) {
+        const auto& a = v.as_array();
+        std::vector<int64_t> shape;
+        for (const auto& d : a.at(2).as_array()) shape.push_back(d.as_int64());
+        remote.items.push_back(
+            {json::value_to<std::string>(a.at(0)), static_cast<at::ScalarType>(a.at(1).as_int64()), shape, nullptr});
+      }
+      remotes.push_back(std::move(remote));
+    }
+    // The next tensor of `remote`, received (a tensor without elements is not sent).
+    auto receive = [&](Remote& remote) {
+      const PendingTensor& item = remote.items[remote.received++];
+      at::Tensor t = at::empty(item.shape, at::TensorOptions().dtype(item.dtype).device(comm.device()));
+      if (t.numel() > 0) {
+        PendingWork w = comm.recv_async(t, remote.rank, static_cast<int>(remote.received - 1),
+                                        transfer_what(remote.rank, item.name));
+        comm.wait(w);
+      }
+      return t.cpu();  // the writer takes CPU bytes
+    };
+    std::vector<PendingTensor> pending;
+    for (const auto& t : tensors.items()) pending.push_back({t.name, t.dtype, t.shape, t.produce});
+    for (size_t i = 0; i < remotes.size(); ++i)
+      for (size_t k = 0; k < remotes[i].items.size(); ++k) {
+        const auto& item = remotes[i].items[k];
+        pending.push_back({item.name, item.dtype, item.shape, [&, i, k] {
+                             tensors.finish();  // rank 0's own part is written: its last gathered flat is freed
+                             SHARDTORCH_CHECK(remotes[i].received == k,
+                                              "shardtorch: internal: save_full_state_dict "
+                                              "took another part's tensors out of order");
+                             return receive(remotes[i]);
+                           }});
+      }
+    auto metadata = file_metadata(user_metadata, state->strategy(), world.size());
+    metadata["shardtorch_layout"] = part.layout;
+    try {
+      write_file(path, pending, metadata);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    tensors.finish();
+    for (auto& remote : remotes)  // what a failed write did not take: the leaders send everything
+      while (remote.received < remote.items.size()) receive(remote);
+  } else if (leader) {
+    for (size_t k = 0; k < tensors.items().size(); ++k) {
+      const auto& item = tensors.items()[k];
+      at::Tensor t = item.produce();
+      if (t.numel() == 0) continue;
+      t = t.to(comm.device(), item.dtype).contiguous();  // what rank 0 receives into
+      PendingWork w = comm.send_async(t, 0, static_cast<int>(k), transfer_what(world.rank(), item.name));
+      comm.wait(w);
+    }
+  }
+  tensors.finish();  // every rank of every part takes part in its part's gathers
+  auto status = at::full({1}, error.empty() ? 0 : 1, at::kInt).to(comm.device());
+  comm.broadcast(status, 0, "save_full_state_dict status");
+  SHARDTORCH_CHECK(error.empty(), "shardtorch::save_full_state_dict: ", error);
+  SHARDTORCH_CHECK(status.cpu().item<int>() == 0, "shardtorch::save_full_state_dict: rank ", world.global_rank_of(0),
+                   " could not write '", path, "'");
+}
+
+}  // namespace checkpoint
 }  // namespace shardtorch

@@ -17,6 +17,7 @@
 #include "checkpoint/agreement.h"
 #include "checkpoint/hf_index.h"
 #include "checkpoint/tied_names.h"
+#include "checkpoint/model_part.h"
 #include "checkpoint/reader_access.h"
 #include "shardtorch/checkpoint/safetensors.h"
 
@@ -100,9 +101,16 @@ std::optional<std::string> model_name_of(const std::string& name, const HfLoadOp
 
 }  // namespace
 
-HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options) {
+namespace {
+
+// load_hf_checkpoint, into the whole model or (`part`) into one part of it:
+// the checkpoint's names are matched against the whole model's, and the
+// part's tied parameters are found under their names on the other parts too.
+HfLoadReport load_hf(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options,
+                     const checkpoint::ModelPart* part) {
   auto state = detail::require_state(root, "load_hf_checkpoint");
-  detail::FileWaits file_waits(*state);
+  World* world = part ? part->world.get() : &state->world();
+  detail::FileWaits file_waits(*state, world);
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::load_hf_checkpoint '" + path + "'";
@@ -160,6 +168,8 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
     for (const auto& item : root.named_parameters()) model_names.insert(item.key());
     for (const auto& item : root.named_buffers())
       if (item.value().defined()) model_names.insert(item.key());
+    if (part)  // the other parts' names are the model's too
+      for (const auto& [name, shape] : part->shapes) model_names.insert(name);
     struct Source1 {
       std::string name, file;  // in the checkpoint
     };
@@ -241,6 +251,14 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
     auto reader_of = [&](const Source1& s) { return readers.at(s.file).get(); };
 
     auto names = detail::parameter_names(root);
+    if (part)  // a tied parameter is found under its names on the other parts too
+      for (auto& [impl, ns] : names) {
+        std::vector<std::string> all;
+        for (const auto& n : ns)
+          for (const auto& m : part->names_of(n))
+            if (std::find(all.begin(), all.end(), m) == all.end()) all.push_back(m);
+        ns = std::move(all);
+      }
     constexpr const char* kOption = "HfLoadOptions().tied_from";
     checkpoint::check_tied_from(names, options.tied_from(), where, kOption);
     // Where `p` is read from (null: nowhere). A tied parameter held under
@@ -332,8 +350,23 @@ HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::load_agreed(*state, error, fingerprint, changes, what);
+  detail::load_agreed(*state, error, fingerprint, changes, what, world);
   return report;
 }
+
+}  // namespace
+
+HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options) {
+  return load_hf(root, path, options, nullptr);
+}
+
+namespace checkpoint {
+
+HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options,
+                                const ModelPart& part) {
+  return load_hf(root, path, options, &part);
+}
+
+}  // namespace checkpoint
 
 }  // namespace shardtorch

@@ -1,9 +1,11 @@
 // Hugging Face's multi-file safetensors layout written from a sharded model:
 // gathered one flat parameter at a time, written by rank 0 into files of at
 // most max_file_bytes (each tensor whole in one file), then the index.
+#include <boost/json.hpp>
 #include <c10/core/GradMode.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <regex>
@@ -15,6 +17,7 @@
 #include "base/files.h"
 #include "runtime/shard_state.h"
 #include "checkpoint/agreement.h"
+#include "checkpoint/model_part.h"
 #include "checkpoint/safetensors_format.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/hf_checkpoint.h"
@@ -65,16 +68,113 @@ void agree_on_names(World& world, const std::string& who, const std::string& err
   }
 }
 
+void check_options(const std::string& who, const HfSaveOptions& options) {
+  SHARDTORCH_CHECK(options.max_file_bytes() > 0, who, ": max_file_bytes must be positive, got ",
+                   options.max_file_bytes());
+  SHARDTORCH_CHECK(!options.dtype() || at::isFloatingType(*options.dtype()), who,
+                   ": dtype must be a floating-point type, got ", *options.dtype());
+}
+
+// The items of `tensors` under their names in the checkpoint (prefix,
+// map_name), those the mapping or `skip` leaves out left out; `kept` gets the
+// indices of the others. Throws if two get one name. `writer`: the entries
+// can produce their values (converted to options.dtype()).
+std::vector<Entry> name_entries(const checkpoint::StreamedTensors& tensors, const HfSaveOptions& options,
+                                const std::string& who, bool writer, std::vector<size_t>& kept,
+                                const std::function<bool(const std::string& name)>& skip = nullptr) {
+  std::vector<Entry> entries;
+  std::set<std::string> taken;
+  for (size_t item = 0; item < tensors.items().size(); ++item) {
+    const auto& t = tensors.items()[item];
+    if (skip && skip(t.name)) continue;
+    std::string name = options.prefix() + t.name;
+    if (options.map_name()) {
+      auto mapped = options.map_name()(name);
+      if (!mapped || mapped->empty()) continue;
+      name = *mapped;
+    }
+    SHARDTORCH_CHECK(taken.insert(name).second, who, ": two of the model's tensors are named '", name,
+                     "' in the checkpoint (the last is '", t.name, "'): the name mapping must keep names distinct");
+    const at::ScalarType out = options.dtype() && at::isFloatingType(t.dtype) ? *options.dtype() : t.dtype;
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    Entry e{name, out, t.shape, numel * static_cast<int64_t>(c10::elementSize(out)), nullptr};
+    if (writer)
+      e.produce = [produce = t.produce, out] {
+        at::Tensor v = produce();
+        return v.scalar_type() == out ? v : v.to(out);
+      };
+    entries.push_back(std::move(e));
+    kept.push_back(item);
+  }
+  return entries;
+}
+
+// Tensors of these sizes in files, in order, each file filled until the next
+// tensor would pass the limit (a larger tensor alone in its file), as
+// transformers' save_pretrained. At least one file, empty if need be.
+std::vector<std::vector<size_t>> plan_files(const std::vector<int64_t>& bytes, int64_t max_file_bytes) {
+  std::vector<std::vector<size_t>> plan(1);
+  int64_t in_file = 0;
+  for (size_t e = 0; e < bytes.size(); ++e) {
+    if (!plan.back().empty() && in_file + bytes[e] > max_file_bytes) {
+      plan.emplace_back();
+      in_file = 0;
+    }
+    plan.back().push_back(e);
+    in_file += bytes[e];
+  }
+  return plan;
+}
+
+// Removes what a failed save left in `dir`: the files whose names contain
+// `marker` (a staging prefix, with write_file's temporaries of those files).
+void remove_staged(const std::string& dir, const std::string& marker) {
+  try {
+    for (const auto& name : files::list_directory(dir))
+      if (name.find(marker) != std::string::npos) files::remove(dir + "/" + name);
+  } catch (const std::exception&) {
+  }
+}
+
+// The last of a save, on one rank: the data files `files` written under
+// `staging` + their names are renamed into place, then the index (written
+// under its staging name first, so that a reader of the old index never sees
+// a half-written file) names `weight_map` (tensor, file); data files of an
+// earlier save that the new index does not name are then removed.
+void publish(const std::string& dir, const std::string& staging, const std::vector<std::string>& data_files,
+             const std::vector<std::pair<std::string, std::string>>& weight_map, int64_t total_bytes) {
+  std::ostringstream index;
+  index << "{\n  \"metadata\": {\n    \"total_size\": " << total_bytes << "\n  },\n  \"weight_map\": {";
+  const char* sep = "\n";
+  for (const auto& [tensor, file] : weight_map) {
+    index << sep << "    " << checkpoint::quote(tensor) << ": \"" << file << "\"";
+    sep = ",\n";
+  }
+  index << "\n  }\n}\n";
+  const std::string index_tmp = dir + "/" + staging + kIndexName;
+  {
+    std::ofstream out(index_tmp, std::ios::binary | std::ios::trunc);
+    out << index.str();
+    out.flush();
+    SHARDTORCH_CHECK(out.good(), "cannot write '", index_tmp, "'");
+  }
+  files::sync(index_tmp);
+  for (const auto& f : data_files) files::rename(dir + "/" + staging + f, dir + "/" + f);
+  files::rename_durably(index_tmp, dir + "/" + kIndexName);
+  static const std::regex ours(R"(model-\d{5}-of-\d{5}\.safetensors)");
+  const std::set<std::string> kept(data_files.begin(), data_files.end());
+  for (const auto& name : files::list_directory(dir))
+    if (std::regex_match(name, ours) && !kept.count(name)) files::remove(dir + "/" + name);
+}
+
 }  // namespace
 
 HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir, const HfSaveOptions& options) {
   auto state = detail::require_state(root, "save_hf_checkpoint");
   World& world = state->world();
   const std::string who = "shardtorch::save_hf_checkpoint '" + dir + "'";
-  SHARDTORCH_CHECK(options.max_file_bytes() > 0, who, ": max_file_bytes must be positive, got ",
-                   options.max_file_bytes());
-  SHARDTORCH_CHECK(!options.dtype() || at::isFloatingType(*options.dtype()), who,
-                   ": dtype must be a floating-point type, got ", *options.dtype());
+  check_options(who, options);
   detail::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
   const bool writer = world.rank() == 0;
   c10::NoGradGuard no_grad;
@@ -84,51 +184,23 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
                                       options.include_buffers());
   std::vector<Entry> entries;
   std::vector<size_t> kept;  // items written: only their flats are gathered
-  std::set<std::string> taken;
   std::string naming_error;  // agreed below: no rank may throw alone before the gathers
   try {
-    for (size_t item = 0; item < tensors.items().size(); ++item) {
-      const auto& t = tensors.items()[item];
-      std::string name = options.prefix() + t.name;
-      if (options.map_name()) {
-        auto mapped = options.map_name()(name);
-        if (!mapped || mapped->empty()) continue;
-        name = *mapped;
-      }
-      SHARDTORCH_CHECK(taken.insert(name).second, who, ": two of the model's tensors are named '", name,
-                       "' in the checkpoint (the last is '", t.name, "'): the name mapping must keep names distinct");
-      const at::ScalarType out = options.dtype() && at::isFloatingType(t.dtype) ? *options.dtype() : t.dtype;
-      int64_t numel = 1;
-      for (int64_t d : t.shape) numel *= d;
-      Entry e{name, out, t.shape, numel * static_cast<int64_t>(c10::elementSize(out)), nullptr};
-      if (writer)
-        e.produce = [produce = t.produce, out] {
-          at::Tensor v = produce();
-          return v.scalar_type() == out ? v : v.to(out);
-        };
-      entries.push_back(std::move(e));
-      kept.push_back(item);
-    }
+    entries = name_entries(tensors, options, who, writer, kept);
   } catch (const std::exception& e) {
     naming_error = detail::message_of(e);
+    entries.clear();
   }
   agree_on_names(world, who, naming_error, entries);
   tensors.keep_only(kept);
 
-  // Files in order, each filled until the next tensor would pass the limit
-  // (a larger tensor alone in its file), as transformers' save_pretrained.
-  std::vector<std::vector<size_t>> plan(1);
-  int64_t in_file = 0;
+  std::vector<int64_t> bytes;
   HfSaveReport report;
-  for (size_t e = 0; e < entries.size(); ++e) {
-    if (!plan.back().empty() && in_file + entries[e].bytes > options.max_file_bytes()) {
-      plan.emplace_back();
-      in_file = 0;
-    }
-    plan.back().push_back(e);
-    in_file += entries[e].bytes;
-    report.total_bytes += entries[e].bytes;
+  for (const auto& e : entries) {
+    bytes.push_back(e.bytes);
+    report.total_bytes += e.bytes;
   }
+  const auto plan = plan_files(bytes, options.max_file_bytes());
   for (size_t k = 0; k < plan.size(); ++k) report.files.push_back(file_name(k, plan.size()));
 
   std::string error;
@@ -144,39 +216,13 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
           pending.push_back({entries[e].name, entries[e].dtype, entries[e].shape, entries[e].produce});
         checkpoint::write_file(dir + "/" + staging + report.files[k], pending, {{"format", "pt"}});
       }
-      std::ostringstream index;
-      index << "{\n  \"metadata\": {\n    \"total_size\": " << report.total_bytes << "\n  },\n  \"weight_map\": {";
-      const char* sep = "\n";
+      std::vector<std::pair<std::string, std::string>> weight_map;
       for (size_t k = 0; k < plan.size(); ++k)
-        for (size_t e : plan[k]) {
-          index << sep << "    " << checkpoint::quote(entries[e].name) << ": \"" << report.files[k] << "\"";
-          sep = ",\n";
-        }
-      index << "\n  }\n}\n";
-      const std::string index_tmp = dir + "/" + staging + kIndexName;
-      {
-        std::ofstream out(index_tmp, std::ios::binary | std::ios::trunc);
-        out << index.str();
-        out.flush();
-        SHARDTORCH_CHECK(out.good(), "cannot write '", index_tmp, "'");
-      }
-      files::sync(index_tmp);
-      for (size_t k = 0; k < plan.size(); ++k)
-        files::rename(dir + "/" + staging + report.files[k], dir + "/" + report.files[k]);
-      files::rename_durably(index_tmp, dir + "/" + kIndexName);
-      // Data files of an earlier save that the new index does not name.
-      static const std::regex ours(R"(model-\d{5}-of-\d{5}\.safetensors)");
-      const std::set<std::string> kept(report.files.begin(), report.files.end());
-      for (const auto& name : files::list_directory(dir))
-        if (std::regex_match(name, ours) && !kept.count(name)) files::remove(dir + "/" + name);
+        for (size_t e : plan[k]) weight_map.emplace_back(entries[e].name, report.files[k]);
+      publish(dir, staging, report.files, weight_map, report.total_bytes);
     } catch (const std::exception& e) {
       error = e.what();
-      try {  // what this save left behind; the earlier checkpoint stays as it was
-        for (const auto& name : files::list_directory(dir))
-          if (name.find(staging) != std::string::npos)
-            files::remove(dir + "/" + name);  // with write_file's temporaries
-      } catch (const std::exception&) {
-      }
+      remove_staged(dir, staging);  // what this save left behind; the earlier checkpoint stays as it was
     }
   }
   tensors.finish();  // the other ranks (and rank 0, after a failed write) take part in the gathers
@@ -188,4 +234,148 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   return report;
 }
 
+namespace checkpoint {
+
+// Every part's leader (rank 0 of its own World) writes its part's tensors
+// into files of their own, gathered one flat parameter at a time; the files
+// are numbered over the whole model, in the order of the leaders' ranks in
+// part.world. Rank 0 of part.world then renames them into place and writes
+// the index, as the whole model's save does. The directory must be one file
+// system for every leader (as for sharded checkpoints).
+HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir, const HfSaveOptions& options,
+                                const ModelPart& part) {
+  namespace json = boost::json;
+  auto state = detail::require_state(root, "save_hf_checkpoint");
+  World& world = *part.world;
+  const std::string who = "shardtorch::save_hf_checkpoint '" + dir + "'";
+  check_options(who, options);
+  detail::FileWaits file_waits(*state, &world);  // the others wait for the writers and rank 0's renames
+  const bool leader = state->world().rank() == 0;
+  c10::NoGradGuard no_grad;
+
+  // A tied parameter under its first part's name only, with tied_once.
+  StreamedTensors tensors(root, *state, "save_hf_checkpoint", options.tied_once(), options.include_buffers());
+  std::vector<Entry> entries;
+  std::vector<size_t> kept;
+  std::string naming_error;
+  try {
+    entries = name_entries(tensors, options, who, leader, kept, [&](const std::string& name) {
+      return options.tied_once() && part.saved_by_another_part(name);
+    });
+  } catch (const std::exception& e) {
+    naming_error = detail::message_of(e);
+    entries.clear();
+  }
+  // Every rank's names (its part's leader's global rank first): the ranks of
+  // a part must name the same tensors (they gather together), and no two
+  // parts one tensor.
+  json::array mine;
+  for (const auto& e : entries) mine.push_back(json::array{json::value(e.name), e.bytes});
+  const json::object report_mine{
+      {"leader", state->world().global_rank_of(0)}, {"pid", static_cast<int64_t>(::getpid())}, {"entries", mine}};
+  const auto all = detail::agreed_fingerprints(world, naming_error, who, json::serialize(report_mine));
+  std::map<int64_t, std::string> part_names;  // by leader: its names, as every rank of the part must have them
+  std::vector<int> leaders;                   // ranks in part.world, in order
+  std::vector<std::vector<std::pair<std::string, int64_t>>> lists;  // each leader's (name, bytes)
+  std::map<std::string, int> taken;                                 // name -> the leader's rank writing it
+  int64_t staging_pid = 0;
+  for (int r = 0; r < world.size(); ++r) {
+    const json::object o = json::parse(all[r]).as_object();
+    if (r == 0) staging_pid = o.at("pid").as_int64();
+    const int64_t lead = o.at("leader").as_int64();
+    const std::string names = json::serialize(o.at("entries"));
+    auto [it, fresh] = part_names.emplace(lead, names);
+    SHARDTORCH_CHECK(fresh || it->second == names, who, ": the ranks of one part would write different tensors (rank ",
+                     world.global_rank_of(r), " and rank ", lead,
+                     "); prefix and map_name must give the same names on every rank; nothing was written");
+    if (lead != world.global_rank_of(r)) continue;
+    leaders.push_back(r);
+    lists.emplace_back();
+    for (const auto& v : o.at("entries").as_array()) {
+      const auto& a = v.as_array();
+      const std::string name = json::value_to<std::string>(a.at(0));
+      auto [t, first] = taken.emplace(name, r);
+      SHARDTORCH_CHECK(first, who, ": two parts of the model would write tensor '", name, "' (rank ",
+                       world.global_rank_of(t->second), "'s and rank ", world.global_rank_of(r),
+                       "'s); the name mapping must keep names distinct; nothing was written");
+      lists.back().emplace_back(name, a.at(1).as_int64());
+    }
+  }
+  tensors.keep_only(kept);
+
+  // The files: each leader's, planned as one model's, numbered in order.
+  struct File {
+    int leader;                   // rank in part.world
+    std::vector<size_t> tensors;  // indices into the leader's list
+  };
+  std::vector<File> plan;
+  HfSaveReport report;
+  for (size_t l = 0; l < leaders.size(); ++l) {
+    std::vector<int64_t> bytes;
+    for (const auto& [name, b] : lists[l]) {
+      bytes.push_back(b);
+      report.total_bytes += b;
+      ++report.tensors;
+    }
+    if (bytes.empty()) continue;
+    for (auto& f : plan_files(bytes, options.max_file_bytes())) plan.push_back({leaders[l], std::move(f)});
+  }
+  if (plan.empty()) plan.push_back({0, {}});  // nothing to write: one empty file (rank 0's), as the whole model's save
+  for (size_t k = 0; k < plan.size(); ++k) report.files.push_back(file_name(k, plan.size()));
+  const std::string staging = ".shardtorch-staging-" + std::to_string(staging_pid) + "-";
+
+  // Each leader writes its files under staging names.
+  std::string error;
+  std::vector<std::string> written;  // this rank's files, by name
+  if (leader) {
+    try {
+      files::create_directories(dir);
+      size_t next = 0;  // this leader's next entry
+      for (size_t k = 0; k < plan.size(); ++k) {
+        if (plan[k].leader != world.rank()) continue;
+        std::vector<PendingTensor> pending;
+        for (size_t i = 0; i < plan[k].tensors.size(); ++i, ++next) {
+          const Entry& e = entries.at(next);
+          pending.push_back({e.name, e.dtype, e.shape, e.produce});
+        }
+        written.push_back(report.files[k]);
+        write_file(dir + "/" + staging + report.files[k], pending, {{"format", "pt"}});
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  tensors.finish();  // every rank of every part takes part in its part's gathers
+  const auto written_ok = world.comm().all_gather_strings(error, "save_hf_checkpoint: the parts' files");
+  int failed = -1;
+  for (int r = 0; r < world.size() && failed < 0; ++r)
+    if (!written_ok[r].empty()) failed = r;
+  if (failed >= 0) {
+    for (const auto& f : written) remove_staged(dir, staging + f);  // the earlier checkpoint stays as it was
+    detail::agree_on_errors(world, "", who);                        // the files are gone before any rank returns
+    SHARDTORCH_CHECK(false, who, ": rank ", world.global_rank_of(failed),
+                     " could not write its part: ", written_ok[failed]);
+  }
+  // Rank 0: the files in place, the index last.
+  if (world.rank() == 0) {
+    try {
+      std::vector<std::pair<std::string, std::string>> weight_map;
+      std::vector<size_t> next(leaders.size(), 0);
+      for (size_t k = 0; k < plan.size(); ++k) {
+        const size_t l =
+            static_cast<size_t>(std::find(leaders.begin(), leaders.end(), plan[k].leader) - leaders.begin());
+        for (size_t i = 0; i < plan[k].tensors.size(); ++i)
+          weight_map.emplace_back(lists[l][next[l]++].first, report.files[k]);
+      }
+      publish(dir, staging, report.files, weight_map, report.total_bytes);
+    } catch (const std::exception& e) {
+      error = e.what();
+      remove_staged(dir, staging);
+    }
+  }
+  detail::agree_on_errors(world, error, who);
+  return report;
+}
+
+}  // namespace checkpoint
 }  // namespace shardtorch

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -25,6 +26,7 @@
 #include "checkpoint/reader_access.h"
 #include "checkpoint/index_format.h"
 #include "checkpoint/tied_names.h"
+#include "checkpoint/model_part.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"
 
@@ -242,7 +244,10 @@ std::vector<int> spread(const std::vector<int64_t>& sizes, int writers) {
   return owner;
 }
 
-Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt, int rank) {
+// `rank`: this rank's file. A part of a model (`part`) leaves the parameters
+// tied to other parts under another name to the part whose name comes first.
+Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt, int rank,
+                const checkpoint::ModelPart* part) {
   Holding h;
   const std::string file = "rank-" + std::to_string(rank) + ".safetensors";
   auto add = [&](const std::string& name, const std::string& kind, int64_t begin, const at::Tensor& t, int64_t step) {
@@ -262,7 +267,7 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
   if (state.ddp()) {
     for (const auto& [name, p] : no_shard_params(root, state)) ranges.push_back({name, 0, state.record_of(p)});
     writers = state.world().size();
-    me = rank;
+    me = state.world().rank();
   } else {
     const int shard_rank = state.shard_comm().rank();
     for (auto& u : state.units())
@@ -277,6 +282,10 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
       me = state.replica_comm()->rank();
     }
   }
+  if (part)
+    ranges.erase(std::remove_if(ranges.begin(), ranges.end(),
+                                [&](const Range& r) { return part->saved_by_another_part(r.name); }),
+                 ranges.end());
   std::vector<int64_t> sizes;
   for (const auto& r : ranges) sizes.push_back(r.values.numel());
   const std::vector<int> owner = spread(sizes, writers);
@@ -298,7 +307,7 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
         add(piece.name, kind, piece.param_offset, t, step);
     }
   }
-  if (rank == 0)
+  if (state.world().rank() == 0)  // the buffers, once per model (per part)
     for (const auto& item : root.named_buffers())
       if (item.value().defined()) add(item.key(), "buffer", 0, item.value(), 0);
   return h;
@@ -347,8 +356,11 @@ void check_entries_within_shapes(const Index& idx, const std::string& dir) {
 // differ, parameters or buffers it lacks, and tensors the model has no name
 // for are errors naming them (element counts alone would let a transposed or
 // resized weight load, scrambled).
-void check_model_against(torch::nn::Module& root, const Index& idx, const std::string& dir) {
-  const auto mine = model_shapes(root);
+// A part of a model (`part`) is checked against the whole model: a tensor
+// another part holds is no error here (that part checks its shape).
+void check_model_against(torch::nn::Module& root, const Index& idx, const std::string& dir,
+                         const checkpoint::ModelPart* part) {
+  const auto mine = part ? part->shapes : model_shapes(root);
   for (const auto& e : idx.entries)
     if (!mine.count(e.name))
       throw SafetensorsError("checkpoint '" + dir + "': unexpected tensor '" + e.name + "' (" + e.kind +
@@ -366,7 +378,12 @@ void check_model_against(torch::nn::Module& root, const Index& idx, const std::s
   check_entries_within_shapes(idx, dir);
   for (const auto& [names_of, names] : detail::parameter_names(root)) {
     (void)names_of;
-    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return idx.shapes->count(n) > 0; }))
+    auto saved = [&](const std::string& n) {
+      if (!part) return idx.shapes->count(n) > 0;
+      const auto all = part->names_of(n);
+      return std::any_of(all.begin(), all.end(), [&](const std::string& m) { return idx.shapes->count(m) > 0; });
+    };
+    if (std::none_of(names.begin(), names.end(), saved))
       throw SafetensorsError("checkpoint '" + dir + "': no entry for parameter '" + names.front() + "'");
   }
   for (const auto& item : root.named_buffers())
@@ -604,25 +621,8 @@ MergedReports merge_reports(const std::vector<std::string>& reports, int rank, i
   return m;
 }
 
-// The index of the checkpoint: format, world, strategy, step, files,
-// entries, user state, every tensor's shape, and the units' flat parameters.
-json::object index_json(torch::nn::Module& root, detail::ShardState& state, int world_size, int64_t step,
-                        MergedReports merged, const json::object& user) {
-  json::object index{{"format_version", kFormatVersion},
-                     {"format", "shardtorch sharded checkpoint"},
-                     {"world_size", world_size},
-                     {"strategy", strategy_name(state.strategy())},
-                     {"step", step},
-                     {"files", std::move(merged.files)},
-                     {"entries", std::move(merged.entries)},
-                     {"user_state", user}};
-  json::object shapes;
-  for (const auto& [name, shape] : model_shapes(root)) {
-    json::array dims;
-    for (int64_t d : shape) dims.push_back(d);
-    shapes[name] = dims;
-  }
-  index["shapes"] = shapes;
+// The units' flat parameters (informational: loading does not read them).
+json::array units_json(detail::ShardState& state) {
   json::array units;
   if (!state.ddp())
     for (auto& u : state.units()) {
@@ -635,7 +635,30 @@ json::object index_json(torch::nn::Module& root, detail::ShardState& state, int 
       }
       units.push_back(json::object{{"name", u->label()}, {"flats", flats}});
     }
-  index["units"] = units;
+  return units;
+}
+
+// The index of the checkpoint: format, world, strategy, step, files,
+// entries, user state, every tensor's shape (`shapes`: the whole model's),
+// and the units' flat parameters.
+json::object index_json(const std::map<std::string, std::vector<int64_t>>& model, Strategy strategy, int world_size,
+                        int64_t step, MergedReports merged, const json::object& user, json::array units) {
+  json::object index{{"format_version", kFormatVersion},
+                     {"format", "shardtorch sharded checkpoint"},
+                     {"world_size", world_size},
+                     {"strategy", strategy_name(strategy)},
+                     {"step", step},
+                     {"files", std::move(merged.files)},
+                     {"entries", std::move(merged.entries)},
+                     {"user_state", user}};
+  json::object shapes;
+  for (const auto& [name, shape] : model) {
+    json::array dims;
+    for (int64_t d : shape) dims.push_back(d);
+    shapes[name] = dims;
+  }
+  index["shapes"] = shapes;
+  index["units"] = std::move(units);
   return index;
 }
 
@@ -658,11 +681,16 @@ std::string write_index_and_publish(const std::function<json::object()>& index, 
 
 }  // namespace
 
-void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg, int64_t step,
-                             const std::map<std::string, std::string>& user_state) {
+namespace {
+
+// save_sharded_checkpoint, of the whole model or (`part`) of one part of it:
+// every rank of every part writes its file, rank-R for its rank R in
+// part->world, and the index is the whole model's.
+void save_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg, int64_t step,
+                  const std::map<std::string, std::string>& user_state, const checkpoint::ModelPart* part) {
   auto state = detail::require_state(root, "save_sharded_checkpoint");
-  detail::FileWaits file_waits(*state);  // each rank waits for the slowest writer
-  World& world = state->world();
+  World& world = part ? *part->world : state->world();
+  detail::FileWaits file_waits(*state, &world);  // each rank waits for the slowest writer
   c10::NoGradGuard no_grad;
   const std::string dir = normalized(dir_arg);
   const std::string what = "shardtorch::save_sharded_checkpoint '" + dir + "'";
@@ -673,8 +701,9 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   detail::agree_on_errors(world, world.rank() == 0 ? prepare_staging(dir, tmp) : "", what);
   const json::object user = user_json(user_state);
   const std::string opt_kind = opt ? detail::optimizer_kind_name(optimizer_kind(*opt)) : "none";
-  const json::object report =
-      write_rank_file(collect(root, *state, opt, world.rank()), tmp, world.rank(), step, user, opt_kind);
+  json::object report =
+      write_rank_file(collect(root, *state, opt, world.rank(), part), tmp, world.rank(), step, user, opt_kind);
+  if (part && state->world().rank() == 0) report["units"] = units_json(*state);  // each part's, once
   auto reports = world.comm().all_gather_strings(json::serialize(report), "save_sharded_checkpoint index");
   checkpoint::crash_point("reports gathered");
   MergedReports merged = merge_reports(reports, world.rank(), step, opt_kind, user);
@@ -684,13 +713,67 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   std::string error;
   if (world.rank() == 0)
     error = write_index_and_publish(
-        [&] { return index_json(root, *state, world.size(), step, std::move(merged), user); }, tmp, dir);
+        [&] {
+          json::array units;
+          if (!part) units = units_json(*state);
+          for (const auto& r : reports) {
+            const json::value report = json::parse(r);
+            if (const auto* u = report.as_object().if_contains("units"))
+              for (const auto& unit : u->as_array()) units.push_back(unit);
+          }
+          json::object index = index_json(part ? part->shapes : model_shapes(root), state->strategy(), world.size(),
+                                          step, std::move(merged), user, std::move(units));
+          if (part) index["layout"] = part->layout;
+          return index;
+        },
+        tmp, dir);
   detail::agree_on_errors(world, error, what);
+}
+
+}  // namespace
+
+void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, int64_t step,
+                             const std::map<std::string, std::string>& user_state) {
+  save_sharded(root, opt, dir, step, user_state, nullptr);
 }
 
 namespace {
 
 using Changes = std::vector<std::function<void()>>;
+
+// The name a parameter's values are saved under, from the name the loader
+// knows it by: that name, or another name of the same tensor (a tied
+// parameter saved once, under another of its names), or (a part of a model)
+// the name it has on another part.
+class SavedNames {
+ public:
+  SavedNames(torch::nn::Module& root, const Index& idx, const checkpoint::ModelPart* part) {
+    for (const auto& e : idx.entries)
+      if (e.kind == "param") saved_.insert(e.name);
+    for (const auto& [impl, names] : detail::parameter_names(root)) {
+      (void)impl;
+      std::vector<std::string> all;
+      for (const auto& n : names)
+        for (const auto& m : part ? part->names_of(n) : std::vector<std::string>{n})
+          if (std::find(all.begin(), all.end(), m) == all.end()) all.push_back(m);
+      for (const auto& n : names) others_[n] = all;
+    }
+  }
+  /// The first of `name`'s names with saved ranges; `name` itself if none
+  /// has any (its fill then says what is missing).
+  const std::string& operator()(const std::string& name) const {
+    if (saved_.count(name)) return name;
+    auto it = others_.find(name);
+    if (it != others_.end())
+      for (const auto& n : it->second)
+        if (saved_.count(n)) return n;
+    return name;
+  }
+
+ private:
+  std::set<std::string> saved_;
+  std::map<std::string, std::vector<std::string>> others_;
+};
 
 // Plans one destination's fill from this load's index and files.
 struct FillPlanner {
@@ -698,16 +781,19 @@ struct FillPlanner {
   Files& files;
   const std::string& dir;
   bool allow_lossy;
+  const SavedNames& saved;
   // A tied parameter read (with its optimizer state) under another of its
   // names than the one this model keeps it under (plan_tied).
   std::map<std::string, std::string> read_as = {};
+  /// The name `name`'s values and state are read under: plan_tied's choice,
+  /// else the first of its names with saved ranges.
   const std::string& source(const std::string& name) const {
     auto it = read_as.find(name);
-    return it == read_as.end() ? name : it->second;
+    return it == read_as.end() ? saved(name) : it->second;
   }
   Fill operator()(int64_t numel, const std::string& name, const std::string& kind, int64_t begin,
                   at::ScalarType into) const {
-    return plan_fill(numel, source(name), kind, begin, idx, files, dir, into, allow_lossy);
+    return plan_fill(numel, name, kind, begin, idx, files, dir, into, allow_lossy);  // `name`: a source()
   }
 };
 
@@ -764,11 +850,12 @@ void plan_parameters(torch::nn::Module& root, detail::ShardState& state, const F
   if (state.ddp()) {
     for (const auto& [name, p] : no_shard_params(root, state)) {
       const at::Tensor record = state.record_of(p);  // the fp32 master under mixed precision
-      changes.push_back([st, files, p, record, fill = plan(record.numel(), name, "param", 0, record.scalar_type())] {
-        at::Tensor t = at::empty({record.numel()}, record.options());
-        run_fill(t, fill, *files);
-        st->load_record(p, t);
-      });
+      changes.push_back(
+          [st, files, p, record, fill = plan(record.numel(), plan.source(name), "param", 0, record.scalar_type())] {
+            at::Tensor t = at::empty({record.numel()}, record.options());
+            run_fill(t, fill, *files);
+            st->load_record(p, t);
+          });
     }
     return;
   }
@@ -778,9 +865,10 @@ void plan_parameters(torch::nn::Module& root, detail::ShardState& state, const F
       for (size_t i = 0; i < f->params().size(); ++i)
         if (auto p = f->layout().piece(i, shard_rank)) {
           at::Tensor dst = f->shard().narrow(0, p->shard_offset, p->length);
-          changes.push_back([files, dst, fill = plan(p->length, f->names()[i], "param", p->param_offset, f->dtype())] {
-            run_fill(dst, fill, *files);
-          });
+          changes.push_back(
+              [files, dst, fill = plan(p->length, plan.source(f->names()[i]), "param", p->param_offset, f->dtype())] {
+                run_fill(dst, fill, *files);
+              });
         }
 }
 
@@ -858,7 +946,7 @@ void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Change
     if (adam && with_max.count(source)) kinds.push_back("max_exp_avg_sq");
     std::vector<Fill> fills;
     for (const auto& k : kinds)
-      fills.push_back(plan(piece.length, piece.name, k, piece.param_offset, piece.view.scalar_type()));
+      fills.push_back(plan(piece.length, source, k, piece.param_offset, piece.view.scalar_type()));
     // The state takes the piece's shape: a NoShard piece is the whole
     // parameter, and torch::optim adds its gradient into the state in
     // place (a flat state made step() fail after a resume).
@@ -877,10 +965,15 @@ void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Change
 
 }  // namespace
 
-int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
-                                std::map<std::string, std::string>* user_state, const LoadOptions& options) {
+namespace {
+
+// load_sharded_checkpoint, of the whole model or (`part`) of one part of it.
+int64_t load_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
+                     std::map<std::string, std::string>* user_state, const LoadOptions& options,
+                     const checkpoint::ModelPart* part) {
   auto state = detail::require_state(root, "load_sharded_checkpoint");
-  detail::FileWaits file_waits(*state);  // and for the slowest reader
+  World* world = part ? part->world.get() : &state->world();
+  detail::FileWaits file_waits(*state, world);  // and for the slowest reader
   state->wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   std::string dir = normalized(dir_arg);
@@ -900,8 +993,9 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
     dir = published_dir(dir);
     idx = read_index(dir);
     files.emplace(dir, idx);
-    check_model_against(root, idx, dir);
-    FillPlanner plan{idx, *files, dir, options.allow_lossy_casts()};
+    check_model_against(root, idx, dir, part);
+    const SavedNames saved(root, idx, part);
+    FillPlanner plan{idx, *files, dir, options.allow_lossy_casts(), saved};
     plan_tied(root, *state, plan, options.tied_from());
     plan_parameters(root, *state, plan, changes);
     plan_buffers(root, plan, changes);
@@ -909,11 +1003,33 @@ int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, 
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::load_agreed(*state, error, idx.fingerprint, changes, what);
+  detail::load_agreed(*state, error, idx.fingerprint, changes, what, world);
   if (opt) opt->views().count_optimizer_state(opt->inner());
   if (user_state) *user_state = idx.user_state;
   return idx.step;
 }
+
+}  // namespace
+
+int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
+                                std::map<std::string, std::string>* user_state, const LoadOptions& options) {
+  return load_sharded(root, opt, dir, user_state, options, nullptr);
+}
+
+namespace checkpoint {
+
+void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir, int64_t step,
+                             const std::map<std::string, std::string>& user_state, const ModelPart& part) {
+  save_sharded(root, optimizer, dir, step, user_state, &part);
+}
+
+int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
+                                std::map<std::string, std::string>* user_state, const LoadOptions& options,
+                                const ModelPart& part) {
+  return load_sharded(root, optimizer, dir, user_state, options, &part);
+}
+
+}  // namespace checkpoint
 
 std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir_arg) {
   const std::string dir = published_dir(normalized(dir_arg));
