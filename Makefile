@@ -8,7 +8,7 @@ JOBS ?= 2
 PY := $(VENV)/bin/python3
 Torch_DIR ?=
 
-.PHONY: all setup configure build test demo pipeline-demo tp-demo ft-demo ft-bench bench sweep peers install clean
+.PHONY: all setup configure build test demo pipeline-demo tp-demo ft-demo ft-bench bench dcp-bench sweep peers install clean
 
 all: build
 
@@ -65,6 +65,15 @@ bench: build
 	  --benchmark_out=$(BUILD)/bench-results/comm.json --benchmark_out_format=json
 	$(BUILD)/bench/bench_checksum --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
 	  --benchmark_out=$(BUILD)/bench-results/checksum.json --benchmark_out_format=json
+
+# A PyTorch distributed checkpoint of 1.07 B parameters written by FSDP2 at 2 ranks, loaded at 4 by
+# shardtorch and by torch's dcp.load: time and memory per rank (docs/checkpoints.md). Needs ~10 GiB of
+# memory and of disk (DCP_BENCH_DIR); DCP_BENCH_ARGS="--layers 4" makes it smaller.
+DCP_BENCH_DIR ?= /tmp/shardtorch-dcp-bench
+dcp-bench: configure
+	cmake --build $(BUILD) -j$(JOBS) --target dcp_load_bench
+	$(PY) bench/dcp/run_dcp_bench.py --build $(BUILD) --venv $(VENV) --dir $(DCP_BENCH_DIR) \
+	  --out $(BUILD)/dcp-bench.json $(DCP_BENCH_ARGS)
 
 # Memory against throughput of the example GPT (docs/benchmarks.md): CSV, JSON and PNG in $(BUILD)/sweep.
 sweep: build

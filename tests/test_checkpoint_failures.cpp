@@ -11,7 +11,9 @@
 #include <fstream>
 #include <thread>
 
+#include "checkpoint/dcp_metadata.h"
 #include "checkpoint_helpers.h"
+#include "dcp_helpers.h"
 #include "models.h"
 #include "shardtorch/checkpoint.h"
 
@@ -524,5 +526,92 @@ TEST(CheckpointFailures, ATiedParameterSavedUntiedWithDifferentValuesIsRefusedUn
       }
     });
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << "\n" << r.summary();
+// A malformed DCP checkpoint (sample a of tests/data/dcp, broken one way at
+// a time): every rank fails at once, naming the problem, with the model and
+// the optimizer unchanged, whichever rank would have read the broken part.
+TEST(CheckpointFailures, MalformedDcpCheckpointsFailEveryRankWithTheModelUnchanged) {
+  namespace dcp = shardtorch::checkpoint::dcp;
+  const TempDir dir;
+  auto edit_metadata = [](const std::string& ck, const std::function<void(dcp::Metadata&)>& edit) {
+    auto md = dcp::parse(read_text(ck + "/.metadata"), "sample");
+    edit(md);
+    std::ofstream(ck + "/.metadata", std::ios::binary | std::ios::trunc) << dcp::serialize(md);
+  };
+  auto find = [](dcp::Metadata& md, const std::string& key) -> dcp::Entry& { return md.entries[md.index.at(key)]; };
+  struct Case {
+    std::string name;
+    std::function<void(const std::string&)> breaks;
+    std::string expect;
+    int64_t hidden = 5;
+  };
+  const std::vector<Case> cases = {
+      {"truncated data file", [](const std::string& ck) { files::resize_file(ck + "/__1_0.distcp", 1000); },
+       "'__1_0.distcp', which has 1000 bytes (truncated, or a file of another save)"},
+      {"truncated metadata",
+       [](const std::string& ck) {
+         const std::string m = read_text(ck + "/.metadata");
+         std::ofstream(ck + "/.metadata", std::ios::binary | std::ios::trunc) << m.substr(0, m.size() / 2);
+       },
+       "runs past the end"},
+      {"an offset past the end",
+       [&](const std::string& ck) {
+         edit_metadata(ck, [&](dcp::Metadata& md) { find(md, "model.l1.weight").chunks[0].storage.offset = 29963; });
+       },
+       "of '__0_0.distcp', which has 29963 bytes"},
+      {"a chunk that overlaps another",
+       [&](const std::string& ck) {
+         edit_metadata(ck, [&](dcp::Metadata& md) { find(md, "model.l0.weight").chunks[1].offsets = {2, 0}; });
+       },
+       "which overlap"},
+      {"a global outside the allow-list",
+       [&](const std::string& ck) {
+         auto md = dcp::parse(read_text(ck + "/.metadata"), "sample");
+         std::string bytes = dcp::serialize(md);
+         bytes.replace(bytes.find("ctorch\nSize\n"), 12, "cos\nsystem\n");
+         std::ofstream(ck + "/.metadata", std::ios::binary | std::ios::trunc) << bytes;
+       },
+       "global 'os.system' is not on the allow-list"},
+      {"an item that is not a zip",
+       [&](const std::string& ck) {
+         auto md = dcp::parse(read_text(ck + "/.metadata"), "sample");
+         // FSDP2's rows [3, 5) of norm.bias: at 2 ranks here, in rank 1's shard alone.
+         const auto& st = find(md, "model.norm.bias").chunks[1].storage;
+         std::fstream f(ck + "/" + st.relative_path, std::ios::in | std::ios::out | std::ios::binary);
+         f.seekp(static_cast<std::streamoff>(st.offset));
+         f.write("XXXX", 4);
+       },
+       "is not a torch.save zip"},
+      {"shapes that disagree with the model", [](const std::string&) {},
+       "'model.l0.weight' (the model's 'l0.weight') has shape [5, 4] but the model's parameter has shape [6, 4]", 6},
+  };
+  for (const auto& c : cases) {
+    const std::string ck = (dir / ("ck" + std::to_string(&c - &cases[0]))).string();
+    files::copy_tree(dcp_sample("a_fsdp2_fp32"), ck);
+    c.breaks(ck);
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(3);
+      DcpMlp m(c.hidden);
+      shardtorch::shard(m, w);
+      auto opt = shardtorch::AdamW(*m, torch::optim::AdamWOptions(0.1));
+      m(torch::ones({2, 4})).sum().backward();
+      opt->step();
+      auto values = [&] {
+        auto out = dcp_full_values(*m);
+        for (const auto& piece : opt->views().pieces()) {
+          auto& s =
+              static_cast<torch::optim::AdamWParamState&>(*opt->inner().state().at(piece.view.unsafeGetTensorImpl()));
+          out["exp_avg " + piece.name] = s.exp_avg().clone();
+          out["step " + piece.name] = torch::tensor(s.step());
+        }
+        return out;
+      };
+      const auto before = values();
+      const std::string e = message_of([&] { shardtorch::load_dcp_checkpoint(*m, opt.get(), ck); });
+      require(e.find("shardtorch::load_dcp_checkpoint '" + ck + "': rank ") != std::string::npos &&
+                  e.find(c.expect) != std::string::npos,
+              c.name + ": expected every rank to fail with \"" + c.expect + "\", got: " + e);
+      require_unchanged(before, values(), c.name);
+    });
+    ASSERT_TRUE(r.ok) << c.name << ": " << r.summary();
   }
 }

@@ -15,6 +15,7 @@
 #include "shardtorch/optim/cpu_adam.h"
 #include "shardtorch/plan.h"
 #include "shardtorch/deferred.h"
+#include "shardtorch/dcp_checkpoint.h"
 #include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/mesh.h"
 #include "shardtorch/pipeline.h"

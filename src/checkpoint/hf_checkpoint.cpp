@@ -18,6 +18,7 @@
 #include "checkpoint/hf_index.h"
 #include "checkpoint/tied_names.h"
 #include "checkpoint/model_part.h"
+#include "checkpoint/name_mapping.h"
 #include "checkpoint/reader_access.h"
 #include "shardtorch/checkpoint/safetensors.h"
 
@@ -61,9 +62,7 @@ struct Source {
   std::string dir, index, single;
 };
 
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
+using checkpoint::ends_with;
 
 Source resolve(const std::string& path) {
   if (files::is_directory(path)) {
@@ -84,19 +83,7 @@ std::string shape_text(c10::IntArrayRef s) {
 
 // The model's name for a checkpoint name (nullopt: skipped by the mapping).
 std::optional<std::string> model_name_of(const std::string& name, const HfLoadOptions& options) {
-  std::string m = name;
-  for (const auto& [from, to] : options.prefix_rules()) {
-    if (m.rfind(from, 0) == 0) {
-      m = to + m.substr(from.size());
-      break;
-    }
-  }
-  if (options.map_name()) {
-    auto mapped = options.map_name()(m);
-    if (!mapped || mapped->empty()) return std::nullopt;
-    m = *mapped;
-  }
-  return m;
+  return checkpoint::map_checkpoint_name(name, options.prefix_rules(), options.map_name());
 }
 
 }  // namespace

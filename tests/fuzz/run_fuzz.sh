@@ -6,6 +6,7 @@
 #   TARGET: safetensors_header (the default: tests/fuzz/corpus) or
 #           checkpoint_index (index.json: tests/fuzz/index_corpus)
 #           hf_index (model.safetensors.index.json: tests/fuzz/hf_index_corpus)
+#           dcp_metadata (a DCP checkpoint's .metadata pickle: tests/fuzz/dcp_metadata_corpus)
 set -euo pipefail
 src=$1 build=$2 seconds=${3:-20} target=${4:-safetensors_header}
 cxx=$(command -v clang++ || command -v clang++-14 || true)
@@ -17,7 +18,10 @@ case $target in
   safetensors_header) corpus=corpus; sources=("$src/src/checkpoint/safetensors_format.cpp"); libs=() ;;
   checkpoint_index) corpus=index_corpus; sources=("$src/src/checkpoint/index_format.cpp" "$src/src/checkpoint/checksum.cpp"); libs=(-lboost_json) ;;
   hf_index) corpus=hf_index_corpus; sources=("$src/src/checkpoint/hf_index.cpp"); libs=(-lboost_json) ;;
-  *) echo "run_fuzz: unknown target '$target' (safetensors_header, checkpoint_index or hf_index)" >&2; exit 1 ;;
+  dcp_metadata) corpus=dcp_metadata_corpus
+    sources=("$src/src/checkpoint/dcp_metadata.cpp" "$src/src/checkpoint/pickle_reader.cpp" "$src/src/checkpoint/hf_index.cpp")
+    libs=(-lboost_json) ;;
+  *) echo "run_fuzz: unknown target '$target' (safetensors_header, checkpoint_index, hf_index or dcp_metadata)" >&2; exit 1 ;;
 esac
 out=$build/fuzz/$target
 mkdir -p "$out/corpus" "$out/artifacts"

@@ -1,0 +1,387 @@
+// A sharded model saved as a PyTorch distributed checkpoint: each rank
+// writes its pieces (boxes of its parameters) into __<rank>_0.distcp, rank 0
+// the metadata, as torch.distributed.checkpoint's FileSystemWriter lays
+// them out; the directory is published as a sharded checkpoint's is.
+#include <c10/core/GradMode.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+#include <sstream>
+
+#include "base/check.h"
+#include "base/files.h"
+#include "checkpoint/agreement.h"
+#include "checkpoint/dcp_items.h"
+#include "checkpoint/dcp_source.h"
+#include "checkpoint/pickle_reader.h"
+#include "checkpoint/publish.h"
+#include "optim/optimizer_state.h"
+#include "runtime/shard_state.h"
+#include "shardtorch/dcp_checkpoint.h"
+
+namespace shardtorch {
+namespace {
+
+using checkpoint::SafetensorsError;
+namespace dcp = checkpoint::dcp;
+namespace pickle = checkpoint::pickle;
+
+constexpr const char* kMarker = ".metadata";
+
+// Something this rank writes: a box of a tensor (its elements `data`,
+// contiguous), or a pickled value.
+struct Item {
+  std::string key;
+  std::string dtype;          // torch's name; "" for a value
+  std::vector<int64_t> size;  // the whole tensor's
+  std::vector<int64_t> offsets, sizes;
+  at::Tensor data;
+  std::string pickled;
+};
+
+// The boxes of elements [begin, begin + values.numel()) of a tensor of `shape`.
+void add_boxes(std::vector<Item>& out, const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
+               const at::Tensor& values) {
+  const at::Tensor flat = values.reshape({-1});
+  for (const auto& b : dcp::boxes_of_range(shape, begin, begin + flat.numel()))
+    out.push_back({key, dcp::torch_name_of(flat.scalar_type()), shape, b.offsets, b.sizes,
+                   flat.narrow(0, b.begin - begin, b.numel).contiguous().view(b.sizes), ""});
+}
+
+// Ranges held alike by several ranks go to one of them: largest first, each
+// to the writer with the fewest elements so far (as sharded checkpoints).
+std::vector<int> spread(const std::vector<int64_t>& sizes, int writers) {
+  std::vector<size_t> order(sizes.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] > sizes[b]; });
+  std::vector<int64_t> load(static_cast<size_t>(writers), 0);
+  std::vector<int> owner(sizes.size(), 0);
+  for (size_t k : order) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[k] = static_cast<int>(least);
+    load[static_cast<size_t>(least)] += sizes[k];
+  }
+  return owner;
+}
+
+std::string pickle_float(double v) { return pickle::Writer().real(v).finish(); }
+std::string pickle_bool(bool v) { return pickle::Writer().boolean(v).finish(); }
+std::string pickle_none() { return pickle::Writer().none().finish(); }
+
+// A group's options as torch 2.13's optimizer writes them in param_groups
+// (every key: a strict dcp.load requires each the loading optimizer has).
+std::vector<std::pair<std::string, std::string>> group_options(torch::optim::OptimizerOptions& o) {
+  std::vector<std::pair<std::string, std::string>> out;
+  auto betas = [](const std::tuple<double, double>& b) {
+    return pickle::Writer().mark().real(std::get<0>(b)).real(std::get<1>(b)).tuple().finish();
+  };
+  auto adam_like = [&](double lr, const std::tuple<double, double>& b, double eps, double wd, bool amsgrad,
+                       bool decoupled) {
+    out = {{"lr", pickle_float(lr)},
+           {"betas", betas(b)},
+           {"eps", pickle_float(eps)},
+           {"weight_decay", pickle_float(wd)},
+           {"amsgrad", pickle_bool(amsgrad)},
+           {"maximize", pickle_bool(false)},
+           {"foreach", pickle_none()},
+           {"capturable", pickle_bool(false)},
+           {"differentiable", pickle_bool(false)},
+           {"fused", pickle_none()},
+           {"decoupled_weight_decay", pickle_bool(decoupled)}};
+  };
+  if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&o)) {
+    adam_like(w->lr(), w->betas(), w->eps(), w->weight_decay(), w->amsgrad(), true);
+  } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) {
+    adam_like(a->lr(), a->betas(), a->eps(), a->weight_decay(), a->amsgrad(), false);
+  } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&o)) {
+    out = {{"lr", pickle_float(s->lr())},
+           {"momentum", pickle_float(s->momentum())},
+           {"dampening", pickle_float(s->dampening())},
+           {"weight_decay", pickle_float(s->weight_decay())},
+           {"nesterov", pickle_bool(s->nesterov())},
+           {"maximize", pickle_bool(false)},
+           {"foreach", pickle_none()},
+           {"differentiable", pickle_bool(false)},
+           {"fused", pickle_none()}};
+  }
+  return out;
+}
+
+// What this rank writes, and the optimizer's groups as far as it knows them
+// (group -> names of the parameters it holds pieces of).
+struct Collected {
+  std::vector<Item> items;
+  std::map<size_t, std::set<std::string>> groups;
+};
+
+Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt,
+                  const DcpSaveOptions& options) {
+  Collected c;
+  const std::string& mp = options.model_prefix();
+  const std::string op = options.optimizer_prefix() + "state.";
+  auto names = detail::parameter_names(root);
+  // The parameter ranges this rank holds: (its names, shape, first element, values).
+  struct Range {
+    const std::vector<std::string>* names;
+    std::vector<int64_t> shape;
+    int64_t begin;
+    at::Tensor values;
+  };
+  std::vector<Range> ranges;
+  int writers = 1, me = 0;
+  if (state.ddp()) {
+    std::set<const void*> seen;
+    for (const auto& item : root.named_parameters()) {
+      const at::Tensor& p = item.value();
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+      ranges.push_back({&names[p.unsafeGetTensorImpl()], p.sizes().vec(), 0, state.record_of(p).detach()});
+    }
+    writers = state.world().size();
+    me = state.world().rank();
+  } else {
+    const int shard_rank = state.shard_comm().rank();
+    for (auto& u : state.units())
+      for (auto& f : u->flats())
+        for (size_t i = 0; i < f->params().size(); ++i)
+          if (auto piece = f->layout().piece(i, shard_rank))
+            ranges.push_back({&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), piece->param_offset,
+                              f->shard().narrow(0, piece->shard_offset, piece->length)});
+    if (state.replica_comm()) {
+      writers = state.replica_comm()->size();
+      me = state.replica_comm()->rank();
+    }
+  }
+  std::vector<int64_t> sizes;
+  for (const auto& r : ranges) sizes.push_back(r.values.numel());
+  const std::vector<int> owner = spread(sizes, writers);
+  std::set<std::pair<std::string, int64_t>> written;  // (first name, first element): its optimizer state goes with it
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    if (owner[k] != me || ranges[k].names->empty()) continue;
+    for (const auto& n : *ranges[k].names)
+      add_boxes(c.items, mp + n, ranges[k].shape, ranges[k].begin, ranges[k].values);
+    written.insert({ranges[k].names->front(), ranges[k].begin});
+  }
+  if (opt) {
+    const auto kind = detail::optimizer_kind(*opt);
+    std::map<const void*, size_t> group_of;
+    for (size_t g = 0; g < opt->inner().param_groups().size(); ++g)
+      for (const auto& p : opt->inner().param_groups()[g].params()) group_of[p.unsafeGetTensorImpl()] = g;
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const auto& item : root.named_parameters()) shapes[item.key()] = item.value().sizes().vec();
+    std::map<std::string, std::string> first_name;  // any name -> the first (the optimizer's key)
+    for (const auto& [impl, ns] : names)
+      for (const auto& n : ns) first_name[n] = ns.front();
+    const auto& st = opt->inner().state();
+    for (const auto& piece : opt->views().pieces()) {
+      const std::string name = first_name.count(piece.name) ? first_name[piece.name] : piece.name;
+      auto g = group_of.find(piece.view.unsafeGetTensorImpl());
+      if (g != group_of.end()) c.groups[g->second].insert(name);
+      if (!written.count({name, piece.param_offset})) continue;
+      auto it = st.find(piece.view.unsafeGetTensorImpl());
+      const torch::optim::OptimizerParamState* ps = it == st.end() ? nullptr : it->second.get();
+      // A parameter not stepped yet has no state: zeros and step 0 are what
+      // torch's optimizer starts from (and what a strict load requires).
+      auto tensors = ps ? detail::optimizer_state_tensors(ps) : std::vector<std::pair<std::string, at::Tensor>>{};
+      const bool sgd = kind == detail::OptimizerKind::SGD;
+      if (!ps && !sgd) tensors = {{"exp_avg", at::zeros_like(piece.view)}, {"exp_avg_sq", at::zeros_like(piece.view)}};
+      for (auto& [k, t] : tensors) add_boxes(c.items, op + name + "." + k, shapes.at(name), piece.param_offset, t);
+      if (sgd && tensors.empty())
+        c.items.push_back({op + name + ".momentum_buffer", "", {}, {}, {}, {}, pickle_none()});
+      if (!sgd && piece.param_offset == 0) {  // once per parameter: a 0-d float32 tensor, as torch's AdamW keeps it
+        const double step = ps ? static_cast<double>(detail::optimizer_state_step(ps)) : 0.0;
+        add_boxes(c.items, op + name + ".step", {}, 0, at::full({}, step, at::kFloat));
+      }
+    }
+  }
+  if (state.world().rank() == 0) {
+    for (const auto& item : root.named_buffers())
+      if (item.value().defined()) add_boxes(c.items, mp + item.key(), item.value().sizes().vec(), 0, item.value());
+    if (opt)
+      for (size_t g = 0; g < opt->inner().param_groups().size(); ++g)
+        for (auto& [k, v] : group_options(opt->inner().param_groups()[g].options()))
+          c.items.push_back(
+              {options.optimizer_prefix() + "param_groups." + std::to_string(g) + "." + k, "", {}, {}, {}, {}, v});
+  }
+  return c;
+}
+
+std::string csv(const std::vector<int64_t>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s;
+}
+
+std::vector<int64_t> uncsv(const std::string& s) {
+  std::vector<int64_t> v;
+  std::istringstream in(s);
+  std::string x;
+  while (std::getline(in, x, ',')) v.push_back(std::stoll(x));
+  return v;
+}
+
+// One line per item written: what rank 0 needs for the metadata.
+std::string report_line(const Item& it, const dcp::Storage& st) {
+  SHARDTORCH_CHECK(it.key.find_first_of("\t\n") == std::string::npos, "shardtorch: the name '", it.key,
+                   "' holds a tab or a newline, which a DCP checkpoint cannot name");
+  return (it.dtype.empty() ? "V\t" : "T\t") + it.key + "\t" + it.dtype + "\t" + csv(it.size) + "\t" + csv(it.offsets) +
+         "\t" + csv(it.sizes) + "\t" + st.relative_path + "\t" + std::to_string(st.offset) + "\t" +
+         std::to_string(st.length) + "\n";
+}
+
+std::vector<std::string> fields_of(const std::string& line) {
+  std::vector<std::string> f;
+  size_t start = 0;
+  while (true) {
+    const size_t tab = line.find('\t', start);
+    f.push_back(line.substr(start, tab == std::string::npos ? std::string::npos : tab - start));
+    if (tab == std::string::npos) return f;
+    start = tab + 1;
+  }
+}
+
+}  // namespace
+
+DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
+                                  const DcpSaveOptions& options) {
+  auto state = detail::require_state(root, "save_dcp_checkpoint");
+  detail::FileWaits file_waits(*state);  // each rank waits for the slowest writer
+  World& world = state->world();
+  c10::NoGradGuard no_grad;
+  const std::string dir = checkpoint::normalized(dir_arg);
+  const std::string what = "shardtorch::save_dcp_checkpoint '" + dir + "'";
+  const std::string tmp = dir + checkpoint::kTmpSuffix;
+  SHARDTORCH_CHECK(!opt || detail::optimizer_kind(*opt), what,
+                   ": the optimizer is none of Adam, AdamW and SGD, whose state a DCP checkpoint carries here (pass "
+                   "a null optimizer to save the parameters alone)");
+  state->wait_for_offload_copies();
+  std::string prepared;
+  if (world.rank() == 0) {
+    try {
+      checkpoint::check_replaceable(dir, kMarker, "DCP checkpoint");
+      files::remove_all(tmp);
+      files::create_directories(tmp);
+      checkpoint::crash_point("staging directory created");
+    } catch (const std::exception& e) {
+      prepared = e.what();
+    }
+  }
+  detail::agree_on_errors(world, prepared, what);
+
+  // What each rank writes; first, the optimizer's groups as far as each
+  // rank knows them (a rank knows the groups of the parameters it holds
+  // pieces of), for rank 0 to write their parameter lists.
+  std::string error, known;
+  Collected c;
+  try {
+    c = collect(root, *state, opt, options);
+    for (const auto& [g, ns] : c.groups)
+      for (const auto& n : ns) known += std::to_string(g) + "\t" + n + "\n";
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // A failure anywhere fails every rank; rank 0 removes what was staged.
+  auto gather = [&](const std::string& mine) {
+    try {
+      return detail::agreed_fingerprints(world, error, what, mine);
+    } catch (...) {
+      if (world.rank() == 0) files::remove_all_quietly(tmp);
+      throw;
+    }
+  };
+  const auto all_known = gather(known);
+  if (opt && world.rank() == 0) {
+    std::map<size_t, std::set<std::string>> groups;
+    for (const auto& text : all_known) {
+      std::istringstream in(text);
+      std::string line;
+      while (std::getline(in, line)) {
+        const auto f = fields_of(line);
+        groups[std::stoul(f[0])].insert(f[1]);
+      }
+    }
+    // Each group's parameters, in the model's order, by name (as torch's
+    // get_state_dict writes them).
+    for (const auto& [g, ns] : groups) {
+      pickle::Writer w;
+      w.empty_list().mark();
+      for (const auto& item : root.named_parameters())
+        if (ns.count(item.key())) w.string(item.key());
+      w.appends();
+      c.items.push_back({options.optimizer_prefix() + "param_groups." + std::to_string(g) + ".params",
+                         "",
+                         {},
+                         {},
+                         {},
+                         {},
+                         w.finish()});
+    }
+  }
+
+  // This rank's data file, and its report: one line per item.
+  const std::string file = "__" + std::to_string(world.rank()) + "_0.distcp";
+  std::string report;
+  try {
+    dcp::ItemWriter w(tmp + "/" + file, file);
+    for (const auto& it : c.items)
+      report += report_line(it, it.dtype.empty() ? w.value(it.pickled) : w.tensor(it.data));
+    w.finish();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  c.items.clear();
+  const auto reports = gather(report);  // every rank's lines, or every rank throws
+  checkpoint::crash_point("reports gathered");
+
+  DcpSaveReport out;
+  dcp::Metadata md;
+  for (size_t r = 0; r < reports.size(); ++r) {
+    out.files.push_back("__" + std::to_string(r) + "_0.distcp");
+    std::istringstream in(reports[r]);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto f = fields_of(line);
+      auto [pos, fresh] = md.index.emplace(f[1], md.entries.size());
+      if (fresh) {
+        dcp::Entry e;
+        e.name = f[1];
+        e.tensor = f[0] == "T";
+        e.dtype = f[2];
+        e.size = uncsv(f[3]);
+        e.path = dcp::path_of(e.name, options.model_prefix(), options.optimizer_prefix());
+        md.entries.push_back(std::move(e));
+      }
+      dcp::Entry& e = md.entries[pos->second];
+      const dcp::Storage st{f[6], std::stoull(f[7]), std::stoull(f[8])};
+      if (e.tensor)
+        e.chunks.push_back({uncsv(f[4]), uncsv(f[5]), st});
+      else
+        e.bytes = st;
+      out.bytes += static_cast<int64_t>(st.length);  // items are laid end to end: the files' sizes
+    }
+  }
+  out.keys = static_cast<int64_t>(md.entries.size());
+  std::string published;
+  if (world.rank() == 0) {
+    try {
+      // What rank 0 writes is checked as every reader checks it.
+      const std::string bytes = dcp::serialize(md);
+      dcp::parse(bytes, tmp + "/" + kMarker);
+      checkpoint::write_text_durably(tmp + "/" + kMarker, bytes);
+      checkpoint::fsync_path(tmp, true);
+      checkpoint::crash_point("index written");
+      checkpoint::publish(tmp, dir, kMarker);
+      checkpoint::crash_point("published");
+    } catch (const std::exception& e) {
+      files::remove_all_quietly(tmp);
+      published = e.what();
+    }
+  }
+  detail::agree_on_errors(world, published, what);
+  return out;
+}
+
+}  // namespace shardtorch

@@ -1,0 +1,133 @@
+#include "checkpoint/publish.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+
+#include "base/check.h"
+#include "base/files.h"
+#include "shardtorch/checkpoint/safetensors.h"
+
+namespace shardtorch::checkpoint {
+namespace {
+
+// After publishing: a failure here does not undo a published checkpoint, so
+// it is reported, not thrown.
+void best_effort(const std::string& what, const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardtorch: %s after publishing a checkpoint failed (the checkpoint is saved): %s\n",
+                 what.c_str(), e.what());
+  }
+}
+
+}  // namespace
+
+// files::sync, its failure a SafetensorsError.
+void fsync_path(const std::string& p, bool dir) {
+  try {
+    files::sync(p, dir);
+  } catch (const std::runtime_error& e) {
+    throw SafetensorsError(std::string("checkpoint: ") + e.what());
+  }
+}
+
+// Writes `text` to `path` and fsyncs it; any failure (a full disk, a quota)
+// throws, so a truncated index is never published.
+void write_text_durably(const std::string& path, const std::string& text) {
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) throw SafetensorsError("checkpoint: writing '" + path + "' failed: " + std::strerror(errno));
+  }
+  if (static_cast<size_t>(files::file_size(path)) != text.size())
+    throw SafetensorsError("checkpoint: '" + path + "' was not written completely");
+  fsync_path(path, false);
+}
+
+// "ck/" and "ck" are the same checkpoint (a trailing slash would put the
+// temporary directory "ck/.shardtorch-tmp" inside the one it is to replace).
+std::string normalized(const std::string& dir) {
+  std::string d = files::lexically_normal(dir);
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  SHARDTORCH_CHECK(!d.empty() && d != "." && d != "/", "shardtorch: '", dir, "' cannot be a checkpoint directory");
+  return d;
+}
+
+// Where a checkpoint saved to `dir` is: `dir` itself, or the previous one set
+// aside when a save without RENAME_EXCHANGE was interrupted between its two
+// renames (`dir` then has no index).
+std::string published_dir(const std::string& dir, const std::string& marker, bool announce) {
+  const std::string aside = dir + kAsideSuffix;
+  if (!files::exists(dir + "/" + marker) && files::exists(aside + "/" + marker)) {
+    if (announce)
+      std::fprintf(stderr,
+                   "shardtorch: checkpoint '%s' is missing; using the previous one, left at '%s' by an "
+                   "interrupted save\n",
+                   dir.c_str(), aside.c_str());
+    return aside;
+  }
+  return dir;
+}
+
+// Rank 0, before a save writes anything: `dir` may be replaced only if it is
+// a checkpoint (or an empty directory), never a directory of other files.
+void check_replaceable(const std::string& dir, const std::string& marker, const std::string& kind) {
+  if (!files::exists(dir)) return;
+  if (!files::is_directory(dir)) throw SafetensorsError("checkpoint '" + dir + "': exists and is not a directory");
+  if (!files::exists(dir + "/" + marker) && !files::is_empty_directory(dir))
+    throw SafetensorsError("checkpoint '" + dir + "': the directory exists and is not a " + kind + " (no " + marker +
+                           "); refusing to replace it and the files in it");
+}
+
+// Swaps the finished checkpoint `tmp` in as `dir`, so that at every instant
+// a complete checkpoint is loadable (`dir`, or the one set aside):
+// - no checkpoint at `dir` (absent, or an empty directory): `tmp` is renamed
+//   to `dir`; only then is a previous one set aside by an interrupted save
+//   removed;
+// - else renameat2's RENAME_EXCHANGE swaps the two in one step;
+// - file systems without it (some network file systems answer EINVAL), or
+//   SHARDTORCH_CHECKPOINT_NO_EXCHANGE set: `dir` is renamed aside
+//   (DIR.shardtorch-old), `tmp` to `dir`, and the one aside is removed; a
+//   writer killed between the two renames leaves the previous checkpoint
+//   aside, where loading looks for it (published_dir).
+void publish(const std::string& tmp, const std::string& dir, const std::string& marker) {
+  const std::string aside = dir + kAsideSuffix;
+  const bool exchange = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE") == nullptr;
+  // The renames are durable once the parent directory is synced: before any
+  // previous checkpoint is deleted (a crash must not find neither).
+  auto sync_parent = [&] {
+    best_effort("syncing the parent directory", [&] { fsync_path(files::directory_of(dir), true); });
+  };
+  if (!files::exists(dir + "/" + marker)) {
+    if (files::exists(dir)) files::remove(dir);  // an empty directory (check_replaceable)
+    files::rename(tmp, dir);
+    crash_point("new moved in");
+    sync_parent();
+  } else if (exchange && ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+    crash_point("exchanged");
+    sync_parent();
+    best_effort("removing the previous checkpoint", [&] { files::remove_all(tmp); });
+  } else {
+    if (exchange && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
+      throw SafetensorsError("checkpoint '" + dir + "': could not swap in the new checkpoint: " + std::strerror(errno));
+    files::remove_all(aside);  // older than `dir`, which is complete
+    files::rename(dir, aside);
+    crash_point("previous moved aside");
+    files::rename(tmp, dir);
+    crash_point("new moved in");
+    sync_parent();
+  }
+  // `dir` is complete now: a checkpoint set aside, by this save or by an
+  // earlier one killed between its renames, is older.
+  best_effort("removing '" + aside + "'", [&] { files::remove_all(aside); });
+}
+
+}  // namespace shardtorch::checkpoint
