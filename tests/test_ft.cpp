@@ -93,6 +93,31 @@ TEST(FtLighthouse, UnreachableLighthouseIsAClearErrorWithinTheTimeout) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
 }
 
+// A request in flight when the lighthouse dies fails at once, and says so:
+// not "no quorum within the timeout", but what ended it and after how long.
+TEST(FtLighthouse, ARequestTheLighthouseDropsSaysWhatEndedItAndAfterHowLong) {
+  Lighthouse lh(2);  // one client alone: its request waits
+  LighthouseClient c(lh.address());
+  c.heartbeat("g0:x", 5s);  // connected: the request below is in flight, not waiting for the channel
+  auto pending = std::async(std::launch::async, [&] { return c.quorum(member("g0:x", 0), 20s); });
+  ASSERT_EQ(pending.wait_for(500ms), std::future_status::timeout) << "a quorum of one with --min_replicas 2";
+  const auto t0 = std::chrono::steady_clock::now();
+  lh.stop();
+  try {
+    pending.get();
+    FAIL() << "no error";
+  } catch (const shardtorch::Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.find("within 20000 ms"), std::string::npos) << m;
+    const auto after = m.find("failed after ");
+    ASSERT_NE(after, std::string::npos) << m;
+    EXPECT_LT(std::stoll(m.substr(after + 13)), 10000) << m;  // from the request to the lighthouse's death
+    EXPECT_NE(m.find(" ms of the 20000 ms it may take"), std::string::npos) << m;
+    EXPECT_NE(m.find("may have died or been restarted"), std::string::npos) << m;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+}
+
 void two_groups_train_like_one_process(int ranks, shardtorch::ShardOptions shard, bool prefetch = false) {
   Lighthouse lh(2);
   auto r = shardtorch::testing::run_ranks(2 * ranks, [&](World& all) {
