@@ -99,7 +99,17 @@ TEST(FtLighthouse, UnreachableLighthouseIsAClearErrorWithinTheTimeout) {
 TEST(FtLighthouse, ARequestTheLighthouseDropsSaysWhatEndedItAndAfterHowLong) {
   Lighthouse lh(2);  // one client alone: its request waits
   LighthouseClient c(lh.address());
-  c.heartbeat("g0:x", 5s);  // connected: the request below is in flight, not waiting for the channel
+  // Connected (the lighthouse may take a moment to listen): the request
+  // below is then in flight, not waiting for the channel.
+  for (auto until = std::chrono::steady_clock::now() + 20s;;) {
+    try {
+      c.heartbeat("g0:x", 5s);
+      break;
+    } catch (const shardtorch::Error&) {
+      if (std::chrono::steady_clock::now() > until) throw;
+      std::this_thread::sleep_for(50ms);
+    }
+  }
   auto pending = std::async(std::launch::async, [&] { return c.quorum(member("g0:x", 0), 20s); });
   ASSERT_EQ(pending.wait_for(500ms), std::future_status::timeout) << "a quorum of one with --min_replicas 2";
   const auto t0 = std::chrono::steady_clock::now();
@@ -589,7 +599,7 @@ TEST(FtConfiguration, EveryHyperparameterOfEveryParamGroupIsCompared) {
         {sgd(s0), sgd(SGDOptions(0.1)), "momentum=0,"},
         {sgd(s0), sgd(SGDOptions(0.1).momentum(0.9).dampening(0.5)), "dampening=0.5"},
         {sgd(s0), sgd(SGDOptions(0.1).momentum(0.9).nesterov(true)), "nesterov=true"},
-        {sgd(s0), sgd(SGDOptions(0.1).momentum(0.9).weight_decay(1e-4)), "weight_decay=0.0001"},
+        {sgd(s0), sgd(SGDOptions(0.1).momentum(0.9).weight_decay(1e-4)), "weight_decay=1e-04"},
     };
     for (const auto& [base, changed, says] : cases) {
       const std::string a = describe(base), b = describe(changed);

@@ -524,13 +524,16 @@ struct Manager::Impl {
       q.fatal = true;
       return false;
     }
+    // Copies: `r` is one of the participants moved below.
+    const Config reference = r.config;
+    const std::string reference_group = r.group;
     std::vector<Participant> kept;
     for (auto& p : ps)
-      if (p.config == r.config) {
+      if (p.config == reference) {
         kept.push_back(std::move(p));
       } else {
         q.refused.push_back(p.group);
-        if (q.refusal.empty()) q.refusal = config_difference(p.group, p.config, r.group, r.config);
+        if (q.refusal.empty()) q.refusal = config_difference(p.group, p.config, reference_group, reference);
       }
     ps = std::move(kept);
     return find_me(q);
