@@ -22,9 +22,13 @@
 // gradients each averaged) to DIR/steps-GROUP.txt and saves its final state;
 // (lines "<step> quorum <id> at <epoch ms> counted <groups>"), and
 // `ft_train --reference --dir DIR --groups 3` then replays those steps in
-// one process and checks every group against it (exit status 0 when equal).
+// one process and checks every group against it (exit status 0 when equal);
+// `torchrun --no-python --standalone --nproc-per-node 3 ft_train --reference
+// --exact --dir DIR --groups 3` replays them with the groups' own reduction
+// order and requires every group bitwise equal to it (groups of one rank).
 // --model gpt trains the example GPT (examples/gpt.h) instead of the MLP;
 // --cpu-offload turns on ShardOptions::cpu_offload inside each group.
+#include <ATen/core/jit_type.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -182,6 +186,26 @@ std::map<int, std::pair<int64_t, char>> parse_kills(const std::string& s) {
   std::abort();
 }
 
+// What a run saves at its end, by key: the whole parameters ("param.NAME")
+// and this rank's AdamW state ("opt.I.exp_avg", ... for the optimizer's
+// I-th piece, with a hash of its name).
+std::map<std::string, torch::Tensor> final_state(torch::nn::Module& root, shardtorch::ShardedOptimizer& opt) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, t] : shardtorch::full_parameters(root)) out["param." + name] = t;
+  int64_t i = 0;
+  for (const auto& piece : opt.views().pieces()) {
+    auto it = opt.inner().state().find(piece.view.unsafeGetTensorImpl());
+    if (it == opt.inner().state().end()) continue;
+    auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+    out["opt." + std::to_string(i) + ".exp_avg"] = s.exp_avg();
+    out["opt." + std::to_string(i) + ".exp_avg_sq"] = s.exp_avg_sq();
+    out["opt." + std::to_string(i) + ".name"] =
+        torch::tensor(static_cast<int64_t>(std::hash<std::string>()(piece.name) & 0xffffff));
+    ++i;
+  }
+  return out;
+}
+
 int train(int64_t steps, int64_t groups, const std::string& dir, const std::string& kill, int kill_rank,
           const std::string& strategy, int step_ms, int timeout_ms, int quorum_timeout_ms, bool prefetch_quorum) {
   auto world = shardtorch::World::from_env();
@@ -266,20 +290,8 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
     if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
   }
   // Final state: the whole parameters and this rank's optimizer state.
-  auto params = shardtorch::full_parameters(*task.root);
   torch::serialize::OutputArchive ar;
-  for (const auto& [name, t] : params) ar.write("param." + name, t);
-  int64_t i = 0;
-  for (const auto& piece : opt->views().pieces()) {
-    auto it = opt->inner().state().find(piece.view.unsafeGetTensorImpl());
-    if (it == opt->inner().state().end()) continue;
-    auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
-    ar.write("opt." + std::to_string(i) + ".exp_avg", s.exp_avg());
-    ar.write("opt." + std::to_string(i) + ".exp_avg_sq", s.exp_avg_sq());
-    ar.write("opt." + std::to_string(i) + ".name",
-             torch::tensor(static_cast<int64_t>(std::hash<std::string>()(piece.name) & 0xffffff)));
-    ++i;
-  }
+  for (const auto& [key, t] : final_state(*task.root, *opt)) ar.write(key, t);
   ar.save_to(final_path(dir, group, world->rank()));
   if (world->rank() == 0) {
     std::printf("group %s: done at step %lld, %lld samples read on rank 0\n", group.c_str(),
@@ -302,10 +314,10 @@ std::map<std::string, torch::Tensor> read_archive(const std::string& path) {
   return out;
 }
 
-// Replays the committed steps in one process: step s averages the gradients
-// of the groups that counted in it (each group's ranks' batches, as it read them).
-int reference(int64_t groups, int ranks, const std::string& dir) {
-  std::map<int64_t, std::string> counted;  // step -> "g1 g2 ..." (every log agrees)
+// The committed steps, from the groups' logs: step -> the groups it counted
+// (every log that has a step agrees on it). Empty on an error (printed).
+std::vector<std::vector<int64_t>> read_counted(int64_t groups, const std::string& dir) {
+  std::map<int64_t, std::string> counted;  // step -> "g1 g2 ..."
   for (int64_t g = 0; g < groups; ++g) {
     std::ifstream in(dir + "/steps-" + std::to_string(g) + ".txt");
     std::string line;
@@ -319,23 +331,36 @@ int reference(int64_t groups, int ranks, const std::string& dir) {
       if (!fresh && it->second != who) {
         std::fprintf(stderr, "step %lld: group %lld logged counted {%s}, another group {%s}\n",
                      static_cast<long long>(step), static_cast<long long>(g), who.c_str(), it->second.c_str());
-        return 1;
+        return {};
       }
     }
   }
   const int64_t steps = counted.empty() ? 0 : counted.rbegin()->first + 1;
   if (static_cast<int64_t>(counted.size()) != steps) {
     std::fprintf(stderr, "the logs miss some of steps 0..%lld\n", static_cast<long long>(steps - 1));
-    return 1;
+    return {};
   }
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t s = 0; s < steps; ++s) {
+    std::istringstream who(counted[s]);
+    out.emplace_back();
+    for (int64_t g; who >> g;) out.back().push_back(g);
+  }
+  return out;
+}
+
+// Replays the committed steps in one process: step s averages the gradients
+// of the groups that counted in it (each group's ranks' batches, as it read them).
+int reference(int64_t groups, int ranks, const std::string& dir) {
+  const auto counted = read_counted(groups, dir);
+  if (counted.empty()) return 1;
+  const int64_t steps = static_cast<int64_t>(counted.size());
   const int64_t size = groups * ranks * kPerRank;
   Task task = make_task(size);
   torch::optim::AdamW opt(unique_parameters(*task.root), torch::optim::AdamWOptions(1e-2));
   int64_t multi = 0;
   for (int64_t s = 0; s < steps; ++s) {
-    std::istringstream who(counted[s]);
-    std::vector<int64_t> gs;
-    for (int64_t g; who >> g;) gs.push_back(g);
+    const std::vector<int64_t>& gs = counted[static_cast<size_t>(s)];
     if (gs.size() > 1) ++multi;
     opt.zero_grad();
     torch::Tensor total;
@@ -401,6 +426,87 @@ int reference(int64_t groups, int ranks, const std::string& dir) {
   return bad || unequal ? 1 : 0;
 }
 
+// The gradient hook of the exact replay, as the manager's: this rank's
+// bucket (zeros when its group did not count at the step), summed over the
+// world and divided by the number of groups counted.
+class ReplayHook : public c10d::CommHookInterface {
+ public:
+  ReplayHook(shardtorch::HookGroup group, const bool& counts, const double& counted)
+      : group_(std::move(group)), counts_(counts), counted_(counted) {}
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    at::Tensor buffer = bucket.getBuffer();
+    if (!counts_) buffer.zero_();
+    std::vector<at::Tensor> v{buffer};
+    return group_->allreduce(v)->getFuture()->then(
+        [buffer, counted = counted_](c10::ivalue::Future&) {
+          buffer.div_(counted);
+          return c10::IValue(buffer);
+        },
+        c10::TensorType::get());
+  }
+  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
+
+ private:
+  shardtorch::HookGroup group_;
+  const bool& counts_;
+  const double& counted_;
+};
+
+// Replays the committed steps with the groups' own arithmetic, under
+// torchrun with one process per group (groups of one rank, NoShard): rank
+// g computes group g's gradient at every step, and the ranks reduce it as
+// the groups' cross-replica all-reduce did, through Gloo over one rank per
+// group in the groups' order, with the same buckets (the hook above). A
+// step that counted three groups had all three in its cross-replica group,
+// in this order; the sum of two gradients, or of one, with zeros, does not
+// depend on the order. So, for up to three groups, every group's final state
+// must be bitwise this replay's.
+int reference_exact(int64_t groups, const std::string& dir) {
+  auto world = shardtorch::World::from_env();
+  if (world->size() != groups || groups > 3)
+    throw std::runtime_error(
+        "--reference --exact: run under torchrun with one process per group "
+        "(--nproc-per-node " +
+        std::to_string(groups) + "), for at most 3 groups of one rank each (this world has " +
+        std::to_string(world->size()) + " ranks)");
+  const auto counted = read_counted(groups, dir);
+  if (counted.empty()) return 1;
+  const int64_t size = groups * kPerRank;
+  Task task = make_task(size);
+  auto sharded = shardtorch::shard(*task.root, world,
+                                   shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard).bucket_mb(0.002));
+  auto opt = shardtorch::AdamW(*task.root, torch::optim::AdamWOptions(1e-2));
+  bool counts = false;
+  double n = 1;
+  sharded.register_comm_hook(std::make_unique<ReplayHook>(sharded.comm_hook_group(), counts, n));
+  const int64_t g = world->rank();
+  shardtorch::ft::ReplicaSampler sampler(size, groups, g, 0, 1, kBatch);
+  for (size_t s = 0; s < counted.size(); ++s) {
+    counts = std::count(counted[s].begin(), counted[s].end(), g) > 0;
+    n = static_cast<double>(counted[s].size());
+    opt->zero_grad();
+    task.loss(torch::tensor(sampler.batch(static_cast<int64_t>(s)))).backward();
+    opt->step();
+  }
+  const auto want = final_state(*task.root, *opt);
+  if (world->rank() != 0) return 0;
+  int unequal = 0;
+  for (int64_t h = 0; h < groups; ++h) {
+    auto got = read_archive(final_path(dir, std::to_string(h), 0));
+    for (const auto& [key, t] : want)
+      if (!got.count(key) || !torch::equal(got.at(key), t)) {
+        std::fprintf(stderr, "group %lld: '%s' is not bitwise the exact replay's (largest difference %g)\n",
+                     static_cast<long long>(h), key.c_str(),
+                     got.count(key) && got.at(key).sizes() == t.sizes()
+                         ? (got.at(key).to(torch::kDouble) - t.to(torch::kDouble)).abs().max().item<double>()
+                         : -1.0);
+        ++unequal;
+      }
+  }
+  std::printf("exact replay: %zu steps; every group bitwise equal to it: %s\n", counted.size(), unequal ? "NO" : "yes");
+  return unequal ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -409,7 +515,7 @@ int main(int argc, char** argv) {
     int64_t steps = 60, groups = 3;
     int kill_rank = 0, ranks = 1, step_ms = 0, timeout_ms = 30000, quorum_timeout_ms = 60000;
     std::string dir = ".", kill, strategy = "no_shard";
-    bool ref = false, no_ft = false, prefetch_quorum = false;
+    bool ref = false, exact = false, no_ft = false, prefetch_quorum = false;
     po::options_description desc("options");
     desc.add_options()("help", "this text")("steps", cli::number_option(steps, "--steps"), "steps to commit")(
         "groups", cli::number_option(groups, "--groups"), "replica groups (the data set is split among them)")(
@@ -427,6 +533,9 @@ int main(int argc, char** argv) {
         "ManagerOptions::quorum_timeout")("prefetch-quorum", po::bool_switch(&prefetch_quorum),
                                           "ManagerOptions::prefetch_quorum")(
         "reference", po::bool_switch(&ref), "replay the logs in one process and compare")(
+        "exact", po::bool_switch(&exact),
+        "with --reference: replay with the groups' own reduction order instead (under torchrun, one process per "
+        "group, groups of one rank) and require every group bitwise equal")(
         "no-ft", po::bool_switch(&no_ft), "the same training without fault tolerance: one World, rank r as group r")(
         "hidden", cli::number_option(g_hidden, "--hidden"), "width of the MLP's hidden layers")(
         "model", po::value(&g_model)->default_value(g_model), "mlp, or gpt (the example GPT, examples/gpt.h)")(
@@ -434,7 +543,7 @@ int main(int argc, char** argv) {
         "--reference: the largest difference from the replay allowed")("ranks", cli::number_option(ranks, "--ranks"),
                                                                        "ranks per group (with --reference)");
     if (!cli::parse_command_line(argc, argv, desc, "usage: ft_train [options]  (under torchrun --no-python)")) return 0;
-    if (ref) return reference(groups, ranks, dir);
+    if (ref) return exact ? reference_exact(groups, dir) : reference(groups, ranks, dir);
     if (no_ft) return train_without_ft(steps, groups);
     return train(steps, groups, dir, kill, kill_rank, strategy, step_ms, timeout_ms, quorum_timeout_ms,
                  prefetch_quorum);

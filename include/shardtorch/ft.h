@@ -73,6 +73,10 @@ struct SHARDTORCH_API StepReport {
   /// Replica groups whose gradients the update averages (sorted), and those
   /// that were healed in this step (they contributed none).
   std::vector<std::string> counted, healed;
+  /// Groups in the lighthouse's quorum that this step went without: they
+  /// are configured differently from the groups already training, and
+  /// throw (docs/fault_tolerance.md, "Errors").
+  std::vector<std::string> refused;
   /// Whether this step built a new cross-replica group (the quorum changed).
   bool reconfigured = false;
   bool committed = false;

@@ -68,7 +68,8 @@ SHARDTORCH_API RunResult run_ranks(int world_size, const RankBody& body, RunOpti
 /// backward(), or of the collective's wait) naming the rank and the
 /// operation. Sites (docs/testing.md): "completion watcher", "pre-backward
 /// hook", "gradient hook", "exit hook", "reduction callback", "end of
-/// backward", "NoShard gradient hook". Not for production use.
+/// backward", "NoShard gradient hook", "cross-replica rendezvous". Not for
+/// production use.
 SHARDTORCH_API void inject_failure(const std::string& site, int count = 1);
 
 /// Fault injection for recovery tests: the next `count` collectives on this

@@ -94,15 +94,28 @@ QuorumReply LighthouseClient::quorum(const Member& me, std::chrono::milliseconds
     check(!impl_->cancelled, "shardtorch::ft: replica '", me.replica_id, "': the quorum request was cancelled");
     impl_->active = &ctx;
   }
+  const auto t0 = std::chrono::steady_clock::now();
   const grpc::Status s = impl_->stub->Quorum(&ctx, req, &resp);
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->active = nullptr;
   }
-  check(s.ok(), "shardtorch::ft: replica '", me.replica_id, "' got no quorum from the lighthouse at ", address_,
-        " within ", timeout.count(), " ms (", describe(s),
-        "). Check that torchft_lighthouse runs there and that --min_replicas replica groups are up; "
-        "ManagerOptions::quorum_timeout sets this wait");
+  if (!s.ok()) {
+    const auto took =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    // Ran out of time, or ended early (the connection broke, the lighthouse refused the request).
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+      check(false, "shardtorch::ft: replica '", me.replica_id, "' got no quorum from the lighthouse at ", address_,
+            " within ", timeout.count(), " ms (", describe(s),
+            "). Check that torchft_lighthouse runs there and that --min_replicas replica groups are up; "
+            "ManagerOptions::quorum_timeout sets this wait");
+    check(false, "shardtorch::ft: replica '", me.replica_id, "': its quorum request to the lighthouse at ", address_,
+          " failed after ", took, " ms of the ", timeout.count(), " ms it may take (", describe(s), ")",
+          s.error_code() == grpc::StatusCode::UNAVAILABLE
+              ? ": the connection to the lighthouse closed or could not be made; it may have died or been restarted. "
+                "Check that torchft_lighthouse runs there"
+              : "");
+  }
   QuorumReply out;
   out.quorum_id = resp.quorum().quorum_id();
   for (const auto& p : resp.quorum().participants())

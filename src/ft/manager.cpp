@@ -98,8 +98,12 @@ std::string describe_precision(const MixedPrecision& mp) {
          (mp.keep_batch_norm_fp32() ? "kept in its own dtype" : "cast like the rest") + ")";
 }
 
-// What every group must have alike, in words (compared across groups).
-std::string describe_model(torch::nn::Module& root, ShardState& st, ShardedOptimizer& opt, int world_size) {
+// What every group must have alike, aspect by aspect, in words (compared
+// across groups; the optimizer's hyperparameters as they are when the
+// Manager is made).
+using Config = std::vector<std::pair<std::string, std::string>>;
+
+Config describe_config(torch::nn::Module& root, ShardState& st, ShardedOptimizer& opt, int world_size) {
   int64_t numel = 0, n = 0;
   std::size_t h = 0;
   for (const auto& item : root.named_parameters()) {
@@ -108,41 +112,84 @@ std::string describe_model(torch::nn::Module& root, ShardState& st, ShardedOptim
     h = h * 1000003u ^ std::hash<std::string>()(item.key());
     for (auto s : item.value().sizes()) h = h * 31u + static_cast<std::size_t>(s);
   }
-  auto kind = shardtorch::detail::optimizer_kind(opt);
   const auto& o = st.options();
-  std::ostringstream s;
-  s << strategy_name(o.strategy());
-  if (o.strategy() == Strategy::HybridShard) s << " (shard groups of " << o.hybrid_shard_size() << ")";
-  if (o.cpu_offload()) s << " with CPU offload";
-  s << ", " << describe_precision(o.mixed_precision()) << ", " << world_size
-    << (world_size == 1 ? " rank, " : " ranks, ") << n << " parameters of " << numel << " elements (names and shapes "
-    << std::hex << (h & 0xffffffffu) << std::dec << "), "
-    << (kind ? shardtorch::detail::optimizer_kind_name(*kind) : "an optimizer without movable state");
-  return s.str();
+  std::ostringstream strategy, params;
+  strategy << strategy_name(o.strategy());
+  if (o.strategy() == Strategy::HybridShard) strategy << " (shard groups of " << o.hybrid_shard_size() << ")";
+  if (o.cpu_offload()) strategy << " with CPU offload";
+  params << n << " parameters of " << numel << " elements (names and shapes " << std::hex << (h & 0xffffffffu) << ")";
+  return {{"strategy", strategy.str()},
+          {"mixed precision", describe_precision(o.mixed_precision())},
+          {"world size", std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks")},
+          {"parameters", params.str()},
+          {"optimizer", shardtorch::detail::describe_optimizer(opt)}};
+}
+
+std::string config_text(const Config& c) {
+  std::string s;
+  for (const auto& [aspect, text] : c) s += (s.empty() ? "" : ", ") + text;
+  return s;
+}
+
+// Where `a` (group `ga`'s) and `b` (group `gb`'s) differ, aspect by aspect.
+std::string config_difference(const std::string& ga, const Config& a, const std::string& gb, const Config& b) {
+  std::string s;
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    const std::string aspect = i < a.size() ? a[i].first : b[i].first;
+    const std::string x = i < a.size() ? a[i].second : "nothing", y = i < b.size() ? b[i].second : "nothing";
+    if (x != y) s += (s.empty() ? "" : "; ") + aspect + ": '" + ga + "' has " + x + ", '" + gb + "' has " + y;
+  }
+  return s;
+}
+
+json::array config_json(const Config& c) {
+  json::array a;
+  for (const auto& [aspect, text] : c) a.push_back(json::array{json::string(aspect), json::string(text)});
+  return a;
+}
+
+Config config_of(const json::value& v) {
+  Config c;
+  for (const auto& x : v.as_array()) {
+    const auto& pair = x.as_array();
+    c.emplace_back(json::value_to<std::string>(pair.at(0)), json::value_to<std::string>(pair.at(1)));
+  }
+  return c;
+}
+
+// FNV-1a: the same on every machine and build (names a rendezvous that
+// every member computes).
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
 }
 
 struct Participant {
-  std::string id, group, store_address, model;
+  std::string id, group, store_address, held, nonce;
+  Config config;
   int64_t step = 0;
   bool restarted = false;
-  int64_t broken = 0;
 };
 
 // What a quorum request tells the lighthouse that can change between steps,
 // taken when the request is made (the worker thread reads no live field).
 struct Ask {
-  int64_t round = 0, step = 0, broken = 0;
+  int64_t round = 0, step = 0;
+  std::string held;  // the cross-replica group this rank holds ("" none)
 };
 
 // One step's quorum as this rank sees it.
 struct Quorum {
   int64_t id = 0;
-  std::vector<Participant> participants;  // sorted by replica id
+  std::vector<Participant> participants;  // sorted by replica id; without the refused ones
+  std::vector<std::string> refused;       // groups refused for their configuration (logged)
+  std::string refusal;                    // why, in words
   int me = -1;                            // index among participants
   int64_t max_step = 0;
   std::vector<int> counted;                // participants whose gradients count
   std::vector<std::pair<int, int>> heals;  // (healed, source) participant indices
-  std::string config;                      // identifies the cross-replica group
+  std::string config;                      // names the cross-replica group, should it be built now
   bool rebuilt = false;                    // this step built the cross-replica group
   std::string error;                       // the quorum could not be had: the step cannot commit
   bool fatal = false;                      // ... and that is a configuration error: throw
@@ -163,14 +210,12 @@ struct Manager::Impl {
   ShardedOptimizer& opt;
   std::shared_ptr<ShardState> state;
   ManagerOptions options;
-  std::string group, replica_id, model;
+  std::string group, replica_id;
+  Config configuration;
   bool restarted = false;
   std::string key_prefix;  // in the group's store, per incarnation
   int64_t round = 0;
   int64_t step = 0;
-  // Cross-replica groups dropped after a failure: the same on every rank of
-  // the group (group rank 0's goes in the quorum, whose configuration it changes).
-  int64_t broken = 0;
   bool in_step = false;
   StepReport report;
   std::function<std::string()> save_user;
@@ -185,9 +230,14 @@ struct Manager::Impl {
   std::condition_variable hb_cv;
   bool stopping = false;
 
-  // The cross-replica group of this rank (rank k of every participating group).
+  // The cross-replica group of this rank (rank k of every participating
+  // group), its name (unique to the rendezvous that built it; "" none) and
+  // its members' replica ids. Every rank of the group holds the same name
+  // between steps (a failure drops it on every rank at the vote), so group
+  // rank 0 reports the group's in its quorum requests.
   c10::intrusive_ptr<c10d::Backend> pg;
   std::string pg_config;
+  std::vector<std::string> pg_members;
   std::shared_future<Quorum> quorum;  // this step's, or the next step's requested after a commit
   Ask asked;                          // what `quorum` was requested with
   bool prefetched = false;            // `quorum` was requested by should_commit() for the next step
@@ -201,6 +251,12 @@ struct Manager::Impl {
   // another Manager).
   ~Impl();
   c10d::CommHookInterface* hook = nullptr;  // the hook registered on the model, while it is there
+
+  void drop_group() {
+    pg.reset();
+    pg_config.clear();
+    pg_members.clear();
+  }
 
   void fail_step(const std::string& why) {
     std::lock_guard<std::mutex> lock(step_mu);
@@ -249,7 +305,7 @@ struct Manager::Impl {
 
   // Hands a request to the worker; `quorum` becomes its answer.
   void request_quorum(bool prefetch) {
-    asked = Ask{round++, step, broken};
+    asked = Ask{round++, step, pg_config};
     prefetched = prefetch;
     std::promise<Quorum> done;
     quorum = done.get_future().share();
@@ -272,9 +328,15 @@ struct Manager::Impl {
     if (lighthouse) lighthouse->allow_quorum();
   }
 
+  // `nonce`: fresh per request, so that a cross-replica group built from
+  // this quorum gets a name no earlier rendezvous had, whatever the
+  // lighthouse (a restarted one counts its quorum ids from the start again).
   std::string data_json(const Ask& ask) const {
-    return json::serialize(
-        json::object{{"group", group}, {"model", model}, {"restarted", restarted}, {"broken", ask.broken}});
+    return json::serialize(json::object{{"group", group},
+                                        {"config", config_json(configuration)},
+                                        {"restarted", restarted},
+                                        {"held", ask.held},
+                                        {"nonce", random_hex(16)}});
   }
 
   detail::QuorumReply ask_lighthouse(const Ask& ask) {
@@ -342,12 +404,13 @@ struct Manager::Impl {
       try {
         auto d = json::parse(json::value_to<std::string>(p.at("data"))).as_object();
         x.group = json::value_to<std::string>(d.at("group"));
-        x.model = json::value_to<std::string>(d.at("model"));
+        x.config = config_of(d.at("config"));
         x.restarted = d.at("restarted").as_bool();
-        x.broken = d.at("broken").as_int64();
+        x.held = json::value_to<std::string>(d.at("held"));
+        x.nonce = json::value_to<std::string>(d.at("nonce"));
       } catch (const std::exception&) {
         q.error = "replica '" + x.id +
-                  "' in the quorum is not a shardtorch fault-tolerance manager (its data is not "
+                  "' in the quorum is not a shardtorch fault-tolerance manager of this version (its data is not "
                   "shardtorch's); every replica group must run shardtorch::ft::Manager";
         q.fatal = true;
         return q;
@@ -355,12 +418,7 @@ struct Manager::Impl {
       q.participants.push_back(std::move(x));
     }
     std::sort(q.participants.begin(), q.participants.end(), [](auto& a, auto& b) { return a.id < b.id; });
-    for (size_t i = 0; i < q.participants.size(); ++i)
-      if (q.participants[i].id == replica_id) q.me = static_cast<int>(i);
-    if (q.me < 0) {
-      q.error = "the lighthouse's quorum does not include this replica";
-      return q;
-    }
+    if (!find_me(q)) return q;
     // Ids are "group:random", so one group's replicas sort side by side.
     for (size_t i = 1; i < q.participants.size(); ++i)
       if (q.participants[i].group == q.participants[i - 1].group) {
@@ -372,21 +430,8 @@ struct Manager::Impl {
                   "without it";
         return q;
       }
-    for (const auto& p : q.participants)
-      if (p.model != model) {
-        q.error =
-            "replica groups '" + group + "' and '" + p.group +
-            "' train different models, strategies or mixed precision: '" + group + "' has " + model + "; '" + p.group +
-            "' has " + p.model +
-            ". Every replica group must build the same model with the same ShardOptions, world size and optimizer";
-        q.fatal = true;
-        return q;
-      }
-    int64_t broken_sum = 0;
-    for (const auto& p : q.participants) {
-      q.max_step = std::max(q.max_step, p.step);
-      broken_sum += p.broken;
-    }
+    if (!check_configurations(q)) return q;
+    for (const auto& p : q.participants) q.max_step = std::max(q.max_step, p.step);
     // Who counts: the groups at the latest step. Before any step committed,
     // one group's weights are everyone's start: the first (by id) that was
     // not restarted. The others are healed from the counted groups.
@@ -409,8 +454,89 @@ struct Manager::Impl {
     int k = 0;
     for (int i = 0; i < n; ++i)
       if (!counted.count(i)) q.heals.push_back({i, q.counted[static_cast<size_t>(k++) % q.counted.size()]});
-    q.config = "q" + std::to_string(q.id) + "/b" + std::to_string(broken_sum);
+    // The name of a cross-replica group built for this quorum: every member
+    // computes it from the same requests, and their nonces make it one that
+    // no earlier rendezvous had (a restarted lighthouse repeats quorum ids).
+    std::string text = std::to_string(q.id);
+    for (const auto& p : q.participants) text += "|" + p.id + "@" + p.store_address + "/" + p.held + "/" + p.nonce;
+    char hash[17];
+    std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(fnv1a(text)));
+    q.config = "q" + std::to_string(q.id) + "-" + hash;
     return q;
+  }
+
+  // Sets q.me; false (with q.error) if this replica is not in the quorum.
+  bool find_me(Quorum& q) const {
+    q.me = -1;
+    for (size_t i = 0; i < q.participants.size(); ++i)
+      if (q.participants[i].id == replica_id) q.me = static_cast<int>(i);
+    if (q.me < 0) q.error = "the lighthouse's quorum does not include this replica";
+    return q.me >= 0;
+  }
+
+  // Groups configured differently (model, strategy, mixed precision, world
+  // size, optimizer). The groups already training are the reference: those
+  // that hold a cross-replica group, when they hold the same one (each such
+  // group was built by a quorum that passed this check), else those at the
+  // latest step once a step committed. When they agree, only the groups
+  // that differ from them are refused: they throw, and the others go on
+  // without them. With no such reference (nothing committed yet) or one
+  // that disagrees, every group throws. False when this rank's quorum ends
+  // here (q.error set).
+  bool check_configurations(Quorum& q) {
+    auto& ps = q.participants;
+    const Participant& mine = ps[static_cast<size_t>(q.me)];
+    bool alike = true;
+    for (const auto& p : ps) alike = alike && p.config == mine.config;
+    if (alike) return true;
+    const std::string advice =
+        "Every replica group must build the same model with the same ShardOptions, world size and optimizer "
+        "(its hyperparameters included)";
+    std::set<std::string> held;
+    int64_t max_step = 0;
+    for (const auto& p : ps) {
+      if (!p.held.empty()) held.insert(p.held);
+      max_step = std::max(max_step, p.step);
+    }
+    std::vector<const Participant*> ref;
+    for (const auto& p : ps)
+      if (held.size() == 1 ? p.held == *held.begin() : max_step > 0 && p.step == max_step) ref.push_back(&p);
+    bool agree = !ref.empty();
+    for (const auto* p : ref) agree = agree && p->config == ref.front()->config;
+    if (!agree) {
+      for (const auto& p : ps)
+        if (p.config != mine.config) {
+          q.error = "replica groups '" + mine.group + "' and '" + p.group + "' are configured differently (" +
+                    config_difference(mine.group, mine.config, p.group, p.config) + "). " + advice +
+                    "; with no configuration that the groups already training share to keep, every group stops";
+          q.fatal = true;
+          return false;
+        }
+    }
+    const Participant& r = *ref.front();
+    std::vector<std::string> training;
+    for (const auto* p : ref) training.push_back(p->group);
+    if (mine.config != r.config) {
+      q.error = "replica group '" + mine.group + "' is refused: its configuration differs from that of the groups " +
+                "already training " + join(training) + " (" +
+                config_difference(mine.group, mine.config, r.group, r.config) + "). " + advice +
+                "; the others go on without this one";
+      q.fatal = true;
+      return false;
+    }
+    // Copies: `r` is one of the participants moved below.
+    const Config reference = r.config;
+    const std::string reference_group = r.group;
+    std::vector<Participant> kept;
+    for (auto& p : ps)
+      if (p.config == reference) {
+        kept.push_back(std::move(p));
+      } else {
+        q.refused.push_back(p.group);
+        if (q.refusal.empty()) q.refusal = config_difference(p.group, p.config, reference_group, reference);
+      }
+    ps = std::move(kept);
+    return find_me(q);
   }
 
   static std::vector<std::string> names(const Quorum& q) {
@@ -419,48 +545,129 @@ struct Manager::Impl {
     return v;
   }
 
-  // Builds this rank's cross-replica group when the quorum's configuration
-  // changed. On a failure the step cannot commit; the next quorum retries.
+  // Whether this rank's cross-replica group serves the quorum: every
+  // participant holds it (its name is unique to the rendezvous that built
+  // it) and its members are the participants.
+  bool keeps_group(const Quorum& q) const {
+    if (!pg || pg_config.empty() || pg_members != ids(q)) return false;
+    for (const auto& p : q.participants)
+      if (p.held != pg_config) return false;
+    return true;
+  }
+
+  static std::vector<std::string> ids(const Quorum& q) {
+    std::vector<std::string> v;
+    for (const auto& p : q.participants) v.push_back(p.id);
+    return v;
+  }
+
+  // Builds this rank's cross-replica group unless it keeps the one it holds.
+  // On a failure the step cannot commit; the next quorum retries.
   void configure(Quorum& q) {
     if (q.participants.size() <= 1) {
       pg.reset();
-      pg_config = q.config;
+      pg_config.clear();
+      pg_members.clear();
       return;
     }
-    if (pg && pg_config == q.config) return;
+    if (keeps_group(q)) return;
     q.rebuilt = true;
     pg.reset();
     pg_config.clear();
-    const std::string primary = q.participants[static_cast<size_t>(q.counted.front())].store_address;
-    const auto colon = primary.rfind(':');
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<uint16_t>(std::stoi(primary.substr(colon + 1)));
-    so.isServer = false;
-    so.waitWorkers = false;
-    so.timeout = options.timeout();
-    auto client = c10::make_intrusive<c10d::TCPStore>(primary.substr(0, colon), so);
-    auto store = c10::make_intrusive<c10d::PrefixStore>(
-        "shardtorch-ft/" + q.config + "/rank" + std::to_string(world->rank()), client);
-    pg = shardtorch::detail::make_gloo_backend(store, q.me, static_cast<int>(q.participants.size()), options.timeout(),
-                                               options.host());
+    pg_members.clear();
+    pg = build_group(q.participants[static_cast<size_t>(q.counted.front())].store_address,
+                     "shardtorch-ft/" + q.config + "/rank" + std::to_string(world->rank()), q.me,
+                     static_cast<int>(q.participants.size()));
     pg_config = q.config;
+    pg_members = ids(q);
   }
 
-  // Drops the rendezvous keys of quorums before `current` from the store
-  // this rank serves (the first counted group's rank 0 serves each
+  // The rendezvous store of a cross-replica group. A test can make this
+  // process fail right after it published its address there
+  // (shardtorch::testing::inject_failure("cross-replica rendezvous")), as a
+  // member that dies at that moment does.
+  class RendezvousStore : public c10d::PrefixStore {
+   public:
+    using PrefixStore::PrefixStore;
+    using Store::set;
+    void set(const std::string& key, const std::vector<uint8_t>& value) override {
+      PrefixStore::set(key, value);
+      shardtorch::detail::failure_point("cross-replica rendezvous");
+    }
+  };
+
+  // A build on a thread of its own (see build_group).
+  struct Build {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    c10::intrusive_ptr<c10d::Backend> pg;
+    std::exception_ptr error;
+  };
+
+  // Connects to the rendezvous store at `primary` and builds the Gloo group
+  // of `size` members as member `index`, waiting at most options.timeout()
+  // for it. The build runs on a thread of its own: Gloo's own waits (its
+  // store reads, then one connection after the other) can add up to several
+  // times its timeout when a member dies after publishing its address. A
+  // build given up on ends there by itself, within Gloo's and the store's
+  // own timeouts, and drops whatever it built; it holds nothing of the
+  // manager's.
+  c10::intrusive_ptr<c10d::Backend> build_group(const std::string& primary, const std::string& prefix, int index,
+                                                int size) {
+    auto b = std::make_shared<Build>();
+    const auto timeout = options.timeout();
+    const std::string host = options.host();
+    auto body = [b, primary, prefix, index, size, timeout, host] {
+      c10::intrusive_ptr<c10d::Backend> built;
+      std::exception_ptr error;
+      try {
+        const auto colon = primary.rfind(':');
+        c10d::TCPStoreOptions so;
+        so.port = static_cast<uint16_t>(std::stoi(primary.substr(colon + 1)));
+        so.isServer = false;
+        so.waitWorkers = false;
+        so.timeout = timeout;
+        auto client = c10::make_intrusive<c10d::TCPStore>(primary.substr(0, colon), so);
+        auto store = c10::make_intrusive<RendezvousStore>(prefix, client);
+        built = shardtorch::detail::make_gloo_backend(store, index, size, timeout, host);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(b->mu);
+      b->pg = std::move(built);
+      b->error = error;
+      b->done = true;
+      b->cv.notify_all();
+    };
+    std::thread(body).detach();
+    std::unique_lock<std::mutex> lock(b->mu);
+    const auto t0 = Clock::now();
+    if (!b->cv.wait_until(lock, t0 + timeout, [&] { return b->done; }))
+      SHARDTORCH_CHECK(false, "its members did not all connect within ManagerOptions::timeout (", timeout.count(),
+                       " ms): a member may have died after the lighthouse admitted it, or published an address that "
+                       "no longer answers. The next quorum builds it again");
+    if (b->error) std::rethrow_exception(b->error);
+    return std::move(b->pg);
+  }
+
+  // Drops every cross-replica rendezvous key but those of `current` from
+  // the store this rank serves (the first counted group's rank 0 serves each
   // cross-replica group's rendezvous), or it grows with every
   // reconfiguration. Called after a step committed on a newly built group:
-  // every member has finished that group's rendezvous, and no one builds an
-  // older quorum's group again (a straggler that tries fails its step).
-  void drop_old_rendezvous(int64_t current) {
+  // every member has finished that group's rendezvous, and any other
+  // rendezvous in this store is over or stale (this group is a member of
+  // every quorum whose rendezvous it serves, and has not asked for the next
+  // one yet); a straggler that builds a stale group fails its step.
+  void drop_old_rendezvous(const std::string& current) {
     if (!store_server) return;
+    const std::string keep = "shardtorch-ft/" + current + "/";
     try {
-      for (const auto& key : store_server->listKeys()) {
-        long long id = -1;
-        if (std::sscanf(key.c_str(), "shardtorch-ft/q%lld/", &id) == 1 && id < current) store_server->deleteKey(key);
-      }
+      for (const auto& key : store_server->listKeys())
+        if (key.rfind("shardtorch-ft/", 0) == 0 && key.rfind(keep, 0) != 0) store_server->deleteKey(key);
     } catch (const std::exception& e) {
-      log("could not drop earlier quorums' keys from this group's store: " + shardtorch::detail::message_of(e));
+      log("could not drop earlier cross-replica groups' keys from this group's store: " +
+          shardtorch::detail::message_of(e));
     }
   }
 
@@ -707,7 +914,7 @@ Manager::Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedO
   const int restarts = std::atoi(env("TORCHELASTIC_RESTART_COUNT").value_or("0").c_str());
   m.restarted = o.restarted().value_or(restarts > 0);
   m.state = shardtorch::detail::require_state(root, "shardtorch::ft::Manager");
-  m.model = describe_model(root, *m.state, opt, m.world->size());
+  m.configuration = describe_config(root, *m.state, opt, m.world->size());
   // Every rank of the group must agree on the group name and the incarnation.
   auto names =
       m.world->comm().all_gather_strings(m.group + "/" + std::to_string(restarts), "shardtorch::ft group name");
@@ -752,8 +959,8 @@ Manager::Manager(std::shared_ptr<World> world, torch::nn::Module& root, ShardedO
   sharded_model(root).register_comm_hook(std::move(hook));
   m.hook = registered;
   m.worker = std::thread([&m] { m.worker_loop(); });
-  m.log("replica " + m.replica_id + " (" + m.model + ")" + (m.restarted ? ", restarted" : "") + ", lighthouse " +
-        (m.world->rank() == 0 ? m.lighthouse->address() : std::string("-")));
+  m.log("replica " + m.replica_id + " (" + config_text(m.configuration) + ")" + (m.restarted ? ", restarted" : "") +
+        ", lighthouse " + (m.world->rank() == 0 ? m.lighthouse->address() : std::string("-")));
 }
 
 std::vector<std::string> detail::served_store_keys(const Manager& m) {
@@ -799,17 +1006,13 @@ void Manager::start_step() {
   }
   if (m.prefetched && m.quorum.valid()) {
     m.prefetched = false;
-    if (m.asked.step == m.step && m.asked.broken == m.broken) return;  // what start_step() would ask
+    if (m.asked.step == m.step) return;  // what start_step() would ask
     // set_step() moved the step after the request went out: a quorum with
     // the old step may already have reached the other groups, which would
     // then wait for this rank in their all-reduce. Drop the cross-replica
     // group, so that they fail at once, and ask again.
     m.abandon_quorum();
-    if (m.pg) {
-      m.pg.reset();
-      m.pg_config.clear();
-      ++m.broken;
-    }
+    m.drop_group();
   }
   m.request_quorum(/*prefetch=*/false);
 }
@@ -832,6 +1035,7 @@ bool Manager::should_commit() {
     m.report.error = error;
     SHARDTORCH_CHECK(false, "shardtorch::ft: group '", m.group, "', rank ", m.world->rank(), ": ", error);
   }
+  rep.refused = q.refused;
   if (error.empty()) {
     for (int i : q.counted) rep.counted.push_back(q.participants[static_cast<size_t>(i)].group);
     for (auto [h, s] : q.heals) rep.healed.push_back(q.participants[static_cast<size_t>(h)].group);
@@ -847,12 +1051,9 @@ bool Manager::should_commit() {
       }
     }
   }
-  if (!error.empty()) {
-    // Dropped now, not after the vote: peers still waiting on this rank see
-    // its connections close and fail at once instead of at their timeout.
-    m.pg.reset();
-    m.pg_config.clear();
-  }
+  // Dropped now, not after the vote: peers still waiting on this rank see
+  // its connections close and fail at once instead of at their timeout.
+  if (!error.empty()) m.drop_group();
   rep.step = m.step;  // a healed group's is its source's
   // The vote: every rank of the group, inside the group (its own world); a
   // group of one rank decides alone.
@@ -868,14 +1069,12 @@ bool Manager::should_commit() {
     // full parameters made from the old shards go (collective in the group).
     if (m.healing(q)) m.state->after_shards_replaced();
     ++m.step;
-    if (q.rebuilt) m.drop_old_rendezvous(q.id);
+    if (q.rebuilt) m.drop_old_rendezvous(m.pg_config);
   } else {
-    // Every rank of the group drops its cross-replica group and counts the
-    // failure, its own part failed or not: the next quorum's configuration
-    // then differs, and every rank of every group builds the new one.
-    m.pg.reset();
-    m.pg_config.clear();
-    ++m.broken;
+    // Every rank of the group drops its cross-replica group, its own part
+    // failed or not: group rank 0's next request says it holds none, and
+    // every rank of every group in the next quorum builds a new one.
+    m.drop_group();
     // Another rank of the group may not have received its state: this rank
     // goes back to its own step, so that the next quorum heals the group again.
     if (m.healing(q)) rep.step = m.step = before_heal;
@@ -884,10 +1083,11 @@ bool Manager::should_commit() {
   }
   if (m.report.quorum_id != rep.quorum_id && error.empty())
     m.log("quorum " + std::to_string(q.id) + ": " + join(rep.counted) + " counted" +
-          (rep.healed.empty() ? "" : ", " + join(rep.healed) + " healed") + " at step " + std::to_string(rep.step));
+          (rep.healed.empty() ? "" : ", " + join(rep.healed) + " healed") + " at step " + std::to_string(rep.step) +
+          (q.refused.empty() ? "" : "; refused " + join(q.refused) + ", configured differently (" + q.refusal + ")"));
   m.report = rep;
   // The next step's quorum, asked for now with what start_step() would send
-  // (the step and failure count are final here): it runs during the
+  // (the step and the group held are final here): it runs during the
   // optimizer step, the data loading and the next forward.
   if (m.options.prefetch_quorum()) m.request_quorum(/*prefetch=*/true);
   return rep.committed;

@@ -1,10 +1,17 @@
 #include "optim/optimizer_state.h"
 
+#include <c10/util/Type.h>
+#include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <charconv>
+#include <sstream>
+#include <typeinfo>
 
 #include "shardtorch/optim.h"
 #include "shardtorch/optim/cpu_adam.h"
@@ -29,6 +36,60 @@ const char* optimizer_kind_name(OptimizerKind k) {
       return "SGD";
   }
   return "?";
+}
+
+namespace {
+
+// The shortest text that reads back as exactly `x`.
+std::string number(double x) {
+  char buf[32];
+  auto r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
+}
+
+std::string boolean(bool b) { return b ? "true" : "false"; }
+
+std::string describe_options(const torch::optim::OptimizerOptions& o) {
+  std::ostringstream s;
+  if (auto* a = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) {
+    s << "lr=" << number(a->lr()) << ", betas=(" << number(std::get<0>(a->betas())) << ", "
+      << number(std::get<1>(a->betas())) << "), eps=" << number(a->eps())
+      << ", weight_decay=" << number(a->weight_decay()) << ", amsgrad=" << boolean(a->amsgrad());
+  } else if (auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o)) {
+    s << "lr=" << number(a->lr()) << ", betas=(" << number(std::get<0>(a->betas())) << ", "
+      << number(std::get<1>(a->betas())) << "), eps=" << number(a->eps())
+      << ", weight_decay=" << number(a->weight_decay()) << ", amsgrad=" << boolean(a->amsgrad());
+  } else if (auto* g = dynamic_cast<const torch::optim::SGDOptions*>(&o)) {
+    s << "lr=" << number(g->lr()) << ", momentum=" << number(g->momentum()) << ", dampening=" << number(g->dampening())
+      << ", weight_decay=" << number(g->weight_decay()) << ", nesterov=" << boolean(g->nesterov());
+  } else if (auto* g = dynamic_cast<const torch::optim::AdagradOptions*>(&o)) {
+    s << "lr=" << number(g->lr()) << ", lr_decay=" << number(g->lr_decay())
+      << ", weight_decay=" << number(g->weight_decay())
+      << ", initial_accumulator_value=" << number(g->initial_accumulator_value()) << ", eps=" << number(g->eps());
+  } else if (auto* r = dynamic_cast<const torch::optim::RMSpropOptions*>(&o)) {
+    s << "lr=" << number(r->lr()) << ", alpha=" << number(r->alpha()) << ", eps=" << number(r->eps())
+      << ", weight_decay=" << number(r->weight_decay()) << ", momentum=" << number(r->momentum())
+      << ", centered=" << boolean(r->centered());
+  } else if (auto* l = dynamic_cast<const torch::optim::LBFGSOptions*>(&o)) {
+    s << "lr=" << number(l->lr()) << ", max_iter=" << l->max_iter() << ", max_eval=" << l->max_eval().value_or(0)
+      << ", tolerance_grad=" << number(l->tolerance_grad()) << ", tolerance_change=" << number(l->tolerance_change())
+      << ", history_size=" << l->history_size() << ", line_search_fn=" << l->line_search_fn().value_or("none");
+  } else {
+    s << "lr=" << number(o.get_lr());
+  }
+  return s.str();
+}
+
+}  // namespace
+
+std::string describe_optimizer(ShardedOptimizer& opt) {
+  std::ostringstream s;
+  const auto kind = optimizer_kind(opt);
+  s << (kind ? std::string(optimizer_kind_name(*kind)) : c10::demangle(typeid(opt.inner()).name()));
+  const auto& groups = opt.inner().param_groups();
+  for (size_t i = 0; i < groups.size(); ++i)
+    s << "; param group " << i << ": " << (groups[i].has_options() ? describe_options(groups[i].options()) : "");
+  return s.str();
 }
 
 std::vector<std::pair<std::string, at::Tensor>> optimizer_state_tensors(const torch::optim::OptimizerParamState* st) {

@@ -18,6 +18,11 @@ enum class OptimizerKind { Adam, AdamW, SGD };
 /// nullopt for an optimizer whose state is none of those.
 std::optional<OptimizerKind> optimizer_kind(ShardedOptimizer& opt);
 const char* optimizer_kind_name(OptimizerKind k);
+/// The optimizer and every hyperparameter of each of its parameter groups,
+/// as they are now, in words ("AdamW; param group 0: lr=0.01, betas=(0.9,
+/// 0.999), ..."): equal strings, equal options (numbers in their shortest
+/// exact form). Options of a kind torch::optim does not define: lr alone.
+std::string describe_optimizer(ShardedOptimizer& opt);
 /// The state's tensors by name: exp_avg, exp_avg_sq (max_exp_avg_sq) for
 /// Adam(W), momentum_buffer for SGD; undefined ones left out.
 std::vector<std::pair<std::string, at::Tensor>> optimizer_state_tensors(const torch::optim::OptimizerParamState* st);

@@ -45,18 +45,42 @@ inline int free_port() {
   return ntohs(a.sin_port);
 }
 
-// torchft_lighthouse on a free loopback port, for the life of the object.
+// torchft_lighthouse on a loopback port (a free one unless `port`), for the
+// life of the object.
 class Lighthouse {
  public:
-  explicit Lighthouse(int min_replicas, int heartbeat_timeout_ms = 30000) : port_(free_port()) {
+  explicit Lighthouse(int min_replicas, int heartbeat_timeout_ms = 30000, int port = 0)
+      : min_replicas_(min_replicas), heartbeat_timeout_ms_(heartbeat_timeout_ms), port_(port ? port : free_port()) {
+    start();
+  }
+  ~Lighthouse() { stop(); }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  // SIGSTOP: it keeps its connections but answers nothing until resume().
+  void pause() const { ::kill(pid_, SIGSTOP); }
+  void resume() const { ::kill(pid_, SIGCONT); }
+  // kill -9, as a crash would: its connections close, its state is lost.
+  void stop() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = 0;
+  }
+  // A new lighthouse on the same port (none of the earlier one's state).
+  void restart() {
+    stop();
+    start();
+  }
+
+ private:
+  void start() {
     const std::string exe = SHARDTORCH_PYTHON_FOR_FT;
     if (::access(exe.c_str(), X_OK) != 0)
       throw std::runtime_error("no Python with torchft at '" + exe +
                                "': run scripts/setup.sh (it installs torchft-nightly)");
     std::vector<std::string> args{exe, SHARDTORCH_LIGHTHOUSE, "--bind", address(), "--min_replicas",
-                                  std::to_string(min_replicas), "--join_timeout_ms", "2000", "--quorum_tick_ms", "20",
+                                  std::to_string(min_replicas_), "--join_timeout_ms", "2000", "--quorum_tick_ms", "20",
                                   // Long: the bare clients below send no heartbeats while they wait for each other.
-                                  "--heartbeat_timeout_ms", std::to_string(heartbeat_timeout_ms)};
+                                  "--heartbeat_timeout_ms", std::to_string(heartbeat_timeout_ms_)};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -68,17 +92,8 @@ class Lighthouse {
       throw std::runtime_error("could not start " + exe);
     posix_spawn_file_actions_destroy(&fa);
   }
-  ~Lighthouse() {
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-  }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
-  // SIGSTOP: it keeps its connections but answers nothing until resume().
-  void pause() const { ::kill(pid_, SIGSTOP); }
-  void resume() const { ::kill(pid_, SIGCONT); }
 
- private:
-  int port_;
+  int min_replicas_, heartbeat_timeout_ms_, port_;
   pid_t pid_ = 0;
 };
 
