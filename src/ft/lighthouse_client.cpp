@@ -2,6 +2,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <mutex>
 #include <sstream>
 
@@ -11,10 +13,10 @@
 namespace shardtorch::ft::detail {
 
 struct LighthouseClient::Impl {
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<torchft::LighthouseService::Stub> stub;
-  std::mutex mu;                          // guards the two below
-  grpc::ClientContext* active = nullptr;  // the quorum call in flight
+  std::mutex mu;                                           // guards the members below
+  std::condition_variable cv;                              // cancel_quorum() wakes a quorum() waiting to retry
+  std::shared_ptr<torchft::LighthouseService::Stub> stub;  // replaced by fresh_channel()
+  grpc::ClientContext* active = nullptr;                   // the quorum call in flight
   bool cancelled = false;
 };
 
@@ -61,6 +63,17 @@ void set_deadline(grpc::ClientContext& ctx, std::chrono::milliseconds timeout) {
   ctx.set_deadline(std::chrono::system_clock::now() + timeout);
 }
 
+// A channel of its own: no subchannel (nor its reconnect backoff) shared
+// with an earlier one.
+std::shared_ptr<torchft::LighthouseService::Stub> new_stub(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  return torchft::LighthouseService::NewStub(
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+}
+
 }  // namespace
 
 LighthouseClient::LighthouseClient(const std::string& address)
@@ -68,8 +81,7 @@ LighthouseClient::LighthouseClient(const std::string& address)
   check(!address_.empty(),
         "shardtorch::ft: no lighthouse address: pass ManagerOptions::lighthouse "
         "or set SHARDTORCH_FT_LIGHTHOUSE (host:port of torchft_lighthouse)");
-  impl_->channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
-  impl_->stub = torchft::LighthouseService::NewStub(impl_->channel);
+  impl_->stub = new_stub(address_);
 }
 
 LighthouseClient::~LighthouseClient() = default;
@@ -84,37 +96,69 @@ QuorumReply LighthouseClient::quorum(const Member& me, std::chrono::milliseconds
   m->set_world_size(me.world_size);
   m->set_data(me.data);
   torchft::LighthouseQuorumResponse resp;
-  grpc::ClientContext ctx;
-  set_deadline(ctx, timeout);
-  // Waits for the channel to connect (within the deadline) instead of failing
-  // at once while the lighthouse is still starting.
-  ctx.set_wait_for_ready(true);
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    check(!impl_->cancelled, "shardtorch::ft: replica '", me.replica_id, "': the quorum request was cancelled");
-    impl_->active = &ctx;
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  const grpc::Status s = impl_->stub->Quorum(&ctx, req, &resp);
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  const auto deadline = t0 + timeout;
+  const auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
+  };
+  // A request that fails with UNAVAILABLE (the lighthouse closed the
+  // connection: it died or was restarted, or the request went out on a
+  // connection already dead; or no connection could be made) is sent again
+  // on a fresh channel after a short pause, until `timeout` from the first
+  // send has passed. Each connection attempt is made by a request, not left
+  // to gRPC's reconnect timers: in a process forked after gRPC started
+  // (the tests' ranks) those timers do not run.
+  int closed = 0, refused = 0;
+  int64_t first_closed_ms = 0;
+  auto pause = std::chrono::milliseconds(20);
+  grpc::Status s;
+  while (true) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline - Clock::now()));
+    std::shared_ptr<torchft::LighthouseService::Stub> stub;
+    {
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      check(!impl_->cancelled, "shardtorch::ft: replica '", me.replica_id, "': the quorum request was cancelled");
+      impl_->active = &ctx;
+      stub = impl_->stub;
+    }
+    s = stub->Quorum(&ctx, req, &resp);
+    std::unique_lock<std::mutex> lock(impl_->mu);
     impl_->active = nullptr;
+    if (s.ok() || s.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+    if (s.error_message().find("failed to connect") != std::string::npos) {
+      ++refused;
+    } else if (closed++ == 0) {
+      first_closed_ms = ms_since(t0);
+    }
+    if (impl_->stub == stub) impl_->stub = new_stub(address_);
+    if (Clock::now() + pause >= deadline) break;
+    impl_->cv.wait_for(lock, pause, [this] { return impl_->cancelled; });
+    pause = std::min(2 * pause, std::chrono::milliseconds(500));
   }
   if (!s.ok()) {
-    const auto took =
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
-    // Ran out of time, or ended early (the connection broke, the lighthouse refused the request).
-    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+    const auto took = ms_since(t0);
+    std::string history;
+    if (closed > 0)
+      history += "The lighthouse closed the connection " + std::to_string(closed) + (closed == 1 ? " time" : " times") +
+                 " (first after " + std::to_string(first_closed_ms) + " ms)";
+    if (refused > 0)
+      history += (closed > 0 ? "; " : "") + std::to_string(refused) +
+                 (refused == 1 ? " attempt to connect to it failed" : " attempts to connect to it failed");
+    if (closed > 0) history += "; it may have died or been restarted";
+    if (!history.empty()) history += ". ";
+    // Ran out of time (waiting for the quorum, or sending again), or ended
+    // early (cancelled, or the lighthouse refused the request).
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED || s.error_code() == grpc::StatusCode::UNAVAILABLE)
       check(false, "shardtorch::ft: replica '", me.replica_id, "' got no quorum from the lighthouse at ", address_,
-            " within ", timeout.count(), " ms (", describe(s),
-            "). Check that torchft_lighthouse runs there and that --min_replicas replica groups are up; "
+            " within ", timeout.count(), " ms (last: ", describe(s), "). ", history,
+            "Check that torchft_lighthouse runs there and that --min_replicas replica groups are up; "
             "ManagerOptions::quorum_timeout sets this wait");
     check(false, "shardtorch::ft: replica '", me.replica_id, "': its quorum request to the lighthouse at ", address_,
           " failed after ", took, " ms of the ", timeout.count(), " ms it may take (", describe(s), ")",
-          s.error_code() == grpc::StatusCode::UNAVAILABLE
-              ? ": the connection to the lighthouse closed or could not be made; it may have died or been restarted. "
-                "Check that torchft_lighthouse runs there"
-              : "");
+          history.empty() ? std::string() : ". " + history.substr(0, history.size() - 1));
   }
   QuorumReply out;
   out.quorum_id = resp.quorum().quorum_id();
@@ -127,6 +171,7 @@ void LighthouseClient::cancel_quorum() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->cancelled = true;
   if (impl_->active) impl_->active->TryCancel();
+  impl_->cv.notify_all();
 }
 
 void LighthouseClient::allow_quorum() {
@@ -140,7 +185,16 @@ void LighthouseClient::heartbeat(const std::string& replica_id, std::chrono::mil
   torchft::LighthouseHeartbeatResponse resp;
   grpc::ClientContext ctx;
   set_deadline(ctx, timeout);
-  const grpc::Status s = impl_->stub->Heartbeat(&ctx, req, &resp);
+  std::shared_ptr<torchft::LighthouseService::Stub> stub;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    stub = impl_->stub;
+  }
+  const grpc::Status s = stub->Heartbeat(&ctx, req, &resp);
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->stub == stub) impl_->stub = new_stub(address_);  // the next beat connects anew
+  }
   check(s.ok(), "shardtorch::ft: replica '", replica_id, "' could not reach the lighthouse at ", address_, " (",
         describe(s), ")");
 }
