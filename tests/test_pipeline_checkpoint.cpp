@@ -521,10 +521,20 @@ TEST(PipelineCheckpoint, TheTiedWeightLoadsTheSameIntoBothStagesOrFailsEveryRank
     shardtorch::checkpoint::save_file(untied, {t.begin(), t.end()});
   }
   const torch::Tensor embedding = s.truth.at("tok_emb.weight");
+  const std::string refused =
+      "'tok_emb.weight' and 'head.weight' are one tied parameter of the model, but the "
+      "checkpoint holds different values under them";
+  // Different values under the tie's two names: refused on every rank (the
+  // stages hold the names on different ranks), as by the unsplit model,
+  // unless tied_from says which wins; then both stages load that one.
   auto r = run_ranks(4, [&](World& w) {
     Piped p(w, kSaver);
     require(p.pipe->tied_parameters().size() == 1, "the GPT's tie is across the stages");
-    shardtorch::load_full_state_dict(*p.pipe, differing);
+    const Values before = p.values();
+    const std::string e = message_of([&] { shardtorch::load_full_state_dict(*p.pipe, differing); });
+    require(e.find(refused) != std::string::npos, "differing values: " + e);
+    require_bitwise(p.values(), before, "after the refused load");
+    shardtorch::load_full_state_dict(*p.pipe, differing, shardtorch::LoadOptions().tied_from({"tok_emb.weight"}));
     const Values v = p.values();
     for (const char* n : {"tok_emb.weight", "head.weight"})
       if (v.count(n)) require(torch::equal(v.at(n), embedding), std::string(n) + " is not the embedding saved");
@@ -534,10 +544,12 @@ TEST(PipelineCheckpoint, TheTiedWeightLoadsTheSameIntoBothStagesOrFailsEveryRank
   });
   ASSERT_TRUE(r.ok) << r.summary();
 
-  // The unsplit model reads the same name.
+  // The unsplit model refuses the same file, and reads the same name when told.
   r = run_ranks(1, [&](World& w) {
     Unsplit u(w, Strategy::NoShard);
-    shardtorch::load_full_state_dict(*u.model, differing);
+    const std::string e = message_of([&] { shardtorch::load_full_state_dict(*u.model, differing); });
+    require(e.find(refused) != std::string::npos, "the unsplit model: " + e);
+    shardtorch::load_full_state_dict(*u.model, differing, shardtorch::LoadOptions().tied_from({"tok_emb.weight"}));
     require(torch::equal(full_values(*u.model).at("head.weight"), embedding), "the unsplit model's head.weight");
   });
   ASSERT_TRUE(r.ok) << r.summary();
