@@ -1,6 +1,7 @@
 """torch's own dcp.load of the benchmark's checkpoint into FSDP2 at this world
 size: one JSON line per rank (time, peak resident memory during the load).
 usage: torchrun --standalone --nproc-per-node 4 load_large.py DIR LAYERS WIDTH DTYPE"""
+import os
 import json
 import sys
 import time
@@ -36,3 +37,8 @@ print(json.dumps({"rank": rank, "world": world, "seconds": seconds, "shard_bytes
                   "rss_before_model": before_model, "rss_before_load": before_load, "peak_rss_during_load": peak}),
       flush=True)
 dist.destroy_process_group()
+# End without finalizing the interpreter: a Gloo worker thread that outlives the group can
+# abort Py_FinalizeEx (std::terminate; see bench/ft/torchft_ddp.py).
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)

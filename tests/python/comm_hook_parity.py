@@ -41,6 +41,11 @@ def ddp_worker(hooks, out_dir):
     for hook_name in hooks:
         ddp_train(hook_name, out_dir)
     dist.destroy_process_group()
+    # End without finalizing the interpreter: a Gloo worker thread that outlives the group can
+    # abort Py_FinalizeEx (std::terminate; see bench/ft/torchft_ddp.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def ddp_train(hook_name, out_dir):

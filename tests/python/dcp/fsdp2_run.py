@@ -146,6 +146,11 @@ def main():
     (save if mode == "save" else load)(out, rank, world)
     dist.barrier()
     dist.destroy_process_group()
+    # End without finalizing the interpreter: a Gloo worker thread that outlives the group can
+    # abort Py_FinalizeEx (std::terminate; see bench/ft/torchft_ddp.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
