@@ -149,7 +149,10 @@ def main():
         m_pt = statistics.median(r["p50_ms"] for r in pt)
         diff = max(abs(x - y) / max(1.0, abs(y)) for r in st for q in pt for x, y in zip(r["losses"], q["losses"]))
         worst = max(worst, diff)
-        if st[0]["stages"] != pt[0]["stages"]:
+        def layers(stages):  # shardtorch lists each stage's layers; PyTorch's report, dicts with "layers"
+            return [x["layers"] if isinstance(x, dict) else x for x in stages]
+
+        if layers(st[0]["stages"]) != layers(pt[0]["stages"]):
             print(f"run_pipeline_peers: {s}: the stages differ: {st[0]['stages']} vs {pt[0]['stages']}",
                   file=sys.stderr)
             worst = float("inf")
