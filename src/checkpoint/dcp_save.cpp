@@ -52,22 +52,6 @@ void add_boxes(std::vector<Item>& out, const std::string& key, const std::vector
                    flat.narrow(0, b.begin - begin, b.numel).contiguous().view(b.sizes), ""});
 }
 
-// Ranges held alike by several ranks go to one of them: largest first, each
-// to the writer with the fewest elements so far (as sharded checkpoints).
-std::vector<int> spread(const std::vector<int64_t>& sizes, int writers) {
-  std::vector<size_t> order(sizes.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] > sizes[b]; });
-  std::vector<int64_t> load(static_cast<size_t>(writers), 0);
-  std::vector<int> owner(sizes.size(), 0);
-  for (size_t k : order) {
-    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
-    owner[k] = static_cast<int>(least);
-    load[static_cast<size_t>(least)] += sizes[k];
-  }
-  return owner;
-}
-
 std::string pickle_float(double v) { return pickle::Writer().real(v).finish(); }
 std::string pickle_bool(bool v) { return pickle::Writer().boolean(v).finish(); }
 std::string pickle_none() { return pickle::Writer().none().finish(); }
@@ -157,7 +141,7 @@ Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOpt
   }
   std::vector<int64_t> sizes;
   for (const auto& r : ranges) sizes.push_back(r.values.numel());
-  const std::vector<int> owner = spread(sizes, writers);
+  const std::vector<int> owner = checkpoint::spread_over_writers(sizes, writers);
   std::set<std::pair<std::string, int64_t>> written;  // (first name, first element): its optimizer state goes with it
   for (size_t k = 0; k < ranges.size(); ++k) {
     if (owner[k] != me || ranges[k].names->empty()) continue;

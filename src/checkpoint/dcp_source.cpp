@@ -8,6 +8,7 @@
 #include "base/files.h"
 #include "checkpoint/checksum.h"
 #include "checkpoint/publish.h"
+#include "checkpoint/text_file.h"
 #include "shardtorch/checkpoint/safetensors_error.h"
 
 namespace shardtorch::checkpoint::dcp {
@@ -17,28 +18,7 @@ constexpr const char* kMetadata = ".metadata";
 constexpr uint64_t kMaxMetadataBytes = uint64_t{2} << 30;
 
 std::string read_whole(const std::string& path) {
-  std::string why;
-  const int fd = files::open_regular_for_reading(path, why);
-  if (fd < 0) throw SafetensorsError("DCP metadata '" + path + "': cannot open: " + why);
-  std::string text;
-  char buf[1 << 16];
-  while (true) {
-    const ssize_t r = ::read(fd, buf, sizeof(buf));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      const std::string err = std::strerror(errno);
-      ::close(fd);
-      throw SafetensorsError("DCP metadata '" + path + "': read failed: " + err);
-    }
-    if (r == 0) break;
-    text.append(buf, static_cast<size_t>(r));
-    if (text.size() > kMaxMetadataBytes) {
-      ::close(fd);
-      throw SafetensorsError("DCP metadata '" + path + "': larger than 2 GiB; not DCP metadata");
-    }
-  }
-  ::close(fd);
-  return text;
+  return read_text_file(path, "DCP metadata", kMaxMetadataBytes, "larger than 2 GiB; not DCP metadata");
 }
 
 // Why `dir` holds no checkpoint this code reads, by what it holds instead.

@@ -20,6 +20,7 @@
 #include "checkpoint/model_part.h"
 #include "checkpoint/name_mapping.h"
 #include "checkpoint/reader_access.h"
+#include "checkpoint/text_file.h"
 #include "shardtorch/checkpoint/safetensors.h"
 
 namespace shardtorch {
@@ -32,28 +33,8 @@ constexpr const char* kSingleName = "model.safetensors";
 
 // The index file's text; never a blocking open (a FIFO is refused at once).
 std::string read_index_text(const std::string& path) {
-  std::string why;
-  const int fd = files::open_regular_for_reading(path, why);
-  if (fd < 0) throw SafetensorsError("Hugging Face index '" + path + "': cannot open: " + why);
-  std::string text;
-  char buf[1 << 16];
-  while (true) {
-    const ssize_t r = ::read(fd, buf, sizeof(buf));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      const std::string err = std::strerror(errno);
-      ::close(fd);
-      throw SafetensorsError("Hugging Face index '" + path + "': read failed: " + err);
-    }
-    if (r == 0) break;
-    text.append(buf, static_cast<size_t>(r));
-    if (text.size() > checkpoint::kMaxHeaderBytes) {
-      ::close(fd);
-      throw SafetensorsError("Hugging Face index '" + path + "': larger than 100 MB; not an index");
-    }
-  }
-  ::close(fd);
-  return text;
+  return checkpoint::read_text_file(path, "Hugging Face index", checkpoint::kMaxHeaderBytes,
+                                    "larger than 100 MB; not an index");
 }
 
 // Where the checkpoint is: data files are relative to `dir`; `index` is the

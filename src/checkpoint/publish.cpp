@@ -3,11 +3,13 @@
 #include <fcntl.h>
 #include <stdio.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <numeric>
 
 #include "base/check.h"
 #include "base/files.h"
@@ -128,6 +130,20 @@ void publish(const std::string& tmp, const std::string& dir, const std::string& 
   // `dir` is complete now: a checkpoint set aside, by this save or by an
   // earlier one killed between its renames, is older.
   best_effort("removing '" + aside + "'", [&] { files::remove_all(aside); });
+}
+
+std::vector<int> spread_over_writers(const std::vector<int64_t>& sizes, int writers) {
+  std::vector<size_t> order(sizes.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] > sizes[b]; });
+  std::vector<int64_t> load(static_cast<size_t>(writers), 0);
+  std::vector<int> owner(sizes.size(), 0);
+  for (size_t k : order) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[k] = static_cast<int>(least);
+    load[static_cast<size_t>(least)] += sizes[k];
+  }
+  return owner;
 }
 
 }  // namespace shardtorch::checkpoint

@@ -3,7 +3,9 @@
 // checkpoints, DCP checkpoints). A save writes DIR.shardtorch-tmp and
 // publishes it as DIR; `marker` is the file whose presence makes a directory
 // a complete checkpoint of the kind ("index.json", ".metadata").
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace shardtorch::checkpoint {
 
@@ -42,5 +44,11 @@ void check_replaceable(const std::string& dir, const std::string& marker, const 
 /// Crash points (crash_point): "exchanged", or "previous moved aside" and
 /// "new moved in".
 void publish(const std::string& tmp, const std::string& dir, const std::string& marker);
+
+/// Which of `writers` writes each of `sizes` (ranges held alike by several
+/// ranks, written once): largest first, each to the writer with the fewest
+/// elements so far, so that no one writer writes the whole model while the
+/// others wait in the next collective.
+std::vector<int> spread_over_writers(const std::vector<int64_t>& sizes, int writers);
 
 }  // namespace shardtorch::checkpoint

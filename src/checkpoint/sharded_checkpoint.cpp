@@ -120,25 +120,6 @@ struct Holding {
   std::vector<std::pair<Entry, at::Tensor>> items;
 };
 
-// Replicated ranges are written once, spread over the ranks that hold them
-// alike (every rank under NoShard, the replica groups under HybridShard):
-// largest first, each to the writer with the fewest elements so far. One
-// writer for all of them would write the whole model while the others wait
-// in the next collective, and past its timeout for a large one.
-std::vector<int> spread(const std::vector<int64_t>& sizes, int writers) {
-  std::vector<size_t> order(sizes.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] > sizes[b]; });
-  std::vector<int64_t> load(static_cast<size_t>(writers), 0);
-  std::vector<int> owner(sizes.size(), 0);
-  for (size_t k : order) {
-    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
-    owner[k] = static_cast<int>(least);
-    load[static_cast<size_t>(least)] += sizes[k];
-  }
-  return owner;
-}
-
 // `rank`: this rank's file. A part of a model (`part`) leaves the parameters
 // tied to other parts under another name to the part whose name comes first.
 Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt, int rank,
@@ -183,7 +164,7 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
                  ranges.end());
   std::vector<int64_t> sizes;
   for (const auto& r : ranges) sizes.push_back(r.values.numel());
-  const std::vector<int> owner = spread(sizes, writers);
+  const std::vector<int> owner = checkpoint::spread_over_writers(sizes, writers);
   // A range's optimizer state goes with it: (name, first element) written here.
   std::set<std::pair<std::string, int64_t>> written;
   for (size_t k = 0; k < ranges.size(); ++k) {
