@@ -482,6 +482,57 @@ TEST(DcpSave, SavedAtThreeRanksLoadsAtTwoUnderAnotherStrategyBitwise) {
 
 namespace {
 
+// A model with a parameter and a buffer that hold no elements.
+struct EmptyPartsImpl : torch::nn::Module {
+  EmptyPartsImpl() : l(register_module("l", torch::nn::Linear(4, 3))) {
+    empty = register_parameter("empty", torch::zeros({0, 3}));
+    none = register_buffer("none", torch::zeros({0}));
+  }
+  torch::Tensor forward(torch::Tensor x) { return l(x) + empty.sum(); }
+  torch::nn::Linear l;
+  torch::Tensor empty, none;
+};
+SHARDTORCH_MODULE(EmptyParts);
+
+}  // namespace
+
+TEST(DcpSave, TensorsWithoutElementsAreWrittenOnceAsEmptyChunks) {
+  for (auto strategy : {Strategy::FullShard, Strategy::NoShard}) {
+    const TempDir dir;
+    const std::string ck = (dir / "ck").string();
+    auto saved = run_ranks(2, [&](World& w) {
+      torch::manual_seed(5);
+      EmptyParts m;
+      shardtorch::shard(m, w, ShardOptions().strategy(strategy));
+      shardtorch::save_dcp_checkpoint(*m, nullptr, ck);
+    });
+    ASSERT_TRUE(saved.ok) << saved.summary();
+    const dcp::Metadata md = metadata_of(ck);
+    for (const auto& [key, shape] :
+         std::map<std::string, std::vector<int64_t>>{{"model.empty", {0, 3}}, {"model.none", {0}}}) {
+      const dcp::Entry* e = md.find(key);
+      ASSERT_NE(e, nullptr) << key << " is not in the metadata";
+      EXPECT_EQ(e->size, shape) << key;
+      ASSERT_EQ(e->chunks.size(), 1u) << key << ": written once";
+      EXPECT_EQ(e->chunks[0].sizes, shape) << key;
+    }
+    EXPECT_EQ(DcpReader(ck).read("model.empty").sizes(), torch::IntArrayRef({0, 3}));
+    auto loaded = run_ranks(3, [&](World& w) {
+      torch::manual_seed(9);
+      EmptyParts m;
+      shardtorch::shard(m, w);
+      shardtorch::load_dcp_checkpoint(*m, nullptr, ck);
+      torch::manual_seed(5);
+      EmptyParts want;
+      for (const auto& [n, t] : dcp_full_values(*m))
+        if (n.rfind("l.", 0) == 0) require_same(t, want->named_parameters()[n], "loaded " + n);
+    });
+    ASSERT_TRUE(loaded.ok) << loaded.summary();
+  }
+}
+
+namespace {
+
 // |got - want| <= tol (fp32), or within one unit in the last place of bf16
 // (bf16: updates rounded in another order may differ there).
 void require_close(const torch::Tensor& got, const torch::Tensor& want, at::ScalarType dtype, const std::string& what) {

@@ -3,6 +3,7 @@
 // the metadata, as torch.distributed.checkpoint's FileSystemWriter lays
 // them out; the directory is published as a sharded checkpoint's is.
 #include <c10/core/GradMode.h>
+#include <c10/util/accumulate.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -43,10 +44,16 @@ struct Item {
   std::string pickled;
 };
 
-// The boxes of elements [begin, begin + values.numel()) of a tensor of `shape`.
+// The boxes of elements [begin, begin + values.numel()) of a tensor of `shape`;
+// a tensor without elements is one empty box of its shape, as torch writes it.
 void add_boxes(std::vector<Item>& out, const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
                const at::Tensor& values) {
   const at::Tensor flat = values.reshape({-1});
+  if (c10::multiply_integers(shape) == 0) {
+    out.push_back({key, dcp::torch_name_of(flat.scalar_type()), shape, std::vector<int64_t>(shape.size(), 0), shape,
+                   at::empty(shape, flat.options()), ""});
+    return;
+  }
   for (const auto& b : dcp::boxes_of_range(shape, begin, begin + flat.numel()))
     out.push_back({key, dcp::torch_name_of(flat.scalar_type()), shape, b.offsets, b.sizes,
                    flat.narrow(0, b.begin - begin, b.numel).contiguous().view(b.sizes), ""});
@@ -134,6 +141,9 @@ Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOpt
           if (auto piece = f->layout().piece(i, shard_rank))
             ranges.push_back({&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), piece->param_offset,
                               f->shard().narrow(0, piece->shard_offset, piece->length)});
+          else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank's piece: written once, empty
+            ranges.push_back(
+                {&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), 0, f->shard().narrow(0, 0, 0)});
     if (state.replica_comm()) {
       writers = state.replica_comm()->size();
       me = state.replica_comm()->rank();
