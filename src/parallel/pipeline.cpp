@@ -66,6 +66,90 @@ std::string dims_text(c10::IntArrayRef sizes) {
   return os.str();
 }
 
+// The first layer of each stage from PipelineOptions::split_at; "" or why not.
+std::string named_split(const std::vector<PipelineLayer>& layers, const std::vector<std::string>& names, int stages,
+                        std::vector<int>& starts) {
+  if (static_cast<int>(names.size()) != stages - 1)
+    return "split_at names " + std::to_string(names.size()) + " layers; " + std::to_string(stages) + " stages need " +
+           std::to_string(stages - 1);
+  starts.push_back(0);
+  for (const auto& name : names) {
+    auto it = std::find_if(layers.begin(), layers.end(), [&](const PipelineLayer& l) { return l.name == name; });
+    if (it == layers.end()) return "split_at names layer '" + name + "', which is not one of the layers";
+    const int at = static_cast<int>(it - layers.begin());
+    if (at <= starts.back()) return "split_at: layer '" + name + "' does not come after the previous split point";
+    starts.push_back(at);
+  }
+  return "";
+}
+
+// What every rank must agree on (the options, the layers with their
+// parameters, the split) as text, the split, and this rank's configuration
+// error ("" if none), raised only after the ranks agree.
+struct Design {
+  std::string text;
+  std::vector<int> starts;
+  std::string bad;
+};
+
+Design design(const std::vector<PipelineLayer>& layers, const PipelineOptions& options, int p, int dp_size) {
+  Design d;
+  const int v = options.chunks_per_rank(), stages = p * v;
+  const int n = static_cast<int>(layers.size());
+  auto fail = [&](const std::string& why) {
+    if (d.bad.empty()) d.bad = why;
+  };
+  std::vector<int64_t> weight(n, 0);
+  std::set<const void*> counted;
+  std::ostringstream desc;
+  desc << "schedule " << schedule_name(options.schedule()) << ", " << options.microbatches() << " micro-batches, " << v
+       << " chunk(s) per rank, " << p << " pipeline ranks, " << dp_size << " data-parallel, strategy "
+       << strategy_name(options.shard().strategy()) << "\n";
+  for (int i = 0; i < n; ++i) {
+    const auto& l = layers[i];
+    if (!l.forward) fail("layer " + std::to_string(i) + " ('" + l.name + "') has no forward");
+    desc << "layer " << i << " '" << l.name << "':";
+    for (const auto& [path, m] : l.modules) desc << " " << path;
+    desc << "\n";
+    for (const auto& [name, t] : layer_params(l)) {
+      desc << "  " << name << " " << c10::toString(t.scalar_type()) << dims_text(t.sizes())
+           << (t.requires_grad() ? "" : " frozen") << "\n";
+      if (counted.insert(t.unsafeGetTensorImpl()).second) weight[i] += t.numel();
+    }
+  }
+  if (options.shard().mixed_precision().param_dtype() == at::kHalf)
+    fail(
+        "fp16 mixed precision needs a loss scaler (GradScaler), which a pipeline's step does not apply yet; use "
+        "bf16 (MixedPrecision().param_dtype(at::kBFloat16))");
+  if (n < stages)
+    fail(std::to_string(n) + " layers cannot fill " + std::to_string(stages) + " stages (" + std::to_string(p) +
+         " pipeline ranks x " + std::to_string(v) + " chunks)");
+  else if (options.split_at().empty())
+    d.starts = balanced_split(weight, stages);
+  else
+    fail(named_split(layers, options.split_at(), stages, d.starts));
+  desc << "split:";
+  for (int s : d.starts) desc << " " << s;
+  d.text = desc.str();
+  return d;
+}
+
+// Throws on every rank, naming the first line that differs, unless every
+// rank of `world` has the same `text` (collective).
+void require_same_design(World& world, const std::string& text, const std::string& me) {
+  const auto all = world.comm().all_gather_strings(text, "the pipeline's layers and options");
+  for (int r = 0; r < world.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    std::istringstream a(all[0]), b(all[r]);
+    std::string la, lb;
+    int line = 0;
+    while (std::getline(a, la) && std::getline(b, lb) && la == lb) ++line;
+    SHARDTORCH_CHECK(false, me, ": the ranks build different pipelines: line ", line + 1, " of the description is '",
+                     la, "' on rank ", world.global_rank_of(0), " but '", lb, "' on rank ", world.global_rank_of(r),
+                     "; every rank must pass the same layers and PipelineOptions");
+  }
+}
+
 }  // namespace
 
 std::string PipelineRuntime::where(int stage, int mb) const {
@@ -79,6 +163,57 @@ at::Tensor PipelineRuntime::run_stage(int stage, const at::Tensor& x) const {
   at::Tensor y = x;
   for (int l : stage_layers[stage]) y = layers[l].forward(y);
   return y;
+}
+
+void PipelineRuntime::find_tied(bool has_dp) {
+  World& world = *mesh->world();
+  const auto& dims = mesh->dims();
+  // Each distinct parameter's holders, by stage in stage order, with its name there.
+  std::unordered_map<const void*, std::vector<std::pair<int, std::string>>> holders;
+  std::vector<const void*> order;
+  std::unordered_map<const void*, at::Tensor> tensors;
+  for (int s = 0; s < stages(); ++s)
+    for (int l : stage_layers[s])
+      for (const auto& [name, t] : layer_params(layers[l])) {
+        auto& h = holders[t.unsafeGetTensorImpl()];
+        if (h.empty()) order.push_back(t.unsafeGetTensorImpl());
+        if (h.empty() || h.back().first != s) h.emplace_back(s, name);
+        tensors[t.unsafeGetTensorImpl()] = t;
+      }
+  std::map<std::vector<int>, std::shared_ptr<Comm>> groups;  // by the pipeline ranks holding a tie
+  const Strategy strategy = options.shard().strategy();
+  for (const void* key : order) {
+    const auto& h = holders[key];
+    std::set<int> pranks;
+    for (const auto& [s, name] : h) pranks.insert(plan.rank_of(s));
+    if (pranks.size() < 2 || !pranks.count(rank)) continue;
+    std::vector<int> members;
+    for (int pr : pranks)
+      for (int d = 0; d < dp->size(); ++d) {
+        std::vector<int> coords;
+        for (const auto& [dim, size] : dims)
+          coords.push_back(dim == options.pp_dim()               ? pr
+                           : (has_dp && dim == options.dp_dim()) ? d
+                                                                 : mesh->coordinate(dim));
+        members.push_back(mesh->rank_at(coords));
+      }
+    std::vector<int> key_ranks(pranks.begin(), pranks.end());
+    auto& group = groups[key_ranks];
+    if (!group) group = world.new_group(members, "pipeline tied parameters");
+    TiedParam tp;
+    for (const auto& [s, name] : h) {
+      tp.all.push_back(name);
+      if (tp.name.empty() && holds(s)) tp.name = name;
+    }
+    tp.tensor = tensors[key];
+    tp.counted_here = holds(h.front().first);
+    tp.group = group;
+    tp.copies = strategy == Strategy::NoShard || strategy == Strategy::OptimizerOnly ? dp->size()
+                : strategy == Strategy::HybridShard ? dp->size() / std::max(1, options.shard().hybrid_shard_size())
+                                                    : 1;
+    tied.push_back(std::move(tp));
+  }
+  if (!tied.empty() || !groups.empty()) check_tied_equal();
 }
 
 }  // namespace detail
@@ -102,101 +237,22 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
   const int p = rt.pp->size(), v = options.chunks_per_rank(), stages = p * v;
   const int n = static_cast<int>(layers.size());
 
-  // What every rank must agree on, checked before anything else can fail on
-  // one rank alone: the options, the layers (names, modules, parameters) and
-  // the split.
-  std::string bad;  // this rank's configuration error, raised after the agreement
-  std::vector<int64_t> weight(n, 0);
-  std::set<const void*> counted;
-  std::ostringstream desc;
-  desc << "schedule " << schedule_name(options.schedule()) << ", " << options.microbatches() << " micro-batches, " << v
-       << " chunk(s) per rank, " << p << " pipeline ranks, " << rt.dp->size() << " data-parallel, strategy "
-       << strategy_name(options.shard().strategy()) << "\n";
-  for (int i = 0; i < n; ++i) {
-    const auto& l = layers[i];
-    if (!l.forward && bad.empty()) bad = "layer " + std::to_string(i) + " ('" + l.name + "') has no forward";
-    desc << "layer " << i << " '" << l.name << "':";
-    for (const auto& [path, m] : l.modules) desc << " " << path;
-    desc << "\n";
-    for (const auto& [name, t] : detail::layer_params(l)) {
-      desc << "  " << name << " " << c10::toString(t.scalar_type()) << detail::dims_text(t.sizes())
-           << (t.requires_grad() ? "" : " frozen") << "\n";
-      if (counted.insert(t.unsafeGetTensorImpl()).second) weight[i] += t.numel();
-    }
-  }
-  if (options.shard().mixed_precision().param_dtype() == at::kHalf && bad.empty())
-    bad =
-        "fp16 mixed precision needs a loss scaler (GradScaler), which a pipeline's step does not apply yet; use "
-        "bf16 (MixedPrecision().param_dtype(at::kBFloat16))";
-  std::vector<int> starts;
-  if (n < stages) {
-    if (bad.empty())
-      bad = std::to_string(n) + " layers cannot fill " + std::to_string(stages) + " stages (" + std::to_string(p) +
-            " pipeline ranks x " + std::to_string(v) + " chunks)";
-  } else if (options.split_at().empty()) {
-    starts = detail::balanced_split(weight, stages);
-  } else if (static_cast<int>(options.split_at().size()) != stages - 1) {
-    if (bad.empty())
-      bad = "split_at names " + std::to_string(options.split_at().size()) + " layers; " + std::to_string(stages) +
-            " stages need " + std::to_string(stages - 1);
-  } else {
-    starts.push_back(0);
-    for (const auto& name : options.split_at()) {
-      auto it = std::find_if(layers.begin(), layers.end(), [&](const PipelineLayer& l) { return l.name == name; });
-      if (it == layers.end()) {
-        if (bad.empty()) bad = "split_at names layer '" + name + "', which is not one of the layers";
-        break;
-      }
-      const int at = static_cast<int>(it - layers.begin());
-      if (at <= starts.back()) {
-        if (bad.empty()) bad = "split_at: layer '" + name + "' does not come after the previous split point";
-        break;
-      }
-      starts.push_back(at);
-    }
-  }
+  // Checked before anything else can fail on one rank alone.
+  detail::Design design = detail::design(layers, options, p, rt.dp->size());
   try {
-    if (bad.empty()) rt.plan = pipeline::make_plan(options.schedule(), p, v, options.microbatches());
+    if (design.bad.empty()) rt.plan = pipeline::make_plan(options.schedule(), p, v, options.microbatches());
   } catch (const std::exception& e) {
-    bad = e.what();
+    design.bad = e.what();
   }
-  desc << "split:";
-  for (int s : starts) desc << " " << s;
-  const std::string mine = desc.str();
-  const auto all = world.comm().all_gather_strings(mine, "the pipeline's layers and options");
-  for (int r = 0; r < world.size(); ++r) {
-    if (all[r] == all[0]) continue;
-    std::istringstream a(all[0]), b(all[r]);
-    std::string la, lb;
-    int line = 0;
-    while (std::getline(a, la) && std::getline(b, lb) && la == lb) ++line;
-    SHARDTORCH_CHECK(false, me, ": the ranks build different pipelines: line ", line + 1, " of the description is '",
-                     la, "' on rank ", world.global_rank_of(0), " but '", lb, "' on rank ", world.global_rank_of(r),
-                     "; every rank must pass the same layers and PipelineOptions");
-  }
-  SHARDTORCH_CHECK(bad.empty(), me, ": ", bad);
+  detail::require_same_design(world, design.text, me);
+  SHARDTORCH_CHECK(design.bad.empty(), me, ": ", design.bad);
 
   rt.layers = std::move(layers);
   rt.stage_layers.assign(stages, {});
   for (int s = 0; s < stages; ++s) {
-    const int end = s + 1 < stages ? starts[s + 1] : n;
-    for (int l = starts[s]; l < end; ++l) rt.stage_layers[s].push_back(l);
+    const int end = s + 1 < stages ? design.starts[s + 1] : n;
+    for (int l = design.starts[s]; l < end; ++l) rt.stage_layers[s].push_back(l);
   }
-
-  // Parameters tied across stages held by different pipeline ranks: their
-  // gradients are summed after the step (SyncTied), over a group of every
-  // data-parallel rank of every pipeline rank that holds one.
-  std::unordered_map<const void*, std::vector<std::pair<int, std::string>>> holders;  // by stage, in stage order
-  std::vector<const void*> order;
-  std::unordered_map<const void*, at::Tensor> tensors;
-  for (int s = 0; s < stages; ++s)
-    for (int l : rt.stage_layers[s])
-      for (const auto& [name, t] : detail::layer_params(rt.layers[l])) {
-        auto& h = holders[t.unsafeGetTensorImpl()];
-        if (h.empty()) order.push_back(t.unsafeGetTensorImpl());
-        if (h.empty() || h.back().first != s) h.emplace_back(s, name);
-        tensors[t.unsafeGetTensorImpl()] = t;
-      }
 
   // This rank's stages, placed in one module and sharded together.
   rt.module = detail::PipelineStage();
@@ -207,51 +263,18 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
   rt.sharded.emplace(shard(*rt.module, rt.dp, options.shard()));
   rt.state = detail::require_state(*rt.module, "shardtorch::Pipeline");
   rt.state->set_pipelined();
+  rt.find_tied(has_dp);
 
-  std::map<std::vector<int>, std::shared_ptr<Comm>> groups;  // by the pipeline ranks holding a tie
-  const Strategy strategy = options.shard().strategy();
-  for (const void* key : order) {
-    const auto& h = holders[key];
-    std::set<int> pranks;
-    for (const auto& [s, name] : h) pranks.insert(rt.plan.rank_of(s));
-    if (pranks.size() < 2 || !pranks.count(rt.rank)) continue;
-    std::vector<int> members;
-    for (int pr : pranks)
-      for (int d = 0; d < rt.dp->size(); ++d) {
-        std::vector<int> coords;
-        for (const auto& [dim, size] : dims)
-          coords.push_back(dim == options.pp_dim()               ? pr
-                           : (has_dp && dim == options.dp_dim()) ? d
-                                                                 : mesh->coordinate(dim));
-        members.push_back(mesh->rank_at(coords));
-      }
-    std::vector<int> key_ranks(pranks.begin(), pranks.end());
-    auto& group = groups[key_ranks];
-    if (!group) group = world.new_group(members, "pipeline tied parameters");
-    detail::TiedParam tp;
-    for (const auto& [s, name] : h) {
-      tp.all.push_back(name);
-      if (tp.name.empty() && rt.holds(s)) tp.name = name;
-    }
-    tp.tensor = tensors[key];
-    tp.counted_here = rt.holds(h.front().first);
-    tp.group = group;
-    tp.copies = strategy == Strategy::NoShard || strategy == Strategy::OptimizerOnly ? rt.dp->size()
-                : strategy == Strategy::HybridShard ? rt.dp->size() / std::max(1, options.shard().hybrid_shard_size())
-                                                    : 1;
-    rt.tied.push_back(std::move(tp));
-  }
-  if (!rt.tied.empty() || !groups.empty()) rt.check_tied_equal();
-  if (options.shard().strategy() == Strategy::FullShard || options.shard().strategy() == Strategy::HybridShard ||
-      !rt.tied.empty()) {
+  const bool gathers =
+      options.shard().strategy() == Strategy::FullShard || options.shard().strategy() == Strategy::HybridShard;
+  if (gathers || !rt.tied.empty()) {
     pipeline::PlanOptions po;
-    po.gathers =
-        options.shard().strategy() == Strategy::FullShard || options.shard().strategy() == Strategy::HybridShard;
+    po.gathers = gathers;
     po.tied = !rt.tied.empty();
     rt.plan = pipeline::make_plan(options.schedule(), p, v, options.microbatches(), po);
   }
   pipeline::PlanOptions fo;
-  fo.gathers = options.shard().strategy() == Strategy::FullShard || options.shard().strategy() == Strategy::HybridShard;
+  fo.gathers = gathers;
   rt.forward_plan = pipeline::make_forward_plan(p, v, options.microbatches(), fo);
   world.note_progress("pipeline built");
 }

@@ -67,6 +67,10 @@ class PipelineRuntime {
                  const Pipeline::LossFn& loss);
   /// Pipeline::clip_grad_norm (pipeline_clip.cpp).
   double clip_grad_norm(double max_norm, double norm_type);
+  /// Finds the parameters tied across stages on different pipeline ranks
+  /// (`tied`), each with a group of every dp rank of every pipeline rank
+  /// that holds it, and checks that their values agree (collective).
+  void find_tied(bool has_dp);
   /// Sums the tied parameters' gradients across their stages (SyncTied).
   void sync_tied();
   /// Throws, on every rank of each tie's group, if a tied parameter's values
