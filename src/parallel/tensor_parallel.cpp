@@ -6,6 +6,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -166,21 +167,20 @@ at::Tensor ParallelEmbeddingImpl::forward(const at::Tensor& indices) {
 
 // ---------------------------------------------------------------- the plan
 
-TpReport parallelize(torch::nn::Module& model, std::shared_ptr<World> tp, const TpPlan& plan) {
-  SHARDTORCH_CHECK(tp, "shardtorch::parallelize: no tensor-parallel World");
-  World& group = *tp;
-  const int n = group.size(), r = group.rank();
-  const std::string me = detail::rank_prefix(group.global_rank()) + ": shardtorch::parallelize";
-  struct Match {
-    std::string name;
-    std::shared_ptr<torch::nn::Module> module;
-    TpStyle style;
-  };
+namespace {
+
+struct Match {
+  std::string name;
+  std::shared_ptr<torch::nn::Module> module;
+  TpStyle style;
+};
+
+using Fail = std::function<void(const std::string&)>;
+
+// The modules the plan's rules take, in rule order; a rule that takes none
+// or a module two rules take fails.
+std::vector<Match> match_rules(torch::nn::Module& model, const TpPlan& plan, const Fail& fail) {
   std::vector<Match> matched;
-  std::string bad;  // this rank's configuration error, raised after the agreement
-  auto fail = [&](const std::string& why) {
-    if (bad.empty()) bad = why;
-  };
   const auto modules = model.named_modules();
   std::map<std::string, std::string> rule_of;  // module -> the rule that took it
   for (const auto& [pattern, style] : plan.rules()) {
@@ -197,56 +197,142 @@ TpReport parallelize(torch::nn::Module& model, std::shared_ptr<World> tp, const 
     }
     if (!any) fail("rule '" + pattern + "' (" + kind_name(style.kind()) + ") matches no module of the model");
   }
-  // Each match: the right type, sizes the group divides.
+  return matched;
+}
+
+// One match described (for the agreement) and checked: the right module
+// type, sizes that a group of `n` divides.
+void check_match(const Match& m, int n, std::ostringstream& desc, const Fail& fail) {
+  auto* lin = dynamic_cast<ParallelLinearImpl*>(m.module.get());
+  auto* tied = dynamic_cast<TiedLinearImpl*>(m.module.get());
+  auto* emb = dynamic_cast<ParallelEmbeddingImpl*>(m.module.get());
+  const at::Tensor linear_weight = lin ? lin->weight : tied ? tied->weight : at::Tensor();
+  const auto kind = m.style.kind();
+  desc << m.name << " " << kind_name(kind) << " parts " << m.style.parts() << " heads " << m.style.heads() << " dim "
+       << m.style.dim() << " gather " << m.style.gather_output();
+  const std::string who = "module '" + m.name + "' (" + kind_name(kind) + ")";
+  const std::string ranks = " the group's " + std::to_string(n) + " ranks";
+  if ((kind == TpStyle::Kind::Colwise || kind == TpStyle::Kind::Rowwise) && !linear_weight.defined()) {
+    fail(who + " is not a shardtorch::ParallelLinear (a drop-in for torch::nn::Linear) or TiedLinear");
+  } else if (kind == TpStyle::Kind::VocabEmbedding && !emb) {
+    fail(who + " is not a shardtorch::ParallelEmbedding: declare it as one (a drop-in for torch::nn::Embedding)");
+  } else if (kind == TpStyle::Kind::ShardOutput && !linear_weight.defined() && !emb) {
+    fail(who + " needs a shardtorch::ParallelLinear, TiedLinear or ParallelEmbedding");
+  } else if (kind == TpStyle::Kind::Colwise) {
+    const int64_t out = linear_weight.size(0), parts = m.style.parts();
+    desc << " out " << out;
+    if (parts < 1 || out % parts != 0 || (out / parts) % n != 0)
+      fail(who + ": its " + std::to_string(out) + " output features in " + std::to_string(parts) +
+           " part(s) do not split evenly across" + ranks);
+    if (m.style.heads() > 0 && m.style.heads() % n != 0)
+      fail(who + ": its " + std::to_string(m.style.heads()) + " attention heads do not split across" + ranks);
+  } else if (kind == TpStyle::Kind::Rowwise) {
+    const int64_t in = linear_weight.size(1);
+    desc << " in " << in;
+    if (in % n != 0) fail(who + ": its " + std::to_string(in) + " input features do not split across" + ranks);
+  } else if (kind == TpStyle::Kind::VocabEmbedding) {
+    const int64_t v = emb->weight.size(0);
+    desc << " vocab " << v;
+    if (v % n != 0) fail(who + ": its vocabulary of " + std::to_string(v) + " does not split across" + ranks);
+    if (emb->options.padding_idx() || emb->options.max_norm())
+      fail(who + ": padding_idx and max_norm are not supported with a vocabulary split");
+  }
+  desc << "\n";
+  for (const auto& item : m.module->named_parameters(/*recurse=*/true))
+    if (is_deferred(item.value()))
+      fail("parameter '" + (m.name.empty() ? item.key() : m.name + "." + item.key()) +
+           "' is deferred: parallelize() splits constructed parameters (materialize() the model first)");
+}
+
+// Splits the matched modules' parameters (once each: a tied one may be
+// matched twice) and attaches their layers.
+class Splitter {
+ public:
+  Splitter(std::shared_ptr<World> tp, const TpPlan& plan, std::string me)
+      : tp_(std::move(tp)), plan_(plan), me_(std::move(me)), n_(tp_->size()), r_(tp_->rank()) {}
+
+  void apply(const Match& m) {
+    auto layer = std::make_shared<TpLayer>();
+    layer->name = m.name;
+    layer->style = m.style;
+    layer->group = tp_;
+    layer->sequence_parallel = plan_.sequence_parallel();
+    layer->sequence_dim = plan_.sequence_dim();
+    const auto kind = m.style.kind();
+    const std::string prefix = m.name.empty() ? "" : m.name + ".";
+    if (auto* tied = dynamic_cast<TiedLinearImpl*>(m.module.get())) {
+      if (kind == TpStyle::Kind::Colwise) split(tied->weight, prefix + "weight", 0, m.style.parts());
+      if (kind == TpStyle::Kind::Rowwise) split(tied->weight, prefix + "weight", 1, 1);
+      tied->tp = layer;
+    } else if (auto* lin = dynamic_cast<ParallelLinearImpl*>(m.module.get())) {
+      if (kind == TpStyle::Kind::Colwise) {
+        split(lin->weight, prefix + "weight", 0, m.style.parts());
+        if (lin->bias.defined()) split(lin->bias, prefix + "bias", 0, m.style.parts());
+      } else if (kind == TpStyle::Kind::Rowwise) {
+        split(lin->weight, prefix + "weight", 1, 1);
+        // The bias is added after the reduction: whole on every rank; under
+        // sequence parallelism to a slice of the sequence, so its gradient is partial.
+        if (lin->bias.defined() && plan_.sequence_parallel())
+          sum_gradient_over(lin->bias, tp_, prefix + "bias", hooked_);
+      }
+      lin->tp = layer;
+    } else if (auto* emb = dynamic_cast<ParallelEmbeddingImpl*>(m.module.get())) {
+      if (kind == TpStyle::Kind::VocabEmbedding) {
+        const int64_t v = emb->weight.size(0);
+        split(emb->weight, prefix + "weight", 0, 1);
+        layer->vocab_start = r_ * (v / n_);
+        layer->vocab_end = (r_ + 1) * (v / n_);
+      }
+      emb->tp = layer;
+    }
+    if (kind == TpStyle::Kind::SequenceParallel && plan_.sequence_parallel())
+      for (auto& item : m.module->named_parameters(/*recurse=*/true))
+        sum_gradient_over(item.value(), tp_, prefix + item.key(), hooked_);
+    report.applied.emplace_back(m.name, kind);
+  }
+
+  TpReport report;
+
+ private:
+  void split(at::Tensor& p, const std::string& name, int64_t dim, int parts) {
+    const void* key = p.unsafeGetTensorImpl();
+    if (auto it = split_.find(key); it != split_.end()) {
+      SHARDTORCH_CHECK(it->second == std::make_pair(dim, parts), me_, ": parameter '", name,
+                       "' is split twice in different ways (tied to another split parameter?)");
+      return;
+    }
+    const auto full = p.sizes().vec();
+    at::Tensor local = slice_of(p.detach(), dim, parts, n_, r_).clone();
+    p.set_(local);
+    split_[key] = {dim, parts};
+    detail::set_placement(p, detail::Placement{dim, parts, full, r_, n_});
+    report.split.emplace_back(name, full);
+  }
+
+  std::shared_ptr<World> tp_;
+  const TpPlan& plan_;
+  const std::string me_;
+  const int n_, r_;
+  std::unordered_map<const void*, std::pair<int64_t, int>> split_;  // a parameter's split: (dim, parts)
+  std::set<const void*> hooked_;
+};
+
+}  // namespace
+
+TpReport parallelize(torch::nn::Module& model, std::shared_ptr<World> tp, const TpPlan& plan) {
+  SHARDTORCH_CHECK(tp, "shardtorch::parallelize: no tensor-parallel World");
+  World& group = *tp;
+  const int n = group.size();
+  const std::string me = detail::rank_prefix(group.global_rank()) + ": shardtorch::parallelize";
+  std::string bad;  // this rank's configuration error, raised after the agreement
+  const Fail fail = [&](const std::string& why) {
+    if (bad.empty()) bad = why;
+  };
+  const std::vector<Match> matched = match_rules(model, plan, fail);
   std::ostringstream desc;
   desc << "tensor-parallel group of " << n << ", sequence parallel " << plan.sequence_parallel() << " on dim "
        << plan.sequence_dim() << "\n";
-  for (const auto& m : matched) {
-    auto* lin = dynamic_cast<ParallelLinearImpl*>(m.module.get());
-    auto* tied = dynamic_cast<TiedLinearImpl*>(m.module.get());
-    auto* emb = dynamic_cast<ParallelEmbeddingImpl*>(m.module.get());
-    const at::Tensor linear_weight = lin ? lin->weight : tied ? tied->weight : at::Tensor();
-    const auto kind = m.style.kind();
-    desc << m.name << " " << kind_name(kind) << " parts " << m.style.parts() << " heads " << m.style.heads() << " dim "
-         << m.style.dim() << " gather " << m.style.gather_output();
-    const std::string who = "module '" + m.name + "' (" + kind_name(kind) + ")";
-    if ((kind == TpStyle::Kind::Colwise || kind == TpStyle::Kind::Rowwise) && !linear_weight.defined()) {
-      fail(who + " is not a shardtorch::ParallelLinear (a drop-in for torch::nn::Linear) or TiedLinear");
-    } else if (kind == TpStyle::Kind::VocabEmbedding && !emb) {
-      fail(who + " is not a shardtorch::ParallelEmbedding: declare it as one (a drop-in for torch::nn::Embedding)");
-    } else if (kind == TpStyle::Kind::ShardOutput && !linear_weight.defined() && !emb) {
-      fail(who + " needs a shardtorch::ParallelLinear, TiedLinear or ParallelEmbedding");
-    } else if (kind == TpStyle::Kind::Colwise) {
-      const int64_t out = linear_weight.size(0), parts = m.style.parts();
-      desc << " out " << out;
-      if (parts < 1 || out % parts != 0 || (out / parts) % n != 0)
-        fail(who + ": its " + std::to_string(out) + " output features in " + std::to_string(parts) +
-             " part(s) do not split evenly across the group's " + std::to_string(n) + " ranks");
-      if (m.style.heads() > 0 && m.style.heads() % n != 0)
-        fail(who + ": its " + std::to_string(m.style.heads()) + " attention heads do not split across the group's " +
-             std::to_string(n) + " ranks");
-    } else if (kind == TpStyle::Kind::Rowwise) {
-      const int64_t in = linear_weight.size(1);
-      desc << " in " << in;
-      if (in % n != 0)
-        fail(who + ": its " + std::to_string(in) + " input features do not split across the group's " +
-             std::to_string(n) + " ranks");
-    } else if (kind == TpStyle::Kind::VocabEmbedding) {
-      const int64_t v = emb->weight.size(0);
-      desc << " vocab " << v;
-      if (v % n != 0)
-        fail(who + ": its vocabulary of " + std::to_string(v) + " does not split across the group's " +
-             std::to_string(n) + " ranks");
-      if (emb->options.padding_idx() || emb->options.max_norm())
-        fail(who + ": padding_idx and max_norm are not supported with a vocabulary split");
-    }
-    desc << "\n";
-  }
-  for (const auto& m : matched)
-    for (const auto& item : m.module->named_parameters(/*recurse=*/true))
-      if (is_deferred(item.value()))
-        fail("parameter '" + (m.name.empty() ? item.key() : m.name + "." + item.key()) +
-             "' is deferred: parallelize() splits constructed parameters (materialize() the model first)");
+  for (const auto& m : matched) check_match(m, n, desc, fail);
   const auto all = group.comm().all_gather_strings(desc.str(), "the tensor-parallel plan");
   for (int k = 0; k < n; ++k)
     SHARDTORCH_CHECK(all[k] == all[0], me, ": the ranks of the tensor-parallel group apply different plans or ",
@@ -254,65 +340,11 @@ TpReport parallelize(torch::nn::Module& model, std::shared_ptr<World> tp, const 
                      " has\n", all[k]);
   SHARDTORCH_CHECK(bad.empty(), me, ": ", bad);
 
-  // Apply: split the parameters (once each: a tied one may be matched twice), attach the layers.
-  TpReport report;
   c10::NoGradGuard no_grad;
-  std::unordered_map<const void*, std::pair<int64_t, int>> split;  // a parameter's split: (dim, parts)
-  auto split_param = [&](at::Tensor& p, const std::string& name, int64_t dim, int parts) {
-    const void* key = p.unsafeGetTensorImpl();
-    if (auto it = split.find(key); it != split.end()) {
-      SHARDTORCH_CHECK(it->second == std::make_pair(dim, parts), me, ": parameter '", name,
-                       "' is split twice in different ways (tied to another split parameter?)");
-      return;
-    }
-    const auto full = p.sizes().vec();
-    at::Tensor local = slice_of(p.detach(), dim, parts, n, r).clone();
-    p.set_(local);
-    split[key] = {dim, parts};
-    detail::set_placement(p, detail::Placement{dim, parts, full, r, n});
-    report.split.emplace_back(name, full);
-  };
-  std::set<const void*> hooked;
-  for (auto& m : matched) {
-    auto layer = std::make_shared<TpLayer>();
-    layer->name = m.name;
-    layer->style = m.style;
-    layer->group = tp;
-    layer->sequence_parallel = plan.sequence_parallel();
-    layer->sequence_dim = plan.sequence_dim();
-    const auto kind = m.style.kind();
-    const std::string prefix = m.name.empty() ? "" : m.name + ".";
-    if (auto* tied = dynamic_cast<TiedLinearImpl*>(m.module.get())) {
-      if (kind == TpStyle::Kind::Colwise) split_param(tied->weight, prefix + "weight", 0, m.style.parts());
-      if (kind == TpStyle::Kind::Rowwise) split_param(tied->weight, prefix + "weight", 1, 1);
-      tied->tp = layer;
-    } else if (auto* lin = dynamic_cast<ParallelLinearImpl*>(m.module.get())) {
-      if (kind == TpStyle::Kind::Colwise) {
-        split_param(lin->weight, prefix + "weight", 0, m.style.parts());
-        if (lin->bias.defined()) split_param(lin->bias, prefix + "bias", 0, m.style.parts());
-      } else if (kind == TpStyle::Kind::Rowwise) {
-        split_param(lin->weight, prefix + "weight", 1, 1);
-        // The bias is added after the reduction: whole on every rank; under
-        // sequence parallelism to a slice of the sequence, so its gradient is partial.
-        if (lin->bias.defined() && plan.sequence_parallel()) sum_gradient_over(lin->bias, tp, prefix + "bias", hooked);
-      }
-      lin->tp = layer;
-    } else if (auto* emb = dynamic_cast<ParallelEmbeddingImpl*>(m.module.get())) {
-      if (kind == TpStyle::Kind::VocabEmbedding) {
-        const int64_t v = emb->weight.size(0);
-        split_param(emb->weight, prefix + "weight", 0, 1);
-        layer->vocab_start = r * (v / n);
-        layer->vocab_end = (r + 1) * (v / n);
-      }
-      emb->tp = layer;
-    }
-    if (kind == TpStyle::Kind::SequenceParallel && plan.sequence_parallel())
-      for (auto& item : m.module->named_parameters(/*recurse=*/true))
-        sum_gradient_over(item.value(), tp, prefix + item.key(), hooked);
-    report.applied.emplace_back(m.name, kind);
-  }
+  Splitter splitter(tp, plan, me);
+  for (const auto& m : matched) splitter.apply(m);
   group.note_progress("parallelize() done");
-  return report;
+  return std::move(splitter.report);
 }
 
 // ---------------------------------------------------------------- cross entropy
