@@ -145,7 +145,7 @@ DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
                                   const DcpLoadOptions& options) {
   auto state = detail::require_state(root, "load_dcp_checkpoint");
   detail::FileWaits file_waits(*state);
-  state->wait_for_offload_copies();
+  state->copies().wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::load_dcp_checkpoint '" + dir + "'";
   // Check, agree, change, agree (as the other loaders).
@@ -204,7 +204,7 @@ DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
       }
       return {nullptr, ""};
     };
-    if (state->ddp()) {  // every rank holds every parameter whole
+    if (state->replicated()) {  // every rank holds every parameter whole
       std::set<const void*> done;
       for (const auto& item : root.named_parameters()) {
         at::Tensor p = item.value();
@@ -223,7 +223,7 @@ DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
         });
       }
     } else {
-      const int rank = state->shard_comm().rank();
+      const int rank = state->topology().shard_comm().rank();
       const bool checks_empty = state->world().rank() == 0;  // an empty parameter is no rank's: rank 0 checks it
       for (auto& u : state->units())
         for (auto& f : u->flats())

@@ -124,7 +124,7 @@ Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOpt
   };
   std::vector<Range> ranges;
   int writers = 1, me = 0;
-  if (state.ddp()) {
+  if (state.replicated()) {
     std::set<const void*> seen;
     for (const auto& item : root.named_parameters()) {
       const at::Tensor& p = item.value();
@@ -134,7 +134,7 @@ Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOpt
     writers = state.world().size();
     me = state.world().rank();
   } else {
-    const int shard_rank = state.shard_comm().rank();
+    const int shard_rank = state.topology().shard_comm().rank();
     for (auto& u : state.units())
       for (auto& f : u->flats())
         for (size_t i = 0; i < f->params().size(); ++i)
@@ -144,9 +144,9 @@ Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOpt
           else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank's piece: written once, empty
             ranges.push_back(
                 {&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), 0, f->shard().narrow(0, 0, 0)});
-    if (state.replica_comm()) {
-      writers = state.replica_comm()->size();
-      me = state.replica_comm()->rank();
+    if (state.topology().replica_comm()) {
+      writers = state.topology().replica_comm()->size();
+      me = state.topology().replica_comm()->rank();
     }
   }
   std::vector<int64_t> sizes;
@@ -251,7 +251,7 @@ DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
   SHARDTORCH_CHECK(!opt || detail::optimizer_kind(*opt), what,
                    ": the optimizer is none of Adam, AdamW and SGD, whose state a DCP checkpoint carries here (pass "
                    "a null optimizer to save the parameters alone)");
-  state->wait_for_offload_copies();
+  state->copies().wait_for_offload_copies();
   std::string prepared;
   if (world.rank() == 0) {
     try {

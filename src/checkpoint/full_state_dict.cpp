@@ -86,7 +86,7 @@ void load_full(torch::nn::Module& root, const std::string& path, const LoadOptio
   auto state = detail::require_state(root, "load_full_state_dict");
   World* world = part ? part->world.get() : &state->world();
   detail::FileWaits file_waits(*state, world);
-  state->wait_for_offload_copies();
+  state->copies().wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::load_full_state_dict '" + path + "'";
   // Check, agree, change, agree (as load_sharded_checkpoint): every rank
@@ -157,7 +157,7 @@ void load_full(torch::nn::Module& root, const std::string& path, const LoadOptio
       return t->source;
     };
     checkpoint::Reader* file = &*reader;
-    if (state->ddp()) {
+    if (state->replicated()) {
       std::set<const void*> done;
       for (const auto& item : root.named_parameters()) {
         at::Tensor p = item.value();
@@ -168,7 +168,7 @@ void load_full(torch::nn::Module& root, const std::string& path, const LoadOptio
             [state, file, p, n] { state->load_record(p, file->read(n)); });  // the fp32 master under mixed precision
       }
     } else {
-      const int rank = state->shard_comm().rank();
+      const int rank = state->topology().shard_comm().rank();
       for (auto& u : state->units())
         for (auto& f : u->flats())
           for (size_t i = 0; i < f->params().size(); ++i) {

@@ -79,7 +79,7 @@ HfLoadReport load_hf(torch::nn::Module& root, const std::string& path, const HfL
   auto state = detail::require_state(root, "load_hf_checkpoint");
   World* world = part ? part->world.get() : &state->world();
   detail::FileWaits file_waits(*state, world);
-  state->wait_for_offload_copies();
+  state->copies().wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::load_hf_checkpoint '" + path + "'";
   // Check, agree, change, agree (as the other loaders): every rank checks
@@ -255,7 +255,7 @@ HfLoadReport load_hf(torch::nn::Module& root, const std::string& path, const HfL
       const auto& ns = names[p.unsafeGetTensorImpl()];
       return ns.empty() ? std::string("?") : ns.front();
     };
-    if (state->ddp()) {  // every rank holds everything: every file it names is read
+    if (state->replicated()) {  // every rank holds everything: every file it names is read
       std::set<const void*> done;
       for (const auto& item : root.named_parameters()) {
         at::Tensor p = item.value();
@@ -272,7 +272,7 @@ HfLoadReport load_hf(torch::nn::Module& root, const std::string& path, const HfL
         changes.push_back([state, file = reader_of(*s), p, n = s->name] { state->load_record(p, file->read(n)); });
       }
     } else {
-      const int rank = state->shard_comm().rank();
+      const int rank = state->topology().shard_comm().rank();
       const bool checks_empty = state->world().rank() == 0;  // an empty parameter is no rank's: rank 0 checks it
       for (auto& u : state->units())
         for (auto& f : u->flats())

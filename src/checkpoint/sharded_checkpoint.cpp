@@ -105,10 +105,11 @@ OptimizerKind optimizer_kind(ShardedOptimizer& opt) {
 std::vector<std::pair<std::string, at::Tensor>> no_shard_params(torch::nn::Module& root, detail::ShardState& state) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   std::set<const void*> seen;
-  for (size_t i = 0; i < state.ddp_params().size(); ++i) {
-    out.emplace_back(state.ddp_names()[i], state.ddp_params()[i]);
-    seen.insert(state.ddp_params()[i].unsafeGetTensorImpl());
-  }
+  if (const detail::ReplicatedPath* r = state.replicated())
+    for (size_t i = 0; i < r->params().size(); ++i) {
+      out.emplace_back(r->names()[i], r->params()[i]);
+      seen.insert(r->params()[i].unsafeGetTensorImpl());
+    }
   for (const auto& item : root.named_parameters())
     if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
   return out;
@@ -140,12 +141,12 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
   };
   std::vector<Range> ranges;
   int writers = 1, me = 0;
-  if (state.ddp()) {
+  if (state.replicated()) {
     for (const auto& [name, p] : no_shard_params(root, state)) ranges.push_back({name, 0, state.record_of(p)});
     writers = state.world().size();
     me = state.world().rank();
   } else {
-    const int shard_rank = state.shard_comm().rank();
+    const int shard_rank = state.topology().shard_comm().rank();
     for (auto& u : state.units())
       for (auto& f : u->flats())
         for (size_t i = 0; i < f->params().size(); ++i)
@@ -153,9 +154,9 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
             ranges.push_back({f->names()[i], p->param_offset, f->shard().narrow(0, p->shard_offset, p->length)});
           else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank owns a piece: listed once, empty
             ranges.push_back({f->names()[i], 0, f->shard().narrow(0, 0, 0)});
-    if (state.replica_comm()) {
-      writers = state.replica_comm()->size();
-      me = state.replica_comm()->rank();
+    if (state.topology().replica_comm()) {
+      writers = state.topology().replica_comm()->size();
+      me = state.topology().replica_comm()->rank();
     }
   }
   if (part)
@@ -500,7 +501,7 @@ MergedReports merge_reports(const std::vector<std::string>& reports, int rank, i
 // The units' flat parameters (informational: loading does not read them).
 json::array units_json(detail::ShardState& state) {
   json::array units;
-  if (!state.ddp())
+  if (!state.replicated())
     for (auto& u : state.units()) {
       json::array flats;
       for (auto& f : u->flats()) {
@@ -702,14 +703,14 @@ void plan_tied(torch::nn::Module& root, detail::ShardState& state, FillPlanner& 
       checkpoint::require_equal_tied(a, b, dtype, t->source, other, first, where, kOption);
     }
   };
-  if (state.ddp()) {
+  if (state.replicated()) {
     for (const auto& [name, p] : no_shard_params(root, state)) {
       const auto [first, count] = checkpoint::share_of(p.numel(), state.world().rank(), state.world().size());
       one(name, p, first, count, state.record_of(p).scalar_type());
     }
     return;
   }
-  const int shard_rank = state.shard_comm().rank();
+  const int shard_rank = state.topology().shard_comm().rank();
   for (auto& u : state.units())
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i) {
@@ -723,7 +724,7 @@ void plan_tied(torch::nn::Module& root, detail::ShardState& state, FillPlanner& 
 void plan_parameters(torch::nn::Module& root, detail::ShardState& state, const FillPlanner& plan, Changes& changes) {
   Files* files = &plan.files;
   detail::ShardState* st = &state;
-  if (state.ddp()) {
+  if (state.replicated()) {
     for (const auto& [name, p] : no_shard_params(root, state)) {
       const at::Tensor record = state.record_of(p);  // the fp32 master under mixed precision
       changes.push_back(
@@ -735,7 +736,7 @@ void plan_parameters(torch::nn::Module& root, detail::ShardState& state, const F
     }
     return;
   }
-  const int shard_rank = state.shard_comm().rank();
+  const int shard_rank = state.topology().shard_comm().rank();
   for (auto& u : state.units())
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i)
@@ -850,7 +851,7 @@ int64_t load_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::
   auto state = detail::require_state(root, "load_sharded_checkpoint");
   World* world = part ? part->world.get() : &state->world();
   detail::FileWaits file_waits(*state, world);  // and for the slowest reader
-  state->wait_for_offload_copies();
+  state->copies().wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   std::string dir = normalized(dir_arg);
   const std::string what = "shardtorch::load_sharded_checkpoint '" + dir + "'";

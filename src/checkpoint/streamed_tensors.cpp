@@ -11,7 +11,7 @@ namespace shardtorch::checkpoint {
 StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& state, std::string purpose,
                                  bool tied_once, bool buffers)
     : state_(state), purpose_(std::move(purpose)) {
-  if (state.ddp()) {
+  if (state.replicated()) {
     std::set<const void*> seen;
     for (const auto& item : root.named_parameters()) {
       if (!seen.insert(item.value().unsafeGetTensorImpl()).second && tied_once) continue;
@@ -65,7 +65,8 @@ void StreamedTensors::gather(size_t k) {
   at::Tensor mine = f->shard().to(world.comm().device());  // no copy on the device already: current_ is new
   current_ = at::Tensor();  // the previous one is written: free it before the next is allocated
   current_ = at::empty({f->layout().padded_numel()}, mine.options());
-  state_.shard_comm().all_gather_into(current_, mine, "master parameters of unit '" + labels_[k] + "' for " + purpose_);
+  state_.topology().shard_comm().all_gather_into(current_, mine,
+                                                 "master parameters of unit '" + labels_[k] + "' for " + purpose_);
 }
 
 void StreamedTensors::finish() {

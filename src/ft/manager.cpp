@@ -705,8 +705,8 @@ struct Manager::Impl {
 
   std::vector<at::Tensor> model_tensors() {
     std::vector<at::Tensor> out;
-    if (state->ddp()) {
-      for (const auto& p : state->ddp_params()) out.push_back(state->record_of(p));
+    if (state->replicated()) {
+      for (const auto& p : state->replicated()->params()) out.push_back(state->record_of(p));
     } else {
       for (auto& u : state->units())
         for (auto& f : u->flats()) out.push_back(f->shard());
@@ -784,7 +784,7 @@ struct Manager::Impl {
     for (auto& w : works) w->wait(options.timeout());
     // Everything arrived: replace (under CPU offload once no copy to the
     // device reads the masters any more).
-    state->wait_for_offload_copies();
+    state->copies().wait_for_offload_copies();
     size_t at = 0;
     for (auto& t : dst) t.copy_(got[at++]);
     auto kind = shardtorch::detail::optimizer_kind(opt);

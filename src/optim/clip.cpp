@@ -29,7 +29,7 @@ GradNorm local_grad_norm(ShardState& state, double norm_type) {
   // and the sum of powers goes through double a chunk at a time (a whole
   // OptimizerOnly flat gradient in double was 8 bytes per element at once).
   constexpr int64_t kChunk = int64_t{1} << 20;
-  const c10::Device device = n.partial         ? state.shard_comm().device()
+  const c10::Device device = n.partial         ? state.topology().shard_comm().device()
                              : n.grads.empty() ? c10::Device(c10::kCPU)
                                                : n.grads.front().device();
   const auto dbl = at::TensorOptions().dtype(at::kDouble).device(device);
@@ -87,7 +87,7 @@ double clip_grad_norm(torch::nn::Module& root, double max_norm, double norm_type
   detail::GradNorm n = detail::local_grad_norm(*state, norm_type);
   // Hybrid replicas hold equal shards: the shard group covers everything once.
   std::vector<Comm*> comms;
-  if (n.partial) comms.push_back(&state->shard_comm());
+  if (n.partial) comms.push_back(&state->topology().shard_comm());
   return detail::finish_clip(n, max_norm, comms);
 }
 

@@ -40,11 +40,11 @@ void GradScaler::unscale(ShardedOptimizer& opt) {
   // Once per value of the gradients: after a backward or a zero_grad (a step
   // the user chose not to take after unscale) they are scaled again. A step,
   // taken or skipped, leaves them as they are: unscaled.
-  if (unscaled_at_ == state_->gradient_generation()) return;
+  if (unscaled_at_ == state_->backward().gradient_generation()) return;
   c10::NoGradGuard no_grad;
   bool partial = false;
   for (auto& g : state_->local_gradients(partial)) g.mul_(1.0 / scale_);
-  unscaled_at_ = state_->gradient_generation();
+  unscaled_at_ = state_->backward().gradient_generation();
 }
 
 bool GradScaler::step(ShardedOptimizer& opt) {

@@ -18,18 +18,18 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
   SHARDTORCH_CHECK(state_->options().mixed_precision().param_dtype() != at::kHalf || state_->has_scaler(),
                    "shardtorch: fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
                    "model before its optimizer, and step through scaler.step(*opt)");
-  if (state_->ddp()) {  // NoShard: the optimizer runs over the parameters themselves
-    const auto& params = state_->ddp_params();
-    const auto& optimized = state_->ddp_optimized();
+  if (state_->replicated()) {  // NoShard: the optimizer runs over the parameters themselves
+    const auto& params = state_->replicated()->params();
+    const auto& optimized = state_->replicated()->optimized();
     for (size_t i = 0; i < params.size(); ++i) {
       by_param_.emplace_back(params[i].unsafeGetTensorImpl(), std::vector<size_t>{pieces_.size()});
-      param_names_.push_back(state_->ddp_names()[i]);
+      param_names_.push_back(state_->replicated()->names()[i]);
       trainable_.push_back(params[i].unsafeGetTensorImpl());
-      pieces_.push_back({optimized[i], nullptr, 0, optimized[i].numel(), state_->ddp_names()[i], 0});
+      pieces_.push_back({optimized[i], nullptr, 0, optimized[i].numel(), state_->replicated()->names()[i], 0});
     }
     return;
   }
-  const int rank = state_->shard_comm().rank();
+  const int rank = state_->topology().shard_comm().rank();
   for (auto& u : state_->units()) {
     for (auto& f : u->flats()) {
       for (size_t i = 0; i < f->params().size(); ++i) {
@@ -93,17 +93,17 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 
 void ShardViews::bind_grads() {
   state_->check_outside_summon();  // before the step changes anything: the scope would write it over
-  state_->check_backward_finished("an optimizer step");
+  state_->backward().check_finished("an optimizer step");
   state_->check_requires_grad_unchanged();
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).
-  state_->wait_for_offload_copies(/*step=*/true);
+  state_->copies().wait_for_offload_copies(/*step=*/true);
   // An optimizer that does not write the masters' bf16 copies may write the
   // masters through raw pointers, which their version counters do not show:
   // stale from here, even if its step throws half-way.
-  if (!low_copies_written_) state_->low_copies_stale();
-  if (state_->ddp()) {
-    state_->ddp()->bind_grads();  // master grads were bound at the end of backward
+  if (!low_copies_written_) state_->copies().low_copies_stale();
+  if (state_->replicated()) {
+    state_->replicated()->bucketer().bind_grads();  // master grads were bound at the end of backward
     return;
   }
   for (auto& piece : pieces_) {
@@ -124,8 +124,9 @@ namespace {
 // parameter: from what every rank holds, not from this rank's pieces.
 template <class Fn>
 void for_each_optimized(ShardState& state, Fn fn) {
-  if (state.ddp()) {
-    for (size_t i = 0; i < state.ddp_params().size(); ++i) fn(state.ddp_optimized()[i], state.ddp_names()[i]);
+  if (state.replicated()) {
+    const detail::ReplicatedPath& r = *state.replicated();
+    for (size_t i = 0; i < r.params().size(); ++i) fn(r.optimized()[i], r.names()[i]);
     return;
   }
   for (auto& u : state.units())
@@ -253,7 +254,7 @@ void ShardViews::overlap_with_backward(torch::optim::Optimizer& opt, bool on) {
       stepper, detail::rank_prefix(rank),
       ": overlap_with_backward needs an optimizer that can step part of "
       "its parameters: shardtorch::FusedAdam or FusedAdamW (ShardedOptimizer::make<shardtorch::FusedAdamW>)");
-  SHARDTORCH_CHECK(state_->offloader() && !state_->ddp(), detail::rank_prefix(rank),
+  SHARDTORCH_CHECK(state_->copies().offloader() && !state_->replicated(), detail::rank_prefix(rank),
                    ": overlap_with_backward overlaps "
                    "the host's optimizer step with the device's backward: it needs ShardOptions().cpu_offload(true) "
                    "(without offload the update runs on the device after backward)");
@@ -287,9 +288,9 @@ void ShardViews::after_step(const torch::optim::Optimizer& opt) {
   // An optimizer that left the bf16 copies alone: they are made again now,
   // while no copy to the device reads them (bind_grads waited), rather than
   // at each unit's next gather, which would first wait for the copies then.
-  if (!low_copies_written_) state_->remake_low_copies();
+  if (!low_copies_written_) state_->copies().remake_low_copies();
   state_->after_optimizer_step();
-  state_->broadcast_buffers_after_step();
+  state_->buffers().broadcast_after_step(state_->world());
   count_optimizer_state(opt);
 }
 
@@ -307,7 +308,7 @@ void ShardViews::count_optimizer_state(const torch::optim::Optimizer& opt) const
       add(s->momentum_buffer());
     }
   }
-  state_->mem().set(state_->offloader() ? Mem::HostOptimizerState : Mem::OptimizerState, bytes);
+  state_->mem().set(state_->copies().offloader() ? Mem::HostOptimizerState : Mem::OptimizerState, bytes);
 }
 
 }  // namespace detail

@@ -6,13 +6,13 @@ namespace shardtorch::detail {
 
 std::vector<ParamPiece> pieces_of(ShardState& state, const at::Tensor& param) {
   std::vector<ParamPiece> out;
-  if (state.ddp()) {  // NoShard: the whole parameter (its fp32 master under mixed precision)
+  if (state.replicated()) {  // NoShard: the whole parameter (its fp32 master under mixed precision)
     at::Tensor record = state.record_of(param);
     out.push_back(
         {0, record.numel(), record.view({-1}), record.grad().defined() ? record.grad().view({-1}) : at::Tensor()});
     return out;
   }
-  const int rank = state.shard_comm().rank();
+  const int rank = state.topology().shard_comm().rank();
   for (auto& u : state.units())
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i) {

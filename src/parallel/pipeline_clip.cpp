@@ -30,7 +30,7 @@ double PipelineRuntime::clip_grad_norm(double max_norm, double norm_type) {
     }
   }
   std::vector<Comm*> comms;
-  if (n.partial) comms.push_back(&state->shard_comm());
+  if (n.partial) comms.push_back(&state->topology().shard_comm());
   comms.push_back(&pp->comm());
   return finish_clip(n, max_norm, comms);
 }

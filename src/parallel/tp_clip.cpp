@@ -35,7 +35,7 @@ double clip_grad_norm(torch::nn::Module& root, const std::shared_ptr<World>& tp,
     }
   }
   std::vector<Comm*> comms;
-  if (n.partial) comms.push_back(&state->shard_comm());
+  if (n.partial) comms.push_back(&state->topology().shard_comm());
   comms.push_back(&tp->comm());
   return detail::finish_clip(n, max_norm, comms);
 }

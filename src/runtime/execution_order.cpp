@@ -4,7 +4,9 @@
 
 #include <algorithm>
 
-#include "runtime/shard_state.h"
+#include "runtime/backward_tracker.h"
+#include "runtime/unit.h"
+#include "runtime/unit_list.h"
 
 namespace shardtorch::detail {
 
@@ -37,12 +39,12 @@ void ExecutionOrder::on_backward_abandoned() {
 }
 
 void ExecutionOrder::count_deferred_reduction() {
-  if (!model_.backward().finishing()) ++reductions_deferred_;
+  if (!backward_.finishing()) ++reductions_deferred_;
 }
 
 void ExecutionOrder::note_forward_for_reduction(Unit& u) {
   // Not inside a backward: a checkpointed unit's recomputation runs forwards there.
-  if (!c10::GradMode::is_enabled() || model_.backward().running()) return;
+  if (!c10::GradMode::is_enabled() || backward_.running()) return;
   if (u.is_root()) reduction_order_closed_ = true;  // a new forward starts at the root
   if (!u.reduces()) return;
   auto restart = [&] {
@@ -79,13 +81,13 @@ void ExecutionOrder::issue_reductions(bool at_end) {
     --issue_cursor_;
   }
   if (!at_end) return;  // units outside the order wait for the end
-  auto all = model_.units();
+  auto all = units_.all();
   for (auto it = all.rbegin(); it != all.rend(); ++it)
     if ((*it)->reduces() && (*it)->reduced() && !(*it)->issued()) (*it)->issue_reduction();
 }
 
 std::shared_ptr<Unit> ExecutionOrder::note_forward_and_next(Unit& u) {
-  if (!model_.options().prefetches() || !c10::GradMode::is_enabled()) return nullptr;
+  if (!options_.prefetches() || !c10::GradMode::is_enabled()) return nullptr;
   if (u.is_root() || recording_stale_) recording_.clear();  // a new forward starts at the root, or after zero_grad
   recording_stale_ = false;
   if (recording_.empty()) following_ = true;
@@ -101,7 +103,7 @@ std::shared_ptr<Unit> ExecutionOrder::note_forward_and_next(Unit& u) {
 }
 
 bool ExecutionOrder::needed_again_at_once(const Unit& u) const {
-  if (!model_.options().prefetches() || !c10::GradMode::is_enabled() || !following_) return false;
+  if (!options_.prefetches() || !c10::GradMode::is_enabled() || !following_) return false;
   size_t last = forward_order_.size();  // one past the last unit with parameters
   while (last > 0) {
     auto unit = forward_order_[last - 1].lock();
@@ -116,7 +118,7 @@ bool ExecutionOrder::needed_again_at_once(const Unit& u) const {
 std::shared_ptr<Unit> ExecutionOrder::next_in_backward(Unit& u) {
   // The root stays gathered through backward, and its outputs' hooks can fire
   // late in it: it neither moves the cursor nor is a prefetch target.
-  if (!model_.options().prefetches() || u.is_root()) return nullptr;
+  if (!options_.prefetches() || u.is_root()) return nullptr;
   const size_t n = forward_order_.size();
   auto at = [&](size_t i) { return forward_order_[i].lock().get(); };
   auto one_past_u_below = [&](size_t i) {  // one past u's last position below i; 0 if none

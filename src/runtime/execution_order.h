@@ -8,14 +8,18 @@
 #include <memory>
 #include <vector>
 
+#include "shardtorch/shard_options.h"
+
 namespace shardtorch::detail {
 
-class ShardState;
+class BackwardTracker;
 class Unit;
+class UnitList;
 
 class ExecutionOrder {
  public:
-  explicit ExecutionOrder(ShardState& model) : model_(model) {}
+  ExecutionOrder(const ShardOptions& options, const BackwardTracker& backward, const UnitList& units)
+      : options_(options), backward_(backward), units_(units) {}
 
   /// Prefetch: records the forward order of units in grad mode and returns
   /// the unit to gather next after `u`, forward or backward (null: none
@@ -58,7 +62,9 @@ class ExecutionOrder {
   void on_backward_abandoned();
 
  private:
-  ShardState& model_;
+  const ShardOptions& options_;
+  const BackwardTracker& backward_;
+  const UnitList& units_;
   std::vector<std::weak_ptr<Unit>> recording_, forward_order_;  // this step's forward; the last complete one
   bool recording_stale_ = false;       // zero_grad since: the next forward starts a new recording
   bool following_ = false;             // this forward has run the units of forward_order_ in its order so far

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "buckets/reduce_scatter_bucketer.h"
+#include "shardtorch/shard_options.h"
 
 namespace shardtorch {
 class FlatParam;
@@ -18,7 +19,8 @@ class FlatParam;
 
 namespace shardtorch::detail {
 
-class ShardState;
+class ShardCopies;
+class Topology;
 
 class GradientReducer {
  public:
@@ -66,7 +68,8 @@ class GradientReducer {
 /// The sharded strategies' reductions.
 class ShardedReducer final : public GradientReducer {
  public:
-  ShardedReducer(ShardState& model, double bucket_mb, MemoryTracker* mem) : model_(model), bucketer_(bucket_mb, mem) {}
+  ShardedReducer(Topology& topology, Strategy strategy, ShardCopies& copies, double bucket_mb, MemoryTracker* mem)
+      : topology_(topology), strategy_(strategy), copies_(copies), bucketer_(bucket_mb, mem) {}
 
   /// Hands `flat`'s staged gradient (of unit `label`) to its reduction; the
   /// result is added into its shard gradient (OptimizerOnly: its whole
@@ -80,7 +83,9 @@ class ShardedReducer final : public GradientReducer {
   const ReduceScatterBucketer& bucketer() const { return bucketer_; }
 
  private:
-  ShardState& model_;
+  Topology& topology_;
+  const Strategy strategy_;
+  ShardCopies& copies_;
   ReduceScatterBucketer bucketer_;
   int64_t reductions_ = 0;
 };

@@ -9,8 +9,8 @@
 namespace shardtorch::detail {
 
 void ReplicatedPath::finish_backward(bool sync) {
-  if (sync) check_hooks_agree(model_.world());  // a backward in which no gradient hook ran
-  ddp_->finish(sync, model_.options().error_on_unused_parameters());
+  if (sync) check_hooks_agree(world_);  // a backward in which no gradient hook ran
+  ddp_->finish(sync, options_.error_on_unused_parameters());
   if (sync) bind_master_grads();
 }
 
@@ -30,14 +30,14 @@ void ReplicatedPath::bind_master_grads() {
       converted += masters_[i].grad().nbytes();
     }
   }
-  model_.mem().add(Mem::MasterGrads, converted - master_grad_bytes_);
+  mem_.add(Mem::MasterGrads, converted - master_grad_bytes_);
   master_grad_bytes_ = converted;
 }
 
 void ReplicatedPath::release_master_grads(bool converted_only) {
   for (size_t i = 0; i < masters_.size(); ++i)
     if (!converted_only || grad_is_copied(i)) at::Tensor(masters_[i]).mutable_grad().reset();  // a handle
-  model_.mem().sub(Mem::MasterGrads, master_grad_bytes_);
+  mem_.sub(Mem::MasterGrads, master_grad_bytes_);
   master_grad_bytes_ = 0;
 }
 
@@ -63,7 +63,7 @@ void ReplicatedPath::note_gradient(size_t i) {
   // LibTorch's Module::zero_grad reaches our buckets only through a unit (the
   // root, if it is one); with fp32 buckets of bf16 gradients the parameters
   // hold no gradient it could clear.
-  TORCH_WARN("shardtorch (NoShard): rank ", model_.world().global_rank(),
+  TORCH_WARN("shardtorch (NoShard): rank ", world_.global_rank(),
              ": a backward after an optimizer step with no zero_grad "
              "that reached the gradient buckets since: their ",
              ddp_->grad_view(i).scalar_type(),
@@ -108,7 +108,7 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
 }  // namespace
 
 void ReplicatedPath::add_frozen_master(const at::Tensor& param, at::Tensor master) {
-  model_.mem().add(Mem::ReplicatedParams, master.nbytes());
+  mem_.add(Mem::ReplicatedParams, master.nbytes());
   master_of_[param.unsafeGetTensorImpl()] = std::move(master);
 }
 
@@ -116,9 +116,9 @@ void ReplicatedPath::enable(std::vector<at::Tensor> params, std::vector<std::str
                             const std::unordered_set<const void*>& keep) {
   params_ = params;
   names_ = names;
-  const auto& options = model_.options();
+  const auto& options = options_;
   const auto& mp = options.mixed_precision();
-  MemoryTracker& mem = model_.mem();
+  MemoryTracker& mem = mem_;
   if (mp.param_dtype()) {  // fp32 masters for the optimizer; the parameters compute in param_dtype
     c10::NoGradGuard no_grad;
     for (auto& p : params_) {
@@ -132,11 +132,11 @@ void ReplicatedPath::enable(std::vector<at::Tensor> params, std::vector<std::str
   for (const auto& p : params_) mem.add(Mem::ReplicatedParams, p.nbytes());
   std::optional<at::ScalarType> reduce;
   if (mp.param_dtype()) reduce = mp.reduce_dtype().value_or(*mp.param_dtype());
-  ddp_ = std::make_unique<AllReduceBucketer>(params_, std::move(names), options.bucket_mb(), model_.world().comm(),
-                                             &mem, options.ddp_async(), reduce);
+  ddp_ = std::make_unique<AllReduceBucketer>(params_, std::move(names), options.bucket_mb(), world_.comm(), &mem,
+                                             options.ddp_async(), reduce);
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    acc->add_post_hook(std::make_unique<DdpGradHook>(model_.weak_from_this(), i));
+    acc->add_post_hook(std::make_unique<DdpGradHook>(state_, i));
     accumulators_.push_back(std::move(acc));
   }
 }

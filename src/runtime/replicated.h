@@ -22,7 +22,9 @@ class ShardState;
 
 class ReplicatedPath final : public GradientReducer {
  public:
-  explicit ReplicatedPath(ShardState& model) : model_(model) {}
+  /// `state`: the model's, for the gradient hooks (held weakly).
+  ReplicatedPath(World& world, MemoryTracker& mem, const ShardOptions& options, std::weak_ptr<ShardState> state)
+      : world_(world), mem_(mem), options_(options), state_(std::move(state)) {}
   /// Takes the trainable parameters `params`, named `names`: under mixed
   /// precision they become param_dtype with fp32 masters, and every one gets
   /// a gradient hook. Once, at shard(), after add_frozen_master.
@@ -74,7 +76,10 @@ class ReplicatedPath final : public GradientReducer {
   /// Master i's grad is a copy (its bucket is in another dtype), not a view of its bucket.
   bool grad_is_copied(size_t i) const { return ddp_->grad_view(i).scalar_type() != masters_[i].scalar_type(); }
 
-  ShardState& model_;
+  World& world_;
+  MemoryTracker& mem_;
+  const ShardOptions& options_;
+  std::weak_ptr<ShardState> state_;
   std::vector<at::Tensor> params_, masters_;
   std::vector<std::string> names_;
   std::unordered_map<const void*, at::Tensor> master_of_;  // mixed precision: every parameter's fp32 master

@@ -2,7 +2,8 @@
 #include "base/check.h"
 
 #include "runtime/flat_param.h"
-#include "runtime/shard_state.h"
+#include "runtime/unit.h"
+#include "runtime/unit_list.h"
 
 namespace shardtorch::detail {
 
@@ -12,7 +13,7 @@ void ShardCopies::enable_offload(c10::Device device) {
 
 at::Tensor ShardCopies::gather_input(FlatParam& f) {
   if (offloader_) {
-    SHARDTORCH_CHECK(!listener_ || !listener_->stepped(f), detail::rank_prefix(model_.world().global_rank()), ": ",
+    SHARDTORCH_CHECK(!listener_ || !listener_->stepped(f), detail::rank_prefix(world_.global_rank()), ": ",
                      f.describe(),
                      " is gathered again after the optimizer updated it during the last backward "
                      "(overlap_with_backward): call opt->step() before the next forward, and let only the last "
@@ -28,12 +29,12 @@ at::Tensor ShardCopies::gather_input(FlatParam& f) {
 }
 
 void ShardCopies::low_copies_stale() {
-  for (auto& u : model_.units())
+  for (auto& u : units_.all())
     for (auto& f : u->flats()) f->mark_low_copy_stale();
 }
 
 void ShardCopies::remake_low_copies() {
-  for (auto& u : model_.units())
+  for (auto& u : units_.all())
     for (auto& f : u->flats()) f->refresh_low_copy();
 }
 
@@ -46,7 +47,7 @@ void ShardCopies::launch_gathers(const std::function<void()>& launch) {
 }
 
 at::Tensor ShardCopies::on_comm_device(const at::Tensor& t) {
-  return t.to(model_.world().comm().device(), t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  return t.to(world_.comm().device(), t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 
 void ShardCopies::deliver_gradient(FlatParam& flat, const at::Tensor& reduced, bool owned, double divisor, bool full) {

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "runtime/offload.h"
+#include "shardtorch/world.h"
 
 namespace shardtorch {
 class FlatParam;
@@ -15,7 +16,7 @@ class FlatParam;
 
 namespace shardtorch::detail {
 
-class ShardState;
+class UnitList;
 
 /// Told of each reduced gradient that offload hands on (StepInBackward).
 class GradientListener {
@@ -37,7 +38,7 @@ class GradientListener {
 
 class ShardCopies {
  public:
-  explicit ShardCopies(ShardState& model) : model_(model) {}
+  ShardCopies(World& world, const UnitList& units) : world_(world), units_(units) {}
 
   /// CPU offload: the host/device copies; null without offload.
   Offloader* offloader() { return offloader_.get(); }
@@ -79,7 +80,8 @@ class ShardCopies {
   void remake_low_copies();
 
  private:
-  ShardState& model_;
+  World& world_;
+  const UnitList& units_;
   std::unique_ptr<Offloader> offloader_;
   GradientListener* listener_ = nullptr;
 };

@@ -7,39 +7,18 @@
 
 namespace shardtorch::detail {
 
-const std::vector<at::Tensor> ShardState::none_;
-const std::vector<std::string> ShardState::no_names_;
-
 ShardState::ShardState(std::shared_ptr<World> world, ShardOptions options)
     : options_(std::move(options)),
       topology_(std::move(world)),
-      sharded_(*this, options_.bucket_mb(), &mem_),
-      order_(*this),
+      units_(topology_.world().global_rank()),
+      sharded_(topology_, options_.strategy(), copies_, options_.bucket_mb(), &mem_),
+      order_(options_, backward_, units_),
       backward_(*this),
-      copies_(*this) {}
+      copies_(topology_.world(), units_) {}
 
 ReplicatedPath& ShardState::enable_replicated() {
-  replicated_ = std::make_unique<ReplicatedPath>(*this);
+  replicated_ = std::make_unique<ReplicatedPath>(topology_.world(), mem_, options_, weak_from_this());
   return *replicated_;
-}
-
-std::vector<std::shared_ptr<Unit>> ShardState::units() const {
-  std::vector<std::shared_ptr<Unit>> out;
-  for (const auto& w : units_) {
-    auto u = w.lock();
-    SHARDTORCH_CHECK(u, detail::rank_prefix(topology_.world().global_rank()),
-                     ": a unit of this sharded model no longer exists (was the model "
-                     "destroyed, or a unit module replaced after shard()?)");
-    out.push_back(std::move(u));
-  }
-  return out;
-}
-
-std::vector<std::shared_ptr<Unit>> ShardState::live_units() const {
-  std::vector<std::shared_ptr<Unit>> out;
-  for (const auto& w : units_)
-    if (auto u = w.lock()) out.push_back(std::move(u));
-  return out;
 }
 
 void ShardState::release_held() {
@@ -116,7 +95,9 @@ void ShardState::check_requires_grad_unchanged() const {
                      "hooks and optimizer pieces follow it). Set requires_grad before shard(), or shard a new model "
                      "(load_full_state_dict carries the weights) to change it");
   };
-  for (size_t i = 0; i < ddp_params().size(); ++i) check(ddp_params()[i], true, ddp_names()[i]);
+  if (replicated_)
+    for (size_t i = 0; i < replicated_->params().size(); ++i)
+      check(replicated_->params()[i], true, replicated_->names()[i]);
   for (const auto& u : live_units()) {
     for (const auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i) check(f->params()[i], f->requires_grad(), f->names()[i]);
@@ -154,7 +135,7 @@ void ShardState::after_shards_replaced() {
 void ShardState::regather(Unit& u, FlatParam& f, const std::string& what) {
   at::Tensor mine = copies_.gather_input(f);
   if (auto* off = copies_.offloader()) off->current_waits_for_copies();  // gathered on the compute stream
-  shard_comm().all_gather_into(f.full(), mine, what + " of unit '" + u.label() + "'");
+  topology_.shard_comm().all_gather_into(f.full(), mine, what + " of unit '" + u.label() + "'");
 }
 
 void ShardState::regather_unsharded() {
@@ -165,7 +146,7 @@ void ShardState::regather_unsharded() {
 }
 
 std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
-  check_backward_finished("reading the gradients (clip_grad_norm, GradScaler)");
+  backward_.check_finished("reading the gradients (clip_grad_norm, GradScaler)");
   const auto* listener = copies_.gradient_listener();
   SHARDTORCH_CHECK(
       !listener || !listener->any_stepped(), detail::rank_prefix(world().global_rank()),

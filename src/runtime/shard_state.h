@@ -29,6 +29,7 @@
 #include "shardtorch/world.h"
 #include "runtime/topology.h"
 #include "runtime/unit.h"
+#include "runtime/unit_list.h"
 
 namespace shardtorch::detail {
 
@@ -63,29 +64,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// shard(), NoShard: makes the replicated path (its parameters come with ReplicatedPath::enable).
   ReplicatedPath& enable_replicated();
 
-  // ---- shorthands for the parts' most used members
-  Comm& shard_comm() { return topology_.shard_comm(); }
-  Comm* replica_comm() { return topology_.replica_comm(); }
-  Comm& reduce_comm() { return topology_.reduce_comm(); }
-  ReduceScatterBucketer& bucketer() { return sharded_.bucketer(); }
-  Offloader* offloader() { return copies_.offloader(); }
-  const Offloader* offloader() const { return copies_.offloader(); }
-  void wait_for_offload_copies(bool step = false) { copies_.wait_for_offload_copies(step); }
-  void low_copies_stale() { copies_.low_copies_stale(); }
-  void remake_low_copies() { copies_.remake_low_copies(); }
-  at::Tensor on_comm_device(const at::Tensor& t) { return copies_.on_comm_device(t); }
-  void broadcast_buffers_after_step() { buffers_.broadcast_after_step(world()); }
-  uint64_t gradient_generation() const { return backward_.gradient_generation(); }
-  void check_backward_finished(const char* who) { backward_.check_finished(who); }
-  /// Flat gradients handed on for reduction, or NoShard buckets launched.
-  int64_t gradient_reductions() const { return reducer().reductions(); }
-
-  // ---- NoShard's parameters (empty under the sharded strategies)
-  AllReduceBucketer* ddp() { return replicated_ ? &replicated_->bucketer() : nullptr; }
-  const std::vector<at::Tensor>& ddp_params() const { return replicated_ ? replicated_->params() : none_; }
-  const std::vector<std::string>& ddp_names() const { return replicated_ ? replicated_->names() : no_names_; }
-  const std::vector<at::Tensor>& ddp_masters() const { return replicated_ ? replicated_->masters() : none_; }
-  const std::vector<at::Tensor>& ddp_optimized() const { return replicated_ ? replicated_->optimized() : none_; }
+  // ---- NoShard's parameters: replicated() holds them
   /// The value of record of a parameter (what checkpoints save and load):
   /// NoShard under mixed precision its fp32 master, else the parameter itself.
   at::Tensor record_of(const at::Tensor& param) const { return replicated_ ? replicated_->record_of(param) : param; }
@@ -99,10 +78,10 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
 
   // ---- units
   /// Units in pre-order of the module tree; throws if the model is gone.
-  std::vector<std::shared_ptr<Unit>> units() const;
+  std::vector<std::shared_ptr<Unit>> units() const { return units_.all(); }
   /// The units still alive, in pre-order (cleanup after a failure).
-  std::vector<std::shared_ptr<Unit>> live_units() const;
-  void add_unit(const std::shared_ptr<Unit>& u) { units_.push_back(u); }
+  std::vector<std::shared_ptr<Unit>> live_units() const { return units_.live(); }
+  void add_unit(const std::shared_ptr<Unit>& u) { units_.add(u); }
   static void attach(UnitBase& base, std::shared_ptr<Unit> unit) { base.unit_ = std::move(unit); }
   static void attach_no_shard(UnitBase& base, const std::shared_ptr<ShardState>& state) {
     base.no_shard_state_ = state;
@@ -190,16 +169,19 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   void after_shards_replaced();
 
  private:
+  // Each part gets what it uses; BackwardTracker, which runs the backward
+  // across all of them, and the units (unit.h), which keep the state alive,
+  // hold the state itself.
   ShardOptions options_;
   MemoryTracker mem_;
   Topology topology_;
+  UnitList units_;
   ShardedReducer sharded_;  // after the groups: its destructor may wait on them
   std::unique_ptr<ReplicatedPath> replicated_;
   ExecutionOrder order_;
   BackwardTracker backward_;
   ShardCopies copies_;
   BufferSync buffers_;
-  std::vector<std::weak_ptr<Unit>> units_;
   std::map<int, std::function<void()>> zero_grad_listeners_;
   int next_listener_ = 0;
   bool sync_ = true;
@@ -207,8 +189,6 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   bool has_scaler_ = false;
   bool step_gather_ = false;
   bool pipelined_ = false;
-  static const std::vector<at::Tensor> none_;
-  static const std::vector<std::string> no_names_;
 };
 
 /// The registry of sharded models, by root module (entries die with it).

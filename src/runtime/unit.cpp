@@ -66,7 +66,7 @@ void Unit::unshard_async() {
     for (auto& f : flats_) f->alloc_full();                         // on the compute stream (offload.h)
     owner_->copies().launch_gathers([&] {
       for (size_t i = 0; i < flats_.size(); ++i)
-        gathers_.push_back(owner_->shard_comm().all_gather_async(
+        gathers_.push_back(owner_->topology().shard_comm().all_gather_async(
             flats_[i]->full(), gather_inputs_[i],
             "parameters of unit '" + label() + "' (" + flats_[i]->describe() + ")"));
     });
@@ -88,7 +88,7 @@ void Unit::unshard() {
                    label(), "' asked to gather while ", state_name(state_));
   size_t i = 0;
   try {
-    for (; i < gathers_.size(); ++i) owner_->shard_comm().wait(gathers_[i]);
+    for (; i < gathers_.size(); ++i) owner_->topology().shard_comm().wait(gathers_[i]);
   } catch (...) {
     // A failed (timed-out) all-gather: the unit goes back to sharded, so that
     // the cleanup after the error and the next forward do not wait for it again.
@@ -108,7 +108,7 @@ void Unit::free_full(size_t wait_from, size_t failed) {
   if (failed < abandon.size()) abandon[failed] = true;
   for (size_t i = wait_from; i < gathers_.size(); ++i) {
     try {
-      owner_->shard_comm().wait(gathers_[i]);  // never free memory a collective still writes
+      owner_->topology().shard_comm().wait(gathers_[i]);  // never free memory a collective still writes
     } catch (const std::exception& e) {
       abandon[i] = true;
       TORCH_WARN(detail::rank_prefix(owner_->world().global_rank()), ": an all-gather of unit '", label(),

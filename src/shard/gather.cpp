@@ -44,14 +44,14 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
 }
 
 void FullParams::gather_all(bool keep) {
-  if (options_.with_grads() && keep && state_->ddp()) {
+  if (options_.with_grads() && keep && state_->replicated()) {
     // NoShard: the gradients are bucket views, or under mixed precision with
     // another reduce dtype the fp32 masters hold them. The parameters get a
     // copy in their dtype either way, as under the sharded strategies: an
     // edit in the scope (or autograd's accumulation, before the refusal of a
     // backward there) must not reach the buckets. The views come back on exit.
-    const auto& params = state_->ddp_params();
-    const auto& masters = state_->ddp_masters();
+    const auto& params = state_->replicated()->params();
+    const auto& masters = state_->replicated()->masters();
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor p = params[i];
       const bool own = p.grad().defined();
@@ -87,9 +87,11 @@ void FullParams::gather_all(bool keep) {
 void FullParams::gather_grads(detail::Unit& u, bool keep) {
   for (auto& f : u.flats()) {
     if (!f->requires_grad()) continue;
-    at::Tensor shard = state_->on_comm_device(f->shard_grad().defined() ? f->shard_grad() : at::zeros_like(f->shard()));
+    at::Tensor shard =
+        state_->copies().on_comm_device(f->shard_grad().defined() ? f->shard_grad() : at::zeros_like(f->shard()));
     at::Tensor full = at::empty({f->layout().padded_numel()}, shard.options());
-    state_->shard_comm().all_gather_into(full, shard, "gradients of unit '" + u.label() + "' for summon_full_params");
+    state_->topology().shard_comm().all_gather_into(full, shard,
+                                                    "gradients of unit '" + u.label() + "' for summon_full_params");
     if (!keep) continue;
     for (size_t i = 0; i < f->params().size(); ++i) {
       at::Tensor p = f->params()[i];
@@ -112,7 +114,7 @@ FullParams::~FullParams() {
     for (auto& [p, view] : views_) p.mutable_grad() = view;
     for (auto& [shard, saved] : restore_) shard.copy_(saved);
     if (writeback_) {
-      state_->wait_for_offload_copies();
+      state_->copies().wait_for_offload_copies();
       for (auto& u : units_)
         for (auto& f : u->flats()) f->write_back_shard();
     }
@@ -145,16 +147,16 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
   auto put = [&](const at::Tensor& param, const at::Tensor& value) {
     for (const auto& n : names[param.unsafeGetTensorImpl()]) out[n] = value;
   };
-  if (state->ddp()) {
+  if (state->replicated()) {
     if (!keep) return out;
     for (const auto& item : root.named_parameters()) out[item.key()] = state->record_of(item.value()).detach().clone();
     return out;
   }
   for (auto& u : state->units()) {
     for (auto& f : u->flats()) {
-      at::Tensor mine = state->on_comm_device(f->shard());
+      at::Tensor mine = state->copies().on_comm_device(f->shard());
       at::Tensor full = at::empty({f->layout().padded_numel()}, mine.options());
-      state->shard_comm().all_gather_into(full, mine, "master parameters of unit '" + u->label() + "'");
+      state->topology().shard_comm().all_gather_into(full, mine, "master parameters of unit '" + u->label() + "'");
       if (!keep) continue;
       for (size_t i = 0; i < f->params().size(); ++i)
         put(f->params()[i],

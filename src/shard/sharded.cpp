@@ -434,7 +434,7 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
   const c10::Device comm_device = world.comm().device();
   const Strategy strategy = options.strategy();
   const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
-  Comm& shard_comm = state->shard_comm();
+  Comm& shard_comm = state->topology().shard_comm();
   std::vector<std::shared_ptr<detail::Unit>> made;
   for (size_t u = 0; u < units.size(); ++u) {
     bool is_root = root_is_unit && u == 0;
@@ -461,7 +461,7 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
       if (mp.param_dtype() && at::isFloatingType(dtype) && !kept) {
         flat->set_mixed_precision(*mp.param_dtype(), mp.reduce_dtype().value_or(*mp.param_dtype()));
       }
-      if (auto* off = state->offloader()) flat->offload_shard(off->pin());
+      if (auto* off = state->copies().offloader()) flat->offload_shard(off->pin());
       flat->set_access_error(unit->sharded_access_error(*flat));
       flat->free_full();
       unit->flats().push_back(std::move(flat));
@@ -577,12 +577,13 @@ ShardedModel::NoSync::~NoSync() {
 ShardedModel::NoSync ShardedModel::no_sync() { return NoSync(state_); }
 ShardStats ShardedModel::stats() const {
   ShardStats s;
-  s.gradient_reductions = state_->gradient_reductions();
+  s.gradient_reductions = state_->reducer().reductions();
   s.reductions_deferred = state_->order().reductions_deferred();
-  s.reduce_scatters_overlapped = state_->bucketer().launched_while_in_flight();
-  s.reduce_scatters_past_the_limit = state_->bucketer().launched_past_limit();
-  s.buckets_launched_during_backward = state_->ddp() ? state_->ddp()->launched_during_backward() : 0;
-  if (const auto* off = state_->offloader()) s.offload = {off->bytes_to_device(), off->bytes_to_host()};
+  s.reduce_scatters_overlapped = state_->sharded_reducer().bucketer().launched_while_in_flight();
+  s.reduce_scatters_past_the_limit = state_->sharded_reducer().bucketer().launched_past_limit();
+  s.buckets_launched_during_backward =
+      state_->replicated() ? state_->replicated()->bucketer().launched_during_backward() : 0;
+  if (const auto* off = state_->copies().offloader()) s.offload = {off->bytes_to_device(), off->bytes_to_host()};
   return s;
 }
 void ShardedModel::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
@@ -590,7 +591,7 @@ void ShardedModel::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> h
   SHARDTORCH_CHECK(hook, detail::rank_prefix(rank), ": register_comm_hook: the hook is null");
   SHARDTORCH_CHECK(!state_->reducer().comm_hook(), detail::rank_prefix(rank),
                    ": register_comm_hook: this model has a communication hook already (one per model, as under DDP)");
-  state_->check_backward_finished("register_comm_hook");
+  state_->backward().check_finished("register_comm_hook");
   state_->reducer().set_comm_hook(std::move(hook));
 }
 
@@ -599,7 +600,7 @@ c10::intrusive_ptr<c10d::Backend> ShardedModel::comm_hook_group() const {
     case Strategy::NoShard:
       return state_->world().comm().backend();
     case Strategy::HybridShard: {
-      Comm* replicas = state_->replica_comm();
+      Comm* replicas = state_->topology().replica_comm();
       return replicas && replicas->size() > 1 ? replicas->backend() : c10::intrusive_ptr<c10d::Backend>();
     }
     default:
@@ -617,7 +618,7 @@ CommStats ShardedModel::comm_stats() const {
 
 std::vector<UnitInfo> ShardedModel::units() const {
   std::vector<UnitInfo> out;
-  if (state_->ddp()) return out;  // NoShard has no units
+  if (state_->replicated()) return out;  // NoShard has no units
   for (auto& u : state_->units()) {
     UnitInfo info;
     info.name = u->name();
