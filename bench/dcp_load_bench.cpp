@@ -100,7 +100,8 @@ int main(int argc, char** argv) {
   reset_peak();
   const int64_t before_load = rss().first;
   const auto t0 = std::chrono::steady_clock::now();
-  auto report = shardtorch::load_dcp_checkpoint(*model, dir);
+  // save_large.py saves model.state_dict() itself: its keys have no "model." prefix.
+  auto report = shardtorch::load_dcp_checkpoint(*model, dir, shardtorch::DcpLoadOptions().model_prefix(""));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int64_t peak = rss().second;
   world->barrier();

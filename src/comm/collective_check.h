@@ -17,21 +17,11 @@
 // stay asynchronous: the exchanges run on the Comm's own thread, or on the
 // thread that waits for the collective when it comes first.
 //
-// A program thread that waits for a checked collective longer than
-// WaitBoard::kQuiet writes its wait to the World's store: which collective
-// (or which exchange) of which communicator, that communicator's members,
-// and how many collectives and exchanges each communicator of the rank has
-// launched and entered. Waiting rank r waits for rank p when p is a member
-// of r's communicator, waits too, and has not launched r's collective (not
-// entered r's exchange) there; a cycle of such edges through r, seen twice
-// in a row with the same records, makes every rank of the cycle throw
-// CollectivesDiverged naming each of them. A rank whose checked collectives
-// come from two or more threads (in this optimizer step or the previous
-// one) is left out of that search.
+// The waits themselves are recorded by the WaitBoard (wait_board.h).
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "comm/bounded_store.h"
+#include "comm/wait_board.h"
 
 #include <chrono>
 #include <condition_variable>
@@ -101,98 +91,6 @@ class CollectiveContext {
   std::shared_ptr<const std::string> inputs_;
   std::vector<std::weak_ptr<CheckerShared>> checkers_;
   void mark(bool setup);  // step_done (a new step) or setup_done: each followed checker queues its marker
-};
-
-/// One rank's checked communicators and, for its long waits, their records
-/// in the store (see the top of this file). Shared by a World's checkers;
-/// thread-safe.
-class WaitBoard {
- public:
-  /// A wait this long is written to the store and compared with the peers'.
-  static constexpr std::chrono::milliseconds kQuiet{1000};
-  /// Then compared again this often; a cycle of waits seen twice in a row is an error.
-  static constexpr std::chrono::milliseconds kProbe{500};
-
-  /// What a thread waits for: a launched collective, or an exchange of fingerprints.
-  enum class Kind { Collective, Exchange };
-
-  /// `rank` of `size` in the World. `store`: the connection the World's
-  /// Progress uses (its keys start "shardtorch-waits/").
-  WaitBoard(c10::intrusive_ptr<BoundedStore> store, int rank, int size);
-  /// A communicator: its name, the same on every member, and its members'
-  /// ranks in the World (by index in the communicator). Returns its number.
-  int add(std::string name, std::vector<int> members);
-  /// Counts a collective launched (an exchange entered) on communicator `comm`.
-  void launched(int comm);
-  void entered(int comm);
-  /// The error another rank (or this one) found for a cycle of waits through this rank, "" if none. Never throws.
-  std::string cycle_reported() const;
-  /// Counts the calling thread as one that issues this rank's checked
-  /// collectives in optimizer step `step` (CollectiveChecker::submit). While
-  /// two or more threads issued some in this step or the last earlier one
-  /// that issued any, or wait now, the rank's record says so instead of what
-  /// it waits for: it is no node of the wait-for graph (one of its threads
-  /// may launch what a peer waits for while another waits).
-  void issued(int64_t step);
-  /// Whether two or more threads issued in this step or the previous one (as above).
-  bool issued_from_several_threads() const;
-
-  /// One wait for collective (or exchange) number `seq` of communicator
-  /// `comm`: probe() as it lasts, then the destructor clears its record
-  /// (kept after a cycle, for the other ranks' probes). Never throws.
-  class Wait {
-   public:
-    /// `describe` gives what is waited for in words; called at the first probe
-    /// that writes a record (a wait past kQuiet), never for a short wait.
-    Wait(std::shared_ptr<WaitBoard> board, int comm, Kind kind, int64_t seq, std::function<std::string()> describe);
-    ~Wait();
-    Wait(const Wait&) = delete;
-    Wait& operator=(const Wait&) = delete;
-    /// What is waited for from now on (the launch came, or another exchange runs).
-    void set(Kind kind, int64_t seq) {
-      kind_ = kind;
-      seq_ = seq;
-    }
-    /// Call while waiting; cheap until kQuiet has passed, then once per
-    /// kProbe: this rank's record written when it changed, and the records
-    /// that following the wait-for graph from this rank needs read (each at
-    /// most once, so at most one per rank of the World). Returns the error's
-    /// text when a cycle through this rank is seen twice in a row with the
-    /// same records (or another rank of it reported one), "" otherwise. The
-    /// store is waited for until `until` at most (and 2 s), and not asked
-    /// while it does not answer ("" then).
-    std::string probe(std::optional<std::chrono::steady_clock::time_point> until = std::nullopt);
-
-   private:
-    std::shared_ptr<WaitBoard> board_;
-    int comm_;
-    Kind kind_;
-    int64_t seq_;
-    std::function<std::string()> describe_;
-    std::string description_;  // built at the first record
-    std::chrono::steady_clock::time_point next_;
-    std::string written_;   // this rank's record as last written, "" before
-    bool crossed_ = false;  // probe() returned an error
-    std::string suspect_;   // the cycle and its records seen at the last probe
-  };
-
- private:
-  struct Comm {
-    std::string name;
-    std::vector<int> members;
-    int64_t launched = 0, entered = 0;
-  };
-  std::string record(int comm, Kind kind, int64_t seq, const std::string& description) const;
-  bool several_threads() const;                         // under mu_
-  std::string prefixed(const std::string& text) const;  // "shardtorch: rank R/N: " + text
-  c10::intrusive_ptr<BoundedStore> store_;
-  int rank_, size_;
-  mutable std::mutex mu_;
-  std::vector<Comm> comms_;
-  int64_t issue_step_ = -1;                     // the step of the last issued()
-  std::vector<std::thread::id> issuers_;        // the threads that issued in it
-  std::vector<std::thread::id> issued_before_;  // and in the step before it
-  std::vector<std::thread::id> waiting_;        // one entry per Wait alive, by its thread
 };
 
 /// One checked collective: launched at once, or waiting in its checker's
