@@ -47,6 +47,7 @@ enum Op : uint8_t {
   FRAME = 0x95,
 };
 
+// A table of every opcode's name, one case each (long by nature).
 const char* op_name(uint8_t op) {
   switch (op) {
     case MARK:
@@ -325,7 +326,9 @@ class Parser {
     push(add(std::move(n)));
   }
 
-  // One opcode; true at STOP.
+  // One opcode; true at STOP. One case per allowed opcode, each a few lines
+  // that read its argument and change the stack: the allow-list itself, kept
+  // in one place so that what is accepted can be read at a glance.
   bool step(uint8_t op) {
     switch (op) {
       case PROTO: {

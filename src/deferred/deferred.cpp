@@ -400,6 +400,94 @@ void run_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   throw std::logic_error("unreachable");
 }
 
+// A deferred tensor among an op's arguments: where it is, and its record.
+struct Seen {
+  int arg, elem;
+  at::Tensor t;
+  DeferredMeta* m;
+};
+
+// Runs `op` on the meta device in place of its kernel: devices become meta,
+// real tensors meta stand-ins; a copy to another device (`to`) that the meta
+// run returned as its input becomes a new tensor with a storage of its own.
+// `original`: the arguments as called.
+void run_on_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t base,
+                 const std::vector<c10::IValue>& original, const std::vector<Seen>& fakes,
+                 const std::vector<std::pair<int, int>>& reals, const DeferredSession& s, c10::Device device) {
+  const auto& schema = op.schema();
+  const auto device_arg = schema.argumentIndexWithName("device");
+  if (device_arg) (*stack)[base + *device_arg] = c10::Device(c10::kMeta);
+  if (auto pin = schema.argumentIndexWithName("pin_memory")) (*stack)[base + *pin] = c10::IValue();
+  for (const auto& [arg, elem] : reals) {
+    c10::IValue& v = (*stack)[base + arg];
+    at::Tensor t = elem < 0
+                       ? v.toTensor()
+                       : (v.isTensorList() ? at::Tensor(v.toTensorList().get(elem)) : v.toList().get(elem).toTensor());
+    if (!t.is_meta()) replace_tensor(v, elem, meta_standin(t));
+  }
+  run_meta(op, stack);
+  const bool moves = device_arg && !(original[*device_arg].isNone()) && !fakes.empty();
+  if (!moves) return;
+  const size_t nret = schema.returns().size();
+  const size_t rbase = stack->size() - nret;
+  for (size_t k = 0; k < nret; ++k) {
+    c10::IValue& v = (*stack)[rbase + k];
+    if (!v.isTensor()) continue;
+    for (const auto& f : fakes)
+      if (v.toTensor().unsafeGetTensorImpl() == f.t.unsafeGetTensorImpl() && s.fakes.at(f.m->id).device != device) {
+        v = meta_standin(v.toTensor());
+        break;
+      }
+  }
+}
+
+// Records the op that just ran on meta: its arguments (deferred ones as
+// stand-ins), its outputs adopted as new deferred tensors on `device`, the
+// storages it writes, and its place in a random generator's chain.
+void record_op(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::vector<c10::IValue> original,
+               const std::vector<Seen>& fakes, DeferredSession& s, c10::Device device) {
+  const auto& schema = op.schema();
+  const size_t nret = schema.returns().size();
+  const size_t rbase = stack->size() - nret;
+  const int idx = static_cast<int>(s.ops.size());
+  RecordedOp rec{op, std::move(original), {}, {}, -1, -1, 0, std::nullopt};
+  std::vector<std::pair<at::Tensor, int64_t>> inputs;
+  for (const auto& f : fakes) {
+    rec.fakes.push_back({f.arg, f.elem, f.m->id});
+    replace_tensor(rec.args[f.arg], f.elem, meta_standin(f.t));
+    inputs.emplace_back(f.t, f.m->id);
+  }
+  for (size_t k = 0; k < nret; ++k) {
+    c10::IValue& v = (*stack)[rbase + k];
+    if (v.isTensor()) {
+      if (!v.toTensor().defined()) continue;
+      int64_t id;
+      v = s.adopt(v.toTensor(), idx, inputs, device, id);
+      rec.outputs.push_back({static_cast<int>(k), -1, id});
+    } else if (v.isTensorList()) {
+      auto l = v.toTensorList().copy();
+      for (size_t j = 0; j < l.size(); ++j) {
+        int64_t id;
+        l.set(j, s.adopt(l.get(j), idx, inputs, device, id));
+        rec.outputs.push_back({static_cast<int>(k), static_cast<int>(j), id});
+      }
+      v = l;
+    }
+  }
+  const auto& sargs = schema.arguments();
+  for (const auto& f : fakes) {
+    const auto* alias = sargs[f.arg].alias_info();
+    if (alias && alias->isWrite()) s.writers[s.fakes[f.m->id].storage].push_back(idx);
+  }
+  if (int g = generator_arg(schema); g >= 0) {
+    rec.gen_arg = g;
+    rec.chain = s.chain_of(rec.args[g], device);
+    rec.chain_pos = s.chains[rec.chain].ops.size();
+    s.chains[rec.chain].ops.push_back(idx);
+  }
+  s.ops.push_back(std::move(rec));
+}
+
 void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   if (random_without_generator(schema)) {  // its kernel's own calls come back here, one by one
@@ -408,11 +496,6 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
   }
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;
-  struct Seen {
-    int arg, elem;
-    at::Tensor t;
-    DeferredMeta* m;
-  };
   std::vector<Seen> fakes;
   std::vector<std::pair<int, int>> reals;
   for (size_t i = 0; i < n; ++i) {
@@ -426,7 +509,6 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
   std::shared_ptr<DeferredSession> recording = tls_session;
   const auto device_arg = schema.argumentIndexWithName("device");
   std::shared_ptr<DeferredSession> s;
-  std::optional<c10::Device> device;
   if (fakes.empty()) {
     const bool factory =
         recording && device_arg && reals.empty() && !schema.returns().empty() && returns_only_tensors(schema);
@@ -453,73 +535,11 @@ void deferred_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
   }
   std::lock_guard<std::recursive_mutex> lock(s->mu);
   std::vector<c10::IValue> original(stack->begin() + base, stack->end());
+  std::optional<c10::Device> device;
   if (device_arg && !(*stack)[base + *device_arg].isNone()) device = (*stack)[base + *device_arg].toDevice();
   if (!device) device = fakes.empty() ? c10::Device(c10::kCPU) : s->fakes[fakes.front().m->id].device;
-  // The meta run: devices become meta, real tensors meta stand-ins.
-  if (device_arg) (*stack)[base + *device_arg] = c10::Device(c10::kMeta);
-  if (auto pin = schema.argumentIndexWithName("pin_memory")) (*stack)[base + *pin] = c10::IValue();
-  for (const auto& [arg, elem] : reals) {
-    c10::IValue& v = (*stack)[base + arg];
-    at::Tensor t = elem < 0
-                       ? v.toTensor()
-                       : (v.isTensorList() ? at::Tensor(v.toTensorList().get(elem)) : v.toList().get(elem).toTensor());
-    if (!t.is_meta()) replace_tensor(v, elem, meta_standin(t));
-  }
-  run_meta(op, stack);
-  // A copy to another device (`to`) that the meta run returned as its input
-  // is a new tensor, with a storage of its own.
-  const bool moves = device_arg && !(original[*device_arg].isNone()) && !fakes.empty();
-  const size_t nret = schema.returns().size();
-  const size_t rbase = stack->size() - nret;
-  if (moves) {
-    for (size_t k = 0; k < nret; ++k) {
-      c10::IValue& v = (*stack)[rbase + k];
-      if (!v.isTensor()) continue;
-      for (const auto& f : fakes)
-        if (v.toTensor().unsafeGetTensorImpl() == f.t.unsafeGetTensorImpl() && s->fakes[f.m->id].device != *device) {
-          v = meta_standin(v.toTensor());
-          break;
-        }
-    }
-  }
-
-  const int idx = static_cast<int>(s->ops.size());
-  RecordedOp rec{op, std::move(original), {}, {}, -1, -1, 0, std::nullopt};
-  std::vector<std::pair<at::Tensor, int64_t>> inputs;
-  for (const auto& f : fakes) {
-    rec.fakes.push_back({f.arg, f.elem, f.m->id});
-    replace_tensor(rec.args[f.arg], f.elem, meta_standin(f.t));
-    inputs.emplace_back(f.t, f.m->id);
-  }
-  for (size_t k = 0; k < nret; ++k) {
-    c10::IValue& v = (*stack)[rbase + k];
-    if (v.isTensor()) {
-      if (!v.toTensor().defined()) continue;
-      int64_t id;
-      v = s->adopt(v.toTensor(), idx, inputs, *device, id);
-      rec.outputs.push_back({static_cast<int>(k), -1, id});
-    } else if (v.isTensorList()) {
-      auto l = v.toTensorList().copy();
-      for (size_t j = 0; j < l.size(); ++j) {
-        int64_t id;
-        l.set(j, s->adopt(l.get(j), idx, inputs, *device, id));
-        rec.outputs.push_back({static_cast<int>(k), static_cast<int>(j), id});
-      }
-      v = l;
-    }
-  }
-  const auto& sargs = schema.arguments();
-  for (const auto& f : fakes) {
-    const auto* alias = sargs[f.arg].alias_info();
-    if (alias && alias->isWrite()) s->writers[s->fakes[f.m->id].storage].push_back(idx);
-  }
-  if (int g = generator_arg(schema); g >= 0) {
-    rec.gen_arg = g;
-    rec.chain = s->chain_of(rec.args[g], *device);
-    rec.chain_pos = s->chains[rec.chain].ops.size();
-    s->chains[rec.chain].ops.push_back(idx);
-  }
-  s->ops.push_back(std::move(rec));
+  run_on_meta(op, stack, base, original, fakes, reals, *s, *device);
+  record_op(op, stack, std::move(original), fakes, *s, *device);
 }
 
 }  // namespace
