@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <exception>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <mutex>
 #include <sstream>
@@ -297,6 +298,87 @@ std::string store_failure(const BoundedStore& store, int self, const Record& me,
 }
 }  // namespace
 
+namespace {
+
+// What one peer's record says about a collective that failed on this rank.
+struct Verdict {
+  bool at_fault = false;
+  bool failed_too = false;  // a fellow survivor that gave up first
+  std::string text;
+};
+
+// `r`: the peer's record; `gone(pid)`: whether a local process has exited;
+// `started_ms`: when this rank's collective started; times in ms.
+Verdict judge(const std::string& rank, const Record& r, const Record& me, const std::function<bool(int64_t)>& gone,
+              int64_t now, int64_t started_ms) {
+  const bool local = r.host == me.host;
+  if (r.state == Record::State::Failed)  // a fellow survivor that gave up first (and may have exited since)
+    return {false, true, rank + " failed too, at " + where(r)};
+  if (r.state == Record::State::LeftOnError)
+    return {true, false,
+            rank + " stopped on an error of its own (see its output): its World was destroyed " +
+                seconds(now - r.beat_ms) + " ago, while an exception unwound, after " + where(r)};
+  if (r.state == Record::State::Finished)  // left without an error: it issued fewer collectives than this rank
+    return {true, false,
+            rank + " had finished: its World was destroyed " + seconds(now - r.beat_ms) + " ago, after " + where(r) +
+                ", with no exception in flight (it issued fewer collectives than this rank: "
+                "fewer steps or micro-batches, or it caught an error of its own and ended?)"};
+  if (local && gone(r.pid))
+    return {true, false,
+            rank + " is no longer running (pid " + std::to_string(r.pid) + " on this host); it was last at " +
+                where(r) + ", " + seconds(now - r.changed_ms) + " ago"};
+  if (now - r.beat_ms > Progress::kSilent.count())
+    return {true, false,
+            rank + " stopped reporting " + seconds(now - r.beat_ms) + " ago (dead, or its process hung; pid " +
+                std::to_string(r.pid) + " on " + r.host + "); it was last at " + where(r)};
+  if (!same_place(r, me) && now - r.changed_ms >= std::max<int64_t>((now - started_ms) / 2, 100)) {
+    // Elsewhere for at least half of this collective's wait (a peer that
+    // arrived would have moved to it long ago; "since it started" misses
+    // one that stalled a moment after this rank began). On this host it
+    // is known to run; on another, only that it was heard from lately.
+    return {true, false,
+            rank + (local ? " is alive but" : "") + " did not arrive: it has been at " + where(r) + " for " +
+                seconds(now - r.changed_ms) +
+                (local ? " (pid " + std::to_string(r.pid) + " on this host)"
+                       : " (last heard from " + seconds(now - r.beat_ms) + " ago; pid " + std::to_string(r.pid) +
+                             " on " + r.host + ")")};
+  }
+  return {false, false, rank + " at " + where(r)};
+}
+
+// The report's text from the verdicts ("" when there is nothing to say).
+// `stalled_ms`, `stalled_until_ms`: this process's own last stall.
+std::string summary(const std::vector<std::string>& at_fault, const std::vector<std::string>& others, int failed_too,
+                    bool stalled, int64_t stalled_ms, int64_t stalled_until_ms, int64_t now, const Record& me) {
+  if (at_fault.empty() && others.empty() && !stalled) return "";
+  std::ostringstream os;
+  if (!at_fault.empty()) {
+    os << "Peer at fault: ";
+    for (size_t i = 0; i < at_fault.size(); ++i) os << (i ? "; " : "") << at_fault[i];
+    os << ".";
+  } else if (stalled) {
+    os << "No peer is at fault: this rank's own process did not run for " << seconds(stalled_ms) << ", until "
+       << seconds(now - stalled_until_ms)
+       << " ago (stopped, by SIGSTOP, job control or a debugger, or starved of CPU), and its peers gave up "
+          "waiting for it.";
+  } else if (others.size() == static_cast<size_t>(failed_too)) {
+    os << "No peer is at fault that this rank can tell: every other failed too.";
+  } else {
+    os << "Every peer is alive and reporting.";
+  }
+  if (stalled && !at_fault.empty())
+    os << " This rank's own process did not run for " << seconds(stalled_ms) << ", until "
+       << seconds(now - stalled_until_ms) << " ago.";
+  os << " This rank is at " << where(me);
+  if (!others.empty()) {
+    os << "; ";
+    for (size_t i = 0; i < others.size(); ++i) os << (i ? ", " : "") << others[i];
+  }
+  return os.str();
+}
+
+}  // namespace
+
 std::string Progress::report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const {
   Record me;
   int64_t stalled_ms = 0, stalled_until_ms = 0;
@@ -314,14 +396,13 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
     const int64_t now = now_ms();
     const int64_t started_ms =
         now - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count();
-    const int64_t silent_after = kSilent.count();
     std::vector<std::string> at_fault, others;
     int failed_too = 0;
     // A killed process closes its sockets before it becomes a zombie: a peer
     // that saw the connection close may still find it running for a moment.
     // Local peers get up to 300 ms, in all, to be seen gone.
     const auto grace_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
-    auto gone = [&](int64_t pid) {
+    const std::function<bool(int64_t)> gone = [&](int64_t pid) {
       for (;;) {
         if (process_gone(pid)) return true;
         if (std::chrono::steady_clock::now() >= grace_until) return false;
@@ -339,73 +420,17 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
         at_fault.push_back("rank " + std::to_string(peer) + " has recorded no progress (did it start?)");
         continue;
       }
-      const std::string rank = "rank " + std::to_string(peer);
-      const bool local = r.host == me.host;
       // A survivor marks its record failed before it looks at others, so one
       // seen gone is read again: it may have failed and exited since.
-      if (r.state != Record::State::Failed && local && gone(r.pid)) read(peer, r);
-      if (r.state ==
-          Record::State::Failed) {  // a fellow survivor that gave up first (and may have exited since): not at fault
-        others.push_back(rank + " failed too, at " + where(r));
-        ++failed_too;
-      } else if (r.state == Record::State::LeftOnError) {
-        at_fault.push_back(rank + " stopped on an error of its own (see its output): its World was destroyed " +
-                           seconds(now - r.beat_ms) + " ago, while an exception unwound, after " + where(r));
-      } else if (r.state ==
-                 Record::State::Finished) {  // left without an error: it issued fewer collectives than this rank
-        at_fault.push_back(rank + " had finished: its World was destroyed " + seconds(now - r.beat_ms) +
-                           " ago, after " + where(r) +
-                           ", with no exception in flight (it issued fewer collectives than this rank: "
-                           "fewer steps or micro-batches, or it caught an error of its own and ended?)");
-      } else if (local && gone(r.pid)) {
-        at_fault.push_back(rank + " is no longer running (pid " + std::to_string(r.pid) +
-                           " on this host); it was last at " + where(r) + ", " + seconds(now - r.changed_ms) + " ago");
-      } else if (now - r.beat_ms > silent_after) {
-        at_fault.push_back(rank + " stopped reporting " + seconds(now - r.beat_ms) +
-                           " ago (dead, or its process hung; pid " + std::to_string(r.pid) + " on " + r.host +
-                           "); it was last at " + where(r));
-      } else if (!same_place(r, me) && now - r.changed_ms >= std::max<int64_t>((now - started_ms) / 2, 100)) {
-        // Elsewhere for at least half of this collective's wait (a peer that
-        // arrived would have moved to it long ago; "since it started" misses
-        // one that stalled a moment after this rank began). On this host it
-        // is known to run; on another, only that it was heard from lately.
-        at_fault.push_back(rank + (local ? " is alive but" : "") + " did not arrive: it has been at " + where(r) +
-                           " for " + seconds(now - r.changed_ms) +
-                           (local ? " (pid " + std::to_string(r.pid) + " on this host)"
-                                  : " (last heard from " + seconds(now - r.beat_ms) + " ago; pid " +
-                                        std::to_string(r.pid) + " on " + r.host + ")"));
-      } else {
-        others.push_back(rank + " at " + where(r));
-      }
+      if (r.state != Record::State::Failed && r.host == me.host && gone(r.pid)) read(peer, r);
+      Verdict v = judge("rank " + std::to_string(peer), r, me, gone, now, started_ms);
+      (v.at_fault ? at_fault : others).push_back(std::move(v.text));
+      failed_too += v.failed_too;
     }
     // This process itself did not run during this collective, or just before
     // it: its peers may have given up on it.
-    const bool stalled = stalled_until_ms > 0 && stalled_until_ms >= started_ms - silent_after;
-    if (at_fault.empty() && others.empty() && !stalled) return "";
-    std::ostringstream os;
-    if (!at_fault.empty()) {
-      os << "Peer at fault: ";
-      for (size_t i = 0; i < at_fault.size(); ++i) os << (i ? "; " : "") << at_fault[i];
-      os << ".";
-    } else if (stalled) {
-      os << "No peer is at fault: this rank's own process did not run for " << seconds(stalled_ms) << ", until "
-         << seconds(now - stalled_until_ms)
-         << " ago (stopped, by SIGSTOP, job control or a debugger, or starved of CPU), and its peers gave up "
-            "waiting for it.";
-    } else if (others.size() == static_cast<size_t>(failed_too)) {
-      os << "No peer is at fault that this rank can tell: every other failed too.";
-    } else {
-      os << "Every peer is alive and reporting.";
-    }
-    if (stalled && !at_fault.empty())
-      os << " This rank's own process did not run for " << seconds(stalled_ms) << ", until "
-         << seconds(now - stalled_until_ms) << " ago.";
-    os << " This rank is at " << where(me);
-    if (!others.empty()) {
-      os << "; ";
-      for (size_t i = 0; i < others.size(); ++i) os << (i ? ", " : "") << others[i];
-    }
-    return os.str();
+    const bool stalled = stalled_until_ms > 0 && stalled_until_ms >= started_ms - kSilent.count();
+    return summary(at_fault, others, failed_too, stalled, stalled_ms, stalled_until_ms, now, me);
   } catch (const std::exception& e) {  // the store did not answer in time, or closed its connection
     return store_failure(store, s_->rank, me, message_of(e));
   }
