@@ -228,6 +228,41 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
   return create(store, env.rank, env.world_size, options, env.local_rank);
 }
 
+namespace {
+
+// WorldOptions::backend resolved ("auto": nccl on a CUDA device where the
+// build has it, else gloo) and checked against the build and the device.
+std::string choose_backend(std::string backend, const c10::Device& device) {
+  if (backend == "auto") backend = (device.is_cuda() && detail::nccl_available()) ? "nccl" : "gloo";
+  SHARDTORCH_CHECK(backend == "gloo" || backend == "nccl", "shardtorch: unknown backend '", backend,
+                   "' (expected auto, gloo or nccl)");
+  SHARDTORCH_CHECK(backend != "nccl" || detail::nccl_available(),
+                   "shardtorch: backend 'nccl' asked for, but this build has no NCCL");
+  SHARDTORCH_CHECK(backend != "nccl" || device.is_cuda(), "shardtorch: backend 'nccl' needs a CUDA device, got ",
+                   device);
+  return backend;
+}
+
+// A rank checking beside one that does not would pair its fingerprint with
+// the other's collective: every rank must agree, so they compare (on the
+// backend itself: nothing counted, nothing checked). Throws on every rank.
+void require_same_check(c10d::Backend& b, bool check, int rank, int world_size, std::chrono::milliseconds timeout,
+                        const c10::Device& comm_device) {
+  auto mine = at::full({1}, check ? 1 : 0, at::kLong).to(comm_device);
+  auto all = at::empty({world_size}, mine.options());
+  c10d::AllgatherOptions o;
+  o.timeout = timeout;
+  b._allgather_base(all, mine, o)->wait(timeout);
+  all = all.cpu();
+  for (int r = 1; r < world_size; ++r)
+    SHARDTORCH_CHECK(all[r].item<int64_t>() == all[0].item<int64_t>(), detail::rank_prefix(rank),
+                     ": check_collectives differs across ranks: ", all[0].item<int64_t>() ? "on" : "off",
+                     " on rank 0 but ", all[r].item<int64_t>() ? "on" : "off", " on rank ", r,
+                     "; every rank must pass the same WorldOptions::check_collectives (SHARDTORCH_CHECK_COLLECTIVES)");
+}
+
+}  // namespace
+
 std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                                      WorldOptions options, int local_rank) {
   SHARDTORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, detail::rank_prefix(rank), " is not in [0, ",
@@ -252,14 +287,7 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   } else if (at::hasCUDA()) {
     w->device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
   }
-  std::string backend = options.backend();
-  if (backend == "auto") backend = (w->device_.is_cuda() && detail::nccl_available()) ? "nccl" : "gloo";
-  SHARDTORCH_CHECK(backend == "gloo" || backend == "nccl", "shardtorch: unknown backend '", backend,
-                   "' (expected auto, gloo or nccl)");
-  SHARDTORCH_CHECK(backend != "nccl" || detail::nccl_available(),
-                   "shardtorch: backend 'nccl' asked for, but this build has no NCCL");
-  SHARDTORCH_CHECK(backend != "nccl" || w->device_.is_cuda(), "shardtorch: backend 'nccl' needs a CUDA device, got ",
-                   w->device_);
+  const std::string backend = choose_backend(options.backend(), w->device_);
   check_device(w->device_, rank, local_rank);
   auto b = connect(backend, store, rank, world_size, options, rank,
                    "the world (every one of the " + std::to_string(world_size) + " ranks must create it)");
@@ -293,23 +321,7 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
         "not run on a GPU (docs/reliability.md)");
   }
   const bool check = choice.on;
-  if (world_size > 1) {
-    // A rank checking beside one that does not would pair its fingerprint
-    // with the other's collective: every rank must agree, so they compare
-    // (on the backend itself: nothing counted, nothing checked).
-    auto mine = at::full({1}, check ? 1 : 0, at::kLong).to(comm_device);
-    auto all = at::empty({world_size}, mine.options());
-    c10d::AllgatherOptions o;
-    o.timeout = options.timeout();
-    b->_allgather_base(all, mine, o)->wait(options.timeout());
-    all = all.cpu();
-    for (int r = 1; r < world_size; ++r)
-      SHARDTORCH_CHECK(
-          all[r].item<int64_t>() == all[0].item<int64_t>(), detail::rank_prefix(rank),
-          ": check_collectives differs across ranks: ", all[0].item<int64_t>() ? "on" : "off", " on rank 0 but ",
-          all[r].item<int64_t>() ? "on" : "off", " on rank ", r,
-          "; every rank must pass the same WorldOptions::check_collectives (SHARDTORCH_CHECK_COLLECTIVES)");
-  }
+  if (world_size > 1) require_same_check(*b, check, rank, world_size, options.timeout(), comm_device);
   if (check && world_size > 1) {
     w->waits_ = std::make_shared<detail::WaitBoard>(peers, rank, world_size);
     auto check = connect("gloo", c10::make_intrusive<c10d::PrefixStore>("shardtorch-check", store), rank, world_size,

@@ -88,16 +88,22 @@ namespace {
 
 }  // namespace
 
-RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
-  SHARDTORCH_CHECK(world_size >= 1, "run_ranks: world size ", world_size);
-  const std::string dir = files::make_temp_dir("shardtorch");  // POSIX calls: files.h says why
-  std::string store_path = dir + "/store";
+namespace {
 
-  std::cout.flush();
-  std::cerr.flush();
-  std::fflush(nullptr);
-  std::vector<pid_t> pids(world_size, -1);
-  std::vector<int> fds(world_size, -1);
+// The forked ranks, and the read ends of the pipes their errors come through
+// (-1 once closed).
+struct Children {
+  std::vector<pid_t> pids;
+  std::vector<int> fds;
+  std::vector<bool> done;
+  int alive = 0;
+};
+
+Children fork_ranks(int world_size, const std::string& store_path, const RankBody& body, const RunOptions& options) {
+  Children c;
+  c.pids.assign(world_size, -1);
+  c.fds.assign(world_size, -1);
+  c.done.assign(world_size, false);
   for (int r = 0; r < world_size; ++r) {
     int p[2];
     SHARDTORCH_CHECK(::pipe(p) == 0, "run_ranks: pipe failed: ", std::strerror(errno));
@@ -105,68 +111,88 @@ RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
     SHARDTORCH_CHECK(pid >= 0, "run_ranks: fork failed: ", std::strerror(errno));
     if (pid == 0) {
       ::close(p[0]);
-      for (int q = 0; q < r; ++q) ::close(fds[q]);
+      for (int q = 0; q < r; ++q) ::close(c.fds[q]);
       child_main(r, world_size, store_path, p[1], body, options);
     }
     ::close(p[1]);
-    pids[r] = pid;
-    fds[r] = p[0];
+    c.pids[r] = pid;
+    c.fds[r] = p[0];
   }
+  c.alive = world_size;
+  return c;
+}
 
+// Appends what the pipes hold (waiting up to 20 ms), so that a chatty rank
+// never blocks on a full pipe; closes a pipe at its end.
+void drain(Children& c, RunResult& result) {
+  std::vector<pollfd> pfds;
+  for (int fd : c.fds)
+    if (fd >= 0) pfds.push_back({fd, POLLIN, 0});
+  if (pfds.empty()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return;
+  }
+  ::poll(pfds.data(), pfds.size(), 20);
+  for (auto& pf : pfds) {
+    if (!(pf.revents & (POLLIN | POLLHUP))) continue;
+    const auto r = static_cast<size_t>(std::find(c.fds.begin(), c.fds.end(), pf.fd) - c.fds.begin());
+    char chunk[4096];
+    ssize_t n = ::read(pf.fd, chunk, sizeof(chunk));
+    if (n > 0) {
+      result.ranks[r].message.append(chunk, static_cast<size_t>(n));
+    } else {
+      ::close(c.fds[r]);
+      c.fds[r] = -1;
+    }
+  }
+}
+
+// Records the exit of every rank that ended; past `deadline`, kills the rest.
+void reap(Children& c, RunResult& result, std::chrono::steady_clock::time_point deadline) {
+  for (size_t r = 0; r < c.pids.size(); ++r) {
+    if (c.done[r]) continue;
+    int status = 0;
+    if (::waitpid(c.pids[r], &status, WNOHANG) == c.pids[r]) {
+      c.done[r] = true;
+      --c.alive;
+      if (WIFEXITED(status)) result.ranks[r].exit_code = WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) result.ranks[r].signal = WTERMSIG(status);
+    }
+  }
+  if (c.alive == 0 || std::chrono::steady_clock::now() <= deadline) return;
+  for (size_t r = 0; r < c.pids.size(); ++r) {
+    if (c.done[r]) continue;
+    ::kill(c.pids[r], SIGKILL);
+    ::waitpid(c.pids[r], nullptr, 0);
+    c.done[r] = true;
+    result.ranks[r].timed_out = true;
+    --c.alive;
+  }
+}
+
+}  // namespace
+
+RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
+  SHARDTORCH_CHECK(world_size >= 1, "run_ranks: world size ", world_size);
+  const std::string dir = files::make_temp_dir("shardtorch");  // POSIX calls: files.h says why
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  Children c = fork_ranks(world_size, dir + "/store", body, options);
   RunResult result;
   result.ranks.resize(world_size);
-  auto deadline = std::chrono::steady_clock::now() + options.timeout();
-  int alive = world_size;
-  std::vector<bool> done(world_size, false);
-  while (alive > 0) {
-    // Drain messages so a chatty rank never blocks on a full pipe.
-    std::vector<pollfd> pfds;
-    for (int r = 0; r < world_size; ++r)
-      if (fds[r] >= 0) pfds.push_back({fds[r], POLLIN, 0});
-    if (!pfds.empty())
-      ::poll(pfds.data(), pfds.size(), 20);
-    else
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    for (auto& pf : pfds) {
-      if (!(pf.revents & (POLLIN | POLLHUP))) continue;
-      int r = static_cast<int>(std::find(fds.begin(), fds.end(), pf.fd) - fds.begin());
-      char chunk[4096];
-      ssize_t n = ::read(pf.fd, chunk, sizeof(chunk));
-      if (n > 0) {
-        result.ranks[r].message.append(chunk, static_cast<size_t>(n));
-      } else {
-        ::close(fds[r]);
-        fds[r] = -1;
-      }
-    }
-    for (int r = 0; r < world_size; ++r) {
-      if (done[r]) continue;
-      int status = 0;
-      if (::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-        done[r] = true;
-        --alive;
-        if (WIFEXITED(status)) result.ranks[r].exit_code = WEXITSTATUS(status);
-        if (WIFSIGNALED(status)) result.ranks[r].signal = WTERMSIG(status);
-      }
-    }
-    if (alive > 0 && std::chrono::steady_clock::now() > deadline) {
-      for (int r = 0; r < world_size; ++r) {
-        if (done[r]) continue;
-        ::kill(pids[r], SIGKILL);
-        ::waitpid(pids[r], nullptr, 0);
-        done[r] = true;
-        result.ranks[r].timed_out = true;
-        --alive;
-      }
-    }
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout();
+  while (c.alive > 0) {
+    drain(c, result);
+    reap(c, result, deadline);
   }
   for (int r = 0; r < world_size; ++r) {
-    if (fds[r] < 0) continue;
+    if (c.fds[r] < 0) continue;
     char chunk[4096];
     ssize_t n;
-    while ((n = ::read(fds[r], chunk, sizeof(chunk))) > 0)
+    while ((n = ::read(c.fds[r], chunk, sizeof(chunk))) > 0)
       result.ranks[r].message.append(chunk, static_cast<size_t>(n));
-    ::close(fds[r]);
+    ::close(c.fds[r]);
   }
   files::remove_all_quietly(dir);  // a leftover temporary folder is no failure
   result.ok = true;
