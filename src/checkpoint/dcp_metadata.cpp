@@ -315,29 +315,9 @@ const Entry* Metadata::find(const std::string& name) const {
   return it == index.end() ? nullptr : &entries[it->second];
 }
 
-Metadata parse(const std::string& bytes, const std::string& file) {
-  const pickle::Tree tree = pickle::parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), policy(),
-                                          "DCP metadata '" + file + "'");
-  const std::string where = "DCP metadata '" + file + "'";
-  Schema s(tree, where);
-  Metadata m;
-  auto top = s.fields(tree.root(), kMeta, "Metadata",
-                      {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"}, "the file");
-  if (!top.count("state_dict_metadata") || !top.count("storage_data") || s.none(top["storage_data"]))
-    throw SafetensorsError(where + ": Metadata without state_dict_metadata or storage_data");
-  if (top.count("version") && !s.none(top["version"])) {
-    m.version = s.str(top["version"], "version");
-    if (*m.version != kVersion)
-      throw SafetensorsError(where + ": DCP version '" + *m.version + "', which shardtorch does not read (it reads " +
-                             kVersion + " and unversioned files of earlier torch releases)");
-  }
-  if (top.count("storage_meta") && !s.none(top["storage_meta"])) {  // informative only: its fields are not read
-    const Node& sm = s.get(top["storage_meta"]);
-    if (sm.kind != Kind::Object || !s.is_global(s.get(sm.items[0]), kMeta, "StorageMeta"))
-      s.bad(sm, "storage_meta is " + s.describe(sm) + ", not a StorageMeta");
-  }
-
-  const Node& sdm = s.kind(top["state_dict_metadata"], Kind::Dict, "state_dict_metadata");
+// state_dict_metadata: every key, a tensor (dtype, size, chunks) or bytes.
+void read_entries(Schema& s, uint32_t node, Metadata& m, const std::string& where) {
+  const Node& sdm = s.kind(node, Kind::Dict, "state_dict_metadata");
   for (size_t k = 0; k + 1 < sdm.items.size(); k += 2) {
     Entry e;
     e.name = s.str(sdm.items[k], "a state_dict_metadata key");
@@ -368,14 +348,17 @@ Metadata parse(const std::string& bytes, const std::string& file) {
   }
   for (const auto& e : m.entries)
     if (e.tensor) check_chunks(e, where);
+}
 
-  // storage_data: MetadataIndex(fqn, offset) -> _StorageInfo, one per item.
+// storage_data: MetadataIndex(fqn, offset) -> _StorageInfo, one per item;
+// every chunk with elements and every bytes entry must have one.
+void read_storage(Schema& s, uint32_t node, Metadata& m, const std::string& where) {
   std::vector<std::map<std::vector<int64_t>, std::vector<Chunk*>>> by_offsets(m.entries.size());
   for (size_t i = 0; i < m.entries.size(); ++i)
     for (auto& c : m.entries[i].chunks) by_offsets[i][c.offsets].push_back(&c);
   std::vector<std::set<std::vector<int64_t>>> stored(m.entries.size());
   std::vector<bool> bytes_stored(m.entries.size(), false);
-  const Node& sd = s.kind(top["storage_data"], Kind::Dict, "storage_data");
+  const Node& sd = s.kind(node, Kind::Dict, "storage_data");
   for (size_t k = 0; k + 1 < sd.items.size(); k += 2) {
     auto key = s.fields(sd.items[k], kMeta, "MetadataIndex", {"fqn", "offset", "index"}, "a storage_data key");
     if (!key.count("fqn")) s.bad(s.get(sd.items[k]), "a storage_data key without fqn");
@@ -417,33 +400,60 @@ Metadata parse(const std::string& bytes, const std::string& file) {
                                " has no item in storage_data (an incomplete file)");
     }
   }
+}
 
-  // planner_data: each key's path in the nested state dict, when it is the
-  // default planner's (a dict of tuples of strings and ints); anything else
-  // is another planner's business and left out.
-  if (top.count("planner_data") && s.get(top["planner_data"]).kind == Kind::Dict) {
-    const Node& pd = s.get(top["planner_data"]);
-    for (size_t k = 0; k + 1 < pd.items.size(); k += 2) {
-      const Node& key = s.get(pd.items[k]);
-      const Node& val = s.get(pd.items[k + 1]);
-      if (key.kind != Kind::String || val.kind != Kind::Tuple) continue;
-      auto it = m.index.find(key.text);
-      if (it == m.index.end()) continue;
-      std::vector<std::variant<std::string, int64_t>> path;
-      for (uint32_t p : val.items) {
-        const Node& x = s.get(p);
-        if (x.kind == Kind::String)
-          path.emplace_back(x.text);
-        else if (x.kind == Kind::Int)
-          path.emplace_back(x.i);
-        else {
-          path.clear();
-          break;
-        }
+// planner_data: each key's path in the nested state dict, when it is the
+// default planner's (a dict of tuples of strings and ints); anything else
+// is another planner's business and left out.
+void read_planner_data(Schema& s, const Node& pd, Metadata& m) {
+  for (size_t k = 0; k + 1 < pd.items.size(); k += 2) {
+    const Node& key = s.get(pd.items[k]);
+    const Node& val = s.get(pd.items[k + 1]);
+    if (key.kind != Kind::String || val.kind != Kind::Tuple) continue;
+    auto it = m.index.find(key.text);
+    if (it == m.index.end()) continue;
+    std::vector<std::variant<std::string, int64_t>> path;
+    for (uint32_t p : val.items) {
+      const Node& x = s.get(p);
+      if (x.kind == Kind::String)
+        path.emplace_back(x.text);
+      else if (x.kind == Kind::Int)
+        path.emplace_back(x.i);
+      else {
+        path.clear();
+        break;
       }
-      m.entries[it->second].path = std::move(path);
     }
+    m.entries[it->second].path = std::move(path);
   }
+}
+
+Metadata parse(const std::string& bytes, const std::string& file) {
+  const pickle::Tree tree = pickle::parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), policy(),
+                                          "DCP metadata '" + file + "'");
+  const std::string where = "DCP metadata '" + file + "'";
+  Schema s(tree, where);
+  Metadata m;
+  auto top = s.fields(tree.root(), kMeta, "Metadata",
+                      {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"}, "the file");
+  if (!top.count("state_dict_metadata") || !top.count("storage_data") || s.none(top["storage_data"]))
+    throw SafetensorsError(where + ": Metadata without state_dict_metadata or storage_data");
+  if (top.count("version") && !s.none(top["version"])) {
+    m.version = s.str(top["version"], "version");
+    if (*m.version != kVersion)
+      throw SafetensorsError(where + ": DCP version '" + *m.version + "', which shardtorch does not read (it reads " +
+                             kVersion + " and unversioned files of earlier torch releases)");
+  }
+  if (top.count("storage_meta") && !s.none(top["storage_meta"])) {  // informative only: its fields are not read
+    const Node& sm = s.get(top["storage_meta"]);
+    if (sm.kind != Kind::Object || !s.is_global(s.get(sm.items[0]), kMeta, "StorageMeta"))
+      s.bad(sm, "storage_meta is " + s.describe(sm) + ", not a StorageMeta");
+  }
+
+  read_entries(s, top["state_dict_metadata"], m, where);
+  read_storage(s, top["storage_data"], m, where);
+  if (top.count("planner_data") && s.get(top["planner_data"]).kind == Kind::Dict)
+    read_planner_data(s, s.get(top["planner_data"]), m);
   return m;
 }
 
