@@ -457,98 +457,129 @@ Metadata parse(const std::string& bytes, const std::string& file) {
   return m;
 }
 
-std::string serialize(const Metadata& m) {
-  pickle::Writer w;
-  auto size = [&](const std::vector<int64_t>& v) {
-    w.global("torch", "Size").mark().mark();
-    for (int64_t d : v) w.integer(d);
-    w.tuple().tuple().reduce();
-  };
-  auto object = [&](const char* module, const char* cls) { w.global(module, cls).empty_tuple().newobj(); };
-  object(kMeta, "Metadata");
-  w.empty_dict().mark();
-  w.string("state_dict_metadata").empty_dict();
-  if (!m.entries.empty()) w.mark();
-  for (const auto& e : m.entries) {
-    w.string(e.name);
-    if (!e.tensor) {
-      object(kMeta, "BytesStorageMetadata");
-      continue;
-    }
+namespace {
+
+// Writes a Metadata as torch's pickler does, field by field.
+class MetadataPickler {
+ public:
+  explicit MetadataPickler(const Metadata& m) : m_(m) {}
+
+  std::string run() {
+    object(kMeta, "Metadata");
+    w_.empty_dict().mark();
+    state_dict_metadata();
+    planner_data();
+    storage_data();
+    w_.string("storage_meta").none().string("version").string(kVersion).setitems().build();
+    return w_.finish();
+  }
+
+ private:
+  void size(const std::vector<int64_t>& v) {
+    w_.global("torch", "Size").mark().mark();
+    for (int64_t d : v) w_.integer(d);
+    w_.tuple().tuple().reduce();
+  }
+  void object(const char* module, const char* cls) { w_.global(module, cls).empty_tuple().newobj(); }
+
+  void tensor_entry(const Entry& e) {
     object(kMeta, "TensorStorageMetadata");
-    w.empty_dict().mark().string("properties");
+    w_.empty_dict().mark().string("properties");
     object(kMeta, "TensorProperties");
-    w.mark().global("torch", e.dtype);
-    w.global("torch.serialization", "_get_layout").mark().string("torch.strided").tuple().reduce();
-    w.boolean(false).global(kMeta, "_MEM_FORMAT_ENCODING").mark().integer(0).tuple().reduce().boolean(false);
-    w.tuple().build();
-    w.string("size");
+    w_.mark().global("torch", e.dtype);
+    w_.global("torch.serialization", "_get_layout").mark().string("torch.strided").tuple().reduce();
+    w_.boolean(false).global(kMeta, "_MEM_FORMAT_ENCODING").mark().integer(0).tuple().reduce().boolean(false);
+    w_.tuple().build();
+    w_.string("size");
     size(e.size);
-    w.string("chunks").empty_list();
-    if (!e.chunks.empty()) w.mark();
+    w_.string("chunks").empty_list();
+    if (!e.chunks.empty()) w_.mark();
     for (const auto& c : e.chunks) {
       object(kMeta, "ChunkStorageMetadata");
-      w.empty_dict().mark().string("offsets");
+      w_.empty_dict().mark().string("offsets");
       size(c.offsets);
-      w.string("sizes");
+      w_.string("sizes");
       size(c.sizes);
-      w.setitems().build();
+      w_.setitems().build();
     }
-    if (!e.chunks.empty()) w.appends();
-    w.setitems().build();
+    if (!e.chunks.empty()) w_.appends();
+    w_.setitems().build();
   }
-  if (!m.entries.empty()) w.setitems();
 
-  w.string("planner_data").empty_dict();
-  bool any_path = false;
-  for (const auto& e : m.entries) {
-    if (e.path.empty()) continue;
-    if (!any_path) w.mark();
-    any_path = true;
-    w.string(e.name).mark();
-    for (const auto& p : e.path) {
-      if (std::holds_alternative<std::string>(p))
-        w.string(std::get<std::string>(p));
+  void state_dict_metadata() {
+    w_.string("state_dict_metadata").empty_dict();
+    if (!m_.entries.empty()) w_.mark();
+    for (const auto& e : m_.entries) {
+      w_.string(e.name);
+      if (e.tensor)
+        tensor_entry(e);
       else
-        w.integer(std::get<int64_t>(p));
+        object(kMeta, "BytesStorageMetadata");
     }
-    w.tuple();
+    if (!m_.entries.empty()) w_.setitems();
   }
-  if (any_path) w.setitems();
 
-  w.string("storage_data").empty_dict();
-  bool any_item = false;
-  auto storage = [&](const Storage& st) {
-    object(kFs, "_StorageInfo");
-    w.empty_dict().mark().string("relative_path").string(st.relative_path);
-    w.string("offset").integer(static_cast<int64_t>(st.offset));
-    w.string("length").integer(static_cast<int64_t>(st.length)).setitems().build();
-  };
-  for (const auto& e : m.entries) {
-    if (!e.tensor) {
-      if (!any_item) w.mark();
-      any_item = true;
-      object(kMeta, "MetadataIndex");
-      w.empty_dict().mark().string("fqn").string(e.name).string("index").none().setitems().build();
-      storage(e.bytes);
-      continue;
+  void planner_data() {
+    w_.string("planner_data").empty_dict();
+    bool any_path = false;
+    for (const auto& e : m_.entries) {
+      if (e.path.empty()) continue;
+      if (!any_path) w_.mark();
+      any_path = true;
+      w_.string(e.name).mark();
+      for (const auto& p : e.path) {
+        if (std::holds_alternative<std::string>(p))
+          w_.string(std::get<std::string>(p));
+        else
+          w_.integer(std::get<int64_t>(p));
+      }
+      w_.tuple();
     }
-    std::set<std::vector<int64_t>> written;  // empty chunks may share offsets (and need no item)
-    for (size_t i = 0; i < e.chunks.size(); ++i) {
-      if (e.chunks[i].storage.relative_path.empty() || !written.insert(e.chunks[i].offsets).second) continue;
-      if (!any_item) w.mark();
-      any_item = true;
-      object(kMeta, "MetadataIndex");
-      w.empty_dict().mark().string("fqn").string(e.name).string("index").integer(static_cast<int64_t>(i));
-      w.string("offset");
-      size(e.chunks[i].offsets);
-      w.setitems().build();
-      storage(e.chunks[i].storage);
-    }
+    if (any_path) w_.setitems();
   }
-  if (any_item) w.setitems();
-  w.string("storage_meta").none().string("version").string(kVersion).setitems().build();
-  return w.finish();
-}
+
+  void storage(const Storage& st) {
+    object(kFs, "_StorageInfo");
+    w_.empty_dict().mark().string("relative_path").string(st.relative_path);
+    w_.string("offset").integer(static_cast<int64_t>(st.offset));
+    w_.string("length").integer(static_cast<int64_t>(st.length)).setitems().build();
+  }
+
+  void storage_data() {
+    w_.string("storage_data").empty_dict();
+    bool any_item = false;
+    auto begin_item = [&] {
+      if (!any_item) w_.mark();
+      any_item = true;
+      object(kMeta, "MetadataIndex");
+    };
+    for (const auto& e : m_.entries) {
+      if (!e.tensor) {
+        begin_item();
+        w_.empty_dict().mark().string("fqn").string(e.name).string("index").none().setitems().build();
+        storage(e.bytes);
+        continue;
+      }
+      std::set<std::vector<int64_t>> written;  // empty chunks may share offsets (and need no item)
+      for (size_t i = 0; i < e.chunks.size(); ++i) {
+        if (e.chunks[i].storage.relative_path.empty() || !written.insert(e.chunks[i].offsets).second) continue;
+        begin_item();
+        w_.empty_dict().mark().string("fqn").string(e.name).string("index").integer(static_cast<int64_t>(i));
+        w_.string("offset");
+        size(e.chunks[i].offsets);
+        w_.setitems().build();
+        storage(e.chunks[i].storage);
+      }
+    }
+    if (any_item) w_.setitems();
+  }
+
+  const Metadata& m_;
+  pickle::Writer w_;
+};
+
+}  // namespace
+
+std::string serialize(const Metadata& m) { return MetadataPickler(m).run(); }
 
 }  // namespace shardtorch::checkpoint::dcp
