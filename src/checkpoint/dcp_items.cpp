@@ -238,10 +238,13 @@ bool TensorItem::contiguous() const {
   return true;
 }
 
-TensorItem open_tensor_item(const DataFile& f, const Entry& entry, const Chunk& chunk) {
-  const std::string where = item_where(f, chunk.storage, entry.name);
-  OpenItem item = open_item(f, chunk.storage, where, tensor_policy());
-  const pickle::Tree& t = item.tree;
+namespace {
+
+// What an item's data.pkl says (torch.save of one tensor): dtype, storage
+// offset, size and stride; the storage's record name and its bytes. Only the
+// rebuild calls torch.save writes are accepted.
+TensorItem read_tensor_pickle(const pickle::Tree& t, const std::string& where, std::string& record,
+                              int64_t& storage_bytes) {
   auto bad = [&](const Node& n, const std::string& what) -> SafetensorsError {
     return SafetensorsError(where + ", data.pkl: byte " + std::to_string(n.at) + ": " + what);
   };
@@ -273,8 +276,6 @@ TensorItem open_tensor_item(const DataFile& f, const Entry& entry, const Chunk& 
       key.kind != Kind::String || numel.kind != Kind::Int || numel.i < 0)
     throw bad(pid, "the tensor's storage is not a persistent id ('storage', type, key, location, numel)");
   TensorItem out;
-  out.file = &f;
-  int64_t storage_bytes = 0;
   if (v3) {
     const Node& dt = t.at(args.items[6]);
     if (type.name != "UntypedStorage" || dt.kind != Kind::Global || !by_name().count(dt.name))
@@ -294,7 +295,14 @@ TensorItem open_tensor_item(const DataFile& f, const Entry& entry, const Chunk& 
   out.size = ints(args.items[2], "the size");
   out.stride = ints(args.items[3], "the stride");
   if (out.stride.size() != out.size.size()) throw bad(args, "size and stride differ in length");
+  record = "data/" + key.text;
+  return out;
+}
 
+// The tensor agrees with the metadata's entry and chunk, and its view stays
+// inside its storage of `storage_bytes`.
+void check_tensor_item(const TensorItem& out, const Entry& entry, const Chunk& chunk, int64_t storage_bytes,
+                       const std::string& where) {
   const at::ScalarType want = scalar_type_of(entry.dtype);
   if (out.dtype != want)
     throw SafetensorsError(where + " holds a " + c10::toString(out.dtype) + " tensor, but the metadata says " +
@@ -316,7 +324,12 @@ TensorItem open_tensor_item(const DataFile& f, const Entry& entry, const Chunk& 
     throw SafetensorsError(where + ": its view (offset " + std::to_string(out.storage_offset) + ", stride " +
                            dims(out.stride) + ") reaches past its storage of " + std::to_string(storage_bytes) +
                            " bytes");
-  const std::string record = "data/" + key.text;
+}
+
+// Where the storage record's bytes lie in the data file: inside the item,
+// stored uncompressed, little-endian.
+void locate_record(const DataFile& f, OpenItem& item, const Chunk& chunk, const std::string& record,
+                   int64_t storage_bytes, const std::string& where, TensorItem& out) {
   try {
     if (!item.zip->hasRecord(record)) throw SafetensorsError(where + ": the zip has no record '" + record + "'");
     const uint64_t rsize = item.zip->getRecordSize(record);
@@ -347,6 +360,19 @@ TensorItem open_tensor_item(const DataFile& f, const Entry& entry, const Chunk& 
   } catch (const std::exception& e) {
     throw SafetensorsError(where + ": not a readable torch.save zip: " + detail::message_of(e));
   }
+}
+
+}  // namespace
+
+TensorItem open_tensor_item(const DataFile& f, const Entry& entry, const Chunk& chunk) {
+  const std::string where = item_where(f, chunk.storage, entry.name);
+  OpenItem item = open_item(f, chunk.storage, where, tensor_policy());
+  std::string record;
+  int64_t storage_bytes = 0;
+  TensorItem out = read_tensor_pickle(item.tree, where, record, storage_bytes);
+  out.file = &f;
+  check_tensor_item(out, entry, chunk, storage_bytes, where);
+  locate_record(f, item, chunk, record, storage_bytes, where, out);
   return out;
 }
 
