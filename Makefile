@@ -8,7 +8,7 @@ JOBS ?= 2
 PY := $(VENV)/bin/python3
 Torch_DIR ?=
 
-.PHONY: all setup configure build test demo pipeline-demo tp-demo ft-demo ft-bench bench dcp-bench sweep peers install clean
+.PHONY: all setup configure build test demo pipeline-demo pipeline-bubble tp-demo ft-demo ft-bench bench dcp-bench sweep peers install clean
 
 all: build
 
@@ -65,6 +65,12 @@ bench: build
 	  --benchmark_out=$(BUILD)/bench-results/comm.json --benchmark_out_format=json
 	$(BUILD)/bench/bench_checksum --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
 	  --benchmark_out=$(BUILD)/bench-results/checksum.json --benchmark_out_format=json
+
+# Each pipeline schedule's measured idle share (bubble) against its theory, with a stand-in
+# compute per layer so that the stages' times do not depend on the cores (docs/parallelism.md).
+pipeline-bubble: configure
+	cmake --build $(BUILD) -j$(JOBS) --target gpt_bench
+	$(PY) bench/pipeline/run_bubble.py --build $(BUILD) --venv $(VENV)
 
 # A PyTorch distributed checkpoint of 1.07 B parameters written by FSDP2 at 2 ranks, loaded at 4 by
 # shardtorch and by torch's dcp.load: time and memory per rank (docs/checkpoints.md). Needs ~10 GiB of

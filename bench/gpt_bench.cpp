@@ -24,6 +24,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include <boost/json.hpp>
 #include <boost/program_options.hpp>
@@ -32,6 +33,7 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/optim/adamw.h>
 #if defined(SHARDTORCH_BENCH_CUDA)
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -58,6 +60,7 @@ struct Args {
   std::string init, save_init, report, profile;
   // Pipeline parallelism (--pp P > 0): P pipeline ranks x world/P data-parallel ones.
   int pp = 0, microbatches = 4, chunks = 1;
+  double stand_in_ms = 0;  // with --pp: a stand-in compute per layer (see StandIn)
   std::string schedule = "1f1b", split_at;
 };
 
@@ -110,6 +113,25 @@ int64_t count_params(torch::nn::Module& m) {
   return n;
 }
 
+// --stand-in-ms: a layer's compute made long and exact, whatever the cores:
+// its output passes through unchanged after a sleep of `ms`, and its
+// gradient after a sleep of twice that (a backward costs about two forwards).
+// Sleeping ranks leave the cores to the others, so four pipeline ranks on a
+// 2-core machine each see their stand-in time, and the measured idle share
+// can be set against the schedule's theory.
+struct StandIn : torch::autograd::Function<StandIn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, double ms) {
+    ctx->saved_data["ms"] = ms;
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(2 * ctx->saved_data["ms"].toDouble()));
+    return {g[0], at::Tensor()};
+  }
+};
+
 // --pp: the GPT as a shardtorch::Pipeline over a {pp, dp} mesh, built
 // deferred from the same seed (so its weights are --save-init's, bitwise),
 // stages sharded over dp with --strategy. Pipeline d reads
@@ -146,7 +168,11 @@ int run_pipeline(const Args& a) {
     for (std::string n; std::getline(ss, n, ',');) names.push_back(n);
     options.split_at(names);
   }
-  shardtorch::Pipeline pipe(gpt::pipeline_layers(model), mesh, options);
+  auto layers = gpt::pipeline_layers(model);
+  if (a.stand_in_ms > 0)
+    for (auto& l : layers)
+      l.forward = [f = l.forward, ms = a.stand_in_ms](const at::Tensor& x) { return StandIn::apply(f(x), ms); };
+  shardtorch::Pipeline pipe(std::move(layers), mesh, options);
   auto adamw = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01);
   auto opt = a.fused_adam ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(pipe.module(), adamw)
                           : shardtorch::AdamW(pipe.module(), adamw);
@@ -218,6 +244,7 @@ int run_pipeline(const Args& a) {
       {"pipeline_rank", mesh->coordinate("pp")},
       {"schedule", a.schedule},
       {"microbatches", a.microbatches},
+      {"stand_in_ms", a.stand_in_ms},
       {"chunks", a.chunks},
       {"stages", stages},
       {"config",
@@ -262,10 +289,11 @@ int run_pipeline(const Args& a) {
   if (lead && !a.quiet)
     std::printf(
         "gpt_bench: pipeline %s, %s, %d ranks (pp %d x dp %d), %lld params: p50 %.1f ms (pipeline %.1f, "
-        "idle %.0f%%, optimizer %.1f), %.0f tokens/s\n",
+        "idle %.0f%%, theory %.0f%%, optimizer %.1f), %.0f tokens/s\n",
         a.schedule.c_str(), shardtorch::strategy_name(shard.strategy()), world->size(), a.pp, dp,
         static_cast<long long>(params), percentile(step_ms, 0.5), percentile(pipe_ms, 0.5),
-        100 * percentile(idle_share, 0.5), percentile(opt_ms, 0.5), r["tokens_per_s"].as_double());
+        100 * percentile(idle_share, 0.5), 100 * shardtorch::pipeline::theoretical_bubble(pipe.plan()),
+        percentile(opt_ms, 0.5), r["tokens_per_s"].as_double());
   return 0;
 }
 
@@ -547,6 +575,8 @@ int main(int argc, char** argv) {
       "pipeline ranks (0: no pipeline); the world is pp x dp, stages sharded over dp with --strategy")(
       "schedule", po::value(&a.schedule)->default_value(a.schedule), "with --pp: gpipe|1f1b|interleaved_1f1b")(
       "microbatches", po::value(&a.microbatches)->default_value(a.microbatches), "with --pp: micro-batches per step")(
+      "stand-in-ms", po::value(&a.stand_in_ms)->default_value(a.stand_in_ms),
+      "with --pp: each layer sleeps this long in forward (twice in backward) besides its compute")(
       "chunks", po::value(&a.chunks)->default_value(a.chunks), "with --pp: chunks per pipeline rank")(
       "split-at", po::value(&a.split_at), "with --pp: layers that begin stages 1.. (comma-separated)")(
       "report", po::value(&a.report), "write PREFIX.rankR.json per rank")("quiet", po::bool_switch(&a.quiet),
