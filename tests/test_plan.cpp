@@ -6,6 +6,7 @@
 
 #include "shardtorch/error.h"
 #include "models.h"
+#include "shardtorch/pipeline.h"
 #include "shardtorch/plan.h"
 
 using namespace testmodels;
@@ -331,5 +332,57 @@ TEST(Plan, TheFitSearchFindsTheLargestThatFits) {
     ASSERT_GT(n, 0) << shardtorch::strategy_name(s);
     EXPECT_LE(peak(n), budget) << shardtorch::strategy_name(s);
     EXPECT_GT(peak(n + 1), budget) << shardtorch::strategy_name(s);
+  }
+}
+
+// A pipeline rank plans its own stages (pipeline_unit_specs) with
+// PlanOptions::pipelined: its model state exactly, its transient peaks
+// bounded, and its device peak (model state plus the transients' peaks)
+// within 5 % of the measured one. pp 2 x dp 2, 1F1B over 4 micro-batches;
+// the plan is for rank 0 of each dp group, which owns the most.
+TEST(Plan, APipelineRankPlansItsStagesPeakWithinFivePercent) {
+  gpt::Config cfg{67, 16, 24, 4, 4};
+  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard}) {
+    const std::string what = std::string("pipeline stage, ") + shardtorch::strategy_name(s);
+    auto shard = ShardOptions().strategy(s).bucket_mb(0.01);
+    auto options = shardtorch::PipelineOptions().microbatches(4).shard(shard);
+    auto r = run_ranks(4, [&](World& w) {
+      auto mesh = shardtorch::DeviceMesh::create(w.shared_from_this(), {{"pp", 2}, {"dp", 2}});
+      torch::manual_seed(0);
+      gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(cfg); });
+      auto layers = gpt::pipeline_layers(model);
+      shardtorch::PlanOptions po{shard, 2, 2};
+      po.pipelined = true;
+      po.reduces_in_place = true;  // Gloo
+      const auto plan =
+          shardtorch::plan_memory(shardtorch::pipeline_unit_specs(layers, options, 2, mesh->coordinate("pp")), po);
+      shardtorch::Pipeline pipe(std::move(layers), mesh, options);
+      auto opt = shardtorch::AdamW(pipe.module(), torch::optim::AdamWOptions(1e-3));
+      torch::manual_seed(1);
+      const auto tokens = torch::randint(cfg.vocab, {8, cfg.seq_len}, torch::kLong);
+      pipe.sharded().reset_peak_memory();
+      opt->zero_grad();
+      auto loss = [](const at::Tensor& logits, const at::Tensor& t) { return gpt::lm_loss(logits, t); };
+      pipe.step(pipe.is_first_stage() ? tokens : at::Tensor(), pipe.is_last_stage() ? tokens : at::Tensor(), loss);
+      opt->step();
+      if (mesh->coordinate("dp") != 0) return;
+      const std::string where = what + ", stage rank " + std::to_string(mesh->coordinate("pp"));
+      const auto m = pipe.sharded().memory();
+      require_plan_holds(m, plan, where);
+      int64_t measured = m.max(Mem::MasterGrads);
+      for (Mem c : kModelState)
+        if (c != Mem::HostParams && c != Mem::HostGradients && c != Mem::HostOptimizerState) measured += m.cur(c);
+      for (Mem c : kTransient) measured += m.max(c);
+      const double ratio = static_cast<double>(measured) / static_cast<double>(plan.device_peak());
+      std::string transients;
+      for (Mem c : kTransient)
+        transients += std::string(" ") + shardtorch::mem_name(c) + " " + std::to_string(m.max(c)) + "/" +
+                      std::to_string(plan.of(c));
+      require(ratio >= 0.95 && ratio <= 1.05, where + ": measured device peak " + std::to_string(measured) +
+                                                  " against the plan's " + std::to_string(plan.device_peak()) +
+                                                  " (ratio " + std::to_string(ratio) +
+                                                  "; peaks measured/planned:" + transients + ")");
+    });
+    ASSERT_TRUE(r.ok) << what << "\n" << r.summary();
   }
 }

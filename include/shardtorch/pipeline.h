@@ -34,6 +34,7 @@
 
 #include "shardtorch/export.h"
 #include "shardtorch/mesh.h"
+#include "shardtorch/plan.h"
 #include "shardtorch/schedule.h"
 #include "shardtorch/shard_options.h"
 #include "shardtorch/sharded_model.h"
@@ -159,5 +160,13 @@ class SHARDTORCH_API Pipeline {
   friend struct detail::PipelineAccess;
   std::unique_ptr<detail::PipelineRuntime> rt_;
 };
+
+/// The units shard() builds for the stages that pipeline rank `pp_rank` of
+/// `pp_size` holds, computed from the layers alone (deferred layers too):
+/// plan_memory's input for that rank, with PlanOptions::pipelined set and
+/// the data-parallel size as world_size. No communication, nothing
+/// allocated; an error if the layers cannot be split as `options` asks.
+SHARDTORCH_API std::vector<UnitSpec> pipeline_unit_specs(const std::vector<PipelineLayer>& layers,
+                                                         const PipelineOptions& options, int pp_size, int pp_rank);
 
 }  // namespace shardtorch

@@ -68,6 +68,15 @@ struct SHARDTORCH_API PlanOptions {
   /// first micro-batch to the synchronising one; NoShard accumulates in its
   /// buckets and needs nothing more.
   bool accumulates = false;
+  /// A pipeline stage (shardtorch::Pipeline; its units from
+  /// pipeline_unit_specs): under FullShard and HybridShard every unit is
+  /// gathered once for the whole step, and every unit keeps its staging
+  /// gradient from its first micro-batch's backward to the step's reduction.
+  bool pipelined = false;
+  /// The backend reduces in place (Gloo, on CPU ranks): a reduce-scatter's
+  /// output is a view of its input, so buckets cost their inputs alone.
+  /// Off, the plan counts outputs too (NCCL), 1/N more than Gloo needs.
+  bool reduces_in_place = false;
 };
 
 struct SHARDTORCH_API MemoryPlan {

@@ -279,6 +279,25 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
   world.note_progress("pipeline built");
 }
 
+std::vector<UnitSpec> pipeline_unit_specs(const std::vector<PipelineLayer>& layers, const PipelineOptions& options,
+                                          int pp_size, int pp_rank) {
+  SHARDTORCH_CHECK(pp_size >= 1 && pp_rank >= 0 && pp_rank < pp_size, "shardtorch::pipeline_unit_specs: rank ", pp_rank,
+                   " of ", pp_size, " pipeline ranks");
+  const detail::Design design = detail::design(layers, options, pp_size, 1);
+  SHARDTORCH_CHECK(design.bad.empty(), "shardtorch::pipeline_unit_specs: ", design.bad);
+  const pipeline::Plan plan =
+      pipeline::make_plan(options.schedule(), pp_size, options.chunks_per_rank(), options.microbatches());
+  const int stages = pp_size * options.chunks_per_rank(), n = static_cast<int>(layers.size());
+  auto stage = detail::PipelineStage();
+  for (int s = 0; s < stages; ++s) {
+    if (plan.rank_of(s) != pp_rank) continue;
+    const int end = s + 1 < stages ? design.starts[s + 1] : n;
+    for (int l = design.starts[s]; l < end; ++l)
+      for (const auto& [path, m] : layers[l].modules) stage->place(path, m);
+  }
+  return unit_specs(*stage);
+}
+
 Pipeline::~Pipeline() = default;
 Pipeline::Pipeline(Pipeline&&) noexcept = default;
 Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;

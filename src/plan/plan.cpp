@@ -132,11 +132,12 @@ void plan_replicated(const std::vector<UnitSpec>& units, const PlanOptions& plan
 // each unit holds for good.
 struct Transients {
   int64_t root_gathered = 0, other_gathered = 0, kept_gathered = 0, root_staging = 0, other_staging = 0;
-  int64_t all_staging = 0;
+  int64_t all_staging = 0, all_gathered = 0;
   // Reduce dtype -> (shard elements that go through buckets, the largest
   // shard too big for a bucket, reduced alone).
   std::map<at::ScalarType, std::pair<int64_t, int64_t>> reduced;
-  std::vector<int64_t> all_reduced;  // OptimizerOnly: the staging gradients, each all-reduced alone
+  std::map<at::ScalarType, int64_t> all_cols;  // every shard element reduced, bucketed or not
+  std::vector<int64_t> all_reduced;            // OptimizerOnly: the staging gradients, each all-reduced alone
 };
 
 // Adds what every unit holds between steps (shards, gradients, optimizer
@@ -175,6 +176,7 @@ Transients tally_units(const std::vector<UnitSpec>& units, const PlanOptions& pl
       if (strategy == Strategy::OptimizerOnly) {
         t.all_reduced.push_back(padded * esize(rd));
       } else {
+        t.all_cols[rd] += S;
         auto& [bucketed, biggest] = t.reduced[rd];
         if (S * esize(rd) * shard_size <= bucket_bytes) {
           bucketed += S;
@@ -184,6 +186,7 @@ Transients tally_units(const std::vector<UnitSpec>& units, const PlanOptions& pl
       }
     }
     t.all_staging += staging;
+    t.all_gathered += gathered;
     if (u.name.empty()) {
       t.root_gathered = gathered, t.root_staging = staging;
     } else if (!o.reshard_after_forward_of(u.name)) {
@@ -205,19 +208,27 @@ void add_peaks(Transients& t, const PlanOptions& plan, int shard_size, MemoryPla
   // most are alive at once, except under accumulation without
   // synchronisation, where every unit keeps one (docs/memory.md).
   // With prefetch, the next unit is gathered while one computes.
-  add(out, Mem::GatheredParams, t.root_gathered + t.kept_gathered + t.other_gathered * (o.prefetches() ? 2 : 1));
-  add(out, Mem::GradStaging, plan.accumulates ? t.all_staging : t.root_staging + t.other_staging);
+  // A pipeline stage gathers every unit for the step and reduces once, after
+  // its last backward: every unit's staging gradient is alive then.
+  add(out, Mem::GatheredParams,
+      plan.pipelined ? t.all_gathered
+                     : t.root_gathered + t.kept_gathered + t.other_gathered * (o.prefetches() ? 2 : 1));
+  add(out, Mem::GradStaging, plan.accumulates || plan.pipelined ? t.all_staging : t.root_staging + t.other_staging);
   // Per reduce dtype, [N, cols] inputs and [cols] outputs (none on Gloo,
   // which reduces in place: there the estimate is 1/N high): the bucket filling
   // (grown by doubling: up to twice what it holds, never beyond its cap) and
   // at most kMaxReduceScattersInFlight launched ones (a bucket, at most its
   // cap or all bucketed columns, or a shard too big for a bucket).
+  // A pipeline stage reduces every unit after its last backward: every
+  // column at once.
+  const int64_t rows = shard_size + (plan.reduces_in_place ? 0 : 1);
   for (const auto& [dtype, sizes] : t.reduced) {
     const auto [bucketed, biggest] = sizes;
     const int64_t cap = bucket_bytes / (esize(dtype) * shard_size);
-    const int64_t cols =
+    int64_t cols =
         std::min(cap, 2 * bucketed) + kMaxReduceScattersInFlight * std::max(std::min(cap, bucketed), biggest);
-    add(out, Mem::Buckets, (shard_size + 1) * cols * esize(dtype));
+    if (plan.pipelined) cols = t.all_cols[dtype];
+    add(out, Mem::Buckets, rows * cols * esize(dtype));
   }
   // OptimizerOnly all-reduces each staging gradient alone, in place, at most
   // kMaxReduceScattersInFlight at once (never past it); in flight they count
