@@ -4,6 +4,7 @@
 //
 //   shardtorch-plan --layers 24 --d-model 1024 --heads 16 --vocab 50257 --seq 1024 --world 8
 //   shardtorch-plan --d-model 4096 --vocab 50257 --seq 2048 --world 64 --bf16 --fit 80GiB
+//   shardtorch-plan --layers 24 --d-model 1024 --pp 4 --world 8       # each pipeline rank's stages, dp 8
 //
 // Without --strategy every strategy is shown side by side. docs/benchmarks.md
 // compares the plans with measurements (shardtorch-sweep does it per run).
@@ -17,6 +18,8 @@
 
 #include "../examples/cli.h"
 #include "../examples/gpt.h"
+#include "shardtorch/deferred.h"
+#include "shardtorch/pipeline.h"
 #include "shardtorch/plan.h"
 
 namespace po = boost::program_options;
@@ -50,6 +53,8 @@ int64_t parse_bytes(const std::string& option, const std::string& s) {
 struct Args {
   gpt::Config cfg;
   int world = 8, hybrid = 0, states = 2;
+  int pp = 0, chunks = 1;  // --pp: the world is the data-parallel size of each stage
+  bool gloo = false;
   std::string strategy, fit, reserve = "0", optimizer = "adamw";
   bool bf16 = false, offload = false, accumulate = false, by_category = false, startup = false;
   double bucket_mb = 25;
@@ -67,7 +72,10 @@ shardtorch::PlanOptions options_for(const Args& a, Strategy s) {
   auto o = shardtorch::ShardOptions().strategy(s).cpu_offload(a.offload).bucket_mb(a.bucket_mb);
   if (s == Strategy::HybridShard) o.hybrid_shard_size(a.hybrid > 0 ? a.hybrid : default_hybrid(a.world));
   if (a.bf16) o.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16));
-  return {o, a.world, a.states, a.accumulate};
+  shardtorch::PlanOptions p{o, a.world, a.states, a.accumulate};
+  p.pipelined = a.pp > 0;
+  p.reduces_in_place = a.gloo;
+  return p;
 }
 
 std::string gib(int64_t b) {
@@ -98,6 +106,11 @@ po::options_description options_for_args(Args& a) {
       "with --fit: memory kept back per rank for what the planner does not predict (activations, workspace), e.g. "
       "6GiB")("by-category", po::bool_switch(&a.by_category),
               "also print every memory category of each strategy's plan")(
+      "pp", po::value(&a.pp)->default_value(a.pp),
+      "pipeline ranks: plan each one's stages (the GPT's layers split by parameter count), --world being the "
+      "data-parallel size of each")("chunks", po::value(&a.chunks)->default_value(a.chunks),
+                                    "with --pp: stages per pipeline rank (interleaved schedules)")(
+      "gloo", po::bool_switch(&a.gloo), "CPU ranks: Gloo reduces in place, so buckets need no outputs")(
       "startup", po::bool_switch(&a.startup),
       "also print each strategy's peak during construct + shard() + load, deferred and eager (MemoryPlan::startup_*)");
   return desc;
@@ -120,6 +133,11 @@ void validate(Args& a) {
     a.states = 0;
   else
     throw std::invalid_argument("unknown --optimizer " + a.optimizer);
+  if (a.pp < 0 || a.chunks < 1 || (a.pp > 0 && a.cfg.n_layer + 2 < a.pp * a.chunks))
+    throw std::invalid_argument("--pp " + std::to_string(a.pp) + " x --chunks " + std::to_string(a.chunks) +
+                                " stages need at least that many of the GPT's " + std::to_string(a.cfg.n_layer + 2) +
+                                " pipeline layers (embedding, blocks, head)");
+  if (a.pp > 0 && !a.fit.empty()) throw std::invalid_argument("--fit plans without --pp");
 }
 
 // The strategies to plan: the one asked for, or all that apply.
@@ -139,8 +157,38 @@ std::vector<Strategy> strategies_for(const Args& a) {
   return strategies;
 }
 
-// The table: one line per strategy, and with --by-category every category.
+// --pp: the units of the stages pipeline rank `r` holds, from a deferred
+// GPT (nothing allocated).
+std::vector<shardtorch::UnitSpec> stage_units(const Args& a, int r) {
+  gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(a.cfg); });
+  auto options = shardtorch::PipelineOptions().chunks_per_rank(a.chunks).microbatches(a.pp * a.chunks);
+  if (a.chunks > 1) options.schedule(shardtorch::Schedule::Interleaved1F1B);
+  return shardtorch::pipeline_unit_specs(gpt::pipeline_layers(model), options, a.pp, r);
+}
+
+// The table: one line per strategy (per pipeline rank with --pp), and with
+// --by-category every category.
 void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
+  if (a.pp > 0) {
+    std::printf(
+        "GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d pipeline ranks x %d data-parallel%s; one "
+        "line per strategy and pipeline rank (GiB, rank 0 of its dp group); activations are not included\n",
+        static_cast<long long>(a.cfg.n_layer), static_cast<long long>(a.cfg.d_model),
+        static_cast<long long>(a.cfg.vocab), static_cast<long long>(a.cfg.seq_len), a.pp, a.world,
+        a.bf16 ? ", bf16" : ", fp32");
+    std::printf("%-15s %4s %14s %10s %10s %10s %10s\n", "strategy", "pp", "params", "state_B", "transient", "device",
+                "host");
+    for (int r = 0; r < a.pp; ++r) {
+      const auto units = stage_units(a, r);
+      for (Strategy s : strategies) {
+        auto p = shardtorch::plan_memory(units, options_for(a, s));
+        std::printf("%-15s %4d %14lld %10s %10s %10s %10s\n", shardtorch::strategy_name(s), r,
+                    static_cast<long long>(p.params), gib(p.model_state()).c_str(), gib(p.transient()).c_str(),
+                    gib(p.device_peak()).c_str(), gib(p.host()).c_str());
+      }
+    }
+    return;
+  }
   auto units = gpt::unit_specs(a.cfg);
   std::printf("GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s%s; optimizer %s\n",
               static_cast<long long>(a.cfg.n_layer), static_cast<long long>(a.cfg.d_model),
