@@ -312,6 +312,92 @@ const TensorRecord* SafetensorsHeader::find(const std::string& name) const {
   return nullptr;
 }
 
+namespace {
+
+// The header's __metadata__: string keys to string values, UTF-8.
+void read_metadata(const Json& v, const std::string& file, std::map<std::string, std::string>& out) {
+  if (v.kind != Json::Object) fail(file, "__metadata__ is not an object");
+  for (size_t j = 0; j < v.keys.size(); ++j) {
+    require_utf8(v.keys[j], file, "__metadata__ key '" + escaped(v.keys[j]) + "'");
+    if (v.items[j].kind != Json::String) fail(file, "__metadata__ value of '" + v.keys[j] + "' is not a string");
+    require_utf8(v.items[j].text, file, "__metadata__ value '" + escaped(v.items[j].text) + "' of '" + v.keys[j] + "'");
+    out[v.keys[j]] = v.items[j].text;
+  }
+}
+
+// One tensor's entry: exactly dtype, shape and data_offsets, whose span is
+// what the shape and the dtype need.
+TensorRecord read_tensor(const std::string& name, const Json& v, const std::string& file) {
+  require_utf8(name, file, "tensor name '" + escaped(name) + "'");
+  if (v.kind != Json::Object) fail(file, "entry '" + name + "' is not an object");
+  TensorRecord t;
+  t.name = name;
+  bool have_dtype = false, have_shape = false, have_offsets = false;
+  for (size_t j = 0; j < v.keys.size(); ++j) {
+    const std::string& k = v.keys[j];
+    const Json& f = v.items[j];
+    if (k == "dtype") {
+      if (f.kind != Json::String) fail(file, "tensor '" + name + "': dtype is not a string");
+      t.dtype = f.text;
+      have_dtype = true;
+    } else if (k == "shape") {
+      if (f.kind != Json::Array) fail(file, "tensor '" + name + "': shape is not an array");
+      for (auto& d : f.items) {
+        if (d.kind != Json::Integer || d.number > static_cast<uint64_t>(INT64_MAX))
+          fail(file, "tensor '" + name + "': shape holds something other than a non-negative integer");
+        t.shape.push_back(static_cast<int64_t>(d.number));
+      }
+      have_shape = true;
+    } else if (k == "data_offsets") {
+      if (f.kind != Json::Array || f.items.size() != 2 || f.items[0].kind != Json::Integer ||
+          f.items[1].kind != Json::Integer)
+        fail(file, "tensor '" + name + "': data_offsets is not two integers");
+      t.begin = f.items[0].number;
+      t.end = f.items[1].number;
+      have_offsets = true;
+    } else {
+      fail(file, "tensor '" + name + "': unknown field '" + k + "'");
+    }
+  }
+  if (!have_dtype || !have_shape || !have_offsets)
+    fail(file, "tensor '" + name + "': missing dtype, shape or data_offsets");
+  size_t es = dtype_size(t.dtype);
+  if (es == 0) fail(file, "tensor '" + name + "': unknown dtype '" + t.dtype + "'");
+  if (t.begin > t.end)
+    fail(file, "tensor '" + name + "': data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                   "] run backwards");
+  uint64_t bytes = es;
+  for (int64_t d : t.shape) {
+    uint64_t ud = static_cast<uint64_t>(d);
+    if (ud != 0 && bytes > UINT64_MAX / ud) fail(file, "tensor '" + name + "': shape times element size overflows");
+    bytes *= ud;
+  }
+  if (bytes != t.end - t.begin)
+    fail(file, "tensor '" + name + "': shape and dtype need " + std::to_string(bytes) +
+                   " bytes but data_offsets span " + std::to_string(t.end - t.begin));
+  return t;
+}
+
+// The tensors, sorted by offset, tile the data section exactly: no gap, no
+// overlap, nothing after them.
+void require_tiled(std::vector<TensorRecord>& tensors, uint64_t data_bytes, const std::string& file) {
+  std::sort(tensors.begin(), tensors.end(), [](const TensorRecord& a, const TensorRecord& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t at = 0;
+  for (const auto& t : tensors) {
+    if (t.begin != at)
+      fail(file, "tensor '" + t.name + "' starts at " + std::to_string(t.begin) + " but the previous data ends at " +
+                     std::to_string(at) + (t.begin < at ? " (overlap)" : " (gap)"));
+    at = t.end;
+  }
+  if (at != data_bytes)
+    fail(file, "data section is " + std::to_string(data_bytes) + " bytes but the tensors cover " + std::to_string(at) +
+                   (at < data_bytes ? " (trailing bytes)" : " (truncated file)"));
+}
+
+}  // namespace
+
 SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64_t file_size, const std::string& file) {
   if (file_size < 8 || prefix_size < 8)
     fail(file, "shorter than the 8-byte header length (" + std::to_string(file_size) + " bytes)");
@@ -328,81 +414,12 @@ SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64
   SafetensorsHeader h;
   h.data_start = 8 + n;
   for (size_t m = 0; m < doc.keys.size(); ++m) {
-    const std::string& name = doc.keys[m];
-    const Json& v = doc.items[m];
-    if (name == "__metadata__") {
-      if (v.kind != Json::Object) fail(file, "__metadata__ is not an object");
-      for (size_t j = 0; j < v.keys.size(); ++j) {
-        require_utf8(v.keys[j], file, "__metadata__ key '" + escaped(v.keys[j]) + "'");
-        if (v.items[j].kind != Json::String) fail(file, "__metadata__ value of '" + v.keys[j] + "' is not a string");
-        require_utf8(v.items[j].text, file,
-                     "__metadata__ value '" + escaped(v.items[j].text) + "' of '" + v.keys[j] + "'");
-        h.metadata[v.keys[j]] = v.items[j].text;
-      }
-      continue;
-    }
-    require_utf8(name, file, "tensor name '" + escaped(name) + "'");
-    if (v.kind != Json::Object) fail(file, "entry '" + name + "' is not an object");
-    TensorRecord t;
-    t.name = name;
-    bool have_dtype = false, have_shape = false, have_offsets = false;
-    for (size_t j = 0; j < v.keys.size(); ++j) {
-      const std::string& k = v.keys[j];
-      const Json& f = v.items[j];
-      if (k == "dtype") {
-        if (f.kind != Json::String) fail(file, "tensor '" + name + "': dtype is not a string");
-        t.dtype = f.text;
-        have_dtype = true;
-      } else if (k == "shape") {
-        if (f.kind != Json::Array) fail(file, "tensor '" + name + "': shape is not an array");
-        for (auto& d : f.items) {
-          if (d.kind != Json::Integer || d.number > static_cast<uint64_t>(INT64_MAX))
-            fail(file, "tensor '" + name + "': shape holds something other than a non-negative integer");
-          t.shape.push_back(static_cast<int64_t>(d.number));
-        }
-        have_shape = true;
-      } else if (k == "data_offsets") {
-        if (f.kind != Json::Array || f.items.size() != 2 || f.items[0].kind != Json::Integer ||
-            f.items[1].kind != Json::Integer)
-          fail(file, "tensor '" + name + "': data_offsets is not two integers");
-        t.begin = f.items[0].number;
-        t.end = f.items[1].number;
-        have_offsets = true;
-      } else {
-        fail(file, "tensor '" + name + "': unknown field '" + k + "'");
-      }
-    }
-    if (!have_dtype || !have_shape || !have_offsets)
-      fail(file, "tensor '" + name + "': missing dtype, shape or data_offsets");
-    size_t es = dtype_size(t.dtype);
-    if (es == 0) fail(file, "tensor '" + name + "': unknown dtype '" + t.dtype + "'");
-    if (t.begin > t.end)
-      fail(file, "tensor '" + name + "': data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                     "] run backwards");
-    uint64_t bytes = es;
-    for (int64_t d : t.shape) {
-      uint64_t ud = static_cast<uint64_t>(d);
-      if (ud != 0 && bytes > UINT64_MAX / ud) fail(file, "tensor '" + name + "': shape times element size overflows");
-      bytes *= ud;
-    }
-    if (bytes != t.end - t.begin)
-      fail(file, "tensor '" + name + "': shape and dtype need " + std::to_string(bytes) +
-                     " bytes but data_offsets span " + std::to_string(t.end - t.begin));
-    h.tensors.push_back(std::move(t));
+    if (doc.keys[m] == "__metadata__")
+      read_metadata(doc.items[m], file, h.metadata);
+    else
+      h.tensors.push_back(read_tensor(doc.keys[m], doc.items[m], file));
   }
-  std::sort(h.tensors.begin(), h.tensors.end(), [](const TensorRecord& a, const TensorRecord& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
-  uint64_t at = 0;
-  for (const auto& t : h.tensors) {
-    if (t.begin != at)
-      fail(file, "tensor '" + t.name + "' starts at " + std::to_string(t.begin) + " but the previous data ends at " +
-                     std::to_string(at) + (t.begin < at ? " (overlap)" : " (gap)"));
-    at = t.end;
-  }
-  if (at != file_size - h.data_start)
-    fail(file, "data section is " + std::to_string(file_size - h.data_start) + " bytes but the tensors cover " +
-                   std::to_string(at) + (at < file_size - h.data_start ? " (trailing bytes)" : " (truncated file)"));
+  require_tiled(h.tensors, file_size - h.data_start, file);
   return h;
 }
 
