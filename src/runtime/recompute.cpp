@@ -248,6 +248,38 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     return outs;
   }
 
+  // The saved inputs, detached, each requiring grad as it did.
+  static std::vector<at::Tensor> detached_inputs(AutogradContext* ctx) {
+    std::vector<at::Tensor> in;
+    for (const auto& t : ctx->get_saved_variables()) {
+      if (!t.defined()) {
+        in.push_back(t);
+        continue;
+      }
+      at::Tensor d = t.detach();
+      d.requires_grad_(t.requires_grad());
+      in.push_back(std::move(d));
+    }
+    return in;
+  }
+
+  // The unit's forward again, in grad mode, with the random and autocast
+  // states of the first run (this thread's own are restored after).
+  static variable_list rerun_forward(Recompute& r, const std::vector<at::Tensor>& in) {
+    const RngStates now = r.rng.current();
+    r.rng.apply();
+    try {
+      at::AutoGradMode grad_mode(true);
+      AutocastStates::Applied autocast(r.autocast);
+      variable_list outs = r.run(in, /*first=*/false);
+      now.apply();
+      return outs;
+    } catch (...) {
+      now.apply();
+      throw;
+    }
+  }
+
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto r = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
     std::shared_ptr<ShardState> state = r->ac->state.lock();
@@ -269,31 +301,9 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     // The outer backward's end callback, queued on the outer graph task (the
     // nested backward below is another one).
     state->backward().ensure_end_of_backward_callback();
-    std::vector<at::Tensor> in;
-    for (const auto& t : ctx->get_saved_variables()) {
-      if (!t.defined()) {
-        in.push_back(t);
-        continue;
-      }
-      at::Tensor d = t.detach();
-      d.requires_grad_(t.requires_grad());
-      in.push_back(std::move(d));
-    }
+    std::vector<at::Tensor> in = detached_inputs(ctx);
     const BuffersKept buffers_kept(r->buffers);  // until the nested backward below is done
-    variable_list outs;
-    {
-      const RngStates now = r->rng.current();
-      r->rng.apply();
-      try {
-        at::AutoGradMode grad_mode(true);
-        AutocastStates::Applied autocast(r->autocast);
-        outs = r->run(in, /*first=*/false);
-      } catch (...) {
-        now.apply();
-        throw;
-      }
-      now.apply();
-    }
+    const variable_list outs = rerun_forward(*r, in);
     SHARDTORCH_CHECK(outs.size() == grads.size(), detail::rank_prefix(rank), ": checkpointed unit '", r->ac->label,
                      "' returned ", grads.size(), " tensors in forward but ", outs.size(),
                      " when recomputed in backward (its forward must be deterministic in structure)");
