@@ -1,5 +1,6 @@
 #include "shardtorch/gather.h"
 #include "base/check.h"
+#include "base/log.h"
 
 #include <c10/core/GradMode.h>
 
@@ -117,7 +118,7 @@ FullParams::~FullParams() {
         for (auto& f : u->flats()) f->write_back_shard();
     }
   } catch (const std::exception& e) {
-    TORCH_WARN(detail::rank_prefix(state_->world().global_rank()), ": leaving summon_full_params failed: ", e.what());
+    SHARDTORCH_WARN("shardtorch: leaving summon_full_params failed: ", e.what());
   }
   for (auto& u : units_) u->unpin();
   state_->leave_summon(options_.with_grads());
@@ -130,8 +131,7 @@ FullParams::~FullParams() {
     // only its own slice of its own edit).
     state_->regather_unsharded();
   } catch (const std::exception& e) {
-    TORCH_WARN(detail::rank_prefix(state_->world().global_rank()),
-               ": freeing or regathering summoned parameters failed: ", e.what());
+    SHARDTORCH_WARN("shardtorch: freeing or regathering summoned parameters failed: ", e.what());
   }
 }
 
