@@ -201,7 +201,11 @@ ProgressReporter::ProgressReporter(std::string operation, std::string unit, int6
 ProgressReporter::~ProgressReporter() {
   if (io_ && t_io_reporter == this) t_io_reporter = outer_;
   // An operation that failed: a line left open ends, no last update.
-  if (printed_ && in_place_ && !done_) write_stderr("\n", true, false);
+  if (printed_ && in_place_ && !done_) {
+    std::lock_guard<std::mutex> lock(g_write_mu);
+    if (g_line_open) std::fputs("\n", stderr);
+    g_line_open = false;
+  }
 }
 
 void ProgressReporter::count_io() {
