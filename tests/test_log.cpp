@@ -226,6 +226,28 @@ TEST(DeferredShard, ShardReportsUnitsAndBytesToItsCallback) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+TEST(Summon, FullParametersReportsUnitsGatheredToTheLibraryWideCallback) {
+  auto r = run_ranks(2, [](World& w) {
+    torch::manual_seed(3);
+    gpt::GPT m(gpt::Config{});
+    auto sm = shardtorch::shard(m, w);
+    std::vector<ProgressUpdate> got;
+    shardtorch::set_progress_callback(collect_into(got));
+    auto full = shardtorch::full_parameters(*m, /*rank0_only=*/true);
+    shardtorch::set_progress_callback(nullptr);
+    require_progress(got, "full_parameters", "rank " + std::to_string(w.rank()));
+    require(got.back().total == static_cast<int64_t>(sm.units().size()) &&
+                static_cast<int64_t>(got.size()) == got.back().total + 2,
+            "not an update per unit");
+    int64_t bytes = 0;           // rank 0's map: every parameter, whole (the flat parameters' padding aside)
+    std::set<const void*> seen;  // a tied parameter is one tensor under two names
+    for (const auto& [name, t] : full)
+      if (seen.insert(t.data_ptr()).second) bytes += t.numel() * 4;
+    if (w.rank() == 0) require(got.back().bytes_total >= bytes && bytes > 0, "fewer bytes than the parameters'");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(HfSave, SaveAndLoadReportProgressToTheirCallbacks) {
   const TempDir dir("shardtorch-log");
   auto r = run_ranks(2, [&](World& w) {

@@ -50,7 +50,6 @@ using ProgressCallback = std::function<void(const ProgressUpdate&)>;
 /// place when stderr is a terminal, else a line every 5 s, nothing for an
 /// operation that ends within 2 s, and a last line when anything was printed.
 SHARDTORCH_API void set_progress_callback(ProgressCallback callback);
-/// The library-wide callback (nullptr: none).
 SHARDTORCH_API ProgressCallback progress_callback();
 
 }  // namespace shardtorch

@@ -150,8 +150,15 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
     for (const auto& item : root.named_parameters()) out[item.key()] = state->record_of(item.value()).detach().clone();
     return out;
   }
+  int64_t bytes = 0;
+  for (auto& u : state->units())
+    for (auto& f : u->flats())
+      bytes += f->layout().padded_numel() * static_cast<int64_t>(c10::elementSize(f->shard().scalar_type()));
+  detail::ProgressReporter progress("full_parameters", "units", static_cast<int64_t>(state->units().size()), bytes);
   for (auto& u : state->units()) {
+    int64_t unit_bytes = 0;
     for (auto& f : u->flats()) {
+      unit_bytes += f->layout().padded_numel() * static_cast<int64_t>(c10::elementSize(f->shard().scalar_type()));
       at::Tensor mine = state->on_comm_device(f->shard());
       at::Tensor full = at::empty({f->layout().padded_numel()}, mine.options());
       state->shard_comm().all_gather_into(full, mine, "master parameters of unit '" + u->label() + "'");
@@ -160,7 +167,9 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
         put(f->params()[i],
             full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i)).clone());
     }
+    progress.advance(1, unit_bytes);
   }
+  progress.finish();
   return out;
 }
 
