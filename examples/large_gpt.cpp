@@ -4,14 +4,15 @@
 //   torchrun --no-python --standalone --nproc-per-node 2 build/examples/large_gpt
 //   torchrun --no-python --standalone --nproc-per-node 2 build/examples/large_gpt --layers 24 --d-model 1024
 //
-// Prints per rank the resident memory (VmRSS, and its peak VmHWM) after each
-// phase beside the model's fp32 size: construction adds nothing, shard() adds
-// this rank's shards and at most a few units in passing, never the model.
-// Exits non-zero if the loss did not fall.
+// Prints shard()'s progress (a unit at a time) on rank 0, and per rank the
+// resident memory (VmRSS, and its peak VmHWM) after each phase beside the model's fp32 size: construction adds nothing,
+// shard() adds this rank's shards and at most a few units in passing, never the model. Exits non-zero if the loss did
+// not fall.
 #include <torch/torch.h>
 
 #include <malloc.h>
 
+#include <iomanip>
 #include <iostream>
 #include <sstream>
 
@@ -66,9 +67,20 @@ int main(int argc, char** argv) {
     report("deferred construction");
 
     // 2. Shard: each unit is made whole in turn (its construction replayed,
-    //    bitwise what eager construction gives), sliced, and freed.
-    auto sharded =
-        shardtorch::shard(model, world, shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)));
+    //    bitwise what eager construction gives), sliced, and freed. Its
+    //    progress, here through a callback of our own (without one, rank 0
+    //    prints a progress line of its own to stderr when shard() takes more
+    //    than 2 s; docs/api.md, "Progress and logs").
+    auto progress = [rank](const shardtorch::ProgressUpdate& u) {
+      if (rank != 0 || (u.done == 0 && !u.finished)) return;
+      std::ostringstream os;
+      os << std::fixed << std::setprecision(2) << u.operation << ": " << u.done << "/" << u.total << " " << u.unit
+         << ", " << u.bytes_done / (1 << 20) << "/" << u.bytes_total / (1 << 20) << " MiB, " << u.elapsed_s << " s";
+      if (!u.finished) os << ", " << u.eta_s << " s left";
+      std::cout << os.str() << std::endl;
+    };
+    auto sharded = shardtorch::shard(
+        model, world, shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy)).progress(progress));
     report("shard()");
     if (rank == 0) std::cout << sharded.memory().report() << std::flush;
 

@@ -21,7 +21,10 @@
 // save): peak RSS (VmHWM, reset at each phase's start through
 // /proc/self/clear_refs), RSS at its end, and the library's memory
 // categories (peaks within the phase); rank 0 prints the planner's
-// prediction (shardtorch::plan_memory) and the target.
+// prediction (shardtorch::plan_memory) and the target. On stderr, rank 0
+// shows the progress of shard(), the load and the save as they run (the
+// library's default printing; --log-level warning turns it off, debug shows
+// every collective, unit gather and file opened).
 #include <torch/torch.h>
 
 #include <malloc.h>
@@ -151,7 +154,7 @@ int main(int argc, char** argv) {
     cfg.d_model = 1024;
     cfg.n_head = 16;
     cfg.n_layer = 4;
-    std::string mode = "finetune", init = "deferred", checkpoint, save, stop_after;
+    std::string mode = "finetune", init = "deferred", checkpoint, save, stop_after, log_level;
     int64_t rank_r = 8, batch = 1, tokens_per_seq = 32;
     int steps = 2;
     bool bf16 = false;
@@ -173,12 +176,16 @@ int main(int argc, char** argv) {
         "checkpoint", boost::program_options::value(&checkpoint), "finetune: the base model in Hugging Face's layout")(
         "save", boost::program_options::value(&save),
         "where to save (finetune: the adapters; pretrain: a sharded checkpoint)")(
-        "stop-after", boost::program_options::value(&stop_after), "construct|shard|load: end after that phase");
+        "stop-after", boost::program_options::value(&stop_after), "construct|shard|load: end after that phase")(
+        "log-level", boost::program_options::value(&log_level),
+        "quiet|error|warning|info|debug (default: SHARDTORCH_LOG_LEVEL, else info: rank 0 shows the progress of "
+        "shard(), the load and the save on stderr)");
     if (!cli::parse_command_line(argc, argv, desc, "scale_gpt: a GPT bigger than a rank (launch with torchrun)"))
       return 0;
     if (mode != "finetune" && mode != "pretrain") throw std::invalid_argument("--mode must be finetune or pretrain");
     if (init != "deferred" && init != "eager") throw std::invalid_argument("--init must be deferred or eager");
     if (tokens_per_seq > cfg.seq_len) throw std::invalid_argument("--tokens must be at most --seq");
+    if (!log_level.empty()) shardtorch::set_log_level(shardtorch::parse_log_level(log_level));
     const bool finetune = mode == "finetune", deferred = init == "deferred";
     // glibc keeps freed heap memory resident and raises its mmap threshold as
     // large blocks are freed; a fixed threshold makes RSS follow the live bytes.

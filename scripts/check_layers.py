@@ -29,7 +29,7 @@ LAYERS = [
 
 # Public headers by layer (each must be listed: a new one is an error until placed).
 PUBLIC = {
-    "base": ["error.h", "export.h", "memory.h", "checkpoint/safetensors_error.h"],
+    "base": ["error.h", "export.h", "log.h", "memory.h", "checkpoint/safetensors_error.h"],
     "deferred": ["deferred.h"],
     "comm": ["collectives.h", "world.h", "comm_hooks.h", "mesh.h"],
     "runtime": ["flat_param_layout.h", "shard_options.h", "unit.h"],

@@ -14,6 +14,7 @@
 
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/export.h"
+#include "shardtorch/log.h"
 #include "shardtorch/optim.h"
 
 namespace shardtorch {
@@ -35,6 +36,9 @@ struct SHARDTORCH_API LoadOptions {
   /// must be a name of a tied parameter of the model that the checkpoint
   /// holds, one per parameter at most.
   TORCH_ARG(std::vector<std::string>, tied_from) = {};
+  /// Progress reports of this call (shardtorch/log.h); unset: the
+  /// library-wide set_progress_callback, else the default printing.
+  TORCH_ARG(ProgressCallback, progress) = nullptr;
 };
 
 /// Collective. Rank 0 writes `path`; tied parameters appear under each of their names.

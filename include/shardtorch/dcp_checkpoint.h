@@ -22,6 +22,7 @@
 
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/export.h"
+#include "shardtorch/log.h"
 #include "shardtorch/optim.h"
 
 namespace shardtorch {
@@ -69,6 +70,9 @@ struct SHARDTORCH_API DcpLoadOptions {
   TORCH_ARG(bool, ignore_unexpected) = false;
   /// As LoadOptions::allow_lossy_casts.
   TORCH_ARG(bool, allow_lossy_casts) = false;
+  /// Progress reports of this call (shardtorch/log.h); unset: the
+  /// library-wide set_progress_callback, else the default printing.
+  TORCH_ARG(ProgressCallback, progress) = nullptr;
 
  private:
   std::vector<std::pair<std::string, std::string>> prefix_rules_;
@@ -111,6 +115,9 @@ struct SHARDTORCH_API DcpSaveOptions {
   /// "" writes the model's names alone (the layout of dcp.save(model.state_dict())).
   TORCH_ARG(std::string, model_prefix) = "model.";
   TORCH_ARG(std::string, optimizer_prefix) = "optim.";
+  /// Progress reports of this call (shardtorch/log.h); unset: the
+  /// library-wide set_progress_callback, else the default printing.
+  TORCH_ARG(ProgressCallback, progress) = nullptr;
 };
 
 /// What save_dcp_checkpoint wrote (the same on every rank).

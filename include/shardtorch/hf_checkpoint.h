@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "shardtorch/export.h"
+#include "shardtorch/log.h"
 
 namespace shardtorch {
 
@@ -74,6 +75,9 @@ struct SHARDTORCH_API HfLoadOptions {
   /// checkpoint holds under two or more of them (after the name mapping)
   /// is refused when their values differ, unless one of them is listed here.
   TORCH_ARG(std::vector<std::string>, tied_from) = {};
+  /// Progress reports of this call (shardtorch/log.h); unset: the
+  /// library-wide set_progress_callback, else the default printing.
+  TORCH_ARG(ProgressCallback, progress) = nullptr;
 
  private:
   std::vector<std::pair<std::string, std::string>> prefix_rules_;
@@ -123,6 +127,9 @@ struct SHARDTORCH_API HfSaveOptions {
   TORCH_ARG(bool, tied_once) = true;
   /// The model's buffers too.
   TORCH_ARG(bool, include_buffers) = true;
+  /// Progress reports of this call (shardtorch/log.h); unset: the
+  /// library-wide set_progress_callback, else the default printing.
+  TORCH_ARG(ProgressCallback, progress) = nullptr;
 };
 
 /// What save_hf_checkpoint wrote (the same on every rank).

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "shardtorch/export.h"
+#include "shardtorch/log.h"
 
 namespace shardtorch {
 
@@ -88,6 +89,10 @@ struct SHARDTORCH_API ShardOptions {
   /// another unit, the root excepted, keeps only its inputs from the forward
   /// and recomputes its activations in backward, without a second all-gather.
   TORCH_ARG(bool, activation_checkpointing) = false;
+  /// Progress reports of shard() (operation "shard": units made of the
+  /// total, and their bytes; shardtorch/log.h); unset: the library-wide
+  /// set_progress_callback, else the default printing.
+  TORCH_ARG(ProgressCallback, progress) = nullptr;
 
  public:  // (TORCH_ARG leaves the access private)
   /// activation_checkpointing for one unit, by name; true for the root, a

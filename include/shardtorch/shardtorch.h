@@ -3,6 +3,7 @@
 #include "shardtorch/collectives.h"
 #include "shardtorch/comm_hooks.h"
 #include "shardtorch/error.h"
+#include "shardtorch/log.h"
 #include "shardtorch/flat_param_layout.h"
 #include "shardtorch/gather.h"
 #include "shardtorch/memory.h"

@@ -1,5 +1,6 @@
 #include "buckets/reduce_scatter_bucketer.h"
 #include "base/check.h"
+#include "base/log.h"
 
 #include <c10/core/GradMode.h>
 
@@ -121,13 +122,12 @@ void ReduceScatterBucketer::make_room(const std::string& next, bool bounded) {
     const auto bound = std::min(kReduceScatterLimitWait, oldest.group->timeout() / 4);
     if (!oldest_done_within(bound)) {
       if (launched_past_limit_++ == 0)
-        std::fprintf(stderr,
-                     "shardtorch: rank %d: the reduce-scatter for %s goes out past the limit of %d in flight: the "
-                     "oldest (%s) did not complete within %.3f s. Ranks finished units at different points of the "
-                     "backward (the data routed around some); waiting longer could deadlock with an all-gather a "
-                     "peer waits in. Reported once; ShardedModel::reduce_scatters_past_the_limit() counts them.\n",
-                     oldest.group->rank(), next.c_str(), max_in_flight_, oldest.work.what.c_str(),
-                     std::chrono::duration<double>(bound).count());
+        SHARDTORCH_WARN("shardtorch: the reduce-scatter for ", next, " goes out past the limit of ", max_in_flight_,
+                        " in flight: the oldest (", oldest.work.what, ") did not complete within ",
+                        std::chrono::duration<double>(bound).count(),
+                        " s. Ranks finished units at different points of the backward (the data routed around "
+                        "some); waiting longer could deadlock with an all-gather a peer waits in. Reported once; "
+                        "ShardedModel::reduce_scatters_past_the_limit() counts them.");
       return;
     }
     complete_oldest();

@@ -39,17 +39,23 @@ void agree_on_errors(World& world, const std::string& error, const std::string& 
 }
 
 void load_agreed(ShardState& state, const std::string& error, const std::string& fingerprint,
-                 const std::vector<std::function<void()>>& changes, const std::string& what, World* world) {
+                 const std::vector<std::function<void()>>& changes, const std::string& what, World* world,
+                 ProgressReporter* progress) {
   World& over = world ? *world : state.world();
   agree_on_errors(over, error, what, fingerprint);
+  if (progress) progress->set_totals(static_cast<int64_t>(changes.size()), 0);
   std::string failed;
   try {
-    for (const auto& change : changes) change();
+    for (const auto& change : changes) {
+      change();
+      if (progress) progress->advance(1);
+    }
   } catch (const std::exception& e) {
     failed = std::string(e.what()) + " (the model is partly loaded: load a checkpoint again before training)";
   }
   agree_on_errors(over, failed, what);
   state.after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
+  if (progress) progress->finish();
 }
 
 FileWaits::FileWaits(ShardState& state, World* also) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "base/log.h"
 #include "shardtorch/collectives.h"
 
 namespace shardtorch {
@@ -37,8 +38,11 @@ std::vector<std::string> agreed_fingerprints(World& world, const std::string& er
 /// (a failure while copying says the model is partly loaded), then rebuilds
 /// what the new values make stale (after_optimizer_step). The agreements run
 /// over `world` (every rank loading), the model's World by default.
+/// `progress`: advanced by one per change, finished after the second
+/// agreement (its totals set here: the changes, and the file bytes read).
 void load_agreed(ShardState& state, const std::string& error, const std::string& fingerprint,
-                 const std::vector<std::function<void()>>& changes, const std::string& what, World* world = nullptr);
+                 const std::vector<std::function<void()>>& changes, const std::string& what, World* world = nullptr,
+                 ProgressReporter* progress = nullptr);
 
 /// For its lifetime, every communicator of the model (and `also`'s, the
 /// World of a save or load over several models) waits at least the world's

@@ -144,6 +144,8 @@ int64_t read_step(dcp::Source& src, const dcp::Entry& e, const std::string& wher
 DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
                                   const DcpLoadOptions& options) {
   auto state = detail::require_state(root, "load_dcp_checkpoint");
+  shardtorch::detail::ProgressReporter progress("load_dcp_checkpoint", "tensors", 0, 0, options.progress());
+  progress.count_io();
   detail::FileWaits file_waits(*state);
   state->copies().wait_for_offload_copies();
   c10::NoGradGuard no_grad;
@@ -335,7 +337,7 @@ DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::load_agreed(*state, error, fingerprint, changes, what);
+  detail::load_agreed(*state, error, fingerprint, changes, what, nullptr, &progress);
   if (opt) opt->views().count_optimizer_state(opt->inner());
   if (src) {
     report.files_opened = src->files_opened();

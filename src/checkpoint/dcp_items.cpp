@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 
+#include "base/log.h"
 #include "base/errors.h"
 #include "base/files.h"
 #include "checkpoint/pickle_reader.h"
@@ -201,6 +202,7 @@ DataFile::DataFile(const std::string& path, const std::string& name) : path_(pat
   std::string why;
   fd_ = files::open_regular_for_reading(path, why);
   if (fd_ < 0) throw SafetensorsError("DCP data file '" + path + "': cannot open: " + why);
+  SHARDTORCH_DEBUG("opened '", path, "' for reading");
   struct stat st;
   if (::fstat(fd_, &st) != 0) {
     const std::string err = std::strerror(errno);
@@ -223,6 +225,7 @@ void DataFile::read(uint64_t offset, void* dst, size_t n) const {
     if (r == 0)
       throw SafetensorsError("DCP data file '" + path_ + "': ends at byte " + std::to_string(offset) +
                              ", before the data it should hold (truncated?)");
+    shardtorch::detail::count_io(r);
     p += r;
     n -= static_cast<size_t>(r);
     offset += static_cast<uint64_t>(r);
@@ -469,6 +472,7 @@ ItemWriter::ItemWriter(const std::string& path, const std::string& relative_path
     : path_(path), relative_(relative_path) {
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) throw SafetensorsError("DCP data file '" + path + "': cannot create: " + std::strerror(errno));
+  SHARDTORCH_DEBUG("opened '", path, "' for writing");
 }
 
 ItemWriter::~ItemWriter() {
@@ -481,6 +485,7 @@ void ItemWriter::write(const void* p, size_t n) {
     const ssize_t w = ::write(fd_, c, n);
     if (w < 0 && errno == EINTR) continue;
     if (w < 0) throw SafetensorsError("DCP data file '" + path_ + "': write failed: " + std::strerror(errno));
+    shardtorch::detail::count_io(w);
     c += w;
     n -= static_cast<size_t>(w);
     size_ += static_cast<uint64_t>(w);

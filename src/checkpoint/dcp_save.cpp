@@ -15,6 +15,7 @@
 
 #include "base/check.h"
 #include "base/files.h"
+#include "base/log.h"
 #include "checkpoint/agreement.h"
 #include "checkpoint/dcp_items.h"
 #include "checkpoint/dcp_source.h"
@@ -319,10 +320,16 @@ DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
   const std::string file = "__" + std::to_string(world.rank()) + "_0.distcp";
   std::string report;
   try {
+    shardtorch::detail::ProgressReporter progress("save_dcp_checkpoint", "items", static_cast<int64_t>(c.items.size()),
+                                                  0, options.progress());
+    progress.count_io();
     dcp::ItemWriter w(tmp + "/" + file, file);
-    for (const auto& it : c.items)
+    for (const auto& it : c.items) {
       report += report_line(it, it.dtype.empty() ? w.value(it.pickled) : w.tensor(it.data));
+      progress.advance(1);
+    }
     w.finish();
+    progress.finish();
   } catch (const std::exception& e) {
     error = e.what();
   }

@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include "base/check.h"
+#include "base/log.h"
 
 #include <algorithm>
 #include <functional>
@@ -58,11 +59,25 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   const bool writer = world.rank() == 0;
   c10::NoGradGuard no_grad;
   checkpoint::StreamedTensors tensors(root, *state, "save_full_state_dict", /*tied_once=*/false);
+  int64_t bytes_total = 0;
+  for (const auto& t : tensors.items()) {
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    bytes_total += numel * static_cast<int64_t>(c10::elementSize(t.dtype));
+  }
+  shardtorch::detail::ProgressReporter progress("save_full_state_dict", "tensors",
+                                                static_cast<int64_t>(tensors.items().size()), bytes_total);
+  progress.count_io();
 
   std::string error;
   if (writer) {
     std::vector<checkpoint::PendingTensor> pending;
-    for (const auto& t : tensors.items()) pending.push_back({t.name, t.dtype, t.shape, t.produce});
+    for (const auto& t : tensors.items())
+      pending.push_back({t.name, t.dtype, t.shape, [produce = t.produce, &progress] {
+                           at::Tensor v = produce();
+                           progress.advance(1);
+                           return v;
+                         }});
     const auto metadata = file_metadata(user_metadata, state->strategy(), world.size());
     try {
       checkpoint::write_file(path, pending, metadata);
@@ -76,6 +91,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   SHARDTORCH_CHECK(error.empty(), "shardtorch::save_full_state_dict: ", error);
   SHARDTORCH_CHECK(status.cpu().item<int>() == 0, "shardtorch::save_full_state_dict: rank 0 could not write '", path,
                    "'");
+  progress.finish();
 }
 
 namespace {
@@ -84,6 +100,8 @@ namespace {
 void load_full(torch::nn::Module& root, const std::string& path, const LoadOptions& options,
                const checkpoint::ModelPart* part) {
   auto state = detail::require_state(root, "load_full_state_dict");
+  shardtorch::detail::ProgressReporter progress("load_full_state_dict", "tensors", 0, 0, options.progress());
+  progress.count_io();
   World* world = part ? part->world.get() : &state->world();
   detail::FileWaits file_waits(*state, world);
   state->copies().wait_for_offload_copies();
@@ -198,7 +216,7 @@ void load_full(torch::nn::Module& root, const std::string& path, const LoadOptio
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::load_agreed(*state, error, fingerprint, changes, what, world);
+  detail::load_agreed(*state, error, fingerprint, changes, what, world, &progress);
 }
 
 }  // namespace

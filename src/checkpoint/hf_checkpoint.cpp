@@ -77,6 +77,8 @@ namespace {
 HfLoadReport load_hf(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options,
                      const checkpoint::ModelPart* part) {
   auto state = detail::require_state(root, "load_hf_checkpoint");
+  shardtorch::detail::ProgressReporter progress("load_hf_checkpoint", "tensors", 0, 0, options.progress());
+  progress.count_io();
   World* world = part ? part->world.get() : &state->world();
   detail::FileWaits file_waits(*state, world);
   state->copies().wait_for_offload_copies();
@@ -318,7 +320,7 @@ HfLoadReport load_hf(torch::nn::Module& root, const std::string& path, const HfL
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::load_agreed(*state, error, fingerprint, changes, what, world);
+  detail::load_agreed(*state, error, fingerprint, changes, what, world, &progress);
   return report;
 }
 

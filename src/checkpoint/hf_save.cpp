@@ -15,6 +15,7 @@
 #include "base/check.h"
 #include "base/errors.h"
 #include "base/files.h"
+#include "base/log.h"
 #include "runtime/shard_state.h"
 #include "checkpoint/agreement.h"
 #include "checkpoint/model_part.h"
@@ -202,6 +203,9 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   }
   const auto plan = plan_files(bytes, options.max_file_bytes());
   for (size_t k = 0; k < plan.size(); ++k) report.files.push_back(file_name(k, plan.size()));
+  shardtorch::detail::ProgressReporter progress("save_hf_checkpoint", "tensors", static_cast<int64_t>(entries.size()),
+                                                report.total_bytes, options.progress());
+  progress.count_io();
 
   std::string error;
   if (writer) {
@@ -213,7 +217,12 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
       for (size_t k = 0; k < plan.size(); ++k) {
         std::vector<checkpoint::PendingTensor> pending;
         for (size_t e : plan[k])
-          pending.push_back({entries[e].name, entries[e].dtype, entries[e].shape, entries[e].produce});
+          pending.push_back(
+              {entries[e].name, entries[e].dtype, entries[e].shape, [produce = entries[e].produce, &progress] {
+                 at::Tensor t = produce();
+                 progress.advance(1);
+                 return t;
+               }});
         checkpoint::write_file(dir + "/" + staging + report.files[k], pending, {{"format", "pt"}});
       }
       std::vector<std::pair<std::string, std::string>> weight_map;
@@ -231,6 +240,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   SHARDTORCH_CHECK(error.empty(), who, ": ", error);
   SHARDTORCH_CHECK(status.cpu().item<int>() == 0, who, ": rank 0 could not write it; its error says why");
   report.tensors = static_cast<int64_t>(entries.size());
+  progress.finish();
   return report;
 }
 

@@ -13,6 +13,7 @@
 
 #include "base/check.h"
 #include "base/files.h"
+#include "base/log.h"
 #include "shardtorch/checkpoint/safetensors.h"
 
 namespace shardtorch::checkpoint {
@@ -24,8 +25,8 @@ void best_effort(const std::string& what, const std::function<void()>& f) {
   try {
     f();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "shardtorch: %s after publishing a checkpoint failed (the checkpoint is saved): %s\n",
-                 what.c_str(), e.what());
+    SHARDTORCH_WARN("shardtorch: ", what,
+                    " after publishing a checkpoint failed (the checkpoint is saved): ", e.what());
   }
 }
 
@@ -70,10 +71,8 @@ std::string published_dir(const std::string& dir, const std::string& marker, boo
   const std::string aside = dir + kAsideSuffix;
   if (!files::exists(dir + "/" + marker) && files::exists(aside + "/" + marker)) {
     if (announce)
-      std::fprintf(stderr,
-                   "shardtorch: checkpoint '%s' is missing; using the previous one, left at '%s' by an "
-                   "interrupted save\n",
-                   dir.c_str(), aside.c_str());
+      SHARDTORCH_WARN("shardtorch: checkpoint '", dir, "' is missing; using the previous one, left at '", aside,
+                      "' by an interrupted save");
     return aside;
   }
   return dir;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "base/log.h"
 #include "base/files.h"
 #include "checkpoint/reader_access.h"
 
@@ -28,6 +29,7 @@ void write_all(int fd, const void* data, size_t n, uint64_t at, const std::strin
       if (errno == EINTR) continue;
       sys_fail(file, "write failed");
     }
+    shardtorch::detail::count_io(w);
     p += w;
     n -= static_cast<size_t>(w);
     at += static_cast<uint64_t>(w);
@@ -149,6 +151,7 @@ Reader::Reader(const std::string& path) : path_(path) {
   std::string why;
   fd_ = files::open_regular_for_reading(path, why);
   if (fd_ < 0) throw SafetensorsError("safetensors file '" + path + "': cannot open: " + why);
+  SHARDTORCH_DEBUG("opened '", path, "' for reading");
   struct stat st {};
   if (::fstat(fd_, &st) != 0) {
     ::close(fd_);
@@ -187,6 +190,7 @@ void Reader::read_bytes(uint64_t off, void* dst, size_t n) const {
       sys_fail(path_, "read failed");
     }
     if (r == 0) throw SafetensorsError("safetensors file '" + path_ + "': unexpected end of file (was it truncated?)");
+    shardtorch::detail::count_io(r);
     p += r;
     off += static_cast<uint64_t>(r);
     n -= static_cast<size_t>(r);
@@ -284,6 +288,7 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
   const std::string tmp = files::join(dir, tmp_prefix + std::to_string(::getpid()));
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) sys_fail(tmp, "cannot create");
+  SHARDTORCH_DEBUG("opened '", tmp, "' for writing (", path, ")");
   try {
     write_all(fd, header.data(), header.size(), 0, tmp);
     for (size_t i = 0; i < tensors.size(); ++i) {

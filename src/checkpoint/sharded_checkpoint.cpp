@@ -1,6 +1,7 @@
 // Sharded checkpoints: per-rank safetensors files of element ranges and a
 // Boost.JSON index; loading reassembles whatever ranges a rank owns now.
 #include <boost/json.hpp>
+#include "base/log.h"
 #include "base/check.h"
 #include <c10/core/GradMode.h>
 #include <c10/util/accumulate.h>
@@ -44,6 +45,7 @@ void read_regular_file(const std::string& path, const std::function<void(const c
   std::string why;
   const int fd = files::open_regular_for_reading(path, why);
   if (fd < 0) throw SafetensorsError("checkpoint file '" + path + "': cannot open: " + why);
+  SHARDTORCH_DEBUG("opened '", path, "' for reading");
   std::vector<char> buf(size_t{1} << 20);
   for (;;) {
     const ssize_t n = ::read(fd, buf.data(), buf.size());
@@ -54,6 +56,7 @@ void read_regular_file(const std::string& path, const std::function<void(const c
       throw SafetensorsError("checkpoint file '" + path + "': read failed: " + std::strerror(err));
     }
     if (n == 0) break;
+    shardtorch::detail::count_io(n);
     consume(buf.data(), static_cast<size_t>(n));
   }
   ::close(fd);
@@ -437,6 +440,11 @@ json::object write_rank_file(const Holding& h, const std::string& tmp, int rank,
   std::string error;
   json::array mine;
   json::object report;
+  int64_t bytes = 0;
+  for (const auto& item : h.items) bytes += static_cast<int64_t>(item.second.nbytes());
+  // This rank's file and its checksum (the file read again).
+  shardtorch::detail::ProgressReporter progress("save_sharded_checkpoint", "files", 1, 2 * bytes);
+  progress.count_io();
   try {
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (auto& [e, t] : h.items) {
@@ -447,6 +455,7 @@ json::object write_rank_file(const Holding& h, const std::string& tmp, int rank,
                           /*remove_stale_temporaries=*/false);  // the staging directory is new
     report["file"] = json::object{
         {"name", file}, {"size", files::file_size(tmp + "/" + file)}, {"checksum", file_checksum(tmp + "/" + file)}};
+    progress.finish();
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -849,6 +858,8 @@ int64_t load_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::
                      std::map<std::string, std::string>* user_state, const LoadOptions& options,
                      const checkpoint::ModelPart* part) {
   auto state = detail::require_state(root, "load_sharded_checkpoint");
+  shardtorch::detail::ProgressReporter progress("load_sharded_checkpoint", "tensors", 0, 0, options.progress());
+  progress.count_io();
   World* world = part ? part->world.get() : &state->world();
   detail::FileWaits file_waits(*state, world);  // and for the slowest reader
   state->copies().wait_for_offload_copies();
@@ -880,7 +891,7 @@ int64_t load_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::load_agreed(*state, error, idx.fingerprint, changes, what, world);
+  detail::load_agreed(*state, error, idx.fingerprint, changes, what, world, &progress);
   if (opt) opt->views().count_optimizer_state(opt->inner());
   if (user_state) *user_state = idx.user_state;
   return idx.step;

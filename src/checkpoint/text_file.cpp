@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "base/log.h"
 #include "base/files.h"
 #include "shardtorch/checkpoint/safetensors_error.h"
 
@@ -15,6 +16,7 @@ std::string read_text_file(const std::string& path, const std::string& what, uin
   std::string why;
   const int fd = files::open_regular_for_reading(path, why);
   if (fd < 0) throw SafetensorsError(what + " '" + path + "': cannot open: " + why);
+  SHARDTORCH_DEBUG("opened '", path, "' for reading");
   std::string text;
   char buf[1 << 16];
   while (true) {

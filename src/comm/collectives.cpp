@@ -1,5 +1,6 @@
 #include "shardtorch/collectives.h"
 #include "comm/comm_testing.h"
+#include "base/log.h"
 #include "base/check.h"
 #include "base/errors.h"
 
@@ -164,7 +165,9 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
   }
   counter.calls += 1;
   counter.bytes_sent += bytes;
-  counter.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  counter.seconds += seconds;
+  SHARDTORCH_DEBUG(op, " for ", what, " (", shapes, "): done, ", bytes, " bytes sent in ", seconds, " s");
 }
 
 void Comm::check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const {
@@ -234,6 +237,7 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   p.counter = &counter;
   p.bytes = bytes;
   p.start = std::chrono::steady_clock::now();
+  SHARDTORCH_DEBUG(op, " for ", what, " (", p.shapes, "): start, ", bytes, " bytes to send");
   if (checker_) {
     const auto where = context_->snapshot();
     std::vector<int64_t> pattern{
@@ -376,6 +380,7 @@ PendingWork p2p(const char* op, const std::string& what, const at::Tensor& t, Co
   p.counter = &counter;
   p.bytes = bytes;
   p.start = std::chrono::steady_clock::now();
+  SHARDTORCH_DEBUG(op, " for ", what, " (", p.shapes, "): start, ", t.nbytes(), " bytes");
   return p;
 }
 }  // namespace

@@ -2,6 +2,7 @@
 #include "comm/backends.h"
 #include "base/check.h"
 #include "base/errors.h"
+#include "base/log.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -270,6 +271,7 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   std::shared_ptr<World> w(new World());
   w->rank_ = rank;
   w->size_ = world_size;
+  detail::set_log_rank(rank);  // the "[rank N] " of the library's messages
   w->local_rank_ = local_rank;
   w->options_ = options;
   detail::quiet_cpp_stacktraces();
@@ -316,7 +318,7 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   const auto choice = detail::check_collectives_choice(
       options.check_collectives(), std::getenv("SHARDTORCH_CHECK_COLLECTIVES"), w->device_.is_cuda(), world_size);
   if (choice.refused_on_cuda) {
-    TORCH_WARN_ONCE(
+    SHARDTORCH_WARN_ONCE(
         "shardtorch: check_collectives is not available on a CUDA device yet and stays off: it has "
         "not run on a GPU (docs/reliability.md)");
   }

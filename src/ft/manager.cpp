@@ -36,6 +36,7 @@
 
 #include "base/check.h"
 #include "base/errors.h"
+#include "base/log.h"
 #include "ft/lighthouse_client.h"
 #include "optim/optimizer_state.h"
 #include "runtime/shard_state.h"
@@ -264,7 +265,7 @@ struct Manager::Impl {
   }
 
   void log(const std::string& line) const {
-    if (!options.log() || world->rank() != 0) return;
+    if (!options.log() || world->rank() != 0 || !shardtorch::detail::log_enabled(shardtorch::LogLevel::Info)) return;
     const auto now = std::chrono::system_clock::now();
     const std::time_t t = std::chrono::system_clock::to_time_t(now);
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
@@ -272,7 +273,8 @@ struct Manager::Impl {
     ::localtime_r(&t, &tm);
     char stamp[32];
     std::snprintf(stamp, sizeof stamp, "%02d:%02d:%02d.%03d", tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>(ms));
-    std::cerr << "[shardtorch-ft " << stamp << "] group " << group << ": " << line << std::endl;
+    shardtorch::detail::log(shardtorch::LogLevel::Info,
+                            "[shardtorch-ft " + std::string(stamp) + "] group " + group + ": " + line);
   }
 
   // ---- the quorum: one request at a time, run by a worker thread of the
@@ -781,7 +783,14 @@ struct Manager::Impl {
       for (int64_t k = 0; k < m[static_cast<int64_t>(2 + 2 * i)]; ++k) post(host_like(pieces[i].view));
     const int64_t user_len = m[1];
     if (user_len > 0) post(at::empty({user_len}, at::kByte));
-    for (auto& w : works) w->wait(options.timeout());
+    int64_t bytes = 0;
+    for (const auto& t : got) bytes += static_cast<int64_t>(t.nbytes());
+    shardtorch::detail::ProgressReporter progress("heal", "tensors", static_cast<int64_t>(works.size()), bytes);
+    for (size_t i = 0; i < works.size(); ++i) {
+      works[i]->wait(options.timeout());
+      progress.advance(1, static_cast<int64_t>(got[i].nbytes()));
+    }
+    progress.finish();
     // Everything arrived: replace (under CPU offload once no copy to the
     // device reads the masters any more).
     state->copies().wait_for_offload_copies();

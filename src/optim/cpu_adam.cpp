@@ -2,6 +2,7 @@
 // On x86-64 the AVX-512 and AVX2 variants are chosen at run time; elsewhere
 // (aarch64) the one portable variant runs, vectorised by the compiler for the
 // target's baseline (NEON on aarch64).
+#include "base/log.h"
 #include "shardtorch/optim/cpu_adam.h"
 #include "base/check.h"
 
@@ -243,9 +244,9 @@ Choice choose() {
   // otherwise update replicated values with different kernels unawares).
   Choice c = automatic();
   const bool known = w == "avx512" || w == "avx512-newton" || w == "avx2";
-  TORCH_WARN_ONCE("shardtorch: SHARDTORCH_ADAM_ISA='", w, "' ",
-                  known ? "is not supported by this CPU" : "is not one of avx512-newton, avx512, avx2, default",
-                  "; the fused CPU Adam uses '", c.name, "'");
+  SHARDTORCH_WARN_ONCE("shardtorch: SHARDTORCH_ADAM_ISA='", w, "' ",
+                       known ? "is not supported by this CPU" : "is not one of avx512-newton, avx512, avx2, default",
+                       "; the fused CPU Adam uses '", c.name, "'");
   return c;
 }
 // Per call (a few cached CPU-feature checks and a getenv), so the override

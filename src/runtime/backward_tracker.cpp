@@ -9,6 +9,7 @@
 
 #include "comm/world_access.h"
 #include "base/errors.h"
+#include "base/log.h"
 #include "runtime/shard_state.h"
 
 namespace shardtorch::detail {
@@ -114,10 +115,10 @@ void BackwardTracker::check_finished(const char* who) {
 
 void BackwardTracker::abandon(bool warn) {
   if (warn) {
-    TORCH_WARN(detail::rank_prefix(model_.world().global_rank()),
-               ": the previous backward did not finish (an exception escaped it); ",
-               "its reductions in flight, its staged gradients and any gradients accumulated under no_sync were ",
-               "dropped. Gradients reduced before the failure may be partial: call zero_grad() before the next step.");
+    SHARDTORCH_WARN(
+        "shardtorch: the previous backward did not finish (an exception escaped it); ",
+        "its reductions in flight, its staged gradients and any gradients accumulated under no_sync were ",
+        "dropped. Gradients reduced before the failure may be partial: call zero_grad() before the next step.");
   }
   phase_ = BackwardPhase::Idle;  // from any phase
   partial_grads_ = true;         // until zero_grad

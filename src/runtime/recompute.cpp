@@ -2,6 +2,7 @@
 // the autograd node that recomputes them in backward (docs/design.md,
 // "Activation checkpointing").
 #include <ATen/Context.h>
+#include "base/log.h"
 #include "base/check.h"
 #include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
@@ -190,10 +191,10 @@ class BuffersKept {
       try {
         if (!at::equal(b, value)) b.detach().copy_(value);
       } catch (const std::exception& e) {  // a destructor must not throw (it may run while one unwinds)
-        TORCH_WARN("shardtorch: a checkpointed unit's buffer of shape ", b.sizes(),
-                   " could not be put back after "
-                   "its recomputation: ",
-                   e.what());
+        SHARDTORCH_WARN("shardtorch: a checkpointed unit's buffer of shape ", b.sizes(),
+                        " could not be put back after "
+                        "its recomputation: ",
+                        e.what());
       }
     }
   }

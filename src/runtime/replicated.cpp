@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 
 #include "base/errors.h"
+#include "base/log.h"
 #include "runtime/shard_state.h"
 
 namespace shardtorch::detail {
@@ -63,16 +64,16 @@ void ReplicatedPath::note_gradient(size_t i) {
   // LibTorch's Module::zero_grad reaches our buckets only through a unit (the
   // root, if it is one); with fp32 buckets of bf16 gradients the parameters
   // hold no gradient it could clear.
-  TORCH_WARN("shardtorch (NoShard): rank ", world_.global_rank(),
-             ": a backward after an optimizer step with no zero_grad "
-             "that reached the gradient buckets since: their ",
-             ddp_->grad_view(i).scalar_type(),
-             " gradients are not "
-             "the parameters' own (",
-             params_[i].scalar_type(),
-             "), so this step's gradients add to the last "
-             "step's. LibTorch's model->zero_grad() reaches them only through a unit; call opt->zero_grad(), or make "
-             "the root a unit (SHARDTORCH_MODULE). If you accumulate across steps on purpose, ignore this.");
+  SHARDTORCH_WARN(
+      "shardtorch (NoShard): a backward after an optimizer step with no zero_grad "
+      "that reached the gradient buckets since: their ",
+      ddp_->grad_view(i).scalar_type(),
+      " gradients are not "
+      "the parameters' own (",
+      params_[i].scalar_type(),
+      "), so this step's gradients add to the last "
+      "step's. LibTorch's model->zero_grad() reaches them only through a unit; call opt->zero_grad(), or make "
+      "the root a unit (SHARDTORCH_MODULE). If you accumulate across steps on purpose, ignore this.");
 }
 
 void ReplicatedPath::on_zero_grad() { stepped_since_zero_ = false; }

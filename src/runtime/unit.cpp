@@ -1,5 +1,6 @@
 // The life of a unit: gather, free, hooks and gradient hand-off (docs/design.md).
 #include <c10/core/GradMode.h>
+#include "base/log.h"
 #include "base/check.h"
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -59,6 +60,7 @@ Unit::Unit(std::shared_ptr<ShardState> owner, std::string name, int index, bool 
 
 void Unit::unshard_async() {
   if (state_ != ParamState::Sharded || persistent_) return;
+  SHARDTORCH_DEBUG("unit '", label(), "': gather");
   start_gather();
   try {
     for (auto& f : flats_)
@@ -99,6 +101,7 @@ void Unit::unshard() {
   gathers_.clear();
   gather_inputs_.clear();
   finish_gather();
+  SHARDTORCH_DEBUG("unit '", label(), "': gathered");
 }
 
 void Unit::free_full(size_t wait_from, size_t failed) {
@@ -111,8 +114,8 @@ void Unit::free_full(size_t wait_from, size_t failed) {
       owner_->topology().shard_comm().wait(gathers_[i]);  // never free memory a collective still writes
     } catch (const std::exception& e) {
       abandon[i] = true;
-      TORCH_WARN(detail::rank_prefix(owner_->world().global_rank()), ": an all-gather of unit '", label(),
-                 "' that nothing read failed; the ranks may be out of step: ", e.what());
+      SHARDTORCH_WARN("shardtorch: an all-gather of unit '", label(),
+                      "' that nothing read failed; the ranks may be out of step: ", e.what());
     }
   }
   gathers_.clear();
@@ -123,6 +126,7 @@ void Unit::free_full(size_t wait_from, size_t failed) {
 
 void Unit::reshard() {
   if (state_ == ParamState::Sharded || persistent_ || pins_ > 0) return;
+  SHARDTORCH_DEBUG("unit '", label(), "': free");
   free_full();  // a gather in flight is waited for; nobody reads what it brings
   if (!flats_.empty()) owner_->mem().unit_released();
 }

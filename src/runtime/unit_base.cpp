@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <exception>
 
+#include "base/log.h"
 #include "base/check.h"
 #include "runtime/shard_state.h"
 
@@ -17,11 +18,11 @@ void UnitBase::forward_failed() noexcept {
   try {
     unit_->abandon_forward();
   } catch (const std::exception& e) {  // runs while the forward's exception unwinds: warn, never throw
-    TORCH_WARN(detail::rank_prefix(unit_->owner().world().global_rank()), ": unit '", unit_->label(),
-               "' could not be resharded after its forward failed: ", e.what());
+    SHARDTORCH_WARN("shardtorch: unit '", unit_->label(),
+                    "' could not be resharded after its forward failed: ", e.what());
   } catch (...) {
-    TORCH_WARN(detail::rank_prefix(unit_->owner().world().global_rank()), ": unit '", unit_->label(),
-               "' could not be resharded after its forward failed (an exception of unknown type)");
+    SHARDTORCH_WARN("shardtorch: unit '", unit_->label(),
+                    "' could not be resharded after its forward failed (an exception of unknown type)");
   }
 }
 

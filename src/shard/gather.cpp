@@ -1,5 +1,6 @@
 #include "shardtorch/gather.h"
 #include "base/check.h"
+#include "base/log.h"
 
 #include <c10/core/GradMode.h>
 
@@ -119,7 +120,7 @@ FullParams::~FullParams() {
         for (auto& f : u->flats()) f->write_back_shard();
     }
   } catch (const std::exception& e) {
-    TORCH_WARN(detail::rank_prefix(state_->world().global_rank()), ": leaving summon_full_params failed: ", e.what());
+    SHARDTORCH_WARN("shardtorch: leaving summon_full_params failed: ", e.what());
   }
   for (auto& u : units_) u->unpin();
   state_->leave_summon(options_.with_grads());
@@ -132,8 +133,7 @@ FullParams::~FullParams() {
     // only its own slice of its own edit).
     state_->regather_unsharded();
   } catch (const std::exception& e) {
-    TORCH_WARN(detail::rank_prefix(state_->world().global_rank()),
-               ": freeing or regathering summoned parameters failed: ", e.what());
+    SHARDTORCH_WARN("shardtorch: freeing or regathering summoned parameters failed: ", e.what());
   }
 }
 
@@ -152,8 +152,15 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
     for (const auto& item : root.named_parameters()) out[item.key()] = state->record_of(item.value()).detach().clone();
     return out;
   }
+  int64_t bytes = 0;
+  for (auto& u : state->units())
+    for (auto& f : u->flats())
+      bytes += f->layout().padded_numel() * static_cast<int64_t>(c10::elementSize(f->shard().scalar_type()));
+  detail::ProgressReporter progress("full_parameters", "units", static_cast<int64_t>(state->units().size()), bytes);
   for (auto& u : state->units()) {
+    int64_t unit_bytes = 0;
     for (auto& f : u->flats()) {
+      unit_bytes += f->layout().padded_numel() * static_cast<int64_t>(c10::elementSize(f->shard().scalar_type()));
       at::Tensor mine = state->copies().on_comm_device(f->shard());
       at::Tensor full = at::empty({f->layout().padded_numel()}, mine.options());
       state->topology().shard_comm().all_gather_into(full, mine, "master parameters of unit '" + u->label() + "'");
@@ -162,7 +169,9 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
         put(f->params()[i],
             full.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i)).clone());
     }
+    progress.advance(1, unit_bytes);
   }
+  progress.finish();
   return out;
 }
 

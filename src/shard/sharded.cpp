@@ -1,4 +1,5 @@
 #include "shardtorch/sharded.h"
+#include "base/log.h"
 #include "base/check.h"
 
 // shard(): finding units and parameters, checking the model across ranks,
@@ -436,6 +437,14 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
   const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
   Comm& shard_comm = state->topology().shard_comm();
   std::vector<std::shared_ptr<detail::Unit>> made;
+  int64_t bytes_total = 0;
+  std::vector<int64_t> unit_bytes(units.size(), 0);
+  for (const auto& p : found.params)
+    if (p.unit >= 0 && static_cast<size_t>(p.unit) < units.size())
+      unit_bytes[static_cast<size_t>(p.unit)] += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+  for (int64_t b : unit_bytes) bytes_total += b;
+  detail::ProgressReporter progress("shard", "units", static_cast<int64_t>(units.size()), bytes_total,
+                                    options.progress());
   for (size_t u = 0; u < units.size(); ++u) {
     bool is_root = root_is_unit && u == 0;
     auto unit = std::make_shared<detail::Unit>(state, units[u].name, static_cast<int>(u), is_root,
@@ -470,7 +479,9 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
     unit->register_grad_hooks();
     state->add_unit(unit);
     made.push_back(unit);
+    progress.advance(1, unit_bytes[u]);
   }
+  progress.finish();
   return made;
 }
 
