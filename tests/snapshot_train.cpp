@@ -14,8 +14,9 @@
 //
 // For bench/snapshots/run.sh: --model gpt trains the example GPT
 // (--d-model, --layers); rank 0 prints the median step time of this
-// incarnation and, as wall-clock epoch milliseconds, when a rank was killed
-// and when the first step after a restart ended. Without --dir, a restarted
+// incarnation and, as wall-clock epoch milliseconds, when a rank was killed,
+// when the first step after a restart ended and when step --report-step
+// ended after it. Without --dir, a restarted
 // run resumes from --checkpoint (the disk baseline).
 #include <torch/torch.h>
 
@@ -123,6 +124,7 @@ int main(int argc, char** argv) {
   const std::string ckpt = arg(argc, argv, "checkpoint", "");
   const std::string out = arg(argc, argv, "out", "");
   const auto kills = parse_kills(arg(argc, argv, "kill", ""));
+  const int64_t report_step = std::stoll(arg(argc, argv, "report-step", "-1"));
   const bool snapshots = !dir.empty();
   const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const int incarnation = restarts ? std::atoi(restarts) : 0;
@@ -225,6 +227,9 @@ int main(int argc, char** argv) {
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (step == first + 1 && incarnation > 0 && world->rank() == 0)
       std::printf("first step after the restart ended at epoch ms %lld\n", static_cast<long long>(epoch_ms()));
+    if (step == report_step && incarnation > 0 && world->rank() == 0)
+      std::printf("step %lld ended again at epoch ms %lld\n", static_cast<long long>(step),
+                  static_cast<long long>(epoch_ms()));
   }
   if (world->rank() == 0 && times.size() > 3) {
     std::vector<double> steady(times.begin() + 3, times.end());
