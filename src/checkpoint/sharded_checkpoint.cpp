@@ -917,7 +917,8 @@ void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::
   std::optional<Files> files;
   Changes changes;
   std::string error = prior_error;
-  if (error.empty()) try {
+  if (error.empty()) {
+    try {
       state->check_outside_summon();
       files.emplace(dir, idx);
       check_model_against(root, idx, dir, nullptr);
@@ -929,6 +930,7 @@ void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::
     } catch (const std::exception& e) {
       error = e.what();
     }
+  }
   detail::load_agreed(*state, error, fingerprint, changes, what);
   if (opt) opt->views().count_optimizer_state(opt->inner());
 }
