@@ -45,6 +45,11 @@ if [ "$set" = full_shard ]; then
   run node --strategy $s --steps 10 --every 1 --dir "$tmp/node" --kill "0:2@6:forward:node"
   says node "restored step 5 from memory; from their buddies' copies: ranks 2"
   same $s node
+  # Rank 3's newest snapshot damaged: refused by its checksum, its buddy's copy serves.
+  run damage --strategy $s --steps 10 --every 1 --dir "$tmp/damage" --kill "0:3@6:forward:damage"
+  says damage "does not match its checksum"
+  says damage "restored step 5 from memory; from their buddies' copies: ranks 3"
+  same $s damage
   # Rank 1 and its buddy lost together: the disk checkpoint of step 6.
   run pair --strategy $s --steps 10 --every 1 --dir "$tmp/pair" --checkpoint "$tmp/ck" --save-every 3 \
     --kill "0:1@8:forward:pair"

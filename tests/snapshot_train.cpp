@@ -10,7 +10,8 @@
 // snapshot (its file written, not yet in place). LOSS: "node" deletes the
 // rank's own snapshots first (its node's memory is lost, its buddy's copy
 // remains); "pair" deletes those of the rank and of its buddy, and the copies
-// each keeps (both nodes lost: only the disk checkpoint remains).
+// each keeps (both nodes lost: only the disk checkpoint remains); "damage"
+// flips a byte of the rank's newest snapshot (its checksum must refuse it).
 //
 // For bench/snapshots/run.sh: --model gpt trains the example GPT
 // (--d-model, --layers); rank 0 prints the median step time of this
@@ -172,6 +173,17 @@ int main(int argc, char** argv) {
   const auto die_at = [&](const std::string& phase) {
     // The step a phase belongs to: the one being done, or (a snapshot) the one just done.
     if (mine.phase != phase || (phase == "snapshot" ? step : step + 1) != mine.step) return;
+    if (mine.loss == "damage") {  // the last byte of its newest snapshot flipped
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      const std::string f = shardtorch::files::join(shardtorch::detail::own_snapshot_path(so, world->rank(), step),
+                                                    "rank-" + std::to_string(world->rank()) + ".safetensors");
+      std::FILE* fp = std::fopen(f.c_str(), "r+b");
+      if (!fp || std::fseek(fp, -1, SEEK_END) != 0) throw std::runtime_error("cannot damage " + f);
+      const int c = std::fgetc(fp);
+      std::fseek(fp, -1, SEEK_END);
+      std::fputc(c ^ 0xff, fp);
+      std::fclose(fp);
+    }
     if (mine.loss == "node" || mine.loss == "pair") {
       std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the copies in flight land first
       forget_rank(dir, world->rank());
