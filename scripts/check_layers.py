@@ -36,7 +36,7 @@ PUBLIC = {
     "shard": ["sharded_model.h", "sharded.h", "gather.h"],
     "plan": ["plan.h"],
     "optim": ["optim.h", "optim/cpu_adam.h", "grad_scaler.h", "clip.h"],
-    "checkpoint": ["checkpoint.h", "checkpoint/safetensors.h", "hf_checkpoint.h", "dcp_checkpoint.h"],
+    "checkpoint": ["checkpoint.h", "checkpoint/safetensors.h", "hf_checkpoint.h", "dcp_checkpoint.h", "snapshot.h"],
     "ft": ["ft.h"],
     "parallel": ["schedule.h", "pipeline.h", "pipeline_checkpoint.h", "tensor_parallel.h"],
     "testing": ["testing.h"],

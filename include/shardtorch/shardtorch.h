@@ -13,6 +13,7 @@
 #include "shardtorch/clip.h"
 #include "shardtorch/grad_scaler.h"
 #include "shardtorch/checkpoint.h"
+#include "shardtorch/snapshot.h"
 #include "shardtorch/optim/cpu_adam.h"
 #include "shardtorch/plan.h"
 #include "shardtorch/deferred.h"

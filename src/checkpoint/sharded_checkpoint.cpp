@@ -29,6 +29,7 @@
 #include "checkpoint/tied_names.h"
 #include "checkpoint/model_part.h"
 #include "checkpoint/publish.h"
+#include "checkpoint/rank_state.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"
 
@@ -126,10 +127,12 @@ struct Holding {
 
 // `rank`: this rank's file. A part of a model (`part`) leaves the parameters
 // tied to other parts under another name to the part whose name comes first.
+// `whole`: everything this rank holds (none left to a replica) and every
+// buffer, in `file` (rank_state.h).
 Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt, int rank,
-                const checkpoint::ModelPart* part) {
+                const checkpoint::ModelPart* part, bool whole = false, const std::string& whole_file = "") {
   Holding h;
-  const std::string file = "rank-" + std::to_string(rank) + ".safetensors";
+  const std::string file = whole ? whole_file : "rank-" + std::to_string(rank) + ".safetensors";
   auto add = [&](const std::string& name, const std::string& kind, int64_t begin, const at::Tensor& t, int64_t step) {
     Entry e{name, kind, begin, begin + t.numel(), step, file, ""};
     e.tensor = tensor_key(e);
@@ -162,6 +165,7 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
       me = state.topology().replica_comm()->rank();
     }
   }
+  if (whole) writers = 1, me = 0;
   if (part)
     ranges.erase(std::remove_if(ranges.begin(), ranges.end(),
                                 [&](const Range& r) { return part->saved_by_another_part(r.name); }),
@@ -187,7 +191,7 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
         add(piece.name, kind, piece.param_offset, t, step);
     }
   }
-  if (state.world().rank() == 0)  // the buffers, once per model (per part)
+  if (whole || state.world().rank() == 0)  // the buffers, once per model (per part)
     for (const auto& item : root.named_buffers())
       if (item.value().defined()) add(item.key(), "buffer", 0, item.value(), 0);
   return h;
@@ -898,6 +902,52 @@ int64_t load_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::
 }
 
 }  // namespace
+
+namespace checkpoint {
+
+std::vector<std::pair<index_format::Entry, at::Tensor>> rank_state(torch::nn::Module& root, ShardedOptimizer* opt,
+                                                                   const std::string& file) {
+  auto state = detail::require_state(root, "snapshot");
+  c10::NoGradGuard no_grad;
+  if (opt) optimizer_kind(*opt);
+  return collect(root, *state, opt, state->world().rank(), nullptr, /*whole=*/true, file).items;
+}
+
+std::map<std::string, std::vector<int64_t>> model_shapes_of(torch::nn::Module& root) { return model_shapes(root); }
+
+std::string strategy_of(torch::nn::Module& root) {
+  return strategy_name(detail::require_state(root, "snapshot")->strategy());
+}
+
+void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, const Index& idx,
+                     const std::string& fingerprint, const std::string& prior_error) {
+  auto state = detail::require_state(root, "snapshot restore");
+  detail::FileWaits file_waits(*state);
+  state->wait_for_offload_copies();
+  c10::NoGradGuard no_grad;
+  const std::string what = "shardtorch::Snapshots::restore '" + dir + "'";
+  std::optional<Files> files;
+  Changes changes;
+  std::string error = prior_error;
+  if (error.empty()) {
+    try {
+      state->check_outside_summon();
+      files.emplace(dir, idx);
+      check_model_against(root, idx, dir, nullptr);
+      const SavedNames saved(root, idx, nullptr);
+      FillPlanner plan{idx, *files, dir, /*allow_lossy=*/false, saved};
+      plan_parameters(root, *state, plan, changes);
+      plan_buffers(root, plan, changes);
+      if (opt) plan_optimizer_state(*opt, plan, changes);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  detail::load_agreed(*state, error, fingerprint, changes, what);
+  if (opt) opt->views().count_optimizer_state(opt->inner());
+}
+
+}  // namespace checkpoint
 
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
                                 std::map<std::string, std::string>* user_state, const LoadOptions& options) {

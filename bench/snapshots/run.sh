@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# In-memory snapshots against the disk, side by side in one run, on the
+# example GPT under torchrun (docs/fault_tolerance.md, "In-memory snapshots",
+# records the figures):
+#  - steady state: the median step time without snapshots and with a
+#    snapshot (and the buddy's copy) after every step, REPEATS runs each,
+#    interleaved; and the bytes each rank keeps;
+#  - recovery: a rank killed at step KILL; the time from the kill to the end
+#    of the first step after torchrun's restart, restored from the snapshots,
+#    against the same job restarted from its disk checkpoint (saved every
+#    SAVE_EVERY steps to a directory of the local disk), and the time until
+#    the step being done when the rank died is done again (the disk restart
+#    redoes the steps since its checkpoint).
+# usage: bench/snapshots/run.sh BUILD_DIR [ranks] [d_model] [layers] [steps] [repeats]
+set -euo pipefail
+build=$1 ranks=${2:-2} d_model=${3:-256} layers=${4:-4} steps=${5:-30} repeats=${6:-3}
+torchrun=$(dirname "$0")/../../.venv/bin/torchrun
+bin=$build/tests/snapshot_train
+kill_at=$((steps - 5)) save_every=10
+tmp=$(mktemp -d)
+ck=$(mktemp -d /var/tmp/shardtorch-snapshot-bench.XXXXXX)
+trap 'rm -rf "$tmp" "$ck"' EXIT
+run() {  # LOG [snapshot_train options]
+  local log=$1
+  shift
+  "$torchrun" --no-python --standalone --nproc-per-node "$ranks" --max-restarts 1 --monitor-interval 0.1 \
+    "$bin" --model gpt --d-model "$d_model" --layers "$layers" --steps "$steps" "$@" > "$log" 2>&1 ||
+    { cat "$log"; exit 1; }
+}
+median() { sed -n 's/^median step ms \([0-9.]*\).*/\1/p' "$1" | tail -1; }
+for i in $(seq "$repeats"); do
+  run "$tmp/plain$i.log"
+  run "$tmp/snap$i.log" --every 1 --dir "$tmp/shm$i"
+  echo "repeat $i: median step ms without $(median "$tmp/plain$i.log"), with snapshots (K=1) $(median "$tmp/snap$i.log")"
+done
+grep -h "^bytes kept" "$tmp/snap1.log"
+# Recovery: memory, then disk.
+recovery() {  # LOG PATTERN: ms from the kill to the line PATTERN
+  local killed first
+  killed=$(sed -n 's/.*killed at step .* at epoch ms \([0-9]*\)$/\1/p' "$1" | head -1)
+  first=$(sed -n "s/^$2 at epoch ms \([0-9]*\)\$/\1/p" "$1" | head -1)
+  echo $((first - killed))
+}
+run "$tmp/mem.log" --every 1 --dir "$tmp/shm-kill" --checkpoint "$ck/mem" --save-every $save_every --kill "0:1@$kill_at:forward" --report-step $kill_at
+run "$tmp/disk.log" --checkpoint "$ck/disk" --save-every $save_every --kill "0:1@$kill_at:forward" --report-step $kill_at
+grep -h "restored step\|incarnation 1" "$tmp/mem.log" "$tmp/disk.log" || true
+first="first step after the restart ended" again="step $kill_at ended again"
+echo "kill to first step after the restart: from memory $(recovery "$tmp/mem.log" "$first") ms, from disk $(recovery "$tmp/disk.log" "$first") ms"
+echo "kill to step $kill_at done again: from memory $(recovery "$tmp/mem.log" "$again") ms, from disk $(recovery "$tmp/disk.log" "$again") ms"

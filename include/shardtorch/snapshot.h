@@ -1,0 +1,103 @@
+#pragma once
+// In-memory snapshots that outlive the training process (docs/fault_tolerance.md,
+// "In-memory snapshots"): every `every` steps each rank writes its whole shard
+// state (parameter shards in the master dtype, optimizer state, buffers, the
+// step and the program's registered state) to a file in node-local shared
+// memory, and sends a copy to its buddy rank (on another node), which keeps
+// it beside its own. After a failure and the launcher's restart, restore()
+// loads the newest step every rank has, from its own copy or its buddy's,
+// and falls back to a sharded checkpoint on disk when memory cannot serve.
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtorch/export.h"
+#include "shardtorch/optim.h"
+#include "shardtorch/world.h"
+
+namespace shardtorch {
+
+struct SHARDTORCH_API SnapshotOptions {
+  /// after_step(step) snapshots when step % every == 0.
+  int every = 1;
+  /// Where the snapshot files are: node-local memory (tmpfs) that outlives
+  /// the process but not the node.
+  std::string dir = "/dev/shm";
+  /// The job's name, the same on every rank and across the launcher's
+  /// restarts, in every file's name and header; snapshots of another job are
+  /// never used. Empty: TORCHELASTIC_RUN_ID (torchrun's), else "shardtorch".
+  std::string job;
+  /// buddy[r]: the rank that keeps rank r's copy. Empty: the rank with the
+  /// same local rank on the next node (LOCAL_WORLD_SIZE ranks per node),
+  /// r + 1 (mod world) on one node. No rank is its own buddy (world 1: none).
+  std::vector<int> buddy;
+  /// A sharded checkpoint directory (save_sharded_checkpoint) that restore()
+  /// loads when no step is in memory on every rank; empty: none (a fresh start).
+  std::string fallback_dir;
+};
+
+/// Construct on every rank after shard() and the optimizer (collective: it
+/// makes its own process group for the buddy copies). Per training loop:
+///   Snapshots snaps(world, *model, opt.get(), options);
+///   snaps.register_state("data", save, load);
+///   int64_t step = snaps.restore();       // -1: nothing to resume from
+///   for (step = step + 1; step <= steps; ++step) { train(step); snaps.after_step(step); }
+///   snaps.finish();                       // the job is done: its snapshots go
+class SHARDTORCH_API Snapshots {
+ public:
+  Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, ShardedOptimizer* opt, SnapshotOptions options = {});
+  /// Waits for a buddy transfer in flight (its error is dropped).
+  ~Snapshots();
+  Snapshots(const Snapshots&) = delete;
+  Snapshots& operator=(const Snapshots&) = delete;
+
+  /// The program's own state (a data position, an RNG seed, a grad scaler's
+  /// state_dict entries), saved with every snapshot and given back by
+  /// restore(): text, per rank. Register before restore(), the same names
+  /// on every rank.
+  void register_state(const std::string& name, std::function<std::string()> save,
+                      std::function<void(const std::string&)> load);
+  /// Collective. The newest step that every rank has in memory (its own
+  /// copy, or the copy its buddy holds, sent back to it), loaded on every
+  /// rank with the registered state; returns that step. If memory cannot
+  /// serve, the sharded checkpoint in fallback_dir is loaded instead (said
+  /// on stderr) and its step returned; with none, -1 (nothing loaded).
+  int64_t restore();
+  /// After the optimizer step `step` (steps counted from 1): snapshots
+  /// when step % every == 0. Writes this rank's file before returning; the
+  /// copy to the buddy runs in the background, overlapping the next step,
+  /// and the next snapshot waits for it (throwing its error, if any).
+  void after_step(int64_t step);
+  /// The registered state, for a regular checkpoint's user_state (which
+  /// restore() gives back to the registered loaders on a disk fallback).
+  std::map<std::string, std::string> user_state() const;
+  /// The bytes this rank keeps in `dir`: its own snapshots and the copies it
+  /// holds for others (two generations of each).
+  int64_t bytes_kept() const;
+  /// buddy[r] for every rank r (the map in use).
+  const std::vector<int>& buddies() const;
+  /// Collective, at the clean end of the job: waits for the transfer in
+  /// flight, then removes this job's snapshot files of this rank.
+  void finish();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+namespace detail {
+/// For tests: the path of rank `rank`'s own snapshot of `step` under
+/// `options` (dir, job), and of the copy `holder` keeps of it.
+SHARDTORCH_API std::string own_snapshot_path(const SnapshotOptions& options, int rank, int64_t step);
+SHARDTORCH_API std::string held_snapshot_path(const SnapshotOptions& options, int rank, int holder, int64_t step);
+/// The job name options.job resolves to.
+SHARDTORCH_API std::string snapshot_job(const SnapshotOptions& options);
+}  // namespace detail
+
+}  // namespace shardtorch

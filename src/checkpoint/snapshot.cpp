@@ -1,0 +1,583 @@
+// In-memory snapshots (shardtorch/snapshot.h; the protocol is in
+// docs/fault_tolerance.md, "In-memory snapshots"). A snapshot is a directory
+// DIR/shardtorch-JOB-rR-own-sSTEP (or -rR-held-by-rH-sSTEP, the copy rank H
+// keeps of rank R's) holding rank-R.safetensors, whose metadata is the
+// snapshot's header; it is written as a hidden temporary directory and
+// renamed into place, so a crash leaves the previous snapshots whole.
+#include "shardtorch/snapshot.h"
+
+#include <boost/json.hpp>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "base/check.h"
+#include "base/files.h"
+#include "checkpoint/checksum.h"
+#include "checkpoint/index_format.h"
+#include "checkpoint/rank_state.h"
+#include "shardtorch/checkpoint.h"
+#include "shardtorch/checkpoint/safetensors.h"
+
+namespace shardtorch {
+
+namespace json = boost::json;
+using checkpoint::index_format::Entry;
+using checkpoint::index_format::Index;
+
+namespace {
+
+constexpr int kVersion = 1;
+constexpr const char* kFormat = "shardtorch snapshot";
+constexpr int kKeep = 2;  // generations kept of each snapshot: the ranks may be one apart when one dies
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::string(v) : fallback;
+}
+
+std::string prefix(const SnapshotOptions& o) { return "shardtorch-" + detail::snapshot_job(o) + "-r"; }
+std::string own_name(const SnapshotOptions& o, int rank) { return prefix(o) + std::to_string(rank) + "-own-s"; }
+std::string held_name(const SnapshotOptions& o, int rank, int holder) {
+  return prefix(o) + std::to_string(rank) + "-held-by-r" + std::to_string(holder) + "-s";
+}
+std::string file_of(int rank) { return "rank-" + std::to_string(rank) + ".safetensors"; }
+
+// The steps of the snapshots named `name`STEP in `dir`, newest first.
+std::vector<int64_t> steps_named(const std::string& dir, const std::string& name) {
+  std::vector<int64_t> out;
+  if (!files::is_directory(dir)) return out;
+  for (const auto& e : files::list_directory(dir)) {
+    if (e.compare(0, name.size(), name) != 0) continue;
+    const std::string rest = e.substr(name.size());
+    if (rest.empty() || rest.find_first_not_of("0123456789") != std::string::npos || rest.size() > 18) continue;
+    out.push_back(std::stoll(rest));
+  }
+  std::sort(out.rbegin(), out.rend());
+  return out;
+}
+
+// Hidden while it is written: steps_named never sees it.
+std::string temporary_of(const std::string& dir, const std::string& name) {
+  return files::join(dir, "." + name + ".tmp");
+}
+
+// Removes all but the newest kKeep snapshots named `name`STEP.
+void prune(const std::string& dir, const std::string& name) {
+  const auto steps = steps_named(dir, name);
+  for (size_t i = kKeep; i < steps.size(); ++i)
+    files::remove_all_quietly(files::join(dir, name + std::to_string(steps[i])));
+}
+
+// Moves the finished temporary directory `tmp` in as `final_dir`.
+void put_in_place(const std::string& tmp, const std::string& final_dir) {
+  files::remove_all_quietly(final_dir);  // a step done again after a restore: the older generation stays whole
+  files::rename(tmp, final_dir);
+}
+
+std::string read_whole(const std::string& path) {
+  std::string why;
+  const int fd = files::open_regular_for_reading(path, why);
+  if (fd < 0) throw std::runtime_error("cannot open '" + path + "': " + why);
+  std::string out;
+  out.resize(static_cast<size_t>(std::max<int64_t>(0, files::file_size(path))));
+  size_t at = 0;
+  while (at < out.size()) {
+    const ssize_t n = ::read(fd, out.data() + at, out.size() - at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      throw std::runtime_error("cannot read '" + path + "'");
+    }
+    at += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return out;
+}
+
+void write_whole(const std::string& path, const char* data, size_t n) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot create '" + path + "': " + std::strerror(errno));
+  size_t at = 0;
+  while (at < n) {
+    const ssize_t w = ::write(fd, data + at, n - at);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const int err = errno;
+      ::close(fd);
+      throw std::runtime_error("cannot write '" + path + "': " + std::strerror(err));
+    }
+    at += static_cast<size_t>(w);
+  }
+  if (::close(fd) != 0) throw std::runtime_error("cannot close '" + path + "'");
+}
+
+// The checksum of a safetensors file's data (what follows its header).
+std::string data_checksum_of(const std::string& bytes) {
+  if (bytes.size() < 8) throw std::runtime_error("shorter than a safetensors header");
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[static_cast<size_t>(i)]);
+  if (n > bytes.size() - 8) throw std::runtime_error("its header runs past its end");
+  return checkpoint::checksum::of(bytes.data() + 8 + n, bytes.size() - 8 - n);
+}
+
+// A snapshot found on this node, checked.
+struct Found {
+  Index index;
+  std::map<std::string, std::string> user_state;
+};
+
+}  // namespace
+
+namespace detail {
+
+std::string snapshot_job(const SnapshotOptions& options) {
+  return options.job.empty() ? env_or("TORCHELASTIC_RUN_ID", "shardtorch") : options.job;
+}
+std::string own_snapshot_path(const SnapshotOptions& options, int rank, int64_t step) {
+  return files::join(options.dir, own_name(options, rank) + std::to_string(step));
+}
+std::string held_snapshot_path(const SnapshotOptions& options, int rank, int holder, int64_t step) {
+  return files::join(options.dir, held_name(options, rank, holder) + std::to_string(step));
+}
+
+}  // namespace detail
+
+struct Snapshots::Impl {
+  std::shared_ptr<World> world;
+  torch::nn::Module& root;
+  ShardedOptimizer* opt;
+  SnapshotOptions options;
+  std::shared_ptr<Comm> comm;  // the buddy copies' own group
+  std::string fingerprint, strategy;
+  std::map<std::string, std::pair<std::function<std::string()>, std::function<void(const std::string&)>>> state;
+  std::thread transfer;
+  std::string transfer_error;
+
+  Impl(std::shared_ptr<World> w, torch::nn::Module& r, ShardedOptimizer* o, SnapshotOptions opts)
+      : world(std::move(w)), root(r), opt(o), options(std::move(opts)) {}
+
+  int rank() const { return world->rank(); }
+  std::string who() const { return detail::rank_prefix(world->global_rank()) + ": snapshots"; }
+  // The ranks whose copies this rank keeps.
+  std::vector<int> held_for() const {
+    std::vector<int> out;
+    for (int r = 0; r < world->size(); ++r)
+      if (r != rank() && options.buddy[static_cast<size_t>(r)] == rank()) out.push_back(r);
+    return out;
+  }
+
+  void wait_transfer(bool rethrow) {
+    if (transfer.joinable()) transfer.join();
+    std::string e;
+    std::swap(e, transfer_error);
+    if (rethrow && !e.empty()) throw Error(who() + ": the copy to the buddy failed: " + e);
+  }
+
+  // Checks the snapshot directory `path` of rank `rank`'s state: the
+  // header's format, job, model and layout, and the data's checksum.
+  std::optional<Found> check(const std::string& path, int for_rank, int64_t step, std::string& why) const {
+    try {
+      const std::string file = files::join(path, file_of(for_rank));
+      checkpoint::Reader reader(file);
+      const auto& meta = reader.metadata();
+      auto it = meta.find("shardtorch_snapshot");
+      if (it == meta.end()) throw std::runtime_error("no snapshot header");
+      const json::object h = json::parse(it->second).as_object();
+      auto text = [&](const char* k) { return json::value_to<std::string>(h.at(k)); };
+      if (text("format") != kFormat || h.at("version").as_int64() != kVersion)
+        throw std::runtime_error("format '" + text("format") + "' version " +
+                                 std::to_string(h.at("version").as_int64()) + ", not '" + kFormat + "' version " +
+                                 std::to_string(kVersion));
+      if (text("job") != detail::snapshot_job(options))
+        throw std::runtime_error("of job '" + text("job") + "', not '" + detail::snapshot_job(options) + "'");
+      if (h.at("world_size").as_int64() != world->size() || h.at("rank").as_int64() != for_rank)
+        throw std::runtime_error("of rank " + std::to_string(h.at("rank").as_int64()) + " of " +
+                                 std::to_string(h.at("world_size").as_int64()) + ", not rank " +
+                                 std::to_string(for_rank) + " of " + std::to_string(world->size()));
+      if (text("fingerprint") != fingerprint)
+        throw std::runtime_error("of another model or strategy (fingerprint " + text("fingerprint") + ", this " +
+                                 fingerprint + ")");
+      if (h.at("step").as_int64() != step)
+        throw std::runtime_error("its header says step " + std::to_string(h.at("step").as_int64()));
+      const std::string bytes = read_whole(file);
+      if (data_checksum_of(bytes) != text("data_checksum"))
+        throw std::runtime_error("its data does not match its checksum (damaged)");
+      json::object index{
+          {"format_version", 1},
+          {"world_size", world->size()},
+          {"strategy", strategy},
+          {"step", step},
+          {"files", json::array{json::object{{"name", file_of(for_rank)},
+                                             {"size", static_cast<int64_t>(bytes.size())},
+                                             {"checksum", checkpoint::checksum::of(bytes.data(), bytes.size())}}}},
+          {"entries", h.at("entries")},
+          {"shapes", h.at("shapes")}};
+      Found f;
+      f.index = checkpoint::index_format::parse_index(json::serialize(index), file);
+      for (const auto& [k, v] : h.at("user_state").as_object())
+        f.user_state[std::string(k)] = json::value_to<std::string>(v);
+      return f;
+    } catch (const std::exception& e) {
+      why = "snapshot '" + path + "' is not used: " + e.what();
+      return std::nullopt;
+    }
+  }
+
+  // The steps of the valid snapshots named `name`STEP of `for_rank`, newest first.
+  std::vector<int64_t> valid_steps(const std::string& name, int for_rank) const {
+    std::vector<int64_t> out;
+    for (int64_t s : steps_named(options.dir, name)) {
+      std::string why;
+      if (check(files::join(options.dir, name + std::to_string(s)), for_rank, s, why))
+        out.push_back(s);
+      else
+        std::fprintf(stderr, "%s: %s\n", who().c_str(), why.c_str());
+    }
+    return out;
+  }
+
+  void write_own(int64_t step) {
+    const std::string name = own_name(options, rank()) + std::to_string(step);
+    const std::string tmp = temporary_of(options.dir, name), final_dir = files::join(options.dir, name);
+    auto items = checkpoint::rank_state(root, opt, file_of(rank()));
+    // Laid out by element size, largest first, as the writer lays them out,
+    // so the data's checksum is of the file's data in order.
+    std::stable_sort(items.begin(), items.end(),
+                     [](const auto& a, const auto& b) { return a.second.element_size() > b.second.element_size(); });
+    checkpoint::checksum::Hasher hash;
+    json::array entries;
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (auto& [e, t] : items) {
+      at::Tensor c = t.contiguous().cpu();
+      hash.update(static_cast<const char*>(c.data_ptr()), c.nbytes());
+      entries.push_back(checkpoint::index_format::entry_json(e));
+      tensors.emplace_back(e.tensor, c);
+    }
+    json::object shapes;
+    for (const auto& [n, shape] : checkpoint::model_shapes_of(root)) {
+      json::array dims;
+      for (int64_t d : shape) dims.push_back(d);
+      shapes[n] = dims;
+    }
+    json::object user;
+    for (const auto& [k, fns] : state) user[k] = fns.first();
+    json::object header{{"format", kFormat},
+                        {"version", kVersion},
+                        {"job", detail::snapshot_job(options)},
+                        {"fingerprint", fingerprint},
+                        {"world_size", world->size()},
+                        {"rank", rank()},
+                        {"step", step},
+                        {"data_checksum", hash.text()},
+                        {"entries", entries},
+                        {"shapes", shapes},
+                        {"user_state", user}};
+    files::remove_all_quietly(tmp);
+    files::create_directories(tmp);
+    checkpoint::crash_point("snapshot started");
+    checkpoint::save_file(files::join(tmp, file_of(rank())), tensors,
+                          {{"step", std::to_string(step)}, {"shardtorch_snapshot", json::serialize(header)}},
+                          /*remove_stale_temporaries=*/false);
+    checkpoint::crash_point("snapshot written");
+    put_in_place(tmp, final_dir);
+    checkpoint::crash_point("snapshot in place");
+    prune(options.dir, own_name(options, rank()));
+  }
+
+  // Writes `bytes`, rank `owner`'s file of `step`, as the snapshot directory `name`STEP.
+  void write_received(const std::string& name, int owner, int64_t step, const at::Tensor& bytes) {
+    const std::string full = name + std::to_string(step);
+    const std::string tmp = temporary_of(options.dir, full);
+    files::remove_all_quietly(tmp);
+    files::create_directories(tmp);
+    write_whole(files::join(tmp, file_of(owner)), static_cast<const char*>(bytes.data_ptr()),
+                static_cast<size_t>(bytes.numel()));
+    put_in_place(tmp, files::join(options.dir, full));
+    prune(options.dir, name);
+  }
+
+  // Sends this rank's snapshot of `step` to its buddy and receives the
+  // snapshots of the ranks it keeps copies of (the background thread).
+  void exchange(int64_t step) {
+    std::vector<PendingWork> works;
+    std::vector<at::Tensor> keep;
+    const int buddy = options.buddy[static_cast<size_t>(rank())];
+    if (buddy != rank()) {
+      const std::string bytes =
+          read_whole(files::join(detail::own_snapshot_path(options, rank(), step), file_of(rank())));
+      at::Tensor head = torch::tensor({step, static_cast<int64_t>(bytes.size())}, torch::kInt64);
+      at::Tensor data = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+      std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
+      keep = {head, data};
+      works.push_back(comm->send_async(head, buddy, 1, "snapshot header"));
+      works.push_back(comm->send_async(data, buddy, 2, "snapshot"));
+    }
+    for (int from : held_for()) {
+      at::Tensor head = at::empty({2}, at::kLong);
+      PendingWork w = comm->recv_async(head, from, 1, "snapshot header");
+      comm->wait(w);
+      const int64_t s = head[0].item<int64_t>(), n = head[1].item<int64_t>();
+      at::Tensor data = at::empty({n}, at::kByte);
+      PendingWork d = comm->recv_async(data, from, 2, "snapshot");
+      comm->wait(d);
+      write_received(held_name(options, from, rank()), from, s, data);
+    }
+    for (auto& w : works) comm->wait(w);
+  }
+
+  int64_t restore();
+  int64_t fall_back(const std::string& why);
+
+  // After a restore to `step`: the snapshots of later steps are of a
+  // timeline the job left; they go, so that none is ever restored.
+  void drop_newer(int64_t step) {
+    auto drop = [&](const std::string& name) {
+      for (int64_t s : steps_named(options.dir, name))
+        if (s > step) files::remove_all_quietly(files::join(options.dir, name + std::to_string(s)));
+    };
+    drop(own_name(options, rank()));
+    for (int from : held_for()) drop(held_name(options, from, rank()));
+  }
+};
+
+namespace {
+
+std::vector<int> default_buddies(int world_size) {
+  std::vector<int> b(static_cast<size_t>(world_size));
+  int local = 0;
+  if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::atoi(l);
+  const bool nodes = local > 0 && local < world_size && world_size % local == 0;
+  for (int r = 0; r < world_size; ++r) b[static_cast<size_t>(r)] = (r + (nodes ? local : 1)) % world_size;
+  return b;
+}
+
+std::string model_fingerprint(torch::nn::Module& root, ShardedOptimizer* opt, int world_size) {
+  std::string text = checkpoint::strategy_of(root) + ";world " + std::to_string(world_size) + ";optimizer " +
+                     (opt ? "yes" : "no") + ";";
+  for (const auto& [n, shape] : checkpoint::model_shapes_of(root)) {
+    text += n + ":";
+    for (int64_t d : shape) text += std::to_string(d) + ",";
+    text += ";";
+  }
+  return checkpoint::checksum::of(text.data(), text.size());
+}
+
+}  // namespace
+
+Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, ShardedOptimizer* opt,
+                     SnapshotOptions options)
+    : impl_(std::make_unique<Impl>(std::move(world), root, opt, std::move(options))) {
+  Impl& m = *impl_;
+  const int n = m.world->size();
+  SHARDTORCH_CHECK(m.options.every >= 1, m.who(), ": every is ", m.options.every, "; it must be 1 or more");
+  if (m.options.buddy.empty()) m.options.buddy = default_buddies(n);
+  SHARDTORCH_CHECK(static_cast<int>(m.options.buddy.size()) == n, m.who(), ": the buddy map has ",
+                   m.options.buddy.size(), " entries for ", n, " ranks (give one per rank, or none)");
+  for (int r = 0; r < n; ++r) {
+    const int b = m.options.buddy[static_cast<size_t>(r)];
+    SHARDTORCH_CHECK(b >= 0 && b < n, m.who(), ": buddy[", r, "] is ", b, ", not a rank of ", n);
+    SHARDTORCH_CHECK(b != r || n == 1, m.who(), ": buddy[", r, "] is ", r,
+                     " itself: its copy must be on another rank (another node)");
+  }
+  files::create_directories(m.options.dir);
+  m.strategy = checkpoint::strategy_of(root);
+  m.fingerprint = model_fingerprint(root, opt, n);
+  std::vector<int> all(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) all[static_cast<size_t>(r)] = r;
+  if (n > 1) m.comm = m.world->new_group(all, "snapshots");
+}
+
+Snapshots::~Snapshots() {
+  if (impl_) impl_->wait_transfer(false);
+}
+
+void Snapshots::register_state(const std::string& name, std::function<std::string()> save,
+                               std::function<void(const std::string&)> load) {
+  impl_->state[name] = {std::move(save), std::move(load)};
+}
+
+std::map<std::string, std::string> Snapshots::user_state() const {
+  std::map<std::string, std::string> out;
+  for (const auto& [k, fns] : impl_->state) out[k] = fns.first();
+  return out;
+}
+
+const std::vector<int>& Snapshots::buddies() const { return impl_->options.buddy; }
+
+int64_t Snapshots::bytes_kept() const {
+  int64_t total = 0;
+  const Impl& m = *impl_;
+  auto add = [&](const std::string& name, int owner) {
+    for (int64_t s : steps_named(m.options.dir, name)) {
+      const std::string f = files::join(files::join(m.options.dir, name + std::to_string(s)), file_of(owner));
+      if (files::exists(f)) total += files::file_size(f);
+    }
+  };
+  add(own_name(m.options, m.rank()), m.rank());
+  for (int from : m.held_for()) add(held_name(m.options, from, m.rank()), from);
+  return total;
+}
+
+void Snapshots::after_step(int64_t step) {
+  Impl& m = *impl_;
+  if (step % m.options.every != 0) return;
+  m.wait_transfer(true);
+  m.write_own(step);
+  if (!m.comm) return;
+  m.transfer = std::thread([&m, step] {
+    try {
+      m.exchange(step);
+    } catch (const std::exception& e) {
+      m.transfer_error = e.what();
+    }
+  });
+}
+
+int64_t Snapshots::restore() { return impl_->restore(); }
+
+int64_t Snapshots::Impl::fall_back(const std::string& why) {
+  if (options.fallback_dir.empty() || !sharded_checkpoint_exists(options.fallback_dir)) {
+    if (why.empty()) return -1;  // nothing anywhere: a fresh start
+    throw Error(who() + ": " + why + ", and there is no sharded checkpoint to fall back to" +
+                (options.fallback_dir.empty() ? std::string(" (SnapshotOptions::fallback_dir is not set)")
+                                              : " in '" + options.fallback_dir + "'") +
+                ": start the job again without its snapshots (remove them) to train from the beginning");
+  }
+  std::map<std::string, std::string> user;
+  const int64_t step = load_sharded_checkpoint(root, opt, options.fallback_dir, &user);
+  drop_newer(step);
+  for (auto& [k, fns] : state)
+    if (auto it = user.find(k); it != user.end()) fns.second(it->second);
+  if (rank() == 0)
+    std::fprintf(stderr, "shardtorch: snapshots: %s; loaded the sharded checkpoint '%s' at step %lld instead\n",
+                 why.empty() ? "no snapshot in memory" : why.c_str(), options.fallback_dir.c_str(),
+                 static_cast<long long>(step));
+  return step;
+}
+
+int64_t Snapshots::Impl::restore() {
+  wait_transfer(false);
+  const int n = world->size();
+  // Leftovers of writes a crash interrupted.
+  for (const auto& e : files::list_directory(options.dir))
+    if (e.size() > 5 && e.compare(e.size() - 4, 4, ".tmp") == 0 &&
+        (e.rfind("." + own_name(options, rank()), 0) == 0 ||
+         (e.rfind("." + prefix(options), 0) == 0 &&
+          e.find("-held-by-r" + std::to_string(rank()) + "-s") != std::string::npos)))
+      files::remove_all_quietly(files::join(options.dir, e));
+  // What this rank has: its own snapshots and the copies it keeps.
+  json::object report;
+  json::array own;
+  for (int64_t s : valid_steps(own_name(options, rank()), rank())) own.push_back(s);
+  report["own"] = own;
+  json::object held;
+  for (int from : held_for()) {
+    json::array steps;
+    for (int64_t s : valid_steps(held_name(options, from, rank()), from)) steps.push_back(s);
+    held[std::to_string(from)] = steps;
+  }
+  report["held"] = held;
+  const auto reports = world->comm().all_gather_strings(json::serialize(report), "snapshot restore: the steps held");
+  // Every rank decides alike: the newest step that each rank has, in its own
+  // memory or in a copy another rank keeps (source[r]: -1, or the keeper).
+  std::vector<std::set<int64_t>> own_steps(static_cast<size_t>(n));
+  std::vector<std::map<int64_t, int>> kept(static_cast<size_t>(n));  // step -> the lowest keeper
+  std::set<int64_t> candidates;
+  for (int r = 0; r < n; ++r) {
+    const json::object o = json::parse(reports[static_cast<size_t>(r)]).as_object();
+    for (const auto& s : o.at("own").as_array()) {
+      own_steps[static_cast<size_t>(r)].insert(s.as_int64());
+      candidates.insert(s.as_int64());
+    }
+    for (const auto& [from, steps] : o.at("held").as_object())
+      for (const auto& s : steps.as_array()) {
+        kept[static_cast<size_t>(std::stoi(std::string(from)))].emplace(s.as_int64(), r);
+        candidates.insert(s.as_int64());
+      }
+  }
+  int64_t chosen = -1;
+  std::vector<int> source(static_cast<size_t>(n), -1);
+  for (auto it = candidates.rbegin(); it != candidates.rend() && chosen < 0; ++it) {
+    bool all = true;
+    for (int r = 0; r < n && all; ++r)
+      all = own_steps[static_cast<size_t>(r)].count(*it) || kept[static_cast<size_t>(r)].count(*it);
+    if (!all) continue;
+    chosen = *it;
+    for (int r = 0; r < n; ++r)
+      if (!own_steps[static_cast<size_t>(r)].count(chosen))
+        source[static_cast<size_t>(r)] = kept[static_cast<size_t>(r)].at(chosen);
+  }
+  if (chosen < 0)
+    return fall_back(candidates.empty() ? ""
+                                        : "no step is in memory on every rank (newest seen: " +
+                                              std::to_string(*candidates.rbegin()) + ")");
+  // The copies kept for ranks without their own go back to them.
+  std::vector<PendingWork> works;
+  std::vector<at::Tensor> keep;
+  std::vector<int> lost;
+  for (int r = 0; r < n; ++r) {
+    const int h = source[static_cast<size_t>(r)];
+    if (h < 0) continue;
+    lost.push_back(r);
+    if (h == rank()) {
+      const std::string bytes = read_whole(files::join(detail::held_snapshot_path(options, r, h, chosen), file_of(r)));
+      at::Tensor head = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64);
+      at::Tensor data = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+      std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
+      keep.push_back(head);
+      keep.push_back(data);
+      works.push_back(comm->send_async(head, r, 3, "snapshot restore header"));
+      works.push_back(comm->send_async(data, r, 4, "snapshot restore"));
+    } else if (r == rank()) {
+      at::Tensor head = at::empty({1}, at::kLong);
+      PendingWork w = comm->recv_async(head, h, 3, "snapshot restore header");
+      comm->wait(w);
+      at::Tensor data = at::empty({head[0].item<int64_t>()}, at::kByte);
+      PendingWork d = comm->recv_async(data, h, 4, "snapshot restore");
+      comm->wait(d);
+      write_received(own_name(options, rank()), rank(), chosen, data);
+    }
+  }
+  for (auto& w : works) comm->wait(w);
+  // Every rank checks what it will load; the load agrees before anyone changes.
+  std::string why;
+  const std::string path = detail::own_snapshot_path(options, rank(), chosen);
+  std::optional<Found> found = check(path, rank(), chosen, why);
+  // A rank whose file went bad since: every rank fails with the reason,
+  // before anything changes.
+  checkpoint::load_rank_state(root, opt, path, found ? found->index : Index{},
+                              "snapshot step " + std::to_string(chosen), found ? "" : why);
+  for (auto& [k, fns] : state)
+    if (auto it = found->user_state.find(k); it != found->user_state.end()) fns.second(it->second);
+  drop_newer(chosen);
+  if (rank() == 0) {
+    std::string from;
+    for (int r : lost) from += " " + std::to_string(r);
+    std::fprintf(stderr, "shardtorch: snapshots: restored step %lld from memory%s%s\n", static_cast<long long>(chosen),
+                 lost.empty() ? "" : "; from their buddies' copies: ranks", from.c_str());
+  }
+  return chosen;
+}
+
+void Snapshots::finish() {
+  Impl& m = *impl_;
+  m.wait_transfer(true);
+  m.world->barrier();  // no rank still needs a copy another keeps
+  for (int64_t s : steps_named(m.options.dir, own_name(m.options, m.rank())))
+    files::remove_all_quietly(detail::own_snapshot_path(m.options, m.rank(), s));
+  for (int from : m.held_for())
+    for (int64_t s : steps_named(m.options.dir, held_name(m.options, from, m.rank())))
+      files::remove_all_quietly(detail::held_snapshot_path(m.options, from, m.rank(), s));
+}
+
+}  // namespace shardtorch

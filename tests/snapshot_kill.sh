@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# In-memory snapshots under torchrun --max-restarts, 4 ranks (one per
+# "node": the default buddy map puts rank r's copy on rank r+1): runs killed
+# on purpose (tests/snapshot_train.cpp's --kill) restore and end with final
+# parameters equal, bitwise, to a run of the same strategy that never died.
+# usage: snapshot_kill.sh TORCHRUN SNAPSHOT_TRAIN full_shard|strategies
+set -euo pipefail
+torchrun=$1 bin=$2 set=$3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+run() {  # NAME [snapshot_train options]
+  local name=$1
+  shift
+  "$torchrun" --no-python --standalone --nproc-per-node 4 --max-restarts 3 --monitor-interval 0.1 \
+    "$bin" --out "$tmp/$name.safetensors" "$@" > "$tmp/$name.log" 2>&1 ||
+    { echo "FAIL: $name exited with an error"; cat "$tmp/$name.log"; exit 1; }
+}
+# The run NAME ends equal to the uninterrupted run of STRATEGY.
+same() {  # STRATEGY NAME
+  cmp -s "$tmp/oracle-$1.safetensors" "$tmp/$2.safetensors" ||
+    { echo "FAIL: $2 ends with other parameters than the uninterrupted run"; cat "$tmp/$2.log"; exit 1; }
+  echo "ok: $2"
+}
+says() {  # NAME TEXT: the run's log has a line with TEXT
+  grep -qF -- "$2" "$tmp/$1.log" || { echo "FAIL: $1 never says '$2'"; cat "$tmp/$1.log"; exit 1; }
+}
+
+if [ "$set" = full_shard ]; then
+  s=full_shard
+  run "oracle-$s" --strategy $s --steps 10
+  # K = 1: killed in the forward of step 4, then in the backward of step 7
+  # (between the units' reduce-scatters): each time the step before.
+  run k1 --strategy $s --steps 10 --every 1 --dir "$tmp/k1" --kill "0:1@4:forward,1:2@7:backward"
+  says k1 "restored step 3 from memory"
+  says k1 "restored step 6 from memory"
+  same $s k1
+  # K = 4: killed before the optimizer step of step 7, then while writing
+  # the snapshot of step 8: both times step 4.
+  run k4 --strategy $s --steps 10 --every 4 --dir "$tmp/k4" --kill "0:3@7:optimizer,1:0@8:snapshot"
+  test "$(grep -c "restored step 4 from memory" "$tmp/k4.log")" = 2 ||
+    { echo "FAIL: k4 did not restore step 4 twice"; cat "$tmp/k4.log"; exit 1; }
+  same $s k4
+  # A node lost: rank 2's own snapshots are gone; its buddy's copy serves.
+  run node --strategy $s --steps 10 --every 1 --dir "$tmp/node" --kill "0:2@6:forward:node"
+  says node "restored step 5 from memory; from their buddies' copies: ranks 2"
+  same $s node
+  # Rank 3's newest snapshot damaged: refused by its checksum, its buddy's copy serves.
+  run damage --strategy $s --steps 10 --every 1 --dir "$tmp/damage" --kill "0:3@6:forward:damage"
+  says damage "does not match its checksum"
+  says damage "restored step 5 from memory; from their buddies' copies: ranks 3"
+  same $s damage
+  # Rank 1 and its buddy lost together: the disk checkpoint of step 6.
+  run pair --strategy $s --steps 10 --every 1 --dir "$tmp/pair" --checkpoint "$tmp/ck" --save-every 3 \
+    --kill "0:1@8:forward:pair"
+  says pair "loaded the sharded checkpoint '$tmp/ck' at step 6 instead"
+  same $s pair
+else
+  for s in shard_grad_op optimizer_only hybrid_shard; do
+    run "oracle-$s" --strategy $s --steps 8
+    run "$s" --strategy $s --steps 8 --every 2 --dir "$tmp/$s" --kill "0:1@5:backward:node"
+    says "$s" "restored step 4 from memory; from their buddies' copies: ranks 1"
+    same $s "$s"
+  done
+fi
+echo "PASS: snapshots ($set)"
