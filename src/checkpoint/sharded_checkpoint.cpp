@@ -923,7 +923,7 @@ void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::
                      const std::string& fingerprint, const std::string& prior_error) {
   auto state = detail::require_state(root, "snapshot restore");
   detail::FileWaits file_waits(*state);
-  state->wait_for_offload_copies();
+  state->copies().wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::Snapshots::restore '" + dir + "'";
   std::optional<Files> files;

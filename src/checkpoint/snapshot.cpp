@@ -22,6 +22,7 @@
 
 #include "base/check.h"
 #include "base/files.h"
+#include "base/log.h"
 #include "checkpoint/checksum.h"
 #include "checkpoint/index_format.h"
 #include "checkpoint/rank_state.h"
@@ -241,7 +242,7 @@ struct Snapshots::Impl {
       if (check(files::join(options.dir, name + std::to_string(s)), for_rank, s, why))
         out.push_back(s);
       else
-        std::fprintf(stderr, "%s: %s\n", who().c_str(), why.c_str());
+        SHARDTORCH_WARN(who(), ": ", why);
     }
     return out;
   }
@@ -459,9 +460,8 @@ int64_t Snapshots::Impl::fall_back(const std::string& why) {
   for (auto& [k, fns] : state)
     if (auto it = user.find(k); it != user.end()) fns.second(it->second);
   if (rank() == 0)
-    std::fprintf(stderr, "shardtorch: snapshots: %s; loaded the sharded checkpoint '%s' at step %lld instead\n",
-                 why.empty() ? "no snapshot in memory" : why.c_str(), options.fallback_dir.c_str(),
-                 static_cast<long long>(step));
+    SHARDTORCH_WARN("shardtorch: snapshots: ", why.empty() ? "no snapshot in memory" : why,
+                    "; loaded the sharded checkpoint '", options.fallback_dir, "' at step ", step, " instead");
   return step;
 }
 
@@ -563,8 +563,8 @@ int64_t Snapshots::Impl::restore() {
   if (rank() == 0) {
     std::string from;
     for (int r : lost) from += " " + std::to_string(r);
-    std::fprintf(stderr, "shardtorch: snapshots: restored step %lld from memory%s%s\n", static_cast<long long>(chosen),
-                 lost.empty() ? "" : "; from their buddies' copies: ranks", from.c_str());
+    SHARDTORCH_INFO("shardtorch: snapshots: restored step ", chosen, " from memory",
+                    lost.empty() ? "" : "; from their buddies' copies: ranks", from);
   }
   return chosen;
 }
