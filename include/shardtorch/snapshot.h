@@ -65,8 +65,8 @@ class SHARDTORCH_API Snapshots {
   /// Collective. The newest step that every rank has in memory (its own
   /// copy, or the copy its buddy holds, sent back to it), loaded on every
   /// rank with the registered state; returns that step. If memory cannot
-  /// serve, the sharded checkpoint in fallback_dir is loaded instead (a
-  /// warning says so) and its step returned; with none, -1 (nothing loaded).
+  /// serve, the sharded checkpoint in fallback_dir is loaded instead (said
+  /// on stderr) and its step returned; with none, -1 (nothing loaded).
   int64_t restore();
   /// After the optimizer step `step` (steps counted from 1): snapshots
   /// when step % every == 0. Writes this rank's file before returning; the
