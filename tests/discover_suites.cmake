@@ -23,11 +23,18 @@ macro(flush_suite)
   # summary: ctest lets a skip expression override a failure, and "0 tests
   # passed" is also what a suite of one skipped and one failed test prints.)
   if(NOT suite STREQUAL "" AND enabled GREATER 0)
+    # The fault-tolerance suites run ranks and a lighthouse against wall-clock
+    # quorum deadlines: they take the torchrun lock, so that the multi-process
+    # integration entries never run beside them and starve them of the cores.
+    set(lock "")
+    if(suite MATCHES "^Ft(Manager|Lighthouse)$")
+      set(lock " RESOURCE_LOCK torchrun")
+    endif()
     string(APPEND content
       "add_test([=[${suite}]=] [=[${TEST_BINARY}]=] [=[--gtest_filter=${suite}.*]=] --gtest_brief=1)\n"
       "set_tests_properties([=[${suite}]=] PROPERTIES TIMEOUT ${TIMEOUT} COST ${enabled}"
       " WORKING_DIRECTORY [=[${WORKING_DIRECTORY}]=] LABELS gtest SKIP_RETURN_CODE 77"
-      " FAIL_REGULAR_EXPRESSION [=[\\] 0 tests from]=])\n")
+      " FAIL_REGULAR_EXPRESSION [=[\\] 0 tests from]=]${lock})\n")
   endif()
 endmacro()
 foreach(line IN LISTS lines)
