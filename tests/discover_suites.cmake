@@ -27,7 +27,7 @@ macro(flush_suite)
     # quorum deadlines: they take the torchrun lock, so that the multi-process
     # integration entries never run beside them and starve them of the cores.
     set(lock "")
-    if(suite MATCHES "^Ft(Manager|Lighthouse)$")
+    if(suite STREQUAL "FtManager" OR suite STREQUAL "FtLighthouse")  # not MATCHES: the caller reads CMAKE_MATCH_1
       set(lock " RESOURCE_LOCK torchrun")
     endif()
     string(APPEND content
