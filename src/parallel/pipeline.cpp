@@ -90,6 +90,13 @@ struct Design {
   std::string text;
   std::vector<int> starts;
   std::string bad;
+  /// The layer indices of each stage, of `n` layers in all.
+  std::vector<std::vector<int>> by_stage(int n) const {
+    std::vector<std::vector<int>> out(starts.size());
+    for (size_t s = 0; s < starts.size(); ++s)
+      for (int l = starts[s]; l < (s + 1 < starts.size() ? starts[s + 1] : n); ++l) out[s].push_back(l);
+    return out;
+  }
 };
 
 Design design(const std::vector<PipelineLayer>& layers, const PipelineOptions& options, int p, int dp_size) {
@@ -248,11 +255,7 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
   SHARDTORCH_CHECK(design.bad.empty(), me, ": ", design.bad);
 
   rt.layers = std::move(layers);
-  rt.stage_layers.assign(stages, {});
-  for (int s = 0; s < stages; ++s) {
-    const int end = s + 1 < stages ? design.starts[s + 1] : n;
-    for (int l = design.starts[s]; l < end; ++l) rt.stage_layers[s].push_back(l);
-  }
+  rt.stage_layers = design.by_stage(n);
 
   // This rank's stages, placed in one module and sharded together.
   rt.module = detail::PipelineStage();
@@ -287,14 +290,12 @@ std::vector<UnitSpec> pipeline_unit_specs(const std::vector<PipelineLayer>& laye
   SHARDTORCH_CHECK(design.bad.empty(), "shardtorch::pipeline_unit_specs: ", design.bad);
   const pipeline::Plan plan =
       pipeline::make_plan(options.schedule(), pp_size, options.chunks_per_rank(), options.microbatches());
-  const int stages = pp_size * options.chunks_per_rank(), n = static_cast<int>(layers.size());
+  const auto by_stage = design.by_stage(static_cast<int>(layers.size()));
   auto stage = detail::PipelineStage();
-  for (int s = 0; s < stages; ++s) {
-    if (plan.rank_of(s) != pp_rank) continue;
-    const int end = s + 1 < stages ? design.starts[s + 1] : n;
-    for (int l = design.starts[s]; l < end; ++l)
-      for (const auto& [path, m] : layers[l].modules) stage->place(path, m);
-  }
+  for (size_t s = 0; s < by_stage.size(); ++s)
+    if (plan.rank_of(static_cast<int>(s)) == pp_rank)
+      for (int l : by_stage[s])
+        for (const auto& [path, m] : layers[l].modules) stage->place(path, m);
   return unit_specs(*stage);
 }
 
