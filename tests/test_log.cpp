@@ -13,6 +13,7 @@
 #include "../src/base/log.h"
 #include "dcp_helpers.h"
 #include "models.h"
+#include "progress_helpers.h"
 #include "shardtorch/log.h"
 
 using namespace testmodels;
@@ -22,37 +23,6 @@ using shardtorch::World;
 using shardtorch::testing::run_ranks;
 
 namespace {
-
-// What a callback received, checked: one operation, counts and bytes that
-// never go back, one finished update, the last, at the totals.
-void require_progress(const std::vector<ProgressUpdate>& got, const std::string& operation, const std::string& at) {
-  const std::string where = at + ": " + operation + ": ";
-  require(got.size() >= 2, where + std::to_string(got.size()) + " updates, expected the start and the end at least");
-  require(got.front().done == 0 && !got.front().finished, where + "the first update is not the start");
-  for (size_t i = 0; i < got.size(); ++i) {
-    const auto& u = got[i];
-    require(u.operation == operation, where + "an update of '" + u.operation + "'");
-    require(u.finished == (i + 1 == got.size()), where + "update " + std::to_string(i) + " finished " +
-                                                     std::to_string(u.finished) + " of " + std::to_string(got.size()));
-    require(u.done <= u.total || u.total == 0,
-            where + "done " + std::to_string(u.done) + " past the total " + std::to_string(u.total));
-    if (i > 0) {
-      require(u.done >= got[i - 1].done, where + "done went back at update " + std::to_string(i));
-      require(u.bytes_done >= got[i - 1].bytes_done, where + "bytes_done went back at update " + std::to_string(i));
-      require(u.elapsed_s >= got[i - 1].elapsed_s, where + "the time went back at update " + std::to_string(i));
-    }
-  }
-  const auto& last = got.back();
-  require(last.total > 0 && last.done == last.total,
-          where + "ends at " + std::to_string(last.done) + " of " + std::to_string(last.total));
-  require(last.bytes_total == 0 || last.bytes_done == last.bytes_total,
-          where + "ends at " + std::to_string(last.bytes_done) + " of " + std::to_string(last.bytes_total) + " bytes");
-  require(last.eta_s == 0, where + "a finished operation has time left");
-}
-
-shardtorch::ProgressCallback collect_into(std::vector<ProgressUpdate>& out) {
-  return [&out](const ProgressUpdate& u) { out.push_back(u); };
-}
 
 // The lines of `text` holding `needle`.
 int lines_with(const std::string& text, const std::string& needle) {
@@ -222,6 +192,28 @@ TEST(DeferredShard, ShardReportsUnitsAndBytesToItsCallback) {
     require(last.bytes_total >= bytes,
             "bytes " + std::to_string(last.bytes_total) + ", the parameters' " + std::to_string(bytes));
     require(static_cast<int64_t>(got.size()) == last.total + 2, "an update per unit, and the start and the end");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// NoShard materialises a deferred model unit by unit too, and reports it.
+TEST(DeferredShard, NoShardReportsUnitsAndBytesToItsCallback) {
+  auto r = run_ranks(2, [](World& w) {
+    std::vector<ProgressUpdate> got;
+    auto lazy = shardtorch::deferred([] { return gpt::GPT(gpt::Config{}); });
+    int64_t bytes = 0;
+    for (const auto& p : unique_tensors(*lazy)) bytes += p.numel() * 4;
+    shardtorch::shard(lazy, w,
+                      shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard).progress(collect_into(got)));
+    const std::string at = "rank " + std::to_string(w.rank());
+    require_progress(got, "shard", at);
+    const auto& last = got.back();
+    require(
+        last.unit == "units" && static_cast<int64_t>(got.size()) == last.total + 2,
+        at + ": not an update per unit (" + std::to_string(got.size()) + " for " + std::to_string(last.total) + ")");
+    require(last.bytes_total == bytes,
+            at + ": bytes " + std::to_string(last.bytes_total) + ", the parameters' " + std::to_string(bytes));
+    for (const auto& p : lazy->parameters()) require(!shardtorch::is_deferred(p), at + ": a parameter is deferred");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

@@ -11,6 +11,7 @@
 #include <exception>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -405,13 +406,40 @@ void agree_on_model(World& world, const ShardOptions& options, const ModelWalk& 
   SHARDTORCH_CHECK(misplaced.empty(), "shardtorch::shard: rank ", world.global_rank(), ": ", misplaced);
 }
 
+// The bytes of the parameters of each of found.units, then of those outside every unit.
+std::vector<int64_t> param_bytes_by_unit(const ModelWalk& found) {
+  std::vector<int64_t> bytes(found.units.size() + 1, 0);
+  for (const auto& p : found.params) {
+    const size_t at = p.unit >= 0 && static_cast<size_t>(p.unit) < found.units.size() ? static_cast<size_t>(p.unit)
+                                                                                      : found.units.size();
+    bytes[at] += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+  }
+  return bytes;
+}
+
 // NoShard: every parameter whole, gradients all-reduced in buckets; a root
 // unit only applies the mixed-precision casts of the root's inputs and output.
 void shard_replicated(torch::nn::Module& root, World& world, ModelWalk& found, const std::vector<bool>& checkpointed,
                       const std::shared_ptr<detail::ShardState>& state, const std::unordered_set<const void*>& keep) {
   const c10::Device comm_device = world.comm().device();
-  materialize_params(found.params, std::nullopt, comm_device, world.global_rank());
+  // A deferred model is materialised unit by unit, the parameters outside
+  // every unit last, so that progress shows.
+  const std::vector<int64_t> bytes = param_bytes_by_unit(found);
+  const bool outside =
+      std::any_of(found.params.begin(), found.params.end(), [](const FoundParam& p) { return p.unit < 0; });
+  const int64_t parts = static_cast<int64_t>(found.units.size()) + (outside ? 1 : 0);
+  detail::ProgressReporter progress("shard", "units", parts, std::accumulate(bytes.begin(), bytes.end(), int64_t{0}),
+                                    state->options().progress());
+  for (size_t u = 0; u < found.units.size(); ++u) {
+    materialize_params(found.params, static_cast<int>(u), comm_device, world.global_rank());
+    progress.advance(1, bytes[u]);
+  }
+  if (outside) {
+    materialize_params(found.params, -1, comm_device, world.global_rank());
+    progress.advance(1, bytes.back());
+  }
   materialize_buffers(found.buffers, comm_device, world.global_rank());
+  progress.finish();
   setup_no_shard(*state, world, found.params, keep);
   state->buffers().setup(world, state->options(), found.buffers, keep);
   if (auto* base = dynamic_cast<UnitBase*>(&root)) {
@@ -437,13 +465,9 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
   const bool persistent = strategy == Strategy::ShardGradOp || strategy == Strategy::OptimizerOnly;
   Comm& shard_comm = state->topology().shard_comm();
   std::vector<std::shared_ptr<detail::Unit>> made;
-  int64_t bytes_total = 0;
-  std::vector<int64_t> unit_bytes(units.size(), 0);
-  for (const auto& p : found.params)
-    if (p.unit >= 0 && static_cast<size_t>(p.unit) < units.size())
-      unit_bytes[static_cast<size_t>(p.unit)] += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
-  for (int64_t b : unit_bytes) bytes_total += b;
-  detail::ProgressReporter progress("shard", "units", static_cast<int64_t>(units.size()), bytes_total,
+  const std::vector<int64_t> unit_bytes = param_bytes_by_unit(found);
+  detail::ProgressReporter progress("shard", "units", static_cast<int64_t>(units.size()),
+                                    std::accumulate(unit_bytes.begin(), unit_bytes.end() - 1, int64_t{0}),
                                     options.progress());
   for (size_t u = 0; u < units.size(); ++u) {
     bool is_root = root_is_unit && u == 0;
