@@ -12,6 +12,7 @@
 
 #include "checkpoint_helpers.h"
 #include "models.h"
+#include "progress_helpers.h"
 
 using namespace testmodels;
 using shardtorch::DeviceMesh;
@@ -213,9 +214,20 @@ const Saved& pipeline_saved() {
     auto r = run_ranks(4, [&](World& w) {
       Piped p(w, kSaver);
       p.train(2);
+      // Each save reports its progress on every rank: the two without
+      // options to the library-wide callback.
+      std::vector<shardtorch::ProgressUpdate> full, sharded, hf;
+      shardtorch::set_progress_callback(collect_into(full));
       shardtorch::save_full_state_dict(*p.pipe, s.full, {{"step", "2"}});
+      shardtorch::set_progress_callback(collect_into(sharded));
       shardtorch::save_sharded_checkpoint(*p.pipe, p.opt.get(), s.sharded, 2, {{"epoch", "1"}});
-      shardtorch::save_hf_checkpoint(*p.pipe, s.hf, HfSaveOptions().max_file_bytes(8 * 1024));
+      shardtorch::set_progress_callback(nullptr);
+      shardtorch::save_hf_checkpoint(*p.pipe, s.hf,
+                                     HfSaveOptions().max_file_bytes(8 * 1024).progress(collect_into(hf)));
+      const std::string at = "rank " + std::to_string(w.rank()) + " (stage " + p.stage() + ")";
+      require_progress(full, "save_full_state_dict", at);
+      require_progress(sharded, "save_sharded_checkpoint", at);
+      require_progress(hf, "save_hf_checkpoint", at);
       auto v = p.values();
       if (p.reports())
         shardtorch::checkpoint::save_file(s.dir / ("truth-" + p.stage() + ".safetensors"), {v.begin(), v.end()});
@@ -283,15 +295,21 @@ std::string expect_loads_at(const Layout& l) {
   auto r = run_ranks(4, [&](World& w) {
     Piped p(w, l);
     const std::string at = " loaded at " + layout_name(l);
+    std::vector<shardtorch::ProgressUpdate> full, hf, sharded;  // each load's progress, on every rank
+    const std::string rank = "rank " + std::to_string(w.rank()) + at;
     scramble(p.pipe->module());
-    shardtorch::load_full_state_dict(*p.pipe, s.full);
+    shardtorch::load_full_state_dict(*p.pipe, s.full, shardtorch::LoadOptions().progress(collect_into(full)));
     require_bitwise(p.values(), s.truth, "full state dict" + at);
+    require_progress(full, "load_full_state_dict", rank);
     scramble(p.pipe->module());
-    shardtorch::load_hf_checkpoint(*p.pipe, s.hf);
+    shardtorch::load_hf_checkpoint(*p.pipe, s.hf, shardtorch::HfLoadOptions().progress(collect_into(hf)));
     require_bitwise(p.values(), s.truth, "Hugging Face checkpoint" + at);
+    require_progress(hf, "load_hf_checkpoint", rank);
     scramble(p.pipe->module());
     std::map<std::string, std::string> user;
-    const int64_t step = shardtorch::load_sharded_checkpoint(*p.pipe, p.opt.get(), s.sharded, &user);
+    const int64_t step = shardtorch::load_sharded_checkpoint(*p.pipe, p.opt.get(), s.sharded, &user,
+                                                             shardtorch::LoadOptions().progress(collect_into(sharded)));
+    require_progress(sharded, "load_sharded_checkpoint", rank);
     require(step == 2 && user == std::map<std::string, std::string>{{"epoch", "1"}}, "step or user state" + at);
     require_bitwise(p.values(), s.truth, "sharded checkpoint" + at);
     shardtorch::save_sharded_checkpoint(*p.pipe, p.opt.get(), again, step, user);

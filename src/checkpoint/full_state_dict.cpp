@@ -27,6 +27,13 @@ using NameMap = std::map<const void*, std::vector<std::string>>;
 namespace json = boost::json;
 
 // Checked on every rank before any collective (the metadata is the same on every rank).
+// The bytes of a tensor of `dtype` and `shape`.
+int64_t tensor_bytes(at::ScalarType dtype, const std::vector<int64_t>& shape) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  return numel * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
 void check_user_metadata(const std::string& path, const std::map<std::string, std::string>& user_metadata) {
   for (const auto& [key, value] : user_metadata) {
     SHARDTORCH_CHECK(key.rfind("shardtorch_", 0) != 0, "shardtorch::save_full_state_dict '", path, "': metadata key '",
@@ -60,11 +67,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   c10::NoGradGuard no_grad;
   checkpoint::StreamedTensors tensors(root, *state, "save_full_state_dict", /*tied_once=*/false);
   int64_t bytes_total = 0;
-  for (const auto& t : tensors.items()) {
-    int64_t numel = 1;
-    for (int64_t d : t.shape) numel *= d;
-    bytes_total += numel * static_cast<int64_t>(c10::elementSize(t.dtype));
-  }
+  for (const auto& t : tensors.items()) bytes_total += tensor_bytes(t.dtype, t.shape);
   shardtorch::detail::ProgressReporter progress("save_full_state_dict", "tensors",
                                                 static_cast<int64_t>(tensors.items().size()), bytes_total);
   progress.count_io();
@@ -260,6 +263,15 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   const auto lists = detail::agreed_fingerprints(world, "", "shardtorch::save_full_state_dict: the parts' tensors",
                                                  leader ? json::serialize(mine) : "");
   Comm& comm = world.comm();
+  // Rank 0 counts every tensor it writes, a leader those it sends, the
+  // other ranks their part's (done when their gathers are).
+  int64_t count = static_cast<int64_t>(tensors.items().size()), bytes_total = 0;
+  if (writer)
+    for (int r = 1; r < world.size(); ++r)
+      if (!lists[r].empty()) count += static_cast<int64_t>(json::parse(lists[r]).as_array().size());
+  for (const auto& t : tensors.items()) bytes_total += tensor_bytes(t.dtype, t.shape);
+  shardtorch::detail::ProgressReporter progress("save_full_state_dict", "tensors", count, writer ? 0 : bytes_total);
+  if (writer) progress.count_io();
   auto transfer_what = [&](int from, const std::string& name) {
     return "tensor '" + name + "' of rank " + std::to_string(world.global_rank_of(from)) +
            "'s part for save_full_state_dict";
@@ -298,7 +310,12 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
       return t.cpu();  // the writer takes CPU bytes
     };
     std::vector<PendingTensor> pending;
-    for (const auto& t : tensors.items()) pending.push_back({t.name, t.dtype, t.shape, t.produce});
+    for (const auto& t : tensors.items())
+      pending.push_back({t.name, t.dtype, t.shape, [produce = t.produce, &progress] {
+                           at::Tensor v = produce();
+                           progress.advance(1);
+                           return v;
+                         }});
     for (size_t i = 0; i < remotes.size(); ++i)
       for (size_t k = 0; k < remotes[i].items.size(); ++k) {
         const auto& item = remotes[i].items[k];
@@ -307,7 +324,9 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                              SHARDTORCH_CHECK(remotes[i].received == k,
                                               "shardtorch: internal: save_full_state_dict "
                                               "took another part's tensors out of order");
-                             return receive(remotes[i]);
+                             at::Tensor v = receive(remotes[i]);
+                             progress.advance(1);
+                             return v;
                            }});
       }
     auto metadata = file_metadata(user_metadata, state->strategy(), world.size());
@@ -328,6 +347,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
       t = t.to(comm.device(), item.dtype).contiguous();  // what rank 0 receives into
       PendingWork w = comm.send_async(t, 0, static_cast<int>(k), transfer_what(world.rank(), item.name));
       comm.wait(w);
+      progress.advance(1, static_cast<int64_t>(t.nbytes()));
     }
   }
   tensors.finish();  // every rank of every part takes part in its part's gathers
@@ -336,6 +356,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   SHARDTORCH_CHECK(error.empty(), "shardtorch::save_full_state_dict: ", error);
   SHARDTORCH_CHECK(status.cpu().item<int>() == 0, "shardtorch::save_full_state_dict: rank ", world.global_rank_of(0),
                    " could not write '", path, "'");
+  progress.finish();
 }
 
 }  // namespace checkpoint

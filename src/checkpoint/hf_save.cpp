@@ -333,6 +333,13 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   if (plan.empty()) plan.push_back({0, {}});  // nothing to write: one empty file (rank 0's), as the whole model's save
   for (size_t k = 0; k < plan.size(); ++k) report.files.push_back(file_name(k, plan.size()));
   const std::string staging = ".shardtorch-staging-" + std::to_string(staging_pid) + "-";
+  // Every rank counts its part's tensors: a leader as it writes them, the
+  // others when their gathers are done.
+  int64_t part_bytes = 0;
+  for (const auto& e : entries) part_bytes += e.bytes;
+  shardtorch::detail::ProgressReporter progress("save_hf_checkpoint", "tensors", static_cast<int64_t>(entries.size()),
+                                                part_bytes, options.progress());
+  if (leader) progress.count_io();
 
   // Each leader writes its files under staging names.
   std::string error;
@@ -346,7 +353,11 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
         std::vector<PendingTensor> pending;
         for (size_t i = 0; i < plan[k].tensors.size(); ++i, ++next) {
           const Entry& e = entries.at(next);
-          pending.push_back({e.name, e.dtype, e.shape, e.produce});
+          pending.push_back({e.name, e.dtype, e.shape, [produce = e.produce, &progress] {
+                               at::Tensor t = produce();
+                               progress.advance(1);
+                               return t;
+                             }});
         }
         written.push_back(report.files[k]);
         write_file(dir + "/" + staging + report.files[k], pending, {{"format", "pt"}});
@@ -384,6 +395,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
     }
   }
   detail::agree_on_errors(world, error, who);
+  progress.finish();
   return report;
 }
 
