@@ -30,6 +30,7 @@
 #include "ft/ft_support.h"
 #include "ft/lighthouse_client.h"
 #include "optim/optimizer_state.h"
+#include "progress_helpers.h"
 #include "shardtorch/error.h"
 #include "shardtorch/ft.h"
 #include "shardtorch/shardtorch.h"
@@ -210,11 +211,28 @@ void group_that_lost_its_state_heals(int ranks, shardtorch::ShardOptions shard) 
     GroupRun run;
     run.shard = shard;
     run.after_step = group_1_loses_its_state_after_step_3;
+    // Each heal's progress, as the library-wide callback receives it.
+    std::vector<std::vector<shardtorch::ProgressUpdate>> heals;
+    shardtorch::set_progress_callback([&heals](const shardtorch::ProgressUpdate& u) {
+      if (u.operation != "heal") return;
+      if (heals.empty() || heals.back().back().finished) heals.emplace_back();
+      heals.back().push_back(u);
+    });
     auto got = train_group(all, ranks, lh.address(), run);
+    shardtorch::set_progress_callback(nullptr);
     // Step 3 counted group 0 alone (group 1 was healed), the steps after it both.
     if (got.counted.size() != 6u || got.counted[3] != "0" || got.counted[4] != "01")
       throw std::runtime_error("counted groups per step: " + c10::Join(",", got.counted));
     check_against_replay(all, ranks, got);
+    // The healed group's ranks reported the tensors and bytes they received.
+    if (all.rank() / ranks == 1) {
+      const std::string at = "rank " + std::to_string(all.rank());
+      testmodels::require(!heals.empty(), at + ": the heal reported no progress");
+      for (const auto& h : heals) {
+        testmodels::require_progress(h, "heal", at);
+        testmodels::require(h.back().bytes_done > 0, at + ": the heal received no bytes");
+      }
+    }
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
