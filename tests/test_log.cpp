@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "captured_warnings.h"
 #include "../src/base/log.h"
 #include "dcp_helpers.h"
 #include "models.h"
@@ -51,11 +52,6 @@ struct LogSettingsGuard {
     shardtorch::set_progress_callback(nullptr);
   }
   std::optional<std::string> env_;
-};
-
-struct CapturedWarnings : c10::WarningHandler {
-  std::vector<std::string> messages;
-  void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
 };
 
 // A small training model sharded and checkpointed every way on 2 ranks: the

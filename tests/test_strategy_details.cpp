@@ -2,6 +2,7 @@
 // bucket views, unused parameters, per-unit resharding, bad configuration.
 #include <gtest/gtest.h>
 
+#include "captured_warnings.h"
 #include "models.h"
 #include "reference.h"
 
@@ -656,11 +657,6 @@ struct TwoLayerImpl : torch::nn::Module {
   bool fail_next_backward = false;
 };
 SHARDTORCH_MODULE(TwoLayer);
-
-struct CapturedWarnings : c10::WarningHandler {
-  std::vector<std::string> messages;
-  void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
-};
 
 // TwoLayer (seed 1) trained `steps` Adam steps in one process on (x, y).
 testref::Run two_layer_reference(const torch::Tensor& x, const torch::Tensor& y, int steps) {

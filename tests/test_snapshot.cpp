@@ -1,0 +1,189 @@
+// In-memory snapshots (shardtorch/snapshot.h) inside one run: a model that
+// restores a snapshot continues exactly as the run that wrote it, under
+// NoShard too; snapshots of another job, another model or another world
+// size are never used. The kills under torchrun are tests/snapshot_kill.sh's.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "captured_warnings.h"
+#include "models.h"
+#include "shardtorch/shardtorch.h"
+#include "shardtorch/snapshot.h"
+#include "temp_dir.h"
+
+using namespace testmodels;
+using shardtorch::SnapshotOptions;
+using shardtorch::Snapshots;
+using shardtorch::Strategy;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+using Values = std::map<std::string, torch::Tensor>;
+
+namespace {
+
+// The MLP sharded over the world with its AdamW and this rank's rows.
+struct Trained {
+  MLP model{nullptr};
+  std::unique_ptr<shardtorch::ShardedOptimizer> opt;
+  torch::Tensor x;
+  int64_t data_position = 0;  // the program's own state, registered with the snapshots
+
+  Trained(World& w, Strategy s, int64_t hidden, uint64_t seed) {
+    torch::manual_seed(seed);
+    model = MLP(hidden);
+    shardtorch::shard(model, w, strategy_options(s, w.size()));
+    opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+    torch::manual_seed(100 + w.rank());
+    x = torch::randn({4, 7});
+  }
+  void step() {
+    opt->zero_grad();
+    model(x * (1.0 + 0.1 * static_cast<double>(data_position))).pow(2).mean().backward();
+    opt->step();
+    ++data_position;
+  }
+  Values values() {
+    auto full = shardtorch::summon_full_params(*model);
+    return snapshot(*model);
+  }
+  void register_with(Snapshots& snaps) {
+    snaps.register_state(
+        "data", [this] { return std::to_string(data_position); },
+        [this](const std::string& v) { data_position = std::stoll(v); });
+  }
+};
+
+void require_same(const Values& got, const Values& want, const std::string& what) {
+  require(got.size() == want.size() && !want.empty(), what + ": another set of parameters");
+  for (const auto& [n, w] : want) require(got.count(n) && torch::equal(got.at(n), w), what + ": '" + n + "' differs");
+}
+
+SnapshotOptions options_in(const std::string& dir, const std::string& job) {
+  SnapshotOptions o;
+  o.dir = dir;
+  o.job = job;
+  return o;
+}
+
+// Writes snapshots of steps 1 to 3 of the MLP (hidden 13) under `job`.
+void write_three_steps(World& w, const std::string& dir, const std::string& job) {
+  Trained t(w, Strategy::FullShard, 13, 1);
+  Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, job));
+  t.register_with(snaps);
+  for (int64_t s = 1; s <= 3; ++s) {
+    t.step();
+    snaps.after_step(s);
+  }
+}
+
+class SnapshotRestore : public ::testing::TestWithParam<Strategy> {};
+
+// Three steps snapshotted, a fourth not: a new model (other initial values)
+// restores step 3 with the program's state, and its next step is the
+// fourth, bitwise (AdamW's moments and step count came back too).
+TEST_P(SnapshotRestore, ANewModelContinuesBitwiseFromTheNewestStep) {
+  const Strategy strategy = GetParam();
+  const TempDir dir("shardtorch-snapshots");
+  auto r = run_ranks(2, [&](World& w) {
+    Values at3, at4;
+    {
+      Trained t(w, strategy, 13, 1);
+      Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "continue"));
+      t.register_with(snaps);
+      require(snaps.restore() == -1, "a fresh start restored something");
+      for (int64_t s = 1; s <= 3; ++s) {
+        t.step();
+        snaps.after_step(s);
+      }
+      at3 = t.values();
+      t.step();
+      at4 = t.values();
+    }
+    Trained again(w, strategy, 13, 2);
+    Snapshots snaps(w.shared_from_this(), *again.model, again.opt.get(), options_in(dir, "continue"));
+    again.register_with(snaps);
+    const int64_t step = snaps.restore();
+    require(step == 3, "restored step " + std::to_string(step) + ", expected 3");
+    require(again.data_position == 3, "the registered state is " + std::to_string(again.data_position));
+    require_same(again.values(), at3, "restored");
+    again.step();
+    require_same(again.values(), at4, "the step after the restore");
+    snaps.finish();
+    require(!files::exists(shardtorch::detail::own_snapshot_path(options_in(dir, "continue"), w.rank(), 3)),
+            "finish() left this rank's snapshot");
+  });
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(Snapshots, SnapshotRestore, ::testing::Values(Strategy::NoShard, Strategy::FullShard),
+                         StrategyName());
+
+// Under another job's name nothing is found: a fresh start, the other job's
+// snapshots left alone.
+TEST(Snapshots, AnotherJobsSnapshotsAreNotUsed) {
+  const TempDir dir("shardtorch-snapshots");
+  auto r = run_ranks(2, [&](World& w) {
+    write_three_steps(w, dir, "job-a");
+    Trained t(w, Strategy::FullShard, 13, 2);
+    const Values before = t.values();
+    Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job-b"));
+    require(snaps.restore() == -1, "job-b restored job-a's snapshot");
+    require_same(t.values(), before, "after the restore");
+    require(files::exists(shardtorch::detail::own_snapshot_path(options_in(dir, "job-a"), w.rank(), 3)),
+            "job-a's snapshot is gone");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// The same job's snapshots of another model (another width) are refused by
+// their header, with a warning that says why; the model is left as it was.
+TEST(Snapshots, AnotherModelsSnapshotsAreRefusedSayingWhy) {
+  const TempDir dir("shardtorch-snapshots");
+  auto r = run_ranks(2, [&](World& w) {
+    write_three_steps(w, dir, "job");
+    Trained t(w, Strategy::FullShard, 17, 2);
+    const Values before = t.values();
+    Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job"));
+    CapturedWarnings warnings;
+    int64_t step = 0;
+    {
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      step = snaps.restore();
+    }
+    require(step == -1, "restored step " + std::to_string(step) + " of another model");
+    require(warnings.any_with("of another model"), "no warning says the snapshot is of another model");
+    require_same(t.values(), before, "after the restore");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Snapshots written at world 2 are refused at world 4 (ranks 0 and 1 find
+// files of their rank numbers), saying so.
+TEST(Snapshots, AnotherWorldSizesSnapshotsAreRefusedSayingWhy) {
+  const TempDir dir("shardtorch-snapshots");
+  auto written = run_ranks(2, [&](World& w) { write_three_steps(w, dir, "job"); });
+  ASSERT_TRUE(written.ok) << written.summary();
+  auto r = run_ranks(4, [&](World& w) {
+    Trained t(w, Strategy::FullShard, 13, 1);
+    const Values before = t.values();
+    Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job"));
+    CapturedWarnings warnings;
+    int64_t step = 0;
+    {
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      step = snaps.restore();
+    }
+    require(step == -1, "restored step " + std::to_string(step) + " written at another world size");
+    if (w.rank() < 2)
+      require(warnings.any_with("of rank " + std::to_string(w.rank()) + " of 2, not rank " + std::to_string(w.rank()) +
+                                " of 4"),
+              "no warning names the world size the snapshot was written at");
+    require_same(t.values(), before, "after the restore");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+}  // namespace
