@@ -21,6 +21,8 @@ enum class Mem : int {
   HostGradients,       // CPU offload: gradient shards in host memory
   HostOptimizerState,  // CPU offload: optimizer state in host memory
   SummonedGrads,       // the full gradients a summon_full_params(with_grads) scope sets in param.grad
+  Snapshots,           // in-memory snapshots (shardtorch/snapshot.h) in node-local shared memory: this rank's own
+                       // and the copies it keeps for others, as of the last after_step, restore or finish
   kCount
 };
 

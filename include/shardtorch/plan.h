@@ -77,6 +77,13 @@ struct SHARDTORCH_API PlanOptions {
   /// output is a view of its input, so buckets cost their inputs alone.
   /// Off, the plan counts outputs too (NCCL), 1/N more than Gloo needs.
   bool reduces_in_place = false;
+  /// In-memory snapshots (shardtorch/snapshot.h) with the default buddy
+  /// map: two generations of this rank's own snapshot and of the one copy
+  /// it keeps for another rank (none at world 1), each its parameter shard
+  /// in the master dtype plus the optimizer state of its trainable part
+  /// (buffers and the files' headers not counted). Counted as `snapshots`,
+  /// in host memory.
+  bool snapshots = false;
 };
 
 struct SHARDTORCH_API MemoryPlan {
@@ -89,7 +96,7 @@ struct SHARDTORCH_API MemoryPlan {
   int64_t device_peak() const;
   /// gathered_params + grad_staging + buckets + master_grads.
   int64_t transient() const;
-  /// Bytes in host memory (offload).
+  /// Bytes in host memory (offload, and the in-memory snapshots).
   int64_t host() const;
   int64_t params = 0;  // elements, frozen included, padding excluded
   /// Construct + shard() + a checkpoint load: the most the library holds at

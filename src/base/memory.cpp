@@ -32,6 +32,8 @@ const char* mem_name(Mem m) {
       return "host_optimizer_state";
     case Mem::SummonedGrads:
       return "summoned_grads";
+    case Mem::Snapshots:
+      return "snapshots";
     default:
       return "?";
   }

@@ -14,7 +14,9 @@ int64_t MemoryPlan::model_state() const {
          of(Mem::HostParams) + of(Mem::HostGradients) + of(Mem::HostOptimizerState);
 }
 
-int64_t MemoryPlan::host() const { return of(Mem::HostParams) + of(Mem::HostGradients) + of(Mem::HostOptimizerState); }
+int64_t MemoryPlan::host() const {
+  return of(Mem::HostParams) + of(Mem::HostGradients) + of(Mem::HostOptimizerState) + of(Mem::Snapshots);
+}
 
 int64_t MemoryPlan::device_peak() const {
   return of(Mem::ShardedParams) + of(Mem::ReplicatedParams) + of(Mem::Gradients) + of(Mem::OptimizerState) +
@@ -282,6 +284,25 @@ void add_startup(const std::vector<UnitSpec>& units, const PlanOptions& plan, in
   }
 }
 
+namespace {
+
+// The in-memory snapshots: what rank 0 holds of each flat parameter (the
+// most; NoShard: all of it) in its master dtype, with the optimizer state
+// of the trainable ones; two generations of its own and of the copy it keeps.
+void add_snapshots(const std::vector<UnitSpec>& units, const PlanOptions& plan, int shard_size, MemoryPlan& out) {
+  if (!plan.snapshots) return;
+  const int n = plan.options.strategy() == Strategy::NoShard ? 1 : shard_size;
+  int64_t one = 0;
+  for (const auto& u : units)
+    for (const auto& f : u.flats) {
+      const int64_t owned = std::min(f.numel, (f.numel + n - 1) / n);
+      one += owned * esize(f.dtype) * (1 + (f.trainable ? plan.optimizer_states : 0));
+    }
+  add(out, Mem::Snapshots, 2 * one * (plan.world_size > 1 ? 2 : 1));
+}
+
+}  // namespace
+
 MemoryPlan plan_memory(const std::vector<UnitSpec>& specs, const PlanOptions& plan) {
   const int shard_size = checked_shard_size(plan);
   const std::vector<UnitSpec> units = as_laid_out(specs, plan.options.mixed_precision());
@@ -293,6 +314,7 @@ MemoryPlan plan_memory(const std::vector<UnitSpec>& specs, const PlanOptions& pl
     add_peaks(t, plan, shard_size, out);
   }
   add_startup(units, plan, shard_size, out);
+  add_snapshots(units, plan, shard_size, out);
   return out;
 }
 
