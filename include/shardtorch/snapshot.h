@@ -39,6 +39,14 @@ struct SHARDTORCH_API SnapshotOptions {
   /// A sharded checkpoint directory (save_sharded_checkpoint) that restore()
   /// loads when no step is in memory on every rank; empty: none (a fresh start).
   std::string fallback_dir;
+  /// Every this many steps (a multiple of `every`; 0: never), the snapshot
+  /// just taken is also published as a sharded checkpoint in fallback_dir
+  /// (which must then be set, on one file system for every rank), in the
+  /// background after the buddy copy; the checkpoint there stays whole until
+  /// the new one is complete. The registered state of rank R is saved under
+  /// "snapshot.rankR.NAME". A failure is a warning, and training goes on.
+  /// Save no checkpoint of your own into fallback_dir meanwhile.
+  int persist_every = 0;
 };
 
 /// Construct on every rank after shard() and the optimizer (collective: it

@@ -627,6 +627,74 @@ void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, con
   save_sharded(root, opt, dir, step, user_state, nullptr);
 }
 
+namespace checkpoint {
+
+std::string publish_rank_files(const GatherStrings& gather, int rank, const std::string& file,
+                               const std::string& entries, Strategy strategy,
+                               const std::map<std::string, std::vector<int64_t>>& shapes, int64_t step,
+                               const std::map<std::string, std::string>& user_state, const std::string& dir_arg) {
+  const std::string dir = normalized(dir_arg), tmp = dir + kTmpSuffix;
+  // The first rank's error of a phase, the same on every rank.
+  auto first_error = [&gather](const std::string& mine, const std::string& what) {
+    const auto all = gather(mine, what);
+    for (size_t r = 0; r < all.size(); ++r)
+      if (!all[r].empty()) return "rank " + std::to_string(r) + ": " + all[r];
+    return std::string();
+  };
+  const std::string staged =
+      first_error(rank == 0 ? prepare_staging(dir, tmp) : "", "publishing rank files: the staging directory");
+  if (!staged.empty()) return staged;
+  // What several ranks hold whole (buffers, NoShard's parameters, a shard
+  // in each replica group) is written once, by the lowest of them.
+  const auto lists = gather(entries, "publishing rank files: the entries");
+  std::set<std::string> seen, mine;  // (name, kind, range); this rank's tensors written
+  json::array kept;
+  for (size_t r = 0; r < lists.size(); ++r) {
+    const json::value list = json::parse(lists[r]);
+    for (const auto& e : list.as_array()) {
+      const auto& o = e.as_object();
+      const std::string key = json::serialize(o.at("name")) + json::serialize(o.at("kind")) +
+                              json::serialize(o.at("begin")) + json::serialize(o.at("end"));
+      if (!seen.insert(key).second || static_cast<int>(r) != rank) continue;
+      kept.push_back(e);
+      mine.insert(json::value_to<std::string>(o.at("tensor")));
+    }
+  }
+  const json::object user = user_json(user_state);
+  const std::string name = "rank-" + std::to_string(rank) + ".safetensors", copy = tmp + "/" + name;
+  json::object report{
+      {"error", ""}, {"entries", kept}, {"user_state", user}, {"step", step}, {"optimizer", "as saved"}};
+  try {
+    checkpoint::Reader reader(file);
+    std::vector<checkpoint::PendingTensor> pending;
+    for (const auto& t : reader.tensors())
+      if (mine.count(t.name))
+        pending.push_back({t.name, t.dtype, t.shape, [&reader, n = t.name] { return reader.read(n); }});
+    checkpoint::write_file(copy, pending, {{"step", std::to_string(step)}, {"rank", std::to_string(rank)}},
+                           /*remove_stale_temporaries=*/false);
+    report["file"] = json::object{{"name", name}, {"size", files::file_size(copy)}, {"checksum", file_checksum(copy)}};
+  } catch (const std::exception& e) {
+    report["error"] = e.what();
+  }
+  const auto reports = gather(json::serialize(report), "publishing rank files: the index");
+  MergedReports merged = merge_reports(reports, rank, step, "as saved", user);
+  if (!merged.failed.empty()) {
+    if (rank == 0) files::remove_all_quietly(tmp);
+    return merged.failed;
+  }
+  std::string error;
+  if (rank == 0)
+    error = write_index_and_publish(
+        [&] {
+          return index_json(shapes, strategy, static_cast<int>(reports.size()), step, std::move(merged), user,
+                            json::array{});
+        },
+        tmp, dir);
+  return first_error(error, "publishing rank files: the index written");
+}
+
+}  // namespace checkpoint
+
 namespace {
 
 using Changes = std::vector<std::function<void()>>;

@@ -26,6 +26,7 @@
 #include "checkpoint/checksum.h"
 #include "checkpoint/index_format.h"
 #include "checkpoint/rank_state.h"
+#include "runtime/shard_state.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/checkpoint/safetensors.h"
 
@@ -52,6 +53,36 @@ std::string held_name(const SnapshotOptions& o, int rank, int holder) {
   return prefix(o) + std::to_string(rank) + "-held-by-r" + std::to_string(holder) + "-s";
 }
 std::string file_of(int rank) { return "rank-" + std::to_string(rank) + ".safetensors"; }
+// Every member's string of `comm`, in order, through its backend directly:
+// the persisting thread runs beside the program's, whose collectives the
+// check orders (Comm's would be checked against them).
+std::vector<std::string> gather_unchecked(Comm& comm, const std::string& mine) {
+  const auto& backend = comm.backend();
+  const int n = comm.size();
+  auto all_gather = [&](const at::Tensor& t) {
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int r = 0; r < n; ++r) out[0].push_back(at::empty_like(t));
+    std::vector<at::Tensor> in{t};
+    backend->allgather(out, in)->wait(comm.timeout());
+    return out[0];
+  };
+  const auto lengths = all_gather(torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64));
+  int64_t longest = 1;
+  for (const auto& l : lengths) longest = std::max(longest, l.item<int64_t>());
+  at::Tensor bytes = at::zeros({longest}, at::kByte);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  const auto all = all_gather(bytes);
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r)
+    out.emplace_back(static_cast<const char*>(all[static_cast<size_t>(r)].data_ptr()),
+                     static_cast<size_t>(lengths[static_cast<size_t>(r)].item<int64_t>()));
+  return out;
+}
+
+// Rank `rank`'s registered state `name` in a persisted checkpoint's user_state.
+std::string persisted_key(int rank, const std::string& name) {
+  return "snapshot.rank" + std::to_string(rank) + "." + name;
+}
 
 // The steps of the snapshots named `name`STEP in `dir`, newest first.
 std::vector<int64_t> steps_named(const std::string& dir, const std::string& name) {
@@ -158,11 +189,18 @@ struct Snapshots::Impl {
   torch::nn::Module& root;
   ShardedOptimizer* opt;
   SnapshotOptions options;
-  std::shared_ptr<Comm> comm;  // the buddy copies' own group
+  std::shared_ptr<Comm> comm;  // the buddy copies' (and persisting's) own group
+  std::shared_ptr<detail::ShardState> sharded;
   std::string fingerprint, strategy;
+  // Of the last snapshot written, for persisting it in the background.
+  struct Written {
+    std::map<std::string, std::string> user_state;
+    std::string entries;  // JSON
+    std::map<std::string, std::vector<int64_t>> shapes;
+  } written;
   std::map<std::string, std::pair<std::function<std::string()>, std::function<void(const std::string&)>>> state;
   std::thread transfer;
-  std::string transfer_error;
+  std::string transfer_error, persist_error;
 
   Impl(std::shared_ptr<World> w, torch::nn::Module& r, ShardedOptimizer* o, SnapshotOptions opts)
       : world(std::move(w)), root(r), opt(o), options(std::move(opts)) {}
@@ -179,6 +217,8 @@ struct Snapshots::Impl {
 
   void wait_transfer(bool rethrow) {
     if (transfer.joinable()) transfer.join();
+    if (!persist_error.empty() && rank() == 0) SHARDTORCH_WARN("shardtorch: snapshots: ", persist_error);
+    persist_error.clear();
     std::string e;
     std::swap(e, transfer_error);
     if (rethrow && !e.empty()) throw Error(who() + ": the copy to the buddy failed: " + e);
@@ -265,13 +305,19 @@ struct Snapshots::Impl {
       tensors.emplace_back(e.tensor, c);
     }
     json::object shapes;
-    for (const auto& [n, shape] : checkpoint::model_shapes_of(root)) {
+    written.shapes = checkpoint::model_shapes_of(root);
+    for (const auto& [n, shape] : written.shapes) {
       json::array dims;
       for (int64_t d : shape) dims.push_back(d);
       shapes[n] = dims;
     }
     json::object user;
-    for (const auto& [k, fns] : state) user[k] = fns.first();
+    written.user_state.clear();
+    for (const auto& [k, fns] : state) {
+      written.user_state[k] = fns.first();
+      user[k] = written.user_state[k];
+    }
+    written.entries = json::serialize(entries);
     json::object header{{"format", kFormat},
                         {"version", kVersion},
                         {"job", detail::snapshot_job(options)},
@@ -336,6 +382,35 @@ struct Snapshots::Impl {
     for (auto& w : works) comm->wait(w);
   }
 
+  // Publishes the snapshot of `step` as the sharded checkpoint in
+  // fallback_dir (the background thread, after exchange); a failure is
+  // persist_error, warned about by wait_transfer (on the program's thread).
+  void persist(int64_t step) {
+    json::object mine;
+    for (const auto& [k, v] : written.user_state) mine[k] = v;
+    const checkpoint::GatherStrings gather = [this](const std::string& m, const std::string&) {
+      return gather_unchecked(*comm, m);
+    };
+    const auto all = gather(json::serialize(mine), "the registered state");
+    std::map<std::string, std::string> user;
+    for (size_t r = 0; r < all.size(); ++r) {
+      const json::value theirs = json::parse(all[r]);
+      for (const auto& [k, v] : theirs.as_object())
+        user[persisted_key(static_cast<int>(r), std::string(k))] = json::value_to<std::string>(v);
+    }
+    const std::string why = checkpoint::publish_rank_files(
+        gather, rank(), files::join(detail::own_snapshot_path(options, rank(), step), file_of(rank())), written.entries,
+        sharded->strategy(), written.shapes, step, user, options.fallback_dir);
+    if (!why.empty())
+      persist_error = "step " + std::to_string(step) + " could not be persisted to '" + options.fallback_dir + "' (" +
+                      why + "); the checkpoint there stays as it was, and training goes on";
+    else if (rank() == 0)
+      SHARDTORCH_DEBUG("shardtorch: snapshots: step ", step, " persisted to '", options.fallback_dir, "'");
+  }
+
+  // The snapshots' bytes in the model's memory report.
+  void count_memory(int64_t bytes) { sharded->mem().set(Mem::Snapshots, bytes); }
+
   int64_t restore();
   int64_t fall_back(const std::string& why);
 
@@ -390,12 +465,18 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
     SHARDTORCH_CHECK(b != r || n == 1, m.who(), ": buddy[", r, "] is ", r,
                      " itself: its copy must be on another rank (another node)");
   }
+  SHARDTORCH_CHECK(m.options.persist_every >= 0 && m.options.persist_every % m.options.every == 0, m.who(),
+                   ": persist_every is ", m.options.persist_every, "; it must be 0 (never) or a multiple of every (",
+                   m.options.every, ")");
+  SHARDTORCH_CHECK(m.options.persist_every == 0 || !m.options.fallback_dir.empty(), m.who(),
+                   ": persist_every is set but fallback_dir is not: set the directory to persist to");
   files::create_directories(m.options.dir);
+  m.sharded = detail::require_state(root, "shardtorch::Snapshots");
   m.strategy = checkpoint::strategy_of(root);
   m.fingerprint = model_fingerprint(root, opt, n);
   std::vector<int> all(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) all[static_cast<size_t>(r)] = r;
-  if (n > 1) m.comm = m.world->new_group(all, "snapshots");
+  if (n > 1 || m.options.persist_every > 0) m.comm = m.world->new_group(all, "snapshots");
 }
 
 Snapshots::~Snapshots() {
@@ -434,17 +515,31 @@ void Snapshots::after_step(int64_t step) {
   if (step % m.options.every != 0) return;
   m.wait_transfer(true);
   m.write_own(step);
+  m.count_memory(bytes_kept());
   if (!m.comm) return;
-  m.transfer = std::thread([&m, step] {
+  const bool persist = m.options.persist_every > 0 && step % m.options.persist_every == 0;
+  m.transfer = std::thread([&m, step, persist] {
     try {
       m.exchange(step);
     } catch (const std::exception& e) {
       m.transfer_error = e.what();
+      return;
+    }
+    if (!persist) return;
+    try {
+      m.persist(step);
+    } catch (const std::exception& e) {  // a rank gone mid-way: the checkpoint there stays as it was
+      m.persist_error = "step " + std::to_string(step) + " could not be persisted to '" + m.options.fallback_dir +
+                        "' (" + e.what() + ")";
     }
   });
 }
 
-int64_t Snapshots::restore() { return impl_->restore(); }
+int64_t Snapshots::restore() {
+  const int64_t step = impl_->restore();
+  impl_->count_memory(bytes_kept());
+  return step;
+}
 
 int64_t Snapshots::Impl::fall_back(const std::string& why) {
   if (options.fallback_dir.empty() || !sharded_checkpoint_exists(options.fallback_dir)) {
@@ -457,8 +552,11 @@ int64_t Snapshots::Impl::fall_back(const std::string& why) {
   std::map<std::string, std::string> user;
   const int64_t step = load_sharded_checkpoint(root, opt, options.fallback_dir, &user);
   drop_newer(step);
-  for (auto& [k, fns] : state)
-    if (auto it = user.find(k); it != user.end()) fns.second(it->second);
+  for (auto& [k, fns] : state) {  // persisted (this rank's own), else saved by the program
+    auto it = user.find(persisted_key(rank(), k));
+    if (it == user.end()) it = user.find(k);
+    if (it != user.end()) fns.second(it->second);
+  }
   if (rank() == 0)
     SHARDTORCH_WARN("shardtorch: snapshots: ", why.empty() ? "no snapshot in memory" : why,
                     "; loaded the sharded checkpoint '", options.fallback_dir, "' at step ", step, " instead");
@@ -578,6 +676,7 @@ void Snapshots::finish() {
   for (int from : m.held_for())
     for (int64_t s : steps_named(m.options.dir, held_name(m.options, from, m.rank())))
       files::remove_all_quietly(detail::held_snapshot_path(m.options, from, m.rank(), s));
+  m.count_memory(0);
 }
 
 }  // namespace shardtorch
