@@ -197,7 +197,11 @@ TEST(Snapshots, AnotherWorldSizesSnapshotsAreRefusedSayingWhy) {
 // with every snapshot in memory gone, restore() loads the newest one
 // persisted, with each rank's own registered state. The memory report
 // counts the snapshots' bytes as bytes_kept() does.
-TEST(Snapshots, APersistedStepServesWhenMemoryIsGone) {
+// NoShard: every rank holds every parameter, written once.
+class SnapshotPersist : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(SnapshotPersist, APersistedStepServesWhenMemoryIsGone) {
+  const Strategy strategy = GetParam();
   const TempDir dir("shardtorch-snapshots");
   auto r = run_ranks(2, [&](World& w) {
     SnapshotOptions o = options_in(dir / "shm", "persist");
@@ -205,7 +209,7 @@ TEST(Snapshots, APersistedStepServesWhenMemoryIsGone) {
     o.persist_every = 2;
     Values at2;
     {
-      Trained t(w, Strategy::FullShard, 13, 1);
+      Trained t(w, strategy, 13, 1);
       t.data_position = 100 * w.rank();  // each rank's own
       Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), o);
       t.register_with(snaps);
@@ -219,7 +223,7 @@ TEST(Snapshots, APersistedStepServesWhenMemoryIsGone) {
     w.barrier();
     if (w.rank() == 0) files::remove_all(dir / "shm");  // every node's memory lost
     w.barrier();
-    Trained again(w, Strategy::FullShard, 13, 2);
+    Trained again(w, strategy, 13, 2);
     Snapshots snaps(w.shared_from_this(), *again.model, again.opt.get(), o);
     again.register_with(snaps);
     CapturedWarnings warnings;
@@ -244,8 +248,11 @@ TEST(Snapshots, APersistedStepServesWhenMemoryIsGone) {
     snaps.finish();
     require(again.sharded->memory().cur(shardtorch::Mem::Snapshots) == 0, "finish() left snapshot bytes counted");
   });
-  ASSERT_TRUE(r.ok) << r.summary();
+  ASSERT_TRUE(r.ok) << shardtorch::strategy_name(strategy) << ": " << r.summary();
 }
+
+INSTANTIATE_TEST_SUITE_P(Snapshots, SnapshotPersist, ::testing::Values(Strategy::FullShard, Strategy::NoShard),
+                         StrategyName());
 
 // A persist that fails (the directory cannot be made) is a warning on the
 // program's thread at the next snapshot; training goes on.
