@@ -17,17 +17,16 @@ import argparse
 import json
 import math
 import os
-import shlex
 import statistics
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
 from gpt_model import add_run_args  # noqa: E402
+import runner  # noqa: E402
 
 ORDER = ["no_shard", "ddp", "full_shard", "fsdp2"]  # one round
 PAIRS = [("full_shard", "fsdp2"), ("no_shard", "ddp"), ("fsdp2", "ddp"), ("full_shard", "no_shard")]
@@ -36,8 +35,7 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def die(msg):
-    print(msg, file=sys.stderr)
-    sys.exit(2)
+    runner.die("run_peers", msg)
 
 
 def parse_args():
@@ -79,20 +77,7 @@ def train_flags(a):
 
 
 def run(cmd, log_path, a, env):
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=a.timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    if rc != 0:
-        with open(log_path) as f:
-            tail = f.read()[-4000:]
-        print(tail, file=sys.stderr)
-        die(f"run_peers: command failed ({rc}); full log in {log_path}")
-    print(f"  ok in {time.time() - t0:.1f} s (log {os.path.relpath(log_path, ROOT)})", flush=True)
+    runner.run_logged("run_peers", cmd, log_path, env, a.timeout)
 
 
 def command_for(impl, a, init, prefix):
@@ -107,14 +92,10 @@ def command_for(impl, a, init, prefix):
 
 def load_reports(prefix, a, impl):
     reps = []
-    for r in range(a.nproc):
+    for r, rep in enumerate(runner.rank_reports("run_peers", prefix, a.nproc, impl)):
         path = f"{prefix}.rank{r}.json"
-        if not os.path.exists(path):
-            die(f"run_peers: {impl} wrote no report {path}")
-        with open(path) as f:
-            rep = json.load(f)
         if rep.get("world") != a.nproc or rep.get("rank") != r:
-            die(f"run_peers: {path}: world/rank {rep.get('world')}/{rep.get('rank')}, expected {a.nproc}/{r}")
+            die(f"{path}: world/rank {rep.get('world')}/{rep.get('rank')}, expected {a.nproc}/{r}")
         want_impl = "shardtorch" if impl in ("no_shard", "full_shard") else impl
         if rep.get("impl") != want_impl or (want_impl == "shardtorch" and rep.get("strategy") != impl):
             print(f"run_peers: warning: {path} says impl={rep.get('impl')!r} strategy={rep.get('strategy')!r}, "
@@ -127,7 +108,7 @@ def load_reports(prefix, a, impl):
         if fused is not None and fused != a.fused_adam:
             bad["fused_adam"] = (fused, a.fused_adam)
         if bad or len(rep.get("losses", [])) != a.warmup + a.steps or len(rep.get("step_ms", [])) != a.steps:
-            die(f"run_peers: {path} does not match the requested run: config (got, wanted) {bad}, "
+            die(f"{path} does not match the requested run: config (got, wanted) {bad}, "
                      f"{len(rep.get('losses', []))} losses, {len(rep.get('step_ms', []))} step times")
         reps.append(rep)
     return reps
@@ -213,9 +194,9 @@ def main():
         print("run_peers: --bf16: DDP skipped (it has no mixed-precision mode)")
     cpp = any(i in ("no_shard", "full_shard") for i in impls)
     if cpp and not os.path.exists(a.gpt_bench):
-        die(f"run_peers: {a.gpt_bench} not found: build it (target gpt_bench) or pass --python-only")
+        die(f"{a.gpt_bench} not found: build it (target gpt_bench) or pass --python-only")
     if not os.path.exists(a.torchrun):
-        die(f"run_peers: torchrun not found at {a.torchrun}; pass --torchrun")
+        die(f"torchrun not found at {a.torchrun}; pass --torchrun")
     os.makedirs(a.workdir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
 

@@ -16,9 +16,11 @@ cost.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import runner  # noqa: E402
 
 CONFIGS = [  # schedule, pp, chunks per rank, micro-batches, split (8 layers: embed, blocks.0-5, head)
     ("gpipe", 2, 1, 4, "blocks.3"),
@@ -39,8 +41,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    torchrun = os.path.join(a.venv, "bin", "torchrun")
-    bench = os.path.join(a.build, "bench", "gpt_bench")
+    torchrun = os.path.abspath(os.path.join(a.venv, "bin", "torchrun"))
+    bench = os.path.abspath(os.path.join(a.build, "bench", "gpt_bench"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for sched, pp, v, m, split in CONFIGS:
@@ -50,10 +52,8 @@ def main():
                    "--layers", "6", "--d-model", "64", "--heads", "2", "--seq", "32", "--batch", "8",
                    "--steps", str(a.steps), "--warmup", "2", "--stand-in-ms", str(a.stand_in_ms), "--quiet",
                    "--report", prefix]
-            r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            if r.returncode != 0:
-                sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-4000:]}")
-            reports = [json.load(open(f"{prefix}.rank{k}.json")) for k in range(pp)]
+            runner.run_logged("run_bubble", cmd, prefix + ".log")
+            reports = runner.rank_reports("run_bubble", prefix, pp, "gpt_bench")
             idle = [rep["idle_share_p50"] for rep in sorted(reports, key=lambda x: x["pipeline_rank"])]
             rows.append({"schedule": sched, "pp": pp, "chunks": v, "microbatches": m,
                          "theory": reports[0]["theoretical_bubble"], "idle": idle,

@@ -18,24 +18,22 @@ a run fails."""
 import argparse
 import json
 import os
-import shlex
 import statistics
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "peers"))
+sys.path.insert(0, os.path.dirname(HERE))
 
 from gpt_model import add_run_args  # noqa: E402
+import runner  # noqa: E402
 
 IMPLS = ("shardtorch", "pytorch")
 
 
 def die(msg):
-    print(msg, file=sys.stderr)
-    sys.exit(2)
+    runner.die("run_pipeline_peers", msg)
 
 
 def parse_args():
@@ -74,19 +72,7 @@ def run_flags(a, schedule):
 
 
 def run(cmd, log_path, a, env):
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=a.timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    if rc != 0:
-        with open(log_path) as f:
-            print(f.read()[-4000:], file=sys.stderr)
-        die(f"run_pipeline_peers: command failed ({rc}); full log in {log_path}")
-    print(f"  ok in {time.time() - t0:.1f} s", flush=True)
+    runner.run_logged("run_pipeline_peers", cmd, log_path, env, a.timeout)
 
 
 def command_for(impl, a, schedule, init, prefix):
@@ -99,16 +85,10 @@ def command_for(impl, a, schedule, init, prefix):
 
 
 def load(prefix, a, impl):
-    reps = []
-    for r in range(a.nproc):
-        path = f"{prefix}.rank{r}.json"
-        if not os.path.exists(path):
-            die(f"run_pipeline_peers: {impl} wrote no report {path}")
-        with open(path) as f:
-            reps.append(json.load(f))
-        if len(reps[-1].get("losses", [])) != a.warmup + a.steps:
-            die(f"run_pipeline_peers: {path}: {len(reps[-1].get('losses', []))} losses, expected "
-                f"{a.warmup + a.steps}")
+    reps = runner.rank_reports("run_pipeline_peers", prefix, a.nproc, impl)
+    for r, rep in enumerate(reps):
+        if len(rep.get("losses", [])) != a.warmup + a.steps:
+            die(f"{prefix}.rank{r}.json: {len(rep.get('losses', []))} losses, expected {a.warmup + a.steps}")
     return reps
 
 
@@ -127,7 +107,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     init = os.path.join(a.workdir, "init.safetensors")
     if not os.path.exists(a.gpt_bench):
-        die(f"run_pipeline_peers: no {a.gpt_bench}; build it first (make build)")
+        die(f"no {a.gpt_bench}; build it first (make build)")
     run([a.gpt_bench, "--save-init", init] + model_flags(a), os.path.join(a.workdir, "save-init.log"), a, env)
     schedules = a.schedules.split(",")
     results = {s: {i: [] for i in IMPLS} for s in schedules}
