@@ -351,7 +351,7 @@ void ShardState::enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState
   c->state = std::move(state);
   c->label = std::move(label);
   c->params = std::move(params);
-  if (unit) unit->set_checkpointed();
+  if (unit) unit->grads().set_checkpointed();
   c->unit = unit;
   base.checkpointing_ = std::move(c);
 }

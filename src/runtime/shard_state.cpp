@@ -22,7 +22,7 @@ ReplicatedPath& ShardState::enable_replicated() {
 }
 
 void ShardState::release_held() {
-  for (auto& u : live_units()) u->release();  // nothing for a unit not held
+  for (auto& u : live_units()) u->gather().release();  // nothing for a unit not held
 }
 
 void ShardState::gather_for_step() {
@@ -30,14 +30,14 @@ void ShardState::gather_for_step() {
   auto all = units();
   size_t pinned = 0;
   try {
-    for (auto& u : all) u->unshard_async();  // every all-gather in flight, then each waited for
+    for (auto& u : all) u->gather().unshard_async();  // every all-gather in flight, then each waited for
     for (; pinned < all.size(); ++pinned) {
-      all[pinned]->unshard();
-      all[pinned]->pin();
+      all[pinned]->gather().unshard();
+      all[pinned]->gather().pin();
     }
   } catch (...) {
-    for (size_t i = 0; i < pinned; ++i) all[i]->unpin();
-    for (auto& u : all) u->reshard();
+    for (size_t i = 0; i < pinned; ++i) all[i]->gather().unpin();
+    for (auto& u : all) u->gather().reshard();
     throw;
   }
   step_gather_ = true;
@@ -47,8 +47,8 @@ void ShardState::release_step_gather() {
   if (!step_gather_) return;
   step_gather_ = false;
   for (auto& u : live_units()) {
-    u->unpin();
-    u->reshard();
+    u->gather().unpin();
+    u->gather().reshard();
   }
 }
 
@@ -128,7 +128,7 @@ void ShardState::after_shards_replaced() {
   for (auto& u : units()) {
     for (auto& f : u->flats())
       if (f->persistent()) regather(*u, *f, "updated parameters");
-    u->reshard();  // non-persistent full copies are stale now
+    u->gather().reshard();  // non-persistent full copies are stale now
   }
 }
 
@@ -141,7 +141,7 @@ void ShardState::regather(Unit& u, FlatParam& f, const std::string& what) {
 void ShardState::regather_unsharded() {
   c10::NoGradGuard no_grad;
   for (auto& u : units())
-    if (u->state() == ParamState::Unsharded)
+    if (u->gather().state() == ParamState::Unsharded)
       for (auto& f : u->flats()) regather(*u, *f, "parameters after summon_full_params");
 }
 

@@ -72,7 +72,14 @@ bool UnitBase::after_forward(std::vector<at::Tensor>& outputs, const std::vector
   return replaced;
 }
 
-std::optional<at::ScalarType> UnitBase::input_dtype() const { return unit_->input_dtype(); }
-std::optional<at::ScalarType> UnitBase::output_dtype() const { return unit_->output_dtype(); }
+std::optional<at::ScalarType> UnitBase::input_dtype() const {
+  const auto& mp = unit_->owner().options().mixed_precision();
+  if (!unit_->is_root() || !mp.cast_root_inputs()) return std::nullopt;
+  return mp.param_dtype();
+}
+
+std::optional<at::ScalarType> UnitBase::output_dtype() const {
+  return unit_->is_root() ? unit_->owner().options().mixed_precision().output_dtype() : std::nullopt;
+}
 
 }  // namespace shardtorch

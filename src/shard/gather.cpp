@@ -31,8 +31,8 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
   } catch (...) {  // no destructor will run: undo the pins and free what we gathered
     for (auto& p : grads_set_) p.mutable_grad().reset();
     for (auto& [p, view] : views_) p.mutable_grad() = view;
-    for (auto& u : units_) u->unpin();
-    for (auto& u : summoned_) u->reshard();
+    for (auto& u : units_) u->gather().unpin();
+    for (auto& u : summoned_) u->gather().reshard();
     throw;
   }
   // The gradients set share storages (a unit's full gradient, when the
@@ -64,24 +64,24 @@ void FullParams::gather_all(bool keep) {
     }
   }
   for (auto& u : state_->units()) {
-    bool was_sharded = u->state() == detail::ParamState::Sharded;
+    bool was_sharded = u->gather().state() == detail::ParamState::Sharded;
     if (!was_sharded && !writeback_)
       for (auto& f : u->flats())
         if (f->shard().storage().unsafeGetStorageImpl() == f->full().storage().unsafeGetStorageImpl())
           restore_.emplace_back(f->shard(), f->shard().clone());
-    u->unshard();
+    u->gather().unshard();
     if (keep) {
-      u->pin();  // a forward or backward in the scope must not free it
+      u->gather().pin();  // a forward or backward in the scope must not free it
       units_.push_back(u);
       if (was_sharded) summoned_.push_back(u);  // freed on exit, or by the constructor's catch
     }
     try {
       if (options_.with_grads()) gather_grads(*u, keep);
     } catch (...) {
-      if (was_sharded && !keep) u->reshard();
+      if (was_sharded && !keep) u->gather().reshard();
       throw;
     }
-    if (was_sharded && !keep) u->reshard();
+    if (was_sharded && !keep) u->gather().reshard();
   }
 }
 
@@ -122,10 +122,10 @@ FullParams::~FullParams() {
   } catch (const std::exception& e) {
     SHARDTORCH_WARN("shardtorch: leaving summon_full_params failed: ", e.what());
   }
-  for (auto& u : units_) u->unpin();
+  for (auto& u : units_) u->gather().unpin();
   state_->leave_summon(options_.with_grads());
   try {
-    for (auto& u : summoned_) u->reshard();
+    for (auto& u : summoned_) u->gather().reshard();
     // The units the scope found unsharded compute with their full buffers,
     // not the shards: gathered again, an edit without writeback is
     // discarded (as where the scope frees what it gathered), and after a

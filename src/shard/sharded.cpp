@@ -415,8 +415,8 @@ void shard_replicated(torch::nn::Module& root, World& world, ModelWalk& found, c
   setup_no_shard(*state, world, found.params, keep);
   state->buffers().setup(world, state->options(), found.buffers, keep);
   if (auto* base = dynamic_cast<UnitBase*>(&root)) {
-    auto unit = std::make_shared<detail::Unit>(state, "", 0, /*is_root=*/true, false, /*persistent=*/true);
-    unit->mark_persistent_gathered();
+    auto unit = std::make_shared<detail::Unit>(state, "", /*is_root=*/true, false, /*persistent=*/true);
+    unit->gather().mark_persistent_gathered();
     state->add_unit(unit);
     detail::ShardState::attach(*base, unit);
   }
@@ -447,7 +447,7 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
                                     options.progress());
   for (size_t u = 0; u < units.size(); ++u) {
     bool is_root = root_is_unit && u == 0;
-    auto unit = std::make_shared<detail::Unit>(state, units[u].name, static_cast<int>(u), is_root,
+    auto unit = std::make_shared<detail::Unit>(state, units[u].name, is_root,
                                                options.reshard_after_forward_of(units[u].name), persistent);
     // A deferred unit is made whole here, each parameter given its values
     // straight into its flat parameter's full buffer (FlatParam), sliced and
@@ -471,11 +471,11 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
         flat->set_mixed_precision(*mp.param_dtype(), mp.reduce_dtype().value_or(*mp.param_dtype()));
       }
       if (auto* off = state->copies().offloader()) flat->offload_shard(off->pin());
-      flat->set_access_error(unit->sharded_access_error(*flat));
+      flat->set_access_error(unit->gather().sharded_access_error(*flat));
       flat->free_full();
       unit->flats().push_back(std::move(flat));
     }
-    if (persistent) unit->mark_persistent_gathered();
+    if (persistent) unit->gather().mark_persistent_gathered();
     unit->register_grad_hooks();
     state->add_unit(unit);
     made.push_back(unit);
