@@ -131,7 +131,7 @@ void BackwardTracker::abandon(bool warn) {
   for (auto& u : model_.live_units()) {
     u->gather().reshard();
     u->reset_backward();
-    for (auto& f : u->flats()) f->drop_staging_grad();
+    for (auto& f : u->flats()) f->grads().drop_staging_grad();
   }
 }
 

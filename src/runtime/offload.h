@@ -24,7 +24,7 @@
 //     stream calls current_waits_for_copies() first instead.
 //     The copy moves the master dtype (fp32) and casts on the device, or
 //     the master's bf16 copy under a bf16 compute dtype
-//     (FlatParam::upload_source). All of
+//     (HostShard::upload_source). All of
 //     this assumes the stream current at unshard_async is the one current
 //     when the unit is waited for and computes (the caller's stream).
 //   to_host: after a reduce-scatter, the reduced gradient shard is copied to

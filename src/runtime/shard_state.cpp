@@ -81,7 +81,7 @@ void ShardState::zero_grads() {
     return;
   }
   for (auto& u : units())
-    for (auto& f : u->flats()) f->zero_grad();
+    for (auto& f : u->flats()) f->grads().zero_grad();
 }
 
 void ShardState::check_requires_grad_unchanged() const {
@@ -164,10 +164,10 @@ std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
   }
   for (auto& u : units()) {
     for (auto& f : u->flats()) {
-      if (f->full_grad().defined()) {
-        grads.push_back(f->full_grad());  // OptimizerOnly: whole and identical on every rank
-      } else if (f->shard_grad().defined()) {
-        grads.push_back(f->shard_grad());
+      if (f->grads().full_grad().defined()) {
+        grads.push_back(f->grads().full_grad());  // OptimizerOnly: whole and identical on every rank
+      } else if (f->grads().shard_grad().defined()) {
+        grads.push_back(f->grads().shard_grad());
       }
     }
   }

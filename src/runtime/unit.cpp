@@ -68,7 +68,7 @@ void UnitGather::unshard_async() {
   auto& owner = unit_.owner();
   try {
     for (auto& f : flats) gather_inputs_.push_back(owner.copies().gather_input(*f));  // under offload, all copies first
-    for (auto& f : flats) f->alloc_full();  // on the compute stream (offload.h)
+    for (auto& f : flats) f->buffer().alloc();  // on the compute stream (offload.h)
     owner.copies().launch_gathers([&] {
       for (size_t i = 0; i < flats.size(); ++i)
         gathers_.push_back(owner.topology().shard_comm().all_gather_async(
@@ -110,7 +110,7 @@ void UnitGather::unshard() {
 
 void UnitGather::free_full(size_t wait_from, size_t failed) {
   // gathers_[i] fills flats[i]->full(). Memory a collective that failed may
-  // still write into is never freed (FlatParam::free_full's abandon).
+  // still write into is never freed (FullBuffer::free's abandon).
   auto& flats = unit_.flats();
   std::vector<bool> abandon(flats.size(), false);
   if (failed < abandon.size()) abandon[failed] = true;
@@ -125,7 +125,7 @@ void UnitGather::free_full(size_t wait_from, size_t failed) {
   }
   gathers_.clear();
   gather_inputs_.clear();
-  for (size_t i = 0; i < flats.size(); ++i) flats[i]->free_full(abandon[i]);
+  for (size_t i = 0; i < flats.size(); ++i) flats[i]->buffer().free(abandon[i]);
   state_ = ParamState::Sharded;  // from Gathering or Unsharded
 }
 
@@ -188,7 +188,7 @@ void Unit::on_grad_ready(size_t flat, size_t param) {
     at::Tensor(flats_[flat]->params()[param]).mutable_grad().reset();
     throw;
   }
-  flats_[flat]->stage_grad(param);
+  flats_[flat]->grads().stage_grad(param);
   if (++grads_.received_grads_ == grads_.expected_now_) reduce_grads();
 }
 
@@ -210,7 +210,7 @@ bool UnitGrads::needs_final_reduce() const {
   if (reduced() || expected_grads_ == 0) return false;
   if (reached()) return true;
   const auto& flats = unit_.flats();
-  return std::any_of(flats.begin(), flats.end(), [](const auto& f) { return f->has_staging_grad(); });
+  return std::any_of(flats.begin(), flats.end(), [](const auto& f) { return f->grads().has_staging_grad(); });
 }
 
 void Unit::reduce_grads(bool reshard_now) {
@@ -229,7 +229,7 @@ void Unit::reduce_grads(bool reshard_now) {
   // took part holds them, zeros where no gradient of it arrived.
   if (!owner_->sync() && was_reached)
     for (auto& f : flats_)
-      if (f->requires_grad()) f->staging_grad();
+      if (f->requires_grad()) f->grads().staging_grad();
   if (owner_->sync()) {
     owner_->order().issue_reductions();  // this unit, if its turn has come, and those that waited for it
     if (!grads_.issued()) owner_->order().count_deferred_reduction();

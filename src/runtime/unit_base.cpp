@@ -41,7 +41,7 @@ void UnitBase::zero_shard_grads(torch::nn::Module& self) {
   }
   state->on_zero_grad();
   if (unit_)
-    for (auto& f : unit_->flats()) f->zero_grad();
+    for (auto& f : unit_->flats()) f->grads().zero_grad();
   else if (auto* replicated = state->replicated())
     replicated->bucketer().zero_grads_of(self.parameters());  // plain modules inside have no hook of their own
 }

@@ -88,8 +88,8 @@ void FullParams::gather_all(bool keep) {
 void FullParams::gather_grads(detail::Unit& u, bool keep) {
   for (auto& f : u.flats()) {
     if (!f->requires_grad()) continue;
-    at::Tensor shard =
-        state_->copies().on_comm_device(f->shard_grad().defined() ? f->shard_grad() : at::zeros_like(f->shard()));
+    at::Tensor shard = state_->copies().on_comm_device(f->grads().shard_grad().defined() ? f->grads().shard_grad()
+                                                                                         : at::zeros_like(f->shard()));
     at::Tensor full = at::empty({f->layout().padded_numel()}, shard.options());
     state_->topology().shard_comm().all_gather_into(full, shard,
                                                     "gradients of unit '" + u.label() + "' for summon_full_params");

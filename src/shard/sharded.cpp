@@ -470,9 +470,9 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
       if (mp.param_dtype() && at::isFloatingType(dtype) && !kept) {
         flat->set_mixed_precision(*mp.param_dtype(), mp.reduce_dtype().value_or(*mp.param_dtype()));
       }
-      if (auto* off = state->copies().offloader()) flat->offload_shard(off->pin());
-      flat->set_access_error(unit->gather().sharded_access_error(*flat));
-      flat->free_full();
+      if (auto* off = state->copies().offloader()) flat->host().offload_shard(off->pin());
+      flat->buffer().set_access_error(unit->gather().sharded_access_error(*flat));
+      flat->buffer().free();
       unit->flats().push_back(std::move(flat));
     }
     if (persistent) unit->gather().mark_persistent_gathered();
