@@ -163,7 +163,7 @@ void BackwardTracker::finish() {
       }
       if (model_.sync()) model_.order().issue_reductions(/*at_end=*/true);
       model_.sharded_reducer().finish_backward(model_.sync());
-      if (auto* off = model_.copies().offloader()) off->drain();  // the gradient shards reach host memory
+      if (auto* off = model_.copies().offloader()) off->worker().drain();  // the gradient shards reach host memory
     }
     for (auto& u : all) {
       u->gather().reshard();
