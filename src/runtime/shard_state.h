@@ -67,7 +67,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   // ---- NoShard's parameters: replicated() holds them
   /// The value of record of a parameter (what checkpoints save and load):
   /// NoShard under mixed precision its fp32 master, else the parameter itself.
-  at::Tensor record_of(const at::Tensor& param) const { return replicated_ ? replicated_->record_of(param) : param; }
+  at::Tensor record_of(const at::Tensor& param) const {
+    return replicated_ ? replicated_->masters().record_of(param) : param;
+  }
   /// Loads `value` into a parameter's record and, when that is a master,
   /// casts it into the parameter too.
   void load_record(const at::Tensor& param, const at::Tensor& value) const {

@@ -52,7 +52,7 @@ void FullParams::gather_all(bool keep) {
     // edit in the scope (or autograd's accumulation, before the refusal of a
     // backward there) must not reach the buckets. The views come back on exit.
     const auto& params = state_->replicated()->params();
-    const auto& masters = state_->replicated()->masters();
+    const auto& masters = state_->replicated()->masters().all();
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor p = params[i];
       const bool own = p.grad().defined();

@@ -235,7 +235,7 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
       if (mp.param_dtype() && p.tensor.is_floating_point() && p.tensor.scalar_type() != *mp.param_dtype() &&
           !keep.count(p.tensor.unsafeGetTensorImpl())) {
         // It computes in param_dtype; the fp32 master is what checkpoints keep.
-        replicated.add_frozen_master(p.tensor, p.tensor.detach().clone());
+        replicated.masters().add_frozen(p.tensor, p.tensor.detach().clone());
         p.tensor.set_data(p.tensor.detach().to(*mp.param_dtype()));
       }
       state.mem().add(Mem::ReplicatedParams, p.tensor.nbytes());
