@@ -50,7 +50,7 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
   }
   // Module::zero_grad reaches the flats, not these views: without this their
   // gradients would keep the dropped shards' memory alive until the next step.
-  listener_ = state_->add_zero_grad_listener([this] {
+  listener_ = state_->zero_grad_listeners().add([this] {
     for (auto& piece : pieces_) piece.view.mutable_grad().reset();
   });
 }
@@ -236,7 +236,7 @@ class StepInBackward final : public GradientListener {
 
 ShardViews::~ShardViews() {
   if (overlap_) state_->copies().set_gradient_listener(nullptr);
-  if (listener_ >= 0) state_->remove_zero_grad_listener(listener_);
+  if (listener_ >= 0) state_->zero_grad_listeners().remove(listener_);
 }
 
 void ShardViews::overlap_with_backward(torch::optim::Optimizer& opt, bool on) {

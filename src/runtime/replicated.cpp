@@ -88,7 +88,7 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
     if (!s) return outputs;
     ReplicatedPath& r = *s->replicated();
     try {
-      s->refuse_backward_in_grad_summon("parameter", r.names()[index_]);
+      s->summons().refuse_backward("parameter", r.names()[index_]);
       failure_point("NoShard gradient hook");
       s->backward().ensure_end_of_backward_callback();
       s->backward().check_grad_arrival(r.params()[index_], r.names()[index_]);

@@ -14,7 +14,9 @@ ShardState::ShardState(std::shared_ptr<World> world, ShardOptions options)
       sharded_(topology_, options_.strategy(), copies_, options_.bucket_mb(), &mem_),
       order_(options_, backward_, units_),
       backward_(*this),
-      copies_(topology_.world(), units_) {}
+      copies_(topology_.world(), units_),
+      summons_(topology_.world()),
+      pipeline_(units_) {}
 
 ReplicatedPath& ShardState::enable_replicated() {
   replicated_ = std::make_unique<ReplicatedPath>(topology_.world(), mem_, options_, weak_from_this());
@@ -25,9 +27,9 @@ void ShardState::release_held() {
   for (auto& u : live_units()) u->gather().release();  // nothing for a unit not held
 }
 
-void ShardState::gather_for_step() {
+void PipelineGather::gather_for_step() {
   if (step_gather_) return;
-  auto all = units();
+  auto all = units_.all();
   size_t pinned = 0;
   try {
     for (auto& u : all) u->gather().unshard_async();  // every all-gather in flight, then each waited for
@@ -43,24 +45,23 @@ void ShardState::gather_for_step() {
   step_gather_ = true;
 }
 
-void ShardState::release_step_gather() {
+void PipelineGather::release_step_gather() {
   if (!step_gather_) return;
   step_gather_ = false;
-  for (auto& u : live_units()) {
+  for (auto& u : units_.live()) {
     u->gather().unpin();
     u->gather().reshard();
   }
 }
 
-void ShardState::refuse_backward_in_grad_summon(const char* kind, const std::string& name) const {
+void SummonScopes::refuse_backward(const char* kind, const std::string& name) const {
   // The scope set param.grad to the reduced gradients: this backward would
   // add its own to them, and reduce both into gradients that already hold the
   // first (counted twice). Every rank is in the scope, so every rank refuses;
   // called first in every hook of a backward, before anything is queued or
   // gathered, so the refused backward leaves nothing to clean up.
   SHARDTORCH_CHECK(
-      grad_summons_ == 0, detail::rank_prefix(topology_.world().global_rank()), ": a backward reached ", kind, " '",
-      name,
+      grad_summons_ == 0, detail::rank_prefix(world_.global_rank()), ": a backward reached ", kind, " '", name,
       "' inside a summon_full_params(with_grads) scope, whose param.grad are the reduced gradients (a "
       "backward would count them twice); leave the scope before the backward, or summon without with_grads");
 }
@@ -71,7 +72,7 @@ void ShardState::on_zero_grad() {
   backward_.on_zero_grad();
   backward_.gradients_changed();
   if (!backward_.running()) order_.on_zero_grad();
-  for (auto& [id, f] : zero_grad_listeners_) f();
+  zero_grad_listeners_.run();
 }
 
 void ShardState::zero_grads() {
@@ -107,7 +108,7 @@ void ShardState::check_requires_grad_unchanged() const {
 void ShardState::check_outside_summon() const {
   // Symmetric: every rank holds a FullParams for the scope, kept or not.
   SHARDTORCH_CHECK(
-      summons_ == 0, detail::rank_prefix(topology_.world().global_rank()),
+      !summons_.any(), detail::rank_prefix(topology_.world().global_rank()),
       ": an optimizer step or a checkpoint load inside a "
       "summon_full_params scope: the scope's full parameters would be stale (and written back over the new "
       "values on exit); leave the scope first");

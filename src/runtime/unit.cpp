@@ -151,7 +151,7 @@ std::string UnitGather::sharded_access_error(const FlatParam& flat) const {
 }
 
 void Unit::pre_backward() {
-  owner_->refuse_backward_in_grad_summon("unit", label());
+  owner_->summons().refuse_backward("unit", label());
   owner_->world().note_progress("backward", label());
   owner_->backward().ensure_end_of_backward_callback();
   grads_.reach();
@@ -169,7 +169,7 @@ void Unit::pre_backward() {
 }
 
 void Unit::on_grad_ready(size_t flat, size_t param) {
-  owner_->refuse_backward_in_grad_summon("parameter", flats_[flat]->names()[param]);
+  owner_->summons().refuse_backward("parameter", flats_[flat]->names()[param]);
   try {
     failure_point("gradient hook");
     owner_->backward().ensure_end_of_backward_callback();

@@ -41,7 +41,7 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
   for (const auto& p : grads_set_)
     if (storages.insert(p.grad().storage().unsafeGetStorageImpl()).second) grad_bytes_ += p.grad().storage().nbytes();
   state_->mem().add(Mem::SummonedGrads, grad_bytes_);
-  state_->enter_summon(options_.with_grads());
+  state_->summons().enter(options_.with_grads());
 }
 
 void FullParams::gather_all(bool keep) {
@@ -123,7 +123,7 @@ FullParams::~FullParams() {
     SHARDTORCH_WARN("shardtorch: leaving summon_full_params failed: ", e.what());
   }
   for (auto& u : units_) u->gather().unpin();
-  state_->leave_summon(options_.with_grads());
+  state_->summons().leave(options_.with_grads());
   try {
     for (auto& u : summoned_) u->gather().reshard();
     // The units the scope found unsharded compute with their full buffers,
