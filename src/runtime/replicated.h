@@ -78,7 +78,7 @@ class ReplicatedPath final : public GradientReducer {
   void finish_backward(bool sync) override;
   void discard() override { ddp_->discard(); }
   int64_t reductions() const override { return ddp_->launched(); }
-  void use_hook(CommHook* hook, HookCounter* counter) override { ddp_->set_hook(hook, counter); }
+  void use_hook(CommHook* hook, HookCounter* counter) override { ddp_->hook().set(hook, counter); }
 
   AllReduceBucketer& bucketer() { return *ddp_; }
   const AllReduceBucketer& bucketer() const { return *ddp_; }

@@ -590,8 +590,8 @@ ShardStats ShardedModel::stats() const {
   ShardStats s;
   s.gradient_reductions = state_->reducer().reductions();
   s.reductions_deferred = state_->order().reductions_deferred();
-  s.reduce_scatters_overlapped = state_->sharded_reducer().bucketer().launched_while_in_flight();
-  s.reduce_scatters_past_the_limit = state_->sharded_reducer().bucketer().launched_past_limit();
+  s.reduce_scatters_overlapped = state_->sharded_reducer().bucketer().counts().while_in_flight;
+  s.reduce_scatters_past_the_limit = state_->sharded_reducer().bucketer().counts().past_limit;
   s.buckets_launched_during_backward =
       state_->replicated() ? state_->replicated()->bucketer().launched_during_backward() : 0;
   if (const auto* off = state_->copies().offloader()) s.offload = {off->bytes_to_device(), off->bytes_to_host()};
