@@ -122,7 +122,7 @@ void BM_BucketerCoalescing(benchmark::State& state) {
   }
   benchmark::DoNotOptimize(sink);
   state.counters["collectives_per_iter"] =
-      benchmark::Counter(static_cast<double>(bucketer.launched()) / std::max<int64_t>(state.iterations(), 1),
+      benchmark::Counter(static_cast<double>(bucketer.counts().launched) / std::max<int64_t>(state.iterations(), 1),
                          benchmark::Counter::kAvgThreads);
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(kFlats * kNumel * 4)));
 }
@@ -174,12 +174,12 @@ void BM_UnflattenParams(benchmark::State& state) {
   auto params = block_params(d);
   std::vector<std::string> names(params.size(), "p");
   shardtorch::FlatParam flat(params, names, kRanks, 0, nullptr);
-  flat.free_full();
+  flat.buffer().free();
   for (auto _ : state) {
-    flat.alloc_full();
+    flat.buffer().alloc();
     benchmark::DoNotOptimize(flat.params().back().data_ptr());
     flat.write_back_shard();
-    flat.free_full();
+    flat.buffer().free();
   }
   state.SetBytesProcessed(state.iterations() * flat.shard().nbytes());
 }
@@ -195,9 +195,9 @@ void BM_StageGrads(benchmark::State& state) {
   for (auto _ : state) {
     for (size_t i = 0; i < params.size(); ++i) {
       flat.params()[i].mutable_grad() = grads[i];
-      flat.stage_grad(i);
+      flat.grads().stage_grad(i);
     }
-    benchmark::DoNotOptimize(flat.take_staging_grad().data_ptr());
+    benchmark::DoNotOptimize(flat.grads().take_staging_grad().data_ptr());
   }
   state.SetBytesProcessed(state.iterations() * flat.full().nbytes());
 }

@@ -18,7 +18,7 @@ using shardtorch::testing::run_ranks;
 // and the parameters, not a read through a null pointer; the failed access
 // changes nothing, and the next forward and a summon see the right values.
 TEST(FreedParameters, ReadingAFreedParameterIsAClearErrorAndChangesNothing) {
-  ASSERT_TRUE(shardtorch::FlatParam::freed_access_is_an_error())
+  ASSERT_TRUE(shardtorch::FullBuffer::freed_access_is_an_error())
       << "this LibTorch cannot mark a freed storage: a freed parameter's read would crash";
   torch::manual_seed(0);
   auto ref = MLP();

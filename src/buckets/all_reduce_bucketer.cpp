@@ -104,9 +104,9 @@ void AllReduceBucketer::launch(Bucket& b, size_t index) {
   bool missing = false;
   if (last) {  // every parameter's backward is over by now, on this rank
     missing = std::find(ready_.begin(), ready_.end(), false) != ready_.end();
-    if (!hook_) b.buffer.narrow(0, b.buffer.numel() - 1, 1).fill_(missing ? 1 : 0);
+    if (!hook_.hook()) b.buffer.narrow(0, b.buffer.numel() - 1, 1).fill_(missing ? 1 : 0);
   }
-  if (hook_) {
+  if (hook_.hook()) {
     std::vector<size_t> offsets, lengths;
     std::vector<c10::IntArrayRef> sizes;
     std::vector<at::Tensor> params;
@@ -119,7 +119,7 @@ void AllReduceBucketer::launch(Bucket& b, size_t index) {
     c10d::GradBucket bucket(index, buckets_.size(), gradients_of(index), std::move(offsets), std::move(lengths),
                             std::move(sizes), std::move(params), std::nullopt);
     comm_.flush_launches();  // the hook's collectives run on the backend itself
-    b.call = detail::call_hook(*hook_, bucket, comm_.rank(), describe_bucket(index), hook_counter_);
+    b.call = detail::call_hook(*hook_.hook(), bucket, comm_.rank(), describe_bucket(index), hook_.counter());
     if (last) {
       flag_ = at::full({1}, missing ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(comm_.device()));
       flag_pending_ = comm_.all_reduce_async(flag_, "parameters without a gradient (flag)");
@@ -170,7 +170,7 @@ void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       Bucket& bucket = buckets_[b];
       if (bucket.call.active()) {  // the hook's mean: into the bucket, unless it reduced in place
-        at::Tensor mean = detail::finish_hook(*hook_, bucket.call, comm_.rank(), comm_.timeout());
+        at::Tensor mean = detail::finish_hook(*hook_.hook(), bucket.call, comm_.rank(), comm_.timeout());
         at::Tensor grads = gradients_of(b);
         if (mean.data_ptr() != grads.data_ptr()) grads.copy_(mean);
         continue;

@@ -35,7 +35,7 @@
 //     weight decay, no moments, no optimizer state. Its slice stays zero and
 //     is bound again once it gets a gradient (or at zero_grads()).
 //
-// With a communication hook (set_hook) each bucket's gradients, without the
+// With a communication hook (hook().set) each bucket's gradients, without the
 // flag, go to the hook instead of the all-reduce, and what its future holds
 // (their mean over the ranks: the hook divides) is copied back into the
 // bucket; the flag is then summed by an all-reduce of its own, launched with
@@ -73,14 +73,9 @@ class AllReduceBucketer {
   /// Points every param.grad at its slice of a bucket (again, if something
   /// replaced it). Keeps values already there.
   void bind_grads();
-  /// Reduces every bucket through `hook` (which outlives this) instead of the
-  /// built-in all-reduce and division; null: the built-in. Each call is
-  /// counted in `counter` (if not null). Not during a backward.
-  void set_hook(CommHook* hook, HookCounter* counter = nullptr) {
-    hook_ = hook;
-    hook_counter_ = counter;
-  }
-  CommHook* hook() const { return hook_; }
+  /// A hook set here reduces every bucket instead of the built-in all-reduce
+  /// and division; it outlives this. Not set during a backward.
+  detail::HookSlot& hook() { return hook_; }
 
   /// Called when autograd has accumulated param i's gradient.
   void mark_ready(size_t i, bool sync);
@@ -138,8 +133,7 @@ class AllReduceBucketer {
   std::vector<Bucket> buckets_;
   std::vector<bool> is_view_;  // param.grad is a view of its bucket slice
   Comm& comm_;
-  CommHook* hook_ = nullptr;
-  HookCounter* hook_counter_ = nullptr;
+  detail::HookSlot hook_;
   at::Tensor flag_;  // with a hook: the flag, all-reduced on its own
   PendingWork flag_pending_;
   bool async_;

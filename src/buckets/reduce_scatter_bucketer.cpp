@@ -107,7 +107,7 @@ void ReduceScatterBucketer::all_reduce(const at::Tensor& input, Comm& group, Cal
   pieces.push_back({{0, in.numel()}, std::move(callback)});
   track(nbytes(in));
   launch(group, in, at::Tensor(), nbytes(in), std::move(pieces), what, /*all_reduce=*/true);
-  in_flight_.back().to_hook = hook_ != nullptr;  // the hook reduces across replicas what the group summed
+  in_flight_.back().to_hook = hook_.hook() != nullptr;  // the hook reduces across replicas what the group summed
 }
 
 void ReduceScatterBucketer::make_room(const std::string& next, bool bounded) {
@@ -121,7 +121,7 @@ void ReduceScatterBucketer::make_room(const std::string& next, bool bounded) {
     const Launched& oldest = in_flight_.front();
     const auto bound = std::min(kReduceScatterLimitWait, oldest.group->timeout() / 4);
     if (!oldest_done_within(bound)) {
-      if (launched_past_limit_++ == 0)
+      if (counts_.past_limit++ == 0)
         SHARDTORCH_WARN("shardtorch: the reduce-scatter for ", next, " goes out past the limit of ", max_in_flight_,
                         " in flight: the oldest (", oldest.work.what, ") did not complete within ",
                         std::chrono::duration<double>(bound).count(),
@@ -184,7 +184,7 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
   Launched l;
   l.group = &group;
   l.replicas = replicas != nullptr && replicas->size() > 1 ? replicas : nullptr;
-  l.to_hook = hook_ != nullptr && !all_reduce;
+  l.to_hook = hook_.hook() != nullptr && !all_reduce;
   l.input = std::move(input);
   l.output = std::move(output);
   l.bytes = bytes;
@@ -208,14 +208,14 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
     if (!watcher_) watcher_ = std::make_unique<detail::CompletionWatcher>();
     l.completion = watcher_->watch(l.work.work, group.timeout(), l.work.checked);
   }
-  ++launched_;
-  if (!in_flight_.empty()) ++launched_while_in_flight_;
+  ++counts_.launched;
+  if (!in_flight_.empty()) ++counts_.while_in_flight;
   in_flight_.push_back(std::move(l));
 }
 
 void ReduceScatterBucketer::wait_for_launch(Launched& l) {
   if (l.call.active()) {
-    l.output = detail::finish_hook(*hook_, l.call, l.group->rank(), l.group->timeout());
+    l.output = detail::finish_hook(*hook_.hook(), l.call, l.group->rank(), l.group->timeout());
   } else if (l.completion) {
     std::exception_ptr error;  // checked: a long wait is compared with the peers' (collective_check.h)
     if (l.work.checked) {
@@ -249,12 +249,12 @@ void ReduceScatterBucketer::launch_across_replicas(Launched& l, const std::strin
     l.bytes = 0;
   }
   track(bytes);
-  // Part of the launch it continues: launched() and the overlap count the
+  // Part of the launch it continues: counts_ counts the
   // reduce-scatter, not this again.
-  const int64_t launched = launched_, overlapped = launched_while_in_flight_;
+  const int64_t launched = counts_.launched, overlapped = counts_.while_in_flight;
   launch(*l.replicas, chunk, at::Tensor(), bytes, std::move(l.pieces), what + " across replicas", /*all_reduce=*/true);
-  launched_ = launched;
-  launched_while_in_flight_ = overlapped;
+  counts_.launched = launched;
+  counts_.while_in_flight = overlapped;
   track(-l.bytes);  // the input and its copied row (Gloo): `chunk` is the new launch's
   l.bytes = 0;
 }
@@ -288,7 +288,7 @@ void ReduceScatterBucketer::launch_hook(Launched& l, const std::string& what) {
                           std::nullopt);
   try {
     if (l.replicas) l.replicas->flush_launches();  // the hook's group: its collectives run on the backend itself
-    h.call = detail::call_hook(*hook_, bucket, l.group->rank(), what, hook_counter_);
+    h.call = detail::call_hook(*hook_.hook(), bucket, l.group->rank(), what, hook_.counter());
   } catch (...) {
     track(-h.bytes);
     throw;

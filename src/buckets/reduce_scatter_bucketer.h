@@ -21,7 +21,7 @@
 //   flight: launching one more first waits for the oldest, for a bounded
 //   time (kReduceScatterLimitWait, at most a quarter of the collective
 //   timeout). If the oldest has not completed by then, the launch goes out
-//   beside it, past the limit (counted by launched_past_limit(), reported
+//   beside it, past the limit (counted in counts().past_limit, reported
 //   once on stderr): a rank that finished several units early (the data
 //   routed around them) must not block there while a peer, which reduces
 //   those units later, waits for it in an all-gather on the other
@@ -48,7 +48,7 @@
 // - discard() (a failed backward) waits for what is in flight, ignoring
 //   errors, drops the callbacks and frees everything.
 //
-// - A communication hook (set_hook) takes the place of the all-reduce across
+// - A communication hook (hook().set) takes the place of the all-reduce across
 //   replicas: when a reduce-scatter completes, this rank's chunk of it goes
 //   to the hook (with or without replicas), its future stays in flight in
 //   the same queue, and the callbacks get what the future holds.
@@ -120,18 +120,13 @@ class ReduceScatterBucketer {
   /// must not read or write it meanwhile) and which nothing else writes
   /// afterwards. It waits for room as long as the collective timeout allows
   /// (OptimizerOnly's gradients: no gather in backward to deadlock with).
-  /// With a hook, the reduced input goes on to it first (see set_hook).
+  /// With a hook, the reduced input goes on to it first (see hook()).
   void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
-  /// Passes every reduce-scatter's output (this rank's chunk of a launch),
-  /// and every all_reduce()'s whole result, through `hook` (which outlives
-  /// this) before the callbacks, in place of the all-reduce across
-  /// `replicas`; null: no hook. Each call is counted in `counter` (if not
-  /// null). Not during a backward.
-  void set_hook(CommHook* hook, HookCounter* counter = nullptr) {
-    hook_ = hook;
-    hook_counter_ = counter;
-  }
-  CommHook* hook() const { return hook_; }
+  /// A hook set here gets every reduce-scatter's output (this rank's chunk
+  /// of a launch), and every all_reduce()'s whole result, before the
+  /// callbacks, in place of the all-reduce across `replicas`; it outlives
+  /// this. Not set during a backward.
+  detail::HookSlot& hook() { return hook_; }
   /// Launches everything queued, waits for every collective in flight and
   /// runs the callbacks.
   void flush();
@@ -143,15 +138,15 @@ class ReduceScatterBucketer {
 
   /// Bytes held by bucket buffers now (filling and in flight).
   int64_t allocated_bytes() const;
-  /// Collectives launched so far (coalesced buckets and bypasses).
-  int64_t launched() const { return launched_; }
   /// Collectives launched and not yet waited for.
   int64_t in_flight() const { return static_cast<int64_t>(in_flight_.size()); }
-  /// Collectives launched while an earlier one was still in flight (overlap).
-  int64_t launched_while_in_flight() const { return launched_while_in_flight_; }
-  /// Collectives launched with max_in_flight already in flight, after the
-  /// oldest did not complete within the bounded wait.
-  int64_t launched_past_limit() const { return launched_past_limit_; }
+  /// What has been launched so far.
+  struct Counts {
+    int64_t launched = 0;         // collectives (coalesced buckets and bypasses)
+    int64_t while_in_flight = 0;  // with an earlier one still in flight (overlap)
+    int64_t past_limit = 0;  // with max_in_flight already in flight, the oldest not complete within the bounded wait
+  };
+  const Counts& counts() const { return counts_; }
 
  private:
   using Pieces = std::vector<std::pair<std::pair<int64_t, int64_t>, Callback>>;  // (start, len) in the output
@@ -215,9 +210,8 @@ class ReduceScatterBucketer {
   int max_in_flight_;
   std::map<Key, Bucket> buckets_;
   std::deque<Launched> in_flight_;
-  int64_t launched_ = 0, launched_while_in_flight_ = 0, launched_past_limit_ = 0;
-  CommHook* hook_ = nullptr;
-  HookCounter* hook_counter_ = nullptr;
+  Counts counts_;
+  detail::HookSlot hook_;
   size_t hook_calls_ = 0;                               // in this backward: the GradBucket index
   std::unique_ptr<detail::CompletionWatcher> watcher_;  // made by the first CPU launch
 };

@@ -21,6 +21,22 @@ class World;
 
 namespace shardtorch::detail {
 
+/// The communication hook a bucketer reduces through (null: none), and where
+/// its calls are counted (null: nowhere). Set outside a backward.
+class HookSlot {
+ public:
+  void set(CommHook* hook, HookCounter* counter = nullptr) {
+    hook_ = hook;
+    counter_ = counter;
+  }
+  CommHook* hook() const { return hook_; }
+  HookCounter* counter() const { return counter_; }
+
+ private:
+  CommHook* hook_ = nullptr;
+  HookCounter* counter_ = nullptr;
+};
+
 /// A hook's reduction of one bucket, launched and not yet waited for.
 struct HookCall {
   struct Signal {

@@ -50,7 +50,7 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
   }
   // Module::zero_grad reaches the flats, not these views: without this their
   // gradients would keep the dropped shards' memory alive until the next step.
-  listener_ = state_->add_zero_grad_listener([this] {
+  listener_ = state_->zero_grad_listeners().add([this] {
     for (auto& piece : pieces_) piece.view.mutable_grad().reset();
   });
 }
@@ -108,8 +108,8 @@ void ShardViews::bind_grads() {
   }
   for (auto& piece : pieces_) {
     auto* f = static_cast<FlatParam*>(piece.flat);
-    if (f->shard_grad().defined()) {
-      piece.view.mutable_grad() = f->shard_grad().narrow(0, piece.shard_offset, piece.length);
+    if (f->grads().shard_grad().defined()) {
+      piece.view.mutable_grad() = f->grads().shard_grad().narrow(0, piece.shard_offset, piece.length);
     } else {
       piece.view.mutable_grad().reset();
     }
@@ -180,9 +180,9 @@ class StepInBackward final : public GradientListener {
   void arrived(FlatParam& flat) override {
     std::vector<at::Tensor> params;
     for (const auto& piece : views_.pieces()) {
-      if (piece.flat != &flat || !piece.taken || !flat.shard_grad().defined()) continue;
+      if (piece.flat != &flat || !piece.taken || !flat.grads().shard_grad().defined()) continue;
       at::Tensor view = piece.view;
-      view.mutable_grad() = flat.shard_grad().narrow(0, piece.shard_offset, piece.length);
+      view.mutable_grad() = flat.grads().shard_grad().narrow(0, piece.shard_offset, piece.length);
       params.push_back(view);
     }
     stepper_.step_params(params);
@@ -236,7 +236,7 @@ class StepInBackward final : public GradientListener {
 
 ShardViews::~ShardViews() {
   if (overlap_) state_->copies().set_gradient_listener(nullptr);
-  if (listener_ >= 0) state_->remove_zero_grad_listener(listener_);
+  if (listener_ >= 0) state_->zero_grad_listeners().remove(listener_);
 }
 
 void ShardViews::overlap_with_backward(torch::optim::Optimizer& opt, bool on) {
@@ -279,8 +279,8 @@ void ShardViews::attach_low_copies(torch::optim::Optimizer& opt) {
   if (!writer) return;
   for (const auto& piece : pieces_) {
     auto* f = static_cast<FlatParam*>(piece.flat);
-    if (piece.taken && f && f->low_copy().defined())
-      writer->write_low_copy(piece.view, f->low_copy().narrow(0, piece.shard_offset, piece.length));
+    if (piece.taken && f && f->host().low_copy().defined())
+      writer->write_low_copy(piece.view, f->host().low_copy().narrow(0, piece.shard_offset, piece.length));
   }
 }
 

@@ -17,16 +17,17 @@ std::vector<ParamPiece> pieces_of(ShardState& state, const at::Tensor& param) {
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i) {
         if (!f->params()[i].is_same(param)) continue;
-        if (f->full_grad().defined()) {  // OptimizerOnly: the whole gradient on every rank
+        if (f->grads().full_grad().defined()) {  // OptimizerOnly: the whole gradient on every rank
           const int64_t numel = f->params()[i].numel();
           at::Tensor value;
           if (auto p = f->layout().piece(i, rank)) value = f->shard().narrow(0, p->shard_offset, p->length);
-          out.push_back({0, numel, value, f->full_grad().narrow(0, f->layout().offset(i), numel)});
+          out.push_back({0, numel, value, f->grads().full_grad().narrow(0, f->layout().offset(i), numel)});
           return out;
         }
         if (auto p = f->layout().piece(i, rank)) {
           ParamPiece piece{p->param_offset, p->length, f->shard().narrow(0, p->shard_offset, p->length), at::Tensor()};
-          if (f->shard_grad().defined()) piece.grad = f->shard_grad().narrow(0, p->shard_offset, p->length);
+          if (f->grads().shard_grad().defined())
+            piece.grad = f->grads().shard_grad().narrow(0, p->shard_offset, p->length);
           out.push_back(piece);
         }
         return out;

@@ -59,11 +59,56 @@ struct Send {
   PendingWork work, header_work;
 };
 
+// The micro-batches of one step, as every rank of the pipeline group agreed
+// on them.
+struct StepBatch {
+  /// Every rank's verdict on its own inputs and targets, and the inputs'
+  /// shape (collective over the pipeline group); then the micro-batches.
+  /// `m`: how many; `me`: this rank and the call, for errors.
+  StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& me, const at::Tensor& inputs,
+            const at::Tensor& targets);
+
+  bool headers = false;  // activations are preceded by their shapes
+  int64_t rows = 0;
+  std::vector<int64_t> sizes;  // rows per micro-batch
+  std::vector<at::Tensor> inputs, targets;
+};
+
+// Where this rank is in a step, for its peers' errors (the phase beside the
+// stage and micro-batch), and the timeline of its actions.
+class StepTrace {
+ public:
+  StepTrace(PipelineRuntime& rt, World& world)
+      : rt_(rt), world_(world), t0_(std::chrono::steady_clock::now()), progress_(WorldAccess::progress(world)) {}
+  /// Seconds since the step started.
+  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+  // The phase (the unit's forward, a wait) and beside it the stage and micro-batch.
+  void at(const std::string& phase, int stage, int mb) {
+    if (progress_) progress_->set_context("pipeline " + rt_.where(stage, mb));
+    world_.note_progress(phase);
+  }
+  void record(const Action& a, double start) {
+    if (rt_.options.record_timeline()) rt_.timeline.push_back({a, start, seconds()});
+  }
+  /// The step is done: no stage and micro-batch beside the phase.
+  void clear_context() {
+    if (progress_) progress_->set_context("");
+  }
+
+ private:
+  PipelineRuntime& rt_;
+  World& world_;
+  const std::chrono::steady_clock::time_point t0_;
+  Progress* progress_;
+};
+
 // One run of a plan on this rank: the agreement on its inputs, its actions
 // in order, and what they keep between them, by (stage, micro-batch).
 class StepRun {
  public:
-  StepRun(PipelineRuntime& rt, const pipeline::Plan& plan, bool training, const Pipeline::LossFn& loss_fn)
+  /// Agrees on the step's micro-batches (StepBatch): collective over the pipeline group.
+  StepRun(PipelineRuntime& rt, const pipeline::Plan& plan, bool training, const Pipeline::LossFn& loss_fn,
+          const at::Tensor& inputs, const at::Tensor& targets)
       : rt_(rt),
         plan_(plan),
         training_(training),
@@ -73,14 +118,11 @@ class StepRun {
         m_(plan.microbatches),
         S_(rt.stages()),
         me_(rank_prefix(world_.global_rank()) + (training ? ": Pipeline::step" : ": Pipeline::evaluate")),
-        t0_(std::chrono::steady_clock::now()),
         out_dtype_(rt.options.shard().mixed_precision().output_dtype()),
         sync_(rt.sharded->requires_gradient_sync()),
-        progress_(WorldAccess::progress(world_)) {}
+        trace_(rt, world_),
+        batch_(rt, comm_, m_, me_, inputs, targets) {}
 
-  /// Every rank's verdict on its own inputs and targets, and the inputs'
-  /// shape (collective over the pipeline group); then the micro-batches.
-  void agree(const at::Tensor& inputs, const at::Tensor& targets);
   /// This rank's actions, then the wait for its sends.
   void run_actions();
   /// The loss, from the last stage to every stage (collective).
@@ -89,16 +131,6 @@ class StepRun {
   void abandon();
 
  private:
-  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
-  // Where this rank is, for its peers' errors: the phase (the unit's
-  // forward, a wait) and beside it the stage and micro-batch.
-  void at(const std::string& phase, int stage, int mb) {
-    if (progress_) progress_->set_context("pipeline " + rt_.where(stage, mb));
-    world_.note_progress(phase);
-  }
-  void record(const Action& a, double start) {
-    if (rt_.options.record_timeline()) rt_.timeline.push_back({a, start, seconds()});
-  }
   void post_recv(Msg kind, int stage, int mb, int peer_stage);
   at::Tensor take_recv(Msg kind, int stage, int mb, int peer_stage);
   // Forward and Backward return when their compute started (after their receive).
@@ -115,18 +147,14 @@ class StepRun {
   Comm& comm_;
   const int m_, S_;
   const std::string me_;
-  const std::chrono::steady_clock::time_point t0_;
   const std::optional<at::ScalarType> out_dtype_;
   // Gradient accumulation over steps: with the model's sync off
   // (ShardedModel::set_requires_gradient_sync(false)) no backward reduces and
   // the tied gradients wait for the step that does.
   const bool sync_;
-  Progress* progress_;
+  StepTrace trace_;
+  StepBatch batch_;
 
-  bool headers_ = false;  // activations are preceded by their shapes
-  int64_t rows_ = 0;
-  std::vector<int64_t> sizes_;  // rows per micro-batch
-  std::vector<at::Tensor> mb_inputs_, mb_targets_;
   std::map<std::pair<int, int>, at::Tensor> ins_, outs_, losses_;
   std::map<std::pair<int, int>, Recv> recvs_;  // activations by (stage, mb); gradients by (-1 - stage, mb)
   std::map<std::pair<int, int>, Send> act_sends_;
@@ -134,14 +162,16 @@ class StepRun {
   at::Tensor loss_sum_ = at::zeros({}, at::kDouble);
 };
 
-void StepRun::agree(const at::Tensor& inputs, const at::Tensor& targets) {
-  const bool first = rt_.holds(0), last = rt_.holds(S_ - 1);
+StepBatch::StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& me, const at::Tensor& inputs,
+                     const at::Tensor& targets) {
+  const int S = rt.stages();
+  const bool first = rt.holds(0), last = rt.holds(S - 1);
   std::vector<int64_t> entry(kEntry, 0);
   std::string my_error;
   if (first) {
-    if (!inputs.defined() || inputs.dim() < 1 || inputs.dim() > kMaxDims || inputs.size(0) < m_) {
+    if (!inputs.defined() || inputs.dim() < 1 || inputs.dim() > kMaxDims || inputs.size(0) < m) {
       my_error = "the first stage's inputs must be a tensor of 1 to " + std::to_string(kMaxDims) +
-                 " dimensions with at least " + std::to_string(m_) + " rows (one per micro-batch), got " +
+                 " dimensions with at least " + std::to_string(m) + " rows (one per micro-batch), got " +
                  (inputs.defined() ? describe(inputs) : std::string("an undefined tensor"));
       entry[0] = kBadInputs;
     } else {
@@ -159,32 +189,32 @@ void StepRun::agree(const at::Tensor& inputs, const at::Tensor& targets) {
       entry[11] = targets.size(0);
     }
   }
-  at::Tensor mine = at::tensor(entry, at::kLong).to(comm_.device());
-  at::Tensor all = at::empty({comm_.size() * kEntry}, mine.options());
-  comm_.all_gather_into(all, mine, "the agreement on a pipeline step's inputs");
+  at::Tensor mine = at::tensor(entry, at::kLong).to(comm.device());
+  at::Tensor all = at::empty({comm.size() * kEntry}, mine.options());
+  comm.all_gather_into(all, mine, "the agreement on a pipeline step's inputs");
   all = all.cpu();
   const int64_t* a = all.data_ptr<int64_t>();
-  const int64_t* in = a + rt_.pp_rank_of(0) * kEntry;
-  const int64_t* out = a + rt_.pp_rank_of(S_ - 1) * kEntry;
-  SHARDTORCH_CHECK(my_error.empty(), me_, ": ", my_error);
-  for (int r = 0; r < comm_.size(); ++r)
-    SHARDTORCH_CHECK(a[r * kEntry] == 0, me_, ": rank ", rt_.pp->global_rank_of(r), " (",
+  const int64_t* in = a + rt.pp_rank_of(0) * kEntry;
+  const int64_t* out = a + rt.pp_rank_of(S - 1) * kEntry;
+  SHARDTORCH_CHECK(my_error.empty(), me, ": ", my_error);
+  for (int r = 0; r < comm.size(); ++r)
+    SHARDTORCH_CHECK(a[r * kEntry] == 0, me, ": rank ", rt.pp->global_rank_of(r), " (",
                      a[r * kEntry] == kBadInputs ? "the first stage" : "the last stage", ") refused its ",
                      a[r * kEntry] == kBadInputs ? "inputs" : "targets", " for this step; its error says why");
-  SHARDTORCH_CHECK(in[3] == out[11], me_, ": the first stage's inputs have ", in[3],
+  SHARDTORCH_CHECK(in[3] == out[11], me, ": the first stage's inputs have ", in[3],
                    " rows but the last stage's targets ", out[11],
                    "; both must hold the same samples (the pipeline's share of the batch)");
   std::vector<int64_t> sig(in + 1, in + 3 + kMaxDims);
-  if (sig != rt_.signature) {
-    rt_.signature = sig;
-    rt_.shapes.clear();  // headers this step
+  if (sig != rt.signature) {
+    rt.signature = sig;
+    rt.shapes.clear();  // headers this step
   }
-  headers_ = rt_.shapes.empty() && S_ > 1;
-  rows_ = rt_.signature[2];
-  sizes_.resize(m_);
-  for (int i = 0; i < m_; ++i) sizes_[i] = rows_ / m_ + (i < rows_ % m_ ? 1 : 0);
-  if (first) mb_inputs_ = inputs.tensor_split(m_, 0);
-  if (last) mb_targets_ = targets.tensor_split(m_, 0);
+  headers = rt.shapes.empty() && S > 1;
+  rows = rt.signature[2];
+  sizes.resize(m);
+  for (int i = 0; i < m; ++i) sizes[i] = rows / m + (i < rows % m ? 1 : 0);
+  if (first) this->inputs = inputs.tensor_split(m, 0);
+  if (last) this->targets = targets.tensor_split(m, 0);
 }
 
 void StepRun::post_recv(Msg kind, int stage, int mb, int peer_stage) {
@@ -193,7 +223,7 @@ void StepRun::post_recv(Msg kind, int stage, int mb, int peer_stage) {
                            rt_.where(stage, mb) + " from stage " + std::to_string(peer_stage);
   const int peer = rt_.pp_rank_of(peer_stage);
   Recv r;
-  if (kind == Msg::Activation && headers_) {
+  if (kind == Msg::Activation && batch_.headers) {
     r.buffer = at::empty({kHeader}, at::TensorOptions().dtype(at::kLong).device(comm_.device()));
     r.header = true;
     r.work = comm_.recv_async(r.buffer, peer, tag(Msg::Header, stage, mb), what + " (its shape)");
@@ -216,9 +246,9 @@ at::Tensor StepRun::take_recv(Msg kind, int stage, int mb, int peer_stage) {
   if (!recvs_.count(key)) post_recv(kind, stage, mb, peer_stage);
   Recv r = std::move(recvs_.at(key));
   recvs_.erase(key);
-  at("pipeline: waiting for " + std::string(kind == Msg::Activation ? "the input" : "the gradient") + " from stage " +
-         std::to_string(peer_stage),
-     stage, mb);
+  trace_.at("pipeline: waiting for " + std::string(kind == Msg::Activation ? "the input" : "the gradient") +
+                " from stage " + std::to_string(peer_stage),
+            stage, mb);
   comm_.wait(r.work);
   if (!r.header) return r.buffer;
   at::Tensor h = r.buffer.cpu();
@@ -238,7 +268,7 @@ double StepRun::forward(const Action& a) {
   const auto key = std::make_pair(a.stage, a.microbatch);
   at::Tensor x;
   if (a.stage == 0) {
-    x = mb_inputs_[a.microbatch];
+    x = batch_.inputs[a.microbatch];
   } else if (rt_.holds(a.stage - 1)) {  // the previous stage ran here
     x = outs_.at({a.stage - 1, a.microbatch}).detach();
     if (!training_) outs_.erase({a.stage - 1, a.microbatch});
@@ -246,8 +276,8 @@ double StepRun::forward(const Action& a) {
     x = take_recv(Msg::Activation, a.stage, a.microbatch, a.peer_stage >= 0 ? a.peer_stage : a.stage - 1);
   }
   if (a.stage > 0 && x.is_floating_point()) x.requires_grad_(true);
-  const double compute = seconds();
-  at("pipeline forward", a.stage, a.microbatch);
+  const double compute = trace_.seconds();
+  trace_.at("pipeline forward", a.stage, a.microbatch);
   at::Tensor y = rt_.run_stage(a.stage, x);
   ins_[key] = x;
   if (a.stage != S_ - 1) {
@@ -255,10 +285,10 @@ double StepRun::forward(const Action& a) {
     return compute;
   }
   if (out_dtype_ && y.is_floating_point() && y.scalar_type() != *out_dtype_) y = y.to(*out_dtype_);
-  at::Tensor l = loss_fn_(y, mb_targets_[a.microbatch]);
+  at::Tensor l = loss_fn_(y, batch_.targets[a.microbatch]);
   SHARDTORCH_CHECK(l.defined() && l.numel() == 1, me_, ": the loss of ", rt_.where(a.stage, a.microbatch),
                    " is not one number (", l.defined() ? describe(l) : std::string("undefined"), ")");
-  l = l.reshape({}) * (static_cast<double>(sizes_[a.microbatch]) / static_cast<double>(rows_));
+  l = l.reshape({}) * (static_cast<double>(batch_.sizes[a.microbatch]) / static_cast<double>(batch_.rows));
   loss_sum_ += l.detach().to(at::kDouble).cpu();
   if (training_) losses_[key] = l;
   return compute;
@@ -273,7 +303,7 @@ void StepRun::send_activation(const Action& a) {
       "the output of " + rt_.where(a.stage, a.microbatch) + " to stage " + std::to_string(a.peer_stage);
   const auto peer_key = std::make_pair(a.peer_stage, a.microbatch);
   const int peer = rt_.pp_rank_of(a.peer_stage);
-  if (headers_) {
+  if (batch_.headers) {
     rt_.shapes[peer_key] = {s.buffer.sizes().vec(), s.buffer.scalar_type()};
     s.header = at::tensor(header_of(s.buffer), at::kLong).to(comm_.device());
     s.header_work =
@@ -308,8 +338,8 @@ double StepRun::backward(const Action& a) {
                                   : take_recv(Msg::Gradient, a.stage, a.microbatch, a.stage + 1);
     if (grad.defined() && grad.device() != root.device()) grad = grad.to(root.device());
   }
-  const double compute = seconds();
-  at("pipeline backward", a.stage, a.microbatch);
+  const double compute = trace_.seconds();
+  trace_.at("pipeline backward", a.stage, a.microbatch);
   rt_.sharded->set_requires_gradient_sync(a.reduce && sync_);
   if (root.requires_grad() && (grad.defined() || a.stage == S_ - 1))
     torch::autograd::backward({root},
@@ -335,14 +365,14 @@ void StepRun::send_gradient(const Action& a) {
 
 void StepRun::run_actions() {
   for (const Action& a : plan_.actions[rt_.rank]) {
-    double start = seconds();
+    double start = trace_.seconds();
     switch (a.kind) {
       case ActionKind::Unshard:
         world_.note_progress("pipeline: gathering the stage's parameters");
-        rt_.state->gather_for_step();
+        rt_.state->pipeline().gather_for_step();
         break;
       case ActionKind::Reshard:
-        rt_.state->release_step_gather();
+        rt_.state->pipeline().release_step_gather();
         break;
       case ActionKind::RecvActivation:
         post_recv(Msg::Activation, a.stage, a.microbatch, a.peer_stage);
@@ -368,7 +398,7 @@ void StepRun::run_actions() {
         rt_.sync_tied();
         break;
     }
-    record(a, start);
+    trace_.record(a, start);
   }
   for (auto& s : grad_sends_) comm_.wait(s.work);
   for (auto& [k, s] : act_sends_) {
@@ -381,7 +411,7 @@ void StepRun::run_actions() {
 at::Tensor StepRun::finish() {
   at::Tensor loss = loss_sum_.to(at::kFloat).reshape({1}).to(comm_.device());
   comm_.broadcast(loss, rt_.pp_rank_of(S_ - 1), "the pipeline step's loss");
-  if (progress_) progress_->set_context("");
+  trace_.clear_context();
   world_.note_progress("pipeline step done");
   return loss.cpu().reshape({});
 }
@@ -392,7 +422,7 @@ void StepRun::abandon() {
   rt_.signature.clear();
   rt_.shapes.clear();
   rt_.sharded->set_requires_gradient_sync(sync_);
-  rt_.state->release_step_gather();
+  rt_.state->pipeline().release_step_gather();
 }
 
 }  // namespace
@@ -410,8 +440,7 @@ at::Tensor PipelineRuntime::evaluate(const at::Tensor& inputs, const at::Tensor&
 at::Tensor PipelineRuntime::run(const pipeline::Plan& plan, bool training, const at::Tensor& inputs,
                                 const at::Tensor& targets, const Pipeline::LossFn& loss_fn) {
   timeline.clear();
-  StepRun run(*this, plan, training, loss_fn);
-  run.agree(inputs, targets);
+  StepRun run(*this, plan, training, loss_fn, inputs, targets);  // agrees on the inputs (StepBatch)
   try {
     run.run_actions();
   } catch (...) {

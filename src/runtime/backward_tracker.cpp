@@ -75,14 +75,14 @@ void BackwardTracker::ensure_end_of_backward_callback() {
     auto input = [&](const AccumulatorRef& acc) { return needed(acc.get()); };
     bool any = replicated && std::any_of(replicated->accumulators().begin(), replicated->accumulators().end(), input);
     for (const auto& u : units)
-      if (!any) any = std::any_of(u->accumulators().begin(), u->accumulators().end(), input);
+      if (!any) any = std::any_of(u->grads().accumulators().begin(), u->grads().accumulators().end(), input);
     inputs_only = !any;
   }
   begin(task, builds_graph  ? BackwardKind::BuildsGraph
               : inputs_only ? BackwardKind::InputsOnly
                             : BackwardKind::Reduces);
   detail::collective_context(model_.world()).backward_begins(model_.sync());
-  for (const auto& u : units) u->expect_from_graph(runs, in_graph);
+  for (const auto& u : units) u->grads().expect_from_graph(runs, in_graph);
   model_.order().on_backward_start();
   auto keep = model_.shared_from_this();
   auto alive = std::make_shared<bool>(true);
@@ -129,9 +129,9 @@ void BackwardTracker::abandon(bool warn) {
   model_.reducer().discard();
   if (auto* off = model_.copies().offloader()) off->discard();
   for (auto& u : model_.live_units()) {
-    u->reshard();
+    u->gather().reshard();
     u->reset_backward();
-    for (auto& f : u->flats()) f->drop_staging_grad();
+    for (auto& f : u->flats()) f->grads().drop_staging_grad();
   }
 }
 
@@ -155,18 +155,18 @@ void BackwardTracker::finish() {
     auto all = model_.units();
     if (builds_graph()) {  // the graph it built saved these full parameters
       for (auto& u : all)
-        if (u->state() == ParamState::Unsharded) u->hold();
+        if (u->gather().state() == ParamState::Unsharded) u->gather().hold();
     }
     if (!no_gradients) {
       for (auto it = all.rbegin(); it != all.rend(); ++it) {
-        if ((*it)->needs_final_reduce()) (*it)->reduce_grads();
+        if ((*it)->grads().needs_final_reduce()) (*it)->reduce_grads();
       }
       if (model_.sync()) model_.order().issue_reductions(/*at_end=*/true);
       model_.sharded_reducer().finish_backward(model_.sync());
-      if (auto* off = model_.copies().offloader()) off->drain();  // the gradient shards reach host memory
+      if (auto* off = model_.copies().offloader()) off->worker().drain();  // the gradient shards reach host memory
     }
     for (auto& u : all) {
-      u->reshard();
+      u->gather().reshard();
       u->reset_backward();
     }
     end_finishing();

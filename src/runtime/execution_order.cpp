@@ -46,10 +46,10 @@ void ExecutionOrder::note_forward_for_reduction(Unit& u) {
   // Not inside a backward: a checkpointed unit's recomputation runs forwards there.
   if (!c10::GradMode::is_enabled() || backward_.running()) return;
   if (u.is_root()) reduction_order_closed_ = true;  // a new forward starts at the root
-  if (!u.reduces()) return;
+  if (!u.grads().reduces()) return;
   auto restart = [&] {
     for (const auto& w : reduction_order_)
-      if (auto x = w.lock()) x->set_in_reduction_order(false);
+      if (auto x = w.lock()) x->grads().set_in_reduction_order(false);
     reduction_order_.clear();
     reduction_order_closed_ = false;
   };
@@ -63,16 +63,16 @@ void ExecutionOrder::note_forward_for_reduction(Unit& u) {
     // ranks only) does not head this step's order on those ranks alone.
     restart();
   }
-  if (u.in_reduction_order()) return;
-  u.set_in_reduction_order(true);
+  if (u.grads().in_reduction_order()) return;
+  u.grads().set_in_reduction_order(true);
   reduction_order_.push_back(u.weak_from_this());
 }
 
 void ExecutionOrder::issue_reductions(bool at_end) {
   while (issue_cursor_ > 0) {
     auto u = reduction_order_[issue_cursor_ - 1].lock();
-    if (u && !u->issued()) {
-      if (u->reduced()) {
+    if (u && !u->grads().issued()) {
+      if (u->grads().reduced()) {
         u->issue_reduction();
       } else if (!at_end) {
         return;  // not final yet: the units after it wait, on every rank alike
@@ -83,7 +83,7 @@ void ExecutionOrder::issue_reductions(bool at_end) {
   if (!at_end) return;  // units outside the order wait for the end
   auto all = units_.all();
   for (auto it = all.rbegin(); it != all.rend(); ++it)
-    if ((*it)->reduces() && (*it)->reduced() && !(*it)->issued()) (*it)->issue_reduction();
+    if ((*it)->grads().reduces() && (*it)->grads().reduced() && !(*it)->grads().issued()) (*it)->issue_reduction();
 }
 
 std::shared_ptr<Unit> ExecutionOrder::note_forward_and_next(Unit& u) {
@@ -99,7 +99,7 @@ std::shared_ptr<Unit> ExecutionOrder::note_forward_and_next(Unit& u) {
   // forward follows it.
   if (!in_order || pos + 1 >= forward_order_.size()) return nullptr;
   auto next = forward_order_[pos + 1].lock();
-  return next && next->state() == ParamState::Sharded ? next : nullptr;
+  return next && next->gather().state() == ParamState::Sharded ? next : nullptr;
 }
 
 bool ExecutionOrder::needed_again_at_once(const Unit& u) const {
@@ -140,7 +140,8 @@ std::shared_ptr<Unit> ExecutionOrder::next_in_backward(Unit& u) {
   // u, so that prev has reduced already and is not needed again. A unit none
   // of whose outputs this step needs a gradient (a frozen backbone fed by
   // data under a trainable head) has no backward to gather for.
-  return prev && prev->state() == ParamState::Sharded && !prev->reduced() && prev->may_take_part_in_backward()
+  return prev && prev->gather().state() == ParamState::Sharded && !prev->grads().reduced() &&
+                 prev->forwards().may_take_part_in_backward()
              ? prev
              : nullptr;
 }

@@ -78,7 +78,7 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
     shapes.push_back(p.sizes().vec());
   }
   layout_ = FlatParamLayout(std::move(shapes), world_size);
-  access_error_ = "shardtorch: the parameters of " + describe() + " are sharded: their memory is freed";
+  buffer_.access_error_ = "shardtorch: the parameters of " + describe() + " are sharded: their memory is freed";
   c10::NoGradGuard no_grad;
   full_ = at::zeros({layout_.padded_numel()}, params_[0].options().device(target).requires_grad(false));
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -90,7 +90,7 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
       dst.copy_(p.detach().reshape({-1}));
     p.set_(full_.storage(), layout_.offset(i), layout_.shape(i), contiguous_strides(layout_.shape(i)));
   }
-  gathered_ = true;
+  buffer_.gathered_ = true;
   auto [lo, hi] = layout_.shard_range(rank_);
   if (persistent_) {
     shard_ = full_.narrow(0, lo, hi - lo);
@@ -112,21 +112,21 @@ FlatParam::~FlatParam() {
     if (!shard_is_view_) mem_->sub(shard_category(), shard_.nbytes());
   } else {
     mem_->sub(shard_category(), shard_.nbytes());
-    if (gathered_) mem_->sub(Mem::GatheredParams, full_.nbytes());
+    if (buffer_.gathered_) mem_->sub(Mem::GatheredParams, full_.nbytes());
   }
-  if (full_grad_.defined()) {
-    mem_->sub(grad_category(), full_grad_.nbytes());
-  } else if (shard_grad_.defined()) {
-    mem_->sub(grad_category(), shard_grad_.nbytes());
+  if (grads_.full_grad_.defined()) {
+    mem_->sub(grads_.category(), grads_.full_grad_.nbytes());
+  } else if (grads_.shard_grad_.defined()) {
+    mem_->sub(grads_.category(), grads_.shard_grad_.nbytes());
   }
-  if (staging_.defined()) mem_->sub(Mem::GradStaging, staging_.nbytes());
-  if (low_.defined()) mem_->sub(Mem::HostParams, low_.nbytes());
+  if (grads_.staging_.defined()) mem_->sub(Mem::GradStaging, grads_.staging_.nbytes());
+  if (host_.low_.defined()) mem_->sub(Mem::HostParams, host_.low_.nbytes());
 }
 
 void FlatParam::set_mixed_precision(at::ScalarType compute, at::ScalarType reduce) {
   reduce_dtype_ = reduce;
   if (compute == compute_dtype()) return;
-  SHARDTORCH_CHECK(gathered_, "FlatParam: set_mixed_precision of ", describe(), " while it is sharded");
+  SHARDTORCH_CHECK(buffer_.gathered_, "FlatParam: set_mixed_precision of ", describe(), " while it is sharded");
   c10::NoGradGuard no_grad;
   if (persistent_) {  // the shard was a view of the full buffer: the master needs its own memory
     shard_ = shard_.clone();
@@ -146,63 +146,68 @@ void FlatParam::set_mixed_precision(at::ScalarType compute, at::ScalarType reduc
   if (mem_) mem_->add(persistent_ ? Mem::ReplicatedParams : Mem::GatheredParams, full_.nbytes());
 }
 
-void FlatParam::offload_shard(bool pin) {
+void HostShard::offload_shard(bool pin) {
   if (offloaded_) return;
-  SHARDTORCH_CHECK(!shard_grad_.defined() && !staging_.defined(), "FlatParam: offload_shard of ", describe(),
-                   " after gradients exist");
+  auto& f = flat_;
+  SHARDTORCH_CHECK(!f.grads_.shard_grad().defined() && !f.grads_.has_staging_grad(), "FlatParam: offload_shard of ",
+                   f.describe(), " after gradients exist");
   c10::NoGradGuard no_grad;
-  at::Tensor host = at::empty({shard_.numel()}, shard_.options().device(at::kCPU).pinned_memory(pin));
-  host.copy_(shard_);
-  if (mem_) {
-    if (!shard_is_view_) mem_->sub(Mem::ShardedParams, shard_.nbytes());
-    mem_->add(Mem::HostParams, host.nbytes());
+  at::Tensor host = at::empty({f.shard_.numel()}, f.shard_.options().device(at::kCPU).pinned_memory(pin));
+  host.copy_(f.shard_);
+  if (f.mem_) {
+    if (!f.shard_is_view_) f.mem_->sub(Mem::ShardedParams, f.shard_.nbytes());
+    f.mem_->add(Mem::HostParams, host.nbytes());
   }
-  shard_ = host;
-  shard_is_view_ = false;
+  f.shard_ = host;
+  f.shard_is_view_ = false;
   offloaded_ = true;
   pinned_ = pin;
-  if (dtype_ == at::kFloat && compute_dtype() == at::kBFloat16) {
-    low_ = at::empty({shard_.numel()}, shard_.options().dtype(at::kBFloat16).pinned_memory(pin));
-    if (mem_) mem_->add(Mem::HostParams, low_.nbytes());
+  if (f.dtype_ == at::kFloat && f.compute_dtype() == at::kBFloat16) {
+    low_ = at::empty({f.shard_.numel()}, f.shard_.options().dtype(at::kBFloat16).pinned_memory(pin));
+    if (f.mem_) f.mem_->add(Mem::HostParams, low_.nbytes());
   }
 }
 
-void FlatParam::refresh_low_copy() {
+bool HostShard::low_copy_stale() const {
+  return low_.defined() && low_version_ != static_cast<int64_t>(flat_.shard_._version());
+}
+
+void HostShard::refresh_low_copy() {
   if (!low_copy_stale()) return;
   c10::NoGradGuard no_grad;
-  low_.copy_(shard_);
-  low_version_ = static_cast<int64_t>(shard_._version());
+  low_.copy_(flat_.shard_);
+  low_version_ = static_cast<int64_t>(flat_.shard_._version());
   low_copy_refreshes_.fetch_add(1);
 }
 
-const at::Tensor& FlatParam::upload_source() {
+const at::Tensor& HostShard::upload_source() {
   refresh_low_copy();
-  return low_.defined() ? low_ : shard_;
+  return low_.defined() ? low_ : flat_.shard_;
 }
 
 at::Tensor FlatParam::gather_source() const {
   return shard_.scalar_type() == full_.scalar_type() ? shard_ : shard_.to(full_.scalar_type());
 }
 
-void FlatParam::alloc_full() {
-  if (gathered_ || persistent_) return;
-  auto* impl = full_.storage().unsafeGetStorageImpl();
-  size_t nbytes = static_cast<size_t>(layout_.padded_numel()) * c10::elementSize(compute_dtype());
+void FullBuffer::alloc() {
+  if (gathered_ || flat_.persistent_) return;
+  auto* impl = flat_.full_.storage().unsafeGetStorageImpl();
+  size_t nbytes = static_cast<size_t>(flat_.layout_.padded_numel()) * c10::elementSize(flat_.compute_dtype());
   impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
   impl->set_nbytes(nbytes);
   storage_access::allow(impl);
   gathered_ = true;
-  if (mem_) mem_->add(Mem::GatheredParams, nbytes);
+  if (flat_.mem_) flat_.mem_->add(Mem::GatheredParams, nbytes);
 }
 
-bool FlatParam::freed_access_is_an_error() { return storage_access::support() != storage_access::Support::None; }
+bool FullBuffer::freed_access_is_an_error() { return storage_access::support() != storage_access::Support::None; }
 
-void FlatParam::free_full(bool abandon) {
-  if (!gathered_ || persistent_) return;
-  auto* impl = full_.storage().unsafeGetStorageImpl();
+void FullBuffer::free(bool abandon) {
+  if (!gathered_ || flat_.persistent_) return;
+  auto* impl = flat_.full_.storage().unsafeGetStorageImpl();
   size_t nbytes = impl->nbytes();
   if (abandon) {  // never freed: the failed collective may still write here
-    at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, full_.device()));
+    at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, flat_.full_.device()));
     (void)old.release_context();
   }
   // The error first: it may allocate (and throw) while the buffer is still whole.
@@ -210,92 +215,95 @@ void FlatParam::free_full(bool abandon) {
   // (w.t(), narrow) still succeed and the op that reads them throws this error
   // rather than a bounds check's about a storage of size 0.
   const bool guarded = storage_access::forbid(impl, access_error_);
-  impl->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, flat_.full_.device()));
   if (!guarded) impl->set_nbytes(0);  // views of the parameters then fail their bounds check at least
   gathered_ = false;
-  if (mem_) mem_->sub(Mem::GatheredParams, nbytes);
+  if (flat_.mem_) flat_.mem_->sub(Mem::GatheredParams, nbytes);
 }
 
 void FlatParam::write_back_shard() {
-  SHARDTORCH_CHECK(gathered_, "FlatParam: write_back_shard of ", describe(), " while it is sharded");
+  SHARDTORCH_CHECK(buffer_.gathered_, "FlatParam: write_back_shard of ", describe(), " while it is sharded");
   if (shard_is_view_) return;  // the shard is a view of the full buffer
   auto [lo, hi] = layout_.shard_range(rank_);
   c10::NoGradGuard no_grad;
   shard_.copy_(full_.narrow(0, lo, hi - lo));
 }
 
-at::Tensor& FlatParam::staging_grad() {
+Mem FlatGrads::category() const { return flat_.host_.offloaded() ? Mem::HostGradients : Mem::Gradients; }
+
+at::Tensor& FlatGrads::staging_grad() {
   if (!staging_.defined()) {
-    staging_ = at::zeros({layout_.padded_numel()}, full_.options().dtype(reduce_dtype_));
-    if (mem_) mem_->add(Mem::GradStaging, staging_.nbytes());
+    staging_ = at::zeros({flat_.layout_.padded_numel()}, flat_.full_.options().dtype(flat_.reduce_dtype_));
+    if (flat_.mem_) flat_.mem_->add(Mem::GradStaging, staging_.nbytes());
   }
   return staging_;
 }
 
-void FlatParam::stage_grad(size_t i) {
-  auto& p = params_.at(i);
+void FlatGrads::stage_grad(size_t i) {
+  auto& p = flat_.params_.at(i);
   const auto& g = p.grad();
   if (!g.defined()) return;
-  SHARDTORCH_CHECK(g.sizes() == p.sizes(), detail::rank_prefix(rank_), ": the gradient of '", names_[i], "' has shape ",
-                   g.sizes(), " but the parameter has ", p.sizes(),
+  SHARDTORCH_CHECK(g.sizes() == p.sizes(), detail::rank_prefix(flat_.rank_), ": the gradient of '", flat_.names_[i],
+                   "' has shape ", g.sizes(), " but the parameter has ", p.sizes(),
                    " (a hook or a custom autograd function returned a "
                    "gradient of the wrong shape?)");
   c10::NoGradGuard no_grad;
-  staging_grad().narrow(0, layout_.offset(i), layout_.numel(i)).add_(g.reshape({-1}));
+  staging_grad().narrow(0, flat_.layout_.offset(i), flat_.layout_.numel(i)).add_(g.reshape({-1}));
   p.mutable_grad().reset();
 }
 
-at::Tensor FlatParam::take_staging_grad() {
+at::Tensor FlatGrads::take_staging_grad() {
   at::Tensor t = staging_grad();
   staging_ = at::Tensor();
-  if (mem_) mem_->sub(Mem::GradStaging, t.nbytes());
+  if (flat_.mem_) flat_.mem_->sub(Mem::GradStaging, t.nbytes());
   return t;
 }
 
-void FlatParam::drop_staging_grad() {
+void FlatGrads::drop_staging_grad() {
   if (!staging_.defined()) return;
-  if (mem_) mem_->sub(Mem::GradStaging, staging_.nbytes());
+  if (flat_.mem_) flat_.mem_->sub(Mem::GradStaging, staging_.nbytes());
   staging_ = at::Tensor();
 }
 
-at::Tensor FlatParam::new_grad(const at::Tensor& reduced, double divisor) const {
+at::Tensor FlatGrads::new_grad(const at::Tensor& reduced, double divisor) const {
   // Host gradients of an offloaded flat come from the pinned caching
   // allocator: a fresh pageable tensor each step faulted in every page of it
   // (docs/offload.md). Cast and divide in place: the values of
-  // at::div(reduced.to(dtype_), divisor), and x / 1 is x.
-  at::Tensor g = at::empty(reduced.sizes(), reduced.options().dtype(dtype_).pinned_memory(pinned_ && reduced.is_cpu()));
+  // at::div(reduced.to(dtype), divisor), and x / 1 is x.
+  at::Tensor g = at::empty(
+      reduced.sizes(), reduced.options().dtype(flat_.dtype_).pinned_memory(flat_.host_.pinned() && reduced.is_cpu()));
   g.copy_(reduced);
   if (divisor != 1.0) g.div_(divisor);
   return g;
 }
 
-void FlatParam::accumulate_shard_grad(const at::Tensor& reduced, double divisor) {
+void FlatGrads::accumulate_shard_grad(const at::Tensor& reduced, double divisor) {
   c10::NoGradGuard no_grad;
   if (!shard_grad_.defined()) {
     shard_grad_ = new_grad(reduced, divisor);  // gradient shards are in the master dtype
-    if (mem_) mem_->add(grad_category(), shard_grad_.nbytes());
+    if (flat_.mem_) flat_.mem_->add(category(), shard_grad_.nbytes());
   } else {
-    shard_grad_.add_(at::div(reduced.to(dtype_), divisor));
+    shard_grad_.add_(at::div(reduced.to(flat_.dtype_), divisor));
   }
 }
 
-void FlatParam::accumulate_full_grad(const at::Tensor& reduced, double divisor) {
+void FlatGrads::accumulate_full_grad(const at::Tensor& reduced, double divisor) {
   c10::NoGradGuard no_grad;
   if (!full_grad_.defined()) {
     full_grad_ = new_grad(reduced, divisor);
-    auto [lo, hi] = layout_.shard_range(rank_);
+    auto [lo, hi] = flat_.layout_.shard_range(flat_.rank_);
     shard_grad_ = full_grad_.narrow(0, lo, hi - lo);
-    if (mem_) mem_->add(grad_category(), full_grad_.nbytes());
+    if (flat_.mem_) flat_.mem_->add(category(), full_grad_.nbytes());
   } else {
-    full_grad_.add_(at::div(reduced.to(dtype_), divisor));
+    full_grad_.add_(at::div(reduced.to(flat_.dtype_), divisor));
   }
 }
 
-void FlatParam::zero_grad() {
+void FlatGrads::zero_grad() {
   if (full_grad_.defined()) {
-    if (mem_) mem_->sub(grad_category(), full_grad_.nbytes());
+    if (flat_.mem_) flat_.mem_->sub(category(), full_grad_.nbytes());
   } else if (shard_grad_.defined()) {
-    if (mem_) mem_->sub(grad_category(), shard_grad_.nbytes());
+    if (flat_.mem_) flat_.mem_->sub(category(), shard_grad_.nbytes());
   }
   full_grad_ = at::Tensor();
   shard_grad_ = at::Tensor();

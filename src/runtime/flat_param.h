@@ -12,10 +12,129 @@
 
 namespace shardtorch {
 
+class FlatParam;
+
+/// A flat parameter's full buffer: its bytes given back to gather into and
+/// freed again, the module's parameter tensors staying views of its storage.
+class FullBuffer {
+ public:
+  explicit FullBuffer(FlatParam& flat) : flat_(flat) {}
+  FullBuffer(const FullBuffer&) = delete;
+  FullBuffer& operator=(const FullBuffer&) = delete;
+
+  bool gathered() const { return gathered_; }
+  /// Gives `full` its bytes back (contents undefined until filled).
+  void alloc();
+  /// Frees `full`'s bytes; the parameters stay views of its storage, whose
+  /// data, if touched, throws the access error (see freed_access_is_an_error).
+  /// `abandon`: a collective that failed (timed out) may still write into
+  /// them, so they are let go of without being freed (leaked for good).
+  void free(bool abandon = false);
+  /// What touching the freed parameters' data throws (shard() sets one naming
+  /// the rank and the unit; by default it names this flat parameter).
+  void set_access_error(std::string message) { access_error_ = std::move(message); }
+  /// Whether this LibTorch lets free() make a freed parameter's data access
+  /// an error (c10::Error); without it such an access reads a null pointer.
+  static bool freed_access_is_an_error();
+
+ private:
+  friend class FlatParam;
+  FlatParam& flat_;
+  std::string access_error_;
+  bool gathered_ = false;
+};
+
+/// A flat parameter's gradients: the padded full-size staging buffer a
+/// backward fills, and the reduced gradient shard (under ZeRO-1 a view of
+/// the whole gradient) the optimizer reads.
+class FlatGrads {
+ public:
+  explicit FlatGrads(FlatParam& flat) : flat_(flat) {}
+  FlatGrads(const FlatGrads&) = delete;
+  FlatGrads& operator=(const FlatGrads&) = delete;
+
+  /// This rank's gradient shard; undefined until a backward delivers one.
+  at::Tensor& shard_grad() { return shard_grad_; }
+  /// The whole gradient (ZeRO-1), else undefined.
+  at::Tensor& full_grad() { return full_grad_; }
+  /// The padded full-size gradient buffer a backward fills, zeroed on first use.
+  at::Tensor& staging_grad();
+  /// Adds parameter i's gradient into the staging buffer and drops it.
+  void stage_grad(size_t i);
+  bool has_staging_grad() const { return staging_.defined(); }
+  /// Releases the staging buffer (after the bucketer has taken its contents).
+  at::Tensor take_staging_grad();
+  /// Drops the staging buffer and what it holds (a failed backward).
+  void drop_staging_grad();
+  /// Adds a reduced gradient shard, divided by `divisor`, into shard_grad.
+  void accumulate_shard_grad(const at::Tensor& reduced, double divisor);
+  /// Adds an all-reduced full gradient, divided by `divisor`, into the full
+  /// gradient kept whole (ZeRO-1); shard_grad is a view of its slice.
+  void accumulate_full_grad(const at::Tensor& reduced, double divisor);
+  void zero_grad();
+
+ private:
+  friend class FlatParam;
+  /// Gradients of an offloaded flat are counted as host memory.
+  Mem category() const;
+  /// A new gradient in the master dtype: reduced / divisor.
+  at::Tensor new_grad(const at::Tensor& reduced, double divisor) const;
+
+  FlatParam& flat_;
+  at::Tensor shard_grad_, staging_, full_grad_;
+};
+
+/// CPU offload of a flat parameter: the shard (the master) in host memory,
+/// and the bf16 copy of it that the copy to the device reads.
+class HostShard {
+ public:
+  explicit HostShard(FlatParam& flat) : flat_(flat) {}
+  HostShard(const HostShard&) = delete;
+  HostShard& operator=(const HostShard&) = delete;
+
+  /// The shard (the master) moves to host memory, pinned when `pin`; it is
+  /// then never a view of the full buffer, and gradient shards accumulated
+  /// from here on are host tensors too (counted as Host*). With an fp32
+  /// master and a bf16 compute dtype it also keeps a bf16 copy of the master
+  /// in host memory (`low_copy`, pinned alike), so that the copy to the
+  /// device moves 2 bytes per element instead of 4.
+  void offload_shard(bool pin);
+  bool offloaded() const { return offloaded_; }
+  /// Gradients are made in pinned host memory.
+  bool pinned() const { return pinned_; }
+  /// What the copy to the compute device reads. The bf16 copy of the master
+  /// where there is one, first refreshed from the master if the master
+  /// changed since the copy was last made or written (its version counter
+  /// moved, or mark_low_copy_stale); else the master itself.
+  const at::Tensor& upload_source();
+  /// Makes the bf16 copy again from the master if it is stale (see
+  /// upload_source); nothing without a copy.
+  void refresh_low_copy();
+  /// Whether upload_source() would make the bf16 copy again (it writes host
+  /// memory that an earlier asynchronous copy to the device may still read).
+  bool low_copy_stale() const;
+  /// The bf16 copy of the master (undefined without one). The fused CPU Adam
+  /// writes it in the same pass as the master, which keeps it fresh.
+  const at::Tensor& low_copy() const { return low_; }
+  /// The master was written in a way its version counter may not show (raw
+  /// pointers: a checkpoint reader, an optimizer that does not write the bf16
+  /// copy): upload_source() makes the copy again before it is next used.
+  void mark_low_copy_stale() { low_version_ = -1; }
+
+ private:
+  friend class FlatParam;
+  FlatParam& flat_;
+  at::Tensor low_;            // bf16 copy of the shard (the master)
+  int64_t low_version_ = -1;  // the shard's version when low_ last matched it; -1: stale
+  bool offloaded_ = false;
+  bool pinned_ = false;  // offloaded to pinned host memory: gradients are made there too
+};
+
 /// One flat parameter of a unit: the module's own parameter tensors point into
 /// `full` (Tensor::set_ onto its storage); the storage's bytes are freed when
-/// sharded and reallocated in place when gathered, so the parameter tensors,
-/// their autograd metadata and saved tensors keep their identity.
+/// sharded and reallocated in place when gathered (buffer()), so the
+/// parameter tensors, their autograd metadata and saved tensors keep their
+/// identity. Its gradients are grads(), its offloaded master host().
 class FlatParam {
  public:
   /// `persistent`: the full buffer is never freed (ZeRO-1/2) and the shard is
@@ -39,6 +158,8 @@ class FlatParam {
   at::ScalarType compute_dtype() const { return full_.scalar_type(); }
   /// The staging buffer's dtype: gradients are reduced in it.
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  bool requires_grad() const { return requires_grad_; }
+  bool persistent() const { return persistent_; }
   /// Mixed precision: the full buffer and the module's parameters become
   /// `compute` (the parameters are re-pointed with set_data, so call this
   /// before any gradient accumulator exists); the shard stays the fp32
@@ -46,106 +167,44 @@ class FlatParam {
   void set_mixed_precision(at::ScalarType compute, at::ScalarType reduce);
   /// The shard as the all-gather sends it: cast to the compute dtype.
   at::Tensor gather_source() const;
-  /// CPU offload: the shard (the master) moves to host memory, pinned when
-  /// `pin`; it is then never a view of the full buffer, and gradient shards
-  /// accumulated from here on are host tensors too (counted as Host*).
-  /// With an fp32 master and a bf16 compute dtype it also keeps a bf16 copy
-  /// of the master in host memory (`low_copy`, pinned alike), so that the
-  /// copy to the device moves 2 bytes per element instead of 4.
-  void offload_shard(bool pin);
-  bool offloaded() const { return offloaded_; }
-  /// CPU offload: what the copy to the compute device reads. The bf16 copy of
-  /// the master where there is one, first refreshed from the master if the
-  /// master changed since the copy was last made or written (its version
-  /// counter moved, or mark_low_copy_stale); else the master itself.
-  const at::Tensor& upload_source();
-  /// Makes the bf16 copy again from the master if it is stale (see
-  /// upload_source); nothing without a copy.
-  void refresh_low_copy();
-  /// Whether upload_source() would make the bf16 copy again (it writes host
-  /// memory that an earlier asynchronous copy to the device may still read).
-  bool low_copy_stale() const { return low_.defined() && low_version_ != static_cast<int64_t>(shard_._version()); }
-  /// The bf16 copy of the master (undefined without one). The fused CPU Adam
-  /// writes it in the same pass as the master, which keeps it fresh.
-  const at::Tensor& low_copy() const { return low_; }
-  /// The master was written in a way its version counter may not show (raw
-  /// pointers: a checkpoint reader, an optimizer that does not write the bf16
-  /// copy): upload_source() makes the copy again before it is next used.
-  void mark_low_copy_stale() { low_version_ = -1; }
-  bool requires_grad() const { return requires_grad_; }
 
   /// The parameters laid out flat (full, padded), as they are now.
   at::Tensor& full() { return full_; }
   /// This rank's shard (persistent).
   at::Tensor& shard() { return shard_; }
-  /// This rank's gradient shard; undefined until a backward delivers one.
-  at::Tensor& shard_grad() { return shard_grad_; }
-
-  bool gathered() const { return gathered_; }
-  bool persistent() const { return persistent_; }
-  /// Gives `full` its bytes back (contents undefined until filled).
-  void alloc_full();
-  /// Frees `full`'s bytes; the parameters stay views of its storage, whose
-  /// data, if touched, throws the access error (see freed_access_is_an_error).
-  /// `abandon`: a collective that failed (timed out) may still write into
-  /// them, so they are let go of without being freed (leaked for good).
-  void free_full(bool abandon = false);
-  /// What touching the freed parameters' data throws (shard() sets one naming
-  /// the rank and the unit; by default it names this flat parameter).
-  void set_access_error(std::string message) { access_error_ = std::move(message); }
-  /// Whether this LibTorch lets free_full make a freed parameter's data access
-  /// an error (c10::Error); without it such an access reads a null pointer.
-  static bool freed_access_is_an_error();
   /// Copies this rank's part of `full` into the shard (after a user edit).
   void write_back_shard();
-
-  /// The padded full-size gradient buffer a backward fills, zeroed on first use.
-  at::Tensor& staging_grad();
-  /// Adds parameter i's gradient into the staging buffer and drops it.
-  void stage_grad(size_t i);
-  bool has_staging_grad() const { return staging_.defined(); }
-  /// Releases the staging buffer (after the bucketer has taken its contents).
-  at::Tensor take_staging_grad();
-  /// Drops the staging buffer and what it holds (a failed backward).
-  void drop_staging_grad();
-  /// Adds a reduced gradient shard, divided by `divisor`, into shard_grad.
-  void accumulate_shard_grad(const at::Tensor& reduced, double divisor);
-  /// Adds an all-reduced full gradient, divided by `divisor`, into the full
-  /// gradient kept whole (ZeRO-1); shard_grad is a view of its slice.
-  void accumulate_full_grad(const at::Tensor& reduced, double divisor);
-  /// The whole gradient (ZeRO-1), else undefined.
-  at::Tensor& full_grad() { return full_grad_; }
-  void zero_grad();
+  FullBuffer& buffer() { return buffer_; }
+  FlatGrads& grads() { return grads_; }
+  HostShard& host() { return host_; }
 
   std::string describe() const;
 
  private:
+  friend class FullBuffer;
+  friend class FlatGrads;
+  friend class HostShard;
+  Mem shard_category() const { return host_.offloaded() ? Mem::HostParams : Mem::ShardedParams; }
+
   FlatParamLayout layout_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
-  std::string access_error_;
   at::ScalarType dtype_;
   bool requires_grad_;
   int rank_;
   MemoryTracker* mem_;
   at::ScalarType reduce_dtype_;
-  at::Tensor full_, shard_, shard_grad_, staging_, full_grad_;
-  at::Tensor low_;            // offload: bf16 copy of the shard (the master)
-  int64_t low_version_ = -1;  // the shard's version when low_ last matched it; -1: stale
-  bool gathered_ = false;
+  at::Tensor full_, shard_;
   bool persistent_ = false;
   bool shard_is_view_ = false;
-  bool offloaded_ = false;
-  bool pinned_ = false;  // offloaded to pinned host memory: gradients are made there too
-  Mem grad_category() const { return offloaded_ ? Mem::HostGradients : Mem::Gradients; }
-  /// A new gradient in the master dtype: reduced / divisor.
-  at::Tensor new_grad(const at::Tensor& reduced, double divisor) const;
-  Mem shard_category() const { return offloaded_ ? Mem::HostParams : Mem::ShardedParams; }
+  FullBuffer buffer_{*this};
+  FlatGrads grads_{*this};
+  HostShard host_{*this};
 };
 
 namespace testing {
 /// How often this process has remade an offloaded master's bf16 copy from the
-/// master (FlatParam::upload_source): after shard(), and when the master
+/// master (HostShard::upload_source): after shard(), and when the master
 /// changed other than through the fused CPU Adam. For tests.
 int64_t low_copy_refreshes();
 }  // namespace testing

@@ -21,66 +21,58 @@ void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
   if (is_root_ && c10::GradMode::is_enabled()) detail::collective_context(owner_->world()).root_inputs(inputs);
   owner_->backward().recover_if_failed();
   owner_->order().note_forward_for_reduction(*this);
-  call_.reset();
-  if (has_frozen_ && c10::GradMode::is_enabled()) {
-    // Its frozen parameters may be read after its last trainable gradient
-    // (LoRA: x W_frozen + x A B, where A's and B's accumulators run before
-    // the product with W_frozen yields x's gradient): they are freed once
-    // every live forward of it has run, in this backward, the nodes through
-    // which gradient leaves it (frozen_unread; hook_exits).
-    calls_.erase(std::remove_if(calls_.begin(), calls_.end(), [](const auto& c) { return c.expired(); }), calls_.end());
-    call_ = std::make_shared<ForwardCall>();
-    calls_.push_back(call_);
-    if (checkpointed_) {
-      call_->hooked = -1;  // complete_nested_backward frees it
-    } else {
-      call_->first_node = at::sequence_number::peek();  // nodes made from here on are this forward's
-      call_->thread = at::RecordFunction::currentThreadId();
-    }
+  forwards_.call_.reset();
+  if (forwards_.has_frozen_ && c10::GradMode::is_enabled()) forwards_.start_call();
+  gather_.unshard();
+  if (auto next = owner_->order().note_forward_and_next(*this)) next->gather().unshard_async();
+}
+
+void UnitForwards::start_call() {
+  // Its frozen parameters may be read after its last trainable gradient
+  // (LoRA: x W_frozen + x A B, where A's and B's accumulators run before
+  // the product with W_frozen yields x's gradient): they are freed once
+  // every live forward of it has run, in this backward, the nodes through
+  // which gradient leaves it (frozen_unread; hook_exits).
+  calls_.erase(std::remove_if(calls_.begin(), calls_.end(), [](const auto& c) { return c.expired(); }), calls_.end());
+  call_ = std::make_shared<ForwardCall>();
+  calls_.push_back(call_);
+  if (unit_.grads().checkpointed()) {
+    call_->hooked = -1;  // complete_nested_backward frees it
+  } else {
+    call_->first_node = at::sequence_number::peek();  // nodes made from here on are this forward's
+    call_->thread = at::RecordFunction::currentThreadId();
   }
-  unshard();
-  if (auto next = owner_->order().note_forward_and_next(*this)) next->unshard_async();
 }
 
 void Unit::abandon_forward() {
-  call_.reset();
+  forwards_.call_.reset();
   // A prefetch launched in this forward (by this unit, or by one nested in
   // it that had finished) gathers for a forward that will not come: nobody
   // waits on a Gathering unit but its own pre-forward or pre-backward.
   for (auto& u : owner_->units())
-    if (u->state() == ParamState::Gathering) u->reshard();
+    if (u->gather().state() == ParamState::Gathering) u->gather().reshard();
   // The root's forward holds every other: none is computing now, and those
   // post-forward kept gathered for the backward (with prefetch, the last
   // block) wait for one that will not come.
   if (is_root_)
     for (auto& u : owner_->units())
-      if (u.get() != this && u->reshard_after_forward_) u->reshard();
-  if (reshard_after_forward_ || !c10::GradMode::is_enabled()) reshard();
-}
-
-std::optional<at::ScalarType> Unit::input_dtype() const {
-  const auto& mp = owner_->options().mixed_precision();
-  if (!is_root_ || !mp.cast_root_inputs()) return std::nullopt;
-  return mp.param_dtype();
-}
-
-std::optional<at::ScalarType> Unit::output_dtype() const {
-  return is_root_ ? owner_->options().mixed_precision().output_dtype() : std::nullopt;
+      if (u.get() != this && u->reshard_after_forward_) u->gather().reshard();
+  if (reshard_after_forward_ || !c10::GradMode::is_enabled()) gather_.reshard();
 }
 
 void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   bool grad_mode = c10::GradMode::is_enabled();
-  std::shared_ptr<ForwardCall> call = std::move(call_);  // lives as long as the hooks on the outputs
-  if (call && grad_mode && call->hooked == 0) hook_exits(*call, outputs);
+  std::shared_ptr<ForwardCall> call = std::move(forwards_.call_);  // lives as long as the hooks on the outputs
+  if (call && grad_mode && call->hooked == 0) forwards_.hook_exits(*call, outputs);
   if (grad_mode) {
     if (outputs.empty()) {  // nothing to hook: it may take part, and how long its graph lives cannot be told
-      trace_in_graph();
-      if (call) trace_untraceable();
+      forwards_.trace_in_graph();
+      if (call) forwards_.trace_untraceable();
     }
     std::weak_ptr<Unit> weak = weak_from_this();
     for (const auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
-      trace_in_graph();
+      forwards_.trace_in_graph();
       t.register_hook([weak, call](const at::TensorBase&) {
         auto u = weak.lock();
         if (!u) return;
@@ -98,7 +90,7 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   // With prefetch, a unit that runs again next, or the last unit of the forward
   // (backward starts with it), stays: freeing it would only gather it again at once.
   const bool needed_next = owner_->order().needed_again_at_once(*this);
-  if ((reshard_after_forward_ || !grad_mode) && safe && !needed_next) reshard();
+  if ((reshard_after_forward_ || !grad_mode) && safe && !needed_next) gather_.reshard();
 }
 
 namespace {
@@ -106,7 +98,7 @@ namespace {
 // that task will run (alive, in its graph and, in a backward restricted to
 // some inputs, needed). A forward whose exits this backward does not run
 // has nothing of it run here.
-void count_exits_for(Unit::ForwardCall& call, int task) {
+void count_exits_for(ForwardCall& call, int task) {
   if (call.task == task) return;
   call.task = task;
   call.fired = 0;
@@ -127,7 +119,7 @@ void count_exits_for(Unit::ForwardCall& call, int task) {
 }
 }  // namespace
 
-bool Unit::frozen_unread() const {
+bool UnitForwards::frozen_unread() const {
   if (trace_ == ForwardTrace::Untraceable) return false;
   const int task = torch::autograd::get_current_graph_task_id();
   return std::all_of(calls_.begin(), calls_.end(), [task](const auto& w) {
@@ -145,14 +137,16 @@ void Unit::exit_done(ForwardCall& call) {
   // Gradients final (or none to have), and no live forward's backward left to
   // read the frozen parameters. Not in a backward that builds a graph: that
   // graph reads them again (finish_backward holds what is still gathered).
-  if ((reduced() || !reduces()) && reached() && frozen_unread() && !owner_->backward().builds_graph()) reshard();
+  if ((grads_.reduced() || !grads_.reduces()) && grads_.reached() && forwards_.frozen_unread() &&
+      !owner_->backward().builds_graph())
+    gather_.reshard();
 }
 
 namespace {
 // Runs after a node of a unit's forward that sends gradient out of the unit.
 class ExitHook : public torch::autograd::FunctionPostHook {
  public:
-  ExitHook(std::weak_ptr<Unit> unit, std::weak_ptr<Unit::ForwardCall> call)
+  ExitHook(std::weak_ptr<Unit> unit, std::weak_ptr<ForwardCall> call)
       : unit_(std::move(unit)), call_(std::move(call)) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
@@ -167,11 +161,11 @@ class ExitHook : public torch::autograd::FunctionPostHook {
 
  private:
   std::weak_ptr<Unit> unit_;
-  std::weak_ptr<Unit::ForwardCall> call_;
+  std::weak_ptr<ForwardCall> call_;
 };
 }  // namespace
 
-void Unit::hook_exits(ForwardCall& call, const std::vector<at::Tensor>& outputs) {
+void UnitForwards::hook_exits(ForwardCall& call, const std::vector<at::Tensor>& outputs) {
   using torch::autograd::Node;
   // The nodes this forward made: sequence numbers from first_node on, on
   // this thread (numbers count per thread). Gradient accumulators (the
@@ -185,7 +179,7 @@ void Unit::hook_exits(ForwardCall& call, const std::vector<at::Tensor>& outputs)
   // where an input's history rewritten in the forward (an in-place change
   // of a view) or a captured tensor would have been missed.
   std::unordered_set<const Node*> own;
-  for (const auto& acc : accumulators_) own.insert(acc.get());
+  for (const auto& acc : unit_.grads().accumulators()) own.insert(acc.get());
   const auto accumulator = [](const Node* n) { return n->sequence_nr() == UINT64_MAX; };
   std::vector<Node*> exits, todo;
   std::unordered_set<Node*> seen;
@@ -227,7 +221,7 @@ void Unit::hook_exits(ForwardCall& call, const std::vector<at::Tensor>& outputs)
     call.hooked = -1;  // kept to the end of the backward
     return;
   }
-  std::weak_ptr<Unit> weak_unit = weak_from_this();
+  std::weak_ptr<Unit> weak_unit = unit_.weak_from_this();
   std::weak_ptr<ForwardCall> weak_call = call.weak_from_this();
   for (Node* n : exits) {
     n->add_post_hook(std::make_unique<ExitHook>(weak_unit, weak_call));

@@ -12,7 +12,7 @@ void ShardedReducer::reduce(FlatParam& flat, const std::string& label) {
   const double world = topology_.world().size();
   FlatParam* fp = &flat;
   const std::string what = "gradients of unit '" + label + "' (" + fp->describe() + ")";
-  at::Tensor g = fp->take_staging_grad();
+  at::Tensor g = fp->grads().take_staging_grad();
   if (g.numel() == 0) {  // a flat of empty parameters: an empty gradient, and nothing to send
     const bool full = strategy_ == Strategy::OptimizerOnly;
     copies_.deliver_gradient(*fp, g, /*owned=*/true, 1.0, full);

@@ -67,7 +67,7 @@ void Offloader::current_waits_for_copies() {
 
 void Offloader::to_host(const at::Tensor& device_tensor, bool owned, std::function<void(const at::Tensor&)> done) {
   c10::NoGradGuard no_grad;
-  Pending p;
+  HostCopyWorker::Pending p;
   p.host = at::empty(device_tensor.sizes(), device_tensor.options().device(at::kCPU).pinned_memory(pin_));
   bytes_to_host_ += device_tensor.nbytes();
   p.done = std::move(done);
@@ -87,8 +87,12 @@ void Offloader::to_host(const at::Tensor& device_tensor, bool owned, std::functi
     p.copied.emplace(device_.type());
     p.copied->record(*side_);
   }
+  worker_.push(std::move(p));
+}
+
+void HostCopyWorker::push(Pending p) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (!worker_.joinable()) worker_ = std::thread([this] { work(); });
+  if (!thread_.joinable()) thread_ = std::thread([this] { work(); });
   in_flight_bytes_ += p.device_bytes;
   queue_.push_back(std::move(p));
   cv_.notify_all();
@@ -98,7 +102,7 @@ void Offloader::to_host(const at::Tensor& device_tensor, bool owned, std::functi
 
 void set_thread_parallelism(int threads);  // src/optim/cpu_adam.cpp
 
-void Offloader::work() {
+void HostCopyWorker::work() {
   at::init_num_threads();  // ATen's thread count (set_num_threads) holds here too
   if (const char* env = std::getenv("SHARDTORCH_OFFLOAD_THREADS")) {
     const int threads = std::atoi(env);
@@ -141,45 +145,51 @@ void Offloader::work() {
   }
 }
 
-Offloader::~Offloader() {
+HostCopyWorker::~HostCopyWorker() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
     dropping_ = true;
     cv_.notify_all();
   }
-  if (worker_.joinable()) worker_.join();
+  if (thread_.joinable()) thread_.join();
 }
 
-int64_t Offloader::in_flight_bytes() const {
+int64_t HostCopyWorker::in_flight_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return in_flight_bytes_;
 }
 
-void Offloader::wait_worker() {
+void HostCopyWorker::wait() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
 }
 
 void Offloader::wait_idle() {
-  wait_worker();
+  worker_.wait();
   if (accelerator()) side_->synchronize();
 }
 
 void Offloader::discard() {
+  worker_.drop([&] {
+    if (accelerator()) side_->synchronize();
+  });
+}
+
+void HostCopyWorker::drop(const std::function<void()>& then) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     dropping_ = true;
   }
-  wait_worker();
-  if (accelerator()) side_->synchronize();
+  wait();
+  then();
   std::lock_guard<std::mutex> lock(mu_);
   dropping_ = false;
   error_ = nullptr;
 }
 
-void Offloader::drain() {
-  wait_worker();
+void HostCopyWorker::drain() {
+  wait();
   std::exception_ptr e;
   {
     std::lock_guard<std::mutex> lock(mu_);

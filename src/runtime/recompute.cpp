@@ -297,7 +297,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
                      ": checkpointed unit '", r->ac->label,
                      "': torch::autograd::grad (or backward with inputs) is not "
                      "supported through activation checkpointing; use loss.backward()");
-    state->refuse_backward_in_grad_summon("checkpointed unit", r->ac->label);
+    state->summons().refuse_backward("checkpointed unit", r->ac->label);
     *r->pending = false;
     // The outer backward's end callback, queued on the outer graph task (the
     // nested backward below is another one).
@@ -351,7 +351,7 @@ void ShardState::enable_checkpointing(UnitBase& base, std::shared_ptr<ShardState
   c->state = std::move(state);
   c->label = std::move(label);
   c->params = std::move(params);
-  if (unit) unit->set_checkpointed();
+  if (unit) unit->grads().set_checkpointed();
   c->unit = unit;
   base.checkpointing_ = std::move(c);
 }
@@ -367,8 +367,8 @@ std::vector<at::Tensor> UnitBase::checkpointed_forward(std::vector<at::Tensor> i
   SHARDTORCH_CHECK(state, "shardtorch: forward through checkpointed unit '", checkpointing_->label,
                    "' after its sharded model was destroyed");
   auto previous = checkpointing_->last_pending.lock();
-  SHARDTORCH_CHECK(!previous || !*previous || state->pipelined(), detail::rank_prefix(state->world().global_rank()),
-                   ": checkpointed unit '", checkpointing_->label,
+  SHARDTORCH_CHECK(!previous || !*previous || state->pipeline().pipelined(),
+                   detail::rank_prefix(state->world().global_rank()), ": checkpointed unit '", checkpointing_->label,
                    "' ran its forward again while the graph of its previous forward is alive and "
                    "not yet differentiated; its parameters would get two gradient accumulations in one backward. A "
                    "checkpointed unit runs once per backward: turn checkpointing off for a unit called twice "

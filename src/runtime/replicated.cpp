@@ -12,48 +12,48 @@ namespace shardtorch::detail {
 void ReplicatedPath::finish_backward(bool sync) {
   if (sync) check_hooks_agree(world_);  // a backward in which no gradient hook ran
   ddp_->finish(sync, options_.error_on_unused_parameters());
-  if (sync) bind_master_grads();
+  if (sync) masters_.bind_grads(*ddp_);
 }
 
-void ReplicatedPath::bind_master_grads() {
+void ReplicatedMasters::bind_grads(const AllReduceBucketer& ddp) {
   c10::NoGradGuard no_grad;
   int64_t converted = 0;  // fp32 copies of gradients reduced in a lower dtype
   for (size_t i = 0; i < masters_.size(); ++i) {
-    if (ddp_->absent(i)) {  // no rank gave it a gradient: none, as the parameter's (the optimizer skips it)
+    if (ddp.absent(i)) {  // no rank gave it a gradient: none, as the parameter's (the optimizer skips it)
       masters_[i].mutable_grad().reset();
       continue;
     }
-    at::Tensor g = ddp_->grad_view(i);
-    if (!grad_is_copied(i)) {
+    at::Tensor g = ddp.grad_view(i);
+    if (!grad_is_copied(ddp, i)) {
       masters_[i].mutable_grad() = g;
     } else {
       masters_[i].mutable_grad() = g.to(masters_[i].scalar_type());
       converted += masters_[i].grad().nbytes();
     }
   }
-  mem_.add(Mem::MasterGrads, converted - master_grad_bytes_);
-  master_grad_bytes_ = converted;
+  mem_.add(Mem::MasterGrads, converted - grad_bytes_);
+  grad_bytes_ = converted;
 }
 
-void ReplicatedPath::release_master_grads(bool converted_only) {
+void ReplicatedMasters::release_grads(const AllReduceBucketer& ddp, bool converted_only) {
   for (size_t i = 0; i < masters_.size(); ++i)
-    if (!converted_only || grad_is_copied(i)) at::Tensor(masters_[i]).mutable_grad().reset();  // a handle
-  mem_.sub(Mem::MasterGrads, master_grad_bytes_);
-  master_grad_bytes_ = 0;
+    if (!converted_only || grad_is_copied(ddp, i)) at::Tensor(masters_[i]).mutable_grad().reset();  // a handle
+  mem_.sub(Mem::MasterGrads, grad_bytes_);
+  grad_bytes_ = 0;
 }
 
 void ReplicatedPath::after_optimizer_step() {
   stepped_since_zero_ = true;
   c10::NoGradGuard no_grad;
-  for (size_t i = 0; i < masters_.size(); ++i) params_[i].copy_(masters_[i]);
+  for (size_t i = 0; i < masters_.all().size(); ++i) params_[i].copy_(masters_.all()[i]);
   // The step has read the fp32 copies; views of fp32 buckets stay until
   // zero_grad, like the parameters' own gradients.
-  release_master_grads(/*converted_only=*/true);
+  masters_.release_grads(*ddp_, /*converted_only=*/true);
 }
 
 void ReplicatedPath::zero_grads() {  // gradients stay views of the buckets
   ddp_->zero_grads();
-  release_master_grads();
+  masters_.release_grads(*ddp_);
 }
 
 void ReplicatedPath::note_gradient(size_t i) {
@@ -88,7 +88,7 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
     if (!s) return outputs;
     ReplicatedPath& r = *s->replicated();
     try {
-      s->refuse_backward_in_grad_summon("parameter", r.names()[index_]);
+      s->summons().refuse_backward("parameter", r.names()[index_]);
       failure_point("NoShard gradient hook");
       s->backward().ensure_end_of_backward_callback();
       s->backward().check_grad_arrival(r.params()[index_], r.names()[index_]);
@@ -108,9 +108,15 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
 };
 }  // namespace
 
-void ReplicatedPath::add_frozen_master(const at::Tensor& param, at::Tensor master) {
+void ReplicatedMasters::add_frozen(const at::Tensor& param, at::Tensor master) {
   mem_.add(Mem::ReplicatedParams, master.nbytes());
   master_of_[param.unsafeGetTensorImpl()] = std::move(master);
+}
+
+void ReplicatedMasters::add(const at::Tensor& param) {
+  masters_.push_back(param.detach().clone());
+  master_of_[param.unsafeGetTensorImpl()] = masters_.back();
+  mem_.add(Mem::ReplicatedParams, masters_.back().nbytes());
 }
 
 void ReplicatedPath::enable(std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -123,11 +129,9 @@ void ReplicatedPath::enable(std::vector<at::Tensor> params, std::vector<std::str
   if (mp.param_dtype()) {  // fp32 masters for the optimizer; the parameters compute in param_dtype
     c10::NoGradGuard no_grad;
     for (auto& p : params_) {
-      masters_.push_back(p.detach().clone());
-      master_of_[p.unsafeGetTensorImpl()] = masters_.back();
+      masters_.add(p);
       if (!keep.count(p.unsafeGetTensorImpl()))
         p.set_data(p.detach().to(*mp.param_dtype()));  // before the accumulators exist (below)
-      mem.add(Mem::ReplicatedParams, masters_.back().nbytes());
     }
   }
   for (const auto& p : params_) mem.add(Mem::ReplicatedParams, p.nbytes());

@@ -18,8 +18,8 @@ at::Tensor ShardCopies::gather_input(FlatParam& f) {
                      " is gathered again after the optimizer updated it during the last backward "
                      "(overlap_with_backward): call opt->step() before the next forward, and let only the last "
                      "micro-batch's backward synchronize gradients (set_requires_gradient_sync)");
-    if (f.low_copy_stale()) offloader_->wait_idle();  // no copy may still read the bf16 copy it remakes
-    return offloader_->to_device(f.upload_source(), f.compute_dtype());  // always a new tensor
+    if (f.host().low_copy_stale()) offloader_->wait_idle();  // no copy may still read the bf16 copy it remakes
+    return offloader_->to_device(f.host().upload_source(), f.compute_dtype());  // always a new tensor
   }
   at::Tensor src = f.gather_source();
   // With the shard a view of a persistent full buffer, the input would alias the output.
@@ -30,12 +30,12 @@ at::Tensor ShardCopies::gather_input(FlatParam& f) {
 
 void ShardCopies::low_copies_stale() {
   for (auto& u : units_.all())
-    for (auto& f : u->flats()) f->mark_low_copy_stale();
+    for (auto& f : u->flats()) f->host().mark_low_copy_stale();
 }
 
 void ShardCopies::remake_low_copies() {
   for (auto& u : units_.all())
-    for (auto& f : u->flats()) f->refresh_low_copy();
+    for (auto& f : u->flats()) f->host().refresh_low_copy();
 }
 
 void ShardCopies::launch_gathers(const std::function<void()>& launch) {
@@ -52,12 +52,12 @@ at::Tensor ShardCopies::on_comm_device(const at::Tensor& t) {
 
 void ShardCopies::deliver_gradient(FlatParam& flat, const at::Tensor& reduced, bool owned, double divisor, bool full) {
   auto add = [f = &flat, divisor, full](const at::Tensor& r) {
-    full ? f->accumulate_full_grad(r, divisor) : f->accumulate_shard_grad(r, divisor);
+    full ? f->grads().accumulate_full_grad(r, divisor) : f->grads().accumulate_shard_grad(r, divisor);
   };
   if (offloader_ && listener_) {
     listener_->before(flat);
     offloader_->to_host(reduced, owned, [add, l = listener_, f = &flat, divisor, full](const at::Tensor& h) {
-      if (!full && !f->shard_grad().defined() && l->consume(*f, h, divisor)) return;
+      if (!full && !f->grads().shard_grad().defined() && l->consume(*f, h, divisor)) return;
       add(h);
       l->arrived(*f);
     });

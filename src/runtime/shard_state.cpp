@@ -14,7 +14,9 @@ ShardState::ShardState(std::shared_ptr<World> world, ShardOptions options)
       sharded_(topology_, options_.strategy(), copies_, options_.bucket_mb(), &mem_),
       order_(options_, backward_, units_),
       backward_(*this),
-      copies_(topology_.world(), units_) {}
+      copies_(topology_.world(), units_),
+      summons_(topology_.world()),
+      pipeline_(units_) {}
 
 ReplicatedPath& ShardState::enable_replicated() {
   replicated_ = std::make_unique<ReplicatedPath>(topology_.world(), mem_, options_, weak_from_this());
@@ -22,45 +24,44 @@ ReplicatedPath& ShardState::enable_replicated() {
 }
 
 void ShardState::release_held() {
-  for (auto& u : live_units()) u->release();  // nothing for a unit not held
+  for (auto& u : live_units()) u->gather().release();  // nothing for a unit not held
 }
 
-void ShardState::gather_for_step() {
+void PipelineGather::gather_for_step() {
   if (step_gather_) return;
-  auto all = units();
+  auto all = units_.all();
   size_t pinned = 0;
   try {
-    for (auto& u : all) u->unshard_async();  // every all-gather in flight, then each waited for
+    for (auto& u : all) u->gather().unshard_async();  // every all-gather in flight, then each waited for
     for (; pinned < all.size(); ++pinned) {
-      all[pinned]->unshard();
-      all[pinned]->pin();
+      all[pinned]->gather().unshard();
+      all[pinned]->gather().pin();
     }
   } catch (...) {
-    for (size_t i = 0; i < pinned; ++i) all[i]->unpin();
-    for (auto& u : all) u->reshard();
+    for (size_t i = 0; i < pinned; ++i) all[i]->gather().unpin();
+    for (auto& u : all) u->gather().reshard();
     throw;
   }
   step_gather_ = true;
 }
 
-void ShardState::release_step_gather() {
+void PipelineGather::release_step_gather() {
   if (!step_gather_) return;
   step_gather_ = false;
-  for (auto& u : live_units()) {
-    u->unpin();
-    u->reshard();
+  for (auto& u : units_.live()) {
+    u->gather().unpin();
+    u->gather().reshard();
   }
 }
 
-void ShardState::refuse_backward_in_grad_summon(const char* kind, const std::string& name) const {
+void SummonScopes::refuse_backward(const char* kind, const std::string& name) const {
   // The scope set param.grad to the reduced gradients: this backward would
   // add its own to them, and reduce both into gradients that already hold the
   // first (counted twice). Every rank is in the scope, so every rank refuses;
   // called first in every hook of a backward, before anything is queued or
   // gathered, so the refused backward leaves nothing to clean up.
   SHARDTORCH_CHECK(
-      grad_summons_ == 0, detail::rank_prefix(topology_.world().global_rank()), ": a backward reached ", kind, " '",
-      name,
+      grad_summons_ == 0, detail::rank_prefix(world_.global_rank()), ": a backward reached ", kind, " '", name,
       "' inside a summon_full_params(with_grads) scope, whose param.grad are the reduced gradients (a "
       "backward would count them twice); leave the scope before the backward, or summon without with_grads");
 }
@@ -71,7 +72,7 @@ void ShardState::on_zero_grad() {
   backward_.on_zero_grad();
   backward_.gradients_changed();
   if (!backward_.running()) order_.on_zero_grad();
-  for (auto& [id, f] : zero_grad_listeners_) f();
+  zero_grad_listeners_.run();
 }
 
 void ShardState::zero_grads() {
@@ -81,7 +82,7 @@ void ShardState::zero_grads() {
     return;
   }
   for (auto& u : units())
-    for (auto& f : u->flats()) f->zero_grad();
+    for (auto& f : u->flats()) f->grads().zero_grad();
 }
 
 void ShardState::check_requires_grad_unchanged() const {
@@ -107,7 +108,7 @@ void ShardState::check_requires_grad_unchanged() const {
 void ShardState::check_outside_summon() const {
   // Symmetric: every rank holds a FullParams for the scope, kept or not.
   SHARDTORCH_CHECK(
-      summons_ == 0, detail::rank_prefix(topology_.world().global_rank()),
+      !summons_.any(), detail::rank_prefix(topology_.world().global_rank()),
       ": an optimizer step or a checkpoint load inside a "
       "summon_full_params scope: the scope's full parameters would be stale (and written back over the new "
       "values on exit); leave the scope first");
@@ -128,7 +129,7 @@ void ShardState::after_shards_replaced() {
   for (auto& u : units()) {
     for (auto& f : u->flats())
       if (f->persistent()) regather(*u, *f, "updated parameters");
-    u->reshard();  // non-persistent full copies are stale now
+    u->gather().reshard();  // non-persistent full copies are stale now
   }
 }
 
@@ -141,7 +142,7 @@ void ShardState::regather(Unit& u, FlatParam& f, const std::string& what) {
 void ShardState::regather_unsharded() {
   c10::NoGradGuard no_grad;
   for (auto& u : units())
-    if (u->state() == ParamState::Unsharded)
+    if (u->gather().state() == ParamState::Unsharded)
       for (auto& f : u->flats()) regather(*u, *f, "parameters after summon_full_params");
 }
 
@@ -164,10 +165,10 @@ std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
   }
   for (auto& u : units()) {
     for (auto& f : u->flats()) {
-      if (f->full_grad().defined()) {
-        grads.push_back(f->full_grad());  // OptimizerOnly: whole and identical on every rank
-      } else if (f->shard_grad().defined()) {
-        grads.push_back(f->shard_grad());
+      if (f->grads().full_grad().defined()) {
+        grads.push_back(f->grads().full_grad());  // OptimizerOnly: whole and identical on every rank
+      } else if (f->grads().shard_grad().defined()) {
+        grads.push_back(f->grads().shard_grad());
       }
     }
   }

@@ -6,8 +6,10 @@
 // gradient reduction (gradient_reducer.h: sharded; replicated.h: NoShard),
 // the learned orders (execution_order.h), the backward as a whole
 // (backward_tracker.h), the host/device copies of offload (shard_copies.h)
-// and the buffers (buffer_sync.h). What is left here is what spans them:
-// zero_grad, the optimizer step's follow-up, summon_full_params scopes.
+// and the buffers (buffer_sync.h), and three small ones here: the
+// summon_full_params scopes, the pipelines' step gather, the zero_grad
+// listeners. What is left is what spans them: zero_grad, the optimizer
+// step's follow-up, the checks made outside a summon scope.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -32,6 +34,72 @@
 #include "runtime/unit_list.h"
 
 namespace shardtorch::detail {
+
+/// The summon_full_params scopes alive (on every rank, rank0_only or not).
+class SummonScopes {
+ public:
+  explicit SummonScopes(World& world) : world_(world) {}
+  /// `with_grads`: the scope set param.grad; a backward inside it is refused.
+  void enter(bool with_grads) {
+    ++summons_;
+    grad_summons_ += with_grads;
+  }
+  void leave(bool with_grads) {
+    --summons_;
+    grad_summons_ -= with_grads;
+  }
+  bool any() const { return summons_ > 0; }
+  /// Throws (this rank) inside a summon_full_params(with_grads) scope.
+  /// Names `kind` `name` ("unit", its label): the message is built only on failure,
+  /// since every gradient hook calls this.
+  void refuse_backward(const char* kind, const std::string& name) const;
+
+ private:
+  World& world_;
+  int summons_ = 0, grad_summons_ = 0;
+};
+
+/// Pipelines (parallel/pipeline.h): every unit gathered for a whole step, and
+/// whether several forwards' graphs are alive at once.
+class PipelineGather {
+ public:
+  explicit PipelineGather(UnitList& units) : units_(units) {}
+  /// Gathers every unit now and keeps it gathered (pinned) until
+  /// release_step_gather(), so that a stage runs all its micro-batches on one
+  /// all-gather per unit. Collective over the shard group; nothing under the
+  /// strategies whose units stay gathered.
+  void gather_for_step();
+  void release_step_gather();
+  /// Several forwards' graphs are alive at once, each differentiated by a
+  /// backward of its own (micro-batches in flight), so a checkpointed unit may
+  /// run its forward again before the last one's backward.
+  void set_pipelined() { pipelined_ = true; }
+  bool pipelined() const { return pipelined_; }
+
+ private:
+  UnitList& units_;
+  bool step_gather_ = false;
+  bool pipelined_ = false;
+};
+
+/// Callbacks run at every zero_grad (ShardState::on_zero_grad) until removed.
+class ZeroGradListeners {
+ public:
+  /// `f` runs at every on_zero_grad() until removed (an optimizer's views
+  /// drop their gradients, which would keep the old shards' memory alive).
+  int add(std::function<void()> f) {
+    listeners_.emplace(next_, std::move(f));
+    return next_++;
+  }
+  void remove(int id) { listeners_.erase(id); }
+  void run() {
+    for (auto& [id, f] : listeners_) f();
+  }
+
+ private:
+  std::map<int, std::function<void()>> listeners_;
+  int next_ = 0;
+};
 
 class ShardState : public std::enable_shared_from_this<ShardState> {
  public:
@@ -67,7 +135,9 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   // ---- NoShard's parameters: replicated() holds them
   /// The value of record of a parameter (what checkpoints save and load):
   /// NoShard under mixed precision its fp32 master, else the parameter itself.
-  at::Tensor record_of(const at::Tensor& param) const { return replicated_ ? replicated_->record_of(param) : param; }
+  at::Tensor record_of(const at::Tensor& param) const {
+    return replicated_ ? replicated_->masters().record_of(param) : param;
+  }
   /// Loads `value` into a parameter's record and, when that is a master,
   /// casts it into the parameter too.
   void load_record(const at::Tensor& param, const at::Tensor& value) const {
@@ -95,38 +165,17 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// graph's backward until release_held(): at the optimizer step, a
   /// checkpoint load or after a failed backward.
   void release_held();
-  /// Pipelines (parallel/pipeline.h): gathers every unit now and keeps it
-  /// gathered (pinned) until release_step_gather(), so that a stage runs all
-  /// its micro-batches on one all-gather per unit. Collective over the shard
-  /// group; nothing under the strategies whose units stay gathered.
-  void gather_for_step();
-  void release_step_gather();
-  /// Pipelines: several forwards' graphs are alive at once, each
-  /// differentiated by a backward of its own (micro-batches in flight), so a
-  /// checkpointed unit may run its forward again before the last one's
-  /// backward.
-  void set_pipelined() { pipelined_ = true; }
-  bool pipelined() const { return pipelined_; }
+  /// Pipelines: the step's gather, and whether micro-batches are in flight.
+  PipelineGather& pipeline() { return pipeline_; }
   /// all-gathers `f`'s full parameters from the shards, into its full buffer.
   void regather(Unit& u, FlatParam& f, const std::string& what);
 
   // ---- gradient synchronisation and summon_full_params
   bool sync() const { return sync_; }
   void set_sync(bool s) { sync_ = s; }
-  /// summon_full_params scopes alive (on every rank, rank0_only or not).
-  /// `with_grads`: the scope set param.grad; a backward inside it is refused.
-  void enter_summon(bool with_grads) {
-    ++summons_;
-    grad_summons_ += with_grads;
-  }
-  void leave_summon(bool with_grads) {
-    --summons_;
-    grad_summons_ -= with_grads;
-  }
-  /// Throws (this rank) inside a summon_full_params(with_grads) scope.
-  /// Names `kind` `name` ("unit", its label): the message is built only on failure,
-  /// since every gradient hook calls this.
-  void refuse_backward_in_grad_summon(const char* kind, const std::string& name) const;
+  /// summon_full_params scopes alive.
+  SummonScopes& summons() { return summons_; }
+  const SummonScopes& summons() const { return summons_; }
   /// Throws (this rank) inside a summon_full_params scope: an optimizer step
   /// or a checkpoint load there would leave the scope's full copies stale.
   void check_outside_summon() const;
@@ -154,13 +203,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// The optimizer's zero_grad (and NoShard's root module's): every gradient
   /// of the model, after on_zero_grad().
   void zero_grads();
-  /// `f` runs at every on_zero_grad() until removed (an optimizer's views
-  /// drop their gradients, which would keep the old shards' memory alive).
-  int add_zero_grad_listener(std::function<void()> f) {
-    zero_grad_listeners_.emplace(next_listener_, std::move(f));
-    return next_listener_++;
-  }
-  void remove_zero_grad_listener(int id) { zero_grad_listeners_.erase(id); }
+  ZeroGradListeners& zero_grad_listeners() { return zero_grad_listeners_; }
   /// After the optimizer changed the shards: rebuild persistent full buffers
   /// (ZeRO-1/2), free the stale full copies of the others.
   void after_optimizer_step();
@@ -182,13 +225,11 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   BackwardTracker backward_;
   ShardCopies copies_;
   BufferSync buffers_;
-  std::map<int, std::function<void()>> zero_grad_listeners_;
-  int next_listener_ = 0;
+  SummonScopes summons_;
+  PipelineGather pipeline_;
+  ZeroGradListeners zero_grad_listeners_;
   bool sync_ = true;
-  int summons_ = 0, grad_summons_ = 0;
   bool has_scaler_ = false;
-  bool step_gather_ = false;
-  bool pipelined_ = false;
 };
 
 /// The registry of sharded models, by root module (entries die with it).

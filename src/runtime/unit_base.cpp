@@ -41,7 +41,7 @@ void UnitBase::zero_shard_grads(torch::nn::Module& self) {
   }
   state->on_zero_grad();
   if (unit_)
-    for (auto& f : unit_->flats()) f->zero_grad();
+    for (auto& f : unit_->flats()) f->grads().zero_grad();
   else if (auto* replicated = state->replicated())
     replicated->bucketer().zero_grads_of(self.parameters());  // plain modules inside have no hook of their own
 }
@@ -72,7 +72,14 @@ bool UnitBase::after_forward(std::vector<at::Tensor>& outputs, const std::vector
   return replaced;
 }
 
-std::optional<at::ScalarType> UnitBase::input_dtype() const { return unit_->input_dtype(); }
-std::optional<at::ScalarType> UnitBase::output_dtype() const { return unit_->output_dtype(); }
+std::optional<at::ScalarType> UnitBase::input_dtype() const {
+  const auto& mp = unit_->owner().options().mixed_precision();
+  if (!unit_->is_root() || !mp.cast_root_inputs()) return std::nullopt;
+  return mp.param_dtype();
+}
+
+std::optional<at::ScalarType> UnitBase::output_dtype() const {
+  return unit_->is_root() ? unit_->owner().options().mixed_precision().output_dtype() : std::nullopt;
+}
 
 }  // namespace shardtorch

@@ -31,8 +31,8 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
   } catch (...) {  // no destructor will run: undo the pins and free what we gathered
     for (auto& p : grads_set_) p.mutable_grad().reset();
     for (auto& [p, view] : views_) p.mutable_grad() = view;
-    for (auto& u : units_) u->unpin();
-    for (auto& u : summoned_) u->reshard();
+    for (auto& u : units_) u->gather().unpin();
+    for (auto& u : summoned_) u->gather().reshard();
     throw;
   }
   // The gradients set share storages (a unit's full gradient, when the
@@ -41,7 +41,7 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
   for (const auto& p : grads_set_)
     if (storages.insert(p.grad().storage().unsafeGetStorageImpl()).second) grad_bytes_ += p.grad().storage().nbytes();
   state_->mem().add(Mem::SummonedGrads, grad_bytes_);
-  state_->enter_summon(options_.with_grads());
+  state_->summons().enter(options_.with_grads());
 }
 
 void FullParams::gather_all(bool keep) {
@@ -52,7 +52,7 @@ void FullParams::gather_all(bool keep) {
     // edit in the scope (or autograd's accumulation, before the refusal of a
     // backward there) must not reach the buckets. The views come back on exit.
     const auto& params = state_->replicated()->params();
-    const auto& masters = state_->replicated()->masters();
+    const auto& masters = state_->replicated()->masters().all();
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor p = params[i];
       const bool own = p.grad().defined();
@@ -64,32 +64,32 @@ void FullParams::gather_all(bool keep) {
     }
   }
   for (auto& u : state_->units()) {
-    bool was_sharded = u->state() == detail::ParamState::Sharded;
+    bool was_sharded = u->gather().state() == detail::ParamState::Sharded;
     if (!was_sharded && !writeback_)
       for (auto& f : u->flats())
         if (f->shard().storage().unsafeGetStorageImpl() == f->full().storage().unsafeGetStorageImpl())
           restore_.emplace_back(f->shard(), f->shard().clone());
-    u->unshard();
+    u->gather().unshard();
     if (keep) {
-      u->pin();  // a forward or backward in the scope must not free it
+      u->gather().pin();  // a forward or backward in the scope must not free it
       units_.push_back(u);
       if (was_sharded) summoned_.push_back(u);  // freed on exit, or by the constructor's catch
     }
     try {
       if (options_.with_grads()) gather_grads(*u, keep);
     } catch (...) {
-      if (was_sharded && !keep) u->reshard();
+      if (was_sharded && !keep) u->gather().reshard();
       throw;
     }
-    if (was_sharded && !keep) u->reshard();
+    if (was_sharded && !keep) u->gather().reshard();
   }
 }
 
 void FullParams::gather_grads(detail::Unit& u, bool keep) {
   for (auto& f : u.flats()) {
     if (!f->requires_grad()) continue;
-    at::Tensor shard =
-        state_->copies().on_comm_device(f->shard_grad().defined() ? f->shard_grad() : at::zeros_like(f->shard()));
+    at::Tensor shard = state_->copies().on_comm_device(f->grads().shard_grad().defined() ? f->grads().shard_grad()
+                                                                                         : at::zeros_like(f->shard()));
     at::Tensor full = at::empty({f->layout().padded_numel()}, shard.options());
     state_->topology().shard_comm().all_gather_into(full, shard,
                                                     "gradients of unit '" + u.label() + "' for summon_full_params");
@@ -122,10 +122,10 @@ FullParams::~FullParams() {
   } catch (const std::exception& e) {
     SHARDTORCH_WARN("shardtorch: leaving summon_full_params failed: ", e.what());
   }
-  for (auto& u : units_) u->unpin();
-  state_->leave_summon(options_.with_grads());
+  for (auto& u : units_) u->gather().unpin();
+  state_->summons().leave(options_.with_grads());
   try {
-    for (auto& u : summoned_) u->reshard();
+    for (auto& u : summoned_) u->gather().reshard();
     // The units the scope found unsharded compute with their full buffers,
     // not the shards: gathered again, an edit without writeback is
     // discarded (as where the scope frees what it gathered), and after a

@@ -236,7 +236,7 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
       if (mp.param_dtype() && p.tensor.is_floating_point() && p.tensor.scalar_type() != *mp.param_dtype() &&
           !keep.count(p.tensor.unsafeGetTensorImpl())) {
         // It computes in param_dtype; the fp32 master is what checkpoints keep.
-        replicated.add_frozen_master(p.tensor, p.tensor.detach().clone());
+        replicated.masters().add_frozen(p.tensor, p.tensor.detach().clone());
         p.tensor.set_data(p.tensor.detach().to(*mp.param_dtype()));
       }
       state.mem().add(Mem::ReplicatedParams, p.tensor.nbytes());
@@ -443,8 +443,8 @@ void shard_replicated(torch::nn::Module& root, World& world, ModelWalk& found, c
   setup_no_shard(*state, world, found.params, keep);
   state->buffers().setup(world, state->options(), found.buffers, keep);
   if (auto* base = dynamic_cast<UnitBase*>(&root)) {
-    auto unit = std::make_shared<detail::Unit>(state, "", 0, /*is_root=*/true, false, /*persistent=*/true);
-    unit->mark_persistent_gathered();
+    auto unit = std::make_shared<detail::Unit>(state, "", /*is_root=*/true, false, /*persistent=*/true);
+    unit->gather().mark_persistent_gathered();
     state->add_unit(unit);
     detail::ShardState::attach(*base, unit);
   }
@@ -471,7 +471,7 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
                                     options.progress());
   for (size_t u = 0; u < units.size(); ++u) {
     bool is_root = root_is_unit && u == 0;
-    auto unit = std::make_shared<detail::Unit>(state, units[u].name, static_cast<int>(u), is_root,
+    auto unit = std::make_shared<detail::Unit>(state, units[u].name, is_root,
                                                options.reshard_after_forward_of(units[u].name), persistent);
     // A deferred unit is made whole here, each parameter given its values
     // straight into its flat parameter's full buffer (FlatParam), sliced and
@@ -494,12 +494,12 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
       if (mp.param_dtype() && at::isFloatingType(dtype) && !kept) {
         flat->set_mixed_precision(*mp.param_dtype(), mp.reduce_dtype().value_or(*mp.param_dtype()));
       }
-      if (auto* off = state->copies().offloader()) flat->offload_shard(off->pin());
-      flat->set_access_error(unit->sharded_access_error(*flat));
-      flat->free_full();
+      if (auto* off = state->copies().offloader()) flat->host().offload_shard(off->pin());
+      flat->buffer().set_access_error(unit->gather().sharded_access_error(*flat));
+      flat->buffer().free();
       unit->flats().push_back(std::move(flat));
     }
-    if (persistent) unit->mark_persistent_gathered();
+    if (persistent) unit->gather().mark_persistent_gathered();
     unit->register_grad_hooks();
     state->add_unit(unit);
     made.push_back(unit);
@@ -614,8 +614,8 @@ ShardStats ShardedModel::stats() const {
   ShardStats s;
   s.gradient_reductions = state_->reducer().reductions();
   s.reductions_deferred = state_->order().reductions_deferred();
-  s.reduce_scatters_overlapped = state_->sharded_reducer().bucketer().launched_while_in_flight();
-  s.reduce_scatters_past_the_limit = state_->sharded_reducer().bucketer().launched_past_limit();
+  s.reduce_scatters_overlapped = state_->sharded_reducer().bucketer().counts().while_in_flight;
+  s.reduce_scatters_past_the_limit = state_->sharded_reducer().bucketer().counts().past_limit;
   s.buckets_launched_during_backward =
       state_->replicated() ? state_->replicated()->bucketer().launched_during_backward() : 0;
   if (const auto* off = state_->copies().offloader()) s.offload = {off->bytes_to_device(), off->bytes_to_host()};
