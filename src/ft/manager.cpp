@@ -273,7 +273,10 @@ void Manager::start_step() {
   m.begin_step();
   auto& r = *m.requests;
   if (r.requested() == detail::Requested::NextStep) {
-    if (r.asked().step == m.step) return r.take();  // what start_step() would ask
+    if (r.asked().step == m.step) {  // what start_step() would ask
+      r.take();
+      return;
+    }
     // set_step() moved the step after the request went out: a quorum with
     // the old step may already have reached the other groups, which would
     // then wait for this rank in their all-reduce. Drop the cross-replica
