@@ -403,6 +403,43 @@ TEST(FtManager, RestartedGroupWithNoLiveStateFailsInsteadOfTrainingFromScratch) 
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// The step's state machine: calls out of order are refused, naming the
+// call, and a should_commit() that throws still ends the step (the next
+// start_step() is not "twice").
+TEST(FtManager, CallsOutOfOrderAreRefusedAndAThrownDecisionEndsTheStep) {
+  Lighthouse lh(1);
+  auto r = shardtorch::testing::run_ranks(1, [&](World& w) {
+    at::manual_seed(0);
+    Net model(8);
+    shardtorch::shard(model, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
+    auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2));
+    // Restarted with nobody to heal from: every should_commit() throws.
+    shardtorch::ft::Manager m(
+        w.shared_from_this(), *model, *opt,
+        shardtorch::ft::ManagerOptions().lighthouse(lh.address()).replica_group("0").restarted(true).log(false));
+    auto refused = [](const std::function<void()>& call, const std::string& why) {
+      try {
+        call();
+      } catch (const shardtorch::Error& e) {
+        if (std::string(e.what()).find(why) == std::string::npos)
+          throw std::runtime_error("expected '" + why + "', got: " + e.what());
+        return;
+      }
+      throw std::runtime_error("not refused: " + why);
+    };
+    refused([&] { m.should_commit(); }, "should_commit() without start_step()");
+    m.start_step();
+    refused([&] { m.start_step(); }, "start_step() twice without should_commit()");
+    refused([&] { m.set_step(5); }, "between steps");
+    model->forward(batch_x(0, w.rank(), 0)).pow(2).mean().backward();
+    refused([&] { m.should_commit(); }, "was restarted and none has committed a step");
+    m.set_step(0);
+    m.start_step();
+    refused([&] { m.should_commit(); }, "was restarted and none has committed a step");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // One step of a manager's loop; returns should_commit()'s answer.
 bool one_step(shardtorch::ft::Manager& m, Net& model, shardtorch::ShardedOptimizer& opt, int64_t group, int rank) {
   m.start_step();

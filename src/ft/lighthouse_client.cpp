@@ -74,6 +74,38 @@ std::shared_ptr<torchft::LighthouseService::Stub> new_stub(const std::string& ad
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }
 
+// What became of a quorum request's sends before it failed.
+struct Attempts {
+  int closed = 0, refused = 0;  // connections the lighthouse closed; connections that could not be made
+  int64_t first_closed_ms = 0;  // after the first send
+};
+
+// Throws the error of a quorum request that failed with `s` after `took` ms.
+[[noreturn]] void quorum_failed(const grpc::Status& s, const std::string& replica_id, const std::string& address,
+                                std::chrono::milliseconds timeout, int64_t took, const Attempts& a) {
+  std::string history;
+  if (a.closed > 0)
+    history += "The lighthouse closed the connection " + std::to_string(a.closed) +
+               (a.closed == 1 ? " time" : " times") + " (first after " + std::to_string(a.first_closed_ms) + " ms)";
+  if (a.refused > 0)
+    history += (a.closed > 0 ? "; " : "") + std::to_string(a.refused) +
+               (a.refused == 1 ? " attempt to connect to it failed" : " attempts to connect to it failed");
+  if (a.closed > 0) history += "; it may have died or been restarted";
+  if (!history.empty()) history += ". ";
+  // Ran out of time (waiting for the quorum, or sending again), or ended
+  // early (cancelled, or the lighthouse refused the request).
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED || s.error_code() == grpc::StatusCode::UNAVAILABLE)
+    check(false, "shardtorch::ft: replica '", replica_id, "' got no quorum from the lighthouse at ", address,
+          " within ", timeout.count(), " ms (last: ", describe(s), "). ", history,
+          "Check that torchft_lighthouse runs there and that --min_replicas replica groups are up; "
+          "ManagerOptions::quorum_timeout sets this wait");
+  std::ostringstream m;
+  m << "shardtorch::ft: replica '" << replica_id << "': its quorum request to the lighthouse at " << address
+    << " failed after " << took << " ms of the " << timeout.count() << " ms it may take (" << describe(s) << ")"
+    << (history.empty() ? std::string() : ". " + history.substr(0, history.size() - 1));
+  throw shardtorch::Error(m.str());
+}
+
 }  // namespace
 
 LighthouseClient::LighthouseClient(const std::string& address)
@@ -138,28 +170,7 @@ QuorumReply LighthouseClient::quorum(const Member& me, std::chrono::milliseconds
     impl_->cv.wait_for(lock, pause, [this] { return impl_->cancelled; });
     pause = std::min(2 * pause, std::chrono::milliseconds(500));
   }
-  if (!s.ok()) {
-    const auto took = ms_since(t0);
-    std::string history;
-    if (closed > 0)
-      history += "The lighthouse closed the connection " + std::to_string(closed) + (closed == 1 ? " time" : " times") +
-                 " (first after " + std::to_string(first_closed_ms) + " ms)";
-    if (refused > 0)
-      history += (closed > 0 ? "; " : "") + std::to_string(refused) +
-                 (refused == 1 ? " attempt to connect to it failed" : " attempts to connect to it failed");
-    if (closed > 0) history += "; it may have died or been restarted";
-    if (!history.empty()) history += ". ";
-    // Ran out of time (waiting for the quorum, or sending again), or ended
-    // early (cancelled, or the lighthouse refused the request).
-    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED || s.error_code() == grpc::StatusCode::UNAVAILABLE)
-      check(false, "shardtorch::ft: replica '", me.replica_id, "' got no quorum from the lighthouse at ", address_,
-            " within ", timeout.count(), " ms (last: ", describe(s), "). ", history,
-            "Check that torchft_lighthouse runs there and that --min_replicas replica groups are up; "
-            "ManagerOptions::quorum_timeout sets this wait");
-    check(false, "shardtorch::ft: replica '", me.replica_id, "': its quorum request to the lighthouse at ", address_,
-          " failed after ", took, " ms of the ", timeout.count(), " ms it may take (", describe(s), ")",
-          history.empty() ? std::string() : ". " + history.substr(0, history.size() - 1));
-  }
+  if (!s.ok()) quorum_failed(s, me.replica_id, address_, timeout, ms_since(t0), {closed, refused, first_closed_ms});
   QuorumReply out;
   out.quorum_id = resp.quorum().quorum_id();
   for (const auto& p : resp.quorum().participants())
