@@ -272,6 +272,108 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
   load_full(root, path, options, &part);
 }
 
+namespace {
+
+// Every leader's list of its tensors (name, dtype, shape), in the order it sends them.
+std::string tensor_list(const StreamedTensors& tensors) {
+  json::array mine;
+  for (const auto& t : tensors.items()) {
+    json::array shape;
+    for (int64_t d : t.shape) shape.push_back(d);
+    mine.push_back(json::array{json::value(t.name), static_cast<int64_t>(t.dtype), shape});
+  }
+  return json::serialize(mine);
+}
+
+// Another part's tensors, as rank 0 receives them from its leader.
+struct Remote {
+  int rank;
+  std::vector<PendingTensor> items;  // name, dtype, shape
+  size_t received = 0;
+};
+
+// Rank 0: the other parts' leaders and their tensors, from every rank's list.
+std::vector<Remote> remotes_of(const std::vector<std::string>& lists) {
+  std::vector<Remote> remotes;
+  for (int r = 1; r < static_cast<int>(lists.size()); ++r) {
+    if (lists[r].empty()) continue;
+    Remote remote{r, {}, 0};
+    const json::value list = json::parse(lists[r]);
+    for (const auto& v : list.as_array()) {
+      const auto& a = v.as_array();
+      std::vector<int64_t> shape;
+      for (const auto& d : a.at(2).as_array()) shape.push_back(d.as_int64());
+      remote.items.push_back(
+          {json::value_to<std::string>(a.at(0)), static_cast<at::ScalarType>(a.at(1).as_int64()), shape, nullptr});
+    }
+    remotes.push_back(std::move(remote));
+  }
+  return remotes;
+}
+
+std::string transfer_what(World& world, int from, const std::string& name) {
+  return "tensor '" + name + "' of rank " + std::to_string(world.global_rank_of(from)) +
+         "'s part for save_full_state_dict";
+}
+
+// The next tensor of `remote`, received (a tensor without elements is not sent).
+at::Tensor receive(World& world, Remote& remote) {
+  Comm& comm = world.comm();
+  const PendingTensor& item = remote.items[remote.received++];
+  at::Tensor t = at::empty(item.shape, at::TensorOptions().dtype(item.dtype).device(comm.device()));
+  if (t.numel() > 0) {
+    PendingWork w = comm.recv_async(t, remote.rank, static_cast<int>(remote.received - 1),
+                                    transfer_what(world, remote.rank, item.name));
+    comm.wait(w);
+  }
+  return t.cpu();  // the writer takes CPU bytes
+}
+
+// Rank 0: the file, its own part's tensors first, then each other part's
+// as its leader sends them; every remote tensor received even when the
+// write fails. Returns the write's error ("" if none).
+std::string write_with_parts(World& world, StreamedTensors& tensors, std::vector<Remote>& remotes,
+                             const std::string& path, const std::map<std::string, std::string>& metadata) {
+  std::vector<PendingTensor> pending;
+  for (const auto& t : tensors.items()) pending.push_back({t.name, t.dtype, t.shape, t.produce});
+  for (size_t i = 0; i < remotes.size(); ++i)
+    for (size_t k = 0; k < remotes[i].items.size(); ++k) {
+      const auto& item = remotes[i].items[k];
+      pending.push_back({item.name, item.dtype, item.shape, [&, i, k] {
+                           tensors.finish();  // rank 0's own part is written: its last gathered flat is freed
+                           SHARDTORCH_CHECK(remotes[i].received == k,
+                                            "shardtorch: internal: save_full_state_dict "
+                                            "took another part's tensors out of order");
+                           return receive(world, remotes[i]);
+                         }});
+    }
+  std::string error;
+  try {
+    write_file(path, pending, metadata);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  tensors.finish();
+  for (auto& remote : remotes)  // what a failed write did not take: the leaders send everything
+    while (remote.received < remote.items.size()) receive(world, remote);
+  return error;
+}
+
+// Another part's leader: each of its tensors to rank 0, in order.
+void send_part(World& world, const StreamedTensors& tensors) {
+  Comm& comm = world.comm();
+  for (size_t k = 0; k < tensors.items().size(); ++k) {
+    const auto& item = tensors.items()[k];
+    at::Tensor t = item.produce();
+    if (t.numel() == 0) continue;
+    t = t.to(comm.device(), item.dtype).contiguous();  // what rank 0 receives into
+    PendingWork w = comm.send_async(t, 0, static_cast<int>(k), transfer_what(world, world.rank(), item.name));
+    comm.wait(w);
+  }
+}
+
+}  // namespace
+
 // One file for every part: rank 0 of part.world writes it. Its own part's
 // tensors it gathers as the whole model's save does; every other part's
 // leader (rank 0 of that part's World) gathers its part's the same way and
@@ -288,89 +390,19 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   SHARDTORCH_CHECK(!writer || leader, "shardtorch: internal: rank 0 of the parts is not rank 0 of its own part");
   c10::NoGradGuard no_grad;
   StreamedTensors tensors(root, *state, "save_full_state_dict", /*tied_once=*/false);
-
-  // Every leader's list of its tensors (name, dtype, shape), in the order it sends them.
-  json::array mine;
-  if (leader)
-    for (const auto& t : tensors.items()) {
-      json::array shape;
-      for (int64_t d : t.shape) shape.push_back(d);
-      mine.push_back(json::array{json::value(t.name), static_cast<int64_t>(t.dtype), shape});
-    }
   const auto lists = detail::agreed_fingerprints(world, "", "shardtorch::save_full_state_dict: the parts' tensors",
-                                                 leader ? json::serialize(mine) : "");
-  Comm& comm = world.comm();
-  auto transfer_what = [&](int from, const std::string& name) {
-    return "tensor '" + name + "' of rank " + std::to_string(world.global_rank_of(from)) +
-           "'s part for save_full_state_dict";
-  };
-
+                                                 leader ? tensor_list(tensors) : "");
   std::string error;
   if (writer) {
-    struct Remote {
-      int rank;
-      std::vector<PendingTensor> items;  // name, dtype, shape
-      size_t received = 0;
-    };
-    std::vector<Remote> remotes;
-    for (int r = 1; r < world.size(); ++r) {
-      if (lists[r].empty()) continue;
-      Remote remote{r, {}, 0};
-      const json::value list = json::parse(lists[r]);
-      for (const auto& v : list.as_array()) {
-        const auto& a = v.as_array();
-        std::vector<int64_t> shape;
-        for (const auto& d : a.at(2).as_array()) shape.push_back(d.as_int64());
-        remote.items.push_back(
-            {json::value_to<std::string>(a.at(0)), static_cast<at::ScalarType>(a.at(1).as_int64()), shape, nullptr});
-      }
-      remotes.push_back(std::move(remote));
-    }
-    // The next tensor of `remote`, received (a tensor without elements is not sent).
-    auto receive = [&](Remote& remote) {
-      const PendingTensor& item = remote.items[remote.received++];
-      at::Tensor t = at::empty(item.shape, at::TensorOptions().dtype(item.dtype).device(comm.device()));
-      if (t.numel() > 0) {
-        PendingWork w = comm.recv_async(t, remote.rank, static_cast<int>(remote.received - 1),
-                                        transfer_what(remote.rank, item.name));
-        comm.wait(w);
-      }
-      return t.cpu();  // the writer takes CPU bytes
-    };
-    std::vector<PendingTensor> pending;
-    for (const auto& t : tensors.items()) pending.push_back({t.name, t.dtype, t.shape, t.produce});
-    for (size_t i = 0; i < remotes.size(); ++i)
-      for (size_t k = 0; k < remotes[i].items.size(); ++k) {
-        const auto& item = remotes[i].items[k];
-        pending.push_back({item.name, item.dtype, item.shape, [&, i, k] {
-                             tensors.finish();  // rank 0's own part is written: its last gathered flat is freed
-                             SHARDTORCH_CHECK(remotes[i].received == k,
-                                              "shardtorch: internal: save_full_state_dict "
-                                              "took another part's tensors out of order");
-                             return receive(remotes[i]);
-                           }});
-      }
+    std::vector<Remote> remotes = remotes_of(lists);
     auto metadata = file_metadata(user_metadata, state->strategy(), world.size());
     metadata["shardtorch_layout"] = part.layout;
-    try {
-      write_file(path, pending, metadata);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    tensors.finish();
-    for (auto& remote : remotes)  // what a failed write did not take: the leaders send everything
-      while (remote.received < remote.items.size()) receive(remote);
+    error = write_with_parts(world, tensors, remotes, path, metadata);
   } else if (leader) {
-    for (size_t k = 0; k < tensors.items().size(); ++k) {
-      const auto& item = tensors.items()[k];
-      at::Tensor t = item.produce();
-      if (t.numel() == 0) continue;
-      t = t.to(comm.device(), item.dtype).contiguous();  // what rank 0 receives into
-      PendingWork w = comm.send_async(t, 0, static_cast<int>(k), transfer_what(world.rank(), item.name));
-      comm.wait(w);
-    }
+    send_part(world, tensors);
   }
   tensors.finish();  // every rank of every part takes part in its part's gathers
+  Comm& comm = world.comm();
   auto status = at::full({1}, error.empty() ? 0 : 1, at::kInt).to(comm.device());
   comm.broadcast(status, 0, "save_full_state_dict status");
   SHARDTORCH_CHECK(error.empty(), "shardtorch::save_full_state_dict: ", error);
