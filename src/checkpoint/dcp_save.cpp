@@ -21,6 +21,7 @@
 #include "checkpoint/dcp_source.h"
 #include "checkpoint/pickle_reader.h"
 #include "checkpoint/publish.h"
+#include "checkpoint/tied_names.h"
 #include "optim/optimizer_state.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/dcp_checkpoint.h"
@@ -110,88 +111,103 @@ struct Collected {
   std::map<size_t, std::set<std::string>> groups;
 };
 
-Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt,
-                  const DcpSaveOptions& options) {
-  Collected c;
-  const std::string& mp = options.model_prefix();
-  const std::string op = options.optimizer_prefix() + "state.";
-  auto names = detail::parameter_names(root);
-  // The parameter ranges this rank holds: (its names, shape, first element, values).
-  struct Range {
-    const std::vector<std::string>* names;
-    std::vector<int64_t> shape;
-    int64_t begin;
-    at::Tensor values;
-  };
+// A parameter range this rank holds: its names, shape, first element, values.
+struct Range {
+  const std::vector<std::string>* names;
+  std::vector<int64_t> shape;
+  int64_t begin;
+  at::Tensor values;
+};
+
+// The ranges this rank holds, and the writers they are spread over
+// (`writers` ranks holding the same ranges, this rank `me` among them).
+struct HeldRanges {
   std::vector<Range> ranges;
   int writers = 1, me = 0;
+};
+
+HeldRanges held_ranges(torch::nn::Module& root, detail::ShardState& state, checkpoint::ParameterNames& names) {
+  HeldRanges h;
   if (state.replicated()) {
     std::set<const void*> seen;
     for (const auto& item : root.named_parameters()) {
       const at::Tensor& p = item.value();
       if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
-      ranges.push_back({&names[p.unsafeGetTensorImpl()], p.sizes().vec(), 0, state.record_of(p).detach()});
+      h.ranges.push_back({&names[p.unsafeGetTensorImpl()], p.sizes().vec(), 0, state.record_of(p).detach()});
     }
-    writers = state.world().size();
-    me = state.world().rank();
-  } else {
-    const int shard_rank = state.topology().shard_comm().rank();
-    for (auto& u : state.units())
-      for (auto& f : u->flats())
-        for (size_t i = 0; i < f->params().size(); ++i)
-          if (auto piece = f->layout().piece(i, shard_rank))
-            ranges.push_back({&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), piece->param_offset,
+    h.writers = state.world().size();
+    h.me = state.world().rank();
+    return h;
+  }
+  const int shard_rank = state.topology().shard_comm().rank();
+  for (auto& u : state.units())
+    for (auto& f : u->flats())
+      for (size_t i = 0; i < f->params().size(); ++i)
+        if (auto piece = f->layout().piece(i, shard_rank))
+          h.ranges.push_back({&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), piece->param_offset,
                               f->shard().narrow(0, piece->shard_offset, piece->length)});
-          else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank's piece: written once, empty
-            ranges.push_back(
-                {&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), 0, f->shard().narrow(0, 0, 0)});
-    if (state.topology().replica_comm()) {
-      writers = state.topology().replica_comm()->size();
-      me = state.topology().replica_comm()->rank();
+        else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank's piece: written once, empty
+          h.ranges.push_back(
+              {&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), 0, f->shard().narrow(0, 0, 0)});
+  if (state.topology().replica_comm()) {
+    h.writers = state.topology().replica_comm()->size();
+    h.me = state.topology().replica_comm()->rank();
+  }
+  return h;
+}
+
+// The optimizer's state of the parameter ranges this rank writes
+// (`written`: (first name, first element)), and every group it knows of.
+void collect_optimizer(torch::nn::Module& root, ShardedOptimizer& opt, const checkpoint::ParameterNames& names,
+                       const std::set<std::pair<std::string, int64_t>>& written, const std::string& op, Collected& c) {
+  const auto kind = detail::optimizer_kind(opt);
+  std::map<const void*, size_t> group_of;
+  for (size_t g = 0; g < opt.inner().param_groups().size(); ++g)
+    for (const auto& p : opt.inner().param_groups()[g].params()) group_of[p.unsafeGetTensorImpl()] = g;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& item : root.named_parameters()) shapes[item.key()] = item.value().sizes().vec();
+  std::map<std::string, std::string> first_name;  // any name -> the first (the optimizer's key)
+  for (const auto& [impl, ns] : names)
+    for (const auto& n : ns) first_name[n] = ns.front();
+  const auto& st = opt.inner().state();
+  for (const auto& piece : opt.views().pieces()) {
+    const std::string name = first_name.count(piece.name) ? first_name[piece.name] : piece.name;
+    auto g = group_of.find(piece.view.unsafeGetTensorImpl());
+    if (g != group_of.end()) c.groups[g->second].insert(name);
+    if (!written.count({name, piece.param_offset})) continue;
+    auto it = st.find(piece.view.unsafeGetTensorImpl());
+    const torch::optim::OptimizerParamState* ps = it == st.end() ? nullptr : it->second.get();
+    // A parameter not stepped yet has no state: zeros and step 0 are what
+    // torch's optimizer starts from (and what a strict load requires).
+    auto tensors = ps ? detail::optimizer_state_tensors(ps) : std::vector<std::pair<std::string, at::Tensor>>{};
+    const bool sgd = kind == detail::OptimizerKind::SGD;
+    if (!ps && !sgd) tensors = {{"exp_avg", at::zeros_like(piece.view)}, {"exp_avg_sq", at::zeros_like(piece.view)}};
+    for (auto& [k, t] : tensors) add_boxes(c.items, op + name + "." + k, shapes.at(name), piece.param_offset, t);
+    if (sgd && tensors.empty()) c.items.push_back({op + name + ".momentum_buffer", "", {}, {}, {}, {}, pickle_none()});
+    if (!sgd && piece.param_offset == 0) {  // once per parameter: a 0-d float32 tensor, as torch's AdamW keeps it
+      const double step = ps ? static_cast<double>(detail::optimizer_state_step(ps)) : 0.0;
+      add_boxes(c.items, op + name + ".step", {}, 0, at::full({}, step, at::kFloat));
     }
   }
+}
+
+Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt,
+                  const DcpSaveOptions& options) {
+  Collected c;
+  const std::string& mp = options.model_prefix();
+  auto names = detail::parameter_names(root);
+  const HeldRanges held = held_ranges(root, state, names);
   std::vector<int64_t> sizes;
-  for (const auto& r : ranges) sizes.push_back(r.values.numel());
-  const std::vector<int> owner = checkpoint::spread_over_writers(sizes, writers);
+  for (const auto& r : held.ranges) sizes.push_back(r.values.numel());
+  const std::vector<int> owner = checkpoint::spread_over_writers(sizes, held.writers);
   std::set<std::pair<std::string, int64_t>> written;  // (first name, first element): its optimizer state goes with it
-  for (size_t k = 0; k < ranges.size(); ++k) {
-    if (owner[k] != me || ranges[k].names->empty()) continue;
-    for (const auto& n : *ranges[k].names)
-      add_boxes(c.items, mp + n, ranges[k].shape, ranges[k].begin, ranges[k].values);
-    written.insert({ranges[k].names->front(), ranges[k].begin});
+  for (size_t k = 0; k < held.ranges.size(); ++k) {
+    const Range& r = held.ranges[k];
+    if (owner[k] != held.me || r.names->empty()) continue;
+    for (const auto& n : *r.names) add_boxes(c.items, mp + n, r.shape, r.begin, r.values);
+    written.insert({r.names->front(), r.begin});
   }
-  if (opt) {
-    const auto kind = detail::optimizer_kind(*opt);
-    std::map<const void*, size_t> group_of;
-    for (size_t g = 0; g < opt->inner().param_groups().size(); ++g)
-      for (const auto& p : opt->inner().param_groups()[g].params()) group_of[p.unsafeGetTensorImpl()] = g;
-    std::map<std::string, std::vector<int64_t>> shapes;
-    for (const auto& item : root.named_parameters()) shapes[item.key()] = item.value().sizes().vec();
-    std::map<std::string, std::string> first_name;  // any name -> the first (the optimizer's key)
-    for (const auto& [impl, ns] : names)
-      for (const auto& n : ns) first_name[n] = ns.front();
-    const auto& st = opt->inner().state();
-    for (const auto& piece : opt->views().pieces()) {
-      const std::string name = first_name.count(piece.name) ? first_name[piece.name] : piece.name;
-      auto g = group_of.find(piece.view.unsafeGetTensorImpl());
-      if (g != group_of.end()) c.groups[g->second].insert(name);
-      if (!written.count({name, piece.param_offset})) continue;
-      auto it = st.find(piece.view.unsafeGetTensorImpl());
-      const torch::optim::OptimizerParamState* ps = it == st.end() ? nullptr : it->second.get();
-      // A parameter not stepped yet has no state: zeros and step 0 are what
-      // torch's optimizer starts from (and what a strict load requires).
-      auto tensors = ps ? detail::optimizer_state_tensors(ps) : std::vector<std::pair<std::string, at::Tensor>>{};
-      const bool sgd = kind == detail::OptimizerKind::SGD;
-      if (!ps && !sgd) tensors = {{"exp_avg", at::zeros_like(piece.view)}, {"exp_avg_sq", at::zeros_like(piece.view)}};
-      for (auto& [k, t] : tensors) add_boxes(c.items, op + name + "." + k, shapes.at(name), piece.param_offset, t);
-      if (sgd && tensors.empty())
-        c.items.push_back({op + name + ".momentum_buffer", "", {}, {}, {}, {}, pickle_none()});
-      if (!sgd && piece.param_offset == 0) {  // once per parameter: a 0-d float32 tensor, as torch's AdamW keeps it
-        const double step = ps ? static_cast<double>(detail::optimizer_state_step(ps)) : 0.0;
-        add_boxes(c.items, op + name + ".step", {}, 0, at::full({}, step, at::kFloat));
-      }
-    }
-  }
+  if (opt) collect_optimizer(root, *opt, names, written, options.optimizer_prefix() + "state.", c);
   if (state.world().rank() == 0) {
     for (const auto& item : root.named_buffers())
       if (item.value().defined()) add_boxes(c.items, mp + item.key(), item.value().sizes().vec(), 0, item.value());
