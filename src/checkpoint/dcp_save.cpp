@@ -254,106 +254,134 @@ std::vector<std::string> fields_of(const std::string& line) {
   }
 }
 
-}  // namespace
+// One save_dcp_checkpoint: rank 0 stages the directory, every rank writes
+// its items into its own data file, rank 0 writes the metadata from every
+// rank's report and publishes the directory. A failure anywhere fails every
+// rank; rank 0 removes what was staged.
+class DcpSave {
+ public:
+  DcpSave(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, const DcpSaveOptions& options,
+          detail::ShardState& state)
+      : root_(root),
+        opt_(opt),
+        options_(options),
+        state_(state),
+        world_(state.world()),
+        dir_(dir),
+        what_("shardtorch::save_dcp_checkpoint '" + dir + "'"),
+        tmp_(dir + checkpoint::kTmpSuffix) {}
 
-DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
-                                  const DcpSaveOptions& options) {
-  auto state = detail::require_state(root, "save_dcp_checkpoint");
-  detail::FileWaits file_waits(*state);  // each rank waits for the slowest writer
-  World& world = state->world();
-  c10::NoGradGuard no_grad;
-  const std::string dir = checkpoint::normalized(dir_arg);
-  const std::string what = "shardtorch::save_dcp_checkpoint '" + dir + "'";
-  const std::string tmp = dir + checkpoint::kTmpSuffix;
-  SHARDTORCH_CHECK(!opt || detail::optimizer_kind(*opt), what,
-                   ": the optimizer is none of Adam, AdamW and SGD, whose state a DCP checkpoint carries here (pass "
-                   "a null optimizer to save the parameters alone)");
-  state->copies().wait_for_offload_copies();
+  const std::string& what() const { return what_; }
+  void stage();
+  Collected collect_items(std::string& known);
+  void add_group_params(const std::vector<std::string>& all_known, std::vector<Item>& items) const;
+  std::string write_items(const std::vector<Item>& items);
+  dcp::Metadata metadata_of(const std::vector<std::string>& reports, DcpSaveReport& out) const;
+  void publish(const dcp::Metadata& md);
+  // Collective: every rank's `mine`; if any rank failed (error_), every rank
+  // throws, rank 0 removing what was staged.
+  std::vector<std::string> gather(const std::string& mine);
+
+ private:
+  torch::nn::Module& root_;
+  ShardedOptimizer* opt_;
+  const DcpSaveOptions& options_;
+  detail::ShardState& state_;
+  World& world_;
+  const std::string dir_, what_, tmp_;
+  std::string error_;  // this rank's, agreed at the next gather
+};
+
+// Collective: rank 0's staging directory, empty.
+void DcpSave::stage() {
   std::string prepared;
-  if (world.rank() == 0) {
+  if (world_.rank() == 0) {
     try {
-      checkpoint::check_replaceable(dir, kMarker, "DCP checkpoint");
-      files::remove_all(tmp);
-      files::create_directories(tmp);
+      checkpoint::check_replaceable(dir_, kMarker, "DCP checkpoint");
+      files::remove_all(tmp_);
+      files::create_directories(tmp_);
       checkpoint::crash_point("staging directory created");
     } catch (const std::exception& e) {
       prepared = e.what();
     }
   }
-  detail::agree_on_errors(world, prepared, what);
+  detail::agree_on_errors(world_, prepared, what_);
+}
 
-  // What each rank writes; first, the optimizer's groups as far as each
-  // rank knows them (a rank knows the groups of the parameters it holds
-  // pieces of), for rank 0 to write their parameter lists.
-  std::string error, known;
+// What this rank writes; `known` gets the groups it knows ("<group>\t<name>" lines).
+Collected DcpSave::collect_items(std::string& known) {
   Collected c;
   try {
-    c = collect(root, *state, opt, options);
+    c = collect(root_, state_, opt_, options_);
     for (const auto& [g, ns] : c.groups)
       for (const auto& n : ns) known += std::to_string(g) + "\t" + n + "\n";
   } catch (const std::exception& e) {
-    error = e.what();
+    error_ = e.what();
   }
-  // A failure anywhere fails every rank; rank 0 removes what was staged.
-  auto gather = [&](const std::string& mine) {
-    try {
-      return detail::agreed_fingerprints(world, error, what, mine);
-    } catch (...) {
-      if (world.rank() == 0) files::remove_all_quietly(tmp);
-      throw;
-    }
-  };
-  const auto all_known = gather(known);
-  if (opt && world.rank() == 0) {
-    std::map<size_t, std::set<std::string>> groups;
-    for (const auto& text : all_known) {
-      std::istringstream in(text);
-      std::string line;
-      while (std::getline(in, line)) {
-        const auto f = fields_of(line);
-        groups[std::stoul(f[0])].insert(f[1]);
-      }
-    }
-    // Each group's parameters, in the model's order, by name (as torch's
-    // get_state_dict writes them).
-    for (const auto& [g, ns] : groups) {
-      pickle::Writer w;
-      w.empty_list().mark();
-      for (const auto& item : root.named_parameters())
-        if (ns.count(item.key())) w.string(item.key());
-      w.appends();
-      c.items.push_back({options.optimizer_prefix() + "param_groups." + std::to_string(g) + ".params",
-                         "",
-                         {},
-                         {},
-                         {},
-                         {},
-                         w.finish()});
-    }
-  }
+  return c;
+}
 
-  // This rank's data file, and its report: one line per item.
-  const std::string file = "__" + std::to_string(world.rank()) + "_0.distcp";
+std::vector<std::string> DcpSave::gather(const std::string& mine) {
+  try {
+    return detail::agreed_fingerprints(world_, error_, what_, mine);
+  } catch (...) {
+    if (world_.rank() == 0) files::remove_all_quietly(tmp_);
+    throw;
+  }
+}
+
+// Rank 0: each group's parameters, in the model's order, by name (as
+// torch's get_state_dict writes them), from every rank's known groups.
+void DcpSave::add_group_params(const std::vector<std::string>& all_known, std::vector<Item>& items) const {
+  std::map<size_t, std::set<std::string>> groups;
+  for (const auto& text : all_known) {
+    std::istringstream in(text);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto f = fields_of(line);
+      groups[std::stoul(f[0])].insert(f[1]);
+    }
+  }
+  for (const auto& [g, ns] : groups) {
+    pickle::Writer w;
+    w.empty_list().mark();
+    for (const auto& item : root_.named_parameters())
+      if (ns.count(item.key())) w.string(item.key());
+    w.appends();
+    items.push_back({options_.optimizer_prefix() + "param_groups." + std::to_string(g) + ".params",
+                     "",
+                     {},
+                     {},
+                     {},
+                     {},
+                     w.finish()});
+  }
+}
+
+// This rank's data file; its report, one line per item.
+std::string DcpSave::write_items(const std::vector<Item>& items) {
+  const std::string file = "__" + std::to_string(world_.rank()) + "_0.distcp";
   std::string report;
   try {
-    shardtorch::detail::ProgressReporter progress("save_dcp_checkpoint", "items", static_cast<int64_t>(c.items.size()),
-                                                  0, options.progress());
+    shardtorch::detail::ProgressReporter progress("save_dcp_checkpoint", "items", static_cast<int64_t>(items.size()), 0,
+                                                  options_.progress());
     progress.count_io();
-    dcp::ItemWriter w(tmp + "/" + file, file);
-    for (const auto& it : c.items) {
+    dcp::ItemWriter w(tmp_ + "/" + file, file);
+    for (const auto& it : items) {
       report += report_line(it, it.dtype.empty() ? w.value(it.pickled) : w.tensor(it.data));
       progress.advance(1);
     }
     w.finish();
     progress.finish();
   } catch (const std::exception& e) {
-    error = e.what();
+    error_ = e.what();
   }
-  c.items.clear();
-  const auto reports = gather(report);  // every rank's lines, or every rank throws
-  checkpoint::crash_point("reports gathered");
+  return report;
+}
 
-  DcpSaveReport out;
+// The metadata of every rank's items, from their reports; `out` gets the
+// files and their sizes.
+dcp::Metadata DcpSave::metadata_of(const std::vector<std::string>& reports, DcpSaveReport& out) const {
   dcp::Metadata md;
   for (size_t r = 0; r < reports.size(); ++r) {
     out.files.push_back("__" + std::to_string(r) + "_0.distcp");
@@ -368,7 +396,7 @@ DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
         e.tensor = f[0] == "T";
         e.dtype = f[2];
         e.size = uncsv(f[3]);
-        e.path = dcp::path_of(e.name, options.model_prefix(), options.optimizer_prefix());
+        e.path = dcp::path_of(e.name, options_.model_prefix(), options_.optimizer_prefix());
         md.entries.push_back(std::move(e));
       }
       dcp::Entry& e = md.entries[pos->second];
@@ -381,23 +409,57 @@ DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
     }
   }
   out.keys = static_cast<int64_t>(md.entries.size());
+  return md;
+}
+
+// Collective: rank 0 writes the metadata and publishes the directory.
+void DcpSave::publish(const dcp::Metadata& md) {
   std::string published;
-  if (world.rank() == 0) {
+  if (world_.rank() == 0) {
     try {
       // What rank 0 writes is checked as every reader checks it.
       const std::string bytes = dcp::serialize(md);
-      dcp::parse(bytes, tmp + "/" + kMarker);
-      checkpoint::write_text_durably(tmp + "/" + kMarker, bytes);
-      checkpoint::fsync_path(tmp, true);
+      dcp::parse(bytes, tmp_ + "/" + kMarker);
+      checkpoint::write_text_durably(tmp_ + "/" + kMarker, bytes);
+      checkpoint::fsync_path(tmp_, true);
       checkpoint::crash_point("index written");
-      checkpoint::publish(tmp, dir, kMarker);
+      checkpoint::publish(tmp_, dir_, kMarker);
       checkpoint::crash_point("published");
     } catch (const std::exception& e) {
-      files::remove_all_quietly(tmp);
+      files::remove_all_quietly(tmp_);
       published = e.what();
     }
   }
-  detail::agree_on_errors(world, published, what);
+  detail::agree_on_errors(world_, published, what_);
+}
+
+}  // namespace
+
+DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
+                                  const DcpSaveOptions& options) {
+  auto state = detail::require_state(root, "save_dcp_checkpoint");
+  detail::FileWaits file_waits(*state);  // each rank waits for the slowest writer
+  c10::NoGradGuard no_grad;
+  DcpSave save(root, opt, checkpoint::normalized(dir_arg), options, *state);
+  SHARDTORCH_CHECK(!opt || detail::optimizer_kind(*opt), save.what(),
+                   ": the optimizer is none of Adam, AdamW and SGD, whose state a DCP checkpoint carries here (pass "
+                   "a null optimizer to save the parameters alone)");
+  state->copies().wait_for_offload_copies();
+  save.stage();
+  // What each rank writes; first, the optimizer's groups as far as each
+  // rank knows them (a rank knows the groups of the parameters it holds
+  // pieces of), for rank 0 to write their parameter lists.
+  std::string known;
+  Collected c = save.collect_items(known);
+  const auto all_known = save.gather(known);
+  if (opt && state->world().rank() == 0) save.add_group_params(all_known, c.items);
+  const std::string report = save.write_items(c.items);
+  c.items.clear();
+  const auto reports = save.gather(report);  // every rank's lines, or every rank throws
+  checkpoint::crash_point("reports gathered");
+  DcpSaveReport out;
+  const dcp::Metadata md = save.metadata_of(reports, out);
+  save.publish(md);
   return out;
 }
 
