@@ -1,7 +1,6 @@
 // PyTorch distributed checkpoints loaded straight into a sharded model: each
 // rank reads the chunks, and the byte ranges within them, that overlap what
 // it holds; optimizer state in the layout of get_state_dict(model, optim).
-#include <c10/core/GradMode.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
@@ -12,6 +11,8 @@
 
 #include "checkpoint/agreement.h"
 #include "checkpoint/dcp_source.h"
+#include "checkpoint/model_load.h"
+#include "checkpoint/model_part.h"
 #include "checkpoint/name_mapping.h"
 #include "optim/optimizer_state.h"
 #include "runtime/shard_state.h"
@@ -23,7 +24,6 @@ namespace {
 
 using checkpoint::SafetensorsError;
 namespace dcp = checkpoint::dcp;
-using Changes = std::vector<std::function<void()>>;
 
 std::string shape_text(c10::IntArrayRef s) {
   std::ostringstream os;
@@ -139,210 +139,274 @@ int64_t read_step(dcp::Source& src, const dcp::Entry& e, const std::string& wher
   return static_cast<int64_t>(v);
 }
 
+// The check phase of one load_dcp_checkpoint on this rank: the checkpoint's
+// keys sorted by what they are to the model, then every parameter, buffer
+// and optimizer state this rank holds checked and its copy planned
+// (run.changes).
+class DcpLoad {
+ public:
+  DcpLoad(torch::nn::Module& root, ShardedOptimizer* opt, const DcpLoadOptions& options, checkpoint::LoadRun& run,
+          DcpLoadReport& report)
+      : root_(root), opt_(opt), options_(options), run_(run), state_(*run.state), report_(report) {}
+
+  void open(const std::string& dir);
+  void plan_parameters();
+  void plan_buffers();
+  void plan_optimizer();
+  // What was read (after the changes ran).
+  void report_files();
+
+ private:
+  void missing(const std::string& m, const char* kind);
+  void check(const dcp::Entry& e, const std::string& m, c10::IntArrayRef want, at::ScalarType dtype, const char* kind);
+  std::pair<const dcp::Entry*, std::string> source_of(const at::Tensor& p);
+  void plan_replicated();
+  void plan_piece(FlatParam& f, size_t i, int rank, bool checks_empty);
+  void plan_optimizer_piece(const detail::ShardViews::Piece& piece);
+  std::string held_name(const detail::ShardViews::Piece& piece) const;
+
+  torch::nn::Module& root_;
+  ShardedOptimizer* opt_;
+  const DcpLoadOptions& options_;
+  checkpoint::LoadRun& run_;
+  detail::ShardState& state_;
+  DcpLoadReport& report_;
+  std::unique_ptr<dcp::Source> src_;
+  std::string where_;  // starts every error
+  Keys keys_;
+  checkpoint::ParameterNames names_;
+  // plan_optimizer's: the optimizer's kind, the parameters in an amsgrad
+  // group, each parameter's shape, and every name of each parameter.
+  detail::OptimizerKind kind_{};
+  std::set<const void*> amsgrad_;
+  std::map<std::string, std::vector<int64_t>> param_shapes_;
+  std::map<std::string, const std::vector<std::string>*> all_names_;
+};
+
+void DcpLoad::open(const std::string& dir) {
+  src_ = std::make_unique<dcp::Source>(dir);
+  run_.fingerprint = src_->fingerprint();
+  where_ = "DCP checkpoint '" + src_->dir() + "'";
+  keys_ =
+      sort_keys(src_->metadata(), checkpoint::model_names(root_, nullptr), options_, opt_ != nullptr, report_, where_);
+}
+
+void DcpLoad::missing(const std::string& m, const char* kind) {
+  if (options_.may_be_missing(m)) {
+    report_.missing.push_back(m);
+    return;
+  }
+  std::string hint;
+  for (const auto& e : src_->metadata().entries)
+    if (checkpoint::ends_with(e.name, "." + m) && e.name != options_.model_prefix() + m) {
+      hint = " (the checkpoint has '" + e.name + "': model_prefix(\"" + e.name.substr(0, e.name.size() - m.size()) +
+             "\")?)";
+      break;
+    }
+  throw SafetensorsError(where_ + ": no tensor for the model's " + kind + " '" + m + "'" + hint +
+                         "; map the checkpoint's names onto the model's (DcpLoadOptions().model_prefix, "
+                         "strip_prefix, replace_prefix, map_name), or allow it to be missing (allow_missing, "
+                         "allow_missing_if)");
+}
+
+// The entry's shape, and a dtype it can be cast into.
+void DcpLoad::check(const dcp::Entry& e, const std::string& m, c10::IntArrayRef want, at::ScalarType dtype,
+                    const char* kind) {
+  const std::string named = "'" + e.name + "'" + (e.name != m ? " (the model's '" + m + "')" : "");
+  checkpoint::require_shape(where_, named, "", e.size, want, kind);
+  const at::ScalarType saved = dcp::scalar_type_of(e.dtype);
+  checkpoint::require_castable(where_, named, checkpoint::dtype_text(saved), "", saved, dtype, kind,
+                               options_.allow_lossy_casts(), "DcpLoadOptions");
+}
+
+// The entry `p` is read from, under the first of its names held (null: none).
+std::pair<const dcp::Entry*, std::string> DcpLoad::source_of(const at::Tensor& p) {
+  for (const auto& n : names_[p.unsafeGetTensorImpl()]) {
+    auto it = keys_.model.find(n);
+    if (it != keys_.model.end()) return {it->second, n};
+  }
+  return {nullptr, ""};
+}
+
+void DcpLoad::plan_parameters() {
+  names_ = detail::parameter_names(root_);
+  if (state_.replicated()) {
+    plan_replicated();
+    return;
+  }
+  const int rank = state_.topology().shard_comm().rank();
+  const bool checks_empty = state_.world().rank() == 0;  // an empty parameter is no rank's: rank 0 checks it
+  for (auto& u : state_.units())
+    for (auto& f : u->flats())
+      for (size_t i = 0; i < f->params().size(); ++i) plan_piece(*f, i, rank, checks_empty);
+}
+
+// Every rank holds every parameter whole.
+void DcpLoad::plan_replicated() {
+  dcp::Source* s = src_.get();
+  std::set<const void*> done;
+  for (const auto& item : root_.named_parameters()) {
+    at::Tensor p = item.value();
+    if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: from the first name held
+    auto [e, n] = source_of(p);
+    if (e == nullptr) {
+      missing(item.key(), "parameter");
+      continue;
+    }
+    const at::Tensor record = state_.record_of(p);
+    check(*e, n, p.sizes(), record.scalar_type(), "parameter");
+    run_.changes.push_back([state = run_.state, s, p, record, fill = s->plan(*e, 0, p.numel()), report = &report_] {
+      at::Tensor t = at::empty({p.numel()}, record.options());
+      report->bytes_read += dcp::Source::run(fill, t);
+      state->load_record(p, t.view(p.sizes()));
+    });
+  }
+}
+
+// Parameter `i` of `f`: this rank's piece of it.
+void DcpLoad::plan_piece(FlatParam& f, size_t i, int rank, bool checks_empty) {
+  const at::Tensor& p = f.params()[i];
+  auto [e, n] = source_of(p);
+  const auto& ns = names_[p.unsafeGetTensorImpl()];
+  if (e == nullptr) {
+    missing(ns.empty() ? f.names()[i] : ns.front(), "parameter");
+    return;
+  }
+  auto piece = f.layout().piece(i, rank);
+  if (!piece && !(f.layout().numel(i) == 0 && checks_empty)) return;
+  check(*e, n, f.layout().shape(i), f.dtype(), "parameter");
+  if (!piece || piece->length == 0) return;
+  at::Tensor dst = f.shard().narrow(0, piece->shard_offset, piece->length);
+  run_.changes.push_back([dst, fill = src_->plan(*e, piece->param_offset, piece->length), report = &report_] {
+    report->bytes_read += dcp::Source::run(fill, dst);
+  });
+}
+
+// Every rank keeps every buffer whole.
+void DcpLoad::plan_buffers() {
+  for (const auto& item : root_.named_buffers()) {
+    if (!item.value().defined()) continue;
+    auto it = keys_.model.find(item.key());
+    if (it == keys_.model.end()) {
+      missing(item.key(), "buffer");
+      continue;
+    }
+    at::Tensor b = item.value();
+    check(*it->second, item.key(), b.sizes(), b.scalar_type(), "buffer");
+    run_.changes.push_back([b, fill = src_->plan(*it->second, 0, b.numel()), report = &report_]() mutable {
+      at::Tensor t = at::empty({b.numel()}, b.options());
+      report->bytes_read += dcp::Source::run(fill, t);
+      b.copy_(t.view(b.sizes()));
+    });
+  }
+}
+
+// The parameters of `opt`'s groups with amsgrad on.
+std::set<const void*> amsgrad_parameters(ShardedOptimizer& opt) {
+  std::set<const void*> out;
+  for (auto& group : opt.inner().param_groups()) {
+    auto& o = group.options();
+    bool on = false;
+    if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) on = a->amsgrad();
+    if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&o)) on = w->amsgrad();
+    if (on)
+      for (const auto& p : group.params()) out.insert(p.unsafeGetTensorImpl());
+  }
+  return out;
+}
+
+void DcpLoad::plan_optimizer() {
+  if (!opt_) return;
+  auto kind = detail::optimizer_kind(*opt_);
+  if (!kind)
+    throw SafetensorsError(where_ +
+                           ": the optimizer is none of Adam, AdamW and SGD, whose state this loader "
+                           "reads (pass a null optimizer to load the parameters alone)");
+  kind_ = *kind;
+  amsgrad_ = amsgrad_parameters(*opt_);
+  for (const auto& item : root_.named_parameters()) param_shapes_[item.key()] = item.value().sizes().vec();
+  // Every name of each parameter (a tied one has several): its state may be under any.
+  for (const auto& [impl, ns] : names_)
+    for (const auto& n : ns) all_names_[n] = &ns;
+  for (const auto& piece : opt_->views().pieces()) plan_optimizer_piece(piece);
+}
+
+// The name the checkpoint holds the state of `piece`'s parameter under ("": none).
+std::string DcpLoad::held_name(const detail::ShardViews::Piece& piece) const {
+  const std::string first = kind_ != detail::OptimizerKind::SGD ? "exp_avg" : "momentum_buffer";
+  auto ns = all_names_.find(piece.name);
+  for (const auto& n : ns != all_names_.end() ? *ns->second : std::vector<std::string>{piece.name})
+    if (keys_.optim.count({n, first})) return n;
+  return "";
+}
+
+void DcpLoad::plan_optimizer_piece(const detail::ShardViews::Piece& piece) {
+  const bool adam = kind_ != detail::OptimizerKind::SGD;
+  auto* st = &opt_->inner().state();
+  void* key = piece.view.unsafeGetTensorImpl();
+  const std::string held = held_name(piece);
+  if (held.empty()) {  // never stepped (or no optimizer state saved at all): a fresh start
+    run_.changes.push_back([st, key] { st->erase(key); });
+    return;
+  }
+  std::vector<std::string> kinds =
+      adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"} : std::vector<std::string>{"momentum_buffer"};
+  if (adam && amsgrad_.count(key)) kinds.push_back("max_exp_avg_sq");
+  std::vector<dcp::Source::Fill> fills;
+  for (const auto& k : kinds) {
+    auto it = keys_.optim.find({held, k});
+    if (it == keys_.optim.end())
+      throw SafetensorsError(where_ + ": '" + options_.optimizer_prefix() + "state." + held + "." + k + "' is missing" +
+                             (k == "max_exp_avg_sq" ? " (the parameter is in a group with amsgrad; the "
+                                                      "checkpoint's optimizer had none)"
+                                                    : ""));
+    check(*it->second, held, param_shapes_.at(held), piece.view.scalar_type(), "optimizer state");
+    fills.push_back(src_->plan(*it->second, piece.param_offset, piece.length));
+  }
+  int64_t step = 0;
+  if (adam) {
+    auto it = keys_.optim.find({held, "step"});
+    if (it == keys_.optim.end())
+      throw SafetensorsError(where_ + ": '" + options_.optimizer_prefix() + "state." + held + ".step' is missing");
+    step = read_step(*src_, *it->second, where_);
+  }
+  run_.changes.push_back([st, key, fills, kind = kind_, step, options = piece.view.options(), length = piece.length,
+                          shape = piece.view.sizes().vec(), report = &report_] {
+    std::vector<at::Tensor> t;
+    for (const auto& fill : fills) {
+      at::Tensor flat = at::empty({length}, options);
+      report->bytes_read += dcp::Source::run(fill, flat);
+      t.push_back(flat.view(shape));
+    }
+    (*st)[key] = detail::make_optimizer_state(kind, step, t);
+  });
+}
+
+void DcpLoad::report_files() {
+  if (!src_) return;
+  report_.files_opened = src_->files_opened();
+  report_.items_opened = src_->items_opened();
+}
+
 }  // namespace
 
 DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
                                   const DcpLoadOptions& options) {
-  auto state = detail::require_state(root, "load_dcp_checkpoint");
-  shardtorch::detail::ProgressReporter progress("load_dcp_checkpoint", "tensors", 0, 0, options.progress());
-  progress.count_io();
-  detail::FileWaits file_waits(*state);
-  state->copies().wait_for_offload_copies();
-  c10::NoGradGuard no_grad;
-  const std::string what = "shardtorch::load_dcp_checkpoint '" + dir + "'";
-  // Check, agree, change, agree (as the other loaders).
+  checkpoint::LoadRun run(root, "load_dcp_checkpoint", dir, options.progress(), nullptr);
   DcpLoadReport report;
-  std::unique_ptr<dcp::Source> src;
-  Changes changes;
-  std::string error, fingerprint;
+  DcpLoad load(root, opt, options, run, report);  // holds the source the changes read from
   try {
-    state->check_outside_summon();
-    src = std::make_unique<dcp::Source>(dir);
-    fingerprint = src->fingerprint();
-    const std::string where = "DCP checkpoint '" + src->dir() + "'";
-    std::set<std::string> model_names;
-    for (const auto& item : root.named_parameters()) model_names.insert(item.key());
-    for (const auto& item : root.named_buffers())
-      if (item.value().defined()) model_names.insert(item.key());
-    const Keys keys = sort_keys(src->metadata(), model_names, options, opt != nullptr, report, where);
-
-    auto missing = [&](const std::string& m, const char* kind) {
-      if (options.may_be_missing(m)) {
-        report.missing.push_back(m);
-        return;
-      }
-      std::string hint;
-      for (const auto& e : src->metadata().entries)
-        if (checkpoint::ends_with(e.name, "." + m) && e.name != options.model_prefix() + m) {
-          hint = " (the checkpoint has '" + e.name + "': model_prefix(\"" + e.name.substr(0, e.name.size() - m.size()) +
-                 "\")?)";
-          break;
-        }
-      throw SafetensorsError(where + ": no tensor for the model's " + kind + " '" + m + "'" + hint +
-                             "; map the checkpoint's names onto the model's (DcpLoadOptions().model_prefix, "
-                             "strip_prefix, replace_prefix, map_name), or allow it to be missing (allow_missing, "
-                             "allow_missing_if)");
-    };
-    auto check = [&](const dcp::Entry& e, const std::string& m, c10::IntArrayRef want, at::ScalarType dtype,
-                     const char* kind) {
-      const std::string named = "'" + e.name + "'" + (e.name != m ? " (the model's '" + m + "')" : "");
-      if (c10::IntArrayRef(e.size) != want)
-        throw SafetensorsError(where + ": " + named + " has shape " + shape_text(e.size) + " but the model's " + kind +
-                               " has shape " + shape_text(want) +
-                               " (is the model built with the checkpoint's configuration?)");
-      const at::ScalarType saved = dcp::scalar_type_of(e.dtype);
-      if (!options.allow_lossy_casts() && !checkpoint::is_safe_cast(saved, dtype))
-        throw SafetensorsError(where + ": " + named + " is " + checkpoint::dtype_text(saved) + " but the model's " +
-                               kind + " is " + checkpoint::dtype_text(dtype) + ", and a cast from " +
-                               checkpoint::dtype_text(saved) + " to " + checkpoint::dtype_text(dtype) +
-                               " can change values: refused (DcpLoadOptions().allow_lossy_casts(true) casts anyway)");
-    };
-    dcp::Source* s = src.get();
-    auto names = detail::parameter_names(root);
-    auto source_of = [&](const at::Tensor& p) -> std::pair<const dcp::Entry*, std::string> {
-      for (const auto& n : names[p.unsafeGetTensorImpl()]) {
-        auto it = keys.model.find(n);
-        if (it != keys.model.end()) return {it->second, n};
-      }
-      return {nullptr, ""};
-    };
-    if (state->replicated()) {  // every rank holds every parameter whole
-      std::set<const void*> done;
-      for (const auto& item : root.named_parameters()) {
-        at::Tensor p = item.value();
-        if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: from the first name held
-        auto [e, n] = source_of(p);
-        if (e == nullptr) {
-          missing(item.key(), "parameter");
-          continue;
-        }
-        const at::Tensor record = state->record_of(p);
-        check(*e, n, p.sizes(), record.scalar_type(), "parameter");
-        changes.push_back([state, s, p, record, fill = s->plan(*e, 0, p.numel()), &report] {
-          at::Tensor t = at::empty({p.numel()}, record.options());
-          report.bytes_read += dcp::Source::run(fill, t);
-          state->load_record(p, t.view(p.sizes()));
-        });
-      }
-    } else {
-      const int rank = state->topology().shard_comm().rank();
-      const bool checks_empty = state->world().rank() == 0;  // an empty parameter is no rank's: rank 0 checks it
-      for (auto& u : state->units())
-        for (auto& f : u->flats())
-          for (size_t i = 0; i < f->params().size(); ++i) {
-            const at::Tensor& p = f->params()[i];
-            auto [e, n] = source_of(p);
-            const auto& ns = names[p.unsafeGetTensorImpl()];
-            if (e == nullptr) {
-              missing(ns.empty() ? f->names()[i] : ns.front(), "parameter");
-              continue;
-            }
-            auto piece = f->layout().piece(i, rank);
-            if (!piece && !(f->layout().numel(i) == 0 && checks_empty)) continue;
-            check(*e, n, f->layout().shape(i), f->dtype(), "parameter");
-            if (!piece || piece->length == 0) continue;
-            at::Tensor dst = f->shard().narrow(0, piece->shard_offset, piece->length);
-            changes.push_back([dst, fill = s->plan(*e, piece->param_offset, piece->length), &report] {
-              report.bytes_read += dcp::Source::run(fill, dst);
-            });
-          }
-    }
-    for (const auto& item : root.named_buffers()) {  // every rank keeps every buffer whole
-      if (!item.value().defined()) continue;
-      auto it = keys.model.find(item.key());
-      if (it == keys.model.end()) {
-        missing(item.key(), "buffer");
-        continue;
-      }
-      at::Tensor b = item.value();
-      check(*it->second, item.key(), b.sizes(), b.scalar_type(), "buffer");
-      changes.push_back([b, fill = s->plan(*it->second, 0, b.numel()), &report]() mutable {
-        at::Tensor t = at::empty({b.numel()}, b.options());
-        report.bytes_read += dcp::Source::run(fill, t);
-        b.copy_(t.view(b.sizes()));
-      });
-    }
-
-    if (opt) {
-      auto kind = detail::optimizer_kind(*opt);
-      if (!kind)
-        throw SafetensorsError(where +
-                               ": the optimizer is none of Adam, AdamW and SGD, whose state this loader "
-                               "reads (pass a null optimizer to load the parameters alone)");
-      const bool adam = *kind != detail::OptimizerKind::SGD;
-      std::set<const void*> amsgrad;
-      for (auto& group : opt->inner().param_groups()) {
-        auto& o = group.options();
-        bool on = false;
-        if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) on = a->amsgrad();
-        if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&o)) on = w->amsgrad();
-        if (on)
-          for (const auto& p : group.params()) amsgrad.insert(p.unsafeGetTensorImpl());
-      }
-      std::map<std::string, std::vector<int64_t>> param_shapes;
-      for (const auto& item : root.named_parameters()) param_shapes[item.key()] = item.value().sizes().vec();
-      // Every name of each parameter (a tied one has several): its state may be under any.
-      std::map<std::string, const std::vector<std::string>*> all_names;
-      for (const auto& [impl, ns] : names)
-        for (const auto& n : ns) all_names[n] = &ns;
-      auto* st = &opt->inner().state();
-      for (const auto& piece : opt->views().pieces()) {
-        void* key = piece.view.unsafeGetTensorImpl();
-        std::string held;  // the name the checkpoint holds this parameter's state under
-        const std::string first = adam ? "exp_avg" : "momentum_buffer";
-        auto ns = all_names.find(piece.name);
-        for (const auto& n : ns != all_names.end() ? *ns->second : std::vector<std::string>{piece.name})
-          if (keys.optim.count({n, first})) {
-            held = n;
-            break;
-          }
-        if (held.empty()) {  // never stepped (or no optimizer state saved at all): a fresh start
-          changes.push_back([st, key] { st->erase(key); });
-          continue;
-        }
-        std::vector<std::string> kinds =
-            adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"} : std::vector<std::string>{"momentum_buffer"};
-        if (adam && amsgrad.count(key)) kinds.push_back("max_exp_avg_sq");
-        std::vector<dcp::Source::Fill> fills;
-        for (const auto& k : kinds) {
-          auto it = keys.optim.find({held, k});
-          if (it == keys.optim.end())
-            throw SafetensorsError(where + ": '" + options.optimizer_prefix() + "state." + held + "." + k +
-                                   "' is missing" +
-                                   (k == "max_exp_avg_sq" ? " (the parameter is in a group with amsgrad; the "
-                                                            "checkpoint's optimizer had none)"
-                                                          : ""));
-          check(*it->second, held, param_shapes.at(held), piece.view.scalar_type(), "optimizer state");
-          fills.push_back(s->plan(*it->second, piece.param_offset, piece.length));
-        }
-        int64_t step = 0;
-        if (adam) {
-          auto it = keys.optim.find({held, "step"});
-          if (it == keys.optim.end())
-            throw SafetensorsError(where + ": '" + options.optimizer_prefix() + "state." + held + ".step' is missing");
-          step = read_step(*s, *it->second, where);
-        }
-        changes.push_back([st, key, fills, kind = *kind, step, options = piece.view.options(), length = piece.length,
-                           shape = piece.view.sizes().vec(), &report] {
-          std::vector<at::Tensor> t;
-          for (const auto& fill : fills) {
-            at::Tensor flat = at::empty({length}, options);
-            report.bytes_read += dcp::Source::run(fill, flat);
-            t.push_back(flat.view(shape));
-          }
-          (*st)[key] = detail::make_optimizer_state(kind, step, t);
-        });
-      }
-    }
+    run.state->check_outside_summon();
+    load.open(dir);
+    load.plan_parameters();
+    load.plan_buffers();
+    load.plan_optimizer();
   } catch (const std::exception& e) {
-    error = e.what();
+    run.error = e.what();
   }
-  detail::load_agreed(*state, error, fingerprint, changes, what, nullptr, &progress);
+  run.finish();
   if (opt) opt->views().count_optimizer_state(opt->inner());
-  if (src) {
-    report.files_opened = src->files_opened();
-    report.items_opened = src->items_opened();
-  }
+  load.report_files();
   return report;
 }
 

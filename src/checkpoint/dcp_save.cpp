@@ -21,6 +21,7 @@
 #include "checkpoint/dcp_source.h"
 #include "checkpoint/pickle_reader.h"
 #include "checkpoint/publish.h"
+#include "checkpoint/tied_names.h"
 #include "optim/optimizer_state.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/dcp_checkpoint.h"
@@ -110,88 +111,103 @@ struct Collected {
   std::map<size_t, std::set<std::string>> groups;
 };
 
-Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt,
-                  const DcpSaveOptions& options) {
-  Collected c;
-  const std::string& mp = options.model_prefix();
-  const std::string op = options.optimizer_prefix() + "state.";
-  auto names = detail::parameter_names(root);
-  // The parameter ranges this rank holds: (its names, shape, first element, values).
-  struct Range {
-    const std::vector<std::string>* names;
-    std::vector<int64_t> shape;
-    int64_t begin;
-    at::Tensor values;
-  };
+// A parameter range this rank holds: its names, shape, first element, values.
+struct Range {
+  const std::vector<std::string>* names;
+  std::vector<int64_t> shape;
+  int64_t begin;
+  at::Tensor values;
+};
+
+// The ranges this rank holds, and the writers they are spread over
+// (`writers` ranks holding the same ranges, this rank `me` among them).
+struct HeldRanges {
   std::vector<Range> ranges;
   int writers = 1, me = 0;
+};
+
+HeldRanges held_ranges(torch::nn::Module& root, detail::ShardState& state, checkpoint::ParameterNames& names) {
+  HeldRanges h;
   if (state.replicated()) {
     std::set<const void*> seen;
     for (const auto& item : root.named_parameters()) {
       const at::Tensor& p = item.value();
       if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
-      ranges.push_back({&names[p.unsafeGetTensorImpl()], p.sizes().vec(), 0, state.record_of(p).detach()});
+      h.ranges.push_back({&names[p.unsafeGetTensorImpl()], p.sizes().vec(), 0, state.record_of(p).detach()});
     }
-    writers = state.world().size();
-    me = state.world().rank();
-  } else {
-    const int shard_rank = state.topology().shard_comm().rank();
-    for (auto& u : state.units())
-      for (auto& f : u->flats())
-        for (size_t i = 0; i < f->params().size(); ++i)
-          if (auto piece = f->layout().piece(i, shard_rank))
-            ranges.push_back({&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), piece->param_offset,
+    h.writers = state.world().size();
+    h.me = state.world().rank();
+    return h;
+  }
+  const int shard_rank = state.topology().shard_comm().rank();
+  for (auto& u : state.units())
+    for (auto& f : u->flats())
+      for (size_t i = 0; i < f->params().size(); ++i)
+        if (auto piece = f->layout().piece(i, shard_rank))
+          h.ranges.push_back({&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), piece->param_offset,
                               f->shard().narrow(0, piece->shard_offset, piece->length)});
-          else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank's piece: written once, empty
-            ranges.push_back(
-                {&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), 0, f->shard().narrow(0, 0, 0)});
-    if (state.topology().replica_comm()) {
-      writers = state.topology().replica_comm()->size();
-      me = state.topology().replica_comm()->rank();
+        else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank's piece: written once, empty
+          h.ranges.push_back(
+              {&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), 0, f->shard().narrow(0, 0, 0)});
+  if (state.topology().replica_comm()) {
+    h.writers = state.topology().replica_comm()->size();
+    h.me = state.topology().replica_comm()->rank();
+  }
+  return h;
+}
+
+// The optimizer's state of the parameter ranges this rank writes
+// (`written`: (first name, first element)), and every group it knows of.
+void collect_optimizer(torch::nn::Module& root, ShardedOptimizer& opt, const checkpoint::ParameterNames& names,
+                       const std::set<std::pair<std::string, int64_t>>& written, const std::string& op, Collected& c) {
+  const auto kind = detail::optimizer_kind(opt);
+  std::map<const void*, size_t> group_of;
+  for (size_t g = 0; g < opt.inner().param_groups().size(); ++g)
+    for (const auto& p : opt.inner().param_groups()[g].params()) group_of[p.unsafeGetTensorImpl()] = g;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& item : root.named_parameters()) shapes[item.key()] = item.value().sizes().vec();
+  std::map<std::string, std::string> first_name;  // any name -> the first (the optimizer's key)
+  for (const auto& [impl, ns] : names)
+    for (const auto& n : ns) first_name[n] = ns.front();
+  const auto& st = opt.inner().state();
+  for (const auto& piece : opt.views().pieces()) {
+    const std::string name = first_name.count(piece.name) ? first_name[piece.name] : piece.name;
+    auto g = group_of.find(piece.view.unsafeGetTensorImpl());
+    if (g != group_of.end()) c.groups[g->second].insert(name);
+    if (!written.count({name, piece.param_offset})) continue;
+    auto it = st.find(piece.view.unsafeGetTensorImpl());
+    const torch::optim::OptimizerParamState* ps = it == st.end() ? nullptr : it->second.get();
+    // A parameter not stepped yet has no state: zeros and step 0 are what
+    // torch's optimizer starts from (and what a strict load requires).
+    auto tensors = ps ? detail::optimizer_state_tensors(ps) : std::vector<std::pair<std::string, at::Tensor>>{};
+    const bool sgd = kind == detail::OptimizerKind::SGD;
+    if (!ps && !sgd) tensors = {{"exp_avg", at::zeros_like(piece.view)}, {"exp_avg_sq", at::zeros_like(piece.view)}};
+    for (auto& [k, t] : tensors) add_boxes(c.items, op + name + "." + k, shapes.at(name), piece.param_offset, t);
+    if (sgd && tensors.empty()) c.items.push_back({op + name + ".momentum_buffer", "", {}, {}, {}, {}, pickle_none()});
+    if (!sgd && piece.param_offset == 0) {  // once per parameter: a 0-d float32 tensor, as torch's AdamW keeps it
+      const double step = ps ? static_cast<double>(detail::optimizer_state_step(ps)) : 0.0;
+      add_boxes(c.items, op + name + ".step", {}, 0, at::full({}, step, at::kFloat));
     }
   }
+}
+
+Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt,
+                  const DcpSaveOptions& options) {
+  Collected c;
+  const std::string& mp = options.model_prefix();
+  auto names = detail::parameter_names(root);
+  const HeldRanges held = held_ranges(root, state, names);
   std::vector<int64_t> sizes;
-  for (const auto& r : ranges) sizes.push_back(r.values.numel());
-  const std::vector<int> owner = checkpoint::spread_over_writers(sizes, writers);
+  for (const auto& r : held.ranges) sizes.push_back(r.values.numel());
+  const std::vector<int> owner = checkpoint::spread_over_writers(sizes, held.writers);
   std::set<std::pair<std::string, int64_t>> written;  // (first name, first element): its optimizer state goes with it
-  for (size_t k = 0; k < ranges.size(); ++k) {
-    if (owner[k] != me || ranges[k].names->empty()) continue;
-    for (const auto& n : *ranges[k].names)
-      add_boxes(c.items, mp + n, ranges[k].shape, ranges[k].begin, ranges[k].values);
-    written.insert({ranges[k].names->front(), ranges[k].begin});
+  for (size_t k = 0; k < held.ranges.size(); ++k) {
+    const Range& r = held.ranges[k];
+    if (owner[k] != held.me || r.names->empty()) continue;
+    for (const auto& n : *r.names) add_boxes(c.items, mp + n, r.shape, r.begin, r.values);
+    written.insert({r.names->front(), r.begin});
   }
-  if (opt) {
-    const auto kind = detail::optimizer_kind(*opt);
-    std::map<const void*, size_t> group_of;
-    for (size_t g = 0; g < opt->inner().param_groups().size(); ++g)
-      for (const auto& p : opt->inner().param_groups()[g].params()) group_of[p.unsafeGetTensorImpl()] = g;
-    std::map<std::string, std::vector<int64_t>> shapes;
-    for (const auto& item : root.named_parameters()) shapes[item.key()] = item.value().sizes().vec();
-    std::map<std::string, std::string> first_name;  // any name -> the first (the optimizer's key)
-    for (const auto& [impl, ns] : names)
-      for (const auto& n : ns) first_name[n] = ns.front();
-    const auto& st = opt->inner().state();
-    for (const auto& piece : opt->views().pieces()) {
-      const std::string name = first_name.count(piece.name) ? first_name[piece.name] : piece.name;
-      auto g = group_of.find(piece.view.unsafeGetTensorImpl());
-      if (g != group_of.end()) c.groups[g->second].insert(name);
-      if (!written.count({name, piece.param_offset})) continue;
-      auto it = st.find(piece.view.unsafeGetTensorImpl());
-      const torch::optim::OptimizerParamState* ps = it == st.end() ? nullptr : it->second.get();
-      // A parameter not stepped yet has no state: zeros and step 0 are what
-      // torch's optimizer starts from (and what a strict load requires).
-      auto tensors = ps ? detail::optimizer_state_tensors(ps) : std::vector<std::pair<std::string, at::Tensor>>{};
-      const bool sgd = kind == detail::OptimizerKind::SGD;
-      if (!ps && !sgd) tensors = {{"exp_avg", at::zeros_like(piece.view)}, {"exp_avg_sq", at::zeros_like(piece.view)}};
-      for (auto& [k, t] : tensors) add_boxes(c.items, op + name + "." + k, shapes.at(name), piece.param_offset, t);
-      if (sgd && tensors.empty())
-        c.items.push_back({op + name + ".momentum_buffer", "", {}, {}, {}, {}, pickle_none()});
-      if (!sgd && piece.param_offset == 0) {  // once per parameter: a 0-d float32 tensor, as torch's AdamW keeps it
-        const double step = ps ? static_cast<double>(detail::optimizer_state_step(ps)) : 0.0;
-        add_boxes(c.items, op + name + ".step", {}, 0, at::full({}, step, at::kFloat));
-      }
-    }
-  }
+  if (opt) collect_optimizer(root, *opt, names, written, options.optimizer_prefix() + "state.", c);
   if (state.world().rank() == 0) {
     for (const auto& item : root.named_buffers())
       if (item.value().defined()) add_boxes(c.items, mp + item.key(), item.value().sizes().vec(), 0, item.value());
@@ -238,106 +254,134 @@ std::vector<std::string> fields_of(const std::string& line) {
   }
 }
 
-}  // namespace
+// One save_dcp_checkpoint: rank 0 stages the directory, every rank writes
+// its items into its own data file, rank 0 writes the metadata from every
+// rank's report and publishes the directory. A failure anywhere fails every
+// rank; rank 0 removes what was staged.
+class DcpSave {
+ public:
+  DcpSave(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, const DcpSaveOptions& options,
+          detail::ShardState& state)
+      : root_(root),
+        opt_(opt),
+        options_(options),
+        state_(state),
+        world_(state.world()),
+        dir_(dir),
+        what_("shardtorch::save_dcp_checkpoint '" + dir + "'"),
+        tmp_(dir + checkpoint::kTmpSuffix) {}
 
-DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
-                                  const DcpSaveOptions& options) {
-  auto state = detail::require_state(root, "save_dcp_checkpoint");
-  detail::FileWaits file_waits(*state);  // each rank waits for the slowest writer
-  World& world = state->world();
-  c10::NoGradGuard no_grad;
-  const std::string dir = checkpoint::normalized(dir_arg);
-  const std::string what = "shardtorch::save_dcp_checkpoint '" + dir + "'";
-  const std::string tmp = dir + checkpoint::kTmpSuffix;
-  SHARDTORCH_CHECK(!opt || detail::optimizer_kind(*opt), what,
-                   ": the optimizer is none of Adam, AdamW and SGD, whose state a DCP checkpoint carries here (pass "
-                   "a null optimizer to save the parameters alone)");
-  state->copies().wait_for_offload_copies();
+  const std::string& what() const { return what_; }
+  void stage();
+  Collected collect_items(std::string& known);
+  void add_group_params(const std::vector<std::string>& all_known, std::vector<Item>& items) const;
+  std::string write_items(const std::vector<Item>& items);
+  dcp::Metadata metadata_of(const std::vector<std::string>& reports, DcpSaveReport& out) const;
+  void publish(const dcp::Metadata& md);
+  // Collective: every rank's `mine`; if any rank failed (error_), every rank
+  // throws, rank 0 removing what was staged.
+  std::vector<std::string> gather(const std::string& mine);
+
+ private:
+  torch::nn::Module& root_;
+  ShardedOptimizer* opt_;
+  const DcpSaveOptions& options_;
+  detail::ShardState& state_;
+  World& world_;
+  const std::string dir_, what_, tmp_;
+  std::string error_;  // this rank's, agreed at the next gather
+};
+
+// Collective: rank 0's staging directory, empty.
+void DcpSave::stage() {
   std::string prepared;
-  if (world.rank() == 0) {
+  if (world_.rank() == 0) {
     try {
-      checkpoint::check_replaceable(dir, kMarker, "DCP checkpoint");
-      files::remove_all(tmp);
-      files::create_directories(tmp);
+      checkpoint::check_replaceable(dir_, kMarker, "DCP checkpoint");
+      files::remove_all(tmp_);
+      files::create_directories(tmp_);
       checkpoint::crash_point("staging directory created");
     } catch (const std::exception& e) {
       prepared = e.what();
     }
   }
-  detail::agree_on_errors(world, prepared, what);
+  detail::agree_on_errors(world_, prepared, what_);
+}
 
-  // What each rank writes; first, the optimizer's groups as far as each
-  // rank knows them (a rank knows the groups of the parameters it holds
-  // pieces of), for rank 0 to write their parameter lists.
-  std::string error, known;
+// What this rank writes; `known` gets the groups it knows ("<group>\t<name>" lines).
+Collected DcpSave::collect_items(std::string& known) {
   Collected c;
   try {
-    c = collect(root, *state, opt, options);
+    c = collect(root_, state_, opt_, options_);
     for (const auto& [g, ns] : c.groups)
       for (const auto& n : ns) known += std::to_string(g) + "\t" + n + "\n";
   } catch (const std::exception& e) {
-    error = e.what();
+    error_ = e.what();
   }
-  // A failure anywhere fails every rank; rank 0 removes what was staged.
-  auto gather = [&](const std::string& mine) {
-    try {
-      return detail::agreed_fingerprints(world, error, what, mine);
-    } catch (...) {
-      if (world.rank() == 0) files::remove_all_quietly(tmp);
-      throw;
-    }
-  };
-  const auto all_known = gather(known);
-  if (opt && world.rank() == 0) {
-    std::map<size_t, std::set<std::string>> groups;
-    for (const auto& text : all_known) {
-      std::istringstream in(text);
-      std::string line;
-      while (std::getline(in, line)) {
-        const auto f = fields_of(line);
-        groups[std::stoul(f[0])].insert(f[1]);
-      }
-    }
-    // Each group's parameters, in the model's order, by name (as torch's
-    // get_state_dict writes them).
-    for (const auto& [g, ns] : groups) {
-      pickle::Writer w;
-      w.empty_list().mark();
-      for (const auto& item : root.named_parameters())
-        if (ns.count(item.key())) w.string(item.key());
-      w.appends();
-      c.items.push_back({options.optimizer_prefix() + "param_groups." + std::to_string(g) + ".params",
-                         "",
-                         {},
-                         {},
-                         {},
-                         {},
-                         w.finish()});
-    }
-  }
+  return c;
+}
 
-  // This rank's data file, and its report: one line per item.
-  const std::string file = "__" + std::to_string(world.rank()) + "_0.distcp";
+std::vector<std::string> DcpSave::gather(const std::string& mine) {
+  try {
+    return detail::agreed_fingerprints(world_, error_, what_, mine);
+  } catch (...) {
+    if (world_.rank() == 0) files::remove_all_quietly(tmp_);
+    throw;
+  }
+}
+
+// Rank 0: each group's parameters, in the model's order, by name (as
+// torch's get_state_dict writes them), from every rank's known groups.
+void DcpSave::add_group_params(const std::vector<std::string>& all_known, std::vector<Item>& items) const {
+  std::map<size_t, std::set<std::string>> groups;
+  for (const auto& text : all_known) {
+    std::istringstream in(text);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto f = fields_of(line);
+      groups[std::stoul(f[0])].insert(f[1]);
+    }
+  }
+  for (const auto& [g, ns] : groups) {
+    pickle::Writer w;
+    w.empty_list().mark();
+    for (const auto& item : root_.named_parameters())
+      if (ns.count(item.key())) w.string(item.key());
+    w.appends();
+    items.push_back({options_.optimizer_prefix() + "param_groups." + std::to_string(g) + ".params",
+                     "",
+                     {},
+                     {},
+                     {},
+                     {},
+                     w.finish()});
+  }
+}
+
+// This rank's data file; its report, one line per item.
+std::string DcpSave::write_items(const std::vector<Item>& items) {
+  const std::string file = "__" + std::to_string(world_.rank()) + "_0.distcp";
   std::string report;
   try {
-    shardtorch::detail::ProgressReporter progress("save_dcp_checkpoint", "items", static_cast<int64_t>(c.items.size()),
-                                                  0, options.progress());
+    shardtorch::detail::ProgressReporter progress("save_dcp_checkpoint", "items", static_cast<int64_t>(items.size()), 0,
+                                                  options_.progress());
     progress.count_io();
-    dcp::ItemWriter w(tmp + "/" + file, file);
-    for (const auto& it : c.items) {
+    dcp::ItemWriter w(tmp_ + "/" + file, file);
+    for (const auto& it : items) {
       report += report_line(it, it.dtype.empty() ? w.value(it.pickled) : w.tensor(it.data));
       progress.advance(1);
     }
     w.finish();
     progress.finish();
   } catch (const std::exception& e) {
-    error = e.what();
+    error_ = e.what();
   }
-  c.items.clear();
-  const auto reports = gather(report);  // every rank's lines, or every rank throws
-  checkpoint::crash_point("reports gathered");
+  return report;
+}
 
-  DcpSaveReport out;
+// The metadata of every rank's items, from their reports; `out` gets the
+// files and their sizes.
+dcp::Metadata DcpSave::metadata_of(const std::vector<std::string>& reports, DcpSaveReport& out) const {
   dcp::Metadata md;
   for (size_t r = 0; r < reports.size(); ++r) {
     out.files.push_back("__" + std::to_string(r) + "_0.distcp");
@@ -352,7 +396,7 @@ DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
         e.tensor = f[0] == "T";
         e.dtype = f[2];
         e.size = uncsv(f[3]);
-        e.path = dcp::path_of(e.name, options.model_prefix(), options.optimizer_prefix());
+        e.path = dcp::path_of(e.name, options_.model_prefix(), options_.optimizer_prefix());
         md.entries.push_back(std::move(e));
       }
       dcp::Entry& e = md.entries[pos->second];
@@ -365,23 +409,57 @@ DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
     }
   }
   out.keys = static_cast<int64_t>(md.entries.size());
+  return md;
+}
+
+// Collective: rank 0 writes the metadata and publishes the directory.
+void DcpSave::publish(const dcp::Metadata& md) {
   std::string published;
-  if (world.rank() == 0) {
+  if (world_.rank() == 0) {
     try {
       // What rank 0 writes is checked as every reader checks it.
       const std::string bytes = dcp::serialize(md);
-      dcp::parse(bytes, tmp + "/" + kMarker);
-      checkpoint::write_text_durably(tmp + "/" + kMarker, bytes);
-      checkpoint::fsync_path(tmp, true);
+      dcp::parse(bytes, tmp_ + "/" + kMarker);
+      checkpoint::write_text_durably(tmp_ + "/" + kMarker, bytes);
+      checkpoint::fsync_path(tmp_, true);
       checkpoint::crash_point("index written");
-      checkpoint::publish(tmp, dir, kMarker);
+      checkpoint::publish(tmp_, dir_, kMarker);
       checkpoint::crash_point("published");
     } catch (const std::exception& e) {
-      files::remove_all_quietly(tmp);
+      files::remove_all_quietly(tmp_);
       published = e.what();
     }
   }
-  detail::agree_on_errors(world, published, what);
+  detail::agree_on_errors(world_, published, what_);
+}
+
+}  // namespace
+
+DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
+                                  const DcpSaveOptions& options) {
+  auto state = detail::require_state(root, "save_dcp_checkpoint");
+  detail::FileWaits file_waits(*state);  // each rank waits for the slowest writer
+  c10::NoGradGuard no_grad;
+  DcpSave save(root, opt, checkpoint::normalized(dir_arg), options, *state);
+  SHARDTORCH_CHECK(!opt || detail::optimizer_kind(*opt), save.what(),
+                   ": the optimizer is none of Adam, AdamW and SGD, whose state a DCP checkpoint carries here (pass "
+                   "a null optimizer to save the parameters alone)");
+  state->copies().wait_for_offload_copies();
+  save.stage();
+  // What each rank writes; first, the optimizer's groups as far as each
+  // rank knows them (a rank knows the groups of the parameters it holds
+  // pieces of), for rank 0 to write their parameter lists.
+  std::string known;
+  Collected c = save.collect_items(known);
+  const auto all_known = save.gather(known);
+  if (opt && state->world().rank() == 0) save.add_group_params(all_known, c.items);
+  const std::string report = save.write_items(c.items);
+  c.items.clear();
+  const auto reports = save.gather(report);  // every rank's lines, or every rank throws
+  checkpoint::crash_point("reports gathered");
+  DcpSaveReport out;
+  const dcp::Metadata md = save.metadata_of(reports, out);
+  save.publish(md);
   return out;
 }
 

@@ -14,6 +14,7 @@
 
 #include "runtime/shard_state.h"
 #include "checkpoint/agreement.h"
+#include "checkpoint/model_load.h"
 #include "checkpoint/model_part.h"
 #include "checkpoint/reader_access.h"
 #include "checkpoint/streamed_tensors.h"
@@ -99,127 +100,166 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
 
 namespace {
 
+constexpr const char* kTiedOption = "LoadOptions().tied_from";
+
+// The check phase of one load_full_state_dict on this rank: the file opened,
+// every parameter and buffer this rank holds matched by name and shape and
+// its copy planned (run.changes), then every tensor of the file accounted
+// for. Of the whole model, or (`part`) of one part of it.
+class FullLoad {
+ public:
+  FullLoad(torch::nn::Module& root, const std::string& path, const LoadOptions& options,
+           const checkpoint::ModelPart* part, checkpoint::LoadRun& run)
+      : root_(root),
+        path_(path),
+        options_(options),
+        part_(part),
+        run_(run),
+        state_(*run.state),
+        file_where_("safetensors file '" + path + "'") {}
+
+  void open();
+  void plan_parameters();
+  void plan_buffers();
+  void check_unexpected() const;
+
+ private:
+  void check_shape(const std::string& n, c10::IntArrayRef want, at::ScalarType dtype,
+                   const char* what = "parameter") const;
+  std::string source_of(const at::Tensor& p, c10::IntArrayRef shape, at::ScalarType dtype, int64_t first,
+                        int64_t count);
+  void plan_replicated();
+
+  torch::nn::Module& root_;
+  const std::string& path_;
+  const LoadOptions& options_;
+  const checkpoint::ModelPart* part_;
+  checkpoint::LoadRun& run_;
+  detail::ShardState& state_;
+  const std::string file_where_;
+  std::optional<checkpoint::Reader> reader_;
+  NameMap names_;
+  std::set<std::string> used_;  // the file's names some parameter or buffer takes
+};
+
+// The file, and what ranks reading their own copies can compare cheaply:
+// the layout and the metadata (where an application keeps its step).
+void FullLoad::open() {
+  reader_.emplace(path_);
+  const auto& header = checkpoint::ReaderAccess::header(*reader_);
+  run_.fingerprint =
+      "a file of " + std::to_string(header.tensors.size()) + " tensors from byte " + std::to_string(header.data_start);
+  for (const auto& [k, v] : header.metadata) run_.fingerprint += ", " + k + "=" + v;
+  names_ = checkpoint::parameter_names(root_, part_);
+  checkpoint::check_tied_from(names_, options_.tied_from(), file_where_, kTiedOption);
+}
+
+// The shape, and a dtype the values can be cast into (docs/checkpoints.md).
+void FullLoad::check_shape(const std::string& n, c10::IntArrayRef want, at::ScalarType dtype, const char* what) const {
+  const auto* r = checkpoint::ReaderAccess::header(*reader_).find(n);
+  if (c10::IntArrayRef(r->shape) != want) {
+    std::ostringstream os;
+    os << "safetensors file '" << path_ << "': '" << n << "' has shape " << c10::IntArrayRef(r->shape)
+       << " but the model's " << what << " has " << want;
+    throw checkpoint::SafetensorsError(os.str());
+  }
+  checkpoint::require_castable(file_where_, "'" + n + "'", r->dtype, "", checkpoint::scalar_type(r->dtype), dtype, what,
+                               options_.allow_lossy_casts(), "LoadOptions");
+}
+
+// The name `p` is read from. Every name of it the file holds counts as
+// used; the others a tied parameter is held under must hold the same
+// values, compared over elements [first, first + count) here (each rank
+// compares its own part: every rank's error fails every rank).
+std::string FullLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at::ScalarType dtype, int64_t first,
+                                int64_t count) {
+  const auto& ns = names_[p.unsafeGetTensorImpl()];
+  for (const auto& n : ns) used_.insert(n);
+  auto t = checkpoint::tied_source(
+      ns, [&](const std::string& n) { return reader_->contains(n); }, options_.tied_from(), file_where_, kTiedOption);
+  if (!t)
+    throw checkpoint::SafetensorsError(file_where_ + ": no entry for parameter '" +
+                                       (ns.empty() ? std::string("?") : ns.front()) + "'");
+  check_shape(t->source, shape, dtype);
+  for (const auto& other : t->others) {
+    check_shape(other, shape, dtype);
+    if (count > 0)
+      checkpoint::require_equal_tied(reader_->read_range(t->source, first, count),
+                                     reader_->read_range(other, first, count), dtype, t->source, other, first,
+                                     file_where_, kTiedOption);
+  }
+  return t->source;
+}
+
+void FullLoad::plan_parameters() {
+  if (state_.replicated()) {
+    plan_replicated();
+    return;
+  }
+  checkpoint::Reader* file = &*reader_;
+  const int rank = state_.topology().shard_comm().rank();
+  for (auto& u : state_.units())
+    for (auto& f : u->flats())
+      for (size_t i = 0; i < f->params().size(); ++i) {
+        auto piece = f->layout().piece(i, rank);
+        std::string n = source_of(f->params()[i], f->layout().shape(i), f->dtype(), piece ? piece->param_offset : 0,
+                                  piece ? piece->length : 0);
+        if (!piece) continue;
+        at::Tensor dst = f->shard().narrow(0, piece->shard_offset, piece->length);
+        run_.changes.push_back(
+            [file, dst, n, piece]() mutable { dst.copy_(file->read_range(n, piece->param_offset, piece->length)); });
+      }
+}
+
+void FullLoad::plan_replicated() {
+  checkpoint::Reader* file = &*reader_;
+  std::set<const void*> done;
+  for (const auto& item : root_.named_parameters()) {
+    at::Tensor p = item.value();
+    if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded once
+    const auto [first, count] = checkpoint::share_of(p.numel(), state_.world().rank(), state_.world().size());
+    std::string n = source_of(p, p.sizes(), state_.record_of(p).scalar_type(), first, count);
+    run_.changes.push_back([state = run_.state, file, p, n] {
+      state->load_record(p, file->read(n));  // the fp32 master under mixed precision
+    });
+  }
+}
+
+void FullLoad::plan_buffers() {
+  checkpoint::Reader* file = &*reader_;
+  for (const auto& item : root_.named_buffers()) {
+    if (!item.value().defined()) continue;
+    if (!reader_->contains(item.key()))
+      throw checkpoint::SafetensorsError("safetensors file '" + path_ + "': no entry for buffer '" + item.key() + "'");
+    check_shape(item.key(), item.value().sizes(), item.value().scalar_type(), "buffer");
+    used_.insert(item.key());
+    run_.changes.push_back([file, b = item.value(), n = item.key()]() mutable { b.copy_(file->read(n)); });
+  }
+}
+
+void FullLoad::check_unexpected() const {
+  for (const auto& t : checkpoint::ReaderAccess::header(*reader_).tensors) {
+    if (!used_.count(t.name) && !(part_ && part_->shapes.count(t.name)))  // another part's: checked there
+      throw checkpoint::SafetensorsError("safetensors file '" + path_ + "': unexpected tensor '" + t.name +
+                                         "' (no parameter or buffer of the model has that name)");
+  }
+}
+
 // load_full_state_dict, of the whole model or (`part`) of one part of it.
 void load_full(torch::nn::Module& root, const std::string& path, const LoadOptions& options,
                const checkpoint::ModelPart* part) {
-  auto state = detail::require_state(root, "load_full_state_dict");
-  shardtorch::detail::ProgressReporter progress("load_full_state_dict", "tensors", 0, 0, options.progress());
-  progress.count_io();
-  World* world = part ? part->world.get() : &state->world();
-  detail::FileWaits file_waits(*state, world);
-  state->copies().wait_for_offload_copies();
-  c10::NoGradGuard no_grad;
-  const std::string what = "shardtorch::load_full_state_dict '" + path + "'";
-  // Check, agree, change, agree (as load_sharded_checkpoint): every rank
-  // validates the file and matches every name and shape before any value
-  // changes; a problem on any rank fails every rank with the model unchanged.
-  std::optional<checkpoint::Reader> reader;
-  std::vector<std::function<void()>> changes;
-  std::string error, fingerprint;
+  checkpoint::LoadRun run(root, "load_full_state_dict", path, options.progress(), part ? part->world.get() : nullptr);
+  FullLoad load(root, path, options, part, run);  // holds the file the changes read from
   try {
-    state->check_outside_summon();
-    reader.emplace(path);
-    // What ranks reading their own copies can compare cheaply: the layout
-    // and the metadata (where an application keeps its step).
-    fingerprint = "a file of " + std::to_string(checkpoint::ReaderAccess::header(*reader).tensors.size()) +
-                  " tensors from byte " + std::to_string(checkpoint::ReaderAccess::header(*reader).data_start);
-    for (const auto& [k, v] : checkpoint::ReaderAccess::header(*reader).metadata) fingerprint += ", " + k + "=" + v;
-    NameMap names = detail::parameter_names(root);
-    if (part)  // a tied parameter is found under its names on the other parts too
-      for (auto& [impl, ns] : names) {
-        std::vector<std::string> all;
-        for (const auto& n : ns)
-          for (const auto& m : part->names_of(n))
-            if (std::find(all.begin(), all.end(), m) == all.end()) all.push_back(m);
-        ns = std::move(all);
-      }
-    const std::string file_where = "safetensors file '" + path + "'";
-    constexpr const char* kOption = "LoadOptions().tied_from";
-    checkpoint::check_tied_from(names, options.tied_from(), file_where, kOption);
-    std::set<std::string> used;
-    // The shape, and a dtype the values can be cast into (docs/checkpoints.md).
-    auto check_shape = [&](const std::string& n, c10::IntArrayRef want, at::ScalarType dtype,
-                           const char* what = "parameter") {
-      const auto* r = checkpoint::ReaderAccess::header(*reader).find(n);
-      if (c10::IntArrayRef(r->shape) != want) {
-        std::ostringstream os;
-        os << "safetensors file '" << path << "': '" << n << "' has shape " << c10::IntArrayRef(r->shape)
-           << " but the model's " << what << " has " << want;
-        throw checkpoint::SafetensorsError(os.str());
-      }
-      const at::ScalarType saved = checkpoint::scalar_type(r->dtype);
-      if (!options.allow_lossy_casts() && !checkpoint::is_safe_cast(saved, dtype))
-        throw checkpoint::SafetensorsError(
-            "safetensors file '" + path + "': '" + n + "' is " + r->dtype + " but the model's " + what + " is " +
-            checkpoint::dtype_text(dtype) + ", and a cast from " + r->dtype + " to " + checkpoint::dtype_text(dtype) +
-            " can change values: refused (LoadOptions().allow_lossy_casts(true) casts anyway)");
-    };
-    // The name `p` is read from. Every name of it the file holds counts as
-    // used; the others a tied parameter is held under must hold the same
-    // values, compared over elements [first, first + count) here (each rank
-    // compares its own part: every rank's error fails every rank).
-    auto source_of = [&](const at::Tensor& p, c10::IntArrayRef shape, at::ScalarType dtype, int64_t first,
-                         int64_t count) -> std::string {
-      const auto& ns = names[p.unsafeGetTensorImpl()];
-      for (const auto& n : ns) used.insert(n);
-      auto t = checkpoint::tied_source(
-          ns, [&](const std::string& n) { return reader->contains(n); }, options.tied_from(), file_where, kOption);
-      if (!t)
-        throw checkpoint::SafetensorsError(file_where + ": no entry for parameter '" +
-                                           (ns.empty() ? std::string("?") : ns.front()) + "'");
-      check_shape(t->source, shape, dtype);
-      for (const auto& other : t->others) {
-        check_shape(other, shape, dtype);
-        if (count > 0)
-          checkpoint::require_equal_tied(reader->read_range(t->source, first, count),
-                                         reader->read_range(other, first, count), dtype, t->source, other, first,
-                                         file_where, kOption);
-      }
-      return t->source;
-    };
-    checkpoint::Reader* file = &*reader;
-    if (state->replicated()) {
-      std::set<const void*> done;
-      for (const auto& item : root.named_parameters()) {
-        at::Tensor p = item.value();
-        if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded once
-        const auto [first, count] = checkpoint::share_of(p.numel(), state->world().rank(), state->world().size());
-        std::string n = source_of(p, p.sizes(), state->record_of(p).scalar_type(), first, count);
-        changes.push_back(
-            [state, file, p, n] { state->load_record(p, file->read(n)); });  // the fp32 master under mixed precision
-      }
-    } else {
-      const int rank = state->topology().shard_comm().rank();
-      for (auto& u : state->units())
-        for (auto& f : u->flats())
-          for (size_t i = 0; i < f->params().size(); ++i) {
-            auto piece = f->layout().piece(i, rank);
-            std::string n = source_of(f->params()[i], f->layout().shape(i), f->dtype(), piece ? piece->param_offset : 0,
-                                      piece ? piece->length : 0);
-            if (!piece) continue;
-            at::Tensor dst = f->shard().narrow(0, piece->shard_offset, piece->length);
-            changes.push_back([file, dst, n, piece]() mutable {
-              dst.copy_(file->read_range(n, piece->param_offset, piece->length));
-            });
-          }
-    }
-    for (const auto& item : root.named_buffers()) {
-      if (!item.value().defined()) continue;
-      if (!reader->contains(item.key()))
-        throw checkpoint::SafetensorsError("safetensors file '" + path + "': no entry for buffer '" + item.key() + "'");
-      check_shape(item.key(), item.value().sizes(), item.value().scalar_type(), "buffer");
-      used.insert(item.key());
-      changes.push_back([file, b = item.value(), n = item.key()]() mutable { b.copy_(file->read(n)); });
-    }
-    for (const auto& t : checkpoint::ReaderAccess::header(*reader).tensors) {
-      if (!used.count(t.name) && !(part && part->shapes.count(t.name)))  // another part's: checked there
-        throw checkpoint::SafetensorsError("safetensors file '" + path + "': unexpected tensor '" + t.name +
-                                           "' (no parameter or buffer of the model has that name)");
-    }
+    run.state->check_outside_summon();
+    load.open();
+    load.plan_parameters();
+    load.plan_buffers();
+    load.check_unexpected();
   } catch (const std::exception& e) {
-    error = e.what();
+    run.error = e.what();
   }
-  detail::load_agreed(*state, error, fingerprint, changes, what, world, &progress);
+  run.finish();
 }
 
 }  // namespace
@@ -234,6 +274,117 @@ void load_full_state_dict(torch::nn::Module& root, const std::string& path, cons
                           const ModelPart& part) {
   load_full(root, path, options, &part);
 }
+
+namespace {
+
+// Every leader's list of its tensors (name, dtype, shape), in the order it sends them.
+std::string tensor_list(const StreamedTensors& tensors) {
+  json::array mine;
+  for (const auto& t : tensors.items()) {
+    json::array shape;
+    for (int64_t d : t.shape) shape.push_back(d);
+    mine.push_back(json::array{json::value(t.name), static_cast<int64_t>(t.dtype), shape});
+  }
+  return json::serialize(mine);
+}
+
+// Another part's tensors, as rank 0 receives them from its leader.
+struct Remote {
+  int rank;
+  std::vector<PendingTensor> items;  // name, dtype, shape
+  size_t received = 0;
+};
+
+// Rank 0: the other parts' leaders and their tensors, from every rank's list.
+std::vector<Remote> remotes_of(const std::vector<std::string>& lists) {
+  std::vector<Remote> remotes;
+  for (int r = 1; r < static_cast<int>(lists.size()); ++r) {
+    if (lists[r].empty()) continue;
+    Remote remote{r, {}, 0};
+    const json::value list = json::parse(lists[r]);
+    for (const auto& v : list.as_array()) {
+      const auto& a = v.as_array();
+      std::vector<int64_t> shape;
+      for (const auto& d : a.at(2).as_array()) shape.push_back(d.as_int64());
+      remote.items.push_back(
+          {json::value_to<std::string>(a.at(0)), static_cast<at::ScalarType>(a.at(1).as_int64()), shape, nullptr});
+    }
+    remotes.push_back(std::move(remote));
+  }
+  return remotes;
+}
+
+std::string transfer_what(World& world, int from, const std::string& name) {
+  return "tensor '" + name + "' of rank " + std::to_string(world.global_rank_of(from)) +
+         "'s part for save_full_state_dict";
+}
+
+// The next tensor of `remote`, received (a tensor without elements is not sent).
+at::Tensor receive(World& world, Remote& remote) {
+  Comm& comm = world.comm();
+  const PendingTensor& item = remote.items[remote.received++];
+  at::Tensor t = at::empty(item.shape, at::TensorOptions().dtype(item.dtype).device(comm.device()));
+  if (t.numel() > 0) {
+    PendingWork w = comm.recv_async(t, remote.rank, static_cast<int>(remote.received - 1),
+                                    transfer_what(world, remote.rank, item.name));
+    comm.wait(w);
+  }
+  return t.cpu();  // the writer takes CPU bytes
+}
+
+// Rank 0: the file, its own part's tensors first, then each other part's
+// as its leader sends them; every remote tensor received even when the
+// write fails. Returns the write's error ("" if none).
+std::string write_with_parts(World& world, StreamedTensors& tensors, std::vector<Remote>& remotes,
+                             const std::string& path, const std::map<std::string, std::string>& metadata,
+                             shardtorch::detail::ProgressReporter& progress) {
+  std::vector<PendingTensor> pending;
+  for (const auto& t : tensors.items())
+    pending.push_back({t.name, t.dtype, t.shape, [produce = t.produce, &progress] {
+                         at::Tensor v = produce();
+                         progress.advance(1);
+                         return v;
+                       }});
+  for (size_t i = 0; i < remotes.size(); ++i)
+    for (size_t k = 0; k < remotes[i].items.size(); ++k) {
+      const auto& item = remotes[i].items[k];
+      pending.push_back({item.name, item.dtype, item.shape, [&, i, k] {
+                           tensors.finish();  // rank 0's own part is written: its last gathered flat is freed
+                           SHARDTORCH_CHECK(remotes[i].received == k,
+                                            "shardtorch: internal: save_full_state_dict "
+                                            "took another part's tensors out of order");
+                           at::Tensor v = receive(world, remotes[i]);
+                           progress.advance(1);
+                           return v;
+                         }});
+    }
+  std::string error;
+  try {
+    write_file(path, pending, metadata);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  tensors.finish();
+  for (auto& remote : remotes)  // what a failed write did not take: the leaders send everything
+    while (remote.received < remote.items.size()) receive(world, remote);
+  return error;
+}
+
+// Another part's leader: each of its tensors to rank 0, in order.
+void send_part(World& world, const StreamedTensors& tensors, shardtorch::detail::ProgressReporter& progress) {
+  Comm& comm = world.comm();
+  for (size_t k = 0; k < tensors.items().size(); ++k) {
+    const auto& item = tensors.items()[k];
+    at::Tensor t = item.produce();
+    if (t.numel() == 0) continue;
+    t = t.to(comm.device(), item.dtype).contiguous();  // what rank 0 receives into
+    PendingWork w = comm.send_async(t, 0, static_cast<int>(k), transfer_what(world, world.rank(), item.name));
+    comm.wait(w);
+    progress.advance(1, static_cast<int64_t>(t.nbytes()));
+  }
+}
+
+}  // namespace
 
 // One file for every part: rank 0 of part.world writes it. Its own part's
 // tensors it gathers as the whole model's save does; every other part's
@@ -251,106 +402,26 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   SHARDTORCH_CHECK(!writer || leader, "shardtorch: internal: rank 0 of the parts is not rank 0 of its own part");
   c10::NoGradGuard no_grad;
   StreamedTensors tensors(root, *state, "save_full_state_dict", /*tied_once=*/false);
-
-  // Every leader's list of its tensors (name, dtype, shape), in the order it sends them.
-  json::array mine;
-  if (leader)
-    for (const auto& t : tensors.items()) {
-      json::array shape;
-      for (int64_t d : t.shape) shape.push_back(d);
-      mine.push_back(json::array{json::value(t.name), static_cast<int64_t>(t.dtype), shape});
-    }
   const auto lists = detail::agreed_fingerprints(world, "", "shardtorch::save_full_state_dict: the parts' tensors",
-                                                 leader ? json::serialize(mine) : "");
-  Comm& comm = world.comm();
+                                                 leader ? tensor_list(tensors) : "");
+  std::vector<Remote> remotes = writer ? remotes_of(lists) : std::vector<Remote>{};
   // Rank 0 counts every tensor it writes, a leader those it sends, the
   // other ranks their part's (done when their gathers are).
   int64_t count = static_cast<int64_t>(tensors.items().size()), bytes_total = 0;
-  if (writer)
-    for (int r = 1; r < world.size(); ++r)
-      if (!lists[r].empty()) count += static_cast<int64_t>(json::parse(lists[r]).as_array().size());
+  for (const auto& remote : remotes) count += static_cast<int64_t>(remote.items.size());
   for (const auto& t : tensors.items()) bytes_total += tensor_bytes(t.dtype, t.shape);
   shardtorch::detail::ProgressReporter progress("save_full_state_dict", "tensors", count, writer ? 0 : bytes_total);
   if (writer) progress.count_io();
-  auto transfer_what = [&](int from, const std::string& name) {
-    return "tensor '" + name + "' of rank " + std::to_string(world.global_rank_of(from)) +
-           "'s part for save_full_state_dict";
-  };
-
   std::string error;
   if (writer) {
-    struct Remote {
-      int rank;
-      std::vector<PendingTensor> items;  // name, dtype, shape
-      size_t received = 0;
-    };
-    std::vector<Remote> remotes;
-    for (int r = 1; r < world.size(); ++r) {
-      if (lists[r].empty()) continue;
-      Remote remote{r, {}, 0};
-      const json::value list = json::parse(lists[r]);
-      for (const auto& v : list.as_array()) {
-        const auto& a = v.as_array();
-        std::vector<int64_t> shape;
-        for (const auto& d : a.at(2).as_array()) shape.push_back(d.as_int64());
-        remote.items.push_back(
-            {json::value_to<std::string>(a.at(0)), static_cast<at::ScalarType>(a.at(1).as_int64()), shape, nullptr});
-      }
-      remotes.push_back(std::move(remote));
-    }
-    // The next tensor of `remote`, received (a tensor without elements is not sent).
-    auto receive = [&](Remote& remote) {
-      const PendingTensor& item = remote.items[remote.received++];
-      at::Tensor t = at::empty(item.shape, at::TensorOptions().dtype(item.dtype).device(comm.device()));
-      if (t.numel() > 0) {
-        PendingWork w = comm.recv_async(t, remote.rank, static_cast<int>(remote.received - 1),
-                                        transfer_what(remote.rank, item.name));
-        comm.wait(w);
-      }
-      return t.cpu();  // the writer takes CPU bytes
-    };
-    std::vector<PendingTensor> pending;
-    for (const auto& t : tensors.items())
-      pending.push_back({t.name, t.dtype, t.shape, [produce = t.produce, &progress] {
-                           at::Tensor v = produce();
-                           progress.advance(1);
-                           return v;
-                         }});
-    for (size_t i = 0; i < remotes.size(); ++i)
-      for (size_t k = 0; k < remotes[i].items.size(); ++k) {
-        const auto& item = remotes[i].items[k];
-        pending.push_back({item.name, item.dtype, item.shape, [&, i, k] {
-                             tensors.finish();  // rank 0's own part is written: its last gathered flat is freed
-                             SHARDTORCH_CHECK(remotes[i].received == k,
-                                              "shardtorch: internal: save_full_state_dict "
-                                              "took another part's tensors out of order");
-                             at::Tensor v = receive(remotes[i]);
-                             progress.advance(1);
-                             return v;
-                           }});
-      }
     auto metadata = file_metadata(user_metadata, state->strategy(), world.size());
     metadata["shardtorch_layout"] = part.layout;
-    try {
-      write_file(path, pending, metadata);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    tensors.finish();
-    for (auto& remote : remotes)  // what a failed write did not take: the leaders send everything
-      while (remote.received < remote.items.size()) receive(remote);
+    error = write_with_parts(world, tensors, remotes, path, metadata, progress);
   } else if (leader) {
-    for (size_t k = 0; k < tensors.items().size(); ++k) {
-      const auto& item = tensors.items()[k];
-      at::Tensor t = item.produce();
-      if (t.numel() == 0) continue;
-      t = t.to(comm.device(), item.dtype).contiguous();  // what rank 0 receives into
-      PendingWork w = comm.send_async(t, 0, static_cast<int>(k), transfer_what(world.rank(), item.name));
-      comm.wait(w);
-      progress.advance(1, static_cast<int64_t>(t.nbytes()));
-    }
+    send_part(world, tensors, progress);
   }
   tensors.finish();  // every rank of every part takes part in its part's gathers
+  Comm& comm = world.comm();
   auto status = at::full({1}, error.empty() ? 0 : 1, at::kInt).to(comm.device());
   comm.broadcast(status, 0, "save_full_state_dict status");
   SHARDTORCH_CHECK(error.empty(), "shardtorch::save_full_state_dict: ", error);

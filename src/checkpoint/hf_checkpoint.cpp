@@ -3,7 +3,6 @@
 // each rank opens the files holding its own elements and reads only those.
 #include "shardtorch/hf_checkpoint.h"
 
-#include <c10/core/GradMode.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -17,6 +16,7 @@
 #include "checkpoint/agreement.h"
 #include "checkpoint/hf_index.h"
 #include "checkpoint/tied_names.h"
+#include "checkpoint/model_load.h"
 #include "checkpoint/model_part.h"
 #include "checkpoint/name_mapping.h"
 #include "checkpoint/reader_access.h"
@@ -56,12 +56,6 @@ Source resolve(const std::string& path) {
   return {files::directory_of(path), "", files::filename(path)};
 }
 
-std::string shape_text(c10::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
-
 // The model's name for a checkpoint name (nullopt: skipped by the mapping).
 std::optional<std::string> model_name_of(const std::string& name, const HfLoadOptions& options) {
   return checkpoint::map_checkpoint_name(name, options.prefix_rules(), options.map_name());
@@ -71,256 +65,305 @@ std::optional<std::string> model_name_of(const std::string& name, const HfLoadOp
 
 namespace {
 
-// load_hf_checkpoint, into the whole model or (`part`) into one part of it:
-// the checkpoint's names are matched against the whole model's, and the
-// part's tied parameters are found under their names on the other parts too.
+using checkpoint::Reader;
+using checkpoint::TensorRecord;
+
+// A tensor of the checkpoint: its name there and the file it is in.
+struct Held {
+  std::string name, file;
+};
+
+constexpr const char* kTiedOption = "HfLoadOptions().tied_from";
+
+// The check phase of one load_hf_checkpoint on this rank: the checkpoint's
+// tensors listed, matched against the model's names, then every parameter
+// and buffer this rank holds checked and its copy planned (run.changes).
+// Into the whole model, or (`part`) into one part of it: the checkpoint's
+// names are matched against the whole model's, and the part's tied
+// parameters are found under their names on the other parts too.
+class HfLoad {
+ public:
+  HfLoad(torch::nn::Module& root, const HfLoadOptions& options, const checkpoint::ModelPart* part,
+         checkpoint::LoadRun& run, HfLoadReport& report)
+      : root_(root), options_(options), part_(part), run_(run), state_(*run.state), report_(report) {}
+
+  void list(const std::string& path);
+  void match_names();
+  void plan_parameters();
+  void plan_buffers();
+
+ private:
+  void list_index();
+  void list_single();
+  std::string prefix_hint(const std::set<std::string>& model_names) const;
+  Reader& open(const std::string& file);
+  Reader* reader_of(const Held& s) const { return readers_.at(s.file).get(); }
+  void missing(const std::string& m, const char* kind);
+  const TensorRecord& check(const Held& s, const std::string& m, c10::IntArrayRef want, at::ScalarType dtype,
+                            const char* kind);
+  const Held* source_of(const at::Tensor& p, c10::IntArrayRef shape, at::ScalarType dtype, int64_t first,
+                        int64_t count);
+  std::string first_name(const at::Tensor& p) {
+    const auto& ns = names_[p.unsafeGetTensorImpl()];
+    return ns.empty() ? std::string("?") : ns.front();
+  }
+  void plan_replicated();
+  void plan_piece(FlatParam& f, size_t i, int rank, bool checks_empty);
+
+  torch::nn::Module& root_;
+  const HfLoadOptions& options_;
+  const checkpoint::ModelPart* part_;
+  checkpoint::LoadRun& run_;
+  detail::ShardState& state_;
+  HfLoadReport& report_;
+  Source src_;
+  std::string where_;                                         // starts every error
+  std::map<std::string, std::unique_ptr<Reader>> readers_;    // by file name, as the index names it
+  std::vector<std::pair<std::string, std::string>> entries_;  // the checkpoint's tensors: (name, file)
+  std::map<std::string, Held> by_model_;                      // by the model's name
+  checkpoint::ParameterNames names_;
+};
+
+// The checkpoint at `path`: its tensors and the file each is in, and what
+// the ranks compare of it (run.fingerprint).
+void HfLoad::list(const std::string& path) {
+  src_ = resolve(path);
+  where_ = src_.index.empty() ? "safetensors file '" + files::join(src_.dir, src_.single) + "'"
+                              : "Hugging Face checkpoint '" + src_.index + "'";
+  if (!src_.index.empty())
+    list_index();
+  else
+    list_single();
+}
+
+void HfLoad::list_index() {
+  auto idx = checkpoint::hf_index::parse(read_index_text(src_.index), src_.index);
+  entries_ = std::move(idx.weight_map);
+  std::set<std::string> names;
+  for (const auto& [n, f] : entries_) names.insert(f);
+  // Every file the index names, on every rank (a stat, not an open): a
+  // missing one fails every rank alike, whichever rank would read it.
+  for (const auto& f : names) {
+    const std::string full = files::join(src_.dir, f);
+    if (!files::exists(full))
+      throw SafetensorsError(where_ + ": its weight_map names '" + f + "', which is not in '" + src_.dir +
+                             "' (copy every file of the checkpoint, or fix the index)");
+    const std::string kind = files::irregular_kind(full);
+    if (!kind.empty()) throw SafetensorsError(where_ + ": '" + f + "' is " + kind + ", not a regular file");
+  }
+  run_.fingerprint =
+      "an index of " + std::to_string(entries_.size()) + " tensors in " + std::to_string(names.size()) + " files";
+  for (const auto& [k, v] : idx.metadata) run_.fingerprint += ", " + k + "=" + v;
+}
+
+void HfLoad::list_single() {
+  const auto& h = checkpoint::ReaderAccess::header(open(src_.single));
+  for (const auto& t : h.tensors) entries_.emplace_back(t.name, src_.single);
+  run_.fingerprint =
+      "a file of " + std::to_string(h.tensors.size()) + " tensors from byte " + std::to_string(h.data_start);
+  for (const auto& [k, v] : h.metadata) run_.fingerprint += ", " + k + "=" + v;
+}
+
+Reader& HfLoad::open(const std::string& file) {
+  auto& r = readers_[file];
+  if (!r) {
+    r = std::make_unique<Reader>(files::join(src_.dir, file));
+    report_.files_opened.push_back(file);
+  }
+  return *r;
+}
+
+// Each checkpoint name onto the model's (by_model_), skipped by the
+// mapping, or unexpected.
+void HfLoad::match_names() {
+  const std::set<std::string> model_names = checkpoint::model_names(root_, part_);
+  for (const auto& [c, f] : entries_) {
+    auto m = model_name_of(c, options_);
+    if (!m) {
+      report_.skipped.push_back(c);
+      continue;
+    }
+    if (!model_names.count(*m)) {
+      if (options_.ignore_unexpected()) {
+        report_.unexpected.push_back(c);
+        continue;
+      }
+      throw SafetensorsError(where_ + ": unexpected tensor '" + c + "'" + (*m != c ? " (mapped to '" + *m + "')" : "") +
+                             ": the model has no parameter or buffer of that name" + prefix_hint(model_names) +
+                             " (map the checkpoint's names with "
+                             "HfLoadOptions().strip_prefix/replace_prefix/map_name, skip it by mapping it to "
+                             "nullopt, or pass ignore_unexpected(true))");
+    }
+    auto [it, fresh] = by_model_.emplace(*m, Held{c, f});
+    if (!fresh)
+      throw SafetensorsError(where_ + ": tensors '" + it->second.name + "' and '" + c + "' both map to the model's '" +
+                             *m + "' (change the name mapping so that at most one does, or skip the other)");
+  }
+}
+
+// The common cause of an unexpected name: the checkpoint's names carry a
+// prefix the model's do not. Any of its names shows it (one may be an extra).
+std::string HfLoad::prefix_hint(const std::set<std::string>& model_names) const {
+  for (const auto& [c2, f2] : entries_) {
+    auto m2 = model_name_of(c2, options_);
+    if (!m2 || model_names.count(*m2)) continue;
+    for (const auto& name : model_names)
+      if (ends_with(*m2, "." + name))
+        return " (the checkpoint's '" + *m2 + "' is the model's '" + name + "' behind a prefix: strip_prefix(\"" +
+               m2->substr(0, m2->size() - name.size()) + "\")?)";
+  }
+  return "";
+}
+
+void HfLoad::missing(const std::string& m, const char* kind) {
+  if (options_.may_be_missing(m)) {
+    report_.missing.push_back(m);
+    return;
+  }
+  std::string hint;
+  for (const auto& [c, f] : entries_)
+    if (ends_with(c, "." + m)) {
+      hint = " (the checkpoint has '" + c + "': strip_prefix(\"" + c.substr(0, c.size() - m.size()) + "\")?)";
+      break;
+    }
+  throw SafetensorsError(where_ + ": no tensor for the model's " + kind + " '" + m + "'" + hint +
+                         "; map the checkpoint's names onto the model's (HfLoadOptions().strip_prefix, "
+                         "replace_prefix, map_name), or allow it to be missing (allow_missing, allow_missing_if)");
+}
+
+// The record of `s` in its file (opened now), its shape and a dtype it can be cast into.
+const TensorRecord& HfLoad::check(const Held& s, const std::string& m, c10::IntArrayRef want, at::ScalarType dtype,
+                                  const char* kind) {
+  const auto* rec = checkpoint::ReaderAccess::header(open(s.file)).find(s.name);
+  if (rec == nullptr)
+    throw SafetensorsError(where_ + ": the index puts '" + s.name + "' in '" + s.file +
+                           "', but that file has no such tensor (are the index and the files from the same "
+                           "checkpoint?)");
+  const std::string named = "'" + s.name + "'" + (s.name != m ? " (the model's '" + m + "')" : "");
+  const std::string in_file = " in '" + s.file + "'";
+  checkpoint::require_shape(where_, named, in_file, rec->shape, want, kind);
+  checkpoint::require_castable(where_, named, rec->dtype, in_file, checkpoint::scalar_type(rec->dtype), dtype, kind,
+                               options_.allow_lossy_casts(), "HfLoadOptions");
+  return *rec;
+}
+
+// Where `p` is read from (null: nowhere). A tied parameter held under two
+// or more of its names must hold the same values under each, as this rank
+// compares over elements [first, first + count) (every rank's error fails
+// every rank), unless tied_from says which name to take.
+const Held* HfLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at::ScalarType dtype, int64_t first,
+                              int64_t count) {
+  const auto& ns = names_[p.unsafeGetTensorImpl()];
+  auto t = checkpoint::tied_source(
+      ns, [&](const std::string& n) { return by_model_.count(n) > 0; }, options_.tied_from(), where_, kTiedOption);
+  if (!t) return nullptr;
+  const Held& s = by_model_.at(t->source);
+  for (const auto& other : t->others) {
+    const Held& o = by_model_.at(other);
+    check(s, t->source, shape, dtype, "parameter");
+    check(o, other, shape, dtype, "parameter");
+    if (count > 0)
+      checkpoint::require_equal_tied(reader_of(s)->read_range(s.name, first, count),
+                                     reader_of(o)->read_range(o.name, first, count), dtype, t->source, other, first,
+                                     where_, kTiedOption);
+  }
+  return &s;
+}
+
+void HfLoad::plan_parameters() {
+  names_ = checkpoint::parameter_names(root_, part_);
+  checkpoint::check_tied_from(names_, options_.tied_from(), where_, kTiedOption);
+  if (state_.replicated()) {
+    plan_replicated();
+    return;
+  }
+  const int rank = state_.topology().shard_comm().rank();
+  const bool checks_empty = state_.world().rank() == 0;  // an empty parameter is no rank's: rank 0 checks it
+  for (auto& u : state_.units())
+    for (auto& f : u->flats())
+      for (size_t i = 0; i < f->params().size(); ++i) plan_piece(*f, i, rank, checks_empty);
+}
+
+// Every rank holds everything: every file it names is read.
+void HfLoad::plan_replicated() {
+  std::set<const void*> done;
+  for (const auto& item : root_.named_parameters()) {
+    at::Tensor p = item.value();
+    if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded once
+    const at::ScalarType dtype = state_.record_of(p).scalar_type();
+    const auto [first, count] = checkpoint::share_of(p.numel(), state_.world().rank(), state_.world().size());
+    const Held* s = source_of(p, p.sizes(), dtype, first, count);
+    if (s == nullptr) {
+      missing(item.key(), "parameter");
+      continue;
+    }
+    const auto& rec = check(*s, item.key(), p.sizes(), dtype, "parameter");
+    report_.bytes_read += static_cast<int64_t>(rec.end - rec.begin);
+    run_.changes.push_back(
+        [state = run_.state, file = reader_of(*s), p, n = s->name] { state->load_record(p, file->read(n)); });
+  }
+}
+
+// Parameter `i` of `f`: this rank's piece of it. Only a rank with a piece
+// opens the files (and compares tied names).
+void HfLoad::plan_piece(FlatParam& f, size_t i, int rank, bool checks_empty) {
+  const at::Tensor& p = f.params()[i];
+  auto piece = f.layout().piece(i, rank);
+  const bool mine = piece || (f.layout().numel(i) == 0 && checks_empty);
+  const Held* s =
+      mine ? source_of(p, f.layout().shape(i), f.dtype(), piece ? piece->param_offset : 0, piece ? piece->length : 0)
+           : nullptr;
+  if (!mine) {
+    bool any = false;
+    for (const auto& n : names_[p.unsafeGetTensorImpl()]) any = any || by_model_.count(n);
+    if (!any) missing(first_name(p), "parameter");
+    return;  // not this rank's: not opened
+  }
+  if (s == nullptr) {
+    missing(first_name(p), "parameter");
+    return;
+  }
+  const auto& rec = check(*s, first_name(p), f.layout().shape(i), f.dtype(), "parameter");
+  if (!piece || piece->length == 0) return;
+  report_.bytes_read += piece->length * static_cast<int64_t>(checkpoint::dtype_size(rec.dtype));
+  at::Tensor dst = f.shard().narrow(0, piece->shard_offset, piece->length);
+  run_.changes.push_back([file = reader_of(*s), dst, n = s->name, piece]() mutable {
+    dst.copy_(file->read_range(n, piece->param_offset, piece->length));
+  });
+}
+
+// Every rank keeps every buffer whole.
+void HfLoad::plan_buffers() {
+  for (const auto& item : root_.named_buffers()) {
+    if (!item.value().defined()) continue;
+    auto it = by_model_.find(item.key());
+    if (it == by_model_.end()) {
+      missing(item.key(), "buffer");
+      continue;
+    }
+    const auto& rec = check(it->second, item.key(), item.value().sizes(), item.value().scalar_type(), "buffer");
+    report_.bytes_read += static_cast<int64_t>(rec.end - rec.begin);
+    run_.changes.push_back(
+        [file = reader_of(it->second), b = item.value(), n = it->second.name]() mutable { b.copy_(file->read(n)); });
+  }
+}
+
+// load_hf_checkpoint, into the whole model or (`part`) into one part of it.
 HfLoadReport load_hf(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options,
                      const checkpoint::ModelPart* part) {
-  auto state = detail::require_state(root, "load_hf_checkpoint");
-  shardtorch::detail::ProgressReporter progress("load_hf_checkpoint", "tensors", 0, 0, options.progress());
-  progress.count_io();
-  World* world = part ? part->world.get() : &state->world();
-  detail::FileWaits file_waits(*state, world);
-  state->copies().wait_for_offload_copies();
-  c10::NoGradGuard no_grad;
-  const std::string what = "shardtorch::load_hf_checkpoint '" + path + "'";
-  // Check, agree, change, agree (as the other loaders): every rank checks
-  // what it will read before any value changes; a problem on any rank fails
-  // every rank with the model unchanged.
+  checkpoint::LoadRun run(root, "load_hf_checkpoint", path, options.progress(), part ? part->world.get() : nullptr);
   HfLoadReport report;
-  std::map<std::string, std::unique_ptr<checkpoint::Reader>> readers;  // by file name, as the index names it
-  std::vector<std::function<void()>> changes;
-  std::string error, fingerprint;
+  HfLoad load(root, options, part, run, report);  // holds the readers the changes read from
   try {
-    state->check_outside_summon();
-    const Source src = resolve(path);
-    const std::string where = src.index.empty() ? "safetensors file '" + files::join(src.dir, src.single) + "'"
-                                                : "Hugging Face checkpoint '" + src.index + "'";
-    auto open = [&](const std::string& file) -> checkpoint::Reader& {
-      auto& r = readers[file];
-      if (!r) {
-        r = std::make_unique<checkpoint::Reader>(files::join(src.dir, file));
-        report.files_opened.push_back(file);
-      }
-      return *r;
-    };
-
-    // The checkpoint's tensors and the file each is in.
-    std::vector<std::pair<std::string, std::string>> entries;
-    if (!src.index.empty()) {
-      auto idx = checkpoint::hf_index::parse(read_index_text(src.index), src.index);
-      entries = std::move(idx.weight_map);
-      std::set<std::string> names;
-      for (const auto& [n, f] : entries) names.insert(f);
-      // Every file the index names, on every rank (a stat, not an open): a
-      // missing one fails every rank alike, whichever rank would read it.
-      for (const auto& f : names) {
-        const std::string full = files::join(src.dir, f);
-        if (!files::exists(full))
-          throw SafetensorsError(where + ": its weight_map names '" + f + "', which is not in '" + src.dir +
-                                 "' (copy every file of the checkpoint, or fix the index)");
-        const std::string kind = files::irregular_kind(full);
-        if (!kind.empty()) throw SafetensorsError(where + ": '" + f + "' is " + kind + ", not a regular file");
-      }
-      fingerprint =
-          "an index of " + std::to_string(entries.size()) + " tensors in " + std::to_string(names.size()) + " files";
-      for (const auto& [k, v] : idx.metadata) fingerprint += ", " + k + "=" + v;
-    } else {
-      const auto& h = checkpoint::ReaderAccess::header(open(src.single));
-      for (const auto& t : h.tensors) entries.emplace_back(t.name, src.single);
-      fingerprint =
-          "a file of " + std::to_string(h.tensors.size()) + " tensors from byte " + std::to_string(h.data_start);
-      for (const auto& [k, v] : h.metadata) fingerprint += ", " + k + "=" + v;
-    }
-
-    // Checkpoint names onto the model's.
-    std::set<std::string> model_names;
-    for (const auto& item : root.named_parameters()) model_names.insert(item.key());
-    for (const auto& item : root.named_buffers())
-      if (item.value().defined()) model_names.insert(item.key());
-    if (part)  // the other parts' names are the model's too
-      for (const auto& [name, shape] : part->shapes) model_names.insert(name);
-    struct Source1 {
-      std::string name, file;  // in the checkpoint
-    };
-    std::map<std::string, Source1> by_model;
-    for (const auto& [c, f] : entries) {
-      auto m = model_name_of(c, options);
-      if (!m) {
-        report.skipped.push_back(c);
-        continue;
-      }
-      if (!model_names.count(*m)) {
-        if (options.ignore_unexpected()) {
-          report.unexpected.push_back(c);
-          continue;
-        }
-        // The common case: the checkpoint's names carry a prefix the model's
-        // do not. Any of its names shows it (this one may be an extra).
-        std::string hint;
-        for (const auto& [c2, f2] : entries) {
-          auto m2 = model_name_of(c2, options);
-          if (!m2 || model_names.count(*m2)) continue;
-          for (const auto& name : model_names)
-            if (ends_with(*m2, "." + name)) {
-              hint = " (the checkpoint's '" + *m2 + "' is the model's '" + name + "' behind a prefix: strip_prefix(\"" +
-                     m2->substr(0, m2->size() - name.size()) + "\")?)";
-              break;
-            }
-          if (!hint.empty()) break;
-        }
-        throw SafetensorsError(where + ": unexpected tensor '" + c + "'" +
-                               (*m != c ? " (mapped to '" + *m + "')" : "") +
-                               ": the model has no parameter or buffer of that name" + hint +
-                               " (map the checkpoint's names with "
-                               "HfLoadOptions().strip_prefix/replace_prefix/map_name, skip it by mapping it to "
-                               "nullopt, or pass ignore_unexpected(true))");
-      }
-      auto [it, fresh] = by_model.emplace(*m, Source1{c, f});
-      if (!fresh)
-        throw SafetensorsError(where + ": tensors '" + it->second.name + "' and '" + c + "' both map to the model's '" +
-                               *m + "' (change the name mapping so that at most one does, or skip the other)");
-    }
-
-    auto missing = [&](const std::string& m, const char* kind) {
-      if (options.may_be_missing(m)) {
-        report.missing.push_back(m);
-        return;
-      }
-      std::string hint;
-      for (const auto& [c, f] : entries)
-        if (ends_with(c, "." + m)) {
-          hint = " (the checkpoint has '" + c + "': strip_prefix(\"" + c.substr(0, c.size() - m.size()) + "\")?)";
-          break;
-        }
-      throw SafetensorsError(where + ": no tensor for the model's " + kind + " '" + m + "'" + hint +
-                             "; map the checkpoint's names onto the model's (HfLoadOptions().strip_prefix, "
-                             "replace_prefix, map_name), or allow it to be missing (allow_missing, allow_missing_if)");
-    };
-    // The record of `s` in its file (opened now), its shape and a dtype it can be cast into.
-    auto check = [&](const Source1& s, const std::string& m, c10::IntArrayRef want, at::ScalarType dtype,
-                     const char* kind) -> const checkpoint::TensorRecord& {
-      const auto* rec = checkpoint::ReaderAccess::header(open(s.file)).find(s.name);
-      if (rec == nullptr)
-        throw SafetensorsError(where + ": the index puts '" + s.name + "' in '" + s.file +
-                               "', but that file has no such tensor (are the index and the files from the same "
-                               "checkpoint?)");
-      const std::string named = "'" + s.name + "'" + (s.name != m ? " (the model's '" + m + "')" : "");
-      if (c10::IntArrayRef(rec->shape) != want)
-        throw SafetensorsError(where + ": " + named + " has shape " + shape_text(rec->shape) + " in '" + s.file +
-                               "' but the model's " + kind + " has shape " + shape_text(want) +
-                               " (is the model built with the checkpoint's configuration?)");
-      const at::ScalarType saved = checkpoint::scalar_type(rec->dtype);
-      if (!options.allow_lossy_casts() && !checkpoint::is_safe_cast(saved, dtype))
-        throw SafetensorsError(where + ": " + named + " is " + rec->dtype + " in '" + s.file + "' but the model's " +
-                               kind + " is " + checkpoint::dtype_text(dtype) + ", and a cast from " + rec->dtype +
-                               " to " + checkpoint::dtype_text(dtype) +
-                               " can change values: refused (HfLoadOptions().allow_lossy_casts(true) casts anyway)");
-      return *rec;
-    };
-    auto reader_of = [&](const Source1& s) { return readers.at(s.file).get(); };
-
-    auto names = detail::parameter_names(root);
-    if (part)  // a tied parameter is found under its names on the other parts too
-      for (auto& [impl, ns] : names) {
-        std::vector<std::string> all;
-        for (const auto& n : ns)
-          for (const auto& m : part->names_of(n))
-            if (std::find(all.begin(), all.end(), m) == all.end()) all.push_back(m);
-        ns = std::move(all);
-      }
-    constexpr const char* kOption = "HfLoadOptions().tied_from";
-    checkpoint::check_tied_from(names, options.tied_from(), where, kOption);
-    // Where `p` is read from (null: nowhere). A tied parameter held under
-    // two or more of its names must hold the same values under each, as this
-    // rank compares over elements [first, first + count) (every rank's error
-    // fails every rank), unless tied_from says which name to take.
-    auto source_of = [&](const at::Tensor& p, c10::IntArrayRef shape, at::ScalarType dtype, int64_t first,
-                         int64_t count) -> const Source1* {
-      const auto& ns = names[p.unsafeGetTensorImpl()];
-      auto t = checkpoint::tied_source(
-          ns, [&](const std::string& n) { return by_model.count(n) > 0; }, options.tied_from(), where, kOption);
-      if (!t) return nullptr;
-      const Source1& s = by_model.at(t->source);
-      for (const auto& other : t->others) {
-        const Source1& o = by_model.at(other);
-        check(s, t->source, shape, dtype, "parameter");
-        check(o, other, shape, dtype, "parameter");
-        if (count > 0)
-          checkpoint::require_equal_tied(reader_of(s)->read_range(s.name, first, count),
-                                         reader_of(o)->read_range(o.name, first, count), dtype, t->source, other, first,
-                                         where, kOption);
-      }
-      return &s;
-    };
-    auto first_name = [&](const at::Tensor& p) {
-      const auto& ns = names[p.unsafeGetTensorImpl()];
-      return ns.empty() ? std::string("?") : ns.front();
-    };
-    if (state->replicated()) {  // every rank holds everything: every file it names is read
-      std::set<const void*> done;
-      for (const auto& item : root.named_parameters()) {
-        at::Tensor p = item.value();
-        if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded once
-        const at::ScalarType dtype = state->record_of(p).scalar_type();
-        const auto [first, count] = checkpoint::share_of(p.numel(), state->world().rank(), state->world().size());
-        const Source1* s = source_of(p, p.sizes(), dtype, first, count);
-        if (s == nullptr) {
-          missing(item.key(), "parameter");
-          continue;
-        }
-        const auto& rec = check(*s, item.key(), p.sizes(), dtype, "parameter");
-        report.bytes_read += static_cast<int64_t>(rec.end - rec.begin);
-        changes.push_back([state, file = reader_of(*s), p, n = s->name] { state->load_record(p, file->read(n)); });
-      }
-    } else {
-      const int rank = state->topology().shard_comm().rank();
-      const bool checks_empty = state->world().rank() == 0;  // an empty parameter is no rank's: rank 0 checks it
-      for (auto& u : state->units())
-        for (auto& f : u->flats())
-          for (size_t i = 0; i < f->params().size(); ++i) {
-            const at::Tensor& p = f->params()[i];
-            auto piece = f->layout().piece(i, rank);
-            const bool mine = piece || (f->layout().numel(i) == 0 && checks_empty);
-            // Only a rank with a piece opens the files (and compares tied names).
-            const Source1* s = mine ? source_of(p, f->layout().shape(i), f->dtype(), piece ? piece->param_offset : 0,
-                                                piece ? piece->length : 0)
-                                    : nullptr;
-            if (!mine) {
-              bool any = false;
-              for (const auto& n : names[p.unsafeGetTensorImpl()]) any = any || by_model.count(n);
-              if (!any) missing(first_name(p), "parameter");
-              continue;  // not this rank's: not opened
-            }
-            if (s == nullptr) {
-              missing(first_name(p), "parameter");
-              continue;
-            }
-            const auto& rec = check(*s, first_name(p), f->layout().shape(i), f->dtype(), "parameter");
-            if (!piece || piece->length == 0) continue;
-            report.bytes_read += piece->length * static_cast<int64_t>(checkpoint::dtype_size(rec.dtype));
-            at::Tensor dst = f->shard().narrow(0, piece->shard_offset, piece->length);
-            changes.push_back([file = reader_of(*s), dst, n = s->name, piece]() mutable {
-              dst.copy_(file->read_range(n, piece->param_offset, piece->length));
-            });
-          }
-    }
-    for (const auto& item : root.named_buffers()) {  // every rank keeps every buffer whole
-      if (!item.value().defined()) continue;
-      auto it = by_model.find(item.key());
-      if (it == by_model.end()) {
-        missing(item.key(), "buffer");
-        continue;
-      }
-      const auto& rec = check(it->second, item.key(), item.value().sizes(), item.value().scalar_type(), "buffer");
-      report.bytes_read += static_cast<int64_t>(rec.end - rec.begin);
-      changes.push_back(
-          [file = reader_of(it->second), b = item.value(), n = it->second.name]() mutable { b.copy_(file->read(n)); });
-    }
+    run.state->check_outside_summon();
+    load.list(path);
+    load.match_names();
+    load.plan_parameters();
+    load.plan_buffers();
   } catch (const std::exception& e) {
-    error = e.what();
+    run.error = e.what();
   }
-  detail::load_agreed(*state, error, fingerprint, changes, what, world, &progress);
+  run.finish();
   return report;
 }
 

@@ -245,6 +245,145 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
 }
 
 namespace checkpoint {
+namespace {
+
+namespace json = boost::json;
+
+// Every part's names, as the ranks agreed on them.
+struct PartLists {
+  std::vector<int> leaders;                                         // ranks in part.world, in order
+  std::vector<std::vector<std::pair<std::string, int64_t>>> lists;  // each leader's (name, bytes)
+  int64_t staging_pid = 0;                                          // rank 0's
+};
+
+// One data file of a save by parts: its leader's tensors, in its order.
+struct PartFile {
+  int leader;                   // rank in part.world
+  std::vector<size_t> tensors;  // indices into the leader's list
+};
+
+// Collective over `world`: every rank's names (its part's leader's global
+// rank first). The ranks of a part must name the same tensors (they gather
+// together), and no two parts one tensor; otherwise every rank throws.
+PartLists agree_part_names(World& world, detail::ShardState& state, const std::string& who,
+                           const std::string& naming_error, const std::vector<Entry>& entries) {
+  json::array mine;
+  for (const auto& e : entries) mine.push_back(json::array{json::value(e.name), e.bytes});
+  const json::object report_mine{
+      {"leader", state.world().global_rank_of(0)}, {"pid", static_cast<int64_t>(::getpid())}, {"entries", mine}};
+  const auto all = detail::agreed_fingerprints(world, naming_error, who, json::serialize(report_mine));
+  PartLists out;
+  std::map<int64_t, std::string> part_names;  // by leader: its names, as every rank of the part must have them
+  std::map<std::string, int> taken;           // name -> the leader's rank writing it
+  for (int r = 0; r < world.size(); ++r) {
+    const json::object o = json::parse(all[r]).as_object();
+    if (r == 0) out.staging_pid = o.at("pid").as_int64();
+    const int64_t lead = o.at("leader").as_int64();
+    const std::string names = json::serialize(o.at("entries"));
+    auto [it, fresh] = part_names.emplace(lead, names);
+    SHARDTORCH_CHECK(fresh || it->second == names, who, ": the ranks of one part would write different tensors (rank ",
+                     world.global_rank_of(r), " and rank ", lead,
+                     "); prefix and map_name must give the same names on every rank; nothing was written");
+    if (lead != world.global_rank_of(r)) continue;
+    out.leaders.push_back(r);
+    out.lists.emplace_back();
+    for (const auto& v : o.at("entries").as_array()) {
+      const auto& a = v.as_array();
+      const std::string name = json::value_to<std::string>(a.at(0));
+      auto [t, first] = taken.emplace(name, r);
+      SHARDTORCH_CHECK(first, who, ": two parts of the model would write tensor '", name, "' (rank ",
+                       world.global_rank_of(t->second), "'s and rank ", world.global_rank_of(r),
+                       "'s); the name mapping must keep names distinct; nothing was written");
+      out.lists.back().emplace_back(name, a.at(1).as_int64());
+    }
+  }
+  return out;
+}
+
+// The files: each leader's, planned as one model's, numbered in order
+// (their names in report.files, with the totals).
+std::vector<PartFile> plan_part_files(const PartLists& parts, const HfSaveOptions& options, HfSaveReport& report) {
+  std::vector<PartFile> plan;
+  for (size_t l = 0; l < parts.leaders.size(); ++l) {
+    std::vector<int64_t> bytes;
+    for (const auto& [name, b] : parts.lists[l]) {
+      bytes.push_back(b);
+      report.total_bytes += b;
+      ++report.tensors;
+    }
+    if (bytes.empty()) continue;
+    for (auto& f : plan_files(bytes, options.max_file_bytes())) plan.push_back({parts.leaders[l], std::move(f)});
+  }
+  if (plan.empty()) plan.push_back({0, {}});  // nothing to write: one empty file (rank 0's), as the whole model's save
+  for (size_t k = 0; k < plan.size(); ++k) report.files.push_back(file_name(k, plan.size()));
+  return plan;
+}
+
+// A leader's files, under `staging` names in `dir`: those it has written
+// (by name), or its error in `error`.
+std::vector<std::string> write_part_files(World& world, const std::string& dir, const std::string& staging,
+                                          const std::vector<PartFile>& plan, const std::vector<Entry>& entries,
+                                          const HfSaveReport& report, std::string& error,
+                                          shardtorch::detail::ProgressReporter& progress) {
+  std::vector<std::string> written;
+  try {
+    files::create_directories(dir);
+    size_t next = 0;  // this leader's next entry
+    for (size_t k = 0; k < plan.size(); ++k) {
+      if (plan[k].leader != world.rank()) continue;
+      std::vector<PendingTensor> pending;
+      for (size_t i = 0; i < plan[k].tensors.size(); ++i, ++next) {
+        const Entry& e = entries.at(next);
+        pending.push_back({e.name, e.dtype, e.shape, [produce = e.produce, &progress] {
+                             at::Tensor t = produce();
+                             progress.advance(1);
+                             return t;
+                           }});
+      }
+      written.push_back(report.files[k]);
+      write_file(dir + "/" + staging + report.files[k], pending, {{"format", "pt"}});
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  return written;
+}
+
+// Collective over `world`: when any rank failed to write its part, every
+// rank removes what it wrote and throws, naming the first.
+void agree_part_files(World& world, const std::string& who, const std::string& dir, const std::string& staging,
+                      const std::string& error, const std::vector<std::string>& written) {
+  const auto written_ok = world.comm().all_gather_strings(error, "save_hf_checkpoint: the parts' files");
+  int failed = -1;
+  for (int r = 0; r < world.size() && failed < 0; ++r)
+    if (!written_ok[r].empty()) failed = r;
+  if (failed < 0) return;
+  for (const auto& f : written) remove_staged(dir, staging + f);  // the earlier checkpoint stays as it was
+  detail::agree_on_errors(world, "", who);                        // the files are gone before any rank returns
+  SHARDTORCH_CHECK(false, who, ": rank ", world.global_rank_of(failed),
+                   " could not write its part: ", written_ok[failed]);
+}
+
+// Rank 0: the files in place, the index last.
+void publish_parts(const std::string& dir, const std::string& staging, const PartLists& parts,
+                   const std::vector<PartFile>& plan, const HfSaveReport& report, std::string& error) {
+  try {
+    std::vector<std::pair<std::string, std::string>> weight_map;
+    std::vector<size_t> next(parts.leaders.size(), 0);
+    for (size_t k = 0; k < plan.size(); ++k) {
+      const size_t l = static_cast<size_t>(std::find(parts.leaders.begin(), parts.leaders.end(), plan[k].leader) -
+                                           parts.leaders.begin());
+      for (size_t i = 0; i < plan[k].tensors.size(); ++i)
+        weight_map.emplace_back(parts.lists[l][next[l]++].first, report.files[k]);
+    }
+    publish(dir, staging, report.files, weight_map, report.total_bytes);
+  } catch (const std::exception& e) {
+    error = e.what();
+    remove_staged(dir, staging);
+  }
+}
+
+}  // namespace
 
 // Every part's leader (rank 0 of its own World) writes its part's tensors
 // into files of their own, gathered one flat parameter at a time; the files
@@ -254,7 +393,6 @@ namespace checkpoint {
 // system for every leader (as for sharded checkpoints).
 HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir, const HfSaveOptions& options,
                                 const ModelPart& part) {
-  namespace json = boost::json;
   auto state = detail::require_state(root, "save_hf_checkpoint");
   World& world = *part.world;
   const std::string who = "shardtorch::save_hf_checkpoint '" + dir + "'";
@@ -276,63 +414,11 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
     naming_error = detail::message_of(e);
     entries.clear();
   }
-  // Every rank's names (its part's leader's global rank first): the ranks of
-  // a part must name the same tensors (they gather together), and no two
-  // parts one tensor.
-  json::array mine;
-  for (const auto& e : entries) mine.push_back(json::array{json::value(e.name), e.bytes});
-  const json::object report_mine{
-      {"leader", state->world().global_rank_of(0)}, {"pid", static_cast<int64_t>(::getpid())}, {"entries", mine}};
-  const auto all = detail::agreed_fingerprints(world, naming_error, who, json::serialize(report_mine));
-  std::map<int64_t, std::string> part_names;  // by leader: its names, as every rank of the part must have them
-  std::vector<int> leaders;                   // ranks in part.world, in order
-  std::vector<std::vector<std::pair<std::string, int64_t>>> lists;  // each leader's (name, bytes)
-  std::map<std::string, int> taken;                                 // name -> the leader's rank writing it
-  int64_t staging_pid = 0;
-  for (int r = 0; r < world.size(); ++r) {
-    const json::object o = json::parse(all[r]).as_object();
-    if (r == 0) staging_pid = o.at("pid").as_int64();
-    const int64_t lead = o.at("leader").as_int64();
-    const std::string names = json::serialize(o.at("entries"));
-    auto [it, fresh] = part_names.emplace(lead, names);
-    SHARDTORCH_CHECK(fresh || it->second == names, who, ": the ranks of one part would write different tensors (rank ",
-                     world.global_rank_of(r), " and rank ", lead,
-                     "); prefix and map_name must give the same names on every rank; nothing was written");
-    if (lead != world.global_rank_of(r)) continue;
-    leaders.push_back(r);
-    lists.emplace_back();
-    for (const auto& v : o.at("entries").as_array()) {
-      const auto& a = v.as_array();
-      const std::string name = json::value_to<std::string>(a.at(0));
-      auto [t, first] = taken.emplace(name, r);
-      SHARDTORCH_CHECK(first, who, ": two parts of the model would write tensor '", name, "' (rank ",
-                       world.global_rank_of(t->second), "'s and rank ", world.global_rank_of(r),
-                       "'s); the name mapping must keep names distinct; nothing was written");
-      lists.back().emplace_back(name, a.at(1).as_int64());
-    }
-  }
+  const PartLists parts = agree_part_names(world, *state, who, naming_error, entries);
   tensors.keep_only(kept);
-
-  // The files: each leader's, planned as one model's, numbered in order.
-  struct File {
-    int leader;                   // rank in part.world
-    std::vector<size_t> tensors;  // indices into the leader's list
-  };
-  std::vector<File> plan;
   HfSaveReport report;
-  for (size_t l = 0; l < leaders.size(); ++l) {
-    std::vector<int64_t> bytes;
-    for (const auto& [name, b] : lists[l]) {
-      bytes.push_back(b);
-      report.total_bytes += b;
-      ++report.tensors;
-    }
-    if (bytes.empty()) continue;
-    for (auto& f : plan_files(bytes, options.max_file_bytes())) plan.push_back({leaders[l], std::move(f)});
-  }
-  if (plan.empty()) plan.push_back({0, {}});  // nothing to write: one empty file (rank 0's), as the whole model's save
-  for (size_t k = 0; k < plan.size(); ++k) report.files.push_back(file_name(k, plan.size()));
-  const std::string staging = ".shardtorch-staging-" + std::to_string(staging_pid) + "-";
+  const std::vector<PartFile> plan = plan_part_files(parts, options, report);
+  const std::string staging = ".shardtorch-staging-" + std::to_string(parts.staging_pid) + "-";
   // Every rank counts its part's tensors: a leader as it writes them, the
   // others when their gathers are done.
   int64_t part_bytes = 0;
@@ -344,56 +430,10 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   // Each leader writes its files under staging names.
   std::string error;
   std::vector<std::string> written;  // this rank's files, by name
-  if (leader) {
-    try {
-      files::create_directories(dir);
-      size_t next = 0;  // this leader's next entry
-      for (size_t k = 0; k < plan.size(); ++k) {
-        if (plan[k].leader != world.rank()) continue;
-        std::vector<PendingTensor> pending;
-        for (size_t i = 0; i < plan[k].tensors.size(); ++i, ++next) {
-          const Entry& e = entries.at(next);
-          pending.push_back({e.name, e.dtype, e.shape, [produce = e.produce, &progress] {
-                               at::Tensor t = produce();
-                               progress.advance(1);
-                               return t;
-                             }});
-        }
-        written.push_back(report.files[k]);
-        write_file(dir + "/" + staging + report.files[k], pending, {{"format", "pt"}});
-      }
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  }
+  if (leader) written = write_part_files(world, dir, staging, plan, entries, report, error, progress);
   tensors.finish();  // every rank of every part takes part in its part's gathers
-  const auto written_ok = world.comm().all_gather_strings(error, "save_hf_checkpoint: the parts' files");
-  int failed = -1;
-  for (int r = 0; r < world.size() && failed < 0; ++r)
-    if (!written_ok[r].empty()) failed = r;
-  if (failed >= 0) {
-    for (const auto& f : written) remove_staged(dir, staging + f);  // the earlier checkpoint stays as it was
-    detail::agree_on_errors(world, "", who);                        // the files are gone before any rank returns
-    SHARDTORCH_CHECK(false, who, ": rank ", world.global_rank_of(failed),
-                     " could not write its part: ", written_ok[failed]);
-  }
-  // Rank 0: the files in place, the index last.
-  if (world.rank() == 0) {
-    try {
-      std::vector<std::pair<std::string, std::string>> weight_map;
-      std::vector<size_t> next(leaders.size(), 0);
-      for (size_t k = 0; k < plan.size(); ++k) {
-        const size_t l =
-            static_cast<size_t>(std::find(leaders.begin(), leaders.end(), plan[k].leader) - leaders.begin());
-        for (size_t i = 0; i < plan[k].tensors.size(); ++i)
-          weight_map.emplace_back(lists[l][next[l]++].first, report.files[k]);
-      }
-      publish(dir, staging, report.files, weight_map, report.total_bytes);
-    } catch (const std::exception& e) {
-      error = e.what();
-      remove_staged(dir, staging);
-    }
-  }
+  agree_part_files(world, who, dir, staging, error, written);
+  if (world.rank() == 0) publish_parts(dir, staging, parts, plan, report, error);
   detail::agree_on_errors(world, error, who);
   progress.finish();
   return report;

@@ -14,9 +14,11 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "checkpoint/tied_names.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/optim.h"
@@ -45,6 +47,13 @@ struct ModelPart {
   /// another part: it is a tie's name other than the first.
   bool saved_by_another_part(const std::string& name) const;
 };
+
+/// The names of `root`'s parameters (detail::parameter_names), with `part`
+/// each tied parameter's names on the other parts too (names_of, in order).
+ParameterNames parameter_names(torch::nn::Module& root, const ModelPart* part);
+/// The names a load into `root` matches a checkpoint's against: its
+/// parameters and defined buffers, with `part` every other part's too.
+std::set<std::string> model_names(torch::nn::Module& root, const ModelPart* part);
 
 // The checkpoint functions of shardtorch/checkpoint.h and hf_checkpoint.h for
 // a part: collective over part.world, with `root` this rank's part (sharded).

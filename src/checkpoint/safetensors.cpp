@@ -250,8 +250,14 @@ at::Tensor Reader::read_range(const std::string& name, int64_t offset, int64_t c
   return t;
 }
 
-void write_file(const std::string& path, const std::vector<PendingTensor>& tensors,
-                const std::map<std::string, std::string>& metadata, bool remove_stale_temporaries) {
+namespace {
+
+// The records of `tensors`, laid out by element size, largest first (as
+// Python's safetensors does), the given order kept within a size: every
+// tensor then starts at a multiple of its element size (sizes are powers of
+// two, the data at a multiple of 8), which readers that map the file and
+// cast in place need.
+std::vector<TensorRecord> laid_out(const std::vector<PendingTensor>& tensors) {
   std::vector<TensorRecord> records;
   for (const auto& t : tensors) {
     TensorRecord r;
@@ -260,12 +266,6 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     r.shape = t.shape;
     records.push_back(std::move(r));
   }
-  // Laid out by element size, largest first (as Python's safetensors does),
-  // the given order kept within a size: every tensor then starts at a
-  // multiple of its element size (sizes are powers of two, the data at a
-  // multiple of 8), which readers that map the file and cast in place need.
-  // Produced and written in the given order all the same, each at its place:
-  // a producer may run a collective (save_full_state_dict gathers as it goes).
   std::vector<size_t> layout(tensors.size());
   for (size_t i = 0; i < layout.size(); ++i) layout[i] = i;
   std::stable_sort(layout.begin(), layout.end(),
@@ -279,13 +279,14 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     r.end = at + bytes;
     at = r.end;
   }
-  const std::string header = serialize_header(records, metadata);
-  const std::string dir = files::directory_of(path);
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  // ".NAME.tmp-HOST-PID": a stale one is known by its host and dead process.
-  const std::string tmp_prefix = "." + files::filename(path) + ".tmp-" + host + "-";
-  const std::string tmp = files::join(dir, tmp_prefix + std::to_string(::getpid()));
+  return records;
+}
+
+// `tmp` written and synced: the header, then each tensor at its place,
+// produced in the given order (a producer may run a collective:
+// save_full_state_dict gathers as it goes). On failure `tmp` is removed.
+void write_temporary(const std::string& tmp, const std::string& path, const std::string& header,
+                     const std::vector<PendingTensor>& tensors, const std::vector<TensorRecord>& records) {
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) sys_fail(tmp, "cannot create");
   SHARDTORCH_DEBUG("opened '", tmp, "' for writing (", path, ")");
@@ -310,9 +311,12 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     throw;
   }
   if (::close(fd) != 0) sys_fail(tmp, "close failed");
-  // The rename is durable once the directory is synced (files::sync). A
-  // failure there is an error: the file is in place, but a crash could
-  // still lose it.
+}
+
+// `tmp` renamed to `path`, durably once the directory is synced
+// (files::sync). A failure there is an error: the file is in place, but a
+// crash could still lose it.
+void rename_into_place(const std::string& tmp, const std::string& path) {
   bool renamed = false, past_crash_point = false;
   try {
     files::rename_durably(tmp, path, [&] {
@@ -329,10 +333,13 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     throw SafetensorsError("safetensors file '" + path +
                            "': the file is written, its rename not yet durable: " + e.what());
   }
-  if (!remove_stale_temporaries) return;
-  // Temporary files of writes to this path, on this host, whose process is
-  // gone (killed before its rename): the new file replaces what they would
-  // have become. A live writer's file, or another host's, is left alone.
+}
+
+// Temporary files in `dir` named `tmp_prefix` + PID (writes to one path, on
+// this host) whose process is gone (killed before its rename): the new file
+// replaces what they would have become. A live writer's file, or another
+// host's, is left alone.
+void remove_stale(const std::string& dir, const std::string& tmp_prefix) {
   std::vector<std::string> names;
   try {
     names = files::list_directory(dir);
@@ -347,6 +354,23 @@ void write_file(const std::string& path, const std::vector<PendingTensor>& tenso
     const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
     if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) ::unlink(files::join(dir, name).c_str());
   }
+}
+
+}  // namespace
+
+void write_file(const std::string& path, const std::vector<PendingTensor>& tensors,
+                const std::map<std::string, std::string>& metadata, bool remove_stale_temporaries) {
+  const std::vector<TensorRecord> records = laid_out(tensors);
+  const std::string header = serialize_header(records, metadata);
+  const std::string dir = files::directory_of(path);
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  // ".NAME.tmp-HOST-PID": a stale one is known by its host and dead process.
+  const std::string tmp_prefix = "." + files::filename(path) + ".tmp-" + host + "-";
+  const std::string tmp = files::join(dir, tmp_prefix + std::to_string(::getpid()));
+  write_temporary(tmp, path, header, tensors, records);
+  rename_into_place(tmp, path);
+  if (remove_stale_temporaries) remove_stale(dir, tmp_prefix);
 }
 
 void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

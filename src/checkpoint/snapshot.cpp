@@ -413,6 +413,17 @@ struct Snapshots::Impl {
 
   int64_t restore();
   int64_t fall_back(const std::string& why);
+  // restore's steps.
+  struct Choice {
+    int64_t step = -1;              // chosen (-1: none)
+    std::optional<int64_t> newest;  // the newest step any rank has
+    std::vector<int> source;        // per rank: -1 (its own), or the rank keeping its copy
+  };
+  void remove_leftovers();
+  std::string held_steps() const;
+  Choice choose(const std::vector<std::string>& reports) const;
+  std::vector<int> return_copies(int64_t chosen, const std::vector<int>& source);
+  void load_step(int64_t chosen);
 
   // After a restore to `step`: the snapshots of later steps are of a
   // timeline the job left; they go, so that none is ever restored.
@@ -565,15 +576,35 @@ int64_t Snapshots::Impl::fall_back(const std::string& why) {
 
 int64_t Snapshots::Impl::restore() {
   wait_transfer(false);
-  const int n = world->size();
-  // Leftovers of writes a crash interrupted.
+  remove_leftovers();
+  const auto reports = world->comm().all_gather_strings(held_steps(), "snapshot restore: the steps held");
+  const Choice c = choose(reports);
+  if (c.step < 0)
+    return fall_back(!c.newest ? ""
+                               : "no step is in memory on every rank (newest seen: " + std::to_string(*c.newest) + ")");
+  const std::vector<int> lost = return_copies(c.step, c.source);
+  load_step(c.step);
+  if (rank() == 0) {
+    std::string from;
+    for (int r : lost) from += " " + std::to_string(r);
+    SHARDTORCH_INFO("shardtorch: snapshots: restored step ", c.step, " from memory",
+                    lost.empty() ? "" : "; from their buddies' copies: ranks", from);
+  }
+  return c.step;
+}
+
+// Leftovers of writes a crash interrupted.
+void Snapshots::Impl::remove_leftovers() {
   for (const auto& e : files::list_directory(options.dir))
     if (e.size() > 5 && e.compare(e.size() - 4, 4, ".tmp") == 0 &&
         (e.rfind("." + own_name(options, rank()), 0) == 0 ||
          (e.rfind("." + prefix(options), 0) == 0 &&
           e.find("-held-by-r" + std::to_string(rank()) + "-s") != std::string::npos)))
       files::remove_all_quietly(files::join(options.dir, e));
-  // What this rank has: its own snapshots and the copies it keeps.
+}
+
+// What this rank has: its own snapshots and the copies it keeps (JSON).
+std::string Snapshots::Impl::held_steps() const {
   json::object report;
   json::array own;
   for (int64_t s : valid_steps(own_name(options, rank()), rank())) own.push_back(s);
@@ -585,9 +616,13 @@ int64_t Snapshots::Impl::restore() {
     held[std::to_string(from)] = steps;
   }
   report["held"] = held;
-  const auto reports = world->comm().all_gather_strings(json::serialize(report), "snapshot restore: the steps held");
-  // Every rank decides alike: the newest step that each rank has, in its own
-  // memory or in a copy another rank keeps (source[r]: -1, or the keeper).
+  return json::serialize(report);
+}
+
+// Every rank decides alike, from every rank's held_steps: the newest step
+// that each rank has, in its own memory or in a copy another rank keeps.
+Snapshots::Impl::Choice Snapshots::Impl::choose(const std::vector<std::string>& reports) const {
+  const int n = world->size();
   std::vector<std::set<int64_t>> own_steps(static_cast<size_t>(n));
   std::vector<std::map<int64_t, int>> kept(static_cast<size_t>(n));  // step -> the lowest keeper
   std::set<int64_t> candidates;
@@ -603,27 +638,29 @@ int64_t Snapshots::Impl::restore() {
         candidates.insert(s.as_int64());
       }
   }
-  int64_t chosen = -1;
-  std::vector<int> source(static_cast<size_t>(n), -1);
-  for (auto it = candidates.rbegin(); it != candidates.rend() && chosen < 0; ++it) {
+  Choice c;
+  c.source.assign(static_cast<size_t>(n), -1);
+  if (!candidates.empty()) c.newest = *candidates.rbegin();
+  for (auto it = candidates.rbegin(); it != candidates.rend() && c.step < 0; ++it) {
     bool all = true;
     for (int r = 0; r < n && all; ++r)
       all = own_steps[static_cast<size_t>(r)].count(*it) || kept[static_cast<size_t>(r)].count(*it);
     if (!all) continue;
-    chosen = *it;
+    c.step = *it;
     for (int r = 0; r < n; ++r)
-      if (!own_steps[static_cast<size_t>(r)].count(chosen))
-        source[static_cast<size_t>(r)] = kept[static_cast<size_t>(r)].at(chosen);
+      if (!own_steps[static_cast<size_t>(r)].count(c.step))
+        c.source[static_cast<size_t>(r)] = kept[static_cast<size_t>(r)].at(c.step);
   }
-  if (chosen < 0)
-    return fall_back(candidates.empty() ? ""
-                                        : "no step is in memory on every rank (newest seen: " +
-                                              std::to_string(*candidates.rbegin()) + ")");
-  // The copies kept for ranks without their own go back to them.
+  return c;
+}
+
+// The copies kept for ranks without their own go back to them (source[r]:
+// -1, or the keeper); returns those ranks.
+std::vector<int> Snapshots::Impl::return_copies(int64_t chosen, const std::vector<int>& source) {
   std::vector<PendingWork> works;
   std::vector<at::Tensor> keep;
   std::vector<int> lost;
-  for (int r = 0; r < n; ++r) {
+  for (int r = 0; r < world->size(); ++r) {
     const int h = source[static_cast<size_t>(r)];
     if (h < 0) continue;
     lost.push_back(r);
@@ -647,24 +684,21 @@ int64_t Snapshots::Impl::restore() {
     }
   }
   for (auto& w : works) comm->wait(w);
-  // Every rank checks what it will load; the load agrees before anyone changes.
+  return lost;
+}
+
+// Collective: every rank checks what it will load; the load agrees before
+// anyone changes. A rank whose file went bad since: every rank fails with
+// the reason, before anything changes.
+void Snapshots::Impl::load_step(int64_t chosen) {
   std::string why;
   const std::string path = detail::own_snapshot_path(options, rank(), chosen);
   std::optional<Found> found = check(path, rank(), chosen, why);
-  // A rank whose file went bad since: every rank fails with the reason,
-  // before anything changes.
   checkpoint::load_rank_state(root, opt, path, found ? found->index : Index{},
                               "snapshot step " + std::to_string(chosen), found ? "" : why);
   for (auto& [k, fns] : state)
     if (auto it = found->user_state.find(k); it != found->user_state.end()) fns.second(it->second);
   drop_newer(chosen);
-  if (rank() == 0) {
-    std::string from;
-    for (int r : lost) from += " " + std::to_string(r);
-    SHARDTORCH_INFO("shardtorch: snapshots: restored step ", chosen, " from memory",
-                    lost.empty() ? "" : "; from their buddies' copies: ranks", from);
-  }
-  return chosen;
 }
 
 void Snapshots::finish() {

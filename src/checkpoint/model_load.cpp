@@ -1,0 +1,49 @@
+#include "checkpoint/model_load.h"
+
+#include <sstream>
+
+#include "shardtorch/checkpoint/safetensors.h"
+
+namespace shardtorch::checkpoint {
+namespace {
+
+std::string shape_text(c10::IntArrayRef s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
+}
+
+}  // namespace
+
+LoadRun::LoadRun(torch::nn::Module& root, const char* operation, const std::string& path,
+                 const ProgressCallback& callback, World* world_arg)
+    : state(detail::require_state(root, operation)),
+      progress(operation, "tensors", 0, 0, callback),
+      world(world_arg ? world_arg : &state->world()),
+      file_waits(*state, world_arg),
+      what(std::string("shardtorch::") + operation + " '" + path + "'") {
+  progress.count_io();
+  state->copies().wait_for_offload_copies();
+  no_grad.emplace();
+}
+
+void LoadRun::finish() { detail::load_agreed(*state, error, fingerprint, changes, what, world, &progress); }
+
+void require_shape(const std::string& where, const std::string& named, const std::string& in_file,
+                   c10::IntArrayRef saved, c10::IntArrayRef want, const char* kind) {
+  if (saved != want)
+    throw SafetensorsError(where + ": " + named + " has shape " + shape_text(saved) + in_file + " but the model's " +
+                           kind + " has shape " + shape_text(want) +
+                           " (is the model built with the checkpoint's configuration?)");
+}
+
+void require_castable(const std::string& where, const std::string& named, const std::string& saved_text,
+                      const std::string& in_file, at::ScalarType saved, at::ScalarType dtype, const char* kind,
+                      bool allow_lossy, const char* options) {
+  if (!allow_lossy && !is_safe_cast(saved, dtype))
+    throw SafetensorsError(where + ": " + named + " is " + saved_text + in_file + " but the model's " + kind + " is " +
+                           dtype_text(dtype) + ", and a cast from " + saved_text + " to " + dtype_text(dtype) +
+                           " can change values: refused (" + options + "().allow_lossy_casts(true) casts anyway)");
+}
+
+}  // namespace shardtorch::checkpoint
