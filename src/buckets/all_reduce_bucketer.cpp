@@ -1,10 +1,8 @@
 #include "buckets/all_reduce_bucketer.h"
-#include "base/check.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <algorithm>
 #include <sstream>
 
 namespace shardtorch {
@@ -12,12 +10,9 @@ namespace shardtorch {
 AllReduceBucketer::AllReduceBucketer(std::vector<at::Tensor> params, std::vector<std::string> names, double bucket_mb,
                                      Comm& comm, MemoryTracker* mem, bool async,
                                      std::optional<at::ScalarType> reduce_dtype)
-    : params_(std::move(params)), names_(std::move(names)), comm_(comm), async_(async) {
+    : params_(std::move(params)), names_(std::move(names)), missing_(params_.size()), comm_(comm), async_(async) {
   const int64_t cap_bytes = static_cast<int64_t>(bucket_mb * 1024 * 1024);
   where_.resize(params_.size());
-  ready_.assign(params_.size(), false);
-  touched_.assign(params_.size(), false);
-  absent_.assign(params_.size(), false);
   is_view_.assign(params_.size(), false);
   for (size_t k = 0; k < params_.size(); ++k) index_[params_[k].unsafeGetTensorImpl()] = k;
   // Reverse registration order; a new bucket when the dtype changes or the
@@ -68,7 +63,7 @@ std::vector<size_t> AllReduceBucketer::bucket_of_params() const {
 void AllReduceBucketer::bind_grads() {
   c10::NoGradGuard no_grad;
   for (size_t k = 0; k < params_.size(); ++k) {
-    if (!is_view_[k] || absent_[k]) continue;  // absent: none on purpose, its slice zero
+    if (!is_view_[k] || missing_.absent(k)) continue;  // absent: none on purpose, its slice zero
     at::Tensor view = grad_view(k);
     at::Tensor& g = params_[k].mutable_grad();
     if (g.defined() && g.data_ptr() == view.data_ptr()) continue;
@@ -78,7 +73,7 @@ void AllReduceBucketer::bind_grads() {
       view.copy_(g);
     } else {
       view.zero_();
-      touched_[k] = false;
+      missing_.zeroed(k);
     }
     g = view;
   }
@@ -103,7 +98,7 @@ void AllReduceBucketer::launch(Bucket& b, size_t index) {
   const bool last = index + 1 == buckets_.size();
   bool missing = false;
   if (last) {  // every parameter's backward is over by now, on this rank
-    missing = std::find(ready_.begin(), ready_.end(), false) != ready_.end();
+    missing = missing_.any_missing_here();
     if (!hook_.hook()) b.buffer.narrow(0, b.buffer.numel() - 1, 1).fill_(missing ? 1 : 0);
   }
   if (hook_.hook()) {
@@ -120,10 +115,7 @@ void AllReduceBucketer::launch(Bucket& b, size_t index) {
                             std::move(sizes), std::move(params), std::nullopt);
     comm_.flush_launches();  // the hook's collectives run on the backend itself
     b.call = detail::call_hook(*hook_.hook(), bucket, comm_.rank(), describe_bucket(index), hook_.counter());
-    if (last) {
-      flag_ = at::full({1}, missing ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(comm_.device()));
-      flag_pending_ = comm_.all_reduce_async(flag_, "parameters without a gradient (flag)");
-    }
+    if (last) missing_.launch_flag(comm_, missing);
     return;
   }
   // fp16 sums of N gradients can overflow where their mean does not: divide
@@ -136,8 +128,7 @@ void AllReduceBucketer::mark_ready(size_t i, bool sync) {
   // Autograd may have stolen the incoming gradient instead of accumulating
   // into our view (e.g. after the user set grads to none): move it in.
   auto [b, off] = where_[i];
-  absent_[i] = false;
-  touched_[i] = true;
+  const bool first = missing_.arrive(i);
   if (is_view_[i]) {
     const at::Tensor& g = params_[i].grad();
     const char* expect =
@@ -148,8 +139,7 @@ void AllReduceBucketer::mark_ready(size_t i, bool sync) {
     grad_view(i).add_(params_[i].grad());
     params_[i].mutable_grad().reset();
   }
-  if (ready_[i]) return;
-  ready_[i] = true;
+  if (!first) return;
   ++buckets_[b].ready;
   if (!sync || !async_) return;
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready == buckets_[next_launch_].params.size()) {
@@ -178,62 +168,18 @@ void AllReduceBucketer::finish(bool sync, bool error_on_unused) {
       comm_.wait(bucket.pending);
       if (n > 1 && bucket.buffer.scalar_type() != at::kHalf) bucket.buffer.div_(n);
     }
-    if (flag_pending_.work) comm_.wait(flag_pending_);
+    missing_.wait_flag(comm_);
     try {
-      settle_missing(error_on_unused);
+      const std::vector<size_t> none = missing_.settle(comm_, names_, error_on_unused, buckets_.back().buffer);
+      c10::NoGradGuard no_grad;
+      // Its slice is zero, and stays bound to nothing until it has a gradient.
+      for (size_t k : none) params_[k].mutable_grad().reset();
     } catch (...) {
       reset_counts();
       throw;
     }
   }
   reset_counts();
-}
-
-bool AllReduceBucketer::any_rank_missing() const {
-  if (flag_.defined()) return flag_.item<int>() > 0;  // summed on its own (a hook reduced the buckets)
-  const at::Tensor& last = buckets_.back().buffer;
-  // A sum of 0s and 1s (or of 0s and 1/n under fp16): positive exactly when
-  // some rank set its flag, in any dtype.
-  return last.narrow(0, last.numel() - 1, 1).item<double>() > 0;
-}
-
-void AllReduceBucketer::settle_missing(bool error_on_unused) {
-  if (!any_rank_missing()) return;
-  const int64_t count = static_cast<int64_t>(params_.size());
-  at::Tensor counts = at::empty({2 * count}, at::kInt);
-  auto* c = counts.data_ptr<int32_t>();
-  for (int64_t k = 0; k < count; ++k) {
-    c[k] = ready_[k] ? 1 : 0;
-    c[count + k] = touched_[k] ? 1 : 0;
-  }
-  at::Tensor on_device = counts.to(comm_.device());
-  comm_.all_reduce(on_device, c10d::ReduceOp::SUM, "parameters without a gradient (NoShard)");
-  counts = on_device.cpu();
-  c = counts.data_ptr<int32_t>();
-  const int n = comm_.size();
-  if (error_on_unused) {
-    std::ostringstream missing;
-    int listed = 0;
-    for (int64_t k = 0; k < count; ++k) {
-      if (c[k] == n) continue;
-      if (listed++ < 5) {
-        missing << (listed > 1 ? ", " : "") << "'" << names_[k] << "' (on " << c[k] << " of " << n << " ranks"
-                << (ready_[k] ? "" : ", not this one") << ")";
-      }
-    }
-    SHARDTORCH_CHECK(listed == 0, "shardtorch (NoShard): rank ", comm_.rank(), ": ", listed,
-                     " parameter(s) received no "
-                     "gradient in this backward on some ranks: ",
-                     missing.str(), listed > 5 ? ", ..." : "",
-                     ". Without ShardOptions::error_on_unused_parameters (set now) such a gradient is reduced as zero, "
-                     "and a parameter no rank gave one is left without a gradient");
-  }
-  c10::NoGradGuard no_grad;
-  for (int64_t k = 0; k < count; ++k) {
-    if (c[count + k] != 0) continue;
-    absent_[k] = true;
-    params_[k].mutable_grad().reset();  // its slice is zero, and stays bound to nothing until it has a gradient
-  }
 }
 
 void AllReduceBucketer::discard() {
@@ -247,12 +193,7 @@ void AllReduceBucketer::discard() {
     bucket.pending = PendingWork{};
     detail::abandon_hook(bucket.call, comm_.timeout());
   }
-  if (flag_pending_.work) {
-    try {
-      comm_.wait(flag_pending_);
-    } catch (...) {
-    }
-  }
+  missing_.abandon_flag(comm_);
   reset_counts();
 }
 
@@ -262,15 +203,12 @@ void AllReduceBucketer::reset_counts() {
     bucket.launched = false;
   }
   next_launch_ = 0;
-  std::fill(ready_.begin(), ready_.end(), false);
-  flag_ = at::Tensor();
-  flag_pending_ = PendingWork{};
+  missing_.new_backward();
 }
 
 void AllReduceBucketer::zero_grads() {
   for (auto& bucket : buckets_) bucket.buffer.zero_();
-  std::fill(absent_.begin(), absent_.end(), false);
-  std::fill(touched_.begin(), touched_.end(), false);
+  missing_.zeroed_all();
   bind_grads();
 }
 
@@ -280,7 +218,7 @@ void AllReduceBucketer::zero_grads_of(const std::vector<at::Tensor>& params) {
     auto it = index_.find(p.unsafeGetTensorImpl());
     if (it == index_.end()) continue;
     grad_view(it->second).zero_();
-    touched_[it->second] = false;
+    missing_.zeroed(it->second);
     if (!is_view_[it->second]) params_[it->second].mutable_grad().reset();
   }
 }

@@ -47,6 +47,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "buckets/missing_grads.h"
 #include "comm/hook_call.h"
 #include "shardtorch/collectives.h"
 #include "shardtorch/comm_hooks.h"
@@ -93,9 +94,8 @@ class AllReduceBucketer {
   /// buckets' contents are whatever the failure left: zero_grads() them.
   void discard();
 
-  /// Parameter i ended the last syncing backward with no gradient on any rank
-  /// since it was zeroed: its grad is none (the optimizer skips it).
-  bool absent(size_t i) const { return absent_.at(i); }
+  /// Which parameters got no gradient (absent(i): its grad is none).
+  const detail::MissingGrads& missing() const { return missing_; }
 
   /// Buckets launched from a gradient hook, i.e. before backward ended.
   int64_t launched_during_backward() const { return launched_during_backward_; }
@@ -115,11 +115,6 @@ class AllReduceBucketer {
   at::Tensor gradients_of(size_t b) const;
   /// Bucket `index`'s description in collectives' and hooks' errors.
   std::string describe_bucket(size_t index) const;
-  /// Whether some rank had a parameter without a gradient (the summed flag).
-  bool any_rank_missing() const;
-  /// After the buckets are reduced: if some rank had a parameter without a
-  /// gradient, the counts (one small all-reduce), the error, the absences.
-  void settle_missing(bool error_on_unused);
   /// No parameter ready, no bucket launched: the state a backward starts from.
   void reset_counts();
 
@@ -127,15 +122,11 @@ class AllReduceBucketer {
   std::vector<std::string> names_;
   std::vector<std::pair<size_t, int64_t>> where_;             // param -> (bucket, offset)
   std::unordered_map<const c10::TensorImpl*, size_t> index_;  // param -> its index
-  std::vector<bool> ready_;                                   // a gradient in this backward
-  std::vector<bool> touched_;                                 // a gradient since the slice was last zeroed
-  std::vector<bool> absent_;  // none on any rank at the last syncing finish(): grad set to none
+  detail::MissingGrads missing_;
   std::vector<Bucket> buckets_;
   std::vector<bool> is_view_;  // param.grad is a view of its bucket slice
   Comm& comm_;
   detail::HookSlot hook_;
-  at::Tensor flag_;  // with a hook: the flag, all-reduced on its own
-  PendingWork flag_pending_;
   bool async_;
   int64_t launched_during_backward_ = 0, launched_ = 0;
   size_t next_launch_ = 0;  // buckets below it are launched

@@ -19,7 +19,7 @@ void ReplicatedMasters::bind_grads(const AllReduceBucketer& ddp) {
   c10::NoGradGuard no_grad;
   int64_t converted = 0;  // fp32 copies of gradients reduced in a lower dtype
   for (size_t i = 0; i < masters_.size(); ++i) {
-    if (ddp.absent(i)) {  // no rank gave it a gradient: none, as the parameter's (the optimizer skips it)
+    if (ddp.missing().absent(i)) {  // no rank gave it a gradient: none, as the parameter's (the optimizer skips it)
       masters_[i].mutable_grad().reset();
       continue;
     }
