@@ -301,20 +301,6 @@ void DcpLoad::plan_buffers() {
   }
 }
 
-// The parameters of `opt`'s groups with amsgrad on.
-std::set<const void*> amsgrad_parameters(ShardedOptimizer& opt) {
-  std::set<const void*> out;
-  for (auto& group : opt.inner().param_groups()) {
-    auto& o = group.options();
-    bool on = false;
-    if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) on = a->amsgrad();
-    if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&o)) on = w->amsgrad();
-    if (on)
-      for (const auto& p : group.params()) out.insert(p.unsafeGetTensorImpl());
-  }
-  return out;
-}
-
 void DcpLoad::plan_optimizer() {
   if (!opt_) return;
   auto kind = detail::optimizer_kind(*opt_);
@@ -323,7 +309,7 @@ void DcpLoad::plan_optimizer() {
                            ": the optimizer is none of Adam, AdamW and SGD, whose state this loader "
                            "reads (pass a null optimizer to load the parameters alone)");
   kind_ = *kind;
-  amsgrad_ = amsgrad_parameters(*opt_);
+  amsgrad_ = detail::amsgrad_params(*opt_);
   for (const auto& item : root_.named_parameters()) param_shapes_[item.key()] = item.value().sizes().vec();
   // Every name of each parameter (a tied one has several): its state may be under any.
   for (const auto& [impl, ns] : names_)

@@ -843,20 +843,6 @@ void plan_buffers(torch::nn::Module& root, const FillPlanner& plan, Changes& cha
   }
 }
 
-// The parameters (their TensorImpls) in groups with amsgrad.
-std::set<const void*> amsgrad_params(ShardedOptimizer& opt) {
-  std::set<const void*> amsgrad;
-  for (auto& group : opt.inner().param_groups()) {
-    auto& o = group.options();
-    bool on = false;
-    if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) on = a->amsgrad();
-    if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&o)) on = w->amsgrad();
-    if (on)
-      for (const auto& p : group.params()) amsgrad.insert(p.unsafeGetTensorImpl());
-  }
-  return amsgrad;
-}
-
 // The optimizer state of the pieces this rank's optimizer steps.
 void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Changes& changes) {
   const Index& idx = plan.idx;
@@ -884,7 +870,7 @@ void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Change
   }
   // A group with amsgrad needs each parameter's max_exp_avg_sq: a
   // checkpoint of an optimizer without it would load, and step() fail.
-  const std::set<const void*> amsgrad = amsgrad_params(opt);
+  const std::set<const void*> amsgrad = detail::amsgrad_params(opt);
   auto* st = &opt.inner().state();
   Files* files = &plan.files;
   for (const auto& piece : opt.views().pieces()) {

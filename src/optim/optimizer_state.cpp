@@ -131,4 +131,17 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(Optimize
   return s;
 }
 
+std::set<const void*> amsgrad_params(ShardedOptimizer& opt) {
+  std::set<const void*> amsgrad;
+  for (auto& group : opt.inner().param_groups()) {
+    auto& o = group.options();
+    bool on = false;
+    if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) on = a->amsgrad();
+    if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&o)) on = w->amsgrad();
+    if (on)
+      for (const auto& p : group.params()) amsgrad.insert(p.unsafeGetTensorImpl());
+  }
+  return amsgrad;
+}
+
 }  // namespace shardtorch::detail

@@ -5,6 +5,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,8 @@ std::string describe_optimizer(ShardedOptimizer& opt);
 std::vector<std::pair<std::string, at::Tensor>> optimizer_state_tensors(const torch::optim::OptimizerParamState* st);
 /// Adam(W)'s step count, else 0.
 int64_t optimizer_state_step(const torch::optim::OptimizerParamState* st);
+/// The parameters (their TensorImpls) of `opt`'s groups with amsgrad on.
+std::set<const void*> amsgrad_params(ShardedOptimizer& opt);
 /// A parameter's state from its tensors, in optimizer_state_tensors' order.
 std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(OptimizerKind kind, int64_t step,
                                                                         const std::vector<at::Tensor>& t);
