@@ -86,6 +86,12 @@ void write_three_steps(World& w, const std::string& dir, const std::string& job)
   }
 }
 
+// restore(), its warnings captured into `warnings`.
+int64_t restore_capturing(Snapshots& snaps, CapturedWarnings& warnings) {
+  c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+  return snaps.restore();
+}
+
 class SnapshotRestore : public ::testing::TestWithParam<Strategy> {};
 
 // Three steps snapshotted, a fourth not: a new model (other initial values)
@@ -155,11 +161,7 @@ TEST(Snapshots, AnotherModelsSnapshotsAreRefusedSayingWhy) {
     const Values before = t.values();
     Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job"));
     CapturedWarnings warnings;
-    int64_t step = 0;
-    {
-      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
-      step = snaps.restore();
-    }
+    const int64_t step = restore_capturing(snaps, warnings);
     require(step == -1, "restored step " + std::to_string(step) + " of another model");
     require(warnings.any_with("of another model"), "no warning says the snapshot is of another model");
     require_same(t.values(), before, "after the restore");
@@ -178,11 +180,7 @@ TEST(Snapshots, AnotherWorldSizesSnapshotsAreRefusedSayingWhy) {
     const Values before = t.values();
     Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job"));
     CapturedWarnings warnings;
-    int64_t step = 0;
-    {
-      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
-      step = snaps.restore();
-    }
+    const int64_t step = restore_capturing(snaps, warnings);
     require(step == -1, "restored step " + std::to_string(step) + " written at another world size");
     if (w.rank() < 2)
       require(warnings.any_with("of rank " + std::to_string(w.rank()) + " of 2, not rank " + std::to_string(w.rank()) +
@@ -227,11 +225,7 @@ TEST_P(SnapshotPersist, APersistedStepServesWhenMemoryIsGone) {
     Snapshots snaps(w.shared_from_this(), *again.model, again.opt.get(), o);
     again.register_with(snaps);
     CapturedWarnings warnings;
-    int64_t step = 0;
-    {
-      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
-      step = snaps.restore();
-    }
+    const int64_t step = restore_capturing(snaps, warnings);
     require(step == 2, "restored step " + std::to_string(step) + ", expected the persisted 2");
     require(again.data_position == 100 * w.rank() + 2,
             "the registered state is " + std::to_string(again.data_position) + ", not this rank's");
