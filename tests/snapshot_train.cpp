@@ -173,6 +173,16 @@ int main(int argc, char** argv) {
   const auto die_at = [&](const std::string& phase) {
     // The step a phase belongs to: the one being done, or (a snapshot) the one just done.
     if (mine.phase != phase || (phase == "snapshot" ? step : step + 1) != mine.step) return;
+    // Killed in step S once every rank has finished step S - 1: the ranks
+    // share this machine, so wait (at most 10 s) for every rank's newest
+    // snapshot to be in place; a rank still writing it would otherwise make
+    // the restore's step depend on the machine's load.
+    if (snapshots && phase != "snapshot" && step >= every) {
+      const int64_t last = step - step % every;
+      for (int r = 0; r < world->size(); ++r)
+        for (int t = 0; t < 1000 && !shardtorch::files::exists(shardtorch::detail::own_snapshot_path(so, r, last)); ++t)
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     if (mine.loss == "damage") {  // the last byte of its newest snapshot flipped
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
       const std::string f = shardtorch::files::join(shardtorch::detail::own_snapshot_path(so, world->rank(), step),
