@@ -15,6 +15,7 @@ std::vector<std::string> ModelPart::names_of(const std::string& name) const {
 }
 
 bool ModelPart::saved_by_another_part(const std::string& name) const {
+  if (left_to_tp_rank_0(name)) return true;
   auto it = ties.find(name);
   return it != ties.end() && !it->second.empty() && it->second.front() != name;
 }

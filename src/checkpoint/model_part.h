@@ -38,14 +38,26 @@ struct ModelPart {
   std::map<std::string, std::vector<std::string>> ties;
   /// How the model is laid out (recorded by sharded checkpoints, informational).
   std::string layout;
+  /// Tensor parallelism (checkpoint/tp_slices.h): this part's rank in its
+  /// tensor-parallel group, and the names of its parameters that are slices
+  /// of the whole model's (detail::placement_of). A slice is saved into the
+  /// whole tensor with the other ranks' slices; the parameters whole on every
+  /// rank of the group, and the buffers, are saved by the parts at tp rank 0.
+  int tp_rank = 0;
+  std::set<std::string> split;
 
   /// The names a parameter named `name` here may be saved under, in the
   /// order a load takes the first present: a tie's names in the parts'
   /// order (so that every part holding it reads the same tensor), or `name`.
   std::vector<std::string> names_of(const std::string& name) const;
-  /// Whether a save that writes each tied parameter once leaves `name` to
-  /// another part: it is a tie's name other than the first.
+  /// Whether a save leaves `name` to another part: a tie's name other than
+  /// the first (where the format writes each tied parameter once), or a
+  /// tensor whole on every rank of the tensor-parallel group, here at a tp
+  /// rank other than 0.
   bool saved_by_another_part(const std::string& name) const;
+  /// Whether a save leaves `name` to the part at tp rank 0 (a buffer, or a
+  /// parameter parallelize() did not split), whatever the format.
+  bool left_to_tp_rank_0(const std::string& name) const { return tp_rank != 0 && !split.count(name); }
 };
 
 /// The names of `root`'s parameters (detail::parameter_names), with `part`

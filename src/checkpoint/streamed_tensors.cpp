@@ -3,20 +3,23 @@
 #include <set>
 
 #include "base/check.h"
+#include "checkpoint/model_part.h"
+#include "checkpoint/tp_slices.h"
 #include "runtime/flat_param.h"
 #include "runtime/shard_state.h"
 
 namespace shardtorch::checkpoint {
 
 StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& state, std::string purpose,
-                                 bool tied_once, bool buffers)
+                                 bool tied_once, bool buffers, const ModelPart* part)
     : state_(state), purpose_(std::move(purpose)) {
   if (state.replicated()) {
     std::set<const void*> seen;
     for (const auto& item : root.named_parameters()) {
       if (!seen.insert(item.value().unsafeGetTensorImpl()).second && tied_once) continue;
       at::Tensor v = state.record_of(item.value()).detach();
-      items_.push_back({item.key(), v.scalar_type(), v.sizes().vec(), [v] { return v; }});
+      items_.push_back({item.key(), v.scalar_type(), v.sizes().vec(), [v] { return v; }, -1,
+                        detail::placement_of(item.value())});
     }
   } else {
     for (auto& u : state.units())
@@ -33,7 +36,7 @@ StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& st
                  if (gathered_ != k + 1) gather_through(k);
                  return current_.narrow(0, f->layout().offset(i), f->layout().numel(i)).view(f->layout().shape(i));
                },
-               static_cast<int64_t>(k)});
+               static_cast<int64_t>(k), detail::placement_of(f->params()[i])});
       }
     }
   }
@@ -41,6 +44,52 @@ StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& st
     if (!buffers) break;
     at::Tensor b = item.value();
     if (b.defined()) items_.push_back({item.key(), b.scalar_type(), b.sizes().vec(), [b] { return b; }});
+  }
+  if (part) split_items(*part);
+}
+
+// Items left to tp rank 0 go; a split one becomes the whole tensor.
+void StreamedTensors::split_items(const ModelPart& part) {
+  std::vector<Item> kept;
+  for (auto& item : items_) {
+    if (part.left_to_tp_rank_0(item.name)) continue;
+    if (item.placement && part.tp_rank == 0) {
+      item.shape = item.placement->full_shape;
+      item.produce = [this, k = kept.size(), produce = item.produce] { return assemble(k, produce()); };
+    }
+    kept.push_back(std::move(item));
+  }
+  items_ = std::move(kept);
+}
+
+at::Tensor StreamedTensors::assemble(size_t k, const at::Tensor& mine) {
+  const Item& item = items_.at(k);
+  detail::Placement p = *item.placement;
+  World& tp = *p.group;
+  at::Tensor whole = at::empty(p.full_shape, mine.options());
+  put_slice(whole, mine, p);
+  for (int r = 1; r < tp.size(); ++r) {
+    p.rank = r;
+    at::Tensor slice = at::empty({mine.numel()}, mine.options().device(tp.comm().device()));
+    PendingWork w = tp.comm().recv_async(slice, r, static_cast<int>(k),
+                                         "tp rank " + std::to_string(r) + "'s slice of '" + item.name + "' for " +
+                                             purpose_);
+    tp.comm().wait(w);
+    put_slice(whole, slice.to(whole.device()), p);
+  }
+  return whole;
+}
+
+void StreamedTensors::feed_tp_rank_0() {
+  for (size_t k = 0; k < items_.size(); ++k) {
+    const Item& item = items_[k];
+    SHARDTORCH_CHECK(item.placement, "shardtorch: internal: ", purpose_, " at a tp rank other than 0 has a tensor '",
+                     item.name, "' that is not split");
+    World& tp = *item.placement->group;
+    at::Tensor slice = item.produce().to(tp.comm().device()).contiguous().reshape({-1});
+    PendingWork w = tp.comm().send_async(slice, 0, static_cast<int>(k),
+                                         "this rank's slice of '" + item.name + "' for " + purpose_);
+    tp.comm().wait(w);
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include "base/check.h"
 #include "checkpoint/model_part.h"
+#include "checkpoint/tp_slices.h"
 #include "parallel/pipeline_runtime.h"
 
 namespace shardtorch {
@@ -24,22 +25,24 @@ namespace {
 // the other stages, over the mesh's World.
 checkpoint::ModelPart part_of(const Pipeline& pipe, const char* who) {
   const auto& rt = detail::PipelineAccess::runtime(pipe);
-  // Ranks that differ in another dimension would hold the same stages: they
-  // would each save them (the mesh is the same on every rank: every rank throws).
-  for (const auto& [dim, size] : rt.mesh->dims())
-    SHARDTORCH_CHECK(size == 1 || dim == rt.options.pp_dim() || dim == rt.options.dp_dim(), "shardtorch::", who,
-                     ": the pipeline's mesh (", rt.mesh->describe(), ") has a dimension '", dim,
-                     "' besides the pipeline's and the data-parallel one; checkpoints of such a pipeline are not "
-                     "supported");
   checkpoint::ModelPart part;
   part.world = rt.mesh->world();
   for (const auto& layer : rt.layers)
     for (const auto& [path, module] : layer.modules) {
       for (const auto& item : module->named_parameters(/*recurse=*/true))
-        part.shapes[path + "." + item.key()] = item.value().sizes().vec();
+        part.shapes[path + "." + item.key()] = checkpoint::saved_shape(item.value());
       for (const auto& item : module->named_buffers(/*recurse=*/true))
         if (item.value().defined()) part.shapes[path + "." + item.key()] = item.value().sizes().vec();
     }
+  const std::shared_ptr<World> tp = checkpoint::describe_tensor_parallel(pipe.module(), part, who);
+  // Ranks that differ in another dimension would hold the same stages: they
+  // would each save them (the mesh is the same on every rank: every rank throws).
+  for (const auto& [dim, size] : rt.mesh->dims())
+    SHARDTORCH_CHECK(size == 1 || dim == rt.options.pp_dim() || dim == rt.options.dp_dim() ||
+                         (tp && rt.mesh->group(dim) == tp),
+                     "shardtorch::", who, ": the pipeline's mesh (", rt.mesh->describe(), ") has a dimension '", dim,
+                     "' besides the pipeline's, the data-parallel one and the one parallelize() split the model "
+                     "over; checkpoints of such a pipeline are not supported");
   for (const auto& t : rt.tied) part.ties[t.name] = t.all;
   std::ostringstream layout;
   layout << "pipeline over " << rt.mesh->describe() << ", " << rt.stages() << " stages:";

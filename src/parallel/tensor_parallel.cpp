@@ -305,7 +305,7 @@ class Splitter {
     at::Tensor local = slice_of(p.detach(), dim, parts, n_, r_).clone();
     p.set_(local);
     split_[key] = {dim, parts};
-    detail::set_placement(p, detail::Placement{dim, parts, full, r_, n_});
+    detail::set_placement(p, detail::Placement{dim, parts, full, r_, n_, tp_});
     report.split.emplace_back(name, full);
   }
 

@@ -6,8 +6,11 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
+
+#include "shardtorch/world.h"
 
 namespace shardtorch::detail {
 
@@ -16,6 +19,7 @@ struct Placement {
   int parts = 1;                    // ... of `parts` blocks laid end to end, each split into `size` slices
   std::vector<int64_t> full_shape;  // the unsplit tensor's
   int rank = 0, size = 1;           // this rank's slice of each block, of `size`
+  std::shared_ptr<World> group;     // the tensor-parallel group that splits it
 };
 
 /// Records `t`'s placement (replacing an earlier one). Entries die with their tensors.

@@ -1,0 +1,122 @@
+#include "checkpoint/tp_slices.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "base/check.h"
+#include "runtime/shard_state.h"
+
+namespace shardtorch::checkpoint {
+namespace {
+
+// The whole tensor as [prefix, parts, block, suffix], and the slice's run
+// of each block: [start, start + count) of `block`.
+struct Blocks {
+  int64_t prefix = 1, parts = 1, block = 0, suffix = 1, start = 0, count = 0;
+};
+
+Blocks blocks_of(const detail::Placement& p) {
+  Blocks b;
+  const auto& s = p.full_shape;
+  SHARDTORCH_CHECK(p.dim >= 0 && p.dim < static_cast<int64_t>(s.size()) && p.parts >= 1 && p.size >= 1,
+                   "shardtorch: internal: a tensor-parallel placement along dimension ", p.dim, " of ",
+                   c10::IntArrayRef(s));
+  for (int64_t d = 0; d < p.dim; ++d) b.prefix *= s[d];
+  for (size_t d = p.dim + 1; d < s.size(); ++d) b.suffix *= s[d];
+  b.parts = p.parts;
+  b.block = s[p.dim] / p.parts;
+  b.count = b.block / p.size;
+  b.start = p.rank * b.count;
+  return b;
+}
+
+at::Tensor whole_view(const at::Tensor& whole, const detail::Placement& p, const Blocks& b) {
+  SHARDTORCH_CHECK(whole.sizes() == c10::IntArrayRef(p.full_shape), "shardtorch: internal: a whole tensor of ",
+                   whole.sizes(), " for a placement of ", c10::IntArrayRef(p.full_shape));
+  return whole.view({b.prefix, b.parts, b.block, b.suffix}).narrow(2, b.start, b.count);
+}
+
+}  // namespace
+
+std::vector<Run> runs_of(const detail::Placement& p, int64_t begin, int64_t length) {
+  const Blocks b = blocks_of(p);
+  const int64_t run = b.count * b.suffix;  // a slice's elements of one block, consecutive in the whole too
+  std::vector<Run> out;
+  for (int64_t e = begin, end = begin + length; e < end;) {
+    const int64_t k = e / run, within = e % run, n = std::min(run - within, end - e);
+    out.push_back({(k * b.block + b.start) * b.suffix + within, e, n});
+    e += n;
+  }
+  return out;
+}
+
+void put_slice(at::Tensor& whole, const at::Tensor& slice, const detail::Placement& p) {
+  const Blocks b = blocks_of(p);
+  whole_view(whole, p, b).copy_(slice.reshape({b.prefix, b.parts, b.count, b.suffix}));
+}
+
+at::Tensor take_slice(const at::Tensor& whole, const detail::Placement& p) {
+  const Blocks b = blocks_of(p);
+  std::vector<int64_t> shape = p.full_shape;
+  shape[p.dim] = b.parts * b.count;
+  return whole_view(whole, p, b).contiguous().view(shape);
+}
+
+at::Tensor read_slice(const detail::Placement& p, int64_t begin, int64_t length,
+                      const std::function<at::Tensor(int64_t, int64_t)>& read) {
+  std::vector<at::Tensor> pieces;
+  for (const Run& r : runs_of(p, begin, length)) pieces.push_back(read(r.whole, r.length).reshape({-1}));
+  if (pieces.size() == 1) return pieces.front();
+  if (pieces.empty()) return read(0, 0).reshape({-1});
+  return at::cat(pieces);
+}
+
+std::vector<Run> saved_runs(const at::Tensor& t, int64_t begin, int64_t length) {
+  if (auto p = detail::placement_of(t)) return runs_of(*p, begin, length);
+  if (length == 0) return {};
+  return {Run{begin, begin, length}};
+}
+
+std::vector<int64_t> saved_shape(const at::Tensor& t) {
+  if (auto p = detail::placement_of(t)) return p->full_shape;
+  return t.sizes().vec();
+}
+
+std::shared_ptr<World> describe_tensor_parallel(torch::nn::Module& root, ModelPart& part, const char* who) {
+  std::shared_ptr<World> group;
+  for (const auto& item : root.named_parameters()) {
+    auto p = detail::placement_of(item.value());
+    if (!p) continue;
+    SHARDTORCH_CHECK(!group || group == p->group, "shardtorch::", who, ": parameters of the model are split over ",
+                     "two different tensor-parallel groups ('", item.key(),
+                     "' among them); checkpoints take a model parallelize() split over one group");
+    group = p->group;
+    part.split.insert(item.key());
+    part.shapes[item.key()] = p->full_shape;
+    part.tp_rank = p->rank;
+  }
+  return group;
+}
+
+std::optional<ModelPart> tensor_parallel_part(torch::nn::Module& root, detail::ShardState& state, const char* who) {
+  ModelPart part;
+  const std::shared_ptr<World> tp = describe_tensor_parallel(root, part, who);
+  if (!tp) return std::nullopt;
+  World& dp = state.world();
+  const std::shared_ptr<World>& mesh = tp->parent();
+  SHARDTORCH_CHECK(mesh && dp.parent() == mesh && mesh->size() == dp.size() * tp->size(),
+                   detail::rank_prefix(dp.global_rank()), ": shardtorch::", who, ": the model is split over a ",
+                   "tensor-parallel group of ", tp->size(), " ranks and sharded over a World of ", dp.size(),
+                   "; a checkpoint of it needs the two to be the only dimensions of one DeviceMesh (pipeline "
+                   "stages take the functions of shardtorch/pipeline_checkpoint.h)");
+  part.world = mesh;
+  for (const auto& item : root.named_parameters()) part.shapes.emplace(item.key(), item.value().sizes().vec());
+  for (const auto& item : root.named_buffers())
+    if (item.value().defined()) part.shapes.emplace(item.key(), item.value().sizes().vec());
+  std::ostringstream layout;
+  layout << "tensor parallel over " << tp->size() << " ranks x " << dp.size() << " data-parallel ranks";
+  part.layout = layout.str();
+  return part;
+}
+
+}  // namespace shardtorch::checkpoint
