@@ -5,12 +5,11 @@
 // gradients, final parameters).
 #include <gtest/gtest.h>
 
-#include "../src/parallel/tp_comm.h"
-#include "../src/runtime/placement.h"
-#include "models.h"
 #include "reference.h"
+#include "tp_helpers.h"
 
 using namespace testmodels;
+using namespace tptest;
 using shardtorch::DeviceMesh;
 using shardtorch::Strategy;
 using shardtorch::TpPlan;
@@ -19,30 +18,6 @@ using shardtorch::World;
 using shardtorch::testing::run_ranks;
 
 namespace {
-
-gpt::Config tp_config() {
-  gpt::Config c;
-  c.vocab = 32;
-  c.seq_len = 8;
-  c.d_model = 16;
-  c.n_head = 4;
-  c.n_layer = 2;
-  return c;
-}
-
-// Norm biases away from zero (parameters are compared relative to their
-// largest magnitude; see tests/test_pipeline.cpp's prepare()).
-void prepare(gpt::GPT& m) {
-  torch::NoGradGuard no_grad;
-  m->ln_f->bias.normal_(0.0, 0.1);
-  for (auto& b : m->block_list)
-    for (auto* ln : {&b->ln1, &b->ln2}) (*ln)->bias.normal_(0.0, 0.1);
-}
-
-torch::Tensor tokens() {
-  torch::manual_seed(321);
-  return torch::randint(0, tp_config().vocab, {kBatch, tp_config().seq_len}, torch::kLong);
-}
 
 constexpr int kSteps = 3;
 torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-3).eps(1e-6); }
@@ -75,30 +50,6 @@ testref::Run reference_run(bool clip, std::vector<double>* norms) {
 const testref::Run& reference() {
   static const testref::Run run = reference_run(false, nullptr);
   return run;
-}
-
-// Collective over `tp`: every tensor of `m` whole again (the split ones
-// gathered across the group), under the names it had.
-std::map<std::string, torch::Tensor> whole(const std::map<std::string, torch::Tensor>& m,
-                                           const std::map<std::string, torch::Tensor>& params, World& tp) {
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& [name, t] : m) {
-    auto placement = shardtorch::detail::placement_of(params.at(name));
-    if (!placement) {
-      out[name] = t;
-      continue;
-    }
-    const int64_t dim = placement->dim, parts = placement->parts, n = placement->size;
-    auto g = shardtorch::detail::tp::all_gather_along(t.contiguous(), dim, tp.comm(), "test: a split tensor");
-    // [r0: p0 p1 | r1: p0 p1] along dim -> [p0: r0 r1 | p1: r0 r1]
-    auto shape = g.sizes().vec();
-    const int64_t k = shape[dim] / (n * parts);
-    std::vector<int64_t> split(shape.begin(), shape.begin() + dim);
-    split.insert(split.end(), {n, parts, k});
-    split.insert(split.end(), shape.begin() + dim + 1, shape.end());
-    out[name] = g.reshape(split).transpose(dim, dim + 1).reshape(shape).contiguous();
-  }
-  return out;
 }
 
 struct TpCase {

@@ -18,8 +18,8 @@ StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& st
     for (const auto& item : root.named_parameters()) {
       if (!seen.insert(item.value().unsafeGetTensorImpl()).second && tied_once) continue;
       at::Tensor v = state.record_of(item.value()).detach();
-      items_.push_back({item.key(), v.scalar_type(), v.sizes().vec(), [v] { return v; }, -1,
-                        detail::placement_of(item.value())});
+      items_.push_back(
+          {item.key(), v.scalar_type(), v.sizes().vec(), [v] { return v; }, -1, detail::placement_of(item.value())});
     }
   } else {
     for (auto& u : state.units())
@@ -71,9 +71,9 @@ at::Tensor StreamedTensors::assemble(size_t k, const at::Tensor& mine) {
   for (int r = 1; r < tp.size(); ++r) {
     p.rank = r;
     at::Tensor slice = at::empty({mine.numel()}, mine.options().device(tp.comm().device()));
-    PendingWork w = tp.comm().recv_async(slice, r, static_cast<int>(k),
-                                         "tp rank " + std::to_string(r) + "'s slice of '" + item.name + "' for " +
-                                             purpose_);
+    PendingWork w =
+        tp.comm().recv_async(slice, r, static_cast<int>(k),
+                             "tp rank " + std::to_string(r) + "'s slice of '" + item.name + "' for " + purpose_);
     tp.comm().wait(w);
     put_slice(whole, slice.to(whole.device()), p);
   }
@@ -87,8 +87,8 @@ void StreamedTensors::feed_tp_rank_0() {
                      item.name, "' that is not split");
     World& tp = *item.placement->group;
     at::Tensor slice = item.produce().to(tp.comm().device()).contiguous().reshape({-1});
-    PendingWork w = tp.comm().send_async(slice, 0, static_cast<int>(k),
-                                         "this rank's slice of '" + item.name + "' for " + purpose_);
+    PendingWork w =
+        tp.comm().send_async(slice, 0, static_cast<int>(k), "this rank's slice of '" + item.name + "' for " + purpose_);
     tp.comm().wait(w);
   }
 }

@@ -36,8 +36,8 @@ class StreamedTensors {
     std::string name;  // the model's
     at::ScalarType dtype;
     std::vector<int64_t> shape;
-    std::function<at::Tensor()> produce;  // call on rank 0 only, in order
-    int64_t flat = -1;                    // the flat parameter it is part of (-1: none)
+    std::function<at::Tensor()> produce;         // call on rank 0 only, in order
+    int64_t flat = -1;                           // the flat parameter it is part of (-1: none)
     std::optional<detail::Placement> placement;  // a split parameter's (shape: the whole's)
   };
   /// Every parameter (a tied one under each name, or its first only with

@@ -38,11 +38,11 @@ checkpoint::ModelPart part_of(const Pipeline& pipe, const char* who) {
   // Ranks that differ in another dimension would hold the same stages: they
   // would each save them (the mesh is the same on every rank: every rank throws).
   for (const auto& [dim, size] : rt.mesh->dims())
-    SHARDTORCH_CHECK(size == 1 || dim == rt.options.pp_dim() || dim == rt.options.dp_dim() ||
-                         (tp && rt.mesh->group(dim) == tp),
-                     "shardtorch::", who, ": the pipeline's mesh (", rt.mesh->describe(), ") has a dimension '", dim,
-                     "' besides the pipeline's, the data-parallel one and the one parallelize() split the model "
-                     "over; checkpoints of such a pipeline are not supported");
+    SHARDTORCH_CHECK(
+        size == 1 || dim == rt.options.pp_dim() || dim == rt.options.dp_dim() || (tp && rt.mesh->group(dim) == tp),
+        "shardtorch::", who, ": the pipeline's mesh (", rt.mesh->describe(), ") has a dimension '", dim,
+        "' besides the pipeline's, the data-parallel one and the one parallelize() split the model "
+        "over; checkpoints of such a pipeline are not supported");
   for (const auto& t : rt.tied) part.ties[t.name] = t.all;
   std::ostringstream layout;
   layout << "pipeline over " << rt.mesh->describe() << ", " << rt.stages() << " stages:";

@@ -1,0 +1,171 @@
+// Checkpoints of a tensor-parallel model: the example GPT trained at
+// tp 2 x dp 2 saves under the unsplit model's names and shapes, and what it
+// saved loads at other layouts (tp 1 x dp 4, tp 4 x dp 1, the unsplit model)
+// bitwise.
+#include <gtest/gtest.h>
+
+#include "reference.h"
+#include "shardtorch/checkpoint/safetensors.h"
+#include "temp_dir.h"
+#include "tp_helpers.h"
+
+using namespace testmodels;
+using namespace tptest;
+using shardtorch::DeviceMesh;
+using shardtorch::Strategy;
+using shardtorch::World;
+using shardtorch::testing::run_ranks;
+
+namespace {
+
+constexpr int kSteps = 2;
+torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-3).eps(1e-6); }
+
+// A layout of the example GPT: split over tp (none: the unsplit model),
+// sharded over dp.
+struct Layout {
+  int tp, dp;
+  Strategy strategy;
+  bool split = true;
+  bool sequence_parallel = false;
+};
+
+std::string describe(const Layout& l) {
+  return (l.split ? "tp " + std::to_string(l.tp) + " x " : std::string("unsplit, ")) + "dp " + std::to_string(l.dp) +
+         " " + shardtorch::strategy_name(l.strategy);
+}
+
+// One rank's model at `l`: built from seed 0, split, sharded.
+struct Built {
+  std::shared_ptr<DeviceMesh> mesh;
+  gpt::GPT model{nullptr};
+  std::map<std::string, torch::Tensor> params;  // its own tensors, for their placements
+  std::shared_ptr<World> tp() const { return (*mesh)["tp"]; }
+};
+
+Built build(World& w, const Layout& l) {
+  Built b;
+  b.mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", l.dp}, {"tp", l.tp}});
+  torch::manual_seed(0);
+  b.model = gpt::GPT(tp_config());
+  prepare(b.model);
+  if (l.split) shardtorch::parallelize(*b.model, b.tp(), gpt::tp_plan(tp_config(), l.sequence_parallel));
+  shardtorch::shard(b.model, (*b.mesh)["dp"], strategy_options(l.strategy, l.dp));
+  b.params = own_params(*b.model);
+  return b;
+}
+
+// kSteps of AdamW on this rank's share of the batch.
+void train(Built& b, shardtorch::ShardedOptimizer& opt, const Layout& l) {
+  const auto x = tokens();
+  const int64_t per = kBatch / l.dp, d = b.mesh->coordinate("dp");
+  auto mine = x.narrow(0, d * per, per);
+  for (int s = 0; s < kSteps; ++s) {
+    opt.zero_grad();
+    auto logits = b.model(mine);
+    (l.split ? gpt::lm_loss_tp(logits, mine, b.tp()) : gpt::lm_loss(logits, mine)).backward();
+    opt.step();
+  }
+}
+
+// Collective over the mesh: the model's parameters, whole, by name.
+std::map<std::string, torch::Tensor> whole_params(Built& b) {
+  return whole(testref::full_parameters(*b.model), b.params, *b.tp());
+}
+
+// Every tensor of the file, by name.
+std::map<std::string, torch::Tensor> file_tensors(const std::string& path) {
+  shardtorch::checkpoint::Reader reader(path);
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& n : reader.names()) out[n] = reader.read(n);
+  return out;
+}
+
+void require_bitwise(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want,
+                     const std::string& what) {
+  for (const auto& [n, t] : want) {
+    auto it = got.find(n);
+    require(it != got.end(), what + ": no '" + n + "'");
+    require(it->second.sizes() == t.sizes(), what + ": '" + n + "' has the wrong shape");
+    require(torch::equal(it->second.to(t.scalar_type()), t), what + ": '" + n + "' differs");
+  }
+}
+
+const Layout kSaver{2, 2, Strategy::FullShard};
+
+// The saver's full state dict, written once for the suite.
+class TpFullStateDict : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir("shardtorch-tp-ckpt");
+    auto r = run_ranks(4, [&](World& w) {
+      Built b = build(w, kSaver);
+      auto opt = shardtorch::AdamW(*b.model, adamw());
+      train(b, *opt, kSaver);
+      shardtorch::save_full_state_dict(b.model, path());
+    });
+    ASSERT_TRUE(r.ok) << r.summary();
+  }
+  static void TearDownTestSuite() { delete dir_; }
+  static std::string path() { return *dir_ / "full.safetensors"; }
+  static TempDir* dir_;
+};
+TempDir* TpFullStateDict::dir_ = nullptr;
+
+// The unsplit model's names and shapes; its values those of one process
+// trained the same way (a slice in the wrong place would be far off).
+TEST_F(TpFullStateDict, HoldsTheUnsplitModelsNamesShapesAndValues) {
+  torch::manual_seed(0);
+  gpt::GPT ref(tp_config());
+  prepare(ref);
+  auto params = unique_tensors(*ref);
+  torch::optim::AdamW opt(params, adamw());
+  const auto x = tokens();
+  for (int s = 0; s < kSteps; ++s) {
+    opt.zero_grad();
+    gpt::lm_loss(ref(x), x).backward();
+    opt.step();
+  }
+  const auto saved = file_tensors(path());
+  for (const auto& item : ref->named_parameters()) {
+    auto it = saved.find(item.key());
+    ASSERT_NE(it, saved.end()) << item.key();
+    ASSERT_EQ(it->second.sizes(), item.value().sizes()) << item.key();
+    const double scale = item.value().abs().max().item<double>() + 1e-12;
+    EXPECT_LE((it->second - item.value()).abs().max().item<double>() / scale, 1e-5) << item.key();
+  }
+  for (const auto& item : ref->named_buffers()) EXPECT_TRUE(saved.count(item.key())) << item.key();
+  EXPECT_EQ(saved.size(), ref->named_parameters().size() + ref->named_buffers().size());
+}
+
+// Every layout reads back exactly what was saved.
+TEST_F(TpFullStateDict, LoadsBitwiseAtOtherLayoutsAndIntoTheUnsplitModel) {
+  const auto saved = file_tensors(path());
+  for (const Layout& l : {Layout{2, 2, Strategy::ShardGradOp, true, true}, Layout{1, 4, Strategy::FullShard},
+                          Layout{4, 1, Strategy::NoShard}, Layout{1, 1, Strategy::NoShard, false},
+                          Layout{1, 2, Strategy::FullShard, false}}) {
+    auto r = run_ranks(l.tp * l.dp, [&](World& w) {
+      Built b = build(w, l);
+      shardtorch::load_full_state_dict(b.model, path());
+      require_bitwise(whole_params(b), saved, describe(l));
+    });
+    EXPECT_TRUE(r.ok) << describe(l) << ": " << r.summary();
+  }
+}
+
+// Saved at another layout, the file is the same bytes of tensors.
+TEST_F(TpFullStateDict, ARoundTripThroughAnotherLayoutSavesTheSameTensors) {
+  const Layout l{4, 1, Strategy::NoShard};
+  auto r = run_ranks(4, [&](World& w) {
+    Built b = build(w, l);
+    shardtorch::load_full_state_dict(b.model, path());
+    shardtorch::save_full_state_dict(b.model, *dir_ / "again.safetensors");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  const auto again = file_tensors(*dir_ / "again.safetensors");
+  EXPECT_EQ(again.size(), file_tensors(path()).size());
+  auto rr = run_ranks(1, [&](World&) { require_bitwise(again, file_tensors(path()), "tp 4 x dp 1's save"); });
+  EXPECT_TRUE(rr.ok) << rr.summary();
+}
+
+}  // namespace
