@@ -6,6 +6,7 @@
 
 #include "reference.h"
 #include "shardtorch/checkpoint/safetensors.h"
+#include "shardtorch/pipeline_checkpoint.h"
 #include "temp_dir.h"
 #include "tp_helpers.h"
 
@@ -81,11 +82,14 @@ std::map<std::string, torch::Tensor> file_tensors(const std::string& path) {
   return out;
 }
 
+// Every tensor of `got` is in `want`, bitwise (`want` may hold more: a tied
+// parameter's other names).
 void require_bitwise(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want,
                      const std::string& what) {
-  for (const auto& [n, t] : want) {
-    auto it = got.find(n);
-    require(it != got.end(), what + ": no '" + n + "'");
+  require(!got.empty(), what + ": nothing to compare");
+  for (const auto& [n, t] : got) {
+    auto it = want.find(n);
+    require(it != want.end(), what + ": '" + n + "' is not in the checkpoint");
     require(it->second.sizes() == t.sizes(), what + ": '" + n + "' has the wrong shape");
     require(torch::equal(it->second.to(t.scalar_type()), t), what + ": '" + n + "' differs");
   }
@@ -102,7 +106,7 @@ class TpFullStateDict : public ::testing::Test {
       Built b = build(w, kSaver);
       auto opt = shardtorch::AdamW(*b.model, adamw());
       train(b, *opt, kSaver);
-      shardtorch::save_full_state_dict(b.model, path());
+      shardtorch::save_full_state_dict(*b.model, path());
     });
     ASSERT_TRUE(r.ok) << r.summary();
   }
@@ -146,7 +150,7 @@ TEST_F(TpFullStateDict, LoadsBitwiseAtOtherLayoutsAndIntoTheUnsplitModel) {
                           Layout{1, 2, Strategy::FullShard, false}}) {
     auto r = run_ranks(l.tp * l.dp, [&](World& w) {
       Built b = build(w, l);
-      shardtorch::load_full_state_dict(b.model, path());
+      shardtorch::load_full_state_dict(*b.model, path());
       require_bitwise(whole_params(b), saved, describe(l));
     });
     EXPECT_TRUE(r.ok) << describe(l) << ": " << r.summary();
@@ -158,13 +162,32 @@ TEST_F(TpFullStateDict, ARoundTripThroughAnotherLayoutSavesTheSameTensors) {
   const Layout l{4, 1, Strategy::NoShard};
   auto r = run_ranks(4, [&](World& w) {
     Built b = build(w, l);
-    shardtorch::load_full_state_dict(b.model, path());
-    shardtorch::save_full_state_dict(b.model, *dir_ / "again.safetensors");
+    shardtorch::load_full_state_dict(*b.model, path());
+    shardtorch::save_full_state_dict(*b.model, *dir_ / "again.safetensors");
   });
   ASSERT_TRUE(r.ok) << r.summary();
   const auto again = file_tensors(*dir_ / "again.safetensors");
   EXPECT_EQ(again.size(), file_tensors(path()).size());
   auto rr = run_ranks(1, [&](World&) { require_bitwise(again, file_tensors(path()), "tp 4 x dp 1's save"); });
+  EXPECT_TRUE(rr.ok) << rr.summary();
+}
+
+// 3-D: pipeline stages of the split model load the file and save it again,
+// every rank of pp 2 x dp 1 x tp 2 taking part.
+TEST_F(TpFullStateDict, PipelineStagesOfTheSplitModelLoadAndSaveTheSameTensors) {
+  auto r = run_ranks(4, [&](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}, {"dp", 1}, {"tp", 2}});
+    torch::manual_seed(0);
+    gpt::GPT model(tp_config());
+    shardtorch::parallelize(*model, (*mesh)["tp"], gpt::tp_plan(tp_config(), /*sequence_parallel=*/true));
+    shardtorch::Pipeline pipe(gpt::pipeline_layers(model), mesh, shardtorch::PipelineOptions().microbatches(2));
+    shardtorch::load_full_state_dict(pipe, path());
+    shardtorch::save_full_state_dict(pipe, *dir_ / "pipeline.safetensors");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  const auto saved = file_tensors(path()), again = file_tensors(*dir_ / "pipeline.safetensors");
+  EXPECT_EQ(again.size(), saved.size());
+  auto rr = run_ranks(1, [&](World&) { require_bitwise(again, saved, "pp 2 x dp 1 x tp 2's save"); });
   EXPECT_TRUE(rr.ok) << rr.summary();
 }
 

@@ -19,6 +19,7 @@
 #include "checkpoint/reader_access.h"
 #include "checkpoint/streamed_tensors.h"
 #include "checkpoint/tied_names.h"
+#include "checkpoint/tp_slices.h"
 #include "shardtorch/checkpoint.h"
 
 namespace shardtorch {
@@ -61,6 +62,8 @@ std::map<std::string, std::string> file_metadata(const std::map<std::string, std
 void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                           const std::map<std::string, std::string>& user_metadata) {
   auto state = detail::require_state(root, "save_full_state_dict");
+  if (auto part = checkpoint::tensor_parallel_part(root, *state, "save_full_state_dict"))
+    return checkpoint::save_full_state_dict(root, path, user_metadata, *part);
   detail::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
   World& world = state->world();
   check_user_metadata(path, user_metadata);
@@ -173,6 +176,7 @@ void FullLoad::check_shape(const std::string& n, c10::IntArrayRef want, at::Scal
 // compares its own part: every rank's error fails every rank).
 std::string FullLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at::ScalarType dtype, int64_t first,
                                 int64_t count) {
+  // A slice's elements [first, first + count) are runs of the whole tensor's.
   const auto& ns = names_[p.unsafeGetTensorImpl()];
   for (const auto& n : ns) used_.insert(n);
   auto t = checkpoint::tied_source(
@@ -183,9 +187,9 @@ std::string FullLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at:
   check_shape(t->source, shape, dtype);
   for (const auto& other : t->others) {
     check_shape(other, shape, dtype);
-    if (count > 0)
-      checkpoint::require_equal_tied(reader_->read_range(t->source, first, count),
-                                     reader_->read_range(other, first, count), dtype, t->source, other, first,
+    for (const auto& r : checkpoint::saved_runs(p, first, count))
+      checkpoint::require_equal_tied(reader_->read_range(t->source, r.whole, r.length),
+                                     reader_->read_range(other, r.whole, r.length), dtype, t->source, other, r.whole,
                                      file_where_, kTiedOption);
   }
   return t->source;
@@ -202,12 +206,16 @@ void FullLoad::plan_parameters() {
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i) {
         auto piece = f->layout().piece(i, rank);
-        std::string n = source_of(f->params()[i], f->layout().shape(i), f->dtype(), piece ? piece->param_offset : 0,
+        const at::Tensor& p = f->params()[i];
+        std::string n = source_of(p, checkpoint::saved_shape(p), f->dtype(), piece ? piece->param_offset : 0,
                                   piece ? piece->length : 0);
         if (!piece) continue;
         at::Tensor dst = f->shard().narrow(0, piece->shard_offset, piece->length);
         run_.changes.push_back(
-            [file, dst, n, piece]() mutable { dst.copy_(file->read_range(n, piece->param_offset, piece->length)); });
+            [file, dst, n, runs = checkpoint::saved_runs(p, piece->param_offset, piece->length)]() mutable {
+              for (const auto& r : runs)
+                dst.narrow(0, r.local - runs.front().local, r.length).copy_(file->read_range(n, r.whole, r.length));
+            });
       }
 }
 
@@ -218,9 +226,11 @@ void FullLoad::plan_replicated() {
     at::Tensor p = item.value();
     if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded once
     const auto [first, count] = checkpoint::share_of(p.numel(), state_.world().rank(), state_.world().size());
-    std::string n = source_of(p, p.sizes(), state_.record_of(p).scalar_type(), first, count);
+    std::string n = source_of(p, checkpoint::saved_shape(p), state_.record_of(p).scalar_type(), first, count);
     run_.changes.push_back([state = run_.state, file, p, n] {
-      state->load_record(p, file->read(n));  // the fp32 master under mixed precision
+      at::Tensor v = file->read(n);
+      if (auto slice = detail::placement_of(p)) v = checkpoint::take_slice(v, *slice);
+      state->load_record(p, v);  // the fp32 master under mixed precision
     });
   }
 }
@@ -265,7 +275,9 @@ void load_full(torch::nn::Module& root, const std::string& path, const LoadOptio
 }  // namespace
 
 void load_full_state_dict(torch::nn::Module& root, const std::string& path, const LoadOptions& options) {
-  load_full(root, path, options, nullptr);
+  auto state = detail::require_state(root, "load_full_state_dict");
+  const auto part = checkpoint::tensor_parallel_part(root, *state, "load_full_state_dict");
+  load_full(root, path, options, part ? &*part : nullptr);
 }
 
 namespace checkpoint {
@@ -398,10 +410,13 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   World& world = *part.world;
   detail::FileWaits file_waits(*state, &world);  // leaders wait for rank 0 to reach their tensors
   check_user_metadata(path, user_metadata);
-  const bool writer = world.rank() == 0, leader = state->world().rank() == 0;
+  // A part's leader sends its tensors to rank 0; at a tp rank other than 0
+  // it sends its slices to its tp rank 0 instead (StreamedTensors).
+  const bool writer = world.rank() == 0, feeder = state->world().rank() == 0 && part.tp_rank != 0,
+             leader = state->world().rank() == 0 && !feeder;
   SHARDTORCH_CHECK(!writer || leader, "shardtorch: internal: rank 0 of the parts is not rank 0 of its own part");
   c10::NoGradGuard no_grad;
-  StreamedTensors tensors(root, *state, "save_full_state_dict", /*tied_once=*/false);
+  StreamedTensors tensors(root, *state, "save_full_state_dict", /*tied_once=*/false, /*buffers=*/true, &part);
   const auto lists = detail::agreed_fingerprints(world, "", "shardtorch::save_full_state_dict: the parts' tensors",
                                                  leader ? tensor_list(tensors) : "");
   std::vector<Remote> remotes = writer ? remotes_of(lists) : std::vector<Remote>{};
@@ -419,6 +434,8 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
     error = write_with_parts(world, tensors, remotes, path, metadata, progress);
   } else if (leader) {
     send_part(world, tensors, progress);
+  } else if (feeder) {
+    tensors.feed_tp_rank_0();
   }
   tensors.finish();  // every rank of every part takes part in its part's gathers
   Comm& comm = world.comm();

@@ -48,14 +48,19 @@ StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& st
   if (part) split_items(*part);
 }
 
-// Items left to tp rank 0 go; a split one becomes the whole tensor.
+// Items left to tp rank 0 go; a split one becomes the whole tensor, which
+// the part's leader (the rank that produces) assembles at tp rank 0.
 void StreamedTensors::split_items(const ModelPart& part) {
   std::vector<Item> kept;
+  const bool leader = state_.world().rank() == 0;
+  int split_count = 0;
   for (auto& item : items_) {
     if (part.left_to_tp_rank_0(item.name)) continue;
+    split_tags_.push_back(item.placement ? split_count++ : -1);
     if (item.placement && part.tp_rank == 0) {
       item.shape = item.placement->full_shape;
-      item.produce = [this, k = kept.size(), produce = item.produce] { return assemble(k, produce()); };
+      assembles_ = leader;
+      if (leader) item.produce = [this, k = kept.size(), produce = item.produce] { return assemble(k, produce()); };
     }
     kept.push_back(std::move(item));
   }
@@ -64,6 +69,8 @@ void StreamedTensors::split_items(const ModelPart& part) {
 
 at::Tensor StreamedTensors::assemble(size_t k, const at::Tensor& mine) {
   const Item& item = items_.at(k);
+  SHARDTORCH_CHECK(k >= assembled_, "shardtorch: internal: ", purpose_, " went back to an earlier split tensor");
+  assembled_ = k + 1;
   detail::Placement p = *item.placement;
   World& tp = *p.group;
   at::Tensor whole = at::empty(p.full_shape, mine.options());
@@ -71,9 +78,8 @@ at::Tensor StreamedTensors::assemble(size_t k, const at::Tensor& mine) {
   for (int r = 1; r < tp.size(); ++r) {
     p.rank = r;
     at::Tensor slice = at::empty({mine.numel()}, mine.options().device(tp.comm().device()));
-    PendingWork w =
-        tp.comm().recv_async(slice, r, static_cast<int>(k),
-                             "tp rank " + std::to_string(r) + "'s slice of '" + item.name + "' for " + purpose_);
+    PendingWork w = tp.comm().recv_async(
+        slice, r, split_tags_[k], "tp rank " + std::to_string(r) + "'s slice of '" + item.name + "' for " + purpose_);
     tp.comm().wait(w);
     put_slice(whole, slice.to(whole.device()), p);
   }
@@ -88,7 +94,7 @@ void StreamedTensors::feed_tp_rank_0() {
     World& tp = *item.placement->group;
     at::Tensor slice = item.produce().to(tp.comm().device()).contiguous().reshape({-1});
     PendingWork w =
-        tp.comm().send_async(slice, 0, static_cast<int>(k), "this rank's slice of '" + item.name + "' for " + purpose_);
+        tp.comm().send_async(slice, 0, split_tags_[k], "this rank's slice of '" + item.name + "' for " + purpose_);
     tp.comm().wait(w);
   }
 }
@@ -119,6 +125,9 @@ void StreamedTensors::gather(size_t k) {
 }
 
 void StreamedTensors::finish() {
+  // The slices the other tp ranks send for what a failed writer did not reach.
+  for (size_t k = assembled_; assembles_ && k < items_.size(); ++k)
+    if (items_[k].placement) items_[k].produce();
   if (gathered_ < flats_.size()) gather_through(flats_.size() - 1);
   current_ = at::Tensor();
 }

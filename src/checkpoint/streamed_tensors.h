@@ -73,6 +73,9 @@ class StreamedTensors {
   std::vector<bool> needed_;         // per flat
   at::Tensor current_;               // the last gathered flat parameter, full
   std::vector<Item> items_;
+  std::vector<int> split_tags_;  // per item: its place among the split ones (-1: none), alike on every tp rank
+  bool assembles_ = false;       // the leader of a part at tp rank 0 with split items
+  size_t assembled_ = 0;         // items before this one are assembled (or not split)
 };
 
 }  // namespace checkpoint
