@@ -167,6 +167,44 @@ TEST(TpPipeline, PipelineStagesOfATensorParallelGptShardedOverDpTrainLikeOneProc
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
+// A model built deferred and split before shard() materialises it: each
+// rank replays a unit's construction and keeps its slice's shard; it trains
+// bitwise like the model built eagerly and split.
+TEST(TpDeferred, ADeferredModelSplitThenShardedTrainsBitwiseLikeTheEagerOne) {
+  const auto x = tokens();
+  auto r = run_ranks(4, [&](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", 2}, {"tp", 2}});
+    auto tp = (*mesh)["tp"];
+    auto mine = x.narrow(0, mesh->coordinate("dp") * (kBatch / 2), kBatch / 2);
+    std::vector<std::pair<std::vector<double>, std::map<std::string, torch::Tensor>>> runs;
+    for (bool deferred : {false, true}) {
+      torch::manual_seed(0);
+      gpt::GPT model = deferred ? shardtorch::deferred([] { return gpt::GPT(tp_config()); }) : gpt::GPT(tp_config());
+      prepare(model);
+      require(shardtorch::is_deferred(model->head->weight) == deferred, "the model is not built as asked");
+      shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config(), /*sequence_parallel=*/true));
+      require(model->tok_emb->weight.size(0) == tp_config().vocab / 2, "the vocabulary is not split");
+      shardtorch::shard(model, (*mesh)["dp"], strategy_options(Strategy::FullShard, 2));
+      require(!shardtorch::is_deferred(model->head->weight), "shard() left the head deferred");
+      const auto params = own_params(*model);
+      auto opt = shardtorch::AdamW(*model, adamw());
+      std::vector<double> losses;
+      for (int s = 0; s < 2; ++s) {
+        opt->zero_grad();
+        auto loss = gpt::lm_loss_tp(model(mine), mine, tp);
+        loss.backward();
+        losses.push_back(loss.item<double>());
+        opt->step();
+      }
+      runs.emplace_back(losses, whole(testref::full_parameters(*model), params, *tp));
+    }
+    require(runs[0].first == runs[1].first, "the losses differ");
+    for (const auto& [n, t] : runs[0].second)
+      require(torch::equal(t, runs[1].second.at(n)), "parameter '" + n + "' differs");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // The communication's adjoints at a group of one are the identity: a split
 // layer there computes what torch::nn::Linear computes, bitwise (both models
 // take the same loss function, so that only the layers differ).

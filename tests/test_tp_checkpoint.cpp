@@ -29,11 +29,12 @@ struct Layout {
   Strategy strategy;
   bool split = true;
   bool sequence_parallel = false;
+  bool deferred = false;  // built deferred, its construction skipped (the checkpoint gives the values)
 };
 
 std::string describe(const Layout& l) {
   return (l.split ? "tp " + std::to_string(l.tp) + " x " : std::string("unsplit, ")) + "dp " + std::to_string(l.dp) +
-         " " + shardtorch::strategy_name(l.strategy);
+         " " + shardtorch::strategy_name(l.strategy) + (l.deferred ? " deferred" : "");
 }
 
 // One rank's model at `l`: built from seed 0, split, sharded.
@@ -48,8 +49,13 @@ Built build(World& w, const Layout& l) {
   Built b;
   b.mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", l.dp}, {"tp", l.tp}});
   torch::manual_seed(0);
-  b.model = gpt::GPT(tp_config());
-  prepare(b.model);
+  if (l.deferred) {
+    b.model = shardtorch::deferred([] { return gpt::GPT(tp_config()); });
+    shardtorch::skip_deferred_init(*b.model);
+  } else {
+    b.model = gpt::GPT(tp_config());
+    prepare(b.model);
+  }
   if (l.split) shardtorch::parallelize(*b.model, b.tp(), gpt::tp_plan(tp_config(), l.sequence_parallel));
   shardtorch::shard(b.model, (*b.mesh)["dp"], strategy_options(l.strategy, l.dp));
   b.params = own_params(*b.model);
@@ -142,12 +148,13 @@ TEST_F(TpFullStateDict, HoldsTheUnsplitModelsNamesShapesAndValues) {
   EXPECT_EQ(saved.size(), ref->named_parameters().size() + ref->named_buffers().size());
 }
 
-// Every layout reads back exactly what was saved.
+// Every layout reads back exactly what was saved, also into a model built
+// deferred (each rank then allocates only its slices' shards).
 TEST_F(TpFullStateDict, LoadsBitwiseAtOtherLayoutsAndIntoTheUnsplitModel) {
   const auto saved = file_tensors(path());
   for (const Layout& l : {Layout{2, 2, Strategy::ShardGradOp, true, true}, Layout{1, 4, Strategy::FullShard},
-                          Layout{4, 1, Strategy::NoShard}, Layout{1, 1, Strategy::NoShard, false},
-                          Layout{1, 2, Strategy::FullShard, false}}) {
+                          Layout{4, 1, Strategy::NoShard}, Layout{2, 2, Strategy::FullShard, true, false, true},
+                          Layout{1, 1, Strategy::NoShard, false}, Layout{1, 2, Strategy::FullShard, false}}) {
     auto r = run_ranks(l.tp * l.dp, [&](World& w) {
       Built b = build(w, l);
       shardtorch::load_full_state_dict(*b.model, path());

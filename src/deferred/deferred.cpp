@@ -222,7 +222,11 @@ struct DeferredMeta : c10::BackendMeta {
   DeferredMeta(std::shared_ptr<DeferredSession> s, int64_t i) : session(std::move(s)), id(i) {}
   std::shared_ptr<DeferredSession> session;
   int64_t id;
+  std::function<at::Tensor(const at::Tensor&)> take;  // defer_part: the part of the value the tensor is
 };
+
+// The value of the deferred tensor `m` describes, from its construction's `v`.
+at::Tensor part_of(const DeferredMeta& m, at::Tensor v) { return m.take ? m.take(v) : v; }
 
 DeferredMeta* meta_of(const at::Tensor& t) {
   if (!t.defined() || !t.key_set().has(kKey)) return nullptr;
@@ -579,6 +583,7 @@ void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vect
     for (size_t k = 0; k < which.size(); ++k) {
       const at::Tensor& t = tensors[which[k]];
       at::Tensor real = values.at(ids[k]);
+      if (!s->fakes[ids[k]].zeros) real = part_of(*meta_of(t), real);
       const c10::Device target = device.value_or(real.device());
       if (real.device() != target) {
         real = real.to(target);
@@ -592,6 +597,14 @@ void materialize_tensors(const std::vector<at::Tensor>& tensors, const std::vect
       impl->set_backend_meta(nullptr);
     }
   }
+}
+
+void defer_part(const at::Tensor& t, c10::IntArrayRef shape, std::function<at::Tensor(const at::Tensor&)> take) {
+  auto* m = meta_of(t);
+  SHARDTORCH_CHECK(m, "shardtorch: internal: defer_part of a tensor that is not deferred");
+  if (m->take) take = [first = m->take, then = std::move(take)](const at::Tensor& v) { return then(first(v)); };
+  m->take = std::move(take);
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
 }
 
 void materialize_into(const at::Tensor& t, const std::string& name, const at::Tensor& dst, int rank) {
@@ -615,7 +628,7 @@ void materialize_into(const at::Tensor& t, const std::string& name, const at::Te
     if (zeros) {
       dst.zero_();
     } else {
-      at::Tensor v = s->replay({id}).at(id);
+      at::Tensor v = part_of(*m, s->replay({id}).at(id));
       dst.copy_(v);
     }
   }

@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "base/check.h"
+#include "deferred/deferred_session.h"
 #include "parallel/tp_comm.h"
 #include "parallel/tp_layer.h"
 #include "runtime/placement.h"
@@ -238,10 +239,6 @@ void check_match(const Match& m, int n, std::ostringstream& desc, const Fail& fa
       fail(who + ": padding_idx and max_norm are not supported with a vocabulary split");
   }
   desc << "\n";
-  for (const auto& item : m.module->named_parameters(/*recurse=*/true))
-    if (is_deferred(item.value()))
-      fail("parameter '" + (m.name.empty() ? item.key() : m.name + "." + item.key()) +
-           "' is deferred: parallelize() splits constructed parameters (materialize() the model first)");
 }
 
 // Splits the matched modules' parameters (once each: a tied one may be
@@ -302,8 +299,14 @@ class Splitter {
       return;
     }
     const auto full = p.sizes().vec();
-    at::Tensor local = slice_of(p.detach(), dim, parts, n_, r_).clone();
-    p.set_(local);
+    if (is_deferred(p)) {  // materialised (by shard()) as its slice
+      auto shape = full;
+      shape[dim] /= n_;
+      detail::defer_part(p, shape,
+                         [dim, parts, n = n_, r = r_](const at::Tensor& v) { return slice_of(v, dim, parts, n, r); });
+    } else {
+      p.set_(slice_of(p.detach(), dim, parts, n_, r_).clone());
+    }
     split_[key] = {dim, parts};
     detail::set_placement(p, detail::Placement{dim, parts, full, r_, n_, tp_});
     report.split.emplace_back(name, full);
