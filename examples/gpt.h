@@ -158,15 +158,21 @@ inline std::vector<shardtorch::PipelineLayer> pipeline_layers(GPT& model) {
 
 /// The units shard() builds from a GPT of this shape, computed from the shape
 /// alone (for planning models too large to construct); tests check it equals
-/// shardtorch::unit_specs of a constructed model.
-inline std::vector<shardtorch::UnitSpec> unit_specs(const Config& c) {
+/// shardtorch::unit_specs of a constructed model. `tp` > 1: of one rank of a
+/// model tp_plan() split over `tp` ranks (its slices), which
+/// shardtorch::plan_memory plans like any model over the data-parallel ranks.
+inline std::vector<shardtorch::UnitSpec> unit_specs(const Config& c, int64_t tp = 1) {
   const int64_t d = c.d_model;
   std::vector<shardtorch::UnitSpec> units;
   // The root: both embeddings (the head's tied weight is the token
-  // embedding's, so it lands in the root) and the final layer norm.
-  units.push_back({"", {{c.vocab * d + c.seq_len * d + 2 * d}}});
-  // A block: ln1 2d, qkv 3d^2, proj d^2 + d, ln2 2d, fc1 4d^2 + 4d, fc2 4d^2 + d.
-  for (int64_t i = 0; i < c.n_layer; ++i) units.push_back({"blocks." + std::to_string(i), {{12 * d * d + 10 * d}}});
+  // embedding's, so it lands in the root; split by vocabulary) and the final
+  // layer norm.
+  units.push_back({"", {{c.vocab / tp * d + c.seq_len * d + 2 * d}}});
+  // A block: ln1 2d, qkv 3d^2, proj d^2 + d, ln2 2d, fc1 4d^2 + 4d, fc2 4d^2 + d;
+  // split: qkv, proj's weight, fc1, fc2's weight (the biases of proj and fc2
+  // are added after the reduction, whole).
+  for (int64_t i = 0; i < c.n_layer; ++i)
+    units.push_back({"blocks." + std::to_string(i), {{12 * d * d / tp + 4 * d / tp + 6 * d}}});
   units.push_back({"head", {}});
   return units;
 }

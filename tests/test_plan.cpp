@@ -6,6 +6,7 @@
 
 #include "shardtorch/error.h"
 #include "models.h"
+#include "shardtorch/mesh.h"
 #include "shardtorch/pipeline.h"
 #include "shardtorch/plan.h"
 
@@ -138,6 +139,38 @@ TEST(Plan, GptShapeArithmeticEqualsTheWalkOfAConstructedModel) {
   EXPECT_EQ(specs[2].flats[0].numel, 13 * 5);
   EXPECT_EQ(specs[2].flats[1].numel, 5);
   EXPECT_FALSE(specs[2].flats[1].trainable);
+}
+
+// A GPT split over tensor-parallel ranks: the shape arithmetic gives one
+// rank's slices, and planned over the data-parallel ranks it is that rank's
+// memory (model state exact, transients bounded) at tp 2 x dp 2.
+TEST(Plan, ATensorParallelGptPlansItsSlicesOverTheDataParallelRanks) {
+  const gpt::Config cfg{66, 16, 24, 4, 3};  // vocabulary, heads and widths split in two; odd flats padded
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard}) {
+    const auto opts = strategy_options(s, 2).bucket_mb(0.01);
+    const auto plan = shardtorch::plan_memory(gpt::unit_specs(cfg, 2), {opts, 2, 2});
+    auto r = run_ranks(4, [&](World& w) {
+      auto mesh = shardtorch::DeviceMesh::create(w.shared_from_this(), {{"dp", 2}, {"tp", 2}});
+      torch::manual_seed(0);
+      auto model = gpt::GPT(cfg);
+      shardtorch::parallelize(*model, (*mesh)["tp"], gpt::tp_plan(cfg));
+      const auto specs = shardtorch::unit_specs(*model), want = gpt::unit_specs(cfg, 2);
+      require(specs.size() == want.size(), "unit count");
+      for (size_t u = 0; u < specs.size(); ++u)
+        for (size_t f = 0; f < specs[u].flats.size(); ++f)
+          require(f < want[u].flats.size() && specs[u].flats[f].numel == want[u].flats[f].numel,
+                  "unit '" + specs[u].name + "': the split model's flat " + std::to_string(f) + " holds " +
+                      std::to_string(specs[u].flats[f].numel) + " elements, the shape arithmetic says otherwise");
+      auto sm = shardtorch::shard(model, (*mesh)["dp"], opts);
+      auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-3));
+      auto x = torch::randint(cfg.vocab, {2, cfg.seq_len}, torch::kLong);
+      sm.reset_peak_memory();
+      gpt::lm_loss_tp(model(x), x, (*mesh)["tp"]).backward();
+      opt->step();
+      if ((*mesh)["dp"]->rank() == 0) require_plan_holds(sm.memory(), plan, shardtorch::strategy_name(s));
+    });
+    EXPECT_TRUE(r.ok) << shardtorch::strategy_name(s) << "\n" << r.summary();
+  }
 }
 
 class PlanVsMeasured : public ::testing::TestWithParam<std::tuple<Strategy, int>> {};

@@ -5,6 +5,8 @@
 // gradients, final parameters).
 #include <gtest/gtest.h>
 
+#include "../examples/llama.h"
+#include "counting_allocator.h"
 #include "reference.h"
 #include "tp_helpers.h"
 
@@ -167,6 +169,94 @@ TEST(TpPipeline, PipelineStagesOfATensorParallelGptShardedOverDpTrainLikeOneProc
   EXPECT_TRUE(r.ok) << r.summary();
 }
 
+// A Llama-shaped model (grouped-query attention with fewer key and value
+// heads than query heads, rotary embeddings, RMSNorm, SwiGLU, an untied
+// head) under its plan, with Hugging Face's module names: trains like one
+// process, alone with sequence parallelism and under FullShard over dp.
+TEST(TpLlama, TheLlamaPlanTrainsLikeOneProcess) {
+  const llama::Config cfg;
+  torch::manual_seed(321);
+  const auto x = torch::randint(0, cfg.vocab, {kBatch, cfg.seq_len}, torch::kLong);
+  testref::Run ref;
+  {
+    torch::manual_seed(0);
+    llama::Llama model(cfg);
+    auto params = unique_tensors(*model);
+    torch::optim::AdamW opt(params, adamw());
+    for (int s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      auto l = llama::lm_loss(model(x), x);
+      l.backward();
+      ref.losses.push_back(l.item<double>());
+      if (s == 0)
+        for (auto& [n, p] : unique_params(*model)) ref.first_grads[n] = p.grad().detach().clone();
+      opt.step();
+    }
+    ref.final_params = snapshot(*model);
+  }
+  for (const TpCase& c : {TpCase{2, 1, Strategy::NoShard, true}, TpCase{2, 2, Strategy::FullShard, false}}) {
+    auto r = run_ranks(c.tp * c.dp, [&](World& w) {
+      auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", c.dp}, {"tp", c.tp}});
+      auto tp = (*mesh)["tp"];
+      torch::manual_seed(0);
+      llama::Llama model(cfg);
+      shardtorch::parallelize(*model, tp, llama::tp_plan(cfg, c.sequence_parallel));
+      require(model->model->layer_list[0]->self_attn->k_proj->weight.size(0) ==
+                  cfg.n_kv_head / c.tp * (cfg.d_model / cfg.n_head),
+              "the key heads are not split");
+      shardtorch::shard(model, (*mesh)["dp"], strategy_options(c.strategy, c.dp));
+      const auto params = own_params(*model);
+      auto opt = shardtorch::AdamW(*model, adamw());
+      const int64_t per = kBatch / c.dp;
+      auto mine = x.narrow(0, mesh->coordinate("dp") * per, per);
+      testref::Run got;
+      for (int s = 0; s < kSteps; ++s) {
+        opt->zero_grad();
+        auto loss = llama::lm_loss(model(mine), mine, tp);
+        loss.backward();
+        auto global = loss.detach().reshape({1}).clone();
+        (*mesh)["dp"]->comm().all_reduce(global, c10d::ReduceOp::SUM, "test: the step's loss");
+        got.losses.push_back(global.item<double>() / c.dp);
+        if (s == 0) got.first_grads = whole(testref::full_gradients(*model), params, *tp);
+        opt->step();
+      }
+      got.final_params = whole(testref::full_parameters(*model), params, *tp);
+      testref::expect_same_run(got, ref, 1e-5, "llama " + case_name(c));
+    });
+    EXPECT_TRUE(r.ok) << case_name(c) << ": " << r.summary();
+  }
+}
+
+// Sequence parallelism splits the activations between a row layer and the
+// next column layer along the sequence: a rank then holds fewer bytes
+// between forward and backward (counted by the allocator) than without it,
+// the same model at the same tp. The figures are printed (docs/parallelism.md).
+TEST(TpMemory, SequenceParallelismHoldsFewerActivationBytes) {
+  gpt::Config cfg = tp_config();
+  cfg.seq_len = 64;
+  torch::manual_seed(321);
+  const auto x = torch::randint(0, cfg.vocab, {4, cfg.seq_len}, torch::kLong);
+  auto r = run_ranks(2, [&](World& w) {
+    int64_t held[2] = {0, 0};
+    for (bool sp : {false, true}) {
+      torch::manual_seed(0);
+      gpt::GPT model(cfg);
+      shardtorch::parallelize(*model, w.shared_from_this(), gpt::tp_plan(cfg, sp));
+      CountingCPUAllocator counting;
+      const int64_t before = counting.current();
+      auto loss = gpt::lm_loss_tp(model(x), x, w.shared_from_this());
+      held[sp] = counting.current() - before;
+      loss.backward();
+    }
+    if (w.rank() == 0)
+      std::cout << "  activations held after forward, tp 2, batch 4 x 64 tokens, d_model " << cfg.d_model << ": "
+                << held[0] << " bytes, " << held[1] << " with sequence parallelism" << std::endl;
+    require(held[1] < held[0],
+            "sequence parallelism holds " + std::to_string(held[1]) + " bytes, without it " + std::to_string(held[0]));
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // A model built deferred and split before shard() materialises it: each
 // rank replays a unit's construction and keeps its slice's shard; it trains
 // bitwise like the model built eagerly and split.
@@ -284,6 +374,60 @@ TEST(TpErrors, MisusedPlansFailOnEveryRankNamingTheModule) {
     });
     ASSERT_FALSE(r.ok) << c.says;
     for (const auto& m : errors_of(r)) EXPECT_NE(m.find(c.says), std::string::npos) << m;
+  }
+}
+
+// The ranks of a group must start alike: a model built from another seed
+// on one rank is refused before it is split, naming a parameter.
+TEST(TpErrors, ARankWhoseModelDiffersIsRefusedNamingTheParameter) {
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(w.rank());
+    gpt::GPT model(tp_config());
+    const auto shape = model->block_list[0]->fc1->weight.sizes().vec();
+    try {
+      shardtorch::parallelize(*model, w.shared_from_this(), gpt::tp_plan(tp_config()));
+    } catch (...) {
+      require(model->block_list[0]->fc1->weight.sizes().vec() == shape, "the refused model was changed");
+      throw;
+    }
+  });
+  ASSERT_FALSE(r.ok);
+  for (const auto& m : errors_of(r)) {
+    EXPECT_NE(m.find("shardtorch::parallelize: parameter 'tok_emb.weight' differs between rank 0 and rank 1"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("from the same seed"), std::string::npos) << m;
+  }
+}
+
+// check_replicated finds the whole parameters that drifted apart: ranks of a
+// group that took different batches (here each its own, by global rank).
+TEST(TpErrors, CheckReplicatedNamesAParameterThatDivergedAcrossTheGroup) {
+  const auto x = tokens();
+  for (bool same_batch : {true, false}) {
+    auto r = run_ranks(4, [&](World& w) {
+      auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", 2}, {"tp", 2}});
+      auto tp = (*mesh)["tp"];
+      torch::manual_seed(0);
+      gpt::GPT model(tp_config());
+      shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config()));
+      shardtorch::shard(model, (*mesh)["dp"], strategy_options(Strategy::FullShard, 2));
+      auto opt = shardtorch::AdamW(*model, adamw());
+      const int64_t slot = same_batch ? mesh->coordinate("dp") : w.rank();
+      auto mine = x.narrow(0, slot * (kBatch / 4), kBatch / 4);
+      require(shardtorch::check_replicated(*model, tp) > 0, "nothing compared");
+      opt->zero_grad();
+      gpt::lm_loss_tp(model(mine), mine, tp).backward();
+      opt->step();
+      shardtorch::check_replicated(*model, tp);
+    });
+    if (same_batch) {
+      EXPECT_TRUE(r.ok) << r.summary();
+      continue;
+    }
+    ASSERT_FALSE(r.ok);  // each group names the first of its shards that differs
+    for (const auto& m : errors_of(r))
+      EXPECT_NE(m.find("shardtorch::check_replicated: parameter '"), std::string::npos) << m;
   }
 }
 

@@ -147,11 +147,23 @@ struct SHARDTORCH_API TpReport {
 /// and becomes this rank's slice. Call it before shard() (which then shards
 /// the slices over its own World) and before an optimizer is made. A rule
 /// that matches no module, a style on a module of the wrong type, a size
-/// the group does not divide (features, heads, vocabulary), or a plan or
-/// group size that differs across the group's ranks is an error on every
+/// the group does not divide (features, heads, vocabulary), a plan or group
+/// size that differs across the group's ranks, or a parameter whose values
+/// differ across them (a model built from another seed) is an error on every
 /// rank, before anything changes. Parameters tied to a split one (an LM head
 /// sharing the token embedding) are split with it, once.
 SHARDTORCH_API TpReport parallelize(torch::nn::Module& model, std::shared_ptr<World> tp, const TpPlan& plan);
+
+/// Collective over `tp`: checks that the parameters parallelize() left whole
+/// (norms, position embeddings, biases added after a reduction) hold the
+/// same values on every rank of the group, as the split layers' math
+/// assumes; ranks of one group that took different batches or optimizer
+/// steps make them differ. Of a sharded model, each rank's shard of them is
+/// compared with its peers'. Throws on every rank naming the first that
+/// differs and two ranks that disagree; returns how many were compared.
+/// (parallelize() itself checks every constructed parameter, split or not,
+/// before it splits.)
+SHARDTORCH_API int64_t check_replicated(torch::nn::Module& root, const std::shared_ptr<World>& tp);
 
 /// clip_grad_norm (shardtorch/clip.h) of a sharded model whose parameters
 /// parallelize() split over `tp`: the norm of the whole model's gradients

@@ -16,6 +16,7 @@
 #include "deferred/deferred_session.h"
 #include "parallel/tp_comm.h"
 #include "parallel/tp_layer.h"
+#include "parallel/tp_replicas.h"
 #include "runtime/placement.h"
 #include "shardtorch/deferred.h"
 
@@ -342,6 +343,10 @@ TpReport parallelize(torch::nn::Module& model, std::shared_ptr<World> tp, const 
                      "models: rank ", group.global_rank_of(0), " has\n", all[0], "rank ", group.global_rank_of(k),
                      " has\n", all[k]);
   SHARDTORCH_CHECK(bad.empty(), me, ": ", bad);
+  detail::require_same_parameters(model, group, /*unsplit_only=*/false, me.substr(me.find("shardtorch::")),
+                                  "parallelize() splits each rank's copy as if they were equal: build the model "
+                                  "from the same seed on every rank (torch::manual_seed before construction), or "
+                                  "load the same checkpoint");
 
   c10::NoGradGuard no_grad;
   Splitter splitter(tp, plan, me);
