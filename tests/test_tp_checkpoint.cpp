@@ -168,4 +168,120 @@ TEST_F(TpFullStateDict, ARoundTripThroughAnotherLayoutSavesTheSameTensors) {
   EXPECT_TRUE(rr.ok) << rr.summary();
 }
 
+// One more step of `l`'s training (as train()'s).
+void one_step(Built& b, shardtorch::ShardedOptimizer& opt, const Layout& l) {
+  const auto x = tokens();
+  const int64_t per = kBatch / l.dp, d = b.mesh->coordinate("dp");
+  auto mine = x.narrow(0, d * per, per);
+  opt.zero_grad();
+  auto logits = b.model(mine);
+  (l.split ? gpt::lm_loss_tp(logits, mine, b.tp()) : gpt::lm_loss(logits, mine)).backward();
+  opt.step();
+}
+
+void save_tensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors) {
+  std::vector<std::pair<std::string, torch::Tensor>> list(tensors.begin(), tensors.end());
+  shardtorch::checkpoint::save_file(path, list);
+}
+
+// Both hold the same keys, each bitwise the same.
+void require_same(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want,
+                  const std::string& what) {
+  require(got.size() == want.size(),
+          what + ": " + std::to_string(got.size()) + " tensors, not " + std::to_string(want.size()));
+  require_bitwise(got, want, what);
+}
+
+// The saver's sharded checkpoint (with AdamW's state) after kSteps, its
+// parameters whole then, and after one more step.
+class TpShardedCheckpoint : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir("shardtorch-tp-sharded");
+    auto r = run_ranks(4, [&](World& w) {
+      Built b = build(w, kSaver);
+      auto opt = shardtorch::AdamW(*b.model, adamw());
+      train(b, *opt, kSaver);
+      shardtorch::save_sharded_checkpoint(*b.model, opt.get(), ckpt(), kSteps, {{"data", "tp"}});
+      const auto saved = whole_params(b);
+      one_step(b, *opt, kSaver);
+      const auto after = whole_params(b);
+      if (w.rank() == 0) save_tensors(saved_path(), saved), save_tensors(after_path(), after);
+    });
+    ASSERT_TRUE(r.ok) << r.summary();
+  }
+  static void TearDownTestSuite() { delete dir_; }
+  static std::string ckpt() { return *dir_ / "ckpt"; }
+  static std::string saved_path() { return *dir_ / "saved.safetensors"; }
+  static std::string after_path() { return *dir_ / "after.safetensors"; }
+  static TempDir* dir_;
+};
+TempDir* TpShardedCheckpoint::dir_ = nullptr;
+
+// The index records the unsplit model's shapes, and its entries are ranges
+// of the whole tensors: read back, the parameters are the saver's, whole.
+TEST_F(TpShardedCheckpoint, HoldsTheUnsplitModelsNamesShapesAndValues) {
+  torch::manual_seed(0);
+  gpt::GPT ref(tp_config());
+  const auto read = shardtorch::read_sharded_checkpoint(ckpt());
+  std::map<std::string, torch::Tensor> params;
+  size_t states = 0;
+  for (const auto& [key, t] : read) {
+    const auto bar = key.find('|');
+    const std::string name = key.substr(0, bar), kind = key.substr(bar + 1);
+    if (kind == "param") params[name] = t;
+    if (kind == "exp_avg") ++states;
+  }
+  for (const auto& item : ref->named_parameters()) {
+    auto it = read.find(item.key() + "|param");
+    if (it == read.end()) continue;  // a tied name saved under its other name
+    EXPECT_EQ(it->second.sizes(), item.value().sizes()) << item.key();
+  }
+  for (const auto& item : ref->named_buffers()) {
+    ASSERT_TRUE(read.count(item.key() + "|buffer")) << item.key();
+    EXPECT_EQ(read.at(item.key() + "|buffer").sizes(), item.value().sizes()) << item.key();
+  }
+  const auto saved = file_tensors(saved_path());
+  EXPECT_EQ(states, saved.size());
+  auto r = run_ranks(1, [&](World&) { require_same(params, saved, "the checkpoint's parameters"); });
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// Loaded at the saver's layout, training goes on as if never stopped.
+TEST_F(TpShardedCheckpoint, ResumesBitwiseAtTheSameLayout) {
+  const auto after = file_tensors(after_path());
+  auto r = run_ranks(4, [&](World& w) {
+    Built b = build(w, kSaver);
+    auto opt = shardtorch::AdamW(*b.model, adamw());
+    std::map<std::string, std::string> user;
+    require(shardtorch::load_sharded_checkpoint(*b.model, opt.get(), ckpt(), &user) == kSteps, "the saved step");
+    require(user.at("data") == "tp", "the saved user state");
+    one_step(b, *opt, kSaver);
+    require_bitwise(whole_params(b), after, "one step after the load");
+  });
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// Every layout loads the parameters and the optimizer's state bitwise: its
+// own save of them is the same tensors.
+TEST_F(TpShardedCheckpoint, LoadsBitwiseAtOtherLayoutsAndIntoTheUnsplitModel) {
+  const auto saved = file_tensors(saved_path());
+  const auto all = shardtorch::read_sharded_checkpoint(ckpt());
+  int k = 0;
+  for (const Layout& l :
+       {Layout{1, 4, Strategy::FullShard}, Layout{4, 1, Strategy::NoShard}, Layout{1, 1, Strategy::NoShard, false}}) {
+    const std::string again = *dir_ / ("again-" + std::to_string(k++));
+    auto r = run_ranks(l.tp * l.dp, [&](World& w) {
+      Built b = build(w, l);
+      auto opt = shardtorch::AdamW(*b.model, adamw());
+      shardtorch::load_sharded_checkpoint(*b.model, opt.get(), ckpt());
+      require_bitwise(whole_params(b), saved, describe(l));
+      shardtorch::save_sharded_checkpoint(*b.model, opt.get(), again, kSteps);
+    });
+    ASSERT_TRUE(r.ok) << describe(l) << ": " << r.summary();
+    auto rr = run_ranks(1, [&](World&) { require_same(shardtorch::read_sharded_checkpoint(again), all, describe(l)); });
+    EXPECT_TRUE(rr.ok) << describe(l) << ": " << rr.summary();
+  }
+}
+
 }  // namespace
