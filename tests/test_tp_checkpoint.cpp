@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "reference.h"
+#include "shardtorch/dcp_checkpoint.h"
 #include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "temp_dir.h"
@@ -390,6 +391,40 @@ TEST(TpHfInterop, DISABLED_LoadsWhatPythonWrote) {
     });
     EXPECT_TRUE(r.ok) << sub << ", tp 2 x dp 2: " << r.summary();
   }
+}
+
+// DCP checkpoints refuse a tensor-parallel model on every rank, saving
+// nothing and changing nothing.
+TEST(TpDcp, RefusesATensorParallelModelOnEveryRank) {
+  TempDir dir("shardtorch-tp-dcp");
+  const std::string unsplit = dir / "unsplit", refused = dir / "refused";
+  auto r = run_ranks(1, [&](World& w) {
+    Built b = build(w, Layout{1, 1, Strategy::NoShard, false});
+    shardtorch::save_dcp_checkpoint(*b.model, unsplit);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  r = run_ranks(4, [&](World& w) {
+    Built b = build(w, kSaver);
+    auto opt = shardtorch::AdamW(*b.model, adamw());
+    const auto before = whole_params(b);
+    auto refuses = [&](const char* who, const std::function<void()>& call) {
+      try {
+        call();
+      } catch (const std::exception& e) {
+        const std::string m = e.what();
+        for (const std::string part : {"rank " + std::to_string(w.rank()), std::string("shardtorch::") + who,
+                                       std::string("tensor-parallel slice"), std::string("save_sharded_checkpoint")})
+          require(m.find(part) != std::string::npos, std::string(who) + ": no '" + part + "' in: " + m);
+        return;
+      }
+      require(false, std::string(who) + " did not refuse");
+    };
+    refuses("save_dcp_checkpoint", [&] { shardtorch::save_dcp_checkpoint(*b.model, opt.get(), refused); });
+    refuses("load_dcp_checkpoint", [&] { shardtorch::load_dcp_checkpoint(*b.model, opt.get(), unsplit); });
+    require(!files::exists(refused), "the refused save wrote '" + refused + "'");
+    require_same(whole_params(b), before, "the parameters after the refused load");
+  });
+  EXPECT_TRUE(r.ok) << r.summary();
 }
 
 }  // namespace
