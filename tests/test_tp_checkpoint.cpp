@@ -286,6 +286,36 @@ TEST_F(TpShardedCheckpoint, LoadsBitwiseAtOtherLayoutsAndIntoTheUnsplitModel) {
   }
 }
 
+// Pipeline stages split over tp (pp 2 x tp 2) load it, each stage its
+// parameters bitwise and its optimizer state, and save it again the same.
+TEST_F(TpShardedCheckpoint, LoadsIntoTensorParallelPipelineStagesAndSavesTheSameAgain) {
+  const auto saved = file_tensors(saved_path());
+  const auto all = shardtorch::read_sharded_checkpoint(ckpt());
+  const std::string again = *dir_ / "again-pipeline";
+  auto r = run_ranks(4, [&](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}, {"dp", 1}, {"tp", 2}});
+    auto tp = (*mesh)["tp"];
+    torch::manual_seed(0);
+    gpt::GPT model(tp_config());
+    shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config()));
+    shardtorch::Pipeline pipe(
+        gpt::pipeline_layers(model), mesh,
+        shardtorch::PipelineOptions().microbatches(2).shard(shardtorch::ShardOptions().strategy(Strategy::FullShard)));
+    auto opt = shardtorch::AdamW(pipe.module(), adamw());
+    shardtorch::load_sharded_checkpoint(pipe, opt.get(), ckpt());
+    const auto got = whole(testref::full_parameters(pipe.module()), own_params(pipe.module()), *tp);
+    require(!got.empty(), "no parameters on this stage");
+    for (const auto& [n, t] : got) {
+      const std::string name = n == "head.weight" ? "tok_emb.weight" : n;  // the tied head, saved once
+      require(saved.count(name) && torch::equal(t, saved.at(name)), "pp 2 x tp 2: '" + n + "' differs");
+    }
+    shardtorch::save_sharded_checkpoint(pipe, opt.get(), again, kSteps);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto rr = run_ranks(1, [&](World&) { require_same(shardtorch::read_sharded_checkpoint(again), all, "pp 2 x tp 2"); });
+  EXPECT_TRUE(rr.ok) << rr.summary();
+}
+
 // Every tensor of the Hugging Face layout in `dir`, by name; each in one file.
 std::map<std::string, torch::Tensor> hf_tensors_in(const std::string& dir) {
   std::map<std::string, torch::Tensor> out;
