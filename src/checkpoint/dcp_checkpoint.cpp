@@ -11,6 +11,7 @@
 
 #include "checkpoint/agreement.h"
 #include "checkpoint/dcp_source.h"
+#include "checkpoint/dcp_tensor_parallel.h"
 #include "checkpoint/model_load.h"
 #include "checkpoint/model_part.h"
 #include "checkpoint/name_mapping.h"
@@ -378,6 +379,8 @@ void DcpLoad::report_files() {
 
 DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
                                   const DcpLoadOptions& options) {
+  checkpoint::dcp::refuse_tensor_parallel(
+      root, detail::require_state(root, "load_dcp_checkpoint")->world().global_rank(), "load_dcp_checkpoint");
   checkpoint::LoadRun run(root, "load_dcp_checkpoint", dir, options.progress(), nullptr);
   DcpLoadReport report;
   DcpLoad load(root, opt, options, run, report);  // holds the source the changes read from

@@ -19,6 +19,7 @@
 #include "checkpoint/agreement.h"
 #include "checkpoint/dcp_items.h"
 #include "checkpoint/dcp_source.h"
+#include "checkpoint/dcp_tensor_parallel.h"
 #include "checkpoint/pickle_reader.h"
 #include "checkpoint/publish.h"
 #include "checkpoint/tied_names.h"
@@ -438,6 +439,7 @@ void DcpSave::publish(const dcp::Metadata& md) {
 DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
                                   const DcpSaveOptions& options) {
   auto state = detail::require_state(root, "save_dcp_checkpoint");
+  checkpoint::dcp::refuse_tensor_parallel(root, state->world().global_rank(), "save_dcp_checkpoint");
   detail::FileWaits file_waits(*state);  // each rank waits for the slowest writer
   c10::NoGradGuard no_grad;
   DcpSave save(root, opt, checkpoint::normalized(dir_arg), options, *state);

@@ -21,6 +21,7 @@
 #include "checkpoint/name_mapping.h"
 #include "checkpoint/reader_access.h"
 #include "checkpoint/text_file.h"
+#include "checkpoint/tp_slices.h"
 #include "shardtorch/checkpoint/safetensors.h"
 
 namespace shardtorch {
@@ -67,6 +68,17 @@ namespace {
 
 using checkpoint::Reader;
 using checkpoint::TensorRecord;
+
+// Elements [first, first + count) of parameter `p` (flattened) from tensor
+// `name` of `file`: of a slice parallelize() split, only the runs of it in
+// the whole tensor the checkpoint holds (checkpoint/tp_slices.h).
+at::Tensor read_elements(const Reader& file, const std::string& name, const at::Tensor& p, int64_t first,
+                         int64_t count) {
+  if (auto placement = detail::placement_of(p))
+    return checkpoint::read_slice(*placement, first, count,
+                                  [&](int64_t from, int64_t n) { return file.read_range(name, from, n); });
+  return file.read_range(name, first, count);
+}
 
 // A tensor of the checkpoint: its name there and the file it is in.
 struct Held {
@@ -263,9 +275,9 @@ const Held* HfLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at::S
     check(s, t->source, shape, dtype, "parameter");
     check(o, other, shape, dtype, "parameter");
     if (count > 0)
-      checkpoint::require_equal_tied(reader_of(s)->read_range(s.name, first, count),
-                                     reader_of(o)->read_range(o.name, first, count), dtype, t->source, other, first,
-                                     where_, kTiedOption);
+      checkpoint::require_equal_tied(read_elements(*reader_of(s), s.name, p, first, count),
+                                     read_elements(*reader_of(o), o.name, p, first, count), dtype, t->source, other,
+                                     first, where_, kTiedOption);
   }
   return &s;
 }
@@ -291,16 +303,24 @@ void HfLoad::plan_replicated() {
     at::Tensor p = item.value();
     if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded once
     const at::ScalarType dtype = state_.record_of(p).scalar_type();
+    const std::vector<int64_t> shape = checkpoint::saved_shape(p);  // a slice's whole tensor's
     const auto [first, count] = checkpoint::share_of(p.numel(), state_.world().rank(), state_.world().size());
-    const Held* s = source_of(p, p.sizes(), dtype, first, count);
+    const Held* s = source_of(p, shape, dtype, first, count);
     if (s == nullptr) {
       missing(item.key(), "parameter");
       continue;
     }
-    const auto& rec = check(*s, item.key(), p.sizes(), dtype, "parameter");
-    report_.bytes_read += static_cast<int64_t>(rec.end - rec.begin);
-    run_.changes.push_back(
-        [state = run_.state, file = reader_of(*s), p, n = s->name] { state->load_record(p, file->read(n)); });
+    const auto& rec = check(*s, item.key(), shape, dtype, "parameter");
+    if (!detail::placement_of(p)) {
+      report_.bytes_read += static_cast<int64_t>(rec.end - rec.begin);
+      run_.changes.push_back(
+          [state = run_.state, file = reader_of(*s), p, n = s->name] { state->load_record(p, file->read(n)); });
+      continue;
+    }
+    report_.bytes_read += p.numel() * static_cast<int64_t>(checkpoint::dtype_size(rec.dtype));
+    run_.changes.push_back([state = run_.state, file = reader_of(*s), p, n = s->name] {
+      state->load_record(p, read_elements(*file, n, p, 0, p.numel()).view(p.sizes()));
+    });
   }
 }
 
@@ -310,9 +330,9 @@ void HfLoad::plan_piece(FlatParam& f, size_t i, int rank, bool checks_empty) {
   const at::Tensor& p = f.params()[i];
   auto piece = f.layout().piece(i, rank);
   const bool mine = piece || (f.layout().numel(i) == 0 && checks_empty);
+  const std::vector<int64_t> shape = checkpoint::saved_shape(p);  // a slice's whole tensor's
   const Held* s =
-      mine ? source_of(p, f.layout().shape(i), f.dtype(), piece ? piece->param_offset : 0, piece ? piece->length : 0)
-           : nullptr;
+      mine ? source_of(p, shape, f.dtype(), piece ? piece->param_offset : 0, piece ? piece->length : 0) : nullptr;
   if (!mine) {
     bool any = false;
     for (const auto& n : names_[p.unsafeGetTensorImpl()]) any = any || by_model_.count(n);
@@ -323,12 +343,12 @@ void HfLoad::plan_piece(FlatParam& f, size_t i, int rank, bool checks_empty) {
     missing(first_name(p), "parameter");
     return;
   }
-  const auto& rec = check(*s, first_name(p), f.layout().shape(i), f.dtype(), "parameter");
+  const auto& rec = check(*s, first_name(p), shape, f.dtype(), "parameter");
   if (!piece || piece->length == 0) return;
   report_.bytes_read += piece->length * static_cast<int64_t>(checkpoint::dtype_size(rec.dtype));
   at::Tensor dst = f.shard().narrow(0, piece->shard_offset, piece->length);
-  run_.changes.push_back([file = reader_of(*s), dst, n = s->name, piece]() mutable {
-    dst.copy_(file->read_range(n, piece->param_offset, piece->length));
+  run_.changes.push_back([file = reader_of(*s), dst, n = s->name, piece, p]() mutable {
+    dst.copy_(read_elements(*file, n, p, piece->param_offset, piece->length));
   });
 }
 
@@ -370,7 +390,9 @@ HfLoadReport load_hf(torch::nn::Module& root, const std::string& path, const HfL
 }  // namespace
 
 HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options) {
-  return load_hf(root, path, options, nullptr);
+  auto state = detail::require_state(root, "load_hf_checkpoint");
+  const auto part = checkpoint::tensor_parallel_part(root, *state, "load_hf_checkpoint");
+  return load_hf(root, path, options, part ? &*part : nullptr);
 }
 
 namespace checkpoint {

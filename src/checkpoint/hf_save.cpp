@@ -23,6 +23,7 @@
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/hf_checkpoint.h"
 #include "checkpoint/streamed_tensors.h"
+#include "checkpoint/tp_slices.h"
 
 namespace shardtorch {
 namespace {
@@ -173,6 +174,8 @@ void publish(const std::string& dir, const std::string& staging, const std::vect
 
 HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir, const HfSaveOptions& options) {
   auto state = detail::require_state(root, "save_hf_checkpoint");
+  if (const auto part = checkpoint::tensor_parallel_part(root, *state, "save_hf_checkpoint"))
+    return checkpoint::save_hf_checkpoint(root, dir, options, *part);
   World& world = state->world();
   const std::string who = "shardtorch::save_hf_checkpoint '" + dir + "'";
   check_options(who, options);
@@ -390,7 +393,9 @@ void publish_parts(const std::string& dir, const std::string& staging, const Par
 // are numbered over the whole model, in the order of the leaders' ranks in
 // part.world. Rank 0 of part.world then renames them into place and writes
 // the index, as the whole model's save does. The directory must be one file
-// system for every leader (as for sharded checkpoints).
+// system for every leader (as for sharded checkpoints). Of a tensor-parallel
+// model, the leaders at tp rank 0 write the whole tensors, the others' slices
+// sent to them (StreamedTensors); the leaders at other tp ranks write none.
 HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir, const HfSaveOptions& options,
                                 const ModelPart& part) {
   auto state = detail::require_state(root, "save_hf_checkpoint");
@@ -401,20 +406,31 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   const bool leader = state->world().rank() == 0;
   c10::NoGradGuard no_grad;
 
-  // A tied parameter under its first part's name only, with tied_once.
-  StreamedTensors tensors(root, *state, "save_hf_checkpoint", options.tied_once(), options.include_buffers());
+  // A tied parameter under its first part's name only, with tied_once; at a
+  // tp rank other than 0, the slices alone.
+  StreamedTensors tensors(root, *state, "save_hf_checkpoint", options.tied_once(), options.include_buffers(), &part);
+  const bool feeds = part.tp_rank != 0;  // its leader sends the slices to tp rank 0's, and writes nothing
   std::vector<Entry> entries;
   std::vector<size_t> kept;
   std::string naming_error;
   try {
-    entries = name_entries(tensors, options, who, leader, kept, [&](const std::string& name) {
-      return options.tied_once() && part.saved_by_another_part(name);
+    entries = name_entries(tensors, options, who, leader && !feeds, kept, [&](const std::string& name) {
+      return part.left_to_tp_rank_0(name) || (options.tied_once() && part.saved_by_another_part(name));
     });
+    // feed_tp_rank_0() sends every split item's slice: tp rank 0 must write each.
+    if (feeds && kept.size() != tensors.items().size()) {
+      size_t k = 0;
+      while (k < kept.size() && kept[k] == k) ++k;
+      SHARDTORCH_CHECK(false, who, ": '", tensors.items()[k].name,
+                       "', a parameter parallelize() split, would be left out (by the name mapping, or as a "
+                       "tied parameter another part saves); a tensor-parallel model's save writes every split "
+                       "parameter: map it to a name of its own");
+    }
   } catch (const std::exception& e) {
     naming_error = detail::message_of(e);
     entries.clear();
   }
-  const PartLists parts = agree_part_names(world, *state, who, naming_error, entries);
+  const PartLists parts = agree_part_names(world, *state, who, naming_error, feeds ? std::vector<Entry>{} : entries);
   tensors.keep_only(kept);
   HfSaveReport report;
   const std::vector<PartFile> plan = plan_part_files(parts, options, report);
@@ -430,7 +446,14 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   // Each leader writes its files under staging names.
   std::string error;
   std::vector<std::string> written;  // this rank's files, by name
-  if (leader) written = write_part_files(world, dir, staging, plan, entries, report, error, progress);
+  if (leader && !feeds) written = write_part_files(world, dir, staging, plan, entries, report, error, progress);
+  if (leader && feeds) {
+    try {
+      tensors.feed_tp_rank_0();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
   tensors.finish();  // every rank of every part takes part in its part's gathers
   agree_part_files(world, who, dir, staging, error, written);
   if (world.rank() == 0) publish_parts(dir, staging, parts, plan, report, error);

@@ -27,6 +27,7 @@
 #include "checkpoint/reader_access.h"
 #include "checkpoint/index_format.h"
 #include "checkpoint/tied_names.h"
+#include "checkpoint/tp_slices.h"
 #include "checkpoint/model_part.h"
 #include "checkpoint/publish.h"
 #include "checkpoint/rank_state.h"
@@ -119,6 +120,29 @@ std::vector<std::pair<std::string, at::Tensor>> no_shard_params(torch::nn::Modul
   return out;
 }
 
+// The parameters parallelize() split (checkpoint/tp_slices.h), by each of
+// their names: a range of one is saved and loaded as runs of the whole tensor.
+// Of a model part's checkpoint (`root`); none for a null `root` (a rank's own
+// snapshot, which holds its slices as they are).
+class SplitParams {
+ public:
+  explicit SplitParams(torch::nn::Module* root) {
+    if (root)
+      for (const auto& item : root->named_parameters())
+        if (auto p = detail::placement_of(item.value())) by_name_.emplace(item.key(), *p);
+  }
+  /// Elements [begin, begin + length) of parameter `name` as runs of the
+  /// tensor the checkpoint holds: one identical run when it is not split.
+  std::vector<checkpoint::Run> runs(const std::string& name, int64_t begin, int64_t length) const {
+    auto it = by_name_.find(name);
+    if (it == by_name_.end()) return {checkpoint::Run{begin, begin, length}};
+    return checkpoint::runs_of(it->second, begin, length);
+  }
+
+ private:
+  std::map<std::string, detail::Placement> by_name_;
+};
+
 // What this rank holds: element ranges of parameters (and buffers, rank 0)
 // and of the optimizer state.
 struct Holding {
@@ -126,12 +150,15 @@ struct Holding {
 };
 
 // `rank`: this rank's file. A part of a model (`part`) leaves the parameters
-// tied to other parts under another name to the part whose name comes first.
+// tied to other parts under another name to the part whose name comes first,
+// and, at a tp rank other than 0, every tensor but its slices to tp rank 0.
+// A slice's range is saved as runs of the whole tensor (SplitParams).
 // `whole`: everything this rank holds (none left to a replica) and every
 // buffer, in `file` (rank_state.h).
 Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt, int rank,
                 const checkpoint::ModelPart* part, bool whole = false, const std::string& whole_file = "") {
   Holding h;
+  const SplitParams split(part ? &root : nullptr);
   const std::string file = whole ? whole_file : "rank-" + std::to_string(rank) + ".safetensors";
   auto add = [&](const std::string& name, const std::string& kind, int64_t begin, const at::Tensor& t, int64_t step) {
     Entry e{name, kind, begin, begin + t.numel(), step, file, ""};
@@ -177,7 +204,10 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
   std::set<std::pair<std::string, int64_t>> written;
   for (size_t k = 0; k < ranges.size(); ++k) {
     if (owner[k] != me) continue;
-    add(ranges[k].name, "param", ranges[k].begin, ranges[k].values, 0);
+    const Range& r = ranges[k];
+    const at::Tensor flat = r.values.detach().reshape({-1});
+    for (const auto& run : split.runs(r.name, r.begin, flat.numel()))
+      add(r.name, "param", run.whole, flat.narrow(0, run.local - r.begin, run.length), 0);
     written.insert({ranges[k].name, ranges[k].begin});
   }
   if (opt) {
@@ -187,13 +217,17 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
       auto it = st.find(piece.view.unsafeGetTensorImpl());
       if (it == st.end()) continue;
       int64_t step = detail::optimizer_state_step(it->second.get());
-      for (auto& [kind, t] : detail::optimizer_state_tensors(it->second.get()))
-        add(piece.name, kind, piece.param_offset, t, step);
+      for (auto& [kind, t] : detail::optimizer_state_tensors(it->second.get())) {
+        const at::Tensor flat = t.detach().reshape({-1});
+        for (const auto& run : split.runs(piece.name, piece.param_offset, piece.length))
+          add(piece.name, kind, run.whole, flat.narrow(0, run.local - piece.param_offset, run.length), step);
+      }
     }
   }
-  if (whole || state.world().rank() == 0)  // the buffers, once per model (per part)
+  if (whole || state.world().rank() == 0)  // the buffers, once per model (per part, at tp rank 0)
     for (const auto& item : root.named_buffers())
-      if (item.value().defined()) add(item.key(), "buffer", 0, item.value(), 0);
+      if (item.value().defined() && !(part && part->left_to_tp_rank_0(item.key())))
+        add(item.key(), "buffer", 0, item.value(), 0);
   return h;
 }
 
@@ -403,6 +437,24 @@ Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, 
   return fill;
 }
 
+// plan_fill of a destination whose elements [begin, begin + numel) are
+// `runs` of the saved tensor (SplitParams::runs).
+Fill plan_runs(const std::vector<checkpoint::Run>& runs, int64_t numel, const std::string& name,
+               const std::string& kind, int64_t begin, const Index& idx, Files& files, const std::string& dir,
+               at::ScalarType into, bool allow_lossy) {
+  if (runs.empty()) return plan_fill(numel, name, kind, begin, idx, files, dir, into, allow_lossy);
+  Fill fill;
+  for (const auto& run : runs) {
+    Fill part = plan_fill(run.length, name, kind, run.whole, idx, files, dir, into, allow_lossy);
+    for (auto c : part.copies) {
+      c.to += run.local - begin;
+      fill.copies.push_back(c);
+    }
+    fill.step = std::max(fill.step, part.step);
+  }
+  return fill;
+}
+
 void run_fill(at::Tensor dst, const Fill& fill, Files& files) {
   for (const auto& c : fill.copies)
     dst.narrow(0, c.to, c.length).copy_(files.get(c.entry->file).read_range(c.entry->tensor, c.from, c.length));
@@ -593,7 +645,8 @@ void save_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::str
   const std::string opt_kind = opt ? detail::optimizer_kind_name(optimizer_kind(*opt)) : "none";
   json::object report =
       write_rank_file(collect(root, *state, opt, world.rank(), part), tmp, world.rank(), step, user, opt_kind);
-  if (part && state->world().rank() == 0) report["units"] = units_json(*state);  // each part's, once
+  if (part && state->world().rank() == 0 && part->tp_rank == 0)
+    report["units"] = units_json(*state);  // each part's, once
   auto reports = world.comm().all_gather_strings(json::serialize(report), "save_sharded_checkpoint index");
   checkpoint::crash_point("reports gathered");
   MergedReports merged = merge_reports(reports, world.rank(), step, opt_kind, user);
@@ -624,7 +677,9 @@ void save_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::str
 
 void save_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, int64_t step,
                              const std::map<std::string, std::string>& user_state) {
-  save_sharded(root, opt, dir, step, user_state, nullptr);
+  auto state = detail::require_state(root, "save_sharded_checkpoint");
+  const auto part = checkpoint::tensor_parallel_part(root, *state, "save_sharded_checkpoint");
+  save_sharded(root, opt, dir, step, user_state, part ? &*part : nullptr);
 }
 
 namespace checkpoint {
@@ -740,6 +795,7 @@ struct FillPlanner {
   const std::string& dir;
   bool allow_lossy;
   const SavedNames& saved;
+  const SplitParams& split;
   // A tied parameter read (with its optimizer state) under another of its
   // names than the one this model keeps it under (plan_tied).
   std::map<std::string, std::string> read_as = {};
@@ -749,9 +805,11 @@ struct FillPlanner {
     auto it = read_as.find(name);
     return it == read_as.end() ? saved(name) : it->second;
   }
-  Fill operator()(int64_t numel, const std::string& name, const std::string& kind, int64_t begin,
-                  at::ScalarType into) const {
-    return plan_fill(numel, name, kind, begin, idx, files, dir, into, allow_lossy);  // `name`: a source()
+  /// Elements [begin, begin + numel) of the model's parameter or buffer
+  /// `own`, read under `name` (a source()).
+  Fill operator()(int64_t numel, const std::string& name, const std::string& kind, int64_t begin, at::ScalarType into,
+                  const std::string& own) const {
+    return plan_runs(split.runs(own, begin, numel), numel, name, kind, begin, idx, files, dir, into, allow_lossy);
   }
 };
 
@@ -779,8 +837,11 @@ void plan_tied(torch::nn::Module& root, detail::ShardState& state, FillPlanner& 
     for (const auto& other : t->others) {
       if (count == 0) continue;
       at::Tensor a = at::empty({count}, at::TensorOptions().dtype(dtype)), b = at::empty_like(a);
-      run_fill(a, plan_fill(count, t->source, "param", first, plan.idx, plan.files, plan.dir, dtype, true), plan.files);
-      run_fill(b, plan_fill(count, other, "param", first, plan.idx, plan.files, plan.dir, dtype, true), plan.files);
+      const auto runs = plan.split.runs(kept, first, count);
+      run_fill(a, plan_runs(runs, count, t->source, "param", first, plan.idx, plan.files, plan.dir, dtype, true),
+               plan.files);
+      run_fill(b, plan_runs(runs, count, other, "param", first, plan.idx, plan.files, plan.dir, dtype, true),
+               plan.files);
       checkpoint::require_equal_tied(a, b, dtype, t->source, other, first, where, kOption);
     }
   };
@@ -808,12 +869,12 @@ void plan_parameters(torch::nn::Module& root, detail::ShardState& state, const F
   if (state.replicated()) {
     for (const auto& [name, p] : no_shard_params(root, state)) {
       const at::Tensor record = state.record_of(p);  // the fp32 master under mixed precision
-      changes.push_back(
-          [st, files, p, record, fill = plan(record.numel(), plan.source(name), "param", 0, record.scalar_type())] {
-            at::Tensor t = at::empty({record.numel()}, record.options());
-            run_fill(t, fill, *files);
-            st->load_record(p, t);
-          });
+      changes.push_back([st, files, p, record,
+                         fill = plan(record.numel(), plan.source(name), "param", 0, record.scalar_type(), name)] {
+        at::Tensor t = at::empty({record.numel()}, record.options());
+        run_fill(t, fill, *files);
+        st->load_record(p, t);
+      });
     }
     return;
   }
@@ -823,10 +884,9 @@ void plan_parameters(torch::nn::Module& root, detail::ShardState& state, const F
       for (size_t i = 0; i < f->params().size(); ++i)
         if (auto p = f->layout().piece(i, shard_rank)) {
           at::Tensor dst = f->shard().narrow(0, p->shard_offset, p->length);
-          changes.push_back(
-              [files, dst, fill = plan(p->length, plan.source(f->names()[i]), "param", p->param_offset, f->dtype())] {
-                run_fill(dst, fill, *files);
-              });
+          changes.push_back([files, dst,
+                             fill = plan(p->length, plan.source(f->names()[i]), "param", p->param_offset, f->dtype(),
+                                         f->names()[i])] { run_fill(dst, fill, *files); });
         }
 }
 
@@ -835,11 +895,12 @@ void plan_buffers(torch::nn::Module& root, const FillPlanner& plan, Changes& cha
   for (const auto& item : root.named_buffers()) {
     if (!item.value().defined()) continue;
     at::Tensor b = item.value();
-    changes.push_back([files, b, fill = plan(b.numel(), item.key(), "buffer", 0, b.scalar_type())]() mutable {
-      at::Tensor t = at::empty({b.numel()}, b.options());
-      run_fill(t, fill, *files);
-      b.copy_(t.view(b.sizes()));
-    });
+    changes.push_back(
+        [files, b, fill = plan(b.numel(), item.key(), "buffer", 0, b.scalar_type(), item.key())]() mutable {
+          at::Tensor t = at::empty({b.numel()}, b.options());
+          run_fill(t, fill, *files);
+          b.copy_(t.view(b.sizes()));
+        });
   }
 }
 
@@ -890,7 +951,7 @@ void plan_optimizer_state(ShardedOptimizer& opt, const FillPlanner& plan, Change
     if (adam && with_max.count(source)) kinds.push_back("max_exp_avg_sq");
     std::vector<Fill> fills;
     for (const auto& k : kinds)
-      fills.push_back(plan(piece.length, source, k, piece.param_offset, piece.view.scalar_type()));
+      fills.push_back(plan(piece.length, source, k, piece.param_offset, piece.view.scalar_type(), piece.name));
     // The state takes the piece's shape: a NoShard piece is the whole
     // parameter, and torch::optim adds its gradient into the state in
     // place (a flat state made step() fail after a resume).
@@ -941,7 +1002,8 @@ int64_t load_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::
     files.emplace(dir, idx);
     check_model_against(root, idx, dir, part);
     const SavedNames saved(root, idx, part);
-    FillPlanner plan{idx, *files, dir, options.allow_lossy_casts(), saved};
+    const SplitParams split(part ? &root : nullptr);
+    FillPlanner plan{idx, *files, dir, options.allow_lossy_casts(), saved, split};
     plan_tied(root, *state, plan, options.tied_from());
     plan_parameters(root, *state, plan, changes);
     plan_buffers(root, plan, changes);
@@ -989,7 +1051,8 @@ void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::
       files.emplace(dir, idx);
       check_model_against(root, idx, dir, nullptr);
       const SavedNames saved(root, idx, nullptr);
-      FillPlanner plan{idx, *files, dir, /*allow_lossy=*/false, saved};
+      const SplitParams split(nullptr);
+      FillPlanner plan{idx, *files, dir, /*allow_lossy=*/false, saved, split};
       plan_parameters(root, *state, plan, changes);
       plan_buffers(root, plan, changes);
       if (opt) plan_optimizer_state(*opt, plan, changes);
@@ -1005,7 +1068,9 @@ void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::
 
 int64_t load_sharded_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
                                 std::map<std::string, std::string>* user_state, const LoadOptions& options) {
-  return load_sharded(root, opt, dir, user_state, options, nullptr);
+  auto state = detail::require_state(root, "load_sharded_checkpoint");
+  const auto part = checkpoint::tensor_parallel_part(root, *state, "load_sharded_checkpoint");
+  return load_sharded(root, opt, dir, user_state, options, part ? &*part : nullptr);
 }
 
 namespace checkpoint {
