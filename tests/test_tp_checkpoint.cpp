@@ -417,6 +417,26 @@ TEST_F(TpHfCheckpoint, LoadsBitwiseAtOtherLayoutsAndIntoTheUnsplitModel) {
   }
 }
 
+// A split parameter the name mapping leaves out is left out at every tp
+// rank: the save completes, the others are the saver's.
+TEST_F(TpHfCheckpoint, ASplitParameterTheMappingLeavesOutIsLeftOutAtEveryTpRank) {
+  const std::string out = *dir_ / "without-fc1";
+  auto r = run_ranks(4, [&](World& w) {
+    Built b = build(w, kSaver);
+    shardtorch::load_hf_checkpoint(*b.model, hf());
+    shardtorch::save_hf_checkpoint(*b.model, out, shardtorch::HfSaveOptions().map_name([](const std::string& n) {
+      return n == "blocks.1.fc1.weight" ? std::optional<std::string>() : std::optional<std::string>(n);
+    }));
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto held = hf_tensors_in(out), all = hf_tensors_in(hf());
+  EXPECT_FALSE(held.count("blocks.1.fc1.weight"));
+  EXPECT_EQ(held.size() + 1, all.size());
+  all.erase("blocks.1.fc1.weight");
+  auto rr = run_ranks(1, [&](World&) { require_bitwise(held, all, "the save without blocks.1.fc1.weight"); });
+  EXPECT_TRUE(rr.ok) << rr.summary();
+}
+
 // The example GPT's default configuration split over `tp` and sharded over `dp`.
 Built build_default_gpt(World& w, int tp, int dp, Strategy strategy) {
   Built b;

@@ -417,15 +417,6 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
     entries = name_entries(tensors, options, who, leader && !feeds, kept, [&](const std::string& name) {
       return part.left_to_tp_rank_0(name) || (options.tied_once() && part.saved_by_another_part(name));
     });
-    // feed_tp_rank_0() sends every split item's slice: tp rank 0 must write each.
-    if (feeds && kept.size() != tensors.items().size()) {
-      size_t k = 0;
-      while (k < kept.size() && kept[k] == k) ++k;
-      SHARDTORCH_CHECK(false, who, ": '", tensors.items()[k].name,
-                       "', a parameter parallelize() split, would be left out (by the name mapping, or as a "
-                       "tied parameter another part saves); a tensor-parallel model's save writes every split "
-                       "parameter: map it to a name of its own");
-    }
   } catch (const std::exception& e) {
     naming_error = detail::message_of(e);
     entries.clear();

@@ -88,6 +88,7 @@ at::Tensor StreamedTensors::assemble(size_t k, const at::Tensor& mine) {
 
 void StreamedTensors::feed_tp_rank_0() {
   for (size_t k = 0; k < items_.size(); ++k) {
+    if (!kept_.empty() && !kept_[k]) continue;  // tp rank 0 leaves it out too
     const Item& item = items_[k];
     SHARDTORCH_CHECK(item.placement, "shardtorch: internal: ", purpose_, " at a tp rank other than 0 has a tensor '",
                      item.name, "' that is not split");
@@ -101,6 +102,8 @@ void StreamedTensors::feed_tp_rank_0() {
 
 void StreamedTensors::keep_only(const std::vector<size_t>& items) {
   needed_.assign(flats_.size(), false);
+  kept_.assign(items_.size(), false);
+  for (size_t i : items) kept_.at(i) = true;
   for (size_t i : items)
     if (items_.at(i).flat >= 0) needed_[static_cast<size_t>(items_[i].flat)] = true;
 }
@@ -127,7 +130,7 @@ void StreamedTensors::gather(size_t k) {
 void StreamedTensors::finish() {
   // The slices the other tp ranks send for what a failed writer did not reach.
   for (size_t k = assembled_; assembles_ && k < items_.size(); ++k)
-    if (items_[k].placement) items_[k].produce();
+    if (items_[k].placement && (kept_.empty() || kept_[k])) items_[k].produce();
   if (gathered_ < flats_.size()) gather_through(flats_.size() - 1);
   current_ = at::Tensor();
 }

@@ -56,7 +56,8 @@ class StreamedTensors {
   /// The all-gathers not yet made (every rank; after the writer, or its failure).
   void finish();
   /// The leader of a part at a tp rank other than 0: every item's slice to
-  /// tp rank 0, in order, as that rank's produce() takes them.
+  /// tp rank 0, in order, as that rank's produce() takes them (only the
+  /// items keep_only() kept, which tp rank 0 keeps alike).
   void feed_tp_rank_0();
 
  private:
@@ -71,6 +72,7 @@ class StreamedTensors {
   std::vector<std::string> labels_;  // each flat's unit
   size_t gathered_ = 0;              // flats before this one are gathered or skipped
   std::vector<bool> needed_;         // per flat
+  std::vector<bool> kept_;           // per item (keep_only; empty: all)
   at::Tensor current_;               // the last gathered flat parameter, full
   std::vector<Item> items_;
   std::vector<int> split_tags_;  // per item: its place among the split ones (-1: none), alike on every tp rank
