@@ -27,6 +27,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <boost/json.hpp>
 #include <boost/program_options.hpp>
@@ -344,15 +345,24 @@ int run_tensor_parallel(const Args& a) {
                           : shardtorch::AdamW(*model, adamw);
   const int d = mesh->coordinate("dp");
   std::vector<double> losses, step_ms, forward_ms, backward_ms, optimizer_ms;
-  shardtorch::CommStats tp0, dp0;
-  for (int s = 0; s < a.warmup + a.steps; ++s) {
-    if (s == a.warmup) {
-      sharded.reset_peak_memory();
-      tp0 = tp->comm().stats();
-      dp0 = sharded.comm_stats();
+  // The measured steps' traffic, from the barrier to the optimizer step's
+  // end (not the loss's all-reduce): tp_comm over tp, dp_comm the sharding's.
+  shardtorch::CommStats tp_comm, dp_comm;
+  auto add = [](shardtorch::CommStats& acc, const shardtorch::CommStats& now, const shardtorch::CommStats& before) {
+    for (auto [c, n, b] : {std::tuple{&acc.all_gather, &now.all_gather, &before.all_gather},
+                           std::tuple{&acc.reduce_scatter, &now.reduce_scatter, &before.reduce_scatter},
+                           std::tuple{&acc.all_reduce, &now.all_reduce, &before.all_reduce},
+                           std::tuple{&acc.broadcast, &now.broadcast, &before.broadcast},
+                           std::tuple{&acc.send, &now.send, &before.send}}) {
+      c->calls += n->calls - b->calls;
+      c->bytes_sent += n->bytes_sent - b->bytes_sent;
     }
+  };
+  for (int s = 0; s < a.warmup + a.steps; ++s) {
+    if (s == a.warmup) sharded.reset_peak_memory();
     at::Tensor tokens = batch_tokens(a, s, dp, d);
     world->barrier();  // ranks start the step together
+    const shardtorch::CommStats tp0 = tp->comm().stats(), dp0 = sharded.comm_stats();
     using clock = std::chrono::steady_clock;
     auto since = [](clock::time_point t) {
       return std::chrono::duration<double, std::milli>(clock::now() - t).count();
@@ -370,6 +380,8 @@ int run_tensor_parallel(const Args& a) {
       forward_ms.push_back(fwd);
       backward_ms.push_back(bwd);
       optimizer_ms.push_back(ms - fwd - bwd);
+      add(tp_comm, tp->comm().stats(), tp0);
+      add(dp_comm, sharded.comm_stats(), dp0);
     }
     at::Tensor mean = loss.detach().to(at::kDouble).reshape({1}).clone();
     (*mesh)["dp"]->comm().all_reduce(mean, c10d::ReduceOp::SUM, "gpt_bench loss");
@@ -377,18 +389,6 @@ int run_tensor_parallel(const Args& a) {
     if (lead && !a.quiet && (s + 1 == a.warmup + a.steps || (s + 1) % 10 == 0))
       std::fprintf(stderr, "gpt_bench: step %d/%d loss %.4f %.1f ms\n", s + 1, a.warmup + a.steps, losses.back(), ms);
   }
-  // The measured steps' traffic: the counters now less those at the first measured step.
-  auto minus = [](const shardtorch::CommStats& x, const shardtorch::CommStats& y) {
-    shardtorch::CommStats r = x;
-    for (auto [c, c0] : {std::pair{&r.all_gather, &y.all_gather}, std::pair{&r.reduce_scatter, &y.reduce_scatter},
-                         std::pair{&r.all_reduce, &y.all_reduce}, std::pair{&r.broadcast, &y.broadcast},
-                         std::pair{&r.send, &y.send}}) {
-      c->calls -= c0->calls;
-      c->bytes_sent -= c0->bytes_sent;
-    }
-    return r;
-  };
-  const shardtorch::CommStats tp_comm = minus(tp->comm().stats(), tp0), dp_comm = minus(sharded.comm_stats(), dp0);
   const auto m = sharded.memory();
   using shardtorch::Mem;
   const int64_t model_state =
