@@ -7,9 +7,11 @@
 //   torchrun --no-python --standalone --nproc-per-node 2 build/bench/gpt_bench \
 //       --strategy full_shard --layers 4 --d-model 256 --seq 64 --steps 30 --report /tmp/r
 //
-// writes /tmp/r.rank0.json and /tmp/r.rank1.json. `gpt_bench --save-init F`
-// (one process) writes the initial weights as a full state dict and exits, so
-// that another implementation can start from the same weights (--init F).
+// writes /tmp/r.rank0.json and /tmp/r.rank1.json; --pp P runs a pipeline
+// (bench/pipeline/run_pipeline_peers.py), --tp T tensor parallelism
+// (bench/tp/run_tp_peers.py). `gpt_bench --save-init F` (one process) writes
+// the initial weights as a full state dict and exits, so that another
+// implementation can start from the same weights (--init F).
 //
 // Data: at step s (warm-up included), rank r, row b: idx = (s*world + r)*batch
 // + b; the row counts from start = idx*2654435761 mod vocab with stride
@@ -25,6 +27,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <boost/json.hpp>
 #include <boost/program_options.hpp>
@@ -62,6 +65,9 @@ struct Args {
   int pp = 0, microbatches = 4, chunks = 1;
   double stand_in_ms = 0;  // with --pp: a stand-in compute per layer (see StandIn)
   std::string schedule = "1f1b", split_at;
+  // Tensor parallelism (--tp T > 0): T tensor-parallel ranks x world/T data-parallel ones.
+  int tp = 0;
+  bool sequence_parallel = false;
 };
 
 // The caching allocator's peak and current bytes on a CUDA device (zero
@@ -297,8 +303,169 @@ int run_pipeline(const Args& a) {
   return 0;
 }
 
+// The counters of one kind of collective as JSON: calls and bytes sent per step.
+json::object per_step(const shardtorch::CollectiveCounter& c, int steps) {
+  return json::object{{"calls", static_cast<double>(c.calls) / steps},
+                      {"bytes", static_cast<double>(c.bytes_sent) / steps}};
+}
+
+// --tp: the GPT split by gpt::tp_plan over the tp dimension of a {dp, tp}
+// mesh (--sequence-parallel: Megatron-LM's sequence parallelism), its slices
+// sharded over dp with --strategy, the loss by gpt::lm_loss_tp. Built eagerly
+// from seed 0 (--save-init's weights, bitwise). Data-parallel replica d reads
+// batch_tokens(step, dp, d): --batch rows per replica, the same on every rank
+// of its tensor-parallel group. Bytes sent count both the sharding's
+// collectives (over dp) and the tensor-parallel ones (over tp).
+int run_tensor_parallel(const Args& a) {
+  auto world = shardtorch::World::from_env();
+  const bool lead = world->rank() == 0;
+  at::set_num_threads(a.threads > 0 ? a.threads : 1);
+  TORCH_CHECK(world->size() % a.tp == 0, "gpt_bench: --tp ", a.tp, " does not divide the world's ", world->size(),
+              " ranks");
+  TORCH_CHECK(a.init.empty() && !a.deferred && !a.offload && !a.bf16 && a.strategy != "plain",
+              "gpt_bench: --tp builds the model eagerly from seed 0 (--save-init's weights) in float32; no --init, "
+              "--deferred, --offload, --bf16 or --strategy plain");
+  const int dp = world->size() / a.tp;
+  const int64_t baseline_rss = process_memory::resident_bytes();
+  auto mesh = shardtorch::DeviceMesh::create(world, {{"dp", dp}, {"tp", a.tp}});
+  const auto& tp = (*mesh)["tp"];
+  torch::manual_seed(0);
+  gpt::GPT model(a.cfg);
+  const int64_t params = count_params(*model);
+  shardtorch::parallelize(*model, tp, gpt::tp_plan(a.cfg, a.sequence_parallel));
+  auto options = shardtorch::ShardOptions()
+                     .strategy(shardtorch::parse_strategy(a.strategy))
+                     .bucket_mb(a.bucket_mb)
+                     .prefetch(a.prefetch)
+                     .activation_checkpointing(a.recompute);
+  if (options.strategy() == shardtorch::Strategy::HybridShard) options.hybrid_shard_size(a.hybrid_shard_size);
+  shardtorch::ShardedModel sharded = shardtorch::shard(*model, (*mesh)["dp"], options);
+  auto adamw = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01);
+  auto opt = a.fused_adam ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
+                          : shardtorch::AdamW(*model, adamw);
+  const int d = mesh->coordinate("dp");
+  std::vector<double> losses, step_ms, forward_ms, backward_ms, optimizer_ms;
+  // The measured steps' traffic, from the barrier to the optimizer step's
+  // end (not the loss's all-reduce): tp_comm over tp, dp_comm the sharding's.
+  shardtorch::CommStats tp_comm, dp_comm;
+  auto add = [](shardtorch::CommStats& acc, const shardtorch::CommStats& now, const shardtorch::CommStats& before) {
+    for (auto [c, n, b] : {std::tuple{&acc.all_gather, &now.all_gather, &before.all_gather},
+                           std::tuple{&acc.reduce_scatter, &now.reduce_scatter, &before.reduce_scatter},
+                           std::tuple{&acc.all_reduce, &now.all_reduce, &before.all_reduce},
+                           std::tuple{&acc.broadcast, &now.broadcast, &before.broadcast},
+                           std::tuple{&acc.send, &now.send, &before.send}}) {
+      c->calls += n->calls - b->calls;
+      c->bytes_sent += n->bytes_sent - b->bytes_sent;
+    }
+  };
+  for (int s = 0; s < a.warmup + a.steps; ++s) {
+    if (s == a.warmup) sharded.reset_peak_memory();
+    at::Tensor tokens = batch_tokens(a, s, dp, d);
+    world->barrier();  // ranks start the step together
+    const shardtorch::CommStats tp0 = tp->comm().stats(), dp0 = sharded.comm_stats();
+    using clock = std::chrono::steady_clock;
+    auto since = [](clock::time_point t) {
+      return std::chrono::duration<double, std::milli>(clock::now() - t).count();
+    };
+    const auto t0 = clock::now();
+    opt->zero_grad();
+    at::Tensor loss = gpt::lm_loss_tp(model(tokens), tokens, tp);
+    const double fwd = since(t0);
+    loss.backward();
+    const double bwd = since(t0) - fwd;
+    opt->step();
+    const double ms = since(t0);
+    if (s >= a.warmup) {
+      step_ms.push_back(ms);
+      forward_ms.push_back(fwd);
+      backward_ms.push_back(bwd);
+      optimizer_ms.push_back(ms - fwd - bwd);
+      add(tp_comm, tp->comm().stats(), tp0);
+      add(dp_comm, sharded.comm_stats(), dp0);
+    }
+    at::Tensor mean = loss.detach().to(at::kDouble).reshape({1}).clone();
+    (*mesh)["dp"]->comm().all_reduce(mean, c10d::ReduceOp::SUM, "gpt_bench loss");
+    losses.push_back(mean.item<double>() / dp);
+    if (lead && !a.quiet && (s + 1 == a.warmup + a.steps || (s + 1) % 10 == 0))
+      std::fprintf(stderr, "gpt_bench: step %d/%d loss %.4f %.1f ms\n", s + 1, a.warmup + a.steps, losses.back(), ms);
+  }
+  const auto m = sharded.memory();
+  using shardtorch::Mem;
+  const int64_t model_state =
+      m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) + m.cur(Mem::OptimizerState);
+  double mean_ms = 0;
+  for (double v : step_ms) mean_ms += v / std::max<size_t>(step_ms.size(), 1);
+  json::object mem;
+  for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) {
+    auto c = static_cast<Mem>(i);
+    mem[shardtorch::mem_name(c)] = json::object{{"current", m.cur(c)}, {"peak", m.max(c)}};
+  }
+  auto traffic = [&](const shardtorch::CommStats& c) {
+    return json::object{{"all_reduce", per_step(c.all_reduce, a.steps)},
+                        {"all_gather", per_step(c.all_gather, a.steps)},
+                        {"reduce_scatter", per_step(c.reduce_scatter, a.steps)},
+                        {"bytes_sent", static_cast<double>(c.total_bytes_sent()) / a.steps}};
+  };
+  json::object r{
+      {"impl", "shardtorch_tp"},
+      {"strategy", shardtorch::strategy_name(sharded.strategy())},
+      {"world", world->size()},
+      {"rank", world->rank()},
+      {"tp", a.tp},
+      {"dp", dp},
+      {"sequence_parallel", a.sequence_parallel},
+      {"config",
+       {{"vocab", a.cfg.vocab},
+        {"seq_len", a.cfg.seq_len},
+        {"d_model", a.cfg.d_model},
+        {"n_head", a.cfg.n_head},
+        {"n_layer", a.cfg.n_layer},
+        {"batch", a.batch},
+        {"dtype", "float32"},
+        {"fused_adam", a.fused_adam},
+        {"activation_checkpointing", a.recompute}}},
+      {"params", params},
+      {"warmup", a.warmup},
+      {"steps", a.steps},
+      {"losses", json::value_from(losses)},
+      {"step_ms", json::value_from(step_ms)},
+      {"p50_ms", percentile(step_ms, 0.5)},
+      {"p95_ms", percentile(step_ms, 0.95)},
+      {"phase_p50_ms",
+       {{"forward", percentile(forward_ms, 0.5)},
+        {"backward", percentile(backward_ms, 0.5)},
+        {"optimizer", percentile(optimizer_ms, 0.5)}}},
+      {"tokens_per_s", mean_ms > 0 ? dp * a.batch * a.cfg.seq_len / (mean_ms / 1e3) : 0.0},
+      {"peak_rss_bytes", process_memory::peak_resident_bytes()},
+      {"baseline_rss_bytes", baseline_rss},
+      {"model_state_bytes", model_state},
+      {"memory", mem},
+      {"tp_traffic_per_step", traffic(tp_comm)},
+      {"dp_traffic_per_step", traffic(dp_comm)},
+      {"bytes_sent_per_step", (tp_comm.total_bytes_sent() + dp_comm.total_bytes_sent()) / a.steps},
+  };
+  if (!a.report.empty()) {
+    std::string path = a.report + ".rank" + std::to_string(world->rank()) + ".json";
+    std::ofstream out(path);
+    out << json::serialize(r) << "\n";
+    TORCH_CHECK(out.good(), "gpt_bench: rank ", world->rank(), " could not write ", path);
+  }
+  if (lead && !a.quiet)
+    std::printf(
+        "gpt_bench: tensor parallel%s, %s, %d ranks (dp %d x tp %d), %lld params: p50 %.1f ms (forward %.1f, "
+        "backward %.1f, optimizer %.1f), %.0f tokens/s, sent %s/step (tp %s, dp %s)\n",
+        a.sequence_parallel ? " + sequence parallel" : "", shardtorch::strategy_name(sharded.strategy()), world->size(),
+        dp, a.tp, static_cast<long long>(params), percentile(step_ms, 0.5), percentile(forward_ms, 0.5),
+        percentile(backward_ms, 0.5), percentile(optimizer_ms, 0.5), r["tokens_per_s"].as_double(),
+        shardtorch::format_bytes(r["bytes_sent_per_step"].as_int64()).c_str(),
+        shardtorch::format_bytes(tp_comm.total_bytes_sent() / a.steps).c_str(),
+        shardtorch::format_bytes(dp_comm.total_bytes_sent() / a.steps).c_str());
+  return 0;
+}
+
 int run(const Args& a) {
   if (a.pp > 0) return run_pipeline(a);
+  if (a.tp > 0) return run_tensor_parallel(a);
   torch::manual_seed(0);
   if (!a.save_init.empty()) {  // one process: the initial weights, unsharded
     gpt::GPT model(a.cfg);
@@ -579,6 +746,10 @@ int main(int argc, char** argv) {
       "with --pp: each layer sleeps this long in forward (twice in backward) besides its compute")(
       "chunks", po::value(&a.chunks)->default_value(a.chunks), "with --pp: chunks per pipeline rank")(
       "split-at", po::value(&a.split_at), "with --pp: layers that begin stages 1.. (comma-separated)")(
+      "tp", po::value(&a.tp)->default_value(a.tp),
+      "tensor-parallel ranks (0: none); the world is dp x tp, the GPT split by gpt::tp_plan, slices sharded over dp "
+      "with --strategy")("sequence-parallel", po::bool_switch(&a.sequence_parallel),
+                         "with --tp: Megatron-LM's sequence parallelism")(
       "report", po::value(&a.report), "write PREFIX.rankR.json per rank")("quiet", po::bool_switch(&a.quiet),
                                                                           "no progress lines");
   try {
@@ -593,6 +764,8 @@ int main(int argc, char** argv) {
                 "gpt_bench: need --steps >= 1, --warmup >= 0, --batch >= 1, --threads >= 0");
     TORCH_CHECK(a.cfg.n_layer >= 1 && a.cfg.d_model >= 1 && a.cfg.n_head >= 1 && a.cfg.vocab >= 1 && a.cfg.seq_len >= 2,
                 "gpt_bench: need --layers, --d-model, --heads and --vocab >= 1 and --seq >= 2");
+    TORCH_CHECK(a.tp >= 0 && !(a.tp > 0 && a.pp > 0) && (a.tp > 0 || !a.sequence_parallel),
+                "gpt_bench: --tp takes no --pp here (examples/tp_gpt runs both); --sequence-parallel needs --tp");
     TORCH_CHECK(a.cfg.d_model % a.cfg.n_head == 0, "gpt_bench: --d-model ", a.cfg.d_model,
                 " is not a multiple of --heads ", a.cfg.n_head);
     return run(a);
