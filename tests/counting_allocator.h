@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
 
 namespace testmodels {
 
@@ -22,13 +24,21 @@ class CountingCPUAllocator final : public c10::Allocator {
     if (c10::GetCPUAllocator() == this) c10::SetCPUAllocator(base_);
   }
   c10::DataPtr allocate(size_t n) override {
-    auto* held = new Held{base_->allocate(n), n};
+    if (n == 0) return base_->allocate(0);  // nothing to count (and no address of its own)
+    c10::DataPtr inner = base_->allocate(n);
+    void* data = inner.get();
     auto& c = counters();
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      c.held[data] = Held{std::move(inner), n};
+    }
     const int64_t now = c.current += static_cast<int64_t>(n);
     for (int64_t p = c.peak.load(); now > p && !c.peak.compare_exchange_weak(p, now);) {
     }
-    return {held->inner.get(), held, &Held::release, c10::Device(c10::kCPU)};
+    // The context is the data (raw_allocate, which some kernels use, requires it).
+    return {data, data, &release, c10::Device(c10::kCPU)};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
   /// Bytes held now through this allocator (or an earlier one).
   int64_t current() const { return counters().current; }
@@ -39,22 +49,31 @@ class CountingCPUAllocator final : public c10::Allocator {
   void reset_peak() { counters().peak = counters().current.load(); }
 
  private:
+  struct Held {
+    c10::DataPtr inner;
+    size_t bytes = 0;
+  };
   struct Counters {
     std::atomic<int64_t> current{0}, peak{0};
+    std::mutex mu;
+    std::unordered_map<void*, Held> held;  // by data pointer
   };
   static Counters& counters() {
     static Counters c;
     return c;
   }
-  struct Held {
-    c10::DataPtr inner;
-    size_t bytes;
-    static void release(void* p) {
-      auto* h = static_cast<Held*>(p);
-      counters().current -= static_cast<int64_t>(h->bytes);
-      delete h;
+  static void release(void* data) {
+    auto& c = counters();
+    Held h;
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      auto it = c.held.find(data);
+      if (it == c.held.end()) return;
+      h = std::move(it->second);
+      c.held.erase(it);
     }
-  };
+    c.current -= static_cast<int64_t>(h.bytes);
+  }  // h.inner frees the bytes
   c10::Allocator* base_;
 };
 

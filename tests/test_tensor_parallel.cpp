@@ -8,6 +8,7 @@
 #include "../examples/llama.h"
 #include "counting_allocator.h"
 #include "reference.h"
+#include "shardtorch/optim/cpu_adam.h"
 #include "tp_helpers.h"
 
 using namespace testmodels;
@@ -126,6 +127,69 @@ INSTANTIATE_TEST_SUITE_P(
         if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
       return n;
     });
+
+// The sharding's features inside a tp 2 x dp 2 mesh with sequence
+// parallelism, each against single-process training: activation
+// checkpointing per unit (a recomputed forward runs the tensor-parallel
+// collectives again), CPU offload with the fused CPU AdamW, gradient
+// accumulation over two micro-batches without synchronisation (within 1e-5),
+// and bf16 mixed precision (within 6e-2: it rounds what it computes).
+TEST(TpFeatures, ShardingFeaturesKeepWorkingInsideTheMesh) {
+  enum Feature { kCheckpointing, kOffloadFusedAdamW, kAccumulation, kBf16 };
+  const auto& ref = reference();
+  const auto x = tokens();
+  for (Feature f : {kCheckpointing, kOffloadFusedAdamW, kAccumulation, kBf16}) {
+    const std::string what = f == kCheckpointing       ? "activation checkpointing"
+                             : f == kOffloadFusedAdamW ? "cpu offload with FusedAdamW"
+                             : f == kAccumulation      ? "accumulation over two micro-batches"
+                                                       : "bf16 mixed precision";
+    auto r = run_ranks(4, [&](World& w) {
+      auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", 2}, {"tp", 2}});
+      auto tp = (*mesh)["tp"];
+      torch::manual_seed(0);
+      gpt::GPT model(tp_config());
+      prepare(model);
+      shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config(), /*sequence_parallel=*/true));
+      auto opts = strategy_options(Strategy::FullShard, 2)
+                      .activation_checkpointing(f == kCheckpointing)
+                      .cpu_offload(f == kOffloadFusedAdamW);
+      if (f == kBf16)  // computes and reduces in bf16 (the fp32 masters step): near the fp32 run, not equal
+        opts.mixed_precision(shardtorch::MixedPrecision().param_dtype(at::kBFloat16).output_dtype(at::kFloat));
+      auto sm = shardtorch::shard(model, (*mesh)["dp"], opts);
+      auto opt = f == kOffloadFusedAdamW ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw())
+                                         : shardtorch::AdamW(*model, adamw());
+      const auto params = own_params(*model);
+      const int64_t per = kBatch / 2;
+      auto mine = x.narrow(0, mesh->coordinate("dp") * per, per);
+      testref::Run got;
+      for (int s = 0; s < kSteps; ++s) {
+        opt->zero_grad();
+        double loss = 0;
+        if (f == kAccumulation) {
+          for (int m = 0; m < 2; ++m) {
+            sm.set_requires_gradient_sync(m == 1);
+            auto part = mine.narrow(0, m * per / 2, per / 2);
+            auto l = gpt::lm_loss_tp(model(part), part, tp) / 2;
+            l.backward();
+            loss += l.item<double>();
+          }
+        } else {
+          auto l = gpt::lm_loss_tp(model(mine), mine, tp);
+          l.backward();
+          loss = l.item<double>();
+        }
+        auto global = torch::tensor({loss}, torch::kDouble);
+        (*mesh)["dp"]->comm().all_reduce(global, c10d::ReduceOp::SUM, "test: the step's loss");
+        got.losses.push_back(global.item<double>() / 2);
+        if (s == 0) got.first_grads = whole(testref::full_gradients(*model), params, *tp);
+        opt->step();
+      }
+      got.final_params = whole(testref::full_parameters(*model), params, *tp);
+      testref::expect_same_run(got, ref, f == kBf16 ? 6e-2 : 1e-5, what);
+    });
+    EXPECT_TRUE(r.ok) << what << ": " << r.summary();
+  }
+}
 
 // 3-D: pipeline stages x tensor parallelism x data parallelism on 8 ranks.
 TEST(TpPipeline, PipelineStagesOfATensorParallelGptShardedOverDpTrainLikeOneProcess) {
@@ -400,11 +464,14 @@ TEST(TpErrors, ARankWhoseModelDiffersIsRefusedNamingTheParameter) {
   }
 }
 
-// check_replicated finds the whole parameters that drifted apart: ranks of a
-// group that took different batches (here each its own, by global rank).
-TEST(TpErrors, CheckReplicatedNamesAParameterThatDivergedAcrossTheGroup) {
+// Parameters left whole that drift apart across a group are named: by
+// check_replicated when one rank's values changed (here the ranks at tp
+// coordinate 1 edit two norms), by the collective check when one rank took
+// an optimizer step more (its next collective is a step ahead).
+TEST(TpErrors, AReplicatedParameterThatDivergedAcrossTheGroupIsNamed) {
+  enum Drift { kNone, kEdited, kExtraStep };
   const auto x = tokens();
-  for (bool same_batch : {true, false}) {
+  for (Drift drift : {kNone, kEdited, kExtraStep}) {
     auto r = run_ranks(4, [&](World& w) {
       auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", 2}, {"tp", 2}});
       auto tp = (*mesh)["tp"];
@@ -413,21 +480,35 @@ TEST(TpErrors, CheckReplicatedNamesAParameterThatDivergedAcrossTheGroup) {
       shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config()));
       shardtorch::shard(model, (*mesh)["dp"], strategy_options(Strategy::FullShard, 2));
       auto opt = shardtorch::AdamW(*model, adamw());
-      const int64_t slot = same_batch ? mesh->coordinate("dp") : w.rank();
-      auto mine = x.narrow(0, slot * (kBatch / 4), kBatch / 4);
+      auto mine = x.narrow(0, mesh->coordinate("dp") * (kBatch / 2), kBatch / 2);
       require(shardtorch::check_replicated(*model, tp) > 0, "nothing compared");
       opt->zero_grad();
       gpt::lm_loss_tp(model(mine), mine, tp).backward();
       opt->step();
+      if (drift == kExtraStep && tp->rank() == 1) opt->step();
+      if (drift == kEdited && tp->rank() == 1) {
+        shardtorch::FullParams full(*model);
+        torch::NoGradGuard no_grad;
+        model->ln_f->weight.add_(1.0);
+        model->block_list[0]->ln1->weight.add_(1.0);
+      }
       shardtorch::check_replicated(*model, tp);
     });
-    if (same_batch) {
+    if (drift == kNone) {
       EXPECT_TRUE(r.ok) << r.summary();
       continue;
     }
-    ASSERT_FALSE(r.ok);  // each group names the first of its shards that differs
-    for (const auto& m : errors_of(r))
-      EXPECT_NE(m.find("shardtorch::check_replicated: parameter '"), std::string::npos) << m;
+    ASSERT_FALSE(r.ok);
+    for (const auto& m : errors_of(r)) {
+      if (drift == kEdited)  // each group names the first of its shards that differs
+        EXPECT_TRUE(m.find("shardtorch::check_replicated: parameter 'ln_f.weight' differs between rank") !=
+                        std::string::npos ||
+                    m.find("shardtorch::check_replicated: parameter 'blocks.0.ln1.weight' differs between rank") !=
+                        std::string::npos)
+            << m;
+      else
+        EXPECT_NE(m.find("collectives diverged"), std::string::npos) << m;
+    }
   }
 }
 

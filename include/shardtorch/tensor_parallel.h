@@ -157,8 +157,8 @@ SHARDTORCH_API TpReport parallelize(torch::nn::Module& model, std::shared_ptr<Wo
 /// Collective over `tp`: checks that the parameters parallelize() left whole
 /// (norms, position embeddings, biases added after a reduction) hold the
 /// same values on every rank of the group, as the split layers' math
-/// assumes; ranks of one group that took different batches or optimizer
-/// steps make them differ. Of a sharded model, each rank's shard of them is
+/// assumes; a rank that changed its own (an edit, another learning rate)
+/// makes them differ. Of a sharded model, each rank's shard of them is
 /// compared with its peers'. Throws on every rank naming the first that
 /// differs and two ranks that disagree; returns how many were compared.
 /// (parallelize() itself checks every constructed parameter, split or not,
