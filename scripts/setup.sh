@@ -44,6 +44,12 @@ if ! "$VENV/bin/python3" -c 'import safetensors' 2>/dev/null; then
   echo "setup: installing safetensors into $VENV"
   "$VENV/bin/python3" -m pip install -q safetensors
 fi
+# transformers: the test that loads a Llama it saved (save_pretrained); pinned.
+TRANSFORMERS_VERSION=5.24.0
+if ! "$VENV/bin/python3" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('transformers') == '$TRANSFORMERS_VERSION' else 1)" 2>/dev/null; then
+  echo "setup: installing transformers==$TRANSFORMERS_VERSION into $VENV"
+  "$VENV/bin/python3" -m pip install -q "transformers==$TRANSFORMERS_VERSION"
+fi
 # torchft's lighthouse (torchft_lighthouse), the coordinator of fault-tolerant
 # training (docs/fault_tolerance.md); pinned: proto/lighthouse.proto follows its protocol.
 TORCHFT_VERSION=2026.10.26

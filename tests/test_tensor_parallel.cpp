@@ -8,6 +8,8 @@
 #include "../examples/llama.h"
 #include "counting_allocator.h"
 #include "reference.h"
+#include "shardtorch/checkpoint/safetensors.h"
+#include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/optim/cpu_adam.h"
 #include "tp_helpers.h"
 
@@ -319,6 +321,39 @@ TEST(TpMemory, SequenceParallelismHoldsFewerActivationBytes) {
             "sequence parallelism holds " + std::to_string(held[1]) + " bytes, without it " + std::to_string(held[0]));
   });
   ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Interop: a LlamaForCausalLM that transformers saved (save_pretrained,
+// several files; tests/python/write_hf_llama.py) loads into llama::Llama
+// unsplit, at tp 2 with sequence parallelism and at tp 2 x dp 2 under
+// FullShard, and the logits equal transformers' within 1e-5. Run by the
+// ctest checkpoint.hf_llama_from_transformers, which writes the checkpoint
+// and sets SHARDTORCH_LLAMA_INTEROP_DIR.
+TEST(TpLlamaInterop, DISABLED_LoadsWhatTransformersSavedAndComputesItsLogits) {
+  const char* dir = std::getenv("SHARDTORCH_LLAMA_INTEROP_DIR");
+  ASSERT_NE(dir, nullptr) << "set SHARDTORCH_LLAMA_INTEROP_DIR (tests/python/write_hf_llama.py writes it)";
+  shardtorch::checkpoint::Reader reference(std::string(dir) + "/reference.safetensors");
+  const auto tokens = reference.read("tokens"), want = reference.read("logits");
+  const llama::Config cfg;
+  for (const TpCase& c : {TpCase{1, 1, Strategy::NoShard, false}, TpCase{2, 1, Strategy::NoShard, true},
+                          TpCase{2, 2, Strategy::FullShard, false}}) {
+    auto r = run_ranks(c.tp * c.dp, [&](World& w) {
+      auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", c.dp}, {"tp", c.tp}});
+      auto tp = (*mesh)["tp"];
+      llama::Llama model = shardtorch::deferred([&] { return llama::Llama(cfg); });
+      shardtorch::skip_deferred_init(*model);
+      if (c.tp > 1) shardtorch::parallelize(*model, tp, llama::tp_plan(cfg, c.sequence_parallel));
+      shardtorch::shard(model, (*mesh)["dp"], strategy_options(c.strategy, c.dp));
+      shardtorch::load_hf_checkpoint(*model, dir);
+      torch::NoGradGuard no_grad;
+      auto logits = model(tokens);
+      if (c.tp > 1)
+        logits = shardtorch::detail::tp::all_gather_along(logits.contiguous(), 2, tp->comm(), "test: logits");
+      const double err = (logits - want).abs().max().item<double>() / want.abs().max().item<double>();
+      require(err <= 1e-5, "logits differ from transformers' by " + std::to_string(err) + " (relative to the largest)");
+    });
+    EXPECT_TRUE(r.ok) << "llama " << case_name(c) << ": " << r.summary();
+  }
 }
 
 // A model built deferred and split before shard() materialises it: each

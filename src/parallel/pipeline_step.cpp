@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "base/check.h"
@@ -138,6 +139,7 @@ class StepRun {
   double backward(const Action& a);
   void send_activation(const Action& a);
   void send_gradient(const Action& a);
+  void post_gradient_send(int stage, int mb, const at::Tensor& grad);
 
   PipelineRuntime& rt_;
   const pipeline::Plan& plan_;
@@ -159,6 +161,7 @@ class StepRun {
   std::map<std::pair<int, int>, Recv> recvs_;  // activations by (stage, mb); gradients by (-1 - stage, mb)
   std::map<std::pair<int, int>, Send> act_sends_;
   std::vector<Send> grad_sends_;
+  std::set<std::pair<int, int>> sent_in_backward_;  // input gradients sent as their backward computed them
   at::Tensor loss_sum_ = at::zeros({}, at::kDouble);
 };
 
@@ -340,6 +343,18 @@ double StepRun::backward(const Action& a) {
   }
   const double compute = trace_.seconds();
   trace_.at("pipeline backward", a.stage, a.microbatch);
+  // The input's gradient leaves as soon as the backward computes it, before
+  // the backward's end (where the last one reduces the stage's gradients):
+  // the previous stage waits for it. On the CPU, where the hook runs on this
+  // thread; elsewhere SendGradient sends it.
+  if (a.stage > 0 && !rt_.holds(a.stage - 1) && comm_.device().is_cpu()) {
+    at::Tensor x = ins_.at(key);
+    if (x.requires_grad())
+      x.register_hook([this, stage = a.stage, mb = a.microbatch](const at::Tensor& g) {
+        post_gradient_send(stage, mb, g);
+        return at::Tensor();
+      });
+  }
   rt_.sharded->set_requires_gradient_sync(a.reduce && sync_);
   if (root.requires_grad() && (grad.defined() || a.stage == S_ - 1))
     torch::autograd::backward({root},
@@ -350,16 +365,24 @@ double StepRun::backward(const Action& a) {
   return compute;
 }
 
-void StepRun::send_gradient(const Action& a) {
-  const auto key = std::make_pair(a.stage, a.microbatch);
-  at::Tensor x = ins_.at(key);
+void StepRun::post_gradient_send(int stage, int mb, const at::Tensor& grad) {
   Send s;
-  s.buffer = x.grad().defined() ? x.grad().contiguous() : at::zeros_like(x);
+  s.buffer = grad.contiguous();
   if (s.buffer.device() != comm_.device()) s.buffer = s.buffer.to(comm_.device());
   s.work = comm_.send_async(
-      s.buffer, rt_.pp_rank_of(a.peer_stage), tag(Msg::Gradient, a.stage - 1, a.microbatch),
-      "the gradient of the input of " + rt_.where(a.stage, a.microbatch) + " to stage " + std::to_string(a.peer_stage));
+      s.buffer, rt_.pp_rank_of(stage - 1), tag(Msg::Gradient, stage - 1, mb),
+      "the gradient of the input of " + rt_.where(stage, mb) + " to stage " + std::to_string(stage - 1));
   grad_sends_.push_back(std::move(s));
+  sent_in_backward_.insert({stage, mb});
+}
+
+void StepRun::send_gradient(const Action& a) {
+  const auto key = std::make_pair(a.stage, a.microbatch);
+  if (sent_in_backward_.erase(key) == 0) {
+    at::Tensor x = ins_.at(key);
+    post_gradient_send(a.stage, a.microbatch, x.grad().defined() ? x.grad() : at::zeros_like(x));
+    sent_in_backward_.erase(key);
+  }
   ins_.erase(key);
 }
 

@@ -346,7 +346,8 @@ TpReport parallelize(torch::nn::Module& model, std::shared_ptr<World> tp, const 
   detail::require_same_parameters(model, group, /*unsplit_only=*/false, me.substr(me.find("shardtorch::")),
                                   "parallelize() splits each rank's copy as if they were equal: build the model "
                                   "from the same seed on every rank (torch::manual_seed before construction), or "
-                                  "load the same checkpoint");
+                                  "deferred (shardtorch::deferred, with skip_deferred_init when a checkpoint loaded "
+                                  "after shard() gives the values)");
 
   c10::NoGradGuard no_grad;
   Splitter splitter(tp, plan, me);
