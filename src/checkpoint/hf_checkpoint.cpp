@@ -289,11 +289,8 @@ void HfLoad::plan_parameters() {
     plan_replicated();
     return;
   }
-  const int rank = state_.topology().shard_comm().rank();
-  const bool checks_empty = state_.world().rank() == 0;  // an empty parameter is no rank's: rank 0 checks it
-  for (auto& u : state_.units())
-    for (auto& f : u->flats())
-      for (size_t i = 0; i < f->params().size(); ++i) plan_piece(*f, i, rank, checks_empty);
+  checkpoint::for_each_flat_param(
+      state_, [this](FlatParam& f, size_t i, int rank, bool checks_empty) { plan_piece(f, i, rank, checks_empty); });
 }
 
 // Every rank holds everything: every file it names is read.

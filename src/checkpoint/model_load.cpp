@@ -1,5 +1,7 @@
 #include "checkpoint/model_load.h"
 
+#include "runtime/flat_param.h"
+
 #include <sstream>
 
 #include "shardtorch/checkpoint/safetensors.h"
@@ -44,6 +46,14 @@ void require_castable(const std::string& where, const std::string& named, const 
     throw SafetensorsError(where + ": " + named + " is " + saved_text + in_file + " but the model's " + kind + " is " +
                            dtype_text(dtype) + ", and a cast from " + saved_text + " to " + dtype_text(dtype) +
                            " can change values: refused (" + options + "().allow_lossy_casts(true) casts anyway)");
+}
+
+void for_each_flat_param(detail::ShardState& state, const std::function<void(FlatParam&, size_t, int, bool)>& piece) {
+  const int rank = state.topology().shard_comm().rank();
+  const bool checks_empty = state.world().rank() == 0;
+  for (auto& u : state.units())
+    for (auto& f : u->flats())
+      for (size_t i = 0; i < f->params().size(); ++i) piece(*f, i, rank, checks_empty);
 }
 
 }  // namespace shardtorch::checkpoint

@@ -40,6 +40,14 @@ struct LoadRun {
   void finish();
 };
 
+/// Calls piece(flat, i, shard_rank, checks_empty) for parameter i of every
+/// flat parameter of a sharded (not replicated) `state`, in order;
+/// `checks_empty` is true on the World's rank 0 (a parameter without
+/// elements is no rank's piece: rank 0 checks it).
+void for_each_flat_param(
+    detail::ShardState& state,
+    const std::function<void(FlatParam& flat, size_t i, int shard_rank, bool checks_empty)>& piece);
+
 /// Throws SafetensorsError "<where>: <named> has shape S<in_file> but the
 /// model's <kind> has shape W (...)" unless `saved` is `want`.
 void require_shape(const std::string& where, const std::string& named, const std::string& in_file,
