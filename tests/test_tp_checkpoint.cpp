@@ -9,6 +9,7 @@
 #include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/pipeline_checkpoint.h"
+#include "shardtorch/snapshot.h"
 #include "temp_dir.h"
 #include "tp_helpers.h"
 
@@ -506,6 +507,38 @@ TEST(TpDcp, RefusesATensorParallelModelOnEveryRank) {
     require_same(whole_params(b), before, "the parameters after the refused load");
   });
   EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// In-memory snapshots of a split model, taken over the mesh's World (every
+// rank its own slices' shards): a new model restores the newest step and
+// continues bitwise.
+TEST(TpSnapshots, ASplitModelRestoresFromMemoryAndContinuesBitwise) {
+  TempDir dir("shardtorch-tp-snapshots");
+  auto r = run_ranks(4, [&](World& w) {
+    shardtorch::SnapshotOptions o;
+    o.dir = dir;
+    o.job = "tp";
+    std::map<std::string, torch::Tensor> at2, at3;
+    {
+      Built b = build(w, kSaver);
+      auto opt = shardtorch::AdamW(*b.model, adamw());
+      shardtorch::Snapshots snaps(w.shared_from_this(), *b.model, opt.get(), o);
+      train(b, *opt, kSaver);  // kSteps (2) steps
+      snaps.after_step(kSteps);
+      at2 = whole_params(b);
+      one_step(b, *opt, kSaver);
+      at3 = whole_params(b);
+    }
+    Built again = build(w, Layout{2, 2, Strategy::FullShard, true, false, true});
+    auto opt = shardtorch::AdamW(*again.model, adamw());
+    shardtorch::Snapshots snaps(w.shared_from_this(), *again.model, opt.get(), o);
+    require(snaps.restore() == kSteps, "did not restore step " + std::to_string(kSteps));
+    require_bitwise(whole_params(again), at2, "restored");
+    one_step(again, *opt, kSaver);
+    require_bitwise(whole_params(again), at3, "the step after the restore");
+    snaps.finish();
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
 }
 
 }  // namespace
