@@ -541,4 +541,20 @@ TEST(TpSnapshots, ASplitModelRestoresFromMemoryAndContinuesBitwise) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// Over the data-parallel group alone, the ranks of different tp coordinates
+// would write the same files: refused, saying what to pass.
+TEST(TpSnapshots, OverTheDataParallelGroupAloneTheyAreRefused) {
+  TempDir dir("shardtorch-tp-snapshots");
+  auto r = run_ranks(4, [&](World& w) {
+    shardtorch::SnapshotOptions o;
+    o.dir = dir;
+    Built b = build(w, kSaver);
+    auto opt = shardtorch::AdamW(*b.model, adamw());
+    shardtorch::Snapshots snaps((*b.mesh)["dp"], *b.model, opt.get(), o);
+  });
+  ASSERT_FALSE(r.ok);
+  for (const auto& k : r.ranks)
+    EXPECT_NE(k.message.find("take the snapshots over the mesh's World"), std::string::npos) << k.message;
+}
+
 }  // namespace

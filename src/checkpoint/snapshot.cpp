@@ -26,6 +26,7 @@
 #include "checkpoint/checksum.h"
 #include "checkpoint/index_format.h"
 #include "checkpoint/rank_state.h"
+#include "runtime/placement.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/checkpoint.h"
 #include "shardtorch/checkpoint/safetensors.h"
@@ -483,6 +484,14 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
                    ": persist_every is set but fallback_dir is not: set the directory to persist to");
   files::create_directories(m.options.dir);
   m.sharded = detail::require_state(root, "shardtorch::Snapshots");
+  for (const auto& item : root.named_parameters())  // a split model: one file per rank of the whole mesh
+    if (auto p = detail::placement_of(item.value()); p && p->size > 1) {
+      SHARDTORCH_CHECK(n >= m.sharded->world().size() * p->size, m.who(), ": the model is split over ", p->size,
+                       " tensor-parallel ranks and sharded over ", m.sharded->world().size(),
+                       "; take the snapshots over the mesh's World (every rank of it): over ", n,
+                       " ranks, ranks at different tp coordinates would write the same files");
+      break;
+    }
   m.strategy = checkpoint::strategy_of(root);
   m.fingerprint = model_fingerprint(root, opt, n);
   std::vector<int> all(static_cast<size_t>(n));
