@@ -119,6 +119,52 @@ int64_t count_params(torch::nn::Module& m) {
   return n;
 }
 
+// The optimizer every path trains with (bench/peers/peer_train.py's).
+torch::optim::AdamWOptions adamw_options(const Args& a) {
+  return torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01);
+}
+
+// Every memory category, current and peak, as the reports hold them.
+json::object memory_json(const shardtorch::MemorySnapshot& m) {
+  json::object mem;
+  for (int i = 0; i < static_cast<int>(shardtorch::Mem::kCount); ++i) {
+    auto c = static_cast<shardtorch::Mem>(i);
+    mem[shardtorch::mem_name(c)] = json::object{{"current", m.cur(c)}, {"peak", m.max(c)}};
+  }
+  return mem;
+}
+
+// Parameters, gradients and optimizer state, on the device and in host memory.
+int64_t model_state_bytes(const shardtorch::MemorySnapshot& m) {
+  using shardtorch::Mem;
+  return m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) + m.cur(Mem::OptimizerState) +
+         m.cur(Mem::HostParams) + m.cur(Mem::HostGradients) + m.cur(Mem::HostOptimizerState);
+}
+
+double mean_of(const std::vector<double>& v) {
+  double mean = 0;
+  for (double x : v) mean += x / static_cast<double>(std::max<size_t>(v.size(), 1));
+  return mean;
+}
+
+// The model's shape and the run's options every report holds ("config");
+// a path adds its own.
+json::object config_json(const Args& a) {
+  return json::object{
+      {"vocab", a.cfg.vocab},   {"seq_len", a.cfg.seq_len},   {"d_model", a.cfg.d_model},
+      {"n_head", a.cfg.n_head}, {"n_layer", a.cfg.n_layer},   {"batch", a.batch},
+      {"dtype", "float32"},     {"fused_adam", a.fused_adam}, {"activation_checkpointing", a.recompute}};
+}
+
+// --report PREFIX: this rank's report in PREFIX.rankR.json.
+void write_report(const Args& a, const shardtorch::World& world, const json::object& r) {
+  if (a.report.empty()) return;
+  const std::string path = a.report + ".rank" + std::to_string(world.rank()) + ".json";
+  std::ofstream out(path);
+  out << json::serialize(r) << "\n";
+  TORCH_CHECK(out.good(), "gpt_bench: rank ", world.rank(), " could not write ", path);
+}
+
 // --stand-in-ms: a layer's compute made long and exact, whatever the cores:
 // its output passes through unchanged after a sleep of `ms`, and its
 // gradient after a sleep of twice that (a backward costs about two forwards).
@@ -179,7 +225,7 @@ int run_pipeline(const Args& a) {
     for (auto& l : layers)
       l.forward = [f = l.forward, ms = a.stand_in_ms](const at::Tensor& x) { return StandIn::apply(f(x), ms); };
   shardtorch::Pipeline pipe(std::move(layers), mesh, options);
-  auto adamw = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01);
+  auto adamw = adamw_options(a);
   auto opt = a.fused_adam ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(pipe.module(), adamw)
                           : shardtorch::AdamW(pipe.module(), adamw);
   auto loss_fn = [](const at::Tensor& logits, const at::Tensor& t) { return gpt::lm_loss(logits, t); };
@@ -228,18 +274,10 @@ int run_pipeline(const Args& a) {
                    ms(t0, t2));
   }
   const auto m = pipe.sharded().memory();
-  using shardtorch::Mem;
-  const int64_t model_state =
-      m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) + m.cur(Mem::OptimizerState);
-  double mean_ms = 0;
-  for (double v : step_ms) mean_ms += v / std::max<size_t>(step_ms.size(), 1);
+  const int64_t model_state = model_state_bytes(m);
+  const double mean_ms = mean_of(step_ms);
   json::array stages;
   for (const auto& layers : pipe.stage_layers()) stages.push_back(json::value_from(layers));
-  json::object mem;
-  for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) {
-    auto c = static_cast<Mem>(i);
-    mem[shardtorch::mem_name(c)] = json::object{{"current", m.cur(c)}, {"peak", m.max(c)}};
-  }
   json::object r{
       {"impl", "shardtorch_pipeline"},
       {"strategy", shardtorch::strategy_name(shard.strategy())},
@@ -253,16 +291,7 @@ int run_pipeline(const Args& a) {
       {"stand_in_ms", a.stand_in_ms},
       {"chunks", a.chunks},
       {"stages", stages},
-      {"config",
-       {{"vocab", a.cfg.vocab},
-        {"seq_len", a.cfg.seq_len},
-        {"d_model", a.cfg.d_model},
-        {"n_head", a.cfg.n_head},
-        {"n_layer", a.cfg.n_layer},
-        {"batch", a.batch},
-        {"dtype", "float32"},
-        {"fused_adam", a.fused_adam},
-        {"activation_checkpointing", a.recompute}}},
+      {"config", config_json(a)},
       {"params", params},
       {"warmup", a.warmup},
       {"steps", a.steps},
@@ -282,15 +311,10 @@ int run_pipeline(const Args& a) {
       {"peak_rss_bytes", process_memory::peak_resident_bytes()},
       {"baseline_rss_bytes", baseline_rss},
       {"model_state_bytes", model_state},
-      {"memory", mem},
+      {"memory", memory_json(m)},
       {"bytes_sent_per_step", a.steps > 0 ? sent / a.steps : 0},
   };
-  if (!a.report.empty()) {
-    std::string path = a.report + ".rank" + std::to_string(world->rank()) + ".json";
-    std::ofstream out(path);
-    out << json::serialize(r) << "\n";
-    TORCH_CHECK(out.good(), "gpt_bench: rank ", world->rank(), " could not write ", path);
-  }
+  write_report(a, *world, r);
   if (!a.profile.empty()) pipe.write_timeline(a.profile + ".timeline.json");  // collective
   if (lead && !a.quiet)
     std::printf(
@@ -340,7 +364,7 @@ int run_tensor_parallel(const Args& a) {
                      .activation_checkpointing(a.recompute);
   if (options.strategy() == shardtorch::Strategy::HybridShard) options.hybrid_shard_size(a.hybrid_shard_size);
   shardtorch::ShardedModel sharded = shardtorch::shard(*model, (*mesh)["dp"], options);
-  auto adamw = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01);
+  auto adamw = adamw_options(a);
   auto opt = a.fused_adam ? shardtorch::ShardedOptimizer::make<shardtorch::FusedAdamW>(*model, adamw)
                           : shardtorch::AdamW(*model, adamw);
   const int d = mesh->coordinate("dp");
@@ -390,16 +414,8 @@ int run_tensor_parallel(const Args& a) {
       std::fprintf(stderr, "gpt_bench: step %d/%d loss %.4f %.1f ms\n", s + 1, a.warmup + a.steps, losses.back(), ms);
   }
   const auto m = sharded.memory();
-  using shardtorch::Mem;
-  const int64_t model_state =
-      m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) + m.cur(Mem::OptimizerState);
-  double mean_ms = 0;
-  for (double v : step_ms) mean_ms += v / std::max<size_t>(step_ms.size(), 1);
-  json::object mem;
-  for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) {
-    auto c = static_cast<Mem>(i);
-    mem[shardtorch::mem_name(c)] = json::object{{"current", m.cur(c)}, {"peak", m.max(c)}};
-  }
+  const int64_t model_state = model_state_bytes(m);
+  const double mean_ms = mean_of(step_ms);
   auto traffic = [&](const shardtorch::CommStats& c) {
     return json::object{{"all_reduce", per_step(c.all_reduce, a.steps)},
                         {"all_gather", per_step(c.all_gather, a.steps)},
@@ -414,16 +430,7 @@ int run_tensor_parallel(const Args& a) {
       {"tp", a.tp},
       {"dp", dp},
       {"sequence_parallel", a.sequence_parallel},
-      {"config",
-       {{"vocab", a.cfg.vocab},
-        {"seq_len", a.cfg.seq_len},
-        {"d_model", a.cfg.d_model},
-        {"n_head", a.cfg.n_head},
-        {"n_layer", a.cfg.n_layer},
-        {"batch", a.batch},
-        {"dtype", "float32"},
-        {"fused_adam", a.fused_adam},
-        {"activation_checkpointing", a.recompute}}},
+      {"config", config_json(a)},
       {"params", params},
       {"warmup", a.warmup},
       {"steps", a.steps},
@@ -439,17 +446,12 @@ int run_tensor_parallel(const Args& a) {
       {"peak_rss_bytes", process_memory::peak_resident_bytes()},
       {"baseline_rss_bytes", baseline_rss},
       {"model_state_bytes", model_state},
-      {"memory", mem},
+      {"memory", memory_json(m)},
       {"tp_traffic_per_step", traffic(tp_comm)},
       {"dp_traffic_per_step", traffic(dp_comm)},
       {"bytes_sent_per_step", (tp_comm.total_bytes_sent() + dp_comm.total_bytes_sent()) / a.steps},
   };
-  if (!a.report.empty()) {
-    std::string path = a.report + ".rank" + std::to_string(world->rank()) + ".json";
-    std::ofstream out(path);
-    out << json::serialize(r) << "\n";
-    TORCH_CHECK(out.good(), "gpt_bench: rank ", world->rank(), " could not write ", path);
-  }
+  write_report(a, *world, r);
   if (lead && !a.quiet)
     std::printf(
         "gpt_bench: tensor parallel%s, %s, %d ranks (dp %d x tp %d), %lld params: p50 %.1f ms (forward %.1f, "
@@ -515,7 +517,7 @@ int run(const Args& a) {
   std::optional<shardtorch::ShardedModel> sharded;
   if (!plain) sharded.emplace(shardtorch::shard(*model, world, options));
   if (!a.init.empty()) shardtorch::load_full_state_dict(*model, a.init);
-  auto adamw = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01);
+  auto adamw = adamw_options(a);
   // Offloaded masters step on the CPU: there the fused kernel is the one to use.
   const bool fused = a.fused_adam || a.offload;
   TORCH_CHECK(!fused || !plain, "gpt_bench: --fused-adam is shardtorch's; --strategy plain uses torch::optim::AdamW");
@@ -622,36 +624,21 @@ int run(const Args& a) {
 
   const auto m = sharded ? sharded->memory() : shardtorch::MemorySnapshot{};
   const DevicePeak dev_peak = device_peak(world->device());
-  json::object mem;
-  for (int i = 0; i < static_cast<int>(shardtorch::Mem::kCount); ++i) {
-    auto c = static_cast<shardtorch::Mem>(i);
-    mem[shardtorch::mem_name(c)] = json::object{{"current", m.cur(c)}, {"peak", m.max(c)}};
-  }
-  using shardtorch::Mem;
-  const int64_t model_state = m.cur(Mem::ShardedParams) + m.cur(Mem::ReplicatedParams) + m.cur(Mem::Gradients) +
-                              m.cur(Mem::OptimizerState) + m.cur(Mem::HostParams) + m.cur(Mem::HostGradients) +
-                              m.cur(Mem::HostOptimizerState);
-  double mean_ms = 0;
-  for (double v : step_ms) mean_ms += v / std::max<size_t>(step_ms.size(), 1);
+  const int64_t model_state = model_state_bytes(m);
+  const double mean_ms = mean_of(step_ms);
+  json::object config = config_json(a);
+  config["dtype"] = a.bf16 ? "bfloat16" : "float32";
+  config["fused_adam"] = fused;
+  config["offload"] = a.offload;
+  config["overlap_step"] = a.overlap_step;
+  config["bucket_mb"] = a.bucket_mb;
+  config["prefetch"] = a.prefetch;
   json::object r{
       {"impl", "shardtorch"},
       {"strategy", plain ? "plain" : shardtorch::strategy_name(sharded->strategy())},
       {"world", world->size()},
       {"rank", world->rank()},
-      {"config",
-       {{"vocab", a.cfg.vocab},
-        {"seq_len", a.cfg.seq_len},
-        {"d_model", a.cfg.d_model},
-        {"n_head", a.cfg.n_head},
-        {"n_layer", a.cfg.n_layer},
-        {"batch", a.batch},
-        {"dtype", a.bf16 ? "bfloat16" : "float32"},
-        {"offload", a.offload},
-        {"overlap_step", a.overlap_step},
-        {"bucket_mb", a.bucket_mb},
-        {"fused_adam", fused},
-        {"prefetch", a.prefetch},
-        {"activation_checkpointing", a.recompute}}},
+      {"config", config},
       {"params", params},
       {"warmup", a.warmup},
       {"steps", a.steps},
@@ -670,7 +657,7 @@ int run(const Args& a) {
       {"threads", at::get_num_threads()},
       {"baseline_rss_bytes", baseline_rss},
       {"model_state_bytes", model_state},
-      {"memory", mem},
+      {"memory", memory_json(m)},
       {"peak_gathered_units", m.peak_gathered_units},
       {"bytes_sent_per_step", a.steps > 0 ? sent / a.steps : 0},
       {"offload_to_device_bytes_per_step", a.steps > 0 ? to_device / a.steps : 0},
@@ -678,12 +665,7 @@ int run(const Args& a) {
       {"check_collectives", world->checks_collectives()},
       {"check_exchanges_per_step", a.steps > 0 ? static_cast<double>(exchanges) / a.steps : 0.0},
   };
-  if (!a.report.empty()) {
-    std::string path = a.report + ".rank" + std::to_string(world->rank()) + ".json";
-    std::ofstream f(path);
-    f << json::serialize(r) << "\n";
-    TORCH_CHECK(f.good(), "gpt_bench: rank ", world->rank(), " could not write ", path);
-  }
+  write_report(a, *world, r);
   if (lead && !a.quiet) {
     std::printf(
         "gpt_bench: %s, %d ranks, %lld params: p50 %.1f ms (forward %.1f, backward %.1f, optimizer %.1f), "
