@@ -417,6 +417,41 @@ TEST(TpLayers, AtOneRankTheSplitLayersAreTheLibTorchOnesBitwise) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// Interop: an unsplit ParallelLinear computes what Python's torch.nn.Linear
+// computes (the bias inside the product), so the example GPT's loss and
+// gradients equal those of the same model written with torch.nn
+// (tests/python/write_gpt_gradients.py), bitwise, on an MLP 512 wide.
+// Run by the ctest interop.gpt_gradients_equal_pytorch, which writes the
+// reference and sets SHARDTORCH_GPT_GRADIENTS_DIR.
+TEST(TpLayersPython, DISABLED_AnUnsplitGptsGradientsArePyTorchsBitwise) {
+  const char* dir = std::getenv("SHARDTORCH_GPT_GRADIENTS_DIR");
+  ASSERT_NE(dir, nullptr) << "set SHARDTORCH_GPT_GRADIENTS_DIR (tests/python/write_gpt_gradients.py writes it)";
+  shardtorch::checkpoint::Reader reference(std::string(dir) + "/reference.safetensors");
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);  // as the reference was computed
+  gpt::Config cfg;
+  cfg.vocab = 64;
+  cfg.seq_len = 64;
+  cfg.d_model = 128;
+  cfg.n_layer = 2;
+  gpt::GPT model(cfg);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& [n, p] : unique_params(*model)) p.copy_(reference.read("param." + n));
+  }
+  const auto tokens = reference.read("tokens");
+  auto loss = gpt::lm_loss(model(tokens), tokens);
+  loss.backward();
+  at::set_num_threads(threads);
+  EXPECT_TRUE(torch::equal(loss.detach().reshape({1}), reference.read("loss")))
+      << "loss " << loss.item<double>() << " against PyTorch's " << reference.read("loss").item<double>();
+  for (auto& [n, p] : unique_params(*model)) {
+    const auto want = reference.read("grad." + n);
+    EXPECT_TRUE(torch::equal(p.grad(), want)) << "the gradient of " << n << " differs from PyTorch's by up to "
+                                              << (p.grad() - want).abs().max().item<double>();
+  }
+}
+
 TEST(TpLayers, VocabParallelCrossEntropyEqualsTheGatheredOne) {
   torch::manual_seed(5);
   auto logits = torch::randn({6, 12}, torch::kDouble) * 3;

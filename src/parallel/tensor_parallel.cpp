@@ -139,7 +139,7 @@ at::Tensor linear_forward(const TpLayer& l, const at::Tensor& input, const at::T
 }  // namespace
 
 at::Tensor ParallelLinearImpl::forward(const at::Tensor& input) {
-  if (!tp) return torch::nn::LinearImpl::forward(input);
+  if (!tp) return at::linear(input, weight, bias);
   return linear_forward(*tp, input, weight, bias);
 }
 
