@@ -401,7 +401,7 @@ struct Snapshots::Impl {
     }
     const std::string why = checkpoint::publish_rank_files(
         gather, rank(), files::join(detail::own_snapshot_path(options, rank(), step), file_of(rank())), written.entries,
-        sharded->strategy(), written.shapes, step, user, options.fallback_dir);
+        sharded->options().strategy(), written.shapes, step, user, options.fallback_dir);
     if (!why.empty())
       persist_error = "step " + std::to_string(step) + " could not be persisted to '" + options.fallback_dir + "' (" +
                       why + "); the checkpoint there stays as it was, and training goes on";

@@ -227,10 +227,10 @@ void Unit::reduce_grads(bool reshard_now) {
   // Without sync (accumulation) the staged gradients wait for a synchronising
   // backward, which reduces the units holding some: every rank's unit that
   // took part holds them, zeros where no gradient of it arrived.
-  if (!owner_->sync() && was_reached)
+  if (!owner_->backward().sync() && was_reached)
     for (auto& f : flats_)
       if (f->requires_grad()) f->grads().staging_grad();
-  if (owner_->sync()) {
+  if (owner_->backward().sync()) {
     owner_->order().issue_reductions();  // this unit, if its turn has come, and those that waited for it
     if (!grads_.issued()) owner_->order().count_deferred_reduction();
   }
@@ -244,7 +244,7 @@ void Unit::issue_reduction() {
   // A reduction that throws (a timed-out collective) leaves the parameters
   // where they were: the failed backward's cleanup releases the unit.
   for (auto& f : flats_)
-    if (f->requires_grad()) owner_->sharded_reducer().reduce(*f, label());
+    if (f->requires_grad()) owner_->path().sharded().reduce(*f, label());
 }
 
 namespace {
