@@ -163,7 +163,7 @@ void BM_FlattenParams(benchmark::State& state) {
     std::vector<std::string> names(params.size(), "p");
     state.ResumeTiming();
     shardtorch::FlatParam flat(params, names, kRanks, 0, nullptr);
-    bytes = flat.full().nbytes();
+    bytes = flat.buffer().tensor().nbytes();
     benchmark::DoNotOptimize(flat.shard().data_ptr());
   }
   state.SetBytesProcessed(state.iterations() * bytes);
@@ -199,7 +199,7 @@ void BM_StageGrads(benchmark::State& state) {
     }
     benchmark::DoNotOptimize(flat.grads().take_staging_grad().data_ptr());
   }
-  state.SetBytesProcessed(state.iterations() * flat.full().nbytes());
+  state.SetBytesProcessed(state.iterations() * flat.buffer().tensor().nbytes());
 }
 
 }  // namespace

@@ -77,7 +77,7 @@ void SummonScopes::check_outside() const {
 void UnitGathers::regather(Unit& u, FlatParam& f, const std::string& what) {
   at::Tensor mine = copies_.gather_input(f);
   if (auto* off = copies_.offloader()) off->current_waits_for_copies();  // gathered on the compute stream
-  topology_.shard_comm().all_gather_into(f.full(), mine, what + " of unit '" + u.label() + "'");
+  topology_.shard_comm().all_gather_into(f.buffer().tensor(), mine, what + " of unit '" + u.label() + "'");
 }
 
 void UnitGathers::regather_unsharded() {
@@ -142,7 +142,7 @@ void OptimizerSide::after_shards_replaced() {
   }
   for (auto& u : model_.units().all()) {
     for (auto& f : u->flats())
-      if (f->persistent()) gathers.regather(*u, *f, "updated parameters");
+      if (f->buffer().persistent()) gathers.regather(*u, *f, "updated parameters");
     u->gather().reshard();  // non-persistent full copies are stale now
   }
 }

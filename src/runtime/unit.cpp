@@ -72,7 +72,7 @@ void UnitGather::unshard_async() {
     owner.copies().launch_gathers([&] {
       for (size_t i = 0; i < flats.size(); ++i)
         gathers_.push_back(owner.topology().shard_comm().all_gather_async(
-            flats[i]->full(), gather_inputs_[i],
+            flats[i]->buffer().tensor(), gather_inputs_[i],
             "parameters of unit '" + unit_.label() + "' (" + flats[i]->describe() + ")"));
     });
   } catch (...) {
@@ -109,7 +109,7 @@ void UnitGather::unshard() {
 }
 
 void UnitGather::free_full(size_t wait_from, size_t failed) {
-  // gathers_[i] fills flats[i]->full(). Memory a collective that failed may
+  // gathers_[i] fills flats[i]->buffer().tensor(). Memory a collective that failed may
   // still write into is never freed (FullBuffer::free's abandon).
   auto& flats = unit_.flats();
   std::vector<bool> abandon(flats.size(), false);

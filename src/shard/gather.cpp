@@ -67,7 +67,7 @@ void FullParams::gather_all(bool keep) {
     bool was_sharded = u->gather().state() == detail::ParamState::Sharded;
     if (!was_sharded && !writeback_)
       for (auto& f : u->flats())
-        if (f->shard().storage().unsafeGetStorageImpl() == f->full().storage().unsafeGetStorageImpl())
+        if (f->shard().storage().unsafeGetStorageImpl() == f->buffer().tensor().storage().unsafeGetStorageImpl())
           restore_.emplace_back(f->shard(), f->shard().clone());
     u->gather().unshard();
     if (keep) {

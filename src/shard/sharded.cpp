@@ -488,7 +488,7 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
       auto flat = std::make_unique<FlatParam>(std::move(ts), std::move(names), shard_size, shard_comm.rank(),
                                               &state->mem(), persistent, comm_device);
       if (options.sync_module_states() && world.size() > 1) {
-        world.comm().broadcast(flat->full(), 0, "parameters of unit '" + unit->label() + "' at shard()");
+        world.comm().broadcast(flat->buffer().tensor(), 0, "parameters of unit '" + unit->label() + "' at shard()");
         flat->write_back_shard();
       }
       if (mp.param_dtype() && at::isFloatingType(dtype) && !kept) {
