@@ -121,9 +121,9 @@ void BM_BucketerCoalescing(benchmark::State& state) {
     bucketer.free();
   }
   benchmark::DoNotOptimize(sink);
-  state.counters["collectives_per_iter"] =
-      benchmark::Counter(static_cast<double>(bucketer.counts().launched) / std::max<int64_t>(state.iterations(), 1),
-                         benchmark::Counter::kAvgThreads);
+  state.counters["collectives_per_iter"] = benchmark::Counter(
+      static_cast<double>(bucketer.launches().counts().launched) / std::max<int64_t>(state.iterations(), 1),
+      benchmark::Counter::kAvgThreads);
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(kFlats * kNumel * 4)));
 }
 

@@ -615,8 +615,8 @@ ShardStats ShardedModel::stats() const {
   ShardStats s;
   s.gradient_reductions = state_->path().reducer().reductions();
   s.reductions_deferred = state_->order().reductions_deferred();
-  s.reduce_scatters_overlapped = state_->path().sharded().bucketer().counts().while_in_flight;
-  s.reduce_scatters_past_the_limit = state_->path().sharded().bucketer().counts().past_limit;
+  s.reduce_scatters_overlapped = state_->path().sharded().bucketer().launches().counts().while_in_flight;
+  s.reduce_scatters_past_the_limit = state_->path().sharded().bucketer().launches().counts().past_limit;
   s.buckets_launched_during_backward =
       state_->path().replicated() ? state_->path().replicated()->bucketer().launched_during_backward() : 0;
   if (const auto* off = state_->copies().offloader()) s.offload = {off->bytes_to_device(), off->bytes_to_host()};
