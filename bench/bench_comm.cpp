@@ -121,9 +121,9 @@ void BM_BucketerCoalescing(benchmark::State& state) {
     bucketer.free();
   }
   benchmark::DoNotOptimize(sink);
-  state.counters["collectives_per_iter"] =
-      benchmark::Counter(static_cast<double>(bucketer.counts().launched) / std::max<int64_t>(state.iterations(), 1),
-                         benchmark::Counter::kAvgThreads);
+  state.counters["collectives_per_iter"] = benchmark::Counter(
+      static_cast<double>(bucketer.launches().counts().launched) / std::max<int64_t>(state.iterations(), 1),
+      benchmark::Counter::kAvgThreads);
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * ring(kFlats * kNumel * 4)));
 }
 
@@ -163,7 +163,7 @@ void BM_FlattenParams(benchmark::State& state) {
     std::vector<std::string> names(params.size(), "p");
     state.ResumeTiming();
     shardtorch::FlatParam flat(params, names, kRanks, 0, nullptr);
-    bytes = flat.full().nbytes();
+    bytes = flat.buffer().tensor().nbytes();
     benchmark::DoNotOptimize(flat.shard().data_ptr());
   }
   state.SetBytesProcessed(state.iterations() * bytes);
@@ -199,7 +199,7 @@ void BM_StageGrads(benchmark::State& state) {
     }
     benchmark::DoNotOptimize(flat.grads().take_staging_grad().data_ptr());
   }
-  state.SetBytesProcessed(state.iterations() * flat.full().nbytes());
+  state.SetBytesProcessed(state.iterations() * flat.buffer().tensor().nbytes());
 }
 
 }  // namespace

@@ -51,11 +51,11 @@ TEST_P(BucketerTest, CoalescesSmallInputsIntoOneCollectiveInOrder) {
           },
           "t" + std::to_string(i));
     }
-    check(b.counts().launched == 0, "nothing should be launched before flush");
+    check(b.launches().counts().launched == 0, "nothing should be launched before flush");
     check(order.empty(), "no callback before flush");
     b.flush();
-    check(b.counts().launched == 1,
-          "three inputs should go out as one collective, got " + std::to_string(b.counts().launched));
+    check(b.launches().counts().launched == 1,
+          "three inputs should go out as one collective, got " + std::to_string(b.launches().counts().launched));
     check(order == std::vector<int>({0, 1, 2}), "callbacks out of submission order");
     for (int i = 0; i < 3; ++i)
       check(at::equal(got[i], expected_shard(w, sizes[i], 10.0 * i)), "wrong reduction of input " + std::to_string(i));
@@ -99,22 +99,25 @@ TEST_P(BucketerTest, LaunchesFullBucketsAsynchronouslyAndBypassesLargeInputs) {
     // a fills the bucket so far that another input like it would not fit: it
     // is launched at once, and its callback waits for the collective.
     b.reduce_scatter(input_for(w.rank(), sizes[0], 1.0), w.comm(), keep(0), "a");
-    check(b.counts().launched == 1 && b.in_flight() == 1, "a nearly full bucket should be launched at once");
+    check(b.launches().counts().launched == 1 && b.launches().size() == 1,
+          "a nearly full bucket should be launched at once");
     check(order.empty(), "a callback ran before anything waited for its collective");
     check(tracked() == b.allocated_bytes() && tracked() > 0, "tracker disagrees with the buffer in flight");
     // b is small: it waits in the bucket.
     b.reduce_scatter(input_for(w.rank(), sizes[1], 2.0), w.comm(), keep(1), "b");
-    check(b.counts().launched == 1, "a small input should wait in its bucket");
+    check(b.launches().counts().launched == 1, "a small input should wait in its bucket");
     // big exceeds the capacity: b's bucket goes first, then big alone; with
     // two in flight already, launching big first completes a.
     b.reduce_scatter(input_for(w.rank(), sizes[2], 3.0), w.comm(), keep(2), "big");
-    check(b.counts().launched == 3,
-          "an oversized input launches the queue and goes alone, got " + std::to_string(b.counts().launched));
-    check(b.in_flight() == 2 && order == std::vector<int>({0}), "max_in_flight should have completed a, and only a");
-    check(b.counts().while_in_flight == 2, "b's bucket and big were launched with another in flight");
+    check(b.launches().counts().launched == 3, "an oversized input launches the queue and goes alone, got " +
+                                                   std::to_string(b.launches().counts().launched));
+    check(b.launches().size() == 2 && order == std::vector<int>({0}),
+          "max_in_flight should have completed a, and only a");
+    check(b.launches().counts().while_in_flight == 2, "b's bucket and big were launched with another in flight");
     check(tracked() == b.allocated_bytes(), "tracker disagrees with the buffers in flight");
     b.flush();
-    check(b.counts().launched == 3 && b.in_flight() == 0, "flush should wait for everything and launch nothing new");
+    check(b.launches().counts().launched == 3 && b.launches().size() == 0,
+          "flush should wait for everything and launch nothing new");
     check(order == std::vector<int>({0, 1, 2}), "callbacks out of submission order");
     for (int i = 0; i < 3; ++i)
       check(at::equal(got[i], expected_shard(w, sizes[i], 1.0 + i)), "wrong reduction of input " + std::to_string(i));
@@ -174,7 +177,7 @@ TEST(Bucketer, APartlyFilledLaunchIsNotOverwrittenByTheNextFill) {
     at::Tensor a, c;
     b.reduce_scatter(
         at::full({n}, 1.0), comm, [&](const at::Tensor& s) { a = s.clone(); }, "a");
-    ASSERT_EQ(b.in_flight(), 1) << "a should be in flight";
+    ASSERT_EQ(b.launches().size(), 1) << "a should be in flight";
     b.reduce_scatter(
         at::full({n}, 2.0), comm, [&](const at::Tensor& s) { c = s.clone(); }, "c");
     b.flush();
@@ -221,10 +224,10 @@ TEST_P(BucketerTest, DiscardWaitsDropsCallbacksAndFreesEverything) {
     for (int i = 0; i < 3; ++i)
       b.reduce_scatter(
           input_for(w.rank(), 4 * w.size(), i), w.comm(), [&](const at::Tensor&) { ++calls; }, "x");
-    check(b.in_flight() == 3 && calls == 0, "three collectives should be in flight, none completed");
+    check(b.launches().size() == 3 && calls == 0, "three collectives should be in flight, none completed");
     b.discard();
     check(calls == 0, "discard ran a callback");
-    check(b.in_flight() == 0 && b.allocated_bytes() == 0, "discard left work or buffers");
+    check(b.launches().size() == 0 && b.allocated_bytes() == 0, "discard left work or buffers");
     check(mem.snapshot().cur(shardtorch::Mem::Buckets) == 0, "tracker should show 0 bucket bytes after discard");
     // Usable again, with correct results.
     at::Tensor got;
@@ -251,7 +254,7 @@ TEST_P(BucketerTest, SeparateBucketsPerDtypeAndFreedAfterFlush) {
     check(b.allocated_bytes() > 0, "buffers should exist during backward");
     check(mem.snapshot().cur(shardtorch::Mem::Buckets) == b.allocated_bytes(), "tracker disagrees with buffers");
     b.flush();
-    check(b.counts().launched == 2, "float and double need two collectives");
+    check(b.launches().counts().launched == 2, "float and double need two collectives");
     check(f.scalar_type() == at::kFloat && d.scalar_type() == at::kDouble, "dtypes mixed up");
     check(at::equal(d, expected_shard(w, 4 * w.size(), 0.0, at::kDouble)), "double reduction wrong");
     b.free();
@@ -275,7 +278,7 @@ TEST_P(BucketerTest, ZeroBucketSizeDisablesCoalescing) {
     for (int i = 0; i < 3; ++i)
       b.reduce_scatter(
           input_for(w.rank(), w.size(), i), w.comm(), [&](const at::Tensor&) { ++calls; }, "x");
-    check(b.counts().launched == 3, "every input should go out at once");
+    check(b.launches().counts().launched == 3, "every input should go out at once");
     check(calls == 1, "with two in flight, the third launch should complete the first");
     b.flush();
     check(calls == 3 && b.allocated_bytes() == 0, "flush should complete all, and nothing stays allocated");
@@ -324,7 +327,7 @@ TEST(Bucketer, AllReducesWaitForRoomPastTheBoundAndGetTheWholeSum) {
               inputs.back(), w.comm(), [&, i](const at::Tensor& s) { got[i] = s; }, "g" + std::to_string(i));
         }
         b.flush();
-        check(b.counts().past_limit == 0, "an all-reduce went out past the limit of one in flight");
+        check(b.launches().counts().past_limit == 0, "an all-reduce went out past the limit of one in flight");
         for (int i = 0; i < 2; ++i) {
           const at::Tensor want = (at::arange(6, at::kFloat) + 10.0 * i) * 3;  // ranks contribute 1x and 2x
           check(at::equal(got[i], want), "wrong sum for g" + std::to_string(i));

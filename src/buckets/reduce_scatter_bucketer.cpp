@@ -13,7 +13,7 @@
 namespace shardtorch {
 
 ReduceScatterBucketer::ReduceScatterBucketer(double bucket_mb, MemoryTracker* mem, int max_in_flight)
-    : bucket_bytes_(static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0)), mem_(mem), max_in_flight_(max_in_flight) {
+    : bucket_bytes_(static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0)), mem_(mem), launches_(mem, max_in_flight) {
   SHARDTORCH_CHECK(bucket_mb >= 0, "ReduceScatterBucketer: bucket_mb ", bucket_mb, " must not be negative");
   SHARDTORCH_CHECK(max_in_flight >= 1, "ReduceScatterBucketer: max_in_flight ", max_in_flight, " must be at least 1");
 }
@@ -25,12 +25,11 @@ ReduceScatterBucketer::~ReduceScatterBucketer() {
   }
 }
 
-void ReduceScatterBucketer::track(int64_t bytes) {
-  if (mem_ && bytes > 0) mem_->add(Mem::Buckets, bytes);
-  if (mem_ && bytes < 0) mem_->sub(Mem::Buckets, -bytes);
-}
-
 namespace {
+void track(MemoryTracker* mem, int64_t bytes) {
+  if (mem && bytes > 0) mem->add(Mem::Buckets, bytes);
+  if (mem && bytes < 0) mem->sub(Mem::Buckets, -bytes);
+}
 int64_t nbytes(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; }
 // The [n] output a reduce-scatter over `group` writes; none where it reduces
 // in place (Gloo), the shard then being a row of the input.
@@ -46,10 +45,10 @@ void ReduceScatterBucketer::reserve(Bucket& b, int64_t cols, const at::TensorOpt
   at::Tensor buffer = at::empty({b.group->size(), want}, opts);
   at::Tensor output = output_for(*b.group, want, opts);
   if (b.offset > 0) buffer.narrow(1, 0, b.offset).copy_(b.buffer.narrow(1, 0, b.offset));
-  if (b.buffer.defined()) track(-(nbytes(b.buffer) + nbytes(b.output)));
+  if (b.buffer.defined()) track(mem_, -(nbytes(b.buffer) + nbytes(b.output)));
   b.buffer = std::move(buffer);
   b.output = std::move(output);
-  track(nbytes(b.buffer) + nbytes(b.output));
+  track(mem_, nbytes(b.buffer) + nbytes(b.output));
 }
 
 ReduceScatterBucketer::Bucket& ReduceScatterBucketer::bucket_for(const at::Tensor& input, Comm& group) {
@@ -76,13 +75,14 @@ void ReduceScatterBucketer::reduce_scatter(const at::Tensor& input, Comm& group,
                         ": ReduceScatterBucketer: one bucket for two replica groups (", what, ")");
   if (shard > b.cap) {  // too big to coalesce: launch what is queued (order), then this one alone
     launch_bucket(b);
-    make_room(what);
+    launches_.make_room(what);
     at::Tensor in = input.contiguous();
     at::Tensor out = output_for(group, shard, input.options());
-    Pieces pieces;
+    detail::ReductionPieces pieces;
     pieces.push_back({{0, shard}, std::move(callback)});
-    track(nbytes(in) + nbytes(out));
-    launch(group, in, out, nbytes(in) + nbytes(out), std::move(pieces), what, /*all_reduce=*/false, replicas);
+    track(mem_, nbytes(in) + nbytes(out));
+    launches_.launch(group, in, out, nbytes(in) + nbytes(out), std::move(pieces), what,
+                     detail::LaunchQueue::Kind::ReduceScatter, replicas);
     return;
   }
   if (b.offset + shard > b.cap) launch_bucket(b);
@@ -101,16 +101,89 @@ void ReduceScatterBucketer::all_reduce(const at::Tensor& input, Comm& group, Cal
   // OptimizerOnly: no bound beyond the collective's timeout (no peer can be
   // waiting in an all-gather of this rank), and the staging gradients in
   // flight stay within the limit.
-  make_room(what, /*bounded=*/false);
+  launches_.make_room(what, /*bounded=*/false);
   at::Tensor in = input.contiguous().view({-1});
-  Pieces pieces;
+  detail::ReductionPieces pieces;
   pieces.push_back({{0, in.numel()}, std::move(callback)});
-  track(nbytes(in));
-  launch(group, in, at::Tensor(), nbytes(in), std::move(pieces), what, /*all_reduce=*/true);
-  in_flight_.back().to_hook = hook_.hook() != nullptr;  // the hook reduces across replicas what the group summed
+  track(mem_, nbytes(in));
+  launches_.launch(group, in, at::Tensor(), nbytes(in), std::move(pieces), what, detail::LaunchQueue::Kind::AllReduce);
 }
 
-void ReduceScatterBucketer::make_room(const std::string& next, bool bounded) {
+void ReduceScatterBucketer::launch_bucket(Bucket& b) {
+  if (b.offset == 0) return;
+  b.high_water = std::max(b.high_water, b.offset);
+  const std::string what = b.whats.size() == 1 ? b.whats[0]
+                                               : "bucket of " + std::to_string(b.whats.size()) + " (" +
+                                                     b.whats.front() + " .. " + b.whats.back() + ")";
+  launches_.make_room(what);  // before the compact copy below is allocated
+  at::Tensor in, out;
+  int64_t bytes = 0;
+  if (b.offset == b.buffer.size(1)) {  // full: the buffers go with the collective (already tracked)
+    in = b.buffer.view({-1});
+    out = b.output;
+    bytes = nbytes(b.buffer) + nbytes(b.output);
+    b.buffer = at::Tensor();
+    b.output = at::Tensor();
+  } else {  // partly filled: launch a compact copy, keep the buffers for the next fill
+    // A copy always: with one rank the narrowed columns are contiguous, and
+    // contiguous() would hand the collective the buffer the next fill writes.
+    in = at::empty({b.buffer.size(0), b.offset}, b.buffer.options());
+    in.copy_(b.buffer.narrow(1, 0, b.offset));
+    if (b.output.defined()) out = at::empty({b.offset}, b.buffer.options());  // else reduced in place
+    bytes = nbytes(in) + nbytes(out);
+    track(mem_, bytes);
+  }
+  detail::ReductionPieces pieces = std::move(b.pieces);
+  b.pieces.clear();
+  b.whats.clear();
+  b.offset = 0;
+  launches_.launch(*b.group, std::move(in), std::move(out), bytes, std::move(pieces), what,
+                   detail::LaunchQueue::Kind::ReduceScatter, b.replicas);
+}
+
+void ReduceScatterBucketer::flush() {
+  c10::NoGradGuard no_grad;
+  for (auto& [k, b] : buckets_) launch_bucket(b);
+  launches_.complete_all();
+}
+
+void ReduceScatterBucketer::free() {
+  SHARDTORCH_CHECK(launches_.size() == 0, "ReduceScatterBucketer::free() with ", launches_.size(),
+                   " reduce-scatters in flight; call flush() first");
+  for (auto& [k, b] : buckets_) {
+    SHARDTORCH_CHECK(b.offset == 0, "ReduceScatterBucketer::free() with ", b.pieces.size(),
+                     " reductions still queued; call flush() first");
+    if (b.buffer.defined()) track(mem_, -(nbytes(b.buffer) + nbytes(b.output)));
+    b.buffer = at::Tensor();
+    b.output = at::Tensor();
+  }
+}
+
+void ReduceScatterBucketer::discard() {
+  launches_.discard();
+  for (auto& [k, b] : buckets_) {
+    b.pieces.clear();
+    b.whats.clear();
+    b.offset = 0;
+  }
+  free();
+}
+
+int64_t ReduceScatterBucketer::allocated_bytes() const {
+  int64_t n = 0;
+  for (const auto& [k, b] : buckets_) {
+    if (b.buffer.defined()) n += nbytes(b.buffer) + nbytes(b.output);
+  }
+  return n + launches_.bytes();
+}
+
+// ---- LaunchQueue
+
+detail::LaunchQueue::LaunchQueue(MemoryTracker* mem, int max_in_flight) : mem_(mem), max_in_flight_(max_in_flight) {}
+
+detail::LaunchQueue::~LaunchQueue() = default;
+
+void detail::LaunchQueue::make_room(const std::string& next, bool bounded) {
   while (static_cast<int>(in_flight_.size()) >= max_in_flight_) {
     // Where the group's waits are stream-ordered (CUDA), completing the
     // oldest blocks nothing, so the bound is not needed.
@@ -134,7 +207,7 @@ void ReduceScatterBucketer::make_room(const std::string& next, bool bounded) {
   }
 }
 
-bool ReduceScatterBucketer::oldest_done_within(std::chrono::milliseconds bound) {
+bool detail::LaunchQueue::oldest_done_within(std::chrono::milliseconds bound) {
   Launched& oldest = in_flight_.front();
   if (oldest.call.active()) return detail::hook_done_within(oldest.call, bound);
   if (oldest.completion) return oldest.completion->wait_for(bound);
@@ -146,51 +219,22 @@ bool ReduceScatterBucketer::oldest_done_within(std::chrono::milliseconds bound) 
   return true;
 }
 
-void ReduceScatterBucketer::launch_bucket(Bucket& b) {
-  if (b.offset == 0) return;
-  b.high_water = std::max(b.high_water, b.offset);
-  const std::string what = b.whats.size() == 1 ? b.whats[0]
-                                               : "bucket of " + std::to_string(b.whats.size()) + " (" +
-                                                     b.whats.front() + " .. " + b.whats.back() + ")";
-  make_room(what);  // before the compact copy below is allocated
-  at::Tensor in, out;
-  int64_t bytes = 0;
-  if (b.offset == b.buffer.size(1)) {  // full: the buffers go with the collective (already tracked)
-    in = b.buffer.view({-1});
-    out = b.output;
-    bytes = nbytes(b.buffer) + nbytes(b.output);
-    b.buffer = at::Tensor();
-    b.output = at::Tensor();
-  } else {  // partly filled: launch a compact copy, keep the buffers for the next fill
-    // A copy always: with one rank the narrowed columns are contiguous, and
-    // contiguous() would hand the collective the buffer the next fill writes.
-    in = at::empty({b.buffer.size(0), b.offset}, b.buffer.options());
-    in.copy_(b.buffer.narrow(1, 0, b.offset));
-    if (b.output.defined()) out = at::empty({b.offset}, b.buffer.options());  // else reduced in place
-    bytes = nbytes(in) + nbytes(out);
-    track(bytes);
-  }
-  Pieces pieces = std::move(b.pieces);
-  b.pieces.clear();
-  b.whats.clear();
-  b.offset = 0;
-  launch(*b.group, std::move(in), std::move(out), bytes, std::move(pieces), what, /*all_reduce=*/false, b.replicas);
-}
-
-void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces,
-                                   const std::string& what, bool all_reduce, Comm* replicas) {
+void detail::LaunchQueue::launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes,
+                                 ReductionPieces pieces, const std::string& what, Kind kind, Comm* replicas) {
   // `bytes` (input and output) are tracked already; from here they belong to
   // the launch. The caller made room under max_in_flight.
   Launched l;
   l.group = &group;
   l.replicas = replicas != nullptr && replicas->size() > 1 ? replicas : nullptr;
-  l.to_hook = hook_.hook() != nullptr && !all_reduce;
+  // The hook takes the place of the all-reduce across replicas (of a
+  // reduce-scatter's output, or of what an all-reduce summed), never its continuation.
+  l.to_hook = hook_.hook() != nullptr && kind != Kind::AcrossReplicas;
   l.input = std::move(input);
   l.output = std::move(output);
   l.bytes = bytes;
   l.pieces = std::move(pieces);
   try {
-    if (all_reduce) {  // the callback gets the whole reduced input
+    if (kind != Kind::ReduceScatter) {  // the callback gets the whole reduced input
       l.work = group.all_reduce_async(l.input, what);
       l.output = l.input;
       l.whole = true;
@@ -201,7 +245,7 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
       l.output = l.input.view({group.size(), -1}).select(0, group.rank());
     }
   } catch (...) {
-    track(-bytes);
+    track(mem_, -bytes);
     throw;
   }
   if (!group.device().is_cuda()) {
@@ -213,7 +257,7 @@ void ReduceScatterBucketer::launch(Comm& group, at::Tensor input, at::Tensor out
   in_flight_.push_back(std::move(l));
 }
 
-void ReduceScatterBucketer::wait_for_launch(Launched& l) {
+void detail::LaunchQueue::wait_for_launch(Launched& l) {
   if (l.call.active()) {
     l.output = detail::finish_hook(*hook_.hook(), l.call, l.group->rank(), l.group->timeout());
   } else if (l.completion) {
@@ -237,7 +281,7 @@ void ReduceScatterBucketer::wait_for_launch(Launched& l) {
   }
 }
 
-void ReduceScatterBucketer::launch_across_replicas(Launched& l, const std::string& what) {
+void detail::LaunchQueue::launch_across_replicas(Launched& l, const std::string& what) {
   // On Gloo the output is a row of the [N, cols] input all-reduced in place:
   // a copy of it lets the input go now. Otherwise the output goes on and
   // the input is freed.
@@ -245,21 +289,21 @@ void ReduceScatterBucketer::launch_across_replicas(Launched& l, const std::strin
   at::Tensor chunk = copied ? l.output.clone() : l.output;
   const int64_t bytes = nbytes(chunk);
   if (!copied) {  // counted once: as the new launch's from here on (the peak counted it twice on NCCL)
-    track(-l.bytes);
+    track(mem_, -l.bytes);
     l.bytes = 0;
   }
-  track(bytes);
+  track(mem_, bytes);
   // Part of the launch it continues: counts_ counts the
   // reduce-scatter, not this again.
   const int64_t launched = counts_.launched, overlapped = counts_.while_in_flight;
-  launch(*l.replicas, chunk, at::Tensor(), bytes, std::move(l.pieces), what + " across replicas", /*all_reduce=*/true);
+  launch(*l.replicas, chunk, at::Tensor(), bytes, std::move(l.pieces), what + " across replicas", Kind::AcrossReplicas);
   counts_.launched = launched;
   counts_.while_in_flight = overlapped;
-  track(-l.bytes);  // the input and its copied row (Gloo): `chunk` is the new launch's
+  track(mem_, -l.bytes);  // the input and its copied row (Gloo): `chunk` is the new launch's
   l.bytes = 0;
 }
 
-void ReduceScatterBucketer::launch_hook(Launched& l, const std::string& what) {
+void detail::LaunchQueue::launch_hook(Launched& l, const std::string& what) {
   // The hook may write its bucket (the built-in ones reduce in place): on
   // Gloo a reduce-scatter's output is a row of the input, so a copy of it
   // lets the input go. An all-reduce's output is all of its input: no copy.
@@ -269,7 +313,7 @@ void ReduceScatterBucketer::launch_hook(Launched& l, const std::string& what) {
   h.group = l.group;
   h.output = chunk;
   h.bytes = nbytes(chunk);
-  track(h.bytes);
+  track(mem_, h.bytes);
   h.pieces = std::move(l.pieces);
   h.work.what = what + " (communication hook)";
   std::vector<size_t> offsets, lengths;
@@ -290,15 +334,15 @@ void ReduceScatterBucketer::launch_hook(Launched& l, const std::string& what) {
     if (l.replicas) l.replicas->flush_launches();  // the hook's group: its collectives run on the backend itself
     h.call = detail::call_hook(*hook_.hook(), bucket, l.group->rank(), what, hook_.counter());
   } catch (...) {
-    track(-h.bytes);
+    track(mem_, -h.bytes);
     throw;
   }
-  track(-l.bytes);  // the reduce-scatter's buffers: `chunk` is the hook's from here on
+  track(mem_, -l.bytes);  // the reduce-scatter's buffers: `chunk` is the hook's from here on
   l.bytes = 0;
   in_flight_.push_back(std::move(h));
 }
 
-void ReduceScatterBucketer::complete_oldest() {
+void detail::LaunchQueue::complete_oldest() {
   Launched l = std::move(in_flight_.front());
   in_flight_.pop_front();
   try {
@@ -312,32 +356,18 @@ void ReduceScatterBucketer::complete_oldest() {
       for (auto& [range, cb] : l.pieces) cb(l.output.narrow(0, range.first, range.second));
     }
   } catch (...) {
-    track(-l.bytes);
+    track(mem_, -l.bytes);
     throw;
   }
-  track(-l.bytes);
+  track(mem_, -l.bytes);
 }
 
-void ReduceScatterBucketer::flush() {
-  c10::NoGradGuard no_grad;
-  for (auto& [k, b] : buckets_) launch_bucket(b);
+void detail::LaunchQueue::complete_all() {
   while (!in_flight_.empty()) complete_oldest();
   hook_calls_ = 0;
 }
 
-void ReduceScatterBucketer::free() {
-  SHARDTORCH_CHECK(in_flight_.empty(), "ReduceScatterBucketer::free() with ", in_flight_.size(),
-                   " reduce-scatters in flight; call flush() first");
-  for (auto& [k, b] : buckets_) {
-    SHARDTORCH_CHECK(b.offset == 0, "ReduceScatterBucketer::free() with ", b.pieces.size(),
-                     " reductions still queued; call flush() first");
-    if (b.buffer.defined()) track(-(nbytes(b.buffer) + nbytes(b.output)));
-    b.buffer = at::Tensor();
-    b.output = at::Tensor();
-  }
-}
-
-void ReduceScatterBucketer::discard() {
+void detail::LaunchQueue::discard() {
   while (!in_flight_.empty()) {
     Launched l = std::move(in_flight_.front());
     in_flight_.pop_front();
@@ -349,22 +379,13 @@ void ReduceScatterBucketer::discard() {
       } catch (...) {
       }
     }
-    track(-l.bytes);
+    track(mem_, -l.bytes);
   }
   hook_calls_ = 0;
-  for (auto& [k, b] : buckets_) {
-    b.pieces.clear();
-    b.whats.clear();
-    b.offset = 0;
-  }
-  free();
 }
 
-int64_t ReduceScatterBucketer::allocated_bytes() const {
+int64_t detail::LaunchQueue::bytes() const {
   int64_t n = 0;
-  for (const auto& [k, b] : buckets_) {
-    if (b.buffer.defined()) n += nbytes(b.buffer) + nbytes(b.output);
-  }
   for (const auto& l : in_flight_) n += l.bytes;
   return n;
 }

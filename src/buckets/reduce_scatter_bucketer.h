@@ -21,7 +21,7 @@
 //   flight: launching one more first waits for the oldest, for a bounded
 //   time (kReduceScatterLimitWait, at most a quarter of the collective
 //   timeout). If the oldest has not completed by then, the launch goes out
-//   beside it, past the limit (counted in counts().past_limit, reported
+//   beside it, past the limit (counted in launches().counts().past_limit, reported
 //   once on stderr): a rank that finished several units early (the data
 //   routed around them) must not block there while a peer, which reduces
 //   those units later, waits for it in an all-gather on the other
@@ -48,7 +48,7 @@
 // - discard() (a failed backward) waits for what is in flight, ignoring
 //   errors, drops the callbacks and frees everything.
 //
-// - A communication hook (hook().set) takes the place of the all-reduce across
+// - A communication hook (launches().hook().set) takes the place of the all-reduce across
 //   replicas: when a reduce-scatter completes, this rank's chunk of it goes
 //   to the hook (with or without replicas), its future stays in flight in
 //   the same queue, and the callbacks get what the future holds.
@@ -83,6 +83,93 @@ constexpr std::chrono::milliseconds kReduceScatterLimitWait{1000};
 namespace detail {
 class CompletionWatcher;
 struct CompletionState;
+
+/// A launch's callbacks, each with the (start, length) of its part of the output.
+using ReductionPieces = std::vector<std::pair<std::pair<int64_t, int64_t>, std::function<void(const at::Tensor&)>>>;
+
+/// A bucketer's launched collectives, waited for in launch order, at most
+/// `max_in_flight` at once (more only past make_room's bounded wait).
+/// Completing one runs its callbacks, or first passes its output on, as a
+/// launch of its own: across the replicas, or to the communication hook.
+class LaunchQueue {
+ public:
+  /// A reduce-scatter; an all-reduce whose callbacks get all of its input;
+  /// the all-reduce across the replicas that continues a reduce-scatter.
+  enum class Kind { ReduceScatter, AllReduce, AcrossReplicas };
+  /// What has been launched so far.
+  struct Counts {
+    int64_t launched = 0;         // collectives (coalesced buckets and bypasses)
+    int64_t while_in_flight = 0;  // with an earlier one still in flight (overlap)
+    int64_t past_limit = 0;  // with max_in_flight already in flight, the oldest not complete within the bounded wait
+  };
+
+  LaunchQueue(MemoryTracker* mem, int max_in_flight);
+  ~LaunchQueue();
+
+  /// Waits for the oldest launches until fewer than max_in_flight remain, or,
+  /// `bounded`, until the oldest has not completed within the bounded wait
+  /// (then `next`, the launch to come, goes out past the limit). Unbounded,
+  /// each wait is the collective's own (its timeout).
+  void make_room(const std::string& next, bool bounded = true);
+  /// Launches one collective of `input` (call make_room() first): a
+  /// reduce-scatter into `output`, or, `output` undefined, one in place; or
+  /// an all-reduce. `bytes` (input and output, tracked under Mem::Buckets)
+  /// go with it.
+  void launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, ReductionPieces pieces,
+              const std::string& what, Kind kind, Comm* replicas = nullptr);
+  /// Waits for every launch and runs the callbacks (the end of a backward).
+  void complete_all();
+  /// After an error: waits for every launch (errors ignored) and drops its
+  /// callbacks.
+  void discard();
+
+  /// Collectives launched and not yet waited for.
+  int64_t size() const { return static_cast<int64_t>(in_flight_.size()); }
+  /// Bytes the launches hold.
+  int64_t bytes() const;
+  const Counts& counts() const { return counts_; }
+  /// A hook set here gets every reduce-scatter's output (this rank's chunk
+  /// of a launch), and every all-reduce's whole result, before the
+  /// callbacks, in place of the all-reduce across the replicas; it outlives
+  /// this. Not set during a backward.
+  HookSlot& hook() { return hook_; }
+
+ private:
+  struct Launched {
+    Comm* group = nullptr;
+    Comm* replicas = nullptr;  // a reduce-scatter whose output goes on across these
+    PendingWork work;
+    at::Tensor input, output;  // alive until the collective is done
+    int64_t bytes = 0;         // tracked under Mem::Buckets
+    ReductionPieces pieces;
+    std::shared_ptr<CompletionState> completion;  // CPU: set by the watcher thread
+    bool to_hook = false;                         // a reduction whose output goes on to the hook
+    bool whole = false;                           // an all-reduce: its output is all of its input
+    HookCall call;                                // the hook's reduction (then `work` is empty)
+  };
+
+  /// True once the oldest launch has completed, false if `bound` passed first.
+  bool oldest_done_within(std::chrono::milliseconds bound);
+  /// `l`'s reduce-scatter is done: launches the all-reduce of its output
+  /// across `l.replicas`, which takes over its callbacks and bytes.
+  void launch_across_replicas(Launched& l, const std::string& what);
+  /// `l`'s reduce-scatter is done: hands its output to the hook, whose
+  /// future takes over its callbacks and bytes in the queue.
+  void launch_hook(Launched& l, const std::string& what);
+  /// Waits for `l`'s collective (watched or not) and finishes it: statistics,
+  /// errors (thrown).
+  void wait_for_launch(Launched& l);
+  /// Waits for the oldest launch and runs its callbacks.
+  void complete_oldest();
+
+  MemoryTracker* mem_;
+  int max_in_flight_;
+  std::deque<Launched> in_flight_;
+  Counts counts_;
+  HookSlot hook_;
+  size_t hook_calls_ = 0;                       // in this backward: the GradBucket index
+  std::unique_ptr<CompletionWatcher> watcher_;  // made by the first CPU launch
+};
 }  // namespace detail
 
 class ReduceScatterBucketer {
@@ -120,13 +207,10 @@ class ReduceScatterBucketer {
   /// must not read or write it meanwhile) and which nothing else writes
   /// afterwards. It waits for room as long as the collective timeout allows
   /// (OptimizerOnly's gradients: no gather in backward to deadlock with).
-  /// With a hook, the reduced input goes on to it first (see hook()).
+  /// With a hook, the reduced input goes on to it first (see launches()).
   void all_reduce(const at::Tensor& input, Comm& group, Callback callback, const std::string& what);
-  /// A hook set here gets every reduce-scatter's output (this rank's chunk
-  /// of a launch), and every all_reduce()'s whole result, before the
-  /// callbacks, in place of the all-reduce across `replicas`; it outlives
-  /// this. Not set during a backward.
-  detail::HookSlot& hook() { return hook_; }
+  /// The launched collectives: their counts, the hook.
+  detail::LaunchQueue& launches() { return launches_; }
   /// Launches everything queued, waits for every collective in flight and
   /// runs the callbacks.
   void flush();
@@ -138,18 +222,8 @@ class ReduceScatterBucketer {
 
   /// Bytes held by bucket buffers now (filling and in flight).
   int64_t allocated_bytes() const;
-  /// Collectives launched and not yet waited for.
-  int64_t in_flight() const { return static_cast<int64_t>(in_flight_.size()); }
-  /// What has been launched so far.
-  struct Counts {
-    int64_t launched = 0;         // collectives (coalesced buckets and bypasses)
-    int64_t while_in_flight = 0;  // with an earlier one still in flight (overlap)
-    int64_t past_limit = 0;  // with max_in_flight already in flight, the oldest not complete within the bounded wait
-  };
-  const Counts& counts() const { return counts_; }
 
  private:
-  using Pieces = std::vector<std::pair<std::pair<int64_t, int64_t>, Callback>>;  // (start, len) in the output
   struct Bucket {
     Comm* group = nullptr;
     Comm* replicas = nullptr;  // summed across after the reduce-scatter (HybridShard)
@@ -158,62 +232,21 @@ class ReduceScatterBucketer {
     int64_t cap = 0;           // most columns allowed (bucket_mb)
     int64_t high_water = 0;    // most columns used at a launch so far
     int64_t offset = 0;        // columns used
-    Pieces pieces;
+    detail::ReductionPieces pieces;
     std::vector<std::string> whats;
-  };
-  struct Launched {
-    Comm* group = nullptr;
-    Comm* replicas = nullptr;  // a reduce-scatter whose output goes on across these
-    PendingWork work;
-    at::Tensor input, output;  // alive until the collective is done
-    int64_t bytes = 0;         // tracked under Mem::Buckets
-    Pieces pieces;
-    std::shared_ptr<detail::CompletionState> completion;  // CPU: set by the watcher thread
-    bool to_hook = false;                                 // a reduction whose output goes on to the hook
-    bool whole = false;                                   // an all-reduce: its output is all of its input
-    detail::HookCall call;                                // the hook's reduction (then `work` is empty)
   };
   using Key = std::tuple<int /*dtype*/, std::string /*device*/, const void* /*group*/>;
 
   Bucket& bucket_for(const at::Tensor& input, Comm& group);
   /// Makes room for `cols` columns (<= cap), keeping the columns in use.
   void reserve(Bucket& b, int64_t cols, const at::TensorOptions& opts);
-  void track(int64_t bytes);
   /// Launches the bucket's queued columns.
   void launch_bucket(Bucket& b);
-  /// Waits for the oldest launches until fewer than max_in_flight remain, or,
-  /// `bounded`, until the oldest has not completed within the bounded wait
-  /// (then `next`, the launch to come, goes out past the limit). Unbounded,
-  /// each wait is the collective's own (its timeout).
-  void make_room(const std::string& next, bool bounded = true);
-  /// True once the oldest launch has completed, false if `bound` passed first.
-  bool oldest_done_within(std::chrono::milliseconds bound);
-  /// Launches one collective of `input` (call make_room() first): an
-  /// all-reduce whose callbacks get all of it (`all_reduce`), a
-  /// reduce-scatter into `output`, or, `output` undefined, one in place.
-  void launch(Comm& group, at::Tensor input, at::Tensor output, int64_t bytes, Pieces pieces, const std::string& what,
-              bool all_reduce = false, Comm* replicas = nullptr);
-  /// `l`'s reduce-scatter is done: launches the all-reduce of its output
-  /// across `l.replicas`, which takes over its callbacks and bytes.
-  void launch_across_replicas(Launched& l, const std::string& what);
-  /// `l`'s reduce-scatter is done: hands its output to the hook, whose
-  /// future takes over its callbacks and bytes in the queue.
-  void launch_hook(Launched& l, const std::string& what);
-  /// Waits for `l`'s collective (watched or not) and finishes it: statistics,
-  /// errors (thrown).
-  void wait_for_launch(Launched& l);
-  /// Waits for the oldest launch and runs its callbacks.
-  void complete_oldest();
 
   int64_t bucket_bytes_;
   MemoryTracker* mem_;
-  int max_in_flight_;
   std::map<Key, Bucket> buckets_;
-  std::deque<Launched> in_flight_;
-  Counts counts_;
-  detail::HookSlot hook_;
-  size_t hook_calls_ = 0;                               // in this backward: the GradBucket index
-  std::unique_ptr<detail::CompletionWatcher> watcher_;  // made by the first CPU launch
+  detail::LaunchQueue launches_;
 };
 
 }  // namespace shardtorch

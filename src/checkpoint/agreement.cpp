@@ -54,7 +54,7 @@ void load_agreed(ShardState& state, const std::string& error, const std::string&
     failed = std::string(e.what()) + " (the model is partly loaded: load a checkpoint again before training)";
   }
   agree_on_errors(over, failed, what);
-  state.after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
+  state.optimizer().after_optimizer_step();  // persistent full buffers are rebuilt, stale full copies freed
   if (progress) progress->finish();
 }
 

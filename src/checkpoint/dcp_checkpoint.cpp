@@ -231,7 +231,7 @@ std::pair<const dcp::Entry*, std::string> DcpLoad::source_of(const at::Tensor& p
 
 void DcpLoad::plan_parameters() {
   names_ = detail::parameter_names(root_);
-  if (state_.replicated()) {
+  if (state_.path().replicated()) {
     plan_replicated();
     return;
   }
@@ -251,12 +251,12 @@ void DcpLoad::plan_replicated() {
       missing(item.key(), "parameter");
       continue;
     }
-    const at::Tensor record = state_.record_of(p);
+    const at::Tensor record = state_.path().record_of(p);
     check(*e, n, p.sizes(), record.scalar_type(), "parameter");
     run_.changes.push_back([state = run_.state, s, p, record, fill = s->plan(*e, 0, p.numel()), report = &report_] {
       at::Tensor t = at::empty({p.numel()}, record.options());
       report->bytes_read += dcp::Source::run(fill, t);
-      state->load_record(p, t.view(p.sizes()));
+      state->path().load_record(p, t.view(p.sizes()));
     });
   }
 }
@@ -382,7 +382,7 @@ DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
   DcpLoadReport report;
   DcpLoad load(root, opt, options, run, report);  // holds the source the changes read from
   try {
-    run.state->check_outside_summon();
+    run.state->summons().check_outside();
     load.open(dir);
     load.plan_parameters();
     load.plan_buffers();

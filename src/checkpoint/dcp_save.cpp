@@ -129,19 +129,19 @@ struct HeldRanges {
 
 HeldRanges held_ranges(torch::nn::Module& root, detail::ShardState& state, checkpoint::ParameterNames& names) {
   HeldRanges h;
-  if (state.replicated()) {
+  if (state.path().replicated()) {
     std::set<const void*> seen;
     for (const auto& item : root.named_parameters()) {
       const at::Tensor& p = item.value();
       if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
-      h.ranges.push_back({&names[p.unsafeGetTensorImpl()], p.sizes().vec(), 0, state.record_of(p).detach()});
+      h.ranges.push_back({&names[p.unsafeGetTensorImpl()], p.sizes().vec(), 0, state.path().record_of(p).detach()});
     }
     h.writers = state.world().size();
     h.me = state.world().rank();
     return h;
   }
   const int shard_rank = state.topology().shard_comm().rank();
-  for (auto& u : state.units())
+  for (auto& u : state.units().all())
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i)
         if (auto piece = f->layout().piece(i, shard_rank))

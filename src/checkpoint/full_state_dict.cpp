@@ -85,7 +85,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                            progress.advance(1);
                            return v;
                          }});
-    const auto metadata = file_metadata(user_metadata, state->strategy(), world.size());
+    const auto metadata = file_metadata(user_metadata, state->options().strategy(), world.size());
     try {
       checkpoint::write_file(path, pending, metadata);
     } catch (const std::exception& e) {
@@ -196,13 +196,13 @@ std::string FullLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at:
 }
 
 void FullLoad::plan_parameters() {
-  if (state_.replicated()) {
+  if (state_.path().replicated()) {
     plan_replicated();
     return;
   }
   checkpoint::Reader* file = &*reader_;
   const int rank = state_.topology().shard_comm().rank();
-  for (auto& u : state_.units())
+  for (auto& u : state_.units().all())
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i) {
         auto piece = f->layout().piece(i, rank);
@@ -226,11 +226,11 @@ void FullLoad::plan_replicated() {
     at::Tensor p = item.value();
     if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded once
     const auto [first, count] = checkpoint::share_of(p.numel(), state_.world().rank(), state_.world().size());
-    std::string n = source_of(p, checkpoint::saved_shape(p), state_.record_of(p).scalar_type(), first, count);
+    std::string n = source_of(p, checkpoint::saved_shape(p), state_.path().record_of(p).scalar_type(), first, count);
     run_.changes.push_back([state = run_.state, file, p, n] {
       at::Tensor v = file->read(n);
       if (auto slice = detail::placement_of(p)) v = checkpoint::take_slice(v, *slice);
-      state->load_record(p, v);  // the fp32 master under mixed precision
+      state->path().load_record(p, v);  // the fp32 master under mixed precision
     });
   }
 }
@@ -261,7 +261,7 @@ void load_full(torch::nn::Module& root, const std::string& path, const LoadOptio
   checkpoint::LoadRun run(root, "load_full_state_dict", path, options.progress(), part ? part->world.get() : nullptr);
   FullLoad load(root, path, options, part, run);  // holds the file the changes read from
   try {
-    run.state->check_outside_summon();
+    run.state->summons().check_outside();
     load.open();
     load.plan_parameters();
     load.plan_buffers();
@@ -429,7 +429,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   if (writer) progress.count_io();
   std::string error;
   if (writer) {
-    auto metadata = file_metadata(user_metadata, state->strategy(), world.size());
+    auto metadata = file_metadata(user_metadata, state->options().strategy(), world.size());
     metadata["shardtorch_layout"] = part.layout;
     error = write_with_parts(world, tensors, remotes, path, metadata, progress);
   } else if (leader) {

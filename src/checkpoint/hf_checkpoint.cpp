@@ -285,7 +285,7 @@ const Held* HfLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at::S
 void HfLoad::plan_parameters() {
   names_ = checkpoint::parameter_names(root_, part_);
   checkpoint::check_tied_from(names_, options_.tied_from(), where_, kTiedOption);
-  if (state_.replicated()) {
+  if (state_.path().replicated()) {
     plan_replicated();
     return;
   }
@@ -299,7 +299,7 @@ void HfLoad::plan_replicated() {
   for (const auto& item : root_.named_parameters()) {
     at::Tensor p = item.value();
     if (!done.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: loaded once
-    const at::ScalarType dtype = state_.record_of(p).scalar_type();
+    const at::ScalarType dtype = state_.path().record_of(p).scalar_type();
     const std::vector<int64_t> shape = checkpoint::saved_shape(p);  // a slice's whole tensor's
     const auto [first, count] = checkpoint::share_of(p.numel(), state_.world().rank(), state_.world().size());
     const Held* s = source_of(p, shape, dtype, first, count);
@@ -311,12 +311,12 @@ void HfLoad::plan_replicated() {
     if (!detail::placement_of(p)) {
       report_.bytes_read += static_cast<int64_t>(rec.end - rec.begin);
       run_.changes.push_back(
-          [state = run_.state, file = reader_of(*s), p, n = s->name] { state->load_record(p, file->read(n)); });
+          [state = run_.state, file = reader_of(*s), p, n = s->name] { state->path().load_record(p, file->read(n)); });
       continue;
     }
     report_.bytes_read += p.numel() * static_cast<int64_t>(checkpoint::dtype_size(rec.dtype));
     run_.changes.push_back([state = run_.state, file = reader_of(*s), p, n = s->name] {
-      state->load_record(p, read_elements(*file, n, p, 0, p.numel()).view(p.sizes()));
+      state->path().load_record(p, read_elements(*file, n, p, 0, p.numel()).view(p.sizes()));
     });
   }
 }
@@ -372,7 +372,7 @@ HfLoadReport load_hf(torch::nn::Module& root, const std::string& path, const HfL
   HfLoadReport report;
   HfLoad load(root, options, part, run, report);  // holds the readers the changes read from
   try {
-    run.state->check_outside_summon();
+    run.state->summons().check_outside();
     load.list(path);
     load.match_names();
     load.plan_parameters();

@@ -51,7 +51,7 @@ void require_castable(const std::string& where, const std::string& named, const 
 void for_each_flat_param(detail::ShardState& state, const std::function<void(FlatParam&, size_t, int, bool)>& piece) {
   const int rank = state.topology().shard_comm().rank();
   const bool checks_empty = state.world().rank() == 0;
-  for (auto& u : state.units())
+  for (auto& u : state.units().all())
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i) piece(*f, i, rank, checks_empty);
 }

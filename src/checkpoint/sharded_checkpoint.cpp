@@ -110,7 +110,7 @@ OptimizerKind optimizer_kind(ShardedOptimizer& opt) {
 std::vector<std::pair<std::string, at::Tensor>> no_shard_params(torch::nn::Module& root, detail::ShardState& state) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   std::set<const void*> seen;
-  if (const detail::ReplicatedPath* r = state.replicated())
+  if (const detail::ReplicatedPath* r = state.path().replicated())
     for (size_t i = 0; i < r->params().size(); ++i) {
       out.emplace_back(r->names()[i], r->params()[i]);
       seen.insert(r->params()[i].unsafeGetTensorImpl());
@@ -174,13 +174,13 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
   };
   std::vector<Range> ranges;
   int writers = 1, me = 0;
-  if (state.replicated()) {
-    for (const auto& [name, p] : no_shard_params(root, state)) ranges.push_back({name, 0, state.record_of(p)});
+  if (state.path().replicated()) {
+    for (const auto& [name, p] : no_shard_params(root, state)) ranges.push_back({name, 0, state.path().record_of(p)});
     writers = state.world().size();
     me = state.world().rank();
   } else {
     const int shard_rank = state.topology().shard_comm().rank();
-    for (auto& u : state.units())
+    for (auto& u : state.units().all())
       for (auto& f : u->flats())
         for (size_t i = 0; i < f->params().size(); ++i)
           if (auto p = f->layout().piece(i, shard_rank))
@@ -566,8 +566,8 @@ MergedReports merge_reports(const std::vector<std::string>& reports, int rank, i
 // The units' flat parameters (informational: loading does not read them).
 json::array units_json(detail::ShardState& state) {
   json::array units;
-  if (!state.replicated())
-    for (auto& u : state.units()) {
+  if (!state.path().replicated())
+    for (auto& u : state.units().all()) {
       json::array flats;
       for (auto& f : u->flats()) {
         json::array names;
@@ -664,8 +664,8 @@ void save_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::str
             if (const auto* u = report.as_object().if_contains("units"))
               for (const auto& unit : u->as_array()) units.push_back(unit);
           }
-          json::object index = index_json(part ? part->shapes : model_shapes(root), state->strategy(), world.size(),
-                                          step, std::move(merged), user, std::move(units));
+          json::object index = index_json(part ? part->shapes : model_shapes(root), state->options().strategy(),
+                                          world.size(), step, std::move(merged), user, std::move(units));
           if (part) index["layout"] = part->layout;
           return index;
         },
@@ -845,15 +845,15 @@ void plan_tied(torch::nn::Module& root, detail::ShardState& state, FillPlanner& 
       checkpoint::require_equal_tied(a, b, dtype, t->source, other, first, where, kOption);
     }
   };
-  if (state.replicated()) {
+  if (state.path().replicated()) {
     for (const auto& [name, p] : no_shard_params(root, state)) {
       const auto [first, count] = checkpoint::share_of(p.numel(), state.world().rank(), state.world().size());
-      one(name, p, first, count, state.record_of(p).scalar_type());
+      one(name, p, first, count, state.path().record_of(p).scalar_type());
     }
     return;
   }
   const int shard_rank = state.topology().shard_comm().rank();
-  for (auto& u : state.units())
+  for (auto& u : state.units().all())
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i) {
         auto piece = f->layout().piece(i, shard_rank);
@@ -866,20 +866,20 @@ void plan_tied(torch::nn::Module& root, detail::ShardState& state, FillPlanner& 
 void plan_parameters(torch::nn::Module& root, detail::ShardState& state, const FillPlanner& plan, Changes& changes) {
   Files* files = &plan.files;
   detail::ShardState* st = &state;
-  if (state.replicated()) {
+  if (state.path().replicated()) {
     for (const auto& [name, p] : no_shard_params(root, state)) {
-      const at::Tensor record = state.record_of(p);  // the fp32 master under mixed precision
+      const at::Tensor record = state.path().record_of(p);  // the fp32 master under mixed precision
       changes.push_back([st, files, p, record,
                          fill = plan(record.numel(), plan.source(name), "param", 0, record.scalar_type(), name)] {
         at::Tensor t = at::empty({record.numel()}, record.options());
         run_fill(t, fill, *files);
-        st->load_record(p, t);
+        st->path().load_record(p, t);
       });
     }
     return;
   }
   const int shard_rank = state.topology().shard_comm().rank();
-  for (auto& u : state.units())
+  for (auto& u : state.units().all())
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i)
         if (auto p = f->layout().piece(i, shard_rank)) {
@@ -996,7 +996,7 @@ int64_t load_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::
   Changes changes;
   std::string error;
   try {
-    state->check_outside_summon();
+    state->summons().check_outside();
     dir = published_dir(dir);
     idx = read_index(dir);
     files.emplace(dir, idx);
@@ -1032,7 +1032,7 @@ std::vector<std::pair<index_format::Entry, at::Tensor>> rank_state(torch::nn::Mo
 std::map<std::string, std::vector<int64_t>> model_shapes_of(torch::nn::Module& root) { return model_shapes(root); }
 
 std::string strategy_of(torch::nn::Module& root) {
-  return strategy_name(detail::require_state(root, "snapshot")->strategy());
+  return strategy_name(detail::require_state(root, "snapshot")->options().strategy());
 }
 
 void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, const Index& idx,
@@ -1047,7 +1047,7 @@ void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::
   std::string error = prior_error;
   if (error.empty()) {
     try {
-      state->check_outside_summon();
+      state->summons().check_outside();
       files.emplace(dir, idx);
       check_model_against(root, idx, dir, nullptr);
       const SavedNames saved(root, idx, nullptr);

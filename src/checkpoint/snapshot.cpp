@@ -169,60 +169,23 @@ struct Found {
   std::map<std::string, std::string> user_state;
 };
 
-}  // namespace
+std::string who_of(const World& world) { return detail::rank_prefix(world.global_rank()) + ": snapshots"; }
 
-namespace detail {
+// This rank's snapshot directory: its own snapshots and the copies it keeps
+// of its buddies' (which ranks those are), checked, written, listed, dropped.
+struct SnapshotDir {
+  SnapshotDir(const World& w, const SnapshotOptions& o) : world(w), options(o) {}
+  const World& world;
+  const SnapshotOptions& options;
+  std::string fingerprint, strategy;  // of the model, as the headers name them
 
-std::string snapshot_job(const SnapshotOptions& options) {
-  return options.job.empty() ? env_or("TORCHELASTIC_RUN_ID", "shardtorch") : options.job;
-}
-std::string own_snapshot_path(const SnapshotOptions& options, int rank, int64_t step) {
-  return files::join(options.dir, own_name(options, rank) + std::to_string(step));
-}
-std::string held_snapshot_path(const SnapshotOptions& options, int rank, int holder, int64_t step) {
-  return files::join(options.dir, held_name(options, rank, holder) + std::to_string(step));
-}
-
-}  // namespace detail
-
-struct Snapshots::Impl {
-  std::shared_ptr<World> world;
-  torch::nn::Module& root;
-  ShardedOptimizer* opt;
-  SnapshotOptions options;
-  std::shared_ptr<Comm> comm;  // the buddy copies' (and persisting's) own group
-  std::shared_ptr<detail::ShardState> sharded;
-  std::string fingerprint, strategy;
-  // Of the last snapshot written, for persisting it in the background.
-  struct Written {
-    std::map<std::string, std::string> user_state;
-    std::string entries;  // JSON
-    std::map<std::string, std::vector<int64_t>> shapes;
-  } written;
-  std::map<std::string, std::pair<std::function<std::string()>, std::function<void(const std::string&)>>> state;
-  std::thread transfer;
-  std::string transfer_error, persist_error;
-
-  Impl(std::shared_ptr<World> w, torch::nn::Module& r, ShardedOptimizer* o, SnapshotOptions opts)
-      : world(std::move(w)), root(r), opt(o), options(std::move(opts)) {}
-
-  int rank() const { return world->rank(); }
-  std::string who() const { return detail::rank_prefix(world->global_rank()) + ": snapshots"; }
+  int rank() const { return world.rank(); }
   // The ranks whose copies this rank keeps.
   std::vector<int> held_for() const {
     std::vector<int> out;
-    for (int r = 0; r < world->size(); ++r)
+    for (int r = 0; r < world.size(); ++r)
       if (r != rank() && options.buddy[static_cast<size_t>(r)] == rank()) out.push_back(r);
     return out;
-  }
-
-  void wait_transfer(bool rethrow) {
-    if (transfer.joinable()) transfer.join();
-    if (!persist_error.empty() && rank() == 0) SHARDTORCH_WARN("shardtorch: snapshots: ", persist_error);
-    persist_error.clear();
-    std::string e;
-    std::swap(e, transfer_error);
-    if (rethrow && !e.empty()) throw Error(who() + ": the copy to the buddy failed: " + e);
   }
 
   // Checks the snapshot directory `path` of rank `rank`'s state: the
@@ -242,10 +205,10 @@ struct Snapshots::Impl {
                                  std::to_string(kVersion));
       if (text("job") != detail::snapshot_job(options))
         throw std::runtime_error("of job '" + text("job") + "', not '" + detail::snapshot_job(options) + "'");
-      if (h.at("world_size").as_int64() != world->size() || h.at("rank").as_int64() != for_rank)
+      if (h.at("world_size").as_int64() != world.size() || h.at("rank").as_int64() != for_rank)
         throw std::runtime_error("of rank " + std::to_string(h.at("rank").as_int64()) + " of " +
                                  std::to_string(h.at("world_size").as_int64()) + ", not rank " +
-                                 std::to_string(for_rank) + " of " + std::to_string(world->size()));
+                                 std::to_string(for_rank) + " of " + std::to_string(world.size()));
       if (text("fingerprint") != fingerprint)
         throw std::runtime_error("of another model or strategy (fingerprint " + text("fingerprint") + ", this " +
                                  fingerprint + ")");
@@ -256,7 +219,7 @@ struct Snapshots::Impl {
         throw std::runtime_error("its data does not match its checksum (damaged)");
       json::object index{
           {"format_version", 1},
-          {"world_size", world->size()},
+          {"world_size", world.size()},
           {"strategy", strategy},
           {"step", step},
           {"files", json::array{json::object{{"name", file_of(for_rank)},
@@ -283,9 +246,108 @@ struct Snapshots::Impl {
       if (check(files::join(options.dir, name + std::to_string(s)), for_rank, s, why))
         out.push_back(s);
       else
-        SHARDTORCH_WARN(who(), ": ", why);
+        SHARDTORCH_WARN(who_of(world), ": ", why);
     }
     return out;
+  }
+
+  // Writes `bytes`, rank `owner`'s file of `step`, as the snapshot directory `name`STEP.
+  void write_received(const std::string& name, int owner, int64_t step, const at::Tensor& bytes) {
+    const std::string full = name + std::to_string(step);
+    const std::string tmp = temporary_of(options.dir, full);
+    files::remove_all_quietly(tmp);
+    files::create_directories(tmp);
+    write_whole(files::join(tmp, file_of(owner)), static_cast<const char*>(bytes.data_ptr()),
+                static_cast<size_t>(bytes.numel()));
+    put_in_place(tmp, files::join(options.dir, full));
+    prune(options.dir, name);
+  }
+
+  // After a restore to `step`: the snapshots of later steps are of a
+  // timeline the job left; they go, so that none is ever restored.
+  void drop_newer(int64_t step) {
+    auto drop = [&](const std::string& name) {
+      for (int64_t s : steps_named(options.dir, name))
+        if (s > step) files::remove_all_quietly(files::join(options.dir, name + std::to_string(s)));
+    };
+    drop(own_name(options, rank()));
+    for (int from : held_for()) drop(held_name(options, from, rank()));
+  }
+
+  // Leftovers of writes a crash interrupted.
+  void remove_leftovers() {
+    for (const auto& e : files::list_directory(options.dir))
+      if (e.size() > 5 && e.compare(e.size() - 4, 4, ".tmp") == 0 &&
+          (e.rfind("." + own_name(options, rank()), 0) == 0 ||
+           (e.rfind("." + prefix(options), 0) == 0 &&
+            e.find("-held-by-r" + std::to_string(rank()) + "-s") != std::string::npos)))
+        files::remove_all_quietly(files::join(options.dir, e));
+  }
+
+  // What this rank has: its own snapshots and the copies it keeps (JSON).
+  std::string held_steps() const {
+    json::object report;
+    json::array own;
+    for (int64_t s : valid_steps(own_name(options, rank()), rank())) own.push_back(s);
+    report["own"] = own;
+    json::object held;
+    for (int from : held_for()) {
+      json::array steps;
+      for (int64_t s : valid_steps(held_name(options, from, rank()), from)) steps.push_back(s);
+      held[std::to_string(from)] = steps;
+    }
+    report["held"] = held;
+    return json::serialize(report);
+  }
+};
+
+}  // namespace
+
+namespace detail {
+
+std::string snapshot_job(const SnapshotOptions& options) {
+  return options.job.empty() ? env_or("TORCHELASTIC_RUN_ID", "shardtorch") : options.job;
+}
+std::string own_snapshot_path(const SnapshotOptions& options, int rank, int64_t step) {
+  return files::join(options.dir, own_name(options, rank) + std::to_string(step));
+}
+std::string held_snapshot_path(const SnapshotOptions& options, int rank, int holder, int64_t step) {
+  return files::join(options.dir, held_name(options, rank, holder) + std::to_string(step));
+}
+
+}  // namespace detail
+
+struct Snapshots::Impl {
+  std::shared_ptr<World> world;
+  torch::nn::Module& root;
+  ShardedOptimizer* opt;
+  SnapshotOptions options;
+  std::shared_ptr<Comm> comm;  // the buddy copies' (and persisting's) own group
+  std::shared_ptr<detail::ShardState> sharded;
+  SnapshotDir dir;  // of this rank
+  // Of the last snapshot written, for persisting it in the background.
+  struct Written {
+    std::map<std::string, std::string> user_state;
+    std::string entries;  // JSON
+    std::map<std::string, std::vector<int64_t>> shapes;
+  } written;
+  std::map<std::string, std::pair<std::function<std::string()>, std::function<void(const std::string&)>>> state;
+  std::thread transfer;
+  std::string transfer_error, persist_error;
+
+  Impl(std::shared_ptr<World> w, torch::nn::Module& r, ShardedOptimizer* o, SnapshotOptions opts)
+      : world(std::move(w)), root(r), opt(o), options(std::move(opts)), dir(*world, options) {}
+
+  int rank() const { return world->rank(); }
+  std::string who() const { return who_of(*world); }
+
+  void wait_transfer(bool rethrow) {
+    if (transfer.joinable()) transfer.join();
+    if (!persist_error.empty() && rank() == 0) SHARDTORCH_WARN("shardtorch: snapshots: ", persist_error);
+    persist_error.clear();
+    std::string e;
+    std::swap(e, transfer_error);
+    if (rethrow && !e.empty()) throw Error(who() + ": the copy to the buddy failed: " + e);
   }
 
   void write_own(int64_t step) {
@@ -322,7 +384,7 @@ struct Snapshots::Impl {
     json::object header{{"format", kFormat},
                         {"version", kVersion},
                         {"job", detail::snapshot_job(options)},
-                        {"fingerprint", fingerprint},
+                        {"fingerprint", dir.fingerprint},
                         {"world_size", world->size()},
                         {"rank", rank()},
                         {"step", step},
@@ -342,18 +404,6 @@ struct Snapshots::Impl {
     prune(options.dir, own_name(options, rank()));
   }
 
-  // Writes `bytes`, rank `owner`'s file of `step`, as the snapshot directory `name`STEP.
-  void write_received(const std::string& name, int owner, int64_t step, const at::Tensor& bytes) {
-    const std::string full = name + std::to_string(step);
-    const std::string tmp = temporary_of(options.dir, full);
-    files::remove_all_quietly(tmp);
-    files::create_directories(tmp);
-    write_whole(files::join(tmp, file_of(owner)), static_cast<const char*>(bytes.data_ptr()),
-                static_cast<size_t>(bytes.numel()));
-    put_in_place(tmp, files::join(options.dir, full));
-    prune(options.dir, name);
-  }
-
   // Sends this rank's snapshot of `step` to its buddy and receives the
   // snapshots of the ranks it keeps copies of (the background thread).
   void exchange(int64_t step) {
@@ -370,7 +420,7 @@ struct Snapshots::Impl {
       works.push_back(comm->send_async(head, buddy, 1, "snapshot header"));
       works.push_back(comm->send_async(data, buddy, 2, "snapshot"));
     }
-    for (int from : held_for()) {
+    for (int from : dir.held_for()) {
       at::Tensor head = at::empty({2}, at::kLong);
       PendingWork w = comm->recv_async(head, from, 1, "snapshot header");
       comm->wait(w);
@@ -378,7 +428,7 @@ struct Snapshots::Impl {
       at::Tensor data = at::empty({n}, at::kByte);
       PendingWork d = comm->recv_async(data, from, 2, "snapshot");
       comm->wait(d);
-      write_received(held_name(options, from, rank()), from, s, data);
+      dir.write_received(held_name(options, from, rank()), from, s, data);
     }
     for (auto& w : works) comm->wait(w);
   }
@@ -401,7 +451,7 @@ struct Snapshots::Impl {
     }
     const std::string why = checkpoint::publish_rank_files(
         gather, rank(), files::join(detail::own_snapshot_path(options, rank(), step), file_of(rank())), written.entries,
-        sharded->strategy(), written.shapes, step, user, options.fallback_dir);
+        sharded->options().strategy(), written.shapes, step, user, options.fallback_dir);
     if (!why.empty())
       persist_error = "step " + std::to_string(step) + " could not be persisted to '" + options.fallback_dir + "' (" +
                       why + "); the checkpoint there stays as it was, and training goes on";
@@ -420,22 +470,9 @@ struct Snapshots::Impl {
     std::optional<int64_t> newest;  // the newest step any rank has
     std::vector<int> source;        // per rank: -1 (its own), or the rank keeping its copy
   };
-  void remove_leftovers();
-  std::string held_steps() const;
   Choice choose(const std::vector<std::string>& reports) const;
   std::vector<int> return_copies(int64_t chosen, const std::vector<int>& source);
   void load_step(int64_t chosen);
-
-  // After a restore to `step`: the snapshots of later steps are of a
-  // timeline the job left; they go, so that none is ever restored.
-  void drop_newer(int64_t step) {
-    auto drop = [&](const std::string& name) {
-      for (int64_t s : steps_named(options.dir, name))
-        if (s > step) files::remove_all_quietly(files::join(options.dir, name + std::to_string(s)));
-    };
-    drop(own_name(options, rank()));
-    for (int from : held_for()) drop(held_name(options, from, rank()));
-  }
 };
 
 namespace {
@@ -492,8 +529,8 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
                        " ranks, ranks at different tp coordinates would write the same files");
       break;
     }
-  m.strategy = checkpoint::strategy_of(root);
-  m.fingerprint = model_fingerprint(root, opt, n);
+  m.dir.strategy = checkpoint::strategy_of(root);
+  m.dir.fingerprint = model_fingerprint(root, opt, n);
   std::vector<int> all(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) all[static_cast<size_t>(r)] = r;
   if (n > 1 || m.options.persist_every > 0) m.comm = m.world->new_group(all, "snapshots");
@@ -526,7 +563,7 @@ int64_t Snapshots::bytes_kept() const {
     }
   };
   add(own_name(m.options, m.rank()), m.rank());
-  for (int from : m.held_for()) add(held_name(m.options, from, m.rank()), from);
+  for (int from : m.dir.held_for()) add(held_name(m.options, from, m.rank()), from);
   return total;
 }
 
@@ -571,7 +608,7 @@ int64_t Snapshots::Impl::fall_back(const std::string& why) {
   }
   std::map<std::string, std::string> user;
   const int64_t step = load_sharded_checkpoint(root, opt, options.fallback_dir, &user);
-  drop_newer(step);
+  dir.drop_newer(step);
   for (auto& [k, fns] : state) {  // persisted (this rank's own), else saved by the program
     auto it = user.find(persisted_key(rank(), k));
     if (it == user.end()) it = user.find(k);
@@ -585,8 +622,8 @@ int64_t Snapshots::Impl::fall_back(const std::string& why) {
 
 int64_t Snapshots::Impl::restore() {
   wait_transfer(false);
-  remove_leftovers();
-  const auto reports = world->comm().all_gather_strings(held_steps(), "snapshot restore: the steps held");
+  dir.remove_leftovers();
+  const auto reports = world->comm().all_gather_strings(dir.held_steps(), "snapshot restore: the steps held");
   const Choice c = choose(reports);
   if (c.step < 0)
     return fall_back(!c.newest ? ""
@@ -600,32 +637,6 @@ int64_t Snapshots::Impl::restore() {
                     lost.empty() ? "" : "; from their buddies' copies: ranks", from);
   }
   return c.step;
-}
-
-// Leftovers of writes a crash interrupted.
-void Snapshots::Impl::remove_leftovers() {
-  for (const auto& e : files::list_directory(options.dir))
-    if (e.size() > 5 && e.compare(e.size() - 4, 4, ".tmp") == 0 &&
-        (e.rfind("." + own_name(options, rank()), 0) == 0 ||
-         (e.rfind("." + prefix(options), 0) == 0 &&
-          e.find("-held-by-r" + std::to_string(rank()) + "-s") != std::string::npos)))
-      files::remove_all_quietly(files::join(options.dir, e));
-}
-
-// What this rank has: its own snapshots and the copies it keeps (JSON).
-std::string Snapshots::Impl::held_steps() const {
-  json::object report;
-  json::array own;
-  for (int64_t s : valid_steps(own_name(options, rank()), rank())) own.push_back(s);
-  report["own"] = own;
-  json::object held;
-  for (int from : held_for()) {
-    json::array steps;
-    for (int64_t s : valid_steps(held_name(options, from, rank()), from)) steps.push_back(s);
-    held[std::to_string(from)] = steps;
-  }
-  report["held"] = held;
-  return json::serialize(report);
 }
 
 // Every rank decides alike, from every rank's held_steps: the newest step
@@ -689,7 +700,7 @@ std::vector<int> Snapshots::Impl::return_copies(int64_t chosen, const std::vecto
       at::Tensor data = at::empty({head[0].item<int64_t>()}, at::kByte);
       PendingWork d = comm->recv_async(data, h, 4, "snapshot restore");
       comm->wait(d);
-      write_received(own_name(options, rank()), rank(), chosen, data);
+      dir.write_received(own_name(options, rank()), rank(), chosen, data);
     }
   }
   for (auto& w : works) comm->wait(w);
@@ -702,12 +713,12 @@ std::vector<int> Snapshots::Impl::return_copies(int64_t chosen, const std::vecto
 void Snapshots::Impl::load_step(int64_t chosen) {
   std::string why;
   const std::string path = detail::own_snapshot_path(options, rank(), chosen);
-  std::optional<Found> found = check(path, rank(), chosen, why);
+  std::optional<Found> found = dir.check(path, rank(), chosen, why);
   checkpoint::load_rank_state(root, opt, path, found ? found->index : Index{},
                               "snapshot step " + std::to_string(chosen), found ? "" : why);
   for (auto& [k, fns] : state)
     if (auto it = found->user_state.find(k); it != found->user_state.end()) fns.second(it->second);
-  drop_newer(chosen);
+  dir.drop_newer(chosen);
 }
 
 void Snapshots::finish() {
@@ -716,7 +727,7 @@ void Snapshots::finish() {
   m.world->barrier();  // no rank still needs a copy another keeps
   for (int64_t s : steps_named(m.options.dir, own_name(m.options, m.rank())))
     files::remove_all_quietly(detail::own_snapshot_path(m.options, m.rank(), s));
-  for (int from : m.held_for())
+  for (int from : m.dir.held_for())
     for (int64_t s : steps_named(m.options.dir, held_name(m.options, from, m.rank())))
       files::remove_all_quietly(detail::held_snapshot_path(m.options, from, m.rank(), s));
   m.count_memory(0);

@@ -13,16 +13,16 @@ namespace shardtorch::checkpoint {
 StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& state, std::string purpose,
                                  bool tied_once, bool buffers, const ModelPart* part)
     : state_(state), purpose_(std::move(purpose)) {
-  if (state.replicated()) {
+  if (state.path().replicated()) {
     std::set<const void*> seen;
     for (const auto& item : root.named_parameters()) {
       if (!seen.insert(item.value().unsafeGetTensorImpl()).second && tied_once) continue;
-      at::Tensor v = state.record_of(item.value()).detach();
+      at::Tensor v = state.path().record_of(item.value()).detach();
       items_.push_back(
           {item.key(), v.scalar_type(), v.sizes().vec(), [v] { return v; }, -1, detail::placement_of(item.value())});
     }
   } else {
-    for (auto& u : state.units())
+    for (auto& u : state.units().all())
       for (auto& f : u->flats()) flats_.push_back(f.get()), labels_.push_back(u->label());
     auto names = detail::parameter_names(root);
     for (size_t k = 0; k < flats_.size(); ++k) {

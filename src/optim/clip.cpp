@@ -20,7 +20,7 @@ GradNorm local_grad_norm(ShardState& state, double norm_type) {
   GradNorm n;
   n.norm_type = norm_type;
   n.inf = std::isinf(norm_type);
-  n.grads = state.local_gradients(n.partial);
+  n.grads = state.optimizer().local_gradients(n.partial);
   // Every partial result stays a 0-d double tensor on the device until one
   // read at the end: on a GPU an .item() per gradient was a host sync each.
   // A NaN gradient makes the norm NaN, as in torch::nn::utils::clip_grad_norm_

@@ -21,7 +21,7 @@ GradScaler::GradScaler(torch::nn::Module& root, GradScalerOptions options)
                    "shardtorch::GradScaler: need a finite init_scale > 0 (got ", scale_,
                    "), a finite growth_factor > 1 (got ", options.growth_factor(), "), 0 < backoff_factor < 1 (got ",
                    options.backoff_factor(), ") and growth_interval >= 1 (got ", options.growth_interval(), ")");
-  state_->set_has_scaler();
+  state_->optimizer().set_has_scaler();
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const { return loss * scale_; }
@@ -43,7 +43,7 @@ void GradScaler::unscale(ShardedOptimizer& opt) {
   if (unscaled_at_ == state_->backward().gradient_generation()) return;
   c10::NoGradGuard no_grad;
   bool partial = false;
-  for (auto& g : state_->local_gradients(partial)) g.mul_(1.0 / scale_);
+  for (auto& g : state_->optimizer().local_gradients(partial)) g.mul_(1.0 / scale_);
   unscaled_at_ = state_->backward().gradient_generation();
 }
 
@@ -52,7 +52,7 @@ bool GradScaler::step(ShardedOptimizer& opt) {
   unscale(opt);
   bool partial = false;
   bool found = false;
-  for (auto& g : state_->local_gradients(partial)) {
+  for (auto& g : state_->optimizer().local_gradients(partial)) {
     if (!at::isfinite(g).all().item<bool>()) {
       found = true;
       break;

@@ -15,22 +15,22 @@ namespace shardtorch {
 namespace detail {
 
 ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "cannot build a sharded optimizer")) {
-  SHARDTORCH_CHECK(state_->options().mixed_precision().param_dtype() != at::kHalf || state_->has_scaler(),
+  SHARDTORCH_CHECK(state_->options().mixed_precision().param_dtype() != at::kHalf || state_->optimizer().has_scaler(),
                    "shardtorch: fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
                    "model before its optimizer, and step through scaler.step(*opt)");
-  if (state_->replicated()) {  // NoShard: the optimizer runs over the parameters themselves
-    const auto& params = state_->replicated()->params();
-    const auto& optimized = state_->replicated()->optimized();
+  if (state_->path().replicated()) {  // NoShard: the optimizer runs over the parameters themselves
+    const auto& params = state_->path().replicated()->params();
+    const auto& optimized = state_->path().replicated()->optimized();
     for (size_t i = 0; i < params.size(); ++i) {
       by_param_.emplace_back(params[i].unsafeGetTensorImpl(), std::vector<size_t>{pieces_.size()});
-      param_names_.push_back(state_->replicated()->names()[i]);
+      param_names_.push_back(state_->path().replicated()->names()[i]);
       trainable_.push_back(params[i].unsafeGetTensorImpl());
-      pieces_.push_back({optimized[i], nullptr, 0, optimized[i].numel(), state_->replicated()->names()[i], 0});
+      pieces_.push_back({optimized[i], nullptr, 0, optimized[i].numel(), state_->path().replicated()->names()[i], 0});
     }
     return;
   }
   const int rank = state_->topology().shard_comm().rank();
-  for (auto& u : state_->units()) {
+  for (auto& u : state_->units().all()) {
     for (auto& f : u->flats()) {
       for (size_t i = 0; i < f->params().size(); ++i) {
         const void* key = f->params()[i].unsafeGetTensorImpl();
@@ -50,7 +50,7 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
   }
   // Module::zero_grad reaches the flats, not these views: without this their
   // gradients would keep the dropped shards' memory alive until the next step.
-  listener_ = state_->zero_grad_listeners().add([this] {
+  listener_ = state_->optimizer().add_zero_grad_listener([this] {
     for (auto& piece : pieces_) piece.view.mutable_grad().reset();
   });
 }
@@ -92,9 +92,9 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 }
 
 void ShardViews::bind_grads() {
-  state_->check_outside_summon();  // before the step changes anything: the scope would write it over
+  state_->summons().check_outside();  // before the step changes anything: the scope would write it over
   state_->backward().check_finished("an optimizer step");
-  state_->check_requires_grad_unchanged();
+  state_->optimizer().check_requires_grad_unchanged();
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).
   state_->copies().wait_for_offload_copies(/*step=*/true);
@@ -102,8 +102,8 @@ void ShardViews::bind_grads() {
   // masters through raw pointers, which their version counters do not show:
   // stale from here, even if its step throws half-way.
   if (!low_copies_written_) state_->copies().low_copies_stale();
-  if (state_->replicated()) {
-    state_->replicated()->bucketer().bind_grads();  // master grads were bound at the end of backward
+  if (state_->path().replicated()) {
+    state_->path().replicated()->bucketer().bind_grads();  // master grads were bound at the end of backward
     return;
   }
   for (auto& piece : pieces_) {
@@ -116,7 +116,7 @@ void ShardViews::bind_grads() {
   }
 }
 
-void ShardViews::zero_grad() { state_->zero_grads(); }
+void ShardViews::zero_grad() { state_->optimizer().zero_grads(); }
 
 namespace {
 // Calls fn(tensor, name) for each tensor the optimizer updates, one per
@@ -124,12 +124,12 @@ namespace {
 // parameter: from what every rank holds, not from this rank's pieces.
 template <class Fn>
 void for_each_optimized(ShardState& state, Fn fn) {
-  if (state.replicated()) {
-    const detail::ReplicatedPath& r = *state.replicated();
+  if (state.path().replicated()) {
+    const detail::ReplicatedPath& r = *state.path().replicated();
     for (size_t i = 0; i < r.params().size(); ++i) fn(r.optimized()[i], r.names()[i]);
     return;
   }
-  for (auto& u : state.units())
+  for (auto& u : state.units().all())
     for (auto& f : u->flats())
       if (f->requires_grad() && !f->names().empty()) fn(f->shard(), f->names().front());
 }
@@ -236,7 +236,7 @@ class StepInBackward final : public GradientListener {
 
 ShardViews::~ShardViews() {
   if (overlap_) state_->copies().set_gradient_listener(nullptr);
-  if (listener_ >= 0) state_->zero_grad_listeners().remove(listener_);
+  if (listener_ >= 0) state_->optimizer().remove_zero_grad_listener(listener_);
 }
 
 void ShardViews::overlap_with_backward(torch::optim::Optimizer& opt, bool on) {
@@ -254,11 +254,11 @@ void ShardViews::overlap_with_backward(torch::optim::Optimizer& opt, bool on) {
       stepper, detail::rank_prefix(rank),
       ": overlap_with_backward needs an optimizer that can step part of "
       "its parameters: shardtorch::FusedAdam or FusedAdamW (ShardedOptimizer::make<shardtorch::FusedAdamW>)");
-  SHARDTORCH_CHECK(state_->copies().offloader() && !state_->replicated(), detail::rank_prefix(rank),
+  SHARDTORCH_CHECK(state_->copies().offloader() && !state_->path().replicated(), detail::rank_prefix(rank),
                    ": overlap_with_backward overlaps "
                    "the host's optimizer step with the device's backward: it needs ShardOptions().cpu_offload(true) "
                    "(without offload the update runs on the device after backward)");
-  SHARDTORCH_CHECK(!state_->has_scaler(), detail::rank_prefix(rank),
+  SHARDTORCH_CHECK(!state_->optimizer().has_scaler(), detail::rank_prefix(rank),
                    ": overlap_with_backward cannot be used with a "
                    "GradScaler, which must see every gradient before any update");
   if (overlap_) return;
@@ -289,7 +289,7 @@ void ShardViews::after_step(const torch::optim::Optimizer& opt) {
   // while no copy to the device reads them (bind_grads waited), rather than
   // at each unit's next gather, which would first wait for the copies then.
   if (!low_copies_written_) state_->copies().remake_low_copies();
-  state_->after_optimizer_step();
+  state_->optimizer().after_optimizer_step();
   state_->buffers().broadcast_after_step(state_->world());
   count_optimizer_state(opt);
 }

@@ -6,14 +6,14 @@ namespace shardtorch::detail {
 
 std::vector<ParamPiece> pieces_of(ShardState& state, const at::Tensor& param) {
   std::vector<ParamPiece> out;
-  if (state.replicated()) {  // NoShard: the whole parameter (its fp32 master under mixed precision)
-    at::Tensor record = state.record_of(param);
+  if (state.path().replicated()) {  // NoShard: the whole parameter (its fp32 master under mixed precision)
+    at::Tensor record = state.path().record_of(param);
     out.push_back(
         {0, record.numel(), record.view({-1}), record.grad().defined() ? record.grad().view({-1}) : at::Tensor()});
     return out;
   }
   const int rank = state.topology().shard_comm().rank();
-  for (auto& u : state.units())
+  for (auto& u : state.units().all())
     for (auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i) {
         if (!f->params()[i].is_same(param)) continue;

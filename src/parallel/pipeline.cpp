@@ -265,7 +265,7 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
         for (const auto& [path, m] : rt.layers[l].modules) rt.module->place(path, m);
   rt.sharded.emplace(shard(*rt.module, rt.dp, options.shard()));
   rt.state = detail::require_state(*rt.module, "shardtorch::Pipeline");
-  rt.state->pipeline().set_pipelined();
+  rt.state->gathers().set_pipelined();
   rt.find_tied(has_dp);
 
   const bool gathers =

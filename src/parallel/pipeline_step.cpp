@@ -392,10 +392,10 @@ void StepRun::run_actions() {
     switch (a.kind) {
       case ActionKind::Unshard:
         world_.note_progress("pipeline: gathering the stage's parameters");
-        rt_.state->pipeline().gather_for_step();
+        rt_.state->gathers().gather_for_step();
         break;
       case ActionKind::Reshard:
-        rt_.state->pipeline().release_step_gather();
+        rt_.state->gathers().release_step_gather();
         break;
       case ActionKind::RecvActivation:
         post_recv(Msg::Activation, a.stage, a.microbatch, a.peer_stage);
@@ -445,7 +445,7 @@ void StepRun::abandon() {
   rt_.signature.clear();
   rt_.shapes.clear();
   rt_.sharded->set_requires_gradient_sync(sync_);
-  rt_.state->pipeline().release_step_gather();
+  rt_.state->gathers().release_step_gather();
 }
 
 }  // namespace

@@ -56,8 +56,8 @@ void PipelineRuntime::sync_tied() {
       at::Tensor mine = sum.narrow(0, p.offset, p.length);
       if (p.grad.defined()) {
         p.grad.copy_(mine);
-      } else if (state->replicated()) {  // NoShard: no gradient of its own this step, the other copies' sum
-        at::Tensor(state->record_of(t.tensor)).mutable_grad() =
+      } else if (state->path().replicated()) {  // NoShard: no gradient of its own this step, the other copies' sum
+        at::Tensor(state->path().record_of(t.tensor)).mutable_grad() =
             mine.view(t.tensor.sizes()).to(p.value.device()).clone();
       }
     }

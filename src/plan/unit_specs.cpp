@@ -25,12 +25,12 @@ std::vector<UnitSpec> unit_specs(torch::nn::Module& root) {
   DtypeOf dtype_of = [](const at::Tensor& t) { return t.scalar_type(); };
   if (auto state = detail::lookup_model(root)) {
     std::unordered_map<const void*, at::ScalarType> masters;  // sharded strategies: the flat's dtype
-    for (const auto& u : state->units())
+    for (const auto& u : state->units().all())
       for (const auto& f : u->flats())
         for (const auto& p : f->params()) masters[p.unsafeGetTensorImpl()] = f->dtype();
     dtype_of = [state, masters = std::move(masters)](const at::Tensor& t) {
       auto it = masters.find(t.unsafeGetTensorImpl());
-      return it != masters.end() ? it->second : state->record_of(t).scalar_type();  // NoShard: its master's
+      return it != masters.end() ? it->second : state->path().record_of(t).scalar_type();  // NoShard: its master's
     };
   }
   // Batch norm's parameters in flats of their own (FlatSpec::batch_norm):

@@ -46,7 +46,7 @@ void BackwardTracker::ensure_end_of_backward_callback() {
       "checkpointing: ShardOptions::activation_checkpointing (or activation_checkpointing_for)");
   // Queued for another backward that never reached its end: an exception escaped it.
   if (running()) abandon(/*warn=*/true);
-  ReplicatedPath* replicated = model_.replicated();
+  ReplicatedPath* replicated = model_.path().replicated();
   if (replicated) model_.world().note_progress("backward");  // units note it per unit
   const bool builds_graph = c10::GradMode::is_enabled();     // the engine runs a backward in grad mode iff create_graph
   // A backward restricted to some tensors (torch::autograd::grad, or
@@ -70,7 +70,7 @@ void BackwardTracker::ensure_end_of_backward_callback() {
     return nodes == nullptr || nodes->count(const_cast<torch::autograd::Node*>(acc)) > 0;
   };
   auto runs = [&](const torch::autograd::Node* acc) { return (!restricted || needed(acc)) && in_graph(acc); };
-  const auto units = model_.live_units();
+  const auto units = model_.units().live();
   if (restricted) {
     auto input = [&](const AccumulatorRef& acc) { return needed(acc.get()); };
     bool any = replicated && std::any_of(replicated->accumulators().begin(), replicated->accumulators().end(), input);
@@ -81,7 +81,7 @@ void BackwardTracker::ensure_end_of_backward_callback() {
   begin(task, builds_graph  ? BackwardKind::BuildsGraph
               : inputs_only ? BackwardKind::InputsOnly
                             : BackwardKind::Reduces);
-  detail::collective_context(model_.world()).backward_begins(model_.sync());
+  detail::collective_context(model_.world()).backward_begins(sync_);
   for (const auto& u : units) u->grads().expect_from_graph(runs, in_graph);
   model_.order().on_backward_start();
   auto keep = model_.shared_from_this();
@@ -125,10 +125,10 @@ void BackwardTracker::abandon(bool warn) {
   detail::collective_context(model_.world()).backward_ends();
   model_.order().on_backward_abandoned();
   gradients_changed();  // partly reduced, staged ones dropped
-  model_.release_held();
-  model_.reducer().discard();
+  model_.gathers().release_held();
+  model_.path().reducer().discard();
   if (auto* off = model_.copies().offloader()) off->discard();
-  for (auto& u : model_.live_units()) {
+  for (auto& u : model_.units().live()) {
     u->gather().reshard();
     u->reset_backward();
     for (auto& f : u->flats()) f->grads().drop_staging_grad();
@@ -146,13 +146,13 @@ void BackwardTracker::finish() {
   try {
     model_.world().note_progress("end of backward");
     failure_point("end of backward");
-    if (auto* replicated = model_.replicated()) {
-      if (!no_gradients) replicated->finish_backward(model_.sync());
+    if (auto* replicated = model_.path().replicated()) {
+      if (!no_gradients) replicated->finish_backward(sync_);
       end_finishing();
       return;
     }
     model_.order().adopt_recording();
-    auto all = model_.units();
+    auto all = model_.units().all();
     if (builds_graph()) {  // the graph it built saved these full parameters
       for (auto& u : all)
         if (u->gather().state() == ParamState::Unsharded) u->gather().hold();
@@ -161,8 +161,8 @@ void BackwardTracker::finish() {
       for (auto it = all.rbegin(); it != all.rend(); ++it) {
         if ((*it)->grads().needs_final_reduce()) (*it)->reduce_grads();
       }
-      if (model_.sync()) model_.order().issue_reductions(/*at_end=*/true);
-      model_.sharded_reducer().finish_backward(model_.sync());
+      if (sync_) model_.order().issue_reductions(/*at_end=*/true);
+      model_.path().sharded().finish_backward(sync_);
       if (auto* off = model_.copies().offloader()) off->worker().drain();  // the gradient shards reach host memory
     }
     for (auto& u : all) {

@@ -57,6 +57,11 @@ class BackwardTracker {
   /// (its graph would keep the forward's graph alive).
   void check_grad_arrival(const at::Tensor& param, const std::string& name) const;
 
+  /// Backwards reduce gradients across ranks (the default); ShardedModel's
+  /// no_sync turns it off to accumulate them locally.
+  bool sync() const { return sync_; }
+  void set_sync(bool s) { sync_ = s; }
+
   /// Changes whenever the gradients may have: at the end of every backward
   /// and at every zero_grad (the GradScaler's "already unscaled" is per value).
   uint64_t gradient_generation() const { return gradient_generation_; }
@@ -90,6 +95,7 @@ class BackwardTracker {
   // or the task is destroyed (an exception escaped the backward).
   std::weak_ptr<void> callback_alive_;
   bool partial_grads_ = false;  // a backward since the last zero_grad failed
+  bool sync_ = true;
   uint64_t gradient_generation_ = 0;
 };
 

@@ -61,10 +61,16 @@ std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, int world_size, int rank,
                      MemoryTracker* mem, bool persistent, std::optional<c10::Device> device)
-    : params_(std::move(params)), names_(std::move(names)), rank_(rank), mem_(mem), persistent_(persistent) {
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      rank_(rank),
+      mem_(mem),
+      buffer_(*this, persistent),
+      grads_(*this),
+      host_(*this) {
   SHARDTORCH_CHECK(!params_.empty(), "FlatParam: no parameters");
   dtype_ = params_[0].scalar_type();
-  reduce_dtype_ = dtype_;
+  grads_.reduce_dtype_ = dtype_;
   requires_grad_ = params_[0].requires_grad();
   // A deferred parameter is on the meta device until it is given values here.
   auto device_of = [&](const at::Tensor& p) { return device && is_deferred(p) ? *device : p.device(); };
@@ -80,39 +86,39 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   layout_ = FlatParamLayout(std::move(shapes), world_size);
   buffer_.access_error_ = "shardtorch: the parameters of " + describe() + " are sharded: their memory is freed";
   c10::NoGradGuard no_grad;
-  full_ = at::zeros({layout_.padded_numel()}, params_[0].options().device(target).requires_grad(false));
+  buffer_.full_ = at::zeros({layout_.padded_numel()}, params_[0].options().device(target).requires_grad(false));
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    at::Tensor dst = full_.narrow(0, layout_.offset(i), layout_.numel(i));
+    at::Tensor dst = buffer_.full_.narrow(0, layout_.offset(i), layout_.numel(i));
     if (is_deferred(p))
       detail::materialize_into(p, names_[i], dst.view(layout_.shape(i)), rank_);
     else
       dst.copy_(p.detach().reshape({-1}));
-    p.set_(full_.storage(), layout_.offset(i), layout_.shape(i), contiguous_strides(layout_.shape(i)));
+    p.set_(buffer_.full_.storage(), layout_.offset(i), layout_.shape(i), contiguous_strides(layout_.shape(i)));
   }
   buffer_.gathered_ = true;
   auto [lo, hi] = layout_.shard_range(rank_);
-  if (persistent_) {
-    shard_ = full_.narrow(0, lo, hi - lo);
+  if (buffer_.persistent_) {
+    shard_ = buffer_.full_.narrow(0, lo, hi - lo);
     shard_is_view_ = true;
-    if (mem_) mem_->add(Mem::ReplicatedParams, full_.nbytes());
+    if (mem_) mem_->add(Mem::ReplicatedParams, buffer_.full_.nbytes());
   } else {
-    shard_ = full_.narrow(0, lo, hi - lo).clone();
+    shard_ = buffer_.full_.narrow(0, lo, hi - lo).clone();
     if (mem_) {
       mem_->add(Mem::ShardedParams, shard_.nbytes());
-      mem_->add(Mem::GatheredParams, full_.nbytes());
+      mem_->add(Mem::GatheredParams, buffer_.full_.nbytes());
     }
   }
 }
 
 FlatParam::~FlatParam() {
   if (!mem_) return;
-  if (persistent_) {
-    mem_->sub(Mem::ReplicatedParams, full_.nbytes());
-    if (!shard_is_view_) mem_->sub(shard_category(), shard_.nbytes());
+  if (buffer_.persistent_) {
+    mem_->sub(Mem::ReplicatedParams, buffer_.full_.nbytes());
+    if (!shard_is_view_) mem_->sub(host_.shard_category(), shard_.nbytes());
   } else {
-    mem_->sub(shard_category(), shard_.nbytes());
-    if (buffer_.gathered_) mem_->sub(Mem::GatheredParams, full_.nbytes());
+    mem_->sub(host_.shard_category(), shard_.nbytes());
+    if (buffer_.gathered_) mem_->sub(Mem::GatheredParams, buffer_.full_.nbytes());
   }
   if (grads_.full_grad_.defined()) {
     mem_->sub(grads_.category(), grads_.full_grad_.nbytes());
@@ -124,26 +130,26 @@ FlatParam::~FlatParam() {
 }
 
 void FlatParam::set_mixed_precision(at::ScalarType compute, at::ScalarType reduce) {
-  reduce_dtype_ = reduce;
-  if (compute == compute_dtype()) return;
+  grads_.reduce_dtype_ = reduce;
+  if (compute == buffer_.dtype()) return;
   SHARDTORCH_CHECK(buffer_.gathered_, "FlatParam: set_mixed_precision of ", describe(), " while it is sharded");
   c10::NoGradGuard no_grad;
-  if (persistent_) {  // the shard was a view of the full buffer: the master needs its own memory
+  if (buffer_.persistent_) {  // the shard was a view of the full buffer: the master needs its own memory
     shard_ = shard_.clone();
     shard_is_view_ = false;
     if (mem_) {
       mem_->add(Mem::ShardedParams, shard_.nbytes());
-      mem_->sub(Mem::ReplicatedParams, full_.nbytes());
+      mem_->sub(Mem::ReplicatedParams, buffer_.full_.nbytes());
     }
   } else if (mem_) {
-    mem_->sub(Mem::GatheredParams, full_.nbytes());
+    mem_->sub(Mem::GatheredParams, buffer_.full_.nbytes());
   }
-  at::Tensor low = full_.to(compute);
+  at::Tensor low = buffer_.full_.to(compute);
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].set_data(low.narrow(0, layout_.offset(i), layout_.numel(i)).view(layout_.shape(i)));
   }
-  full_ = low;
-  if (mem_) mem_->add(persistent_ ? Mem::ReplicatedParams : Mem::GatheredParams, full_.nbytes());
+  buffer_.full_ = low;
+  if (mem_) mem_->add(buffer_.persistent_ ? Mem::ReplicatedParams : Mem::GatheredParams, buffer_.full_.nbytes());
 }
 
 void HostShard::offload_shard(bool pin) {
@@ -162,7 +168,7 @@ void HostShard::offload_shard(bool pin) {
   f.shard_is_view_ = false;
   offloaded_ = true;
   pinned_ = pin;
-  if (f.dtype_ == at::kFloat && f.compute_dtype() == at::kBFloat16) {
+  if (f.dtype_ == at::kFloat && f.buffer_.dtype() == at::kBFloat16) {
     low_ = at::empty({f.shard_.numel()}, f.shard_.options().dtype(at::kBFloat16).pinned_memory(pin));
     if (f.mem_) f.mem_->add(Mem::HostParams, low_.nbytes());
   }
@@ -185,14 +191,10 @@ const at::Tensor& HostShard::upload_source() {
   return low_.defined() ? low_ : flat_.shard_;
 }
 
-at::Tensor FlatParam::gather_source() const {
-  return shard_.scalar_type() == full_.scalar_type() ? shard_ : shard_.to(full_.scalar_type());
-}
-
 void FullBuffer::alloc() {
-  if (gathered_ || flat_.persistent_) return;
-  auto* impl = flat_.full_.storage().unsafeGetStorageImpl();
-  size_t nbytes = static_cast<size_t>(flat_.layout_.padded_numel()) * c10::elementSize(flat_.compute_dtype());
+  if (gathered_ || persistent_) return;
+  auto* impl = full_.storage().unsafeGetStorageImpl();
+  size_t nbytes = static_cast<size_t>(flat_.layout_.padded_numel()) * c10::elementSize(dtype());
   impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
   impl->set_nbytes(nbytes);
   storage_access::allow(impl);
@@ -203,11 +205,11 @@ void FullBuffer::alloc() {
 bool FullBuffer::freed_access_is_an_error() { return storage_access::support() != storage_access::Support::None; }
 
 void FullBuffer::free(bool abandon) {
-  if (!gathered_ || flat_.persistent_) return;
-  auto* impl = flat_.full_.storage().unsafeGetStorageImpl();
+  if (!gathered_ || persistent_) return;
+  auto* impl = full_.storage().unsafeGetStorageImpl();
   size_t nbytes = impl->nbytes();
   if (abandon) {  // never freed: the failed collective may still write here
-    at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, flat_.full_.device()));
+    at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, full_.device()));
     (void)old.release_context();
   }
   // The error first: it may allocate (and throw) while the buffer is still whole.
@@ -215,7 +217,7 @@ void FullBuffer::free(bool abandon) {
   // (w.t(), narrow) still succeed and the op that reads them throws this error
   // rather than a bounds check's about a storage of size 0.
   const bool guarded = storage_access::forbid(impl, access_error_);
-  impl->set_data_ptr_noswap(at::DataPtr(nullptr, flat_.full_.device()));
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));
   if (!guarded) impl->set_nbytes(0);  // views of the parameters then fail their bounds check at least
   gathered_ = false;
   if (flat_.mem_) flat_.mem_->sub(Mem::GatheredParams, nbytes);
@@ -226,14 +228,14 @@ void FlatParam::write_back_shard() {
   if (shard_is_view_) return;  // the shard is a view of the full buffer
   auto [lo, hi] = layout_.shard_range(rank_);
   c10::NoGradGuard no_grad;
-  shard_.copy_(full_.narrow(0, lo, hi - lo));
+  shard_.copy_(buffer_.full_.narrow(0, lo, hi - lo));
 }
 
 Mem FlatGrads::category() const { return flat_.host_.offloaded() ? Mem::HostGradients : Mem::Gradients; }
 
 at::Tensor& FlatGrads::staging_grad() {
   if (!staging_.defined()) {
-    staging_ = at::zeros({flat_.layout_.padded_numel()}, flat_.full_.options().dtype(flat_.reduce_dtype_));
+    staging_ = at::zeros({flat_.layout_.padded_numel()}, flat_.buffer_.tensor().options().dtype(reduce_dtype_));
     if (flat_.mem_) flat_.mem_->add(Mem::GradStaging, staging_.nbytes());
   }
   return staging_;

@@ -14,18 +14,26 @@ namespace shardtorch {
 
 class FlatParam;
 
-/// A flat parameter's full buffer: its bytes given back to gather into and
-/// freed again, the module's parameter tensors staying views of its storage.
+/// A flat parameter's full buffer: the parameters laid out flat (full,
+/// padded), its bytes given back to gather into and freed again, the
+/// module's parameter tensors staying views of its storage.
 class FullBuffer {
  public:
-  explicit FullBuffer(FlatParam& flat) : flat_(flat) {}
+  /// `persistent`: never freed (ZeRO-1/2); the shard is then a view of this
+  /// rank's slice of it.
+  FullBuffer(FlatParam& flat, bool persistent) : flat_(flat), persistent_(persistent) {}
   FullBuffer(const FullBuffer&) = delete;
   FullBuffer& operator=(const FullBuffer&) = delete;
 
+  /// The buffer, as it is now (its data freed while not gathered).
+  at::Tensor& tensor() { return full_; }
+  /// Its (and the module parameters') dtype: the compute dtype.
+  at::ScalarType dtype() const { return full_.scalar_type(); }
+  bool persistent() const { return persistent_; }
   bool gathered() const { return gathered_; }
-  /// Gives `full` its bytes back (contents undefined until filled).
+  /// Gives the buffer its bytes back (contents undefined until filled).
   void alloc();
-  /// Frees `full`'s bytes; the parameters stay views of its storage, whose
+  /// Frees its bytes; the parameters stay views of its storage, whose
   /// data, if touched, throws the access error (see freed_access_is_an_error).
   /// `abandon`: a collective that failed (timed out) may still write into
   /// them, so they are let go of without being freed (leaked for good).
@@ -40,12 +48,14 @@ class FullBuffer {
  private:
   friend class FlatParam;
   FlatParam& flat_;
+  at::Tensor full_;
   std::string access_error_;
+  bool persistent_;
   bool gathered_ = false;
 };
 
 /// A flat parameter's gradients: the padded full-size staging buffer a
-/// backward fills, and the reduced gradient shard (under ZeRO-1 a view of
+/// backward fills (in the reduce dtype), and the reduced gradient shard (under ZeRO-1 a view of
 /// the whole gradient) the optimizer reads.
 class FlatGrads {
  public:
@@ -82,6 +92,7 @@ class FlatGrads {
 
   FlatParam& flat_;
   at::Tensor shard_grad_, staging_, full_grad_;
+  at::ScalarType reduce_dtype_;  // the staging buffer's: gradients are reduced in it
 };
 
 /// CPU offload of a flat parameter: the shard (the master) in host memory,
@@ -123,6 +134,9 @@ class HostShard {
 
  private:
   friend class FlatParam;
+  /// Where the shard's bytes are counted.
+  Mem shard_category() const { return offloaded_ ? Mem::HostParams : Mem::ShardedParams; }
+
   FlatParam& flat_;
   at::Tensor low_;            // bf16 copy of the shard (the master)
   int64_t low_version_ = -1;  // the shard's version when low_ last matched it; -1: stale
@@ -131,9 +145,9 @@ class HostShard {
 };
 
 /// One flat parameter of a unit: the module's own parameter tensors point into
-/// `full` (Tensor::set_ onto its storage); the storage's bytes are freed when
-/// sharded and reallocated in place when gathered (buffer()), so the
-/// parameter tensors, their autograd metadata and saved tensors keep their
+/// its full buffer (Tensor::set_ onto its storage); the storage's bytes are
+/// freed when sharded and reallocated in place when gathered (buffer()), so
+/// the parameter tensors, their autograd metadata and saved tensors keep their
 /// identity. Its gradients are grads(), its offloaded master host().
 class FlatParam {
  public:
@@ -154,25 +168,16 @@ class FlatParam {
   const std::vector<std::string>& names() const { return names_; }
   /// The master dtype: the shard's and the gradient shard's.
   at::ScalarType dtype() const { return dtype_; }
-  /// The full buffer's (and the module parameters') dtype.
-  at::ScalarType compute_dtype() const { return full_.scalar_type(); }
-  /// The staging buffer's dtype: gradients are reduced in it.
-  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   bool requires_grad() const { return requires_grad_; }
-  bool persistent() const { return persistent_; }
   /// Mixed precision: the full buffer and the module's parameters become
   /// `compute` (the parameters are re-pointed with set_data, so call this
   /// before any gradient accumulator exists); the shard stays the fp32
   /// master (a copy of its own if it was a view); gradients stage in `reduce`.
   void set_mixed_precision(at::ScalarType compute, at::ScalarType reduce);
-  /// The shard as the all-gather sends it: cast to the compute dtype.
-  at::Tensor gather_source() const;
 
-  /// The parameters laid out flat (full, padded), as they are now.
-  at::Tensor& full() { return full_; }
   /// This rank's shard (persistent).
   at::Tensor& shard() { return shard_; }
-  /// Copies this rank's part of `full` into the shard (after a user edit).
+  /// Copies this rank's part of the full buffer into the shard (after a user edit).
   void write_back_shard();
   FullBuffer& buffer() { return buffer_; }
   FlatGrads& grads() { return grads_; }
@@ -184,7 +189,6 @@ class FlatParam {
   friend class FullBuffer;
   friend class FlatGrads;
   friend class HostShard;
-  Mem shard_category() const { return host_.offloaded() ? Mem::HostParams : Mem::ShardedParams; }
 
   FlatParamLayout layout_;
   std::vector<at::Tensor> params_;
@@ -193,13 +197,11 @@ class FlatParam {
   bool requires_grad_;
   int rank_;
   MemoryTracker* mem_;
-  at::ScalarType reduce_dtype_;
-  at::Tensor full_, shard_;
-  bool persistent_ = false;
+  at::Tensor shard_;
   bool shard_is_view_ = false;
-  FullBuffer buffer_{*this};
-  FlatGrads grads_{*this};
-  HostShard host_{*this};
+  FullBuffer buffer_;
+  FlatGrads grads_;
+  HostShard host_;
 };
 
 namespace testing {

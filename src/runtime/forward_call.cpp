@@ -49,13 +49,13 @@ void Unit::abandon_forward() {
   // A prefetch launched in this forward (by this unit, or by one nested in
   // it that had finished) gathers for a forward that will not come: nobody
   // waits on a Gathering unit but its own pre-forward or pre-backward.
-  for (auto& u : owner_->units())
+  for (auto& u : owner_->units().all())
     if (u->gather().state() == ParamState::Gathering) u->gather().reshard();
   // The root's forward holds every other: none is computing now, and those
   // post-forward kept gathered for the backward (with prefetch, the last
   // block) wait for one that will not come.
   if (is_root_)
-    for (auto& u : owner_->units())
+    for (auto& u : owner_->units().all())
       if (u.get() != this && u->reshard_after_forward_) u->gather().reshard();
   if (reshard_after_forward_ || !c10::GradMode::is_enabled()) gather_.reshard();
 }

@@ -78,7 +78,7 @@ class ShardedReducer final : public GradientReducer {
   void finish_backward(bool sync) override;
   void discard() override { bucketer_.discard(); }
   int64_t reductions() const override { return reductions_; }
-  void use_hook(CommHook* hook, HookCounter* counter) override { bucketer_.hook().set(hook, counter); }
+  void use_hook(CommHook* hook, HookCounter* counter) override { bucketer_.launches().hook().set(hook, counter); }
   ReduceScatterBucketer& bucketer() { return bucketer_; }
   const ReduceScatterBucketer& bucketer() const { return bucketer_; }
 

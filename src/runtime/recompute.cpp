@@ -367,7 +367,7 @@ std::vector<at::Tensor> UnitBase::checkpointed_forward(std::vector<at::Tensor> i
   SHARDTORCH_CHECK(state, "shardtorch: forward through checkpointed unit '", checkpointing_->label,
                    "' after its sharded model was destroyed");
   auto previous = checkpointing_->last_pending.lock();
-  SHARDTORCH_CHECK(!previous || !*previous || state->pipeline().pipelined(),
+  SHARDTORCH_CHECK(!previous || !*previous || state->gathers().pipelined(),
                    detail::rank_prefix(state->world().global_rank()), ": checkpointed unit '", checkpointing_->label,
                    "' ran its forward again while the graph of its previous forward is alive and "
                    "not yet differentiated; its parameters would get two gradient accumulations in one backward. A "

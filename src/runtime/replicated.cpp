@@ -86,15 +86,15 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
                                             const torch::autograd::variable_list&) override {
     auto s = state_.lock();
     if (!s) return outputs;
-    ReplicatedPath& r = *s->replicated();
+    ReplicatedPath& r = *s->path().replicated();
     try {
       s->summons().refuse_backward("parameter", r.names()[index_]);
       failure_point("NoShard gradient hook");
       s->backward().ensure_end_of_backward_callback();
       s->backward().check_grad_arrival(r.params()[index_], r.names()[index_]);
       r.note_gradient(index_);
-      if (s->sync()) r.check_hooks_agree(s->world());  // before the first bucket can launch
-      r.bucketer().mark_ready(index_, s->sync());
+      if (s->backward().sync()) r.check_hooks_agree(s->world());  // before the first bucket can launch
+      r.bucketer().mark_ready(index_, s->backward().sync());
     } catch (...) {
       rethrow_naming(s->world().global_rank(),
                      [&] { return "the gradient hook of parameter '" + r.names()[index_] + "' (NoShard)"; });

@@ -19,12 +19,13 @@ at::Tensor ShardCopies::gather_input(FlatParam& f) {
                      "(overlap_with_backward): call opt->step() before the next forward, and let only the last "
                      "micro-batch's backward synchronize gradients (set_requires_gradient_sync)");
     if (f.host().low_copy_stale()) offloader_->wait_idle();  // no copy may still read the bf16 copy it remakes
-    return offloader_->to_device(f.host().upload_source(), f.compute_dtype());  // always a new tensor
+    return offloader_->to_device(f.host().upload_source(), f.buffer().dtype());  // always a new tensor
   }
-  at::Tensor src = f.gather_source();
+  const at::Tensor& full = f.buffer().tensor();
+  at::Tensor src = f.shard().scalar_type() == full.scalar_type() ? f.shard() : f.shard().to(full.scalar_type());
   // With the shard a view of a persistent full buffer, the input would alias the output.
   // (Compared by storage: Tensor::is_alias_of would read the freed buffer's data pointer.)
-  const bool alias = src.storage().unsafeGetStorageImpl() == f.full().storage().unsafeGetStorageImpl();
+  const bool alias = src.storage().unsafeGetStorageImpl() == full.storage().unsafeGetStorageImpl();
   return alias ? src.clone() : src;
 }
 

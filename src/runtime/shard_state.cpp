@@ -1,5 +1,5 @@
-// A sharded model's runtime state: what spans its parts (zero_grad, the
-// optimizer step's follow-up, summon_full_params scopes).
+// A sharded model's runtime state and its small parts: the summon_full_params
+// scopes, the units' gathers taken together, the model as its optimizers see it.
 #include "runtime/shard_state.h"
 #include "base/check.h"
 
@@ -11,23 +11,23 @@ ShardState::ShardState(std::shared_ptr<World> world, ShardOptions options)
     : options_(std::move(options)),
       topology_(std::move(world)),
       units_(topology_.world().global_rank()),
-      sharded_(topology_, options_.strategy(), copies_, options_.bucket_mb(), &mem_),
+      path_(topology_, options_.strategy(), copies_, options_.bucket_mb(), &mem_),
       order_(options_, backward_, units_),
       backward_(*this),
       copies_(topology_.world(), units_),
       summons_(topology_.world()),
-      pipeline_(units_) {}
+      gathers_(units_, topology_, copies_),
+      optimizer_(*this) {}
 
 ReplicatedPath& ShardState::enable_replicated() {
-  replicated_ = std::make_unique<ReplicatedPath>(topology_.world(), mem_, options_, weak_from_this());
-  return *replicated_;
+  return path_.set_replicated(std::make_unique<ReplicatedPath>(topology_.world(), mem_, options_, weak_from_this()));
 }
 
-void ShardState::release_held() {
-  for (auto& u : live_units()) u->gather().release();  // nothing for a unit not held
+void UnitGathers::release_held() {
+  for (auto& u : units_.live()) u->gather().release();  // nothing for a unit not held
 }
 
-void PipelineGather::gather_for_step() {
+void UnitGathers::gather_for_step() {
   if (step_gather_) return;
   auto all = units_.all();
   size_t pinned = 0;
@@ -45,7 +45,7 @@ void PipelineGather::gather_for_step() {
   step_gather_ = true;
 }
 
-void PipelineGather::release_step_gather() {
+void UnitGathers::release_step_gather() {
   if (!step_gather_) return;
   step_gather_ = false;
   for (auto& u : units_.live()) {
@@ -66,104 +66,106 @@ void SummonScopes::refuse_backward(const char* kind, const std::string& name) co
       "backward would count them twice); leave the scope before the backward, or summon without with_grads");
 }
 
-void ShardState::on_zero_grad() {
-  if (replicated_) replicated_->on_zero_grad();
-  backward_.recover_if_failed();  // reductions of a failed backward land before the zeroing
-  backward_.on_zero_grad();
-  backward_.gradients_changed();
-  if (!backward_.running()) order_.on_zero_grad();
-  zero_grad_listeners_.run();
+void SummonScopes::check_outside() const {
+  // Symmetric: every rank holds a FullParams for the scope, kept or not.
+  SHARDTORCH_CHECK(summons_ == 0, detail::rank_prefix(world_.global_rank()),
+                   ": an optimizer step or a checkpoint load inside a "
+                   "summon_full_params scope: the scope's full parameters would be stale (and written back over the "
+                   "new values on exit); leave the scope first");
 }
 
-void ShardState::zero_grads() {
+void UnitGathers::regather(Unit& u, FlatParam& f, const std::string& what) {
+  at::Tensor mine = copies_.gather_input(f);
+  if (auto* off = copies_.offloader()) off->current_waits_for_copies();  // gathered on the compute stream
+  topology_.shard_comm().all_gather_into(f.buffer().tensor(), mine, what + " of unit '" + u.label() + "'");
+}
+
+void UnitGathers::regather_unsharded() {
+  c10::NoGradGuard no_grad;
+  for (auto& u : units_.all())
+    if (u->gather().state() == ParamState::Unsharded)
+      for (auto& f : u->flats()) regather(*u, *f, "parameters after summon_full_params");
+}
+
+void OptimizerSide::on_zero_grad() {
+  if (auto* replicated = model_.path().replicated()) replicated->on_zero_grad();
+  BackwardTracker& backward = model_.backward();
+  backward.recover_if_failed();  // reductions of a failed backward land before the zeroing
+  backward.on_zero_grad();
+  backward.gradients_changed();
+  if (!backward.running()) model_.order().on_zero_grad();
+  for (auto& [id, f] : listeners_) f();
+}
+
+void OptimizerSide::zero_grads() {
   on_zero_grad();
-  if (replicated_) {
-    replicated_->zero_grads();
+  if (auto* replicated = model_.path().replicated()) {
+    replicated->zero_grads();
     return;
   }
-  for (auto& u : units())
+  for (auto& u : model_.units().all())
     for (auto& f : u->flats()) f->grads().zero_grad();
 }
 
-void ShardState::check_requires_grad_unchanged() const {
+void OptimizerSide::check_requires_grad_unchanged() const {
   // Flat parameters, hooks and the optimizer's pieces were fixed by shard():
   // a parameter unfrozen since would never have its gradient reduced nor be
   // stepped, and one frozen since would still be stepped. Said, not silent.
   auto check = [&](const at::Tensor& p, bool was, const std::string& name) {
-    SHARDTORCH_CHECK(p.requires_grad() == was, detail::rank_prefix(topology_.world().global_rank()), ": parameter '",
-                     name, "' was ", was ? "trainable" : "frozen", " at shard() and is ", was ? "frozen" : "trainable",
+    SHARDTORCH_CHECK(p.requires_grad() == was, detail::rank_prefix(model_.world().global_rank()), ": parameter '", name,
+                     "' was ", was ? "trainable" : "frozen", " at shard() and is ", was ? "frozen" : "trainable",
                      " now; which parameters train is fixed when the model is sharded (its flat parameters, gradient "
                      "hooks and optimizer pieces follow it). Set requires_grad before shard(), or shard a new model "
                      "(load_full_state_dict carries the weights) to change it");
   };
-  if (replicated_)
-    for (size_t i = 0; i < replicated_->params().size(); ++i)
-      check(replicated_->params()[i], true, replicated_->names()[i]);
-  for (const auto& u : live_units()) {
+  if (const auto* replicated = model_.path().replicated())
+    for (size_t i = 0; i < replicated->params().size(); ++i)
+      check(replicated->params()[i], true, replicated->names()[i]);
+  for (const auto& u : model_.units().live()) {
     for (const auto& f : u->flats())
       for (size_t i = 0; i < f->params().size(); ++i) check(f->params()[i], f->requires_grad(), f->names()[i]);
   }
 }
 
-void ShardState::check_outside_summon() const {
-  // Symmetric: every rank holds a FullParams for the scope, kept or not.
-  SHARDTORCH_CHECK(
-      !summons_.any(), detail::rank_prefix(topology_.world().global_rank()),
-      ": an optimizer step or a checkpoint load inside a "
-      "summon_full_params scope: the scope's full parameters would be stale (and written back over the new "
-      "values on exit); leave the scope first");
-}
-
-void ShardState::after_optimizer_step() {
-  world().note_step_done();
+void OptimizerSide::after_optimizer_step() {
+  model_.world().note_step_done();
   after_shards_replaced();
 }
 
-void ShardState::after_shards_replaced() {
-  check_outside_summon();
-  release_held();  // the step makes the full copies a graph-building backward held stale
-  if (replicated_) {
-    replicated_->after_optimizer_step();
+void OptimizerSide::after_shards_replaced() {
+  model_.summons().check_outside();
+  UnitGathers& gathers = model_.gathers();
+  gathers.release_held();  // the step makes the full copies a graph-building backward held stale
+  if (auto* replicated = model_.path().replicated()) {
+    replicated->after_optimizer_step();
     return;
   }
-  for (auto& u : units()) {
+  for (auto& u : model_.units().all()) {
     for (auto& f : u->flats())
-      if (f->persistent()) regather(*u, *f, "updated parameters");
+      if (f->buffer().persistent()) gathers.regather(*u, *f, "updated parameters");
     u->gather().reshard();  // non-persistent full copies are stale now
   }
 }
 
-void ShardState::regather(Unit& u, FlatParam& f, const std::string& what) {
-  at::Tensor mine = copies_.gather_input(f);
-  if (auto* off = copies_.offloader()) off->current_waits_for_copies();  // gathered on the compute stream
-  topology_.shard_comm().all_gather_into(f.full(), mine, what + " of unit '" + u.label() + "'");
-}
-
-void ShardState::regather_unsharded() {
-  c10::NoGradGuard no_grad;
-  for (auto& u : units())
-    if (u->gather().state() == ParamState::Unsharded)
-      for (auto& f : u->flats()) regather(*u, *f, "parameters after summon_full_params");
-}
-
-std::vector<at::Tensor> ShardState::local_gradients(bool& partial) {
-  backward_.check_finished("reading the gradients (clip_grad_norm, GradScaler)");
-  const auto* listener = copies_.gradient_listener();
+std::vector<at::Tensor> OptimizerSide::local_gradients(bool& partial) {
+  model_.backward().check_finished("reading the gradients (clip_grad_norm, GradScaler)");
+  const auto* listener = model_.copies().gradient_listener();
   SHARDTORCH_CHECK(
-      !listener || !listener->any_stepped(), detail::rank_prefix(world().global_rank()),
+      !listener || !listener->any_stepped(), detail::rank_prefix(model_.world().global_rank()),
       ": clip_grad_norm or "
       "GradScaler after a backward during which the optimizer already stepped (overlap_with_backward): the "
       "update used the unclipped, unscaled gradients. Turn the overlap off to clip or scale gradients");
   // The strategy is the same everywhere: decide on it, not on what this rank
   // happens to hold, so that every rank communicates or none does.
-  partial = strategy() != Strategy::NoShard && strategy() != Strategy::OptimizerOnly;
+  const Strategy strategy = model_.options().strategy();
+  partial = strategy != Strategy::NoShard && strategy != Strategy::OptimizerOnly;
   std::vector<at::Tensor> grads;
-  if (replicated_) {
-    for (const auto& p : replicated_->optimized())
+  if (auto* replicated = model_.path().replicated()) {
+    for (const auto& p : replicated->optimized())
       if (p.grad().defined()) grads.push_back(p.grad());
     return grads;
   }
-  for (auto& u : units()) {
+  for (auto& u : model_.units().all()) {
     for (auto& f : u->flats()) {
       if (f->grads().full_grad().defined()) {
         grads.push_back(f->grads().full_grad());  // OptimizerOnly: whole and identical on every rank

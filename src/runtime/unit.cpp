@@ -72,7 +72,7 @@ void UnitGather::unshard_async() {
     owner.copies().launch_gathers([&] {
       for (size_t i = 0; i < flats.size(); ++i)
         gathers_.push_back(owner.topology().shard_comm().all_gather_async(
-            flats[i]->full(), gather_inputs_[i],
+            flats[i]->buffer().tensor(), gather_inputs_[i],
             "parameters of unit '" + unit_.label() + "' (" + flats[i]->describe() + ")"));
     });
   } catch (...) {
@@ -109,7 +109,7 @@ void UnitGather::unshard() {
 }
 
 void UnitGather::free_full(size_t wait_from, size_t failed) {
-  // gathers_[i] fills flats[i]->full(). Memory a collective that failed may
+  // gathers_[i] fills flats[i]->buffer().tensor(). Memory a collective that failed may
   // still write into is never freed (FullBuffer::free's abandon).
   auto& flats = unit_.flats();
   std::vector<bool> abandon(flats.size(), false);
@@ -227,10 +227,10 @@ void Unit::reduce_grads(bool reshard_now) {
   // Without sync (accumulation) the staged gradients wait for a synchronising
   // backward, which reduces the units holding some: every rank's unit that
   // took part holds them, zeros where no gradient of it arrived.
-  if (!owner_->sync() && was_reached)
+  if (!owner_->backward().sync() && was_reached)
     for (auto& f : flats_)
       if (f->requires_grad()) f->grads().staging_grad();
-  if (owner_->sync()) {
+  if (owner_->backward().sync()) {
     owner_->order().issue_reductions();  // this unit, if its turn has come, and those that waited for it
     if (!grads_.issued()) owner_->order().count_deferred_reduction();
   }
@@ -244,7 +244,7 @@ void Unit::issue_reduction() {
   // A reduction that throws (a timed-out collective) leaves the parameters
   // where they were: the failed backward's cleanup releases the unit.
   for (auto& f : flats_)
-    if (f->requires_grad()) owner_->sharded_reducer().reduce(*f, label());
+    if (f->requires_grad()) owner_->path().sharded().reduce(*f, label());
 }
 
 namespace {

@@ -34,15 +34,15 @@ void UnitBase::zero_shard_grads(torch::nn::Module& self) {
   // cleared: each module clears those of its parameters, the root every
   // bucket (and the masters' gradients), as the optimizer's zero_grad does.
   auto state = unit_ ? unit_->owner().shared_from_this() : no_shard_state_.lock();
-  if (!state) return;                  // not sharded yet
-  if (state->replicated() && unit_) {  // NoShard's root unit (the only unit NoShard makes)
-    state->zero_grads();
+  if (!state) return;                         // not sharded yet
+  if (state->path().replicated() && unit_) {  // NoShard's root unit (the only unit NoShard makes)
+    state->optimizer().zero_grads();
     return;
   }
-  state->on_zero_grad();
+  state->optimizer().on_zero_grad();
   if (unit_)
     for (auto& f : unit_->flats()) f->grads().zero_grad();
-  else if (auto* replicated = state->replicated())
+  else if (auto* replicated = state->path().replicated())
     replicated->bucketer().zero_grads_of(self.parameters());  // plain modules inside have no hook of their own
 }
 

@@ -45,14 +45,14 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
 }
 
 void FullParams::gather_all(bool keep) {
-  if (options_.with_grads() && keep && state_->replicated()) {
+  if (options_.with_grads() && keep && state_->path().replicated()) {
     // NoShard: the gradients are bucket views, or under mixed precision with
     // another reduce dtype the fp32 masters hold them. The parameters get a
     // copy in their dtype either way, as under the sharded strategies: an
     // edit in the scope (or autograd's accumulation, before the refusal of a
     // backward there) must not reach the buckets. The views come back on exit.
-    const auto& params = state_->replicated()->params();
-    const auto& masters = state_->replicated()->masters().all();
+    const auto& params = state_->path().replicated()->params();
+    const auto& masters = state_->path().replicated()->masters().all();
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor p = params[i];
       const bool own = p.grad().defined();
@@ -63,11 +63,11 @@ void FullParams::gather_all(bool keep) {
       grads_set_.push_back(p);
     }
   }
-  for (auto& u : state_->units()) {
+  for (auto& u : state_->units().all()) {
     bool was_sharded = u->gather().state() == detail::ParamState::Sharded;
     if (!was_sharded && !writeback_)
       for (auto& f : u->flats())
-        if (f->shard().storage().unsafeGetStorageImpl() == f->full().storage().unsafeGetStorageImpl())
+        if (f->shard().storage().unsafeGetStorageImpl() == f->buffer().tensor().storage().unsafeGetStorageImpl())
           restore_.emplace_back(f->shard(), f->shard().clone());
     u->gather().unshard();
     if (keep) {
@@ -131,7 +131,7 @@ FullParams::~FullParams() {
     // discarded (as where the scope frees what it gathered), and after a
     // writeback every rank computes with the same values (each wrote back
     // only its own slice of its own edit).
-    state_->regather_unsharded();
+    state_->gathers().regather_unsharded();
   } catch (const std::exception& e) {
     SHARDTORCH_WARN("shardtorch: freeing or regathering summoned parameters failed: ", e.what());
   }
@@ -147,17 +147,19 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
   auto put = [&](const at::Tensor& param, const at::Tensor& value) {
     for (const auto& n : names[param.unsafeGetTensorImpl()]) out[n] = value;
   };
-  if (state->replicated()) {
+  if (state->path().replicated()) {
     if (!keep) return out;
-    for (const auto& item : root.named_parameters()) out[item.key()] = state->record_of(item.value()).detach().clone();
+    for (const auto& item : root.named_parameters())
+      out[item.key()] = state->path().record_of(item.value()).detach().clone();
     return out;
   }
   int64_t bytes = 0;
-  for (auto& u : state->units())
+  for (auto& u : state->units().all())
     for (auto& f : u->flats())
       bytes += f->layout().padded_numel() * static_cast<int64_t>(c10::elementSize(f->shard().scalar_type()));
-  detail::ProgressReporter progress("full_parameters", "units", static_cast<int64_t>(state->units().size()), bytes);
-  for (auto& u : state->units()) {
+  detail::ProgressReporter progress("full_parameters", "units", static_cast<int64_t>(state->units().all().size()),
+                                    bytes);
+  for (auto& u : state->units().all()) {
     int64_t unit_bytes = 0;
     for (auto& f : u->flats()) {
       unit_bytes += f->layout().padded_numel() * static_cast<int64_t>(c10::elementSize(f->shard().scalar_type()));

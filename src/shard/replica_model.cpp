@@ -13,10 +13,10 @@ const ShardOptions& ReplicaModel::options() const { return state_->options(); }
 
 std::vector<at::Tensor> ReplicaModel::state_tensors() const {
   std::vector<at::Tensor> out;
-  if (state_->replicated()) {
-    for (const auto& p : state_->replicated()->params()) out.push_back(state_->record_of(p));
+  if (state_->path().replicated()) {
+    for (const auto& p : state_->path().replicated()->params()) out.push_back(state_->path().record_of(p));
   } else {
-    for (auto& u : state_->units())
+    for (auto& u : state_->units().all())
       for (auto& f : u->flats()) out.push_back(f->shard());
   }
   for (const auto& b : root_.buffers())
@@ -26,12 +26,12 @@ std::vector<at::Tensor> ReplicaModel::state_tensors() const {
 
 void ReplicaModel::replace_begin() { state_->copies().wait_for_offload_copies(); }
 
-void ReplicaModel::replace_end() { state_->after_shards_replaced(); }
+void ReplicaModel::replace_end() { state_->optimizer().after_shards_replaced(); }
 
 bool ReplicaModel::optimizer_steps_in_backward() const { return state_->copies().gradient_listener() != nullptr; }
 
 void ReplicaModel::unregister_comm_hook(const c10d::CommHookInterface* hook) {
-  if (hook && state_->reducer().comm_hook() == hook) state_->reducer().set_comm_hook(nullptr);
+  if (hook && state_->path().reducer().comm_hook() == hook) state_->path().reducer().set_comm_hook(nullptr);
 }
 
 }  // namespace shardtorch::detail

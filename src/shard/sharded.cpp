@@ -445,7 +445,7 @@ void shard_replicated(torch::nn::Module& root, World& world, ModelWalk& found, c
   if (auto* base = dynamic_cast<UnitBase*>(&root)) {
     auto unit = std::make_shared<detail::Unit>(state, "", /*is_root=*/true, false, /*persistent=*/true);
     unit->gather().mark_persistent_gathered();
-    state->add_unit(unit);
+    state->units().add(unit);
     detail::ShardState::attach(*base, unit);
   }
   for (const auto& u : found.units) detail::ShardState::attach_no_shard(*u.base, state);
@@ -488,7 +488,7 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
       auto flat = std::make_unique<FlatParam>(std::move(ts), std::move(names), shard_size, shard_comm.rank(),
                                               &state->mem(), persistent, comm_device);
       if (options.sync_module_states() && world.size() > 1) {
-        world.comm().broadcast(flat->full(), 0, "parameters of unit '" + unit->label() + "' at shard()");
+        world.comm().broadcast(flat->buffer().tensor(), 0, "parameters of unit '" + unit->label() + "' at shard()");
         flat->write_back_shard();
       }
       if (mp.param_dtype() && at::isFloatingType(dtype) && !kept) {
@@ -501,7 +501,7 @@ std::vector<std::shared_ptr<detail::Unit>> make_units(World& world, const ModelW
     }
     if (persistent) unit->gather().mark_persistent_gathered();
     unit->register_grad_hooks();
-    state->add_unit(unit);
+    state->units().add(unit);
     made.push_back(unit);
     progress.advance(1, unit_bytes[u]);
   }
@@ -600,38 +600,39 @@ const char* strategy_name(Strategy s) {
 }
 
 const World& ShardedModel::world() const { return state_->world(); }
-Strategy ShardedModel::strategy() const { return state_->strategy(); }
-void ShardedModel::set_requires_gradient_sync(bool sync) { state_->set_sync(sync); }
-bool ShardedModel::requires_gradient_sync() const { return state_->sync(); }
-ShardedModel::NoSync::NoSync(std::shared_ptr<detail::ShardState> s) : state_(std::move(s)), previous_(state_->sync()) {
-  state_->set_sync(false);
+Strategy ShardedModel::strategy() const { return state_->options().strategy(); }
+void ShardedModel::set_requires_gradient_sync(bool sync) { state_->backward().set_sync(sync); }
+bool ShardedModel::requires_gradient_sync() const { return state_->backward().sync(); }
+ShardedModel::NoSync::NoSync(std::shared_ptr<detail::ShardState> s)
+    : state_(std::move(s)), previous_(state_->backward().sync()) {
+  state_->backward().set_sync(false);
 }
 ShardedModel::NoSync::~NoSync() {
-  if (state_) state_->set_sync(previous_);
+  if (state_) state_->backward().set_sync(previous_);
 }
 ShardedModel::NoSync ShardedModel::no_sync() { return NoSync(state_); }
 ShardStats ShardedModel::stats() const {
   ShardStats s;
-  s.gradient_reductions = state_->reducer().reductions();
+  s.gradient_reductions = state_->path().reducer().reductions();
   s.reductions_deferred = state_->order().reductions_deferred();
-  s.reduce_scatters_overlapped = state_->sharded_reducer().bucketer().counts().while_in_flight;
-  s.reduce_scatters_past_the_limit = state_->sharded_reducer().bucketer().counts().past_limit;
+  s.reduce_scatters_overlapped = state_->path().sharded().bucketer().launches().counts().while_in_flight;
+  s.reduce_scatters_past_the_limit = state_->path().sharded().bucketer().launches().counts().past_limit;
   s.buckets_launched_during_backward =
-      state_->replicated() ? state_->replicated()->bucketer().launched_during_backward() : 0;
+      state_->path().replicated() ? state_->path().replicated()->bucketer().launched_during_backward() : 0;
   if (const auto* off = state_->copies().offloader()) s.offload = {off->bytes_to_device(), off->bytes_to_host()};
   return s;
 }
 void ShardedModel::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
   const int rank = state_->world().global_rank();
   SHARDTORCH_CHECK(hook, detail::rank_prefix(rank), ": register_comm_hook: the hook is null");
-  SHARDTORCH_CHECK(!state_->reducer().comm_hook(), detail::rank_prefix(rank),
+  SHARDTORCH_CHECK(!state_->path().reducer().comm_hook(), detail::rank_prefix(rank),
                    ": register_comm_hook: this model has a communication hook already (one per model, as under DDP)");
   state_->backward().check_finished("register_comm_hook");
-  state_->reducer().set_comm_hook(std::move(hook));
+  state_->path().reducer().set_comm_hook(std::move(hook));
 }
 
 c10::intrusive_ptr<c10d::Backend> ShardedModel::comm_hook_group() const {
-  switch (state_->strategy()) {
+  switch (state_->options().strategy()) {
     case Strategy::NoShard:
       return state_->world().comm().backend();
     case Strategy::HybridShard: {
@@ -647,14 +648,14 @@ MemorySnapshot ShardedModel::memory() const { return state_->mem().snapshot(); }
 void ShardedModel::reset_peak_memory() { state_->mem().reset_peaks(); }
 CommStats ShardedModel::comm_stats() const {
   CommStats stats = state_->topology().stats();
-  stats.comm_hook = state_->reducer().hook_stats();
+  stats.comm_hook = state_->path().reducer().hook_stats();
   return stats;
 }
 
 std::vector<UnitInfo> ShardedModel::units() const {
   std::vector<UnitInfo> out;
-  if (state_->replicated()) return out;  // NoShard has no units
-  for (auto& u : state_->units()) {
+  if (state_->path().replicated()) return out;  // NoShard has no units
+  for (auto& u : state_->units().all()) {
     UnitInfo info;
     info.name = u->name();
     for (auto& f : u->flats()) {
