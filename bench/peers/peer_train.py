@@ -153,6 +153,46 @@ def percentile(xs, q):
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def run_report(impl, a, world, rank, n_params, losses, step_ms, phases, replicas, baseline_rss,
+               dtype="float32", config=None):
+    """The keys every PyTorch peer's report shares with gpt_bench's: the run,
+    its config (plus `config`), the losses, step times and phases, tokens per
+    second over the `replicas` that each read a.batch rows a step, memory."""
+    mean_s = statistics.fmean(step_ms) / 1e3 if step_ms else float("nan")
+    return {
+        "impl": impl,
+        "world": world,
+        "rank": rank,
+        "config": {
+            "vocab": a.vocab, "seq_len": a.seq, "d_model": a.d_model, "n_head": a.heads,
+            "n_layer": a.layers, "batch": a.batch, "dtype": dtype, **(config or {}),
+        },
+        "params": n_params,
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "losses": losses,
+        "step_ms": step_ms,
+        "p50_ms": percentile(step_ms, 50),
+        "p95_ms": percentile(step_ms, 95),
+        "phase_p50_ms": {k: percentile(v, 50) for k, v in phases.items()},
+        "tokens_per_s": replicas * a.batch * a.seq / mean_s,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "baseline_rss_bytes": baseline_rss,
+        "threads": a.threads,
+        "fused_adam": a.fused_adam,
+        "torch": torch.__version__,
+    }
+
+
+def write_report(prefix, rank, report):
+    """PREFIX.rank{rank}.json, as gpt_bench --report writes it; nothing without a prefix."""
+    if not prefix:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    with open(f"{prefix}.rank{rank}.json", "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def wrap(model, a, world, device):
     if a.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -237,44 +277,20 @@ def train(a):
         losses.append(mean.item() / world)
 
     state_bytes, state_tensor_bytes, parts = model_state_bytes(model, opt)
-    mean_s = statistics.fmean(step_ms) / 1e3 if step_ms else float("nan")
-    report = {
-        "impl": a.mode,
-        "world": world,
-        "rank": rank,
-        "config": {
-            "vocab": a.vocab, "seq_len": a.seq, "d_model": a.d_model, "n_head": a.heads,
-            "n_layer": a.layers, "batch": a.batch, "dtype": "bfloat16" if a.bf16 else "float32",
-        },
-        "params": n_params,
-        "warmup": a.warmup,
-        "steps": a.steps,
-        "losses": losses,
-        "step_ms": step_ms,
-        "p50_ms": percentile(step_ms, 50),
-        "p95_ms": percentile(step_ms, 95),
-        "phase_p50_ms": {k: percentile(v, 50) for k, v in phases.items()},
-        "tokens_per_s": world * a.batch * a.seq / mean_s,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    report = run_report(a.mode, a, world, rank, n_params, losses, step_ms, phases, world, baseline_rss,
+                        dtype="bfloat16" if a.bf16 else "float32")
+    report.update({
         "model_state_bytes": state_bytes,
         # extras (not in the C++ report): the breakdown, tensor sizes without
-        # shard padding / shared storage, and RSS before the model existed
+        # shard padding / shared storage
         "model_state_tensor_bytes": state_tensor_bytes,
         "model_state_parts": parts,
-        "baseline_rss_bytes": baseline_rss,
         "comm_buffer_bytes": comm_buffer_bytes(model, a.mode),
-        "threads": a.threads,
         "device": str(device),
         "device_peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else 0,
         "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else 0,
-        "fused_adam": a.fused_adam,
-        "torch": torch.__version__,
-    }
-    if a.report:
-        d = os.path.dirname(os.path.abspath(a.report))
-        os.makedirs(d, exist_ok=True)
-        with open(f"{a.report}.rank{rank}.json", "w") as f:
-            json.dump(report, f, indent=1)
+    })
+    write_report(a.report, rank, report)
     if rank == 0:
         print(f"peer_train {a.mode} world={world} params={n_params} p50={report['p50_ms']:.2f} ms "
               f"tokens/s={report['tokens_per_s']:.0f} loss[0]={losses[0]:.6f} loss[-1]={losses[-1]:.6f} "

@@ -54,10 +54,7 @@ all-reduce), "optimizer", and this rank's compute inside the schedule:
 "forward" (stage forwards and the loss) and "backward" (stage backwards), so
 "idle" = pipeline - forward - backward (the bubble plus transfers)."""
 import argparse
-import json
 import os
-import resource
-import statistics
 import sys
 import time
 
@@ -69,7 +66,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from gpt_model import GPT, TiedHead, add_run_args, batch_tokens, lm_loss  # noqa: E402
-from peer_train import StateBytes, current_rss_bytes, percentile  # noqa: E402
+from peer_train import StateBytes, current_rss_bytes, percentile, run_report, write_report  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -513,49 +510,26 @@ def main():
         for t in tensors:
             acc.add(t)
         parts[name] = acc.storage - before
-    mean_s = statistics.fmean(step_ms) / 1e3 if step_ms else float("nan")
-    report = {
-        "impl": "torch_pipeline",
-        "world": world,
-        "rank": rank,
-        "config": {
-            "vocab": a.vocab, "seq_len": a.seq, "d_model": a.d_model, "n_head": a.heads,
-            "n_layer": a.layers, "batch": a.batch, "dtype": "float32",
-            "pp": a.pp, "dp": dp, "schedule": a.schedule, "microbatches": a.microbatches, "chunks": a.chunks,
-            "dp_mode": a.dp_mode if dp > 1 else None, "split_at": a.split_at, "lr": a.lr,
-        },
+    # every pipeline's batch: dp x batch rows per step
+    report = run_report("torch_pipeline", a, world, rank, n_params, losses, step_ms, phases, dp, baseline_rss, config={
+        "pp": a.pp, "dp": dp, "schedule": a.schedule, "microbatches": a.microbatches, "chunks": a.chunks,
+        "dp_mode": a.dp_mode if dp > 1 else None, "split_at": a.split_at, "lr": a.lr,
+    })
+    report.update({
         "stages": [{"stage": s, "pipeline_rank": s % a.pp, "layers": ls} for s, ls in enumerate(layers)],
         "pipeline_rank": pp_rank,
         "dp_rank": dp_rank,
         "my_stages": mine,
-        "params": n_params,
         "stage_params": stage_params,
         "tied_copies_max_diff": tied_diff(tied, tie_group),
         "grad_check": grad_check,
-        "warmup": a.warmup,
-        "steps": a.steps,
-        "losses": losses,
-        "step_ms": step_ms,
-        "p50_ms": percentile(step_ms, 50),
-        "p95_ms": percentile(step_ms, 95),
-        "phase_p50_ms": {k: percentile(v, 50) for k, v in phases.items()},
         "idle_share_p50": percentile([i / p for i, p in zip(phases["idle"], phases["pipeline"]) if p > 0], 50),
-        # every pipeline's batch: dp x batch rows per step
-        "tokens_per_s": dp * a.batch * a.seq / mean_s,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "model_state_bytes": acc.storage,
         "model_state_tensor_bytes": acc.tensor,
         "model_state_parts": parts,
-        "baseline_rss_bytes": baseline_rss,
-        "threads": a.threads,
         "device": str(device),
-        "fused_adam": a.fused_adam,
-        "torch": torch.__version__,
-    }
-    if a.report:
-        os.makedirs(os.path.dirname(os.path.abspath(a.report)), exist_ok=True)
-        with open(f"{a.report}.rank{rank}.json", "w") as f:
-            json.dump(report, f, indent=1)
+    })
+    write_report(a.report, rank, report)
     if rank == 0:
         ph = report["phase_p50_ms"]
         print(f"torch_pipeline {a.schedule} world={world} pp={a.pp} dp={dp} params={n_params} "

@@ -47,10 +47,7 @@ Report (rank r writes PREFIX.rank{r}.json): peer_train.py's keys (impl
 "torch_tp", losses: the mean over dp replicas of each step's loss, step_ms,
 p50/p95, phases) plus the mesh's shape."""
 import argparse
-import json
 import os
-import resource
-import statistics
 import sys
 import time
 
@@ -62,7 +59,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gpt_model import GPT, Block, add_run_args, batch_tokens, count_params  # noqa: E402
-from peer_train import current_rss_bytes, load_init, percentile  # noqa: E402
+from peer_train import current_rss_bytes, load_init, percentile, run_report, write_report  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -205,38 +202,10 @@ def train(a):
             dist.all_reduce(mean, group=dp_group)
         losses.append(mean.item() / dp)
 
-    mean_s = statistics.fmean(step_ms) / 1e3 if step_ms else float("nan")
-    report = {
-        "impl": "torch_tp",
-        "world": world,
-        "rank": rank,
-        "tp": a.tp,
-        "dp": dp,
-        "sequence_parallel": a.sequence_parallel,
-        "dp_mode": "fsdp2" if dp > 1 else None,
-        "config": {
-            "vocab": a.vocab, "seq_len": a.seq, "d_model": a.d_model, "n_head": a.heads,
-            "n_layer": a.layers, "batch": a.batch, "dtype": "float32",
-        },
-        "params": n_params,
-        "warmup": a.warmup,
-        "steps": a.steps,
-        "losses": losses,
-        "step_ms": step_ms,
-        "p50_ms": percentile(step_ms, 50),
-        "p95_ms": percentile(step_ms, 95),
-        "phase_p50_ms": {k: percentile(v, 50) for k, v in phases.items()},
-        "tokens_per_s": dp * a.batch * a.seq / mean_s,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "baseline_rss_bytes": baseline_rss,
-        "threads": a.threads,
-        "fused_adam": a.fused_adam,
-        "torch": torch.__version__,
-    }
-    if a.report:
-        os.makedirs(os.path.dirname(os.path.abspath(a.report)), exist_ok=True)
-        with open(f"{a.report}.rank{rank}.json", "w") as f:
-            json.dump(report, f, indent=1)
+    report = run_report("torch_tp", a, world, rank, n_params, losses, step_ms, phases, dp, baseline_rss)
+    report.update({"tp": a.tp, "dp": dp, "sequence_parallel": a.sequence_parallel,
+                   "dp_mode": "fsdp2" if dp > 1 else None})
+    write_report(a.report, rank, report)
     if rank == 0:
         print(f"torch_tp dp {dp} x tp {a.tp}{' sp' if a.sequence_parallel else ''} params={n_params} "
               f"p50={report['p50_ms']:.2f} ms loss[0]={losses[0]:.6f} loss[-1]={losses[-1]:.6f}")
