@@ -29,12 +29,36 @@ says() {  # NAME TEXT: the run's log has a line with TEXT
 if [ "$set" = full_shard ]; then
   s=full_shard
   run "oracle-$s" --strategy $s --steps 10
-  # K = 1: killed in the forward of step 4, then in the backward of step 7
-  # (between the units' reduce-scatters): each time the step before.
-  run k1 --strategy $s --steps 10 --every 1 --dir "$tmp/k1" --kill "0:1@4:forward,1:2@7:backward"
+  # K = 1: killed in the forward of step 4, then in the backward of step 7,
+  # inside a reduce-scatter (the step's second, posted, not yet complete on
+  # the other ranks): each time the step before.
+  run k1 --strategy $s --steps 10 --every 1 --dir "$tmp/k1" --kill "0:1@4:forward,1:2@7:reduce-scatter"
+  says k1 "killed at step 7 (reduce-scatter)"
   says k1 "restored step 3 from memory"
   says k1 "restored step 6 from memory"
   same $s k1
+  # The same kill without torchrun (which stops the other workers at once):
+  # the others fail at once with the collective's error, naming the rank
+  # that died, instead of waiting for their collectives' timeout (300 s).
+  port=$("$(dirname "$torchrun")/python3" -c \
+    'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  pids=()
+  for r in 0 1 2 3; do
+    RANK=$r LOCAL_RANK=$r WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      timeout 60 "$bin" --strategy $s --steps 10 --every 1 --dir "$tmp/alone" --kill "0:2@4:reduce-scatter" \
+      > "$tmp/alone$r.log" 2>&1 &
+    pids+=($!)
+  done
+  for r in 0 1 2 3; do
+    code=0
+    wait "${pids[$r]}" || code=$?
+    want=1 text="rank $r failed: shardtorch: rank $r/4: "
+    [ $r = 2 ] && want=137 text="killed at step 4 (reduce-scatter)"
+    { [ $code = $want ] && grep -qF -- "$text" "$tmp/alone$r.log" &&
+      { [ $r = 2 ] || grep -qF "Peer at fault: rank 2 is no longer running" "$tmp/alone$r.log"; }; } ||
+      { echo "FAIL: alone: rank $r exited with $code (want $want, and '$text' said)"; cat "$tmp/alone$r.log"; exit 1; }
+  done
+  echo "ok: alone"
   # K = 4: killed before the optimizer step of step 7, then while writing
   # the snapshot of step 8: both times step 4.
   run k4 --strategy $s --steps 10 --every 4 --dir "$tmp/k4" --kill "0:3@7:optimizer,1:0@8:snapshot"

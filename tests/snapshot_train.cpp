@@ -6,8 +6,10 @@
 //
 // --kill "I:R@S:PHASE[:LOSS],...": in incarnation I (TORCHELASTIC_RESTART_COUNT),
 // rank R kills itself (SIGKILL) at step S, in PHASE: forward (before it),
-// backward (between the units' reductions), optimizer (before its step) or
-// snapshot (its file written, not yet in place). LOSS: "node" deletes the
+// backward (between the units' reductions), reduce-scatter (inside one: the
+// step's second reduce-scatter posted to the backend, not yet complete on
+// the other ranks, which fail with its error), optimizer (before its step)
+// or snapshot (its file written, not yet in place). LOSS: "node" deletes the
 // rank's own snapshots first (its node's memory is lost, its buddy's copy
 // remains); "pair" deletes those of the rank and of its buddy, and the copies
 // each keeps (both nodes lost: only the disk checkpoint remains); "damage"
@@ -18,7 +20,8 @@
 // incarnation and, as wall-clock epoch milliseconds, when a rank was killed,
 // when the first step after a restart ended and when step --report-step
 // ended after it. Without --dir, a restarted
-// run resumes from --checkpoint (the disk baseline).
+// run resumes from --checkpoint (the disk baseline). A rank that fails
+// prints "rank R failed: " and the error, and exits with 1.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -32,6 +35,7 @@
 #include <vector>
 
 #include "../examples/gpt.h"
+#include "../src/base/errors.h"
 #include "../src/base/files.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/shardtorch.h"
@@ -116,7 +120,7 @@ int64_t epoch_ms() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int train(int argc, char** argv, int& rank) {
   const std::string strategy = arg(argc, argv, "strategy", "full_shard");
   const int64_t steps = std::stoll(arg(argc, argv, "steps", "10"));
   const int every = std::stoi(arg(argc, argv, "every", "1"));
@@ -132,6 +136,7 @@ int main(int argc, char** argv) {
 
   const std::string model_kind = arg(argc, argv, "model", "mlp");
   auto world = shardtorch::World::from_env();
+  rank = world->rank();
   torch::manual_seed(0);
   Net net;
   gpt::Config cfg;
@@ -170,19 +175,23 @@ int main(int argc, char** argv) {
   so.job = "test";
   so.fallback_dir = ckpt;
   std::unique_ptr<shardtorch::Snapshots> snaps;
+  // Killed in step S once every rank has finished step S - 1: the ranks
+  // share this machine, so wait (at most 10 s) for every rank's newest
+  // snapshot to be in place; a rank still writing it would otherwise make
+  // the restore's step depend on the machine's load.
+  const auto wait_for_snapshots = [&] {
+    if (!snapshots || step < every) return;
+    const int64_t last = step - step % every;
+    for (int r = 0; r < world->size(); ++r)
+      for (int t = 0; t < 1000 && !shardtorch::files::exists(shardtorch::detail::own_snapshot_path(so, r, last)); ++t)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  };
   const auto die_at = [&](const std::string& phase) {
     // The step a phase belongs to: the one being done, or (a snapshot) the one just done.
     if (mine.phase != phase || (phase == "snapshot" ? step : step + 1) != mine.step) return;
-    // Killed in step S once every rank has finished step S - 1: the ranks
-    // share this machine, so wait (at most 10 s) for every rank's newest
-    // snapshot to be in place; a rank still writing it would otherwise make
-    // the restore's step depend on the machine's load.
-    if (snapshots && phase != "snapshot" && step >= every) {
-      const int64_t last = step - step % every;
-      for (int r = 0; r < world->size(); ++r)
-        for (int t = 0; t < 1000 && !shardtorch::files::exists(shardtorch::detail::own_snapshot_path(so, r, last)); ++t)
-          std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    // Inside a reduce-scatter no wait: the collective would complete meanwhile
+    // (the step waited at its start).
+    if (phase != "snapshot" && phase != "reduce-scatter") wait_for_snapshots();
     if (mine.loss == "damage") {  // the last byte of its newest snapshot flipped
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
       const std::string f = shardtorch::files::join(shardtorch::detail::own_snapshot_path(so, world->rank(), step),
@@ -221,10 +230,16 @@ int main(int argc, char** argv) {
   }
   if (world->rank() == 0)
     std::printf("incarnation %d: starts after step %lld\n", incarnation, static_cast<long long>(step));
+  int posted = 0;  // reduce-scatters posted in this step
+  shardtorch::detail::set_test_point_action([&](const char* site) {
+    if (std::string(site) == "reduce-scatter posted" && ++posted == 2) die_at("reduce-scatter");
+  });
   std::vector<double> times;
   const int64_t first = step;
   while (step < steps) {
     const auto t0 = std::chrono::steady_clock::now();
+    posted = 0;
+    if (mine.phase == "reduce-scatter" && step + 1 == mine.step) wait_for_snapshots();
     die_at("forward");
     opt->zero_grad();
     torch::Tensor loss;
@@ -262,5 +277,16 @@ int main(int argc, char** argv) {
     std::printf("bytes kept by rank 0: %lld\n", static_cast<long long>(snaps->bytes_kept()));
   if (snaps) snaps->finish();
   if (!out.empty()) shardtorch::save_full_state_dict(model, out);
+  shardtorch::detail::set_test_point_action({});
   return 0;
+}
+
+int main(int argc, char** argv) {
+  int rank = -1;
+  try {
+    return train(argc, argv, rank);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d failed: %s\n", rank, e.what());
+    return 1;
+  }
 }

@@ -18,8 +18,9 @@ torchrun=$(dirname "$0")/../../.venv/bin/torchrun
 bin=$build/tests/snapshot_train
 kill_at=$((steps - 5)) save_every=10
 tmp=$(mktemp -d)
+shm=$(mktemp -d /dev/shm/shardtorch-snapshot-bench.XXXXXX)  # the snapshots: node-local memory, as by default
 ck=$(mktemp -d /var/tmp/shardtorch-snapshot-bench.XXXXXX)
-trap 'rm -rf "$tmp" "$ck"' EXIT
+trap 'rm -rf "$tmp" "$shm" "$ck"' EXIT
 run() {  # LOG [snapshot_train options]
   local log=$1
   shift
@@ -30,7 +31,7 @@ run() {  # LOG [snapshot_train options]
 median() { sed -n 's/^median step ms \([0-9.]*\).*/\1/p' "$1" | tail -1; }
 for i in $(seq "$repeats"); do
   run "$tmp/plain$i.log"
-  run "$tmp/snap$i.log" --every 1 --dir "$tmp/shm$i"
+  run "$tmp/snap$i.log" --every 1 --dir "$shm/$i"
   echo "repeat $i: median step ms without $(median "$tmp/plain$i.log"), with snapshots (K=1) $(median "$tmp/snap$i.log")"
 done
 grep -h "^bytes kept" "$tmp/snap1.log"
@@ -41,7 +42,7 @@ recovery() {  # LOG PATTERN: ms from the kill to the line PATTERN
   first=$(sed -n "s/^$2 at epoch ms \([0-9]*\)\$/\1/p" "$1" | head -1)
   echo $((first - killed))
 }
-run "$tmp/mem.log" --every 1 --dir "$tmp/shm-kill" --checkpoint "$ck/mem" --save-every $save_every --kill "0:1@$kill_at:forward" --report-step $kill_at
+run "$tmp/mem.log" --every 1 --dir "$shm/kill" --checkpoint "$ck/mem" --save-every $save_every --kill "0:1@$kill_at:forward" --report-step $kill_at
 run "$tmp/disk.log" --checkpoint "$ck/disk" --save-every $save_every --kill "0:1@$kill_at:forward" --report-step $kill_at
 grep -h "restored step\|incarnation 1" "$tmp/mem.log" "$tmp/disk.log" || true
 first="first step after the restart ended" again="step $kill_at ended again"

@@ -87,6 +87,29 @@ void arm_failure_point(const std::string& site, int count) {
   a.count = count;
 }
 
+namespace {
+struct TestPoints {
+  std::atomic<bool> set{false};
+  std::function<void(const char*)> action;
+};
+TestPoints& test_points() {
+  static TestPoints t;
+  return t;
+}
+}  // namespace
+
+void set_test_point_action(std::function<void(const char* site)> action) {
+  auto& t = test_points();
+  t.set = false;
+  t.action = std::move(action);
+  t.set = static_cast<bool>(t.action);
+}
+
+void test_point(const char* site) {
+  auto& t = test_points();
+  if (t.set.load(std::memory_order_relaxed)) t.action(site);
+}
+
 void failure_point(const char* site) {
   auto& a = armed();
   if (a.count.load(std::memory_order_relaxed) == 0) return;

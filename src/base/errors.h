@@ -36,6 +36,15 @@ void failure_point(const char* site);
 /// `count` failure_point(site) calls throw. Exported for that library only.
 SHARDTORCH_API void arm_failure_point(const std::string& site, int count);
 
+/// For test programs linked with the library's internals: `action` runs at
+/// every test_point() this process reaches, with the site's name (it may
+/// end the process there); an empty one: none. Not for production use.
+void set_test_point_action(std::function<void(const char* site)> action);
+/// Runs the action set_test_point_action set, if any (one relaxed atomic
+/// load when none). Sites: "reduce-scatter posted" (ReduceScatterBucketer:
+/// a reduce-scatter issued to the backend, not yet waited for).
+void test_point(const char* site);
+
 /// Runs `body` at failure point `site`; whatever it throws leaves through
 /// rethrow_naming(rank, operation).
 template <class Body>

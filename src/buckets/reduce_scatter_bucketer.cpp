@@ -1,5 +1,6 @@
 #include "buckets/reduce_scatter_bucketer.h"
 #include "base/check.h"
+#include "base/errors.h"
 #include "base/log.h"
 
 #include <c10/core/GradMode.h>
@@ -255,6 +256,7 @@ void detail::LaunchQueue::launch(Comm& group, at::Tensor input, at::Tensor outpu
   ++counts_.launched;
   if (!in_flight_.empty()) ++counts_.while_in_flight;
   in_flight_.push_back(std::move(l));
+  if (kind == Kind::ReduceScatter) detail::test_point("reduce-scatter posted");
 }
 
 void detail::LaunchQueue::wait_for_launch(Launched& l) {

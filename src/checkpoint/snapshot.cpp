@@ -8,6 +8,7 @@
 
 #include <boost/json.hpp>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include "checkpoint/checksum.h"
 #include "checkpoint/index_format.h"
 #include "checkpoint/rank_state.h"
+#include "checkpoint/safetensors_format.h"
 #include "runtime/placement.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/checkpoint.h"
@@ -104,6 +106,23 @@ std::string temporary_of(const std::string& dir, const std::string& name) {
   return files::join(dir, "." + name + ".tmp");
 }
 
+// The hidden temporary directory for the snapshot `name`STEP, made from the
+// oldest generation older than STEP that goes once it is in place (its
+// file's pages are written over instead of freed and allocated again), or
+// new. The kKeep - 1 newest older ones stay whole meanwhile.
+std::string temporary_for(const std::string& dir, const std::string& name, int64_t step) {
+  const std::string tmp = temporary_of(dir, name + std::to_string(step));
+  files::remove_all_quietly(tmp);
+  std::vector<int64_t> older;
+  for (int64_t s : steps_named(dir, name))
+    if (s < step) older.push_back(s);
+  if (older.size() >= static_cast<size_t>(kKeep))
+    files::rename(files::join(dir, name + std::to_string(older.back())), tmp);
+  else
+    files::create_directories(tmp);
+  return tmp;
+}
+
 // Removes all but the newest kKeep snapshots named `name`STEP.
 void prune(const std::string& dir, const std::string& name) {
   const auto steps = steps_named(dir, name);
@@ -152,6 +171,41 @@ void write_whole(const std::string& path, const char* data, size_t n) {
     at += static_cast<size_t>(w);
   }
   if (::close(fd) != 0) throw std::runtime_error("cannot close '" + path + "'");
+}
+
+// Writes `n` bytes at offset `at` of the open file `fd` (`path`, in errors).
+void write_at(int fd, const char* data, size_t n, off_t at, const std::string& path) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t w = ::pwrite(fd, data + done, n - done, at + static_cast<off_t>(done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) throw std::runtime_error("cannot write '" + path + "': " + std::strerror(errno));
+    done += static_cast<size_t>(w);
+  }
+}
+
+// The file `path` opened for writing at `size` bytes: an existing file
+// keeps its pages (no allocation on tmpfs), a longer one is cut.
+int open_sized(const std::string& path, int64_t size) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot create '" + path + "': " + std::strerror(errno));
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw std::runtime_error("cannot size '" + path + "': " + std::strerror(err));
+  }
+  return fd;
+}
+
+// A whole file mapped into memory (shared: writes go to the file), as a
+// byte tensor over the mapping; unmapped when the last tensor goes.
+at::Tensor map_file(int fd, int64_t size, bool writable, const std::string& path) {
+  void* p = ::mmap(nullptr, static_cast<size_t>(size), writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                   MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (p == MAP_FAILED) throw std::runtime_error("cannot map '" + path + "': " + std::strerror(errno));
+  const auto n = static_cast<size_t>(size);
+  return at::from_blob(
+      p, {size}, [n](void* q) { ::munmap(q, n); }, at::TensorOptions().dtype(at::kByte));
 }
 
 // The checksum of a safetensors file's data (what follows its header).
@@ -350,22 +404,33 @@ struct Snapshots::Impl {
     if (rethrow && !e.empty()) throw Error(who() + ": the copy to the buddy failed: " + e);
   }
 
+  // Writes this rank's snapshot of `step`: the state's bytes copied once,
+  // from the tensors into the file (a recycled generation's, in place).
   void write_own(int64_t step) {
-    const std::string name = own_name(options, rank()) + std::to_string(step);
-    const std::string tmp = temporary_of(options.dir, name), final_dir = files::join(options.dir, name);
+    const std::string name = own_name(options, rank());
+    const std::string final_dir = files::join(options.dir, name + std::to_string(step));
     auto items = checkpoint::rank_state(root, opt, file_of(rank()));
-    // Laid out by element size, largest first, as the writer lays them out,
-    // so the data's checksum is of the file's data in order.
+    // Laid out by element size, largest first, as safetensors writers lay
+    // them out, so the data's checksum is of the file's data in order.
     std::stable_sort(items.begin(), items.end(),
                      [](const auto& a, const auto& b) { return a.second.element_size() > b.second.element_size(); });
     checkpoint::checksum::Hasher hash;
     json::array entries;
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    std::vector<at::Tensor> data;
+    std::vector<checkpoint::TensorRecord> records;
+    uint64_t offset = 0;
     for (auto& [e, t] : items) {
       at::Tensor c = t.contiguous().cpu();
       hash.update(static_cast<const char*>(c.data_ptr()), c.nbytes());
       entries.push_back(checkpoint::index_format::entry_json(e));
-      tensors.emplace_back(e.tensor, c);
+      checkpoint::TensorRecord r;
+      r.name = e.tensor;
+      r.dtype = checkpoint::dtype_name(c.scalar_type());
+      r.shape = c.sizes().vec();
+      r.begin = offset;
+      r.end = offset = r.begin + static_cast<uint64_t>(c.nbytes());
+      records.push_back(std::move(r));
+      data.push_back(std::move(c));
     }
     json::object shapes;
     written.shapes = checkpoint::model_shapes_of(root);
@@ -392,30 +457,50 @@ struct Snapshots::Impl {
                         {"entries", entries},
                         {"shapes", shapes},
                         {"user_state", user}};
-    files::remove_all_quietly(tmp);
-    files::create_directories(tmp);
+    const std::string head = checkpoint::serialize_header(
+        records, {{"step", std::to_string(step)}, {"shardtorch_snapshot", json::serialize(header)}});
+    const std::string tmp = temporary_for(options.dir, name, step);
     checkpoint::crash_point("snapshot started");
-    checkpoint::save_file(files::join(tmp, file_of(rank())), tensors,
-                          {{"step", std::to_string(step)}, {"shardtorch_snapshot", json::serialize(header)}},
-                          /*remove_stale_temporaries=*/false);
+    const std::string file = files::join(tmp, file_of(rank()));
+    const int fd = open_sized(file, static_cast<int64_t>(head.size() + offset));
+    try {
+      write_at(fd, head.data(), head.size(), 0, file);
+      for (size_t i = 0; i < data.size(); ++i)
+        write_at(fd, static_cast<const char*>(data[i].data_ptr()), static_cast<size_t>(data[i].nbytes()),
+                 static_cast<off_t>(head.size() + records[i].begin), file);
+      if (::fsync(fd) != 0) throw std::runtime_error("cannot sync '" + file + "': " + std::strerror(errno));
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    if (::close(fd) != 0) throw std::runtime_error("cannot close '" + file + "'");
     checkpoint::crash_point("snapshot written");
     put_in_place(tmp, final_dir);
     checkpoint::crash_point("snapshot in place");
-    prune(options.dir, own_name(options, rank()));
+    prune(options.dir, name);
   }
 
   // Sends this rank's snapshot of `step` to its buddy and receives the
-  // snapshots of the ranks it keeps copies of (the background thread).
+  // snapshots of the ranks it keeps copies of (the background thread). The
+  // bytes go from the file's pages to the socket, and from the socket into
+  // the held copy's file (mapped): no other copy.
   void exchange(int64_t step) {
     std::vector<PendingWork> works;
     std::vector<at::Tensor> keep;
     const int buddy = options.buddy[static_cast<size_t>(rank())];
     if (buddy != rank()) {
-      const std::string bytes =
-          read_whole(files::join(detail::own_snapshot_path(options, rank(), step), file_of(rank())));
-      at::Tensor head = torch::tensor({step, static_cast<int64_t>(bytes.size())}, torch::kInt64);
-      at::Tensor data = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-      std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
+      const std::string file = files::join(detail::own_snapshot_path(options, rank(), step), file_of(rank()));
+      const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) throw std::runtime_error("cannot open '" + file + "': " + std::strerror(errno));
+      at::Tensor data;
+      try {
+        data = map_file(fd, files::file_size(file), /*writable=*/false, file);
+      } catch (...) {
+        ::close(fd);
+        throw;
+      }
+      ::close(fd);  // the mapping stays
+      at::Tensor head = torch::tensor({step, data.numel()}, torch::kInt64);
       keep = {head, data};
       works.push_back(comm->send_async(head, buddy, 1, "snapshot header"));
       works.push_back(comm->send_async(data, buddy, 2, "snapshot"));
@@ -425,10 +510,22 @@ struct Snapshots::Impl {
       PendingWork w = comm->recv_async(head, from, 1, "snapshot header");
       comm->wait(w);
       const int64_t s = head[0].item<int64_t>(), n = head[1].item<int64_t>();
-      at::Tensor data = at::empty({n}, at::kByte);
+      const std::string name = held_name(options, from, rank());
+      const std::string tmp = temporary_for(options.dir, name, s), file = files::join(tmp, file_of(from));
+      const int fd = open_sized(file, n);
+      at::Tensor data;
+      try {
+        data = map_file(fd, n, /*writable=*/true, file);
+      } catch (...) {
+        ::close(fd);
+        throw;
+      }
+      ::close(fd);
       PendingWork d = comm->recv_async(data, from, 2, "snapshot");
       comm->wait(d);
-      dir.write_received(held_name(options, from, rank()), from, s, data);
+      data = at::Tensor();  // unmapped: the file holds the bytes
+      put_in_place(tmp, files::join(options.dir, name + std::to_string(s)));
+      prune(options.dir, name);
     }
     for (auto& w : works) comm->wait(w);
   }
