@@ -103,7 +103,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
 
 namespace {
 
-constexpr const char* kTiedOption = "LoadOptions().tied_from";
+constexpr const char* kFullTiedOption = "LoadOptions().tied_from";
 
 // The check phase of one load_full_state_dict on this rank: the file opened,
 // every parameter and buffer this rank holds matched by name and shape and
@@ -154,7 +154,7 @@ void FullLoad::open() {
       "a file of " + std::to_string(header.tensors.size()) + " tensors from byte " + std::to_string(header.data_start);
   for (const auto& [k, v] : header.metadata) run_.fingerprint += ", " + k + "=" + v;
   names_ = checkpoint::parameter_names(root_, part_);
-  checkpoint::check_tied_from(names_, options_.tied_from(), file_where_, kTiedOption);
+  checkpoint::check_tied_from(names_, options_.tied_from(), file_where_, kFullTiedOption);
 }
 
 // The shape, and a dtype the values can be cast into (docs/checkpoints.md).
@@ -180,7 +180,8 @@ std::string FullLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at:
   const auto& ns = names_[p.unsafeGetTensorImpl()];
   for (const auto& n : ns) used_.insert(n);
   auto t = checkpoint::tied_source(
-      ns, [&](const std::string& n) { return reader_->contains(n); }, options_.tied_from(), file_where_, kTiedOption);
+      ns, [&](const std::string& n) { return reader_->contains(n); }, options_.tied_from(), file_where_,
+      kFullTiedOption);
   if (!t)
     throw checkpoint::SafetensorsError(file_where_ + ": no entry for parameter '" +
                                        (ns.empty() ? std::string("?") : ns.front()) + "'");
@@ -190,7 +191,7 @@ std::string FullLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at:
     for (const auto& r : checkpoint::saved_runs(p, first, count))
       checkpoint::require_equal_tied(reader_->read_range(t->source, r.whole, r.length),
                                      reader_->read_range(other, r.whole, r.length), dtype, t->source, other, r.whole,
-                                     file_where_, kTiedOption);
+                                     file_where_, kFullTiedOption);
   }
   return t->source;
 }

@@ -29,7 +29,6 @@ namespace {
 
 using checkpoint::SafetensorsError;
 
-constexpr const char* kIndexName = "model.safetensors.index.json";
 constexpr const char* kSingleName = "model.safetensors";
 
 // The index file's text; never a blocking open (a FIFO is refused at once).
@@ -48,10 +47,12 @@ using checkpoint::ends_with;
 
 Source resolve(const std::string& path) {
   if (files::is_directory(path)) {
-    if (files::exists(files::join(path, kIndexName))) return {path, files::join(path, kIndexName), ""};
+    if (files::exists(files::join(path, checkpoint::hf_index::kFileName)))
+      return {path, files::join(path, checkpoint::hf_index::kFileName), ""};
     if (files::exists(files::join(path, kSingleName))) return {path, "", kSingleName};
-    throw SafetensorsError("Hugging Face checkpoint '" + path + "': the directory holds neither " + kIndexName +
-                           " nor " + kSingleName + " (pass the index or the safetensors file itself)");
+    throw SafetensorsError("Hugging Face checkpoint '" + path + "': the directory holds neither " +
+                           checkpoint::hf_index::kFileName + " nor " + kSingleName +
+                           " (pass the index or the safetensors file itself)");
   }
   if (ends_with(path, ".json")) return {files::directory_of(path), path, ""};
   return {files::directory_of(path), "", files::filename(path)};
@@ -85,7 +86,7 @@ struct Held {
   std::string name, file;
 };
 
-constexpr const char* kTiedOption = "HfLoadOptions().tied_from";
+constexpr const char* kHfTiedOption = "HfLoadOptions().tied_from";
 
 // The check phase of one load_hf_checkpoint on this rank: the checkpoint's
 // tensors listed, matched against the model's names, then every parameter
@@ -267,7 +268,7 @@ const Held* HfLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at::S
                               int64_t count) {
   const auto& ns = names_[p.unsafeGetTensorImpl()];
   auto t = checkpoint::tied_source(
-      ns, [&](const std::string& n) { return by_model_.count(n) > 0; }, options_.tied_from(), where_, kTiedOption);
+      ns, [&](const std::string& n) { return by_model_.count(n) > 0; }, options_.tied_from(), where_, kHfTiedOption);
   if (!t) return nullptr;
   const Held& s = by_model_.at(t->source);
   for (const auto& other : t->others) {
@@ -277,14 +278,14 @@ const Held* HfLoad::source_of(const at::Tensor& p, c10::IntArrayRef shape, at::S
     if (count > 0)
       checkpoint::require_equal_tied(read_elements(*reader_of(s), s.name, p, first, count),
                                      read_elements(*reader_of(o), o.name, p, first, count), dtype, t->source, other,
-                                     first, where_, kTiedOption);
+                                     first, where_, kHfTiedOption);
   }
   return &s;
 }
 
 void HfLoad::plan_parameters() {
   names_ = checkpoint::parameter_names(root_, part_);
-  checkpoint::check_tied_from(names_, options_.tied_from(), where_, kTiedOption);
+  checkpoint::check_tied_from(names_, options_.tied_from(), where_, kHfTiedOption);
   if (state_.path().replicated()) {
     plan_replicated();
     return;

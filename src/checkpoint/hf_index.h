@@ -9,6 +9,9 @@
 
 namespace shardtorch::checkpoint::hf_index {
 
+/// The index's file name in a checkpoint directory.
+inline constexpr const char* kFileName = "model.safetensors.index.json";
+
 struct Index {
   /// The "metadata" object, each value as its JSON text unless it is a string
   /// (transformers writes "total_size" as a number).

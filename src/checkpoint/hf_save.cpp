@@ -17,6 +17,7 @@
 #include "base/files.h"
 #include "base/log.h"
 #include "runtime/shard_state.h"
+#include "checkpoint/hf_index.h"
 #include "checkpoint/agreement.h"
 #include "checkpoint/model_part.h"
 #include "checkpoint/safetensors_format.h"
@@ -27,8 +28,6 @@
 
 namespace shardtorch {
 namespace {
-
-constexpr const char* kIndexName = "model.safetensors.index.json";
 
 // One tensor of the checkpoint: where its values come from, and its name there.
 struct Entry {
@@ -144,8 +143,8 @@ void remove_staged(const std::string& dir, const std::string& marker) {
 // under its staging name first, so that a reader of the old index never sees
 // a half-written file) names `weight_map` (tensor, file); data files of an
 // earlier save that the new index does not name are then removed.
-void publish(const std::string& dir, const std::string& staging, const std::vector<std::string>& data_files,
-             const std::vector<std::pair<std::string, std::string>>& weight_map, int64_t total_bytes) {
+void publish_hf(const std::string& dir, const std::string& staging, const std::vector<std::string>& data_files,
+                const std::vector<std::pair<std::string, std::string>>& weight_map, int64_t total_bytes) {
   std::ostringstream index;
   index << "{\n  \"metadata\": {\n    \"total_size\": " << total_bytes << "\n  },\n  \"weight_map\": {";
   const char* sep = "\n";
@@ -154,7 +153,7 @@ void publish(const std::string& dir, const std::string& staging, const std::vect
     sep = ",\n";
   }
   index << "\n  }\n}\n";
-  const std::string index_tmp = dir + "/" + staging + kIndexName;
+  const std::string index_tmp = dir + "/" + staging + checkpoint::hf_index::kFileName;
   {
     std::ofstream out(index_tmp, std::ios::binary | std::ios::trunc);
     out << index.str();
@@ -163,7 +162,7 @@ void publish(const std::string& dir, const std::string& staging, const std::vect
   }
   files::sync(index_tmp);
   for (const auto& f : data_files) files::rename(dir + "/" + staging + f, dir + "/" + f);
-  files::rename_durably(index_tmp, dir + "/" + kIndexName);
+  files::rename_durably(index_tmp, dir + "/" + checkpoint::hf_index::kFileName);
   static const std::regex ours(R"(model-\d{5}-of-\d{5}\.safetensors)");
   const std::set<std::string> kept(data_files.begin(), data_files.end());
   for (const auto& name : files::list_directory(dir))
@@ -231,7 +230,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
       std::vector<std::pair<std::string, std::string>> weight_map;
       for (size_t k = 0; k < plan.size(); ++k)
         for (size_t e : plan[k]) weight_map.emplace_back(entries[e].name, report.files[k]);
-      publish(dir, staging, report.files, weight_map, report.total_bytes);
+      publish_hf(dir, staging, report.files, weight_map, report.total_bytes);
     } catch (const std::exception& e) {
       error = e.what();
       remove_staged(dir, staging);  // what this save left behind; the earlier checkpoint stays as it was
@@ -379,7 +378,7 @@ void publish_parts(const std::string& dir, const std::string& staging, const Par
       for (size_t i = 0; i < plan[k].tensors.size(); ++i)
         weight_map.emplace_back(parts.lists[l][next[l]++].first, report.files[k]);
     }
-    publish(dir, staging, report.files, weight_map, report.total_bytes);
+    publish_hf(dir, staging, report.files, weight_map, report.total_bytes);
   } catch (const std::exception& e) {
     error = e.what();
     remove_staged(dir, staging);

@@ -8,7 +8,7 @@
 namespace shardtorch::detail {
 
 namespace {
-struct Registry {
+struct ModelRegistry {
   std::mutex mu;
   std::vector<std::pair<std::weak_ptr<torch::nn::Module>, std::shared_ptr<ShardState>>> entries;
   void prune() {
@@ -16,8 +16,8 @@ struct Registry {
                   entries.end());
   }
 };
-Registry& registry() {
-  static Registry r;
+ModelRegistry& model_registry() {
+  static ModelRegistry r;
   return r;
 }
 }  // namespace
@@ -28,14 +28,14 @@ void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& 
                    "shardtorch::shard: the root module must be owned by a std::shared_ptr (declare "
                    "it through its holder, e.g. `Net net;` after SHARDTORCH_MODULE(Net) or "
                    "TORCH_MODULE(Net), or create it with std::make_shared)");
-  auto& r = registry();
+  auto& r = model_registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.prune();
   r.entries.emplace_back(weak, state);
 }
 
 std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root) {
-  auto& r = registry();
+  auto& r = model_registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.prune();
   for (const auto& [weak, state] : r.entries) {
