@@ -80,9 +80,14 @@ if [ "$set" = full_shard ]; then
   says pair "loaded the sharded checkpoint '$tmp/ck' at step 6 instead"
   same $s pair
 else
+  # Killed inside a reduce-scatter where the strategy reduce-scatters;
+  # OptimizerOnly all-reduces its gradients: killed between the units' reductions.
   for s in shard_grad_op optimizer_only hybrid_shard; do
+    phase=reduce-scatter
+    [ $s = optimizer_only ] && phase=backward
     run "oracle-$s" --strategy $s --steps 8
-    run "$s" --strategy $s --steps 8 --every 2 --dir "$tmp/$s" --kill "0:1@5:backward:node"
+    run "$s" --strategy $s --steps 8 --every 2 --dir "$tmp/$s" --kill "0:1@5:$phase:node"
+    says "$s" "killed at step 5 ($phase, node)"
     says "$s" "restored step 4 from memory; from their buddies' copies: ranks 1"
     same $s "$s"
   done

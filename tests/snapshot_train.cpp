@@ -8,7 +8,7 @@
 // rank R kills itself (SIGKILL) at step S, in PHASE: forward (before it),
 // backward (between the units' reductions), reduce-scatter (inside one: the
 // step's second reduce-scatter posted to the backend, not yet complete on
-// the other ranks, which fail with its error), optimizer (before its step)
+// the other ranks, which fail at their next collective with it), optimizer (before its step)
 // or snapshot (its file written, not yet in place). LOSS: "node" deletes the
 // rank's own snapshots first (its node's memory is lost, its buddy's copy
 // remains); "pair" deletes those of the rank and of its buddy, and the copies
