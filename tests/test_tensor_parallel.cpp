@@ -395,7 +395,7 @@ TEST(TpDeferred, ADeferredModelSplitThenShardedTrainsBitwiseLikeTheEagerOne) {
 }
 
 // The communication's adjoints at a group of one are the identity: a split
-// layer there computes what torch::nn::Linear computes, bitwise (both models
+// layer there computes what the unsplit layer computes, bitwise (both models
 // take the same loss function, so that only the layers differ).
 TEST(TpLayers, AtOneRankTheSplitLayersAreTheLibTorchOnesBitwise) {
   auto r = run_ranks(1, [](World& w) {

@@ -156,23 +156,6 @@ std::string read_whole(const std::string& path) {
   return out;
 }
 
-void write_whole(const std::string& path, const char* data, size_t n) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error("cannot create '" + path + "': " + std::strerror(errno));
-  size_t at = 0;
-  while (at < n) {
-    const ssize_t w = ::write(fd, data + at, n - at);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      const int err = errno;
-      ::close(fd);
-      throw std::runtime_error("cannot write '" + path + "': " + std::strerror(err));
-    }
-    at += static_cast<size_t>(w);
-  }
-  if (::close(fd) != 0) throw std::runtime_error("cannot close '" + path + "'");
-}
-
 // Writes `n` bytes at offset `at` of the open file `fd` (`path`, in errors).
 void write_at(int fd, const char* data, size_t n, off_t at, const std::string& path) {
   size_t done = 0;
@@ -182,6 +165,18 @@ void write_at(int fd, const char* data, size_t n, off_t at, const std::string& p
     if (w <= 0) throw std::runtime_error("cannot write '" + path + "': " + std::strerror(errno));
     done += static_cast<size_t>(w);
   }
+}
+
+void write_whole(const std::string& path, const char* data, size_t n) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot create '" + path + "': " + std::strerror(errno));
+  try {
+    write_at(fd, data, n, 0, path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  if (::close(fd) != 0) throw std::runtime_error("cannot close '" + path + "'");
 }
 
 // The file `path` opened for writing at `size` bytes: an existing file

@@ -352,6 +352,7 @@ double StepRun::backward(const Action& a) {
     if (x.requires_grad())
       x.register_hook([this, stage = a.stage, mb = a.microbatch](const at::Tensor& g) {
         post_gradient_send(stage, mb, g);
+        sent_in_backward_.insert({stage, mb});
         return at::Tensor();
       });
   }
@@ -373,7 +374,6 @@ void StepRun::post_gradient_send(int stage, int mb, const at::Tensor& grad) {
       s.buffer, rt_.pp_rank_of(stage - 1), tag(Msg::Gradient, stage - 1, mb),
       "the gradient of the input of " + rt_.where(stage, mb) + " to stage " + std::to_string(stage - 1));
   grad_sends_.push_back(std::move(s));
-  sent_in_backward_.insert({stage, mb});
 }
 
 void StepRun::send_gradient(const Action& a) {
@@ -381,7 +381,6 @@ void StepRun::send_gradient(const Action& a) {
   if (sent_in_backward_.erase(key) == 0) {
     at::Tensor x = ins_.at(key);
     post_gradient_send(a.stage, a.microbatch, x.grad().defined() ? x.grad() : at::zeros_like(x));
-    sent_in_backward_.erase(key);
   }
   ins_.erase(key);
 }

@@ -122,7 +122,7 @@ at::Tensor linear_forward(const TpLayer& l, const at::Tensor& input, const at::T
                          local * comm.size(), "), got ", describe(x));
         x = detail::tp::split_dim(x, -1, comm, w + " input");
       }
-      if (comm.size() == 1) return at::linear(x, weight, bias);  // what torch::nn::Linear computes, bitwise
+      if (comm.size() == 1) return at::linear(x, weight, bias);  // what the unsplit layer computes, bitwise
       at::Tensor y = at::linear(x, weight);
       y = l.sequence_parallel ? detail::tp::reduce_scatter(y, l.sequence_dim, comm, w + " output")
                               : detail::tp::reduce_from_group(y, comm, w + " output");
