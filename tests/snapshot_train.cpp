@@ -186,9 +186,14 @@ int train(int argc, char** argv, int& rank) {
       for (int t = 0; t < 1000 && !shardtorch::files::exists(shardtorch::detail::own_snapshot_path(so, r, last)); ++t)
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
   };
+  int64_t first = 0;  // the step this incarnation starts after
+  int64_t snapshots_written = 0;
   const auto die_at = [&](const std::string& phase) {
-    // The step a phase belongs to: the one being done, or (a snapshot) the one just done.
-    if (mine.phase != phase || (phase == "snapshot" ? step : step + 1) != mine.step) return;
+    // The step a phase belongs to: the one being done, or (a snapshot,
+    // written in the background while the next steps run) the one it is of:
+    // the k-th written is of the k-th multiple of `every` after `first`.
+    const int64_t of = phase == "snapshot" ? (first / every + snapshots_written) * every : step + 1;
+    if (mine.phase != phase || of != mine.step) return;
     // Inside a reduce-scatter no wait: the collective would complete meanwhile
     // (the step waited at its start).
     if (phase != "snapshot" && phase != "reduce-scatter") wait_for_snapshots();
@@ -219,7 +224,9 @@ int train(int argc, char** argv, int& rank) {
     snaps->register_state(
         "position", [&] { return std::to_string(position); }, [&](const std::string& s) { position = std::stoll(s); });
     shardtorch::checkpoint::set_crash_hook([&](const std::string& point) {
-      if (point == "snapshot written") die_at("snapshot");
+      if (point != "snapshot written") return;
+      ++snapshots_written;
+      die_at("snapshot");
     });
     const int64_t restored = snaps->restore();
     if (restored >= 0) step = restored;
@@ -235,7 +242,7 @@ int train(int argc, char** argv, int& rank) {
     if (std::string(site) == "reduce-scatter posted" && ++posted == 2) die_at("reduce-scatter");
   });
   std::vector<double> times;
-  const int64_t first = step;
+  first = step;
   while (step < steps) {
     const auto t0 = std::chrono::steady_clock::now();
     posted = 0;

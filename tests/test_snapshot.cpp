@@ -6,13 +6,16 @@
 // are tests/snapshot_kill.sh's.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <map>
 #include <optional>
 #include <memory>
 #include <string>
+#include <thread>
 
+#include "../src/base/errors.h"
 #include "captured_warnings.h"
 #include "models.h"
 #include "shardtorch/plan.h"
@@ -188,6 +191,46 @@ TEST(Snapshots, AnotherWorldSizesSnapshotsAreRefusedSayingWhy) {
               "no warning names the world size the snapshot was written at");
     require_same(t.values(), before, "after the restore");
   });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// The copy of a snapshot runs in the background until the next update,
+// which waits for it: here the copy is held back 300 ms, and the optimizer
+// step right after after_step() must not change what it copies. wait()
+// waits for it too.
+TEST(Snapshots, TheNextUpdateWaitsForTheCopyInTheBackground) {
+  const TempDir dir("shardtorch-snapshots");
+  shardtorch::detail::set_test_point_action([](const char* site) {
+    if (std::string(site) == "snapshot copy") std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  });
+  auto r = run_ranks(2, [&](World& w) {
+    Values at1;
+    {
+      Trained t(w, Strategy::FullShard, 13, 1);
+      Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "guard"));
+      t.register_with(snaps);
+      t.step();
+      at1 = t.values();
+      snaps.after_step(1);
+      t.step();
+    }
+    Trained again(w, Strategy::FullShard, 13, 2);
+    Snapshots snaps(w.shared_from_this(), *again.model, again.opt.get(), options_in(dir, "guard"));
+    again.register_with(snaps);
+    require(snaps.restore() == 1, "step 1 was not restored");
+    require(again.data_position == 1, "the registered state is " + std::to_string(again.data_position));
+    require_same(again.values(), at1, "the snapshot of step 1");
+    snaps.finish();
+    // wait(): the copy is in place when it returns.
+    const SnapshotOptions o = options_in(dir, "wait");
+    Snapshots waited(w.shared_from_this(), *again.model, again.opt.get(), o);
+    again.step();
+    waited.after_step(1);
+    waited.wait();
+    require(files::exists(shardtorch::detail::own_snapshot_path(o, w.rank(), 1)), "wait() returned before the copy");
+    waited.finish();
+  });
+  shardtorch::detail::set_test_point_action({});
   ASSERT_TRUE(r.ok) << r.summary();
 }
 

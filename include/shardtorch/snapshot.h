@@ -77,15 +77,26 @@ class SHARDTORCH_API Snapshots {
   /// on stderr) and its step returned; with none, -1 (nothing loaded).
   int64_t restore();
   /// After the optimizer step `step` (steps counted from 1): snapshots
-  /// when step % every == 0. Writes this rank's file before returning; the
-  /// copy to the buddy runs in the background, overlapping the next step,
-  /// and the next snapshot waits for it (throwing its error, if any).
+  /// when step % every == 0. Collects this rank's state and returns: the
+  /// buffers are copied at once (a forward changes them); the rest is
+  /// copied into the file in the background, overlapping the next forward
+  /// and backward, and the optimizer's next update (its step, its first
+  /// step inside a backward, a replica group's heal) waits for that copy.
+  /// Without an optimizer the file is written before returning. The copy to
+  /// the buddy follows in the background; the next snapshot waits for both
+  /// (throwing their error, if any). Anything else that changes the
+  /// parameters or the optimizer state in place before the next update
+  /// (loading a checkpoint, editing weights) must call wait() first.
   void after_step(int64_t step);
+  /// Waits for the snapshot in flight: the copy of the state, the buddy's
+  /// copy and a persist (throwing the error of the first two, if any).
+  void wait();
   /// The registered state, for a regular checkpoint's user_state (which
   /// restore() gives back to the registered loaders on a disk fallback).
   std::map<std::string, std::string> user_state() const;
   /// The bytes this rank keeps in `dir`: its own snapshots and the copies it
-  /// holds for others (two generations of each).
+  /// holds for others (two generations of each). Waits for the snapshot in
+  /// flight first (wait()).
   int64_t bytes_kept() const;
   /// buddy[r] for every rank r (the map in use).
   const std::vector<int>& buddies() const;

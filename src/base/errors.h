@@ -42,7 +42,8 @@ SHARDTORCH_API void arm_failure_point(const std::string& site, int count);
 void set_test_point_action(std::function<void(const char* site)> action);
 /// Runs the action set_test_point_action set, if any (one relaxed atomic
 /// load when none). Sites: "reduce-scatter posted" (ReduceScatterBucketer:
-/// a reduce-scatter issued to the backend, not yet waited for).
+/// a reduce-scatter issued to the backend, not yet waited for); "snapshot
+/// copy" (Snapshots: a copy of the state about to start, in the background).
 void test_point(const char* site);
 
 /// Runs `body` at failure point `site`; whatever it throws leaves through

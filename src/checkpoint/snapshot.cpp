@@ -18,10 +18,13 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <condition_variable>
+#include <mutex>
 #include <set>
 #include <thread>
 
 #include "base/check.h"
+#include "base/errors.h"
 #include "base/files.h"
 #include "base/log.h"
 #include "checkpoint/checksum.h"
@@ -80,6 +83,13 @@ std::vector<std::string> gather_unchecked(Comm& comm, const std::string& mine) {
     out.emplace_back(static_cast<const char*>(all[static_cast<size_t>(r)].data_ptr()),
                      static_cast<size_t>(lengths[static_cast<size_t>(r)].item<int64_t>()));
   return out;
+}
+
+// A barrier over `comm`, through its backend directly (see gather_unchecked).
+void barrier_unchecked(Comm& comm) {
+  c10d::BarrierOptions o;
+  o.timeout = comm.timeout();
+  comm.backend()->barrier(o)->wait(comm.timeout());
 }
 
 // Rank `rank`'s registered state `name` in a persisted checkpoint's user_state.
@@ -383,6 +393,11 @@ struct Snapshots::Impl {
   std::map<std::string, std::pair<std::function<std::string()>, std::function<void(const std::string&)>>> state;
   std::thread transfer;
   std::string transfer_error, persist_error;
+  // A copy of the state in the background: updates wait for its end.
+  std::mutex copy_mu;
+  std::condition_variable copy_cv;
+  bool copying = false;
+  int guard = -1;  // the model's update guard
 
   Impl(std::shared_ptr<World> w, torch::nn::Module& r, ShardedOptimizer* o, SnapshotOptions opts)
       : world(std::move(w)), root(r), opt(o), options(std::move(opts)), dir(*world, options) {}
@@ -399,70 +414,94 @@ struct Snapshots::Impl {
     if (rethrow && !e.empty()) throw Error(who() + ": the copy to the buddy failed: " + e);
   }
 
-  // Writes this rank's snapshot of `step`: the state's bytes copied once,
-  // from the tensors into the file (a recycled generation's, in place).
-  void write_own(int64_t step) {
-    const std::string name = own_name(options, rank());
-    const std::string final_dir = files::join(options.dir, name + std::to_string(step));
+  // A snapshot of this rank collected on the program's thread: the state's
+  // tensors (the buffers copied, which a forward changes; the rest read where
+  // they are until the next update, which before_update holds back), their
+  // layout in the file, and the program's registered state.
+  struct Own {
+    int64_t step = 0;
+    std::vector<at::Tensor> data;
+    std::vector<checkpoint::TensorRecord> records;
+    uint64_t bytes = 0;      // of data
+    json::object header;     // without its data_checksum
+    int64_t file_bytes = 0;  // the file's size, its header's checksum the longest one
+  };
+
+  std::string header_of(const Own& o, const std::string& checksum) const {
+    json::object h = o.header;
+    h["data_checksum"] = checksum;
+    return checkpoint::serialize_header(
+        o.records, {{"step", std::to_string(o.step)}, {"shardtorch_snapshot", json::serialize(h)}});
+  }
+
+  Own collect_own(int64_t step) {
+    Own o;
+    o.step = step;
     auto items = checkpoint::rank_state(root, opt, file_of(rank()));
     // Laid out by element size, largest first, as safetensors writers lay
     // them out, so the data's checksum is of the file's data in order.
     std::stable_sort(items.begin(), items.end(),
                      [](const auto& a, const auto& b) { return a.second.element_size() > b.second.element_size(); });
-    checkpoint::checksum::Hasher hash;
     json::array entries;
-    std::vector<at::Tensor> data;
-    std::vector<checkpoint::TensorRecord> records;
-    uint64_t offset = 0;
     for (auto& [e, t] : items) {
       at::Tensor c = t.contiguous().cpu();
-      hash.update(static_cast<const char*>(c.data_ptr()), c.nbytes());
+      if (e.kind == "buffer" && c.is_same(t)) c = c.clone();
       entries.push_back(checkpoint::index_format::entry_json(e));
       checkpoint::TensorRecord r;
       r.name = e.tensor;
       r.dtype = checkpoint::dtype_name(c.scalar_type());
       r.shape = c.sizes().vec();
-      r.begin = offset;
-      r.end = offset = r.begin + static_cast<uint64_t>(c.nbytes());
-      records.push_back(std::move(r));
-      data.push_back(std::move(c));
+      r.begin = o.bytes;
+      r.end = o.bytes = r.begin + static_cast<uint64_t>(c.nbytes());
+      o.records.push_back(std::move(r));
+      o.data.push_back(std::move(c));
     }
-    json::object shapes;
+    json::object shapes, user;
     written.shapes = checkpoint::model_shapes_of(root);
     for (const auto& [n, shape] : written.shapes) {
       json::array dims;
       for (int64_t d : shape) dims.push_back(d);
       shapes[n] = dims;
     }
-    json::object user;
     written.user_state.clear();
     for (const auto& [k, fns] : state) {
       written.user_state[k] = fns.first();
       user[k] = written.user_state[k];
     }
     written.entries = json::serialize(entries);
-    json::object header{{"format", kFormat},
-                        {"version", kVersion},
-                        {"job", detail::snapshot_job(options)},
-                        {"fingerprint", dir.fingerprint},
-                        {"world_size", world->size()},
-                        {"rank", rank()},
-                        {"step", step},
-                        {"data_checksum", hash.text()},
-                        {"entries", entries},
-                        {"shapes", shapes},
-                        {"user_state", user}};
-    const std::string head = checkpoint::serialize_header(
-        records, {{"step", std::to_string(step)}, {"shardtorch_snapshot", json::serialize(header)}});
-    const std::string tmp = temporary_for(options.dir, name, step);
+    o.header = json::object{{"format", kFormat},
+                            {"version", kVersion},
+                            {"job", detail::snapshot_job(options)},
+                            {"fingerprint", dir.fingerprint},
+                            {"world_size", world->size()},
+                            {"rank", rank()},
+                            {"step", step},
+                            {"entries", std::move(entries)},
+                            {"shapes", std::move(shapes)},
+                            {"user_state", std::move(user)}};
+    o.file_bytes = static_cast<int64_t>(
+        header_of(o, std::string(checkpoint::checksum::kXxh3) + ":" + std::string(16, 'f')).size() + o.bytes);
+    return o;
+  }
+
+  // Writes the collected snapshot as this rank's file: the data's checksum,
+  // then the bytes copied once from the tensors into the file (a recycled
+  // generation's, in place), then the directory renamed into place.
+  void write_own(const Own& o) {
+    detail::test_point("snapshot copy");
+    checkpoint::checksum::Hasher hash;
+    for (const auto& c : o.data) hash.update(static_cast<const char*>(c.data_ptr()), c.nbytes());
+    const std::string head = header_of(o, hash.text());
+    const std::string name = own_name(options, rank());
+    const std::string tmp = temporary_for(options.dir, name, o.step);
     checkpoint::crash_point("snapshot started");
     const std::string file = files::join(tmp, file_of(rank()));
-    const int fd = open_sized(file, static_cast<int64_t>(head.size() + offset));
+    const int fd = open_sized(file, static_cast<int64_t>(head.size() + o.bytes));
     try {
       write_at(fd, head.data(), head.size(), 0, file);
-      for (size_t i = 0; i < data.size(); ++i)
-        write_at(fd, static_cast<const char*>(data[i].data_ptr()), static_cast<size_t>(data[i].nbytes()),
-                 static_cast<off_t>(head.size() + records[i].begin), file);
+      for (size_t i = 0; i < o.data.size(); ++i)
+        write_at(fd, static_cast<const char*>(o.data[i].data_ptr()), static_cast<size_t>(o.data[i].nbytes()),
+                 static_cast<off_t>(head.size() + o.records[i].begin), file);
       if (::fsync(fd) != 0) throw std::runtime_error("cannot sync '" + file + "': " + std::strerror(errno));
     } catch (...) {
       ::close(fd);
@@ -470,9 +509,55 @@ struct Snapshots::Impl {
     }
     if (::close(fd) != 0) throw std::runtime_error("cannot close '" + file + "'");
     checkpoint::crash_point("snapshot written");
-    put_in_place(tmp, final_dir);
+    put_in_place(tmp, files::join(options.dir, name + std::to_string(o.step)));
     checkpoint::crash_point("snapshot in place");
     prune(options.dir, name);
+  }
+
+  // The background copy of the state: the guard of updates waits for it.
+  void copy_started() {
+    std::lock_guard<std::mutex> lock(copy_mu);
+    copying = true;
+  }
+  void copy_done() {
+    {
+      std::lock_guard<std::mutex> lock(copy_mu);
+      copying = false;
+    }
+    copy_cv.notify_all();
+  }
+  void wait_for_copy() {
+    std::unique_lock<std::mutex> lock(copy_mu);
+    copy_cv.wait(lock, [this] { return !copying; });
+  }
+
+  // The bytes of `owner`'s snapshot `name`STEP in `dir` (0: none).
+  int64_t bytes_of(const std::string& name, int owner, int64_t s) const {
+    const std::string f = files::join(files::join(options.dir, name + std::to_string(s)), file_of(owner));
+    return files::exists(f) ? files::file_size(f) : 0;
+  }
+  // The bytes this rank keeps in `dir`, as they are now.
+  int64_t kept_now() const {
+    int64_t total = 0;
+    for (int64_t s : steps_named(options.dir, own_name(options, rank())))
+      total += bytes_of(own_name(options, rank()), rank(), s);
+    for (int from : dir.held_for())
+      for (int64_t s : steps_named(options.dir, held_name(options, from, rank())))
+        total += bytes_of(held_name(options, from, rank()), from, s);
+    return total;
+  }
+  // kept_now() once this rank's snapshot of `step`, `size` bytes, is in
+  // place: the older generations it keeps and the copies as they are.
+  int64_t kept_after(int64_t step, int64_t size) const {
+    const std::string name = own_name(options, rank());
+    int64_t total = kept_now() + size;
+    std::vector<int64_t> older;
+    for (int64_t s : steps_named(options.dir, name)) {
+      if (s < step) older.push_back(s);
+      if (s >= step) total -= bytes_of(name, rank(), s);
+    }
+    for (size_t i = kKeep - 1; i < older.size(); ++i) total -= bytes_of(name, rank(), older[i]);
+    return total;
   }
 
   // Sends this rank's snapshot of `step` to its buddy and receives the
@@ -626,10 +711,13 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
   std::vector<int> all(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) all[static_cast<size_t>(r)] = r;
   if (n > 1 || m.options.persist_every > 0) m.comm = m.world->new_group(all, "snapshots");
+  m.guard = m.sharded->optimizer().add_update_guard([&m] { m.wait_for_copy(); });
 }
 
 Snapshots::~Snapshots() {
-  if (impl_) impl_->wait_transfer(false);
+  if (!impl_) return;
+  impl_->wait_transfer(false);
+  impl_->sharded->optimizer().remove_update_guard(impl_->guard);
 }
 
 void Snapshots::register_state(const std::string& name, std::function<std::string()> save,
@@ -646,30 +734,42 @@ std::map<std::string, std::string> Snapshots::user_state() const {
 const std::vector<int>& Snapshots::buddies() const { return impl_->options.buddy; }
 
 int64_t Snapshots::bytes_kept() const {
-  int64_t total = 0;
-  const Impl& m = *impl_;
-  auto add = [&](const std::string& name, int owner) {
-    for (int64_t s : steps_named(m.options.dir, name)) {
-      const std::string f = files::join(files::join(m.options.dir, name + std::to_string(s)), file_of(owner));
-      if (files::exists(f)) total += files::file_size(f);
-    }
-  };
-  add(own_name(m.options, m.rank()), m.rank());
-  for (int from : m.dir.held_for()) add(held_name(m.options, from, m.rank()), from);
-  return total;
+  impl_->wait_transfer(true);
+  return impl_->kept_now();
 }
+
+void Snapshots::wait() { impl_->wait_transfer(true); }
 
 void Snapshots::after_step(int64_t step) {
   Impl& m = *impl_;
   if (step % m.options.every != 0) return;
   m.wait_transfer(true);
-  m.write_own(step);
-  m.count_memory(bytes_kept());
-  if (!m.comm) return;
+  auto own = std::make_shared<Impl::Own>(m.collect_own(step));
+  m.count_memory(m.kept_after(step, own->file_bytes));
+  // With an optimizer, the copy runs in the background until its next update
+  // (which waits for it); without one, nothing tells when the state changes.
+  const bool background = m.opt != nullptr;
+  if (!background) m.write_own(*own);
+  if (!m.comm && !background) return;
   const bool persist = m.options.persist_every > 0 && step % m.options.persist_every == 0;
-  m.transfer = std::thread([&m, step, persist] {
+  if (background) m.copy_started();
+  m.transfer = std::thread([&m, own, step, persist, background] {
     try {
+      if (background) {
+        try {
+          m.write_own(*own);
+        } catch (...) {
+          m.copy_done();
+          throw;
+        }
+        own->data.clear();
+        m.copy_done();
+      }
+      if (!m.comm) return;
       m.exchange(step);
+      // Every rank's snapshot of `step` and its copy are whole before any
+      // rank writes the next one over an older generation.
+      barrier_unchecked(*m.comm);
     } catch (const std::exception& e) {
       m.transfer_error = e.what();
       return;

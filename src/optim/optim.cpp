@@ -92,6 +92,7 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 }
 
 void ShardViews::bind_grads() {
+  state_->optimizer().before_update();
   state_->summons().check_outside();  // before the step changes anything: the scope would write it over
   state_->backward().check_finished("an optimizer step");
   state_->optimizer().check_requires_grad_unchanged();
@@ -173,7 +174,10 @@ class StepInBackward final : public GradientListener {
                      " was reduced again before opt->step(), and the optimizer already stepped with the "
                      "first (overlap_with_backward): call step() after every backward that synchronizes gradients, and "
                      "accumulate micro-batches with set_requires_gradient_sync(false)");
-    if (!window_open_) stepper_.check_step();  // what step() would refuse, before anything changes
+    if (!window_open_) {
+      stepper_.check_step();  // what step() would refuse, before anything changes
+      state_.optimizer().before_update();
+    }
     window_open_ = true;
   }
 

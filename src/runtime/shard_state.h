@@ -122,6 +122,17 @@ class OptimizerSide {
     return next_listener_++;
   }
   void remove_zero_grad_listener(int id) { listeners_.erase(id); }
+  /// `f` runs before anything changes the shards or the optimizer state in
+  /// place: the optimizer's step, its first step inside a backward, a heal.
+  /// A reader of them in the background (a snapshot's copy) finishes first.
+  int add_update_guard(std::function<void()> f) {
+    guards_.emplace(next_listener_, std::move(f));
+    return next_listener_++;
+  }
+  void remove_update_guard(int id) { guards_.erase(id); }
+  void before_update() {
+    for (auto& [id, f] : guards_) f();
+  }
 
   /// fp16 mixed precision needs a GradScaler; one registers itself here.
   bool has_scaler() const { return has_scaler_; }
@@ -141,7 +152,7 @@ class OptimizerSide {
 
  private:
   ShardState& model_;
-  std::map<int, std::function<void()>> listeners_;
+  std::map<int, std::function<void()>> listeners_, guards_;
   int next_listener_ = 0;
   bool has_scaler_ = false;
 };

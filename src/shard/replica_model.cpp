@@ -24,7 +24,10 @@ std::vector<at::Tensor> ReplicaModel::state_tensors() const {
   return out;
 }
 
-void ReplicaModel::replace_begin() { state_->copies().wait_for_offload_copies(); }
+void ReplicaModel::replace_begin() {
+  state_->optimizer().before_update();
+  state_->copies().wait_for_offload_copies();
+}
 
 void ReplicaModel::replace_end() { state_->optimizer().after_shards_replaced(); }
 
