@@ -28,6 +28,11 @@
 // order and requires every group bitwise equal to it (groups of one rank).
 // --model gpt trains the example GPT (examples/gpt.h) instead of the MLP;
 // --cpu-offload turns on ShardOptions::cpu_offload inside each group.
+// --snapshots SHM_DIR keeps in-memory snapshots of each group (Snapshots,
+// one job per group, every --snapshot-every committed steps): a restarted
+// group restores the newest one and starts from its step (Manager::set_step),
+// counted with the groups at that step or healed from those ahead; it prints
+// "group G: restored step S from memory, then ..." at its first commit.
 #include <ATen/core/jit_type.h>
 #include <torch/torch.h>
 
@@ -41,6 +46,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <string>
@@ -50,6 +56,7 @@
 #include "gpt.h"
 #include "shardtorch/ft.h"
 #include "shardtorch/shardtorch.h"
+#include "shardtorch/snapshot.h"
 
 namespace {
 
@@ -86,6 +93,8 @@ std::string g_model = "mlp";  // --model
 int g_hybrid_shard_size = 0;  // --hybrid-shard-size
 bool g_cpu_offload = false;   // --cpu-offload
 double g_tolerance = 1e-6;    // --tolerance
+std::string g_snapshots;      // --snapshots: their directory ("": none)
+int g_snapshot_every = 1;     // --snapshot-every
 
 Task make_task(int64_t size) {
   torch::manual_seed(0);  // every group, every incarnation: the same start
@@ -249,6 +258,23 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
       [&](const std::string& s) { samples_read = std::stoll(s); });
   if (world->rank() == 0) std::printf("group %s: incarnation %d\n", group.c_str(), incarnation);
   std::fflush(stdout);
+  // In-memory snapshots of this group, one job per group, with the data
+  // position. The step restored is the Manager's: the quorum counts this
+  // group with the groups at it, or heals it from those ahead.
+  std::unique_ptr<shardtorch::Snapshots> snaps;
+  int64_t restored = -1;
+  if (!g_snapshots.empty()) {
+    shardtorch::SnapshotOptions so;
+    so.dir = g_snapshots;
+    so.every = g_snapshot_every;
+    so.job = "ft_train-group" + group;
+    snaps = std::make_unique<shardtorch::Snapshots>(world, *task.root, opt.get(), so);
+    snaps->register_state(
+        "samples_read", [&] { return std::to_string(samples_read); },
+        [&](const std::string& s) { samples_read = std::stoll(s); });
+    restored = snaps->restore();
+    if (restored >= 0) manager.set_step(restored);
+  }
   std::vector<double> times;  // steps that committed without a heal or a new quorum
   while (manager.step() < steps) {
     const auto t0 = Clock::now();
@@ -286,6 +312,17 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
                       loss.item<double>());
         std::fflush(stdout);
       }
+      // Committed steps only (docs/fault_tolerance.md, "Snapshots under the
+      // replica-group manager").
+      if (snaps) snaps->after_step(manager.step());
+      if (restored >= 0 && world->rank() == 0) {
+        const bool healed = std::count(r.healed.begin(), r.healed.end(), group) > 0;
+        std::printf("group %s: restored step %lld from memory, then %s at step %lld\n", group.c_str(),
+                    static_cast<long long>(restored), healed ? "healed" : "counted without a heal",
+                    static_cast<long long>(r.step));
+        std::fflush(stdout);
+      }
+      restored = -1;
     }
     if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
   }
@@ -293,6 +330,7 @@ int train(int64_t steps, int64_t groups, const std::string& dir, const std::stri
   torch::serialize::OutputArchive ar;
   for (const auto& [key, t] : final_state(*task.root, *opt)) ar.write(key, t);
   ar.save_to(final_path(dir, group, world->rank()));
+  if (snaps) snaps->finish();
   if (world->rank() == 0) {
     std::printf("group %s: done at step %lld, %lld samples read on rank 0\n", group.c_str(),
                 static_cast<long long>(manager.step()), static_cast<long long>(samples_read));
@@ -539,6 +577,10 @@ int main(int argc, char** argv) {
         "no-ft", po::bool_switch(&no_ft), "the same training without fault tolerance: one World, rank r as group r")(
         "hidden", cli::number_option(g_hidden, "--hidden"), "width of the MLP's hidden layers")(
         "model", po::value(&g_model)->default_value(g_model), "mlp, or gpt (the example GPT, examples/gpt.h)")(
+        "snapshots", po::value(&g_snapshots)->default_value(g_snapshots),
+        "keep in-memory snapshots of this group in DIR (node-local memory, e.g. under /dev/shm) and restore from "
+        "them at a restart")("snapshot-every", cli::number_option(g_snapshot_every, "--snapshot-every"),
+                             "--snapshots: a snapshot every this many committed steps")(
         "tolerance", po::value(&g_tolerance)->default_value(g_tolerance),
         "--reference: the largest difference from the replay allowed")("ranks", cli::number_option(ranks, "--ranks"),
                                                                        "ranks per group (with --reference)");

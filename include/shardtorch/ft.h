@@ -43,9 +43,11 @@ struct SHARDTORCH_API ManagerOptions {
   /// How often group rank 0 tells the lighthouse it is alive (the
   /// lighthouse's --heartbeat_timeout_ms decides when a silent group is dead).
   TORCH_ARG(std::chrono::milliseconds, heartbeat_interval) = std::chrono::milliseconds(100);
-  /// Whether this process was restarted after a failure: it must then heal
-  /// from a live peer, and fails with an error if none is ahead of it rather
-  /// than train from its fresh weights. Default: TORCHELASTIC_RESTART_COUNT > 0.
+  /// Whether this process was restarted after a failure: in a quorum where
+  /// no group is past step 0 it then heals from a group that was not
+  /// restarted, and fails with an error if there is none, rather than train
+  /// from its fresh weights; past step 0 the steps alone decide (a step set
+  /// with set_step() counts). Default: TORCHELASTIC_RESTART_COUNT > 0.
   TORCH_ARG(std::optional<bool>, restarted) = std::nullopt;
   /// Log lines (group rank 0, stderr) for every quorum change, heal and
   /// step not committed.

@@ -7,6 +7,12 @@ random steps (the seed is printed; --seed repeats a run), waits for every
 group to finish, then checks:
   - the groups that were not killed never restarted;
   - the killed group restarted once per kill, healed and finished;
+  - with --snapshots K: the killed group restored the newest snapshot of its
+    own from memory at each restart (the kill's step rounded down to a
+    multiple of K), and was healed exactly when the others were past that
+    step: always when they went on without it, else (--min-replicas equal to
+    --groups: they waited for it) only when the kill came after a step that
+    had no snapshot;
   - every group ends with bitwise the same parameters and optimizer state;
   - each committed step equals single-process training on the batches of the
     groups it counted (ft_train --reference, within --tolerance), or, with
@@ -64,6 +70,13 @@ def main():
     ap.add_argument("--prefetch-quorum", action="store_true", help="the groups run with ManagerOptions::prefetch_quorum")
     ap.add_argument("--cpu-offload", action="store_true", help="the groups run with ShardOptions::cpu_offload")
     ap.add_argument("--hybrid-shard-size", type=int, default=0, help="ft_train --hybrid-shard-size (--strategy hybrid_shard)")
+    ap.add_argument("--snapshots", type=int, default=0, metavar="K",
+                    help="scenario twice: the groups keep in-memory snapshots every K steps (ft_train --snapshots "
+                         "--snapshot-every K) and restore them when restarted; with K > 1 the kills alternate "
+                         "between a step with a snapshot (the last) and one without")
+    ap.add_argument("--min-replicas", type=int, default=None,
+                    help="the lighthouse's --min_replicas (default: groups - 1); equal to --groups, the others wait "
+                         "for a killed group instead of going on without it")
     a = ap.parse_args()
 
     seed = a.seed if a.seed is not None else random.randrange(1 << 30)
@@ -78,9 +91,24 @@ def main():
         # Incarnation i dies at its step kill_steps[i] (or the first step after
         # it healed past it): each kill comes after the previous one rejoined.
         kill_steps = sorted(rng.sample(range(3, max(4 + a.kills, late)), a.kills))
+        if a.snapshots:
+            # Kill i comes 2 to 2 K + 2 steps after the previous one (the
+            # restarted group first commits a step that counts every group),
+            # at a multiple of K for odd i and the last, else (K > 1) between
+            # two. The last restore is not healed when the others wait: the
+            # data position at the end is the one the snapshot gave back.
+            kill_steps, lo = [], 3
+            for i in range(a.kills):
+                with_snapshot = (a.kills - 1 - i) % 2 == 0 or a.snapshots == 1
+                kill_steps.append(rng.choice([s for s in range(lo, lo + 2 * a.snapshots + 1)
+                                              if (s % a.snapshots == 0) == with_snapshot]))
+                lo = kill_steps[-1] + 2
+            assert kill_steps[-1] + 3 <= a.steps, f"--steps {a.steps}: too few for kills at {kill_steps}"
         kills[victim] = ",".join(f"{i}@{s}" for i, s in enumerate(kill_steps))
         restarts[victim] = a.kills
         what = f"group {victim} rank {a.kill_rank} dies before steps {kill_steps}"
+        if a.snapshots:
+            what += f", snapshots every {a.snapshots} steps"
     elif a.scenario == "backward":
         victim = rng.randrange(a.groups)
         step = rng.randrange(3, late)
@@ -104,11 +132,17 @@ def main():
 
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
+    # The snapshots' directory: node-local memory in production; here the
+    # run's own directory, so that no run sees another's.
+    snapdir = os.path.join(a.workdir, "snapshots")
+    if a.snapshots:
+        os.makedirs(snapdir)
+    min_replicas = a.min_replicas if a.min_replicas is not None else max(1, a.groups - 1)
     port = free_port()
     lh_log = open(os.path.join(a.workdir, "lighthouse.log"), "w")
     launcher = [sys.executable, a.lighthouse] if a.lighthouse.endswith(".py") else [a.lighthouse]
     lighthouse = subprocess.Popen(
-        launcher + ["--bind", f"127.0.0.1:{port}", "--min_replicas", str(max(1, a.groups - 1)),
+        launcher + ["--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
          "--join_timeout_ms", "1000", "--quorum_tick_ms", "20", "--heartbeat_timeout_ms", "1000"],
         stdout=lh_log, stderr=subprocess.STDOUT, env=dict(os.environ, RUST_LOG="info"))
     procs, logs = [], []
@@ -131,6 +165,8 @@ def main():
                 cmd += ["--cpu-offload"]
             if a.hybrid_shard_size:
                 cmd += ["--hybrid-shard-size", str(a.hybrid_shard_size)]
+            if a.snapshots:
+                cmd += ["--snapshots", snapdir, "--snapshot-every", str(a.snapshots)]
             log = open(os.path.join(a.workdir, f"group-{g}.log"), "w")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
@@ -161,14 +197,20 @@ def main():
         if incarnations != want:
             failures.append(f"group {g} ran incarnations {incarnations}, expected {want}")
         heals = len(re.findall(r"healed from", text))
-        if heals < restarts[g]:
+        if a.snapshots and g in kills:
+            failures += check_restores(a, g, text, min_replicas)
+        elif heals < restarts[g]:
             failures.append(f"group {g} healed {heals} times, expected at least {restarts[g]}")
         done = re.search(rf"group {g}: done at step (\d+), (\d+) samples read", text)
         if not done or int(done.group(1)) != a.steps:
             failures.append(f"group {g} did not finish at step {a.steps}")
         else:
             samples.add(done.group(2))
-    # The data position travels with a heal (Manager::set_user_state): every group read as much.
+    # Snapshots::finish() at the end of every group removes its snapshots.
+    if a.snapshots and os.listdir(snapdir):
+        failures.append(f"snapshots left after the end: {sorted(os.listdir(snapdir))}")
+    # The data position travels with a heal (Manager::set_user_state) and
+    # with a snapshot (Snapshots::register_state): every group read as much.
     if len(samples) > 1:
         failures.append(f"the groups end with different data positions: {sorted(samples)}")
     # A kill between the gradient all-reduces: the survivors drop that step
@@ -229,6 +271,32 @@ def main():
     return 0
 
 
+def check_restores(a, g, text, min_replicas):
+    """The killed group g under --snapshots K: after each kill (at the top of
+    its loop, past step N's snapshot if N is a multiple of K) it restored
+    step N rounded down to a multiple of K; its first step after that counted
+    it at that step, or healed it to the others' later step. When the others
+    waited for it (min_replicas = groups: no step commits without it) they
+    were at N: it was healed exactly when it restored a step before N."""
+    failures = []
+    killed = [int(s) for s in re.findall(rf"group {g} rank \d+: killing itself at step (\d+)", text)]
+    restores = re.findall(rf"group {g}: restored step (\d+) from memory, then (healed|counted without a heal) at "
+                          rf"step (\d+)", text)
+    if len(restores) != len(killed):
+        return [f"group {g} was killed at steps {killed} and restored {len(restores)} times from memory"]
+    waited = min_replicas == a.groups
+    for n, (restored, outcome, at) in zip(killed, restores):
+        restored, at, healed = int(restored), int(at), outcome == "healed"
+        print(f"group {g}: killed at step {n}, restored step {restored} from memory, then {outcome} at step {at}",
+              flush=True)
+        if restored != n - n % a.snapshots:
+            failures.append(f"group {g} killed at step {n} restored step {restored}, not {n - n % a.snapshots}")
+        if healed != (at > restored) or (waited and at != n):
+            failures.append(f"group {g} restored step {restored} and was {outcome} at step {at}, "
+                            f"the others {'waiting at step ' + str(n) if waited else 'going on'}")
+    return failures
+
+
 def lighthouse_dies(a, lighthouse, procs, logs):
     """Kills the lighthouse once every group has committed a few steps; each
     group must then fail with an error naming the lighthouse within its
@@ -279,7 +347,8 @@ def clock(hms):
 def timeline(a):
     for g in range(a.groups):
         for line in open(os.path.join(a.workdir, f"group-{g}.log")):
-            if "[shardtorch-ft" in line or "killing itself" in line or "incarnation" in line or "done at" in line:
+            if ("[shardtorch-ft" in line or "killing itself" in line or "incarnation" in line or "done at" in line
+                    or "from memory" in line):
                 print("  " + line.rstrip(), flush=True)
 
 
