@@ -121,6 +121,7 @@ int64_t epoch_ms() {
 }  // namespace
 
 int train(int argc, char** argv, int& rank) {
+  const int64_t started_ms = epoch_ms();
   const std::string strategy = arg(argc, argv, "strategy", "full_shard");
   const int64_t steps = std::stoll(arg(argc, argv, "steps", "10"));
   const int every = std::stoi(arg(argc, argv, "every", "1"));
@@ -137,6 +138,7 @@ int train(int argc, char** argv, int& rank) {
   const std::string model_kind = arg(argc, argv, "model", "mlp");
   auto world = shardtorch::World::from_env();
   rank = world->rank();
+  const int64_t world_ms = epoch_ms();
   torch::manual_seed(0);
   Net net;
   gpt::Config cfg;
@@ -236,7 +238,9 @@ int train(int argc, char** argv, int& rank) {
     position = std::stoll(user.at("position"));
   }
   if (world->rank() == 0)
-    std::printf("incarnation %d: starts after step %lld\n", incarnation, static_cast<long long>(step));
+    std::printf("incarnation %d: starts after step %lld (epoch ms: process %lld, world %lld, restored %lld)\n",
+                incarnation, static_cast<long long>(step), static_cast<long long>(started_ms),
+                static_cast<long long>(world_ms), static_cast<long long>(epoch_ms()));
   int posted = 0;  // reduce-scatters posted in this step
   shardtorch::detail::set_test_point_action([&](const char* site) {
     if (std::string(site) == "reduce-scatter posted" && ++posted == 2) die_at("reduce-scatter");

@@ -11,12 +11,14 @@
 #    SAVE_EVERY steps to a directory of the local disk), and the time until
 #    the step being done when the rank died is done again (the disk restart
 #    redoes the steps since its checkpoint).
-# usage: bench/snapshots/run.sh BUILD_DIR [ranks] [d_model] [layers] [steps] [repeats]
+# usage: bench/snapshots/run.sh BUILD_DIR [ranks] [d_model] [layers] [steps] [repeats] [save_every] [kill_at]
+# (save_every: the disk checkpoint's interval, 10; kill_at: the step a rank
+# dies in, steps - 5; repeats 0: the recovery only)
 set -euo pipefail
 build=$1 ranks=${2:-2} d_model=${3:-256} layers=${4:-4} steps=${5:-30} repeats=${6:-3}
+save_every=${7:-10} kill_at=${8:-$((${5:-30} - 5))}
 torchrun=$(dirname "$0")/../../.venv/bin/torchrun
 bin=$build/tests/snapshot_train
-kill_at=$((steps - 5)) save_every=10
 tmp=$(mktemp -d)
 shm=$(mktemp -d /dev/shm/shardtorch-snapshot-bench.XXXXXX)  # the snapshots: node-local memory, as by default
 ck=$(mktemp -d /var/tmp/shardtorch-snapshot-bench.XXXXXX)
@@ -34,7 +36,7 @@ for i in $(seq "$repeats"); do
   run "$tmp/snap$i.log" --every 1 --dir "$shm/$i"
   echo "repeat $i: median step ms without $(median "$tmp/plain$i.log"), with snapshots (K=1) $(median "$tmp/snap$i.log")"
 done
-grep -h "^bytes kept" "$tmp/snap1.log"
+[ "$repeats" -gt 0 ] && grep -h "^bytes kept" "$tmp/snap1.log"
 # Recovery: memory, then disk.
 recovery() {  # LOG PATTERN: ms from the kill to the line PATTERN
   local killed first
@@ -48,3 +50,10 @@ grep -h "restored step\|incarnation 1" "$tmp/mem.log" "$tmp/disk.log" || true
 first="first step after the restart ended" again="step $kill_at ended again"
 echo "kill to first step after the restart: from memory $(recovery "$tmp/mem.log" "$first") ms, from disk $(recovery "$tmp/disk.log" "$first") ms"
 echo "kill to step $kill_at done again: from memory $(recovery "$tmp/mem.log" "$again") ms, from disk $(recovery "$tmp/disk.log" "$again") ms"
+phases() {  # LOG: ms from the kill to the restarted rank 0's start, World, restore
+  local killed
+  killed=$(sed -n 's/.*killed at step .* at epoch ms \([0-9]*\)$/\1/p' "$1" | head -1)
+  sed -n 's/^incarnation 1: .*epoch ms: process \([0-9]*\), world \([0-9]*\), restored \([0-9]*\).*/\1 \2 \3/p' "$1" |
+    head -1 | { read -r p w r; echo "process started $((p - killed)), World built $((w - killed)), state loaded $((r - killed))"; }
+}
+echo "after the kill (ms), from memory: $(phases "$tmp/mem.log"); from disk: $(phases "$tmp/disk.log")"
