@@ -92,13 +92,13 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 }
 
 void ShardViews::bind_grads() {
-  state_->optimizer().before_update();
   state_->summons().check_outside();  // before the step changes anything: the scope would write it over
   state_->backward().check_finished("an optimizer step");
   state_->optimizer().check_requires_grad_unchanged();
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).
   state_->copies().wait_for_offload_copies(/*step=*/true);
+  state_->optimizer().before_update();
   // An optimizer that does not write the masters' bf16 copies may write the
   // masters through raw pointers, which their version counters do not show:
   // stale from here, even if its step throws half-way.
