@@ -230,6 +230,32 @@ struct Found {
 
 std::string who_of(const World& world) { return detail::rank_prefix(world.global_rank()) + ": snapshots"; }
 
+// A copy of the state running in the background, which the model's updates
+// wait for (open while it runs).
+class CopyGate {
+ public:
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+  }
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = false;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return !open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
 // This rank's snapshot directory: its own snapshots and the copies it keeps
 // of its buddies' (which ranks those are), checked, written, listed, dropped.
 struct SnapshotDir {
@@ -343,6 +369,35 @@ struct SnapshotDir {
         files::remove_all_quietly(files::join(options.dir, e));
   }
 
+  // The bytes of `owner`'s snapshot `name`STEP in `dir` (0: none).
+  int64_t bytes_of(const std::string& name, int owner, int64_t s) const {
+    const std::string f = files::join(files::join(options.dir, name + std::to_string(s)), file_of(owner));
+    return files::exists(f) ? files::file_size(f) : 0;
+  }
+  // The bytes this rank keeps in `dir`, as they are now.
+  int64_t kept_now() const {
+    int64_t total = 0;
+    for (int64_t s : steps_named(options.dir, own_name(options, rank())))
+      total += bytes_of(own_name(options, rank()), rank(), s);
+    for (int from : held_for())
+      for (int64_t s : steps_named(options.dir, held_name(options, from, rank())))
+        total += bytes_of(held_name(options, from, rank()), from, s);
+    return total;
+  }
+  // kept_now() once this rank's snapshot of `step`, `size` bytes, is in
+  // place: the older generations it keeps and the copies as they are.
+  int64_t kept_after(int64_t step, int64_t size) const {
+    const std::string name = own_name(options, rank());
+    int64_t total = kept_now() + size;
+    std::vector<int64_t> older;
+    for (int64_t s : steps_named(options.dir, name)) {
+      if (s < step) older.push_back(s);
+      if (s >= step) total -= bytes_of(name, rank(), s);
+    }
+    for (size_t i = kKeep - 1; i < older.size(); ++i) total -= bytes_of(name, rank(), older[i]);
+    return total;
+  }
+
   // What this rank has: its own snapshots and the copies it keeps (JSON).
   std::string held_steps() const {
     json::object report;
@@ -393,10 +448,7 @@ struct Snapshots::Impl {
   std::map<std::string, std::pair<std::function<std::string()>, std::function<void(const std::string&)>>> state;
   std::thread transfer;
   std::string transfer_error, persist_error;
-  // A copy of the state in the background: updates wait for its end.
-  std::mutex copy_mu;
-  std::condition_variable copy_cv;
-  bool copying = false;
+  CopyGate copy;   // the copy of the state in the background, which updates wait for
   int guard = -1;  // the model's update guard
 
   Impl(std::shared_ptr<World> w, torch::nn::Module& r, ShardedOptimizer* o, SnapshotOptions opts)
@@ -425,14 +477,15 @@ struct Snapshots::Impl {
     uint64_t bytes = 0;      // of data
     json::object header;     // without its data_checksum
     int64_t file_bytes = 0;  // the file's size, its header's checksum the longest one
-  };
 
-  std::string header_of(const Own& o, const std::string& checksum) const {
-    json::object h = o.header;
-    h["data_checksum"] = checksum;
-    return checkpoint::serialize_header(
-        o.records, {{"step", std::to_string(o.step)}, {"shardtorch_snapshot", json::serialize(h)}});
-  }
+    // The file's header, with the data's checksum.
+    std::string head(const std::string& checksum) const {
+      json::object h = header;
+      h["data_checksum"] = checksum;
+      return checkpoint::serialize_header(
+          records, {{"step", std::to_string(step)}, {"shardtorch_snapshot", json::serialize(h)}});
+    }
+  };
 
   Own collect_own(int64_t step) {
     Own o;
@@ -480,7 +533,7 @@ struct Snapshots::Impl {
                             {"shapes", std::move(shapes)},
                             {"user_state", std::move(user)}};
     o.file_bytes = static_cast<int64_t>(
-        header_of(o, std::string(checkpoint::checksum::kXxh3) + ":" + std::string(16, 'f')).size() + o.bytes);
+        o.head(std::string(checkpoint::checksum::kXxh3) + ":" + std::string(16, 'f')).size() + o.bytes);
     return o;
   }
 
@@ -491,7 +544,7 @@ struct Snapshots::Impl {
     detail::test_point("snapshot copy");
     checkpoint::checksum::Hasher hash;
     for (const auto& c : o.data) hash.update(static_cast<const char*>(c.data_ptr()), c.nbytes());
-    const std::string head = header_of(o, hash.text());
+    const std::string head = o.head(hash.text());
     const std::string name = own_name(options, rank());
     const std::string tmp = temporary_for(options.dir, name, o.step);
     checkpoint::crash_point("snapshot started");
@@ -512,52 +565,6 @@ struct Snapshots::Impl {
     put_in_place(tmp, files::join(options.dir, name + std::to_string(o.step)));
     checkpoint::crash_point("snapshot in place");
     prune(options.dir, name);
-  }
-
-  // The background copy of the state: the guard of updates waits for it.
-  void copy_started() {
-    std::lock_guard<std::mutex> lock(copy_mu);
-    copying = true;
-  }
-  void copy_done() {
-    {
-      std::lock_guard<std::mutex> lock(copy_mu);
-      copying = false;
-    }
-    copy_cv.notify_all();
-  }
-  void wait_for_copy() {
-    std::unique_lock<std::mutex> lock(copy_mu);
-    copy_cv.wait(lock, [this] { return !copying; });
-  }
-
-  // The bytes of `owner`'s snapshot `name`STEP in `dir` (0: none).
-  int64_t bytes_of(const std::string& name, int owner, int64_t s) const {
-    const std::string f = files::join(files::join(options.dir, name + std::to_string(s)), file_of(owner));
-    return files::exists(f) ? files::file_size(f) : 0;
-  }
-  // The bytes this rank keeps in `dir`, as they are now.
-  int64_t kept_now() const {
-    int64_t total = 0;
-    for (int64_t s : steps_named(options.dir, own_name(options, rank())))
-      total += bytes_of(own_name(options, rank()), rank(), s);
-    for (int from : dir.held_for())
-      for (int64_t s : steps_named(options.dir, held_name(options, from, rank())))
-        total += bytes_of(held_name(options, from, rank()), from, s);
-    return total;
-  }
-  // kept_now() once this rank's snapshot of `step`, `size` bytes, is in
-  // place: the older generations it keeps and the copies as they are.
-  int64_t kept_after(int64_t step, int64_t size) const {
-    const std::string name = own_name(options, rank());
-    int64_t total = kept_now() + size;
-    std::vector<int64_t> older;
-    for (int64_t s : steps_named(options.dir, name)) {
-      if (s < step) older.push_back(s);
-      if (s >= step) total -= bytes_of(name, rank(), s);
-    }
-    for (size_t i = kKeep - 1; i < older.size(); ++i) total -= bytes_of(name, rank(), older[i]);
-    return total;
   }
 
   // Sends this rank's snapshot of `step` to its buddy and receives the
@@ -711,7 +718,7 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
   std::vector<int> all(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) all[static_cast<size_t>(r)] = r;
   if (n > 1 || m.options.persist_every > 0) m.comm = m.world->new_group(all, "snapshots");
-  m.guard = m.sharded->optimizer().add_update_guard([&m] { m.wait_for_copy(); });
+  m.guard = m.sharded->optimizer().add_update_guard([&m] { m.copy.wait(); });
 }
 
 Snapshots::~Snapshots() {
@@ -735,7 +742,7 @@ const std::vector<int>& Snapshots::buddies() const { return impl_->options.buddy
 
 int64_t Snapshots::bytes_kept() const {
   impl_->wait_transfer(true);
-  return impl_->kept_now();
+  return impl_->dir.kept_now();
 }
 
 void Snapshots::wait() { impl_->wait_transfer(true); }
@@ -745,25 +752,25 @@ void Snapshots::after_step(int64_t step) {
   if (step % m.options.every != 0) return;
   m.wait_transfer(true);
   auto own = std::make_shared<Impl::Own>(m.collect_own(step));
-  m.count_memory(m.kept_after(step, own->file_bytes));
+  m.count_memory(m.dir.kept_after(step, own->file_bytes));
   // With an optimizer, the copy runs in the background until its next update
   // (which waits for it); without one, nothing tells when the state changes.
   const bool background = m.opt != nullptr;
   if (!background) m.write_own(*own);
   if (!m.comm && !background) return;
   const bool persist = m.options.persist_every > 0 && step % m.options.persist_every == 0;
-  if (background) m.copy_started();
+  if (background) m.copy.open();
   m.transfer = std::thread([&m, own, step, persist, background] {
     try {
       if (background) {
         try {
           m.write_own(*own);
         } catch (...) {
-          m.copy_done();
+          m.copy.close();
           throw;
         }
         own->data.clear();
-        m.copy_done();
+        m.copy.close();
       }
       if (!m.comm) return;
       m.exchange(step);
