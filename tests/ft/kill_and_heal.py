@@ -90,8 +90,9 @@ def main():
         victim = rng.randrange(a.groups)
         # Incarnation i dies at its step kill_steps[i] (or the first step after
         # it healed past it): each kill comes after the previous one rejoined.
-        kill_steps = sorted(rng.sample(range(3, max(4 + a.kills, late)), a.kills))
-        if a.snapshots:
+        if not a.snapshots:
+            kill_steps = sorted(rng.sample(range(3, max(4 + a.kills, late)), a.kills))
+        else:
             # Kill i comes 2 to 2 K + 2 steps after the previous one (the
             # restarted group first commits a step that counts every group),
             # at a multiple of K for odd i and the last, else (K > 1) between
