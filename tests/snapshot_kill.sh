@@ -3,7 +3,7 @@
 # "node": the default buddy map puts rank r's copy on rank r+1): runs killed
 # on purpose (tests/snapshot_train.cpp's --kill) restore and end with final
 # parameters equal, bitwise, to a run of the same strategy that never died.
-# usage: snapshot_kill.sh TORCHRUN SNAPSHOT_TRAIN full_shard|strategies
+# usage: snapshot_kill.sh TORCHRUN SNAPSHOT_TRAIN full_shard|strategies|rejoin
 set -euo pipefail
 torchrun=$1 bin=$2 set=$3
 tmp=$(mktemp -d)
@@ -79,6 +79,61 @@ if [ "$set" = full_shard ]; then
     --kill "0:1@8:forward:pair"
   says pair "loaded the sharded checkpoint '$tmp/ck' at step 6 instead"
   same $s pair
+elif [ "$set" = rejoin ]; then
+  # A hand launch whose other ranks stay alive: each survivor of a lost rank
+  # calls Snapshots::rejoin(), and this script starts a replacement with
+  # SHARDTORCH_REJOIN=1 as soon as the lost one has exited. Rank 2 is killed
+  # inside a reduce-scatter of step 4, then rank 1 before the forward of
+  # step 7 (the second rejoin includes the first replacement): the survivors
+  # keep their state in place. Then rank 3 before its optimizer step of
+  # step 9: the others have made that update, so they load their own step 8.
+  s=full_shard
+  run "oracle-$s" --strategy $s --steps 10
+  port=$("$(dirname "$torchrun")/python3" -c \
+    'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  start() {  # RANK INCARNATION
+    RANK=$1 LOCAL_RANK=$1 WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      TORCHELASTIC_RESTART_COUNT=$2 SHARDTORCH_REJOIN=$([ "$2" = 0 ] && echo 0 || echo 1) \
+      timeout ${REJOIN_TIMEOUT:-120} "$bin" --strategy $s --steps 10 --every 1 --dir "$tmp/rejoin" --rejoin \
+      --kill "0:2@4:reduce-scatter,0:1@7:forward,0:3@9:optimizer" --out "$tmp/rejoin.safetensors" \
+      > "$tmp/rejoin.r$1.i$2.log" 2>&1 &
+    pid[$1]=$!
+    inc[$1]=$2
+  }
+  declare -A pid inc
+  for r in 0 1 2 3; do start $r 0; done
+  replaced=0 left=4
+  while [ $left -gt 0 ]; do
+    for r in 0 1 2 3; do
+      p=${pid[$r]}
+      [ "$p" = done ] && continue
+      kill -0 "$p" 2> /dev/null && continue
+      code=0
+      wait "$p" || code=$?
+      if [ $code = 137 ] && [ $replaced -lt 3 ]; then  # killed on purpose: replaced
+        replaced=$((replaced + 1))
+        start $r $replaced
+      else
+        [ $code = 0 ] || { echo "FAIL: rejoin: rank $r (incarnation ${inc[$r]}) exited with $code";
+                           tail -n 30 "$tmp"/rejoin.*.log; exit 1; }
+        pid[$r]=done
+        left=$((left - 1))
+      fi
+    done
+    sleep 0.05
+  done
+  cat "$tmp"/rejoin.*.log > "$tmp/rejoin.log"
+  says rejoin "rank 2: killed at step 4 (reduce-scatter)"
+  says rejoin "rank 1: killed at step 7 (forward)"
+  says rejoin "rank 0: rejoined at step 3"
+  says rejoin "rank 3: rejoined at step 6"
+  says rejoin "restored step 3 from memory; kept in place (as training left it) on ranks 0 1 3"
+  says rejoin "restored step 6 from memory; kept in place (as training left it) on ranks 0 2 3"
+  says rejoin "rank 3: killed at step 9 (optimizer)"
+  says rejoin "rank 2: rejoined at step 8"
+  grep -qF "restored step 8 from memory" "$tmp/rejoin.log" && ! grep -q "restored step 8 .*kept in place" "$tmp/rejoin.log" ||
+    { echo "FAIL: rejoin: step 8 was not restored from every rank's own snapshot"; cat "$tmp/rejoin.log"; exit 1; }
+  same $s rejoin
 else
   # Killed inside a reduce-scatter where the strategy reduce-scatters;
   # OptimizerOnly all-reduces its gradients: killed between the units' reductions.

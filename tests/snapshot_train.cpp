@@ -15,6 +15,11 @@
 // each keeps (both nodes lost: only the disk checkpoint remains); "damage"
 // flips a byte of the rank's newest snapshot (its checksum must refuse it).
 //
+// --rejoin (a hand launch, without torchrun): a rank whose step fails stays
+// alive and calls Snapshots::rejoin(); the launcher starts a replacement for
+// the lost rank with SHARDTORCH_REJOIN=1 and TORCHELASTIC_RESTART_COUNT set
+// to its incarnation. Each rank that rejoined prints "rank R: rejoined at step S".
+//
 // For bench/snapshots/run.sh: --model gpt trains the example GPT
 // (--d-model, --layers); rank 0 prints the median step time of this
 // incarnation and, as wall-clock epoch milliseconds, when a rank was killed,
@@ -132,6 +137,8 @@ int train(int argc, char** argv, int& rank) {
   const auto kills = parse_kills(arg(argc, argv, "kill", ""));
   const int64_t report_step = std::stoll(arg(argc, argv, "report-step", "-1"));
   const bool snapshots = !dir.empty();
+  bool rejoin = false;
+  for (int i = 1; i < argc; ++i) rejoin = rejoin || std::string(argv[i]) == "--rejoin";
   const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const int incarnation = restarts ? std::atoi(restarts) : 0;
 
@@ -247,37 +254,49 @@ int train(int argc, char** argv, int& rank) {
   });
   std::vector<double> times;
   first = step;
+  bool rejoined = false;  // this process rejoined a replacement (--rejoin)
   while (step < steps) {
-    const auto t0 = std::chrono::steady_clock::now();
-    posted = 0;
-    if (mine.phase == "reduce-scatter" && step + 1 == mine.step) wait_for_snapshots();
-    die_at("forward");
-    opt->zero_grad();
-    torch::Tensor loss;
-    if (is_gpt) {
-      torch::manual_seed(1000 + 7919 * position + world->rank());
-      ++position;
-      auto tokens = torch::randint(cfg.vocab, {8, cfg.seq_len}, torch::kLong);
-      loss = gpt::lm_loss(gpt_model->forward(tokens), tokens);
-    } else {
-      auto [x, y] = next_batch();
-      loss = torch::mse_loss(net->forward(x, [&] { die_at("backward"); }), y);
+    try {
+      const auto t0 = std::chrono::steady_clock::now();
+      posted = 0;
+      if (mine.phase == "reduce-scatter" && step + 1 == mine.step) wait_for_snapshots();
+      die_at("forward");
+      opt->zero_grad();
+      torch::Tensor loss;
+      if (is_gpt) {
+        torch::manual_seed(1000 + 7919 * position + world->rank());
+        ++position;
+        auto tokens = torch::randint(cfg.vocab, {8, cfg.seq_len}, torch::kLong);
+        loss = gpt::lm_loss(gpt_model->forward(tokens), tokens);
+      } else {
+        auto [x, y] = next_batch();
+        loss = torch::mse_loss(net->forward(x, [&] { die_at("backward"); }), y);
+      }
+      loss.backward();
+      die_at("optimizer");
+      opt->step();
+      ++step;
+      if (snaps) snaps->after_step(step);
+      if (save_every > 0 && step % save_every == 0 && !ckpt.empty())
+        shardtorch::save_sharded_checkpoint(
+            model, opt.get(), ckpt, step,
+            snaps ? snaps->user_state() : std::map<std::string, std::string>{{"position", std::to_string(position)}});
+      times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      if (step == first + 1 && (incarnation > 0 || rejoined) && world->rank() == 0)
+        std::printf("first step after the restart ended at epoch ms %lld\n", static_cast<long long>(epoch_ms()));
+      if (step == report_step && (incarnation > 0 || rejoined) && world->rank() == 0)
+        std::printf("step %lld ended again at epoch ms %lld\n", static_cast<long long>(step),
+                    static_cast<long long>(epoch_ms()));
+    } catch (const std::exception& e) {
+      if (!rejoin || !snaps) throw;
+      std::fprintf(stderr, "rank %d: step %lld failed, rejoining: %s\n", world->rank(),
+                   static_cast<long long>(step + 1), e.what());
+      step = snaps->rejoin();
+      first = step;
+      rejoined = true;
+      std::fprintf(stderr, "rank %d: rejoined at step %lld at epoch ms %lld\n", world->rank(),
+                   static_cast<long long>(step), static_cast<long long>(epoch_ms()));
     }
-    loss.backward();
-    die_at("optimizer");
-    opt->step();
-    ++step;
-    if (snaps) snaps->after_step(step);
-    if (save_every > 0 && step % save_every == 0 && !ckpt.empty())
-      shardtorch::save_sharded_checkpoint(
-          model, opt.get(), ckpt, step,
-          snaps ? snaps->user_state() : std::map<std::string, std::string>{{"position", std::to_string(position)}});
-    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    if (step == first + 1 && incarnation > 0 && world->rank() == 0)
-      std::printf("first step after the restart ended at epoch ms %lld\n", static_cast<long long>(epoch_ms()));
-    if (step == report_step && incarnation > 0 && world->rank() == 0)
-      std::printf("step %lld ended again at epoch ms %lld\n", static_cast<long long>(step),
-                  static_cast<long long>(epoch_ms()));
   }
   if (world->rank() == 0 && times.size() > 3) {
     std::vector<double> steady(times.begin() + 3, times.end());

@@ -41,6 +41,32 @@ TEST(Errors, LibraryErrorsAreShardtorchErrorsWithoutABacktrace) {
   EXPECT_THROW(shardtorch::checkpoint::load_file("/nonexistent/shardtorch.safetensors"), shardtorch::Error);
 }
 
+// A replacement (SHARDTORCH_REJOIN=1) joins through the job's store: for a
+// rank 0 that hosted it in a hand launch, nothing is left to join, and the
+// error says so before anything waits. A value other than 0 or 1 is refused.
+TEST(Errors, AReplacementForARankZeroThatHostedTheStoreIsRefusedSayingWhy) {
+  const shardtorch::EnvLookup yes = [](const std::string& name) -> std::optional<std::string> {
+    if (name == "SHARDTORCH_REJOIN") return "yes";
+    return std::nullopt;
+  };
+  EXPECT_THROW(shardtorch::parse_launch_env(yes), shardtorch::Error);
+  const std::vector<std::pair<const char*, const char*>> env = {{"RANK", "0"},
+                                                                {"WORLD_SIZE", "2"},
+                                                                {"MASTER_ADDR", "127.0.0.1"},
+                                                                {"MASTER_PORT", "29999"},
+                                                                {"SHARDTORCH_REJOIN", "1"}};
+  for (const auto& [k, v] : env) ::setenv(k, v, 1);
+  std::string message;
+  try {
+    shardtorch::World::from_env();
+  } catch (const shardtorch::Error& e) {
+    message = e.what();
+  }
+  for (const auto& [k, v] : env) ::unsetenv(k);
+  EXPECT_NE(message.find("rank 0 hosts the rendezvous store, which went with the lost process"), std::string::npos)
+      << message;
+}
+
 // One catch clause is enough, wherever a failure starts: the launcher's
 // variables, ranks whose ShardOptions differ in shard(), a collective whose
 // peer left, a failure inside the library's thread that waits for

@@ -234,6 +234,37 @@ TEST(Snapshots, TheNextUpdateWaitsForTheCopyInTheBackground) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// Under a launch that keeps the other ranks alive, rejoin() waits for the
+// lost rank's replacement; with none started it fails within the timeout,
+// saying what to start, instead of hanging.
+TEST(Snapshots, ARejoinWithoutAReplacementFailsWithinTheTimeoutSayingWhatToStart) {
+  const TempDir dir("shardtorch-snapshots");
+  auto r = run_ranks(
+      2,
+      [&](World& w) {
+        Trained t(w, Strategy::FullShard, 13, 1);
+        Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "rejoin"));
+        t.register_with(snaps);
+        require(snaps.restore() == -1, "a fresh start restored a step");
+        t.step();
+        snaps.after_step(1);
+        const auto start = std::chrono::steady_clock::now();
+        std::string message;
+        try {
+          snaps.rejoin();
+        } catch (const shardtorch::Error& e) {
+          message = e.what();
+        }
+        const auto waited = std::chrono::steady_clock::now() - start;
+        require(message.find("for a replacement of the lost rank to join: start it with SHARDTORCH_REJOIN=1") !=
+                    std::string::npos,
+                "rejoin() without a replacement: '" + message + "'");
+        require(waited < std::chrono::seconds(10), "rejoin() waited past its timeout");
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // Every second step is also published to fallback_dir in the background;
 // with every snapshot in memory gone, restore() loads the newest one
 // persisted, with each rank's own registered state. The memory report

@@ -194,6 +194,8 @@ class SHARDTORCH_API Comm {
   void enable_checks(std::shared_ptr<detail::CollectiveContext> context, c10::intrusive_ptr<c10d::Backend> check,
                      std::shared_ptr<detail::WaitBoard> board = nullptr, const std::string& name = "",
                      std::vector<int> members = {});
+  /// The check stops (World::rejoin): collectives run unchecked from here on.
+  void disable_checks();
   /// What a failed collective's error adds about the peers (the world sets
   /// it: which died or did not arrive, and where each last was); given when
   /// the collective started, it must not throw.

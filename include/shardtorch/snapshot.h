@@ -76,6 +76,16 @@ class SHARDTORCH_API Snapshots {
   /// serve, the sharded checkpoint in fallback_dir is loaded instead (said
   /// on stderr) and its step returned; with none, -1 (nothing loaded).
   int64_t restore();
+  /// Under a launcher that keeps the other ranks running when one is lost
+  /// (a hand launch, spare processes): called by every rank still running
+  /// once its step failed (a collective's error), instead of exiting. Waits
+  /// for the lost rank's replacement (started with SHARDTORCH_REJOIN=1,
+  /// which calls restore() as usual), connects again with it
+  /// (World::rejoin), and restores as restore() does, except that a rank
+  /// whose state is still that of the chosen step (no update began since
+  /// its after_step) keeps it in place and takes back only its buffers and
+  /// registered state. Returns the step; training goes on after it.
+  int64_t rejoin();
   /// After the optimizer step `step` (steps counted from 1): snapshots
   /// when step % every == 0. Collects this rank's state and returns: the
   /// buffers are copied at once (a forward changes them); the rest is

@@ -23,6 +23,7 @@ namespace shardtorch {
 namespace detail {
 class Progress;
 class CollectiveContext;
+class SetupJournal;
 struct WorldAccess;
 }  // namespace detail
 
@@ -40,6 +41,9 @@ struct SHARDTORCH_API LaunchEnv {
   std::optional<std::chrono::milliseconds> timeout;
   /// SHARDTORCH_FILE_TIMEOUT_S: replaces WorldOptions::file_timeout likewise.
   std::optional<std::chrono::milliseconds> file_timeout;
+  /// SHARDTORCH_REJOIN=1: this process replaces a lost rank of a running
+  /// job (WorldOptions::rejoin).
+  bool rejoin = false;
 };
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
@@ -80,6 +84,13 @@ struct SHARDTORCH_API WorldOptions {
   /// replaces it at launch. Every rank must end up with the same choice
   /// (checked when the world is created).
   TORCH_ARG(std::optional<bool>, check_collectives) = std::nullopt;
+  /// This process replaces a lost rank of a job whose other ranks are still
+  /// running and wait in World::rejoin() (docs/fault_tolerance.md,
+  /// "Survivors that stay alive"): it joins them instead of starting a new
+  /// job. Its set-up (shard(), the optimizer, Snapshots, the groups) must be
+  /// the program's own, up to Snapshots::restore(). The collective check is
+  /// off in such a World. SHARDTORCH_REJOIN=1 sets it at launch.
+  TORCH_ARG(bool, rejoin) = false;
 };
 
 class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
@@ -146,6 +157,17 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   /// over its members, as new_group. DeviceMesh makes one per dimension.
   std::shared_ptr<World> subworld(const std::vector<int>& ranks, const std::string& tag);
 
+  /// After a collective failed because a rank was lost, on every rank still
+  /// running (the whole job's World): waits (at most timeout()) for a
+  /// replacement started with WorldOptions::rejoin (SHARDTORCH_REJOIN=1),
+  /// then connects this World and every group made from it again, with it,
+  /// and answers its set-up's collectives with those of this rank's own
+  /// set-up (recorded up to the first Snapshots::restore() or optimizer
+  /// step). The Comms keep their identity; the collective check is off from
+  /// here on. Nothing may be in flight on any of them. Snapshots::rejoin()
+  /// calls it and then restores the lost rank's state.
+  void rejoin();
+
   World(const World&) = delete;
   World& operator=(const World&) = delete;
 
@@ -168,6 +190,11 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   std::shared_ptr<detail::Progress> progress_;
   std::shared_ptr<detail::CollectiveContext> context_;
   std::shared_ptr<detail::WaitBoard> waits_;  // when the collectives are checked
+  // The whole job's World: what rejoin() connects again, and where.
+  std::shared_ptr<detail::SetupJournal> journal_;
+  c10::intrusive_ptr<c10d::Store> base_store_;  // store_ is it, or its prefix of the epoch
+  int64_t epoch_ = 0;                           // rejoins so far
+  std::vector<std::weak_ptr<Comm>> comms_;      // the world's and its groups'
 };
 
 }  // namespace shardtorch

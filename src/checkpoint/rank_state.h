@@ -50,7 +50,10 @@ std::string publish_rank_files(const GatherStrings& gather, int rank, const std:
                                const std::string& entries, Strategy strategy,
                                const std::map<std::string, std::vector<int64_t>>& shapes, int64_t step,
                                const std::map<std::string, std::string>& user_state, const std::string& dir);
+/// `keep`: this rank changes nothing (it already holds the state) but takes
+/// part in the agreement.
 void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
-                     const index_format::Index& idx, const std::string& fingerprint, const std::string& error = "");
+                     const index_format::Index& idx, const std::string& fingerprint, const std::string& error = "",
+                     bool keep = false);
 
 }  // namespace shardtorch::checkpoint

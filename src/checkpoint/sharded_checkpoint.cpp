@@ -1036,7 +1036,7 @@ std::string strategy_of(torch::nn::Module& root) {
 }
 
 void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, const Index& idx,
-                     const std::string& fingerprint, const std::string& prior_error) {
+                     const std::string& fingerprint, const std::string& prior_error, bool keep) {
   auto state = detail::require_state(root, "snapshot restore");
   detail::FileWaits file_waits(*state);
   state->copies().wait_for_offload_copies();
@@ -1045,7 +1045,7 @@ void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::
   std::optional<Files> files;
   Changes changes;
   std::string error = prior_error;
-  if (error.empty()) {
+  if (error.empty() && !keep) {
     try {
       state->summons().check_outside();
       files.emplace(dir, idx);

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +32,8 @@
 #include "checkpoint/index_format.h"
 #include "checkpoint/rank_state.h"
 #include "checkpoint/safetensors_format.h"
+#include "comm/world_access.h"
+#include "runtime/backward_tracker.h"
 #include "runtime/placement.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/checkpoint.h"
@@ -415,6 +418,46 @@ struct SnapshotDir {
   }
 };
 
+// The point-to-point transfers the background thread waits on, which a
+// rejoin aborts: a receive from a rank that died is not woken by its
+// connection closing. Once aborted, a transfer posted later is aborted too,
+// and check() throws, until reset() (the next snapshot).
+class Transfers {
+ public:
+  void reset() {
+    std::lock_guard<std::mutex> lock(mu_);
+    works_.clear();
+    aborted_ = false;
+  }
+  void add(const PendingWork& p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!p.work) return;
+    works_.push_back(p.work);
+    if (aborted_) abort_all();
+  }
+  void abort() {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = true;
+    abort_all();
+  }
+  void check() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_) throw std::runtime_error("aborted for a rejoin");
+  }
+
+ private:
+  void abort_all() {
+    for (auto& w : works_) try {
+        w->abort();
+      } catch (const std::exception&) {  // done already
+      }
+    works_.clear();
+  }
+  mutable std::mutex mu_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  bool aborted_ = false;
+};
+
 }  // namespace
 
 namespace detail {
@@ -449,7 +492,19 @@ struct Snapshots::Impl {
   std::thread transfer;
   std::string transfer_error, persist_error;
   CopyGate copy;   // the copy of the state in the background, which updates wait for
+  Transfers sent;  // the background thread's transfers
   int guard = -1;  // the model's update guard
+  // This rank's state as training left it, for a rejoin (Snapshots::rejoin):
+  // it is the state of `step` while no update began since after_step(step);
+  // the buffers (a forward changes them) and the registered state are those
+  // of the snapshot collected at `collected`.
+  struct Live {
+    int64_t step = -1, collected = -1;
+    std::atomic<bool> updated{true};
+    std::vector<std::pair<std::string, at::Tensor>> buffers;
+    std::map<std::string, std::string> user_state;
+    bool usable() const { return !updated.load() && step >= 0 && step == collected; }
+  } live;
 
   Impl(std::shared_ptr<World> w, torch::nn::Module& r, ShardedOptimizer* o, SnapshotOptions opts)
       : world(std::move(w)), root(r), opt(o), options(std::move(opts)), dir(*world, options) {}
@@ -521,6 +576,10 @@ struct Snapshots::Impl {
       written.user_state[k] = fns.first();
       user[k] = written.user_state[k];
     }
+    live.collected = step;
+    live.user_state = written.user_state;
+    live.buffers.clear();
+    for (const auto& item : root.named_buffers()) live.buffers.emplace_back(item.key(), item.value().detach().clone());
     written.entries = json::serialize(entries);
     o.header = json::object{{"format", kFormat},
                             {"version", kVersion},
@@ -590,12 +649,16 @@ struct Snapshots::Impl {
       at::Tensor head = torch::tensor({step, data.numel()}, torch::kInt64);
       keep = {head, data};
       works.push_back(comm->send_async(head, buddy, 1, "snapshot header"));
+      sent.add(works.back());
       works.push_back(comm->send_async(data, buddy, 2, "snapshot"));
+      sent.add(works.back());
     }
     for (int from : dir.held_for()) {
       at::Tensor head = at::empty({2}, at::kLong);
       PendingWork w = comm->recv_async(head, from, 1, "snapshot header");
+      sent.add(w);
       comm->wait(w);
+      sent.check();
       const int64_t s = head[0].item<int64_t>(), n = head[1].item<int64_t>();
       const std::string name = held_name(options, from, rank());
       const std::string tmp = temporary_for(options.dir, name, s), file = files::join(tmp, file_of(from));
@@ -609,12 +672,15 @@ struct Snapshots::Impl {
       }
       ::close(fd);
       PendingWork d = comm->recv_async(data, from, 2, "snapshot");
+      sent.add(d);
       comm->wait(d);
+      sent.check();
       data = at::Tensor();  // unmapped: the file holds the bytes
       put_in_place(tmp, files::join(options.dir, name + std::to_string(s)));
       prune(options.dir, name);
     }
     for (auto& w : works) comm->wait(w);
+    sent.check();
   }
 
   // Publishes the snapshot of `step` as the sharded checkpoint in
@@ -646,17 +712,19 @@ struct Snapshots::Impl {
   // The snapshots' bytes in the model's memory report.
   void count_memory(int64_t bytes) { sharded->mem().set(Mem::Snapshots, bytes); }
 
-  int64_t restore();
+  /// `survivor`: this rank's live state may serve (Snapshots::rejoin).
+  int64_t restore(bool survivor);
   int64_t fall_back(const std::string& why);
   // restore's steps.
   struct Choice {
     int64_t step = -1;              // chosen (-1: none)
     std::optional<int64_t> newest;  // the newest step any rank has
     std::vector<int> source;        // per rank: -1 (its own), or the rank keeping its copy
+    std::vector<int> kept;          // the ranks whose live state is the step's
   };
   Choice choose(const std::vector<std::string>& reports) const;
   std::vector<int> return_copies(int64_t chosen, const std::vector<int>& source);
-  void load_step(int64_t chosen);
+  void load_step(int64_t chosen, bool keep);
 };
 
 namespace {
@@ -718,7 +786,10 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
   std::vector<int> all(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) all[static_cast<size_t>(r)] = r;
   if (n > 1 || m.options.persist_every > 0) m.comm = m.world->new_group(all, "snapshots");
-  m.guard = m.sharded->optimizer().add_update_guard([&m] { m.copy.wait(); });
+  m.guard = m.sharded->optimizer().add_update_guard([&m] {
+    m.copy.wait();
+    m.live.updated = true;
+  });
 }
 
 Snapshots::~Snapshots() {
@@ -749,6 +820,8 @@ void Snapshots::wait() { impl_->wait_transfer(true); }
 
 void Snapshots::after_step(int64_t step) {
   Impl& m = *impl_;
+  m.live.step = step;
+  m.live.updated = false;
   if (step % m.options.every != 0) return;
   m.wait_transfer(true);
   auto own = std::make_shared<Impl::Own>(m.collect_own(step));
@@ -760,6 +833,7 @@ void Snapshots::after_step(int64_t step) {
   if (!m.comm && !background) return;
   const bool persist = m.options.persist_every > 0 && step % m.options.persist_every == 0;
   if (background) m.copy.open();
+  m.sent.reset();
   m.transfer = std::thread([&m, own, step, persist, background] {
     try {
       if (background) {
@@ -792,8 +866,20 @@ void Snapshots::after_step(int64_t step) {
 }
 
 int64_t Snapshots::restore() {
-  const int64_t step = impl_->restore();
+  const int64_t step = impl_->restore(/*survivor=*/false);
   impl_->count_memory(bytes_kept());
+  return step;
+}
+
+int64_t Snapshots::rejoin() {
+  Impl& m = *impl_;
+  m.sent.abort();                                           // a receive from the lost rank waits for nothing
+  m.wait_transfer(false);                                   // the copy in flight, most likely failed with the lost rank
+  m.sharded->backward().recover_if_failed(/*warn=*/false);  // the failed step's reductions in flight
+  m.sharded->forget_learned();
+  m.world->rejoin();
+  const int64_t step = m.restore(/*survivor=*/true);
+  m.count_memory(bytes_kept());
   return step;
 }
 
@@ -819,21 +905,28 @@ int64_t Snapshots::Impl::fall_back(const std::string& why) {
   return step;
 }
 
-int64_t Snapshots::Impl::restore() {
+int64_t Snapshots::Impl::restore(bool survivor) {
   wait_transfer(false);
+  detail::WorldAccess::end_setup(*world);
   dir.remove_leftovers();
-  const auto reports = world->comm().all_gather_strings(dir.held_steps(), "snapshot restore: the steps held");
+  json::object report = json::parse(dir.held_steps()).as_object();
+  report["live"] = survivor && live.usable() ? live.step : int64_t{-1};
+  const auto reports = world->comm().all_gather_strings(json::serialize(report), "snapshot restore: the steps held");
   const Choice c = choose(reports);
   if (c.step < 0)
     return fall_back(!c.newest ? ""
                                : "no step is in memory on every rank (newest seen: " + std::to_string(*c.newest) + ")");
   const std::vector<int> lost = return_copies(c.step, c.source);
-  load_step(c.step);
+  const bool keep = std::count(c.kept.begin(), c.kept.end(), rank()) > 0;
+  load_step(c.step, keep);
+  if (!keep) live.updated = true;  // until the next after_step, the state is the restored one's
   if (rank() == 0) {
-    std::string from;
+    std::string from, kept;
     for (int r : lost) from += " " + std::to_string(r);
+    for (int r : c.kept) kept += " " + std::to_string(r);
     SHARDTORCH_INFO("shardtorch: snapshots: restored step ", c.step, " from memory",
-                    lost.empty() ? "" : "; from their buddies' copies: ranks", from);
+                    lost.empty() ? "" : "; from their buddies' copies: ranks", from,
+                    kept.empty() ? "" : "; kept in place (as training left it) on ranks", kept);
   }
   return c.step;
 }
@@ -845,6 +938,7 @@ Snapshots::Impl::Choice Snapshots::Impl::choose(const std::vector<std::string>& 
   std::vector<std::set<int64_t>> own_steps(static_cast<size_t>(n));
   std::vector<std::map<int64_t, int>> kept(static_cast<size_t>(n));  // step -> the lowest keeper
   std::set<int64_t> candidates;
+  std::vector<int64_t> live_step(static_cast<size_t>(n), -1);  // a survivor's state as training left it
   for (int r = 0; r < n; ++r) {
     const json::object o = json::parse(reports[static_cast<size_t>(r)]).as_object();
     for (const auto& s : o.at("own").as_array()) {
@@ -856,6 +950,11 @@ Snapshots::Impl::Choice Snapshots::Impl::choose(const std::vector<std::string>& 
         kept[static_cast<size_t>(std::stoi(std::string(from)))].emplace(s.as_int64(), r);
         candidates.insert(s.as_int64());
       }
+    if (const auto* l = o.if_contains("live"); l && l->as_int64() >= 0) {
+      live_step[static_cast<size_t>(r)] = l->as_int64();
+      own_steps[static_cast<size_t>(r)].insert(l->as_int64());
+      candidates.insert(l->as_int64());
+    }
   }
   Choice c;
   c.source.assign(static_cast<size_t>(n), -1);
@@ -866,9 +965,11 @@ Snapshots::Impl::Choice Snapshots::Impl::choose(const std::vector<std::string>& 
       all = own_steps[static_cast<size_t>(r)].count(*it) || kept[static_cast<size_t>(r)].count(*it);
     if (!all) continue;
     c.step = *it;
-    for (int r = 0; r < n; ++r)
+    for (int r = 0; r < n; ++r) {
+      if (live_step[static_cast<size_t>(r)] == c.step) c.kept.push_back(r);
       if (!own_steps[static_cast<size_t>(r)].count(c.step))
         c.source[static_cast<size_t>(r)] = kept[static_cast<size_t>(r)].at(c.step);
+    }
   }
   return c;
 }
@@ -909,12 +1010,24 @@ std::vector<int> Snapshots::Impl::return_copies(int64_t chosen, const std::vecto
 // Collective: every rank checks what it will load; the load agrees before
 // anyone changes. A rank whose file went bad since: every rank fails with
 // the reason, before anything changes.
-void Snapshots::Impl::load_step(int64_t chosen) {
+void Snapshots::Impl::load_step(int64_t chosen, bool keep) {
+  const std::string fingerprint = "snapshot step " + std::to_string(chosen);
+  if (keep) {  // this rank's parameters and optimizer state are the step's: only what a forward changed goes back
+    checkpoint::load_rank_state(root, opt, "", Index{}, fingerprint, "", /*keep=*/true);
+    c10::NoGradGuard no_grad;
+    std::map<std::string, at::Tensor> buffers;
+    for (const auto& item : root.named_buffers()) buffers[item.key()] = item.value();
+    for (const auto& [name, value] : live.buffers)
+      if (auto it = buffers.find(name); it != buffers.end()) it->second.copy_(value);
+    for (auto& [k, fns] : state)
+      if (auto it = live.user_state.find(k); it != live.user_state.end()) fns.second(it->second);
+    dir.drop_newer(chosen);
+    return;
+  }
   std::string why;
   const std::string path = detail::own_snapshot_path(options, rank(), chosen);
   std::optional<Found> found = dir.check(path, rank(), chosen, why);
-  checkpoint::load_rank_state(root, opt, path, found ? found->index : Index{},
-                              "snapshot step " + std::to_string(chosen), found ? "" : why);
+  checkpoint::load_rank_state(root, opt, path, found ? found->index : Index{}, fingerprint, found ? "" : why);
   for (auto& [k, fns] : state)
     if (auto it = found->user_state.find(k); it != found->user_state.end()) fns.second(it->second);
   dir.drop_newer(chosen);

@@ -11,6 +11,7 @@
 #include "comm/bounded_store.h"
 #include "comm/collective_check.h"
 #include "comm/progress.h"
+#include "comm/rejoin.h"
 
 #include <unistd.h>
 
@@ -163,6 +164,10 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
       *field = std::chrono::seconds(seconds);
     }
   }
+  if (auto r = lookup("SHARDTORCH_REJOIN")) {
+    if (*r != "0" && *r != "1") bad_var("SHARDTORCH_REJOIN", *r, "must be 0 or 1");
+    env.rejoin = *r == "1";
+  }
   auto agent = lookup("TORCHELASTIC_USE_AGENT_STORE");
   env.use_agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   if (env.world_size > 1) {
@@ -180,6 +185,13 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
   LaunchEnv env = parse_launch_env();
   if (env.timeout) options.timeout(*env.timeout);
   if (env.file_timeout) options.file_timeout(*env.file_timeout);
+  if (env.rejoin) options.rejoin(true);
+  if (options.rejoin() && env.world_size > 1 && env.rank == 0 && !env.use_agent_store)
+    throw Error(detail::rank_prefix(env.rank) + " is to replace a lost rank 0 (SHARDTORCH_REJOIN=1), but under " +
+                env.launcher + " rank 0 hosts the rendezvous store, which went with the lost process: a " +
+                "replacement can join only where the store outlives the ranks (torchrun's agent, or a store " +
+                "hosted outside them with TORCHELASTIC_USE_AGENT_STORE=1; docs/fault_tolerance.md, " +
+                "\"Survivors that stay alive\")");
   c10::intrusive_ptr<c10d::Store> store;
   if (env.world_size == 1) {  // nothing to rendezvous with (a MASTER_PORT left set used to wait for a server)
     store = c10::make_intrusive<c10d::HashStore>();
@@ -282,8 +294,14 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
     bounded = c10::make_intrusive<detail::BoundedStore>(store, options.timeout(), "the World's store");
     store = bounded;
   }
+  w->base_store_ = store;
   w->store_ = store;
   store->setTimeout(options.timeout());
+  w->journal_ = std::make_shared<detail::SetupJournal>();
+  if (options.rejoin() && world_size > 1) {
+    w->epoch_ = detail::join_as_replacement(*store, rank, world_size, options.timeout());
+    w->store_ = c10::make_intrusive<c10d::PrefixStore>(detail::epoch_prefix(w->epoch_), store);
+  }
   if (options.device()) {
     w->device_ = *options.device();
   } else if (at::hasCUDA()) {
@@ -291,12 +309,18 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   }
   const std::string backend = choose_backend(options.backend(), w->device_);
   check_device(w->device_, rank, local_rank);
-  auto b = connect(backend, store, rank, world_size, options, rank,
-                   "the world (every one of the " + std::to_string(world_size) + " ranks must create it)");
+  auto b = w->journal_->connect(
+      w->journal_,
+      [backend, rank, world_size, options](const c10::intrusive_ptr<c10d::Store>& s) {
+        return connect(backend, s, rank, world_size, options, rank,
+                       "the world (every one of the " + std::to_string(world_size) + " ranks must create it)");
+      },
+      w->store_);
   w->backend_name_ = backend;
   // Gloo moves CPU tensors; NCCL moves tensors on the rank's device.
   c10::Device comm_device = backend == "nccl" ? w->device_ : c10::Device(c10::kCPU);
   w->comm_ = std::make_shared<Comm>(b, rank, world_size, options.timeout(), comm_device);
+  w->comms_.push_back(w->comm_);
   std::vector<int> all(world_size);  // the world's members, for the peer reports and the check
   for (int r = 0; r < world_size; ++r) all[r] = r;
   // The peer records and the collective check's waits: a connection of their
@@ -322,12 +346,22 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
         "shardtorch: check_collectives is not available on a CUDA device yet and stays off: it has "
         "not run on a GPU (docs/reliability.md)");
   }
-  const bool check = choice.on;
-  if (world_size > 1) require_same_check(*b, check, rank, world_size, options.timeout(), comm_device);
+  if (choice.on && options.rejoin())
+    SHARDTORCH_INFO(detail::rank_prefix(rank), ": the collective check is off in a World that rejoins");
+  const bool check = choice.on && !options.rejoin();
+  if (world_size > 1) {
+    require_same_check(*b->inner(), check, rank, world_size, options.timeout(), comm_device);
+    // A replacement compares its choice (off) with the survivors' replay.
+    detail::SetupJournal::Entry e;
+    e.kind = detail::SetupJournal::Kind::AllGatherBase;
+    e.in = {detail::hold(at::zeros({1}, at::kLong).to(comm_device), true)};
+    e.out = {detail::hold(at::zeros({world_size}, at::kLong).to(comm_device), false)};
+    w->journal_->record(std::move(e));
+  }
   if (check && world_size > 1) {
     w->waits_ = std::make_shared<detail::WaitBoard>(peers, rank, world_size);
-    auto check = connect("gloo", c10::make_intrusive<c10d::PrefixStore>("shardtorch-check", store), rank, world_size,
-                         options, rank, "the collective check of the world");
+    auto check = connect("gloo", c10::make_intrusive<c10d::PrefixStore>("shardtorch-check", w->store_), rank,
+                         world_size, options, rank, "the collective check of the world");
     w->comm_->enable_checks(w->context_, check, w->waits_, "the world", all);
   }
   return w;
@@ -365,11 +399,17 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   // say so instead of each waiting for a group no one else joins.
   std::string key = tag + "/ranks";
   for (int r : members) key += "-" + std::to_string(r);
-  auto store =
-      c10::make_intrusive<c10d::PrefixStore>("group/" + key + "/" + std::to_string(groups_made_[key]++), store_);
-  agree_on_order(*store, ranks, members, tag);
-  auto b = connect(backend_name_, store, index, n, options_, rank_, "group '" + tag + "' of ranks " + list(ranks));
+  const std::string prefix = "group/" + key + "/" + std::to_string(groups_made_[key]++);
+  auto b = journal_->connect(
+      journal_,
+      [this, prefix, ranks, members, tag, index, n](const c10::intrusive_ptr<c10d::Store>& s) {
+        auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, s);
+        agree_on_order(*store, ranks, members, tag);
+        return connect(backend_name_, store, index, n, options_, rank_, "group '" + tag + "' of ranks " + list(ranks));
+      },
+      store_);
   auto comm = std::make_shared<Comm>(b, index, n, options_.timeout(), comm_->device());
+  comms_.push_back(comm);
   comm->global_ranks_ = ranks;  // new_group runs on the whole job's World: these are its ranks
   if (progress_) {
     std::weak_ptr<detail::Progress> progress = progress_;
@@ -388,8 +428,9 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   if (comm_->checks() && n > 1) {  // every member, at the same point
     const std::string name =
         "group '" + tag + "' of ranks " + list(ranks) + " (" + std::to_string(groups_made_[key] - 1) + ")";
-    auto check = connect("gloo", c10::make_intrusive<c10d::PrefixStore>("check", store), index, n, options_, rank_,
-                         "the collective check of " + name);
+    auto check = connect(
+        "gloo", c10::make_intrusive<c10d::PrefixStore>("check", c10::make_intrusive<c10d::PrefixStore>(prefix, store_)),
+        index, n, options_, rank_, "the collective check of " + name);
     comm->enable_checks(context_, check, waits_, name, ranks);
   }
   return comm;
@@ -450,11 +491,26 @@ void World::agree_on_order(c10d::Store& store, const std::vector<int>& ranks, co
       first != mine ? ", this rank " + mine : std::string());
 }
 
+void World::rejoin() {
+  SHARDTORCH_CHECK(!parent_, detail::rank_prefix(global_rank()),
+                   ": rejoin() is for the whole job's World, not one made by subworld() or a DeviceMesh");
+  if (size_ == 1) return;
+  for (auto& c : comms_)
+    if (auto comm = c.lock()) comm->disable_checks();
+  journal_->disconnect();
+  note_progress("rejoining: waiting for the replacement of a lost rank");
+  epoch_ = detail::await_replacement(*base_store_, epoch_, rank_, size_, options_.timeout());
+  store_ = c10::make_intrusive<c10d::PrefixStore>(detail::epoch_prefix(epoch_), base_store_);
+  journal_->replay(store_, options_.timeout());
+  note_progress("rejoined");
+}
+
 void World::note_progress(const std::string& phase, const std::string& unit) {
   if (progress_) progress_->note(phase, unit);
 }
 
 void World::note_step_done() {
+  if (auto& journal = root().journal_) journal->end_setup();
   if (progress_) progress_->step_done();
   context_->step_done();
 }

@@ -38,6 +38,20 @@ void ExecutionOrder::on_backward_abandoned() {
   reduction_order_closed_ = true;
 }
 
+void ExecutionOrder::forget() {
+  for (const auto& w : reduction_order_)
+    if (auto x = w.lock()) x->grads().set_in_reduction_order(false);
+  recording_.clear();
+  forward_order_.clear();
+  recording_stale_ = false;
+  following_ = false;
+  backward_cursor_ = SIZE_MAX;
+  reduction_order_.clear();
+  order_head_.reset();
+  reduction_order_closed_ = false;
+  issue_cursor_ = 0;
+}
+
 void ExecutionOrder::count_deferred_reduction() {
   if (!backward_.finishing()) ++reductions_deferred_;
 }

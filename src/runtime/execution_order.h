@@ -60,6 +60,10 @@ class ExecutionOrder {
   /// A failed backward: this step's recording is dropped, and the next
   /// forward records a new reduction order.
   void on_backward_abandoned();
+  /// Back to what shard() left: nothing learned. A rank that rejoins
+  /// (Snapshots::rejoin) then issues a step's collectives in the order a new
+  /// process, its replacement, does.
+  void forget();
 
  private:
   const ShardOptions& options_;

@@ -54,6 +54,8 @@ class GradientReducer {
     check_same_hook(world, hook_.get());
     hook_checked_ = true;
   }
+  /// The next synchronising backward compares the hooks again (a rejoin).
+  void forget_hook_check() { hook_checked_ = false; }
 
  protected:
   /// Hands the hook (null: none) and its counter to the bucketer.

@@ -173,6 +173,14 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   /// shard(), NoShard: makes the replicated path (its parameters come with ReplicatedPath::enable).
   ReplicatedPath& enable_replicated();
   ExecutionOrder& order() { return order_; }
+  /// Snapshots::rejoin: what the model learned from its steps (the orders,
+  /// the hooks' check) is forgotten, so that its next step issues the
+  /// collectives and store checks of a new process's first step.
+  void forget_learned() {
+    order_.forget();
+    path_.sharded().forget_hook_check();
+    path_.reducer().forget_hook_check();
+  }
   BackwardTracker& backward() { return backward_; }
   ShardCopies& copies() { return copies_; }
   BufferSync& buffers() { return buffers_; }
