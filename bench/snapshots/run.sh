@@ -10,7 +10,9 @@
 #    against the same job restarted from its disk checkpoint (saved every
 #    SAVE_EVERY steps to a directory of the local disk), and the time until
 #    the step being done when the rank died is done again (the disk restart
-#    redoes the steps since its checkpoint).
+#    redoes the steps since its checkpoint); then the same kill without
+#    torchrun, the other ranks staying alive and rejoining a replacement
+#    (Snapshots::rejoin).
 # usage: bench/snapshots/run.sh BUILD_DIR [ranks] [d_model] [layers] [steps] [repeats] [save_every] [kill_at]
 # (save_every: the disk checkpoint's interval, 10; kill_at: the step a rank
 # dies in, steps - 5; repeats 0: the recovery only)
@@ -57,3 +59,30 @@ phases() {  # LOG: ms from the kill to the restarted rank 0's start, World, rest
     head -1 | { read -r p w r; echo "process started $((p - killed)), World built $((w - killed)), state loaded $((r - killed))"; }
 }
 echo "after the kill (ms), from memory: $(phases "$tmp/mem.log"); from disk: $(phases "$tmp/disk.log")"
+# The same kill without torchrun: the other ranks stay alive and rejoin a
+# replacement that this script starts as soon as the killed rank has exited.
+port=$("$(dirname "$torchrun")/python3" -c \
+  'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+hand() {  # RANK INCARNATION
+  RANK=$1 LOCAL_RANK=$1 WORLD_SIZE=$ranks LOCAL_WORLD_SIZE=$ranks MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    TORCHELASTIC_RESTART_COUNT=$2 SHARDTORCH_REJOIN=$2 "$bin" --model gpt --d-model "$d_model" --layers "$layers" \
+    --steps "$steps" --every 1 --dir "$shm/rejoin" --rejoin --kill "0:1@$kill_at:forward" --report-step $kill_at \
+    >> "$tmp/rejoin.log" 2>&1
+}
+pids=()
+for r in $(seq 0 $((ranks - 1))); do
+  hand "$r" 0 &
+  pids+=($!)
+done
+code=0
+wait "${pids[1]}" || code=$?
+[ $code = 137 ] || { cat "$tmp/rejoin.log"; exit 1; }
+hand 1 1 &
+pids[1]=$!
+for p in "${pids[@]}"; do wait "$p" || { cat "$tmp/rejoin.log"; exit 1; }; done
+echo "kill to first step after the rejoin (rank 0 stayed alive): $(recovery "$tmp/rejoin.log" "$first") ms;" \
+  "to step $kill_at done again: $(recovery "$tmp/rejoin.log" "$again") ms"
+killed=$(sed -n 's/.*killed at step .* at epoch ms \([0-9]*\)$/\1/p' "$tmp/rejoin.log" | head -1)
+sed -n 's/^rank \([0-9]*\): rejoined at step \([0-9]*\) at epoch ms \([0-9]*\)$/\1 \2 \3/p' "$tmp/rejoin.log" |
+  while read -r r s t; do echo "rank $r rejoined at step $s, $((t - killed)) ms after the kill"; done
+grep -h "restored step" "$tmp/rejoin.log" || true
