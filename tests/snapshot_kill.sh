@@ -82,47 +82,53 @@ if [ "$set" = full_shard ]; then
 elif [ "$set" = rejoin ]; then
   # A hand launch whose other ranks stay alive: each survivor of a lost rank
   # calls Snapshots::rejoin(), and this script starts a replacement with
-  # SHARDTORCH_REJOIN=1 as soon as the lost one has exited. Rank 2 is killed
-  # inside a reduce-scatter of step 4, then rank 1 before the forward of
-  # step 7 (the second rejoin includes the first replacement): the survivors
-  # keep their state in place. Then rank 3 before its optimizer step of
-  # step 9: the others have made that update, so they load their own step 8.
-  s=full_shard
-  run "oracle-$s" --strategy $s --steps 10
+  # SHARDTORCH_REJOIN=1 as soon as the lost one has exited.
   port=$("$(dirname "$torchrun")/python3" -c \
     'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  start() {  # RANK INCARNATION
-    RANK=$1 LOCAL_RANK=$1 WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-      TORCHELASTIC_RESTART_COUNT=$2 SHARDTORCH_REJOIN=$([ "$2" = 0 ] && echo 0 || echo 1) \
-      timeout ${REJOIN_TIMEOUT:-120} "$bin" --strategy $s --steps 10 --every 1 --dir "$tmp/rejoin" --rejoin \
-      --kill "0:2@4:reduce-scatter,0:1@7:forward,0:3@9:optimizer" --out "$tmp/rejoin.safetensors" \
-      > "$tmp/rejoin.r$1.i$2.log" 2>&1 &
-    pid[$1]=$!
-    inc[$1]=$2
-  }
-  declare -A pid inc
-  for r in 0 1 2 3; do start $r 0; done
-  replaced=0 left=4
-  while [ $left -gt 0 ]; do
-    for r in 0 1 2 3; do
-      p=${pid[$r]}
-      [ "$p" = done ] && continue
-      kill -0 "$p" 2> /dev/null && continue
-      code=0
-      wait "$p" || code=$?
-      if [ $code = 137 ] && [ $replaced -lt 3 ]; then  # killed on purpose: replaced
-        replaced=$((replaced + 1))
-        start $r $replaced
-      else
-        [ $code = 0 ] || { echo "FAIL: rejoin: rank $r (incarnation ${inc[$r]}) exited with $code";
-                           tail -n 30 "$tmp"/rejoin.*.log; exit 1; }
-        pid[$r]=done
-        left=$((left - 1))
-      fi
+  hand() {  # NAME KILLS [snapshot_train options]: 4 ranks, each killed one replaced; each other exits with $want
+    local name=$1 kills=$2 replaced=0 left=4 r p code
+    shift 2
+    declare -A pid inc
+    start() {  # RANK INCARNATION [snapshot_train options]
+      local rk=$1 in=$2
+      shift 2
+      RANK=$rk LOCAL_RANK=$rk WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+        TORCHELASTIC_RESTART_COUNT=$in SHARDTORCH_REJOIN=$([ "$in" = 0 ] && echo 0 || echo 1) \
+        timeout ${REJOIN_TIMEOUT:-120} "$bin" --dir "$tmp/$name" --rejoin --kill "$kills" \
+        --out "$tmp/$name.safetensors" "$@" > "$tmp/$name.r$rk.i$in.log" 2>&1 &
+      pid[$rk]=$!
+      inc[$rk]=$in
+    }
+    for r in 0 1 2 3; do start $r 0 "$@"; done
+    while [ $left -gt 0 ]; do
+      for r in 0 1 2 3; do
+        p=${pid[$r]}
+        [ "$p" = done ] && continue
+        kill -0 "$p" 2> /dev/null && continue
+        code=0
+        wait "$p" || code=$?
+        if [ $code = 137 ]; then  # killed on purpose: replaced
+          replaced=$((replaced + 1))
+          start $r $replaced "$@"
+        else
+          [ $code = "${want:-0}" ] || { echo "FAIL: $name: rank $r (incarnation ${inc[$r]}) exited with $code";
+                             tail -n 30 "$tmp/$name".*.log; exit 1; }
+          pid[$r]=done
+          left=$((left - 1))
+        fi
+      done
+      sleep 0.05
     done
-    sleep 0.05
-  done
-  cat "$tmp"/rejoin.*.log > "$tmp/rejoin.log"
+    cat "$tmp/$name".*.log > "$tmp/$name.log"
+  }
+  # Rank 2 killed inside a reduce-scatter of step 4, then rank 1 before the
+  # forward of step 7 (the second rejoin includes the first replacement):
+  # the survivors keep their state in place. Then rank 3 before its
+  # optimizer step of step 9: the others have made that update, so they
+  # load their own step 8.
+  s=full_shard
+  run "oracle-$s" --strategy $s --steps 10
+  hand rejoin "0:2@4:reduce-scatter,0:1@7:forward,0:3@9:optimizer" --strategy $s --steps 10 --every 1
   says rejoin "rank 2: killed at step 4 (reduce-scatter)"
   says rejoin "rank 1: killed at step 7 (forward)"
   says rejoin "rank 0: rejoined at step 3"
@@ -134,6 +140,24 @@ elif [ "$set" = rejoin ]; then
   grep -qF "restored step 8 from memory" "$tmp/rejoin.log" && ! grep -q "restored step 8 .*kept in place" "$tmp/rejoin.log" ||
     { echo "FAIL: rejoin: step 8 was not restored from every rank's own snapshot"; cat "$tmp/rejoin.log"; exit 1; }
   same $s rejoin
+  # Rank 2 lost in step 3, before the first snapshot (K = 4), with no disk
+  # checkpoint: the survivors have trained and its replacement has not, so
+  # every rank fails saying so rather than going on apart.
+  want=1 hand early "0:2@3:forward" --strategy $s --steps 10 --every 4
+  test "$(grep -c "no step is in memory on every rank to rejoin at" "$tmp/early.log")" = 4 ||
+    { echo "FAIL: early: not every rank refused to go on"; cat "$tmp/early.log"; exit 1; }
+  echo "ok: early"
+  # The other strategies (HybridShard's groups connected again too), K = 2,
+  # rank 1's node lost in step 5: its replacement takes its buddy's copy of
+  # step 4, which the survivors keep in place.
+  for s in shard_grad_op optimizer_only hybrid_shard; do
+    phase=reduce-scatter
+    [ $s = optimizer_only ] && phase=backward
+    run "oracle-$s" --strategy $s --steps 8
+    hand "rejoin-$s" "0:1@5:$phase:node" --strategy $s --steps 8 --every 2
+    says "rejoin-$s" "restored step 4 from memory; from their buddies' copies: ranks 1; kept in place (as training left it) on ranks 0 2 3"
+    same $s "rejoin-$s"
+  done
 else
   # Killed inside a reduce-scatter where the strategy reduce-scatters;
   # OptimizerOnly all-reduces its gradients: killed between the units' reductions.

@@ -43,6 +43,7 @@ void load_agreed(ShardState& state, const std::string& error, const std::string&
                  ProgressReporter* progress) {
   World& over = world ? *world : state.world();
   agree_on_errors(over, error, what, fingerprint);
+  state.optimizer().before_update();  // a snapshot being copied in the background is copied first
   if (progress) progress->set_totals(static_cast<int64_t>(changes.size()), 0);
   std::string failed;
   try {

@@ -277,8 +277,11 @@ struct SnapshotDir {
   }
 
   // Checks the snapshot directory `path` of rank `rank`'s state: the
-  // header's format, job, model and layout, and the data's checksum.
-  std::optional<Found> check(const std::string& path, int for_rank, int64_t step, std::string& why) const {
+  // header's format, job, model and layout, and (`data`) the data's
+  // checksum. Without `data` only the header is read, and a valid one gives
+  // an empty Found.
+  std::optional<Found> check(const std::string& path, int for_rank, int64_t step, std::string& why,
+                             bool data = true) const {
     try {
       const std::string file = files::join(path, file_of(for_rank));
       checkpoint::Reader reader(file);
@@ -302,6 +305,7 @@ struct SnapshotDir {
                                  fingerprint + ")");
       if (h.at("step").as_int64() != step)
         throw std::runtime_error("its header says step " + std::to_string(h.at("step").as_int64()));
+      if (!data) return Found{};
       const std::string bytes = read_whole(file);
       if (data_checksum_of(bytes) != text("data_checksum"))
         throw std::runtime_error("its data does not match its checksum (damaged)");
@@ -326,12 +330,13 @@ struct SnapshotDir {
     }
   }
 
-  // The steps of the valid snapshots named `name`STEP of `for_rank`, newest first.
+  // The steps of the snapshots named `name`STEP of `for_rank` whose header
+  // is valid, newest first (their data is checked once chosen).
   std::vector<int64_t> valid_steps(const std::string& name, int for_rank) const {
     std::vector<int64_t> out;
     for (int64_t s : steps_named(options.dir, name)) {
       std::string why;
-      if (check(files::join(options.dir, name + std::to_string(s)), for_rank, s, why))
+      if (check(files::join(options.dir, name + std::to_string(s)), for_rank, s, why, /*data=*/false))
         out.push_back(s);
       else
         SHARDTORCH_WARN(who_of(world), ": ", why);
@@ -501,6 +506,7 @@ struct Snapshots::Impl {
   struct Live {
     int64_t step = -1, collected = -1;
     std::atomic<bool> updated{true};
+    std::atomic<bool> trained{false};  // an update since the Snapshots were made
     std::vector<std::pair<std::string, at::Tensor>> buffers;
     std::map<std::string, std::string> user_state;
     bool usable() const { return !updated.load() && step >= 0 && step == collected; }
@@ -551,9 +557,11 @@ struct Snapshots::Impl {
     std::stable_sort(items.begin(), items.end(),
                      [](const auto& a, const auto& b) { return a.second.element_size() > b.second.element_size(); });
     json::array entries;
+    live.buffers.clear();
     for (auto& [e, t] : items) {
       at::Tensor c = t.contiguous().cpu();
       if (e.kind == "buffer" && c.is_same(t)) c = c.clone();
+      if (e.kind == "buffer") live.buffers.emplace_back(e.name, c);  // the file's copy, kept for a rejoin
       entries.push_back(checkpoint::index_format::entry_json(e));
       checkpoint::TensorRecord r;
       r.name = e.tensor;
@@ -578,8 +586,6 @@ struct Snapshots::Impl {
     }
     live.collected = step;
     live.user_state = written.user_state;
-    live.buffers.clear();
-    for (const auto& item : root.named_buffers()) live.buffers.emplace_back(item.key(), item.value().detach().clone());
     written.entries = json::serialize(entries);
     o.header = json::object{{"format", kFormat},
                             {"version", kVersion},
@@ -722,9 +728,14 @@ struct Snapshots::Impl {
     std::vector<int> source;        // per rank: -1 (its own), or the rank keeping its copy
     std::vector<int> kept;          // the ranks whose live state is the step's
   };
-  Choice choose(const std::vector<std::string>& reports) const;
+  Choice choose(const std::vector<json::object>& reports) const;
+  /// The files this rank reads for `c` (its own snapshot, unless kept in
+  /// place; the copies it sends back) whose data does not match its
+  /// checksum, as [owner, holder] (holder -1: the owner's own), each warned
+  /// about; `own`: this rank's own snapshot, checked.
+  json::array damaged(const Choice& c, bool keep, std::optional<Found>& own) const;
   std::vector<int> return_copies(int64_t chosen, const std::vector<int>& source);
-  void load_step(int64_t chosen, bool keep);
+  void load_step(int64_t chosen, bool keep, std::optional<Found> own);
 };
 
 namespace {
@@ -789,6 +800,7 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
   m.guard = m.sharded->optimizer().add_update_guard([&m] {
     m.copy.wait();
     m.live.updated = true;
+    m.live.trained = true;
   });
 }
 
@@ -876,6 +888,7 @@ int64_t Snapshots::rejoin() {
   m.sent.abort();                                           // a receive from the lost rank waits for nothing
   m.wait_transfer(false);                                   // the copy in flight, most likely failed with the lost rank
   m.sharded->backward().recover_if_failed(/*warn=*/false);  // the failed step's reductions in flight
+  if (m.opt) m.opt->zero_grad();                            // its gradients go (a replacement has none)
   m.sharded->forget_learned();
   m.world->rejoin();
   const int64_t step = m.restore(/*survivor=*/true);
@@ -910,16 +923,56 @@ int64_t Snapshots::Impl::restore(bool survivor) {
   detail::WorldAccess::end_setup(*world);
   dir.remove_leftovers();
   json::object report = json::parse(dir.held_steps()).as_object();
-  report["live"] = survivor && live.usable() ? live.step : int64_t{-1};
-  const auto reports = world->comm().all_gather_strings(json::serialize(report), "snapshot restore: the steps held");
-  const Choice c = choose(reports);
+  report["live"] = survivor && opt && live.usable() ? live.step : int64_t{-1};
+  report["trained"] = survivor && live.trained.load();
+  live.updated = true;  // from here on the state is the restored one's, until the next after_step
+  std::vector<json::object> reports;
+  for (const auto& r : world->comm().all_gather_strings(json::serialize(report), "snapshot restore: the steps held"))
+    reports.push_back(json::parse(r).as_object());
+  // The choice from the headers; then the data of the files it reads is
+  // checked, and a damaged one leaves the candidates for another round.
+  Choice c;
+  bool keep = false;
+  std::optional<Found> own;
+  for (;;) {
+    c = choose(reports);
+    if (c.step < 0) break;
+    keep = std::count(c.kept.begin(), c.kept.end(), rank()) > 0;
+    const auto verdicts =
+        world->comm().all_gather_strings(json::serialize(damaged(c, keep, own)), "snapshot restore: damaged files");
+    bool any = false;
+    for (const auto& v : verdicts) {
+      const json::value parsed = json::parse(v);
+      for (const auto& pair : parsed.as_array()) {
+        any = true;
+        const int owner = static_cast<int>(pair.as_array()[0].as_int64());
+        const int holder = static_cast<int>(pair.as_array()[1].as_int64());
+        auto drop = [&](json::array& steps) {
+          json::array left;
+          for (const auto& s : steps)
+            if (s.as_int64() != c.step) left.push_back(s);
+          steps = left;
+        };
+        if (holder < 0)
+          drop(reports[static_cast<size_t>(owner)]["own"].as_array());
+        else
+          drop(reports[static_cast<size_t>(holder)]["held"].as_object()[std::to_string(owner)].as_array());
+      }
+    }
+    if (!any) break;
+  }
+  bool trained = false;  // a survivor has trained: a fresh start would leave the ranks apart
+  for (const auto& r : reports) trained = trained || (r.contains("trained") && r.at("trained").as_bool());
+  if (c.step < 0 && trained && (options.fallback_dir.empty() || !sharded_checkpoint_exists(options.fallback_dir)))
+    throw Error(who() + ": no step is in memory on every rank to rejoin at" +
+                (c.newest ? " (newest seen: " + std::to_string(*c.newest) + ")" : std::string()) +
+                ", and there is no sharded checkpoint to fall back to, while the ranks still running have " +
+                "trained: end every rank and start the job again");
   if (c.step < 0)
     return fall_back(!c.newest ? ""
                                : "no step is in memory on every rank (newest seen: " + std::to_string(*c.newest) + ")");
   const std::vector<int> lost = return_copies(c.step, c.source);
-  const bool keep = std::count(c.kept.begin(), c.kept.end(), rank()) > 0;
-  load_step(c.step, keep);
-  if (!keep) live.updated = true;  // until the next after_step, the state is the restored one's
+  load_step(c.step, keep, std::move(own));
   if (rank() == 0) {
     std::string from, kept;
     for (int r : lost) from += " " + std::to_string(r);
@@ -933,14 +986,14 @@ int64_t Snapshots::Impl::restore(bool survivor) {
 
 // Every rank decides alike, from every rank's held_steps: the newest step
 // that each rank has, in its own memory or in a copy another rank keeps.
-Snapshots::Impl::Choice Snapshots::Impl::choose(const std::vector<std::string>& reports) const {
+Snapshots::Impl::Choice Snapshots::Impl::choose(const std::vector<json::object>& reports) const {
   const int n = world->size();
   std::vector<std::set<int64_t>> own_steps(static_cast<size_t>(n));
   std::vector<std::map<int64_t, int>> kept(static_cast<size_t>(n));  // step -> the lowest keeper
   std::set<int64_t> candidates;
   std::vector<int64_t> live_step(static_cast<size_t>(n), -1);  // a survivor's state as training left it
   for (int r = 0; r < n; ++r) {
-    const json::object o = json::parse(reports[static_cast<size_t>(r)]).as_object();
+    const json::object& o = reports[static_cast<size_t>(r)];
     for (const auto& s : o.at("own").as_array()) {
       own_steps[static_cast<size_t>(r)].insert(s.as_int64());
       candidates.insert(s.as_int64());
@@ -972,6 +1025,26 @@ Snapshots::Impl::Choice Snapshots::Impl::choose(const std::vector<std::string>& 
     }
   }
   return c;
+}
+
+json::array Snapshots::Impl::damaged(const Choice& c, bool keep, std::optional<Found>& own) const {
+  json::array bad;
+  auto verify = [&](const std::string& path, int owner, int holder) {
+    std::string why;
+    std::optional<Found> f = dir.check(path, owner, c.step, why);
+    if (!f) {
+      SHARDTORCH_WARN(who(), ": ", why);
+      bad.push_back(json::array{owner, holder});
+    }
+    return f;
+  };
+  own.reset();
+  if (!keep && c.source[static_cast<size_t>(rank())] < 0)
+    own = verify(detail::own_snapshot_path(options, rank(), c.step), rank(), -1);
+  for (int r = 0; r < world->size(); ++r)
+    if (c.source[static_cast<size_t>(r)] == rank())
+      verify(detail::held_snapshot_path(options, r, rank(), c.step), r, rank());
+  return bad;
 }
 
 // The copies kept for ranks without their own go back to them (source[r]:
@@ -1010,7 +1083,7 @@ std::vector<int> Snapshots::Impl::return_copies(int64_t chosen, const std::vecto
 // Collective: every rank checks what it will load; the load agrees before
 // anyone changes. A rank whose file went bad since: every rank fails with
 // the reason, before anything changes.
-void Snapshots::Impl::load_step(int64_t chosen, bool keep) {
+void Snapshots::Impl::load_step(int64_t chosen, bool keep, std::optional<Found> found) {
   const std::string fingerprint = "snapshot step " + std::to_string(chosen);
   if (keep) {  // this rank's parameters and optimizer state are the step's: only what a forward changed goes back
     checkpoint::load_rank_state(root, opt, "", Index{}, fingerprint, "", /*keep=*/true);
@@ -1026,7 +1099,7 @@ void Snapshots::Impl::load_step(int64_t chosen, bool keep) {
   }
   std::string why;
   const std::string path = detail::own_snapshot_path(options, rank(), chosen);
-  std::optional<Found> found = dir.check(path, rank(), chosen, why);
+  if (!found) found = dir.check(path, rank(), chosen, why);  // a copy sent back, not checked yet
   checkpoint::load_rank_state(root, opt, path, found ? found->index : Index{}, fingerprint, found ? "" : why);
   for (auto& [k, fns] : state)
     if (auto it = found->user_state.find(k); it != found->user_state.end()) fns.second(it->second);

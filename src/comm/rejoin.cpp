@@ -11,8 +11,8 @@ SetupJournal::Held hold(const at::Tensor& t, bool keep) {
   SetupJournal::Held h;
   h.sizes = t.sizes().vec();
   h.options = t.options();
-  if (keep && t.numel() * static_cast<int64_t>(t.element_size()) <= SetupJournal::kKeptBytes)
-    h.kept = t.detach().clone();
+  const bool large = t.numel() * static_cast<int64_t>(t.element_size()) > SetupJournal::kKeptBytes;
+  if (keep && !(large && at::isFloatingType(t.scalar_type()))) h.kept = t.detach().clone();
   return h;
 }
 
@@ -45,9 +45,97 @@ SwappableBackend::~SwappableBackend() { journal_->forget(id_); }
 c10::intrusive_ptr<c10d::Backend> SwappableBackend::inner() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!inner_)
-    throw Error("shardtorch: rank " + std::to_string(getRank()) + " of a group of " + std::to_string(getSize()) +
-                ": its connection was closed for a rejoin (World::rejoin) and is not made again yet");
+    throw Error("shardtorch: member " + std::to_string(getRank()) + " of a group of " + std::to_string(getSize()) +
+                ": its connection was closed for a rejoin (World::rejoin) that did not complete; this process "
+                "cannot take part in the job any more: end it (and, if no rank can rejoin, start the job again)");
   return inner_;
+}
+
+void SwappableBackend::unreplayable(const char* op) {
+  if (journal_->recording()) journal_->not_replayable(op);
+}
+
+c10::intrusive_ptr<c10d::Work> SwappableBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                     const c10d::AllreduceCoalescedOptions& opts) {
+  unreplayable("allreduce_coalesced");
+  return inner()->allreduce_coalesced(tensors, opts);
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                        const c10d::ReduceOptions& opts) {
+  unreplayable("reduce");
+  return inner()->reduce(tensors, opts);
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                     std::vector<at::Tensor>& inputs,
+                                                                     const c10d::AllgatherOptions& opts) {
+  unreplayable("allgather_coalesced");
+  return inner()->allgather_coalesced(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                                 std::vector<at::Tensor>& inputs,
+                                                                                 const c10d::AllgatherOptions& opts) {
+  unreplayable("allgather_into_tensor_coalesced");
+  return inner()->allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                        std::vector<at::Tensor>& inputs,
+                                                        const c10d::GatherOptions& opts) {
+  unreplayable("gather");
+  return inner()->gather(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                                         const c10d::ScatterOptions& opts) {
+  unreplayable("scatter");
+  return inner()->scatter(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                                const c10d::ReduceScatterOptions& opts) {
+  unreplayable("reduce_scatter");
+  return inner()->reduce_scatter(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  unreplayable("reduce_scatter_tensor_coalesced");
+  return inner()->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                               std::vector<int64_t>& output_split_sizes,
+                                                               std::vector<int64_t>& input_split_sizes,
+                                                               const c10d::AllToAllOptions& opts) {
+  unreplayable("alltoall_base");
+  return inner()->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllToAllOptions& opts) {
+  unreplayable("alltoall");
+  return inner()->alltoall(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  unreplayable("recvAnysource");
+  return inner()->recvAnysource(tensors, tag);
+}
+void SwappableBackend::startCoalescing() {
+  unreplayable("startCoalescing");
+  inner()->startCoalescing();
+}
+c10::intrusive_ptr<c10d::Work> SwappableBackend::endCoalescing() { return inner()->endCoalescing(); }
+bool SwappableBackend::supportsCoalescing() const { return inner()->supportsCoalescing(); }
+void SwappableBackend::abort() {
+  if (auto b = [&] {
+        std::lock_guard<std::mutex> lock(mu_);
+        return inner_;
+      }())
+    b->abort();
+}
+void SwappableBackend::shutdown() {
+  if (auto b = [&] {
+        std::lock_guard<std::mutex> lock(mu_);
+        return inner_;
+      }())
+    b->shutdown();
 }
 
 void SwappableBackend::swap(c10::intrusive_ptr<c10d::Backend> inner) {
@@ -166,9 +254,14 @@ c10::intrusive_ptr<c10d::Work> SwappableBackend::barrier(const c10d::BarrierOpti
 }
 
 c10::intrusive_ptr<SwappableBackend> SetupJournal::connect(std::shared_ptr<SetupJournal> self, Connect connect,
-                                                           const c10::intrusive_ptr<c10d::Store>& store) {
+                                                           const c10::intrusive_ptr<c10d::Store>& store,
+                                                           const std::string& what) {
   auto inner = connect(store);
   std::lock_guard<std::mutex> lock(mu_);
+  if (!recording_.load() && why_not_.empty())
+    why_not_ = "the connection of " + what +
+               " was made after the set-up (after the first Snapshots::restore(), "
+               "optimizer step or forward of a sharded model): make every group before restore()";
   const int id = static_cast<int>(connects_.size());
   auto b = c10::make_intrusive<SwappableBackend>(std::move(inner), std::move(self), id);
   connects_.push_back(std::move(connect));
@@ -182,7 +275,29 @@ c10::intrusive_ptr<SwappableBackend> SetupJournal::connect(std::shared_ptr<Setup
 
 void SetupJournal::record(Entry e) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (recording_.load()) entries_.push_back(std::move(e));
+  if (!recording_.load()) return;
+  for (const auto& h : e.in)
+    if (h.kept.defined()) bytes_ += static_cast<int64_t>(h.kept.nbytes());
+  entries_.push_back(std::move(e));
+  if (static_cast<int64_t>(entries_.size()) > kMaxEntries || bytes_ > kMaxBytes) {
+    recording_.store(false);
+    if (why_not_.empty())
+      why_not_ = "the set-up issued more collectives (" + std::to_string(entries_.size()) + ", " +
+                 std::to_string(bytes_ >> 20) + " MiB of inputs kept) than are kept to answer a replacement";
+    entries_.clear();
+    entries_.shrink_to_fit();
+  }
+}
+
+void SetupJournal::not_replayable(const std::string& op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (recording_.load() && why_not_.empty())
+    why_not_ = "the set-up used " + op + ", which is not kept to answer a replacement";
+}
+
+std::string SetupJournal::why_not_replayable() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return why_not_;
 }
 
 void SetupJournal::disconnect() {
@@ -208,13 +323,35 @@ size_t SetupJournal::size() const {
   return entries_.size();
 }
 
-void SetupJournal::replay(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
+void SetupJournal::replay(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout, int rank) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<c10::intrusive_ptr<c10d::Backend>> made(connects_.size());
-  for (const Entry& e : entries_) {
+  static const char* const kNames[] = {"connection", "broadcast",         "all-reduce",
+                                       "all-gather", "all-gather (flat)", "reduce-scatter (flat)",
+                                       "send",       "receive",           "barrier"};
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    try {
+      replay_one(e, made, store, timeout);
+    } catch (const std::exception& ex) {
+      throw Error(rank_prefix(rank) +
+                  " could not answer its replacement's set-up: " + kNames[static_cast<int>(e.kind)] + " " +
+                  std::to_string(i + 1) + " of " + std::to_string(entries_.size()) +
+                  " of this rank's own set-up failed (does the replacement run "
+                  "the same program, with the same set-up up to Snapshots::restore()?): " +
+                  ex.what());
+    }
+  }
+  for (size_t id = 0; id < made.size(); ++id)
+    if (alive_[id]) alive_[id]->swap(made[id]);
+}
+
+void SetupJournal::replay_one(const Entry& e, std::vector<c10::intrusive_ptr<c10d::Backend>>& made,
+                              const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
+  {
     if (e.kind == Kind::Connect) {
       made[static_cast<size_t>(e.backend)] = connects_[static_cast<size_t>(e.backend)](store);
-      continue;
+      return;
     }
     auto& b = made[static_cast<size_t>(e.backend)];
     SHARDTORCH_CHECK(b, "shardtorch: internal: the set-up's journal uses a backend before it connects it");
@@ -276,9 +413,47 @@ void SetupJournal::replay(const c10::intrusive_ptr<c10d::Store>& store, std::chr
     }
     w->wait(timeout);
   }
-  for (size_t id = 0; id < made.size(); ++id)
-    if (alive_[id]) alive_[id]->swap(made[id]);
 }
+
+SwitchableStore::SwitchableStore(c10::intrusive_ptr<c10d::Store> store)
+    : c10d::Store(store->getTimeout()), store_(std::move(store)) {}
+void SwitchableStore::point_at(c10::intrusive_ptr<c10d::Store> store) {
+  std::lock_guard<std::mutex> lock(mu_);
+  store_ = std::move(store);
+}
+c10::intrusive_ptr<c10d::Store> SwitchableStore::current() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return store_;
+}
+c10::intrusive_ptr<c10d::Store> SwitchableStore::clone() { return current()->clone(); }
+void SwitchableStore::set(const std::string& key, const std::vector<uint8_t>& value) { current()->set(key, value); }
+std::vector<uint8_t> SwitchableStore::compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                                 const std::vector<uint8_t>& desired) {
+  return current()->compareSet(key, expected, desired);
+}
+std::vector<uint8_t> SwitchableStore::get(const std::string& key) { return current()->get(key); }
+int64_t SwitchableStore::add(const std::string& key, int64_t value) { return current()->add(key, value); }
+bool SwitchableStore::deleteKey(const std::string& key) { return current()->deleteKey(key); }
+bool SwitchableStore::check(const std::vector<std::string>& keys) { return current()->check(keys); }
+int64_t SwitchableStore::getNumKeys() { return current()->getNumKeys(); }
+void SwitchableStore::wait(const std::vector<std::string>& keys) { current()->wait(keys); }
+void SwitchableStore::wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) {
+  current()->wait(keys, timeout);
+}
+void SwitchableStore::setTimeout(const std::chrono::milliseconds& timeout) {
+  c10d::Store::setTimeout(timeout);
+  current()->setTimeout(timeout);
+}
+void SwitchableStore::append(const std::string& key, const std::vector<uint8_t>& value) {
+  current()->append(key, value);
+}
+std::vector<std::vector<uint8_t>> SwitchableStore::multiGet(const std::vector<std::string>& keys) {
+  return current()->multiGet(keys);
+}
+void SwitchableStore::multiSet(const std::vector<std::string>& keys, const std::vector<std::vector<uint8_t>>& values) {
+  current()->multiSet(keys, values);
+}
+bool SwitchableStore::hasExtendedApi() const { return current()->hasExtendedApi(); }
 
 std::string epoch_prefix(int64_t epoch) { return "epoch/" + std::to_string(epoch); }
 

@@ -187,11 +187,10 @@ std::shared_ptr<World> World::from_env(WorldOptions options) {
   if (env.file_timeout) options.file_timeout(*env.file_timeout);
   if (env.rejoin) options.rejoin(true);
   if (options.rejoin() && env.world_size > 1 && env.rank == 0 && !env.use_agent_store)
-    throw Error(detail::rank_prefix(env.rank) + " is to replace a lost rank 0 (SHARDTORCH_REJOIN=1), but under " +
-                env.launcher + " rank 0 hosts the rendezvous store, which went with the lost process: a " +
-                "replacement can join only where the store outlives the ranks (torchrun's agent, or a store " +
-                "hosted outside them with TORCHELASTIC_USE_AGENT_STORE=1; docs/fault_tolerance.md, " +
-                "\"Survivors that stay alive\")");
+    throw Error(detail::rank_prefix(env.rank) + " is to replace a lost rank 0 (SHARDTORCH_REJOIN=1), but in " +
+                "this launch rank 0 hosts the rendezvous store, which went with the lost process: a " +
+                "replacement can join only where the store outlives the ranks (a store hosted outside them, " +
+                "with TORCHELASTIC_USE_AGENT_STORE=1; docs/fault_tolerance.md, \"Survivors that stay alive\")");
   c10::intrusive_ptr<c10d::Store> store;
   if (env.world_size == 1) {  // nothing to rendezvous with (a MASTER_PORT left set used to wait for a server)
     store = c10::make_intrusive<c10d::HashStore>();
@@ -295,13 +294,14 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
     store = bounded;
   }
   w->base_store_ = store;
-  w->store_ = store;
   store->setTimeout(options.timeout());
   w->journal_ = std::make_shared<detail::SetupJournal>();
   if (options.rejoin() && world_size > 1) {
     w->epoch_ = detail::join_as_replacement(*store, rank, world_size, options.timeout());
-    w->store_ = c10::make_intrusive<c10d::PrefixStore>(detail::epoch_prefix(w->epoch_), store);
+    store = c10::make_intrusive<c10d::PrefixStore>(detail::epoch_prefix(w->epoch_), store);
   }
+  // A rejoin points it at its epoch: what is made over it (groups, subworlds) follows.
+  w->store_ = c10::make_intrusive<detail::SwitchableStore>(store);
   if (options.device()) {
     w->device_ = *options.device();
   } else if (at::hasCUDA()) {
@@ -315,7 +315,7 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
         return connect(backend, s, rank, world_size, options, rank,
                        "the world (every one of the " + std::to_string(world_size) + " ranks must create it)");
       },
-      w->store_);
+      w->store_, "the world");
   w->backend_name_ = backend;
   // Gloo moves CPU tensors; NCCL moves tensors on the rank's device.
   c10::Device comm_device = backend == "nccl" ? w->device_ : c10::Device(c10::kCPU);
@@ -407,7 +407,7 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
         agree_on_order(*store, ranks, members, tag);
         return connect(backend_name_, store, index, n, options_, rank_, "group '" + tag + "' of ranks " + list(ranks));
       },
-      store_);
+      store_, "group '" + tag + "' of ranks " + list(ranks));
   auto comm = std::make_shared<Comm>(b, index, n, options_.timeout(), comm_->device());
   comms_.push_back(comm);
   comm->global_ranks_ = ranks;  // new_group runs on the whole job's World: these are its ranks
@@ -495,13 +495,19 @@ void World::rejoin() {
   SHARDTORCH_CHECK(!parent_, detail::rank_prefix(global_rank()),
                    ": rejoin() is for the whole job's World, not one made by subworld() or a DeviceMesh");
   if (size_ == 1) return;
+  SHARDTORCH_CHECK(backend_name_ == "gloo", detail::rank_prefix(rank_), ": rejoin() needs Gloo; under ", backend_name_,
+                   " a lost peer is not an error a rank can carry on after");
+  const std::string why_not = journal_->why_not_replayable();
+  SHARDTORCH_CHECK(why_not.empty(), detail::rank_prefix(rank_), ": cannot rejoin a replacement: ", why_not,
+                   "; end every rank and start the job again");
   for (auto& c : comms_)
     if (auto comm = c.lock()) comm->disable_checks();
   journal_->disconnect();
   note_progress("rejoining: waiting for the replacement of a lost rank");
   epoch_ = detail::await_replacement(*base_store_, epoch_, rank_, size_, options_.timeout());
-  store_ = c10::make_intrusive<c10d::PrefixStore>(detail::epoch_prefix(epoch_), base_store_);
-  journal_->replay(store_, options_.timeout());
+  static_cast<detail::SwitchableStore&>(*store_).point_at(
+      c10::make_intrusive<c10d::PrefixStore>(detail::epoch_prefix(epoch_), base_store_));
+  journal_->replay(store_, options_.timeout(), rank_);
   note_progress("rejoined");
 }
 
@@ -510,7 +516,6 @@ void World::note_progress(const std::string& phase, const std::string& unit) {
 }
 
 void World::note_step_done() {
-  if (auto& journal = root().journal_) journal->end_setup();
   if (progress_) progress_->step_done();
   context_->step_done();
 }

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <unordered_set>
 
+#include "comm/world_access.h"
 #include "runtime/flat_param.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/optim/cpu_adam.h"
@@ -294,6 +295,7 @@ void ShardViews::after_step(const torch::optim::Optimizer& opt) {
   // at each unit's next gather, which would first wait for the copies then.
   if (!low_copies_written_) state_->copies().remake_low_copies();
   state_->optimizer().after_optimizer_step();
+  detail::WorldAccess::end_setup(state_->world());  // the set-up that World::rejoin() answers with ends here
   state_->buffers().broadcast_after_step(state_->world());
   count_optimizer_state(opt);
 }

@@ -18,6 +18,7 @@ namespace shardtorch::detail {
 
 void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
   owner_->world().note_progress(c10::GradMode::is_enabled() ? "forward" : "forward without grad", label());
+  if (is_root_) WorldAccess::end_setup(owner_->world());  // a forward: the set-up is over
   if (is_root_ && c10::GradMode::is_enabled()) detail::collective_context(owner_->world()).root_inputs(inputs);
   owner_->backward().recover_if_failed();
   owner_->order().note_forward_for_reduction(*this);
