@@ -162,8 +162,8 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   /// replacement started with WorldOptions::rejoin (SHARDTORCH_REJOIN=1),
   /// then connects this World and every group made from it again, with it,
   /// and answers its set-up's collectives with those of this rank's own
-  /// set-up (recorded up to the first Snapshots::restore() or optimizer
-  /// step). The Comms keep their identity; the collective check is off from
+  /// set-up (recorded up to the first Snapshots::restore(), optimizer step
+  /// or forward of a sharded model). The Comms keep their identity; the collective check is off from
   /// here on. Nothing may be in flight on any of them. Snapshots::rejoin()
   /// calls it and then restores the lost rank's state.
   void rejoin();
@@ -192,7 +192,7 @@ class SHARDTORCH_API World : public std::enable_shared_from_this<World> {
   std::shared_ptr<detail::WaitBoard> waits_;  // when the collectives are checked
   // The whole job's World: what rejoin() connects again, and where.
   std::shared_ptr<detail::SetupJournal> journal_;
-  c10::intrusive_ptr<c10d::Store> base_store_;  // store_ is it, or its prefix of the epoch
+  c10::intrusive_ptr<c10d::Store> base_store_;  // store_ forwards to it, or to its epoch's prefix
   int64_t epoch_ = 0;                           // rejoins so far
   std::vector<std::weak_ptr<Comm>> comms_;      // the world's and its groups'
 };

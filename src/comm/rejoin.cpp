@@ -42,13 +42,18 @@ SwappableBackend::SwappableBackend(c10::intrusive_ptr<c10d::Backend> inner, std:
 
 SwappableBackend::~SwappableBackend() { journal_->forget(id_); }
 
-c10::intrusive_ptr<c10d::Backend> SwappableBackend::inner() const {
+c10::intrusive_ptr<c10d::Backend> SwappableBackend::connected() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!inner_)
+  return inner_;
+}
+
+c10::intrusive_ptr<c10d::Backend> SwappableBackend::inner() const {
+  auto b = connected();
+  if (!b)
     throw Error("shardtorch: member " + std::to_string(getRank()) + " of a group of " + std::to_string(getSize()) +
                 ": its connection was closed for a rejoin (World::rejoin) that did not complete; this process "
                 "cannot take part in the job any more: end it (and, if no rank can rejoin, start the job again)");
-  return inner_;
+  return b;
 }
 
 void SwappableBackend::unreplayable(const char* op) {
@@ -124,18 +129,10 @@ void SwappableBackend::startCoalescing() {
 c10::intrusive_ptr<c10d::Work> SwappableBackend::endCoalescing() { return inner()->endCoalescing(); }
 bool SwappableBackend::supportsCoalescing() const { return inner()->supportsCoalescing(); }
 void SwappableBackend::abort() {
-  if (auto b = [&] {
-        std::lock_guard<std::mutex> lock(mu_);
-        return inner_;
-      }())
-    b->abort();
+  if (auto b = connected()) b->abort();
 }
 void SwappableBackend::shutdown() {
-  if (auto b = [&] {
-        std::lock_guard<std::mutex> lock(mu_);
-        return inner_;
-      }())
-    b->shutdown();
+  if (auto b = connected()) b->shutdown();
 }
 
 void SwappableBackend::swap(c10::intrusive_ptr<c10d::Backend> inner) {
@@ -148,27 +145,19 @@ void SwappableBackend::setTimeout(std::chrono::milliseconds timeout) { inner()->
 
 c10::intrusive_ptr<c10d::Work> SwappableBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                            const c10d::BroadcastOptions& opts) {
-  if (journal_->recording()) {
-    SetupJournal::Entry e;
-    e.kind = SetupJournal::Kind::Broadcast;
-    e.backend = id_;
-    e.in = hold_all(tensors, /*keep=*/getRank() == opts.rootRank);
-    e.root = opts.rootRank;
-    journal_->record(std::move(e));
-  }
+  if (journal_->recording())
+    journal_->record({.kind = SetupJournal::Kind::Broadcast,
+                      .backend = id_,
+                      .in = hold_all(tensors, /*keep=*/getRank() == opts.rootRank),
+                      .root = opts.rootRank});
   return inner()->broadcast(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> SwappableBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::AllreduceOptions& opts) {
-  if (journal_->recording()) {
-    SetupJournal::Entry e;
-    e.kind = SetupJournal::Kind::AllReduce;
-    e.backend = id_;
-    e.in = hold_all(tensors, true);
-    e.op = opts.reduceOp;
-    journal_->record(std::move(e));
-  }
+  if (journal_->recording())
+    journal_->record(
+        {.kind = SetupJournal::Kind::AllReduce, .backend = id_, .in = hold_all(tensors, true), .op = opts.reduceOp});
   return inner()->allreduce(tensors, opts);
 }
 
@@ -176,10 +165,7 @@ c10::intrusive_ptr<c10d::Work> SwappableBackend::allgather(std::vector<std::vect
                                                            std::vector<at::Tensor>& inputs,
                                                            const c10d::AllgatherOptions& opts) {
   if (journal_->recording()) {
-    SetupJournal::Entry e;
-    e.kind = SetupJournal::Kind::AllGather;
-    e.backend = id_;
-    e.in = hold_all(inputs, true);
+    SetupJournal::Entry e{.kind = SetupJournal::Kind::AllGather, .backend = id_, .in = hold_all(inputs, true)};
     for (const auto& list : outputs) {
       SHARDTORCH_CHECK(list.size() == static_cast<size_t>(getSize()),
                        "shardtorch: internal: an all-gather's outputs are not one per member");
@@ -192,64 +178,41 @@ c10::intrusive_ptr<c10d::Work> SwappableBackend::allgather(std::vector<std::vect
 
 c10::intrusive_ptr<c10d::Work> SwappableBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::AllgatherOptions& opts) {
-  if (journal_->recording()) {
-    SetupJournal::Entry e;
-    e.kind = SetupJournal::Kind::AllGatherBase;
-    e.backend = id_;
-    e.in = {hold(input, true)};
-    e.out = {hold(output, false)};
-    journal_->record(std::move(e));
-  }
+  if (journal_->recording())
+    journal_->record({.kind = SetupJournal::Kind::AllGatherBase,
+                      .backend = id_,
+                      .in = {hold(input, true)},
+                      .out = {hold(output, false)}});
   return inner()->_allgather_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> SwappableBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                       const c10d::ReduceScatterOptions& opts) {
-  if (journal_->recording()) {
-    SetupJournal::Entry e;
-    e.kind = SetupJournal::Kind::ReduceScatterBase;
-    e.backend = id_;
-    e.in = {hold(input, true)};
-    e.out = {hold(output, false)};
-    e.op = opts.reduceOp;
-    journal_->record(std::move(e));
-  }
+  if (journal_->recording())
+    journal_->record({.kind = SetupJournal::Kind::ReduceScatterBase,
+                      .backend = id_,
+                      .in = {hold(input, true)},
+                      .out = {hold(output, false)},
+                      .op = opts.reduceOp});
   return inner()->_reduce_scatter_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> SwappableBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  if (journal_->recording()) {
-    SetupJournal::Entry e;
-    e.kind = SetupJournal::Kind::Send;
-    e.backend = id_;
-    e.in = hold_all(tensors, true);
-    e.root = dst;
-    e.tag = tag;
-    journal_->record(std::move(e));
-  }
+  if (journal_->recording())
+    journal_->record(
+        {.kind = SetupJournal::Kind::Send, .backend = id_, .in = hold_all(tensors, true), .root = dst, .tag = tag});
   return inner()->send(tensors, dst, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> SwappableBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  if (journal_->recording()) {
-    SetupJournal::Entry e;
-    e.kind = SetupJournal::Kind::Recv;
-    e.backend = id_;
-    e.out = hold_all(tensors, false);
-    e.root = src;
-    e.tag = tag;
-    journal_->record(std::move(e));
-  }
+  if (journal_->recording())
+    journal_->record(
+        {.kind = SetupJournal::Kind::Recv, .backend = id_, .out = hold_all(tensors, false), .root = src, .tag = tag});
   return inner()->recv(tensors, src, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> SwappableBackend::barrier(const c10d::BarrierOptions& opts) {
-  if (journal_->recording()) {
-    SetupJournal::Entry e;
-    e.kind = SetupJournal::Kind::Barrier;
-    e.backend = id_;
-    journal_->record(std::move(e));
-  }
+  if (journal_->recording()) journal_->record({.kind = SetupJournal::Kind::Barrier, .backend = id_});
   return inner()->barrier(opts);
 }
 
@@ -266,10 +229,7 @@ c10::intrusive_ptr<SwappableBackend> SetupJournal::connect(std::shared_ptr<Setup
   auto b = c10::make_intrusive<SwappableBackend>(std::move(inner), std::move(self), id);
   connects_.push_back(std::move(connect));
   alive_.push_back(b.get());
-  Entry e;
-  e.kind = Kind::Connect;
-  e.backend = id;
-  entries_.push_back(std::move(e));
+  entries_.push_back({.kind = Kind::Connect, .backend = id});
   return b;
 }
 
@@ -318,11 +278,6 @@ void SetupJournal::forget(int id) {
   alive_[static_cast<size_t>(id)] = nullptr;
 }
 
-size_t SetupJournal::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return entries_.size();
-}
-
 void SetupJournal::replay(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout, int rank) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<c10::intrusive_ptr<c10d::Backend>> made(connects_.size());
@@ -348,71 +303,69 @@ void SetupJournal::replay(const c10::intrusive_ptr<c10d::Store>& store, std::chr
 
 void SetupJournal::replay_one(const Entry& e, std::vector<c10::intrusive_ptr<c10d::Backend>>& made,
                               const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
-  {
-    if (e.kind == Kind::Connect) {
-      made[static_cast<size_t>(e.backend)] = connects_[static_cast<size_t>(e.backend)](store);
-      return;
-    }
-    auto& b = made[static_cast<size_t>(e.backend)];
-    SHARDTORCH_CHECK(b, "shardtorch: internal: the set-up's journal uses a backend before it connects it");
-    c10::intrusive_ptr<c10d::Work> w;
-    std::vector<at::Tensor> in = make_all(e.in, false), out = make_all(e.out, true);
-    switch (e.kind) {
-      case Kind::Broadcast: {
-        c10d::BroadcastOptions o;
-        o.rootRank = e.root;
-        o.timeout = timeout;
-        w = b->broadcast(in, o);
-        break;
-      }
-      case Kind::AllReduce: {
-        c10d::AllreduceOptions o;
-        o.reduceOp = e.op;
-        o.timeout = timeout;
-        w = b->allreduce(in, o);
-        break;
-      }
-      case Kind::AllGather: {
-        std::vector<std::vector<at::Tensor>> outs;
-        for (const auto& h : e.out) {
-          outs.emplace_back();
-          for (int r = 0; r < b->getSize(); ++r) outs.back().push_back(h.make_out());
-        }
-        c10d::AllgatherOptions o;
-        o.timeout = timeout;
-        w = b->allgather(outs, in, o);
-        break;
-      }
-      case Kind::AllGatherBase: {
-        c10d::AllgatherOptions o;
-        o.timeout = timeout;
-        w = b->_allgather_base(out[0], in[0], o);
-        break;
-      }
-      case Kind::ReduceScatterBase: {
-        c10d::ReduceScatterOptions o;
-        o.reduceOp = e.op;
-        o.timeout = timeout;
-        w = b->_reduce_scatter_base(out[0], in[0], o);
-        break;
-      }
-      case Kind::Send:
-        w = b->send(in, static_cast<int>(e.root), e.tag);
-        break;
-      case Kind::Recv:
-        w = b->recv(out, static_cast<int>(e.root), e.tag);
-        break;
-      case Kind::Barrier: {
-        c10d::BarrierOptions o;
-        o.timeout = timeout;
-        w = b->barrier(o);
-        break;
-      }
-      case Kind::Connect:
-        break;
-    }
-    w->wait(timeout);
+  if (e.kind == Kind::Connect) {
+    made[static_cast<size_t>(e.backend)] = connects_[static_cast<size_t>(e.backend)](store);
+    return;
   }
+  auto& b = made[static_cast<size_t>(e.backend)];
+  SHARDTORCH_CHECK(b, "shardtorch: internal: the set-up's journal uses a backend before it connects it");
+  c10::intrusive_ptr<c10d::Work> w;
+  std::vector<at::Tensor> in = make_all(e.in, false), out = make_all(e.out, true);
+  switch (e.kind) {
+    case Kind::Broadcast: {
+      c10d::BroadcastOptions o;
+      o.rootRank = e.root;
+      o.timeout = timeout;
+      w = b->broadcast(in, o);
+      break;
+    }
+    case Kind::AllReduce: {
+      c10d::AllreduceOptions o;
+      o.reduceOp = e.op;
+      o.timeout = timeout;
+      w = b->allreduce(in, o);
+      break;
+    }
+    case Kind::AllGather: {
+      std::vector<std::vector<at::Tensor>> outs;
+      for (const auto& h : e.out) {
+        outs.emplace_back();
+        for (int r = 0; r < b->getSize(); ++r) outs.back().push_back(h.make_out());
+      }
+      c10d::AllgatherOptions o;
+      o.timeout = timeout;
+      w = b->allgather(outs, in, o);
+      break;
+    }
+    case Kind::AllGatherBase: {
+      c10d::AllgatherOptions o;
+      o.timeout = timeout;
+      w = b->_allgather_base(out[0], in[0], o);
+      break;
+    }
+    case Kind::ReduceScatterBase: {
+      c10d::ReduceScatterOptions o;
+      o.reduceOp = e.op;
+      o.timeout = timeout;
+      w = b->_reduce_scatter_base(out[0], in[0], o);
+      break;
+    }
+    case Kind::Send:
+      w = b->send(in, static_cast<int>(e.root), e.tag);
+      break;
+    case Kind::Recv:
+      w = b->recv(out, static_cast<int>(e.root), e.tag);
+      break;
+    case Kind::Barrier: {
+      c10d::BarrierOptions o;
+      o.timeout = timeout;
+      w = b->barrier(o);
+      break;
+    }
+    case Kind::Connect:
+      break;
+  }
+  w->wait(timeout);
 }
 
 SwitchableStore::SwitchableStore(c10::intrusive_ptr<c10d::Store> store)

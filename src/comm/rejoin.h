@@ -39,6 +39,8 @@ class SwappableBackend final : public c10d::Backend {
   /// The connection in use; throws between disconnect() and the end of a
   /// replay (a rejoin that failed leaves it so).
   c10::intrusive_ptr<c10d::Backend> inner() const;
+  /// The connection in use, or null there.
+  c10::intrusive_ptr<c10d::Backend> connected() const;
   /// Collectives from now on go to `inner`; nothing may be in flight on
   /// this backend meanwhile.
   void swap(c10::intrusive_ptr<c10d::Backend> inner);
@@ -124,7 +126,7 @@ class SetupJournal {
   struct Entry {
     Kind kind = Kind::Connect;
     int backend = 0;
-    std::vector<Held> in, out;
+    std::vector<Held> in = {}, out = {};
     c10d::ReduceOp op = c10d::ReduceOp::SUM;
     int64_t root = 0;  // a broadcast's root; a send's or receive's peer
     int tag = 0;
@@ -155,8 +157,6 @@ class SetupJournal {
   /// SwappableBackend still alive to its new connection. Each collective
   /// waits at most `timeout`.
   void replay(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout, int rank);
-
-  size_t size() const;
 
  private:
   friend class SwappableBackend;
