@@ -63,16 +63,36 @@ struct Send {
 // The micro-batches of one step, as every rank of the pipeline group agreed
 // on them.
 struct StepBatch {
-  /// Every rank's verdict on its own inputs and targets, and the inputs'
-  /// shape (collective over the pipeline group); then the micro-batches.
-  /// `m`: how many; `me`: this rank and the call, for errors.
+  /// Checks this rank's own inputs and targets, splits them into `m`
+  /// micro-batches and posts the agreement (an all-gather over the pipeline
+  /// group of every rank's verdict and the inputs' shape). `me`: this rank
+  /// and the call, for errors.
   StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& me, const at::Tensor& inputs,
             const at::Tensor& targets);
+  /// Waits for the agreement and throws on every rank if any rank refused
+  /// its inputs or targets; then `headers`, `rows` and `sizes` hold.
+  void agree();
+  bool agreed() const { return agreed_; }
+  /// Whether `a` may run before the agreement: the first stage's forward
+  /// (its inputs are its own and checked) and the gather of the stage's
+  /// parameters (another group), on a rank that holds no last stage. Nothing
+  /// is sent before every rank has agreed.
+  bool may_run_before_agreement(const Action& a) const;
 
   bool headers = false;  // activations are preceded by their shapes
   int64_t rows = 0;
   std::vector<int64_t> sizes;  // rows per micro-batch
   std::vector<at::Tensor> inputs, targets;
+
+ private:
+  PipelineRuntime& rt_;
+  Comm& comm_;
+  const int m_;
+  const std::string me_;
+  std::string my_error_;
+  bool agreed_ = false, early_ = false;
+  at::Tensor mine_, all_;
+  PendingWork pending_;
 };
 
 // Where this rank is in a step, for its peers' errors (the phase beside the
@@ -166,16 +186,16 @@ class StepRun {
 };
 
 StepBatch::StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& me, const at::Tensor& inputs,
-                     const at::Tensor& targets) {
+                     const at::Tensor& targets)
+    : rt_(rt), comm_(comm), m_(m), me_(me) {
   const int S = rt.stages();
   const bool first = rt.holds(0), last = rt.holds(S - 1);
   std::vector<int64_t> entry(kEntry, 0);
-  std::string my_error;
   if (first) {
     if (!inputs.defined() || inputs.dim() < 1 || inputs.dim() > kMaxDims || inputs.size(0) < m) {
-      my_error = "the first stage's inputs must be a tensor of 1 to " + std::to_string(kMaxDims) +
-                 " dimensions with at least " + std::to_string(m) + " rows (one per micro-batch), got " +
-                 (inputs.defined() ? describe(inputs) : std::string("an undefined tensor"));
+      my_error_ = "the first stage's inputs must be a tensor of 1 to " + std::to_string(kMaxDims) +
+                  " dimensions with at least " + std::to_string(m) + " rows (one per micro-batch), got " +
+                  (inputs.defined() ? describe(inputs) : std::string("an undefined tensor"));
       entry[0] = kBadInputs;
     } else {
       entry[1] = static_cast<int64_t>(inputs.scalar_type());
@@ -185,39 +205,51 @@ StepBatch::StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& 
   }
   if (last) {
     if (!targets.defined() || targets.dim() < 1) {
-      my_error = "the last stage's targets must be a tensor of at least one dimension, got " +
-                 (targets.defined() ? describe(targets) : std::string("an undefined tensor"));
+      my_error_ = "the last stage's targets must be a tensor of at least one dimension, got " +
+                  (targets.defined() ? describe(targets) : std::string("an undefined tensor"));
       entry[0] = kBadTargets;
     } else {
       entry[11] = targets.size(0);
     }
   }
-  at::Tensor mine = at::tensor(entry, at::kLong).to(comm.device());
-  at::Tensor all = at::empty({comm.size() * kEntry}, mine.options());
-  comm.all_gather_into(all, mine, "the agreement on a pipeline step's inputs");
-  all = all.cpu();
+  early_ = first && !last && my_error_.empty();
+  mine_ = at::tensor(entry, at::kLong).to(comm.device());
+  all_ = at::empty({comm.size() * kEntry}, mine_.options());
+  pending_ = comm.all_gather_async(all_, mine_, "the agreement on a pipeline step's inputs");
+  if (first && my_error_.empty()) this->inputs = inputs.tensor_split(m, 0);
+  if (last && my_error_.empty()) this->targets = targets.tensor_split(m, 0);
+}
+
+bool StepBatch::may_run_before_agreement(const Action& a) const {
+  return early_ && ((a.kind == ActionKind::Forward && a.stage == 0) || a.kind == ActionKind::Unshard);
+}
+
+void StepBatch::agree() {
+  if (agreed_) return;
+  comm_.wait(pending_);
+  agreed_ = true;
+  const int S = rt_.stages();
+  at::Tensor all = all_.cpu();
   const int64_t* a = all.data_ptr<int64_t>();
-  const int64_t* in = a + rt.pp_rank_of(0) * kEntry;
-  const int64_t* out = a + rt.pp_rank_of(S - 1) * kEntry;
-  SHARDTORCH_CHECK(my_error.empty(), me, ": ", my_error);
-  for (int r = 0; r < comm.size(); ++r)
-    SHARDTORCH_CHECK(a[r * kEntry] == 0, me, ": rank ", rt.pp->global_rank_of(r), " (",
+  const int64_t* in = a + rt_.pp_rank_of(0) * kEntry;
+  const int64_t* out = a + rt_.pp_rank_of(S - 1) * kEntry;
+  SHARDTORCH_CHECK(my_error_.empty(), me_, ": ", my_error_);
+  for (int r = 0; r < comm_.size(); ++r)
+    SHARDTORCH_CHECK(a[r * kEntry] == 0, me_, ": rank ", rt_.pp->global_rank_of(r), " (",
                      a[r * kEntry] == kBadInputs ? "the first stage" : "the last stage", ") refused its ",
                      a[r * kEntry] == kBadInputs ? "inputs" : "targets", " for this step; its error says why");
-  SHARDTORCH_CHECK(in[3] == out[11], me, ": the first stage's inputs have ", in[3],
+  SHARDTORCH_CHECK(in[3] == out[11], me_, ": the first stage's inputs have ", in[3],
                    " rows but the last stage's targets ", out[11],
                    "; both must hold the same samples (the pipeline's share of the batch)");
   std::vector<int64_t> sig(in + 1, in + 3 + kMaxDims);
-  if (sig != rt.signature) {
-    rt.signature = sig;
-    rt.shapes.clear();  // headers this step
+  if (sig != rt_.signature) {
+    rt_.signature = sig;
+    rt_.shapes.clear();  // headers this step
   }
-  headers = rt.shapes.empty() && S > 1;
-  rows = rt.signature[2];
-  sizes.resize(m);
-  for (int i = 0; i < m; ++i) sizes[i] = rows / m + (i < rows % m ? 1 : 0);
-  if (first) this->inputs = inputs.tensor_split(m, 0);
-  if (last) this->targets = targets.tensor_split(m, 0);
+  headers = rt_.shapes.empty() && S > 1;
+  rows = rt_.signature[2];
+  sizes.resize(m_);
+  for (int i = 0; i < m_; ++i) sizes[i] = rows / m_ + (i < rows % m_ ? 1 : 0);
 }
 
 void StepRun::post_recv(Msg kind, int stage, int mb, int peer_stage) {
@@ -387,6 +419,7 @@ void StepRun::send_gradient(const Action& a) {
 
 void StepRun::run_actions() {
   for (const Action& a : plan_.actions[rt_.rank]) {
+    if (!batch_.agreed() && !batch_.may_run_before_agreement(a)) batch_.agree();
     double start = trace_.seconds();
     switch (a.kind) {
       case ActionKind::Unshard:
@@ -422,6 +455,7 @@ void StepRun::run_actions() {
     }
     trace_.record(a, start);
   }
+  batch_.agree();
   for (auto& s : grad_sends_) comm_.wait(s.work);
   for (auto& [k, s] : act_sends_) {
     if (s.header_work.pending()) comm_.wait(s.header_work);
