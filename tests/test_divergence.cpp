@@ -6,9 +6,13 @@
 // (SIGABRT) or trained on with no word.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <exception>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -990,4 +994,92 @@ TEST_F(Diverged, ASlowRankInTheSteadyStateIsNoDivergence) {
         checked());
     EXPECT_TRUE(r.ok) << r.summary();
   }
+}
+
+namespace {
+// A check group whose exchange completes only when released (every rank's
+// fingerprint then reads as this rank's): a peer that is late, or gone.
+struct Gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  int entered = 0;
+};
+class HeldWork : public c10d::Work {
+ public:
+  HeldWork(std::shared_ptr<Gate> gate, at::Tensor out, at::Tensor in)
+      : gate_(std::move(gate)), out_(std::move(out)), in_(std::move(in)) {}
+  bool wait(std::chrono::milliseconds) override {
+    std::unique_lock<std::mutex> lock(gate_->mu);
+    gate_->cv.wait(lock, [&] { return gate_->open; });
+    out_.copy_(in_.repeat({out_.numel() / in_.numel()}));
+    return true;
+  }
+
+ private:
+  std::shared_ptr<Gate> gate_;
+  at::Tensor out_, in_;
+};
+class HeldExchange : public c10d::Backend {
+ public:
+  explicit HeldExchange(std::shared_ptr<Gate> gate) : c10d::Backend(0, 2), gate_(std::move(gate)) {}
+  const std::string getBackendName() const override { return "held"; }
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions&) override {
+    {
+      std::lock_guard<std::mutex> lock(gate_->mu);
+      ++gate_->entered;
+    }
+    gate_->cv.notify_all();
+    return c10::make_intrusive<HeldWork>(gate_, out, in);
+  }
+
+ private:
+  std::shared_ptr<Gate> gate_;
+};
+class DoneWork : public c10d::Work {
+ public:
+  bool wait(std::chrono::milliseconds) override { return true; }
+};
+}  // namespace
+
+// A rank that rejoins turns its check off while the checker's thread is inside
+// an exchange whose peer has not come (it may come later, on the connection
+// being replaced): neither that collective nor one queued behind it launches
+// afterwards, on what is by then the new connection; both fail, saying why.
+TEST(Snapshots, ARejoinNeverLaunchesOnTheNewConnectionWhatTheCheckHadNotLaunched) {
+  auto gate = std::make_shared<Gate>();
+  auto launches = std::make_shared<std::atomic<int>>(0);
+  auto start = [launches]() -> c10::intrusive_ptr<c10d::Work> {
+    ++*launches;
+    return c10::make_intrusive<DoneWork>();
+  };
+  auto describe = [] { return std::string("a test collective"); };
+  std::shared_ptr<shardtorch::detail::CheckedLaunch> first, second;
+  {
+    shardtorch::detail::CollectiveChecker checker(c10::make_intrusive<HeldExchange>(gate), 0, 2);
+    std::vector<int64_t> a(shardtorch::detail::kPatternSize, 1), b(shardtorch::detail::kPatternSize, 2);
+    first = checker.submit(a, 0, describe, start, std::chrono::seconds(30));
+    second = checker.submit(b, 0, describe, start, std::chrono::seconds(30));
+    {
+      std::unique_lock<std::mutex> lock(gate->mu);
+      ASSERT_TRUE(gate->cv.wait_for(lock, std::chrono::seconds(10), [&] { return gate->entered == 1; }))
+          << "the checker's thread never began the first exchange";
+    }
+    checker.cancel_launches("cancelled by the test");
+  }  // the thread inside the exchange is left to finish it
+  {
+    std::lock_guard<std::mutex> lock(gate->mu);
+    gate->open = true;
+  }
+  gate->cv.notify_all();
+  for (auto* c : {&first, &second}) {
+    try {
+      (*c)->launched(/*probe=*/false);
+      ADD_FAILURE() << "a cancelled collective was launched";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("cancelled by the test"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(*launches, 0);
 }

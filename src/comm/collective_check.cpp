@@ -173,6 +173,8 @@ struct CheckerShared : std::enable_shared_from_this<CheckerShared> {
   std::condition_variable cv;
   std::deque<std::shared_ptr<CheckedLaunch>> queue;  // not launched yet, in order
   bool stop = false;
+  std::mutex launch_mu;              // held by each launch; after mu where both are held
+  std::exception_ptr cancelled;      // under launch_mu: CollectiveChecker::cancel_launches, nothing launches
   bool busy = false;                 // an entry taken off the queue runs, on the checker's thread or on a waiting one
   std::exception_ptr broken;         // after a failed check: the ranks are out of step, every later launch fails alike
   std::shared_ptr<WaitBoard> board;  // may be null
@@ -258,7 +260,19 @@ void launch(CheckerShared& s, CheckedLaunch& c) {
     start = std::move(c.start);
   }
   if (!start) return;  // settled meanwhile by a failure: nothing to launch
-  auto work = start();
+  c10::intrusive_ptr<c10d::Work> work;
+  std::exception_ptr cancelled;
+  {
+    // Under launch_mu (submit may hold mu here): cancel_launches() returns
+    // only once no launch runs.
+    std::lock_guard<std::mutex> lock(s.launch_mu);
+    cancelled = s.cancelled;
+    if (!cancelled) work = start();
+  }
+  if (cancelled) {
+    c.settle(nullptr, cancelled);
+    return;
+  }
   if (s.board) s.board->launched(s.comm);
   c.settle(std::move(work), nullptr);
 }
@@ -591,6 +605,22 @@ std::shared_ptr<CheckedLaunch> CollectiveChecker::submit(std::vector<int64_t> pa
   lock.unlock();
   s_->cv.notify_one();
   return c;
+}
+
+void CollectiveChecker::cancel_launches(const std::string& why) {
+  std::deque<std::shared_ptr<CheckedLaunch>> queued;
+  const std::exception_ptr error = std::make_exception_ptr(Error(why));
+  {
+    std::lock_guard<std::mutex> lock(s_->launch_mu);
+    s_->cancelled = error;
+  }
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    if (!s_->broken) s_->broken = error;
+    queued.swap(s_->queue);
+  }
+  for (auto& q : queued) q->settle(nullptr, error);
+  s_->cv.notify_all();
 }
 
 void CollectiveChecker::flush() {

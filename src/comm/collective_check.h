@@ -185,6 +185,14 @@ class CollectiveChecker {
   /// throws the error of the last one); a long wait is compared with the
   /// peers' as the launch's own would be.
   void flush();
+  /// From now on nothing is launched (unlike CheckedLaunch::abandon, which
+  /// lets the launch come): the collectives queued fail at once
+  /// with `why`, and one whose exchange is running when this is called (a
+  /// peer that never comes, or comes later) fails with it when the exchange
+  /// ends. Returns once no launch is running. For a rank that closes this
+  /// communicator's connection and opens a new one (World::rejoin): nothing
+  /// meant for the old connection is launched on the new one.
+  void cancel_launches(const std::string& why);
 
  private:
   std::shared_ptr<CheckerShared> s_;

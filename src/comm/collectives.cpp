@@ -221,7 +221,12 @@ void Comm::enable_checks(std::shared_ptr<detail::CollectiveContext> context, c10
   checker_->follow_steps(*context_, timeout_);
 }
 
-void Comm::disable_checks() { checker_.reset(); }
+void Comm::disable_checks() {
+  if (!checker_) return;
+  checker_->cancel_launches(who() +
+                            ": the collective check was turned off (a rejoin) before this collective was launched");
+  checker_.reset();
+}
 
 int64_t Comm::check_exchanges() const { return checker_ ? checker_->exchanges() : 0; }
 

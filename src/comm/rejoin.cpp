@@ -1,5 +1,6 @@
 #include "comm/rejoin.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "base/check.h"
@@ -418,6 +419,11 @@ std::string seconds_of(std::chrono::milliseconds t) {
   return std::to_string(t.count() / 1000) + "." + std::to_string(t.count() % 1000 / 100) + " s";
 }
 
+// How often each rank reads the store while it waits: every 5 ms in jobs of
+// up to 20 ranks, less often in larger ones, so that the store serves about
+// eight reads per millisecond whatever the job's size (up to 200 ms apart).
+std::chrono::milliseconds poll_interval(int size) { return std::chrono::milliseconds(std::clamp(size / 4, 5, 200)); }
+
 // Every rank arrives at `epoch`, or moves on to a later one opened meanwhile.
 int64_t settle(c10d::Store& base, int64_t epoch, int rank, int size, std::chrono::steady_clock::time_point deadline,
                std::chrono::milliseconds timeout) {
@@ -437,7 +443,7 @@ int64_t settle(c10d::Store& base, int64_t epoch, int rank, int size, std::chrono
                     std::to_string(size) + " arrived; a rank still running must call Snapshots::rejoin() (or " +
                     "World::rejoin()) after its step failed, and each lost rank needs a replacement started " +
                     "with SHARDTORCH_REJOIN=1");
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      std::this_thread::sleep_for(poll_interval(size));
     }
   }
 }
@@ -457,7 +463,7 @@ int64_t await_replacement(c10d::Store& base, int64_t epoch, int rank, int size, 
       throw Error(rank_prefix(rank) + " waited " + seconds_of(timeout) + " for a replacement of the lost rank to " +
                   "join: start it with SHARDTORCH_REJOIN=1 (the same program, rank and store; " +
                   "docs/fault_tolerance.md, \"Survivors that stay alive\")");
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::this_thread::sleep_for(2 * poll_interval(size));
     latest = base.add(kEpochKey, 0);
   }
   return settle(base, latest, rank, size, deadline, timeout);
