@@ -21,7 +21,7 @@
 // to its incarnation. Each rank that rejoined prints "rank R: rejoined at step S".
 //
 // For bench/snapshots/run.sh: --model gpt trains the example GPT
-// (--d-model, --layers); rank 0 prints the median step time of this
+// (--d-model, --layers, --batch); rank 0 prints the median step time of this
 // incarnation and, as wall-clock epoch milliseconds, when a rank was killed,
 // when the first step after a restart ended and when step --report-step
 // ended after it. Without --dir, a restarted
@@ -151,6 +151,7 @@ int train(int argc, char** argv, int& rank) {
   gpt::Config cfg;
   cfg.d_model = std::stoll(arg(argc, argv, "d-model", "32"));
   cfg.n_layer = std::stoll(arg(argc, argv, "layers", "2"));
+  const int64_t batch = std::stoll(arg(argc, argv, "batch", "8"));  // sequences per rank and step (gpt)
   cfg.seq_len = 64;
   cfg.vocab = 256;
   gpt::GPT gpt_model{cfg};
@@ -266,7 +267,7 @@ int train(int argc, char** argv, int& rank) {
       if (is_gpt) {
         torch::manual_seed(1000 + 7919 * position + world->rank());
         ++position;
-        auto tokens = torch::randint(cfg.vocab, {8, cfg.seq_len}, torch::kLong);
+        auto tokens = torch::randint(cfg.vocab, {batch, cfg.seq_len}, torch::kLong);
         loss = gpt::lm_loss(gpt_model->forward(tokens), tokens);
       } else {
         auto [x, y] = next_batch();

@@ -13,12 +13,16 @@
 #    redoes the steps since its checkpoint); then the same kill without
 #    torchrun, the other ranks staying alive and rejoining a replacement
 #    (Snapshots::rejoin).
-# usage: bench/snapshots/run.sh BUILD_DIR [ranks] [d_model] [layers] [steps] [repeats] [save_every] [kill_at]
-# (save_every: the disk checkpoint's interval, 10; kill_at: the step a rank
-# dies in, steps - 5; repeats 0: the recovery only)
+# usage: [BATCH=8] [RECOVERY=1] bench/snapshots/run.sh BUILD_DIR [ranks] [d_model] [layers] [steps] [repeats]
+#        [save_every] [kill_at]
+# (BATCH: sequences of 64 tokens per rank and step; RECOVERY=0: the steady
+# state only; save_every: the disk checkpoint's interval, 10; kill_at: the
+# step a rank dies in, steps - 5; repeats 0: the recovery only). The steady
+# state also reports the CPU time (user and system, every process of the
+# run) that the snapshots add per step and rank.
 set -euo pipefail
 build=$1 ranks=${2:-2} d_model=${3:-256} layers=${4:-4} steps=${5:-30} repeats=${6:-3}
-save_every=${7:-10} kill_at=${8:-$((${5:-30} - 5))}
+save_every=${7:-10} kill_at=${8:-$((${5:-30} - 5))} batch=${BATCH:-8}
 torchrun=$(dirname "$0")/../../.venv/bin/torchrun
 bin=$build/tests/snapshot_train
 tmp=$(mktemp -d)
@@ -29,16 +33,27 @@ run() {  # LOG [snapshot_train options]
   local log=$1
   shift
   "$torchrun" --no-python --standalone --nproc-per-node "$ranks" --max-restarts 1 --monitor-interval 0.1 \
-    "$bin" --model gpt --d-model "$d_model" --layers "$layers" --steps "$steps" "$@" > "$log" 2>&1 ||
+    "$bin" --model gpt --d-model "$d_model" --layers "$layers" --batch "$batch" --steps "$steps" "$@" > "$log" 2>&1 ||
     { cat "$log"; exit 1; }
 }
 median() { sed -n 's/^median step ms \([0-9.]*\).*/\1/p' "$1" | tail -1; }
+mark() { times > "$tmp/times.$1"; }  # in this shell: the CPU time of every process it has waited for
+cpu() {                              # that time at mark $1, in seconds
+  tail -1 "$tmp/times.$1" | awk '{ for (i = 1; i <= 2; ++i) { split($i, a, /[ms]/); t += a[1] * 60 + a[2] } printf "%.3f", t }'
+}
 for i in $(seq "$repeats"); do
+  mark 0
   run "$tmp/plain$i.log"
+  mark 1
   run "$tmp/snap$i.log" --every 1 --dir "$shm/$i"
-  echo "repeat $i: median step ms without $(median "$tmp/plain$i.log"), with snapshots (K=1) $(median "$tmp/snap$i.log")"
+  mark 2
+  c0=$(cpu 0) c1=$(cpu 1) c2=$(cpu 2)
+  echo "repeat $i: median step ms without $(median "$tmp/plain$i.log"), with snapshots (K=1) $(median "$tmp/snap$i.log");" \
+    "CPU ms added per step and rank $(awk -v a="$c0" -v b="$c1" -v c="$c2" -v n="$steps" -v r="$ranks" \
+      'BEGIN { printf "%.1f", ((c - b) - (b - a)) * 1000 / n / r }')"
 done
 [ "$repeats" -gt 0 ] && grep -h "^bytes kept" "$tmp/snap1.log"
+[ "${RECOVERY:-1}" = 0 ] && exit 0
 # Recovery: memory, then disk.
 recovery() {  # LOG PATTERN: ms from the kill to the line PATTERN
   local killed first
@@ -65,7 +80,7 @@ port=$("$(dirname "$torchrun")/python3" -c \
   'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 hand() {  # RANK INCARNATION
   RANK=$1 LOCAL_RANK=$1 WORLD_SIZE=$ranks LOCAL_WORLD_SIZE=$ranks MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-    TORCHELASTIC_RESTART_COUNT=$2 SHARDTORCH_REJOIN=$2 "$bin" --model gpt --d-model "$d_model" --layers "$layers" \
+    TORCHELASTIC_RESTART_COUNT=$2 SHARDTORCH_REJOIN=$2 "$bin" --model gpt --d-model "$d_model" --layers "$layers" --batch "$batch" \
     --steps "$steps" --every 1 --dir "$shm/rejoin" --rejoin --kill "0:1@$kill_at:forward" --report-step $kill_at \
     >> "$tmp/rejoin.log" 2>&1
 }
