@@ -39,12 +39,14 @@ pipeline-demo: configure
 	$(VENV)/bin/torchrun --no-python --standalone --nproc-per-node 4 $(BUILD)/examples/pipeline_gpt --pp 2 --steps 20 \
 	  --microbatches 4 --timeline $(BUILD)/pipeline-timeline.json --plot $(BUILD)/pipeline-timeline.png --python $(PY)
 
-# Fault tolerance (docs/fault_tolerance.md): torchft's lighthouse, three replica
-# groups of the example GPT, one killed twice and healed; prints the timeline and checks the result.
+# Tensor parallelism (docs/parallelism.md): the example GPT over 4 ranks, tensor-parallel 2 x
+# data-parallel 2, with sequence parallelism.
 tp-demo: configure
 	cmake --build $(BUILD) -j$(JOBS) --target tp_gpt
 	$(VENV)/bin/torchrun --no-python --standalone --nproc-per-node 4 $(BUILD)/examples/tp_gpt --tp 2 --steps 20 --sequence-parallel
 
+# Fault tolerance (docs/fault_tolerance.md): torchft's lighthouse, three replica
+# groups of the example GPT, one killed twice and healed; prints the timeline and checks the result.
 ft-demo: configure
 	cmake --build $(BUILD) -j$(JOBS) --target ft_train
 	$(PY) tests/ft/kill_and_heal.py --lighthouse $(VENV)/bin/torchft_lighthouse --torchrun $(VENV)/bin/torchrun \
