@@ -216,6 +216,21 @@ at::Tensor map_file(int fd, int64_t size, bool writable, const std::string& path
       p, {size}, [n](void* q) { ::munmap(q, n); }, at::TensorOptions().dtype(at::kByte));
 }
 
+// A whole file mapped read-only (map_file), its descriptor closed.
+at::Tensor map_for_reading(const std::string& file) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("cannot open '" + file + "': " + std::strerror(errno));
+  at::Tensor data;
+  try {
+    data = map_file(fd, files::file_size(file), /*writable=*/false, file);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);  // the mapping stays
+  return data;
+}
+
 // The checksum of a safetensors file's data (what follows its header).
 std::string data_checksum_of(const std::string& bytes) {
   if (bytes.size() < 8) throw std::runtime_error("shorter than a safetensors header");
@@ -641,17 +656,7 @@ struct Snapshots::Impl {
     std::vector<at::Tensor> keep;
     const int buddy = options.buddy[static_cast<size_t>(rank())];
     if (buddy != rank()) {
-      const std::string file = files::join(detail::own_snapshot_path(options, rank(), step), file_of(rank()));
-      const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0) throw std::runtime_error("cannot open '" + file + "': " + std::strerror(errno));
-      at::Tensor data;
-      try {
-        data = map_file(fd, files::file_size(file), /*writable=*/false, file);
-      } catch (...) {
-        ::close(fd);
-        throw;
-      }
-      ::close(fd);  // the mapping stays
+      at::Tensor data = map_for_reading(files::join(detail::own_snapshot_path(options, rank(), step), file_of(rank())));
       at::Tensor head = torch::tensor({step, data.numel()}, torch::kInt64);
       keep = {head, data};
       works.push_back(comm->send_async(head, buddy, 1, "snapshot header"));
@@ -1057,11 +1062,9 @@ std::vector<int> Snapshots::Impl::return_copies(int64_t chosen, const std::vecto
     const int h = source[static_cast<size_t>(r)];
     if (h < 0) continue;
     lost.push_back(r);
-    if (h == rank()) {
-      const std::string bytes = read_whole(files::join(detail::held_snapshot_path(options, r, h, chosen), file_of(r)));
-      at::Tensor head = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64);
-      at::Tensor data = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-      std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
+    if (h == rank()) {  // sent from the file's pages, as exchange() sends
+      at::Tensor data = map_for_reading(files::join(detail::held_snapshot_path(options, r, h, chosen), file_of(r)));
+      at::Tensor head = torch::tensor({data.numel()}, torch::kInt64);
       keep.push_back(head);
       keep.push_back(data);
       works.push_back(comm->send_async(head, r, 3, "snapshot restore header"));
