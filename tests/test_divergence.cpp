@@ -1004,6 +1004,7 @@ struct Gate {
   std::condition_variable cv;
   bool open = false;
   int entered = 0;
+  bool gone = false;  // the backend was destroyed: the checker's thread has let go of it
 };
 class HeldWork : public c10d::Work {
  public:
@@ -1023,6 +1024,13 @@ class HeldWork : public c10d::Work {
 class HeldExchange : public c10d::Backend {
  public:
   explicit HeldExchange(std::shared_ptr<Gate> gate) : c10d::Backend(0, 2), gate_(std::move(gate)) {}
+  ~HeldExchange() override {
+    {
+      std::lock_guard<std::mutex> lock(gate_->mu);
+      gate_->gone = true;
+    }
+    gate_->cv.notify_all();
+  }
   const std::string getBackendName() const override { return "held"; }
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions&) override {
@@ -1082,4 +1090,9 @@ TEST(Snapshots, ARejoinNeverLaunchesOnTheNewConnectionWhatTheCheckHadNotLaunched
     }
   }
   EXPECT_EQ(*launches, 0);
+  // The detached checker thread ends with the exchange it ran: wait for it,
+  // so that it does not outlive the test (nor the process).
+  std::unique_lock<std::mutex> lock(gate->mu);
+  EXPECT_TRUE(gate->cv.wait_for(lock, std::chrono::seconds(10), [&] { return gate->gone; }))
+      << "the checker's thread still holds its check group";
 }

@@ -39,7 +39,8 @@ run() {  # LOG [snapshot_train options]
 median() { sed -n 's/^median step ms \([0-9.]*\).*/\1/p' "$1" | tail -1; }
 mark() { times > "$tmp/times.$1"; }  # in this shell: the CPU time of every process it has waited for
 cpu() {                              # that time at mark $1, in seconds
-  tail -1 "$tmp/times.$1" | awk '{ for (i = 1; i <= 2; ++i) { split($i, a, /[ms]/); t += a[1] * 60 + a[2] } printf "%.3f", t }'
+  tail -1 "$tmp/times.$1" |
+    awk '{ for (i = 1; i <= 2; ++i) { gsub(",", ".", $i); split($i, a, /[ms]/); t += a[1] * 60 + a[2] } printf "%.3f", t }'
 }
 for i in $(seq "$repeats"); do
   mark 0
