@@ -726,6 +726,8 @@ struct Snapshots::Impl {
   /// `survivor`: this rank's live state may serve (Snapshots::rejoin).
   int64_t restore(bool survivor);
   int64_t fall_back(const std::string& why);
+  /// A sharded checkpoint in fallback_dir to fall back to.
+  bool has_fallback() const { return !options.fallback_dir.empty() && sharded_checkpoint_exists(options.fallback_dir); }
   // restore's steps.
   struct Choice {
     int64_t step = -1;              // chosen (-1: none)
@@ -902,7 +904,7 @@ int64_t Snapshots::rejoin() {
 }
 
 int64_t Snapshots::Impl::fall_back(const std::string& why) {
-  if (options.fallback_dir.empty() || !sharded_checkpoint_exists(options.fallback_dir)) {
+  if (!has_fallback()) {
     if (why.empty()) return -1;  // nothing anywhere: a fresh start
     throw Error(who() + ": " + why + ", and there is no sharded checkpoint to fall back to" +
                 (options.fallback_dir.empty() ? std::string(" (SnapshotOptions::fallback_dir is not set)")
@@ -968,7 +970,7 @@ int64_t Snapshots::Impl::restore(bool survivor) {
   }
   bool trained = false;  // a survivor has trained: a fresh start would leave the ranks apart
   for (const auto& r : reports) trained = trained || (r.contains("trained") && r.at("trained").as_bool());
-  if (c.step < 0 && trained && (options.fallback_dir.empty() || !sharded_checkpoint_exists(options.fallback_dir)))
+  if (c.step < 0 && trained && !has_fallback())
     throw Error(who() + ": no step is in memory on every rank to rejoin at" +
                 (c.newest ? " (newest seen: " + std::to_string(*c.newest) + ")" : std::string()) +
                 ", and there is no sharded checkpoint to fall back to, while the ranks still running have " +
@@ -1088,6 +1090,7 @@ std::vector<int> Snapshots::Impl::return_copies(int64_t chosen, const std::vecto
 // the reason, before anything changes.
 void Snapshots::Impl::load_step(int64_t chosen, bool keep, std::optional<Found> found) {
   const std::string fingerprint = "snapshot step " + std::to_string(chosen);
+  const std::map<std::string, std::string>* user = nullptr;  // the registered state to give back
   if (keep) {  // this rank's parameters and optimizer state are the step's: only what a forward changed goes back
     checkpoint::load_rank_state(root, opt, "", Index{}, fingerprint, "", /*keep=*/true);
     c10::NoGradGuard no_grad;
@@ -1095,17 +1098,16 @@ void Snapshots::Impl::load_step(int64_t chosen, bool keep, std::optional<Found> 
     for (const auto& item : root.named_buffers()) buffers[item.key()] = item.value();
     for (const auto& [name, value] : live.buffers)
       if (auto it = buffers.find(name); it != buffers.end()) it->second.copy_(value);
-    for (auto& [k, fns] : state)
-      if (auto it = live.user_state.find(k); it != live.user_state.end()) fns.second(it->second);
-    dir.drop_newer(chosen);
-    return;
+    user = &live.user_state;
+  } else {
+    std::string why;
+    const std::string path = detail::own_snapshot_path(options, rank(), chosen);
+    if (!found) found = dir.check(path, rank(), chosen, why);  // a copy sent back, not checked yet
+    checkpoint::load_rank_state(root, opt, path, found ? found->index : Index{}, fingerprint, found ? "" : why);
+    user = &found->user_state;
   }
-  std::string why;
-  const std::string path = detail::own_snapshot_path(options, rank(), chosen);
-  if (!found) found = dir.check(path, rank(), chosen, why);  // a copy sent back, not checked yet
-  checkpoint::load_rank_state(root, opt, path, found ? found->index : Index{}, fingerprint, found ? "" : why);
   for (auto& [k, fns] : state)
-    if (auto it = found->user_state.find(k); it != found->user_state.end()) fns.second(it->second);
+    if (auto it = user->find(k); it != user->end()) fns.second(it->second);
   dir.drop_newer(chosen);
 }
 
