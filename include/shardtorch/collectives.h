@@ -195,6 +195,8 @@ class SHARDTORCH_API Comm {
                      std::shared_ptr<detail::WaitBoard> board = nullptr, const std::string& name = "",
                      std::vector<int> members = {});
   /// The check stops (World::rejoin): collectives run unchecked from here on.
+  /// Collectives the check had queued but not launched fail, and none of
+  /// them is launched later (on a connection a rejoin replaced).
   void disable_checks();
   /// What a failed collective's error adds about the peers (the world sets
   /// it: which died or did not arrive, and where each last was); given when
