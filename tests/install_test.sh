@@ -18,6 +18,12 @@ esac
 readelf -d "$tmp/prefix/lib/libshardtorch.so" | grep -E "R(UN)?PATH" | grep -q "$torch_lib" || {
   echo "installed libshardtorch.so has no run path to LibTorch's libraries ($torch_lib):"
   readelf -d "$tmp/prefix/lib/libshardtorch.so" | grep -E "R(UN)?PATH"; exit 1; }
+# The installed tools start with no help from the environment: their run
+# path reaches libshardtorch beside them and LibTorch's libraries.
+for tool in shardtorch-plan shardtorch-convert; do
+  env -u LD_LIBRARY_PATH "$tmp/prefix/bin/$tool" --help > "$tmp/$tool.log" 2>&1 || {
+    echo "the installed $tool did not start:"; cat "$tmp/$tool.log"; exit 1; }
+done
 launcher=()
 command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 torch=()
@@ -40,4 +46,4 @@ fi
 tr -s ' \n' ' ' < "$tmp/configure-fake.log" |
   grep -q "was built against LibTorch [0-9]*\.[0-9]*.* found LibTorch '1.0.0'" || {
   echo "the LibTorch mismatch was not named:"; cat "$tmp/configure-fake.log"; exit 1; }
-echo "install test: consumer built and ran; a LibTorch 1.0 consumer was refused"
+echo "install test: the tools started; consumer built and ran; a LibTorch 1.0 consumer was refused"

@@ -227,7 +227,7 @@ int main(int argc, char** argv) {
     po::notify(vm);
     if (vm.count("help") || command.empty() || in.empty()) {
       std::cout << opts << "\n";
-      return command.empty() ? 2 : 0;
+      return vm.count("help") ? 0 : 2;  // asked for, or a usage error
     }
     if (command != "info" && out.empty()) throw std::invalid_argument(command + " needs IN and OUT");
     if (command == "info") return info(in);
