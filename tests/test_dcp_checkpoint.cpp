@@ -127,6 +127,9 @@ TEST(DcpMetadata, RefusesWhatItDoesNotReadByName) {
   // an opcode outside it (INST)
   e = refusal(std::string("\x80\x02") + "ios\nsystem\n.");
   EXPECT_TRUE(has(e, "byte 2: opcode INST (0x69) is not allowed")) << e;
+  // a frame longer than what is left (PyTorch's files open with one)
+  e = refusal(std::string("\x80\x04\x95\xe8\x03\x00\x00\x00\x00\x00\x00", 11) + ".");
+  EXPECT_TRUE(has(e, "byte 2: a frame of 1000 bytes runs past the end (1 bytes left): truncated or corrupt")) << e;
   // truncated, at every length: an error, never a crash
   for (size_t n = 0; n < bytes.size(); n += 97) {
     e = refusal(bytes.substr(0, n));

@@ -339,7 +339,9 @@ class Parser {
       }
       case FRAME: {
         const uint64_t len = le(8, "FRAME");
-        if (len > n_ - pos_) fail(op_at_, "a frame of " + std::to_string(len) + " bytes runs past the end");
+        if (len > n_ - pos_)
+          fail(op_at_, "a frame of " + std::to_string(len) + " bytes runs past the end (" + std::to_string(n_ - pos_) +
+                           " bytes left): truncated or corrupt");
         return false;
       }
       case STOP:
