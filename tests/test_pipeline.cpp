@@ -3,6 +3,9 @@
 // final parameters), over pipeline x data-parallel meshes.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <iterator>
+
 #include "models.h"
 #include "reference.h"
 
@@ -204,6 +207,8 @@ std::string case_name(const PipeCase& c) {
 void expect_pipeline_trains_like_one_process(const PipeCase& c) {
   const auto& ref = reference();
   const auto x = tokens();
+  const TempDir dir("shardtorch-pipeline-timeline");
+  const std::string timeline_file = dir / "timeline.json";
   auto r = run_ranks(c.pp * c.dp, [&](World& w) {
     auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", c.pp}, {"dp", c.dp}});
     torch::manual_seed(0);
@@ -250,6 +255,22 @@ void expect_pipeline_trains_like_one_process(const PipeCase& c) {
     require(std::abs(e_loss - reference_eval_loss) <= 1e-5 * std::abs(reference_eval_loss),
             "evaluate() gives " + std::to_string(e_loss) + ", the reference's final loss is " +
                 std::to_string(reference_eval_loss));
+    // The timeline is now the evaluation's: forwards only, each of this
+    // rank's stages once per micro-batch, written with schedule "forward".
+    int forwards = 0;
+    for (const auto& e : pipe.timeline()) {
+      require(e.action.kind != shardtorch::pipeline::ActionKind::Backward, "a backward in evaluate()'s timeline");
+      forwards += e.action.kind == shardtorch::pipeline::ActionKind::Forward;
+    }
+    require(forwards == c.chunks * c.microbatches,
+            "evaluate()'s timeline holds " + std::to_string(forwards) + " forwards");
+    pipe.write_timeline(timeline_file);
+    if (w.rank() == 0) {
+      std::ifstream in(timeline_file);
+      std::string head(std::istreambuf_iterator<char>(in), {});
+      require(head.rfind("{\"schedule\": \"forward\"", 0) == 0,
+              "evaluate()'s timeline is written as " + head.substr(0, 40));
+    }
     // The LM head's weight is the token embedding's (the reference names it so).
     for (auto* m : {&got.first_grads, &got.final_params})
       if (m->count("head.weight") && !m->count("tok_emb.weight")) {
@@ -444,6 +465,26 @@ TEST(PipelineFailures, RanksThatBuildDifferentPipelinesFailBeforeAnyTransfer) {
     EXPECT_NE(m.find("the ranks build different pipelines"), std::string::npos) << m;
     EXPECT_NE(m.find("4 micro-batches"), std::string::npos) << m;  // rank 0's line
     EXPECT_NE(m.find("2 micro-batches"), std::string::npos) << m;  // rank 1's
+  }
+}
+
+// A schedule the options cannot run is refused on every rank at
+// construction, saying why once (the plan's error, without a second
+// "shardtorch: " inside the pipeline's).
+TEST(PipelineFailures, AScheduleTheOptionsCannotRunIsRefusedOnEveryRank) {
+  auto r = run_ranks(2, [](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}});
+    torch::manual_seed(0);
+    gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(pipe_config()); });
+    Pipeline pipe(gpt::pipeline_layers(model), mesh,
+                  PipelineOptions().schedule(Schedule::Interleaved1F1B).chunks_per_rank(1).microbatches(4));
+  });
+  ASSERT_FALSE(r.ok);
+  for (const auto& m : errors_of(r)) {
+    EXPECT_NE(m.find("shardtorch::Pipeline: the interleaved 1F1B schedule needs at least 2 chunks per rank"),
+              std::string::npos)
+        << m;
+    EXPECT_EQ(m.find("shardtorch: the interleaved"), std::string::npos) << m;
   }
 }
 

@@ -511,6 +511,33 @@ TEST(TpErrors, MisusedPlansFailOnEveryRankNamingTheModule) {
   }
 }
 
+// parallelize() runs once per model, before shard(): a second call, or one
+// after shard(), is refused on every rank as a shardtorch::Error saying so
+// (not blamed on the seed, nor left to a sharded parameter's access error).
+TEST(TpErrors, ParallelizeAgainOrAfterShardIsRefusedSayingSo) {
+  for (const bool after_shard : {false, true}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      gpt::GPT model(tp_config());
+      if (after_shard)
+        shardtorch::shard(model, w.shared_from_this(), strategy_options(Strategy::FullShard, 2));
+      else
+        shardtorch::parallelize(*model, w.shared_from_this(), gpt::tp_plan(tp_config()));
+      try {
+        shardtorch::parallelize(*model, w.shared_from_this(), gpt::tp_plan(tp_config()));
+      } catch (const shardtorch::Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        throw std::runtime_error(std::string("not a shardtorch::Error: ") + e.what());
+      }
+    });
+    ASSERT_FALSE(r.ok) << (after_shard ? "after shard()" : "twice");
+    const std::string says = after_shard ? "the model is sharded already; call parallelize() before shard()"
+                                         : "is split already: parallelize() runs once per model";
+    for (const auto& m : errors_of(r)) EXPECT_NE(m.find(says), std::string::npos) << m;
+  }
+}
+
 // The ranks of a group must start alike: a model built from another seed
 // on one rank is refused before it is split, naming a parameter.
 TEST(TpErrors, ARankWhoseModelDiffersIsRefusedNamingTheParameter) {

@@ -146,11 +146,12 @@ class SHARDTORCH_API Pipeline {
   std::vector<std::vector<std::string>> stage_layers() const;
   /// Every rank's actions; this rank runs actions[its pipeline rank].
   const pipeline::Plan& plan() const;
-  /// The last step's actions in the order this rank ran them (recorded when
-  /// PipelineOptions::record_timeline is on).
+  /// The last step()'s or evaluate()'s actions in the order this rank ran
+  /// them (recorded when PipelineOptions::record_timeline is on).
   const std::vector<PipelineEvent>& timeline() const;
-  /// Collective over the pipeline's World: every rank's timeline of the last
-  /// step as JSON, written by rank 0 of the mesh's World to `path` (atomic).
+  /// Collective over the pipeline's World: every rank's timeline() as JSON
+  /// ("schedule" "forward" after an evaluate()), written by rank 0 of the
+  /// mesh's World to `path` (atomic).
   void write_timeline(const std::string& path) const;
   /// Parameters tied across stages on different ranks (their names at each
   /// end); their gradients are summed after the step's reductions.

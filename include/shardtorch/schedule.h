@@ -74,7 +74,7 @@ struct SHARDTORCH_API Plan {
   int stages() const { return ranks * chunks; }
   int rank_of(int stage) const { return stage % ranks; }
   int chunk_of(int stage) const { return stage / ranks; }
-  /// One line per rank: "rank 0: unshard0 F0.0 sendA0.0>1 ...".
+  /// One line per rank: "rank 0: unshard F0.0 sendA0.0>1 ...".
   std::string str() const;
   /// The compute actions (Forward, Backward) of `rank`, in order.
   std::vector<Action> compute(int rank) const;

@@ -250,6 +250,8 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
     if (design.bad.empty()) rt.plan = pipeline::make_plan(options.schedule(), p, v, options.microbatches());
   } catch (const std::exception& e) {
     design.bad = e.what();
+    const std::string lead = "shardtorch: ";  // `me` names the library already
+    if (design.bad.compare(0, lead.size(), lead) == 0) design.bad.erase(0, lead.size());
   }
   detail::require_same_design(world, design.text, me);
   SHARDTORCH_CHECK(design.bad.empty(), me, ": ", design.bad);
@@ -359,7 +361,8 @@ void Pipeline::write_timeline(const std::string& path) const {
   const auto all = world.comm().all_gather_strings(mine.str(), "the pipeline's timelines");
   if (world.rank() != 0) return;
   std::ostringstream out;
-  out << "{\"schedule\": \"" << schedule_name(rt_->plan.schedule) << "\", \"pipeline_ranks\": " << rt_->plan.ranks
+  const char* schedule = rt_->timeline_of_evaluation ? "forward" : schedule_name(rt_->plan.schedule);
+  out << "{\"schedule\": \"" << schedule << "\", \"pipeline_ranks\": " << rt_->plan.ranks
       << ", \"chunks_per_rank\": " << rt_->plan.chunks << ", \"microbatches\": " << rt_->plan.microbatches
       << ", \"ranks\": [\n";
   for (size_t r = 0; r < all.size(); ++r) out << "  " << all[r] << (r + 1 < all.size() ? ",\n" : "\n");

@@ -46,6 +46,7 @@ class PipelineRuntime {
   std::shared_ptr<ShardState> state;
   std::vector<TiedParam> tied;
   std::vector<PipelineEvent> timeline;
+  bool timeline_of_evaluation = false;  // timeline is evaluate()'s (forward_plan), not a step's
 
   // Shapes of the activations crossing into each stage, per micro-batch, as
   // agreed in the last step that sent headers ("signature": the first

@@ -496,6 +496,7 @@ at::Tensor PipelineRuntime::evaluate(const at::Tensor& inputs, const at::Tensor&
 at::Tensor PipelineRuntime::run(const pipeline::Plan& plan, bool training, const at::Tensor& inputs,
                                 const at::Tensor& targets, const Pipeline::LossFn& loss_fn) {
   timeline.clear();
+  timeline_of_evaluation = !training;
   StepRun run(*this, plan, training, loss_fn, inputs, targets);  // agrees on the inputs (StepBatch)
   try {
     run.run_actions();

@@ -18,6 +18,7 @@
 #include "parallel/tp_layer.h"
 #include "parallel/tp_replicas.h"
 #include "runtime/placement.h"
+#include "runtime/shard_state.h"
 #include "shardtorch/deferred.h"
 
 namespace shardtorch {
@@ -214,7 +215,9 @@ void check_match(const Match& m, int n, std::ostringstream& desc, const Fail& fa
        << m.style.dim() << " gather " << m.style.gather_output();
   const std::string who = "module '" + m.name + "' (" + kind_name(kind) + ")";
   const std::string ranks = " the group's " + std::to_string(n) + " ranks";
-  if ((kind == TpStyle::Kind::Colwise || kind == TpStyle::Kind::Rowwise) && !linear_weight.defined()) {
+  if ((lin && lin->tp) || (tied && tied->tp) || (emb && emb->tp)) {
+    fail(who + " is split already: parallelize() runs once per model");
+  } else if ((kind == TpStyle::Kind::Colwise || kind == TpStyle::Kind::Rowwise) && !linear_weight.defined()) {
     fail(who + " is not a shardtorch::ParallelLinear (a drop-in for torch::nn::Linear) or TiedLinear");
   } else if (kind == TpStyle::Kind::VocabEmbedding && !emb) {
     fail(who + " is not a shardtorch::ParallelEmbedding: declare it as one (a drop-in for torch::nn::Embedding)");
@@ -328,6 +331,13 @@ TpReport parallelize(torch::nn::Module& model, std::shared_ptr<World> tp, const 
   World& group = *tp;
   const int n = group.size();
   const std::string me = detail::rank_prefix(group.global_rank()) + ": shardtorch::parallelize";
+  // shard() took the parameters into flat shards: there is nothing left to split.
+  bool sharded = detail::lookup_model(model) != nullptr;
+  for (const auto& m : model.modules(/*include_self=*/true))
+    if (auto* u = dynamic_cast<UnitBase*>(m.get()); u && u->is_sharded_unit()) sharded = true;
+  SHARDTORCH_CHECK(!sharded, me,
+                   ": the model is sharded already; call parallelize() before shard() (shard() "
+                   "then shards each rank's slices over the data-parallel group)");
   std::string bad;  // this rank's configuration error, raised after the agreement
   const Fail fail = [&](const std::string& why) {
     if (bad.empty()) bad = why;
