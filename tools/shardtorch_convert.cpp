@@ -118,7 +118,8 @@ int dcp_to_hf(const std::string& dir, const std::string& out, const std::string&
   std::ofstream(tmp) << json::serialize(index) << "\n";
   if (std::rename(tmp.c_str(), (out + "/model.safetensors.index.json").c_str()) != 0)
     throw std::runtime_error("cannot write the index in '" + out + "'");
-  std::cout << "wrote " << tensors.size() << " tensors in " << plan.size() << " files to " << out << "\n";
+  std::cout << "wrote " << tensors.size() << " tensors in " << plan.size() << (plan.size() == 1 ? " file" : " files")
+            << " to " << out << "\n";
   return 0;
 }
 

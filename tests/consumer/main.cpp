@@ -2,6 +2,9 @@
 // parameters moved: proves the installed headers, library and package work.
 #include <shardtorch/shardtorch.h>
 #include <torch/nn/modules/linear.h>
+#ifdef CONSUMER_HAS_FT
+#include <shardtorch/ft.h>  // shardtorch_HAS_FT: the install has the fault-tolerance header
+#endif
 
 #include <iostream>
 
