@@ -191,6 +191,17 @@ TEST(Agreement, AnInvalidConfigurationOnEveryRankIsTheSameErrorEverywhere) {
               std::string::npos)
         << r.summary();
   }
+  // Left at its default (0): the error says to set it.
+  auto unset = run_ranks(2, [](World& w) {
+    MLP m;
+    shardtorch::shard(m, w, ShardOptions().strategy(Strategy::HybridShard));
+  });
+  ASSERT_FALSE(unset.ok);
+  for (int k = 0; k < 2; ++k)
+    EXPECT_NE(unset.ranks[k].message.find("HybridShard needs hybrid_shard_size(S), the ranks of a shard group: set "
+                                          "it to a divisor of the world size 2 (0, the default, is unset)"),
+              std::string::npos)
+        << unset.summary();
 }
 
 namespace {

@@ -345,6 +345,10 @@ Config check_config(const ShardOptions& options, const World& world, const Model
   try {
     if (strategy == Strategy::HybridShard) {
       const int s = options.hybrid_shard_size();
+      SHARDTORCH_CHECK(s != 0,
+                       "shardtorch::shard: HybridShard needs hybrid_shard_size(S), the ranks of a shard group: "
+                       "set it to a divisor of the world size ",
+                       world.size(), " (0, the default, is unset)");
       SHARDTORCH_CHECK(s >= 1 && world.size() % s == 0, "shardtorch::shard: HybridShard needs hybrid_shard_size (now ",
                        s, ") to divide the world size ", world.size());
       c.shard_size = s;
