@@ -83,11 +83,12 @@ elif [ "$set" = rejoin ]; then
   # A hand launch whose other ranks stay alive: each survivor of a lost rank
   # calls Snapshots::rejoin(), and this script starts a replacement with
   # SHARDTORCH_REJOIN=1 as soon as the lost one has exited.
-  port=$("$(dirname "$torchrun")/python3" -c \
-    'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   hand() {  # NAME KILLS [snapshot_train options]: 4 ranks, each killed one replaced; each other exits with $want
-    local name=$1 kills=$2 replaced=0 left=4 r p code
+    local name=$1 kills=$2 replaced=0 left=4 r p code port
     shift 2
+    # A port of its own per launch: one held across launches could be taken meanwhile.
+    port=$("$(dirname "$torchrun")/python3" -c \
+      'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     declare -A pid inc
     start() {  # RANK INCARNATION [snapshot_train options]
       local rk=$1 in=$2
