@@ -3,8 +3,10 @@
 // final parameters), over pipeline x data-parallel meshes.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <fstream>
 #include <iterator>
+#include <thread>
 
 #include "models.h"
 #include "reference.h"
@@ -503,12 +505,12 @@ TEST(PipelineFailures, AStepWithFewerRowsThanMicrobatchesFailsOnEveryRank) {
   EXPECT_NE(m[1].find("rank 0 (the first stage) refused its inputs"), std::string::npos) << m[1];
 }
 
-// A stage that dies mid-step: its peer's error names it, what it was doing,
-// and comes when the connection closes, not at the timeout.
-TEST(PipelineFailures, AStageThatDiesIsNamedByItsPeerAtOnce) {
-  auto r = run_ranks(
+// Two steps of a 2-stage pipeline whose last layer (stage 1's) calls `fail`
+// in its third forward of the second step: micro-batch 2.
+shardtorch::testing::RunResult stage_one_fails(const std::function<void()>& fail) {
+  return run_ranks(
       2,
-      [](World& w) {
+      [&](World& w) {
         auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}});
         torch::manual_seed(0);
         gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(pipe_config()); });
@@ -516,8 +518,8 @@ TEST(PipelineFailures, AStageThatDiesIsNamedByItsPeerAtOnce) {
         // The last layer (stage 1's) throws in its third forward of the second step: micro-batch 2.
         auto calls = std::make_shared<int>(0);
         auto inner = layers.back().forward;
-        layers.back().forward = [inner, calls](const at::Tensor& x) {
-          if (++*calls == 4 + 3) throw std::runtime_error("the head ran out of memory (simulated)");
+        layers.back().forward = [inner, calls, &fail](const at::Tensor& x) {
+          if (++*calls == 4 + 3) fail();
           return inner(x);
         };
         Pipeline pipe(layers, mesh, PipelineOptions().microbatches(4));
@@ -526,6 +528,12 @@ TEST(PipelineFailures, AStageThatDiesIsNamedByItsPeerAtOnce) {
           pipe.step(x, x, [](const torch::Tensor& l, const torch::Tensor& t) { return gpt::lm_loss(l, t); });
       },
       shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(60)));
+}
+
+// A stage that dies mid-step: its peer's error names it, what it was doing,
+// and comes when the connection closes, not at the timeout.
+TEST(PipelineFailures, AStageThatDiesIsNamedByItsPeerAtOnce) {
+  auto r = stage_one_fails([] { throw std::runtime_error("the head ran out of memory (simulated)"); });
   ASSERT_FALSE(r.ok);
   const auto m = errors_of(r);
   EXPECT_NE(m[1].find("the head ran out of memory (simulated)"), std::string::npos) << m[1];
@@ -537,5 +545,22 @@ TEST(PipelineFailures, AStageThatDiesIsNamedByItsPeerAtOnce) {
   const auto at = m[0].find("did not complete after ");
   ASSERT_NE(at, std::string::npos) << m[0];
   EXPECT_LT(std::stod(m[0].substr(at + 23)), 30.0) << "rank 0 waited for the timeout: " << m[0];
+}
+
+// The same when nothing catches the exception (std::terminate, as when it
+// leaves main or a thread): the process aborts with its World alive, and its
+// peer's error gives the exception's message and where the stage was.
+TEST(PipelineFailures, AStageEndedByAnExceptionNothingCaughtIsNamedWithItsMessage) {
+  auto r = stage_one_fails(
+      [] { std::thread([] { throw std::runtime_error("the head ran out of memory (simulated)"); }).join(); });
+  ASSERT_FALSE(r.ok);
+  EXPECT_EQ(r.ranks[1].signal, SIGABRT) << r.summary();
+  const auto m = errors_of(r);
+  EXPECT_NE(m[0].find("Peer at fault: rank 1 is ending on an exception that nothing caught (the head ran out of "
+                      "memory (simulated))"),
+            std::string::npos)
+      << m[0];
+  EXPECT_NE(m[0].find("forward of unit 'blocks.5' (pipeline stage 1 of 2, micro-batch 2 of 4)"), std::string::npos)
+      << m[0];
 }
 }  // namespace

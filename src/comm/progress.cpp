@@ -45,16 +45,18 @@ struct Record {
   // Written as its number. Failed: a collective of this rank failed
   // (Progress::failed). Finished, LeftOnError: its World was destroyed
   // (~Progress), it left every collective; LeftOnError while an exception
-  // unwound, with no collective of its own failed.
-  enum class State { Running = 0, Failed = 1, Finished = 2, LeftOnError = 3 };
+  // unwound, with no collective of its own failed. Terminating:
+  // std::terminate was called (an exception no one caught), `error` says why.
+  enum class State { Running = 0, Failed = 1, Finished = 2, LeftOnError = 3, Terminating = 4 };
   State state = State::Running;
+  std::string error;  // Terminating: the exception's message, no tab or newline
 };
 
 // Tab-separated; phase and unit names carry no tab or newline.
 std::string encode(const Record& r) {
   std::ostringstream os;
   os << r.step << '\t' << r.phase << '\t' << r.unit << '\t' << r.pid << '\t' << r.host << '\t' << r.changed_ms << '\t'
-     << r.beat_ms << '\t' << static_cast<int>(r.state) << '\t' << r.context;
+     << r.beat_ms << '\t' << static_cast<int>(r.state) << '\t' << r.context << '\t' << r.error;
   return os.str();
 }
 bool decode(const std::string& s, Record& r) {
@@ -66,7 +68,7 @@ bool decode(const std::string& s, Record& r) {
     if (tab == std::string::npos) break;
     from = tab + 1;
   }
-  if (f.size() != 9) return false;
+  if (f.size() != 10) return false;
   try {
     r.step = std::stoll(f[0]);
     r.phase = f[1];
@@ -76,9 +78,10 @@ bool decode(const std::string& s, Record& r) {
     r.changed_ms = std::stoll(f[5]);
     r.beat_ms = std::stoll(f[6]);
     const int state = std::stoi(f[7]);
-    if (state < 0 || state > 3) return false;
+    if (state < 0 || state > 4) return false;
     r.state = static_cast<Record::State>(state);
     r.context = f[8];
+    r.error = f[9];
   } catch (const std::exception&) {
     return false;
   }
@@ -128,6 +131,70 @@ struct Progress::Shared {
   // or starved): how long, and when it ran again (wall clock, ms; 0: never).
   int64_t stalled_ms = 0, stalled_until_ms = 0;
 };
+
+namespace {
+// std::terminate in a process with a World (an exception that nothing
+// caught, in main or in a thread): every live Progress writes its record as
+// Terminating, with the exception's message, before the handler that was
+// there before (the runtime's prints the exception and aborts) runs, so that
+// a peer whose transfer fails once this process is gone names it and says why.
+struct AtTerminate {
+  std::mutex mu;
+  std::vector<std::pair<std::weak_ptr<void>, std::function<void(const std::string&)>>> hooks;
+  std::terminate_handler previous = nullptr;
+  bool installed = false;
+};
+AtTerminate& at_terminate() {
+  static auto* t = new AtTerminate;  // never destroyed: terminate may come during static destruction
+  return *t;
+}
+
+std::string terminate_reason() {
+  std::string text = "std::terminate with no exception in flight";
+  if (const auto e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      text = x.what();
+    } catch (...) {
+      text = "an exception not derived from std::exception";
+    }
+  }
+  for (char& c : text)
+    if (c == '\t' || c == '\n' || c == '\r') c = ' ';  // the record is tab-separated
+  if (text.size() > 500) text = text.substr(0, 500) + "...";
+  return text;
+}
+
+[[noreturn]] void on_terminate() {
+  auto& t = at_terminate();
+  const std::string reason = terminate_reason();
+  std::vector<std::function<void(const std::string&)>> hooks;
+  if (t.mu.try_lock()) {  // not if this thread terminated while registering
+    for (auto& [alive, hook] : t.hooks)
+      if (!alive.expired()) hooks.push_back(hook);
+    t.mu.unlock();
+  }
+  for (auto& hook : hooks) try {
+      hook(reason);
+    } catch (...) {
+    }
+  if (t.previous) t.previous();
+  std::abort();
+}
+
+void call_at_terminate(std::weak_ptr<void> alive, std::function<void(const std::string&)> hook) {
+  auto& t = at_terminate();
+  std::lock_guard<std::mutex> lock(t.mu);
+  t.hooks.erase(std::remove_if(t.hooks.begin(), t.hooks.end(), [](const auto& h) { return h.first.expired(); }),
+                t.hooks.end());
+  t.hooks.emplace_back(std::move(alive), std::move(hook));
+  if (!t.installed) {
+    t.previous = std::set_terminate(on_terminate);
+    t.installed = true;
+  }
+}
+}  // namespace
 
 Progress::Progress(c10::intrusive_ptr<BoundedStore> store, int rank) : s_(std::make_shared<Shared>()) {
   s_->store = std::move(store);
@@ -184,6 +251,26 @@ Progress::Progress(c10::intrusive_ptr<BoundedStore> store, int rank) : s_(std::m
     }
     s->done = true;
     s->cv.notify_all();
+  });
+  // The last record says why the process is ending, written as ~Progress
+  // writes it (the thread's last write, waited for at most a second).
+  call_at_terminate(s_, [w = std::weak_ptr<Shared>(s_)](const std::string& reason) {
+    const auto s = w.lock();
+    if (!s) return;
+    std::unique_lock<std::mutex> lock(s->mu, std::defer_lock);
+    for (int i = 0; !lock.try_lock(); ++i) {  // not held for long by anyone but a thread that stopped
+      if (i == 20) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    if (s->done || s->stop) return;                // the thread has ended, or ~Progress runs
+    if (s->mine.state != Record::State::Failed) {  // a survivor of a peer's failure stays one
+      s->mine.state = Record::State::Terminating;
+      s->mine.error = reason;
+    }
+    ++s->version;
+    s->stop = true;
+    s->cv.notify_all();
+    s->cv.wait_for(lock, std::chrono::seconds(1), [&] { return s->done; });
   });
 }
 
@@ -314,6 +401,10 @@ Verdict judge(const std::string& rank, const Record& r, const Record& me, const 
   const bool local = r.host == me.host;
   if (r.state == Record::State::Failed)  // a fellow survivor that gave up first (and may have exited since)
     return {false, true, rank + " failed too, at " + where(r)};
+  if (r.state == Record::State::Terminating)
+    return {true, false,
+            rank + " is ending on an exception that nothing caught (" + r.error + "), " + seconds(now - r.beat_ms) +
+                " ago, at " + where(r)};
   if (r.state == Record::State::LeftOnError)
     return {true, false,
             rank + " stopped on an error of its own (see its output): its World was destroyed " +
