@@ -11,10 +11,17 @@ void ShardCopies::enable_offload(c10::Device device) {
   offloader_ = std::make_unique<Offloader>(device, /*pin=*/!device.is_cpu());
 }
 
+std::string ShardCopies::unit_of(const FlatParam& f) const {
+  for (auto& u : units_.all())
+    for (auto& g : u->flats())
+      if (g.get() == &f) return u->label();
+  return "?";
+}
+
 at::Tensor ShardCopies::gather_input(FlatParam& f) {
   if (offloader_) {
-    SHARDTORCH_CHECK(!listener_ || !listener_->stepped(f), detail::rank_prefix(world_.global_rank()), ": ",
-                     f.describe(),
+    SHARDTORCH_CHECK(!listener_ || !listener_->stepped(f), detail::rank_prefix(world_.global_rank()), ": unit '",
+                     unit_of(f), "': ", f.describe(),
                      " is gathered again after the optimizer updated it during the last backward "
                      "(overlap_with_backward): call opt->step() before the next forward, and let only the last "
                      "micro-batch's backward synchronize gradients (set_requires_gradient_sync)");

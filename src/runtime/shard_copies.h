@@ -80,6 +80,8 @@ class ShardCopies {
   void remake_low_copies();
 
  private:
+  std::string unit_of(const FlatParam& f) const;  // the label of the unit holding `f`, for errors
+
   World& world_;
   const UnitList& units_;
   std::unique_ptr<Offloader> offloader_;
