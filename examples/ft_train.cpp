@@ -36,11 +36,15 @@
 #include <ATen/core/jit_type.h>
 #include <torch/torch.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <functional>
@@ -215,8 +219,19 @@ std::map<std::string, torch::Tensor> final_state(torch::nn::Module& root, shardt
   return out;
 }
 
+// `dir` and its parents, as `mkdir -p` makes them (every rank may: one that exists is fine).
+void make_dirs(const std::string& dir) {
+  for (size_t at = dir.find('/', 1);; at = dir.find('/', at + 1)) {
+    const std::string part = dir.substr(0, at);
+    if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
+      throw std::runtime_error("ft_train: cannot create the directory '" + part + "': " + std::strerror(errno));
+    if (at == std::string::npos) return;
+  }
+}
+
 int train(int64_t steps, int64_t groups, const std::string& dir, const std::string& kill, int kill_rank,
           const std::string& strategy, int step_ms, int timeout_ms, int quorum_timeout_ms, bool prefetch_quorum) {
+  make_dirs(dir);  // the steps' logs and the final states go there
   auto world = shardtorch::World::from_env();
   const int incarnation =
       std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT") ? std::getenv("TORCHELASTIC_RESTART_COUNT") : "0");

@@ -33,9 +33,12 @@ seconds = time.perf_counter() - t0
 peak = rss_peak_bytes()
 dist.barrier()
 shard = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
-print(json.dumps({"rank": rank, "world": world, "seconds": seconds, "shard_bytes": shard,
-                  "rss_before_model": before_model, "rss_before_load": before_load, "peak_rss_during_load": peak}),
-      flush=True)
+# One write per record: torchrun's workers run unbuffered, where print() writes
+# the text and its newline apart and another rank's record can come between.
+sys.stdout.write(json.dumps({"rank": rank, "world": world, "seconds": seconds, "shard_bytes": shard,
+                             "rss_before_model": before_model, "rss_before_load": before_load,
+                             "peak_rss_during_load": peak}) + "\n")
+sys.stdout.flush()
 dist.destroy_process_group()
 # End without finalizing the interpreter: a Gloo worker thread that outlives the group can
 # abort Py_FinalizeEx (std::terminate; see bench/ft/torchft_ddp.py).

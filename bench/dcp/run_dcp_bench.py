@@ -20,7 +20,14 @@ def launch(cmd, env=None):
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-4000:]}")
-    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    # Each rank's record is a JSON object; the ranks' lines may still meet on one.
+    records, decoder = [], json.JSONDecoder()
+    for line in r.stdout.splitlines():
+        at = 0
+        while line.startswith("{", at):
+            record, at = decoder.raw_decode(line, at)
+            records.append(record)
+    return records
 
 
 def main():
