@@ -225,6 +225,39 @@ TEST(Summon, FullParametersReportsUnitsGatheredToTheLibraryWideCallback) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// A callback that throws, a std::exception or anything else, is dropped for
+// that operation with a warning; the operation succeeds, and the next one
+// calls it again.
+TEST(Summon, ACallbackThatThrowsIsDroppedForThatOperationOnly) {
+  auto r = run_ranks(2, [](World& w) {
+    torch::manual_seed(3);
+    gpt::GPT m(gpt::Config{});
+    auto sm = shardtorch::shard(m, w);
+    int calls = 0;
+    bool as_int = false;
+    shardtorch::set_progress_callback([&](const ProgressUpdate&) {
+      ++calls;
+      if (as_int) throw 42;
+      throw std::runtime_error("the progress bar broke");
+    });
+    CapturedWarnings warnings;
+    {
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      shardtorch::full_parameters(*m);
+      require(calls == 1, "called " + std::to_string(calls) + " times in the first operation");
+      as_int = true;
+      shardtorch::full_parameters(*m);
+      require(calls == 2, "called " + std::to_string(calls) + " times in all");
+    }
+    shardtorch::set_progress_callback(nullptr);
+    require(warnings.any_with("progress callback of full_parameters threw (no more progress reported): the progress "
+                              "bar broke"),
+            "no warning of the std::exception");
+    require(warnings.any_with("threw something not derived from std::exception"), "no warning of the int");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(HfSave, SaveAndLoadReportProgressToTheirCallbacks) {
   const TempDir dir("shardtorch-log");
   auto r = run_ranks(2, [&](World& w) {

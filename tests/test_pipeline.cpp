@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <csignal>
+#include <exception>
 #include <fstream>
 #include <iterator>
 #include <thread>
@@ -562,5 +563,12 @@ TEST(PipelineFailures, AStageEndedByAnExceptionNothingCaughtIsNamedWithItsMessag
       << m[0];
   EXPECT_NE(m[0].find("forward of unit 'blocks.5' (pipeline stage 1 of 2, micro-batch 2 of 4)"), std::string::npos)
       << m[0];
+  // std::terminate with no exception in flight says so.
+  auto t = stage_one_fails([] { std::terminate(); });
+  EXPECT_EQ(t.ranks[1].signal, SIGABRT) << t.summary();
+  const auto n = errors_of(t);
+  EXPECT_NE(n[0].find("Peer at fault: rank 1 is ending in std::terminate, with no exception in flight, "),
+            std::string::npos)
+      << n[0];
 }
 }  // namespace

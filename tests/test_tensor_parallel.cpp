@@ -312,18 +312,21 @@ TEST(TpMemory, SequenceParallelismHoldsFewerActivationBytes) {
       gpt::GPT model(cfg);
       shardtorch::parallelize(*model, w.shared_from_this(), gpt::tp_plan(cfg, sp));
       CountingCPUAllocator counting;
-      const int64_t before = counting.current();
-      auto loss = gpt::lm_loss_tp(model(x), x, w.shared_from_this());
       // A Gloo thread can hold a finished collective's temporaries a moment
-      // longer on a loaded machine: read the count once it has stopped falling.
-      int64_t now = counting.current();
-      for (int quiet = 0, polls = 0; quiet < 3 && polls < 100; ++polls) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        const int64_t later = counting.current();
-        quiet = later == now ? quiet + 1 : 0;
-        now = later;
-      }
-      held[sp] = now - before;
+      // longer on a loaded machine: read the count once it has stopped changing.
+      const auto settled = [&] {
+        int64_t now = counting.current();
+        for (int quiet = 0, polls = 0; quiet < 3 && polls < 100; ++polls) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          const int64_t later = counting.current();
+          quiet = later == now ? quiet + 1 : 0;
+          now = later;
+        }
+        return now;
+      };
+      const int64_t before = settled();
+      auto loss = gpt::lm_loss_tp(model(x), x, w.shared_from_this());
+      held[sp] = settled() - before;
       loss.backward();
     }
     if (w.rank() == 0)

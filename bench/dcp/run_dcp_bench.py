@@ -16,17 +16,19 @@ import sys
 here = os.path.dirname(os.path.abspath(__file__))
 
 
-def launch(cmd, env=None):
+def launch(cmd, env=None, records=None):
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-4000:]}")
     # Each rank's record is a JSON object; the ranks' lines may still meet on one.
-    records, decoder = [], json.JSONDecoder()
+    want, records, decoder = records, [], json.JSONDecoder()
     for line in r.stdout.splitlines():
         at = 0
         while line.startswith("{", at):
             record, at = decoder.raw_decode(line, at)
             records.append(record)
+    if want is not None and len(records) != want:
+        sys.exit(f"expected {want} records (one per rank), read {len(records)}: {' '.join(cmd)}\n{r.stdout[-4000:]}")
     return records
 
 
@@ -58,9 +60,11 @@ def main():
     for _ in range(a.repeats):
         runs["shardtorch"].append(launch([torchrun, "--no-python", "--standalone", f"--nproc-per-node={a.load_world}",
                                           os.path.join(a.build, "bench", "dcp_load_bench"), "--dir", a.dir,
-                                          "--layers", shape[0], "--width", shape[1], "--dtype", shape[2]]))
+                                          "--layers", shape[0], "--width", shape[1], "--dtype", shape[2]],
+                                         records=a.load_world))
         runs["torch"].append(launch([torchrun, "--standalone", f"--nproc-per-node={a.load_world}",
-                                     os.path.join(here, "load_large.py"), a.dir] + shape, env=env))
+                                     os.path.join(here, "load_large.py"), a.dir] + shape, env=env,
+                                    records=a.load_world))
     summary = {"checkpoint": written, "load_world": a.load_world, "runs": runs}
     chunk = written["largest_chunk_bytes"]
     gib = 1024 ** 3

@@ -268,6 +268,10 @@ void ProgressReporter::report(bool finished) {
   } catch (const std::exception& e) {
     callback_ = nullptr;
     warn("shardtorch: the progress callback of " + u_.operation + " threw (no more progress reported): " + e.what());
+  } catch (...) {
+    callback_ = nullptr;
+    warn("shardtorch: the progress callback of " + u_.operation +
+         " threw something not derived from std::exception (no more progress reported)");
   }
 }
 

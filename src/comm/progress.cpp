@@ -149,8 +149,10 @@ AtTerminate& at_terminate() {
   return *t;
 }
 
+// The exception's message; "" when none is in flight (std::terminate called
+// directly, a joinable std::thread destroyed).
 std::string terminate_reason() {
-  std::string text = "std::terminate with no exception in flight";
+  std::string text;
   if (const auto e = std::current_exception()) {
     try {
       std::rethrow_exception(e);
@@ -170,10 +172,14 @@ std::string terminate_reason() {
   auto& t = at_terminate();
   const std::string reason = terminate_reason();
   std::vector<std::function<void(const std::string&)>> hooks;
-  if (t.mu.try_lock()) {  // not if this thread terminated while registering
-    for (auto& [alive, hook] : t.hooks)
-      if (!alive.expired()) hooks.push_back(hook);
-    t.mu.unlock();
+  for (int i = 0; i < 20; ++i) {  // held only briefly, by a World being made (not by one that terminated there)
+    if (t.mu.try_lock()) {
+      for (auto& [alive, hook] : t.hooks)
+        if (!alive.expired()) hooks.push_back(hook);
+      t.mu.unlock();
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   for (auto& hook : hooks) try {
       hook(reason);
@@ -218,7 +224,8 @@ Progress::Progress(c10::intrusive_ptr<BoundedStore> store, int rank) : s_(std::m
       const auto now = std::chrono::steady_clock::now();
       const bool beat = !s->stop && now - last_write >= kBeat;
       // Stopping: the last record (finished) is written once more.
-      if ((s->version != written && now >= retry_at) || beat) {
+      // Stopping: the last record is tried at once, whatever an earlier failure said.
+      if ((s->version != written && (now >= retry_at || s->stop)) || beat) {
         Record r = s->mine;
         const uint64_t version = s->version;
         lock.unlock();
@@ -262,7 +269,9 @@ Progress::Progress(c10::intrusive_ptr<BoundedStore> store, int rank) : s_(std::m
       if (i == 20) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    if (s->done || s->stop) return;                // the thread has ended, or ~Progress runs
+    // The thread has ended, or ~Progress runs; or a record of the parent
+    // this process was forked from (its thread did not come along).
+    if (s->done || s->stop || s->mine.pid != static_cast<int64_t>(::getpid())) return;
     if (s->mine.state != Record::State::Failed) {  // a survivor of a peer's failure stays one
       s->mine.state = Record::State::Terminating;
       s->mine.error = reason;
@@ -280,7 +289,7 @@ Progress::~Progress() {
     std::unique_lock<std::mutex> lock(s_->mu);
     // Peers whose collective fails next learn that this rank left, and where
     // from; a World destroyed while an exception unwinds left after an error.
-    if (s_->mine.state != Record::State::Failed)
+    if (s_->mine.state != Record::State::Failed && s_->mine.state != Record::State::Terminating)
       s_->mine.state = std::uncaught_exceptions() > 0 ? Record::State::LeftOnError : Record::State::Finished;
     ++s_->version;
     s_->stop = true;
@@ -298,7 +307,7 @@ Progress::~Progress() {
 void Progress::note(const std::string& phase, const std::string& unit) {
   std::lock_guard<std::mutex> lock(s_->mu);
   Record& r = s_->mine;
-  if (r.phase == phase && r.unit == unit) return;
+  if (s_->stop || (r.phase == phase && r.unit == unit)) return;  // stop: the last record is written (terminating)
   r.phase = phase;
   r.unit = unit;
   r.state = Record::State::Running;  // it moved on from the failure (a caught error, a retry)
@@ -309,7 +318,7 @@ void Progress::note(const std::string& phase, const std::string& unit) {
 void Progress::set_context(const std::string& context) {
   std::lock_guard<std::mutex> lock(s_->mu);
   Record& r = s_->mine;
-  if (r.context == context) return;
+  if (s_->stop || r.context == context) return;  // stop: the last record is written (terminating)
   r.context = context;
   r.changed_ms = now_ms();
   ++s_->version;
@@ -317,6 +326,7 @@ void Progress::set_context(const std::string& context) {
 
 void Progress::step_done() {
   std::lock_guard<std::mutex> lock(s_->mu);
+  if (s_->stop) return;  // the last record is written (terminating)
   ++s_->mine.step;
   s_->mine.phase = "optimizer step done";
   s_->mine.unit.clear();
@@ -329,6 +339,7 @@ void Progress::failed() {
   Record r;
   {
     std::lock_guard<std::mutex> lock(s_->mu);
+    if (s_->stop) return;  // the last record is written (terminating)
     s_->mine.state = Record::State::Failed;
     ++s_->version;
     r = s_->mine;
@@ -403,8 +414,10 @@ Verdict judge(const std::string& rank, const Record& r, const Record& me, const 
     return {false, true, rank + " failed too, at " + where(r)};
   if (r.state == Record::State::Terminating)
     return {true, false,
-            rank + " is ending on an exception that nothing caught (" + r.error + "), " + seconds(now - r.beat_ms) +
-                " ago, at " + where(r)};
+            rank +
+                (r.error.empty() ? " is ending in std::terminate, with no exception in flight"
+                                 : " is ending on an exception that nothing caught (" + r.error + ")") +
+                ", " + seconds(now - r.beat_ms) + " ago, at " + where(r)};
   if (r.state == Record::State::LeftOnError)
     return {true, false,
             rank + " stopped on an error of its own (see its output): its World was destroyed " +
