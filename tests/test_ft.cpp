@@ -704,6 +704,14 @@ shardtorch::ft::ManagerOptions options_of(const Lighthouse& lh, int group, std::
       .quorum_timeout(20s);
 }
 
+// A step that groups committing together use alike: the first to ask for
+// `key` decides it (`mine`); later callers get that one.
+int64_t agreed_step(c10d::Store& store, const std::string& key, int64_t mine) {
+  const std::string text = std::to_string(mine);
+  const auto agreed = store.compareSet(key, {}, std::vector<uint8_t>(text.begin(), text.end()));
+  return std::stoll(std::string(agreed.begin(), agreed.end()));
+}
+
 }  // namespace
 
 // Groups 0 and 1 train; group 2 joins with another learning rate (AdamW at
@@ -749,11 +757,7 @@ TEST(FtManager, AGroupConfiguredDifferentlyIsRefusedWhileTheGroupsTrainingGoOn) 
       if (m.last_step().refused == std::vector<std::string>{"2"}) refused = true;
       if (m.last_step().counted != std::vector<std::string>{"0", "1"} && m.step() > 1)
         throw std::runtime_error("counted " + c10::Join(",", m.last_step().counted));
-      if (end < 0 && store.check({"group 2 refused"})) {
-        const std::string mine = std::to_string(m.step() + 3);
-        const auto agreed = store.compareSet("end", {}, std::vector<uint8_t>(mine.begin(), mine.end()));
-        end = std::stoll(std::string(agreed.begin(), agreed.end()));
-      }
+      if (end < 0 && store.check({"group 2 refused"})) end = agreed_step(store, "end", m.step() + 3);
     }
     if (!refused) throw std::runtime_error("group " + std::to_string(g) + " never went without group 2");
   });
@@ -824,11 +828,6 @@ TEST(FtManager, ARestartedLighthouseThatRepeatsAQuorumIdGetsAFreshCrossReplicaGr
     // first after which either saw group 2 stopped and gone from the quorum,
     // plus one (the other may see that a step later).
     int64_t restart_at = -1;
-    const auto agreed_restart = [&](int64_t mine) {
-      const std::string text = std::to_string(mine);
-      const auto agreed = store.compareSet("restart at", {}, std::vector<uint8_t>(text.begin(), text.end()));
-      return std::stoll(std::string(agreed.begin(), agreed.end()));
-    };
     do {
       step();
       const auto& rep = m.last_step();
@@ -836,7 +835,7 @@ TEST(FtManager, ARestartedLighthouseThatRepeatsAQuorumIdGetsAFreshCrossReplicaGr
       if (!restarted && restart_at < 0 &&
           ((store.check({"pid 2"}) && rep.counted == std::vector<std::string>{"0", "1"}) ||
            store.check({"restart at"})))
-        restart_at = agreed_restart(m.step() + 1);
+        restart_at = agreed_step(store, "restart at", m.step() + 1);
       if (!restarted && m.step() == restart_at) {
         // Group 2 stopped and left the quorum; neither of these two has a request in flight.
         store.set("at the restart " + std::to_string(g), "1");

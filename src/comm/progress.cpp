@@ -130,6 +130,15 @@ struct Progress::Shared {
   // The last time this process did not run for kSilent or longer (stopped,
   // or starved): how long, and when it ran again (wall clock, ms; 0: never).
   int64_t stalled_ms = 0, stalled_until_ms = 0;
+
+  // Ends the thread after one last write of `mine`, waiting for it at most
+  // a second; `lock` holds `mu`. Whether the thread ended.
+  bool stop_after_last_write(std::unique_lock<std::mutex>& lock) {
+    ++version;
+    stop = true;
+    cv.notify_all();
+    return cv.wait_for(lock, std::chrono::seconds(1), [&] { return done; });
+  }
 };
 
 namespace {
@@ -223,8 +232,7 @@ Progress::Progress(c10::intrusive_ptr<BoundedStore> store, int rank) : s_(std::m
     for (;;) {
       const auto now = std::chrono::steady_clock::now();
       const bool beat = !s->stop && now - last_write >= kBeat;
-      // Stopping: the last record (finished) is written once more.
-      // Stopping: the last record is tried at once, whatever an earlier failure said.
+      // Stopping: the last record is written once more, at once, whatever an earlier failure said.
       if ((s->version != written && (now >= retry_at || s->stop)) || beat) {
         Record r = s->mine;
         const uint64_t version = s->version;
@@ -276,10 +284,7 @@ Progress::Progress(c10::intrusive_ptr<BoundedStore> store, int rank) : s_(std::m
       s->mine.state = Record::State::Terminating;
       s->mine.error = reason;
     }
-    ++s->version;
-    s->stop = true;
-    s->cv.notify_all();
-    s->cv.wait_for(lock, std::chrono::seconds(1), [&] { return s->done; });
+    s->stop_after_last_write(lock);
   });
 }
 
@@ -291,10 +296,7 @@ Progress::~Progress() {
     // from; a World destroyed while an exception unwinds left after an error.
     if (s_->mine.state != Record::State::Failed && s_->mine.state != Record::State::Terminating)
       s_->mine.state = std::uncaught_exceptions() > 0 ? Record::State::LeftOnError : Record::State::Finished;
-    ++s_->version;
-    s_->stop = true;
-    s_->cv.notify_all();
-    done = s_->cv.wait_for(lock, std::chrono::seconds(1), [&] { return s_->done; });
+    done = s_->stop_after_last_write(lock);
   }
   // A store write stuck past the bound (a store host that stopped answering)
   // must not hold up the exit: the thread keeps what it uses alive.
