@@ -187,7 +187,8 @@ TEST(Agreement, AnInvalidConfigurationOnEveryRankIsTheSameErrorEverywhere) {
   ASSERT_FALSE(r.ok);
   for (int k = 0; k < 2; ++k) {
     EXPECT_EQ(r.ranks[k].exit_code, 1) << r.summary();
-    EXPECT_NE(r.ranks[k].message.find("HybridShard needs hybrid_shard_size (now 3) to divide the world size 2"),
+    EXPECT_NE(r.ranks[k].message.find("shardtorch::shard: rank " + std::to_string(k) +
+                                      ": HybridShard needs hybrid_shard_size (now 3) to divide the world size 2"),
               std::string::npos)
         << r.summary();
   }

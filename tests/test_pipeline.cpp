@@ -469,6 +469,20 @@ TEST(PipelineFailures, RanksThatBuildDifferentPipelinesFailBeforeAnyTransfer) {
     EXPECT_NE(m.find("4 micro-batches"), std::string::npos) << m;  // rank 0's line
     EXPECT_NE(m.find("2 micro-batches"), std::string::npos) << m;  // rank 1's
   }
+  // Split points that differ are named as the program gave them.
+  auto split = run_ranks(2, [](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}});
+    torch::manual_seed(0);
+    gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(pipe_config()); });
+    Pipeline pipe(gpt::pipeline_layers(model), mesh,
+                  PipelineOptions().split_at({w.rank() == 1 ? "blocks.2" : "blocks.1"}));
+  });
+  ASSERT_FALSE(split.ok);
+  for (const auto& m : errors_of(split))
+    EXPECT_NE(m.find("'stages begin at layers: 0 'embed' 2 'blocks.1'' on rank 0 but 'stages begin at layers: 0 "
+                     "'embed' 3 'blocks.2'' on rank 1"),
+              std::string::npos)
+        << m;
 }
 
 // A schedule the options cannot run is refused on every rank at

@@ -30,7 +30,7 @@ std::string this_host() {
 }
 std::string seconds(int64_t ms) {
   std::ostringstream os;
-  os << std::fixed << std::setprecision(1) << ms / 1000.0 << " s";
+  os << std::fixed << std::setprecision(1) << std::max<int64_t>(ms, 0) / 1000.0 << " s";  // clocks a little apart: 0
   return os.str();
 }
 

@@ -135,8 +135,8 @@ Design design(const std::vector<PipelineLayer>& layers, const PipelineOptions& o
     d.starts = balanced_split(weight, stages);
   else
     fail(named_split(layers, options.split_at(), stages, d.starts));
-  desc << "split:";
-  for (int s : d.starts) desc << " " << s;
+  desc << "stages begin at layers:";
+  for (int s : d.starts) desc << " " << s << " '" << layers[static_cast<size_t>(s)].name << "'";
   d.text = desc.str();
   return d;
 }

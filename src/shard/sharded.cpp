@@ -373,8 +373,13 @@ Config check_config(const ShardOptions& options, const World& world, const Model
       SHARDTORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
     }
     c.checkpointed = checkpointed_units(found.units, found.params, options, root_is_unit);
-  } catch (...) {
-    c.error = std::current_exception();
+  } catch (const std::exception& e) {
+    // Raised on every rank after the exchange (agree_on_model), naming this one.
+    const std::string prefix = "shardtorch::shard: ", m = e.what();
+    c.error = m.compare(0, prefix.size(), prefix) == 0
+                  ? std::make_exception_ptr(
+                        Error(prefix + "rank " + std::to_string(world.global_rank()) + ": " + m.substr(prefix.size())))
+                  : std::current_exception();
   }
   return c;
 }
