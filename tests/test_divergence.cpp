@@ -1096,3 +1096,41 @@ TEST(Snapshots, ARejoinNeverLaunchesOnTheNewConnectionWhatTheCheckHadNotLaunched
   EXPECT_TRUE(gate->cv.wait_for(lock, std::chrono::seconds(10), [&] { return gate->gone; }))
       << "the checker's thread still holds its check group";
 }
+
+// A group of one rank (a mesh dimension of size 1) has no peer to differ
+// from: its collectives are done on the calling thread at once (a copy or
+// nothing), without a fingerprint exchange, and give what the backend would.
+TEST_F(Diverged, AGroupOfOneRankDoesItsCollectivesAtOnceWithoutAnExchange) {
+  auto r = run_ranks(2, [](World& w) {
+    auto mesh = shardtorch::DeviceMesh::create(w.shared_from_this(), {{"pp", 2}, {"dp", 1}});
+    auto& one = (*mesh)["dp"]->comm();
+    auto& two = (*mesh)["pp"]->comm();
+    auto in = torch::arange(6, torch::kFloat) + w.rank();
+    one.reset_stats();  // setting the group up all-reduced on it
+    for (int step = 0; step < 2; ++step) {
+      auto gathered = torch::full({6}, -1.0f), scattered = torch::full({6}, -1.0f), summed = in.clone(),
+           sent = in.clone(), pair = in.clone();
+      one.all_gather_into(gathered, in, "test: gather");
+      one.reduce_scatter_into(scattered, in, "test: scatter");
+      one.all_reduce(summed, c10d::ReduceOp::SUM, "test: sum");
+      one.broadcast(sent, 0, "test: broadcast");
+      two.all_reduce(pair, c10d::ReduceOp::SUM, "test: the pair's sum");
+      for (const auto* t : {&gathered, &scattered, &summed, &sent})
+        require(torch::equal(*t, in), "a collective of one rank changed its data");
+      require(torch::equal(pair, 2 * torch::arange(6, torch::kFloat) + 1), "the pair's sum is wrong");
+      // Launched is done: nothing is left for another thread.
+      auto again = torch::full({6}, -1.0f);
+      auto p = one.all_gather_async(again, in, "test: gather, asynchronously");
+      require(p.work && p.work->isCompleted(), "the gather of one rank was still running after its launch");
+      one.wait(p);
+      require(torch::equal(again, in), "the asynchronous gather of one rank changed its data");
+    }
+    require(one.stats().all_gather.calls == 4 && one.stats().reduce_scatter.calls == 2 &&
+                one.stats().all_reduce.calls == 2 && one.stats().broadcast.calls == 2,
+            "the group of one did not count its collectives");
+    require(one.check_exchanges() == 0,
+            "the group of one exchanged fingerprints " + std::to_string(one.check_exchanges()) + " times");
+    require(!w.checks_collectives() || two.check_exchanges() > 0, "the pair's collectives were not checked");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}

@@ -182,6 +182,38 @@ void Comm::check_gather(const at::Tensor& out, const at::Tensor& in, const std::
   check_flat(out, in, "all_gather", what);
 }
 
+namespace {
+int64_t op_code(const char* op) { return detail::text_hash(op); }
+
+// A Work that is complete from the start (waits return at once).
+class DoneWork : public c10d::Work {
+ public:
+  DoneWork() { finish(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto f = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+    f->markCompleted(c10::IValue());
+    return f;
+  }
+};
+
+// A collective of a group of one rank, done on this thread (a copy or
+// nothing) instead of by the backend: on the CPU the backend would hand it to
+// a thread of its own and wake this one, which costs milliseconds on a
+// machine whose cores are busy. No fingerprint: there is no peer to differ.
+PendingWork done_at_once(const char* op, const std::string& what, std::string shapes, CollectiveCounter& counter) {
+  PendingWork p;
+  p.op = op;
+  p.what = what;
+  p.shapes = std::move(shapes);
+  p.counter = &counter;
+  p.start = std::chrono::steady_clock::now();
+  p.work = c10::make_intrusive<DoneWork>();
+  return p;
+}
+
+bool alone(int size, const c10::Device& device) { return size == 1 && device.is_cpu(); }
+}  // namespace
+
 void Comm::all_gather_into(at::Tensor& out, at::Tensor& in, const std::string& what) {
   PendingWork p = all_gather_async(out, in, what);
   wait(p);
@@ -193,6 +225,12 @@ void Comm::reduce_scatter_into(at::Tensor& out, at::Tensor& in, const std::strin
 }
 
 void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
+  if (alone(size_, device_) &&
+      op != c10d::ReduceOp::PREMUL_SUM) {  // every other op of one rank's tensor is that tensor
+    PendingWork p = done_at_once("all_reduce", what, describe(t), stats_.all_reduce);
+    wait_on_host(p);
+    return;
+  }
   c10d::AllreduceOptions opts;
   opts.reduceOp = op;
   opts.timeout = timeout_;
@@ -207,15 +245,11 @@ void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what)
   wait_on_host(p);
 }
 
-namespace {
-int64_t op_code(const char* op) { return detail::text_hash(op); }
-}  // namespace
-
 void Comm::enable_checks(std::shared_ptr<detail::CollectiveContext> context, c10::intrusive_ptr<c10d::Backend> check,
                          std::shared_ptr<detail::WaitBoard> board, const std::string& name, std::vector<int> members) {
   SHARDTORCH_CHECK(!device_.is_cuda(), "shardtorch: the collective check runs on CPU (Gloo) groups only");
   context_ = std::move(context);
-  if (checker_) return;
+  if (checker_ || size_ == 1) return;  // one rank: no peer to differ from (its collectives are done_at_once)
   const int comm = board ? board->add(name, std::move(members)) : -1;
   checker_ = std::make_unique<detail::CollectiveChecker>(std::move(check), rank_, size_, std::move(board), comm);
   checker_->follow_steps(*context_, timeout_);
@@ -286,6 +320,10 @@ c10::intrusive_ptr<c10d::Work> Comm::launched(PendingWork& p) {
 PendingWork Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   check_gather(out, in, what);
   at::Tensor o = out.view({-1}), i = in.view({-1});
+  if (alone(size_, device_)) {
+    if (!o.is_same(i)) o.copy_(i);
+    return done_at_once("all_gather", what, "in " + describe(in) + ", out " + describe(out), stats_.all_gather);
+  }
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;  // else the backend's own, not this Comm's (a checkpoint's longer one, say)
   auto b = backend_;
@@ -299,6 +337,10 @@ PendingWork Comm::reduce_scatter_async(at::Tensor& out, at::Tensor& in, const st
                    " is not ", size_, " x output ", describe(out));
   check_flat(out, in, "reduce_scatter", what);
   at::Tensor o = out.view({-1}), i = in.view({-1});
+  if (alone(size_, device_)) {
+    if (!o.is_same(i)) o.copy_(i);
+    return done_at_once("reduce_scatter", what, "in " + describe(in) + ", out " + describe(out), stats_.reduce_scatter);
+  }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
@@ -323,6 +365,7 @@ PendingWork Comm::all_reduce_async(at::Tensor& t, const std::string& what) {
 
 PendingWork Comm::launch_sum(at::Tensor& t, const char* op, std::string shapes, CollectiveCounter& counter,
                              int64_t bytes, const std::string& what) {
+  if (alone(size_, device_)) return done_at_once(op, what, std::move(shapes), counter);
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
@@ -425,6 +468,11 @@ std::string Comm::who() const {
 }
 
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
+  if (alone(size_, device_) && root == 0) {
+    PendingWork p = done_at_once("broadcast", what, describe(t), stats_.broadcast);
+    wait_on_host(p);
+    return;
+  }
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = timeout_;
