@@ -18,6 +18,22 @@ grep -q "^model.l0.weight  Float \[5, 4\]  2 chunks$" "$work/info.txt"
 SHARDTORCH_CONVERT_DIR=$work "$tests" --gtest_also_run_disabled_tests --gtest_filter=DcpConvert.* > "$work/tests.txt" \
   || { cat "$work/tests.txt"; exit 1; }
 "$convert" sharded-to-dcp "$work/sharded" "$work/dcp-from-sharded"
+# One safetensors file named without a directory, written in bf16.
+"$convert" dcp-to-safetensors "$sample" "$work/one.safetensors"
+(cd "$work" && "$convert" hf-to-dcp one.safetensors dcp-from-one --dtype bf16)
+"$convert" info "$work/dcp-from-one" > "$work/info-one.txt"
+grep -q "^model.l0.weight  BFloat16 \[5, 4\]  1 chunk$" "$work/info-one.txt" \
+  || { echo "convert_round_trip: hf-to-dcp of one.safetensors in bf16 wrote:" >&2; cat "$work/info-one.txt" >&2; exit 1; }
+# A layout written again in fewer files leaves none of the earlier ones.
+"$convert" dcp-to-hf "$sample" "$work/hf-again" --max-file-bytes 64
+"$convert" dcp-to-hf "$sample" "$work/hf-again"
+files=$(ls "$work/hf-again" | grep -c "safetensors$")
+[ "$files" = 1 ] || { echo "convert_round_trip: $files data files after writing one over several" >&2; exit 1; }
+if "$convert" dcp-to-hf "$sample" "$work/hf-zero" --max-file-bytes 0 2> "$work/zero.txt"; then
+  echo "convert_round_trip: --max-file-bytes 0 was accepted" >&2
+  exit 1
+fi
+grep -q "max-file-bytes must be positive" "$work/zero.txt"
 # A refusal names what it refuses.
 if "$convert" dcp-to-safetensors "$src/tests/data/dcp/h_nodist_st" "$work/h.safetensors" --prefix "" 2> "$work/refusal.txt"; then
   echo "convert_round_trip: a SerializationFormat.SAFETENSORS checkpoint was converted, not refused" >&2

@@ -5,6 +5,8 @@
 // and saves that load back bitwise.
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include <random>
 
 #include "checkpoint/dcp_metadata.h"
@@ -314,6 +316,15 @@ TEST(DcpReader, RefusesOtherLayoutsByName) {
   shardtorch::checkpoint::save_file((tmp / "model.safetensors").string(), {{"w", torch::ones({2})}});
   e = message_of([&] { DcpReader r(tmp.string()); });
   EXPECT_TRUE(has(e, "a Hugging Face layout (HuggingFaceStorageWriter); load it with load_hf_checkpoint")) << e;
+  // shardtorch's own sharded layout is named as such, not as Hugging Face's.
+  TempDir sharded;
+  shardtorch::checkpoint::save_file((sharded / "rank-0.safetensors").string(), {{"w", torch::ones({2})}});
+  std::ofstream((sharded / "index.json").string()) << "{}";
+  e = message_of([&] { DcpReader r(sharded.string()); });
+  EXPECT_TRUE(has(e,
+                  "a shardtorch sharded checkpoint; load it with load_sharded_checkpoint, or convert it with "
+                  "`shardtorch-convert sharded-to-dcp`"))
+      << e;
 }
 
 namespace {

@@ -48,6 +48,16 @@ std::string dirname_of(const std::string& p) {
   return slash == std::string::npos ? "." : p.substr(0, slash);
 }
 
+std::string basename_of(const std::string& p) {
+  const auto slash = p.rfind('/');
+  return slash == std::string::npos ? p : p.substr(slash + 1);
+}
+
+// `t` in `dtype` when given and `t` is floating point.
+at::ScalarType written_dtype(at::ScalarType t, std::optional<at::ScalarType> dtype) {
+  return dtype && at::isFloatingType(t) ? *dtype : t;
+}
+
 std::optional<at::ScalarType> dtype_option(const std::string& s) {
   if (s.empty()) return std::nullopt;
   if (s == "bf16" || s == "bfloat16") return at::kBFloat16;
@@ -63,7 +73,7 @@ std::vector<ckpt::PendingTensor> dcp_model_tensors(const ckpt::DcpReader& r, con
   std::vector<ckpt::PendingTensor> out;
   for (const auto& e : r.entries()) {
     if (!e.tensor || e.name.rfind(prefix, 0) != 0) continue;
-    const at::ScalarType to = dtype && at::isFloatingType(e.dtype) ? *dtype : e.dtype;
+    const at::ScalarType to = written_dtype(e.dtype, dtype);
     out.push_back({e.name.substr(prefix.size()), to, e.shape, [&r, name = e.name, to] { return r.read(name).to(to); }});
   }
   if (out.empty())
@@ -102,6 +112,19 @@ int dcp_to_hf(const std::string& dir, const std::string& out, const std::string&
     total += n;
   }
   shardtorch::tools::create_directories(out);
+  // The data files an earlier layout's index names: those the new one does
+  // not name are removed once it is in place (as save_hf_checkpoint does).
+  std::set<std::string> earlier;
+  const std::string index_path = out + "/model.safetensors.index.json";
+  if (shardtorch::tools::is_regular_file(index_path)) {
+    try {
+      const json::value v = json::parse(text_of(index_path));
+      for (const auto& kv : v.at("weight_map").as_object()) earlier.insert(std::string(kv.value().as_string()));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("'" + index_path + "' is there but is not an index (" + e.what() +
+                               "); remove it or write elsewhere");
+    }
+  }
   json::object weight_map;
   for (size_t k = 0; k < plan.size(); ++k) {
     char name[64];
@@ -116,8 +139,12 @@ int dcp_to_hf(const std::string& dir, const std::string& out, const std::string&
   json::object index{{"metadata", json::object{{"total_size", total}}}, {"weight_map", weight_map}};
   const std::string tmp = out + "/.model.safetensors.index.json.tmp";
   std::ofstream(tmp) << json::serialize(index) << "\n";
-  if (std::rename(tmp.c_str(), (out + "/model.safetensors.index.json").c_str()) != 0)
+  if (std::rename(tmp.c_str(), index_path.c_str()) != 0)
     throw std::runtime_error("cannot write the index in '" + out + "'");
+  std::set<std::string> now;
+  for (const auto& kv : weight_map) now.insert(std::string(kv.value().as_string()));
+  for (const auto& f : earlier)
+    if (!now.count(f) && f.find('/') == std::string::npos) std::remove((out + "/" + f).c_str());
   std::cout << "wrote " << tensors.size() << " tensors in " << plan.size() << (plan.size() == 1 ? " file" : " files")
             << " to " << out << "\n";
   return 0;
@@ -134,7 +161,8 @@ int dcp_to_safetensors(const std::string& dir, const std::string& out, const std
 
 // A Hugging Face checkpoint: a directory (index or model.safetensors), an
 // index file, or one safetensors file (shardtorch's full state dicts too).
-int hf_to_dcp(const std::string& path, const std::string& out, const std::string& prefix) {
+int hf_to_dcp(const std::string& path, const std::string& out, const std::string& prefix,
+              std::optional<at::ScalarType> dtype) {
   std::vector<std::pair<std::string, std::string>> where;  // tensor -> file
   std::string dir = path;
   auto from_index = [&](const std::string& index) {
@@ -146,7 +174,7 @@ int hf_to_dcp(const std::string& path, const std::string& out, const std::string
   auto from_file = [&](const std::string& file) {
     dir = dirname_of(file);
     ckpt::Reader r(file);
-    for (const auto& n : r.names()) where.emplace_back(n, file.substr(dir.size() + 1));
+    for (const auto& n : r.names()) where.emplace_back(n, basename_of(file));
   };
   if (ends_with(path, ".json"))
     from_index(path);
@@ -165,8 +193,9 @@ int hf_to_dcp(const std::string& path, const std::string& out, const std::string
   std::vector<ckpt::PendingTensor> tensors;
   for (const auto& [name, file] : where) {
     const auto info = reader(file).info(name);
-    tensors.push_back({prefix + name, info.dtype, info.shape,
-                       [&reader, file = file, name = name] { return reader(file).read(name); }});
+    const at::ScalarType to = written_dtype(info.dtype, dtype);
+    tensors.push_back({prefix + name, to, info.shape,
+                       [&reader, file = file, name = name, to] { return reader(file).read(name).to(to); }});
   }
   ckpt::write_dcp(out, tensors, {}, shardtorch::DcpSaveOptions().model_prefix(prefix));
   std::cout << "wrote " << tensors.size() << " tensors to " << out << "\n";
@@ -177,7 +206,7 @@ int hf_to_dcp(const std::string& path, const std::string& out, const std::string
 // parameters and buffers under `prefix`, the optimizer state as
 // get_state_dict lays it out (with each parameter's step from the index).
 int sharded_to_dcp(const std::string& dir, const std::string& out, const std::string& prefix,
-                   const std::string& optim_prefix) {
+                   const std::string& optim_prefix, std::optional<at::ScalarType> dtype) {
   auto all = shardtorch::read_sharded_checkpoint(dir);
   std::map<std::string, int64_t> steps;  // parameter -> its optimizer step
   const auto index = json::parse(text_of(dir + "/index.json"));
@@ -192,9 +221,10 @@ int sharded_to_dcp(const std::string& dir, const std::string& out, const std::st
   for (auto& [key, t] : all) {
     const auto bar = key.rfind('|');
     const std::string name = key.substr(0, bar), kind = key.substr(bar + 1);
-    const std::string to =
-        kind == "param" || kind == "buffer" ? prefix + name : optim_prefix + "state." + name + "." + kind;
-    tensors.push_back({to, t.scalar_type(), t.sizes().vec(), [t = t] { return t; }});
+    const bool model = kind == "param" || kind == "buffer";
+    const std::string to = model ? prefix + name : optim_prefix + "state." + name + "." + kind;
+    const at::ScalarType as = model ? written_dtype(t.scalar_type(), dtype) : t.scalar_type();  // state as trained
+    tensors.push_back({to, as, t.sizes().vec(), [t = t, as] { return t.to(as); }});
   }
   for (const auto& [name, step] : steps)
     if (all.count(name + "|exp_avg"))
@@ -214,12 +244,16 @@ int main(int argc, char** argv) {
   po::options_description opts(
       "shardtorch-convert COMMAND IN [OUT] [options]; COMMAND: info, dcp-to-hf, "
       "dcp-to-safetensors, hf-to-dcp, sharded-to-dcp");
-  opts.add_options()("help", "this text")("command", po::value(&command), "")("in", po::value(&in), "")(
-      "out", po::value(&out), "")("prefix", po::value(&prefix)->default_value("model."),
-                                  "the model's keys in the DCP checkpoint start with this (\"\" for none)")(
+  opts.add_options()("help", "this text")("command", po::value(&command), "the command (first positional argument)")(
+      "in", po::value(&in), "the checkpoint read (second positional argument)")(
+      "out", po::value(&out), "what is written (third positional argument)")(
+      "prefix", po::value(&prefix)->default_value("model."),
+      "the model's keys in the DCP checkpoint start with this (\"\" for none)")(
       "optimizer-prefix", po::value(&optim_prefix)->default_value("optim."), "the optimizer's (sharded-to-dcp)")(
       "max-file-bytes", po::value(&max_bytes)->default_value(5'000'000'000), "dcp-to-hf: the largest data file")(
-      "dtype", po::value(&dtype), "floating-point tensors written in this dtype (bf16, fp16, fp32)");
+      "dtype", po::value(&dtype),
+      "floating-point tensors written in this dtype (bf16, fp16, fp32); sharded-to-dcp: the model's only, the "
+      "optimizer state stays as trained");
   po::positional_options_description pos;
   pos.add("command", 1).add("in", 1).add("out", 1);
   try {
@@ -231,11 +265,12 @@ int main(int argc, char** argv) {
       return vm.count("help") ? 0 : 2;  // asked for, or a usage error
     }
     if (command != "info" && out.empty()) throw std::invalid_argument(command + " needs IN and OUT");
+    if (max_bytes <= 0) throw std::invalid_argument("--max-file-bytes must be positive");
     if (command == "info") return info(in);
     if (command == "dcp-to-hf") return dcp_to_hf(in, out, prefix, max_bytes, dtype_option(dtype));
     if (command == "dcp-to-safetensors") return dcp_to_safetensors(in, out, prefix, dtype_option(dtype));
-    if (command == "hf-to-dcp") return hf_to_dcp(in, out, prefix);
-    if (command == "sharded-to-dcp") return sharded_to_dcp(in, out, prefix, optim_prefix);
+    if (command == "hf-to-dcp") return hf_to_dcp(in, out, prefix, dtype_option(dtype));
+    if (command == "sharded-to-dcp") return sharded_to_dcp(in, out, prefix, optim_prefix, dtype_option(dtype));
     throw std::invalid_argument("unknown command '" + command + "'");
   } catch (const std::exception& e) {
     std::cerr << "shardtorch-convert: " << e.what() << "\n";

@@ -78,11 +78,22 @@ shardtorch::PlanOptions options_for(const Args& a, Strategy s) {
   return p;
 }
 
-std::string gib(int64_t b) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.3f", b / (1024.0 * 1024 * 1024));
-  return buf;
-}
+// The unit a table prints in: GiB, or MiB or KiB for a model so small that
+// GiB would print zeros.
+struct Unit {
+  double bytes = 1024.0 * 1024 * 1024;
+  const char* name = "GiB";
+  static Unit for_largest(int64_t largest) {
+    if (largest >= 0.01 * 1024 * 1024 * 1024) return {};
+    if (largest >= 0.01 * 1024 * 1024) return {1024.0 * 1024, "MiB"};
+    return {1024.0, "KiB"};
+  }
+  std::string operator()(int64_t b) const {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.3f", b / bytes);
+    return buf;
+  }
+};
 
 // The command line, into `a`.
 po::options_description options_for_args(Args& a) {
@@ -117,7 +128,17 @@ po::options_description options_for_args(Args& a) {
 }
 
 // Throws std::invalid_argument naming the option that makes no sense; sets a.states.
-void validate(Args& a) {
+void validate(Args& a, const po::variables_map& vm) {
+  auto given = [&](const char* o) { return vm.count(o) > 0 && !vm[o].defaulted(); };
+  if (given("reserve") && a.fit.empty()) throw std::invalid_argument("--reserve applies with --fit only");
+  if (given("chunks") && a.pp == 0) throw std::invalid_argument("--chunks applies with --pp only");
+  if (a.offload && !a.strategy.empty() && shardtorch::parse_strategy(a.strategy) == Strategy::NoShard)
+    throw std::invalid_argument(
+        "--offload with --strategy no_shard: NoShard keeps whole parameters on the device; CPU offload needs a "
+        "sharding strategy");
+  if (a.hybrid != 0 && (a.hybrid < 1 || a.world % a.hybrid != 0))
+    throw std::invalid_argument("--hybrid-shard-size " + std::to_string(a.hybrid) + " must divide --world " +
+                                std::to_string(a.world));
   if (a.cfg.n_layer < 1 || a.cfg.d_model < 1 || a.cfg.n_head < 1 || a.cfg.vocab < 1 || a.cfg.seq_len < 1 ||
       a.world < 1 || a.bucket_mb <= 0)
     throw std::invalid_argument(
@@ -170,12 +191,19 @@ std::vector<shardtorch::UnitSpec> stage_units(const Args& a, int r) {
 // --by-category every category.
 void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
   if (a.pp > 0) {
+    int64_t largest = 0;
+    for (int r = 0; r < a.pp; ++r)
+      for (Strategy s : strategies) {
+        auto p = shardtorch::plan_memory(stage_units(a, r), options_for(a, s));
+        largest = std::max({largest, p.device_peak(), p.host()});
+      }
+    const Unit gib = Unit::for_largest(largest);
     std::printf(
         "GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d pipeline ranks x %d data-parallel%s; one "
-        "line per strategy and pipeline rank (GiB, rank 0 of its dp group); activations are not included\n",
+        "line per strategy and pipeline rank (%s, rank 0 of its dp group); activations are not included\n",
         static_cast<long long>(a.cfg.n_layer), static_cast<long long>(a.cfg.d_model),
         static_cast<long long>(a.cfg.vocab), static_cast<long long>(a.cfg.seq_len), a.pp, a.world,
-        a.bf16 ? ", bf16" : ", fp32");
+        a.bf16 ? ", bf16" : ", fp32", gib.name);
     std::printf("%-15s %4s %14s %10s %10s %10s %10s\n", "strategy", "pp", "params", "state_B", "transient", "device",
                 "host");
     for (int r = 0; r < a.pp; ++r) {
@@ -190,15 +218,22 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
     return;
   }
   auto units = gpt::unit_specs(a.cfg);
+  int64_t largest = 0;
+  for (Strategy s : strategies) {
+    auto p = shardtorch::plan_memory(units, options_for(a, s));
+    largest = std::max({largest, p.device_peak(), p.host()});
+  }
+  const Unit gib = Unit::for_largest(largest);
   std::printf("GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s%s; optimizer %s\n",
               static_cast<long long>(a.cfg.n_layer), static_cast<long long>(a.cfg.d_model),
               static_cast<long long>(a.cfg.vocab), static_cast<long long>(a.cfg.seq_len), a.world,
               a.bf16 ? ", bf16" : ", fp32", a.offload ? ", CPU offload" : "",
               a.accumulate ? ", accumulating without sync" : "", a.optimizer.c_str());
   std::printf(
-      "per rank, GiB (rank 0, which owns the most); transient = peak estimates of gathered params, "
+      "per rank, %s (rank 0, which owns the most); transient = peak estimates of gathered params, "
       "gradient staging and buckets, and NoShard's fp32 gradient copies under mixed precision; activations "
-      "are not included\n");
+      "are not included\n",
+      gib.name);
   std::printf("%-15s %14s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "params", "params_B", "grads_B", "optim_B",
               "state_B", "transient", "device", "host");
   std::string reports;  // --by-category
@@ -216,9 +251,9 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
   if (a.by_category) std::printf("%s", reports.c_str());
   if (!a.startup) return;
   std::printf(
-      "\nconstruct + shard() + load, per rank, GiB: the library's parameters and full flat buffers at their "
+      "\nconstruct + shard() + load, per rank, %s: the library's parameters and full flat buffers at their "
       "peak (docs/scale.md)\n%-15s %10s %10s\n",
-      "strategy", "deferred", "eager");
+      gib.name, "strategy", "deferred", "eager");
   for (Strategy s : strategies) {
     auto p = shardtorch::plan_memory(units, options_for(a, s));
     std::printf("%-15s %10s %10s\n", shardtorch::strategy_name(s), gib(p.startup_deferred).c_str(),
@@ -274,13 +309,14 @@ int main(int argc, char** argv) {
   po::options_description desc = options_for_args(a);
   try {
     po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, desc), vm);
+    po::positional_options_description none;  // every argument is an option: a stray word is an error
+    po::store(po::command_line_parser(argc, argv).options(desc).positional(none).run(), vm);
     if (vm.count("help")) {
       std::cout << desc << "\n";
       return 0;
     }
     po::notify(vm);
-    validate(a);
+    validate(a, vm);
     const int64_t reserve = parse_bytes("--reserve", a.reserve),
                   budget = a.fit.empty() ? 0 : parse_bytes("--fit", a.fit) - reserve;
     if (!a.fit.empty() && budget <= 0)

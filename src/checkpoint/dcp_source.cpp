@@ -24,8 +24,9 @@ std::string read_whole(const std::string& path) {
 // Why `dir` holds no checkpoint this code reads, by what it holds instead.
 std::string not_a_checkpoint(const std::string& dir) {
   if (!files::is_directory(dir)) return "DCP checkpoint '" + dir + "': not a directory";
-  bool per_rank = false, safetensors = false, tmp = false, distcp = false;
+  bool per_rank = false, safetensors = false, tmp = false, distcp = false, sharded = false;
   for (const auto& n : files::list_directory(dir)) {
+    if (n == "index.json") sharded = true;
     if (n.size() > 11 && n.rfind("__", 0) == 0 && n.compare(n.size() - 9, 9, ".metadata") == 0) per_rank = true;
     if (n == "model.safetensors.index.json" || (n.size() > 12 && n.compare(n.size() - 12, 12, ".safetensors") == 0))
       safetensors = true;
@@ -37,6 +38,10 @@ std::string not_a_checkpoint(const std::string& dir) {
     return where +
            ", but per-rank __<rank>.metadata files: it was saved with dcp.save(..., use_collectives=False), "
            "whose files each describe one rank's chunks; shardtorch reads checkpoints saved with collectives";
+  if (sharded && safetensors)
+    return where +
+           ", but index.json and per-rank safetensors files: a shardtorch sharded checkpoint; load it with "
+           "load_sharded_checkpoint, or convert it with `shardtorch-convert sharded-to-dcp`";
   if (safetensors)
     return where +
            ", but safetensors files: a Hugging Face layout (HuggingFaceStorageWriter); load it with "
