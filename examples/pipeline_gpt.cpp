@@ -34,7 +34,7 @@ struct Args {
   int microbatches = 4;
   int chunks = 1;
   std::string schedule = "1f1b";
-  std::string strategy = "full_shard";
+  std::string strategy;  // full_shard over two or more dp ranks, no_shard over one
   double lr = 3e-3;
   bool bf16 = false;
   bool recompute = false;
@@ -54,9 +54,9 @@ std::optional<Args> parse(int argc, char** argv) {
       "microbatches", cli::number_option(a.microbatches, "--microbatches"), "micro-batches per step")(
       "chunks", cli::number_option(a.chunks, "--chunks"), "chunks per pipeline rank (interleaved_1f1b: 2 or more)")(
       "schedule", po::value(&a.schedule)->default_value(a.schedule), "gpipe|1f1b|interleaved_1f1b")(
-      "strategy", po::value(&a.strategy)->default_value(a.strategy),
-      "how each stage is sharded over its data-parallel ranks")("layers", cli::number_option(a.cfg.n_layer, "--layers"),
-                                                                "transformer blocks")(
+      "strategy", po::value(&a.strategy),
+      "how each stage is sharded over its data-parallel ranks (default: full_shard, or no_shard without data "
+      "parallelism)")("layers", cli::number_option(a.cfg.n_layer, "--layers"), "transformer blocks")(
       "d-model", cli::number_option(a.cfg.d_model, "--d-model"), "model width")(
       "lr", cli::number_option(a.lr, "--lr"), "learning rate (AdamW)")("bf16", po::bool_switch(&a.bf16),
                                                                        "bf16 compute, fp32 reduction and masters")(
@@ -94,8 +94,12 @@ int main(int argc, char** argv) {
 
     torch::manual_seed(0);
     gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(args.cfg); });  // no parameter allocated yet
+    const std::string strategy =  // one data-parallel rank has nothing to shard
+        !args.strategy.empty() ? args.strategy
+        : dp > 1               ? "full_shard"
+                               : "no_shard";
     auto shard = shardtorch::ShardOptions()
-                     .strategy(shardtorch::parse_strategy(args.strategy))
+                     .strategy(shardtorch::parse_strategy(strategy))
                      .activation_checkpointing(args.recompute);
     if (args.bf16)
       shard.mixed_precision(

@@ -32,7 +32,7 @@ struct Args {
   int64_t batch = 16;  // per data-parallel rank, per step
   int microbatches = 4;
   bool sequence_parallel = false;
-  std::string strategy = "full_shard";
+  std::string strategy;  // full_shard over two or more dp ranks, no_shard over one
   double lr = 3e-3;
   gpt::Config cfg;
 };
@@ -48,7 +48,8 @@ std::optional<Args> parse(int argc, char** argv) {
       "microbatches", cli::number_option(a.microbatches, "--microbatches"), "micro-batches per step (with --pp)")(
       "sequence-parallel", po::bool_switch(&a.sequence_parallel),
       "norms and residual adds on a slice of the sequence (Megatron-LM's sequence parallelism)")(
-      "strategy", po::value(&a.strategy)->default_value(a.strategy), "how the slices are sharded over dp")(
+      "strategy", po::value(&a.strategy),
+      "how the slices are sharded over dp (default: full_shard, or no_shard over one dp rank)")(
       "layers", cli::number_option(a.cfg.n_layer, "--layers"), "transformer blocks")(
       "d-model", cli::number_option(a.cfg.d_model, "--d-model"), "model width")("lr", cli::number_option(a.lr, "--lr"),
                                                                                 "learning rate (AdamW)");
@@ -85,7 +86,11 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     gpt::GPT model(args.cfg);
     const auto report = shardtorch::parallelize(*model, tp, gpt::tp_plan(args.cfg, args.sequence_parallel));
-    auto shard = shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(args.strategy));
+    const std::string strategy =  // one data-parallel rank has nothing to shard
+        !args.strategy.empty() ? args.strategy
+        : dp > 1               ? "full_shard"
+                               : "no_shard";
+    auto shard = shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy));
 
     std::optional<shardtorch::Pipeline> pipe;
     std::optional<shardtorch::ShardedModel> sharded;

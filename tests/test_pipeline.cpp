@@ -7,9 +7,12 @@
 #include <exception>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <thread>
 
+#include "captured_warnings.h"
 #include "models.h"
+#include "rank_errors.h"
 #include "reference.h"
 
 using namespace testmodels;
@@ -224,7 +227,17 @@ void expect_pipeline_trains_like_one_process(const PipeCase& c) {
                     .shard(strategy_options(c.strategy, c.dp))
                     .record_timeline(true);
     if (!c.split.empty()) opts.split_at(c.split);
-    Pipeline pipe(gpt::pipeline_layers(model), mesh, opts);
+    CapturedWarnings warnings;
+    std::optional<Pipeline> built;
+    {
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      built.emplace(gpt::pipeline_layers(model), mesh, opts);
+    }
+    Pipeline& pipe = *built;
+    // A strategy that shards nothing (dp 1) is pointed out, once, by rank 0.
+    const bool pointless = c.dp == 1 && c.strategy != Strategy::NoShard && w.rank() == 0;
+    require(warnings.any_with("over a data-parallel group of one rank shards nothing") == pointless,
+            pointless ? "no warning that the strategy shards nothing" : "a warning that the strategy shards nothing");
     auto opt = shardtorch::AdamW(pipe.module(), adamw());
     const int64_t per = kBatch / c.dp, d = mesh->coordinate("dp");
     auto mine = x.narrow(0, d * per, per);
@@ -448,13 +461,6 @@ INSTANTIATE_TEST_SUITE_P(Variants, PipelineComposition,
                          });
 
 // ---------------------------------------------------------------- failures
-
-// Every rank's error, for tests that expect all of them to fail.
-std::vector<std::string> errors_of(const shardtorch::testing::RunResult& r) {
-  std::vector<std::string> out;
-  for (const auto& k : r.ranks) out.push_back(k.message);
-  return out;
-}
 
 TEST(PipelineFailures, RanksThatBuildDifferentPipelinesFailBeforeAnyTransfer) {
   auto r = run_ranks(2, [](World& w) {

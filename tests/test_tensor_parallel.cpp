@@ -10,6 +10,7 @@
 
 #include "../examples/llama.h"
 #include "counting_allocator.h"
+#include "rank_errors.h"
 #include "reference.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/hf_checkpoint.h"
@@ -487,12 +488,6 @@ TEST(TpLayers, VocabParallelCrossEntropyEqualsTheGatheredOne) {
 }
 
 // ---------------------------------------------------------------- misuse
-
-std::vector<std::string> errors_of(const shardtorch::testing::RunResult& r) {
-  std::vector<std::string> out;
-  for (const auto& k : r.ranks) out.push_back(k.message);
-  return out;
-}
 
 TEST(TpErrors, MisusedPlansFailOnEveryRankNamingTheModule) {
   struct Misuse {

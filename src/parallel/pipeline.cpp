@@ -12,6 +12,7 @@
 
 #include "base/check.h"
 #include "base/files.h"
+#include "base/log.h"
 #include "parallel/pipeline_runtime.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/deferred.h"
@@ -266,6 +267,16 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
       for (int l : rt.stage_layers[s])
         for (const auto& [path, m] : rt.layers[l].modules) rt.module->place(path, m);
   rt.sharded.emplace(shard(*rt.module, rt.dp, options.shard()));
+  const Strategy strategy = options.shard().strategy();
+  if (rt.dp->size() == 1 && strategy != Strategy::NoShard && !options.shard().cpu_offload() && world.rank() == 0)
+    SHARDTORCH_WARN("Pipeline: strategy ", strategy_name(strategy),
+                    " over a data-parallel group of one rank shards nothing: each stage's parameters are whole on "
+                    "its rank either way",
+                    strategy == Strategy::FullShard || strategy == Strategy::HybridShard
+                        ? ", and each step gathers a second copy of them"
+                        : "",
+                    "; NoShard (PipelineOptions().shard(ShardOptions().strategy(Strategy::NoShard))) costs less "
+                    "memory and time (docs/parallelism.md, \"Composition with sharding\")");
   rt.state = detail::require_state(*rt.module, "shardtorch::Pipeline");
   rt.state->gathers().set_pipelined();
   rt.find_tied(has_dp);
