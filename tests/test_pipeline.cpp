@@ -528,7 +528,8 @@ TEST(PipelineFailures, AStepWithFewerRowsThanMicrobatchesFailsOnEveryRank) {
 
 // Two steps of a 2-stage pipeline whose last layer (stage 1's) calls `fail`
 // in its third forward of the second step: micro-batch 2.
-shardtorch::testing::RunResult stage_one_fails(const std::function<void()>& fail) {
+// `caught`: rank 1's program catches the error of its step and returns.
+shardtorch::testing::RunResult stage_one_fails(const std::function<void()>& fail, bool caught = false) {
   return run_ranks(
       2,
       [&](World& w) {
@@ -545,8 +546,12 @@ shardtorch::testing::RunResult stage_one_fails(const std::function<void()>& fail
         };
         Pipeline pipe(layers, mesh, PipelineOptions().microbatches(4));
         auto x = tokens();
-        for (int s = 0; s < 2; ++s)
-          pipe.step(x, x, [](const torch::Tensor& l, const torch::Tensor& t) { return gpt::lm_loss(l, t); });
+        try {
+          for (int s = 0; s < 2; ++s)
+            pipe.step(x, x, [](const torch::Tensor& l, const torch::Tensor& t) { return gpt::lm_loss(l, t); });
+        } catch (const std::exception&) {
+          if (!caught || w.rank() != 1) throw;
+        }
       },
       shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(60)));
 }
@@ -563,9 +568,20 @@ TEST(PipelineFailures, AStageThatDiesIsNamedByItsPeerAtOnce) {
   EXPECT_NE(m[0].find("forward of unit 'blocks.5' (pipeline stage 1 of 2, micro-batch 2 of 4)"), std::string::npos)
       << m[0];
   EXPECT_NE(m[0].find("micro-batch 2 of 4"), std::string::npos) << m[0];
+  // ... and the error that ended it (the record says so before its groups close).
+  EXPECT_NE(m[0].find("Peer at fault: rank 1 threw an error of its own ("), std::string::npos) << m[0];
+  EXPECT_NE(m[0].find("the head ran out of memory (simulated)"), std::string::npos) << m[0];
   const auto at = m[0].find("did not complete after ");
   ASSERT_NE(at, std::string::npos) << m[0];
   EXPECT_LT(std::stod(m[0].substr(at + 23)), 30.0) << "rank 0 waited for the timeout: " << m[0];
+  // A program that catches its step's error and ends: its peer gives the error too.
+  auto c = stage_one_fails([] { throw std::runtime_error("the head ran out of memory (simulated)"); },
+                           /*caught=*/true);
+  ASSERT_FALSE(c.ok);
+  EXPECT_EQ(c.ranks[1].exit_code, 0) << c.summary();
+  const auto n = errors_of(c);
+  EXPECT_NE(n[0].find("Peer at fault: rank 1 threw an error of its own ("), std::string::npos) << n[0];
+  EXPECT_NE(n[0].find("the head ran out of memory (simulated)"), std::string::npos) << n[0];
 }
 
 // The same when nothing catches the exception (std::terminate, as when it

@@ -49,7 +49,7 @@ struct Record {
   // std::terminate was called (an exception no one caught), `error` says why.
   enum class State { Running = 0, Failed = 1, Finished = 2, LeftOnError = 3, Terminating = 4 };
   State state = State::Running;
-  std::string error;  // Terminating: the exception's message, no tab or newline
+  std::string error;  // Terminating, or raised(): the exception's message, no tab or newline
 };
 
 // Tab-separated; phase and unit names carry no tab or newline.
@@ -158,9 +158,10 @@ AtTerminate& at_terminate() {
   return *t;
 }
 
-// The exception's message; "" when none is in flight (std::terminate called
-// directly, a joinable std::thread destroyed).
-std::string terminate_reason() {
+// The message of the exception in flight or being handled, for the record;
+// "" when there is none (std::terminate called directly, a joinable
+// std::thread destroyed).
+std::string exception_message() {
   std::string text;
   if (const auto e = std::current_exception()) {
     try {
@@ -179,7 +180,7 @@ std::string terminate_reason() {
 
 [[noreturn]] void on_terminate() {
   auto& t = at_terminate();
-  const std::string reason = terminate_reason();
+  const std::string reason = exception_message();
   std::vector<std::function<void(const std::string&)>> hooks;
   for (int i = 0; i < 20; ++i) {  // held only briefly, by a World being made (not by one that terminated there)
     if (t.mu.try_lock()) {
@@ -326,12 +327,31 @@ void Progress::set_context(const std::string& context) {
   ++s_->version;
 }
 
+void Progress::raised() {
+  std::string text = exception_message();
+  Record r;
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    if (s_->stop || text.empty()) return;  // the last record is written (terminating)
+    s_->mine.error = std::move(text);
+    ++s_->version;
+    r = s_->mine;
+  }
+  if (!s_->store->answering(kSilent)) return;
+  try {  // now, as failed() does: the peers' transfers with this rank fail as soon as its groups go
+    r.beat_ms = now_ms();
+    s_->store->set_and_confirm(s_->key, encode(r), std::chrono::steady_clock::now() + kSilent);
+  } catch (...) {
+  }
+}
+
 void Progress::step_done() {
   std::lock_guard<std::mutex> lock(s_->mu);
   if (s_->stop) return;  // the last record is written (terminating)
   ++s_->mine.step;
   s_->mine.phase = "optimizer step done";
   s_->mine.unit.clear();
+  s_->mine.error.clear();
   s_->mine.state = Record::State::Running;
   s_->mine.changed_ms = now_ms();
   ++s_->version;
@@ -422,8 +442,19 @@ Verdict judge(const std::string& rank, const Record& r, const Record& me, const 
                 ", " + seconds(now - r.beat_ms) + " ago, at " + where(r)};
   if (r.state == Record::State::LeftOnError)
     return {true, false,
-            rank + " stopped on an error of its own (see its output): its World was destroyed " +
-                seconds(now - r.beat_ms) + " ago, while an exception unwound, after " + where(r)};
+            rank + " stopped on an error of its own (" + (r.error.empty() ? "see its output" : r.error) +
+                "): its World was destroyed " + seconds(now - r.beat_ms) + " ago, while an exception unwound, after " +
+                where(r)};
+  if (r.state == Record::State::Finished && !r.error.empty())  // a library call threw, the program caught it
+    return {true, false,
+            rank + " had finished after an error of its own that the program caught (" + r.error +
+                "): its World was destroyed " + seconds(now - r.beat_ms) + " ago, after " + where(r)};
+  if (r.state == Record::State::Running && !r.error.empty())  // a library call threw since its last step
+    return {
+        true, false,
+        rank + " threw an error of its own (" + r.error + ") at " + where(r) + ", " + seconds(now - r.changed_ms) +
+            " ago" +
+            (local && gone(r.pid) ? "; it is no longer running (pid " + std::to_string(r.pid) + " on this host)" : "")};
   if (r.state == Record::State::Finished)  // left without an error: it issued fewer collectives than this rank
     return {true, false,
             rank + " had finished: its World was destroyed " + seconds(now - r.beat_ms) + " ago, after " + where(r) +

@@ -42,8 +42,14 @@ class Progress {
   /// stage and micro-batch); shown after the phase; "" clears it. No I/O.
   /// Tabs and newlines are not allowed (the record is tab-separated).
   void set_context(const std::string& context);
-  /// An optimizer step is done: the step count grows.
+  /// An optimizer step is done: the step count grows (and the error raised()
+  /// kept is forgotten).
   void step_done();
+  /// Called while a call into the library unwinds with the exception being
+  /// handled: its message is kept in the record until the next step_done(),
+  /// so that peers can give it when this rank ends after the program caught
+  /// it. No I/O.
+  void raised();
 
   /// A collective of this rank failed: the record says so at once (written
   /// here, not by the thread), so that peers whose own collective fails

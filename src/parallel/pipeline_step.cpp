@@ -502,6 +502,7 @@ at::Tensor PipelineRuntime::run(const pipeline::Plan& plan, bool training, const
     run.run_actions();
   } catch (...) {
     run.abandon();
+    if (auto* progress = WorldAccess::progress(*mesh->world())) progress->raised();  // for peers, if it ends here
     throw;
   }
   return run.finish();

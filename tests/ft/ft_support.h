@@ -51,7 +51,13 @@ class Lighthouse {
  public:
   explicit Lighthouse(int min_replicas, int heartbeat_timeout_ms = 30000, int port = 0)
       : min_replicas_(min_replicas), heartbeat_timeout_ms_(heartbeat_timeout_ms), port_(port ? port : free_port()) {
-    start();
+    // A port picked free may be taken before the lighthouse binds it (the
+    // lighthouse then exits): another one is tried.
+    for (int attempt = 1; !start(); ++attempt) {
+      if (port || attempt == 3)
+        throw std::runtime_error("torchft_lighthouse exited at start on port " + std::to_string(port_));
+      port_ = free_port();
+    }
   }
   ~Lighthouse() { stop(); }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
@@ -68,11 +74,12 @@ class Lighthouse {
   // A new lighthouse on the same port (none of the earlier one's state).
   void restart() {
     stop();
-    start();
+    if (!start()) throw std::runtime_error("torchft_lighthouse exited at restart on port " + std::to_string(port_));
   }
 
  private:
-  void start() {
+  // Starts it and waits until it listens (false: it exited first).
+  bool start() {
     const std::string exe = SHARDTORCH_PYTHON_FOR_FT;
     if (::access(exe.c_str(), X_OK) != 0)
       throw std::runtime_error("no Python with torchft at '" + exe +
@@ -91,6 +98,26 @@ class Lighthouse {
     if (posix_spawn(&pid_, exe.c_str(), &fa, nullptr, argv.data(), environ) != 0)
       throw std::runtime_error("could not start " + exe);
     posix_spawn_file_actions_destroy(&fa);
+    for (int waited_ms = 0; waited_ms < 60000; waited_ms += 20) {
+      if (::waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = 0;
+        return false;
+      }
+      if (listening()) return true;
+      ::usleep(20000);
+    }
+    throw std::runtime_error("torchft_lighthouse did not listen on port " + std::to_string(port_) + " within 60 s");
+  }
+
+  bool listening() const {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port_));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    ::close(fd);
+    return ok;
   }
 
   int min_replicas_, heartbeat_timeout_ms_, port_;
