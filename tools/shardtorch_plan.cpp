@@ -191,12 +191,15 @@ std::vector<shardtorch::UnitSpec> stage_units(const Args& a, int r) {
 // --by-category every category.
 void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
   if (a.pp > 0) {
+    std::vector<std::vector<shardtorch::MemoryPlan>> plans(a.pp);  // per pipeline rank, per strategy
     int64_t largest = 0;
-    for (int r = 0; r < a.pp; ++r)
+    for (int r = 0; r < a.pp; ++r) {
+      const auto units = stage_units(a, r);
       for (Strategy s : strategies) {
-        auto p = shardtorch::plan_memory(stage_units(a, r), options_for(a, s));
-        largest = std::max({largest, p.device_peak(), p.host()});
+        plans[r].push_back(shardtorch::plan_memory(units, options_for(a, s)));
+        largest = std::max({largest, plans[r].back().device_peak(), plans[r].back().host()});
       }
+    }
     const Unit gib = Unit::for_largest(largest);
     std::printf(
         "GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d pipeline ranks x %d data-parallel%s; one "
@@ -206,22 +209,21 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
         a.bf16 ? ", bf16" : ", fp32", gib.name);
     std::printf("%-15s %4s %14s %10s %10s %10s %10s\n", "strategy", "pp", "params", "state_B", "transient", "device",
                 "host");
-    for (int r = 0; r < a.pp; ++r) {
-      const auto units = stage_units(a, r);
-      for (Strategy s : strategies) {
-        auto p = shardtorch::plan_memory(units, options_for(a, s));
-        std::printf("%-15s %4d %14lld %10s %10s %10s %10s\n", shardtorch::strategy_name(s), r,
+    for (int r = 0; r < a.pp; ++r)
+      for (size_t k = 0; k < strategies.size(); ++k) {
+        const auto& p = plans[r][k];
+        std::printf("%-15s %4d %14lld %10s %10s %10s %10s\n", shardtorch::strategy_name(strategies[k]), r,
                     static_cast<long long>(p.params), gib(p.model_state()).c_str(), gib(p.transient()).c_str(),
                     gib(p.device_peak()).c_str(), gib(p.host()).c_str());
       }
-    }
     return;
   }
-  auto units = gpt::unit_specs(a.cfg);
+  const auto units = gpt::unit_specs(a.cfg);
+  std::vector<shardtorch::MemoryPlan> plans;  // per strategy
   int64_t largest = 0;
   for (Strategy s : strategies) {
-    auto p = shardtorch::plan_memory(units, options_for(a, s));
-    largest = std::max({largest, p.device_peak(), p.host()});
+    plans.push_back(shardtorch::plan_memory(units, options_for(a, s)));
+    largest = std::max({largest, plans.back().device_peak(), plans.back().host()});
   }
   const Unit gib = Unit::for_largest(largest);
   std::printf("GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s%s; optimizer %s\n",
@@ -237,8 +239,9 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
   std::printf("%-15s %14s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "params", "params_B", "grads_B", "optim_B",
               "state_B", "transient", "device", "host");
   std::string reports;  // --by-category
-  for (Strategy s : strategies) {
-    auto p = shardtorch::plan_memory(units, options_for(a, s));
+  for (size_t k = 0; k < strategies.size(); ++k) {
+    const Strategy s = strategies[k];
+    const auto& p = plans[k];
     if (a.by_category) reports += std::string("\n") + shardtorch::strategy_name(s) + ":\n" + p.report();
     const int64_t params_b = p.of(Mem::ShardedParams) + p.of(Mem::ReplicatedParams) + p.of(Mem::HostParams);
     const int64_t grads_b = p.of(Mem::Gradients) + p.of(Mem::HostGradients);
@@ -254,11 +257,9 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
       "\nconstruct + shard() + load, per rank, %s: the library's parameters and full flat buffers at their "
       "peak (docs/scale.md)\n%-15s %10s %10s\n",
       gib.name, "strategy", "deferred", "eager");
-  for (Strategy s : strategies) {
-    auto p = shardtorch::plan_memory(units, options_for(a, s));
-    std::printf("%-15s %10s %10s\n", shardtorch::strategy_name(s), gib(p.startup_deferred).c_str(),
-                gib(p.startup_eager).c_str());
-  }
+  for (size_t k = 0; k < strategies.size(); ++k)
+    std::printf("%-15s %10s %10s\n", shardtorch::strategy_name(strategies[k]), gib(plans[k].startup_deferred).c_str(),
+                gib(plans[k].startup_eager).c_str());
 }
 
 // --fit: the most layers whose device peak fits `budget` per rank, per strategy.

@@ -131,6 +131,17 @@ struct Progress::Shared {
   // or starved): how long, and when it ran again (wall clock, ms; 0: never).
   int64_t stalled_ms = 0, stalled_until_ms = 0;
 
+  // Writes `r` now, from the calling thread rather than the record's, waiting
+  // at most kSilent for the store; never throws. Not under `mu`.
+  void write_now(Record r) {
+    if (!store->answering(Progress::kSilent)) return;  // its peers cannot read the store either
+    try {
+      r.beat_ms = now_ms();
+      store->set_and_confirm(key, encode(r), std::chrono::steady_clock::now() + Progress::kSilent);
+    } catch (...) {
+    }
+  }
+
   // Ends the thread after one last write of `mine`, waiting for it at most
   // a second; `lock` holds `mu`. Whether the thread ended.
   bool stop_after_last_write(std::unique_lock<std::mutex>& lock) {
@@ -337,12 +348,7 @@ void Progress::raised() {
     ++s_->version;
     r = s_->mine;
   }
-  if (!s_->store->answering(kSilent)) return;
-  try {  // now, as failed() does: the peers' transfers with this rank fail as soon as its groups go
-    r.beat_ms = now_ms();
-    s_->store->set_and_confirm(s_->key, encode(r), std::chrono::steady_clock::now() + kSilent);
-  } catch (...) {
-  }
+  s_->write_now(std::move(r));  // the peers' transfers with this rank fail as soon as its groups go
 }
 
 void Progress::step_done() {
@@ -366,12 +372,7 @@ void Progress::failed() {
     ++s_->version;
     r = s_->mine;
   }
-  if (!s_->store->answering(kSilent)) return;  // its peers cannot read the store either
-  try {  // now, not from the thread: this rank may exit at once, and its peers must not take it for the dead one
-    r.beat_ms = now_ms();
-    s_->store->set_and_confirm(s_->key, encode(r), std::chrono::steady_clock::now() + kSilent);
-  } catch (...) {
-  }
+  s_->write_now(std::move(r));  // this rank may exit at once, and its peers must not take it for the dead one
 }
 
 namespace {

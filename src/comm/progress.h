@@ -48,7 +48,7 @@ class Progress {
   /// Called while a call into the library unwinds with the exception being
   /// handled: its message is kept in the record until the next step_done(),
   /// so that peers can give it when this rank ends after the program caught
-  /// it. No I/O.
+  /// it. Written at once, as failed() writes; never throws.
   void raised();
 
   /// A collective of this rank failed: the record says so at once (written

@@ -380,6 +380,8 @@ Config check_config(const ShardOptions& options, const World& world, const Model
                   ? std::make_exception_ptr(
                         Error(prefix + "rank " + std::to_string(world.global_rank()) + ": " + m.substr(prefix.size())))
                   : std::current_exception();
+  } catch (...) {
+    c.error = std::current_exception();
   }
   return c;
 }
