@@ -138,6 +138,16 @@ Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::c
 
 Comm::~Comm() = default;
 
+namespace {
+// `text` and, after it, what `report` says of the peers (who is at fault).
+std::string with_peers(const std::string& text,
+                       const std::function<std::string(std::chrono::steady_clock::time_point)>& report,
+                       std::chrono::steady_clock::time_point start) {
+  const std::string peers = report ? report(start) : std::string();
+  return peers.empty() ? text : text + ". " + peers;
+}
+}  // namespace
+
 void Comm::run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
                int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
                std::optional<std::chrono::steady_clock::time_point> started) {
@@ -157,11 +167,7 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
     std::ostringstream os;
     os << who() << ": " << op << " for " << what << " (" << shapes << ") did not complete after " << waited
        << " s (timeout " << timeout_.count() / 1000.0 << " s): " << detail::message_of(e);
-    if (peer_report_) {
-      const std::string peers = peer_report_(start);
-      if (!peers.empty()) os << ". " << peers;
-    }
-    throw Error(os.str());
+    throw Error(with_peers(os.str(), peer_report_, start));
   }
   counter.calls += 1;
   counter.bytes_sent += bytes;
@@ -293,8 +299,9 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   try {
     p.work = start();
   } catch (const std::exception& e) {
-    throw Error(who() + ": " + op + " for " + what + " (" + p.shapes +
-                ") could not be launched: " + detail::message_of(e));
+    throw Error(with_peers(
+        who() + ": " + op + " for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e),
+        peer_report_, p.start));
   }
   return p;
 }
@@ -442,7 +449,9 @@ PendingWork Comm::send_async(const at::Tensor& t, int peer, int tag, const std::
     std::vector<at::Tensor> ts{t};
     p.work = backend_->send(ts, peer, tag);
   } catch (const std::exception& e) {
-    throw Error(who() + ": send for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e));
+    throw Error(
+        with_peers(who() + ": send for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e),
+                   peer_report_, p.start));
   }
   return p;
 }
@@ -454,7 +463,9 @@ PendingWork Comm::recv_async(const at::Tensor& t, int peer, int tag, const std::
     std::vector<at::Tensor> ts{t};
     p.work = backend_->recv(ts, peer, tag);
   } catch (const std::exception& e) {
-    throw Error(who() + ": recv for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e));
+    throw Error(
+        with_peers(who() + ": recv for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e),
+                   peer_report_, p.start));
   }
   return p;
 }
