@@ -15,10 +15,11 @@ cd "$(dirname "$0")/.."
 # libxxhash-dev: XXH3 checksums of checkpoint files (header only).
 # g++-aarch64-linux-gnu: the ctest that compiles the CPU Adam for aarch64.
 # gRPC and protobuf: the fault-tolerance manager's client of torchft's lighthouse.
+# gdb: the stacks of a test's process that hung (tests/stacks_on_timeout.sh).
 PKGS=(cmake g++ make ccache libgtest-dev libgmock-dev libbenchmark-dev
       libboost-json1.81-dev libboost-program-options1.81-dev libgloo-dev python3-venv
       clang-14 libclang-rt-14-dev clang-format-14 libxxhash-dev g++-aarch64-linux-gnu
-      libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc)
+      libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc gdb)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

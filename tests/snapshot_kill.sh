@@ -6,6 +6,7 @@
 # usage: snapshot_kill.sh TORCHRUN SNAPSHOT_TRAIN full_shard|strategies|rejoin
 set -euo pipefail
 torchrun=$1 bin=$2 set=$3
+here=$(cd "$(dirname "$0")" && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
@@ -45,7 +46,7 @@ if [ "$set" = full_shard ]; then
   pids=()
   for r in 0 1 2 3; do
     RANK=$r LOCAL_RANK=$r WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-      timeout 60 "$bin" --strategy $s --steps 10 --every 1 --dir "$tmp/alone" --kill "0:2@4:reduce-scatter" \
+      "$here/stacks_on_timeout.sh" 60 "$bin" --strategy $s --steps 10 --every 1 --dir "$tmp/alone" --kill "0:2@4:reduce-scatter" \
       > "$tmp/alone$r.log" 2>&1 &
     pids+=($!)
   done
@@ -95,7 +96,7 @@ elif [ "$set" = rejoin ]; then
       shift 2
       RANK=$rk LOCAL_RANK=$rk WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
         TORCHELASTIC_RESTART_COUNT=$in SHARDTORCH_REJOIN=$([ "$in" = 0 ] && echo 0 || echo 1) \
-        timeout ${REJOIN_TIMEOUT:-120} "$bin" --dir "$tmp/$name" --rejoin --kill "$kills" \
+        "$here/stacks_on_timeout.sh" "${REJOIN_TIMEOUT:-120}" "$bin" --dir "$tmp/$name" --rejoin --kill "$kills" \
         --out "$tmp/$name.safetensors" "$@" > "$tmp/$name.r$rk.i$in.log" 2>&1 &
       pid[$rk]=$!
       inc[$rk]=$in

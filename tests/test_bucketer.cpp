@@ -239,6 +239,50 @@ TEST_P(BucketerTest, DiscardWaitsDropsCallbacksAndFreesEverything) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// A collective in flight that a peer holds (stopped, or gone without closing
+// its connections) is let go by discard() after kDiscardWait, and by the
+// bucketer's destruction, instead of being waited for until the collective
+// timeout: a rank whose step failed must be able to exit. It stays alive
+// and completes once the peer takes part.
+TEST(Bucketer, DiscardLetsGoOfACollectiveAPeerHolds) {
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        auto& store = *w.store();
+        using Clock = std::chrono::steady_clock;
+        at::Tensor got;
+        if (w.rank() == 0) {
+          double took = 0;
+          {
+            shardtorch::MemoryTracker mem;
+            ReduceScatterBucketer b(0.0, &mem);
+            b.reduce_scatter(
+                input_for(0, 8, 1.0), w.comm(), [&](const at::Tensor&) {}, "held by rank 1");
+            check(b.launches().size() == 1, "the reduce-scatter should be in flight");
+            const auto t0 = Clock::now();
+            b.discard();
+            check(b.launches().size() == 0 && mem.snapshot().cur(shardtorch::Mem::Buckets) == 0,
+                  "discard left work or tracked bytes");
+            took = std::chrono::duration<double>(Clock::now() - t0).count();
+          }  // the bucketer (and its watcher) destroyed here: no wait either
+          check(took < 10, "discard and the bucketer's destruction waited " + std::to_string(took) +
+                               " s for a collective rank 1 holds (its timeout is 20 s)");
+          store.set("test: rank 0 let go", std::vector<uint8_t>{1});
+          store.get("test: rank 1 reduced");  // the collective let go of completes meanwhile
+        } else {
+          store.get("test: rank 0 let go");
+          ReduceScatterBucketer b(0.0);
+          b.reduce_scatter(
+              input_for(1, 8, 1.0), w.comm(), [&](const at::Tensor& s) { got = s.clone(); }, "late");
+          b.flush();
+          check(at::equal(got, expected_shard(w, 8, 1.0)), "the late rank's reduction is wrong");
+          store.set("test: rank 1 reduced", std::vector<uint8_t>{1});
+        }
+      },
+      shardtorch::testing::RunOptions().check_collectives(false).collective_timeout(std::chrono::seconds(20)));
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST_P(BucketerTest, SeparateBucketsPerDtypeAndFreedAfterFlush) {
   const bool ip = in_place();
   auto r = run_ranks(world(), [ip](World& w) {

@@ -370,18 +370,33 @@ void detail::LaunchQueue::complete_all() {
 }
 
 void detail::LaunchQueue::discard() {
+  const auto give_up = std::chrono::steady_clock::now() + kDiscardWait;
   while (!in_flight_.empty()) {
     Launched l = std::move(in_flight_.front());
     in_flight_.pop_front();
+    const int64_t bytes = l.bytes;
     if (l.call.active()) {
       detail::abandon_hook(l.call, l.group->timeout());
+    } else if (l.completion &&
+               !l.completion->wait_for(std::chrono::duration_cast<std::chrono::milliseconds>(std::max(
+                   give_up - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero())))) {
+      // Still running (a peer stopped, or left it): its buffers, and the
+      // backend whose destruction would wait for it, stay alive until the
+      // watcher's wait for it ends, without anyone here waiting.
+      struct Kept {
+        Launched launch;
+        c10::intrusive_ptr<c10d::Backend> backend;
+      };
+      auto state = l.completion;
+      auto backend = l.group->backend();
+      state->keep(std::make_shared<Kept>(Kept{std::move(l), std::move(backend)}));
     } else {
       try {
         wait_for_launch(l);  // its buffers must outlive the collective
       } catch (...) {
       }
     }
-    track(mem_, -l.bytes);
+    track(mem_, -bytes);
   }
   hook_calls_ = 0;
 }

@@ -45,8 +45,10 @@
 //   free(), called at the end of each backward, releases the rest: buckets
 //   exist only during backward. Alive at once: one filling buffer per key
 //   and at most max_in_flight launched ones (more only past the limit).
-// - discard() (a failed backward) waits for what is in flight, ignoring
-//   errors, drops the callbacks and frees everything.
+// - discard() (a failed backward, the bucketer's destruction) waits at most
+//   kDiscardWait for what is in flight, ignoring errors, lets go of what is
+//   still running then (kept alive until it ends), drops the callbacks and
+//   frees everything.
 //
 // - A communication hook (launches().hook().set) takes the place of the all-reduce across
 //   replicas: when a reduce-scatter completes, this rank's chunk of it goes
@@ -79,6 +81,11 @@ constexpr int kMaxReduceScattersInFlight = 2;
 /// How long a launch waits for room under that limit before it goes out
 /// past it (at most a quarter of the group's collective timeout).
 constexpr std::chrono::milliseconds kReduceScatterLimitWait{1000};
+/// How long discard() waits, in all, for the CPU collectives in flight to
+/// complete; those still running then are let go, their buffers and backend
+/// kept alive until they end (a peer that stopped holds them for the whole
+/// collective timeout).
+constexpr std::chrono::milliseconds kDiscardWait{2000};
 
 namespace detail {
 class CompletionWatcher;
@@ -119,8 +126,9 @@ class LaunchQueue {
               const std::string& what, Kind kind, Comm* replicas = nullptr);
   /// Waits for every launch and runs the callbacks (the end of a backward).
   void complete_all();
-  /// After an error: waits for every launch (errors ignored) and drops its
-  /// callbacks.
+  /// After an error: waits for every launch (errors ignored; on CPU at most
+  /// kDiscardWait in all, then lets the rest go, kept alive until they end)
+  /// and drops its callbacks.
   void discard();
 
   /// Collectives launched and not yet waited for.
@@ -216,8 +224,9 @@ class ReduceScatterBucketer {
   void flush();
   /// Frees every bucket's buffers (call after flush()).
   void free();
-  /// After an error: waits for the collectives in flight (errors ignored),
-  /// drops everything queued without running callbacks, frees the buffers.
+  /// After an error: waits for the collectives in flight (errors ignored;
+  /// at most kDiscardWait on CPU, see above), drops everything queued
+  /// without running callbacks, frees the buffers.
   void discard();
 
   /// Bytes held by bucket buffers now (filling and in flight).

@@ -23,28 +23,58 @@ std::exception_ptr CompletionState::error() {
 }
 
 void CompletionState::settle(std::exception_ptr error) {
+  std::shared_ptr<void> let_go;  // destroyed outside the lock: it may hold the last reference to a backend
   {
     std::lock_guard<std::mutex> lock(mu);
     done = true;
     failure = std::move(error);
+    let_go = std::move(kept);
   }
   cv.notify_all();
 }
+
+bool CompletionState::keep(std::shared_ptr<void> what) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (done) return false;
+  kept = std::move(what);
+  return true;
+}
+
+struct CompletionWatcher::Shared {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Item> queue;
+  std::shared_ptr<CheckedLaunch> waiting;  // the launch the thread waits for, if any
+  bool busy = false;                       // the thread is inside an item's wait
+  bool stop = false;
+  std::exception_ptr broken;  // set when the thread failed; later watches wait on the caller's thread
+};
 
 namespace {
 constexpr const char* kAbandoned = "shardtorch: the sharded model was destroyed before this collective was launched";
 }  // namespace
 
+CompletionWatcher::CompletionWatcher() : s_(std::make_shared<Shared>()) {}
+
 CompletionWatcher::~CompletionWatcher() {
   std::shared_ptr<CheckedLaunch> waiting;  // the queued ones are abandoned by run() as it takes them
+  bool busy;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    waiting = waiting_;
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->stop = true;
+    waiting = s_->waiting;
+    busy = s_->busy || !s_->queue.empty();
   }
   if (waiting) waiting->abandon(kAbandoned);
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  s_->cv.notify_all();
+  if (!thread_.joinable()) return;
+  // Inside a wait that a stopped peer may hold for the whole timeout: the
+  // thread keeps what it uses (s_, each item's work and state) and ends
+  // after the last one.
+  if (busy)
+    thread_.detach();
+  else
+    thread_.join();
 }
 
 void CompletionWatcher::wait(Item& item) {
@@ -59,11 +89,11 @@ std::shared_ptr<CompletionState> CompletionWatcher::watch(c10::intrusive_ptr<c10
   auto state = std::make_shared<CompletionState>();
   std::exception_ptr broken;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    broken = broken_;
+    std::lock_guard<std::mutex> lock(s_->mu);
+    broken = s_->broken;
     if (!broken) {
-      queue_.push_back(Item{work, checked, timeout, state});
-      if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+      s_->queue.push_back(Item{work, checked, timeout, state});
+      if (!thread_.joinable()) thread_ = std::thread([s = s_] { loop(*s); });
     }
   }
   if (broken) {  // the thread is gone: wait here (the buffers must outlive the collective), report its failure
@@ -77,24 +107,25 @@ std::shared_ptr<CompletionState> CompletionWatcher::watch(c10::intrusive_ptr<c10
     state->settle(error);
     return state;
   }
-  cv_.notify_one();
+  s_->cv.notify_one();
   return state;
 }
 
-void CompletionWatcher::loop() noexcept {
+void CompletionWatcher::loop(Shared& s) noexcept {
   try {
-    run();
+    run(s);
   } catch (...) {
     // The thread's own machinery failed (not a collective): every collective
     // still queued, and every later one, reports it to its waiter.
     std::deque<Item> left;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      broken_ = std::current_exception();
-      left.swap(queue_);
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.broken = std::current_exception();
+      s.busy = true;
+      left.swap(s.queue);
     }
     for (auto& item : left) {
-      std::exception_ptr error = broken_;
+      std::exception_ptr error = s.broken;
       try {
         wait(item);
       } catch (...) {
@@ -102,21 +133,25 @@ void CompletionWatcher::loop() noexcept {
       }
       item.state->settle(error);
     }
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.busy = false;
   }
 }
 
-void CompletionWatcher::run() {
+void CompletionWatcher::run(Shared& s) {
   for (;;) {
     Item item;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and nothing left to wait for
-      item = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock<std::mutex> lock(s.mu);
+      s.busy = false;
+      s.cv.wait(lock, [&] { return s.stop || !s.queue.empty(); });
+      if (s.queue.empty()) return;  // stopping, and nothing left to wait for
+      item = std::move(s.queue.front());
+      s.queue.pop_front();
+      s.busy = true;
       // Abandoned by the destructor from here on, should it come meanwhile.
-      waiting_ = item.work ? nullptr : item.checked;
-      if (stop_ && waiting_) waiting_->abandon(kAbandoned);
+      s.waiting = item.work ? nullptr : item.checked;
+      if (s.stop && s.waiting) s.waiting->abandon(kAbandoned);
     }
     // Whatever fails here, the collective's waiter hears of it (Comm::finish
     // names the rank and the collective); nothing escapes the thread.
@@ -129,8 +164,8 @@ void CompletionWatcher::run() {
       error = std::current_exception();
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      waiting_.reset();
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.waiting.reset();
     }
     item.state->settle(error);
   }

@@ -34,22 +34,28 @@ struct CompletionState {
   void wait();
   /// What the collective's wait() threw (null if it succeeded); call once done.
   std::exception_ptr error();
-  /// Marks it done with `error` (null: succeeded) and wakes the waiters.
+  /// Marks it done with `error` (null: succeeded), wakes the waiters and
+  /// lets go of what keep() was given.
   void settle(std::exception_ptr error);
-
+  /// Holds `what` (the buffers and the backend of a collective no one waits
+  /// for any more) until settle(); false, keeping nothing, if already done.
+  bool keep(std::shared_ptr<void> what);
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   std::exception_ptr failure;
+  std::shared_ptr<void> kept;
 };
 
 class CompletionWatcher {
  public:
-  CompletionWatcher() = default;
+  CompletionWatcher();
   CompletionWatcher(const CompletionWatcher&) = delete;
   CompletionWatcher& operator=(const CompletionWatcher&) = delete;
-  /// Waits for every launched collective given (each wait is bounded by
-  /// its timeout); one still waiting for its launch is abandoned
+  /// Returns at once if the thread is waiting for a collective: the thread
+  /// goes on waiting for it and for those queued behind it (each bounded by
+  /// its timeout; it keeps what it uses), so that a destructor never waits
+  /// for a peer that stopped. One still waiting for its launch is abandoned
   /// (CheckedLaunch::abandon): after a divergence it may never come.
   ~CompletionWatcher();
 
@@ -66,20 +72,16 @@ class CompletionWatcher {
     std::chrono::milliseconds timeout{0};
     std::shared_ptr<CompletionState> state;
   };
+  struct Shared;  // what the thread uses: it may outlive the watcher
   /// The thread: run(), and if its own machinery throws (not a collective:
   /// those errors go to their waiters), every waiter hears of that instead.
-  void loop() noexcept;
-  void run();
+  static void loop(Shared& s) noexcept;
+  static void run(Shared& s);
   /// The item's wait (its check first, if any); throws its error.
   static void wait(Item& item);
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Item> queue_;
-  std::shared_ptr<CheckedLaunch> waiting_;  // the launch the thread waits for, if any
-  bool stop_ = false;
-  std::exception_ptr broken_;  // set when the thread failed; later watches wait on the caller's thread
-  std::thread thread_;         // started by the first watch()
+  std::shared_ptr<Shared> s_;
+  std::thread thread_;  // started by the first watch()
 };
 
 }  // namespace shardtorch::detail
