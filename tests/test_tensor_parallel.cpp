@@ -468,6 +468,48 @@ TEST(TpLayersPython, DISABLED_AnUnsplitGptsGradientsArePyTorchsBitwise) {
   }
 }
 
+// A head tied to a vocabulary-split embedding, gathered (colwise with
+// gather_output): every rank gets the whole logits, and the shared weight's
+// gradient (from the embedding and the head) is the unsplit one's slice.
+struct TinyLmImpl : torch::nn::Module {
+  TinyLmImpl(int64_t vocab, int64_t d)
+      : embed(register_module("embed", shardtorch::ParallelEmbedding(vocab, d))),
+        head(register_module("head", shardtorch::TiedLinear(embed->weight))) {}
+  torch::Tensor forward(torch::Tensor ids) { return head(embed(ids)); }
+  shardtorch::ParallelEmbedding embed;
+  shardtorch::TiedLinear head;
+};
+TORCH_MODULE(TinyLm);
+
+TEST(TpLayers, AGatheredTiedHeadGivesTheWholeLogitsAndTheSharedWeightsGradient) {
+  constexpr int64_t kVocab = 12, kD = 8;
+  const auto ids = torch::tensor({{1, 7, 11, 4}, {0, 6, 9, 2}}, torch::kLong);
+  torch::manual_seed(3);
+  const auto mix = torch::randn({2, 4, kVocab});  // the loss weighs every logit differently
+  torch::manual_seed(0);
+  TinyLm whole(kVocab, kD);
+  const auto want = whole(ids);
+  (want * mix).sum().backward();
+  const auto want_grad = whole->embed->weight.grad().clone();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(0);
+    TinyLm lm(kVocab, kD);
+    shardtorch::parallelize(
+        *lm, w.shared_from_this(),
+        TpPlan().add("embed", TpStyle::vocab_embedding()).add("head", TpStyle::colwise().gather_output(true)));
+    require(lm->head->weight.is_same(lm->embed->weight), "the head no longer shares the embedding's weight");
+    require(lm->embed->weight.size(0) == kVocab / 2, "the shared weight is not split by vocabulary");
+    const auto got = lm(ids);
+    require(got.sizes() == want.sizes(), "the gathered logits are not whole");
+    require(torch::allclose(got, want, 1e-6, 1e-6), "the gathered logits differ from the unsplit head's");
+    (got * mix).sum().backward();
+    require(
+        torch::allclose(lm->embed->weight.grad(), want_grad.narrow(0, w.rank() * kVocab / 2, kVocab / 2), 1e-6, 1e-6),
+        "the shared weight's gradient is not the unsplit one's slice");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(TpLayers, VocabParallelCrossEntropyEqualsTheGatheredOne) {
   torch::manual_seed(5);
   auto logits = torch::randn({6, 12}, torch::kDouble) * 3;

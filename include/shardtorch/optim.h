@@ -96,8 +96,8 @@ class SHARDTORCH_API ShardViews {
   void count_optimizer_state(const torch::optim::Optimizer& opt) const;
   /// Throws, on every rank alike, naming the first trainable parameter whose
   /// optimized tensor (master shard, or NoShard's parameter or master) is not
-  /// fp32 in host memory. Decided from the flat parameters every rank has,
-  /// not from this rank's pieces (a rank may own none of a parameter).
+  /// fp32 in host memory (or on CUDA, with fused_adam_cuda_available()). Decided from the flat parameters every rank
+  /// has, not from this rank's pieces (a rank may own none of a parameter).
   void require_fp32_cpu(const std::string& who) const;
 
   struct SHARDTORCH_API Piece {

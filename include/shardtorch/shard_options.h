@@ -29,7 +29,7 @@ SHARDTORCH_API const char* strategy_name(Strategy s);
 /// Mixed precision: fp32 master shards (owned by the optimizer), parameters
 /// gathered and computed in param_dtype, gradients reduced in reduce_dtype.
 struct SHARDTORCH_API MixedPrecision {
-  /// Gathering and compute dtype (kBFloat16 or kHalf); unset: no mixed precision.
+  /// Gathering and compute dtype (kBFloat16, kHalf or kFloat); unset: no mixed precision.
   TORCH_ARG(std::optional<at::ScalarType>, param_dtype) = std::nullopt;
   /// Gradient reduction dtype; unset: param_dtype. kFloat reduces in fp32.
   TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype) = std::nullopt;

@@ -133,6 +133,7 @@ class SHARDTORCH_API TiedLinearImpl : public torch::nn::Module {
   at::Tensor weight;
   std::shared_ptr<detail::TpLayer> tp;
 };
+TORCH_MODULE(TiedLinear);
 
 /// What parallelize() did.
 struct SHARDTORCH_API TpReport {

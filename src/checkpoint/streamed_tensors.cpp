@@ -43,7 +43,8 @@ StreamedTensors::StreamedTensors(torch::nn::Module& root, detail::ShardState& st
   for (const auto& item : root.named_buffers()) {
     if (!buffers) break;
     at::Tensor b = item.value();
-    if (b.defined()) items_.push_back({item.key(), b.scalar_type(), b.sizes().vec(), [b] { return b; }});
+    if (b.defined())
+      items_.push_back({item.key(), b.scalar_type(), b.sizes().vec(), [b] { return b; }, -1, std::nullopt});
   }
   if (part) split_items(*part);
 }
