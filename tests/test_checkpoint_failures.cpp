@@ -300,6 +300,17 @@ TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAsid
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 3);
     require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 3 && !files::exists(aside),
             "saving after the interruption");
+    // Any other value than 0 or 1 is an error on every rank, and the checkpoint stays.
+    ::setenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "yes", 1);
+    std::string error;
+    try {
+      shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 4);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    require(error.find("SHARDTORCH_CHECKPOINT_NO_EXCHANGE='yes' must be 0 or 1") != std::string::npos,
+            "a save with SHARDTORCH_CHECKPOINT_NO_EXCHANGE=yes said: '" + error + "'");
+    require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 3, "the refused save changed DIR");
   });
   ASSERT_TRUE(r.ok) << r.summary();
   for (const char* mine : {".old", ".tmp"})

@@ -95,13 +95,16 @@ void check_replaceable(const std::string& dir, const std::string& marker, const 
 //   removed;
 // - else renameat2's RENAME_EXCHANGE swaps the two in one step;
 // - file systems without it (some network file systems answer EINVAL), or
-//   SHARDTORCH_CHECKPOINT_NO_EXCHANGE set: `dir` is renamed aside
+//   SHARDTORCH_CHECKPOINT_NO_EXCHANGE=1: `dir` is renamed aside
 //   (DIR.shardtorch-old), `tmp` to `dir`, and the one aside is removed; a
 //   writer killed between the two renames leaves the previous checkpoint
 //   aside, where loading looks for it (published_dir).
 void publish(const std::string& tmp, const std::string& dir, const std::string& marker) {
   const std::string aside = dir + kAsideSuffix;
-  const bool exchange = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE") == nullptr;
+  const char* no_exchange = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE");
+  SHARDTORCH_CHECK(!no_exchange || std::string(no_exchange) == "0" || std::string(no_exchange) == "1",
+                   "shardtorch: SHARDTORCH_CHECKPOINT_NO_EXCHANGE='", no_exchange, "' must be 0 or 1");
+  const bool exchange = !no_exchange || std::string(no_exchange) == "0";
   // The renames are durable once the parent directory is synced: before any
   // previous checkpoint is deleted (a crash must not find neither).
   auto sync_parent = [&] {
