@@ -258,6 +258,29 @@ TEST(Faults, StuckRankTimesOutWithinTheCollectiveTimeout) {
     EXPECT_EQ(r.ranks[0].message.find(trace), std::string::npos) << r.summary();
 }
 
+// A rank still running at the run's time limit is killed with the stacks of
+// its threads in its message (where it hung, readable in a CI log), unless
+// the test turns that off.
+TEST(Faults, ARankKilledAtTheRunsTimeLimitShowsItsThreadsStacks) {
+  for (const bool stacks : {true, false}) {
+    SCOPED_TRACE(stacks ? "stacks on" : "stacks off");
+    auto r = run_ranks(
+        2,
+        [](World& w) {
+          if (w.rank() == 1)
+            for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+        },
+        shardtorch::testing::RunOptions().timeout(std::chrono::seconds(3)).stacks_on_timeout(stacks));
+    EXPECT_EQ(r.ranks[0].exit_code, 0) << r.summary();
+    EXPECT_TRUE(r.ranks[0].message.empty()) << r.summary();
+    ASSERT_TRUE(r.ranks[1].timed_out) << r.summary();
+    const std::string& m = r.ranks[1].message;
+    EXPECT_EQ(m.find("the stacks of its threads when it was killed:\nThread ") != std::string::npos, stacks)
+        << r.summary();
+    EXPECT_EQ(m.find("clock_nanosleep") != std::string::npos, stacks) << r.summary();  // where it waited
+  }
+}
+
 // A rank whose whole process stops (SIGSTOP: its threads too) stops
 // reporting; the survivor's time-out names it as such.
 TEST(Faults, AStoppedRankIsNamedAsSilent) {

@@ -42,13 +42,17 @@ struct SHARDTORCH_API RunOptions {
   TORCH_ARG(int, threads) = 1;
   /// WorldOptions::check_collectives of each rank's world (unset: its default).
   TORCH_ARG(std::optional<bool>, check_collectives) = std::nullopt;
+  /// A rank still alive at `timeout` has the stacks of all its threads
+  /// (gdb, when installed) appended to its message before it is killed.
+  /// Off for a test that uses the time limit as its way of killing a rank.
+  TORCH_ARG(bool, stacks_on_timeout) = true;
 };
 
 struct SHARDTORCH_API RankOutcome {
   int exit_code = -1;  // -1: killed by a signal or the time limit
   int signal = 0;
   bool timed_out = false;
-  std::string message;  // what the rank threw, if anything
+  std::string message;  // what the rank threw, if anything; then, timed out, its threads' stacks
 };
 
 struct SHARDTORCH_API RunResult {

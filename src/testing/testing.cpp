@@ -6,9 +6,11 @@
 
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -48,6 +50,9 @@ namespace {
                              const RunOptions& options) {
   int code = 0;
   std::string message;
+  // gdb, started by the parent to show a rank that hangs, may attach to it
+  // (Yama's ptrace_scope 1 lets only ancestors otherwise).
+  ::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   try {
     at::set_num_threads(options.threads());
     auto store = c10::make_intrusive<c10d::FileStore>(store_path, world_size);
@@ -96,14 +101,37 @@ struct Children {
   std::vector<pid_t> pids;
   std::vector<int> fds;
   std::vector<bool> done;
+  std::vector<std::string> stacks;  // of the ranks killed at the time limit
   int alive = 0;
 };
+
+// The stacks of every thread of `pid` (gdb, at most 60 s), the frames and
+// thread headers only; a line saying why when there are none.
+std::string thread_stacks(pid_t pid) {
+  const std::string cmd =
+      "command -v gdb > /dev/null 2>&1 || { echo 'no stacks: gdb is not installed'; exit 0; }; "
+      "timeout 60 gdb -p " +
+      std::to_string(pid) + " -batch -ex 'thread apply all bt' < /dev/null 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return "no stacks: popen failed: " + std::string(std::strerror(errno));
+  std::string out;
+  char line[4096];
+  while (std::fgets(line, sizeof(line), p)) {
+    const std::string l(line);
+    if (out.size() < (256 << 10) && (l.rfind("Thread ", 0) == 0 || l.rfind('#', 0) == 0 ||
+                                     l.find("ptrace") != std::string::npos || l.rfind("no stacks", 0) == 0))
+      out += l;
+  }
+  ::pclose(p);
+  return out.empty() ? "no stacks: gdb printed none\n" : out;
+}
 
 Children fork_ranks(int world_size, const std::string& store_path, const RankBody& body, const RunOptions& options) {
   Children c;
   c.pids.assign(world_size, -1);
   c.fds.assign(world_size, -1);
   c.done.assign(world_size, false);
+  c.stacks.assign(world_size, "");
   for (int r = 0; r < world_size; ++r) {
     int p[2];
     SHARDTORCH_CHECK(::pipe(p) == 0, "run_ranks: pipe failed: ", std::strerror(errno));
@@ -147,8 +175,9 @@ void drain(Children& c, RunResult& result) {
   }
 }
 
-// Records the exit of every rank that ended; past `deadline`, kills the rest.
-void reap(Children& c, RunResult& result, std::chrono::steady_clock::time_point deadline) {
+// Records the exit of every rank that ended; past `deadline`, kills the rest
+// (with `stacks`, after reading their threads' stacks).
+void reap(Children& c, RunResult& result, std::chrono::steady_clock::time_point deadline, bool stacks) {
   for (size_t r = 0; r < c.pids.size(); ++r) {
     if (c.done[r]) continue;
     int status = 0;
@@ -162,6 +191,7 @@ void reap(Children& c, RunResult& result, std::chrono::steady_clock::time_point 
   if (c.alive == 0 || std::chrono::steady_clock::now() <= deadline) return;
   for (size_t r = 0; r < c.pids.size(); ++r) {
     if (c.done[r]) continue;
+    if (stacks) c.stacks[r] = thread_stacks(c.pids[r]);
     ::kill(c.pids[r], SIGKILL);
     ::waitpid(c.pids[r], nullptr, 0);
     c.done[r] = true;
@@ -184,7 +214,7 @@ RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
   const auto deadline = std::chrono::steady_clock::now() + options.timeout();
   while (c.alive > 0) {
     drain(c, result);
-    reap(c, result, deadline);
+    reap(c, result, deadline, options.stacks_on_timeout());
   }
   for (int r = 0; r < world_size; ++r) {
     if (c.fds[r] < 0) continue;
@@ -194,6 +224,9 @@ RunResult run_ranks(int world_size, const RankBody& body, RunOptions options) {
       result.ranks[r].message.append(chunk, static_cast<size_t>(n));
     ::close(c.fds[r]);
   }
+  for (int r = 0; r < world_size; ++r)
+    if (!c.stacks[r].empty())
+      result.ranks[r].message += "\nthe stacks of its threads when it was killed:\n" + c.stacks[r];
   files::remove_all_quietly(dir);  // a leftover temporary folder is no failure
   result.ok = true;
   for (const auto& o : result.ranks)
