@@ -72,4 +72,11 @@ inline int report_error(const char* program) {
   return 1;
 }
 
+// The --strategy of an example that shards over `dp` data-parallel ranks:
+// the one given, else full_shard, or no_shard over one rank (nothing to shard).
+inline std::string strategy_or_default(const std::string& given, int dp) {
+  if (!given.empty()) return given;
+  return dp > 1 ? "full_shard" : "no_shard";
+}
+
 }  // namespace cli

@@ -94,12 +94,8 @@ int main(int argc, char** argv) {
 
     torch::manual_seed(0);
     gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(args.cfg); });  // no parameter allocated yet
-    const std::string strategy =  // one data-parallel rank has nothing to shard
-        !args.strategy.empty() ? args.strategy
-        : dp > 1               ? "full_shard"
-                               : "no_shard";
     auto shard = shardtorch::ShardOptions()
-                     .strategy(shardtorch::parse_strategy(strategy))
+                     .strategy(shardtorch::parse_strategy(cli::strategy_or_default(args.strategy, dp)))
                      .activation_checkpointing(args.recompute);
     if (args.bf16)
       shard.mixed_precision(

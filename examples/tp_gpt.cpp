@@ -86,11 +86,8 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     gpt::GPT model(args.cfg);
     const auto report = shardtorch::parallelize(*model, tp, gpt::tp_plan(args.cfg, args.sequence_parallel));
-    const std::string strategy =  // one data-parallel rank has nothing to shard
-        !args.strategy.empty() ? args.strategy
-        : dp > 1               ? "full_shard"
-                               : "no_shard";
-    auto shard = shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(strategy));
+    auto shard =
+        shardtorch::ShardOptions().strategy(shardtorch::parse_strategy(cli::strategy_or_default(args.strategy, dp)));
 
     std::optional<shardtorch::Pipeline> pipe;
     std::optional<shardtorch::ShardedModel> sharded;

@@ -371,15 +371,17 @@ void detail::LaunchQueue::complete_all() {
 
 void detail::LaunchQueue::discard() {
   const auto give_up = std::chrono::steady_clock::now() + kDiscardWait;
+  const auto left = [&] {  // of kDiscardWait, for the next launch
+    return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now()),
+                    std::chrono::milliseconds(0));
+  };
   while (!in_flight_.empty()) {
     Launched l = std::move(in_flight_.front());
     in_flight_.pop_front();
     const int64_t bytes = l.bytes;
     if (l.call.active()) {
       detail::abandon_hook(l.call, l.group->timeout());
-    } else if (l.completion &&
-               !l.completion->wait_for(std::chrono::duration_cast<std::chrono::milliseconds>(std::max(
-                   give_up - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero())))) {
+    } else if (l.completion && !l.completion->wait_for(left())) {
       // Still running (a peer stopped, or left it): its buffers, and the
       // backend whose destruction would wait for it, stay alive until the
       // watcher's wait for it ends, without anyone here waiting.
