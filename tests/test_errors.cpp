@@ -37,6 +37,13 @@ TEST(Errors, LibraryErrorsAreShardtorchErrorsWithoutABacktrace) {
   EXPECT_EQ(traced.rfind(plain, 0), 0u) << traced;
   EXPECT_TRUE(has_backtrace(traced)) << "SHARDTORCH_SHOW_CPP_STACKTRACES=1 should append the backtrace:\n" << traced;
 
+  // A value other than 0 or 1 leaves them off (it is read while an error is
+  // raised, which must not fail in turn).
+  ::setenv("SHARDTORCH_SHOW_CPP_STACKTRACES", "yes", 1);
+  const std::string unknown = thrown_by_layout();
+  ::unsetenv("SHARDTORCH_SHOW_CPP_STACKTRACES");
+  EXPECT_EQ(unknown, plain);
+
   // Checkpoint errors are shardtorch::Errors too.
   EXPECT_THROW(shardtorch::checkpoint::load_file("/nonexistent/shardtorch.safetensors"), shardtorch::Error);
 }
@@ -65,6 +72,26 @@ TEST(Errors, AReplacementForARankZeroThatHostedTheStoreIsRefusedSayingWhy) {
   for (const auto& [k, v] : env) ::unsetenv(k);
   EXPECT_NE(message.find("rank 0 hosts the rendezvous store, which went with the lost process"), std::string::npos)
       << message;
+}
+
+// A switch the library reads takes 0 or 1: another value is an error naming
+// the variable and the value, not a silent "off".
+TEST(Errors, ASwitchOtherThanZeroOrOneIsRefusedNamingTheVariable) {
+  for (const char* name : {"SHARDTORCH_BLOCKING_WAIT", "SHARDTORCH_CHECK_COLLECTIVES", "SHARDTORCH_REJOIN"}) {
+    ::setenv(name, "true", 1);
+    std::string message;
+    try {
+      shardtorch::World::from_env();  // a world of one: no launcher variables
+    } catch (const shardtorch::Error& e) {
+      message = e.what();
+    }
+    ::unsetenv(name);
+    EXPECT_NE(message.find(std::string("environment variable ") + name + "='true' must be 0 or 1"), std::string::npos)
+        << name << ": " << message;
+  }
+  ::setenv("SHARDTORCH_BLOCKING_WAIT", "0", 1);  // 0 is a value, not an error
+  EXPECT_NO_THROW(shardtorch::World::from_env());
+  ::unsetenv("SHARDTORCH_BLOCKING_WAIT");
 }
 
 // One catch clause is enough, wherever a failure starts: the launcher's

@@ -11,6 +11,8 @@
 #include <stdexcept>
 
 #include "base/check.h"
+#include "base/env.h"
+#include "base/log.h"
 #include "shardtorch/checkpoint/safetensors_error.h"
 
 namespace shardtorch::detail {
@@ -20,9 +22,15 @@ bool names_rank(const std::string& message, int rank) {
   return message.rfind("shardtorch", 0) == 0 && message.find("rank " + std::to_string(rank)) != std::string::npos;
 }
 
-bool show_backtraces() {  // read at each error: errors are rare
-  const char* v = std::getenv("SHARDTORCH_SHOW_CPP_STACKTRACES");
-  return v && std::string(v) == "1";
+// Read at each error (errors are rare); a value other than 0 or 1 is said
+// once and leaves them off (this runs while an error is being raised).
+bool show_backtraces() {
+  try {
+    return env_switch("SHARDTORCH_SHOW_CPP_STACKTRACES").value_or(false);
+  } catch (const std::exception& e) {
+    SHARDTORCH_WARN_ONCE(e.what(), "; C++ backtraces stay off");
+    return false;
+  }
 }
 }  // namespace
 

@@ -12,6 +12,7 @@
 #include <numeric>
 
 #include "base/check.h"
+#include "base/env.h"
 #include "base/files.h"
 #include "base/log.h"
 #include "shardtorch/checkpoint/safetensors.h"
@@ -101,11 +102,7 @@ void check_replaceable(const std::string& dir, const std::string& marker, const 
 //   aside, where loading looks for it (published_dir).
 void publish(const std::string& tmp, const std::string& dir, const std::string& marker) {
   const std::string aside = dir + kAsideSuffix;
-  const char* env = std::getenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE");
-  const std::string no_exchange = env ? env : "0";
-  SHARDTORCH_CHECK(no_exchange == "0" || no_exchange == "1", "shardtorch: SHARDTORCH_CHECKPOINT_NO_EXCHANGE='",
-                   no_exchange, "' must be 0 or 1");
-  const bool exchange = no_exchange == "0";
+  const bool exchange = !detail::env_switch("SHARDTORCH_CHECKPOINT_NO_EXCHANGE").value_or(false);
   // The renames are durable once the parent directory is synced: before any
   // previous checkpoint is deleted (a crash must not find neither).
   auto sync_parent = [&] {

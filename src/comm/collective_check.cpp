@@ -1,5 +1,6 @@
 #include "comm/collective_check.h"
 #include "base/check.h"
+#include "base/env.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -109,12 +110,7 @@ std::string CollectiveContext::Snapshot::words() const {
 }
 
 CheckChoice check_collectives_choice(std::optional<bool> option, const char* env, bool cuda, int world_size) {
-  if (env != nullptr) {
-    const std::string value = env;
-    if (value != "0" && value != "1")
-      throw Error("shardtorch: SHARDTORCH_CHECK_COLLECTIVES='" + value + "' is neither 0 nor 1");
-    option = value == "1";
-  }
+  if (env != nullptr && *env != '\0') option = parse_switch("SHARDTORCH_CHECK_COLLECTIVES", env);
   CheckChoice c;
   if (cuda) {
     c.refused_on_cuda = option.value_or(false);

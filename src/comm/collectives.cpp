@@ -2,6 +2,7 @@
 #include "comm/comm_testing.h"
 #include "base/log.h"
 #include "base/check.h"
+#include "base/env.h"
 #include "base/errors.h"
 
 #include <c10/core/Event.h>
@@ -118,10 +119,7 @@ namespace {
 // it, wait() blocks on the oldest (the host is then that far ahead anyway).
 constexpr size_t kMaxUnsettled = 4096;
 
-bool blocking_wait_requested() {
-  const char* v = std::getenv("SHARDTORCH_BLOCKING_WAIT");
-  return v != nullptr && std::string(v) == "1";
-}
+bool blocking_wait_requested() { return detail::env_switch("SHARDTORCH_BLOCKING_WAIT").value_or(false); }
 }  // namespace
 
 Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::chrono::milliseconds timeout,
@@ -132,7 +130,7 @@ Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, int rank, int size, std::c
       timeout_(timeout),
       device_(device),
       reduce_scatter_in_place_(is_gloo(backend_)),
-      host_waits_(!device.is_cuda() || blocking_wait_requested()) {
+      host_waits_(blocking_wait_requested() || !device.is_cuda()) {
   if (!host_waits_) unsettled_ = std::make_unique<detail::StreamOrderedWaits>(device_);
 }
 

@@ -1,6 +1,7 @@
 #include "shardtorch/world.h"
 #include "comm/backends.h"
 #include "base/check.h"
+#include "base/env.h"
 #include "base/errors.h"
 #include "base/log.h"
 
@@ -164,10 +165,8 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
       *field = std::chrono::seconds(seconds);
     }
   }
-  if (auto r = lookup("SHARDTORCH_REJOIN")) {
-    if (*r != "0" && *r != "1") bad_var("SHARDTORCH_REJOIN", *r, "must be 0 or 1");
-    env.rejoin = *r == "1";
-  }
+  if (auto r = lookup("SHARDTORCH_REJOIN"); r && !r->empty())
+    env.rejoin = detail::parse_switch("SHARDTORCH_REJOIN", *r);
   auto agent = lookup("TORCHELASTIC_USE_AGENT_STORE");
   env.use_agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   if (env.world_size > 1) {

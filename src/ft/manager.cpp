@@ -17,6 +17,7 @@
 #include <cstdlib>
 
 #include "base/check.h"
+#include "base/env.h"
 #include "base/errors.h"
 #include "ft/cross_replica_group.h"
 #include "ft/group_primary.h"
@@ -89,7 +90,7 @@ namespace {
 // Fills in the options from the environment and checks them; returns the
 // restart count.
 int resolve_options(ManagerOptions& o, int rank) {
-  using detail::env;
+  using shardtorch::detail::env;
   if (o.lighthouse().empty())
     o.lighthouse(env("SHARDTORCH_FT_LIGHTHOUSE").value_or(env("TORCHFT_LIGHTHOUSE").value_or("")));
   if (o.replica_group().empty())

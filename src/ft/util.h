@@ -2,15 +2,12 @@
 // Internal: small helpers of the fault-tolerance manager's files.
 #include <cstdint>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace shardtorch::ft::detail {
 
-/// The environment variable `name`; nullopt when unset or empty.
-std::optional<std::string> env(const char* name);
 /// `n` random hex digits, different in every call and process.
 std::string random_hex(int n);
 /// "{a, b, c}".

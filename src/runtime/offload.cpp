@@ -8,6 +8,9 @@
 #include <cstdlib>
 #include <utility>
 
+#include "base/env.h"
+#include "base/log.h"
+
 namespace shardtorch::detail {
 
 Offloader::Offloader(c10::Device device, bool pin) : device_(device), pin_(pin) {
@@ -104,9 +107,14 @@ void set_thread_parallelism(int threads);  // src/optim/cpu_adam.cpp
 
 void HostCopyWorker::work() {
   at::init_num_threads();  // ATen's thread count (set_num_threads) holds here too
-  if (const char* env = std::getenv("SHARDTORCH_OFFLOAD_THREADS")) {
-    const int threads = std::atoi(env);
-    if (threads > 0) set_thread_parallelism(threads);
+  if (auto v = env("SHARDTORCH_OFFLOAD_THREADS")) {
+    char* end = nullptr;
+    const long threads = std::strtol(v->c_str(), &end, 10);
+    if (*end == '\0' && threads > 0 && threads <= 4096)
+      set_thread_parallelism(static_cast<int>(threads));
+    else  // this thread cannot fail the program: said once, not silently
+      SHARDTORCH_WARN_ONCE("shardtorch: SHARDTORCH_OFFLOAD_THREADS='", *v,
+                           "' is not a positive thread count; the offload thread uses ATen's");
   }
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {

@@ -1,0 +1,27 @@
+#include "base/env.h"
+
+#include <cstdlib>
+
+#include "base/check.h"
+
+namespace shardtorch::detail {
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+bool parse_switch(const std::string& name, const std::string& value) {
+  if (value != "0" && value != "1")
+    throw Error("shardtorch: environment variable " + name + "='" + value + "' must be 0 or 1");
+  return value == "1";
+}
+
+std::optional<bool> env_switch(const char* name) {
+  auto v = env(name);
+  if (!v) return std::nullopt;
+  return parse_switch(name, *v);
+}
+
+}  // namespace shardtorch::detail

@@ -1,0 +1,19 @@
+#pragma once
+// Internal: the environment variables the library reads (docs/api.md,
+// "Environment variables").
+#include <optional>
+#include <string>
+
+namespace shardtorch::detail {
+
+/// The variable `name`; nullopt when unset or empty.
+std::optional<std::string> env(const char* name);
+
+/// A switch's value: "0" is false, "1" true, anything else an Error that
+/// names the variable and its value.
+bool parse_switch(const std::string& name, const std::string& value);
+
+/// The switch `name` (parse_switch); nullopt when unset or empty.
+std::optional<bool> env_switch(const char* name);
+
+}  // namespace shardtorch::detail
