@@ -245,8 +245,8 @@ TEST(CheckpointFailures, SaveFailuresOnRankZeroFailEveryRankAndOtherDirectoriesA
 }
 
 // A failed write of the index (here: the file-size limit, as a full disk
-// would) is an error, and the previous checkpoint stays in place (a truncated
-// index used to be published over it).
+// would) is an error, and the previous checkpoint stays in place (no
+// truncated index is published over it).
 TEST(CheckpointFailures, AnIndexThatCannotBeWrittenKeepsThePreviousCheckpoint) {
   const TempDir dir;
   const std::string ckpt = (dir / "ckpt").string();

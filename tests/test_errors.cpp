@@ -97,7 +97,7 @@ TEST(Errors, ASwitchOtherThanZeroOrOneIsRefusedNamingTheVariable) {
 // One catch clause is enough, wherever a failure starts: the launcher's
 // variables, ranks whose ShardOptions differ in shard(), a collective whose
 // peer left, a failure inside the library's thread that waits for
-// reduce-scatters. Each of these was once a plain std::runtime_error or
+// reduce-scatters: none is a plain std::runtime_error or
 // std::invalid_argument.
 TEST(Errors, LaunchAgreementCollectiveAndThreadFailuresAreShardtorchErrors) {
   const shardtorch::EnvLookup bad_rank = [](const std::string& name) -> std::optional<std::string> {

@@ -552,11 +552,10 @@ TEST(ShardedCheckpoint, UserStateRoundTripsAtAnotherWorldSizeAndMustAgreeAcrossR
 class FrozenAndBuffers : public ::testing::TestWithParam<Strategy> {};
 
 // Frozen parameters (the MLP's l2 bias) are saved and loaded under every
-// strategy: under NoShard they used to be saved but not loaded (they kept
-// the loading model's own values, silently). Under bf16 mixed precision they
-// keep their fp32 values (NoShard used to keep only the bf16 copy it computes
-// with, so a checkpoint rounded them), in sharded checkpoints and full state
-// dicts alike. So is the buffer: the saver's `scale` holds values the loader's
+// strategy, NoShard included (loading must not keep the loading model's own
+// values, silently). Under bf16 mixed precision they keep their fp32 values
+// (not the bf16 copy NoShard computes with, which a checkpoint would round),
+// in sharded checkpoints and full state dicts alike. So is the buffer: the saver's `scale` holds values the loader's
 // fresh model does not (exact in bf16), so a load that skipped buffers fails.
 TEST_P(FrozenAndBuffers, FrozenParametersAndBuffersRoundTrip) {
   const Strategy s = GetParam();

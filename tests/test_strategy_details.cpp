@@ -606,7 +606,7 @@ INSTANTIATE_TEST_SUITE_P(Sharding, Prefetch,
 
 // HybridShard sums each launched reduce-scatter's output across the replicas
 // with one all-reduce, whatever number of flat parameters the bucket holds
-// (it used to be one per flat parameter: here 4 where 1 does). With buckets
+// (not one per flat parameter: here 1, not 4). With buckets
 // of about a block's shard there are several launches, and as many all-reduces.
 TEST(HybridShard, OneAllReduceAcrossReplicasPerLaunchedBucket) {
   auto x = gpt_tokens().narrow(0, 0, 2);

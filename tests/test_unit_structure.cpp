@@ -37,9 +37,9 @@ class RegisteredTwice : public ::testing::TestWithParam<Strategy> {};
 
 // One unit registered twice in the module tree (layers sharing weights,
 // ALBERT-style): it is one unit, called twice per forward, and trains like
-// the same model in one process under every strategy. It used to become two
-// units, the second overwriting the first's state: the model then failed
-// with "a unit of this sharded model no longer exists".
+// the same model in one process under every strategy (not two units, the
+// second overwriting the first's state, which fails with "a unit of this
+// sharded model no longer exists").
 TEST_P(RegisteredTwice, AUnitRegisteredTwiceIsOneUnitAndTrainsLikeTorch) {
   struct SharedImpl : torch::nn::Module {
     SharedImpl() : block(Layer(7, 7, true)), head(register_module("head", Layer(7, 3, false))) {

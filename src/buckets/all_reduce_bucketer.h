@@ -27,8 +27,8 @@
 // this backward and since its gradient was last zeroed. From those, on every
 // rank alike:
 //   - error_on_unused: a parameter without a gradient on some rank is an
-//     error naming it and how many ranks had one (the check used to be per
-//     rank: that rank threw while the others waited in its all-reduce);
+//     error naming it and how many ranks had one, on every rank (a check
+//     per rank would throw on one while the others waited in its all-reduce);
 //   - a parameter no rank gave a gradient since it was zeroed ends the
 //     backward with its gradient set to none, as under DDP and in one process
 //     (LibTorch's zero_grad sets to none), so the optimizer skips it: no
