@@ -25,17 +25,22 @@ at::Tensor summed(const at::Tensor& x, Comm& comm, const std::string& what) {
   return t;
 }
 
+// Dimension `dim` of `x` splits evenly over the group.
+void check_divides(const at::Tensor& x, int64_t dim, Comm& comm, const std::string& what) {
+  SHARDTORCH_CHECK(x.size(dim) % comm.size() == 0, rank_prefix(comm.global_rank(comm.rank())), ": ", what,
+                   ": dimension ", dim, " of ", describe(x), " is not a multiple of the tensor-parallel group's ",
+                   comm.size(), " ranks");
+}
+
 at::Tensor chunk_of(const at::Tensor& x, int64_t dim, Comm& comm, const std::string& what) {
-  const int64_t n = comm.size(), len = x.size(dim);
-  SHARDTORCH_CHECK(len % n == 0, rank_prefix(comm.global_rank(comm.rank())), ": ", what, ": dimension ", dim, " of ",
-                   describe(x), " is not a multiple of the tensor-parallel group's ", n, " ranks");
-  return x.narrow(dim, comm.rank() * (len / n), len / n).contiguous();
+  check_divides(x, dim, comm, what);
+  const int64_t len = x.size(dim) / comm.size();
+  return x.narrow(dim, comm.rank() * len, len).contiguous();
 }
 
 at::Tensor scattered(const at::Tensor& x, int64_t dim, Comm& comm, const std::string& what) {
-  const int64_t n = comm.size(), len = x.size(dim);
-  SHARDTORCH_CHECK(len % n == 0, rank_prefix(comm.global_rank(comm.rank())), ": ", what, ": dimension ", dim, " of ",
-                   describe(x), " is not a multiple of the tensor-parallel group's ", n, " ranks");
+  check_divides(x, dim, comm, what);
+  const int64_t n = comm.size();
   at::Tensor in = x.movedim(dim, 0).contiguous();
   std::vector<int64_t> shape = in.sizes().vec();
   shape[0] /= n;
@@ -62,57 +67,26 @@ struct ReduceFromGroup : torch::autograd::Function<ReduceFromGroup> {
   static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor(), at::Tensor()}; }
 };
 
-struct GatherDim : torch::autograd::Function<GatherDim> {
+// Forward applies `forward_op` along `dim` over the group, backward applies
+// `backward_op` to the gradient (its adjoint).
+using DimOp = at::Tensor (*)(const at::Tensor&, int64_t, Comm&, const std::string&);
+template <DimOp forward_op, DimOp backward_op>
+struct AlongDim : torch::autograd::Function<AlongDim<forward_op, backward_op>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t comm, std::string what, int64_t dim) {
     ctx->saved_data["comm"] = comm;
     ctx->saved_data["what"] = what;
     ctx->saved_data["dim"] = dim;
-    return all_gather_along(x, dim, *reinterpret_cast<Comm*>(static_cast<intptr_t>(comm)), what);
+    return forward_op(x, dim, *reinterpret_cast<Comm*>(static_cast<intptr_t>(comm)), what);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {chunk_of(g[0], dim_of(ctx), comm_of(ctx), what_of(ctx) + " (the gradient)"), at::Tensor(), at::Tensor(),
+    return {backward_op(g[0], dim_of(ctx), comm_of(ctx), what_of(ctx) + " (the gradient)"), at::Tensor(), at::Tensor(),
             at::Tensor()};
   }
 };
-
-struct SplitDim : torch::autograd::Function<SplitDim> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t comm, std::string what, int64_t dim) {
-    ctx->saved_data["comm"] = comm;
-    ctx->saved_data["what"] = what;
-    ctx->saved_data["dim"] = dim;
-    return chunk_of(x, dim, *reinterpret_cast<Comm*>(static_cast<intptr_t>(comm)), what);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {all_gather_along(g[0], dim_of(ctx), comm_of(ctx), what_of(ctx) + " (the gradient)"), at::Tensor(),
-            at::Tensor(), at::Tensor()};
-  }
-};
-
-struct GatherForColumn : torch::autograd::Function<GatherForColumn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t comm, std::string what, int64_t dim) {
-    ctx->saved_data["comm"] = comm;
-    ctx->saved_data["what"] = what;
-    ctx->saved_data["dim"] = dim;
-    return all_gather_along(x, dim, *reinterpret_cast<Comm*>(static_cast<intptr_t>(comm)), what);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {scattered(g[0], dim_of(ctx), comm_of(ctx), what_of(ctx) + " (the gradient)"), at::Tensor(), at::Tensor(),
-            at::Tensor()};
-  }
-};
-
-struct ReduceScatter : torch::autograd::Function<ReduceScatter> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t comm, std::string what, int64_t dim) {
-    ctx->saved_data["comm"] = comm;
-    ctx->saved_data["what"] = what;
-    ctx->saved_data["dim"] = dim;
-    return scattered(x, dim, *reinterpret_cast<Comm*>(static_cast<intptr_t>(comm)), what);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {all_gather_along(g[0], dim_of(ctx), comm_of(ctx), what_of(ctx) + " (the gradient)"), at::Tensor(),
-            at::Tensor(), at::Tensor()};
-  }
-};
+using GatherDim = AlongDim<all_gather_along, chunk_of>;
+using SplitDim = AlongDim<chunk_of, all_gather_along>;
+using GatherForColumn = AlongDim<all_gather_along, scattered>;
+using ReduceScatter = AlongDim<scattered, all_gather_along>;
 
 int64_t positive(int64_t dim, const at::Tensor& x) { return dim < 0 ? dim + x.dim() : dim; }
 
