@@ -8,11 +8,13 @@
 // twice or not at all, are handled on every stage alike.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <optional>
 
 #include "checkpoint_helpers.h"
 #include "models.h"
 #include "progress_helpers.h"
+#include "shardtorch/snapshot.h"
 
 using namespace testmodels;
 using shardtorch::DeviceMesh;
@@ -349,6 +351,62 @@ TEST(PipelineCheckpoint, SavedAtPp2Dp2ItLoadsAtPp1Dp4AndBack) {
 TEST(PipelineCheckpoint, SavedAtPp2Dp2ItLoadsAtPp4Dp1AndBack) {
   const std::string again = expect_loads_at({4, 1, Strategy::FullShard});
   if (!HasFailure()) expect_continues_at_the_saver(again);
+}
+
+// In-memory snapshots of a pipelined model over the mesh's World: the
+// default buddy map keeps rank 1's copy (stage 0) on rank 2 (stage 1), whose
+// own model differs. With rank 1's own snapshot gone, a new pipeline
+// restores it from that copy and continues bitwise; with that copy gone too,
+// restoring fails naming rank 1 and its buddy.
+TEST(PipelineCheckpoint, SnapshotsRestoreAStagesRankFromItsBuddyOnAnotherStage) {
+  const TempDir dir("shardtorch-pipeline-snapshots");
+  auto r = run_ranks(4, [&](World& w) {
+    shardtorch::SnapshotOptions o;
+    o.dir = dir;
+    o.job = "pipeline";
+    Values at2, at3;
+    {
+      Piped p(w, kSaver);
+      shardtorch::Snapshots snaps(w.shared_from_this(), p.pipe->module(), p.opt.get(), o);
+      require(snaps.buddies()[1] == 2, "rank 1's buddy is " + std::to_string(snaps.buddies()[1]) + ", not rank 2");
+      for (int64_t s = 1; s <= 2; ++s) {
+        p.train(1);
+        snaps.after_step(s);
+      }
+      snaps.wait();
+      at2 = p.values();
+      p.train(1);
+      at3 = p.values();
+    }
+    if (w.rank() == 1) std::filesystem::remove_all(shardtorch::detail::own_snapshot_path(o, 1, 2));
+    Piped again(w, kSaver);
+    scramble(again.pipe->module());
+    shardtorch::Snapshots snaps(w.shared_from_this(), again.pipe->module(), again.opt.get(), o);
+    const int64_t step = snaps.restore();
+    require(step == 2, "restored step " + std::to_string(step) + ", expected 2");
+    require_bitwise(again.values(), at2, "restored");
+    again.train(1);
+    require_bitwise(again.values(), at3, "the step after the restore");
+    // Rank 1 lost with every copy of it: the error names it and its buddy.
+    w.barrier();
+    if (w.rank() == 0)
+      for (const auto& e : std::filesystem::directory_iterator(std::string(dir)))
+        if (e.path().filename().string().find("-r1-") != std::string::npos) std::filesystem::remove_all(e.path());
+    w.barrier();
+    Piped third(w, kSaver);
+    shardtorch::Snapshots lost(w.shared_from_this(), third.pipe->module(), third.opt.get(), o);
+    std::string error;
+    try {
+      lost.restore();
+    } catch (const shardtorch::Error& e) {
+      error = e.what();
+    }
+    require(error.find("no step is in memory on every rank (newest seen: 2; rank(s) 1 have it neither in their own "
+                       "snapshot nor in their buddy's (rank(s) 2) copy") != std::string::npos,
+            "the error without memory: '" + error + "'");
+    lost.finish();
+  });
+  EXPECT_TRUE(r.ok) << r.summary();
 }
 
 // The pipeline's full state dict holds what the unsplit model's does (every

@@ -280,7 +280,10 @@ struct SnapshotDir {
   SnapshotDir(const World& w, const SnapshotOptions& o) : world(w), options(o) {}
   const World& world;
   const SnapshotOptions& options;
-  std::string fingerprint, strategy;  // of the model, as the headers name them
+  std::string fingerprint, strategy;  // of this rank's model, as the headers name them
+  // Every rank's fingerprint (a pipeline's stages differ): a copy held for
+  // rank r is checked against r's.
+  std::vector<std::string> fingerprints;
 
   int rank() const { return world.rank(); }
   // The ranks whose copies this rank keeps.
@@ -315,9 +318,10 @@ struct SnapshotDir {
         throw std::runtime_error("of rank " + std::to_string(h.at("rank").as_int64()) + " of " +
                                  std::to_string(h.at("world_size").as_int64()) + ", not rank " +
                                  std::to_string(for_rank) + " of " + std::to_string(world.size()));
-      if (text("fingerprint") != fingerprint)
-        throw std::runtime_error("of another model or strategy (fingerprint " + text("fingerprint") + ", this " +
-                                 fingerprint + ")");
+      const std::string& want = fingerprints.empty() ? fingerprint : fingerprints.at(static_cast<size_t>(for_rank));
+      if (text("fingerprint") != want)
+        throw std::runtime_error("of another model or strategy (fingerprint " + text("fingerprint") + ", rank " +
+                                 std::to_string(for_rank) + "'s model in this job has " + want + ")");
       if (h.at("step").as_int64() != step)
         throw std::runtime_error("its header says step " + std::to_string(h.at("step").as_int64()));
       if (!data) return Found{};
@@ -734,6 +738,9 @@ struct Snapshots::Impl {
     std::optional<int64_t> newest;  // the newest step any rank has
     std::vector<int> source;        // per rank: -1 (its own), or the rank keeping its copy
     std::vector<int> kept;          // the ranks whose live state is the step's
+    std::vector<int> missing;       // the ranks with no usable copy of `newest`
+    /// " (newest seen: S, which ranks R have in no usable copy, ...)", or "".
+    std::string newest_text(const std::vector<int>& buddy) const;
   };
   Choice choose(const std::vector<json::object>& reports) const;
   /// The files this rank reads for `c` (its own snapshot, unless kept in
@@ -804,6 +811,8 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
   std::vector<int> all(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) all[static_cast<size_t>(r)] = r;
   if (n > 1 || m.options.persist_every > 0) m.comm = m.world->new_group(all, "snapshots");
+  if (n > 1)
+    m.dir.fingerprints = m.world->comm().all_gather_strings(m.dir.fingerprint, "snapshots: the models' fingerprints");
   m.guard = m.sharded->optimizer().add_update_guard([&m] {
     m.copy.wait();
     m.live.updated = true;
@@ -971,13 +980,11 @@ int64_t Snapshots::Impl::restore(bool survivor) {
   bool trained = false;  // a survivor has trained: a fresh start would leave the ranks apart
   for (const auto& r : reports) trained = trained || (r.contains("trained") && r.at("trained").as_bool());
   if (c.step < 0 && trained && !has_fallback())
-    throw Error(who() + ": no step is in memory on every rank to rejoin at" +
-                (c.newest ? " (newest seen: " + std::to_string(*c.newest) + ")" : std::string()) +
+    throw Error(who() + ": no step is in memory on every rank to rejoin at" + c.newest_text(options.buddy) +
                 ", and there is no sharded checkpoint to fall back to, while the ranks still running have " +
                 "trained: end every rank and start the job again");
   if (c.step < 0)
-    return fall_back(!c.newest ? ""
-                               : "no step is in memory on every rank (newest seen: " + std::to_string(*c.newest) + ")");
+    return fall_back(!c.newest ? "" : "no step is in memory on every rank" + c.newest_text(options.buddy));
   const std::vector<int> lost = return_copies(c.step, c.source);
   load_step(c.step, keep, std::move(own));
   if (rank() == 0) {
@@ -989,6 +996,20 @@ int64_t Snapshots::Impl::restore(bool survivor) {
                     kept.empty() ? "" : "; kept in place (as training left it) on ranks", kept);
   }
   return c.step;
+}
+
+std::string Snapshots::Impl::Choice::newest_text(const std::vector<int>& buddy) const {
+  if (!newest) return "";
+  std::string ranks, buddies;
+  for (int r : missing) {
+    ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    buddies += (buddies.empty() ? "" : ", ") + std::to_string(buddy[static_cast<size_t>(r)]);
+  }
+  return " (newest seen: " + std::to_string(*newest) +
+         (missing.empty()
+              ? std::string()
+              : "; rank(s) " + ranks + " have it neither in their own snapshot nor in their buddy's (rank(s) " +
+                    buddies + ") copy: lost, or not used, as said above)");
 }
 
 // Every rank decides alike, from every rank's held_steps: the newest step
@@ -1019,6 +1040,9 @@ Snapshots::Impl::Choice Snapshots::Impl::choose(const std::vector<json::object>&
   Choice c;
   c.source.assign(static_cast<size_t>(n), -1);
   if (!candidates.empty()) c.newest = *candidates.rbegin();
+  for (int r = 0; r < n && c.newest; ++r)
+    if (!own_steps[static_cast<size_t>(r)].count(*c.newest) && !kept[static_cast<size_t>(r)].count(*c.newest))
+      c.missing.push_back(r);
   for (auto it = candidates.rbegin(); it != candidates.rend() && c.step < 0; ++it) {
     bool all = true;
     for (int r = 0; r < n && all; ++r)
