@@ -24,4 +24,10 @@ std::optional<bool> env_switch(const char* name) {
   return parse_switch(name, *v);
 }
 
+void check_switches() {
+  for (const char* name : {"SHARDTORCH_BLOCKING_WAIT", "SHARDTORCH_CHECK_COLLECTIVES",
+                           "SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "SHARDTORCH_REJOIN", "SHARDTORCH_SHOW_CPP_STACKTRACES"})
+    env_switch(name);
+}
+
 }  // namespace shardtorch::detail

@@ -16,4 +16,8 @@ bool parse_switch(const std::string& name, const std::string& value);
 /// The switch `name` (parse_switch); nullopt when unset or empty.
 std::optional<bool> env_switch(const char* name);
 
+/// Reads every switch the library has (parse_switch), so that a bad value is
+/// an error when a World is made rather than at its first use.
+void check_switches();
+
 }  // namespace shardtorch::detail

@@ -278,6 +278,7 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
                                      WorldOptions options, int local_rank) {
   SHARDTORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, detail::rank_prefix(rank), " is not in [0, ",
                    world_size, ")");
+  detail::check_switches();  // a typo fails here, not at the first use (a save, hours in)
   std::shared_ptr<World> w(new World());
   w->rank_ = rank;
   w->size_ = world_size;
