@@ -491,6 +491,38 @@ TEST(PipelineFailures, RanksThatBuildDifferentPipelinesFailBeforeAnyTransfer) {
         << m;
 }
 
+// Mistakes in naming what the pipeline is built from say what there is:
+// the layers a split point can name, the mesh's dimensions and the option
+// that names them, and, for the model whose layers a Pipeline took, that
+// its module() is the model to pass.
+TEST(PipelineFailures, AWrongNameSaysWhatThereIs) {
+  auto r = run_ranks(2, [](World& w) {
+    torch::manual_seed(0);
+    auto mistake = [&](const std::function<void()>& f, const std::string& want) {
+      try {
+        f();
+      } catch (const shardtorch::Error& e) {
+        require(std::string(e.what()).find(want) != std::string::npos,
+                "'" + want + "' is not in: " + std::string(e.what()));
+        return;
+      }
+      require(false, "no error; expected: " + want);
+    };
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}});
+    gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(pipe_config()); });
+    mistake([&] { Pipeline(gpt::pipeline_layers(model), mesh, PipelineOptions().split_at({"block.2"})); },
+            "split_at names layer 'block.2', which is not one of the layers ('embed', 'blocks.0', 'blocks.1'");
+    auto named = DeviceMesh::create(w.shared_from_this(), {{"stage", 2}});
+    mistake([&] { Pipeline(gpt::pipeline_layers(model), named, PipelineOptions()); },
+            "has no dimension 'pp' for the stages (it has 'stage'); name it in PipelineOptions::pp_dim");
+    Pipeline pipe(gpt::pipeline_layers(model), mesh, PipelineOptions().microbatches(2));
+    mistake([&] { shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-3)); },
+            "this module is not the root of a sharded model, but its submodule 'blocks.");
+    mistake([&] { shardtorch::shard(model, w); }, "a shardtorch::Pipeline was built from its layers");
+  });
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
 // A schedule the options cannot run is refused on every rank at
 // construction, saying why once (the plan's error, without a second
 // "shardtorch: " inside the pipeline's).

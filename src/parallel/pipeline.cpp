@@ -76,7 +76,12 @@ std::string named_split(const std::vector<PipelineLayer>& layers, const std::vec
   starts.push_back(0);
   for (const auto& name : names) {
     auto it = std::find_if(layers.begin(), layers.end(), [&](const PipelineLayer& l) { return l.name == name; });
-    if (it == layers.end()) return "split_at names layer '" + name + "', which is not one of the layers";
+    if (it == layers.end()) {
+      std::string known;
+      for (size_t i = 0; i < layers.size() && i < 24; ++i) known += (i ? ", '" : "'") + layers[i].name + "'";
+      if (layers.size() > 24) known += ", ... (" + std::to_string(layers.size()) + " in all)";
+      return "split_at names layer '" + name + "', which is not one of the layers (" + known + ")";
+    }
     const int at = static_cast<int>(it - layers.begin());
     if (at <= starts.back()) return "split_at: layer '" + name + "' does not come after the previous split point";
     starts.push_back(at);
@@ -236,8 +241,14 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
   const std::string me = detail::rank_prefix(world.global_rank()) + ": shardtorch::Pipeline";
   rt.mesh = mesh;
   rt.options = options;
-  rt.pp = mesh->group(options.pp_dim());
   const auto& dims = mesh->dims();
+  std::string names;
+  for (const auto& d : dims) names += (names.empty() ? "'" : ", '") + d.first + "'";
+  SHARDTORCH_CHECK(std::any_of(dims.begin(), dims.end(), [&](const auto& d) { return d.first == options.pp_dim(); }),
+                   me, ": the device mesh ", mesh->describe(), " has no dimension '", options.pp_dim(),
+                   "' for the stages (it has ", names,
+                   "); name it in PipelineOptions::pp_dim (and the data-parallel one in dp_dim)");
+  rt.pp = mesh->group(options.pp_dim());
   const bool has_dp = !options.dp_dim().empty() &&
                       std::any_of(dims.begin(), dims.end(), [&](const auto& d) { return d.first == options.dp_dim(); });
   rt.dp = has_dp ? mesh->group(options.dp_dim()) : world.subworld({world.rank()}, "pipeline stage without dp");

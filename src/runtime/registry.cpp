@@ -1,9 +1,11 @@
 // The registry that finds a sharded model's state from its root module.
 #include <algorithm>
-#include "base/check.h"
 #include <mutex>
 
+#include "base/check.h"
+#include "base/log.h"
 #include "runtime/shard_state.h"
+#include "shardtorch/unit.h"
 
 namespace shardtorch::detail {
 
@@ -47,9 +49,16 @@ std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root) {
 
 std::shared_ptr<ShardState> require_state(torch::nn::Module& root, const std::string& what) {
   auto s = lookup_model(root);
-  SHARDTORCH_CHECK(s, "shardtorch: ", what,
-                   ": this model was never sharded; call shardtorch::shard(model, world) first");
-  return s;
+  if (s) return s;
+  const int rank = log_rank();
+  const std::string who = (rank >= 0 ? rank_prefix(rank) + ": " : std::string("shardtorch: ")) + what;
+  for (const auto& item : root.named_modules("", /*include_self=*/false))
+    if (auto* b = dynamic_cast<UnitBase*>(item.value().get()); b && b->is_sharded_unit())
+      throw_error("", who + ": this module is not the root of a sharded model, but its submodule '" + item.key() +
+                          "' is a unit of one (made by shard() on another root, or by a shardtorch::Pipeline from "
+                          "its layers): pass that root, or for a Pipeline its module() or the overloads taking the "
+                          "Pipeline");
+  throw_error("", who + ": this model was never sharded; call shardtorch::shard(model, world) first");
 }
 
 std::map<const void*, std::vector<std::string>> parameter_names(torch::nn::Module& root) {

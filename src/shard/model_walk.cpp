@@ -33,7 +33,9 @@ void walk(torch::nn::Module& m, const std::string& prefix, int current, std::vec
     if (std::any_of(units.begin(), units.end(), [b](const FoundUnit& u) { return u.base == b; })) return;
     SHARDTORCH_CHECK(allow_sharded || !b->is_sharded_unit(), "shardtorch::shard: module '",
                      prefix.empty() ? "<root>" : prefix,
-                     "' is already a unit of a sharded model; shard() was called twice on this model");
+                     "' is already a unit of a sharded model (shard() was called on this model or on one holding "
+                     "it, or a shardtorch::Pipeline was built from its layers); build a new model to shard it again, "
+                     "or pass the sharded one (for a Pipeline, its module())");
     units.push_back({prefix, b, current});
     current = static_cast<int>(units.size()) - 1;
   }
