@@ -558,6 +558,28 @@ TEST(PipelineFailures, AStepWithFewerRowsThanMicrobatchesFailsOnEveryRank) {
   EXPECT_NE(m[1].find("rank 0 (the first stage) refused its inputs"), std::string::npos) << m[1];
 }
 
+// Data-parallel replicas whose first stages get different numbers of rows
+// would average gradients of unequal shares (not the whole batch's): every
+// rank fails, the first stages naming each replica's rows.
+TEST(PipelineFailures, ReplicasWithDifferentRowsFailOnEveryRank) {
+  auto r = run_ranks(4, [](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}, {"dp", 2}});
+    torch::manual_seed(0);
+    gpt::GPT model = shardtorch::deferred([&] { return gpt::GPT(pipe_config()); });
+    Pipeline pipe(gpt::pipeline_layers(model), mesh, PipelineOptions().microbatches(2));
+    auto x = tokens().narrow(0, 0, mesh->coordinate("dp") == 0 ? 4 : 6);
+    pipe.step(x, x, [](const torch::Tensor& l, const torch::Tensor& t) { return gpt::lm_loss(l, t); });
+  });
+  ASSERT_FALSE(r.ok);
+  const auto m = errors_of(r);
+  for (int k : {0, 1})  // the first stage: ranks 0 and 1 (pp 0, dp 0 and 1)
+    EXPECT_NE(m[k].find("the data-parallel replicas' first stages got different numbers of rows (4 on rank 0, 6 on "
+                        "rank 1)"),
+              std::string::npos)
+        << m[k];
+  for (int k : {2, 3}) EXPECT_NE(m[k].find("(the first stage) refused its inputs"), std::string::npos) << m[k];
+}
+
 // Two steps of a 2-stage pipeline whose last layer (stage 1's) calls `fail`
 // in its third forward of the second step: micro-batch 2.
 // `caught`: rank 1's program catches the error of its step and returns.

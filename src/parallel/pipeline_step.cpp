@@ -8,7 +8,8 @@
 // its receiver must have taken it; a gradient's at the end of the step).
 // Shapes: the first stage's inputs are agreed at the start of every step (one
 // all-gather over the pipeline group, which also carries every rank's
-// verdict on its own inputs and targets); when they differ from the last
+// verdict on its own inputs and targets; with data-parallel replicas, the
+// first stages' rows are compared over the dp group before it); when they differ from the last
 // step's, each activation is preceded by a header with its dtype and shape,
 // and the shapes are kept for the steps that follow.
 #include <torch/csrc/autograd/autograd.h>
@@ -90,6 +91,9 @@ struct StepBatch {
   const int m_;
   const std::string me_;
   std::string my_error_;
+  /// On a first stage with data-parallel replicas: every replica's rows
+  /// (-1: refused already) compared, a difference this rank's error.
+  void check_replicas(int64_t rows, std::vector<int64_t>& entry);
   bool agreed_ = false, early_ = false;
   at::Tensor mine_, all_;
   PendingWork pending_;
@@ -202,6 +206,7 @@ StepBatch::StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& 
       entry[2] = inputs.dim();
       for (int64_t d = 0; d < inputs.dim(); ++d) entry[3 + d] = inputs.size(d);
     }
+    if (rt.dp->size() > 1) check_replicas(my_error_.empty() ? inputs.size(0) : -1, entry);
   }
   if (last) {
     if (!targets.defined() || targets.dim() < 1) {
@@ -218,6 +223,26 @@ StepBatch::StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& 
   pending_ = comm.all_gather_async(all_, mine_, "the agreement on a pipeline step's inputs");
   if (first && my_error_.empty()) this->inputs = inputs.tensor_split(m, 0);
   if (last && my_error_.empty()) this->targets = targets.tensor_split(m, 0);
+}
+
+void StepBatch::check_replicas(int64_t rows, std::vector<int64_t>& entry) {
+  Comm& dp = rt_.dp->comm();
+  at::Tensor mine = at::tensor({rows}, at::kLong).to(dp.device());
+  at::Tensor all = at::empty({dp.size()}, mine.options());
+  dp.all_gather_into(all, mine, "the data-parallel replicas' rows of a pipeline step");
+  all = all.cpu();
+  std::string list;
+  bool same = true;
+  for (int r = 0; r < dp.size(); ++r) {
+    const int64_t n = all[r].item<int64_t>();
+    same = same && (n < 0 || rows < 0 || n == rows);
+    list += (r ? ", " : "") + std::to_string(n) + " on rank " + std::to_string(dp.global_rank(r));
+  }
+  if (same) return;
+  my_error_ = "the data-parallel replicas' first stages got different numbers of rows (" + list +
+              "); their gradients are averaged, which is the whole batch's gradient only when every replica holds "
+              "as many rows: give each the same number";
+  entry[0] = kBadInputs;
 }
 
 bool StepBatch::may_run_before_agreement(const Action& a) const {
