@@ -180,8 +180,12 @@ TEST(CheckpointFailures, ShapesThatDifferAndUnexpectedTensorsAreRefusedByName) {
   auto r = run_ranks(2, [&](World& w) {
     Trained t(w, 12);
     std::string e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), wide); });
-    require(e.find("'l1.lin.bias' has shape [13] in the checkpoint but the model's has [12]") != std::string::npos,
-            "expected the shape error, got: " + e);
+    // The first name, how many more differ, and what to check.
+    require(
+        e.find("'l1.lin.bias' has shape [13] in the checkpoint but the model's has [12], and ") != std::string::npos &&
+            e.find(" more differ ('l1.lin.weight'") != std::string::npos &&
+            e.find("; is the model built with the checkpoint's configuration?") != std::string::npos,
+        "expected the shape error, got: " + e);
     e = failing_load(t, [&] { shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), extra); });
     require(e.find("unexpected tensor 'extra.") != std::string::npos,
             "expected the unexpected-tensor error, got: " + e);

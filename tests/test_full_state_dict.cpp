@@ -224,7 +224,10 @@ TEST(FullStateDictErrors, MissingMisShapedAndUnexpectedEntriesNameTheFileAndPara
     expect_error(missing, "no entry for parameter 'l2.lin.weight'");
     auto shaped = sd;
     shaped["l1.lin.bias"] = at::zeros({14});
-    expect_error(shaped, "'l1.lin.bias' has shape [14] but the model's parameter has [13]");
+    expect_error(
+        shaped,
+        "'l1.lin.bias' has shape [14] in the file but the model's parameter has shape [13] (is the model built "
+        "with the checkpoint's configuration?)");
     auto extra = sd;
     extra["l9.weight"] = at::zeros({1});
     expect_error(extra, "unexpected tensor 'l9.weight'");

@@ -160,12 +160,7 @@ void FullLoad::open() {
 // The shape, and a dtype the values can be cast into (docs/checkpoints.md).
 void FullLoad::check_shape(const std::string& n, c10::IntArrayRef want, at::ScalarType dtype, const char* what) const {
   const auto* r = checkpoint::ReaderAccess::header(*reader_).find(n);
-  if (c10::IntArrayRef(r->shape) != want) {
-    std::ostringstream os;
-    os << "safetensors file '" << path_ << "': '" << n << "' has shape " << c10::IntArrayRef(r->shape)
-       << " but the model's " << what << " has " << want;
-    throw checkpoint::SafetensorsError(os.str());
-  }
+  checkpoint::require_shape("safetensors file '" + path_ + "'", "'" + n + "'", " in the file", r->shape, want, what);
   checkpoint::require_castable(file_where_, "'" + n + "'", r->dtype, "", checkpoint::scalar_type(r->dtype), dtype, what,
                                options_.allow_lossy_casts(), "LoadOptions");
 }

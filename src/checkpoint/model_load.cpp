@@ -39,6 +39,21 @@ void require_shape(const std::string& where, const std::string& named, const std
                            " (is the model built with the checkpoint's configuration?)");
 }
 
+std::string shapes_differ(const std::string& name, const std::map<std::string, std::vector<int64_t>>& saved,
+                          const std::map<std::string, std::vector<int64_t>>& model) {
+  std::string others;
+  int more = 0;
+  for (const auto& [n, shape] : saved) {
+    auto it = model.find(n);
+    if (n == name || it == model.end() || it->second == shape) continue;
+    if (++more <= 3) others += (more > 1 ? ", '" : "'") + n + "'";
+  }
+  std::string text = "'" + name + "' has shape " + shape_text(saved.at(name)) +
+                     " in the checkpoint but the model's has " + shape_text(model.at(name));
+  if (more > 0) text += ", and " + std::to_string(more) + " more differ (" + others + (more > 3 ? ", ..." : "") + ")";
+  return text + "; is the model built with the checkpoint's configuration?";
+}
+
 void require_castable(const std::string& where, const std::string& named, const std::string& saved_text,
                       const std::string& in_file, at::ScalarType saved, at::ScalarType dtype, const char* kind,
                       bool allow_lossy, const char* options) {

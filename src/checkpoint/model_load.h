@@ -8,6 +8,7 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -52,6 +53,12 @@ void for_each_flat_param(
 /// model's <kind> has shape W (...)" unless `saved` is `want`.
 void require_shape(const std::string& where, const std::string& named, const std::string& in_file,
                    c10::IntArrayRef saved, c10::IntArrayRef want, const char* kind);
+
+/// "'<name>' has shape S in the checkpoint but the model's has W", how many
+/// other names that both hold differ too (`saved` against `model`), and the
+/// question whether the model is built with the checkpoint's configuration.
+std::string shapes_differ(const std::string& name, const std::map<std::string, std::vector<int64_t>>& saved,
+                          const std::map<std::string, std::vector<int64_t>>& model);
 
 /// Throws SafetensorsError when values saved as `saved` (named `saved_text`
 /// in the checkpoint) could change cast into `dtype`, unless `allow_lossy`;

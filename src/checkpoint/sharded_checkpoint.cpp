@@ -290,8 +290,7 @@ void check_model_against(torch::nn::Module& root, const Index& idx, const std::s
       throw SafetensorsError("checkpoint '" + dir + "': unexpected tensor '" + name +
                              "': no parameter or buffer of the model has that name");
     if (it->second != shape)
-      throw SafetensorsError("checkpoint '" + dir + "': '" + name + "' has shape " + shape_text(shape) +
-                             " in the checkpoint but the model's has " + shape_text(it->second));
+      throw SafetensorsError("checkpoint '" + dir + "': " + checkpoint::shapes_differ(name, *idx.shapes, mine));
   }
   check_entries_within_shapes(idx, dir);
   for (const auto& [names_of, names] : detail::parameter_names(root)) {
