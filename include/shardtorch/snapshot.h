@@ -53,8 +53,8 @@ struct SHARDTORCH_API SnapshotOptions {
 /// makes its own process group for the buddy copies). Per training loop:
 ///   Snapshots snaps(world, *model, opt.get(), options);
 ///   snaps.register_state("data", save, load);
-///   int64_t step = snaps.restore();       // -1: nothing to resume from
-///   for (step = step + 1; step <= steps; ++step) { train(step); snaps.after_step(step); }
+///   int64_t step = std::max<int64_t>(snaps.restore(), 0);  // steps done (restore: -1, nothing)
+///   while (step < steps) { train_one_step(); ++step; snaps.after_step(step); }
 ///   snaps.finish();                       // the job is done: its snapshots go
 class SHARDTORCH_API Snapshots {
  public:
