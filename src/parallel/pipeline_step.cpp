@@ -67,8 +67,9 @@ struct StepBatch {
   /// Checks this rank's own inputs and targets, splits them into `m`
   /// micro-batches and posts the agreement (an all-gather over the pipeline
   /// group of every rank's verdict and the inputs' shape). `me`: this rank
-  /// and the call, for errors.
-  StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& me, const at::Tensor& inputs,
+  /// and the call, for errors; `training`: gradients will be averaged over
+  /// the data-parallel replicas, whose rows must then be equal.
+  StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& me, bool training, const at::Tensor& inputs,
             const at::Tensor& targets);
   /// Waits for the agreement and throws on every rank if any rank refused
   /// its inputs or targets; then `headers`, `rows` and `sizes` hold.
@@ -146,7 +147,7 @@ class StepRun {
         out_dtype_(rt.options.shard().mixed_precision().output_dtype()),
         sync_(rt.sharded->requires_gradient_sync()),
         trace_(rt, world_),
-        batch_(rt, comm_, m_, me_, inputs, targets) {}
+        batch_(rt, comm_, m_, me_, training, inputs, targets) {}
 
   /// This rank's actions, then the wait for its sends.
   void run_actions();
@@ -189,8 +190,8 @@ class StepRun {
   at::Tensor loss_sum_ = at::zeros({}, at::kDouble);
 };
 
-StepBatch::StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& me, const at::Tensor& inputs,
-                     const at::Tensor& targets)
+StepBatch::StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& me, bool training,
+                     const at::Tensor& inputs, const at::Tensor& targets)
     : rt_(rt), comm_(comm), m_(m), me_(me) {
   const int S = rt.stages();
   const bool first = rt.holds(0), last = rt.holds(S - 1);
@@ -206,7 +207,7 @@ StepBatch::StepBatch(PipelineRuntime& rt, Comm& comm, int m, const std::string& 
       entry[2] = inputs.dim();
       for (int64_t d = 0; d < inputs.dim(); ++d) entry[3 + d] = inputs.size(d);
     }
-    if (rt.dp->size() > 1) check_replicas(my_error_.empty() ? inputs.size(0) : -1, entry);
+    if (training && rt.dp->size() > 1) check_replicas(my_error_.empty() ? inputs.size(0) : -1, entry);
   }
   if (last) {
     if (!targets.defined() || targets.dim() < 1) {
