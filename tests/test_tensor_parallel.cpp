@@ -510,6 +510,63 @@ TEST(TpLayers, AGatheredTiedHeadGivesTheWholeLogitsAndTheSharedWeightsGradient) 
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// full_parameters() of a split and sharded model gives every parameter
+// whole, under its unsplit name and shape: at dp 2 x tp 2 (FullShard), the
+// GPT's values before training equal the unsplit GPT's, bitwise; under
+// rank0_only, the ranks at dp 0 (one per tp coordinate) hold them.
+TEST(TpLayers, FullParametersOfASplitModelAreWhole) {
+  torch::manual_seed(0);
+  gpt::GPT unsplit(tp_config());
+  std::map<std::string, torch::Tensor> want;  // under every name (the tied embedding and head both)
+  for (const auto& item : unsplit->named_parameters()) want[item.key()] = item.value().detach().clone();
+  auto r = run_ranks(4, [&](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", 2}, {"tp", 2}});
+    torch::manual_seed(0);
+    gpt::GPT model(tp_config());
+    shardtorch::parallelize(*model, (*mesh)["tp"], gpt::tp_plan(tp_config()));
+    shardtorch::shard(model, (*mesh)["dp"], strategy_options(Strategy::FullShard, 2));
+    for (const bool rank0_only : {false, true}) {
+      const auto got = shardtorch::full_parameters(*model, rank0_only);
+      if (rank0_only && mesh->coordinate("dp") != 0) {
+        require(got.empty(), "rank0_only: a rank at dp 1 got values");
+        continue;
+      }
+      require(got.size() == want.size(),
+              std::to_string(got.size()) + " parameters, expected " + std::to_string(want.size()));
+      for (const auto& [n, t] : want)
+        require(got.count(n) && got.at(n).sizes() == t.sizes() && torch::equal(got.at(n), t),
+                "'" + n + "' is not the unsplit parameter" +
+                    (got.count(n) ? " (" + shardtorch::describe(got.at(n)) + ")" : std::string(" (missing)")));
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// A split model sharded over the World its tensor-parallel group was made
+// from (not the mesh's dp dimension) would average other slices' gradients
+// into each rank's: shard() refuses it on every rank, saying what to pass;
+// an optimizer for a split model never sharded says the same.
+TEST(TpErrors, ShardingOverTheTensorParallelRanksIsRefusedSayingWhatToPass) {
+  for (const bool shard_it : {true, false}) {
+    auto r = run_ranks(2, [&](World& w) {
+      torch::manual_seed(0);
+      gpt::GPT model(tp_config());
+      shardtorch::parallelize(*model, w.shared_from_this(), gpt::tp_plan(tp_config()));
+      if (shard_it)
+        shardtorch::shard(model, w.shared_from_this(), strategy_options(Strategy::FullShard, 2));
+      else
+        shardtorch::AdamW(*model, adamw());
+    });
+    ASSERT_FALSE(r.ok);
+    for (const auto& m : errors_of(r)) {
+      EXPECT_NE(m.find(shard_it ? "and the World to shard it over holds rank" : "but was never sharded"),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("shard it over the mesh's data-parallel dimension"), std::string::npos) << m;
+    }
+  }
+}
+
 TEST(TpLayers, VocabParallelCrossEntropyEqualsTheGatheredOne) {
   torch::manual_seed(5);
   auto logits = torch::randn({6, 12}, torch::kDouble) * 3;

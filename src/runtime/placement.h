@@ -4,10 +4,13 @@
 // it whole (checkpoints save the full tensor under the unsplit name and load
 // each rank's slice).
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "shardtorch/world.h"
@@ -26,5 +29,13 @@ struct Placement {
 void set_placement(const at::Tensor& t, Placement p);
 /// `t`'s placement, if parallelize() split it.
 std::optional<Placement> placement_of(const at::Tensor& t);
+
+/// The first parameter of `root` that parallelize() split (its name and
+/// placement), if any.
+std::optional<std::pair<std::string, Placement>> first_split(torch::nn::Module& root);
+
+/// The whole tensor (of p.full_shape) from this rank's `slice` of it and its
+/// group peers' (collective over p.group: an all-gather of the slices).
+at::Tensor gather_whole(const at::Tensor& slice, const Placement& p, const std::string& what);
 
 }  // namespace shardtorch::detail

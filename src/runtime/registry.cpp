@@ -4,6 +4,7 @@
 
 #include "base/check.h"
 #include "base/log.h"
+#include "runtime/placement.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/unit.h"
 
@@ -58,6 +59,11 @@ std::shared_ptr<ShardState> require_state(torch::nn::Module& root, const std::st
                           "' is a unit of one (made by shard() on another root, or by a shardtorch::Pipeline from "
                           "its layers): pass that root, or for a Pipeline its module() or the overloads taking the "
                           "Pipeline");
+  if (auto split = first_split(root))
+    throw_error("", who + ": this model is split over tensor-parallel ranks (parallelize(); '" + split->first +
+                        "' among its parameters) but was never sharded: shard it over the mesh's data-parallel "
+                        "dimension (shard(model, (*mesh)[\"dp\"]); a mesh {dp 1, tp N} for tensor parallelism "
+                        "alone), never over the World the tensor-parallel group was made from");
   throw_error("", who + ": this model was never sharded; call shardtorch::shard(model, world) first");
 }
 

@@ -6,6 +6,7 @@
 
 #include <unordered_set>
 
+#include "runtime/placement.h"
 #include "runtime/shard_state.h"
 
 namespace shardtorch {
@@ -137,6 +138,27 @@ FullParams::~FullParams() {
   }
 }
 
+namespace {
+// `out` (the model's parameters by name, gathered over its World) with each
+// parameter parallelize() split made whole from its tensor-parallel group's
+// slices. Collective over those groups: the ranks that keep values (under
+// rank0_only, those at the World's rank 0) call it, every member of a
+// tensor-parallel group alike.
+std::map<std::string, at::Tensor> whole_slices(torch::nn::Module& root,
+                                               std::map<const void*, std::vector<std::string>>& names,
+                                               std::map<std::string, at::Tensor> out) {
+  std::unordered_set<const void*> done;
+  for (const auto& item : root.named_parameters()) {
+    auto p = detail::placement_of(item.value());
+    if (!p || p->size == 1 || !done.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    const at::Tensor whole =
+        detail::gather_whole(out.at(item.key()), *p, "the tensor-parallel slices of '" + item.key() + "'");
+    for (const auto& n : names[item.value().unsafeGetTensorImpl()]) out[n] = whole;
+  }
+  return out;
+}
+}  // namespace
+
 std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool rank0_only) {
   auto state = detail::require_state(root, "full_parameters");
   const bool keep = !rank0_only || state->world().rank() == 0;
@@ -151,7 +173,7 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
     if (!keep) return out;
     for (const auto& item : root.named_parameters())
       out[item.key()] = state->path().record_of(item.value()).detach().clone();
-    return out;
+    return whole_slices(root, names, std::move(out));
   }
   int64_t bytes = 0;
   for (auto& u : state->units().all())
@@ -174,7 +196,7 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
     progress.advance(1, unit_bytes);
   }
   progress.finish();
-  return out;
+  return keep ? whole_slices(root, names, std::move(out)) : out;
 }
 
 }  // namespace shardtorch

@@ -20,6 +20,7 @@
 
 #include "comm/world_access.h"
 #include "deferred/deferred_session.h"
+#include "runtime/placement.h"
 #include "runtime/shard_state.h"
 #include "shard/model_walk.h"
 #include "shardtorch/comm_hooks.h"
@@ -531,6 +532,22 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   SHARDTORCH_CHECK(!detail::lookup_model(root), "shardtorch::shard: rank ", world->global_rank(),
                    ": this model is already "
                    "sharded; shard() was called twice (build a new model to shard it again)");
+  if (auto split = detail::first_split(root)) {
+    // Another rank of the tensor-parallel group in `world` would average
+    // gradients of other slices into this one's, and sync_module_states would
+    // copy its slices over this rank's.
+    const World& tp = *split->second.group;
+    for (int r = 0; r < world->size(); ++r)
+      for (int t = 0; t < tp.size(); ++t)
+        SHARDTORCH_CHECK(
+            world->global_rank_of(r) == world->global_rank() || world->global_rank_of(r) != tp.global_rank_of(t),
+            detail::rank_prefix(world->global_rank()), ": shardtorch::shard: the model is split over a ",
+            "tensor-parallel group of ", tp.size(), " ranks ('", split->first,
+            "' among its parameters), and the World to shard it over holds rank ", world->global_rank_of(r),
+            " of that group too (the ranks of a data-parallel World must hold the same slices): shard it over "
+            "the mesh's data-parallel dimension (shard(model, (*mesh)[\"dp\"]); a mesh {dp 1, tp N} for "
+            "tensor parallelism alone), never over the World the tensor-parallel group was made from");
+  }
   world->note_progress("shard()");
   const Strategy strategy = options.strategy();
   ModelWalk found = walk_model(root, /*allow_sharded=*/false);
