@@ -316,6 +316,8 @@ TEST(DcpReader, RefusesOtherLayoutsByName) {
   shardtorch::checkpoint::save_file((tmp / "model.safetensors").string(), {{"w", torch::ones({2})}});
   e = message_of([&] { DcpReader r(tmp.string()); });
   EXPECT_TRUE(has(e, "a Hugging Face layout (HuggingFaceStorageWriter); load it with load_hf_checkpoint")) << e;
+  e = message_of([&] { DcpReader r((tmp / "no-such-checkpoint").string()); });
+  EXPECT_TRUE(has(e, "no-such-checkpoint': does not exist")) << e;
   // shardtorch's own sharded layout is named as such, not as Hugging Face's.
   TempDir sharded;
   shardtorch::checkpoint::save_file((sharded / "rank-0.safetensors").string(), {{"w", torch::ones({2})}});
@@ -490,6 +492,19 @@ TEST(DcpSave, SavedAtThreeRanksLoadsAtTwoUnderAnotherStrategyBitwise) {
     auto opt = shardtorch::AdamW(*m, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
     shardtorch::load_dcp_checkpoint(*m, opt.get(), ck);
     require_as_saved(m, *opt, ck, 1, "loaded at 2 NoShard ranks");
+    // A checkpoint of the model's own state_dict() (no "model." prefix),
+    // loaded with the default prefix, says which prefix to give.
+    const std::string plain = (dir / "plain").string();
+    shardtorch::save_dcp_checkpoint(*m, nullptr, plain, shardtorch::DcpSaveOptions().model_prefix(""));
+    std::string e;
+    try {
+      shardtorch::load_dcp_checkpoint(*m, nullptr, plain);
+    } catch (const shardtorch::Error& x) {
+      e = x.what();
+    }
+    require(e.find("without the prefix 'model.', as dcp.save(model.state_dict()) writes it: "
+                   "DcpLoadOptions().model_prefix(\"\")?") != std::string::npos,
+            "the load without a prefix said: '" + e + "'");
   });
   ASSERT_TRUE(loaded.ok) << loaded.summary();
 }

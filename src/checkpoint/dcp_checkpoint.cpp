@@ -199,7 +199,11 @@ void DcpLoad::missing(const std::string& m, const char* kind) {
   }
   std::string hint;
   for (const auto& e : src_->metadata().entries)
-    if (checkpoint::ends_with(e.name, "." + m) && e.name != options_.model_prefix() + m) {
+    if (e.name == m && !options_.model_prefix().empty()) {  // a model's own state_dict(), saved without a prefix
+      hint = " (the checkpoint has '" + m + "' without the prefix '" + options_.model_prefix() +
+             "', as dcp.save(model.state_dict()) writes it: DcpLoadOptions().model_prefix(\"\")?)";
+      break;
+    } else if (checkpoint::ends_with(e.name, "." + m) && e.name != options_.model_prefix() + m) {
       hint = " (the checkpoint has '" + e.name + "': model_prefix(\"" + e.name.substr(0, e.name.size() - m.size()) +
              "\")?)";
       break;

@@ -23,6 +23,7 @@ std::string read_whole(const std::string& path) {
 
 // Why `dir` holds no checkpoint this code reads, by what it holds instead.
 std::string not_a_checkpoint(const std::string& dir) {
+  if (!files::exists(dir)) return "DCP checkpoint '" + dir + "': does not exist";
   if (!files::is_directory(dir)) return "DCP checkpoint '" + dir + "': not a directory";
   bool per_rank = false, safetensors = false, tmp = false, distcp = false, sharded = false;
   for (const auto& n : files::list_directory(dir)) {

@@ -19,7 +19,8 @@ inline void refuse_tensor_parallel(torch::nn::Module& root, int global_rank, con
                      "' is a tensor-parallel slice (parallelize() split it), and DCP checkpoints of a "
                      "tensor-parallel model are not supported; save and load it with save_sharded_checkpoint / "
                      "load_sharded_checkpoint, save_full_state_dict / load_full_state_dict or save_hf_checkpoint / "
-                     "load_hf_checkpoint, which hold it under the unsplit model's names and shapes");
+                     "load_hf_checkpoint, which hold it under the unsplit model's names and shapes (a sharded "
+                     "checkpoint converts to DCP for PyTorch with shardtorch-convert sharded-to-dcp)");
 }
 
 }  // namespace shardtorch::checkpoint::dcp
