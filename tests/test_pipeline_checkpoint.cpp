@@ -8,7 +8,6 @@
 // twice or not at all, are handled on every stage alike.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <optional>
 
 #include "checkpoint_helpers.h"
@@ -378,7 +377,7 @@ TEST(PipelineCheckpoint, SnapshotsRestoreAStagesRankFromItsBuddyOnAnotherStage) 
       p.train(1);
       at3 = p.values();
     }
-    if (w.rank() == 1) std::filesystem::remove_all(shardtorch::detail::own_snapshot_path(o, 1, 2));
+    if (w.rank() == 1) files::remove_all(shardtorch::detail::own_snapshot_path(o, 1, 2));
     Piped again(w, kSaver);
     scramble(again.pipe->module());
     shardtorch::Snapshots snaps(w.shared_from_this(), again.pipe->module(), again.opt.get(), o);
@@ -390,8 +389,8 @@ TEST(PipelineCheckpoint, SnapshotsRestoreAStagesRankFromItsBuddyOnAnotherStage) 
     // Rank 1 lost with every copy of it: the error names it and its buddy.
     w.barrier();
     if (w.rank() == 0)
-      for (const auto& e : std::filesystem::directory_iterator(std::string(dir)))
-        if (e.path().filename().string().find("-r1-") != std::string::npos) std::filesystem::remove_all(e.path());
+      for (const auto& name : files::list_directory(dir))
+        if (name.find("-r1-") != std::string::npos) files::remove_all(files::join(dir, name));
     w.barrier();
     Piped third(w, kSaver);
     shardtorch::Snapshots lost(w.shared_from_this(), third.pipe->module(), third.opt.get(), o);
