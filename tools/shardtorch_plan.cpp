@@ -54,6 +54,7 @@ struct Args {
   gpt::Config cfg;
   int world = 8, hybrid = 0, states = 2;
   int pp = 0, chunks = 1;  // --pp: the world is the data-parallel size of each stage
+  int tp = 1;              // --tp: the world is the data-parallel size of each tensor-parallel group
   bool gloo = false;
   std::string strategy, fit, reserve = "0", optimizer = "adamw";
   bool bf16 = false, offload = false, accumulate = false, by_category = false, startup = false;
@@ -121,6 +122,8 @@ po::options_description options_for_args(Args& a) {
       "pipeline ranks: plan each one's stages (the GPT's layers split by parameter count), --world being the "
       "data-parallel size of each")("chunks", po::value(&a.chunks)->default_value(a.chunks),
                                     "with --pp: stages per pipeline rank (interleaved schedules)")(
+      "tp", po::value(&a.tp)->default_value(a.tp),
+      "tensor-parallel ranks (gpt::tp_plan's split): plan one rank's slices, --world being the data-parallel size")(
       "gloo", po::bool_switch(&a.gloo), "CPU ranks: Gloo reduces in place, so buckets need no outputs")(
       "startup", po::bool_switch(&a.startup),
       "also print each strategy's peak during construct + shard() + load, deferred and eager (MemoryPlan::startup_*)");
@@ -159,6 +162,12 @@ void validate(Args& a, const po::variables_map& vm) {
                                 " stages need at least that many of the GPT's " + std::to_string(a.cfg.n_layer + 2) +
                                 " pipeline layers (embedding, blocks, head)");
   if (a.pp > 0 && !a.fit.empty()) throw std::invalid_argument("--fit plans without --pp");
+  if (a.tp < 1) throw std::invalid_argument("--tp " + std::to_string(a.tp) + " must be 1 or more");
+  if (a.tp > 1 && a.pp > 0) throw std::invalid_argument("--tp plans without --pp");
+  if (a.tp > 1 && (a.cfg.vocab % a.tp || a.cfg.d_model % a.tp || a.cfg.n_head % a.tp))
+    throw std::invalid_argument("--tp " + std::to_string(a.tp) + " must divide --vocab (" +
+                                std::to_string(a.cfg.vocab) + "), --d-model (" + std::to_string(a.cfg.d_model) +
+                                ") and --heads (" + std::to_string(a.cfg.n_head) + "), which tp_plan splits");
 }
 
 // The strategies to plan: the one asked for, or all that apply.
@@ -218,7 +227,7 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
       }
     return;
   }
-  const auto units = gpt::unit_specs(a.cfg);
+  const auto units = gpt::unit_specs(a.cfg, a.tp);
   std::vector<shardtorch::MemoryPlan> plans;  // per strategy
   int64_t largest = 0;
   for (Strategy s : strategies) {
@@ -226,11 +235,13 @@ void print_plans(const Args& a, const std::vector<Strategy>& strategies) {
     largest = std::max({largest, plans.back().device_peak(), plans.back().host()});
   }
   const Unit gib = Unit::for_largest(largest);
-  std::printf("GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s%s; optimizer %s\n",
-              static_cast<long long>(a.cfg.n_layer), static_cast<long long>(a.cfg.d_model),
-              static_cast<long long>(a.cfg.vocab), static_cast<long long>(a.cfg.seq_len), a.world,
-              a.bf16 ? ", bf16" : ", fp32", a.offload ? ", CPU offload" : "",
-              a.accumulate ? ", accumulating without sync" : "", a.optimizer.c_str());
+  std::printf(
+      "GPT: %lld layers, d_model %lld, vocab %lld, seq %lld; %d ranks%s%s%s%s; optimizer %s\n",
+      static_cast<long long>(a.cfg.n_layer), static_cast<long long>(a.cfg.d_model), static_cast<long long>(a.cfg.vocab),
+      static_cast<long long>(a.cfg.seq_len), a.world,
+      a.tp > 1 ? (" data-parallel x " + std::to_string(a.tp) + " tensor-parallel (one rank's slices)").c_str() : "",
+      a.bf16 ? ", bf16" : ", fp32", a.offload ? ", CPU offload" : "", a.accumulate ? ", accumulating without sync" : "",
+      a.optimizer.c_str());
   std::printf(
       "per rank, %s (rank 0, which owns the most); transient = peak estimates of gathered params, "
       "gradient staging and buckets, and NoShard's fp32 gradient copies under mixed precision; activations "
@@ -273,7 +284,7 @@ void print_fit(const Args& a, const std::vector<Strategy>& strategies, int64_t r
     auto peak = [&](int64_t layers) {
       gpt::Config c = a.cfg;
       c.n_layer = layers;
-      auto p = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
+      auto p = shardtorch::plan_memory(gpt::unit_specs(c, a.tp), options_for(a, s));
       return std::make_pair(p.device_peak(), p.params);
     };
     if (peak(0).first > budget) {
@@ -287,9 +298,9 @@ void print_fit(const Args& a, const std::vector<Strategy>& strategies, int64_t r
     if (peak(2048).first == peak(1024).first) {
       gpt::Config c = a.cfg;
       c.n_layer = 1;
-      auto one = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
+      auto one = shardtorch::plan_memory(gpt::unit_specs(c, a.tp), options_for(a, s));
       c.n_layer = 2;
-      auto two = shardtorch::plan_memory(gpt::unit_specs(c), options_for(a, s));
+      auto two = shardtorch::plan_memory(gpt::unit_specs(c, a.tp), options_for(a, s));
       std::printf("  %-15s any depth: the device peak stays %s; host memory grows by %s per layer\n",
                   shardtorch::strategy_name(s), shardtorch::format_bytes(peak(1024).first).c_str(),
                   shardtorch::format_bytes(two.host() - one.host()).c_str());
