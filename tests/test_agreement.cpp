@@ -217,8 +217,8 @@ struct InjectCase {
 
 std::vector<InjectCase> inject_cases() {
   return {
-      // The thread that waits for CPU reduce-scatters: an exception there used
-      // to end the process (std::terminate).
+      // The thread that waits for CPU reduce-scatters: an exception there must
+      // not end the process (std::terminate).
       {"CompletionWatcherThread", "completion watcher", Strategy::FullShard, "/2: reduce_scatter for "},
       {"PreBackwardHook", "pre-backward hook", Strategy::FullShard, ": the pre-backward hook of unit '"},
       {"GradientHook", "gradient hook", Strategy::FullShard, ": the gradient hook of parameter '"},
@@ -273,5 +273,32 @@ TEST_P(InjectedFailure, ReachesTheCallerNamingTheRankAndTheOperation) {
 
 INSTANTIATE_TEST_SUITE_P(Agreement, InjectedFailure, ::testing::ValuesIn(inject_cases()),
                          [](const ::testing::TestParamInfo<InjectCase>& i) { return std::string(i.param.label); });
+
+// One rank's backward fails in a gradient hook and its program catches the
+// error and ends: the peer, whose reduce-scatter then fails, gives that
+// rank's error (kept for the peers when the hook threw), not only that it
+// ended.
+TEST(Agreement, AnErrorOneRanksProgramCaughtIsGivenByItsPeer) {
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        MLP m;
+        shardtorch::shard(m, w, ShardOptions().strategy(Strategy::FullShard));
+        auto x = torch::randn({4, 7});
+        if (w.rank() == 1) shardtorch::testing::inject_failure("gradient hook");
+        try {
+          m(x).square().mean().backward();
+        } catch (const std::exception&) {
+          if (w.rank() == 1) return;  // caught: this rank ends
+          throw;
+        }
+      },
+      RunOptions().collective_timeout(std::chrono::seconds(15)).timeout(std::chrono::seconds(60)));
+  ASSERT_FALSE(r.ok);
+  EXPECT_EQ(r.ranks[1].exit_code, 0) << r.summary();
+  const std::string& m = r.ranks[0].message;
+  EXPECT_NE(m.find("Peer at fault: rank 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("failure injected at 'gradient hook'"), std::string::npos) << m;
+}
 
 }  // namespace

@@ -5,11 +5,14 @@
 #include <c10/util/Type.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <sstream>
 #include <typeinfo>
 
 #include "base/errors.h"
 #include "comm/hook_call.h"
+#include "comm/world_access.h"
 #include "shardtorch/collectives.h"
 #include "shardtorch/world.h"
 
@@ -170,19 +173,42 @@ void check_same_hook(World& world, const CommHook* hook) {
   store->set(key(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
   std::vector<std::string> keys;
   for (int r = 0; r < n; ++r) keys.push_back(key(r));
-  try {
-    store->wait(keys, world.timeout());
-  } catch (const std::exception&) {
-    std::string missing;
+  // Waited for in slices: a rank that ended (its program caught an error
+  // before this backward, or died) is said at once, with its record, not
+  // after the whole timeout as a rank without a hook.
+  const auto started = std::chrono::steady_clock::now();
+  const auto deadline = started + world.timeout();
+  auto missing = [&] {
+    std::vector<int> out;
     for (int r = 0; r < n; ++r)
-      if (!store->check({keys[r]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    SHARDTORCH_CHECK(false, detail::rank_prefix(rank),
+      if (!store->check({keys[r]})) out.push_back(world.global_rank_of(r));
+    return out;
+  };
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    try {
+      store->wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(1000))));
+      break;
+    } catch (const std::exception&) {
+    }
+    const std::vector<int> late = missing();
+    std::string ranks;
+    for (int r : late) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    auto* progress = WorldAccess::progress(world);
+    if (progress && !late.empty() && progress->any_ended(late))
+      SHARDTORCH_CHECK(false, detail::rank_prefix(world.global_rank()),
+                       ": the check that every rank has the same communication hook, at the first backward that "
+                       "reduces gradients: rank(s) ",
+                       ranks, " will not report theirs. ", progress->report(late, started));
+    SHARDTORCH_CHECK(std::chrono::steady_clock::now() < deadline, detail::rank_prefix(world.global_rank()),
                      ": the check that every rank has the same communication hook "
                      "(this rank: ",
-                     mine, "): rank(s) ", missing, " did not report theirs within ", seconds(world.timeout()),
+                     mine, "): rank(s) ", ranks, " did not report theirs within ", seconds(world.timeout()),
                      ". The ranks compare their hooks at the first backward that reduces "
                      "gradients after shard() and after register_comm_hook: register the hook on every rank, before "
-                     "the same backward");
+                     "the same backward",
+                     progress && !late.empty() ? ". " + progress->report(late, started) : std::string());
   }
   std::vector<std::string> hooks;
   for (int r = 0; r < n; ++r) {

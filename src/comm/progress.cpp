@@ -517,6 +517,28 @@ std::string summary(const std::vector<std::string>& at_fault, const std::vector<
 
 }  // namespace
 
+bool Progress::any_ended(const std::vector<int>& members) const {
+  std::string host;
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    host = s_->mine.host;
+  }
+  const auto give_up = std::chrono::steady_clock::now() + kSilent;
+  try {
+    for (int peer : members) {
+      if (peer == s_->rank) continue;
+      Record r;
+      auto text = s_->store->get_if_set(key_of(peer), give_up);
+      if (!text || !decode(*text, r)) continue;
+      if (r.state != Record::State::Running) return true;
+      if (now_ms() - r.beat_ms > kSilent.count()) return true;
+      if (r.host == host && process_gone(r.pid)) return true;
+    }
+  } catch (const std::exception&) {  // the store did not answer: the caller's own wait says so in time
+  }
+  return false;
+}
+
 std::string Progress::report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const {
   Record me;
   int64_t stalled_ms = 0, stalled_until_ms = 0;

@@ -66,6 +66,13 @@ class Progress {
   /// gone). Never throws ("" when nothing can be said).
   std::string report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const;
 
+  /// Whether one of `members` (global ranks) will not come to a wait of this
+  /// rank's: its record says it finished, left on an error, is terminating
+  /// or failed, it stopped reporting (kSilent), or its process on this host
+  /// is gone. For waits that no collective bounds (a store key); never
+  /// throws (false when the store cannot tell).
+  bool any_ended(const std::vector<int>& members) const;
+
  private:
   struct Shared;  // what the thread uses: it may outlive this object (a store write stuck at exit)
   std::shared_ptr<Shared> s_;

@@ -172,8 +172,7 @@ void BackwardTracker::finish() {
     end_finishing();
   } catch (...) {
     abandon(/*warn=*/false);  // nothing of this backward survives into the next; the caller sees why
-    rethrow_naming(model_.world().global_rank(),
-                   [] { return std::string("the end of backward (reducing the gradients)"); });
+    rethrow_naming(model_.world(), [] { return std::string("the end of backward (reducing the gradients)"); });
   }
 }
 

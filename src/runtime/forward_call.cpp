@@ -78,7 +78,7 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
         auto u = weak.lock();
         if (!u) return;
         run_naming(
-            u->owner().world().global_rank(), "pre-backward hook",
+            u->owner().world(), "pre-backward hook",
             [&] { return "the pre-backward hook of unit '" + u->label() + "'"; }, [&] { u->pre_backward(); });
       });
     }
@@ -155,7 +155,7 @@ class ExitHook : public torch::autograd::FunctionPostHook {
     auto c = call_.lock();
     if (!u || !c) return outputs;
     run_naming(
-        u->owner().world().global_rank(), "exit hook", [&] { return "the exit hook of unit '" + u->label() + "'"; },
+        u->owner().world(), "exit hook", [&] { return "the exit hook of unit '" + u->label() + "'"; },
         [&] { u->exit_done(*c); });
     return outputs;
   }

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 
 #include "base/errors.h"
+#include "comm/world_access.h"
 #include "base/log.h"
 #include "runtime/shard_state.h"
 
@@ -96,7 +97,7 @@ class DdpGradHook : public torch::autograd::FunctionPostHook {
       if (s->backward().sync()) r.check_hooks_agree(s->world());  // before the first bucket can launch
       r.bucketer().mark_ready(index_, s->backward().sync());
     } catch (...) {
-      rethrow_naming(s->world().global_rank(),
+      rethrow_naming(s->world(),
                      [&] { return "the gradient hook of parameter '" + r.names()[index_] + "' (NoShard)"; });
     }
     return outputs;

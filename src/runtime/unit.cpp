@@ -11,6 +11,7 @@
 #include <unordered_set>
 
 #include "base/errors.h"
+#include "comm/world_access.h"
 #include "runtime/shard_state.h"
 
 namespace shardtorch::detail {
@@ -260,7 +261,7 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
     try {
       u->on_grad_ready(flat_, param_);
     } catch (...) {
-      rethrow_naming(u->owner().world().global_rank(), [&] {
+      rethrow_naming(u->owner().world(), [&] {
         return "the gradient hook of parameter '" + u->flats()[flat_]->names()[param_] + "' of unit '" + u->label() +
                "'";
       });
