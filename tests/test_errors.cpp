@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <optional>
 
+#include "captured_warnings.h"
 #include "models.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/error.h"
@@ -95,6 +96,30 @@ TEST(Errors, ASwitchOtherThanZeroOrOneIsRefusedNamingTheVariable) {
   ::setenv("SHARDTORCH_BLOCKING_WAIT", "0", 1);  // 0 is a value, not an error
   EXPECT_NO_THROW(shardtorch::World::from_env());
   ::unsetenv("SHARDTORCH_BLOCKING_WAIT");
+}
+
+// Calls that would do nothing without a word: an optimizer step while the
+// gradients are not synchronised (inside no_sync()), and a clip before any
+// backward. Each warns, saying what to do.
+TEST(Errors, AStepOrAClipThatDoesNothingSaysWhy) {
+  auto r = shardtorch::testing::run_ranks(2, [](shardtorch::World& w) {
+    testmodels::CapturedWarnings warnings;
+    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    testmodels::MLP m;
+    auto sharded = shardtorch::shard(m, w);
+    auto opt = shardtorch::AdamW(*m, torch::optim::AdamWOptions(1e-2));
+    shardtorch::clip_grad_norm(*m, 1.0);
+    testmodels::require(warnings.any_with("clip_grad_norm found no gradient to clip"),
+                        "no warning for a clip before backward");
+    {
+      auto no_sync = sharded.no_sync();
+      m(torch::randn({4, 7})).square().mean().backward();
+      opt->step();
+    }
+    testmodels::require(warnings.any_with("an optimizer step while gradient synchronisation is off"),
+                        "no warning for a step inside no_sync()");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
 }
 
 // One catch clause is enough, wherever a failure starts: the launcher's

@@ -304,7 +304,8 @@ bool Manager::should_commit() {
     // Every rank of every group computes the same: each throws the same error.
     m.report = rep;
     m.report.error = q.error;
-    SHARDTORCH_CHECK(false, "shardtorch::ft: ", m.where(), ": ", q.error);
+    const std::string said = "shardtorch::ft: ";  // the lighthouse client's errors begin with it too: said once
+    SHARDTORCH_CHECK(false, said, m.where(), ": ", q.error.rfind(said, 0) == 0 ? q.error.substr(said.size()) : q.error);
   }
   rep.refused = q.refused;
   const int64_t before_heal = m.step;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "base/log.h"
 #include "optim/grad_norm.h"
 #include "runtime/shard_state.h"
 
@@ -88,7 +89,13 @@ double clip_grad_norm(torch::nn::Module& root, double max_norm, double norm_type
   // Hybrid replicas hold equal shards: the shard group covers everything once.
   std::vector<Comm*> comms;
   if (n.partial) comms.push_back(&state->topology().shard_comm());
-  return detail::finish_clip(n, max_norm, comms);
+  const bool none_here = n.grads.empty();
+  const double total = detail::finish_clip(n, max_norm, comms);
+  if (none_here && total == 0)
+    SHARDTORCH_WARN_ONCE(detail::rank_prefix(state->world().global_rank()),
+                         ": clip_grad_norm found no gradient to clip (norm 0, none on this rank): called before "
+                         "backward, or after zero_grad()? Clip between the backward and the optimizer step");
+  return total;
 }
 
 }  // namespace shardtorch

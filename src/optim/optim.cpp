@@ -7,6 +7,7 @@
 #include <mutex>
 #include <unordered_set>
 
+#include "base/log.h"
 #include "comm/world_access.h"
 #include "runtime/flat_param.h"
 #include "runtime/shard_state.h"
@@ -95,6 +96,12 @@ std::vector<at::Tensor> ShardViews::take_rest() {
 void ShardViews::bind_grads() {
   state_->summons().check_outside();  // before the step changes anything: the scope would write it over
   state_->backward().check_finished("an optimizer step");
+  if (!state_->backward().sync())
+    SHARDTORCH_WARN_ONCE(rank_prefix(state_->world().global_rank()),
+                         ": an optimizer step while gradient synchronisation is off (inside no_sync(), or after "
+                         "set_requires_gradient_sync(false)): the gradients accumulated since are not reduced yet "
+                         "and the step does not use them; end the no_sync() scope before the last micro-batch's "
+                         "backward, which reduces them, and step after it");
   state_->optimizer().check_requires_grad_unchanged();
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).
