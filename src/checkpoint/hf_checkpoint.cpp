@@ -109,6 +109,7 @@ class HfLoad {
   void list_index();
   void list_single();
   std::string prefix_hint(const std::set<std::string>& model_names) const;
+  std::string others_unexpected(const std::string& first, const std::set<std::string>& model_names) const;
   Reader& open(const std::string& file);
   Reader* reader_of(const Held& s) const { return readers_.at(s.file).get(); }
   void missing(const std::string& m, const char* kind);
@@ -202,7 +203,8 @@ void HfLoad::match_names() {
         continue;
       }
       throw SafetensorsError(where_ + ": unexpected tensor '" + c + "'" + (*m != c ? " (mapped to '" + *m + "')" : "") +
-                             ": the model has no parameter or buffer of that name" + prefix_hint(model_names) +
+                             ": the model has no parameter or buffer of that name" + others_unexpected(c, model_names) +
+                             prefix_hint(model_names) +
                              " (map the checkpoint's names with "
                              "HfLoadOptions().strip_prefix/replace_prefix/map_name, skip it by mapping it to "
                              "nullopt, or pass ignore_unexpected(true))");
@@ -212,6 +214,20 @@ void HfLoad::match_names() {
       throw SafetensorsError(where_ + ": tensors '" + it->second.name + "' and '" + c + "' both map to the model's '" +
                              *m + "' (change the name mapping so that at most one does, or skip the other)");
   }
+}
+
+// ", and N more the model has no name for ('a', 'b', ...)" beside `first`, or "".
+std::string HfLoad::others_unexpected(const std::string& first, const std::set<std::string>& model_names) const {
+  std::string listed;
+  int more = 0;
+  for (const auto& [c, f] : entries_) {
+    auto m = model_name_of(c, options_);
+    if (c == first || !m || model_names.count(*m)) continue;
+    if (++more <= 3) listed += (more > 1 ? ", '" : "'") + c + "'";
+  }
+  if (more == 0) return "";
+  return ", and " + std::to_string(more) + " more the model has no name for (" + listed + (more > 3 ? ", ..." : "") +
+         ")";
 }
 
 // The common cause of an unexpected name: the checkpoint's names carry a
