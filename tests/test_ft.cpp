@@ -82,6 +82,8 @@ TEST(FtLighthouse, GrpcClientAndLibTorchWorkInOneProcess) {
 TEST(FtLighthouse, UnreachableLighthouseIsAClearErrorWithinTheTimeout) {
   LighthouseClient c("127.0.0.1:" + std::to_string(free_port()));  // nothing listens there
   const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::string> warnings;  // the refusals are said before the timeout ends
+  c.set_warn([&](const std::string& w) { warnings.push_back(w); });
   try {
     c.quorum(member("g0:x", 0), 700ms);
     FAIL() << "no error";
@@ -91,6 +93,9 @@ TEST(FtLighthouse, UnreachableLighthouseIsAClearErrorWithinTheTimeout) {
     EXPECT_NE(m.find("700 ms"), std::string::npos) << m;
     EXPECT_NE(m.find("torchft_lighthouse"), std::string::npos) << m;
   }
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find(" refused "), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("Is torchft_lighthouse running there"), std::string::npos) << warnings[0];
   // Bounded by the timeout (with a wide margin for a loaded machine), not gRPC's own defaults.
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
 }

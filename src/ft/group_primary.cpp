@@ -9,6 +9,7 @@
 
 #include "base/check.h"
 #include "base/errors.h"
+#include "base/log.h"
 #include "comm/store_listener.h"
 
 namespace shardtorch::ft::detail {
@@ -42,6 +43,7 @@ GroupPrimary::GroupPrimary(const std::string& lighthouse, const std::string& hos
   store_ = c10::make_intrusive<c10d::TCPStore>(host, so);
   store_address_ = host + ":" + std::to_string(port);
   lighthouse_ = std::make_unique<LighthouseClient>(lighthouse);
+  lighthouse_->set_warn([](const std::string& w) { SHARDTORCH_WARN(w); });
   heartbeats_ = std::thread([this] { beat(); });
 }
 

@@ -143,6 +143,10 @@ QuorumReply LighthouseClient::quorum(const Member& me, std::chrono::milliseconds
   // (the tests' ranks) those timers do not run.
   int closed = 0, refused = 0;
   int64_t first_closed_ms = 0;
+  // Refused connections are said once a quarter of the wait (5 s at most)
+  // has gone without one made: the error itself comes only at the timeout.
+  const int64_t say_refused_after_ms = std::min<int64_t>(5000, timeout.count() / 4);
+  bool said_refused = false;
   auto pause = std::chrono::milliseconds(20);
   grpc::Status s;
   while (true) {
@@ -162,6 +166,15 @@ QuorumReply LighthouseClient::quorum(const Member& me, std::chrono::milliseconds
     if (s.ok() || s.error_code() != grpc::StatusCode::UNAVAILABLE) break;
     if (s.error_message().find("failed to connect") != std::string::npos) {
       ++refused;
+      if (!said_refused && closed == 0 && ms_since(t0) >= say_refused_after_ms) {
+        said_refused = true;
+        std::ostringstream w;
+        w << "shardtorch::ft: replica '" << me.replica_id << "': the lighthouse at " << address_ << " refused "
+          << refused << " connection" << (refused == 1 ? "" : "s") << " in " << ms_since(t0)
+          << " ms; trying again until the quorum timeout (" << timeout.count()
+          << " ms) ends. Is torchft_lighthouse running there, on that port?";
+        if (warn_) warn_(w.str());
+      }
     } else if (closed++ == 0) {
       first_closed_ms = ms_since(t0);
     }

@@ -4,6 +4,7 @@
 // depend on their headers.
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,10 +41,15 @@ class LighthouseClient {
   void allow_quorum();
   /// Tells the lighthouse this replica is alive; throws like quorum().
   void heartbeat(const std::string& replica_id, std::chrono::milliseconds timeout);
+  /// Where quorum() says, before its timeout, that the lighthouse refuses
+  /// connections (a quarter of the wait, 5 s at most, without one made);
+  /// none: not said. Set before quorum() is called.
+  void set_warn(std::function<void(const std::string&)> warn) { warn_ = std::move(warn); }
 
  private:
   struct Impl;
   std::string address_;
+  std::function<void(const std::string&)> warn_;
   std::unique_ptr<Impl> impl_;
 };
 
