@@ -7,39 +7,9 @@
 #include "runtime/shard_state.h"
 
 namespace shardtorch::checkpoint {
-namespace {
-
-// The whole tensor as [prefix, parts, block, suffix], and the slice's run
-// of each block: [start, start + count) of `block`.
-struct Blocks {
-  int64_t prefix = 1, parts = 1, block = 0, suffix = 1, start = 0, count = 0;
-};
-
-Blocks blocks_of(const detail::Placement& p) {
-  Blocks b;
-  const auto& s = p.full_shape;
-  SHARDTORCH_CHECK(p.dim >= 0 && p.dim < static_cast<int64_t>(s.size()) && p.parts >= 1 && p.size >= 1,
-                   "shardtorch: internal: a tensor-parallel placement along dimension ", p.dim, " of ",
-                   c10::IntArrayRef(s));
-  for (int64_t d = 0; d < p.dim; ++d) b.prefix *= s[d];
-  for (size_t d = p.dim + 1; d < s.size(); ++d) b.suffix *= s[d];
-  b.parts = p.parts;
-  b.block = s[p.dim] / p.parts;
-  b.count = b.block / p.size;
-  b.start = p.rank * b.count;
-  return b;
-}
-
-at::Tensor whole_view(const at::Tensor& whole, const detail::Placement& p, const Blocks& b) {
-  SHARDTORCH_CHECK(whole.sizes() == c10::IntArrayRef(p.full_shape), "shardtorch: internal: a whole tensor of ",
-                   whole.sizes(), " for a placement of ", c10::IntArrayRef(p.full_shape));
-  return whole.view({b.prefix, b.parts, b.block, b.suffix}).narrow(2, b.start, b.count);
-}
-
-}  // namespace
 
 std::vector<Run> runs_of(const detail::Placement& p, int64_t begin, int64_t length) {
-  const Blocks b = blocks_of(p);
+  const detail::Blocks b = detail::blocks_of(p);
   const int64_t run = b.count * b.suffix;  // a slice's elements of one block, consecutive in the whole too
   std::vector<Run> out;
   for (int64_t e = begin, end = begin + length; e < end;) {
@@ -48,18 +18,6 @@ std::vector<Run> runs_of(const detail::Placement& p, int64_t begin, int64_t leng
     e += n;
   }
   return out;
-}
-
-void put_slice(at::Tensor& whole, const at::Tensor& slice, const detail::Placement& p) {
-  const Blocks b = blocks_of(p);
-  whole_view(whole, p, b).copy_(slice.reshape({b.prefix, b.parts, b.count, b.suffix}));
-}
-
-at::Tensor take_slice(const at::Tensor& whole, const detail::Placement& p) {
-  const Blocks b = blocks_of(p);
-  std::vector<int64_t> shape = p.full_shape;
-  shape[p.dim] = b.parts * b.count;
-  return whole_view(whole, p, b).contiguous().view(shape);
 }
 
 at::Tensor read_slice(const detail::Placement& p, int64_t begin, int64_t length,

@@ -35,11 +35,8 @@ struct Run {
 /// Elements [begin, begin + length) of the flattened slice `p` describes,
 /// as runs of the flattened whole tensor, in order.
 std::vector<Run> runs_of(const detail::Placement& p, int64_t begin, int64_t length);
-/// Writes `slice` (this slice's elements, in any shape) into its place in
-/// `whole` (contiguous, of p.full_shape).
-void put_slice(at::Tensor& whole, const at::Tensor& slice, const detail::Placement& p);
-/// The slice `p` describes of `whole` (of p.full_shape), contiguous.
-at::Tensor take_slice(const at::Tensor& whole, const detail::Placement& p);
+using detail::put_slice;  // runtime/placement.h
+using detail::take_slice;
 /// Elements [begin, begin + length) of the flattened slice, from a source of
 /// the whole tensor's elements: read(first, count) returns `count` elements
 /// of the flattened whole tensor from `first` (called once per run).

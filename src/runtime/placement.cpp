@@ -3,6 +3,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "base/check.h"
 #include "shardtorch/collectives.h"
 
 namespace shardtorch::detail {
@@ -52,22 +53,51 @@ std::optional<std::pair<std::string, Placement>> first_split(torch::nn::Module& 
   return std::nullopt;
 }
 
+Blocks blocks_of(const Placement& p) {
+  Blocks b;
+  const auto& s = p.full_shape;
+  SHARDTORCH_CHECK(p.dim >= 0 && p.dim < static_cast<int64_t>(s.size()) && p.parts >= 1 && p.size >= 1,
+                   "shardtorch: internal: a tensor-parallel placement along dimension ", p.dim, " of ",
+                   c10::IntArrayRef(s));
+  for (int64_t d = 0; d < p.dim; ++d) b.prefix *= s[d];
+  for (size_t d = p.dim + 1; d < s.size(); ++d) b.suffix *= s[d];
+  b.parts = p.parts;
+  b.block = s[p.dim] / p.parts;
+  b.count = b.block / p.size;
+  b.start = p.rank * b.count;
+  return b;
+}
+
+namespace {
+at::Tensor whole_view(const at::Tensor& whole, const Placement& p, const Blocks& b) {
+  SHARDTORCH_CHECK(whole.sizes() == c10::IntArrayRef(p.full_shape), "shardtorch: internal: a whole tensor of ",
+                   whole.sizes(), " for a placement of ", c10::IntArrayRef(p.full_shape));
+  return whole.view({b.prefix, b.parts, b.block, b.suffix}).narrow(2, b.start, b.count);
+}
+}  // namespace
+
+void put_slice(at::Tensor& whole, const at::Tensor& slice, const Placement& p) {
+  const Blocks b = blocks_of(p);
+  whole_view(whole, p, b).copy_(slice.reshape({b.prefix, b.parts, b.count, b.suffix}));
+}
+
+at::Tensor take_slice(const at::Tensor& whole, const Placement& p) {
+  const Blocks b = blocks_of(p);
+  std::vector<int64_t> shape = p.full_shape;
+  shape[p.dim] = b.parts * b.count;
+  return whole_view(whole, p, b).contiguous().view(shape);
+}
+
 at::Tensor gather_whole(const at::Tensor& slice, const Placement& p, const std::string& what) {
   Comm& comm = p.group->comm();
-  int64_t prefix = 1, suffix = 1;
-  for (int64_t d = 0; d < p.dim; ++d) prefix *= p.full_shape[static_cast<size_t>(d)];
-  for (size_t d = static_cast<size_t>(p.dim) + 1; d < p.full_shape.size(); ++d) suffix *= p.full_shape[d];
-  const int64_t count = p.full_shape[static_cast<size_t>(p.dim)] / p.parts / p.size;  // one slice's run per block
   at::Tensor mine = slice.detach().contiguous().reshape({-1}).to(comm.device());
   at::Tensor all = at::empty({p.size * mine.numel()}, mine.options());
   comm.all_gather_into(all, mine, what);
-  // Rank r's slice holds run r of each block: [size, prefix, parts, count,
-  // suffix] -> [prefix, parts, size, count, suffix] is the whole, in order.
-  return all.view({p.size, prefix, p.parts, count, suffix})
-      .permute({1, 2, 0, 3, 4})
-      .contiguous()
-      .view(p.full_shape)
-      .to(slice.device());
+  at::Tensor whole = at::empty(p.full_shape, slice.options());
+  Placement of = p;
+  for (of.rank = 0; of.rank < p.size; ++of.rank)
+    put_slice(whole, all.narrow(0, of.rank * mine.numel(), mine.numel()).to(whole.device()), of);
+  return whole;
 }
 
 }  // namespace shardtorch::detail

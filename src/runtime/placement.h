@@ -34,6 +34,18 @@ std::optional<Placement> placement_of(const at::Tensor& t);
 /// placement), if any.
 std::optional<std::pair<std::string, Placement>> first_split(torch::nn::Module& root);
 
+/// The whole tensor as [prefix, parts, block, suffix], and the slice's run
+/// of each block: [start, start + count) of `block`.
+struct Blocks {
+  int64_t prefix = 1, parts = 1, block = 0, suffix = 1, start = 0, count = 0;
+};
+Blocks blocks_of(const Placement& p);
+/// Writes `slice` (this slice's elements, in any shape) into its place in
+/// `whole` (contiguous, of p.full_shape).
+void put_slice(at::Tensor& whole, const at::Tensor& slice, const Placement& p);
+/// The slice `p` describes of `whole` (of p.full_shape), contiguous.
+at::Tensor take_slice(const at::Tensor& whole, const Placement& p);
+
 /// The whole tensor (of p.full_shape) from this rank's `slice` of it and its
 /// group peers' (collective over p.group: an all-gather of the slices).
 at::Tensor gather_whole(const at::Tensor& slice, const Placement& p, const std::string& what);
