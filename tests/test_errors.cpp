@@ -99,8 +99,9 @@ TEST(Errors, ASwitchOtherThanZeroOrOneIsRefusedNamingTheVariable) {
 }
 
 // Calls that would do nothing without a word: an optimizer step while the
-// gradients are not synchronised (inside no_sync()), and a clip before any
-// backward. Each warns, saying what to do.
+// gradients are not synchronised (inside no_sync()), a clip before any
+// backward, and training a sharded model with no shardtorch optimizer. Each
+// warns, saying what to do.
 TEST(Errors, AStepOrAClipThatDoesNothingSaysWhy) {
   auto r = shardtorch::testing::run_ranks(2, [](shardtorch::World& w) {
     testmodels::CapturedWarnings warnings;
@@ -118,6 +119,20 @@ TEST(Errors, AStepOrAClipThatDoesNothingSaysWhy) {
     }
     testmodels::require(warnings.any_with("an optimizer step while gradient synchronisation is off"),
                         "no warning for a step inside no_sync()");
+    // torch::optim over the module's own parameters after shard(): no
+    // shardtorch optimizer, and the parameters never change.
+    testmodels::MLP plain;
+    shardtorch::shard(plain, w);
+    torch::optim::AdamW wrong(plain->parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int step = 0; step < 2; ++step) {
+      testmodels::require(!warnings.any_with("no shardtorch optimizer was built"), "warned before the second backward");
+      wrong.zero_grad();
+      plain(torch::randn({4, 7})).square().mean().backward();
+      wrong.step();
+    }
+    testmodels::require(warnings.any_with("two backwards have reduced the sharded model's gradients and no "
+                                          "shardtorch optimizer was built over it"),
+                        "no warning for a torch::optim optimizer over a sharded model's parameters");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

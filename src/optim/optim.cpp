@@ -20,6 +20,7 @@ ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "ca
   SHARDTORCH_CHECK(state_->options().mixed_precision().param_dtype() != at::kHalf || state_->optimizer().has_scaler(),
                    "shardtorch: fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
                    "model before its optimizer, and step through scaler.step(*opt)");
+  state_->optimizer().optimizer_built();
   if (state_->path().replicated()) {  // NoShard: the optimizer runs over the parameters themselves
     const auto& params = state_->path().replicated()->params();
     const auto& optimized = state_->path().replicated()->optimized();

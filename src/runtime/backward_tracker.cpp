@@ -164,6 +164,7 @@ void BackwardTracker::finish() {
       if (sync_) model_.order().issue_reductions(/*at_end=*/true);
       model_.path().sharded().finish_backward(sync_);
       if (auto* off = model_.copies().offloader()) off->worker().drain();  // the gradient shards reach host memory
+      if (sync_) model_.optimizer().backward_reduced();
     }
     for (auto& u : all) {
       u->gather().reshard();

@@ -107,6 +107,17 @@ void OptimizerSide::zero_grads() {
     for (auto& f : u->flats()) f->grads().zero_grad();
 }
 
+void OptimizerSide::backward_reduced() {
+  // NoShard's parameters are the module's own, and hold their gradients.
+  if (optimizers_built_ > 0 || model_.path().replicated() || ++reduced_backwards_ != 2) return;
+  SHARDTORCH_WARN(detail::rank_prefix(model_.world().global_rank()),
+                  ": two backwards have reduced the sharded model's gradients and no shardtorch optimizer was built "
+                  "over it. After shard(), the module's own parameters hold no memory between forwards and get no "
+                  "gradient, so a torch::optim optimizer over model->parameters() updates nothing. Build it over the "
+                  "model: shardtorch::AdamW(*model, options) (or Adam, SGD, ShardedOptimizer::make<...>). If only "
+                  "the gradients are wanted (a FullParams scope with with_grads(true) shows them), ignore this");
+}
+
 void OptimizerSide::check_requires_grad_unchanged() const {
   // Flat parameters, hooks and the optimizer's pieces were fixed by shard():
   // a parameter unfrozen since would never have its gradient reduced nor be

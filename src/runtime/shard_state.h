@@ -134,6 +134,13 @@ class OptimizerSide {
     for (auto& [id, f] : guards_) f();
   }
 
+  /// A shardtorch optimizer was built over this model.
+  void optimizer_built() { ++optimizers_built_; }
+  /// A backward reduced the gradients. The second with no shardtorch
+  /// optimizer built over a sharded model warns once: a torch::optim
+  /// optimizer over the module's own parameters would update nothing.
+  void backward_reduced();
+
   /// fp16 mixed precision needs a GradScaler; one registers itself here.
   bool has_scaler() const { return has_scaler_; }
   void set_has_scaler() { has_scaler_ = true; }
@@ -155,6 +162,8 @@ class OptimizerSide {
   std::map<int, std::function<void()>> listeners_, guards_;
   int next_listener_ = 0;
   bool has_scaler_ = false;
+  int optimizers_built_ = 0;
+  int reduced_backwards_ = 0;
 };
 
 class ShardState : public std::enable_shared_from_this<ShardState> {
