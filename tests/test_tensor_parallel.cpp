@@ -670,6 +670,35 @@ TEST(TpErrors, ARankWhoseModelDiffersIsRefusedNamingTheParameter) {
   }
 }
 
+// Every rank of a group computes on the same batch: a batch per global rank
+// (the mistake of a data loader indexed by it) fails at the first forward on
+// every rank, naming the layer; the same batch passes.
+TEST(TpErrors, RanksOfAGroupGivenDifferentBatchesFailAtTheFirstForward) {
+  const auto x = tokens();
+  for (const bool same : {true, false}) {
+    auto r = run_ranks(2, [&](World& w) {
+      auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", 1}, {"tp", 2}});
+      torch::manual_seed(0);
+      gpt::GPT model(tp_config());
+      shardtorch::parallelize(*model, (*mesh)["tp"], gpt::tp_plan(tp_config()));
+      shardtorch::shard(model, (*mesh)["dp"]);
+      auto mine = same ? x : x.narrow(0, w.rank() * (kBatch / 2), kBatch / 2);
+      model(mine);
+    });
+    if (same) {
+      EXPECT_TRUE(r.ok) << r.summary();
+      continue;
+    }
+    ASSERT_FALSE(r.ok);
+    for (const auto& m : errors_of(r)) {
+      EXPECT_NE(m.find("'tok_emb': the ranks of its tensor-parallel group got different inputs in its first forward"),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("give each dp coordinate its own batch"), std::string::npos) << m;
+    }
+  }
+}
+
 // Parameters left whole that drift apart across a group are named: by
 // check_replicated when one rank's values changed (here the ranks at tp
 // coordinate 1 edit two norms), by the collective check when one rank took

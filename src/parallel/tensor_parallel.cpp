@@ -62,6 +62,40 @@ bool matches(const std::string& pattern, const std::string& name) {
 
 std::string what(const TpLayer& l) { return std::string(kind_name(l.style.kind())) + " layer '" + l.name + "'"; }
 
+// A layer whose input every rank of its group must hold alike (not a slice):
+// at its first forward, the ranks compare a signature of their inputs (the
+// count, the sum, the sum of squares and a weighted sum, as bits) and all
+// throw if one differs. A data loader indexed by the global rank instead of
+// the dp coordinate would otherwise train on a mix of batches without a word.
+void compare_inputs_once(TpLayer& l, const at::Tensor& x) {
+  if (l.inputs_compared) return;
+  l.inputs_compared = true;
+  Comm& comm = l.group->comm();
+  if (comm.size() == 1) return;
+  c10::NoGradGuard no_grad;
+  const at::Tensor v = x.detach().reshape({-1}).to(at::kDouble);
+  const at::Tensor weights = at::arange(v.numel(), v.options()).remainder(7).add(1);
+  at::Tensor mine = at::stack({at::scalar_tensor(static_cast<double>(v.numel()), v.options()), v.sum(),
+                               v.square().sum(), (v * weights).sum()})
+                        .to(comm.device());
+  at::Tensor all = at::empty({comm.size() * 4}, mine.options());
+  comm.all_gather_into(all, mine, what(l) + "'s inputs, compared once");
+  all = all.cpu();
+  const auto* bits = static_cast<const int64_t*>(all.data_ptr());  // NaN equals itself, bit for bit
+  const auto* sums = all.data_ptr<double>();
+  for (int r = 1; r < comm.size(); ++r) {
+    if (std::equal(bits, bits + 4, bits + 4 * r)) continue;
+    SHARDTORCH_CHECK(false, detail::rank_prefix(l.group->global_rank()), ": ", what(l),
+                     ": the ranks of its tensor-parallel group got different inputs in its first forward (rank ",
+                     l.group->global_rank_of(r), "'s ", static_cast<int64_t>(sums[4 * r]), " elements sum to ",
+                     sums[4 * r + 1], ", rank ", l.group->global_rank_of(0), "'s ", static_cast<int64_t>(sums[0]),
+                     " to ", sums[1],
+                     "). Every rank of a tensor-parallel group computes on the same batch: give "
+                     "each dp coordinate its own batch (mesh->coordinate(\"dp\")) and every tp rank of it the same "
+                     "one, not a batch per global rank");
+  }
+}
+
 // The parts of dimension `dim` (length parts x k x n, rank r's slices of each part) of `t`.
 at::Tensor slice_of(const at::Tensor& t, int64_t dim, int parts, int n, int r) {
   const int64_t part = t.size(dim) / parts, k = part / n;
@@ -93,11 +127,12 @@ void sum_gradient_over(at::Tensor p, const std::shared_ptr<World>& group, const 
 namespace {
 
 // A split Linear's forward (ParallelLinear, TiedLinear) with its own weight and bias.
-at::Tensor linear_forward(const TpLayer& l, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
+at::Tensor linear_forward(TpLayer& l, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
   Comm& comm = l.group->comm();
   const std::string w = what(l);
   switch (l.style.kind()) {
     case TpStyle::Kind::Colwise: {
+      if (!l.sequence_parallel) compare_inputs_once(l, input);
       at::Tensor x = l.sequence_parallel ? detail::tp::gather_for_column(input, l.sequence_dim, comm, w + " input")
                                          : detail::tp::copy_to_group(input, comm, w + " input");
       at::Tensor y = at::linear(x, weight, bias);
@@ -121,6 +156,7 @@ at::Tensor linear_forward(const TpLayer& l, const at::Tensor& input, const at::T
         SHARDTORCH_CHECK(x.size(-1) == local * comm.size(), detail::rank_prefix(l.group->global_rank()), ": ", w,
                          " takes inputs whose last dimension is its slice (", local, ") or the whole (",
                          local * comm.size(), "), got ", describe(x));
+        compare_inputs_once(l, x);
         x = detail::tp::split_dim(x, -1, comm, w + " input");
       }
       if (comm.size() == 1) return at::linear(x, weight, bias);  // what the unsplit layer computes, bitwise
@@ -130,6 +166,7 @@ at::Tensor linear_forward(const TpLayer& l, const at::Tensor& input, const at::T
       return bias.defined() ? y + bias : y;
     }
     case TpStyle::Kind::ShardOutput:
+      compare_inputs_once(l, input);
       return detail::tp::split_dim(at::linear(input, weight, bias), l.style.dim(), comm, w + " output");
     default:
       break;
@@ -154,9 +191,10 @@ at::Tensor TiedLinearImpl::forward(const at::Tensor& input) {
 
 at::Tensor ParallelEmbeddingImpl::forward(const at::Tensor& indices) {
   if (!tp) return torch::nn::EmbeddingImpl::forward(indices);
-  const TpLayer& l = *tp;
+  TpLayer& l = *tp;
   Comm& comm = l.group->comm();
   const std::string w = what(l);
+  compare_inputs_once(l, indices);
   if (l.style.kind() == TpStyle::Kind::ShardOutput)
     return detail::tp::split_dim(torch::nn::EmbeddingImpl::forward(indices), l.style.dim(), comm, w + " output");
   // VocabEmbedding: rows [vocab_start, vocab_end) here; other ids look up zeros, summed over the group.

@@ -16,6 +16,7 @@ struct TpLayer {
   bool sequence_parallel = false;
   int64_t sequence_dim = 1;
   int64_t vocab_start = 0, vocab_end = 0;  // VocabEmbedding: this rank's rows
+  bool inputs_compared = false;            // its first forward compared the group's inputs
 };
 
 }  // namespace shardtorch::detail
