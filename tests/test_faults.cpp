@@ -336,6 +336,22 @@ TEST(Faults, ARankThatFinishedEarlyIsNamedAsFinished) {
   EXPECT_NE(r.ranks[0].message.find("after step 2, optimizer step done, with no exception in flight"),
             std::string::npos)
       << r.summary();
+  // The same with a sharded model, whose destruction comes first.
+  r = run_ranks(2, [](World& w) {
+    testmodels::MLP m;
+    shardtorch::shard(m, w);
+    auto opt = shardtorch::AdamW(*m, torch::optim::AdamWOptions(1e-2));
+    for (int step = 0; step < (w.rank() == 1 ? 2 : 3); ++step) {
+      opt->zero_grad();
+      m(torch::randn({4, 7})).square().mean().backward();
+      opt->step();
+    }
+  });
+  EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 had finished: its World was destroyed "), std::string::npos)
+      << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("after step 2, optimizer step done, with no exception in flight"),
+            std::string::npos)
+      << r.summary();
 }
 
 // A rank whose World goes while an exception unwinds (it stopped on an

@@ -12,10 +12,16 @@ namespace shardtorch::detail {
 
 namespace {
 struct ModelRegistry {
+  struct Entry {
+    std::weak_ptr<torch::nn::Module> root;
+    std::weak_ptr<ShardState> state;
+    std::shared_ptr<ShardState> kept;  // a state no unit owns
+  };
   std::mutex mu;
-  std::vector<std::pair<std::weak_ptr<torch::nn::Module>, std::shared_ptr<ShardState>>> entries;
+  std::vector<Entry> entries;
   void prune() {
-    entries.erase(std::remove_if(entries.begin(), entries.end(), [](const auto& e) { return e.first.expired(); }),
+    entries.erase(std::remove_if(entries.begin(), entries.end(),
+                                 [](const Entry& e) { return e.root.expired() || e.state.expired(); }),
                   entries.end());
   }
 };
@@ -25,7 +31,7 @@ ModelRegistry& model_registry() {
 }
 }  // namespace
 
-void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state) {
+void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state, bool owned) {
   std::weak_ptr<torch::nn::Module> weak = root.weak_from_this();
   SHARDTORCH_CHECK(!weak.expired(),
                    "shardtorch::shard: the root module must be owned by a std::shared_ptr (declare "
@@ -34,16 +40,16 @@ void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& 
   auto& r = model_registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.prune();
-  r.entries.emplace_back(weak, state);
+  r.entries.push_back({weak, state, owned ? nullptr : state});
 }
 
 std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root) {
   auto& r = model_registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.prune();
-  for (const auto& [weak, state] : r.entries) {
-    auto m = weak.lock();
-    if (m.get() == &root) return state;
+  for (const auto& e : r.entries) {
+    auto m = e.root.lock();
+    if (m.get() == &root) return e.state.lock();
   }
   return nullptr;
 }

@@ -108,14 +108,18 @@ void OptimizerSide::zero_grads() {
 }
 
 void OptimizerSide::backward_reduced() {
-  // NoShard's parameters are the module's own, and hold their gradients.
-  if (optimizers_built_ > 0 || model_.path().replicated() || ++reduced_backwards_ != 2) return;
+  if (optimizers_built_ > 0 || warned_no_optimizer_) return;
+  warned_no_optimizer_ = true;
   SHARDTORCH_WARN(detail::rank_prefix(model_.world().global_rank()),
-                  ": two backwards have reduced the sharded model's gradients and no shardtorch optimizer was built "
-                  "over it. After shard(), the module's own parameters hold no memory between forwards and get no "
-                  "gradient, so a torch::optim optimizer over model->parameters() updates nothing. Build it over the "
-                  "model: shardtorch::AdamW(*model, options) (or Adam, SGD, ShardedOptimizer::make<...>). If only "
-                  "the gradients are wanted (a FullParams scope with with_grads(true) shows them), ignore this");
+                  ": a backward reduced the model's gradients and no shardtorch optimizer was built over the model. "
+                  "A torch::optim optimizer over model->parameters() does not train a model after shard(): ",
+                  model_.path().replicated()
+                      ? "under NoShard their gradients are views of the reduction buckets, which torch::optim's "
+                        "zero_grad cannot detach (\"Can't detach views in-place\")"
+                      : "those parameters hold no memory between forwards and get no gradient, so its step changes "
+                        "nothing",
+                  ". Build the optimizer over the model: shardtorch::AdamW(*model, options) (or Adam, SGD, "
+                  "ShardedOptimizer::make<...>). If only the gradients are wanted, ignore this");
 }
 
 void OptimizerSide::check_requires_grad_unchanged() const {

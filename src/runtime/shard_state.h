@@ -136,9 +136,9 @@ class OptimizerSide {
 
   /// A shardtorch optimizer was built over this model.
   void optimizer_built() { ++optimizers_built_; }
-  /// A backward reduced the gradients. The second with no shardtorch
-  /// optimizer built over a sharded model warns once: a torch::optim
-  /// optimizer over the module's own parameters would update nothing.
+  /// A backward reduced the gradients. The first with no shardtorch
+  /// optimizer built over the model warns once: a torch::optim optimizer
+  /// over the module's own parameters would not train it.
   void backward_reduced();
 
   /// fp16 mixed precision needs a GradScaler; one registers itself here.
@@ -163,7 +163,7 @@ class OptimizerSide {
   int next_listener_ = 0;
   bool has_scaler_ = false;
   int optimizers_built_ = 0;
-  int reduced_backwards_ = 0;
+  bool warned_no_optimizer_ = false;
 };
 
 class ShardState : public std::enable_shared_from_this<ShardState> {
@@ -225,8 +225,12 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   OptimizerSide optimizer_;
 };
 
-/// The registry of sharded models, by root module (entries die with it).
-void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state);
+/// The registry of sharded models, by root module. `owned`: the model's unit
+/// modules own the state (Unit::owner_, UnitBase's NoShard state), and the
+/// entry does not keep it: a model destroyed frees its state (its memory, its
+/// World) with it. Otherwise (NoShard over modules none of which is a unit)
+/// the entry keeps it until a later registration or lookup finds the root gone.
+void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state, bool owned);
 std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root);
 /// The state of a sharded model; throws, naming `what` (the call), if it never was.
 std::shared_ptr<ShardState> require_state(torch::nn::Module& root, const std::string& what);

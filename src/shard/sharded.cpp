@@ -563,7 +563,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
                         : std::unordered_set<const void*>{};
   if (strategy == Strategy::NoShard) {
     shard_replicated(root, *world, found, config.checkpointed, state, keep);
-    detail::register_model(root, state);
+    detail::register_model(root, state, /*owned=*/root_is_unit || !found.units.empty());
     detail::collective_context(*world).setup_done();
     world->note_progress("shard() done");
     return ShardedModel(state);
@@ -586,7 +586,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   state->buffers().setup(*world, options, found.buffers, keep);
   for (size_t u = 0; u < found.units.size(); ++u) detail::ShardState::attach(*found.units[u].base, made[u]);
   enable_checkpointing(found.units, config.checkpointed, state, made);
-  detail::register_model(root, state);
+  detail::register_model(root, state, /*owned=*/true);
   detail::collective_context(*world).setup_done();
   world->note_progress("shard() done");
   return ShardedModel(state);
