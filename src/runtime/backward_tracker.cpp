@@ -148,6 +148,7 @@ void BackwardTracker::finish() {
     failure_point("end of backward");
     if (auto* replicated = model_.path().replicated()) {
       if (!no_gradients) replicated->finish_backward(sync_);
+      if (!no_gradients && sync_) model_.optimizer().backward_reduced();
       end_finishing();
       return;
     }
