@@ -225,11 +225,12 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   OptimizerSide optimizer_;
 };
 
-/// The registry of sharded models, by root module. `owned`: the model's unit
-/// modules own the state (Unit::owner_, UnitBase's NoShard state), and the
-/// entry does not keep it: a model destroyed frees its state (its memory, its
-/// World) with it. Otherwise (NoShard over modules none of which is a unit)
-/// the entry keeps it until a later registration or lookup finds the root gone.
+/// The registry of sharded models, by root module. `owned`: the model's
+/// modules own the state (each Unit's owner_, a Unit attached to a unit
+/// module), and the entry does not keep it: a model destroyed frees its state
+/// (its memory, its World) with it. Otherwise (NoShard under a root that is
+/// not a unit) the entry keeps it until a later registration or lookup finds
+/// the root gone.
 void register_model(torch::nn::Module& root, const std::shared_ptr<ShardState>& state, bool owned);
 std::shared_ptr<ShardState> lookup_model(torch::nn::Module& root);
 /// The state of a sharded model; throws, naming `what` (the call), if it never was.

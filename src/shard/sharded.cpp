@@ -563,7 +563,7 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
                         : std::unordered_set<const void*>{};
   if (strategy == Strategy::NoShard) {
     shard_replicated(root, *world, found, config.checkpointed, state, keep);
-    detail::register_model(root, state, /*owned=*/root_is_unit || !found.units.empty());
+    detail::register_model(root, state, /*owned=*/root_is_unit);  // the root's Unit owns it; units hold it weakly
     detail::collective_context(*world).setup_done();
     world->note_progress("shard() done");
     return ShardedModel(state);
