@@ -505,6 +505,31 @@ TEST(DcpSave, SavedAtThreeRanksLoadsAtTwoUnderAnotherStrategyBitwise) {
     require(e.find("without the prefix 'model.', as dcp.save(model.state_dict()) writes it: "
                    "DcpLoadOptions().model_prefix(\"\")?") != std::string::npos,
             "the load without a prefix said: '" + e + "'");
+    auto error_of = [&](const std::function<void()>& load) {
+      try {
+        load();
+      } catch (const shardtorch::Error& x) {
+        return std::string(x.what());
+      }
+      return std::string("no error");
+    };
+    // An optimizer given for a checkpoint saved with the model alone: its
+    // state would start from zero while the parameters go on.
+    e = error_of(
+        [&] { shardtorch::load_dcp_checkpoint(*m, opt.get(), plain, shardtorch::DcpLoadOptions().model_prefix("")); });
+    require(e.find("an optimizer was given but the checkpoint holds no optimizer (no key under 'optim.')") !=
+                    std::string::npos &&
+                e.find("Pass a null optimizer to load the parameters alone") != std::string::npos,
+            "the load of a model-only checkpoint with an optimizer said: '" + e + "'");
+    // A module renamed in the model: both sides of the rename, the others counted.
+    e = error_of([&] {
+      shardtorch::load_dcp_checkpoint(*m, opt.get(), ck, shardtorch::DcpLoadOptions().replace_prefix("l1.", "x1."));
+    });
+    require(e.find("(mapped to 'x1.") != std::string::npos && e.find("the model's 'l1.") != std::string::npos &&
+                e.find("has no tensor: replace_prefix(\"x1.\", \"l1.\")?") != std::string::npos &&
+                e.find("more the model has no name for (") != std::string::npos &&
+                e.find("2 of the model's names have no tensor ('l1.bias', 'l1.weight')") != std::string::npos,
+            "the load into a renamed module said: '" + e + "'");
   });
   ASSERT_TRUE(loaded.ok) << loaded.summary();
 }

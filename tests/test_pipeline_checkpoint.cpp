@@ -13,6 +13,7 @@
 #include "checkpoint_helpers.h"
 #include "models.h"
 #include "progress_helpers.h"
+#include "shardtorch/dcp_checkpoint.h"
 #include "shardtorch/snapshot.h"
 
 using namespace testmodels;
@@ -574,6 +575,19 @@ TEST(PipelineCheckpoint, AnotherModelsCheckpointFailsEveryStageAndChangesNothing
     // The optimizer state is the saved one still: the next step is the saving run's.
     p.train(1);
     require_bitwise(p.values(), s.next, "the step after the refused loads");
+    // DCP holds no pipeline: a stage's module is refused on every rank,
+    // saying which checkpoints to use (a save would write one stage's over another's).
+    for (const bool save : {true, false}) {
+      msg = message_of([&] {
+        if (save)
+          shardtorch::save_dcp_checkpoint(p.pipe->module(), p.opt.get(), dir / "dcp");
+        else
+          shardtorch::load_dcp_checkpoint(p.pipe->module(), p.opt.get(), dir / "dcp");
+      });
+      require(msg.find("this model is a Pipeline's stage (pipe.module())") != std::string::npos &&
+                  msg.find("shardtorch-convert sharded-to-dcp") != std::string::npos,
+              std::string(save ? "save" : "load") + "_dcp_checkpoint of a stage: " + msg);
+    }
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

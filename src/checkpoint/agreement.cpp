@@ -25,7 +25,8 @@ std::vector<std::string> agreed_fingerprints(World& world, const std::string& er
                                                  without_path(what) + ": agreement");
   for (size_t r = 0; r < reports.size(); ++r)
     if (!reports[r].empty() && reports[r][0] == '!')
-      throw SafetensorsError(what + ": rank " + std::to_string(r) + ": " + reports[r].substr(1));
+      throw SafetensorsError(what + ": rank " + std::to_string(world.global_rank_of(static_cast<int>(r))) + ": " +
+                             reports[r].substr(1));
   for (auto& report : reports) report.erase(0, 1);
   return reports;
 }
@@ -34,8 +35,9 @@ void agree_on_errors(World& world, const std::string& error, const std::string& 
   const auto prints = agreed_fingerprints(world, error, what, fingerprint);
   for (size_t r = 1; r < prints.size(); ++r)
     if (prints[r] != prints[0])
-      throw SafetensorsError(what + ": rank " + std::to_string(r) + " read " + prints[r] + " but rank 0 read " +
-                             prints[0] + " (every rank must see the same checkpoint)");
+      throw SafetensorsError(what + ": rank " + std::to_string(world.global_rank_of(static_cast<int>(r))) + " read " +
+                             prints[r] + " but rank " + std::to_string(world.global_rank_of(0)) + " read " + prints[0] +
+                             " (every rank must see the same checkpoint)");
 }
 
 void load_agreed(ShardState& state, const std::string& error, const std::string& fingerprint,

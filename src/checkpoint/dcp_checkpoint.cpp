@@ -32,13 +32,57 @@ std::string shape_text(c10::IntArrayRef s) {
   return os.str();
 }
 
+// "'a', 'b', 'c', ..." of the first three of `names` ("" when none).
+std::string some_of(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 3; ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  return out + (names.size() > 3 ? ", ..." : "");
+}
+
 // The checkpoint's keys sorted by what they are to this model.
 struct Keys {
   std::map<std::string, const dcp::Entry*> model;  // model name -> entry
   // (model name, kind) -> entry: "<optimizer_prefix>state.<fqn>.<kind>"
   std::map<std::pair<std::string, std::string>, const dcp::Entry*> optim;
   bool any_optim_state = false;
+  bool any_optim = false;  // a key under the optimizer's prefix: state or param_groups
 };
+
+// The first unexpected key, how many more there are, and the model's names
+// no tensor maps to: side by side they show a renamed module (with the
+// replace_prefix that maps one onto the other) or a prefix.
+[[noreturn]] void throw_unexpected(const std::vector<std::pair<std::string, std::string>>& unexpected,
+                                   const std::set<std::string>& model_names, const Keys& keys,
+                                   const std::string& where) {
+  const auto& [key, m] = unexpected.front();
+  std::vector<std::string> others, unmatched;
+  for (size_t i = 1; i < unexpected.size(); ++i) others.push_back(unexpected[i].first);
+  for (const auto& n : model_names)
+    if (!keys.model.count(n)) unmatched.push_back(n);
+  std::string hint;
+  for (const auto& name : model_names)
+    if (checkpoint::ends_with(m, "." + name)) {
+      hint = " (the checkpoint's '" + m + "' is the model's '" + name + "' behind a prefix: strip_prefix(\"" +
+             m.substr(0, m.size() - name.size()) + "\")?)";
+      break;
+    }
+  for (const auto& n : unmatched) {  // the same name under another first part: a module renamed
+    const auto a = m.find('.'), b = n.find('.');
+    if (!hint.empty() || a == std::string::npos || b == std::string::npos || m.substr(a) != n.substr(b)) continue;
+    hint = " (the model's '" + n + "' has no tensor: replace_prefix(\"" + m.substr(0, a + 1) + "\", \"" +
+           n.substr(0, b + 1) + "\")?)";
+  }
+  std::string text = where + ": unexpected tensor '" + key + "'" + (m != key ? " (mapped to '" + m + "')" : "") +
+                     ": the model has no parameter or buffer of that name" + hint;
+  if (!others.empty())
+    text += ", and " + std::to_string(others.size()) + " more the model has no name for (" + some_of(others) + ")";
+  if (!unmatched.empty())
+    text +=
+        "; " + std::to_string(unmatched.size()) + " of the model's names have no tensor (" + some_of(unmatched) + ")";
+  throw SafetensorsError(text +
+                         ". Map the checkpoint's names with DcpLoadOptions().model_prefix/strip_prefix/replace_prefix/"
+                         "map_name, skip a tensor by mapping it to nullopt, or pass ignore_unexpected(true)");
+}
 
 Keys sort_keys(const dcp::Metadata& md, const std::set<std::string>& model_names, const DcpLoadOptions& options,
                bool with_optimizer, DcpLoadReport& report, const std::string& where) {
@@ -46,29 +90,19 @@ Keys sort_keys(const dcp::Metadata& md, const std::set<std::string>& model_names
   auto map = [&](const std::string& fqn) {
     return checkpoint::map_checkpoint_name(fqn, options.prefix_rules(), options.map_name());
   };
+  std::vector<std::pair<std::string, std::string>> unexpected_keys;  // (key, mapped name), said after the loop
   auto unexpected = [&](const std::string& key, const std::string& m) {
-    if (options.ignore_unexpected()) {
+    if (options.ignore_unexpected())
       report.unexpected.push_back(key);
-      return;
-    }
-    std::string hint;
-    for (const auto& name : model_names)
-      if (checkpoint::ends_with(m, "." + name)) {
-        hint = " (the checkpoint's '" + m + "' is the model's '" + name + "' behind a prefix: strip_prefix(\"" +
-               m.substr(0, m.size() - name.size()) + "\")?)";
-        break;
-      }
-    throw SafetensorsError(where + ": unexpected tensor '" + key + "'" + (m != key ? " (mapped to '" + m + "')" : "") +
-                           ": the model has no parameter or buffer of that name" + hint +
-                           " (map the checkpoint's names with DcpLoadOptions().model_prefix/strip_prefix/"
-                           "replace_prefix/map_name, skip it by mapping it to nullopt, or pass "
-                           "ignore_unexpected(true))");
+    else
+      unexpected_keys.emplace_back(key, m);
   };
   const std::string& op = options.optimizer_prefix();
   const std::string& mp = options.model_prefix();
   for (const auto& e : md.entries) {
     const std::string& key = e.name;
     if (!op.empty() && key.rfind(op, 0) == 0) {
+      keys.any_optim = true;
       const std::string rest = key.substr(op.size());
       const auto dot = rest.rfind('.');
       if (rest.rfind("state.", 0) != 0 || dot == std::string::npos || dot <= 6) {
@@ -112,6 +146,7 @@ Keys sort_keys(const dcp::Metadata& md, const std::set<std::string>& model_names
       throw SafetensorsError(where + ": '" + keys.model[*m]->name + "' and '" + key + "' both map to the model's '" +
                              *m + "' (change the name mapping so that at most one does, or skip the other)");
   }
+  if (!unexpected_keys.empty()) throw_unexpected(unexpected_keys, model_names, keys, where);
   return keys;
 }
 
@@ -311,6 +346,17 @@ void DcpLoad::plan_optimizer() {
                            ": the optimizer is none of Adam, AdamW and SGD, whose state this loader "
                            "reads (pass a null optimizer to load the parameters alone)");
   kind_ = *kind;
+  if (!keys_.any_optim) {   // saved with the model alone (state saved before any step still has param_groups)
+    std::string elsewhere;  // an optimizer saved under another prefix
+    for (const auto& e : src_->metadata().entries)
+      if (const auto at = e.name.find("state."); at != std::string::npos && elsewhere.empty())
+        elsewhere = " (it has '" + e.name + "': optimizer_prefix(\"" + e.name.substr(0, at) + "\")?)";
+    throw SafetensorsError(where_ + ": an optimizer was given but the checkpoint holds no optimizer (no key under '" +
+                           options_.optimizer_prefix() + "'" + elsewhere +
+                           "): it was saved with the model alone, and the optimizer's moments and step counts would "
+                           "start from zero while the parameters go on. Pass a null optimizer to load the parameters "
+                           "alone (the optimizer then starts fresh), or a checkpoint saved with the optimizer");
+  }
   amsgrad_ = detail::amsgrad_params(*opt_);
   for (const auto& item : root_.named_parameters()) param_shapes_[item.key()] = item.value().sizes().vec();
   // Every name of each parameter (a tied one has several): its state may be under any.
@@ -380,8 +426,9 @@ void DcpLoad::report_files() {
 
 DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
                                   const DcpLoadOptions& options) {
-  checkpoint::dcp::refuse_tensor_parallel(
-      root, detail::require_state(root, "load_dcp_checkpoint")->world().global_rank(), "load_dcp_checkpoint");
+  const auto state = detail::require_state(root, "load_dcp_checkpoint");
+  checkpoint::dcp::refuse_tensor_parallel(root, state->world().global_rank(), "load_dcp_checkpoint");
+  checkpoint::dcp::refuse_pipeline_stage(*state, options.ignore_unexpected(), "load_dcp_checkpoint");
   checkpoint::LoadRun run(root, "load_dcp_checkpoint", dir, options.progress(), nullptr);
   DcpLoadReport report;
   DcpLoad load(root, opt, options, run, report);  // holds the source the changes read from

@@ -440,6 +440,7 @@ DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
                                   const DcpSaveOptions& options) {
   auto state = detail::require_state(root, "save_dcp_checkpoint");
   checkpoint::dcp::refuse_tensor_parallel(root, state->world().global_rank(), "save_dcp_checkpoint");
+  checkpoint::dcp::refuse_pipeline_stage(*state, /*ignoring=*/false, "save_dcp_checkpoint");
   detail::FileWaits file_waits(*state);  // each rank waits for the slowest writer
   c10::NoGradGuard no_grad;
   DcpSave save(root, opt, checkpoint::normalized(dir_arg), options, *state);

@@ -113,6 +113,7 @@ class HfLoad {
   Reader& open(const std::string& file);
   Reader* reader_of(const Held& s) const { return readers_.at(s.file).get(); }
   void missing(const std::string& m, const char* kind);
+  bool ties_word_embeddings() const;
   const TensorRecord& check(const Held& s, const std::string& m, c10::IntArrayRef want, at::ScalarType dtype,
                             const char* kind);
   const Held* source_of(const at::Tensor& p, c10::IntArrayRef shape, at::ScalarType dtype, int64_t first,
@@ -244,6 +245,22 @@ std::string HfLoad::prefix_hint(const std::set<std::string>& model_names) const 
   return "";
 }
 
+// Whether config.json beside the checkpoint ties the word embeddings
+// (transformers' tie_word_embeddings: the head is not saved).
+bool HfLoad::ties_word_embeddings() const {
+  const std::string config = files::join(src_.dir, "config.json");
+  if (!files::is_regular_file(config)) return false;
+  try {
+    const std::string text = checkpoint::read_text_file(config, "config.json", 1 << 20, "larger than 1 MB");
+    const auto at = text.find("\"tie_word_embeddings\"");
+    if (at == std::string::npos) return false;
+    const auto value = text.find_first_not_of(" \t\r\n:", at + 21);
+    return value != std::string::npos && text.compare(value, 4, "true") == 0;
+  } catch (const std::exception&) {
+    return false;  // a hint only
+  }
+}
+
 void HfLoad::missing(const std::string& m, const char* kind) {
   if (options_.may_be_missing(m)) {
     report_.missing.push_back(m);
@@ -255,6 +272,13 @@ void HfLoad::missing(const std::string& m, const char* kind) {
       hint = " (the checkpoint has '" + c + "': strip_prefix(\"" + c.substr(0, c.size() - m.size()) + "\")?)";
       break;
     }
+  if (hint.empty() && ties_word_embeddings())
+    hint =
+        " (the checkpoint's config.json has tie_word_embeddings true: the output projection is saved once, as "
+        "the input embedding's weight. Tie the model's '" +
+        m +
+        "' to its input embedding (one tensor, a shardtorch::TiedLinear head) if it is that projection; "
+        "allowing it to be missing would leave it at its initial values)";
   throw SafetensorsError(where_ + ": no tensor for the model's " + kind + " '" + m + "'" + hint +
                          "; map the checkpoint's names onto the model's (HfLoadOptions().strip_prefix, "
                          "replace_prefix, map_name), or allow it to be missing (allow_missing, allow_missing_if)");
