@@ -460,6 +460,29 @@ TEST(NoShard, ErrorOnUnusedParametersFailsEveryRankAlike) {
   ASSERT_TRUE(e.ok) << e.summary();
 }
 
+// A unit of two flat parameters (trainable and frozen) whose two all-gathers
+// both fail: the forward throws the first one's error, and the second's is
+// not printed beside it as a warning (the same failure, said twice).
+TEST(FullShard, AFailedGatherOfAUnitWithTwoFlatParametersIsSaidOnce) {
+  auto r = run_ranks(2, [](World& w) {
+    testmodels::MLP m;
+    shardtorch::shard(m, w);
+    CapturedWarnings warnings;
+    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    shardtorch::testing::fail_collectives("parameters of unit 'l2'", 2);
+    std::string error;
+    try {
+      m(torch::randn({4, 7}));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    shardtorch::testing::fail_collectives("", 0);
+    require(error.find("failure injected") != std::string::npos, "the forward said: " + error);
+    require(!warnings.any_with("that nothing read failed"), "the second gather's failure was warned about too");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(FullShard, ReshardAfterForwardPerUnit) {
   auto r = run_ranks(2, [](World& w) {
     auto model = gpt::GPT(gpt::Config{});

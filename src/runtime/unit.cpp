@@ -1,16 +1,17 @@
 // The life of a unit: gather, free, hooks and gradient hand-off (docs/design.md).
 #include <c10/core/GradMode.h>
-#include "base/log.h"
-#include "base/check.h"
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <exception>
 #include <sstream>
 #include <unordered_set>
 
+#include "base/check.h"
 #include "base/errors.h"
+#include "base/log.h"
 #include "comm/world_access.h"
 #include "runtime/shard_state.h"
 
@@ -99,7 +100,7 @@ void UnitGather::unshard() {
   } catch (...) {
     // A failed (timed-out) all-gather: the unit goes back to sharded, so that
     // the cleanup after the error and the next forward do not wait for it again.
-    free_full(i + 1, /*failed=*/i);
+    free_full(i + 1, /*failed=*/i);  // the others fail alike: the error in flight says it
     if (unit_.has_params()) owner.mem().unit_released();
     throw;
   }
@@ -120,8 +121,12 @@ void UnitGather::free_full(size_t wait_from, size_t failed) {
       unit_.owner().topology().shard_comm().wait(gathers_[i]);  // never free memory a collective still writes
     } catch (const std::exception& e) {
       abandon[i] = true;
-      SHARDTORCH_WARN("shardtorch: an all-gather of unit '", unit_.label(),
-                      "' that nothing read failed; the ranks may be out of step: ", e.what());
+      // After another of these failed, or while an error unwinds: that error is on its way to the caller.
+      if (failed < abandon.size() || std::uncaught_exceptions() > 0)
+        SHARDTORCH_DEBUG("unit '", unit_.label(), "': another all-gather failed too: ", e.what());
+      else
+        SHARDTORCH_WARN("shardtorch: an all-gather of unit '", unit_.label(),
+                        "' that nothing read failed; the ranks may be out of step: ", e.what());
     }
   }
   gathers_.clear();

@@ -99,8 +99,9 @@ class UnitGather {
  private:
   /// Frees the full parameters and goes back to Sharded (the caller counts
   /// the memory). Gathers in flight from gathers_[wait_from] on are waited
-  /// for first; their errors are warned about, nobody reading what they
-  /// bring. The buffers of gathers_[failed] and of any that fail here are
+  /// for first; their errors are warned about (nobody reading what they
+  /// bring), unless an error is on its way already (gathers_[failed]'s, or
+  /// one unwinding). The buffers of gathers_[failed] and of any that fail here are
   /// leaked, not freed: a failed collective may still write into them.
   void free_full(size_t wait_from = 0, size_t failed = SIZE_MAX);
   void start_gather();   // Sharded -> Gathering
