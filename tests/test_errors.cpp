@@ -90,9 +90,25 @@ TEST(Errors, ASwitchOtherThanZeroOrOneIsRefusedNamingTheVariable) {
       message = e.what();
     }
     ::unsetenv(name);
-    EXPECT_NE(message.find(std::string("environment variable ") + name + "='true' must be 0 or 1"), std::string::npos)
+    EXPECT_NE(message.find(std::string("shardtorch: rank 0: environment variable ") + name + "='true' must be 0 or 1"),
+              std::string::npos)
         << name << ": " << message;
   }
+  // A launcher's variable read after the rank names the rank, as every rank prints its own line.
+  const shardtorch::EnvLookup bad_timeout = [](const std::string& name) -> std::optional<std::string> {
+    if (name == "RANK") return "1";
+    if (name == "WORLD_SIZE") return "2";
+    if (name == "SHARDTORCH_TIMEOUT_S") return "abc";
+    return std::nullopt;
+  };
+  std::string message;
+  try {
+    shardtorch::parse_launch_env(bad_timeout);
+  } catch (const shardtorch::Error& e) {
+    message = e.what();
+  }
+  EXPECT_EQ(message.rfind("shardtorch: rank 1: ", 0), 0u) << message;
+  EXPECT_NE(message.find("SHARDTORCH_TIMEOUT_S"), std::string::npos) << message;
   ::setenv("SHARDTORCH_BLOCKING_WAIT", "0", 1);  // 0 is a value, not an error
   EXPECT_NO_THROW(shardtorch::World::from_env());
   ::unsetenv("SHARDTORCH_BLOCKING_WAIT");

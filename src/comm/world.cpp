@@ -115,6 +115,10 @@ detail::BoundedStore::Host store_host(c10d::Store& store, int rank) {
 
 }  // namespace
 
+namespace {
+void read_rest_of_env(const EnvLookup& lookup, LaunchEnv& env);
+}  // namespace
+
 LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
   EnvLookup lookup = lookup_in ? lookup_in : EnvLookup(process_env);
   struct Scheme {
@@ -148,6 +152,20 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
     env.local_rank = local ? parse_int(s.local, *local) : 0;
     break;
   }
+  try {
+    read_rest_of_env(lookup, env);
+  } catch (const Error& e) {  // the rank is known: every rank's line says which it is
+    const std::string text = e.what(), plain = "shardtorch: ";
+    if (text.rfind(plain, 0) != 0) throw;
+    throw Error(detail::rank_prefix(env.rank) + ": " + text.substr(plain.size()));
+  }
+  return env;
+}
+
+namespace {
+
+// parse_launch_env after the rank: the rendezvous, the timeouts, the switches.
+void read_rest_of_env(const EnvLookup& lookup, LaunchEnv& env) {
   if (auto addr = lookup("MASTER_ADDR")) {
     if (addr->empty()) bad_var("MASTER_ADDR", *addr, "is empty");
     env.master_addr = *addr;
@@ -177,8 +195,9 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup_in) {
       throw Error("shardtorch: MASTER_PORT is not set (world size " + std::to_string(env.world_size) + " from " +
                   env.launcher + ")");
   }
-  return env;
 }
+
+}  // namespace
 
 std::shared_ptr<World> World::from_env(WorldOptions options) {
   LaunchEnv env = parse_launch_env();
@@ -278,7 +297,11 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
                                      WorldOptions options, int local_rank) {
   SHARDTORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, detail::rank_prefix(rank), " is not in [0, ",
                    world_size, ")");
-  detail::check_switches();  // a typo fails here, not at the first use (a save, hours in)
+  try {
+    detail::check_switches();  // a typo fails here, not at the first use (a save, hours in)
+  } catch (const Error& e) {
+    throw Error(detail::rank_prefix(rank) + ": " + std::string(e.what()).substr(std::string("shardtorch: ").size()));
+  }
   std::shared_ptr<World> w(new World());
   w->rank_ = rank;
   w->size_ = world_size;
