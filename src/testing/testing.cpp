@@ -55,7 +55,11 @@ namespace {
   ::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   try {
     at::set_num_threads(options.threads());
-    auto store = c10::make_intrusive<c10d::FileStore>(store_path, world_size);
+    // No count of workers: c10d's FileStore removes its file once that many
+    // of its objects are destroyed, and a rank still in its own destructor's
+    // read of the file then spins on a file cut short (a rank stuck at exit,
+    // seen under load). The parent removes the directory instead.
+    auto store = c10::make_intrusive<c10d::FileStore>(store_path, -1);
     WorldOptions wo;
     wo.timeout(options.collective_timeout()).gloo_hostname("127.0.0.1").check_collectives(options.check_collectives());
     if (options.device_type() == c10::kCUDA) {
