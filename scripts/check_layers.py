@@ -39,7 +39,7 @@ PUBLIC = {
     "checkpoint": ["checkpoint.h", "checkpoint/safetensors.h", "hf_checkpoint.h", "dcp_checkpoint.h", "snapshot.h"],
     "ft": ["ft.h"],
     "parallel": ["schedule.h", "pipeline.h", "pipeline_checkpoint.h", "tensor_parallel.h"],
-    "testing": ["testing.h"],
+    "testing": ["testing.h", "parity.h"],
     None: ["shardtorch.h"],  # the umbrella header: includes everything, included by nothing here
 }
 

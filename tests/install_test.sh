@@ -9,6 +9,7 @@ trap 'rm -rf "$tmp"' EXIT
 cmake --install "$build" --prefix "$tmp/prefix" > "$tmp/install.log"
 test -f "$tmp/prefix/include/shardtorch/sharded.h"
 test -f "$tmp/prefix/lib/cmake/shardtorch/shardtorchConfig.cmake"
+test -f "$tmp/prefix/share/shardtorch/examples/llama.h"  # the examples the docs show
 # The installed library's run path reaches LibTorch's libraries itself.
 c10=$(ldd "$build/libshardtorch.so" | awk '/libc10\.so/ {print $3}')
 case $c10 in
@@ -32,6 +33,7 @@ cmake -S "$src/tests/consumer" -B "$tmp/build" "${launcher[@]}" "${torch[@]}" \
   -DCMAKE_PREFIX_PATH="$tmp/prefix;$prefix_path" > "$tmp/configure.log" || { cat "$tmp/configure.log"; exit 1; }
 cmake --build "$tmp/build" -j2 > "$tmp/build.log" || { cat "$tmp/build.log"; exit 1; }
 "$tmp/build/consumer"
+"$tmp/build/consumer_parity"
 # A program that finds another LibTorch release than the library's is refused
 # at configure time, naming both (a stand-in LibTorch package of version 1.0).
 fake="$tmp/fake-torch"
@@ -46,4 +48,4 @@ fi
 tr -s ' \n' ' ' < "$tmp/configure-fake.log" |
   grep -q "was built against LibTorch [0-9]*\.[0-9]*.* found LibTorch '1.0.0'" || {
   echo "the LibTorch mismatch was not named:"; cat "$tmp/configure-fake.log"; exit 1; }
-echo "install test: the tools started; consumer built and ran; a LibTorch 1.0 consumer was refused"
+echo "install test: the tools started; consumer and consumer_parity built and ran; a LibTorch 1.0 consumer was refused"

@@ -190,4 +190,13 @@ TEST(Memory, TrackerPeaks) {
   t.unit_released();
   EXPECT_EQ(t.snapshot().gathered_units, 1);
   EXPECT_EQ(t.snapshot().peak_gathered_units, 2);
+  // report(): a line per category, each after the rank when one is set.
+  auto s = t.snapshot();
+  EXPECT_EQ(s.report().rfind("sharded_params ", 0), 0u) << s.report();
+  s.rank = 3;
+  const std::string r = s.report();
+  size_t lines = 0;
+  for (size_t at = 0; at < r.size(); at = r.find('\n', at) + 1, ++lines)
+    EXPECT_EQ(r.compare(at, 9, "[rank 3] "), 0) << r;
+  EXPECT_EQ(lines, static_cast<size_t>(shardtorch::Mem::kCount) + 1) << r;
 }

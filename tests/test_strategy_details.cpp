@@ -35,6 +35,7 @@ TEST_P(EveryStrategy, NoSyncReducesNothingUntilTheSynchronisingBackward) {
     require(sm.stats().gradient_reductions == 0,
             "reduced during no_sync: " + std::to_string(sm.stats().gradient_reductions));
     const int64_t staged = sm.memory().cur(Mem::GradStaging);
+    require(sm.memory().rank == w.global_rank(), "memory() is not this rank's");
     if (strategy == Strategy::NoShard) {
       require(staged == 0, "NoShard accumulates in its buckets, nothing staged");
     } else {

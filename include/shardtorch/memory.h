@@ -33,9 +33,12 @@ struct SHARDTORCH_API MemorySnapshot {
   std::array<int64_t, static_cast<size_t>(Mem::kCount)> peak{};
   int gathered_units = 0;       // units whose full parameters are alive now
   int peak_gathered_units = 0;  // the most alive at once since the last reset
+  int rank = -1;                // the global rank whose memory this is (ShardedModel::memory()); -1: none
   int64_t cur(Mem m) const { return current[static_cast<size_t>(m)]; }
   int64_t max(Mem m) const { return peak[static_cast<size_t>(m)]; }
-  /// One line per category: "sharded_params 1.2 MiB (peak 1.2 MiB)".
+  /// One line per category: "sharded_params 1.2 MiB (peak 1.2 MiB)", each
+  /// after "[rank R] " when `rank` is set, so that ranks printing at once
+  /// can be told apart.
   std::string report() const;
 };
 

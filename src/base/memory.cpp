@@ -54,11 +54,12 @@ std::string format_bytes(int64_t bytes) {
 
 std::string MemorySnapshot::report() const {
   std::ostringstream os;
+  const std::string who = rank >= 0 ? "[rank " + std::to_string(rank) + "] " : "";
   for (int i = 0; i < static_cast<int>(Mem::kCount); ++i) {
-    os << mem_name(static_cast<Mem>(i)) << " " << format_bytes(current[i]) << " (peak " << format_bytes(peak[i])
+    os << who << mem_name(static_cast<Mem>(i)) << " " << format_bytes(current[i]) << " (peak " << format_bytes(peak[i])
        << ")\n";
   }
-  os << "gathered_units " << gathered_units << " (peak " << peak_gathered_units << ")\n";
+  os << who << "gathered_units " << gathered_units << " (peak " << peak_gathered_units << ")\n";
   return os.str();
 }
 

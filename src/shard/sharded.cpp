@@ -672,7 +672,11 @@ c10::intrusive_ptr<c10d::Backend> ShardedModel::comm_hook_group() const {
   }
 }
 
-MemorySnapshot ShardedModel::memory() const { return state_->mem().snapshot(); }
+MemorySnapshot ShardedModel::memory() const {
+  MemorySnapshot m = state_->mem().snapshot();
+  m.rank = state_->world().global_rank();
+  return m;
+}
 void ShardedModel::reset_peak_memory() { state_->mem().reset_peaks(); }
 CommStats ShardedModel::comm_stats() const {
   CommStats stats = state_->topology().stats();
