@@ -464,6 +464,22 @@ void require_as_saved(DcpMlp& m, shardtorch::ShardedOptimizer& opt, const std::s
 
 }  // namespace
 
+// DcpMlp with its last layer under another name.
+struct RenamedMlpImpl : torch::nn::Module {
+  RenamedMlpImpl()
+      : l0(register_module("l0", DcpLinear(4, 5))),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({5})))),
+        x1(register_module("x1", torch::nn::Linear(5, 1))) {
+    scale = register_buffer("scale", torch::tensor({2.0, 3.0}));
+  }
+  torch::Tensor forward(torch::Tensor x) { return x1(torch::relu(norm(l0(x)))) * scale.sum(); }
+  DcpLinear l0;
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear x1;
+  torch::Tensor scale;
+};
+SHARDTORCH_MODULE(RenamedMlp);
+
 TEST(DcpSave, SavedAtThreeRanksLoadsAtTwoUnderAnotherStrategyBitwise) {
   const TempDir dir;
   const std::string ck = (dir / "ck").string();
@@ -521,17 +537,47 @@ TEST(DcpSave, SavedAtThreeRanksLoadsAtTwoUnderAnotherStrategyBitwise) {
                     std::string::npos &&
                 e.find("Pass a null optimizer to load the parameters alone") != std::string::npos,
             "the load of a model-only checkpoint with an optimizer said: '" + e + "'");
-    // A module renamed in the model: both sides of the rename, the others counted.
+    // A name a mapping rule made wrong: the others counted, the model's
+    // names without a tensor listed, and no rule suggested (a rule after the
+    // one that matched would not apply).
     e = error_of([&] {
       shardtorch::load_dcp_checkpoint(*m, opt.get(), ck, shardtorch::DcpLoadOptions().replace_prefix("l1.", "x1."));
     });
-    require(e.find("(mapped to 'x1.") != std::string::npos && e.find("the model's 'l1.") != std::string::npos &&
-                e.find("has no tensor: replace_prefix(\"x1.\", \"l1.\")?") != std::string::npos &&
+    require(e.find("(mapped to 'x1.") != std::string::npos && e.find("replace_prefix(\"") == std::string::npos &&
                 e.find("more the model has no name for (") != std::string::npos &&
                 e.find("2 of the model's names have no tensor ('l1.bias', 'l1.weight')") != std::string::npos,
+            "the load with a wrong mapping said: '" + e + "'");
+    // A module renamed in the model: both sides of the rename, and the rule that maps one onto the other.
+    RenamedMlp renamed;
+    shardtorch::shard(renamed, w);
+    e = error_of([&] { shardtorch::load_dcp_checkpoint(*renamed, nullptr, ck); });
+    require(e.find("unexpected tensor 'model.l1.") != std::string::npos &&
+                e.find("has no tensor: replace_prefix(\"l1.\", \"x1.\")?") != std::string::npos &&
+                e.find("2 of the model's names have no tensor ('x1.bias', 'x1.weight')") != std::string::npos,
             "the load into a renamed module said: '" + e + "'");
   });
   ASSERT_TRUE(loaded.ok) << loaded.summary();
+}
+
+// A save that rank 0 alone calls (rank 1 ends instead) fails on rank 0 and
+// leaves no staging directory behind.
+TEST(DcpSave, ASaveOnlyRankZeroCallsFailsAndLeavesNoStagingDirectory) {
+  const TempDir dir;
+  const std::string ck = (dir / "ck").string();
+  auto r = run_ranks(2, [&](World& w) {
+    DcpMlp m;
+    shardtorch::shard(m, w);
+    if (w.rank() == 1) return;
+    std::string e = "no error";
+    try {
+      shardtorch::save_dcp_checkpoint(*m, nullptr, ck);
+    } catch (const shardtorch::Error& x) {
+      e = x.what();
+    }
+    require(e.find("rank 1") != std::string::npos, "the save alone said: " + e);
+    require(!files::exists(ck + ".shardtorch-tmp") && !files::exists(ck), "the failed save left a directory");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
 }
 
 namespace {

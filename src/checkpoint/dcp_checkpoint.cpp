@@ -48,29 +48,50 @@ struct Keys {
   bool any_optim = false;  // a key under the optimizer's prefix: state or param_groups
 };
 
+// A checkpoint name the model has none for: its key, its name before the
+// options' mapping, and after it.
+struct Unexpected {
+  std::string key, raw, mapped;
+};
+
 // The first unexpected key, how many more there are, and the model's names
 // no tensor maps to: side by side they show a renamed module (with the
-// replace_prefix that maps one onto the other) or a prefix.
-[[noreturn]] void throw_unexpected(const std::vector<std::pair<std::string, std::string>>& unexpected,
-                                   const std::set<std::string>& model_names, const Keys& keys,
-                                   const std::string& where) {
-  const auto& [key, m] = unexpected.front();
+// replace_prefix that maps one onto the other) or a prefix. The hints are
+// given only for a name no mapping rule changed: a rule added after one that
+// matched would not apply.
+[[noreturn]] void throw_unexpected(const std::vector<Unexpected>& unexpected, const std::set<std::string>& model_names,
+                                   const Keys& keys, const std::string& where) {
+  const std::string& key = unexpected.front().key;
+  const std::string& m = unexpected.front().mapped;
   std::vector<std::string> others, unmatched;
-  for (size_t i = 1; i < unexpected.size(); ++i) others.push_back(unexpected[i].first);
+  for (size_t i = 1; i < unexpected.size(); ++i) others.push_back(unexpected[i].key);
   for (const auto& n : model_names)
     if (!keys.model.count(n)) unmatched.push_back(n);
   std::string hint;
+  const bool unmapped = unexpected.front().raw == m;
   for (const auto& name : model_names)
-    if (checkpoint::ends_with(m, "." + name)) {
+    if (unmapped && checkpoint::ends_with(m, "." + name)) {
       hint = " (the checkpoint's '" + m + "' is the model's '" + name + "' behind a prefix: strip_prefix(\"" +
              m.substr(0, m.size() - name.size()) + "\")?)";
       break;
     }
-  for (const auto& n : unmatched) {  // the same name under another first part: a module renamed
-    const auto a = m.find('.'), b = n.find('.');
-    if (!hint.empty() || a == std::string::npos || b == std::string::npos || m.substr(a) != n.substr(b)) continue;
-    hint = " (the model's '" + n + "' has no tensor: replace_prefix(\"" + m.substr(0, a + 1) + "\", \"" +
-           n.substr(0, b + 1) + "\")?)";
+  // A module renamed: the names under the checkpoint's first part are the
+  // ones under another first part that no tensor maps to.
+  auto under = [](const std::string& prefix, const std::vector<std::string>& names) {
+    std::set<std::string> rest;
+    for (const auto& n : names)
+      if (n.rfind(prefix, 0) == 0) rest.insert(n.substr(prefix.size()));
+    return rest;
+  };
+  std::vector<std::string> mapped;
+  for (const auto& u : unexpected) mapped.push_back(u.mapped);
+  const auto a = m.find('.');
+  for (const auto& n : unmatched) {
+    const auto b = n.find('.');
+    if (!unmapped || !hint.empty() || a == std::string::npos || b == std::string::npos) continue;
+    const std::string from = m.substr(0, a + 1), to = n.substr(0, b + 1);
+    if (under(from, mapped) == under(to, unmatched))
+      hint = " (the model's '" + n + "' has no tensor: replace_prefix(\"" + from + "\", \"" + to + "\")?)";
   }
   std::string text = where + ": unexpected tensor '" + key + "'" + (m != key ? " (mapped to '" + m + "')" : "") +
                      ": the model has no parameter or buffer of that name" + hint;
@@ -90,12 +111,12 @@ Keys sort_keys(const dcp::Metadata& md, const std::set<std::string>& model_names
   auto map = [&](const std::string& fqn) {
     return checkpoint::map_checkpoint_name(fqn, options.prefix_rules(), options.map_name());
   };
-  std::vector<std::pair<std::string, std::string>> unexpected_keys;  // (key, mapped name), said after the loop
-  auto unexpected = [&](const std::string& key, const std::string& m) {
+  std::vector<Unexpected> unexpected_keys;  // said after the loop
+  auto unexpected = [&](const std::string& key, const std::string& raw, const std::string& m) {
     if (options.ignore_unexpected())
       report.unexpected.push_back(key);
     else
-      unexpected_keys.emplace_back(key, m);
+      unexpected_keys.push_back({key, raw, m});
   };
   const std::string& op = options.optimizer_prefix();
   const std::string& mp = options.model_prefix();
@@ -120,7 +141,7 @@ Keys sort_keys(const dcp::Metadata& md, const std::set<std::string>& model_names
         continue;
       }
       if (!model_names.count(*m)) {
-        unexpected(key, *m);
+        unexpected(key, rest.substr(6, dot - 6), *m);
         continue;
       }
       keys.optim[{*m, rest.substr(dot + 1)}] = &e;
@@ -136,7 +157,7 @@ Keys sort_keys(const dcp::Metadata& md, const std::set<std::string>& model_names
       continue;
     }
     if (!model_names.count(*m)) {
-      unexpected(key, *m);
+      unexpected(key, key.substr(mp.size()), *m);
       continue;
     }
     if (!e.tensor)
@@ -349,7 +370,8 @@ void DcpLoad::plan_optimizer() {
   if (!keys_.any_optim) {   // saved with the model alone (state saved before any step still has param_groups)
     std::string elsewhere;  // an optimizer saved under another prefix
     for (const auto& e : src_->metadata().entries)
-      if (const auto at = e.name.find("state."); at != std::string::npos && elsewhere.empty())
+      if (const auto at = e.name.find("state.");
+          at != std::string::npos && (at == 0 || e.name[at - 1] == '.') && elsewhere.empty())
         elsewhere = " (it has '" + e.name + "': optimizer_prefix(\"" + e.name.substr(0, at) + "\")?)";
     throw SafetensorsError(where_ + ": an optimizer was given but the checkpoint holds no optimizer (no key under '" +
                            options_.optimizer_prefix() + "'" + elsewhere +

@@ -306,7 +306,12 @@ void DcpSave::stage() {
       prepared = e.what();
     }
   }
-  detail::agree_on_errors(world_, prepared, what_);
+  try {
+    detail::agree_on_errors(world_, prepared, what_);
+  } catch (...) {  // another rank refused, or never came: nothing is written
+    if (world_.rank() == 0) files::remove_all_quietly(tmp_);
+    throw;
+  }
 }
 
 // What this rank writes; `known` gets the groups it knows ("<group>\t<name>" lines).
