@@ -372,7 +372,7 @@ TEST(HfCheckpoint, BadInputsFailEveryRankWithTheModelUnchanged) {
   };
   const std::string missing = variant("missing", [&](Tensors& t) { erase(t, "blocks.1.fc2.bias"); });
   // A transformers checkpoint whose head is the embedding (not saved): the error says so.
-  const std::string tied = variant("tied", [&](Tensors& t) { erase(t, "blocks.1.fc2.bias"); });
+  const std::string tied = variant("tied", [&](Tensors& t) { erase(t, "blocks.1.fc2.weight"); });
   std::ofstream(Path(tied) / "config.json") << "{\"vocab_size\": 64,\n  \"tie_word_embeddings\": true\n}\n";
   const std::string extra = variant("extra", [&](Tensors& t) { t.emplace_back("extra.weight", torch::ones({2})); });
   const std::string shape = variant("shape", [&](Tensors& t) {
@@ -416,7 +416,8 @@ TEST(HfCheckpoint, BadInputsFailEveryRankWithTheModelUnchanged) {
     fails(missing, {}, {"no tensor for the model's parameter 'blocks.1.fc2.bias'", "allow_missing"});
     require(!has(message_of([&] { shardtorch::load_hf_checkpoint(*m, missing); }), "tie_word_embeddings"),
             "a tie hint without config.json");
-    fails(tied, {}, {"config.json has tie_word_embeddings true", "Tie the model's 'blocks.1.fc2.bias'"});
+    fails(tied, {},
+          {"config.json ties the word embeddings", "If 'blocks.1.fc2.weight' is the model's output projection"});
     fails(extra, {}, {"unexpected tensor 'extra.weight'", "ignore_unexpected(true)"});
     // proj.bias lies in rank 0's half of block 0: only rank 0 opens it and finds the shapes differ.
     fails(shape, {}, {"rank 0: ", "'blocks.0.proj.bias' has shape [33]", "has shape [32]"});

@@ -246,14 +246,15 @@ std::string HfLoad::prefix_hint(const std::set<std::string>& model_names) const 
 }
 
 // Whether config.json beside the checkpoint ties the word embeddings
-// (transformers' tie_word_embeddings: the head is not saved).
+// (transformers' tie_word_embeddings, true when the file leaves it out: the
+// head is not saved).
 bool HfLoad::ties_word_embeddings() const {
   const std::string config = files::join(src_.dir, "config.json");
   if (!files::is_regular_file(config)) return false;
   try {
     const std::string text = checkpoint::read_text_file(config, "config.json", 1 << 20, "larger than 1 MB");
     const auto at = text.find("\"tie_word_embeddings\"");
-    if (at == std::string::npos) return false;
+    if (at == std::string::npos) return true;
     const auto value = text.find_first_not_of(" \t\r\n:", at + 21);
     return value != std::string::npos && text.compare(value, 4, "true") == 0;
   } catch (const std::exception&) {
@@ -272,13 +273,16 @@ void HfLoad::missing(const std::string& m, const char* kind) {
       hint = " (the checkpoint has '" + c + "': strip_prefix(\"" + c.substr(0, c.size() - m.size()) + "\")?)";
       break;
     }
-  if (hint.empty() && ties_word_embeddings())
+  bool matrix = false;  // only a matrix can be an output projection
+  for (const auto& item : root_.named_parameters())
+    if (item.key() == m) matrix = item.value().dim() == 2;
+  if (hint.empty() && matrix && ties_word_embeddings())
     hint =
-        " (the checkpoint's config.json has tie_word_embeddings true: the output projection is saved once, as "
-        "the input embedding's weight. Tie the model's '" +
+        " (the checkpoint's config.json ties the word embeddings (tie_word_embeddings, true unless it says "
+        "false): the output projection is not saved, the input embedding's weight stands for it. If '" +
         m +
-        "' to its input embedding (one tensor, a shardtorch::TiedLinear head) if it is that projection; "
-        "allowing it to be missing would leave it at its initial values)";
+        "' is the model's output projection, tie it to its input embedding (one tensor, a "
+        "shardtorch::TiedLinear head); allowing it to be missing would leave it at its initial values)";
   throw SafetensorsError(where_ + ": no tensor for the model's " + kind + " '" + m + "'" + hint +
                          "; map the checkpoint's names onto the model's (HfLoadOptions().strip_prefix, "
                          "replace_prefix, map_name), or allow it to be missing (allow_missing, allow_missing_if)");
