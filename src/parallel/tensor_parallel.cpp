@@ -6,6 +6,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <set>
@@ -73,23 +74,32 @@ void compare_inputs_once(TpLayer& l, const at::Tensor& x) {
   Comm& comm = l.group->comm();
   if (comm.size() == 1) return;
   c10::NoGradGuard no_grad;
-  const at::Tensor v = x.detach().reshape({-1}).to(at::kDouble);
-  const at::Tensor weights = at::arange(v.numel(), v.options()).remainder(7).add(1);
-  at::Tensor mine = at::stack({at::scalar_tensor(static_cast<double>(v.numel()), v.options()), v.sum(),
-                               v.square().sum(), (v * weights).sum()})
-                        .to(comm.device());
+  // In chunks of 1 Mi elements: a copy of the whole input in double, at the
+  // first step's peak of activations, could itself run out of memory.
+  constexpr int64_t kChunk = int64_t{1} << 20;
+  const at::Tensor v = x.detach().reshape({-1});
+  const auto f64 = v.options().dtype(at::kDouble);
+  at::Tensor sum = at::zeros({}, f64), squares = at::zeros({}, f64), weighted = at::zeros({}, f64);
+  for (int64_t from = 0; from < v.numel(); from += kChunk) {
+    const int64_t n = std::min(kChunk, v.numel() - from);
+    const at::Tensor c = v.narrow(0, from, n).to(at::kDouble);
+    sum += c.sum();
+    squares += c.square().sum();
+    weighted += (c * at::arange(from, from + n, f64).remainder(7).add(1)).sum();
+  }
+  at::Tensor mine =
+      at::stack({at::scalar_tensor(static_cast<double>(v.numel()), f64), sum, squares, weighted}).to(comm.device());
   at::Tensor all = at::empty({comm.size() * 4}, mine.options());
   comm.all_gather_into(all, mine, what(l) + "'s inputs, compared once");
   all = all.cpu();
-  const auto* bits = static_cast<const int64_t*>(all.data_ptr());  // NaN equals itself, bit for bit
   const auto* sums = all.data_ptr<double>();
   for (int r = 1; r < comm.size(); ++r) {
-    if (std::equal(bits, bits + 4, bits + 4 * r)) continue;
+    if (std::memcmp(sums, sums + 4 * r, 4 * sizeof(double)) == 0) continue;  // bit for bit: NaN equals itself
     SHARDTORCH_CHECK(false, detail::rank_prefix(l.group->global_rank()), ": ", what(l),
                      ": the ranks of its tensor-parallel group got different inputs in its first forward (rank ",
                      l.group->global_rank_of(r), "'s ", static_cast<int64_t>(sums[4 * r]), " elements sum to ",
                      sums[4 * r + 1], ", rank ", l.group->global_rank_of(0), "'s ", static_cast<int64_t>(sums[0]),
-                     " to ", sums[1],
+                     " to ", sums[1], sums[4 * r + 1] == sums[1] ? "; the same values in another order" : "",
                      "). Every rank of a tensor-parallel group computes on the same batch: give "
                      "each dp coordinate its own batch (mesh->coordinate(\"dp\")) and every tp rank of it the same "
                      "one, not a batch per global rank");
