@@ -11,6 +11,7 @@
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/error.h"
 #include "shardtorch/flat_param_layout.h"
+#include "shardtorch/gather.h"
 
 namespace {
 bool has_backtrace(const std::string& m) {
@@ -151,6 +152,22 @@ TEST(Errors, AStepOrAClipThatDoesNothingSaysWhy) {
       testmodels::require(seen.any_with(strategy == shardtorch::Strategy::NoShard ? "Can't detach views in-place"
                                                                                   : "so its step changes nothing"),
                           "the warning does not say what goes wrong under this strategy");
+      // What the warning says is what happens.
+      if (strategy == shardtorch::Strategy::NoShard) {
+        std::string error = "no error";
+        try {
+          wrong.zero_grad();
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        testmodels::require(error.find("Can't detach views in-place") != std::string::npos,
+                            "torch::optim's zero_grad under NoShard: " + error);
+      } else {
+        const auto before = shardtorch::full_parameters(*plain);
+        wrong.step();
+        for (const auto& [name, value] : shardtorch::full_parameters(*plain))
+          testmodels::require(torch::equal(value, before.at(name)), "torch::optim's step changed " + name);
+      }
     }
   });
   ASSERT_TRUE(r.ok) << r.summary();

@@ -115,9 +115,9 @@ void OptimizerSide::backward_reduced() {
                   "A torch::optim optimizer over model->parameters() does not train a model after shard(): ",
                   model_.path().replicated()
                       ? "under NoShard their gradients are views of the reduction buckets, which torch::optim's "
-                        "zero_grad cannot detach (\"Can't detach views in-place\")"
-                      : "those parameters hold no memory between forwards and get no gradient, so its step changes "
-                        "nothing",
+                        "zero_grad cannot detach (\"Can't detach views in-place\"), and under mixed precision the "
+                        "fp32 masters it should step are not those parameters"
+                      : "their gradients go to the flat shards, not to those parameters, so its step changes nothing",
                   ". Build the optimizer over the model: shardtorch::AdamW(*model, options) (or Adam, SGD, "
                   "ShardedOptimizer::make<...>). If only the gradients are wanted, ignore this");
 }
