@@ -157,6 +157,9 @@ TEST(Errors, QuietPrintsNothingOnSuccessAndInfoPrintsProgressOnRankZeroOnly) {
     }
     EXPECT_NE(printed.find(" units, "), std::string::npos) << printed;
     EXPECT_NE(printed.find("B/s in "), std::string::npos) << printed;
+    // A sharded save's bytes are its file's twice (written, then read back for the checksum): the line says so.
+    EXPECT_NE(printed.find("[rank 0] shardtorch: save_sharded_checkpoint: 1/1 files, "), std::string::npos) << printed;
+    EXPECT_NE(printed.find(" written and read back, "), std::string::npos) << printed;
   }
 }
 

@@ -287,6 +287,7 @@ void ProgressReporter::print(const ProgressUpdate& u) {
   if (u.bytes_total > 0 || u.bytes_done > 0) {
     line += ", " + bytes_text(static_cast<double>(u.bytes_done));
     if (u.bytes_total > 0 && !u.finished) line += "/" + bytes_text(static_cast<double>(u.bytes_total));
+    if (!bytes_words_.empty()) line += " " + bytes_words_;
     line += ", " + bytes_text(u.bytes_per_s) + "/s";
   }
   if (u.finished) {

@@ -65,6 +65,9 @@ class ProgressReporter {
   void on_io();
   /// Totals learnt later (a save's tensors once listed).
   void set_totals(int64_t total, int64_t bytes_total);
+  /// Words after the bytes in the printed line, where bytes_total is not
+  /// the size of what is made ("written and read back": twice a file's).
+  void set_bytes_words(std::string words) { bytes_words_ = std::move(words); }
   /// `steps` more done and `bytes` more moved.
   void advance(int64_t steps, int64_t bytes = 0);
   /// Done: done = total, the last update (finished).
@@ -79,6 +82,7 @@ class ProgressReporter {
   bool print_ = false;  // the default printer, on this rank
   std::chrono::steady_clock::time_point start_, last_print_;
   bool printed_ = false, in_place_ = false, done_ = false;
+  std::string bytes_words_;
   bool io_ = false;
   int64_t io_base_ = 0;
   ProgressReporter* outer_ = nullptr;  // the thread's io reporter before this one

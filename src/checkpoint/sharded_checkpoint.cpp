@@ -499,6 +499,7 @@ json::object write_rank_file(const Holding& h, const std::string& tmp, int rank,
   for (const auto& item : h.items) bytes += static_cast<int64_t>(item.second.nbytes());
   // This rank's file and its checksum (the file read again).
   shardtorch::detail::ProgressReporter progress("save_sharded_checkpoint", "files", 1, 2 * bytes);
+  progress.set_bytes_words("written and read back");  // the checksum's read: twice the file
   progress.count_io();
   try {
     std::vector<std::pair<std::string, at::Tensor>> tensors;
