@@ -138,18 +138,58 @@ INSTANTIATE_TEST_SUITE_P(Snapshots, SnapshotRestore, ::testing::Values(Strategy:
                          StrategyName());
 
 // Under another job's name nothing is found: a fresh start, the other job's
-// snapshots left alone.
+// snapshots left alone. Under the same name: a second live Snapshots of it
+// is refused on every rank (it would take the first one's snapshots), and
+// torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0, as for every job
+// that torchrun names "none") restores nothing, removing what it found,
+// where a restart (count 1) restores.
 TEST(Snapshots, AnotherJobsSnapshotsAreNotUsed) {
   const TempDir dir("shardtorch-snapshots");
   auto r = run_ranks(2, [&](World& w) {
-    write_three_steps(w, dir, "job-a");
-    Trained t(w, Strategy::FullShard, 13, 2);
-    const Values before = t.values();
-    Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job-b"));
-    require(snaps.restore() == -1, "job-b restored job-a's snapshot");
-    require_same(t.values(), before, "after the restore");
-    require(files::exists(shardtorch::detail::own_snapshot_path(options_in(dir, "job-a"), w.rank(), 3)),
-            "job-a's snapshot is gone");
+    {
+      CapturedWarnings warnings;  // write_three_steps does not restore() first: said once
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      write_three_steps(w, dir, "job-a");
+      require(warnings.any_with("after_step() before restore(): call restore() once before the first step"),
+              "no warning for after_step() without restore()");
+    }
+    {
+      Trained t(w, Strategy::FullShard, 13, 2);
+      const Values before = t.values();
+      Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job-b"));
+      require(snaps.restore() == -1, "job-b restored job-a's snapshot");
+      require_same(t.values(), before, "after the restore");
+      require(files::exists(shardtorch::detail::own_snapshot_path(options_in(dir, "job-a"), w.rank(), 3)),
+              "job-a's snapshot is gone");
+      std::string error = "no error";
+      try {
+        Snapshots twice(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job-b"));
+      } catch (const shardtorch::Error& e) {
+        error = e.what();
+      }
+      require(error.find("the snapshots of job 'job-b' in '" + dir.string() +
+                         "' are in use: rank 0: another live "
+                         "process holds") != std::string::npos,
+              "a second live Snapshots of one job: " + error);
+    }
+    for (const char* count : {"1", "0"}) {
+      ::setenv("TORCHELASTIC_RESTART_COUNT", count, 1);
+      Trained t(w, Strategy::FullShard, 13, 2);
+      Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job-a"));
+      CapturedWarnings warnings;
+      const int64_t step = restore_capturing(snaps, warnings);
+      ::unsetenv("TORCHELASTIC_RESTART_COUNT");
+      if (std::string(count) == "1") {
+        require(step == 3, "a restart restored step " + std::to_string(step));
+        continue;
+      }
+      require(step == -1, "torchrun's first attempt restored step " + std::to_string(step));
+      require(!files::exists(shardtorch::detail::own_snapshot_path(options_in(dir, "job-a"), w.rank(), 3)),
+              "the first attempt left the snapshots it found");
+      require(warnings.any_with("at torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0): another job's or an "
+                                "earlier run's, not restored, removed"),
+              "no warning for the snapshots a first attempt found");
+    }
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

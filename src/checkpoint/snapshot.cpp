@@ -8,6 +8,7 @@
 
 #include <boost/json.hpp>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -25,6 +26,7 @@
 #include <thread>
 
 #include "base/check.h"
+#include "base/env.h"
 #include "base/errors.h"
 #include "base/files.h"
 #include "base/log.h"
@@ -515,9 +517,11 @@ struct Snapshots::Impl {
   std::map<std::string, std::pair<std::function<std::string()>, std::function<void(const std::string&)>>> state;
   std::thread transfer;
   std::string transfer_error, persist_error;
-  CopyGate copy;   // the copy of the state in the background, which updates wait for
-  Transfers sent;  // the background thread's transfers
-  int guard = -1;  // the model's update guard
+  CopyGate copy;          // the copy of the state in the background, which updates wait for
+  Transfers sent;         // the background thread's transfers
+  int guard = -1;         // the model's update guard
+  int lock_fd = -1;       // this rank's lock on the job's files in `dir`, held while this object lives
+  bool restored = false;  // restore() or rejoin() was called
   // This rank's state as training left it, for a rejoin (Snapshots::rejoin):
   // it is the state of `step` while no update began since after_step(step);
   // the buffers (a forward changes them) and the registered state are those
@@ -533,6 +537,9 @@ struct Snapshots::Impl {
 
   Impl(std::shared_ptr<World> w, torch::nn::Module& r, ShardedOptimizer* o, SnapshotOptions opts)
       : world(std::move(w)), root(r), opt(o), options(std::move(opts)), dir(*world, options) {}
+  ~Impl() {
+    if (lock_fd >= 0) ::close(lock_fd);  // the lock goes with it, also when the constructor throws
+  }
 
   int rank() const { return world->rank(); }
   std::string who() const { return who_of(*world); }
@@ -797,6 +804,28 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
   SHARDTORCH_CHECK(m.options.persist_every == 0 || !m.options.fallback_dir.empty(), m.who(),
                    ": persist_every is set but fallback_dir is not: set the directory to persist to");
   files::create_directories(m.options.dir);
+  // One live process per job name and rank: a second job under the same
+  // name would restore, and write over, the first one's snapshots.
+  const std::string lock =
+      files::join(m.options.dir, "." + prefix(m.options) + std::to_string(m.world->rank()) + ".lock");
+  std::string refused;
+  m.lock_fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (m.lock_fd < 0)
+    refused = "cannot open '" + lock + "': " + std::strerror(errno);
+  else if (::flock(m.lock_fd, LOCK_EX | LOCK_NB) != 0)
+    refused = "another live process holds '" + lock + "'";
+  std::vector<std::string> verdicts{refused};
+  if (n > 1) verdicts = m.world->comm().all_gather_strings(refused, "snapshots: the job's files");
+  for (size_t r = 0; r < verdicts.size(); ++r)
+    if (!verdicts[r].empty()) {
+      if (m.lock_fd >= 0) ::close(m.lock_fd);
+      m.lock_fd = -1;
+      throw Error(m.who() + ": the snapshots of job '" + detail::snapshot_job(m.options) + "' in '" + m.options.dir +
+                  "' are in use: rank " + std::to_string(n > 1 ? static_cast<int>(r) : m.world->rank()) + ": " +
+                  verdicts[r] +
+                  ". Two live jobs under one name would take each other's snapshots: give each its own "
+                  "SnapshotOptions::job (or torchrun --rdzv-id)");
+    }
   m.sharded = detail::require_state(root, "shardtorch::Snapshots");
   for (const auto& item : root.named_parameters())  // a split model: one file per rank of the whole mesh
     if (auto p = detail::placement_of(item.value()); p && p->size > 1) {
@@ -848,6 +877,12 @@ void Snapshots::wait() { impl_->wait_transfer(true); }
 
 void Snapshots::after_step(int64_t step) {
   Impl& m = *impl_;
+  if (!m.restored)
+    SHARDTORCH_WARN_ONCE(m.who(),
+                         ": after_step() before restore(): call restore() once before the first step, or "
+                         "a job that torchrun restarts trains from the beginning again and writes over its "
+                         "own snapshots");
+  m.restored = true;  // said once
   m.live.step = step;
   m.live.updated = false;
   if (step % m.options.every != 0) return;
@@ -935,10 +970,27 @@ int64_t Snapshots::Impl::fall_back(const std::string& why) {
 }
 
 int64_t Snapshots::Impl::restore(bool survivor) {
+  restored = true;
   wait_transfer(false);
   detail::WorldAccess::end_setup(*world);
   dir.remove_leftovers();
   json::object report = json::parse(dir.held_steps()).as_object();
+  // torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0; the same on
+  // every rank): nothing of this job can be in memory yet, so snapshots
+  // under its name are another job's (torchrun without --rdzv-id names every
+  // job "none") or an earlier run's, and are never restored.
+  if (!survivor && detail::env("TORCHELASTIC_RESTART_COUNT").value_or("") == "0") {
+    bool found = !report["own"].as_array().empty();
+    for (const auto& held : report["held"].as_object()) found = found || !held.value().as_array().empty();
+    if (found) {
+      dir.drop_newer(-1);
+      SHARDTORCH_WARN(who(), ": snapshots of a job named '", detail::snapshot_job(options), "' were in '", options.dir,
+                      "' at torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0): another job's or an earlier "
+                      "run's, not restored, removed. Give each job its own name (torchrun --rdzv-id, or "
+                      "SnapshotOptions::job) so that jobs on one node never meet");
+    }
+    return fall_back("");
+  }
   report["live"] = survivor && opt && live.usable() ? live.step : int64_t{-1};
   report["trained"] = survivor && live.trained.load();
   live.updated = true;  // from here on the state is the restored one's, until the next after_step
