@@ -41,6 +41,11 @@ struct Run {
   NamedTensors final_params;  // after the last step
 };
 
+/// Every distinct parameter of `model` once: the reference optimizer's list.
+/// model->parameters() lists a tied weight under each of its names, and
+/// torch::optim then steps it once per name.
+SHARDTORCH_API std::vector<at::Tensor> distinct_parameters(torch::nn::Module& model);
+
 /// The gradients `model`'s parameters hold now (those with none left out),
 /// as fp32 copies.
 SHARDTORCH_API NamedTensors gradients_of(torch::nn::Module& model);

@@ -15,7 +15,7 @@ namespace shardtorch::testing {
 namespace {
 
 // Every distinct parameter under its first name.
-std::vector<std::pair<std::string, at::Tensor>> distinct_parameters(torch::nn::Module& m) {
+std::vector<std::pair<std::string, at::Tensor>> named_distinct(torch::nn::Module& m) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   std::set<const void*> seen;
   for (auto& item : m.named_parameters())
@@ -63,16 +63,22 @@ NamedTensors pick(const NamedTensors& from, const NamedTensors& names, const std
 
 }  // namespace
 
+std::vector<at::Tensor> distinct_parameters(torch::nn::Module& model) {
+  std::vector<at::Tensor> out;
+  for (auto& [n, p] : named_distinct(model)) out.push_back(p);
+  return out;
+}
+
 NamedTensors gradients_of(torch::nn::Module& model) {
   NamedTensors out;
-  for (auto& [n, p] : distinct_parameters(model))
+  for (auto& [n, p] : named_distinct(model))
     if (p.grad().defined()) out[n] = p.grad().detach().to(at::kFloat).clone();
   return out;
 }
 
 NamedTensors parameters_of(torch::nn::Module& model) {
   NamedTensors out;
-  for (auto& [n, p] : distinct_parameters(model)) out[n] = p.detach().clone();
+  for (auto& [n, p] : named_distinct(model)) out[n] = p.detach().clone();
   return out;
 }
 
@@ -95,7 +101,7 @@ Run train_reference(torch::nn::Module& model, torch::optim::Optimizer& opt, int 
 NamedTensors gathered_gradients(torch::nn::Module& root) {
   FullParams full(root, SummonOptions().with_grads(true).writeback(false));
   NamedTensors out;
-  for (auto& [n, p] : distinct_parameters(root))
+  for (auto& [n, p] : named_distinct(root))
     if (p.requires_grad() && p.grad().defined()) out[n] = p.grad().detach().to(at::kFloat).clone();
   return out;
 }

@@ -30,7 +30,7 @@ int main() {
   const at::Tensor x = at::randn({8, 4});
   torch::manual_seed(0);
   Net ref;
-  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD ref_opt(shardtorch::testing::distinct_parameters(*ref), torch::optim::SGDOptions(0.1));
   const auto want = shardtorch::testing::train_reference(*ref, ref_opt, 2, [&](int) { return ref(x).square().mean(); });
   for (const double scale : {1.0, 2.0}) {  // 2: a gradient of the wrong scale, which must be caught
     auto r = shardtorch::testing::run_ranks(2, [&](shardtorch::World& w) {
