@@ -522,6 +522,7 @@ struct Snapshots::Impl {
   int guard = -1;         // the model's update guard
   int lock_fd = -1;       // this rank's lock on the job's files in `dir`, held while this object lives
   bool restored = false;  // restore() or rejoin() was called
+  std::string lock_path;  // the file of lock_fd
   // This rank's state as training left it, for a rejoin (Snapshots::rejoin):
   // it is the state of `step` while no update began since after_step(step);
   // the buffers (a forward changes them) and the registered state are those
@@ -806,7 +807,7 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
   files::create_directories(m.options.dir);
   // One live process per job name and rank: a second job under the same
   // name would restore, and write over, the first one's snapshots.
-  const std::string lock =
+  const std::string lock = m.lock_path =
       files::join(m.options.dir, "." + prefix(m.options) + std::to_string(m.world->rank()) + ".lock");
   std::string refused;
   m.lock_fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
@@ -1196,6 +1197,7 @@ void Snapshots::finish() {
   for (int from : m.dir.held_for())
     for (int64_t s : steps_named(m.options.dir, held_name(m.options, from, m.rank())))
       files::remove_all_quietly(detail::held_snapshot_path(m.options, from, m.rank(), s));
+  files::remove_all_quietly(m.lock_path);  // the job is done: nothing of it stays (its lock goes with the object)
   m.count_memory(0);
 }
 

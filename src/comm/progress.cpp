@@ -148,8 +148,13 @@ struct Progress::Shared {
     ++version;
     stop = true;
     cv.notify_all();
-    return cv.wait_for(lock, std::chrono::seconds(1), [&] { return done; });
+    return cv.wait_for(lock, last_write_bound, [&] { return done; });
   }
+  // A TCPStore whose host stopped answering must not hold up the exit: a
+  // second. A FileStore (a shared file, no host to lose) is waited for: a
+  // process that exits in the middle of its append leaves a record cut short,
+  // on which every other process's next read of the file spins for ever.
+  std::chrono::milliseconds last_write_bound{1000};
 };
 
 namespace {
@@ -223,8 +228,9 @@ void call_at_terminate(std::weak_ptr<void> alive, std::function<void(const std::
 }
 }  // namespace
 
-Progress::Progress(c10::intrusive_ptr<BoundedStore> store, int rank) : s_(std::make_shared<Shared>()) {
+Progress::Progress(c10::intrusive_ptr<BoundedStore> store, int rank, bool file_store) : s_(std::make_shared<Shared>()) {
   s_->store = std::move(store);
+  if (file_store) s_->last_write_bound = std::chrono::seconds(60);
   s_->rank = rank;
   s_->key = key_of(rank);
   s_->mine.phase = "setting up";

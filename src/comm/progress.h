@@ -30,7 +30,9 @@ class Progress {
 
   /// `store`: a connection of the Progress's own (BoundedStore::fresh_connection),
   /// shared with the World's WaitBoard.
-  Progress(c10::intrusive_ptr<BoundedStore> store, int rank);
+  /// `file_store`: the store is a c10d::FileStore, whose last write is waited
+  /// for at the end (a record cut short would stop every other reader).
+  Progress(c10::intrusive_ptr<BoundedStore> store, int rank, bool file_store = false);
   /// Stops the thread (waits at most about a second for a store write in flight).
   ~Progress();
   Progress(const Progress&) = delete;

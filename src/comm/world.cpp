@@ -5,6 +5,7 @@
 #include "base/errors.h"
 #include "base/log.h"
 
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -351,7 +352,10 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   c10::intrusive_ptr<detail::BoundedStore> peers;
   if (world_size > 1) {
     peers = bounded->fresh_connection();
-    w->progress_ = std::make_shared<detail::Progress>(peers, rank);
+    c10::intrusive_ptr<c10d::Store> base = store;
+    while (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(base.get())) base = prefixed->getUnderlyingStore();
+    w->progress_ =
+        std::make_shared<detail::Progress>(peers, rank, dynamic_cast<c10d::FileStore*>(base.get()) != nullptr);
     w->progress_->note("world set up");
     std::weak_ptr<detail::Progress> progress = w->progress_;
     w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started) {
