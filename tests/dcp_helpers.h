@@ -31,12 +31,13 @@ SHARDTORCH_MODULE(DcpLinear);
 
 /// tests/python/dcp/make_fsdp2.py's MLP: l0 Linear(4, 5) (a unit, as
 /// fully_shard(model.l0) makes it), norm LayerNorm(5), l1 Linear(5, 1), and
-/// the buffer scale = [2, 3]; the root is a unit too.
+/// the buffer scale = [2, 3]; the root is a unit too. `last`: the name of
+/// l1 (another one: a model with a module renamed).
 struct DcpMlpImpl : torch::nn::Module {
-  explicit DcpMlpImpl(int64_t hidden = 5)
+  explicit DcpMlpImpl(int64_t hidden = 5, const std::string& last = "l1")
       : l0(register_module("l0", DcpLinear(4, hidden))),
         norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden})))),
-        l1(register_module("l1", torch::nn::Linear(hidden, 1))) {
+        l1(register_module(last, torch::nn::Linear(hidden, 1))) {
     scale = register_buffer("scale", torch::tensor({2.0, 3.0}));
   }
   torch::Tensor forward(torch::Tensor x) { return l1(torch::relu(norm(l0(x)))) * scale.sum(); }

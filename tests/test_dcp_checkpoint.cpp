@@ -464,22 +464,6 @@ void require_as_saved(DcpMlp& m, shardtorch::ShardedOptimizer& opt, const std::s
 
 }  // namespace
 
-// DcpMlp with its last layer under another name.
-struct RenamedMlpImpl : torch::nn::Module {
-  RenamedMlpImpl()
-      : l0(register_module("l0", DcpLinear(4, 5))),
-        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({5})))),
-        x1(register_module("x1", torch::nn::Linear(5, 1))) {
-    scale = register_buffer("scale", torch::tensor({2.0, 3.0}));
-  }
-  torch::Tensor forward(torch::Tensor x) { return x1(torch::relu(norm(l0(x)))) * scale.sum(); }
-  DcpLinear l0;
-  torch::nn::LayerNorm norm;
-  torch::nn::Linear x1;
-  torch::Tensor scale;
-};
-SHARDTORCH_MODULE(RenamedMlp);
-
 TEST(DcpSave, SavedAtThreeRanksLoadsAtTwoUnderAnotherStrategyBitwise) {
   const TempDir dir;
   const std::string ck = (dir / "ck").string();
@@ -548,7 +532,7 @@ TEST(DcpSave, SavedAtThreeRanksLoadsAtTwoUnderAnotherStrategyBitwise) {
                 e.find("2 of the model's names have no tensor ('l1.bias', 'l1.weight')") != std::string::npos,
             "the load with a wrong mapping said: '" + e + "'");
     // A module renamed in the model: both sides of the rename, and the rule that maps one onto the other.
-    RenamedMlp renamed;
+    DcpMlp renamed(5, "x1");
     shardtorch::shard(renamed, w);
     e = error_of([&] { shardtorch::load_dcp_checkpoint(*renamed, nullptr, ck); });
     require(e.find("unexpected tensor 'model.l1.") != std::string::npos &&

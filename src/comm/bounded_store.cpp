@@ -11,15 +11,18 @@ BoundedStore::BoundedStore(c10::intrusive_ptr<c10d::Store> inner, std::chrono::m
                            std::optional<Host> host)
     : c10d::Store(inner->getTimeout()), BoundedCalls(std::move(inner), bound, std::move(name), std::move(host)) {}
 
+c10::intrusive_ptr<c10d::Store> underlying_store(c10::intrusive_ptr<c10d::Store> store) {
+  while (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(store.get())) store = prefixed->getUnderlyingStore();
+  return store;
+}
+
 c10::intrusive_ptr<BoundedStore> BoundedStore::fresh_connection() const {
   // A TCPStore client serves one call at a time: a clone is a connection of
   // its own. Other stores (a FileStore, a HashStore) are shared: a FileStore
   // counts its instances to delete its file, and a clone would have it
   // deleted while other ranks still use it.
   c10::intrusive_ptr<c10d::Store> copy = inner();
-  c10::intrusive_ptr<c10d::Store> base = inner();
-  while (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(base.get())) base = prefixed->getUnderlyingStore();
-  if (dynamic_cast<c10d::TCPStore*>(base.get()) != nullptr) {
+  if (dynamic_cast<c10d::TCPStore*>(underlying_store(inner()).get()) != nullptr) {
     try {
       copy = inner()->clone();
     } catch (const std::exception&) {  // no second connection: shared

@@ -54,4 +54,8 @@ class BoundedStore : public c10d::Store, public BoundedCalls {
   std::vector<std::string> listKeys() override;
 };
 
+/// The store under any PrefixStores wrapped around it (a TCPStore, a
+/// FileStore, ...): what decides how its calls behave.
+c10::intrusive_ptr<c10d::Store> underlying_store(c10::intrusive_ptr<c10d::Store> store);
+
 }  // namespace shardtorch::detail

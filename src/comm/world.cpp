@@ -352,10 +352,8 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   c10::intrusive_ptr<detail::BoundedStore> peers;
   if (world_size > 1) {
     peers = bounded->fresh_connection();
-    c10::intrusive_ptr<c10d::Store> base = store;
-    while (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(base.get())) base = prefixed->getUnderlyingStore();
-    w->progress_ =
-        std::make_shared<detail::Progress>(peers, rank, dynamic_cast<c10d::FileStore*>(base.get()) != nullptr);
+    const bool file_store = dynamic_cast<c10d::FileStore*>(detail::underlying_store(store).get()) != nullptr;
+    w->progress_ = std::make_shared<detail::Progress>(peers, rank, file_store);
     w->progress_->note("world set up");
     std::weak_ptr<detail::Progress> progress = w->progress_;
     w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started) {

@@ -1,26 +1,13 @@
 // Shards a two-layer model on one rank, trains a step, and checks the
 // parameters moved: proves the installed headers, library and package work.
 #include <shardtorch/shardtorch.h>
-#include <torch/nn/modules/linear.h>
 #ifdef CONSUMER_HAS_FT
 #include <shardtorch/ft.h>  // shardtorch_HAS_FT: the install has the fault-tolerance header
 #endif
 
 #include <iostream>
 
-struct LayerImpl : torch::nn::Module {
-  LayerImpl() : lin(register_module("lin", torch::nn::Linear(4, 4))) {}
-  at::Tensor forward(at::Tensor x) { return lin(x); }
-  torch::nn::Linear lin;
-};
-SHARDTORCH_MODULE(Layer);
-
-struct NetImpl : torch::nn::Module {
-  NetImpl() : a(register_module("a", Layer())), b(register_module("b", Layer())) {}
-  at::Tensor forward(at::Tensor x) { return b(a(x)); }
-  Layer a, b;
-};
-SHARDTORCH_MODULE(Net);
+#include "net.h"
 
 int main() {
   auto world = shardtorch::World::from_env();

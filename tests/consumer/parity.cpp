@@ -5,24 +5,11 @@
 #include <shardtorch/parity.h>
 #include <shardtorch/shardtorch.h>
 #include <shardtorch/testing.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
 #include <iostream>
 
-struct LayerImpl : torch::nn::Module {
-  LayerImpl() : lin(register_module("lin", torch::nn::Linear(4, 4))) {}
-  at::Tensor forward(at::Tensor x) { return at::tanh(lin(x)); }
-  torch::nn::Linear lin;
-};
-SHARDTORCH_MODULE(Layer);
-
-struct NetImpl : torch::nn::Module {
-  NetImpl() : a(register_module("a", Layer())), b(register_module("b", Layer())) {}
-  at::Tensor forward(at::Tensor x) { return b(a(x)); }
-  Layer a, b;
-};
-SHARDTORCH_MODULE(Net);
+#include "net.h"
 
 int main() {
   shardtorch::testing::init();
