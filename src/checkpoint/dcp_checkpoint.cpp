@@ -7,8 +7,8 @@
 #include <cmath>
 #include <memory>
 #include <set>
-#include <sstream>
 
+#include "base/text.h"
 #include "checkpoint/agreement.h"
 #include "checkpoint/dcp_source.h"
 #include "checkpoint/dcp_tensor_parallel.h"
@@ -26,18 +26,7 @@ namespace {
 using checkpoint::SafetensorsError;
 namespace dcp = checkpoint::dcp;
 
-std::string shape_text(c10::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
-
-// "'a', 'b', 'c', ..." of the first three of `names` ("" when none).
-std::string some_of(const std::vector<std::string>& names) {
-  std::string out;
-  for (size_t i = 0; i < names.size() && i < 3; ++i) out += (i ? ", '" : "'") + names[i] + "'";
-  return out + (names.size() > 3 ? ", ..." : "");
-}
+using detail::shape_text;
 
 // The checkpoint's keys sorted by what they are to this model.
 struct Keys {
@@ -95,11 +84,10 @@ struct Unexpected {
   }
   std::string text = where + ": unexpected tensor '" + key + "'" + (m != key ? " (mapped to '" + m + "')" : "") +
                      ": the model has no parameter or buffer of that name" + hint;
-  if (!others.empty())
-    text += ", and " + std::to_string(others.size()) + " more the model has no name for (" + some_of(others) + ")";
+  text += detail::and_more(others, "the model has no name for");
   if (!unmatched.empty())
-    text +=
-        "; " + std::to_string(unmatched.size()) + " of the model's names have no tensor (" + some_of(unmatched) + ")";
+    text += "; " + std::to_string(unmatched.size()) + " of the model's names have no tensor (" +
+            detail::quoted_names(unmatched) + ")";
   throw SafetensorsError(text +
                          ". Map the checkpoint's names with DcpLoadOptions().model_prefix/strip_prefix/replace_prefix/"
                          "map_name, skip a tensor by mapping it to nullopt, or pass ignore_unexpected(true)");

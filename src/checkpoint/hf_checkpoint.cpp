@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "base/files.h"
+#include "base/text.h"
 #include "runtime/shard_state.h"
 #include "checkpoint/agreement.h"
 #include "checkpoint/hf_index.h"
@@ -219,16 +220,12 @@ void HfLoad::match_names() {
 
 // ", and N more the model has no name for ('a', 'b', ...)" beside `first`, or "".
 std::string HfLoad::others_unexpected(const std::string& first, const std::set<std::string>& model_names) const {
-  std::string listed;
-  int more = 0;
+  std::vector<std::string> others;
   for (const auto& [c, f] : entries_) {
     auto m = model_name_of(c, options_);
-    if (c == first || !m || model_names.count(*m)) continue;
-    if (++more <= 3) listed += (more > 1 ? ", '" : "'") + c + "'";
+    if (c != first && m && !model_names.count(*m)) others.push_back(c);
   }
-  if (more == 0) return "";
-  return ", and " + std::to_string(more) + " more the model has no name for (" + listed + (more > 3 ? ", ..." : "") +
-         ")";
+  return detail::and_more(others, "the model has no name for");
 }
 
 // The common cause of an unexpected name: the checkpoint's names carry a

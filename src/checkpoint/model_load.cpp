@@ -1,21 +1,12 @@
 #include "checkpoint/model_load.h"
 
+#include "base/text.h"
 #include "runtime/flat_param.h"
-
-#include <sstream>
 
 #include "shardtorch/checkpoint/safetensors.h"
 
 namespace shardtorch::checkpoint {
-namespace {
-
-std::string shape_text(c10::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
-
-}  // namespace
+using detail::shape_text;
 
 LoadRun::LoadRun(torch::nn::Module& root, const char* operation, const std::string& path,
                  const ProgressCallback& callback, World* world_arg)
@@ -41,17 +32,14 @@ void require_shape(const std::string& where, const std::string& named, const std
 
 std::string shapes_differ(const std::string& name, const std::map<std::string, std::vector<int64_t>>& saved,
                           const std::map<std::string, std::vector<int64_t>>& model) {
-  std::string others;
-  int more = 0;
+  std::vector<std::string> others;
   for (const auto& [n, shape] : saved) {
     auto it = model.find(n);
-    if (n == name || it == model.end() || it->second == shape) continue;
-    if (++more <= 3) others += (more > 1 ? ", '" : "'") + n + "'";
+    if (n != name && it != model.end() && it->second != shape) others.push_back(n);
   }
-  std::string text = "'" + name + "' has shape " + shape_text(saved.at(name)) +
-                     " in the checkpoint but the model's has " + shape_text(model.at(name));
-  if (more > 0) text += ", and " + std::to_string(more) + " more differ (" + others + (more > 3 ? ", ..." : "") + ")";
-  return text + "; is the model built with the checkpoint's configuration?";
+  return "'" + name + "' has shape " + shape_text(saved.at(name)) + " in the checkpoint but the model's has " +
+         shape_text(model.at(name)) + detail::and_more(others, "differ") +
+         "; is the model built with the checkpoint's configuration?";
 }
 
 void require_castable(const std::string& where, const std::string& named, const std::string& saved_text,

@@ -3,6 +3,8 @@
 #include <boost/json.hpp>
 #include "base/log.h"
 #include "base/check.h"
+#include "base/text.h"
+#include "checkpoint/model_load.h"
 #include <c10/core/GradMode.h>
 #include <c10/util/accumulate.h>
 #include <fcntl.h>
@@ -248,11 +250,7 @@ std::string quoted(std::string_view s) {
   return out;
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream os;
-  os << c10::IntArrayRef(shape);
-  return os.str();
-}
+using detail::shape_text;
 
 // Every saved range lies within its tensor's recorded shape (and the
 // tensor has one): a range past the end would otherwise go unread.
