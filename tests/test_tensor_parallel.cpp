@@ -542,6 +542,39 @@ TEST(TpLayers, FullParametersOfASplitModelAreWhole) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// shardtorch::full_gradients and the parity helpers built on it see a split
+// model whole: train_ranks over a tp 2 x dp 2 model compares with the
+// single-process run directly, gradients included.
+TEST(TpLayers, FullGradientsAndTheParityHelpersSeeASplitModelWhole) {
+  const auto& ref = reference();
+  const auto x = tokens();
+  auto r = run_ranks(4, [&](World& w) {
+    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", 2}, {"tp", 2}});
+    auto tp = (*mesh)["tp"];
+    torch::manual_seed(0);
+    gpt::GPT model(tp_config());
+    prepare(model);
+    shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config(), /*sequence_parallel=*/true));
+    shardtorch::shard(model, (*mesh)["dp"], strategy_options(Strategy::FullShard, 2));
+    auto opt = shardtorch::AdamW(*model, adamw());
+    const int64_t per = kBatch / 2;
+    auto mine = x.narrow(0, mesh->coordinate("dp") * per, per);
+    const auto got = shardtorch::testing::train_ranks(*model, *opt, kSteps, [&](int s) {
+      gpt::lm_loss_tp(model(mine), mine, tp).backward();
+      if (s != 0) return;
+      const auto grads = shardtorch::full_gradients(*model);
+      require(grads.count("tok_emb.weight") && grads.count("head.weight") &&
+                  torch::equal(grads.at("tok_emb.weight"), grads.at("head.weight")),
+              "the tied embedding's gradient is not under both of its names");
+      require(grads.at("tok_emb.weight").size(0) == tp_config().vocab, "the embedding's gradient is a slice");
+      const auto rank0 = shardtorch::full_gradients(*model, /*rank0_only=*/true);
+      require(rank0.empty() == (mesh->coordinate("dp") != 0), "rank0_only: a rank at dp 1 got values, or dp 0 none");
+    });
+    testref::expect_same_run(got, ref, 1e-5, "train_ranks over tp 2 x dp 2");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // A split model sharded over the World its tensor-parallel group was made
 // from (not the mesh's dp dimension) would average other slices' gradients
 // into each rank's: shard() refuses it on every rank, saying what to pass;

@@ -61,11 +61,13 @@ SHARDTORCH_API Run train_reference(torch::nn::Module& model, torch::optim::Optim
                                    const std::function<at::Tensor(int step)>& loss, const std::set<int>& later = {});
 
 /// Collective over the sharded model's World: its full, reduced gradients now
-/// (after a backward, before the step), fp32, frozen parameters left out.
+/// (after a backward, before the step), fp32, frozen parameters left out
+/// (shardtorch::full_gradients). A parameter parallelize() split is whole.
 SHARDTORCH_API NamedTensors gathered_gradients(torch::nn::Module& root);
 
-/// Collective: the sharded model's full parameters now, in the parameters'
-/// dtype.
+/// Collective: the sharded model's full parameters now, fp32 masters under
+/// mixed precision (shardtorch::full_parameters). A parameter parallelize()
+/// split is whole.
 SHARDTORCH_API NamedTensors gathered_parameters(torch::nn::Module& root);
 
 /// In a rank, the counterpart of train_reference: `steps` times

@@ -150,9 +150,9 @@ std::map<std::string, at::Tensor> whole_slices(torch::nn::Module& root,
   std::unordered_set<const void*> done;
   for (const auto& item : root.named_parameters()) {
     auto p = detail::placement_of(item.value());
-    if (!p || p->size == 1 || !done.insert(item.value().unsafeGetTensorImpl()).second) continue;
-    const at::Tensor whole =
-        detail::gather_whole(out.at(item.key()), *p, "the tensor-parallel slices of '" + item.key() + "'");
+    auto it = out.find(item.key());  // a parameter with no gradient has no entry in full_gradients'
+    if (!p || p->size == 1 || it == out.end() || !done.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    const at::Tensor whole = detail::gather_whole(it->second, *p, "the tensor-parallel slices of '" + item.key() + "'");
     for (const auto& n : names[item.value().unsafeGetTensorImpl()]) out[n] = whole;
   }
   return out;
@@ -197,6 +197,22 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
   }
   progress.finish();
   return keep ? whole_slices(root, names, std::move(out)) : out;
+}
+
+std::map<std::string, at::Tensor> full_gradients(torch::nn::Module& root, bool rank0_only) {
+  auto state = detail::require_state(root, "full_gradients");
+  const bool keep = !rank0_only || state->world().rank() == 0;
+  auto names = detail::parameter_names(root);
+  std::map<std::string, at::Tensor> out;
+  {
+    FullParams full(root, SummonOptions().with_grads(true).writeback(false).rank0_only(rank0_only));
+    if (!keep) return out;
+    c10::NoGradGuard no_grad;
+    for (const auto& item : root.named_parameters())
+      if (item.value().requires_grad() && item.value().grad().defined())
+        out[item.key()] = item.value().grad().detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  }
+  return whole_slices(root, names, std::move(out));
 }
 
 }  // namespace shardtorch

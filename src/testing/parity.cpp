@@ -98,18 +98,21 @@ Run train_reference(torch::nn::Module& model, torch::optim::Optimizer& opt, int 
   return run;
 }
 
-NamedTensors gathered_gradients(torch::nn::Module& root) {
-  FullParams full(root, SummonOptions().with_grads(true).writeback(false));
+namespace {
+// `all` (by every name) under each distinct parameter's first name.
+NamedTensors distinct_of(torch::nn::Module& root, std::map<std::string, at::Tensor> all) {
   NamedTensors out;
-  for (auto& [n, p] : named_distinct(root))
-    if (p.requires_grad() && p.grad().defined()) out[n] = p.grad().detach().to(at::kFloat).clone();
+  for (auto& [n, p] : named_distinct(root)) {
+    auto it = all.find(n);
+    if (it != all.end()) out[n] = std::move(it->second);
+  }
   return out;
 }
+}  // namespace
 
-NamedTensors gathered_parameters(torch::nn::Module& root) {
-  FullParams full(root);
-  return parameters_of(root);
-}
+NamedTensors gathered_gradients(torch::nn::Module& root) { return distinct_of(root, full_gradients(root)); }
+
+NamedTensors gathered_parameters(torch::nn::Module& root) { return distinct_of(root, full_parameters(root)); }
 
 Run train_ranks(torch::nn::Module& root, ShardedOptimizer& opt, int steps,
                 const std::function<void(int step)>& backward, const std::set<int>& later) {
