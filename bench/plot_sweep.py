@@ -62,8 +62,10 @@ def main(src, out):
         ax.set_ylabel("peak device memory per rank, MiB")
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=8)
+    # Two lines: one plot's width does not hold the title on one.
     fig.suptitle(f'shardtorch sweep: GPT, batch {sweep["batch"]} x seq {sweep["seq"]} per rank, '
-                 f'{sweep["steps"]} steps (library accounting; host bytes of offload left out)')
+                 f'{sweep["steps"]} steps\n(library accounting; host bytes of offload left out)',
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     return 0

@@ -1,4 +1,5 @@
-"""Gloo's reduce_scatter_tensor beside an all_reduce of the same input.
+"""Gloo's reduce-scatter (reduce_scatter_single, which torch 2.13 names
+reduce_scatter_tensor's successor) beside an all_reduce of the same input.
 
     torchrun --standalone --nproc-per-node 2 bench/peers/gloo_reduce_scatter_cost.py
 
@@ -33,13 +34,14 @@ def main():
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     world = dist.get_world_size()
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     for kib in a.kib:
         n = kib * 256 // world * world  # fp32 elements, a multiple of the world size
         full, shard = torch.randn(n), torch.empty(n // world)
-        rs = timed(lambda: dist.reduce_scatter_tensor(shard, full), a.iters)
+        rs = timed(lambda: reduce_scatter(shard, full), a.iters)
         ar = timed(lambda: dist.all_reduce(full), a.iters)
         if dist.get_rank() == 0:
-            print(f"{world} ranks, {kib} KiB input: reduce_scatter_tensor {rs:.2f} ms, all_reduce {ar:.2f} ms",
+            print(f"{world} ranks, {kib} KiB input: {reduce_scatter.__name__} {rs:.2f} ms, all_reduce {ar:.2f} ms",
                   flush=True)
     dist.destroy_process_group()
     os._exit(0)  # skip the interpreter teardown Gloo can abort in (see peer_train.py)

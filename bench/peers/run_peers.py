@@ -12,7 +12,7 @@ measured bytes, and checks that all implementations produce the same losses.
   python bench/peers/run_peers.py --python-only ...   (DDP and FSDP2 only; no C++ binary needed)
 
 Exit status: 0 when every check passes, 1 when losses (or parameter counts)
-disagree, 2 when a run fails."""
+disagree or a model-state target is not met, 2 when a run fails."""
 import argparse
 import json
 import math
