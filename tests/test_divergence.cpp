@@ -897,6 +897,34 @@ TEST_F(Diverged, MicroBatchesThatDifferAfterTwoEqualStepsFailEveryRankNamingBoth
   }
 }
 
+// An evaluation forward on rank 0 alone (no gradients, its own batch size):
+// both ranks fail naming it, and rank 0's position says it is in a forward
+// without gradients and what that forward took.
+TEST_F(Diverged, AnEvaluationOnOneRankIsNamedAsSuch) {
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        torch::manual_seed(0);
+        MLP m;
+        auto sharded = shardtorch::shard(m, w);
+        auto opt = shardtorch::Adam(*m, torch::optim::AdamOptions(1e-3));
+        auto x = torch::randn({4, 7});
+        for (int step = 0; step < 4; ++step) {
+          if (step == 2 && w.rank() == 0) {
+            torch::NoGradGuard no_grad;
+            m(torch::randn({2, 7}));
+          }
+          train_step(m, sharded, *opt, x, 1);
+        }
+      },
+      checked());
+  expect_diverged(
+      r, {"rank 0 is at all_gather for parameters of unit 'l1'",
+          "step 2, after 0 backwards since the last optimizer step; 1 forward without gradients (an "
+          "evaluation) since the last optimizer step, the last taking Float[2, 7]",
+          "but rank 1 is at all_gather for parameters of unit 'l1'", "the step's first forward took Float[4, 7]"});
+}
+
 // Three ranks, one of which routes around a unit in its third step: the
 // two that launched the unit's all-gather each fail naming the one that did
 // not, and it fails too.

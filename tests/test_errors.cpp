@@ -136,6 +136,12 @@ TEST(Errors, AStepOrAClipThatDoesNothingSaysWhy) {
     }
     testmodels::require(warnings.any_with("an optimizer step while gradient synchronisation is off"),
                         "no warning for a step inside no_sync()");
+    testmodels::require(!warnings.any_with("an optimizer step with no backward"),
+                        "a step after a backward warned that it had none");
+    opt->zero_grad();
+    opt->step();
+    testmodels::require(warnings.any_with("an optimizer step with no backward since zero_grad()"),
+                        "no warning for a step with no backward since zero_grad()");
     // torch::optim over the module's own parameters after shard(): no
     // shardtorch optimizer; sharded, the parameters never change; under
     // NoShard, torch::optim's zero_grad fails on the buckets' views.

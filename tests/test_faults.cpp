@@ -165,13 +165,51 @@ TEST(Faults, AUnitReplacedAfterShardIsAnErrorNamingTheRank) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// A unit module its parent holds but never registers: shard() never sees
+// it, so its parameters would be neither reduced nor trained. Its forward
+// inside the sharded model's is an error naming the rank, the module's type
+// and the unit it ran in, under a sharded strategy and under NoShard; before
+// shard() it runs as a plain module.
+struct HidesALayerImpl : torch::nn::Module {
+  HidesALayerImpl() : first(register_module("first", Layer(7, 5, true))), hidden(Layer(5, 3, false)) {}
+  torch::Tensor forward(torch::Tensor x) { return hidden(first(x)); }
+  Layer first;
+  Layer hidden;  // not registered
+};
+SHARDTORCH_MODULE(HidesALayer);
+
+TEST(Faults, AUnitTheModelNeverRegisteredFailsItsForwardNamingIt) {
+  auto r = run_ranks(2, [](World& w) {
+    for (const auto strategy : {shardtorch::Strategy::FullShard, shardtorch::Strategy::NoShard}) {
+      HidesALayer m;
+      require(m(torch::randn({2, 7})).size(1) == 3, "before shard() the module does not run as a plain one");
+      shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(strategy));
+      std::string error = "no error";
+      try {
+        m(torch::randn({2, 7}));
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      const std::string want = "rank " + std::to_string(w.rank()) + ": a module of type ";
+      require(error.find(want) != std::string::npos &&
+                  error.find("LayerImpl declared shardtorch::Sharded ran "
+                             "inside the forward of unit '<root>'") != std::string::npos &&
+                  error.find("register_module") != std::string::npos,
+              std::string(shardtorch::strategy_name(strategy)) + ": " + error);
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(Faults, ParametersOutsideAnyUnitNeedARootUnit) {
   auto r = run_ranks(1, [](World& w) {
     auto seq = torch::nn::Sequential(torch::nn::Linear(3, 3));
     try {
       shardtorch::shard(*seq, w);
     } catch (const std::exception& e) {
-      require(std::string(e.what()).find("belong to no unit (first: '0.weight')") != std::string::npos, e.what());
+      require(std::string(e.what()).find("rank 0: shardtorch::shard: 2 parameter(s) belong to no unit (first: "
+                                         "'0.weight')") != std::string::npos,
+              e.what());
       return;
     }
     throw std::runtime_error("no error");

@@ -473,7 +473,8 @@ TEST(MixedPrecision, ConfigurationErrors) {
         shardtorch::Adam(*model, torch::optim::AdamOptions(1e-3));
         throw std::runtime_error("fp16 without a scaler was accepted");
       } catch (const std::exception& e) {
-        require(std::string(e.what()).find("fp16 mixed precision needs a loss scaler") != std::string::npos, e.what());
+        require(std::string(e.what()).find("rank 0: fp16 mixed precision needs a loss scaler") != std::string::npos,
+                e.what());
       }
     }
     {

@@ -550,7 +550,10 @@ TEST(Offload, OverlapWithBackwardRefusesWhatWouldChangeTheUpdate) {
     // The update used the unclipped gradients: clipping now would be a lie.
     expect_throws_with([&] { shardtorch::clip_grad_norm(*model, 0.5); }, "overlap_with_backward");
     // A forward before step() would compute with parameters already updated.
-    expect_throws_with([&] { gpt::lm_loss(model(x), x).backward(); }, "call opt->step() before the next forward");
+    expect_throws_with([&] { gpt::lm_loss(model(x), x).backward(); }, "call opt->step() first");
+    // Nor are the gradients there to read: the update consumed them.
+    expect_throws_with([&] { shardtorch::full_gradients(*model); },
+                       "the optimizer consumed the gradients during that backward");
     expect_throws_with([&] { gpt::lm_loss(model(x), x).backward(); }, "unit '<root>': flat Float");  // the first
     opt->zero_grad();
     opt->step();

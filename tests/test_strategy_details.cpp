@@ -556,7 +556,8 @@ TEST(Configuration, BadStrategyNamesAndGroupSizesAreClearErrors) {
     try {
       shardtorch::shard(model, w, ShardOptions().reshard_after_forward_for("blocks.7", false));
     } catch (const std::exception& e) {
-      require(std::string(e.what()).find("reshard_after_forward_for('blocks.7') names no unit") != std::string::npos,
+      require(std::string(e.what()).find("reshard_after_forward_for('blocks.7') names no unit of this model (its "
+                                         "units: 'blocks.0', ") != std::string::npos,
               e.what());
       return;
     }

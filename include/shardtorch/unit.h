@@ -17,6 +17,7 @@
 #include <string_view>
 #include <tuple>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -65,6 +66,13 @@ class SHARDTORCH_API UnitBase {
   /// Runs `run(inputs, true)` without keeping activations and returns its
   /// outputs attached to one autograd node that recomputes them in backward.
   std::vector<at::Tensor> checkpointed_forward(std::vector<at::Tensor> inputs, detail::RecomputeFn run);
+  /// A module of this kind that shard() did not take ran its forward: inside
+  /// the forward of a sharded model's unit (on this thread), that is an
+  /// error naming the rank, the unit and `impl_type` (the module is not part
+  /// of the model: shard() never saw it, and its parameters would be neither
+  /// reduced nor trained). Elsewhere (before shard(), a model never
+  /// sharded), nothing.
+  void check_part_of_the_model(const char* impl_type) const;
   /// Until dismissed, gives the unit's memory back when its forward throws
   /// (docs/design.md, "A forward that fails").
   class SHARDTORCH_API ForwardGuard {
@@ -200,7 +208,10 @@ class Sharded<Impl, R (C::*)(A...)> : public Impl, public UnitBase {
   using Impl::Impl;
   R forward(A... args) {
     const bool checkpoint = checkpointing_now();
-    if (!is_sharded_unit() && !checkpoint) return Impl::forward(std::forward<A>(args)...);
+    if (!is_sharded_unit() && !checkpoint) {
+      check_part_of_the_model(typeid(Impl).name());
+      return Impl::forward(std::forward<A>(args)...);
+    }
     std::vector<at::Tensor> inputs;  // to tell an input passed through
     if (is_sharded_unit() && !checkpoint) (detail::collect_tensors(inputs, args), ...);
     ForwardGuard guard(is_sharded_unit() ? this : nullptr);

@@ -58,6 +58,8 @@ void CollectiveContext::mark(bool setup) {
       inputs_seen_ = false;
       inputs_hash_ = 0;
       inputs_.reset();
+      forwards_without_grad_ = 0;
+      last_without_grad_.reset();
     }
     step = step_;
     checkers = checkers_;
@@ -72,14 +74,27 @@ void CollectiveContext::follow(std::weak_ptr<CheckerShared> checker) {
   checkers_.push_back(std::move(checker));
 }
 
+namespace {
+std::shared_ptr<const std::string> inputs_text(const std::vector<at::Tensor>& inputs) {
+  std::ostringstream os;
+  for (size_t i = 0; i < inputs.size(); ++i) os << (i ? ", " : "") << describe(inputs[i]);
+  return std::make_shared<const std::string>(inputs.empty() ? std::string("no tensor") : os.str());
+}
+}  // namespace
+
+void CollectiveContext::root_forward_without_grad(const std::vector<at::Tensor>& inputs) {
+  auto text = inputs_text(inputs);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++forwards_without_grad_;
+  last_without_grad_ = std::move(text);
+}
+
 void CollectiveContext::root_inputs(const std::vector<at::Tensor>& inputs) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (inputs_seen_) return;
   }
-  std::ostringstream os;
-  for (size_t i = 0; i < inputs.size(); ++i) os << (i ? ", " : "") << describe(inputs[i]);
-  auto text = std::make_shared<const std::string>(inputs.empty() ? std::string("no tensor") : os.str());
+  auto text = inputs_text(inputs);
   std::lock_guard<std::mutex> lock(mu_);
   inputs_seen_ = true;
   inputs_hash_ = text_hash(*text);
@@ -94,6 +109,8 @@ CollectiveContext::Snapshot CollectiveContext::snapshot() const {
   s.phase = in_backward_ ? (sync_ ? 2 : 1) : 0;
   s.inputs_hash = inputs_hash_;
   s.inputs = inputs_;
+  s.forwards_without_grad = forwards_without_grad_;
+  s.last_without_grad = last_without_grad_;
   return s;
 }
 
@@ -106,6 +123,9 @@ std::string CollectiveContext::Snapshot::words() const {
   else
     os << "after " << backwards << " backward" << (backwards == 1 ? "" : "s") << " since the last optimizer step";
   if (inputs) os << "; the step's first forward took " << *inputs;
+  if (forwards_without_grad > 0)
+    os << "; " << forwards_without_grad << " forward" << (forwards_without_grad == 1 ? "" : "s")
+       << " without gradients (an evaluation) since the last optimizer step, the last taking " << *last_without_grad;
   return os.str();
 }
 

@@ -70,11 +70,16 @@ class CollectiveContext {
   /// last step is kept (a different batch size per rank is then caught at
   /// the step's next collective).
   void root_inputs(const std::vector<at::Tensor>& inputs);
+  /// A forward of the root unit without grad mode (an evaluation): counted
+  /// since the last step, the last one's inputs kept for the words.
+  void root_forward_without_grad(const std::vector<at::Tensor>& inputs);
 
   /// Numbers only: the words are built when an error or a wait record needs them.
   struct Snapshot {
     int64_t step = 0, backwards = 0, phase = 0, inputs_hash = 0;  // phase: 0 none, 1 backward without sync, 2 with
     std::shared_ptr<const std::string> inputs;                    // the step's first forward's, null before it
+    int64_t forwards_without_grad = 0;                            // since the last step
+    std::shared_ptr<const std::string> last_without_grad;         // the last one's inputs
     /// "step 2, after 1 backward since the last optimizer step; the step's first forward took ..."
     std::string words() const;
   };
@@ -89,6 +94,8 @@ class CollectiveContext {
   bool inputs_seen_ = false;
   int64_t inputs_hash_ = 0;
   std::shared_ptr<const std::string> inputs_;
+  int64_t forwards_without_grad_ = 0;
+  std::shared_ptr<const std::string> last_without_grad_;
   std::vector<std::weak_ptr<CheckerShared>> checkers_;
   void mark(bool setup);  // step_done (a new step) or setup_done: each followed checker queues its marker
 };

@@ -18,7 +18,8 @@ namespace detail {
 
 ShardViews::ShardViews(torch::nn::Module& root) : state_(require_state(root, "cannot build a sharded optimizer")) {
   SHARDTORCH_CHECK(state_->options().mixed_precision().param_dtype() != at::kHalf || state_->optimizer().has_scaler(),
-                   "shardtorch: fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
+                   rank_prefix(state_->world().global_rank()),
+                   ": fp16 mixed precision needs a loss scaler: construct a shardtorch::GradScaler for this "
                    "model before its optimizer, and step through scaler.step(*opt)");
   state_->optimizer().optimizer_built();
   if (state_->path().replicated()) {  // NoShard: the optimizer runs over the parameters themselves
@@ -103,6 +104,10 @@ void ShardViews::bind_grads() {
                          "set_requires_gradient_sync(false)): the gradients accumulated since are not reduced yet "
                          "and the step does not use them; end the no_sync() scope before the last micro-batch's "
                          "backward, which reduces them, and step after it");
+  else if (!state_->optimizer().reduced_since_zero_grad())
+    SHARDTORCH_WARN_ONCE(rank_prefix(state_->world().global_rank()),
+                         ": an optimizer step with no backward since zero_grad() (or since shard()): no gradient "
+                         "reached the optimizer, so the step changes nothing; step after the backward");
   state_->optimizer().check_requires_grad_unchanged();
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).

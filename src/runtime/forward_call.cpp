@@ -19,7 +19,10 @@ namespace shardtorch::detail {
 void Unit::pre_forward(const std::vector<at::Tensor>& inputs) {
   owner_->world().note_progress(c10::GradMode::is_enabled() ? "forward" : "forward without grad", label());
   if (is_root_) WorldAccess::end_setup(owner_->world());  // a forward: the set-up is over
-  if (is_root_ && c10::GradMode::is_enabled()) detail::collective_context(owner_->world()).root_inputs(inputs);
+  if (is_root_) {
+    auto& context = detail::collective_context(owner_->world());
+    c10::GradMode::is_enabled() ? context.root_inputs(inputs) : context.root_forward_without_grad(inputs);
+  }
   owner_->backward().recover_if_failed();
   owner_->order().note_forward_for_reduction(*this);
   forwards_.call_.reset();

@@ -22,8 +22,8 @@ at::Tensor ShardCopies::gather_input(FlatParam& f) {
   if (offloader_) {
     SHARDTORCH_CHECK(!listener_ || !listener_->stepped(f), detail::rank_prefix(world_.global_rank()), ": unit '",
                      unit_of(f), "': ", f.describe(),
-                     " is gathered again after the optimizer updated it during the last backward "
-                     "(overlap_with_backward): call opt->step() before the next forward, and let only the last "
+                     " is gathered again (by a forward or summon_full_params) after the optimizer updated it during "
+                     "the last backward (overlap_with_backward): call opt->step() first, and let only the last "
                      "micro-batch's backward synchronize gradients (set_requires_gradient_sync)");
     if (f.host().low_copy_stale()) offloader_->wait_idle();  // no copy may still read the bf16 copy it remakes
     return offloader_->to_device(f.host().upload_source(), f.buffer().dtype());  // always a new tensor

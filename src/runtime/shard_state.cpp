@@ -99,6 +99,7 @@ void OptimizerSide::on_zero_grad() {
 
 void OptimizerSide::zero_grads() {
   on_zero_grad();
+  reduced_since_zero_grad_ = false;
   if (auto* replicated = model_.path().replicated()) {
     replicated->zero_grads();
     return;
@@ -108,6 +109,7 @@ void OptimizerSide::zero_grads() {
 }
 
 void OptimizerSide::backward_reduced() {
+  reduced_since_zero_grad_ = true;
   if (optimizers_built_ > 0 || warned_no_optimizer_) return;
   warned_no_optimizer_ = true;
   SHARDTORCH_WARN(detail::rank_prefix(model_.world().global_rank()),

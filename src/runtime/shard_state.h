@@ -140,6 +140,9 @@ class OptimizerSide {
   /// optimizer built over the model warns once: a torch::optim optimizer
   /// over the module's own parameters would not train it.
   void backward_reduced();
+  /// Whether a backward reduced the gradients since the last zero_grad()
+  /// (or since shard()): a step without one changes nothing.
+  bool reduced_since_zero_grad() const { return reduced_since_zero_grad_; }
 
   /// fp16 mixed precision needs a GradScaler; one registers itself here.
   bool has_scaler() const { return has_scaler_; }
@@ -164,6 +167,7 @@ class OptimizerSide {
   bool has_scaler_ = false;
   int optimizers_built_ = 0;
   bool warned_no_optimizer_ = false;
+  bool reduced_since_zero_grad_ = false;
 };
 
 class ShardState : public std::enable_shared_from_this<ShardState> {

@@ -1,8 +1,10 @@
 // UnitBase: what every Sharded<Impl> runs around its forward, and its zero_grad.
 #include <c10/core/GradMode.h>
+#include <c10/util/Type.h>
 
 #include <algorithm>
 #include <exception>
+#include <vector>
 
 #include "base/log.h"
 #include "base/check.h"
@@ -10,11 +12,34 @@
 
 namespace shardtorch {
 
+namespace {
+// The units whose forward runs on this thread, innermost last: pushed before
+// a unit's pre-forward, popped when its post-forward has run or its forward
+// failed.
+thread_local std::vector<detail::Unit*> t_running;
+}  // namespace
+
 UnitBase::~UnitBase() = default;
 
-void UnitBase::before_forward(const std::vector<at::Tensor>& inputs) { unit_->pre_forward(inputs); }
+void UnitBase::before_forward(const std::vector<at::Tensor>& inputs) {
+  t_running.push_back(unit_.get());
+  unit_->pre_forward(inputs);
+}
+
+void UnitBase::check_part_of_the_model(const char* impl_type) const {
+  if (t_running.empty() || !no_shard_state_.expired()) return;  // no sharded forward here, or NoShard's module
+  detail::Unit& in = *t_running.back();
+  SHARDTORCH_CHECK(false, detail::rank_prefix(in.owner().world().global_rank()), ": a module of type ",
+                   c10::demangle(impl_type), " declared shardtorch::Sharded ran inside the forward of unit '",
+                   in.label(),
+                   "' of a sharded model but is not part of that model: shard() never saw it, so its parameters "
+                   "would be neither reduced across ranks nor trained. Register it in its parent before shard() "
+                   "(register_module), or, for a model of its own, shard() that model too or do not declare it "
+                   "Sharded");
+}
 
 void UnitBase::forward_failed() noexcept {
+  if (!t_running.empty()) t_running.pop_back();
   try {
     unit_->abandon_forward();
   } catch (const std::exception& e) {  // runs while the forward's exception unwinds: warn, never throw
@@ -69,6 +94,7 @@ bool UnitBase::after_forward(std::vector<at::Tensor>& outputs, const std::vector
     }
   }
   unit_->post_forward(outputs);
+  t_running.pop_back();
   return replaced;
 }
 

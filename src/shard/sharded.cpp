@@ -1,6 +1,7 @@
 #include "shardtorch/sharded.h"
 #include "base/log.h"
 #include "base/check.h"
+#include "base/text.h"
 
 // shard(): finding units and parameters, checking the model across ranks,
 // building flat parameters (or, for NoShard, the all-reduce buckets).
@@ -36,6 +37,7 @@ using detail::flat_groups;
 using detail::FoundParam;
 using detail::FoundUnit;
 using detail::ModelWalk;
+using detail::quoted_names;
 using detail::walk_model;
 
 namespace {
@@ -249,6 +251,15 @@ void setup_no_shard(detail::ShardState& state, World& world, std::vector<FoundPa
   replicated.enable(std::move(trainable), std::move(names), keep);
 }
 
+// What a per-unit option that names no unit is told: the names it could give.
+std::string units_to_name(const std::vector<FoundUnit>& units) {
+  std::vector<std::string> names;
+  for (const auto& u : units)
+    if (!u.name.empty()) names.push_back(u.name);
+  return " (" + (names.empty() ? std::string("it has no unit but the root") : "its units: " + quoted_names(names, 8)) +
+         "; a module is a unit when declared shardtorch::Sharded<Impl>)";
+}
+
 // Activation checkpointing: which units recompute (docs/design.md). Every
 // unit without a unit inside, the root excepted, under the global option;
 // per-unit settings override it, and asking for the root or an enclosing
@@ -281,7 +292,7 @@ std::vector<bool> checkpointed_units(const std::vector<FoundUnit>& units, const 
   for (const auto& [name, value] : options.per_unit_checkpointing()) {
     auto it = std::find_if(units.begin(), units.end(), [&](const FoundUnit& u) { return u.name == name; });
     SHARDTORCH_CHECK(it != units.end(), "shardtorch::shard: activation_checkpointing_for('", name,
-                     "') names no unit of this model");
+                     "') names no unit of this model", units_to_name(units));
     const size_t u = static_cast<size_t>(it - units.begin());
     if (value) {
       SHARDTORCH_CHECK(!is_root(u), "shardtorch::shard: activation_checkpointing_for('", name,
@@ -371,7 +382,8 @@ Config check_config(const ShardOptions& options, const World& world, const Model
     for (const auto& [unit, flag] : options.per_unit_reshard()) {
       bool known =
           std::any_of(found.units.begin(), found.units.end(), [&](const FoundUnit& u) { return u.name == unit; });
-      SHARDTORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model");
+      SHARDTORCH_CHECK(known, "shardtorch::shard: reshard_after_forward_for('", unit, "') names no unit of this model",
+                       units_to_name(found.units));
     }
     c.checkpointed = checkpointed_units(found.units, found.params, options, root_is_unit);
   } catch (const std::exception& e) {
@@ -572,12 +584,12 @@ ShardedModel shard(torch::nn::Module& root, std::shared_ptr<World> world, ShardO
   std::vector<std::string> orphans;
   for (const auto& p : found.params)
     if (p.unit < 0) orphans.push_back(p.name);
-  SHARDTORCH_CHECK(orphans.empty(), "shardtorch::shard: ", orphans.size(), " parameter(s) belong to no unit (first: '",
-                   orphans.front(),
+  SHARDTORCH_CHECK(orphans.empty(), detail::rank_prefix(world->global_rank()), ": shardtorch::shard: ", orphans.size(),
+                   " parameter(s) belong to no unit (first: '", orphans.front(),
                    "') and the root module is not a unit; declare the root as shardtorch::Sharded<Impl> "
                    "(see docs/api.md)");
-  SHARDTORCH_CHECK(!found.units.empty(),
-                   "shardtorch::shard: the model has no unit; mark modules with shardtorch::Sharded<Impl>");
+  SHARDTORCH_CHECK(!found.units.empty(), detail::rank_prefix(world->global_rank()),
+                   ": shardtorch::shard: the model has no unit; mark modules with shardtorch::Sharded<Impl>");
 
   state->topology().build(strategy, config.shard_size);
   if (options.cpu_offload()) state->copies().enable_offload(world->comm().device());
