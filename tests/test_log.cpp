@@ -97,13 +97,18 @@ TEST(Errors, LogLevelFromTheEnvironmentUnlessSetInTheProgram) {
   EXPECT_FALSE(shardtorch::detail::log_enabled(LogLevel::Info));
   EXPECT_TRUE(shardtorch::detail::log_enabled(LogLevel::Error));
 
+  // Before the World (no rank set), the launcher's RANK names the rank.
+  shardtorch::detail::set_log_rank(-1);
+  ::setenv("RANK", "5", 1);
   ::setenv("SHARDTORCH_LOG_LEVEL", "loud", 1);
   shardtorch::detail::reset_log_level();
   ::testing::internal::CaptureStderr();
   const LogLevel got = shardtorch::log_level();
   const std::string said = ::testing::internal::GetCapturedStderr();
+  ::unsetenv("RANK");
   EXPECT_EQ(got, LogLevel::Info);
-  EXPECT_NE(said.find("SHARDTORCH_LOG_LEVEL='loud' is not one of quiet, error, warning, info, debug"),
+  EXPECT_NE(said.find("[rank 5] shardtorch: SHARDTORCH_LOG_LEVEL='loud' is not one of quiet (or off, none), error, "
+                      "warning (or warn), info, debug"),
             std::string::npos)
       << said;
 }
@@ -161,6 +166,37 @@ TEST(Errors, QuietPrintsNothingOnSuccessAndInfoPrintsProgressOnRankZeroOnly) {
     EXPECT_NE(printed.find("[rank 0] shardtorch: save_sharded_checkpoint: 1/1 files, "), std::string::npos) << printed;
     EXPECT_NE(printed.find(" written and read back, "), std::string::npos) << printed;
   }
+}
+
+// Debug names every checkpoint file as it is opened for writing: the data
+// files and each kind's index (the sharded index, Hugging Face's index,
+// DCP's .metadata), which rank 0 writes.
+TEST(Errors, DebugNamesEveryCheckpointFileOpenedForWriting) {
+  LogSettingsGuard restore;
+  const TempDir dir("shardtorch-log");
+  shardtorch::set_log_level(LogLevel::Debug);
+  ::testing::internal::CaptureStderr();
+  auto r = run_ranks(2, [&](World& w) {
+    torch::manual_seed(3);
+    gpt::GPT m(gpt::Config{});
+    shardtorch::shard(m, w);
+    shardtorch::save_sharded_checkpoint(*m, nullptr, dir.string() + "/sharded", 1);
+    shardtorch::save_hf_checkpoint(*m, dir.string() + "/hf");
+    shardtorch::save_dcp_checkpoint(*m, dir.string() + "/dcp");
+  });
+  const std::string printed = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto opened = [&](const std::string& file) {
+    for (size_t at = printed.find("[rank 0] shardtorch: opened '"); at != std::string::npos;
+         at = printed.find("[rank 0] shardtorch: opened '", at + 1)) {
+      const std::string line = printed.substr(at, printed.find('\n', at) - at);
+      const size_t named = line.find(file);
+      if (named != std::string::npos && line.find("' for writing", named) != std::string::npos) return true;
+    }
+    return false;
+  };
+  for (const char* file : {"/index.json", "model.safetensors.index.json", "/.metadata", ".safetensors.tmp-", ".distcp"})
+    EXPECT_TRUE(opened(file)) << file << " not named as opened for writing:\n" << printed.substr(0, 20000);
 }
 
 // The defaults (level Info, 2 s quiet, a line every 5 s off a terminal): a
@@ -226,6 +262,20 @@ TEST(Summon, FullParametersReportsUnitsGatheredToTheLibraryWideCallback) {
     if (w.rank() == 0) require(got.back().bytes_total >= bytes && bytes > 0, "fewer bytes than the parameters'");
   });
   ASSERT_TRUE(r.ok) << r.summary();
+  // NoShard gathers nothing: each rank reports the tensors it copies.
+  auto n = run_ranks(2, [](World& w) {
+    torch::manual_seed(3);
+    gpt::GPT m(gpt::Config{});
+    shardtorch::shard(m, w, shardtorch::ShardOptions().strategy(shardtorch::Strategy::NoShard));
+    std::vector<ProgressUpdate> got;
+    shardtorch::set_progress_callback(collect_into(got));
+    auto full = shardtorch::full_parameters(*m);
+    shardtorch::set_progress_callback(nullptr);
+    require_progress(got, "full_parameters", "NoShard, rank " + std::to_string(w.rank()));
+    require(got.back().unit == "tensors" && got.back().total == static_cast<int64_t>(m->named_parameters().size()),
+            "not a count of the tensors copied: " + std::to_string(got.back().total));
+  });
+  ASSERT_TRUE(n.ok) << n.summary();
 }
 
 // A callback that throws, a std::exception or anything else, is dropped for

@@ -45,9 +45,21 @@ void write_stderr(const std::string& text, bool continues_line, bool leaves_open
   g_line_open = leaves_open;
 }
 
+// "[rank R] " before `message`; a message that names this rank itself
+// ("shardtorch: rank R: ...", as errors do) names it once, in the prefix.
 std::string prefixed(const std::string& message) {
-  const int rank = g_rank.load(std::memory_order_relaxed);
-  return rank < 0 ? message : "[rank " + std::to_string(rank) + "] " + message;
+  int rank = g_rank.load(std::memory_order_relaxed);
+  if (rank < 0) {  // before the World: the launcher's RANK, when it gives one
+    const char* env = std::getenv("RANK");
+    char* end = nullptr;
+    const long r = env != nullptr && *env != '\0' ? std::strtol(env, &end, 10) : -1;
+    if (r < 0 || end == nullptr || *end != '\0') return message;
+    rank = static_cast<int>(r);
+  }
+  const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+  const std::string named = "shardtorch: rank " + std::to_string(rank) + ": ";
+  if (message.compare(0, named.size(), named) == 0) return prefix + "shardtorch: " + message.substr(named.size());
+  return prefix + message;
 }
 
 void read_env() {
@@ -57,9 +69,10 @@ void read_env() {
     try {
       level = static_cast<int>(parse_log_level(e));
     } catch (const std::exception&) {
-      write_stderr(prefixed(std::string("shardtorch: SHARDTORCH_LOG_LEVEL='") + e +
-                            "' is not one of quiet, error, warning, info, debug; using info\n"),
-                   false, false);
+      write_stderr(
+          prefixed(std::string("shardtorch: SHARDTORCH_LOG_LEVEL='") + e +
+                   "' is not one of quiet (or off, none), error, warning (or warn), info, debug; using info\n"),
+          false, false);
     }
   }
   g_env_level.store(level);
@@ -296,9 +309,11 @@ void ProgressReporter::print(const ProgressUpdate& u) {
     line += ", " + seconds_text(u.eta_s) + " left";
   }
   if (in_place_) {
-    // \r and the line again; padded so that a shorter line covers a longer one.
+    // \r and the line again; padded so that it covers the longest line before it.
     std::string text = "\r" + prefixed(line);
-    if (text.size() < 100) text.append(100 - text.size(), ' ');
+    const size_t cover = std::max<size_t>(100, widest_);
+    widest_ = std::max(widest_, text.size());
+    if (text.size() < cover) text.append(cover - text.size(), ' ');
     write_stderr(u.finished ? text + "\n" : text, printed_, !u.finished);
   } else {
     write_stderr(prefixed(line) + "\n", false, false);

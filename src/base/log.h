@@ -82,6 +82,7 @@ class ProgressReporter {
   bool print_ = false;  // the default printer, on this rank
   std::chrono::steady_clock::time_point start_, last_print_;
   bool printed_ = false, in_place_ = false, done_ = false;
+  size_t widest_ = 0;  // the longest line printed in place so far
   std::string bytes_words_;
   bool io_ = false;
   int64_t io_base_ = 0;

@@ -20,6 +20,7 @@
 #include "checkpoint/hf_index.h"
 #include "checkpoint/agreement.h"
 #include "checkpoint/model_part.h"
+#include "checkpoint/publish.h"
 #include "checkpoint/safetensors_format.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/hf_checkpoint.h"
@@ -154,13 +155,7 @@ void publish_hf(const std::string& dir, const std::string& staging, const std::v
   }
   index << "\n  }\n}\n";
   const std::string index_tmp = dir + "/" + staging + checkpoint::hf_index::kFileName;
-  {
-    std::ofstream out(index_tmp, std::ios::binary | std::ios::trunc);
-    out << index.str();
-    out.flush();
-    SHARDTORCH_CHECK(out.good(), "cannot write '", index_tmp, "'");
-  }
-  files::sync(index_tmp);
+  checkpoint::write_text_durably(index_tmp, index.str());
   for (const auto& f : data_files) files::rename(dir + "/" + staging + f, dir + "/" + f);
   files::rename_durably(index_tmp, dir + "/" + checkpoint::hf_index::kFileName);
   static const std::regex ours(R"(model-\d{5}-of-\d{5}\.safetensors)");

@@ -23,6 +23,12 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
       "shardtorch::summon_full_params: "
       "writeback with rank0_only: only rank 0 keeps the full parameters, so edits could not reach the other "
       "ranks' shards; leave writeback unset");
+  const auto* listener = state_->copies().gradient_listener();
+  SHARDTORCH_CHECK(!(options_.with_grads() && listener && listener->any_stepped()),
+                   detail::rank_prefix(state_->world().global_rank()),
+                   ": shardtorch::summon_full_params(with_grads) or full_gradients after a backward under "
+                   "overlap_with_backward: the optimizer consumed the gradients during that backward and did not "
+                   "keep them. Read gradients with overlap_with_backward off (a parity check), or inside a comm hook");
   writeback_ = options_.writeback().value_or(!mixed) && !options_.rank0_only();
   World& world = state_->world();
   const bool keep = !options_.rank0_only() || world.rank() == 0;
@@ -169,11 +175,20 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
   auto put = [&](const at::Tensor& param, const at::Tensor& value) {
     for (const auto& n : names[param.unsafeGetTensorImpl()]) out[n] = value;
   };
-  if (state->path().replicated()) {
-    if (!keep) return out;
-    for (const auto& item : root.named_parameters())
-      out[item.key()] = state->path().record_of(item.value()).detach().clone();
-    return whole_slices(root, names, std::move(out));
+  if (state->path().replicated()) {  // NoShard: each rank copies its own, tensor by tensor
+    const auto items = root.named_parameters();
+    auto bytes_of = [&](const at::Tensor& p) {
+      return keep ? static_cast<int64_t>(state->path().record_of(p).nbytes()) : int64_t{0};
+    };
+    int64_t bytes = 0;
+    for (const auto& item : items) bytes += bytes_of(item.value());
+    detail::ProgressReporter progress("full_parameters", "tensors", static_cast<int64_t>(items.size()), bytes);
+    for (const auto& item : items) {
+      if (keep) out[item.key()] = state->path().record_of(item.value()).detach().clone();
+      progress.advance(1, bytes_of(item.value()));
+    }
+    progress.finish();
+    return keep ? whole_slices(root, names, std::move(out)) : out;
   }
   int64_t bytes = 0;
   for (auto& u : state->units().all())
