@@ -2,6 +2,7 @@
 // warnings through TORCH_WARN, the default progress printing and the
 // progress callbacks of each long operation. The tests join the suites of
 // the operations they cover (one process per suite).
+#include <c10/util/Logging.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -136,6 +137,17 @@ TEST(Errors, WarningsGoThroughTorchWarnWithTheRankAndQuietSilencesEverything) {
     EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
     EXPECT_EQ(warnings.messages.size(), 1u);
   }
+}
+
+// c10d's own log lines obey LibTorch's TORCH_CPP_LOG_LEVEL, which a World
+// reads as Python's torch does (a C++ program otherwise never reads it).
+TEST(Errors, AWorldReadsTorchsCppLogLevelForC10dsOwnLines) {
+  ::setenv("TORCH_CPP_LOG_LEVEL", "ERROR", 1);
+  auto r = run_ranks(1, [](World&) {
+    require(FLAGS_caffe2_log_level == 2, "c10's level is " + std::to_string(FLAGS_caffe2_log_level) + ", not ERROR");
+  });
+  ::unsetenv("TORCH_CPP_LOG_LEVEL");
+  ASSERT_TRUE(r.ok) << r.summary();
 }
 
 // Quiet: nothing printed on success. Info with no quiet period: the

@@ -312,8 +312,7 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
   w->local_rank_ = local_rank;
   w->options_ = options;
   detail::quiet_cpp_stacktraces();
-  static std::once_flag logging;
-  std::call_once(logging, [] { c10::initLogging(); });  // TORCH_CPP_LOG_LEVEL, read as Python's torch reads it
+  c10::initLogging();                                // TORCH_CPP_LOG_LEVEL, read as Python's torch reads it
   c10::intrusive_ptr<detail::BoundedStore> bounded;  // every call of the World's on `store` within a bound
   if (auto* b = dynamic_cast<detail::BoundedStore*>(store.get())) {
     bounded = c10::intrusive_ptr<detail::BoundedStore>::unsafe_reclaim_from_nonowning(b);
