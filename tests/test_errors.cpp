@@ -136,6 +136,16 @@ TEST(Errors, AStepOrAClipThatDoesNothingSaysWhy) {
     }
     testmodels::require(warnings.any_with("an optimizer step while gradient synchronisation is off"),
                         "no warning for a step inside no_sync()");
+    opt->zero_grad();
+    {  // accumulation: the last backward synchronises
+      auto no_sync = sharded.no_sync();
+      m(torch::randn({4, 7})).square().mean().backward();
+    }
+    m(torch::randn({4, 7})).square().mean().backward();
+    opt->step();
+    opt->zero_grad();
+    m(torch::randn({4, 7})).square().mean().backward();
+    opt->step();
     testmodels::require(!warnings.any_with("an optimizer step with no backward"),
                         "a step after a backward warned that it had none");
     opt->zero_grad();

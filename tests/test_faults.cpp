@@ -192,10 +192,13 @@ TEST(Faults, AUnitTheModelNeverRegisteredFailsItsForwardNamingIt) {
       }
       const std::string want = "rank " + std::to_string(w.rank()) + ": a module of type ";
       require(error.find(want) != std::string::npos &&
-                  error.find("LayerImpl declared shardtorch::Sharded ran "
-                             "inside the forward of unit '<root>'") != std::string::npos &&
+                  error.find("LayerImpl declared shardtorch::Sharded, with trainable parameters, ran inside the "
+                             "forward of unit '<root>'") != std::string::npos &&
                   error.find("register_module") != std::string::npos,
               std::string(shardtorch::strategy_name(strategy)) + ": " + error);
+      // Frozen, it is kept out on purpose (a teacher): it runs, and so does the next forward.
+      for (auto& p : m->hidden->parameters()) p.set_requires_grad(false);
+      require(m(torch::randn({2, 7})).size(1) == 3, "a frozen unregistered module failed the forward");
     }
   });
   ASSERT_TRUE(r.ok) << r.summary();

@@ -100,13 +100,15 @@ TEST(Errors, LogLevelFromTheEnvironmentUnlessSetInTheProgram) {
 
   // Before the World (no rank set), the launcher's RANK names the rank.
   shardtorch::detail::set_log_rank(-1);
+  const char* rank_before = std::getenv("RANK");
+  const std::optional<std::string> saved_rank = rank_before ? std::optional<std::string>(rank_before) : std::nullopt;
   ::setenv("RANK", "5", 1);
   ::setenv("SHARDTORCH_LOG_LEVEL", "loud", 1);
   shardtorch::detail::reset_log_level();
   ::testing::internal::CaptureStderr();
   const LogLevel got = shardtorch::log_level();
   const std::string said = ::testing::internal::GetCapturedStderr();
-  ::unsetenv("RANK");
+  saved_rank ? (void)::setenv("RANK", saved_rank->c_str(), 1) : (void)::unsetenv("RANK");
   EXPECT_EQ(got, LogLevel::Info);
   EXPECT_NE(said.find("[rank 5] shardtorch: SHARDTORCH_LOG_LEVEL='loud' is not one of quiet (or off, none), error, "
                       "warning (or warn), info, debug"),
@@ -129,24 +131,35 @@ TEST(Errors, WarningsGoThroughTorchWarnWithTheRankAndQuietSilencesEverything) {
     EXPECT_EQ(printed, "[rank 3] shardtorch: an info line\n");
     ASSERT_EQ(warnings.messages.size(), 1u);
     EXPECT_EQ(warnings.messages[0], "[rank 3] shardtorch: a test warning 42");
+    // A message naming this rank names it once, in the prefix; another rank's stays.
+    SHARDTORCH_WARN("shardtorch: rank 3: named");
+    SHARDTORCH_WARN("shardtorch: rank 4: another's");
+    ASSERT_EQ(warnings.messages.size(), 3u);
+    EXPECT_EQ(warnings.messages[1], "[rank 3] shardtorch: named");
+    EXPECT_EQ(warnings.messages[2], "[rank 3] shardtorch: rank 4: another's");
 
     shardtorch::set_log_level(LogLevel::Quiet);
     ::testing::internal::CaptureStderr();
     SHARDTORCH_WARN("shardtorch: silenced");
     shardtorch::detail::log(LogLevel::Error, "shardtorch: silenced too");
     EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
-    EXPECT_EQ(warnings.messages.size(), 1u);
+    EXPECT_EQ(warnings.messages.size(), 3u);
   }
 }
 
 // c10d's own log lines obey LibTorch's TORCH_CPP_LOG_LEVEL, which a World
 // reads as Python's torch does (a C++ program otherwise never reads it).
 TEST(Errors, AWorldReadsTorchsCppLogLevelForC10dsOwnLines) {
+  const char* before = std::getenv("TORCH_CPP_LOG_LEVEL");
+  const std::optional<std::string> saved = before ? std::optional<std::string>(before) : std::nullopt;
+  const int level = FLAGS_caffe2_log_level;
+  FLAGS_caffe2_log_level = 1;  // WARNING, whatever this process read before
   ::setenv("TORCH_CPP_LOG_LEVEL", "ERROR", 1);
   auto r = run_ranks(1, [](World&) {
     require(FLAGS_caffe2_log_level == 2, "c10's level is " + std::to_string(FLAGS_caffe2_log_level) + ", not ERROR");
   });
-  ::unsetenv("TORCH_CPP_LOG_LEVEL");
+  saved ? (void)::setenv("TORCH_CPP_LOG_LEVEL", saved->c_str(), 1) : (void)::unsetenv("TORCH_CPP_LOG_LEVEL");
+  FLAGS_caffe2_log_level = level;
   ASSERT_TRUE(r.ok) << r.summary();
 }
 

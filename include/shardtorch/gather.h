@@ -72,9 +72,10 @@ inline std::unique_ptr<FullParams> summon_full_params(torch::nn::Module& root, S
 SHARDTORCH_API std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool rank0_only = false);
 
 /// Collective: every trainable parameter's gradient now, reduced over the
-/// data-parallel ranks (after a backward, before the step), whole and in
-/// fp32, by name (tied parameters under each name); parameters without a
-/// gradient are left out. A parameter parallelize() split is whole under its
+/// data-parallel ranks (after a backward, before the step), whole, as fp32
+/// tensors of the values in the parameter's dtype, by name (tied parameters
+/// under each name); frozen parameters are left out, one the backward did
+/// not reach has zeros. A parameter parallelize() split is whole under its
 /// unsplit name, as in full_parameters. With rank0_only the other ranks get
 /// an empty map.
 SHARDTORCH_API std::map<std::string, at::Tensor> full_gradients(torch::nn::Module& root, bool rank0_only = false);

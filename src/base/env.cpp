@@ -12,6 +12,18 @@ std::optional<std::string> env(const char* name) {
   return std::string(v);
 }
 
+std::optional<int> launcher_rank() {
+  for (const char* var : {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    const auto v = env(var);
+    if (!v) continue;
+    char* end = nullptr;
+    const long r = std::strtol(v->c_str(), &end, 10);
+    if (r < 0 || *end != '\0') return std::nullopt;
+    return static_cast<int>(r);
+  }
+  return std::nullopt;
+}
+
 bool parse_switch(const std::string& name, const std::string& value) {
   if (value != "0" && value != "1")
     throw Error("shardtorch: environment variable " + name + "='" + value + "' must be 0 or 1");

@@ -16,6 +16,11 @@ bool parse_switch(const std::string& name, const std::string& value);
 /// The switch `name` (parse_switch); nullopt when unset or empty.
 std::optional<bool> env_switch(const char* name);
 
+/// The process's rank as its launcher gives it (torchrun's RANK, Open MPI's,
+/// MPICH's and Slurm's), before a World exists; nullopt when none is set or
+/// the value is not a rank.
+std::optional<int> launcher_rank();
+
 /// Reads every switch the library has (parse_switch), so that a bad value is
 /// an error when a World is made rather than at its first use.
 void check_switches();

@@ -1,5 +1,6 @@
 // The library's one writer to stderr (base/log.h).
 #include "base/log.h"
+#include "base/env.h"
 
 #include <c10/util/Exception.h>
 #include <unistd.h>
@@ -45,16 +46,17 @@ void write_stderr(const std::string& text, bool continues_line, bool leaves_open
   g_line_open = leaves_open;
 }
 
+// What SHARDTORCH_LOG_LEVEL and parse_log_level accept (any case).
+constexpr const char* kLevelNames = "quiet (or off, none), error, warning (or warn), info, debug";
+
 // "[rank R] " before `message`; a message that names this rank itself
 // ("shardtorch: rank R: ...", as errors do) names it once, in the prefix.
 std::string prefixed(const std::string& message) {
   int rank = g_rank.load(std::memory_order_relaxed);
-  if (rank < 0) {  // before the World: the launcher's RANK, when it gives one
-    const char* env = std::getenv("RANK");
-    char* end = nullptr;
-    const long r = env != nullptr && *env != '\0' ? std::strtol(env, &end, 10) : -1;
-    if (r < 0 || end == nullptr || *end != '\0') return message;
-    rank = static_cast<int>(r);
+  if (rank < 0) {  // before the World: the launcher's rank, when it gives one
+    const auto launched = detail::launcher_rank();
+    if (!launched) return message;
+    rank = *launched;
   }
   const std::string prefix = "[rank " + std::to_string(rank) + "] ";
   const std::string named = "shardtorch: rank " + std::to_string(rank) + ": ";
@@ -69,10 +71,9 @@ void read_env() {
     try {
       level = static_cast<int>(parse_log_level(e));
     } catch (const std::exception&) {
-      write_stderr(
-          prefixed(std::string("shardtorch: SHARDTORCH_LOG_LEVEL='") + e +
-                   "' is not one of quiet (or off, none), error, warning (or warn), info, debug; using info\n"),
-          false, false);
+      write_stderr(prefixed(std::string("shardtorch: SHARDTORCH_LOG_LEVEL='") + e + "' is not one of " + kLevelNames +
+                            "; using info\n"),
+                   false, false);
     }
   }
   g_env_level.store(level);
@@ -116,7 +117,7 @@ LogLevel parse_log_level(const std::string& name) {
   if (n == "warning" || n == "warn") return LogLevel::Warning;
   if (n == "info") return LogLevel::Info;
   if (n == "debug") return LogLevel::Debug;
-  TORCH_CHECK(false, "shardtorch: unknown log level '", name, "'; expected quiet, error, warning, info or debug");
+  TORCH_CHECK(false, "shardtorch: unknown log level '", name, "'; expected one of ", kLevelNames);
 }
 
 const char* log_level_name(LogLevel level) {

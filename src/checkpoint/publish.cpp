@@ -47,7 +47,7 @@ void fsync_path(const std::string& p, bool dir) {
 void write_text_durably(const std::string& path, const std::string& text) {
   {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    SHARDTORCH_DEBUG("opened '", path, "' for writing");
+    if (out) SHARDTORCH_DEBUG("opened '", path, "' for writing");
     out << text;
     out.flush();
     if (!out) throw SafetensorsError("checkpoint: writing '" + path + "' failed: " + std::strerror(errno));

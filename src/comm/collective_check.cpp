@@ -74,19 +74,16 @@ void CollectiveContext::follow(std::weak_ptr<CheckerShared> checker) {
   checkers_.push_back(std::move(checker));
 }
 
-namespace {
-std::shared_ptr<const std::string> inputs_text(const std::vector<at::Tensor>& inputs) {
-  std::ostringstream os;
-  for (size_t i = 0; i < inputs.size(); ++i) os << (i ? ", " : "") << describe(inputs[i]);
-  return std::make_shared<const std::string>(inputs.empty() ? std::string("no tensor") : os.str());
-}
-}  // namespace
-
 void CollectiveContext::root_forward_without_grad(const std::vector<at::Tensor>& inputs) {
-  auto text = inputs_text(inputs);
+  auto shapes = std::make_shared<Shapes>(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& t = inputs[i];
+    if (!t.defined()) continue;
+    (*shapes)[i] = TensorShape{true, t.scalar_type(), t.sizes().vec(), t.device()};
+  }
   std::lock_guard<std::mutex> lock(mu_);
   ++forwards_without_grad_;
-  last_without_grad_ = std::move(text);
+  last_without_grad_ = std::move(shapes);
 }
 
 void CollectiveContext::root_inputs(const std::vector<at::Tensor>& inputs) {
@@ -94,7 +91,9 @@ void CollectiveContext::root_inputs(const std::vector<at::Tensor>& inputs) {
     std::lock_guard<std::mutex> lock(mu_);
     if (inputs_seen_) return;
   }
-  auto text = inputs_text(inputs);
+  std::ostringstream os;
+  for (size_t i = 0; i < inputs.size(); ++i) os << (i ? ", " : "") << describe(inputs[i]);
+  auto text = std::make_shared<const std::string>(inputs.empty() ? std::string("no tensor") : os.str());
   std::lock_guard<std::mutex> lock(mu_);
   inputs_seen_ = true;
   inputs_hash_ = text_hash(*text);
@@ -123,9 +122,21 @@ std::string CollectiveContext::Snapshot::words() const {
   else
     os << "after " << backwards << " backward" << (backwards == 1 ? "" : "s") << " since the last optimizer step";
   if (inputs) os << "; the step's first forward took " << *inputs;
-  if (forwards_without_grad > 0)
+  if (forwards_without_grad > 0) {
     os << "; " << forwards_without_grad << " forward" << (forwards_without_grad == 1 ? "" : "s")
-       << " without gradients (an evaluation) since the last optimizer step, the last taking " << *last_without_grad;
+       << " without gradients (an evaluation) since the last optimizer step, the last taking ";
+    for (size_t i = 0; i < last_without_grad->size(); ++i) {
+      const TensorShape& t = (*last_without_grad)[i];
+      os << (i ? ", " : "");
+      if (!t.defined) {
+        os << "undefined";
+        continue;
+      }
+      os << c10::toString(t.dtype) << c10::IntArrayRef(t.sizes);
+      if (!t.device.is_cpu()) os << " on " << t.device;
+    }
+    if (last_without_grad->empty()) os << "no tensor";
+  }
   return os.str();
 }
 

@@ -74,12 +74,21 @@ class CollectiveContext {
   /// since the last step, the last one's inputs kept for the words.
   void root_forward_without_grad(const std::vector<at::Tensor>& inputs);
 
+  /// A tensor's dtype, shape and device, for words built later.
+  struct TensorShape {
+    bool defined = false;
+    at::ScalarType dtype = at::kFloat;
+    std::vector<int64_t> sizes;
+    c10::Device device = c10::kCPU;
+  };
+  using Shapes = std::vector<TensorShape>;
+
   /// Numbers only: the words are built when an error or a wait record needs them.
   struct Snapshot {
     int64_t step = 0, backwards = 0, phase = 0, inputs_hash = 0;  // phase: 0 none, 1 backward without sync, 2 with
     std::shared_ptr<const std::string> inputs;                    // the step's first forward's, null before it
     int64_t forwards_without_grad = 0;                            // since the last step
-    std::shared_ptr<const std::string> last_without_grad;         // the last one's inputs
+    std::shared_ptr<const Shapes> last_without_grad;              // the last one's inputs
     /// "step 2, after 1 backward since the last optimizer step; the step's first forward took ..."
     std::string words() const;
   };
@@ -95,7 +104,7 @@ class CollectiveContext {
   int64_t inputs_hash_ = 0;
   std::shared_ptr<const std::string> inputs_;
   int64_t forwards_without_grad_ = 0;
-  std::shared_ptr<const std::string> last_without_grad_;
+  std::shared_ptr<const Shapes> last_without_grad_;
   std::vector<std::weak_ptr<CheckerShared>> checkers_;
   void mark(bool setup);  // step_done (a new step) or setup_done: each followed checker queues its marker
 };

@@ -19,7 +19,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <mutex>
 #include <cstdlib>
 #include <sstream>
 #include <stdexcept>

@@ -1,6 +1,7 @@
 #include "shardtorch/deferred.h"
 #include "deferred/deferred_session.h"
 #include "base/check.h"
+#include "base/env.h"
 
 // Deferred construction (docs/large-models.md has the design).
 //
@@ -97,9 +98,8 @@ at::Generator clone_generator(at::Generator g) {
 }
 
 std::string rank_text() {
-  for (const char* var : {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
-    if (const char* v = std::getenv(var)) return std::string("rank ") + v + ": ";
-  return "";
+  const auto rank = launcher_rank();
+  return rank ? "rank " + std::to_string(*rank) + ": " : "";
 }
 
 // Operators that return something other than tensors from metadata alone

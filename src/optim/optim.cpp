@@ -106,8 +106,10 @@ void ShardViews::bind_grads() {
                          "backward, which reduces them, and step after it");
   else if (!state_->optimizer().reduced_since_zero_grad())
     SHARDTORCH_WARN_ONCE(rank_prefix(state_->world().global_rank()),
-                         ": an optimizer step with no backward since zero_grad() (or since shard()): no gradient "
-                         "reached the optimizer, so the step changes nothing; step after the backward");
+                         ": an optimizer step with no backward since zero_grad() (or since shard()): no backward's "
+                         "gradient reached the optimizer. Under the sharded strategies the step changes nothing; "
+                         "under NoShard it steps on zeros, so momentum and weight decay still move the parameters. "
+                         "Step after the backward");
   state_->optimizer().check_requires_grad_unchanged();
   // The step writes host master shards that a prefetch's copy to the device
   // may still read (a unit backward never reached).

@@ -28,18 +28,26 @@ void UnitBase::before_forward(const std::vector<at::Tensor>& inputs) {
 
 void UnitBase::check_part_of_the_model(const char* impl_type) const {
   if (t_running.empty() || !no_shard_state_.expired()) return;  // no sharded forward here, or NoShard's module
+  // A frozen module kept out of the model on purpose (a teacher, a frozen
+  // encoder) computes the same on every rank: nothing is lost.
+  const auto* self = dynamic_cast<const torch::nn::Module*>(this);
+  bool trains = false;
+  if (self != nullptr)
+    for (const auto& p : self->parameters()) trains = trains || p.requires_grad();
+  if (!trains) return;
   detail::Unit& in = *t_running.back();
   SHARDTORCH_CHECK(false, detail::rank_prefix(in.owner().world().global_rank()), ": a module of type ",
-                   c10::demangle(impl_type), " declared shardtorch::Sharded ran inside the forward of unit '",
-                   in.label(),
-                   "' of a sharded model but is not part of that model: shard() never saw it, so its parameters "
-                   "would be neither reduced across ranks nor trained. Register it in its parent before shard() "
-                   "(register_module), or, for a model of its own, shard() that model too or do not declare it "
-                   "Sharded");
+                   c10::demangle(impl_type), " declared shardtorch::Sharded, with trainable parameters, ran inside ",
+                   "the forward of unit '", in.label(),
+                   "' of a sharded model but is not part of that model: shard() never saw it (it is not registered, "
+                   "or it was put in place after shard()), so its parameters would be neither reduced across ranks "
+                   "nor trained. Register it in its parent before shard() (register_module); for a model of its "
+                   "own, shard() that model too, or freeze it");
 }
 
 void UnitBase::forward_failed() noexcept {
-  if (!t_running.empty()) t_running.pop_back();
+  // after_forward may have popped this unit already (a failure after it).
+  if (!t_running.empty() && t_running.back() == unit_.get()) t_running.pop_back();
   try {
     unit_->abandon_forward();
   } catch (const std::exception& e) {  // runs while the forward's exception unwinds: warn, never throw

@@ -156,7 +156,7 @@ std::map<std::string, at::Tensor> whole_slices(torch::nn::Module& root,
   std::unordered_set<const void*> done;
   for (const auto& item : root.named_parameters()) {
     auto p = detail::placement_of(item.value());
-    auto it = out.find(item.key());  // a parameter with no gradient has no entry in full_gradients'
+    auto it = out.find(item.key());  // full_gradients' has no frozen parameter
     if (!p || p->size == 1 || it == out.end() || !done.insert(item.value().unsafeGetTensorImpl()).second) continue;
     const at::Tensor whole = detail::gather_whole(it->second, *p, "the tensor-parallel slices of '" + item.key() + "'");
     for (const auto& n : names[item.value().unsafeGetTensorImpl()]) out[n] = whole;
@@ -223,9 +223,14 @@ std::map<std::string, at::Tensor> full_gradients(torch::nn::Module& root, bool r
     FullParams full(root, SummonOptions().with_grads(true).writeback(false).rank0_only(rank0_only));
     if (!keep) return out;
     c10::NoGradGuard no_grad;
-    for (const auto& item : root.named_parameters())
-      if (item.value().requires_grad() && item.value().grad().defined())
-        out[item.key()] = item.value().grad().detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    // Every trainable parameter has an entry (the tensor-parallel gathers
+    // below go by them): zeros where no gradient is held.
+    for (const auto& item : root.named_parameters()) {
+      const at::Tensor& p = item.value();
+      if (!p.requires_grad()) continue;
+      out[item.key()] = p.grad().defined() ? p.grad().detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+                                           : at::zeros(p.sizes(), p.options().dtype(at::kFloat));
+    }
   }
   return whole_slices(root, names, std::move(out));
 }
