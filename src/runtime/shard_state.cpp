@@ -88,7 +88,6 @@ void UnitGathers::regather_unsharded() {
 }
 
 void OptimizerSide::on_zero_grad() {
-  reduced_since_zero_grad_ = false;
   if (auto* replicated = model_.path().replicated()) replicated->on_zero_grad();
   BackwardTracker& backward = model_.backward();
   backward.recover_if_failed();  // reductions of a failed backward land before the zeroing
@@ -100,6 +99,7 @@ void OptimizerSide::on_zero_grad() {
 
 void OptimizerSide::zero_grads() {
   on_zero_grad();
+  reduced_since_zero_grad_ = false;
   if (auto* replicated = model_.path().replicated()) {
     replicated->zero_grads();
     return;

@@ -143,6 +143,8 @@ class OptimizerSide {
   /// Whether a backward reduced the gradients since the last zero_grad()
   /// (or since shard()): a step without one changes nothing.
   bool reduced_since_zero_grad() const { return reduced_since_zero_grad_; }
+  /// Every gradient was cleared outside zero_grads() (the root's Module::zero_grad).
+  void all_gradients_cleared() { reduced_since_zero_grad_ = false; }
 
   /// fp16 mixed precision needs a GradScaler; one registers itself here.
   bool has_scaler() const { return has_scaler_; }

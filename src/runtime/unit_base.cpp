@@ -73,6 +73,8 @@ void UnitBase::zero_shard_grads(torch::nn::Module& self) {
     return;
   }
   state->optimizer().on_zero_grad();
+  // The root's zero_grad clears every gradient (a unit's, only its own).
+  if (unit_ && unit_->is_root()) state->optimizer().all_gradients_cleared();
   if (unit_)
     for (auto& f : unit_->flats()) f->grads().zero_grad();
   else if (auto* replicated = state->path().replicated())
