@@ -81,13 +81,11 @@ TEST_P(TpParity, TrainsTheGptLikeOneProcess) {
   const auto ref = c.clip ? reference_run(true, &norms) : reference();
   const auto x = tokens();
   auto r = run_ranks(c.tp * c.dp, [&](World& w) {
-    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", c.dp}, {"tp", c.tp}});
-    auto tp = (*mesh)["tp"];
-    torch::manual_seed(0);
-    gpt::GPT model(tp_config());
-    prepare(model);
-    auto report = shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config(), c.sequence_parallel));
-    require(!report.split.empty(), "the plan split nothing");
+    auto s = split_gpt(w, c.dp, c.tp, c.sequence_parallel);
+    auto& mesh = s.mesh;
+    auto& tp = s.tp;
+    auto& model = s.model;
+    require(!s.report.split.empty(), "the plan split nothing");
     require(model->tok_emb->weight.size(0) == tp_config().vocab / c.tp, "the vocabulary is not split");
     require(model->head->weight.is_same(model->tok_emb->weight), "the head is no longer tied to the embedding");
     shardtorch::shard(model, (*mesh)["dp"], strategy_options(c.strategy, c.dp));
@@ -150,12 +148,10 @@ TEST(TpFeatures, ShardingFeaturesKeepWorkingInsideTheMesh) {
                              : f == kAccumulation      ? "accumulation over two micro-batches"
                                                        : "bf16 mixed precision";
     auto r = run_ranks(4, [&](World& w) {
-      auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", 2}, {"tp", 2}});
-      auto tp = (*mesh)["tp"];
-      torch::manual_seed(0);
-      gpt::GPT model(tp_config());
-      prepare(model);
-      shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config(), /*sequence_parallel=*/true));
+      auto s = split_gpt(w, 2, 2, /*sequence_parallel=*/true);
+      auto& mesh = s.mesh;
+      auto& tp = s.tp;
+      auto& model = s.model;
       auto opts = strategy_options(Strategy::FullShard, 2)
                       .activation_checkpointing(f == kCheckpointing)
                       .cpu_offload(f == kOffloadFusedAdamW);
@@ -549,12 +545,10 @@ TEST(TpLayers, FullGradientsAndTheParityHelpersSeeASplitModelWhole) {
   const auto& ref = reference();
   const auto x = tokens();
   auto r = run_ranks(4, [&](World& w) {
-    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", 2}, {"tp", 2}});
-    auto tp = (*mesh)["tp"];
-    torch::manual_seed(0);
-    gpt::GPT model(tp_config());
-    prepare(model);
-    shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config(), /*sequence_parallel=*/true));
+    auto s = split_gpt(w, 2, 2, /*sequence_parallel=*/true);
+    auto& mesh = s.mesh;
+    auto& tp = s.tp;
+    auto& model = s.model;
     shardtorch::shard(model, (*mesh)["dp"], strategy_options(Strategy::FullShard, 2));
     auto opt = shardtorch::AdamW(*model, adamw());
     const int64_t per = kBatch / 2;

@@ -33,6 +33,25 @@ inline void prepare(gpt::GPT& m) {
     for (auto* ln : {&b->ln1, &b->ln2}) (*ln)->bias.normal_(0.0, 0.1);
 }
 
+// The prepared tp_config() GPT, built alike on every rank (seed 0) and split
+// over the "tp" dimension of a {dp, tp} mesh of `w`; not sharded yet.
+struct SplitGpt {
+  std::shared_ptr<shardtorch::DeviceMesh> mesh;
+  std::shared_ptr<shardtorch::World> tp;
+  gpt::GPT model{nullptr};
+  shardtorch::TpReport report;
+};
+inline SplitGpt split_gpt(shardtorch::World& w, int dp, int tp, bool sequence_parallel) {
+  SplitGpt s;
+  s.mesh = shardtorch::DeviceMesh::create(w.shared_from_this(), {{"dp", dp}, {"tp", tp}});
+  s.tp = (*s.mesh)["tp"];
+  torch::manual_seed(0);
+  s.model = gpt::GPT(tp_config());
+  prepare(s.model);
+  s.report = shardtorch::parallelize(*s.model, s.tp, gpt::tp_plan(tp_config(), sequence_parallel));
+  return s;
+}
+
 inline torch::Tensor tokens() {
   torch::manual_seed(321);
   return torch::randint(0, tp_config().vocab, {kBatch, tp_config().seq_len}, torch::kLong);

@@ -17,6 +17,19 @@
 
 namespace shardtorch::detail {
 
+TensorShape TensorShape::of(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  return {true, t.scalar_type(), t.sizes().vec(), t.device()};
+}
+
+std::string TensorShape::text() const {
+  if (!defined) return "undefined";
+  std::ostringstream os;
+  os << c10::toString(dtype) << c10::IntArrayRef(sizes);
+  if (!device.is_cpu()) os << " on " << device;
+  return os.str();
+}
+
 using Kind = WaitBoard::Kind;
 
 int64_t text_hash(const std::string& s) {
@@ -75,12 +88,8 @@ void CollectiveContext::follow(std::weak_ptr<CheckerShared> checker) {
 }
 
 void CollectiveContext::root_forward_without_grad(const std::vector<at::Tensor>& inputs) {
-  auto shapes = std::make_shared<Shapes>(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const at::Tensor& t = inputs[i];
-    if (!t.defined()) continue;
-    (*shapes)[i] = TensorShape{true, t.scalar_type(), t.sizes().vec(), t.device()};
-  }
+  auto shapes = std::make_shared<Shapes>();
+  for (const auto& t : inputs) shapes->push_back(TensorShape::of(t));
   std::lock_guard<std::mutex> lock(mu_);
   ++forwards_without_grad_;
   last_without_grad_ = std::move(shapes);
@@ -125,16 +134,7 @@ std::string CollectiveContext::Snapshot::words() const {
   if (forwards_without_grad > 0) {
     os << "; " << forwards_without_grad << " forward" << (forwards_without_grad == 1 ? "" : "s")
        << " without gradients (an evaluation) since the last optimizer step, the last taking ";
-    for (size_t i = 0; i < last_without_grad->size(); ++i) {
-      const TensorShape& t = (*last_without_grad)[i];
-      os << (i ? ", " : "");
-      if (!t.defined) {
-        os << "undefined";
-        continue;
-      }
-      os << c10::toString(t.dtype) << c10::IntArrayRef(t.sizes);
-      if (!t.device.is_cpu()) os << " on " << t.device;
-    }
+    for (size_t i = 0; i < last_without_grad->size(); ++i) os << (i ? ", " : "") << (*last_without_grad)[i].text();
     if (last_without_grad->empty()) os << "no tensor";
   }
   return os.str();

@@ -53,6 +53,18 @@ void set_max_patterns_per_step(size_t n);
 /// written by its sharded models: part of every collective's fingerprint, so
 /// that ranks at the same unit's collective in different micro-batches,
 /// steps or with gradient sync differing are told apart. Thread-safe.
+/// A tensor's dtype, shape and device, kept for words built later.
+struct TensorShape {
+  bool defined = false;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> sizes;
+  c10::Device device = c10::kCPU;
+
+  static TensorShape of(const at::Tensor& t);
+  /// "Float[2, 7]", " on cuda:0" after it off the CPU; "undefined".
+  std::string text() const;
+};
+
 class CollectiveContext {
  public:
   void backward_begins(bool sync);
@@ -74,13 +86,6 @@ class CollectiveContext {
   /// since the last step, the last one's inputs kept for the words.
   void root_forward_without_grad(const std::vector<at::Tensor>& inputs);
 
-  /// A tensor's dtype, shape and device, for words built later.
-  struct TensorShape {
-    bool defined = false;
-    at::ScalarType dtype = at::kFloat;
-    std::vector<int64_t> sizes;
-    c10::Device device = c10::kCPU;
-  };
   using Shapes = std::vector<TensorShape>;
 
   /// Numbers only: the words are built when an error or a wait record needs them.

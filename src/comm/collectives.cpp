@@ -21,13 +21,7 @@
 
 namespace shardtorch {
 
-std::string describe(const at::Tensor& t) {
-  if (!t.defined()) return "undefined";
-  std::ostringstream os;
-  os << c10::toString(t.scalar_type()) << t.sizes();
-  if (!t.device().is_cpu()) os << " on " << t.device();
-  return os.str();
-}
+std::string describe(const at::Tensor& t) { return detail::TensorShape::of(t).text(); }
 
 namespace {
 struct InjectedFailures {
