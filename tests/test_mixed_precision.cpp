@@ -50,7 +50,8 @@ Fp32Reference fp32_reference(const torch::Tensor& x) {
 
 // Trains the GPT 20 steps in bf16 (reductions in `reduce`) on `world` ranks,
 // each its share of the same batch, and requires the masters to end within
-// 5% of the fp32 movement of single-process training.
+// 5% of the fp32 movement of single-process training, and full_gradients to
+// give the first step's reduced gradients unrounded.
 void train_bf16_near_fp32(Strategy strategy, int world, int hybrid_shard_size) {
   auto x = gpt_tokens();
   auto ref = fp32_reference(x);
@@ -71,6 +72,19 @@ void train_bf16_near_fp32(Strategy strategy, int world, int hybrid_shard_size) {
         auto logits = model(xs);
         require(logits.scalar_type() == at::kFloat, "output_dtype should make the logits fp32");
         gpt::lm_loss(logits, xs).backward();
+        if (s == 0) {
+          // The reduced gradients as the fp32 masters hold them: sums of two
+          // ranks' bf16 gradients need more bits than bf16 has, unless the
+          // reduction itself ran in bf16.
+          bool beyond_bf16 = false;
+          for (const auto& [n, g] : shardtorch::full_gradients(*model)) {
+            require(g.scalar_type() == at::kFloat, "full_gradients gave " + n + " in another dtype than fp32");
+            beyond_bf16 = beyond_bf16 || !torch::equal(g, g.to(at::kBFloat16).to(at::kFloat));
+          }
+          require(beyond_bf16 == (reduce == at::kFloat),
+                  reduce == at::kFloat ? "full_gradients rounded the fp32-reduced gradients to bf16"
+                                       : "full_gradients holds values a bf16 reduction cannot give");
+        }
         opt->step();
       }
       auto got = shardtorch::full_parameters(*model);

@@ -73,9 +73,10 @@ SHARDTORCH_API std::map<std::string, at::Tensor> full_parameters(torch::nn::Modu
 
 /// Collective: every trainable parameter's gradient now, reduced over the
 /// data-parallel ranks (after a backward, before the step), whole, as fp32
-/// tensors of the values in the parameter's dtype, by name (tied parameters
-/// under each name); frozen parameters are left out, one the backward did
-/// not reach has zeros. A parameter parallelize() split is whole under its
+/// tensors of the values the optimizer reads (the fp32 masters' gradients
+/// under mixed precision, never rounded to the parameter's dtype), by name
+/// (tied parameters under each name); frozen parameters are left out, one
+/// the backward did not reach has zeros. A parameter parallelize() split is whole under its
 /// unsplit name, as in full_parameters. With rank0_only the other ranks get
 /// an empty map.
 SHARDTORCH_API std::map<std::string, at::Tensor> full_gradients(torch::nn::Module& root, bool rank0_only = false);

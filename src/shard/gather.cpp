@@ -11,6 +11,19 @@
 
 namespace shardtorch {
 
+namespace {
+// Under overlap_with_backward the optimizer stepped on each gradient during
+// the backward and dropped it: there is nothing to read.
+void refuse_consumed_gradients(detail::ShardState& state, const char* what) {
+  const auto* listener = state.copies().gradient_listener();
+  SHARDTORCH_CHECK(!(listener && listener->any_stepped()), detail::rank_prefix(state.world().global_rank()),
+                   ": shardtorch::", what,
+                   " after a backward under overlap_with_backward: the optimizer consumed the gradients during "
+                   "that backward and did not keep them. Read gradients with overlap_with_backward off (a parity "
+                   "check), or inside a comm hook");
+}
+}  // namespace
+
 FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
     : state_(detail::require_state(root, "summon_full_params")), options_(options) {
   const bool mixed = state_->options().mixed_precision().param_dtype().has_value();
@@ -23,12 +36,7 @@ FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
       "shardtorch::summon_full_params: "
       "writeback with rank0_only: only rank 0 keeps the full parameters, so edits could not reach the other "
       "ranks' shards; leave writeback unset");
-  const auto* listener = state_->copies().gradient_listener();
-  SHARDTORCH_CHECK(!(options_.with_grads() && listener && listener->any_stepped()),
-                   detail::rank_prefix(state_->world().global_rank()),
-                   ": shardtorch::summon_full_params(with_grads) or full_gradients after a backward under "
-                   "overlap_with_backward: the optimizer consumed the gradients during that backward and did not "
-                   "keep them. Read gradients with overlap_with_backward off (a parity check), or inside a comm hook");
+  if (options_.with_grads()) refuse_consumed_gradients(*state_, "summon_full_params(with_grads)");
   writeback_ = options_.writeback().value_or(!mixed) && !options_.rank0_only();
   World& world = state_->world();
   const bool keep = !options_.rank0_only() || world.rank() == 0;
@@ -216,22 +224,47 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
 
 std::map<std::string, at::Tensor> full_gradients(torch::nn::Module& root, bool rank0_only) {
   auto state = detail::require_state(root, "full_gradients");
+  refuse_consumed_gradients(*state, "full_gradients");
   const bool keep = !rank0_only || state->world().rank() == 0;
   auto names = detail::parameter_names(root);
   std::map<std::string, at::Tensor> out;
-  {
-    FullParams full(root, SummonOptions().with_grads(true).writeback(false).rank0_only(rank0_only));
-    if (!keep) return out;
-    c10::NoGradGuard no_grad;
-    // Every trainable parameter has an entry (the tensor-parallel gathers
-    // below go by them): zeros where no gradient is held.
-    for (const auto& item : root.named_parameters()) {
-      const at::Tensor& p = item.value();
-      if (!p.requires_grad()) continue;
-      out[item.key()] = p.grad().defined() ? p.grad().detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
-                                           : at::zeros(p.sizes(), p.options().dtype(at::kFloat));
+  c10::NoGradGuard no_grad;
+  // fp32 copies of the reduced gradients as the optimizer reads them (the
+  // masters' under mixed precision), never rounded to the parameters' dtype.
+  auto put = [&](const at::Tensor& param, const at::Tensor& grad) {
+    const at::Tensor value = grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).view(param.sizes());
+    for (const auto& n : names[param.unsafeGetTensorImpl()]) out[n] = value;
+  };
+  if (const auto* path = state->path().replicated()) {  // NoShard: every rank holds them whole
+    if (keep) {
+      const auto& params = path->params();
+      const auto& masters = path->masters().all();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const at::Tensor& p = params[i];
+        const at::Tensor g = !masters.empty() && masters[i].grad().defined() ? masters[i].grad() : p.grad();
+        if (g.defined()) put(p, g);
+      }
+    }
+  } else {
+    for (auto& u : state->units().all()) {
+      for (auto& f : u->flats()) {
+        if (!f->requires_grad()) continue;
+        const at::Tensor& held = f->grads().shard_grad();
+        at::Tensor mine = state->copies().on_comm_device(held.defined() ? held : at::zeros_like(f->shard()));
+        at::Tensor full = at::empty({f->layout().padded_numel()}, mine.options());
+        state->topology().shard_comm().all_gather_into(full, mine, "gradients of unit '" + u->label() + "'");
+        if (!keep) continue;
+        for (size_t i = 0; i < f->params().size(); ++i)
+          put(f->params()[i], full.narrow(0, f->layout().offset(i), f->layout().numel(i)));
+      }
     }
   }
+  if (!keep) return out;
+  // Every trainable parameter has an entry (the tensor-parallel gathers
+  // below go by them): zeros where no gradient is held.
+  for (const auto& item : root.named_parameters())
+    if (item.value().requires_grad() && !out.count(item.key()))
+      out[item.key()] = at::zeros(item.value().sizes(), item.value().options().dtype(at::kFloat));
   return whole_slices(root, names, std::move(out));
 }
 
