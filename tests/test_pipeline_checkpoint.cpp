@@ -314,6 +314,18 @@ std::string expect_loads_at(const Layout& l) {
     require_progress(sharded, "load_sharded_checkpoint", rank);
     require(step == 2 && user == std::map<std::string, std::string>{{"epoch", "1"}}, "step or user state" + at);
     require_bitwise(p.values(), s.truth, "sharded checkpoint" + at);
+    if (l.pp == 1) {
+      // One pipeline rank holds the whole model: its DCP checkpoint is the
+      // unsplit model's, optimizer state included (the step below reads it).
+      const std::string dcp = s.dir / "dcp-pp1";
+      shardtorch::save_dcp_checkpoint(p.pipe->module(), p.opt.get(), dcp);
+      Unsplit u(w, Strategy::FullShard);
+      shardtorch::load_dcp_checkpoint(*u.model, u.opt.get(), dcp);
+      require_bitwise(full_values(*u.model), s.truth, "the unsplit model from the DCP checkpoint" + at, true);
+      scramble(p.pipe->module());
+      shardtorch::load_dcp_checkpoint(p.pipe->module(), p.opt.get(), dcp);
+      require_bitwise(p.values(), s.truth, "DCP checkpoint" + at);
+    }
     shardtorch::save_sharded_checkpoint(*p.pipe, p.opt.get(), again, step, user);
     p.train(1);
     if (l.pp == kSaver.pp && l.dp == kSaver.dp && l.strategy == kSaver.strategy && l.schedule == kSaver.schedule)
@@ -577,8 +589,9 @@ TEST(PipelineCheckpoint, AnotherModelsCheckpointFailsEveryStageAndChangesNothing
     // The optimizer state is the saved one still: the next step is the saving run's.
     p.train(1);
     require_bitwise(p.values(), s.next, "the step after the refused loads");
-    // DCP holds no pipeline: a stage's module is refused on every rank,
-    // saying which checkpoints to use (a save would write one stage's over another's).
+    // DCP holds no pipeline over several pipeline ranks: a stage's module is
+    // refused on every rank, saying which checkpoints to use (a save would
+    // write one stage's over another's).
     for (const bool save : {true, false}) {
       msg = message_of([&] {
         if (save)

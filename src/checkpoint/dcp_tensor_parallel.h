@@ -1,8 +1,9 @@
 #pragma once
 // Internal: DCP checkpoints hold no tensor-parallel model (parallelize(),
-// shardtorch/tensor_parallel.h) and no pipeline's stage: its functions
-// refuse one on every rank before they write or change anything
-// (docs/checkpoints.md, "Tensor parallelism" and "Pipelines").
+// shardtorch/tensor_parallel.h) and no stage of a pipeline over several
+// pipeline ranks: its functions refuse one on every rank before they write
+// or change anything (docs/checkpoints.md, "Tensor parallelism" and
+// "Pipelines").
 #include <torch/nn/module.h>
 
 #include "base/check.h"
@@ -26,17 +27,19 @@ inline void refuse_tensor_parallel(torch::nn::Module& root, int global_rank, con
                      "checkpoint then loads into this one)");
 }
 
-/// Throws, naming `who`, when `state` is a Pipeline's stage (pipe.module()):
-/// it holds part of the model's names, and its ranks are one stage's. A
+/// Throws, naming `who`, when `state` is a stage of a Pipeline over more
+/// than one pipeline rank (pipe.module()): it holds part of the model's
+/// names, and its ranks are one stage's. A
 /// save would write one stage's DCP checkpoint over another's in the same
 /// directory; a load is refused unless `ignoring` (ignore_unexpected: each
 /// stage then takes its own tensors, and a name no stage holds goes
 /// unnoticed).
 inline void refuse_pipeline_stage(detail::ShardState& state, bool ignoring, const char* who) {
-  SHARDTORCH_CHECK(!state.gathers().pipelined() || ignoring, detail::rank_prefix(state.world().global_rank()),
+  SHARDTORCH_CHECK(!state.gathers().partial_stage() || ignoring, detail::rank_prefix(state.world().global_rank()),
                    ": shardtorch::", who,
                    ": this model is a Pipeline's stage (pipe.module()), which holds part of the model; DCP "
-                   "checkpoints of a pipeline are not supported. Save and load a sharded checkpoint through the "
+                   "checkpoints of a pipeline over more than one pipeline rank are not supported. Save and load a "
+                   "sharded checkpoint through the "
                    "Pipeline's overloads (shardtorch/pipeline_checkpoint.h), which shardtorch-convert sharded-to-dcp "
                    "turns into a DCP checkpoint for PyTorch; a DCP checkpoint from PyTorch loads into the unsplit "
                    "model, at any number of ranks, whose sharded checkpoint then loads into the pipeline");

@@ -289,7 +289,7 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
                     "; NoShard (PipelineOptions().shard(ShardOptions().strategy(Strategy::NoShard))) costs less "
                     "memory and time (docs/parallelism.md, \"Composition with sharding\")");
   rt.state = detail::require_state(*rt.module, "shardtorch::Pipeline");
-  rt.state->gathers().set_pipelined();
+  rt.state->gathers().set_pipelined(p > 1 || rt.dp->size() != world.size());
   rt.find_tied(has_dp);
 
   const bool gathers =

@@ -78,8 +78,15 @@ class UnitGathers {
   /// Several forwards' graphs are alive at once, each differentiated by a
   /// backward of its own (micro-batches in flight), so a checkpointed unit may
   /// run its forward again before the last one's backward.
-  void set_pipelined() { pipelined_ = true; }
+  /// `partial`: the stage holds part of the model (more than one pipeline
+  /// rank), or its ranks are not the whole World's.
+  void set_pipelined(bool partial) {
+    pipelined_ = true;
+    partial_ = partial;
+  }
   bool pipelined() const { return pipelined_; }
+  /// A pipeline's stage that holds part of the model, or part of the ranks.
+  bool partial_stage() const { return partial_; }
   /// Gradients of gradients (docs/design.md): units still gathered at the end
   /// of a backward that builds a graph (create_graph) are held for that
   /// graph's backward until release_held(): at the optimizer step, a
@@ -97,7 +104,7 @@ class UnitGathers {
   Topology& topology_;
   ShardCopies& copies_;
   bool step_gather_ = false;
-  bool pipelined_ = false;
+  bool pipelined_ = false, partial_ = false;
 };
 
 class ShardState;
