@@ -188,7 +188,7 @@ struct Unsplit {
 // name of the unsplit model), and the values after a third step.
 struct Saved {
   TempDir dir{"shardtorch-pipeline-ckpt"};
-  std::string full, sharded, hf;
+  std::string full, sharded, hf, dcp;
   Values truth, next;
   std::string error;  // of the run that saved, if it failed
 };
@@ -206,6 +206,7 @@ void init(Saved& s) {
   s.full = s.dir / "model.safetensors";
   s.sharded = s.dir / "sharded";
   s.hf = s.dir / "hf";
+  s.dcp = s.dir / "dcp";
 }
 
 // Saved by the GPT pipelined at kSaver.
@@ -257,6 +258,7 @@ const Saved& unsplit_saved() {
       shardtorch::save_full_state_dict(*u.model, s.full, {{"step", "2"}});
       shardtorch::save_sharded_checkpoint(*u.model, u.opt.get(), s.sharded, 2, {{"epoch", "1"}});
       shardtorch::save_hf_checkpoint(*u.model, s.hf, HfSaveOptions().max_file_bytes(8 * 1024));
+      shardtorch::save_dcp_checkpoint(*u.model, u.opt.get(), s.dcp);
       auto v = full_values(*u.model);
       if (w.rank() == 0) shardtorch::checkpoint::save_file(s.dir / "truth.safetensors", {v.begin(), v.end()});
       u.train(1);
@@ -475,7 +477,8 @@ TEST(PipelineCheckpoint, SavedAtPp2Dp2ItLoadsIntoTheUnsplitModel) {
 // The other way: the unsplit GPT's checkpoints load into an interleaved
 // pipeline at pp=2 x dp=2 (two chunks per rank, NoShard inside the stages),
 // the tied weight into both ends; the pipeline's own sharded checkpoint then
-// holds what the unsplit one did.
+// holds what the unsplit one did. Its DCP checkpoint loads into each
+// stage with ignore_unexpected, AdamW's state too.
 TEST(PipelineCheckpoint, TheUnsplitModelsCheckpointsLoadIntoAPipeline) {
   const auto& s = unsplit_saved();
   ASSERT_EQ(s.error, "");
@@ -487,6 +490,15 @@ TEST(PipelineCheckpoint, TheUnsplitModelsCheckpointsLoadIntoAPipeline) {
     scramble(p.pipe->module());
     shardtorch::load_hf_checkpoint(*p.pipe, s.hf);
     require_bitwise(p.values(), s.truth, "the unsplit model's Hugging Face checkpoint");
+    // A stage takes its own tensors and their AdamW state from the unsplit
+    // model's DCP checkpoint when told to ignore the other stages' names.
+    scramble(p.pipe->module());
+    const auto report = shardtorch::load_dcp_checkpoint(p.pipe->module(), p.opt.get(), s.dcp,
+                                                        shardtorch::DcpLoadOptions().ignore_unexpected(true));
+    require(!report.unexpected.empty(), "a stage found every name of the unsplit model's DCP checkpoint its own");
+    require_bitwise(p.values(), s.truth, "the unsplit model's DCP checkpoint, into each stage");
+    p.train(1);
+    require_close(p.values(), s.next, 2e-5, "the step after loading the unsplit model's DCP checkpoint");
     scramble(p.pipe->module());
     const int64_t step = shardtorch::load_sharded_checkpoint(*p.pipe, p.opt.get(), s.sharded);
     require_bitwise(p.values(), s.truth, "the unsplit model's sharded checkpoint");

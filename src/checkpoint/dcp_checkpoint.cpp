@@ -4,6 +4,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <set>
@@ -232,8 +233,18 @@ void DcpLoad::open(const std::string& dir) {
   src_ = std::make_unique<dcp::Source>(dir);
   run_.fingerprint = src_->fingerprint();
   where_ = "DCP checkpoint '" + src_->dir() + "'";
-  keys_ =
-      sort_keys(src_->metadata(), checkpoint::model_names(root_, nullptr), options_, opt_ != nullptr, report_, where_);
+  names_ = detail::parameter_names(root_);
+  // A pipeline stage's tied parameter: after its own names, those it has on
+  // the other stages (the unsplit model's checkpoint may hold its optimizer
+  // state under the first stage's name alone).
+  std::set<std::string> model_names = checkpoint::model_names(root_, nullptr);
+  for (const auto& [impl, all] : state_.stage().tied_names) {
+    auto& ns = names_[impl];
+    for (const auto& n : all)
+      if (std::find(ns.begin(), ns.end(), n) == ns.end()) ns.push_back(n);
+    model_names.insert(all.begin(), all.end());
+  }
+  keys_ = sort_keys(src_->metadata(), model_names, options_, opt_ != nullptr, report_, where_);
 }
 
 void DcpLoad::missing(const std::string& m, const char* kind) {
@@ -278,7 +289,6 @@ std::pair<const dcp::Entry*, std::string> DcpLoad::source_of(const at::Tensor& p
 }
 
 void DcpLoad::plan_parameters() {
-  names_ = detail::parameter_names(root_);
   if (state_.path().replicated()) {
     plan_replicated();
     return;
@@ -369,9 +379,13 @@ void DcpLoad::plan_optimizer() {
   }
   amsgrad_ = detail::amsgrad_params(*opt_);
   for (const auto& item : root_.named_parameters()) param_shapes_[item.key()] = item.value().sizes().vec();
-  // Every name of each parameter (a tied one has several): its state may be under any.
+  // Every name of each parameter (a tied one has several, a stage's tied one
+  // those of the other stages too): its state may be under any.
   for (const auto& [impl, ns] : names_)
-    for (const auto& n : ns) all_names_[n] = &ns;
+    for (const auto& n : ns) {
+      all_names_[n] = &ns;
+      param_shapes_.emplace(n, param_shapes_.at(ns.front()));
+    }
   for (const auto& piece : opt_->views().pieces()) plan_optimizer_piece(piece);
 }
 

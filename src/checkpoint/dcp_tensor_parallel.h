@@ -35,7 +35,7 @@ inline void refuse_tensor_parallel(torch::nn::Module& root, int global_rank, con
 /// stage then takes its own tensors, and a name no stage holds goes
 /// unnoticed).
 inline void refuse_pipeline_stage(detail::ShardState& state, bool ignoring, const char* who) {
-  SHARDTORCH_CHECK(!state.gathers().partial_stage() || ignoring, detail::rank_prefix(state.world().global_rank()),
+  SHARDTORCH_CHECK(!state.stage().partial || ignoring, detail::rank_prefix(state.world().global_rank()),
                    ": shardtorch::", who,
                    ": this model is a Pipeline's stage (pipe.module()), which holds part of the model; DCP "
                    "checkpoints of a pipeline over more than one pipeline rank are not supported. Save and load a "

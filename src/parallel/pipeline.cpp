@@ -219,6 +219,7 @@ void PipelineRuntime::find_tied(bool has_dp) {
       if (tp.name.empty() && holds(s)) tp.name = name;
     }
     tp.tensor = tensors[key];
+    state->stage().tied_names[key] = tp.all;
     tp.counted_here = holds(h.front().first);
     tp.group = group;
     tp.copies = strategy == Strategy::NoShard || strategy == Strategy::OptimizerOnly ? dp->size()
@@ -289,7 +290,8 @@ Pipeline::Pipeline(std::vector<PipelineLayer> layers, std::shared_ptr<DeviceMesh
                     "; NoShard (PipelineOptions().shard(ShardOptions().strategy(Strategy::NoShard))) costs less "
                     "memory and time (docs/parallelism.md, \"Composition with sharding\")");
   rt.state = detail::require_state(*rt.module, "shardtorch::Pipeline");
-  rt.state->gathers().set_pipelined(p > 1 || rt.dp->size() != world.size());
+  rt.state->gathers().set_pipelined();
+  rt.state->stage().partial = p > 1 || rt.dp->size() != world.size();
   rt.find_tied(has_dp);
 
   const bool gathers =

@@ -78,15 +78,8 @@ class UnitGathers {
   /// Several forwards' graphs are alive at once, each differentiated by a
   /// backward of its own (micro-batches in flight), so a checkpointed unit may
   /// run its forward again before the last one's backward.
-  /// `partial`: the stage holds part of the model (more than one pipeline
-  /// rank), or its ranks are not the whole World's.
-  void set_pipelined(bool partial) {
-    pipelined_ = true;
-    partial_ = partial;
-  }
+  void set_pipelined() { pipelined_ = true; }
   bool pipelined() const { return pipelined_; }
-  /// A pipeline's stage that holds part of the model, or part of the ranks.
-  bool partial_stage() const { return partial_; }
   /// Gradients of gradients (docs/design.md): units still gathered at the end
   /// of a backward that builds a graph (create_graph) are held for that
   /// graph's backward until release_held(): at the optimizer step, a
@@ -104,7 +97,17 @@ class UnitGathers {
   Topology& topology_;
   ShardCopies& copies_;
   bool step_gather_ = false;
-  bool pipelined_ = false, partial_ = false;
+  bool pipelined_ = false;
+};
+
+/// What a Pipeline tells its stage's model (parallel/pipeline.cpp).
+struct StageInfo {
+  /// The stage holds part of the model (more than one pipeline rank), or its
+  /// ranks are not the whole World's: DCP checkpoints refuse it.
+  bool partial = false;
+  /// Each parameter tied across stages: its names on every holding stage,
+  /// in stage order, by tensor (a DCP load looks for it under each).
+  std::map<const void*, std::vector<std::string>> tied_names;
 };
 
 class ShardState;
@@ -209,6 +212,8 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   SummonScopes& summons() { return summons_; }
   UnitGathers& gathers() { return gathers_; }
   OptimizerSide& optimizer() { return optimizer_; }
+  StageInfo& stage() { return stage_; }
+  const StageInfo& stage() const { return stage_; }
 
   // ---- shard(): the units' modules
   static void attach(UnitBase& base, std::shared_ptr<Unit> unit) { base.unit_ = std::move(unit); }
@@ -236,6 +241,7 @@ class ShardState : public std::enable_shared_from_this<ShardState> {
   SummonScopes summons_;
   UnitGathers gathers_;
   OptimizerSide optimizer_;
+  StageInfo stage_;
 };
 
 /// The registry of sharded models, by root module. `owned`: the model's
