@@ -18,6 +18,15 @@ grep -q "^model.l0.weight  Float \[5, 4\]  2 chunks$" "$work/info.txt"
 SHARDTORCH_CONVERT_DIR=$work "$tests" --gtest_also_run_disabled_tests --gtest_filter=DcpConvert.* > "$work/tests.txt" \
   || { cat "$work/tests.txt"; exit 1; }
 "$convert" sharded-to-dcp "$work/sharded" "$work/dcp-from-sharded"
+# The same checkpoint left aside by a save interrupted between its two renames
+# (no DIR, only DIR.shardtorch-old) converts to the same files.
+cp -r "$work/sharded" "$work/interrupted.shardtorch-old"
+"$convert" sharded-to-dcp "$work/interrupted" "$work/dcp-from-aside" 2> "$work/aside.txt" \
+  || { echo "convert_round_trip: sharded-to-dcp of a checkpoint set aside failed:" >&2; cat "$work/aside.txt" >&2; exit 1; }
+for f in .metadata __0_0.distcp; do
+  cmp -s "$work/dcp-from-sharded/$f" "$work/dcp-from-aside/$f" \
+    || { echo "convert_round_trip: $f of the checkpoint set aside differs" >&2; exit 1; }
+done
 # One safetensors file named without a directory, written in bf16.
 "$convert" dcp-to-safetensors "$sample" "$work/one.safetensors"
 (cd "$work" && "$convert" hf-to-dcp one.safetensors dcp-from-one --dtype bf16)

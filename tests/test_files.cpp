@@ -2,6 +2,7 @@
 // (src/base/files.h says why). Expected values are std::filesystem's.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -78,6 +79,37 @@ TEST(Files, TreesAreMadeCopiedListedAndRemoved) {
   files::remove_all(root);
   EXPECT_FALSE(files::exists(root));
   EXPECT_NO_THROW(files::remove_all(root)) << "nothing to remove is no error";
+}
+
+// link_tree: the same tree again, its files the same inodes, its links
+// links again (a dangling one too), a FIFO left out and named.
+TEST(Files, ATreeIsLinkedAgainWithItsLinksAndWithoutAFifo) {
+  const TempDir made("shardtorch-files-link");
+  const std::string root = made.string();
+  files::create_directories(root + "/a/logs");
+  std::ofstream(root + "/a/logs/train.log") << "step 1\n";
+  std::ofstream(root + "/a/config.json") << "{}";
+  ASSERT_EQ(::chmod((root + "/a/config.json").c_str(), 0600), 0);
+  ASSERT_EQ(::symlink("config.json", (root + "/a/latest").c_str()), 0);
+  ASSERT_EQ(::symlink("/nonexistent-target", (root + "/a/dangling").c_str()), 0);
+  ASSERT_EQ(::mkfifo((root + "/a/pipe").c_str(), 0600), 0);
+  const auto left_out = files::link_tree(root + "/a", root + "/b");
+  EXPECT_EQ(left_out, (std::vector<std::string>{root + "/a/pipe"}));
+  EXPECT_EQ(files::list_directory(root + "/b"),
+            (std::vector<std::string>{"config.json", "dangling", "latest", "logs"}));
+  struct stat a, b;
+  ASSERT_EQ(::stat((root + "/a/logs/train.log").c_str(), &a), 0);
+  ASSERT_EQ(::stat((root + "/b/logs/train.log").c_str(), &b), 0);
+  EXPECT_EQ(a.st_ino, b.st_ino) << "a file is linked, not copied";
+  ASSERT_EQ(::lstat((root + "/b/latest").c_str(), &b), 0);
+  EXPECT_TRUE(S_ISLNK(b.st_mode)) << "a link is made again as a link";
+  char target[64] = {};
+  ASSERT_GT(::readlink((root + "/b/dangling").c_str(), target, sizeof(target) - 1), 0);
+  EXPECT_STREQ(target, "/nonexistent-target");
+  ASSERT_EQ(::stat((root + "/b/config.json").c_str(), &b), 0);
+  EXPECT_EQ(b.st_mode & 0777, 0600u);
+  EXPECT_TRUE(files::link_tree(root + "/vanished", root + "/c").empty()) << "an entry gone meanwhile is skipped";
+  EXPECT_FALSE(files::exists(root + "/c"));
 }
 
 TEST(Files, FailuresNameTheCallThePathAndTheReason) {

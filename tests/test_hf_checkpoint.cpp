@@ -740,7 +740,19 @@ TEST(HfSave, AFailedWriteFailsEveryRankAndKeepsTheEarlierCheckpoint) {
     gpt::GPT model(gpt::Config{});
     shardtorch::shard(model, w, strategy_options(Strategy::FullShard, 2));
     shardtorch::load_full_state_dict(*model, ck.full);
+    // What a save killed earlier left (staging files, a temporary of one) goes
+    // with the next save that succeeds; the user's files stay.
+    const std::vector<std::string> stale = {".shardtorch-staging-99999-model-00001-of-00002.safetensors",
+                                            "..shardtorch-staging-99999-model-00002-of-00002.safetensors.tmp-vm-1"};
+    if (w.rank() == 0) {
+      files::create_directories(dir);
+      for (const auto& f : stale) std::ofstream(dir + "/" + f) << "partial";
+      std::ofstream(dir + "/config.json") << "{}";
+    }
+    w.barrier();
     shardtorch::save_hf_checkpoint(*model, dir, HfSaveOptions().max_file_bytes(16 * 1024));
+    for (const auto& f : stale) require(!files::exists(dir + "/" + f), "a killed save's '" + f + "' was left");
+    require(files::exists(dir + "/config.json"), "the user's config.json was removed");
     const auto before = files::list_directory(dir);
     {
       torch::NoGradGuard no_grad;

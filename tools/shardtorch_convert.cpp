@@ -209,7 +209,14 @@ int sharded_to_dcp(const std::string& dir, const std::string& out, const std::st
                    const std::string& optim_prefix, std::optional<at::ScalarType> dtype) {
   auto all = shardtorch::read_sharded_checkpoint(dir);
   std::map<std::string, int64_t> steps;  // parameter -> its optimizer step
-  const auto index = json::parse(text_of(dir + "/index.json"));
+  // The index of what was read: the previous checkpoint, set aside by a save
+  // interrupted between its two renames, when `dir` has none (docs/checkpoints.md).
+  std::string plain = dir;  // "ck/" is "ck"
+  while (plain.size() > 1 && plain.back() == '/') plain.pop_back();
+  const std::string aside = plain + ".shardtorch-old";
+  const bool set_aside = !shardtorch::tools::is_regular_file(dir + "/index.json") &&
+                         shardtorch::tools::is_regular_file(aside + "/index.json");
+  const auto index = json::parse(text_of((set_aside ? aside : dir) + "/index.json"));
   for (const auto& e : index.at("entries").as_array()) {
     const auto& o = e.as_object();
     const std::string kind(o.at("kind").as_string());

@@ -239,6 +239,38 @@ void copy_tree(const std::string& from, const std::string& to) {
   for (const auto& n : list_directory(from)) copy_tree(join(from, n), join(to, n));
 }
 
+std::vector<std::string> link_tree(const std::string& from, const std::string& to) {
+  std::vector<std::string> left_out;
+  struct stat st;
+  if (!stat_of(from, st, /*follow=*/false)) {
+    if (errno == ENOENT) return left_out;  // removed since it was listed
+    fail("stat of", from, errno);
+  }
+  if (S_ISDIR(st.st_mode)) {
+    create_directories(to);
+    for (const auto& n : list_directory(from))
+      for (auto& p : link_tree(join(from, n), join(to, n))) left_out.push_back(std::move(p));
+    sync(to, /*directory=*/true);
+  } else if (S_ISLNK(st.st_mode)) {
+    std::vector<char> target(static_cast<size_t>(st.st_size) + 1);
+    const ssize_t n = ::readlink(from.c_str(), target.data(), target.size());
+    if (n < 0) {
+      if (errno == ENOENT) return left_out;
+      fail("readlink of", from, errno);
+    }
+    if (::symlink(std::string(target.data(), static_cast<size_t>(n)).c_str(), to.c_str()) != 0)
+      fail("symlink to", to, errno);
+  } else if (!S_ISREG(st.st_mode)) {
+    left_out.push_back(from);
+  } else if (::link(from.c_str(), to.c_str()) != 0) {
+    if (errno == ENOENT && !exists(from)) return left_out;
+    copy_file(from, to);
+    if (::chmod(to.c_str(), st.st_mode & 07777) != 0) fail("chmod of", to, errno);
+    sync(to);
+  }
+  return left_out;
+}
+
 void resize_file(const std::string& path, int64_t bytes) {
   if (::truncate(path.c_str(), static_cast<off_t>(bytes)) != 0) fail("truncate of", path, errno);
 }

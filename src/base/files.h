@@ -63,6 +63,13 @@ void create_directories(const std::string& dir);
 void copy_file(const std::string& from, const std::string& to);
 /// Copies a directory tree (directories and regular files).
 void copy_tree(const std::string& from, const std::string& to);
+/// The tree at `from` again at `to`, durably: directories made anew,
+/// symbolic links made anew as links, regular files hard-linked, or copied
+/// (with their mode, synced) where the file system cannot link them. An
+/// entry that vanished meanwhile is skipped. Returns the paths under `from`
+/// left out: neither a directory, a link nor a regular file (a FIFO, a
+/// socket).
+std::vector<std::string> link_tree(const std::string& from, const std::string& to);
 void resize_file(const std::string& path, int64_t bytes);
 
 /// A new directory "PREFIX-XXXXXX" under $TMPDIR (or /tmp), made by mkdtemp.

@@ -129,6 +129,10 @@ std::vector<std::vector<size_t>> plan_files(const std::vector<int64_t>& bytes, i
   return plan;
 }
 
+// Names of the files a save writes before they are renamed into place begin
+// with this, then its writer's pid.
+const std::string kStagingPrefix = ".shardtorch-staging-";
+
 // Removes what a failed save left in `dir`: the files whose names contain
 // `marker` (a staging prefix, with write_file's temporaries of those files).
 void remove_staged(const std::string& dir, const std::string& marker) {
@@ -162,6 +166,9 @@ void publish_hf(const std::string& dir, const std::string& staging, const std::v
   const std::set<std::string> kept(data_files.begin(), data_files.end());
   for (const auto& name : files::list_directory(dir))
     if (std::regex_match(name, ours) && !kept.count(name)) files::remove(dir + "/" + name);
+  // Every file of this save is in place: staging files left now are those of
+  // an earlier save that was killed.
+  remove_staged(dir, kStagingPrefix);
 }
 
 }  // namespace
@@ -173,7 +180,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   World& world = state->world();
   const std::string who = "shardtorch::save_hf_checkpoint '" + dir + "'";
   check_options(who, options);
-  detail::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
+  detail::FileWaits file_waits(*state, "save_hf_checkpoint");  // the others wait for rank 0's writes and fsync
   const bool writer = world.rank() == 0;
   c10::NoGradGuard no_grad;
 
@@ -208,7 +215,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   if (writer) {
     // Data files under staging names, then renamed into place, the index
     // last: a reader of the old index never sees a half-written file.
-    const std::string staging = ".shardtorch-staging-" + std::to_string(::getpid()) + "-";
+    const std::string staging = kStagingPrefix + std::to_string(::getpid()) + "-";
     try {
       files::create_directories(dir);
       for (size_t k = 0; k < plan.size(); ++k) {
@@ -396,7 +403,8 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   World& world = *part.world;
   const std::string who = "shardtorch::save_hf_checkpoint '" + dir + "'";
   check_options(who, options);
-  detail::FileWaits file_waits(*state, &world);  // the others wait for the writers and rank 0's renames
+  // The others wait for the writers and rank 0's renames.
+  detail::FileWaits file_waits(*state, "save_hf_checkpoint", &world);
   const bool leader = state->world().rank() == 0;
   c10::NoGradGuard no_grad;
 
@@ -419,7 +427,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   tensors.keep_only(kept);
   HfSaveReport report;
   const std::vector<PartFile> plan = plan_part_files(parts, options, report);
-  const std::string staging = ".shardtorch-staging-" + std::to_string(parts.staging_pid) + "-";
+  const std::string staging = kStagingPrefix + std::to_string(parts.staging_pid) + "-";
   // Every rank counts its part's tensors: a leader as it writes them, the
   // others when their gathers are done.
   int64_t part_bytes = 0;
@@ -442,7 +450,7 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
   tensors.finish();  // every rank of every part takes part in its part's gathers
   agree_part_files(world, who, dir, staging, error, written);
   if (world.rank() == 0) publish_parts(dir, staging, parts, plan, report, error);
-  detail::agree_on_errors(world, error, who);
+  detail::agree_after_publish(world, error, who, dir);
   progress.finish();
   return report;
 }

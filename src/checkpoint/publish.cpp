@@ -15,6 +15,7 @@
 #include "base/env.h"
 #include "base/files.h"
 #include "base/log.h"
+#include "base/text.h"
 #include "shardtorch/checkpoint/safetensors.h"
 
 namespace shardtorch::checkpoint {
@@ -31,7 +32,42 @@ void best_effort(const std::string& what, const std::function<void()>& f) {
   }
 }
 
+// The files of the checkpoint at `from` that are not the checkpoint's,
+// into `tmp`, the new one.
+void carry_other_files(const std::string& from, const std::string& tmp, const std::string& marker) {
+  std::vector<std::string> carried, left_out;
+  for (const auto& n : files::list_directory(from)) {
+    if (own_file(n, marker) || files::exists(files::join(tmp, n))) continue;
+    try {
+      for (auto& p : files::link_tree(files::join(from, n), files::join(tmp, n))) left_out.push_back(std::move(p));
+    } catch (const std::exception& e) {
+      throw SafetensorsError("checkpoint '" + from + "': keeping '" + n +
+                             "' (not a file of the checkpoint) in the new checkpoint failed, and the previous one "
+                             "stays as it was: " +
+                             e.what() + ". Move it out of the directory, or save elsewhere");
+    }
+    carried.push_back(n);
+  }
+  if (!left_out.empty())
+    SHARDTORCH_WARN("shardtorch: checkpoint '", from, "': ", detail::quoted_names(left_out),
+                    " (neither a file, a directory nor a link) cannot be kept in the new checkpoint and goes with "
+                    "the previous one");
+  if (carried.empty()) return;
+  fsync_path(tmp, true);
+  SHARDTORCH_DEBUG("shardtorch: kept ", detail::quoted_names(carried), " of '", from,
+                   "' (not the checkpoint's files) in the new checkpoint");
+}
+
 }  // namespace
+
+bool own_file(const std::string& name, const std::string& marker) {
+  auto ends_with = [&](const std::string& tail) {
+    return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  if (name == marker) return true;
+  if (marker == ".metadata") return ends_with(".distcp");
+  return name.rfind("rank-", 0) == 0 && ends_with(".safetensors");
+}
 
 // files::sync, its failure a SafetensorsError.
 void fsync_path(const std::string& p, bool dir) {
@@ -91,7 +127,8 @@ void check_replaceable(const std::string& dir, const std::string& marker, const 
 }
 
 // Swaps the finished checkpoint `tmp` in as `dir`, so that at every instant
-// a complete checkpoint is loadable (`dir`, or the one set aside):
+// a complete checkpoint is loadable (`dir`, or the one set aside), with the
+// previous one's other files:
 // - no checkpoint at `dir` (absent, or an empty directory): `tmp` is renamed
 //   to `dir`; only then is a previous one set aside by an interrupted save
 //   removed;
@@ -109,6 +146,8 @@ void publish(const std::string& tmp, const std::string& dir, const std::string& 
   auto sync_parent = [&] {
     best_effort("syncing the parent directory", [&] { fsync_path(files::directory_of(dir), true); });
   };
+  const std::string previous = published_dir(dir, marker, /*announce=*/false);
+  if (files::exists(previous + "/" + marker)) carry_other_files(previous, tmp, marker);
   if (!files::exists(dir + "/" + marker)) {
     if (files::exists(dir)) files::remove(dir);  // an empty directory (check_replaceable)
     files::rename(tmp, dir);

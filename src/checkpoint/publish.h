@@ -30,8 +30,15 @@ std::string published_dir(const std::string& dir, const std::string& marker, boo
 /// checkpoint (it has `marker`) or an empty directory, never a directory of
 /// other files; the refusal calls it `kind` ("shardtorch checkpoint").
 void check_replaceable(const std::string& dir, const std::string& marker, const std::string& kind);
+/// Whether `name` is a file of a checkpoint whose marker is `marker`: the
+/// marker and the data files of that kind (index.json and rank-R.safetensors;
+/// .metadata and *.distcp).
+bool own_file(const std::string& name, const std::string& marker);
 /// Swaps the finished checkpoint `tmp` in as `dir`, so that at every instant
-/// a complete checkpoint is loadable (`dir`, or the one set aside):
+/// a complete checkpoint is loadable (`dir`, or the one set aside). First,
+/// the previous checkpoint's other files (a config.json, notes: anything not
+/// own_file and not in `tmp`) are hard-linked (else copied) into `tmp`, so
+/// that they stay in `dir`:
 /// - no checkpoint at `dir` (absent, or an empty directory): `tmp` is renamed
 ///   to `dir`; only then is a previous one set aside by an interrupted save
 ///   removed;
