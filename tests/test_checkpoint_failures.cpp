@@ -16,6 +16,7 @@
 #include "dcp_helpers.h"
 #include "models.h"
 #include "shardtorch/checkpoint.h"
+#include "shardtorch/dcp_checkpoint.h"
 
 using namespace testmodels;
 using shardtorch::Strategy;
@@ -240,10 +241,34 @@ TEST(CheckpointFailures, SaveFailuresOnRankZeroFailEveryRankAndOtherDirectoriesA
     require(files::exists(dir / "logs" / "train.log"), "the directory's files were deleted");
     const std::string slash = (dir / "ck").string() + "/";
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), slash, 1);
+    shardtorch::save_dcp_checkpoint(*t.model, t.opt.get(), (dir / "dcp").string());
+    // The user's files beside a checkpoint stay with it when a save replaces
+    // it; a data file of the checkpoint's own kind (one from a larger world) does not.
+    w.barrier();
+    if (w.rank() == 0) {
+      for (const char* ck : {"ck", "dcp"}) {
+        std::ofstream(dir / ck / "notes.txt") << "mine\n";
+        files::create_directories(dir / ck / "logs");
+        std::ofstream(dir / ck / "logs" / "train.log") << "step 1\n";
+      }
+      std::ofstream(dir / "ck" / "model.safetensors") << "a full state dict";
+      std::ofstream(dir / "ck" / "rank-7.safetensors") << "a world of 8";
+      std::ofstream(dir / "dcp" / "__7_0.distcp") << "a world of 8";
+    }
+    w.barrier();
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), slash, 2);
+    shardtorch::save_dcp_checkpoint(*t.model, t.opt.get(), (dir / "dcp").string());
     require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), (dir / "ck").string()) == 2, "wrong step");
+    shardtorch::load_dcp_checkpoint(*t.model, t.opt.get(), (dir / "dcp").string());
     require(!files::exists(dir / "ck" / ".shardtorch-tmp") && !files::exists(dir / "ck.shardtorch-tmp"),
             "a temporary directory was left");
+    for (const char* ck : {"ck", "dcp"}) {
+      require(read_text(dir / ck / "notes.txt") == "mine\n" && read_text(dir / ck / "logs" / "train.log") == "step 1\n",
+              std::string("the user's files in '") + ck + "' were lost when a save replaced it");
+    }
+    require(read_text(dir / "ck" / "model.safetensors") == "a full state dict", "the full state dict was lost");
+    require(!files::exists(dir / "ck" / "rank-7.safetensors") && !files::exists(dir / "dcp" / "__7_0.distcp"),
+            "a data file of the previous checkpoint was kept in the new one");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -288,8 +313,12 @@ TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAsid
     Trained t(w);
     require(!shardtorch::sharded_checkpoint_exists(ckpt), "nothing saved yet");
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 1);
+    w.barrier();
+    if (w.rank() == 0) std::ofstream(ckpt + "/notes.txt") << "kept\n";
+    w.barrier();
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 2);
     require(!files::exists(aside) && !files::exists(ckpt + ".shardtorch-tmp"), "left-overs after a save");
+    require(read_text(ckpt + "/notes.txt") == "kept\n", "the user's file in the checkpoint was lost");
     require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 2, "wrong step");
     w.barrier();
     if (w.rank() == 0) files::rename(ckpt, aside);  // as if killed between the two renames
@@ -304,6 +333,7 @@ TEST(CheckpointFailures, WithoutAnAtomicExchangeThePreviousCheckpointIsFoundAsid
     shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ckpt, 3);
     require(shardtorch::load_sharded_checkpoint(*t.model, t.opt.get(), ckpt) == 3 && !files::exists(aside),
             "saving after the interruption");
+    require(read_text(ckpt + "/notes.txt") == "kept\n", "the user's file in the checkpoint set aside was lost");
     // Any other value than 0 or 1 is an error on every rank, and the checkpoint stays.
     ::setenv("SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "yes", 1);
     std::string error;
@@ -404,6 +434,61 @@ TEST(CheckpointFailures, ASlowWriterIsWaitedForUnderTheFileTimeout) {
       },
       shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(1)));
   ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// A rank that dies after every file was written and reported: rank 0 still
+// publishes the checkpoint, and its error (the agreement after it fails) says
+// that the checkpoint is complete, which it is.
+TEST(CheckpointFailures, ARankLostAfterItsFilesWereReportedLeavesAPublishedCheckpointRankZeroNames) {
+  const TempDir dir;
+  for (const bool dcp : {false, true}) {
+    const std::string ck = (dir / (dcp ? "dcp" : "sharded")).string();
+    auto r = run_ranks(2, [&](World& w) {
+      Trained t(w);
+      if (w.rank() == 1)
+        shardtorch::checkpoint::set_crash_hook([](const std::string& p) {
+          if (p == "reports gathered") std::_Exit(3);
+        });
+      const std::string e = message_of([&] {
+        if (dcp)
+          shardtorch::save_dcp_checkpoint(*t.model, t.opt.get(), ck);
+        else
+          shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), ck, 1);
+      });
+      require(e.find("rank 0 had published the checkpoint '" + ck + "' before this failure: it is complete") !=
+                  std::string::npos,
+              "rank 0: " + e);
+    });
+    ASSERT_EQ(r.ranks.size(), 2u);
+    EXPECT_EQ(r.ranks[0].exit_code, 0) << r.summary();
+    EXPECT_EQ(r.ranks[1].exit_code, 3) << r.summary();
+    if (dcp)
+      EXPECT_TRUE(files::exists(ck + "/.metadata"));
+    else
+      EXPECT_TRUE(shardtorch::read_sharded_checkpoint(ck).count("l1.lin.weight|param")) << ck;
+  }
+}
+
+// A rank lost inside a save: the others' errors say where it was (inside
+// the save, which notes its name as the rank's progress), not only its
+// last step.
+TEST(CheckpointFailures, ARankLostInsideASaveIsNamedThere) {
+  const TempDir dir;
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w);
+    shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
+      if (p != "file written" || w.rank() != 1) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // its progress record is written meanwhile
+      std::_Exit(3);
+    });
+    const std::string e =
+        message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), (dir / "ck").string(), 1); });
+    const auto at = e.find("rank 1 ");
+    require(at != std::string::npos && e.find("save_sharded_checkpoint", at) != std::string::npos, "rank 0: " + e);
+  });
+  ASSERT_EQ(r.ranks.size(), 2u);
+  EXPECT_EQ(r.ranks[0].exit_code, 0) << r.summary();
+  EXPECT_EQ(r.ranks[1].exit_code, 3) << r.summary();
 }
 
 // A full state dict's metadata keys starting shardtorch_ are the library's,

@@ -1,9 +1,12 @@
 #include "checkpoint/agreement.h"
 
 #include <algorithm>
+#include <exception>
 
 #include "runtime/shard_state.h"
 #include "checkpoint/safetensors_format.h"
+#include "shardtorch/collectives.h"
+#include "shardtorch/error.h"
 
 namespace shardtorch::detail {
 
@@ -40,6 +43,20 @@ void agree_on_errors(World& world, const std::string& error, const std::string& 
                              " (every rank must see the same checkpoint)");
 }
 
+void agree_after_publish(World& world, const std::string& error, const std::string& what, const std::string& dir) {
+  try {
+    agree_on_errors(world, error, what);
+  } catch (const SafetensorsError&) {  // a rank's own error: nothing was published
+    throw;
+  } catch (const CollectivesDiverged&) {
+    throw;
+  } catch (const Error& e) {  // the agreement's collective failed
+    if (world.rank() != 0 || !error.empty()) throw;
+    throw Error(std::string(e.what()) + " (rank 0 had published the checkpoint '" + dir +
+                "' before this failure: it is complete and loads)");
+  }
+}
+
 void load_agreed(ShardState& state, const std::string& error, const std::string& fingerprint,
                  const std::vector<std::function<void()>>& changes, const std::string& what, World* world,
                  ProgressReporter* progress) {
@@ -61,10 +78,21 @@ void load_agreed(ShardState& state, const std::string& error, const std::string&
   if (progress) progress->finish();
 }
 
-FileWaits::FileWaits(ShardState& state, World* also) {
+FileWaits::FileWaits(ShardState& state, const std::string& operation, World* also)
+    : worlds_{&state.world()}, operation_(operation), exceptions_(std::uncaught_exceptions()) {
+  if (also && also != &state.world()) worlds_.push_back(also);
+  for (World* w : worlds_) w->note_progress(operation_);
   std::vector<Comm*> comms = state.topology().comms();
   if (also && std::find(comms.begin(), comms.end(), &also->comm()) == comms.end()) comms.push_back(&also->comm());
   for (Comm* c : comms) raised_.push_back(std::make_unique<Comm::TimeoutAtLeast>(*c, state.world().file_timeout()));
+}
+
+FileWaits::~FileWaits() {
+  try {
+    const bool failed = std::uncaught_exceptions() > exceptions_;
+    for (World* w : worlds_) w->note_progress(operation_ + (failed ? " failed" : " done"));
+  } catch (const std::exception&) {  // a progress note is never worth a failure
+  }
 }
 
 }  // namespace shardtorch::detail

@@ -27,6 +27,11 @@ class ShardState;
 void agree_on_errors(World& world, const std::string& error, const std::string& what,
                      const std::string& fingerprint = "");
 
+/// agree_on_errors after rank 0 published the checkpoint at `dir` (`error`
+/// "" there) or failed to: if the agreement itself fails (a rank died after
+/// its files were written), rank 0's error says the checkpoint is complete.
+void agree_after_publish(World& world, const std::string& error, const std::string& what, const std::string& dir);
+
 /// The first half of agree_on_errors: throws as it does if any rank failed,
 /// else returns every rank's fingerprint, in rank order, for the caller to
 /// compare in its own words.
@@ -48,11 +53,21 @@ void load_agreed(ShardState& state, const std::string& error, const std::string&
 /// World of a save or load over several models) waits at least the world's
 /// file_timeout: the checkpoints' collectives, which wait for other ranks'
 /// file writes, reads and fsyncs.
+/// While it lives, also notes `operation` ("save_sharded_checkpoint") as
+/// this rank's progress on the model's World and on `also`, so that a peer
+/// that waits for this rank's files names where it is; "<operation> done"
+/// when it ends, "<operation> failed" when an exception ends it.
 class FileWaits {
  public:
-  explicit FileWaits(ShardState& state, World* also = nullptr);
+  FileWaits(ShardState& state, const std::string& operation, World* also = nullptr);
+  ~FileWaits();
+  FileWaits(const FileWaits&) = delete;
+  FileWaits& operator=(const FileWaits&) = delete;
 
  private:
+  std::vector<World*> worlds_;
+  std::string operation_;
+  int exceptions_;  // std::uncaught_exceptions() at construction
   std::vector<std::unique_ptr<Comm::TimeoutAtLeast>> raised_;
 };
 

@@ -436,7 +436,7 @@ void DcpSave::publish(const dcp::Metadata& md) {
       published = e.what();
     }
   }
-  detail::agree_on_errors(world_, published, what_);
+  detail::agree_after_publish(world_, published, what_, dir_);
 }
 
 }  // namespace
@@ -446,7 +446,7 @@ DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
   auto state = detail::require_state(root, "save_dcp_checkpoint");
   checkpoint::dcp::refuse_tensor_parallel(root, state->world().global_rank(), "save_dcp_checkpoint");
   checkpoint::dcp::refuse_pipeline_stage(*state, /*ignoring=*/false, "save_dcp_checkpoint");
-  detail::FileWaits file_waits(*state);  // each rank waits for the slowest writer
+  detail::FileWaits file_waits(*state, "save_dcp_checkpoint");  // each rank waits for the slowest writer
   c10::NoGradGuard no_grad;
   DcpSave save(root, opt, checkpoint::normalized(dir_arg), options, *state);
   SHARDTORCH_CHECK(!opt || detail::optimizer_kind(*opt), save.what(),

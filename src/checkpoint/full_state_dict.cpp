@@ -64,7 +64,7 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   auto state = detail::require_state(root, "save_full_state_dict");
   if (auto part = checkpoint::tensor_parallel_part(root, *state, "save_full_state_dict"))
     return checkpoint::save_full_state_dict(root, path, user_metadata, *part);
-  detail::FileWaits file_waits(*state);  // the others wait for rank 0's writes and fsync
+  detail::FileWaits file_waits(*state, "save_full_state_dict");  // the others wait for rank 0's writes and fsync
   World& world = state->world();
   check_user_metadata(path, user_metadata);
   const bool writer = world.rank() == 0;
@@ -404,7 +404,8 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
                           const std::map<std::string, std::string>& user_metadata, const ModelPart& part) {
   auto state = detail::require_state(root, "save_full_state_dict");
   World& world = *part.world;
-  detail::FileWaits file_waits(*state, &world);  // leaders wait for rank 0 to reach their tensors
+  // Leaders wait for rank 0 to reach their tensors.
+  detail::FileWaits file_waits(*state, "save_full_state_dict", &world);
   check_user_metadata(path, user_metadata);
   // A part's leader sends its tensors to rank 0; at a tp rank other than 0
   // it sends its slices to its tp rank 0 instead (StreamedTensors).

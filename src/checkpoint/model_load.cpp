@@ -13,7 +13,7 @@ LoadRun::LoadRun(torch::nn::Module& root, const char* operation, const std::stri
     : state(detail::require_state(root, operation)),
       progress(operation, "tensors", 0, 0, callback),
       world(world_arg ? world_arg : &state->world()),
-      file_waits(*state, world_arg),
+      file_waits(*state, operation, world_arg),
       what(std::string("shardtorch::") + operation + " '" + path + "'") {
   progress.count_io();
   state->copies().wait_for_offload_copies();

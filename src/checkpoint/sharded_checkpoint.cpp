@@ -630,7 +630,7 @@ void save_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::str
                   const std::map<std::string, std::string>& user_state, const checkpoint::ModelPart* part) {
   auto state = detail::require_state(root, "save_sharded_checkpoint");
   World& world = part ? *part->world : state->world();
-  detail::FileWaits file_waits(*state, &world);  // each rank waits for the slowest writer
+  detail::FileWaits file_waits(*state, "save_sharded_checkpoint", &world);  // each rank waits for the slowest writer
   c10::NoGradGuard no_grad;
   const std::string dir = normalized(dir_arg);
   const std::string what = "shardtorch::save_sharded_checkpoint '" + dir + "'";
@@ -668,7 +668,7 @@ void save_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::str
           return index;
         },
         tmp, dir);
-  detail::agree_on_errors(world, error, what);
+  detail::agree_after_publish(world, error, what, dir);
 }
 
 }  // namespace
@@ -978,7 +978,7 @@ int64_t load_sharded(torch::nn::Module& root, ShardedOptimizer* opt, const std::
   shardtorch::detail::ProgressReporter progress("load_sharded_checkpoint", "tensors", 0, 0, options.progress());
   progress.count_io();
   World* world = part ? part->world.get() : &state->world();
-  detail::FileWaits file_waits(*state, world);  // and for the slowest reader
+  detail::FileWaits file_waits(*state, "load_sharded_checkpoint", world);  // and for the slowest reader
   state->copies().wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   std::string dir = normalized(dir_arg);
@@ -1036,7 +1036,7 @@ std::string strategy_of(torch::nn::Module& root) {
 void load_rank_state(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, const Index& idx,
                      const std::string& fingerprint, const std::string& prior_error, bool keep) {
   auto state = detail::require_state(root, "snapshot restore");
-  detail::FileWaits file_waits(*state);
+  detail::FileWaits file_waits(*state, "snapshot restore");
   state->copies().wait_for_offload_copies();
   c10::NoGradGuard no_grad;
   const std::string what = "shardtorch::Snapshots::restore '" + dir + "'";
