@@ -19,6 +19,14 @@ esac
 readelf -d "$tmp/prefix/lib/libshardtorch.so" | grep -E "R(UN)?PATH" | grep -q "$torch_lib" || {
   echo "installed libshardtorch.so has no run path to LibTorch's libraries ($torch_lib):"
   readelf -d "$tmp/prefix/lib/libshardtorch.so" | grep -E "R(UN)?PATH"; exit 1; }
+# Each installed library finds what it needs with no help from the
+# environment (the testing library: libshardtorch beside it).
+for lib in libshardtorch.so libshardtorch_testing.so; do
+  if env -u LD_LIBRARY_PATH ldd "$tmp/prefix/lib/$lib" | grep -q "not found"; then
+    echo "the installed $lib does not find every library it needs:"
+    env -u LD_LIBRARY_PATH ldd "$tmp/prefix/lib/$lib" | grep "not found"; exit 1
+  fi
+done
 # The installed tools start with no help from the environment: their run
 # path reaches libshardtorch beside them and LibTorch's libraries.
 for tool in shardtorch-plan shardtorch-convert; do
