@@ -46,6 +46,15 @@ Fp32Reference fp32_reference(const torch::Tensor& x) {
   for (auto& [n, p] : unique_params(*model)) ref.end[n] = p.detach().clone();
   return ref;
 }
+// The first step's gradients of single-process fp32 training on `x`.
+std::map<std::string, torch::Tensor> fp32_first_grads(const torch::Tensor& x) {
+  torch::manual_seed(0);
+  auto model = gpt::GPT(gpt::Config{});
+  gpt::lm_loss(model(x), x).backward();
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [n, p] : unique_params(*model)) out[n] = p.grad().clone();
+  return out;
+}
 }  // namespace
 
 // Trains the GPT 20 steps in bf16 (reductions in `reduce`) on `world` ranks,
@@ -55,6 +64,7 @@ Fp32Reference fp32_reference(const torch::Tensor& x) {
 void train_bf16_near_fp32(Strategy strategy, int world, int hybrid_shard_size) {
   auto x = gpt_tokens();
   auto ref = fp32_reference(x);
+  const auto ref_grads = fp32_first_grads(x);
   const int64_t rows = x.size(0) / world;
   for (auto reduce : {at::kBFloat16, at::kFloat}) {
     auto r = run_ranks(world, [&](World& w) {
@@ -76,10 +86,15 @@ void train_bf16_near_fp32(Strategy strategy, int world, int hybrid_shard_size) {
           // The reduced gradients as the fp32 masters hold them: sums of two
           // ranks' bf16 gradients need more bits than bf16 has, unless the
           // reduction itself ran in bf16.
+          // Each within bf16's error of fp32 training's, by its norm.
           bool beyond_bf16 = false;
           for (const auto& [n, g] : shardtorch::full_gradients(*model)) {
             require(g.scalar_type() == at::kFloat, "full_gradients gave " + n + " in another dtype than fp32");
             beyond_bf16 = beyond_bf16 || !torch::equal(g, g.to(at::kBFloat16).to(at::kFloat));
+            auto want = ref_grads.find(n);
+            if (want == ref_grads.end()) continue;  // a tied parameter's second name
+            const double err = ((g - want->second).norm() / want->second.norm()).item<double>();
+            require(err < 0.05, "full_gradients' " + n + " is " + std::to_string(err) + " away from fp32's");
           }
           require(beyond_bf16 == (reduce == at::kFloat),
                   reduce == at::kFloat ? "full_gradients rounded the fp32-reduced gradients to bf16"

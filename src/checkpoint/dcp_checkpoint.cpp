@@ -234,14 +234,17 @@ void DcpLoad::open(const std::string& dir) {
   run_.fingerprint = src_->fingerprint();
   where_ = "DCP checkpoint '" + src_->dir() + "'";
   names_ = detail::parameter_names(root_);
-  // A pipeline stage's tied parameter: after its own names, those it has on
-  // the other stages (the unsplit model's checkpoint may hold its optimizer
-  // state under the first stage's name alone).
+  // A pipeline stage's tied parameter goes by its names on every stage, in
+  // stage order, so that each stage reads what the first name holds (the
+  // unsplit model's checkpoint may hold its optimizer state under that name
+  // alone), then by any other names it has here.
   std::set<std::string> model_names = checkpoint::model_names(root_, nullptr);
   for (const auto& [impl, all] : state_.stage().tied_names) {
     auto& ns = names_[impl];
-    for (const auto& n : all)
-      if (std::find(ns.begin(), ns.end(), n) == ns.end()) ns.push_back(n);
+    std::vector<std::string> ordered = all;
+    for (const auto& n : ns)
+      if (std::find(ordered.begin(), ordered.end(), n) == ordered.end()) ordered.push_back(n);
+    ns = std::move(ordered);
     model_names.insert(all.begin(), all.end());
   }
   keys_ = sort_keys(src_->metadata(), model_names, options_, opt_ != nullptr, report_, where_);
@@ -381,11 +384,15 @@ void DcpLoad::plan_optimizer() {
   for (const auto& item : root_.named_parameters()) param_shapes_[item.key()] = item.value().sizes().vec();
   // Every name of each parameter (a tied one has several, a stage's tied one
   // those of the other stages too): its state may be under any.
-  for (const auto& [impl, ns] : names_)
+  for (const auto& [impl, ns] : names_) {
+    auto shape = param_shapes_.end();  // under a name this module gives it (a stage's tie: not the first)
+    for (const auto& n : ns)
+      if (shape == param_shapes_.end()) shape = param_shapes_.find(n);
     for (const auto& n : ns) {
       all_names_[n] = &ns;
-      param_shapes_.emplace(n, param_shapes_.at(ns.front()));
+      if (shape != param_shapes_.end()) param_shapes_.emplace(n, shape->second);
     }
+  }
   for (const auto& piece : opt_->views().pieces()) plan_optimizer_piece(piece);
 }
 

@@ -37,8 +37,9 @@ inline void refuse_tensor_parallel(torch::nn::Module& root, int global_rank, con
 inline void refuse_pipeline_stage(detail::ShardState& state, bool ignoring, const char* who) {
   SHARDTORCH_CHECK(!state.stage().partial || ignoring, detail::rank_prefix(state.world().global_rank()),
                    ": shardtorch::", who,
-                   ": this model is a Pipeline's stage (pipe.module()), which holds part of the model; DCP "
-                   "checkpoints of a pipeline over more than one pipeline rank are not supported. Save and load a "
+                   ": this model is a Pipeline's stage (pipe.module()), which holds part of the model or of the "
+                   "World's ranks; DCP checkpoints of a pipeline are supported only at one pipeline rank whose "
+                   "data-parallel dimension is the whole World. Save and load a "
                    "sharded checkpoint through the "
                    "Pipeline's overloads (shardtorch/pipeline_checkpoint.h), which shardtorch-convert sharded-to-dcp "
                    "turns into a DCP checkpoint for PyTorch; a DCP checkpoint from PyTorch loads into the unsplit "
