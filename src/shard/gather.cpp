@@ -22,6 +22,15 @@ void refuse_consumed_gradients(detail::ShardState& state, const char* what) {
                    "that backward and did not keep them. Read gradients with overlap_with_backward off (a parity "
                    "check), or inside a comm hook");
 }
+
+// Flat parameter `f`'s whole padded tensor from `mine` (this rank's shard of
+// its values or its gradient), gathered over the shard group.
+at::Tensor gather_flat(detail::ShardState& state, FlatParam& f, const at::Tensor& mine, const std::string& what) {
+  at::Tensor shard = state.copies().on_comm_device(mine);
+  at::Tensor full = at::empty({f.layout().padded_numel()}, shard.options());
+  state.topology().shard_comm().all_gather_into(full, shard, what);
+  return full;
+}
 }  // namespace
 
 FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
@@ -103,11 +112,9 @@ void FullParams::gather_all(bool keep) {
 void FullParams::gather_grads(detail::Unit& u, bool keep) {
   for (auto& f : u.flats()) {
     if (!f->requires_grad()) continue;
-    at::Tensor shard = state_->copies().on_comm_device(f->grads().shard_grad().defined() ? f->grads().shard_grad()
-                                                                                         : at::zeros_like(f->shard()));
-    at::Tensor full = at::empty({f->layout().padded_numel()}, shard.options());
-    state_->topology().shard_comm().all_gather_into(full, shard,
-                                                    "gradients of unit '" + u.label() + "' for summon_full_params");
+    const at::Tensor& held = f->grads().shard_grad();
+    const at::Tensor full = gather_flat(*state_, *f, held.defined() ? held : at::zeros_like(f->shard()),
+                                        "gradients of unit '" + u.label() + "' for summon_full_params");
     if (!keep) continue;
     for (size_t i = 0; i < f->params().size(); ++i) {
       at::Tensor p = f->params()[i];
@@ -208,9 +215,7 @@ std::map<std::string, at::Tensor> full_parameters(torch::nn::Module& root, bool 
     int64_t unit_bytes = 0;
     for (auto& f : u->flats()) {
       unit_bytes += f->layout().padded_numel() * static_cast<int64_t>(c10::elementSize(f->shard().scalar_type()));
-      at::Tensor mine = state->copies().on_comm_device(f->shard());
-      at::Tensor full = at::empty({f->layout().padded_numel()}, mine.options());
-      state->topology().shard_comm().all_gather_into(full, mine, "master parameters of unit '" + u->label() + "'");
+      const at::Tensor full = gather_flat(*state, *f, f->shard(), "master parameters of unit '" + u->label() + "'");
       if (!keep) continue;
       for (size_t i = 0; i < f->params().size(); ++i)
         put(f->params()[i],
@@ -250,9 +255,8 @@ std::map<std::string, at::Tensor> full_gradients(torch::nn::Module& root, bool r
       for (auto& f : u->flats()) {
         if (!f->requires_grad()) continue;
         const at::Tensor& held = f->grads().shard_grad();
-        at::Tensor mine = state->copies().on_comm_device(held.defined() ? held : at::zeros_like(f->shard()));
-        at::Tensor full = at::empty({f->layout().padded_numel()}, mine.options());
-        state->topology().shard_comm().all_gather_into(full, mine, "gradients of unit '" + u->label() + "'");
+        const at::Tensor full = gather_flat(*state, *f, held.defined() ? held : at::zeros_like(f->shard()),
+                                            "gradients of unit '" + u->label() + "'");
         if (!keep) continue;
         for (size_t i = 0; i < f->params().size(); ++i)
           put(f->params()[i], full.narrow(0, f->layout().offset(i), f->layout().numel(i)));
