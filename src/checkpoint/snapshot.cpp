@@ -804,6 +804,16 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
                    m.options.every, ")");
   SHARDTORCH_CHECK(m.options.persist_every == 0 || !m.options.fallback_dir.empty(), m.who(),
                    ": persist_every is set but fallback_dir is not: set the directory to persist to");
+  // Before the lock: ranks at different tp coordinates would contend for it.
+  m.sharded = detail::require_state(root, "shardtorch::Snapshots");
+  for (const auto& item : root.named_parameters())  // a split model: one file per rank of the whole mesh
+    if (auto p = detail::placement_of(item.value()); p && p->size > 1) {
+      SHARDTORCH_CHECK(n >= m.sharded->world().size() * p->size, m.who(), ": the model is split over ", p->size,
+                       " tensor-parallel ranks and sharded over ", m.sharded->world().size(),
+                       "; take the snapshots over the mesh's World (every rank of it): over ", n,
+                       " ranks, ranks at different tp coordinates would write the same files");
+      break;
+    }
   files::create_directories(m.options.dir);
   // One live process per job name and rank: a second job under the same
   // name would restore, and write over, the first one's snapshots.
@@ -826,15 +836,6 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
                   verdicts[r] +
                   ". Two live jobs under one name would take each other's snapshots: give each its own "
                   "SnapshotOptions::job (or torchrun --rdzv-id)");
-    }
-  m.sharded = detail::require_state(root, "shardtorch::Snapshots");
-  for (const auto& item : root.named_parameters())  // a split model: one file per rank of the whole mesh
-    if (auto p = detail::placement_of(item.value()); p && p->size > 1) {
-      SHARDTORCH_CHECK(n >= m.sharded->world().size() * p->size, m.who(), ": the model is split over ", p->size,
-                       " tensor-parallel ranks and sharded over ", m.sharded->world().size(),
-                       "; take the snapshots over the mesh's World (every rank of it): over ", n,
-                       " ranks, ranks at different tp coordinates would write the same files");
-      break;
     }
   m.dir.strategy = checkpoint::strategy_of(root);
   m.dir.fingerprint = model_fingerprint(root, opt, n);
