@@ -227,6 +227,7 @@ const Saved& pipeline_saved() {
       shardtorch::set_progress_callback(nullptr);
       shardtorch::save_hf_checkpoint(*p.pipe, s.hf,
                                      HfSaveOptions().max_file_bytes(8 * 1024).progress(collect_into(hf)));
+      shardtorch::save_dcp_checkpoint(*p.pipe, p.opt.get(), s.dcp);
       const std::string at = "rank " + std::to_string(w.rank()) + " (stage " + p.stage() + ")";
       require_progress(full, "save_full_state_dict", at);
       require_progress(sharded, "save_sharded_checkpoint", at);
@@ -316,6 +317,13 @@ std::string expect_loads_at(const Layout& l) {
     require_progress(sharded, "load_sharded_checkpoint", rank);
     require(step == 2 && user == std::map<std::string, std::string>{{"epoch", "1"}}, "step or user state" + at);
     require_bitwise(p.values(), s.truth, "sharded checkpoint" + at);
+    // The pipeline's DCP checkpoint, AdamW's state too: the sharded
+    // checkpoint saved again below holds what the DCP checkpoint loaded.
+    scramble(p.pipe->module());
+    p.opt->inner().state().clear();
+    const auto dcp_report = shardtorch::load_dcp_checkpoint(*p.pipe, p.opt.get(), s.dcp);
+    require(dcp_report.unexpected.empty() && dcp_report.missing.empty(), "DCP checkpoint: names unmatched" + at);
+    require_bitwise(p.values(), s.truth, "DCP checkpoint" + at);
     if (l.pp == 1) {
       // One pipeline rank holds the whole model: its DCP checkpoint is the
       // unsplit model's, optimizer state included (the step below reads it).
@@ -429,7 +437,9 @@ TEST(PipelineCheckpoint, SnapshotsRestoreAStagesRankFromItsBuddyOnAnotherStage) 
 // The pipeline's full state dict holds what the unsplit model's does (every
 // name, the tied weight under both) and its Hugging Face layout the tied
 // weight once; both load into a GPT in one process without shardtorch, and
-// all three into the unsplit GPT sharded over 4 ranks.
+// all four into the unsplit GPT sharded over 4 ranks (the sharded and DCP
+// checkpoints with AdamW's state: the sharded checkpoint saved again holds
+// what the DCP checkpoint loaded).
 TEST(PipelineCheckpoint, SavedAtPp2Dp2ItLoadsIntoTheUnsplitModel) {
   const auto& s = pipeline_saved();
   ASSERT_EQ(s.error, "");
@@ -467,6 +477,10 @@ TEST(PipelineCheckpoint, SavedAtPp2Dp2ItLoadsIntoTheUnsplitModel) {
     scramble(*u.model);
     const int64_t step = shardtorch::load_sharded_checkpoint(*u.model, u.opt.get(), s.sharded);
     require_bitwise(full_values(*u.model), s.truth, "sharded checkpoint into the unsplit model", true);
+    scramble(*u.model);
+    u.opt->inner().state().clear();  // AdamW's state must come back from the DCP checkpoint
+    shardtorch::load_dcp_checkpoint(*u.model, u.opt.get(), s.dcp);
+    require_bitwise(full_values(*u.model), s.truth, "DCP checkpoint into the unsplit model", true);
     shardtorch::save_sharded_checkpoint(*u.model, u.opt.get(), again, step);
     u.train(1);
     require_close(full_values(*u.model), s.next, 2e-5, "the step after the load into the unsplit model");
@@ -478,8 +492,9 @@ TEST(PipelineCheckpoint, SavedAtPp2Dp2ItLoadsIntoTheUnsplitModel) {
 // The other way: the unsplit GPT's checkpoints load into an interleaved
 // pipeline at pp=2 x dp=2 (two chunks per rank, NoShard inside the stages),
 // the tied weight into both ends; the pipeline's own sharded checkpoint then
-// holds what the unsplit one did. Its DCP checkpoint loads into each
-// stage with ignore_unexpected, AdamW's state too.
+// holds what the unsplit one did. Its DCP checkpoint loads into the
+// pipeline, and into each stage by itself with ignore_unexpected, AdamW's
+// state too.
 TEST(PipelineCheckpoint, TheUnsplitModelsCheckpointsLoadIntoAPipeline) {
   const auto& s = unsplit_saved();
   ASSERT_EQ(s.error, "");
@@ -491,8 +506,16 @@ TEST(PipelineCheckpoint, TheUnsplitModelsCheckpointsLoadIntoAPipeline) {
     scramble(p.pipe->module());
     shardtorch::load_hf_checkpoint(*p.pipe, s.hf);
     require_bitwise(p.values(), s.truth, "the unsplit model's Hugging Face checkpoint");
-    // A stage takes its own tensors and their AdamW state from the unsplit
-    // model's DCP checkpoint when told to ignore the other stages' names.
+    // The pipeline takes the unsplit model's DCP checkpoint, AdamW's state too.
+    scramble(p.pipe->module());
+    p.opt->inner().state().clear();
+    const auto whole = shardtorch::load_dcp_checkpoint(*p.pipe, p.opt.get(), s.dcp);
+    require(whole.unexpected.empty() && whole.missing.empty(), "the pipeline's DCP load left names unmatched");
+    require_bitwise(p.values(), s.truth, "the unsplit model's DCP checkpoint, into the pipeline");
+    p.train(1);
+    require_close(p.values(), s.next, 2e-5, "the step after loading the unsplit model's DCP checkpoint");
+    // A stage takes its own tensors and their AdamW state from it when told
+    // to ignore the other stages' names.
     scramble(p.pipe->module());
     p.opt->inner().state().clear();  // AdamW's state must come back from the DCP checkpoint
     const auto report = shardtorch::load_dcp_checkpoint(p.pipe->module(), p.opt.get(), s.dcp,
@@ -500,7 +523,7 @@ TEST(PipelineCheckpoint, TheUnsplitModelsCheckpointsLoadIntoAPipeline) {
     require(!report.unexpected.empty(), "a stage found every name of the unsplit model's DCP checkpoint its own");
     require_bitwise(p.values(), s.truth, "the unsplit model's DCP checkpoint, into each stage");
     p.train(1);
-    require_close(p.values(), s.next, 2e-5, "the step after loading the unsplit model's DCP checkpoint");
+    require_close(p.values(), s.next, 2e-5, "the step after loading the unsplit model's DCP checkpoint by stage");
     scramble(p.pipe->module());
     const int64_t step = shardtorch::load_sharded_checkpoint(*p.pipe, p.opt.get(), s.sharded);
     require_bitwise(p.values(), s.truth, "the unsplit model's sharded checkpoint");
@@ -514,8 +537,9 @@ TEST(PipelineCheckpoint, TheUnsplitModelsCheckpointsLoadIntoAPipeline) {
 
 // A checkpoint that lacks a tensor of the last stage fails every rank, naming
 // it, with no stage changed; a save that fails on one rank (rank 0 writing
-// the full state dict, the second stage's writer of the Hugging Face layout)
-// fails every rank and leaves the previous checkpoint as it was.
+// the full state dict, the second stage's writer of the Hugging Face layout,
+// a DCP checkpoint whose stages' optimizer groups differ) fails every rank
+// and leaves the previous checkpoint as it was.
 TEST(PipelineCheckpoint, AProblemOnOneStageFailsEveryRankAndKeepsThePreviousCheckpoint) {
   const auto& s = pipeline_saved();
   ASSERT_EQ(s.error, "");
@@ -562,6 +586,14 @@ TEST(PipelineCheckpoint, AProblemOnOneStageFailsEveryRankAndKeepsThePreviousChec
     scramble(p.pipe->module());
     shardtorch::load_hf_checkpoint(*p.pipe, hf);
     require_bitwise(p.values(), before, "the Hugging Face layout kept");
+    // A DCP checkpoint holds one list of optimizer groups for the whole
+    // model: stages whose optimizers give group 0 other options fail every
+    // rank, naming two ranks that differ, and write nothing.
+    auto uneven = shardtorch::AdamW(p.pipe->module(), adamw().lr(p.stage() == "0" ? 1e-3 : 2e-3));
+    msg = message_of([&] { shardtorch::save_dcp_checkpoint(*p.pipe, uneven.get(), dir / "dcp-uneven"); });
+    require(msg.find("the optimizer's group 0 has other options on rank 2 than on rank 0") != std::string::npos,
+            "a DCP save with stages' groups unlike: " + msg);
+    require(!files::exists(dir / "dcp-uneven"), "the refused DCP save wrote its directory");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -590,6 +622,7 @@ TEST(PipelineCheckpoint, AnotherModelsCheckpointFailsEveryStageAndChangesNothing
     {
       Unsplit other(w, Strategy::FullShard, c);
       shardtorch::save_sharded_checkpoint(*other.model, other.opt.get(), wide, 0);
+      shardtorch::save_dcp_checkpoint(*other.model, other.opt.get(), wide + "-dcp");
     }
     Piped p(w, kSaver);
     shardtorch::load_sharded_checkpoint(*p.pipe, p.opt.get(), s.sharded);
@@ -600,12 +633,14 @@ TEST(PipelineCheckpoint, AnotherModelsCheckpointFailsEveryStageAndChangesNothing
     msg = message_of([&] { shardtorch::load_sharded_checkpoint(*p.pipe, p.opt.get(), wide); });
     require(msg.find("has shape") != std::string::npos, "a wider model's sharded checkpoint: " + msg);
     require_bitwise(p.values(), before, "after the wider model's sharded checkpoint");
+    msg = message_of([&] { shardtorch::load_dcp_checkpoint(*p.pipe, p.opt.get(), wide + "-dcp"); });
+    require(msg.find("has shape") != std::string::npos, "a wider model's DCP checkpoint: " + msg);
+    require_bitwise(p.values(), before, "after the wider model's DCP checkpoint");
     // The optimizer state is the saved one still: the next step is the saving run's.
     p.train(1);
     require_bitwise(p.values(), s.next, "the step after the refused loads");
-    // DCP holds no pipeline over several pipeline ranks: a stage's module is
-    // refused on every rank, saying which checkpoints to use (a save would
-    // write one stage's over another's).
+    // A stage's module by itself is refused on every rank, saying which
+    // functions to use (a save would write one stage's over another's).
     for (const bool save : {true, false}) {
       msg = message_of([&] {
         if (save)
@@ -614,7 +649,7 @@ TEST(PipelineCheckpoint, AnotherModelsCheckpointFailsEveryStageAndChangesNothing
           shardtorch::load_dcp_checkpoint(p.pipe->module(), p.opt.get(), dir / "dcp");
       });
       require(msg.find("this model is a Pipeline's stage (pipe.module())") != std::string::npos &&
-                  msg.find("shardtorch-convert sharded-to-dcp") != std::string::npos,
+                  msg.find("(pipe, optimizer, dir) (shardtorch/pipeline_checkpoint.h)") != std::string::npos,
               std::string(save ? "save" : "load") + "_dcp_checkpoint of a stage: " + msg);
     }
   });

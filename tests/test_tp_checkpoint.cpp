@@ -106,6 +106,36 @@ void require_bitwise(const std::map<std::string, torch::Tensor>& got, const std:
 
 const Layout kSaver{2, 2, Strategy::FullShard};
 
+// The example GPT pipelined at pp 2 x dp 1 x tp 2 on this rank, split by
+// `plan`, its stages under `strategy`, with its AdamW.
+struct TpPiped {
+  std::shared_ptr<DeviceMesh> mesh;
+  gpt::GPT model{nullptr};
+  std::unique_ptr<shardtorch::Pipeline> pipe;
+  std::unique_ptr<shardtorch::ShardedOptimizer> opt;
+
+  TpPiped(World& w, const shardtorch::TpPlan& plan, Strategy strategy = Strategy::FullShard) {
+    mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}, {"dp", 1}, {"tp", 2}});
+    torch::manual_seed(0);
+    model = gpt::GPT(tp_config());
+    shardtorch::parallelize(*model, (*mesh)["tp"], plan);
+    pipe = std::make_unique<shardtorch::Pipeline>(
+        gpt::pipeline_layers(model), mesh,
+        shardtorch::PipelineOptions().microbatches(2).shard(shardtorch::ShardOptions().strategy(strategy)));
+    opt = shardtorch::AdamW(pipe->module(), adamw());
+  }
+  // This stage's parameters, whole, are `saved`'s (the tied head the token
+  // embedding's, saved once), bitwise.
+  void require_saved(const std::map<std::string, torch::Tensor>& saved, const std::string& what) {
+    const auto got = whole(testref::full_parameters(pipe->module()), own_params(pipe->module()), *(*mesh)["tp"]);
+    require(!got.empty(), what + ": no parameters on this stage");
+    for (const auto& [n, t] : got) {
+      const std::string name = n == "head.weight" ? "tok_emb.weight" : n;
+      require(saved.count(name) && torch::equal(t, saved.at(name)), what + ": '" + n + "' differs");
+    }
+  }
+};
+
 // The saver's full state dict, written once for the suite.
 class TpFullStateDict : public ::testing::Test {
  protected:
@@ -186,13 +216,9 @@ TEST_F(TpFullStateDict, ARoundTripThroughAnotherLayoutSavesTheSameTensors) {
 // every rank of pp 2 x dp 1 x tp 2 taking part.
 TEST_F(TpFullStateDict, PipelineStagesOfTheSplitModelLoadAndSaveTheSameTensors) {
   auto r = run_ranks(4, [&](World& w) {
-    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}, {"dp", 1}, {"tp", 2}});
-    torch::manual_seed(0);
-    gpt::GPT model(tp_config());
-    shardtorch::parallelize(*model, (*mesh)["tp"], gpt::tp_plan(tp_config(), /*sequence_parallel=*/true));
-    shardtorch::Pipeline pipe(gpt::pipeline_layers(model), mesh, shardtorch::PipelineOptions().microbatches(2));
-    shardtorch::load_full_state_dict(pipe, path());
-    shardtorch::save_full_state_dict(pipe, *dir_ / "pipeline.safetensors");
+    TpPiped p(w, gpt::tp_plan(tp_config(), /*sequence_parallel=*/true));
+    shardtorch::load_full_state_dict(*p.pipe, path());
+    shardtorch::save_full_state_dict(*p.pipe, *dir_ / "pipeline.safetensors");
   });
   ASSERT_TRUE(r.ok) << r.summary();
   const auto saved = file_tensors(path()), again = file_tensors(*dir_ / "pipeline.safetensors");
@@ -225,31 +251,41 @@ void require_same(const std::map<std::string, torch::Tensor>& got, const std::ma
   require_bitwise(got, want, what);
 }
 
-// The saver's sharded checkpoint (with AdamW's state) after kSteps, its
-// parameters whole then, and after one more step.
-class TpShardedCheckpoint : public ::testing::Test {
+// The saver's sharded checkpoint (with user state) and DCP checkpoint, both
+// with AdamW's state, after kSteps; its parameters whole then, and after one
+// more step. Written once, by the first suite that reads them.
+class TpSaved : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new TempDir("shardtorch-tp-sharded");
-    auto r = run_ranks(4, [&](World& w) {
-      Built b = build(w, kSaver);
-      auto opt = shardtorch::AdamW(*b.model, adamw());
-      train(b, *opt, kSaver);
-      shardtorch::save_sharded_checkpoint(*b.model, opt.get(), ckpt(), kSteps, {{"data", "tp"}});
-      const auto saved = whole_params(b);
-      one_step(b, *opt, kSaver);
-      const auto after = whole_params(b);
-      if (w.rank() == 0) save_tensors(saved_path(), saved), save_tensors(after_path(), after);
-    });
-    ASSERT_TRUE(r.ok) << r.summary();
+    if (!dir_) {
+      dir_ = std::make_unique<TempDir>("shardtorch-tp-saved");
+      auto r = run_ranks(4, [&](World& w) {
+        Built b = build(w, kSaver);
+        auto opt = shardtorch::AdamW(*b.model, adamw());
+        train(b, *opt, kSaver);
+        shardtorch::save_sharded_checkpoint(*b.model, opt.get(), ckpt(), kSteps, {{"data", "tp"}});
+        const auto report = shardtorch::save_dcp_checkpoint(*b.model, opt.get(), dcp());
+        require(report.files.size() == 4, std::to_string(report.files.size()) + " data files, not one per rank");
+        const auto saved = whole_params(b);
+        one_step(b, *opt, kSaver);
+        const auto after = whole_params(b);
+        if (w.rank() == 0) save_tensors(saved_path(), saved), save_tensors(after_path(), after);
+      });
+      if (!r.ok) error_ = r.summary();
+    }
+    ASSERT_EQ(error_, "") << "the saver's run";
   }
-  static void TearDownTestSuite() { delete dir_; }
   static std::string ckpt() { return *dir_ / "ckpt"; }
+  static std::string dcp() { return *dir_ / "dcp"; }
   static std::string saved_path() { return *dir_ / "saved.safetensors"; }
   static std::string after_path() { return *dir_ / "after.safetensors"; }
-  static TempDir* dir_;
+  static std::unique_ptr<TempDir> dir_;
+  static std::string error_;
 };
-TempDir* TpShardedCheckpoint::dir_ = nullptr;
+std::unique_ptr<TempDir> TpSaved::dir_;
+std::string TpSaved::error_;
+
+class TpShardedCheckpoint : public TpSaved {};
 
 // The index records the unsplit model's shapes, and its entries are ranges
 // of the whole tensors: read back, the parameters are the saver's, whole.
@@ -324,23 +360,10 @@ TEST_F(TpShardedCheckpoint, LoadsIntoTensorParallelPipelineStagesAndSavesTheSame
   const auto all = shardtorch::read_sharded_checkpoint(ckpt());
   const std::string again = *dir_ / "again-pipeline";
   auto r = run_ranks(4, [&](World& w) {
-    auto mesh = DeviceMesh::create(w.shared_from_this(), {{"pp", 2}, {"dp", 1}, {"tp", 2}});
-    auto tp = (*mesh)["tp"];
-    torch::manual_seed(0);
-    gpt::GPT model(tp_config());
-    shardtorch::parallelize(*model, tp, gpt::tp_plan(tp_config()));
-    shardtorch::Pipeline pipe(
-        gpt::pipeline_layers(model), mesh,
-        shardtorch::PipelineOptions().microbatches(2).shard(shardtorch::ShardOptions().strategy(Strategy::FullShard)));
-    auto opt = shardtorch::AdamW(pipe.module(), adamw());
-    shardtorch::load_sharded_checkpoint(pipe, opt.get(), ckpt());
-    const auto got = whole(testref::full_parameters(pipe.module()), own_params(pipe.module()), *tp);
-    require(!got.empty(), "no parameters on this stage");
-    for (const auto& [n, t] : got) {
-      const std::string name = n == "head.weight" ? "tok_emb.weight" : n;  // the tied head, saved once
-      require(saved.count(name) && torch::equal(t, saved.at(name)), "pp 2 x tp 2: '" + n + "' differs");
-    }
-    shardtorch::save_sharded_checkpoint(pipe, opt.get(), again, kSteps);
+    TpPiped p(w, gpt::tp_plan(tp_config()));
+    shardtorch::load_sharded_checkpoint(*p.pipe, p.opt.get(), ckpt());
+    p.require_saved(saved, "pp 2 x tp 2");
+    shardtorch::save_sharded_checkpoint(*p.pipe, p.opt.get(), again, kSteps);
   });
   ASSERT_TRUE(r.ok) << r.summary();
   auto rr = run_ranks(1, [&](World&) { require_same(shardtorch::read_sharded_checkpoint(again), all, "pp 2 x tp 2"); });
@@ -475,38 +498,171 @@ TEST(TpHfInterop, DISABLED_LoadsWhatPythonWrote) {
   }
 }
 
-// DCP checkpoints refuse a tensor-parallel model on every rank, saving
-// nothing and changing nothing.
-TEST(TpDcp, RefusesATensorParallelModelOnEveryRank) {
-  TempDir dir("shardtorch-tp-dcp");
-  const std::string unsplit = dir / "unsplit", refused = dir / "refused";
-  auto r = run_ranks(1, [&](World& w) {
-    Built b = build(w, Layout{1, 1, Strategy::NoShard, false});
-    shardtorch::save_dcp_checkpoint(*b.model, unsplit);
+// The saver's DCP checkpoint, read against its sharded one (TpSaved).
+class TpDcpCheckpoint : public TpSaved {};
+
+// Loaded at the saver's layout, training goes on as if never stopped.
+TEST_F(TpDcpCheckpoint, ResumesBitwiseAtTheSameLayout) {
+  const auto saved = file_tensors(saved_path()), after = file_tensors(after_path());
+  auto r = run_ranks(4, [&](World& w) {
+    Built b = build(w, kSaver);
+    auto opt = shardtorch::AdamW(*b.model, adamw());
+    const auto report = shardtorch::load_dcp_checkpoint(*b.model, opt.get(), dcp());
+    require(report.unexpected.empty() && report.missing.empty(), "names the model does not match");
+    require_bitwise(whole_params(b), saved, "the parameters loaded");
+    one_step(b, *opt, kSaver);
+    require_bitwise(whole_params(b), after, "one step after the load");
+  });
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// The metadata holds the unsplit shapes, and a split weight as a few boxes
+// of the whole tensor: the row-wise split proj.weight (split by columns) is
+// each tp rank's columns of the rows its shards hold, not one chunk per row.
+TEST_F(TpDcpCheckpoint, HoldsTheUnsplitShapesAndASplitWeightInAFewChunks) {
+  torch::manual_seed(0);
+  gpt::GPT ref(tp_config());
+  std::map<std::string, shardtorch::checkpoint::DcpEntryInfo> entries;
+  for (const auto& e : shardtorch::checkpoint::DcpReader(dcp()).entries()) entries[e.name] = e;
+  for (const auto& item : ref->named_parameters()) {
+    ASSERT_TRUE(entries.count("model." + item.key())) << item.key();
+    EXPECT_EQ(entries.at("model." + item.key()).shape, item.value().sizes().vec()) << item.key();
+  }
+  for (const std::string kind : {"model.", "optim.state."}) {
+    const std::string name = kind + "blocks.0.proj.weight" + (kind == "model." ? "" : ".exp_avg");
+    ASSERT_TRUE(entries.count(name)) << name;
+    EXPECT_GE(entries.at(name).chunks, 2) << name;
+    EXPECT_LE(entries.at(name).chunks, 4) << name;  // tp 2, each rank's columns of at most 2 row ranges
+  }
+}
+
+// Every layout, the unsplit model among them, loads the parameters and
+// AdamW's state bitwise: its sharded checkpoint then holds what the saver's
+// did. The unsplit model's own DCP checkpoint (each tensor in the row blocks
+// of its shards) loads back into the split model the same.
+TEST_F(TpDcpCheckpoint, LoadsBitwiseAtOtherLayoutsAndIntoTheUnsplitModelAndBack) {
+  const auto saved = file_tensors(saved_path());
+  const auto all = shardtorch::read_sharded_checkpoint(ckpt());
+  const std::string unsplit_dcp = *dir_ / "unsplit-dcp";
+  struct Case {
+    Layout l;
+    std::string from;
+  };
+  int k = 0;
+  for (const Case& c : {Case{{1, 4, Strategy::FullShard}, dcp()}, Case{{4, 1, Strategy::NoShard}, dcp()},
+                        Case{{1, 2, Strategy::FullShard, false}, dcp()},
+                        Case{{2, 2, Strategy::ShardGradOp, true, true}, unsplit_dcp}}) {
+    const std::string what = describe(c.l) + (c.from == dcp() ? "" : " from the unsplit model's DCP checkpoint");
+    const std::string again = *dir_ / ("dcp-again-" + std::to_string(k++));
+    auto r = run_ranks(c.l.tp * c.l.dp, [&](World& w) {
+      Built b = build(w, c.l);
+      auto opt = shardtorch::AdamW(*b.model, adamw());
+      shardtorch::load_dcp_checkpoint(*b.model, opt.get(), c.from);
+      require_bitwise(whole_params(b), saved, what);
+      shardtorch::save_sharded_checkpoint(*b.model, opt.get(), again, kSteps);
+      if (!c.l.split) shardtorch::save_dcp_checkpoint(*b.model, opt.get(), unsplit_dcp);
+    });
+    ASSERT_TRUE(r.ok) << what << ": " << r.summary();
+    auto rr = run_ranks(1, [&](World&) { require_same(shardtorch::read_sharded_checkpoint(again), all, what); });
+    EXPECT_TRUE(rr.ok) << what << ": " << rr.summary();
+  }
+}
+
+// 3-D: pipeline stages split over tp (pp 2 x dp 1 x tp 2) load it, each
+// stage its parameters and AdamW's state, and save a DCP checkpoint that
+// every layout reads as the saver's.
+TEST_F(TpDcpCheckpoint, LoadsIntoTensorParallelPipelineStagesAndSavesTheSameAgain) {
+  const auto saved = file_tensors(saved_path());
+  const auto all = shardtorch::read_sharded_checkpoint(ckpt());
+  const std::string pipeline_dcp = *dir_ / "pipeline-dcp", again = *dir_ / "again-from-pipeline";
+  auto r = run_ranks(4, [&](World& w) {
+    TpPiped p(w, gpt::tp_plan(tp_config()));
+    const auto report = shardtorch::load_dcp_checkpoint(*p.pipe, p.opt.get(), dcp());
+    require(report.unexpected.empty(), "a stage found the other stage's names unexpected");
+    p.require_saved(saved, "pp 2 x tp 2");
+    shardtorch::save_dcp_checkpoint(*p.pipe, p.opt.get(), pipeline_dcp);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  r = run_ranks(2, [&](World& w) {
+    Built b = build(w, Layout{1, 2, Strategy::FullShard, false});
+    auto opt = shardtorch::AdamW(*b.model, adamw());
+    shardtorch::load_dcp_checkpoint(*b.model, opt.get(), pipeline_dcp);
+    require_bitwise(whole_params(b), saved, "the unsplit model from the pipeline's DCP checkpoint");
+    shardtorch::save_sharded_checkpoint(*b.model, opt.get(), again, kSteps);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto rr = run_ranks(1, [&](World&) { require_same(shardtorch::read_sharded_checkpoint(again), all, "pp 2 x tp 2"); });
+  EXPECT_TRUE(rr.ok) << rr.summary();
+}
+
+// A pipeline whose second stage has no split parameter (only the first
+// block's MLP is split over tp): that stage's tensors are whole on both tp
+// ranks and saved once, at tp rank 0, in DCP and sharded checkpoints alike;
+// both read back as the saver's.
+TEST_F(TpDcpCheckpoint, AStageWithoutASplitParameterIsSavedOnce) {
+  const auto saved = file_tensors(saved_path());
+  const auto all = shardtorch::read_sharded_checkpoint(ckpt());
+  const std::string pipeline_dcp = *dir_ / "partly-split-dcp", pipeline_sharded = *dir_ / "partly-split-sharded",
+                    again = *dir_ / "again-from-partly-split";
+  auto r = run_ranks(4, [&](World& w) {
+    TpPiped p(w,
+              shardtorch::TpPlan()
+                  .add("blocks.0.fc1", shardtorch::TpStyle::colwise())
+                  .add("blocks.0.fc2", shardtorch::TpStyle::rowwise()),
+              Strategy::NoShard);
+    shardtorch::load_dcp_checkpoint(*p.pipe, p.opt.get(), dcp());
+    shardtorch::save_dcp_checkpoint(*p.pipe, p.opt.get(), pipeline_dcp);
+    shardtorch::save_sharded_checkpoint(*p.pipe, p.opt.get(), pipeline_sharded, kSteps);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto rr = run_ranks(1, [&](World&) {
+    require_same(shardtorch::read_sharded_checkpoint(pipeline_sharded), all, "the partly split pipeline's");
+  });
+  EXPECT_TRUE(rr.ok) << rr.summary();
+  r = run_ranks(2, [&](World& w) {
+    Built b = build(w, Layout{1, 2, Strategy::FullShard, false});
+    auto opt = shardtorch::AdamW(*b.model, adamw());
+    shardtorch::load_dcp_checkpoint(*b.model, opt.get(), pipeline_dcp);
+    require_bitwise(whole_params(b), saved, "the unsplit model from the partly split pipeline's DCP checkpoint");
+    shardtorch::save_sharded_checkpoint(*b.model, opt.get(), again, kSteps);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  rr = run_ranks(1, [&](World&) {
+    require_same(shardtorch::read_sharded_checkpoint(again), all, "the partly split pipeline's DCP checkpoint");
+  });
+  EXPECT_TRUE(rr.ok) << rr.summary();
+}
+
+// Interop: PyTorch reads the split model's DCP checkpoint as the unsplit
+// model's. Run by the ctest interop.tp_dcp_read_by_torch, which sets
+// SHARDTORCH_TP_DCP_DIR and then compares, with PyTorch's
+// dcp_to_torch_save, what this writes there: "tp" (tp 2 x dp 2), "unsplit"
+// (the unsplit model at 2 ranks, loaded from it) and "pipeline" (pp 2 x dp 1
+// x tp 2, loaded from it).
+TEST(TpDcpInterop, DISABLED_WritesTheSameCheckpointAtThreeLayouts) {
+  const char* dir_env = std::getenv("SHARDTORCH_TP_DCP_DIR");
+  ASSERT_NE(dir_env, nullptr) << "set SHARDTORCH_TP_DCP_DIR";
+  const std::string dir = dir_env;
+  auto r = run_ranks(4, [&](World& w) {
+    Built b = build(w, kSaver);
+    auto opt = shardtorch::AdamW(*b.model, adamw());
+    train(b, *opt, kSaver);
+    shardtorch::save_dcp_checkpoint(*b.model, opt.get(), dir + "/tp");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  r = run_ranks(2, [&](World& w) {
+    Built b = build(w, Layout{1, 2, Strategy::FullShard, false});
+    auto opt = shardtorch::AdamW(*b.model, adamw());
+    shardtorch::load_dcp_checkpoint(*b.model, opt.get(), dir + "/tp");
+    shardtorch::save_dcp_checkpoint(*b.model, opt.get(), dir + "/unsplit");
   });
   ASSERT_TRUE(r.ok) << r.summary();
   r = run_ranks(4, [&](World& w) {
-    Built b = build(w, kSaver);
-    auto opt = shardtorch::AdamW(*b.model, adamw());
-    const auto before = whole_params(b);
-    auto refuses = [&](const char* who, const std::function<void()>& call) {
-      try {
-        call();
-      } catch (const std::exception& e) {
-        const std::string m = e.what();
-        for (const std::string part : {"rank " + std::to_string(w.rank()), std::string("shardtorch::") + who,
-                                       std::string("tensor-parallel slice"), std::string("save_sharded_checkpoint")})
-          require(m.find(part) != std::string::npos, std::string(who) + ": no '" + part + "' in: " + m);
-        return;
-      }
-      require(false, std::string(who) + " did not refuse");
-    };
-    refuses("save_dcp_checkpoint", [&] { shardtorch::save_dcp_checkpoint(*b.model, opt.get(), refused); });
-    refuses("load_dcp_checkpoint", [&] { shardtorch::load_dcp_checkpoint(*b.model, opt.get(), unsplit); });
-    require(!files::exists(refused), "the refused save wrote '" + refused + "'");
-    require_same(whole_params(b), before, "the parameters after the refused load");
+    TpPiped p(w, gpt::tp_plan(tp_config(), /*sequence_parallel=*/true));
+    shardtorch::load_dcp_checkpoint(*p.pipe, p.opt.get(), dir + "/tp");
+    shardtorch::save_dcp_checkpoint(*p.pipe, p.opt.get(), dir + "/pipeline");
   });
-  EXPECT_TRUE(r.ok) << r.summary();
+  ASSERT_TRUE(r.ok) << r.summary();
 }
 
 // In-memory snapshots of a split model, taken over the mesh's World (every

@@ -1,10 +1,12 @@
 #pragma once
-// Checkpoints of a pipelined model (shardtorch/pipeline.h) in the three
-// formats of shardtorch/checkpoint.h and shardtorch/hf_checkpoint.h, with the
+// Checkpoints of a pipelined model (shardtorch/pipeline.h) in the formats of
+// shardtorch/checkpoint.h, shardtorch/hf_checkpoint.h and
+// shardtorch/dcp_checkpoint.h, with the
 // unsplit model's names: a checkpoint saved at one layout (pipeline ranks x
 // data-parallel ranks, chunks, split, strategy) loads at any other, into the
 // unsplit model (sharded, or not at all for the full state dict and Hugging
-// Face layouts), and the unsplit model's loads into a pipeline.
+// Face layouts) or into PyTorch (DCP), and the unsplit model's loads into a
+// pipeline.
 //
 //   shardtorch::save_sharded_checkpoint(pipe, opt.get(), "ck", step);  // every rank of the mesh
 //   step = shardtorch::load_sharded_checkpoint(pipe, opt.get(), "ck");
@@ -23,6 +25,7 @@
 #include <string>
 
 #include "shardtorch/checkpoint.h"
+#include "shardtorch/dcp_checkpoint.h"
 #include "shardtorch/export.h"
 #include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/optim.h"
@@ -65,5 +68,21 @@ SHARDTORCH_API HfSaveReport save_hf_checkpoint(Pipeline& pipe, const std::string
 /// the whole model's; each rank reads only what its stages hold.
 SHARDTORCH_API HfLoadReport load_hf_checkpoint(Pipeline& pipe, const std::string& path,
                                                const HfLoadOptions& options = {});
+
+/// A PyTorch distributed checkpoint of the whole model, as
+/// save_dcp_checkpoint writes the unsplit model's: every rank R of the mesh
+/// writes the pieces of its stages' parameters (and their optimizer state)
+/// it owns into DIR/__R_0.distcp, rank 0 the metadata; a tied parameter is
+/// saved under each of its names, its optimizer state under its first.
+/// PyTorch's dcp.load reads it into the unsplit model. `optimizer`: over
+/// pipe.module(), or null.
+SHARDTORCH_API DcpSaveReport save_dcp_checkpoint(Pipeline& pipe, ShardedOptimizer* optimizer, const std::string& dir,
+                                                 const DcpSaveOptions& options = {});
+/// Any DCP checkpoint of the same model (PyTorch's, the unsplit model's, a
+/// pipeline's at any layout); names are matched against the whole model's
+/// (a name no stage holds is unexpected), each rank reading only the chunks
+/// its stages' shards overlap.
+SHARDTORCH_API DcpLoadReport load_dcp_checkpoint(Pipeline& pipe, ShardedOptimizer* optimizer, const std::string& dir,
+                                                 const DcpLoadOptions& options = {});
 
 }  // namespace shardtorch

@@ -12,10 +12,11 @@
 #include "base/text.h"
 #include "checkpoint/agreement.h"
 #include "checkpoint/dcp_source.h"
-#include "checkpoint/dcp_tensor_parallel.h"
+#include "checkpoint/dcp_stage.h"
 #include "checkpoint/model_load.h"
 #include "checkpoint/model_part.h"
 #include "checkpoint/name_mapping.h"
+#include "checkpoint/tp_slices.h"
 #include "optim/optimizer_state.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/checkpoint/safetensors.h"
@@ -185,6 +186,20 @@ int64_t read_step(dcp::Source& src, const dcp::Entry& e, const std::string& wher
   return static_cast<int64_t>(v);
 }
 
+// A plan of `param`'s elements [begin, begin + length) (its own, flattened)
+// from `e`: from the whole tensor's runs when parallelize() split it.
+dcp::Source::Fill plan_of(dcp::Source& src, const dcp::Entry& e, const at::Tensor& param, int64_t begin,
+                          int64_t length) {
+  if (!detail::placement_of(param)) return src.plan(e, begin, length);
+  dcp::Source::Fill out;
+  for (const auto& r : checkpoint::saved_runs(param, begin, length))
+    for (auto c : src.plan(e, r.whole, r.length).copies) {
+      c.to += r.local - begin;
+      out.copies.push_back(c);
+    }
+  return out;
+}
+
 // The check phase of one load_dcp_checkpoint on this rank: the checkpoint's
 // keys sorted by what they are to the model, then every parameter, buffer
 // and optimizer state this rank holds checked and its copy planned
@@ -192,8 +207,8 @@ int64_t read_step(dcp::Source& src, const dcp::Entry& e, const std::string& wher
 class DcpLoad {
  public:
   DcpLoad(torch::nn::Module& root, ShardedOptimizer* opt, const DcpLoadOptions& options, checkpoint::LoadRun& run,
-          DcpLoadReport& report)
-      : root_(root), opt_(opt), options_(options), run_(run), state_(*run.state), report_(report) {}
+          DcpLoadReport& report, const checkpoint::ModelPart* part)
+      : root_(root), opt_(opt), options_(options), run_(run), state_(*run.state), report_(report), part_(part) {}
 
   void open(const std::string& dir);
   void plan_parameters();
@@ -217,15 +232,17 @@ class DcpLoad {
   checkpoint::LoadRun& run_;
   detail::ShardState& state_;
   DcpLoadReport& report_;
+  const checkpoint::ModelPart* part_;  // this rank's part of the model, or null: the whole
   std::unique_ptr<dcp::Source> src_;
   std::string where_;  // starts every error
   Keys keys_;
   checkpoint::ParameterNames names_;
   // plan_optimizer's: the optimizer's kind, the parameters in an amsgrad
-  // group, each parameter's shape, and every name of each parameter.
+  // group, each parameter (as the checkpoint holds it: its shape) and every
+  // name of each parameter.
   detail::OptimizerKind kind_{};
   std::set<const void*> amsgrad_;
-  std::map<std::string, std::vector<int64_t>> param_shapes_;
+  std::map<std::string, at::Tensor> params_;
   std::map<std::string, const std::vector<std::string>*> all_names_;
 };
 
@@ -233,20 +250,22 @@ void DcpLoad::open(const std::string& dir) {
   src_ = std::make_unique<dcp::Source>(dir);
   run_.fingerprint = src_->fingerprint();
   where_ = "DCP checkpoint '" + src_->dir() + "'";
-  names_ = detail::parameter_names(root_);
-  // A pipeline stage's tied parameter goes by its names on every stage, in
-  // stage order, so that each stage reads what the first name holds (the
-  // unsplit model's checkpoint may hold its optimizer state under that name
-  // alone), then by any other names it has here.
-  std::set<std::string> model_names = checkpoint::model_names(root_, nullptr);
-  for (const auto& [impl, all] : state_.stage().tied_names) {
-    auto& ns = names_[impl];
-    std::vector<std::string> ordered = all;
-    for (const auto& n : ns)
-      if (std::find(ordered.begin(), ordered.end(), n) == ordered.end()) ordered.push_back(n);
-    ns = std::move(ordered);
-    model_names.insert(all.begin(), all.end());
-  }
+  names_ = checkpoint::parameter_names(root_, part_);
+  std::set<std::string> model_names = checkpoint::model_names(root_, part_);
+  // A pipeline stage loaded by itself (ignore_unexpected): its tied
+  // parameter goes by its names on every stage, in stage order, so that each
+  // stage reads what the first name holds (the unsplit model's checkpoint
+  // may hold its optimizer state under that name alone), then by any other
+  // names it has here.
+  if (!part_)
+    for (const auto& [impl, all] : state_.stage().tied_names) {
+      auto& ns = names_[impl];
+      std::vector<std::string> ordered = all;
+      for (const auto& n : ns)
+        if (std::find(ordered.begin(), ordered.end(), n) == ordered.end()) ordered.push_back(n);
+      ns = std::move(ordered);
+      model_names.insert(all.begin(), all.end());
+    }
   keys_ = sort_keys(src_->metadata(), model_names, options_, opt_ != nullptr, report_, where_);
 }
 
@@ -313,12 +332,13 @@ void DcpLoad::plan_replicated() {
       continue;
     }
     const at::Tensor record = state_.path().record_of(p);
-    check(*e, n, p.sizes(), record.scalar_type(), "parameter");
-    run_.changes.push_back([state = run_.state, s, p, record, fill = s->plan(*e, 0, p.numel()), report = &report_] {
-      at::Tensor t = at::empty({p.numel()}, record.options());
-      report->bytes_read += dcp::Source::run(fill, t);
-      state->path().load_record(p, t.view(p.sizes()));
-    });
+    check(*e, n, checkpoint::saved_shape(p), record.scalar_type(), "parameter");
+    run_.changes.push_back(
+        [state = run_.state, s, p, record, fill = plan_of(*s, *e, p, 0, p.numel()), report = &report_] {
+          at::Tensor t = at::empty({p.numel()}, record.options());
+          report->bytes_read += dcp::Source::run(fill, t);
+          state->path().load_record(p, t.view(p.sizes()));
+        });
   }
 }
 
@@ -333,10 +353,10 @@ void DcpLoad::plan_piece(FlatParam& f, size_t i, int rank, bool checks_empty) {
   }
   auto piece = f.layout().piece(i, rank);
   if (!piece && !(f.layout().numel(i) == 0 && checks_empty)) return;
-  check(*e, n, f.layout().shape(i), f.dtype(), "parameter");
+  check(*e, n, checkpoint::saved_shape(p), f.dtype(), "parameter");
   if (!piece || piece->length == 0) return;
   at::Tensor dst = f.shard().narrow(0, piece->shard_offset, piece->length);
-  run_.changes.push_back([dst, fill = src_->plan(*e, piece->param_offset, piece->length), report = &report_] {
+  run_.changes.push_back([dst, fill = plan_of(*src_, *e, p, piece->param_offset, piece->length), report = &report_] {
     report->bytes_read += dcp::Source::run(fill, dst);
   });
 }
@@ -381,16 +401,16 @@ void DcpLoad::plan_optimizer() {
                            "alone (the optimizer then starts fresh), or a checkpoint saved with the optimizer");
   }
   amsgrad_ = detail::amsgrad_params(*opt_);
-  for (const auto& item : root_.named_parameters()) param_shapes_[item.key()] = item.value().sizes().vec();
+  for (const auto& item : root_.named_parameters()) params_.emplace(item.key(), item.value());
   // Every name of each parameter (a tied one has several, a stage's tied one
   // those of the other stages too): its state may be under any.
   for (const auto& [impl, ns] : names_) {
-    auto shape = param_shapes_.end();  // under a name this module gives it (a stage's tie: not the first)
+    auto param = params_.end();  // under a name this module gives it (a stage's tie: not the first)
     for (const auto& n : ns)
-      if (shape == param_shapes_.end()) shape = param_shapes_.find(n);
+      if (param == params_.end()) param = params_.find(n);
     for (const auto& n : ns) {
       all_names_[n] = &ns;
-      if (shape != param_shapes_.end()) param_shapes_.emplace(n, shape->second);
+      if (param != params_.end()) params_.emplace(n, param->second);
     }
   }
   for (const auto& piece : opt_->views().pieces()) plan_optimizer_piece(piece);
@@ -425,8 +445,9 @@ void DcpLoad::plan_optimizer_piece(const detail::ShardViews::Piece& piece) {
                              (k == "max_exp_avg_sq" ? " (the parameter is in a group with amsgrad; the "
                                                       "checkpoint's optimizer had none)"
                                                     : ""));
-    check(*it->second, held, param_shapes_.at(held), piece.view.scalar_type(), "optimizer state");
-    fills.push_back(src_->plan(*it->second, piece.param_offset, piece.length));
+    const at::Tensor& param = params_.at(held);
+    check(*it->second, held, checkpoint::saved_shape(param), piece.view.scalar_type(), "optimizer state");
+    fills.push_back(plan_of(*src_, *it->second, param, piece.param_offset, piece.length));
   }
   int64_t step = 0;
   if (adam) {
@@ -455,14 +476,15 @@ void DcpLoad::report_files() {
 
 }  // namespace
 
-DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
-                                  const DcpLoadOptions& options) {
-  const auto state = detail::require_state(root, "load_dcp_checkpoint");
-  checkpoint::dcp::refuse_tensor_parallel(root, state->world().global_rank(), "load_dcp_checkpoint");
-  checkpoint::dcp::refuse_pipeline_stage(*state, options.ignore_unexpected(), "load_dcp_checkpoint");
-  checkpoint::LoadRun run(root, "load_dcp_checkpoint", dir, options.progress(), nullptr);
+namespace {
+
+// load_dcp_checkpoint, of the whole model or (`part`) of one part of it:
+// collective over part->world.
+DcpLoadReport load_dcp(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
+                       const DcpLoadOptions& options, const checkpoint::ModelPart* part) {
+  checkpoint::LoadRun run(root, "load_dcp_checkpoint", dir, options.progress(), part ? part->world.get() : nullptr);
   DcpLoadReport report;
-  DcpLoad load(root, opt, options, run, report);  // holds the source the changes read from
+  DcpLoad load(root, opt, options, run, report, part);  // holds the source the changes read from
   try {
     run.state->summons().check_outside();
     load.open(dir);
@@ -476,6 +498,22 @@ DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
   if (opt) opt->views().count_optimizer_state(opt->inner());
   load.report_files();
   return report;
+}
+
+}  // namespace
+
+DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
+                                  const DcpLoadOptions& options) {
+  const auto state = detail::require_state(root, "load_dcp_checkpoint");
+  checkpoint::dcp::refuse_pipeline_stage(*state, options.ignore_unexpected(), "load_dcp_checkpoint");
+  const auto part = checkpoint::tensor_parallel_part(root, *state, "load_dcp_checkpoint");
+  return load_dcp(root, opt, dir, options, part ? &*part : nullptr);
+}
+
+DcpLoadReport checkpoint::load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
+                                              const DcpLoadOptions& options, const ModelPart& part) {
+  detail::require_state(root, "load_dcp_checkpoint");
+  return load_dcp(root, opt, dir, options, &part);
 }
 
 }  // namespace shardtorch

@@ -19,10 +19,12 @@
 #include "checkpoint/agreement.h"
 #include "checkpoint/dcp_items.h"
 #include "checkpoint/dcp_source.h"
-#include "checkpoint/dcp_tensor_parallel.h"
+#include "checkpoint/dcp_stage.h"
+#include "checkpoint/model_part.h"
 #include "checkpoint/pickle_reader.h"
 #include "checkpoint/publish.h"
 #include "checkpoint/tied_names.h"
+#include "checkpoint/tp_slices.h"
 #include "optim/optimizer_state.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/dcp_checkpoint.h"
@@ -60,6 +62,41 @@ void add_boxes(std::vector<Item>& out, const std::string& key, const std::vector
   for (const auto& b : dcp::boxes_of_range(shape, begin, begin + flat.numel()))
     out.push_back({key, dcp::torch_name_of(flat.scalar_type()), shape, b.offsets, b.sizes,
                    flat.narrow(0, b.begin - begin, b.numel).contiguous().view(b.sizes), ""});
+}
+
+// The boxes of `param`'s elements [begin, begin + values.numel()) (its own,
+// flattened) in the tensor a checkpoint holds: the whole one when
+// parallelize() split it. A box of the slice is, in the whole tensor, one
+// box per block of the split dimension it spans (a slice's rows of a block
+// are consecutive there). A split tensor without elements is written by its
+// tp rank 0 alone.
+void add_param_boxes(std::vector<Item>& out, const std::string& key, const at::Tensor& param, int64_t begin,
+                     const at::Tensor& values) {
+  const auto p = detail::placement_of(param);
+  const at::Tensor flat = values.reshape({-1});
+  if (!p) {
+    add_boxes(out, key, param.sizes().vec(), begin, flat);
+    return;
+  }
+  if (c10::multiply_integers(p->full_shape) == 0) {
+    if (p->rank == 0) add_boxes(out, key, p->full_shape, 0, flat);
+    return;
+  }
+  const detail::Blocks b = detail::blocks_of(*p);
+  const auto d = static_cast<size_t>(p->dim);
+  const std::string dtype = dcp::torch_name_of(flat.scalar_type());
+  for (const auto& box : dcp::boxes_of_range(param.sizes().vec(), begin, begin + flat.numel())) {
+    const at::Tensor v = flat.narrow(0, box.begin - begin, box.numel).view(box.sizes);
+    for (int64_t x = box.offsets[d], end = x + box.sizes[d]; x < end;) {
+      const int64_t within = x % b.count, n = std::min(b.count - within, end - x);
+      std::vector<int64_t> offsets = box.offsets, sizes = box.sizes;
+      offsets[d] = x / b.count * b.block + b.start + within;
+      sizes[d] = n;
+      out.push_back({key, dtype, p->full_shape, offsets, sizes,
+                     v.narrow(static_cast<int64_t>(d), x - box.offsets[d], n).contiguous(), ""});
+      x += n;
+    }
+  }
 }
 
 std::string pickle_float(double v) { return pickle::Writer().real(v).finish(); }
@@ -112,10 +149,12 @@ struct Collected {
   std::map<size_t, std::set<std::string>> groups;
 };
 
-// A parameter range this rank holds: its names, shape, first element, values.
+// A parameter range this rank holds: its names (every one it is saved
+// under), the parameter (its name here), first element, values.
 struct Range {
   const std::vector<std::string>* names;
-  std::vector<int64_t> shape;
+  std::string local;
+  at::Tensor param;
   int64_t begin;
   at::Tensor values;
 };
@@ -127,14 +166,17 @@ struct HeldRanges {
   int writers = 1, me = 0;
 };
 
-HeldRanges held_ranges(torch::nn::Module& root, detail::ShardState& state, checkpoint::ParameterNames& names) {
+// `part`: a range another part saves is left out.
+HeldRanges held_ranges(torch::nn::Module& root, detail::ShardState& state, checkpoint::ParameterNames& names,
+                       const checkpoint::ModelPart* part) {
   HeldRanges h;
+  auto mine = [&](const std::string& local) { return !part || !part->saved_by_another_part(local); };
   if (state.path().replicated()) {
     std::set<const void*> seen;
     for (const auto& item : root.named_parameters()) {
       const at::Tensor& p = item.value();
-      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
-      h.ranges.push_back({&names[p.unsafeGetTensorImpl()], p.sizes().vec(), 0, state.path().record_of(p).detach()});
+      if (!seen.insert(p.unsafeGetTensorImpl()).second || !mine(item.key())) continue;
+      h.ranges.push_back({&names[p.unsafeGetTensorImpl()], item.key(), p, 0, state.path().record_of(p).detach()});
     }
     h.writers = state.world().size();
     h.me = state.world().rank();
@@ -143,13 +185,15 @@ HeldRanges held_ranges(torch::nn::Module& root, detail::ShardState& state, check
   const int shard_rank = state.topology().shard_comm().rank();
   for (auto& u : state.units().all())
     for (auto& f : u->flats())
-      for (size_t i = 0; i < f->params().size(); ++i)
+      for (size_t i = 0; i < f->params().size(); ++i) {
+        const at::Tensor& p = f->params()[i];
+        if (!mine(f->names()[i])) continue;
         if (auto piece = f->layout().piece(i, shard_rank))
-          h.ranges.push_back({&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), piece->param_offset,
+          h.ranges.push_back({&names[p.unsafeGetTensorImpl()], f->names()[i], p, piece->param_offset,
                               f->shard().narrow(0, piece->shard_offset, piece->length)});
         else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank's piece: written once, empty
-          h.ranges.push_back(
-              {&names[f->params()[i].unsafeGetTensorImpl()], f->layout().shape(i), 0, f->shard().narrow(0, 0, 0)});
+          h.ranges.push_back({&names[p.unsafeGetTensorImpl()], f->names()[i], p, 0, f->shard().narrow(0, 0, 0)});
+      }
   if (state.topology().replica_comm()) {
     h.writers = state.topology().replica_comm()->size();
     h.me = state.topology().replica_comm()->rank();
@@ -165,8 +209,8 @@ void collect_optimizer(torch::nn::Module& root, ShardedOptimizer& opt, const che
   std::map<const void*, size_t> group_of;
   for (size_t g = 0; g < opt.inner().param_groups().size(); ++g)
     for (const auto& p : opt.inner().param_groups()[g].params()) group_of[p.unsafeGetTensorImpl()] = g;
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& item : root.named_parameters()) shapes[item.key()] = item.value().sizes().vec();
+  std::map<std::string, at::Tensor> params;  // by every name here
+  for (const auto& item : root.named_parameters()) params.emplace(item.key(), item.value());
   std::map<std::string, std::string> first_name;  // any name -> the first (the optimizer's key)
   for (const auto& [impl, ns] : names)
     for (const auto& n : ns) first_name[n] = ns.front();
@@ -176,6 +220,7 @@ void collect_optimizer(torch::nn::Module& root, ShardedOptimizer& opt, const che
     auto g = group_of.find(piece.view.unsafeGetTensorImpl());
     if (g != group_of.end()) c.groups[g->second].insert(name);
     if (!written.count({name, piece.param_offset})) continue;
+    const at::Tensor& param = params.at(piece.name);
     auto it = st.find(piece.view.unsafeGetTensorImpl());
     const torch::optim::OptimizerParamState* ps = it == st.end() ? nullptr : it->second.get();
     // A parameter not stepped yet has no state: zeros and step 0 are what
@@ -183,21 +228,25 @@ void collect_optimizer(torch::nn::Module& root, ShardedOptimizer& opt, const che
     auto tensors = ps ? detail::optimizer_state_tensors(ps) : std::vector<std::pair<std::string, at::Tensor>>{};
     const bool sgd = kind == detail::OptimizerKind::SGD;
     if (!ps && !sgd) tensors = {{"exp_avg", at::zeros_like(piece.view)}, {"exp_avg_sq", at::zeros_like(piece.view)}};
-    for (auto& [k, t] : tensors) add_boxes(c.items, op + name + "." + k, shapes.at(name), piece.param_offset, t);
+    for (auto& [k, t] : tensors) add_param_boxes(c.items, op + name + "." + k, param, piece.param_offset, t);
     if (sgd && tensors.empty()) c.items.push_back({op + name + ".momentum_buffer", "", {}, {}, {}, {}, pickle_none()});
-    if (!sgd && piece.param_offset == 0) {  // once per parameter: a 0-d float32 tensor, as torch's AdamW keeps it
+    const auto placement = detail::placement_of(param);
+    if (!sgd && piece.param_offset == 0 && (!placement || placement->rank == 0)) {
+      // Once per parameter (with its first element): a 0-d float32 tensor, as torch's AdamW keeps it.
       const double step = ps ? static_cast<double>(detail::optimizer_state_step(ps)) : 0.0;
       add_boxes(c.items, op + name + ".step", {}, 0, at::full({}, step, at::kFloat));
     }
   }
 }
 
+// `part`: this rank's part of the model; it writes what the part holds and
+// no other part saves.
 Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptimizer* opt,
-                  const DcpSaveOptions& options) {
+                  const DcpSaveOptions& options, const checkpoint::ModelPart* part) {
   Collected c;
   const std::string& mp = options.model_prefix();
-  auto names = detail::parameter_names(root);
-  const HeldRanges held = held_ranges(root, state, names);
+  auto names = checkpoint::parameter_names(root, part);
+  const HeldRanges held = held_ranges(root, state, names, part);
   std::vector<int64_t> sizes;
   for (const auto& r : held.ranges) sizes.push_back(r.values.numel());
   const std::vector<int> owner = checkpoint::spread_over_writers(sizes, held.writers);
@@ -205,19 +254,14 @@ Collected collect(torch::nn::Module& root, detail::ShardState& state, ShardedOpt
   for (size_t k = 0; k < held.ranges.size(); ++k) {
     const Range& r = held.ranges[k];
     if (owner[k] != held.me || r.names->empty()) continue;
-    for (const auto& n : *r.names) add_boxes(c.items, mp + n, r.shape, r.begin, r.values);
+    for (const auto& n : *r.names) add_param_boxes(c.items, mp + n, r.param, r.begin, r.values);
     written.insert({r.names->front(), r.begin});
   }
   if (opt) collect_optimizer(root, *opt, names, written, options.optimizer_prefix() + "state.", c);
-  if (state.world().rank() == 0) {
+  if (state.world().rank() == 0)  // the buffers, once per part (at tp rank 0)
     for (const auto& item : root.named_buffers())
-      if (item.value().defined()) add_boxes(c.items, mp + item.key(), item.value().sizes().vec(), 0, item.value());
-    if (opt)
-      for (size_t g = 0; g < opt->inner().param_groups().size(); ++g)
-        for (auto& [k, v] : group_options(opt->inner().param_groups()[g].options()))
-          c.items.push_back(
-              {options.optimizer_prefix() + "param_groups." + std::to_string(g) + "." + k, "", {}, {}, {}, {}, v});
-  }
+      if (item.value().defined() && !(part && part->left_to_tp_rank_0(item.key())))
+        add_boxes(c.items, mp + item.key(), item.value().sizes().vec(), 0, item.value());
   return c;
 }
 
@@ -244,6 +288,19 @@ std::string report_line(const Item& it, const dcp::Storage& st) {
          std::to_string(st.length) + "\n";
 }
 
+std::string hex_of(const std::string& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) out += {digits[c >> 4], digits[c & 15]};
+  return out;
+}
+
+std::string bytes_of_hex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) out += static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16));
+  return out;
+}
+
 std::vector<std::string> fields_of(const std::string& line) {
   std::vector<std::string> f;
   size_t start = 0;
@@ -262,20 +319,22 @@ std::vector<std::string> fields_of(const std::string& line) {
 class DcpSave {
  public:
   DcpSave(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir, const DcpSaveOptions& options,
-          detail::ShardState& state)
+          detail::ShardState& state, const checkpoint::ModelPart* part)
       : root_(root),
         opt_(opt),
         options_(options),
         state_(state),
-        world_(state.world()),
+        part_(part),
+        world_(part ? *part->world : state.world()),
         dir_(dir),
         what_("shardtorch::save_dcp_checkpoint '" + dir + "'"),
         tmp_(dir + checkpoint::kTmpSuffix) {}
 
   const std::string& what() const { return what_; }
+  int rank() const { return world_.rank(); }
   void stage();
   Collected collect_items(std::string& known);
-  void add_group_params(const std::vector<std::string>& all_known, std::vector<Item>& items) const;
+  void add_groups(const std::vector<std::string>& all_known, std::vector<Item>& items);
   std::string write_items(const std::vector<Item>& items);
   dcp::Metadata metadata_of(const std::vector<std::string>& reports, DcpSaveReport& out) const;
   void publish(const dcp::Metadata& md);
@@ -288,7 +347,8 @@ class DcpSave {
   ShardedOptimizer* opt_;
   const DcpSaveOptions& options_;
   detail::ShardState& state_;
-  World& world_;
+  const checkpoint::ModelPart* part_;
+  World& world_;  // every rank of every part
   const std::string dir_, what_, tmp_;
   std::string error_;  // this rank's, agreed at the next gather
 };
@@ -318,9 +378,15 @@ void DcpSave::stage() {
 Collected DcpSave::collect_items(std::string& known) {
   Collected c;
   try {
-    c = collect(root_, state_, opt_, options_);
+    c = collect(root_, state_, opt_, options_, part_);
     for (const auto& [g, ns] : c.groups)
-      for (const auto& n : ns) known += std::to_string(g) + "\t" + n + "\n";
+      for (const auto& n : ns) known += "P\t" + std::to_string(g) + "\t" + n + "\n";
+    if (opt_) {
+      auto& groups = opt_->inner().param_groups();
+      for (size_t g = 0; g < groups.size(); ++g)
+        for (const auto& [k, v] : group_options(groups[g].options()))
+          known += "O\t" + std::to_string(g) + "\t" + k + "\t" + hex_of(v) + "\n";
+    }
   } catch (const std::exception& e) {
     error_ = e.what();
   }
@@ -336,31 +402,66 @@ std::vector<std::string> DcpSave::gather(const std::string& mine) {
   }
 }
 
-// Rank 0: each group's parameters, in the model's order, by name (as
-// torch's get_state_dict writes them), from every rank's known groups.
-void DcpSave::add_group_params(const std::vector<std::string>& all_known, std::vector<Item>& items) const {
-  std::map<size_t, std::set<std::string>> groups;
-  for (const auto& text : all_known) {
-    std::istringstream in(text);
-    std::string line;
-    while (std::getline(in, line)) {
-      const auto f = fields_of(line);
-      groups[std::stoul(f[0])].insert(f[1]);
+// Rank 0: each group's options and parameters, in the whole model's order,
+// by name (as torch's get_state_dict writes them), from every rank's known
+// groups. A part's ranks whose optimizers give one group different options
+// fail the save (error_): the checkpoint holds one set of groups.
+void DcpSave::add_groups(const std::vector<std::string>& all_known, std::vector<Item>& items) {
+  try {
+    std::map<size_t, std::set<std::string>> params;
+    std::map<size_t, std::vector<std::pair<std::string, std::string>>> options;  // the first rank's
+    std::map<size_t, std::pair<size_t, std::string>> options_text;               // (its rank, its lines)
+    for (size_t r = 0; r < all_known.size(); ++r) {
+      std::istringstream in(all_known[r]);
+      std::string line;
+      std::map<size_t, std::string> text;  // this rank's option lines by group
+      std::map<size_t, std::vector<std::pair<std::string, std::string>>> mine;
+      while (std::getline(in, line)) {
+        const auto f = fields_of(line);
+        const size_t g = std::stoul(f[1]);
+        if (f[0] == "P") {
+          params[g].insert(f[2]);
+        } else {
+          text[g] += line + "\n";
+          mine[g].emplace_back(f[2], bytes_of_hex(f[3]));
+        }
+      }
+      for (auto& [g, t] : text) {
+        auto [it, first] = options_text.emplace(g, std::make_pair(r, t));
+        if (first)
+          options[g] = std::move(mine[g]);
+        else
+          SHARDTORCH_CHECK(it->second.second == t, what_, ": the optimizer's group ", g, " has other options on rank ",
+                           r, " than on rank ", it->second.first,
+                           " (a DCP checkpoint holds one list of groups for the whole model: give every stage's "
+                           "optimizer the same groups, in the same order, with the same options)");
+      }
     }
-  }
-  for (const auto& [g, ns] : groups) {
-    pickle::Writer w;
-    w.empty_list().mark();
-    for (const auto& item : root_.named_parameters())
-      if (ns.count(item.key())) w.string(item.key());
-    w.appends();
-    items.push_back({options_.optimizer_prefix() + "param_groups." + std::to_string(g) + ".params",
-                     "",
-                     {},
-                     {},
-                     {},
-                     {},
-                     w.finish()});
+    for (const auto& [g, kv] : options)
+      for (const auto& [k, v] : kv)
+        items.push_back(
+            {options_.optimizer_prefix() + "param_groups." + std::to_string(g) + "." + k, "", {}, {}, {}, {}, v});
+    std::vector<std::string> order;  // the whole model's parameters
+    if (part_)
+      order = part_->order;
+    else
+      for (const auto& item : root_.named_parameters()) order.push_back(item.key());
+    for (const auto& [g, ns] : params) {
+      pickle::Writer w;
+      w.empty_list().mark();
+      for (const auto& n : order)
+        if (ns.count(n)) w.string(n);
+      w.appends();
+      items.push_back({options_.optimizer_prefix() + "param_groups." + std::to_string(g) + ".params",
+                       "",
+                       {},
+                       {},
+                       {},
+                       {},
+                       w.finish()});
+    }
+  } catch (const std::exception& e) {
+    error_ = e.what();
   }
 }
 
@@ -441,18 +542,21 @@ void DcpSave::publish(const dcp::Metadata& md) {
 
 }  // namespace
 
-DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
-                                  const DcpSaveOptions& options) {
-  auto state = detail::require_state(root, "save_dcp_checkpoint");
-  checkpoint::dcp::refuse_tensor_parallel(root, state->world().global_rank(), "save_dcp_checkpoint");
-  checkpoint::dcp::refuse_pipeline_stage(*state, /*ignoring=*/false, "save_dcp_checkpoint");
-  detail::FileWaits file_waits(*state, "save_dcp_checkpoint");  // each rank waits for the slowest writer
+namespace {
+
+// save_dcp_checkpoint, of the whole model or (`part`) of one part of it:
+// every rank of every part writes its file, __R_0.distcp for its rank R in
+// part->world, and the metadata is the whole model's.
+DcpSaveReport save_dcp(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir_arg,
+                       const DcpSaveOptions& options, detail::ShardState& state, const checkpoint::ModelPart* part) {
+  // Each rank waits for the slowest writer, over the mesh too.
+  detail::FileWaits file_waits(state, "save_dcp_checkpoint", part ? part->world.get() : nullptr);
   c10::NoGradGuard no_grad;
-  DcpSave save(root, opt, checkpoint::normalized(dir_arg), options, *state);
+  DcpSave save(root, opt, checkpoint::normalized(dir_arg), options, state, part);
   SHARDTORCH_CHECK(!opt || detail::optimizer_kind(*opt), save.what(),
                    ": the optimizer is none of Adam, AdamW and SGD, whose state a DCP checkpoint carries here (pass "
                    "a null optimizer to save the parameters alone)");
-  state->copies().wait_for_offload_copies();
+  state.copies().wait_for_offload_copies();
   save.stage();
   // What each rank writes; first, the optimizer's groups as far as each
   // rank knows them (a rank knows the groups of the parameters it holds
@@ -460,7 +564,7 @@ DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
   std::string known;
   Collected c = save.collect_items(known);
   const auto all_known = save.gather(known);
-  if (opt && state->world().rank() == 0) save.add_group_params(all_known, c.items);
+  if (opt && save.rank() == 0) save.add_groups(all_known, c.items);
   const std::string report = save.write_items(c.items);
   c.items.clear();
   const auto reports = save.gather(report);  // every rank's lines, or every rank throws
@@ -469,6 +573,22 @@ DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt
   const dcp::Metadata md = save.metadata_of(reports, out);
   save.publish(md);
   return out;
+}
+
+}  // namespace
+
+DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
+                                  const DcpSaveOptions& options) {
+  auto state = detail::require_state(root, "save_dcp_checkpoint");
+  checkpoint::dcp::refuse_pipeline_stage(*state, /*ignoring=*/false, "save_dcp_checkpoint");
+  const auto part = checkpoint::tensor_parallel_part(root, *state, "save_dcp_checkpoint");
+  return save_dcp(root, opt, dir, options, *state, part ? &*part : nullptr);
+}
+
+DcpSaveReport checkpoint::save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* opt, const std::string& dir,
+                                              const DcpSaveOptions& options, const ModelPart& part) {
+  auto state = detail::require_state(root, "save_dcp_checkpoint");
+  return save_dcp(root, opt, dir, options, *state, &part);
 }
 
 }  // namespace shardtorch

@@ -130,8 +130,25 @@ Source::Fill Source::plan(const Entry& e, int64_t begin, int64_t count) {
     size_t k = nd - 1;
     while (k > 0 && c.offsets[k] == 0 && c.sizes[k] == e.size[k]) --k;
     const int64_t run = c.sizes[k] * gstride[k];
+    // The first run to look at: at `begin`'s index in dimensions 0..k-1,
+    // clamped into the chunk (a run before `begin` is skipped below), so
+    // that reading a few rows of a chunk costs those rows, not the chunk's.
     std::vector<int64_t> idx(k, 0);
-    for (int64_t r = 0;; ++r) {
+    bool past = false;  // an earlier dimension was clamped to the chunk's end: the rest at their ends
+    for (size_t d = 0; d < k; ++d) {
+      const int64_t at = begin / gstride[d] % e.size[d] - c.offsets[d];
+      if (past || at >= c.sizes[d]) {
+        idx[d] = c.sizes[d] - 1;
+        past = true;
+      } else if (at < 0) {
+        break;  // this and the later dimensions from 0
+      } else {
+        idx[d] = at;
+      }
+    }
+    int64_t r = 0;  // the run's index in the chunk
+    for (size_t d = 0; d < k; ++d) r = r * c.sizes[d] + idx[d];
+    for (;; ++r) {
       int64_t gstart = c.offsets[k] * gstride[k];
       for (size_t d = 0; d < k; ++d) gstart += (c.offsets[d] + idx[d]) * gstride[d];
       if (gstart >= end) break;  // runs go up in flat order

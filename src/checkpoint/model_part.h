@@ -20,6 +20,7 @@
 
 #include "checkpoint/tied_names.h"
 #include "shardtorch/checkpoint.h"
+#include "shardtorch/dcp_checkpoint.h"
 #include "shardtorch/hf_checkpoint.h"
 #include "shardtorch/optim.h"
 #include "shardtorch/world.h"
@@ -45,6 +46,9 @@ struct ModelPart {
   /// rank of the group, and the buffers, are saved by the parts at tp rank 0.
   int tp_rank = 0;
   std::set<std::string> split;
+  /// The whole model's parameter names in its order (where a format lists
+  /// them: a DCP checkpoint's optimizer groups).
+  std::vector<std::string> order;
 
   /// The names a parameter named `name` here may be saved under, in the
   /// order a load takes the first present: a tie's names in the parts'
@@ -82,5 +86,9 @@ HfSaveReport save_hf_checkpoint(torch::nn::Module& root, const std::string& dir,
                                 const ModelPart& part);
 HfLoadReport load_hf_checkpoint(torch::nn::Module& root, const std::string& path, const HfLoadOptions& options,
                                 const ModelPart& part);
+DcpSaveReport save_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
+                                  const DcpSaveOptions& options, const ModelPart& part);
+DcpLoadReport load_dcp_checkpoint(torch::nn::Module& root, ShardedOptimizer* optimizer, const std::string& dir,
+                                  const DcpLoadOptions& options, const ModelPart& part);
 
 }  // namespace shardtorch::checkpoint

@@ -68,7 +68,10 @@ std::optional<ModelPart> tensor_parallel_part(torch::nn::Module& root, detail::S
                    "; a checkpoint of it needs the two to be the only dimensions of one DeviceMesh (pipeline "
                    "stages take the functions of shardtorch/pipeline_checkpoint.h)");
   part.world = mesh;
-  for (const auto& item : root.named_parameters()) part.shapes.emplace(item.key(), item.value().sizes().vec());
+  for (const auto& item : root.named_parameters()) {
+    part.shapes.emplace(item.key(), item.value().sizes().vec());
+    part.order.push_back(item.key());
+  }
   for (const auto& item : root.named_buffers())
     if (item.value().defined()) part.shapes.emplace(item.key(), item.value().sizes().vec());
   std::ostringstream layout;

@@ -29,12 +29,23 @@ checkpoint::ModelPart part_of(const Pipeline& pipe, const char* who) {
   part.world = rt.mesh->world();
   for (const auto& layer : rt.layers)
     for (const auto& [path, module] : layer.modules) {
-      for (const auto& item : module->named_parameters(/*recurse=*/true))
+      for (const auto& item : module->named_parameters(/*recurse=*/true)) {
         part.shapes[path + "." + item.key()] = checkpoint::saved_shape(item.value());
+        part.order.push_back(path + "." + item.key());
+      }
       for (const auto& item : module->named_buffers(/*recurse=*/true))
         if (item.value().defined()) part.shapes[path + "." + item.key()] = item.value().sizes().vec();
     }
-  const std::shared_ptr<World> tp = checkpoint::describe_tensor_parallel(pipe.module(), part, who);
+  std::shared_ptr<World> tp = checkpoint::describe_tensor_parallel(pipe.module(), part, who);
+  // This rank's stages have no split parameter but others do: its tensors
+  // are whole on every rank of the tensor-parallel group, saved at its rank 0.
+  for (const auto& layer : rt.layers)
+    for (const auto& [path, module] : layer.modules)
+      for (const auto& item : module->named_parameters(/*recurse=*/true))
+        if (auto p = detail::placement_of(item.value()); p && !tp) {
+          tp = p->group;
+          part.tp_rank = tp->rank();
+        }
   // Ranks that differ in another dimension would hold the same stages: they
   // would each save them (the mesh is the same on every rank: every rank throws).
   for (const auto& [dim, size] : rt.mesh->dims())
@@ -83,6 +94,16 @@ HfSaveReport save_hf_checkpoint(Pipeline& pipe, const std::string& dir, const Hf
 
 HfLoadReport load_hf_checkpoint(Pipeline& pipe, const std::string& path, const HfLoadOptions& options) {
   return checkpoint::load_hf_checkpoint(pipe.module(), path, options, part_of(pipe, "load_hf_checkpoint"));
+}
+
+DcpSaveReport save_dcp_checkpoint(Pipeline& pipe, ShardedOptimizer* optimizer, const std::string& dir,
+                                  const DcpSaveOptions& options) {
+  return checkpoint::save_dcp_checkpoint(pipe.module(), optimizer, dir, options, part_of(pipe, "save_dcp_checkpoint"));
+}
+
+DcpLoadReport load_dcp_checkpoint(Pipeline& pipe, ShardedOptimizer* optimizer, const std::string& dir,
+                                  const DcpLoadOptions& options) {
+  return checkpoint::load_dcp_checkpoint(pipe.module(), optimizer, dir, options, part_of(pipe, "load_dcp_checkpoint"));
 }
 
 }  // namespace shardtorch
