@@ -31,6 +31,13 @@ at::Tensor gather_flat(detail::ShardState& state, FlatParam& f, const at::Tensor
   state.topology().shard_comm().all_gather_into(full, shard, what);
   return full;
 }
+
+// Flat parameter `f`'s whole padded gradient (zeros where this rank holds
+// none), gathered over the shard group.
+at::Tensor gather_flat_grad(detail::ShardState& state, FlatParam& f, const std::string& what) {
+  const at::Tensor& held = f.grads().shard_grad();
+  return gather_flat(state, f, held.defined() ? held : at::zeros_like(f.shard()), what);
+}
 }  // namespace
 
 FullParams::FullParams(torch::nn::Module& root, SummonOptions options)
@@ -112,9 +119,8 @@ void FullParams::gather_all(bool keep) {
 void FullParams::gather_grads(detail::Unit& u, bool keep) {
   for (auto& f : u.flats()) {
     if (!f->requires_grad()) continue;
-    const at::Tensor& held = f->grads().shard_grad();
-    const at::Tensor full = gather_flat(*state_, *f, held.defined() ? held : at::zeros_like(f->shard()),
-                                        "gradients of unit '" + u.label() + "' for summon_full_params");
+    const at::Tensor full =
+        gather_flat_grad(*state_, *f, "gradients of unit '" + u.label() + "' for summon_full_params");
     if (!keep) continue;
     for (size_t i = 0; i < f->params().size(); ++i) {
       at::Tensor p = f->params()[i];
@@ -254,9 +260,7 @@ std::map<std::string, at::Tensor> full_gradients(torch::nn::Module& root, bool r
     for (auto& u : state->units().all()) {
       for (auto& f : u->flats()) {
         if (!f->requires_grad()) continue;
-        const at::Tensor& held = f->grads().shard_grad();
-        const at::Tensor full = gather_flat(*state, *f, held.defined() ? held : at::zeros_like(f->shard()),
-                                            "gradients of unit '" + u->label() + "'");
+        const at::Tensor full = gather_flat_grad(*state, *f, "gradients of unit '" + u->label() + "'");
         if (!keep) continue;
         for (size_t i = 0; i < f->params().size(); ++i)
           put(f->params()[i], full.narrow(0, f->layout().offset(i), f->layout().numel(i)));
