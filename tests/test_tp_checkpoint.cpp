@@ -634,7 +634,7 @@ TEST_F(TpDcpCheckpoint, AStageWithoutASplitParameterIsSavedOnce) {
 }
 
 // Interop: PyTorch reads the split model's DCP checkpoint as the unsplit
-// model's. Run by the ctest interop.tp_dcp_read_by_torch, which sets
+// model's. Run by the ctest interop.tp_dcp_with_torch, which sets
 // SHARDTORCH_TP_DCP_DIR and then compares, with PyTorch's
 // dcp_to_torch_save, what this writes there: "tp" (tp 2 x dp 2), "unsplit"
 // (the unsplit model at 2 ranks, loaded from it) and "pipeline" (pp 2 x dp 1
@@ -663,6 +663,90 @@ TEST(TpDcpInterop, DISABLED_WritesTheSameCheckpointAtThreeLayouts) {
     shardtorch::save_dcp_checkpoint(*p.pipe, p.opt.get(), dir + "/pipeline");
   });
   ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// tests/python/dcp/tp_run.py's TpMlp: l0 Linear(4, 6), ReLU, l1 Linear(6, 2).
+struct TpMlpImpl : torch::nn::Module {
+  TpMlpImpl()
+      : l0(register_module("l0", shardtorch::ParallelLinear(4, 6))),
+        l1(register_module("l1", shardtorch::ParallelLinear(6, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return l1(torch::relu(l0(x))); }
+  shardtorch::ParallelLinear l0, l1;
+};
+SHARDTORCH_MODULE(TpMlp);
+
+// Interop with PyTorch's own tensor parallelism (DTensors: tests/python/dcp/tp_run.py,
+// run by the ctest interop.tp_dcp_with_torch, which sets SHARDTORCH_TP_DCP_DIR):
+// what Python saved split over 2 ranks loads at tp 2 x dp 1, tp 2 x dp 2 and
+// into the unsplit model at one rank, the parameters and AdamW's moments
+// bitwise, and the next step on Python's next batch is Python's within
+// 1e-6; at tp 2 x dp 2 it then saves DCP_DIR/cpp_tp for Python to load.
+TEST(TpDcpInterop, DISABLED_LoadsWhatPythonsTensorParallelismSavedAndSavesForIt) {
+  const char* dir_env = std::getenv("SHARDTORCH_TP_DCP_DIR");
+  ASSERT_NE(dir_env, nullptr) << "set SHARDTORCH_TP_DCP_DIR (tests/python/dcp/tp_run.py save writes it)";
+  const std::string dir = dir_env;
+  const auto saved = shardtorch::checkpoint::load_file(dir + "/py_tp.saved.safetensors");
+  const auto next = shardtorch::checkpoint::load_file(dir + "/py_tp.next.safetensors");
+  const torch::Tensor x = shardtorch::checkpoint::load_file(dir + "/batch.safetensors").at("x2");
+  std::map<std::string, torch::Tensor> saved_params, next_params;
+  for (const auto& [k, v] : saved)
+    if (k.rfind("model.", 0) == 0) saved_params[k.substr(6)] = v;
+  for (const auto& [k, v] : next) next_params[k.substr(6)] = v;
+  struct Case {
+    int tp, dp;
+  };
+  for (const Case c : {Case{2, 1}, Case{2, 2}, Case{1, 1}}) {
+    const std::string what = c.tp == 1 ? "the unsplit model" : "tp 2 x dp " + std::to_string(c.dp);
+    const std::string loaded = dir + "/loaded-" + std::to_string(c.tp) + "-" + std::to_string(c.dp);
+    auto r = run_ranks(c.tp * c.dp, [&](World& w) {
+      auto mesh = DeviceMesh::create(w.shared_from_this(), {{"dp", c.dp}, {"tp", c.tp}});
+      auto tp = (*mesh)["tp"];
+      torch::manual_seed(5);
+      TpMlp model;
+      if (c.tp > 1)
+        shardtorch::parallelize(
+            *model, tp,
+            shardtorch::TpPlan().add("l0", shardtorch::TpStyle::colwise()).add("l1", shardtorch::TpStyle::rowwise()));
+      shardtorch::shard(model, (*mesh)["dp"], strategy_options(Strategy::FullShard, c.dp));
+      auto opt = shardtorch::AdamW(*model, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      const auto own = own_params(*model);
+      const auto report = shardtorch::load_dcp_checkpoint(*model, opt.get(), dir + "/py_tp");
+      require(report.missing.empty() && report.unexpected.empty(), what + ": names unmatched");
+      require_same(whole(testref::full_parameters(*model), own, *tp), saved_params, what + ": the parameters loaded");
+      shardtorch::save_sharded_checkpoint(*model, opt.get(), loaded, 1);  // its moments, read below
+      const int64_t per = x.size(0) / c.dp;
+      opt->zero_grad();
+      model(x.narrow(0, mesh->coordinate("dp") * per, per)).pow(2).mean().backward();
+      opt->step();
+      const auto after = whole(testref::full_parameters(*model), own, *tp);
+      expect_close_map(after, next_params, 1e-6, what + ": the step after the load");
+      if (c.tp == 2 && c.dp == 2) {
+        shardtorch::save_dcp_checkpoint(*model, opt.get(), dir + "/cpp_tp");
+        const std::string whole_state = dir + "/cpp_tp-sharded";
+        shardtorch::save_sharded_checkpoint(*model, opt.get(), whole_state, 2);
+        if (w.rank() == 0) {
+          std::map<std::string, torch::Tensor> expected;
+          for (const auto& [key, t] : shardtorch::read_sharded_checkpoint(whole_state)) {
+            const auto bar = key.find('|');
+            const std::string name = key.substr(0, bar), kind = key.substr(bar + 1);
+            expected[kind == "param" ? "model." + name : "optim.state." + name + "." + kind] = t;
+          }
+          require(expected.size() == 12, std::to_string(expected.size()) + " tensors, not 4 parameters x 3");
+          save_tensors(dir + "/cpp_tp.expected.safetensors", expected);
+        }
+      }
+    });
+    ASSERT_TRUE(r.ok) << what << ": " << r.summary();
+    auto rr = run_ranks(1, [&](World&) {
+      for (const auto& [key, t] : shardtorch::read_sharded_checkpoint(loaded)) {
+        const auto bar = key.find('|');
+        const std::string name = key.substr(0, bar), kind = key.substr(bar + 1);
+        const std::string want = kind == "param" ? "model." + name : "optim.state." + name + "." + kind;
+        require(saved.count(want) && torch::equal(saved.at(want), t), what + ": '" + want + "' differs");
+      }
+    });
+    EXPECT_TRUE(rr.ok) << what << ": " << rr.summary();
+  }
 }
 
 // In-memory snapshots of a split model, taken over the mesh's World (every
