@@ -591,9 +591,21 @@ TEST(PipelineCheckpoint, AProblemOnOneStageFailsEveryRankAndKeepsThePreviousChec
     // rank, naming two ranks that differ, and write nothing.
     auto uneven = shardtorch::AdamW(p.pipe->module(), adamw().lr(p.stage() == "0" ? 1e-3 : 2e-3));
     msg = message_of([&] { shardtorch::save_dcp_checkpoint(*p.pipe, uneven.get(), dir / "dcp-uneven"); });
-    require(msg.find("the optimizer's group 0 has other options on rank 2 than on rank 0") != std::string::npos,
+    require(msg.find("the optimizer's group 0 has another 'lr' on rank 2 than on rank 0") != std::string::npos,
             "a DCP save with stages' groups unlike: " + msg);
     require(!files::exists(dir / "dcp-uneven"), "the refused DCP save wrote its directory");
+    // The tied weight in another group on each end (the head in a group
+    // without weight decay): its copies would drift apart; refused, naming it.
+    std::vector<at::Tensor> no_decay;
+    for (auto& item : p.pipe->module().named_parameters())
+      if (item.key() == "head.weight" || item.key().find("ln1.weight") != std::string::npos)
+        no_decay.push_back(item.value());
+    auto split_tie = shardtorch::AdamW(p.pipe->module(), adamw(), {{no_decay, adamw().weight_decay(0)}});
+    msg = message_of([&] { shardtorch::save_dcp_checkpoint(*p.pipe, split_tie.get(), dir / "dcp-split-tie"); });
+    require(msg.find("parameter 'tok_emb.weight' is in the optimizer's group 1 on rank 0 but in group 0 on rank 2") !=
+                std::string::npos,
+            "a DCP save with the tied weight in two groups: " + msg);
+    require(!files::exists(dir / "dcp-split-tie"), "the refused DCP save wrote its directory");
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

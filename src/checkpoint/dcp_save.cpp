@@ -404,40 +404,48 @@ std::vector<std::string> DcpSave::gather(const std::string& mine) {
 
 // Rank 0: each group's options and parameters, in the whole model's order,
 // by name (as torch's get_state_dict writes them), from every rank's known
-// groups. A part's ranks whose optimizers give one group different options
-// fail the save (error_): the checkpoint holds one set of groups.
+// groups. Ranks whose optimizers' groups differ (a pipeline's stages), or a
+// parameter in two groups (tied across stages), fail the save (error_): the
+// checkpoint holds one list of groups.
 void DcpSave::add_groups(const std::vector<std::string>& all_known, std::vector<Item>& items) {
   try {
     std::map<size_t, std::set<std::string>> params;
-    std::map<size_t, std::vector<std::pair<std::string, std::string>>> options;  // the first rank's
-    std::map<size_t, std::pair<size_t, std::string>> options_text;               // (its rank, its lines)
+    std::map<std::string, std::pair<size_t, size_t>> group_of;  // parameter -> (group, the first rank listing it)
+    // Each rank's groups: their options, key by key (pickled).
+    std::vector<std::map<size_t, std::vector<std::pair<std::string, std::string>>>> options(all_known.size());
     for (size_t r = 0; r < all_known.size(); ++r) {
       std::istringstream in(all_known[r]);
       std::string line;
-      std::map<size_t, std::string> text;  // this rank's option lines by group
-      std::map<size_t, std::vector<std::pair<std::string, std::string>>> mine;
       while (std::getline(in, line)) {
         const auto f = fields_of(line);
         const size_t g = std::stoul(f[1]);
-        if (f[0] == "P") {
-          params[g].insert(f[2]);
-        } else {
-          text[g] += line + "\n";
-          mine[g].emplace_back(f[2], bytes_of_hex(f[3]));
+        if (f[0] == "O") {
+          options[r][g].emplace_back(f[2], bytes_of_hex(f[3]));
+          continue;
         }
-      }
-      for (auto& [g, t] : text) {
-        auto [it, first] = options_text.emplace(g, std::make_pair(r, t));
-        if (first)
-          options[g] = std::move(mine[g]);
-        else
-          SHARDTORCH_CHECK(it->second.second == t, what_, ": the optimizer's group ", g, " has other options on rank ",
-                           r, " than on rank ", it->second.first,
-                           " (a DCP checkpoint holds one list of groups for the whole model: give every stage's "
-                           "optimizer the same groups, in the same order, with the same options)");
+        params[g].insert(f[2]);
+        auto [it, first] = group_of.emplace(f[2], std::make_pair(g, r));
+        SHARDTORCH_CHECK(first || it->second.first == g, "parameter '", f[2], "' is in the optimizer's group ",
+                         it->second.first, " on rank ", it->second.second, " but in group ", g, " on rank ", r,
+                         " (a parameter tied across pipeline stages: each stage's copy steps with its own group's "
+                         "options, so the copies drift apart; put it in the same group, with the same options, on "
+                         "every stage)");
       }
     }
-    for (const auto& [g, kv] : options)
+    // Every rank's groups are rank 0's: the checkpoint holds one list for the whole model.
+    const std::string same =
+        " (a DCP checkpoint holds one list of groups for the whole model: give every stage's "
+        "optimizer the same groups, in the same order, with the same options)";
+    for (size_t r = 1; r < options.size(); ++r) {
+      SHARDTORCH_CHECK(options[r].size() == options[0].size(), "the optimizer has ", options[r].size(),
+                       " group(s) on rank ", r, " but ", options[0].size(), " on rank 0", same);
+      for (const auto& [g, kv] : options[r])
+        for (size_t k = 0; k < kv.size(); ++k)
+          SHARDTORCH_CHECK(options[0].count(g) && k < options[0].at(g).size() && options[0].at(g)[k] == kv[k],
+                           "the optimizer's group ", g, " has another '", kv[k].first, "' on rank ", r,
+                           " than on rank 0", same);
+    }
+    for (const auto& [g, kv] : options[0])
       for (const auto& [k, v] : kv)
         items.push_back(
             {options_.optimizer_prefix() + "param_groups." + std::to_string(g) + "." + k, "", {}, {}, {}, {}, v});

@@ -22,7 +22,11 @@ inline void refuse_pipeline_stage(detail::ShardState& state, bool ignoring, cons
                    "World's ranks; call shardtorch::",
                    who,
                    "(pipe, optimizer, dir) (shardtorch/pipeline_checkpoint.h), which every rank of the mesh calls "
-                   "and which holds the whole model under the unsplit model's names");
+                   "and which holds the whole model under the unsplit model's names",
+                   ignoring ? ""
+                   : std::string(who) == "load_dcp_checkpoint"
+                       ? " (or, to load each stage by itself, DcpLoadOptions().ignore_unexpected(true))"
+                       : "");
 }
 
 }  // namespace shardtorch::checkpoint::dcp
