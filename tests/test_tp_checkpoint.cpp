@@ -675,6 +675,18 @@ struct TpMlpImpl : torch::nn::Module {
 };
 SHARDTORCH_MODULE(TpMlp);
 
+// A sharded checkpoint's tensors ("name|kind") under the keys a DCP
+// checkpoint holds them by: "model.<name>", "optim.state.<name>.<kind>".
+std::map<std::string, torch::Tensor> by_dcp_key(const std::map<std::string, torch::Tensor>& sharded) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [key, t] : sharded) {
+    const auto bar = key.find('|');
+    const std::string name = key.substr(0, bar), kind = key.substr(bar + 1);
+    out[kind == "param" ? "model." + name : "optim.state." + name + "." + kind] = t;
+  }
+  return out;
+}
+
 // Interop with PyTorch's own tensor parallelism (DTensors: tests/python/dcp/tp_run.py,
 // run by the ctest interop.tp_dcp_with_torch, which sets SHARDTORCH_TP_DCP_DIR):
 // what Python saved split over 2 ranks loads at tp 2 x dp 1, tp 2 x dp 2 and
@@ -725,12 +737,7 @@ TEST(TpDcpInterop, DISABLED_LoadsWhatPythonsTensorParallelismSavedAndSavesForIt)
         const std::string whole_state = dir + "/cpp_tp-sharded";
         shardtorch::save_sharded_checkpoint(*model, opt.get(), whole_state, 2);
         if (w.rank() == 0) {
-          std::map<std::string, torch::Tensor> expected;
-          for (const auto& [key, t] : shardtorch::read_sharded_checkpoint(whole_state)) {
-            const auto bar = key.find('|');
-            const std::string name = key.substr(0, bar), kind = key.substr(bar + 1);
-            expected[kind == "param" ? "model." + name : "optim.state." + name + "." + kind] = t;
-          }
+          const auto expected = by_dcp_key(shardtorch::read_sharded_checkpoint(whole_state));
           require(expected.size() == 12, std::to_string(expected.size()) + " tensors, not 4 parameters x 3");
           save_tensors(dir + "/cpp_tp.expected.safetensors", expected);
         }
@@ -738,12 +745,8 @@ TEST(TpDcpInterop, DISABLED_LoadsWhatPythonsTensorParallelismSavedAndSavesForIt)
     });
     ASSERT_TRUE(r.ok) << what << ": " << r.summary();
     auto rr = run_ranks(1, [&](World&) {
-      for (const auto& [key, t] : shardtorch::read_sharded_checkpoint(loaded)) {
-        const auto bar = key.find('|');
-        const std::string name = key.substr(0, bar), kind = key.substr(bar + 1);
-        const std::string want = kind == "param" ? "model." + name : "optim.state." + name + "." + kind;
-        require(saved.count(want) && torch::equal(saved.at(want), t), what + ": '" + want + "' differs");
-      }
+      for (const auto& [key, t] : by_dcp_key(shardtorch::read_sharded_checkpoint(loaded)))
+        require(saved.count(key) && torch::equal(saved.at(key), t), what + ": '" + key + "' differs");
     });
     EXPECT_TRUE(rr.ok) << what << ": " << rr.summary();
   }

@@ -150,10 +150,9 @@ struct Collected {
 };
 
 // A parameter range this rank holds: its names (every one it is saved
-// under), the parameter (its name here), first element, values.
+// under), the parameter, first element, values.
 struct Range {
   const std::vector<std::string>* names;
-  std::string local;
   at::Tensor param;
   int64_t begin;
   at::Tensor values;
@@ -176,7 +175,7 @@ HeldRanges held_ranges(torch::nn::Module& root, detail::ShardState& state, check
     for (const auto& item : root.named_parameters()) {
       const at::Tensor& p = item.value();
       if (!seen.insert(p.unsafeGetTensorImpl()).second || !mine(item.key())) continue;
-      h.ranges.push_back({&names[p.unsafeGetTensorImpl()], item.key(), p, 0, state.path().record_of(p).detach()});
+      h.ranges.push_back({&names[p.unsafeGetTensorImpl()], p, 0, state.path().record_of(p).detach()});
     }
     h.writers = state.world().size();
     h.me = state.world().rank();
@@ -189,10 +188,10 @@ HeldRanges held_ranges(torch::nn::Module& root, detail::ShardState& state, check
         const at::Tensor& p = f->params()[i];
         if (!mine(f->names()[i])) continue;
         if (auto piece = f->layout().piece(i, shard_rank))
-          h.ranges.push_back({&names[p.unsafeGetTensorImpl()], f->names()[i], p, piece->param_offset,
+          h.ranges.push_back({&names[p.unsafeGetTensorImpl()], p, piece->param_offset,
                               f->shard().narrow(0, piece->shard_offset, piece->length)});
         else if (f->layout().numel(i) == 0 && shard_rank == 0)  // no rank's piece: written once, empty
-          h.ranges.push_back({&names[p.unsafeGetTensorImpl()], f->names()[i], p, 0, f->shard().narrow(0, 0, 0)});
+          h.ranges.push_back({&names[p.unsafeGetTensorImpl()], p, 0, f->shard().narrow(0, 0, 0)});
       }
   if (state.topology().replica_comm()) {
     h.writers = state.topology().replica_comm()->size();

@@ -20,7 +20,6 @@ load: for each dtype, a fresh model and optimizer load DIR/cpp_<dtype>
 Exits non-zero (an assertion) on any difference.
 """
 import os
-import sys
 import warnings
 
 import torch
@@ -32,7 +31,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+
+from interop_common import flat_values, require_equal, run
 
 warnings.filterwarnings("ignore")
 BATCH = 12
@@ -65,28 +65,6 @@ def step(model, opt, x, rank, world):
     opt.zero_grad()
     model(x[rank * rows:(rank + 1) * rows]).pow(2).mean().backward()
     opt.step()
-
-
-def full(v):
-    return v.full_tensor() if isinstance(v, DTensor) else v
-
-
-def flat_values(model, opt):
-    """Parameters, buffers and optimizer state whole, by their DCP keys."""
-    msd, osd = get_state_dict(model, opt)
-    out = {"model." + k: full(v).detach().clone().contiguous() for k, v in msd.items()}
-    for name, st in osd["state"].items():
-        for kind, v in st.items():
-            out[f"optim.state.{name}.{kind}"] = full(v).detach().clone().contiguous()
-    return out
-
-
-def require_equal(got, want, what):
-    assert set(got) == set(want), f"{what}: keys {sorted(set(got) ^ set(want))} differ"
-    for k, w in want.items():
-        g = got[k]
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{what}: {k} is {g.dtype} {tuple(g.shape)}, expected {w.dtype} {tuple(w.shape)}"
-        assert torch.equal(g, w), f"{what}: {k} differs by {(g.double() - w.double()).abs().max().item()}"
 
 
 def save(out, rank, world):
@@ -138,20 +116,5 @@ def load(out, rank, world):
                   "dcp_to_torch_save converted it")
 
 
-def main():
-    mode, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    (save if mode == "save" else load)(out, rank, world)
-    dist.barrier()
-    dist.destroy_process_group()
-    # End without finalizing the interpreter: a Gloo worker thread that outlives the group can
-    # abort Py_FinalizeEx (std::terminate; see bench/ft/torchft_ddp.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    run(save, load)
