@@ -279,6 +279,7 @@ INSTANTIATE_TEST_SUITE_P(Agreement, InjectedFailure, ::testing::ValuesIn(inject_
 // rank's error (kept for the peers when the hook threw), not only that it
 // ended.
 TEST(Agreement, AnErrorOneRanksProgramCaughtIsGivenByItsPeer) {
+  const auto t0 = std::chrono::steady_clock::now();
   auto r = run_ranks(
       2,
       [](World& w) {
@@ -299,6 +300,13 @@ TEST(Agreement, AnErrorOneRanksProgramCaughtIsGivenByItsPeer) {
   const std::string& m = r.ranks[0].message;
   EXPECT_NE(m.find("Peer at fault: rank 1"), std::string::npos) << m;
   EXPECT_NE(m.find("failure injected at 'gradient hook'"), std::string::npos) << m;
+  EXPECT_NE(m.find("rank(s) 1 will not report theirs."), std::string::npos) << m;
+  EXPECT_NE(m.find("Peer at fault: rank 1 had finished after an error of its own that the program caught (shardtorch: "
+                   "rank 1: the gradient hook of parameter 'l3.lin.bias' of unit 'l3' failed: "),
+            std::string::npos)
+      << m;
+  EXPECT_NE(m.find("its World was destroyed "), std::string::npos) << m;
+  EXPECT_LT(seconds_since(t0), 10.0) << "rank 0 waited for the collective timeout (15 s)";
 }
 
 }  // namespace

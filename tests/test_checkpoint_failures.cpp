@@ -471,24 +471,41 @@ TEST(CheckpointFailures, ARankLostAfterItsFilesWereReportedLeavesAPublishedCheck
 
 // A rank lost inside a save: the others' errors say where it was (inside
 // the save, which notes its name as the rank's progress), not only its
-// last step.
+// last step, and name it alone: a survivor that gave up and ended before a
+// slower one is not taken for the rank at fault.
 TEST(CheckpointFailures, ARankLostInsideASaveIsNamedThere) {
   const TempDir dir;
-  auto r = run_ranks(2, [&](World& w) {
+  auto r = run_ranks(4, [&](World& w) {
     Trained t(w);
     shardtorch::checkpoint::set_crash_hook([&](const std::string& p) {
-      if (p != "file written" || w.rank() != 1) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // its progress record is written meanwhile
-      std::_Exit(3);
+      if (p != "file written") return;
+      if (w.rank() == 1) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));  // its progress record is written meanwhile
+        std::_Exit(3);
+      }
+      // Rank 3 arrives last: ranks 0 and 2 have given up (and may have
+      // ended) by then, and must not be taken for the rank at fault.
+      if (w.rank() == 3) std::this_thread::sleep_for(std::chrono::milliseconds(800));
     });
     const std::string e =
         message_of([&] { shardtorch::save_sharded_checkpoint(*t.model, t.opt.get(), (dir / "ck").string(), 1); });
-    const auto at = e.find("rank 1 ");
-    require(at != std::string::npos && e.find("save_sharded_checkpoint", at) != std::string::npos, "rank 0: " + e);
+    const auto from = e.find("Peer at fault: ");
+    require(from != std::string::npos, "rank " + std::to_string(w.rank()) + " names no peer: " + e);
+    const std::string fault = e.substr(from, e.find(" This rank is at", from) - from);
+    require(fault.find("rank 1 ") != std::string::npos && fault.find("save_sharded_checkpoint") != std::string::npos,
+            "rank " + std::to_string(w.rank()) + ": " + e);
+    for (const char* other : {"rank 0 ", "rank 2 ", "rank 3 "})
+      require(fault.find(other) == std::string::npos,
+              "rank " + std::to_string(w.rank()) + " blames " + other + "as well: " + e);
+    if (w.rank() == 3)  // the others gave up before it arrived
+      require(e.find("rank 0 failed too") != std::string::npos && e.find("rank 2 failed too") != std::string::npos,
+              "rank 3 does not list ranks 0 and 2 as having failed too: " + e);
   });
-  ASSERT_EQ(r.ranks.size(), 2u);
+  ASSERT_EQ(r.ranks.size(), 4u);
   EXPECT_EQ(r.ranks[0].exit_code, 0) << r.summary();
   EXPECT_EQ(r.ranks[1].exit_code, 3) << r.summary();
+  EXPECT_EQ(r.ranks[2].exit_code, 0) << r.summary();
+  EXPECT_EQ(r.ranks[3].exit_code, 0) << r.summary();
 }
 
 // A full state dict's metadata keys starting shardtorch_ are the library's,

@@ -88,9 +88,12 @@ FileWaits::FileWaits(ShardState& state, const std::string& operation, World* als
 }
 
 FileWaits::~FileWaits() {
+  // While an exception unwinds, the record stays as the failure wrote it: a
+  // new note would mark a survivor that gave up as running again, and a
+  // slower survivor would blame it once it has exited.
+  if (std::uncaught_exceptions() > exceptions_) return;
   try {
-    const bool failed = std::uncaught_exceptions() > exceptions_;
-    for (World* w : worlds_) w->note_progress(operation_ + (failed ? " failed" : " done"));
+    for (World* w : worlds_) w->note_progress(operation_ + " done");
   } catch (const std::exception&) {  // a progress note is never worth a failure
   }
 }

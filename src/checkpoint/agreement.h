@@ -55,8 +55,8 @@ void load_agreed(ShardState& state, const std::string& error, const std::string&
 /// file writes, reads and fsyncs.
 /// While it lives, also notes `operation` ("save_sharded_checkpoint") as
 /// this rank's progress on the model's World and on `also`, so that a peer
-/// that waits for this rank's files names where it is; "<operation> done"
-/// when it ends, "<operation> failed" when an exception ends it.
+/// that waits for this rank's files names where it is, and "<operation>
+/// done" when it ends. An exception leaves the record as the failure wrote it.
 class FileWaits {
  public:
   FileWaits(ShardState& state, const std::string& operation, World* also = nullptr);
