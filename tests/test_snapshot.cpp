@@ -17,6 +17,7 @@
 
 #include "../src/base/errors.h"
 #include "captured_warnings.h"
+#include "checkpoint_helpers.h"
 #include "models.h"
 #include "shardtorch/plan.h"
 #include "shardtorch/shardtorch.h"
@@ -194,8 +195,26 @@ TEST(Snapshots, AnotherJobsSnapshotsAreNotUsed) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// After a restore that refused another model's or world size's snapshots
+// (steps 1 to 3): they are gone, and the new job's own steps 1 and 2 are
+// written and copied to the buddy (an older step written beside the
+// leftovers used to be pruned in their stead, and its copy failed).
+void train_two_steps_over_refused(Trained& t, Snapshots& snaps, World& w, const std::string& dir) {
+  require(!files::exists(shardtorch::detail::own_snapshot_path(options_in(dir, "job"), w.rank(), 3)),
+          "the refused snapshot of step 3 is still there");
+  for (int64_t s = 1; s <= 2; ++s) {
+    t.step();
+    snaps.after_step(s);
+  }
+  snaps.wait();
+  for (int64_t s = 1; s <= 2; ++s)
+    require(files::exists(shardtorch::detail::own_snapshot_path(options_in(dir, "job"), w.rank(), s)),
+            "the new job's snapshot of step " + std::to_string(s) + " is missing");
+}
+
 // The same job's snapshots of another model (another width) are refused by
-// their header, with a warning that says why; the model is left as it was.
+// their header, with a warning that says why, and removed; the model is
+// left as it was.
 TEST(Snapshots, AnotherModelsSnapshotsAreRefusedSayingWhy) {
   const TempDir dir("shardtorch-snapshots");
   auto r = run_ranks(2, [&](World& w) {
@@ -203,11 +222,14 @@ TEST(Snapshots, AnotherModelsSnapshotsAreRefusedSayingWhy) {
     Trained t(w, Strategy::FullShard, 17, 2);
     const Values before = t.values();
     Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job"));
+    t.register_with(snaps);
     CapturedWarnings warnings;
     const int64_t step = restore_capturing(snaps, warnings);
     require(step == -1, "restored step " + std::to_string(step) + " of another model");
     require(warnings.any_with("of another model"), "no warning says the snapshot is of another model");
+    require(warnings.any_with("; removed"), "no warning says the refused snapshot was removed");
     require_same(t.values(), before, "after the restore");
+    train_two_steps_over_refused(t, snaps, w, dir);
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }
@@ -230,6 +252,34 @@ TEST(Snapshots, AnotherWorldSizesSnapshotsAreRefusedSayingWhy) {
                                 " of 4"),
               "no warning names the world size the snapshot was written at");
     require_same(t.values(), before, "after the restore");
+    train_two_steps_over_refused(t, snaps, w, dir);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Options that differ between ranks fail on every rank at construction,
+// naming both (a different buddy map used to hang the first copy for the
+// collective timeout); so do state names that differ, at restore(); and a
+// state registered after restore() is refused (it would not be restored).
+TEST(Snapshots, OptionsOrStateThatDifferBetweenRanksFailOnEveryRank) {
+  const TempDir dir("shardtorch-snapshots");
+  auto r = run_ranks(3, [&](World& w) {
+    Trained t(w, Strategy::FullShard, 13, 1);
+    SnapshotOptions o = options_in(dir, "job");
+    o.buddy = w.rank() == 1 ? std::vector<int>{2, 0, 1} : std::vector<int>{1, 2, 0};
+    std::string e = message_of([&] { Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), o); });
+    require(e.find("the ranks were given different SnapshotOptions: rank 0 has every 1, persist_every 0, buddy map "
+                   "[1, 2, 0] but rank 1 has every 1, persist_every 0, buddy map [2, 0, 1]") != std::string::npos,
+            "a buddy map that differs on rank 1: " + e);
+    Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job"));
+    if (w.rank() != 2) t.register_with(snaps);
+    e = message_of([&] { snaps.restore(); });
+    require(e.find("the ranks registered different state: rank 0 registered 'data' but rank 2 registered none") !=
+                std::string::npos,
+            "state registered on ranks 0 and 1 only: " + e);
+    e = message_of([&] { t.register_with(snaps); });
+    require(e.find("register_state(\"data\") after restore()") != std::string::npos,
+            "a state registered after restore(): " + e);
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

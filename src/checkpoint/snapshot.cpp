@@ -138,11 +138,13 @@ std::string temporary_for(const std::string& dir, const std::string& name, int64
   return tmp;
 }
 
-// Removes all but the newest kKeep snapshots named `name`STEP.
-void prune(const std::string& dir, const std::string& name) {
-  const auto steps = steps_named(dir, name);
-  for (size_t i = kKeep; i < steps.size(); ++i)
-    files::remove_all_quietly(files::join(dir, name + std::to_string(steps[i])));
+// Once `name``step` is in place: the generations after it (of a
+// timeline the job left, or another run's) and all but the kKeep newest up
+// to it go.
+void prune(const std::string& dir, const std::string& name, int64_t step) {
+  int kept = 0;
+  for (int64_t s : steps_named(dir, name))
+    if (s > step || ++kept > kKeep) files::remove_all_quietly(files::join(dir, name + std::to_string(s)));
 }
 
 // Moves the finished temporary directory `tmp` in as `final_dir`.
@@ -352,15 +354,20 @@ struct SnapshotDir {
   }
 
   // The steps of the snapshots named `name`STEP of `for_rank` whose header
-  // is valid, newest first (their data is checked once chosen).
+  // is valid, newest first (their data is checked once chosen). The others
+  // (another model's, world size's or format's, or unreadable) can never be
+  // used: they are removed, so that no later write keeps them in its stead.
   std::vector<int64_t> valid_steps(const std::string& name, int for_rank) const {
     std::vector<int64_t> out;
     for (int64_t s : steps_named(options.dir, name)) {
       std::string why;
-      if (check(files::join(options.dir, name + std::to_string(s)), for_rank, s, why, /*data=*/false))
+      const std::string path = files::join(options.dir, name + std::to_string(s));
+      if (check(path, for_rank, s, why, /*data=*/false)) {
         out.push_back(s);
-      else
-        SHARDTORCH_WARN(who_of(world), ": ", why);
+        continue;
+      }
+      files::remove_all_quietly(path);
+      SHARDTORCH_WARN(who_of(world), ": ", why, "; removed");
     }
     return out;
   }
@@ -374,7 +381,7 @@ struct SnapshotDir {
     write_whole(files::join(tmp, file_of(owner)), static_cast<const char*>(bytes.data_ptr()),
                 static_cast<size_t>(bytes.numel()));
     put_in_place(tmp, files::join(options.dir, full));
-    prune(options.dir, name);
+    prune(options.dir, name, step);
   }
 
   // After a restore to `step`: the snapshots of later steps are of a
@@ -517,12 +524,13 @@ struct Snapshots::Impl {
   std::map<std::string, std::pair<std::function<std::string()>, std::function<void(const std::string&)>>> state;
   std::thread transfer;
   std::string transfer_error, persist_error;
-  CopyGate copy;          // the copy of the state in the background, which updates wait for
-  Transfers sent;         // the background thread's transfers
-  int guard = -1;         // the model's update guard
-  int lock_fd = -1;       // this rank's lock on the job's files in `dir`, held while this object lives
-  bool restored = false;  // restore() or rejoin() was called
-  std::string lock_path;  // the file of lock_fd
+  CopyGate copy;                // the copy of the state in the background, which updates wait for
+  Transfers sent;               // the background thread's transfers
+  int guard = -1;               // the model's update guard
+  int lock_fd = -1;             // this rank's lock on the job's files in `dir`, held while this object lives
+  bool restored = false;        // restore() or rejoin() was called, or after_step() warned that it was not
+  bool restore_called = false;  // restore() or rejoin() was called
+  std::string lock_path;        // the file of lock_fd
   // This rank's state as training left it, for a rejoin (Snapshots::rejoin):
   // it is the state of `step` while no update began since after_step(step);
   // the buffers (a forward changes them) and the registered state are those
@@ -656,7 +664,7 @@ struct Snapshots::Impl {
     checkpoint::crash_point("snapshot written");
     put_in_place(tmp, files::join(options.dir, name + std::to_string(o.step)));
     checkpoint::crash_point("snapshot in place");
-    prune(options.dir, name);
+    prune(options.dir, name, o.step);
   }
 
   // Sends this rank's snapshot of `step` to its buddy and receives the
@@ -700,7 +708,7 @@ struct Snapshots::Impl {
       sent.check();
       data = at::Tensor();  // unmapped: the file holds the bytes
       put_in_place(tmp, files::join(options.dir, name + std::to_string(s)));
-      prune(options.dir, name);
+      prune(options.dir, name, s);
     }
     for (auto& w : works) comm->wait(w);
     sent.check();
@@ -789,8 +797,20 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
     : impl_(std::make_unique<Impl>(std::move(world), root, opt, std::move(options))) {
   Impl& m = *impl_;
   const int n = m.world->size();
-  SHARDTORCH_CHECK(m.options.every >= 1, m.who(), ": every is ", m.options.every, "; it must be 1 or more");
   if (m.options.buddy.empty()) m.options.buddy = default_buddies(n);
+  // The options every rank must share, compared first: a rank that refused
+  // its own alone would leave the others waiting in the next collective.
+  if (n > 1) {
+    std::string mine = "every " + std::to_string(m.options.every) + ", persist_every " +
+                       std::to_string(m.options.persist_every) + ", buddy map [";
+    for (size_t r = 0; r < m.options.buddy.size(); ++r) mine += (r ? ", " : "") + std::to_string(m.options.buddy[r]);
+    mine += "]";
+    const auto all = m.world->comm().all_gather_strings(mine, "snapshots: the options");
+    for (size_t r = 1; r < all.size(); ++r)
+      SHARDTORCH_CHECK(all[r] == all[0], m.who(), ": the ranks were given different SnapshotOptions: rank 0 has ",
+                       all[0], " but rank ", r, " has ", all[r], "; give every rank the same");
+  }
+  SHARDTORCH_CHECK(m.options.every >= 1, m.who(), ": every is ", m.options.every, "; it must be 1 or more");
   SHARDTORCH_CHECK(static_cast<int>(m.options.buddy.size()) == n, m.who(), ": the buddy map has ",
                    m.options.buddy.size(), " entries for ", n, " ranks (give one per rank, or none)");
   for (int r = 0; r < n; ++r) {
@@ -859,6 +879,9 @@ Snapshots::~Snapshots() {
 
 void Snapshots::register_state(const std::string& name, std::function<std::string()> save,
                                std::function<void(const std::string&)> load) {
+  SHARDTORCH_CHECK(!impl_->restore_called, impl_->who(), ": register_state(\"", name,
+                   "\") after restore(): a restore gives back only the state registered before it; register every "
+                   "state before restore()");
   impl_->state[name] = {std::move(save), std::move(load)};
 }
 
@@ -972,7 +995,7 @@ int64_t Snapshots::Impl::fall_back(const std::string& why) {
 }
 
 int64_t Snapshots::Impl::restore(bool survivor) {
-  restored = true;
+  restored = restore_called = true;
   wait_transfer(false);
   detail::WorldAccess::end_setup(*world);
   dir.remove_leftovers();
@@ -996,9 +1019,18 @@ int64_t Snapshots::Impl::restore(bool survivor) {
   report["live"] = survivor && opt && live.usable() ? live.step : int64_t{-1};
   report["trained"] = survivor && live.trained.load();
   live.updated = true;  // from here on the state is the restored one's, until the next after_step
+  std::string names;    // the same on every rank, or a rank's state would go to no one
+  for (const auto& [k, fns] : state) names += (names.empty() ? "'" : ", '") + k + "'";
+  report["state"] = names.empty() ? "none" : names;
   std::vector<json::object> reports;
   for (const auto& r : world->comm().all_gather_strings(json::serialize(report), "snapshot restore: the steps held"))
     reports.push_back(json::parse(r).as_object());
+  for (size_t r = 1; r < reports.size(); ++r)
+    SHARDTORCH_CHECK(reports[r].at("state") == reports[0].at("state"), who(),
+                     ": the ranks registered different state: rank 0 registered ",
+                     json::value_to<std::string>(reports[0].at("state")), " but rank ", r, " registered ",
+                     json::value_to<std::string>(reports[r].at("state")),
+                     "; register the same names on every rank, before restore()");
   // The choice from the headers; then the data of the files it reads is
   // checked, and a damaged one leaves the candidates for another round.
   Choice c;
