@@ -524,13 +524,12 @@ struct Snapshots::Impl {
   std::map<std::string, std::pair<std::function<std::string()>, std::function<void(const std::string&)>>> state;
   std::thread transfer;
   std::string transfer_error, persist_error;
-  CopyGate copy;                // the copy of the state in the background, which updates wait for
-  Transfers sent;               // the background thread's transfers
-  int guard = -1;               // the model's update guard
-  int lock_fd = -1;             // this rank's lock on the job's files in `dir`, held while this object lives
-  bool restored = false;        // restore() or rejoin() was called, or after_step() warned that it was not
-  bool restore_called = false;  // restore() or rejoin() was called
-  std::string lock_path;        // the file of lock_fd
+  CopyGate copy;          // the copy of the state in the background, which updates wait for
+  Transfers sent;         // the background thread's transfers
+  int guard = -1;         // the model's update guard
+  int lock_fd = -1;       // this rank's lock on the job's files in `dir`, held while this object lives
+  bool restored = false;  // restore() or rejoin() was called
+  std::string lock_path;  // the file of lock_fd
   // This rank's state as training left it, for a rejoin (Snapshots::rejoin):
   // it is the state of `step` while no update began since after_step(step);
   // the buffers (a forward changes them) and the registered state are those
@@ -879,7 +878,7 @@ Snapshots::~Snapshots() {
 
 void Snapshots::register_state(const std::string& name, std::function<std::string()> save,
                                std::function<void(const std::string&)> load) {
-  SHARDTORCH_CHECK(!impl_->restore_called, impl_->who(), ": register_state(\"", name,
+  SHARDTORCH_CHECK(!impl_->restored, impl_->who(), ": register_state(\"", name,
                    "\") after restore(): a restore gives back only the state registered before it; register every "
                    "state before restore()");
   impl_->state[name] = {std::move(save), std::move(load)};
@@ -907,7 +906,6 @@ void Snapshots::after_step(int64_t step) {
                          ": after_step() before restore(): call restore() once before the first step, or "
                          "a job that torchrun restarts trains from the beginning again and writes over its "
                          "own snapshots");
-  m.restored = true;  // said once
   m.live.step = step;
   m.live.updated = false;
   if (step % m.options.every != 0) return;
@@ -995,7 +993,7 @@ int64_t Snapshots::Impl::fall_back(const std::string& why) {
 }
 
 int64_t Snapshots::Impl::restore(bool survivor) {
-  restored = restore_called = true;
+  restored = true;
   wait_transfer(false);
   detail::WorldAccess::end_setup(*world);
   dir.remove_leftovers();
