@@ -45,11 +45,21 @@ using namespace std::chrono_literals;
 
 Member member(const std::string& id, int64_t step) { return Member{id, "", "127.0.0.1:1", step, 1, "{}"}; }
 
+// Runs `body` in a forked process, so that the gRPC it uses stays out of
+// this one, whose later tests fork ranks that use gRPC (it does not survive
+// a fork). Its GoogleTest failures, printed there, fail the test here.
+void in_child(const std::function<void()>& body) {
+  auto r = shardtorch::testing::run_ranks(1, [&](World&) {
+    body();
+    if (::testing::Test::HasFailure()) throw std::runtime_error("the checks above failed in the child");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 TEST(FtLighthouse, GrpcClientAndLibTorchWorkInOneProcess) {
   // protobuf objects made and parsed by the client, tensors and a Gloo
   // all-reduce of LibTorch (which exports some protobuf symbols of its own),
-  // in the same process. The forked ranks come first: gRPC does not survive
-  // a fork of a process that used it.
+  // in the same process.
   Lighthouse lh(2);
   auto r = shardtorch::testing::run_ranks(2, [&](World& w) {
     LighthouseClient c(lh.address());
@@ -64,40 +74,77 @@ TEST(FtLighthouse, GrpcClientAndLibTorchWorkInOneProcess) {
   // A lighthouse of their own: on the first, the children's replicas still
   // count as alive, and two newcomers are not a majority of four.
   Lighthouse lh2(2);
-  auto x = at::arange(10, at::kFloat);
-  LighthouseClient a(lh2.address()), b("http://" + lh2.address());
-  auto fa = std::async(std::launch::async, [&] { return a.quorum(member("g0:a", 3), 20s); });
-  auto qb = b.quorum(member("g1:b", 5), 20s);
-  auto qa = fa.get();
-  b.heartbeat("g1:b", 5s);
-  EXPECT_EQ(qa.quorum_id, qb.quorum_id);
-  ASSERT_EQ(qa.participants.size(), 2u);
-  EXPECT_EQ(qa.participants[0].replica_id, "g0:a");
-  EXPECT_EQ(qa.participants[1].replica_id, "g1:b");
-  EXPECT_EQ(qa.participants[1].step, 5);
-  EXPECT_EQ(qa.participants[0].data, "{}");
-  EXPECT_EQ(x.sum().item<float>(), 45.f);
+  in_child([&] {
+    auto x = at::arange(10, at::kFloat);
+    LighthouseClient a(lh2.address()), b("http://" + lh2.address());
+    auto fa = std::async(std::launch::async, [&] { return a.quorum(member("g0:a", 3), 20s); });
+    auto qb = b.quorum(member("g1:b", 5), 20s);
+    auto qa = fa.get();
+    b.heartbeat("g1:b", 5s);
+    EXPECT_EQ(qa.quorum_id, qb.quorum_id);
+    ASSERT_EQ(qa.participants.size(), 2u);
+    EXPECT_EQ(qa.participants[0].replica_id, "g0:a");
+    EXPECT_EQ(qa.participants[1].replica_id, "g1:b");
+    EXPECT_EQ(qa.participants[1].step, 5);
+    EXPECT_EQ(qa.participants[0].data, "{}");
+    EXPECT_EQ(x.sum().item<float>(), 45.f);
+  });
+}
+
+// A process forked after gRPC was used in it gets an error that says so from
+// a new client and from one it inherited, not calls that hang.
+TEST(FtLighthouse, AProcessForkedAfterGrpcWasUsedIsRefusedNotLeftHanging) {
+  in_child([] {
+    LighthouseClient used("127.0.0.1:" + std::to_string(free_port()));
+    const pid_t child = ::fork();
+    if (child == 0) {
+      int code = 0;
+      const auto refused = [&](const std::function<void()>& call, int bit) {
+        try {
+          call();
+        } catch (const shardtorch::Error& e) {
+          const std::string m = e.what();
+          if (m.find("was forked from pid " + std::to_string(::getppid()) + " after that one had used gRPC") !=
+                  std::string::npos &&
+              m.find("in the ranks and never in the parent") != std::string::npos)
+            return;
+        } catch (...) {
+        }
+        code |= bit;
+      };
+      refused([] { LighthouseClient fresh("127.0.0.1:1"); }, 1);
+      refused([&] { used.heartbeat("g0:x", 1s); }, 2);
+      refused([&] { used.quorum(member("g0:x", 0), 1s); }, 4);
+      ::_exit(code);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFEXITED(status)) << status;
+    EXPECT_EQ(WEXITSTATUS(status), 0) << "bits: 1 a new client, 2 heartbeat, 4 quorum; set: not refused";
+  });
 }
 
 TEST(FtLighthouse, UnreachableLighthouseIsAClearErrorWithinTheTimeout) {
-  LighthouseClient c("127.0.0.1:" + std::to_string(free_port()));  // nothing listens there
-  const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::string> warnings;  // the refusals are said before the timeout ends
-  c.set_warn([&](const std::string& w) { warnings.push_back(w); });
-  try {
-    c.quorum(member("g0:x", 0), 700ms);
-    FAIL() << "no error";
-  } catch (const shardtorch::Error& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("lighthouse at 127.0.0.1:"), std::string::npos) << m;
-    EXPECT_NE(m.find("700 ms"), std::string::npos) << m;
-    EXPECT_NE(m.find("torchft_lighthouse"), std::string::npos) << m;
-  }
-  ASSERT_EQ(warnings.size(), 1u);
-  EXPECT_NE(warnings[0].find(" refused "), std::string::npos) << warnings[0];
-  EXPECT_NE(warnings[0].find("Is torchft_lighthouse running there"), std::string::npos) << warnings[0];
-  // Bounded by the timeout (with a wide margin for a loaded machine), not gRPC's own defaults.
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  in_child([] {
+    LighthouseClient c("127.0.0.1:" + std::to_string(free_port()));  // nothing listens there
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::string> warnings;  // the refusals are said before the timeout ends
+    c.set_warn([&](const std::string& w) { warnings.push_back(w); });
+    try {
+      c.quorum(member("g0:x", 0), 700ms);
+      FAIL() << "no error";
+    } catch (const shardtorch::Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("lighthouse at 127.0.0.1:"), std::string::npos) << m;
+      EXPECT_NE(m.find("700 ms"), std::string::npos) << m;
+      EXPECT_NE(m.find("torchft_lighthouse"), std::string::npos) << m;
+    }
+    ASSERT_EQ(warnings.size(), 1u);
+    EXPECT_NE(warnings[0].find(" refused "), std::string::npos) << warnings[0];
+    EXPECT_NE(warnings[0].find("Is torchft_lighthouse running there"), std::string::npos) << warnings[0];
+    // Bounded by the timeout (with a wide margin for a loaded machine), not gRPC's own defaults.
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  });
 }
 
 // Connected (the lighthouse may take a moment to listen): a request sent
@@ -118,42 +165,46 @@ void wait_until_connected(LighthouseClient& c, const std::string& replica_id) {
 // timeout; if no lighthouse comes back, it says so: not only "no quorum
 // within the timeout", but that the lighthouse closed the connection, when.
 TEST(FtLighthouse, ARequestTheLighthouseDropsSaysWhatEndedItAndAfterHowLong) {
-  Lighthouse lh(2);  // one client alone: its request waits
-  LighthouseClient c(lh.address());
-  wait_until_connected(c, "g0:x");
-  const auto t0 = std::chrono::steady_clock::now();
-  auto pending = std::async(std::launch::async, [&] { return c.quorum(member("g0:x", 0), 3000ms); });
-  ASSERT_EQ(pending.wait_for(500ms), std::future_status::timeout) << "a quorum of one with --min_replicas 2";
-  lh.stop();
-  try {
-    pending.get();
-    FAIL() << "no error";
-  } catch (const shardtorch::Error& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("within 3000 ms"), std::string::npos) << m;
-    const auto first = m.find("closed the connection 1 time (first after ");
-    ASSERT_NE(first, std::string::npos) << m;
-    EXPECT_LT(std::stoll(m.substr(first + 42)), 3000) << m;  // the lighthouse's death, not the timeout
-    EXPECT_NE(m.find("may have died or been restarted"), std::string::npos) << m;
-  }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);  // the request's timeout, with a margin
+  in_child([] {
+    Lighthouse lh(2);  // one client alone: its request waits
+    LighthouseClient c(lh.address());
+    wait_until_connected(c, "g0:x");
+    const auto t0 = std::chrono::steady_clock::now();
+    auto pending = std::async(std::launch::async, [&] { return c.quorum(member("g0:x", 0), 3000ms); });
+    ASSERT_EQ(pending.wait_for(500ms), std::future_status::timeout) << "a quorum of one with --min_replicas 2";
+    lh.stop();
+    try {
+      pending.get();
+      FAIL() << "no error";
+    } catch (const shardtorch::Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("within 3000 ms"), std::string::npos) << m;
+      const auto first = m.find("closed the connection 1 time (first after ");
+      ASSERT_NE(first, std::string::npos) << m;
+      EXPECT_LT(std::stoll(m.substr(first + 42)), 3000) << m;  // the lighthouse's death, not the timeout
+      EXPECT_NE(m.find("may have died or been restarted"), std::string::npos) << m;
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);  // the request's timeout, with a margin
+  });
 }
 
 // A request in flight when the lighthouse is restarted on its address goes
 // on under the new one: it joins the quorum a second client asks for there.
 TEST(FtLighthouse, ARequestInFlightGoesOnUnderALighthouseRestartedOnItsAddress) {
-  Lighthouse lh(2);
-  LighthouseClient a(lh.address()), b(lh.address());
-  wait_until_connected(a, "g0:a");
-  auto pending = std::async(std::launch::async, [&] { return a.quorum(member("g0:a", 3), 30s); });
-  ASSERT_EQ(pending.wait_for(500ms), std::future_status::timeout) << "a quorum of one with --min_replicas 2";
-  lh.restart();
-  const auto qb = b.quorum(member("g1:b", 3), 30s);
-  const auto qa = pending.get();
-  EXPECT_EQ(qa.quorum_id, qb.quorum_id);
-  ASSERT_EQ(qa.participants.size(), 2u);
-  EXPECT_EQ(qa.participants[0].replica_id, "g0:a");
-  EXPECT_EQ(qa.participants[1].replica_id, "g1:b");
+  in_child([] {
+    Lighthouse lh(2);
+    LighthouseClient a(lh.address()), b(lh.address());
+    wait_until_connected(a, "g0:a");
+    auto pending = std::async(std::launch::async, [&] { return a.quorum(member("g0:a", 3), 30s); });
+    ASSERT_EQ(pending.wait_for(500ms), std::future_status::timeout) << "a quorum of one with --min_replicas 2";
+    lh.restart();
+    const auto qb = b.quorum(member("g1:b", 3), 30s);
+    const auto qa = pending.get();
+    EXPECT_EQ(qa.quorum_id, qb.quorum_id);
+    ASSERT_EQ(qa.participants.size(), 2u);
+    EXPECT_EQ(qa.participants[0].replica_id, "g0:a");
+    EXPECT_EQ(qa.participants[1].replica_id, "g1:b");
+  });
 }
 
 void two_groups_train_like_one_process(int ranks, shardtorch::ShardOptions shard, bool prefetch = false) {

@@ -1,8 +1,10 @@
 #include "ft/lighthouse_client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <sstream>
@@ -106,6 +108,22 @@ struct Attempts {
   throw shardtorch::Error(m.str());
 }
 
+// The process that made the first client. A forked child inherits the
+// value: gRPC's threads and timers are not copied by fork(), so its calls in
+// the child would wait forever, deadlines included.
+std::atomic<pid_t> grpc_process{0};
+
+void check_not_forked_after_grpc() {
+  const pid_t me = ::getpid();
+  pid_t first = 0;
+  if (grpc_process.compare_exchange_strong(first, me) || first == me) return;
+  check(false, "shardtorch::ft: this process (pid ", me, ") was forked from pid ", first,
+        " after that one had used gRPC (a lighthouse client, which ft::Manager makes), and gRPC does not "
+        "survive a fork: every call here would hang. Make lighthouse clients and managers only in processes "
+        "that did not inherit gRPC: with shardtorch::testing::run_ranks, in the ranks and never in the parent "
+        "(docs/fault_tolerance.md)");
+}
+
 }  // namespace
 
 LighthouseClient::LighthouseClient(const std::string& address)
@@ -113,12 +131,14 @@ LighthouseClient::LighthouseClient(const std::string& address)
   check(!address_.empty(),
         "shardtorch::ft: no lighthouse address: pass ManagerOptions::lighthouse "
         "or set SHARDTORCH_FT_LIGHTHOUSE (host:port of torchft_lighthouse)");
+  check_not_forked_after_grpc();
   impl_->stub = new_stub(address_);
 }
 
 LighthouseClient::~LighthouseClient() = default;
 
 QuorumReply LighthouseClient::quorum(const Member& me, std::chrono::milliseconds timeout) {
+  check_not_forked_after_grpc();
   torchft::LighthouseQuorumRequest req;
   auto* m = req.mutable_requester();
   m->set_replica_id(me.replica_id);
@@ -204,6 +224,7 @@ void LighthouseClient::allow_quorum() {
 }
 
 void LighthouseClient::heartbeat(const std::string& replica_id, std::chrono::milliseconds timeout) {
+  check_not_forked_after_grpc();
   torchft::LighthouseHeartbeatRequest req;
   req.set_replica_id(replica_id);
   torchft::LighthouseHeartbeatResponse resp;
