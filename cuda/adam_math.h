@@ -1,7 +1,7 @@
 #pragma once
 // One Adam/AdamW element update, shared by the CUDA kernel (fused_adam.cu)
 // and its host reference (tests): the arithmetic and its order are those of
-// shardtorch's fused CPU Adam (src/optim/cpu_adam.cpp), coefficient for
+// shardtorch's fused CPU Adam (src/optim/adam_kernels.cpp), coefficient for
 // coefficient, so the two differ only by the hardware's fp32 rounding of
 // sqrt and division (and FMA contraction).
 #include <cmath>

@@ -1,22 +1,18 @@
 #!/usr/bin/env bash
-# The fused CPU Adam compiles for aarch64 (its portable variant; the x86
-# variants are left out there): the source, with the flags CMakeLists.txt
-# gives it, through the aarch64 cross compiler, against the LibTorch headers
-# of this build (architecture-independent). The object must be an aarch64
-# object.
-# Usage: cross_compile_cpu_adam.sh CROSS_CXX SOURCE_DIR OUT_DIR TORCH_INCLUDE_DIR...
+# The fused CPU Adam's kernels compile for aarch64 (the portable variant; the
+# x86 variants are left out there): src/optim/adam_kernels.cpp, which sees no
+# LibTorch header, with the flags CMakeLists.txt gives it, through the
+# aarch64 cross compiler. The object must be an aarch64 object.
+# Usage: cross_compile_cpu_adam.sh CROSS_CXX SOURCE_DIR OUT_DIR
 set -euo pipefail
 cxx=$1 src=$2 out=$3
-shift 3
-incs=()
-for d in "$@"; do incs+=(-I"$d"); done
 mkdir -p "$out"
-obj=$out/cpu_adam.aarch64.o
+obj=$out/adam_kernels.aarch64.o
 rm -f "$obj"
-"$cxx" -std=c++20 -O3 -fno-math-errno -fopenmp -fPIC -Wall -Wextra -Wno-unused-parameter \
-  -I"$src/include" -I"$src/src" "${incs[@]}" -c "$src/src/optim/cpu_adam.cpp" -o "$obj"
+"$cxx" -std=c++20 -O3 -fno-math-errno -fPIC -Wall -Wextra -Wno-unused-parameter \
+  -I"$src/include" -I"$src/src" -c "$src/src/optim/adam_kernels.cpp" -o "$obj"
 desc=$(file -b "$obj" 2>/dev/null || readelf -h "$obj" | grep Machine)
-echo "cpu_adam.cpp for aarch64: $desc"
+echo "adam_kernels.cpp for aarch64: $desc"
 case $desc in
   *aarch64* | *AArch64* | *ARM\ aarch64*) ;;
   *) echo "not an aarch64 object"; exit 1 ;;
