@@ -4,7 +4,12 @@
 # usage: install_test.sh BUILD_DIR SOURCE_DIR PREFIX_PATH [TORCH_DIR]
 set -euo pipefail
 build=$1 src=$2 prefix_path=$3 torch_dir=${4:-}
-tmp=$(mktemp -d)
+# A fixed place under the build tree, so that ccache (when the consumer's
+# compiler runs through it) finds the consumer objects of the last run: the
+# compiler's command line names this directory.
+tmp=$build/install-test
+rm -rf "$tmp"
+mkdir -p "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 cmake --install "$build" --prefix "$tmp/prefix" > "$tmp/install.log"
 test -f "$tmp/prefix/include/shardtorch/sharded.h"
