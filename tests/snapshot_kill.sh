@@ -17,6 +17,37 @@ run() {  # NAME [snapshot_train options]
     "$bin" --out "$tmp/$name.safetensors" "$@" > "$tmp/$name.log" 2>&1 ||
     { echo "FAIL: $name exited with an error"; cat "$tmp/$name.log"; exit 1; }
 }
+# free_port: a port nothing listens on now.
+free_port() {
+  "$(dirname "$torchrun")/python3" -c \
+    'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+# The uninterrupted run of STRATEGY for STEPS, as oracle-STRATEGY: 4 ranks
+# launched by hand (nothing restarts them). Kept beside the trainer and made
+# again only when the trainer is newer (it is relinked whenever the library
+# changes), so the three sets share it.
+oracle() {  # STRATEGY STEPS
+  local s=$1 steps=$2 dir kept r port code pids=()
+  dir=$(dirname "$bin")/snapshot-oracles
+  kept=$dir/$s-$steps.safetensors
+  if [ ! "$kept" -nt "$bin" ]; then
+    mkdir -p "$dir"
+    port=$(free_port)
+    for r in 0 1 2 3; do
+      RANK=$r LOCAL_RANK=$r WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+        "$here/stacks_on_timeout.sh" 120 "$bin" --strategy $s --steps $steps --out "$dir/part-$s-$steps.safetensors" \
+        > "$tmp/oracle-$s.r$r.log" 2>&1 &
+      pids+=($!)
+    done
+    for r in 0 1 2 3; do
+      code=0
+      wait "${pids[$r]}" || code=$?
+      [ $code = 0 ] || { echo "FAIL: oracle-$s: rank $r exited with $code"; cat "$tmp/oracle-$s".r*.log; exit 1; }
+    done
+    mv "$dir/part-$s-$steps.safetensors" "$kept"
+  fi
+  cp "$kept" "$tmp/oracle-$s.safetensors"
+}
 # The run NAME ends equal to the uninterrupted run of STRATEGY.
 same() {  # STRATEGY NAME
   cmp -s "$tmp/oracle-$1.safetensors" "$tmp/$2.safetensors" ||
@@ -29,7 +60,7 @@ says() {  # NAME TEXT: the run's log has a line with TEXT
 
 if [ "$set" = full_shard ]; then
   s=full_shard
-  run "oracle-$s" --strategy $s --steps 10
+  oracle $s 10
   # K = 1: killed in the forward of step 4, then in the backward of step 7,
   # inside a reduce-scatter (the step's second, posted, not yet complete on
   # the other ranks): each time the step before.
@@ -41,8 +72,7 @@ if [ "$set" = full_shard ]; then
   # The same kill without torchrun (which stops the other workers at once):
   # the others fail at once with the collective's error, naming the rank
   # that died, instead of waiting for their collectives' timeout (300 s).
-  port=$("$(dirname "$torchrun")/python3" -c \
-    'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$(free_port)
   pids=()
   for r in 0 1 2 3; do
     RANK=$r LOCAL_RANK=$r WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
@@ -88,8 +118,7 @@ elif [ "$set" = rejoin ]; then
     local name=$1 kills=$2 replaced=0 left=4 r p code port
     shift 2
     # A port of its own per launch: one held across launches could be taken meanwhile.
-    port=$("$(dirname "$torchrun")/python3" -c \
-      'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    port=$(free_port)
     declare -A pid inc
     start() {  # RANK INCARNATION [snapshot_train options]
       local rk=$1 in=$2
@@ -129,7 +158,7 @@ elif [ "$set" = rejoin ]; then
   # optimizer step of step 9: the others have made that update, so they
   # load their own step 8.
   s=full_shard
-  run "oracle-$s" --strategy $s --steps 10
+  oracle $s 10
   hand rejoin "0:2@4:reduce-scatter,0:1@7:forward,0:3@9:optimizer" --strategy $s --steps 10 --every 1
   says rejoin "rank 2: killed at step 4 (reduce-scatter)"
   says rejoin "rank 1: killed at step 7 (forward)"
@@ -155,7 +184,7 @@ elif [ "$set" = rejoin ]; then
   for s in shard_grad_op optimizer_only hybrid_shard; do
     phase=reduce-scatter
     [ $s = optimizer_only ] && phase=backward
-    run "oracle-$s" --strategy $s --steps 8
+    oracle $s 8
     hand "rejoin-$s" "0:1@5:$phase:node" --strategy $s --steps 8 --every 2
     says "rejoin-$s" "restored step 4 from memory; from their buddies' copies: ranks 1; kept in place (as training left it) on ranks 0 2 3"
     same $s "rejoin-$s"
@@ -166,7 +195,7 @@ else
   for s in shard_grad_op optimizer_only hybrid_shard; do
     phase=reduce-scatter
     [ $s = optimizer_only ] && phase=backward
-    run "oracle-$s" --strategy $s --steps 8
+    oracle $s 8
     run "$s" --strategy $s --steps 8 --every 2 --dir "$tmp/$s" --kill "0:1@5:$phase:node"
     says "$s" "killed at step 5 ($phase, node)"
     says "$s" "restored step 4 from memory; from their buddies' copies: ranks 1"
