@@ -11,6 +11,12 @@ if [ ${#files[@]} -eq 0 ]; then
   mapfile -t files < <(find src include tests examples bench tools -name '*.cpp' -o -name '*.h')
 fi
 [ ${#files[@]} -gt 0 ] || { echo "check_format: no C++ files under $src" >&2; exit 1; }
+# One run over every file (a process per file took four times as long);
+# only when it fails, one per file to name them.
+"$fmt" --dry-run -Werror "${files[@]}" > /dev/null 2>&1 && {
+  echo "check_format: ${#files[@]} files follow .clang-format"
+  exit 0
+}
 bad=()
 for f in "${files[@]}"; do
   "$fmt" --dry-run -Werror "$f" >/dev/null 2>&1 || bad+=("$f")
