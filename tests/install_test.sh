@@ -40,6 +40,9 @@ for tool in shardtorch-plan shardtorch-convert; do
 done
 launcher=()
 command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+# As the build's own ccache settings (CMakeLists.txt): paths under the source
+# tree hashed relative to it, so checkouts elsewhere share the objects.
+export CCACHE_BASEDIR=$src CCACHE_NOHASHDIR=1 CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime
 torch=()
 [ -n "$torch_dir" ] && torch=(-DTorch_DIR="$torch_dir")
 cmake -S "$src/tests/consumer" -B "$tmp/build" "${launcher[@]}" "${torch[@]}" \
