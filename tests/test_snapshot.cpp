@@ -284,6 +284,42 @@ TEST(Snapshots, OptionsOrStateThatDifferBetweenRanksFailOnEveryRank) {
   ASSERT_TRUE(r.ok) << r.summary();
 }
 
+// restore() loads once per run: a second call (which would roll back the
+// steps trained since) is refused, and so is every call after finish(),
+// which removed the job's snapshots (an after_step() there wrote a new one
+// that nothing would ever remove).
+TEST(Snapshots, ASecondRestoreAndCallsAfterFinishAreRefused) {
+  const TempDir dir("shardtorch-snapshots");
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, Strategy::FullShard, 13, 1);
+    const SnapshotOptions o = options_in(dir, "once");
+    Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), o);
+    t.register_with(snaps);
+    require(snaps.restore() == -1, "a fresh start restored something");
+    t.step();
+    snaps.after_step(1);
+    std::string e = message_of([&] { snaps.restore(); });
+    require(e.find("restore() called again: it loads the newest snapshot once") != std::string::npos,
+            "a second restore(): " + e);
+    t.step();
+    snaps.after_step(2);
+    snaps.finish();
+    for (const auto& [call, f] : std::vector<std::pair<std::string, std::function<void()>>>{
+             {"after_step()", [&] { snaps.after_step(3); }},
+             {"restore()", [&] { snaps.restore(); }},
+             {"rejoin()", [&] { snaps.rejoin(); }},
+             {"finish()", [&] { snaps.finish(); }},
+             {"register_state()", [&] { t.register_with(snaps); }}}) {
+      e = message_of(f);
+      require(e.find(call + " after finish(): finish() removed this job's snapshots") != std::string::npos,
+              call + " after finish(): " + e);
+    }
+    require(!files::exists(shardtorch::detail::own_snapshot_path(o, w.rank(), 3)),
+            "after_step(3) after finish() wrote a snapshot");
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
 // The copy of a snapshot runs in the background until the next update,
 // which waits for it: here the copy is held back 300 ms, and the optimizer
 // step right after after_step() must not change what it copies. wait()
@@ -398,7 +434,7 @@ TEST_P(SnapshotPersist, APersistedStepServesWhenMemoryIsGone) {
     const int64_t counted = again.sharded->memory().cur(shardtorch::Mem::Snapshots);
     again.step();
     snaps.after_step(3);
-    snaps.restore();  // no transfer in flight after it: the count is bytes_kept()'s
+    snaps.wait();  // the copy held for the buddy, received since, counts from here
     require(again.sharded->memory().cur(shardtorch::Mem::Snapshots) == snaps.bytes_kept() && counted == 0,
             "the memory report counts " + std::to_string(again.sharded->memory().cur(shardtorch::Mem::Snapshots)) +
                 " bytes of snapshots (" + std::to_string(counted) + " before any), bytes_kept() " +

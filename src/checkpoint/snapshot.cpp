@@ -529,6 +529,7 @@ struct Snapshots::Impl {
   int guard = -1;         // the model's update guard
   int lock_fd = -1;       // this rank's lock on the job's files in `dir`, held while this object lives
   bool restored = false;  // restore() or rejoin() was called
+  bool finished = false;  // finish() was called: the job's files and lock are gone
   std::string lock_path;  // the file of lock_fd
   // This rank's state as training left it, for a rejoin (Snapshots::rejoin):
   // it is the state of `step` while no update began since after_step(step);
@@ -551,6 +552,13 @@ struct Snapshots::Impl {
 
   int rank() const { return world->rank(); }
   std::string who() const { return who_of(*world); }
+
+  // Refuses `call` after finish(), which removed what it would use.
+  void check_not_finished(const char* call) const {
+    SHARDTORCH_CHECK(!finished, who(), ": ", call,
+                     " after finish(): finish() removed this job's snapshots and released its lock in '", options.dir,
+                     "'. Make a new Snapshots object for another run");
+  }
 
   void wait_transfer(bool rethrow) {
     if (transfer.joinable()) transfer.join();
@@ -878,6 +886,7 @@ Snapshots::~Snapshots() {
 
 void Snapshots::register_state(const std::string& name, std::function<std::string()> save,
                                std::function<void(const std::string&)> load) {
+  impl_->check_not_finished("register_state()");
   SHARDTORCH_CHECK(!impl_->restored, impl_->who(), ": register_state(\"", name,
                    "\") after restore(): a restore gives back only the state registered before it; register every "
                    "state before restore()");
@@ -897,10 +906,14 @@ int64_t Snapshots::bytes_kept() const {
   return impl_->dir.kept_now();
 }
 
-void Snapshots::wait() { impl_->wait_transfer(true); }
+void Snapshots::wait() {
+  impl_->wait_transfer(true);
+  impl_->count_memory(impl_->dir.kept_now());  // the buddy's copy, now held, counts too
+}
 
 void Snapshots::after_step(int64_t step) {
   Impl& m = *impl_;
+  m.check_not_finished("after_step()");
   if (!m.restored)
     SHARDTORCH_WARN_ONCE(m.who(),
                          ": after_step() before restore(): call restore() once before the first step, or "
@@ -952,6 +965,11 @@ void Snapshots::after_step(int64_t step) {
 }
 
 int64_t Snapshots::restore() {
+  impl_->check_not_finished("restore()");
+  SHARDTORCH_CHECK(!impl_->restored, impl_->who(),
+                   ": restore() called again: it loads the newest snapshot once, before the first step (a second "
+                   "call would roll back the steps trained since). After a peer's loss, the ranks still running "
+                   "call rejoin()");
   const int64_t step = impl_->restore(/*survivor=*/false);
   impl_->count_memory(bytes_kept());
   return step;
@@ -959,6 +977,7 @@ int64_t Snapshots::restore() {
 
 int64_t Snapshots::rejoin() {
   Impl& m = *impl_;
+  m.check_not_finished("rejoin()");
   m.sent.abort();                                           // a receive from the lost rank waits for nothing
   m.wait_transfer(false);                                   // the copy in flight, most likely failed with the lost rank
   m.sharded->backward().recover_if_failed(/*warn=*/false);  // the failed step's reductions in flight
@@ -1221,6 +1240,8 @@ void Snapshots::Impl::load_step(int64_t chosen, bool keep, std::optional<Found> 
 
 void Snapshots::finish() {
   Impl& m = *impl_;
+  m.check_not_finished("finish()");
+  m.finished = true;
   m.wait_transfer(true);
   m.world->barrier();  // no rank still needs a copy another keeps
   for (int64_t s : steps_named(m.options.dir, own_name(m.options, m.rank())))
