@@ -5,6 +5,9 @@
 // memory report and the planner count their bytes. The kills under torchrun
 // are tests/snapshot_kill.sh's.
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -172,6 +175,16 @@ TEST(Snapshots, AnotherJobsSnapshotsAreNotUsed) {
                          "' are in use: rank 0: another live "
                          "process holds") != std::string::npos,
               "a second live Snapshots of one job: " + error);
+      // Refused for rank 0's lock alone (held here by hand), rank 1 leaves no lock file of its own behind.
+      const auto lock_of = [&](int rank) { return dir / (".shardtorch-job-c-r" + std::to_string(rank) + ".lock"); };
+      const int held = w.rank() == 0 ? ::open(lock_of(0).string().c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644) : -1;
+      if (w.rank() == 0) require(held >= 0 && ::flock(held, LOCK_EX | LOCK_NB) == 0, "could not take rank 0's lock");
+      w.barrier();
+      error = message_of([&] { Snapshots c(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job-c")); });
+      require(error.find("are in use: rank 0: another live process holds") != std::string::npos,
+              "rank 0's lock held: " + error);
+      if (held >= 0) ::close(held);
+      require(!files::exists(lock_of(1)), "rank 1, refused for rank 0's lock, left its lock file");
     }
     for (const char* count : {"1", "0"}) {
       ::setenv("TORCHELASTIC_RESTART_COUNT", count, 1);

@@ -856,6 +856,7 @@ Snapshots::Snapshots(std::shared_ptr<World> world, torch::nn::Module& root, Shar
   if (n > 1) verdicts = m.world->comm().all_gather_strings(refused, "snapshots: the job's files");
   for (size_t r = 0; r < verdicts.size(); ++r)
     if (!verdicts[r].empty()) {
+      if (refused.empty()) files::remove_all_quietly(lock);  // this rank's, held: it goes as at finish()
       if (m.lock_fd >= 0) ::close(m.lock_fd);
       m.lock_fd = -1;
       throw Error(m.who() + ": the snapshots of job '" + detail::snapshot_job(m.options) + "' in '" + m.options.dir +
