@@ -1,6 +1,8 @@
 // FullShard training equals single-process training on the full batch.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "models.h"
 #include "reference.h"
 
@@ -284,4 +286,37 @@ TEST(Parity, NoReshardAfterForwardAndNoCoalescing) {
                             /*max_gathered_units=*/3);  // root and both blocks stay until the end of backward
   });
   ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// expect_same_run names the tensor at fault: one the reference has and the
+// run lacks, one the run has and the reference lacks, both shapes, and a
+// NaN as such (it printed "by -nan", and only counts for the first two).
+TEST(Parity, ARunThatDiffersFromTheReferenceIsNamedByItsTensor) {
+  using shardtorch::testing::Run;
+  Run want;
+  want.first_grads = {{"a", at::ones({2})}, {"b", at::ones({3})}};
+  want.final_params = want.first_grads;
+  const auto message = [&](const Run& got) {
+    try {
+      shardtorch::testing::expect_same_run(got, want, 1e-6, "run");
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  Run got = want;
+  EXPECT_EQ(message(got), "no error");
+  got.first_grads.erase("b");
+  EXPECT_EQ(message(got), "run: first gradients: 'b' is missing (the reference has it, of shape [3])");
+  got = want;
+  got.first_grads["c"] = at::ones({1});
+  EXPECT_EQ(message(got), "run: first gradients: 'c' (of shape [1]) is not in the reference");
+  got = want;
+  got.final_params["b"] = at::ones({4});
+  EXPECT_EQ(message(got), "run: final parameters: 'b' is of shape [4], the reference's [3]");
+  got = want;
+  got.first_grads["a"] = at::full({2}, NAN);
+  EXPECT_EQ(message(got),
+            "run: first gradients: 'a' has a NaN or infinite element where the reference has none, or "
+            "the other way round");
 }

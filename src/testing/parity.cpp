@@ -27,26 +27,37 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw std::runtime_error(message);
 }
 
+std::string shape_of(const at::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
 // Throws naming the first tensor of `want` whose counterpart in `got` is
-// missing, of another shape or off by more than `tol`.
+// missing, of another shape or off by more than `tol` (or NaN where the
+// reference is not), and the first of `got` that the reference lacks.
 double expect_close(const NamedTensors& got, const NamedTensors& want, double tol, const std::string& what) {
-  require(got.size() == want.size(),
-          what + ": " + std::to_string(got.size()) + " tensors, the reference has " + std::to_string(want.size()));
   double worst = 0;
   for (const auto& [name, w] : want) {
     auto it = got.find(name);
-    require(it != got.end(), what + ": '" + name + "' is missing");
+    require(it != got.end(), what + ": '" + name + "' is missing (the reference has it, of shape " + shape_of(w) + ")");
     require(it->second.defined() && it->second.sizes() == w.sizes(),
-            what + ": '" + name + "' is undefined or of another shape than the reference's");
+            what + ": '" + name + "' is of shape " + shape_of(it->second) + ", the reference's " + shape_of(w));
     const double e = relative_error(it->second, w);
     if (!(e <= tol)) {
       std::ostringstream os;
-      os << what << ": '" << name << "' differs from the reference by " << e << " (relative to its largest element) > "
-         << tol;
+      os << what << ": '" << name << "' ";
+      if (std::isnan(e))
+        os << "has a NaN or infinite element where the reference has none, or the other way round";
+      else
+        os << "differs from the reference by " << e << " (relative to its largest element) > " << tol;
       throw std::runtime_error(os.str());
     }
     worst = std::max(worst, e);
   }
+  for (const auto& [name, g] : got)
+    require(want.count(name) != 0, what + ": '" + name + "' (of shape " + shape_of(g) + ") is not in the reference");
   return worst;
 }
 

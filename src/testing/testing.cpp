@@ -115,14 +115,19 @@ struct Children {
   int alive = 0;
 };
 
-// The stacks of every thread of `pid` (gdb, at most 60 s), the frames and
-// thread headers only; a line saying why when there are none.
-std::string thread_stacks(pid_t pid) {
+// gdb printing the stacks of every thread of `pid` (at most 60 s), started
+// at once so that several ranks' stacks are read together.
+FILE* start_thread_stacks(pid_t pid) {
   const std::string cmd =
       "command -v gdb > /dev/null 2>&1 || { echo 'no stacks: gdb is not installed'; exit 0; }; "
       "timeout 60 gdb -p " +
       std::to_string(pid) + " -batch -ex 'thread apply all bt' < /dev/null 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
+  return ::popen(cmd.c_str(), "r");
+}
+
+// What the gdb of start_thread_stacks printed: the frames and thread
+// headers only; a line saying why when there are none.
+std::string read_thread_stacks(FILE* p) {
   if (!p) return "no stacks: popen failed: " + std::string(std::strerror(errno));
   std::string out;
   char line[4096];
@@ -199,9 +204,15 @@ void reap(Children& c, RunResult& result, std::chrono::steady_clock::time_point 
     }
   }
   if (c.alive == 0 || std::chrono::steady_clock::now() <= deadline) return;
+  // Every stuck rank's gdb at once: one after another, they took about 12 s
+  // each (a LibTorch program's symbols) past the time limit.
+  std::vector<FILE*> gdbs(c.pids.size(), nullptr);
+  if (stacks)
+    for (size_t r = 0; r < c.pids.size(); ++r)
+      if (!c.done[r]) gdbs[r] = start_thread_stacks(c.pids[r]);
   for (size_t r = 0; r < c.pids.size(); ++r) {
     if (c.done[r]) continue;
-    if (stacks) c.stacks[r] = thread_stacks(c.pids[r]);
+    if (stacks) c.stacks[r] = read_thread_stacks(gdbs[r]);
     ::kill(c.pids[r], SIGKILL);
     ::waitpid(c.pids[r], nullptr, 0);
     c.done[r] = true;
