@@ -59,11 +59,6 @@ __attribute__((always_inline)) inline void adam_loop(float* __restrict p, const 
   }
 }
 
-// Elements updated before their bf16 copy is written: 4 KiB of each array,
-// so the copy reads parameters the update has just left in L1 and memory is
-// crossed once.
-constexpr int64_t kLowBlock = kAdamBlock;
-
 // fp32 -> bf16 bits, rounded to nearest even, NaN kept a (quiet) NaN: what
 // c10::BFloat16(float) gives, without its branch, so the loop vectorises.
 __attribute__((always_inline)) inline uint16_t bf16_bits(float x) {
@@ -73,19 +68,30 @@ __attribute__((always_inline)) inline uint16_t bf16_bits(float x) {
   return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
 }
 
-__attribute__((always_inline)) inline void adam_body(float* __restrict p, const float* __restrict g,
-                                                     float* __restrict m, float* __restrict v, int64_t n, Coeffs c,
-                                                     uint16_t* __restrict low) {
+// `loop` over the n elements; with `low`, block by block (kAdamBlock), each
+// block's bf16 copy written while its parameters are still in L1, so that
+// memory is crossed once.
+template <class Loop>
+__attribute__((always_inline)) inline void with_bf16_copy(Loop loop, float* p, const float* g, float* m, float* v,
+                                                          int64_t n, const Coeffs& c, uint16_t* __restrict low) {
   if (low == nullptr) {
-    adam_loop(p, g, m, v, n, c);
+    loop(p, g, m, v, n, c);
     return;
   }
-  uint16_t* __restrict out = low;
-  for (int64_t b = 0; b < n; b += kLowBlock) {
-    const int64_t len = std::min(kLowBlock, n - b);
-    adam_loop(p + b, g + b, m + b, v + b, len, c);
-    for (int64_t i = b; i < b + len; ++i) out[i] = bf16_bits(p[i]);
+  for (int64_t b = 0; b < n; b += kAdamBlock) {
+    const int64_t len = std::min(kAdamBlock, n - b);
+    loop(p + b, g + b, m + b, v + b, len, c);
+    for (int64_t i = b; i < b + len; ++i) low[i] = bf16_bits(p[i]);
   }
+}
+
+// adam_loop with the bf16 copy, inlined into one wrapper per instruction set.
+__attribute__((always_inline)) inline void adam_body(float* p, const float* g, float* m, float* v, int64_t n, Coeffs c,
+                                                     uint16_t* low) {
+  with_bf16_copy(
+      [](float* p, const float* g, float* m, float* v, int64_t n, const Coeffs& c)
+          __attribute__((always_inline)) { adam_loop(p, g, m, v, n, c); },
+      p, g, m, v, n, c, low);
 }
 
 void adam_default(float* p, const float* g, float* m, float* v, int64_t n, Coeffs c, uint16_t* low) {
@@ -176,16 +182,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512_newton(float* p, const float* g, float* m,
                                                                                  float* v, int64_t n, Coeffs c,
                                                                                  uint16_t* low) {
-  if (low == nullptr) {
-    adam_avx512_newton_loop(p, g, m, v, n, c);
-    return;
-  }
-  uint16_t* __restrict out = low;
-  for (int64_t b = 0; b < n; b += kLowBlock) {
-    const int64_t len = std::min(kLowBlock, n - b);
-    adam_avx512_newton_loop(p + b, g + b, m + b, v + b, len, c);
-    for (int64_t i = b; i < b + len; ++i) out[i] = bf16_bits(p[i]);
-  }
+  with_bf16_copy(adam_avx512_newton_loop, p, g, m, v, n, c, low);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void adam_avx512(float* p, const float* g, float* m, float* v,
