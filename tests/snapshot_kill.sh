@@ -22,23 +22,31 @@ free_port() {
   "$(dirname "$torchrun")/python3" -c \
     'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
+# Starts 4 ranks of the trainer by hand (no torchrun) on a fresh port, each
+# under stacks_on_timeout.sh SECS, rank r's output in LOG$r.log; their pids
+# go to `pids`.
+start_four() {  # SECS LOG [snapshot_train options]
+  local secs=$1 log=$2 r port
+  shift 2
+  port=$(free_port)
+  pids=()
+  for r in 0 1 2 3; do
+    RANK=$r LOCAL_RANK=$r WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      "$here/stacks_on_timeout.sh" "$secs" "$bin" "$@" > "$log$r.log" 2>&1 &
+    pids+=($!)
+  done
+}
 # The uninterrupted run of STRATEGY for STEPS, as oracle-STRATEGY: 4 ranks
 # launched by hand (nothing restarts them). Kept beside the trainer and made
 # again only when the trainer is newer (it is relinked whenever the library
 # changes), so the three sets share it.
 oracle() {  # STRATEGY STEPS
-  local s=$1 steps=$2 dir kept r port code pids=()
+  local s=$1 steps=$2 dir kept r code
   dir=$(dirname "$bin")/snapshot-oracles
   kept=$dir/$s-$steps.safetensors
   if [ ! "$kept" -nt "$bin" ]; then
     mkdir -p "$dir"
-    port=$(free_port)
-    for r in 0 1 2 3; do
-      RANK=$r LOCAL_RANK=$r WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-        "$here/stacks_on_timeout.sh" 120 "$bin" --strategy $s --steps $steps --out "$dir/part-$s-$steps.safetensors" \
-        > "$tmp/oracle-$s.r$r.log" 2>&1 &
-      pids+=($!)
-    done
+    start_four 120 "$tmp/oracle-$s.r" --strategy $s --steps $steps --out "$dir/part-$s-$steps.safetensors"
     for r in 0 1 2 3; do
       code=0
       wait "${pids[$r]}" || code=$?
@@ -72,14 +80,7 @@ if [ "$set" = full_shard ]; then
   # The same kill without torchrun (which stops the other workers at once):
   # the others fail at once with the collective's error, naming the rank
   # that died, instead of waiting for their collectives' timeout (300 s).
-  port=$(free_port)
-  pids=()
-  for r in 0 1 2 3; do
-    RANK=$r LOCAL_RANK=$r WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-      "$here/stacks_on_timeout.sh" 60 "$bin" --strategy $s --steps 10 --every 1 --dir "$tmp/alone" --kill "0:2@4:reduce-scatter" \
-      > "$tmp/alone$r.log" 2>&1 &
-    pids+=($!)
-  done
+  start_four 60 "$tmp/alone" --strategy $s --steps 10 --every 1 --dir "$tmp/alone" --kill "0:2@4:reduce-scatter"
   for r in 0 1 2 3; do
     code=0
     wait "${pids[$r]}" || code=$?
