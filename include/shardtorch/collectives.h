@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -77,6 +78,9 @@ struct SHARDTORCH_API PendingWork {
   CollectiveCounter* counter = nullptr;
   int64_t bytes = 0;
   std::chrono::steady_clock::time_point start;
+  /// Its number among the collectives launched on its Comm, from 1 (0: a
+  /// point-to-point transfer, or a group of one).
+  int64_t seq = 0;
 };
 
 class SHARDTORCH_API Comm {
@@ -200,19 +204,24 @@ class SHARDTORCH_API Comm {
   void disable_checks();
   /// What a failed collective's error adds about the peers (the world sets
   /// it: which died or did not arrive, and where each last was); given when
-  /// the collective started, it must not throw.
-  using PeerReport = std::function<std::string(std::chrono::steady_clock::time_point started)>;
+  /// the collective started and its PendingWork::seq, it must not throw.
+  using PeerReport = std::function<std::string(std::chrono::steady_clock::time_point started, int64_t seq)>;
+  /// How many collectives this Comm has launched (PendingWork::seq of the
+  /// last), shared with the World's progress record.
+  std::shared_ptr<const std::atomic<int64_t>> launched_count() const { return launched_; }
   void set_peer_report(PeerReport report) { peer_report_ = std::move(report); }
 
   void run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
            int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
-           std::optional<std::chrono::steady_clock::time_point> started = std::nullopt);
+           std::optional<std::chrono::steady_clock::time_point> started = std::nullopt, int64_t seq = 0);
   /// Waits for `p` on this thread, whatever the device (the blocking calls).
   void wait_on_host(PendingWork& p);
   /// Runs `wait`, then fault injection; errors name the collective and the
-  /// time since `start`; counts the collective in `counter`.
+  /// time since `start`, and the peer report its number `seq`; counts the
+  /// collective in `counter`.
   void complete(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
-                int64_t bytes, std::chrono::steady_clock::time_point start, const std::function<void()>& wait);
+                int64_t bytes, std::chrono::steady_clock::time_point start, const std::function<void()>& wait,
+                int64_t seq = 0);
   /// Checks, without blocking, the collectives wait() let the stream wait for;
   /// throws for the oldest that has not completed within the timeout.
   void settle_earlier();
@@ -247,6 +256,7 @@ class SHARDTORCH_API Comm {
   std::unique_ptr<detail::CollectiveChecker> checker_;  // when checks()
   CommStats stats_;
   PeerReport peer_report_;
+  std::shared_ptr<std::atomic<int64_t>> launched_ = std::make_shared<std::atomic<int64_t>>(0);
 };
 
 /// "float32[12, 4]"

@@ -73,12 +73,14 @@ class StreamOrderedWaits {
     const char* op;
     std::string what, shapes;
     std::chrono::steady_clock::time_point start;
+    int64_t seq;
   };
   explicit StreamOrderedWaits(c10::Device device) : device_(device) {}
 
-  void add(const char* op, std::string what, std::string shapes, std::chrono::steady_clock::time_point start) {
+  void add(const char* op, std::string what, std::string shapes, std::chrono::steady_clock::time_point start,
+           int64_t seq) {
     c10::impl::VirtualGuardImpl impl(device_.type());
-    Entry e{spare_event(), op, std::move(what), std::move(shapes), start};
+    Entry e{spare_event(), op, std::move(what), std::move(shapes), start, seq};
     e.passed.record(impl.getStream(device_));
     entries_.push_back(std::move(e));
   }
@@ -133,22 +135,24 @@ Comm::~Comm() = default;
 namespace {
 // `text` and, after it, what `report` says of the peers (who is at fault).
 std::string with_peers(const std::string& text,
-                       const std::function<std::string(std::chrono::steady_clock::time_point)>& report,
-                       std::chrono::steady_clock::time_point start) {
-  const std::string peers = report ? report(start) : std::string();
+                       const std::function<std::string(std::chrono::steady_clock::time_point, int64_t)>& report,
+                       std::chrono::steady_clock::time_point start, int64_t seq) {
+  const std::string peers = report ? report(start, seq) : std::string();
   return peers.empty() ? text : text + ". " + peers;
 }
 }  // namespace
 
 void Comm::run(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
                int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
-               std::optional<std::chrono::steady_clock::time_point> started) {
+               std::optional<std::chrono::steady_clock::time_point> started, int64_t seq) {
   auto start = started.value_or(std::chrono::steady_clock::now());
-  complete(op, what, shapes, counter, bytes, start, [&] { launch()->wait(timeout_); });
+  complete(
+      op, what, shapes, counter, bytes, start, [&] { launch()->wait(timeout_); }, seq);
 }
 
 void Comm::complete(const char* op, const std::string& what, const std::string& shapes, CollectiveCounter& counter,
-                    int64_t bytes, std::chrono::steady_clock::time_point start, const std::function<void()>& wait) {
+                    int64_t bytes, std::chrono::steady_clock::time_point start, const std::function<void()>& wait,
+                    int64_t seq) {
   try {
     wait();
     if (injected().take(what)) throw std::runtime_error("failure injected by shardtorch::testing::fail_collectives");
@@ -159,7 +163,7 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
     std::ostringstream os;
     os << who() << ": " << op << " for " << what << " (" << shapes << ") did not complete after " << waited
        << " s (timeout " << timeout_.count() / 1000.0 << " s): " << detail::message_of(e);
-    throw Error(with_peers(os.str(), peer_report_, start));
+    throw Error(with_peers(os.str(), peer_report_, start, seq));
   }
   counter.calls += 1;
   counter.bytes_sent += bytes;
@@ -276,6 +280,7 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   p.counter = &counter;
   p.bytes = bytes;
   p.start = std::chrono::steady_clock::now();
+  p.seq = ++*launched_;
   SHARDTORCH_DEBUG(op, " for ", what, " (", p.shapes, "): start, ", bytes, " bytes to send");
   if (checker_) {
     const auto where = context_->snapshot();
@@ -293,7 +298,7 @@ PendingWork Comm::launch(const char* op, const std::string& what, std::string sh
   } catch (const std::exception& e) {
     throw Error(with_peers(
         who() + ": " + op + " for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e),
-        peer_report_, p.start));
+        peer_report_, p.start, p.seq));
   }
   return p;
 }
@@ -310,7 +315,8 @@ c10::intrusive_ptr<c10d::Work> Comm::launched(PendingWork& p) {
     // The fingerprint exchange failed (a peer died, or never came) or the
     // launch did: the same error as a collective that failed.
     std::exception_ptr error = std::current_exception();
-    complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] { std::rethrow_exception(error); });
+    complete(
+        p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] { std::rethrow_exception(error); }, p.seq);
     throw;  // not reached: complete() threw
   }
   return p.work;
@@ -391,8 +397,9 @@ void Comm::wait(PendingWork& p) {
   // Work::wait with a timeout would block this thread until the device
   // finished the collective (polling every millisecond); without one, the
   // current stream waits for it, and it throws if the collective failed.
-  complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] { work->wait(); });
-  unsettled_->add(p.op, p.what, p.shapes, p.start);
+  complete(
+      p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] { work->wait(); }, p.seq);
+  unsettled_->add(p.op, p.what, p.shapes, p.start, p.seq);
 }
 
 void Comm::settle_earlier() {
@@ -402,18 +409,23 @@ void Comm::settle_earlier() {
   const char* op = oldest->op;
   const std::string what = oldest->what, shapes = oldest->shapes;
   const auto start = oldest->start;
+  const int64_t seq = oldest->seq;
   unsettled_->clear();  // reported once; the ranks are out of step from here
-  complete(op, what, shapes, stats_.all_reduce, 0, start,
-           [&] { throw std::runtime_error("the device has not passed it: the collective has not completed"); });
+  complete(
+      op, what, shapes, stats_.all_reduce, 0, start,
+      [&] { throw std::runtime_error("the device has not passed it: the collective has not completed"); }, seq);
 }
 
 void Comm::finish(PendingWork& p, std::exception_ptr error) {
   SHARDTORCH_CHECK(p.pending(), "shardtorch: Comm::finish on a collective that was not launched");
   auto work = std::move(p.work);
   p.checked.reset();
-  complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] {
-    if (error) std::rethrow_exception(error);
-  });
+  complete(
+      p.op, p.what, p.shapes, *p.counter, p.bytes, p.start,
+      [&] {
+        if (error) std::rethrow_exception(error);
+      },
+      p.seq);
 }
 
 namespace {
@@ -443,7 +455,7 @@ PendingWork Comm::send_async(const at::Tensor& t, int peer, int tag, const std::
   } catch (const std::exception& e) {
     throw Error(
         with_peers(who() + ": send for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e),
-                   peer_report_, p.start));
+                   peer_report_, p.start, 0));
   }
   return p;
 }
@@ -457,7 +469,7 @@ PendingWork Comm::recv_async(const at::Tensor& t, int peer, int tag, const std::
   } catch (const std::exception& e) {
     throw Error(
         with_peers(who() + ": recv for " + what + " (" + p.shapes + ") could not be launched: " + detail::message_of(e),
-                   peer_report_, p.start));
+                   peer_report_, p.start, 0));
   }
   return p;
 }
@@ -496,21 +508,24 @@ void Comm::wait_on_host(PendingWork& p) {
   auto work = std::move(p.work);
   if (!checked) {
     run(
-        p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start);
+        p.op, p.what, p.shapes, *p.counter, p.bytes, [&] { return work; }, p.start, p.seq);
     return;
   }
   // Checked: waits longer than a second are compared with the peers' (a
   // rank that launched this collective while another differs and waits in
   // its exchange is a cycle of two waits).
-  complete(p.op, p.what, p.shapes, *p.counter, p.bytes, p.start, [&] {
-    const bool done = checked->await(
-        [&](std::chrono::milliseconds slice) { return detail::work_done_within(*work, slice); }, timeout_);
-    try {
-      work->wait(done ? timeout_ : std::chrono::milliseconds(1));  // its outcome; past the timeout, its timeout error
-    } catch (...) {
-      std::rethrow_exception(checked->explain(std::current_exception()));
-    }
-  });
+  complete(
+      p.op, p.what, p.shapes, *p.counter, p.bytes, p.start,
+      [&] {
+        const bool done = checked->await(
+            [&](std::chrono::milliseconds slice) { return detail::work_done_within(*work, slice); }, timeout_);
+        try {
+          work->wait(done ? timeout_ : std::chrono::milliseconds(1));  // its outcome; past the timeout, its timeout
+        } catch (...) {
+          std::rethrow_exception(checked->explain(std::current_exception()));
+        }
+      },
+      p.seq);
 }
 
 std::vector<std::string> Comm::all_gather_strings(const std::string& mine, const std::string& what) {

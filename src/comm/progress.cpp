@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdint>
@@ -50,13 +51,16 @@ struct Record {
   enum class State { Running = 0, Failed = 1, Finished = 2, LeftOnError = 3, Terminating = 4 };
   State state = State::Running;
   std::string error;  // Terminating, or raised(): the exception's message, no tab or newline
+  // "KEY:N,KEY:N": the collectives launched on each Comm that Progress::count
+  // follows, KEY a hash of its group's name (names may hold any character).
+  std::string counts;
 };
 
 // Tab-separated; phase and unit names carry no tab or newline.
 std::string encode(const Record& r) {
   std::ostringstream os;
   os << r.step << '\t' << r.phase << '\t' << r.unit << '\t' << r.pid << '\t' << r.host << '\t' << r.changed_ms << '\t'
-     << r.beat_ms << '\t' << static_cast<int>(r.state) << '\t' << r.context << '\t' << r.error;
+     << r.beat_ms << '\t' << static_cast<int>(r.state) << '\t' << r.context << '\t' << r.error << '\t' << r.counts;
   return os.str();
 }
 bool decode(const std::string& s, Record& r) {
@@ -68,7 +72,7 @@ bool decode(const std::string& s, Record& r) {
     if (tab == std::string::npos) break;
     from = tab + 1;
   }
-  if (f.size() != 10) return false;
+  if (f.size() != 11) return false;
   try {
     r.step = std::stoll(f[0]);
     r.phase = f[1];
@@ -82,6 +86,7 @@ bool decode(const std::string& s, Record& r) {
     r.state = static_cast<Record::State>(state);
     r.context = f[8];
     r.error = f[9];
+    r.counts = f[10];
   } catch (const std::exception&) {
     return false;
   }
@@ -111,6 +116,26 @@ bool process_gone(int64_t pid) {
   const char state = process_state(pid);
   return state == 'X' || state == 'Z';
 }
+// A group name's key in Record::counts (FNV-1a): the same in every process.
+std::string count_key(const std::string& group) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : group) h = (h ^ c) * 1099511628211ull;
+  return std::to_string(h);
+}
+// The count of `key` in `counts` (Record::counts); -1 when it has none.
+int64_t count_of(const std::string& counts, const std::string& key) {
+  const std::string at = key + ":";
+  for (size_t from = 0; from < counts.size();) {
+    const size_t end = std::min(counts.find(',', from), counts.size());
+    if (counts.compare(from, at.size(), at) == 0) try {
+        return std::stoll(counts.substr(from + at.size(), end - from - at.size()));
+      } catch (const std::exception&) {
+        return -1;
+      }
+    from = end + 1;
+  }
+  return -1;
+}
 bool same_place(const Record& a, const Record& b) {
   return a.step == b.step && a.phase == b.phase && a.unit == b.unit && a.context == b.context;
 }
@@ -125,11 +150,21 @@ struct Progress::Shared {
   std::mutex mu;
   std::condition_variable cv;
   Record mine;
+  // The Comms whose launched collectives the record counts (Progress::count).
+  std::vector<std::pair<std::string, std::shared_ptr<const std::atomic<int64_t>>>> counters;
   uint64_t version = 0;
   bool stop = false, done = false;
   // The last time this process did not run for kSilent or longer (stopped,
   // or starved): how long, and when it ran again (wall clock, ms; 0: never).
   int64_t stalled_ms = 0, stalled_until_ms = 0;
+
+  // `mine` with the counts of now, to write; under `mu`.
+  Record current() const {
+    Record r = mine;
+    for (const auto& [key, count] : counters)
+      r.counts += (r.counts.empty() ? "" : ",") + key + ":" + std::to_string(count->load());
+    return r;
+  }
 
   // Writes `r` now, from the calling thread rather than the record's, waiting
   // at most kSilent for the store; never throws. Not under `mu`.
@@ -252,7 +287,7 @@ Progress::Progress(c10::intrusive_ptr<BoundedStore> store, int rank, bool file_s
       const bool beat = !s->stop && now - last_write >= kBeat;
       // Stopping: the last record is written once more, at once, whatever an earlier failure said.
       if ((s->version != written && (now >= retry_at || s->stop)) || beat) {
-        Record r = s->mine;
+        Record r = s->current();
         const uint64_t version = s->version;
         lock.unlock();
         bool ok = true;
@@ -344,6 +379,17 @@ void Progress::set_context(const std::string& context) {
   ++s_->version;
 }
 
+void Progress::count(const std::string& group, std::shared_ptr<const std::atomic<int64_t>> launched) {
+  std::lock_guard<std::mutex> lock(s_->mu);
+  const std::string key = count_key(group);
+  for (auto& [k, c] : s_->counters)
+    if (k == key) {
+      c = std::move(launched);
+      return;
+    }
+  s_->counters.emplace_back(key, std::move(launched));
+}
+
 void Progress::raised() {
   std::string text = exception_message();
   Record r;
@@ -352,7 +398,7 @@ void Progress::raised() {
     if (s_->stop || text.empty()) return;  // the last record is written (terminating)
     s_->mine.error = std::move(text);
     ++s_->version;
-    r = s_->mine;
+    r = s_->current();
   }
   s_->write_now(std::move(r));  // the peers' transfers with this rank fail as soon as its groups go
 }
@@ -376,7 +422,7 @@ void Progress::failed() {
     if (s_->stop) return;  // the last record is written (terminating)
     s_->mine.state = Record::State::Failed;
     ++s_->version;
-    r = s_->mine;
+    r = s_->current();
   }
   s_->write_now(std::move(r));  // this rank may exit at once, and its peers must not take it for the dead one
 }
@@ -429,15 +475,22 @@ namespace {
 
 // What one peer's record says about a collective that failed on this rank.
 struct Verdict {
+  Verdict(bool at_fault, bool failed_too, std::string text, bool late = false, std::string place = "")
+      : at_fault(at_fault), failed_too(failed_too), text(std::move(text)), late(late), place(std::move(place)) {}
   bool at_fault = false;
   bool failed_too = false;  // a fellow survivor that gave up first
   std::string text;
+  // At fault only by its count of launched collectives: named only when no
+  // peer is at fault otherwise (a peer that died explains the failure; one
+  // that had not come yet when it did is only late), else `place` is given.
+  bool late = false;
+  std::string place;
 };
 
 // `r`: the peer's record; `gone(pid)`: whether a local process has exited;
 // `started_ms`: when this rank's collective started; times in ms.
 Verdict judge(const std::string& rank, const Record& r, const Record& me, const std::function<bool(int64_t)>& gone,
-              int64_t now, int64_t started_ms) {
+              int64_t now, int64_t started_ms, const std::string& key, int64_t seq) {
   const bool local = r.host == me.host;
   if (r.state == Record::State::Failed)  // a fellow survivor that gave up first (and may have exited since)
     return {false, true, rank + " failed too, at " + where(r)};
@@ -475,6 +528,19 @@ Verdict judge(const std::string& rank, const Record& r, const Record& me, const 
     return {true, false,
             rank + " stopped reporting " + seconds(now - r.beat_ms) + " ago (dead, or its process hung; pid " +
                 std::to_string(r.pid) + " on " + r.host + "); it was last at " + where(r)};
+  const int64_t launched = seq > 0 ? count_of(r.counts, key) : -1;
+  if (launched >= seq) return {false, false, rank + " at " + where(r)};  // it launched this collective too
+  // It had not launched it when it wrote its record in the second half of
+  // this collective's wait (counts are written with the beats).
+  if (launched >= 0 && r.beat_ms - started_ms >= std::max<int64_t>((now - started_ms) / 2, 100))
+    return {true, false,
+            rank + (local ? " is alive but" : "") + " did not arrive: it has been at " + where(r) + " for " +
+                seconds(now - r.changed_ms) + ", and " + seconds(now - r.beat_ms) + " ago it had launched " +
+                std::to_string(launched) + " collective(s) of this group, this one being number " +
+                std::to_string(seq) +
+                (local ? " (pid " + std::to_string(r.pid) + " on this host)"
+                       : " (pid " + std::to_string(r.pid) + " on " + r.host + ")"),
+            true, rank + " at " + where(r) + " (not yet at this collective)"};
   if (!same_place(r, me) && now - r.changed_ms >= std::max<int64_t>((now - started_ms) / 2, 100)) {
     // Elsewhere for at least half of this collective's wait (a peer that
     // arrived would have moved to it long ago; "since it started" misses
@@ -545,7 +611,8 @@ bool Progress::any_ended(const std::vector<int>& members) const {
   return false;
 }
 
-std::string Progress::report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const {
+std::string Progress::report(const std::vector<int>& members, std::chrono::steady_clock::time_point started,
+                             const std::string& group, int64_t seq) const {
   Record me;
   int64_t stalled_ms = 0, stalled_until_ms = 0;
   {
@@ -562,6 +629,7 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
     const int64_t now = now_ms();
     const int64_t started_ms =
         now - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count();
+    std::vector<Verdict> verdicts;
     std::vector<std::string> at_fault, others;
     int failed_too = 0;
     // A killed process closes its sockets before it becomes a zombie: a peer
@@ -583,14 +651,21 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
       if (peer == s_->rank) continue;
       Record r;
       if (!read(peer, r)) {
-        at_fault.push_back("rank " + std::to_string(peer) + " has recorded no progress (did it start?)");
+        verdicts.push_back({true, false, "rank " + std::to_string(peer) + " has recorded no progress (did it start?)"});
         continue;
       }
       // A survivor marks its record failed before it looks at others, so one
       // seen gone is read again: it may have failed and exited since.
       if (r.state != Record::State::Failed && r.host == me.host && gone(r.pid)) read(peer, r);
-      Verdict v = judge("rank " + std::to_string(peer), r, me, gone, now, started_ms);
-      (v.at_fault ? at_fault : others).push_back(std::move(v.text));
+      verdicts.push_back(judge("rank " + std::to_string(peer), r, me, gone, now, started_ms, count_key(group), seq));
+    }
+    const bool explained =
+        std::any_of(verdicts.begin(), verdicts.end(), [](const Verdict& v) { return v.at_fault && !v.late; });
+    for (Verdict& v : verdicts) {
+      if (v.late && explained)
+        others.push_back(std::move(v.place));
+      else
+        (v.at_fault ? at_fault : others).push_back(std::move(v.text));
       failed_too += v.failed_too;
     }
     // This process itself did not run during this collective, or just before

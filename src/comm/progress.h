@@ -12,6 +12,7 @@
 // connection closed stops the writing.
 #include "comm/bounded_store.h"
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -59,14 +60,22 @@ class Progress {
   /// Never throws; waits at most kSilent for the store.
   void failed();
 
+  /// The record counts the collectives launched on the Comm of `group` (a
+  /// name the same on every member): `launched` is Comm::launched_count().
+  /// Counting a group again replaces its counter (written with the beats,
+  /// not on every change).
+  void count(const std::string& group, std::shared_ptr<const std::atomic<int64_t>> launched);
   /// For the error of a collective over `members` (global ranks, this one
   /// among them) that started at `started` and failed: which peers are no
-  /// longer running, which stopped reporting, and which were elsewhere for at
-  /// least half of its wait (did not arrive), with where each last was. Reads the
-  /// store, for kSilent at most: a store that does not answer, or whose
-  /// connection closed, names the rank that hosts it (stopped, hung or
+  /// longer running, which stopped reporting, and which did not arrive (their
+  /// record, written in the second half of its wait, counts fewer than `seq`
+  /// collectives launched on `group`'s Comm; without counts: they were
+  /// elsewhere for at least half of its wait), with where each last was.
+  /// Reads the store, for kSilent at most: a store that does not answer, or
+  /// whose connection closed, names the rank that hosts it (stopped, hung or
   /// gone). Never throws ("" when nothing can be said).
-  std::string report(const std::vector<int>& members, std::chrono::steady_clock::time_point started) const;
+  std::string report(const std::vector<int>& members, std::chrono::steady_clock::time_point started,
+                     const std::string& group = "", int64_t seq = 0) const;
 
   /// Whether one of `members` (global ranks) will not come to a wait of this
   /// rank's: its record says it finished, left on an error, is terminating

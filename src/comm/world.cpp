@@ -358,11 +358,12 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
     w->progress_ = std::make_shared<detail::Progress>(peers, rank, file_store);
     w->progress_->note("world set up");
     std::weak_ptr<detail::Progress> progress = w->progress_;
-    w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started) {
+    w->progress_->count("world", w->comm_->launched_count());
+    w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started, int64_t seq) {
       auto p = progress.lock();
       if (!p) return std::string();
       p->failed();  // first: peers that look at this rank, even after it exits, see a survivor
-      return p->report(all, started);
+      return p->report(all, started, "world", seq);
     });
   }
   w->context_ = std::make_shared<detail::CollectiveContext>();
@@ -440,11 +441,12 @@ std::shared_ptr<Comm> World::new_group(const std::vector<int>& ranks, const std:
   comm->global_ranks_ = ranks;  // new_group runs on the whole job's World: these are its ranks
   if (progress_) {
     std::weak_ptr<detail::Progress> progress = progress_;
-    comm->set_peer_report([progress, ranks](std::chrono::steady_clock::time_point started) {
+    progress_->count(prefix, comm->launched_count());
+    comm->set_peer_report([progress, ranks, prefix](std::chrono::steady_clock::time_point started, int64_t seq) {
       auto p = progress.lock();
       if (!p) return std::string();
       p->failed();  // first: peers that look at this rank, even after it exits, see a survivor
-      return p->report(ranks, started);
+      return p->report(ranks, started, prefix, seq);
     });
   }
   // One collective now, while every member is here: a backend that sets up
