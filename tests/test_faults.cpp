@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -297,6 +298,61 @@ TEST(Faults, StuckRankTimesOutWithinTheCollectiveTimeout) {
   // The message and nothing more: no C++ backtrace of Gloo's or c10d's.
   for (const char* trace : {"Exception raised from", "frame #"})
     EXPECT_EQ(r.ranks[0].message.find(trace), std::string::npos) << r.summary();
+}
+
+// A peer in the program's own code between two collectives of the program's
+// own, at the same place (step, phase, unit) as this rank, did not arrive:
+// the count of collectives it launched on the group says so where its place
+// cannot. Before: "Every peer is alive and reporting".
+TEST(Faults, APeerBetweenTheProgramsOwnCollectivesIsNamedAsNotArrived) {
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        at::Tensor t = at::ones({4});
+        w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the loss");
+        if (w.rank() == 1) {
+          wait_until_done(w, {0});  // alive, in its own code
+          return;
+        }
+        try {
+          w.comm().all_reduce(t, c10d::ReduceOp::SUM, "the loss");
+        } catch (const std::exception&) {
+          mark_done(w);
+          throw;
+        }
+        mark_done(w);
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(2)));
+  EXPECT_EQ(r.ranks[1].exit_code, 0) << r.summary();
+  ASSERT_EQ(r.ranks[0].exit_code, 1) << r.summary();
+  const std::string& m = r.ranks[0].message;
+  // Launched on the world's Comm: run_ranks's barrier, then "the loss" once on
+  // rank 1 and twice on rank 0.
+  for (const char* part : {"rank 0/2: all_reduce for the loss", "Peer at fault: rank 1 is alive but did not arrive: ",
+                           "ago it had launched 2 collective(s) of this group, this one being number 3 (pid "})
+    EXPECT_NE(m.find(part), std::string::npos) << "'" << part << "' in\n" << r.summary();
+  EXPECT_EQ(m.find("Every peer is alive"), std::string::npos) << r.summary();
+}
+
+// A GoogleTest assertion that fails inside a rank fails that rank, with its
+// file, line and message (the rank prints the failure as well); the rank
+// whose assertions hold passes. Before: only the printed failure, and the
+// test passed.
+TEST(Faults, AGoogleTestAssertionThatFailsInARankFailsThatRank) {
+  std::printf("[ expected ] one EXPECT_EQ and one ASSERT_TRUE failure from rank 1 follow\n");
+  auto r = run_ranks(2, [](World& w) {
+    EXPECT_EQ(w.rank(), 0) << "only rank 0 is rank 0";
+    ASSERT_TRUE(w.rank() == 0) << "and the body ends here on rank 1";
+    if (w.rank() != 0) throw std::runtime_error("not reached: ASSERT_TRUE returned from the body");
+  });
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.ranks[0].exit_code, 0) << r.summary();
+  EXPECT_TRUE(r.ranks[0].message.empty()) << r.summary();
+  EXPECT_EQ(r.ranks[1].exit_code, 1) << r.summary();
+  for (const char* part : {"assertions failed in this rank: ", "test_faults.cpp:", "only rank 0 is rank 0", "; ",
+                           "and the body ends here on rank 1"})
+    EXPECT_NE(r.ranks[1].message.find(part), std::string::npos) << "'" << part << "' in\n" << r.summary();
+  EXPECT_EQ(r.ranks[1].message.find("not reached"), std::string::npos) << r.summary();
 }
 
 // A rank still running at the run's time limit is killed with the stacks of

@@ -7,7 +7,7 @@
 //
 //   TEST(MyModel, TrainsSharded) {
 //     auto r = shardtorch::testing::run_ranks(2, [](shardtorch::World& world) {
-//       ...                           // throw (or TORCH_CHECK) to fail
+//       ...                           // throw, TORCH_CHECK or EXPECT_* to fail
 //     });
 //     ASSERT_TRUE(r.ok) << r.summary();
 //   }
@@ -17,6 +17,10 @@
 // main(): it sets ATen to one intra-op thread in the parent. Children inherit
 // the parent's memory, so a reference computed before run_ranks is visible to
 // every rank.
+//
+// GoogleTest: in a program where some file includes this header after
+// <gtest/gtest.h>, a GoogleTest assertion that fails inside a rank's body
+// fails that rank, its file, line and message in the rank's message.
 #include <torch/arg.h>
 
 #include <chrono>
@@ -84,3 +88,31 @@ SHARDTORCH_API void inject_failure(const std::string& site, int count = 1);
 SHARDTORCH_API void fail_collectives(const std::string& what, int count = 1);
 
 }  // namespace shardtorch::testing
+
+namespace shardtorch::detail {
+/// The failures a test framework has recorded in the current test so far,
+/// one line each ("file:line: message"). run_ranks calls it in each rank
+/// before and after the body: failures recorded in between fail the rank.
+using FailureProbe = std::vector<std::string> (*)();
+/// Set by this header's GoogleTest probe below; the last one set is used.
+SHARDTORCH_API void set_failure_probe(FailureProbe probe);
+}  // namespace shardtorch::detail
+
+#if defined(GOOGLETEST_INCLUDE_GTEST_GTEST_H_) || defined(GTEST_INCLUDE_GTEST_GTEST_H_)
+namespace shardtorch::detail {
+inline std::vector<std::string> googletest_failures() {
+  std::vector<std::string> out;
+  const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  if (test == nullptr) return out;
+  const ::testing::TestResult& result = *test->result();
+  for (int i = 0; i < result.total_part_count(); ++i) {
+    const ::testing::TestPartResult& part = result.GetTestPartResult(i);
+    if (part.failed())
+      out.push_back(std::string(part.file_name() ? part.file_name() : "(unknown file)") + ":" +
+                    std::to_string(part.line_number()) + ": " + part.summary());
+  }
+  return out;
+}
+inline const bool googletest_probe_set = (set_failure_probe(&googletest_failures), true);
+}  // namespace shardtorch::detail
+#endif

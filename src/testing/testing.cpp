@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -45,6 +46,18 @@ std::string RunResult::summary() const {
 }
 
 namespace {
+// Set by testing.h's GoogleTest probe (shardtorch::detail::set_failure_probe).
+std::atomic<shardtorch::detail::FailureProbe> failure_probe{nullptr};
+
+// The failures the probe lists beyond the first `before` (none without a probe).
+std::string new_failures(size_t before) {
+  const shardtorch::detail::FailureProbe probe = failure_probe.load();
+  if (probe == nullptr) return "";
+  const std::vector<std::string> all = probe();
+  std::string out;
+  for (size_t i = before; i < all.size(); ++i) out += (out.empty() ? "" : "; ") + all[i];
+  return out;
+}
 
 [[noreturn]] void child_main(int rank, int world_size, const std::string& store_path, int fd, const RankBody& body,
                              const RunOptions& options) {
@@ -54,6 +67,8 @@ namespace {
   // gdb, started by the parent to show a rank that hangs, may attach to it
   // (Yama's ptrace_scope 1 lets only ancestors otherwise).
   ::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  const shardtorch::detail::FailureProbe probe = failure_probe.load();
+  const size_t failures_before = probe ? probe().size() : 0;  // the parent's test failed already: not this rank
   try {
     at::set_num_threads(options.threads());
     // No count of workers: c10d's FileStore removes its file once that many
@@ -80,6 +95,11 @@ namespace {
   } catch (...) {
     code = 1;
     message = "unknown exception";
+  }
+  const std::string failures = new_failures(failures_before);
+  if (!failures.empty()) {
+    code = 1;
+    message += (message.empty() ? "" : "; ") + std::string("assertions failed in this rank: ") + failures;
   }
   if (!message.empty()) {
     size_t off = 0;
@@ -115,20 +135,31 @@ struct Children {
   int alive = 0;
 };
 
+// A gdb printing the stacks of every thread of a process: its output, or
+// why it could not start (popen's errno, kept before later calls change it).
+struct StacksReader {
+  FILE* out = nullptr;
+  int error = 0;
+};
+
 // gdb printing the stacks of every thread of `pid` (at most 60 s), started
 // at once so that several ranks' stacks are read together.
-FILE* start_thread_stacks(pid_t pid) {
+StacksReader start_thread_stacks(pid_t pid) {
   const std::string cmd =
       "command -v gdb > /dev/null 2>&1 || { echo 'no stacks: gdb is not installed'; exit 0; }; "
       "timeout 60 gdb -p " +
       std::to_string(pid) + " -batch -ex 'thread apply all bt' < /dev/null 2>&1";
-  return ::popen(cmd.c_str(), "r");
+  StacksReader r;
+  r.out = ::popen(cmd.c_str(), "r");
+  if (r.out == nullptr) r.error = errno;
+  return r;
 }
 
 // What the gdb of start_thread_stacks printed: the frames and thread
 // headers only; a line saying why when there are none.
-std::string read_thread_stacks(FILE* p) {
-  if (!p) return "no stacks: popen failed: " + std::string(std::strerror(errno));
+std::string read_thread_stacks(const StacksReader& gdb) {
+  FILE* p = gdb.out;
+  if (!p) return "no stacks: popen failed: " + std::string(std::strerror(gdb.error));
   std::string out;
   char line[4096];
   while (std::fgets(line, sizeof(line), p)) {
@@ -206,7 +237,7 @@ void reap(Children& c, RunResult& result, std::chrono::steady_clock::time_point 
   if (c.alive == 0 || std::chrono::steady_clock::now() <= deadline) return;
   // Every stuck rank's gdb at once: one after another, they took about 12 s
   // each (a LibTorch program's symbols) past the time limit.
-  std::vector<FILE*> gdbs(c.pids.size(), nullptr);
+  std::vector<StacksReader> gdbs(c.pids.size());
   if (stacks)
     for (size_t r = 0; r < c.pids.size(); ++r)
       if (!c.done[r]) gdbs[r] = start_thread_stacks(c.pids[r]);
@@ -260,3 +291,7 @@ void inject_failure(const std::string& site, int count) { detail::arm_failure_po
 void fail_collectives(const std::string& what, int count) { detail::arm_collective_failure(what, count); }
 
 }  // namespace shardtorch::testing
+
+namespace shardtorch::detail {
+void set_failure_probe(FailureProbe probe) { testing::failure_probe.store(probe); }
+}  // namespace shardtorch::detail
