@@ -152,6 +152,7 @@ struct Progress::Shared {
   Record mine;
   // The Comms whose launched collectives the record counts (Progress::count).
   std::vector<std::pair<std::string, std::shared_ptr<const std::atomic<int64_t>>>> counters;
+  bool counting = true;  // until stop_counting()
   uint64_t version = 0;
   bool stop = false, done = false;
   // The last time this process did not run for kSilent or longer (stopped,
@@ -381,6 +382,7 @@ void Progress::set_context(const std::string& context) {
 
 void Progress::count(const std::string& group, std::shared_ptr<const std::atomic<int64_t>> launched) {
   std::lock_guard<std::mutex> lock(s_->mu);
+  if (!s_->counting) return;
   const std::string key = count_key(group);
   for (auto& [k, c] : s_->counters)
     if (k == key) {
@@ -388,6 +390,13 @@ void Progress::count(const std::string& group, std::shared_ptr<const std::atomic
       return;
     }
   s_->counters.emplace_back(key, std::move(launched));
+}
+
+void Progress::stop_counting() {
+  std::lock_guard<std::mutex> lock(s_->mu);
+  s_->counting = false;
+  s_->counters.clear();
+  ++s_->version;  // the next write has no counts
 }
 
 void Progress::raised() {

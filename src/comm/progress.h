@@ -65,6 +65,10 @@ class Progress {
   /// Counting a group again replaces its counter (written with the beats,
   /// not on every change).
   void count(const std::string& group, std::shared_ptr<const std::atomic<int64_t>> launched);
+  /// The record counts nothing from now on, and count() is ignored: in a
+  /// World that rejoined, and in a replacement, the ranks' counts no longer
+  /// line up (the survivors replay the set-up outside the Comms).
+  void stop_counting();
   /// For the error of a collective over `members` (global ranks, this one
   /// among them) that started at `started` and failed: which peers are no
   /// longer running, which stopped reporting, and which did not arrive (their

@@ -358,7 +358,10 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
     w->progress_ = std::make_shared<detail::Progress>(peers, rank, file_store);
     w->progress_->note("world set up");
     std::weak_ptr<detail::Progress> progress = w->progress_;
-    w->progress_->count("world", w->comm_->launched_count());
+    if (options.rejoin())
+      w->progress_->stop_counting();  // a replacement's counts would not line up with the survivors'
+    else
+      w->progress_->count("world", w->comm_->launched_count());
     w->comm_->set_peer_report([progress, all](std::chrono::steady_clock::time_point started, int64_t seq) {
       auto p = progress.lock();
       if (!p) return std::string();
@@ -532,6 +535,7 @@ void World::rejoin() {
   for (auto& c : comms_)
     if (auto comm = c.lock()) comm->disable_checks();
   journal_->disconnect();
+  if (progress_) progress_->stop_counting();  // the replacement's would not line up with this rank's
   note_progress("rejoining: waiting for the replacement of a lost rank");
   epoch_ = detail::await_replacement(*base_store_, epoch_, rank_, size_, options_.timeout());
   static_cast<detail::SwitchableStore&>(*store_).point_at(
