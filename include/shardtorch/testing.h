@@ -20,7 +20,9 @@
 //
 // GoogleTest: in a program where some file includes this header after
 // <gtest/gtest.h>, a GoogleTest assertion that fails inside a rank's body
-// fails that rank, its file, line and message in the rank's message.
+// fails that rank, its file, line and message in the rank's message. Where
+// every file includes them the other way round, such a failure is only
+// printed: the rank exits 0.
 #include <torch/arg.h>
 
 #include <chrono>

@@ -138,7 +138,10 @@ std::string with_peers(const std::string& text,
                        const std::function<std::string(std::chrono::steady_clock::time_point, int64_t)>& report,
                        std::chrono::steady_clock::time_point start, int64_t seq) {
   const std::string peers = report ? report(start, seq) : std::string();
-  return peers.empty() ? text : text + ". " + peers;
+  if (peers.empty()) return text;
+  // c10d's "Operation timed out!" and Gloo's "... GLHF! ..." end a sentence of their own.
+  const bool ended = !text.empty() && (text.back() == '.' || text.back() == '!' || text.back() == '?');
+  return text + (ended ? " " : ". ") + peers;
 }
 }  // namespace
 
