@@ -523,7 +523,8 @@ void Comm::wait_on_host(PendingWork& p) {
         const bool done = checked->await(
             [&](std::chrono::milliseconds slice) { return detail::work_done_within(*work, slice); }, timeout_);
         try {
-          work->wait(done ? timeout_ : std::chrono::milliseconds(1));  // its outcome; past the timeout, its timeout
+          // Its outcome; past the timeout, its timeout error.
+          work->wait(done ? timeout_ : std::chrono::milliseconds(1));
         } catch (...) {
           std::rethrow_exception(checked->explain(std::current_exception()));
         }

@@ -1,4 +1,5 @@
 #include "comm/progress.h"
+#include "comm/collective_check.h"
 #include "base/errors.h"
 
 #include <signal.h>
@@ -116,12 +117,8 @@ bool process_gone(int64_t pid) {
   const char state = process_state(pid);
   return state == 'X' || state == 'Z';
 }
-// A group name's key in Record::counts (FNV-1a): the same in every process.
-std::string count_key(const std::string& group) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : group) h = (h ^ c) * 1099511628211ull;
-  return std::to_string(h);
-}
+// A group name's key in Record::counts: the same in every process.
+std::string count_key(const std::string& group) { return std::to_string(text_hash(group)); }
 // The count of `key` in `counts` (Record::counts); -1 when it has none.
 int64_t count_of(const std::string& counts, const std::string& key) {
   const std::string at = key + ":";
@@ -638,6 +635,7 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
     const int64_t now = now_ms();
     const int64_t started_ms =
         now - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count();
+    const std::string key = count_key(group);
     std::vector<Verdict> verdicts;
     std::vector<std::string> at_fault, others;
     int failed_too = 0;
@@ -666,7 +664,7 @@ std::string Progress::report(const std::vector<int>& members, std::chrono::stead
       // A survivor marks its record failed before it looks at others, so one
       // seen gone is read again: it may have failed and exited since.
       if (r.state != Record::State::Failed && r.host == me.host && gone(r.pid)) read(peer, r);
-      verdicts.push_back(judge("rank " + std::to_string(peer), r, me, gone, now, started_ms, count_key(group), seq));
+      verdicts.push_back(judge("rank " + std::to_string(peer), r, me, gone, now, started_ms, key, seq));
     }
     const bool explained =
         std::any_of(verdicts.begin(), verdicts.end(), [](const Verdict& v) { return v.at_fault && !v.late; });

@@ -49,9 +49,8 @@ namespace {
 // Set by testing.h's GoogleTest probe (shardtorch::detail::set_failure_probe).
 std::atomic<shardtorch::detail::FailureProbe> failure_probe{nullptr};
 
-// The failures the probe lists beyond the first `before` (none without a probe).
-std::string new_failures(size_t before) {
-  const shardtorch::detail::FailureProbe probe = failure_probe.load();
+// The failures `probe` lists beyond the first `before` (none without a probe).
+std::string new_failures(shardtorch::detail::FailureProbe probe, size_t before) {
   if (probe == nullptr) return "";
   const std::vector<std::string> all = probe();
   std::string out;
@@ -96,7 +95,7 @@ std::string new_failures(size_t before) {
     code = 1;
     message = "unknown exception";
   }
-  const std::string failures = new_failures(failures_before);
+  const std::string failures = new_failures(probe, failures_before);
   if (!failures.empty()) {
     code = 1;
     message += (message.empty() ? "" : "; ") + std::string("assertions failed in this rank: ") + failures;
