@@ -20,6 +20,7 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "../src/base/env.h"
 #include "../src/comm/collective_check.h"
 #include "../src/runtime/shard_state.h"
 #include "models.h"
@@ -47,29 +48,38 @@ RunOptions checked() {
 }
 constexpr double kWithinSeconds = 15.0;
 
-// SHARDTORCH_CHECK_COLLECTIVES unset for the scope (the ranks inherit the
-// environment when they are forked).
-class WithoutCheckVariable {
+// The environment variable `name` set to `value` (unset for nullptr) for
+// the scope (the ranks inherit the environment when they are forked).
+class ScopedVariable {
  public:
-  WithoutCheckVariable() {
-    if (const char* v = std::getenv(kName)) saved_ = v;
-    ::unsetenv(kName);
+  ScopedVariable(const char* name, const char* value) : name_(name) {
+    if (const char* v = std::getenv(name)) saved_ = v;
+    if (value)
+      ::setenv(name, value, 1);
+    else
+      ::unsetenv(name);
   }
-  ~WithoutCheckVariable() {
-    if (saved_) ::setenv(kName, saved_->c_str(), 1);
+  ~ScopedVariable() {
+    if (saved_)
+      ::setenv(name_, saved_->c_str(), 1);
+    else
+      ::unsetenv(name_);
   }
 
  private:
-  static constexpr const char* kName = "SHARDTORCH_CHECK_COLLECTIVES";
+  const char* name_;
   std::optional<std::string> saved_;
 };
 
 }  // namespace
 
 // Each test chooses the switch itself (or tests its default): the variable,
-// which would replace it in every rank, is unset while it runs.
+// which would replace it in every rank, is unset while it runs. Long waits
+// are compared every 100 ms instead of 500 (SHARDTORCH_CHECK_PROBE_MS): the
+// outcomes are the same, five times sooner.
 class Diverged : public ::testing::Test {
-  WithoutCheckVariable choose_here_;
+  ScopedVariable choose_here_{"SHARDTORCH_CHECK_COLLECTIVES", nullptr};
+  ScopedVariable probe_{"SHARDTORCH_CHECK_PROBE_MS", "100"};
 };
 
 namespace {
@@ -468,7 +478,8 @@ TEST_F(Diverged, LongWaitsOnTwoCommunicatorsThatResolveAreNoDivergence) {
           group->all_reduce(pair_sum, c10d::ReduceOp::SUM, "the pair's sum");
           w.comm().wait(pending);
         } else {
-          std::this_thread::sleep_for(std::chrono::seconds(3));  // three times the quiet time before a wait is compared
+          // Three times the quiet time before a wait is compared.
+          std::this_thread::sleep_for(6 * shardtorch::detail::check_probe_interval());
           w.comm().all_reduce(world_sum, c10d::ReduceOp::SUM, "the world's sum");
         }
         if (world_sum[0].item<float>() != 6.0f) throw std::runtime_error("wrong world sum");
@@ -525,7 +536,7 @@ class ExchangesPerStep {
 };
 
 // Waits until each of `ranks` has written that it waits (one of its waits
-// has lasted WaitBoard::kQuiet, 1 s).
+// has lasted WaitBoard::quiet(), twice SHARDTORCH_CHECK_PROBE_MS).
 void await_long_waits(World& w, const std::vector<int>& ranks) {
   auto waits = c10::make_intrusive<c10d::PrefixStore>("shardtorch-waits", w.store());
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
@@ -627,7 +638,8 @@ TEST_F(Diverged, LongWaitsInAWouldBeCycleOfThreeThatResolveAreNoDivergence) {
           pair_sum(*g.a, "a's sum");
         } else {
           await_long_waits(w, {0, 1});
-          std::this_thread::sleep_for(3 * shardtorch::detail::WaitBoard::kProbe);  // probes with both waits written
+          std::this_thread::sleep_for(3 *
+                                      shardtorch::detail::check_probe_interval());  // probes with both waits written
           pair_sum(*g.b, "b's sum");
           pair_sum(*g.c, "c's sum");
         }
@@ -667,7 +679,8 @@ TEST_F(Diverged, LongWaitsOfTwoThreadsOfARankThatResolveAreNoDivergence) {
           pair_sum(*g.a, "a's sum");
           pair_sum(*a2, "a2's sum");
         } else {
-          std::this_thread::sleep_for(std::chrono::seconds(4));  // both of rank 0's waits compared twice and more
+          // Both of rank 0's waits compared twice and more.
+          std::this_thread::sleep_for(8 * shardtorch::detail::check_probe_interval());
           pair_sum(*g.c, "c's sum");
         }
       },
@@ -1013,7 +1026,7 @@ TEST_F(Diverged, ASlowRankInTheSteadyStateIsNoDivergence) {
                   throw std::runtime_error("rank 0 never waited long in a launched collective");
                 std::this_thread::sleep_for(std::chrono::milliseconds(20));
               }
-              std::this_thread::sleep_for(3 * shardtorch::detail::WaitBoard::kProbe);
+              std::this_thread::sleep_for(3 * shardtorch::detail::check_probe_interval());
             }
             loss.backward();
             opt->step();

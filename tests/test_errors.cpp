@@ -95,6 +95,21 @@ TEST(Errors, ASwitchOtherThanZeroOrOneIsRefusedNamingTheVariable) {
               std::string::npos)
         << name << ": " << message;
   }
+  // The collective check's probe interval: a whole number of milliseconds, 10 to 60000.
+  for (const char* value : {"0.5", "9", "60001", "abc", "100ms"}) {
+    ::setenv("SHARDTORCH_CHECK_PROBE_MS", value, 1);
+    std::string message;
+    try {
+      shardtorch::World::from_env();
+    } catch (const shardtorch::Error& e) {
+      message = e.what();
+    }
+    ::unsetenv("SHARDTORCH_CHECK_PROBE_MS");
+    EXPECT_NE(message.find(std::string("environment variable SHARDTORCH_CHECK_PROBE_MS='") + value +
+                           "' must be a whole number of milliseconds from 10 to 60000"),
+              std::string::npos)
+        << value << ": " << message;
+  }
   // A launcher's variable read after the rank names the rank, as every rank prints its own line.
   const shardtorch::EnvLookup bad_timeout = [](const std::string& name) -> std::optional<std::string> {
     if (name == "RANK") return "1";

@@ -1,5 +1,6 @@
 #include "base/env.h"
 
+#include <cerrno>
 #include <cstdlib>
 
 #include "base/check.h"
@@ -36,10 +37,24 @@ std::optional<bool> env_switch(const char* name) {
   return parse_switch(name, *v);
 }
 
+std::chrono::milliseconds check_probe_interval() {
+  const char* name = "SHARDTORCH_CHECK_PROBE_MS";
+  const auto v = env(name);
+  if (!v) return std::chrono::milliseconds(500);
+  char* end = nullptr;
+  errno = 0;
+  const long ms = std::strtol(v->c_str(), &end, 10);
+  if (errno != 0 || *end != '\0' || ms < 10 || ms > 60000)
+    throw Error("shardtorch: environment variable " + std::string(name) + "='" + *v +
+                "' must be a whole number of milliseconds from 10 to 60000");
+  return std::chrono::milliseconds(ms);
+}
+
 void check_switches() {
   for (const char* name : {"SHARDTORCH_BLOCKING_WAIT", "SHARDTORCH_CHECK_COLLECTIVES",
                            "SHARDTORCH_CHECKPOINT_NO_EXCHANGE", "SHARDTORCH_REJOIN", "SHARDTORCH_SHOW_CPP_STACKTRACES"})
     env_switch(name);
+  check_probe_interval();
 }
 
 }  // namespace shardtorch::detail

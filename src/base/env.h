@@ -1,6 +1,7 @@
 #pragma once
 // Internal: the environment variables the library reads (docs/api.md,
 // "Environment variables").
+#include <chrono>
 #include <optional>
 #include <string>
 
@@ -21,8 +22,14 @@ std::optional<bool> env_switch(const char* name);
 /// the value is not a rank.
 std::optional<int> launcher_rank();
 
-/// Reads every switch the library has (parse_switch), so that a bad value is
-/// an error when a World is made rather than at its first use.
+/// SHARDTORCH_CHECK_PROBE_MS: how often a long wait of the collective check
+/// is compared with the peers' (500 ms when unset or empty); a value that is
+/// not a whole number of milliseconds in 10..60000 is an Error naming it.
+std::chrono::milliseconds check_probe_interval();
+
+/// Reads every switch the library has (parse_switch), and the other values
+/// it reads only later (check_probe_interval), so that a bad value is an
+/// error when a World is made rather than at its first use.
 void check_switches();
 
 }  // namespace shardtorch::detail

@@ -233,7 +233,7 @@ at::Tensor gather(c10d::Backend& backend, const at::Tensor& mine, int size, std:
     return all;
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!work_done_within(*work, WaitBoard::kProbe)) {
+  while (!work_done_within(*work, wait->interval())) {
     std::string crossed = wait->probe(deadline);
     if (!crossed.empty()) throw CollectivesDiverged(crossed);  // run_taken marks the checker broken
   }
@@ -444,7 +444,7 @@ c10::intrusive_ptr<c10d::Work> CheckedLaunch::launched(bool probe) {
     cv.wait(lock, [&] { return done; });
   } else {
     // It runs on the checker's thread: probe while it lasts.
-    while (!cv.wait_for(lock, WaitBoard::kProbe, [&] { return done; })) {
+    while (!cv.wait_for(lock, s->board->probe(), [&] { return done; })) {
       lock.unlock();
       wait->set(Kind::Exchange, next_exchange(*s));
       if (auto e = diverged_on_probe(*s, *wait)) settle(nullptr, e);
@@ -461,13 +461,13 @@ bool CheckedLaunch::await(const std::function<bool(std::chrono::milliseconds)>& 
   auto s = checker.lock();
   if (!s || !s->board) return done_within(timeout);
   WaitBoard::Wait wait(s->board, s->comm, Kind::Collective, seq, [this] { return description(); });
-  std::chrono::milliseconds slice = WaitBoard::kQuiet;  // a shorter wait is never compared: one call
+  std::chrono::milliseconds slice = s->board->quiet();  // a shorter wait is never compared: one call
   for (;;) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return false;
     if (done_within(std::min(slice, left))) return true;
-    slice = WaitBoard::kProbe;
+    slice = s->board->probe();
     bool is_launched;
     {
       std::lock_guard<std::mutex> lock(mu);

@@ -183,8 +183,8 @@ void put(BoundedStore& store, const std::string& key, const std::string& value, 
 
 }  // namespace
 
-WaitBoard::WaitBoard(c10::intrusive_ptr<BoundedStore> store, int rank, int size)
-    : store_(std::move(store)), rank_(rank), size_(size) {}
+WaitBoard::WaitBoard(c10::intrusive_ptr<BoundedStore> store, int rank, int size, std::chrono::milliseconds probe)
+    : store_(std::move(store)), rank_(rank), size_(size), probe_(probe) {}
 
 std::string WaitBoard::prefixed(const std::string& text) const {
   return detail::rank_prefix(rank_) + "/" + std::to_string(size_) + ": " + text;
@@ -265,7 +265,7 @@ WaitBoard::Wait::Wait(std::shared_ptr<WaitBoard> board, int comm, Kind kind, int
       kind_(kind),
       seq_(seq),
       describe_(std::move(describe)),
-      next_(std::chrono::steady_clock::now() + kQuiet) {
+      next_(std::chrono::steady_clock::now() + board_->quiet()) {
   std::lock_guard<std::mutex> lock(board_->mu_);
   board_->waiting_.push_back(std::this_thread::get_id());
 }
@@ -288,7 +288,7 @@ WaitBoard::Wait::~Wait() {
 std::string WaitBoard::Wait::probe(std::optional<std::chrono::steady_clock::time_point> until) {
   const auto now = std::chrono::steady_clock::now();
   if (now < next_) return "";
-  next_ = now + kProbe;
+  next_ = now + board_->probe();
   WaitBoard& b = *board_;
   const auto give_up = until ? std::min(*until, now + kStoreAnswer) : now + kStoreAnswer;
   if (!b.store_->answering(kStoreAnswer)) return "";

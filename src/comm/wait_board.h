@@ -4,7 +4,7 @@
 // shard()").
 //
 // A program thread that waits for a checked collective longer than
-// WaitBoard::kQuiet writes its wait to the World's store: which collective
+// WaitBoard::quiet() writes its wait to the World's store: which collective
 // (or which exchange) of which communicator, that communicator's members,
 // and how many collectives and exchanges each communicator of the rank has
 // launched and entered. Waiting rank r waits for rank p when p is a member
@@ -36,17 +36,17 @@ extern const char* const kSameOrder;
 /// thread-safe.
 class WaitBoard {
  public:
-  /// A wait this long is written to the store and compared with the peers'.
-  static constexpr std::chrono::milliseconds kQuiet{1000};
-  /// Then compared again this often; a cycle of waits seen twice in a row is an error.
-  static constexpr std::chrono::milliseconds kProbe{500};
-
   /// What a thread waits for: a launched collective, or an exchange of fingerprints.
   enum class Kind { Collective, Exchange };
 
   /// `rank` of `size` in the World. `store`: the connection the World's
-  /// Progress uses (its keys start "shardtorch-waits/").
-  WaitBoard(c10::intrusive_ptr<BoundedStore> store, int rank, int size);
+  /// Progress uses (its keys start "shardtorch-waits/"). `probe`: see probe().
+  WaitBoard(c10::intrusive_ptr<BoundedStore> store, int rank, int size, std::chrono::milliseconds probe);
+  /// A wait this long is written to the store and compared with the peers' (twice probe()).
+  std::chrono::milliseconds quiet() const { return 2 * probe_; }
+  /// Then compared again this often (check_probe_interval()); a cycle of
+  /// waits seen twice in a row is an error.
+  std::chrono::milliseconds probe() const { return probe_; }
   /// A communicator: its name, the same on every member, and its members'
   /// ranks in the World (by index in the communicator). Returns its number.
   int add(std::string name, std::vector<int> members);
@@ -71,18 +71,20 @@ class WaitBoard {
   class Wait {
    public:
     /// `describe` gives what is waited for in words; called at the first probe
-    /// that writes a record (a wait past kQuiet), never for a short wait.
+    /// that writes a record (a wait past quiet()), never for a short wait.
     Wait(std::shared_ptr<WaitBoard> board, int comm, Kind kind, int64_t seq, std::function<std::string()> describe);
     ~Wait();
     Wait(const Wait&) = delete;
     Wait& operator=(const Wait&) = delete;
     /// What is waited for from now on (the launch came, or another exchange runs).
+    /// How often probe() compares (the board's probe()).
+    std::chrono::milliseconds interval() const { return board_->probe(); }
     void set(Kind kind, int64_t seq) {
       kind_ = kind;
       seq_ = seq;
     }
-    /// Call while waiting; cheap until kQuiet has passed, then once per
-    /// kProbe: this rank's record written when it changed, and the records
+    /// Call while waiting; cheap until quiet() has passed, then once per
+    /// probe(): this rank's record written when it changed, and the records
     /// that following the wait-for graph from this rank needs read (each at
     /// most once, so at most one per rank of the World). Returns the error's
     /// text when a cycle through this rank is seen twice in a row with the
@@ -115,6 +117,7 @@ class WaitBoard {
   std::string prefixed(const std::string& text) const;  // "shardtorch: rank R/N: " + text
   c10::intrusive_ptr<BoundedStore> store_;
   int rank_, size_;
+  std::chrono::milliseconds probe_;
   mutable std::mutex mu_;
   std::vector<Comm> comms_;
   int64_t issue_step_ = -1;                     // the step of the last issued()

@@ -390,7 +390,7 @@ std::shared_ptr<World> World::create(c10::intrusive_ptr<c10d::Store> store, int 
     w->journal_->record(std::move(e));
   }
   if (check && world_size > 1) {
-    w->waits_ = std::make_shared<detail::WaitBoard>(peers, rank, world_size);
+    w->waits_ = std::make_shared<detail::WaitBoard>(peers, rank, world_size, detail::check_probe_interval());
     auto check = connect("gloo", c10::make_intrusive<c10d::PrefixStore>("shardtorch-check", w->store_), rank,
                          world_size, options, rank, "the collective check of the world");
     w->comm_->enable_checks(w->context_, check, w->waits_, "the world", all);
