@@ -4,6 +4,9 @@
 // bitwise.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <iterator>
+
 #include "reference.h"
 #include "shardtorch/dcp_checkpoint.h"
 #include "shardtorch/hf_checkpoint.h"
@@ -314,6 +317,40 @@ TEST_F(TpShardedCheckpoint, HoldsTheUnsplitModelsNamesShapesAndValues) {
   EXPECT_EQ(states, saved.size());
   auto r = run_ranks(1, [&](World&) { require_same(params, saved, "the checkpoint's parameters"); });
   EXPECT_TRUE(r.ok) << r.summary();
+}
+
+// A model split over a tensor-parallel group of one holds each parameter
+// whole: its checkpoint has as many entries as the unsplit model's (a
+// rowwise weight was saved as one entry per row), and loads back bitwise.
+TEST_F(TpShardedCheckpoint, AGroupOfOneSavesWholeRangesLikeTheUnsplitModel) {
+  const TempDir dir("shardtorch-tp-one");
+  const std::string split = dir / "split", unsplit = dir / "unsplit";
+  auto r = run_ranks(2, [&](World& w) {
+    for (bool is_split : {true, false}) {
+      Layout l{1, 2, Strategy::FullShard};
+      l.split = is_split;
+      Built b = build(w, l);
+      auto opt = shardtorch::AdamW(*b.model, adamw());
+      train(b, *opt, l);
+      shardtorch::save_sharded_checkpoint(*b.model, opt.get(), is_split ? split : unsplit, kSteps);
+      if (!is_split) continue;
+      const auto before = whole_params(b);
+      Built again = build(w, l);
+      auto opt2 = shardtorch::AdamW(*again.model, adamw());
+      shardtorch::load_sharded_checkpoint(*again.model, opt2.get(), split);
+      require_bitwise(whole_params(again), before, "loaded at tp 1");
+    }
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+  auto entries = [](const std::string& ckpt) {
+    std::ifstream in(ckpt + "/index.json");
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    size_t n = 0;
+    for (size_t at = text.find("\"tensor\""); at != std::string::npos; at = text.find("\"tensor\"", at + 1)) ++n;
+    return n;
+  };
+  EXPECT_GT(entries(unsplit), 0u);
+  EXPECT_EQ(entries(split), entries(unsplit));
 }
 
 // Loaded at the saver's layout, training goes on as if never stopped.

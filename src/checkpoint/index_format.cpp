@@ -1,5 +1,7 @@
 #include "checkpoint/index_format.h"
 
+#include <algorithm>
+#include <limits>
 #include <stdexcept>
 
 #include "checkpoint/checksum.h"
@@ -137,6 +139,14 @@ Index parse_index(const std::string& text, const std::string& path) {
     if (!idx.files.count(e.file))
       throw SafetensorsError("checkpoint index '" + path + "': entry '" + e.tensor + "' names unlisted file '" +
                              e.file + "'");
+  for (size_t i = 0; i < idx.entries.size(); ++i)
+    idx.ranges[{idx.entries[i].name, idx.entries[i].kind}].order.push_back(i);
+  for (auto& [key, r] : idx.ranges) {
+    std::stable_sort(r.order.begin(), r.order.end(),
+                     [&](size_t a, size_t b) { return idx.entries[a].begin < idx.entries[b].begin; });
+    int64_t reach = std::numeric_limits<int64_t>::min();
+    for (size_t i : r.order) r.max_end.push_back(reach = std::max(reach, idx.entries[i].end));
+  }
   idx.fingerprint = "step " + std::to_string(idx.step) + ", index " + checksum::of(text.data(), text.size());
   return idx;
 }

@@ -37,6 +37,14 @@ struct Index {
   // checkpoints written before shapes were recorded.
   std::optional<std::map<std::string, std::vector<int64_t>>> shapes;
   std::string fingerprint;  // the step and the index's checksum: ranks compare it
+  /// The entries of each (name, kind): their positions in `entries` ordered
+  /// by begin, and at each position the largest end up to it (so that the
+  /// entries overlapping a range are found without a pass over all of them).
+  struct Ranges {
+    std::vector<size_t> order;
+    std::vector<int64_t> max_end;
+  };
+  std::map<std::pair<std::string, std::string>, Ranges> ranges;  // set by parse_index
 };
 
 boost::json::object entry_json(const Entry& e);

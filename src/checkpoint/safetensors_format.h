@@ -17,6 +17,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "shardtorch/checkpoint/safetensors_error.h"
@@ -36,7 +37,9 @@ struct TensorRecord {
 struct SafetensorsHeader {
   std::vector<TensorRecord> tensors;  // in data order
   std::map<std::string, std::string> metadata;
-  uint64_t data_start = 0;  // 8 + header length
+  uint64_t data_start = 0;                            // 8 + header length
+  std::unordered_map<std::string, size_t> positions;  // name -> index in `tensors`: set by parse_header
+  /// The record of `name`, null if none (by `positions` where it is set).
   const TensorRecord* find(const std::string& name) const;
 };
 

@@ -390,31 +390,12 @@ const checkpoint::TensorRecord& saved_record(Files& files, const Entry& e, const
   return *r;
 }
 
-// Checks that the saved ranges cover the destination exactly, that their
-// dtype may be cast into `into` (checkpoint::is_safe_cast, unless
-// `allow_lossy`), and opens (and so checks) every file they are in; reads no
-// tensor data.
-Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, int64_t begin, const Index& idx,
-               Files& files, const std::string& dir, at::ScalarType into, bool allow_lossy) {
+// The ranges of `fill` must tile the destination [begin, begin + numel): in
+// order, each starting where the one before ended (lengths that add up are
+// not enough: [0, 50) twice would leave [50, 100) unwritten).
+Fill plan_fill_checked(Fill fill, int64_t numel, const std::string& name, const std::string& kind, int64_t begin,
+                       const std::string& dir) {
   const int64_t end = begin + numel;
-  Fill fill;
-  for (const auto& e : idx.entries) {
-    if (e.name != name || e.kind != kind) continue;
-    if (numel == 0) fill.step = std::max(fill.step, e.step);  // nothing to copy; the optimizer's step still counts
-    int64_t lo = std::max(begin, e.begin), hi = std::min(end, e.end);
-    if (lo >= hi) continue;
-    const std::string& dtype = saved_record(files, e, dir).dtype;
-    if (!allow_lossy && !checkpoint::is_safe_cast(checkpoint::scalar_type(dtype), into))
-      throw SafetensorsError("checkpoint '" + dir + "': '" + name + "' (" + kind + ") is saved as " + dtype + " in '" +
-                             e.file + "' but the model's is " + checkpoint::dtype_text(into) + ", and a cast from " +
-                             dtype + " to " + checkpoint::dtype_text(into) +
-                             " can change values: refused (LoadOptions().allow_lossy_casts(true) casts anyway)");
-    fill.copies.push_back({&e, lo - e.begin, lo - begin, hi - lo});
-    fill.step = std::max(fill.step, e.step);
-  }
-  // The ranges must tile the destination: in order, each starting where the
-  // one before ended (lengths that add up are not enough: [0, 50) twice
-  // would leave [50, 100) unwritten).
   std::sort(fill.copies.begin(), fill.copies.end(),
             [](const Fill::Copy& a, const Fill::Copy& b) { return a.to < b.to; });
   int64_t next = 0;
@@ -432,6 +413,46 @@ Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, 
                            std::to_string(end) + ") of '" + name + "' (" + kind +
                            ") are not all saved (a missing shard?)");
   return fill;
+}
+
+// Checks that the saved ranges cover the destination exactly, that their
+// dtype may be cast into `into` (checkpoint::is_safe_cast, unless
+// `allow_lossy`), and opens (and so checks) every file they are in; reads no
+// tensor data.
+Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, int64_t begin, const Index& idx,
+               Files& files, const std::string& dir, at::ScalarType into, bool allow_lossy) {
+  const int64_t end = begin + numel;
+  Fill fill;
+  const auto found = idx.ranges.find({name, kind});
+  if (found == idx.ranges.end()) return plan_fill_checked(std::move(fill), numel, name, kind, begin, dir);
+  const Index::Ranges& ranges = found->second;
+  // The first entry that may reach into [begin, end): entries are ordered by
+  // begin, so it lies before the first that begins at or after `begin`, as
+  // far back as an earlier entry's end reaches past `begin` (all of them
+  // when nothing is copied: the optimizer's step still counts).
+  size_t first = 0;
+  if (numel > 0) {
+    first = std::lower_bound(ranges.order.begin(), ranges.order.end(), begin,
+                             [&](size_t i, int64_t b) { return idx.entries[i].begin < b; }) -
+            ranges.order.begin();
+    while (first > 0 && ranges.max_end[first - 1] > begin) --first;
+  }
+  for (size_t k = first; k < ranges.order.size(); ++k) {
+    const auto& e = idx.entries[ranges.order[k]];
+    if (numel > 0 && e.begin >= end) break;
+    if (numel == 0) fill.step = std::max(fill.step, e.step);  // nothing to copy; the optimizer's step still counts
+    int64_t lo = std::max(begin, e.begin), hi = std::min(end, e.end);
+    if (lo >= hi) continue;
+    const std::string& dtype = saved_record(files, e, dir).dtype;
+    if (!allow_lossy && !checkpoint::is_safe_cast(checkpoint::scalar_type(dtype), into))
+      throw SafetensorsError("checkpoint '" + dir + "': '" + name + "' (" + kind + ") is saved as " + dtype + " in '" +
+                             e.file + "' but the model's is " + checkpoint::dtype_text(into) + ", and a cast from " +
+                             dtype + " to " + checkpoint::dtype_text(into) +
+                             " can change values: refused (LoadOptions().allow_lossy_casts(true) casts anyway)");
+    fill.copies.push_back({&e, lo - e.begin, lo - begin, hi - lo});
+    fill.step = std::max(fill.step, e.step);
+  }
+  return plan_fill_checked(std::move(fill), numel, name, kind, begin, dir);
 }
 
 // plan_fill of a destination whose elements [begin, begin + numel) are

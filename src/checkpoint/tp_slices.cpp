@@ -14,7 +14,11 @@ std::vector<Run> runs_of(const detail::Placement& p, int64_t begin, int64_t leng
   std::vector<Run> out;
   for (int64_t e = begin, end = begin + length; e < end;) {
     const int64_t k = e / run, within = e % run, n = std::min(run - within, end - e);
-    out.push_back({(k * b.block + b.start) * b.suffix + within, e, n});
+    const int64_t whole = (k * b.block + b.start) * b.suffix + within;
+    if (!out.empty() && out.back().whole + out.back().length == whole)
+      out.back().length += n;  // the slice covers whole blocks here (a group of one): one run
+    else
+      out.push_back({whole, e, n});
     e += n;
   }
   return out;

@@ -33,7 +33,8 @@ struct Run {
 };
 
 /// Elements [begin, begin + length) of the flattened slice `p` describes,
-/// as runs of the flattened whole tensor, in order.
+/// as runs of the flattened whole tensor, in order; runs that follow each
+/// other in the whole tensor are one.
 std::vector<Run> runs_of(const detail::Placement& p, int64_t begin, int64_t length);
 using detail::put_slice;  // runtime/placement.h
 using detail::take_slice;
