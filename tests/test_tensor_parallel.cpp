@@ -594,6 +594,36 @@ TEST(TpErrors, ShardingOverTheTensorParallelRanksIsRefusedSayingWhatToPass) {
   }
 }
 
+// A rank of a split model that throws is named by its peers as stopped on
+// an error of its own: the split parameters' placements held their group's
+// World (and the mesh's, the rank's World) past the unwinding, and its peer
+// read "had finished ... with no exception in flight".
+TEST(TpErrors, ARankThatThrowsIsNamedAsStoppedOnAnErrorNotAsFinished) {
+  auto r = run_ranks(
+      2,
+      [](World& w) {
+        auto mesh = shardtorch::DeviceMesh::create(w.shared_from_this(), {{"dp", 1}, {"tp", 2}});
+        torch::manual_seed(0);
+        gpt::GPT model(tp_config());
+        shardtorch::parallelize(*model, (*mesh)["tp"], gpt::tp_plan(tp_config()));
+        shardtorch::shard(model, (*mesh)["dp"], strategy_options(Strategy::FullShard, 1));
+        auto opt = shardtorch::AdamW(*model, adamw());
+        const auto x = tokens();
+        for (int step = 0; step < 2; ++step) {
+          opt->zero_grad();
+          gpt::lm_loss_tp(model(x), x, (*mesh)["tp"]).backward();
+          opt->step();
+          if (w.rank() == 1) throw std::runtime_error("an error of rank 1's own");
+        }
+      },
+      shardtorch::testing::RunOptions().collective_timeout(std::chrono::seconds(20)));
+  EXPECT_EQ(r.ranks[1].exit_code, 1) << r.summary();
+  EXPECT_EQ(r.ranks[0].exit_code, 1) << r.summary();
+  EXPECT_NE(r.ranks[0].message.find("Peer at fault: rank 1 stopped on an error of its own"), std::string::npos)
+      << r.summary();
+  EXPECT_EQ(r.ranks[0].message.find("had finished"), std::string::npos) << r.summary();
+}
+
 TEST(TpLayers, VocabParallelCrossEntropyEqualsTheGatheredOne) {
   torch::manual_seed(5);
   auto logits = torch::randn({6, 12}, torch::kDouble) * 3;
@@ -629,6 +659,10 @@ TEST(TpErrors, MisusedPlansFailOnEveryRankNamingTheModule) {
       {[](int) { return TpPlan().add("tok_emb", TpStyle::rowwise()); }, "is not a shardtorch::ParallelLinear"},
       {[](int rank) { return TpPlan().add("blocks.*.fc1", rank == 0 ? TpStyle::colwise() : TpStyle::rowwise()); },
        "apply different plans or models"},
+      // Two rules of one pattern: their styles tell them apart.
+      {[](int) { return TpPlan().add("blocks.0.fc1", TpStyle::colwise()).add("blocks.0.fc1", TpStyle::rowwise()); },
+       "module 'blocks.0.fc1' is matched by rules 'blocks.0.fc1' (colwise) and 'blocks.0.fc1' (rowwise); a module "
+       "takes one rule"},
   };
   for (const auto& c : cases) {
     auto r = run_ranks(2, [&](World& w) {

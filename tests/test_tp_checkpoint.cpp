@@ -10,6 +10,7 @@
 #include "reference.h"
 #include "shardtorch/dcp_checkpoint.h"
 #include "shardtorch/hf_checkpoint.h"
+#include "shardtorch/log.h"
 #include "shardtorch/checkpoint/safetensors.h"
 #include "shardtorch/pipeline_checkpoint.h"
 #include "shardtorch/snapshot.h"
@@ -148,15 +149,40 @@ class TpFullStateDict : public ::testing::Test {
       Built b = build(w, kSaver);
       auto opt = shardtorch::AdamW(*b.model, adamw());
       train(b, *opt, kSaver);
+      shardtorch::ProgressUpdate last;
+      shardtorch::set_progress_callback([&](const shardtorch::ProgressUpdate& u) { last = u; });
       shardtorch::save_full_state_dict(*b.model, path());
+      shardtorch::set_progress_callback(nullptr);
+      if (w.rank() == 0)
+        std::ofstream(progress_path()) << last.operation << ' ' << last.finished << ' ' << last.bytes_done << ' '
+                                       << last.bytes_total;
     });
     ASSERT_TRUE(r.ok) << r.summary();
   }
   static void TearDownTestSuite() { delete dir_; }
   static std::string path() { return *dir_ / "full.safetensors"; }
+  static std::string progress_path() { return *dir_ / "progress.txt"; }  // rank 0's last update of the save
   static TempDir* dir_;
 };
 TempDir* TpFullStateDict::dir_ = nullptr;
+
+// Rank 0, which writes the file, reports its bytes of the tensors' total,
+// every tensor's (it reported a total of 0, not known, and only its own
+// count of tensors).
+TEST_F(TpFullStateDict, RankZeroReportsTheBytesOfEveryTensorItWrites) {
+  std::ifstream in(progress_path());
+  std::string operation;
+  bool finished = false;
+  int64_t done = -1, total = -1;
+  in >> operation >> finished >> done >> total;
+  int64_t bytes = 0;
+  for (const auto& [name, t] : file_tensors(path())) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  EXPECT_EQ(operation, "save_full_state_dict");
+  EXPECT_TRUE(finished);
+  EXPECT_GT(bytes, 0);
+  EXPECT_EQ(total, bytes);
+  EXPECT_GE(done, bytes);  // the file's bytes: the header too
+}
 
 // The unsplit model's names and shapes; its values those of one process
 // trained the same way (a slice in the wrong place would be far off).

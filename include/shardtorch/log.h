@@ -23,7 +23,7 @@ SHARDTORCH_API void set_log_level(LogLevel level);
 /// read once, at the first use), else Info.
 SHARDTORCH_API LogLevel log_level();
 /// "quiet", "error", "warning" (or "warn"), "info", "debug", any case;
-/// throws on others.
+/// throws shardtorch::Error on others.
 SHARDTORCH_API LogLevel parse_log_level(const std::string& name);
 SHARDTORCH_API const char* log_level_name(LogLevel level);
 

@@ -1,6 +1,7 @@
 // The library's one writer to stderr (base/log.h).
 #include "base/log.h"
 #include "base/env.h"
+#include "shardtorch/error.h"
 
 #include <c10/util/Exception.h>
 #include <unistd.h>
@@ -117,7 +118,7 @@ LogLevel parse_log_level(const std::string& name) {
   if (n == "warning" || n == "warn") return LogLevel::Warning;
   if (n == "info") return LogLevel::Info;
   if (n == "debug") return LogLevel::Debug;
-  TORCH_CHECK(false, "shardtorch: unknown log level '", name, "'; expected one of ", kLevelNames);
+  throw Error("shardtorch: unknown log level '" + name + "'; expected one of " + kLevelNames);
 }
 
 const char* log_level_name(LogLevel level) {

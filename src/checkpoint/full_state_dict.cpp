@@ -420,9 +420,12 @@ void save_full_state_dict(torch::nn::Module& root, const std::string& path,
   // Rank 0 counts every tensor it writes, a leader those it sends, the
   // other ranks their part's (done when their gathers are).
   int64_t count = static_cast<int64_t>(tensors.items().size()), bytes_total = 0;
-  for (const auto& remote : remotes) count += static_cast<int64_t>(remote.items.size());
   for (const auto& t : tensors.items()) bytes_total += tensor_bytes(t.dtype, t.shape);
-  shardtorch::detail::ProgressReporter progress("save_full_state_dict", "tensors", count, writer ? 0 : bytes_total);
+  for (const auto& remote : remotes) {
+    count += static_cast<int64_t>(remote.items.size());
+    for (const auto& t : remote.items) bytes_total += tensor_bytes(t.dtype, t.shape);
+  }
+  shardtorch::detail::ProgressReporter progress("save_full_state_dict", "tensors", count, bytes_total);
   if (writer) progress.count_io();
   std::string error;
   if (writer) {

@@ -95,14 +95,16 @@ void compare_inputs_once(TpLayer& l, const at::Tensor& x) {
   const auto* sums = all.data_ptr<double>();
   for (int r = 1; r < comm.size(); ++r) {
     if (std::memcmp(sums, sums + 4 * r, 4 * sizeof(double)) == 0) continue;  // bit for bit: NaN equals itself
-    SHARDTORCH_CHECK(false, detail::rank_prefix(l.group->global_rank()), ": ", what(l),
-                     ": the ranks of its tensor-parallel group got different inputs in its first forward (rank ",
-                     l.group->global_rank_of(r), "'s ", static_cast<int64_t>(sums[4 * r]), " elements sum to ",
-                     sums[4 * r + 1], ", rank ", l.group->global_rank_of(0), "'s ", static_cast<int64_t>(sums[0]),
-                     " to ", sums[1], sums[4 * r + 1] == sums[1] ? "; the same values in another order" : "",
-                     "). Every rank of a tensor-parallel group computes on the same batch: give "
-                     "each dp coordinate its own batch (mesh->coordinate(\"dp\")) and every tp rank of it the same "
-                     "one, not a batch per global rank");
+    SHARDTORCH_CHECK(
+        false, detail::rank_prefix(l.group->global_rank()), ": ", what(l),
+        ": the ranks of its tensor-parallel group got different inputs in its first forward (rank ",
+        l.group->global_rank_of(r), "'s ", static_cast<int64_t>(sums[4 * r]), " elements sum to ", sums[4 * r + 1],
+        ", their squares to ", sums[4 * r + 2], ", rank ", l.group->global_rank_of(0), "'s ",
+        static_cast<int64_t>(sums[0]), " to ", sums[1], " and ", sums[2],
+        sums[4 * r + 1] == sums[1] && sums[4 * r + 2] == sums[2] ? "; the same values in another order" : "",
+        "). Every rank of a tensor-parallel group computes on the same batch: give "
+        "each dp coordinate its own batch (mesh->coordinate(\"dp\")) and every tp rank of it the same "
+        "one, not a batch per global rank");
   }
 }
 
@@ -240,10 +242,11 @@ std::vector<Match> match_rules(torch::nn::Module& model, const TpPlan& plan, con
       if (!matches(pattern, item.key())) continue;
       any = true;
       if (auto it = rule_of.find(item.key()); it != rule_of.end()) {
-        fail("module '" + item.key() + "' is matched by rules '" + it->second + "' and '" + pattern + "'");
+        fail("module '" + item.key() + "' is matched by rules " + it->second + " and '" + pattern + "' (" +
+             kind_name(style.kind()) + "); a module takes one rule");
         continue;
       }
-      rule_of[item.key()] = pattern;
+      rule_of[item.key()] = "'" + pattern + "' (" + kind_name(style.kind()) + ")";
       matched.push_back({item.key(), item.value(), style});
     }
     if (!any) fail("rule '" + pattern + "' (" + kind_name(style.kind()) + ") matches no module of the model");

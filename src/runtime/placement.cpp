@@ -9,9 +9,13 @@
 namespace shardtorch::detail {
 namespace {
 
+// The group is held weakly: the registry forgets dead tensors only as new
+// ones come, and must not keep their World alive meanwhile (its destruction
+// tells the peers whether this rank ended on an error).
 struct PlacementEntry {
   c10::weak_intrusive_ptr<c10::TensorImpl> tensor;  // a dead entry is not its address's next tensor's
-  Placement placement;
+  Placement placement;                              // without its group:
+  std::weak_ptr<World> group;
 };
 
 struct PlacementRegistry {
@@ -31,9 +35,11 @@ void set_placement(const at::Tensor& t, Placement p) {
   std::lock_guard<std::mutex> lock(r.mu);
   for (auto it = r.entries.begin(); it != r.entries.end();)  // the dead ones go as new ones come
     it = it->second.tensor.expired() ? r.entries.erase(it) : std::next(it);
+  std::weak_ptr<World> group = p.group;
+  p.group.reset();
   r.entries.insert_or_assign(
       t.unsafeGetTensorImpl(),
-      PlacementEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), std::move(p)});
+      PlacementEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), std::move(p), std::move(group)});
 }
 
 std::optional<Placement> placement_of(const at::Tensor& t) {
@@ -44,7 +50,12 @@ std::optional<Placement> placement_of(const at::Tensor& t) {
   if (it == r.entries.end()) return std::nullopt;
   auto alive = it->second.tensor.lock();
   if (!alive || alive.get() != t.unsafeGetTensorImpl()) return std::nullopt;
-  return it->second.placement;
+  Placement p = it->second.placement;
+  p.group = it->second.group.lock();
+  SHARDTORCH_CHECK(p.group, "shardtorch: a parameter split by parallelize() (", c10::IntArrayRef(p.full_shape),
+                   " along dimension ", p.dim, ") outlived its tensor-parallel group's World: keep the DeviceMesh ",
+                   "(or the World) alive as long as the model is used");
+  return p;
 }
 
 std::optional<std::pair<std::string, Placement>> first_split(torch::nn::Module& root) {
