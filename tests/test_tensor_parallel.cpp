@@ -658,7 +658,7 @@ TEST(TpErrors, MisusedPlansFailOnEveryRankNamingTheModule) {
        "its 3 attention heads do not split across the group's 2 ranks"},
       {[](int) { return TpPlan().add("tok_emb", TpStyle::rowwise()); }, "is not a shardtorch::ParallelLinear"},
       {[](int rank) { return TpPlan().add("blocks.*.fc1", rank == 0 ? TpStyle::colwise() : TpStyle::rowwise()); },
-       "apply different plans or models"},
+       "apply different plans or models: line 2 of the plan as applied is 'blocks.0.fc1 colwise parts 1"},
       // Two rules of one pattern: their styles tell them apart.
       {[](int) { return TpPlan().add("blocks.0.fc1", TpStyle::colwise()).add("blocks.0.fc1", TpStyle::rowwise()); },
        "module 'blocks.0.fc1' is matched by rules 'blocks.0.fc1' (colwise) and 'blocks.0.fc1' (rowwise); a module "

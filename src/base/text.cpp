@@ -22,4 +22,16 @@ std::string and_more(const std::vector<std::string>& others, const std::string& 
   return ", and " + std::to_string(others.size()) + " more " + what + " (" + quoted_names(others) + ")";
 }
 
+LineDifference first_line_difference(const std::string& a, const std::string& b) {
+  std::istringstream sa(a), sb(b);
+  LineDifference d;
+  for (;;) {
+    ++d.line;
+    const bool has_a = static_cast<bool>(std::getline(sa, d.a)), has_b = static_cast<bool>(std::getline(sb, d.b));
+    if (!has_a) d.a = "(none)";
+    if (!has_b) d.b = "(none)";
+    if (!has_a || !has_b || d.a != d.b) return d;
+  }
+}
+
 }  // namespace shardtorch::detail

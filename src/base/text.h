@@ -18,4 +18,12 @@ std::string quoted_names(const std::vector<std::string>& names, size_t shown = 3
 /// there are none.
 std::string and_more(const std::vector<std::string>& others, const std::string& what);
 
+/// The first line where two texts differ: its number (from 1) and each
+/// text's line there ("(none)" past a text's end).
+struct LineDifference {
+  int line = 0;
+  std::string a, b;
+};
+LineDifference first_line_difference(const std::string& a, const std::string& b);
+
 }  // namespace shardtorch::detail

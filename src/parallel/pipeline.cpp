@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "base/check.h"
+#include "base/text.h"
 #include "base/files.h"
 #include "base/log.h"
 #include "parallel/pipeline_runtime.h"
@@ -153,12 +154,9 @@ void require_same_design(World& world, const std::string& text, const std::strin
   const auto all = world.comm().all_gather_strings(text, "the pipeline's layers and options");
   for (int r = 0; r < world.size(); ++r) {
     if (all[r] == all[0]) continue;
-    std::istringstream a(all[0]), b(all[r]);
-    std::string la, lb;
-    int line = 0;
-    while (std::getline(a, la) && std::getline(b, lb) && la == lb) ++line;
-    SHARDTORCH_CHECK(false, me, ": the ranks build different pipelines: line ", line + 1, " of the description is '",
-                     la, "' on rank ", world.global_rank_of(0), " but '", lb, "' on rank ", world.global_rank_of(r),
+    const auto d = detail::first_line_difference(all[0], all[r]);
+    SHARDTORCH_CHECK(false, me, ": the ranks build different pipelines: line ", d.line, " of the description is '", d.a,
+                     "' on rank ", world.global_rank_of(0), " but '", d.b, "' on rank ", world.global_rank_of(r),
                      "; every rank must pass the same layers and PipelineOptions");
   }
 }

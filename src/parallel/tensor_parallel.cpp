@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "base/check.h"
+#include "base/text.h"
 #include "deferred/deferred_session.h"
 #include "parallel/tp_comm.h"
 #include "parallel/tp_layer.h"
@@ -399,10 +400,14 @@ TpReport parallelize(torch::nn::Module& model, std::shared_ptr<World> tp, const 
        << plan.sequence_dim() << "\n";
   for (const auto& m : matched) check_match(m, n, desc, fail);
   const auto all = group.comm().all_gather_strings(desc.str(), "the tensor-parallel plan");
-  for (int k = 0; k < n; ++k)
-    SHARDTORCH_CHECK(all[k] == all[0], me, ": the ranks of the tensor-parallel group apply different plans or ",
-                     "models: rank ", group.global_rank_of(0), " has\n", all[0], "rank ", group.global_rank_of(k),
-                     " has\n", all[k]);
+  for (int k = 0; k < n; ++k) {
+    if (all[k] == all[0]) continue;
+    const auto d = detail::first_line_difference(all[0], all[k]);
+    SHARDTORCH_CHECK(false, me, ": the ranks of the tensor-parallel group apply different plans or models: line ",
+                     d.line, " of the plan as applied is '", d.a, "' on rank ", group.global_rank_of(0), " but '", d.b,
+                     "' on rank ", group.global_rank_of(k), " (the group's options, then a line per module a ",
+                     "rule matched: its name, style and sizes)");
+  }
   SHARDTORCH_CHECK(bad.empty(), me, ": ", bad);
   detail::require_same_parameters(model, group, /*unsplit_only=*/false, me.substr(me.find("shardtorch::")),
                                   "parallelize() splits each rank's copy as if they were equal: build the model "
