@@ -307,13 +307,8 @@ size_t dtype_size(const std::string& d) {
 }
 
 const TensorRecord* SafetensorsHeader::find(const std::string& name) const {
-  if (positions.size() == tensors.size() && !tensors.empty()) {
-    auto it = positions.find(name);
-    return it == positions.end() ? nullptr : &tensors[it->second];
-  }
-  for (const auto& t : tensors)
-    if (t.name == name) return &t;
-  return nullptr;
+  auto it = positions.find(name);
+  return it == positions.end() ? nullptr : &tensors[it->second];
 }
 
 namespace {
@@ -424,7 +419,7 @@ SafetensorsHeader parse_header(const uint8_t* prefix, size_t prefix_size, uint64
       h.tensors.push_back(read_tensor(doc.keys[m], doc.items[m], file));
   }
   require_tiled(h.tensors, file_size - h.data_start, file);
-  for (size_t i = 0; i < h.tensors.size(); ++i) h.positions.emplace(h.tensors[i].name, i);  // the first of a name
+  for (size_t i = 0; i < h.tensors.size(); ++i) h.positions.emplace(h.tensors[i].name, i);
   return h;
 }
 

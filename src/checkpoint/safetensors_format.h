@@ -34,12 +34,13 @@ struct TensorRecord {
   uint64_t begin = 0, end = 0;  // offsets in the data section
 };
 
+/// A header as parse_header reads it (its names are unique).
 struct SafetensorsHeader {
   std::vector<TensorRecord> tensors;  // in data order
   std::map<std::string, std::string> metadata;
   uint64_t data_start = 0;                            // 8 + header length
-  std::unordered_map<std::string, size_t> positions;  // name -> index in `tensors`: set by parse_header
-  /// The record of `name`, null if none (by `positions` where it is set).
+  std::unordered_map<std::string, size_t> positions;  // name -> index in `tensors`
+  /// The record of `name`, null if none.
   const TensorRecord* find(const std::string& name) const;
 };
 

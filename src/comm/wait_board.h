@@ -76,9 +76,9 @@ class WaitBoard {
     ~Wait();
     Wait(const Wait&) = delete;
     Wait& operator=(const Wait&) = delete;
-    /// What is waited for from now on (the launch came, or another exchange runs).
     /// How often probe() compares (the board's probe()).
     std::chrono::milliseconds interval() const { return board_->probe(); }
+    /// What is waited for from now on (the launch came, or another exchange runs).
     void set(Kind kind, int64_t seq) {
       kind_ = kind;
       seq_ = seq;

@@ -11,9 +11,9 @@
 #include <unordered_map>
 
 #include "base/check.h"
-#include "base/text.h"
 #include "base/files.h"
 #include "base/log.h"
+#include "base/text.h"
 #include "parallel/pipeline_runtime.h"
 #include "runtime/shard_state.h"
 #include "shardtorch/deferred.h"

@@ -14,7 +14,7 @@ namespace {
 // tells the peers whether this rank ended on an error).
 struct PlacementEntry {
   c10::weak_intrusive_ptr<c10::TensorImpl> tensor;  // a dead entry is not its address's next tensor's
-  Placement placement;                              // without its group:
+  Placement placement;                              // its group reset, held here instead:
   std::weak_ptr<World> group;
 };
 
