@@ -5,10 +5,16 @@
 //
 //   torchrun --no-python --standalone --nproc-per-node 4 build/examples/tp_gpt --tp 2 --steps 20
 //   torchrun --no-python --standalone --nproc-per-node 8 build/examples/tp_gpt --tp 2 --pp 2 --sequence-parallel
+//   torchrun --no-python --standalone --nproc-per-node 4 build/examples/tp_gpt --tp 2 --checkpoint ck
+//   torchrun --no-python --standalone --nproc-per-node 2 build/examples/tp_gpt --tp 1 --checkpoint ck --resume
 //
+// --checkpoint saves a sharded checkpoint after the last step, under the
+// unsplit model's names: --resume loads it first, at any --tp, --pp and
+// world size (docs/checkpoints.md, "Tensor parallelism").
 // The ranks form a mesh of pp x dp x tp (dp = world / (pp * tp)). Prints per
 // step the loss (the mean over the batch) and the step time, then each rank's
-// memory and a summary. Exits 2 when the loss did not fall.
+// memory and a summary. Exits 2 when the loss did not fall (not checked
+// after --resume).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -34,6 +40,8 @@ struct Args {
   bool sequence_parallel = false;
   std::string strategy;  // full_shard over two or more dp ranks, no_shard over one
   double lr = 3e-3;
+  std::string checkpoint;  // saved after the last step
+  bool resume = false;     // from `checkpoint`, before the first step
   gpt::Config cfg;
 };
 
@@ -52,9 +60,12 @@ std::optional<Args> parse(int argc, char** argv) {
       "how the slices are sharded over dp (default: full_shard, or no_shard over one dp rank)")(
       "layers", cli::number_option(a.cfg.n_layer, "--layers"), "transformer blocks")(
       "d-model", cli::number_option(a.cfg.d_model, "--d-model"), "model width")("lr", cli::number_option(a.lr, "--lr"),
-                                                                                "learning rate (AdamW)");
+                                                                                "learning rate (AdamW)")(
+      "checkpoint", po::value(&a.checkpoint), "a sharded checkpoint directory written after the last step")(
+      "resume", po::bool_switch(&a.resume), "load --checkpoint before the first step (its step numbers go on)");
   if (!cli::parse_command_line(argc, argv, desc, "tp_gpt: trains the example GPT with tensor parallelism (torchrun)"))
     return std::nullopt;
+  if (a.resume && a.checkpoint.empty()) throw std::invalid_argument("tp_gpt: --resume needs --checkpoint DIR");
   return a;
 }
 
@@ -111,9 +122,15 @@ int main(int argc, char** argv) {
     auto loss_fn = [&](const torch::Tensor& logits, const torch::Tensor& tokens) {
       return gpt::lm_loss_tp(logits, tokens, tp);
     };
+    int first = 0;
+    if (args.resume) {
+      first = static_cast<int>(pipe ? shardtorch::load_sharded_checkpoint(*pipe, opt.get(), args.checkpoint)
+                                    : shardtorch::load_sharded_checkpoint(*model, opt.get(), args.checkpoint));
+      if (lead) std::cout << "resumed from " << args.checkpoint << " at step " << first << "\n" << std::flush;
+    }
     const int replica = mesh->coordinate("dp");
     std::vector<double> losses, times;
-    for (int step = 0; step < args.steps; ++step) {
+    for (int step = first; step < first + args.steps; ++step) {
       // Every rank of a tensor-parallel group reads the same batch.
       auto tokens = batch_for(args.batch, args.cfg, step, replica);
       const auto t0 = std::chrono::steady_clock::now();
@@ -134,6 +151,14 @@ int main(int argc, char** argv) {
       times.push_back(dt);
       if (lead) std::printf("step %3d  loss %.4f  step_time %.1f ms\n", step, losses.back(), dt * 1e3);
     }
+    if (!args.checkpoint.empty()) {
+      const int64_t last = first + args.steps;
+      if (pipe)
+        shardtorch::save_sharded_checkpoint(*pipe, opt.get(), args.checkpoint, last);
+      else
+        shardtorch::save_sharded_checkpoint(*model, opt.get(), args.checkpoint, last);
+      if (lead) std::cout << "saved " << args.checkpoint << " at step " << last << "\n" << std::flush;
+    }
     auto m = sharded->memory();
     auto lines = world->comm().all_gather_strings(
         "rank " + std::to_string(world->rank()) + " (tp " + std::to_string(mesh->coordinate("tp")) +
@@ -150,7 +175,8 @@ int main(int argc, char** argv) {
                   sorted.empty() ? 0.0 : sorted[sorted.size() / 2] * 1e3, losses.empty() ? 0.0 : losses.front(),
                   losses.empty() ? 0.0 : losses.back());
     }
-    const bool fell = losses.size() < 10 || losses.back() < 0.9 * losses.front();
+    // A resumed run starts where the loss already fell: nothing to check.
+    const bool fell = args.resume || losses.size() < 10 || losses.back() < 0.9 * losses.front();
     if (lead && !fell) std::printf("loss DID NOT FALL\n");
     return fell ? 0 : 2;
   } catch (...) {

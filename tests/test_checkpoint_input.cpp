@@ -395,6 +395,14 @@ TEST(NotACheckpoint, AnIndexWithImpossibleValuesIsRefusedByBothReaders) {
        "the size of 'rank-0.safetensors' is negative"},
       {"checksum", "\"checksum\":\"xxh3_64:[0-9a-f]+\"", "\"checksum\":\"md5:0\"", "is not xxh3_64:HEX or fnv1a64:HEX"},
       {"shape", "(\"shapes\":\\{\"[^\"]+\":\\[)([0-9]+)", "$1$2.0", "not an integer"},
+      {"rows-0", "(\"kind\":\"param\",\"begin\":[0-9]+,\"end\":[0-9]+)", "$1,\"rows\":0,\"stride\":0",
+       "rows 0 is not 1 or more"},
+      {"rows-overlap", "(\"kind\":\"param\",\"begin\":[0-9]+,\"end\":[0-9]+)", "$1,\"rows\":2,\"stride\":1",
+       "rows 2 of stride 1 from ["},
+      {"rows-past-2^63", "(\"kind\":\"param\",\"begin\":[0-9]+,\"end\":[0-9]+)",
+       "$1,\"rows\":3,\"stride\":4611686018427387904", "run past 2^63"},
+      {"rows-in-format-1", "(\"kind\":\"param\",\"begin\":[0-9]+,\"end\":[0-9]+)", "$1,\"rows\":2,\"stride\":1000000",
+       "format_version 1 does not have"},
   };
   for (const auto& c : cases) {
     const std::string copy =

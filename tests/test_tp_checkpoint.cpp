@@ -379,6 +379,30 @@ TEST_F(TpShardedCheckpoint, AGroupOfOneSavesWholeRangesLikeTheUnsplitModel) {
   EXPECT_EQ(entries(split), entries(unsplit));
 }
 
+// A row-wise split weight's slice is saved as blocks of rows, not as an
+// entry per row (an index of a large model ran to millions of entries): at
+// tp 2 x dp 2, each rank's piece of a slice is at most a partial first row,
+// whole rows and a partial last row, so each weight and each moment has at
+// most 12 entries, whatever its number of rows.
+TEST_F(TpShardedCheckpoint, ARowwiseSplitWeightIsSavedInBlocksOfRowsNotAnEntryPerRow) {
+  std::ifstream in(ckpt() + "/index.json");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("\"format_version\":2"), std::string::npos) << text.substr(0, 200);
+  EXPECT_NE(text.find("\"rows\":"), std::string::npos);
+  torch::manual_seed(0);
+  gpt::GPT ref(tp_config());
+  const int64_t rows = ref->named_parameters()["blocks.0.fc2.weight"].size(0);
+  ASSERT_GT(rows, 12);
+  for (const std::string name : {"blocks.0.proj.weight", "blocks.1.fc2.weight"})
+    for (const std::string kind : {"param", "exp_avg", "exp_avg_sq"}) {
+      const std::string key = "\"name\":\"" + name + "\",\"kind\":\"" + kind + "\"";
+      size_t n = 0;
+      for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at + 1)) ++n;
+      EXPECT_GE(n, 2u) << name << " " << kind;
+      EXPECT_LE(n, 12u) << name << " " << kind;
+    }
+}
+
 // Loaded at the saver's layout, training goes on as if never stopped.
 TEST_F(TpShardedCheckpoint, ResumesBitwiseAtTheSameLayout) {
   const auto after = file_tensors(after_path());

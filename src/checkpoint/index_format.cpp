@@ -35,6 +35,18 @@ Entry entry_from(const json::value& v, const std::string& index) {
     e.file = json::value_to<std::string>(o.at("file"));
     e.tensor = json::value_to<std::string>(o.at("tensor"));
     if (e.begin < 0 || e.end < e.begin) throw std::invalid_argument("bad range");
+    if (const auto* rows = o.if_contains("rows")) {
+      e.rows = integer(*rows, "rows");
+      e.stride = integer(o.at("stride"), "stride");
+      if (e.rows < 1) throw std::invalid_argument("rows " + std::to_string(e.rows) + " is not 1 or more");
+      if (e.rows == 1) e.stride = 0;
+      int64_t span = 0;
+      if (e.rows > 1 && (e.stride < e.end - e.begin || __builtin_mul_overflow(e.rows - 1, e.stride, &span) ||
+                         __builtin_add_overflow(span, e.end, &span) || e.end == e.begin))
+        throw std::invalid_argument("rows " + std::to_string(e.rows) + " of stride " + std::to_string(e.stride) +
+                                    " from [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                                    ") overlap, are empty or run past 2^63");
+    }
     if (e.step < 0) throw std::invalid_argument("negative optimizer step " + std::to_string(e.step));
     if (!known_kind(e.kind)) throw std::invalid_argument("unknown kind '" + e.kind + "'");
     if (e.file.find('/') != std::string::npos || e.file.find("..") != std::string::npos)
@@ -68,8 +80,17 @@ bool known_strategy(const std::string& name) {
 std::string tensor_key(const Entry& e) { return e.name + "|" + e.kind + "|" + std::to_string(e.begin); }
 
 json::object entry_json(const Entry& e) {
-  return {{"name", e.name}, {"kind", e.kind}, {"begin", e.begin},  {"end", e.end},
-          {"step", e.step}, {"file", e.file}, {"tensor", e.tensor}};
+  json::object o{{"name", e.name}, {"kind", e.kind}, {"begin", e.begin},  {"end", e.end},
+                 {"step", e.step}, {"file", e.file}, {"tensor", e.tensor}};
+  if (e.rows > 1) {
+    o["rows"] = e.rows;
+    o["stride"] = e.stride;
+  }
+  return o;
+}
+
+int64_t format_version_of(const std::vector<Entry>& entries) {
+  return std::any_of(entries.begin(), entries.end(), [](const Entry& e) { return e.rows > 1; }) ? 2 : 1;
 }
 
 Index parse_index(const std::string& text, const std::string& path) {
@@ -111,6 +132,9 @@ Index parse_index(const std::string& text, const std::string& path) {
         throw std::invalid_argument("file '" + name + "' is listed twice");
     }
     for (const auto& e : o.at("entries").as_array()) idx.entries.push_back(entry_from(e, path));
+    if (idx.version < format_version_of(idx.entries))
+      throw std::invalid_argument("an entry holds several rows, which format_version " + std::to_string(idx.version) +
+                                  " does not have");
     if (const auto* u = o.if_contains("user_state")) {  // absent in checkpoints saved without it
       for (const auto& [k, v] : u->as_object()) {
         if (!v.is_string())
@@ -144,8 +168,8 @@ Index parse_index(const std::string& text, const std::string& path) {
   for (auto& [key, r] : idx.ranges) {
     std::stable_sort(r.order.begin(), r.order.end(),
                      [&](size_t a, size_t b) { return idx.entries[a].begin < idx.entries[b].begin; });
-    int64_t reach = std::numeric_limits<int64_t>::min();
-    for (size_t i : r.order) r.max_end.push_back(reach = std::max(reach, idx.entries[i].end));
+    int64_t furthest = std::numeric_limits<int64_t>::min();
+    for (size_t i : r.order) r.max_end.push_back(furthest = std::max(furthest, reach(idx.entries[i])));
   }
   idx.fingerprint = "step " + std::to_string(idx.step) + ", index " + checksum::of(text.data(), text.size());
   return idx;

@@ -14,16 +14,29 @@
 
 namespace shardtorch::checkpoint::index_format {
 
-constexpr int64_t kFormatVersion = 1;
+/// The newest format this reads. An index is written as 1 unless an entry
+/// holds several runs (2): a reader of format 1 would misread those.
+constexpr int64_t kFormatVersion = 2;
 
 /// One saved range: elements [begin, end) of a parameter's (or buffer's, or
-/// optimizer state's) flattened values, stored as `tensor` in `file`.
+/// optimizer state's) flattened values, stored as `tensor` in `file`. With
+/// rows > 1 (format 2) the entry holds `rows` such runs, run i being
+/// elements [begin + i * stride, end + i * stride), stride >= end - begin,
+/// one after the other in its tensor: a row-wise split slice's rows.
 struct Entry {
   std::string name, kind;  // parameter or buffer name; param, buffer, exp_avg, exp_avg_sq, ...
   int64_t begin = 0, end = 0;
   int64_t step = 0;  // optimizer state: the optimizer's step count for this range
   std::string file, tensor;
+  int64_t rows = 1, stride = 0;
 };
+
+/// One past the entry's last element.
+inline int64_t reach(const Entry& e) { return e.end + (e.rows - 1) * e.stride; }
+/// The elements the entry's tensor holds.
+inline int64_t saved_numel(const Entry& e) { return e.rows * (e.end - e.begin); }
+/// The format an index of `entries` is written in: 2 when an entry holds several runs.
+int64_t format_version_of(const std::vector<Entry>& entries);
 
 std::string tensor_key(const Entry& e);
 
@@ -38,7 +51,7 @@ struct Index {
   std::optional<std::map<std::string, std::vector<int64_t>>> shapes;
   std::string fingerprint;  // the step and the index's checksum: ranks compare it
   /// The entries of each (name, kind): their positions in `entries` ordered
-  /// by begin, and at each position the largest end up to it (so that the
+  /// by begin, and at each position the largest reach() up to it (so that the
   /// entries overlapping a range are found without a pass over all of them).
   struct Ranges {
     std::vector<size_t> order;

@@ -140,6 +140,11 @@ class SplitParams {
     if (it == by_name_.end()) return {checkpoint::Run{begin, begin, length}};
     return checkpoint::runs_of(it->second, begin, length);
   }
+  /// The same runs as the checkpoint saves them: runs of one length at one
+  /// distance (a row-wise split slice's rows) as one entry.
+  std::vector<checkpoint::Rows> saved(const std::string& name, int64_t begin, int64_t length) const {
+    return checkpoint::rows_of(runs(name, begin, length));
+  }
 
  private:
   std::map<std::string, detail::Placement> by_name_;
@@ -162,11 +167,13 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
   Holding h;
   const SplitParams split(part ? &root : nullptr);
   const std::string file = whole ? whole_file : "rank-" + std::to_string(rank) + ".safetensors";
-  auto add = [&](const std::string& name, const std::string& kind, int64_t begin, const at::Tensor& t, int64_t step) {
-    Entry e{name, kind, begin, begin + t.numel(), step, file, ""};
+  auto add = [&](const std::string& name, const std::string& kind, const checkpoint::Rows& at, const at::Tensor& t,
+                 int64_t step) {
+    Entry e{name, kind, at.whole, at.whole + at.length, step, file, "", at.rows, at.stride};
     e.tensor = tensor_key(e);
     h.items.emplace_back(e, t.detach().reshape({-1}));
   };
+  auto whole_tensor = [](const at::Tensor& t) { return checkpoint::Rows{0, 0, t.numel()}; };
   // The parameter ranges this rank holds, and which of the ranks holding the
   // same ones it is: its rank (NoShard), its replica group (HybridShard).
   struct Range {
@@ -208,8 +215,8 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
     if (owner[k] != me) continue;
     const Range& r = ranges[k];
     const at::Tensor flat = r.values.detach().reshape({-1});
-    for (const auto& run : split.runs(r.name, r.begin, flat.numel()))
-      add(r.name, "param", run.whole, flat.narrow(0, run.local - r.begin, run.length), 0);
+    for (const auto& run : split.saved(r.name, r.begin, flat.numel()))
+      add(r.name, "param", run, flat.narrow(0, run.local - r.begin, run.length * run.rows), 0);
     written.insert({ranges[k].name, ranges[k].begin});
   }
   if (opt) {
@@ -221,15 +228,15 @@ Holding collect(torch::nn::Module& root, detail::ShardState& state, ShardedOptim
       int64_t step = detail::optimizer_state_step(it->second.get());
       for (auto& [kind, t] : detail::optimizer_state_tensors(it->second.get())) {
         const at::Tensor flat = t.detach().reshape({-1});
-        for (const auto& run : split.runs(piece.name, piece.param_offset, piece.length))
-          add(piece.name, kind, run.whole, flat.narrow(0, run.local - piece.param_offset, run.length), step);
+        for (const auto& run : split.saved(piece.name, piece.param_offset, piece.length))
+          add(piece.name, kind, run, flat.narrow(0, run.local - piece.param_offset, run.length * run.rows), step);
       }
     }
   }
   if (whole || state.world().rank() == 0)  // the buffers, once per model (per part, at tp rank 0)
     for (const auto& item : root.named_buffers())
       if (item.value().defined() && !(part && part->left_to_tp_rank_0(item.key())))
-        add(item.key(), "buffer", 0, item.value(), 0);
+        add(item.key(), "buffer", whole_tensor(item.value()), item.value(), 0);
   return h;
 }
 
@@ -252,6 +259,12 @@ std::string quoted(std::string_view s) {
 
 using detail::shape_text;
 
+// " in R rows of stride S" for an entry of several runs, else "".
+std::string rows_text(const Entry& e) {
+  if (e.rows == 1) return "";
+  return " in " + std::to_string(e.rows) + " rows of stride " + std::to_string(e.stride);
+}
+
 // Every saved range lies within its tensor's recorded shape (and the
 // tensor has one): a range past the end would otherwise go unread.
 void check_entries_within_shapes(const Index& idx, const std::string& dir) {
@@ -261,10 +274,10 @@ void check_entries_within_shapes(const Index& idx, const std::string& dir) {
     if (it == idx.shapes->end())
       throw SafetensorsError("checkpoint '" + dir + "': '" + e.name + "' has no shape in the index");
     const int64_t numel = c10::multiply_integers(it->second);
-    if (e.begin < 0 || e.end > numel || e.begin > e.end)
+    if (e.begin < 0 || reach(e) > numel || e.begin > e.end)
       throw SafetensorsError("checkpoint '" + dir + "': '" + e.name + "' (" + e.kind + ") is saved as elements [" +
-                             std::to_string(e.begin) + ", " + std::to_string(e.end) + ") but has shape " +
-                             shape_text(it->second) + " (" + std::to_string(numel) + " elements)");
+                             std::to_string(e.begin) + ", " + std::to_string(e.end) + ")" + rows_text(e) +
+                             " but has shape " + shape_text(it->second) + " (" + std::to_string(numel) + " elements)");
   }
 }
 
@@ -383,10 +396,10 @@ const checkpoint::TensorRecord& saved_record(Files& files, const Entry& e, const
                            "', which the index lists");
   int64_t n = 1;
   for (int64_t d : r->shape) n *= d;  // the reader checked that this does not overflow
-  if (n != e.end - e.begin)
+  if (n != saved_numel(e))
     throw SafetensorsError("checkpoint '" + dir + "': '" + e.tensor + "' in '" + e.file + "' has " + std::to_string(n) +
                            " elements but the index says [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
-                           ")");
+                           ")" + rows_text(e));
   return *r;
 }
 
@@ -441,16 +454,29 @@ Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, 
     const auto& e = idx.entries[ranges.order[k]];
     if (numel > 0 && e.begin >= end) break;
     if (numel == 0) fill.step = std::max(fill.step, e.step);  // nothing to copy; the optimizer's step still counts
-    int64_t lo = std::max(begin, e.begin), hi = std::min(end, e.end);
-    if (lo >= hi) continue;
-    const std::string& dtype = saved_record(files, e, dir).dtype;
-    if (!allow_lossy && !checkpoint::is_safe_cast(checkpoint::scalar_type(dtype), into))
-      throw SafetensorsError("checkpoint '" + dir + "': '" + name + "' (" + kind + ") is saved as " + dtype + " in '" +
-                             e.file + "' but the model's is " + checkpoint::dtype_text(into) + ", and a cast from " +
-                             dtype + " to " + checkpoint::dtype_text(into) +
-                             " can change values: refused (LoadOptions().allow_lossy_casts(true) casts anyway)");
-    fill.copies.push_back({&e, lo - e.begin, lo - begin, hi - lo});
-    fill.step = std::max(fill.step, e.step);
+    // The entry's runs that meet [begin, end): run i is [e.begin + i * s,
+    // e.begin + i * s + length).
+    const int64_t length = e.end - e.begin, s = e.rows == 1 ? length : e.stride;
+    if (length == 0 || numel == 0 || reach(e) <= begin) continue;
+    const int64_t past = begin - e.begin - length;  // run i ends after `begin` when i * s > past
+    const int64_t first_run = past < 0 ? 0 : past / s + 1;
+    const int64_t end_run = std::min(e.rows, (end - e.begin + s - 1) / s);  // and starts before `end` below this
+    bool checked = false;
+    for (int64_t i = first_run; i < end_run; ++i) {
+      const int64_t at = e.begin + i * s, lo = std::max(begin, at), hi = std::min(end, at + length);
+      if (lo >= hi) continue;
+      if (!checked) {
+        const std::string& dtype = saved_record(files, e, dir).dtype;
+        if (!allow_lossy && !checkpoint::is_safe_cast(checkpoint::scalar_type(dtype), into))
+          throw SafetensorsError("checkpoint '" + dir + "': '" + name + "' (" + kind + ") is saved as " + dtype +
+                                 " in '" + e.file + "' but the model's is " + checkpoint::dtype_text(into) +
+                                 ", and a cast from " + dtype + " to " + checkpoint::dtype_text(into) +
+                                 " can change values: refused (LoadOptions().allow_lossy_casts(true) casts anyway)");
+        checked = true;
+      }
+      fill.copies.push_back({&e, i * length + lo - at, lo - begin, hi - lo});
+    }
+    if (checked) fill.step = std::max(fill.step, e.step);
   }
   return plan_fill_checked(std::move(fill), numel, name, kind, begin, dir);
 }
@@ -604,7 +630,9 @@ json::array units_json(detail::ShardState& state) {
 // and the units' flat parameters.
 json::object index_json(const std::map<std::string, std::vector<int64_t>>& model, Strategy strategy, int world_size,
                         int64_t step, MergedReports merged, const json::object& user, json::array units) {
-  json::object index{{"format_version", kFormatVersion},
+  const bool rows = std::any_of(merged.entries.begin(), merged.entries.end(),
+                                [](const json::value& e) { return e.as_object().contains("rows"); });
+  json::object index{{"format_version", rows ? 2 : 1},
                      {"format", "shardtorch sharded checkpoint"},
                      {"world_size", world_size},
                      {"strategy", strategy_name(strategy)},
@@ -1135,7 +1163,7 @@ std::map<std::string, at::Tensor> read_sharded_checkpoint(const std::string& dir
     if (idx.shapes) {
       w.shape = idx.shapes->at(e.name);
     } else {
-      w.shape = {std::max(w.shape.empty() ? int64_t{0} : w.shape[0], e.end)};
+      w.shape = {std::max(w.shape.empty() ? int64_t{0} : w.shape[0], reach(e))};
     }
   }
   std::map<std::string, at::Tensor> out;

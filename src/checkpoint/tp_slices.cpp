@@ -24,6 +24,24 @@ std::vector<Run> runs_of(const detail::Placement& p, int64_t begin, int64_t leng
   return out;
 }
 
+std::vector<Rows> rows_of(const std::vector<Run>& runs) {
+  std::vector<Rows> out;
+  for (const Run& r : runs) {
+    if (!out.empty()) {
+      Rows& g = out.back();
+      const bool joins = r.length == g.length && r.local == g.local + g.rows * g.length &&
+                         (g.rows == 1 ? r.whole >= g.whole + g.length : r.whole == g.whole + g.rows * g.stride);
+      if (joins && g.length > 0) {
+        if (g.rows == 1) g.stride = r.whole - g.whole;
+        ++g.rows;
+        continue;
+      }
+    }
+    out.push_back({r.whole, r.local, r.length, 1, 0});
+  }
+  return out;
+}
+
 at::Tensor read_slice(const detail::Placement& p, int64_t begin, int64_t length,
                       const std::function<at::Tensor(int64_t, int64_t)>& read) {
   std::vector<at::Tensor> pieces;

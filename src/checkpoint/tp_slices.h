@@ -36,6 +36,16 @@ struct Run {
 /// as runs of the flattened whole tensor, in order; runs that follow each
 /// other in the whole tensor are one.
 std::vector<Run> runs_of(const detail::Placement& p, int64_t begin, int64_t length);
+/// `rows` runs of `length` elements, the i-th at whole + i * stride of the
+/// whole tensor (stride 0 when rows is 1): elements [local, local + rows *
+/// length) of the slice. A row-wise split weight's slice is one such block
+/// per range rather than a run per row.
+struct Rows {
+  int64_t whole = 0, local = 0, length = 0, rows = 1, stride = 0;
+};
+/// `runs` (in order, each starting in the slice where the one before ends)
+/// as few Rows as hold them: runs of one length at one distance are one.
+std::vector<Rows> rows_of(const std::vector<Run>& runs);
 using detail::put_slice;  // runtime/placement.h
 using detail::take_slice;
 /// Elements [begin, begin + length) of the flattened slice, from a source of

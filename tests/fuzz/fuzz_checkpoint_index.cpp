@@ -23,6 +23,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     for (const auto& e : idx.entries) {
       if (e.begin < 0 || e.end < e.begin || e.step < 0) __builtin_trap();
+      if (e.rows < 1 || (e.rows > 1 && (e.stride < e.end - e.begin || e.end == e.begin || idx.version < 2)))
+        __builtin_trap();
+      if (e.rows > 1 && (e.rows - 1 > (INT64_MAX - e.end) / e.stride)) __builtin_trap();  // reach() fits
       if (e.file.find('/') != std::string::npos || e.file.find("..") != std::string::npos) __builtin_trap();
       if (!idx.files.count(e.file)) __builtin_trap();
       if (e.kind != "param" && e.kind != "buffer" && e.kind != "exp_avg" && e.kind != "exp_avg_sq" &&
