@@ -40,7 +40,16 @@ for f in "${sources[@]}" "$src/tests/fuzz/fuzz_$target.cpp" "$src"/src/checkpoin
   if [ "$f" -nt "$bin" ]; then stale=1; fi
 done
 if [ $stale = 1 ]; then
-  "$cxx" -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -I"$src/include" -I"$src/src" "$src/tests/fuzz/fuzz_$target.cpp" "${sources[@]}" "${libs[@]}" -o "$bin"
+  # One object per source through ccache where there is one: a fresh build
+  # tree then compiles (about 20 s for the largest target) only what changed.
+  flags=(-std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I"$src/include" -I"$src/src")
+  launcher=$(command -v ccache || true)
+  objects=()
+  for f in "$src/tests/fuzz/fuzz_$target.cpp" "${sources[@]}"; do
+    o=$out/$(basename "$f" .cpp).o
+    $launcher "$cxx" "${flags[@]}" -c "$f" -o "$o"
+    objects+=("$o")
+  done
+  "$cxx" "${flags[@]}" "${objects[@]}" "${libs[@]}" -o "$bin"
 fi
 "$bin" -max_total_time="$seconds" -artifact_prefix="$out/artifacts/" -print_final_stats=1 "$out/corpus" 2>&1 | tail -15
