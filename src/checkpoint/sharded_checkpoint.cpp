@@ -460,7 +460,7 @@ Fill plan_fill(int64_t numel, const std::string& name, const std::string& kind, 
     if (length == 0 || numel == 0 || reach(e) <= begin) continue;
     const int64_t past = begin - e.begin - length;  // run i ends after `begin` when i * s > past
     const int64_t first_run = past < 0 ? 0 : past / s + 1;
-    const int64_t end_run = std::min(e.rows, (end - e.begin + s - 1) / s);  // and starts before `end` below this
+    const int64_t end_run = std::min(e.rows, (end - e.begin - 1) / s + 1);  // and starts before `end` below this
     bool checked = false;
     for (int64_t i = first_run; i < end_run; ++i) {
       const int64_t at = e.begin + i * s, lo = std::max(begin, at), hi = std::min(end, at + length);
