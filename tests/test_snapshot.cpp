@@ -9,6 +9,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -19,6 +20,7 @@
 #include <thread>
 
 #include "../src/base/errors.h"
+#include "../src/base/files.h"
 #include "captured_warnings.h"
 #include "checkpoint_helpers.h"
 #include "models.h"
@@ -267,6 +269,40 @@ TEST(Snapshots, AnotherWorldSizesSnapshotsAreRefusedSayingWhy) {
               "no warning names the world size the snapshot was written at");
     require_same(t.values(), before, "after the restore");
     train_two_steps_over_refused(t, snaps, w, dir);
+  });
+  ASSERT_TRUE(r.ok) << r.summary();
+}
+
+// Snapshots written at world 3 restored at world 2: the files of rank 2
+// (its own, the copy it kept of its buddy's, the copy kept of its) and its
+// lock file can never be used and go, each named in a warning; they stayed
+// in shared memory until removed by hand.
+TEST(Snapshots, ASmallerWorldRemovesTheFilesOfTheRanksItLacks) {
+  const TempDir dir("shardtorch-snapshots");
+  auto written = run_ranks(3, [&](World& w) { write_three_steps(w, dir, "job"); });
+  ASSERT_TRUE(written.ok) << written.summary();
+  auto of_rank_2 = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : files::list_directory(dir))
+      if (e.find("-r2-") != std::string::npos || e.find("-by-r2-") != std::string::npos ||
+          e.find("-r2.lock") != std::string::npos)
+        out.push_back(e);
+    return out;
+  };
+  ASSERT_GE(of_rank_2().size(), 3u);  // its own snapshots, those it held, its lock
+  auto r = run_ranks(2, [&](World& w) {
+    Trained t(w, Strategy::FullShard, 13, 1);
+    Snapshots snaps(w.shared_from_this(), *t.model, t.opt.get(), options_in(dir, "job"));
+    CapturedWarnings warnings;
+    require(restore_capturing(snaps, warnings) == -1, "restored a snapshot written at another world size");
+    const auto warned = w.comm().all_gather_strings(
+        warnings.any_with("of rank 2, and this job has ranks 0 to 1; removed") ? "1" : "0", "test: warned");
+    if (w.rank() == 0) {
+      require(std::count(warned.begin(), warned.end(), "1") >= 1, "no rank named a file of rank 2 as removed");
+      std::string left;
+      for (const auto& e : of_rank_2()) left += " " + e;
+      require(left.empty(), "files of rank 2 are still there:" + left);
+    }
   });
   ASSERT_TRUE(r.ok) << r.summary();
 }

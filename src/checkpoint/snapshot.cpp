@@ -405,6 +405,53 @@ struct SnapshotDir {
         files::remove_all_quietly(files::join(options.dir, e));
   }
 
+  // Snapshots of this job that name a rank the world does not have (left by
+  // a run at a larger world size) can never be used: they go, with a
+  // warning from the rank that removed each, and so do those ranks' lock
+  // files that no live process holds.
+  void remove_other_worlds() {
+    const std::string p = prefix(options), lock_p = "." + p;
+    const int64_t n = world.size();
+    auto rank_at = [](const std::string& text, size_t at, size_t* end) -> int64_t {
+      const size_t stop = text.find_first_not_of("0123456789", at);
+      *end = stop == std::string::npos ? text.size() : stop;
+      if (*end == at || *end - at > 9) return -1;
+      return std::stoll(text.substr(at, *end - at));
+    };
+    for (const auto& e : files::list_directory(options.dir)) {
+      size_t end = 0;
+      if (e.rfind(p, 0) == 0) {
+        const int64_t owner = rank_at(e, p.size(), &end);
+        int64_t holder = -1;
+        if (owner < 0) continue;
+        const std::string rest = e.substr(end);
+        if (rest.rfind("-held-by-r", 0) == 0) {
+          size_t hend = 0;
+          holder = rank_at(rest, 10, &hend);
+          if (holder < 0 || rest.compare(hend, 2, "-s") != 0) continue;
+        } else if (rest.rfind("-own-s", 0) != 0) {
+          continue;
+        }
+        if (owner < n && holder < n) continue;
+        const std::string path = files::join(options.dir, e);
+        const std::string taken = files::join(options.dir, "." + e + ".gone-r" + std::to_string(rank()) + ".tmp");
+        if (::rename(path.c_str(), taken.c_str()) != 0) continue;  // another rank of this node took it
+        files::remove_all_quietly(taken);
+        SHARDTORCH_WARN(who_of(world), ": snapshot '", path, "' is not used: of rank ", owner,
+                        holder >= 0 ? " held by rank " + std::to_string(holder) : std::string(),
+                        ", and this job has ranks 0 to ", n - 1, "; removed");
+      } else if (e.rfind(lock_p, 0) == 0) {
+        const int64_t owner = rank_at(e, lock_p.size(), &end);
+        if (owner < n || e.substr(end) != ".lock") continue;
+        const std::string path = files::join(options.dir, e);
+        const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+        if (fd < 0) continue;
+        if (::flock(fd, LOCK_EX | LOCK_NB) == 0) ::unlink(path.c_str());  // held: a live process of that name
+        ::close(fd);
+      }
+    }
+  }
+
   // The bytes of `owner`'s snapshot `name`STEP in `dir` (0: none).
   int64_t bytes_of(const std::string& name, int owner, int64_t s) const {
     const std::string f = files::join(files::join(options.dir, name + std::to_string(s)), file_of(owner));
@@ -1017,6 +1064,7 @@ int64_t Snapshots::Impl::restore(bool survivor) {
   wait_transfer(false);
   detail::WorldAccess::end_setup(*world);
   dir.remove_leftovers();
+  dir.remove_other_worlds();
   json::object report = json::parse(dir.held_steps()).as_object();
   // torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0; the same on
   // every rank): nothing of this job can be in memory yet, so snapshots
@@ -1113,7 +1161,7 @@ std::string Snapshots::Impl::Choice::newest_text(const std::vector<int>& buddy) 
          (missing.empty()
               ? std::string()
               : "; rank(s) " + ranks + " have it neither in their own snapshot nor in their buddy's (rank(s) " +
-                    buddies + ") copy: lost, or not used, as said above)");
+                    buddies + ") copy: lost, or refused as a warning says)");
 }
 
 // Every rank decides alike, from every rank's held_steps: the newest step

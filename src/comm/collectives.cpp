@@ -16,6 +16,7 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <string_view>
 
 #include "comm/collective_check.h"
 
@@ -172,7 +173,8 @@ void Comm::complete(const char* op, const std::string& what, const std::string& 
   counter.bytes_sent += bytes;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   counter.seconds += seconds;
-  SHARDTORCH_DEBUG(op, " for ", what, " (", shapes, "): done, ", bytes, " bytes sent in ", seconds, " s");
+  SHARDTORCH_DEBUG(op, " for ", what, " (", shapes, "): done, ", bytes,
+                   std::string_view(op) == "recv" ? " bytes received in " : " bytes sent in ", seconds, " s");
 }
 
 void Comm::check_flat(const at::Tensor& out, const at::Tensor& in, const char* op, const std::string& what) const {
