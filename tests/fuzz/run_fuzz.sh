@@ -8,7 +8,7 @@
 #           hf_index (model.safetensors.index.json: tests/fuzz/hf_index_corpus)
 #           dcp_metadata (a DCP checkpoint's .metadata pickle: tests/fuzz/dcp_metadata_corpus)
 set -euo pipefail
-src=$1 build=$2 seconds=${3:-20} target=${4:-safetensors_header}
+src=$(cd "$1" && pwd) build=$2 seconds=${3:-20} target=${4:-safetensors_header}
 cxx=$(command -v clang++ || command -v clang++-14 || true)
 if [ -z "$cxx" ]; then
   echo "run_fuzz: clang++ not found; scripts/setup.sh installs clang-14 and libclang-rt-14-dev" >&2
@@ -25,6 +25,7 @@ case $target in
 esac
 out=$build/fuzz/$target
 mkdir -p "$out/corpus" "$out/artifacts"
+out=$(cd "$out" && pwd)
 seeds=("$src/tests/fuzz/$corpus"/*)
 if [ ! -e "${seeds[0]}" ]; then
   echo "run_fuzz: the seed corpus $src/tests/fuzz/$corpus is missing or empty" >&2
@@ -47,7 +48,10 @@ if [ $stale = 1 ]; then
   objects=()
   for f in "$src/tests/fuzz/fuzz_$target.cpp" "${sources[@]}"; do
     o=$out/$(basename "$f" .cpp).o
-    $launcher "$cxx" "${flags[@]}" -c "$f" -o "$o"
+    # As the build's own ccache settings: paths under the source directory
+    # hashed relative to the working directory, so that another clone of the
+    # same sources (every CI run's) hits.
+    (cd "$out" && CCACHE_BASEDIR="$src" CCACHE_NOHASHDIR=1 $launcher "$cxx" "${flags[@]}" -c "$f" -o "$o")
     objects+=("$o")
   done
   "$cxx" "${flags[@]}" "${objects[@]}" "${libs[@]}" -o "$bin"
