@@ -93,6 +93,13 @@ int64_t format_version_of(const std::vector<Entry>& entries) {
   return std::any_of(entries.begin(), entries.end(), [](const Entry& e) { return e.rows > 1; }) ? 2 : 1;
 }
 
+int64_t format_version_of(const json::array& entries) {  // entry_json writes "rows" only when above 1
+  return std::any_of(entries.begin(), entries.end(),
+                     [](const json::value& e) { return e.as_object().contains("rows"); })
+             ? 2
+             : 1;
+}
+
 Index parse_index(const std::string& text, const std::string& path) {
   boost::system::error_code ec;
   json::value v = json::parse(text, ec);

@@ -37,6 +37,8 @@ inline int64_t reach(const Entry& e) { return e.end + (e.rows - 1) * e.stride; }
 inline int64_t saved_numel(const Entry& e) { return e.rows * (e.end - e.begin); }
 /// The format an index of `entries` is written in: 2 when an entry holds several runs.
 int64_t format_version_of(const std::vector<Entry>& entries);
+/// The same, of entries as entry_json() writes them.
+int64_t format_version_of(const boost::json::array& entries);
 
 std::string tensor_key(const Entry& e);
 

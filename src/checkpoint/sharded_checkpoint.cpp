@@ -630,9 +630,7 @@ json::array units_json(detail::ShardState& state) {
 // and the units' flat parameters.
 json::object index_json(const std::map<std::string, std::vector<int64_t>>& model, Strategy strategy, int world_size,
                         int64_t step, MergedReports merged, const json::object& user, json::array units) {
-  const bool rows = std::any_of(merged.entries.begin(), merged.entries.end(),
-                                [](const json::value& e) { return e.as_object().contains("rows"); });
-  json::object index{{"format_version", rows ? 2 : 1},
+  json::object index{{"format_version", format_version_of(merged.entries)},
                      {"format", "shardtorch sharded checkpoint"},
                      {"world_size", world_size},
                      {"strategy", strategy_name(strategy)},
